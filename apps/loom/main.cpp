@@ -1,0 +1,58 @@
+// loom: the command-line entry point.
+//
+//   loom ranks     print the process groups of a parallel configuration (see `loom ranks --help`)
+//
+// Only this file turns a loom::Error into an exit status (2: the input was at fault) and a message on
+// stderr.
+#include "apps/loom/commands.h"
+#include "core/error.h"
+
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+
+namespace {
+
+struct Command {
+    const char * name;
+    int (*run)(int, char **);
+    const char * help;
+};
+
+const Command kCommands[] = {
+    {"ranks", loom::app::cmd_ranks, "print the process groups and rank map of a parallel configuration"},
+};
+
+void print_usage(FILE * out) {
+    std::fprintf(out, "usage: loom <command> [options]\n\ncommands:\n");
+    for (const Command & c : kCommands) {
+        std::fprintf(out, "  %-10s %s\n", c.name, c.help);
+    }
+    std::fprintf(out, "\n`loom <command> --help` describes a command's options.\n");
+}
+
+}  // namespace
+
+int main(int argc, char ** argv) {
+    if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
+        print_usage(argc < 2 ? stderr : stdout);
+        return argc < 2 ? loom::app::kExitBadInput : 0;
+    }
+    for (const Command & c : kCommands) {
+        if (std::strcmp(argv[1], c.name) == 0) {
+            try {
+                return c.run(argc - 1, argv + 1);
+            } catch (const loom::Error & e) {
+                std::fprintf(stderr, "loom %s: %s\n", c.name, e.what());
+                return loom::app::kExitBadInput;
+            } catch (const std::exception & e) {
+                std::fprintf(stderr, "loom %s: %s\n", c.name, e.what());
+                return 1;
+            }
+        }
+    }
+    std::fprintf(stderr, "loom: unknown command '%s'\n\n", argv[1]);
+    print_usage(stderr);
+    return loom::app::kExitBadInput;
+}

@@ -1,0 +1,146 @@
+#include "backend/cpu/cpu_stream.h"
+
+#include "core/error.h"
+
+namespace loom::cpu {
+
+void EventState::complete(uint64_t generation) {
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (generation > completed) {
+            completed = generation;
+        }
+    }
+    completed_cv.notify_all();
+}
+
+void EventState::wait_for(uint64_t generation) {
+    std::unique_lock<std::mutex> lock(mutex);
+    completed_cv.wait(lock, [&] { return completed >= generation; });
+}
+
+bool CpuEvent::query() {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    return state_->completed >= state_->recorded;
+}
+
+void CpuEvent::synchronize() {
+    uint64_t generation;
+    {
+        std::lock_guard<std::mutex> lock(state_->mutex);
+        generation = state_->recorded;
+    }
+    state_->wait_for(generation);
+}
+
+CpuEvent & as_cpu_event(Event & event) {
+    auto * cpu_event = dynamic_cast<CpuEvent *>(&event);
+    LOOM_CHECK(cpu_event != nullptr, "a CPU stream was given an event of another backend",
+               "create events with the same device as the stream (device.event_create())");
+    return *cpu_event;
+}
+
+CpuStream::CpuStream(Device & device, std::string name, bool synchronous)
+    : device_(device), name_(std::move(name)), synchronous_(synchronous) {
+    if (!synchronous_) {
+        worker_ = std::thread([this] { loop(); });
+    }
+}
+
+CpuStream::~CpuStream() {
+    if (worker_.joinable()) {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            stop_ = true;
+        }
+        work_cv_.notify_all();
+        worker_.join();
+    }
+}
+
+void CpuStream::run(std::function<void()> & work) {
+    try {
+        work();
+    } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!error_) {
+            error_ = std::current_exception();
+        }
+    }
+}
+
+void CpuStream::loop() {
+    for (;;) {
+        std::function<void()> work;
+        {
+            std::unique_lock<std::mutex> lock(mutex_);
+            work_cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+            if (queue_.empty()) {
+                return;   // stop_ and drained
+            }
+            work = std::move(queue_.front());
+            queue_.pop_front();
+        }
+        run(work);
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            ++finished_;
+        }
+        idle_cv_.notify_all();
+    }
+}
+
+void CpuStream::submit(std::function<void()> work) {
+    if (synchronous_) {
+        run(work);
+        return;
+    }
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        queue_.push_back(std::move(work));
+        ++submitted_;
+    }
+    work_cv_.notify_one();
+}
+
+void CpuStream::record(Event & event) {
+    std::shared_ptr<EventState> state = as_cpu_event(event).state();
+    uint64_t                    generation;
+    {
+        std::lock_guard<std::mutex> lock(state->mutex);
+        generation = ++state->recorded;
+    }
+    submit([state, generation] { state->complete(generation); });
+}
+
+void CpuStream::wait(Event & event) {
+    std::shared_ptr<EventState> state = as_cpu_event(event).state();
+    uint64_t                    generation;
+    {
+        std::lock_guard<std::mutex> lock(state->mutex);
+        generation = state->recorded;
+    }
+    if (generation == 0) {
+        return;   // never recorded: complete
+    }
+    submit([state, generation] { state->wait_for(generation); });
+}
+
+void CpuStream::synchronize() {
+    std::exception_ptr error;
+    {
+        std::unique_lock<std::mutex> lock(mutex_);
+        idle_cv_.wait(lock, [this] { return finished_ == submitted_; });
+        std::swap(error, error_);
+    }
+    if (error) {
+        std::rethrow_exception(error);
+    }
+}
+
+bool CpuStream::query() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return finished_ == submitted_;
+}
+
+}  // namespace loom::cpu

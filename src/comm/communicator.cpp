@@ -1,0 +1,135 @@
+#include "comm/communicator.h"
+
+#include "core/error.h"
+
+#include <numeric>
+
+namespace loom::comm {
+
+const char * reduce_op_name(ReduceOp op) {
+    switch (op) {
+        case ReduceOp::sum: return "sum";
+        case ReduceOp::avg: return "avg";
+        case ReduceOp::max: return "max";
+        case ReduceOp::min: return "min";
+    }
+    return "unknown";
+}
+
+const char * op_kind_name(OpKind kind) {
+    switch (kind) {
+        case OpKind::all_reduce:     return "all_reduce";
+        case OpKind::reduce_scatter: return "reduce_scatter";
+        case OpKind::all_gather:     return "all_gather";
+        case OpKind::broadcast:      return "broadcast";
+        case OpKind::all_to_all:     return "all_to_all";
+        case OpKind::send:           return "send";
+        case OpKind::recv:           return "recv";
+        case OpKind::barrier:        return "barrier";
+    }
+    return "unknown";
+}
+
+namespace {
+
+void check_defined(const Tensor & t, const Communicator & c, const char * op, const char * what) {
+    LOOM_CHECK(t.defined(), c.name() << "." << op << ": the " << what << " tensor is undefined", "");
+}
+
+void check_reducible(const Tensor & t, ReduceOp op, const Communicator & c, const char * kind) {
+    DType d = t.dtype();
+    LOOM_CHECK(d == DType::f32 || d == DType::bf16 || d == DType::f16 || d == DType::i32 || d == DType::i64,
+               c.name() << "." << kind << " of a " << dtype_name(d) << " tensor",
+               "reductions support float32, bfloat16, float16, int32 and int64");
+    LOOM_CHECK(op != ReduceOp::avg || dtype_is_floating(d),
+               c.name() << "." << kind << " with op avg on a " << dtype_name(d) << " tensor",
+               "average floating tensors only; reduce integers with sum and divide where needed");
+}
+
+void check_peer(int peer, const Communicator & c, const char * op) {
+    LOOM_CHECK(peer >= 0 && peer < c.size(),
+               c.name() << "." << op << ": peer " << peer << " is not a rank of a group of " << c.size(), "");
+}
+
+}  // namespace
+
+WorkPtr Communicator::all_reduce(const Tensor & t, ReduceOp op, Stream * stream) {
+    check_defined(t, *this, "all_reduce", "input/output");
+    check_reducible(t, op, *this, "all_reduce");
+    return do_all_reduce(t, op, stream);
+}
+
+WorkPtr Communicator::reduce_scatter(const Tensor & in, const Tensor & out, ReduceOp op, Stream * stream) {
+    check_defined(in, *this, "reduce_scatter", "input");
+    check_defined(out, *this, "reduce_scatter", "output");
+    check_reducible(in, op, *this, "reduce_scatter");
+    LOOM_CHECK(in.dtype() == out.dtype(),
+               name() << ".reduce_scatter: input is " << dtype_name(in.dtype()) << ", output "
+                      << dtype_name(out.dtype()),
+               "input and output must have the same dtype");
+    LOOM_CHECK(in.numel() == out.numel() * size(),
+               name() << ".reduce_scatter: input has " << in.numel() << " elements, output " << out.numel()
+                      << ", group size " << size(),
+               "the input must hold exactly group size x output elements (equal blocks)");
+    return do_reduce_scatter(in, out, op, stream);
+}
+
+WorkPtr Communicator::all_gather(const Tensor & in, const Tensor & out, Stream * stream) {
+    check_defined(in, *this, "all_gather", "input");
+    check_defined(out, *this, "all_gather", "output");
+    LOOM_CHECK(in.dtype() == out.dtype(),
+               name() << ".all_gather: input is " << dtype_name(in.dtype()) << ", output "
+                      << dtype_name(out.dtype()),
+               "input and output must have the same dtype");
+    LOOM_CHECK(out.numel() == in.numel() * size(),
+               name() << ".all_gather: input has " << in.numel() << " elements, output " << out.numel()
+                      << ", group size " << size(),
+               "the output must hold exactly group size x input elements");
+    return do_all_gather(in, out, stream);
+}
+
+WorkPtr Communicator::broadcast(const Tensor & t, int root, Stream * stream) {
+    check_defined(t, *this, "broadcast", "input/output");
+    check_peer(root, *this, "broadcast");
+    return do_broadcast(t, root, stream);
+}
+
+WorkPtr Communicator::all_to_all(const Tensor & in, std::span<const int64_t> send_counts, const Tensor & out,
+                                 std::span<const int64_t> recv_counts, Stream * stream) {
+    check_defined(in, *this, "all_to_all", "input");
+    check_defined(out, *this, "all_to_all", "output");
+    LOOM_CHECK(in.dtype() == out.dtype(), name() << ".all_to_all: input and output dtypes differ", "");
+    LOOM_CHECK(static_cast<int>(send_counts.size()) == size() && static_cast<int>(recv_counts.size()) == size(),
+               name() << ".all_to_all: " << send_counts.size() << " send counts and " << recv_counts.size()
+                      << " receive counts for a group of " << size(),
+               "give one count per rank of the group");
+    int64_t sent     = std::accumulate(send_counts.begin(), send_counts.end(), int64_t{0});
+    int64_t received = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
+    for (int p = 0; p < size(); ++p) {
+        LOOM_CHECK(send_counts[p] >= 0 && recv_counts[p] >= 0,
+                   name() << ".all_to_all: negative count for peer " << p, "");
+    }
+    LOOM_CHECK(sent <= in.numel() && received <= out.numel(),
+               name() << ".all_to_all: counts sum to " << sent << " sent / " << received
+                      << " received, tensors hold " << in.numel() << " / " << out.numel(),
+               "the input must hold every block sent and the output every block received");
+    return do_all_to_all(in, send_counts, out, recv_counts, stream);
+}
+
+WorkPtr Communicator::send(const Tensor & t, int peer, int tag, Stream * stream) {
+    check_defined(t, *this, "send", "input");
+    check_peer(peer, *this, "send");
+    LOOM_CHECK(tag >= 0, name() << ".send: negative tag " << tag, "");
+    return do_send(t, peer, tag, stream);
+}
+
+WorkPtr Communicator::recv(const Tensor & t, int peer, int tag, Stream * stream) {
+    check_defined(t, *this, "recv", "output");
+    check_peer(peer, *this, "recv");
+    LOOM_CHECK(tag >= 0, name() << ".recv: negative tag " << tag, "");
+    return do_recv(t, peer, tag, stream);
+}
+
+WorkPtr Communicator::barrier(Stream * stream) { return do_barrier(stream); }
+
+}  // namespace loom::comm

@@ -1,0 +1,99 @@
+// Communicator: the collectives and point-to-point operations of one process group.
+//
+//   all_reduce(t, op)                  t = op over ranks of t                        (in place)
+//   reduce_scatter(in, out, op)        out = block `rank` of (op over ranks of in);  in.numel = size * out.numel
+//   all_gather(in, out)                out = concat over ranks of in;                out.numel = size * in.numel
+//   broadcast(t, root)                 t = t of `root`
+//   all_to_all(in, send_counts, out, recv_counts)
+//                                      block p of in (send_counts[p] elements, blocks back to back) goes
+//                                      to rank p; block p of out comes from rank p
+//   send(t, peer, tag) / recv(t, peer, tag)
+//   barrier()
+//
+// ReduceOp: sum, avg (sum / size, floating dtypes only), max, min. Reductions of bf16 and f16 accumulate
+// in f32 and round once, so the result equals the f32 reduction of the same values rounded to 16 bits.
+//
+// Asynchrony and ordering. Every operation returns a Work at once and completes later; wait() blocks
+// the host until it has, test() asks. Passing a stream orders the operation inside it: it starts only
+// after the work already submitted to that stream, and work submitted to the stream afterwards starts
+// only after it completes (as a NCCL call on a CUDA stream). Without a stream, the data must be ready
+// when the call is made. Operations on one communicator start in the order they were issued, on every
+// rank, so all ranks must issue them in the same order (as MPI and NCCL require).
+//
+// Arguments are checked here, before any backend sees them: a wrong size or dtype is a loom::Error on
+// the calling rank, never a hang inside a collective.
+#pragma once
+
+#include "core/device.h"
+#include "core/tensor.h"
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace loom::comm {
+
+enum class ReduceOp { sum, avg, max, min };
+const char * reduce_op_name(ReduceOp op);
+
+enum class OpKind { all_reduce, reduce_scatter, all_gather, broadcast, all_to_all, send, recv, barrier };
+inline constexpr int kNumOpKinds = 8;
+const char * op_kind_name(OpKind kind);
+
+class Work {
+public:
+    virtual ~Work() = default;
+    // Blocks until the operation has completed; rethrows its error, if any.
+    virtual void wait() = 0;
+    // True when the operation has completed (successfully or not).
+    virtual bool test() = 0;
+};
+using WorkPtr = std::shared_ptr<Work>;
+
+class Communicator {
+public:
+    virtual ~Communicator() = default;
+
+    virtual int                      rank() const = 0;
+    virtual int                      size() const = 0;
+    // The members' global (world) ranks, in in-group rank order.
+    virtual const std::vector<int> & global_ranks() const = 0;
+    virtual const std::string &      name() const = 0;
+
+    WorkPtr all_reduce(const Tensor & t, ReduceOp op, Stream * stream = nullptr);
+    WorkPtr reduce_scatter(const Tensor & in, const Tensor & out, ReduceOp op, Stream * stream = nullptr);
+    WorkPtr all_gather(const Tensor & in, const Tensor & out, Stream * stream = nullptr);
+    WorkPtr broadcast(const Tensor & t, int root, Stream * stream = nullptr);
+    WorkPtr all_to_all(const Tensor & in, std::span<const int64_t> send_counts, const Tensor & out,
+                       std::span<const int64_t> recv_counts, Stream * stream = nullptr);
+    WorkPtr send(const Tensor & t, int peer, int tag, Stream * stream = nullptr);
+    WorkPtr recv(const Tensor & t, int peer, int tag, Stream * stream = nullptr);
+    WorkPtr barrier(Stream * stream = nullptr);
+
+protected:
+    virtual WorkPtr do_all_reduce(const Tensor & t, ReduceOp op, Stream * stream) = 0;
+    virtual WorkPtr do_reduce_scatter(const Tensor & in, const Tensor & out, ReduceOp op, Stream * stream) = 0;
+    virtual WorkPtr do_all_gather(const Tensor & in, const Tensor & out, Stream * stream) = 0;
+    virtual WorkPtr do_broadcast(const Tensor & t, int root, Stream * stream) = 0;
+    virtual WorkPtr do_all_to_all(const Tensor & in, std::span<const int64_t> send_counts, const Tensor & out,
+                                  std::span<const int64_t> recv_counts, Stream * stream) = 0;
+    virtual WorkPtr do_send(const Tensor & t, int peer, int tag, Stream * stream) = 0;
+    virtual WorkPtr do_recv(const Tensor & t, int peer, int tag, Stream * stream) = 0;
+    virtual WorkPtr do_barrier(Stream * stream) = 0;
+};
+
+// Creates communicators: the world, and sub-groups from a partition of the world's ranks.
+class CommunicatorFactory {
+public:
+    virtual ~CommunicatorFactory() = default;
+    virtual std::shared_ptr<Communicator> world() = 0;
+    // Every world rank must call this with the same `groups` (disjoint lists of world ranks, each list
+    // in in-group rank order). Returns the communicator of the group holding this rank, or null if no
+    // group holds it.
+    virtual std::shared_ptr<Communicator> split(const std::vector<std::vector<int>> & groups,
+                                                const std::string & name) = 0;
+};
+
+}  // namespace loom::comm

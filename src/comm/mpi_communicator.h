@@ -1,0 +1,54 @@
+// The MPI backend of Communicator, for tensors in host memory (the CPU backend).
+//
+// Threading. One engine thread per process makes every MPI call: it initialises MPI, creates and frees
+// communicators, posts nonblocking operations (MPI_Iallreduce, MPI_Isend, ...) and drives them to
+// completion with MPI_Testall, then finalises. Callers on any thread (the host, CPU stream workers)
+// only hand it operations, so MPI is used from a single thread whatever the caller does, and no caller
+// ever blocks inside MPI.
+//
+//   caller ──issue(op, seq)──> [stream: after earlier work] ──deliver──> engine: post in seq order
+//                                                                        ──test──> finish, Work done
+//
+// Ordering. Each operation takes a sequence number of its communicator when it is issued; the engine
+// posts a communicator's operations strictly in that order, even when one issued on a busy stream
+// arrives after a later one issued without a stream. Operations on different communicators progress
+// independently.
+//
+// 16-bit reductions are staged through an f32 buffer from the "comm" pool of the tensor's allocator:
+// convert up, reduce in f32, convert down once.
+#pragma once
+
+#include "comm/communicator.h"
+
+#include <memory>
+
+namespace loom::comm {
+
+class MpiEngine;
+
+class MpiContext : public CommunicatorFactory {
+public:
+    // Initialises MPI (once per process; a second context in the same process is an error).
+    MpiContext();
+    ~MpiContext() override;
+    MpiContext(const MpiContext &) = delete;
+    MpiContext & operator=(const MpiContext &) = delete;
+
+    int world_rank() const { return world_rank_; }
+    int world_size() const { return world_size_; }
+
+    std::shared_ptr<Communicator> world() override { return world_; }
+    std::shared_ptr<Communicator> split(const std::vector<std::vector<int>> & groups,
+                                        const std::string & name) override;
+
+    // Terminates every rank of the job (after an error on this one, so the others do not hang).
+    [[noreturn]] void abort(int exit_code);
+
+private:
+    std::shared_ptr<MpiEngine>    engine_;
+    std::shared_ptr<Communicator> world_;
+    int                           world_rank_ = 0;
+    int                           world_size_ = 1;
+};
+
+}  // namespace loom::comm

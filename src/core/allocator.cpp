@@ -1,0 +1,179 @@
+#include "core/allocator.h"
+
+#include "core/error.h"
+
+#include <algorithm>
+#include <bit>
+
+namespace loom {
+
+const char * memory_kind_name(MemoryKind kind) {
+    return kind == MemoryKind::device ? "device" : "pinned_host";
+}
+
+Allocator::Allocator(std::unique_ptr<RawMemory> raw, MemoryKind kind, std::string name)
+    : raw_(std::move(raw)), kind_(kind), name_(std::move(name)) {}
+
+Allocator::~Allocator() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (Pool & pool : pools_) {
+        release_cache_locked(pool);
+    }
+}
+
+size_t Allocator::class_size(size_t bytes) {
+    constexpr size_t kMin   = 512;
+    constexpr size_t kLarge = size_t{64} << 20;
+    constexpr size_t kPage  = size_t{2} << 20;
+    if (bytes <= kMin) {
+        return kMin;
+    }
+    if (bytes > kLarge) {
+        return (bytes + kPage - 1) / kPage * kPage;
+    }
+    // Four classes per power of two: step = 2^(floor(log2(n-1)) - 2).
+    size_t octave = std::bit_floor(bytes - 1);
+    size_t step   = octave / 4;
+    return (bytes + step - 1) / step * step;
+}
+
+int Allocator::pool_index_locked(const std::string & name) {
+    for (size_t i = 0; i < pools_.size(); ++i) {
+        if (pools_[i].name == name) {
+            return static_cast<int>(i);
+        }
+    }
+    pools_.push_back(Pool{name, {}, {}});
+    return static_cast<int>(pools_.size() - 1);
+}
+
+void Allocator::note_peaks_locked(Pool & pool) {
+    pool.stats.peak_allocated = std::max(pool.stats.peak_allocated, pool.stats.allocated);
+    pool.stats.peak_reserved  = std::max(pool.stats.peak_reserved, pool.stats.reserved);
+    total_.peak_allocated     = std::max(total_.peak_allocated, total_.allocated);
+    total_.peak_reserved      = std::max(total_.peak_reserved, total_.reserved);
+}
+
+Block Allocator::allocate(size_t bytes, const std::string & pool_name) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    int    index = pool_index_locked(pool_name);
+    Pool & pool  = pools_[index];
+
+    Block block;
+    block.size = bytes;
+    block.pool = index;
+    if (bytes > 0) {
+        block.capacity = class_size(bytes);
+        auto cached = pool.cache.find(block.capacity);
+        if (cached != pool.cache.end() && !cached->second.empty()) {
+            block.ptr = cached->second.back();
+            cached->second.pop_back();
+        } else {
+            block.ptr = raw_->raw_alloc(block.capacity);
+            if (block.ptr == nullptr) {
+                // Give cached blocks back and retry once before failing.
+                for (Pool & p : pools_) {
+                    release_cache_locked(p);
+                }
+                block.ptr = raw_->raw_alloc(block.capacity);
+            }
+            LOOM_CHECK(block.ptr != nullptr,
+                       "out of " << memory_kind_name(kind_) << " memory in allocator '" << name_
+                                 << "': could not allocate " << bytes << " bytes (pool '" << pool_name
+                                 << "', " << total_.allocated << " bytes in use, " << total_.reserved
+                                 << " reserved)",
+                       "reduce --micro-batch-size or the model size, or shard more (tensor, pipeline or "
+                       "distributed-optimizer parallelism)");
+            pool.stats.reserved += static_cast<int64_t>(block.capacity);
+            total_.reserved     += static_cast<int64_t>(block.capacity);
+        }
+    }
+    pool.stats.allocated  += static_cast<int64_t>(bytes);
+    total_.allocated      += static_cast<int64_t>(bytes);
+    pool.stats.num_allocs += 1;
+    total_.num_allocs     += 1;
+    pool.stats.active     += 1;
+    total_.active         += 1;
+    note_peaks_locked(pool);
+    return block;
+}
+
+void Allocator::deallocate(const Block & block) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    LOOM_CHECK(block.pool >= 0 && block.pool < static_cast<int>(pools_.size()),
+               "deallocate of a block that allocator '" << name_ << "' did not hand out", "");
+    Pool & pool = pools_[block.pool];
+    if (block.ptr != nullptr) {
+        pool.cache[block.capacity].push_back(block.ptr);
+    }
+    pool.stats.allocated -= static_cast<int64_t>(block.size);
+    total_.allocated     -= static_cast<int64_t>(block.size);
+    pool.stats.num_frees += 1;
+    total_.num_frees     += 1;
+    pool.stats.active    -= 1;
+    total_.active        -= 1;
+}
+
+void Allocator::release_cache_locked(Pool & pool) {
+    for (auto & [capacity, blocks] : pool.cache) {
+        for (void * ptr : blocks) {
+            raw_->raw_free(ptr, capacity);
+            pool.stats.reserved -= static_cast<int64_t>(capacity);
+            total_.reserved     -= static_cast<int64_t>(capacity);
+        }
+        blocks.clear();
+    }
+    pool.cache.clear();
+}
+
+AllocatorStats Allocator::stats() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return total_;
+}
+
+AllocatorStats Allocator::pool_stats(const std::string & name) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const Pool & pool : pools_) {
+        if (pool.name == name) {
+            return pool.stats;
+        }
+    }
+    return AllocatorStats{};
+}
+
+std::vector<std::string> Allocator::pool_names() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<std::string> names;
+    for (const Pool & pool : pools_) {
+        names.push_back(pool.name);
+    }
+    return names;
+}
+
+void Allocator::reset_peak() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (Pool & pool : pools_) {
+        pool.stats.peak_allocated = pool.stats.allocated;
+        pool.stats.peak_reserved  = pool.stats.reserved;
+    }
+    total_.peak_allocated = total_.allocated;
+    total_.peak_reserved  = total_.reserved;
+}
+
+void Allocator::empty_cache() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (Pool & pool : pools_) {
+        release_cache_locked(pool);
+    }
+}
+
+void Allocator::empty_cache(const std::string & name) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (Pool & pool : pools_) {
+        if (pool.name == name) {
+            release_cache_locked(pool);
+        }
+    }
+}
+
+}  // namespace loom

@@ -1,0 +1,73 @@
+// Device, Stream and Event: the execution interfaces every backend implements.
+//
+// A Stream is an ordered, asynchronous queue of work. Work submitted to a stream runs in submission
+// order, concurrently with the host thread and with other streams. An Event marks a point in a stream:
+//
+//   stream_a.submit(write);  stream_a.record(e);      // e completes when `write` has run
+//   stream_b.wait(e);        stream_b.submit(read);   // `read` cannot start before e completes
+//   e.synchronize();                                  // the host blocks until e completes
+//
+// Event semantics follow CUDA's: wait() and synchronize() refer to the most recent record() issued
+// before them; an event never recorded counts as complete. On the CPU backend each stream is a worker
+// thread, so a missing wait shows up as a wrong result in a CPU test, the same class of bug that breaks
+// overlap on a GPU. Setting LOOM_SYNC_STREAMS=1 makes every stream run its work inline on the
+// submitting thread, for debugging.
+#pragma once
+
+#include "core/allocator.h"
+
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace loom {
+
+enum class DeviceType : uint8_t { cpu, cuda };
+const char * device_type_name(DeviceType type);
+
+// True when LOOM_SYNC_STREAMS is set to something other than "0" or empty.
+bool streams_synchronous_from_env();
+
+class Event {
+public:
+    virtual ~Event() = default;
+    // True when the work before the last record() has completed (or the event was never recorded).
+    virtual bool query() = 0;
+    // Blocks the host until query() would return true.
+    virtual void synchronize() = 0;
+};
+
+class Device;
+
+class Stream {
+public:
+    virtual ~Stream() = default;
+
+    virtual Device & device() = 0;
+    virtual const std::string & name() const = 0;
+
+    // Enqueues host work: a kernel on the CPU backend, a host callback on CUDA.
+    virtual void submit(std::function<void()> work) = 0;
+    virtual void record(Event & event) = 0;
+    virtual void wait(Event & event) = 0;
+    // Blocks the host until everything submitted so far has run. Rethrows the first error raised by
+    // work on this stream since the last synchronize().
+    virtual void synchronize() = 0;
+    // True when everything submitted so far has run.
+    virtual bool query() = 0;
+};
+
+class Device {
+public:
+    virtual ~Device() = default;
+
+    virtual DeviceType type() const = 0;
+    virtual int        index() const = 0;
+    std::string        name() const;   // "cpu:0", "cuda:1"
+
+    virtual Allocator & allocator(MemoryKind kind = MemoryKind::device) = 0;
+    virtual std::unique_ptr<Stream> stream_create(const std::string & name) = 0;
+    virtual std::unique_ptr<Event>  event_create() = 0;
+};
+
+}  // namespace loom

@@ -1,0 +1,188 @@
+#include "core/tensor.h"
+
+#include <cstring>
+#include <sstream>
+
+namespace loom {
+
+int64_t shape_numel(const Shape & shape) {
+    int64_t n = 1;
+    for (int64_t d : shape) {
+        n *= d;
+    }
+    return n;
+}
+
+std::string shape_string(const Shape & shape) {
+    std::ostringstream os;
+    os << "(";
+    for (size_t i = 0; i < shape.size(); ++i) {
+        os << (i ? ", " : "") << shape[i];
+    }
+    os << (shape.size() == 1 ? ",)" : ")");
+    return os.str();
+}
+
+namespace {
+
+void check_shape(const Shape & shape) {
+    for (int64_t d : shape) {
+        LOOM_CHECK(d >= 0, "negative dimension in shape " << shape_string(shape),
+                   "every dimension must be >= 0");
+    }
+}
+
+}  // namespace
+
+Storage::Storage(Device & device, size_t bytes, MemoryKind kind, const std::string & pool)
+    : device_(&device), allocator_(&device.allocator(kind)), nbytes_(bytes), kind_(kind) {
+    block_ = allocator_->allocate(bytes, pool);
+    data_  = block_.ptr;
+}
+
+Storage::Storage(Device & device, void * external, size_t bytes, MemoryKind kind)
+    : device_(&device), data_(external), nbytes_(bytes), kind_(kind) {}
+
+Storage::~Storage() {
+    if (allocator_ != nullptr) {
+        allocator_->deallocate(block_);
+    }
+}
+
+Tensor::Tensor(std::shared_ptr<Storage> storage, int64_t offset, Shape shape, DType dtype)
+    : storage_(std::move(storage)), offset_(offset), shape_(std::move(shape)), dtype_(dtype) {
+    numel_ = shape_numel(shape_);
+}
+
+Tensor Tensor::empty(const Shape & shape, DType dtype, Device & device, const TensorOptions & options) {
+    check_shape(shape);
+    size_t bytes   = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
+    auto   storage = std::make_shared<Storage>(device, bytes, options.memory_kind, options.pool);
+    return Tensor(std::move(storage), 0, shape, dtype);
+}
+
+Tensor Tensor::zeros(const Shape & shape, DType dtype, Device & device, const TensorOptions & options) {
+    Tensor t = empty(shape, dtype, device, options);
+    t.fill_zero();
+    return t;
+}
+
+Tensor Tensor::from_blob(void * data, const Shape & shape, DType dtype, Device & device, MemoryKind kind) {
+    check_shape(shape);
+    size_t bytes   = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
+    auto   storage = std::make_shared<Storage>(device, data, bytes, kind);
+    return Tensor(std::move(storage), 0, shape, dtype);
+}
+
+int64_t Tensor::size(int64_t d) const {
+    int64_t n = dim();
+    LOOM_CHECK(d >= -n && d < n, "dimension " << d << " out of range for shape " << shape_string(shape_), "");
+    return shape_[d < 0 ? d + n : d];
+}
+
+Device & Tensor::device() const {
+    LOOM_CHECK(defined(), "device() of an undefined tensor", "");
+    return storage_->device();
+}
+
+MemoryKind Tensor::memory_kind() const {
+    LOOM_CHECK(defined(), "memory_kind() of an undefined tensor", "");
+    return storage_->memory_kind();
+}
+
+void * Tensor::data_ptr() const {
+    if (!storage_ || storage_->data() == nullptr) {
+        return nullptr;
+    }
+    return static_cast<char *>(storage_->data()) + offset_ * static_cast<int64_t>(dtype_size(dtype_));
+}
+
+Tensor Tensor::view(const Shape & shape) const {
+    LOOM_CHECK(defined(), "view() of an undefined tensor", "");
+    Shape   resolved = shape;
+    int     inferred = -1;
+    int64_t known    = 1;
+    for (size_t i = 0; i < resolved.size(); ++i) {
+        if (resolved[i] == -1) {
+            LOOM_CHECK(inferred < 0, "view " << shape_string(shape) << " has more than one -1",
+                       "at most one dimension can be inferred");
+            inferred = static_cast<int>(i);
+        } else {
+            LOOM_CHECK(resolved[i] >= 0, "negative dimension in view " << shape_string(shape), "");
+            known *= resolved[i];
+        }
+    }
+    if (inferred >= 0) {
+        LOOM_CHECK(known > 0 && numel_ % known == 0,
+                   "cannot view " << shape_string(shape_) << " as " << shape_string(shape), "");
+        resolved[inferred] = numel_ / known;
+    }
+    LOOM_CHECK(shape_numel(resolved) == numel_,
+               "cannot view " << shape_string(shape_) << " (" << numel_ << " elements) as "
+                              << shape_string(shape) << " (" << shape_numel(resolved) << " elements)",
+               "a view keeps the number of elements");
+    return Tensor(storage_, offset_, resolved, dtype_);
+}
+
+Tensor Tensor::flatten() const { return view({numel_}); }
+
+Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
+    int64_t n = dim();
+    LOOM_CHECK(d >= -n && d < n, "narrow: dimension " << d << " out of range for " << shape_string(shape_), "");
+    if (d < 0) {
+        d += n;
+    }
+    LOOM_CHECK(start >= 0 && length >= 0 && start + length <= shape_[d],
+               "narrow(" << d << ", " << start << ", " << length << ") out of range for "
+                         << shape_string(shape_),
+               "");
+    for (int64_t i = 0; i < d; ++i) {
+        LOOM_CHECK(shape_[i] == 1,
+                   "narrow along dimension " << d << " of " << shape_string(shape_)
+                                             << " would not be contiguous",
+                   "narrow along the first dimension whose size is not 1, or view() the tensor first");
+    }
+    int64_t inner = 1;
+    for (int64_t i = d + 1; i < n; ++i) {
+        inner *= shape_[i];
+    }
+    Shape shape = shape_;
+    shape[d]    = length;
+    return Tensor(storage_, offset_ + start * inner, shape, dtype_);
+}
+
+Tensor Tensor::slice(int64_t offset, const Shape & shape) const {
+    check_shape(shape);
+    int64_t count = shape_numel(shape);
+    LOOM_CHECK(offset >= 0 && offset + count <= numel_,
+               "slice of " << count << " elements at offset " << offset << " is outside a tensor of "
+                           << numel_ << " elements",
+               "");
+    return Tensor(storage_, offset_ + offset, shape, dtype_);
+}
+
+std::string Tensor::describe() const {
+    if (!defined()) {
+        return "undefined tensor";
+    }
+    std::ostringstream os;
+    os << dtype_name(dtype_) << shape_string(shape_) << " on " << device().name() << " "
+       << memory_kind_name(memory_kind());
+    return os.str();
+}
+
+void Tensor::copy_from(const Tensor & src) {
+    LOOM_CHECK(src.dtype_ == dtype_ && src.numel_ == numel_,
+               "copy_from " << src.describe() << " into " << describe(), "dtype and numel must match");
+    if (nbytes() > 0) {
+        std::memmove(data_ptr(), src.data_ptr(), nbytes());
+    }
+}
+
+void Tensor::fill_zero() {
+    if (nbytes() > 0) {
+        std::memset(data_ptr(), 0, nbytes());
+    }
+}
+
+}  // namespace loom

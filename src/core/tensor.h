@@ -1,0 +1,122 @@
+// Tensor: a dtype, a shape and a window onto shared storage. No autograd, no strides.
+//
+// A tensor is always contiguous: element (i0, i1, ..., ik) lives at
+//   storage.data + (offset + ((i0 * d1 + i1) * d2 + ... ) ) * dtype_size.
+// Views share storage and never copy: view() reshapes, flatten() is view({numel}), narrow() takes a
+// contiguous range along one dimension, slice() carves a shaped tensor out of a flat range. slice() is
+// what the DDP buffers rely on: one flat buffer per (param dtype, grad dtype), each parameter's data and
+// main_grad being shaped views into it.
+//
+//   Tensor buffer = Tensor::empty({1024}, DType::f32, device);          // (n)
+//   Tensor w      = buffer.slice(64, {16, 32});                         // (h, 4h/...) view at 64
+//   Tensor row    = w.narrow(0, 3, 1);                                  // (1, 32), still contiguous
+//
+// Storage frees its block through the allocator that gave it when the last tensor sharing it dies.
+#pragma once
+
+#include "core/allocator.h"
+#include "core/device.h"
+#include "core/dtype.h"
+#include "core/error.h"
+
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace loom {
+
+using Shape = std::vector<int64_t>;
+
+int64_t     shape_numel(const Shape & shape);
+std::string shape_string(const Shape & shape);   // "(2, 3, 4)"
+
+class Storage {
+public:
+    // Allocates `bytes` from `device`'s allocator of the given memory kind, in `pool`.
+    Storage(Device & device, size_t bytes, MemoryKind kind, const std::string & pool);
+    // Wraps memory owned elsewhere (host memory of the CPU backend); nothing is freed.
+    Storage(Device & device, void * external, size_t bytes, MemoryKind kind);
+    ~Storage();
+    Storage(const Storage &) = delete;
+    Storage & operator=(const Storage &) = delete;
+
+    void *     data() const { return data_; }
+    size_t     nbytes() const { return nbytes_; }
+    Device &   device() const { return *device_; }
+    MemoryKind memory_kind() const { return kind_; }
+
+private:
+    Device *    device_;
+    Allocator * allocator_ = nullptr;   // null for external memory
+    Block       block_;
+    void *      data_;
+    size_t      nbytes_;
+    MemoryKind  kind_;
+};
+
+struct TensorOptions {
+    MemoryKind  memory_kind = MemoryKind::device;
+    std::string pool        = kDefaultPool;
+};
+
+class Tensor {
+public:
+    Tensor() = default;
+
+    static Tensor empty(const Shape & shape, DType dtype, Device & device, const TensorOptions & options = {});
+    static Tensor zeros(const Shape & shape, DType dtype, Device & device, const TensorOptions & options = {});
+    // A tensor over memory the caller owns and keeps alive (host memory, CPU backend).
+    static Tensor from_blob(void * data, const Shape & shape, DType dtype, Device & device,
+                            MemoryKind kind = MemoryKind::device);
+
+    bool          defined() const { return storage_ != nullptr; }
+    DType         dtype() const { return dtype_; }
+    const Shape & shape() const { return shape_; }
+    int64_t       dim() const { return static_cast<int64_t>(shape_.size()); }
+    int64_t       size(int64_t d) const;   // negative d counts from the end
+    int64_t       numel() const { return numel_; }
+    size_t        nbytes() const { return static_cast<size_t>(numel_) * dtype_size(dtype_); }
+    int64_t       offset() const { return offset_; }   // in elements, from the start of storage
+    Device &      device() const;
+    MemoryKind    memory_kind() const;
+    const std::shared_ptr<Storage> & storage() const { return storage_; }
+
+    void * data_ptr() const;
+    template <typename T> T * data() const {
+        LOOM_CHECK(dtype_of<T>::value == dtype_,
+                   "typed access as " << dtype_name(dtype_of<T>::value) << " to a " << dtype_name(dtype_)
+                                      << " tensor",
+                   "use data<T>() with the tensor's element type");
+        return static_cast<T *>(data_ptr());
+    }
+
+    // Same storage, new shape with the same number of elements; one dimension may be -1.
+    Tensor view(const Shape & shape) const;
+    Tensor flatten() const;
+    // Elements [start, start + length) along `dim`; the result must be contiguous, so every dimension
+    // before `dim` must have size 1.
+    Tensor narrow(int64_t dim, int64_t start, int64_t length) const;
+    // The flat elements [offset, offset + numel(shape)) of this tensor, seen with `shape`.
+    Tensor slice(int64_t offset, const Shape & shape) const;
+
+    bool shares_storage(const Tensor & other) const { return storage_ && storage_ == other.storage_; }
+    // "bfloat16(4, 8) on cpu:0 device"
+    std::string describe() const;
+
+    // Copies the elements of src (same dtype and numel) into this tensor, on the host, now.
+    void copy_from(const Tensor & src);
+    void fill_zero();
+
+private:
+    Tensor(std::shared_ptr<Storage> storage, int64_t offset, Shape shape, DType dtype);
+
+    std::shared_ptr<Storage> storage_;
+    int64_t                  offset_ = 0;
+    Shape                    shape_;
+    int64_t                  numel_  = 0;
+    DType                    dtype_  = DType::f32;
+};
+
+}  // namespace loom

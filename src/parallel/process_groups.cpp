@@ -1,0 +1,93 @@
+#include "parallel/process_groups.h"
+
+#include "core/error.h"
+
+namespace loom::parallel {
+
+std::vector<GroupKind> group_kinds(const ParallelConfig & config) {
+    const RankGenerator & d = config.dense();
+    const RankGenerator & e = config.expert();
+    return {
+        {"tp", false, d.get_ranks("tp")},
+        {"cp", false, d.get_ranks("cp")},
+        {"dp", false, d.get_ranks("dp")},
+        {"pp", false, d.get_ranks("pp")},
+        {"dp-cp", false, d.get_ranks("dp-cp")},
+        {"tp-pp", false, d.get_ranks("tp-pp")},
+        {"tp-cp", false, d.get_ranks("tp-cp")},
+        {"tp-dp-cp", false, d.get_ranks("tp-dp-cp")},
+        {"tp-dp", false, d.get_ranks("tp-dp")},
+        {"embedding", false, config.embedding_groups()},
+        {"position-embedding", false, config.position_embedding_groups()},
+        {"ep", true, e.get_ranks("ep")},
+        {"tp", true, e.get_ranks("tp")},
+        {"dp", true, e.get_ranks("dp")},
+        {"tp-ep", true, e.get_ranks("tp-ep")},
+        {"tp-ep-pp", true, e.get_ranks("tp-ep-pp")},
+        {"pp", true, e.get_ranks("pp")},
+    };
+}
+
+namespace {
+
+using Member = ProcessGroups::CommPtr ProcessGroups::*;
+
+// Where each group kind lives in the bundle; the expert pp groups are the dense pp groups.
+Member member_of(const std::string & kind, bool expert) {
+    struct Entry { const char * name; bool expert; Member member; };
+    static const Entry entries[] = {
+        {"tp", false, &ProcessGroups::tp},
+        {"cp", false, &ProcessGroups::cp},
+        {"dp", false, &ProcessGroups::dp},
+        {"pp", false, &ProcessGroups::pp},
+        {"dp-cp", false, &ProcessGroups::dp_cp},
+        {"tp-pp", false, &ProcessGroups::tp_pp},
+        {"tp-cp", false, &ProcessGroups::tp_cp},
+        {"tp-dp-cp", false, &ProcessGroups::tp_dp_cp},
+        {"tp-dp", false, &ProcessGroups::tp_dp},
+        {"embedding", false, &ProcessGroups::embedding},
+        {"position-embedding", false, &ProcessGroups::position_embedding},
+        {"ep", true, &ProcessGroups::expert_ep},
+        {"tp", true, &ProcessGroups::expert_tp},
+        {"dp", true, &ProcessGroups::expert_dp},
+        {"tp-ep", true, &ProcessGroups::expert_tp_ep},
+        {"tp-ep-pp", true, &ProcessGroups::expert_tp_ep_pp},
+        {"pp", true, &ProcessGroups::pp},
+    };
+    for (const Entry & e : entries) {
+        if (e.expert == expert && kind == e.name) {
+            return e.member;
+        }
+    }
+    LOOM_THROW("unknown " << (expert ? "expert " : "") << "group kind '" << kind << "'",
+               "dense kinds: tp cp dp pp dp-cp tp-pp tp-cp tp-dp-cp tp-dp embedding position-embedding; "
+               "expert kinds: ep tp dp tp-ep tp-ep-pp pp");
+}
+
+}  // namespace
+
+ProcessGroups ProcessGroups::create(const ParallelConfig & config, comm::CommunicatorFactory & factory) {
+    CommPtr world = factory.world();
+    LOOM_CHECK(world->size() == config.world_size(),
+               "the parallel configuration is for a world of " << config.world_size() << " ranks, but "
+                   << world->size() << " were launched",
+               "launch " << config.world_size() << " ranks (mpirun -np " << config.world_size()
+                         << "), or change the parallel sizes");
+    ProcessGroups groups;
+    groups.world = world;
+    // Every rank walks the same kinds in the same order: the splits are collective over the world.
+    for (const GroupKind & kind : group_kinds(config)) {
+        if (kind.expert && kind.name == "pp") {
+            continue;   // the dense pp communicator serves (the config checked the groups are equal)
+        }
+        groups.*member_of(kind.name, kind.expert) =
+            factory.split(kind.groups, (kind.expert ? "expert-" : "") + kind.name);
+    }
+    return groups;
+}
+
+ProcessGroups::CommPtr ProcessGroups::by_name(const std::string & kind, bool expert) const {
+    return this->*member_of(kind, expert);
+}
+
+}  // namespace loom::parallel

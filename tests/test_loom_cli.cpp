@@ -1,0 +1,101 @@
+// `loom ranks`: the JSON for seed 001's two examples equals the groups derived in the seed; the text
+// view has both tables and the per-rank map; Megatron spellings work; bad input exits 2 with nothing on
+// stdout.
+#include <nlohmann/json.hpp>
+
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <string>
+#include <sys/wait.h>
+
+namespace {
+
+struct CliRun {
+    int         status;
+    std::string out;
+};
+
+CliRun run_loom(const std::string & args) {
+    std::string command = std::string(LOOM_CLI_PATH) + " " + args + " 2>/dev/null";
+    FILE *      pipe    = popen(command.c_str(), "r");
+    EXPECT_NE(pipe, nullptr);
+    std::string           out;
+    std::array<char, 4096> buffer;
+    size_t n;
+    while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) {
+        out.append(buffer.data(), n);
+    }
+    int status = pclose(pipe);
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+using Groups = std::vector<std::vector<int>>;
+
+}  // namespace
+
+TEST(LoomRanks, Seed001DenseExampleJson) {
+    CliRun r = run_loom("ranks --world-size 16 --tp 4 --pp 2 --json");
+    ASSERT_EQ(r.status, 0);
+    auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["world_size"], 16);
+    EXPECT_EQ(j["dp"], 2);
+    EXPECT_EQ(j["order"], "tp-cp-ep-dp-pp");
+    EXPECT_EQ(j["dense"]["dp"].get<Groups>(), (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}, {8, 12}, {9, 13}, {10, 14}, {11, 15}}));
+    EXPECT_EQ(j["dense"]["tp"].get<Groups>(), (Groups{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}}));
+    EXPECT_EQ(j["dense"]["pp"].get<Groups>(), (Groups{{0, 8}, {1, 9}, {2, 10}, {3, 11}, {4, 12}, {5, 13}, {6, 14}, {7, 15}}));
+    for (const char * key : {"tp", "cp", "dp", "pp", "dp-cp", "tp-pp", "tp-cp", "tp-dp-cp", "tp-dp", "embedding",
+                             "position-embedding"}) {
+        EXPECT_TRUE(j["dense"].contains(key)) << key;
+    }
+    for (const char * key : {"ep", "tp", "dp", "tp-ep", "tp-ep-pp", "pp"}) {
+        EXPECT_TRUE(j["expert"].contains(key)) << key;
+    }
+}
+
+TEST(LoomRanks, Seed001MoeExampleJson) {
+    CliRun r = run_loom("ranks --world-size 16 --tp 4 --pp 2 --etp 1 --ep 4 --json");
+    ASSERT_EQ(r.status, 0);
+    auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["ep"], 4);
+    EXPECT_EQ(j["etp"], 1);
+    EXPECT_EQ(j["edp"], 2);
+    EXPECT_EQ(j["expert"]["ep"].get<Groups>(), (Groups{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}}));
+    EXPECT_EQ(j["expert"]["dp"].get<Groups>(), (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}, {8, 12}, {9, 13}, {10, 14}, {11, 15}}));
+    EXPECT_EQ(j["expert"]["pp"].get<Groups>(), (Groups{{0, 8}, {1, 9}, {2, 10}, {3, 11}, {4, 12}, {5, 13}, {6, 14}, {7, 15}}));
+    EXPECT_EQ(j["expert"]["tp"].size(), 16u);
+}
+
+TEST(LoomRanks, MegatronSpellingsGiveTheSameOutput) {
+    CliRun short_flags = run_loom("ranks --world-size 16 --tp 4 --pp 2 --etp 1 --ep 4 --json");
+    CliRun long_flags  = run_loom("ranks --world_size 16 --tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 "
+                          "--expert-tensor-parallel-size 1 --expert-model-parallel-size 4 --context-parallel-size 1 "
+                          "--order tp-cp-ep-dp-pp --json");
+    ASSERT_EQ(long_flags.status, 0);
+    EXPECT_EQ(short_flags.out, long_flags.out);
+}
+
+TEST(LoomRanks, TextViewHasBothTablesAndThePerRankMap) {
+    CliRun r = run_loom("ranks --world-size 16 --tp 4 --pp 2 --etp 1 --ep 4");
+    ASSERT_EQ(r.status, 0);
+    EXPECT_NE(r.out.find("dense groups"), std::string::npos);
+    EXPECT_NE(r.out.find("expert groups"), std::string::npos);
+    EXPECT_NE(r.out.find("[0,4] [1,5] [2,6] [3,7] [8,12] [9,13] [10,14] [11,15]"), std::string::npos) << r.out;
+    // Rank 13: tp 1, cp 0, dp 1, pp 1 | etp 0, ep 1, edp 1, pp 1.
+    EXPECT_NE(r.out.find("  13     1   0   1   1 |    0   1   1   1"), std::string::npos) << r.out;
+}
+
+TEST(LoomRanks, InvalidConfigurationExitsTwoWithNothingOnStdout) {
+    CliRun r = run_loom("ranks --world-size 12 --tp 8");
+    EXPECT_EQ(r.status, 2);
+    EXPECT_EQ(r.out, "");
+    CliRun order = run_loom("ranks --world-size 8 --tp 2 --order dp-pp");
+    EXPECT_EQ(order.status, 2);
+    EXPECT_EQ(order.out, "");
+    CliRun bad_flag = run_loom("ranks --world-size 8 --tensor-parallel 2");
+    EXPECT_EQ(bad_flag.status, 2);
+    EXPECT_EQ(bad_flag.out, "");
+    CliRun missing = run_loom("ranks --tp 2");
+    EXPECT_EQ(missing.status, 2);
+}
