@@ -64,6 +64,8 @@ void print_rank_map(std::ostream & os, const ParallelConfig & config) {
            << e.coordinate(r, "ep") << std::setw(4) << e.coordinate(r, "dp") << std::setw(4)
            << e.coordinate(r, "pp") << "\n";
     }
+    os << "\nThe data sampler splits the global batch over dp (" << config.dp()
+       << " ranks); the cp ranks of one dp rank see the same samples and split the sequence.\n";
 }
 
 }  // namespace loom::parallel

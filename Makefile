@@ -1,0 +1,42 @@
+# Loom's two entry points. Each does all of its own set-up on a fresh Debian 12 machine:
+#   make run    install missing packages, configure, build (Release), run the main job
+#   make test   install missing packages, configure, build, run the whole ctest suite
+#
+# BUILD_DIR and JOBS can be overridden. The CUDA backend is compiled and linked (LOOM_CUDA=ON) whenever
+# a CUDA toolkit is found, so CI proves it builds even on machines without a GPU; LOOM_CUDA=OFF on the
+# command line turns it off.
+
+BUILD_DIR ?= build
+JOBS      ?= $(shell nproc)
+NVCC      := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+LOOM_CUDA ?= $(if $(NVCC),ON,OFF)
+
+CMAKE_FLAGS := -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_CUDA=$(LOOM_CUDA)
+ifneq ($(NVCC),)
+CMAKE_FLAGS += -DCMAKE_CUDA_COMPILER=$(NVCC)
+endif
+
+.PHONY: deps configure build run test bench clean
+
+deps:
+	./scripts/install-deps
+
+configure: deps
+	cmake -S . -B $(BUILD_DIR) $(CMAKE_FLAGS)
+
+build: configure
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+# The main job. Until the training job exists it prints the rank map of seed 001's 16-rank example:
+# dense TP4-PP2-DP2 and MoE ETP1-EP4-EDP2-PP2.
+run: build
+	$(BUILD_DIR)/apps/loom ranks --world-size 16 --tp 4 --pp 2 --etp 1 --ep 4
+
+test: build
+	cd $(BUILD_DIR) && ctest -j $(JOBS) --output-on-failure
+
+bench: build
+	$(BUILD_DIR)/bench/bench_core --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
+
+clean:
+	rm -rf $(BUILD_DIR)
