@@ -1,0 +1,198 @@
+#include "backend/cpu/attention.h"
+
+#include "core/thread_pool.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace loom::cpu {
+
+namespace {
+
+constexpr int64_t kBlock = 64;   // Br = Bc
+
+struct Layout {
+    const AttentionShape & a;
+    int64_t row(int64_t si, int64_t bi) const { return (si * a.b + bi) * a.row_stride; }
+    int64_t q_off(int64_t hq) const { return hq * a.d; }
+    int64_t k_off(int64_t hk) const { return (a.nq + hk) * a.d; }
+    int64_t v_off(int64_t hk) const { return (a.nq + a.nkv + hk) * a.d; }
+};
+
+// dst (rows, d) <- rows of src at row offsets (contiguous copy of a strided block).
+void gather(const float * src, const Layout & L, int64_t bi, int64_t s0, int64_t rows, int64_t col, float * dst) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float * p = src + L.row(s0 + r, bi) + col;
+        std::copy(p, p + L.a.d, dst + r * L.a.d);
+    }
+}
+
+// dst (d, cols) <- transpose of a strided (cols, d) block.
+void gather_t(const float * src, const Layout & L, int64_t bi, int64_t s0, int64_t cols, int64_t col, float * dst) {
+    for (int64_t c = 0; c < cols; ++c) {
+        const float * p = src + L.row(s0 + c, bi) + col;
+        for (int64_t dd = 0; dd < L.a.d; ++dd) dst[dd * kBlock + c] = p[dd];
+    }
+}
+
+// S (rows, cols) = scale * A (rows, d) . Bt (d, cols), with Bt's row stride kBlock.
+void scores(const float * a, const float * bt, int64_t rows, int64_t cols, int64_t d, float scale, float * s) {
+    for (int64_t r = 0; r < rows; ++r) {
+        float * sr = s + r * kBlock;
+        std::fill(sr, sr + cols, 0.0f);
+        for (int64_t dd = 0; dd < d; ++dd) {
+            float         av = a[r * d + dd];
+            const float * br = bt + dd * kBlock;
+            for (int64_t c = 0; c < cols; ++c) sr[c] += av * br[c];
+        }
+        for (int64_t c = 0; c < cols; ++c) sr[c] *= scale;
+    }
+}
+
+}  // namespace
+
+void attention_forward(const float * qkv, float * out, float * lse, const AttentionShape & a, float scale) {
+    Layout  L{a};
+    int64_t group = a.nq / a.nkv;
+    parallel_for(a.b * a.nq, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> q(kBlock * a.d), kt(a.d * kBlock), v(kBlock * a.d), s(kBlock * kBlock),
+            acc(kBlock * a.d), m(kBlock), l(kBlock);
+        for (int64_t task = begin; task < end; ++task) {
+            int64_t bi = task / a.nq, hq = task % a.nq, hk = hq / group;
+            for (int64_t i0 = 0; i0 < a.s; i0 += kBlock) {
+                int64_t rows = std::min(kBlock, a.s - i0);
+                gather(qkv, L, bi, i0, rows, L.q_off(hq), q.data());
+                std::fill(acc.begin(), acc.end(), 0.0f);
+                std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+                std::fill(l.begin(), l.end(), 0.0f);
+                for (int64_t j0 = 0; j0 <= i0; j0 += kBlock) {
+                    int64_t cols = std::min(kBlock, a.s - j0);
+                    gather_t(qkv, L, bi, j0, cols, L.k_off(hk), kt.data());
+                    gather(qkv, L, bi, j0, cols, L.v_off(hk), v.data());
+                    scores(q.data(), kt.data(), rows, cols, a.d, scale, s.data());
+                    for (int64_t r = 0; r < rows; ++r) {
+                        float * sr    = s.data() + r * kBlock;
+                        int64_t limit = std::min(cols, i0 + r - j0 + 1);   // causal: keys <= query
+                        float   mx    = m[r];
+                        for (int64_t c = 0; c < limit; ++c) mx = std::max(mx, sr[c]);
+                        float correction = std::exp(m[r] - mx);
+                        float sum        = 0;
+                        for (int64_t c = 0; c < limit; ++c) {
+                            sr[c] = std::exp(sr[c] - mx);
+                            sum += sr[c];
+                        }
+                        float * ar = acc.data() + r * a.d;
+                        for (int64_t dd = 0; dd < a.d; ++dd) ar[dd] *= correction;
+                        for (int64_t c = 0; c < limit; ++c) {
+                            float         p  = sr[c];
+                            const float * vr = v.data() + c * a.d;
+                            for (int64_t dd = 0; dd < a.d; ++dd) ar[dd] += p * vr[dd];
+                        }
+                        l[r] = l[r] * correction + sum;
+                        m[r] = mx;
+                    }
+                }
+                for (int64_t r = 0; r < rows; ++r) {
+                    float * o   = out + ((i0 + r) * a.b + bi) * a.nq * a.d + hq * a.d;
+                    float   inv = 1.0f / l[r];
+                    for (int64_t dd = 0; dd < a.d; ++dd) o[dd] = acc[r * a.d + dd] * inv;
+                    lse[(bi * a.nq + hq) * a.s + i0 + r] = m[r] + std::log(l[r]);
+                }
+            }
+        }
+    });
+}
+
+void attention_backward(const float * qkv, const float * out, const float * dout, const float * lse, float * dqkv,
+                        const AttentionShape & a, float scale) {
+    Layout  L{a};
+    int64_t group = a.nq / a.nkv;
+    // dout and out are (s, b, nq * d): a layout with row stride nq * d and all heads "query".
+    AttentionShape o_shape{a.s, a.b, a.nq, a.nkv, a.d, a.nq * a.d};
+    Layout         O{o_shape};
+
+    parallel_for(a.b * a.nkv, 1, [&](int64_t begin, int64_t end) {
+        int64_t d = a.d;
+        std::vector<float> q(kBlock * d), k(kBlock * d), kt(d * kBlock), vt(d * kBlock), dob(kBlock * d),
+            p(kBlock * kBlock), dp(kBlock * kBlock), dq(kBlock * d), dk(kBlock * d), dv(kBlock * d),
+            delta(a.s), lse_h(a.s);
+        for (int64_t task = begin; task < end; ++task) {
+            int64_t bi = task / a.nkv, hk = task % a.nkv;
+            // Zero this sequence's dQ of the group's query heads and its dK, dV.
+            for (int64_t si = 0; si < a.s; ++si) {
+                float * row = dqkv + L.row(si, bi);
+                for (int64_t g = 0; g < group; ++g) std::fill(row + L.q_off(hk * group + g), row + L.q_off(hk * group + g) + d, 0.0f);
+                std::fill(row + L.k_off(hk), row + L.k_off(hk) + d, 0.0f);
+                std::fill(row + L.v_off(hk), row + L.v_off(hk) + d, 0.0f);
+            }
+            for (int64_t g = 0; g < group; ++g) {
+                int64_t hq = hk * group + g;
+                for (int64_t si = 0; si < a.s; ++si) {
+                    const float * o  = out + O.row(si, bi) + hq * d;
+                    const float * dO = dout + O.row(si, bi) + hq * d;
+                    float         sum = 0;
+                    for (int64_t dd = 0; dd < d; ++dd) sum += o[dd] * dO[dd];
+                    delta[si] = sum;
+                    lse_h[si] = lse[(bi * a.nq + hq) * a.s + si];
+                }
+                for (int64_t j0 = 0; j0 < a.s; j0 += kBlock) {
+                    int64_t cols = std::min(kBlock, a.s - j0);
+                    gather(qkv, L, bi, j0, cols, L.k_off(hk), k.data());
+                    gather_t(qkv, L, bi, j0, cols, L.k_off(hk), kt.data());
+                    gather_t(qkv, L, bi, j0, cols, L.v_off(hk), vt.data());
+                    std::fill(dk.begin(), dk.end(), 0.0f);
+                    std::fill(dv.begin(), dv.end(), 0.0f);
+                    for (int64_t i0 = (j0 / kBlock) * kBlock; i0 < a.s; i0 += kBlock) {
+                        int64_t rows = std::min(kBlock, a.s - i0);
+                        gather(qkv, L, bi, i0, rows, L.q_off(hq), q.data());
+                        gather(dout, O, bi, i0, rows, hq * d, dob.data());
+                        scores(q.data(), kt.data(), rows, cols, d, scale, p.data());
+                        scores(dob.data(), vt.data(), rows, cols, d, 1.0f, dp.data());
+                        std::fill(dq.begin(), dq.end(), 0.0f);
+                        for (int64_t r = 0; r < rows; ++r) {
+                            float * pr    = p.data() + r * kBlock;
+                            float * dpr   = dp.data() + r * kBlock;
+                            int64_t limit = std::min(cols, i0 + r - j0 + 1);
+                            float   li = lse_h[i0 + r], di = delta[i0 + r];
+                            for (int64_t c = 0; c < cols; ++c) {
+                                float pv = c < limit ? std::exp(pr[c] - li) : 0.0f;
+                                pr[c]    = pv;
+                                dpr[c]   = pv * (dpr[c] - di) * scale;   // dS, scaled
+                            }
+                            const float * dor = dob.data() + r * d;
+                            const float * qr  = q.data() + r * d;
+                            float *       dqr = dq.data() + r * d;
+                            for (int64_t c = 0; c < limit; ++c) {
+                                float pv = pr[c], ds = dpr[c];
+                                float *       dvc = dv.data() + c * d;
+                                float *       dkc = dk.data() + c * d;
+                                const float * kc  = k.data() + c * d;
+                                for (int64_t dd = 0; dd < d; ++dd) {
+                                    dvc[dd] += pv * dor[dd];
+                                    dkc[dd] += ds * qr[dd];
+                                    dqr[dd] += ds * kc[dd];
+                                }
+                            }
+                        }
+                        for (int64_t r = 0; r < rows; ++r) {
+                            float * dst = dqkv + L.row(i0 + r, bi) + L.q_off(hq);
+                            for (int64_t dd = 0; dd < d; ++dd) dst[dd] += dq[r * d + dd];
+                        }
+                    }
+                    for (int64_t c = 0; c < cols; ++c) {
+                        float * dkr = dqkv + L.row(j0 + c, bi) + L.k_off(hk);
+                        float * dvr = dqkv + L.row(j0 + c, bi) + L.v_off(hk);
+                        for (int64_t dd = 0; dd < d; ++dd) {
+                            dkr[dd] += dk[c * d + dd];
+                            dvr[dd] += dv[c * d + dd];
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+}  // namespace loom::cpu

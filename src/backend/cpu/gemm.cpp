@@ -1,0 +1,120 @@
+#include "backend/cpu/gemm.h"
+
+#include "backend/cpu/dnnl_check.h"
+#include "core/thread_pool.h"
+
+#include <oneapi/dnnl/dnnl.hpp>
+#include <omp.h>
+#include <xmmintrin.h>
+
+#include <map>
+#include <mutex>
+#include <tuple>
+
+namespace loom::cpu {
+
+void flush_denormals_on_this_thread() {
+    _mm_setcsr(_mm_getcsr() | 0x8040u);   // FTZ (bit 15) | DAZ (bit 6)
+}
+
+void init_compute_threads() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        int threads = num_threads();
+        omp_set_num_threads(threads);
+#pragma omp parallel num_threads(threads)
+        flush_denormals_on_this_thread();
+        // Loom's own pool threads: one chunk per thread, each sets its MXCSR.
+        parallel_for(threads, 1, [](int64_t, int64_t) { flush_denormals_on_this_thread(); });
+        flush_denormals_on_this_thread();
+    });
+}
+
+namespace {
+
+using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, int, bool>;
+
+struct Cached {
+    dnnl::matmul             primitive;
+    dnnl::memory::desc       a, b, c;
+};
+
+struct GemmCache {
+    dnnl::engine                    engine{dnnl::engine::kind::cpu, 0};
+    dnnl::stream                    stream{engine};
+    std::mutex                      mutex;
+    std::map<Key, Cached>           primitives;
+};
+
+GemmCache & cache() {
+    static GemmCache instance;
+    return instance;
+}
+
+dnnl::memory::data_type dnnl_type(DType d) {
+    return d == DType::bf16 ? dnnl::memory::data_type::bf16 : dnnl::memory::data_type::f32;
+}
+
+Cached make_primitive(const Key & key, dnnl::engine & engine) {
+    auto [trans_a, trans_b, m, n, k, dtype, accumulate] = key;
+    using dims = dnnl::memory::dims;
+    auto dt    = dnnl_type(static_cast<DType>(dtype));
+    // A logical (M, K): row-major strides (K, 1), or (1, M) when stored transposed as (K, M).
+    dnnl::memory::desc a_md(dims{m, k}, dt, trans_a ? dims{1, m} : dims{k, 1});
+    dnnl::memory::desc b_md(dims{k, n}, dt, trans_b ? dims{1, k} : dims{n, 1});
+    dnnl::memory::desc c_md(dims{m, n}, dnnl::memory::data_type::f32, dims{n, 1});
+    dnnl::primitive_attr attr;
+    if (accumulate) {
+        dnnl::post_ops ops;
+        ops.append_sum(1.0f);
+        attr.set_post_ops(ops);
+    }
+    dnnl::matmul::desc           desc(a_md, b_md, c_md);
+    dnnl::matmul::primitive_desc pd(desc, attr, engine);
+    return Cached{dnnl::matmul(pd), a_md, b_md, c_md};
+}
+
+}  // namespace
+
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b,
+          DType ab_dtype, float * c, bool accumulate) {
+    LOOM_CHECK(ab_dtype == DType::f32 || ab_dtype == DType::bf16,
+               "gemm of " << dtype_name(ab_dtype) << " inputs", "gemm takes float32 or bfloat16 inputs");
+    if (m == 0 || n == 0) {
+        return;
+    }
+    if (k == 0) {
+        if (!accumulate) {
+            std::fill(c, c + m * n, 0.0f);
+        }
+        return;
+    }
+    init_compute_threads();
+    GemmCache & g = cache();
+    Key         key{trans_a, trans_b, m, n, k, static_cast<int>(ab_dtype), accumulate};
+    Cached      p;
+    {
+        std::lock_guard<std::mutex> lock(g.mutex);
+        auto it = g.primitives.find(key);
+        if (it == g.primitives.end()) {
+            try {
+                it = g.primitives.emplace(key, make_primitive(key, g.engine)).first;
+            } catch (const dnnl::error & e) {
+                LOOM_THROW("oneDNN has no matmul for " << m << "x" << n << "x" << k << " "
+                                                       << dtype_name(ab_dtype) << ": " << e.what(),
+                           "set ONEDNN_VERBOSE=1 to see why");
+            }
+        }
+        p = it->second;
+    }
+    dnnl::memory a_mem(p.a, g.engine, const_cast<void *>(a));
+    dnnl::memory b_mem(p.b, g.engine, const_cast<void *>(b));
+    dnnl::memory c_mem(p.c, g.engine, c);
+    // oneDNN streams on the CPU execute in the calling thread; a local stream keeps concurrent callers
+    // (two Loom streams) independent.
+    dnnl::stream stream(g.engine);
+    p.primitive.execute(stream, {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, c_mem}});
+    stream.wait();
+}
+
+}  // namespace loom::cpu

@@ -1,0 +1,34 @@
+// Row-major GEMM on the CPU through oneDNN, with primitives cached per shape.
+//
+//   C[M, N]  = op(A)[M, K] * op(B)[K, N]          (accumulate = false)
+//   C[M, N] += op(A)[M, K] * op(B)[K, N]          (accumulate = true: weight gradients into main_grad)
+//
+//   op(A) = A    with A stored (M, K) row-major      op(A) = A^T  with A stored (K, M)  (trans_a)
+//   op(B) = B    with B stored (K, N) row-major      op(B) = B^T  with B stored (N, K)  (trans_b)
+//
+// A and B are f32 or bf16 (both the same); C is always f32 and the products accumulate in f32 (AMX or
+// AVX-512 bf16 dot products where the CPU has them). The three uses in a linear layer y = x W^T:
+//   forward     y  (s*b, o)  = x (s*b, i) . W^T           gemm(false, true,  sb, o, i, x, W, y)
+//   input grad  dx (s*b, i)  = dy (s*b, o) . W             gemm(false, false, sb, i, o, dy, W, dx)
+//   weight grad dW (o, i)   += dy^T (o, s*b) . x           gemm(true,  false, o, i, sb, dy, x, dW, true)
+//
+// oneDNN runs on its OpenMP threads; init_compute_threads() gives them the process's thread budget
+// (LOOM_NUM_THREADS) and flushes denormals on them and on Loom's own compute threads.
+#pragma once
+
+#include "core/dtype.h"
+
+#include <cstdint>
+
+namespace loom::cpu {
+
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b,
+          DType ab_dtype, float * c, bool accumulate = false);
+
+// Sets the OpenMP thread count to the budget and turns on FTZ/DAZ on every compute thread; idempotent.
+void init_compute_threads();
+
+// Turns on flush-to-zero and denormals-are-zero on the calling thread.
+void flush_denormals_on_this_thread();
+
+}  // namespace loom::cpu

@@ -1,0 +1,290 @@
+#include "backend/cpu/ops.h"
+
+#include "core/thread_pool.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace loom::cpu {
+
+namespace {
+
+constexpr int64_t kRowGrain = 16;
+
+// Runs fn(begin, end) over column chunks of h, for parameter-gradient reductions over rows: each chunk
+// of columns belongs to one thread, so no two threads add into the same gradient element.
+template <typename Fn>
+void over_column_chunks(int64_t h, Fn && fn) {
+    parallel_for(h, 64, [&](int64_t begin, int64_t end) { fn(begin, end); });
+}
+
+}  // namespace
+
+void layernorm_forward(const float * x, const float * gamma, const float * beta, float * y, float * mean,
+                       float * rstd, int64_t n, int64_t h, float eps) {
+    parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            const float * xr = x + r * h;
+            float *       yr = y + r * h;
+            double        sum = 0;
+            for (int64_t j = 0; j < h; ++j) sum += xr[j];
+            float  m   = static_cast<float>(sum / h);
+            double var = 0;
+            for (int64_t j = 0; j < h; ++j) {
+                float c = xr[j] - m;
+                var += static_cast<double>(c) * c;
+            }
+            float rs = 1.0f / std::sqrt(static_cast<float>(var / h) + eps);
+            for (int64_t j = 0; j < h; ++j) {
+                float v = (xr[j] - m) * rs * gamma[j];
+                yr[j]   = beta ? v + beta[j] : v;
+            }
+            mean[r] = m;
+            rstd[r] = rs;
+        }
+    });
+}
+
+void layernorm_backward(const float * dy, const float * x, const float * gamma, const float * mean,
+                        const float * rstd, float * dx, float * dgamma, float * dbeta, int64_t n, int64_t h) {
+    // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma, xhat = (x - mean) * rstd.
+    parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            const float * dyr = dy + r * h;
+            const float * xr  = x + r * h;
+            float *       dxr = dx + r * h;
+            float         m = mean[r], rs = rstd[r];
+            double        sum_g = 0, sum_gx = 0;
+            for (int64_t j = 0; j < h; ++j) {
+                float g    = dyr[j] * gamma[j];
+                float xhat = (xr[j] - m) * rs;
+                sum_g += g;
+                sum_gx += static_cast<double>(g) * xhat;
+            }
+            float mg = static_cast<float>(sum_g / h), mgx = static_cast<float>(sum_gx / h);
+            for (int64_t j = 0; j < h; ++j) {
+                float xhat = (xr[j] - m) * rs;
+                dxr[j]     = rs * (dyr[j] * gamma[j] - mg - xhat * mgx);
+            }
+        }
+    });
+    over_column_chunks(h, [&](int64_t c0, int64_t c1) {
+        for (int64_t r = 0; r < n; ++r) {
+            const float * dyr = dy + r * h;
+            const float * xr  = x + r * h;
+            float         m = mean[r], rs = rstd[r];
+            for (int64_t j = c0; j < c1; ++j) {
+                dgamma[j] += dyr[j] * (xr[j] - m) * rs;
+                if (dbeta) dbeta[j] += dyr[j];
+            }
+        }
+    });
+}
+
+void rmsnorm_forward(const float * x, const float * gamma, float * y, float * rstd, int64_t n, int64_t h, float eps) {
+    parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            const float * xr = x + r * h;
+            double        ss = 0;
+            for (int64_t j = 0; j < h; ++j) ss += static_cast<double>(xr[j]) * xr[j];
+            float rs = 1.0f / std::sqrt(static_cast<float>(ss / h) + eps);
+            for (int64_t j = 0; j < h; ++j) y[r * h + j] = xr[j] * rs * gamma[j];
+            rstd[r] = rs;
+        }
+    });
+}
+
+void rmsnorm_backward(const float * dy, const float * x, const float * gamma, const float * rstd, float * dx,
+                      float * dgamma, int64_t n, int64_t h) {
+    // dx = rstd * (g - xhat * mean(g * xhat)), g = dy * gamma, xhat = x * rstd.
+    parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            const float * dyr = dy + r * h;
+            const float * xr  = x + r * h;
+            float         rs  = rstd[r];
+            double        sum_gx = 0;
+            for (int64_t j = 0; j < h; ++j) sum_gx += static_cast<double>(dyr[j] * gamma[j]) * (xr[j] * rs);
+            float mgx = static_cast<float>(sum_gx / h);
+            for (int64_t j = 0; j < h; ++j) dx[r * h + j] = rs * (dyr[j] * gamma[j] - xr[j] * rs * mgx);
+        }
+    });
+    over_column_chunks(h, [&](int64_t c0, int64_t c1) {
+        for (int64_t r = 0; r < n; ++r) {
+            for (int64_t j = c0; j < c1; ++j) dgamma[j] += dy[r * h + j] * x[r * h + j] * rstd[r];
+        }
+    });
+}
+
+void bias_add(float * y, const float * bias, int64_t n, int64_t h) {
+    parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            for (int64_t j = 0; j < h; ++j) y[r * h + j] += bias[j];
+        }
+    });
+}
+
+void bias_backward(const float * dy, float * dbias, int64_t n, int64_t h) {
+    over_column_chunks(h, [&](int64_t c0, int64_t c1) {
+        for (int64_t r = 0; r < n; ++r) {
+            for (int64_t j = c0; j < c1; ++j) dbias[j] += dy[r * h + j];
+        }
+    });
+}
+
+namespace {
+constexpr float kGeluC = 0.7978845608028654f;   // sqrt(2 / pi)
+}
+
+void gelu_forward(const float * x, float * y, int64_t count) {
+    parallel_for(count, 4096, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+            float v = x[i];
+            y[i]    = 0.5f * v * (1.0f + std::tanh(kGeluC * (v + 0.044715f * v * v * v)));
+        }
+    });
+}
+
+void gelu_backward(const float * x, const float * dy, float * dx, int64_t count) {
+    parallel_for(count, 4096, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+            float v     = x[i];
+            float u     = kGeluC * (v + 0.044715f * v * v * v);
+            float t     = std::tanh(u);
+            float du    = kGeluC * (1.0f + 3.0f * 0.044715f * v * v);
+            float grad  = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du;
+            dx[i]       = dy[i] * grad;
+        }
+    });
+}
+
+void swiglu_forward(const float * x, float * y, int64_t n, int64_t f) {
+    parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            const float * gate = x + r * 2 * f;
+            const float * up   = gate + f;
+            for (int64_t j = 0; j < f; ++j) {
+                float g      = gate[j];
+                y[r * f + j] = g / (1.0f + std::exp(-g)) * up[j];
+            }
+        }
+    });
+}
+
+void swiglu_backward(const float * x, const float * dy, float * dx, int64_t n, int64_t f) {
+    parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            const float * gate  = x + r * 2 * f;
+            const float * up    = gate + f;
+            float *       dgate = dx + r * 2 * f;
+            float *       dup   = dgate + f;
+            for (int64_t j = 0; j < f; ++j) {
+                float g   = gate[j];
+                float sig = 1.0f / (1.0f + std::exp(-g));
+                float d   = dy[r * f + j];
+                dup[j]    = d * g * sig;
+                dgate[j]  = d * up[j] * sig * (1.0f + g * (1.0f - sig));
+            }
+        }
+    });
+}
+
+void add_inplace(float * y, const float * x, int64_t count) {
+    parallel_for(count, 4096, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) y[i] += x[i];
+    });
+}
+
+void embedding_forward(const int32_t * tokens, const float * wte, const float * wpe, float * out, int64_t s,
+                       int64_t b, int64_t h) {
+    parallel_for(s * b, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            int64_t       si  = r / b, bi = r % b;
+            const float * row = wte + static_cast<int64_t>(tokens[bi * s + si]) * h;
+            float *       o   = out + r * h;
+            for (int64_t j = 0; j < h; ++j) o[j] = row[j];
+            if (wpe) {
+                for (int64_t j = 0; j < h; ++j) o[j] += wpe[si * h + j];
+            }
+        }
+    });
+}
+
+void embedding_backward(const int32_t * tokens, const float * dout, float * dwte, float * dwpe, int64_t s,
+                        int64_t b, int64_t h, int64_t vocab) {
+    // Column chunks: each thread owns a slice of h for every token row, so repeated tokens never race.
+    over_column_chunks(h, [&](int64_t c0, int64_t c1) {
+        for (int64_t r = 0; r < s * b; ++r) {
+            int64_t       si = r / b, bi = r % b;
+            float *       w  = dwte + static_cast<int64_t>(tokens[bi * s + si]) * h;
+            const float * d  = dout + r * h;
+            for (int64_t j = c0; j < c1; ++j) w[j] += d[j];
+            if (dwpe) {
+                for (int64_t j = c0; j < c1; ++j) dwpe[si * h + j] += d[j];
+            }
+        }
+    });
+    (void)vocab;
+}
+
+void rope_apply(float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d, float base,
+                bool inverse) {
+    int64_t half = d / 2;
+    std::vector<float> inv_freq(half);
+    for (int64_t i = 0; i < half; ++i) {
+        inv_freq[i] = std::pow(base, -2.0f * static_cast<float>(i) / static_cast<float>(d));
+    }
+    parallel_for(s, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> cs(half), sn(half);
+        for (int64_t si = begin; si < end; ++si) {
+            for (int64_t i = 0; i < half; ++i) {
+                float angle = static_cast<float>(si) * inv_freq[i];
+                cs[i]       = std::cos(angle);
+                sn[i]       = inverse ? -std::sin(angle) : std::sin(angle);
+            }
+            for (int64_t bi = 0; bi < b; ++bi) {
+                float * row = x + (si * b + bi) * row_stride;
+                for (int64_t hd = 0; hd < heads; ++hd) {
+                    float * v = row + hd * d;
+                    for (int64_t i = 0; i < half; ++i) {
+                        float x1 = v[i], x2 = v[i + half];
+                        v[i]        = x1 * cs[i] - x2 * sn[i];
+                        v[i + half] = x2 * cs[i] + x1 * sn[i];
+                    }
+                }
+            }
+        }
+    });
+}
+
+void cross_entropy_forward(const float * logits, const int32_t * labels, float * loss, float * lse, int64_t s,
+                           int64_t b, int64_t vocab) {
+    parallel_for(s * b, 4, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            const float * row = logits + r * vocab;
+            float         mx  = row[0];
+            for (int64_t v = 1; v < vocab; ++v) mx = std::max(mx, row[v]);
+            float sum = 0;
+            for (int64_t v = 0; v < vocab; ++v) sum += std::exp(row[v] - mx);
+            float l = mx + std::log(sum);
+            int64_t si = r / b, bi = r % b;
+            lse[r]  = l;
+            loss[r] = l - row[labels[bi * s + si]];
+        }
+    });
+}
+
+void cross_entropy_backward(float * logits, const int32_t * labels, const float * lse, const float * dloss,
+                            int64_t s, int64_t b, int64_t vocab) {
+    parallel_for(s * b, 4, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            float * row = logits + r * vocab;
+            float   l = lse[r], g = dloss[r];
+            for (int64_t v = 0; v < vocab; ++v) row[v] = std::exp(row[v] - l) * g;
+            int64_t si = r / b, bi = r % b;
+            row[labels[bi * s + si]] -= g;
+        }
+    });
+}
+
+}  // namespace loom::cpu

@@ -1,0 +1,63 @@
+// CPU kernels of the transformer layers (f32). Activations use Megatron's layout (s, b, h): row
+// r = si * b + bi holds token si of sequence bi, so a sequence shard is a contiguous block of rows.
+//
+// Conventions: "forward" kernels assign their outputs; "backward" kernels assign the input gradient and
+// ADD parameter gradients into their (main_grad) outputs, so gradients accumulate over microbatches.
+// Row loops run on the compute thread budget (parallel_for); inner loops run over the contiguous last
+// dimension so the compiler vectorises them.
+//
+// Legend: n rows (= s * b), h hidden, f ffn hidden, V vocab, d head dim.
+#pragma once
+
+#include <cstdint>
+
+namespace loom::cpu {
+
+// y = (x - mean) * rstd * gamma + beta, per row; mean, rstd (n) are saved for backward. beta may be null.
+void layernorm_forward(const float * x, const float * gamma, const float * beta, float * y, float * mean,
+                       float * rstd, int64_t n, int64_t h, float eps);
+void layernorm_backward(const float * dy, const float * x, const float * gamma, const float * mean,
+                        const float * rstd, float * dx, float * dgamma, float * dbeta, int64_t n, int64_t h);
+
+// y = x * rstd * gamma, rstd = 1 / sqrt(mean(x^2) + eps).
+void rmsnorm_forward(const float * x, const float * gamma, float * y, float * rstd, int64_t n, int64_t h, float eps);
+void rmsnorm_backward(const float * dy, const float * x, const float * gamma, const float * rstd, float * dx,
+                      float * dgamma, int64_t n, int64_t h);
+
+// y[r, :] += bias; dbias += sum over rows of dy.
+void bias_add(float * y, const float * bias, int64_t n, int64_t h);
+void bias_backward(const float * dy, float * dbias, int64_t n, int64_t h);
+
+// GELU, tanh approximation (GPT-2's): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+void gelu_forward(const float * x, float * y, int64_t count);
+void gelu_backward(const float * x, const float * dy, float * dx, int64_t count);
+
+// SwiGLU on (n, 2f) input [gate | up] -> (n, f): y = silu(gate) * up.
+void swiglu_forward(const float * x, float * y, int64_t n, int64_t f);
+void swiglu_backward(const float * x, const float * dy, float * dx, int64_t n, int64_t f);
+
+// y += x (residual), count elements.
+void add_inplace(float * y, const float * x, int64_t count);
+
+// Embedding: out (s, b, h) = wte[tokens[bi, si]] (+ wpe[si]); tokens are (b, s).
+void embedding_forward(const int32_t * tokens, const float * wte, const float * wpe, float * out, int64_t s,
+                       int64_t b, int64_t h);
+// dwte[token] += dout; dwpe[si] += dout (wpe may be null).
+void embedding_backward(const int32_t * tokens, const float * dout, float * dwte, float * dwpe, int64_t s,
+                        int64_t b, int64_t h, int64_t vocab);
+
+// Rotary position embedding (non-interleaved halves, Megatron's default), in place on `heads` heads of
+// dimension d in each row of x (row stride in elements; rows are (s, b)); inverse = true rotates back
+// (the backward of a rotation is the inverse rotation).
+void rope_apply(float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d, float base,
+                bool inverse);
+
+// Cross-entropy over logits (n, V) with labels (b, s) read in (s, b) row order. Forward: loss[r] =
+// logsumexp(logits[r]) - logits[r, label]; lse[r] saved. Backward, in place: logits[r] becomes
+// (softmax - onehot(label)) * dloss[r].
+void cross_entropy_forward(const float * logits, const int32_t * labels, float * loss, float * lse, int64_t s,
+                           int64_t b, int64_t vocab);
+void cross_entropy_backward(float * logits_to_grad, const int32_t * labels, const float * lse,
+                            const float * dloss, int64_t s, int64_t b, int64_t vocab);
+
+}  // namespace loom::cpu

@@ -1,0 +1,79 @@
+#include "model/gpt_config.h"
+
+#include "core/error.h"
+
+namespace loom::model {
+
+int64_t GptConfig::padded_vocab_size(int64_t tp) const {
+    int64_t multiple = make_vocab_size_divisible_by * tp;
+    return (vocab_size + multiple - 1) / multiple * multiple;
+}
+
+void GptConfig::validate() const {
+    LOOM_CHECK(num_layers >= 1, "--num-layers must be >= 1, got " << num_layers, "");
+    LOOM_CHECK(hidden_size >= 1 && num_attention_heads >= 1 && hidden_size % num_attention_heads == 0,
+               "--hidden-size " << hidden_size << " is not divisible by --num-attention-heads " << num_attention_heads,
+               "choose a hidden size that is a multiple of the number of heads");
+    LOOM_CHECK(num_query_groups >= 1 && num_attention_heads % num_query_groups == 0,
+               "--num-attention-heads " << num_attention_heads << " is not divisible by --num-query-groups "
+                                        << num_query_groups,
+               "the query groups must divide the heads");
+    LOOM_CHECK(position_embedding != PositionEmbedding::rope || head_dim() % 2 == 0,
+               "--position-embedding-type rope needs an even head dimension, got " << head_dim(), "");
+    LOOM_CHECK(seq_length >= 1, "--seq-length must be >= 1", "");
+    LOOM_CHECK(position_embedding != PositionEmbedding::learned_absolute || seq_length <= max_position_embeddings,
+               "--seq-length " << seq_length << " exceeds --max-position-embeddings " << max_position_embeddings,
+               "raise --max-position-embeddings or shorten the sequence");
+    LOOM_CHECK(vocab_size >= 1, "vocabulary size must be >= 1", "");
+    LOOM_CHECK(ffn_hidden_size >= 1, "--ffn-hidden-size must be >= 1", "");
+}
+
+int64_t GptConfig::num_parameters() const {
+    int64_t h = hidden_size, f = ffn_hidden_size, V = padded_vocab_size();
+    int64_t d = head_dim(), kv = num_query_groups * d;
+    int64_t bias = add_bias_linear ? 1 : 0;
+    int64_t norm = normalization == Normalization::layernorm ? 2 * h : h;
+    int64_t attn = h * (h + 2 * kv) + bias * (h + 2 * kv) + h * h + bias * h;
+    int64_t fc1  = swiglu ? 2 * f : f;
+    int64_t mlp  = h * fc1 + bias * fc1 + f * h + bias * h;
+    int64_t per_layer = 2 * norm + attn + mlp;
+    int64_t total = V * h + num_layers * per_layer + norm;
+    if (position_embedding == PositionEmbedding::learned_absolute) total += max_position_embeddings * h;
+    if (untie_embeddings_and_output_weights) total += V * h;
+    return total;
+}
+
+GptConfig gpt_preset(const std::string & name) {
+    GptConfig c;
+    auto gpt2 = [&](int64_t layers, int64_t hidden, int64_t heads) {
+        c.num_layers = layers;
+        c.hidden_size = hidden;
+        c.ffn_hidden_size = 4 * hidden;
+        c.num_attention_heads = heads;
+        c.num_query_groups = heads;
+        c.seq_length = 1024;
+        c.max_position_embeddings = 1024;
+        c.vocab_size = 50257;
+    };
+    if (name == "gpt2-124m") gpt2(12, 768, 12);
+    else if (name == "gpt2-350m") gpt2(24, 1024, 16);
+    else if (name == "gpt2-774m") gpt2(36, 1280, 20);
+    else if (name == "gpt2-1.5b") gpt2(48, 1600, 25);
+    else if (name == "gpt-tiny") {
+        // The default: small enough to train a few hundred steps in minutes on two cores.
+    } else if (name == "llama-tiny") {
+        c.normalization = Normalization::rmsnorm;
+        c.swiglu = true;
+        c.ffn_hidden_size = 352;
+        c.position_embedding = PositionEmbedding::rope;
+        c.add_bias_linear = false;
+        c.untie_embeddings_and_output_weights = true;
+        c.num_query_groups = 2;
+    } else {
+        LOOM_THROW("unknown model preset '" << name << "'",
+                   "presets: gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b, gpt-tiny, llama-tiny");
+    }
+    return c;
+}
+
+}  // namespace loom::model

@@ -1,0 +1,49 @@
+// GptConfig: the architecture of a GPT, in Megatron's terms, with the GPT-2 and Llama-style presets.
+//
+//   GPT-2:  LayerNorm, GELU MLP (4h), learned absolute positions, biases, output tied to the embedding
+//   Llama:  RMSNorm, SwiGLU MLP, RoPE, no biases, untied output, grouped-query attention
+//
+// Legend: L layers, h hidden, f ffn hidden, a attention heads, g query groups, d = h / a head dim,
+// s sequence length, V vocabulary (padded to a multiple of make_vocab_size_divisible_by).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace loom::model {
+
+enum class Normalization { layernorm, rmsnorm };
+enum class PositionEmbedding { learned_absolute, rope, none };
+
+struct GptConfig {
+    int64_t           num_layers              = 4;
+    int64_t           hidden_size             = 128;
+    int64_t           ffn_hidden_size         = 512;
+    int64_t           num_attention_heads     = 4;
+    int64_t           num_query_groups        = 4;      // = heads unless --group-query-attention
+    int64_t           seq_length              = 128;
+    int64_t           max_position_embeddings = 128;
+    int64_t           vocab_size              = 512;    // before padding
+    int64_t           make_vocab_size_divisible_by = 128;
+    Normalization     normalization           = Normalization::layernorm;
+    bool              swiglu                  = false;
+    PositionEmbedding position_embedding      = PositionEmbedding::learned_absolute;
+    bool              add_bias_linear         = true;
+    bool              untie_embeddings_and_output_weights = false;
+    float             init_method_std         = 0.02f;
+    float             norm_epsilon            = 1e-5f;
+    float             rotary_base             = 10000.0f;
+    uint64_t          seed                    = 1234;
+
+    int64_t head_dim() const { return hidden_size / num_attention_heads; }
+    int64_t padded_vocab_size(int64_t tp = 1) const;
+    // Checks the shapes agree (heads divide hidden, groups divide heads, ...); throws naming the flags.
+    void validate() const;
+    // Parameters of the model (with the padded vocabulary).
+    int64_t num_parameters() const;
+};
+
+// "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b", "gpt-tiny" (the default small model), "llama-tiny".
+GptConfig gpt_preset(const std::string & name);
+
+}  // namespace loom::model

@@ -1,0 +1,123 @@
+#include "model/gpt_model.h"
+
+#include "backend/cpu/gemm.h"
+#include "backend/cpu/ops.h"
+
+namespace loom::model {
+
+GptModel::GptModel(const GptConfig & config, Device & device)
+    : config_(config), device_(device), vocab_(config.padded_vocab_size()) {
+    config_.validate();
+    wte_                  = parameter_create("embedding.word_embeddings.weight", {vocab_, config_.hidden_size}, device);
+    wte_.shared_embedding = !config_.untie_embeddings_and_output_weights;
+    wte_.tensor_parallel_dim = 0;
+    if (config_.position_embedding == PositionEmbedding::learned_absolute) {
+        wpe_ = parameter_create("embedding.position_embeddings.weight",
+                                {config_.max_position_embeddings, config_.hidden_size}, device);
+    }
+    for (int64_t i = 0; i < config_.num_layers; ++i) {
+        layers_.push_back(std::make_unique<TransformerLayer>(i, config_, device));
+    }
+    final_norm_ = std::make_unique<Norm>("final_norm", config_.hidden_size, config_.normalization,
+                                         config_.norm_epsilon, device);
+    if (config_.untie_embeddings_and_output_weights) {
+        output_ = parameter_create("output_layer.weight", {vocab_, config_.hidden_size}, device);
+        output_.tensor_parallel_dim = 0;
+    }
+}
+
+void GptModel::init() {
+    uint64_t seed = config_.seed;
+    parameter_init_normal(wte_, seed, config_.init_method_std);
+    if (wpe_.data.defined()) parameter_init_normal(wpe_, seed, config_.init_method_std);
+    for (auto & layer : layers_) layer->init(seed);
+    final_norm_->init();
+    if (output_.data.defined()) parameter_init_normal(output_, seed, config_.init_method_std);
+}
+
+std::vector<Parameter *> GptModel::parameters() {
+    std::vector<Parameter *> out{&wte_};
+    if (wpe_.data.defined()) out.push_back(&wpe_);
+    for (auto & layer : layers_) layer->parameters(out);
+    final_norm_->parameters(out);
+    if (output_.data.defined()) out.push_back(&output_);
+    return out;
+}
+
+void GptModel::zero_grad() {
+    for (Parameter * p : parameters()) p->main_grad.fill_zero();
+}
+
+GptModel::LossSum GptModel::forward(Context & ctx, const MicroBatch & batch) {
+    int64_t b = batch.tokens.size(0), s = batch.tokens.size(1), h = config_.hidden_size;
+    LOOM_CHECK(s <= config_.seq_length || config_.position_embedding != PositionEmbedding::learned_absolute,
+               "micro-batch of sequence length " << s << " for a model with --seq-length " << config_.seq_length, "");
+    const int32_t * tokens = batch.tokens.data<int32_t>();
+    for (int64_t i = 0; i < b * s; ++i) {
+        LOOM_CHECK(tokens[i] >= 0 && tokens[i] < config_.vocab_size,
+                   "token id " << tokens[i] << " outside the vocabulary of " << config_.vocab_size,
+                   "the dataset's vocabulary must fit the model's (--vocab-size / the tokenizer)");
+    }
+    ctx.s = s;
+    ctx.b = b;
+    ctx.batch = batch;
+    ctx.layers.resize(layers_.size());
+
+    Tensor x = activation(device_, s * b, h);
+    cpu::embedding_forward(tokens, wte_.data.data<float>(), wpe_.data.defined() ? wpe_.data.data<float>() : nullptr,
+                           x.data<float>(), s, b, h);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+        x = layers_[i]->forward(ctx.layers[i], x, s, b);
+    }
+    ctx.final_hidden = final_norm_->forward(ctx.final_norm, x);
+
+    const Parameter & out_w = output_.data.defined() ? output_ : wte_;
+    ctx.logits     = activation(device_, s * b, vocab_);
+    ctx.lse        = activation(device_, s * b, 1);
+    ctx.token_loss = activation(device_, s * b, 1);
+    cpu::gemm(false, true, s * b, vocab_, h, ctx.final_hidden.data_ptr(), out_w.data.data_ptr(), DType::f32,
+              ctx.logits.data<float>());
+    cpu::cross_entropy_forward(ctx.logits.data<float>(), batch.labels.data<int32_t>(), ctx.token_loss.data<float>(),
+                               ctx.lse.data<float>(), s, b, vocab_);
+    LossSum result;
+    const float * mask = batch.loss_mask.data<float>();
+    const float * loss = ctx.token_loss.data<float>();
+    for (int64_t r = 0; r < s * b; ++r) {
+        float m = mask[(r % b) * s + r / b];
+        result.sum += static_cast<double>(m) * loss[r];
+        result.count += m;
+    }
+    return result;
+}
+
+void GptModel::backward(Context & ctx, double loss_scale, const GradReadyFn & ready) {
+    int64_t s = ctx.s, b = ctx.b, h = config_.hidden_size;
+    Tensor  dloss = activation(device_, s * b, 1);
+    const float * mask = ctx.batch.loss_mask.data<float>();
+    for (int64_t r = 0; r < s * b; ++r) {
+        dloss.data<float>()[r] = static_cast<float>(mask[(r % b) * s + r / b] * loss_scale);
+    }
+    cpu::cross_entropy_backward(ctx.logits.data<float>(), ctx.batch.labels.data<int32_t>(), ctx.lse.data<float>(),
+                                dloss.data<float>(), s, b, vocab_);
+    Parameter & out_w = output_.data.defined() ? output_ : wte_;
+    Tensor      dx    = activation(device_, s * b, h);
+    cpu::gemm(false, false, s * b, h, vocab_, ctx.logits.data_ptr(), out_w.data.data_ptr(), DType::f32, dx.data<float>());
+    cpu::gemm(true, false, vocab_, h, s * b, ctx.logits.data_ptr(), ctx.final_hidden.data_ptr(), DType::f32,
+              out_w.main_grad.data<float>(), true);
+    ctx.logits = ctx.lse = ctx.token_loss = ctx.final_hidden = Tensor();
+    if (ready && output_.data.defined()) ready(output_);
+
+    dx = final_norm_->backward(ctx.final_norm, dx, ready);
+    for (size_t i = layers_.size(); i-- > 0;) {
+        dx = layers_[i]->backward(ctx.layers[i], dx, ready);
+    }
+    cpu::embedding_backward(ctx.batch.tokens.data<int32_t>(), dx.data<float>(), wte_.main_grad.data<float>(),
+                            wpe_.data.defined() ? wpe_.main_grad.data<float>() : nullptr, s, b, h, vocab_);
+    if (ready) {
+        if (wpe_.data.defined()) ready(wpe_);
+        ready(wte_);   // tied: both the output-layer and the embedding contributions are in
+    }
+    ctx.batch = MicroBatch{};
+}
+
+}  // namespace loom::model

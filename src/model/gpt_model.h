@@ -1,0 +1,70 @@
+// GptModel: embedding -> L transformer layers -> final norm -> output layer -> cross-entropy.
+//
+//   tokens (b, s) --wte (V, h) [+ wpe (P, h)]--> x (s*b, h) --layers--> --norm--> --W_out^T--> logits (s*b, V)
+//   loss = sum over tokens of mask * CE(logits, labels) / sum(mask)         ("lm loss")
+//
+// The output layer reuses the word embedding (tied, GPT-2) unless the config unties them (Llama); the
+// tied weight then gets both gradient contributions before it is reported ready. backward() takes the
+// factor each token's loss is scaled by (1 / (sum(mask) * num_microbatches) for Megatron's averaging
+// over a global batch) and accumulates every parameter's gradient into main_grad.
+#pragma once
+
+#include "model/layers.h"
+
+#include <memory>
+#include <vector>
+
+namespace loom::model {
+
+struct MicroBatch {
+    Tensor tokens;      // (b, s) int32
+    Tensor labels;      // (b, s) int32
+    Tensor loss_mask;   // (b, s) f32
+};
+
+class GptModel {
+public:
+    GptModel(const GptConfig & config, Device & device);
+
+    struct Context {
+        std::vector<TransformerLayer::Context> layers;
+        Norm::Context                          final_norm;
+        MicroBatch                             batch;
+        Tensor                                 final_hidden;   // input of the output layer (s*b, h)
+        Tensor                                 logits;         // (s*b, V); becomes dlogits in backward
+        Tensor                                 lse;            // (s*b)
+        Tensor                                 token_loss;     // (s*b)
+        int64_t                                s = 0, b = 0;
+    };
+
+    struct LossSum {
+        double sum   = 0;   // sum of mask * per-token loss
+        double count = 0;   // sum of mask
+        double mean() const { return count > 0 ? sum / count : 0.0; }
+    };
+
+    // Initialises every parameter from config.seed (Megatron's scheme).
+    void init();
+
+    LossSum forward(Context & ctx, const MicroBatch & batch);
+    // Adds gradients of (loss_scale * sum of mask * token loss) into main_grad.
+    void    backward(Context & ctx, double loss_scale, const GradReadyFn & ready);
+
+    // Every parameter, in a fixed order (embedding first, output last).
+    std::vector<Parameter *> parameters();
+    void zero_grad();
+
+    const GptConfig & config() const { return config_; }
+
+private:
+    GptConfig                                      config_;
+    Device &                                       device_;
+    int64_t                                        vocab_;   // padded
+    Parameter                                      wte_;     // (V, h)
+    Parameter                                      wpe_;     // (P, h), learned positions only
+    std::vector<std::unique_ptr<TransformerLayer>> layers_;
+    std::unique_ptr<Norm>                          final_norm_;
+    Parameter                                      output_;  // (V, h), untied only
+};
+
+}  // namespace loom::model

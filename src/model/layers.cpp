@@ -1,0 +1,273 @@
+#include "model/layers.h"
+
+#include "backend/cpu/attention.h"
+#include "backend/cpu/gemm.h"
+#include "backend/cpu/ops.h"
+
+#include <cmath>
+
+namespace loom::model {
+
+Tensor activation(Device & device, int64_t rows, int64_t cols) {
+    return Tensor::empty({rows, cols}, DType::f32, device, {MemoryKind::device, "activations"});
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Linear
+
+Linear::Linear(const std::string & name, int64_t in, int64_t out, bool with_bias, Device & device)
+    : weight(parameter_create(name + ".weight", {out, in}, device)), has_bias(with_bias) {
+    weight.tensor_parallel_dim = 0;
+    if (has_bias) {
+        bias                 = parameter_create(name + ".bias", {out}, device);
+        bias.no_weight_decay = true;
+    }
+}
+
+void Linear::init(uint64_t seed, float std) {
+    parameter_init_normal(weight, seed, std);
+    if (has_bias) {
+        parameter_init_constant(bias, 0.0f);
+    }
+}
+
+void Linear::parameters(std::vector<Parameter *> & out) {
+    out.push_back(&weight);
+    if (has_bias) out.push_back(&bias);
+}
+
+Tensor Linear::forward(Context & ctx, const Tensor & x) {
+    int64_t n = x.size(0), in = weight.data.size(1), o = weight.data.size(0);
+    Tensor  y = activation(x.device(), n, o);
+    cpu::gemm(false, true, n, o, in, x.data_ptr(), weight.data.data_ptr(), DType::f32, y.data<float>());
+    if (has_bias) {
+        cpu::bias_add(y.data<float>(), bias.data.data<float>(), n, o);
+    }
+    ctx.x = x;
+    return y;
+}
+
+Tensor Linear::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
+    int64_t n = dy.size(0), in = weight.data.size(1), o = weight.data.size(0);
+    Tensor  dx = activation(dy.device(), n, in);
+    cpu::gemm(false, false, n, in, o, dy.data_ptr(), weight.data.data_ptr(), DType::f32, dx.data<float>());
+    cpu::gemm(true, false, o, in, n, dy.data_ptr(), ctx.x.data_ptr(), DType::f32, weight.main_grad.data<float>(), true);
+    if (has_bias) {
+        cpu::bias_backward(dy.data<float>(), bias.main_grad.data<float>(), n, o);
+    }
+    ctx.x = Tensor();
+    if (ready) {
+        ready(weight);
+        if (has_bias) ready(bias);
+    }
+    return dx;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Norm
+
+Norm::Norm(const std::string & name, int64_t h, Normalization k, float e, Device & device)
+    : weight(parameter_create(name + ".weight", {h}, device)), kind(k), eps(e) {
+    weight.no_weight_decay = true;
+    if (kind == Normalization::layernorm) {
+        bias                 = parameter_create(name + ".bias", {h}, device);
+        bias.no_weight_decay = true;
+    }
+}
+
+void Norm::init() {
+    parameter_init_constant(weight, 1.0f);
+    if (kind == Normalization::layernorm) parameter_init_constant(bias, 0.0f);
+}
+
+void Norm::parameters(std::vector<Parameter *> & out) {
+    out.push_back(&weight);
+    if (kind == Normalization::layernorm) out.push_back(&bias);
+}
+
+Tensor Norm::forward(Context & ctx, const Tensor & x) {
+    int64_t n = x.size(0), h = x.size(1);
+    Tensor  y = activation(x.device(), n, h);
+    ctx.rstd  = activation(x.device(), n, 1);
+    if (kind == Normalization::layernorm) {
+        ctx.mean = activation(x.device(), n, 1);
+        cpu::layernorm_forward(x.data<float>(), weight.data.data<float>(), bias.data.data<float>(), y.data<float>(),
+                               ctx.mean.data<float>(), ctx.rstd.data<float>(), n, h, eps);
+    } else {
+        cpu::rmsnorm_forward(x.data<float>(), weight.data.data<float>(), y.data<float>(), ctx.rstd.data<float>(), n, h, eps);
+    }
+    ctx.x = x;
+    return y;
+}
+
+Tensor Norm::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
+    int64_t n = dy.size(0), h = dy.size(1);
+    Tensor  dx = activation(dy.device(), n, h);
+    if (kind == Normalization::layernorm) {
+        cpu::layernorm_backward(dy.data<float>(), ctx.x.data<float>(), weight.data.data<float>(), ctx.mean.data<float>(),
+                                ctx.rstd.data<float>(), dx.data<float>(), weight.main_grad.data<float>(),
+                                bias.main_grad.data<float>(), n, h);
+    } else {
+        cpu::rmsnorm_backward(dy.data<float>(), ctx.x.data<float>(), weight.data.data<float>(), ctx.rstd.data<float>(),
+                              dx.data<float>(), weight.main_grad.data<float>(), n, h);
+    }
+    ctx = Context{};
+    if (ready) {
+        ready(weight);
+        if (kind == Normalization::layernorm) ready(bias);
+    }
+    return dx;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// SelfAttention
+
+SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Device & device)
+    : config(c),
+      qkv(name + ".qkv", c.hidden_size, (c.num_attention_heads + 2 * c.num_query_groups) * c.head_dim(),
+          c.add_bias_linear, device),
+      proj(name + ".proj", c.num_attention_heads * c.head_dim(), c.hidden_size, c.add_bias_linear, device) {
+    proj.weight.tensor_parallel_dim = 1;
+}
+
+void SelfAttention::init(uint64_t seed, float std, float output_std) {
+    qkv.init(seed, std);
+    proj.init(seed, output_std);
+}
+
+void SelfAttention::parameters(std::vector<Parameter *> & out) {
+    qkv.parameters(out);
+    proj.parameters(out);
+}
+
+namespace {
+
+cpu::AttentionShape attention_shape(const GptConfig & c, int64_t s, int64_t b) {
+    int64_t d = c.head_dim();
+    return {s, b, c.num_attention_heads, c.num_query_groups, d, (c.num_attention_heads + 2 * c.num_query_groups) * d};
+}
+
+}  // namespace
+
+Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b) {
+    cpu::AttentionShape shape = attention_shape(config, s, b);
+    ctx.s = s;
+    ctx.b = b;
+    ctx.qkv = qkv.forward(ctx.qkv_ctx, x);
+    if (config.position_embedding == PositionEmbedding::rope) {
+        // Q and K heads are adjacent in each row: rotate nq + nkv heads at once.
+        cpu::rope_apply(ctx.qkv.data<float>(), shape.row_stride, s, b, shape.nq + shape.nkv, shape.d,
+                        config.rotary_base, false);
+    }
+    ctx.out = activation(x.device(), s * b, shape.nq * shape.d);
+    ctx.lse = activation(x.device(), b * shape.nq, s);
+    float scale = 1.0f / std::sqrt(static_cast<float>(shape.d));
+    cpu::attention_forward(ctx.qkv.data<float>(), ctx.out.data<float>(), ctx.lse.data<float>(), shape, scale);
+    return proj.forward(ctx.proj_ctx, ctx.out);
+}
+
+Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
+    cpu::AttentionShape shape = attention_shape(config, ctx.s, ctx.b);
+    Tensor d_out = proj.backward(ctx.proj_ctx, dy, ready);
+    Tensor d_qkv = activation(dy.device(), ctx.s * ctx.b, shape.row_stride);
+    float  scale = 1.0f / std::sqrt(static_cast<float>(shape.d));
+    cpu::attention_backward(ctx.qkv.data<float>(), ctx.out.data<float>(), d_out.data<float>(), ctx.lse.data<float>(),
+                            d_qkv.data<float>(), shape, scale);
+    if (config.position_embedding == PositionEmbedding::rope) {
+        cpu::rope_apply(d_qkv.data<float>(), shape.row_stride, ctx.s, ctx.b, shape.nq + shape.nkv, shape.d,
+                        config.rotary_base, true);
+    }
+    ctx.qkv = ctx.out = ctx.lse = Tensor();
+    return qkv.backward(ctx.qkv_ctx, d_qkv, ready);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Mlp
+
+Mlp::Mlp(const std::string & name, const GptConfig & c, Device & device)
+    : config(c),
+      fc1(name + ".fc1", c.hidden_size, c.swiglu ? 2 * c.ffn_hidden_size : c.ffn_hidden_size, c.add_bias_linear, device),
+      fc2(name + ".fc2", c.ffn_hidden_size, c.hidden_size, c.add_bias_linear, device) {
+    fc2.weight.tensor_parallel_dim = 1;
+}
+
+void Mlp::init(uint64_t seed, float std, float output_std) {
+    fc1.init(seed, std);
+    fc2.init(seed, output_std);
+}
+
+void Mlp::parameters(std::vector<Parameter *> & out) {
+    fc1.parameters(out);
+    fc2.parameters(out);
+}
+
+Tensor Mlp::forward(Context & ctx, const Tensor & x) {
+    ctx.pre_act  = fc1.forward(ctx.fc1_ctx, x);
+    int64_t n    = x.size(0), f = config.ffn_hidden_size;
+    Tensor  act  = activation(x.device(), n, f);
+    if (config.swiglu) {
+        cpu::swiglu_forward(ctx.pre_act.data<float>(), act.data<float>(), n, f);
+    } else {
+        cpu::gelu_forward(ctx.pre_act.data<float>(), act.data<float>(), n * f);
+    }
+    return fc2.forward(ctx.fc2_ctx, act);
+}
+
+Tensor Mlp::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
+    Tensor  d_act = fc2.backward(ctx.fc2_ctx, dy, ready);
+    int64_t n = dy.size(0), f = config.ffn_hidden_size;
+    Tensor  d_pre = activation(dy.device(), n, ctx.pre_act.size(1));
+    if (config.swiglu) {
+        cpu::swiglu_backward(ctx.pre_act.data<float>(), d_act.data<float>(), d_pre.data<float>(), n, f);
+    } else {
+        cpu::gelu_backward(ctx.pre_act.data<float>(), d_act.data<float>(), d_pre.data<float>(), n * f);
+    }
+    ctx.pre_act = Tensor();
+    return fc1.backward(ctx.fc1_ctx, d_pre, ready);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// TransformerLayer
+
+TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & device)
+    : config(c),
+      norm1("layers." + std::to_string(index) + ".norm1", c.hidden_size, c.normalization, c.norm_epsilon, device),
+      attention("layers." + std::to_string(index) + ".attention", c, device),
+      norm2("layers." + std::to_string(index) + ".norm2", c.hidden_size, c.normalization, c.norm_epsilon, device),
+      mlp("layers." + std::to_string(index) + ".mlp", c, device) {}
+
+void TransformerLayer::init(uint64_t seed) {
+    // Megatron's init: N(0, std) for inputs, std / sqrt(2 L) for the layers that write the residual.
+    float std        = config.init_method_std;
+    float output_std = std / std::sqrt(2.0f * static_cast<float>(config.num_layers));
+    norm1.init();
+    attention.init(seed, std, output_std);
+    norm2.init();
+    mlp.init(seed, std, output_std);
+}
+
+void TransformerLayer::parameters(std::vector<Parameter *> & out) {
+    norm1.parameters(out);
+    attention.parameters(out);
+    norm2.parameters(out);
+    mlp.parameters(out);
+}
+
+Tensor TransformerLayer::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b) {
+    Tensor h1 = attention.forward(ctx.attn, norm1.forward(ctx.norm1, x), s, b);
+    cpu::add_inplace(h1.data<float>(), x.data<float>(), h1.numel());   // h1 = x + attn
+    Tensor h2 = mlp.forward(ctx.mlp, norm2.forward(ctx.norm2, h1));
+    cpu::add_inplace(h2.data<float>(), h1.data<float>(), h2.numel());  // h2 = h1 + mlp
+    return h2;
+}
+
+Tensor TransformerLayer::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
+    // d h1 = dy + norm2'(mlp'(dy));  dx = d h1 + norm1'(attn'(d h1)).
+    Tensor dh1 = norm2.backward(ctx.norm2, mlp.backward(ctx.mlp, dy, ready), ready);
+    cpu::add_inplace(dh1.data<float>(), dy.data<float>(), dh1.numel());
+    Tensor dx = norm1.backward(ctx.norm1, attention.backward(ctx.attn, dh1, ready), ready);
+    cpu::add_inplace(dx.data<float>(), dh1.data<float>(), dx.numel());
+    return dx;
+}
+
+}  // namespace loom::model

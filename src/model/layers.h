@@ -1,0 +1,112 @@
+// The layers of a GPT, each with explicit forward(ctx, x) -> y and backward(ctx, dy) -> dx (no autograd).
+//
+// A Context holds what one (layer, microbatch) saves for its backward; the caller owns it, so a pipeline
+// schedule can keep several microbatches in flight. backward() ADDS weight gradients into main_grad and
+// then reports each parameter ready through `ready`, in the order its gradient becomes final.
+//
+// Activations are f32, (s * b, width) row-major with rows in Megatron's (s, b) order.
+// Legend: n = s * b rows, h hidden, f ffn hidden, a heads, g query groups, d head dim.
+#pragma once
+
+#include "model/gpt_config.h"
+#include "model/parameter.h"
+
+#include <memory>
+#include <vector>
+
+namespace loom::model {
+
+// Allocates an f32 activation (rows, cols) from the "activations" pool.
+Tensor activation(Device & device, int64_t rows, int64_t cols);
+
+class Linear {
+public:
+    // y (n, out) = x (n, in) W^T + bias;  W (out, in).
+    Linear(const std::string & name, int64_t in, int64_t out, bool bias, Device & device);
+    struct Context { Tensor x; };
+
+    Tensor forward(Context & ctx, const Tensor & x);
+    Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
+    void   init(uint64_t seed, float std);
+    void   parameters(std::vector<Parameter *> & out);
+
+    Parameter weight;   // (out, in)
+    Parameter bias;     // (out), undefined data when absent
+    bool      has_bias;
+};
+
+class Norm {
+public:
+    Norm(const std::string & name, int64_t h, Normalization kind, float eps, Device & device);
+    struct Context { Tensor x, mean, rstd; };
+
+    Tensor forward(Context & ctx, const Tensor & x);
+    Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
+    void   init();
+    void   parameters(std::vector<Parameter *> & out);
+
+    Parameter     weight;   // (h)
+    Parameter     bias;     // (h), LayerNorm only
+    Normalization kind;
+    float         eps;
+};
+
+class SelfAttention {
+public:
+    SelfAttention(const std::string & name, const GptConfig & config, Device & device);
+    struct Context {
+        Linear::Context qkv_ctx, proj_ctx;
+        Tensor          qkv;   // (n, (a + 2g) d) after RoPE
+        Tensor          out;   // (n, a d) attention output, input of the projection
+        Tensor          lse;   // (b, a, s)
+        int64_t         s = 0, b = 0;
+    };
+
+    Tensor forward(Context & ctx, const Tensor & x, int64_t s, int64_t b);
+    Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
+    void   init(uint64_t seed, float std, float output_std);
+    void   parameters(std::vector<Parameter *> & out);
+
+    const GptConfig & config;
+    Linear            qkv;    // h -> (a + 2g) d, rows [Q | K | V]
+    Linear            proj;   // a d -> h
+};
+
+class Mlp {
+public:
+    Mlp(const std::string & name, const GptConfig & config, Device & device);
+    struct Context { Linear::Context fc1_ctx, fc2_ctx; Tensor pre_act; };
+
+    Tensor forward(Context & ctx, const Tensor & x);
+    Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
+    void   init(uint64_t seed, float std, float output_std);
+    void   parameters(std::vector<Parameter *> & out);
+
+    const GptConfig & config;
+    Linear            fc1;   // h -> f (2f with SwiGLU: [gate | up])
+    Linear            fc2;   // f -> h
+};
+
+// Pre-norm block: x + attn(norm1(x)), then + mlp(norm2(.)).
+class TransformerLayer {
+public:
+    TransformerLayer(int64_t index, const GptConfig & config, Device & device);
+    struct Context {
+        Norm::Context          norm1, norm2;
+        SelfAttention::Context attn;
+        Mlp::Context           mlp;
+    };
+
+    Tensor forward(Context & ctx, const Tensor & x, int64_t s, int64_t b);
+    Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
+    void   init(uint64_t seed);
+    void   parameters(std::vector<Parameter *> & out);
+
+    const GptConfig & config;
+    Norm              norm1;
+    SelfAttention     attention;
+    Norm              norm2;
+    Mlp               mlp;
+};
+
+}  // namespace loom::model

@@ -1,0 +1,39 @@
+// Parameter: a model weight, its f32 gradient accumulator and the attributes the parallel layers need.
+//
+// backward() ADDS into main_grad (so microbatches accumulate) and then reports the parameter ready
+// through the GradReadyFn it was given; DDP buckets count these reports to launch their reductions.
+// data and main_grad are Tensors so the DDP buffers can later re-point them at views of one flat buffer.
+#pragma once
+
+#include "core/tensor.h"
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace loom::model {
+
+struct Parameter {
+    std::string name;                    // "layers.3.mlp.fc1.weight"
+    Tensor      data;                    // model dtype
+    Tensor      main_grad;               // f32, same shape
+    bool        no_weight_decay  = false;   // biases and norm weights (Megatron's param groups)
+    bool        shared_embedding = false;   // word embedding tied to the output layer
+    int         tensor_parallel_dim = -1;   // dimension split across TP ranks, -1 if replicated
+    bool        expert = false;             // MoE expert weight (reduced over expert-data-parallel)
+
+    int64_t numel() const { return data.numel(); }
+};
+
+using GradReadyFn = std::function<void(Parameter &)>;
+
+// Allocates data (filled by the caller) and a zeroed f32 main_grad.
+Parameter parameter_create(const std::string & name, const Shape & shape, Device & device);
+
+// Fills with N(0, std^2) from a stream seeded by (seed, name): every layout of the same model gets the
+// same values for the same parameter.
+void parameter_init_normal(Parameter & p, uint64_t seed, float std);
+void parameter_init_constant(Parameter & p, float value);
+
+}  // namespace loom::model

@@ -1,0 +1,341 @@
+// Gradient checks for every layer kernel and the whole GPT, against central finite differences.
+//
+// Forward and backward run in f32. A scalar objective L = sum_i w_i y_i (fixed random w) turns each
+// kernel into a function whose gradient the backward must produce; L is accumulated in double and
+// perturbations use eps = 1e-2 on O(1) inputs, so the f32 round-off of L (~1e-7 |L|) divided by eps
+// stays far below the tolerance: |analytic - numeric| <= 2e-3 * (1 + |numeric|) per checked element.
+// The attention kernel's forward is also compared with a direct O(s^2) evaluation in double.
+#include "backend/cpu/attention.h"
+#include "backend/cpu/cpu_device.h"
+#include "backend/cpu/ops.h"
+#include "model/gpt_model.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <random>
+
+using namespace loom;
+
+namespace {
+
+std::vector<float> random_vector(int64_t n, uint64_t seed, float scale = 1.0f) {
+    std::mt19937_64                       rng(seed);
+    std::uniform_real_distribution<float> u(-scale, scale);
+    std::vector<float>                    v(n);
+    for (auto & x : v) x = u(rng);
+    return v;
+}
+
+double dot(const std::vector<float> & a, const float * b) {
+    double s = 0;
+    for (size_t i = 0; i < a.size(); ++i) s += static_cast<double>(a[i]) * b[i];
+    return s;
+}
+
+// Compares analytic[i] with the central difference of `loss` in x[i] for `samples` indices.
+void check_gradient(const std::string & what, float * x, int64_t n, const float * analytic,
+                    const std::function<double()> & loss, int samples = 24, float eps = 1e-2f, double tol = 2e-3) {
+    std::mt19937_64 rng(n * 7919 + what.size());
+    int             bad = 0;
+    for (int k = 0; k < samples; ++k) {
+        int64_t i    = samples >= n ? k % n : static_cast<int64_t>(rng() % n);
+        float   orig = x[i];
+        x[i]         = orig + eps;
+        double lp    = loss();
+        x[i]         = orig - eps;
+        double lm    = loss();
+        x[i]         = orig;
+        double numeric = (lp - lm) / (2.0 * eps);
+        double diff    = std::fabs(analytic[i] - numeric);
+        if (diff > tol * (1.0 + std::fabs(numeric)) && ++bad <= 3) {
+            ADD_FAILURE() << what << "[" << i << "]: analytic " << analytic[i] << " numeric " << numeric;
+        }
+    }
+    EXPECT_EQ(bad, 0) << what;
+}
+
+}  // namespace
+
+TEST(Kernels, LayerNormAndRmsNormGradients) {
+    const int64_t n = 6, h = 40;
+    auto x = random_vector(n * h, 1), gamma = random_vector(h, 2), beta = random_vector(h, 3), w = random_vector(n * h, 4);
+    std::vector<float> y(n * h), mean(n), rstd(n), dx(n * h), dgamma(h, 0), dbeta(h, 0);
+    auto ln = [&] {
+        cpu::layernorm_forward(x.data(), gamma.data(), beta.data(), y.data(), mean.data(), rstd.data(), n, h, 1e-5f);
+        return dot(w, y.data());
+    };
+    ln();
+    cpu::layernorm_backward(w.data(), x.data(), gamma.data(), mean.data(), rstd.data(), dx.data(), dgamma.data(), dbeta.data(), n, h);
+    check_gradient("layernorm dx", x.data(), n * h, dx.data(), ln);
+    check_gradient("layernorm dgamma", gamma.data(), h, dgamma.data(), ln);
+    check_gradient("layernorm dbeta", beta.data(), h, dbeta.data(), ln);
+
+    std::fill(dgamma.begin(), dgamma.end(), 0.0f);
+    auto rms = [&] {
+        cpu::rmsnorm_forward(x.data(), gamma.data(), y.data(), rstd.data(), n, h, 1e-5f);
+        return dot(w, y.data());
+    };
+    rms();
+    cpu::rmsnorm_backward(w.data(), x.data(), gamma.data(), rstd.data(), dx.data(), dgamma.data(), n, h);
+    check_gradient("rmsnorm dx", x.data(), n * h, dx.data(), rms);
+    check_gradient("rmsnorm dgamma", gamma.data(), h, dgamma.data(), rms);
+}
+
+TEST(Kernels, ActivationGradients) {
+    const int64_t n = 5, f = 24;
+    auto x = random_vector(n * 2 * f, 5, 3.0f), w = random_vector(n * 2 * f, 6);
+    std::vector<float> y(n * 2 * f), dx(n * 2 * f);
+    auto gelu = [&] {
+        cpu::gelu_forward(x.data(), y.data(), n * 2 * f);
+        return dot(w, y.data());
+    };
+    cpu::gelu_backward(x.data(), w.data(), dx.data(), n * 2 * f);
+    check_gradient("gelu", x.data(), n * 2 * f, dx.data(), gelu);
+    // GELU(1) with the tanh approximation.
+    float one = 1.0f, g;
+    cpu::gelu_forward(&one, &g, 1);
+    EXPECT_NEAR(g, 0.841192f, 1e-5f);
+
+    std::vector<float> wf(w.begin(), w.begin() + n * f);
+    auto swiglu = [&] {
+        cpu::swiglu_forward(x.data(), y.data(), n, f);
+        return dot(wf, y.data());
+    };
+    cpu::swiglu_backward(x.data(), wf.data(), dx.data(), n, f);
+    check_gradient("swiglu", x.data(), n * 2 * f, dx.data(), swiglu);
+}
+
+TEST(Kernels, RopeIsARotationAndItsInverseUndoesIt) {
+    const int64_t s = 7, b = 2, heads = 3, d = 8;
+    auto x = random_vector(s * b * heads * d, 7);
+    auto y = x;
+    cpu::rope_apply(y.data(), heads * d, s, b, heads, d, 10000.0f, false);
+    // Position 0 is unchanged; norms of each head are preserved everywhere.
+    for (int64_t i = 0; i < b * heads * d; ++i) EXPECT_FLOAT_EQ(y[i], x[i]);
+    for (int64_t row = 0; row < s * b * heads; ++row) {
+        double nx = 0, ny = 0;
+        for (int64_t j = 0; j < d; ++j) {
+            nx += x[row * d + j] * x[row * d + j];
+            ny += y[row * d + j] * y[row * d + j];
+        }
+        EXPECT_NEAR(nx, ny, 1e-4);
+    }
+    cpu::rope_apply(y.data(), heads * d, s, b, heads, d, 10000.0f, true);
+    for (size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(y[i], x[i], 1e-5f);
+}
+
+TEST(Kernels, CrossEntropyGradient) {
+    const int64_t s = 3, b = 2, V = 11;
+    auto logits = random_vector(s * b * V, 8, 2.0f);
+    std::vector<int32_t> labels = {1, 5, 10, 0, 3, 7};
+    std::vector<float>   loss(s * b), lse(s * b), dloss = {0.5f, 1.0f, 0.0f, 2.0f, 1.5f, 1.0f};
+    auto total = [&] {
+        cpu::cross_entropy_forward(logits.data(), labels.data(), loss.data(), lse.data(), s, b, V);
+        return dot(dloss, loss.data());
+    };
+    total();
+    // Row r = si * b + bi reads labels[bi * s + si].
+    double direct = 0;
+    for (int64_t v = 0; v < V; ++v) direct += std::exp(static_cast<double>(logits[v]));
+    EXPECT_NEAR(loss[0], std::log(direct) - logits[labels[0]], 1e-5);
+    auto grad = logits;
+    cpu::cross_entropy_backward(grad.data(), labels.data(), lse.data(), dloss.data(), s, b, V);
+    check_gradient("cross_entropy", logits.data(), s * b * V, grad.data(), total, 40);
+}
+
+namespace {
+
+// Direct causal attention in double for one (sequence, head): the reference for the tiled kernel.
+void naive_attention(const std::vector<float> & qkv, const cpu::AttentionShape & a, float scale, std::vector<double> & out) {
+    int64_t group = a.nq / a.nkv;
+    out.assign(a.s * a.b * a.nq * a.d, 0.0);
+    for (int64_t bi = 0; bi < a.b; ++bi) {
+        for (int64_t hq = 0; hq < a.nq; ++hq) {
+            int64_t hk = hq / group;
+            for (int64_t i = 0; i < a.s; ++i) {
+                const float *       q = &qkv[(i * a.b + bi) * a.row_stride + hq * a.d];
+                std::vector<double> sc(i + 1);
+                double              mx = -1e300;
+                for (int64_t j = 0; j <= i; ++j) {
+                    const float * k = &qkv[(j * a.b + bi) * a.row_stride + (a.nq + hk) * a.d];
+                    double        v = 0;
+                    for (int64_t dd = 0; dd < a.d; ++dd) v += static_cast<double>(q[dd]) * k[dd];
+                    sc[j] = v * scale;
+                    mx    = std::max(mx, sc[j]);
+                }
+                double sum = 0;
+                for (auto & v : sc) sum += (v = std::exp(v - mx));
+                for (int64_t j = 0; j <= i; ++j) {
+                    const float * v = &qkv[(j * a.b + bi) * a.row_stride + (a.nq + a.nkv + hk) * a.d];
+                    for (int64_t dd = 0; dd < a.d; ++dd) out[(i * a.b + bi) * a.nq * a.d + hq * a.d + dd] += sc[j] / sum * v[dd];
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+
+TEST(Kernels, TiledAttentionMatchesDirectEvaluationAndItsGradient) {
+    // s = 150 spans three 64-blocks with a ragged end; 4 query heads share 2 key/value heads.
+    cpu::AttentionShape a{150, 2, 4, 2, 16, (4 + 2 * 2) * 16};
+    float               scale = 0.25f;
+    auto qkv = random_vector(a.s * a.b * a.row_stride, 9);
+    std::vector<float>  out(a.s * a.b * a.nq * a.d), lse(a.b * a.nq * a.s);
+    cpu::attention_forward(qkv.data(), out.data(), lse.data(), a, scale);
+    std::vector<double> ref;
+    naive_attention(qkv, a, scale, ref);
+    double worst = 0;
+    for (size_t i = 0; i < out.size(); ++i) worst = std::max(worst, std::fabs(out[i] - ref[i]));
+    EXPECT_LT(worst, 2e-6) << "tiled forward vs direct evaluation";
+
+    auto w = random_vector(out.size(), 10);
+    std::vector<float> dqkv(qkv.size());
+    cpu::attention_backward(qkv.data(), out.data(), w.data(), lse.data(), dqkv.data(), a, scale);
+    auto objective = [&] {
+        cpu::attention_forward(qkv.data(), out.data(), lse.data(), a, scale);
+        return dot(w, out.data());
+    };
+    // Check Q, K and V entries separately, including early and late positions.
+    std::mt19937_64 rng(11);
+    int bad = 0;
+    for (int k = 0; k < 90; ++k) {
+        int64_t row = static_cast<int64_t>(rng() % (a.s * a.b));
+        int64_t col = (k % 3) * (k % 3 == 0 ? 0 : 1) ;
+        col = k % 3 == 0 ? static_cast<int64_t>(rng() % (a.nq * a.d))
+            : k % 3 == 1 ? a.nq * a.d + static_cast<int64_t>(rng() % (a.nkv * a.d))
+                         : (a.nq + a.nkv) * a.d + static_cast<int64_t>(rng() % (a.nkv * a.d));
+        int64_t i = row * a.row_stride + col;
+        float   orig = qkv[i];
+        qkv[i] = orig + 1e-2f;
+        double lp = objective();
+        qkv[i] = orig - 1e-2f;
+        double lm = objective();
+        qkv[i] = orig;
+        double numeric = (lp - lm) / 2e-2;
+        if (std::fabs(dqkv[i] - numeric) > 2e-3 * (1 + std::fabs(numeric)) && ++bad <= 3) {
+            ADD_FAILURE() << "attention dqkv[row " << row << ", col " << col << "]: analytic " << dqkv[i] << " numeric " << numeric;
+        }
+    }
+    EXPECT_EQ(bad, 0);
+}
+
+namespace {
+
+model::MicroBatch make_batch(int64_t b, int64_t s, int64_t vocab, uint64_t seed, Device & device) {
+    model::MicroBatch batch;
+    batch.tokens    = Tensor::empty({b, s}, DType::i32, device);
+    batch.labels    = Tensor::empty({b, s}, DType::i32, device);
+    batch.loss_mask = Tensor::empty({b, s}, DType::f32, device);
+    std::mt19937_64 rng(seed);
+    for (int64_t i = 0; i < b * s; ++i) {
+        batch.tokens.data<int32_t>()[i]  = static_cast<int32_t>(rng() % vocab);
+        batch.labels.data<int32_t>()[i]  = static_cast<int32_t>(rng() % vocab);
+        batch.loss_mask.data<float>()[i] = (i % 7 == 3) ? 0.0f : 1.0f;   // some masked positions
+    }
+    return batch;
+}
+
+void check_model_gradients(model::GptConfig config) {
+    Device &        device = cpu::device();
+    model::GptModel gpt(config, device);
+    gpt.init();
+    // Larger weights than the 0.02 init so every path carries signal at f32 precision.
+    for (model::Parameter * p : gpt.parameters()) {
+        if (p->data.dim() == 2) {
+            float * w = p->data.data<float>();
+            for (int64_t i = 0; i < p->numel(); ++i) w[i] *= 10.0f;
+        }
+    }
+    model::MicroBatch batch = make_batch(2, config.seq_length, config.vocab_size, 12, device);
+    auto loss = [&] {
+        model::GptModel::Context ctx;
+        return gpt.forward(ctx, batch).sum;
+    };
+    gpt.zero_grad();
+    model::GptModel::Context ctx;
+    gpt.forward(ctx, batch);
+    std::vector<std::string> ready;
+    gpt.backward(ctx, 1.0, [&](model::Parameter & p) { ready.push_back(p.name); });
+    auto params = gpt.parameters();
+    EXPECT_EQ(ready.size(), params.size()) << "every parameter is reported ready exactly once";
+    for (model::Parameter * p : params) {
+        std::vector<float> grad(p->main_grad.data<float>(), p->main_grad.data<float>() + p->numel());
+        check_gradient(p->name, p->data.data<float>(), p->numel(), grad.data(), loss, 6, 1e-2f, 5e-3);
+    }
+}
+
+}  // namespace
+
+TEST(GptModel, Gpt2StyleGradientsMatchFiniteDifferences) {
+    model::GptConfig c;
+    c.num_layers = 2;
+    c.hidden_size = 32;
+    c.ffn_hidden_size = 64;
+    c.num_attention_heads = 4;
+    c.num_query_groups = 4;
+    c.seq_length = 70;
+    c.max_position_embeddings = 80;
+    c.vocab_size = 50;
+    check_model_gradients(c);
+}
+
+TEST(GptModel, LlamaStyleGradientsMatchFiniteDifferences) {
+    model::GptConfig c = model::gpt_preset("llama-tiny");
+    c.num_layers = 2;
+    c.hidden_size = 32;
+    c.ffn_hidden_size = 48;
+    c.num_attention_heads = 4;
+    c.num_query_groups = 2;
+    c.seq_length = 70;
+    c.vocab_size = 50;
+    check_model_gradients(c);
+}
+
+TEST(GptModel, GradientsAccumulateAcrossMicrobatches) {
+    model::GptConfig c;
+    c.num_layers = 1;
+    c.hidden_size = 32;
+    c.ffn_hidden_size = 64;
+    c.num_attention_heads = 2;
+    c.num_query_groups = 2;
+    c.seq_length = 16;
+    c.max_position_embeddings = 16;
+    c.vocab_size = 40;
+    model::GptModel gpt(c, cpu::device());
+    gpt.init();
+    model::MicroBatch batch = make_batch(2, 16, 40, 13, cpu::device());
+    gpt.zero_grad();
+    for (int k = 0; k < 2; ++k) {
+        model::GptModel::Context ctx;
+        gpt.forward(ctx, batch);
+        gpt.backward(ctx, 0.5, nullptr);
+    }
+    std::vector<std::vector<float>> twice;
+    for (auto * p : gpt.parameters()) twice.emplace_back(p->main_grad.data<float>(), p->main_grad.data<float>() + p->numel());
+    gpt.zero_grad();
+    model::GptModel::Context ctx;
+    gpt.forward(ctx, batch);
+    gpt.backward(ctx, 1.0, nullptr);
+    auto params = gpt.parameters();
+    for (size_t k = 0; k < params.size(); ++k) {
+        const float * once = params[k]->main_grad.data<float>();
+        for (int64_t i = 0; i < params[k]->numel(); ++i) {
+            ASSERT_NEAR(twice[k][i], once[i], 1e-6f + 1e-5f * std::fabs(once[i])) << params[k]->name;
+        }
+    }
+}
+
+TEST(GptModel, ParameterCountMatchesTheConfigFormula) {
+    model::GptConfig c = model::gpt_preset("gpt2-124m");
+    // Hugging Face counts 124,439,808 with V = 50257; padding V to 50304 (a multiple of 128) adds
+    // 47 x 768 = 36,096.
+    EXPECT_EQ(c.num_parameters(), 124439808 + 47 * 768);
+    model::GptConfig tiny;
+    model::GptModel  gpt(tiny, cpu::device());
+    int64_t          total = 0;
+    for (auto * p : gpt.parameters()) total += p->numel();
+    EXPECT_EQ(total, tiny.num_parameters());
+}
