@@ -1,0 +1,98 @@
+#include "optim/adamw.h"
+
+#include "core/error.h"
+#include "core/thread_pool.h"
+
+#include <cmath>
+
+namespace loom::optim {
+
+LrDecayStyle lr_decay_style_from_name(const std::string & name) {
+    if (name == "constant") return LrDecayStyle::constant;
+    if (name == "linear") return LrDecayStyle::linear;
+    if (name == "cosine") return LrDecayStyle::cosine;
+    LOOM_THROW("--lr-decay-style '" << name << "' is not supported", "use constant, linear or cosine");
+}
+
+float LrSchedule::lr_at(int64_t k) const {
+    if (warmup_iters > 0 && k <= warmup_iters) {
+        return max_lr * static_cast<float>(k) / static_cast<float>(warmup_iters);
+    }
+    if (style == LrDecayStyle::constant) {
+        return max_lr;
+    }
+    if (k > decay_iters) {
+        return min_lr;
+    }
+    double ratio = decay_iters > warmup_iters
+                       ? static_cast<double>(k - warmup_iters) / static_cast<double>(decay_iters - warmup_iters)
+                       : 1.0;
+    double coeff = style == LrDecayStyle::linear ? 1.0 - ratio : 0.5 * (std::cos(M_PI * ratio) + 1.0);
+    return static_cast<float>(min_lr + coeff * (max_lr - min_lr));
+}
+
+void adamw_update(float * p, const float * g, float * m, float * v, int64_t n, float lr, float beta1, float beta2,
+                  float eps, float weight_decay, int64_t step) {
+    const float bc1       = 1.0f - std::pow(beta1, static_cast<float>(step));
+    const float bc2_sqrt  = std::sqrt(1.0f - std::pow(beta2, static_cast<float>(step)));
+    const float step_size = lr / bc1;
+    const float decay     = 1.0f - lr * weight_decay;
+    parallel_for(n, 1 << 14, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+            float gi = g[i];
+            float mi = beta1 * m[i] + (1.0f - beta1) * gi;
+            float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
+            m[i]     = mi;
+            v[i]     = vi;
+            p[i]     = p[i] * decay - step_size * mi / (std::sqrt(vi) / bc2_sqrt + eps);
+        }
+    });
+}
+
+AdamW::AdamW(std::vector<model::Parameter *> params, const AdamWConfig & config)
+    : params_(std::move(params)), config_(config) {
+    for (model::Parameter * p : params_) {
+        TensorOptions options{MemoryKind::device, "optimizer"};
+        exp_avg_.push_back(Tensor::zeros(p->data.shape(), DType::f32, p->data.device(), options));
+        exp_avg_sq_.push_back(Tensor::zeros(p->data.shape(), DType::f32, p->data.device(), options));
+    }
+}
+
+void AdamW::step(float lr) {
+    ++step_;
+    for (size_t k = 0; k < params_.size(); ++k) {
+        model::Parameter * p = params_[k];
+        float              wd = p->no_weight_decay ? 0.0f : config_.weight_decay;
+        adamw_update(p->data.data<float>(), p->main_grad.data<float>(), exp_avg_[k].data<float>(),
+                     exp_avg_sq_[k].data<float>(), p->numel(), lr, config_.beta1, config_.beta2, config_.eps, wd, step_);
+    }
+}
+
+double grad_norm(const std::vector<model::Parameter *> & params) {
+    double total = 0;
+    for (model::Parameter * p : params) {
+        const float * g = p->main_grad.data<float>();
+        double        s = 0;
+        for (int64_t i = 0; i < p->numel(); ++i) s += static_cast<double>(g[i]) * g[i];
+        total += s;
+    }
+    return std::sqrt(total);
+}
+
+void scale_grads(const std::vector<model::Parameter *> & params, float factor) {
+    for (model::Parameter * p : params) {
+        float * g = p->main_grad.data<float>();
+        for (int64_t i = 0; i < p->numel(); ++i) g[i] *= factor;
+    }
+}
+
+double clip_grad_norm(const std::vector<model::Parameter *> & params, float max_norm) {
+    double norm = grad_norm(params);
+    if (max_norm > 0 && std::isfinite(norm)) {
+        double coeff = max_norm / (norm + 1e-6);
+        if (coeff < 1.0) scale_grads(params, static_cast<float>(coeff));
+    }
+    return norm;
+}
+
+}  // namespace loom::optim

@@ -1,0 +1,79 @@
+// AdamW with Megatron's defaults and parameter groups, its LR schedule, and global-norm clipping.
+//
+// Update of one element at step t (1-based), gradient g = main_grad, decoupled weight decay wd:
+//   p  <- p - lr * wd * p                       (only parameters with decay: not biases or norms)
+//   m  <- b1 m + (1 - b1) g
+//   v  <- b2 v + (1 - b2) g^2
+//   p  <- p - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+// Defaults (Megatron): b1 0.9, b2 0.999, eps 1e-8, weight decay 0.01. State m, v are f32 in the
+// "optimizer" pool of the parameter's device allocator.
+//
+// LR schedule (Megatron's OptimizerParamScheduler), for iteration k = 1, 2, ...:
+//   k <= warmup:            lr = max_lr * k / warmup
+//   k >  decay_iters:       lr = min_lr
+//   otherwise, r = (k - warmup) / (decay_iters - warmup):
+//     constant: max_lr;  linear: min_lr + (max_lr - min_lr)(1 - r);  cosine: min_lr + (max_lr - min_lr)(1 + cos(pi r)) / 2
+//
+// Clipping: norm = sqrt(sum over all main_grad elements of g^2); if clip > 0 and norm > clip, every
+// gradient is scaled by clip / (norm + 1e-6).
+#pragma once
+
+#include "model/parameter.h"
+
+#include <string>
+#include <vector>
+
+namespace loom::optim {
+
+struct AdamWConfig {
+    float lr           = 6e-4f;
+    float beta1        = 0.9f;
+    float beta2        = 0.999f;
+    float eps          = 1e-8f;
+    float weight_decay = 0.01f;
+};
+
+enum class LrDecayStyle { constant, linear, cosine };
+LrDecayStyle lr_decay_style_from_name(const std::string & name);
+
+struct LrSchedule {
+    float        max_lr       = 6e-4f;
+    float        min_lr       = 0.0f;
+    int64_t      warmup_iters = 0;
+    int64_t      decay_iters  = 0;   // 0: the number of training iterations
+    LrDecayStyle style        = LrDecayStyle::linear;
+
+    float lr_at(int64_t iteration) const;
+};
+
+// The fused update of n elements (the scalar reference; vectorised by the compiler).
+void adamw_update(float * p, const float * g, float * m, float * v, int64_t n, float lr, float beta1, float beta2,
+                  float eps, float weight_decay, int64_t step);
+
+class AdamW {
+public:
+    AdamW(std::vector<model::Parameter *> params, const AdamWConfig & config);
+
+    // One step on every parameter with the given learning rate (weight decay per parameter group).
+    void step(float lr);
+
+    int64_t                                 steps() const { return step_; }
+    const std::vector<model::Parameter *> & params() const { return params_; }
+    const AdamWConfig &                     config() const { return config_; }
+
+private:
+    std::vector<model::Parameter *> params_;
+    std::vector<Tensor>             exp_avg_;      // m, per parameter
+    std::vector<Tensor>             exp_avg_sq_;   // v, per parameter
+    AdamWConfig                     config_;
+    int64_t                         step_ = 0;
+};
+
+// sqrt of the sum of squares of every main_grad (accumulated in double).
+double grad_norm(const std::vector<model::Parameter *> & params);
+// Scales every main_grad by `factor`.
+void   scale_grads(const std::vector<model::Parameter *> & params, float factor);
+// Clips to max_norm (no-op when max_norm <= 0 or the norm is smaller); returns the norm before clipping.
+double clip_grad_norm(const std::vector<model::Parameter *> & params, float max_norm);
+
+}  // namespace loom::optim
