@@ -43,6 +43,16 @@ int64_t GptConfig::num_parameters() const {
     return total;
 }
 
+double GptConfig::training_flops_per_token() const {
+    double h = static_cast<double>(hidden_size), f = static_cast<double>(ffn_hidden_size);
+    double kv = static_cast<double>(num_query_groups * head_dim()), s = static_cast<double>(seq_length);
+    double V = static_cast<double>(padded_vocab_size());
+    double attention = 2 * h * (h + 2 * kv) + 2 * h * h + 2 * 2 * s * h / 2;
+    double mlp       = 2 * h * f * (swiglu ? 3 : 2);
+    double forward   = static_cast<double>(num_layers) * (attention + mlp) + 2 * h * V;
+    return 3 * forward;
+}
+
 GptConfig gpt_preset(const std::string & name) {
     GptConfig c;
     auto gpt2 = [&](int64_t layers, int64_t hidden, int64_t heads) {

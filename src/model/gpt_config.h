@@ -41,6 +41,10 @@ struct GptConfig {
     void validate() const;
     // Parameters of the model (with the padded vocabulary).
     int64_t num_parameters() const;
+    // Training FLOPs per token (forward + backward = 3 x forward, 2 per multiply-add), counted from the
+    // GEMMs as Megatron does: QKV, attention scores and values (halved for the causal mask), projection,
+    // MLP (SwiGLU's first GEMM x 2 wide), output layer.
+    double training_flops_per_token() const;
 };
 
 // "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b", "gpt-tiny" (the default small model), "llama-tiny".

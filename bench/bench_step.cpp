@@ -1,0 +1,50 @@
+// Whole training step of GPT-2 124M on the CPU: micro-batch 4, sequence 256 (1024 tokens per step),
+// forward + backward + AdamW, reported as tokens/s and achieved GFLOP/s (Megatron's FLOP count).
+// Compare GFLOP/s with bench_gemm's f32 peak measured in the same run.
+//
+//   build/bench/bench_step --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
+#include "backend/cpu/cpu_device.h"
+#include "model/gpt_model.h"
+#include "optim/adamw.h"
+
+#include <benchmark/benchmark.h>
+
+#include <random>
+
+using namespace loom;
+
+static void BM_gpt2_124m_step_f32(benchmark::State & state) {
+    model::GptConfig config = model::gpt_preset("gpt2-124m");
+    config.seq_length       = 256;
+    const int64_t b = 4, s = 256;
+    Device &        device = cpu::device();
+    model::GptModel gpt(config, device);
+    gpt.init();
+    auto               params = gpt.parameters();
+    optim::AdamW       adam(params, optim::AdamWConfig{});
+    model::MicroBatch  batch;
+    batch.tokens    = Tensor::empty({b, s}, DType::i32, device);
+    batch.labels    = Tensor::empty({b, s}, DType::i32, device);
+    batch.loss_mask = Tensor::empty({b, s}, DType::f32, device);
+    std::mt19937 rng(1);
+    for (int64_t i = 0; i < b * s; ++i) {
+        batch.tokens.data<int32_t>()[i]  = static_cast<int32_t>(rng() % 50257);
+        batch.labels.data<int32_t>()[i]  = static_cast<int32_t>(rng() % 50257);
+        batch.loss_mask.data<float>()[i] = 1.0f;
+    }
+    for (auto _ : state) {
+        gpt.zero_grad();
+        model::GptModel::Context ctx;
+        auto loss = gpt.forward(ctx, batch);
+        gpt.backward(ctx, 1.0 / loss.count, nullptr);
+        optim::clip_grad_norm(params, 1.0f);
+        adam.step(1e-4f);
+    }
+    double tokens = static_cast<double>(b * s);
+    state.counters["tokens"] = benchmark::Counter(tokens * state.iterations(), benchmark::Counter::kIsRate);
+    state.counters["GFLOP"]  = benchmark::Counter(config.training_flops_per_token() * tokens * state.iterations() / 1e9,
+                                                    benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_gpt2_124m_step_f32)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(5.0);
+
+BENCHMARK_MAIN();

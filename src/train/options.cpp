@@ -1,0 +1,123 @@
+#include "train/options.h"
+
+#include "core/error.h"
+
+namespace loom::train {
+
+TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
+    TrainOptions & o = opts_;
+    app.add_option("--model", o.model_preset,
+                   "model preset: gpt-tiny, llama-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b")->capture_default_str();
+    app.add_option("--num-layers", num_layers_, "transformer layers");
+    app.add_option("--hidden-size", hidden_size_, "hidden size");
+    app.add_option("--ffn-hidden-size", ffn_hidden_size_, "MLP hidden size (default 4 x hidden)");
+    app.add_option("--num-attention-heads", heads_, "attention heads");
+    app.add_flag("--group-query-attention", gqa_, "use grouped-query attention (with --num-query-groups)");
+    app.add_option("--num-query-groups", query_groups_, "key/value heads with --group-query-attention");
+    app.add_option("--seq-length", seq_length_, "sequence length");
+    app.add_option("--max-position-embeddings", max_pos_, "learned position embeddings");
+    app.add_option("--vocab-size", vocab_size_, "vocabulary size (default: the dataset's)");
+    app.add_option("--make-vocab-size-divisible-by", vocab_divisible_, "pad the vocabulary to a multiple of this");
+    app.add_option("--normalization", normalization_, "LayerNorm or RMSNorm");
+    app.add_flag("--swiglu", swiglu_, "SwiGLU MLP");
+    app.add_option("--position-embedding-type", position_embedding_, "learned_absolute, rope or none");
+    app.add_flag("--disable-bias-linear", disable_bias_, "no biases in linear layers");
+    app.add_flag("--untie-embeddings-and-output-weights", untie_, "separate output layer weight");
+    app.add_option("--init-method-std", init_std_, "std of the normal initialisation");
+    app.add_option("--seed", seed_, "random seed (initialisation and data order)");
+
+    app.add_option("--micro-batch-size", o.micro_batch_size, "sequences per microbatch")->capture_default_str();
+    app.add_option("--global-batch-size", o.global_batch_size, "sequences per iteration (default: micro x dp)");
+    app.add_option("--train-iters", o.train_iters, "training iterations")->capture_default_str();
+    app.add_option("--lr", o.adam.lr, "maximum learning rate")->capture_default_str();
+    app.add_option("--min-lr", o.min_lr, "minimum learning rate")->capture_default_str();
+    app.add_option("--lr-warmup-iters", o.lr_warmup_iters, "linear warmup iterations")->capture_default_str();
+    app.add_option("--lr-decay-style", o.lr_decay_style, "constant, linear or cosine")->capture_default_str();
+    app.add_option("--lr-decay-iters", o.lr_decay_iters, "iterations to decay over (default: --train-iters)");
+    app.add_option("--weight-decay", o.adam.weight_decay, "decoupled weight decay")->capture_default_str();
+    app.add_option("--adam-beta1", o.adam.beta1, "Adam beta1")->capture_default_str();
+    app.add_option("--adam-beta2", o.adam.beta2, "Adam beta2")->capture_default_str();
+    app.add_option("--adam-eps", o.adam.eps, "Adam epsilon")->capture_default_str();
+    app.add_option("--clip-grad", o.clip_grad, "clip gradients to this global norm (0: off)")->capture_default_str();
+    app.add_flag("--bf16", o.bf16, "bf16 parameters and activations");
+
+    app.add_option("--data-path", o.data_path, "Megatron dataset prefix (PREFIX.bin / PREFIX.idx)");
+    app.add_option("--split", o.split, "train,valid,test weights over documents")->capture_default_str();
+    app.add_option("--text-file", o.text_file, "a plain text file, tokenised by bytes");
+    app.add_option("--llmc-shard", o.llmc_shard, "an llm.c token shard");
+    app.add_option("--log-interval", o.log_interval, "iterations between log lines")->capture_default_str();
+    app.add_option("--log-file", o.log_file, "write the logged metrics as JSON lines to this file");
+}
+
+TrainOptions TrainOptionParser::resolve() {
+    TrainOptions o = opts_;
+    o.model        = model::gpt_preset(o.model_preset);
+    model::GptConfig & m = o.model;
+    auto given = [&](const char * flag) { return app_.count(flag) > 0; };
+    if (given("--num-layers")) m.num_layers = num_layers_;
+    if (given("--hidden-size")) {
+        m.hidden_size = hidden_size_;
+        if (!given("--ffn-hidden-size")) m.ffn_hidden_size = 4 * hidden_size_;
+    }
+    if (given("--ffn-hidden-size")) m.ffn_hidden_size = ffn_hidden_size_;
+    if (given("--num-attention-heads")) {
+        m.num_attention_heads = heads_;
+        m.num_query_groups    = heads_;
+    }
+    if (given("--num-query-groups") && !gqa_) {
+        LOOM_THROW("--num-query-groups " << query_groups_ << " without --group-query-attention",
+                   "add --group-query-attention to use grouped-query attention");
+    }
+    if (gqa_) {
+        LOOM_CHECK(given("--num-query-groups"), "--group-query-attention needs --num-query-groups", "");
+        m.num_query_groups = query_groups_;
+    }
+    if (given("--seq-length")) {
+        m.seq_length = seq_length_;
+        if (!given("--max-position-embeddings")) m.max_position_embeddings = std::max(m.max_position_embeddings, seq_length_);
+    }
+    if (given("--max-position-embeddings")) m.max_position_embeddings = max_pos_;
+    if (given("--vocab-size")) m.vocab_size = vocab_size_;
+    if (given("--make-vocab-size-divisible-by")) m.make_vocab_size_divisible_by = vocab_divisible_;
+    if (given("--normalization")) {
+        if (normalization_ == "LayerNorm") m.normalization = model::Normalization::layernorm;
+        else if (normalization_ == "RMSNorm") m.normalization = model::Normalization::rmsnorm;
+        else LOOM_THROW("--normalization '" << normalization_ << "' is not supported", "use LayerNorm or RMSNorm");
+    }
+    if (swiglu_) m.swiglu = true;
+    if (given("--position-embedding-type")) {
+        if (position_embedding_ == "learned_absolute") m.position_embedding = model::PositionEmbedding::learned_absolute;
+        else if (position_embedding_ == "rope") m.position_embedding = model::PositionEmbedding::rope;
+        else if (position_embedding_ == "none") m.position_embedding = model::PositionEmbedding::none;
+        else LOOM_THROW("--position-embedding-type '" << position_embedding_ << "' is not supported",
+                        "use learned_absolute, rope or none");
+    }
+    if (disable_bias_) m.add_bias_linear = false;
+    if (untie_) m.untie_embeddings_and_output_weights = true;
+    if (given("--init-method-std")) m.init_method_std = init_std_;
+    if (given("--seed")) m.seed = seed_;
+
+    LOOM_CHECK(o.micro_batch_size >= 1, "--micro-batch-size must be >= 1, got " << o.micro_batch_size, "");
+    if (o.global_batch_size == 0) o.global_batch_size = o.micro_batch_size;
+    LOOM_CHECK(o.global_batch_size % o.micro_batch_size == 0,
+               "--global-batch-size " << o.global_batch_size << " is not a multiple of --micro-batch-size "
+                                      << o.micro_batch_size << " x data-parallel size 1",
+               "choose a global batch that the micro-batches divide evenly");
+    LOOM_CHECK(o.train_iters >= 1, "--train-iters must be >= 1", "");
+    LOOM_CHECK(o.adam.lr > 0, "--lr must be > 0, got " << o.adam.lr, "");
+    LOOM_CHECK(o.min_lr >= 0 && o.min_lr <= o.adam.lr, "--min-lr " << o.min_lr << " must lie in [0, --lr " << o.adam.lr << "]", "");
+    LOOM_CHECK(o.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0", "");
+    optim::lr_decay_style_from_name(o.lr_decay_style);
+    if (o.lr_decay_iters == 0) o.lr_decay_iters = o.train_iters;
+    LOOM_CHECK(o.lr_decay_iters >= o.lr_warmup_iters,
+               "--lr-decay-iters " << o.lr_decay_iters << " is shorter than --lr-warmup-iters " << o.lr_warmup_iters, "");
+    LOOM_CHECK(o.log_interval >= 1, "--log-interval must be >= 1", "");
+    int sources = !o.data_path.empty() + !o.text_file.empty() + !o.llmc_shard.empty();
+    LOOM_CHECK(sources <= 1, "--data-path, --text-file and --llmc-shard are exclusive (" << sources << " given)",
+               "train on one data source at a time");
+    LOOM_CHECK(!o.bf16, "--bf16 is not implemented yet in this build", "train in float32 (drop --bf16)");
+    m.validate();
+    return o;
+}
+
+}  // namespace loom::train

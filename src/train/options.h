@@ -1,0 +1,70 @@
+// The options of `loom train` and `loom eval`: one table of Megatron's flag spellings, defaults and help,
+// registered on a CLI11 app, then validated in one place with messages that name the flags.
+//
+// A model is a preset (--model, Loom's shortcut; default gpt-tiny) overridden by any of Megatron's model
+// flags given explicitly.
+#pragma once
+
+#include "model/gpt_config.h"
+#include "optim/adamw.h"
+
+#include <CLI/CLI.hpp>
+
+#include <optional>
+#include <string>
+
+namespace loom::train {
+
+struct TrainOptions {
+    // Model.
+    std::string model_preset = "gpt-tiny";
+    model::GptConfig model;          // resolved: preset + explicit flags
+
+    // Batch and iterations.
+    int64_t micro_batch_size  = 8;
+    int64_t global_batch_size = 0;   // 0: micro_batch_size x dp
+    int64_t train_iters       = 300;
+
+    // Optimizer and schedule.
+    optim::AdamWConfig adam;
+    float              min_lr           = 1e-4f;
+    int64_t            lr_warmup_iters  = 20;
+    std::string        lr_decay_style   = "cosine";
+    int64_t            lr_decay_iters   = 0;   // 0: train_iters
+    float              clip_grad        = 1.0f;
+    bool               bf16             = false;
+
+    // Data.
+    std::string data_path;          // Megatron .bin/.idx prefix
+    std::string split = "969,30,1";
+    std::string text_file;          // a plain text file, byte tokens
+    std::string llmc_shard;         // an llm.c token shard
+
+    // Logging.
+    int64_t     log_interval = 10;
+    std::string log_file;           // JSON lines, one object per logged iteration
+    bool        log_throughput = true;
+
+    int64_t num_microbatches(int64_t dp = 1) const { return global_batch_size / (micro_batch_size * dp); }
+};
+
+// Registers every option; explicit model flags are recorded so they override the preset.
+class TrainOptionParser {
+public:
+    explicit TrainOptionParser(CLI::App & app);
+    // After app.parse(): resolves the preset, applies explicit flags, validates; throws loom::Error.
+    TrainOptions resolve();
+
+private:
+    CLI::App &   app_;
+    TrainOptions opts_;
+    // Model flags, only applied when given.
+    int64_t     num_layers_ = 0, hidden_size_ = 0, ffn_hidden_size_ = 0, heads_ = 0, query_groups_ = 0;
+    int64_t     seq_length_ = 0, max_pos_ = 0, vocab_size_ = 0, vocab_divisible_ = 0;
+    bool        gqa_ = false, swiglu_ = false, disable_bias_ = false, untie_ = false;
+    std::string normalization_, position_embedding_;
+    float       init_std_ = 0;
+    uint64_t    seed_     = 0;
+};
+
+}  // namespace loom::train

@@ -1,0 +1,160 @@
+#include "train/trainer.h"
+
+#include "core/device.h"
+
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+namespace loom::train {
+
+namespace {
+
+std::string timestamp() {
+    auto        now  = std::chrono::system_clock::now();
+    std::time_t secs = std::chrono::system_clock::to_time_t(now);
+    auto        us   = std::chrono::duration_cast<std::chrono::microseconds>(now.time_since_epoch()).count() % 1000000;
+    std::tm     tm;
+    localtime_r(&secs, &tm);
+    char buffer[64];
+    std::strftime(buffer, sizeof(buffer), "%Y-%m-%d %H:%M:%S", &tm);
+    char out[80];
+    std::snprintf(out, sizeof(out), "%s.%06lld", buffer, static_cast<long long>(us));
+    return out;
+}
+
+}  // namespace
+
+std::string megatron_log_line(const IterationStats & s, int64_t train_iters, bool with_throughput) {
+    char buffer[1024];
+    int  n = std::snprintf(buffer, sizeof(buffer), " [%s] iteration %8lld/%8lld | consumed samples: %12lld | "
+                           "elapsed time per iteration (ms): %.1f |",
+                           timestamp().c_str(), static_cast<long long>(s.iteration), static_cast<long long>(train_iters),
+                           static_cast<long long>(s.consumed_samples), s.elapsed_ms);
+    if (with_throughput) {
+        n += std::snprintf(buffer + n, sizeof(buffer) - n, " throughput per GPU (TFLOP/s/GPU): %.1f |", s.tflops);
+    }
+    std::snprintf(buffer + n, sizeof(buffer) - n,
+                  " learning rate: %.6E | global batch size: %5lld | lm loss: %.6E | loss scale: %.1f | grad norm: %.3f | "
+                  "number of skipped iterations: %3lld | number of nan iterations: %3lld |",
+                  s.learning_rate, static_cast<long long>(s.global_batch_size), s.lm_loss, s.loss_scale, s.grad_norm,
+                  static_cast<long long>(s.skipped_iterations), static_cast<long long>(s.nan_iterations));
+    return buffer;
+}
+
+std::string metrics_json(const IterationStats & s) {
+    nlohmann::ordered_json j;
+    j["iteration"]                   = s.iteration;
+    j["consumed samples"]            = s.consumed_samples;
+    j["elapsed time per iteration (ms)"] = s.elapsed_ms;
+    j["throughput per GPU (TFLOP/s/GPU)"] = s.tflops;
+    j["learning rate"]               = s.learning_rate;
+    j["global batch size"]           = s.global_batch_size;
+    j["lm loss"]                     = s.lm_loss;
+    j["loss scale"]                  = s.loss_scale;
+    j["grad norm"]                   = s.grad_norm;
+    j["number of skipped iterations"] = s.skipped_iterations;
+    j["number of nan iterations"]    = s.nan_iterations;
+    return j.dump();
+}
+
+Trainer::Trainer(const TrainOptions & options, model::GptModel & model, BatchSource & data)
+    : options_(options), model_(model), data_(data), params_(model.parameters()), optimizer_(params_, options.adam) {
+    schedule_.max_lr       = options.adam.lr;
+    schedule_.min_lr       = options.min_lr;
+    schedule_.warmup_iters = options.lr_warmup_iters;
+    schedule_.decay_iters  = options.lr_decay_iters;
+    schedule_.style        = optim::lr_decay_style_from_name(options.lr_decay_style);
+}
+
+double Trainer::step(IterationStats & stats) {
+    ++iteration_;
+    int64_t microbatches = options_.num_microbatches();
+    model_.zero_grad();
+    double loss_total = 0;
+    for (int64_t k = 0; k < microbatches; ++k) {
+        model::MicroBatch         batch = data_.next();
+        model::GptModel::Context  ctx;
+        model::GptModel::LossSum  loss = model_.forward(ctx, batch);
+        double tokens = std::max(loss.count, 1.0);
+        model_.backward(ctx, 1.0 / (tokens * static_cast<double>(microbatches)), nullptr);
+        loss_total += loss.mean();
+    }
+    consumed_ += options_.global_batch_size;
+    double norm = optim::clip_grad_norm(params_, options_.clip_grad);
+    float  lr   = schedule_.lr_at(iteration_);
+    if (std::isfinite(norm)) {
+        optimizer_.step(lr);
+    } else {
+        ++nan_iterations_;
+    }
+    double loss           = loss_total / static_cast<double>(microbatches);
+    stats.iteration        = iteration_;
+    stats.consumed_samples = consumed_;
+    stats.learning_rate    = lr;
+    stats.global_batch_size = options_.global_batch_size;
+    stats.grad_norm        = norm;
+    stats.nan_iterations   = nan_iterations_;
+    stats.skipped_iterations = nan_iterations_;
+    return loss;
+}
+
+TrainSummary Trainer::run(FILE * out) {
+    TrainSummary summary;
+    FILE *       log_file = nullptr;
+    if (!options_.log_file.empty()) {
+        log_file = std::fopen(options_.log_file.c_str(), "w");
+        LOOM_CHECK(log_file != nullptr, "cannot open --log-file '" << options_.log_file << "' for writing",
+                   "check that the directory exists and is writable");
+    }
+    bool   progress_bar = out != nullptr && isatty(fileno(out));
+    double flops_per_iteration = model_.config().training_flops_per_token() *
+                                 static_cast<double>(options_.global_batch_size * model_.config().seq_length);
+    auto   start        = std::chrono::steady_clock::now();
+    auto   window_start = start;
+    double window_loss  = 0;
+    int64_t window_iters = 0;
+    for (int64_t k = 1; k <= options_.train_iters; ++k) {
+        IterationStats stats;
+        double         loss = step(stats);
+        summary.losses.push_back(loss);
+        window_loss += loss;
+        ++window_iters;
+        if (k % options_.log_interval == 0 || k == options_.train_iters) {
+            auto   now     = std::chrono::steady_clock::now();
+            double seconds = std::chrono::duration<double>(now - window_start).count();
+            stats.elapsed_ms = seconds * 1000.0 / static_cast<double>(window_iters);
+            stats.tflops     = flops_per_iteration / (stats.elapsed_ms / 1000.0) / 1e12;
+            stats.lm_loss    = window_loss / static_cast<double>(window_iters);
+            if (out) {
+                std::fprintf(out, "%s%s\n", progress_bar ? "\r\033[K" : "",
+                             megatron_log_line(stats, options_.train_iters, options_.log_throughput).c_str());
+            }
+            if (log_file) {
+                std::fprintf(log_file, "%s\n", metrics_json(stats).c_str());
+                std::fflush(log_file);
+            }
+            window_start = now;
+            window_loss  = 0;
+            window_iters = 0;
+        } else if (progress_bar) {
+            double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+            double eta     = elapsed / static_cast<double>(k) * static_cast<double>(options_.train_iters - k);
+            int    width   = 30;
+            int    filled  = static_cast<int>(width * k / options_.train_iters);
+            std::fprintf(out, "\r[%.*s%*s] %lld/%lld  loss %.4f  ETA %.0fs", filled, "##############################",
+                         width - filled, "", static_cast<long long>(k), static_cast<long long>(options_.train_iters), loss, eta);
+            std::fflush(out);
+        }
+    }
+    summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    double tokens   = static_cast<double>(options_.train_iters * options_.global_batch_size * model_.config().seq_length);
+    summary.tokens_per_second = tokens / summary.seconds;
+    summary.tflops = flops_per_iteration * static_cast<double>(options_.train_iters) / summary.seconds / 1e12;
+    if (log_file) std::fclose(log_file);
+    return summary;
+}
+
+}  // namespace loom::train

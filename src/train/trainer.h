@@ -1,0 +1,74 @@
+// The training loop of one rank: micro-batches -> forward/backward -> clip -> AdamW -> log.
+//
+// Per iteration (Megatron's semantics): the global batch is split into num_microbatches micro-batches;
+// each micro-batch's loss is its masked mean, the iteration's "lm loss" is the mean over micro-batches,
+// and gradients are those of that mean (each micro-batch's backward is scaled by
+// 1 / (tokens in its mask x num_microbatches)). A non-finite gradient norm skips the update and counts
+// as a nan iteration.
+#pragma once
+
+#include "model/gpt_model.h"
+#include "optim/adamw.h"
+#include "train/options.h"
+
+#include <cstdio>
+#include <functional>
+#include <memory>
+
+namespace loom::train {
+
+// Where micro-batches come from (the data layer's loader, or a test's generator).
+class BatchSource {
+public:
+    virtual ~BatchSource() = default;
+    virtual model::MicroBatch next() = 0;
+};
+
+struct IterationStats {
+    int64_t iteration         = 0;
+    int64_t consumed_samples  = 0;
+    double  elapsed_ms        = 0;   // mean over the log interval
+    double  tflops            = 0;   // achieved, per rank
+    double  learning_rate     = 0;
+    int64_t global_batch_size = 0;
+    double  lm_loss           = 0;   // mean over the log interval
+    double  loss_scale        = 1.0;
+    double  grad_norm         = 0;
+    int64_t skipped_iterations = 0;
+    int64_t nan_iterations     = 0;
+};
+
+// Megatron's log line: " [time] iteration  k/ N | consumed samples: ... | number of nan iterations:   0 |".
+std::string megatron_log_line(const IterationStats & stats, int64_t train_iters, bool with_throughput);
+// The same keys as one JSON object (one line of --log-file).
+std::string metrics_json(const IterationStats & stats);
+
+struct TrainSummary {
+    std::vector<double> losses;   // lm loss of every iteration
+    double              tokens_per_second = 0;
+    double              tflops            = 0;
+    double              seconds           = 0;
+};
+
+class Trainer {
+public:
+    Trainer(const TrainOptions & options, model::GptModel & model, BatchSource & data);
+
+    // Runs options.train_iters iterations; log lines go to `out` (null: silent).
+    TrainSummary run(FILE * out);
+    // One iteration; returns its lm loss.
+    double step(IterationStats & stats);
+
+private:
+    const TrainOptions &            options_;
+    model::GptModel &               model_;
+    BatchSource &                   data_;
+    std::vector<model::Parameter *> params_;
+    optim::AdamW                    optimizer_;
+    optim::LrSchedule               schedule_;
+    int64_t                         iteration_ = 0;
+    int64_t                         consumed_  = 0;
+    int64_t                         nan_iterations_ = 0;
+};
+
+}  // namespace loom::train
