@@ -7,5 +7,6 @@ namespace loom::app {
 inline constexpr int kExitBadInput = 2;
 
 int cmd_ranks(int argc, char ** argv);
+int cmd_train(int argc, char ** argv);
 
 }  // namespace loom::app

@@ -1,5 +1,6 @@
 // loom: the command-line entry point.
 //
+//   loom train     train a GPT on this rank
 //   loom ranks     print the process groups of a parallel configuration (see `loom ranks --help`)
 //
 // Only this file turns a loom::Error into an exit status (2: the input was at fault) and a message on
@@ -21,6 +22,7 @@ struct Command {
 };
 
 const Command kCommands[] = {
+    {"train", loom::app::cmd_train, "train a GPT (the main job; `loom train --help` lists Megatron's flags)"},
     {"ranks", loom::app::cmd_ranks, "print the process groups and rank map of a parallel configuration"},
 };
 

@@ -26,7 +26,7 @@ struct TrainOptions {
     int64_t train_iters       = 300;
 
     // Optimizer and schedule.
-    optim::AdamWConfig adam;
+    optim::AdamWConfig adam{2e-3f};
     float              min_lr           = 1e-4f;
     int64_t            lr_warmup_iters  = 20;
     std::string        lr_decay_style   = "cosine";
@@ -54,6 +54,8 @@ public:
     explicit TrainOptionParser(CLI::App & app);
     // After app.parse(): resolves the preset, applies explicit flags, validates; throws loom::Error.
     TrainOptions resolve();
+    // True when --vocab-size was given (otherwise the dataset's vocabulary is used).
+    bool vocab_given() const { return app_.count("--vocab-size") > 0; }
 
 private:
     CLI::App &   app_;

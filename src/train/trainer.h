@@ -22,6 +22,7 @@ class BatchSource {
 public:
     virtual ~BatchSource() = default;
     virtual model::MicroBatch next() = 0;
+    virtual std::string       describe() const = 0;
 };
 
 struct IterationStats {

@@ -1,0 +1,104 @@
+#include "data/token_dataset.h"
+
+#include "core/error.h"
+
+#include <fstream>
+#include <iterator>
+#include <random>
+#include <sstream>
+
+namespace loom::data {
+
+namespace {
+
+// SplitMix64: a stateless hash of (seed, index) into a stream start.
+uint64_t mix(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+}  // namespace
+
+SyntheticDataset::SyntheticDataset(int64_t vocab_size, int64_t seq_length, uint64_t seed, int64_t num_samples)
+    : vocab_(vocab_size), seq_length_(seq_length), num_samples_(num_samples), seed_(seed) {
+    LOOM_CHECK(vocab_size >= kSuccessors, "the synthetic dataset needs a vocabulary of at least " << kSuccessors
+                                                                                                 << ", got " << vocab_size,
+               "raise --vocab-size");
+    std::mt19937_64 rng(mix(seed));
+    successors_.resize(vocab_ * kSuccessors);
+    for (int64_t t = 0; t < vocab_; ++t) {
+        for (int k = 0; k < kSuccessors; ++k) {
+            successors_[t * kSuccessors + k] = static_cast<int32_t>(rng() % static_cast<uint64_t>(vocab_));
+        }
+    }
+}
+
+std::string SyntheticDataset::describe() const {
+    std::ostringstream os;
+    os << "synthetic Markov chain (vocab " << vocab_ << ", seed " << seed_ << ", entropy floor " << kEntropyNats
+       << " nats/token)";
+    return os.str();
+}
+
+void SyntheticDataset::sample(int64_t index, std::span<int32_t> out) const {
+    uint64_t state = mix(seed_ ^ mix(static_cast<uint64_t>(index)));
+    auto     next  = [&] { return state = mix(state); };
+    int32_t  token = static_cast<int32_t>(next() % static_cast<uint64_t>(vocab_));
+    for (size_t i = 0; i < out.size(); ++i) {
+        out[i]    = token;
+        uint64_t u = next() % 100;   // 55 / 25 / 15 / 5
+        int      k = u < 55 ? 0 : u < 80 ? 1 : u < 95 ? 2 : 3;
+        token      = successors_[token * kSuccessors + k];
+    }
+}
+
+TextFileDataset::TextFileDataset(const std::string & path, int64_t seq_length) : path_(path), seq_length_(seq_length) {
+    std::ifstream in(path, std::ios::binary);
+    LOOM_CHECK(in.good(), "cannot read --text-file '" << path << "'", "check the path and its permissions");
+    bytes_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    LOOM_CHECK(static_cast<int64_t>(bytes_.size()) >= seq_length + 1,
+               "--text-file '" << path << "' holds " << bytes_.size() << " bytes, fewer than one sample of --seq-length "
+                               << seq_length << " + 1",
+               "use a longer file or a shorter --seq-length");
+    num_samples_ = (static_cast<int64_t>(bytes_.size()) - 1) / seq_length;
+}
+
+std::string TextFileDataset::describe() const {
+    return "text file " + path_ + " (" + std::to_string(bytes_.size()) + " bytes, byte tokens)";
+}
+
+void TextFileDataset::sample(int64_t index, std::span<int32_t> out) const {
+    int64_t start = index * seq_length_;
+    for (size_t i = 0; i < out.size(); ++i) out[i] = bytes_[start + static_cast<int64_t>(i)];
+}
+
+Loader::Loader(const TokenDataset & dataset, int64_t micro_batch_size, int64_t dp_rank, int64_t dp_size, Device & device,
+               int64_t consumed_samples)
+    : dataset_(dataset), micro_batch_size_(micro_batch_size), dp_rank_(dp_rank), dp_size_(dp_size), device_(device),
+      consumed_(consumed_samples) {
+    LOOM_CHECK(dp_rank >= 0 && dp_rank < dp_size, "data-parallel rank " << dp_rank << " outside a group of " << dp_size, "");
+}
+
+Batch Loader::next() {
+    int64_t b = micro_batch_size_, s = dataset_.seq_length();
+    Batch   batch;
+    batch.tokens    = Tensor::empty({b, s}, DType::i32, device_, {MemoryKind::device, "data"});
+    batch.labels    = Tensor::empty({b, s}, DType::i32, device_, {MemoryKind::device, "data"});
+    batch.loss_mask = Tensor::empty({b, s}, DType::f32, device_, {MemoryKind::device, "data"});
+    std::vector<int32_t> window(s + 1);
+    for (int64_t j = 0; j < b; ++j) {
+        int64_t global = consumed_ + dp_rank_ * b + j;
+        dataset_.sample(global % dataset_.num_samples(), window);
+        for (int64_t i = 0; i < s; ++i) {
+            batch.tokens.data<int32_t>()[j * s + i]  = window[i];
+            batch.labels.data<int32_t>()[j * s + i]  = window[i + 1];
+            batch.loss_mask.data<float>()[j * s + i] = 1.0f;
+        }
+    }
+    consumed_ += b * dp_size_;
+    return batch;
+}
+
+}  // namespace loom::data

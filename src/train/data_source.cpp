@@ -1,0 +1,52 @@
+#include "train/data_source.h"
+
+#include "core/error.h"
+
+namespace loom::train {
+
+namespace {
+
+class LoaderSource : public BatchSource {
+public:
+    LoaderSource(std::unique_ptr<data::TokenDataset> dataset, int64_t mbs, int64_t dp_rank, int64_t dp_size, Device & device)
+        : dataset_(std::move(dataset)), loader_(*dataset_, mbs, dp_rank, dp_size, device) {}
+
+    model::MicroBatch next() override {
+        data::Batch b = loader_.next();
+        return model::MicroBatch{b.tokens, b.labels, b.loss_mask};
+    }
+    std::string describe() const override { return dataset_->describe(); }
+
+private:
+    std::unique_ptr<data::TokenDataset> dataset_;
+    data::Loader                        loader_;
+};
+
+}  // namespace
+
+std::unique_ptr<BatchSource> make_batch_source(TrainOptions & options, Device & device, bool vocab_given,
+                                               int64_t dp_rank, int64_t dp_size) {
+    LOOM_CHECK(options.data_path.empty(), "--data-path '" << options.data_path << "': Megatron indexed datasets are not "
+                                                                                    "readable yet in this build",
+               "train on --text-file FILE or the built-in synthetic dataset for now");
+    LOOM_CHECK(options.llmc_shard.empty(), "--llmc-shard '" << options.llmc_shard << "': llm.c shards are not readable "
+                                                                                      "yet in this build",
+               "train on --text-file FILE or the built-in synthetic dataset for now");
+    int64_t seq = options.model.seq_length;
+    std::unique_ptr<data::TokenDataset> dataset;
+    if (!options.text_file.empty()) {
+        dataset = std::make_unique<data::TextFileDataset>(options.text_file, seq);
+    } else {
+        dataset = std::make_unique<data::SyntheticDataset>(options.model.vocab_size, seq, options.model.seed);
+    }
+    if (!vocab_given) {
+        options.model.vocab_size = dataset->vocab_size();
+    }
+    LOOM_CHECK(options.model.vocab_size >= dataset->vocab_size(),
+               "--vocab-size " << options.model.vocab_size << " is smaller than the dataset's vocabulary "
+                               << dataset->vocab_size() << " (" << dataset->describe() << ")",
+               "drop --vocab-size to take the dataset's");
+    return std::make_unique<LoaderSource>(std::move(dataset), options.micro_batch_size, dp_rank, dp_size, device);
+}
+
+}  // namespace loom::train

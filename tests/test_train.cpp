@@ -1,0 +1,177 @@
+// The training loop on one rank: the synthetic dataset and the loader, Megatron's log line, the loss
+// falling, a fixed-seed 20-iteration loss curve against its golden JSON, and `loom train`'s errors.
+#include "backend/cpu/cpu_device.h"
+#include "data/token_dataset.h"
+#include "train/data_source.h"
+#include "train/trainer.h"
+
+#include <nlohmann/json.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sys/wait.h>
+
+using namespace loom;
+
+TEST(SyntheticDataset, IsDeterministicInRangeAndFollowsItsChain) {
+    data::SyntheticDataset a(512, 64, 7), b(512, 64, 7), c(512, 64, 8);
+    std::vector<int32_t> x(65), y(65), z(65);
+    a.sample(12345, x);
+    b.sample(12345, y);
+    c.sample(12345, z);
+    EXPECT_EQ(x, y);
+    EXPECT_NE(x, z) << "another seed gives another chain";
+    // Every transition is one of the token's 4 successors: count distinct successors per token.
+    std::map<int32_t, std::set<int32_t>> next;
+    for (int64_t i = 0; i < 2000; ++i) {
+        a.sample(i, x);
+        for (int k = 0; k < 64; ++k) {
+            ASSERT_TRUE(x[k] >= 0 && x[k] < 512);
+            next[x[k]].insert(x[k + 1]);
+        }
+    }
+    for (auto & [token, successors] : next) EXPECT_LE(successors.size(), 4u) << token;
+}
+
+TEST(Loader, DataParallelRanksTileEachGlobalBatchInOrder) {
+    data::SyntheticDataset ds(64, 8, 1);
+    Device &               device = cpu::device();
+    // dp 2, mbs 3: micro-batch m of rank r holds samples 6m + 3r + j.
+    data::Loader r0(ds, 3, 0, 2, device), r1(ds, 3, 1, 2, device);
+    std::vector<int32_t> expected(9);
+    for (int m = 0; m < 3; ++m) {
+        data::Batch b0 = r0.next(), b1 = r1.next();
+        for (int j = 0; j < 3; ++j) {
+            ds.sample(6 * m + j, expected);
+            EXPECT_EQ(b0.tokens.data<int32_t>()[j * 8], expected[0]);
+            EXPECT_EQ(b0.labels.data<int32_t>()[j * 8 + 7], expected[8]) << "labels are the inputs shifted by one";
+            ds.sample(6 * m + 3 + j, expected);
+            EXPECT_EQ(b1.tokens.data<int32_t>()[j * 8 + 5], expected[5]);
+        }
+    }
+    EXPECT_EQ(r0.consumed_samples(), 18);
+}
+
+TEST(TextFileDataset, CutsBytesIntoOverlappingWindows) {
+    std::string path = testing::TempDir() + "loom_text.txt";
+    std::ofstream(path) << "abcdefghijklmnopqrstuvwxyz";
+    data::TextFileDataset ds(path, 5);
+    EXPECT_EQ(ds.num_samples(), 5);   // (26 - 1) / 5
+    std::vector<int32_t> w(6);
+    ds.sample(1, w);
+    EXPECT_EQ(w, (std::vector<int32_t>{'f', 'g', 'h', 'i', 'j', 'k'}));
+    EXPECT_THROW(data::TextFileDataset(path, 40), Error);
+    EXPECT_THROW(data::TextFileDataset("/nonexistent/loom.txt", 5), Error);
+}
+
+TEST(LogLine, HasMegatronsFieldsInOrder) {
+    train::IterationStats s;
+    s.iteration = 7; s.consumed_samples = 56; s.elapsed_ms = 12.34; s.tflops = 0.05; s.learning_rate = 6e-4;
+    s.global_batch_size = 8; s.lm_loss = 5.4321; s.grad_norm = 1.25;
+    std::string line = train::megatron_log_line(s, 300, true);
+    const char * fields[] = {"iteration        7/     300", "consumed samples:           56",
+                             "elapsed time per iteration (ms): 12.3", "throughput per GPU (TFLOP/s/GPU): 0.1",
+                             "learning rate: 6.000000E-04", "global batch size:     8", "lm loss: 5.432100E+00",
+                             "loss scale: 1.0", "grad norm: 1.250", "number of skipped iterations:   0",
+                             "number of nan iterations:   0 |"};
+    size_t at = 0;
+    for (const char * f : fields) {
+        size_t found = line.find(f, at);
+        ASSERT_NE(found, std::string::npos) << f << " in\n" << line;
+        at = found;
+    }
+    auto j = nlohmann::json::parse(train::metrics_json(s));
+    EXPECT_EQ(j["lm loss"], 5.4321);
+    EXPECT_EQ(j["iteration"], 7);
+}
+
+namespace {
+
+// The configuration of the golden curve: gpt-tiny shrunk to 2 layers and sequence 64, seed 1234.
+train::TrainOptions golden_options() {
+    train::TrainOptions o;
+    o.model              = model::gpt_preset("gpt-tiny");
+    o.model.num_layers   = 2;
+    o.model.seq_length   = 64;
+    o.model.max_position_embeddings = 64;
+    o.micro_batch_size   = 4;
+    o.global_batch_size  = 8;   // two micro-batches: exercises accumulation
+    o.train_iters        = 20;
+    o.lr_warmup_iters    = 5;
+    o.lr_decay_iters     = 20;
+    o.log_interval       = 100;
+    return o;
+}
+
+std::vector<double> train_losses(train::TrainOptions o) {
+    auto            source = train::make_batch_source(o, cpu::device(), false);
+    model::GptModel gpt(o.model, cpu::device());
+    gpt.init();
+    train::Trainer trainer(o, gpt, *source);
+    return trainer.run(nullptr).losses;
+}
+
+}  // namespace
+
+// Golden curve in Megatron's functional-test layout. Tolerance: 2e-3 absolute per step, room for
+// oneDNN choosing other kernels (and summation orders) on another CPU, far below the curve's movement.
+// Regenerate with LOOM_WRITE_GOLDEN=1 after a change that is meant to alter the numerics.
+TEST(Training, TwentyIterationLossCurveMatchesGolden) {
+    std::vector<double> losses = train_losses(golden_options());
+    ASSERT_EQ(losses.size(), 20u);
+    std::string path = std::string(LOOM_GOLDEN_DIR) + "/gpt_tiny_l2_s64_20iter.json";
+    if (std::getenv("LOOM_WRITE_GOLDEN")) {
+        nlohmann::ordered_json j;
+        j["lm loss"] = {{"start_step", 1}, {"end_step", 20}, {"step_interval", 1}, {"values", losses}};
+        std::ofstream(path) << j.dump(2) << "\n";
+    }
+    std::ifstream in(path);
+    ASSERT_TRUE(in.good()) << "missing golden file " << path;
+    auto golden = nlohmann::json::parse(in)["lm loss"]["values"].get<std::vector<double>>();
+    ASSERT_EQ(golden.size(), losses.size());
+    for (size_t i = 0; i < losses.size(); ++i) {
+        EXPECT_NEAR(losses[i], golden[i], 2e-3) << "iteration " << i + 1;
+    }
+    EXPECT_LT(losses.back(), losses.front() - 0.5) << "the loss falls over 20 iterations";
+}
+
+TEST(Training, RunsAreBitwiseReproducible) {
+    EXPECT_EQ(train_losses(golden_options()), train_losses(golden_options()));
+}
+
+namespace {
+
+int run_status(const std::string & args, std::string * err) {
+    std::string cmd = std::string(LOOM_CLI_PATH) + " " + args + " 2>&1 >/dev/null";
+    FILE *      p   = popen(cmd.c_str(), "r");
+    char        buf[4096];
+    size_t      n;
+    while ((n = fread(buf, 1, sizeof(buf), p)) > 0) err->append(buf, n);
+    int status = pclose(p);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+}  // namespace
+
+TEST(LoomTrain, BadFlagsExitTwoNamingTheFlag) {
+    struct Case { const char * args; const char * names; } cases[] = {
+        {"train --global-batch-size 10 --micro-batch-size 4", "--global-batch-size"},
+        {"train --hidden-size 100 --num-attention-heads 3", "--hidden-size"},
+        {"train --lr-decay-style sideways", "--lr-decay-style"},
+        {"train --num-query-groups 2", "--group-query-attention"},
+        {"train --text-file /nonexistent/x.txt", "/nonexistent/x.txt"},
+        {"train --data-path /tmp/corpus_text_document", "--data-path"},
+        {"train --seq-length 256 --max-position-embeddings 128", "--max-position-embeddings"},
+        {"train --min-lr 1", "--min-lr"},
+    };
+    for (const Case & c : cases) {
+        std::string err;
+        EXPECT_EQ(run_status(c.args, &err), 2) << c.args;
+        EXPECT_NE(err.find(c.names), std::string::npos) << c.args << " -> " << err;
+    }
+}
