@@ -37,6 +37,8 @@ test: build
 
 bench: build
 	$(BUILD_DIR)/bench/bench_core --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
+	$(BUILD_DIR)/bench/bench_gemm --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
+	$(BUILD_DIR)/bench/bench_step --benchmark_repetitions=3 --benchmark_report_aggregates_only=true
 
 clean:
 	rm -rf $(BUILD_DIR)
