@@ -165,7 +165,8 @@ TEST(LoomTrain, BadFlagsExitTwoNamingTheFlag) {
         {"train --lr-decay-style sideways", "--lr-decay-style"},
         {"train --num-query-groups 2", "--group-query-attention"},
         {"train --text-file /nonexistent/x.txt", "/nonexistent/x.txt"},
-        {"train --data-path /tmp/corpus_text_document", "--data-path"},
+        {"train --data-path /nonexistent/corpus_text_document", "/nonexistent/corpus_text_document"},
+        {"train --llmc-shard /nonexistent/shard.bin", "/nonexistent/shard.bin"},
         {"train --seq-length 256 --max-position-embeddings 128", "--max-position-embeddings"},
         {"train --min-lr 1", "--min-lr"},
     };

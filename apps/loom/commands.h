@@ -8,5 +8,6 @@ inline constexpr int kExitBadInput = 2;
 
 int cmd_ranks(int argc, char ** argv);
 int cmd_train(int argc, char ** argv);
+int cmd_data(int argc, char ** argv);
 
 }  // namespace loom::app

@@ -79,9 +79,22 @@ Loader::Loader(const TokenDataset & dataset, int64_t micro_batch_size, int64_t d
     : dataset_(dataset), micro_batch_size_(micro_batch_size), dp_rank_(dp_rank), dp_size_(dp_size), device_(device),
       consumed_(consumed_samples) {
     LOOM_CHECK(dp_rank >= 0 && dp_rank < dp_size, "data-parallel rank " << dp_rank << " outside a group of " << dp_size, "");
+    LOOM_CHECK(micro_batch_size >= 1, "--micro-batch-size must be positive, got " << micro_batch_size, "");
+    LOOM_CHECK(dataset.num_samples() >= 1, "the dataset " << dataset.describe() << " holds no sample",
+               "use more data or a shorter --seq-length");
+    set_consumed_samples(consumed_samples);
 }
 
-Batch Loader::next() {
+void Loader::set_consumed_samples(int64_t consumed) {
+    LOOM_CHECK(consumed >= 0, "consumed samples must not be negative, got " << consumed, "");
+    consumed_ = consumed;
+}
+
+int64_t Loader::sample_index(int64_t j) const {
+    return (consumed_ + dp_rank_ * micro_batch_size_ + j) % dataset_.num_samples();
+}
+
+Batch Loader::next_microbatch() {
     int64_t b = micro_batch_size_, s = dataset_.seq_length();
     Batch   batch;
     batch.tokens    = Tensor::empty({b, s}, DType::i32, device_, {MemoryKind::device, "data"});
@@ -89,8 +102,7 @@ Batch Loader::next() {
     batch.loss_mask = Tensor::empty({b, s}, DType::f32, device_, {MemoryKind::device, "data"});
     std::vector<int32_t> window(s + 1);
     for (int64_t j = 0; j < b; ++j) {
-        int64_t global = consumed_ + dp_rank_ * b + j;
-        dataset_.sample(global % dataset_.num_samples(), window);
+        dataset_.sample(sample_index(j), window);
         for (int64_t i = 0; i < s; ++i) {
             batch.tokens.data<int32_t>()[j * s + i]  = window[i];
             batch.labels.data<int32_t>()[j * s + i]  = window[i + 1];

@@ -1,23 +1,38 @@
 // Token datasets and the loader that turns them into micro-batches.
 //
 // A TokenDataset yields samples of seq_length + 1 tokens: the first seq_length are the inputs, the last
-// seq_length the labels (inputs shifted by one).
+// seq_length the labels (inputs shifted by one). The sources behind this one interface:
+//
+//   GptDataset        (gpt_dataset.h)   --data-path PREFIX: a split of a Megatron .bin/.idx, sampled
+//                                       across document boundaries and shuffled as Megatron does
+//   LlmcShardDataset  (llmc_shard.h)    an llm.c token shard, consecutive windows
+//   TextFileDataset   (here)            a plain text file, byte tokens
+//   SyntheticDataset  (here)            learnable synthetic tokens, the default when no data is given
 //
 // SyntheticDataset (the default when no data is given) is learnable: a fixed random sparse Markov chain
 // over the vocabulary. Every token has 4 successors, drawn once from the seed, taken with probabilities
 // 0.55, 0.25, 0.15, 0.05. A model that learns the chain reaches the chain's entropy,
 //   H = -(0.55 ln 0.55 + 0.25 ln 0.25 + 0.15 ln 0.15 + 0.05 ln 0.05) = 1.1098 nats per token
 // (a little less where two successors of a token coincide),
-// against ln V (6.24 for V = 512) for a model that knows nothing. Sample i is generated from (seed, i)
-// alone, so any rank can produce any sample.
+// against ln V (6.24 for V = 512) for a model that knows nothing; a model that only learns the bigram
+// counts already gets there, so a small transformer's loss falls well below ln V within a few hundred
+// steps. Each sample starts from a uniformly drawn token (an input, never a label), so H is the floor of
+// the loss at every position. Sample i is generated from (seed, i) alone, so any rank can produce any
+// sample.
 //
 // TextFileDataset tokenises a file by bytes (vocabulary 256) and cuts it into consecutive windows of
 // seq_length + 1 bytes with stride seq_length.
 //
-// Loader: Megatron's pretraining sampler. Iteration k's global batch is samples
-// [consumed, consumed + global_batch); it is served as num_microbatches micro-batches of mbs x dp
-// samples, of which data-parallel rank r takes the r-th contiguous mbs. Sample indices wrap around the
-// dataset (epochs).
+// Loader: Megatron's pretraining sampler (MegatronPretrainingSampler). Iteration k's global batch of
+// gbs = mbs x num_microbatches x dp samples is [consumed, consumed + gbs); it is served as
+// num_microbatches micro-batches of mbs x dp consecutive samples, of which data-parallel rank r takes the
+// r-th contiguous mbs. Each next_microbatch() advances consumed_samples by mbs x dp, so after one
+// iteration it has advanced by the global batch, and a loader built with (or set to) Megatron's
+// consumed_train_samples resumes where the run stopped. Sample indices wrap around the dataset (epochs).
+// Worked example, mbs 2, dp 2, num_microbatches 2 (gbs 8), consumed 0:
+//   micro-batch 0: rank 0 samples 0 1, rank 1 samples 2 3;  micro-batch 1: rank 0 4 5, rank 1 6 7
+//   each rank's consumed_samples() is 8 after its second call.
+// Batch: tokens (b, s) = sample[0, s), labels (b, s) = sample[1, s + 1), loss_mask (b, s) all ones.
 #pragma once
 
 #include "core/device.h"
@@ -88,8 +103,15 @@ public:
            int64_t consumed_samples = 0);
 
     // The next micro-batch of this rank; after num_microbatches calls, the next global batch begins.
-    Batch   next();
+    Batch   next_microbatch();
+    Batch   next() { return next_microbatch(); }
+    // Samples of all ranks consumed before the next micro-batch (Megatron's consumed_train_samples).
     int64_t consumed_samples() const { return consumed_; }
+    // Resume: the next micro-batch starts at `consumed` (a multiple of the global batch for a resume at an
+    // iteration boundary).
+    void    set_consumed_samples(int64_t consumed);
+    // The dataset sample that row j of this rank's next micro-batch holds.
+    int64_t sample_index(int64_t j) const;
 
 private:
     const TokenDataset & dataset_;

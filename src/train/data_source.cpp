@@ -1,6 +1,8 @@
 #include "train/data_source.h"
 
 #include "core/error.h"
+#include "data/gpt_dataset.h"
+#include "data/llmc_shard.h"
 
 namespace loom::train {
 
@@ -26,15 +28,18 @@ private:
 
 std::unique_ptr<BatchSource> make_batch_source(TrainOptions & options, Device & device, bool vocab_given,
                                                int64_t dp_rank, int64_t dp_size) {
-    LOOM_CHECK(options.data_path.empty(), "--data-path '" << options.data_path << "': Megatron indexed datasets are not "
-                                                                                    "readable yet in this build",
-               "train on --text-file FILE or the built-in synthetic dataset for now");
-    LOOM_CHECK(options.llmc_shard.empty(), "--llmc-shard '" << options.llmc_shard << "': llm.c shards are not readable "
-                                                                                      "yet in this build",
-               "train on --text-file FILE or the built-in synthetic dataset for now");
     int64_t seq = options.model.seq_length;
     std::unique_ptr<data::TokenDataset> dataset;
-    if (!options.text_file.empty()) {
+    if (!options.data_path.empty()) {
+        // The train range of --split, enough samples for every iteration; the vocabulary is the
+        // dataset's largest token + 1 unless --vocab-size was given (then every token must fit it).
+        dataset = data::open_gpt_dataset(options.data_path, options.split, data::Split::train, seq,
+                                         options.train_iters * options.global_batch_size, options.model.seed,
+                                         vocab_given ? options.model.vocab_size : 0);
+    } else if (!options.llmc_shard.empty()) {
+        dataset = std::make_unique<data::LlmcShardDataset>(options.llmc_shard, seq,
+                                                           vocab_given ? options.model.vocab_size : 0);
+    } else if (!options.text_file.empty()) {
         dataset = std::make_unique<data::TextFileDataset>(options.text_file, seq);
     } else {
         dataset = std::make_unique<data::SyntheticDataset>(options.model.vocab_size, seq, options.model.seed);

@@ -1,6 +1,6 @@
-// The training data of `loom train`, chosen by the options: --text-file (bytes), or the built-in
-// synthetic dataset by default. Megatron datasets (--data-path) and llm.c shards (--llmc-shard) are
-// rejected with a clear message until their readers land.
+// The training data of `loom train`, chosen by the options: a Megatron dataset (--data-path; the train
+// range of --split, train_iters x global batch samples), an llm.c token shard (--llmc-shard), a text file
+// of bytes (--text-file), or the built-in synthetic dataset by default.
 #pragma once
 
 #include "data/token_dataset.h"

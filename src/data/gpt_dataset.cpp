@@ -1,0 +1,244 @@
+#include "data/gpt_dataset.h"
+
+#include "core/error.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <sstream>
+
+namespace loom::data {
+
+const char * split_name(Split split) {
+    switch (split) {
+        case Split::train: return "train";
+        case Split::valid: return "valid";
+        case Split::test:  return "test";
+    }
+    return "?";
+}
+
+std::array<double, 3> parse_split(const std::string & split) {
+    std::array<double, 3> weights{0.0, 0.0, 0.0};
+    size_t                count = 0, start = 0;
+    while (start <= split.size()) {
+        size_t      stop = split.find_first_of(",/", start);
+        std::string part = split.substr(start, stop == std::string::npos ? std::string::npos : stop - start);
+        size_t      a = part.find_first_not_of(' '), b = part.find_last_not_of(' ');
+        part = a == std::string::npos ? "" : part.substr(a, b - a + 1);
+        LOOM_CHECK(count < 3, "--split '" << split << "' has more than 3 weights",
+                   "give at most three weights, train,valid,test (e.g. --split 969,30,1)");
+        double value = -1.0;
+        size_t used  = 0;
+        try {
+            value = std::stod(part, &used);
+        } catch (const std::exception &) {
+            used = 0;
+        }
+        LOOM_CHECK(!part.empty() && used == part.size() && std::isfinite(value) && value >= 0.0,
+                   "--split '" << split << "': weight " << count + 1 << " ('" << part
+                               << "') is not a non-negative number",
+                   "give comma-separated weights train,valid,test, e.g. --split 969,30,1");
+        weights[count++] = value;
+        if (stop == std::string::npos) break;
+        start = stop + 1;
+    }
+    double sum = weights[0] + weights[1] + weights[2];
+    LOOM_CHECK(sum > 0.0, "--split '" << split << "' has weights summing to 0",
+               "give at least one positive weight, e.g. --split 969,30,1");
+    for (double & w : weights) w /= sum;
+    return weights;
+}
+
+std::array<DocumentRange, 3> split_documents(const std::string & split, int64_t num_documents) {
+    std::array<double, 3> weights = parse_split(split);
+    std::array<int64_t, 4> bounds{0, 0, 0, 0};
+    for (int i = 0; i < 3; ++i) {
+        // Python's round(): half to even, which nearbyint gives in the default rounding mode.
+        bounds[i + 1] = bounds[i] + static_cast<int64_t>(std::nearbyint(weights[i] * static_cast<double>(num_documents)));
+    }
+    int64_t excess = bounds[3] - num_documents;
+    for (int i = 1; i < 4; ++i) bounds[i] = std::clamp<int64_t>(bounds[i] - excess, 0, num_documents);
+    return {DocumentRange{bounds[0], bounds[1]}, DocumentRange{bounds[1], bounds[2]}, DocumentRange{bounds[2], bounds[3]}};
+}
+
+uint64_t draw_below(std::mt19937_64 & rng, uint64_t m) {
+    // Reject the 2^64 mod m smallest draws so that every residue is equally likely.
+    const uint64_t threshold = (0 - m) % m;
+    uint64_t       x;
+    do {
+        x = rng();
+    } while (x < threshold);
+    return x % m;
+}
+
+std::vector<int32_t> build_document_index(std::span<const int32_t> documents, int64_t num_epochs,
+                                          std::mt19937_64 & rng, bool separate_final_epoch) {
+    if (!separate_final_epoch || num_epochs == 1) {
+        std::vector<int32_t> index;
+        index.reserve(documents.size() * static_cast<size_t>(num_epochs));
+        for (int64_t e = 0; e < num_epochs; ++e) index.insert(index.end(), documents.begin(), documents.end());
+        shuffle_in_place(std::span<int32_t>(index), rng);
+        return index;
+    }
+    std::vector<int32_t> first = build_document_index(documents, num_epochs - 1, rng, false);
+    std::vector<int32_t> last  = build_document_index(documents, 1, rng, false);
+    first.insert(first.end(), last.begin(), last.end());
+    return first;
+}
+
+std::vector<int64_t> build_sample_index(std::span<const int32_t> sizes, std::span<const int32_t> document_index,
+                                        int64_t seq_length, int64_t tokens_per_epoch, int64_t num_epochs) {
+    LOOM_CHECK(seq_length >= 1, "seq_length must be positive, got " << seq_length, "raise --seq-length");
+    const int64_t total       = num_epochs * tokens_per_epoch;
+    const int64_t num_samples = total >= 1 ? (total - 1) / seq_length : 0;
+    std::vector<int64_t> index(2 * static_cast<size_t>(num_samples + 1));
+    const int64_t        positions = static_cast<int64_t>(document_index.size());
+    int64_t              position = 0, offset = 0;
+    index[0] = 0;
+    index[1] = 0;
+    for (int64_t k = 1; k <= num_samples; ++k) {
+        int64_t remaining = seq_length + 1;
+        while (remaining != 0) {
+            LOOM_CHECK(position < positions, "sample index: ran past the document index at sample " << k,
+                       "tokens_per_epoch does not match the documents' sizes");
+            int32_t id = document_index[position];
+            LOOM_CHECK(id >= 0 && static_cast<size_t>(id) < sizes.size(), "sample index: document id " << id
+                                                                          << " outside the " << sizes.size() << " sequences",
+                       "");
+            int64_t length = sizes[id] - offset;
+            remaining -= length;
+            if (remaining <= 0) {
+                offset += remaining + length - 1;   // the sample's last token, also the next sample's first
+                remaining = 0;
+            } else {
+                ++position;
+                offset = 0;
+            }
+        }
+        index[2 * k]     = position;
+        index[2 * k + 1] = offset;
+    }
+    return index;
+}
+
+std::vector<int64_t> build_shuffle_index(int64_t num_samples, int64_t total_size, std::mt19937_64 & rng) {
+    std::vector<int64_t> index(static_cast<size_t>(total_size));
+    std::iota(index.begin(), index.end(), int64_t{0});
+    shuffle_in_place(std::span<int64_t>(index.data(), static_cast<size_t>(num_samples)), rng);
+    if (num_samples < total_size) {
+        shuffle_in_place(std::span<int64_t>(index.data() + num_samples, static_cast<size_t>(total_size - num_samples)), rng);
+    }
+    return index;
+}
+
+GptSampleIndex build_gpt_sample_index(std::span<const int32_t> sizes, DocumentRange range, int64_t seq_length,
+                                      int64_t num_samples, uint64_t seed) {
+    LOOM_CHECK(range.begin >= 0 && range.begin <= range.end && range.end <= static_cast<int64_t>(sizes.size()),
+               "document range [" << range.begin << ", " << range.end << ") outside the " << sizes.size() << " documents",
+               "");
+    LOOM_CHECK(range.end <= std::numeric_limits<int32_t>::max(), "more than 2^31 documents", "");
+    GptSampleIndex result;
+    std::vector<int32_t> documents(static_cast<size_t>(range.size()));
+    std::iota(documents.begin(), documents.end(), static_cast<int32_t>(range.begin));
+    for (int32_t d : documents) result.tokens_per_epoch += sizes[d];
+    const int64_t t = result.tokens_per_epoch;
+
+    result.num_epochs = 1;
+    if (num_samples > 0 && t > 0) {
+        const int64_t requested = num_samples * seq_length + 1;
+        for (int64_t tokens = t; tokens < requested; tokens += t) ++result.num_epochs;
+    }
+    int64_t samples_before_final = 0;
+    if (result.num_epochs > 1) {
+        samples_before_final            = ((result.num_epochs - 1) * t - 1) / seq_length;
+        int64_t samples_from_final      = num_samples - samples_before_final;
+        int64_t samples_per_epoch       = (t - 1) / seq_length;
+        result.separate_final_epoch     = samples_from_final < static_cast<int64_t>(0.80 * static_cast<double>(samples_per_epoch));
+    }
+
+    std::mt19937_64 rng(seed);
+    result.document_index = build_document_index(documents, result.num_epochs, rng, result.separate_final_epoch);
+    result.sample_index   = build_sample_index(sizes, result.document_index, seq_length, t, result.num_epochs);
+    const int64_t total   = static_cast<int64_t>(result.sample_index.size() / 2) - 1;
+    LOOM_CHECK(total > 0, "documents [" << range.begin << ", " << range.end << ") hold " << t
+                                        << " tokens, not one sample of seq_length + 1 = " << seq_length + 1,
+               "lower --seq-length, give this split more documents with --split, or use a larger dataset");
+    result.shuffle_index = build_shuffle_index(result.separate_final_epoch ? samples_before_final : total, total, rng);
+    return result;
+}
+
+// ---------------------------------------------------------------------------------------------------
+
+GptDataset::GptDataset(std::shared_ptr<const IndexedDataset> data, DocumentRange range, int64_t seq_length,
+                       int64_t num_samples, uint64_t seed, int64_t vocab_size, std::string name)
+    : data_(std::move(data)), range_(range), seq_length_(seq_length), vocab_size_(vocab_size), seed_(seed),
+      name_(std::move(name)) {
+    LOOM_CHECK(seq_length >= 1, "--seq-length must be positive, got " << seq_length, "");
+    LOOM_CHECK(range.size() > 0, "the " << name_ << " split of '" << data_->prefix() << "' has no documents (range ["
+                                        << range.begin << ", " << range.end << ") of " << data_->num_sequences() << ")",
+               "give the " << name_ << " split a larger weight in --split, or use a dataset with more documents");
+    std::vector<int32_t> sizes = data_->sequence_lengths();
+    try {
+        index_ = build_gpt_sample_index(sizes, range, seq_length, num_samples, seed);
+    } catch (const Error & e) {
+        LOOM_THROW("the " << name_ << " split of '" << data_->prefix() << "': " << e.message(), e.hint());
+    }
+    if (vocab_size_ <= 0) vocab_size_ = data_->max_token() + 1;
+}
+
+std::string GptDataset::describe() const {
+    std::ostringstream os;
+    os << "Megatron dataset " << data_->prefix() << " (" << name_ << " split: documents [" << range_.begin << ", "
+       << range_.end << ") of " << data_->num_sequences() << ", " << index_.tokens_per_epoch << " tokens/epoch, "
+       << index_.num_epochs << " epoch" << (index_.num_epochs > 1 ? "s" : "") << ", " << num_samples()
+       << " samples, vocab " << vocab_size_ << ", seed " << seed_ << ")";
+    return os.str();
+}
+
+void GptDataset::sample(int64_t index, std::span<int32_t> out) const {
+    LOOM_CHECK(index >= 0 && index < num_samples(), "sample " << index << " outside [0, " << num_samples() << ")", "");
+    sample_unshuffled(index_.shuffle_index[static_cast<size_t>(index)], out);
+}
+
+void GptDataset::sample_unshuffled(int64_t index, std::span<int32_t> out) const {
+    const int64_t total = static_cast<int64_t>(index_.sample_index.size() / 2) - 1;
+    LOOM_CHECK(index >= 0 && index < total, "sample " << index << " outside [0, " << total << ")", "");
+    LOOM_CHECK(static_cast<int64_t>(out.size()) == seq_length_ + 1,
+               "a sample holds seq_length + 1 = " << seq_length_ + 1 << " tokens, the buffer " << out.size(), "");
+    const int64_t * e  = index_.sample_index.data() + 2 * index;
+    int64_t         p0 = e[0], o0 = e[1], p1 = e[2], o1 = e[3];
+    size_t          at = 0;
+    for (int64_t p = p0; p <= p1; ++p) {
+        int32_t id     = index_.document_index[static_cast<size_t>(p)];
+        int64_t offset = p == p0 ? o0 : 0;
+        int64_t end    = p == p1 ? o1 + 1 : data_->sequence_length(id);
+        int64_t n      = end - offset;
+        if (n <= 0) continue;
+        LOOM_CHECK(at + static_cast<size_t>(n) <= out.size(), "sample " << index << " of '" << data_->prefix()
+                                                                        << "' runs past seq_length + 1 tokens", "");
+        data_->read(id, offset, out.subspan(at, static_cast<size_t>(n)));
+        at += static_cast<size_t>(n);
+    }
+    LOOM_CHECK(at == out.size(), "sample " << index << " of '" << data_->prefix() << "' gathered " << at
+                                           << " tokens, expected " << out.size(),
+               "");
+    for (int32_t t : out) {
+        LOOM_CHECK(t >= 0 && t < vocab_size_, "'" << data_file_path(data_->prefix()) << "' holds token id " << t
+                                                  << " (in sample " << index << "), outside the vocabulary of "
+                                                  << vocab_size_,
+                   "raise --vocab-size above the largest token id, or drop it to take the dataset's");
+    }
+}
+
+std::unique_ptr<GptDataset> open_gpt_dataset(const std::string & prefix, const std::string & split, Split which,
+                                             int64_t seq_length, int64_t num_samples, uint64_t seed,
+                                             int64_t vocab_size) {
+    auto data = std::make_shared<const IndexedDataset>(prefix);
+    std::array<DocumentRange, 3> ranges = split_documents(split, data->num_sequences());
+    return std::make_unique<GptDataset>(data, ranges[static_cast<int>(which)], seq_length, num_samples, seed,
+                                        vocab_size, split_name(which));
+}
+
+}  // namespace loom::data

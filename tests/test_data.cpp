@@ -1,0 +1,649 @@
+// The data layer: Megatron's MMIDIDX files (round trip, the spec's byte layout, every malformed file
+// named in its error), the split of documents, the GPT document/sample/shuffle indices, llm.c shards,
+// the synthetic dataset, the loader's per-rank tiling of each global batch and resume, the text/JSONL
+// converter and `loom data` run as a program.
+#include "backend/cpu/cpu_device.h"
+#include "core/error.h"
+#include "data/gpt_dataset.h"
+#include "data/indexed_dataset.h"
+#include "data/llmc_shard.h"
+#include "data/preprocess.h"
+#include "data/token_dataset.h"
+
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <map>
+#include <numeric>
+#include <set>
+#include <string>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <vector>
+
+using namespace loom;
+using namespace loom::data;
+
+namespace {
+
+std::string temp_path(const std::string & name) {
+    return testing::TempDir() + "loom_test_data_" + std::to_string(::getpid()) + "_" + name;
+}
+
+std::vector<uint8_t> read_bytes(const std::string & path) {
+    std::ifstream in(path, std::ios::binary);
+    return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+void write_bytes(const std::string & path, const std::vector<uint8_t> & bytes) {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<const char *>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+
+template <typename T> void put(std::vector<uint8_t> & bytes, T value) {
+    uint8_t raw[sizeof(T)];
+    std::memcpy(raw, &value, sizeof(T));
+    bytes.insert(bytes.end(), raw, raw + sizeof(T));
+}
+
+template <typename T> void poke(std::vector<uint8_t> & bytes, size_t offset, T value) {
+    std::memcpy(bytes.data() + offset, &value, sizeof(T));
+}
+
+// Runs `f`, expects a loom::Error, returns its full text (message and hint).
+std::string error_of(const std::function<void()> & f) {
+    try {
+        f();
+    } catch (const Error & e) {
+        return e.what();
+    }
+    ADD_FAILURE() << "no loom::Error thrown";
+    return "";
+}
+
+// The worked example of indexed_dataset.h: documents [5 7 9] and [1 2] + [3], uint16.
+std::string write_worked_example(const std::string & name) {
+    std::string          prefix = temp_path(name);
+    IndexedDatasetWriter w(prefix, IndexDType::u16);
+    w.add_document(std::vector<int32_t>{5, 7, 9});
+    w.add_sequence(std::vector<int32_t>{1, 2});
+    w.add_sequence(std::vector<int32_t>{3});
+    w.end_document();
+    w.finish();
+    return prefix;
+}
+
+// Documents whose tokens name them and their position: token i of document d is 1000 (d + 1) + i (int32).
+std::string write_numbered_documents(const std::string & name, const std::vector<int32_t> & lengths) {
+    std::string          prefix = temp_path(name);
+    IndexedDatasetWriter w(prefix, IndexDType::i32);
+    for (size_t d = 0; d < lengths.size(); ++d) {
+        std::vector<int32_t> tokens(static_cast<size_t>(lengths[d]));
+        for (int32_t i = 0; i < lengths[d]; ++i) tokens[i] = 1000 * static_cast<int32_t>(d + 1) + i;
+        w.add_document(tokens);
+    }
+    w.finish();
+    return prefix;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------
+// MMIDIDX
+
+TEST(IndexedDataset, WriterReaderRoundTripInBothTokenTypes) {
+    for (IndexDType dtype : {IndexDType::u16, IndexDType::i32}) {
+        std::string prefix = temp_path(std::string("roundtrip_") + index_dtype_name(static_cast<uint8_t>(dtype)));
+        std::vector<std::vector<int32_t>> docs = {{1, 2, 3}, {}, {65535 % 60000, 0}, {42}};
+        if (dtype == IndexDType::i32) docs[2] = {1 << 20, 7};
+        {
+            IndexedDatasetWriter w(prefix, dtype);
+            for (const auto & d : docs) w.add_document(d);
+            w.add_sequence(std::vector<int32_t>{9, 9});   // a trailing document of two sequences, closed by finish()
+            w.add_sequence(std::vector<int32_t>{8});
+            w.finish();
+        }
+        IndexedDataset ds(prefix);
+        EXPECT_EQ(ds.dtype(), dtype);
+        ASSERT_EQ(ds.num_sequences(), 6);
+        EXPECT_EQ(ds.num_documents(), 5);
+        EXPECT_EQ(ds.num_tokens(), 3 + 0 + 2 + 1 + 2 + 1);
+        for (size_t i = 0; i < docs.size(); ++i) EXPECT_EQ(ds.sequence(static_cast<int64_t>(i)), docs[i]) << i;
+        EXPECT_EQ(ds.sequence(4), (std::vector<int32_t>{9, 9}));
+        EXPECT_EQ(ds.sequence(5), (std::vector<int32_t>{8}));
+        std::vector<int64_t> document_indices;
+        for (int64_t d = 0; d <= ds.num_documents(); ++d) document_indices.push_back(ds.document_index(d));
+        EXPECT_EQ(document_indices, (std::vector<int64_t>{0, 1, 2, 3, 4, 6}));
+        int64_t item = static_cast<int64_t>(ds.token_bytes());
+        EXPECT_EQ(ds.sequence_pointer(0), 0);
+        EXPECT_EQ(ds.sequence_pointer(2), 3 * item) << "pointers are byte offsets, the empty sequence adds none";
+        EXPECT_EQ(ds.sequence_pointer(5), 8 * item);
+        std::vector<int32_t> middle(1);
+        ds.read(0, 1, middle);
+        EXPECT_EQ(middle[0], 2);
+        std::vector<int32_t> past(2);
+        EXPECT_THROW(ds.read(0, 2, past), Error);
+        // No temporary files are left behind.
+        EXPECT_NE(::access((data_file_path(prefix) + ".tmp." + std::to_string(::getpid())).c_str(), F_OK), 0);
+    }
+}
+
+TEST(IndexedDataset, WriterOutputMatchesTheSpecLayoutByteByByte) {
+    std::string prefix = write_worked_example("layout");
+    // .idx built by hand from the table in conventions.md B2.
+    std::vector<uint8_t> idx = {'M', 'M', 'I', 'D', 'I', 'D', 'X', 0, 0};
+    put<uint64_t>(idx, 1);   // version
+    put<uint8_t>(idx, 8);    // uint16
+    put<uint64_t>(idx, 3);   // N
+    put<uint64_t>(idx, 3);   // D, with the leading 0
+    for (int32_t len : {3, 2, 1}) put<int32_t>(idx, len);
+    for (int64_t ptr : {0, 6, 10}) put<int64_t>(idx, ptr);
+    for (int64_t doc : {0, 1, 3}) put<int64_t>(idx, doc);
+    ASSERT_EQ(idx.size(), 94u);
+    EXPECT_EQ(read_bytes(index_file_path(prefix)), idx);
+    EXPECT_EQ(read_bytes(data_file_path(prefix)), (std::vector<uint8_t>{5, 0, 7, 0, 9, 0, 1, 0, 2, 0, 3, 0}));
+
+    // And the reader reads a hand-built pair (int32 tokens this time) at the unaligned offsets.
+    std::string hand = temp_path("hand");
+    std::vector<uint8_t> idx32 = {'M', 'M', 'I', 'D', 'I', 'D', 'X', 0, 0};
+    put<uint64_t>(idx32, 1);
+    put<uint8_t>(idx32, 4);
+    put<uint64_t>(idx32, 2);
+    put<uint64_t>(idx32, 2);
+    put<int32_t>(idx32, 1);
+    put<int32_t>(idx32, 2);
+    put<int64_t>(idx32, 0);
+    put<int64_t>(idx32, 4);
+    put<int64_t>(idx32, 0);
+    put<int64_t>(idx32, 2);
+    std::vector<uint8_t> bin32;
+    for (int32_t t : {70000, -1 + 2, 123456}) put<int32_t>(bin32, t);
+    write_bytes(index_file_path(hand), idx32);
+    write_bytes(data_file_path(hand), bin32);
+    IndexedDataset ds(hand);
+    EXPECT_EQ(ds.num_documents(), 1);
+    EXPECT_EQ(ds.sequence(0), (std::vector<int32_t>{70000}));
+    EXPECT_EQ(ds.sequence(1), (std::vector<int32_t>{1, 123456}));
+    EXPECT_EQ(ds.max_token(), 123456);
+}
+
+TEST(IndexedDataset, EveryMalformedFileThrowsNamingTheFileAndField) {
+    std::string                prefix = write_worked_example("good");
+    const std::vector<uint8_t> idx = read_bytes(index_file_path(prefix));
+    const std::vector<uint8_t> bin = read_bytes(data_file_path(prefix));
+    ASSERT_NO_THROW(IndexedDataset{prefix});
+
+    struct Case {
+        const char *                                name;
+        std::function<void(std::vector<uint8_t> &, std::vector<uint8_t> &)> corrupt;
+        const char *                                file_suffix;   // the file the message must name
+        const char *                                field;         // and what it must say
+    };
+    const Case cases[] = {
+        {"bad_magic", [](auto & i, auto &) { i[0] = 'X'; }, ".idx", "magic"},
+        {"bad_version", [](auto & i, auto &) { poke<uint64_t>(i, 9, 2); }, ".idx", "version 2"},
+        {"bad_dtype", [](auto & i, auto &) { poke<uint8_t>(i, 17, 9); }, ".idx", "dtype code 9"},
+        {"float_dtype", [](auto & i, auto &) { poke<uint8_t>(i, 17, 7); }, ".idx", "float32"},
+        {"short_header", [](auto & i, auto &) { i.resize(20); }, ".idx", "34-byte header"},
+        {"truncated_arrays", [](auto & i, auto &) { i.resize(i.size() - 8); }, ".idx", "N = 3"},
+        {"huge_count", [](auto & i, auto &) { poke<uint64_t>(i, 18, uint64_t{1} << 62); }, ".idx", "truncated"},
+        {"trailing_bytes", [](auto & i, auto &) { i.resize(i.size() + 1); }, ".idx", "trailing bytes"},
+        {"bin_too_short", [](auto &, auto & b) { b.resize(b.size() - 2); }, ".bin", "too short"},
+        {"bin_empty", [](auto &, auto & b) { b.clear(); }, ".bin", "sequence_pointers[0]"},
+        {"pointer_past_bin", [](auto & i, auto &) { poke<int64_t>(i, 34 + 12 + 8, 100); }, ".bin", "sequence_pointers[1] = 100"},
+        {"negative_length", [](auto & i, auto &) { poke<int32_t>(i, 34, -1); }, ".idx", "sequence_lengths[0]"},
+        {"documents_decrease", [](auto & i, auto &) { poke<int64_t>(i, 34 + 36 + 8, 4); }, ".idx", "document_indices[1]"},
+        {"documents_end_early", [](auto & i, auto &) { poke<int64_t>(i, 34 + 36 + 16, 2); }, ".idx", "last document index is 2"},
+        {"documents_start_late", [](auto & i, auto &) { poke<int64_t>(i, 34 + 36, 1); }, ".idx", "document_indices[0]"},
+    };
+    for (const Case & c : cases) {
+        std::string          bad = temp_path(std::string("bad_") + c.name);
+        std::vector<uint8_t> i = idx, b = bin;
+        c.corrupt(i, b);
+        write_bytes(index_file_path(bad), i);
+        write_bytes(data_file_path(bad), b);
+        std::string message = error_of([&] { IndexedDataset ds(bad); });
+        EXPECT_NE(message.find(bad + c.file_suffix), std::string::npos) << c.name << ": " << message;
+        EXPECT_NE(message.find(c.field), std::string::npos) << c.name << ": " << message;
+        EXPECT_NE(message.find("HINT"), std::string::npos) << c.name << ": " << message;
+    }
+    std::string missing = temp_path("missing");
+    std::string message = error_of([&] { IndexedDataset ds(missing); });
+    EXPECT_NE(message.find(missing + ".idx"), std::string::npos) << message;
+}
+
+TEST(IndexedDataset, WriterRefusesTokensOutsideItsType) {
+    std::string          prefix = temp_path("refuse");
+    IndexedDatasetWriter w(prefix, IndexDType::u16);
+    std::string          message = error_of([&] { w.add_document(std::vector<int32_t>{1, 70000}); });
+    EXPECT_NE(message.find("70000"), std::string::npos) << message;
+    EXPECT_EQ(index_dtype_for_vocab(65499), IndexDType::u16);
+    EXPECT_EQ(index_dtype_for_vocab(65500), IndexDType::i32);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Split
+
+TEST(Split, DividesDocumentsAsMegatronDoes) {
+    auto r = split_documents("969,30,1", 1000);
+    EXPECT_EQ(r[0], (DocumentRange{0, 969}));
+    EXPECT_EQ(r[1], (DocumentRange{969, 999}));
+    EXPECT_EQ(r[2], (DocumentRange{999, 1000}));
+    // round(10/3) = 3 three times: 9 documents, so every boundary moves up by one (Megatron's correction).
+    r = split_documents("1,1,1", 10);
+    EXPECT_EQ(r[0], (DocumentRange{0, 4}));
+    EXPECT_EQ(r[1], (DocumentRange{4, 7}));
+    EXPECT_EQ(r[2], (DocumentRange{7, 10}));
+    // Missing weights are 0; slashes work as in Megatron's regex.
+    r = split_documents("100", 7);
+    EXPECT_EQ(r[0], (DocumentRange{0, 7}));
+    EXPECT_EQ(r[1].size(), 0);
+    EXPECT_EQ(r[2].size(), 0);
+    r = split_documents("98/2", 100);
+    EXPECT_EQ(r[0], (DocumentRange{0, 98}));
+    EXPECT_EQ(r[1], (DocumentRange{98, 100}));
+    // Python rounds half to even: 0.5 * 5 = 2.5 -> 2.
+    r = split_documents("1,1", 5);
+    EXPECT_EQ(r[0], (DocumentRange{0, 3}));   // [0, 2, 4] corrected by -1 -> [0, 3, 5]
+    auto w = parse_split("949,50,1");
+    EXPECT_NEAR(w[0] + w[1] + w[2], 1.0, 1e-12);
+    EXPECT_NEAR(w[1], 0.05, 1e-12);
+    for (const char * bad : {"a,b", "1,2,3,4", "0,0,0", "-1,2", "", "1,,2"}) {
+        std::string message = error_of([&] { parse_split(bad); });
+        EXPECT_NE(message.find("--split"), std::string::npos) << bad << ": " << message;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// GPT sample index
+
+TEST(GptSampleIndex, WorkedExampleOfTheHeader) {
+    std::vector<int32_t> sizes = {4, 3, 5};
+    std::vector<int32_t> order = {0, 1, 2};
+    EXPECT_EQ(build_sample_index(sizes, order, 3, 12, 1), (std::vector<int64_t>{0, 0, 0, 3, 1, 2, 2, 2}));
+}
+
+TEST(GptSampleIndex, SamplesUseEveryTokenOfTheSplitInOrderOverlappingByOne) {
+    std::vector<int32_t> lengths = {7, 1, 0, 12, 3, 25, 2, 9, 4, 16, 5, 11};
+    std::string          prefix  = write_numbered_documents("samples", lengths);
+    auto                 data    = std::make_shared<const IndexedDataset>(prefix);
+    const int64_t        seq     = 5;
+    DocumentRange        range{2, 10};   // documents 2..9 only
+    GptDataset           ds(data, range, seq, 0, 1234, 20000, "train");
+
+    const GptSampleIndex & index = ds.index();
+    EXPECT_EQ(index.num_epochs, 1);
+    int64_t tokens = 0;
+    for (int64_t d = range.begin; d < range.end; ++d) tokens += lengths[d];
+    EXPECT_EQ(index.tokens_per_epoch, tokens);
+    EXPECT_EQ(ds.num_samples(), (tokens - 1) / seq);
+    // The document index is a permutation of the split's documents.
+    std::multiset<int32_t> docs(index.document_index.begin(), index.document_index.end());
+    EXPECT_EQ(docs, (std::multiset<int32_t>{2, 3, 4, 5, 6, 7, 8, 9}));
+    // The token stream in document-index order.
+    std::vector<int32_t> stream;
+    for (int32_t d : index.document_index) {
+        std::vector<int32_t> t = data->sequence(d);
+        stream.insert(stream.end(), t.begin(), t.end());
+    }
+    std::vector<int32_t> sample(seq + 1), previous;
+    for (int64_t k = 0; k < ds.num_samples(); ++k) {
+        ds.sample_unshuffled(k, sample);
+        std::vector<int32_t> expected(stream.begin() + k * seq, stream.begin() + k * seq + seq + 1);
+        ASSERT_EQ(sample, expected) << "sample " << k << " is tokens [k s, k s + s + 1) of the stream";
+        if (k > 0) {
+            EXPECT_EQ(sample.front(), previous.back()) << "consecutive samples overlap by one token";
+        }
+        for (int32_t t : sample) {
+            int32_t d = t / 1000 - 1;
+            EXPECT_TRUE(d >= range.begin && d < range.end) << "token " << t << " from outside the split";
+        }
+        previous = sample;
+    }
+    // The shuffle index is a permutation of the samples, and sample(i) reads shuffle_index[i].
+    std::vector<int64_t> sorted = index.shuffle_index;
+    std::sort(sorted.begin(), sorted.end());
+    std::vector<int64_t> iota(sorted.size());
+    std::iota(iota.begin(), iota.end(), int64_t{0});
+    EXPECT_EQ(sorted, iota);
+    std::vector<int32_t> a(seq + 1), b(seq + 1);
+    ds.sample(3, a);
+    ds.sample_unshuffled(index.shuffle_index[3], b);
+    EXPECT_EQ(a, b);
+}
+
+TEST(GptSampleIndex, IsDeterministicForASeedAndDifferentForAnother) {
+    std::vector<int32_t> sizes(50);
+    for (size_t i = 0; i < sizes.size(); ++i) sizes[i] = static_cast<int32_t>(3 + (i * 7) % 11);
+    DocumentRange  range{0, 50};
+    GptSampleIndex a = build_gpt_sample_index(sizes, range, 8, 0, 1234);
+    GptSampleIndex b = build_gpt_sample_index(sizes, range, 8, 0, 1234);
+    GptSampleIndex c = build_gpt_sample_index(sizes, range, 8, 0, 1235);
+    EXPECT_EQ(a.document_index, b.document_index);
+    EXPECT_EQ(a.sample_index, b.sample_index);
+    EXPECT_EQ(a.shuffle_index, b.shuffle_index);
+    EXPECT_NE(a.document_index, c.document_index);
+    EXPECT_NE(a.shuffle_index, c.shuffle_index);
+    // The documented shuffle: Fisher-Yates from the back with draw_below on one mt19937_64(seed).
+    std::mt19937_64      rng(1234);
+    std::vector<int32_t> docs(50);
+    std::iota(docs.begin(), docs.end(), 0);
+    for (size_t i = docs.size(); i > 1; --i) std::swap(docs[i - 1], docs[draw_below(rng, i)]);
+    EXPECT_EQ(a.document_index, docs);
+}
+
+TEST(GptSampleIndex, BuildsEnoughEpochsForTheRequestedSamples) {
+    std::vector<int32_t> sizes = {10, 20, 30, 40};   // 100 tokens per epoch, 12 samples of seq 8 per epoch
+    DocumentRange        range{0, 4};
+    // 30 samples need 30 * 8 + 1 = 241 tokens: 3 epochs. The last epoch gives 30 - (200 - 1) / 8 = 6 samples,
+    // below 80% of 12, so it is shuffled apart.
+    GptSampleIndex x = build_gpt_sample_index(sizes, range, 8, 30, 7);
+    EXPECT_EQ(x.num_epochs, 3);
+    EXPECT_TRUE(x.separate_final_epoch);
+    EXPECT_EQ(x.num_samples(), (300 - 1) / 8);
+    std::map<int32_t, int> count;
+    for (int32_t d : x.document_index) ++count[d];
+    for (int32_t d = 0; d < 4; ++d) EXPECT_EQ(count[d], 3);
+    std::multiset<int32_t> last(x.document_index.end() - 4, x.document_index.end());
+    EXPECT_EQ(last, (std::multiset<int32_t>{0, 1, 2, 3})) << "the separate final epoch holds each document once";
+    // The first (E - 1) epochs' samples are permuted among themselves first.
+    int64_t before = (200 - 1) / 8;
+    for (int64_t i = 0; i < before; ++i) EXPECT_LT(x.shuffle_index[i], before);
+    // 34 samples: the last epoch gives 34 - 24 = 10 >= 9.6 samples, so no separate epoch.
+    GptSampleIndex y = build_gpt_sample_index(sizes, range, 8, 34, 7);
+    EXPECT_EQ(y.num_epochs, 3);
+    EXPECT_FALSE(y.separate_final_epoch);
+}
+
+TEST(GptDataset, OpensASplitOfAPrefixAndNamesAnEmptyOne) {
+    std::vector<int32_t> lengths(20, 9);
+    std::string          prefix = write_numbered_documents("open", lengths);
+    auto                 train  = open_gpt_dataset(prefix, "80,20,0", Split::train, 4, 0, 1);
+    auto                 valid  = open_gpt_dataset(prefix, "80,20,0", Split::valid, 4, 0, 1);
+    EXPECT_EQ(train->range(), (DocumentRange{0, 16}));
+    EXPECT_EQ(valid->range(), (DocumentRange{16, 20}));
+    EXPECT_EQ(train->vocab_size(), 20 * 1000 + 8 + 1) << "vocab 0 means the largest token + 1";
+    EXPECT_EQ(train->num_samples(), (16 * 9 - 1) / 4);
+    std::string message = error_of([&] { open_gpt_dataset(prefix, "80,20,0", Split::test, 4, 0, 1); });
+    EXPECT_NE(message.find("test split"), std::string::npos) << message;
+    EXPECT_NE(message.find(prefix), std::string::npos) << message;
+    message = error_of([&] { open_gpt_dataset(prefix, "80,20,0", Split::valid, 100, 0, 1); });
+    EXPECT_NE(message.find("seq_length + 1 = 101"), std::string::npos) << message;
+    auto                 small = open_gpt_dataset(prefix, "80,20,0", Split::train, 4, 0, 1, 512);
+    std::vector<int32_t> window(5);
+    message = error_of([&] { small->sample(0, window); });
+    EXPECT_NE(message.find(prefix + ".bin' holds token id"), std::string::npos) << message;
+    EXPECT_NE(message.find("--vocab-size"), std::string::npos) << message;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// llm.c shards
+
+TEST(LlmcShard, ReadsBothVersionsAsWindowsWithStrideSeqLength) {
+    std::vector<int32_t> tokens(23);
+    std::iota(tokens.begin(), tokens.end(), 100);
+    for (bool llama3 : {false, true}) {
+        std::string path = temp_path(llama3 ? "llama3.bin" : "gpt2.bin");
+        std::vector<int32_t> t = tokens;
+        if (llama3) t[5] = 128000;
+        write_llmc_shard(path, t, llama3);
+        EXPECT_EQ(read_bytes(path).size(), 1024u + t.size() * (llama3 ? 4 : 2));
+        LlmcShardDataset ds(path, 5);
+        EXPECT_EQ(ds.num_tokens(), 23);
+        EXPECT_EQ(ds.num_samples(), (23 - 1) / 5);
+        EXPECT_EQ(ds.vocab_size(), llama3 ? 128256 : 50257);
+        std::vector<int32_t> w(6);
+        ds.sample(0, w);
+        EXPECT_EQ(w, (std::vector<int32_t>{100, 101, 102, 103, 104, t[5]}));
+        ds.sample(3, w);
+        EXPECT_EQ(w, (std::vector<int32_t>{115, 116, 117, 118, 119, 120}));
+    }
+}
+
+TEST(LlmcShard, MalformedShardsThrowNamingTheFileAndField) {
+    std::vector<int32_t> tokens(40, 7);
+    std::string          good = temp_path("good_shard.bin");
+    write_llmc_shard(good, tokens);
+    const std::vector<uint8_t> bytes = read_bytes(good);
+    struct Case {
+        const char * name;
+        std::function<void(std::vector<uint8_t> &)> corrupt;
+        const char * field;
+    };
+    const Case cases[] = {
+        {"magic", [](auto & b) { poke<int32_t>(b, 0, 20240522); }, "h[0] = 20240522"},
+        {"version", [](auto & b) { poke<int32_t>(b, 4, 7); }, "h[1] = 7"},
+        {"count", [](auto & b) { poke<int32_t>(b, 8, 41); }, "h[2] = 41"},
+        {"truncated", [](auto & b) { b.resize(b.size() - 2); }, "truncated"},
+        {"no_header", [](auto & b) { b.resize(100); }, "1024-byte header"},
+        {"token", [](auto & b) { poke<uint16_t>(b, 1024, 60000); }, "token id 60000"},
+    };
+    for (const Case & c : cases) {
+        std::string          path = temp_path(std::string("bad_shard_") + c.name + ".bin");
+        std::vector<uint8_t> b = bytes;
+        c.corrupt(b);
+        write_bytes(path, b);
+        std::string message = error_of([&] {
+            LlmcShardDataset     ds(path, 4);
+            std::vector<int32_t> window(5);
+            ds.sample(0, window);
+        });
+        EXPECT_NE(message.find(path), std::string::npos) << c.name << ": " << message;
+        EXPECT_NE(message.find(c.field), std::string::npos) << c.name << ": " << message;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Synthetic data
+
+TEST(SyntheticDataset, IsDeterministicInRangeAndNearItsEntropyFloor) {
+    const int64_t    vocab = 64, seq = 32;
+    SyntheticDataset a(vocab, seq, 3), b(vocab, seq, 3), c(vocab, seq, 4);
+    std::vector<int32_t> x(seq + 1), y(seq + 1), z(seq + 1);
+    std::map<std::pair<int32_t, int32_t>, double> pair_count;
+    std::map<int32_t, double>                     from_count;
+    for (int64_t i = 0; i < 4000; ++i) {
+        a.sample(i, x);
+        b.sample(i, y);
+        ASSERT_EQ(x, y);
+        for (int k = 0; k <= seq; ++k) ASSERT_TRUE(x[k] >= 0 && x[k] < vocab);
+        for (int k = 0; k < seq; ++k) {
+            pair_count[{x[k], x[k + 1]}] += 1;
+            from_count[x[k]] += 1;
+        }
+    }
+    c.sample(0, z);
+    a.sample(0, x);
+    EXPECT_NE(x, z);
+    // The empirical conditional entropy H(next | current) is the loss floor: about 1.11 nats (a little less
+    // where successors coincide), far below ln 64 = 4.16.
+    double h = 0.0, total = 0.0;
+    for (auto & [key, n] : pair_count) {
+        h -= n * std::log(n / from_count[key.first]);
+        total += n;
+    }
+    h /= total;
+    EXPECT_LT(h, SyntheticDataset::kEntropyNats + 0.05);
+    EXPECT_GT(h, 0.8);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Loader
+
+TEST(Loader, DataParallelRanksTileEachGlobalBatchExactlyAndResume) {
+    std::vector<int32_t> lengths(60);
+    for (size_t i = 0; i < lengths.size(); ++i) lengths[i] = static_cast<int32_t>(5 + i % 13);
+    std::string prefix = write_numbered_documents("loader", lengths);
+    auto        ds     = open_gpt_dataset(prefix, "1", Split::train, 6, 0, 99);
+    Device &    device = cpu::device();
+    const int64_t mbs = 2, dp = 3, num_microbatches = 4, gbs = mbs * dp * num_microbatches, s = 6;
+    ASSERT_GT(ds->num_samples(), 2 * gbs);
+
+    std::vector<int32_t> window(s + 1);
+    auto expect_row_is_sample = [&](const Batch & batch, int64_t row, int64_t sample) {
+        ds->sample(sample, window);
+        for (int64_t i = 0; i < s; ++i) {
+            ASSERT_EQ(batch.tokens.data<int32_t>()[row * s + i], window[i]);
+            ASSERT_EQ(batch.labels.data<int32_t>()[row * s + i], window[i + 1]) << "labels are tokens shifted by one";
+            ASSERT_EQ(batch.loss_mask.data<float>()[row * s + i], 1.0f);
+        }
+    };
+
+    std::vector<Loader> loaders;
+    loaders.reserve(dp);
+    for (int64_t r = 0; r < dp; ++r) loaders.emplace_back(*ds, mbs, r, dp, device);
+    for (int64_t iteration = 0; iteration < 2; ++iteration) {
+        std::vector<int> seen(static_cast<size_t>(gbs), 0);
+        for (int64_t m = 0; m < num_microbatches; ++m) {
+            for (int64_t r = 0; r < dp; ++r) {
+                Batch batch = loaders[r].next_microbatch();
+                ASSERT_EQ(batch.tokens.shape(), (Shape{mbs, s}));
+                ASSERT_EQ(batch.labels.dtype(), DType::i32);
+                ASSERT_EQ(batch.loss_mask.dtype(), DType::f32);
+                for (int64_t j = 0; j < mbs; ++j) {
+                    int64_t sample = iteration * gbs + m * mbs * dp + r * mbs + j;   // Megatron's sampler
+                    expect_row_is_sample(batch, j, sample);
+                    ++seen[static_cast<size_t>(sample - iteration * gbs)];
+                }
+            }
+        }
+        for (int n : seen) EXPECT_EQ(n, 1) << "each sample of the global batch is read by exactly one rank, once";
+        for (const Loader & l : loaders) EXPECT_EQ(l.consumed_samples(), (iteration + 1) * gbs);
+    }
+    // Resume at consumed_samples = 2 gbs: the same micro-batches as the loader that kept going.
+    Loader resumed(*ds, mbs, 1, dp, device, 2 * gbs);
+    Batch  x = resumed.next_microbatch(), y = loaders[1].next_microbatch();
+    EXPECT_EQ(std::vector<int32_t>(x.tokens.data<int32_t>(), x.tokens.data<int32_t>() + mbs * s),
+              std::vector<int32_t>(y.tokens.data<int32_t>(), y.tokens.data<int32_t>() + mbs * s));
+    Loader later(*ds, mbs, 0, dp, device);
+    later.set_consumed_samples(ds->num_samples() - 1);
+    EXPECT_EQ(later.sample_index(0), ds->num_samples() - 1);
+    EXPECT_EQ(later.sample_index(1), 0) << "indices wrap around the dataset";
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Conversion
+
+TEST(Preprocess, TextParagraphsLinesAndJsonLinesBecomeByteDocuments) {
+    std::string text = temp_path("doc.txt");
+    std::ofstream(text) << "Hi\r\nthere\n\n\n  \nBye\n";
+    PreprocessOptions o;
+    o.input         = text;
+    o.output_prefix = temp_path("para");
+    PreprocessResult r = preprocess_to_indexed_dataset(o);
+    EXPECT_EQ(r.prefix, o.output_prefix + "_text_document");
+    EXPECT_EQ(r.documents, 2);
+    EXPECT_EQ(r.vocab_size, 257);
+    IndexedDataset ds(r.prefix);
+    EXPECT_EQ(ds.sequence(0), (std::vector<int32_t>{72, 105, 10, 116, 104, 101, 114, 101, 256}));
+    EXPECT_EQ(ds.sequence(1), (std::vector<int32_t>{66, 121, 101, 256}));
+    EXPECT_EQ(ds.num_documents(), 2);
+
+    o.text_documents = TextDocuments::line;
+    o.append_eod     = false;
+    o.output_prefix  = temp_path("lines");
+    r                = preprocess_to_indexed_dataset(o);
+    EXPECT_EQ(r.documents, 3);
+    EXPECT_EQ(r.vocab_size, 256);
+    EXPECT_EQ(IndexedDataset(r.prefix).sequence(1), (std::vector<int32_t>{'t', 'h', 'e', 'r', 'e'}));
+
+    std::string jsonl = temp_path("docs.jsonl");
+    std::ofstream(jsonl) << "{\"id\": 1, \"body\": \"caf\\u00e9\"}\n\n{\"body\": \"\"}\n{\"body\": \"x\"}\n";
+    PreprocessOptions j;
+    j.input         = jsonl;
+    j.json_key      = "body";
+    j.output_prefix = temp_path("json");
+    r               = preprocess_to_indexed_dataset(j);
+    EXPECT_EQ(r.prefix, j.output_prefix + "_body_document");
+    EXPECT_EQ(r.documents, 2);
+    EXPECT_EQ(r.skipped, 1);
+    EXPECT_EQ(IndexedDataset(r.prefix).sequence(0), (std::vector<int32_t>{'c', 'a', 'f', 0xc3, 0xa9, 256}));
+
+    j.json_key          = "text";
+    std::string message = error_of([&] { preprocess_to_indexed_dataset(j); });
+    EXPECT_NE(message.find(jsonl + "' line 1"), std::string::npos) << message;
+    EXPECT_NE(message.find("\"text\""), std::string::npos) << message;
+    EXPECT_NE(message.find("its fields: body, id"), std::string::npos) << message;
+    // Nothing is left behind by a failed conversion.
+    EXPECT_NE(::access(index_file_path(document_dataset_prefix(j.output_prefix, "text")).c_str(), F_OK), 0);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// `loom data`, run as a program
+
+namespace {
+
+struct CliRun {
+    int         status;
+    std::string out;   // stdout and stderr
+};
+
+CliRun run_loom(const std::string & args) {
+    std::string command = std::string(LOOM_CLI_PATH) + " " + args + " 2>&1";
+    FILE *      pipe    = popen(command.c_str(), "r");
+    EXPECT_NE(pipe, nullptr);
+    std::string            out;
+    std::array<char, 4096> buffer;
+    size_t                 n;
+    while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) out.append(buffer.data(), n);
+    int status = pclose(pipe);
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+}  // namespace
+
+TEST(LoomData, ConvertsTextAndJsonLinesThatTheReaderReadsBack) {
+    std::string text = temp_path("cli.txt");
+    std::ofstream(text) << "first document\nstill first\n\nsecond\n";
+    std::string prefix = temp_path("cli_text");
+    CliRun      r      = run_loom("data --input " + text + " --output-prefix " + prefix);
+    ASSERT_EQ(r.status, 0) << r.out;
+    EXPECT_NE(r.out.find("2 documents"), std::string::npos) << r.out;
+    IndexedDataset ds(prefix + "_text_document");
+    EXPECT_EQ(ds.num_documents(), 2);
+    std::vector<int32_t> second = ds.sequence(1);
+    EXPECT_EQ(std::string(second.begin(), second.end() - 1), "second");
+    EXPECT_EQ(second.back(), kByteEod);
+
+    std::string jsonl = temp_path("cli.jsonl");
+    std::ofstream out(jsonl);
+    for (int i = 0; i < 40; ++i) out << "{\"text\": \"document number " << i << " says hello\"}\n";
+    out.close();
+    std::string jprefix = temp_path("cli_json");
+    r                   = run_loom("data --input " + jsonl + " --output-prefix " + jprefix + " --json-keys text");
+    ASSERT_EQ(r.status, 0) << r.out;
+    auto gpt = open_gpt_dataset(jprefix + "_text_document", "969,30,1", Split::train, 16, 0, 1234);
+    EXPECT_EQ(gpt->range(), (DocumentRange{0, 39}));
+    EXPECT_EQ(gpt->vocab_size(), 257);
+    EXPECT_GT(gpt->num_samples(), 40);
+}
+
+TEST(LoomData, BadInputExitsTwoNamingTheProblem) {
+    std::string text = temp_path("cli_bad.txt");
+    std::ofstream(text) << "hello\n";
+    std::string jsonl = temp_path("cli_bad.jsonl");
+    std::ofstream(jsonl) << "{\"text\": \"ok\"}\nnot json\n";
+    struct Case {
+        std::string args, names;
+    } cases[] = {
+        {"data --input " + text + " --output-prefix " + temp_path("o1") + " --vocab-file vocab.json --merge-file merges.txt",
+         "not implemented yet"},
+        {"data --input " + text + " --output-prefix " + temp_path("o2") + " --tokenizer-type GPT2BPETokenizer",
+         "not implemented yet"},
+        {"data --input " + jsonl + " --output-prefix " + temp_path("o3"), jsonl + "' line 2 is not valid JSON"},
+        {"data --input /nonexistent/loom.txt --output-prefix " + temp_path("o4"), "/nonexistent/loom.txt"},
+        {"data --input " + text + " --output-prefix /nonexistent/dir/x", "/nonexistent/dir/x_text_document.bin"},
+        {"data --output-prefix " + temp_path("o5"), "--input"},
+    };
+    for (const Case & c : cases) {
+        CliRun r = run_loom(c.args);
+        EXPECT_EQ(r.status, 2) << c.args << " -> " << r.out;
+        EXPECT_NE(r.out.find(c.names), std::string::npos) << c.args << " -> " << r.out;
+    }
+}
