@@ -45,13 +45,8 @@ int cmd_data(int argc, char ** argv) {
     app.add_option("--tokenizer-type", tokenizer, "byte (GPT2BPETokenizer is not implemented yet)")->capture_default_str();
     app.add_option("--vocab-file", vocab_file, "GPT-2 vocab.json (BPE is not implemented yet)");
     app.add_option("--merge-file", merge_file, "GPT-2 merges.txt (BPE is not implemented yet)");
-    try {
-        app.parse(argc, argv);
-    } catch (const CLI::CallForHelp & e) {
-        return app.exit(e);
-    } catch (const CLI::ParseError & e) {
-        app.exit(e);
-        return kExitBadInput;
+    if (std::optional<int> status = parse_arguments(app, argc, argv)) {
+        return *status;
     }
     LOOM_CHECK(vocab_file.empty() && merge_file.empty() && (tokenizer == "byte" || tokenizer == "ByteTokenizer"),
                "GPT-2 BPE tokenization (" << (vocab_file.empty() && merge_file.empty() ? "--tokenizer-type " + tokenizer

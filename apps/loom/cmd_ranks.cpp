@@ -31,13 +31,8 @@ int cmd_ranks(int argc, char ** argv) {
     app.add_option("--order", sizes.order, "axes from fastest to slowest varying")->capture_default_str();
     app.add_flag("--json", json, "print one JSON object instead of tables");
 
-    try {
-        app.parse(argc, argv);
-    } catch (const CLI::CallForHelp & e) {
-        return app.exit(e);
-    } catch (const CLI::ParseError & e) {
-        app.exit(e);
-        return kExitBadInput;
+    if (std::optional<int> status = parse_arguments(app, argc, argv)) {
+        return *status;
     }
     if (app.count("--etp")) {
         sizes.etp = etp;

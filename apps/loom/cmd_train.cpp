@@ -38,13 +38,8 @@ void print_summary(const train::TrainSummary & s, const model::GptModel & gpt) {
 int cmd_train(int argc, char ** argv) {
     CLI::App app{"Train a GPT on this rank.", "loom train"};
     train::TrainOptionParser parser(app);
-    try {
-        app.parse(argc, argv);
-    } catch (const CLI::CallForHelp & e) {
-        return app.exit(e);
-    } catch (const CLI::ParseError & e) {
-        app.exit(e);
-        return kExitBadInput;
+    if (std::optional<int> status = parse_arguments(app, argc, argv)) {
+        return *status;
     }
     train::TrainOptions options = parser.resolve();
     Device &            device  = cpu::device();

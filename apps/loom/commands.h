@@ -2,9 +2,27 @@
 // are thrown as loom::Error and turned into exit status 2 (bad input) by main().
 #pragma once
 
+#include <CLI/CLI.hpp>
+
+#include <optional>
+
 namespace loom::app {
 
 inline constexpr int kExitBadInput = 2;
+
+// Parses a command's arguments. Returns the exit status when the command must stop here (0 after
+// --help, kExitBadInput after a parse error, with CLI11's message on stderr), or nothing to go on.
+inline std::optional<int> parse_arguments(CLI::App & app, int argc, char ** argv) {
+    try {
+        app.parse(argc, argv);
+    } catch (const CLI::CallForHelp & e) {
+        return app.exit(e);
+    } catch (const CLI::ParseError & e) {
+        app.exit(e);
+        return kExitBadInput;
+    }
+    return std::nullopt;
+}
 
 int cmd_ranks(int argc, char ** argv);
 int cmd_train(int argc, char ** argv);
