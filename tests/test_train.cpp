@@ -176,3 +176,23 @@ TEST(LoomTrain, BadFlagsExitTwoNamingTheFlag) {
         EXPECT_NE(err.find(c.names), std::string::npos) << c.args << " -> " << err;
     }
 }
+
+TEST(LoomEval, AnUntrainedModelScoresAboutLnVocab) {
+    // With 0.02-std weights the logits are near zero: the loss is close to ln(512) = 6.238 and the
+    // perplexity close to 512 (tolerance 0.1 nats).
+    std::string cmd = std::string(LOOM_CLI_PATH) + " eval --eval-iters 3 2>&1";
+    FILE *      p   = popen(cmd.c_str(), "r");
+    char        buf[4096];
+    std::string out;
+    size_t      n;
+    while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+    ASSERT_EQ(pclose(p), 0) << out;
+    size_t at = out.find("lm loss value: ");
+    ASSERT_NE(at, std::string::npos) << out;
+    double loss = std::stod(out.substr(at + 15));
+    EXPECT_NEAR(loss, std::log(512.0), 0.1) << out;
+    EXPECT_NE(out.find("lm loss PPL: "), std::string::npos);
+    std::string err;
+    EXPECT_EQ(run_status("eval --eval-iters 0", &err), 2);
+    EXPECT_NE(err.find("--eval-iters"), std::string::npos) << err;
+}

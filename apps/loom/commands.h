@@ -27,5 +27,6 @@ inline std::optional<int> parse_arguments(CLI::App & app, int argc, char ** argv
 int cmd_ranks(int argc, char ** argv);
 int cmd_train(int argc, char ** argv);
 int cmd_data(int argc, char ** argv);
+int cmd_eval(int argc, char ** argv);
 
 }  // namespace loom::app

@@ -1,6 +1,7 @@
 // loom: the command-line entry point.
 //
 //   loom train     train a GPT on this rank
+//   loom eval      lm loss and perplexity of a model
 //   loom data      convert text into a Megatron dataset
 //   loom ranks     print the process groups of a parallel configuration (see `loom ranks --help`)
 //
@@ -24,6 +25,7 @@ struct Command {
 
 const Command kCommands[] = {
     {"train", loom::app::cmd_train, "train a GPT (the main job; `loom train --help` lists Megatron's flags)"},
+    {"eval", loom::app::cmd_eval, "mean lm loss and perplexity of a model over --eval-iters batches"},
     {"data", loom::app::cmd_data, "convert text or JSON lines into a Megatron .bin/.idx dataset (byte tokens)"},
     {"ranks", loom::app::cmd_ranks, "print the process groups and rank map of a parallel configuration"},
 };

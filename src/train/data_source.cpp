@@ -27,14 +27,16 @@ private:
 }  // namespace
 
 std::unique_ptr<BatchSource> make_batch_source(TrainOptions & options, Device & device, bool vocab_given,
-                                               int64_t dp_rank, int64_t dp_size) {
+                                               int64_t dp_rank, int64_t dp_size, data::Split split, int64_t num_samples) {
+    if (num_samples == 0) {
+        num_samples = options.train_iters * options.global_batch_size;
+    }
     int64_t seq = options.model.seq_length;
     std::unique_ptr<data::TokenDataset> dataset;
     if (!options.data_path.empty()) {
         // The train range of --split, enough samples for every iteration; the vocabulary is the
         // dataset's largest token + 1 unless --vocab-size was given (then every token must fit it).
-        dataset = data::open_gpt_dataset(options.data_path, options.split, data::Split::train, seq,
-                                         options.train_iters * options.global_batch_size, options.model.seed,
+        dataset = data::open_gpt_dataset(options.data_path, options.split, split, seq, num_samples, options.model.seed,
                                          vocab_given ? options.model.vocab_size : 0);
     } else if (!options.llmc_shard.empty()) {
         dataset = std::make_unique<data::LlmcShardDataset>(options.llmc_shard, seq,

@@ -3,6 +3,7 @@
 // of bytes (--text-file), or the built-in synthetic dataset by default.
 #pragma once
 
+#include "data/gpt_dataset.h"
 #include "data/token_dataset.h"
 #include "train/options.h"
 #include "train/trainer.h"
@@ -13,7 +14,10 @@ namespace loom::train {
 
 // Builds the dataset and loader for data-parallel rank dp_rank of dp_size; sets options.model.vocab_size
 // from the dataset unless --vocab-size was given (then it must hold the dataset's tokens).
+// `split` picks the range of a Megatron dataset (--split); other sources ignore it. num_samples 0 means
+// train_iters x global batch.
 std::unique_ptr<BatchSource> make_batch_source(TrainOptions & options, Device & device, bool vocab_given,
-                                               int64_t dp_rank = 0, int64_t dp_size = 1);
+                                               int64_t dp_rank = 0, int64_t dp_size = 1,
+                                               data::Split split = data::Split::train, int64_t num_samples = 0);
 
 }  // namespace loom::train
