@@ -10,6 +10,8 @@
 #include "data/preprocess.h"
 #include "data/token_dataset.h"
 
+#include "loom_cli_runner.h"
+
 #include <gtest/gtest.h>
 
 #include <array>
@@ -579,22 +581,6 @@ TEST(Preprocess, TextParagraphsLinesAndJsonLinesBecomeByteDocuments) {
 
 namespace {
 
-struct CliRun {
-    int         status;
-    std::string out;   // stdout and stderr
-};
-
-CliRun run_loom(const std::string & args) {
-    std::string command = std::string(LOOM_CLI_PATH) + " " + args + " 2>&1";
-    FILE *      pipe    = popen(command.c_str(), "r");
-    EXPECT_NE(pipe, nullptr);
-    std::string            out;
-    std::array<char, 4096> buffer;
-    size_t                 n;
-    while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) out.append(buffer.data(), n);
-    int status = pclose(pipe);
-    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
 
 }  // namespace
 

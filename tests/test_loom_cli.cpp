@@ -3,6 +3,8 @@
 // stdout.
 #include <nlohmann/json.hpp>
 
+#include "loom_cli_runner.h"
+
 #include <gtest/gtest.h>
 
 #include <array>
@@ -12,31 +14,15 @@
 
 namespace {
 
-struct CliRun {
-    int         status;
-    std::string out;
-};
-
-CliRun run_loom(const std::string & args) {
-    std::string command = std::string(LOOM_CLI_PATH) + " " + args + " 2>/dev/null";
-    FILE *      pipe    = popen(command.c_str(), "r");
-    EXPECT_NE(pipe, nullptr);
-    std::string           out;
-    std::array<char, 4096> buffer;
-    size_t n;
-    while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) {
-        out.append(buffer.data(), n);
-    }
-    int status = pclose(pipe);
-    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
+// stdout only: the JSON and the tables; errors go to stderr.
+CliRun run_loom_stdout(const std::string & args) { return run_loom(args, "2>/dev/null"); }
 
 using Groups = std::vector<std::vector<int>>;
 
 }  // namespace
 
 TEST(LoomRanks, Seed001DenseExampleJson) {
-    CliRun r = run_loom("ranks --world-size 16 --tp 4 --pp 2 --json");
+    CliRun r = run_loom_stdout("ranks --world-size 16 --tp 4 --pp 2 --json");
     ASSERT_EQ(r.status, 0);
     auto j = nlohmann::json::parse(r.out);
     EXPECT_EQ(j["world_size"], 16);
@@ -55,7 +41,7 @@ TEST(LoomRanks, Seed001DenseExampleJson) {
 }
 
 TEST(LoomRanks, Seed001MoeExampleJson) {
-    CliRun r = run_loom("ranks --world-size 16 --tp 4 --pp 2 --etp 1 --ep 4 --json");
+    CliRun r = run_loom_stdout("ranks --world-size 16 --tp 4 --pp 2 --etp 1 --ep 4 --json");
     ASSERT_EQ(r.status, 0);
     auto j = nlohmann::json::parse(r.out);
     EXPECT_EQ(j["ep"], 4);
@@ -68,8 +54,8 @@ TEST(LoomRanks, Seed001MoeExampleJson) {
 }
 
 TEST(LoomRanks, MegatronSpellingsGiveTheSameOutput) {
-    CliRun short_flags = run_loom("ranks --world-size 16 --tp 4 --pp 2 --etp 1 --ep 4 --json");
-    CliRun long_flags  = run_loom("ranks --world_size 16 --tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 "
+    CliRun short_flags = run_loom_stdout("ranks --world-size 16 --tp 4 --pp 2 --etp 1 --ep 4 --json");
+    CliRun long_flags  = run_loom_stdout("ranks --world_size 16 --tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 "
                           "--expert-tensor-parallel-size 1 --expert-model-parallel-size 4 --context-parallel-size 1 "
                           "--order tp-cp-ep-dp-pp --json");
     ASSERT_EQ(long_flags.status, 0);
@@ -77,7 +63,7 @@ TEST(LoomRanks, MegatronSpellingsGiveTheSameOutput) {
 }
 
 TEST(LoomRanks, TextViewHasBothTablesAndThePerRankMap) {
-    CliRun r = run_loom("ranks --world-size 16 --tp 4 --pp 2 --etp 1 --ep 4");
+    CliRun r = run_loom_stdout("ranks --world-size 16 --tp 4 --pp 2 --etp 1 --ep 4");
     ASSERT_EQ(r.status, 0);
     EXPECT_NE(r.out.find("dense groups"), std::string::npos);
     EXPECT_NE(r.out.find("expert groups"), std::string::npos);
@@ -87,15 +73,15 @@ TEST(LoomRanks, TextViewHasBothTablesAndThePerRankMap) {
 }
 
 TEST(LoomRanks, InvalidConfigurationExitsTwoWithNothingOnStdout) {
-    CliRun r = run_loom("ranks --world-size 12 --tp 8");
+    CliRun r = run_loom_stdout("ranks --world-size 12 --tp 8");
     EXPECT_EQ(r.status, 2);
     EXPECT_EQ(r.out, "");
-    CliRun order = run_loom("ranks --world-size 8 --tp 2 --order dp-pp");
+    CliRun order = run_loom_stdout("ranks --world-size 8 --tp 2 --order dp-pp");
     EXPECT_EQ(order.status, 2);
     EXPECT_EQ(order.out, "");
-    CliRun bad_flag = run_loom("ranks --world-size 8 --tensor-parallel 2");
+    CliRun bad_flag = run_loom_stdout("ranks --world-size 8 --tensor-parallel 2");
     EXPECT_EQ(bad_flag.status, 2);
     EXPECT_EQ(bad_flag.out, "");
-    CliRun missing = run_loom("ranks --tp 2");
+    CliRun missing = run_loom_stdout("ranks --tp 2");
     EXPECT_EQ(missing.status, 2);
 }

@@ -7,6 +7,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "loom_cli_runner.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -147,13 +149,9 @@ TEST(Training, RunsAreBitwiseReproducible) {
 namespace {
 
 int run_status(const std::string & args, std::string * err) {
-    std::string cmd = std::string(LOOM_CLI_PATH) + " " + args + " 2>&1 >/dev/null";
-    FILE *      p   = popen(cmd.c_str(), "r");
-    char        buf[4096];
-    size_t      n;
-    while ((n = fread(buf, 1, sizeof(buf), p)) > 0) err->append(buf, n);
-    int status = pclose(p);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    CliRun run = run_loom(args, "2>&1 >/dev/null");
+    *err += run.out;
+    return run.status;
 }
 
 }  // namespace
@@ -180,13 +178,9 @@ TEST(LoomTrain, BadFlagsExitTwoNamingTheFlag) {
 TEST(LoomEval, AnUntrainedModelScoresAboutLnVocab) {
     // With 0.02-std weights the logits are near zero: the loss is close to ln(512) = 6.238 and the
     // perplexity close to 512 (tolerance 0.1 nats).
-    std::string cmd = std::string(LOOM_CLI_PATH) + " eval --eval-iters 3 2>&1";
-    FILE *      p   = popen(cmd.c_str(), "r");
-    char        buf[4096];
-    std::string out;
-    size_t      n;
-    while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-    ASSERT_EQ(pclose(p), 0) << out;
+    CliRun      run = run_loom("eval --eval-iters 3");
+    ASSERT_EQ(run.status, 0) << run.out;
+    std::string out = run.out;
     size_t at = out.find("lm loss value: ");
     ASSERT_NE(at, std::string::npos) << out;
     double loss = std::stod(out.substr(at + 15));
