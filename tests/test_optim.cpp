@@ -34,8 +34,8 @@ TEST(AdamW, MatchesADoublePrecisionReferenceOverTenSteps) {
 
 TEST(AdamW, BiasesAndNormsGetNoWeightDecay) {
     Device &         device = cpu::device();
-    model::Parameter w = model::parameter_create("w", {4}, device);
-    model::Parameter b = model::parameter_create("b", {4}, device);
+    model::Parameter w = model::parameter_create("w", {4}, DType::f32, device);
+    model::Parameter b = model::parameter_create("b", {4}, DType::f32, device);
     b.no_weight_decay  = true;
     model::parameter_init_constant(w, 1.0f);
     model::parameter_init_constant(b, 1.0f);
@@ -70,8 +70,8 @@ TEST(LrSchedule, WarmupThenDecayToMinimum) {
 
 TEST(GradClip, ScalesToTheMaximumNormOnlyWhenAbove) {
     Device &         device = cpu::device();
-    model::Parameter a = model::parameter_create("a", {2}, device);
-    model::Parameter b = model::parameter_create("b", {1}, device);
+    model::Parameter a = model::parameter_create("a", {2}, DType::f32, device);
+    model::Parameter b = model::parameter_create("b", {1}, DType::f32, device);
     a.main_grad.data<float>()[0] = 3.0f;
     a.main_grad.data<float>()[1] = 0.0f;
     b.main_grad.data<float>()[0] = 4.0f;

@@ -7,6 +7,8 @@
 // s sequence length, V vocabulary (padded to a multiple of make_vocab_size_divisible_by).
 #pragma once
 
+#include "core/dtype.h"
+
 #include <cstdint>
 #include <string>
 
@@ -34,6 +36,8 @@ struct GptConfig {
     float             norm_epsilon            = 1e-5f;
     float             rotary_base             = 10000.0f;
     uint64_t          seed                    = 1234;
+    // Parameter and GEMM-operand dtype: f32, or bf16 with --bf16 (main_grad and master weights stay f32).
+    DType             params_dtype            = DType::f32;
 
     int64_t head_dim() const { return hidden_size / num_attention_heads; }
     int64_t padded_vocab_size(int64_t tp = 1) const;

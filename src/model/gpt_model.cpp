@@ -8,20 +8,21 @@ namespace loom::model {
 GptModel::GptModel(const GptConfig & config, Device & device)
     : config_(config), device_(device), vocab_(config.padded_vocab_size()) {
     config_.validate();
-    wte_                  = parameter_create("embedding.word_embeddings.weight", {vocab_, config_.hidden_size}, device);
+    DType dtype = config_.params_dtype;
+    wte_ = parameter_create("embedding.word_embeddings.weight", {vocab_, config_.hidden_size}, dtype, device);
     wte_.shared_embedding = !config_.untie_embeddings_and_output_weights;
     wte_.tensor_parallel_dim = 0;
     if (config_.position_embedding == PositionEmbedding::learned_absolute) {
         wpe_ = parameter_create("embedding.position_embeddings.weight",
-                                {config_.max_position_embeddings, config_.hidden_size}, device);
+                                {config_.max_position_embeddings, config_.hidden_size}, dtype, device);
     }
     for (int64_t i = 0; i < config_.num_layers; ++i) {
         layers_.push_back(std::make_unique<TransformerLayer>(i, config_, device));
     }
     final_norm_ = std::make_unique<Norm>("final_norm", config_.hidden_size, config_.normalization,
-                                         config_.norm_epsilon, device);
+                                         config_.norm_epsilon, dtype, device);
     if (config_.untie_embeddings_and_output_weights) {
-        output_ = parameter_create("output_layer.weight", {vocab_, config_.hidden_size}, device);
+        output_ = parameter_create("output_layer.weight", {vocab_, config_.hidden_size}, dtype, device);
         output_.tensor_parallel_dim = 0;
     }
 }
@@ -64,18 +65,25 @@ GptModel::LossSum GptModel::forward(Context & ctx, const MicroBatch & batch) {
     ctx.layers.resize(layers_.size());
 
     Tensor x = activation(device_, s * b, h);
-    cpu::embedding_forward(tokens, wte_.data.data<float>(), wpe_.data.defined() ? wpe_.data.data<float>() : nullptr,
-                           x.data<float>(), s, b, h);
+    if (wte_.data.dtype() == DType::f32) {
+        cpu::embedding_forward(tokens, wte_.data.data<float>(), wpe_.data.defined() ? wpe_.data.data<float>() : nullptr,
+                               x.data<float>(), s, b, h);
+    } else {
+        auto bits = [](const Parameter & p) {
+            return p.data.defined() ? static_cast<const uint16_t *>(p.data.data_ptr()) : nullptr;
+        };
+        cpu::embedding_forward(tokens, bits(wte_), bits(wpe_), x.data<float>(), s, b, h);
+    }
     for (size_t i = 0; i < layers_.size(); ++i) {
         x = layers_[i]->forward(ctx.layers[i], x, s, b);
     }
-    ctx.final_hidden = final_norm_->forward(ctx.final_norm, x);
-
     const Parameter & out_w = output_.data.defined() ? output_ : wte_;
+    DType             dtype = out_w.data.dtype();
+    ctx.final_hidden = in_dtype(final_norm_->forward(ctx.final_norm, x), dtype);
     ctx.logits     = activation(device_, s * b, vocab_);
     ctx.lse        = activation(device_, s * b, 1);
     ctx.token_loss = activation(device_, s * b, 1);
-    cpu::gemm(false, true, s * b, vocab_, h, ctx.final_hidden.data_ptr(), out_w.data.data_ptr(), DType::f32,
+    cpu::gemm(false, true, s * b, vocab_, h, ctx.final_hidden.data_ptr(), out_w.data.data_ptr(), dtype,
               ctx.logits.data<float>());
     cpu::cross_entropy_forward(ctx.logits.data<float>(), batch.labels.data<int32_t>(), ctx.token_loss.data<float>(),
                                ctx.lse.data<float>(), s, b, vocab_);
@@ -99,12 +107,16 @@ void GptModel::backward(Context & ctx, double loss_scale, const GradReadyFn & re
     }
     cpu::cross_entropy_backward(ctx.logits.data<float>(), ctx.batch.labels.data<int32_t>(), ctx.lse.data<float>(),
                                 dloss.data<float>(), s, b, vocab_);
-    Parameter & out_w = output_.data.defined() ? output_ : wte_;
-    Tensor      dx    = activation(device_, s * b, h);
-    cpu::gemm(false, false, s * b, h, vocab_, ctx.logits.data_ptr(), out_w.data.data_ptr(), DType::f32, dx.data<float>());
-    cpu::gemm(true, false, vocab_, h, s * b, ctx.logits.data_ptr(), ctx.final_hidden.data_ptr(), DType::f32,
+    Parameter & out_w   = output_.data.defined() ? output_ : wte_;
+    DType       dtype   = out_w.data.dtype();
+    Tensor      dlogits = in_dtype(ctx.logits, dtype);
+    ctx.logits          = Tensor();
+    Tensor      dx      = activation(device_, s * b, h);
+    cpu::gemm(false, false, s * b, h, vocab_, dlogits.data_ptr(), out_w.data.data_ptr(), dtype, dx.data<float>());
+    cpu::gemm(true, false, vocab_, h, s * b, dlogits.data_ptr(), ctx.final_hidden.data_ptr(), dtype,
               out_w.main_grad.data<float>(), true);
-    ctx.logits = ctx.lse = ctx.token_loss = ctx.final_hidden = Tensor();
+    ctx.lse = ctx.token_loss = ctx.final_hidden = Tensor();
+    dlogits = Tensor();
     if (ready && output_.data.defined()) ready(output_);
 
     dx = final_norm_->backward(ctx.final_norm, dx, ready);

@@ -30,8 +30,8 @@ public:
         std::vector<TransformerLayer::Context> layers;
         Norm::Context                          final_norm;
         MicroBatch                             batch;
-        Tensor                                 final_hidden;   // input of the output layer (s*b, h)
-        Tensor                                 logits;         // (s*b, V); becomes dlogits in backward
+        Tensor                                 final_hidden;   // input of the output layer (s*b, h), params' dtype
+        Tensor                                 logits;         // (s*b, V) f32; becomes dlogits in backward
         Tensor                                 lse;            // (s*b)
         Tensor                                 token_loss;     // (s*b)
         int64_t                                s = 0, b = 0;

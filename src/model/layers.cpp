@@ -4,6 +4,8 @@
 #include "backend/cpu/gemm.h"
 #include "backend/cpu/ops.h"
 
+#include "core/error.h"
+
 #include <cmath>
 
 namespace loom::model {
@@ -12,14 +14,34 @@ Tensor activation(Device & device, int64_t rows, int64_t cols) {
     return Tensor::empty({rows, cols}, DType::f32, device, {MemoryKind::device, "activations"});
 }
 
+Tensor in_dtype(const Tensor & x, DType dtype) {
+    if (x.dtype() == dtype) {
+        return x;
+    }
+    Tensor out = Tensor::empty(x.shape(), dtype, x.device(), {MemoryKind::device, "activations"});
+    cpu::convert_parallel(x.data_ptr(), x.dtype(), out.data_ptr(), dtype, x.numel());
+    return out;
+}
+
+Tensor keep_for_backward(Tensor & x, DType dtype) {
+    if (dtype == DType::f32) {
+        return x;
+    }
+    LOOM_CHECK(dtype == DType::bf16 && x.dtype() == DType::f32,
+               "keeping a " << dtype_name(x.dtype()) << " activation as " << dtype_name(dtype), "");
+    Tensor out = Tensor::empty(x.shape(), DType::bf16, x.device(), {MemoryKind::device, "activations"});
+    cpu::round_to_bf16(x.data<float>(), static_cast<uint16_t *>(out.data_ptr()), x.numel());
+    return out;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Linear
 
-Linear::Linear(const std::string & name, int64_t in, int64_t out, bool with_bias, Device & device)
-    : weight(parameter_create(name + ".weight", {out, in}, device)), has_bias(with_bias) {
+Linear::Linear(const std::string & name, int64_t in, int64_t out, bool with_bias, DType dtype, Device & device)
+    : weight(parameter_create(name + ".weight", {out, in}, dtype, device)), has_bias(with_bias) {
     weight.tensor_parallel_dim = 0;
     if (has_bias) {
-        bias                 = parameter_create(name + ".bias", {out}, device);
+        bias                 = parameter_create(name + ".bias", {out}, dtype, device);
         bias.no_weight_decay = true;
     }
 }
@@ -38,20 +60,24 @@ void Linear::parameters(std::vector<Parameter *> & out) {
 
 Tensor Linear::forward(Context & ctx, const Tensor & x) {
     int64_t n = x.size(0), in = weight.data.size(1), o = weight.data.size(0);
-    Tensor  y = activation(x.device(), n, o);
-    cpu::gemm(false, true, n, o, in, x.data_ptr(), weight.data.data_ptr(), DType::f32, y.data<float>());
+    DType   dtype = weight.data.dtype();
+    Tensor  x_in  = in_dtype(x, dtype);
+    Tensor  y     = activation(x.device(), n, o);
+    cpu::gemm(false, true, n, o, in, x_in.data_ptr(), weight.data.data_ptr(), dtype, y.data<float>());
     if (has_bias) {
-        cpu::bias_add(y.data<float>(), bias.data.data<float>(), n, o);
+        cpu::bias_add(y.data<float>(), parameter_f32(bias).data<float>(), n, o);
     }
-    ctx.x = x;
+    ctx.x = x_in;
     return y;
 }
 
 Tensor Linear::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
     int64_t n = dy.size(0), in = weight.data.size(1), o = weight.data.size(0);
-    Tensor  dx = activation(dy.device(), n, in);
-    cpu::gemm(false, false, n, in, o, dy.data_ptr(), weight.data.data_ptr(), DType::f32, dx.data<float>());
-    cpu::gemm(true, false, o, in, n, dy.data_ptr(), ctx.x.data_ptr(), DType::f32, weight.main_grad.data<float>(), true);
+    DType   dtype = weight.data.dtype();
+    Tensor  dy_in = in_dtype(dy, dtype);
+    Tensor  dx    = activation(dy.device(), n, in);
+    cpu::gemm(false, false, n, in, o, dy_in.data_ptr(), weight.data.data_ptr(), dtype, dx.data<float>());
+    cpu::gemm(true, false, o, in, n, dy_in.data_ptr(), ctx.x.data_ptr(), dtype, weight.main_grad.data<float>(), true);
     if (has_bias) {
         cpu::bias_backward(dy.data<float>(), bias.main_grad.data<float>(), n, o);
     }
@@ -66,11 +92,11 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy, const GradReadyFn & re
 // ---------------------------------------------------------------------------------------------------
 // Norm
 
-Norm::Norm(const std::string & name, int64_t h, Normalization k, float e, Device & device)
-    : weight(parameter_create(name + ".weight", {h}, device)), kind(k), eps(e) {
+Norm::Norm(const std::string & name, int64_t h, Normalization k, float e, DType dtype, Device & device)
+    : weight(parameter_create(name + ".weight", {h}, dtype, device)), kind(k), eps(e) {
     weight.no_weight_decay = true;
     if (kind == Normalization::layernorm) {
-        bias                 = parameter_create(name + ".bias", {h}, device);
+        bias                 = parameter_create(name + ".bias", {h}, dtype, device);
         bias.no_weight_decay = true;
     }
 }
@@ -88,13 +114,14 @@ void Norm::parameters(std::vector<Parameter *> & out) {
 Tensor Norm::forward(Context & ctx, const Tensor & x) {
     int64_t n = x.size(0), h = x.size(1);
     Tensor  y = activation(x.device(), n, h);
+    Tensor  w = parameter_f32(weight);
     ctx.rstd  = activation(x.device(), n, 1);
     if (kind == Normalization::layernorm) {
         ctx.mean = activation(x.device(), n, 1);
-        cpu::layernorm_forward(x.data<float>(), weight.data.data<float>(), bias.data.data<float>(), y.data<float>(),
+        cpu::layernorm_forward(x.data<float>(), w.data<float>(), parameter_f32(bias).data<float>(), y.data<float>(),
                                ctx.mean.data<float>(), ctx.rstd.data<float>(), n, h, eps);
     } else {
-        cpu::rmsnorm_forward(x.data<float>(), weight.data.data<float>(), y.data<float>(), ctx.rstd.data<float>(), n, h, eps);
+        cpu::rmsnorm_forward(x.data<float>(), w.data<float>(), y.data<float>(), ctx.rstd.data<float>(), n, h, eps);
     }
     ctx.x = x;
     return y;
@@ -103,12 +130,13 @@ Tensor Norm::forward(Context & ctx, const Tensor & x) {
 Tensor Norm::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
     int64_t n = dy.size(0), h = dy.size(1);
     Tensor  dx = activation(dy.device(), n, h);
+    Tensor  w  = parameter_f32(weight);
     if (kind == Normalization::layernorm) {
-        cpu::layernorm_backward(dy.data<float>(), ctx.x.data<float>(), weight.data.data<float>(), ctx.mean.data<float>(),
+        cpu::layernorm_backward(dy.data<float>(), ctx.x.data<float>(), w.data<float>(), ctx.mean.data<float>(),
                                 ctx.rstd.data<float>(), dx.data<float>(), weight.main_grad.data<float>(),
                                 bias.main_grad.data<float>(), n, h);
     } else {
-        cpu::rmsnorm_backward(dy.data<float>(), ctx.x.data<float>(), weight.data.data<float>(), ctx.rstd.data<float>(),
+        cpu::rmsnorm_backward(dy.data<float>(), ctx.x.data<float>(), w.data<float>(), ctx.rstd.data<float>(),
                               dx.data<float>(), weight.main_grad.data<float>(), n, h);
     }
     ctx = Context{};
@@ -125,8 +153,9 @@ Tensor Norm::backward(Context & ctx, const Tensor & dy, const GradReadyFn & read
 SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Device & device)
     : config(c),
       qkv(name + ".qkv", c.hidden_size, (c.num_attention_heads + 2 * c.num_query_groups) * c.head_dim(),
-          c.add_bias_linear, device),
-      proj(name + ".proj", c.num_attention_heads * c.head_dim(), c.hidden_size, c.add_bias_linear, device) {
+          c.add_bias_linear, c.params_dtype, device),
+      proj(name + ".proj", c.num_attention_heads * c.head_dim(), c.hidden_size, c.add_bias_linear, c.params_dtype,
+           device) {
     proj.weight.tensor_parallel_dim = 1;
 }
 
@@ -153,31 +182,34 @@ Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_
     cpu::AttentionShape shape = attention_shape(config, s, b);
     ctx.s = s;
     ctx.b = b;
-    ctx.qkv = qkv.forward(ctx.qkv_ctx, x);
+    Tensor q_k_v = qkv.forward(ctx.qkv_ctx, x);
     if (config.position_embedding == PositionEmbedding::rope) {
         // Q and K heads are adjacent in each row: rotate nq + nkv heads at once.
-        cpu::rope_apply(ctx.qkv.data<float>(), shape.row_stride, s, b, shape.nq + shape.nkv, shape.d,
+        cpu::rope_apply(q_k_v.data<float>(), shape.row_stride, s, b, shape.nq + shape.nkv, shape.d,
                         config.rotary_base, false);
     }
-    ctx.out = activation(x.device(), s * b, shape.nq * shape.d);
-    ctx.lse = activation(x.device(), b * shape.nq, s);
+    ctx.qkv    = keep_for_backward(q_k_v, config.params_dtype);
+    Tensor out = activation(x.device(), s * b, shape.nq * shape.d);
+    ctx.lse    = activation(x.device(), b * shape.nq, s);
     float scale = 1.0f / std::sqrt(static_cast<float>(shape.d));
-    cpu::attention_forward(ctx.qkv.data<float>(), ctx.out.data<float>(), ctx.lse.data<float>(), shape, scale);
-    return proj.forward(ctx.proj_ctx, ctx.out);
+    cpu::attention_forward(q_k_v.data<float>(), out.data<float>(), ctx.lse.data<float>(), shape, scale);
+    return proj.forward(ctx.proj_ctx, out);   // keeps `out` (in the parameters' dtype) for both backwards
 }
 
 Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
     cpu::AttentionShape shape = attention_shape(config, ctx.s, ctx.b);
+    Tensor out   = in_dtype(ctx.proj_ctx.x, DType::f32);   // before proj.backward releases it
     Tensor d_out = proj.backward(ctx.proj_ctx, dy, ready);
+    Tensor q_k_v = in_dtype(ctx.qkv, DType::f32);
     Tensor d_qkv = activation(dy.device(), ctx.s * ctx.b, shape.row_stride);
     float  scale = 1.0f / std::sqrt(static_cast<float>(shape.d));
-    cpu::attention_backward(ctx.qkv.data<float>(), ctx.out.data<float>(), d_out.data<float>(), ctx.lse.data<float>(),
+    cpu::attention_backward(q_k_v.data<float>(), out.data<float>(), d_out.data<float>(), ctx.lse.data<float>(),
                             d_qkv.data<float>(), shape, scale);
     if (config.position_embedding == PositionEmbedding::rope) {
         cpu::rope_apply(d_qkv.data<float>(), shape.row_stride, ctx.s, ctx.b, shape.nq + shape.nkv, shape.d,
                         config.rotary_base, true);
     }
-    ctx.qkv = ctx.out = ctx.lse = Tensor();
+    ctx.qkv = ctx.lse = Tensor();
     return qkv.backward(ctx.qkv_ctx, d_qkv, ready);
 }
 
@@ -186,8 +218,9 @@ Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReady
 
 Mlp::Mlp(const std::string & name, const GptConfig & c, Device & device)
     : config(c),
-      fc1(name + ".fc1", c.hidden_size, c.swiglu ? 2 * c.ffn_hidden_size : c.ffn_hidden_size, c.add_bias_linear, device),
-      fc2(name + ".fc2", c.ffn_hidden_size, c.hidden_size, c.add_bias_linear, device) {
+      fc1(name + ".fc1", c.hidden_size, c.swiglu ? 2 * c.ffn_hidden_size : c.ffn_hidden_size, c.add_bias_linear,
+          c.params_dtype, device),
+      fc2(name + ".fc2", c.ffn_hidden_size, c.hidden_size, c.add_bias_linear, c.params_dtype, device) {
     fc2.weight.tensor_parallel_dim = 1;
 }
 
@@ -202,13 +235,14 @@ void Mlp::parameters(std::vector<Parameter *> & out) {
 }
 
 Tensor Mlp::forward(Context & ctx, const Tensor & x) {
-    ctx.pre_act  = fc1.forward(ctx.fc1_ctx, x);
-    int64_t n    = x.size(0), f = config.ffn_hidden_size;
-    Tensor  act  = activation(x.device(), n, f);
+    Tensor  pre = fc1.forward(ctx.fc1_ctx, x);
+    ctx.pre_act = keep_for_backward(pre, config.params_dtype);
+    int64_t n   = x.size(0), f = config.ffn_hidden_size;
+    Tensor  act = activation(x.device(), n, f);
     if (config.swiglu) {
-        cpu::swiglu_forward(ctx.pre_act.data<float>(), act.data<float>(), n, f);
+        cpu::swiglu_forward(pre.data<float>(), act.data<float>(), n, f);
     } else {
-        cpu::gelu_forward(ctx.pre_act.data<float>(), act.data<float>(), n * f);
+        cpu::gelu_forward(pre.data<float>(), act.data<float>(), n * f);
     }
     return fc2.forward(ctx.fc2_ctx, act);
 }
@@ -216,11 +250,12 @@ Tensor Mlp::forward(Context & ctx, const Tensor & x) {
 Tensor Mlp::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
     Tensor  d_act = fc2.backward(ctx.fc2_ctx, dy, ready);
     int64_t n = dy.size(0), f = config.ffn_hidden_size;
-    Tensor  d_pre = activation(dy.device(), n, ctx.pre_act.size(1));
+    Tensor  pre   = in_dtype(ctx.pre_act, DType::f32);
+    Tensor  d_pre = activation(dy.device(), n, pre.size(1));
     if (config.swiglu) {
-        cpu::swiglu_backward(ctx.pre_act.data<float>(), d_act.data<float>(), d_pre.data<float>(), n, f);
+        cpu::swiglu_backward(pre.data<float>(), d_act.data<float>(), d_pre.data<float>(), n, f);
     } else {
-        cpu::gelu_backward(ctx.pre_act.data<float>(), d_act.data<float>(), d_pre.data<float>(), n * f);
+        cpu::gelu_backward(pre.data<float>(), d_act.data<float>(), d_pre.data<float>(), n * f);
     }
     ctx.pre_act = Tensor();
     return fc1.backward(ctx.fc1_ctx, d_pre, ready);
@@ -231,9 +266,11 @@ Tensor Mlp::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready
 
 TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & device)
     : config(c),
-      norm1("layers." + std::to_string(index) + ".norm1", c.hidden_size, c.normalization, c.norm_epsilon, device),
+      norm1("layers." + std::to_string(index) + ".norm1", c.hidden_size, c.normalization, c.norm_epsilon,
+            c.params_dtype, device),
       attention("layers." + std::to_string(index) + ".attention", c, device),
-      norm2("layers." + std::to_string(index) + ".norm2", c.hidden_size, c.normalization, c.norm_epsilon, device),
+      norm2("layers." + std::to_string(index) + ".norm2", c.hidden_size, c.normalization, c.norm_epsilon,
+            c.params_dtype, device),
       mlp("layers." + std::to_string(index) + ".mlp", c, device) {}
 
 void TransformerLayer::init(uint64_t seed) {

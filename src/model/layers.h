@@ -4,8 +4,18 @@
 // schedule can keep several microbatches in flight. backward() ADDS weight gradients into main_grad and
 // then reports each parameter ready through `ready`, in the order its gradient becomes final.
 //
-// Activations are f32, (s * b, width) row-major with rows in Megatron's (s, b) order.
+// Activations are (s * b, width) row-major with rows in Megatron's (s, b) order.
 // Legend: n = s * b rows, h hidden, f ffn hidden, a heads, g query groups, d head dim.
+//
+// Precision. With f32 parameters everything is f32. With bf16 parameters (--bf16):
+//   - every GEMM reads bf16 operands (weights, the layer input, the output gradient) and accumulates in
+//     f32 into an f32 result; weight gradients accumulate into the f32 main_grad;
+//   - every activation saved for backward that a GEMM or attention reads is kept in bf16 (the linear
+//     inputs, the attention's q/k/v, the MLP's pre-activation); where forward also computes from it, the
+//     f32 value is first rounded to bf16 so forward and backward see the same numbers;
+//   - norms, softmax and the loss compute in f32 with f32 statistics, and the residual stream between
+//     layers stays f32 (Megatron's --fp32-residual-connection): on a CPU the elementwise passes are
+//     bandwidth-bound either way, and an f32 residual keeps the bf16 run closest to the f32 one.
 #pragma once
 
 #include "model/gpt_config.h"
@@ -18,12 +28,17 @@ namespace loom::model {
 
 // Allocates an f32 activation (rows, cols) from the "activations" pool.
 Tensor activation(Device & device, int64_t rows, int64_t cols);
+// x in `dtype`: x itself when it already has it, else a converted copy from the "activations" pool.
+Tensor in_dtype(const Tensor & x, DType dtype);
+// What backward keeps of an f32 activation x in the parameters' `dtype`: x itself for f32; for bf16, x is
+// rounded to bf16 in place and its bf16 twin returned.
+Tensor keep_for_backward(Tensor & x, DType dtype);
 
 class Linear {
 public:
     // y (n, out) = x (n, in) W^T + bias;  W (out, in).
-    Linear(const std::string & name, int64_t in, int64_t out, bool bias, Device & device);
-    struct Context { Tensor x; };
+    Linear(const std::string & name, int64_t in, int64_t out, bool bias, DType dtype, Device & device);
+    struct Context { Tensor x; };   // the input, in the weight's dtype
 
     Tensor forward(Context & ctx, const Tensor & x);
     Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
@@ -37,7 +52,7 @@ public:
 
 class Norm {
 public:
-    Norm(const std::string & name, int64_t h, Normalization kind, float eps, Device & device);
+    Norm(const std::string & name, int64_t h, Normalization kind, float eps, DType dtype, Device & device);
     struct Context { Tensor x, mean, rstd; };
 
     Tensor forward(Context & ctx, const Tensor & x);
@@ -55,9 +70,8 @@ class SelfAttention {
 public:
     SelfAttention(const std::string & name, const GptConfig & config, Device & device);
     struct Context {
-        Linear::Context qkv_ctx, proj_ctx;
-        Tensor          qkv;   // (n, (a + 2g) d) after RoPE
-        Tensor          out;   // (n, a d) attention output, input of the projection
+        Linear::Context qkv_ctx, proj_ctx;   // proj_ctx.x is the attention output (n, a d)
+        Tensor          qkv;   // (n, (a + 2g) d) after RoPE, in the parameters' dtype
         Tensor          lse;   // (b, a, s)
         int64_t         s = 0, b = 0;
     };
@@ -75,7 +89,7 @@ public:
 class Mlp {
 public:
     Mlp(const std::string & name, const GptConfig & config, Device & device);
-    struct Context { Linear::Context fc1_ctx, fc2_ctx; Tensor pre_act; };
+    struct Context { Linear::Context fc1_ctx, fc2_ctx; Tensor pre_act; };   // pre_act in the parameters' dtype
 
     Tensor forward(Context & ctx, const Tensor & x);
     Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);

@@ -1,14 +1,19 @@
 #include "model/parameter.h"
 
+#include "core/error.h"
+
 #include <cmath>
 #include <random>
+#include <vector>
 
 namespace loom::model {
 
-Parameter parameter_create(const std::string & name, const Shape & shape, Device & device) {
+Parameter parameter_create(const std::string & name, const Shape & shape, DType dtype, Device & device) {
+    LOOM_CHECK(dtype == DType::f32 || dtype == DType::bf16,
+               "parameter " << name << " of dtype " << dtype_name(dtype), "parameters are float32 or bfloat16");
     Parameter p;
     p.name      = name;
-    p.data      = Tensor::empty(shape, DType::f32, device, {MemoryKind::device, "weights"});
+    p.data      = Tensor::empty(shape, dtype, device, {MemoryKind::device, "weights"});
     p.main_grad = Tensor::zeros(shape, DType::f32, device, {MemoryKind::device, "grads"});
     return p;
 }
@@ -26,8 +31,8 @@ uint64_t fnv1a(const std::string & s) {
 }  // namespace
 
 void parameter_init_normal(Parameter & p, uint64_t seed, float std) {
-    std::mt19937_64 rng(seed * 0x9e3779b97f4a7c15ull ^ fnv1a(p.name));
-    float *         w = p.data.data<float>();
+    std::mt19937_64    rng(seed * 0x9e3779b97f4a7c15ull ^ fnv1a(p.name));
+    std::vector<float> w(static_cast<size_t>(p.numel()));
     // Box-Muller on 53-bit uniforms: identical on every platform (std::normal_distribution is not).
     constexpr double kTwoPi = 6.283185307179586;
     for (int64_t i = 0; i < p.numel(); i += 2) {
@@ -39,13 +44,21 @@ void parameter_init_normal(Parameter & p, uint64_t seed, float std) {
             w[i + 1] = static_cast<float>(std * r * std::sin(kTwoPi * u2));
         }
     }
+    convert(w.data(), DType::f32, p.data.data_ptr(), p.data.dtype(), w.size());
 }
 
 void parameter_init_constant(Parameter & p, float value) {
-    float * w = p.data.data<float>();
-    for (int64_t i = 0; i < p.numel(); ++i) {
-        w[i] = value;
+    std::vector<float> w(static_cast<size_t>(p.numel()), value);
+    convert(w.data(), DType::f32, p.data.data_ptr(), p.data.dtype(), w.size());
+}
+
+Tensor parameter_f32(const Parameter & p) {
+    if (p.data.dtype() == DType::f32) {
+        return p.data;
     }
+    Tensor out = Tensor::empty(p.data.shape(), DType::f32, p.data.device(), {MemoryKind::device, "activations"});
+    convert(p.data.data_ptr(), p.data.dtype(), out.data_ptr(), DType::f32, static_cast<size_t>(p.numel()));
+    return out;
 }
 
 }  // namespace loom::model

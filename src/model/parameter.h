@@ -16,7 +16,7 @@ namespace loom::model {
 
 struct Parameter {
     std::string name;                    // "layers.3.mlp.fc1.weight"
-    Tensor      data;                    // model dtype
+    Tensor      data;                    // model dtype (f32, or bf16 with --bf16)
     Tensor      main_grad;               // f32, same shape
     bool        no_weight_decay  = false;   // biases and norm weights (Megatron's param groups)
     bool        shared_embedding = false;   // word embedding tied to the output layer
@@ -28,12 +28,17 @@ struct Parameter {
 
 using GradReadyFn = std::function<void(Parameter &)>;
 
-// Allocates data (filled by the caller) and a zeroed f32 main_grad.
-Parameter parameter_create(const std::string & name, const Shape & shape, Device & device);
+// Allocates data of `dtype` (filled by the caller) and a zeroed f32 main_grad.
+Parameter parameter_create(const std::string & name, const Shape & shape, DType dtype, Device & device);
 
 // Fills with N(0, std^2) from a stream seeded by (seed, name): every layout of the same model gets the
-// same values for the same parameter.
+// same values for the same parameter. The f32 draws are rounded once to the parameter's dtype, so a bf16
+// model starts from the f32 model's weights rounded to nearest.
 void parameter_init_normal(Parameter & p, uint64_t seed, float std);
 void parameter_init_constant(Parameter & p, float value);
+
+// The parameter's values as f32: `data` itself when it is f32, else a converted copy (for the small
+// vectors, biases and norm weights, that f32 kernels read).
+Tensor parameter_f32(const Parameter & p);
 
 }  // namespace loom::model

@@ -32,7 +32,7 @@ float LrSchedule::lr_at(int64_t k) const {
 }
 
 void adamw_update(float * p, const float * g, float * m, float * v, int64_t n, float lr, float beta1, float beta2,
-                  float eps, float weight_decay, int64_t step) {
+                  float eps, float weight_decay, int64_t step, uint16_t * p_bf16) {
     const float bc1       = 1.0f - std::pow(beta1, static_cast<float>(step));
     const float bc2_sqrt  = std::sqrt(1.0f - std::pow(beta2, static_cast<float>(step)));
     const float step_size = lr / bc1;
@@ -46,6 +46,9 @@ void adamw_update(float * p, const float * g, float * m, float * v, int64_t n, f
             v[i]     = vi;
             p[i]     = p[i] * decay - step_size * mi / (std::sqrt(vi) / bc2_sqrt + eps);
         }
+        if (p_bf16) {
+            convert_f32_to_bf16(p + begin, p_bf16 + begin, static_cast<size_t>(end - begin));
+        }
     });
 }
 
@@ -55,6 +58,14 @@ AdamW::AdamW(std::vector<model::Parameter *> params, const AdamWConfig & config)
         TensorOptions options{MemoryKind::device, "optimizer"};
         exp_avg_.push_back(Tensor::zeros(p->data.shape(), DType::f32, p->data.device(), options));
         exp_avg_sq_.push_back(Tensor::zeros(p->data.shape(), DType::f32, p->data.device(), options));
+        Tensor master;
+        if (p->data.dtype() != DType::f32) {
+            LOOM_CHECK(p->data.dtype() == DType::bf16, "AdamW on " << dtype_name(p->data.dtype()) << " parameter "
+                                                                   << p->name, "parameters are float32 or bfloat16");
+            master = Tensor::empty(p->data.shape(), DType::f32, p->data.device(), options);
+            convert(p->data.data_ptr(), p->data.dtype(), master.data_ptr(), DType::f32, static_cast<size_t>(p->numel()));
+        }
+        master_.push_back(master);
     }
 }
 
@@ -63,8 +74,11 @@ void AdamW::step(float lr) {
     for (size_t k = 0; k < params_.size(); ++k) {
         model::Parameter * p = params_[k];
         float              wd = p->no_weight_decay ? 0.0f : config_.weight_decay;
-        adamw_update(p->data.data<float>(), p->main_grad.data<float>(), exp_avg_[k].data<float>(),
-                     exp_avg_sq_[k].data<float>(), p->numel(), lr, config_.beta1, config_.beta2, config_.eps, wd, step_);
+        bool               mixed = master_[k].defined();
+        adamw_update(mixed ? master_[k].data<float>() : p->data.data<float>(), p->main_grad.data<float>(),
+                     exp_avg_[k].data<float>(), exp_avg_sq_[k].data<float>(), p->numel(), lr, config_.beta1,
+                     config_.beta2, config_.eps, wd, step_,
+                     mixed ? static_cast<uint16_t *>(p->data.data_ptr()) : nullptr);
     }
 }
 

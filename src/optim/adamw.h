@@ -6,7 +6,9 @@
 //   v  <- b2 v + (1 - b2) g^2
 //   p  <- p - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 // Defaults (Megatron): b1 0.9, b2 0.999, eps 1e-8, weight decay 0.01. State m, v are f32 in the
-// "optimizer" pool of the parameter's device allocator.
+// "optimizer" pool of the parameter's device allocator. A 16-bit parameter also gets an f32 master copy
+// there (Megatron's mixed precision: 2 bytes of bf16 weight + 4 of main_grad + 12 of master, m and v);
+// the step updates the master and writes it back rounded to the parameter's dtype in the same pass.
 //
 // LR schedule (Megatron's OptimizerParamScheduler), for iteration k = 1, 2, ...:
 //   k <= warmup:            lr = max_lr * k / warmup
@@ -46,9 +48,10 @@ struct LrSchedule {
     float lr_at(int64_t iteration) const;
 };
 
-// The fused update of n elements (the scalar reference; vectorised by the compiler).
+// The fused update of n elements (the scalar reference; vectorised by the compiler). When p_bf16 is
+// given, the updated p is also written to it rounded to bf16 (the model's copy of an f32 master).
 void adamw_update(float * p, const float * g, float * m, float * v, int64_t n, float lr, float beta1, float beta2,
-                  float eps, float weight_decay, int64_t step);
+                  float eps, float weight_decay, int64_t step, uint16_t * p_bf16 = nullptr);
 
 class AdamW {
 public:
@@ -65,6 +68,7 @@ private:
     std::vector<model::Parameter *> params_;
     std::vector<Tensor>             exp_avg_;      // m, per parameter
     std::vector<Tensor>             exp_avg_sq_;   // v, per parameter
+    std::vector<Tensor>             master_;       // f32 master weights of 16-bit parameters (else undefined)
     AdamWConfig                     config_;
     int64_t                         step_ = 0;
 };

@@ -39,7 +39,8 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_option("--adam-beta2", o.adam.beta2, "Adam beta2")->capture_default_str();
     app.add_option("--adam-eps", o.adam.eps, "Adam epsilon")->capture_default_str();
     app.add_option("--clip-grad", o.clip_grad, "clip gradients to this global norm (0: off)")->capture_default_str();
-    app.add_flag("--bf16", o.bf16, "bf16 parameters and activations");
+    app.add_flag("--bf16", o.bf16, "bf16 parameters, GEMM operands and saved activations; f32 grads and master weights");
+    app.add_flag("--fp16", o.fp16, "float16 with loss scaling (not supported: use --bf16)");
 
     app.add_option("--data-path", o.data_path, "Megatron dataset prefix (PREFIX.bin / PREFIX.idx)");
     app.add_option("--split", o.split, "train,valid,test weights over documents")->capture_default_str();
@@ -115,7 +116,9 @@ TrainOptions TrainOptionParser::resolve() {
     int sources = !o.data_path.empty() + !o.text_file.empty() + !o.llmc_shard.empty();
     LOOM_CHECK(sources <= 1, "--data-path, --text-file and --llmc-shard are exclusive (" << sources << " given)",
                "train on one data source at a time");
-    LOOM_CHECK(!o.bf16, "--bf16 is not implemented yet in this build", "train in float32 (drop --bf16)");
+    LOOM_CHECK(!o.fp16, "--fp16 (float16 parameters with dynamic loss scaling) is not supported",
+               "use --bf16, which needs no loss scaling, or train in float32");
+    m.params_dtype = o.bf16 ? DType::bf16 : DType::f32;
     m.validate();
     return o;
 }

@@ -33,6 +33,7 @@ struct TrainOptions {
     int64_t            lr_decay_iters   = 0;   // 0: train_iters
     float              clip_grad        = 1.0f;
     bool               bf16             = false;
+    bool               fp16             = false;   // refused with a message
 
     // Data.
     std::string data_path;          // Megatron .bin/.idx prefix

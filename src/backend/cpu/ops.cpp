@@ -1,5 +1,6 @@
 #include "backend/cpu/ops.h"
 
+#include "core/dtype.h"
 #include "core/thread_pool.h"
 
 #include <algorithm>
@@ -195,19 +196,37 @@ void add_inplace(float * y, const float * x, int64_t count) {
     });
 }
 
-void embedding_forward(const int32_t * tokens, const float * wte, const float * wpe, float * out, int64_t s,
-                       int64_t b, int64_t h) {
+namespace {
+
+inline float load_f32(const float * p, int64_t j) { return p[j]; }
+inline float load_f32(const uint16_t * p, int64_t j) { return bf16_bits_to_f32(p[j]); }
+
+template <typename W>
+void embedding_forward_impl(const int32_t * tokens, const W * wte, const W * wpe, float * out, int64_t s, int64_t b,
+                            int64_t h) {
     parallel_for(s * b, kRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-            int64_t       si  = r / b, bi = r % b;
-            const float * row = wte + static_cast<int64_t>(tokens[bi * s + si]) * h;
-            float *       o   = out + r * h;
-            for (int64_t j = 0; j < h; ++j) o[j] = row[j];
+            int64_t   si  = r / b, bi = r % b;
+            const W * row = wte + static_cast<int64_t>(tokens[bi * s + si]) * h;
+            float *   o   = out + r * h;
+            for (int64_t j = 0; j < h; ++j) o[j] = load_f32(row, j);
             if (wpe) {
-                for (int64_t j = 0; j < h; ++j) o[j] += wpe[si * h + j];
+                for (int64_t j = 0; j < h; ++j) o[j] += load_f32(wpe + si * h, j);
             }
         }
     });
+}
+
+}  // namespace
+
+void embedding_forward(const int32_t * tokens, const float * wte, const float * wpe, float * out, int64_t s,
+                       int64_t b, int64_t h) {
+    embedding_forward_impl(tokens, wte, wpe, out, s, b, h);
+}
+
+void embedding_forward(const int32_t * tokens, const uint16_t * wte_bf16, const uint16_t * wpe_bf16, float * out,
+                       int64_t s, int64_t b, int64_t h) {
+    embedding_forward_impl(tokens, wte_bf16, wpe_bf16, out, s, b, h);
 }
 
 void embedding_backward(const int32_t * tokens, const float * dout, float * dwte, float * dwpe, int64_t s,
@@ -283,6 +302,24 @@ void cross_entropy_backward(float * logits, const int32_t * labels, const float 
             for (int64_t v = 0; v < vocab; ++v) row[v] = std::exp(row[v] - l) * g;
             int64_t si = r / b, bi = r % b;
             row[labels[bi * s + si]] -= g;
+        }
+    });
+}
+
+void convert_parallel(const void * src, DType src_dtype, void * dst, DType dst_dtype, int64_t n) {
+    size_t in = dtype_size(src_dtype), out = dtype_size(dst_dtype);
+    parallel_for(n, 1 << 15, [&](int64_t begin, int64_t end) {
+        convert(static_cast<const char *>(src) + begin * in, src_dtype, static_cast<char *>(dst) + begin * out,
+                dst_dtype, static_cast<size_t>(end - begin));
+    });
+}
+
+void round_to_bf16(float * x, uint16_t * x_bf16, int64_t n) {
+    parallel_for(n, 1 << 15, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+            uint16_t bits = f32_to_bf16_bits(x[i]);
+            x_bf16[i]     = bits;
+            x[i]          = bf16_bits_to_f32(bits);
         }
     });
 }

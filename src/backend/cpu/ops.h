@@ -9,6 +9,8 @@
 // Legend: n rows (= s * b), h hidden, f ffn hidden, V vocab, d head dim.
 #pragma once
 
+#include "core/dtype.h"
+
 #include <cstdint>
 
 namespace loom::cpu {
@@ -42,6 +44,9 @@ void add_inplace(float * y, const float * x, int64_t count);
 // Embedding: out (s, b, h) = wte[tokens[bi, si]] (+ wpe[si]); tokens are (b, s).
 void embedding_forward(const int32_t * tokens, const float * wte, const float * wpe, float * out, int64_t s,
                        int64_t b, int64_t h);
+// The same with bf16 tables (bit patterns), summed in f32.
+void embedding_forward(const int32_t * tokens, const uint16_t * wte_bf16, const uint16_t * wpe_bf16, float * out,
+                       int64_t s, int64_t b, int64_t h);
 // dwte[token] += dout; dwpe[si] += dout (wpe may be null).
 void embedding_backward(const int32_t * tokens, const float * dout, float * dwte, float * dwpe, int64_t s,
                         int64_t b, int64_t h, int64_t vocab);
@@ -59,5 +64,12 @@ void cross_entropy_forward(const float * logits, const int32_t * labels, float *
                            int64_t b, int64_t vocab);
 void cross_entropy_backward(float * logits_to_grad, const int32_t * labels, const float * lse,
                             const float * dloss, int64_t s, int64_t b, int64_t vocab);
+
+// n elements from src_dtype to dst_dtype (f32, bf16, f16) on the compute threads.
+void convert_parallel(const void * src, DType src_dtype, void * dst, DType dst_dtype, int64_t n);
+
+// Rounds x to bf16 in place and writes the bf16 bit patterns to x_bf16: afterwards x holds exactly the
+// values x_bf16 stores, so a forward computed from x and a backward from x_bf16 see the same numbers.
+void round_to_bf16(float * x, uint16_t * x_bf16, int64_t n);
 
 }  // namespace loom::cpu
