@@ -1,6 +1,7 @@
 // Whole training step of GPT-2 124M on the CPU: micro-batch 4, sequence 256 (1024 tokens per step),
-// forward + backward + AdamW, reported as tokens/s and achieved GFLOP/s (Megatron's FLOP count).
-// Compare GFLOP/s with bench_gemm's f32 peak measured in the same run.
+// forward + backward + AdamW, reported as tokens/s and achieved GFLOP/s (Megatron's FLOP count), in f32
+// and with --bf16's mixed precision (bf16 GEMM operands, f32 master weights). Compare GFLOP/s with
+// bench_gemm's f32 and bf16 peaks measured in the same run.
 //
 //   build/bench/bench_step --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 #include "backend/cpu/cpu_device.h"
@@ -13,9 +14,10 @@
 
 using namespace loom;
 
-static void BM_gpt2_124m_step_f32(benchmark::State & state) {
+static void gpt2_124m_step(benchmark::State & state, DType dtype) {
     model::GptConfig config = model::gpt_preset("gpt2-124m");
     config.seq_length       = 256;
+    config.params_dtype     = dtype;
     const int64_t b = 4, s = 256;
     Device &        device = cpu::device();
     model::GptModel gpt(config, device);
@@ -45,6 +47,9 @@ static void BM_gpt2_124m_step_f32(benchmark::State & state) {
     state.counters["GFLOP"]  = benchmark::Counter(config.training_flops_per_token() * tokens * state.iterations() / 1e9,
                                                     benchmark::Counter::kIsRate);
 }
+static void BM_gpt2_124m_step_f32(benchmark::State & state) { gpt2_124m_step(state, DType::f32); }
+static void BM_gpt2_124m_step_bf16(benchmark::State & state) { gpt2_124m_step(state, DType::bf16); }
 BENCHMARK(BM_gpt2_124m_step_f32)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(5.0);
+BENCHMARK(BM_gpt2_124m_step_bf16)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(5.0);
 
 BENCHMARK_MAIN();

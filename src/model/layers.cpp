@@ -58,13 +58,13 @@ void Linear::parameters(std::vector<Parameter *> & out) {
     if (has_bias) out.push_back(&bias);
 }
 
-Tensor Linear::forward(Context & ctx, const Tensor & x) {
+Tensor Linear::forward(Context & ctx, const Tensor & x, bool add_bias) {
     int64_t n = x.size(0), in = weight.data.size(1), o = weight.data.size(0);
     DType   dtype = weight.data.dtype();
     Tensor  x_in  = in_dtype(x, dtype);
     Tensor  y     = activation(x.device(), n, o);
     cpu::gemm(false, true, n, o, in, x_in.data_ptr(), weight.data.data_ptr(), dtype, y.data<float>());
-    if (has_bias) {
+    if (has_bias && add_bias) {
         cpu::bias_add(y.data<float>(), parameter_f32(bias).data<float>(), n, o);
     }
     ctx.x = x_in;
@@ -235,14 +235,21 @@ void Mlp::parameters(std::vector<Parameter *> & out) {
 }
 
 Tensor Mlp::forward(Context & ctx, const Tensor & x) {
-    Tensor  pre = fc1.forward(ctx.fc1_ctx, x);
-    ctx.pre_act = keep_for_backward(pre, config.params_dtype);
     int64_t n   = x.size(0), f = config.ffn_hidden_size;
     Tensor  act = activation(x.device(), n, f);
     if (config.swiglu) {
+        Tensor pre  = fc1.forward(ctx.fc1_ctx, x);
+        ctx.pre_act = keep_for_backward(pre, config.params_dtype);
         cpu::swiglu_forward(pre.data<float>(), act.data<float>(), n, f);
     } else {
-        cpu::gelu_forward(pre.data<float>(), act.data<float>(), n * f);
+        // Bias, rounding to the saved dtype and GELU in one pass over the (n, f) pre-activation.
+        Tensor pre  = fc1.forward(ctx.fc1_ctx, x, /*add_bias=*/false);
+        Tensor bias = fc1.has_bias ? parameter_f32(fc1.bias) : Tensor();
+        ctx.pre_act = config.params_dtype == DType::f32 ? pre : Tensor::empty(pre.shape(), config.params_dtype, x.device(),
+                                                                                {MemoryKind::device, "activations"});
+        cpu::bias_gelu_forward(pre.data<float>(), bias.defined() ? bias.data<float>() : nullptr, act.data<float>(),
+                               config.params_dtype == DType::f32 ? nullptr : static_cast<uint16_t *>(ctx.pre_act.data_ptr()),
+                               n, f);
     }
     return fc2.forward(ctx.fc2_ctx, act);
 }

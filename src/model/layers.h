@@ -40,7 +40,9 @@ public:
     Linear(const std::string & name, int64_t in, int64_t out, bool bias, DType dtype, Device & device);
     struct Context { Tensor x; };   // the input, in the weight's dtype
 
-    Tensor forward(Context & ctx, const Tensor & x);
+    // add_bias = false leaves the bias to the caller, to fuse it into the next elementwise kernel
+    // (Megatron's skip_bias_add); backward still produces its gradient.
+    Tensor forward(Context & ctx, const Tensor & x, bool add_bias = true);
     Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
     void   init(uint64_t seed, float std);
     void   parameters(std::vector<Parameter *> & out);

@@ -1,5 +1,6 @@
 #include "backend/cpu/attention.h"
 
+#include "backend/cpu/vec_math.h"
 #include "core/thread_pool.h"
 
 #include <algorithm>
@@ -77,12 +78,10 @@ void attention_forward(const float * qkv, float * out, float * lse, const Attent
                         int64_t limit = std::min(cols, i0 + r - j0 + 1);   // causal: keys <= query
                         float   mx    = m[r];
                         for (int64_t c = 0; c < limit; ++c) mx = std::max(mx, sr[c]);
-                        float correction = std::exp(m[r] - mx);
-                        float sum        = 0;
-                        for (int64_t c = 0; c < limit; ++c) {
-                            sr[c] = std::exp(sr[c] - mx);
-                            sum += sr[c];
-                        }
+                        float correction = exp_approx(m[r] - mx);
+                        for (int64_t c = 0; c < limit; ++c) sr[c] = exp_approx(sr[c] - mx);
+                        float sum = 0;
+                        for (int64_t c = 0; c < limit; ++c) sum += sr[c];
                         float * ar = acc.data() + r * a.d;
                         for (int64_t dd = 0; dd < a.d; ++dd) ar[dd] *= correction;
                         for (int64_t c = 0; c < limit; ++c) {
@@ -157,7 +156,7 @@ void attention_backward(const float * qkv, const float * out, const float * dout
                             int64_t limit = std::min(cols, i0 + r - j0 + 1);
                             float   li = lse_h[i0 + r], di = delta[i0 + r];
                             for (int64_t c = 0; c < cols; ++c) {
-                                float pv = c < limit ? std::exp(pr[c] - li) : 0.0f;
+                                float pv = c < limit ? exp_approx(pr[c] - li) : 0.0f;
                                 pr[c]    = pv;
                                 dpr[c]   = pv * (dpr[c] - di) * scale;   // dS, scaled
                             }

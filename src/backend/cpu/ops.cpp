@@ -1,6 +1,7 @@
 #include "backend/cpu/ops.h"
 
 #include "core/dtype.h"
+#include "backend/cpu/vec_math.h"
 #include "core/thread_pool.h"
 
 #include <algorithm>
@@ -137,11 +138,34 @@ namespace {
 constexpr float kGeluC = 0.7978845608028654f;   // sqrt(2 / pi)
 }
 
+inline float gelu(float v) { return 0.5f * v * (1.0f + tanh_approx(kGeluC * (v + 0.044715f * v * v * v))); }
+
 void gelu_forward(const float * x, float * y, int64_t count) {
     parallel_for(count, 4096, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-            float v = x[i];
-            y[i]    = 0.5f * v * (1.0f + std::tanh(kGeluC * (v + 0.044715f * v * v * v)));
+        for (int64_t i = begin; i < end; ++i) y[i] = gelu(x[i]);
+    });
+}
+
+void bias_gelu_forward(float * x, const float * bias, float * y, uint16_t * x_bf16, int64_t n, int64_t f) {
+    parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            float * xr = x + r * f;
+            float * yr = y + r * f;
+            if (x_bf16) {
+                uint16_t * br = x_bf16 + r * f;
+                for (int64_t j = 0; j < f; ++j) {
+                    float    v    = bias ? xr[j] + bias[j] : xr[j];
+                    uint16_t bits = f32_to_bf16_bits(v);
+                    br[j]         = bits;
+                    yr[j]         = gelu(bf16_bits_to_f32(bits));
+                }
+            } else {
+                for (int64_t j = 0; j < f; ++j) {
+                    float v = bias ? xr[j] + bias[j] : xr[j];
+                    xr[j]   = v;
+                    yr[j]   = gelu(v);
+                }
+            }
         }
     });
 }
@@ -151,7 +175,7 @@ void gelu_backward(const float * x, const float * dy, float * dx, int64_t count)
         for (int64_t i = begin; i < end; ++i) {
             float v     = x[i];
             float u     = kGeluC * (v + 0.044715f * v * v * v);
-            float t     = std::tanh(u);
+            float t     = tanh_approx(u);
             float du    = kGeluC * (1.0f + 3.0f * 0.044715f * v * v);
             float grad  = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du;
             dx[i]       = dy[i] * grad;
@@ -166,7 +190,7 @@ void swiglu_forward(const float * x, float * y, int64_t n, int64_t f) {
             const float * up   = gate + f;
             for (int64_t j = 0; j < f; ++j) {
                 float g      = gate[j];
-                y[r * f + j] = g / (1.0f + std::exp(-g)) * up[j];
+                y[r * f + j] = g * sigmoid_approx(g) * up[j];
             }
         }
     });
@@ -181,7 +205,7 @@ void swiglu_backward(const float * x, const float * dy, float * dx, int64_t n, i
             float *       dup   = dgate + f;
             for (int64_t j = 0; j < f; ++j) {
                 float g   = gate[j];
-                float sig = 1.0f / (1.0f + std::exp(-g));
+                float sig = sigmoid_approx(g);
                 float d   = dy[r * f + j];
                 dup[j]    = d * g * sig;
                 dgate[j]  = d * up[j] * sig * (1.0f + g * (1.0f - sig));
@@ -283,9 +307,16 @@ void cross_entropy_forward(const float * logits, const int32_t * labels, float *
             const float * row = logits + r * vocab;
             float         mx  = row[0];
             for (int64_t v = 1; v < vocab; ++v) mx = std::max(mx, row[v]);
-            float sum = 0;
-            for (int64_t v = 0; v < vocab; ++v) sum += std::exp(row[v] - mx);
-            float l = mx + std::log(sum);
+            // 16 partial sums: the exponentials vectorise, and a long row loses less to rounding.
+            float   part[16] = {};
+            int64_t v        = 0;
+            for (; v + 16 <= vocab; v += 16) {
+                for (int k = 0; k < 16; ++k) part[k] += exp_approx(row[v + k] - mx);
+            }
+            for (; v < vocab; ++v) part[v % 16] += exp_approx(row[v] - mx);
+            double sum = 0;
+            for (float p : part) sum += p;
+            float l = mx + static_cast<float>(std::log(sum));
             int64_t si = r / b, bi = r % b;
             lse[r]  = l;
             loss[r] = l - row[labels[bi * s + si]];
@@ -299,7 +330,7 @@ void cross_entropy_backward(float * logits, const int32_t * labels, const float 
         for (int64_t r = begin; r < end; ++r) {
             float * row = logits + r * vocab;
             float   l = lse[r], g = dloss[r];
-            for (int64_t v = 0; v < vocab; ++v) row[v] = std::exp(row[v] - l) * g;
+            for (int64_t v = 0; v < vocab; ++v) row[v] = exp_approx(row[v] - l) * g;
             int64_t si = r / b, bi = r % b;
             row[labels[bi * s + si]] -= g;
         }

@@ -1,4 +1,4 @@
-// CPU kernels of the transformer layers (f32). Activations use Megatron's layout (s, b, h): row
+// CPU kernels of the transformer layers (f32; exp and tanh through vec_math.h so the loops vectorise). Activations use Megatron's layout (s, b, h): row
 // r = si * b + bi holds token si of sequence bi, so a sequence shard is a contiguous block of rows.
 //
 // Conventions: "forward" kernels assign their outputs; "backward" kernels assign the input gradient and
@@ -33,6 +33,9 @@ void bias_backward(const float * dy, float * dbias, int64_t n, int64_t h);
 // GELU, tanh approximation (GPT-2's): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 void gelu_forward(const float * x, float * y, int64_t count);
 void gelu_backward(const float * x, const float * dy, float * dx, int64_t count);
+// Fused bias + GELU on (n, f) rows, one pass: x += bias (bias may be null), y = gelu(x). With x_bf16, the
+// biased x is rounded to bf16 there (and gelu reads the rounded value) while x itself is left as it was.
+void bias_gelu_forward(float * x, const float * bias, float * y, uint16_t * x_bf16, int64_t n, int64_t f);
 
 // SwiGLU on (n, 2f) input [gate | up] -> (n, f): y = silu(gate) * up.
 void swiglu_forward(const float * x, float * y, int64_t n, int64_t f);
