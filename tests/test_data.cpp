@@ -619,9 +619,9 @@ TEST(LoomData, BadInputExitsTwoNamingTheProblem) {
         std::string args, names;
     } cases[] = {
         {"data --input " + text + " --output-prefix " + temp_path("o1") + " --vocab-file vocab.json --merge-file merges.txt",
-         "not implemented yet"},
+         "cannot read vocab file 'vocab.json'"},
         {"data --input " + text + " --output-prefix " + temp_path("o2") + " --tokenizer-type GPT2BPETokenizer",
-         "not implemented yet"},
+         "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"},
         {"data --input " + jsonl + " --output-prefix " + temp_path("o3"), jsonl + "' line 2 is not valid JSON"},
         {"data --input /nonexistent/loom.txt --output-prefix " + temp_path("o4"), "/nonexistent/loom.txt"},
         {"data --input " + text + " --output-prefix /nonexistent/dir/x", "/nonexistent/dir/x_text_document.bin"},

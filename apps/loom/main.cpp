@@ -26,7 +26,7 @@ struct Command {
 const Command kCommands[] = {
     {"train", loom::app::cmd_train, "train a GPT (the main job; `loom train --help` lists Megatron's flags)"},
     {"eval", loom::app::cmd_eval, "mean lm loss and perplexity of a model over --eval-iters batches"},
-    {"data", loom::app::cmd_data, "convert text or JSON lines into a Megatron .bin/.idx dataset (byte tokens)"},
+    {"data", loom::app::cmd_data, "convert text or JSON lines into a Megatron .bin/.idx dataset (byte or GPT-2 BPE tokens)"},
     {"ranks", loom::app::cmd_ranks, "print the process groups and rank map of a parallel configuration"},
 };
 

@@ -1,12 +1,14 @@
 #include "data/preprocess.h"
 
 #include "core/error.h"
+#include "data/gpt2_bpe.h"
 
 #include <nlohmann/json.hpp>
 
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <memory>
 
 namespace loom::data {
 
@@ -42,7 +44,20 @@ PreprocessResult preprocess_to_indexed_dataset(const PreprocessOptions & options
         result.format = ends_with(options.input, ".jsonl") || ends_with(options.input, ".json") ? InputFormat::jsonl
                                                                                                 : InputFormat::text;
     }
-    result.vocab_size = options.append_eod ? kByteEod + 1 : 256;
+    LOOM_CHECK(options.vocab_file.empty() == options.merge_file.empty(),
+               "GPT-2 BPE needs both --vocab-file and --merge-file; only "
+                   << (options.vocab_file.empty() ? "--merge-file" : "--vocab-file") << " was given",
+               "give both (vocab.json and merges.txt of the same tokenizer), or neither for byte tokens");
+    std::unique_ptr<Gpt2BpeTokenizer> bpe;
+    if (!options.vocab_file.empty()) {
+        bpe               = std::make_unique<Gpt2BpeTokenizer>(options.vocab_file, options.merge_file);
+        result.bpe        = true;
+        result.vocab_size = bpe->vocab_size();
+        result.eod        = options.append_eod ? bpe->eod() : -1;
+    } else {
+        result.vocab_size = options.append_eod ? kByteEod + 1 : 256;
+        result.eod        = options.append_eod ? kByteEod : -1;
+    }
     result.dtype      = index_dtype_for_vocab(result.vocab_size);
 
     std::ifstream in(options.input, std::ios::binary);
@@ -50,12 +65,19 @@ PreprocessResult preprocess_to_indexed_dataset(const PreprocessOptions & options
                "check the path and its permissions");
 
     IndexedDatasetWriter writer(result.prefix, result.dtype);
+    std::vector<int32_t> tokens;
     auto emit = [&](std::string_view text) {
         if (text.empty()) {
             ++result.skipped;
             return;
         }
-        std::vector<int32_t> tokens = byte_tokens(text, options.append_eod);
+        if (bpe) {
+            tokens.clear();
+            bpe->encode(text, tokens);
+            if (options.append_eod) tokens.push_back(static_cast<int32_t>(result.eod));
+        } else {
+            tokens = byte_tokens(text, options.append_eod);
+        }
         writer.add_document(tokens);
         ++result.documents;
     };
