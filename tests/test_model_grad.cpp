@@ -8,6 +8,7 @@
 #include "backend/cpu/attention.h"
 #include "backend/cpu/cpu_device.h"
 #include "backend/cpu/ops.h"
+#include "backend/cpu/vec_math.h"
 #include "model/gpt_model.h"
 
 #include <gtest/gtest.h>
@@ -132,7 +133,7 @@ TEST(Kernels, CrossEntropyGradient) {
     std::vector<int32_t> labels = {1, 5, 10, 0, 3, 7};
     std::vector<float>   loss(s * b), lse(s * b), dloss = {0.5f, 1.0f, 0.0f, 2.0f, 1.5f, 1.0f};
     auto total = [&] {
-        cpu::cross_entropy_forward(logits.data(), labels.data(), loss.data(), lse.data(), s, b, V);
+        cpu::cross_entropy_forward(logits.data(), labels.data(), loss.data(), lse.data(), s, b, V, V);
         return dot(dloss, loss.data());
     };
     total();
@@ -141,7 +142,7 @@ TEST(Kernels, CrossEntropyGradient) {
     for (int64_t v = 0; v < V; ++v) direct += std::exp(static_cast<double>(logits[v]));
     EXPECT_NEAR(loss[0], std::log(direct) - logits[labels[0]], 1e-5);
     auto grad = logits;
-    cpu::cross_entropy_backward(grad.data(), labels.data(), lse.data(), dloss.data(), s, b, V);
+    cpu::cross_entropy_backward(grad.data(), labels.data(), lse.data(), dloss.data(), s, b, V, V);
     check_gradient("cross_entropy", logits.data(), s * b * V, grad.data(), total, 40);
 }
 
@@ -338,4 +339,27 @@ TEST(GptModel, ParameterCountMatchesTheConfigFormula) {
     int64_t          total = 0;
     for (auto * p : gpt.parameters()) total += p->numel();
     EXPECT_EQ(total, tiny.num_parameters());
+}
+
+// vec_math.h's claims: exp within 3e-7 relative on [-87, 88] (against double exp), tanh within 2e-7
+// absolute, NaN propagates, and the clamped ends stay finite.
+TEST(VecMath, ExpTanhSigmoidMeetTheirStatedAccuracy) {
+    double worst_exp = 0, worst_tanh = 0;
+    for (double x = -87.0; x <= 88.0; x += 0.000731) {
+        float  xf  = static_cast<float>(x);
+        double ref = std::exp(static_cast<double>(xf));
+        worst_exp  = std::max(worst_exp, std::fabs(cpu::exp_approx(xf) - ref) / ref);
+    }
+    for (double u = -20.0; u <= 20.0; u += 0.0001) {
+        float uf   = static_cast<float>(u);
+        worst_tanh = std::max(worst_tanh, std::fabs(cpu::tanh_approx(uf) - std::tanh(static_cast<double>(uf))));
+    }
+    EXPECT_LT(worst_exp, 3e-7);
+    EXPECT_LT(worst_tanh, 2e-7);
+    EXPECT_EQ(cpu::tanh_approx(100.0f), 1.0f);
+    EXPECT_EQ(cpu::tanh_approx(-100.0f), -1.0f);
+    EXPECT_NEAR(cpu::sigmoid_approx(0.0f), 0.5f, 1e-7f);
+    EXPECT_TRUE(std::isnan(cpu::exp_approx(std::nanf(""))));
+    EXPECT_LT(cpu::exp_approx(-INFINITY), 1e-37f);
+    EXPECT_TRUE(std::isfinite(cpu::exp_approx(1000.0f)));
 }

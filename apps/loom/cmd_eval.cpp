@@ -2,11 +2,16 @@
 //
 //   loom eval --eval-iters 20                                    gpt-tiny at its seed, synthetic data
 //   loom eval --data-path corpus_text_document --eval-iters 50   the validation range of --split
+//   loom eval --load-hf gpt2 --llmc-shard val.bin --seq-length 1024 --micro-batch-size 4
+//                                                                Hugging Face GPT-2 weights (model/hf_gpt2.h)
 //
 // Prints Megatron's validation line: " validation loss at iteration 0 | lm loss value: ... | lm loss PPL: ... |".
-// The model is initialised from --seed (loading Hugging Face weights with --load-hf is not implemented yet).
+// The model is initialised from --seed, or takes its shape and weights from a Hugging Face GPT-2 folder
+// with --load-hf. The softmax covers the real vocabulary only (model/gpt_model.h), so an imported model
+// scores Hugging Face's own loss whatever the padding.
 #include "apps/loom/commands.h"
 #include "backend/cpu/cpu_device.h"
+#include "model/hf_gpt2.h"
 #include "train/data_source.h"
 
 #include <cmath>
@@ -30,6 +35,9 @@ int cmd_eval(int argc, char ** argv) {
     options.model.validate();
     model::GptModel gpt(options.model, device);
     gpt.init();
+    if (!options.load_hf.empty()) {
+        model::load_hf_gpt2(gpt, options.load_hf);
+    }
     double sum = 0, count = 0;
     for (int64_t k = 0; k < eval_iters * options.num_microbatches(); ++k) {
         model::GptModel::Context ctx;

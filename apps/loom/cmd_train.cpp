@@ -2,11 +2,13 @@
 //
 //   loom train                                   gpt-tiny on the built-in synthetic dataset
 //   loom train --model gpt2-124m --data-path corpus_text_document --micro-batch-size 4 --seq-length 256
+//   loom train --load-hf gpt2 --data-path corpus_text_document   fine-tune Hugging Face GPT-2 weights
 //
 // Prints Megatron's per-iteration line every --log-interval iterations, optionally writes the same keys
 // as JSON lines (--log-file), and ends with a summary: tokens/s, achieved TFLOP/s, peak memory by pool.
 #include "apps/loom/commands.h"
 #include "backend/cpu/cpu_device.h"
+#include "model/hf_gpt2.h"
 #include "train/data_source.h"
 #include "train/trainer.h"
 
@@ -48,6 +50,9 @@ int cmd_train(int argc, char ** argv) {
 
     model::GptModel gpt(options.model, device);
     gpt.init();
+    if (!options.load_hf.empty()) {
+        model::load_hf_gpt2(gpt, options.load_hf);   // the shape was checked against config.json by resolve()
+    }
     std::printf("loom train: %s, %lld parameters, %lld layers, hidden %lld, heads %lld, seq %lld, vocab %lld (padded %lld)\n",
                 options.model_preset.c_str(), static_cast<long long>(options.model.num_parameters()),
                 static_cast<long long>(options.model.num_layers), static_cast<long long>(options.model.hidden_size),

@@ -28,5 +28,6 @@ int cmd_ranks(int argc, char ** argv);
 int cmd_train(int argc, char ** argv);
 int cmd_data(int argc, char ** argv);
 int cmd_eval(int argc, char ** argv);
+int cmd_export_hf(int argc, char ** argv);
 
 }  // namespace loom::app

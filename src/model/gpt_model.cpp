@@ -86,7 +86,7 @@ GptModel::LossSum GptModel::forward(Context & ctx, const MicroBatch & batch) {
     cpu::gemm(false, true, s * b, vocab_, h, ctx.final_hidden.data_ptr(), out_w.data.data_ptr(), dtype,
               ctx.logits.data<float>());
     cpu::cross_entropy_forward(ctx.logits.data<float>(), batch.labels.data<int32_t>(), ctx.token_loss.data<float>(),
-                               ctx.lse.data<float>(), s, b, vocab_);
+                               ctx.lse.data<float>(), s, b, vocab_, config_.vocab_size);
     LossSum result;
     const float * mask = batch.loss_mask.data<float>();
     const float * loss = ctx.token_loss.data<float>();
@@ -106,7 +106,7 @@ void GptModel::backward(Context & ctx, double loss_scale, const GradReadyFn & re
         dloss.data<float>()[r] = static_cast<float>(mask[(r % b) * s + r / b] * loss_scale);
     }
     cpu::cross_entropy_backward(ctx.logits.data<float>(), ctx.batch.labels.data<int32_t>(), ctx.lse.data<float>(),
-                                dloss.data<float>(), s, b, vocab_);
+                                dloss.data<float>(), s, b, vocab_, config_.vocab_size);
     Parameter & out_w   = output_.data.defined() ? output_ : wte_;
     DType       dtype   = out_w.data.dtype();
     Tensor      dlogits = in_dtype(ctx.logits, dtype);

@@ -7,6 +7,11 @@
 // tied weight then gets both gradient contributions before it is reported ready. backward() takes the
 // factor each token's loss is scaled by (1 / (sum(mask) * num_microbatches) for Megatron's averaging
 // over a global batch) and accumulates every parameter's gradient into main_grad.
+//
+// The softmax runs over the real vocabulary only: the padding columns (vocab_size .. V) are left out of
+// the loss and get zero gradient, so their embedding rows never train and an imported Hugging Face model
+// scores exactly its own loss. (Megatron keeps the padded logits inside its softmax; llm.c masks them, as
+// Loom does: a padded token can never be a label, so giving it probability only makes the loss worse.)
 #pragma once
 
 #include "model/layers.h"

@@ -1,6 +1,9 @@
 #include "train/options.h"
 
 #include "core/error.h"
+#include "model/hf_gpt2.h"
+
+#include <optional>
 
 namespace loom::train {
 
@@ -25,6 +28,8 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_flag("--untie-embeddings-and-output-weights", untie_, "separate output layer weight");
     app.add_option("--init-method-std", init_std_, "std of the normal initialisation");
     app.add_option("--seed", seed_, "random seed (initialisation and data order)");
+    app.add_option("--load-hf", o.load_hf,
+                   "Hugging Face GPT-2 folder (config.json + model.safetensors): its shape and weights");
 
     app.add_option("--micro-batch-size", o.micro_batch_size, "sequences per microbatch")->capture_default_str();
     app.add_option("--global-batch-size", o.global_batch_size, "sequences per iteration (default: micro x dp)");
@@ -55,6 +60,12 @@ TrainOptions TrainOptionParser::resolve() {
     o.model        = model::gpt_preset(o.model_preset);
     model::GptConfig & m = o.model;
     auto given = [&](const char * flag) { return app_.count(flag) > 0; };
+    // --load-hf: the shape comes from config.json; a --model preset or model flag given as well must agree.
+    std::optional<model::GptConfig> hf;
+    if (!o.load_hf.empty()) {
+        hf = model::gpt_config_from_hf(o.load_hf);
+        if (!given("--model")) m = *hf;
+    }
     if (given("--num-layers")) m.num_layers = num_layers_;
     if (given("--hidden-size")) {
         m.hidden_size = hidden_size_;
@@ -97,6 +108,15 @@ TrainOptions TrainOptionParser::resolve() {
     if (untie_) m.untie_embeddings_and_output_weights = true;
     if (given("--init-method-std")) m.init_method_std = init_std_;
     if (given("--seed")) m.seed = seed_;
+    if (hf) {
+        // Checked first: a longer --seq-length has raised the positions above.
+        LOOM_CHECK(!given("--seq-length") || seq_length_ <= hf->max_position_embeddings,
+                   "--seq-length " << seq_length_ << " exceeds n_positions = " << hf->max_position_embeddings
+                                   << " in '" << o.load_hf << "/config.json'",
+                   "the checkpoint has learned positions for " << hf->max_position_embeddings << " tokens");
+        model::check_gpt2_architecture(m, "import");
+        model::check_hf_gpt2_compatible(*hf, m, o.load_hf);
+    }
 
     LOOM_CHECK(o.micro_batch_size >= 1, "--micro-batch-size must be >= 1, got " << o.micro_batch_size, "");
     if (o.global_batch_size == 0) o.global_batch_size = o.micro_batch_size;

@@ -19,6 +19,8 @@ struct TrainOptions {
     // Model.
     std::string model_preset = "gpt-tiny";
     model::GptConfig model;          // resolved: preset + explicit flags
+    std::string load_hf;             // Hugging Face GPT-2 folder: the shape from its config.json, its weights
+                                     // loaded after init (model/hf_gpt2.h)
 
     // Batch and iterations.
     int64_t micro_batch_size  = 8;
@@ -55,8 +57,8 @@ public:
     explicit TrainOptionParser(CLI::App & app);
     // After app.parse(): resolves the preset, applies explicit flags, validates; throws loom::Error.
     TrainOptions resolve();
-    // True when --vocab-size was given (otherwise the dataset's vocabulary is used).
-    bool vocab_given() const { return app_.count("--vocab-size") > 0; }
+    // True when --vocab-size or --load-hf fixed the vocabulary (otherwise the dataset's is used).
+    bool vocab_given() const { return app_.count("--vocab-size") > 0 || !opts_.load_hf.empty(); }
 
 private:
     CLI::App &   app_;

@@ -301,10 +301,10 @@ void rope_apply(float * x, int64_t row_stride, int64_t s, int64_t b, int64_t hea
 }
 
 void cross_entropy_forward(const float * logits, const int32_t * labels, float * loss, float * lse, int64_t s,
-                           int64_t b, int64_t vocab) {
+                           int64_t b, int64_t stride, int64_t vocab) {
     parallel_for(s * b, 4, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-            const float * row = logits + r * vocab;
+            const float * row = logits + r * stride;
             float         mx  = row[0];
             for (int64_t v = 1; v < vocab; ++v) mx = std::max(mx, row[v]);
             // 16 partial sums: the exponentials vectorise, and a long row loses less to rounding.
@@ -325,12 +325,13 @@ void cross_entropy_forward(const float * logits, const int32_t * labels, float *
 }
 
 void cross_entropy_backward(float * logits, const int32_t * labels, const float * lse, const float * dloss,
-                            int64_t s, int64_t b, int64_t vocab) {
+                            int64_t s, int64_t b, int64_t stride, int64_t vocab) {
     parallel_for(s * b, 4, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-            float * row = logits + r * vocab;
+            float * row = logits + r * stride;
             float   l = lse[r], g = dloss[r];
             for (int64_t v = 0; v < vocab; ++v) row[v] = exp_approx(row[v] - l) * g;
+            std::fill(row + vocab, row + stride, 0.0f);
             int64_t si = r / b, bi = r % b;
             row[labels[bi * s + si]] -= g;
         }

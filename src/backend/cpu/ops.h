@@ -60,13 +60,14 @@ void embedding_backward(const int32_t * tokens, const float * dout, float * dwte
 void rope_apply(float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d, float base,
                 bool inverse);
 
-// Cross-entropy over logits (n, V) with labels (b, s) read in (s, b) row order. Forward: loss[r] =
-// logsumexp(logits[r]) - logits[r, label]; lse[r] saved. Backward, in place: logits[r] becomes
-// (softmax - onehot(label)) * dloss[r].
+// Cross-entropy over logits (n, stride) with labels (b, s) read in (s, b) row order; only the first
+// `vocab` columns are real tokens, the rest (vocabulary padding) are outside the softmax. Forward:
+// loss[r] = logsumexp(logits[r, :vocab]) - logits[r, label]; lse[r] saved. Backward, in place: logits[r]
+// becomes (softmax - onehot(label)) * dloss[r] on the real columns and exactly 0 on the padding.
 void cross_entropy_forward(const float * logits, const int32_t * labels, float * loss, float * lse, int64_t s,
-                           int64_t b, int64_t vocab);
+                           int64_t b, int64_t stride, int64_t vocab);
 void cross_entropy_backward(float * logits_to_grad, const int32_t * labels, const float * lse,
-                            const float * dloss, int64_t s, int64_t b, int64_t vocab);
+                            const float * dloss, int64_t s, int64_t b, int64_t stride, int64_t vocab);
 
 // n elements from src_dtype to dst_dtype (f32, bf16, f16) on the compute threads.
 void convert_parallel(const void * src, DType src_dtype, void * dst, DType dst_dtype, int64_t n);

@@ -3,7 +3,7 @@
 // the 1.5 * 2^23 trick (no -ffast-math, no SSE4.1 needed), a degree-6 polynomial and an exponent
 // built from integer bits.
 //
-// Accuracy: exp_approx has a relative error below 2e-7 (a couple of ulp) on [-87, 88]; inputs outside are
+// Accuracy: exp_approx has a relative error below 3e-7 (a few ulp) on [-87, 88]; inputs outside are
 // clamped (exp(-inf) comes out as 1.6e-38, not 0, which every caller multiplies into a sum or masks).
 // tanh_approx = 1 - 2 / (exp(2u) + 1) has an absolute error below 2e-7, which is what GELU and its
 // gradient use it for (they add it to 1).
