@@ -12,6 +12,8 @@
 #include "parallel/parallel_config.h"
 #include "parallel/process_groups.h"
 
+#include "mpi_test_main.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -436,40 +438,4 @@ TEST(MpiComm, EveryGroupKindOfEtp1Ep4Pp2MoeWorld) {
     run_in_every_group_kind(sizes);
 }
 
-namespace {
-
-// On ranks other than 0, print only failures, each prefixed with the rank.
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
-public:
-    explicit RankFailurePrinter(int rank) : rank_(rank) {}
-    void OnTestPartResult(const ::testing::TestPartResult & result) override {
-        if (result.failed()) {
-            std::fprintf(stderr, "[rank %d] %s:%d: failure\n%s\n", rank_, result.file_name() ? result.file_name() : "?",
-                         result.line_number(), result.summary());
-        }
-    }
-
-private:
-    int rank_;
-};
-
-}  // namespace
-
-int main(int argc, char ** argv) {
-    ::testing::InitGoogleTest(&argc, argv);
-    MpiContext mpi;
-    g_mpi = &mpi;
-    if (mpi.world_rank() != 0) {
-        auto & listeners = ::testing::UnitTest::GetInstance()->listeners();
-        delete listeners.Release(listeners.default_result_printer());
-        listeners.Append(new RankFailurePrinter(mpi.world_rank()));
-    }
-    int    failed = RUN_ALL_TESTS() != 0;
-    Tensor flag   = Tensor::zeros({1}, DType::i32, cpu::device());
-    flag.data<int32_t>()[0] = failed;
-    mpi.world()->all_reduce(flag, ReduceOp::max)->wait();
-    if (mpi.world_rank() == 0 && flag.data<int32_t>()[0] != 0) {
-        std::fprintf(stderr, "some rank failed (see the [rank N] lines above)\n");
-    }
-    return flag.data<int32_t>()[0];
-}
+int main(int argc, char ** argv) { return loom::testing_mpi::run_all_tests_under_mpi(argc, argv, &g_mpi); }

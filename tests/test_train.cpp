@@ -167,6 +167,10 @@ TEST(LoomTrain, BadFlagsExitTwoNamingTheFlag) {
         {"train --llmc-shard /nonexistent/shard.bin", "/nonexistent/shard.bin"},
         {"train --seq-length 256 --max-position-embeddings 128", "--max-position-embeddings"},
         {"train --min-lr 1", "--min-lr"},
+        {"train --overlap-param-gather --overlap-grad-reduce", "--use-distributed-optimizer"},
+        {"train --overlap-param-gather --use-distributed-optimizer", "--overlap-grad-reduce"},
+        {"train --ddp-bucket-size 0 --overlap-grad-reduce", "--ddp-bucket-size"},
+        {"train --fp16", "--fp16"},
     };
     for (const Case & c : cases) {
         std::string err;

@@ -1,13 +1,20 @@
-// loom train: train a GPT on one rank (the main job).
+// loom train: train a GPT (the main job), on one rank or data-parallel over the ranks mpirun starts.
 //
 //   loom train                                   gpt-tiny on the built-in synthetic dataset
+//   mpirun -np 4 loom train --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+//                                                data parallel over 4 ranks (ZeRO-1, both overlaps)
 //   loom train --model gpt2-124m --data-path corpus_text_document --micro-batch-size 4 --seq-length 256
 //   loom train --load-hf gpt2 --data-path corpus_text_document   fine-tune Hugging Face GPT-2 weights
 //
 // Prints Megatron's per-iteration line every --log-interval iterations, optionally writes the same keys
 // as JSON lines (--log-file), and ends with a summary: tokens/s, achieved TFLOP/s, peak memory by pool.
+// Under mpirun every rank is a data-parallel rank (DDP, ddp/ddp.h); only rank 0 prints, and an error on
+// any rank stops the whole job. The options are validated for the launched world size before MPI starts.
+// A single process uses DDP's buffers too when a data-parallel flag asks for them.
 #include "apps/loom/commands.h"
 #include "backend/cpu/cpu_device.h"
+#include "comm/mpi_communicator.h"
+#include "ddp/layout.h"
 #include "model/hf_gpt2.h"
 #include "train/data_source.h"
 #include "train/trainer.h"
@@ -15,6 +22,7 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <cstdlib>
 
 namespace loom::app {
 
@@ -35,7 +43,19 @@ void print_summary(const train::TrainSummary & s, const model::GptModel & gpt) {
     (void)gpt;
 }
 
+// The world size mpirun launched this process into (Open MPI, or a PMI launcher), else 1.
+int64_t launched_world_size() {
+    for (const char * name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}) {
+        if (const char * value = std::getenv(name)) {
+            return std::max(1L, std::strtol(value, nullptr, 10));
+        }
+    }
+    return 1;
+}
+
 }  // namespace
+
+static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, std::shared_ptr<comm::Communicator> dp);
 
 int cmd_train(int argc, char ** argv) {
     CLI::App app{"Train a GPT on this rank.", "loom train"};
@@ -43,9 +63,32 @@ int cmd_train(int argc, char ** argv) {
     if (std::optional<int> status = parse_arguments(app, argc, argv)) {
         return *status;
     }
-    train::TrainOptions options = parser.resolve();
-    Device &            device  = cpu::device();
-    std::unique_ptr<train::BatchSource> data = train::make_batch_source(options, device, parser.vocab_given());
+    const int64_t       world   = launched_world_size();
+    train::TrainOptions options = parser.resolve(world);
+    const bool use_ddp = world > 1 || options.ddp.use_distributed_optimizer || options.ddp.overlap_grad_reduce ||
+                         options.print_layout;
+    std::unique_ptr<comm::MpiContext> mpi;
+    if (use_ddp) {
+        mpi = std::make_unique<comm::MpiContext>();
+        LOOM_CHECK(mpi->world_size() == world, "MPI started " << mpi->world_size() << " ranks, the launcher said " << world, "");
+    }
+    try {
+        return train_on_this_rank(options, parser.vocab_given(), mpi ? mpi->world() : nullptr);
+    } catch (const Error & e) {
+        if (world > 1) {
+            std::fprintf(stderr, "loom train: rank %d: %s\n", mpi->world_rank(), e.what());
+            mpi->abort(kExitBadInput);
+        }
+        throw;
+    }
+}
+
+static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, std::shared_ptr<comm::Communicator> dp) {
+    const int    rank   = dp ? dp->rank() : 0;
+    FILE *       out    = rank == 0 ? stdout : nullptr;
+    Device &     device = cpu::device();
+    std::unique_ptr<train::BatchSource> data =
+        train::make_batch_source(options, device, vocab_given, rank, options.data_parallel_size);
     options.model.validate();
 
     model::GptModel gpt(options.model, device);
@@ -53,18 +96,23 @@ int cmd_train(int argc, char ** argv) {
     if (!options.load_hf.empty()) {
         model::load_hf_gpt2(gpt, options.load_hf);   // the shape was checked against config.json by resolve()
     }
-    std::printf("loom train: %s, %lld parameters, %lld layers, hidden %lld, heads %lld, seq %lld, vocab %lld (padded %lld)\n",
+    if (out) std::printf("loom train: %s, %lld parameters, %lld layers, hidden %lld, heads %lld, seq %lld, vocab %lld (padded %lld)\n",
                 options.model_preset.c_str(), static_cast<long long>(options.model.num_parameters()),
                 static_cast<long long>(options.model.num_layers), static_cast<long long>(options.model.hidden_size),
                 static_cast<long long>(options.model.num_attention_heads), static_cast<long long>(options.model.seq_length),
                 static_cast<long long>(options.model.vocab_size),
                 static_cast<long long>(options.model.padded_vocab_size()));
-    std::printf("data: %s | micro-batch %lld, global batch %lld, %lld iterations\n", data->describe().c_str(),
-                static_cast<long long>(options.micro_batch_size), static_cast<long long>(options.global_batch_size),
-                static_cast<long long>(options.train_iters));
-    train::Trainer      trainer(options, gpt, *data);
-    train::TrainSummary summary = trainer.run(stdout);
-    print_summary(summary, gpt);
+    if (out) std::printf("data: %s | micro-batch %lld, global batch %lld, %lld iterations, data-parallel size %lld\n",
+                data->describe().c_str(), static_cast<long long>(options.micro_batch_size),
+                static_cast<long long>(options.global_batch_size), static_cast<long long>(options.train_iters),
+                static_cast<long long>(options.data_parallel_size));
+    train::Trainer trainer(options, gpt, *data, dp);
+    if (out && options.print_layout) {
+        std::printf("%s\n", ddp::layout_table(trainer.ddp()->layout(), trainer.ddp()->specs(),
+                                              options.ddp.use_distributed_optimizer).c_str());
+    }
+    train::TrainSummary summary = trainer.run(out);
+    if (out) print_summary(summary, gpt);
     return 0;
 }
 

@@ -25,6 +25,7 @@ inline std::optional<int> parse_arguments(CLI::App & app, int argc, char ** argv
 }
 
 int cmd_ranks(int argc, char ** argv);
+int cmd_layout(int argc, char ** argv);
 int cmd_train(int argc, char ** argv);
 int cmd_data(int argc, char ** argv);
 int cmd_eval(int argc, char ** argv);

@@ -4,6 +4,7 @@
 //   loom eval      lm loss and perplexity of a model
 //   loom data      convert text into a Megatron dataset
 //   loom ranks     print the process groups of a parallel configuration (see `loom ranks --help`)
+//   loom layout    print DDP's param-and-grad buffers, buckets and shard ranges for a parameter list
 //   loom export-hf write a model as a Hugging Face GPT-2 folder
 //
 // Only this file turns a loom::Error into an exit status (2: the input was at fault) and a message on
@@ -29,6 +30,7 @@ const Command kCommands[] = {
     {"eval", loom::app::cmd_eval, "mean lm loss and perplexity of a model over --eval-iters batches"},
     {"data", loom::app::cmd_data, "convert text or JSON lines into a Megatron .bin/.idx dataset (byte or GPT-2 BPE tokens)"},
     {"ranks", loom::app::cmd_ranks, "print the process groups and rank map of a parallel configuration"},
+    {"layout", loom::app::cmd_layout, "print DDP's param-and-grad buffers, buckets and distributed-optimizer shards"},
     {"export-hf", loom::app::cmd_export_hf, "write a GPT-2-shaped model as a Hugging Face config.json + model.safetensors"},
 };
 

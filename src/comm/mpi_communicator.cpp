@@ -180,8 +180,11 @@ private:
     void post(const std::shared_ptr<MpiOp> & op) {
         try {
             op->post(op->requests);
+            op->post = nullptr;
             in_flight_.push_back(op);
         } catch (...) {
+            op->post = nullptr;
+            op->finish = nullptr;
             op->work->complete(std::current_exception());
         }
     }
@@ -209,6 +212,9 @@ private:
                 flag  = 1;
             }
             if (flag) {
+                // Drop the operation's tensors before anyone can see it complete: a caller that frees
+                // its buffers after wait() then finds the allocator's statistics already settled.
+                op->finish = nullptr;
                 op->work->complete(error);
                 in_flight_.erase(in_flight_.begin() + static_cast<std::ptrdiff_t>(i));
                 any = true;

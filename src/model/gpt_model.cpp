@@ -64,6 +64,9 @@ GptModel::LossSum GptModel::forward(Context & ctx, const MicroBatch & batch) {
     ctx.batch = batch;
     ctx.layers.resize(layers_.size());
 
+    if (pre_forward_) {
+        pre_forward_(wpe_.data.defined() ? std::vector<Parameter *>{&wte_, &wpe_} : std::vector<Parameter *>{&wte_});
+    }
     Tensor x = activation(device_, s * b, h);
     if (wte_.data.dtype() == DType::f32) {
         cpu::embedding_forward(tokens, wte_.data.data<float>(), wpe_.data.defined() ? wpe_.data.data<float>() : nullptr,
@@ -75,7 +78,18 @@ GptModel::LossSum GptModel::forward(Context & ctx, const MicroBatch & batch) {
         cpu::embedding_forward(tokens, bits(wte_), bits(wpe_), x.data<float>(), s, b, h);
     }
     for (size_t i = 0; i < layers_.size(); ++i) {
+        if (pre_forward_) {
+            std::vector<Parameter *> params;
+            layers_[i]->parameters(params);
+            pre_forward_(params);
+        }
         x = layers_[i]->forward(ctx.layers[i], x, s, b);
+    }
+    if (pre_forward_) {
+        std::vector<Parameter *> params;
+        final_norm_->parameters(params);
+        params.push_back(output_.data.defined() ? &output_ : &wte_);
+        pre_forward_(params);
     }
     const Parameter & out_w = output_.data.defined() ? output_ : wte_;
     DType             dtype = out_w.data.dtype();

@@ -16,6 +16,7 @@
 
 #include "model/layers.h"
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -57,9 +58,16 @@ public:
 
     // Every parameter, in a fixed order (embedding first, output last).
     std::vector<Parameter *> parameters();
+
+    // Called by forward() with the parameters of each module just before the module runs (embedding,
+    // each layer, final norm with the output layer): DDP's --overlap-param-gather waits there for the
+    // buckets that hold them (Megatron's forward pre-hook).
+    using PreForwardFn = std::function<void(const std::vector<Parameter *> &)>;
+    void set_pre_forward_hook(PreForwardFn hook) { pre_forward_ = std::move(hook); }
     void zero_grad();
 
     const GptConfig & config() const { return config_; }
+    Device &          device() const { return device_; }
 
 private:
     GptConfig                                      config_;
@@ -70,6 +78,7 @@ private:
     std::vector<std::unique_ptr<TransformerLayer>> layers_;
     std::unique_ptr<Norm>                          final_norm_;
     Parameter                                      output_;  // (V, h), untied only
+    PreForwardFn                                   pre_forward_;
 };
 
 }  // namespace loom::model

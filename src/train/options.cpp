@@ -47,6 +47,24 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_flag("--bf16", o.bf16, "bf16 parameters, GEMM operands and saved activations; f32 grads and master weights");
     app.add_flag("--fp16", o.fp16, "float16 with loss scaling (not supported: use --bf16)");
 
+    app.add_flag("--use-distributed-optimizer", o.ddp.use_distributed_optimizer,
+                 "ZeRO-1: shard the optimizer state and f32 master weights over data-parallel ranks");
+    app.add_flag("--overlap-grad-reduce", o.ddp.overlap_grad_reduce,
+                 "reduce each bucket group's gradients as soon as backward has produced them");
+    app.add_flag("--overlap-param-gather", o.ddp.overlap_param_gather,
+                 "all-gather updated parameters lazily before each layer's forward (distributed optimizer)");
+    app.add_option("--ddp-bucket-size", bucket_size_, "elements per gradient bucket (default max(40M, 1M x dp) "
+                                                      "with --overlap-grad-reduce, else one bucket)");
+    app.add_flag("--ddp-average-in-collective", o.ddp.average_in_collective,
+                 "average in the collective instead of scaling gradients by 1/dp first");
+    app.add_flag("--ddp-pad-buckets-for-high-nccl-busbw", o.ddp.pad_buckets_for_high_nccl_busbw,
+                 "pad buckets to a multiple of lcm(dp, 128, 65536)");
+    app.add_flag("--accumulate-allreduce-grads-in-fp32", grads_in_fp32_,
+                 "accumulate and reduce gradients in f32 (always on in Loom)");
+    app.add_flag("--check-for-nan-in-loss-and-grad", o.ddp.check_for_nan_in_grad,
+                 "stop, naming the rank and parameter, when a gradient is not finite before reduction");
+    app.add_flag("--print-layout", o.print_layout, "print the DDP buffer layout (as `loom layout`) on rank 0");
+
     app.add_option("--data-path", o.data_path, "Megatron dataset prefix (PREFIX.bin / PREFIX.idx)");
     app.add_option("--split", o.split, "train,valid,test weights over documents")->capture_default_str();
     app.add_option("--text-file", o.text_file, "a plain text file, tokenised by bytes");
@@ -55,8 +73,9 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_option("--log-file", o.log_file, "write the logged metrics as JSON lines to this file");
 }
 
-TrainOptions TrainOptionParser::resolve() {
+TrainOptions TrainOptionParser::resolve(int64_t data_parallel_size) {
     TrainOptions o = opts_;
+    o.data_parallel_size = data_parallel_size;
     o.model        = model::gpt_preset(o.model_preset);
     model::GptConfig & m = o.model;
     auto given = [&](const char * flag) { return app_.count(flag) > 0; };
@@ -119,11 +138,15 @@ TrainOptions TrainOptionParser::resolve() {
     }
 
     LOOM_CHECK(o.micro_batch_size >= 1, "--micro-batch-size must be >= 1, got " << o.micro_batch_size, "");
-    if (o.global_batch_size == 0) o.global_batch_size = o.micro_batch_size;
-    LOOM_CHECK(o.global_batch_size % o.micro_batch_size == 0,
+    const int64_t dp = o.data_parallel_size;
+    if (o.global_batch_size == 0) o.global_batch_size = o.micro_batch_size * dp;
+    LOOM_CHECK(o.global_batch_size % (o.micro_batch_size * dp) == 0,
                "--global-batch-size " << o.global_batch_size << " is not a multiple of --micro-batch-size "
-                                      << o.micro_batch_size << " x data-parallel size 1",
-               "choose a global batch that the micro-batches divide evenly");
+                                      << o.micro_batch_size << " x data-parallel size " << dp,
+               "choose a global batch that " << o.micro_batch_size * dp << " divides (each of the " << dp
+                                             << " data-parallel ranks runs whole micro-batches)");
+    if (app_.count("--ddp-bucket-size") > 0) o.ddp.bucket_size = bucket_size_;
+    o.ddp.validate();
     LOOM_CHECK(o.train_iters >= 1, "--train-iters must be >= 1", "");
     LOOM_CHECK(o.adam.lr > 0, "--lr must be > 0, got " << o.adam.lr, "");
     LOOM_CHECK(o.min_lr >= 0 && o.min_lr <= o.adam.lr, "--min-lr " << o.min_lr << " must lie in [0, --lr " << o.adam.lr << "]", "");

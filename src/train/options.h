@@ -5,6 +5,7 @@
 // flags given explicitly.
 #pragma once
 
+#include "ddp/ddp.h"
 #include "model/gpt_config.h"
 #include "optim/adamw.h"
 
@@ -37,6 +38,11 @@ struct TrainOptions {
     bool               bf16             = false;
     bool               fp16             = false;   // refused with a message
 
+    // Data parallelism (the data-parallel size is the number of ranks `mpirun` starts).
+    int64_t        data_parallel_size = 1;
+    ddp::DdpConfig ddp;                 // --use-distributed-optimizer, --overlap-grad-reduce, ...
+    bool           print_layout = false;   // print DDP's buffer layout on rank 0
+
     // Data.
     std::string data_path;          // Megatron .bin/.idx prefix
     std::string split = "969,30,1";
@@ -48,15 +54,17 @@ struct TrainOptions {
     std::string log_file;           // JSON lines, one object per logged iteration
     bool        log_throughput = true;
 
-    int64_t num_microbatches(int64_t dp = 1) const { return global_batch_size / (micro_batch_size * dp); }
+    // Micro-batches per iteration on each data-parallel rank.
+    int64_t num_microbatches() const { return global_batch_size / (micro_batch_size * data_parallel_size); }
 };
 
 // Registers every option; explicit model flags are recorded so they override the preset.
 class TrainOptionParser {
 public:
     explicit TrainOptionParser(CLI::App & app);
-    // After app.parse(): resolves the preset, applies explicit flags, validates; throws loom::Error.
-    TrainOptions resolve();
+    // After app.parse(): resolves the preset, applies explicit flags, validates for `data_parallel_size`
+    // ranks; throws loom::Error (identically on every rank, before any collective).
+    TrainOptions resolve(int64_t data_parallel_size = 1);
     // True when --vocab-size or --load-hf fixed the vocabulary (otherwise the dataset's is used).
     bool vocab_given() const { return app_.count("--vocab-size") > 0 || !opts_.load_hf.empty(); }
 
@@ -70,6 +78,8 @@ private:
     std::string normalization_, position_embedding_;
     float       init_std_ = 0;
     uint64_t    seed_     = 0;
+    int64_t     bucket_size_ = 0;
+    bool        grads_in_fp32_ = false;
 };
 
 }  // namespace loom::train

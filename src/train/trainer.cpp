@@ -60,8 +60,28 @@ std::string metrics_json(const IterationStats & s) {
     return j.dump();
 }
 
-Trainer::Trainer(const TrainOptions & options, model::GptModel & model, BatchSource & data)
-    : options_(options), model_(model), data_(data), params_(model.parameters()), optimizer_(params_, options.adam) {
+Trainer::Trainer(const TrainOptions & options, model::GptModel & model, BatchSource & data,
+                 std::shared_ptr<comm::Communicator> dp_group)
+    : options_(options), model_(model), data_(data), params_(model.parameters()), dp_group_(std::move(dp_group)) {
+    if (dp_group_) {
+        LOOM_CHECK(dp_group_->size() == options_.data_parallel_size,
+                   "data-parallel group of " << dp_group_->size() << " ranks for options resolved for "
+                                             << options_.data_parallel_size, "");
+        ddp_ = std::make_unique<ddp::DistributedDataParallel>(params_, options_.ddp, dp_group_, model_.device());
+        grad_ready_ = ddp_->grad_ready();
+        if (options_.ddp.overlap_param_gather) {
+            ddp::DistributedDataParallel * d = ddp_.get();
+            model_.set_pre_forward_hook([d](const std::vector<model::Parameter *> & ps) { d->ensure_params_ready(ps); });
+        }
+    } else {
+        LOOM_CHECK(!options_.ddp.use_distributed_optimizer && !options_.ddp.overlap_grad_reduce,
+                   "the data-parallel options need a data-parallel group", "");
+    }
+    if (options_.ddp.use_distributed_optimizer) {
+        dist_optimizer_ = std::make_unique<optim::DistributedOptimizer>(*ddp_, options_.adam);
+    } else {
+        optimizer_ = std::make_unique<optim::AdamW>(params_, options_.adam);
+    }
     schedule_.max_lr       = options.adam.lr;
     schedule_.min_lr       = options.min_lr;
     schedule_.warmup_iters = options.lr_warmup_iters;
@@ -69,28 +89,57 @@ Trainer::Trainer(const TrainOptions & options, model::GptModel & model, BatchSou
     schedule_.style        = optim::lr_decay_style_from_name(options.lr_decay_style);
 }
 
+Trainer::~Trainer() {
+    model_.set_pre_forward_hook(nullptr);
+    if (ddp_) {
+        try {
+            ddp_->finish_param_sync();   // leave the model's weights whole for whoever uses it next
+        } catch (...) {
+        }
+    }
+}
+
 double Trainer::step(IterationStats & stats) {
     ++iteration_;
     int64_t microbatches = options_.num_microbatches();
-    model_.zero_grad();
+    if (ddp_) {
+        ddp_->zero_grad_buffer();
+    } else {
+        model_.zero_grad();
+    }
     double loss_total = 0;
     for (int64_t k = 0; k < microbatches; ++k) {
+        if (ddp_) ddp_->set_last_microbatch(k == microbatches - 1);
         model::MicroBatch         batch = data_.next();
         model::GptModel::Context  ctx;
         model::GptModel::LossSum  loss = model_.forward(ctx, batch);
         double tokens = std::max(loss.count, 1.0);
-        model_.backward(ctx, 1.0 / (tokens * static_cast<double>(microbatches)), nullptr);
+        model_.backward(ctx, 1.0 / (tokens * static_cast<double>(microbatches)), grad_ready_);
         loss_total += loss.mean();
     }
     consumed_ += options_.global_batch_size;
-    double norm = optim::clip_grad_norm(params_, options_.clip_grad);
-    float  lr   = schedule_.lr_at(iteration_);
-    if (std::isfinite(norm)) {
-        optimizer_.step(lr);
+    if (ddp_) ddp_->finish_grad_sync();
+    float  lr = schedule_.lr_at(iteration_);
+    double norm;
+    if (dist_optimizer_) {
+        optim::DistributedOptimizer::StepResult r = dist_optimizer_->step(lr, options_.clip_grad);
+        norm = r.grad_norm;
+        if (!r.stepped) ++nan_iterations_;
     } else {
-        ++nan_iterations_;
+        norm = optim::clip_grad_norm(params_, options_.clip_grad);
+        if (std::isfinite(norm)) {
+            optimizer_->step(lr);
+        } else {
+            ++nan_iterations_;
+        }
     }
-    double loss           = loss_total / static_cast<double>(microbatches);
+    double loss = loss_total / static_cast<double>(microbatches);
+    if (dp_group_ && dp_group_->size() > 1) {
+        Tensor mean = Tensor::empty({1}, DType::f32, model_.device());
+        mean.data<float>()[0] = static_cast<float>(loss);
+        dp_group_->all_reduce(mean, comm::ReduceOp::avg)->wait();
+        loss = mean.data<float>()[0];
+    }
     stats.iteration        = iteration_;
     stats.consumed_samples = consumed_;
     stats.learning_rate    = lr;
@@ -110,8 +159,10 @@ TrainSummary Trainer::run(FILE * out) {
                    "check that the directory exists and is writable");
     }
     bool   progress_bar = out != nullptr && isatty(fileno(out));
+    // Per rank, as Megatron's "throughput per GPU".
     double flops_per_iteration = model_.config().training_flops_per_token() *
-                                 static_cast<double>(options_.global_batch_size * model_.config().seq_length);
+                                 static_cast<double>(options_.global_batch_size * model_.config().seq_length) /
+                                 static_cast<double>(options_.data_parallel_size);
     auto   start        = std::chrono::steady_clock::now();
     auto   window_start = start;
     double window_loss  = 0;

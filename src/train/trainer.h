@@ -5,10 +5,19 @@
 // and gradients are those of that mean (each micro-batch's backward is scaled by
 // 1 / (tokens in its mask x num_microbatches)). A non-finite gradient norm skips the update and counts
 // as a nan iteration.
+//
+// Data parallel (a dp_group given): every rank runs num_microbatches() = global batch / (micro-batch x dp)
+// micro-batches of its own samples; DDP (ddp/ddp.h) accumulates their gradients in its buffers and
+// reduces them over the group, under Megatron's no_sync for all but the last micro-batch; the optimizer is
+// AdamW on the replicated gradients, or the distributed optimizer on this rank's shard
+// (--use-distributed-optimizer). The logged loss is the mean over the data-parallel ranks.
 #pragma once
 
+#include "comm/communicator.h"
+#include "ddp/ddp.h"
 #include "model/gpt_model.h"
 #include "optim/adamw.h"
+#include "optim/distributed_optimizer.h"
 #include "train/options.h"
 
 #include <cstdio>
@@ -53,7 +62,13 @@ struct TrainSummary {
 
 class Trainer {
 public:
-    Trainer(const TrainOptions & options, model::GptModel & model, BatchSource & data);
+    // dp_group null: one rank, no DDP buffers (the reference every parallel run is checked against).
+    Trainer(const TrainOptions & options, model::GptModel & model, BatchSource & data,
+            std::shared_ptr<comm::Communicator> dp_group = nullptr);
+    ~Trainer();
+
+    // The DDP wrapper (null without a dp_group).
+    ddp::DistributedDataParallel * ddp() { return ddp_.get(); }
 
     // Runs options.train_iters iterations; log lines go to `out` (null: silent).
     TrainSummary run(FILE * out);
@@ -65,7 +80,11 @@ private:
     model::GptModel &               model_;
     BatchSource &                   data_;
     std::vector<model::Parameter *> params_;
-    optim::AdamW                    optimizer_;
+    std::shared_ptr<comm::Communicator>           dp_group_;
+    std::unique_ptr<ddp::DistributedDataParallel> ddp_;
+    model::GradReadyFn                            grad_ready_;
+    std::unique_ptr<optim::AdamW>                 optimizer_;       // replicated AdamW
+    std::unique_ptr<optim::DistributedOptimizer>  dist_optimizer_;  // --use-distributed-optimizer
     optim::LrSchedule               schedule_;
     int64_t                         iteration_ = 0;
     int64_t                         consumed_  = 0;

@@ -1,0 +1,277 @@
+#include "ddp/ddp.h"
+
+#include "core/error.h"
+#include "core/thread_pool.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+#include <unordered_map>
+
+namespace loom::ddp {
+
+void DdpConfig::validate() const {
+    LOOM_CHECK(!overlap_param_gather || use_distributed_optimizer,
+               "--overlap-param-gather needs --use-distributed-optimizer",
+               "only the distributed optimizer gathers parameters; add --use-distributed-optimizer or drop "
+               "--overlap-param-gather");
+    LOOM_CHECK(!overlap_param_gather || overlap_grad_reduce, "--overlap-param-gather needs --overlap-grad-reduce",
+               "Megatron requires both overlaps together; add --overlap-grad-reduce");
+    LOOM_CHECK(!bucket_size || *bucket_size >= 1, "--ddp-bucket-size must be >= 1 element, got " << *bucket_size,
+               "omit it for Megatron's default, max(40M, 1M x dp) elements with --overlap-grad-reduce");
+}
+
+std::optional<int64_t> effective_bucket_size(const DdpConfig & config, int64_t dp, bool first_pipeline_stage) {
+    if (!first_pipeline_stage || !config.overlap_grad_reduce) return std::nullopt;
+    return config.bucket_size ? config.bucket_size : std::optional<int64_t>(default_bucket_size(dp));
+}
+
+std::vector<ParamSpec> param_specs(const std::vector<model::Parameter *> & params) {
+    std::vector<ParamSpec> specs;
+    for (const model::Parameter * p : params) {
+        specs.push_back(ParamSpec{p->name, p->data.shape(), p->data.dtype(), p->shared_embedding, p->expert});
+    }
+    return specs;
+}
+
+DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *> params, const DdpConfig & config,
+                                                 std::shared_ptr<comm::Communicator> dp_group, Device & device)
+    : config_(config), dp_group_(std::move(dp_group)), device_(device), params_(std::move(params)) {
+    config_.validate();
+    for (const model::Parameter * p : params_) {
+        LOOM_CHECK(!p->expert, "parameter " << p->name << " is an expert parameter",
+                   "expert parameters reduce over the expert-data-parallel group, which needs MoE support");
+        LOOM_CHECK(p->main_grad.dtype() == DType::f32, "parameter " << p->name << " has a "
+                                                                    << dtype_name(p->main_grad.dtype()) << " main_grad",
+                   "Loom accumulates gradients in float32");
+    }
+    specs_ = param_specs(params_);
+    int64_t       dp = dp_group_->size();
+    LayoutOptions options;
+    options.dp                              = dp;
+    options.edp                             = dp;
+    options.use_distributed_optimizer       = config_.use_distributed_optimizer;
+    options.bucket_size                     = effective_bucket_size(config_, dp);
+    options.pad_buckets_for_high_nccl_busbw = config_.pad_buckets_for_high_nccl_busbw;
+    options.grad_reduce_in_fp32             = true;
+    layout_ = compute_layout(specs_, options);
+
+    // Buffers, and every parameter re-pointed at its range (values kept, padding zero).
+    for (const BufferLayout & buffer : layout_.buffers) {
+        Tensor grads = Tensor::zeros({buffer.numel}, DType::f32, device_, {MemoryKind::device, "grads"});
+        Tensor weights;
+        if (config_.use_distributed_optimizer) {
+            weights = Tensor::zeros({buffer.numel}, buffer.param_dtype, device_, {MemoryKind::device, "weights"});
+        }
+        for (const ParamPlace & place : buffer.params) {
+            model::Parameter * p = params_[place.param];
+            Tensor grad = grads.slice(place.start, p->main_grad.shape());
+            grad.copy_from(p->main_grad);
+            p->main_grad = grad;
+            if (weights.defined()) {
+                Tensor data = weights.slice(place.start, p->data.shape());
+                data.copy_from(p->data);
+                p->data = data;
+            }
+        }
+        grad_buffers_.push_back(grads);
+        param_buffers_.push_back(weights);
+    }
+
+    group_of_param_.assign(params_.size(), -1);
+    member_of_param_.assign(params_.size(), -1);
+    for (const std::vector<BucketRef> & refs : layout_.bucket_groups) {
+        Group group;
+        group.buckets = refs;
+        for (const BucketRef & ref : refs) {
+            for (int param : layout_.buffers[ref.buffer].buckets[ref.bucket].params) {
+                group_of_param_[param]  = static_cast<int>(groups_.size());
+                member_of_param_[param] = static_cast<int>(group.params.size());
+                group.params.push_back(param);
+            }
+        }
+        group.golden.assign(group.params.size(), 0);
+        group.count.assign(group.params.size(), 0);
+        groups_.push_back(std::move(group));
+    }
+    for (size_t i = 0; i < params_.size(); ++i) index_[params_[i]] = static_cast<int>(i);
+    comm_stream_ = device_.stream_create("ddp-comm");
+}
+
+DistributedDataParallel::~DistributedDataParallel() {
+    for (Group & group : groups_) {
+        for (auto * works : {&group.grad_work, &group.gather_work}) {
+            for (comm::WorkPtr & work : *works) {
+                try {
+                    work->wait();
+                } catch (...) {   // a destructor must not throw; the error surfaced where it was waited on
+                }
+            }
+        }
+    }
+}
+
+Tensor DistributedDataParallel::bucket_view(const Tensor & buffer, const BucketLayout & bucket) const {
+    return buffer.slice(bucket.offset, {bucket.numel});
+}
+
+void DistributedDataParallel::zero_grad_buffer() {
+    for (Group & group : groups_) wait_grad_sync(group);
+    bool recorded = false;
+    for (const Group & group : groups_) {
+        recorded = recorded || std::any_of(group.count.begin(), group.count.end(), [](int c) { return c > 0; });
+    }
+    if (first_iteration_ && recorded) {
+        // The first iteration's readiness reports become the golden counts; every parameter must have
+        // reported, or an overlapped reduction would wait for it forever.
+        for (Group & group : groups_) {
+            for (size_t m = 0; m < group.params.size(); ++m) {
+                LOOM_CHECK(group.count[m] > 0, "parameter " << params_[group.params[m]]->name
+                                                            << " never reported its gradient ready in the first iteration",
+                           "every layer's backward must call the gradient-ready callback for each of its parameters");
+            }
+            group.golden = group.count;
+        }
+        first_iteration_ = false;
+    }
+    for (Tensor & grads : grad_buffers_) grads.fill_zero();
+    for (Group & group : groups_) {
+        std::fill(group.count.begin(), group.count.end(), 0);
+        group.grad_launched = false;
+    }
+    last_microbatch_ = true;
+}
+
+model::GradReadyFn DistributedDataParallel::grad_ready() {
+    return [this](model::Parameter & p) {
+        if (!last_microbatch_) {
+            return;   // no_sync: gradients accumulate, nothing is counted or launched
+        }
+        auto it = index_.find(&p);
+        LOOM_CHECK(it != index_.end(), "gradient-ready report for " << p.name << ", which DDP does not hold", "");
+        Group & group = groups_[group_of_param_[it->second]];
+        ++group.count[member_of_param_[it->second]];
+        if (config_.overlap_grad_reduce && !first_iteration_ && !group.grad_launched && group.count == group.golden) {
+            launch_grad_sync(group);
+        }
+    };
+}
+
+void DistributedDataParallel::launch_grad_sync(Group & group) {
+    LOOM_CHECK(!group.grad_launched, "a second gradient reduction of a bucket group while one is outstanding", "");
+    const int64_t   dp = dp_group_->size();
+    comm::ReduceOp  op = config_.average_in_collective ? comm::ReduceOp::avg : comm::ReduceOp::sum;
+    for (const BucketRef & ref : group.buckets) {
+        const BucketLayout & bucket = layout_.buffers[ref.buffer].buckets[ref.bucket];
+        Tensor               grads  = bucket_view(grad_buffers_[ref.buffer], bucket);
+        float *              g      = grads.data<float>();
+        if (config_.check_for_nan_in_grad) {
+            for (const ParamPlace & place : layout_.buffers[ref.buffer].params) {
+                if (place.bucket != ref.bucket) continue;
+                const float * pg = grad_buffers_[ref.buffer].data<float>() + place.start;
+                for (int64_t i = 0; i < place.end - place.start; ++i) {
+                    LOOM_CHECK(std::isfinite(pg[i]),
+                               "rank " << dp_group_->global_ranks()[dp_group_->rank()] << ": gradient of "
+                                       << params_[place.param]->name << " is " << pg[i] << " at element " << i
+                                       << " before the data-parallel reduction (bucket " << ref.bucket << ")",
+                               "--check-for-nan-in-loss-and-grad stops here; lower --lr, check the data, or "
+                               "enable --clip-grad");
+                }
+            }
+        }
+        if (!config_.average_in_collective && dp > 1) {
+            const float scale = 1.0f / static_cast<float>(dp);
+            parallel_for(bucket.numel, 1 << 15, [&](int64_t begin, int64_t end) {
+                for (int64_t i = begin; i < end; ++i) g[i] *= scale;
+            });
+        }
+        if (config_.use_distributed_optimizer) {
+            int64_t shard = bucket.numel / dp;
+            group.grad_work.push_back(dp_group_->reduce_scatter(grads, grads.narrow(0, dp_group_->rank() * shard, shard),
+                                                                op, comm_stream_.get()));
+        } else {
+            group.grad_work.push_back(dp_group_->all_reduce(grads, op, comm_stream_.get()));
+        }
+    }
+    group.grad_launched = true;
+    if (!config_.overlap_grad_reduce) {
+        wait_grad_sync(group);
+    }
+}
+
+void DistributedDataParallel::wait_grad_sync(Group & group) {
+    for (comm::WorkPtr & work : group.grad_work) work->wait();
+    group.grad_work.clear();
+}
+
+void DistributedDataParallel::finish_grad_sync() {
+    for (Group & group : groups_) {
+        if (!group.grad_launched) launch_grad_sync(group);
+    }
+    for (Group & group : groups_) wait_grad_sync(group);
+}
+
+void DistributedDataParallel::dispatch_gather(int index) {
+    Group & group = groups_[index];
+    int64_t dp    = dp_group_->size();
+    for (const BucketRef & ref : group.buckets) {
+        const BucketLayout & bucket = layout_.buffers[ref.buffer].buckets[ref.bucket];
+        Tensor               whole  = bucket_view(param_buffers_[ref.buffer], bucket);
+        int64_t              shard  = bucket.numel / dp;
+        group.gather_work.push_back(
+            dp_group_->all_gather(whole.narrow(0, dp_group_->rank() * shard, shard), whole, comm_stream_.get()));
+    }
+    group.gather_dispatched = true;
+}
+
+void DistributedDataParallel::wait_gather(int index) {
+    for (comm::WorkPtr & work : groups_[index].gather_work) work->wait();
+    groups_[index].gather_work.clear();
+}
+
+void DistributedDataParallel::start_param_sync() {
+    if (!config_.use_distributed_optimizer) return;
+    for (Group & group : groups_) {
+        LOOM_CHECK(group.gather_work.empty(), "a parameter all-gather is still outstanding at the next step", "");
+        group.gather_dispatched = false;
+    }
+    if (config_.overlap_param_gather) {
+        pending_gathers_ = true;   // ensure_params_ready() dispatches and waits, group by group
+        for (Group & group : groups_) group.gather_pending = true;
+        return;
+    }
+    for (int g = static_cast<int>(groups_.size()); g-- > 0;) dispatch_gather(g);
+    for (int g = static_cast<int>(groups_.size()); g-- > 0;) wait_gather(g);
+}
+
+void DistributedDataParallel::ensure_params_ready(const std::vector<model::Parameter *> & params) {
+    if (!pending_gathers_) return;
+    for (const model::Parameter * p : params) {
+        auto it = index_.find(p);
+        if (it == index_.end()) continue;
+        int g = group_of_param_[it->second];
+        if (!groups_[g].gather_pending) continue;
+        if (!groups_[g].gather_dispatched) dispatch_gather(g);
+        wait_gather(g);
+        groups_[g].gather_pending = false;
+        // Forward runs from the model's input (the highest group) down: start the next one now.
+        if (g > 0 && groups_[g - 1].gather_pending && !groups_[g - 1].gather_dispatched) dispatch_gather(g - 1);
+    }
+    pending_gathers_ = std::any_of(groups_.begin(), groups_.end(), [](const Group & x) { return x.gather_pending; });
+}
+
+void DistributedDataParallel::finish_param_sync() {
+    if (!pending_gathers_) return;
+    for (int g = static_cast<int>(groups_.size()); g-- > 0;) {
+        if (groups_[g].gather_pending && !groups_[g].gather_dispatched) dispatch_gather(g);
+    }
+    for (int g = static_cast<int>(groups_.size()); g-- > 0;) {
+        if (groups_[g].gather_pending) {
+            wait_gather(g);
+            groups_[g].gather_pending = false;
+        }
+    }
+    pending_gathers_ = false;
+}
+
+}  // namespace loom::ddp

@@ -1,0 +1,135 @@
+// DistributedDataParallel: the model's gradients (and, with the distributed optimizer, its weights) in
+// contiguous buffers laid out by ddp/layout.h, reduced over the data-parallel group bucket group by
+// bucket group (../shared/specs/ddp_and_optimizers.md section 1).
+//
+// One iteration, as the trainer drives it:
+//
+//   zero_grad_buffer()                      zero the grad buffers; the first iteration's readiness
+//                                           counts become the golden counts
+//   for each microbatch k:
+//     set_last_microbatch(k == last)        Megatron's no_sync: only the last microbatch counts readiness
+//     model.forward / model.backward(..., grad_ready())
+//                                           layers ADD into main_grad (a view of the grad buffer) and
+//                                           report each parameter ready; with --overlap-grad-reduce a
+//                                           bucket group whose parameters have all reported launches its
+//                                           collective at once (not in the first iteration, whose counts
+//                                           are being recorded)
+//   finish_grad_sync()                      launch what has not been launched, wait for everything
+//   optimizer step                          (optim/distributed_optimizer.h with the distributed optimizer)
+//   start_param_sync()                      distributed optimizer: all-gather the updated shards, now or,
+//                                           with --overlap-param-gather, lazily before each layer's forward
+//                                           (ensure_params_ready, installed as the model's pre-forward hook)
+//
+// Collectives per bucket group: the bucket's local gradients are scaled in place by 1/dp (or reduced
+// with AVG under --ddp-average-in-collective), then reduce-scattered into the rank's shard of the same
+// buffer (distributed optimizer: only that shard is valid afterwards) or all-reduced whole. With
+// --check-for-nan-in-loss-and-grad a non-finite local gradient stops the run before the collective,
+// naming the rank and the parameter.
+//
+// Gradients are always accumulated and reduced in f32 (Megatron turns --accumulate-allreduce-grads-in-fp32
+// on for --bf16; Loom's layers write f32 main_grads for both dtypes). The CPU layers compute on the calling
+// thread, so a parameter's gradient is complete when it is reported ready and the collective is issued
+// right there on the communication stream; the MPI engine thread runs it while backward goes on.
+#pragma once
+
+#include "comm/communicator.h"
+#include "ddp/layout.h"
+#include "model/parameter.h"
+
+#include <memory>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+namespace loom::ddp {
+
+struct DdpConfig {
+    bool                   use_distributed_optimizer       = false;
+    bool                   overlap_grad_reduce             = false;
+    bool                   overlap_param_gather            = false;
+    std::optional<int64_t> bucket_size;                     // --ddp-bucket-size; nullopt: Megatron's default
+    bool                   pad_buckets_for_high_nccl_busbw = false;
+    bool                   average_in_collective           = false;
+    bool                   check_for_nan_in_grad           = false;
+
+    // Rejects --overlap-param-gather without the distributed optimizer or without --overlap-grad-reduce
+    // and a bucket size below 1, naming the flags.
+    void validate() const;
+};
+
+// The bucket size the buffers use (spec 1.5): without --overlap-grad-reduce or on a pipeline stage after
+// the first, none (one bucket per buffer, apart from the shared embedding's); else --ddp-bucket-size when
+// given, or Megatron's default max(40M, 1M x dp).
+std::optional<int64_t> effective_bucket_size(const DdpConfig & config, int64_t dp, bool first_pipeline_stage = true);
+
+// The layout parameters of a model, in registration order.
+std::vector<ParamSpec> param_specs(const std::vector<model::Parameter *> & params);
+
+class DistributedDataParallel {
+public:
+    // Re-points every parameter's main_grad (and, with the distributed optimizer, its data) at views of
+    // the buffers, keeping their values. `dp_group` reduces and shards every buffer.
+    DistributedDataParallel(std::vector<model::Parameter *> params, const DdpConfig & config,
+                            std::shared_ptr<comm::Communicator> dp_group, Device & device);
+    ~DistributedDataParallel();
+    DistributedDataParallel(const DistributedDataParallel &) = delete;
+    DistributedDataParallel & operator=(const DistributedDataParallel &) = delete;
+
+    void zero_grad_buffer();
+    void set_last_microbatch(bool last) { last_microbatch_ = last; }
+    // The callback to hand to backward.
+    model::GradReadyFn grad_ready();
+    void finish_grad_sync();
+
+    void start_param_sync();
+    // Pre-forward hook: the buckets holding `params` are gathered before this returns (a no-op unless
+    // --overlap-param-gather left gathers pending).
+    void ensure_params_ready(const std::vector<model::Parameter *> & params);
+    // Completes every pending gather (before evaluation, export or a checkpoint).
+    void finish_param_sync();
+
+    const DdpConfig &                       config() const { return config_; }
+    const Layout &                          layout() const { return layout_; }
+    const std::vector<ParamSpec> &          specs() const { return specs_; }
+    const std::vector<model::Parameter *> & params() const { return params_; }
+    comm::Communicator &                    dp_group() { return *dp_group_; }
+    int64_t                                 dp_rank() const { return dp_group_->rank(); }
+    int64_t                                 dp_size() const { return dp_group_->size(); }
+    Tensor &                                grad_buffer(int buffer) { return grad_buffers_[buffer]; }
+    Tensor &                                param_buffer(int buffer) { return param_buffers_[buffer]; }
+    int64_t                                 num_bucket_groups() const { return static_cast<int64_t>(groups_.size()); }
+
+private:
+    struct Group {
+        std::vector<BucketRef> buckets;
+        std::vector<int>       params;           // indices into params_
+        std::vector<int>       golden, count;    // readiness reports per member, golden from iteration 1
+        bool                   grad_launched = false;
+        bool                   gather_dispatched = false;
+        bool                   gather_pending = false;    // --overlap-param-gather: not gathered yet
+        std::vector<comm::WorkPtr> grad_work, gather_work;
+    };
+
+    void launch_grad_sync(Group & group);
+    void wait_grad_sync(Group & group);
+    void dispatch_gather(int group);
+    void wait_gather(int group);
+    Tensor bucket_view(const Tensor & buffer, const BucketLayout & bucket) const;
+
+    DdpConfig                           config_;
+    std::shared_ptr<comm::Communicator> dp_group_;
+    Device &                            device_;
+    std::vector<model::Parameter *>     params_;
+    std::vector<ParamSpec>              specs_;
+    Layout                              layout_;
+    std::vector<Tensor>                 grad_buffers_, param_buffers_;
+    std::vector<Group>                  groups_;
+    std::vector<int>                    group_of_param_, member_of_param_;
+    std::unordered_map<const model::Parameter *, int> index_;   // parameter -> index into params_
+    std::unique_ptr<Stream>             comm_stream_;
+    bool                                first_iteration_ = true;
+    bool                                last_microbatch_ = true;
+    bool                                pending_gathers_ = false;
+};
+
+}  // namespace loom::ddp

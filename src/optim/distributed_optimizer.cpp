@@ -1,0 +1,104 @@
+#include "optim/distributed_optimizer.h"
+
+#include "core/error.h"
+
+#include <cmath>
+
+namespace loom::optim {
+
+DistributedOptimizer::DistributedOptimizer(ddp::DistributedDataParallel & ddp, const AdamWConfig & config)
+    : ddp_(ddp), config_(config) {
+    LOOM_CHECK(ddp_.config().use_distributed_optimizer, "DistributedOptimizer over buffers laid out without it",
+               "construct DDP with use_distributed_optimizer");
+    const ddp::Layout & layout = ddp_.layout();
+    for (size_t b = 0; b < layout.buffers.size(); ++b) {
+        const ddp::BufferLayout & buffer = layout.buffers[b];
+        int64_t                   state  = 0;
+        for (const std::vector<ddp::ShardRange> & bucket : ddp::shard_ranges(buffer, ddp_.dp_rank())) {
+            for (const ddp::ShardRange & r : bucket) {
+                int64_t n = r.gbuf_world_end - r.gbuf_world_start;
+                pieces_.push_back(Piece{r.param, static_cast<int>(b), r.gbuf_world_start, n, state});
+                state += n;
+            }
+        }
+        owned_ += state;
+        Device &      device = ddp_.grad_buffer(static_cast<int>(b)).device();
+        TensorOptions options{MemoryKind::device, "optimizer"};
+        exp_avg_.push_back(Tensor::zeros({state}, DType::f32, device, options));
+        exp_avg_sq_.push_back(Tensor::zeros({state}, DType::f32, device, options));
+        Tensor master;
+        if (buffer.param_dtype != DType::f32) {
+            LOOM_CHECK(buffer.param_dtype == DType::bf16, "distributed optimizer over "
+                                                              << dtype_name(buffer.param_dtype) << " parameters",
+                       "parameters are float32 or bfloat16");
+            master = Tensor::empty({state}, DType::f32, device, options);
+        }
+        master_.push_back(master);
+    }
+    // f32 masters start from the (identical on every rank) model weights.
+    for (const Piece & piece : pieces_) {
+        if (!master_[piece.buffer].defined()) continue;
+        const uint16_t * w = static_cast<const uint16_t *>(ddp_.param_buffer(piece.buffer).data_ptr()) + piece.world_start;
+        convert_bf16_to_f32(w, master_[piece.buffer].data<float>() + piece.state, static_cast<size_t>(piece.numel));
+    }
+}
+
+DistributedOptimizer::StepResult DistributedOptimizer::step(float lr, float clip_grad) {
+    StepResult result;
+    double     local = 0;
+    for (const Piece & piece : pieces_) {
+        const float * g = ddp_.grad_buffer(piece.buffer).data<float>() + piece.world_start;
+        double        s = 0;
+        for (int64_t i = 0; i < piece.numel; ++i) s += static_cast<double>(g[i]) * g[i];
+        local += s;
+    }
+    // The group's sum of squares in double: every rank's local sum travels as an f32 pair (hi, lo) with
+    // hi + lo = local to ~1e-14, and every rank adds the gathered sums in rank order, so all ranks get the
+    // same norm, as accurate as the single-rank one.
+    Device & device = ddp_.grad_buffer(0).device();
+    int64_t  dp     = ddp_.dp_size();
+    Tensor   mine   = Tensor::empty({2}, DType::f32, device);
+    Tensor   all    = Tensor::empty({2 * dp}, DType::f32, device);
+    float    hi     = static_cast<float>(local);
+    mine.data<float>()[0] = hi;
+    mine.data<float>()[1] = static_cast<float>(local - static_cast<double>(hi));
+    ddp_.dp_group().all_gather(mine, all)->wait();
+    double total = 0;
+    for (int64_t r = 0; r < dp; ++r) {
+        total += static_cast<double>(all.data<float>()[2 * r]) + static_cast<double>(all.data<float>()[2 * r + 1]);
+    }
+    result.grad_norm = std::sqrt(total);
+    if (!std::isfinite(result.grad_norm)) {
+        return result;
+    }
+    float coeff = 1.0f;   // as clip_grad_norm computes it
+    if (clip_grad > 0) {
+        double c = clip_grad / (result.grad_norm + 1e-6);
+        if (c < 1.0) coeff = static_cast<float>(c);
+    }
+    ++step_;
+    for (const Piece & piece : pieces_) {
+        model::Parameter * p = ddp_.params()[piece.param];
+        float *            g = ddp_.grad_buffer(piece.buffer).data<float>() + piece.world_start;
+        if (coeff != 1.0f) {
+            for (int64_t i = 0; i < piece.numel; ++i) g[i] *= coeff;
+        }
+        float      wd     = p->no_weight_decay ? 0.0f : config_.weight_decay;
+        float *    m      = exp_avg_[piece.buffer].data<float>() + piece.state;
+        float *    v      = exp_avg_sq_[piece.buffer].data<float>() + piece.state;
+        Tensor &   params = ddp_.param_buffer(piece.buffer);
+        if (master_[piece.buffer].defined()) {
+            adamw_update(master_[piece.buffer].data<float>() + piece.state, g, m, v, piece.numel, lr, config_.beta1,
+                         config_.beta2, config_.eps, wd, step_,
+                         static_cast<uint16_t *>(params.data_ptr()) + piece.world_start);
+        } else {
+            adamw_update(params.data<float>() + piece.world_start, g, m, v, piece.numel, lr, config_.beta1,
+                         config_.beta2, config_.eps, wd, step_);
+        }
+    }
+    result.stepped = true;
+    ddp_.start_param_sync();
+    return result;
+}
+
+}  // namespace loom::optim

@@ -1,0 +1,61 @@
+// DistributedOptimizer (ZeRO-1): each data-parallel rank keeps the AdamW state, and the f32 master
+// weights of 16-bit parameters, only for the shard of the DDP buffers it owns
+// (../shared/specs/ddp_and_optimizers.md section 2; seeds 003, 004).
+//
+// After DDP's reduce-scatter, rank r's shard of every bucket holds the data-parallel average of the
+// gradients. The step, per iteration:
+//   1. grad norm: the squares of the owned shard's gradients, summed over the data-parallel group
+//      (every element is owned by exactly one rank, so it counts once; the per-rank sums are gathered
+//      and added in double), then sqrt;
+//   2. a non-finite norm skips the step and the all-gather (a nan iteration);
+//   3. clip: scale the owned gradients by min(1, clip / (norm + 1e-6));
+//   4. AdamW on each owned piece (spec 2.2's ranges), with its parameter's weight decay; a bf16
+//      parameter's piece updates its f32 master and writes the rounded value into the param buffer in the
+//      same pass, an f32 parameter's piece updates the param buffer in place (it is its own master);
+//   5. DDP's start_param_sync() all-gathers the updated shards (now, or lazily before each layer's
+//      forward with --overlap-param-gather).
+//
+// Memory per parameter (optimizer pool): 12 / d bytes for bf16 parameters (master, m, v), 8 / d for f32
+// (m, v), for the elements this rank owns; with DDP's buffers that makes 6 + 12/d and 8 + 8/d in all.
+#pragma once
+
+#include "ddp/ddp.h"
+#include "optim/adamw.h"
+
+#include <vector>
+
+namespace loom::optim {
+
+class DistributedOptimizer {
+public:
+    DistributedOptimizer(ddp::DistributedDataParallel & ddp, const AdamWConfig & config);
+
+    struct StepResult {
+        double grad_norm = 0;      // before clipping
+        bool   stepped   = false;  // false: non-finite norm, parameters unchanged
+    };
+    // Clips to clip_grad (0: off), steps with lr, then starts the parameter all-gather.
+    StepResult step(float lr, float clip_grad);
+
+    // Elements of the model this rank owns (sum over its pieces).
+    int64_t owned_numel() const { return owned_; }
+    int64_t steps() const { return step_; }
+
+private:
+    struct Piece {
+        int     param;        // index into ddp.params()
+        int     buffer;
+        int64_t world_start;  // in the buffer
+        int64_t numel;
+        int64_t state;        // offset into the state tensors
+    };
+
+    ddp::DistributedDataParallel & ddp_;
+    AdamWConfig                    config_;
+    std::vector<Piece>             pieces_;
+    std::vector<Tensor>            master_, exp_avg_, exp_avg_sq_;   // per buffer, owned elements
+    int64_t                        owned_ = 0;
+    int64_t                        step_  = 0;
+};
+
+}  // namespace loom::optim

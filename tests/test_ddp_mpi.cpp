@@ -1,0 +1,273 @@
+// Data parallelism end to end, under mpirun with 1, 2, 4 and 8 ranks (DP = the world size).
+//
+// Every rank first trains the reference: the same model on the whole global batch, alone, without DDP.
+// Then all ranks train it together with DDP in each configuration (plain; --overlap-grad-reduce; the
+// distributed optimizer without and with both overlaps), small buckets so that there are many bucket
+// groups, and the loss curve and final parameters must match the reference.
+//
+// Tolerance. Data parallelism changes only f32 summation order: each rank sums its own micro-batches'
+// gradients, and the reduction adds the ranks' sums. Those differences (~1e-7 relative) pass through
+// AdamW for 20 steps; losses must agree within 5e-5 and parameters within 5e-5 absolute (the learning
+// rate is 2e-3 per step, so a real bug, a lost or doubled gradient, moves them by far more). With one
+// rank nothing is reordered, and the DDP run must equal the reference bit for bit.
+#include "backend/cpu/cpu_device.h"
+#include "comm/counting_communicator.h"
+#include "comm/mpi_communicator.h"
+#include "ddp/ddp.h"
+#include "optim/distributed_optimizer.h"
+#include "train/data_source.h"
+#include "train/trainer.h"
+
+#include "mpi_test_main.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+using namespace loom;
+
+namespace {
+
+comm::MpiContext * g_mpi = nullptr;
+
+train::TrainOptions small_options(int64_t dp) {
+    train::TrainOptions o;
+    o.model                         = model::gpt_preset("gpt-tiny");
+    o.model.num_layers              = 2;
+    o.model.hidden_size             = 64;
+    o.model.ffn_hidden_size         = 256;
+    o.model.num_attention_heads     = 4;
+    o.model.num_query_groups        = 4;
+    o.model.seq_length              = 32;
+    o.model.max_position_embeddings = 32;
+    o.micro_batch_size   = 1;
+    o.global_batch_size  = 8;
+    o.train_iters        = 20;
+    o.lr_warmup_iters    = 5;
+    o.lr_decay_iters     = 20;
+    o.log_interval       = 1000;
+    o.data_parallel_size = dp;
+    return o;
+}
+
+struct Run {
+    std::vector<double>             losses;
+    std::vector<std::vector<float>> params;
+};
+
+Run train(train::TrainOptions o, std::shared_ptr<comm::Communicator> group) {
+    Device & device = cpu::device();
+    auto     source = train::make_batch_source(o, device, false, group ? group->rank() : 0, o.data_parallel_size);
+    model::GptModel gpt(o.model, device);
+    gpt.init();
+    Run run;
+    {
+        train::Trainer trainer(o, gpt, *source, group);
+        run.losses = trainer.run(nullptr).losses;
+    }   // the trainer finishes any pending parameter gather
+    for (model::Parameter * p : gpt.parameters()) {
+        std::vector<float> v(static_cast<size_t>(p->numel()));
+        convert(p->data.data_ptr(), p->data.dtype(), v.data(), DType::f32, v.size());
+        run.params.push_back(std::move(v));
+    }
+    return run;
+}
+
+const Run & reference() {
+    static Run run = train(small_options(1), nullptr);
+    return run;
+}
+
+struct Config {
+    const char * name;
+    bool         distopt, overlap_grad, overlap_param;
+};
+
+void expect_matches_reference(const Config & c) {
+    SCOPED_TRACE(c.name);
+    int64_t             dp = g_mpi->world_size();
+    train::TrainOptions o  = small_options(dp);
+    o.ddp.use_distributed_optimizer = c.distopt;
+    o.ddp.overlap_grad_reduce       = c.overlap_grad;
+    o.ddp.overlap_param_gather      = c.overlap_param;
+    o.ddp.bucket_size               = 20000;   // several buckets (with overlap; one bucket without)
+    Run         run = train(o, g_mpi->world());
+    const Run & ref = reference();
+    ASSERT_EQ(run.losses.size(), ref.losses.size());
+    double worst_loss = 0, worst_param = 0;
+    for (size_t i = 0; i < ref.losses.size(); ++i) {
+        worst_loss = std::max(worst_loss, std::fabs(run.losses[i] - ref.losses[i]));
+        EXPECT_NEAR(run.losses[i], ref.losses[i], 5e-5) << "iteration " << i + 1;
+    }
+    ASSERT_EQ(run.params.size(), ref.params.size());
+    for (size_t k = 0; k < ref.params.size(); ++k) {
+        for (size_t i = 0; i < ref.params[k].size(); ++i) {
+            worst_param = std::max(worst_param, static_cast<double>(std::fabs(run.params[k][i] - ref.params[k][i])));
+        }
+    }
+    EXPECT_LT(worst_param, 5e-5);
+    if (dp == 1) {
+        EXPECT_EQ(run.losses, ref.losses) << "one rank: bitwise the reference";
+        EXPECT_EQ(run.params, ref.params) << "one rank: bitwise the reference";
+    }
+    if (g_mpi->world_rank() == 0) {
+        std::printf("[dp %lld %s] worst |loss - reference| %.3g, worst |param - reference| %.3g, final loss %.6f\n",
+                    static_cast<long long>(dp), c.name, worst_loss, worst_param, run.losses.back());
+    }
+}
+
+}  // namespace
+
+TEST(DataParallel, PlainAllReduceMatchesOneRank) { expect_matches_reference({"all-reduce", false, false, false}); }
+
+TEST(DataParallel, OverlappedAllReduceMatchesOneRank) {
+    expect_matches_reference({"all-reduce, overlap-grad-reduce", false, true, false});
+}
+
+TEST(DataParallel, DistributedOptimizerMatchesOneRank) {
+    expect_matches_reference({"distributed optimizer", true, false, false});
+}
+
+TEST(DataParallel, DistributedOptimizerWithOverlappedReduceMatchesOneRank) {
+    expect_matches_reference({"distributed optimizer, overlap-grad-reduce", true, true, false});
+}
+
+TEST(DataParallel, DistributedOptimizerWithBothOverlapsMatchesOneRank) {
+    expect_matches_reference({"distributed optimizer, overlap-grad-reduce, overlap-param-gather", true, true, true});
+}
+
+// One reduce-scatter per bucket group per iteration, issued only by the last micro-batch's backward
+// (and, in the first iteration, whose readiness counts are being recorded, only at finish_grad_sync),
+// then one all-gather per bucket group after the step.
+TEST(DataParallel, OneCollectivePerBucketGroupPerIterationAndNoneBeforeTheLastMicrobatch) {
+    int64_t             dp = g_mpi->world_size();
+    train::TrainOptions o  = small_options(dp);
+    o.global_batch_size    = 4 * dp;   // 4 micro-batches per rank
+    Device &        device = cpu::device();
+    auto            source = train::make_batch_source(o, device, false, g_mpi->world_rank(), dp);
+    model::GptModel gpt(o.model, device);
+    gpt.init();
+    auto counting = std::make_shared<comm::CountingCommunicator>(g_mpi->world());
+    ddp::DdpConfig config;
+    config.use_distributed_optimizer = true;
+    config.overlap_grad_reduce       = true;
+    config.bucket_size               = 20000;
+    ddp::DistributedDataParallel ddp(gpt.parameters(), config, counting, device);
+    optim::DistributedOptimizer  adam(ddp, optim::AdamWConfig{});
+    const int64_t groups = ddp.num_bucket_groups();
+    ASSERT_GT(groups, 2) << "small buckets make several groups";
+    model::GradReadyFn ready = ddp.grad_ready();
+    for (int iteration = 1; iteration <= 3; ++iteration) {
+        SCOPED_TRACE(iteration);
+        counting->reset();
+        ddp.zero_grad_buffer();
+        for (int k = 0; k < 4; ++k) {
+            ddp.set_last_microbatch(k == 3);
+            model::GptModel::Context ctx;
+            auto loss = gpt.forward(ctx, source->next());
+            gpt.backward(ctx, 1.0 / (loss.count * 4), ready);
+            int64_t launched = counting->count(comm::OpKind::reduce_scatter).calls;
+            if (k < 3) {
+                EXPECT_EQ(launched, 0) << "micro-batch " << k << " launched a reduction";
+            } else {
+                // Overlap: every group launched during the last backward, except in iteration 1.
+                EXPECT_EQ(launched, iteration == 1 ? 0 : groups);
+            }
+        }
+        ddp.finish_grad_sync();
+        EXPECT_EQ(counting->count(comm::OpKind::reduce_scatter).calls, groups);
+        EXPECT_EQ(counting->count(comm::OpKind::all_reduce).calls, 0);
+        adam.step(1e-3f, 1.0f);
+        EXPECT_EQ(counting->count(comm::OpKind::all_gather).calls, groups + 1) << "the parameters, and the grad norm";
+        EXPECT_EQ(counting->count(comm::OpKind::all_reduce).calls, 0);
+        EXPECT_EQ(counting->count(comm::OpKind::reduce_scatter).calls, groups) << "never twice";
+    }
+}
+
+// Bytes per parameter from the allocator's statistics: weights + grads + optimizer state per rank are
+// 6 + 12/d (bf16 parameters, distributed optimizer), 18 (bf16, replicated AdamW), 8 + 8/d and 16 (f32),
+// plus exactly the padding the layout implies.
+TEST(DataParallel, BytesPerParameterFollowMegatronsTable) {
+    const int64_t d      = g_mpi->world_size();
+    Device &      device = cpu::device();
+    Allocator &   alloc  = device.allocator(MemoryKind::device);
+    auto          bytes  = [&] {
+        return alloc.pool_stats("weights").allocated + alloc.pool_stats("grads").allocated +
+               alloc.pool_stats("optimizer").allocated;
+    };
+    for (DType dtype : {DType::bf16, DType::f32}) {
+        for (bool distopt : {true, false}) {
+            SCOPED_TRACE(std::string(dtype_name(dtype)) + (distopt ? ", distributed optimizer" : ", replicated"));
+            int64_t before = bytes();
+            {
+                train::TrainOptions o = small_options(d);
+                o.model.params_dtype  = dtype;
+                o.model.hidden_size     = 48;    // 48-element biases and norms: 64-alignment padding
+                o.model.ffn_hidden_size = 200;
+                model::GptModel gpt(o.model, device);
+                gpt.init();
+                const int64_t n = o.model.num_parameters();
+                ddp::DdpConfig config;
+                config.use_distributed_optimizer = distopt;
+                ddp::DistributedDataParallel ddp(gpt.parameters(), config, g_mpi->world(), device);
+                int64_t padded = 0;
+                for (const ddp::BufferLayout & b : ddp.layout().buffers) padded += b.numel;
+                const int64_t w = static_cast<int64_t>(dtype_size(dtype));
+                int64_t       expected;
+                double        per_param;
+                if (distopt) {
+                    optim::DistributedOptimizer adam(ddp, optim::AdamWConfig{});
+                    const int64_t state = dtype == DType::bf16 ? 12 : 8;
+                    expected  = (w + 4) * padded + state * adam.owned_numel();
+                    per_param = dtype == DType::bf16 ? 6.0 + 12.0 / d : 8.0 + 8.0 / d;
+                    // Owned elements: this rank's shards minus the padding inside them.
+                    EXPECT_LE(adam.owned_numel(), padded / d);
+                    EXPECT_EQ(bytes() - before, expected);
+                    double measured = static_cast<double>(bytes() - before) / static_cast<double>(n);
+                    // The only slack is padding: (w + 4) bytes per padded element plus at most
+                    // state x (padded / d - n / d) for an uneven split of the shards.
+                    double slack = static_cast<double>((w + 4 + state) * (padded - n) + state * d) / static_cast<double>(n);
+                    EXPECT_NEAR(measured, per_param, slack);
+                    if (g_mpi->world_rank() == 0) {
+                        std::printf("[d %lld %s distributed] %.4f bytes/param (table %.4f), padding %lld of %lld\n",
+                                    static_cast<long long>(d), dtype_name(dtype), measured, per_param,
+                                    static_cast<long long>(padded - n), static_cast<long long>(n));
+                    }
+                } else {
+                    optim::AdamW  adam(gpt.parameters(), optim::AdamWConfig{});
+                    const int64_t state = dtype == DType::bf16 ? 12 : 8;
+                    EXPECT_EQ(padded, n) << "no padding without the distributed optimizer";
+                    expected  = (w + 4 + state) * n;
+                    per_param = dtype == DType::bf16 ? 18.0 : 16.0;
+                    EXPECT_EQ(bytes() - before, expected);
+                    EXPECT_DOUBLE_EQ(static_cast<double>(bytes() - before) / static_cast<double>(n), per_param);
+                }
+            }
+            EXPECT_EQ(bytes(), before) << "everything is returned";
+        }
+    }
+}
+
+// A non-finite local gradient stops every rank before the collective, naming the rank and parameter.
+TEST(DataParallel, NanGradientIsCaughtBeforeTheReductionNamingTheParameter) {
+    Device &            device = cpu::device();
+    train::TrainOptions o      = small_options(g_mpi->world_size());
+    model::GptModel     gpt(o.model, device);
+    gpt.init();
+    ddp::DdpConfig config;
+    config.check_for_nan_in_grad = true;
+    ddp::DistributedDataParallel ddp(gpt.parameters(), config, g_mpi->world(), device);
+    ddp.zero_grad_buffer();
+    model::Parameter * victim = gpt.parameters()[3];
+    victim->main_grad.data<float>()[5] = NAN;
+    try {
+        ddp.finish_grad_sync();
+        FAIL() << "no error for a NaN gradient";
+    } catch (const Error & e) {
+        std::string what = e.what();
+        EXPECT_NE(what.find(victim->name), std::string::npos) << what;
+        EXPECT_NE(what.find("rank " + std::to_string(g_mpi->world_rank())), std::string::npos) << what;
+    }
+}
+
+int main(int argc, char ** argv) { return testing_mpi::run_all_tests_under_mpi(argc, argv, &g_mpi); }
