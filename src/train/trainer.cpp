@@ -113,6 +113,10 @@ double Trainer::step(IterationStats & stats) {
         model::MicroBatch         batch = data_.next();
         model::GptModel::Context  ctx;
         model::GptModel::LossSum  loss = model_.forward(ctx, batch);
+        LOOM_CHECK(!options_.ddp.check_for_nan_in_grad || std::isfinite(loss.sum),
+                   "rank " << (dp_group_ ? dp_group_->global_ranks()[dp_group_->rank()] : 0) << ": lm loss is "
+                           << loss.sum << " in micro-batch " << k << " of iteration " << iteration_,
+                   "--check-for-nan-in-loss-and-grad stops here; lower --lr or check the data");
         double tokens = std::max(loss.count, 1.0);
         model_.backward(ctx, 1.0 / (tokens * static_cast<double>(microbatches)), grad_ready_);
         loss_total += loss.mean();
