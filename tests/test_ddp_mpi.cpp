@@ -165,7 +165,9 @@ TEST(DataParallel, Bf16DistributedOptimizerMatchesOneRank) {
     }
     EXPECT_LT(worst_loss, 2e-3);
     EXPECT_LT(worst_param, 0.015625) << "within two bf16 ulps (relative to max(1, |w|))";
-    if (dp == 1) EXPECT_EQ(run.params, ref.params) << "one rank: bitwise";
+    if (dp == 1) {
+        EXPECT_EQ(run.params, ref.params) << "one rank: bitwise";
+    }
     if (g_mpi->world_rank() == 0) {
         std::printf("[dp %lld bf16 distributed optimizer] worst |loss - reference| %.3g, worst weight difference %.3g\n",
                     static_cast<long long>(dp), worst_loss, worst_param);

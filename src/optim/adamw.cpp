@@ -3,7 +3,9 @@
 #include "core/error.h"
 #include "core/thread_pool.h"
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace loom::optim {
 
@@ -83,12 +85,22 @@ void AdamW::step(float lr) {
 }
 
 double grad_norm(const std::vector<model::Parameter *> & params) {
-    double total = 0;
+    // Per parameter, partial sums over fixed chunks (summed in chunk order afterwards): the result does
+    // not depend on the thread count.
+    constexpr int64_t kChunk = 1 << 16;
+    double            total  = 0;
     for (model::Parameter * p : params) {
-        const float * g = p->main_grad.data<float>();
-        double        s = 0;
-        for (int64_t i = 0; i < p->numel(); ++i) s += static_cast<double>(g[i]) * g[i];
-        total += s;
+        const float *       g = p->main_grad.data<float>();
+        const int64_t       n = p->numel(), chunks = (n + kChunk - 1) / kChunk;
+        std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
+        parallel_for(chunks, 1, [&](int64_t begin, int64_t end) {
+            for (int64_t c = begin; c < end; ++c) {
+                double s = 0;
+                for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) s += static_cast<double>(g[i]) * g[i];
+                partial[static_cast<size_t>(c)] = s;
+            }
+        });
+        for (double s : partial) total += s;
     }
     return std::sqrt(total);
 }
@@ -96,7 +108,9 @@ double grad_norm(const std::vector<model::Parameter *> & params) {
 void scale_grads(const std::vector<model::Parameter *> & params, float factor) {
     for (model::Parameter * p : params) {
         float * g = p->main_grad.data<float>();
-        for (int64_t i = 0; i < p->numel(); ++i) g[i] *= factor;
+        parallel_for(p->numel(), 1 << 15, [&](int64_t begin, int64_t end) {
+            for (int64_t i = begin; i < end; ++i) g[i] *= factor;
+        });
     }
 }
 
