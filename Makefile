@@ -39,6 +39,11 @@ bench: build
 	$(BUILD_DIR)/bench/bench_core --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 	$(BUILD_DIR)/bench/bench_gemm --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 	$(BUILD_DIR)/bench/bench_step --benchmark_repetitions=3 --benchmark_report_aggregates_only=true
+	bench/dp_scaling.sh $(BUILD_DIR)
+	# PyTorch's step of the same model (Debian's python3-torch; skipped when missing). Its f32 step uses
+	# generic BLAS and takes minutes.
+	/usr/bin/python3 bench/pytorch_step.py --steps 2 --dtype bfloat16 || true
+	/usr/bin/python3 bench/pytorch_step.py --steps 1 --dtype float32 || true
 
 clean:
 	rm -rf $(BUILD_DIR)
