@@ -363,3 +363,27 @@ TEST(VecMath, ExpTanhSigmoidMeetTheirStatedAccuracy) {
     EXPECT_LT(cpu::exp_approx(-INFINITY), 1e-37f);
     EXPECT_TRUE(std::isfinite(cpu::exp_approx(1000.0f)));
 }
+
+// The fused residual + norm kernels equal the add followed by the plain norm, bit for bit, and leave
+// the sum in x.
+TEST(FusedKernels, ResidualPlusNormEqualsAddThenNorm) {
+    const int64_t      n = 37, h = 96;
+    std::vector<float> x = random_vector(n * h, 1), r = random_vector(n * h, 2), g = random_vector(h, 3),
+                       b = random_vector(h, 4);
+    std::vector<float> sum(n * h);
+    for (int64_t i = 0; i < n * h; ++i) sum[i] = x[i] + r[i];
+    std::vector<float> y1(n * h), y2(n * h), m1(n), m2(n), s1(n), s2(n);
+    cpu::layernorm_forward(sum.data(), g.data(), b.data(), y1.data(), m1.data(), s1.data(), n, h, 1e-5f);
+    std::vector<float> xf = x;
+    cpu::add_layernorm_forward(xf.data(), r.data(), g.data(), b.data(), y2.data(), m2.data(), s2.data(), n, h, 1e-5f);
+    EXPECT_EQ(xf, sum);
+    EXPECT_EQ(y1, y2);
+    EXPECT_EQ(m1, m2);
+    EXPECT_EQ(s1, s2);
+    cpu::rmsnorm_forward(sum.data(), g.data(), y1.data(), s1.data(), n, h, 1e-5f);
+    xf = x;
+    cpu::add_rmsnorm_forward(xf.data(), r.data(), g.data(), y2.data(), s2.data(), n, h, 1e-5f);
+    EXPECT_EQ(xf, sum);
+    EXPECT_EQ(y1, y2);
+    EXPECT_EQ(s1, s2);
+}

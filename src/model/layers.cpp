@@ -111,15 +111,24 @@ void Norm::parameters(std::vector<Parameter *> & out) {
     if (kind == Normalization::layernorm) out.push_back(&bias);
 }
 
-Tensor Norm::forward(Context & ctx, const Tensor & x) {
+Tensor Norm::forward(Context & ctx, const Tensor & x, const Tensor * residual) {
     int64_t n = x.size(0), h = x.size(1);
     Tensor  y = activation(x.device(), n, h);
     Tensor  w = parameter_f32(weight);
     ctx.rstd  = activation(x.device(), n, 1);
     if (kind == Normalization::layernorm) {
         ctx.mean = activation(x.device(), n, 1);
-        cpu::layernorm_forward(x.data<float>(), w.data<float>(), parameter_f32(bias).data<float>(), y.data<float>(),
-                               ctx.mean.data<float>(), ctx.rstd.data<float>(), n, h, eps);
+        Tensor b = parameter_f32(bias);
+        if (residual) {
+            cpu::add_layernorm_forward(x.data<float>(), residual->data<float>(), w.data<float>(), b.data<float>(),
+                                       y.data<float>(), ctx.mean.data<float>(), ctx.rstd.data<float>(), n, h, eps);
+        } else {
+            cpu::layernorm_forward(x.data<float>(), w.data<float>(), b.data<float>(), y.data<float>(),
+                                   ctx.mean.data<float>(), ctx.rstd.data<float>(), n, h, eps);
+        }
+    } else if (residual) {
+        cpu::add_rmsnorm_forward(x.data<float>(), residual->data<float>(), w.data<float>(), y.data<float>(),
+                                 ctx.rstd.data<float>(), n, h, eps);
     } else {
         cpu::rmsnorm_forward(x.data<float>(), w.data<float>(), y.data<float>(), ctx.rstd.data<float>(), n, h, eps);
     }
@@ -299,8 +308,7 @@ void TransformerLayer::parameters(std::vector<Parameter *> & out) {
 
 Tensor TransformerLayer::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b) {
     Tensor h1 = attention.forward(ctx.attn, norm1.forward(ctx.norm1, x), s, b);
-    cpu::add_inplace(h1.data<float>(), x.data<float>(), h1.numel());   // h1 = x + attn
-    Tensor h2 = mlp.forward(ctx.mlp, norm2.forward(ctx.norm2, h1));
+    Tensor h2 = mlp.forward(ctx.mlp, norm2.forward(ctx.norm2, h1, &x));   // h1 = x + attn, fused into norm2
     cpu::add_inplace(h2.data<float>(), h1.data<float>(), h2.numel());  // h2 = h1 + mlp
     return h2;
 }

@@ -57,7 +57,9 @@ public:
     Norm(const std::string & name, int64_t h, Normalization kind, float eps, DType dtype, Device & device);
     struct Context { Tensor x, mean, rstd; };
 
-    Tensor forward(Context & ctx, const Tensor & x);
+    // With a residual, x += residual first, in the same pass over each row (the fused residual + norm of
+    // a pre-norm block); x then holds the sum, which the caller keeps as the residual stream.
+    Tensor forward(Context & ctx, const Tensor & x, const Tensor * residual = nullptr);
     Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
     void   init();
     void   parameters(std::vector<Parameter *> & out);

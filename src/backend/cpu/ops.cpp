@@ -23,28 +23,61 @@ void over_column_chunks(int64_t h, Fn && fn) {
 
 }  // namespace
 
+namespace {
+
+void layernorm_row(const float * xr, const float * gamma, const float * beta, float * yr, float * mean, float * rstd,
+                   int64_t h, float eps) {
+    double sum = 0;
+    for (int64_t j = 0; j < h; ++j) sum += xr[j];
+    float  m   = static_cast<float>(sum / h);
+    double var = 0;
+    for (int64_t j = 0; j < h; ++j) {
+        float c = xr[j] - m;
+        var += static_cast<double>(c) * c;
+    }
+    float rs = 1.0f / std::sqrt(static_cast<float>(var / h) + eps);
+    for (int64_t j = 0; j < h; ++j) {
+        float v = (xr[j] - m) * rs * gamma[j];
+        yr[j]   = beta ? v + beta[j] : v;
+    }
+    *mean = m;
+    *rstd = rs;
+}
+
+void rmsnorm_row(const float * xr, const float * gamma, float * yr, float * rstd, int64_t h, float eps) {
+    double ss = 0;
+    for (int64_t j = 0; j < h; ++j) ss += static_cast<double>(xr[j]) * xr[j];
+    float rs = 1.0f / std::sqrt(static_cast<float>(ss / h) + eps);
+    for (int64_t j = 0; j < h; ++j) yr[j] = xr[j] * rs * gamma[j];
+    *rstd = rs;
+}
+
+// Adds the residual row into x's row, then normalises it while it is in cache.
+template <typename Norm>
+void add_then_norm(float * x, const float * residual, int64_t n, int64_t h, Norm && norm_row) {
+    parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            float *       xr = x + r * h;
+            const float * rr = residual + r * h;
+            for (int64_t j = 0; j < h; ++j) xr[j] += rr[j];
+            norm_row(r, xr);
+        }
+    });
+}
+
+}  // namespace
+
 void layernorm_forward(const float * x, const float * gamma, const float * beta, float * y, float * mean,
                        float * rstd, int64_t n, int64_t h, float eps) {
     parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-            const float * xr = x + r * h;
-            float *       yr = y + r * h;
-            double        sum = 0;
-            for (int64_t j = 0; j < h; ++j) sum += xr[j];
-            float  m   = static_cast<float>(sum / h);
-            double var = 0;
-            for (int64_t j = 0; j < h; ++j) {
-                float c = xr[j] - m;
-                var += static_cast<double>(c) * c;
-            }
-            float rs = 1.0f / std::sqrt(static_cast<float>(var / h) + eps);
-            for (int64_t j = 0; j < h; ++j) {
-                float v = (xr[j] - m) * rs * gamma[j];
-                yr[j]   = beta ? v + beta[j] : v;
-            }
-            mean[r] = m;
-            rstd[r] = rs;
-        }
+        for (int64_t r = begin; r < end; ++r) layernorm_row(x + r * h, gamma, beta, y + r * h, mean + r, rstd + r, h, eps);
+    });
+}
+
+void add_layernorm_forward(float * x, const float * residual, const float * gamma, const float * beta, float * y,
+                           float * mean, float * rstd, int64_t n, int64_t h, float eps) {
+    add_then_norm(x, residual, n, h, [&](int64_t r, const float * xr) {
+        layernorm_row(xr, gamma, beta, y + r * h, mean + r, rstd + r, h, eps);
     });
 }
 
@@ -86,15 +119,13 @@ void layernorm_backward(const float * dy, const float * x, const float * gamma, 
 
 void rmsnorm_forward(const float * x, const float * gamma, float * y, float * rstd, int64_t n, int64_t h, float eps) {
     parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-            const float * xr = x + r * h;
-            double        ss = 0;
-            for (int64_t j = 0; j < h; ++j) ss += static_cast<double>(xr[j]) * xr[j];
-            float rs = 1.0f / std::sqrt(static_cast<float>(ss / h) + eps);
-            for (int64_t j = 0; j < h; ++j) y[r * h + j] = xr[j] * rs * gamma[j];
-            rstd[r] = rs;
-        }
+        for (int64_t r = begin; r < end; ++r) rmsnorm_row(x + r * h, gamma, y + r * h, rstd + r, h, eps);
     });
+}
+
+void add_rmsnorm_forward(float * x, const float * residual, const float * gamma, float * y, float * rstd, int64_t n,
+                         int64_t h, float eps) {
+    add_then_norm(x, residual, n, h, [&](int64_t r, const float * xr) { rmsnorm_row(xr, gamma, y + r * h, rstd + r, h, eps); });
 }
 
 void rmsnorm_backward(const float * dy, const float * x, const float * gamma, const float * rstd, float * dx,

@@ -21,8 +21,15 @@ void layernorm_forward(const float * x, const float * gamma, const float * beta,
 void layernorm_backward(const float * dy, const float * x, const float * gamma, const float * mean,
                         const float * rstd, float * dx, float * dgamma, float * dbeta, int64_t n, int64_t h);
 
+// Fused residual + LayerNorm, one pass per row: x += residual, then the LayerNorm of the sum into y.
+void add_layernorm_forward(float * x, const float * residual, const float * gamma, const float * beta, float * y,
+                           float * mean, float * rstd, int64_t n, int64_t h, float eps);
+
 // y = x * rstd * gamma, rstd = 1 / sqrt(mean(x^2) + eps).
 void rmsnorm_forward(const float * x, const float * gamma, float * y, float * rstd, int64_t n, int64_t h, float eps);
+// Fused residual + RMSNorm: x += residual, then the RMSNorm of the sum into y.
+void add_rmsnorm_forward(float * x, const float * residual, const float * gamma, float * y, float * rstd, int64_t n,
+                         int64_t h, float eps);
 void rmsnorm_backward(const float * dy, const float * x, const float * gamma, const float * rstd, float * dx,
                       float * dgamma, int64_t n, int64_t h);
 
