@@ -30,5 +30,6 @@ int cmd_train(int argc, char ** argv);
 int cmd_data(int argc, char ** argv);
 int cmd_eval(int argc, char ** argv);
 int cmd_export_hf(int argc, char ** argv);
+int cmd_schedule(int argc, char ** argv);
 
 }  // namespace loom::app

@@ -1,0 +1,59 @@
+// Which transformer layers each pipeline rank's model chunks hold, as the reference assigns them
+// (Megatron's get_num_layers_to_build / get_transformer_layer_offset), and the validation of the split.
+//
+// Virtual stage v of the model is chunk v of every rank, in rank order: the model runs rank 0 chunk 0,
+// rank 1 chunk 0, ..., rank PP-1 chunk 0, rank 0 chunk 1, ... With n_r layers on rank r (summed over its
+// V chunks) every chunk of rank r holds n_r / V consecutive layers and
+//
+//   first layer of (rank r, chunk c) = c * L / V + sum_{r' < r} n_{r'} / V
+//
+// Even split: n_r = L / PP, so L must be divisible by PP x V.
+// Uneven ends (--decoder-first-pipeline-num-layers F, --decoder-last-pipeline-num-layers X): rank 0
+// holds F, rank PP-1 holds X, and the other ("middle") ranks share the rest evenly; a flag left unset
+// makes its rank a middle one. With V chunks F, X and the middle ranks' count must each divide by V.
+//
+// Virtual stages come from --num-virtual-stages-per-pipeline-rank V, or from
+// --num-layers-per-virtual-pipeline-stage n as V = (L / PP) / n (even split only); at most one of them.
+//
+// Worked example (seed 002): L 32, PP 4, V 2: rank 0 chunk 0 = layers 0-3, chunk 1 = 16-19; rank 1 4-7
+// and 20-23; rank 2 8-11 and 24-27; rank 3 12-15 and 28-31.
+// Uneven: L 10, PP 4, F 1, X 3: rank 0 [0], rank 1 [1, 2, 3], rank 2 [4, 5, 6], rank 3 [7, 8, 9].
+#pragma once
+
+#include <optional>
+#include <vector>
+
+namespace loom::pipeline {
+
+struct LayerSplitOptions {
+    int                num_layers = 1;                    // L, --num-layers
+    int                pp         = 1;                    // --pipeline-model-parallel-size
+    std::optional<int> vpp;                               // --num-virtual-stages-per-pipeline-rank
+    std::optional<int> num_layers_per_virtual_stage;      // --num-layers-per-virtual-pipeline-stage
+    std::optional<int> first_stage_layers;                // --decoder-first-pipeline-num-layers
+    std::optional<int> last_stage_layers;                 // --decoder-last-pipeline-num-layers
+};
+
+struct LayerRange {
+    int begin;   // first global layer, 0-based
+    int end;     // one past the last
+    int size() const { return end - begin; }
+};
+bool operator==(const LayerRange & a, const LayerRange & b);
+
+struct LayerAssignment {
+    int                                  pp         = 1;
+    int                                  num_chunks = 1;   // V (1 without virtual stages)
+    std::vector<std::vector<LayerRange>> ranges;           // [rank][chunk]
+
+    const LayerRange & at(int rank, int chunk) const { return ranges[rank][chunk]; }
+};
+
+// The virtual pipeline size the flags ask for (unset: no virtual stages); throws loom::Error naming the
+// flags when they conflict or do not divide.
+std::optional<int> resolve_virtual_stages(const LayerSplitOptions & options);
+
+// Validates the whole split and returns every rank's chunks; throws loom::Error naming the flags.
+LayerAssignment assign_layers(const LayerSplitOptions & options);
+
+}  // namespace loom::pipeline
