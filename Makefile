@@ -39,6 +39,10 @@ bench: build
 	$(BUILD_DIR)/bench/bench_core --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 	$(BUILD_DIR)/bench/bench_gemm --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 	$(BUILD_DIR)/bench/bench_step --benchmark_repetitions=3 --benchmark_report_aggregates_only=true
+	# Host Adam on 100M parameters against the stream bandwidth, then PyTorch's CPU AdamW on the same
+	# (skipped when python3-torch is missing).
+	$(BUILD_DIR)/bench/bench_adam --benchmark_report_aggregates_only=true
+	/usr/bin/python3 bench/pytorch_adamw.py || true
 	bench/dp_scaling.sh $(BUILD_DIR)
 	# PyTorch's step of the same model (Debian's python3-torch; skipped when missing). Its f32 step uses
 	# generic BLAS and takes minutes.
