@@ -1,6 +1,7 @@
 #include "optim/adamw.h"
 
 #include "core/error.h"
+#include "optim/host_adam.h"
 #include "core/thread_pool.h"
 
 #include <algorithm>
@@ -77,10 +78,11 @@ void AdamW::step(float lr) {
         model::Parameter * p = params_[k];
         float              wd = p->no_weight_decay ? 0.0f : config_.weight_decay;
         bool               mixed = master_[k].defined();
-        adamw_update(mixed ? master_[k].data<float>() : p->data.data<float>(), p->main_grad.data<float>(),
-                     exp_avg_[k].data<float>(), exp_avg_sq_[k].data<float>(), p->numel(), lr, config_.beta1,
-                     config_.beta2, config_.eps, wd, step_,
-                     mixed ? static_cast<uint16_t *>(p->data.data_ptr()) : nullptr);
+        // The CPU backend's memory is host memory: the SIMD host kernel, adamw_update's twin.
+        host_adam_step(mixed ? master_[k].data<float>() : p->data.data<float>(), p->main_grad.data<float>(),
+                       exp_avg_[k].data<float>(), exp_avg_sq_[k].data<float>(), p->numel(), lr, config_.beta1,
+                       config_.beta2, config_.eps, wd, step_,
+                       mixed ? HostAdamOut{p->data.data_ptr(), DType::bf16} : HostAdamOut{});
     }
 }
 

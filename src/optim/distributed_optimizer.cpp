@@ -1,6 +1,7 @@
 #include "optim/distributed_optimizer.h"
 
 #include "core/error.h"
+#include "optim/host_adam.h"
 
 #include <cmath>
 
@@ -88,12 +89,12 @@ DistributedOptimizer::StepResult DistributedOptimizer::step(float lr, float clip
         float *    v      = exp_avg_sq_[piece.buffer].data<float>() + piece.state;
         Tensor &   params = ddp_.param_buffer(piece.buffer);
         if (master_[piece.buffer].defined()) {
-            adamw_update(master_[piece.buffer].data<float>() + piece.state, g, m, v, piece.numel, lr, config_.beta1,
-                         config_.beta2, config_.eps, wd, step_,
-                         static_cast<uint16_t *>(params.data_ptr()) + piece.world_start);
+            host_adam_step(master_[piece.buffer].data<float>() + piece.state, g, m, v, piece.numel, lr, config_.beta1,
+                           config_.beta2, config_.eps, wd, step_,
+                           HostAdamOut{static_cast<uint16_t *>(params.data_ptr()) + piece.world_start, DType::bf16});
         } else {
-            adamw_update(params.data<float>() + piece.world_start, g, m, v, piece.numel, lr, config_.beta1,
-                         config_.beta2, config_.eps, wd, step_);
+            host_adam_step(params.data<float>() + piece.world_start, g, m, v, piece.numel, lr, config_.beta1,
+                           config_.beta2, config_.eps, wd, step_);
         }
     }
     result.stepped = true;
