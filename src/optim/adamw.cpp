@@ -1,8 +1,8 @@
 #include "optim/adamw.h"
 
 #include "core/error.h"
-#include "optim/host_adam.h"
 #include "core/thread_pool.h"
+#include "optim/host_adam.h"
 
 #include <algorithm>
 #include <cmath>
