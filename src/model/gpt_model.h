@@ -28,9 +28,28 @@ struct MicroBatch {
     Tensor loss_mask;   // (b, s) f32
 };
 
+// The part of the model one pipeline stage holds: layers [first_layer, first_layer + num_layers) (global
+// indices, so parameter names and initial values are those of the whole model), the embedding on the
+// first stage (pre_process) and the final norm, output layer and loss on the last (post_process). A
+// last stage with tied embeddings holds its own copy of the word embedding as the output weight
+// (shared_embedding; the trainer all-reduces its gradient with the first stage's over the embedding
+// group). The default is the whole model.
+struct PipelineStage {
+    int64_t first_layer  = 0;
+    int64_t num_layers   = -1;   // -1: every layer from first_layer on
+    bool    pre_process  = true;
+    bool    post_process = true;
+};
+
 class GptModel {
 public:
-    GptModel(const GptConfig & config, Device & device);
+    GptModel(const GptConfig & config, Device & device, const PipelineStage & stage = {});
+
+    struct LossSum {
+        double sum   = 0;   // sum of mask * per-token loss
+        double count = 0;   // sum of mask
+        double mean() const { return count > 0 ? sum / count : 0.0; }
+    };
 
     struct Context {
         std::vector<TransformerLayer::Context> layers;
@@ -41,12 +60,7 @@ public:
         Tensor                                 lse;            // (s*b)
         Tensor                                 token_loss;     // (s*b)
         int64_t                                s = 0, b = 0;
-    };
-
-    struct LossSum {
-        double sum   = 0;   // sum of mask * per-token loss
-        double count = 0;   // sum of mask
-        double mean() const { return count > 0 ? sum / count : 0.0; }
+        LossSum                                loss;           // last stage: this micro-batch's loss
     };
 
     // Initialises every parameter from config.seed (Megatron's scheme).
@@ -55,6 +69,18 @@ public:
     LossSum forward(Context & ctx, const MicroBatch & batch);
     // Adds gradients of (loss_scale * sum of mask * token loss) into main_grad.
     void    backward(Context & ctx, double loss_scale, const GradReadyFn & ready);
+
+    // One pipeline stage's forward: `input` is the previous stage's output (unused on the first stage).
+    // Returns this stage's output (s*b, h) for the next stage; on the last stage an undefined tensor, and
+    // the loss is in ctx.loss.
+    Tensor forward_stage(Context & ctx, const MicroBatch & batch, const Tensor & input);
+    // Its backward: `dy` is the gradient of the stage's output (unused on the last stage). Returns the
+    // gradient of its input for the previous stage (undefined on the first stage).
+    Tensor backward_stage(Context & ctx, double loss_scale, const Tensor & dy, const GradReadyFn & ready);
+
+    const PipelineStage & stage() const { return stage_; }
+    // The word embedding (first stage) or its tied copy (last stage); null when the stage has neither.
+    Parameter * word_embedding() { return wte_.data.defined() ? &wte_ : nullptr; }
 
     // Every parameter, in a fixed order (embedding first, output last).
     std::vector<Parameter *> parameters();
@@ -71,6 +97,7 @@ public:
 
 private:
     GptConfig                                      config_;
+    PipelineStage                                  stage_;
     Device &                                       device_;
     int64_t                                        vocab_;   // padded
     Parameter                                      wte_;     // (V, h)
