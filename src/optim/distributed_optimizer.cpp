@@ -7,7 +7,8 @@
 
 namespace loom::optim {
 
-DistributedOptimizer::DistributedOptimizer(ddp::DistributedDataParallel & ddp, const AdamWConfig & config)
+DistributedOptimizer::DistributedOptimizer(ddp::DistributedDataParallel & ddp, const AdamWConfig & config,
+                                           const std::optional<HybridOptions> & offload)
     : ddp_(ddp), config_(config) {
     LOOM_CHECK(ddp_.config().use_distributed_optimizer, "DistributedOptimizer over buffers laid out without it",
                "construct DDP with use_distributed_optimizer");
@@ -23,6 +24,10 @@ DistributedOptimizer::DistributedOptimizer(ddp::DistributedDataParallel & ddp, c
             }
         }
         owned_ += state;
+        if (offload) {
+            master_.emplace_back();
+            continue;
+        }
         Device &      device = ddp_.grad_buffer(static_cast<int>(b)).device();
         TensorOptions options{MemoryKind::device, "optimizer"};
         exp_avg_.push_back(Tensor::zeros({state}, DType::f32, device, options));
@@ -35,6 +40,18 @@ DistributedOptimizer::DistributedOptimizer(ddp::DistributedDataParallel & ddp, c
             master = Tensor::empty({state}, DType::f32, device, options);
         }
         master_.push_back(master);
+    }
+    if (offload) {
+        std::vector<HybridSlot> slots;
+        for (const Piece & piece : pieces_) {
+            const model::Parameter * p = ddp_.params()[piece.param];
+            Tensor values = ddp_.param_buffer(piece.buffer).slice(piece.world_start, {piece.numel});
+            Tensor grad   = ddp_.grad_buffer(piece.buffer).slice(piece.world_start, {piece.numel});
+            slots.push_back(HybridSlot{values, grad, p->no_weight_decay ? 0.0f : config_.weight_decay});
+        }
+        hybrid_ = std::make_unique<HybridDeviceOptimizer>(ddp_.grad_buffer(0).device(), std::move(slots), config_,
+                                                          *offload);
+        return;
     }
     // f32 masters start from the (identical on every rank) model weights.
     for (const Piece & piece : pieces_) {
@@ -78,6 +95,18 @@ DistributedOptimizer::StepResult DistributedOptimizer::step(float lr, float clip
         if (c < 1.0) coeff = static_cast<float>(c);
     }
     ++step_;
+    if (hybrid_) {
+        if (coeff != 1.0f) {
+            for (const Piece & piece : pieces_) {
+                float * g = ddp_.grad_buffer(piece.buffer).data<float>() + piece.world_start;
+                for (int64_t i = 0; i < piece.numel; ++i) g[i] *= coeff;
+            }
+        }
+        hybrid_->step(lr);   // the host sees the updated shard on return
+        result.stepped = true;
+        ddp_.start_param_sync();
+        return result;
+    }
     for (const Piece & piece : pieces_) {
         model::Parameter * p = ddp_.params()[piece.param];
         float *            g = ddp_.grad_buffer(piece.buffer).data<float>() + piece.world_start;

@@ -15,12 +15,22 @@
 //   5. DDP's start_param_sync() all-gathers the updated shards (now, or lazily before each layer's
 //      forward with --overlap-param-gather).
 //
+// With --optimizer-cpu-offload (a HybridOptions given), the pieces become the slots of a
+// HybridDeviceOptimizer, in piece order (buffer -> bucket -> shard-range order), which holds their state
+// instead and steps them in step 4, offloading a prefix of this rank's local shard to the host (the split
+// uses local piece sizes, per rank). Every element still goes through host_adam_step with the same
+// arguments, so the result is bitwise the same.
+//
 // Memory per parameter (optimizer pool): 12 / d bytes for bf16 parameters (master, m, v), 8 / d for f32
 // (m, v), for the elements this rank owns; with DDP's buffers that makes 6 + 12/d and 8 + 8/d in all.
 #pragma once
 
 #include "ddp/ddp.h"
 #include "optim/adamw.h"
+#include "optim/hybrid_optimizer.h"
+
+#include <memory>
+#include <optional>
 
 #include <vector>
 
@@ -28,7 +38,9 @@ namespace loom::optim {
 
 class DistributedOptimizer {
 public:
-    DistributedOptimizer(ddp::DistributedDataParallel & ddp, const AdamWConfig & config);
+    // offload: step the pieces with a HybridDeviceOptimizer (--optimizer-cpu-offload).
+    DistributedOptimizer(ddp::DistributedDataParallel & ddp, const AdamWConfig & config,
+                         const std::optional<HybridOptions> & offload = std::nullopt);
 
     struct StepResult {
         double grad_norm = 0;      // before clipping
@@ -40,6 +52,8 @@ public:
     // Elements of the model this rank owns (sum over its pieces).
     int64_t owned_numel() const { return owned_; }
     int64_t steps() const { return step_; }
+    // The hybrid optimizer holding the state (null without offload).
+    HybridDeviceOptimizer * hybrid() { return hybrid_.get(); }
 
 private:
     struct Piece {
@@ -56,6 +70,7 @@ private:
     std::vector<Tensor>            master_, exp_avg_, exp_avg_sq_;   // per buffer, owned elements
     int64_t                        owned_ = 0;
     int64_t                        step_  = 0;
+    std::unique_ptr<HybridDeviceOptimizer> hybrid_;   // with offload: the state of every piece
 };
 
 }  // namespace loom::optim

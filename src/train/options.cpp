@@ -47,6 +47,16 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_flag("--bf16", o.bf16, "bf16 parameters, GEMM operands and saved activations; f32 grads and master weights");
     app.add_flag("--fp16", o.fp16, "float16 with loss scaling (not supported: use --bf16)");
 
+    app.add_flag("--optimizer-cpu-offload", o.optimizer_cpu_offload,
+                 "step part of the optimizer on the host (hybrid device optimizer)");
+    app.add_option("--optimizer-offload-fraction", o.offload.offload_fraction,
+                   "share of the optimizer state (a prefix of the parameters) stepped on the host, in [0, 1]")
+        ->capture_default_str();
+    app.add_flag("--overlap-cpu-optimizer-d2h-h2d", o.offload.overlap_d2h_h2d,
+                 "one host optimizer per parameter, overlapped with the gradient and parameter copies");
+    app.add_flag("--no-pin-cpu-grads", no_pin_cpu_grads_, "host gradient buffers in pageable memory");
+    app.add_flag("--no-pin-cpu-params", no_pin_cpu_params_, "host master weights and state in pageable memory");
+
     app.add_flag("--use-distributed-optimizer", o.ddp.use_distributed_optimizer,
                  "ZeRO-1: shard the optimizer state and f32 master weights over data-parallel ranks");
     app.add_flag("--overlap-grad-reduce", o.ddp.overlap_grad_reduce,
@@ -161,6 +171,11 @@ TrainOptions TrainOptionParser::resolve(int64_t data_parallel_size) {
                "train on one data source at a time");
     LOOM_CHECK(!o.fp16, "--fp16 (float16 parameters with dynamic loss scaling) is not supported",
                "use --bf16, which needs no loss scaling, or train in float32");
+    LOOM_CHECK(o.offload.offload_fraction >= 0.0f && o.offload.offload_fraction <= 1.0f,
+               "--optimizer-offload-fraction " << o.offload.offload_fraction << " is outside [0, 1]",
+               "give the share of the optimizer state to step on the host, 0 (none) to 1 (all)");
+    o.offload.pin_cpu_grads  = !no_pin_cpu_grads_;
+    o.offload.pin_cpu_params = !no_pin_cpu_params_;
     m.params_dtype = o.bf16 ? DType::bf16 : DType::f32;
     m.validate();
     return o;

@@ -8,6 +8,7 @@
 #include "ddp/ddp.h"
 #include "model/gpt_config.h"
 #include "optim/adamw.h"
+#include "optim/hybrid_optimizer.h"
 
 #include <CLI/CLI.hpp>
 
@@ -37,6 +38,10 @@ struct TrainOptions {
     float              clip_grad        = 1.0f;
     bool               bf16             = false;
     bool               fp16             = false;   // refused with a message
+    // Hybrid device optimizer (optim/hybrid_optimizer.h): --optimizer-cpu-offload, with
+    // --optimizer-offload-fraction, --overlap-cpu-optimizer-d2h-h2d, --no-pin-cpu-grads, --no-pin-cpu-params.
+    bool                 optimizer_cpu_offload = false;
+    optim::HybridOptions offload;
 
     // Data parallelism (the data-parallel size is the number of ranks `mpirun` starts).
     int64_t        data_parallel_size = 1;
@@ -75,6 +80,7 @@ private:
     int64_t     num_layers_ = 0, hidden_size_ = 0, ffn_hidden_size_ = 0, heads_ = 0, query_groups_ = 0;
     int64_t     seq_length_ = 0, max_pos_ = 0, vocab_size_ = 0, vocab_divisible_ = 0;
     bool        gqa_ = false, swiglu_ = false, disable_bias_ = false, untie_ = false;
+    bool        no_pin_cpu_grads_ = false, no_pin_cpu_params_ = false;
     std::string normalization_, position_embedding_;
     float       init_std_ = 0;
     uint64_t    seed_     = 0;

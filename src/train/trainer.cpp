@@ -78,7 +78,18 @@ Trainer::Trainer(const TrainOptions & options, model::GptModel & model, BatchSou
                    "the data-parallel options need a data-parallel group", "");
     }
     if (options_.ddp.use_distributed_optimizer) {
-        dist_optimizer_ = std::make_unique<optim::DistributedOptimizer>(*ddp_, options_.adam);
+        std::optional<optim::HybridOptions> offload;
+        if (options_.optimizer_cpu_offload) offload = options_.offload;
+        dist_optimizer_ = std::make_unique<optim::DistributedOptimizer>(*ddp_, options_.adam, offload);
+    } else if (options_.optimizer_cpu_offload) {
+        // AdamW replaced by the hybrid optimizer over whole parameters.
+        std::vector<optim::HybridSlot> slots;
+        for (model::Parameter * p : params_) {
+            slots.push_back(optim::HybridSlot{p->data.flatten(), p->main_grad.flatten(),
+                                              p->no_weight_decay ? 0.0f : options_.adam.weight_decay});
+        }
+        hybrid_ = std::make_unique<optim::HybridDeviceOptimizer>(model_.device(), std::move(slots), options_.adam,
+                                                                 options_.offload);
     } else {
         optimizer_ = std::make_unique<optim::AdamW>(params_, options_.adam);
     }
@@ -132,7 +143,11 @@ double Trainer::step(IterationStats & stats) {
     } else {
         norm = optim::clip_grad_norm(params_, options_.clip_grad);
         if (std::isfinite(norm)) {
-            optimizer_->step(lr);
+            if (hybrid_) {
+                hybrid_->step(lr);
+            } else {
+                optimizer_->step(lr);
+            }
         } else {
             ++nan_iterations_;
         }

@@ -11,6 +11,8 @@
 // reduces them over the group, under Megatron's no_sync for all but the last micro-batch; the optimizer is
 // AdamW on the replicated gradients, or the distributed optimizer on this rank's shard
 // (--use-distributed-optimizer). The logged loss is the mean over the data-parallel ranks.
+// --optimizer-cpu-offload steps part of the optimizer on the host (optim/hybrid_optimizer.h): in place of
+// AdamW over whole parameters, or inside the distributed optimizer over this rank's shard pieces.
 #pragma once
 
 #include "comm/communicator.h"
@@ -18,6 +20,7 @@
 #include "model/gpt_model.h"
 #include "optim/adamw.h"
 #include "optim/distributed_optimizer.h"
+#include "optim/hybrid_optimizer.h"
 #include "train/options.h"
 
 #include <cstdio>
@@ -85,6 +88,7 @@ private:
     model::GradReadyFn                            grad_ready_;
     std::unique_ptr<optim::AdamW>                 optimizer_;       // replicated AdamW
     std::unique_ptr<optim::DistributedOptimizer>  dist_optimizer_;  // --use-distributed-optimizer
+    std::unique_ptr<optim::HybridDeviceOptimizer> hybrid_;          // --optimizer-cpu-offload, replicated
     optim::LrSchedule               schedule_;
     int64_t                         iteration_ = 0;
     int64_t                         consumed_  = 0;

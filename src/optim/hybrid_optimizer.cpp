@@ -1,0 +1,250 @@
+#include "optim/hybrid_optimizer.h"
+
+#include "core/error.h"
+#include "optim/host_adam.h"
+
+#include <cstring>
+
+namespace loom::optim {
+
+std::vector<bool> hybrid_offload_split(const std::vector<int64_t> & numels, double fraction) {
+    LOOM_CHECK(fraction >= 0.0 && fraction <= 1.0, "--optimizer-offload-fraction " << fraction << " is outside [0, 1]",
+               "give a fraction of the optimizer state between 0 and 1");
+    int64_t total = 0;
+    for (int64_t n : numels) total += n;
+    const double      threshold = static_cast<double>(total) * fraction;
+    int64_t           offloaded = 0;
+    std::vector<bool> result(numels.size(), false);
+    for (size_t i = 0; i < numels.size(); ++i) {
+        if (static_cast<double>(offloaded) < threshold) {   // tested before adding: the crossing slot goes whole
+            result[i] = true;
+            offloaded += numels[i];
+        }
+    }
+    return result;
+}
+
+namespace {
+
+// f32 -> the model dtype of `dst` (bf16 rounds to nearest even, as host_adam_step's output does).
+void write_values(const float * src, void * dst, DType dtype, int64_t n) {
+    if (dtype == DType::bf16) {
+        convert_f32_to_bf16(src, static_cast<uint16_t *>(dst), static_cast<size_t>(n));
+    } else {
+        std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+    }
+}
+
+}  // namespace
+
+HybridDeviceOptimizer::HybridDeviceOptimizer(Device & device, std::vector<HybridSlot> slots,
+                                             const AdamWConfig & config, const HybridOptions & options)
+    : device_(device), config_(config), options_(options) {
+    std::vector<int64_t> numels;
+    for (const HybridSlot & s : slots) {
+        LOOM_CHECK(s.values.defined() && (s.values.dtype() == DType::f32 || s.values.dtype() == DType::bf16),
+                   "hybrid optimizer slot " << numels.size() << " has no f32 or bf16 values",
+                   "parameters are float32 or bfloat16");
+        LOOM_CHECK(!s.grad.defined() || (s.grad.dtype() == DType::f32 && s.grad.numel() == s.values.numel()),
+                   "hybrid optimizer slot " << numels.size() << ": the gradient must be f32 with the values' numel",
+                   "");
+        numels.push_back(s.values.numel());
+    }
+    std::vector<bool> offload = hybrid_offload_split(numels, options_.offload_fraction);
+
+    int64_t dev_numel = 0, dev_master = 0, host_numel = 0;
+    for (size_t i = 0; i < slots.size(); ++i) {
+        SlotInfo info;
+        info.slot      = std::move(slots[i]);
+        info.offloaded = offload[i];
+        int64_t n      = info.slot.values.numel();
+        if (info.offloaded) {
+            info.state = host_numel;
+            host_numel += n;
+        } else {
+            info.state = dev_numel;
+            dev_numel += n;
+            if (info.slot.values.dtype() == DType::bf16) {
+                info.master = dev_master;
+                dev_master += n;
+            }
+        }
+        slots_.push_back(std::move(info));
+    }
+
+    TensorOptions dev_options{MemoryKind::device, "optimizer"};
+    dev_m_ = Tensor::zeros({dev_numel}, DType::f32, device_, dev_options);
+    dev_v_ = Tensor::zeros({dev_numel}, DType::f32, device_, dev_options);
+    if (dev_master > 0) dev_master_ = Tensor::empty({dev_master}, DType::f32, device_, dev_options);
+
+    auto host_array = [&](HostArray & a, bool pinned) {
+        if (host_numel == 0) return;
+        if (pinned) {
+            a.pinned = Tensor::zeros({host_numel}, DType::f32, device_, TensorOptions{MemoryKind::pinned_host, "optimizer"});
+        } else {
+            a.pageable.assign(static_cast<size_t>(host_numel), 0.0f);
+        }
+    };
+    host_array(host_master_, options_.pin_cpu_params);
+    host_array(host_m_, options_.pin_cpu_params);
+    host_array(host_v_, options_.pin_cpu_params);
+    host_array(host_grad_, options_.pin_cpu_grads);
+
+    // Masters start from the model values; host groups: one per slot with overlap, else one in all.
+    for (int i = 0; i < num_slots(); ++i) {
+        SlotInfo &    s = slots_[static_cast<size_t>(i)];
+        const Tensor & w = s.slot.values;
+        float *       master = s.offloaded ? host_master_.data() + s.state
+                               : s.master >= 0 ? dev_master_.data<float>() + s.master
+                                               : nullptr;
+        if (master) convert(w.data_ptr(), w.dtype(), master, DType::f32, static_cast<size_t>(w.numel()));
+        if (!s.offloaded) continue;
+        if (options_.overlap_d2h_h2d || groups_.empty()) groups_.emplace_back();
+        groups_.back().push_back(i);
+    }
+
+    own_   = device_.stream_create("hdo-current");
+    d2h_   = device_.stream_create("hdo-d2h");
+    h2d_   = device_.stream_create("hdo-h2d");
+    start_ = device_.event_create();
+    for (size_t g = 0; g < groups_.size(); ++g) {
+        d2h_events_.push_back(device_.event_create());
+        h2d_events_.push_back(device_.event_create());
+    }
+}
+
+HybridDeviceOptimizer::~HybridDeviceOptimizer() {
+    // Queued copies point into this object's buffers.
+    for (Stream * s : {own_.get(), d2h_.get(), h2d_.get()}) {
+        if (!s) continue;
+        try {
+            s->synchronize();
+        } catch (...) {
+        }
+    }
+}
+
+void HybridDeviceOptimizer::set_grad(int slot, Tensor grad) {
+    LOOM_CHECK(slot >= 0 && slot < num_slots(), "hybrid optimizer slot " << slot << " of " << num_slots(), "");
+    SlotInfo & s = slots_[static_cast<size_t>(slot)];
+    LOOM_CHECK(!grad.defined() || (grad.dtype() == DType::f32 && grad.numel() == s.slot.values.numel()),
+               "hybrid optimizer slot " << slot << ": the gradient must be f32 with the values' numel", "");
+    s.slot.grad = std::move(grad);
+}
+
+void HybridDeviceOptimizer::set_weight_decay(int slot, float weight_decay) {
+    LOOM_CHECK(slot >= 0 && slot < num_slots(), "hybrid optimizer slot " << slot << " of " << num_slots(), "");
+    slots_[static_cast<size_t>(slot)].slot.weight_decay = weight_decay;
+}
+
+int HybridDeviceOptimizer::num_offloaded() const {
+    int k = 0;
+    for (const SlotInfo & s : slots_) k += s.offloaded ? 1 : 0;
+    return k;
+}
+
+int64_t HybridDeviceOptimizer::offloaded_numel() const {
+    int64_t n = 0;
+    for (const SlotInfo & s : slots_) n += s.offloaded ? s.slot.values.numel() : 0;
+    return n;
+}
+
+HybridSlotState HybridDeviceOptimizer::slot_state(int slot) const {
+    LOOM_CHECK(slot >= 0 && slot < num_slots(), "hybrid optimizer slot " << slot << " of " << num_slots(), "");
+    const SlotInfo & s  = slots_[static_cast<size_t>(slot)];
+    auto *           me = const_cast<HybridDeviceOptimizer *>(this);
+    HybridSlotState  r;
+    r.offloaded = s.offloaded;
+    r.numel     = s.slot.values.numel();
+    if (s.offloaded) {
+        r.master     = me->host_master_.data() + s.state;
+        r.exp_avg    = me->host_m_.data() + s.state;
+        r.exp_avg_sq = me->host_v_.data() + s.state;
+    } else {
+        r.master     = s.master >= 0 ? dev_master_.data<float>() + s.master : s.slot.values.data<float>();
+        r.exp_avg    = dev_m_.data<float>() + s.state;
+        r.exp_avg_sq = dev_v_.data<float>() + s.state;
+    }
+    return r;
+}
+
+void HybridDeviceOptimizer::step(float lr, Stream * current) {
+    ++step_;   // the one step counter (hazard d)
+    const int64_t step    = step_;
+    const bool    overlap = options_.overlap_d2h_h2d;
+    Stream &      cur     = current ? *current : *own_;
+    Stream &      d2h     = overlap ? *d2h_ : cur;
+    Stream &      h2d     = overlap ? *h2d_ : cur;
+    const AdamWConfig c   = config_;
+
+    // Which slots have a gradient this step, decided once (hazard c: the others are not touched).
+    std::vector<bool> has_grad(slots_.size());
+    for (size_t i = 0; i < slots_.size(); ++i) has_grad[i] = slots_[i].slot.grad.defined();
+
+    // 1. Gradients are final and earlier readers of the values are done.
+    if (overlap) {
+        cur.record(*start_);
+        d2h.wait(*start_);
+        h2d.wait(*start_);
+    }
+
+    // 2. D2H gradient copies, one event per host group.
+    for (size_t g = 0; g < groups_.size(); ++g) {
+        for (int i : groups_[g]) {
+            if (!has_grad[static_cast<size_t>(i)]) continue;
+            const SlotInfo & s   = slots_[static_cast<size_t>(i)];
+            const float *    src = s.slot.grad.data<float>();
+            float *          dst = host_grad_.data() + s.state;
+            int64_t          n   = s.slot.values.numel();
+            d2h.submit([src, dst, n] { std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float)); });
+        }
+        d2h.record(*d2h_events_[g]);
+    }
+
+    // 3. The device part, on the caller's stream: after whatever produced or cast the gradients (hazard a).
+    struct DeviceWork {
+        float * p; const float * g; float * m; float * v; int64_t n; float wd; void * out;
+    };
+    std::vector<DeviceWork> device_work;
+    for (size_t i = 0; i < slots_.size(); ++i) {
+        const SlotInfo & s = slots_[i];
+        if (s.offloaded || !has_grad[i]) continue;
+        bool mixed = s.master >= 0;
+        device_work.push_back(DeviceWork{mixed ? dev_master_.data<float>() + s.master : s.slot.values.data<float>(),
+                                         s.slot.grad.data<float>(), dev_m_.data<float>() + s.state,
+                                         dev_v_.data<float>() + s.state, s.slot.values.numel(), s.slot.weight_decay,
+                                         mixed ? s.slot.values.data_ptr() : nullptr});
+    }
+    if (!device_work.empty()) {
+        cur.submit([device_work = std::move(device_work), c, lr, step] {
+            for (const DeviceWork & w : device_work) {
+                host_adam_step(w.p, w.g, w.m, w.v, w.n, lr, c.beta1, c.beta2, c.eps, w.wd, step,
+                               w.out ? HostAdamOut{w.out, DType::bf16} : HostAdamOut{});
+            }
+        });
+    }
+
+    // 4. Host groups in order: wait for the gradients, step, copy the values back on h2d.
+    for (size_t g = 0; g < groups_.size(); ++g) {
+        d2h_events_[g]->synchronize();
+        for (int i : groups_[g]) {
+            if (!has_grad[static_cast<size_t>(i)]) continue;
+            SlotInfo & s      = slots_[static_cast<size_t>(i)];
+            float *    master = host_master_.data() + s.state;
+            int64_t    n      = s.slot.values.numel();
+            host_adam_step(master, host_grad_.data() + s.state, host_m_.data() + s.state, host_v_.data() + s.state,
+                           n, lr, c.beta1, c.beta2, c.eps, s.slot.weight_decay, step);
+            void * dst   = s.slot.values.data_ptr();
+            DType  dtype = s.slot.values.dtype();
+            h2d.submit([master, dst, dtype, n] { write_values(master, dst, dtype, n); });
+        }
+        h2d.record(*h2d_events_[g]);
+        if (overlap && !options_.unsafe_skip_h2d_wait) {
+            cur.wait(*h2d_events_[g]);   // the h2d event (upstream once waited on the d2h one)
+        }
+    }
+
+    if (!current) own_->synchronize();
+}
+
+}  // namespace loom::optim

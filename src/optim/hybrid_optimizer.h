@@ -1,0 +1,138 @@
+// HybridDeviceOptimizer (HDO): AdamW whose state lives partly in device memory and partly in host memory,
+// the host part stepped by the host (../shared/specs/ddp_and_optimizers.md section 3; seed 000).
+//
+// It steps a list of slots: each slot is a window of model values in device memory (f32 or bf16), its f32
+// gradient in device memory, and a weight decay. The slots are the whole parameters of the replicated
+// path, or the owned shard pieces of the distributed optimizer.
+//
+// Split (spec 3.2, exact): a prefix of the slots, in slot order, is offloaded until the offloaded numel
+// reaches f * total. The test comes before the add, so the slot that crosses the threshold is offloaded
+// whole (overshoot by at most one slot); f = 0 offloads nothing (0 < 0 is false), f = 1 everything.
+//   numels (10, 20, 30, 40), f = 0.3: threshold 30; offload 10 (0 < 30), 20 (10 < 30), stop at 30: 2 slots.
+//   f = 0.35: threshold 35; 10, 20, 30 (30 < 35): 60 offloaded, 3 slots.
+//
+// State (bytes per element; "optimizer" pool of the allocator named):
+//   device slot, bf16 values: master f32, m, v           12   device allocator
+//   device slot, f32 values:  m, v (the values are the master) 8
+//   host slot (any dtype):    master f32, m, v           12   pinned host allocator (pageable host memory,
+//                             gradient f32                4   held by the optimizer, with --no-pin-cpu-params
+//                                                             / --no-pin-cpu-grads)
+// so offloading a bf16 element saves 12 device bytes and costs 16 pinned host bytes.
+//
+// Step (spec 3.5, with the fixes of 3.7), `current` is the caller's stream that produced the gradients and
+// will read the values next:
+//   1. record `start` on current; the d2h and h2d streams wait on it (gradients final, earlier readers of
+//      the values done);
+//   2. on d2h: per host group, copy each slot's gradient to its host gradient buffer, then record the
+//      group's d2h event. With overlap a group is one slot; without, one group holds every host slot and
+//      d2h = h2d = current;
+//   3. on current: the device slots' AdamW (after everything the caller queued before, which is where a
+//      gradient cast or scale would run: hazard a);
+//   4. per host group, in order: the host waits on its d2h event, runs host AdamW on its slots, submits the
+//      H2D copies (f32 master -> model dtype) on h2d, records the group's h2d event, and current waits on
+//      it (the h2d event, not the d2h one). Group k's host step runs while group k+1's D2H and group k-1's
+//      H2D are in flight.
+// Hazards of spec 3.7, each tested in tests/test_hybrid_optimizer.cpp:
+//   (a) the device step is ordered after the caller's stream (grad casts/scales there);
+//   (b) every slot, device or host, f32 or bf16, reads its gradient from the one grad tensor of the slot;
+//   (c) a slot whose grad is missing this step (set_grad(i, Tensor())) is not updated at all;
+//   (d) one step counter (steps()/set_steps()), passed to every part.
+// Bitwise equal to AdamW / the plain distributed optimizer for every f and with or without overlap: every
+// element goes through host_adam_step with the same arguments, and the bf16 write-back rounds the same way.
+#pragma once
+
+#include "core/device.h"
+#include "core/tensor.h"
+#include "optim/adamw.h"
+
+#include <memory>
+#include <vector>
+
+namespace loom::optim {
+
+struct HybridOptions {
+    float offload_fraction = 0.0f;    // --optimizer-offload-fraction, in [0, 1]
+    bool  overlap_d2h_h2d  = false;   // --overlap-cpu-optimizer-d2h-h2d: one host group per slot, side streams
+    bool  pin_cpu_grads    = true;    // --no-pin-cpu-grads clears it
+    bool  pin_cpu_params   = true;    // --no-pin-cpu-params clears it
+    bool  unsafe_skip_h2d_wait = false;   // tests only: drop the current stream's wait on the h2d events
+};
+
+struct HybridSlot {
+    Tensor values;              // (n) f32 or bf16, device memory, updated in place
+    Tensor grad;                // (n) f32, device memory; undefined: no gradient (not updated)
+    float  weight_decay = 0.0f;
+};
+
+// Which slots are offloaded, by spec 3.2's rule. Throws when fraction is outside [0, 1].
+std::vector<bool> hybrid_offload_split(const std::vector<int64_t> & numels, double fraction);
+
+// Where one slot's state lives.
+struct HybridSlotState {
+    bool    offloaded  = false;
+    int64_t numel      = 0;
+    float * master     = nullptr;   // (n) f32 master: host copy, device copy (bf16), or the values (device f32)
+    float * exp_avg    = nullptr;   // (n) m
+    float * exp_avg_sq = nullptr;   // (n) v
+};
+
+class HybridDeviceOptimizer {
+public:
+    HybridDeviceOptimizer(Device & device, std::vector<HybridSlot> slots, const AdamWConfig & config,
+                          const HybridOptions & options);
+    ~HybridDeviceOptimizer();
+    HybridDeviceOptimizer(const HybridDeviceOptimizer &) = delete;
+    HybridDeviceOptimizer & operator=(const HybridDeviceOptimizer &) = delete;
+
+    // One step with lr (weight decay from each slot). With `current`, the work is ordered on it and
+    // anything submitted to it afterwards sees the updated values; without, the host sees them on return.
+    void step(float lr, Stream * current = nullptr);
+
+    // The gradient slot i reads from the next step on (undefined: none).
+    void set_grad(int slot, Tensor grad);
+    void set_weight_decay(int slot, float weight_decay);
+
+    int64_t steps() const { return step_; }
+    void    set_steps(int64_t steps) { step_ = steps; }   // after a checkpoint load
+
+    int                     num_slots() const { return static_cast<int>(slots_.size()); }
+    int                     num_offloaded() const;
+    int64_t                 offloaded_numel() const;
+    HybridSlotState         slot_state(int slot) const;
+    int                     num_host_groups() const { return static_cast<int>(groups_.size()); }
+    const HybridOptions &   options() const { return options_; }
+    Stream &                h2d_stream() { return *h2d_; }   // tests delay it to prove the wait
+    Stream &                d2h_stream() { return *d2h_; }
+
+private:
+    // f32 host memory: pinned (a tensor of the pinned host allocator) or pageable (owned here).
+    struct HostArray {
+        Tensor             pinned;     // (n)
+        std::vector<float> pageable;   // (n)
+        float *            data() { return pinned.defined() ? pinned.data<float>() : pageable.data(); }
+    };
+
+    struct SlotInfo {
+        HybridSlot slot;
+        bool       offloaded = false;
+        int64_t    state     = 0;    // offset into the m/v (and host master/grad) arrays of its side
+        int64_t    master    = -1;   // device side, bf16 values: offset into dev_master_
+    };
+
+    Device &                             device_;
+    AdamWConfig                          config_;
+    HybridOptions                        options_;
+    std::vector<SlotInfo>                slots_;
+    std::vector<std::vector<int>>        groups_;     // host slots per host sub-optimizer
+    // Flat state, slots in order, each slot's elements at SlotInfo::state (master at SlotInfo::master).
+    Tensor                               dev_master_;   // (device bf16 elements) f32, optimizer pool
+    Tensor                               dev_m_, dev_v_;   // (device elements) f32, optimizer pool
+    HostArray                            host_master_, host_m_, host_v_;   // (host elements) f32
+    HostArray                            host_grad_;    // (host elements) f32, the D2H copies land here
+    std::unique_ptr<Stream>              own_, d2h_, h2d_;
+    std::unique_ptr<Event>               start_;
+    std::vector<std::unique_ptr<Event>>  d2h_events_, h2d_events_;   // per host group
+    int64_t                              step_ = 0;
+};
+
+}  // namespace loom::optim
