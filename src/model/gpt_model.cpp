@@ -19,6 +19,7 @@ GptModel::GptModel(const GptConfig & config, Device & device, const PipelineStag
         wte_ = parameter_create("embedding.word_embeddings.weight", {vocab_, config_.hidden_size}, dtype, device);
         wte_.shared_embedding    = tied;
         wte_.tensor_parallel_dim = 0;
+        wte_.shared              = !stage_.pre_process;
     }
     if (stage_.pre_process && config_.position_embedding == PositionEmbedding::learned_absolute) {
         wpe_ = parameter_create("embedding.position_embeddings.weight",

@@ -20,6 +20,8 @@ struct Parameter {
     Tensor      main_grad;               // f32, same shape
     bool        no_weight_decay  = false;   // biases and norm weights (Megatron's param groups)
     bool        shared_embedding = false;   // word embedding tied to the output layer
+    bool        shared = false;             // a copy another pipeline stage also holds (the last stage's tied
+                                            // word embedding): counted once, on its owner, in the grad norm
     int         tensor_parallel_dim = -1;   // dimension split across TP ranks, -1 if replicated
     bool        expert = false;             // MoE expert weight (reduced over expert-data-parallel)
 

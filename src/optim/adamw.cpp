@@ -1,5 +1,6 @@
 #include "optim/adamw.h"
 
+#include "backend/cpu/cpu_device.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "optim/host_adam.h"
@@ -105,6 +106,40 @@ double grad_norm(const std::vector<model::Parameter *> & params) {
         for (double s : partial) total += s;
     }
     return std::sqrt(total);
+}
+
+double grad_norm_squared_unshared(const std::vector<model::Parameter *> & params) {
+    std::vector<model::Parameter *> owned;
+    for (model::Parameter * p : params) {
+        if (!p->shared) owned.push_back(p);
+    }
+    double norm = grad_norm(owned);
+    return norm * norm;
+}
+
+double group_sum(double value, comm::Communicator & group) {
+    Device & device = cpu::device();
+    Tensor   mine   = Tensor::empty({2}, DType::f32, device);
+    Tensor   all    = Tensor::empty({2 * static_cast<int64_t>(group.size())}, DType::f32, device);
+    float    hi     = static_cast<float>(value);
+    mine.data<float>()[0] = hi;
+    mine.data<float>()[1] = static_cast<float>(value - static_cast<double>(hi));
+    group.all_gather(mine, all)->wait();
+    double total = 0;
+    for (int r = 0; r < group.size(); ++r) {
+        total += static_cast<double>(all.data<float>()[2 * r]) + static_cast<double>(all.data<float>()[2 * r + 1]);
+    }
+    return total;
+}
+
+double clip_grad_norm(const std::vector<model::Parameter *> & params, float max_norm,
+                      comm::Communicator & model_parallel) {
+    double norm = std::sqrt(group_sum(grad_norm_squared_unshared(params), model_parallel));
+    if (max_norm > 0 && std::isfinite(norm)) {
+        double coeff = max_norm / (norm + 1e-6);
+        if (coeff < 1.0) scale_grads(params, static_cast<float>(coeff));
+    }
+    return norm;
 }
 
 void scale_grads(const std::vector<model::Parameter *> & params, float factor) {

@@ -20,6 +20,7 @@
 // gradient is scaled by clip / (norm + 1e-6).
 #pragma once
 
+#include "comm/communicator.h"
 #include "model/parameter.h"
 
 #include <string>
@@ -75,6 +76,16 @@ private:
 
 // sqrt of the sum of squares of every main_grad (accumulated in double).
 double grad_norm(const std::vector<model::Parameter *> & params);
+// The sum of squares of the main_grads of `params`, leaving out the `shared` copies.
+double grad_norm_squared_unshared(const std::vector<model::Parameter *> & params);
+// The sum of `value` over the group, the same on every rank and as exact as a double sum: each rank's
+// value travels as an f32 pair (hi, lo) with hi + lo = value to ~1e-14, and every rank adds the gathered
+// pairs in rank order.
+double group_sum(double value, comm::Communicator & group);
+// Clipping over a model split across `model_parallel` ranks (pipeline stages): the norm sums every
+// stage's unshared gradients; every gradient, shared copies included, is scaled. Returns the norm.
+double clip_grad_norm(const std::vector<model::Parameter *> & params, float max_norm,
+                      comm::Communicator & model_parallel);
 // Scales every main_grad by `factor`.
 void   scale_grads(const std::vector<model::Parameter *> & params, float factor);
 // Clips to max_norm (no-op when max_norm <= 0 or the norm is smaller); returns the norm before clipping.

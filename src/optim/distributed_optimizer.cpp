@@ -61,30 +61,20 @@ DistributedOptimizer::DistributedOptimizer(ddp::DistributedDataParallel & ddp, c
     }
 }
 
-DistributedOptimizer::StepResult DistributedOptimizer::step(float lr, float clip_grad) {
+DistributedOptimizer::StepResult DistributedOptimizer::step(float lr, float clip_grad,
+                                                            comm::Communicator * model_parallel) {
     StepResult result;
     double     local = 0;
     for (const Piece & piece : pieces_) {
+        if (ddp_.params()[piece.param]->shared) continue;   // the last stage's tied copy: counted on the first
         const float * g = ddp_.grad_buffer(piece.buffer).data<float>() + piece.world_start;
         double        s = 0;
         for (int64_t i = 0; i < piece.numel; ++i) s += static_cast<double>(g[i]) * g[i];
         local += s;
     }
-    // The group's sum of squares in double: every rank's local sum travels as an f32 pair (hi, lo) with
-    // hi + lo = local to ~1e-14, and every rank adds the gathered sums in rank order, so all ranks get the
-    // same norm, as accurate as the single-rank one.
-    Device & device = ddp_.grad_buffer(0).device();
-    int64_t  dp     = ddp_.dp_size();
-    Tensor   mine   = Tensor::empty({2}, DType::f32, device);
-    Tensor   all    = Tensor::empty({2 * dp}, DType::f32, device);
-    float    hi     = static_cast<float>(local);
-    mine.data<float>()[0] = hi;
-    mine.data<float>()[1] = static_cast<float>(local - static_cast<double>(hi));
-    ddp_.dp_group().all_gather(mine, all)->wait();
-    double total = 0;
-    for (int64_t r = 0; r < dp; ++r) {
-        total += static_cast<double>(all.data<float>()[2 * r]) + static_cast<double>(all.data<float>()[2 * r + 1]);
-    }
+    // Over the data-parallel group (each element is owned by one rank), then over the pipeline stages.
+    double total = group_sum(local, ddp_.dp_group());
+    if (model_parallel) total = group_sum(total, *model_parallel);
     result.grad_norm = std::sqrt(total);
     if (!std::isfinite(result.grad_norm)) {
         return result;

@@ -6,7 +6,8 @@
 // gradients. The step, per iteration:
 //   1. grad norm: the squares of the owned shard's gradients, summed over the data-parallel group
 //      (every element is owned by exactly one rank, so it counts once; the per-rank sums are gathered
-//      and added in double), then sqrt;
+//      and added in double, group_sum), then over the pipeline stages, leaving out `shared` copies;
+//      then sqrt;
 //   2. a non-finite norm skips the step and the all-gather (a nan iteration);
 //   3. clip: scale the owned gradients by min(1, clip / (norm + 1e-6));
 //   4. AdamW on each owned piece (spec 2.2's ranges), with its parameter's weight decay; a bf16
@@ -47,7 +48,8 @@ public:
         bool   stepped   = false;  // false: non-finite norm, parameters unchanged
     };
     // Clips to clip_grad (0: off), steps with lr, then starts the parameter all-gather.
-    StepResult step(float lr, float clip_grad);
+    // With pipeline stages, `model_parallel` (the pipeline group) adds the other stages' norms.
+    StepResult step(float lr, float clip_grad, comm::Communicator * model_parallel = nullptr);
 
     // Elements of the model this rank owns (sum over its pieces).
     int64_t owned_numel() const { return owned_; }

@@ -45,6 +45,7 @@ struct TrainOptions {
 
     // Data parallelism (the data-parallel size is the number of ranks `mpirun` starts).
     int64_t        data_parallel_size = 1;
+    int64_t        pipeline_parallel_size = 1;   // --pipeline-model-parallel-size
     ddp::DdpConfig ddp;                 // --use-distributed-optimizer, --overlap-grad-reduce, ...
     bool           print_layout = false;   // print DDP's buffer layout on rank 0
 

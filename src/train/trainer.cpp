@@ -61,8 +61,16 @@ std::string metrics_json(const IterationStats & s) {
 }
 
 Trainer::Trainer(const TrainOptions & options, model::GptModel & model, BatchSource & data,
-                 std::shared_ptr<comm::Communicator> dp_group)
-    : options_(options), model_(model), data_(data), params_(model.parameters()), dp_group_(std::move(dp_group)) {
+                 std::shared_ptr<comm::Communicator> dp_group, PipelineGroups pipeline)
+    : options_(options), model_(model), data_(data), params_(model.parameters()), dp_group_(std::move(dp_group)),
+      pipeline_(std::move(pipeline)) {
+    if (pipeline_.pp) {
+        LOOM_CHECK(pipeline_.pp->size() == options_.pipeline_parallel_size,
+                   "pipeline group of " << pipeline_.pp->size() << " ranks for --pipeline-model-parallel-size "
+                                        << options_.pipeline_parallel_size, "");
+        executor_ = std::make_unique<pipeline::PipelineExecutor>(model_, pipeline_.pp,
+                                                                 static_cast<int>(options_.num_microbatches()));
+    }
     if (dp_group_) {
         LOOM_CHECK(dp_group_->size() == options_.data_parallel_size,
                    "data-parallel group of " << dp_group_->size() << " ranks for options resolved for "
@@ -119,7 +127,15 @@ double Trainer::step(IterationStats & stats) {
         model_.zero_grad();
     }
     double loss_total = 0;
-    for (int64_t k = 0; k < microbatches; ++k) {
+    if (executor_) {
+        ddp::DistributedDataParallel *     d = ddp_.get();
+        pipeline::PipelineExecutor::Result r =
+            executor_->run([this] { return data_.next(); }, grad_ready_,
+                           d ? std::function<void(bool)>([d](bool last) { d->set_last_microbatch(last); }) : nullptr);
+        loss_total      = r.loss_sum_of_means;
+        peak_in_flight_ = std::max(peak_in_flight_, r.peak_in_flight);
+    }
+    for (int64_t k = 0; !executor_ && k < microbatches; ++k) {
         if (ddp_) ddp_->set_last_microbatch(k == microbatches - 1);
         model::MicroBatch         batch = data_.next();
         model::GptModel::Context  ctx;
@@ -134,14 +150,23 @@ double Trainer::step(IterationStats & stats) {
     }
     consumed_ += options_.global_batch_size;
     if (ddp_) ddp_->finish_grad_sync();
+    // The tied word embedding: the first stage's embedding gradient plus the last stage's output-layer
+    // gradient, on both (after the data-parallel reduction: with the distributed optimizer both stages
+    // hold the same owned range, the embedding being alone in its bucket on each).
+    model::Parameter * wte = model_.word_embedding();
+    if (pipeline_.embedding && pipeline_.embedding->size() > 1 && wte && wte->shared_embedding) {
+        pipeline_.embedding->all_reduce(wte->main_grad, comm::ReduceOp::sum)->wait();
+    }
+    comm::Communicator * stages = pipeline_.pp && pipeline_.pp->size() > 1 ? pipeline_.pp.get() : nullptr;
     float  lr = schedule_.lr_at(iteration_);
     double norm;
     if (dist_optimizer_) {
-        optim::DistributedOptimizer::StepResult r = dist_optimizer_->step(lr, options_.clip_grad);
+        optim::DistributedOptimizer::StepResult r = dist_optimizer_->step(lr, options_.clip_grad, stages);
         norm = r.grad_norm;
         if (!r.stepped) ++nan_iterations_;
     } else {
-        norm = optim::clip_grad_norm(params_, options_.clip_grad);
+        norm = stages ? optim::clip_grad_norm(params_, options_.clip_grad, *stages)
+                      : optim::clip_grad_norm(params_, options_.clip_grad);
         if (std::isfinite(norm)) {
             if (hybrid_) {
                 hybrid_->step(lr);
@@ -153,6 +178,12 @@ double Trainer::step(IterationStats & stats) {
         }
     }
     double loss = loss_total / static_cast<double>(microbatches);
+    if (stages) {   // only the last stage computed the loss
+        Tensor value = Tensor::empty({1}, DType::f32, model_.device());
+        value.data<float>()[0] = static_cast<float>(loss);
+        stages->broadcast(value, stages->size() - 1)->wait();
+        loss = value.data<float>()[0];
+    }
     if (dp_group_ && dp_group_->size() > 1) {
         Tensor mean = Tensor::empty({1}, DType::f32, model_.device());
         mean.data<float>()[0] = static_cast<float>(loss);

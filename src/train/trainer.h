@@ -21,6 +21,7 @@
 #include "optim/adamw.h"
 #include "optim/distributed_optimizer.h"
 #include "optim/hybrid_optimizer.h"
+#include "pipeline/executor.h"
 #include "train/options.h"
 
 #include <cstdio>
@@ -63,15 +64,25 @@ struct TrainSummary {
     double              seconds           = 0;
 };
 
+// The groups of a pipeline-parallel run: the stages in order, and the first and last stage's embedding
+// group (null on middle stages) over which the tied word embedding's gradient is summed.
+struct PipelineGroups {
+    std::shared_ptr<comm::Communicator> pp;
+    std::shared_ptr<comm::Communicator> embedding;
+};
+
 class Trainer {
 public:
     // dp_group null: one rank, no DDP buffers (the reference every parallel run is checked against).
+    // pipeline.pp given: `model` is this rank's stage, run by the 1F1B executor (pipeline/executor.h).
     Trainer(const TrainOptions & options, model::GptModel & model, BatchSource & data,
-            std::shared_ptr<comm::Communicator> dp_group = nullptr);
+            std::shared_ptr<comm::Communicator> dp_group = nullptr, PipelineGroups pipeline = {});
     ~Trainer();
 
     // The DDP wrapper (null without a dp_group).
     ddp::DistributedDataParallel * ddp() { return ddp_.get(); }
+    // The most activation contexts the pipeline executor held at once (0 without pipelining).
+    int peak_in_flight() const { return peak_in_flight_; }
 
     // Runs options.train_iters iterations; log lines go to `out` (null: silent).
     TrainSummary run(FILE * out);
@@ -89,6 +100,9 @@ private:
     std::unique_ptr<optim::AdamW>                 optimizer_;       // replicated AdamW
     std::unique_ptr<optim::DistributedOptimizer>  dist_optimizer_;  // --use-distributed-optimizer
     std::unique_ptr<optim::HybridDeviceOptimizer> hybrid_;          // --optimizer-cpu-offload, replicated
+    PipelineGroups                                pipeline_;
+    std::unique_ptr<pipeline::PipelineExecutor>   executor_;
+    int                                           peak_in_flight_ = 0;
     optim::LrSchedule               schedule_;
     int64_t                         iteration_ = 0;
     int64_t                         consumed_  = 0;
