@@ -15,6 +15,8 @@
 #include "backend/cpu/cpu_device.h"
 #include "comm/mpi_communicator.h"
 #include "ddp/layout.h"
+#include "parallel/process_groups.h"
+#include "pipeline/layer_assignment.h"
 #include "model/hf_gpt2.h"
 #include "train/data_source.h"
 #include "train/trainer.h"
@@ -55,7 +57,7 @@ int64_t launched_world_size() {
 
 }  // namespace
 
-static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, std::shared_ptr<comm::Communicator> dp);
+static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, comm::MpiContext * mpi);
 
 int cmd_train(int argc, char ** argv) {
     CLI::App app{"Train a GPT on this rank.", "loom train"};
@@ -66,14 +68,14 @@ int cmd_train(int argc, char ** argv) {
     const int64_t       world   = launched_world_size();
     train::TrainOptions options = parser.resolve(world);
     const bool use_ddp = world > 1 || options.ddp.use_distributed_optimizer || options.ddp.overlap_grad_reduce ||
-                         options.print_layout;
+                         options.print_layout || options.optimizer_cpu_offload;
     std::unique_ptr<comm::MpiContext> mpi;
     if (use_ddp) {
         mpi = std::make_unique<comm::MpiContext>();
         LOOM_CHECK(mpi->world_size() == world, "MPI started " << mpi->world_size() << " ranks, the launcher said " << world, "");
     }
     try {
-        return train_on_this_rank(options, parser.vocab_given(), mpi ? mpi->world() : nullptr);
+        return train_on_this_rank(options, parser.vocab_given(), mpi.get());
     } catch (const Error & e) {
         if (world > 1) {
             std::fprintf(stderr, "loom train: rank %d: %s\n", mpi->world_rank(), e.what());
@@ -83,15 +85,36 @@ int cmd_train(int argc, char ** argv) {
     }
 }
 
-static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, std::shared_ptr<comm::Communicator> dp) {
-    const int    rank   = dp ? dp->rank() : 0;
+static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, comm::MpiContext * mpi) {
+    // Process groups: pp x dp ranks, Megatron's rank order (tp-cp-ep-dp-pp).
+    std::shared_ptr<comm::Communicator> dp;
+    train::PipelineGroups               stages;
+    model::PipelineStage                part;
+    if (mpi) {
+        parallel::ParallelSizes sizes;
+        sizes.world_size = mpi->world_size();
+        sizes.pp         = static_cast<int>(options.pipeline_parallel_size);
+        parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
+        parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *mpi);
+        dp = groups.dp;
+        if (config.pp() > 1) {
+            stages = {groups.pp, groups.embedding};
+            pipeline::LayerSplitOptions split;
+            split.num_layers = static_cast<int>(options.model.num_layers);
+            split.pp         = config.pp();
+            const int              stage  = groups.pp->rank();
+            pipeline::LayerRange   layers = pipeline::assign_layers(split).at(stage, 0);
+            part = model::PipelineStage{layers.begin, layers.size(), stage == 0, stage == config.pp() - 1};
+        }
+    }
+    const int    rank   = mpi ? mpi->world_rank() : 0;
     FILE *       out    = rank == 0 ? stdout : nullptr;
     Device &     device = cpu::device();
     std::unique_ptr<train::BatchSource> data =
-        train::make_batch_source(options, device, vocab_given, rank, options.data_parallel_size);
+        train::make_batch_source(options, device, vocab_given, dp ? dp->rank() : 0, options.data_parallel_size);
     options.model.validate();
 
-    model::GptModel gpt(options.model, device);
+    model::GptModel gpt(options.model, device, part);
     gpt.init();
     if (!options.load_hf.empty()) {
         model::load_hf_gpt2(gpt, options.load_hf);   // the shape was checked against config.json by resolve()
@@ -102,11 +125,12 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, s
                 static_cast<long long>(options.model.num_attention_heads), static_cast<long long>(options.model.seq_length),
                 static_cast<long long>(options.model.vocab_size),
                 static_cast<long long>(options.model.padded_vocab_size()));
-    if (out) std::printf("data: %s | micro-batch %lld, global batch %lld, %lld iterations, data-parallel size %lld\n",
+    if (out) std::printf("data: %s | micro-batch %lld, global batch %lld, %lld iterations, data-parallel size %lld, "
+                         "pipeline stages %lld\n",
                 data->describe().c_str(), static_cast<long long>(options.micro_batch_size),
                 static_cast<long long>(options.global_batch_size), static_cast<long long>(options.train_iters),
-                static_cast<long long>(options.data_parallel_size));
-    train::Trainer trainer(options, gpt, *data, dp);
+                static_cast<long long>(options.data_parallel_size), static_cast<long long>(options.pipeline_parallel_size));
+    train::Trainer trainer(options, gpt, *data, dp, stages);
     if (out && options.print_layout) {
         std::printf("%s\n", ddp::layout_table(trainer.ddp()->layout(), trainer.ddp()->specs(),
                                               options.ddp.use_distributed_optimizer).c_str());

@@ -2,6 +2,8 @@
 
 #include "core/error.h"
 #include "model/hf_gpt2.h"
+#include "pipeline/layer_assignment.h"
+#include "pipeline/schedule.h"
 
 #include <optional>
 
@@ -74,6 +76,8 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_flag("--check-for-nan-in-loss-and-grad", o.ddp.check_for_nan_in_grad,
                  "stop, naming the rank and parameter, when a gradient is not finite before reduction");
     app.add_flag("--print-layout", o.print_layout, "print the DDP buffer layout (as `loom layout`) on rank 0");
+    app.add_option("--pipeline-model-parallel-size", o.pipeline_parallel_size,
+                   "pipeline stages (1F1B); the ranks mpirun starts are pp x dp")->capture_default_str();
 
     app.add_option("--data-path", o.data_path, "Megatron dataset prefix (PREFIX.bin / PREFIX.idx)");
     app.add_option("--split", o.split, "train,valid,test weights over documents")->capture_default_str();
@@ -83,9 +87,13 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_option("--log-file", o.log_file, "write the logged metrics as JSON lines to this file");
 }
 
-TrainOptions TrainOptionParser::resolve(int64_t data_parallel_size) {
+TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     TrainOptions o = opts_;
-    o.data_parallel_size = data_parallel_size;
+    LOOM_CHECK(o.pipeline_parallel_size >= 1 && world_size % o.pipeline_parallel_size == 0,
+               "world size " << world_size << " is not divisible by --pipeline-model-parallel-size "
+                             << o.pipeline_parallel_size,
+               "start a multiple of " << o.pipeline_parallel_size << " ranks; the data-parallel size is the quotient");
+    o.data_parallel_size = world_size / o.pipeline_parallel_size;
     o.model        = model::gpt_preset(o.model_preset);
     model::GptConfig & m = o.model;
     auto given = [&](const char * flag) { return app_.count(flag) > 0; };
@@ -177,6 +185,18 @@ TrainOptions TrainOptionParser::resolve(int64_t data_parallel_size) {
     o.offload.pin_cpu_grads  = !no_pin_cpu_grads_;
     o.offload.pin_cpu_params = !no_pin_cpu_params_;
     m.params_dtype = o.bf16 ? DType::bf16 : DType::f32;
+    if (o.pipeline_parallel_size > 1) {
+        LOOM_CHECK(o.load_hf.empty(), "--load-hf with --pipeline-model-parallel-size " << o.pipeline_parallel_size,
+                   "loading Hugging Face weights into pipeline stages is not supported yet; train from --seed");
+        pipeline::LayerSplitOptions split;
+        split.num_layers = static_cast<int>(m.num_layers);
+        split.pp         = static_cast<int>(o.pipeline_parallel_size);
+        pipeline::assign_layers(split);   // throws naming --num-layers / --pipeline-model-parallel-size
+        pipeline::ScheduleOptions schedule;
+        schedule.pp               = split.pp;
+        schedule.num_microbatches = static_cast<int>(o.num_microbatches());
+        pipeline::validate_schedule(schedule);
+    }
     m.validate();
     return o;
 }

@@ -43,7 +43,7 @@ struct TrainOptions {
     bool                 optimizer_cpu_offload = false;
     optim::HybridOptions offload;
 
-    // Data parallelism (the data-parallel size is the number of ranks `mpirun` starts).
+    // Data and pipeline parallelism (the ranks `mpirun` starts are pp x dp).
     int64_t        data_parallel_size = 1;
     int64_t        pipeline_parallel_size = 1;   // --pipeline-model-parallel-size
     ddp::DdpConfig ddp;                 // --use-distributed-optimizer, --overlap-grad-reduce, ...
@@ -68,9 +68,9 @@ struct TrainOptions {
 class TrainOptionParser {
 public:
     explicit TrainOptionParser(CLI::App & app);
-    // After app.parse(): resolves the preset, applies explicit flags, validates for `data_parallel_size`
-    // ranks; throws loom::Error (identically on every rank, before any collective).
-    TrainOptions resolve(int64_t data_parallel_size = 1);
+    // After app.parse(): resolves the preset, applies explicit flags, validates for `world_size` ranks
+    // (pp x dp); throws loom::Error (identically on every rank, before any collective).
+    TrainOptions resolve(int64_t world_size = 1);
     // True when --vocab-size or --load-hf fixed the vocabulary (otherwise the dataset's is used).
     bool vocab_given() const { return app_.count("--vocab-size") > 0 || !opts_.load_hf.empty(); }
 
