@@ -19,6 +19,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <fstream>
 #include <map>
 
 using namespace loom;
@@ -73,7 +75,7 @@ StageRun reference() {
     return run;
 }
 
-StageRun pipelined(int pp, bool distopt) {
+StageRun pipelined(int pp, bool distopt, const std::string & timeline = "") {
     parallel::ParallelSizes sizes;
     sizes.world_size = g_mpi->world_size();
     sizes.pp         = pp;
@@ -88,6 +90,7 @@ StageRun pipelined(int pp, bool distopt) {
     o.ddp.overlap_grad_reduce       = distopt;
     o.ddp.overlap_param_gather      = distopt;
     o.ddp.bucket_size               = 20000;
+    o.timeline_file                 = timeline;
     pipeline::LayerSplitOptions split;
     split.num_layers = static_cast<int>(o.model.num_layers);
     split.pp         = pp;
@@ -138,6 +141,24 @@ void expect_follows_reference(int pp, bool distopt) {
 }  // namespace
 
 TEST(PipelineParallel, AllStagesFollowTheSingleRankRun) { expect_follows_reference(g_mpi->world_size(), false); }
+
+// --timeline: the last iteration's measured ops of every stage, one <rect> each, written by world rank 0.
+TEST(PipelineParallel, MeasuredTimelineHoldsEveryStagesOps) {
+    const int   pp   = g_mpi->world_size();
+    std::string path = ::testing::TempDir() + "loom_pp_timeline_" + std::to_string(pp) + ".svg";
+    std::remove(path.c_str());
+    pipelined(pp, false, path);
+    g_mpi->world()->barrier()->wait();
+    if (g_mpi->world_rank() == 0) {
+        std::ifstream in(path);
+        ASSERT_TRUE(in.good()) << path;
+        std::string svg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+        size_t      rects = 0;
+        for (size_t at = svg.find("<rect"); at != std::string::npos; at = svg.find("<rect", at + 1)) ++rects;
+        EXPECT_EQ(rects, static_cast<size_t>(2 * 8 * pp)) << "forward and backward of 8 micro-batches per stage";
+        EXPECT_NE(svg.find("measured durations"), std::string::npos);
+    }
+}
 
 TEST(PipelineParallel, TwoStagesTimesDataParallelFollowTheSingleRankRun) {
     if (g_mpi->world_size() % 2 != 0 || g_mpi->world_size() < 4) GTEST_SKIP() << "needs 4 ranks";

@@ -1,8 +1,10 @@
 #include "pipeline/executor.h"
 
+#include "backend/cpu/cpu_device.h"
 #include "core/error.h"
 
 #include <algorithm>
+#include <chrono>
 #include <map>
 
 namespace loom::pipeline {
@@ -45,8 +47,13 @@ PipelineExecutor::Result PipelineExecutor::run(const std::function<model::MicroB
 
     Result result;
     int    backwards = 0;
+    const auto begin = std::chrono::steady_clock::now();
+    auto ms_since_begin = [&begin] {
+        return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
+    };
     for (const ScheduleOp & op : ops_) {
-        const int mb = op.microbatch;
+        const int mb    = op.microbatch;
+        double    start = 0;   // when the computation begins: waiting for a transfer shows as a gap
         if (op.forward) {
             model::MicroBatch batch = next_batch();
             const int64_t     numel = batch.tokens.numel() * h;   // (s * b, h)
@@ -60,6 +67,7 @@ PipelineExecutor::Result PipelineExecutor::run(const std::function<model::MicroB
                 post_input(mb + 1, numel);   // the next forward's input arrives while this one computes
             }
             InFlight & slot = in_flight[mb];
+            start           = ms_since_begin();
             Tensor     out  = model_.forward_stage(slot.ctx, batch, input);
             if (last) {
                 result.loss_sum_of_means += slot.ctx.loss.mean();
@@ -79,6 +87,7 @@ PipelineExecutor::Result PipelineExecutor::run(const std::function<model::MicroB
                 dy = receive(rank + 1, 2 * mb + 1, slot.ctx.s * slot.ctx.b * h).view({slot.ctx.s * slot.ctx.b, h});
             }
             double scale = 1.0 / (slot.tokens * static_cast<double>(microbatches_));
+            start        = ms_since_begin();
             Tensor dx    = model_.backward_stage(slot.ctx, scale, dy, ready);
             if (!first) {
                 sends.emplace_back(pp_->send(dx, rank - 1, 2 * mb + 1), dx);
@@ -86,11 +95,43 @@ PipelineExecutor::Result PipelineExecutor::run(const std::function<model::MicroB
             in_flight.erase(it);
             ++backwards;
         }
+        result.ops.push_back(TimelineOp{op, start, ms_since_begin()});
     }
     for (auto & [work, tensor] : sends) work->wait();
     LOOM_CHECK(in_flight.empty() && posted_inputs.empty(), "pipeline iteration ended with "
                                                                << in_flight.size() << " micro-batches in flight", "");
     return result;
+}
+
+Timeline PipelineExecutor::gather_timeline(const Result & mine, comm::Communicator & pp, int num_microbatches) {
+    // Each op as 5 floats: forward, chunk, microbatch, start, end; every stage has 2M ops.
+    const int64_t per_rank = static_cast<int64_t>(mine.ops.size()) * 5;
+    Device &      device   = cpu::device();
+    Tensor        local    = Tensor::empty({per_rank}, DType::f32, device);
+    Tensor        all      = Tensor::empty({per_rank * pp.size()}, DType::f32, device);
+    for (size_t i = 0; i < mine.ops.size(); ++i) {
+        const TimelineOp & t = mine.ops[i];
+        float *            v = local.data<float>() + 5 * i;
+        v[0] = t.op.forward ? 1.0f : 0.0f;
+        v[1] = static_cast<float>(t.op.chunk);
+        v[2] = static_cast<float>(t.op.microbatch);
+        v[3] = static_cast<float>(t.start);
+        v[4] = static_cast<float>(t.end);
+    }
+    pp.all_gather(local, all)->wait();
+    Timeline timeline;
+    timeline.options.pp               = pp.size();
+    timeline.options.num_microbatches = num_microbatches;
+    timeline.unit_time                = false;
+    timeline.ranks.resize(static_cast<size_t>(pp.size()));
+    for (int r = 0; r < pp.size(); ++r) {
+        for (size_t i = 0; i < mine.ops.size(); ++i) {
+            const float * v = all.data<float>() + r * per_rank + 5 * static_cast<int64_t>(i);
+            timeline.ranks[r].push_back(TimelineOp{ScheduleOp{v[0] != 0.0f, static_cast<int>(v[1]), static_cast<int>(v[2])},
+                                                   v[3], v[4]});
+        }
+    }
+    return timeline;
 }
 
 }  // namespace loom::pipeline

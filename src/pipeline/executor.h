@@ -20,6 +20,7 @@
 #include "comm/communicator.h"
 #include "model/gpt_model.h"
 #include "pipeline/schedule.h"
+#include "pipeline/timeline.h"
 
 #include <functional>
 #include <memory>
@@ -34,6 +35,8 @@ public:
     struct Result {
         double loss_sum_of_means = 0;   // last stage: sum over micro-batches of each one's mean loss
         int    peak_in_flight    = 0;   // activation contexts held at once
+        std::vector<TimelineOp> ops;     // when each op computed: ms since run() began (a wait for its input
+                                         // is not part of the op, so it shows as a gap)
     };
 
     // One iteration: next_batch() yields this rank's micro-batches in order; each micro-batch's loss is
@@ -43,6 +46,11 @@ public:
                const std::function<void(bool)> & set_last_microbatch);
 
     const std::vector<ScheduleOp> & ops() const { return ops_; }
+
+    // Every stage's ops of one iteration, gathered over the pipeline group (collective), as a measured
+    // Timeline for timeline_svg(). Times are ms since each stage's run() began; start the iteration right
+    // after a barrier so the stages' clocks line up.
+    static Timeline gather_timeline(const Result & mine, comm::Communicator & pp, int num_microbatches);
 
 private:
     Tensor receive(int peer, int tag, int64_t numel);

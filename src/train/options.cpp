@@ -76,6 +76,8 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_flag("--check-for-nan-in-loss-and-grad", o.ddp.check_for_nan_in_grad,
                  "stop, naming the rank and parameter, when a gradient is not finite before reduction");
     app.add_flag("--print-layout", o.print_layout, "print the DDP buffer layout (as `loom layout`) on rank 0");
+    app.add_option("--timeline", o.timeline_file,
+                   "write the last iteration's measured pipeline timeline (one row per stage) as an SVG");
     app.add_option("--pipeline-model-parallel-size", o.pipeline_parallel_size,
                    "pipeline stages (1F1B); the ranks mpirun starts are pp x dp")->capture_default_str();
 

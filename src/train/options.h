@@ -48,6 +48,7 @@ struct TrainOptions {
     int64_t        pipeline_parallel_size = 1;   // --pipeline-model-parallel-size
     ddp::DdpConfig ddp;                 // --use-distributed-optimizer, --overlap-grad-reduce, ...
     bool           print_layout = false;   // print DDP's buffer layout on rank 0
+    std::string    timeline_file;          // --timeline: the last iteration's measured pipeline timeline (SVG)
 
     // Data.
     std::string data_path;          // Megatron .bin/.idx prefix

@@ -128,12 +128,21 @@ double Trainer::step(IterationStats & stats) {
     }
     double loss_total = 0;
     if (executor_) {
+        const bool timed = !options_.timeline_file.empty() && iteration_ == options_.train_iters;
+        if (timed) pipeline_.pp->barrier()->wait();   // the stages start the timed iteration together
         ddp::DistributedDataParallel *     d = ddp_.get();
         pipeline::PipelineExecutor::Result r =
             executor_->run([this] { return data_.next(); }, grad_ready_,
                            d ? std::function<void(bool)>([d](bool last) { d->set_last_microbatch(last); }) : nullptr);
         loss_total      = r.loss_sum_of_means;
         peak_in_flight_ = std::max(peak_in_flight_, r.peak_in_flight);
+        if (timed) {
+            pipeline::Timeline timeline =
+                pipeline::PipelineExecutor::gather_timeline(r, *pipeline_.pp, static_cast<int>(microbatches));
+            if (pipeline_.pp->rank() == 0 && (!dp_group_ || dp_group_->rank() == 0)) {
+                pipeline::write_file_atomically(options_.timeline_file, pipeline::timeline_svg(timeline));
+            }
+        }
     }
     for (int64_t k = 0; !executor_ && k < microbatches; ++k) {
         if (ddp_) ddp_->set_last_microbatch(k == microbatches - 1);
