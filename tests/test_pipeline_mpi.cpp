@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <memory>
 
 using namespace loom;
 
@@ -75,7 +76,7 @@ StageRun reference() {
     return run;
 }
 
-StageRun pipelined(int pp, bool distopt, const std::string & timeline = "") {
+StageRun pipelined(int pp, bool distopt, const std::string & timeline = "", int vpp = 1) {
     parallel::ParallelSizes sizes;
     sizes.world_size = g_mpi->world_size();
     sizes.pp         = pp;
@@ -94,26 +95,37 @@ StageRun pipelined(int pp, bool distopt, const std::string & timeline = "") {
     pipeline::LayerSplitOptions split;
     split.num_layers = static_cast<int>(o.model.num_layers);
     split.pp         = pp;
-    pipeline::LayerRange    layers = pipeline::assign_layers(split).at(stage, 0);
-    model::PipelineStage    part{layers.begin, layers.size(), stage == 0, stage == pp - 1};
-    auto source = train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), config.dp());
-    model::GptModel gpt(o.model, cpu::device(), part);
-    gpt.init();
+    if (vpp > 1) split.vpp = vpp;
+    pipeline::LayerAssignment                     layout = pipeline::assign_layers(split);
+    std::vector<std::unique_ptr<model::GptModel>> chunks;
+    std::vector<model::GptModel *>                views;
+    for (int c = 0; c < vpp; ++c) {
+        pipeline::LayerRange layers = layout.at(stage, c);
+        const int            v      = c * pp + stage;
+        chunks.push_back(std::make_unique<model::GptModel>(
+            o.model, cpu::device(), model::PipelineStage{layers.begin, layers.size(), v == 0, v == pp * vpp - 1}));
+        chunks.back()->init();
+        views.push_back(chunks.back().get());
+    }
+    auto     source = train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), config.dp());
     StageRun run;
     run.stage = stage;
     {
-        train::Trainer trainer(o, gpt, *source, groups.dp, {groups.pp, groups.embedding});
+        train::Trainer trainer(o, views, *source, groups.dp, {groups.pp, groups.embedding});
         run.losses         = trainer.run(nullptr).losses;
         run.peak_in_flight = trainer.peak_in_flight();
     }
-    for (model::Parameter * p : gpt.parameters()) run.params[p->name] = values(*p);
+    for (auto & chunk : chunks) {
+        for (model::Parameter * p : chunk->parameters()) run.params[p->name] = values(*p);
+    }
     return run;
 }
 
-void expect_follows_reference(int pp, bool distopt) {
-    SCOPED_TRACE("pp " + std::to_string(pp) + (distopt ? ", distributed optimizer, both overlaps" : ""));
+void expect_follows_reference(int pp, bool distopt, int vpp = 1) {
+    SCOPED_TRACE("pp " + std::to_string(pp) + " vpp " + std::to_string(vpp) +
+                 (distopt ? ", distributed optimizer, both overlaps" : ""));
     static const StageRun ref = reference();
-    StageRun              run = pipelined(pp, distopt);
+    StageRun              run = pipelined(pp, distopt, "", vpp);
     ASSERT_EQ(run.losses.size(), ref.losses.size());
     double worst_loss = 0, worst_param = 0;
     for (size_t i = 0; i < ref.losses.size(); ++i) {
@@ -129,12 +141,14 @@ void expect_follows_reference(int pp, bool distopt) {
         }
     }
     EXPECT_LT(worst_param, 5e-5);
-    // 1F1B keeps min(pp - stage, M) micro-batches in flight, as measured by the executor.
+    // 1F1B keeps min(pp - stage, M) micro-batches in flight, interleaved min(2(pp - stage - 1) +
+    // (V - 1) N + 1, M V) with N = pp, as measured by the executor.
     int dp = g_mpi->world_size() / pp, m = 8 / dp;
-    EXPECT_EQ(run.peak_in_flight, std::min(pp - run.stage, m)) << "stage " << run.stage;
+    int expected = vpp == 1 ? std::min(pp - run.stage, m) : std::min(2 * (pp - run.stage - 1) + (vpp - 1) * pp + 1, m * vpp);
+    EXPECT_EQ(run.peak_in_flight, expected) << "stage " << run.stage;
     if (g_mpi->world_rank() == 0) {
-        std::printf("[pp %d dp %d%s] worst |loss - reference| %.3g, worst |param - reference| %.3g\n", pp, dp,
-                    distopt ? " zero-1" : "", worst_loss, worst_param);
+        std::printf("[pp %d vpp %d dp %d%s] worst |loss - reference| %.3g, worst |param - reference| %.3g\n", pp, vpp,
+                    dp, distopt ? " zero-1" : "", worst_loss, worst_param);
     }
 }
 
@@ -163,6 +177,11 @@ TEST(PipelineParallel, MeasuredTimelineHoldsEveryStagesOps) {
 TEST(PipelineParallel, TwoStagesTimesDataParallelFollowTheSingleRankRun) {
     if (g_mpi->world_size() % 2 != 0 || g_mpi->world_size() < 4) GTEST_SKIP() << "needs 4 ranks";
     expect_follows_reference(2, false);
+}
+
+TEST(PipelineParallel, InterleavedTwoStagesTwoVirtualStagesFollowTheSingleRankRun) {
+    if (g_mpi->world_size() % 2 != 0) GTEST_SKIP() << "needs an even number of ranks";
+    expect_follows_reference(2, false, 2);
 }
 
 TEST(PipelineParallel, TwoStagesTimesDataParallelWithZeroOneAndOverlapsFollowTheSingleRankRun) {

@@ -9,101 +9,109 @@
 
 namespace loom::pipeline {
 
-PipelineExecutor::PipelineExecutor(model::GptModel & model, std::shared_ptr<comm::Communicator> pp_group,
-                                   int num_microbatches)
-    : model_(model), pp_(std::move(pp_group)), microbatches_(num_microbatches) {
-    ScheduleOptions options;
-    options.pp               = pp_->size();
-    options.num_microbatches = num_microbatches;
-    validate_schedule(options);
-    ops_ = schedule_ops(options, pp_->rank());
-}
-
-Tensor PipelineExecutor::receive(int peer, int tag, int64_t numel) {
-    Tensor t = Tensor::empty({numel}, DType::f32, model_.device(), {MemoryKind::device, "activations"});
-    pp_->recv(t, peer, tag)->wait();
-    return t;
+PipelineExecutor::PipelineExecutor(std::vector<model::GptModel *> chunks,
+                                   std::shared_ptr<comm::Communicator> pp_group, int num_microbatches, int group_size)
+    : chunks_(std::move(chunks)), pp_(std::move(pp_group)), microbatches_(num_microbatches) {
+    LOOM_CHECK(!chunks_.empty(), "a pipeline stage without model chunks", "");
+    options_.pp               = pp_->size();
+    options_.num_microbatches = num_microbatches;
+    if (chunks_.size() > 1) {
+        options_.vpp = static_cast<int>(chunks_.size());
+        if (group_size > 0) options_.microbatch_group_size = group_size;
+    }
+    validate_schedule(options_);
+    ops_ = schedule_ops(options_, pp_->rank());
 }
 
 PipelineExecutor::Result PipelineExecutor::run(const std::function<model::MicroBatch()> & next_batch,
                                                const model::GradReadyFn &                 ready,
                                                const std::function<void(bool)> &          set_last_microbatch) {
-    const int     rank = pp_->rank(), size = pp_->size();
-    const bool    first = rank == 0, last = rank == size - 1;
-    const int64_t h     = model_.config().hidden_size;
+    const int     rank = pp_->rank(), pp = pp_->size();
+    const int     chunks = static_cast<int>(chunks_.size()), stages = pp * chunks;
+    const int64_t h      = chunks_[0]->config().hidden_size;
+    Device &      device = chunks_[0]->device();
+    auto          virtual_stage = [&](int chunk) { return chunk * pp + rank; };
+    // The rank holding virtual stage v.
+    auto          rank_of = [&](int v) { return v % pp; };
 
     struct InFlight {
         model::GptModel::Context ctx;
         double                   tokens = 1;
     };
-    std::map<int, InFlight>                        in_flight;
-    std::vector<std::pair<comm::WorkPtr, Tensor>>  sends;             // kept alive until sent
-    std::map<int, std::pair<comm::WorkPtr, Tensor>> posted_inputs;    // forward inputs received ahead
-    auto post_input = [&](int mb, int64_t numel) {
-        if (first || mb >= microbatches_ || posted_inputs.count(mb)) return;
-        Tensor t = Tensor::empty({numel}, DType::f32, model_.device(), {MemoryKind::device, "activations"});
-        posted_inputs[mb] = {pp_->recv(t, rank - 1, 2 * mb), t};
+    std::map<std::pair<int, int>, InFlight>         in_flight;   // (chunk, micro-batch)
+    std::map<int, model::MicroBatch>                batches;     // micro-batch -> its data, until chunk 0's backward
+    std::vector<std::pair<comm::WorkPtr, Tensor>>   sends;       // kept alive until sent
+    std::map<std::pair<int, int>, std::pair<comm::WorkPtr, Tensor>> posted;   // forward inputs received ahead
+    auto post_input = [&](int chunk, int mb, int64_t numel) {
+        const int v = virtual_stage(chunk);
+        if (v == 0 || mb >= microbatches_ || posted.count({chunk, mb})) return;
+        Tensor t = Tensor::empty({numel}, DType::f32, device, {MemoryKind::device, "activations"});
+        posted[{chunk, mb}] = {pp_->recv(t, rank_of(v - 1), tag(v, mb, false)), t};
     };
 
-    Result result;
-    int    backwards = 0;
-    const auto begin = std::chrono::steady_clock::now();
-    auto ms_since_begin = [&begin] {
+    Result     result;
+    const auto begin          = std::chrono::steady_clock::now();
+    auto       ms_since_begin = [&begin] {
         return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
     };
     for (const ScheduleOp & op : ops_) {
-        const int mb    = op.microbatch;
-        double    start = 0;   // when the computation begins: waiting for a transfer shows as a gap
+        const int          mb = op.microbatch, c = op.chunk, v = virtual_stage(c);
+        model::GptModel &  model = *chunks_[c];
+        double             start = 0;   // when the computation begins: waiting for a transfer shows as a gap
         if (op.forward) {
-            model::MicroBatch batch = next_batch();
-            const int64_t     numel = batch.tokens.numel() * h;   // (s * b, h)
-            Tensor            input;
-            if (!first) {
-                post_input(mb, numel);
-                auto it = posted_inputs.find(mb);
+            if (!batches.count(mb)) batches[mb] = next_batch();   // chunk 0 runs micro-batch m first
+            const model::MicroBatch & batch = batches[mb];
+            const int64_t             rows  = batch.tokens.numel();   // s * b
+            Tensor                    input;
+            if (v > 0) {
+                post_input(c, mb, rows * h);
+                auto it = posted.find({c, mb});
                 it->second.first->wait();
-                input = it->second.second.view({batch.tokens.numel(), h});
-                posted_inputs.erase(it);
-                post_input(mb + 1, numel);   // the next forward's input arrives while this one computes
+                input = it->second.second.view({rows, h});
+                posted.erase(it);
+                post_input(c, mb + 1, rows * h);   // the chunk's next input arrives while this one computes
             }
-            InFlight & slot = in_flight[mb];
+            InFlight & slot = in_flight[{c, mb}];
             start           = ms_since_begin();
-            Tensor     out  = model_.forward_stage(slot.ctx, batch, input);
-            if (last) {
+            Tensor out      = model.forward_stage(slot.ctx, batch, input);
+            if (v == stages - 1) {
                 result.loss_sum_of_means += slot.ctx.loss.mean();
                 slot.tokens = std::max(slot.ctx.loss.count, 1.0);
             } else {
-                sends.emplace_back(pp_->send(out, rank + 1, 2 * mb), out);
+                sends.emplace_back(pp_->send(out, rank_of(v + 1), tag(v + 1, mb, false)), out);
             }
             result.peak_in_flight = std::max(result.peak_in_flight, static_cast<int>(in_flight.size()));
         } else {
-            auto it = in_flight.find(mb);
-            LOOM_CHECK(it != in_flight.end(), "pipeline order runs the backward of micro-batch " << mb
-                                                                                             << " before its forward", "");
-            if (set_last_microbatch) set_last_microbatch(backwards == microbatches_ - 1);
-            InFlight & slot = it->second;
-            Tensor     dy;
-            if (!last) {
-                dy = receive(rank + 1, 2 * mb + 1, slot.ctx.s * slot.ctx.b * h).view({slot.ctx.s * slot.ctx.b, h});
+            auto it = in_flight.find({c, mb});
+            LOOM_CHECK(it != in_flight.end(), "pipeline order runs the backward of chunk " << c << ", micro-batch "
+                                                                                          << mb << " before its forward", "");
+            if (set_last_microbatch) set_last_microbatch(mb == microbatches_ - 1);
+            InFlight &    slot = it->second;
+            const int64_t rows = slot.ctx.s * slot.ctx.b;
+            Tensor        dy;
+            if (v < stages - 1) {
+                dy = Tensor::empty({rows * h}, DType::f32, device, {MemoryKind::device, "activations"});
+                pp_->recv(dy, rank_of(v + 1), tag(v, mb, true))->wait();
+                dy = dy.view({rows, h});
             }
             double scale = 1.0 / (slot.tokens * static_cast<double>(microbatches_));
             start        = ms_since_begin();
-            Tensor dx    = model_.backward_stage(slot.ctx, scale, dy, ready);
-            if (!first) {
-                sends.emplace_back(pp_->send(dx, rank - 1, 2 * mb + 1), dx);
+            Tensor dx    = model.backward_stage(slot.ctx, scale, dy, ready);
+            if (v > 0) {
+                sends.emplace_back(pp_->send(dx, rank_of(v - 1), tag(v - 1, mb, true)), dx);
             }
             in_flight.erase(it);
-            ++backwards;
+            if (c == 0) batches.erase(mb);
         }
         result.ops.push_back(TimelineOp{op, start, ms_since_begin()});
     }
     for (auto & [work, tensor] : sends) work->wait();
-    LOOM_CHECK(in_flight.empty() && posted_inputs.empty(), "pipeline iteration ended with "
-                                                               << in_flight.size() << " micro-batches in flight", "");
+    LOOM_CHECK(in_flight.empty() && posted.empty(), "pipeline iteration ended with "
+                                                        << in_flight.size() << " micro-batches in flight", "");
     return result;
 }
 
-Timeline PipelineExecutor::gather_timeline(const Result & mine, comm::Communicator & pp, int num_microbatches) {
+Timeline PipelineExecutor::gather_timeline(const Result & mine, comm::Communicator & pp, const ScheduleOptions & options) {
     // Each op as 5 floats: forward, chunk, microbatch, start, end; every stage has 2M ops.
     const int64_t per_rank = static_cast<int64_t>(mine.ops.size()) * 5;
     Device &      device   = cpu::device();
@@ -120,8 +128,7 @@ Timeline PipelineExecutor::gather_timeline(const Result & mine, comm::Communicat
     }
     pp.all_gather(local, all)->wait();
     Timeline timeline;
-    timeline.options.pp               = pp.size();
-    timeline.options.num_microbatches = num_microbatches;
+    timeline.options                  = options;
     timeline.unit_time                = false;
     timeline.ranks.resize(static_cast<size_t>(pp.size()));
     for (int r = 0; r < pp.size(); ++r) {

@@ -1,20 +1,25 @@
-// PipelineExecutor: runs one training iteration of this rank's pipeline stage by walking its schedule
+// PipelineExecutor: runs one training iteration of this rank's pipeline stage(s) by walking its schedule
 // order (pipeline/schedule.h) with real point-to-point transfers between neighbouring stages.
 //
-//   +1 (forward of micro-batch m):  receive the previous stage's output for m (first stage: embed the
-//                                   tokens), run forward_stage, send the output to the next stage (last
-//                                   stage: keep the loss)
-//   -1 (backward of micro-batch m): receive the next stage's input gradient for m (last stage: start from
-//                                   the loss), run backward_stage, send the input gradient back
+// With V model chunks per rank (interleaved 1F1B, --num-virtual-stages-per-pipeline-rank V), chunk c of
+// rank r is virtual stage v = c * pp + r: its input comes from virtual stage v - 1 (rank r - 1's chunk c,
+// or the last rank's chunk c - 1 when r = 0) and its output goes to v + 1. Without virtual stages V = 1
+// and this is plain 1F1B.
 //
-// Sends are asynchronous and complete while later work runs; the receive of the next forward's input is
-// posted as soon as the previous forward has started, so it overlaps the computation in between. Only
-// the activation contexts of micro-batches whose backward has not run are kept: their number peaks at
-// min(pp - rank, M) for 1F1B, which the executor measures. DDP's no_sync is lifted for the last
-// micro-batch's backward, so gradient reduction starts (with --overlap-grad-reduce) during it.
+//   +c (forward of chunk c, micro-batch m):  receive virtual stage v - 1's output for m (v = 0: embed
+//                                   the tokens), run forward_stage, send the output on (the last virtual
+//                                   stage keeps the loss)
+//   -c (backward of chunk c, micro-batch m): receive v + 1's input gradient for m (last virtual stage:
+//                                   start from the loss), run backward_stage, send the input gradient back
 //
-// Tags: micro-batch m's activation travels with tag 2m, its gradient with 2m + 1, so a transfer can only
-// ever match its own message.
+// Sends are asynchronous and complete while later work runs; a forward's input receive is posted when
+// the previous forward of the same chunk starts, so it overlaps the computation in between. Only the
+// activation contexts of (chunk, micro-batch) pairs whose backward has not run are kept; their number
+// peaks at min(pp - rank, M) for 1F1B and min(2(pp - rank - 1) + (V - 1) N + 1, M V) interleaved, which
+// the executor measures. DDP's no_sync is lifted for each chunk's last micro-batch backward.
+//
+// Tags: a transfer to virtual stage v for micro-batch m has tag 2 (v M + m) (activation) or that + 1
+// (gradient), so every receive matches exactly its own message.
 #pragma once
 
 #include "comm/communicator.h"
@@ -24,13 +29,16 @@
 
 #include <functional>
 #include <memory>
+#include <vector>
 
 namespace loom::pipeline {
 
 class PipelineExecutor {
 public:
-    // `pp_group` holds the stages in order (rank r runs stage r); `model` is this rank's stage.
-    PipelineExecutor(model::GptModel & model, std::shared_ptr<comm::Communicator> pp_group, int num_microbatches);
+    // `pp_group` holds the ranks in stage order; `chunks` are this rank's model chunks (one without
+    // virtual stages); `group_size` is N (--microbatch-group-size-per-virtual-pipeline-stage, 0: pp).
+    PipelineExecutor(std::vector<model::GptModel *> chunks, std::shared_ptr<comm::Communicator> pp_group,
+                     int num_microbatches, int group_size = 0);
 
     struct Result {
         double loss_sum_of_means = 0;   // last stage: sum over micro-batches of each one's mean loss
@@ -39,25 +47,30 @@ public:
                                          // is not part of the op, so it shows as a gap)
     };
 
-    // One iteration: next_batch() yields this rank's micro-batches in order; each micro-batch's loss is
-    // scaled by 1 / (its tokens x M) as the single-rank trainer does; set_last_microbatch(true) runs
-    // before the last backward (DDP's no_sync), false before the others.
+    // One iteration: next_batch() yields this rank's micro-batches in order (each is used by every chunk);
+    // each micro-batch's loss is scaled by 1 / (its tokens x M) as the single-rank trainer does;
+    // set_last_microbatch(true) runs before each chunk's last backward (DDP's no_sync), false before the
+    // others.
     Result run(const std::function<model::MicroBatch()> & next_batch, const model::GradReadyFn & ready,
                const std::function<void(bool)> & set_last_microbatch);
 
     const std::vector<ScheduleOp> & ops() const { return ops_; }
+    const ScheduleOptions &         options() const { return options_; }
 
     // Every stage's ops of one iteration, gathered over the pipeline group (collective), as a measured
     // Timeline for timeline_svg(). Times are ms since each stage's run() began; start the iteration right
     // after a barrier so the stages' clocks line up.
-    static Timeline gather_timeline(const Result & mine, comm::Communicator & pp, int num_microbatches);
+    static Timeline gather_timeline(const Result & mine, comm::Communicator & pp, const ScheduleOptions & options);
 
 private:
-    Tensor receive(int peer, int tag, int64_t numel);
+    int tag(int virtual_stage, int microbatch, bool gradient) const {
+        return 2 * (virtual_stage * microbatches_ + microbatch) + (gradient ? 1 : 0);
+    }
 
-    model::GptModel &                   model_;
+    std::vector<model::GptModel *>      chunks_;
     std::shared_ptr<comm::Communicator> pp_;
     int                                 microbatches_;
+    ScheduleOptions                     options_;
     std::vector<ScheduleOp>             ops_;
 };
 

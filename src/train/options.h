@@ -46,6 +46,8 @@ struct TrainOptions {
     // Data and pipeline parallelism (the ranks `mpirun` starts are pp x dp).
     int64_t        data_parallel_size = 1;
     int64_t        pipeline_parallel_size = 1;   // --pipeline-model-parallel-size
+    int64_t        virtual_pipeline_size  = 0;   // --num-virtual-stages-per-pipeline-rank (0: none)
+    int64_t        microbatch_group_size  = 0;   // --microbatch-group-size-per-virtual-pipeline-stage (0: pp)
     ddp::DdpConfig ddp;                 // --use-distributed-optimizer, --overlap-grad-reduce, ...
     bool           print_layout = false;   // print DDP's buffer layout on rank 0
     std::string    timeline_file;          // --timeline: the last iteration's measured pipeline timeline (SVG)

@@ -62,14 +62,23 @@ std::string metrics_json(const IterationStats & s) {
 
 Trainer::Trainer(const TrainOptions & options, model::GptModel & model, BatchSource & data,
                  std::shared_ptr<comm::Communicator> dp_group, PipelineGroups pipeline)
-    : options_(options), model_(model), data_(data), params_(model.parameters()), dp_group_(std::move(dp_group)),
-      pipeline_(std::move(pipeline)) {
+    : Trainer(options, std::vector<model::GptModel *>{&model}, data, std::move(dp_group), std::move(pipeline)) {}
+
+Trainer::Trainer(const TrainOptions & options, std::vector<model::GptModel *> chunks, BatchSource & data,
+                 std::shared_ptr<comm::Communicator> dp_group, PipelineGroups pipeline)
+    : options_(options), chunks_(std::move(chunks)), model_(*chunks_.at(0)), data_(data),
+      dp_group_(std::move(dp_group)), pipeline_(std::move(pipeline)) {
+    for (model::GptModel * chunk : chunks_) {
+        for (model::Parameter * p : chunk->parameters()) params_.push_back(p);
+    }
+    LOOM_CHECK(chunks_.size() == 1 || pipeline_.pp, "model chunks without a pipeline group", "");
     if (pipeline_.pp) {
         LOOM_CHECK(pipeline_.pp->size() == options_.pipeline_parallel_size,
                    "pipeline group of " << pipeline_.pp->size() << " ranks for --pipeline-model-parallel-size "
                                         << options_.pipeline_parallel_size, "");
-        executor_ = std::make_unique<pipeline::PipelineExecutor>(model_, pipeline_.pp,
-                                                                 static_cast<int>(options_.num_microbatches()));
+        executor_ = std::make_unique<pipeline::PipelineExecutor>(
+            chunks_, pipeline_.pp, static_cast<int>(options_.num_microbatches()),
+            static_cast<int>(options_.microbatch_group_size));
     }
     if (dp_group_) {
         LOOM_CHECK(dp_group_->size() == options_.data_parallel_size,
@@ -79,7 +88,9 @@ Trainer::Trainer(const TrainOptions & options, model::GptModel & model, BatchSou
         grad_ready_ = ddp_->grad_ready();
         if (options_.ddp.overlap_param_gather) {
             ddp::DistributedDataParallel * d = ddp_.get();
-            model_.set_pre_forward_hook([d](const std::vector<model::Parameter *> & ps) { d->ensure_params_ready(ps); });
+            for (model::GptModel * chunk : chunks_) {
+                chunk->set_pre_forward_hook([d](const std::vector<model::Parameter *> & ps) { d->ensure_params_ready(ps); });
+            }
         }
     } else {
         LOOM_CHECK(!options_.ddp.use_distributed_optimizer && !options_.ddp.overlap_grad_reduce,
@@ -109,7 +120,7 @@ Trainer::Trainer(const TrainOptions & options, model::GptModel & model, BatchSou
 }
 
 Trainer::~Trainer() {
-    model_.set_pre_forward_hook(nullptr);
+    for (model::GptModel * chunk : chunks_) chunk->set_pre_forward_hook(nullptr);
     if (ddp_) {
         try {
             ddp_->finish_param_sync();   // leave the model's weights whole for whoever uses it next
@@ -124,7 +135,7 @@ double Trainer::step(IterationStats & stats) {
     if (ddp_) {
         ddp_->zero_grad_buffer();
     } else {
-        model_.zero_grad();
+        for (model::Parameter * p : params_) p->main_grad.fill_zero();
     }
     double loss_total = 0;
     if (executor_) {
@@ -138,7 +149,7 @@ double Trainer::step(IterationStats & stats) {
         peak_in_flight_ = std::max(peak_in_flight_, r.peak_in_flight);
         if (timed) {
             pipeline::Timeline timeline =
-                pipeline::PipelineExecutor::gather_timeline(r, *pipeline_.pp, static_cast<int>(microbatches));
+                pipeline::PipelineExecutor::gather_timeline(r, *pipeline_.pp, executor_->options());
             if (pipeline_.pp->rank() == 0 && (!dp_group_ || dp_group_->rank() == 0)) {
                 pipeline::write_file_atomically(options_.timeline_file, pipeline::timeline_svg(timeline));
             }
@@ -162,7 +173,12 @@ double Trainer::step(IterationStats & stats) {
     // The tied word embedding: the first stage's embedding gradient plus the last stage's output-layer
     // gradient, on both (after the data-parallel reduction: with the distributed optimizer both stages
     // hold the same owned range, the embedding being alone in its bucket on each).
-    model::Parameter * wte = model_.word_embedding();
+    // The first rank's first chunk holds the embedding, the last rank's last chunk the tied copy.
+    model::Parameter * wte = nullptr;
+    for (model::GptModel * chunk : chunks_) {
+        const model::PipelineStage & part = chunk->stage();
+        if ((part.pre_process || part.post_process) && chunk->word_embedding()) wte = chunk->word_embedding();
+    }
     if (pipeline_.embedding && pipeline_.embedding->size() > 1 && wte && wte->shared_embedding) {
         pipeline_.embedding->all_reduce(wte->main_grad, comm::ReduceOp::sum)->wait();
     }

@@ -77,6 +77,9 @@ public:
     // pipeline.pp given: `model` is this rank's stage, run by the 1F1B executor (pipeline/executor.h).
     Trainer(const TrainOptions & options, model::GptModel & model, BatchSource & data,
             std::shared_ptr<comm::Communicator> dp_group = nullptr, PipelineGroups pipeline = {});
+    // Interleaved pipeline: this rank's model chunks (virtual stages c * pp + rank), in chunk order.
+    Trainer(const TrainOptions & options, std::vector<model::GptModel *> chunks, BatchSource & data,
+            std::shared_ptr<comm::Communicator> dp_group, PipelineGroups pipeline);
     ~Trainer();
 
     // The DDP wrapper (null without a dp_group).
@@ -91,7 +94,8 @@ public:
 
 private:
     const TrainOptions &            options_;
-    model::GptModel &               model_;
+    std::vector<model::GptModel *>  chunks_;
+    model::GptModel &               model_;   // chunks_[0]
     BatchSource &                   data_;
     std::vector<model::Parameter *> params_;
     std::shared_ptr<comm::Communicator>           dp_group_;
