@@ -89,7 +89,7 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
     // Process groups: pp x dp ranks, Megatron's rank order (tp-cp-ep-dp-pp).
     std::shared_ptr<comm::Communicator> dp;
     train::PipelineGroups               stages;
-    model::PipelineStage                part;
+    std::vector<model::PipelineStage>   parts{model::PipelineStage{}};   // this rank's model chunks
     if (mpi) {
         parallel::ParallelSizes sizes;
         sizes.world_size = mpi->world_size();
@@ -102,9 +102,16 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
             pipeline::LayerSplitOptions split;
             split.num_layers = static_cast<int>(options.model.num_layers);
             split.pp         = config.pp();
-            const int              stage  = groups.pp->rank();
-            pipeline::LayerRange   layers = pipeline::assign_layers(split).at(stage, 0);
-            part = model::PipelineStage{layers.begin, layers.size(), stage == 0, stage == config.pp() - 1};
+            if (options.virtual_pipeline_size > 1) split.vpp = static_cast<int>(options.virtual_pipeline_size);
+            const pipeline::LayerAssignment layout = pipeline::assign_layers(split);
+            const int                       stage  = groups.pp->rank();
+            parts.clear();
+            for (int c = 0; c < layout.num_chunks; ++c) {
+                const pipeline::LayerRange layers = layout.at(stage, c);
+                const int                  v      = c * config.pp() + stage;   // virtual stage
+                parts.push_back(model::PipelineStage{layers.begin, layers.size(), v == 0,
+                                                     v == config.pp() * layout.num_chunks - 1});
+            }
         }
     }
     const int    rank   = mpi ? mpi->world_rank() : 0;
@@ -114,8 +121,14 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
         train::make_batch_source(options, device, vocab_given, dp ? dp->rank() : 0, options.data_parallel_size);
     options.model.validate();
 
-    model::GptModel gpt(options.model, device, part);
-    gpt.init();
+    std::vector<std::unique_ptr<model::GptModel>> chunks;
+    std::vector<model::GptModel *>                views;
+    for (const model::PipelineStage & part : parts) {
+        chunks.push_back(std::make_unique<model::GptModel>(options.model, device, part));
+        chunks.back()->init();
+        views.push_back(chunks.back().get());
+    }
+    model::GptModel & gpt = *chunks.front();
     if (!options.load_hf.empty()) {
         model::load_hf_gpt2(gpt, options.load_hf);   // the shape was checked against config.json by resolve()
     }
@@ -130,7 +143,7 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
                 data->describe().c_str(), static_cast<long long>(options.micro_batch_size),
                 static_cast<long long>(options.global_batch_size), static_cast<long long>(options.train_iters),
                 static_cast<long long>(options.data_parallel_size), static_cast<long long>(options.pipeline_parallel_size));
-    train::Trainer trainer(options, gpt, *data, dp, stages);
+    train::Trainer trainer(options, views, *data, dp, stages);
     if (out && options.print_layout) {
         std::printf("%s\n", ddp::layout_table(trainer.ddp()->layout(), trainer.ddp()->specs(),
                                               options.ddp.use_distributed_optimizer).c_str());

@@ -78,6 +78,10 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_flag("--print-layout", o.print_layout, "print the DDP buffer layout (as `loom layout`) on rank 0");
     app.add_option("--timeline", o.timeline_file,
                    "write the last iteration's measured pipeline timeline (one row per stage) as an SVG");
+    app.add_option("--num-virtual-stages-per-pipeline-rank", o.virtual_pipeline_size,
+                   "model chunks per pipeline rank (interleaved 1F1B)");
+    app.add_option("--microbatch-group-size-per-virtual-pipeline-stage", o.microbatch_group_size,
+                   "micro-batches per group of the interleaved schedule (default: the pipeline size)");
     app.add_option("--pipeline-model-parallel-size", o.pipeline_parallel_size,
                    "pipeline stages (1F1B); the ranks mpirun starts are pp x dp")->capture_default_str();
 
@@ -187,16 +191,23 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     o.offload.pin_cpu_grads  = !no_pin_cpu_grads_;
     o.offload.pin_cpu_params = !no_pin_cpu_params_;
     m.params_dtype = o.bf16 ? DType::bf16 : DType::f32;
+    LOOM_CHECK(o.virtual_pipeline_size <= 1 || o.pipeline_parallel_size > 1,
+               "--num-virtual-stages-per-pipeline-rank " << o.virtual_pipeline_size
+                                                          << " needs --pipeline-model-parallel-size > 1",
+               "virtual stages interleave the chunks of several pipeline ranks");
     if (o.pipeline_parallel_size > 1) {
         LOOM_CHECK(o.load_hf.empty(), "--load-hf with --pipeline-model-parallel-size " << o.pipeline_parallel_size,
                    "loading Hugging Face weights into pipeline stages is not supported yet; train from --seed");
         pipeline::LayerSplitOptions split;
         split.num_layers = static_cast<int>(m.num_layers);
         split.pp         = static_cast<int>(o.pipeline_parallel_size);
-        pipeline::assign_layers(split);   // throws naming --num-layers / --pipeline-model-parallel-size
+        if (o.virtual_pipeline_size > 1) split.vpp = static_cast<int>(o.virtual_pipeline_size);
+        pipeline::assign_layers(split);   // throws naming --num-layers / --pipeline-model-parallel-size / VPP
         pipeline::ScheduleOptions schedule;
         schedule.pp               = split.pp;
+        schedule.vpp              = split.vpp;
         schedule.num_microbatches = static_cast<int>(o.num_microbatches());
+        if (o.microbatch_group_size > 0) schedule.microbatch_group_size = static_cast<int>(o.microbatch_group_size);
         pipeline::validate_schedule(schedule);
     }
     m.validate();
