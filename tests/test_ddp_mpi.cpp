@@ -19,6 +19,7 @@
 #include "train/trainer.h"
 
 #include "mpi_test_main.h"
+#include "small_gpt.h"
 
 #include <gtest/gtest.h>
 
@@ -31,22 +32,9 @@ namespace {
 comm::MpiContext * g_mpi = nullptr;
 
 train::TrainOptions small_options(int64_t dp) {
-    train::TrainOptions o;
-    o.model                         = model::gpt_preset("gpt-tiny");
-    o.model.num_layers              = 2;
-    o.model.hidden_size             = 64;
-    o.model.ffn_hidden_size         = 256;
-    o.model.num_attention_heads     = 4;
-    o.model.num_query_groups        = 4;
-    o.model.seq_length              = 32;
-    o.model.max_position_embeddings = 32;
-    o.micro_batch_size   = 1;
-    o.global_batch_size  = 8;
-    o.train_iters        = 20;
-    o.lr_warmup_iters    = 5;
-    o.lr_decay_iters     = 20;
-    o.log_interval       = 1000;
-    o.data_parallel_size = dp;
+    train::TrainOptions o = testing_models::small_gpt_options(2, 8, 20);
+    o.lr_warmup_iters     = 5;
+    o.data_parallel_size  = dp;
     return o;
 }
 

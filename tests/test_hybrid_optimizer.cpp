@@ -10,6 +10,8 @@
 #include "train/data_source.h"
 #include "train/trainer.h"
 
+#include "small_gpt.h"
+
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -345,23 +347,10 @@ namespace {
 
 // gpt-tiny shrunk to 2 layers of hidden 64 and sequence 32, bf16 or f32, 20 iterations with warmup and decay.
 train::TrainOptions trainer_options(bool bf16) {
-    train::TrainOptions o;
-    o.model                         = model::gpt_preset("gpt-tiny");
-    o.model.num_layers              = 2;
-    o.model.hidden_size             = 64;
-    o.model.ffn_hidden_size         = 256;
-    o.model.num_attention_heads     = 4;
-    o.model.num_query_groups        = 4;
-    o.model.seq_length              = 32;
-    o.model.max_position_embeddings = 32;
-    o.model.params_dtype            = bf16 ? DType::bf16 : DType::f32;
-    o.bf16                          = bf16;
-    o.micro_batch_size  = 1;
-    o.global_batch_size = 2;
-    o.train_iters       = 20;
-    o.lr_warmup_iters   = 5;
-    o.lr_decay_iters    = 20;
-    o.log_interval      = 1000;
+    train::TrainOptions o = testing_models::small_gpt_options(2, 2, 20);
+    o.lr_warmup_iters     = 5;
+    o.model.params_dtype  = bf16 ? DType::bf16 : DType::f32;
+    o.bf16                = bf16;
     return o;
 }
 

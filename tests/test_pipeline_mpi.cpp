@@ -15,6 +15,7 @@
 #include "train/trainer.h"
 
 #include "mpi_test_main.h"
+#include "small_gpt.h"
 
 #include <gtest/gtest.h>
 
@@ -31,21 +32,8 @@ namespace {
 comm::MpiContext * g_mpi = nullptr;
 
 train::TrainOptions small_options() {
-    train::TrainOptions o;
-    o.model                         = model::gpt_preset("gpt-tiny");
-    o.model.num_layers              = 4;
-    o.model.hidden_size             = 64;
-    o.model.ffn_hidden_size         = 256;
-    o.model.num_attention_heads     = 4;
-    o.model.num_query_groups        = 4;
-    o.model.seq_length              = 32;
-    o.model.max_position_embeddings = 32;
-    o.micro_batch_size  = 1;
-    o.global_batch_size = 8;
-    o.train_iters       = 10;
-    o.lr_warmup_iters   = 3;
-    o.lr_decay_iters    = 10;
-    o.log_interval      = 1000;
+    train::TrainOptions o = testing_models::small_gpt_options(4, 8, 10);
+    o.lr_warmup_iters     = 3;
     return o;
 }
 
