@@ -43,7 +43,11 @@ struct PipelineStage {
 
 class GptModel {
 public:
-    GptModel(const GptConfig & config, Device & device, const PipelineStage & stage = {});
+    // With tensor parallelism (tp.size > 1) this rank holds its shard of every split parameter (layers.h)
+    // and the vocabulary rows [rank, rank + 1) x V / tp of the embedding and output layer, V padded to a
+    // multiple of make_vocab_size_divisible_by x tp; the cross-entropy never gathers the full logits.
+    GptModel(const GptConfig & config, Device & device, const PipelineStage & stage = {},
+             const TensorParallel & tp = {});
 
     struct LossSum {
         double sum   = 0;   // sum of mask * per-token loss
@@ -105,6 +109,15 @@ private:
     std::vector<std::unique_ptr<TransformerLayer>> layers_;
     std::unique_ptr<Norm>                          final_norm_;
     Parameter                                      output_;  // (V, h), untied only
+    TensorParallel                                 tp_;
+    int64_t                                        vocab_local_ = 0;   // V / tp rows on this rank
+    int64_t                                        vocab_begin_ = 0;   // the first of them
+
+    // tokens (b, s) as rows of this rank's vocabulary shard, -1 for another rank's.
+    std::vector<int32_t> local_tokens(const Tensor & tokens) const;
+    // How many of this rank's vocabulary columns are real tokens (the rest is padding).
+    int64_t local_valid_vocab() const;
+    void    vocab_parallel_cross_entropy(Context & ctx, const MicroBatch & batch);
     PreForwardFn                                   pre_forward_;
 };
 

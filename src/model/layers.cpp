@@ -34,15 +34,26 @@ Tensor keep_for_backward(Tensor & x, DType dtype) {
     return out;
 }
 
+void TensorParallel::all_reduce(const Tensor & t) const {
+    if (group && size > 1) group->all_reduce(t, comm::ReduceOp::sum)->wait();
+}
+
+void set_tp_slice(Parameter & p, int dim, std::vector<std::pair<int64_t, int64_t>> ranges, Shape full_shape) {
+    p.tp_slice            = TpSlice{dim, std::move(ranges), std::move(full_shape)};
+    p.tensor_parallel_dim = dim;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Linear
 
-Linear::Linear(const std::string & name, int64_t in, int64_t out, bool with_bias, DType dtype, Device & device)
-    : weight(parameter_create(name + ".weight", {out, in}, dtype, device)), has_bias(with_bias) {
-    weight.tensor_parallel_dim = 0;
+Linear::Linear(const std::string & name, int64_t in, int64_t out, bool with_bias, DType dtype, Device & device,
+               Split s, const TensorParallel * t)
+    : weight(parameter_create(name + ".weight", {out, in}, dtype, device)), has_bias(with_bias), split(s), tp(t) {
+    LOOM_CHECK(split == Split::none || tp, "a split linear layer without its tensor-parallel group", "");
     if (has_bias) {
         bias                 = parameter_create(name + ".bias", {out}, dtype, device);
         bias.no_weight_decay = true;
+        if (split == Split::row) tp->replicated(bias);
     }
 }
 
@@ -64,6 +75,7 @@ Tensor Linear::forward(Context & ctx, const Tensor & x, bool add_bias) {
     Tensor  x_in  = in_dtype(x, dtype);
     Tensor  y     = activation(x.device(), n, o);
     cpu::gemm(false, true, n, o, in, x_in.data_ptr(), weight.data.data_ptr(), dtype, y.data<float>());
+    if (split == Split::row) tp->all_reduce(y);   // partial sums over this rank's input features
     if (has_bias && add_bias) {
         cpu::bias_add(y.data<float>(), parameter_f32(bias).data<float>(), n, o);
     }
@@ -78,6 +90,7 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy, const GradReadyFn & re
     Tensor  dx    = activation(dy.device(), n, in);
     cpu::gemm(false, false, n, in, o, dy_in.data_ptr(), weight.data.data_ptr(), dtype, dx.data<float>());
     cpu::gemm(true, false, o, in, n, dy_in.data_ptr(), ctx.x.data_ptr(), dtype, weight.main_grad.data<float>(), true);
+    if (split == Split::column) tp->all_reduce(dx);   // each rank's output features contribute to dx
     if (has_bias) {
         cpu::bias_backward(dy.data<float>(), bias.main_grad.data<float>(), n, o);
     }
@@ -92,12 +105,15 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy, const GradReadyFn & re
 // ---------------------------------------------------------------------------------------------------
 // Norm
 
-Norm::Norm(const std::string & name, int64_t h, Normalization k, float e, DType dtype, Device & device)
+Norm::Norm(const std::string & name, int64_t h, Normalization k, float e, DType dtype, Device & device,
+           const TensorParallel & tp)
     : weight(parameter_create(name + ".weight", {h}, dtype, device)), kind(k), eps(e) {
     weight.no_weight_decay = true;
+    tp.replicated(weight);
     if (kind == Normalization::layernorm) {
         bias                 = parameter_create(name + ".bias", {h}, dtype, device);
         bias.no_weight_decay = true;
+        tp.replicated(bias);
     }
 }
 
@@ -159,13 +175,25 @@ Tensor Norm::backward(Context & ctx, const Tensor & dy, const GradReadyFn & read
 // ---------------------------------------------------------------------------------------------------
 // SelfAttention
 
-SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Device & device)
-    : config(c),
-      qkv(name + ".qkv", c.hidden_size, (c.num_attention_heads + 2 * c.num_query_groups) * c.head_dim(),
-          c.add_bias_linear, c.params_dtype, device),
-      proj(name + ".proj", c.num_attention_heads * c.head_dim(), c.hidden_size, c.add_bias_linear, c.params_dtype,
-           device) {
-    proj.weight.tensor_parallel_dim = 1;
+SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Device & device, const TensorParallel & t)
+    : config(c), tp(t), heads(c.num_attention_heads / t.size), groups(c.num_query_groups / t.size),
+      qkv(name + ".qkv", c.hidden_size, (heads + 2 * groups) * c.head_dim(), c.add_bias_linear, c.params_dtype, device,
+          t.size > 1 ? Linear::Split::column : Linear::Split::none, &tp),
+      proj(name + ".proj", heads * c.head_dim(), c.hidden_size, c.add_bias_linear, c.params_dtype, device,
+           t.size > 1 ? Linear::Split::row : Linear::Split::none, &tp) {
+    LOOM_CHECK(c.num_attention_heads % t.size == 0 && c.num_query_groups % t.size == 0,
+               "--num-attention-heads " << c.num_attention_heads << " and --num-query-groups " << c.num_query_groups
+                                        << " must be divisible by --tensor-model-parallel-size " << t.size, "");
+    if (t.size > 1) {
+        // This rank's heads' Q rows, then its groups' K rows, then their V rows, of the full [Q | K | V].
+        const int64_t d = c.head_dim(), a = c.num_attention_heads, g = c.num_query_groups;
+        std::vector<std::pair<int64_t, int64_t>> rows{{t.rank * heads * d, (t.rank + 1) * heads * d},
+                                                      {a * d + t.rank * groups * d, a * d + (t.rank + 1) * groups * d},
+                                                      {(a + g) * d + t.rank * groups * d, (a + g) * d + (t.rank + 1) * groups * d}};
+        set_tp_slice(qkv.weight, 0, rows, {(a + 2 * g) * d, c.hidden_size});
+        if (qkv.has_bias) set_tp_slice(qkv.bias, 0, rows, {(a + 2 * g) * d});
+        set_tp_slice(proj.weight, 1, {{t.rank * heads * d, (t.rank + 1) * heads * d}}, {c.hidden_size, a * d});
+    }
 }
 
 void SelfAttention::init(uint64_t seed, float std, float output_std) {
@@ -180,15 +208,15 @@ void SelfAttention::parameters(std::vector<Parameter *> & out) {
 
 namespace {
 
-cpu::AttentionShape attention_shape(const GptConfig & c, int64_t s, int64_t b) {
+cpu::AttentionShape attention_shape(const GptConfig & c, int64_t heads, int64_t groups, int64_t s, int64_t b) {
     int64_t d = c.head_dim();
-    return {s, b, c.num_attention_heads, c.num_query_groups, d, (c.num_attention_heads + 2 * c.num_query_groups) * d};
+    return {s, b, heads, groups, d, (heads + 2 * groups) * d};
 }
 
 }  // namespace
 
 Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b) {
-    cpu::AttentionShape shape = attention_shape(config, s, b);
+    cpu::AttentionShape shape = attention_shape(config, heads, groups, s, b);
     ctx.s = s;
     ctx.b = b;
     Tensor q_k_v = qkv.forward(ctx.qkv_ctx, x);
@@ -206,7 +234,7 @@ Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_
 }
 
 Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
-    cpu::AttentionShape shape = attention_shape(config, ctx.s, ctx.b);
+    cpu::AttentionShape shape = attention_shape(config, heads, groups, ctx.s, ctx.b);
     Tensor out   = in_dtype(ctx.proj_ctx.x, DType::f32);   // before proj.backward releases it
     Tensor d_out = proj.backward(ctx.proj_ctx, dy, ready);
     Tensor q_k_v = in_dtype(ctx.qkv, DType::f32);
@@ -225,12 +253,23 @@ Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReady
 // ---------------------------------------------------------------------------------------------------
 // Mlp
 
-Mlp::Mlp(const std::string & name, const GptConfig & c, Device & device)
-    : config(c),
-      fc1(name + ".fc1", c.hidden_size, c.swiglu ? 2 * c.ffn_hidden_size : c.ffn_hidden_size, c.add_bias_linear,
-          c.params_dtype, device),
-      fc2(name + ".fc2", c.ffn_hidden_size, c.hidden_size, c.add_bias_linear, c.params_dtype, device) {
-    fc2.weight.tensor_parallel_dim = 1;
+Mlp::Mlp(const std::string & name, const GptConfig & c, Device & device, const TensorParallel & t)
+    : config(c), tp(t), ffn(c.ffn_hidden_size / t.size),
+      fc1(name + ".fc1", c.hidden_size, c.swiglu ? 2 * ffn : ffn, c.add_bias_linear, c.params_dtype, device,
+          t.size > 1 ? Linear::Split::column : Linear::Split::none, &tp),
+      fc2(name + ".fc2", ffn, c.hidden_size, c.add_bias_linear, c.params_dtype, device,
+          t.size > 1 ? Linear::Split::row : Linear::Split::none, &tp) {
+    LOOM_CHECK(c.ffn_hidden_size % t.size == 0, "--ffn-hidden-size " << c.ffn_hidden_size
+                                                                      << " must be divisible by --tensor-model-parallel-size "
+                                                                      << t.size, "");
+    if (t.size > 1) {
+        const int64_t f = c.ffn_hidden_size, r = t.rank;
+        std::vector<std::pair<int64_t, int64_t>> rows{{r * ffn, (r + 1) * ffn}};
+        if (c.swiglu) rows.push_back({f + r * ffn, f + (r + 1) * ffn});   // [gate | up]: this rank's part of each
+        set_tp_slice(fc1.weight, 0, rows, {c.swiglu ? 2 * f : f, c.hidden_size});
+        if (fc1.has_bias) set_tp_slice(fc1.bias, 0, rows, {c.swiglu ? 2 * f : f});
+        set_tp_slice(fc2.weight, 1, {{r * ffn, (r + 1) * ffn}}, {c.hidden_size, f});
+    }
 }
 
 void Mlp::init(uint64_t seed, float std, float output_std) {
@@ -244,7 +283,7 @@ void Mlp::parameters(std::vector<Parameter *> & out) {
 }
 
 Tensor Mlp::forward(Context & ctx, const Tensor & x) {
-    int64_t n   = x.size(0), f = config.ffn_hidden_size;
+    int64_t n   = x.size(0), f = ffn;
     Tensor  act = activation(x.device(), n, f);
     if (config.swiglu) {
         Tensor pre  = fc1.forward(ctx.fc1_ctx, x);
@@ -265,7 +304,7 @@ Tensor Mlp::forward(Context & ctx, const Tensor & x) {
 
 Tensor Mlp::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
     Tensor  d_act = fc2.backward(ctx.fc2_ctx, dy, ready);
-    int64_t n = dy.size(0), f = config.ffn_hidden_size;
+    int64_t n = dy.size(0), f = ffn;
     Tensor  pre   = in_dtype(ctx.pre_act, DType::f32);
     Tensor  d_pre = activation(dy.device(), n, pre.size(1));
     if (config.swiglu) {
@@ -280,14 +319,14 @@ Tensor Mlp::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready
 // ---------------------------------------------------------------------------------------------------
 // TransformerLayer
 
-TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & device)
+TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & device, const TensorParallel & tp)
     : config(c),
       norm1("layers." + std::to_string(index) + ".norm1", c.hidden_size, c.normalization, c.norm_epsilon,
-            c.params_dtype, device),
-      attention("layers." + std::to_string(index) + ".attention", c, device),
+            c.params_dtype, device, tp),
+      attention("layers." + std::to_string(index) + ".attention", c, device, tp),
       norm2("layers." + std::to_string(index) + ".norm2", c.hidden_size, c.normalization, c.norm_epsilon,
-            c.params_dtype, device),
-      mlp("layers." + std::to_string(index) + ".mlp", c, device) {}
+            c.params_dtype, device, tp),
+      mlp("layers." + std::to_string(index) + ".mlp", c, device, tp) {}
 
 void TransformerLayer::init(uint64_t seed) {
     // Megatron's init: N(0, std) for inputs, std / sqrt(2 L) for the layers that write the residual.

@@ -18,6 +18,7 @@
 //     bandwidth-bound either way, and an f32 residual keeps the bf16 run closest to the f32 one.
 #pragma once
 
+#include "comm/communicator.h"
 #include "model/gpt_config.h"
 #include "model/parameter.h"
 
@@ -34,10 +35,32 @@ Tensor in_dtype(const Tensor & x, DType dtype);
 // rounded to bf16 in place and its bf16 twin returned.
 Tensor keep_for_backward(Tensor & x, DType dtype);
 
+// Tensor parallelism of the layers: the TP group (null: none) and this rank's place in it. Column-parallel
+// linears split their output features (their input gradient is summed over the group), row-parallel ones
+// their input features (their output is summed over the group before the bias); attention splits heads
+// and query groups, the MLP its hidden features, the embedding and output layer the vocabulary.
+struct TensorParallel {
+    std::shared_ptr<comm::Communicator> group;
+    int                                 rank = 0, size = 1;
+
+    // Sums t over the group in place (nothing without TP).
+    void all_reduce(const Tensor & t) const;
+    // Marks a parameter every TP rank holds whole: only rank 0's copy counts in the grad norm.
+    void replicated(Parameter & p) const { p.tp_duplicate = rank != 0; }
+};
+
+// Sets p's tensor-parallel slice: dim 0 (rows) or 1 (columns) of `full_shape`, the given ranges.
+void set_tp_slice(Parameter & p, int dim, std::vector<std::pair<int64_t, int64_t>> ranges, Shape full_shape);
+
 class Linear {
 public:
+    enum class Split { none, column, row };
+
     // y (n, out) = x (n, in) W^T + bias;  W (out, in).
-    Linear(const std::string & name, int64_t in, int64_t out, bool bias, DType dtype, Device & device);
+    // in, out: this rank's sizes (the local shard's). With a split, the caller sets the weight's and the
+    // column-parallel bias's tp_slice; a row-parallel bias is replicated.
+    Linear(const std::string & name, int64_t in, int64_t out, bool bias, DType dtype, Device & device,
+           Split split = Split::none, const TensorParallel * tp = nullptr);
     struct Context { Tensor x; };   // the input, in the weight's dtype
 
     // add_bias = false leaves the bias to the caller, to fuse it into the next elementwise kernel
@@ -47,14 +70,17 @@ public:
     void   init(uint64_t seed, float std);
     void   parameters(std::vector<Parameter *> & out);
 
-    Parameter weight;   // (out, in)
-    Parameter bias;     // (out), undefined data when absent
-    bool      has_bias;
+    Parameter                weight;   // (out, in)
+    Parameter                bias;     // (out), undefined data when absent
+    bool                     has_bias;
+    Split                    split = Split::none;
+    const TensorParallel *   tp    = nullptr;
 };
 
 class Norm {
 public:
-    Norm(const std::string & name, int64_t h, Normalization kind, float eps, DType dtype, Device & device);
+    Norm(const std::string & name, int64_t h, Normalization kind, float eps, DType dtype, Device & device,
+         const TensorParallel & tp = {});
     struct Context { Tensor x, mean, rstd; };
 
     // With a residual, x += residual first, in the same pass over each row (the fused residual + norm of
@@ -72,7 +98,7 @@ public:
 
 class SelfAttention {
 public:
-    SelfAttention(const std::string & name, const GptConfig & config, Device & device);
+    SelfAttention(const std::string & name, const GptConfig & config, Device & device, const TensorParallel & tp = {});
     struct Context {
         Linear::Context qkv_ctx, proj_ctx;   // proj_ctx.x is the attention output (n, a d)
         Tensor          qkv;   // (n, (a + 2g) d) after RoPE, in the parameters' dtype
@@ -86,13 +112,15 @@ public:
     void   parameters(std::vector<Parameter *> & out);
 
     const GptConfig & config;
-    Linear            qkv;    // h -> (a + 2g) d, rows [Q | K | V]
-    Linear            proj;   // a d -> h
+    TensorParallel    tp;
+    int64_t           heads, groups;   // this rank's: a / tp, g / tp
+    Linear            qkv;    // h -> (a + 2g) d / tp, rows [Q | K | V] of this rank's heads and groups
+    Linear            proj;   // a d / tp -> h, row-parallel
 };
 
 class Mlp {
 public:
-    Mlp(const std::string & name, const GptConfig & config, Device & device);
+    Mlp(const std::string & name, const GptConfig & config, Device & device, const TensorParallel & tp = {});
     struct Context { Linear::Context fc1_ctx, fc2_ctx; Tensor pre_act; };   // pre_act in the parameters' dtype
 
     Tensor forward(Context & ctx, const Tensor & x);
@@ -101,14 +129,16 @@ public:
     void   parameters(std::vector<Parameter *> & out);
 
     const GptConfig & config;
-    Linear            fc1;   // h -> f (2f with SwiGLU: [gate | up])
-    Linear            fc2;   // f -> h
+    TensorParallel    tp;
+    int64_t           ffn;   // this rank's hidden features: f / tp
+    Linear            fc1;   // h -> f / tp (2f / tp with SwiGLU: [gate | up] of this rank's features)
+    Linear            fc2;   // f / tp -> h, row-parallel
 };
 
 // Pre-norm block: x + attn(norm1(x)), then + mlp(norm2(.)).
 class TransformerLayer {
 public:
-    TransformerLayer(int64_t index, const GptConfig & config, Device & device);
+    TransformerLayer(int64_t index, const GptConfig & config, Device & device, const TensorParallel & tp = {});
     struct Context {
         Norm::Context          norm1, norm2;
         SelfAttention::Context attn;

@@ -32,19 +32,47 @@ uint64_t fnv1a(const std::string & s) {
 
 void parameter_init_normal(Parameter & p, uint64_t seed, float std) {
     std::mt19937_64    rng(seed * 0x9e3779b97f4a7c15ull ^ fnv1a(p.name));
-    std::vector<float> w(static_cast<size_t>(p.numel()));
+    const bool         sharded = p.tp_slice.dim >= 0;
+    int64_t            full    = 1;
+    for (int64_t d : p.tp_slice.full_shape) full *= d;
+    std::vector<float> w(static_cast<size_t>(sharded ? full : p.numel()));
     // Box-Muller on 53-bit uniforms: identical on every platform (std::normal_distribution is not).
     constexpr double kTwoPi = 6.283185307179586;
-    for (int64_t i = 0; i < p.numel(); i += 2) {
+    for (int64_t i = 0; i < static_cast<int64_t>(w.size()); i += 2) {
         double u1 = (static_cast<double>(rng() >> 11) + 1.0) * 0x1p-53;
         double u2 = static_cast<double>(rng() >> 11) * 0x1p-53;
         double r  = std::sqrt(-2.0 * std::log(u1));
         w[i]      = static_cast<float>(std * r * std::cos(kTwoPi * u2));
-        if (i + 1 < p.numel()) {
+        if (i + 1 < static_cast<int64_t>(w.size())) {
             w[i + 1] = static_cast<float>(std * r * std::sin(kTwoPi * u2));
         }
     }
+    if (sharded) w = tp_extract(p.tp_slice, w.data());
+    LOOM_CHECK(static_cast<int64_t>(w.size()) == p.numel(), "tensor-parallel slice of " << p.name << " holds "
+                                                                                         << w.size() << " elements, the parameter "
+                                                                                         << p.numel(), "");
     convert(w.data(), DType::f32, p.data.data_ptr(), p.data.dtype(), w.size());
+}
+
+std::vector<float> tp_extract(const TpSlice & slice, const float * full) {
+    LOOM_CHECK(slice.dim == 0 || slice.dim == 1, "tp_extract of an unsplit tensor", "");
+    const Shape & shape = slice.full_shape;
+    const int64_t rows = shape[0], cols = shape.size() > 1 ? shape[1] : 1;
+    std::vector<float> out;
+    if (slice.dim == 0) {
+        for (auto [begin, end] : slice.ranges) {
+            LOOM_CHECK(0 <= begin && begin <= end && end <= rows, "row range out of the tensor", "");
+            out.insert(out.end(), full + begin * cols, full + end * cols);
+        }
+    } else {
+        for (int64_t r = 0; r < rows; ++r) {
+            for (auto [begin, end] : slice.ranges) {
+                LOOM_CHECK(0 <= begin && begin <= end && end <= cols, "column range out of the tensor", "");
+                out.insert(out.end(), full + r * cols + begin, full + r * cols + end);
+            }
+        }
+    }
+    return out;
 }
 
 void parameter_init_constant(Parameter & p, float value) {

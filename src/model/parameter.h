@@ -10,9 +10,22 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace loom::model {
+
+// The part of a full tensor one tensor-parallel rank holds: along `dim` (0: rows, or the elements of a
+// vector; 1: columns of a 2-D weight), the listed [begin, end) ranges, concatenated in order. A column-
+// parallel QKV weight, for example, holds its heads' Q rows, then its groups' K rows, then V rows.
+struct TpSlice {
+    int                                      dim = -1;   // -1: the whole tensor (not split)
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    Shape                                    full_shape;
+};
+
+// This rank's shard of a full row-major tensor's values.
+std::vector<float> tp_extract(const TpSlice & slice, const float * full);
 
 struct Parameter {
     std::string name;                    // "layers.3.mlp.fc1.weight"
@@ -23,6 +36,9 @@ struct Parameter {
     bool        shared = false;             // a copy another pipeline stage also holds (the last stage's tied
                                             // word embedding): counted once, on its owner, in the grad norm
     int         tensor_parallel_dim = -1;   // dimension split across TP ranks, -1 if replicated
+    TpSlice     tp_slice;                   // which part of the full tensor this rank holds
+    bool        tp_duplicate = false;       // replicated across TP and this is not TP rank 0: left out of
+                                            // the grad norm (its gradient equals rank 0's)
     bool        expert = false;             // MoE expert weight (reduced over expert-data-parallel)
 
     int64_t numel() const { return data.numel(); }
@@ -34,8 +50,9 @@ using GradReadyFn = std::function<void(Parameter &)>;
 Parameter parameter_create(const std::string & name, const Shape & shape, DType dtype, Device & device);
 
 // Fills with N(0, std^2) from a stream seeded by (seed, name): every layout of the same model gets the
-// same values for the same parameter. The f32 draws are rounded once to the parameter's dtype, so a bf16
-// model starts from the f32 model's weights rounded to nearest.
+// same values for the same parameter (a tensor-parallel shard draws the full tensor and keeps its
+// tp_slice). The f32 draws are rounded once to the parameter's dtype, so a bf16 model starts from the f32
+// model's weights rounded to nearest.
 void parameter_init_normal(Parameter & p, uint64_t seed, float std);
 void parameter_init_constant(Parameter & p, float value);
 

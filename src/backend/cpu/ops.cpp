@@ -261,10 +261,15 @@ void embedding_forward_impl(const int32_t * tokens, const W * wte, const W * wpe
                             int64_t h) {
     parallel_for(s * b, kRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-            int64_t   si  = r / b, bi = r % b;
-            const W * row = wte + static_cast<int64_t>(tokens[bi * s + si]) * h;
-            float *   o   = out + r * h;
-            for (int64_t j = 0; j < h; ++j) o[j] = load_f32(row, j);
+            int64_t   si    = r / b, bi = r % b;
+            int32_t   token = tokens[bi * s + si];
+            float *   o     = out + r * h;
+            if (token < 0) {   // another tensor-parallel rank's part of the vocabulary
+                for (int64_t j = 0; j < h; ++j) o[j] = 0.0f;
+            } else {
+                const W * row = wte + static_cast<int64_t>(token) * h;
+                for (int64_t j = 0; j < h; ++j) o[j] = load_f32(row, j);
+            }
             if (wpe) {
                 for (int64_t j = 0; j < h; ++j) o[j] += load_f32(wpe + si * h, j);
             }
@@ -290,9 +295,12 @@ void embedding_backward(const int32_t * tokens, const float * dout, float * dwte
     over_column_chunks(h, [&](int64_t c0, int64_t c1) {
         for (int64_t r = 0; r < s * b; ++r) {
             int64_t       si = r / b, bi = r % b;
-            float *       w  = dwte + static_cast<int64_t>(tokens[bi * s + si]) * h;
+            int32_t       t  = tokens[bi * s + si];
             const float * d  = dout + r * h;
-            for (int64_t j = c0; j < c1; ++j) w[j] += d[j];
+            if (t >= 0) {
+                float * w = dwte + static_cast<int64_t>(t) * h;
+                for (int64_t j = c0; j < c1; ++j) w[j] += d[j];
+            }
             if (dwpe) {
                 for (int64_t j = c0; j < c1; ++j) dwpe[si * h + j] += d[j];
             }
@@ -364,7 +372,35 @@ void cross_entropy_backward(float * logits, const int32_t * labels, const float 
             for (int64_t v = 0; v < vocab; ++v) row[v] = exp_approx(row[v] - l) * g;
             std::fill(row + vocab, row + stride, 0.0f);
             int64_t si = r / b, bi = r % b;
-            row[labels[bi * s + si]] -= g;
+            if (labels[bi * s + si] >= 0) row[labels[bi * s + si]] -= g;
+        }
+    });
+}
+
+void row_max(const float * logits, int64_t n, int64_t stride, int64_t valid, float * out) {
+    parallel_for(n, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            const float * row = logits + r * stride;
+            float         mx  = -INFINITY;
+            for (int64_t v = 0; v < valid; ++v) mx = std::max(mx, row[v]);
+            out[r] = mx;
+        }
+    });
+}
+
+void row_sum_exp(const float * logits, const float * max, int64_t n, int64_t stride, int64_t valid, float * out) {
+    parallel_for(n, 4, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            const float * row = logits + r * stride;
+            float         part[16] = {};
+            int64_t       v        = 0;
+            for (; v + 16 <= valid; v += 16) {
+                for (int k = 0; k < 16; ++k) part[k] += exp_approx(row[v + k] - max[r]);
+            }
+            for (; v < valid; ++v) part[v % 16] += exp_approx(row[v] - max[r]);
+            double sum = 0;
+            for (float p : part) sum += p;
+            out[r] = static_cast<float>(sum);
         }
     });
 }

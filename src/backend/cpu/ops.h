@@ -75,6 +75,13 @@ void cross_entropy_forward(const float * logits, const int32_t * labels, float *
                            int64_t b, int64_t stride, int64_t vocab);
 void cross_entropy_backward(float * logits_to_grad, const int32_t * labels, const float * lse,
                             const float * dloss, int64_t s, int64_t b, int64_t stride, int64_t vocab);
+// (A negative label, or token in the embedding kernels, belongs to another tensor-parallel rank's part of
+// the vocabulary: that row takes no one-hot term / embeds to zero / adds no gradient.)
+
+// Vocabulary-parallel cross-entropy's pieces, over the first `valid` of `stride` columns of n rows: each
+// row's max, and its sum of exp(logit - max[r]); the caller combines them over the ranks.
+void row_max(const float * logits, int64_t n, int64_t stride, int64_t valid, float * out);
+void row_sum_exp(const float * logits, const float * max, int64_t n, int64_t stride, int64_t valid, float * out);
 
 // n elements from src_dtype to dst_dtype (f32, bf16, f16) on the compute threads.
 void convert_parallel(const void * src, DType src_dtype, void * dst, DType dst_dtype, int64_t n);
