@@ -111,7 +111,7 @@ double grad_norm(const std::vector<model::Parameter *> & params) {
 double grad_norm_squared_unshared(const std::vector<model::Parameter *> & params) {
     std::vector<model::Parameter *> owned;
     for (model::Parameter * p : params) {
-        if (!p->shared) owned.push_back(p);
+        if (!p->shared && !p->tp_duplicate) owned.push_back(p);
     }
     double norm = grad_norm(owned);
     return norm * norm;

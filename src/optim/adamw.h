@@ -76,14 +76,15 @@ private:
 
 // sqrt of the sum of squares of every main_grad (accumulated in double).
 double grad_norm(const std::vector<model::Parameter *> & params);
-// The sum of squares of the main_grads of `params`, leaving out the `shared` copies.
+// The sum of squares of the main_grads of `params`, leaving out the `shared` copies (the last pipeline
+// stage's tied embedding) and the `tp_duplicate` ones (TP-replicated parameters on TP ranks other than 0).
 double grad_norm_squared_unshared(const std::vector<model::Parameter *> & params);
 // The sum of `value` over the group, the same on every rank and as exact as a double sum: each rank's
 // value travels as an f32 pair (hi, lo) with hi + lo = value to ~1e-14, and every rank adds the gathered
 // pairs in rank order.
 double group_sum(double value, comm::Communicator & group);
-// Clipping over a model split across `model_parallel` ranks (pipeline stages): the norm sums every
-// stage's unshared gradients; every gradient, shared copies included, is scaled. Returns the norm.
+// Clipping over a model split across `model_parallel` ranks (tensor-parallel ranks x pipeline stages): the
+// norm sums every rank's owned gradients; every gradient, copies included, is scaled. Returns the norm.
 double clip_grad_norm(const std::vector<model::Parameter *> & params, float max_norm,
                       comm::Communicator & model_parallel);
 // Scales every main_grad by `factor`.

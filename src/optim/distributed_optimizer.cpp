@@ -66,13 +66,14 @@ DistributedOptimizer::StepResult DistributedOptimizer::step(float lr, float clip
     StepResult result;
     double     local = 0;
     for (const Piece & piece : pieces_) {
-        if (ddp_.params()[piece.param]->shared) continue;   // the last stage's tied copy: counted on the first
+        const model::Parameter * p = ddp_.params()[piece.param];
+        if (p->shared || p->tp_duplicate) continue;   // counted once: on the first stage, on TP rank 0
         const float * g = ddp_.grad_buffer(piece.buffer).data<float>() + piece.world_start;
         double        s = 0;
         for (int64_t i = 0; i < piece.numel; ++i) s += static_cast<double>(g[i]) * g[i];
         local += s;
     }
-    // Over the data-parallel group (each element is owned by one rank), then over the pipeline stages.
+    // Over the data-parallel group (each element is owned by one rank), then over the model-parallel ranks.
     double total = group_sum(local, ddp_.dp_group());
     if (model_parallel) total = group_sum(total, *model_parallel);
     result.grad_norm = std::sqrt(total);

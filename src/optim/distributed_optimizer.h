@@ -48,7 +48,7 @@ public:
         bool   stepped   = false;  // false: non-finite norm, parameters unchanged
     };
     // Clips to clip_grad (0: off), steps with lr, then starts the parameter all-gather.
-    // With pipeline stages, `model_parallel` (the pipeline group) adds the other stages' norms.
+    // With tensor or pipeline parallelism, `model_parallel` (the TP x PP group) adds the other ranks' norms.
     StepResult step(float lr, float clip_grad, comm::Communicator * model_parallel = nullptr);
 
     // Elements of the model this rank owns (sum over its pieces).

@@ -183,15 +183,18 @@ double Trainer::step(IterationStats & stats) {
         pipeline_.embedding->all_reduce(wte->main_grad, comm::ReduceOp::sum)->wait();
     }
     comm::Communicator * stages = pipeline_.pp && pipeline_.pp->size() > 1 ? pipeline_.pp.get() : nullptr;
+    comm::Communicator * norm_group = pipeline_.model_parallel && pipeline_.model_parallel->size() > 1
+                                          ? pipeline_.model_parallel.get()
+                                          : stages;
     float  lr = schedule_.lr_at(iteration_);
     double norm;
     if (dist_optimizer_) {
-        optim::DistributedOptimizer::StepResult r = dist_optimizer_->step(lr, options_.clip_grad, stages);
+        optim::DistributedOptimizer::StepResult r = dist_optimizer_->step(lr, options_.clip_grad, norm_group);
         norm = r.grad_norm;
         if (!r.stepped) ++nan_iterations_;
     } else {
-        norm = stages ? optim::clip_grad_norm(params_, options_.clip_grad, *stages)
-                      : optim::clip_grad_norm(params_, options_.clip_grad);
+        norm = norm_group ? optim::clip_grad_norm(params_, options_.clip_grad, *norm_group)
+                          : optim::clip_grad_norm(params_, options_.clip_grad);
         if (std::isfinite(norm)) {
             if (hybrid_) {
                 hybrid_->step(lr);

@@ -64,11 +64,14 @@ struct TrainSummary {
     double              seconds           = 0;
 };
 
-// The groups of a pipeline-parallel run: the stages in order, and the first and last stage's embedding
-// group (null on middle stages) over which the tied word embedding's gradient is summed.
+// The model-parallel groups of a run: the pipeline stages in order (null without pipelining), the first and
+// last stage's embedding group (null on middle stages) over which the tied word embedding's gradient is
+// summed, and the TP x PP group of the gradient norm.
 struct PipelineGroups {
     std::shared_ptr<comm::Communicator> pp;
     std::shared_ptr<comm::Communicator> embedding;
+    // With tensor parallelism: the TP x PP group the gradient norm sums over (null: pp alone).
+    std::shared_ptr<comm::Communicator> model_parallel;
 };
 
 class Trainer {
