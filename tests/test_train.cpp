@@ -171,6 +171,7 @@ TEST(LoomTrain, BadFlagsExitTwoNamingTheFlag) {
         {"train --overlap-param-gather --use-distributed-optimizer", "--overlap-grad-reduce"},
         {"train --ddp-bucket-size 0 --overlap-grad-reduce", "--ddp-bucket-size"},
         {"train --fp16", "--fp16"},
+        {"train --tensor-model-parallel-size 2", "--tensor-model-parallel-size"},   // one process: world 1
         {"train --optimizer-cpu-offload --optimizer-offload-fraction 1.5", "--optimizer-offload-fraction"},
     };
     for (const Case & c : cases) {

@@ -90,15 +90,22 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
     std::shared_ptr<comm::Communicator> dp;
     train::PipelineGroups               stages;
     std::vector<model::PipelineStage>   parts{model::PipelineStage{}};   // this rank's model chunks
+    model::TensorParallel               tensor;
     if (mpi) {
         parallel::ParallelSizes sizes;
         sizes.world_size = mpi->world_size();
         sizes.pp         = static_cast<int>(options.pipeline_parallel_size);
+        sizes.tp         = static_cast<int>(options.tensor_parallel_size);
         parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
         parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *mpi);
         dp = groups.dp;
+        if (config.tp() > 1) {
+            tensor                = model::TensorParallel{groups.tp, groups.tp->rank(), config.tp()};
+            stages.model_parallel = groups.tp_pp;
+        }
         if (config.pp() > 1) {
-            stages = {groups.pp, groups.embedding};
+            stages.pp        = groups.pp;
+            stages.embedding = groups.embedding;
             pipeline::LayerSplitOptions split;
             split.num_layers = static_cast<int>(options.model.num_layers);
             split.pp         = config.pp();
@@ -124,7 +131,7 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
     std::vector<std::unique_ptr<model::GptModel>> chunks;
     std::vector<model::GptModel *>                views;
     for (const model::PipelineStage & part : parts) {
-        chunks.push_back(std::make_unique<model::GptModel>(options.model, device, part));
+        chunks.push_back(std::make_unique<model::GptModel>(options.model, device, part, tensor));
         chunks.back()->init();
         views.push_back(chunks.back().get());
     }
@@ -138,11 +145,12 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
                 static_cast<long long>(options.model.num_attention_heads), static_cast<long long>(options.model.seq_length),
                 static_cast<long long>(options.model.vocab_size),
                 static_cast<long long>(options.model.padded_vocab_size()));
-    if (out) std::printf("data: %s | micro-batch %lld, global batch %lld, %lld iterations, data-parallel size %lld, "
-                         "pipeline stages %lld\n",
+    if (out) std::printf("data: %s | micro-batch %lld, global batch %lld, %lld iterations | parallel: tp %lld, pp %lld, "
+                         "dp %lld\n",
                 data->describe().c_str(), static_cast<long long>(options.micro_batch_size),
                 static_cast<long long>(options.global_batch_size), static_cast<long long>(options.train_iters),
-                static_cast<long long>(options.data_parallel_size), static_cast<long long>(options.pipeline_parallel_size));
+                static_cast<long long>(options.tensor_parallel_size), static_cast<long long>(options.pipeline_parallel_size),
+                static_cast<long long>(options.data_parallel_size));
     train::Trainer trainer(options, views, *data, dp, stages);
     if (out && options.print_layout) {
         std::printf("%s\n", ddp::layout_table(trainer.ddp()->layout(), trainer.ddp()->specs(),

@@ -82,6 +82,8 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
                    "model chunks per pipeline rank (interleaved 1F1B)");
     app.add_option("--microbatch-group-size-per-virtual-pipeline-stage", o.microbatch_group_size,
                    "micro-batches per group of the interleaved schedule (default: the pipeline size)");
+    app.add_option("--tensor-model-parallel-size", o.tensor_parallel_size,
+                   "tensor-parallel ranks (heads, MLP features and vocabulary split)")->capture_default_str();
     app.add_option("--pipeline-model-parallel-size", o.pipeline_parallel_size,
                    "pipeline stages (1F1B); the ranks mpirun starts are pp x dp")->capture_default_str();
 
@@ -95,11 +97,12 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
 
 TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     TrainOptions o = opts_;
-    LOOM_CHECK(o.pipeline_parallel_size >= 1 && world_size % o.pipeline_parallel_size == 0,
-               "world size " << world_size << " is not divisible by --pipeline-model-parallel-size "
-                             << o.pipeline_parallel_size,
-               "start a multiple of " << o.pipeline_parallel_size << " ranks; the data-parallel size is the quotient");
-    o.data_parallel_size = world_size / o.pipeline_parallel_size;
+    const int64_t model_parallel = o.tensor_parallel_size * o.pipeline_parallel_size;
+    LOOM_CHECK(o.tensor_parallel_size >= 1 && o.pipeline_parallel_size >= 1 && world_size % model_parallel == 0,
+               "world size " << world_size << " is not divisible by --tensor-model-parallel-size "
+                             << o.tensor_parallel_size << " x --pipeline-model-parallel-size " << o.pipeline_parallel_size,
+               "start a multiple of " << model_parallel << " ranks; the data-parallel size is the quotient");
+    o.data_parallel_size = world_size / model_parallel;
     o.model        = model::gpt_preset(o.model_preset);
     model::GptConfig & m = o.model;
     auto given = [&](const char * flag) { return app_.count(flag) > 0; };
@@ -195,6 +198,16 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
                "--num-virtual-stages-per-pipeline-rank " << o.virtual_pipeline_size
                                                           << " needs --pipeline-model-parallel-size > 1",
                "virtual stages interleave the chunks of several pipeline ranks");
+    if (o.tensor_parallel_size > 1) {
+        const int64_t tp = o.tensor_parallel_size;
+        LOOM_CHECK(m.num_attention_heads % tp == 0 && m.num_query_groups % tp == 0 && m.ffn_hidden_size % tp == 0,
+                   "--num-attention-heads " << m.num_attention_heads << ", --num-query-groups " << m.num_query_groups
+                                            << " and --ffn-hidden-size " << m.ffn_hidden_size
+                                            << " must all be divisible by --tensor-model-parallel-size " << tp,
+                   "each tensor-parallel rank takes an equal share of heads, query groups and MLP features");
+        LOOM_CHECK(o.load_hf.empty(), "--load-hf with --tensor-model-parallel-size " << tp,
+                   "loading Hugging Face weights into tensor-parallel shards is not supported yet; train from --seed");
+    }
     if (o.pipeline_parallel_size > 1) {
         LOOM_CHECK(o.load_hf.empty(), "--load-hf with --pipeline-model-parallel-size " << o.pipeline_parallel_size,
                    "loading Hugging Face weights into pipeline stages is not supported yet; train from --seed");

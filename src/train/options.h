@@ -43,8 +43,9 @@ struct TrainOptions {
     bool                 optimizer_cpu_offload = false;
     optim::HybridOptions offload;
 
-    // Data and pipeline parallelism (the ranks `mpirun` starts are pp x dp).
+    // Data, tensor and pipeline parallelism (the ranks `mpirun` starts are tp x pp x dp).
     int64_t        data_parallel_size = 1;
+    int64_t        tensor_parallel_size   = 1;   // --tensor-model-parallel-size
     int64_t        pipeline_parallel_size = 1;   // --pipeline-model-parallel-size
     int64_t        virtual_pipeline_size  = 0;   // --num-virtual-stages-per-pipeline-rank (0: none)
     int64_t        microbatch_group_size  = 0;   // --microbatch-group-size-per-virtual-pipeline-stage (0: pp)
@@ -72,7 +73,7 @@ class TrainOptionParser {
 public:
     explicit TrainOptionParser(CLI::App & app);
     // After app.parse(): resolves the preset, applies explicit flags, validates for `world_size` ranks
-    // (pp x dp); throws loom::Error (identically on every rank, before any collective).
+    // (tp x pp x dp); throws loom::Error (identically on every rank, before any collective).
     TrainOptions resolve(int64_t world_size = 1);
     // True when --vocab-size or --load-hf fixed the vocabulary (otherwise the dataset's is used).
     bool vocab_given() const { return app_.count("--vocab-size") > 0 || !opts_.load_hf.empty(); }

@@ -240,7 +240,8 @@ TrainSummary Trainer::run(FILE * out) {
     // Per rank, as Megatron's "throughput per GPU".
     double flops_per_iteration = model_.config().training_flops_per_token() *
                                  static_cast<double>(options_.global_batch_size * model_.config().seq_length) /
-                                 static_cast<double>(options_.data_parallel_size * options_.pipeline_parallel_size);
+                                 static_cast<double>(options_.data_parallel_size * options_.pipeline_parallel_size *
+                                                     options_.tensor_parallel_size);
     auto   start        = std::chrono::steady_clock::now();
     auto   window_start = start;
     double window_loss  = 0;
