@@ -99,7 +99,7 @@ StageRun pipelined(int pp, bool distopt, const std::string & timeline = "", int 
     StageRun run;
     run.stage = stage;
     {
-        train::Trainer trainer(o, views, *source, groups.dp, {groups.pp, groups.embedding, nullptr});
+        train::Trainer trainer(o, views, *source, groups.dp, {groups.pp, groups.embedding, nullptr, nullptr});
         run.losses         = trainer.run(nullptr).losses;
         run.peak_in_flight = trainer.peak_in_flight();
     }

@@ -1,6 +1,6 @@
 // Tensor parallelism end to end, under mpirun: TP 2 (GPT-2-style and Llama-style: SwiGLU, GQA, RoPE,
-// untied output), TP 2 x DP 2, TP 2 x PP 2, and with 8 ranks TP 2 x PP 2 x DP 2 with the distributed
-// optimizer, each against the single-rank run every rank computes first. Each rank's parameter shard is
+// untied output), with and without sequence parallelism, TP 2 x DP 2, TP 2 x PP 2 (also with sequence
+// parallelism and ZeRO-1), and with 8 ranks TP 2 x PP 2 x DP 2 with the distributed optimizer, each against the single-rank run every rank computes first. Each rank's parameter shard is
 // compared with the same slice (its tp_slice) of the reference's full tensor.
 //
 // Tolerance. Tensor parallelism reorders sums: each row-parallel output and each column-parallel input
@@ -69,7 +69,7 @@ Run reference(bool llama) {
     return run;
 }
 
-Run parallel_run(int tp, int pp, bool distopt, bool llama) {
+Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp) {
     parallel::ParallelSizes sizes;
     sizes.world_size = g_mpi->world_size();
     sizes.tp         = tp;
@@ -83,9 +83,9 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama) {
     o.ddp.use_distributed_optimizer = distopt;
     o.ddp.overlap_grad_reduce       = distopt;
     o.ddp.bucket_size               = 20000;
-    model::TensorParallel tensor{groups.tp, groups.tp->rank(), tp};
+    model::TensorParallel tensor{groups.tp, groups.tp->rank(), tp, sp};
     model::PipelineStage  part;
-    train::PipelineGroups model_parallel{nullptr, nullptr, groups.tp_pp};
+    train::PipelineGroups model_parallel{nullptr, nullptr, groups.tp_pp, groups.tp};
     if (pp > 1) {
         pipeline::LayerSplitOptions split;
         split.num_layers = static_cast<int>(o.model.num_layers);
@@ -111,12 +111,12 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama) {
     return run;
 }
 
-void expect_follows_reference(int tp, int pp, bool distopt, bool llama) {
+void expect_follows_reference(int tp, int pp, bool distopt, bool llama, bool sp = false) {
     const std::string name = std::string(llama ? "llama" : "gpt") + " tp " + std::to_string(tp) + " pp " +
-                             std::to_string(pp) + (distopt ? " zero-1" : "");
+                             std::to_string(pp) + (sp ? " sequence-parallel" : "") + (distopt ? " zero-1" : "");
     SCOPED_TRACE(name);
     const Run ref = reference(llama);
-    const Run run = parallel_run(tp, pp, distopt, llama);
+    const Run run = parallel_run(tp, pp, distopt, llama, sp);
     ASSERT_EQ(run.losses.size(), ref.losses.size());
     double worst_loss = 0, worst_param = 0;
     for (size_t i = 0; i < ref.losses.size(); ++i) {
@@ -153,6 +153,17 @@ TEST(TensorParallel, TwoRanksFollowTheSingleRankRun) {
     if (g_mpi->world_size() != 2) GTEST_SKIP() << "runs with 2 ranks";
     expect_follows_reference(2, 1, false, false);
     expect_follows_reference(2, 1, false, true);
+}
+
+TEST(TensorParallel, SequenceParallelFollowsTheSingleRankRun) {
+    if (g_mpi->world_size() == 2) {
+        expect_follows_reference(2, 1, false, false, true);   // TP 2 + SP
+        expect_follows_reference(2, 1, false, true, true);    // Llama-style, TP 2 + SP
+    } else if (g_mpi->world_size() == 4) {
+        expect_follows_reference(2, 2, true, false, true);    // TP 2 + SP x PP 2, ZeRO-1 (DP 1)
+    } else {
+        GTEST_SKIP() << "runs with 2 and 4 ranks";
+    }
 }
 
 TEST(TensorParallel, TpTimesDpAndTpTimesPpFollowTheSingleRankRun) {

@@ -100,8 +100,9 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
         parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *mpi);
         dp = groups.dp;
         if (config.tp() > 1) {
-            tensor                = model::TensorParallel{groups.tp, groups.tp->rank(), config.tp()};
+            tensor = model::TensorParallel{groups.tp, groups.tp->rank(), config.tp(), options.sequence_parallel};
             stages.model_parallel = groups.tp_pp;
+            stages.tp             = groups.tp;
         }
         if (config.pp() > 1) {
             stages.pp        = groups.pp;

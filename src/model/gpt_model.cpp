@@ -10,6 +10,9 @@ namespace loom::model {
 
 GptModel::GptModel(const GptConfig & config, Device & device, const PipelineStage & stage, const TensorParallel & tp)
     : config_(config), stage_(stage), device_(device), vocab_(config.padded_vocab_size(tp.size)), tp_(tp) {
+    LOOM_CHECK(!tp_.sp() || config_.seq_length % tp_.size == 0,
+               "--seq-length " << config_.seq_length << " is not divisible by --tensor-model-parallel-size " << tp_.size,
+               "--sequence-parallel splits the positions evenly over the tensor-parallel ranks");
     vocab_local_ = vocab_ / tp_.size;
     vocab_begin_ = tp_.rank * vocab_local_;
     config_.validate();
@@ -33,6 +36,7 @@ GptModel::GptModel(const GptConfig & config, Device & device, const PipelineStag
         wpe_ = parameter_create("embedding.position_embeddings.weight",
                                 {config_.max_position_embeddings, config_.hidden_size}, dtype, device);
         tp_.replicated(wpe_);
+        wpe_.sequence_parallel = false;   // its gradient comes from every position's (all-gathered) rows
     }
     for (int64_t i = stage_.first_layer; i < stage_.first_layer + stage_.num_layers; ++i) {
         layers_.push_back(std::make_unique<TransformerLayer>(i, config_, device, tp_));
@@ -125,11 +129,15 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
                                    pos ? static_cast<const uint16_t *>(wpe_.data.data_ptr()) : nullptr, x.data<float>(),
                                    s, b, h);
         }
-        tp_.all_reduce(x);
+        if (tp_.sp()) {
+            x = tp_.reduce_scatter(x);   // sequence parallel: this rank's rows of the sum
+        } else {
+            tp_.all_reduce(x);
+        }
     } else {
-        LOOM_CHECK(input.defined() && input.numel() == s * b * h,
+        LOOM_CHECK(input.defined() && input.numel() == activation_rows(s, b) * h,
                    "pipeline stage input of " << (input.defined() ? input.numel() : 0) << " elements, expected "
-                                              << s * b * h << " (s x b x h)", "");
+                                              << activation_rows(s, b) * h << " (rows x h)", "");
         x = input;
     }
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -151,7 +159,9 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
     }
     const Parameter & out_w = output_.data.defined() ? output_ : wte_;
     DType             dtype = out_w.data.dtype();
-    ctx.final_hidden = in_dtype(final_norm_->forward(ctx.final_norm, x), dtype);
+    Tensor normed = final_norm_->forward(ctx.final_norm, x);
+    if (tp_.sp()) normed = tp_.all_gather(normed);   // every position's hidden state for the vocabulary shard
+    ctx.final_hidden = in_dtype(normed, dtype);
     ctx.logits     = activation(device_, s * b, vocab_local_);
     ctx.lse        = activation(device_, s * b, 1);
     ctx.token_loss = activation(device_, s * b, 1);
@@ -194,7 +204,11 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
         ctx.logits          = Tensor();
         dx                  = activation(device_, s * b, h);
         cpu::gemm(false, false, s * b, h, vocab_local_, dlogits.data_ptr(), out_w.data.data_ptr(), dtype, dx.data<float>());
-        tp_.all_reduce(dx);   // every vocabulary shard contributes to the hidden state's gradient
+        if (tp_.sp()) {   // every vocabulary shard contributes to the hidden state's gradient
+            dx = tp_.reduce_scatter(dx);
+        } else {
+            tp_.all_reduce(dx);
+        }
         cpu::gemm(true, false, vocab_local_, h, s * b, dlogits.data_ptr(), ctx.final_hidden.data_ptr(), dtype,
                   out_w.main_grad.data<float>(), true);
         ctx.lse = ctx.token_loss = ctx.final_hidden = Tensor();
@@ -203,15 +217,16 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
         if (ready && (output_.data.defined() || !stage_.pre_process)) ready(out_w);
         dx = final_norm_->backward(ctx.final_norm, dx, ready);
     } else {
-        LOOM_CHECK(dy.defined() && dy.numel() == s * b * h,
+        LOOM_CHECK(dy.defined() && dy.numel() == activation_rows(s, b) * h,
                    "pipeline stage output gradient of " << (dy.defined() ? dy.numel() : 0) << " elements, expected "
-                                                        << s * b * h, "");
+                                                        << activation_rows(s, b) * h, "");
         dx = dy;
     }
     for (size_t i = layers_.size(); i-- > 0;) {
         dx = layers_[i]->backward(ctx.layers[i], dx, ready);
     }
     if (stage_.pre_process) {
+        if (tp_.sp()) dx = tp_.all_gather(dx);   // the lookup's gradient needs every position
         std::vector<int32_t> local = tp_.size > 1 ? local_tokens(ctx.batch.tokens) : std::vector<int32_t>();
         cpu::embedding_backward(tp_.size > 1 ? local.data() : ctx.batch.tokens.data<int32_t>(), dx.data<float>(),
                                 wte_.main_grad.data<float>(), wpe_.data.defined() ? wpe_.main_grad.data<float>() : nullptr,

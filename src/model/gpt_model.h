@@ -83,6 +83,9 @@ public:
     Tensor backward_stage(Context & ctx, double loss_scale, const Tensor & dy, const GradReadyFn & ready);
 
     const PipelineStage & stage() const { return stage_; }
+    // Rows of the activations between this model's layers for a (b, s) micro-batch: s * b, or this rank's
+    // s * b / tp with sequence parallelism (what pipeline stages send each other).
+    int64_t activation_rows(int64_t s, int64_t b) const { return tp_.sp() ? s * b / tp_.size : s * b; }
     // The word embedding (first stage) or its tied copy (last stage); null when the stage has neither.
     Parameter * word_embedding() { return wte_.data.defined() ? &wte_ : nullptr; }
 

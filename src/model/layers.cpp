@@ -38,6 +38,19 @@ void TensorParallel::all_reduce(const Tensor & t) const {
     if (group && size > 1) group->all_reduce(t, comm::ReduceOp::sum)->wait();
 }
 
+Tensor TensorParallel::reduce_scatter(const Tensor & t) const {
+    LOOM_CHECK(t.size(0) % size == 0, t.size(0) << " rows do not split over " << size << " sequence-parallel ranks", "");
+    Tensor out = Tensor::empty({t.size(0) / size, t.size(1)}, t.dtype(), t.device(), {MemoryKind::device, "activations"});
+    group->reduce_scatter(t, out, comm::ReduceOp::sum)->wait();
+    return out;
+}
+
+Tensor TensorParallel::all_gather(const Tensor & t) const {
+    Tensor out = Tensor::empty({t.size(0) * size, t.size(1)}, t.dtype(), t.device(), {MemoryKind::device, "activations"});
+    group->all_gather(t, out)->wait();
+    return out;
+}
+
 void set_tp_slice(Parameter & p, int dim, std::vector<std::pair<int64_t, int64_t>> ranges, Shape full_shape) {
     p.tp_slice            = TpSlice{dim, std::move(ranges), std::move(full_shape)};
     p.tensor_parallel_dim = dim;
@@ -53,7 +66,7 @@ Linear::Linear(const std::string & name, int64_t in, int64_t out, bool with_bias
     if (has_bias) {
         bias                 = parameter_create(name + ".bias", {out}, dtype, device);
         bias.no_weight_decay = true;
-        if (split == Split::row) tp->replicated(bias);
+        if (split == Split::row) tp->replicated(bias);   // added after the reduction: every rank's whole
     }
 }
 
@@ -69,13 +82,22 @@ void Linear::parameters(std::vector<Parameter *> & out) {
     if (has_bias) out.push_back(&bias);
 }
 
-Tensor Linear::forward(Context & ctx, const Tensor & x, bool add_bias) {
+Tensor Linear::forward(Context & ctx, const Tensor & x_rows, bool add_bias) {
+    // Sequence-parallel column linear: every rank's rows in, this rank's output features out.
+    Tensor  x = split == Split::column && tp->sp() ? tp->all_gather(x_rows) : x_rows;
     int64_t n = x.size(0), in = weight.data.size(1), o = weight.data.size(0);
     DType   dtype = weight.data.dtype();
     Tensor  x_in  = in_dtype(x, dtype);
     Tensor  y     = activation(x.device(), n, o);
     cpu::gemm(false, true, n, o, in, x_in.data_ptr(), weight.data.data_ptr(), dtype, y.data<float>());
-    if (split == Split::row) tp->all_reduce(y);   // partial sums over this rank's input features
+    if (split == Split::row) {   // partial sums over this rank's input features
+        if (tp->sp()) {
+            y = tp->reduce_scatter(y);
+            n = y.size(0);
+        } else {
+            tp->all_reduce(y);
+        }
+    }
     if (has_bias && add_bias) {
         cpu::bias_add(y.data<float>(), parameter_f32(bias).data<float>(), n, o);
     }
@@ -83,16 +105,23 @@ Tensor Linear::forward(Context & ctx, const Tensor & x, bool add_bias) {
     return y;
 }
 
-Tensor Linear::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
+Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn & ready) {
+    if (has_bias) {   // a sequence-parallel row linear's bias sees this rank's rows: a partial sum
+        cpu::bias_backward(dy_rows.data<float>(), bias.main_grad.data<float>(), dy_rows.size(0), dy_rows.size(1));
+    }
+    Tensor  dy = split == Split::row && tp->sp() ? tp->all_gather(dy_rows) : dy_rows;
     int64_t n = dy.size(0), in = weight.data.size(1), o = weight.data.size(0);
     DType   dtype = weight.data.dtype();
     Tensor  dy_in = in_dtype(dy, dtype);
     Tensor  dx    = activation(dy.device(), n, in);
     cpu::gemm(false, false, n, in, o, dy_in.data_ptr(), weight.data.data_ptr(), dtype, dx.data<float>());
     cpu::gemm(true, false, o, in, n, dy_in.data_ptr(), ctx.x.data_ptr(), dtype, weight.main_grad.data<float>(), true);
-    if (split == Split::column) tp->all_reduce(dx);   // each rank's output features contribute to dx
-    if (has_bias) {
-        cpu::bias_backward(dy.data<float>(), bias.main_grad.data<float>(), n, o);
+    if (split == Split::column) {   // each rank's output features contribute to dx
+        if (tp->sp()) {
+            dx = tp->reduce_scatter(dx);
+        } else {
+            tp->all_reduce(dx);
+        }
     }
     ctx.x = Tensor();
     if (ready) {
@@ -283,28 +312,31 @@ void Mlp::parameters(std::vector<Parameter *> & out) {
 }
 
 Tensor Mlp::forward(Context & ctx, const Tensor & x) {
-    int64_t n   = x.size(0), f = ffn;
-    Tensor  act = activation(x.device(), n, f);
+    // fc1's output has every position's rows (with sequence parallelism, more than x has).
+    const int64_t f = ffn;
+    Tensor        act;
     if (config.swiglu) {
         Tensor pre  = fc1.forward(ctx.fc1_ctx, x);
+        act         = activation(x.device(), pre.size(0), f);
         ctx.pre_act = keep_for_backward(pre, config.params_dtype);
-        cpu::swiglu_forward(pre.data<float>(), act.data<float>(), n, f);
+        cpu::swiglu_forward(pre.data<float>(), act.data<float>(), pre.size(0), f);
     } else {
         // Bias, rounding to the saved dtype and GELU in one pass over the (n, f) pre-activation.
         Tensor pre  = fc1.forward(ctx.fc1_ctx, x, /*add_bias=*/false);
+        act         = activation(x.device(), pre.size(0), f);
         Tensor bias = fc1.has_bias ? parameter_f32(fc1.bias) : Tensor();
         ctx.pre_act = config.params_dtype == DType::f32 ? pre : Tensor::empty(pre.shape(), config.params_dtype, x.device(),
                                                                                 {MemoryKind::device, "activations"});
         cpu::bias_gelu_forward(pre.data<float>(), bias.defined() ? bias.data<float>() : nullptr, act.data<float>(),
                                config.params_dtype == DType::f32 ? nullptr : static_cast<uint16_t *>(ctx.pre_act.data_ptr()),
-                               n, f);
+                               pre.size(0), f);
     }
     return fc2.forward(ctx.fc2_ctx, act);
 }
 
 Tensor Mlp::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
     Tensor  d_act = fc2.backward(ctx.fc2_ctx, dy, ready);
-    int64_t n = dy.size(0), f = ffn;
+    int64_t n = d_act.size(0), f = ffn;   // every position's rows, as fc1 produced them
     Tensor  pre   = in_dtype(ctx.pre_act, DType::f32);
     Tensor  d_pre = activation(dy.device(), n, pre.size(1));
     if (config.swiglu) {

@@ -39,14 +39,32 @@ Tensor keep_for_backward(Tensor & x, DType dtype);
 // linears split their output features (their input gradient is summed over the group), row-parallel ones
 // their input features (their output is summed over the group before the bias); attention splits heads
 // and query groups, the MLP its hidden features, the embedding and output layer the vocabulary.
+//
+// Sequence parallelism (--sequence-parallel): between the column- and row-parallel pairs each rank holds
+// its block of n / tp rows (rows are (s, b) ordered, so a block is a range of positions). A column-
+// parallel linear all-gathers its input rows and reduce-scatters its input gradient; a row-parallel one
+// reduce-scatters its output (in place of the all-reduce) and all-gathers its output gradient. Norms and
+// the residual stream work on the rows of this rank, so their parameters' gradients (and the row-parallel
+// biases') are partial sums over rows: they are marked sequence_parallel and the trainer sums them over
+// the group.
 struct TensorParallel {
     std::shared_ptr<comm::Communicator> group;
     int                                 rank = 0, size = 1;
+    bool                                sequence_parallel = false;
 
+    bool sp() const { return sequence_parallel && size > 1; }
     // Sums t over the group in place (nothing without TP).
     void all_reduce(const Tensor & t) const;
-    // Marks a parameter every TP rank holds whole: only rank 0's copy counts in the grad norm.
-    void replicated(Parameter & p) const { p.tp_duplicate = rank != 0; }
+    // (n, w) rows -> this rank's block of n / size rows, summed over the group.
+    Tensor reduce_scatter(const Tensor & t) const;
+    // This rank's block (n / size, w) -> all n rows, in rank order.
+    Tensor all_gather(const Tensor & t) const;
+    // Marks a parameter every TP rank holds whole: only rank 0's copy counts in the grad norm; with
+    // sequence parallelism its gradient (from this rank's rows) is also summed over the group.
+    void replicated(Parameter & p) const {
+        p.tp_duplicate      = rank != 0;
+        p.sequence_parallel = sp();
+    }
 };
 
 // Sets p's tensor-parallel slice: dim 0 (rows) or 1 (columns) of `full_shape`, the given ranges.

@@ -39,6 +39,8 @@ struct Parameter {
     TpSlice     tp_slice;                   // which part of the full tensor this rank holds
     bool        tp_duplicate = false;       // replicated across TP and this is not TP rank 0: left out of
                                             // the grad norm (its gradient equals rank 0's)
+    bool        sequence_parallel = false;  // replicated across TP but fed this rank's sequence rows only: its
+                                            // gradient is summed over the TP group before the step
     bool        expert = false;             // MoE expert weight (reduced over expert-data-parallel)
 
     int64_t numel() const { return data.numel(); }

@@ -61,7 +61,7 @@ PipelineExecutor::Result PipelineExecutor::run(const std::function<model::MicroB
         if (op.forward) {
             if (!batches.count(mb)) batches[mb] = next_batch();   // chunk 0 runs micro-batch m first
             const model::MicroBatch & batch = batches[mb];
-            const int64_t             rows  = batch.tokens.numel();   // s * b
+            const int64_t rows = model.activation_rows(batch.tokens.size(1), batch.tokens.size(0));
             Tensor                    input;
             if (v > 0) {
                 post_input(c, mb, rows * h);
@@ -87,7 +87,7 @@ PipelineExecutor::Result PipelineExecutor::run(const std::function<model::MicroB
                                                                                           << mb << " before its forward", "");
             if (set_last_microbatch) set_last_microbatch(mb == microbatches_ - 1);
             InFlight &    slot = it->second;
-            const int64_t rows = slot.ctx.s * slot.ctx.b;
+            const int64_t rows = model.activation_rows(slot.ctx.s, slot.ctx.b);
             Tensor        dy;
             if (v < stages - 1) {
                 dy = Tensor::empty({rows * h}, DType::f32, device, {MemoryKind::device, "activations"});

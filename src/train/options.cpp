@@ -84,6 +84,8 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
                    "micro-batches per group of the interleaved schedule (default: the pipeline size)");
     app.add_option("--tensor-model-parallel-size", o.tensor_parallel_size,
                    "tensor-parallel ranks (heads, MLP features and vocabulary split)")->capture_default_str();
+    app.add_flag("--sequence-parallel", o.sequence_parallel,
+                 "norms and the residual stream on sequence shards; all-gather / reduce-scatter in place of all-reduce");
     app.add_option("--pipeline-model-parallel-size", o.pipeline_parallel_size,
                    "pipeline stages (1F1B); the ranks mpirun starts are pp x dp")->capture_default_str();
 
@@ -205,6 +207,9 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
                                             << " and --ffn-hidden-size " << m.ffn_hidden_size
                                             << " must all be divisible by --tensor-model-parallel-size " << tp,
                    "each tensor-parallel rank takes an equal share of heads, query groups and MLP features");
+        LOOM_CHECK(!o.sequence_parallel || m.seq_length % tp == 0,
+                   "--seq-length " << m.seq_length << " is not divisible by --tensor-model-parallel-size " << tp,
+                   "--sequence-parallel gives each tensor-parallel rank an equal block of positions");
         LOOM_CHECK(o.load_hf.empty(), "--load-hf with --tensor-model-parallel-size " << tp,
                    "loading Hugging Face weights into tensor-parallel shards is not supported yet; train from --seed");
     }

@@ -46,6 +46,7 @@ struct TrainOptions {
     // Data, tensor and pipeline parallelism (the ranks `mpirun` starts are tp x pp x dp).
     int64_t        data_parallel_size = 1;
     int64_t        tensor_parallel_size   = 1;   // --tensor-model-parallel-size
+    bool           sequence_parallel      = false;   // --sequence-parallel (with tensor parallelism)
     int64_t        pipeline_parallel_size = 1;   // --pipeline-model-parallel-size
     int64_t        virtual_pipeline_size  = 0;   // --num-virtual-stages-per-pipeline-rank (0: none)
     int64_t        microbatch_group_size  = 0;   // --microbatch-group-size-per-virtual-pipeline-stage (0: pp)

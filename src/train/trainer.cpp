@@ -182,6 +182,13 @@ double Trainer::step(IterationStats & stats) {
     if (pipeline_.embedding && pipeline_.embedding->size() > 1 && wte && wte->shared_embedding) {
         pipeline_.embedding->all_reduce(wte->main_grad, comm::ReduceOp::sum)->wait();
     }
+    // Sequence parallelism: norms and row-parallel biases saw this rank's rows only; sum over TP (the whole
+    // main_grad: with ZeRO-1 the TP ranks' layouts are the same, so the owned ranges match).
+    if (pipeline_.tp && pipeline_.tp->size() > 1) {
+        for (model::Parameter * p : params_) {
+            if (p->sequence_parallel) pipeline_.tp->all_reduce(p->main_grad, comm::ReduceOp::sum)->wait();
+        }
+    }
     comm::Communicator * stages = pipeline_.pp && pipeline_.pp->size() > 1 ? pipeline_.pp.get() : nullptr;
     comm::Communicator * norm_group = pipeline_.model_parallel && pipeline_.model_parallel->size() > 1
                                           ? pipeline_.model_parallel.get()

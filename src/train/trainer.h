@@ -72,6 +72,9 @@ struct PipelineGroups {
     std::shared_ptr<comm::Communicator> embedding;
     // With tensor parallelism: the TP x PP group the gradient norm sums over (null: pp alone).
     std::shared_ptr<comm::Communicator> model_parallel;
+    // With sequence parallelism: the TP group over which the sequence_parallel parameters' gradients are
+    // summed.
+    std::shared_ptr<comm::Communicator> tp;
 };
 
 class Trainer {
