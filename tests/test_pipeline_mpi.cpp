@@ -19,6 +19,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -64,7 +65,7 @@ StageRun reference() {
     return run;
 }
 
-StageRun pipelined(int pp, bool distopt, const std::string & timeline = "", int vpp = 1) {
+StageRun pipelined(int pp, bool distopt, const std::string & timeline = "", int vpp = 1, int first_stage_layers = 0) {
     parallel::ParallelSizes sizes;
     sizes.world_size = g_mpi->world_size();
     sizes.pp         = pp;
@@ -84,6 +85,7 @@ StageRun pipelined(int pp, bool distopt, const std::string & timeline = "", int 
     split.num_layers = static_cast<int>(o.model.num_layers);
     split.pp         = pp;
     if (vpp > 1) split.vpp = vpp;
+    if (first_stage_layers > 0) split.first_stage_layers = first_stage_layers;
     pipeline::LayerAssignment                     layout = pipeline::assign_layers(split);
     std::vector<std::unique_ptr<model::GptModel>> chunks;
     std::vector<model::GptModel *>                views;
@@ -165,6 +167,22 @@ TEST(PipelineParallel, MeasuredTimelineHoldsEveryStagesOps) {
 TEST(PipelineParallel, TwoStagesTimesDataParallelFollowTheSingleRankRun) {
     if (g_mpi->world_size() % 2 != 0 || g_mpi->world_size() < 4) GTEST_SKIP() << "needs 4 ranks";
     expect_follows_reference(2, false);
+}
+
+// --decoder-first-pipeline-num-layers 1: stage 0 holds layer 0 only, stage 1 layers 1-3.
+TEST(PipelineParallel, UnevenStagesFollowTheSingleRankRun) {
+    if (g_mpi->world_size() != 2) GTEST_SKIP() << "runs with 2 ranks";
+    static const StageRun ref = reference();
+    StageRun              run = pipelined(2, false, "", 1, 1);
+    for (size_t i = 0; i < ref.losses.size(); ++i) EXPECT_NEAR(run.losses[i], ref.losses[i], 5e-5) << "iteration " << i + 1;
+    const size_t layers = std::count_if(run.params.begin(), run.params.end(), [](const auto & kv) {
+        return kv.first.find(".norm1.weight") != std::string::npos;
+    });
+    EXPECT_EQ(layers, run.stage == 0 ? 1u : 3u) << "stage " << run.stage;
+    for (const auto & [name, v] : run.params) {
+        const std::vector<float> & r = ref.params.at(name);
+        for (size_t i = 0; i < v.size(); ++i) ASSERT_NEAR(v[i], r[i], 5e-5) << name;
+    }
 }
 
 TEST(PipelineParallel, InterleavedTwoStagesTwoVirtualStagesFollowTheSingleRankRun) {

@@ -107,11 +107,7 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
         if (config.pp() > 1) {
             stages.pp        = groups.pp;
             stages.embedding = groups.embedding;
-            pipeline::LayerSplitOptions split;
-            split.num_layers = static_cast<int>(options.model.num_layers);
-            split.pp         = config.pp();
-            if (options.virtual_pipeline_size > 1) split.vpp = static_cast<int>(options.virtual_pipeline_size);
-            const pipeline::LayerAssignment layout = pipeline::assign_layers(split);
+            const pipeline::LayerAssignment layout = pipeline::assign_layers(options.layer_split());
             const int                       stage  = groups.pp->rank();
             parts.clear();
             for (int c = 0; c < layout.num_chunks; ++c) {

@@ -86,6 +86,10 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
                    "tensor-parallel ranks (heads, MLP features and vocabulary split)")->capture_default_str();
     app.add_flag("--sequence-parallel", o.sequence_parallel,
                  "norms and the residual stream on sequence shards; all-gather / reduce-scatter in place of all-reduce");
+    app.add_option("--num-layers-per-virtual-pipeline-stage", o.layers_per_virtual_stage,
+                   "layers per model chunk (the other way to ask for virtual stages)");
+    app.add_option("--decoder-first-pipeline-num-layers", o.first_stage_layers, "layers of the first pipeline stage");
+    app.add_option("--decoder-last-pipeline-num-layers", o.last_stage_layers, "layers of the last pipeline stage");
     app.add_option("--pipeline-model-parallel-size", o.pipeline_parallel_size,
                    "pipeline stages (1F1B); the ranks mpirun starts are pp x dp")->capture_default_str();
 
@@ -95,6 +99,17 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_option("--llmc-shard", o.llmc_shard, "an llm.c token shard");
     app.add_option("--log-interval", o.log_interval, "iterations between log lines")->capture_default_str();
     app.add_option("--log-file", o.log_file, "write the logged metrics as JSON lines to this file");
+}
+
+pipeline::LayerSplitOptions TrainOptions::layer_split() const {
+    pipeline::LayerSplitOptions split;
+    split.num_layers = static_cast<int>(model.num_layers);
+    split.pp         = static_cast<int>(pipeline_parallel_size);
+    if (virtual_pipeline_size > 0) split.vpp = static_cast<int>(virtual_pipeline_size);
+    if (layers_per_virtual_stage > 0) split.num_layers_per_virtual_stage = static_cast<int>(layers_per_virtual_stage);
+    if (first_stage_layers > 0) split.first_stage_layers = static_cast<int>(first_stage_layers);
+    if (last_stage_layers > 0) split.last_stage_layers = static_cast<int>(last_stage_layers);
+    return split;
 }
 
 TrainOptions TrainOptionParser::resolve(int64_t world_size) {
@@ -196,6 +211,11 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     o.offload.pin_cpu_grads  = !no_pin_cpu_grads_;
     o.offload.pin_cpu_params = !no_pin_cpu_params_;
     m.params_dtype = o.bf16 ? DType::bf16 : DType::f32;
+    LOOM_CHECK(o.pipeline_parallel_size > 1 ||
+                   (o.layers_per_virtual_stage == 0 && o.first_stage_layers == 0 && o.last_stage_layers == 0),
+               "--num-layers-per-virtual-pipeline-stage, --decoder-first-pipeline-num-layers and "
+               "--decoder-last-pipeline-num-layers need --pipeline-model-parallel-size > 1",
+               "they describe how layers split over pipeline stages");
     LOOM_CHECK(o.virtual_pipeline_size <= 1 || o.pipeline_parallel_size > 1,
                "--num-virtual-stages-per-pipeline-rank " << o.virtual_pipeline_size
                                                           << " needs --pipeline-model-parallel-size > 1",
@@ -216,14 +236,11 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     if (o.pipeline_parallel_size > 1) {
         LOOM_CHECK(o.load_hf.empty(), "--load-hf with --pipeline-model-parallel-size " << o.pipeline_parallel_size,
                    "loading Hugging Face weights into pipeline stages is not supported yet; train from --seed");
-        pipeline::LayerSplitOptions split;
-        split.num_layers = static_cast<int>(m.num_layers);
-        split.pp         = static_cast<int>(o.pipeline_parallel_size);
-        if (o.virtual_pipeline_size > 1) split.vpp = static_cast<int>(o.virtual_pipeline_size);
-        pipeline::assign_layers(split);   // throws naming --num-layers / --pipeline-model-parallel-size / VPP
-        pipeline::ScheduleOptions schedule;
-        schedule.pp               = split.pp;
-        schedule.vpp              = split.vpp;
+        pipeline::LayerSplitOptions split  = o.layer_split();
+        pipeline::LayerAssignment   layout = pipeline::assign_layers(split);   // throws naming the flags
+        pipeline::ScheduleOptions   schedule;
+        schedule.pp = split.pp;
+        if (layout.num_chunks > 1) schedule.vpp = layout.num_chunks;
         schedule.num_microbatches = static_cast<int>(o.num_microbatches());
         if (o.microbatch_group_size > 0) schedule.microbatch_group_size = static_cast<int>(o.microbatch_group_size);
         pipeline::validate_schedule(schedule);

@@ -8,6 +8,7 @@
 #include "ddp/ddp.h"
 #include "model/gpt_config.h"
 #include "optim/adamw.h"
+#include "pipeline/layer_assignment.h"
 #include "optim/hybrid_optimizer.h"
 
 #include <CLI/CLI.hpp>
@@ -50,6 +51,12 @@ struct TrainOptions {
     int64_t        pipeline_parallel_size = 1;   // --pipeline-model-parallel-size
     int64_t        virtual_pipeline_size  = 0;   // --num-virtual-stages-per-pipeline-rank (0: none)
     int64_t        microbatch_group_size  = 0;   // --microbatch-group-size-per-virtual-pipeline-stage (0: pp)
+    int64_t        layers_per_virtual_stage = 0;   // --num-layers-per-virtual-pipeline-stage (0: unset)
+    int64_t        first_stage_layers       = 0;   // --decoder-first-pipeline-num-layers (0: even split)
+    int64_t        last_stage_layers        = 0;   // --decoder-last-pipeline-num-layers (0: even split)
+
+    // How the layers split over pipeline stages and virtual stages (pipeline/layer_assignment.h).
+    pipeline::LayerSplitOptions layer_split() const;
     ddp::DdpConfig ddp;                 // --use-distributed-optimizer, --overlap-grad-reduce, ...
     bool           print_layout = false;   // print DDP's buffer layout on rank 0
     std::string    timeline_file;          // --timeline: the last iteration's measured pipeline timeline (SVG)
