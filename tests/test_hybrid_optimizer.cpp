@@ -312,6 +312,37 @@ TEST(HybridHazards, D_OneStepCounterForEveryPart) {
 
 // The fix of spec 3.5: the caller's stream waits on the h2d event. With a slow h2d stream, work queued on
 // the caller's stream after the step must read the updated values; without the wait it reads old ones.
+// One state dict for the whole model: taken after 3 steps of an f = 0.5 overlapped run, loaded into an
+// f = 1 run without overlap (over copies of the same values), the next 3 steps are bitwise those of the
+// uninterrupted run, and the step counter travels with it.
+TEST(HybridStateDict, ResumesBitwiseUnderAnotherSplit) {
+    Device &                      device = cpu::device();
+    std::vector<model::Parameter> a = make_params(device), b = make_params(device);
+    optim::HybridOptions          half{0.5f, true}, all{1.0f, false};
+    optim::HybridDeviceOptimizer  first(device, slots_of(a, 0.01f), optim::AdamWConfig{}, half);
+    for (int step = 1; step <= 3; ++step) {
+        fill_grads(a, step);
+        first.step(lr_at(step));
+    }
+    optim::HybridStateDict state = first.state_dict();
+    EXPECT_EQ(state.step, 3);
+    ASSERT_EQ(state.slots.size(), a.size());
+    for (size_t k = 0; k < a.size(); ++k) b[k].data.copy_from(a[k].data);   // the model weights travel too
+    optim::HybridDeviceOptimizer second(device, slots_of(b, 0.01f), optim::AdamWConfig{}, all);
+    second.load_state_dict(state);
+    EXPECT_EQ(second.steps(), 3);
+    for (int step = 4; step <= 6; ++step) {
+        fill_grads(a, step);
+        fill_grads(b, step);
+        first.step(lr_at(step));
+        second.step(lr_at(step));
+    }
+    for (size_t k = 0; k < a.size(); ++k) EXPECT_TRUE(same_bits(a[k].data, b[k].data)) << a[k].name;
+    optim::HybridStateDict wrong = state;
+    wrong.slots[2].exp_avg.pop_back();
+    EXPECT_THROW(second.load_state_dict(wrong), Error);
+}
+
 TEST(HybridStreams, CallersStreamWaitsForTheH2DCopies) {
     Device & device = cpu::device();
     for (bool skip_wait : {false, true}) {

@@ -3,6 +3,7 @@
 #include "core/error.h"
 #include "optim/host_adam.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace loom::optim {
@@ -245,6 +246,42 @@ void HybridDeviceOptimizer::step(float lr, Stream * current) {
     }
 
     if (!current) own_->synchronize();
+}
+
+HybridStateDict HybridDeviceOptimizer::state_dict() const {
+    HybridStateDict state;
+    state.step = step_;
+    for (int i = 0; i < num_slots(); ++i) {
+        HybridSlotState     st = slot_state(i);
+        HybridSlotStateDict slot;
+        slot.master.assign(st.master, st.master + st.numel);
+        slot.exp_avg.assign(st.exp_avg, st.exp_avg + st.numel);
+        slot.exp_avg_sq.assign(st.exp_avg_sq, st.exp_avg_sq + st.numel);
+        state.slots.push_back(std::move(slot));
+    }
+    return state;
+}
+
+void HybridDeviceOptimizer::load_state_dict(const HybridStateDict & state) {
+    LOOM_CHECK(static_cast<int>(state.slots.size()) == num_slots(),
+               "optimizer state of " << state.slots.size() << " slots for an optimizer of " << num_slots(),
+               "load the state into an optimizer over the same parameters");
+    for (int i = 0; i < num_slots(); ++i) {
+        HybridSlotState             st   = slot_state(i);
+        const HybridSlotStateDict & slot = state.slots[static_cast<size_t>(i)];
+        LOOM_CHECK(static_cast<int64_t>(slot.master.size()) == st.numel && slot.exp_avg.size() == slot.master.size() &&
+                       slot.exp_avg_sq.size() == slot.master.size(),
+                   "optimizer state of slot " << i << " holds " << slot.master.size() << " elements, the slot " << st.numel,
+                   "load the state into an optimizer over the same parameters");
+        std::copy(slot.exp_avg.begin(), slot.exp_avg.end(), st.exp_avg);
+        std::copy(slot.exp_avg_sq.begin(), slot.exp_avg_sq.end(), st.exp_avg_sq);
+        std::copy(slot.master.begin(), slot.master.end(), st.master);
+        const Tensor & values = slots_[static_cast<size_t>(i)].slot.values;
+        if (static_cast<const void *>(st.master) != values.data_ptr()) {   // else the values are the master
+            convert(st.master, DType::f32, values.data_ptr(), values.dtype(), static_cast<size_t>(st.numel));
+        }
+    }
+    step_ = state.step;
 }
 
 }  // namespace loom::optim

@@ -76,6 +76,18 @@ struct HybridSlotState {
     float * exp_avg_sq = nullptr;   // (n) v
 };
 
+// The wrapper's one state for the whole model, whichever side each slot's state lives on: per slot its
+// f32 master (the values themselves for an f32 device slot), m and v, and the one step counter (Megatron's
+// master_param, exp_avg, exp_avg_sq and step). A state taken with one offload fraction or overlap setting
+// loads into an optimizer over the same slots with any other.
+struct HybridSlotStateDict {
+    std::vector<float> master, exp_avg, exp_avg_sq;
+};
+struct HybridStateDict {
+    int64_t                          step = 0;
+    std::vector<HybridSlotStateDict> slots;
+};
+
 class HybridDeviceOptimizer {
 public:
     HybridDeviceOptimizer(Device & device, std::vector<HybridSlot> slots, const AdamWConfig & config,
@@ -99,6 +111,12 @@ public:
     int                     num_offloaded() const;
     int64_t                 offloaded_numel() const;
     HybridSlotState         slot_state(int slot) const;
+
+    // Copies every slot's state out (call between steps).
+    HybridStateDict state_dict() const;
+    // Restores it: masters, moments and the step; each slot's model values become its master in the
+    // model's dtype, as after a step. Throws naming the slot when the sizes do not match.
+    void            load_state_dict(const HybridStateDict & state);
     int                     num_host_groups() const { return static_cast<int>(groups_.size()); }
     const HybridOptions &   options() const { return options_; }
     Stream &                h2d_stream() { return *h2d_; }   // tests delay it to prove the wait
