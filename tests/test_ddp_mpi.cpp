@@ -298,6 +298,35 @@ TEST(DataParallel, BytesPerParameterFollowMegatronsTable) {
     }
 }
 
+// Spec 3.2's offload order under the distributed optimizer: the default-weight-decay group's pieces
+// before the no-decay group's (biases, norms), so a fraction offloads weight-matrix pieces first.
+TEST(DataParallel, CpuOffloadTakesTheDecayGroupsPiecesFirst) {
+    Device &            device = cpu::device();
+    train::TrainOptions o      = small_options(g_mpi->world_size());
+    o.model.params_dtype       = DType::bf16;
+    model::GptModel gpt(o.model, device);
+    gpt.init();
+    ddp::DdpConfig config;
+    config.use_distributed_optimizer = true;
+    ddp::DistributedDataParallel ddp(gpt.parameters(), config, g_mpi->world(), device);
+    optim::HybridOptions         offload;
+    offload.offload_fraction = 0.3f;
+    optim::DistributedOptimizer adam(ddp, optim::AdamWConfig{}, offload);
+    const std::vector<int> &    slots = adam.hybrid_slot_params();
+    ASSERT_EQ(static_cast<int>(slots.size()), adam.hybrid()->num_slots());
+    bool seen_no_decay = false;
+    for (size_t i = 0; i < slots.size(); ++i) {
+        bool no_decay = ddp.params()[slots[i]]->no_weight_decay;
+        EXPECT_FALSE(seen_no_decay && !no_decay) << "a decay piece after a no-decay one at slot " << i;
+        seen_no_decay = seen_no_decay || no_decay;
+        if (adam.hybrid()->slot_state(static_cast<int>(i)).offloaded) {
+            EXPECT_FALSE(no_decay) << "f = 0.3 offloads only weight-matrix pieces here";
+            EXPECT_TRUE(i == 0 || adam.hybrid()->slot_state(static_cast<int>(i) - 1).offloaded) << "a prefix";
+        }
+    }
+    EXPECT_GT(adam.hybrid()->num_offloaded(), 0);
+}
+
 // A non-finite local gradient stops every rank before the collective, naming the rank and parameter.
 TEST(DataParallel, NanGradientIsCaughtBeforeTheReductionNamingTheParameter) {
     Device &            device = cpu::device();

@@ -42,9 +42,25 @@ DistributedOptimizer::DistributedOptimizer(ddp::DistributedDataParallel & ddp, c
         master_.push_back(master);
     }
     if (offload) {
+        // Spec 3.2's HDO order, which decides what a fraction offloads: the param groups with the default
+        // weight decay first, then the no-decay group (biases, norms); inside a group, f32-native shards
+        // before 16-bit ones; each in buffer, bucket, placement order (the pieces' order).
+        std::vector<const Piece *> order;
+        for (int group = 0; group < 2; ++group) {
+            for (int native = 1; native >= 0; --native) {
+                for (const Piece & piece : pieces_) {
+                    const model::Parameter * p = ddp_.params()[piece.param];
+                    if (static_cast<int>(p->no_weight_decay) == group && (p->data.dtype() == DType::f32) == (native == 1)) {
+                        order.push_back(&piece);
+                    }
+                }
+            }
+        }
         std::vector<HybridSlot> slots;
-        for (const Piece & piece : pieces_) {
-            const model::Parameter * p = ddp_.params()[piece.param];
+        for (const Piece * slot_piece : order) {
+            const Piece &            piece = *slot_piece;
+            const model::Parameter * p     = ddp_.params()[piece.param];
+            slot_params_.push_back(piece.param);
             Tensor values = ddp_.param_buffer(piece.buffer).slice(piece.world_start, {piece.numel});
             Tensor grad   = ddp_.grad_buffer(piece.buffer).slice(piece.world_start, {piece.numel});
             slots.push_back(HybridSlot{values, grad, p->no_weight_decay ? 0.0f : config_.weight_decay});

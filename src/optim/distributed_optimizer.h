@@ -17,7 +17,8 @@
 //      forward with --overlap-param-gather).
 //
 // With --optimizer-cpu-offload (a HybridOptions given), the pieces become the slots of a
-// HybridDeviceOptimizer, in piece order (buffer -> bucket -> shard-range order), which holds their state
+// HybridDeviceOptimizer, in spec 3.2's order (the default-weight-decay group, then the no-decay group; in
+// each, f32-native pieces before 16-bit ones; then buffer -> bucket -> shard-range order), which holds their state
 // instead and steps them in step 4, offloading a prefix of this rank's local shard to the host (the split
 // uses local piece sizes, per rank). Every element still goes through host_adam_step with the same
 // arguments, so the result is bitwise the same.
@@ -56,6 +57,8 @@ public:
     int64_t steps() const { return step_; }
     // The hybrid optimizer holding the state (null without offload).
     HybridDeviceOptimizer * hybrid() { return hybrid_.get(); }
+    // The parameter (index into ddp.params()) of each hybrid slot, in slot order (offload only).
+    const std::vector<int> & hybrid_slot_params() const { return slot_params_; }
 
 private:
     struct Piece {
@@ -71,6 +74,7 @@ private:
     std::vector<Piece>             pieces_;
     std::vector<Tensor>            master_, exp_avg_, exp_avg_sq_;   // per buffer, owned elements
     int64_t                        owned_ = 0;
+    std::vector<int>               slot_params_;
     int64_t                        step_  = 0;
     std::unique_ptr<HybridDeviceOptimizer> hybrid_;   // with offload: the state of every piece
 };
