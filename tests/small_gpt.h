@@ -3,7 +3,14 @@
 // batch, its iterations and the parallel options on top.
 #pragma once
 
+#include "backend/cpu/cpu_device.h"
+#include "train/data_source.h"
 #include "train/options.h"
+#include "train/trainer.h"
+
+#include <map>
+#include <string>
+#include <vector>
 
 namespace loom::testing_models {
 
@@ -24,6 +31,32 @@ inline train::TrainOptions small_gpt_options(int64_t layers, int64_t global_batc
     o.lr_decay_iters    = iterations;
     o.log_interval      = 1000;
     return o;
+}
+
+// A parameter's values as f32.
+inline std::vector<float> parameter_values(const model::Parameter & p) {
+    std::vector<float> v(static_cast<size_t>(p.numel()));
+    convert(p.data.data_ptr(), p.data.dtype(), v.data(), DType::f32, v.size());
+    return v;
+}
+
+// The single-rank run every parallel layout is checked against: its losses and final weights by name.
+struct SingleRankRun {
+    std::vector<double>                       losses;
+    std::map<std::string, std::vector<float>> params;
+};
+
+inline SingleRankRun train_single_rank(train::TrainOptions o) {
+    auto            source = train::make_batch_source(o, cpu::device(), false);
+    model::GptModel gpt(o.model, cpu::device());
+    gpt.init();
+    SingleRankRun run;
+    {
+        train::Trainer trainer(o, gpt, *source);
+        run.losses = trainer.run(nullptr).losses;
+    }
+    for (model::Parameter * p : gpt.parameters()) run.params[p->name] = parameter_values(*p);
+    return run;
 }
 
 }  // namespace loom::testing_models

@@ -9,6 +9,7 @@
 #include "data/indexed_dataset.h"
 #include "data/preprocess.h"
 
+#include "error_text.h"
 #include "loom_cli_runner.h"
 
 #include <gtest/gtest.h>
@@ -46,16 +47,6 @@ void write_text(const std::string & path, const std::string & text) {
 
 nlohmann::json expected() { return nlohmann::json::parse(read_text(kFixtures + "/expected.json")); }
 
-// Runs `f`, expects a loom::Error, returns its full text (message and hint).
-std::string error_of(const std::function<void()> & f) {
-    try {
-        f();
-    } catch (const Error & e) {
-        return e.what();
-    }
-    ADD_FAILURE() << "no loom::Error thrown";
-    return "";
-}
 
 std::vector<std::string> pieces_of(std::string_view text) {
     std::vector<std::string> out;

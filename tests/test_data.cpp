@@ -10,6 +10,7 @@
 #include "data/preprocess.h"
 #include "data/token_dataset.h"
 
+#include "error_text.h"
 #include "loom_cli_runner.h"
 
 #include <gtest/gtest.h>
@@ -58,16 +59,6 @@ template <typename T> void poke(std::vector<uint8_t> & bytes, size_t offset, T v
     std::memcpy(bytes.data() + offset, &value, sizeof(T));
 }
 
-// Runs `f`, expects a loom::Error, returns its full text (message and hint).
-std::string error_of(const std::function<void()> & f) {
-    try {
-        f();
-    } catch (const Error & e) {
-        return e.what();
-    }
-    ADD_FAILURE() << "no loom::Error thrown";
-    return "";
-}
 
 // The worked example of indexed_dataset.h: documents [5 7 9] and [1 2] + [3], uint16.
 std::string write_worked_example(const std::string & name) {

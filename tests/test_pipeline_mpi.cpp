@@ -45,23 +45,13 @@ struct StageRun {
     int                                       stage = 0;
 };
 
-std::vector<float> values(const model::Parameter & p) {
-    std::vector<float> v(static_cast<size_t>(p.numel()));
-    convert(p.data.data_ptr(), p.data.dtype(), v.data(), DType::f32, v.size());
-    return v;
-}
+using testing_models::parameter_values;
 
 StageRun reference() {
-    train::TrainOptions o      = small_options();
-    auto                source = train::make_batch_source(o, cpu::device(), false);
-    model::GptModel     gpt(o.model, cpu::device());
-    gpt.init();
-    StageRun run;
-    {
-        train::Trainer trainer(o, gpt, *source);
-        run.losses = trainer.run(nullptr).losses;
-    }
-    for (model::Parameter * p : gpt.parameters()) run.params[p->name] = values(*p);
+    testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options());
+    StageRun                      run;
+    run.losses = ref.losses;
+    run.params = ref.params;
     return run;
 }
 
@@ -106,7 +96,7 @@ StageRun pipelined(int pp, bool distopt, const std::string & timeline = "", int 
         run.peak_in_flight = trainer.peak_in_flight();
     }
     for (auto & chunk : chunks) {
-        for (model::Parameter * p : chunk->parameters()) run.params[p->name] = values(*p);
+        for (model::Parameter * p : chunk->parameters()) run.params[p->name] = parameter_values(*p);
     }
     return run;
 }

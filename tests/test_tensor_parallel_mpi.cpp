@@ -43,12 +43,6 @@ train::TrainOptions small_options(bool llama) {
     return o;
 }
 
-std::vector<float> values(const model::Parameter & p) {
-    std::vector<float> v(static_cast<size_t>(p.numel()));
-    convert(p.data.data_ptr(), p.data.dtype(), v.data(), DType::f32, v.size());
-    return v;
-}
-
 struct Run {
     std::vector<double>                       losses;
     std::map<std::string, std::vector<float>> params;   // by name: the shard this rank holds
@@ -56,16 +50,10 @@ struct Run {
 };
 
 Run reference(bool llama) {
-    train::TrainOptions o      = small_options(llama);
-    auto                source = train::make_batch_source(o, cpu::device(), false);
-    model::GptModel     gpt(o.model, cpu::device());
-    gpt.init();
-    Run run;
-    {
-        train::Trainer trainer(o, gpt, *source);
-        run.losses = trainer.run(nullptr).losses;
-    }
-    for (model::Parameter * p : gpt.parameters()) run.params[p->name] = values(*p);
+    testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(llama));
+    Run                           run;
+    run.losses = ref.losses;
+    run.params = ref.params;
     return run;
 }
 
@@ -105,7 +93,7 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp) {
         run.losses = trainer.run(nullptr).losses;
     }
     for (model::Parameter * p : gpt.parameters()) {
-        run.params[p->name] = values(*p);
+        run.params[p->name] = testing_models::parameter_values(*p);
         run.slices[p->name] = p->tp_slice;
     }
     return run;
