@@ -132,13 +132,17 @@ double group_sum(double value, comm::Communicator & group) {
     return total;
 }
 
+float clip_coefficient(double norm, float max_norm) {
+    if (max_norm <= 0 || !std::isfinite(norm)) return 1.0f;
+    double coeff = max_norm / (norm + 1e-6);
+    return coeff < 1.0 ? static_cast<float>(coeff) : 1.0f;
+}
+
 double clip_grad_norm(const std::vector<model::Parameter *> & params, float max_norm,
                       comm::Communicator & model_parallel) {
-    double norm = std::sqrt(group_sum(grad_norm_squared_unshared(params), model_parallel));
-    if (max_norm > 0 && std::isfinite(norm)) {
-        double coeff = max_norm / (norm + 1e-6);
-        if (coeff < 1.0) scale_grads(params, static_cast<float>(coeff));
-    }
+    double norm  = std::sqrt(group_sum(grad_norm_squared_unshared(params), model_parallel));
+    float  coeff = clip_coefficient(norm, max_norm);
+    if (coeff != 1.0f) scale_grads(params, coeff);
     return norm;
 }
 
@@ -152,11 +156,9 @@ void scale_grads(const std::vector<model::Parameter *> & params, float factor) {
 }
 
 double clip_grad_norm(const std::vector<model::Parameter *> & params, float max_norm) {
-    double norm = grad_norm(params);
-    if (max_norm > 0 && std::isfinite(norm)) {
-        double coeff = max_norm / (norm + 1e-6);
-        if (coeff < 1.0) scale_grads(params, static_cast<float>(coeff));
-    }
+    double norm  = grad_norm(params);
+    float  coeff = clip_coefficient(norm, max_norm);
+    if (coeff != 1.0f) scale_grads(params, coeff);
     return norm;
 }
 

@@ -89,6 +89,9 @@ double clip_grad_norm(const std::vector<model::Parameter *> & params, float max_
                       comm::Communicator & model_parallel);
 // Scales every main_grad by `factor`.
 void   scale_grads(const std::vector<model::Parameter *> & params, float factor);
+// The factor gradients are scaled by: min(1, max_norm / (norm + 1e-6)), and 1 when clipping is off
+// (max_norm <= 0) or the norm is not finite.
+float  clip_coefficient(double norm, float max_norm);
 // Clips to max_norm (no-op when max_norm <= 0 or the norm is smaller); returns the norm before clipping.
 double clip_grad_norm(const std::vector<model::Parameter *> & params, float max_norm);
 

@@ -96,19 +96,15 @@ DistributedOptimizer::StepResult DistributedOptimizer::step(float lr, float clip
     if (!std::isfinite(result.grad_norm)) {
         return result;
     }
-    float coeff = 1.0f;   // as clip_grad_norm computes it
-    if (clip_grad > 0) {
-        double c = clip_grad / (result.grad_norm + 1e-6);
-        if (c < 1.0) coeff = static_cast<float>(c);
+    const float coeff = clip_coefficient(result.grad_norm, clip_grad);
+    if (coeff != 1.0f) {
+        for (const Piece & piece : pieces_) {
+            float * g = ddp_.grad_buffer(piece.buffer).data<float>() + piece.world_start;
+            for (int64_t i = 0; i < piece.numel; ++i) g[i] *= coeff;
+        }
     }
     ++step_;
     if (hybrid_) {
-        if (coeff != 1.0f) {
-            for (const Piece & piece : pieces_) {
-                float * g = ddp_.grad_buffer(piece.buffer).data<float>() + piece.world_start;
-                for (int64_t i = 0; i < piece.numel; ++i) g[i] *= coeff;
-            }
-        }
         hybrid_->step(lr);   // the host sees the updated shard on return
         result.stepped = true;
         ddp_.start_param_sync();
@@ -117,9 +113,6 @@ DistributedOptimizer::StepResult DistributedOptimizer::step(float lr, float clip
     for (const Piece & piece : pieces_) {
         model::Parameter * p = ddp_.params()[piece.param];
         float *            g = ddp_.grad_buffer(piece.buffer).data<float>() + piece.world_start;
-        if (coeff != 1.0f) {
-            for (int64_t i = 0; i < piece.numel; ++i) g[i] *= coeff;
-        }
         float      wd     = p->no_weight_decay ? 0.0f : config_.weight_decay;
         float *    m      = exp_avg_[piece.buffer].data<float>() + piece.state;
         float *    v      = exp_avg_sq_[piece.buffer].data<float>() + piece.state;
