@@ -52,8 +52,7 @@ Tensor TensorParallel::all_gather(const Tensor & t) const {
 }
 
 void set_tp_slice(Parameter & p, int dim, std::vector<std::pair<int64_t, int64_t>> ranges, Shape full_shape) {
-    p.tp_slice            = TpSlice{dim, std::move(ranges), std::move(full_shape)};
-    p.tensor_parallel_dim = dim;
+    p.tp_slice = TpSlice{dim, std::move(ranges), std::move(full_shape)};
 }
 
 // ---------------------------------------------------------------------------------------------------

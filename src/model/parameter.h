@@ -35,8 +35,7 @@ struct Parameter {
     bool        shared_embedding = false;   // word embedding tied to the output layer
     bool        shared = false;             // a copy another pipeline stage also holds (the last stage's tied
                                             // word embedding): counted once, on its owner, in the grad norm
-    int         tensor_parallel_dim = -1;   // dimension split across TP ranks, -1 if replicated
-    TpSlice     tp_slice;                   // which part of the full tensor this rank holds
+    TpSlice     tp_slice;                   // which part of the full tensor this rank holds (dim -1: all)
     bool        tp_duplicate = false;       // replicated across TP and this is not TP rank 0: left out of
                                             // the grad norm (its gradient equals rank 0's)
     bool        sequence_parallel = false;  // replicated across TP but fed this rank's sequence rows only: its
