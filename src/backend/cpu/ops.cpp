@@ -341,26 +341,16 @@ void rope_apply(float * x, int64_t row_stride, int64_t s, int64_t b, int64_t hea
 
 void cross_entropy_forward(const float * logits, const int32_t * labels, float * loss, float * lse, int64_t s,
                            int64_t b, int64_t stride, int64_t vocab) {
-    parallel_for(s * b, 4, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-            const float * row = logits + r * stride;
-            float         mx  = row[0];
-            for (int64_t v = 1; v < vocab; ++v) mx = std::max(mx, row[v]);
-            // 16 partial sums: the exponentials vectorise, and a long row loses less to rounding.
-            float   part[16] = {};
-            int64_t v        = 0;
-            for (; v + 16 <= vocab; v += 16) {
-                for (int k = 0; k < 16; ++k) part[k] += exp_approx(row[v + k] - mx);
-            }
-            for (; v < vocab; ++v) part[v % 16] += exp_approx(row[v] - mx);
-            double sum = 0;
-            for (float p : part) sum += p;
-            float l = mx + static_cast<float>(std::log(sum));
-            int64_t si = r / b, bi = r % b;
-            lse[r]  = l;
-            loss[r] = l - row[labels[bi * s + si]];
-        }
-    });
+    // The one-rank case of the vocabulary-parallel pieces: row max, then the row's sum of exponentials.
+    const int64_t      n = s * b;
+    std::vector<float> max(static_cast<size_t>(n)), sum(static_cast<size_t>(n));
+    row_max(logits, n, stride, vocab, max.data());
+    row_sum_exp(logits, max.data(), n, stride, vocab, sum.data());
+    for (int64_t r = 0; r < n; ++r) {
+        int64_t si = r / b, bi = r % b;
+        lse[r]     = max[r] + static_cast<float>(std::log(static_cast<double>(sum[r])));
+        loss[r]    = lse[r] - logits[r * stride + labels[bi * s + si]];
+    }
 }
 
 void cross_entropy_backward(float * logits, const int32_t * labels, const float * lse, const float * dloss,
