@@ -13,20 +13,22 @@ PipelineExecutor::PipelineExecutor(std::vector<model::GptModel *> chunks,
                                    std::shared_ptr<comm::Communicator> pp_group, int num_microbatches, int group_size)
     : chunks_(std::move(chunks)), pp_(std::move(pp_group)), microbatches_(num_microbatches) {
     LOOM_CHECK(!chunks_.empty(), "a pipeline stage without model chunks", "");
-    options_.pp               = pp_->size();
+    rank_                     = pp_ ? pp_->rank() : 0;
+    options_.pp               = pp_ ? pp_->size() : 1;
+    LOOM_CHECK(chunks_.size() == 1 || pp_, "model chunks without a pipeline group", "");
     options_.num_microbatches = num_microbatches;
     if (chunks_.size() > 1) {
         options_.vpp = static_cast<int>(chunks_.size());
         if (group_size > 0) options_.microbatch_group_size = group_size;
     }
     validate_schedule(options_);
-    ops_ = schedule_ops(options_, pp_->rank());
+    ops_ = schedule_ops(options_, rank_);
 }
 
 PipelineExecutor::Result PipelineExecutor::run(const std::function<model::MicroBatch()> & next_batch,
                                                const model::GradReadyFn &                 ready,
                                                const std::function<void(bool)> &          set_last_microbatch) {
-    const int     rank = pp_->rank(), pp = pp_->size();
+    const int     rank = rank_, pp = options_.pp;
     const int     chunks = static_cast<int>(chunks_.size()), stages = pp * chunks;
     const int64_t h      = chunks_[0]->config().hidden_size;
     Device &      device = chunks_[0]->device();
@@ -75,7 +77,7 @@ PipelineExecutor::Result PipelineExecutor::run(const std::function<model::MicroB
             start           = ms_since_begin();
             Tensor out      = model.forward_stage(slot.ctx, batch, input);
             if (v == stages - 1) {
-                result.loss_sum_of_means += slot.ctx.loss.mean();
+                result.losses.push_back(slot.ctx.loss);
                 slot.tokens = std::max(slot.ctx.loss.count, 1.0);
             } else {
                 sends.emplace_back(pp_->send(out, rank_of(v + 1), tag(v + 1, mb, false)), out);

@@ -35,13 +35,14 @@ namespace loom::pipeline {
 
 class PipelineExecutor {
 public:
-    // `pp_group` holds the ranks in stage order; `chunks` are this rank's model chunks (one without
-    // virtual stages); `group_size` is N (--microbatch-group-size-per-virtual-pipeline-stage, 0: pp).
+    // `pp_group` holds the ranks in stage order (null: one stage, the whole model on this rank, run as
+    // forward/backward per micro-batch); `chunks` are this rank's model chunks (one without virtual
+    // stages); `group_size` is N (--microbatch-group-size-per-virtual-pipeline-stage, 0: pp).
     PipelineExecutor(std::vector<model::GptModel *> chunks, std::shared_ptr<comm::Communicator> pp_group,
                      int num_microbatches, int group_size = 0);
 
     struct Result {
-        double loss_sum_of_means = 0;   // last stage: sum over micro-batches of each one's mean loss
+        std::vector<model::GptModel::LossSum> losses;   // last stage: each micro-batch's loss, in order
         int    peak_in_flight    = 0;   // activation contexts held at once
         std::vector<TimelineOp> ops;     // when each op computed: ms since run() began (a wait for its input
                                          // is not part of the op, so it shows as a gap)
@@ -69,6 +70,7 @@ private:
 
     std::vector<model::GptModel *>      chunks_;
     std::shared_ptr<comm::Communicator> pp_;
+    int                                 rank_ = 0;
     int                                 microbatches_;
     ScheduleOptions                     options_;
     std::vector<ScheduleOp>             ops_;

@@ -71,15 +71,13 @@ Trainer::Trainer(const TrainOptions & options, std::vector<model::GptModel *> ch
     for (model::GptModel * chunk : chunks_) {
         for (model::Parameter * p : chunk->parameters()) params_.push_back(p);
     }
-    LOOM_CHECK(chunks_.size() == 1 || pipeline_.pp, "model chunks without a pipeline group", "");
-    if (pipeline_.pp) {
-        LOOM_CHECK(pipeline_.pp->size() == options_.pipeline_parallel_size,
-                   "pipeline group of " << pipeline_.pp->size() << " ranks for --pipeline-model-parallel-size "
-                                        << options_.pipeline_parallel_size, "");
-        executor_ = std::make_unique<pipeline::PipelineExecutor>(
-            chunks_, pipeline_.pp, static_cast<int>(options_.num_microbatches()),
-            static_cast<int>(options_.microbatch_group_size));
-    }
+    LOOM_CHECK(!pipeline_.pp || pipeline_.pp->size() == options_.pipeline_parallel_size,
+               "pipeline group of " << pipeline_.pp->size() << " ranks for --pipeline-model-parallel-size "
+                                    << options_.pipeline_parallel_size, "");
+    // One executor for every layout: without a pipeline group it runs forward/backward per micro-batch.
+    executor_ = std::make_unique<pipeline::PipelineExecutor>(chunks_, pipeline_.pp,
+                                                             static_cast<int>(options_.num_microbatches()),
+                                                             static_cast<int>(options_.microbatch_group_size));
     if (dp_group_) {
         LOOM_CHECK(dp_group_->size() == options_.data_parallel_size,
                    "data-parallel group of " << dp_group_->size() << " ranks for options resolved for "
@@ -137,43 +135,33 @@ double Trainer::step(IterationStats & stats) {
     } else {
         for (model::Parameter * p : params_) p->main_grad.fill_zero();
     }
-    double loss_total = 0;
-    if (executor_) {
-        const bool timed = !options_.timeline_file.empty() && iteration_ == options_.train_iters;
-        if (timed) pipeline_.pp->barrier()->wait();   // the stages start the timed iteration together
-        ddp::DistributedDataParallel *     d = ddp_.get();
-        pipeline::PipelineExecutor::Result r =
-            executor_->run([this] { return data_.next(); }, grad_ready_,
-                           d ? std::function<void(bool)>([d](bool last) { d->set_last_microbatch(last); }) : nullptr);
-        loss_total      = r.loss_sum_of_means;
-        peak_in_flight_ = std::max(peak_in_flight_, r.peak_in_flight);
-        if (timed) {
-            pipeline::Timeline timeline =
-                pipeline::PipelineExecutor::gather_timeline(r, *pipeline_.pp, executor_->options());
-            if (pipeline_.pp->rank() == 0 && (!dp_group_ || dp_group_->rank() == 0)) {
-                pipeline::write_file_atomically(options_.timeline_file, pipeline::timeline_svg(timeline));
-            }
+    const bool timed = pipeline_.pp && !options_.timeline_file.empty() && iteration_ == options_.train_iters;
+    if (timed) pipeline_.pp->barrier()->wait();   // the stages start the timed iteration together
+    ddp::DistributedDataParallel *     d = ddp_.get();
+    pipeline::PipelineExecutor::Result r =
+        executor_->run([this] { return data_.next(); }, grad_ready_,
+                       d ? std::function<void(bool)>([d](bool last) { d->set_last_microbatch(last); }) : nullptr);
+    peak_in_flight_ = std::max(peak_in_flight_, r.peak_in_flight);
+    if (timed) {
+        pipeline::Timeline timeline = pipeline::PipelineExecutor::gather_timeline(r, *pipeline_.pp, executor_->options());
+        if (pipeline_.pp->rank() == 0 && (!dp_group_ || dp_group_->rank() == 0)) {
+            pipeline::write_file_atomically(options_.timeline_file, pipeline::timeline_svg(timeline));
         }
     }
-    for (int64_t k = 0; !executor_ && k < microbatches; ++k) {
-        if (ddp_) ddp_->set_last_microbatch(k == microbatches - 1);
-        model::MicroBatch         batch = data_.next();
-        model::GptModel::Context  ctx;
-        model::GptModel::LossSum  loss = model_.forward(ctx, batch);
-        LOOM_CHECK(!options_.ddp.check_for_nan_in_grad || std::isfinite(loss.sum),
+    double loss_total = 0;   // sum of the micro-batches' mean losses (last stage)
+    for (size_t k = 0; k < r.losses.size(); ++k) {
+        LOOM_CHECK(!options_.ddp.check_for_nan_in_grad || std::isfinite(r.losses[k].sum),
                    "rank " << (dp_group_ ? dp_group_->global_ranks()[dp_group_->rank()] : 0) << ": lm loss is "
-                           << loss.sum << " in micro-batch " << k << " of iteration " << iteration_,
+                           << r.losses[k].sum << " in micro-batch " << k << " of iteration " << iteration_,
                    "--check-for-nan-in-loss-and-grad stops here; lower --lr or check the data");
-        double tokens = std::max(loss.count, 1.0);
-        model_.backward(ctx, 1.0 / (tokens * static_cast<double>(microbatches)), grad_ready_);
-        loss_total += loss.mean();
+        loss_total += r.losses[k].mean();
     }
     consumed_ += options_.global_batch_size;
     if (ddp_) ddp_->finish_grad_sync();
-    // The tied word embedding: the first stage's embedding gradient plus the last stage's output-layer
-    // gradient, on both (after the data-parallel reduction: with the distributed optimizer both stages
-    // hold the same owned range, the embedding being alone in its bucket on each).
-    // The first rank's first chunk holds the embedding, the last rank's last chunk the tied copy.
+    // The tied word embedding (the first rank's first chunk, and its copy in the last rank's last chunk):
+    // the first stage's embedding gradient plus the last stage's output-layer gradient, on both. After the
+    // data-parallel reduction: with the distributed optimizer both stages hold the same owned range, the
+    // embedding being alone in its bucket on each.
     model::Parameter * wte = nullptr;
     for (model::GptModel * chunk : chunks_) {
         const model::PipelineStage & part = chunk->stage();

@@ -111,7 +111,7 @@ private:
     std::unique_ptr<optim::DistributedOptimizer>  dist_optimizer_;  // --use-distributed-optimizer
     std::unique_ptr<optim::HybridDeviceOptimizer> hybrid_;          // --optimizer-cpu-offload, replicated
     PipelineGroups                                pipeline_;
-    std::unique_ptr<pipeline::PipelineExecutor>   executor_;
+    std::unique_ptr<pipeline::PipelineExecutor>   executor_;   // every layout, one stage included
     int                                           peak_in_flight_ = 0;
     optim::LrSchedule               schedule_;
     int64_t                         iteration_ = 0;
