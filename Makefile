@@ -16,7 +16,7 @@ ifneq ($(NVCC),)
 CMAKE_FLAGS += -DCMAKE_CUDA_COMPILER=$(NVCC)
 endif
 
-.PHONY: deps configure build run test bench clean
+.PHONY: deps configure build run test test-avx2 bench clean
 
 deps:
 	./scripts/install-deps
@@ -34,6 +34,10 @@ run: build
 
 test: build
 	cd $(BUILD_DIR) && ctest -j $(JOBS) --output-on-failure
+
+# The suite with oneDNN and Loom's own dispatch capped at AVX2: what a CPU without AVX-512 runs.
+test-avx2: build
+	cd $(BUILD_DIR) && ONEDNN_MAX_CPU_ISA=AVX2 LOOM_MAX_CPU_ISA=avx2 ctest -j $(JOBS) --output-on-failure
 
 bench: build
 	$(BUILD_DIR)/bench/bench_core --benchmark_repetitions=5 --benchmark_report_aggregates_only=true

@@ -4,6 +4,8 @@
 // target-attributed bodies runs on any x86-64, and no multiply-add is fused unless spelled as fma.
 #include "optim/host_adam.h"
 
+#include "core/cpu_isa.h"
+
 #include "core/error.h"
 #include "core/thread_pool.h"
 
@@ -256,12 +258,9 @@ bool host_adam_isa_supported(HostAdamIsa isa) {
             return true;
 #ifdef LOOM_HOST_ADAM_X86
         case HostAdamIsa::avx2:
-            __builtin_cpu_init();
-            return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+            return cpu_isa() >= CpuIsa::avx2;
         case HostAdamIsa::avx512:
-            __builtin_cpu_init();
-            return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512vl");
+            return cpu_isa() >= CpuIsa::avx512;
 #endif
         default:
             return false;

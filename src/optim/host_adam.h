@@ -12,7 +12,7 @@
 // an f32 one. Steps of 2^19 elements or more write the output with non-temporal stores (it would leave the
 // caches before anyone reads it), which saves reading its lines first.
 //
-// Bodies, chosen at run time from the CPU's features (__builtin_cpu_supports):
+// Bodies, chosen at run time from the CPU's features (core/cpu_isa.h, capped by LOOM_MAX_CPU_ISA):
 //   avx512   16 lanes, masked loads and stores for the tail   avx512f, avx512bw, avx512vl
 //   avx2      8 lanes, the scalar twin for the tail            avx2, fma
 //   scalar    the portable twin (std::fma)                     any CPU
@@ -58,7 +58,7 @@ enum class HostAdamIsa : uint8_t { automatic, scalar, avx2, avx512 };
 const char * host_adam_isa_name(HostAdamIsa isa);
 // The inverse of host_adam_isa_name; throws on anything else.
 HostAdamIsa  host_adam_isa_from_name(std::string_view name);
-// Whether this CPU (and its OS) can run the body; automatic and scalar always can.
+// Whether this CPU (and its OS) can run the body under LOOM_MAX_CPU_ISA; automatic and scalar always can.
 bool         host_adam_isa_supported(HostAdamIsa isa);
 // The fastest body this CPU runs.
 HostAdamIsa  host_adam_isa_best();

@@ -1,6 +1,8 @@
 #include "backend/cpu/gemm.h"
 
 #include "backend/cpu/dnnl_check.h"
+#include "backend/cpu/ops.h"
+#include "core/cpu_isa.h"
 #include "core/thread_pool.h"
 
 #include <oneapi/dnnl/dnnl.hpp>
@@ -10,6 +12,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <vector>
 
 namespace loom::cpu {
 
@@ -37,6 +40,7 @@ using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, int, bool>;
 struct Cached {
     dnnl::matmul             primitive;
     dnnl::memory::desc       a, b, c;
+    bool                     widen = false;   // bf16 operands widened to f32 (no native bf16 matmul)
 };
 
 struct GemmCache {
@@ -76,6 +80,12 @@ Cached make_primitive(const Key & key, dnnl::engine & engine) {
 
 }  // namespace
 
+bool gemm_bf16_native() {
+    // oneDNN's bf16 matmul needs AVX-512 (native dot products with AVX512-BF16 or AMX, emulated on
+    // AVX512_CORE); below that, or under LOOM_MAX_CPU_ISA=avx2, Loom widens the operands itself.
+    return cpu_isa() >= CpuIsa::avx512;
+}
+
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b,
           DType ab_dtype, float * c, bool accumulate) {
     LOOM_CHECK(ab_dtype == DType::f32 || ab_dtype == DType::bf16,
@@ -97,15 +107,32 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const voi
         std::lock_guard<std::mutex> lock(g.mutex);
         auto it = g.primitives.find(key);
         if (it == g.primitives.end()) {
-            try {
-                it = g.primitives.emplace(key, make_primitive(key, g.engine)).first;
-            } catch (const dnnl::error & e) {
-                LOOM_THROW("oneDNN has no matmul for " << m << "x" << n << "x" << k << " "
-                                                       << dtype_name(ab_dtype) << ": " << e.what(),
-                           "set ONEDNN_VERBOSE=1 to see why");
+            if (ab_dtype == DType::bf16 && !gemm_bf16_native()) {
+                it = g.primitives.emplace(key, Cached{{}, {}, {}, {}, true}).first;
+            } else {
+                try {
+                    it = g.primitives.emplace(key, make_primitive(key, g.engine)).first;
+                } catch (const dnnl::error & e) {
+                    // This oneDNN has no bf16 matmul for the shape on this CPU: widen instead.
+                    LOOM_CHECK(ab_dtype == DType::bf16, "oneDNN has no matmul for " << m << "x" << n << "x" << k << " "
+                                                                                    << dtype_name(ab_dtype) << ": " << e.what(),
+                               "set ONEDNN_VERBOSE=1 to see why");
+                    it = g.primitives.emplace(key, Cached{{}, {}, {}, {}, true}).first;
+                }
             }
         }
         p = it->second;
+    }
+    if (p.widen) {
+        // The operands' values are bf16-exact, so the f32 GEMM of their widened copies computes the same
+        // products (exact in f32) with the same f32 accumulation: the contract of the bf16 GEMM.
+        thread_local std::vector<float> wide_a, wide_b;
+        wide_a.resize(static_cast<size_t>(m * k));
+        wide_b.resize(static_cast<size_t>(k * n));
+        convert_parallel(a, DType::bf16, wide_a.data(), DType::f32, m * k);
+        convert_parallel(b, DType::bf16, wide_b.data(), DType::f32, k * n);
+        gemm(trans_a, trans_b, m, n, k, wide_a.data(), wide_b.data(), DType::f32, c, accumulate);
+        return;
     }
     dnnl::memory a_mem(p.a, g.engine, const_cast<void *>(a));
     dnnl::memory b_mem(p.b, g.engine, const_cast<void *>(b));

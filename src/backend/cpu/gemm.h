@@ -7,7 +7,10 @@
 //   op(B) = B    with B stored (K, N) row-major      op(B) = B^T  with B stored (N, K)  (trans_b)
 //
 // A and B are f32 or bf16 (both the same); C is always f32 and the products accumulate in f32 (AMX or
-// AVX-512 bf16 dot products where the CPU has them). The three uses in a linear layer y = x W^T:
+// AVX-512 bf16 dot products where the CPU has them). Where oneDNN has no bf16 matmul (a CPU without
+// AVX-512, or LOOM_MAX_CPU_ISA below avx512), bf16 operands are widened to f32 in per-thread scratch and
+// the f32 GEMM runs: their values are bf16-exact, so the products and the f32 accumulation are the same
+// contract, at the cost of the widening pass. The three uses in a linear layer y = x W^T:
 //   forward     y  (s*b, o)  = x (s*b, i) . W^T           gemm(false, true,  sb, o, i, x, W, y)
 //   input grad  dx (s*b, i)  = dy (s*b, o) . W             gemm(false, false, sb, i, o, dy, W, dx)
 //   weight grad dW (o, i)   += dy^T (o, s*b) . x           gemm(true,  false, o, i, sb, dy, x, dW, true)
@@ -21,6 +24,9 @@
 #include <cstdint>
 
 namespace loom::cpu {
+
+// Whether bf16 GEMMs run oneDNN's bf16 matmul (true) or widen to f32 (false) on this CPU and ISA cap.
+bool gemm_bf16_native();
 
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b,
           DType ab_dtype, float * c, bool accumulate = false);
