@@ -86,6 +86,7 @@ void expect_bf16_agrees(const std::string & preset) {
     EXPECT_NE(lb.mean(), lf.mean()) << "the bf16 run really computes in bf16";
     f32.backward(cf, 1.0 / lf.count, nullptr);
     b16.backward(cb, 1.0 / lb.count, nullptr);
+    cpu::device().compute_stream().synchronize();   // backward is stream work: wait before reading main_grad
     double worst = 1.0;
     for (size_t k = 0; k < pf.size(); ++k) {
         double c = cosine(values_f32(pf[k]->main_grad), values_f32(pb[k]->main_grad));

@@ -337,6 +337,7 @@ TEST(DataParallel, NanGradientIsCaughtBeforeTheReductionNamingTheParameter) {
     config.check_for_nan_in_grad = true;
     ddp::DistributedDataParallel ddp(gpt.parameters(), config, g_mpi->world(), device);
     ddp.zero_grad_buffer();
+    device.compute_stream().synchronize();   // the zeroing is stream work: let it run before the host writes
     model::Parameter * victim = gpt.parameters()[3];
     victim->main_grad.data<float>()[5] = NAN;
     try {

@@ -260,6 +260,7 @@ void check_model_gradients(model::GptConfig config) {
     gpt.forward(ctx, batch);
     std::vector<std::string> ready;
     gpt.backward(ctx, 1.0, [&](model::Parameter & p) { ready.push_back(p.name); });
+    cpu::device().compute_stream().synchronize();   // backward is stream work: wait before reading main_grad
     auto params = gpt.parameters();
     EXPECT_EQ(ready.size(), params.size()) << "every parameter is reported ready exactly once";
     for (model::Parameter * p : params) {
@@ -314,12 +315,14 @@ TEST(GptModel, GradientsAccumulateAcrossMicrobatches) {
         gpt.forward(ctx, batch);
         gpt.backward(ctx, 0.5, nullptr);
     }
+    cpu::device().compute_stream().synchronize();   // backward is stream work: wait before reading main_grad
     std::vector<std::vector<float>> twice;
     for (auto * p : gpt.parameters()) twice.emplace_back(p->main_grad.data<float>(), p->main_grad.data<float>() + p->numel());
     gpt.zero_grad();
     model::GptModel::Context ctx;
     gpt.forward(ctx, batch);
     gpt.backward(ctx, 1.0, nullptr);
+    cpu::device().compute_stream().synchronize();   // backward is stream work: wait before reading main_grad
     auto params = gpt.parameters();
     for (size_t k = 0; k < params.size(); ++k) {
         const float * once = params[k]->main_grad.data<float>();

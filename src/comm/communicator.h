@@ -16,7 +16,10 @@
 // Asynchrony and ordering. Every operation returns a Work at once and completes later; wait() blocks
 // the host until it has, test() asks. Passing a stream orders the operation inside it: it starts only
 // after the work already submitted to that stream, and work submitted to the stream afterwards starts
-// only after it completes (as a NCCL call on a CUDA stream). Without a stream, the data must be ready
+// only after it completes (as a NCCL call on a CUDA stream); a send is the exception: it starts after the
+// stream's earlier work, but later work on the stream does not wait for it (a pipeline stage's stream
+// must not block until its neighbour posts the matching receive; the tensor stays alive until sent, and
+// its Work says when it may be overwritten). Without a stream, the data must be ready
 // when the call is made. Operations on one communicator start in the order they were issued, on every
 // rank, so all ranks must issue them in the same order (as MPI and NCCL require).
 //

@@ -481,7 +481,7 @@ protected:
             requests.emplace_back();
             LOOM_MPI_CHECK(MPI_Isend(t.data_ptr(), count, type, peer, tag, comm, &requests.back()));
         };
-        return issue(std::move(mpi_op), stream);
+        return issue(std::move(mpi_op), stream, /*stream_waits=*/false);
     }
 
     WorkPtr do_recv(const Tensor & t, int peer, int tag, Stream * stream) override {
@@ -522,7 +522,7 @@ private:
                    "use tags in [0, 32767]");
     }
 
-    WorkPtr issue(std::shared_ptr<MpiOp> op, Stream * stream) {
+    WorkPtr issue(std::shared_ptr<MpiOp> op, Stream * stream, bool stream_waits = true) {
         op->comm_id = id_;
         op->seq     = next_seq_.fetch_add(1);
         std::shared_ptr<WorkState> work = op->work;
@@ -531,7 +531,7 @@ private:
         } else {
             std::shared_ptr<MpiEngine> engine = engine_;
             stream->submit([engine, op] { engine->deliver(op); });
-            stream->submit([work] { work->wait(); });
+            if (stream_waits) stream->submit([work] { work->wait(); });
         }
         return work;
     }

@@ -38,6 +38,7 @@ public:
 };
 
 class Device;
+class Ops;
 
 class Stream {
 public:
@@ -68,6 +69,17 @@ public:
     virtual Allocator & allocator(MemoryKind kind = MemoryKind::device) = 0;
     virtual std::unique_ptr<Stream> stream_create(const std::string & name) = 0;
     virtual std::unique_ptr<Event>  event_create() = 0;
+
+    // The device's kernels (core/ops.h).
+    virtual Ops &    ops() = 0;
+    // The stream layers compute on, named "compute": one per device, created with it. Layers enqueue their
+    // kernels here and return; whoever reads a result on the host waits for it first.
+    virtual Stream & compute_stream() = 0;
 };
+
+// Test seam: LOOM_STREAM_DELAY_US=name=us[,name=us...] makes the streams of that name sleep that long
+// before each piece of work, so a missing event wait shows up as a wrong result. "compute" and
+// "ddp-comm" are the streams the equivalence tests delay. Returns 0 for a stream not named.
+int64_t stream_delay_us_from_env(const std::string & stream_name);
 
 }  // namespace loom

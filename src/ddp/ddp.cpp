@@ -1,7 +1,7 @@
 #include "ddp/ddp.h"
 
 #include "core/error.h"
-#include "core/thread_pool.h"
+#include "core/ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -56,7 +56,9 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
     options.grad_reduce_in_fp32             = true;
     layout_ = compute_layout(specs_, options);
 
-    // Buffers, and every parameter re-pointed at its range (values kept, padding zero).
+    // Buffers, and every parameter re-pointed at its range (values kept, padding zero), once the compute
+    // stream has finished with the old tensors.
+    device_.compute_stream().synchronize();
     for (const BufferLayout & buffer : layout_.buffers) {
         Tensor grads = Tensor::zeros({buffer.numel}, DType::f32, device_, {MemoryKind::device, "grads"});
         Tensor weights;
@@ -96,6 +98,7 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
     }
     for (size_t i = 0; i < params_.size(); ++i) index_[params_[i]] = static_cast<int>(i);
     comm_stream_ = device_.stream_create("ddp-comm");
+    grads_ready_ = device_.event_create();
 }
 
 DistributedDataParallel::~DistributedDataParallel() {
@@ -134,7 +137,7 @@ void DistributedDataParallel::zero_grad_buffer() {
         }
         first_iteration_ = false;
     }
-    for (Tensor & grads : grad_buffers_) grads.fill_zero();
+    for (Tensor & grads : grad_buffers_) device_.ops().fill_zero(device_.compute_stream(), grads);
     for (Group & group : groups_) {
         std::fill(group.count.begin(), group.count.end(), 0);
         group.grad_launched = false;
@@ -161,10 +164,15 @@ void DistributedDataParallel::launch_grad_sync(Group & group) {
     LOOM_CHECK(!group.grad_launched, "a second gradient reduction of a bucket group while one is outstanding", "");
     const int64_t   dp = dp_group_->size();
     comm::ReduceOp  op = config_.average_in_collective ? comm::ReduceOp::avg : comm::ReduceOp::sum;
+    // The gradients are final once the compute stream has run the backward work enqueued so far: the comm
+    // stream waits for that point before it touches them.
+    Stream & compute = device_.compute_stream();
+    compute.record(*grads_ready_);
+    comm_stream_->wait(*grads_ready_);
+    if (config_.check_for_nan_in_grad) grads_ready_->synchronize();   // the host reads them to check
     for (const BucketRef & ref : group.buckets) {
         const BucketLayout & bucket = layout_.buffers[ref.buffer].buckets[ref.bucket];
         Tensor               grads  = bucket_view(grad_buffers_[ref.buffer], bucket);
-        float *              g      = grads.data<float>();
         if (config_.check_for_nan_in_grad) {
             for (const ParamPlace & place : layout_.buffers[ref.buffer].params) {
                 if (place.bucket != ref.bucket) continue;
@@ -180,10 +188,7 @@ void DistributedDataParallel::launch_grad_sync(Group & group) {
             }
         }
         if (!config_.average_in_collective && dp > 1) {
-            const float scale = 1.0f / static_cast<float>(dp);
-            parallel_for(bucket.numel, 1 << 15, [&](int64_t begin, int64_t end) {
-                for (int64_t i = begin; i < end; ++i) g[i] *= scale;
-            });
+            device_.ops().scale(*comm_stream_, grads, 1.0f / static_cast<float>(dp));
         }
         if (config_.use_distributed_optimizer) {
             int64_t shard = bucket.numel / dp;

@@ -27,9 +27,11 @@
 // naming the rank and the parameter.
 //
 // Gradients are always accumulated and reduced in f32 (Megatron turns --accumulate-allreduce-grads-in-fp32
-// on for --bf16; Loom's layers write f32 main_grads for both dtypes). The CPU layers compute on the calling
-// thread, so a parameter's gradient is complete when it is reported ready and the collective is issued
-// right there on the communication stream; the MPI engine thread runs it while backward goes on.
+// on for --bf16; Loom's layers write f32 main_grads for both dtypes). Layers report a parameter ready when
+// they have enqueued its gradient's kernels on the device's compute stream, not when those have run: a
+// launch records an event on the compute stream, the communication stream waits on it, then scales the
+// bucket and runs its collective, so backward compute and reductions overlap. Zeroing the buffers is
+// compute-stream work too; finish_grad_sync() returns once every reduction has completed.
 #pragma once
 
 #include "comm/communicator.h"
@@ -127,6 +129,7 @@ private:
     std::vector<int>                    group_of_param_, member_of_param_;
     std::unordered_map<const model::Parameter *, int> index_;   // parameter -> index into params_
     std::unique_ptr<Stream>             comm_stream_;
+    std::unique_ptr<Event>              grads_ready_;   // recorded on the compute stream before each reduction
     bool                                first_iteration_ = true;
     bool                                last_microbatch_ = true;
     bool                                pending_gathers_ = false;

@@ -1,7 +1,6 @@
 #include "model/gpt_model.h"
 
-#include "backend/cpu/gemm.h"
-#include "backend/cpu/ops.h"
+#include "core/ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -72,22 +71,31 @@ std::vector<Parameter *> GptModel::parameters() {
 }
 
 void GptModel::zero_grad() {
-    for (Parameter * p : parameters()) p->main_grad.fill_zero();
+    for (Parameter * p : parameters()) device_.ops().fill_zero(device_.compute_stream(), p->main_grad);
 }
 
-std::vector<int32_t> GptModel::local_tokens(const Tensor & tokens) const {
-    const int32_t *      t = tokens.data<int32_t>();
-    std::vector<int32_t> local(static_cast<size_t>(tokens.numel()));
-    for (size_t i = 0; i < local.size(); ++i) {
-        local[i] = t[i] >= vocab_begin_ && t[i] < vocab_begin_ + vocab_local_ ? static_cast<int32_t>(t[i] - vocab_begin_) : -1;
-    }
+Tensor GptModel::local_tokens(const Tensor & tokens) const {
+    if (tp_.size == 1) return tokens;
+    Tensor local = Tensor::empty(tokens.shape(), DType::i32, device_, {MemoryKind::device, "activations"});
+    device_.ops().vocab_shard_ids(device_.compute_stream(), tokens, vocab_begin_, vocab_local_, local);
     return local;
+}
+
+double GptModel::masked_loss_sum(const Tensor & token_loss, const Tensor & mask) {
+    const int64_t b = mask.size(0), s = mask.size(1);
+    const float * m = mask.data<float>();
+    const float * l = token_loss.data<float>();
+    double        sum = 0;
+    for (int64_t r = 0; r < s * b; ++r) sum += static_cast<double>(m[(r % b) * s + r / b]) * l[r];
+    return sum;
 }
 
 GptModel::LossSum GptModel::forward(Context & ctx, const MicroBatch & batch) {
     LOOM_CHECK(stage_.pre_process && stage_.post_process, "forward() of a pipeline stage",
                "run a stage with forward_stage()");
     forward_stage(ctx, batch, Tensor());
+    device_.compute_stream().synchronize();   // the host reads the per-token losses
+    ctx.loss.sum = masked_loss_sum(ctx.token_loss, batch.loss_mask);
     return ctx.loss;
 }
 
@@ -96,7 +104,9 @@ void GptModel::backward(Context & ctx, double loss_scale, const GradReadyFn & re
 }
 
 Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Tensor & input) {
-    int64_t b = batch.tokens.size(0), s = batch.tokens.size(1), h = config_.hidden_size;
+    int64_t  b = batch.tokens.size(0), s = batch.tokens.size(1), h = config_.hidden_size;
+    Ops &    ops    = device_.ops();
+    Stream & stream = device_.compute_stream();
     ctx.s     = s;
     ctx.b     = b;
     ctx.batch = batch;
@@ -118,17 +128,8 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
         x = activation(device_, s * b, h);
         // Vocabulary-parallel: each rank embeds its tokens (zeros for the rest), rank 0 adds the positions,
         // and the sum over the group is the embedding.
-        std::vector<int32_t> local = tp_.size > 1 ? local_tokens(batch.tokens) : std::vector<int32_t>();
-        const int32_t *      ids   = tp_.size > 1 ? local.data() : tokens;
-        const bool           pos   = wpe_.data.defined() && tp_.rank == 0;
-        if (wte_.data.dtype() == DType::f32) {
-            cpu::embedding_forward(ids, wte_.data.data<float>(), pos ? wpe_.data.data<float>() : nullptr,
-                                   x.data<float>(), s, b, h);
-        } else {
-            cpu::embedding_forward(ids, static_cast<const uint16_t *>(wte_.data.data_ptr()),
-                                   pos ? static_cast<const uint16_t *>(wpe_.data.data_ptr()) : nullptr, x.data<float>(),
-                                   s, b, h);
-        }
+        const bool pos = wpe_.data.defined() && tp_.rank == 0;
+        ops.embedding_forward(stream, local_tokens(batch.tokens), wte_.data, pos ? wpe_.data : Tensor(), x);
         if (tp_.sp()) {
             x = tp_.reduce_scatter(x);   // sequence parallel: this rank's rows of the sum
         } else {
@@ -165,52 +166,45 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
     ctx.logits     = activation(device_, s * b, vocab_local_);
     ctx.lse        = activation(device_, s * b, 1);
     ctx.token_loss = activation(device_, s * b, 1);
-    cpu::gemm(false, true, s * b, vocab_local_, h, ctx.final_hidden.data_ptr(), out_w.data.data_ptr(), dtype,
-              ctx.logits.data<float>());
+    (void)dtype;
+    ops.gemm(stream, ctx.final_hidden, false, out_w.data, true, ctx.logits);
     if (tp_.size == 1) {
-        cpu::cross_entropy_forward(ctx.logits.data<float>(), batch.labels.data<int32_t>(), ctx.token_loss.data<float>(),
-                                   ctx.lse.data<float>(), s, b, vocab_, config_.vocab_size);
+        ops.cross_entropy_forward(stream, ctx.logits, batch.labels, ctx.token_loss, ctx.lse, config_.vocab_size);
     } else {
         vocab_parallel_cross_entropy(ctx, batch);
     }
+    // The token count comes from the mask, which the host holds; the loss itself is read once the stream
+    // has computed ctx.token_loss (masked_loss_sum, after a synchronization: forward() or the executor).
     LossSum       result;
     const float * mask = batch.loss_mask.data<float>();
-    const float * loss = ctx.token_loss.data<float>();
-    for (int64_t r = 0; r < s * b; ++r) {
-        float m = mask[(r % b) * s + r / b];
-        result.sum += static_cast<double>(m) * loss[r];
-        result.count += m;
-    }
-    ctx.loss = result;
+    for (int64_t r = 0; r < s * b; ++r) result.count += mask[(r % b) * s + r / b];
+    result.sum = std::nan("");
+    ctx.loss   = result;
     return Tensor();
 }
 
 Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor & dy, const GradReadyFn & ready) {
-    int64_t s = ctx.s, b = ctx.b, h = config_.hidden_size;
-    Tensor  dx;
+    int64_t  s = ctx.s, b = ctx.b, h = config_.hidden_size;
+    Ops &    ops    = device_.ops();
+    Stream & stream = device_.compute_stream();
+    Tensor   dx;
     if (stage_.post_process) {
-        Tensor        dloss = activation(device_, s * b, 1);
-        const float * mask  = ctx.batch.loss_mask.data<float>();
-        for (int64_t r = 0; r < s * b; ++r) {
-            dloss.data<float>()[r] = static_cast<float>(mask[(r % b) * s + r / b] * loss_scale);
-        }
-        std::vector<int32_t> local = tp_.size > 1 ? local_tokens(ctx.batch.labels) : std::vector<int32_t>();
-        cpu::cross_entropy_backward(ctx.logits.data<float>(),
-                                    tp_.size > 1 ? local.data() : ctx.batch.labels.data<int32_t>(), ctx.lse.data<float>(),
-                                    dloss.data<float>(), s, b, vocab_local_, local_valid_vocab());
+        Tensor dloss = activation(device_, s * b, 1);
+        ops.loss_grad(stream, ctx.batch.loss_mask, loss_scale, dloss);
+        ops.cross_entropy_backward(stream, ctx.logits, local_tokens(ctx.batch.labels), ctx.lse, dloss, local_valid_vocab());
         Parameter & out_w   = output_.data.defined() ? output_ : wte_;
         DType       dtype   = out_w.data.dtype();
         Tensor      dlogits = in_dtype(ctx.logits, dtype);
         ctx.logits          = Tensor();
         dx                  = activation(device_, s * b, h);
-        cpu::gemm(false, false, s * b, h, vocab_local_, dlogits.data_ptr(), out_w.data.data_ptr(), dtype, dx.data<float>());
+        (void)dtype;
+        ops.gemm(stream, dlogits, false, out_w.data, false, dx);
         if (tp_.sp()) {   // every vocabulary shard contributes to the hidden state's gradient
             dx = tp_.reduce_scatter(dx);
         } else {
             tp_.all_reduce(dx);
         }
-        cpu::gemm(true, false, vocab_local_, h, s * b, dlogits.data_ptr(), ctx.final_hidden.data_ptr(), dtype,
-                  out_w.main_grad.data<float>(), true);
+        ops.gemm(stream, dlogits, true, ctx.final_hidden, false, out_w.main_grad, /*accumulate=*/true);
         ctx.lse = ctx.token_loss = ctx.final_hidden = Tensor();
         dlogits = Tensor();
         // The output weight is final here, unless the same tensor also embeds tokens on this stage.
@@ -227,10 +221,8 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
     }
     if (stage_.pre_process) {
         if (tp_.sp()) dx = tp_.all_gather(dx);   // the lookup's gradient needs every position
-        std::vector<int32_t> local = tp_.size > 1 ? local_tokens(ctx.batch.tokens) : std::vector<int32_t>();
-        cpu::embedding_backward(tp_.size > 1 ? local.data() : ctx.batch.tokens.data<int32_t>(), dx.data<float>(),
-                                wte_.main_grad.data<float>(), wpe_.data.defined() ? wpe_.main_grad.data<float>() : nullptr,
-                                s, b, h, vocab_local_);
+        ops.embedding_backward(stream, local_tokens(ctx.batch.tokens), dx, wte_.main_grad,
+                               wpe_.data.defined() ? wpe_.main_grad : Tensor());
         if (ready) {
             if (wpe_.data.defined()) ready(wpe_);
             ready(wte_);   // tied on one stage: both the output-layer and the embedding contributions are in
@@ -248,26 +240,19 @@ int64_t GptModel::local_valid_vocab() const {
 void GptModel::vocab_parallel_cross_entropy(Context & ctx, const MicroBatch & batch) {
     // loss = log(sum over all ranks' columns of exp(logit - max)) + max - logit[label], with the max, the
     // sum and the label's logit each combined over the group: the full logits are never gathered.
-    const int64_t n = ctx.s * ctx.b, s = ctx.s, b = ctx.b, valid = local_valid_vocab();
-    const float * logits = ctx.logits.data<float>();
+    const int64_t n = ctx.s * ctx.b, valid = local_valid_vocab();
+    Ops &         ops    = device_.ops();
+    Stream &      stream = device_.compute_stream();
     Tensor        max    = activation(device_, n, 1);
     Tensor        sum    = activation(device_, n, 1);
     Tensor        target = activation(device_, n, 1);
-    cpu::row_max(logits, n, vocab_local_, valid, max.data<float>());
-    tp_.group->all_reduce(max, comm::ReduceOp::max)->wait();
-    cpu::row_sum_exp(logits, max.data<float>(), n, vocab_local_, valid, sum.data<float>());
+    ops.row_max(stream, ctx.logits, valid, max);
+    tp_.group->all_reduce(max, comm::ReduceOp::max, &stream);
+    ops.row_sum_exp(stream, ctx.logits, max, valid, sum);
     tp_.all_reduce(sum);
-    std::vector<int32_t> labels = local_tokens(batch.labels);
-    for (int64_t r = 0; r < n; ++r) {
-        int32_t label = labels[(r % b) * s + r / b];
-        target.data<float>()[r] = label >= 0 ? logits[r * vocab_local_ + label] : 0.0f;
-    }
+    ops.label_logit(stream, ctx.logits, local_tokens(batch.labels), target);
     tp_.all_reduce(target);
-    for (int64_t r = 0; r < n; ++r) {
-        float lse = max.data<float>()[r] + std::log(sum.data<float>()[r]);
-        ctx.lse.data<float>()[r]        = lse;
-        ctx.token_loss.data<float>()[r] = lse - target.data<float>()[r];
-    }
+    ops.lse_and_loss(stream, max, sum, target, ctx.lse, ctx.token_loss);
 }
 
 }  // namespace loom::model

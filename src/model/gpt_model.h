@@ -70,13 +70,19 @@ public:
     // Initialises every parameter from config.seed (Megatron's scheme).
     void init();
 
+    // The whole model's forward; waits for the compute stream and returns the loss.
     LossSum forward(Context & ctx, const MicroBatch & batch);
+    // The sum of mask * token_loss over a micro-batch's rows (token_loss (s*b) in (s, b) order, mask (b, s)),
+    // in double, on the host: call it once the stream that computed token_loss has been waited on.
+    static double masked_loss_sum(const Tensor & token_loss, const Tensor & mask);
     // Adds gradients of (loss_scale * sum of mask * token loss) into main_grad.
     void    backward(Context & ctx, double loss_scale, const GradReadyFn & ready);
 
     // One pipeline stage's forward: `input` is the previous stage's output (unused on the first stage).
     // Returns this stage's output (s*b, h) for the next stage; on the last stage an undefined tensor, and
-    // the loss is in ctx.loss.
+    // ctx.loss.count is the micro-batch's token count while ctx.loss.sum waits for the stream: it is NaN
+    // until the caller fills it from ctx.token_loss with masked_loss_sum. Everything is enqueued on the
+    // device's compute stream.
     Tensor forward_stage(Context & ctx, const MicroBatch & batch, const Tensor & input);
     // Its backward: `dy` is the gradient of the stage's output (unused on the last stage). Returns the
     // gradient of its input for the previous stage (undefined on the first stage).
@@ -116,8 +122,9 @@ private:
     int64_t                                        vocab_local_ = 0;   // V / tp rows on this rank
     int64_t                                        vocab_begin_ = 0;   // the first of them
 
-    // tokens (b, s) as rows of this rank's vocabulary shard, -1 for another rank's.
-    std::vector<int32_t> local_tokens(const Tensor & tokens) const;
+    // tokens (b, s) as rows of this rank's vocabulary shard, -1 for another rank's (the tokens themselves
+    // without tensor parallelism).
+    Tensor  local_tokens(const Tensor & tokens) const;
     // How many of this rank's vocabulary columns are real tokens (the rest is padding).
     int64_t local_valid_vocab() const;
     void    vocab_parallel_cross_entropy(Context & ctx, const MicroBatch & batch);

@@ -1,10 +1,7 @@
 #include "model/layers.h"
 
-#include "backend/cpu/attention.h"
-#include "backend/cpu/gemm.h"
-#include "backend/cpu/ops.h"
-
 #include "core/error.h"
+#include "core/ops.h"
 
 #include <cmath>
 
@@ -19,7 +16,7 @@ Tensor in_dtype(const Tensor & x, DType dtype) {
         return x;
     }
     Tensor out = Tensor::empty(x.shape(), dtype, x.device(), {MemoryKind::device, "activations"});
-    cpu::convert_parallel(x.data_ptr(), x.dtype(), out.data_ptr(), dtype, x.numel());
+    x.device().ops().convert(x.device().compute_stream(), x, out);
     return out;
 }
 
@@ -30,24 +27,24 @@ Tensor keep_for_backward(Tensor & x, DType dtype) {
     LOOM_CHECK(dtype == DType::bf16 && x.dtype() == DType::f32,
                "keeping a " << dtype_name(x.dtype()) << " activation as " << dtype_name(dtype), "");
     Tensor out = Tensor::empty(x.shape(), DType::bf16, x.device(), {MemoryKind::device, "activations"});
-    cpu::round_to_bf16(x.data<float>(), static_cast<uint16_t *>(out.data_ptr()), x.numel());
+    x.device().ops().round_to_bf16(x.device().compute_stream(), x, out);
     return out;
 }
 
 void TensorParallel::all_reduce(const Tensor & t) const {
-    if (group && size > 1) group->all_reduce(t, comm::ReduceOp::sum)->wait();
+    if (group && size > 1) group->all_reduce(t, comm::ReduceOp::sum, &t.device().compute_stream());
 }
 
 Tensor TensorParallel::reduce_scatter(const Tensor & t) const {
     LOOM_CHECK(t.size(0) % size == 0, t.size(0) << " rows do not split over " << size << " sequence-parallel ranks", "");
     Tensor out = Tensor::empty({t.size(0) / size, t.size(1)}, t.dtype(), t.device(), {MemoryKind::device, "activations"});
-    group->reduce_scatter(t, out, comm::ReduceOp::sum)->wait();
+    group->reduce_scatter(t, out, comm::ReduceOp::sum, &t.device().compute_stream());
     return out;
 }
 
 Tensor TensorParallel::all_gather(const Tensor & t) const {
     Tensor out = Tensor::empty({t.size(0) * size, t.size(1)}, t.dtype(), t.device(), {MemoryKind::device, "activations"});
-    group->all_gather(t, out)->wait();
+    group->all_gather(t, out, &t.device().compute_stream());
     return out;
 }
 
@@ -88,7 +85,9 @@ Tensor Linear::forward(Context & ctx, const Tensor & x_rows, bool add_bias) {
     DType   dtype = weight.data.dtype();
     Tensor  x_in  = in_dtype(x, dtype);
     Tensor  y     = activation(x.device(), n, o);
-    cpu::gemm(false, true, n, o, in, x_in.data_ptr(), weight.data.data_ptr(), dtype, y.data<float>());
+    Ops &   ops = x.device().ops();
+    Stream & stream = x.device().compute_stream();
+    ops.gemm(stream, x_in, false, weight.data, true, y);
     if (split == Split::row) {   // partial sums over this rank's input features
         if (tp->sp()) {
             y = tp->reduce_scatter(y);
@@ -98,23 +97,25 @@ Tensor Linear::forward(Context & ctx, const Tensor & x_rows, bool add_bias) {
         }
     }
     if (has_bias && add_bias) {
-        cpu::bias_add(y.data<float>(), parameter_f32(bias).data<float>(), n, o);
+        ops.bias_add(stream, y, parameter_f32(bias));
     }
     ctx.x = x_in;
     return y;
 }
 
 Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn & ready) {
+    Ops &    ops    = dy_rows.device().ops();
+    Stream & stream = dy_rows.device().compute_stream();
     if (has_bias) {   // a sequence-parallel row linear's bias sees this rank's rows: a partial sum
-        cpu::bias_backward(dy_rows.data<float>(), bias.main_grad.data<float>(), dy_rows.size(0), dy_rows.size(1));
+        ops.bias_backward(stream, dy_rows, bias.main_grad.view({bias.main_grad.numel()}));
     }
     Tensor  dy = split == Split::row && tp->sp() ? tp->all_gather(dy_rows) : dy_rows;
     int64_t n = dy.size(0), in = weight.data.size(1), o = weight.data.size(0);
     DType   dtype = weight.data.dtype();
     Tensor  dy_in = in_dtype(dy, dtype);
     Tensor  dx    = activation(dy.device(), n, in);
-    cpu::gemm(false, false, n, in, o, dy_in.data_ptr(), weight.data.data_ptr(), dtype, dx.data<float>());
-    cpu::gemm(true, false, o, in, n, dy_in.data_ptr(), ctx.x.data_ptr(), dtype, weight.main_grad.data<float>(), true);
+    ops.gemm(stream, dy_in, false, weight.data, false, dx);
+    ops.gemm(stream, dy_in, true, ctx.x, false, weight.main_grad, /*accumulate=*/true);
     if (split == Split::column) {   // each rank's output features contribute to dx
         if (tp->sp()) {
             dx = tp->reduce_scatter(dx);
@@ -156,41 +157,32 @@ void Norm::parameters(std::vector<Parameter *> & out) {
 }
 
 Tensor Norm::forward(Context & ctx, const Tensor & x, const Tensor * residual) {
-    int64_t n = x.size(0), h = x.size(1);
-    Tensor  y = activation(x.device(), n, h);
-    Tensor  w = parameter_f32(weight);
-    ctx.rstd  = activation(x.device(), n, 1);
+    int64_t  n = x.size(0), h = x.size(1);
+    Tensor   y = activation(x.device(), n, h);
+    Tensor   w = parameter_f32(weight);
+    Ops &    ops    = x.device().ops();
+    Stream & stream = x.device().compute_stream();
+    ctx.rstd = activation(x.device(), n, 1);
     if (kind == Normalization::layernorm) {
         ctx.mean = activation(x.device(), n, 1);
-        Tensor b = parameter_f32(bias);
-        if (residual) {
-            cpu::add_layernorm_forward(x.data<float>(), residual->data<float>(), w.data<float>(), b.data<float>(),
-                                       y.data<float>(), ctx.mean.data<float>(), ctx.rstd.data<float>(), n, h, eps);
-        } else {
-            cpu::layernorm_forward(x.data<float>(), w.data<float>(), b.data<float>(), y.data<float>(),
-                                   ctx.mean.data<float>(), ctx.rstd.data<float>(), n, h, eps);
-        }
-    } else if (residual) {
-        cpu::add_rmsnorm_forward(x.data<float>(), residual->data<float>(), w.data<float>(), y.data<float>(),
-                                 ctx.rstd.data<float>(), n, h, eps);
+        ops.layernorm_forward(stream, x, residual ? *residual : Tensor(), w, parameter_f32(bias), y, ctx.mean, ctx.rstd, eps);
     } else {
-        cpu::rmsnorm_forward(x.data<float>(), w.data<float>(), y.data<float>(), ctx.rstd.data<float>(), n, h, eps);
+        ops.rmsnorm_forward(stream, x, residual ? *residual : Tensor(), w, y, ctx.rstd, eps);
     }
     ctx.x = x;
     return y;
 }
 
 Tensor Norm::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
-    int64_t n = dy.size(0), h = dy.size(1);
-    Tensor  dx = activation(dy.device(), n, h);
-    Tensor  w  = parameter_f32(weight);
+    int64_t  n = dy.size(0), h = dy.size(1);
+    Tensor   dx = activation(dy.device(), n, h);
+    Tensor   w  = parameter_f32(weight);
+    Ops &    ops    = dy.device().ops();
+    Stream & stream = dy.device().compute_stream();
     if (kind == Normalization::layernorm) {
-        cpu::layernorm_backward(dy.data<float>(), ctx.x.data<float>(), w.data<float>(), ctx.mean.data<float>(),
-                                ctx.rstd.data<float>(), dx.data<float>(), weight.main_grad.data<float>(),
-                                bias.main_grad.data<float>(), n, h);
+        ops.layernorm_backward(stream, dy, ctx.x, w, ctx.mean, ctx.rstd, dx, weight.main_grad, bias.main_grad);
     } else {
-        cpu::rmsnorm_backward(dy.data<float>(), ctx.x.data<float>(), w.data<float>(), ctx.rstd.data<float>(),
-                              dx.data<float>(), weight.main_grad.data<float>(), n, h);
+        ops.rmsnorm_backward(stream, dy, ctx.x, w, ctx.rstd, dx, weight.main_grad);
     }
     ctx = Context{};
     if (ready) {
@@ -236,7 +228,7 @@ void SelfAttention::parameters(std::vector<Parameter *> & out) {
 
 namespace {
 
-cpu::AttentionShape attention_shape(const GptConfig & c, int64_t heads, int64_t groups, int64_t s, int64_t b) {
+AttentionShape attention_shape(const GptConfig & c, int64_t heads, int64_t groups, int64_t s, int64_t b) {
     int64_t d = c.head_dim();
     return {s, b, heads, groups, d, (heads + 2 * groups) * d};
 }
@@ -244,35 +236,36 @@ cpu::AttentionShape attention_shape(const GptConfig & c, int64_t heads, int64_t 
 }  // namespace
 
 Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b) {
-    cpu::AttentionShape shape = attention_shape(config, heads, groups, s, b);
+    AttentionShape shape  = attention_shape(config, heads, groups, s, b);
+    Ops &          ops    = x.device().ops();
+    Stream &       stream = x.device().compute_stream();
     ctx.s = s;
     ctx.b = b;
     Tensor q_k_v = qkv.forward(ctx.qkv_ctx, x);
     if (config.position_embedding == PositionEmbedding::rope) {
         // Q and K heads are adjacent in each row: rotate nq + nkv heads at once.
-        cpu::rope_apply(q_k_v.data<float>(), shape.row_stride, s, b, shape.nq + shape.nkv, shape.d,
-                        config.rotary_base, false);
+        ops.rope(stream, q_k_v, s, b, shape.nq + shape.nkv, shape.d, config.rotary_base, false);
     }
     ctx.qkv    = keep_for_backward(q_k_v, config.params_dtype);
     Tensor out = activation(x.device(), s * b, shape.nq * shape.d);
     ctx.lse    = activation(x.device(), b * shape.nq, s);
     float scale = 1.0f / std::sqrt(static_cast<float>(shape.d));
-    cpu::attention_forward(q_k_v.data<float>(), out.data<float>(), ctx.lse.data<float>(), shape, scale);
+    ops.attention_forward(stream, q_k_v, out, ctx.lse, shape, scale);
     return proj.forward(ctx.proj_ctx, out);   // keeps `out` (in the parameters' dtype) for both backwards
 }
 
 Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
-    cpu::AttentionShape shape = attention_shape(config, heads, groups, ctx.s, ctx.b);
+    AttentionShape shape  = attention_shape(config, heads, groups, ctx.s, ctx.b);
+    Ops &          ops    = dy.device().ops();
+    Stream &       stream = dy.device().compute_stream();
     Tensor out   = in_dtype(ctx.proj_ctx.x, DType::f32);   // before proj.backward releases it
     Tensor d_out = proj.backward(ctx.proj_ctx, dy, ready);
     Tensor q_k_v = in_dtype(ctx.qkv, DType::f32);
     Tensor d_qkv = activation(dy.device(), ctx.s * ctx.b, shape.row_stride);
     float  scale = 1.0f / std::sqrt(static_cast<float>(shape.d));
-    cpu::attention_backward(q_k_v.data<float>(), out.data<float>(), d_out.data<float>(), ctx.lse.data<float>(),
-                            d_qkv.data<float>(), shape, scale);
+    ops.attention_backward(stream, q_k_v, out, d_out, ctx.lse, d_qkv, shape, scale);
     if (config.position_embedding == PositionEmbedding::rope) {
-        cpu::rope_apply(d_qkv.data<float>(), shape.row_stride, ctx.s, ctx.b, shape.nq + shape.nkv, shape.d,
-                        config.rotary_base, true);
+        ops.rope(stream, d_qkv, ctx.s, ctx.b, shape.nq + shape.nkv, shape.d, config.rotary_base, true);
     }
     ctx.qkv = ctx.lse = Tensor();
     return qkv.backward(ctx.qkv_ctx, d_qkv, ready);
@@ -313,12 +306,14 @@ void Mlp::parameters(std::vector<Parameter *> & out) {
 Tensor Mlp::forward(Context & ctx, const Tensor & x) {
     // fc1's output has every position's rows (with sequence parallelism, more than x has).
     const int64_t f = ffn;
+    Ops &         ops    = x.device().ops();
+    Stream &      stream = x.device().compute_stream();
     Tensor        act;
     if (config.swiglu) {
         Tensor pre  = fc1.forward(ctx.fc1_ctx, x);
         act         = activation(x.device(), pre.size(0), f);
         ctx.pre_act = keep_for_backward(pre, config.params_dtype);
-        cpu::swiglu_forward(pre.data<float>(), act.data<float>(), pre.size(0), f);
+        ops.swiglu_forward(stream, pre, act);
     } else {
         // Bias, rounding to the saved dtype and GELU in one pass over the (n, f) pre-activation.
         Tensor pre  = fc1.forward(ctx.fc1_ctx, x, /*add_bias=*/false);
@@ -326,9 +321,7 @@ Tensor Mlp::forward(Context & ctx, const Tensor & x) {
         Tensor bias = fc1.has_bias ? parameter_f32(fc1.bias) : Tensor();
         ctx.pre_act = config.params_dtype == DType::f32 ? pre : Tensor::empty(pre.shape(), config.params_dtype, x.device(),
                                                                                 {MemoryKind::device, "activations"});
-        cpu::bias_gelu_forward(pre.data<float>(), bias.defined() ? bias.data<float>() : nullptr, act.data<float>(),
-                               config.params_dtype == DType::f32 ? nullptr : static_cast<uint16_t *>(ctx.pre_act.data_ptr()),
-                               pre.size(0), f);
+        ops.bias_gelu_forward(stream, pre, bias, act, config.params_dtype == DType::f32 ? Tensor() : ctx.pre_act);
     }
     return fc2.forward(ctx.fc2_ctx, act);
 }
@@ -338,10 +331,12 @@ Tensor Mlp::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready
     int64_t n = d_act.size(0), f = ffn;   // every position's rows, as fc1 produced them
     Tensor  pre   = in_dtype(ctx.pre_act, DType::f32);
     Tensor  d_pre = activation(dy.device(), n, pre.size(1));
+    Ops &   ops   = dy.device().ops();
     if (config.swiglu) {
-        cpu::swiglu_backward(pre.data<float>(), d_act.data<float>(), d_pre.data<float>(), n, f);
+        ops.swiglu_backward(dy.device().compute_stream(), pre, d_act, d_pre);
     } else {
-        cpu::gelu_backward(pre.data<float>(), d_act.data<float>(), d_pre.data<float>(), n * f);
+        (void)f;
+        ops.gelu_backward(dy.device().compute_stream(), pre, d_act, d_pre);
     }
     ctx.pre_act = Tensor();
     return fc1.backward(ctx.fc1_ctx, d_pre, ready);
@@ -379,16 +374,18 @@ void TransformerLayer::parameters(std::vector<Parameter *> & out) {
 Tensor TransformerLayer::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b) {
     Tensor h1 = attention.forward(ctx.attn, norm1.forward(ctx.norm1, x), s, b);
     Tensor h2 = mlp.forward(ctx.mlp, norm2.forward(ctx.norm2, h1, &x));   // h1 = x + attn, fused into norm2
-    cpu::add_inplace(h2.data<float>(), h1.data<float>(), h2.numel());  // h2 = h1 + mlp
+    x.device().ops().add_inplace(x.device().compute_stream(), h2, h1);   // h2 = h1 + mlp
     return h2;
 }
 
 Tensor TransformerLayer::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
     // d h1 = dy + norm2'(mlp'(dy));  dx = d h1 + norm1'(attn'(d h1)).
     Tensor dh1 = norm2.backward(ctx.norm2, mlp.backward(ctx.mlp, dy, ready), ready);
-    cpu::add_inplace(dh1.data<float>(), dy.data<float>(), dh1.numel());
+    Ops &    ops    = dy.device().ops();
+    Stream & stream = dy.device().compute_stream();
+    ops.add_inplace(stream, dh1, dy);
     Tensor dx = norm1.backward(ctx.norm1, attention.backward(ctx.attn, dh1, ready), ready);
-    cpu::add_inplace(dx.data<float>(), dh1.data<float>(), dx.numel());
+    ops.add_inplace(stream, dx, dh1);
     return dx;
 }
 

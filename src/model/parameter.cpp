@@ -1,6 +1,7 @@
 #include "model/parameter.h"
 
 #include "core/error.h"
+#include "core/ops.h"
 
 #include <cmath>
 #include <random>
@@ -84,8 +85,9 @@ Tensor parameter_f32(const Parameter & p) {
     if (p.data.dtype() == DType::f32) {
         return p.data;
     }
-    Tensor out = Tensor::empty(p.data.shape(), DType::f32, p.data.device(), {MemoryKind::device, "activations"});
-    convert(p.data.data_ptr(), p.data.dtype(), out.data_ptr(), DType::f32, static_cast<size_t>(p.numel()));
+    Device & device = p.data.device();
+    Tensor   out    = Tensor::empty(p.data.shape(), DType::f32, device, {MemoryKind::device, "activations"});
+    device.ops().convert(device.compute_stream(), p.data, out);
     return out;
 }
 

@@ -1,6 +1,5 @@
 #include "optim/adamw.h"
 
-#include "backend/cpu/cpu_device.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "optim/host_adam.h"
@@ -117,8 +116,7 @@ double grad_norm_squared_unshared(const std::vector<model::Parameter *> & params
     return norm * norm;
 }
 
-double group_sum(double value, comm::Communicator & group) {
-    Device & device = cpu::device();
+double group_sum(double value, comm::Communicator & group, Device & device) {
     Tensor   mine   = Tensor::empty({2}, DType::f32, device);
     Tensor   all    = Tensor::empty({2 * static_cast<int64_t>(group.size())}, DType::f32, device);
     float    hi     = static_cast<float>(value);
@@ -140,7 +138,8 @@ float clip_coefficient(double norm, float max_norm) {
 
 double clip_grad_norm(const std::vector<model::Parameter *> & params, float max_norm,
                       comm::Communicator & model_parallel) {
-    double norm  = std::sqrt(group_sum(grad_norm_squared_unshared(params), model_parallel));
+    LOOM_CHECK(!params.empty(), "clipping the gradients of no parameters", "");
+    double norm  = std::sqrt(group_sum(grad_norm_squared_unshared(params), model_parallel, params.front()->main_grad.device()));
     float  coeff = clip_coefficient(norm, max_norm);
     if (coeff != 1.0f) scale_grads(params, coeff);
     return norm;

@@ -81,8 +81,8 @@ double grad_norm(const std::vector<model::Parameter *> & params);
 double grad_norm_squared_unshared(const std::vector<model::Parameter *> & params);
 // The sum of `value` over the group, the same on every rank and as exact as a double sum: each rank's
 // value travels as an f32 pair (hi, lo) with hi + lo = value to ~1e-14, and every rank adds the gathered
-// pairs in rank order.
-double group_sum(double value, comm::Communicator & group);
+// pairs in rank order. `device` holds the small exchange tensors.
+double group_sum(double value, comm::Communicator & group, Device & device);
 // Clipping over a model split across `model_parallel` ranks (tensor-parallel ranks x pipeline stages): the
 // norm sums every rank's owned gradients; every gradient, copies included, is scaled. Returns the norm.
 double clip_grad_norm(const std::vector<model::Parameter *> & params, float max_norm,

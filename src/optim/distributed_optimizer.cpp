@@ -90,8 +90,9 @@ DistributedOptimizer::StepResult DistributedOptimizer::step(float lr, float clip
         local += s;
     }
     // Over the data-parallel group (each element is owned by one rank), then over the model-parallel ranks.
-    double total = group_sum(local, ddp_.dp_group());
-    if (model_parallel) total = group_sum(total, *model_parallel);
+    Device & device = ddp_.grad_buffer(0).device();
+    double   total  = group_sum(local, ddp_.dp_group(), device);
+    if (model_parallel) total = group_sum(total, *model_parallel, device);
     result.grad_norm = std::sqrt(total);
     if (!std::isfinite(result.grad_norm)) {
         return result;

@@ -1,6 +1,5 @@
 #include "pipeline/executor.h"
 
-#include "backend/cpu/cpu_device.h"
 #include "core/error.h"
 
 #include <algorithm>
@@ -44,6 +43,8 @@ PipelineExecutor::Result PipelineExecutor::run(const std::function<model::MicroB
     std::map<int, model::MicroBatch>                batches;     // micro-batch -> its data, until chunk 0's backward
     std::vector<std::pair<comm::WorkPtr, Tensor>>   sends;       // kept alive until sent
     std::map<std::pair<int, int>, std::pair<comm::WorkPtr, Tensor>> posted;   // forward inputs received ahead
+    std::vector<std::pair<Tensor, Tensor>>          pending_losses;   // (token_loss, mask), read after the stream
+    Stream &                                        stream = device.compute_stream();
     auto post_input = [&](int chunk, int mb, int64_t numel) {
         const int v = virtual_stage(chunk);
         if (v == 0 || mb >= microbatches_ || posted.count({chunk, mb})) return;
@@ -78,9 +79,11 @@ PipelineExecutor::Result PipelineExecutor::run(const std::function<model::MicroB
             Tensor out      = model.forward_stage(slot.ctx, batch, input);
             if (v == stages - 1) {
                 result.losses.push_back(slot.ctx.loss);
+                pending_losses.emplace_back(slot.ctx.token_loss, batch.loss_mask);
                 slot.tokens = std::max(slot.ctx.loss.count, 1.0);
             } else {
-                sends.emplace_back(pp_->send(out, rank_of(v + 1), tag(v + 1, mb, false)), out);
+                // Posted once the stream has computed `out`; the stream goes on without waiting for it.
+                sends.emplace_back(pp_->send(out, rank_of(v + 1), tag(v + 1, mb, false), &stream), out);
             }
             result.peak_in_flight = std::max(result.peak_in_flight, static_cast<int>(in_flight.size()));
         } else {
@@ -100,12 +103,17 @@ PipelineExecutor::Result PipelineExecutor::run(const std::function<model::MicroB
             start        = ms_since_begin();
             Tensor dx    = model.backward_stage(slot.ctx, scale, dy, ready);
             if (v > 0) {
-                sends.emplace_back(pp_->send(dx, rank_of(v - 1), tag(v - 1, mb, true)), dx);
+                sends.emplace_back(pp_->send(dx, rank_of(v - 1), tag(v - 1, mb, true), &stream), dx);
             }
             in_flight.erase(it);
             if (c == 0) batches.erase(mb);
         }
         result.ops.push_back(TimelineOp{op, start, ms_since_begin()});
+    }
+    // The iteration's work is enqueued; wait for it, then read the losses it computed.
+    stream.synchronize();
+    for (size_t k = 0; k < pending_losses.size(); ++k) {
+        result.losses[k].sum = model::GptModel::masked_loss_sum(pending_losses[k].first, pending_losses[k].second);
     }
     for (auto & [work, tensor] : sends) work->wait();
     LOOM_CHECK(in_flight.empty() && posted.empty(), "pipeline iteration ended with "
@@ -113,10 +121,10 @@ PipelineExecutor::Result PipelineExecutor::run(const std::function<model::MicroB
     return result;
 }
 
-Timeline PipelineExecutor::gather_timeline(const Result & mine, comm::Communicator & pp, const ScheduleOptions & options) {
+Timeline PipelineExecutor::gather_timeline(const Result & mine, comm::Communicator & pp, const ScheduleOptions & options,
+                                           Device & device) {
     // Each op as 5 floats: forward, chunk, microbatch, start, end; every stage has 2M ops.
     const int64_t per_rank = static_cast<int64_t>(mine.ops.size()) * 5;
-    Device &      device   = cpu::device();
     Tensor        local    = Tensor::empty({per_rank}, DType::f32, device);
     Tensor        all      = Tensor::empty({per_rank * pp.size()}, DType::f32, device);
     for (size_t i = 0; i < mine.ops.size(); ++i) {

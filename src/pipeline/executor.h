@@ -12,7 +12,10 @@
 //   -c (backward of chunk c, micro-batch m): receive v + 1's input gradient for m (last virtual stage:
 //                                   start from the loss), run backward_stage, send the input gradient back
 //
-// Sends are asynchronous and complete while later work runs; a forward's input receive is posted when
+// Every stage's work is enqueued on the device's compute stream: a send is posted when the stream reaches
+// it (the stream does not wait for the receiver), a receive is waited for by the host before the work that
+// reads it is enqueued, and run() waits for the stream at the end, where it reads the losses. Sends are
+// asynchronous and complete while later work runs; a forward's input receive is posted when
 // the previous forward of the same chunk starts, so it overlaps the computation in between. Only the
 // activation contexts of (chunk, micro-batch) pairs whose backward has not run are kept; their number
 // peaks at min(pp - rank, M) for 1F1B and min(2(pp - rank - 1) + (V - 1) N + 1, M V) interleaved, which
@@ -61,7 +64,8 @@ public:
     // Every stage's ops of one iteration, gathered over the pipeline group (collective), as a measured
     // Timeline for timeline_svg(). Times are ms since each stage's run() began; start the iteration right
     // after a barrier so the stages' clocks line up.
-    static Timeline gather_timeline(const Result & mine, comm::Communicator & pp, const ScheduleOptions & options);
+    static Timeline gather_timeline(const Result & mine, comm::Communicator & pp, const ScheduleOptions & options,
+                                    Device & device);
 
 private:
     int tag(int virtual_stage, int microbatch, bool gradient) const {

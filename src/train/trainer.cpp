@@ -133,7 +133,7 @@ double Trainer::step(IterationStats & stats) {
     if (ddp_) {
         ddp_->zero_grad_buffer();
     } else {
-        for (model::Parameter * p : params_) p->main_grad.fill_zero();
+        for (model::GptModel * chunk : chunks_) chunk->zero_grad();
     }
     const bool timed = pipeline_.pp && !options_.timeline_file.empty() && iteration_ == options_.train_iters;
     if (timed) pipeline_.pp->barrier()->wait();   // the stages start the timed iteration together
@@ -143,7 +143,8 @@ double Trainer::step(IterationStats & stats) {
                        d ? std::function<void(bool)>([d](bool last) { d->set_last_microbatch(last); }) : nullptr);
     peak_in_flight_ = std::max(peak_in_flight_, r.peak_in_flight);
     if (timed) {
-        pipeline::Timeline timeline = pipeline::PipelineExecutor::gather_timeline(r, *pipeline_.pp, executor_->options());
+        pipeline::Timeline timeline = pipeline::PipelineExecutor::gather_timeline(r, *pipeline_.pp, executor_->options(),
+                                                                                  model_.device());
         if (pipeline_.pp->rank() == 0 && (!dp_group_ || dp_group_->rank() == 0)) {
             pipeline::write_file_atomically(options_.timeline_file, pipeline::timeline_svg(timeline));
         }

@@ -14,18 +14,13 @@
 // without races. Memory: O(Br x Bc) scratch per thread.
 #pragma once
 
+#include "core/ops.h"
+
 #include <cstdint>
 
 namespace loom::cpu {
 
-struct AttentionShape {
-    int64_t s;            // sequence length
-    int64_t b;            // micro-batch size
-    int64_t nq;           // query heads
-    int64_t nkv;          // key/value heads (query groups)
-    int64_t d;            // head dimension
-    int64_t row_stride;   // elements between consecutive (s, b) rows of qkv and dqkv
-};
+using AttentionShape = loom::AttentionShape;   // core/ops.h
 
 // out (s, b, nq * d); lse (b, nq, s).
 void attention_forward(const float * qkv, float * out, float * lse, const AttentionShape & shape, float scale);

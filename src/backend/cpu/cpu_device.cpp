@@ -1,8 +1,10 @@
 #include "backend/cpu/cpu_device.h"
 
+#include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/cpu_stream.h"
 
 #include <cstdlib>
+#include <mutex>
 
 namespace loom::cpu {
 
@@ -40,7 +42,16 @@ public:
 
     std::unique_ptr<Event> event_create() override { return std::make_unique<CpuEvent>(); }
 
+    Ops & ops() override { return cpu_ops(); }
+
+    Stream & compute_stream() override {
+        std::call_once(compute_once_, [this] { compute_ = stream_create("compute"); });
+        return *compute_;
+    }
+
 private:
+    std::once_flag          compute_once_;
+    std::unique_ptr<Stream> compute_;
     Allocator device_memory_;
     Allocator pinned_memory_;
     bool      synchronous_;

@@ -1,6 +1,9 @@
 #include "backend/cpu/cpu_stream.h"
 
+#include "backend/cpu/gemm.h"
 #include "core/error.h"
+
+#include <chrono>
 
 namespace loom::cpu {
 
@@ -41,7 +44,7 @@ CpuEvent & as_cpu_event(Event & event) {
 }
 
 CpuStream::CpuStream(Device & device, std::string name, bool synchronous)
-    : device_(device), name_(std::move(name)), synchronous_(synchronous) {
+    : device_(device), name_(std::move(name)), synchronous_(synchronous), delay_us_(stream_delay_us_from_env(name_)) {
     if (!synchronous_) {
         worker_ = std::thread([this] { loop(); });
     }
@@ -70,6 +73,7 @@ void CpuStream::run(std::function<void()> & work) {
 }
 
 void CpuStream::loop() {
+    flush_denormals_on_this_thread();   // kernels run here: the same floating-point mode as the compute threads
     for (;;) {
         std::function<void()> work;
         {
@@ -81,7 +85,9 @@ void CpuStream::loop() {
             work = std::move(queue_.front());
             queue_.pop_front();
         }
+        if (delay_us_ > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us_));
         run(work);
+        work = nullptr;   // the tensors it held are released before it counts as finished
         {
             std::lock_guard<std::mutex> lock(mutex_);
             ++finished_;

@@ -66,6 +66,7 @@ private:
     Device &                          device_;
     std::string                       name_;
     bool                              synchronous_;
+    int64_t                           delay_us_ = 0;   // LOOM_STREAM_DELAY_US test seam
     std::mutex                        mutex_;
     std::condition_variable           work_cv_;
     std::condition_variable           idle_cv_;

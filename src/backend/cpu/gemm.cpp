@@ -23,14 +23,20 @@ void flush_denormals_on_this_thread() {
 void init_compute_threads() {
     static std::once_flag once;
     std::call_once(once, [] {
+        // Loom's own pool threads: one chunk per thread, each sets its MXCSR.
+        parallel_for(num_threads(), 1, [](int64_t, int64_t) { flush_denormals_on_this_thread(); });
+    });
+    // OpenMP's thread count is per calling thread, and each thread that opens parallel regions (the host,
+    // a stream's worker) has its own team: set both up once on every thread that runs a GEMM.
+    thread_local bool team_ready = false;
+    if (!team_ready) {
         int threads = num_threads();
         omp_set_num_threads(threads);
 #pragma omp parallel num_threads(threads)
         flush_denormals_on_this_thread();
-        // Loom's own pool threads: one chunk per thread, each sets its MXCSR.
-        parallel_for(threads, 1, [](int64_t, int64_t) { flush_denormals_on_this_thread(); });
         flush_denormals_on_this_thread();
-    });
+        team_ready = true;
+    }
 }
 
 namespace {

@@ -403,6 +403,12 @@ void convert_parallel(const void * src, DType src_dtype, void * dst, DType dst_d
     });
 }
 
+void scale_parallel(float * x, float factor, int64_t n) {
+    parallel_for(n, 1 << 15, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) x[i] *= factor;
+    });
+}
+
 void round_to_bf16(float * x, uint16_t * x_bf16, int64_t n) {
     parallel_for(n, 1 << 15, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {

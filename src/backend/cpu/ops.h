@@ -86,6 +86,9 @@ void row_sum_exp(const float * logits, const float * max, int64_t n, int64_t str
 // n elements from src_dtype to dst_dtype (f32, bf16, f16) on the compute threads.
 void convert_parallel(const void * src, DType src_dtype, void * dst, DType dst_dtype, int64_t n);
 
+// x *= factor, n elements, on the compute threads.
+void scale_parallel(float * x, float factor, int64_t n);
+
 // Rounds x to bf16 in place and writes the bf16 bit patterns to x_bf16: afterwards x holds exactly the
 // values x_bf16 stores, so a forward computed from x and a backward from x_bf16 see the same numbers.
 void round_to_bf16(float * x, uint16_t * x_bf16, int64_t n);

@@ -1,0 +1,353 @@
+#include "backend/cpu/cpu_ops.h"
+
+#include "backend/cpu/attention.h"
+#include "backend/cpu/gemm.h"
+#include "backend/cpu/ops.h"
+#include "core/error.h"
+
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+namespace loom::cpu {
+
+namespace {
+
+float * f32(const Tensor & t) { return t.data<float>(); }
+float * f32_or_null(const Tensor & t) { return t.defined() ? t.data<float>() : nullptr; }
+
+void expect(const Tensor & t, DType dtype, int64_t numel, const char * op, const char * what) {
+    LOOM_CHECK(t.defined(), op << ": " << what << " is missing", "");
+    LOOM_CHECK(t.dtype() == dtype, op << ": " << what << " is " << t.describe() << ", expected " << dtype_name(dtype), "");
+    LOOM_CHECK(numel < 0 || t.numel() == numel,
+               op << ": " << what << " has " << t.numel() << " elements, expected " << numel, "");
+}
+
+// Rows and width of a 2-D (or flattened (n, w)) activation.
+std::pair<int64_t, int64_t> rows_cols(const Tensor & t, const char * op) {
+    LOOM_CHECK(t.dim() == 2, op << ": expected a 2-D (rows, width) tensor, got " << t.describe(), "");
+    return {t.size(0), t.size(1)};
+}
+
+class CpuOps final : public Ops {
+public:
+    void gemm(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c,
+              bool accumulate) override {
+        LOOM_CHECK(a.dim() == 2 && b.dim() == 2, "gemm of " << a.describe() << " and " << b.describe(),
+                   "gemm takes 2-D operands");
+        LOOM_CHECK(a.dtype() == b.dtype() && (a.dtype() == DType::f32 || a.dtype() == DType::bf16),
+                   "gemm of " << a.describe() << " and " << b.describe(), "operands are both float32 or both bfloat16");
+        const int64_t m = trans_a ? a.size(1) : a.size(0), k = trans_a ? a.size(0) : a.size(1);
+        const int64_t kb = trans_b ? b.size(1) : b.size(0), n = trans_b ? b.size(0) : b.size(1);
+        LOOM_CHECK(k == kb, "gemm: op(a) is " << m << "x" << k << ", op(b) " << kb << "x" << n, "");
+        expect(c, DType::f32, m * n, "gemm", "c");
+        const DType dtype = a.dtype();
+        s.submit([a, b, c, trans_a, trans_b, m, n, k, dtype, accumulate] {
+            cpu::gemm(trans_a, trans_b, m, n, k, a.data_ptr(), b.data_ptr(), dtype, c.data<float>(), accumulate);
+        });
+    }
+
+    void layernorm_forward(Stream & s, const Tensor & x, const Tensor & residual, const Tensor & gamma,
+                           const Tensor & beta, const Tensor & y, const Tensor & mean, const Tensor & rstd,
+                           float eps) override {
+        auto [n, h] = rows_cols(x, "layernorm_forward");
+        check_norm(x, residual, gamma, y, rstd, n, h, "layernorm_forward");
+        expect(mean, DType::f32, n, "layernorm_forward", "mean");
+        if (beta.defined()) expect(beta, DType::f32, h, "layernorm_forward", "beta");
+        s.submit([=] {
+            if (residual.defined()) {
+                add_layernorm_forward(f32(x), f32(residual), f32(gamma), f32_or_null(beta), f32(y), f32(mean),
+                                      f32(rstd), n, h, eps);
+            } else {
+                cpu::layernorm_forward(f32(x), f32(gamma), f32_or_null(beta), f32(y), f32(mean), f32(rstd), n, h, eps);
+            }
+        });
+    }
+
+    void rmsnorm_forward(Stream & s, const Tensor & x, const Tensor & residual, const Tensor & gamma, const Tensor & y,
+                         const Tensor & rstd, float eps) override {
+        auto [n, h] = rows_cols(x, "rmsnorm_forward");
+        check_norm(x, residual, gamma, y, rstd, n, h, "rmsnorm_forward");
+        s.submit([=] {
+            if (residual.defined()) {
+                add_rmsnorm_forward(f32(x), f32(residual), f32(gamma), f32(y), f32(rstd), n, h, eps);
+            } else {
+                cpu::rmsnorm_forward(f32(x), f32(gamma), f32(y), f32(rstd), n, h, eps);
+            }
+        });
+    }
+
+    void layernorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma, const Tensor & mean,
+                            const Tensor & rstd, const Tensor & dx, const Tensor & dgamma,
+                            const Tensor & dbeta) override {
+        auto [n, h] = rows_cols(dy, "layernorm_backward");
+        for (const Tensor * t : {&x, &dx}) expect(*t, DType::f32, n * h, "layernorm_backward", "x/dx");
+        for (const Tensor * t : {&gamma, &dgamma, &dbeta}) expect(*t, DType::f32, h, "layernorm_backward", "gamma/grads");
+        for (const Tensor * t : {&mean, &rstd}) expect(*t, DType::f32, n, "layernorm_backward", "statistics");
+        s.submit([=] {
+            cpu::layernorm_backward(f32(dy), f32(x), f32(gamma), f32(mean), f32(rstd), f32(dx), f32(dgamma), f32(dbeta),
+                                    n, h);
+        });
+    }
+
+    void rmsnorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma, const Tensor & rstd,
+                          const Tensor & dx, const Tensor & dgamma) override {
+        auto [n, h] = rows_cols(dy, "rmsnorm_backward");
+        for (const Tensor * t : {&x, &dx}) expect(*t, DType::f32, n * h, "rmsnorm_backward", "x/dx");
+        for (const Tensor * t : {&gamma, &dgamma}) expect(*t, DType::f32, h, "rmsnorm_backward", "gamma/dgamma");
+        expect(rstd, DType::f32, n, "rmsnorm_backward", "rstd");
+        s.submit([=] { cpu::rmsnorm_backward(f32(dy), f32(x), f32(gamma), f32(rstd), f32(dx), f32(dgamma), n, h); });
+    }
+
+    void bias_add(Stream & s, const Tensor & y, const Tensor & bias) override {
+        auto [n, h] = rows_cols(y, "bias_add");
+        expect(bias, DType::f32, h, "bias_add", "bias");
+        s.submit([=] { cpu::bias_add(f32(y), f32(bias), n, h); });
+    }
+
+    void bias_backward(Stream & s, const Tensor & dy, const Tensor & dbias) override {
+        auto [n, h] = rows_cols(dy, "bias_backward");
+        expect(dbias, DType::f32, h, "bias_backward", "dbias");
+        s.submit([=] { cpu::bias_backward(f32(dy), f32(dbias), n, h); });
+    }
+
+    void add_inplace(Stream & s, const Tensor & y, const Tensor & x) override {
+        expect(y, DType::f32, -1, "add_inplace", "y");
+        expect(x, DType::f32, y.numel(), "add_inplace", "x");
+        s.submit([=] { cpu::add_inplace(f32(y), f32(x), y.numel()); });
+    }
+
+    void bias_gelu_forward(Stream & s, const Tensor & x, const Tensor & bias, const Tensor & y,
+                           const Tensor & x_bf16) override {
+        auto [n, f] = rows_cols(x, "bias_gelu_forward");
+        expect(x, DType::f32, -1, "bias_gelu_forward", "x");
+        expect(y, DType::f32, n * f, "bias_gelu_forward", "y");
+        if (bias.defined()) expect(bias, DType::f32, f, "bias_gelu_forward", "bias");
+        if (x_bf16.defined()) expect(x_bf16, DType::bf16, n * f, "bias_gelu_forward", "x_bf16");
+        s.submit([=] {
+            cpu::bias_gelu_forward(f32(x), f32_or_null(bias), f32(y),
+                                   x_bf16.defined() ? static_cast<uint16_t *>(x_bf16.data_ptr()) : nullptr, n, f);
+        });
+    }
+
+    void gelu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override {
+        expect(x, DType::f32, -1, "gelu_backward", "x");
+        expect(dy, DType::f32, x.numel(), "gelu_backward", "dy");
+        expect(dx, DType::f32, x.numel(), "gelu_backward", "dx");
+        s.submit([=] { cpu::gelu_backward(f32(x), f32(dy), f32(dx), x.numel()); });
+    }
+
+    void swiglu_forward(Stream & s, const Tensor & x, const Tensor & y) override {
+        auto [n, two_f] = rows_cols(x, "swiglu_forward");
+        expect(x, DType::f32, -1, "swiglu_forward", "x");
+        expect(y, DType::f32, n * (two_f / 2), "swiglu_forward", "y");
+        s.submit([=] { cpu::swiglu_forward(f32(x), f32(y), n, two_f / 2); });
+    }
+
+    void swiglu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override {
+        auto [n, two_f] = rows_cols(x, "swiglu_backward");
+        expect(dy, DType::f32, n * (two_f / 2), "swiglu_backward", "dy");
+        expect(dx, DType::f32, n * two_f, "swiglu_backward", "dx");
+        s.submit([=] { cpu::swiglu_backward(f32(x), f32(dy), f32(dx), n, two_f / 2); });
+    }
+
+    void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base,
+              bool inverse) override {
+        auto [n, stride] = rows_cols(x, "rope");
+        expect(x, DType::f32, -1, "rope", "x");
+        LOOM_CHECK(n == seq * batch && heads * d <= stride && d % 2 == 0,
+                   "rope over " << heads << " heads of " << d << " in rows of " << x.describe(), "");
+        s.submit([=] { rope_apply(f32(x), stride, seq, batch, heads, d, base, inverse); });
+    }
+
+    void embedding_forward(Stream & s, const Tensor & tokens, const Tensor & wte, const Tensor & wpe,
+                           const Tensor & out) override {
+        LOOM_CHECK(tokens.dim() == 2, "embedding_forward: tokens " << tokens.describe(), "tokens are (b, s)");
+        expect(tokens, DType::i32, -1, "embedding_forward", "tokens");
+        const int64_t b = tokens.size(0), seq = tokens.size(1), h = wte.size(1);
+        expect(out, DType::f32, seq * b * h, "embedding_forward", "out");
+        LOOM_CHECK(wte.dtype() == DType::f32 || wte.dtype() == DType::bf16, "embedding table " << wte.describe(), "");
+        if (wpe.defined()) expect(wpe, wte.dtype(), -1, "embedding_forward", "wpe");
+        s.submit([=] {
+            const int32_t * ids = tokens.data<int32_t>();
+            if (wte.dtype() == DType::f32) {
+                cpu::embedding_forward(ids, f32(wte), f32_or_null(wpe), f32(out), seq, b, h);
+            } else {
+                cpu::embedding_forward(ids, static_cast<const uint16_t *>(wte.data_ptr()),
+                                       wpe.defined() ? static_cast<const uint16_t *>(wpe.data_ptr()) : nullptr, f32(out),
+                                       seq, b, h);
+            }
+        });
+    }
+
+    void embedding_backward(Stream & s, const Tensor & tokens, const Tensor & dout, const Tensor & dwte,
+                            const Tensor & dwpe) override {
+        expect(tokens, DType::i32, -1, "embedding_backward", "tokens");
+        const int64_t b = tokens.size(0), seq = tokens.size(1), h = dwte.size(1);
+        expect(dout, DType::f32, seq * b * h, "embedding_backward", "dout");
+        expect(dwte, DType::f32, -1, "embedding_backward", "dwte");
+        const int64_t vocab = dwte.size(0);
+        s.submit([=] { cpu::embedding_backward(tokens.data<int32_t>(), f32(dout), f32(dwte), f32_or_null(dwpe), seq, b, h, vocab); });
+    }
+
+    void vocab_shard_ids(Stream & s, const Tensor & ids, int64_t begin, int64_t count, const Tensor & out) override {
+        expect(ids, DType::i32, -1, "vocab_shard_ids", "ids");
+        expect(out, DType::i32, ids.numel(), "vocab_shard_ids", "out");
+        s.submit([=] {
+            const int32_t * in = ids.data<int32_t>();
+            int32_t *       o  = out.data<int32_t>();
+            for (int64_t i = 0; i < ids.numel(); ++i) {
+                o[i] = in[i] >= begin && in[i] < begin + count ? static_cast<int32_t>(in[i] - begin) : -1;
+            }
+        });
+    }
+
+    void attention_forward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & lse,
+                           const AttentionShape & shape, float scale) override {
+        const int64_t n = shape.s * shape.b;
+        expect(qkv, DType::f32, n * shape.row_stride, "attention_forward", "qkv");
+        expect(out, DType::f32, n * shape.nq * shape.d, "attention_forward", "out");
+        expect(lse, DType::f32, n * shape.nq, "attention_forward", "lse");
+        s.submit([=] { cpu::attention_forward(f32(qkv), f32(out), f32(lse), shape, scale); });
+    }
+
+    void attention_backward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & dout, const Tensor & lse,
+                            const Tensor & dqkv, const AttentionShape & shape, float scale) override {
+        const int64_t n = shape.s * shape.b;
+        expect(qkv, DType::f32, n * shape.row_stride, "attention_backward", "qkv");
+        expect(dqkv, DType::f32, n * shape.row_stride, "attention_backward", "dqkv");
+        expect(out, DType::f32, n * shape.nq * shape.d, "attention_backward", "out");
+        expect(dout, DType::f32, n * shape.nq * shape.d, "attention_backward", "dout");
+        expect(lse, DType::f32, n * shape.nq, "attention_backward", "lse");
+        s.submit([=] { cpu::attention_backward(f32(qkv), f32(out), f32(dout), f32(lse), f32(dqkv), shape, scale); });
+    }
+
+    void cross_entropy_forward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & loss,
+                               const Tensor & lse, int64_t vocab) override {
+        auto [n, stride] = rows_cols(logits, "cross_entropy_forward");
+        check_labels(labels, n, "cross_entropy_forward");
+        expect(loss, DType::f32, n, "cross_entropy_forward", "loss");
+        expect(lse, DType::f32, n, "cross_entropy_forward", "lse");
+        LOOM_CHECK(vocab <= stride, "cross_entropy_forward: vocabulary " << vocab << " wider than " << stride, "");
+        const int64_t b = labels.size(0), seq = labels.size(1);
+        s.submit([=] {
+            cpu::cross_entropy_forward(f32(logits), labels.data<int32_t>(), f32(loss), f32(lse), seq, b, stride, vocab);
+        });
+    }
+
+    void cross_entropy_backward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & lse,
+                                const Tensor & dloss, int64_t vocab) override {
+        auto [n, stride] = rows_cols(logits, "cross_entropy_backward");
+        check_labels(labels, n, "cross_entropy_backward");
+        expect(lse, DType::f32, n, "cross_entropy_backward", "lse");
+        expect(dloss, DType::f32, n, "cross_entropy_backward", "dloss");
+        const int64_t b = labels.size(0), seq = labels.size(1);
+        s.submit([=] {
+            cpu::cross_entropy_backward(f32(logits), labels.data<int32_t>(), f32(lse), f32(dloss), seq, b, stride, vocab);
+        });
+    }
+
+    void row_max(Stream & s, const Tensor & logits, int64_t valid, const Tensor & out) override {
+        auto [n, stride] = rows_cols(logits, "row_max");
+        expect(out, DType::f32, n, "row_max", "out");
+        s.submit([=] { cpu::row_max(f32(logits), n, stride, valid, f32(out)); });
+    }
+
+    void row_sum_exp(Stream & s, const Tensor & logits, const Tensor & max, int64_t valid, const Tensor & out) override {
+        auto [n, stride] = rows_cols(logits, "row_sum_exp");
+        expect(max, DType::f32, n, "row_sum_exp", "max");
+        expect(out, DType::f32, n, "row_sum_exp", "out");
+        s.submit([=] { cpu::row_sum_exp(f32(logits), f32(max), n, stride, valid, f32(out)); });
+    }
+
+    void label_logit(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & out) override {
+        auto [n, stride] = rows_cols(logits, "label_logit");
+        check_labels(labels, n, "label_logit");
+        expect(out, DType::f32, n, "label_logit", "out");
+        const int64_t b = labels.size(0), seq = labels.size(1);
+        s.submit([=] {
+            const float *   x = f32(logits);
+            const int32_t * l = labels.data<int32_t>();
+            float *         o = f32(out);
+            for (int64_t r = 0; r < n; ++r) {
+                int32_t label = l[(r % b) * seq + r / b];
+                o[r]          = label >= 0 ? x[r * stride + label] : 0.0f;
+            }
+        });
+    }
+
+    void lse_and_loss(Stream & s, const Tensor & max, const Tensor & sum, const Tensor & target, const Tensor & lse,
+                      const Tensor & loss) override {
+        const int64_t n = max.numel();
+        for (const Tensor * t : {&max, &sum, &target, &lse, &loss}) expect(*t, DType::f32, n, "lse_and_loss", "row vector");
+        s.submit([=] {
+            for (int64_t r = 0; r < n; ++r) {
+                float l       = f32(max)[r] + std::log(f32(sum)[r]);
+                f32(lse)[r]   = l;
+                f32(loss)[r]  = l - f32(target)[r];
+            }
+        });
+    }
+
+    void loss_grad(Stream & s, const Tensor & mask, double scale, const Tensor & dloss) override {
+        LOOM_CHECK(mask.dim() == 2, "loss_grad: mask " << mask.describe(), "the loss mask is (b, s)");
+        expect(mask, DType::f32, -1, "loss_grad", "mask");
+        expect(dloss, DType::f32, mask.numel(), "loss_grad", "dloss");
+        const int64_t b = mask.size(0), seq = mask.size(1);
+        s.submit([=] {
+            const float * m = f32(mask);
+            float *       d = f32(dloss);
+            for (int64_t r = 0; r < seq * b; ++r) d[r] = static_cast<float>(m[(r % b) * seq + r / b] * scale);
+        });
+    }
+
+    void convert(Stream & s, const Tensor & src, const Tensor & dst) override {
+        LOOM_CHECK(dtype_is_floating(src.dtype()) && dtype_is_floating(dst.dtype()) && src.numel() == dst.numel(),
+                   "convert " << src.describe() << " to " << dst.describe(), "");
+        s.submit([=] { convert_parallel(src.data_ptr(), src.dtype(), dst.data_ptr(), dst.dtype(), src.numel()); });
+    }
+
+    void round_to_bf16(Stream & s, const Tensor & x, const Tensor & x_bf16) override {
+        expect(x, DType::f32, -1, "round_to_bf16", "x");
+        expect(x_bf16, DType::bf16, x.numel(), "round_to_bf16", "x_bf16");
+        s.submit([=] { cpu::round_to_bf16(f32(x), static_cast<uint16_t *>(x_bf16.data_ptr()), x.numel()); });
+    }
+
+    void copy(Stream & s, const Tensor & src, const Tensor & dst) override {
+        LOOM_CHECK(src.dtype() == dst.dtype() && src.numel() == dst.numel(),
+                   "copy " << src.describe() << " to " << dst.describe(), "copies keep the dtype and element count");
+        s.submit([=] { std::memcpy(dst.data_ptr(), src.data_ptr(), src.nbytes()); });
+    }
+
+    void fill_zero(Stream & s, const Tensor & t) override {
+        s.submit([t] { std::memset(t.data_ptr(), 0, t.nbytes()); });
+    }
+
+    void scale(Stream & s, const Tensor & t, float factor) override {
+        expect(t, DType::f32, -1, "scale", "t");
+        s.submit([t, factor] { scale_parallel(f32(t), factor, t.numel()); });
+    }
+
+private:
+    static void check_norm(const Tensor & x, const Tensor & residual, const Tensor & gamma, const Tensor & y,
+                           const Tensor & rstd, int64_t n, int64_t h, const char * op) {
+        expect(x, DType::f32, n * h, op, "x");
+        if (residual.defined()) expect(residual, DType::f32, n * h, op, "residual");
+        expect(gamma, DType::f32, h, op, "gamma");
+        expect(y, DType::f32, n * h, op, "y");
+        expect(rstd, DType::f32, n, op, "rstd");
+    }
+    static void check_labels(const Tensor & labels, int64_t n, const char * op) {
+        LOOM_CHECK(labels.dim() == 2, op << ": labels " << labels.describe(), "labels are (b, s)");
+        expect(labels, DType::i32, n, op, "labels");
+    }
+};
+
+}  // namespace
+
+Ops & cpu_ops() {
+    static CpuOps instance;
+    return instance;
+}
+
+}  // namespace loom::cpu

@@ -1,0 +1,122 @@
+// Ops: every kernel the layers above the backends run (model, optim, ddp, pipeline, train), as one
+// virtual call each on the Device's ops table (ggml's backend interface is the model). Each call takes
+// Tensors and the Stream to run on: it checks its arguments on the calling thread (a wrong shape or dtype
+// is a loom::Error there and then, never on a stream) and enqueues the kernel; the result is ready for
+// later work on the same stream, and for the host only after it waits on an event recorded after it (or
+// synchronizes the stream). The tensors an op was given stay alive until its kernel has run, so memory is
+// freed in stream order whatever the caller drops.
+//
+// Conventions (as the CPU kernels, backend/cpu/ops.h): activations are (n, width) row-major with rows in
+// Megatron's (s, b) order, n = s * b; "forward" ops assign their outputs; "backward" ops assign the input
+// gradient and ADD into parameter gradients (main_grad), so micro-batches accumulate. An optional tensor
+// argument is passed as an undefined Tensor().
+//
+// The CPU backend registers its kernels (backend/cpu/cpu_ops.cpp); tests/test_backend_ops.cpp checks each
+// op against a double-precision host reference at every dispatch level, and a later backend joins it.
+#pragma once
+
+#include "core/tensor.h"
+
+#include <cstdint>
+
+namespace loom {
+
+// Causal self-attention over the rows of a QKV projection, each row [Q | K | V]: nq query heads, nkv key/
+// value heads (query head hq reads group hq / (nq / nkv)), head dimension d.
+struct AttentionShape {
+    int64_t s;            // sequence length
+    int64_t b;            // micro-batch size
+    int64_t nq;           // query heads
+    int64_t nkv;          // key/value heads (query groups)
+    int64_t d;            // head dimension
+    int64_t row_stride;   // elements between consecutive (s, b) rows of qkv and dqkv
+};
+
+class Ops {
+public:
+    virtual ~Ops() = default;
+
+    // ---- GEMM
+    // c (m, n) = op(a) op(b), or += with accumulate. op(a) is (m, k): a stored (m, k), or (k, m) with
+    // trans_a; op(b) is (k, n): b stored (k, n), or (n, k) with trans_b. a and b are f32 or bf16 (the same),
+    // c is f32 and the products accumulate in f32.
+    virtual void gemm(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c,
+                      bool accumulate = false) = 0;
+
+    // ---- Norms, per row of x (n, h); statistics (n) are f32 and saved for backward.
+    // With `residual` defined, x += residual first in the same pass (x then holds the sum).
+    virtual void layernorm_forward(Stream & s, const Tensor & x, const Tensor & residual, const Tensor & gamma,
+                                   const Tensor & beta, const Tensor & y, const Tensor & mean, const Tensor & rstd,
+                                   float eps) = 0;
+    virtual void rmsnorm_forward(Stream & s, const Tensor & x, const Tensor & residual, const Tensor & gamma,
+                                 const Tensor & y, const Tensor & rstd, float eps) = 0;
+    // dx assigned; dgamma, dbeta (main_grads) added to.
+    virtual void layernorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma,
+                                    const Tensor & mean, const Tensor & rstd, const Tensor & dx, const Tensor & dgamma,
+                                    const Tensor & dbeta) = 0;
+    virtual void rmsnorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma,
+                                  const Tensor & rstd, const Tensor & dx, const Tensor & dgamma) = 0;
+
+    // ---- Elementwise (f32)
+    virtual void bias_add(Stream & s, const Tensor & y, const Tensor & bias) = 0;          // y[r, :] += bias
+    virtual void bias_backward(Stream & s, const Tensor & dy, const Tensor & dbias) = 0;   // dbias += sum_r dy
+    virtual void add_inplace(Stream & s, const Tensor & y, const Tensor & x) = 0;          // y += x
+    // GELU (tanh approximation). Forward fused with the bias: x += bias (bias optional), y = gelu(x); with
+    // x_bf16 defined, the biased x is rounded to bf16 there (gelu reads the rounded value), x unchanged.
+    virtual void bias_gelu_forward(Stream & s, const Tensor & x, const Tensor & bias, const Tensor & y,
+                                   const Tensor & x_bf16) = 0;
+    virtual void gelu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) = 0;
+    // SwiGLU on x (n, 2f) = [gate | up] -> y (n, f) = silu(gate) * up.
+    virtual void swiglu_forward(Stream & s, const Tensor & x, const Tensor & y) = 0;
+    virtual void swiglu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) = 0;
+    // Rotary embedding, in place, on the first `heads` heads of dimension d of every (s, b) row of x.
+    virtual void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base,
+                      bool inverse) = 0;
+
+    // ---- Embedding. tokens (b, s) i32 (-1: another tensor-parallel rank's row: embeds to zero, adds no
+    // gradient); wte (V, h) and wpe (P, h, optional) f32 or bf16; out (s * b, h) f32.
+    virtual void embedding_forward(Stream & s, const Tensor & tokens, const Tensor & wte, const Tensor & wpe,
+                                   const Tensor & out) = 0;
+    // dwte[token] += dout; dwpe[si] += dout (dwpe optional).
+    virtual void embedding_backward(Stream & s, const Tensor & tokens, const Tensor & dout, const Tensor & dwte,
+                                    const Tensor & dwpe) = 0;
+    // out[i] = ids[i] - begin where begin <= ids[i] < begin + count, else -1 (a vocabulary shard's rows).
+    virtual void vocab_shard_ids(Stream & s, const Tensor & ids, int64_t begin, int64_t count, const Tensor & out) = 0;
+
+    // ---- Attention (f32), tiled: no s x s matrix. out (n, nq d), lse (b, nq, s); dqkv assigned.
+    virtual void attention_forward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & lse,
+                                   const AttentionShape & shape, float scale) = 0;
+    virtual void attention_backward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & dout,
+                                    const Tensor & lse, const Tensor & dqkv, const AttentionShape & shape,
+                                    float scale) = 0;
+
+    // ---- Cross-entropy over logits (n, stride) whose first `vocab` columns are real tokens; labels (b, s)
+    // i32 read in (s, b) row order (-1: the label is on another rank's shard). Forward: loss[r], lse[r].
+    // Backward in place: logits become (softmax - onehot) * dloss[r], exactly 0 on the padding.
+    virtual void cross_entropy_forward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & loss,
+                                       const Tensor & lse, int64_t vocab) = 0;
+    virtual void cross_entropy_backward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & lse,
+                                        const Tensor & dloss, int64_t vocab) = 0;
+    // Vocabulary-parallel pieces over the first `valid` columns: each row's max; its sum of exp(x - max);
+    // the label's logit (0 where the label is -1); lse = max + log(sum) and loss = lse - target.
+    virtual void row_max(Stream & s, const Tensor & logits, int64_t valid, const Tensor & out) = 0;
+    virtual void row_sum_exp(Stream & s, const Tensor & logits, const Tensor & max, int64_t valid,
+                             const Tensor & out) = 0;
+    virtual void label_logit(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & out) = 0;
+    virtual void lse_and_loss(Stream & s, const Tensor & max, const Tensor & sum, const Tensor & target,
+                              const Tensor & lse, const Tensor & loss) = 0;
+    // dloss[r] = mask[(b, s) of row r] * scale, rows in (s, b) order; mask (b, s) f32.
+    virtual void loss_grad(Stream & s, const Tensor & mask, double scale, const Tensor & dloss) = 0;
+
+    // ---- Data movement and reductions
+    // dst = src converted (f32, bf16, f16), same numel.
+    virtual void convert(Stream & s, const Tensor & src, const Tensor & dst) = 0;
+    // x rounded to bf16 in place and its bf16 bits written to x_bf16: afterwards they hold the same values.
+    virtual void round_to_bf16(Stream & s, const Tensor & x, const Tensor & x_bf16) = 0;
+    // Copies src into dst (same dtype and numel), between any memory kinds of the device.
+    virtual void copy(Stream & s, const Tensor & src, const Tensor & dst) = 0;
+    virtual void fill_zero(Stream & s, const Tensor & t) = 0;
+    virtual void scale(Stream & s, const Tensor & t, float factor) = 0;   // f32, in place
+};
+
+}  // namespace loom
