@@ -101,3 +101,40 @@ TEST(Tensor, FromBlobWrapsWithoutOwning) {
     EXPECT_EQ(copy.data<float>()[5], 6.0f);
     EXPECT_THROW(copy.copy_from(Tensor::empty({5}, DType::f32, cpu::device())), Error);
 }
+
+// core/atomic_file: a write lands whole, and a path that is not a regular file is never replaced.
+#include "core/atomic_file.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+TEST(AtomicFile, WritesWholeAndRefusesToReplaceAFifoOrAFolder) {
+    std::string dir = "/tmp/loom_atomic_" + std::to_string(::getpid());
+    ::mkdir(dir.c_str(), 0755);
+    std::string file = dir + "/out.txt";
+    write_file_atomically(file, "first");
+    write_file_atomically(file, "second");
+    std::FILE * f = std::fopen(file.c_str(), "rb");
+    ASSERT_NE(f, nullptr);
+    char buffer[16] = {};
+    EXPECT_EQ(std::fread(buffer, 1, sizeof(buffer), f), 6u);
+    std::fclose(f);
+    EXPECT_STREQ(buffer, "second");
+    std::string fifo = dir + "/fifo";
+    ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+    for (const std::string & target : {fifo, dir}) {
+        try {
+            write_file_atomically(target, "x");
+            ADD_FAILURE() << "replaced " << target;
+        } catch (const Error & e) {
+            EXPECT_NE(e.message().find("is not a regular file"), std::string::npos) << e.message();
+        }
+        EXPECT_NE(::access((target + ".tmp." + std::to_string(::getpid())).c_str(), F_OK), 0) << "temporary left behind";
+    }
+    struct stat st;
+    ASSERT_EQ(::stat(fifo.c_str(), &st), 0);
+    EXPECT_TRUE(S_ISFIFO(st.st_mode)) << "the FIFO is still a FIFO";
+    std::remove(fifo.c_str());
+    std::remove(file.c_str());
+    ::rmdir(dir.c_str());
+}

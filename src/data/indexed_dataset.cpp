@@ -1,5 +1,7 @@
 #include "data/indexed_dataset.h"
 
+#include "core/atomic_file.h"
+
 #include "core/error.h"
 
 #include <algorithm>
@@ -348,9 +350,7 @@ void IndexedDatasetWriter::finish() {
 
     // .bin first: an .idx in place always describes a complete .bin.
     for (const auto & [from, to] : {std::pair{bin_tmp_, data_file_path(prefix_)}, std::pair{idx_tmp_, index_file_path(prefix_)}}) {
-        LOOM_CHECK(std::rename(from.c_str(), to.c_str()) == 0,
-                   "cannot rename '" << from << "' to '" << to << "': " << std::strerror(errno),
-                   "check the permissions of the output folder");
+        rename_into_place(from, to);
     }
     finished_ = true;
 }

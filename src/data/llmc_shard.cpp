@@ -1,5 +1,7 @@
 #include "data/llmc_shard.h"
 
+#include "core/atomic_file.h"
+
 #include "core/error.h"
 
 #include <algorithm>
@@ -110,18 +112,10 @@ void write_llmc_shard(const std::string & path, std::span<const int32_t> tokens,
             std::memcpy(body.data() + 2 * i, &v, 2);
         }
     }
-    std::string tmp = path + ".tmp." + std::to_string(::getpid());
-    std::FILE * f   = std::fopen(tmp.c_str(), "wb");
-    LOOM_CHECK(f != nullptr, "cannot create '" << tmp << "': " << std::strerror(errno), "check the output folder");
-    bool ok = std::fwrite(header.data(), sizeof(int32_t), header.size(), f) == header.size() &&
-              (body.empty() || std::fwrite(body.data(), 1, body.size(), f) == body.size()) && std::fflush(f) == 0;
-    ok = std::fclose(f) == 0 && ok;
-    if (!ok) {
-        std::remove(tmp.c_str());
-        LOOM_THROW("cannot write llm.c shard '" << path << "'", "check the free space of the output folder");
-    }
-    LOOM_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0,
-               "cannot rename '" << tmp << "' to '" << path << "': " << std::strerror(errno), "check the output folder");
+    AtomicFile file(path);
+    file.write(header.data(), header.size() * sizeof(int32_t));
+    file.write(body.data(), body.size());
+    file.commit();
 }
 
 }  // namespace loom::data

@@ -1,5 +1,7 @@
 #include "model/hf_gpt2.h"
 
+#include "core/atomic_file.h"
+
 #include "core/error.h"
 
 #include <nlohmann/json.hpp>
@@ -35,44 +37,7 @@ std::string join(const std::string & dir, const char * name) { return (std::file
 // ---------------------------------------------------------------------------------------------------
 // Writing files atomically: <path>.tmp.<pid>, flushed to disk, then renamed over <path>.
 
-class AtomicFile {
-public:
-    explicit AtomicFile(const std::string & path)
-        : path_(path), tmp_(path + ".tmp." + std::to_string(::getpid())), file_(std::fopen(tmp_.c_str(), "wb")) {
-        LOOM_CHECK(file_ != nullptr, "cannot create '" << tmp_ << "': " << std::strerror(errno),
-                   "check that the output folder exists and is writable");
-    }
-    ~AtomicFile() {
-        if (file_ != nullptr) std::fclose(file_);
-        if (!committed_) std::remove(tmp_.c_str());
-    }
-    AtomicFile(const AtomicFile &) = delete;
-    AtomicFile & operator=(const AtomicFile &) = delete;
 
-    void write(const void * data, size_t bytes) {
-        if (bytes != 0 && std::fwrite(data, 1, bytes, file_) != bytes) {
-            LOOM_THROW("cannot write " << bytes << " bytes to '" << tmp_ << "': " << std::strerror(errno),
-                       "check the free space and permissions of the output folder");
-        }
-    }
-
-    void commit() {
-        bool ok  = std::fflush(file_) == 0 && ::fsync(fileno(file_)) == 0;
-        int  err = errno;
-        ok       = std::fclose(file_) == 0 && ok;
-        file_    = nullptr;
-        LOOM_CHECK(ok, "cannot flush '" << tmp_ << "': " << std::strerror(err), "check the free space of the output folder");
-        LOOM_CHECK(std::rename(tmp_.c_str(), path_.c_str()) == 0,
-                   "cannot rename '" << tmp_ << "' to '" << path_ << "': " << std::strerror(errno),
-                   "check the permissions of the output folder");
-        committed_ = true;
-    }
-
-private:
-    std::string path_, tmp_;
-    std::FILE * file_;
-    bool        committed_ = false;
-};
 
 std::string shape_list(const Shape & shape) {
     std::ostringstream os;

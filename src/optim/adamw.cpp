@@ -73,6 +73,8 @@ AdamW::AdamW(std::vector<model::Parameter *> params, const AdamWConfig & config)
 }
 
 void AdamW::step(float lr) {
+    // The host steps: the gradients (and the weights' last readers) are compute-stream work.
+    if (!params_.empty()) params_.front()->main_grad.device().compute_stream().synchronize();
     ++step_;
     for (size_t k = 0; k < params_.size(); ++k) {
         model::Parameter * p = params_[k];
@@ -87,6 +89,7 @@ void AdamW::step(float lr) {
 }
 
 double grad_norm(const std::vector<model::Parameter *> & params) {
+    if (!params.empty()) params.front()->main_grad.device().compute_stream().synchronize();   // the host reads them
     // Per parameter, partial sums over fixed chunks (summed in chunk order afterwards): the result does
     // not depend on the thread count.
     constexpr int64_t kChunk = 1 << 16;
@@ -146,6 +149,7 @@ double clip_grad_norm(const std::vector<model::Parameter *> & params, float max_
 }
 
 void scale_grads(const std::vector<model::Parameter *> & params, float factor) {
+    if (!params.empty()) params.front()->main_grad.device().compute_stream().synchronize();
     for (model::Parameter * p : params) {
         float * g = p->main_grad.data<float>();
         parallel_for(p->numel(), 1 << 15, [&](int64_t begin, int64_t end) {

@@ -81,6 +81,7 @@ DistributedOptimizer::StepResult DistributedOptimizer::step(float lr, float clip
                                                             comm::Communicator * model_parallel) {
     StepResult result;
     double     local = 0;
+    ddp_.grad_buffer(0).device().compute_stream().synchronize();   // the host reads the reduced gradients
     for (const Piece & piece : pieces_) {
         const model::Parameter * p = ddp_.params()[piece.param];
         if (p->shared || p->tp_duplicate) continue;   // counted once: on the first stage, on TP rank 0

@@ -173,6 +173,9 @@ void HybridDeviceOptimizer::step(float lr, Stream * current) {
     ++step_;   // the one step counter (hazard d)
     const int64_t step    = step_;
     const bool    overlap = options_.overlap_d2h_h2d;
+    // Without a caller's stream, the gradients come from the device's compute stream: the host's own
+    // stream starts after it.
+    if (!current) device_.compute_stream().synchronize();
     Stream &      cur     = current ? *current : *own_;
     Stream &      d2h     = overlap ? *d2h_ : cur;
     Stream &      h2d     = overlap ? *h2d_ : cur;

@@ -1,5 +1,7 @@
 #include "pipeline/timeline.h"
 
+#include "core/atomic_file.h"
+
 #include "core/error.h"
 
 #include <algorithm>
@@ -292,23 +294,7 @@ std::string timeline_svg(const Timeline & t) {
 }
 
 void write_file_atomically(const std::string & path, const std::string & text) {
-    const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-    std::FILE *       f   = std::fopen(tmp.c_str(), "wb");
-    LOOM_CHECK(f != nullptr, "cannot create '" << tmp << "': " << std::strerror(errno),
-               "check that the output folder exists and is writable");
-    bool ok  = std::fwrite(text.data(), 1, text.size(), f) == text.size() && std::fflush(f) == 0 && ::fsync(fileno(f)) == 0;
-    int  err = errno;
-    ok       = std::fclose(f) == 0 && ok;
-    if (!ok) {
-        std::remove(tmp.c_str());
-        LOOM_THROW("cannot write '" << tmp << "': " << std::strerror(err), "check the free space of the output folder");
-    }
-    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-        err = errno;
-        std::remove(tmp.c_str());
-        LOOM_THROW("cannot rename '" << tmp << "' to '" << path << "': " << std::strerror(err),
-                   "check the permissions of the output folder");
-    }
+    loom::write_file_atomically(path, std::string_view(text));
 }
 
 }  // namespace loom::pipeline
