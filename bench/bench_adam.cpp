@@ -14,7 +14,7 @@
 //   build/bench/bench_adam                       (LOOM_NUM_THREADS sets the budget; LOOM_BENCH_ADAM_PARAMS
 //                                                 shrinks the problem for a quick look)
 #include "core/thread_pool.h"
-#include "optim/host_adam.h"
+#include "core/host_adam.h"
 
 #include <benchmark/benchmark.h>
 
@@ -28,7 +28,7 @@
 #include <vector>
 
 using namespace loom;
-using optim::HostAdamIsa;
+
 
 namespace {
 
@@ -176,16 +176,16 @@ void BM_stream4(benchmark::State & state) {
 }
 
 void BM_host_adam(benchmark::State & state, HostAdamIsa isa, bool bf16_out) {
-    if (!optim::host_adam_isa_supported(isa)) {
+    if (!host_adam_isa_supported(isa)) {
         state.SkipWithError("this CPU cannot run this body");
         for (auto _ : state) {}
         return;
     }
     AdamArrays &       s   = adam_arrays();
-    optim::HostAdamOut out = bf16_out ? optim::HostAdamOut{s.out.get(), DType::bf16} : optim::HostAdamOut{};
-    const std::string  name = std::string("host_adam/") + optim::host_adam_isa_name(isa) + (bf16_out ? "/bf16" : "/none");
-    run_timed(state, name, static_cast<double>(optim::host_adam_bytes_per_element(out) * s.n), [&] {
-        optim::host_adam_step(s.p.get(), s.g.get(), s.m.get(), s.v.get(), s.n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f,
+    HostAdamOut out = bf16_out ? HostAdamOut{s.out.get(), DType::bf16} : HostAdamOut{};
+    const std::string  name = std::string("host_adam/") + host_adam_isa_name(isa) + (bf16_out ? "/bf16" : "/none");
+    run_timed(state, name, static_cast<double>(host_adam_bytes_per_element(out) * s.n), [&] {
+        host_adam_step(s.p.get(), s.g.get(), s.m.get(), s.v.get(), s.n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f,
                               ++s.step, out, {isa, 0});
     });
 }
@@ -199,7 +199,7 @@ void register_benchmarks() {
         ->UseRealTime()->Unit(benchmark::kMillisecond)->Iterations(10)->Repetitions(3);
     for (HostAdamIsa isa : {HostAdamIsa::avx512, HostAdamIsa::avx2, HostAdamIsa::scalar}) {
         for (bool bf16 : {false, true}) {
-            std::string name = std::string("host_adam/") + optim::host_adam_isa_name(isa) + (bf16 ? "/bf16" : "/none");
+            std::string name = std::string("host_adam/") + host_adam_isa_name(isa) + (bf16 ? "/bf16" : "/none");
             benchmark::RegisterBenchmark(name.c_str(), BM_host_adam, isa, bf16)
                 ->UseRealTime()
                 ->Unit(benchmark::kMillisecond)
@@ -227,7 +227,7 @@ void print_summary() {
         std::printf("  %-22s %9.2f %9.2f %11.2f %11.3f %11.3f\n", name.c_str(), median(seconds) * 1e3,
                     bytes / median(seconds) / 1e9, median(s2), median(r2), median(r4));
     }
-    const std::string best = std::string("host_adam/") + optim::host_adam_isa_name(optim::host_adam_isa_best()) + "/none";
+    const std::string best = std::string("host_adam/") + host_adam_isa_name(host_adam_isa_best()) + "/none";
     if (auto it = g_runs.find(best); it != g_runs.end()) {
         std::vector<double> seconds;
         for (const Repetition & r : it->second) seconds.push_back(r.seconds);

@@ -3,7 +3,7 @@
 // fma, else the header's tolerance, checked here against an uncontracted copy of its formula), sizes with
 // every tail length, bf16 and f32 outputs, thread counts, special values, and the run-time selection.
 #include "optim/adamw.h"
-#include "optim/host_adam.h"
+#include "core/host_adam.h"
 
 #include <gtest/gtest.h>
 
@@ -16,7 +16,7 @@
 #include <vector>
 
 using namespace loom;
-using optim::HostAdamIsa;
+
 
 namespace {
 
@@ -79,14 +79,14 @@ enum class Out { none, bf16, f32 };
 const Out kOuts[] = {Out::none, Out::bf16, Out::f32};
 const char * out_name(Out out) { return out == Out::none ? "none" : out == Out::bf16 ? "bf16" : "f32"; }
 
-optim::HostAdamOut out_of(AdamState & s, Out out) {
+HostAdamOut out_of(AdamState & s, Out out) {
     if (out == Out::bf16) return {s.out_bf16.data(), DType::bf16};
     if (out == Out::f32) return {s.out_f32.data(), DType::f32};
     return {};
 }
 
 void host_step(AdamState & s, const Hyper & h, int64_t step, Out out, HostAdamIsa isa, int threads = 0) {
-    optim::host_adam_step(s.p.data(), s.g.data(), s.m.data(), s.v.data(), static_cast<int64_t>(s.p.size()), h.lr,
+    host_adam_step(s.p.data(), s.g.data(), s.m.data(), s.v.data(), static_cast<int64_t>(s.p.size()), h.lr,
                           h.beta1, h.beta2, h.eps, h.weight_decay, step, out_of(s, out), {isa, threads});
 }
 
@@ -121,7 +121,7 @@ void uncontracted_step(AdamState & s, const Hyper & h, int64_t step) {
 std::vector<HostAdamIsa> supported_isas() {
     std::vector<HostAdamIsa> isas;
     for (HostAdamIsa isa : {HostAdamIsa::scalar, HostAdamIsa::avx2, HostAdamIsa::avx512}) {
-        if (optim::host_adam_isa_supported(isa)) isas.push_back(isa);
+        if (host_adam_isa_supported(isa)) isas.push_back(isa);
     }
     return isas;
 }
@@ -173,7 +173,7 @@ TEST(HostAdam, EveryBodyMatchesTheScalarTwinBitForBit) {
                         host_step(twin, h, step, out, HostAdamIsa::scalar);
                         host_step(body, h, step, out, isa);
                     }
-                    expect_same_bits(body, twin, std::string(optim::host_adam_isa_name(isa)) + " n=" +
+                    expect_same_bits(body, twin, std::string(host_adam_isa_name(isa)) + " n=" +
                                                      std::to_string(n) + " out=" + out_name(out) +
                                                      " wd=" + std::to_string(wd));
                 }
@@ -192,12 +192,12 @@ TEST(HostAdam, UnalignedStartsAndEveryTailLengthMatchTheTwin) {
                 grads_fill(body, 1);
                 Hyper h;
                 for (AdamState * s : {&twin, &body}) {
-                    optim::host_adam_step(s->p.data() + offset, s->g.data() + offset, s->m.data() + offset,
+                    host_adam_step(s->p.data() + offset, s->g.data() + offset, s->m.data() + offset,
                                           s->v.data() + offset, n, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, 1,
                                           {s->out_bf16.data() + offset, DType::bf16},
                                           {s == &twin ? HostAdamIsa::scalar : isa, 1});
                 }
-                expect_same_bits(body, twin, std::string(optim::host_adam_isa_name(isa)) + " offset=" +
+                expect_same_bits(body, twin, std::string(host_adam_isa_name(isa)) + " offset=" +
                                                  std::to_string(offset) + " n=" + std::to_string(n));
             }
         }
@@ -216,13 +216,13 @@ TEST(HostAdam, StreamedOutputsAtEveryAlignmentMatchTheTwin) {
                 grads_fill(body, 1);
                 Hyper h;
                 for (AdamState * s : {&twin, &body}) {
-                    optim::HostAdamOut o = out == Out::bf16 ? optim::HostAdamOut{s->out_bf16.data() + offset, DType::bf16}
-                                                            : optim::HostAdamOut{s->out_f32.data() + offset, DType::f32};
-                    optim::host_adam_step(s->p.data() + offset, s->g.data() + offset, s->m.data() + offset,
+                    HostAdamOut o = out == Out::bf16 ? HostAdamOut{s->out_bf16.data() + offset, DType::bf16}
+                                                            : HostAdamOut{s->out_f32.data() + offset, DType::f32};
+                    host_adam_step(s->p.data() + offset, s->g.data() + offset, s->m.data() + offset,
                                           s->v.data() + offset, n, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, 1, o,
                                           {s == &twin ? HostAdamIsa::scalar : isa, 3});
                 }
-                expect_same_bits(body, twin, std::string(optim::host_adam_isa_name(isa)) + " out=" + out_name(out) +
+                expect_same_bits(body, twin, std::string(host_adam_isa_name(isa)) + " out=" + out_name(out) +
                                                  " offset=" + std::to_string(offset));
             }
         }
@@ -243,7 +243,7 @@ TEST(HostAdam, MatchesAdamwUpdateWithinTheStatedRule) {
                     host_step(bf16, h, step, Out::bf16, isa);
                     host_step(f32, h, step, Out::f32, isa);
                 }
-                const std::string what = std::string(optim::host_adam_isa_name(isa)) + " n=" + std::to_string(n) +
+                const std::string what = std::string(host_adam_isa_name(isa)) + " n=" + std::to_string(n) +
                                          " wd=" + std::to_string(wd);
                 // The f32 output is the updated master itself.
                 EXPECT_EQ(count_mismatches(f32.out_f32, f32.p), 0) << what;
@@ -275,7 +275,7 @@ TEST(HostAdam, StatedToleranceCoversAnUncontractedReference) {
         grads_fill(ref, step);
         grads_fill(host, step);
         uncontracted_step(ref, h, step);
-        host_step(host, h, step, Out::bf16, optim::host_adam_isa_best());
+        host_step(host, h, step, Out::bf16, host_adam_isa_best());
     }
     int64_t differ = 0;
     double  worst  = 0;   // the largest |p - p_ref| as a fraction of the tolerance
@@ -303,7 +303,7 @@ TEST(HostAdam, ThreadCountsGiveIdenticalBits) {
             AdamState s = state_create(n, 9);
             grads_fill(s, 1);
             host_step(s, h, 1, Out::bf16, isa, threads);
-            expect_same_bits(s, one, std::string(optim::host_adam_isa_name(isa)) + " threads=" + std::to_string(threads));
+            expect_same_bits(s, one, std::string(host_adam_isa_name(isa)) + " threads=" + std::to_string(threads));
         }
     }
 }
@@ -330,7 +330,7 @@ TEST(HostAdam, SpecialValuesMatchTheTwin) {
             AdamState twin = base, body = base;
             host_step(twin, h, 1, Out::bf16, HostAdamIsa::scalar);
             host_step(body, h, 1, Out::bf16, isa);
-            expect_same_bits(body, twin, std::string(optim::host_adam_isa_name(isa)) + " lr=" + std::to_string(lr), true);
+            expect_same_bits(body, twin, std::string(host_adam_isa_name(isa)) + " lr=" + std::to_string(lr), true);
         }
     }
     // With lr 0 and zero moments p is unchanged (fma(p, 1, -0)): the output is exactly its bf16 rounding.
@@ -339,7 +339,7 @@ TEST(HostAdam, SpecialValuesMatchTheTwin) {
     AdamState s = base;
     for (int64_t i = 0; i < n; ++i) s.g[i] = 0.0f, s.m[i] = 0.0f, s.v[i] = 0.0f;
     AdamState before = s;
-    host_step(s, h, 1, Out::bf16, optim::host_adam_isa_best());
+    host_step(s, h, 1, Out::bf16, host_adam_isa_best());
     for (int64_t i = 0; i < n; ++i) {
         if (std::isnan(before.p[i])) {
             ASSERT_TRUE(std::isnan(bf16_bits_to_f32(s.out_bf16[i]))) << i;
@@ -350,36 +350,36 @@ TEST(HostAdam, SpecialValuesMatchTheTwin) {
 }
 
 TEST(HostAdam, BodySelection) {
-    EXPECT_TRUE(optim::host_adam_isa_supported(optim::host_adam_isa_best()));
+    EXPECT_TRUE(host_adam_isa_supported(host_adam_isa_best()));
     for (HostAdamIsa isa : {HostAdamIsa::automatic, HostAdamIsa::scalar, HostAdamIsa::avx2, HostAdamIsa::avx512}) {
-        EXPECT_EQ(optim::host_adam_isa_from_name(optim::host_adam_isa_name(isa)), isa);
+        EXPECT_EQ(host_adam_isa_from_name(host_adam_isa_name(isa)), isa);
     }
-    EXPECT_THROW(optim::host_adam_isa_from_name("sse9"), Error);
+    EXPECT_THROW(host_adam_isa_from_name("sse9"), Error);
 
     unsetenv("LOOM_HOST_ADAM_ISA");
-    EXPECT_EQ(optim::host_adam_isa_resolve(HostAdamIsa::automatic), optim::host_adam_isa_best());
+    EXPECT_EQ(host_adam_isa_resolve(HostAdamIsa::automatic), host_adam_isa_best());
     setenv("LOOM_HOST_ADAM_ISA", "scalar", 1);
-    EXPECT_EQ(optim::host_adam_isa_resolve(HostAdamIsa::automatic), HostAdamIsa::scalar);
-    EXPECT_EQ(optim::host_adam_isa_resolve(optim::host_adam_isa_best()), optim::host_adam_isa_best())
+    EXPECT_EQ(host_adam_isa_resolve(HostAdamIsa::automatic), HostAdamIsa::scalar);
+    EXPECT_EQ(host_adam_isa_resolve(host_adam_isa_best()), host_adam_isa_best())
         << "an explicit body wins over the environment";
     setenv("LOOM_HOST_ADAM_ISA", "bogus", 1);
-    EXPECT_THROW(optim::host_adam_isa_resolve(HostAdamIsa::automatic), Error);
+    EXPECT_THROW(host_adam_isa_resolve(HostAdamIsa::automatic), Error);
     for (HostAdamIsa isa : {HostAdamIsa::avx2, HostAdamIsa::avx512}) {
-        setenv("LOOM_HOST_ADAM_ISA", optim::host_adam_isa_name(isa), 1);
-        if (optim::host_adam_isa_supported(isa)) {
-            EXPECT_EQ(optim::host_adam_isa_resolve(HostAdamIsa::automatic), isa);
+        setenv("LOOM_HOST_ADAM_ISA", host_adam_isa_name(isa), 1);
+        if (host_adam_isa_supported(isa)) {
+            EXPECT_EQ(host_adam_isa_resolve(HostAdamIsa::automatic), isa);
         } else {
-            EXPECT_THROW(optim::host_adam_isa_resolve(HostAdamIsa::automatic), Error);
-            EXPECT_THROW(optim::host_adam_isa_resolve(isa), Error);
+            EXPECT_THROW(host_adam_isa_resolve(HostAdamIsa::automatic), Error);
+            EXPECT_THROW(host_adam_isa_resolve(isa), Error);
         }
     }
     unsetenv("LOOM_HOST_ADAM_ISA");
 
     // Arguments are checked before any work.
     float x = 0;
-    EXPECT_THROW(optim::host_adam_step(&x, &x, &x, &x, 1, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.0f, 0), Error);
-    EXPECT_THROW(optim::host_adam_step(&x, &x, &x, &x, 1, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.0f, 1, {&x, DType::i32}), Error);
-    EXPECT_EQ(optim::host_adam_bytes_per_element({}), 28);
-    EXPECT_EQ(optim::host_adam_bytes_per_element({&x, DType::bf16}), 30);
-    EXPECT_EQ(optim::host_adam_bytes_per_element({&x, DType::f32}), 32);
+    EXPECT_THROW(host_adam_step(&x, &x, &x, &x, 1, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.0f, 0), Error);
+    EXPECT_THROW(host_adam_step(&x, &x, &x, &x, 1, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.0f, 1, {&x, DType::i32}), Error);
+    EXPECT_EQ(host_adam_bytes_per_element({}), 28);
+    EXPECT_EQ(host_adam_bytes_per_element({&x, DType::bf16}), 30);
+    EXPECT_EQ(host_adam_bytes_per_element({&x, DType::f32}), 32);
 }

@@ -5,7 +5,7 @@
 // Tolerance everywhere: none (bitwise), unless stated.
 #include "backend/cpu/cpu_device.h"
 #include "optim/adamw.h"
-#include "optim/host_adam.h"
+#include "core/host_adam.h"
 #include "optim/hybrid_optimizer.h"
 #include "train/data_source.h"
 #include "train/trainer.h"
@@ -299,7 +299,7 @@ TEST(HybridHazards, D_OneStepCounterForEveryPart) {
         hdo.step(1e-2f);
         for (size_t k = 0; k < ref.size(); ++k) {
             float wd = ref[k].no_weight_decay ? 0.0f : 0.01f;
-            optim::host_adam_step(p[k].data(), ref[k].main_grad.data<float>(), m[k].data(), v[k].data(), ref[k].numel(),
+            host_adam_step(p[k].data(), ref[k].main_grad.data<float>(), m[k].data(), v[k].data(), ref[k].numel(),
                                   1e-2f, config.beta1, config.beta2, config.eps, wd, step);
         }
     }

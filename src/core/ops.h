@@ -32,6 +32,16 @@ struct AttentionShape {
     int64_t row_stride;   // elements between consecutive (s, b) rows of qkv and dqkv
 };
 
+// One AdamW step's scalars (core/host_adam.h's update; step t >= 1 counts this step).
+struct AdamStep {
+    float   lr;
+    float   beta1;
+    float   beta2;
+    float   eps;
+    float   weight_decay;
+    int64_t step;
+};
+
 class Ops {
 public:
     virtual ~Ops() = default;
@@ -117,6 +127,16 @@ public:
     virtual void copy(Stream & s, const Tensor & src, const Tensor & dst) = 0;
     virtual void fill_zero(Stream & s, const Tensor & t) = 0;
     virtual void scale(Stream & s, const Tensor & t, float factor) = 0;   // f32, in place
+    // out (2) f32 = the sum of the squares of x (f32) as a pair: out[0] is the sum rounded to f32, out[1]
+    // the rest (out[0] + out[1] equals the double sum to about 1e-14). The sum is taken in double over
+    // fixed chunks added in order, so its bits do not depend on the thread count.
+    virtual void sum_of_squares(Stream & s, const Tensor & x, const Tensor & out) = 0;
+
+    // ---- Optimizer
+    // AdamW on n elements: master (f32), m and v updated in place from grad (f32, all n elements); with
+    // `out` defined (n elements, bf16 or f32), the updated master is also written there in out's dtype.
+    virtual void adamw(Stream & s, const Tensor & master, const Tensor & grad, const Tensor & m, const Tensor & v,
+                       const Tensor & out, const AdamStep & step) = 0;
 };
 
 }  // namespace loom

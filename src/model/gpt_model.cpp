@@ -159,14 +159,12 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
         pre_forward_(params);
     }
     const Parameter & out_w = output_.data.defined() ? output_ : wte_;
-    DType             dtype = out_w.data.dtype();
     Tensor normed = final_norm_->forward(ctx.final_norm, x);
     if (tp_.sp()) normed = tp_.all_gather(normed);   // every position's hidden state for the vocabulary shard
-    ctx.final_hidden = in_dtype(normed, dtype);
+    ctx.final_hidden = in_dtype(normed, out_w.data.dtype());
     ctx.logits     = activation(device_, s * b, vocab_local_);
     ctx.lse        = activation(device_, s * b, 1);
     ctx.token_loss = activation(device_, s * b, 1);
-    (void)dtype;
     ops.gemm(stream, ctx.final_hidden, false, out_w.data, true, ctx.logits);
     if (tp_.size == 1) {
         ops.cross_entropy_forward(stream, ctx.logits, batch.labels, ctx.token_loss, ctx.lse, config_.vocab_size);
@@ -193,11 +191,9 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
         ops.loss_grad(stream, ctx.batch.loss_mask, loss_scale, dloss);
         ops.cross_entropy_backward(stream, ctx.logits, local_tokens(ctx.batch.labels), ctx.lse, dloss, local_valid_vocab());
         Parameter & out_w   = output_.data.defined() ? output_ : wte_;
-        DType       dtype   = out_w.data.dtype();
-        Tensor      dlogits = in_dtype(ctx.logits, dtype);
+        Tensor      dlogits = in_dtype(ctx.logits, out_w.data.dtype());
         ctx.logits          = Tensor();
         dx                  = activation(device_, s * b, h);
-        (void)dtype;
         ops.gemm(stream, dlogits, false, out_w.data, false, dx);
         if (tp_.sp()) {   // every vocabulary shard contributes to the hidden state's gradient
             dx = tp_.reduce_scatter(dx);

@@ -81,7 +81,7 @@ void Linear::parameters(std::vector<Parameter *> & out) {
 Tensor Linear::forward(Context & ctx, const Tensor & x_rows, bool add_bias) {
     // Sequence-parallel column linear: every rank's rows in, this rank's output features out.
     Tensor  x = split == Split::column && tp->sp() ? tp->all_gather(x_rows) : x_rows;
-    int64_t n = x.size(0), in = weight.data.size(1), o = weight.data.size(0);
+    int64_t n = x.size(0), o = weight.data.size(0);
     DType   dtype = weight.data.dtype();
     Tensor  x_in  = in_dtype(x, dtype);
     Tensor  y     = activation(x.device(), n, o);
@@ -110,7 +110,7 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
         ops.bias_backward(stream, dy_rows, bias.main_grad.view({bias.main_grad.numel()}));
     }
     Tensor  dy = split == Split::row && tp->sp() ? tp->all_gather(dy_rows) : dy_rows;
-    int64_t n = dy.size(0), in = weight.data.size(1), o = weight.data.size(0);
+    int64_t n = dy.size(0), in = weight.data.size(1);
     DType   dtype = weight.data.dtype();
     Tensor  dy_in = in_dtype(dy, dtype);
     Tensor  dx    = activation(dy.device(), n, in);
@@ -328,14 +328,13 @@ Tensor Mlp::forward(Context & ctx, const Tensor & x) {
 
 Tensor Mlp::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
     Tensor  d_act = fc2.backward(ctx.fc2_ctx, dy, ready);
-    int64_t n = d_act.size(0), f = ffn;   // every position's rows, as fc1 produced them
+    int64_t n     = d_act.size(0);   // every position's rows, as fc1 produced them
     Tensor  pre   = in_dtype(ctx.pre_act, DType::f32);
     Tensor  d_pre = activation(dy.device(), n, pre.size(1));
     Ops &   ops   = dy.device().ops();
     if (config.swiglu) {
         ops.swiglu_backward(dy.device().compute_stream(), pre, d_act, d_pre);
     } else {
-        (void)f;
         ops.gelu_backward(dy.device().compute_stream(), pre, d_act, d_pre);
     }
     ctx.pre_act = Tensor();

@@ -2,7 +2,7 @@
 
 #include "core/error.h"
 #include "core/thread_pool.h"
-#include "optim/host_adam.h"
+#include "core/host_adam.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,7 +1,7 @@
 #include "optim/distributed_optimizer.h"
 
 #include "core/error.h"
-#include "optim/host_adam.h"
+#include "core/host_adam.h"
 
 #include <cmath>
 

@@ -4,6 +4,7 @@
 #include "backend/cpu/gemm.h"
 #include "backend/cpu/ops.h"
 #include "core/error.h"
+#include "core/host_adam.h"
 
 #include <cmath>
 #include <cstring>
@@ -326,6 +327,35 @@ public:
     void scale(Stream & s, const Tensor & t, float factor) override {
         expect(t, DType::f32, -1, "scale", "t");
         s.submit([t, factor] { scale_parallel(f32(t), factor, t.numel()); });
+    }
+
+    void sum_of_squares(Stream & s, const Tensor & x, const Tensor & out) override {
+        expect(x, DType::f32, -1, "sum_of_squares", "x");
+        expect(out, DType::f32, 2, "sum_of_squares", "out");
+        s.submit([x, out] {
+            const double sum = cpu::sum_of_squares(f32(x), x.numel());
+            const float  hi  = static_cast<float>(sum);
+            f32(out)[0]      = hi;
+            f32(out)[1]      = static_cast<float>(sum - static_cast<double>(hi));
+        });
+    }
+
+    void adamw(Stream & s, const Tensor & master, const Tensor & grad, const Tensor & m, const Tensor & v,
+               const Tensor & out, const AdamStep & a) override {
+        expect(master, DType::f32, -1, "adamw", "master");
+        const int64_t n = master.numel();
+        expect(grad, DType::f32, n, "adamw", "grad");
+        expect(m, DType::f32, n, "adamw", "m");
+        expect(v, DType::f32, n, "adamw", "v");
+        if (out.defined()) {
+            LOOM_CHECK(out.numel() == n && (out.dtype() == DType::bf16 || out.dtype() == DType::f32),
+                       "adamw: out is " << out.describe() << " for " << n << " elements", "out is bf16 or f32");
+        }
+        LOOM_CHECK(a.step >= 1, "adamw: step " << a.step, "the first step is 1");
+        s.submit([=] {
+            host_adam_step(f32(master), f32(grad), f32(m), f32(v), n, a.lr, a.beta1, a.beta2, a.eps, a.weight_decay,
+                           a.step, out.defined() ? HostAdamOut{out.data_ptr(), out.dtype()} : HostAdamOut{});
+        });
     }
 
 private:

@@ -409,6 +409,22 @@ void scale_parallel(float * x, float factor, int64_t n) {
     });
 }
 
+double sum_of_squares(const float * x, int64_t n) {
+    constexpr int64_t   kChunk = 1 << 16;
+    const int64_t       chunks = (n + kChunk - 1) / kChunk;
+    std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
+    parallel_for(chunks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t c = begin; c < end; ++c) {
+            double s = 0;
+            for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) s += static_cast<double>(x[i]) * x[i];
+            partial[static_cast<size_t>(c)] = s;
+        }
+    });
+    double total = 0;
+    for (double s : partial) total += s;
+    return total;
+}
+
 void round_to_bf16(float * x, uint16_t * x_bf16, int64_t n) {
     parallel_for(n, 1 << 15, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {

@@ -88,6 +88,9 @@ void convert_parallel(const void * src, DType src_dtype, void * dst, DType dst_d
 
 // x *= factor, n elements, on the compute threads.
 void scale_parallel(float * x, float factor, int64_t n);
+// The sum of x[i]^2 in double: partial sums over fixed chunks of 2^16 elements, added in chunk order (the
+// same bits at any thread count).
+double sum_of_squares(const float * x, int64_t n);
 
 // Rounds x to bf16 in place and writes the bf16 bit patterns to x_bf16: afterwards x holds exactly the
 // values x_bf16 stores, so a forward computed from x and a backward from x_bf16 see the same numbers.

@@ -1,6 +1,11 @@
-// Host Adam: the fused AdamW step of the hybrid device optimizer's host part. Master weights, gradient and
-// both moments are f32 arrays in host memory; one pass reads and writes each once and also writes the
-// updated parameter in the model's dtype. The step is bound by memory bandwidth, not arithmetic.
+// Host Adam: the fused AdamW step over f32 arrays in host memory. Master weights, gradient and both
+// moments are read and written once in one pass, which also writes the updated parameter in the model's
+// dtype. The step is bound by memory bandwidth, not arithmetic.
+//
+// Why core and not optim (ARCHITECTURE.md puts the Adam kernels in optim): two layers run this one kernel
+// on host memory. The CPU backend registers it as its AdamW op (core/ops.h), and the hybrid device
+// optimizer (optim) runs it on the offloaded slots' host state whatever the device is. A backend may use
+// only core, so the kernel lives here; optim keeps the optimizers and the scalar reference adamw_update.
 //
 // Per element, at step t >= 1 (the update of optim/adamw.h, same operations in the same order;
 // fma(a, b, c) is a*b + c rounded once):
@@ -50,7 +55,7 @@
 #include <cstdint>
 #include <string_view>
 
-namespace loom::optim {
+namespace loom {
 
 enum class HostAdamIsa : uint8_t { automatic, scalar, avx2, avx512 };
 
@@ -86,4 +91,4 @@ void host_adam_step(float * p, const float * g, float * m, float * v, int64_t n,
 // 28, plus 2 (bf16 output) or 4 (f32 output).
 int64_t host_adam_bytes_per_element(const HostAdamOut & out);
 
-}  // namespace loom::optim
+}  // namespace loom

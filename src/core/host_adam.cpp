@@ -2,7 +2,7 @@
 //
 // This file is compiled with -march=x86-64 -ffp-contract=off (src/CMakeLists.txt): code outside the
 // target-attributed bodies runs on any x86-64, and no multiply-add is fused unless spelled as fma.
-#include "optim/host_adam.h"
+#include "core/host_adam.h"
 
 #include "core/cpu_isa.h"
 
@@ -29,7 +29,7 @@
 #endif
 #endif
 
-namespace loom::optim {
+namespace loom {
 
 namespace {
 
@@ -341,4 +341,4 @@ void host_adam_step(float * p, const float * g, float * m, float * v, int64_t n,
     });
 }
 
-}  // namespace loom::optim
+}  // namespace loom
