@@ -105,6 +105,7 @@ TEST_P(HybridMatchesAdamW, BitwiseOverTwentyStepsForEveryFractionWithAndWithoutO
         fill_grads(ref, step);
         fill_grads(hyb, step);
         adamw.step(lr_at(step));
+        device.compute_stream().synchronize();   // the reference update is compute-stream work
         hdo.step(lr_at(step));
         for (size_t k = 0; k < ref.size(); ++k) {
             ASSERT_TRUE(same_bits(ref[k].data, hyb[k].data)) << "param " << k << " after step " << step;
@@ -130,7 +131,10 @@ TEST(HybridMemory, EachOffloadedBf16ElementMoves12DeviceBytesTo16PinnedHostBytes
     // bf16 element, m + v (8 B) per f32 element. Host side: master, m, v and the pinned grad buffer (16 B)
     // per element whatever its dtype.
     Device & device = cpu::device();
-    auto     bytes  = [&](MemoryKind kind) { return device.allocator(kind).pool_stats("optimizer").allocated; };
+    auto     bytes  = [&](MemoryKind kind) {
+        device.compute_stream().synchronize();   // memory is freed in stream order
+        return device.allocator(kind).pool_stats("optimizer").allocated;
+    };
     std::vector<model::Parameter> params = make_params(device);
     int64_t bf16 = 0, f32 = 0;
     for (model::Parameter & p : params) (p.data.dtype() == DType::bf16 ? bf16 : f32) += p.numel();
@@ -172,7 +176,7 @@ TEST(HybridHazards, A_DeviceStepIsOrderedAfterTheCallersGradientWork) {
         std::vector<model::Parameter> ref = make_params(device), hyb = make_params(device);
         std::vector<model::Parameter *> ptrs;
         for (model::Parameter & p : ref) ptrs.push_back(&p);
-        optim::AdamW                 adamw(ptrs, {});
+        optim::AdamW                 adamw(ptrs, optim::AdamWConfig{});
         optim::HybridOptions         options;
         options.offload_fraction = fraction;
         options.overlap_d2h_h2d  = true;
@@ -181,6 +185,7 @@ TEST(HybridHazards, A_DeviceStepIsOrderedAfterTheCallersGradientWork) {
         for (int step = 1; step <= 3; ++step) {
             fill_grads(ref, step);
             adamw.step(1e-2f);
+            device.compute_stream().synchronize();   // the reference update is compute-stream work
             for (model::Parameter & p : hyb) p.main_grad.fill_zero();
             // The gradients arrive late, on the caller's stream.
             current->submit([&hyb, step] {
@@ -204,7 +209,7 @@ TEST(HybridHazards, B_EverySlotReadsTheSameGradientSource) {
     std::vector<model::Parameter> ref = make_params(device), hyb = make_params(device);
     std::vector<model::Parameter *> ptrs;
     for (model::Parameter & p : ref) ptrs.push_back(&p);
-    optim::AdamW         adamw(ptrs, {});
+    optim::AdamW         adamw(ptrs, optim::AdamWConfig{});
     optim::HybridOptions options;
     options.offload_fraction = 0.5f;
     // Slots start without gradients; the "decoupled" gradients are separate tensors bound afterwards.
@@ -223,6 +228,7 @@ TEST(HybridHazards, B_EverySlotReadsTheSameGradientSource) {
     for (int step = 1; step <= 3; ++step) {
         fill_grads(ref, step);
         adamw.step(1e-2f);
+        device.compute_stream().synchronize();   // the reference update is compute-stream work
         fill_grads(hyb, step);
         for (size_t k = 0; k < hyb.size(); ++k) decoupled[k].copy_from(hyb[k].main_grad.flatten());
         for (model::Parameter & p : hyb) p.main_grad.fill_zero();   // `.grad` is stale/zero: must not be used
@@ -350,7 +356,7 @@ TEST(HybridStreams, CallersStreamWaitsForTheH2DCopies) {
         std::vector<model::Parameter> ref = make_params(device);
         std::vector<model::Parameter *> ptrs;
         for (model::Parameter & p : ref) ptrs.push_back(&p);
-        optim::AdamW         adamw(ptrs, {});
+        optim::AdamW         adamw(ptrs, optim::AdamWConfig{});
         optim::HybridOptions options;
         options.offload_fraction     = 1.0f;
         options.overlap_d2h_h2d      = true;
@@ -360,6 +366,7 @@ TEST(HybridStreams, CallersStreamWaitsForTheH2DCopies) {
         fill_grads(ref, 1);
         fill_grads(hyb, 1);
         adamw.step(1e-2f);
+        device.compute_stream().synchronize();   // the reference update is compute-stream work
         hdo.h2d_stream().submit([] { std::this_thread::sleep_for(std::chrono::milliseconds(300)); });
         hdo.step(1e-2f, current.get());
         bool matched = true;
@@ -394,7 +401,10 @@ struct TrainRun {
 
 TrainRun train_model(train::TrainOptions o) {
     Device & device = cpu::device();
-    auto     bytes  = [&](MemoryKind kind) { return device.allocator(kind).pool_stats("optimizer").allocated; };
+    auto     bytes  = [&](MemoryKind kind) {
+        device.compute_stream().synchronize();   // memory is freed in stream order
+        return device.allocator(kind).pool_stats("optimizer").allocated;
+    };
     auto     source = train::make_batch_source(o, device, false);
     model::GptModel gpt(o.model, device);
     gpt.init();

@@ -1,7 +1,8 @@
 // AdamW against a double-precision reference, Megatron's parameter groups, the LR schedules at known
-// points, and global-norm clipping.
+// points, global-norm clipping, and the optimizer interface's step (norm, skip, clip, update).
 #include "backend/cpu/cpu_device.h"
 #include "optim/adamw.h"
+#include "optim/optimizer.h"
 
 #include <gtest/gtest.h>
 
@@ -42,7 +43,10 @@ TEST(AdamW, BiasesAndNormsGetNoWeightDecay) {
     optim::AdamWConfig cfg;
     cfg.weight_decay = 0.5f;
     optim::AdamW opt({&w, &b}, cfg);
-    opt.step(0.1f);   // zero gradients: only decay moves the weights
+    optim::StepResult r = opt.step(0.1f);   // zero gradients: only decay moves the weights
+    EXPECT_TRUE(r.stepped);
+    EXPECT_EQ(r.grad_norm, 0.0);
+    device.compute_stream().synchronize();   // the update is compute-stream work
     EXPECT_FLOAT_EQ(w.data.data<float>()[0], 1.0f - 0.1f * 0.5f);
     EXPECT_FLOAT_EQ(b.data.data<float>()[0], 1.0f);
     EXPECT_EQ(opt.steps(), 1);
@@ -75,8 +79,46 @@ TEST(GradClip, ScalesToTheMaximumNormOnlyWhenAbove) {
     a.main_grad.data<float>()[0] = 3.0f;
     a.main_grad.data<float>()[1] = 0.0f;
     b.main_grad.data<float>()[0] = 4.0f;
-    EXPECT_DOUBLE_EQ(optim::clip_grad_norm({&a, &b}, 10.0f), 5.0);
+    const std::vector<optim::GradView> views = optim::grad_views({&a, &b});
+    EXPECT_DOUBLE_EQ(optim::clip_grad_norm(views, 10.0f), 5.0);
     EXPECT_FLOAT_EQ(a.main_grad.data<float>()[0], 3.0f);
-    EXPECT_DOUBLE_EQ(optim::clip_grad_norm({&a, &b}, 1.0f), 5.0);
-    EXPECT_NEAR(optim::grad_norm({&a, &b}), 1.0, 1e-6);
+    EXPECT_DOUBLE_EQ(optim::clip_grad_norm(views, 1.0f), 5.0);
+    EXPECT_NEAR(optim::grad_norm(views), 1.0, 1e-6);
+    b.shared = true;   // a copy another stage counts: left out of the norm, still scaled
+    EXPECT_NEAR(optim::grad_norm(optim::grad_views({&a, &b})), 0.6, 1e-6);
+}
+
+// step(): the norm of the gradients before clipping, the clipped update, and a skipped step on a
+// non-finite norm that leaves weights, state and step count alone.
+TEST(Optimizer, StepClipsAndSkipsNonFiniteNorms) {
+    Device &         device = cpu::device();
+    model::Parameter w      = model::parameter_create("w", {2}, DType::f32, device);
+    model::Parameter ref    = model::parameter_create("ref", {2}, DType::f32, device);
+    model::parameter_init_constant(w, 1.0f);
+    model::parameter_init_constant(ref, 1.0f);
+    optim::OptimizerOptions clipped;
+    clipped.clip_grad = 1.0f;
+    optim::AdamW opt({&w}, clipped);
+    optim::AdamW plain({&ref}, optim::OptimizerOptions{});
+    w.main_grad.data<float>()[0]   = 30.0f;
+    w.main_grad.data<float>()[1]   = 40.0f;
+    ref.main_grad.data<float>()[0] = 0.6f;   // the clipped gradient, (30, 40) * 1 / (50 + 1e-6)
+    ref.main_grad.data<float>()[1] = 0.8f;
+    optim::StepResult r = opt.step(0.1f);
+    EXPECT_TRUE(r.stepped);
+    EXPECT_DOUBLE_EQ(r.grad_norm, 50.0);
+    plain.step(0.1f);
+    device.compute_stream().synchronize();
+    EXPECT_NEAR(w.main_grad.data<float>()[0], 0.6f, 1e-6f) << "clipping scales the gradient itself";
+    EXPECT_NEAR(w.data.data<float>()[0], ref.data.data<float>()[0], 1e-6f);
+    EXPECT_NEAR(w.data.data<float>()[1], ref.data.data<float>()[1], 1e-6f);
+
+    const float before = w.data.data<float>()[0];
+    w.main_grad.data<float>()[1] = std::nanf("");
+    r = opt.step(0.1f);
+    device.compute_stream().synchronize();
+    EXPECT_FALSE(r.stepped);
+    EXPECT_TRUE(std::isnan(r.grad_norm));
+    EXPECT_EQ(w.data.data<float>()[0], before);
+    EXPECT_EQ(opt.steps(), 1);
 }

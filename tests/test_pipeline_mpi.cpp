@@ -71,33 +71,18 @@ StageRun pipelined(int pp, bool distopt, const std::string & timeline = "", int 
     o.ddp.overlap_param_gather      = distopt;
     o.ddp.bucket_size               = 20000;
     o.timeline_file                 = timeline;
-    pipeline::LayerSplitOptions split;
-    split.num_layers = static_cast<int>(o.model.num_layers);
-    split.pp         = pp;
-    if (vpp > 1) split.vpp = vpp;
-    if (first_stage_layers > 0) split.first_stage_layers = first_stage_layers;
-    pipeline::LayerAssignment                     layout = pipeline::assign_layers(split);
-    std::vector<std::unique_ptr<model::GptModel>> chunks;
-    std::vector<model::GptModel *>                views;
-    for (int c = 0; c < vpp; ++c) {
-        pipeline::LayerRange layers = layout.at(stage, c);
-        const int            v      = c * pp + stage;
-        chunks.push_back(std::make_unique<model::GptModel>(
-            o.model, cpu::device(), model::PipelineStage{layers.begin, layers.size(), v == 0, v == pp * vpp - 1}));
-        chunks.back()->init();
-        views.push_back(chunks.back().get());
-    }
-    auto     source = train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), config.dp());
-    StageRun run;
+    if (vpp > 1) o.virtual_pipeline_size = vpp;
+    if (first_stage_layers > 0) o.first_stage_layers = first_stage_layers;
+    auto         source = train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), config.dp());
+    train::Setup setup  = train::setup(o, groups, cpu::device());
+    StageRun     run;
     run.stage = stage;
     {
-        train::Trainer trainer(o, views, *source, groups.dp, {groups.pp, groups.embedding, nullptr, nullptr});
+        train::Trainer trainer(o, setup, *source);
         run.losses         = trainer.run(nullptr).losses;
         run.peak_in_flight = trainer.peak_in_flight();
     }
-    for (auto & chunk : chunks) {
-        for (model::Parameter * p : chunk->parameters()) run.params[p->name] = parameter_values(*p);
-    }
+    for (model::Parameter * p : setup.parameters()) run.params[p->name] = parameter_values(*p);
     return run;
 }
 

@@ -9,8 +9,8 @@
 #include "backend/cpu/cpu_device.h"
 #include "parallel/parallel_config.h"
 #include "parallel/process_groups.h"
-#include "pipeline/layer_assignment.h"
 #include "train/data_source.h"
+#include "train/setup.h"
 #include "train/trainer.h"
 
 #include "mpi_test_main.h"
@@ -71,28 +71,16 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp) {
     o.ddp.use_distributed_optimizer = distopt;
     o.ddp.overlap_grad_reduce       = distopt;
     o.ddp.bucket_size               = 20000;
-    model::TensorParallel tensor{groups.tp, groups.tp->rank(), tp, sp};
-    model::PipelineStage  part;
-    train::PipelineGroups model_parallel{nullptr, nullptr, groups.tp_pp, groups.tp};
-    if (pp > 1) {
-        pipeline::LayerSplitOptions split;
-        split.num_layers = static_cast<int>(o.model.num_layers);
-        split.pp         = pp;
-        const int            stage  = groups.pp->rank();
-        pipeline::LayerRange layers = pipeline::assign_layers(split).at(stage, 0);
-        part                        = model::PipelineStage{layers.begin, layers.size(), stage == 0, stage == pp - 1};
-        model_parallel.pp           = groups.pp;
-        model_parallel.embedding    = groups.embedding;
-    }
-    auto            source = train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), config.dp());
-    model::GptModel gpt(o.model, cpu::device(), part, tensor);
-    gpt.init();
-    Run run;
+    o.tensor_parallel_size          = tp;
+    o.sequence_parallel             = sp;
+    auto         source = train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), config.dp());
+    train::Setup setup  = train::setup(o, groups, cpu::device());
+    Run          run;
     {
-        train::Trainer trainer(o, gpt, *source, groups.dp, model_parallel);
+        train::Trainer trainer(o, setup, *source);
         run.losses = trainer.run(nullptr).losses;
     }
-    for (model::Parameter * p : gpt.parameters()) {
+    for (model::Parameter * p : setup.parameters()) {
         run.params[p->name] = testing_models::parameter_values(*p);
         run.slices[p->name] = p->tp_slice;
     }

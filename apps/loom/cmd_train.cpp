@@ -16,9 +16,8 @@
 #include "comm/mpi_communicator.h"
 #include "ddp/layout.h"
 #include "parallel/process_groups.h"
-#include "pipeline/layer_assignment.h"
-#include "model/hf_gpt2.h"
 #include "train/data_source.h"
+#include "train/setup.h"
 #include "train/trainer.h"
 
 #include <CLI/CLI.hpp>
@@ -30,7 +29,7 @@ namespace loom::app {
 
 namespace {
 
-void print_summary(const train::TrainSummary & s, const model::GptModel & gpt) {
+void print_summary(const train::TrainSummary & s) {
     std::printf("\ntraining summary: %zu iterations in %.1f s | %.0f tokens/s | %.3f TFLOP/s achieved | "
                 "lm loss %.4f -> %.4f\n",
                 s.losses.size(), s.seconds, s.tokens_per_second, s.tflops, s.losses.front(), s.losses.back());
@@ -42,7 +41,6 @@ void print_summary(const train::TrainSummary & s, const model::GptModel & gpt) {
         std::printf("  %-12s peak %9.1f MiB   in use %9.1f MiB\n", pool.c_str(), p.peak_allocated / 1048576.0,
                     p.allocated / 1048576.0);
     }
-    (void)gpt;
 }
 
 // The world size mpirun launched this process into (Open MPI, or a PMI launcher), else 1.
@@ -86,56 +84,21 @@ int cmd_train(int argc, char ** argv) {
 }
 
 static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, comm::MpiContext * mpi) {
-    // Process groups: pp x dp ranks, Megatron's rank order (tp-cp-ep-dp-pp).
-    std::shared_ptr<comm::Communicator> dp;
-    train::PipelineGroups               stages;
-    std::vector<model::PipelineStage>   parts{model::PipelineStage{}};   // this rank's model chunks
-    model::TensorParallel               tensor;
+    // Process groups: Megatron's rank order (tp-cp-ep-dp-pp); none in a single process without DDP.
+    parallel::ProcessGroups groups;
     if (mpi) {
         parallel::ParallelSizes sizes;
         sizes.world_size = mpi->world_size();
         sizes.pp         = static_cast<int>(options.pipeline_parallel_size);
         sizes.tp         = static_cast<int>(options.tensor_parallel_size);
-        parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
-        parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *mpi);
-        dp = groups.dp;
-        if (config.tp() > 1) {
-            tensor = model::TensorParallel{groups.tp, groups.tp->rank(), config.tp(), options.sequence_parallel};
-            stages.model_parallel = groups.tp_pp;
-            stages.tp             = groups.tp;
-        }
-        if (config.pp() > 1) {
-            stages.pp        = groups.pp;
-            stages.embedding = groups.embedding;
-            const pipeline::LayerAssignment layout = pipeline::assign_layers(options.layer_split());
-            const int                       stage  = groups.pp->rank();
-            parts.clear();
-            for (int c = 0; c < layout.num_chunks; ++c) {
-                const pipeline::LayerRange layers = layout.at(stage, c);
-                const int                  v      = c * config.pp() + stage;   // virtual stage
-                parts.push_back(model::PipelineStage{layers.begin, layers.size(), v == 0,
-                                                     v == config.pp() * layout.num_chunks - 1});
-            }
-        }
+        groups = parallel::ProcessGroups::create(parallel::ParallelConfig::create(sizes), *mpi);
     }
-    const int    rank   = mpi ? mpi->world_rank() : 0;
-    FILE *       out    = rank == 0 ? stdout : nullptr;
-    Device &     device = cpu::device();
-    std::unique_ptr<train::BatchSource> data =
-        train::make_batch_source(options, device, vocab_given, dp ? dp->rank() : 0, options.data_parallel_size);
-    options.model.validate();
-
-    std::vector<std::unique_ptr<model::GptModel>> chunks;
-    std::vector<model::GptModel *>                views;
-    for (const model::PipelineStage & part : parts) {
-        chunks.push_back(std::make_unique<model::GptModel>(options.model, device, part, tensor));
-        chunks.back()->init();
-        views.push_back(chunks.back().get());
-    }
-    model::GptModel & gpt = *chunks.front();
-    if (!options.load_hf.empty()) {
-        model::load_hf_gpt2(gpt, options.load_hf);   // the shape was checked against config.json by resolve()
-    }
+    const int rank   = mpi ? mpi->world_rank() : 0;
+    FILE *    out    = rank == 0 ? stdout : nullptr;
+    Device &  device = cpu::device();
+    std::unique_ptr<train::BatchSource> data = train::make_batch_source(
+        options, device, vocab_given, groups.dp ? groups.dp->rank() : 0, options.data_parallel_size);
+    train::Setup setup = train::setup(options, groups, device);
     if (out) std::printf("loom train: %s, %lld parameters, %lld layers, hidden %lld, heads %lld, seq %lld, vocab %lld (padded %lld)\n",
                 options.model_preset.c_str(), static_cast<long long>(options.model.num_parameters()),
                 static_cast<long long>(options.model.num_layers), static_cast<long long>(options.model.hidden_size),
@@ -148,13 +111,16 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
                 static_cast<long long>(options.global_batch_size), static_cast<long long>(options.train_iters),
                 static_cast<long long>(options.tensor_parallel_size), static_cast<long long>(options.pipeline_parallel_size),
                 static_cast<long long>(options.data_parallel_size));
-    train::Trainer trainer(options, views, *data, dp, stages);
     if (out && options.print_layout) {
-        std::printf("%s\n", ddp::layout_table(trainer.ddp()->layout(), trainer.ddp()->specs(),
+        std::printf("%s\n", ddp::layout_table(setup.ddp->layout(), setup.ddp->specs(),
                                               options.ddp.use_distributed_optimizer).c_str());
     }
-    train::TrainSummary summary = trainer.run(out);
-    if (out) print_summary(summary, gpt);
+    train::TrainSummary summary;
+    {
+        train::Trainer trainer(options, setup, *data);
+        summary = trainer.run(out);
+    }
+    if (out) print_summary(summary);
     return 0;
 }
 

@@ -99,6 +99,7 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
     for (size_t i = 0; i < params_.size(); ++i) index_[params_[i]] = static_cast<int>(i);
     comm_stream_ = device_.stream_create("ddp-comm");
     grads_ready_ = device_.event_create();
+    params_updated_ = device_.event_create();
 }
 
 DistributedDataParallel::~DistributedDataParallel() {
@@ -236,6 +237,9 @@ void DistributedDataParallel::wait_gather(int index) {
 
 void DistributedDataParallel::start_param_sync() {
     if (!config_.use_distributed_optimizer) return;
+    // The optimizer updated the shards on the compute stream: the gathers (on the comm stream) start after.
+    device_.compute_stream().record(*params_updated_);
+    comm_stream_->wait(*params_updated_);
     for (Group & group : groups_) {
         LOOM_CHECK(group.gather_work.empty(), "a parameter all-gather is still outstanding at the next step", "");
         group.gather_dispatched = false;

@@ -130,6 +130,7 @@ private:
     std::unordered_map<const model::Parameter *, int> index_;   // parameter -> index into params_
     std::unique_ptr<Stream>             comm_stream_;
     std::unique_ptr<Event>              grads_ready_;   // recorded on the compute stream before each reduction
+    std::unique_ptr<Event>              params_updated_;   // recorded on it after the optimizer step
     bool                                first_iteration_ = true;
     bool                                last_microbatch_ = true;
     bool                                pending_gathers_ = false;

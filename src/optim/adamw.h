@@ -1,4 +1,5 @@
-// AdamW with Megatron's defaults and parameter groups, its LR schedule, and global-norm clipping.
+// AdamW's hyper-parameters with Megatron's defaults, the update's scalar reference, the LR schedule and
+// the clipping factor. The optimizers themselves are in optim/optimizer.h.
 //
 // Update of one element at step t (1-based), gradient g = main_grad, decoupled weight decay wd:
 //   p  <- p - lr * wd * p                       (only parameters with decay: not biases or norms)
@@ -16,12 +17,12 @@
 //   otherwise, r = (k - warmup) / (decay_iters - warmup):
 //     constant: max_lr;  linear: min_lr + (max_lr - min_lr)(1 - r);  cosine: min_lr + (max_lr - min_lr)(1 + cos(pi r)) / 2
 //
-// Clipping: norm = sqrt(sum over all main_grad elements of g^2); if clip > 0 and norm > clip, every
-// gradient is scaled by clip / (norm + 1e-6).
+// Clipping (optim/optimizer.h): norm = sqrt(sum over all main_grad elements of g^2); if clip > 0 and
+// norm > clip, every gradient is scaled by clip / (norm + 1e-6).
 #pragma once
 
 #include "comm/communicator.h"
-#include "model/parameter.h"
+#include "core/device.h"
 
 #include <string>
 #include <vector>
@@ -54,45 +55,12 @@ struct LrSchedule {
 void adamw_update(float * p, const float * g, float * m, float * v, int64_t n, float lr, float beta1, float beta2,
                   float eps, float weight_decay, int64_t step, uint16_t * p_bf16 = nullptr);
 
-class AdamW {
-public:
-    AdamW(std::vector<model::Parameter *> params, const AdamWConfig & config);
-
-    // One step on every parameter with the given learning rate (weight decay per parameter group).
-    void step(float lr);
-
-    int64_t                                 steps() const { return step_; }
-    const std::vector<model::Parameter *> & params() const { return params_; }
-    const AdamWConfig &                     config() const { return config_; }
-
-private:
-    std::vector<model::Parameter *> params_;
-    std::vector<Tensor>             exp_avg_;      // m, per parameter
-    std::vector<Tensor>             exp_avg_sq_;   // v, per parameter
-    std::vector<Tensor>             master_;       // f32 master weights of 16-bit parameters (else undefined)
-    AdamWConfig                     config_;
-    int64_t                         step_ = 0;
-};
-
-// sqrt of the sum of squares of every main_grad (accumulated in double).
-double grad_norm(const std::vector<model::Parameter *> & params);
-// The sum of squares of the main_grads of `params`, leaving out the `shared` copies (the last pipeline
-// stage's tied embedding) and the `tp_duplicate` ones (TP-replicated parameters on TP ranks other than 0).
-double grad_norm_squared_unshared(const std::vector<model::Parameter *> & params);
 // The sum of `value` over the group, the same on every rank and as exact as a double sum: each rank's
 // value travels as an f32 pair (hi, lo) with hi + lo = value to ~1e-14, and every rank adds the gathered
 // pairs in rank order. `device` holds the small exchange tensors.
 double group_sum(double value, comm::Communicator & group, Device & device);
-// Clipping over a model split across `model_parallel` ranks (tensor-parallel ranks x pipeline stages): the
-// norm sums every rank's owned gradients; every gradient, copies included, is scaled. Returns the norm.
-double clip_grad_norm(const std::vector<model::Parameter *> & params, float max_norm,
-                      comm::Communicator & model_parallel);
-// Scales every main_grad by `factor`.
-void   scale_grads(const std::vector<model::Parameter *> & params, float factor);
 // The factor gradients are scaled by: min(1, max_norm / (norm + 1e-6)), and 1 when clipping is off
 // (max_norm <= 0) or the norm is not finite.
 float  clip_coefficient(double norm, float max_norm);
-// Clips to max_norm (no-op when max_norm <= 0 or the norm is smaller); returns the norm before clipping.
-double clip_grad_norm(const std::vector<model::Parameter *> & params, float max_norm);
 
 }  // namespace loom::optim

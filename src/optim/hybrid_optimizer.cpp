@@ -2,9 +2,9 @@
 
 #include "core/error.h"
 #include "core/host_adam.h"
+#include "core/ops.h"
 
 #include <algorithm>
-#include <cstring>
 
 namespace loom::optim {
 
@@ -24,19 +24,6 @@ std::vector<bool> hybrid_offload_split(const std::vector<int64_t> & numels, doub
     }
     return result;
 }
-
-namespace {
-
-// f32 -> the model dtype of `dst` (bf16 rounds to nearest even, as host_adam_step's output does).
-void write_values(const float * src, void * dst, DType dtype, int64_t n) {
-    if (dtype == DType::bf16) {
-        convert_f32_to_bf16(src, static_cast<uint16_t *>(dst), static_cast<size_t>(n));
-    } else {
-        std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
-    }
-}
-
-}  // namespace
 
 HybridDeviceOptimizer::HybridDeviceOptimizer(Device & device, std::vector<HybridSlot> slots,
                                              const AdamWConfig & config, const HybridOptions & options)
@@ -81,9 +68,10 @@ HybridDeviceOptimizer::HybridDeviceOptimizer(Device & device, std::vector<Hybrid
     auto host_array = [&](HostArray & a, bool pinned) {
         if (host_numel == 0) return;
         if (pinned) {
-            a.pinned = Tensor::zeros({host_numel}, DType::f32, device_, TensorOptions{MemoryKind::pinned_host, "optimizer"});
+            a.tensor = Tensor::zeros({host_numel}, DType::f32, device_, TensorOptions{MemoryKind::pinned_host, "optimizer"});
         } else {
             a.pageable.assign(static_cast<size_t>(host_numel), 0.0f);
+            a.tensor = Tensor::from_blob(a.pageable.data(), {host_numel}, DType::f32, device_, MemoryKind::pinned_host);
         }
     };
     host_array(host_master_, options_.pin_cpu_params);
@@ -91,7 +79,9 @@ HybridDeviceOptimizer::HybridDeviceOptimizer(Device & device, std::vector<Hybrid
     host_array(host_v_, options_.pin_cpu_params);
     host_array(host_grad_, options_.pin_cpu_grads);
 
-    // Masters start from the model values; host groups: one per slot with overlap, else one in all.
+    // Masters start from the model values (once the compute stream has written them); host groups: one
+    // per slot with overlap, else one in all.
+    device_.compute_stream().synchronize();
     for (int i = 0; i < num_slots(); ++i) {
         SlotInfo &    s = slots_[static_cast<size_t>(i)];
         const Tensor & w = s.slot.values;
@@ -104,9 +94,10 @@ HybridDeviceOptimizer::HybridDeviceOptimizer(Device & device, std::vector<Hybrid
         groups_.back().push_back(i);
     }
 
-    own_   = device_.stream_create("hdo-current");
-    d2h_   = device_.stream_create("hdo-d2h");
-    h2d_   = device_.stream_create("hdo-h2d");
+    if (!groups_.empty()) {   // host work: the side streams
+        d2h_ = device_.stream_create("hdo-d2h");
+        h2d_ = device_.stream_create("hdo-h2d");
+    }
     start_ = device_.event_create();
     for (size_t g = 0; g < groups_.size(); ++g) {
         d2h_events_.push_back(device_.event_create());
@@ -115,8 +106,10 @@ HybridDeviceOptimizer::HybridDeviceOptimizer(Device & device, std::vector<Hybrid
 }
 
 HybridDeviceOptimizer::~HybridDeviceOptimizer() {
-    // Queued copies point into this object's buffers.
-    for (Stream * s : {own_.get(), d2h_.get(), h2d_.get()}) {
+    // Queued copies may point into this object's pageable host buffers (on the side streams, or on the
+    // compute stream without overlap).
+    if (groups_.empty()) return;
+    for (Stream * s : {&device_.compute_stream(), d2h_.get(), h2d_.get()}) {
         if (!s) continue;
         try {
             s->synchronize();
@@ -136,6 +129,16 @@ void HybridDeviceOptimizer::set_grad(int slot, Tensor grad) {
 void HybridDeviceOptimizer::set_weight_decay(int slot, float weight_decay) {
     LOOM_CHECK(slot >= 0 && slot < num_slots(), "hybrid optimizer slot " << slot << " of " << num_slots(), "");
     slots_[static_cast<size_t>(slot)].slot.weight_decay = weight_decay;
+}
+
+Stream & HybridDeviceOptimizer::h2d_stream() {
+    LOOM_CHECK(h2d_ != nullptr, "the hybrid optimizer has no H2D stream: no slot is offloaded", "");
+    return *h2d_;
+}
+
+Stream & HybridDeviceOptimizer::d2h_stream() {
+    LOOM_CHECK(d2h_ != nullptr, "the hybrid optimizer has no D2H stream: no slot is offloaded", "");
+    return *d2h_;
 }
 
 int HybridDeviceOptimizer::num_offloaded() const {
@@ -171,22 +174,22 @@ HybridSlotState HybridDeviceOptimizer::slot_state(int slot) const {
 
 void HybridDeviceOptimizer::step(float lr, Stream * current) {
     ++step_;   // the one step counter (hazard d)
-    const int64_t step    = step_;
     const bool    overlap = options_.overlap_d2h_h2d;
-    // Without a caller's stream, the gradients come from the device's compute stream: the host's own
-    // stream starts after it.
-    if (!current) device_.compute_stream().synchronize();
-    Stream &      cur     = current ? *current : *own_;
+    Ops &         ops     = device_.ops();
+    // Without a caller's stream the host sees the values on return: the work runs on the compute stream,
+    // after what produced the gradients, and the host waits for it at the end.
+    Stream &      cur     = current ? *current : device_.compute_stream();
     Stream &      d2h     = overlap ? *d2h_ : cur;
     Stream &      h2d     = overlap ? *h2d_ : cur;
     const AdamWConfig c   = config_;
+    auto args = [&](float weight_decay) { return AdamStep{lr, c.beta1, c.beta2, c.eps, weight_decay, step_}; };
 
     // Which slots have a gradient this step, decided once (hazard c: the others are not touched).
     std::vector<bool> has_grad(slots_.size());
     for (size_t i = 0; i < slots_.size(); ++i) has_grad[i] = slots_[i].slot.grad.defined();
 
     // 1. Gradients are final and earlier readers of the values are done.
-    if (overlap) {
+    if (overlap && !groups_.empty()) {
         cur.record(*start_);
         d2h.wait(*start_);
         h2d.wait(*start_);
@@ -196,36 +199,24 @@ void HybridDeviceOptimizer::step(float lr, Stream * current) {
     for (size_t g = 0; g < groups_.size(); ++g) {
         for (int i : groups_[g]) {
             if (!has_grad[static_cast<size_t>(i)]) continue;
-            const SlotInfo & s   = slots_[static_cast<size_t>(i)];
-            const float *    src = s.slot.grad.data<float>();
-            float *          dst = host_grad_.data() + s.state;
-            int64_t          n   = s.slot.values.numel();
-            d2h.submit([src, dst, n] { std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float)); });
+            const SlotInfo & s = slots_[static_cast<size_t>(i)];
+            ops.copy(d2h, s.slot.grad, host_grad_.slice(s.state, s.slot.values.numel()));
         }
         d2h.record(*d2h_events_[g]);
     }
 
     // 3. The device part, on the caller's stream: after whatever produced or cast the gradients (hazard a).
-    struct DeviceWork {
-        float * p; const float * g; float * m; float * v; int64_t n; float wd; void * out;
-    };
-    std::vector<DeviceWork> device_work;
     for (size_t i = 0; i < slots_.size(); ++i) {
         const SlotInfo & s = slots_[i];
         if (s.offloaded || !has_grad[i]) continue;
-        bool mixed = s.master >= 0;
-        device_work.push_back(DeviceWork{mixed ? dev_master_.data<float>() + s.master : s.slot.values.data<float>(),
-                                         s.slot.grad.data<float>(), dev_m_.data<float>() + s.state,
-                                         dev_v_.data<float>() + s.state, s.slot.values.numel(), s.slot.weight_decay,
-                                         mixed ? s.slot.values.data_ptr() : nullptr});
-    }
-    if (!device_work.empty()) {
-        cur.submit([device_work = std::move(device_work), c, lr, step] {
-            for (const DeviceWork & w : device_work) {
-                host_adam_step(w.p, w.g, w.m, w.v, w.n, lr, c.beta1, c.beta2, c.eps, w.wd, step,
-                               w.out ? HostAdamOut{w.out, DType::bf16} : HostAdamOut{});
-            }
-        });
+        const int64_t n = s.slot.values.numel();
+        if (s.master >= 0) {   // bf16 values: the f32 master steps, the values get it rounded
+            ops.adamw(cur, dev_master_.slice(s.master, {n}), s.slot.grad, dev_m_.slice(s.state, {n}),
+                      dev_v_.slice(s.state, {n}), s.slot.values, args(s.slot.weight_decay));
+        } else {               // f32 values are their own master
+            ops.adamw(cur, s.slot.values, s.slot.grad, dev_m_.slice(s.state, {n}), dev_v_.slice(s.state, {n}), Tensor(),
+                      args(s.slot.weight_decay));
+        }
     }
 
     // 4. Host groups in order: wait for the gradients, step, copy the values back on h2d.
@@ -233,14 +224,11 @@ void HybridDeviceOptimizer::step(float lr, Stream * current) {
         d2h_events_[g]->synchronize();
         for (int i : groups_[g]) {
             if (!has_grad[static_cast<size_t>(i)]) continue;
-            SlotInfo & s      = slots_[static_cast<size_t>(i)];
-            float *    master = host_master_.data() + s.state;
-            int64_t    n      = s.slot.values.numel();
-            host_adam_step(master, host_grad_.data() + s.state, host_m_.data() + s.state, host_v_.data() + s.state,
-                           n, lr, c.beta1, c.beta2, c.eps, s.slot.weight_decay, step);
-            void * dst   = s.slot.values.data_ptr();
-            DType  dtype = s.slot.values.dtype();
-            h2d.submit([master, dst, dtype, n] { write_values(master, dst, dtype, n); });
+            SlotInfo &    s = slots_[static_cast<size_t>(i)];
+            const int64_t n = s.slot.values.numel();
+            host_adam_step(host_master_.data() + s.state, host_grad_.data() + s.state, host_m_.data() + s.state,
+                           host_v_.data() + s.state, n, lr, c.beta1, c.beta2, c.eps, s.slot.weight_decay, step_);
+            ops.convert(h2d, host_master_.slice(s.state, n), s.slot.values);
         }
         h2d.record(*h2d_events_[g]);
         if (overlap && !options_.unsafe_skip_h2d_wait) {
@@ -248,10 +236,18 @@ void HybridDeviceOptimizer::step(float lr, Stream * current) {
         }
     }
 
-    if (!current) own_->synchronize();
+    if (!current) cur.synchronize();
+}
+
+void HybridDeviceOptimizer::synchronize() const {
+    device_.compute_stream().synchronize();
+    for (Stream * s : {d2h_.get(), h2d_.get()}) {
+        if (s) s->synchronize();
+    }
 }
 
 HybridStateDict HybridDeviceOptimizer::state_dict() const {
+    synchronize();
     HybridStateDict state;
     state.step = step_;
     for (int i = 0; i < num_slots(); ++i) {
@@ -269,6 +265,7 @@ void HybridDeviceOptimizer::load_state_dict(const HybridStateDict & state) {
     LOOM_CHECK(static_cast<int>(state.slots.size()) == num_slots(),
                "optimizer state of " << state.slots.size() << " slots for an optimizer of " << num_slots(),
                "load the state into an optimizer over the same parameters");
+    synchronize();
     for (int i = 0; i < num_slots(); ++i) {
         HybridSlotState             st   = slot_state(i);
         const HybridSlotStateDict & slot = state.slots[static_cast<size_t>(i)];

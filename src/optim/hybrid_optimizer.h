@@ -3,7 +3,9 @@
 //
 // It steps a list of slots: each slot is a window of model values in device memory (f32 or bf16), its f32
 // gradient in device memory, and a weight decay. The slots are the whole parameters of the replicated
-// path, or the owned shard pieces of the distributed optimizer.
+// path, or the owned shard pieces of the distributed optimizer. This is the one Adam state of every
+// optimizer (optim/optimizer.h): fraction 0 offloads nothing, and the step is then the plain AdamW step,
+// one Ops::adamw per slot on the caller's stream (no host work, no side streams).
 //
 // Split (spec 3.2, exact): a prefix of the slots, in slot order, is offloaded until the offloaded numel
 // reaches f * total. The test comes before the add, so the slot that crosses the threshold is offloaded
@@ -20,18 +22,18 @@
 // so offloading a bf16 element saves 12 device bytes and costs 16 pinned host bytes.
 //
 // Step (spec 3.5, with the fixes of 3.7), `current` is the caller's stream that produced the gradients and
-// will read the values next:
+// will read the values next (all device work goes through the device's ops, core/ops.h):
 //   1. record `start` on current; the d2h and h2d streams wait on it (gradients final, earlier readers of
 //      the values done);
-//   2. on d2h: per host group, copy each slot's gradient to its host gradient buffer, then record the
-//      group's d2h event. With overlap a group is one slot; without, one group holds every host slot and
-//      d2h = h2d = current;
-//   3. on current: the device slots' AdamW (after everything the caller queued before, which is where a
-//      gradient cast or scale would run: hazard a);
-//   4. per host group, in order: the host waits on its d2h event, runs host AdamW on its slots, submits the
-//      H2D copies (f32 master -> model dtype) on h2d, records the group's h2d event, and current waits on
-//      it (the h2d event, not the d2h one). Group k's host step runs while group k+1's D2H and group k-1's
-//      H2D are in flight.
+//   2. on d2h: per host group, copy each slot's gradient to its host gradient buffer (Ops::copy), then
+//      record the group's d2h event. With overlap a group is one slot; without, one group holds every
+//      host slot and d2h = h2d = current;
+//   3. on current: the device slots' AdamW (Ops::adamw; after everything the caller queued before, which
+//      is where a gradient cast or scale would run: hazard a);
+//   4. per host group, in order: the host waits on its d2h event, runs host AdamW (core/host_adam.h) on
+//      its slots, submits the H2D copies (f32 master -> model dtype, Ops::convert) on h2d, records the
+//      group's h2d event, and current waits on it (the h2d event, not the d2h one). Group k's host step
+//      runs while group k+1's D2H and group k-1's H2D are in flight.
 // Hazards of spec 3.7, each tested in tests/test_hybrid_optimizer.cpp:
 //   (a) the device step is ordered after the caller's stream (grad casts/scales there);
 //   (b) every slot, device or host, f32 or bf16, reads its gradient from the one grad tensor of the slot;
@@ -112,22 +114,28 @@ public:
     int64_t                 offloaded_numel() const;
     HybridSlotState         slot_state(int slot) const;
 
-    // Copies every slot's state out (call between steps).
+    // Copies every slot's state out (after the queued steps have run).
     HybridStateDict state_dict() const;
     // Restores it: masters, moments and the step; each slot's model values become its master in the
     // model's dtype, as after a step. Throws naming the slot when the sizes do not match.
     void            load_state_dict(const HybridStateDict & state);
     int                     num_host_groups() const { return static_cast<int>(groups_.size()); }
     const HybridOptions &   options() const { return options_; }
-    Stream &                h2d_stream() { return *h2d_; }   // tests delay it to prove the wait
-    Stream &                d2h_stream() { return *d2h_; }
+    // The side streams (tests delay them to prove the waits); they exist only when a slot is offloaded.
+    Stream &                h2d_stream();
+    Stream &                d2h_stream();
 
 private:
-    // f32 host memory: pinned (a tensor of the pinned host allocator) or pageable (owned here).
+    // Waits for the compute stream and the side streams (the host then reads or writes the state).
+    void synchronize() const;
+
+    // f32 host memory: pinned (a tensor of the pinned host allocator) or pageable (owned here, `tensor`
+    // a view of it).
     struct HostArray {
-        Tensor             pinned;     // (n)
-        std::vector<float> pageable;   // (n)
-        float *            data() { return pinned.defined() ? pinned.data<float>() : pageable.data(); }
+        Tensor             tensor;     // (n)
+        std::vector<float> pageable;   // (n), or empty when pinned
+        float *            data() { return tensor.data<float>(); }
+        Tensor             slice(int64_t offset, int64_t n) const { return tensor.slice(offset, {n}); }
     };
 
     struct SlotInfo {
@@ -147,7 +155,7 @@ private:
     Tensor                               dev_m_, dev_v_;   // (device elements) f32, optimizer pool
     HostArray                            host_master_, host_m_, host_v_;   // (host elements) f32
     HostArray                            host_grad_;    // (host elements) f32, the D2H copies land here
-    std::unique_ptr<Stream>              own_, d2h_, h2d_;
+    std::unique_ptr<Stream>              d2h_, h2d_;   // only with offloaded slots
     std::unique_ptr<Event>               start_;
     std::vector<std::unique_ptr<Event>>  d2h_events_, h2d_events_;   // per host group
     int64_t                              step_ = 0;

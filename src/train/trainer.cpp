@@ -1,6 +1,7 @@
 #include "train/trainer.h"
 
 #include "core/device.h"
+#include "ddp/finalize_grads.h"
 
 #include <chrono>
 #include <cmath>
@@ -60,56 +61,33 @@ std::string metrics_json(const IterationStats & s) {
     return j.dump();
 }
 
-Trainer::Trainer(const TrainOptions & options, model::GptModel & model, BatchSource & data,
-                 std::shared_ptr<comm::Communicator> dp_group, PipelineGroups pipeline)
-    : Trainer(options, std::vector<model::GptModel *>{&model}, data, std::move(dp_group), std::move(pipeline)) {}
+namespace {
 
-Trainer::Trainer(const TrainOptions & options, std::vector<model::GptModel *> chunks, BatchSource & data,
-                 std::shared_ptr<comm::Communicator> dp_group, PipelineGroups pipeline)
-    : options_(options), chunks_(std::move(chunks)), model_(*chunks_.at(0)), data_(data),
-      dp_group_(std::move(dp_group)), pipeline_(std::move(pipeline)) {
-    for (model::GptModel * chunk : chunks_) {
-        for (model::Parameter * p : chunk->parameters()) params_.push_back(p);
-    }
-    LOOM_CHECK(!pipeline_.pp || pipeline_.pp->size() == options_.pipeline_parallel_size,
-               "pipeline group of " << pipeline_.pp->size() << " ranks for --pipeline-model-parallel-size "
-                                    << options_.pipeline_parallel_size, "");
+std::unique_ptr<Setup> single_model_setup(const TrainOptions & options, model::GptModel & model,
+                                          std::shared_ptr<comm::Communicator> dp_group) {
+    parallel::ProcessGroups groups;
+    groups.dp = std::move(dp_group);
+    return std::make_unique<Setup>(setup(options, {&model}, groups));
+}
+
+}  // namespace
+
+Trainer::Trainer(const TrainOptions & options, model::GptModel & model, BatchSource & data,
+                 std::shared_ptr<comm::Communicator> dp_group)
+    : Trainer(options, single_model_setup(options, model, std::move(dp_group)), nullptr, data) {}
+
+Trainer::Trainer(const TrainOptions & options, Setup & setup, BatchSource & data)
+    : Trainer(options, nullptr, &setup, data) {}
+
+Trainer::Trainer(const TrainOptions & options, std::unique_ptr<Setup> owned, Setup * setup, BatchSource & data)
+    : options_(options), own_setup_(std::move(owned)), setup_(setup ? *setup : *own_setup_),
+      model_(*setup_.chunks.at(0)), data_(data), params_(setup_.parameters()) {
+    if (setup_.groups.pp && setup_.groups.pp->size() > 1) stages_ = setup_.groups.pp.get();
     // One executor for every layout: without a pipeline group it runs forward/backward per micro-batch.
-    executor_ = std::make_unique<pipeline::PipelineExecutor>(chunks_, pipeline_.pp,
+    executor_ = std::make_unique<pipeline::PipelineExecutor>(setup_.chunks, stages_ ? setup_.groups.pp : nullptr,
                                                              static_cast<int>(options_.num_microbatches()),
                                                              static_cast<int>(options_.microbatch_group_size));
-    if (dp_group_) {
-        LOOM_CHECK(dp_group_->size() == options_.data_parallel_size,
-                   "data-parallel group of " << dp_group_->size() << " ranks for options resolved for "
-                                             << options_.data_parallel_size, "");
-        ddp_ = std::make_unique<ddp::DistributedDataParallel>(params_, options_.ddp, dp_group_, model_.device());
-        grad_ready_ = ddp_->grad_ready();
-        if (options_.ddp.overlap_param_gather) {
-            ddp::DistributedDataParallel * d = ddp_.get();
-            for (model::GptModel * chunk : chunks_) {
-                chunk->set_pre_forward_hook([d](const std::vector<model::Parameter *> & ps) { d->ensure_params_ready(ps); });
-            }
-        }
-    } else {
-        LOOM_CHECK(!options_.ddp.use_distributed_optimizer && !options_.ddp.overlap_grad_reduce,
-                   "the data-parallel options need a data-parallel group", "");
-    }
-    if (options_.ddp.use_distributed_optimizer) {
-        std::optional<optim::HybridOptions> offload;
-        if (options_.optimizer_cpu_offload) offload = options_.offload;
-        dist_optimizer_ = std::make_unique<optim::DistributedOptimizer>(*ddp_, options_.adam, offload);
-    } else if (options_.optimizer_cpu_offload) {
-        // AdamW replaced by the hybrid optimizer over whole parameters.
-        std::vector<optim::HybridSlot> slots;
-        for (model::Parameter * p : params_) {
-            slots.push_back(optim::HybridSlot{p->data.flatten(), p->main_grad.flatten(),
-                                              p->no_weight_decay ? 0.0f : options_.adam.weight_decay});
-        }
-        hybrid_ = std::make_unique<optim::HybridDeviceOptimizer>(model_.device(), std::move(slots), options_.adam,
-                                                                 options_.offload);
-    } else {
-        optimizer_ = std::make_unique<optim::AdamW>(params_, options_.adam);
-    }
+    if (setup_.ddp) grad_ready_ = setup_.ddp->grad_ready();
     schedule_.max_lr       = options.adam.lr;
     schedule_.min_lr       = options.min_lr;
     schedule_.warmup_iters = options.lr_warmup_iters;
@@ -118,108 +96,70 @@ Trainer::Trainer(const TrainOptions & options, std::vector<model::GptModel *> ch
 }
 
 Trainer::~Trainer() {
-    for (model::GptModel * chunk : chunks_) chunk->set_pre_forward_hook(nullptr);
-    if (ddp_) {
-        try {
-            ddp_->finish_param_sync();   // leave the model's weights whole for whoever uses it next
-        } catch (...) {
-        }
+    // Whoever reads the model next sees it whole (a lazy parameter all-gather finished) and stepped.
+    try {
+        if (setup_.ddp) setup_.ddp->finish_param_sync();
+        model_.device().compute_stream().synchronize();
+    } catch (...) {
     }
 }
 
 double Trainer::step(IterationStats & stats) {
     ++iteration_;
-    int64_t microbatches = options_.num_microbatches();
-    if (ddp_) {
-        ddp_->zero_grad_buffer();
+    int64_t                        microbatches = options_.num_microbatches();
+    ddp::DistributedDataParallel * d            = setup_.ddp.get();
+    if (d) {
+        d->zero_grad_buffer();
     } else {
-        for (model::GptModel * chunk : chunks_) chunk->zero_grad();
+        for (model::GptModel * chunk : setup_.chunks) chunk->zero_grad();
     }
-    const bool timed = pipeline_.pp && !options_.timeline_file.empty() && iteration_ == options_.train_iters;
-    if (timed) pipeline_.pp->barrier()->wait();   // the stages start the timed iteration together
-    ddp::DistributedDataParallel *     d = ddp_.get();
+    const bool timed = stages_ && !options_.timeline_file.empty() && iteration_ == options_.train_iters;
+    if (timed) stages_->barrier()->wait();   // the stages start the timed iteration together
     pipeline::PipelineExecutor::Result r =
         executor_->run([this] { return data_.next(); }, grad_ready_,
                        d ? std::function<void(bool)>([d](bool last) { d->set_last_microbatch(last); }) : nullptr);
     peak_in_flight_ = std::max(peak_in_flight_, r.peak_in_flight);
+    const comm::Communicator * dp = setup_.groups.dp.get();
     if (timed) {
-        pipeline::Timeline timeline = pipeline::PipelineExecutor::gather_timeline(r, *pipeline_.pp, executor_->options(),
+        pipeline::Timeline timeline = pipeline::PipelineExecutor::gather_timeline(r, *stages_, executor_->options(),
                                                                                   model_.device());
-        if (pipeline_.pp->rank() == 0 && (!dp_group_ || dp_group_->rank() == 0)) {
+        if (stages_->rank() == 0 && (!dp || dp->rank() == 0)) {
             pipeline::write_file_atomically(options_.timeline_file, pipeline::timeline_svg(timeline));
         }
     }
     double loss_total = 0;   // sum of the micro-batches' mean losses (last stage)
     for (size_t k = 0; k < r.losses.size(); ++k) {
         LOOM_CHECK(!options_.ddp.check_for_nan_in_grad || std::isfinite(r.losses[k].sum),
-                   "rank " << (dp_group_ ? dp_group_->global_ranks()[dp_group_->rank()] : 0) << ": lm loss is "
-                           << r.losses[k].sum << " in micro-batch " << k << " of iteration " << iteration_,
+                   "rank " << (dp ? dp->global_ranks()[dp->rank()] : 0) << ": lm loss is " << r.losses[k].sum
+                           << " in micro-batch " << k << " of iteration " << iteration_,
                    "--check-for-nan-in-loss-and-grad stops here; lower --lr or check the data");
         loss_total += r.losses[k].mean();
     }
     consumed_ += options_.global_batch_size;
-    if (ddp_) ddp_->finish_grad_sync();
-    // The tied word embedding (the first rank's first chunk, and its copy in the last rank's last chunk):
-    // the first stage's embedding gradient plus the last stage's output-layer gradient, on both. After the
-    // data-parallel reduction: with the distributed optimizer both stages hold the same owned range, the
-    // embedding being alone in its bucket on each.
-    model::Parameter * wte = nullptr;
-    for (model::GptModel * chunk : chunks_) {
-        const model::PipelineStage & part = chunk->stage();
-        if ((part.pre_process || part.post_process) && chunk->word_embedding()) wte = chunk->word_embedding();
-    }
-    if (pipeline_.embedding && pipeline_.embedding->size() > 1 && wte && wte->shared_embedding) {
-        pipeline_.embedding->all_reduce(wte->main_grad, comm::ReduceOp::sum)->wait();
-    }
-    // Sequence parallelism: norms and row-parallel biases saw this rank's rows only; sum over TP (the whole
-    // main_grad: with ZeRO-1 the TP ranks' layouts are the same, so the owned ranges match).
-    if (pipeline_.tp && pipeline_.tp->size() > 1) {
-        for (model::Parameter * p : params_) {
-            if (p->sequence_parallel) pipeline_.tp->all_reduce(p->main_grad, comm::ReduceOp::sum)->wait();
-        }
-    }
-    comm::Communicator * stages = pipeline_.pp && pipeline_.pp->size() > 1 ? pipeline_.pp.get() : nullptr;
-    comm::Communicator * norm_group = pipeline_.model_parallel && pipeline_.model_parallel->size() > 1
-                                          ? pipeline_.model_parallel.get()
-                                          : stages;
-    float  lr = schedule_.lr_at(iteration_);
-    double norm;
-    if (dist_optimizer_) {
-        optim::DistributedOptimizer::StepResult r = dist_optimizer_->step(lr, options_.clip_grad, norm_group);
-        norm = r.grad_norm;
-        if (!r.stepped) ++nan_iterations_;
-    } else {
-        norm = norm_group ? optim::clip_grad_norm(params_, options_.clip_grad, *norm_group)
-                          : optim::clip_grad_norm(params_, options_.clip_grad);
-        if (std::isfinite(norm)) {
-            if (hybrid_) {
-                hybrid_->step(lr);
-            } else {
-                optimizer_->step(lr);
-            }
-        } else {
-            ++nan_iterations_;
-        }
-    }
+    ddp::finalize_grads(d, params_, ddp::FinalizeGroups{setup_.groups.embedding.get(), setup_.groups.tp.get()},
+                        model_.device());
+    const float             lr     = schedule_.lr_at(iteration_);
+    const optim::StepResult result = setup_.optimizer->step(lr);
+    if (!result.stepped) ++nan_iterations_;
     double loss = loss_total / static_cast<double>(microbatches);
-    if (stages) {   // only the last stage computed the loss
+    if (stages_) {   // only the last stage computed the loss
         Tensor value = Tensor::empty({1}, DType::f32, model_.device());
         value.data<float>()[0] = static_cast<float>(loss);
-        stages->broadcast(value, stages->size() - 1)->wait();
+        stages_->broadcast(value, stages_->size() - 1)->wait();
         loss = value.data<float>()[0];
     }
-    if (dp_group_ && dp_group_->size() > 1) {
+    if (dp && dp->size() > 1) {
         Tensor mean = Tensor::empty({1}, DType::f32, model_.device());
         mean.data<float>()[0] = static_cast<float>(loss);
-        dp_group_->all_reduce(mean, comm::ReduceOp::avg)->wait();
+        setup_.groups.dp->all_reduce(mean, comm::ReduceOp::avg)->wait();
         loss = mean.data<float>()[0];
     }
-    stats.iteration        = iteration_;
-    stats.consumed_samples = consumed_;
-    stats.learning_rate    = lr;
-    stats.global_batch_size = options_.global_batch_size;
-    stats.grad_norm        = norm;
-    stats.nan_iterations   = nan_iterations_;
+    stats.iteration          = iteration_;
+    stats.consumed_samples   = consumed_;
+    stats.learning_rate      = lr;
+    stats.global_batch_size  = options_.global_batch_size;
+    stats.grad_norm          = result.grad_norm;
+    stats.nan_iterations     = nan_iterations_;
     stats.skipped_iterations = nan_iterations_;
     return loss;
 }
@@ -275,6 +215,7 @@ TrainSummary Trainer::run(FILE * out) {
             std::fflush(out);
         }
     }
+    model_.device().compute_stream().synchronize();   // the last step's update is part of the run
     summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     double tokens   = static_cast<double>(options_.train_iters * options_.global_batch_size * model_.config().seq_length);
     summary.tokens_per_second = tokens / summary.seconds;

@@ -1,4 +1,5 @@
-// The training loop of one rank: micro-batches -> forward/backward -> clip -> AdamW -> log.
+// The training loop of one rank: micro-batches -> forward/backward -> finalize gradients -> optimizer
+// step (norm, clip, AdamW) -> log. What it trains comes from train/setup.h.
 //
 // Per iteration (Megatron's semantics): the global batch is split into num_microbatches micro-batches;
 // each micro-batch's loss is its masked mean, the iteration's "lm loss" is the mean over micro-batches,
@@ -11,18 +12,14 @@
 // reduces them over the group, under Megatron's no_sync for all but the last micro-batch; the optimizer is
 // AdamW on the replicated gradients, or the distributed optimizer on this rank's shard
 // (--use-distributed-optimizer). The logged loss is the mean over the data-parallel ranks.
-// --optimizer-cpu-offload steps part of the optimizer on the host (optim/hybrid_optimizer.h): in place of
-// AdamW over whole parameters, or inside the distributed optimizer over this rank's shard pieces.
+// --optimizer-cpu-offload steps part of the optimizer on the host (optim/hybrid_optimizer.h), for the
+// whole parameters of AdamW or the shard pieces of the distributed optimizer.
 #pragma once
 
 #include "comm/communicator.h"
-#include "ddp/ddp.h"
-#include "model/gpt_model.h"
-#include "optim/adamw.h"
-#include "optim/distributed_optimizer.h"
-#include "optim/hybrid_optimizer.h"
 #include "pipeline/executor.h"
 #include "train/options.h"
+#include "train/setup.h"
 
 #include <cstdio>
 #include <functional>
@@ -64,32 +61,19 @@ struct TrainSummary {
     double              seconds           = 0;
 };
 
-// The model-parallel groups of a run: the pipeline stages in order (null without pipelining), the first and
-// last stage's embedding group (null on middle stages) over which the tied word embedding's gradient is
-// summed, and the TP x PP group of the gradient norm.
-struct PipelineGroups {
-    std::shared_ptr<comm::Communicator> pp;
-    std::shared_ptr<comm::Communicator> embedding;
-    // With tensor parallelism: the TP x PP group the gradient norm sums over (null: pp alone).
-    std::shared_ptr<comm::Communicator> model_parallel;
-    // With sequence parallelism: the TP group over which the sequence_parallel parameters' gradients are
-    // summed.
-    std::shared_ptr<comm::Communicator> tp;
-};
-
 class Trainer {
 public:
-    // dp_group null: one rank, no DDP buffers (the reference every parallel run is checked against).
-    // pipeline.pp given: `model` is this rank's stage, run by the 1F1B executor (pipeline/executor.h).
+    // Trains what `setup` built (train/setup.h), which outlives the trainer.
+    Trainer(const TrainOptions & options, Setup & setup, BatchSource & data);
+    // One rank's single model (dp_group null: no DDP buffers, the reference every parallel run is checked
+    // against; else DDP over dp_group): the trainer builds and owns the setup over it.
     Trainer(const TrainOptions & options, model::GptModel & model, BatchSource & data,
-            std::shared_ptr<comm::Communicator> dp_group = nullptr, PipelineGroups pipeline = {});
-    // Interleaved pipeline: this rank's model chunks (virtual stages c * pp + rank), in chunk order.
-    Trainer(const TrainOptions & options, std::vector<model::GptModel *> chunks, BatchSource & data,
-            std::shared_ptr<comm::Communicator> dp_group, PipelineGroups pipeline);
+            std::shared_ptr<comm::Communicator> dp_group = nullptr);
     ~Trainer();
 
-    // The DDP wrapper (null without a dp_group).
-    ddp::DistributedDataParallel * ddp() { return ddp_.get(); }
+    // The DDP wrapper (null without a data-parallel group).
+    ddp::DistributedDataParallel * ddp() { return setup_.ddp.get(); }
+    optim::Optimizer &             optimizer() { return *setup_.optimizer; }
     // The most activation contexts the pipeline executor held at once (0 without pipelining).
     int peak_in_flight() const { return peak_in_flight_; }
 
@@ -99,24 +83,22 @@ public:
     double step(IterationStats & stats);
 
 private:
-    const TrainOptions &            options_;
-    std::vector<model::GptModel *>  chunks_;
-    model::GptModel &               model_;   // chunks_[0]
-    BatchSource &                   data_;
-    std::vector<model::Parameter *> params_;
-    std::shared_ptr<comm::Communicator>           dp_group_;
-    std::unique_ptr<ddp::DistributedDataParallel> ddp_;
-    model::GradReadyFn                            grad_ready_;
-    std::unique_ptr<optim::AdamW>                 optimizer_;       // replicated AdamW
-    std::unique_ptr<optim::DistributedOptimizer>  dist_optimizer_;  // --use-distributed-optimizer
-    std::unique_ptr<optim::HybridDeviceOptimizer> hybrid_;          // --optimizer-cpu-offload, replicated
-    PipelineGroups                                pipeline_;
-    std::unique_ptr<pipeline::PipelineExecutor>   executor_;   // every layout, one stage included
-    int                                           peak_in_flight_ = 0;
-    optim::LrSchedule               schedule_;
-    int64_t                         iteration_ = 0;
-    int64_t                         consumed_  = 0;
-    int64_t                         nan_iterations_ = 0;
+    Trainer(const TrainOptions & options, std::unique_ptr<Setup> owned, Setup * setup, BatchSource & data);
+
+    const TrainOptions &                        options_;
+    std::unique_ptr<Setup>                      own_setup_;   // the single-model constructor's
+    Setup &                                     setup_;
+    model::GptModel &                           model_;   // the first chunk
+    BatchSource &                               data_;
+    std::vector<model::Parameter *>             params_;
+    model::GradReadyFn                          grad_ready_;
+    comm::Communicator *                        stages_ = nullptr;   // the pipeline group, with more than one stage
+    std::unique_ptr<pipeline::PipelineExecutor> executor_;   // every layout, one stage included
+    int                                         peak_in_flight_ = 0;
+    optim::LrSchedule                           schedule_;
+    int64_t                                     iteration_ = 0;
+    int64_t                                     consumed_  = 0;
+    int64_t                                     nan_iterations_ = 0;
 };
 
 }  // namespace loom::train

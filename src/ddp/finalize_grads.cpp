@@ -1,0 +1,21 @@
+#include "ddp/finalize_grads.h"
+
+namespace loom::ddp {
+
+void finalize_grads(DistributedDataParallel * ddp, const std::vector<model::Parameter *> & params,
+                    const FinalizeGroups & groups, Device & device) {
+    if (ddp) ddp->finish_grad_sync();
+    Stream & stream = device.compute_stream();
+    if (groups.embedding && groups.embedding->size() > 1) {
+        for (model::Parameter * p : params) {
+            if (p->shared_embedding) groups.embedding->all_reduce(p->main_grad, comm::ReduceOp::sum, &stream);
+        }
+    }
+    if (groups.tp && groups.tp->size() > 1) {
+        for (model::Parameter * p : params) {
+            if (p->sequence_parallel) groups.tp->all_reduce(p->main_grad, comm::ReduceOp::sum, &stream);
+        }
+    }
+}
+
+}  // namespace loom::ddp

@@ -1,0 +1,102 @@
+#include "optim/optimizer.h"
+
+#include "core/error.h"
+#include "core/ops.h"
+
+#include <cmath>
+
+namespace loom::optim {
+
+std::vector<GradView> grad_views(const std::vector<model::Parameter *> & params) {
+    std::vector<GradView> views;
+    views.reserve(params.size());
+    for (model::Parameter * p : params) views.push_back(GradView{p->main_grad.flatten(), !p->shared && !p->tp_duplicate});
+    return views;
+}
+
+namespace {
+
+// grad_norm on `device` (a rank that owns no piece still takes part in the group sums).
+double norm_on(Device & device, const std::vector<GradView> & views, const NormGroups & groups) {
+    Stream & stream = device.compute_stream();
+    // One (hi, lo) pair per counted view, summed by the host in view order: the same bits at any thread
+    // count, and no reduction of partial sums on the device.
+    int64_t counted = 0;
+    for (const GradView & v : views) counted += v.counted ? 1 : 0;
+    Tensor  sums = Tensor::zeros({2 * std::max<int64_t>(counted, 1)}, DType::f32, device);
+    int64_t k    = 0;
+    for (const GradView & v : views) {
+        if (v.counted) device.ops().sum_of_squares(stream, v.grad, sums.slice(2 * k++, {2}));
+    }
+    stream.synchronize();
+    double local = 0;
+    for (int64_t i = 0; i < counted; ++i) {
+        local += static_cast<double>(sums.data<float>()[2 * i]) + static_cast<double>(sums.data<float>()[2 * i + 1]);
+    }
+    if (groups.shard) local = group_sum(local, *groups.shard, device);
+    if (groups.model_parallel) local = group_sum(local, *groups.model_parallel, device);
+    return std::sqrt(local);
+}
+
+}  // namespace
+
+double grad_norm(const std::vector<GradView> & views, const NormGroups & groups) {
+    LOOM_CHECK(!views.empty(), "the gradient norm of no gradients", "");
+    return norm_on(views.front().grad.device(), views, groups);
+}
+
+void scale_grads(const std::vector<GradView> & views, float factor) {
+    for (const GradView & v : views) {
+        Device & device = v.grad.device();
+        device.ops().scale(device.compute_stream(), v.grad, factor);
+    }
+}
+
+double clip_grad_norm(const std::vector<GradView> & views, float max_norm, const NormGroups & groups) {
+    const double norm  = grad_norm(views, groups);
+    const float  coeff = clip_coefficient(norm, max_norm);
+    if (coeff != 1.0f) scale_grads(views, coeff);
+    return norm;
+}
+
+Optimizer::Optimizer(std::vector<model::Parameter *> params, const OptimizerOptions & options, NormGroups groups)
+    : params_(std::move(params)), options_(options), groups_(groups) {
+    LOOM_CHECK(!params_.empty(), "an optimizer over no parameters", "");
+}
+
+void Optimizer::init(std::vector<HybridSlot> slots, std::vector<int> slot_params, std::vector<GradView> views) {
+    slot_params_ = std::move(slot_params);
+    views_       = std::move(views);
+    HybridOptions offload;   // fraction 0: every slot's state in device memory, the plain step
+    if (options_.offload) offload = *options_.offload;
+    state_ = std::make_unique<HybridDeviceOptimizer>(params_.front()->data.device(), std::move(slots), options_.adam,
+                                                     offload);
+}
+
+StepResult Optimizer::step(float lr) {
+    StepResult result;
+    result.grad_norm = norm_on(params_.front()->data.device(), views_, groups_);
+    if (!std::isfinite(result.grad_norm)) return result;
+    const float coeff = clip_coefficient(result.grad_norm, options_.clip_grad);
+    if (coeff != 1.0f) scale_grads(views_, coeff);
+    state_->step(lr, &params_.front()->data.device().compute_stream());
+    result.stepped = true;
+    after_step();
+    return result;
+}
+
+AdamW::AdamW(std::vector<model::Parameter *> params, const OptimizerOptions & options,
+             comm::Communicator * model_parallel)
+    : Optimizer(std::move(params), options, NormGroups{nullptr, model_parallel}) {
+    std::vector<HybridSlot> slots;
+    std::vector<int>        slot_params;
+    for (size_t i = 0; i < this->params().size(); ++i) {
+        model::Parameter * p = this->params()[i];
+        slots.push_back(HybridSlot{p->data.flatten(), p->main_grad.flatten(),
+                                   p->no_weight_decay ? 0.0f : options.adam.weight_decay});
+        slot_params.push_back(static_cast<int>(i));
+    }
+    init(std::move(slots), std::move(slot_params), grad_views(this->params()));
+}
+
+}  // namespace loom::optim

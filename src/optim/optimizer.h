@@ -1,0 +1,111 @@
+// Optimizer: the one interface the trainer steps, `step(lr) -> {grad_norm, stepped}`, and the one gradient
+// norm and clip it runs (Megatron's MegatronOptimizer.step: norm, skip on non-finite, clip, update).
+//
+// Every optimizer here is AdamW over a list of slots held by one HybridDeviceOptimizer
+// (optim/hybrid_optimizer.h): a slot is a window of model values with its f32 gradient and weight decay,
+// and the Adam state (f32 master, m, v, one step counter) is kept per slot. With offload fraction 0 (no
+// --optimizer-cpu-offload) every slot's state is device memory and the step is the plain AdamW step.
+//   AdamW                 the slots are whole parameters (replicated gradients: one rank, or DDP's
+//                         all-reduce);
+//   DistributedOptimizer  the slots are this data-parallel rank's shard pieces of DDP's buffers (ZeRO-1,
+//                         optim/distributed_optimizer.h), and the step ends with DDP's parameter all-gather.
+//
+// The step, on the device's compute stream (the host sees the updated values once it synchronizes it):
+//   1. norm = sqrt of the sum of squares of the counted gradient views: each view's sum on the stream
+//      (Ops::sum_of_squares), read by the host in view order in double, then summed over the `shard`
+//      group (ZeRO-1: every element is owned by one rank) and the `model_parallel` group (TP x PP ranks),
+//      each as an exact double sum (group_sum). Copies are left out of the count: the tied embedding's
+//      copy on the last pipeline stage (`shared`) and TP-replicated parameters on TP ranks other than 0
+//      (`tp_duplicate`);
+//   2. a non-finite norm skips the update (stepped = false; Megatron's nan iteration);
+//   3. clip: when clip_grad > 0 and norm > clip_grad, every view is scaled by clip_grad / (norm + 1e-6);
+//   4. AdamW with lr on every slot (weight decay per slot: 0 for biases and norms);
+//   5. the subclass's after-step (the distributed optimizer's parameter all-gather).
+#pragma once
+
+#include "comm/communicator.h"
+#include "model/parameter.h"
+#include "optim/adamw.h"
+#include "optim/hybrid_optimizer.h"
+
+#include <memory>
+#include <optional>
+#include <vector>
+
+namespace loom::optim {
+
+// A gradient the norm reads and clipping scales.
+struct GradView {
+    Tensor grad;             // f32
+    bool   counted = true;   // adds to the norm (false: a copy another rank or stage counts)
+};
+
+// The groups the squares are summed over after this rank's own (null: none).
+struct NormGroups {
+    comm::Communicator * shard          = nullptr;   // ZeRO-1's data-parallel group
+    comm::Communicator * model_parallel = nullptr;   // the TP x PP ranks
+};
+
+// Whole main_grads, counted unless shared or tp_duplicate.
+std::vector<GradView> grad_views(const std::vector<model::Parameter *> & params);
+// sqrt of the sum of squares of the counted views over the groups (the host waits for the compute stream).
+double grad_norm(const std::vector<GradView> & views, const NormGroups & groups = {});
+// Scales every view by `factor` on the compute stream.
+void   scale_grads(const std::vector<GradView> & views, float factor);
+// grad_norm, then the scale of step 3 when the norm is finite; returns the norm before clipping.
+double clip_grad_norm(const std::vector<GradView> & views, float max_norm, const NormGroups & groups = {});
+
+struct OptimizerOptions {
+    AdamWConfig                  adam;
+    float                        clip_grad = 0.0f;   // --clip-grad (0: off)
+    std::optional<HybridOptions> offload;            // --optimizer-cpu-offload
+};
+
+struct StepResult {
+    double grad_norm = 0;      // before clipping
+    bool   stepped   = false;  // false: non-finite norm, parameters unchanged
+};
+
+class Optimizer {
+public:
+    virtual ~Optimizer() = default;
+    Optimizer(const Optimizer &) = delete;
+    Optimizer & operator=(const Optimizer &) = delete;
+
+    // Steps 1-5 above.
+    StepResult step(float lr);
+
+    int64_t                 steps() const { return state_->steps(); }
+    const OptimizerOptions & options() const { return options_; }
+    // The slot-based Adam state (what a checkpoint saves) and, per slot, the index of its parameter in
+    // params() (a parameter may own several slots: one per bucket its shard range touches).
+    HybridDeviceOptimizer &                 state() { return *state_; }
+    const std::vector<int> &                slot_params() const { return slot_params_; }
+    const std::vector<model::Parameter *> & params() const { return params_; }
+
+protected:
+    Optimizer(std::vector<model::Parameter *> params, const OptimizerOptions & options, NormGroups groups);
+    // Builds the state over `slots` (slot_params[i]: the parameter of slot i) and the views the norm reads.
+    void         init(std::vector<HybridSlot> slots, std::vector<int> slot_params, std::vector<GradView> views);
+    virtual void after_step() {}
+
+private:
+    std::vector<model::Parameter *>        params_;
+    OptimizerOptions                       options_;
+    NormGroups                             groups_;
+    std::vector<GradView>                  views_;
+    std::vector<int>                       slot_params_;
+    std::unique_ptr<HybridDeviceOptimizer> state_;
+};
+
+// AdamW over whole parameters.
+class AdamW final : public Optimizer {
+public:
+    // model_parallel: the TP x PP group the norm sums over (null: none).
+    AdamW(std::vector<model::Parameter *> params, const OptimizerOptions & options,
+          comm::Communicator * model_parallel = nullptr);
+    AdamW(std::vector<model::Parameter *> params, const AdamWConfig & config)
+        : AdamW(std::move(params), OptimizerOptions{config, 0.0f, std::nullopt}) {}
+};
+
+}  // namespace loom::optim

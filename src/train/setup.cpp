@@ -1,0 +1,115 @@
+#include "train/setup.h"
+
+#include "core/error.h"
+#include "model/hf_gpt2.h"
+#include "optim/distributed_optimizer.h"
+#include "pipeline/layer_assignment.h"
+
+namespace loom::train {
+
+namespace {
+
+int size_of(const std::shared_ptr<comm::Communicator> & group) { return group ? group->size() : 1; }
+
+}  // namespace
+
+std::vector<model::PipelineStage> pipeline_stages(const TrainOptions & options, int stage) {
+    const int pp = static_cast<int>(options.pipeline_parallel_size);
+    LOOM_CHECK(stage >= 0 && stage < pp, "pipeline stage " << stage << " of --pipeline-model-parallel-size " << pp, "");
+    if (pp == 1) return {model::PipelineStage{}};
+    const pipeline::LayerAssignment   layout = pipeline::assign_layers(options.layer_split());
+    std::vector<model::PipelineStage> stages;
+    for (int c = 0; c < layout.num_chunks; ++c) {
+        const pipeline::LayerRange layers = layout.at(stage, c);
+        const int                  v      = c * pp + stage;   // virtual stage
+        stages.push_back(model::PipelineStage{layers.begin, layers.size(), v == 0, v == pp * layout.num_chunks - 1});
+    }
+    return stages;
+}
+
+Setup::~Setup() {
+    for (model::GptModel * chunk : chunks) chunk->set_pre_forward_hook(nullptr);
+    if (ddp) {
+        try {
+            ddp->finish_param_sync();   // leave the model's weights whole for whoever uses it next
+        } catch (...) {
+        }
+    }
+}
+
+std::vector<model::Parameter *> Setup::parameters() const {
+    std::vector<model::Parameter *> params;
+    for (model::GptModel * chunk : chunks) {
+        for (model::Parameter * p : chunk->parameters()) params.push_back(p);
+    }
+    return params;
+}
+
+Setup setup(const TrainOptions & options, const parallel::ProcessGroups & groups, Device & device) {
+    LOOM_CHECK(size_of(groups.pp) == options.pipeline_parallel_size,
+               "pipeline group of " << size_of(groups.pp) << " ranks for --pipeline-model-parallel-size "
+                                    << options.pipeline_parallel_size, "");
+    LOOM_CHECK(size_of(groups.tp) == options.tensor_parallel_size,
+               "tensor-parallel group of " << size_of(groups.tp) << " ranks for --tensor-model-parallel-size "
+                                           << options.tensor_parallel_size, "");
+    options.model.validate();
+    model::TensorParallel tensor;
+    if (size_of(groups.tp) > 1) {
+        tensor = model::TensorParallel{groups.tp, groups.tp->rank(), groups.tp->size(), options.sequence_parallel};
+    }
+    std::vector<std::unique_ptr<model::GptModel>> owned;
+    std::vector<model::GptModel *>                chunks;
+    for (const model::PipelineStage & part : pipeline_stages(options, groups.pp ? groups.pp->rank() : 0)) {
+        owned.push_back(std::make_unique<model::GptModel>(options.model, device, part, tensor));
+        owned.back()->init();
+        chunks.push_back(owned.back().get());
+    }
+    if (!options.load_hf.empty()) {
+        // options.resolve() refused --load-hf with TP or PP, and checked the shape against config.json.
+        model::load_hf_gpt2(*chunks.front(), options.load_hf);
+    }
+    Setup s = setup(options, std::move(chunks), groups);
+    s.owned_chunks = std::move(owned);
+    return s;
+}
+
+Setup setup(const TrainOptions & options, std::vector<model::GptModel *> chunks, const parallel::ProcessGroups & groups) {
+    LOOM_CHECK(!chunks.empty(), "a rank with no model chunks", "");
+    LOOM_CHECK(size_of(groups.pp) == options.pipeline_parallel_size,
+               "pipeline group of " << size_of(groups.pp) << " ranks for --pipeline-model-parallel-size "
+                                    << options.pipeline_parallel_size, "");
+    Setup s;
+    s.chunks = std::move(chunks);
+    s.groups = groups;
+    Device &                        device = s.chunks.front()->device();
+    std::vector<model::Parameter *> params = s.parameters();
+    if (groups.dp) {
+        LOOM_CHECK(groups.dp->size() == options.data_parallel_size,
+                   "data-parallel group of " << groups.dp->size() << " ranks for options resolved for "
+                                             << options.data_parallel_size, "");
+        s.ddp = std::make_unique<ddp::DistributedDataParallel>(params, options.ddp, groups.dp, device);
+        if (options.ddp.overlap_param_gather) {
+            ddp::DistributedDataParallel * d = s.ddp.get();
+            for (model::GptModel * chunk : s.chunks) {
+                chunk->set_pre_forward_hook([d](const std::vector<model::Parameter *> & ps) { d->ensure_params_ready(ps); });
+            }
+        }
+    } else {
+        LOOM_CHECK(!options.ddp.use_distributed_optimizer && !options.ddp.overlap_grad_reduce,
+                   "the data-parallel options need a data-parallel group", "");
+    }
+    optim::OptimizerOptions optimizer{options.adam, options.clip_grad, std::nullopt};
+    if (options.optimizer_cpu_offload) optimizer.offload = options.offload;
+    // The norm sums over the model-parallel ranks: TP x PP (tp_pp), or the stages alone.
+    comm::Communicator * model_parallel = size_of(groups.tp_pp) > 1 ? groups.tp_pp.get()
+                                          : size_of(groups.pp) > 1  ? groups.pp.get()
+                                                                    : nullptr;
+    if (options.ddp.use_distributed_optimizer) {
+        s.optimizer = std::make_unique<optim::DistributedOptimizer>(*s.ddp, optimizer, model_parallel);
+    } else {
+        s.optimizer = std::make_unique<optim::AdamW>(params, optimizer, model_parallel);
+    }
+    return s;
+}
+
+}  // namespace loom::train

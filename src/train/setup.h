@@ -1,0 +1,54 @@
+// setup: what one rank trains, built from the options and its process groups in one place (Megatron's
+// setup_model_and_optimizer): the model chunks of its pipeline stage, DDP over their parameters, and the
+// optimizer. `loom train` and every parallel test build a rank through here.
+//
+//   groups.dp         null: one rank without DDP's buffers (the reference run); else DDP over it
+//   groups.pp         with more than one rank: this rank's chunks are its pipeline stage's virtual stages
+//   groups.tp         with more than one rank: tensor-parallel layers (and --sequence-parallel)
+//   groups.tp_pp      the TP x PP ranks the gradient norm sums over
+//   groups.embedding  the first and last stages, over which the tied word embedding's gradient is summed
+// A default-constructed ProcessGroups is a single process.
+#pragma once
+
+#include "ddp/ddp.h"
+#include "model/gpt_model.h"
+#include "optim/optimizer.h"
+#include "parallel/process_groups.h"
+#include "train/options.h"
+
+#include <memory>
+#include <vector>
+
+namespace loom::train {
+
+// The model chunks of pipeline rank `stage`, in chunk order: chunk c is virtual stage v = c * pp + stage,
+// with the layers assign_layers gives it; the first virtual stage embeds, the last computes the loss.
+// Without pipelining: one chunk with every layer.
+std::vector<model::PipelineStage> pipeline_stages(const TrainOptions & options, int stage);
+
+class Setup {
+public:
+    Setup() = default;
+    Setup(Setup &&) = default;
+    Setup & operator=(Setup &&) = delete;
+    // Leaves the model whole (finishes a lazy parameter all-gather) and removes the hooks into DDP.
+    ~Setup();
+
+    std::vector<model::GptModel *>                chunks;        // this rank's chunks, in chunk order
+    std::vector<std::unique_ptr<model::GptModel>> owned_chunks;  // those setup() built
+    parallel::ProcessGroups                       groups;
+    std::unique_ptr<ddp::DistributedDataParallel> ddp;           // null without a data-parallel group
+    std::unique_ptr<optim::Optimizer>             optimizer;
+
+    // Every parameter of every chunk, in chunk order.
+    std::vector<model::Parameter *> parameters() const;
+};
+
+// Builds this rank's chunks (initialised from --seed, then --load-hf if given) and everything over them.
+// Checks the groups against the options first (no collective has run with a wrong size).
+Setup setup(const TrainOptions & options, const parallel::ProcessGroups & groups, Device & device);
+// The same over chunks the caller built and owns (tests that inspect a model they made).
+Setup setup(const TrainOptions & options, std::vector<model::GptModel *> chunks,
+            const parallel::ProcessGroups & groups);
+
+}  // namespace loom::train
