@@ -1,25 +1,91 @@
 // Backend ops, op by op, against a plain double-precision reference on the host (ggml's test-backend-ops
-// in spirit). Run it at every dispatch level: `.ci/run` repeats the suite with ONEDNN_MAX_CPU_ISA=AVX2 and
-// LOOM_MAX_CPU_ISA=avx2, which takes the widened bf16 GEMM and the AVX2 kernels on any CPU.
+// in spirit). Every op of core/ops.h is called through the interface, cpu::device().ops(), on the compute
+// stream, and read back after stream.synchronize(); the references are the straightforward loops below, in
+// double, never the backend's kernels. Run it at every dispatch level: `.ci/run` (and `make test-avx2`)
+// repeats the suite with ONEDNN_MAX_CPU_ISA=AVX2 and LOOM_MAX_CPU_ISA=avx2, which takes the widened bf16
+// GEMM and the AVX2 kernels on any CPU.
 //
-// Tolerances: f32 GEMMs 1e-5 relative to the sum of |products| (f32 accumulation over k <= 512 terms);
-// bf16 GEMMs the same once the operands are rounded to bf16 (products of bf16 values are exact in f32);
-// the widened bf16 path is bitwise the f32 GEMM of the widened operands.
+// Tolerances, per op family. "rel(f)" is |got - ref| / max(|ref|, f); "mag" is |got - ref| over the sum of
+// the magnitudes of the terms the result adds up (the scale of a reduction's rounding error); "max" is
+// |got - ref| over the largest |ref| of the tensor; "exact" compares bits (or values, where the op is one
+// correctly rounded f32 operation that the reference computes exactly in double and rounds once).
+//   gemm (cpu::gemm and Ops::gemm)  1e-5 mag: f32 accumulation over k <= 512 terms; bf16 the same once the
+//                                   operands are read as bf16 values (products of bf16 values are exact in
+//                                   f32); the widened bf16 path is bitwise the f32 GEMM of the widened operands.
+//   layernorm / rmsnorm forward     y 1e-5 rel(1), mean 1e-5 rel(1), rstd 1e-5 rel; x += residual 2^-23 rel(0).
+//   layernorm / rmsnorm backward    dx 1e-5 rel(1); dgamma, dbeta 1e-5 mag (added into their old values).
+//   bias_add, add_inplace           2^-23 rel(0): one f32 addition.   bias_backward 1e-6 mag.
+//   bias_gelu_forward               y 2e-6 rel(1) (tanh through exp_approx, |error| < 2e-7 absolute);
+//                                   x += bias 2^-23 rel(0); x_bf16 exact (the nearest bf16, ties to even).
+//   gelu_backward                   1e-5 rel(1) on x in [-5, 5] (tanh's error times up to |x| du ~ 17).
+//   swiglu forward / backward       2e-6 rel(1) (sigmoid through exp_approx).
+//   rope                            1e-5 rel(1) against the double rotation (f32 angles up to 40 rad);
+//                                   inverse(forward(x)) = x within 1e-5 rel(1); other columns untouched.
+//   embedding_forward               2^-23 rel(0) (a lookup plus at most one f32 addition);
+//   embedding_backward              1e-6 mag;  vocab_shard_ids exact.
+//   attention forward               out 1e-5 max, lse 1e-5 rel(1).
+//   attention backward              dq, dk, dv 1e-5 max against the analytic gradient of the double
+//                                   reference (itself checked against central finite differences of the
+//                                   double reference forward, 1e-6 rel(1e-3)).
+//   cross_entropy forward           loss, lse 1e-5 rel(1); backward 1e-5 rel(1e-3), padding exactly 0.
+//   row_max, label_logit, loss_grad exact;  row_sum_exp 1e-6 rel;  lse_and_loss 1e-6 rel(1).
+//   convert, round_to_bf16          exact: the nearest value of the destination format (ties to even,
+//                                   +-inf beyond its range), computed here with std::nearbyint.
+//   copy, fill_zero, scale          exact (scale: one f32 multiplication, exact in double).
+//   sum_of_squares                  hi + lo within 1e-12 rel of the double sum, hi within 2^-23 of it, and
+//                                   the same bits at 1 and 2 threads (child processes, LOOM_NUM_THREADS).
+//   adamw (5 steps)                 p: |p - p_ref| <= k (2^-21 |p_ref| + 2^-20 lr) after k steps (host_adam.h's
+//                                   bound); m 1e-6 mag, v 1e-6 rel; out: bf16 = the nearest bf16 of p, f32 = p
+//                                   bitwise; master the same bits with bf16, f32 and no out.
+//   argument errors                 a wrong shape or dtype throws loom::Error on the calling thread and
+//                                   enqueues nothing (the stream then synchronizes cleanly).
+//   ids past the table              a token or label id >= the vocabulary is a loom::Error at the stream's
+//                                   next synchronize, before the kernel reads or writes a row.
+// LOOM_TEST_PRINT_ERRORS=1 prints every comparison's worst error next to its tolerance.
+#include "backend/cpu/cpu_device.h"
 #include "backend/cpu/gemm.h"
 #include "core/cpu_isa.h"
+#include "core/device.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/ops.h"
+#include "core/tensor.h"
+#include "core/thread_pool.h"
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cinttypes>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <iterator>
+#include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 using namespace loom;
 
 namespace {
+
+// ---- Tolerances (see the table above)
+constexpr double kGemmTol         = 1e-5;
+constexpr double kF32Add          = 0x1p-23;   // one f32 rounding (<= 2^-24 relative) of an exact result, x2
+constexpr double kNormTol         = 1e-5;
+constexpr double kReduceTol       = 1e-6;   // f32 sums over rows, relative to the sum of |terms|
+constexpr double kActivationTol   = 2e-6;
+constexpr double kGeluGradTol     = 1e-5;   // tanh's error times up to |x| du(x) ~ 17 at |x| = 5
+constexpr double kRopeTol         = 1e-5;
+constexpr double kAttentionTol    = 1e-5;
+constexpr double kAttentionBwTol  = 1e-5;
+constexpr double kCrossEntropyTol = 1e-5;
+constexpr double kSumOfSquaresTol = 1e-12;
 
 std::vector<float> random_values(size_t n, uint64_t seed) {
     std::mt19937_64                       rng(seed);
@@ -58,6 +124,186 @@ void reference_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const std
         }
     }
 }
+
+// ---- The device, its ops and its compute stream
+
+Device & dev() { return cpu::device(); }
+Ops &    ops() { return dev().ops(); }
+Stream & stream() { return dev().compute_stream(); }
+void     synchronize() { stream().synchronize(); }
+
+Tensor empty(const Shape & shape, DType dtype = DType::f32) { return Tensor::empty(shape, dtype, dev()); }
+
+// A fixed, portable generator (splitmix64): the same values with any standard library.
+struct Rng {
+    uint64_t state;
+    explicit Rng(uint64_t seed) : state(seed * 0x9e3779b97f4a7c15ull + 0x632be59bd9b4e019ull) {}
+    uint64_t next() {
+        uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+        z          = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z          = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        return z ^ (z >> 31);
+    }
+    double  unit() { return static_cast<double>(next() >> 11) * 0x1p-53; }   // [0, 1)
+    float   uniform(float lo, float hi) { return static_cast<float>(lo + (hi - lo) * unit()); }
+    int32_t below(int64_t n) { return static_cast<int32_t>(next() % static_cast<uint64_t>(n)); }
+};
+
+// f32 tensor of values uniform in [lo, hi).
+Tensor random_f32(const Shape & shape, uint64_t seed, float lo = -1.0f, float hi = 1.0f) {
+    Tensor  t = empty(shape);
+    Rng     rng(seed);
+    float * p = t.data<float>();
+    for (int64_t i = 0; i < t.numel(); ++i) p[i] = rng.uniform(lo, hi);
+    return t;
+}
+
+// The same values in `dtype` (f32, bf16 or f16: rounded there; the references read them back).
+Tensor random_tensor(const Shape & shape, DType dtype, uint64_t seed, float lo = -1.0f, float hi = 1.0f) {
+    Tensor f = random_f32(shape, seed, lo, hi);
+    if (dtype == DType::f32) return f;
+    Tensor t = empty(shape, dtype);
+    convert(f.data_ptr(), DType::f32, t.data_ptr(), dtype, static_cast<size_t>(f.numel()));
+    return t;
+}
+
+Tensor int_tensor(const Shape & shape, const std::vector<int32_t> & values) {
+    Tensor t = empty(shape, DType::i32);
+    EXPECT_EQ(static_cast<size_t>(t.numel()), values.size());
+    std::copy(values.begin(), values.end(), t.data<int32_t>());
+    return t;
+}
+
+Tensor clone(const Tensor & t) {
+    Tensor c = Tensor::empty(t.shape(), t.dtype(), dev());
+    c.copy_from(t);
+    return c;
+}
+
+// ---- Decoding 16-bit floats, and rounding to them, written here (not the library's conversions)
+
+double bf16_value(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
+
+double f16_value(uint16_t bits) {
+    const int e = (bits >> 10) & 31, m = bits & 1023;
+    double    v = e == 0    ? std::ldexp(m, -24)
+                  : e == 31 ? (m ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity())
+                            : std::ldexp(1024 + m, e - 25);
+    return (bits & 0x8000) ? -v : v;
+}
+
+// The nearest value of a binary format with `digits` significand bits and smallest normal exponent emin to
+// x, ties to even (std::nearbyint in the default rounding mode); +-inf beyond the largest finite value.
+double round_to_format(double x, int digits, int emin, double max_finite) {
+    if (std::isnan(x) || std::isinf(x) || x == 0) return x;
+    const double quantum = std::ldexp(1.0, std::max(std::ilogb(x), emin) - (digits - 1));
+    const double r       = std::nearbyint(x / quantum) * quantum;
+    return std::fabs(r) > max_finite ? std::copysign(std::numeric_limits<double>::infinity(), x) : r;
+}
+double round_bf16(double x) { return round_to_format(x, 8, -126, 0x1.fep127); }
+double round_f16(double x) { return round_to_format(x, 11, -14, 65504.0); }
+
+// Element i of a floating tensor as a double (exact).
+double element(const Tensor & t, int64_t i) {
+    switch (t.dtype()) {
+        case DType::f32: return t.data<float>()[i];
+        case DType::bf16: return bf16_value(static_cast<const uint16_t *>(t.data_ptr())[i]);
+        case DType::f16: return f16_value(static_cast<const uint16_t *>(t.data_ptr())[i]);
+        default: ADD_FAILURE() << "not a floating tensor: " << t.describe(); return 0;
+    }
+}
+
+std::vector<double> values(const Tensor & t) {
+    std::vector<double> v(static_cast<size_t>(t.numel()));
+    for (int64_t i = 0; i < t.numel(); ++i) v[static_cast<size_t>(i)] = element(t, i);
+    return v;
+}
+
+std::vector<float> floats(const Tensor & t) {
+    std::vector<float> v(static_cast<size_t>(t.numel()));
+    for (int64_t i = 0; i < t.numel(); ++i) v[static_cast<size_t>(i)] = static_cast<float>(element(t, i));
+    return v;
+}
+
+// ---- Comparisons
+
+bool print_errors() {
+    static const bool on = [] {
+        const char * v = std::getenv("LOOM_TEST_PRINT_ERRORS");
+        return v && *v && std::strcmp(v, "0") != 0;
+    }();
+    return on;
+}
+
+// Passes when max_i |got[i] - ref[i]| / denominator(i) <= tol; names the worst element otherwise.
+template <typename Denominator>
+::testing::AssertionResult within(const std::string & what, const float * got, const std::vector<double> & ref,
+                                  double tol, Denominator && denominator) {
+    double worst = 0;
+    size_t at    = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+        const double e = std::fabs(static_cast<double>(got[i]) - ref[i]) / denominator(i);
+        if (std::isnan(e) || e > worst) {
+            worst = e;
+            at    = i;
+            if (std::isnan(e)) break;
+        }
+    }
+    if (print_errors()) std::printf("    %-48s worst %.3g, tolerance %.3g\n", what.c_str(), worst, tol);
+    if (worst <= tol) return ::testing::AssertionSuccess();
+    return ::testing::AssertionFailure() << what << ": error " << worst << " > " << tol << " at element " << at
+                                         << " of " << ref.size() << " (got " << got[at] << ", expected " << ref[at]
+                                         << ")";
+}
+
+// rel(floor): relative to max(|ref|, floor).
+::testing::AssertionResult close(const std::string & what, const float * got, const std::vector<double> & ref,
+                                 double tol, double floor) {
+    return within(what, got, ref, tol, [&](size_t i) { return std::max({std::fabs(ref[i]), floor, 1e-300}); });
+}
+::testing::AssertionResult close(const std::string & what, const Tensor & got, const std::vector<double> & ref,
+                                 double tol, double floor) {
+    if (got.numel() != static_cast<int64_t>(ref.size())) return ::testing::AssertionFailure() << what << ": size";
+    return close(what, got.data<float>(), ref, tol, floor);
+}
+// mag: relative to the sum of the magnitudes of the terms.
+::testing::AssertionResult close_to_magnitude(const std::string & what, const Tensor & got,
+                                              const std::vector<double> & ref, const std::vector<double> & mag,
+                                              double tol) {
+    if (got.numel() != static_cast<int64_t>(ref.size())) return ::testing::AssertionFailure() << what << ": size";
+    return within(what, got.data<float>(), ref, tol, [&](size_t i) { return std::max(mag[i], 1e-30); });
+}
+// max: relative to the largest |ref| of the tensor.
+::testing::AssertionResult close_to_max(const std::string & what, const float * got, const std::vector<double> & ref,
+                                        double tol) {
+    double largest = 1e-30;
+    for (double r : ref) largest = std::max(largest, std::fabs(r));
+    return within(what, got, ref, tol, [&](size_t) { return largest; });
+}
+
+::testing::AssertionResult same_bits(const std::string & what, const void * got, const void * ref, size_t bytes) {
+    const auto * g = static_cast<const unsigned char *>(got);
+    const auto * r = static_cast<const unsigned char *>(ref);
+    for (size_t i = 0; i < bytes; ++i) {
+        if (g[i] != r[i])
+            return ::testing::AssertionFailure() << what << ": byte " << i << " of " << bytes << " differs";
+    }
+    return ::testing::AssertionSuccess();
+}
+
+// The values `ref`, each rounded to f32 once, are the tensor's values, bit for bit.
+::testing::AssertionResult exact(const std::string & what, const Tensor & got, const std::vector<double> & ref) {
+    if (got.numel() != static_cast<int64_t>(ref.size())) return ::testing::AssertionFailure() << what << ": size";
+    for (size_t i = 0; i < ref.size(); ++i) {
+        const float g = got.data<float>()[i], r = static_cast<float>(ref[i]);
+        if (std::bit_cast<uint32_t>(g) != std::bit_cast<uint32_t>(r)) {
+            return ::testing::AssertionFailure() << what << ": element " << i << " is " << g << ", expected " << r;
+        }
+    }
+    return ::testing::AssertionSuccess();
+}
+
+std::string name(const char * base, int variant) { return std::string(base) + " #" + std::to_string(variant); }
 
 }  // namespace
 
@@ -105,7 +351,7 @@ TEST_P(Gemm, BothDtypesAgainstDoubleReference) {
         const void * bp = dtype == DType::f32 ? static_cast<const void *>(b.data()) : b16.data();
         cpu::gemm(g.ta, g.tb, g.m, g.n, g.k, ap, bp, dtype, c.data(), g.accumulate);
         for (size_t i = 0; i < c.size(); ++i) {
-            ASSERT_NEAR(c[i], ref[i], 1e-5 * (mag[i] + 1e-30)) << dtype_name(dtype) << " element " << i;
+            ASSERT_NEAR(c[i], ref[i], kGemmTol * (mag[i] + 1e-30)) << dtype_name(dtype) << " element " << i;
         }
         if (dtype == DType::bf16 && !cpu::gemm_bf16_native()) {
             std::vector<float> wide = c0;   // the widened path is the f32 GEMM of the widened operands
@@ -122,3 +368,1283 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Gemm,
                                            GemmCase{false, false, 7, 5, 3, false},
                                            GemmCase{true, true, 33, 17, 129, true},
                                            GemmCase{false, true, 1, 1, 512, false}));
+
+// ---------------------------------------------------------------------------------------------------
+// GEMM through the interface
+
+TEST(OpsGemm, InterfaceF32AndBf16WithAndWithoutAccumulate) {
+    const GemmCase cases[] = {{false, true, 37, 48, 40, false},
+                              {false, true, 37, 48, 40, true},
+                              {true, false, 24, 16, 33, true},
+                              {false, false, 7, 5, 3, true},
+                              {true, true, 9, 65, 17, true}};
+    int            variant = 0;
+    for (const GemmCase & g : cases) {
+        for (DType dtype : {DType::f32, DType::bf16}) {
+            SCOPED_TRACE(std::string(dtype_name(dtype)) + " case " + std::to_string(variant));
+            Tensor              a = random_tensor(g.ta ? Shape{g.k, g.m} : Shape{g.m, g.k}, dtype, 100 + variant);
+            Tensor              b = random_tensor(g.tb ? Shape{g.n, g.k} : Shape{g.k, g.n}, dtype, 200 + variant);
+            Tensor              c = random_f32({g.m, g.n}, 300 + variant);
+            std::vector<double> ref(static_cast<size_t>(g.m * g.n), 0.0), mag(ref.size(), 0.0);
+            if (g.accumulate) {
+                ref = values(c);
+                for (size_t i = 0; i < ref.size(); ++i) mag[i] = std::fabs(ref[i]);
+            }
+            reference_gemm(g.ta, g.tb, g.m, g.n, g.k, floats(a), floats(b), ref, mag);
+            ops().gemm(stream(), a, g.ta, b, g.tb, c, g.accumulate);
+            synchronize();
+            EXPECT_TRUE(close_to_magnitude(name("gemm", variant), c, ref, mag, kGemmTol));
+            ++variant;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Norms
+
+namespace {
+
+constexpr int64_t kRows = 37, kHidden = 160;   // rows over several chunks of 16, columns over 2 of 64
+
+// LayerNorm (beta may be empty) or, with `rms`, RMSNorm of the rows of x, in double.
+void norm_reference(bool rms, const std::vector<double> & x, const std::vector<double> & gamma,
+                    const std::vector<double> & beta, int64_t n, int64_t h, double eps, std::vector<double> & y,
+                    std::vector<double> & mean, std::vector<double> & rstd) {
+    y.assign(static_cast<size_t>(n * h), 0.0);
+    mean.assign(static_cast<size_t>(n), 0.0);
+    rstd.assign(static_cast<size_t>(n), 0.0);
+    for (int64_t r = 0; r < n; ++r) {
+        const double * xr = &x[r * h];
+        double         mu = 0, ss = 0;
+        if (!rms) {
+            for (int64_t j = 0; j < h; ++j) mu += xr[j];
+            mu /= h;
+        }
+        for (int64_t j = 0; j < h; ++j) ss += (xr[j] - mu) * (xr[j] - mu);
+        const double rs = 1.0 / std::sqrt(ss / h + eps);
+        for (int64_t j = 0; j < h; ++j) {
+            y[r * h + j] = (xr[j] - mu) * rs * gamma[j] + (beta.empty() ? 0.0 : beta[j]);
+        }
+        mean[r] = mu;
+        rstd[r] = rs;
+    }
+}
+
+// The backward of norm_reference: dx, and dgamma, dbeta added to (with the magnitudes of what they add).
+void norm_backward_reference(bool rms, const std::vector<double> & dy, const std::vector<double> & x,
+                             const std::vector<double> & gamma, int64_t n, int64_t h, double eps,
+                             std::vector<double> & dx, std::vector<double> & dgamma, std::vector<double> & dgamma_mag,
+                             std::vector<double> & dbeta, std::vector<double> & dbeta_mag) {
+    std::vector<double> y, mean, rstd;
+    norm_reference(rms, x, gamma, {}, n, h, eps, y, mean, rstd);
+    dx.assign(static_cast<size_t>(n * h), 0.0);
+    for (int64_t r = 0; r < n; ++r) {
+        double sum_g = 0, sum_gx = 0;
+        for (int64_t j = 0; j < h; ++j) {
+            const double g = dy[r * h + j] * gamma[j], xhat = (x[r * h + j] - mean[r]) * rstd[r];
+            sum_g += g;
+            sum_gx += g * xhat;
+        }
+        for (int64_t j = 0; j < h; ++j) {
+            const double g = dy[r * h + j] * gamma[j], xhat = (x[r * h + j] - mean[r]) * rstd[r];
+            dx[r * h + j] = rstd[r] * (g - (rms ? 0.0 : sum_g / h) - xhat * sum_gx / h);
+            dgamma[j] += dy[r * h + j] * xhat;
+            dgamma_mag[j] += std::fabs(dy[r * h + j] * xhat);
+            dbeta[j] += dy[r * h + j];
+            dbeta_mag[j] += std::fabs(dy[r * h + j]);
+        }
+    }
+}
+
+std::vector<double> plus(const std::vector<double> & a, const std::vector<double> & b) {
+    std::vector<double> c(a.size());
+    for (size_t i = 0; i < a.size(); ++i) c[i] = a[i] + b[i];
+    return c;
+}
+
+std::vector<double> magnitudes(const std::vector<double> & a) {
+    std::vector<double> m(a.size());
+    for (size_t i = 0; i < a.size(); ++i) m[i] = std::fabs(a[i]);
+    return m;
+}
+
+}  // namespace
+
+TEST(OpsNorm, LayerNormAndRmsNormForwardBackwardWithAndWithoutResidualAndBeta) {
+    const int64_t n = kRows, h = kHidden;
+    const float   eps     = 1e-5f;
+    int           variant = 0;
+    for (bool rms : {false, true}) {
+        for (bool with_residual : {false, true}) {
+            for (bool with_beta : {false, true}) {
+                if (rms && with_beta) continue;   // RMSNorm has no beta
+                SCOPED_TRACE(std::string(rms ? "rmsnorm" : "layernorm") + (with_residual ? " +residual" : "") +
+                             (with_beta ? " +beta" : ""));
+                const uint64_t seed = 1000 + 10 * variant;
+                // A mean well away from zero, so that LayerNorm's centring cancels.
+                Tensor x        = random_f32({n, h}, seed, -0.5f, 1.5f);
+                Tensor x0       = clone(x);
+                Tensor residual = with_residual ? random_f32({n, h}, seed + 1) : Tensor();
+                Tensor gamma    = random_f32({h}, seed + 2, 0.5f, 1.5f);
+                Tensor beta     = with_beta ? random_f32({h}, seed + 3) : Tensor();
+                Tensor y = empty({n, h}), mean = empty({n}), rstd = empty({n});
+                if (rms) {
+                    ops().rmsnorm_forward(stream(), x, residual, gamma, y, rstd, eps);
+                } else {
+                    ops().layernorm_forward(stream(), x, residual, gamma, beta, y, mean, rstd, eps);
+                }
+                synchronize();
+                std::vector<double> xin = with_residual ? plus(values(x0), values(residual)) : values(x0);
+                if (with_residual) {
+                    EXPECT_TRUE(close(name("x += residual", variant), x, xin, kF32Add, 0.0));
+                } else {
+                    EXPECT_TRUE(same_bits("x unchanged", x.data_ptr(), x0.data_ptr(), x.nbytes()));
+                }
+                std::vector<double> ref_y, ref_mean, ref_rstd;
+                norm_reference(rms, xin, values(gamma), with_beta ? values(beta) : std::vector<double>{}, n, h, eps,
+                               ref_y, ref_mean, ref_rstd);
+                EXPECT_TRUE(close(name("norm y", variant), y, ref_y, kNormTol, 1.0));
+                EXPECT_TRUE(close(name("norm rstd", variant), rstd, ref_rstd, kNormTol, 0.0));
+                if (!rms) { EXPECT_TRUE(close(name("norm mean", variant), mean, ref_mean, kNormTol, 1.0)); }
+
+                // Backward from the forward's saved x (the sum, with a residual) and statistics; the
+                // parameter gradients add into what they held.
+                Tensor              dy = random_f32({n, h}, seed + 4), dx = empty({n, h});
+                Tensor              dgamma = random_f32({h}, seed + 5), dbeta = random_f32({h}, seed + 6);
+                std::vector<double> ref_dx, ref_dgamma = values(dgamma), ref_dbeta = values(dbeta);
+                std::vector<double> dgamma_mag = magnitudes(ref_dgamma), dbeta_mag = magnitudes(ref_dbeta);
+                norm_backward_reference(rms, values(dy), values(x), values(gamma), n, h, eps, ref_dx, ref_dgamma,
+                                        dgamma_mag, ref_dbeta, dbeta_mag);
+                Tensor dbeta0 = clone(dbeta);
+                if (rms) {
+                    ops().rmsnorm_backward(stream(), dy, x, gamma, rstd, dx, dgamma);
+                } else {
+                    ops().layernorm_backward(stream(), dy, x, gamma, mean, rstd, dx, dgamma, dbeta);
+                }
+                synchronize();
+                EXPECT_TRUE(close(name("norm dx", variant), dx, ref_dx, kNormTol, 1.0));
+                EXPECT_TRUE(close_to_magnitude(name("norm dgamma", variant), dgamma, ref_dgamma, dgamma_mag, kNormTol));
+                if (rms) {
+                    EXPECT_TRUE(same_bits("rmsnorm leaves dbeta", dbeta.data_ptr(), dbeta0.data_ptr(), dbeta.nbytes()));
+                } else {
+                    EXPECT_TRUE(close_to_magnitude(name("norm dbeta", variant), dbeta, ref_dbeta, dbeta_mag, kNormTol));
+                }
+                ++variant;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Elementwise
+
+TEST(OpsElementwise, BiasAddBiasBackwardAddInplace) {
+    const int64_t       n = kRows, h = kHidden;
+    Tensor              y = random_f32({n, h}, 2001), bias = random_f32({h}, 2002);
+    std::vector<double> ref = values(y), b = values(bias);
+    for (int64_t r = 0; r < n; ++r) {
+        for (int64_t j = 0; j < h; ++j) ref[r * h + j] += b[j];
+    }
+    ops().bias_add(stream(), y, bias);
+    synchronize();
+    EXPECT_TRUE(close("bias_add", y, ref, kF32Add, 0.0));
+
+    Tensor              dy = random_f32({n, h}, 2003), dbias = random_f32({h}, 2004);
+    std::vector<double> ref_db = values(dbias), mag = magnitudes(ref_db), d = values(dy);
+    for (int64_t r = 0; r < n; ++r) {
+        for (int64_t j = 0; j < h; ++j) {
+            ref_db[j] += d[r * h + j];
+            mag[j] += std::fabs(d[r * h + j]);
+        }
+    }
+    ops().bias_backward(stream(), dy, dbias);   // adds into dbias
+    synchronize();
+    EXPECT_TRUE(close_to_magnitude("bias_backward", dbias, ref_db, mag, kReduceTol));
+
+    // add_inplace over a flat size that spans several chunks of 4096 and ends in a tail.
+    Tensor              a = random_f32({3, 4099}, 2005), x = random_f32({3 * 4099}, 2006);
+    std::vector<double> ref_a = plus(values(a), values(x));
+    ops().add_inplace(stream(), a, x);
+    synchronize();
+    EXPECT_TRUE(close("add_inplace", a, ref_a, kF32Add, 0.0));
+}
+
+namespace {
+
+constexpr double kSqrt2OverPi = 0.79788456080286535588;   // sqrt(2 / pi)
+
+double gelu_ref(double x) { return 0.5 * x * (1.0 + std::tanh(kSqrt2OverPi * (x + 0.044715 * x * x * x))); }
+
+double gelu_grad_ref(double x) {
+    const double t = std::tanh(kSqrt2OverPi * (x + 0.044715 * x * x * x));
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * kSqrt2OverPi * (1.0 + 3.0 * 0.044715 * x * x);
+}
+
+double sigmoid_ref(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+}  // namespace
+
+TEST(OpsElementwise, BiasGeluForwardWithAndWithoutBiasAndBf16Copy) {
+    const int64_t n = kRows, f = 96;
+    int           variant = 0;
+    for (bool with_bias : {true, false}) {
+        for (bool with_bf16 : {false, true}) {
+            SCOPED_TRACE(std::string(with_bias ? "bias" : "no bias") + (with_bf16 ? ", x_bf16" : ""));
+            Tensor x      = random_f32({n, f}, 3000 + 10 * variant, -4.0f, 4.0f);
+            Tensor x0     = clone(x);
+            Tensor bias   = with_bias ? random_f32({f}, 3001 + 10 * variant) : Tensor();
+            Tensor y      = empty({n, f});
+            Tensor x_bf16 = with_bf16 ? empty({n, f}, DType::bf16) : Tensor();
+            ops().bias_gelu_forward(stream(), x, bias, y, x_bf16);
+            synchronize();
+            // The biased x, one f32 addition; with x_bf16 it is rounded to bf16 there and gelu reads that.
+            const float *       xs = x0.data<float>();
+            std::vector<double> biased(static_cast<size_t>(n * f)), gelu_in(biased.size()), ref_y(biased.size());
+            for (int64_t r = 0; r < n; ++r) {
+                for (int64_t j = 0; j < f; ++j) {
+                    const size_t i = static_cast<size_t>(r * f + j);
+                    biased[i]      = with_bias ? static_cast<double>(xs[i]) + bias.data<float>()[j] : xs[i];
+                    const float in = static_cast<float>(biased[i]);   // the f32 sum x holds
+                    gelu_in[i]     = with_bf16 ? round_bf16(in) : in;
+                    ref_y[i]       = gelu_ref(gelu_in[i]);
+                }
+            }
+            if (with_bf16) {
+                EXPECT_TRUE(same_bits("x unchanged with x_bf16", x.data_ptr(), x0.data_ptr(), x.nbytes()));
+                std::vector<double> got(gelu_in.size());
+                for (int64_t i = 0; i < x_bf16.numel(); ++i) got[static_cast<size_t>(i)] = element(x_bf16, i);
+                EXPECT_EQ(got, gelu_in) << "x_bf16 is the nearest bf16 of the biased x";
+            } else if (with_bias) {
+                EXPECT_TRUE(close(name("x += bias", variant), x, biased, kF32Add, 0.0));
+            } else {
+                EXPECT_TRUE(same_bits("x unchanged without bias", x.data_ptr(), x0.data_ptr(), x.nbytes()));
+            }
+            EXPECT_TRUE(close(name("gelu y", variant), y, ref_y, kActivationTol, 1.0));
+            ++variant;
+        }
+    }
+}
+
+TEST(OpsElementwise, GeluBackward) {
+    Tensor x = random_f32({5, 2053}, 3101, -5.0f, 5.0f), dy = random_f32({5, 2053}, 3102), dx = empty({5, 2053});
+    std::vector<double> xv = values(x), dv = values(dy), ref(xv.size());
+    for (size_t i = 0; i < xv.size(); ++i) ref[i] = dv[i] * gelu_grad_ref(xv[i]);
+    ops().gelu_backward(stream(), x, dy, dx);
+    synchronize();
+    EXPECT_TRUE(close("gelu_backward", dx, ref, kGeluGradTol, 1.0));
+}
+
+TEST(OpsElementwise, SwigluForwardBackward) {
+    const int64_t       n = kRows, f = 72;
+    Tensor              x = random_f32({n, 2 * f}, 3201, -5.0f, 5.0f), y = empty({n, f});
+    Tensor              dy = random_f32({n, f}, 3202), dx = empty({n, 2 * f});
+    std::vector<double> xv = values(x), dv = values(dy), ref_y(static_cast<size_t>(n * f)), ref_dx(xv.size());
+    for (int64_t r = 0; r < n; ++r) {
+        for (int64_t j = 0; j < f; ++j) {
+            const double g = xv[r * 2 * f + j], u = xv[r * 2 * f + f + j], s = sigmoid_ref(g), d = dv[r * f + j];
+            ref_y[r * f + j]          = g * s * u;
+            ref_dx[r * 2 * f + j]     = d * u * s * (1.0 + g * (1.0 - s));   // d/dgate of g s(g) u
+            ref_dx[r * 2 * f + f + j] = d * g * s;                           // d/dup
+        }
+    }
+    ops().swiglu_forward(stream(), x, y);
+    ops().swiglu_backward(stream(), x, dy, dx);
+    synchronize();
+    EXPECT_TRUE(close("swiglu y", y, ref_y, kActivationTol, 1.0));
+    EXPECT_TRUE(close("swiglu dx", dx, ref_dx, kActivationTol, 1.0));
+}
+
+// Rotary embedding: backend/cpu/ops.h documents Megatron's non-interleaved halves: in each head of d,
+// element i pairs with element i + d/2 (i < d/2) and the pair at sequence position si turns by the angle
+// si * base^(-2i/d): (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); the inverse turns by minus the angle.
+TEST(OpsElementwise, RopeForwardAgainstReferenceAndInverse) {
+    const int64_t       seq = 41, batch = 2, heads = 3, d = 16, stride = 5 * d + 3;   // K, V and padding after
+    const double        base = 10000.0;
+    Tensor              x    = random_f32({seq * batch, stride}, 3301);
+    Tensor              x0   = clone(x);
+    std::vector<double> xv   = values(x);
+    std::vector<double> fwd = xv, inv = xv;
+    for (int64_t si = 0; si < seq; ++si) {
+        for (int64_t bi = 0; bi < batch; ++bi) {
+            for (int64_t hd = 0; hd < heads; ++hd) {
+                const size_t o = static_cast<size_t>((si * batch + bi) * stride + hd * d);
+                for (int64_t i = 0; i < d / 2; ++i) {
+                    const double angle = static_cast<double>(si) * std::pow(base, -2.0 * i / d);
+                    const double c = std::cos(angle), s = std::sin(angle);
+                    const double x1 = xv[o + i], x2 = xv[o + i + d / 2];
+                    fwd[o + i]         = x1 * c - x2 * s;
+                    fwd[o + i + d / 2] = x2 * c + x1 * s;
+                    inv[o + i]         = x1 * c + x2 * s;
+                    inv[o + i + d / 2] = x2 * c - x1 * s;
+                }
+            }
+        }
+    }
+    ops().rope(stream(), x, seq, batch, heads, d, static_cast<float>(base), /*inverse=*/false);
+    synchronize();
+    EXPECT_TRUE(close("rope forward", x, fwd, kRopeTol, 1.0));   // columns past heads * d: fwd keeps them
+    for (int64_t r = 0; r < seq * batch; ++r) {
+        EXPECT_TRUE(same_bits("rope leaves the other heads", x.data<float>() + r * stride + heads * d,
+                              x0.data<float>() + r * stride + heads * d, sizeof(float) * (stride - heads * d)));
+    }
+    ops().rope(stream(), x, seq, batch, heads, d, static_cast<float>(base), /*inverse=*/true);
+    synchronize();
+    EXPECT_TRUE(close("rope inverse(forward(x))", x, xv, kRopeTol, 1.0));
+
+    Tensor y = clone(x0);
+    ops().rope(stream(), y, seq, batch, heads, d, static_cast<float>(base), /*inverse=*/true);
+    synchronize();
+    EXPECT_TRUE(close("rope inverse", y, inv, kRopeTol, 1.0));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Embedding
+
+TEST(OpsEmbedding, ForwardF32AndBf16WithAndWithoutWpe) {
+    const int64_t b = 3, s = 5, vocab = 11, h = 40, positions = 7;
+    // tokens (b, s); -1 is another rank's row: it embeds to zero.
+    Tensor tokens  = int_tensor({b, s}, {3, 0, 10, -1, 3, 7, 7, 1, 2, -1, 9, 4, 5, 6, 8});
+    int    variant = 0;
+    for (DType dtype : {DType::f32, DType::bf16}) {
+        for (bool with_wpe : {true, false}) {
+            SCOPED_TRACE(std::string(dtype_name(dtype)) + (with_wpe ? " +wpe" : ""));
+            Tensor              wte = random_tensor({vocab, h}, dtype, 4000 + variant);
+            Tensor              wpe = with_wpe ? random_tensor({positions, h}, dtype, 4001 + variant) : Tensor();
+            Tensor              out = random_f32({s * b, h}, 4002);   // assigned, whatever it held
+            std::vector<double> ref(static_cast<size_t>(s * b * h), 0.0);
+            for (int64_t si = 0; si < s; ++si) {
+                for (int64_t bi = 0; bi < b; ++bi) {
+                    const int32_t t = tokens.data<int32_t>()[bi * s + si];
+                    for (int64_t j = 0; j < h; ++j) {
+                        double v = t >= 0 ? element(wte, t * h + j) : 0.0;
+                        if (with_wpe) v += element(wpe, si * h + j);
+                        ref[static_cast<size_t>((si * b + bi) * h + j)] = v;
+                    }
+                }
+            }
+            ops().embedding_forward(stream(), tokens, wte, wpe, out);
+            synchronize();
+            EXPECT_TRUE(close(name("embedding out", variant), out, ref, kF32Add, 0.0));
+            if (!with_wpe) { EXPECT_TRUE(exact(name("embedding lookup", variant), out, ref)); }
+            ++variant;
+        }
+    }
+}
+
+TEST(OpsEmbedding, BackwardAddsIntoDwteAndDwpeSkippingOtherRanksTokens) {
+    const int64_t b = 3, s = 5, vocab = 11, h = 130, positions = 7;   // h over 2 column chunks
+    Tensor        tokens = int_tensor({b, s}, {3, 0, 10, -1, 3, 7, 7, 1, 2, -1, 9, 3, 5, 6, 3});   // 4 unused: 4, 8
+    for (bool with_wpe : {true, false}) {
+        SCOPED_TRACE(with_wpe ? "with dwpe" : "without dwpe");
+        Tensor dout = random_f32({s * b, h}, 4101);
+        Tensor dwte = random_f32({vocab, h}, 4102), dwpe = with_wpe ? random_f32({positions, h}, 4103) : Tensor();
+        Tensor dwte0                = clone(dwte);
+        std::vector<double> ref_wte = values(dwte), mag_wte = magnitudes(ref_wte), d = values(dout);
+        std::vector<double> ref_wpe, mag_wpe;
+        if (with_wpe) {
+            ref_wpe = values(dwpe);
+            mag_wpe = magnitudes(ref_wpe);
+        }
+        for (int64_t si = 0; si < s; ++si) {
+            for (int64_t bi = 0; bi < b; ++bi) {
+                const int32_t t = tokens.data<int32_t>()[bi * s + si];
+                for (int64_t j = 0; j < h; ++j) {
+                    const double g = d[static_cast<size_t>((si * b + bi) * h + j)];
+                    if (t >= 0) {
+                        ref_wte[t * h + j] += g;
+                        mag_wte[t * h + j] += std::fabs(g);
+                    }
+                    if (with_wpe) {
+                        ref_wpe[si * h + j] += g;
+                        mag_wpe[si * h + j] += std::fabs(g);
+                    }
+                }
+            }
+        }
+        ops().embedding_backward(stream(), tokens, dout, dwte, dwpe);
+        synchronize();
+        EXPECT_TRUE(close_to_magnitude("embedding dwte", dwte, ref_wte, mag_wte, kReduceTol));
+        for (int64_t unused : {4, 8}) {
+            EXPECT_TRUE(same_bits("a row no token reads", dwte.data<float>() + unused * h,
+                                  dwte0.data<float>() + unused * h, sizeof(float) * h));
+        }
+        if (with_wpe) { EXPECT_TRUE(close_to_magnitude("embedding dwpe", dwpe, ref_wpe, mag_wpe, kReduceTol)); }
+    }
+}
+
+TEST(OpsEmbedding, VocabShardIds) {
+    const int64_t        begin = 17, count = 13;
+    std::vector<int32_t> ids = {0, 16, 17, 18, 29, 30, 31, 100, -1, 23, 17, 29, 5, 22};
+    Tensor               in  = int_tensor({2, 7}, ids);
+    Tensor               out = int_tensor({2, 7}, std::vector<int32_t>(ids.size(), 12345));
+    ops().vocab_shard_ids(stream(), in, begin, count, out);
+    synchronize();
+    for (size_t i = 0; i < ids.size(); ++i) {
+        const int32_t expected = ids[i] >= begin && ids[i] < begin + count ? ids[i] - static_cast<int32_t>(begin) : -1;
+        EXPECT_EQ(out.data<int32_t>()[i], expected) << "id " << ids[i];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Attention
+
+namespace {
+
+struct AttentionIndex {
+    const AttentionShape & a;
+    size_t q(int64_t si, int64_t bi, int64_t hq, int64_t dd) const { return row(si, bi) + hq * a.d + dd; }
+    size_t k(int64_t si, int64_t bi, int64_t hk, int64_t dd) const { return row(si, bi) + (a.nq + hk) * a.d + dd; }
+    size_t v(int64_t si, int64_t bi, int64_t hk, int64_t dd) const {
+        return row(si, bi) + (a.nq + a.nkv + hk) * a.d + dd;
+    }
+    size_t o(int64_t si, int64_t bi, int64_t hq, int64_t dd) const {
+        return static_cast<size_t>(((si * a.b + bi) * a.nq + hq) * a.d + dd);
+    }
+    size_t row(int64_t si, int64_t bi) const { return static_cast<size_t>((si * a.b + bi) * a.row_stride); }
+};
+
+// Naive causal softmax attention in double: the s x s probabilities of each (sequence, query head).
+// With dout given, also its gradient dqkv (assigned on the Q, K, V columns, 0 elsewhere).
+void attention_reference(const std::vector<double> & qkv, const AttentionShape & a, double scale,
+                         std::vector<double> & out, std::vector<double> & lse, const std::vector<double> * dout,
+                         std::vector<double> * dqkv) {
+    const AttentionIndex ix{a};
+    const int64_t        group = a.nq / a.nkv;
+    out.assign(static_cast<size_t>(a.s * a.b * a.nq * a.d), 0.0);
+    lse.assign(static_cast<size_t>(a.b * a.nq * a.s), 0.0);
+    if (dqkv) dqkv->assign(qkv.size(), 0.0);
+    std::vector<double> p(static_cast<size_t>(a.s));
+    for (int64_t bi = 0; bi < a.b; ++bi) {
+        for (int64_t hq = 0; hq < a.nq; ++hq) {
+            const int64_t hk = hq / group;
+            for (int64_t i = 0; i < a.s; ++i) {
+                double mx = -std::numeric_limits<double>::infinity();
+                for (int64_t j = 0; j <= i; ++j) {
+                    double dot = 0;
+                    for (int64_t dd = 0; dd < a.d; ++dd) dot += qkv[ix.q(i, bi, hq, dd)] * qkv[ix.k(j, bi, hk, dd)];
+                    p[j] = scale * dot;
+                    mx   = std::max(mx, p[j]);
+                }
+                double sum = 0;
+                for (int64_t j = 0; j <= i; ++j) sum += (p[j] = std::exp(p[j] - mx));
+                for (int64_t j = 0; j <= i; ++j) p[j] /= sum;
+                lse[static_cast<size_t>((bi * a.nq + hq) * a.s + i)] = mx + std::log(sum);
+                for (int64_t j = 0; j <= i; ++j) {
+                    for (int64_t dd = 0; dd < a.d; ++dd) out[ix.o(i, bi, hq, dd)] += p[j] * qkv[ix.v(j, bi, hk, dd)];
+                }
+                if (!dqkv) continue;
+                // dV_j += P_ij dO_i;  dS_ij = P_ij (dO_i . V_j - dO_i . O_i);  dQ_i += scale dS_ij K_j;
+                // dK_j += scale dS_ij Q_i.
+                double delta = 0;
+                for (int64_t dd = 0; dd < a.d; ++dd) delta += (*dout)[ix.o(i, bi, hq, dd)] * out[ix.o(i, bi, hq, dd)];
+                for (int64_t j = 0; j <= i; ++j) {
+                    double dp = 0;
+                    for (int64_t dd = 0; dd < a.d; ++dd) dp += (*dout)[ix.o(i, bi, hq, dd)] * qkv[ix.v(j, bi, hk, dd)];
+                    const double ds = p[j] * (dp - delta);
+                    for (int64_t dd = 0; dd < a.d; ++dd) {
+                        (*dqkv)[ix.v(j, bi, hk, dd)] += p[j] * (*dout)[ix.o(i, bi, hq, dd)];
+                        (*dqkv)[ix.q(i, bi, hq, dd)] += scale * ds * qkv[ix.k(j, bi, hk, dd)];
+                        (*dqkv)[ix.k(j, bi, hk, dd)] += scale * ds * qkv[ix.q(i, bi, hq, dd)];
+                    }
+                }
+            }
+        }
+    }
+}
+
+double attention_loss(const std::vector<double> & qkv, const AttentionShape & a, double scale,
+                      const std::vector<double> & dout) {
+    std::vector<double> out, lse;
+    attention_reference(qkv, a, scale, out, lse, nullptr, nullptr);
+    double loss = 0;
+    for (size_t i = 0; i < out.size(); ++i) loss += dout[i] * out[i];
+    return loss;
+}
+
+}  // namespace
+
+TEST(OpsAttention, ForwardBackwardAgainstNaiveDoubleAttentionWithGqa) {
+    // (s, b, nq, nkv, d, row_stride): GQA with two query blocks of 64; multi-head with padded rows; one
+    // key/value head for four query heads.
+    const AttentionShape shapes[] = {{70, 2, 4, 2, 8, 8 * 8 + 3}, {5, 3, 2, 2, 4, 6 * 4 + 1}, {9, 1, 4, 1, 16, 6 * 16}};
+    int                  variant  = 0;
+    for (const AttentionShape & a : shapes) {
+        SCOPED_TRACE("attention shape " + std::to_string(variant));
+        const int64_t       n = a.s * a.b, width = (a.nq + 2 * a.nkv) * a.d;
+        const float         scale = 1.0f / std::sqrt(static_cast<float>(a.d));
+        Tensor              qkv   = random_f32({n, a.row_stride}, 5000 + 10 * variant, -2.0f, 2.0f);
+        Tensor              out = empty({n, a.nq * a.d}), lse = empty({a.b * a.nq * a.s});
+        Tensor              dout = random_f32({n, a.nq * a.d}, 5001 + 10 * variant);
+        Tensor              dqkv = random_f32({n, a.row_stride}, 5002, 7.0f, 8.0f);   // assigned, not added to
+        std::vector<double> ref_out, ref_lse, ref_dqkv, q = values(qkv), dov = values(dout);
+        attention_reference(q, a, scale, ref_out, ref_lse, &dov, &ref_dqkv);
+
+        // The reference gradient against central differences of the reference forward, at a few elements.
+        Rng pick(5003 + variant);
+        for (int t = 0; t < 6; ++t) {
+            const size_t        i  = static_cast<size_t>(pick.below(n) * a.row_stride + pick.below(width));
+            const double        hh = 1e-5;
+            std::vector<double> qp = q, qm = q;
+            qp[i] += hh;
+            qm[i] -= hh;
+            const double fd = (attention_loss(qp, a, scale, dov) - attention_loss(qm, a, scale, dov)) / (2 * hh);
+            EXPECT_NEAR(ref_dqkv[i], fd, 1e-6 * std::max(std::fabs(fd), 1e-3)) << "reference gradient, element " << i;
+        }
+
+        ops().attention_forward(stream(), qkv, out, lse, a, scale);
+        ops().attention_backward(stream(), qkv, out, dout, lse, dqkv, a, scale);
+        synchronize();
+        EXPECT_TRUE(close_to_max(name("attention out", variant), out.data<float>(), ref_out, kAttentionTol));
+        EXPECT_TRUE(close(name("attention lse", variant), lse, ref_lse, kAttentionTol, 1.0));
+        // dQ, dK, dV separately (each against its own largest value); padding columns are not outputs.
+        for (int part = 0; part < 3; ++part) {
+            const int64_t       c0 = part == 0 ? 0 : (part == 1 ? a.nq * a.d : (a.nq + a.nkv) * a.d);
+            const int64_t       c1 = part == 0 ? a.nq * a.d : (part == 1 ? (a.nq + a.nkv) * a.d : width);
+            std::vector<float>  got;
+            std::vector<double> ref;
+            for (int64_t r = 0; r < n; ++r) {
+                for (int64_t c = c0; c < c1; ++c) {
+                    got.push_back(dqkv.data<float>()[r * a.row_stride + c]);
+                    ref.push_back(ref_dqkv[static_cast<size_t>(r * a.row_stride + c)]);
+                }
+            }
+            EXPECT_TRUE(close_to_max(name(part == 0   ? "attention dq"
+                                          : part == 1 ? "attention dk"
+                                                      : "attention dv",
+                                          variant),
+                                     got.data(), ref, kAttentionBwTol));
+        }
+        ++variant;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Cross-entropy and the vocabulary-parallel pieces
+
+namespace {
+
+// Logits (n, stride) in [-4, 4) on the real columns; the padding holds values that would change every
+// result were they read (a large one and a NaN).
+Tensor ce_logits(int64_t n, int64_t stride, int64_t vocab, uint64_t seed) {
+    Tensor t = random_f32({n, stride}, seed, -4.0f, 4.0f);
+    for (int64_t r = 0; r < n; ++r) {
+        for (int64_t v = vocab; v < stride; ++v) {
+            t.data<float>()[r * stride + v] = (v % 2) ? 100.0f : std::numeric_limits<float>::quiet_NaN();
+        }
+    }
+    return t;
+}
+
+// Row r of (s, b) rows reads labels[(r % b) * s + r / b].
+int32_t label_of(const Tensor & labels, int64_t r, int64_t b, int64_t s) {
+    return labels.data<int32_t>()[(r % b) * s + r / b];
+}
+
+std::vector<double> logsumexp_rows(const Tensor & logits, int64_t valid) {
+    const int64_t       n = logits.size(0), stride = logits.size(1);
+    std::vector<double> lse(static_cast<size_t>(n));
+    for (int64_t r = 0; r < n; ++r) {
+        double mx = -std::numeric_limits<double>::infinity(), sum = 0;
+        for (int64_t v = 0; v < valid; ++v) mx = std::max<double>(mx, logits.data<float>()[r * stride + v]);
+        for (int64_t v = 0; v < valid; ++v) sum += std::exp(logits.data<float>()[r * stride + v] - mx);
+        lse[static_cast<size_t>(r)] = mx + std::log(sum);
+    }
+    return lse;
+}
+
+}  // namespace
+
+TEST(OpsCrossEntropy, ForwardAndBackwardWithPaddingAndOtherRanksLabels) {
+    const int64_t s = 3, b = 2, n = s * b;
+    int           variant = 0;
+    for (auto [vocab, stride] : {std::pair<int64_t, int64_t>{37, 48}, {64, 64}}) {
+        SCOPED_TRACE("vocab " + std::to_string(vocab) + " of " + std::to_string(stride));
+        Tensor               logits  = ce_logits(n, stride, vocab, 6000 + variant);
+        Tensor               logits0 = clone(logits);
+        Rng                  rng(6001 + variant);
+        std::vector<int32_t> label_values(static_cast<size_t>(n));
+        for (int32_t & l : label_values) l = rng.below(vocab);
+        label_values[0] = static_cast<int32_t>(vocab - 1);
+        Tensor labels   = int_tensor({b, s}, label_values);
+        Tensor loss = empty({n}), lse = empty({n});
+        ops().cross_entropy_forward(stream(), logits, labels, loss, lse, vocab);
+        synchronize();
+        std::vector<double> ref_lse = logsumexp_rows(logits0, vocab), ref_loss(static_cast<size_t>(n));
+        for (int64_t r = 0; r < n; ++r) {
+            ref_loss[static_cast<size_t>(r)] =
+                ref_lse[static_cast<size_t>(r)] - logits0.data<float>()[r * stride + label_of(labels, r, b, s)];
+        }
+        EXPECT_TRUE(close(name("cross_entropy lse", variant), lse, ref_lse, kCrossEntropyTol, 1.0));
+        EXPECT_TRUE(close(name("cross_entropy loss", variant), loss, ref_loss, kCrossEntropyTol, 1.0));
+        EXPECT_TRUE(same_bits("forward leaves the logits", logits.data_ptr(), logits0.data_ptr(), logits.nbytes()));
+
+        // Backward in place, from the forward's lse; one row's label is on another rank (-1: no one-hot term),
+        // and one row has no loss gradient.
+        label_values[3]        = -1;
+        Tensor bw_labels       = int_tensor({b, s}, label_values);
+        Tensor dloss           = random_f32({n}, 6002 + variant, 0.5f, 1.5f);
+        dloss.data<float>()[4] = 0.0f;
+        std::vector<double> ref_grad(static_cast<size_t>(n * stride), 0.0);
+        for (int64_t r = 0; r < n; ++r) {
+            const int32_t label = label_of(bw_labels, r, b, s);
+            for (int64_t v = 0; v < vocab; ++v) {
+                const double p = std::exp(logits0.data<float>()[r * stride + v] - ref_lse[static_cast<size_t>(r)]);
+                ref_grad[static_cast<size_t>(r * stride + v)] = (p - (v == label ? 1.0 : 0.0)) * dloss.data<float>()[r];
+            }
+        }
+        ops().cross_entropy_backward(stream(), logits, bw_labels, lse, dloss, vocab);
+        synchronize();
+        EXPECT_TRUE(close(name("cross_entropy dlogits", variant), logits, ref_grad, kCrossEntropyTol, 1e-3));
+        for (int64_t r = 0; r < n; ++r) {
+            for (int64_t v = vocab; v < stride; ++v) {
+                EXPECT_EQ(std::bit_cast<uint32_t>(logits.data<float>()[r * stride + v]), 0u)
+                    << "padding column " << v << " of row " << r << " is not exactly 0";
+            }
+        }
+        ++variant;
+    }
+}
+
+TEST(OpsCrossEntropy, VocabularyParallelPieces) {
+    const int64_t        s = 4, b = 3, n = s * b, stride = 56, valid = 41;   // valid < stride: a shard's padding
+    Tensor               logits = ce_logits(n, stride, valid, 6100);
+    Tensor               max = empty({n}), sum = empty({n}), target = empty({n});
+    std::vector<int32_t> label_values(static_cast<size_t>(n));
+    Rng                  rng(6101);
+    for (int32_t & l : label_values) l = rng.below(valid);
+    label_values[1] = label_values[6] = -1;   // on another rank's shard: the logit counts 0 here
+    Tensor labels                     = int_tensor({b, s}, label_values);
+
+    ops().row_max(stream(), logits, valid, max);
+    ops().row_sum_exp(stream(), logits, max, valid, sum);
+    ops().label_logit(stream(), logits, labels, target);
+    synchronize();
+    std::vector<double> ref_max(static_cast<size_t>(n)), ref_sum(ref_max.size()), ref_target(ref_max.size());
+    for (int64_t r = 0; r < n; ++r) {
+        const float * row = logits.data<float>() + r * stride;
+        double        mx  = -std::numeric_limits<double>::infinity();
+        for (int64_t v = 0; v < valid; ++v) mx = std::max<double>(mx, row[v]);
+        double e = 0;   // around the op's own max (exact: the max of the row), as the op defines the sum
+        for (int64_t v = 0; v < valid; ++v) e += std::exp(static_cast<double>(row[v]) - max.data<float>()[r]);
+        const int32_t label                = label_of(labels, r, b, s);
+        ref_max[static_cast<size_t>(r)]    = mx;
+        ref_sum[static_cast<size_t>(r)]    = e;
+        ref_target[static_cast<size_t>(r)] = label >= 0 ? row[label] : 0.0;
+    }
+    EXPECT_TRUE(exact("row_max", max, ref_max));
+    EXPECT_TRUE(close("row_sum_exp", sum, ref_sum, 1e-6, 0.0));
+    EXPECT_TRUE(exact("label_logit", target, ref_target));
+
+    // lse = max + log(sum), loss = lse - target, on arbitrary rows.
+    Tensor              m2 = random_f32({n}, 6102, -3.0f, 3.0f), s2 = random_f32({n}, 6103, 0.5f, 50.0f);
+    Tensor              t2 = random_f32({n}, 6104, -3.0f, 3.0f), lse = empty({n}), loss = empty({n});
+    std::vector<double> ref_lse(static_cast<size_t>(n)), ref_loss(ref_lse.size());
+    for (int64_t r = 0; r < n; ++r) {
+        ref_lse[static_cast<size_t>(r)] =
+            static_cast<double>(m2.data<float>()[r]) + std::log(static_cast<double>(s2.data<float>()[r]));
+        ref_loss[static_cast<size_t>(r)] = ref_lse[static_cast<size_t>(r)] - t2.data<float>()[r];
+    }
+    ops().lse_and_loss(stream(), m2, s2, t2, lse, loss);
+    synchronize();
+    EXPECT_TRUE(close("lse_and_loss lse", lse, ref_lse, 1e-6, 1.0));
+    EXPECT_TRUE(close("lse_and_loss loss", loss, ref_loss, 1e-6, 1.0));
+}
+
+TEST(OpsCrossEntropy, LossGradReadsTheMaskInRowOrder) {
+    const int64_t b = 3, s = 5;
+    Tensor        mask    = random_f32({b, s}, 6200, 0.0f, 1.0f);
+    mask.data<float>()[2] = 0.0f;
+    mask.data<float>()[7] = 1.0f;
+    const double scale    = 1.0 / 37.0;
+    Tensor       dloss    = empty({s * b});
+    ops().loss_grad(stream(), mask, scale, dloss);
+    synchronize();
+    std::vector<double> ref(static_cast<size_t>(s * b));
+    for (int64_t si = 0; si < s; ++si) {
+        for (int64_t bi = 0; bi < b; ++bi) {
+            ref[static_cast<size_t>(si * b + bi)] = static_cast<double>(mask.data<float>()[bi * s + si]) * scale;
+        }
+    }
+    EXPECT_TRUE(exact("loss_grad", dloss, ref));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Data movement and reductions
+
+namespace {
+
+// f32 values over many binades (f16 subnormals to beyond f16's range), both signs, exact bf16 and f16
+// ties, and the special values.
+std::vector<float> conversion_inputs(size_t n, uint64_t seed) {
+    Rng                rng(seed);
+    std::vector<float> v(n);
+    for (size_t i = 0; i < n; ++i) {
+        const double mantissa = 1.0 + rng.unit();
+        const int    exponent = static_cast<int>(rng.below(40)) - 26;   // 2^-26 .. 2^13
+        float        x        = static_cast<float>(std::ldexp(mantissa, exponent));
+        if (i % 7 == 3) {   // a bf16 tie: the low 16 bits exactly half way
+            x = std::bit_cast<float>((std::bit_cast<uint32_t>(x) & 0xffff0000u) | 0x8000u);
+        } else if (i % 7 == 5) {   // an f16 tie (for normal f16 values: 13 dropped bits, half way)
+            x = std::bit_cast<float>((std::bit_cast<uint32_t>(x) & 0xffffe000u) | 0x1000u);
+        }
+        v[i] = (rng.next() & 1) ? -x : x;
+    }
+    const float specials[] = {0.0f,
+                              -0.0f,
+                              std::numeric_limits<float>::infinity(),
+                              -std::numeric_limits<float>::infinity(),
+                              std::numeric_limits<float>::quiet_NaN(),
+                              65504.0f,
+                              65519.0f,
+                              65520.0f,
+                              70000.0f,
+                              -1e6f,
+                              1e30f,
+                              0x1p-24f,
+                              0x1p-25f,
+                              0x1.8p-25f};
+    for (size_t i = 0; i < std::size(specials) && i < n; ++i) v[i * 101 % n] = specials[i];
+    return v;
+}
+
+double round_to(DType dtype, double x) {
+    return dtype == DType::bf16  ? round_bf16(x)
+           : dtype == DType::f16 ? round_f16(x)
+                                 : static_cast<double>(static_cast<float>(x));
+}
+
+::testing::AssertionResult nearest_values(const std::string & what, const Tensor & src, const Tensor & dst) {
+    for (int64_t i = 0; i < src.numel(); ++i) {
+        const double x = element(src, i), got = element(dst, i), expected = round_to(dst.dtype(), x);
+        const bool   ok =
+            std::isnan(x) ? std::isnan(got) : (got == expected && std::signbit(got) == std::signbit(expected));
+        if (!ok) {
+            return ::testing::AssertionFailure()
+                   << what << ": element " << i << " = " << x << " became " << got << ", expected " << expected;
+        }
+    }
+    return ::testing::AssertionSuccess();
+}
+
+}  // namespace
+
+TEST(OpsData, ConvertBetweenF32Bf16F16RoundsToNearestEven) {
+    const size_t       n   = 70001;   // over two chunks of 2^15 and a tail
+    std::vector<float> in  = conversion_inputs(n, 7000);
+    Tensor             f32 = empty({static_cast<int64_t>(n)});
+    std::copy(in.begin(), in.end(), f32.data<float>());
+    const DType dtypes[] = {DType::f32, DType::bf16, DType::f16};
+    // Sources of each dtype: the f32 values, and their bf16 and f16 conversions as the op gives them (each
+    // checked first, from f32).
+    Tensor sources[3] = {f32, empty({static_cast<int64_t>(n)}, DType::bf16),
+                         empty({static_cast<int64_t>(n)}, DType::f16)};
+    for (int i = 1; i < 3; ++i) {
+        ops().convert(stream(), f32, sources[i]);
+        synchronize();
+        ASSERT_TRUE(nearest_values(std::string("float32 -> ") + dtype_name(dtypes[i]), f32, sources[i]));
+    }
+    for (int from = 0; from < 3; ++from) {
+        for (int to = 0; to < 3; ++to) {
+            Tensor dst = empty({static_cast<int64_t>(n)}, dtypes[to]);
+            ops().convert(stream(), sources[from], dst);
+            synchronize();
+            EXPECT_TRUE(nearest_values(std::string(dtype_name(dtypes[from])) + " -> " + dtype_name(dtypes[to]),
+                                       sources[from], dst));
+            if (from == to) {
+                EXPECT_TRUE(
+                    same_bits("convert to the same dtype", dst.data_ptr(), sources[from].data_ptr(), dst.nbytes()));
+            }
+        }
+    }
+}
+
+TEST(OpsData, RoundToBf16) {
+    const size_t       n  = 40000;
+    std::vector<float> in = conversion_inputs(n, 7100);
+    Tensor             x = empty({static_cast<int64_t>(n)}), x_bf16 = empty({static_cast<int64_t>(n)}, DType::bf16);
+    std::copy(in.begin(), in.end(), x.data<float>());
+    ops().round_to_bf16(stream(), x, x_bf16);
+    synchronize();
+    for (size_t i = 0; i < n; ++i) {
+        const double expected = round_bf16(in[i]), got = x.data<float>()[i],
+                     bits = element(x_bf16, static_cast<int64_t>(i));
+        if (std::isnan(in[i])) {
+            EXPECT_TRUE(std::isnan(got) && std::isnan(bits)) << i;
+            continue;
+        }
+        ASSERT_EQ(got, expected) << "x[" << i << "] = " << in[i] << " rounded";
+        ASSERT_EQ(std::signbit(got), std::signbit(expected)) << i;
+        ASSERT_EQ(std::bit_cast<uint32_t>(x.data<float>()[i]),
+                  static_cast<uint32_t>(static_cast<const uint16_t *>(x_bf16.data_ptr())[i]) << 16)
+            << "x and x_bf16 hold the same value at " << i;
+    }
+}
+
+TEST(OpsData, CopyFillZeroScale) {
+    // copy: f32, bf16 and i32, into device and pinned host memory, and into a view inside a larger buffer.
+    for (DType dtype : {DType::f32, DType::bf16, DType::i32}) {
+        for (MemoryKind kind : {MemoryKind::device, MemoryKind::pinned_host}) {
+            SCOPED_TRACE(std::string(dtype_name(dtype)) + " into " + memory_kind_name(kind));
+            Tensor typed = dtype == DType::i32 ? empty({1001}, DType::i32) : random_tensor({1001}, dtype, 7200);
+            if (dtype == DType::i32) {
+                for (int64_t i = 0; i < 1001; ++i) typed.data<int32_t>()[i] = static_cast<int32_t>(i * 7919 - 3000000);
+            }
+            Tensor buffer = Tensor::empty({1011}, dtype, dev(), TensorOptions{kind, kDefaultPool});
+            std::memset(buffer.data_ptr(), 0xab, buffer.nbytes());
+            Tensor dst = buffer.slice(5, {1001});
+            ops().copy(stream(), typed, dst);
+            synchronize();
+            EXPECT_TRUE(same_bits("copy", dst.data_ptr(), typed.data_ptr(), typed.nbytes()));
+            const auto * bytes = static_cast<const unsigned char *>(buffer.data_ptr());
+            const size_t esize = dtype_size(dtype);
+            for (size_t i = 0; i < 5 * esize; ++i) EXPECT_EQ(bytes[i], 0xab) << "before the view";
+            for (size_t i = 1006 * esize; i < 1011 * esize; ++i) EXPECT_EQ(bytes[i], 0xab) << "after the view";
+            // Back from that memory into a fresh device tensor.
+            Tensor back = empty({1001}, dtype);
+            ops().copy(stream(), dst, back);
+            synchronize();
+            EXPECT_TRUE(same_bits("copy back", back.data_ptr(), typed.data_ptr(), typed.nbytes()));
+        }
+    }
+
+    // fill_zero: exactly the view's bytes.
+    for (DType dtype : {DType::f32, DType::bf16}) {
+        Tensor buffer = empty({4 * 1000}, dtype);
+        std::memset(buffer.data_ptr(), 0x5c, buffer.nbytes());
+        Tensor view = buffer.slice(1000, {2, 1000});
+        ops().fill_zero(stream(), view);
+        synchronize();
+        const auto * bytes = static_cast<const unsigned char *>(buffer.data_ptr());
+        const size_t e     = dtype_size(dtype);
+        for (size_t i = 0; i < 4000 * e; ++i) {
+            ASSERT_EQ(bytes[i], (i >= 1000 * e && i < 3000 * e) ? 0 : 0x5c) << dtype_name(dtype) << " byte " << i;
+        }
+    }
+
+    // scale: one f32 multiplication (the product of two floats is exact in double); over chunks of 2^15.
+    Tensor              t      = random_f32({70003}, 7300, -3.0f, 3.0f);
+    std::vector<double> ref    = values(t);
+    const float         factor = 0.3728f;
+    for (double & v : ref) v *= static_cast<double>(factor);
+    ops().scale(stream(), t, factor);
+    synchronize();
+    EXPECT_TRUE(exact("scale", t, ref));
+}
+
+namespace {
+
+constexpr int64_t kSumOfSquaresN = 3 * (int64_t{1} << 16) + 12345;   // 4 chunks of 2^16, the last partial
+
+Tensor sum_of_squares_input() { return random_f32({kSumOfSquaresN}, 7400, -2.0f, 2.0f); }
+
+// The op's (hi, lo) for the input above.
+std::pair<float, float> sum_of_squares_pair() {
+    Tensor x = sum_of_squares_input(), out = empty({2});
+    ops().sum_of_squares(stream(), x, out);
+    synchronize();
+    return {out.data<float>()[0], out.data<float>()[1]};
+}
+
+}  // namespace
+
+TEST(OpsSumOfSquares, HiPlusLoIsTheDoubleSum) {
+    Tensor x   = sum_of_squares_input();
+    double ref = 0;
+    for (int64_t i = 0; i < x.numel(); ++i) ref += static_cast<double>(x.data<float>()[i]) * x.data<float>()[i];
+    auto [hi, lo] = sum_of_squares_pair();
+    EXPECT_LE(std::fabs(static_cast<double>(hi) + lo - ref), kSumOfSquaresTol * ref)
+        << hi << " + " << lo << " vs " << ref;
+    EXPECT_LE(std::fabs(static_cast<double>(hi) - ref), kF32Add * ref) << "hi is the sum rounded to f32";
+    EXPECT_LE(std::fabs(lo), 0x1p-23 * std::fabs(hi)) << "lo is the rest";
+
+    Tensor small = random_f32({5}, 7401), out = empty({2});
+    double r5 = 0;
+    for (int64_t i = 0; i < 5; ++i) r5 += static_cast<double>(small.data<float>()[i]) * small.data<float>()[i];
+    ops().sum_of_squares(stream(), small, out);
+    synchronize();
+    EXPECT_LE(std::fabs(static_cast<double>(out.data<float>()[0]) + out.data<float>()[1] - r5), kSumOfSquaresTol * r5);
+}
+
+// Run in a child process by SameBitsAtOneAndTwoThreads (the thread budget is fixed per process).
+TEST(OpsSumOfSquares, ChildPrintsItsBits) {
+    if (!std::getenv("LOOM_TEST_SUM_OF_SQUARES_CHILD")) {
+        GTEST_SKIP() << "a helper of OpsSumOfSquares.SameBitsAtOneAndTwoThreads, run in its child processes";
+    }
+    auto [hi, lo] = sum_of_squares_pair();
+    std::printf("sum_of_squares threads %d bits %08" PRIx32 " %08" PRIx32 "\n", num_threads(),
+                std::bit_cast<uint32_t>(hi), std::bit_cast<uint32_t>(lo));
+}
+
+TEST(OpsSumOfSquares, SameBitsAtOneAndTwoThreads) {
+    char          exe[4096];
+    const ssize_t len = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    ASSERT_GT(len, 0);
+    exe[len]              = '\0';
+    auto [hi, lo]         = sum_of_squares_pair();
+    const uint32_t here[] = {std::bit_cast<uint32_t>(hi), std::bit_cast<uint32_t>(lo)};
+    for (int threads : {1, 2}) {
+        // The child runs the one helper test whatever sharding or report file the parent was given.
+        const std::string command =
+            "env -u GTEST_SHARD_INDEX -u GTEST_TOTAL_SHARDS -u GTEST_OUTPUT -u GTEST_FILTER "
+            "LOOM_NUM_THREADS=" +
+            std::to_string(threads) + " LOOM_TEST_SUM_OF_SQUARES_CHILD=1 '" + exe +
+            "' --gtest_filter=OpsSumOfSquares.ChildPrintsItsBits 2>&1";
+        FILE * pipe = popen(command.c_str(), "r");
+        ASSERT_NE(pipe, nullptr) << command;
+        char     line[512];
+        int      child_threads = -1;
+        uint32_t bits[2]       = {0, 0};
+        bool     found         = false;
+        while (std::fgets(line, sizeof(line), pipe)) {
+            if (std::sscanf(line, "sum_of_squares threads %d bits %" SCNx32 " %" SCNx32, &child_threads, &bits[0],
+                            &bits[1]) == 3) {
+                found = true;
+            }
+        }
+        EXPECT_EQ(pclose(pipe), 0) << command;
+        ASSERT_TRUE(found) << command;
+        EXPECT_EQ(child_threads, threads);
+        EXPECT_EQ(bits[0], here[0]) << "hi at " << threads << " threads vs " << num_threads() << " here";
+        EXPECT_EQ(bits[1], here[1]) << "lo at " << threads << " threads vs " << num_threads() << " here";
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// AdamW
+
+TEST(OpsAdamW, FiveStepsAgainstDoubleReferenceWithBf16F32AndNoOutput) {
+    const AdamStep hyper{3e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0};
+    const int      steps = 5;
+    // A tail only; two chunks of 2^14 and more; the non-temporal output path (2^19 elements and more).
+    for (int64_t n : {int64_t{7}, int64_t{40007}, (int64_t{1} << 19) + 5}) {
+        SCOPED_TRACE("n = " + std::to_string(n));
+        const Tensor        p0 = random_f32({n}, 8000, -1.0f, 1.0f);
+        std::vector<Tensor> grads;
+        for (int t = 0; t < steps; ++t) grads.push_back(random_f32({n}, 8001 + t));
+
+        // The update of core/host_adam.h in double (with the f32 hyper-parameters' values).
+        const double        b1 = hyper.beta1, b2 = hyper.beta2, lr = hyper.lr, eps = hyper.eps, wd = hyper.weight_decay;
+        std::vector<double> p = values(p0), m(p.size(), 0.0), v(p.size(), 0.0), m_mag(p.size(), 0.0);
+        for (int t = 1; t <= steps; ++t) {
+            const double  bc1 = 1.0 - std::pow(b1, t), bc2 = 1.0 - std::pow(b2, t);
+            const float * g = grads[static_cast<size_t>(t - 1)].data<float>();
+            for (size_t i = 0; i < p.size(); ++i) {
+                m[i]     = b1 * m[i] + (1.0 - b1) * g[i];
+                m_mag[i] = b1 * m_mag[i] + (1.0 - b1) * std::fabs(g[i]);
+                v[i]     = b2 * v[i] + (1.0 - b2) * g[i] * g[i];
+                p[i]     = p[i] * (1.0 - lr * wd) - (lr / bc1) * m[i] / (std::sqrt(v[i]) / std::sqrt(bc2) + eps);
+            }
+        }
+
+        struct Output {
+            const char * name;
+            bool         defined;
+            DType        dtype;
+        };
+        Tensor first_master;
+        for (const Output & output : {Output{"no out", false, DType::f32}, Output{"bf16 out", true, DType::bf16},
+                                      Output{"f32 out", true, DType::f32}}) {
+            SCOPED_TRACE(output.name);
+            const bool  with_out  = output.defined;
+            const DType out_dtype = output.dtype;
+            Tensor      master = clone(p0), mt = Tensor::zeros({n}, DType::f32, dev()),
+                   vt  = Tensor::zeros({n}, DType::f32, dev());
+            Tensor out = with_out ? empty({n}, out_dtype) : Tensor();
+            for (int t = 1; t <= steps; ++t) {
+                AdamStep step = hyper;
+                step.step     = t;
+                ops().adamw(stream(), master, grads[static_cast<size_t>(t - 1)], mt, vt, out, step);
+            }
+            synchronize();
+            EXPECT_TRUE(within("adamw p", master.data<float>(), p, 1.0,
+                               [&](size_t i) { return steps * (0x1p-21 * std::fabs(p[i]) + 0x1p-20 * lr); }));
+            EXPECT_TRUE(close_to_magnitude("adamw m", mt, m, m_mag, 1e-6));
+            EXPECT_TRUE(close("adamw v", vt, v, 1e-6, 0.0));
+            if (with_out && out_dtype == DType::f32) {
+                EXPECT_TRUE(same_bits("f32 out is the master", out.data_ptr(), master.data_ptr(), master.nbytes()));
+            } else if (with_out) {
+                const uint16_t * bits = static_cast<const uint16_t *>(out.data_ptr());
+                for (int64_t i = 0; i < n; ++i) {
+                    ASSERT_EQ(bf16_value(bits[i]), round_bf16(master.data<float>()[i])) << "bf16 out " << i;
+                }
+            }
+            if (!first_master.defined()) {
+                first_master = master;
+            } else {
+                EXPECT_TRUE(same_bits("master whatever the output", master.data_ptr(), first_master.data_ptr(),
+                                      master.nbytes()));
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Argument errors: thrown on the calling thread, before anything is enqueued.
+
+namespace {
+
+template <typename Call>
+void expect_error_here(const char * what, Call && call) {
+    EXPECT_THROW(call(), Error) << what;
+    EXPECT_NO_THROW(synchronize()) << what << ": the bad call reached the stream";
+}
+
+}  // namespace
+
+TEST(OpsArgumentErrors, Gemm) {
+    Tensor a = empty({4, 8}), b = empty({8, 5}), c = empty({4, 5});
+    expect_error_here("k mismatch", [&] { ops().gemm(stream(), a, false, b, true, c); });
+    expect_error_here("c size", [&] { ops().gemm(stream(), a, false, b, false, empty({4, 6})); });
+    expect_error_here("mixed dtypes", [&] { ops().gemm(stream(), a, false, empty({8, 5}, DType::bf16), false, c); });
+    expect_error_here("i32 operands", [&] {
+        ops().gemm(stream(), empty({4, 8}, DType::i32), false, empty({8, 5}, DType::i32), false, c);
+    });
+    expect_error_here("bf16 c", [&] { ops().gemm(stream(), a, false, b, false, empty({4, 5}, DType::bf16)); });
+    expect_error_here("1-D a", [&] { ops().gemm(stream(), empty({32}), false, b, false, c); });
+}
+
+TEST(OpsArgumentErrors, Norms) {
+    const int64_t n = 6, h = 8;
+    Tensor        x = empty({n, h}), g = empty({h}), y = empty({n, h}), mean = empty({n}), rstd = empty({n});
+    expect_error_here("gamma size", [&] {
+        ops().layernorm_forward(stream(), x, Tensor(), empty({h + 1}), Tensor(), y, mean, rstd, 1e-5f);
+    });
+    expect_error_here("beta size",
+                      [&] { ops().layernorm_forward(stream(), x, Tensor(), g, empty({h - 1}), y, mean, rstd, 1e-5f); });
+    expect_error_here("residual dtype", [&] {
+        ops().layernorm_forward(stream(), x, empty({n, h}, DType::bf16), g, Tensor(), y, mean, rstd, 1e-5f);
+    });
+    expect_error_here("1-D x", [&] { ops().rmsnorm_forward(stream(), empty({n * h}), Tensor(), g, y, rstd, 1e-5f); });
+    expect_error_here("rstd size", [&] { ops().rmsnorm_forward(stream(), x, Tensor(), g, y, empty({n + 1}), 1e-5f); });
+    expect_error_here("dx size", [&] {
+        ops().layernorm_backward(stream(), y, x, g, mean, rstd, empty({n, h + 1}), empty({h}), empty({h}));
+    });
+    expect_error_here("dgamma dtype", [&] {
+        ops().rmsnorm_backward(stream(), y, x, g, rstd, empty({n, h}), empty({h}, DType::bf16));
+    });
+}
+
+TEST(OpsArgumentErrors, Elementwise) {
+    Tensor y = empty({4, 6});
+    expect_error_here("bias size", [&] { ops().bias_add(stream(), y, empty({5})); });
+    expect_error_here("dbias size", [&] { ops().bias_backward(stream(), y, empty({7})); });
+    expect_error_here("add_inplace numel", [&] { ops().add_inplace(stream(), y, empty({23})); });
+    expect_error_here("add_inplace dtype", [&] { ops().add_inplace(stream(), empty({4, 6}, DType::i32), y); });
+    expect_error_here("gelu y size", [&] { ops().bias_gelu_forward(stream(), y, Tensor(), empty({4, 5}), Tensor()); });
+    expect_error_here("gelu x_bf16 dtype", [&] {
+        ops().bias_gelu_forward(stream(), y, Tensor(), empty({4, 6}), empty({4, 6}));
+    });
+    expect_error_here("gelu_backward dx size", [&] { ops().gelu_backward(stream(), y, empty({4, 6}), empty({4, 7})); });
+    expect_error_here("swiglu y size", [&] { ops().swiglu_forward(stream(), y, empty({4, 6})); });
+    expect_error_here("swiglu dx size", [&] { ops().swiglu_backward(stream(), y, empty({4, 3}), empty({4, 3})); });
+    expect_error_here("rope odd d", [&] { ops().rope(stream(), empty({6, 20}), 3, 2, 2, 5, 10000.0f, false); });
+    expect_error_here("rope heads wider than rows", [&] {
+        ops().rope(stream(), empty({6, 20}), 3, 2, 3, 8, 10000.0f, false);
+    });
+    expect_error_here("rope rows", [&] { ops().rope(stream(), empty({6, 20}), 4, 2, 2, 8, 10000.0f, false); });
+    expect_error_here("rope dtype", [&] {
+        ops().rope(stream(), empty({6, 20}, DType::bf16), 3, 2, 2, 8, 10000.0f, false);
+    });
+}
+
+TEST(OpsArgumentErrors, Embedding) {
+    Tensor tokens = int_tensor({2, 3}, {0, 1, 2, 3, 4, 5}), wte = empty({8, 4}), out = empty({6, 4});
+    expect_error_here("f32 tokens", [&] { ops().embedding_forward(stream(), empty({2, 3}), wte, Tensor(), out); });
+    expect_error_here("out size", [&] { ops().embedding_forward(stream(), tokens, wte, Tensor(), empty({6, 5})); });
+    expect_error_here("wpe dtype", [&] {
+        ops().embedding_forward(stream(), tokens, wte, empty({3, 4}, DType::bf16), out);
+    });
+    expect_error_here("i32 table", [&] {
+        ops().embedding_forward(stream(), tokens, empty({8, 4}, DType::i32), Tensor(), out);
+    });
+    expect_error_here("dout size", [&] { ops().embedding_backward(stream(), tokens, empty({5, 4}), wte, Tensor()); });
+    expect_error_here("bf16 dwte", [&] {
+        ops().embedding_backward(stream(), tokens, out, empty({8, 4}, DType::bf16), Tensor());
+    });
+    expect_error_here("shard ids out dtype", [&] {
+        ops().vocab_shard_ids(stream(), tokens, 0, 4, empty({2, 3}, DType::i64));
+    });
+    expect_error_here("shard ids out size",
+                      [&] { ops().vocab_shard_ids(stream(), tokens, 0, 4, empty({7}, DType::i32)); });
+}
+
+TEST(OpsArgumentErrors, Attention) {
+    const AttentionShape a{4, 2, 2, 1, 4, 16};
+    const int64_t        n   = 8;
+    Tensor               qkv = empty({n, 16}), out = empty({n, 8}), lse = empty({2 * 2 * 4});
+    expect_error_here("qkv size", [&] { ops().attention_forward(stream(), empty({n, 15}), out, lse, a, 0.5f); });
+    expect_error_here("out size", [&] { ops().attention_forward(stream(), qkv, empty({n, 9}), lse, a, 0.5f); });
+    expect_error_here("lse size", [&] { ops().attention_forward(stream(), qkv, out, empty({15}), a, 0.5f); });
+    expect_error_here("bf16 qkv", [&] {
+        ops().attention_forward(stream(), empty({n, 16}, DType::bf16), out, lse, a, 0.5f);
+    });
+    expect_error_here("dqkv size", [&] {
+        ops().attention_backward(stream(), qkv, out, out, lse, empty({n, 8}), a, 0.5f);
+    });
+    expect_error_here("dout size", [&] {
+        ops().attention_backward(stream(), qkv, out, empty({n, 7}), lse, empty({n, 16}), a, 0.5f);
+    });
+}
+
+TEST(OpsArgumentErrors, CrossEntropy) {
+    const int64_t b = 2, s = 3, n = 6;
+    Tensor        logits = empty({n, 10}), labels = int_tensor({b, s}, {0, 1, 2, 3, 4, 5}), r = empty({n});
+    expect_error_here("labels size", [&] {
+        ops().cross_entropy_forward(stream(), logits, int_tensor({1, 5}, {0, 1, 2, 3, 4}), r, empty({n}), 10);
+    });
+    expect_error_here("f32 labels", [&] {
+        ops().cross_entropy_forward(stream(), logits, empty({b, s}), r, empty({n}), 10);
+    });
+    expect_error_here("vocab > stride",
+                      [&] { ops().cross_entropy_forward(stream(), logits, labels, r, empty({n}), 11); });
+    expect_error_here("loss size",
+                      [&] { ops().cross_entropy_forward(stream(), logits, labels, empty({n + 1}), empty({n}), 10); });
+    expect_error_here("dloss size",
+                      [&] { ops().cross_entropy_backward(stream(), logits, labels, r, empty({n - 1}), 10); });
+    expect_error_here("row_max out", [&] { ops().row_max(stream(), logits, 10, empty({n + 1})); });
+    expect_error_here("row_sum_exp max", [&] { ops().row_sum_exp(stream(), logits, empty({n}, DType::bf16), 10, r); });
+    expect_error_here("label_logit out", [&] { ops().label_logit(stream(), logits, labels, empty({n}, DType::bf16)); });
+    expect_error_here("lse_and_loss size",
+                      [&] { ops().lse_and_loss(stream(), r, r, empty({n + 1}), empty({n}), empty({n})); });
+    expect_error_here("1-D mask", [&] { ops().loss_grad(stream(), empty({n}), 1.0, empty({n})); });
+    expect_error_here("dloss of the mask's size", [&] {
+        ops().loss_grad(stream(), empty({b, s}), 1.0, empty({n + 1}));
+    });
+}
+
+TEST(OpsArgumentErrors, DataMovementAndReductions) {
+    Tensor x = empty({12});
+    expect_error_here("convert to i32", [&] { ops().convert(stream(), x, empty({12}, DType::i32)); });
+    expect_error_here("convert numel", [&] { ops().convert(stream(), x, empty({13}, DType::bf16)); });
+    expect_error_here("round_to_bf16 x dtype",
+                      [&] { ops().round_to_bf16(stream(), empty({12}, DType::f16), empty({12}, DType::bf16)); });
+    expect_error_here("round_to_bf16 copy dtype", [&] { ops().round_to_bf16(stream(), x, empty({12}, DType::f16)); });
+    expect_error_here("copy dtype", [&] { ops().copy(stream(), x, empty({12}, DType::i32)); });
+    expect_error_here("copy numel", [&] { ops().copy(stream(), x, empty({11})); });
+    expect_error_here("scale i32", [&] { ops().scale(stream(), empty({12}, DType::i32), 2.0f); });
+    expect_error_here("sum_of_squares out size", [&] { ops().sum_of_squares(stream(), x, empty({3})); });
+    expect_error_here("sum_of_squares x dtype",
+                      [&] { ops().sum_of_squares(stream(), empty({12}, DType::bf16), empty({2})); });
+}
+
+TEST(OpsArgumentErrors, AdamW) {
+    const int64_t  n = 16;
+    Tensor         p = empty({n}), g = empty({n}), m = empty({n}), v = empty({n});
+    const AdamStep step{1e-3f, 0.9f, 0.95f, 1e-8f, 0.0f, 1};
+    AdamStep       step0 = step;
+    step0.step           = 0;
+    expect_error_here("grad size", [&] { ops().adamw(stream(), p, empty({n + 1}), m, v, Tensor(), step); });
+    expect_error_here("bf16 m", [&] { ops().adamw(stream(), p, g, empty({n}, DType::bf16), v, Tensor(), step); });
+    expect_error_here("i32 out", [&] { ops().adamw(stream(), p, g, m, v, empty({n}, DType::i32), step); });
+    expect_error_here("out size", [&] { ops().adamw(stream(), p, g, m, v, empty({n - 1}, DType::bf16), step); });
+    expect_error_here("step 0", [&] { ops().adamw(stream(), p, g, m, v, Tensor(), step0); });
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Arguments the CPU backend once let through to the stream (a wrong dtype found only inside the kernel) or
+// not checked at all (a wrong shape read or wrote past a buffer). Out-of-range accesses, were a check to go
+// missing again, land inside larger buffers.
+TEST(OpsArgumentChecks, DtypesAndShapesAreCheckedOnTheCallingThread) {
+    const int64_t n = 6, h = 8;
+    Tensor        x = random_f32({n, h}, 9000), g = random_f32({h}, 9001), dx = empty({n, h}), rstd = empty({n}),
+           mean      = empty({n});
+    Tensor bf16_rows = empty({n, h}, DType::bf16);
+    expect_error_here("layernorm_backward: bf16 dy", [&] {
+        ops().layernorm_backward(stream(), bf16_rows, x, g, mean, rstd, dx, empty({h}), empty({h}));
+    });
+    expect_error_here("rmsnorm_backward: bf16 dy",
+                      [&] { ops().rmsnorm_backward(stream(), bf16_rows, x, g, rstd, dx, empty({h})); });
+    expect_error_here("bias_add: bf16 y", [&] { ops().bias_add(stream(), bf16_rows, g); });
+    expect_error_here("bias_backward: bf16 dy", [&] { ops().bias_backward(stream(), bf16_rows, empty({h})); });
+    expect_error_here("swiglu_backward: bf16 x", [&] {
+        ops().swiglu_backward(stream(), bf16_rows, empty({n, h / 2}), dx);
+    });
+    expect_error_here("swiglu_forward: odd width", [&] {
+        ops().swiglu_forward(stream(), empty({n, 7}), empty({n, 3}));
+    });
+
+    Tensor tokens = int_tensor({2, 3}, {0, 1, 2, 3, 4, 5}), dout = random_f32({6, 4}, 9002);
+    expect_error_here("embedding_backward: bf16 dwpe", [&] {
+        ops().embedding_backward(stream(), tokens, dout, empty({8, 4}), empty({3, 4}, DType::bf16));
+    });
+    Tensor wpe_buffer = Tensor::zeros({3 * 4}, DType::f32, dev());
+    expect_error_here("embedding_forward: wpe of 2 positions for 3", [&] {
+        ops().embedding_forward(stream(), tokens, empty({8, 4}), wpe_buffer.slice(0, {2, 4}), empty({6, 4}));
+    });
+    expect_error_here("embedding_backward: dwpe of 2 positions for 3", [&] {
+        ops().embedding_backward(stream(), tokens, dout, empty({8, 4}), wpe_buffer.slice(0, {2, 4}));
+    });
+
+    Tensor labels = int_tensor({2, 3}, {0, 1, 2, 3, 4, 5}), logits16 = empty({6, 10}, DType::bf16), r = empty({6});
+    expect_error_here("cross_entropy_forward: bf16 logits",
+                      [&] { ops().cross_entropy_forward(stream(), logits16, labels, r, empty({6}), 10); });
+    expect_error_here("cross_entropy_backward: bf16 logits",
+                      [&] { ops().cross_entropy_backward(stream(), logits16, labels, r, r, 10); });
+    expect_error_here("row_max: bf16 logits", [&] { ops().row_max(stream(), logits16, 10, r); });
+    expect_error_here("row_sum_exp: bf16 logits", [&] { ops().row_sum_exp(stream(), logits16, r, 10, empty({6})); });
+    expect_error_here("label_logit: bf16 logits", [&] { ops().label_logit(stream(), logits16, labels, r); });
+    Tensor logit_buffer = Tensor::zeros({7 * 10}, DType::f32, dev());
+    expect_error_here("row_max: valid 11 > stride 10", [&] {
+        ops().row_max(stream(), logit_buffer.slice(0, {6, 10}), 11, r);
+    });
+
+    // nq not a multiple of nkv, and rows narrower than (nq + 2 nkv) d (inside a larger buffer).
+    const AttentionShape ragged{4, 2, 3, 2, 4, 7 * 4}, narrow{4, 2, 2, 1, 4, 8};
+    Tensor               qkv_buffer = Tensor::zeros({8 * 28 + 16}, DType::f32, dev());
+    expect_error_here("attention: nq 3, nkv 2", [&] {
+        ops().attention_forward(stream(), qkv_buffer.slice(0, {8, 28}), empty({8, 12}), empty({24}), ragged, 0.5f);
+    });
+    expect_error_here("attention: row_stride 8 < 16", [&] {
+        ops().attention_forward(stream(), qkv_buffer.slice(0, {8, 8}), empty({8, 8}), empty({16}), narrow, 0.5f);
+    });
+    const AttentionShape no_kv{4, 2, 2, 0, 4, 8};
+    expect_error_here("attention: nkv 0", [&] {
+        ops().attention_backward(stream(), qkv_buffer.slice(0, {8, 8}), empty({8, 8}), empty({8, 8}), empty({16}),
+                                 qkv_buffer.slice(0, {8, 8}), no_kv, 0.5f);
+    });
+    expect_error_here("cross_entropy_backward: vocab 11 > stride 10", [&] {
+        ops().cross_entropy_backward(stream(), logit_buffer.slice(0, {6, 10}), labels, r, r, 11);
+    });
+}
+
+// A token or label id past the table is refused on the stream, before any row is read or written; the
+// error names the op and the id.
+TEST(OpsArgumentChecks, IdsPastTheTableAreAnErrorAtTheNextSynchronize) {
+    Tensor tokens = int_tensor({2, 3}, {0, 1, 2, 3, 4, 8}), dwte = Tensor::zeros({8, 4}, DType::f32, dev());
+    auto   error_at_sync = [&](const char * what, const std::function<void()> & enqueue) {
+        SCOPED_TRACE(what);
+        enqueue();
+        try {
+            synchronize();
+            ADD_FAILURE() << "no error";
+        } catch (const Error & e) {
+            EXPECT_NE(std::string(e.message()).find(" 8 at position 5 is outside [0, 8)"), std::string::npos)
+                << e.message();
+        }
+    };
+    error_at_sync("embedding_forward", [&] { ops().embedding_forward(stream(), tokens, empty({8, 4}), Tensor(), empty({6, 4})); });
+    error_at_sync("embedding_backward", [&] { ops().embedding_backward(stream(), tokens, random_f32({6, 4}, 9200), dwte, Tensor()); });
+    for (int64_t i = 0; i < dwte.numel(); ++i) ASSERT_EQ(dwte.data<float>()[i], 0.0f) << "nothing was added";
+    error_at_sync("cross_entropy_forward", [&] {
+        ops().cross_entropy_forward(stream(), random_f32({6, 8}, 9201), tokens, empty({6}), empty({6}), 8);
+    });
+}
+
+// cross_entropy_forward with a label of -1 (core/ops.h: the label is on another rank's shard) takes a target
+// logit of 0, as label_logit does: loss = lse. (It once read logits[r * stride - 1], the previous row's last
+// column.)
+TEST(CrossEntropy, ForwardWithAnotherRanksLabelTakesATargetOfZero) {
+    const int64_t s = 3, b = 2, n = s * b, vocab = 10, stride = 12;
+    Tensor        logits = ce_logits(n, stride, vocab, 9100);   // padding: NaN and 100
+    Tensor        labels = int_tensor({b, s}, {1, 2, 3, -1, 5, 6}), loss = empty({n}), lse = empty({n});   // row 1: -1
+    ops().cross_entropy_forward(stream(), logits, labels, loss, lse, vocab);
+    synchronize();
+    std::vector<double> ref_lse = logsumexp_rows(logits, vocab), ref_loss(static_cast<size_t>(n));
+    for (int64_t r = 0; r < n; ++r) {
+        const int32_t label = label_of(labels, r, b, s);
+        ref_loss[static_cast<size_t>(r)] =
+            ref_lse[static_cast<size_t>(r)] - (label >= 0 ? logits.data<float>()[r * stride + label] : 0.0);
+    }
+    EXPECT_TRUE(close("cross_entropy lse", lse, ref_lse, kCrossEntropyTol, 1.0));
+    EXPECT_TRUE(close("cross_entropy loss with a -1 label", loss, ref_loss, kCrossEntropyTol, 1.0));
+}

@@ -30,6 +30,17 @@ std::pair<int64_t, int64_t> rows_cols(const Tensor & t, const char * op) {
     return {t.size(0), t.size(1)};
 }
 
+// On the stream: every id is -1 or below `limit` (a token or label past the table would read or write
+// outside it). The error surfaces at the stream's next synchronize, naming the op.
+void check_ids(const Tensor & ids, int64_t limit, const char * op, const char * what) {
+    const int32_t * v = ids.data<int32_t>();
+    for (int64_t i = 0; i < ids.numel(); ++i) {
+        LOOM_CHECK(v[i] >= -1 && v[i] < limit,
+                   op << ": " << what << " " << v[i] << " at position " << i << " is outside [0, " << limit << ")",
+                   "token ids must be below the vocabulary size");
+    }
+}
+
 class CpuOps final : public Ops {
 public:
     void gemm(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c,
@@ -82,19 +93,20 @@ public:
                             const Tensor & rstd, const Tensor & dx, const Tensor & dgamma,
                             const Tensor & dbeta) override {
         auto [n, h] = rows_cols(dy, "layernorm_backward");
-        for (const Tensor * t : {&x, &dx}) expect(*t, DType::f32, n * h, "layernorm_backward", "x/dx");
-        for (const Tensor * t : {&gamma, &dgamma, &dbeta}) expect(*t, DType::f32, h, "layernorm_backward", "gamma/grads");
+        for (const Tensor * t : {&dy, &x, &dx}) expect(*t, DType::f32, n * h, "layernorm_backward", "dy/x/dx");
+        for (const Tensor * t : {&gamma, &dgamma}) expect(*t, DType::f32, h, "layernorm_backward", "gamma/dgamma");
+        if (dbeta.defined()) expect(dbeta, DType::f32, h, "layernorm_backward", "dbeta");   // optional, as beta
         for (const Tensor * t : {&mean, &rstd}) expect(*t, DType::f32, n, "layernorm_backward", "statistics");
         s.submit([=] {
-            cpu::layernorm_backward(f32(dy), f32(x), f32(gamma), f32(mean), f32(rstd), f32(dx), f32(dgamma), f32(dbeta),
-                                    n, h);
+            cpu::layernorm_backward(f32(dy), f32(x), f32(gamma), f32(mean), f32(rstd), f32(dx), f32(dgamma),
+                                    f32_or_null(dbeta), n, h);
         });
     }
 
     void rmsnorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma, const Tensor & rstd,
                           const Tensor & dx, const Tensor & dgamma) override {
         auto [n, h] = rows_cols(dy, "rmsnorm_backward");
-        for (const Tensor * t : {&x, &dx}) expect(*t, DType::f32, n * h, "rmsnorm_backward", "x/dx");
+        for (const Tensor * t : {&dy, &x, &dx}) expect(*t, DType::f32, n * h, "rmsnorm_backward", "dy/x/dx");
         for (const Tensor * t : {&gamma, &dgamma}) expect(*t, DType::f32, h, "rmsnorm_backward", "gamma/dgamma");
         expect(rstd, DType::f32, n, "rmsnorm_backward", "rstd");
         s.submit([=] { cpu::rmsnorm_backward(f32(dy), f32(x), f32(gamma), f32(rstd), f32(dx), f32(dgamma), n, h); });
@@ -102,12 +114,14 @@ public:
 
     void bias_add(Stream & s, const Tensor & y, const Tensor & bias) override {
         auto [n, h] = rows_cols(y, "bias_add");
+        expect(y, DType::f32, -1, "bias_add", "y");
         expect(bias, DType::f32, h, "bias_add", "bias");
         s.submit([=] { cpu::bias_add(f32(y), f32(bias), n, h); });
     }
 
     void bias_backward(Stream & s, const Tensor & dy, const Tensor & dbias) override {
         auto [n, h] = rows_cols(dy, "bias_backward");
+        expect(dy, DType::f32, -1, "bias_backward", "dy");
         expect(dbias, DType::f32, h, "bias_backward", "dbias");
         s.submit([=] { cpu::bias_backward(f32(dy), f32(dbias), n, h); });
     }
@@ -141,12 +155,15 @@ public:
     void swiglu_forward(Stream & s, const Tensor & x, const Tensor & y) override {
         auto [n, two_f] = rows_cols(x, "swiglu_forward");
         expect(x, DType::f32, -1, "swiglu_forward", "x");
+        LOOM_CHECK(two_f % 2 == 0, "swiglu_forward: x " << x.describe() << " has an odd width", "x is [gate | up]");
         expect(y, DType::f32, n * (two_f / 2), "swiglu_forward", "y");
         s.submit([=] { cpu::swiglu_forward(f32(x), f32(y), n, two_f / 2); });
     }
 
     void swiglu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override {
         auto [n, two_f] = rows_cols(x, "swiglu_backward");
+        expect(x, DType::f32, -1, "swiglu_backward", "x");
+        LOOM_CHECK(two_f % 2 == 0, "swiglu_backward: x " << x.describe() << " has an odd width", "x is [gate | up]");
         expect(dy, DType::f32, n * (two_f / 2), "swiglu_backward", "dy");
         expect(dx, DType::f32, n * two_f, "swiglu_backward", "dx");
         s.submit([=] { cpu::swiglu_backward(f32(x), f32(dy), f32(dx), n, two_f / 2); });
@@ -167,9 +184,15 @@ public:
         expect(tokens, DType::i32, -1, "embedding_forward", "tokens");
         const int64_t b = tokens.size(0), seq = tokens.size(1), h = wte.size(1);
         expect(out, DType::f32, seq * b * h, "embedding_forward", "out");
-        LOOM_CHECK(wte.dtype() == DType::f32 || wte.dtype() == DType::bf16, "embedding table " << wte.describe(), "");
-        if (wpe.defined()) expect(wpe, wte.dtype(), -1, "embedding_forward", "wpe");
+        LOOM_CHECK(wte.dim() == 2 && (wte.dtype() == DType::f32 || wte.dtype() == DType::bf16),
+                   "embedding table " << wte.describe(), "");
+        if (wpe.defined()) {
+            expect(wpe, wte.dtype(), -1, "embedding_forward", "wpe");
+            LOOM_CHECK(wpe.dim() == 2 && wpe.size(0) >= seq && wpe.size(1) == h,
+                       "embedding_forward: position table " << wpe.describe() << " for " << seq << " positions of " << h, "");
+        }
         s.submit([=] {
+            check_ids(tokens, wte.size(0), "embedding_forward", "token");
             const int32_t * ids = tokens.data<int32_t>();
             if (wte.dtype() == DType::f32) {
                 cpu::embedding_forward(ids, f32(wte), f32_or_null(wpe), f32(out), seq, b, h);
@@ -183,12 +206,22 @@ public:
 
     void embedding_backward(Stream & s, const Tensor & tokens, const Tensor & dout, const Tensor & dwte,
                             const Tensor & dwpe) override {
+        LOOM_CHECK(tokens.dim() == 2, "embedding_backward: tokens " << tokens.describe(), "tokens are (b, s)");
         expect(tokens, DType::i32, -1, "embedding_backward", "tokens");
+        expect(dwte, DType::f32, -1, "embedding_backward", "dwte");
+        LOOM_CHECK(dwte.dim() == 2, "embedding_backward: dwte " << dwte.describe(), "");
         const int64_t b = tokens.size(0), seq = tokens.size(1), h = dwte.size(1);
         expect(dout, DType::f32, seq * b * h, "embedding_backward", "dout");
-        expect(dwte, DType::f32, -1, "embedding_backward", "dwte");
+        if (dwpe.defined()) {
+            expect(dwpe, DType::f32, -1, "embedding_backward", "dwpe");
+            LOOM_CHECK(dwpe.dim() == 2 && dwpe.size(0) >= seq && dwpe.size(1) == h,
+                       "embedding_backward: dwpe " << dwpe.describe() << " for " << seq << " positions of " << h, "");
+        }
         const int64_t vocab = dwte.size(0);
-        s.submit([=] { cpu::embedding_backward(tokens.data<int32_t>(), f32(dout), f32(dwte), f32_or_null(dwpe), seq, b, h, vocab); });
+        s.submit([=] {
+            check_ids(tokens, vocab, "embedding_backward", "token");
+            cpu::embedding_backward(tokens.data<int32_t>(), f32(dout), f32(dwte), f32_or_null(dwpe), seq, b, h, vocab);
+        });
     }
 
     void vocab_shard_ids(Stream & s, const Tensor & ids, int64_t begin, int64_t count, const Tensor & out) override {
@@ -205,6 +238,7 @@ public:
 
     void attention_forward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & lse,
                            const AttentionShape & shape, float scale) override {
+        check_attention(shape, "attention_forward");
         const int64_t n = shape.s * shape.b;
         expect(qkv, DType::f32, n * shape.row_stride, "attention_forward", "qkv");
         expect(out, DType::f32, n * shape.nq * shape.d, "attention_forward", "out");
@@ -214,6 +248,7 @@ public:
 
     void attention_backward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & dout, const Tensor & lse,
                             const Tensor & dqkv, const AttentionShape & shape, float scale) override {
+        check_attention(shape, "attention_backward");
         const int64_t n = shape.s * shape.b;
         expect(qkv, DType::f32, n * shape.row_stride, "attention_backward", "qkv");
         expect(dqkv, DType::f32, n * shape.row_stride, "attention_backward", "dqkv");
@@ -225,48 +260,46 @@ public:
 
     void cross_entropy_forward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & loss,
                                const Tensor & lse, int64_t vocab) override {
-        auto [n, stride] = rows_cols(logits, "cross_entropy_forward");
-        check_labels(labels, n, "cross_entropy_forward");
+        auto [n, stride] = check_cross_entropy(logits, labels, lse, vocab, "cross_entropy_forward");
         expect(loss, DType::f32, n, "cross_entropy_forward", "loss");
-        expect(lse, DType::f32, n, "cross_entropy_forward", "lse");
-        LOOM_CHECK(vocab <= stride, "cross_entropy_forward: vocabulary " << vocab << " wider than " << stride, "");
         const int64_t b = labels.size(0), seq = labels.size(1);
         s.submit([=] {
+            check_ids(labels, vocab, "cross_entropy_forward", "label");
             cpu::cross_entropy_forward(f32(logits), labels.data<int32_t>(), f32(loss), f32(lse), seq, b, stride, vocab);
         });
     }
 
     void cross_entropy_backward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & lse,
                                 const Tensor & dloss, int64_t vocab) override {
-        auto [n, stride] = rows_cols(logits, "cross_entropy_backward");
-        check_labels(labels, n, "cross_entropy_backward");
-        expect(lse, DType::f32, n, "cross_entropy_backward", "lse");
+        auto [n, stride] = check_cross_entropy(logits, labels, lse, vocab, "cross_entropy_backward");
         expect(dloss, DType::f32, n, "cross_entropy_backward", "dloss");
         const int64_t b = labels.size(0), seq = labels.size(1);
         s.submit([=] {
+            check_ids(labels, vocab, "cross_entropy_backward", "label");
             cpu::cross_entropy_backward(f32(logits), labels.data<int32_t>(), f32(lse), f32(dloss), seq, b, stride, vocab);
         });
     }
 
     void row_max(Stream & s, const Tensor & logits, int64_t valid, const Tensor & out) override {
-        auto [n, stride] = rows_cols(logits, "row_max");
+        auto [n, stride] = check_logits(logits, valid, "row_max");
         expect(out, DType::f32, n, "row_max", "out");
         s.submit([=] { cpu::row_max(f32(logits), n, stride, valid, f32(out)); });
     }
 
     void row_sum_exp(Stream & s, const Tensor & logits, const Tensor & max, int64_t valid, const Tensor & out) override {
-        auto [n, stride] = rows_cols(logits, "row_sum_exp");
+        auto [n, stride] = check_logits(logits, valid, "row_sum_exp");
         expect(max, DType::f32, n, "row_sum_exp", "max");
         expect(out, DType::f32, n, "row_sum_exp", "out");
         s.submit([=] { cpu::row_sum_exp(f32(logits), f32(max), n, stride, valid, f32(out)); });
     }
 
     void label_logit(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & out) override {
-        auto [n, stride] = rows_cols(logits, "label_logit");
+        auto [n, stride] = check_logits(logits, 0, "label_logit");
         check_labels(labels, n, "label_logit");
         expect(out, DType::f32, n, "label_logit", "out");
         const int64_t b = labels.size(0), seq = labels.size(1);
         s.submit([=] {
+            check_ids(labels, stride, "label_logit", "label");
             const float *   x = f32(logits);
             const int32_t * l = labels.data<int32_t>();
             float *         o = f32(out);
@@ -366,6 +399,27 @@ private:
         expect(gamma, DType::f32, h, op, "gamma");
         expect(y, DType::f32, n * h, op, "y");
         expect(rstd, DType::f32, n, op, "rstd");
+    }
+    // Logits (n, stride) f32 whose first `valid` columns are read.
+    static std::pair<int64_t, int64_t> check_logits(const Tensor & logits, int64_t valid, const char * op) {
+        auto [n, stride] = rows_cols(logits, op);
+        expect(logits, DType::f32, -1, op, "logits");
+        LOOM_CHECK(valid >= 0 && valid <= stride, op << ": " << valid << " columns of " << logits.describe(), "");
+        return {n, stride};
+    }
+    static std::pair<int64_t, int64_t> check_cross_entropy(const Tensor & logits, const Tensor & labels,
+                                                           const Tensor & lse, int64_t vocab, const char * op) {
+        auto [n, stride] = check_logits(logits, vocab, op);
+        check_labels(labels, n, op);
+        expect(lse, DType::f32, n, op, "lse");
+        return {n, stride};
+    }
+    static void check_attention(const AttentionShape & a, const char * op) {
+        LOOM_CHECK(a.s > 0 && a.b > 0 && a.d > 0 && a.nkv > 0 && a.nq % a.nkv == 0 &&
+                       a.row_stride >= (a.nq + 2 * a.nkv) * a.d,
+                   op << ": " << a.nq << " query heads over " << a.nkv << " key/value heads of " << a.d
+                      << " in rows of " << a.row_stride,
+                   "query heads are a multiple of the key/value heads, and a row holds [Q | K | V]");
     }
     static void check_labels(const Tensor & labels, int64_t n, const char * op) {
         LOOM_CHECK(labels.dim() == 2, op << ": labels " << labels.describe(), "labels are (b, s)");

@@ -349,7 +349,8 @@ void cross_entropy_forward(const float * logits, const int32_t * labels, float *
     for (int64_t r = 0; r < n; ++r) {
         int64_t si = r / b, bi = r % b;
         lse[r]     = max[r] + static_cast<float>(std::log(static_cast<double>(sum[r])));
-        loss[r]    = lse[r] - logits[r * stride + labels[bi * s + si]];
+        const int32_t label = labels[bi * s + si];   // -1: on another rank's shard, a target logit of 0
+        loss[r]    = lse[r] - (label >= 0 ? logits[r * stride + label] : 0.0f);
     }
 }
 
