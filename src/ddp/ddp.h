@@ -18,7 +18,11 @@
 //   optimizer step                          (optim/distributed_optimizer.h with the distributed optimizer)
 //   start_param_sync()                      distributed optimizer: all-gather the updated shards, now or,
 //                                           with --overlap-param-gather, lazily before each layer's forward
-//                                           (ensure_params_ready, installed as the model's pre-forward hook)
+//                                           (ensure_params_ready, installed as the model's pre-forward hook);
+//                                           the comm stream first waits on an event recorded on the compute
+//                                           stream, where the optimizer's update was enqueued
+//   finalize_grads (ddp/finalize_grads.h)   the trainer's step between the two: the DP reduction, then the
+//                                           tied-embedding and sequence-parallel all-reduces
 //
 // Collectives per bucket group: the bucket's local gradients are scaled in place by 1/dp (or reduced
 // with AVG under --ddp-average-in-collective), then reduce-scattered into the rank's shard of the same

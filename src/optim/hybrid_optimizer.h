@@ -112,6 +112,8 @@ public:
     int                     num_slots() const { return static_cast<int>(slots_.size()); }
     int                     num_offloaded() const;
     int64_t                 offloaded_numel() const;
+    // Pointers into the state: the host reads them after the queued steps have run (the compute stream
+    // synchronized, or step() called without a stream).
     HybridSlotState         slot_state(int slot) const;
 
     // Copies every slot's state out (after the queued steps have run).
