@@ -173,12 +173,38 @@ TEST(LoomTrain, BadFlagsExitTwoNamingTheFlag) {
         {"train --fp16", "--fp16"},
         {"train --tensor-model-parallel-size 2", "--tensor-model-parallel-size"},   // one process: world 1
         {"train --optimizer-cpu-offload --optimizer-offload-fraction 1.5", "--optimizer-offload-fraction"},
+        // Hyper-parameters are finite and in range (each was accepted once, and trained on garbage or crashed).
+        {"train --lr inf", "--lr"},
+        {"train --lr nan", "--lr"},
+        {"train --adam-beta1 2", "--adam-beta1"},
+        {"train --adam-beta2 1", "--adam-beta2"},
+        {"train --adam-eps 0", "--adam-eps"},
+        {"train --clip-grad -1", "--clip-grad"},
+        {"train --weight-decay nan", "--weight-decay"},
+        {"train --init-method-std 0", "--init-method-std"},
+        {"train --lr-warmup-iters 0 --make-vocab-size-divisible-by 0", "--make-vocab-size-divisible-by"},
+        {"train --lr-warmup-iters 0 --make-vocab-size-divisible-by -4", "--make-vocab-size-divisible-by"},
+        {"train --check-for-nan-in-loss-and-grad --no-check-for-nan-in-loss-and-grad", "--no-check-for-nan"},
     };
     for (const Case & c : cases) {
         std::string err;
         EXPECT_EQ(run_status(c.args, &err), 2) << c.args;
         EXPECT_NE(err.find(c.names), std::string::npos) << c.args << " -> " << err;
     }
+}
+
+// A loss that becomes NaN stops the run with exit 1 and a message naming the iteration (Megatron checks by
+// default); --no-check-for-nan-in-loss-and-grad skips those iterations' updates and counts them instead.
+TEST(LoomTrain, ANanLossEndsTheRunWithExitOneUnlessTheCheckIsOff) {
+    const std::string diverging = "train --train-iters 4 --lr 1e30 --lr-warmup-iters 0 --log-interval 1";
+    std::string       err;
+    EXPECT_EQ(run_status(diverging, &err), 1) << err;
+    EXPECT_NE(err.find("lm loss is"), std::string::npos) << err;
+    EXPECT_NE(err.find("of iteration 2"), std::string::npos) << err;
+    EXPECT_NE(err.find("--no-check-for-nan-in-loss-and-grad"), std::string::npos) << err;
+    CliRun skipped = run_loom(diverging + " --no-check-for-nan-in-loss-and-grad");
+    EXPECT_EQ(skipped.status, 0) << skipped.out;
+    EXPECT_NE(skipped.out.find("number of nan iterations:   3 |"), std::string::npos) << skipped.out;
 }
 
 TEST(LoomEval, AnUntrainedModelScoresAboutLnVocab) {

@@ -72,15 +72,26 @@ int cmd_train(int argc, char ** argv) {
         mpi = std::make_unique<comm::MpiContext>();
         LOOM_CHECK(mpi->world_size() == world, "MPI started " << mpi->world_size() << " ranks, the launcher said " << world, "");
     }
+    if (world == 1) return train_on_this_rank(options, parser.vocab_given(), mpi.get());
+    // Under mpirun, anything thrown on one rank stops the job: the other ranks may be waiting for it in a
+    // collective, and would wait forever.
+    auto stop = [&](const char * what, int status) {
+        std::fprintf(stderr, "[rank %d] loom train: %s\n", mpi->world_rank(), what);
+        std::fflush(stderr);
+        mpi->abort(status);
+    };
     try {
         return train_on_this_rank(options, parser.vocab_given(), mpi.get());
+    } catch (const RunError & e) {
+        stop(e.what(), 1);
     } catch (const Error & e) {
-        if (world > 1) {
-            std::fprintf(stderr, "loom train: rank %d: %s\n", mpi->world_rank(), e.what());
-            mpi->abort(kExitBadInput);
-        }
-        throw;
+        stop(e.what(), kExitBadInput);
+    } catch (const std::exception & e) {
+        stop(e.what(), 1);
+    } catch (...) {
+        stop("an exception that is not a std::exception", 1);
     }
+    return 1;
 }
 
 static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, comm::MpiContext * mpi) {

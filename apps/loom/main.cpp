@@ -55,6 +55,9 @@ int main(int argc, char ** argv) {
         if (std::strcmp(argv[1], c.name) == 0) {
             try {
                 return c.run(argc - 1, argv + 1);
+            } catch (const loom::RunError & e) {
+                std::fprintf(stderr, "loom %s: %s\n", c.name, e.what());
+                return 1;
             } catch (const loom::Error & e) {
                 std::fprintf(stderr, "loom %s: %s\n", c.name, e.what());
                 return loom::app::kExitBadInput;

@@ -40,6 +40,13 @@ private:
     int          rank_;
 };
 
+// A failure of the run itself (a loss or gradient norm that became NaN), not of its input: `loom` exits
+// with status 1 for it and 2 for any other Error.
+class RunError : public Error {
+public:
+    using Error::Error;
+};
+
 namespace detail {
 // Builds a message from `<<`-separated parts: LOOM_CHECK(n > 0, "n must be positive, got " << n, "").
 template <typename... Parts>

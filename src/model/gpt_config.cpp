@@ -25,6 +25,9 @@ void GptConfig::validate() const {
                "--seq-length " << seq_length << " exceeds --max-position-embeddings " << max_position_embeddings,
                "raise --max-position-embeddings or shorten the sequence");
     LOOM_CHECK(vocab_size >= 1, "vocabulary size must be >= 1", "");
+    LOOM_CHECK(make_vocab_size_divisible_by >= 1,
+               "--make-vocab-size-divisible-by must be >= 1, got " << make_vocab_size_divisible_by,
+               "the vocabulary is padded to a multiple of it (Megatron's default is 128)");
     LOOM_CHECK(ffn_hidden_size >= 1, "--ffn-hidden-size must be >= 1", "");
 }
 

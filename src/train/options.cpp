@@ -5,6 +5,7 @@
 #include "pipeline/layer_assignment.h"
 #include "pipeline/schedule.h"
 
+#include <cmath>
 #include <optional>
 
 namespace loom::train {
@@ -74,7 +75,10 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_flag("--accumulate-allreduce-grads-in-fp32", grads_in_fp32_,
                  "accumulate and reduce gradients in f32 (always on in Loom)");
     app.add_flag("--check-for-nan-in-loss-and-grad", o.ddp.check_for_nan_in_grad,
-                 "stop, naming the rank and parameter, when a gradient is not finite before reduction");
+                 "stop on a non-finite loss or gradient norm (the default); given explicitly, also scan every "
+                 "bucket before its reduction to name the rank and parameter (a host pass over the gradients)");
+    app.add_flag("--no-check-for-nan-in-loss-and-grad", no_check_nan_,
+                 "skip the update of an iteration whose loss or gradient norm is not finite, and go on");
     app.add_flag("--print-layout", o.print_layout, "print the DDP buffer layout (as `loom layout`) on rank 0");
     app.add_option("--timeline", o.timeline_file,
                    "write the last iteration's measured pipeline timeline (one row per stage) as an SVG");
@@ -111,6 +115,30 @@ pipeline::LayerSplitOptions TrainOptions::layer_split() const {
     if (last_stage_layers > 0) split.last_stage_layers = static_cast<int>(last_stage_layers);
     return split;
 }
+
+namespace {
+
+// Finite and in range, each message naming its flag: a NaN or an infinity here would train on garbage.
+void validate_hyperparameters(const TrainOptions & o) {
+    auto finite = [](double x) { return std::isfinite(x); };
+    LOOM_CHECK(finite(o.adam.lr) && o.adam.lr > 0, "--lr must be a finite number > 0, got " << o.adam.lr, "");
+    LOOM_CHECK(finite(o.min_lr) && o.min_lr >= 0 && o.min_lr <= o.adam.lr,
+               "--min-lr " << o.min_lr << " must lie in [0, --lr " << o.adam.lr << "]", "");
+    LOOM_CHECK(finite(o.adam.beta1) && o.adam.beta1 >= 0 && o.adam.beta1 < 1,
+               "--adam-beta1 must lie in [0, 1), got " << o.adam.beta1, "Megatron's default is 0.9");
+    LOOM_CHECK(finite(o.adam.beta2) && o.adam.beta2 >= 0 && o.adam.beta2 < 1,
+               "--adam-beta2 must lie in [0, 1), got " << o.adam.beta2, "Megatron's default is 0.999");
+    LOOM_CHECK(finite(o.adam.eps) && o.adam.eps > 0, "--adam-eps must be a finite number > 0, got " << o.adam.eps,
+               "it keeps the update finite where the second moment is 0; Megatron's default is 1e-8");
+    LOOM_CHECK(finite(o.adam.weight_decay) && o.adam.weight_decay >= 0,
+               "--weight-decay must be a finite number >= 0, got " << o.adam.weight_decay, "");
+    LOOM_CHECK(finite(o.clip_grad) && o.clip_grad >= 0,
+               "--clip-grad must be a finite number >= 0, got " << o.clip_grad, "0 turns clipping off");
+    LOOM_CHECK(finite(o.model.init_method_std) && o.model.init_method_std > 0,
+               "--init-method-std must be a finite number > 0, got " << o.model.init_method_std, "");
+}
+
+}  // namespace
 
 TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     TrainOptions o = opts_;
@@ -191,9 +219,11 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
                                              << " data-parallel ranks runs whole micro-batches)");
     if (app_.count("--ddp-bucket-size") > 0) o.ddp.bucket_size = bucket_size_;
     o.ddp.validate();
+    LOOM_CHECK(!(no_check_nan_ && o.ddp.check_for_nan_in_grad),
+               "--check-for-nan-in-loss-and-grad and --no-check-for-nan-in-loss-and-grad together", "give one of them");
+    o.check_for_nan_in_loss_and_grad = !no_check_nan_;
     LOOM_CHECK(o.train_iters >= 1, "--train-iters must be >= 1", "");
-    LOOM_CHECK(o.adam.lr > 0, "--lr must be > 0, got " << o.adam.lr, "");
-    LOOM_CHECK(o.min_lr >= 0 && o.min_lr <= o.adam.lr, "--min-lr " << o.min_lr << " must lie in [0, --lr " << o.adam.lr << "]", "");
+    validate_hyperparameters(o);
     LOOM_CHECK(o.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0", "");
     optim::lr_decay_style_from_name(o.lr_decay_style);
     if (o.lr_decay_iters == 0) o.lr_decay_iters = o.train_iters;

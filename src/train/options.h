@@ -58,6 +58,9 @@ struct TrainOptions {
     // How the layers split over pipeline stages and virtual stages (pipeline/layer_assignment.h).
     pipeline::LayerSplitOptions layer_split() const;
     ddp::DdpConfig ddp;                 // --use-distributed-optimizer, --overlap-grad-reduce, ...
+    // A non-finite loss or gradient norm stops the run (exit 1), as Megatron's default; off
+    // (--no-check-for-nan-in-loss-and-grad), such an iteration skips its update and counts as a nan iteration.
+    bool           check_for_nan_in_loss_and_grad = true;
     bool           print_layout = false;   // print DDP's buffer layout on rank 0
     std::string    timeline_file;          // --timeline: the last iteration's measured pipeline timeline (SVG)
 
@@ -99,6 +102,7 @@ private:
     uint64_t    seed_     = 0;
     int64_t     bucket_size_ = 0;
     bool        grads_in_fp32_ = false;
+    bool        no_check_nan_ = false;
 };
 
 }  // namespace loom::train

@@ -127,12 +127,16 @@ double Trainer::step(IterationStats & stats) {
             pipeline::write_file_atomically(options_.timeline_file, pipeline::timeline_svg(timeline));
         }
     }
-    double loss_total = 0;   // sum of the micro-batches' mean losses (last stage)
+    double     loss_total = 0;   // sum of the micro-batches' mean losses (last stage)
+    const bool check      = options_.check_for_nan_in_loss_and_grad;
     for (size_t k = 0; k < r.losses.size(); ++k) {
-        LOOM_CHECK(!options_.ddp.check_for_nan_in_grad || std::isfinite(r.losses[k].sum),
-                   "rank " << (dp ? dp->global_ranks()[dp->rank()] : 0) << ": lm loss is " << r.losses[k].sum
-                           << " in micro-batch " << k << " of iteration " << iteration_,
-                   "--check-for-nan-in-loss-and-grad stops here; lower --lr or check the data");
+        if (check && !std::isfinite(r.losses[k].sum)) {
+            throw RunError(detail::concat("lm loss is ", r.losses[k].sum, " in micro-batch ", k, " of iteration ",
+                                          iteration_),
+                           "lower --lr, check the data, or give --no-check-for-nan-in-loss-and-grad to skip such "
+                           "iterations",
+                           __FILE__, __LINE__);
+        }
         loss_total += r.losses[k].mean();
     }
     consumed_ += options_.global_batch_size;
@@ -140,7 +144,16 @@ double Trainer::step(IterationStats & stats) {
                         model_.device());
     const float             lr     = schedule_.lr_at(iteration_);
     const optim::StepResult result = setup_.optimizer->step(lr);
-    if (!result.stepped) ++nan_iterations_;
+    if (!result.stepped) {
+        // Every rank computed the same norm, so every rank stops here together.
+        if (check) {
+            throw RunError(detail::concat("the gradient norm is ", result.grad_norm, " at iteration ", iteration_),
+                           "lower --lr or enable --clip-grad; --no-check-for-nan-in-loss-and-grad skips such "
+                           "iterations instead",
+                           __FILE__, __LINE__);
+        }
+        ++nan_iterations_;
+    }
     double loss = loss_total / static_cast<double>(microbatches);
     if (stages_) {   // only the last stage computed the loss
         Tensor value = Tensor::empty({1}, DType::f32, model_.device());
