@@ -75,21 +75,25 @@ int cmd_train(int argc, char ** argv) {
     if (world == 1) return train_on_this_rank(options, parser.vocab_given(), mpi.get());
     // Under mpirun, anything thrown on one rank stops the job: the other ranks may be waiting for it in a
     // collective, and would wait forever.
-    auto stop = [&](const char * what, int status) {
-        std::fprintf(stderr, "[rank %d] loom train: %s\n", mpi->world_rank(), what);
+    auto stop = [&](const char * what, int status, bool has_rank) {
+        if (has_rank) {   // a loom::Error's text starts with its rank
+            std::fprintf(stderr, "loom train: %s\n", what);
+        } else {
+            std::fprintf(stderr, "[rank %d] loom train: %s\n", mpi->world_rank(), what);
+        }
         std::fflush(stderr);
         mpi->abort(status);
     };
     try {
         return train_on_this_rank(options, parser.vocab_given(), mpi.get());
     } catch (const RunError & e) {
-        stop(e.what(), 1);
+        stop(e.what(), 1, true);
     } catch (const Error & e) {
-        stop(e.what(), kExitBadInput);
+        stop(e.what(), kExitBadInput, true);
     } catch (const std::exception & e) {
-        stop(e.what(), 1);
+        stop(e.what(), 1, false);
     } catch (...) {
-        stop("an exception that is not a std::exception", 1);
+        stop("an exception that is not a std::exception", 1, false);
     }
     return 1;
 }
