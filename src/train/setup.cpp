@@ -11,6 +11,12 @@ namespace {
 
 int size_of(const std::shared_ptr<comm::Communicator> & group) { return group ? group->size() : 1; }
 
+void check_pipeline_group(const TrainOptions & options, const parallel::ProcessGroups & groups) {
+    LOOM_CHECK(size_of(groups.pp) == options.pipeline_parallel_size,
+               "pipeline group of " << size_of(groups.pp) << " ranks for --pipeline-model-parallel-size "
+                                    << options.pipeline_parallel_size, "");
+}
+
 }  // namespace
 
 std::vector<model::PipelineStage> pipeline_stages(const TrainOptions & options, int stage) {
@@ -46,9 +52,7 @@ std::vector<model::Parameter *> Setup::parameters() const {
 }
 
 Setup setup(const TrainOptions & options, const parallel::ProcessGroups & groups, Device & device) {
-    LOOM_CHECK(size_of(groups.pp) == options.pipeline_parallel_size,
-               "pipeline group of " << size_of(groups.pp) << " ranks for --pipeline-model-parallel-size "
-                                    << options.pipeline_parallel_size, "");
+    check_pipeline_group(options, groups);
     LOOM_CHECK(size_of(groups.tp) == options.tensor_parallel_size,
                "tensor-parallel group of " << size_of(groups.tp) << " ranks for --tensor-model-parallel-size "
                                            << options.tensor_parallel_size, "");
@@ -75,9 +79,7 @@ Setup setup(const TrainOptions & options, const parallel::ProcessGroups & groups
 
 Setup setup(const TrainOptions & options, std::vector<model::GptModel *> chunks, const parallel::ProcessGroups & groups) {
     LOOM_CHECK(!chunks.empty(), "a rank with no model chunks", "");
-    LOOM_CHECK(size_of(groups.pp) == options.pipeline_parallel_size,
-               "pipeline group of " << size_of(groups.pp) << " ranks for --pipeline-model-parallel-size "
-                                    << options.pipeline_parallel_size, "");
+    check_pipeline_group(options, groups);
     Setup s;
     s.chunks = std::move(chunks);
     s.groups = groups;
