@@ -30,9 +30,15 @@ namespace loom::app {
 namespace {
 
 void print_summary(const train::TrainSummary & s) {
-    std::printf("\ntraining summary: %zu iterations in %.1f s | %.0f tokens/s | %.3f TFLOP/s achieved | "
+    if (s.losses.empty()) {
+        std::printf("\ntraining summary: no iterations to run (the checkpoint is at --train-iters already)\n");
+        return;
+    }
+    std::printf("\ntraining summary: %zu iterations (%lld to %lld) in %.1f s | %.0f tokens/s | %.3f TFLOP/s achieved | "
                 "lm loss %.4f -> %.4f\n",
-                s.losses.size(), s.seconds, s.tokens_per_second, s.tflops, s.losses.front(), s.losses.back());
+                s.losses.size(), static_cast<long long>(s.first_iteration),
+                static_cast<long long>(s.first_iteration + static_cast<int64_t>(s.losses.size()) - 1), s.seconds,
+                s.tokens_per_second, s.tflops, s.losses.front(), s.losses.back());
     Allocator & device = cpu::device().allocator(MemoryKind::device);
     std::printf("peak memory (%s): %.1f MiB allocated, %.1f MiB reserved\n", device.name().c_str(),
                 device.stats().peak_allocated / 1048576.0, device.stats().peak_reserved / 1048576.0);

@@ -115,6 +115,8 @@ public:
     // Pointers into the state: the host reads them after the queued steps have run (the compute stream
     // synchronized, or step() called without a stream).
     HybridSlotState         slot_state(int slot) const;
+    // The slot as given (its values view tells a checkpoint which elements of its parameter it holds).
+    const HybridSlot &      slot(int i) const { return slots_.at(static_cast<size_t>(i)).slot; }
 
     // Copies every slot's state out (after the queued steps have run).
     HybridStateDict state_dict() const;

@@ -18,6 +18,7 @@ public:
         return model::MicroBatch{b.tokens, b.labels, b.loss_mask};
     }
     std::string describe() const override { return dataset_->describe(); }
+    void        set_consumed_samples(int64_t consumed) override { loader_.set_consumed_samples(consumed); }
 
 private:
     std::unique_ptr<data::TokenDataset> dataset_;

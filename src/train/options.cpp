@@ -1,6 +1,7 @@
 #include "train/options.h"
 
 #include "core/error.h"
+#include "train/checkpointing.h"
 #include "model/hf_gpt2.h"
 #include "pipeline/layer_assignment.h"
 #include "pipeline/schedule.h"
@@ -101,6 +102,21 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_option("--split", o.split, "train,valid,test weights over documents")->capture_default_str();
     app.add_option("--text-file", o.text_file, "a plain text file, tokenised by bytes");
     app.add_option("--llmc-shard", o.llmc_shard, "an llm.c token shard");
+    app.add_option("--save", o.save, "folder to save checkpoints to (DIR/iter_XXXXXXX)");
+    app.add_option("--load", o.load, "folder to resume from (its latest_checkpointed_iteration.txt, or --ckpt-step)");
+    app.add_option("--save-interval", o.save_interval, "iterations between checkpoints (and one at the end)");
+    app.add_flag("--no-save-optim", o.no_save_optim, "save the parameters only");
+    app.add_flag("--no-load-optim", o.no_load_optim, "load the parameters only; the optimizer starts afresh");
+    app.add_flag("--no-load-rng", o.no_load_rng, "do not load the random state (Loom keeps none after initialisation)");
+    app.add_flag("--finetune", o.finetune, "load the parameters only and start from iteration 0");
+    app.add_option("--ckpt-step", o.ckpt_step, "load this iteration instead of the latest");
+    app.add_option("--ckpt-format", o.ckpt_format, "checkpoint format: torch_dist (Loom's reshardable format)")
+        ->capture_default_str();
+    app.add_flag("--use-checkpoint-args", o.use_checkpoint_args, "take the model's shape from the --load checkpoint");
+    app.add_option("--exit-interval", o.exit_interval, "stop (after saving) when the iteration is a multiple of this");
+    app.add_option("--exit-duration-in-mins", o.exit_duration_in_mins, "stop (after saving) after this many minutes");
+    app.add_flag("--exit-signal-handler", o.exit_signal_handler,
+                 "on SIGTERM, finish the iteration, save and exit 0");
     app.add_option("--log-interval", o.log_interval, "iterations between log lines")->capture_default_str();
     app.add_option("--log-file", o.log_file, "write the logged metrics as JSON lines to this file");
 }
@@ -136,6 +152,25 @@ void validate_hyperparameters(const TrainOptions & o) {
                "--clip-grad must be a finite number >= 0, got " << o.clip_grad, "0 turns clipping off");
     LOOM_CHECK(finite(o.model.init_method_std) && o.model.init_method_std > 0,
                "--init-method-std must be a finite number > 0, got " << o.model.init_method_std, "");
+}
+
+// --save, --load and the exit flags.
+void validate_checkpoint_flags(const TrainOptions & o, bool save_interval_given, bool exit_interval_given,
+                               bool ckpt_step_given) {
+    LOOM_CHECK(o.ckpt_format == "torch_dist",
+               "--ckpt-format " << o.ckpt_format << " is not supported by Loom",
+               "Loom writes one format, sharded safetensors in parameter space that reshard across DP, TP and PP; "
+               "it answers to Megatron's default name, torch_dist (leave the flag out)");
+    LOOM_CHECK(!save_interval_given || o.save_interval >= 1, "--save-interval must be >= 1, got " << o.save_interval, "");
+    LOOM_CHECK(!exit_interval_given || o.exit_interval >= 1, "--exit-interval must be >= 1, got " << o.exit_interval, "");
+    LOOM_CHECK(std::isfinite(o.exit_duration_in_mins) && o.exit_duration_in_mins >= 0,
+               "--exit-duration-in-mins must be a finite number >= 0, got " << o.exit_duration_in_mins, "");
+    LOOM_CHECK(!ckpt_step_given || o.ckpt_step >= 0, "--ckpt-step must be >= 0, got " << o.ckpt_step, "");
+    LOOM_CHECK(o.ckpt_step < 0 || !o.load.empty(), "--ckpt-step " << o.ckpt_step << " without --load",
+               "give the folder to load from with --load");
+    LOOM_CHECK(!o.use_checkpoint_args || !o.load.empty(), "--use-checkpoint-args without --load",
+               "give the folder to load from with --load");
+    LOOM_CHECK(!o.finetune || !o.load.empty(), "--finetune without --load", "give the folder to load from with --load");
 }
 
 }  // namespace
@@ -199,6 +234,15 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     if (untie_) m.untie_embeddings_and_output_weights = true;
     if (given("--init-method-std")) m.init_method_std = init_std_;
     if (given("--seed")) m.seed = seed_;
+    validate_checkpoint_flags(o, given("--save-interval"), given("--exit-interval"), given("--ckpt-step"));
+    if (o.use_checkpoint_args) {   // the checkpoint's shape wins over the flags, as Megatron's load_args_from_checkpoint
+        std::optional<int64_t> step;
+        if (o.ckpt_step >= 0) step = o.ckpt_step;
+        std::optional<std::string> folder = checkpoint::find_checkpoint(o.load, step);
+        LOOM_CHECK(folder, "--use-checkpoint-args: '" << o.load << "' holds no " << checkpoint::kTrackerFile,
+                   "give a --load folder that holds a checkpoint");
+        apply_checkpoint_args(m, checkpoint::read_index(*folder));
+    }
     if (hf) {
         // Checked first: a longer --seq-length has raised the positions above.
         LOOM_CHECK(!given("--seq-length") || seq_length_ <= hf->max_position_embeddings,

@@ -70,6 +70,18 @@ struct TrainOptions {
     std::string text_file;          // a plain text file, byte tokens
     std::string llmc_shard;         // an llm.c token shard
 
+    // Checkpoints (train/checkpointing.h): Megatron's flags and defaults.
+    std::string save;                       // --save DIR
+    std::string load;                       // --load DIR
+    int64_t     save_interval = 0;          // --save-interval (0: only at the end)
+    bool        no_save_optim = false, no_load_optim = false, no_load_rng = false, finetune = false;
+    int64_t     ckpt_step = -1;             // --ckpt-step (-1: the tracker's iteration)
+    std::string ckpt_format = "torch_dist"; // the only format: Loom's, under Megatron's default name
+    bool        use_checkpoint_args = false;
+    int64_t     exit_interval = 0;          // --exit-interval: stop (after saving) at a multiple of it
+    double      exit_duration_in_mins = 0;  // --exit-duration-in-mins: stop (after saving) past it
+    bool        exit_signal_handler = false;   // SIGTERM: finish the iteration, save, exit 0
+
     // Logging.
     int64_t     log_interval = 10;
     std::string log_file;           // JSON lines, one object per logged iteration
@@ -86,8 +98,11 @@ public:
     // After app.parse(): resolves the preset, applies explicit flags, validates for `world_size` ranks
     // (tp x pp x dp); throws loom::Error (identically on every rank, before any collective).
     TrainOptions resolve(int64_t world_size = 1);
-    // True when --vocab-size or --load-hf fixed the vocabulary (otherwise the dataset's is used).
-    bool vocab_given() const { return app_.count("--vocab-size") > 0 || !opts_.load_hf.empty(); }
+    // True when --vocab-size, --load-hf or --use-checkpoint-args fixed the vocabulary (otherwise the
+    // dataset's is used).
+    bool vocab_given() const {
+        return app_.count("--vocab-size") > 0 || !opts_.load_hf.empty() || opts_.use_checkpoint_args;
+    }
 
 private:
     CLI::App &   app_;

@@ -3,8 +3,10 @@
 #include "core/device.h"
 #include "ddp/finalize_grads.h"
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <ctime>
 #include <nlohmann/json.hpp>
 #include <unistd.h>
@@ -93,6 +95,17 @@ Trainer::Trainer(const TrainOptions & options, std::unique_ptr<Setup> owned, Set
     schedule_.warmup_iters = options.lr_warmup_iters;
     schedule_.decay_iters  = options.lr_decay_iters;
     schedule_.style        = optim::lr_decay_style_from_name(options.lr_decay_style);
+    resumed_               = load_checkpoint(options_, setup_);
+    if (!resumed_.folder.empty()) {
+        iteration_ = resumed_.iteration;
+        consumed_  = resumed_.consumed_samples;
+        if (consumed_ > 0) data_.set_consumed_samples(consumed_);
+    }
+}
+
+void BatchSource::set_consumed_samples(int64_t consumed) {
+    LOOM_THROW("the data source " << describe() << " cannot resume after " << consumed << " samples",
+               "resume with a data source that can seek (--data-path, --llmc-shard, --text-file or synthetic data)");
 }
 
 Trainer::~Trainer() {
@@ -177,14 +190,60 @@ double Trainer::step(IterationStats & stats) {
     return loss;
 }
 
+namespace {
+
+std::atomic<bool> g_sigterm{false};
+
+extern "C" void on_sigterm(int) { g_sigterm.store(true); }
+
+}  // namespace
+
+void Trainer::save(FILE * out) {
+    if (out) {
+        std::fprintf(out, "saving checkpoint at iteration %7lld to %s in torch_dist format\n",
+                     static_cast<long long>(iteration_), options_.save.c_str());
+        std::fflush(out);
+    }
+    checkpoint::SaveStats stats = save_checkpoint(options_, setup_, iteration_, consumed_);
+    if (out) {
+        std::fprintf(out, "  successfully saved checkpoint from iteration %7lld to %s [ %.1f MiB in %.3f s ]\n",
+                     static_cast<long long>(iteration_), options_.save.c_str(), stats.bytes / 1048576.0, stats.seconds);
+    }
+}
+
 TrainSummary Trainer::run(FILE * out) {
     TrainSummary summary;
+    summary.first_iteration = iteration_ + 1;
+    if (out && !resumed_.folder.empty()) {
+        std::fprintf(out, "  successfully loaded checkpoint from %s at iteration %lld (consumed samples %lld) in %.3f s\n",
+                     resumed_.folder.c_str(), static_cast<long long>(resumed_.iteration),
+                     static_cast<long long>(resumed_.consumed_samples), resumed_.seconds);
+    } else if (out && !options_.load.empty()) {
+        std::fprintf(out, "WARNING: could not find a checkpoint in %s (no %s); training from scratch\n",
+                     options_.load.c_str(), checkpoint::kTrackerFile);
+    }
     FILE *       log_file = nullptr;
     if (!options_.log_file.empty()) {
         log_file = std::fopen(options_.log_file.c_str(), "w");
         LOOM_CHECK(log_file != nullptr, "cannot open --log-file '" << options_.log_file << "' for writing",
                    "check that the directory exists and is writable");
     }
+    struct sigaction previous {};
+    if (options_.exit_signal_handler) {
+        struct sigaction action {};
+        action.sa_handler = on_sigterm;
+        sigemptyset(&action.sa_mask);
+        sigaction(SIGTERM, &action, &previous);
+    }
+    // The ranks agree on stopping: a flag any rank raised stops all of them after the same iteration.
+    comm::Communicator * everyone = setup_.groups.world ? setup_.groups.world.get() : setup_.groups.dp.get();
+    auto any_rank = [&](bool local) {
+        if (!everyone || everyone->size() == 1) return local;
+        Tensor flag = Tensor::empty({1}, DType::f32, model_.device());
+        flag.data<float>()[0] = local ? 1.0f : 0.0f;
+        everyone->all_reduce(flag, comm::ReduceOp::max)->wait();
+        return flag.data<float>()[0] > 0.0f;
+    };
     bool   progress_bar = out != nullptr && isatty(fileno(out));
     // Per rank, as Megatron's "throughput per GPU".
     double flops_per_iteration = model_.config().training_flops_per_token() *
@@ -195,7 +254,8 @@ TrainSummary Trainer::run(FILE * out) {
     auto   window_start = start;
     double window_loss  = 0;
     int64_t window_iters = 0;
-    for (int64_t k = 1; k <= options_.train_iters; ++k) {
+    bool    saved_last   = false;   // the last iteration run has been saved
+    for (int64_t k = iteration_ + 1; k <= options_.train_iters; ++k) {
         IterationStats stats;
         double         loss = step(stats);
         summary.losses.push_back(loss);
@@ -220,19 +280,43 @@ TrainSummary Trainer::run(FILE * out) {
             window_iters = 0;
         } else if (progress_bar) {
             double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-            double eta     = elapsed / static_cast<double>(k) * static_cast<double>(options_.train_iters - k);
+            double done    = static_cast<double>(k - summary.first_iteration + 1);
+            double eta     = elapsed / done * static_cast<double>(options_.train_iters - k);
             int    width   = 30;
             int    filled  = static_cast<int>(width * k / options_.train_iters);
             std::fprintf(out, "\r[%.*s%*s] %lld/%lld  loss %.4f  ETA %.0fs", filled, "##############################",
                          width - filled, "", static_cast<long long>(k), static_cast<long long>(options_.train_iters), loss, eta);
             std::fflush(out);
         }
+        saved_last = false;
+        if (!options_.save.empty() && options_.save_interval > 0 && k % options_.save_interval == 0) {
+            save(out);
+            saved_last = true;
+        }
+        // Megatron's order: the signal, the duration, the interval; each saves (with --save) and stops.
+        if (options_.exit_signal_handler && any_rank(g_sigterm.load())) {
+            summary.stopped_by = "SIGTERM";
+        } else if (options_.exit_duration_in_mins > 0 &&
+                   any_rank(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / 60.0 >
+                            options_.exit_duration_in_mins)) {
+            summary.stopped_by = "--exit-duration-in-mins";
+        } else if (options_.exit_interval > 0 && k % options_.exit_interval == 0) {
+            summary.stopped_by = "--exit-interval";
+        }
+        if (!summary.stopped_by.empty()) break;
     }
+    if (!options_.save.empty() && !summary.losses.empty() && !saved_last) save(out);
+    if (out && !summary.stopped_by.empty()) {
+        std::fprintf(out, "exiting program at iteration %lld (%s)\n", static_cast<long long>(iteration_),
+                     summary.stopped_by.c_str());
+    }
+    if (options_.exit_signal_handler) sigaction(SIGTERM, &previous, nullptr);
     model_.device().compute_stream().synchronize();   // the last step's update is part of the run
     summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    double tokens   = static_cast<double>(options_.train_iters * options_.global_batch_size * model_.config().seq_length);
+    const double iterations = static_cast<double>(summary.losses.size());
+    double tokens   = iterations * static_cast<double>(options_.global_batch_size * model_.config().seq_length);
     summary.tokens_per_second = tokens / summary.seconds;
-    summary.tflops = flops_per_iteration * static_cast<double>(options_.train_iters) / summary.seconds / 1e12;
+    summary.tflops = flops_per_iteration * iterations / summary.seconds / 1e12;
     if (log_file) std::fclose(log_file);
     return summary;
 }

@@ -18,6 +18,7 @@
 
 #include "comm/communicator.h"
 #include "pipeline/executor.h"
+#include "train/checkpointing.h"
 #include "train/options.h"
 #include "train/setup.h"
 
@@ -33,6 +34,9 @@ public:
     virtual ~BatchSource() = default;
     virtual model::MicroBatch next() = 0;
     virtual std::string       describe() const = 0;
+    // Resume (--load): the next micro-batch starts after `consumed` samples of all ranks. A source that
+    // cannot seek refuses.
+    virtual void              set_consumed_samples(int64_t consumed);
 };
 
 struct IterationStats {
@@ -55,7 +59,9 @@ std::string megatron_log_line(const IterationStats & stats, int64_t train_iters,
 std::string metrics_json(const IterationStats & stats);
 
 struct TrainSummary {
-    std::vector<double> losses;   // lm loss of every iteration
+    std::vector<double> losses;   // lm loss of every iteration this run trained
+    int64_t             first_iteration = 1;   // the iteration of losses[0] (after a --load, the one after it)
+    std::string         stopped_by;            // "", or why the run ended early ("--exit-interval", "SIGTERM", ...)
     double              tokens_per_second = 0;
     double              tflops            = 0;
     double              seconds           = 0;
@@ -77,8 +83,14 @@ public:
     // The most activation contexts the pipeline executor held at once (0 without pipelining).
     int peak_in_flight() const { return peak_in_flight_; }
 
-    // Runs options.train_iters iterations; log lines go to `out` (null: silent).
+    // Runs the iterations after the loaded one (none: 0) up to options.train_iters, saving and stopping as
+    // --save-interval, --exit-interval, --exit-duration-in-mins and --exit-signal-handler say; log lines go
+    // to `out` (null: silent).
     TrainSummary run(FILE * out);
+    // What the constructor loaded (--load), if anything.
+    const Resumed & resumed() const { return resumed_; }
+    int64_t         iteration() const { return iteration_; }
+    int64_t         consumed_samples() const { return consumed_; }
     // One iteration; returns its lm loss.
     double step(IterationStats & stats);
 
@@ -99,6 +111,10 @@ private:
     int64_t                                     iteration_ = 0;
     int64_t                                     consumed_  = 0;
     int64_t                                     nan_iterations_ = 0;
+    Resumed                                     resumed_;
+
+    // Saves a checkpoint of the current iteration (--save) and prints Megatron's lines to `out`.
+    void save(FILE * out);
 };
 
 }  // namespace loom::train

@@ -1,0 +1,661 @@
+#include "checkpoint/checkpoint.h"
+
+#include "core/atomic_file.h"
+#include "core/error.h"
+#include "model/hf_gpt2.h"
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fcntl.h>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace loom::checkpoint {
+
+namespace fs = std::filesystem;
+using json   = nlohmann::json;
+
+// --- CRC-32C ------------------------------------------------------------------------------------------
+
+namespace {
+
+constexpr uint32_t kCrcPoly = 0x82F63B78u;   // Castagnoli, reflected
+
+const std::array<uint32_t, 256> & crc_table() {
+    static const std::array<uint32_t, 256> table = [] {
+        std::array<uint32_t, 256> t{};
+        for (uint32_t i = 0; i < 256; ++i) {
+            uint32_t c = i;
+            for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ kCrcPoly : c >> 1;
+            t[i] = c;
+        }
+        return t;
+    }();
+    return table;
+}
+
+uint32_t crc32c_table(const uint8_t * p, size_t n, uint32_t crc) {
+    const auto & t = crc_table();
+    for (size_t i = 0; i < n; ++i) crc = t[(crc ^ p[i]) & 0xFF] ^ (crc >> 8);
+    return crc;
+}
+
+__attribute__((target("sse4.2"))) uint32_t crc32c_sse42(const uint8_t * p, size_t n, uint32_t crc) {
+    uint64_t c = crc;
+    for (; n >= 8; n -= 8, p += 8) {
+        uint64_t word;
+        std::memcpy(&word, p, 8);
+        c = __builtin_ia32_crc32di(c, word);
+    }
+    uint32_t c32 = static_cast<uint32_t>(c);
+    for (; n > 0; --n, ++p) c32 = __builtin_ia32_crc32qi(c32, *p);
+    return c32;
+}
+
+}  // namespace
+
+uint32_t crc32c(const void * data, size_t bytes, uint32_t crc) {
+    static const bool hardware = __builtin_cpu_supports("sse4.2");
+    const auto *      p        = static_cast<const uint8_t *>(data);
+    crc                        = ~crc;
+    crc = hardware ? crc32c_sse42(p, bytes, crc) : crc32c_table(p, bytes, crc);
+    return ~crc;
+}
+
+std::string iteration_folder(int64_t iteration) {
+    char name[32];
+    std::snprintf(name, sizeof(name), "iter_%07lld", static_cast<long long>(iteration));
+    return name;
+}
+
+namespace {
+
+std::string hex32(uint32_t v) {
+    char s[16];
+    std::snprintf(s, sizeof(s), "%08x", v);
+    return s;
+}
+
+std::string rank_file(int rank, const char * extension) {
+    char name[64];
+    std::snprintf(name, sizeof(name), "rank_%05d.%s", rank, extension);
+    return name;
+}
+
+std::string entry_name(const std::string & tensor, int64_t begin, const char * kind) {
+    return tensor + ":" + std::to_string(begin) + ":" + kind;
+}
+
+// The test seam of the top of checkpoint.h: SIGKILL at the k-th point.
+void kill_point() {
+    static const long kill_at = [] {
+        const char * v = std::getenv("LOOM_CHECKPOINT_KILL_AT");
+        return v ? std::strtol(v, nullptr, 10) : 0L;
+    }();
+    static long count = 0;
+    if (kill_at > 0 && ++count == kill_at) {
+        std::fflush(nullptr);
+        std::raise(SIGKILL);
+    }
+}
+
+void barrier(comm::Communicator * world) {
+    if (world && world->size() > 1) world->barrier()->wait();
+}
+
+void fsync_folder(const std::string & path) {
+    int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY);
+    LOOM_CHECK(fd >= 0, "cannot open folder '" << path << "' to flush it: " << std::strerror(errno), "");
+    int rc = ::fsync(fd);
+    ::close(fd);
+    LOOM_CHECK(rc == 0, "cannot flush folder '" << path << "': " << std::strerror(errno), "");
+}
+
+// Calls fn(local_offset, full_offset, length) for the contiguous runs that elements [begin, end) of a TP
+// part (tp_dim, ranges, local shape) occupy in the full tensor of shape `full` (row-major).
+template <typename Fn>
+void for_each_run(int tp_dim, const std::vector<std::pair<int64_t, int64_t>> & ranges, const Shape & full,
+                  int64_t begin, int64_t end, Fn && fn) {
+    if (begin >= end) return;
+    if (tp_dim < 0) {
+        fn(begin, begin, end - begin);
+        return;
+    }
+    int64_t inner = 1;   // elements per index of dimension 0 (dim 0) or per row (dim 1)
+    for (size_t d = 1; d < full.size(); ++d) inner *= full[d];
+    if (tp_dim == 0) {
+        int64_t local = 0;   // local offset of the range's first element
+        for (auto [a, b] : ranges) {
+            const int64_t n  = (b - a) * inner;
+            const int64_t lo = std::max(begin, local), hi = std::min(end, local + n);
+            if (lo < hi) fn(lo, a * inner + (lo - local), hi - lo);
+            local += n;
+        }
+        return;
+    }
+    // tp_dim 1 of a 2-D tensor: every row holds the listed column ranges.
+    const int64_t cols = full[1];
+    int64_t       width = 0;
+    for (auto [a, b] : ranges) width += b - a;
+    for (int64_t row = begin / width; row * width < end; ++row) {
+        int64_t local = row * width;
+        for (auto [a, b] : ranges) {
+            const int64_t lo = std::max(begin, local), hi = std::min(end, local + (b - a));
+            if (lo < hi) fn(lo, row * cols + a + (lo - local), hi - lo);
+            local += b - a;
+        }
+    }
+}
+
+// --- writing --------------------------------------------------------------------------------------------
+
+struct WriteEntry {
+    std::string  name;
+    std::string  dtype;   // "F32" / "BF16"
+    int64_t      numel = 0;
+    const void * data  = nullptr;
+};
+
+struct RankPiece {
+    model::Parameter * param;
+    int64_t            begin, end;
+    int                slot;
+};
+
+// Streams the entries as one safetensors file through the atomic writer; returns its size and CRC-32C.
+FileRecord write_shard(const std::string & path, const std::vector<WriteEntry> & entries) {
+    json     header = json::object();
+    uint64_t offset = 0;
+    for (const WriteEntry & e : entries) {
+        const uint64_t bytes = static_cast<uint64_t>(e.numel) * (e.dtype == "F32" ? 4u : 2u);
+        header[e.name]       = {{"dtype", e.dtype}, {"shape", {e.numel}}, {"data_offsets", {offset, offset + bytes}}};
+        offset += bytes;
+    }
+    std::string text = header.dump();
+    text.append((8 - text.size() % 8) % 8, ' ');
+    const uint64_t length = text.size();
+    AtomicFile     file(path);
+    FileRecord     record;
+    auto put = [&](const void * data, size_t bytes) {
+        file.write(data, bytes);
+        record.crc32c = crc32c(data, bytes, record.crc32c);
+        record.bytes += bytes;
+    };
+    put(&length, 8);
+    put(text.data(), text.size());
+    kill_point();
+    for (size_t i = 0; i < entries.size(); ++i) {
+        const WriteEntry & e = entries[i];
+        put(e.data, static_cast<size_t>(e.numel) * (e.dtype == "F32" ? 4u : 2u));
+        if (i == entries.size() / 2) kill_point();
+    }
+    file.commit();
+    kill_point();
+    return record;
+}
+
+json tp_ranges_json(const std::vector<std::pair<int64_t, int64_t>> & ranges) {
+    json r = json::array();
+    for (auto [a, b] : ranges) r.push_back({a, b});
+    return r;
+}
+
+// This rank's pieces: its optimizer's slots over the parameters it writes (see the top of checkpoint.h).
+std::vector<RankPiece> rank_pieces(const RankContents & rank) {
+    std::vector<RankPiece> pieces;
+    if (!rank.writes || !rank.optimizer) return pieces;
+    optim::Optimizer & opt = *rank.optimizer;
+    for (int i = 0; i < opt.state().num_slots(); ++i) {
+        model::Parameter * p = opt.params()[static_cast<size_t>(opt.slot_params()[static_cast<size_t>(i)])];
+        if (p->shared || p->tp_duplicate) continue;
+        const Tensor & values = opt.state().slot(i).values;
+        LOOM_CHECK(values.shares_storage(p->data), "optimizer slot " << i << " does not view parameter " << p->name, "");
+        const int64_t begin = values.offset() - p->data.offset();
+        pieces.push_back(RankPiece{p, begin, begin + values.numel(), i});
+    }
+    return pieces;
+}
+
+}  // namespace
+
+SaveStats save(const std::string & dir, int64_t iteration, const json & metadata, const RankContents & rank,
+               bool with_optimizer) {
+    const auto start     = std::chrono::steady_clock::now();
+    const int  my_rank   = rank.world ? rank.world->rank() : 0;
+    const int  world     = rank.world ? rank.world->size() : 1;
+    const std::string final_folder = (fs::path(dir) / iteration_folder(iteration)).string();
+    const std::string tmp_folder   = final_folder + ".tmp";
+    if (!rank.params.empty()) rank.params.front()->data.device().compute_stream().synchronize();
+    if (my_rank == 0) {
+        std::error_code ec;
+        fs::create_directories(dir, ec);
+        LOOM_CHECK(!ec && fs::is_directory(dir), "cannot create --save folder '" << dir << "': " << ec.message(),
+                   "check that the path is a writable folder");
+        for (const fs::directory_entry & e : fs::directory_iterator(dir)) {   // left by a killed save
+            const std::string name = e.path().filename().string();
+            if (e.is_directory() && name.rfind("iter_", 0) == 0 && name.size() > 4 &&
+                name.compare(name.size() - 4, 4, ".tmp") == 0) {
+                fs::remove_all(e.path(), ec);
+            }
+        }
+        fs::create_directory(tmp_folder, ec);
+        LOOM_CHECK(!ec, "cannot create checkpoint folder '" << tmp_folder << "': " << ec.message(), "");
+        kill_point();
+    }
+    barrier(rank.world);
+
+    // 2. This rank's shard and its description.
+    std::vector<RankPiece>  pieces = rank_pieces(rank);
+    std::vector<WriteEntry> entries;
+    json                    tensors = json::object();
+    for (const RankPiece & piece : pieces) {
+        model::Parameter & p     = *piece.param;
+        const int64_t      n     = piece.end - piece.begin;
+        const DType        dtype = p.data.dtype();
+        LOOM_CHECK(dtype == DType::f32 || dtype == DType::bf16,
+                   "checkpoint of parameter " << p.name << " in " << dtype_name(dtype), "");
+        const char * values_dtype = dtype == DType::f32 ? "F32" : "BF16";
+        entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "values"), values_dtype, n,
+                                     static_cast<const char *>(p.data.data_ptr()) + piece.begin * dtype_size(dtype)});
+        if (with_optimizer) {
+            optim::HybridSlotState st = rank.optimizer->state().slot_state(piece.slot);
+            if (dtype != DType::f32) entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "master"), "F32", n, st.master});
+            entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "exp_avg"), "F32", n, st.exp_avg});
+            entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "exp_avg_sq"), "F32", n, st.exp_avg_sq});
+        }
+        const model::TpSlice & slice = p.tp_slice;
+        json &                 t     = tensors[p.name];
+        if (t.is_null()) {
+            t = {{"shape", slice.dim < 0 ? p.data.shape() : slice.full_shape}, {"dtype", values_dtype},
+                 {"pieces", json::array()}};
+        }
+        t["pieces"].push_back({{"file", rank_file(my_rank, "safetensors")}, {"tp_dim", slice.dim},
+                               {"tp_ranges", tp_ranges_json(slice.ranges)}, {"local_shape", p.data.shape()},
+                               {"range", {piece.begin, piece.end}}});
+    }
+    int64_t my_bytes = 0;
+    if (!pieces.empty()) {
+        FileRecord record = write_shard((fs::path(tmp_folder) / rank_file(my_rank, "safetensors")).string(), entries);
+        json       part   = {{"file", rank_file(my_rank, "safetensors")},
+                             {"bytes", record.bytes},
+                             {"crc32c", hex32(record.crc32c)},
+                             {"tensors", tensors}};
+        write_file_atomically((fs::path(tmp_folder) / rank_file(my_rank, "json")).string(), part.dump());
+        my_bytes = static_cast<int64_t>(record.bytes);
+        kill_point();
+    }
+    barrier(rank.world);
+
+    // 3. Rank 0 merges, commits the folder, then the tracker.
+    int64_t index_bytes = 0;
+    if (my_rank == 0) {
+        json index = {{"format", "loom-checkpoint"},
+                      {"version", kFormatVersion},
+                      {"iteration", iteration},
+                      {"metadata", metadata},
+                      {"optimizer", {{"saved", with_optimizer}, {"step", rank.optimizer ? rank.optimizer->steps() : 0}}},
+                      {"files", json::object()},
+                      {"tensors", json::object()}};
+        std::vector<std::string> parts;
+        for (int r = 0; r < world; ++r) {
+            const std::string part_path = (fs::path(tmp_folder) / rank_file(r, "json")).string();
+            if (!fs::exists(part_path)) continue;   // a rank with nothing to write
+            std::ifstream in(part_path);
+            json          part = json::parse(in);
+            index["files"][part["file"].get<std::string>()] = {{"bytes", part["bytes"]}, {"crc32c", part["crc32c"]}};
+            for (auto & [name, t] : part["tensors"].items()) {
+                json & merged = index["tensors"][name];
+                if (merged.is_null()) {
+                    merged = t;
+                } else {
+                    for (json & piece : t["pieces"]) merged["pieces"].push_back(piece);
+                }
+            }
+            parts.push_back(part_path);
+        }
+        const std::string text = index.dump(1);
+        write_file_atomically((fs::path(tmp_folder) / kIndexFile).string(), text);
+        index_bytes = static_cast<int64_t>(text.size());
+        kill_point();
+        for (const std::string & part : parts) fs::remove(part);
+        fsync_folder(tmp_folder);
+        kill_point();
+        std::error_code ec;
+        if (fs::exists(final_folder)) {   // saved again at the same iteration: the new one replaces it
+            const std::string old = final_folder + ".old";
+            fs::remove_all(old, ec);
+            fs::rename(final_folder, old, ec);
+            LOOM_CHECK(!ec, "cannot move the earlier '" << final_folder << "' aside: " << ec.message(), "");
+            fs::rename(tmp_folder, final_folder, ec);
+            fs::remove_all(old);
+        } else {
+            fs::rename(tmp_folder, final_folder, ec);
+        }
+        LOOM_CHECK(!ec, "cannot rename '" << tmp_folder << "' to '" << final_folder << "': " << ec.message(), "");
+        fsync_folder(dir);
+        kill_point();
+        write_file_atomically((fs::path(dir) / kTrackerFile).string(), std::to_string(iteration) + "\n");
+        kill_point();
+    }
+    barrier(rank.world);   // every rank returns once the checkpoint is complete
+    SaveStats stats;
+    stats.bytes = my_bytes + index_bytes;   // rank 0: every file, from the index
+    if (my_rank == 0) {
+        stats.bytes = index_bytes;
+        for (const fs::directory_entry & e : fs::directory_iterator(final_folder)) {
+            if (e.is_regular_file() && e.path().filename() != kIndexFile) stats.bytes += static_cast<int64_t>(e.file_size());
+        }
+    }
+    stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return stats;
+}
+
+// --- reading --------------------------------------------------------------------------------------------
+
+std::optional<std::string> find_checkpoint(const std::string & dir, std::optional<int64_t> step) {
+    LOOM_CHECK(fs::is_directory(dir), "--load folder '" << dir << "' does not exist", "give the --save folder of a run");
+    if (fs::exists(fs::path(dir) / kIndexFile)) return dir;   // an iteration folder itself
+    std::string folder;
+    if (step) {
+        folder = (fs::path(dir) / iteration_folder(*step)).string();
+        LOOM_CHECK(fs::is_directory(folder), "--ckpt-step " << *step << ": '" << folder << "' does not exist",
+                   "the folder holds the iterations named by its iter_* folders");
+        return folder;
+    }
+    const std::string tracker = (fs::path(dir) / kTrackerFile).string();
+    if (!fs::exists(tracker)) return std::nullopt;
+    LOOM_CHECK(fs::is_regular_file(tracker), "'" << tracker << "' is not a regular file", "");
+    std::ifstream in(tracker);
+    std::string   text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    while (!text.empty() && (text.back() == '\n' || text.back() == ' ' || text.back() == '\r')) text.pop_back();
+    char *    end       = nullptr;
+    long long iteration = std::strtoll(text.c_str(), &end, 10);
+    LOOM_CHECK(!text.empty() && end && *end == '\0' && iteration >= 0,
+               "'" << tracker << "' holds '" << text.substr(0, 40) << "', not an iteration number",
+               "it is written by --save; 'release' checkpoints of Megatron's torch format are not supported");
+    folder = (fs::path(dir) / iteration_folder(iteration)).string();
+    LOOM_CHECK(fs::is_directory(folder), "'" << tracker << "' names iteration " << iteration << " but '" << folder
+                                             << "' does not exist",
+               "the folder was moved or deleted; give --ckpt-step for another iteration");
+    return folder;
+}
+
+namespace {
+
+Shape shape_from(const json & j, const std::string & what, const std::string & where) {
+    LOOM_CHECK(j.is_array() && !j.empty() && j.size() <= 8, where << ": " << what << " is not a shape", "");
+    Shape s;
+    for (const json & d : j) {
+        LOOM_CHECK(d.is_number_integer() && d.get<int64_t>() >= 0 && d.get<int64_t>() < (int64_t(1) << 40),
+                   where << ": " << what << " has a bad size", "");
+        s.push_back(d.get<int64_t>());
+    }
+    return s;
+}
+
+int64_t numel_checked(const Shape & s, const std::string & where) {
+    int64_t n = 1;
+    for (int64_t d : s) {
+        LOOM_CHECK(d == 0 || n <= (int64_t(1) << 40) / d, where << ": shape too large", "");
+        n *= d;
+    }
+    return n;
+}
+
+const char * kCorruptHint = "the checkpoint is damaged or was not written by Loom; load an earlier iteration "
+                            "with --ckpt-step";
+
+}  // namespace
+
+Index read_index(const std::string & folder) {
+    Index index;
+    index.folder            = folder;
+    const std::string where = index.path();
+    LOOM_CHECK(fs::is_regular_file(where), "checkpoint index '" << where << "' is missing", kCorruptHint);
+    json j;
+    try {
+        std::ifstream in(where);
+        j = json::parse(in, nullptr, true, false);
+    } catch (const json::exception & e) {
+        LOOM_THROW("checkpoint index '" << where << "' is not valid JSON: " << e.what(), kCorruptHint);
+    }
+    try {
+        LOOM_CHECK(j.is_object() && j.value("format", "") == "loom-checkpoint",
+                   "'" << where << "' is not a Loom checkpoint index (no \"format\": \"loom-checkpoint\")", kCorruptHint);
+        LOOM_CHECK(j.at("version").get<int>() == kFormatVersion,
+                   "'" << where << "' has format version " << j.at("version") << ", this Loom reads " << kFormatVersion, "");
+        index.iteration      = j.at("iteration").get<int64_t>();
+        index.metadata       = j.at("metadata");
+        index.has_optimizer  = j.at("optimizer").at("saved").get<bool>();
+        index.optimizer_step = j.at("optimizer").at("step").get<int64_t>();
+        for (auto & [name, f] : j.at("files").items()) {
+            LOOM_CHECK(name.find('/') == std::string::npos && name.find("..") == std::string::npos,
+                       where << ": file name '" << name << "' leaves the folder", kCorruptHint);
+            FileRecord record;
+            record.bytes  = f.at("bytes").get<uint64_t>();
+            record.crc32c = static_cast<uint32_t>(std::stoul(f.at("crc32c").get<std::string>(), nullptr, 16));
+            const fs::path path = fs::path(folder) / name;
+            LOOM_CHECK(fs::is_regular_file(path), "checkpoint file '" << path.string() << "' is missing (listed in '"
+                                                                     << where << "')", kCorruptHint);
+            const uint64_t size = fs::file_size(path);
+            LOOM_CHECK(size == record.bytes, "checkpoint file '" << path.string() << "' holds " << size
+                                                                << " bytes, its index says " << record.bytes,
+                       "the file was truncated or replaced; " << kCorruptHint);
+            index.files[name] = record;
+        }
+        for (auto & [name, t] : j.at("tensors").items()) {
+            TensorRecord  record;
+            const std::string what = where + ": tensor " + name;
+            record.shape = shape_from(t.at("shape"), "shape", what);
+            record.dtype = t.at("dtype").get<std::string>();
+            LOOM_CHECK(record.dtype == "F32" || record.dtype == "BF16", what << " has dtype " << record.dtype, kCorruptHint);
+            const int64_t numel   = numel_checked(record.shape, what);
+            int64_t       covered = 0;
+            for (const json & pj : t.at("pieces")) {
+                Piece p;
+                p.file = pj.at("file").get<std::string>();
+                LOOM_CHECK(index.files.count(p.file), what << " has a piece in '" << p.file << "', which the index does not list",
+                           kCorruptHint);
+                p.tp_dim = pj.at("tp_dim").get<int>();
+                LOOM_CHECK(p.tp_dim >= -1 && p.tp_dim <= 1 && (p.tp_dim < 1 || record.shape.size() == 2),
+                           what << " has tp_dim " << p.tp_dim, kCorruptHint);
+                int64_t extent = p.tp_dim < 0 ? 0 : record.shape[static_cast<size_t>(p.tp_dim)], held = 0;
+                for (const json & r : pj.at("tp_ranges")) {
+                    int64_t a = r.at(0).get<int64_t>(), b = r.at(1).get<int64_t>();
+                    LOOM_CHECK(0 <= a && a <= b && b <= extent, what << ": range [" << a << ", " << b << ") outside "
+                                                                     << extent, kCorruptHint);
+                    p.tp_ranges.emplace_back(a, b);
+                    held += b - a;
+                }
+                p.local_shape = shape_from(pj.at("local_shape"), "local_shape", what);
+                Shape expected = record.shape;
+                if (p.tp_dim >= 0) expected[static_cast<size_t>(p.tp_dim)] = held;
+                LOOM_CHECK(p.local_shape == expected, what << ": a piece's local shape " << shape_string(p.local_shape)
+                                                           << " does not match its ranges", kCorruptHint);
+                p.begin = pj.at("range").at(0).get<int64_t>();
+                p.end   = pj.at("range").at(1).get<int64_t>();
+                LOOM_CHECK(0 <= p.begin && p.begin <= p.end && p.end <= shape_numel(p.local_shape),
+                           what << ": piece range [" << p.begin << ", " << p.end << ") outside its part", kCorruptHint);
+                covered += p.end - p.begin;
+                record.pieces.push_back(std::move(p));
+            }
+            LOOM_CHECK(covered == numel, what << ": its pieces hold " << covered << " elements, the shape "
+                                             << shape_string(record.shape) << " has " << numel, kCorruptHint);
+            index.tensors[name] = std::move(record);
+        }
+    } catch (const json::exception & e) {
+        LOOM_THROW("checkpoint index '" << where << "' is malformed: " << e.what(), kCorruptHint);
+    }
+    return index;
+}
+
+namespace {
+
+// The shard files a rank reads, each opened (and checksummed) once.
+class FileCache {
+public:
+    explicit FileCache(const Index & index) : index_(index) {}
+
+    const model::SafetensorsFile & open(const std::string & name) {
+        auto it = files_.find(name);
+        if (it != files_.end()) return *it->second;
+        const std::string path = (fs::path(index_.folder) / name).string();
+        check_file(path, index_.files.at(name));
+        auto file = std::make_unique<model::SafetensorsFile>(path);
+        return *files_.emplace(name, std::move(file)).first->second;
+    }
+
+    static void check_file(const std::string & path, const FileRecord & record) {
+        std::FILE * f = std::fopen(path.c_str(), "rb");
+        LOOM_CHECK(f, "cannot open checkpoint file '" << path << "': " << std::strerror(errno), "");
+        std::vector<char> buffer(size_t(8) << 20);
+        uint32_t          crc   = 0;
+        uint64_t          total = 0;
+        size_t            n;
+        while ((n = std::fread(buffer.data(), 1, buffer.size(), f)) > 0) {
+            crc = crc32c(buffer.data(), n, crc);
+            total += n;
+        }
+        std::fclose(f);
+        LOOM_CHECK(total == record.bytes, "checkpoint file '" << path << "' holds " << total << " bytes, its index says "
+                                                              << record.bytes, kCorruptHint);
+        LOOM_CHECK(crc == record.crc32c, "checkpoint file '" << path << "' fails its checksum (CRC-32C " << hex32(crc)
+                                                             << ", the index says " << hex32(record.crc32c) << ")",
+                   "the file is corrupt; " << kCorruptHint);
+    }
+
+private:
+    const Index &                                                    index_;
+    std::map<std::string, std::unique_ptr<model::SafetensorsFile>> files_;
+};
+
+// The full tensor's `kind` from every piece.
+std::vector<float> assemble(const Index & index, const std::string & name, const TensorRecord & t, const char * kind,
+                            FileCache & files) {
+    std::vector<float> full(static_cast<size_t>(shape_numel(t.shape)));
+    for (const Piece & p : t.pieces) {
+        const model::SafetensorsFile & file  = files.open(p.file);
+        const std::string              entry = entry_name(name, p.begin, kind);
+        LOOM_CHECK(file.contains(entry), "checkpoint file '" << file.path() << "' has no entry '" << entry
+                                                             << "' (listed in '" << index.path() << "')", kCorruptHint);
+        std::vector<float> part = file.read_f32(entry);
+        LOOM_CHECK(static_cast<int64_t>(part.size()) == p.end - p.begin,
+                   "checkpoint file '" << file.path() << "': entry '" << entry << "' holds " << part.size()
+                                       << " elements, the index says " << p.end - p.begin, kCorruptHint);
+        for_each_run(p.tp_dim, p.tp_ranges, t.shape, p.begin, p.end, [&](int64_t local, int64_t at, int64_t n) {
+            std::copy_n(part.data() + (local - p.begin), n, full.data() + at);
+        });
+    }
+    return full;
+}
+
+bool is_vocabulary_tensor(const std::string & name) {   // model/gpt_model.h's names
+    return name == "embedding.word_embeddings.weight" || name == "output_layer.weight";
+}
+
+// `full` (saved shape) fitted to `target`: equal, or a vocabulary tensor whose padding differs.
+std::vector<float> fit_shape(std::vector<float> full, const Index & index, const std::string & name,
+                             const TensorRecord & t, const Shape & target, int64_t vocab_size) {
+    if (t.shape == target) return full;
+    const bool rows_only = t.shape.size() == 2 && target.size() == 2 && t.shape[1] == target[1] &&
+                           is_vocabulary_tensor(name) && vocab_size > 0 && t.shape[0] >= vocab_size &&
+                           target[0] >= vocab_size;
+    LOOM_CHECK(rows_only, "tensor " << name << " has shape " << shape_string(t.shape) << " in '" << index.path()
+                                    << "', the model's is " << shape_string(target),
+               "the checkpoint is of another model; give the model flags it was saved with, or --use-checkpoint-args");
+    std::vector<float> out(static_cast<size_t>(shape_numel(target)), 0.0f);
+    const int64_t      rows = std::min(t.shape[0], target[0]);
+    std::copy_n(full.data(), rows * target[1], out.data());
+    return out;
+}
+
+// This rank's part of a full tensor.
+std::vector<float> local_part(const model::Parameter & p, std::vector<float> full) {
+    if (p.tp_slice.dim < 0) return full;
+    return model::tp_extract(p.tp_slice, full.data());
+}
+
+}  // namespace
+
+void load(const Index & index, const RankContents & rank, const LoadOptions & options) {
+    if (rank.params.empty()) return;
+    rank.params.front()->data.device().compute_stream().synchronize();
+    FileCache   files(index);
+    const bool  with_optimizer = options.optimizer && index.has_optimizer && rank.optimizer;
+    // Slots of each parameter.
+    std::map<const model::Parameter *, std::vector<int>> slots_of;
+    optim::HybridStateDict                               state;
+    if (rank.optimizer) {
+        optim::Optimizer & opt = *rank.optimizer;
+        state.step             = with_optimizer ? index.optimizer_step : 0;
+        state.slots.resize(static_cast<size_t>(opt.state().num_slots()));
+        for (int i = 0; i < opt.state().num_slots(); ++i) {
+            slots_of[opt.params()[static_cast<size_t>(opt.slot_params()[static_cast<size_t>(i)])]].push_back(i);
+        }
+    }
+    std::set<const model::Parameter *> done;
+    for (model::Parameter * p : rank.params) {
+        if (!done.insert(p).second) continue;
+        auto it = index.tensors.find(p->name);
+        LOOM_CHECK(it != index.tensors.end(), "checkpoint '" << index.path() << "' has no tensor " << p->name,
+                   "the checkpoint is of another model; give the model flags it was saved with, or --use-checkpoint-args");
+        const TensorRecord & t      = it->second;
+        const Shape          target = p->tp_slice.dim < 0 ? p->data.shape() : p->tp_slice.full_shape;
+        const bool has_master       = index.has_optimizer && t.dtype != "F32";
+        auto       part             = [&](const char * kind) {
+            return local_part(*p, fit_shape(assemble(index, p->name, t, kind, files), index, p->name, t, target,
+                                            options.vocab_size));
+        };
+        // Values from the f32 master when there is one (see the top of checkpoint.h).
+        std::vector<float> values = part(has_master ? "master" : "values");
+        LOOM_CHECK(static_cast<int64_t>(values.size()) == p->numel(), "tensor " << p->name << " of '" << index.path()
+                                                                            << "' does not fit this rank's part", "");
+        convert(values.data(), DType::f32, p->data.data_ptr(), p->data.dtype(), values.size());
+        auto slots = slots_of.find(p);
+        if (slots == slots_of.end()) continue;
+        std::vector<float> m, v;
+        if (with_optimizer) {
+            m = part("exp_avg");
+            v = part("exp_avg_sq");
+        }
+        for (int i : slots->second) {
+            const Tensor &              view  = rank.optimizer->state().slot(i).values;
+            const int64_t               begin = view.offset() - p->data.offset(), n = view.numel();
+            optim::HybridSlotStateDict & s    = state.slots[static_cast<size_t>(i)];
+            s.master.assign(values.begin() + begin, values.begin() + begin + n);
+            if (with_optimizer) {
+                s.exp_avg.assign(m.begin() + begin, m.begin() + begin + n);
+                s.exp_avg_sq.assign(v.begin() + begin, v.begin() + begin + n);
+            } else {
+                s.exp_avg.assign(static_cast<size_t>(n), 0.0f);
+                s.exp_avg_sq.assign(static_cast<size_t>(n), 0.0f);
+            }
+        }
+    }
+    if (rank.optimizer) rank.optimizer->state().load_state_dict(state);
+}
+
+std::vector<float> read_tensor(const Index & index, const std::string & name, const std::string & kind) {
+    auto it = index.tensors.find(name);
+    LOOM_CHECK(it != index.tensors.end(), "checkpoint '" << index.path() << "' has no tensor " << name, "");
+    FileCache files(index);
+    return assemble(index, name, it->second, kind.c_str(), files);
+}
+
+void verify(const Index & index) {
+    for (const auto & [name, record] : index.files) {
+        FileCache::check_file((fs::path(index.folder) / name).string(), record);
+    }
+}
+
+}  // namespace loom::checkpoint

@@ -1,0 +1,150 @@
+// Checkpoints in parameter space: what each rank holds, written as the pieces of the full logical tensors
+// it owns, so that any saved layout (DP x TP x PP x VPP, ZeRO-1 on or off, any offload fraction) loads into
+// any other (../shared/specs/conventions.md B3 and C1-C5: never save optimizer state in buffer space).
+//
+// Layout on disk (Megatron's folder names; the files are Loom's own, in open formats):
+//
+//   DIR/latest_checkpointed_iteration.txt     the iteration of the newest complete checkpoint ("10\n")
+//   DIR/iter_0000010/index.json               rank 0: format, iteration, metadata (the args, consumed
+//                                             samples, the saved layout), the optimizer step, every file
+//                                             with its size and CRC-32C, every tensor with its full shape,
+//                                             dtype and pieces
+//   DIR/iter_0000010/rank_00003.safetensors   world rank 3's pieces (safetensors, see model/hf_gpt2.h)
+//
+// A piece is a flat range [begin, end) of one rank's tensor-parallel part of a parameter (its TpSlice:
+// which rows or columns of the full tensor that part holds). Its entries in the rank's file are
+//   "<name>:<begin>:values"       the model's values in the model's dtype (F32 or BF16)
+//   "<name>:<begin>:master"       the f32 master weights (only for BF16 values; F32 values are the master)
+//   "<name>:<begin>:exp_avg"      Adam's m, f32
+//   "<name>:<begin>:exp_avg_sq"   Adam's v, f32
+// Pieces are the optimizer's slots (optim/optimizer.h): whole parameters for AdamW, the ZeRO-1 shard pieces
+// for the distributed optimizer, so every element is written once, by the rank that steps it. Left out:
+// the last stage's copy of the tied word embedding (`shared`), a TP-replicated parameter on TP ranks other
+// than 0 (`tp_duplicate`), and everything on data-parallel replicas when the optimizer is not sharded
+// (RankContents::writes false).
+//
+// Saving (every rank calls save(); the world communicator orders the steps):
+//   1. rank 0 removes stale DIR/iter_*.tmp folders and creates DIR/iter_0000010.tmp;      barrier
+//   2. each writing rank writes rank_N.safetensors (through core/atomic_file.h: temporary file, fsync,
+//      rename, fsync of the folder) and rank_N.json (its pieces, its file's size and CRC-32C);   barrier
+//   3. rank 0 merges the rank_N.json files into index.json (atomically), removes them, renames the
+//      folder to DIR/iter_0000010, fsyncs DIR, then writes latest_checkpointed_iteration.txt atomically;
+//      barrier.
+// A kill at any instant leaves the tracker naming the previous complete checkpoint (or none), and that
+// folder untouched. LOOM_CHECKPOINT_KILL_AT=k (a test seam) sends SIGKILL to the process at the k-th of the
+// points between those steps (counted from 1 over the whole run, 9 per save: after step 1, after a shard's
+// header, half-way through its entries, after its rename, after rank_N.json, after index.json, after the
+// merge, after the folder's rename, after the tracker).
+//
+// Loading (each rank on its own, no collective): the index is parsed and checked in full (format, every
+// file's size, every tensor's shape and that its pieces tile it exactly); each shard file's CRC-32C is
+// checked the first time the rank reads from it. For every parameter it holds, the rank assembles the full
+// tensor from the saved pieces (one tensor and one kind at a time), takes its own TpSlice, and for each of
+// its optimizer slots the slot's range of master, m and v; then the optimizer state is loaded in one call
+// (HybridDeviceOptimizer::load_state_dict). Values come from the f32 master when the checkpoint has one, so
+// a bf16 checkpoint resumes an f32 run at full precision. A vocabulary tensor (word embedding, output
+// layer) whose padded row count differs (another --tensor-model-parallel-size pads differently) keeps the
+// common rows; both must hold the real vocabulary, and the padding rows, which no token reads and no loss
+// column trains, are zero. Every failure names the file (or the index) and the tensor.
+#pragma once
+
+#include "comm/communicator.h"
+#include "core/tensor.h"
+#include "model/parameter.h"
+#include "optim/optimizer.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace loom::checkpoint {
+
+inline constexpr const char * kTrackerFile = "latest_checkpointed_iteration.txt";
+inline constexpr const char * kIndexFile   = "index.json";
+inline constexpr int          kFormatVersion = 1;
+
+// CRC-32C (Castagnoli) of `bytes`, continuing from `crc` (0 to start); SSE4.2 where the CPU has it.
+uint32_t crc32c(const void * data, size_t bytes, uint32_t crc = 0);
+
+// "iter_0000010", as Megatron names the folders (seven digits).
+std::string iteration_folder(int64_t iteration);
+
+// What one rank contributes to a checkpoint, or receives from one.
+struct RankContents {
+    std::vector<model::Parameter *> params;               // every parameter this rank holds
+    optim::Optimizer *              optimizer = nullptr;  // its slots are the pieces (null: load values only)
+    bool                            writes    = true;     // false: a replica whose pieces another rank writes
+    comm::Communicator *            world     = nullptr;  // every rank of the job (null: one process)
+};
+
+struct SaveStats {
+    int64_t bytes   = 0;   // written by all ranks (files of the checkpoint folder)
+    double  seconds = 0;
+};
+
+// Writes DIR/iter_<iteration> as above; `metadata` goes into the index as given (rank 0's). Every rank of
+// `world` calls it. Throws naming the path when a file cannot be written.
+SaveStats save(const std::string & dir, int64_t iteration, const nlohmann::json & metadata,
+               const RankContents & rank, bool with_optimizer);
+
+// One saved piece (see the top of this file).
+struct Piece {
+    std::string                              file;
+    int                                      tp_dim = -1;
+    std::vector<std::pair<int64_t, int64_t>> tp_ranges;
+    Shape                                    local_shape;   // the saving rank's part of the tensor
+    int64_t                                  begin = 0, end = 0;   // flat range of that part
+};
+
+struct TensorRecord {
+    Shape              shape;   // the full logical tensor
+    std::string        dtype;   // of the values: "F32" or "BF16"
+    std::vector<Piece> pieces;
+};
+
+struct FileRecord {
+    uint64_t bytes  = 0;
+    uint32_t crc32c = 0;
+};
+
+struct Index {
+    std::string                         folder;   // DIR/iter_XXXXXXX
+    int64_t                             iteration = 0;
+    nlohmann::json                      metadata;
+    bool                                has_optimizer = false;
+    int64_t                             optimizer_step = 0;
+    std::map<std::string, FileRecord>   files;
+    std::map<std::string, TensorRecord> tensors;
+
+    std::string path() const { return folder + "/" + kIndexFile; }
+};
+
+// The folder `--load DIR [--ckpt-step N]` names: DIR/iter_<N>, or the iteration in DIR's tracker file;
+// nothing when DIR holds no tracker file and no step was asked for (Megatron then trains from scratch).
+// `dir` may also be an iteration folder itself (it holds index.json). Throws naming the file when the
+// tracker cannot be read or the folder does not exist.
+std::optional<std::string> find_checkpoint(const std::string & dir, std::optional<int64_t> step = std::nullopt);
+
+// Parses and checks DIR/iter_X/index.json and the sizes of the files it lists; throws naming the index.
+Index read_index(const std::string & folder);
+
+struct LoadOptions {
+    bool    optimizer  = true;   // load master, m, v and the step (false: master = the loaded values, m = v = 0)
+    int64_t vocab_size = 0;      // real rows of the vocabulary tensors (0: their shapes must match exactly)
+};
+
+// Loads the checkpoint into this rank's parameters and optimizer (see the top of this file).
+void load(const Index & index, const RankContents & rank, const LoadOptions & options);
+
+// The whole logical tensor `name` ("values", "master", "exp_avg", "exp_avg_sq") as f32, assembled from
+// every piece; the files read are checksummed. For export and tests.
+std::vector<float> read_tensor(const Index & index, const std::string & name, const std::string & kind = "values");
+
+// Reads every file of the checkpoint and checks its size and CRC-32C; throws naming the first bad file.
+void verify(const Index & index);
+
+}  // namespace loom::checkpoint

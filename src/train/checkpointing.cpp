@@ -1,0 +1,184 @@
+#include "train/checkpointing.h"
+
+#include "core/error.h"
+
+#include <chrono>
+
+namespace loom::train {
+
+using json = nlohmann::json;
+
+namespace {
+
+const char * normalization_name(model::Normalization n) {
+    return n == model::Normalization::rmsnorm ? "RMSNorm" : "LayerNorm";
+}
+
+const char * position_name(model::PositionEmbedding p) {
+    switch (p) {
+        case model::PositionEmbedding::rope: return "rope";
+        case model::PositionEmbedding::none: return "none";
+        default: return "learned_absolute";
+    }
+}
+
+// The model's shape under Megatron's arg names.
+json model_args(const model::GptConfig & m) {
+    return {{"num_layers", m.num_layers},
+            {"hidden_size", m.hidden_size},
+            {"ffn_hidden_size", m.ffn_hidden_size},
+            {"num_attention_heads", m.num_attention_heads},
+            {"num_query_groups", m.num_query_groups},
+            {"max_position_embeddings", m.max_position_embeddings},
+            {"vocab_size", m.vocab_size},
+            {"make_vocab_size_divisible_by", m.make_vocab_size_divisible_by},
+            {"normalization", normalization_name(m.normalization)},
+            {"swiglu", m.swiglu},
+            {"position_embedding_type", position_name(m.position_embedding)},
+            {"add_bias_linear", m.add_bias_linear},
+            {"untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights},
+            {"norm_epsilon", m.norm_epsilon},
+            {"rotary_base", m.rotary_base}};
+}
+
+// The flag that sets each arg that must agree with the checkpoint.
+struct ArgFlag {
+    const char * key;
+    const char * flag;
+};
+constexpr ArgFlag kModelFlags[] = {
+    {"num_layers", "--num-layers"},
+    {"hidden_size", "--hidden-size"},
+    {"ffn_hidden_size", "--ffn-hidden-size"},
+    {"num_attention_heads", "--num-attention-heads"},
+    {"num_query_groups", "--num-query-groups"},
+    {"max_position_embeddings", "--max-position-embeddings"},
+    {"vocab_size", "--vocab-size"},
+    {"normalization", "--normalization"},
+    {"swiglu", "--swiglu"},
+    {"position_embedding_type", "--position-embedding-type"},
+    {"add_bias_linear", "--disable-bias-linear"},
+    {"untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"},
+    {"norm_epsilon", "--norm-epsilon"},
+    {"rotary_base", "--rotary-base"},
+};
+
+const json & saved_args(const checkpoint::Index & index) {
+    LOOM_CHECK(index.metadata.is_object() && index.metadata.contains("args") && index.metadata["args"].is_object(),
+               "checkpoint index '" << index.path() << "' has no args", "it was not written by `loom train --save`");
+    return index.metadata["args"];
+}
+
+checkpoint::RankContents rank_contents(const TrainOptions & options, Setup & setup) {
+    checkpoint::RankContents rank;
+    rank.params    = setup.parameters();
+    rank.optimizer = setup.optimizer.get();
+    rank.world     = setup.groups.world ? setup.groups.world.get() : setup.groups.dp.get();
+    // Without ZeRO-1 every data-parallel rank holds the same state: the first one writes it.
+    rank.writes = options.ddp.use_distributed_optimizer || !setup.groups.dp || setup.groups.dp->rank() == 0;
+    return rank;
+}
+
+}  // namespace
+
+json checkpoint_metadata(const TrainOptions & o, int64_t consumed_samples) {
+    json args = model_args(o.model);
+    args["model"]                                = o.model_preset;
+    args["seq_length"]                           = o.model.seq_length;
+    args["padded_vocab_size"]                    = o.model.padded_vocab_size(o.tensor_parallel_size);
+    args["init_method_std"]                      = o.model.init_method_std;
+    args["seed"]                                 = o.model.seed;
+    args["bf16"]                                 = o.bf16;
+    args["tensor_model_parallel_size"]           = o.tensor_parallel_size;
+    args["pipeline_model_parallel_size"]         = o.pipeline_parallel_size;
+    args["num_virtual_stages_per_pipeline_rank"] = o.virtual_pipeline_size;
+    args["sequence_parallel"]                    = o.sequence_parallel;
+    args["data_parallel_size"]                   = o.data_parallel_size;
+    args["use_distributed_optimizer"]            = o.ddp.use_distributed_optimizer;
+    args["optimizer_cpu_offload"]                = o.optimizer_cpu_offload;
+    args["micro_batch_size"]                     = o.micro_batch_size;
+    args["global_batch_size"]                    = o.global_batch_size;
+    args["train_iters"]                          = o.train_iters;
+    args["lr"]                                   = o.adam.lr;
+    args["min_lr"]                               = o.min_lr;
+    args["lr_decay_style"]                       = o.lr_decay_style;
+    args["lr_warmup_iters"]                      = o.lr_warmup_iters;
+    args["weight_decay"]                         = o.adam.weight_decay;
+    args["clip_grad"]                            = o.clip_grad;
+    args["data_path"]                            = o.data_path;
+    return {{"args", args}, {"consumed_train_samples", consumed_samples}, {"rng", {{"seed", o.model.seed}}}};
+}
+
+void check_checkpoint_args(const TrainOptions & options, const checkpoint::Index & index) {
+    const json & saved = saved_args(index);
+    const json   now   = model_args(options.model);
+    for (const ArgFlag & a : kModelFlags) {
+        LOOM_CHECK(saved.contains(a.key), "checkpoint index '" << index.path() << "' has no arg " << a.key, "");
+        if (saved[a.key] == now[a.key]) continue;
+        LOOM_THROW(a.flag << ": the model has " << a.key << " = " << now[a.key].dump() << ", the checkpoint in '"
+                          << index.folder << "' " << saved[a.key].dump(),
+                   "give the model flags the checkpoint was saved with, or --use-checkpoint-args to take them from it");
+    }
+}
+
+void apply_checkpoint_args(model::GptConfig & m, const checkpoint::Index & index) {
+    const json & a = saved_args(index);
+    try {
+        m.num_layers                   = a.at("num_layers").get<int64_t>();
+        m.hidden_size                  = a.at("hidden_size").get<int64_t>();
+        m.ffn_hidden_size              = a.at("ffn_hidden_size").get<int64_t>();
+        m.num_attention_heads          = a.at("num_attention_heads").get<int64_t>();
+        m.num_query_groups             = a.at("num_query_groups").get<int64_t>();
+        m.max_position_embeddings      = a.at("max_position_embeddings").get<int64_t>();
+        m.seq_length                   = a.at("seq_length").get<int64_t>();
+        m.vocab_size                   = a.at("vocab_size").get<int64_t>();
+        m.make_vocab_size_divisible_by = a.at("make_vocab_size_divisible_by").get<int64_t>();
+        m.normalization = a.at("normalization") == "RMSNorm" ? model::Normalization::rmsnorm : model::Normalization::layernorm;
+        m.swiglu        = a.at("swiglu").get<bool>();
+        const std::string position = a.at("position_embedding_type").get<std::string>();
+        m.position_embedding = position == "rope"   ? model::PositionEmbedding::rope
+                               : position == "none" ? model::PositionEmbedding::none
+                                                    : model::PositionEmbedding::learned_absolute;
+        m.add_bias_linear                     = a.at("add_bias_linear").get<bool>();
+        m.untie_embeddings_and_output_weights = a.at("untie_embeddings_and_output_weights").get<bool>();
+        m.norm_epsilon                        = a.at("norm_epsilon").get<float>();
+        m.rotary_base                         = a.at("rotary_base").get<float>();
+        m.init_method_std                     = a.at("init_method_std").get<float>();
+    } catch (const json::exception & e) {
+        LOOM_THROW("checkpoint index '" << index.path() << "' has malformed args: " << e.what(),
+                   "give the model flags instead of --use-checkpoint-args");
+    }
+}
+
+Resumed load_checkpoint(const TrainOptions & options, Setup & setup) {
+    Resumed resumed;
+    if (options.load.empty()) return resumed;
+    const auto start = std::chrono::steady_clock::now();
+    std::optional<int64_t> step;
+    if (options.ckpt_step >= 0) step = options.ckpt_step;
+    std::optional<std::string> folder = checkpoint::find_checkpoint(options.load, step);
+    if (!folder) return resumed;
+    checkpoint::Index index = checkpoint::read_index(*folder);
+    check_checkpoint_args(options, index);
+    checkpoint::LoadOptions load;
+    load.optimizer  = !options.no_load_optim && !options.finetune;
+    load.vocab_size = options.model.vocab_size;
+    checkpoint::load(index, rank_contents(options, setup), load);
+    resumed.folder = *folder;
+    if (!options.finetune) {
+        resumed.iteration = index.iteration;
+        LOOM_CHECK(index.metadata.contains("consumed_train_samples"),
+                   "checkpoint index '" << index.path() << "' has no consumed_train_samples", "");
+        resumed.consumed_samples = index.metadata["consumed_train_samples"].get<int64_t>();
+    }
+    resumed.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return resumed;
+}
+
+checkpoint::SaveStats save_checkpoint(const TrainOptions & options, Setup & setup, int64_t iteration,
+                                      int64_t consumed_samples) {
+    return checkpoint::save(options.save, iteration, checkpoint_metadata(options, consumed_samples),
+                            rank_contents(options, setup), !options.no_save_optim);
+}
+
+}  // namespace loom::train
