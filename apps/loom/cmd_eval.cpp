@@ -4,14 +4,17 @@
 //   loom eval --data-path corpus_text_document --eval-iters 50   the validation range of --split
 //   loom eval --load-hf gpt2 --llmc-shard val.bin --seq-length 1024 --micro-batch-size 4
 //                                                                Hugging Face GPT-2 weights (model/hf_gpt2.h)
+//   loom eval --load ckpt --use-checkpoint-args --eval-iters 20  a checkpoint of `loom train --save`
 //
 // Prints Megatron's validation line: " validation loss at iteration 0 | lm loss value: ... | lm loss PPL: ... |".
 // The model is initialised from --seed, or takes its shape and weights from a Hugging Face GPT-2 folder
-// with --load-hf. The softmax covers the real vocabulary only (model/gpt_model.h), so an imported model
+// with --load-hf, or takes its weights from a checkpoint with --load (its shape with --use-checkpoint-args);
+// the validation line then names the checkpoint's iteration. The softmax covers the real vocabulary only (model/gpt_model.h), so an imported model
 // scores Hugging Face's own loss whatever the padding.
 #include "apps/loom/commands.h"
 #include "backend/cpu/cpu_device.h"
 #include "model/hf_gpt2.h"
+#include "train/checkpointing.h"
 #include "train/data_source.h"
 
 #include <cmath>
@@ -28,7 +31,9 @@ int cmd_eval(int argc, char ** argv) {
         return *status;
     }
     LOOM_CHECK(eval_iters >= 1, "--eval-iters must be >= 1, got " << eval_iters, "");
-    train::TrainOptions options = parser.resolve();
+    train::TrainOptions              options = parser.resolve();
+    std::optional<checkpoint::Index> index;
+    if (!options.load.empty()) index = train::index_to_read(options, "loom eval");
     Device &            device  = cpu::device();
     auto data = train::make_batch_source(options, device, parser.vocab_given(), 0, 1, data::Split::valid,
                                          eval_iters * options.global_batch_size);
@@ -37,6 +42,10 @@ int cmd_eval(int argc, char ** argv) {
     gpt.init();
     if (!options.load_hf.empty()) {
         model::load_hf_gpt2(gpt, options.load_hf);
+    }
+    if (index) {
+        train::check_checkpoint_args(options, *index);
+        train::load_weights(*index, gpt);
     }
     double sum = 0, count = 0;
     for (int64_t k = 0; k < eval_iters * options.num_microbatches(); ++k) {
@@ -47,7 +56,8 @@ int cmd_eval(int argc, char ** argv) {
     }
     double mean = sum / std::max(count, 1.0);
     std::printf("data: %s\n", data->describe().c_str());
-    std::printf(" validation loss at iteration 0 | lm loss value: %.6E | lm loss PPL: %.6E |\n", mean,
+    std::printf(" validation loss at iteration %lld | lm loss value: %.6E | lm loss PPL: %.6E |\n",
+                static_cast<long long>(index ? index->iteration : 0), mean,
                 std::exp(std::min(mean, 20.0)));
     return 0;
 }

@@ -31,5 +31,6 @@ int cmd_data(int argc, char ** argv);
 int cmd_eval(int argc, char ** argv);
 int cmd_export_hf(int argc, char ** argv);
 int cmd_schedule(int argc, char ** argv);
+int cmd_checkpoint(int argc, char ** argv);
 
 }  // namespace loom::app

@@ -7,6 +7,7 @@
 //   loom layout    print DDP's param-and-grad buffers, buckets and shard ranges for a parameter list
 //   loom export-hf write a model as a Hugging Face GPT-2 folder
 //   loom schedule  print or draw the pipeline-parallel schedule of every rank (1F1B, interleaved)
+//   loom checkpoint info   what a checkpoint of `loom train --save` holds
 //
 // Only this file turns a loom::Error into an exit status (2: the input was at fault) and a message on
 // stderr.
@@ -33,6 +34,7 @@ const Command kCommands[] = {
     {"ranks", loom::app::cmd_ranks, "print the process groups and rank map of a parallel configuration"},
     {"layout", loom::app::cmd_layout, "print DDP's param-and-grad buffers, buckets and distributed-optimizer shards"},
     {"export-hf", loom::app::cmd_export_hf, "write a GPT-2-shaped model as a Hugging Face config.json + model.safetensors"},
+    {"checkpoint", loom::app::cmd_checkpoint, "`checkpoint info DIR [--verify]`: what a checkpoint of `loom train --save` holds"},
     {"schedule", loom::app::cmd_schedule, "print or draw (--svg) the pipeline schedule of every rank: warm-up, order, peak in flight"},
 };
 

@@ -116,7 +116,7 @@ void check_checkpoint_args(const TrainOptions & options, const checkpoint::Index
         LOOM_CHECK(saved.contains(a.key), "checkpoint index '" << index.path() << "' has no arg " << a.key, "");
         if (saved[a.key] == now[a.key]) continue;
         LOOM_THROW(a.flag << ": the model has " << a.key << " = " << now[a.key].dump() << ", the checkpoint in '"
-                          << index.folder << "' " << saved[a.key].dump(),
+                          << index.folder << "' has " << saved[a.key].dump(),
                    "give the model flags the checkpoint was saved with, or --use-checkpoint-args to take them from it");
     }
 }
@@ -173,6 +173,28 @@ Resumed load_checkpoint(const TrainOptions & options, Setup & setup) {
     }
     resumed.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return resumed;
+}
+
+checkpoint::Index index_to_read(const TrainOptions & o, const char * command) {
+    LOOM_CHECK(o.save.empty() && o.save_interval == 0 && o.exit_interval == 0 && o.exit_duration_in_mins == 0 &&
+                   !o.exit_signal_handler,
+               "--save, --save-interval and the --exit-* flags are flags of `loom train`, not of `" << command << "`",
+               "leave them out");
+    std::optional<int64_t> step;
+    if (o.ckpt_step >= 0) step = o.ckpt_step;
+    std::optional<std::string> folder = checkpoint::find_checkpoint(o.load, step);
+    LOOM_CHECK(folder, "--load '" << o.load << "' holds no " << checkpoint::kTrackerFile,
+               "give the --save folder of a `loom train` run");
+    return checkpoint::read_index(*folder);
+}
+
+void load_weights(const checkpoint::Index & index, model::GptModel & model) {
+    checkpoint::RankContents contents;
+    contents.params = model.parameters();
+    checkpoint::LoadOptions load;
+    load.optimizer  = false;
+    load.vocab_size = model.config().vocab_size;
+    checkpoint::load(index, contents, load);
 }
 
 checkpoint::SaveStats save_checkpoint(const TrainOptions & options, Setup & setup, int64_t iteration,

@@ -49,6 +49,13 @@ struct Resumed {
 // --load into this rank's setup (every rank, no collective).
 Resumed load_checkpoint(const TrainOptions & options, Setup & setup);
 
+// --load for a command that reads one model (eval, export-hf): the index of the checkpoint it names
+// (with --ckpt-step); throws when the folder holds none, or when a flag only `loom train` honours
+// (--save, --save-interval, the exit flags) was given to `command`.
+checkpoint::Index index_to_read(const TrainOptions & options, const char * command);
+// The checkpoint's weights into a whole model on one rank (the f32 master where one was saved).
+void load_weights(const checkpoint::Index & index, model::GptModel & model);
+
 // --save at `iteration`: every rank of the setup calls it.
 checkpoint::SaveStats save_checkpoint(const TrainOptions & options, Setup & setup, int64_t iteration,
                                       int64_t consumed_samples);

@@ -84,7 +84,7 @@ struct TrainOptions {
 
     // Logging.
     int64_t     log_interval = 10;
-    std::string log_file;           // JSON lines, one object per logged iteration
+    std::string log_file;           // JSON lines, one object per logged iteration (rank 0 writes it)
     bool        log_throughput = true;
 
     // Micro-batches per iteration on each data-parallel rank.

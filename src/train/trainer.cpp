@@ -222,8 +222,11 @@ TrainSummary Trainer::run(FILE * out) {
         std::fprintf(out, "WARNING: could not find a checkpoint in %s (no %s); training from scratch\n",
                      options_.load.c_str(), checkpoint::kTrackerFile);
     }
+    // The ranks agree on stopping: a flag any rank raised stops all of them after the same iteration.
+    comm::Communicator * everyone = setup_.groups.world ? setup_.groups.world.get() : setup_.groups.dp.get();
     FILE *       log_file = nullptr;
-    if (!options_.log_file.empty()) {
+    if (!options_.log_file.empty() && (!everyone || everyone->rank() == 0)) {   // one writer: rank 0
+
         log_file = std::fopen(options_.log_file.c_str(), "w");
         LOOM_CHECK(log_file != nullptr, "cannot open --log-file '" << options_.log_file << "' for writing",
                    "check that the directory exists and is writable");
@@ -235,8 +238,6 @@ TrainSummary Trainer::run(FILE * out) {
         sigemptyset(&action.sa_mask);
         sigaction(SIGTERM, &action, &previous);
     }
-    // The ranks agree on stopping: a flag any rank raised stops all of them after the same iteration.
-    comm::Communicator * everyone = setup_.groups.world ? setup_.groups.world.get() : setup_.groups.dp.get();
     auto any_rank = [&](bool local) {
         if (!everyone || everyone->size() == 1) return local;
         Tensor flag = Tensor::empty({1}, DType::f32, model_.device());
