@@ -13,6 +13,8 @@ namespace loom::train {
 
 TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     TrainOptions & o = opts_;
+    // argparse's rule: a flag given twice takes its last value (launch scripts append "$@" to their flags).
+    app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
     app.add_option("--model", o.model_preset,
                    "model preset: gpt-tiny, llama-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b")->capture_default_str();
     app.add_option("--num-layers", num_layers_, "transformer layers");

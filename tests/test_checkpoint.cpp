@@ -1,0 +1,397 @@
+// Checkpoints end to end through `loom train` (one rank, or under mpirun): a resume continues bitwise, a
+// checkpoint reshards across DP, TP and PP, a kill at any point of a save leaves the previous checkpoint
+// loadable, SIGTERM and --exit-interval stop with a checkpoint, and corrupt checkpoints are refused naming
+// the file.
+#include "checkpoint/checkpoint.h"
+
+#include "loom_cli_runner.h"
+
+#include <nlohmann/json.hpp>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <fcntl.h>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <sys/wait.h>
+#include <thread>
+#include <unistd.h>
+
+using namespace loom;
+namespace fs = std::filesystem;
+using json   = nlohmann::json;
+
+namespace {
+
+// A fresh folder under the system's temporary folder, removed at the end of the test.
+class TempDir {
+public:
+    TempDir() {
+        std::string pattern = (fs::temp_directory_path() / "loom_ckpt_XXXXXX").string();
+        path_               = mkdtemp(pattern.data());
+    }
+    ~TempDir() { fs::remove_all(path_); }
+    std::string operator/(const std::string & name) const { return (fs::path(path_) / name).string(); }
+
+private:
+    std::string path_;
+};
+
+// `loom <args>` on np ranks (np 1: without mpirun).
+CliRun run_on(int np, const std::string & args) {
+    if (np == 1) return run_loom(args);
+    std::string command = std::string(LOOM_MPIEXEC) + " --oversubscribe -np " + std::to_string(np) + " " +
+                          LOOM_CLI_PATH + " " + args + " 2>&1";
+    FILE *      pipe = popen(command.c_str(), "r");
+    std::string out;
+    char        buffer[4096];
+    size_t      n;
+    while (pipe && (n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) out.append(buffer, n);
+    int status = pipe ? pclose(pipe) : -1;
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+// iteration -> lm loss of a --log-file.
+std::map<int64_t, double> losses(const std::string & log_file) {
+    std::map<int64_t, double> out;
+    std::ifstream             in(log_file);
+    for (std::string line; std::getline(in, line);) {
+        json j = json::parse(line);
+        out[j["iteration"].get<int64_t>()] = j["lm loss"].get<double>();
+    }
+    return out;
+}
+
+const std::string kRun = "train --train-iters 20 --lr-warmup-iters 2 --log-interval 1 ";
+
+std::string tracker(const std::string & dir) {
+    std::ifstream in(fs::path(dir) / checkpoint::kTrackerFile);
+    std::string   s;
+    in >> s;
+    return s;
+}
+
+}  // namespace
+
+TEST(Crc32c, MatchesTheCastagnoliCheckValue) {
+    const char * text = "123456789";
+    EXPECT_EQ(checkpoint::crc32c(text, 9), 0xE3069283u) << "the standard check value of CRC-32C";
+    // Streaming in pieces gives the same CRC as one call.
+    EXPECT_EQ(checkpoint::crc32c(text + 4, 5, checkpoint::crc32c(text, 4)), 0xE3069283u);
+    std::vector<uint8_t> zeros(32, 0);
+    EXPECT_EQ(checkpoint::crc32c(zeros.data(), zeros.size()), 0x8A9136AAu) << "32 zero bytes (RFC 3720 B.4)";
+}
+
+// Train 20 iterations saving at 10; a fresh process resumes from 10: iterations 11-20 print bitwise the
+// same losses and end with bitwise the same parameters and optimizer state.
+struct ResumeCase {
+    const char * name;
+    int          np;
+    const char * args;
+};
+
+class ResumeIsBitwise : public ::testing::TestWithParam<ResumeCase> {};
+
+TEST_P(ResumeIsBitwise, LossesAndFinalStateMatchTheUninterruptedRun) {
+    const ResumeCase & c = GetParam();
+    TempDir            tmp;
+    const std::string  run = kRun + c.args;
+    CliRun a = run_on(c.np, run + " --save " + (tmp / "a") + " --save-interval 10 --log-file " + (tmp / "a.jsonl"));
+    ASSERT_EQ(a.status, 0) << a.out;
+    CliRun b = run_on(c.np, run + " --load " + (tmp / "a") + " --ckpt-step 10 --save " + (tmp / "b") + " --log-file " +
+                              (tmp / "b.jsonl"));
+    ASSERT_EQ(b.status, 0) << b.out;
+    EXPECT_NE(b.out.find("successfully loaded checkpoint"), std::string::npos) << b.out;
+    std::map<int64_t, double> la = losses(tmp / "a.jsonl"), lb = losses(tmp / "b.jsonl");
+    ASSERT_EQ(la.size(), 20u);
+    ASSERT_EQ(lb.size(), 10u) << "the resumed run trains iterations 11-20";
+    for (int64_t k = 11; k <= 20; ++k) EXPECT_EQ(la.at(k), lb.at(k)) << "iteration " << k;   // bitwise
+
+    checkpoint::Index ia = checkpoint::read_index(tmp / "a/iter_0000020");
+    checkpoint::Index ib = checkpoint::read_index(tmp / "b/iter_0000020");
+    EXPECT_EQ(ia.optimizer_step, 20);
+    EXPECT_EQ(ib.optimizer_step, 20);
+    EXPECT_EQ(ib.metadata["consumed_train_samples"], ia.metadata["consumed_train_samples"]);
+    ASSERT_EQ(ia.tensors.size(), ib.tensors.size());
+    for (const auto & [name, t] : ia.tensors) {
+        std::vector<std::string> kinds = {"values", "exp_avg", "exp_avg_sq"};
+        if (t.dtype != "F32") kinds.push_back("master");
+        for (const std::string & kind : kinds) {
+            std::vector<float> x = checkpoint::read_tensor(ia, name, kind), y = checkpoint::read_tensor(ib, name, kind);
+            ASSERT_EQ(x.size(), y.size());
+            EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0) << name << " " << kind;
+        }
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, ResumeIsBitwise,
+    ::testing::Values(
+        ResumeCase{"single_f32", 1, ""}, ResumeCase{"single_bf16", 1, "--bf16"},
+        ResumeCase{"dp2_zero1_overlaps", 2,
+                   "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 100000"},
+        ResumeCase{"pp2_vpp2", 2, "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+                                  "--global-batch-size 16"},
+        ResumeCase{"tp2_sp", 2, "--tensor-model-parallel-size 2 --sequence-parallel"},
+        ResumeCase{"offload_half", 1, "--optimizer-cpu-offload --optimizer-offload-fraction 0.5"},
+        ResumeCase{"dp2_zero1_offload_half_bf16", 2,
+                   "--use-distributed-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.5 "
+                   "--overlap-cpu-optimizer-d2h-h2d --bf16"}),
+    [](const ::testing::TestParamInfo<ResumeCase> & info) { return std::string(info.param.name); });
+
+// Saved under one layout at iteration 10 and resumed under another: iterations 11-20 match the run that
+// never changed layout within 1e-5 relative (f32; the sums only regroup).
+struct ReshardCase {
+    const char * name;
+    int          save_np;
+    const char * save_args;
+    int          load_np;
+    const char * load_args;
+};
+
+class Reshard : public ::testing::TestWithParam<ReshardCase> {};
+
+TEST_P(Reshard, ContinuesTheLossCurve) {
+    const ReshardCase & c = GetParam();
+    TempDir             tmp;
+    const std::string   run = kRun + "--global-batch-size 16 ";
+    CliRun a = run_on(c.save_np, run + c.save_args + " --save " + (tmp / "a") + " --save-interval 10 --log-file " +
+                                   (tmp / "a.jsonl"));
+    ASSERT_EQ(a.status, 0) << a.out;
+    CliRun b = run_on(c.load_np, run + c.load_args + " --load " + (tmp / "a") + " --ckpt-step 10 --log-file " +
+                                   (tmp / "b.jsonl"));
+    ASSERT_EQ(b.status, 0) << b.out;
+    std::map<int64_t, double> la = losses(tmp / "a.jsonl"), lb = losses(tmp / "b.jsonl");
+    ASSERT_EQ(lb.size(), 10u) << b.out;
+    for (int64_t k = 11; k <= 20; ++k) {
+        EXPECT_NEAR(lb.at(k), la.at(k), 1e-5 * std::abs(la.at(k))) << "iteration " << k;
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, Reshard,
+    ::testing::Values(
+        ReshardCase{"dp2_zero1_to_1", 2, "--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 100000",
+                    1, ""},
+        ReshardCase{"tp2_to_1", 2, "--tensor-model-parallel-size 2 --sequence-parallel", 1, ""},
+        ReshardCase{"pp2_vpp2_to_1", 2, "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2", 1,
+                    ""},
+        ReshardCase{"1_to_dp2_zero1", 1, "", 2, "--use-distributed-optimizer"},
+        ReshardCase{"1_to_tp2", 1, "", 2, "--tensor-model-parallel-size 2"},
+        ReshardCase{"1_to_pp2", 1, "", 2, "--pipeline-model-parallel-size 2"},
+        ReshardCase{"tp2_pp2_to_dp2_offload", 4,
+                    "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --use-distributed-optimizer", 2,
+                    "--use-distributed-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.3"}),
+    [](const ::testing::TestParamInfo<ReshardCase> & info) { return std::string(info.param.name); });
+
+// SIGKILL at 20 random points inside the saves of a run (the LOOM_CHECKPOINT_KILL_AT seam: 9 points per
+// save); each time the tracker names the last complete checkpoint, and resuming from it continues bitwise.
+TEST(CheckpointKill, AnyPointOfASaveLeavesTheLastCompleteCheckpoint) {
+    TempDir           tmp;
+    const std::string run = "train --train-iters 12 --lr-warmup-iters 2 --log-interval 1 --save-interval 2 ";
+    CliRun            ref = run_loom(run + "--save " + (tmp / "ref") + " --log-file " + (tmp / "ref.jsonl"));
+    ASSERT_EQ(ref.status, 0) << ref.out;
+    std::map<int64_t, double> expected = losses(tmp / "ref.jsonl");
+    constexpr int kPointsPerSave = 9, kSaves = 6;
+    std::mt19937  rng(20261123);
+    std::vector<int> points(kPointsPerSave * kSaves);
+    std::iota(points.begin(), points.end(), 1);
+    std::shuffle(points.begin(), points.end(), rng);
+    points.resize(20);
+    for (int point : points) {
+        SCOPED_TRACE("killed at point " + std::to_string(point));
+        const std::string dir = tmp / ("k" + std::to_string(point));
+        const std::string command = "LOOM_CHECKPOINT_KILL_AT=" + std::to_string(point) + " " + LOOM_CLI_PATH + " " +
+                                    run + "--save " + dir + " >/dev/null 2>&1";
+        EXPECT_NE(std::system(command.c_str()), 0) << "the seam must have killed the run";
+        const int save = (point - 1) / kPointsPerSave + 1, within = (point - 1) % kPointsPerSave + 1;
+        const int last = within == kPointsPerSave ? 2 * save : 2 * (save - 1);   // the last complete checkpoint
+        if (last == 0) {
+            EXPECT_FALSE(fs::exists(fs::path(dir) / checkpoint::kTrackerFile));
+        } else {
+            EXPECT_EQ(tracker(dir), std::to_string(last));
+        }
+        CliRun resumed = run_loom(run + "--load " + dir + " --save " + dir + " --log-file " + dir + ".jsonl");
+        ASSERT_EQ(resumed.status, 0) << resumed.out;
+        std::map<int64_t, double> got = losses(dir + ".jsonl");
+        ASSERT_EQ(got.size(), static_cast<size_t>(12 - last)) << resumed.out;
+        for (auto [k, loss] : got) EXPECT_EQ(loss, expected.at(k)) << "iteration " << k;
+        EXPECT_EQ(tracker(dir), "12");
+        for (const fs::directory_entry & e : fs::directory_iterator(dir)) {
+            EXPECT_EQ(e.path().extension(), e.is_directory() ? "" : ".txt") << e.path() << " left behind";
+        }
+    }
+}
+
+// --exit-signal-handler: SIGTERM finishes the iteration in flight, saves and exits 0.
+TEST(CheckpointExit, SigtermSavesAndExitsZero) {
+    TempDir     tmp;
+    std::string dir = tmp / "d", log = tmp / "log.jsonl";
+    pid_t       pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+        int null = open("/dev/null", O_WRONLY);
+        dup2(null, 1);
+        dup2(null, 2);
+        execl(LOOM_CLI_PATH, LOOM_CLI_PATH, "train", "--train-iters", "100000", "--log-interval", "1",
+              "--exit-signal-handler", "--save", dir.c_str(), "--log-file", log.c_str(), nullptr);
+        _exit(127);
+    }
+    size_t logged = 0;
+    for (int wait = 0; wait < 600 && logged < 3; ++wait) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        logged = losses(log).size();
+    }
+    ASSERT_GE(logged, 3u) << "the run did not start";
+    kill(pid, SIGTERM);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    ASSERT_TRUE(WIFEXITED(status)) << "killed by the signal instead of handling it";
+    EXPECT_EQ(WEXITSTATUS(status), 0);
+    const int64_t saved = std::stoll(tracker(dir));
+    EXPECT_GE(saved, static_cast<int64_t>(logged));
+    EXPECT_LE(saved, static_cast<int64_t>(logged) + 2) << "stopped within the iteration in flight";
+    EXPECT_EQ(losses(log).rbegin()->first, saved) << "the last iteration trained is the one saved";
+}
+
+TEST(CheckpointExit, ExitIntervalStopsThereAfterSaving) {
+    TempDir tmp;
+    CliRun  r = run_loom(kRun + "--exit-interval 7 --save " + (tmp / "d") + " --log-file " + (tmp / "l.jsonl"));
+    ASSERT_EQ(r.status, 0) << r.out;
+    EXPECT_NE(r.out.find("exiting program at iteration 7"), std::string::npos) << r.out;
+    EXPECT_EQ(tracker(tmp / "d"), "7");
+    EXPECT_EQ(losses(tmp / "l.jsonl").size(), 7u);
+}
+
+TEST(CheckpointLoad, MissingTrackerTrainsFromScratchAndFinetuneRestartsTheCount) {
+    TempDir tmp;
+    fs::create_directories(tmp / "empty");
+    CliRun scratch = run_loom(kRun + "--train-iters 3 --load " + (tmp / "empty"));
+    ASSERT_EQ(scratch.status, 0) << scratch.out;
+    EXPECT_NE(scratch.out.find("training from scratch"), std::string::npos) << scratch.out;
+    ASSERT_EQ(run_loom(kRun + "--train-iters 4 --save " + (tmp / "a")).status, 0);
+    CliRun fine = run_loom(kRun + "--train-iters 3 --finetune --load " + (tmp / "a"));
+    ASSERT_EQ(fine.status, 0) << fine.out;
+    EXPECT_NE(fine.out.find("iteration        1/       3"), std::string::npos) << "finetune starts at iteration 1";
+    CliRun done = run_loom(kRun + "--train-iters 4 --load " + (tmp / "a"));
+    ASSERT_EQ(done.status, 0) << done.out;
+    EXPECT_NE(done.out.find("no iterations to run"), std::string::npos) << done.out;
+}
+
+// The checkpoint's weights reach Hugging Face's format and the eval command unchanged.
+TEST(CheckpointExport, ExportHfAndEvalReadTheTrainedWeights) {
+    TempDir tmp;
+    CliRun trained = run_on(2, kRun + "--train-iters 6 --tensor-model-parallel-size 2 --save " + (tmp / "a"));
+    ASSERT_EQ(trained.status, 0) << trained.out;
+    CliRun info = run_loom("checkpoint info " + (tmp / "a") + " --verify");
+    ASSERT_EQ(info.status, 0) << info.out;
+    EXPECT_NE(info.out.find("iteration 6"), std::string::npos) << info.out;
+    EXPECT_NE(info.out.find("saved from: tp 2"), std::string::npos) << info.out;
+    EXPECT_NE(info.out.find("verified"), std::string::npos) << info.out;
+    CliRun exported = run_loom("export-hf --load " + (tmp / "a") + " --output " + (tmp / "hf"));
+    ASSERT_EQ(exported.status, 0) << exported.out;
+    CliRun from_ckpt = run_loom("eval --eval-iters 2 --load " + (tmp / "a") + " --use-checkpoint-args", "2>/dev/null");
+    CliRun from_hf   = run_loom("eval --eval-iters 2 --load-hf " + (tmp / "hf"), "2>/dev/null");
+    ASSERT_EQ(from_ckpt.status, 0) << from_ckpt.out;
+    ASSERT_EQ(from_hf.status, 0) << from_hf.out;
+    auto loss = [](const std::string & out) {
+        size_t at = out.find("lm loss value: ");
+        return at == std::string::npos ? -1.0 : std::stod(out.substr(at + 15));
+    };
+    EXPECT_GT(loss(from_ckpt.out), 0);
+    EXPECT_NEAR(loss(from_ckpt.out), loss(from_hf.out), 1e-6) << from_ckpt.out << from_hf.out;
+    EXPECT_NE(from_ckpt.out.find("validation loss at iteration 6"), std::string::npos) << from_ckpt.out;
+}
+
+// Twelve ways a checkpoint can be damaged: each is refused with exit 2, naming the file at fault.
+TEST(CheckpointCorrupt, TwelveCorruptionsEachExitTwoNamingTheFile) {
+    TempDir tmp;
+    const std::string good = tmp / "good";
+    ASSERT_EQ(run_on(2, kRun + "--train-iters 2 --use-distributed-optimizer --save " + good).status, 0);
+    const std::string iter = "iter_0000002";
+    auto edit_index = [&](const std::string & dir, const std::function<void(json &)> & fn) {
+        const std::string path = dir + "/" + iter + "/index.json";
+        std::ifstream     in(path);
+        json              j = json::parse(in);
+        fn(j);
+        std::ofstream(path) << j.dump();
+    };
+    auto corrupt_byte = [](const std::string & path, int64_t offset) {
+        std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+        f.seekg(offset);
+        char c;
+        f.get(c);
+        f.seekp(offset);
+        f.put(static_cast<char>(c ^ 0x5A));
+    };
+    struct Case {
+        const char *                              name;
+        std::function<void(const std::string &)>  damage;
+        std::string                               names;   // the file (or flag) the message must name
+        std::string                               flags = "";
+    };
+    const std::string shard = iter + "/rank_00001.safetensors", index = iter + "/index.json";
+    std::vector<Case> cases = {
+        {"truncated shard", [&](const std::string & d) { fs::resize_file(d + "/" + shard, 1000); }, shard},
+        {"flipped byte in the data", [&](const std::string & d) { corrupt_byte(d + "/" + shard, 5000); }, shard},
+        {"flipped byte in the header", [&](const std::string & d) { corrupt_byte(d + "/" + shard, 20); }, shard},
+        {"missing shard", [&](const std::string & d) { fs::remove(d + "/" + shard); }, shard},
+        {"missing index", [&](const std::string & d) { fs::remove(d + "/" + index); }, index},
+        {"index not JSON", [&](const std::string & d) { fs::resize_file(d + "/" + index, 100); }, index},
+        {"index pointing past a file",
+         [&](const std::string & d) {
+             edit_index(d, [](json & j) { j["files"]["rank_00001.safetensors"]["bytes"] = 1 << 30; });
+         },
+         shard},
+        {"wrong shape in the index",
+         [&](const std::string & d) {
+             edit_index(d, [](json & j) { j["tensors"]["layers.0.norm1.weight"]["shape"] = {64}; });
+         },
+         index},
+        {"piece range past its part",
+         [&](const std::string & d) {
+             edit_index(d, [](json & j) { j["tensors"]["layers.1.mlp.fc1.bias"]["pieces"][0]["range"][1] = 100000; });
+         },
+         index},
+        {"tensor missing from the index",
+         [&](const std::string & d) { edit_index(d, [](json & j) { j["tensors"].erase("final_norm.weight"); }); },
+         index},
+        {"tracker naming a missing iteration",
+         [&](const std::string & d) { std::ofstream(d + "/latest_checkpointed_iteration.txt") << "30\n"; },
+         "latest_checkpointed_iteration.txt"},
+        {"args that contradict the checkpoint", [](const std::string &) {}, "--num-layers", "--num-layers 2"},
+    };
+    ASSERT_EQ(cases.size(), 12u);
+    for (const Case & c : cases) {
+        SCOPED_TRACE(c.name);
+        const std::string dir = tmp / "bad";
+        fs::remove_all(dir);
+        fs::copy(good, dir, fs::copy_options::recursive);
+        c.damage(dir);
+        CliRun r = run_loom(kRun + "--train-iters 4 --load " + dir + " " + c.flags);
+        EXPECT_EQ(r.status, 2) << r.out;
+        EXPECT_NE(r.out.find(c.names), std::string::npos) << "the message names " << c.names << ":\n" << r.out;
+    }
+}
+
+TEST(CheckpointFlags, UnsupportedFormatsAndMisusedFlagsAreRefusedByName) {
+    CliRun torch = run_loom("train --ckpt-format torch");
+    EXPECT_EQ(torch.status, 2);
+    EXPECT_NE(torch.out.find("--ckpt-format torch is not supported"), std::string::npos) << torch.out;
+    CliRun args = run_loom("train --use-checkpoint-args");
+    EXPECT_EQ(args.status, 2);
+    EXPECT_NE(args.out.find("--use-checkpoint-args without --load"), std::string::npos) << args.out;
+    CliRun interval = run_loom("train --save-interval 0");
+    EXPECT_EQ(interval.status, 2);
+    EXPECT_NE(interval.out.find("--save-interval must be >= 1"), std::string::npos) << interval.out;
+    CliRun eval = run_loom("eval --save /tmp/x --load /tmp");
+    EXPECT_EQ(eval.status, 2);
+    EXPECT_NE(eval.out.find("flags of `loom train`"), std::string::npos) << eval.out;
+}
