@@ -539,50 +539,49 @@ private:
     std::map<std::string, std::unique_ptr<model::SafetensorsFile>> files_;
 };
 
-// The full tensor's `kind` from every piece.
-std::vector<float> assemble(const Index & index, const std::string & name, const TensorRecord & t, const char * kind,
-                            FileCache & files) {
-    std::vector<float> full(static_cast<size_t>(shape_numel(t.shape)));
+// The full tensor's `kind` from every piece, into `full` (`scratch` holds a piece that must be scattered).
+// The buffers are reused from tensor to tensor: fresh pages for every tensor would cost more than the copy.
+void assemble(const Index & index, const std::string & name, const TensorRecord & t, const char * kind,
+              FileCache & files, std::vector<float> & full, std::vector<float> & scratch) {
+    full.resize(static_cast<size_t>(shape_numel(t.shape)));
     for (const Piece & p : t.pieces) {
         const model::SafetensorsFile & file  = files.open(p.file);
         const std::string              entry = entry_name(name, p.begin, kind);
         LOOM_CHECK(file.contains(entry), "checkpoint file '" << file.path() << "' has no entry '" << entry
                                                              << "' (listed in '" << index.path() << "')", kCorruptHint);
-        std::vector<float> part = file.read_f32(entry);
-        LOOM_CHECK(static_cast<int64_t>(part.size()) == p.end - p.begin,
-                   "checkpoint file '" << file.path() << "': entry '" << entry << "' holds " << part.size()
-                                       << " elements, the index says " << p.end - p.begin, kCorruptHint);
+        const int64_t numel = shape_numel(file.entry(entry).shape);
+        LOOM_CHECK(numel == p.end - p.begin, "checkpoint file '" << file.path() << "': entry '" << entry << "' holds "
+                                                                 << numel << " elements, the index says " << p.end - p.begin,
+                   kCorruptHint);
+        if (p.tp_dim < 0) {   // the piece is a contiguous range of the full tensor
+            file.read_f32(entry, full.data() + p.begin);
+            continue;
+        }
+        scratch.resize(static_cast<size_t>(numel));
+        file.read_f32(entry, scratch.data());
         for_each_run(p.tp_dim, p.tp_ranges, t.shape, p.begin, p.end, [&](int64_t local, int64_t at, int64_t n) {
-            std::copy_n(part.data() + (local - p.begin), n, full.data() + at);
+            std::copy_n(scratch.data() + (local - p.begin), n, full.data() + at);
         });
     }
-    return full;
 }
 
 bool is_vocabulary_tensor(const std::string & name) {   // model/gpt_model.h's names
     return name == "embedding.word_embeddings.weight" || name == "output_layer.weight";
 }
 
-// `full` (saved shape) fitted to `target`: equal, or a vocabulary tensor whose padding differs.
-std::vector<float> fit_shape(std::vector<float> full, const Index & index, const std::string & name,
-                             const TensorRecord & t, const Shape & target, int64_t vocab_size) {
-    if (t.shape == target) return full;
+// `full` (saved shape) fitted to `target` in place: equal, or a vocabulary tensor whose padding differs.
+void fit_shape(std::vector<float> & full, const Index & index, const std::string & name, const TensorRecord & t,
+               const Shape & target, int64_t vocab_size) {
+    if (t.shape == target) return;
     const bool rows_only = t.shape.size() == 2 && target.size() == 2 && t.shape[1] == target[1] &&
                            is_vocabulary_tensor(name) && vocab_size > 0 && t.shape[0] >= vocab_size &&
                            target[0] >= vocab_size;
     LOOM_CHECK(rows_only, "tensor " << name << " has shape " << shape_string(t.shape) << " in '" << index.path()
                                     << "', the model's is " << shape_string(target),
                "the checkpoint is of another model; give the model flags it was saved with, or --use-checkpoint-args");
-    std::vector<float> out(static_cast<size_t>(shape_numel(target)), 0.0f);
-    const int64_t      rows = std::min(t.shape[0], target[0]);
-    std::copy_n(full.data(), rows * target[1], out.data());
-    return out;
-}
-
-// This rank's part of a full tensor.
-std::vector<float> local_part(const model::Parameter & p, std::vector<float> full) {
-    if (p.tp_slice.dim < 0) return full;
-    return model::tp_extract(p.tp_slice, full.data());
+    const size_t kept = static_cast<size_t>(std::min(t.shape[0], target[0]) * target[1]);
+    full.resize(static_cast<size_t>(shape_numel(target)));
+    std::fill(full.begin() + static_cast<std::ptrdiff_t>(kept), full.end(), 0.0f);
 }
 
 }  // namespace
@@ -590,66 +589,64 @@ std::vector<float> local_part(const model::Parameter & p, std::vector<float> ful
 void load(const Index & index, const RankContents & rank, const LoadOptions & options) {
     if (rank.params.empty()) return;
     rank.params.front()->data.device().compute_stream().synchronize();
-    FileCache   files(index);
-    const bool  with_optimizer = options.optimizer && index.has_optimizer && rank.optimizer;
-    // Slots of each parameter.
+    FileCache  files(index);
+    const bool with_optimizer = options.optimizer && index.has_optimizer && rank.optimizer;
     std::map<const model::Parameter *, std::vector<int>> slots_of;
-    optim::HybridStateDict                               state;
     if (rank.optimizer) {
         optim::Optimizer & opt = *rank.optimizer;
-        state.step             = with_optimizer ? index.optimizer_step : 0;
-        state.slots.resize(static_cast<size_t>(opt.state().num_slots()));
         for (int i = 0; i < opt.state().num_slots(); ++i) {
             slots_of[opt.params()[static_cast<size_t>(opt.slot_params()[static_cast<size_t>(i)])]].push_back(i);
         }
     }
+    std::vector<float> full, scratch, values, m, v;
+    // This rank's part of `kind` of p, into `out`.
+    auto part = [&](const model::Parameter & p, const TensorRecord & t, const char * kind, std::vector<float> & out) {
+        const Shape target = p.tp_slice.dim < 0 ? p.data.shape() : p.tp_slice.full_shape;
+        assemble(index, p.name, t, kind, files, full, scratch);
+        fit_shape(full, index, p.name, t, target, options.vocab_size);
+        if (p.tp_slice.dim < 0) {
+            out.swap(full);
+        } else {
+            out = model::tp_extract(p.tp_slice, full.data());
+        }
+        LOOM_CHECK(static_cast<int64_t>(out.size()) == p.numel(),
+                   "tensor " << p.name << " of '" << index.path() << "' does not fit this rank's part", "");
+    };
     std::set<const model::Parameter *> done;
     for (model::Parameter * p : rank.params) {
         if (!done.insert(p).second) continue;
         auto it = index.tensors.find(p->name);
         LOOM_CHECK(it != index.tensors.end(), "checkpoint '" << index.path() << "' has no tensor " << p->name,
                    "the checkpoint is of another model; give the model flags it was saved with, or --use-checkpoint-args");
-        const TensorRecord & t      = it->second;
-        const Shape          target = p->tp_slice.dim < 0 ? p->data.shape() : p->tp_slice.full_shape;
-        const bool has_master       = index.has_optimizer && t.dtype != "F32";
-        auto       part             = [&](const char * kind) {
-            return local_part(*p, fit_shape(assemble(index, p->name, t, kind, files), index, p->name, t, target,
-                                            options.vocab_size));
-        };
+        const TensorRecord & t = it->second;
         // Values from the f32 master when there is one (see the top of checkpoint.h).
-        std::vector<float> values = part(has_master ? "master" : "values");
-        LOOM_CHECK(static_cast<int64_t>(values.size()) == p->numel(), "tensor " << p->name << " of '" << index.path()
-                                                                            << "' does not fit this rank's part", "");
+        part(*p, t, index.has_optimizer && t.dtype != "F32" ? "master" : "values", values);
         convert(values.data(), DType::f32, p->data.data_ptr(), p->data.dtype(), values.size());
         auto slots = slots_of.find(p);
         if (slots == slots_of.end()) continue;
-        std::vector<float> m, v;
         if (with_optimizer) {
-            m = part("exp_avg");
-            v = part("exp_avg_sq");
+            part(*p, t, "exp_avg", m);
+            part(*p, t, "exp_avg_sq", v);
+        } else {   // a fresh Adam state over the loaded values
+            m.assign(values.size(), 0.0f);
+            v.assign(values.size(), 0.0f);
         }
         for (int i : slots->second) {
-            const Tensor &              view  = rank.optimizer->state().slot(i).values;
-            const int64_t               begin = view.offset() - p->data.offset(), n = view.numel();
-            optim::HybridSlotStateDict & s    = state.slots[static_cast<size_t>(i)];
-            s.master.assign(values.begin() + begin, values.begin() + begin + n);
-            if (with_optimizer) {
-                s.exp_avg.assign(m.begin() + begin, m.begin() + begin + n);
-                s.exp_avg_sq.assign(v.begin() + begin, v.begin() + begin + n);
-            } else {
-                s.exp_avg.assign(static_cast<size_t>(n), 0.0f);
-                s.exp_avg_sq.assign(static_cast<size_t>(n), 0.0f);
-            }
+            const Tensor & view  = rank.optimizer->state().slot(i).values;
+            const int64_t  begin = view.offset() - p->data.offset();
+            rank.optimizer->state().load_slot_state(i, values.data() + begin, m.data() + begin, v.data() + begin);
         }
     }
-    if (rank.optimizer) rank.optimizer->state().load_state_dict(state);
+    if (rank.optimizer) rank.optimizer->state().set_steps(with_optimizer ? index.optimizer_step : 0);
 }
 
 std::vector<float> read_tensor(const Index & index, const std::string & name, const std::string & kind) {
     auto it = index.tensors.find(name);
     LOOM_CHECK(it != index.tensors.end(), "checkpoint '" << index.path() << "' has no tensor " << name, "");
-    FileCache files(index);
-    return assemble(index, name, it->second, kind.c_str(), files);
+    FileCache          files(index);
+    std::vector<float> full, scratch;
+    assemble(index, name, it->second, kind.c_str(), files, full, scratch);
+    return full;
 }
 
 void verify(const Index & index) {

@@ -40,8 +40,8 @@
 // file's size, every tensor's shape and that its pieces tile it exactly); each shard file's CRC-32C is
 // checked the first time the rank reads from it. For every parameter it holds, the rank assembles the full
 // tensor from the saved pieces (one tensor and one kind at a time), takes its own TpSlice, and for each of
-// its optimizer slots the slot's range of master, m and v; then the optimizer state is loaded in one call
-// (HybridDeviceOptimizer::load_state_dict). Values come from the f32 master when the checkpoint has one, so
+// its optimizer slots the slot's range of master, m and v, loaded slot by slot
+// (HybridDeviceOptimizer::load_slot_state); the buffers are reused from tensor to tensor. Values come from the f32 master when the checkpoint has one, so
 // a bf16 checkpoint resumes an f32 run at full precision. A vocabulary tensor (word embedding, output
 // layer) whose padded row count differs (another --tensor-model-parallel-size pads differently) keeps the
 // common rows; both must hold the real vocabulary, and the padding rows, which no token reads and no loss

@@ -180,6 +180,12 @@ const SafetensorsEntry & SafetensorsFile::entry(const std::string & name) const 
 }
 
 std::vector<float> SafetensorsFile::read_f32(const std::string & name) const {
+    std::vector<float> out(static_cast<size_t>(shape_numel(entry(name).shape)));
+    read_f32(name, out.data());
+    return out;
+}
+
+void SafetensorsFile::read_f32(const std::string & name, float * out) const {
     const SafetensorsEntry & e = entry(name);
     DType dtype = DType::f32;
     if (e.dtype == "BF16") dtype = DType::bf16;
@@ -187,14 +193,14 @@ std::vector<float> SafetensorsFile::read_f32(const std::string & name) const {
     else LOOM_CHECK(e.dtype == "F32", "safetensors file '" << path_ << "': tensor '" << name << "' has dtype " << e.dtype
                                                            << ", not a floating type Loom reads (F32, BF16, F16)",
                     "convert the checkpoint to float32 or bfloat16");
-    size_t             n = static_cast<size_t>(shape_numel(e.shape));
-    std::vector<float> out(n);
-    std::vector<uint8_t> raw(e.end - e.begin);
+    const size_t         n     = static_cast<size_t>(shape_numel(e.shape));
+    const size_t         bytes = e.end - e.begin;
+    std::vector<uint8_t> raw(dtype == DType::f32 ? 0 : bytes);
+    void *               dst = dtype == DType::f32 ? static_cast<void *>(out) : raw.data();
     bool ok = ::fseeko(file_.get(), static_cast<off_t>(data_start_ + e.begin), SEEK_SET) == 0 &&
-              (raw.empty() || std::fread(raw.data(), 1, raw.size(), file_.get()) == raw.size());
+              (bytes == 0 || std::fread(dst, 1, bytes, file_.get()) == bytes);
     LOOM_CHECK(ok, "cannot read tensor '" << name << "' from safetensors file '" << path_ << "'", kSafetensorsHint);
-    if (n != 0) convert(raw.data(), dtype, out.data(), DType::f32, n);
-    return out;
+    if (n != 0 && dtype != DType::f32) convert(raw.data(), dtype, out, DType::f32, n);
 }
 
 void write_safetensors(const std::string & path, const std::vector<SafetensorsTensor> & tensors,

@@ -86,6 +86,8 @@ public:
     // The tensor's elements as float32 (F32, BF16, F16); throws for other dtypes. Reads through one
     // FILE position: not for concurrent calls on one SafetensorsFile.
     std::vector<float>                         read_f32(const std::string & name) const;
+    // The same into `out` (numel elements; F32 entries are read straight into it).
+    void                                       read_f32(const std::string & name, float * out) const;
 
 private:
     struct FileCloser {

@@ -265,23 +265,29 @@ void HybridDeviceOptimizer::load_state_dict(const HybridStateDict & state) {
     LOOM_CHECK(static_cast<int>(state.slots.size()) == num_slots(),
                "optimizer state of " << state.slots.size() << " slots for an optimizer of " << num_slots(),
                "load the state into an optimizer over the same parameters");
-    synchronize();
     for (int i = 0; i < num_slots(); ++i) {
-        HybridSlotState             st   = slot_state(i);
-        const HybridSlotStateDict & slot = state.slots[static_cast<size_t>(i)];
-        LOOM_CHECK(static_cast<int64_t>(slot.master.size()) == st.numel && slot.exp_avg.size() == slot.master.size() &&
+        const HybridSlotStateDict & slot  = state.slots[static_cast<size_t>(i)];
+        const int64_t               numel = slots_[static_cast<size_t>(i)].slot.values.numel();
+        LOOM_CHECK(static_cast<int64_t>(slot.master.size()) == numel && slot.exp_avg.size() == slot.master.size() &&
                        slot.exp_avg_sq.size() == slot.master.size(),
-                   "optimizer state of slot " << i << " holds " << slot.master.size() << " elements, the slot " << st.numel,
+                   "optimizer state of slot " << i << " holds " << slot.master.size() << " elements, the slot " << numel,
                    "load the state into an optimizer over the same parameters");
-        std::copy(slot.exp_avg.begin(), slot.exp_avg.end(), st.exp_avg);
-        std::copy(slot.exp_avg_sq.begin(), slot.exp_avg_sq.end(), st.exp_avg_sq);
-        std::copy(slot.master.begin(), slot.master.end(), st.master);
-        const Tensor & values = slots_[static_cast<size_t>(i)].slot.values;
-        if (static_cast<const void *>(st.master) != values.data_ptr()) {   // else the values are the master
-            convert(st.master, DType::f32, values.data_ptr(), values.dtype(), static_cast<size_t>(st.numel));
-        }
+        load_slot_state(i, slot.master.data(), slot.exp_avg.data(), slot.exp_avg_sq.data());
     }
     step_ = state.step;
+}
+
+void HybridDeviceOptimizer::load_slot_state(int slot, const float * master, const float * exp_avg,
+                                            const float * exp_avg_sq) {
+    synchronize();
+    HybridSlotState st = slot_state(slot);
+    std::copy_n(exp_avg, st.numel, st.exp_avg);
+    std::copy_n(exp_avg_sq, st.numel, st.exp_avg_sq);
+    std::copy_n(master, st.numel, st.master);
+    const Tensor & values = slots_[static_cast<size_t>(slot)].slot.values;
+    if (static_cast<const void *>(st.master) != values.data_ptr()) {   // else the values are the master
+        convert(st.master, DType::f32, values.data_ptr(), values.dtype(), static_cast<size_t>(st.numel));
+    }
 }
 
 }  // namespace loom::optim

@@ -123,6 +123,8 @@ public:
     // Restores it: masters, moments and the step; each slot's model values become its master in the
     // model's dtype, as after a step. Throws naming the slot when the sizes do not match.
     void            load_state_dict(const HybridStateDict & state);
+    // One slot's part of it (numel elements each), without building the whole dict (a checkpoint load).
+    void            load_slot_state(int slot, const float * master, const float * exp_avg, const float * exp_avg_sq);
     int                     num_host_groups() const { return static_cast<int>(groups_.size()); }
     const HybridOptions &   options() const { return options_; }
     // The side streams (tests delay them to prove the waits); they exist only when a slot is offloaded.
