@@ -270,6 +270,32 @@ TEST(CheckpointExit, ExitIntervalStopsThereAfterSaving) {
     EXPECT_EQ(losses(tmp / "l.jsonl").size(), 7u);
 }
 
+TEST(CheckpointExit, ExitDurationStopsAfterTheFirstIterationPastIt) {
+    TempDir tmp;
+    CliRun  r = run_loom(kRun + "--exit-duration-in-mins 0.00001 --save " + (tmp / "d"));
+    ASSERT_EQ(r.status, 0) << r.out;
+    EXPECT_NE(r.out.find("exiting program at iteration 1 (--exit-duration-in-mins)"), std::string::npos) << r.out;
+    EXPECT_EQ(tracker(tmp / "d"), "1");
+}
+
+// --no-save-optim writes the parameters only; loading it (or any checkpoint with --no-load-optim) resumes
+// the iteration and samples with a fresh Adam state over the loaded values.
+TEST(CheckpointLoad, ParametersOnlyCheckpointsResumeWithAFreshOptimizer) {
+    TempDir tmp;
+    ASSERT_EQ(run_loom(kRun + "--train-iters 4 --bf16 --no-save-optim --save " + (tmp / "p")).status, 0);
+    checkpoint::Index index = checkpoint::read_index(tmp / "p/iter_0000004");
+    EXPECT_FALSE(index.has_optimizer);
+    CliRun info = run_loom("checkpoint info " + (tmp / "p"));
+    EXPECT_NE(info.out.find("optimizer state not saved"), std::string::npos) << info.out;
+    for (const char * flags : {"", "--no-load-optim"}) {
+        const std::string save = tmp / (std::string("r") + (flags[0] ? "1" : "0"));
+        CliRun r = run_loom(kRun + "--train-iters 6 --bf16 --load " + (tmp / "p") + " --save " + save + " " + flags);
+        ASSERT_EQ(r.status, 0) << r.out;
+        EXPECT_NE(r.out.find("iteration        5/       6"), std::string::npos) << r.out;
+        EXPECT_EQ(checkpoint::read_index(save + "/iter_0000006").optimizer_step, 2) << "two steps after the load";
+    }
+}
+
 TEST(CheckpointLoad, MissingTrackerTrainsFromScratchAndFinetuneRestartsTheCount) {
     TempDir tmp;
     fs::create_directories(tmp / "empty");
