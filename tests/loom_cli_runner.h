@@ -15,8 +15,8 @@ struct CliRun {
     std::string out;
 };
 
-inline CliRun run_loom(const std::string & args, const std::string & redirect = "2>&1") {
-    std::string command = std::string(LOOM_CLI_PATH) + " " + args + " " + redirect;
+// Runs a shell command line and captures its output.
+inline CliRun run_command(const std::string & command) {
     FILE *      pipe    = popen(command.c_str(), "r");
     EXPECT_NE(pipe, nullptr) << command;
     std::string            out;
@@ -26,3 +26,17 @@ inline CliRun run_loom(const std::string & args, const std::string & redirect = 
     int status = pipe ? pclose(pipe) : -1;
     return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
 }
+
+inline CliRun run_loom(const std::string & args, const std::string & redirect = "2>&1") {
+    return run_command(std::string(LOOM_CLI_PATH) + " " + args + " " + redirect);
+}
+
+#ifdef LOOM_MPIEXEC
+// `loom <args>` under mpirun on np ranks (np 1: without mpirun); `env` prefixes the command line
+// ("NAME=value ..."). The MPI environment comes from ctest (LOOM_MPI_ENV in tests/CMakeLists.txt).
+inline CliRun run_loom_mpi(int np, const std::string & args, const std::string & env = "") {
+    if (np == 1) return run_command(env + " " + LOOM_CLI_PATH + " " + args + " 2>&1");
+    return run_command(env + " " + LOOM_MPIEXEC + " --oversubscribe -np " + std::to_string(np) + " " + LOOM_CLI_PATH +
+                       " " + args + " 2>&1");
+}
+#endif

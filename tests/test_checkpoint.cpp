@@ -44,19 +44,7 @@ private:
     std::string path_;
 };
 
-// `loom <args>` on np ranks (np 1: without mpirun).
-CliRun run_on(int np, const std::string & args) {
-    if (np == 1) return run_loom(args);
-    std::string command = std::string(LOOM_MPIEXEC) + " --oversubscribe -np " + std::to_string(np) + " " +
-                          LOOM_CLI_PATH + " " + args + " 2>&1";
-    FILE *      pipe = popen(command.c_str(), "r");
-    std::string out;
-    char        buffer[4096];
-    size_t      n;
-    while (pipe && (n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) out.append(buffer, n);
-    int status = pipe ? pclose(pipe) : -1;
-    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
+CliRun run_on(int np, const std::string & args) { return run_loom_mpi(np, args); }
 
 // iteration -> lm loss of a --log-file.
 std::map<int64_t, double> losses(const std::string & log_file) {

@@ -77,6 +77,7 @@ int cmd_train(int argc, char ** argv) {
     if (use_ddp) {
         mpi = std::make_unique<comm::MpiContext>();
         LOOM_CHECK(mpi->world_size() == world, "MPI started " << mpi->world_size() << " ranks, the launcher said " << world, "");
+        mpi->set_timeout(static_cast<double>(options.distributed_timeout_minutes) * 60.0);
     }
     if (world == 1) return train_on_this_rank(options, parser.vocab_given(), mpi.get());
     // Under mpirun, anything thrown on one rank stops the job: the other ranks may be waiting for it in a

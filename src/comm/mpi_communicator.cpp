@@ -7,7 +7,10 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -81,6 +84,10 @@ struct MpiOp {
     std::function<void(const std::vector<MPI_Status> &)> finish;
     std::shared_ptr<WorkState>                work = std::make_shared<WorkState>();
     std::vector<MPI_Request>                  requests;
+    // For the watchdog's message: the operation, its group, and when it was posted.
+    const char *                              what = "";
+    std::string                               group;
+    std::chrono::steady_clock::time_point     posted;
 };
 
 bool overlaps(const void * a, size_t a_bytes, const void * b, size_t b_bytes) {
@@ -161,6 +168,9 @@ public:
 
     int new_comm_id() { return next_comm_id_.fetch_add(1); }
 
+    // The watchdog: an operation in flight longer than this ends the job (0: never).
+    void set_timeout(double seconds) { timeout_s_.store(seconds); }
+
     // An MPI datatype of `bytes` contiguous bytes (1, 2, 4 or 8): counts are in elements, not bytes.
     MPI_Datatype element_type(size_t bytes) const {
         switch (bytes) {
@@ -179,6 +189,7 @@ private:
 
     void post(const std::shared_ptr<MpiOp> & op) {
         try {
+            op->posted = std::chrono::steady_clock::now();
             op->post(op->requests);
             op->post = nullptr;
             in_flight_.push_back(op);
@@ -187,6 +198,22 @@ private:
             op->finish = nullptr;
             op->work->complete(std::current_exception());
         }
+    }
+
+    // Aborts the job when `op` has been in flight past the timeout: a peer has stopped, crashed or skipped
+    // the operation, and every rank would otherwise wait forever (NCCL's watchdog does the same).
+    void watch(const MpiOp & op) {
+        const double timeout = timeout_s_.load();
+        if (timeout <= 0) return;
+        const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - op.posted).count();
+        if (waited < timeout) return;
+        std::fprintf(stderr,
+                     "[rank %d] loom: %s on group '%s' has not completed after %.0f s: another rank has stopped, "
+                     "crashed or is not taking part; aborting the job (--distributed-timeout-minutes)\n",
+                     process_rank(), op.what, op.group.c_str(), waited);
+        std::fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+        std::_Exit(1);
     }
 
     // Tests every operation in flight once; returns true if any completed.
@@ -211,6 +238,7 @@ private:
                 error = std::current_exception();
                 flag  = 1;
             }
+            if (!flag) watch(*op);
             if (flag) {
                 // Drop the operation's tensors before anyone can see it complete: a caller that frees
                 // its buffers after wait() then finds the allocator's statistics already settled.
@@ -277,6 +305,7 @@ private:
     std::vector<std::shared_ptr<MpiOp>>    in_flight_;
     MPI_Datatype                           element_types_[4] = {};
     std::atomic<int>                       next_comm_id_{0};
+    std::atomic<double>                    timeout_s_{600.0};   // Megatron's --distributed-timeout-minutes 10
 };
 
 namespace {
@@ -336,6 +365,7 @@ public:
 protected:
     WorkPtr do_all_reduce(const Tensor & t, ReduceOp op, Stream * stream) override {
         auto mpi_op = std::make_shared<MpiOp>();
+        mpi_op->what = "all_reduce";
         int  count  = to_int_count(t.numel(), "all_reduce");
         bool staged = t.dtype() == DType::bf16 || t.dtype() == DType::f16;
         MPI_Comm comm = comm_;
@@ -367,6 +397,7 @@ protected:
 
     WorkPtr do_reduce_scatter(const Tensor & in, const Tensor & out, ReduceOp op, Stream * stream) override {
         auto mpi_op  = std::make_shared<MpiOp>();
+        mpi_op->what = "reduce_scatter";
         int  count   = to_int_count(out.numel(), "reduce_scatter");
         bool staged  = in.dtype() == DType::bf16 || in.dtype() == DType::f16;
         // MPI forbids aliasing send and receive buffers: receive into staging when out overlaps in.
@@ -410,6 +441,7 @@ protected:
 
     WorkPtr do_all_gather(const Tensor & in, const Tensor & out, Stream * stream) override {
         auto   mpi_op = std::make_shared<MpiOp>();
+        mpi_op->what = "all_gather";
         int    count  = to_int_count(in.numel(), "all_gather");
         size_t block  = in.nbytes();
         // The distributed optimizer gathers a shard that is a view of its own slot in the full buffer:
@@ -435,6 +467,7 @@ protected:
 
     WorkPtr do_broadcast(const Tensor & t, int root, Stream * stream) override {
         auto         mpi_op = std::make_shared<MpiOp>();
+        mpi_op->what = "broadcast";
         int          count  = to_int_count(t.numel(), "broadcast");
         MPI_Comm     comm   = comm_;
         MPI_Datatype type   = engine_->element_type(dtype_size(t.dtype()));
@@ -448,6 +481,7 @@ protected:
     WorkPtr do_all_to_all(const Tensor & in, std::span<const int64_t> send_counts, const Tensor & out,
                           std::span<const int64_t> recv_counts, Stream * stream) override {
         auto mpi_op = std::make_shared<MpiOp>();
+        mpi_op->what = "all_to_all";
         auto counts = std::make_shared<std::vector<int>>(4 * size_);   // send counts, send displs, recv ...
         int64_t send_offset = 0;
         int64_t recv_offset = 0;
@@ -474,6 +508,7 @@ protected:
     WorkPtr do_send(const Tensor & t, int peer, int tag, Stream * stream) override {
         check_tag(tag);
         auto         mpi_op = std::make_shared<MpiOp>();
+        mpi_op->what = "send";
         int          count  = to_int_count(t.numel(), "send");
         MPI_Comm     comm   = comm_;
         MPI_Datatype type   = engine_->element_type(dtype_size(t.dtype()));
@@ -487,6 +522,7 @@ protected:
     WorkPtr do_recv(const Tensor & t, int peer, int tag, Stream * stream) override {
         check_tag(tag);
         auto         mpi_op = std::make_shared<MpiOp>();
+        mpi_op->what = "recv";
         int          count  = to_int_count(t.numel(), "recv");
         MPI_Comm     comm   = comm_;
         MPI_Datatype type   = engine_->element_type(dtype_size(t.dtype()));
@@ -508,6 +544,7 @@ protected:
 
     WorkPtr do_barrier(Stream * stream) override {
         auto     mpi_op = std::make_shared<MpiOp>();
+        mpi_op->what = "barrier";
         MPI_Comm comm   = comm_;
         mpi_op->post = [=](std::vector<MPI_Request> & requests) {
             requests.emplace_back();
@@ -525,6 +562,7 @@ private:
     WorkPtr issue(std::shared_ptr<MpiOp> op, Stream * stream, bool stream_waits = true) {
         op->comm_id = id_;
         op->seq     = next_seq_.fetch_add(1);
+        op->group   = name_;
         std::shared_ptr<WorkState> work = op->work;
         if (stream == nullptr) {
             engine_->deliver(std::move(op));
@@ -600,6 +638,11 @@ std::shared_ptr<Communicator> MpiContext::split(const std::vector<std::vector<in
         return nullptr;
     }
     return std::make_shared<MpiCommunicator>(engine_, comm, std::move(members), name);
+}
+
+void MpiContext::set_timeout(double seconds) {
+    if (const char * seam = std::getenv("LOOM_DISTRIBUTED_TIMEOUT_S")) seconds = std::strtod(seam, nullptr);
+    engine_->set_timeout(seconds);
 }
 
 void MpiContext::abort(int exit_code) {

@@ -14,6 +14,10 @@
 // arrives after a later one issued without a stream. Operations on different communicators progress
 // independently.
 //
+// Watchdog. The engine sees every operation in flight; one in flight longer than the timeout (set_timeout)
+// means a peer stopped, crashed or never issued it, so the engine says so on stderr and aborts the job
+// instead of letting every rank wait forever.
+//
 // 16-bit reductions are staged through an f32 buffer from the "comm" pool of the tensor's allocator:
 // convert up, reduce in f32, convert down once.
 #pragma once
@@ -40,6 +44,11 @@ public:
     std::shared_ptr<Communicator> world() override { return world_; }
     std::shared_ptr<Communicator> split(const std::vector<std::vector<int>> & groups,
                                         const std::string & name) override;
+
+    // The watchdog: an operation that has been in flight for `seconds` (default 600, Megatron's
+    // --distributed-timeout-minutes 10) prints which operation and group on stderr and aborts the job.
+    // LOOM_DISTRIBUTED_TIMEOUT_S overrides it (a test seam).
+    void set_timeout(double seconds);
 
     // Terminates every rank of the job (after an error on this one, so the others do not hang).
     [[noreturn]] void abort(int exit_code);

@@ -82,6 +82,9 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
                  "bucket before its reduction to name the rank and parameter (a host pass over the gradients)");
     app.add_flag("--no-check-for-nan-in-loss-and-grad", no_check_nan_,
                  "skip the update of an iteration whose loss or gradient norm is not finite, and go on");
+    app.add_option("--distributed-timeout-minutes", o.distributed_timeout_minutes,
+                   "abort the job when a collective or transfer waits this long for another rank")
+        ->capture_default_str();
     app.add_flag("--print-layout", o.print_layout, "print the DDP buffer layout (as `loom layout`) on rank 0");
     app.add_option("--timeline", o.timeline_file,
                    "write the last iteration's measured pipeline timeline (one row per stage) as an SVG");
@@ -276,6 +279,8 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     LOOM_CHECK(o.lr_decay_iters >= o.lr_warmup_iters,
                "--lr-decay-iters " << o.lr_decay_iters << " is shorter than --lr-warmup-iters " << o.lr_warmup_iters, "");
     LOOM_CHECK(o.log_interval >= 1, "--log-interval must be >= 1", "");
+    LOOM_CHECK(o.distributed_timeout_minutes >= 1,
+               "--distributed-timeout-minutes must be >= 1, got " << o.distributed_timeout_minutes, "");
     int sources = !o.data_path.empty() + !o.text_file.empty() + !o.llmc_shard.empty();
     LOOM_CHECK(sources <= 1, "--data-path, --text-file and --llmc-shard are exclusive (" << sources << " given)",
                "train on one data source at a time");

@@ -61,6 +61,7 @@ struct TrainOptions {
     // A non-finite loss or gradient norm stops the run (exit 1), as Megatron's default; off
     // (--no-check-for-nan-in-loss-and-grad), such an iteration skips its update and counts as a nan iteration.
     bool           check_for_nan_in_loss_and_grad = true;
+    int64_t        distributed_timeout_minutes = 10;   // the MPI watchdog (comm/mpi_communicator.h)
     bool           print_layout = false;   // print DDP's buffer layout on rank 0
     std::string    timeline_file;          // --timeline: the last iteration's measured pipeline timeline (SVG)
 

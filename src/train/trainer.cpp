@@ -1,13 +1,16 @@
 #include "train/trainer.h"
 
 #include "core/device.h"
+#include "data/mapped_file.h"
 #include "ddp/finalize_grads.h"
 
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstdlib>
 #include <ctime>
+#include <new>
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
@@ -117,8 +120,30 @@ Trainer::~Trainer() {
     }
 }
 
+namespace {
+
+// The fault-injection seam: LOOM_FAULT=<rank>:<iteration>:<fault> makes world rank <rank> fail at the start
+// of <iteration>, so a test can check that the job ends instead of hanging. Faults: bad_alloc (a
+// std::bad_alloc, as an allocation that failed), missing_file (a loom::Error from opening a file that does
+// not exist), sigstop (the process stops: its peers wait in their next collective until the watchdog).
+void inject_fault(int64_t iteration) {
+    static const char * spec = std::getenv("LOOM_FAULT");
+    if (!spec) return;
+    int  rank = -1;
+    long at   = -1;
+    char fault[32] = {};
+    if (std::sscanf(spec, "%d:%ld:%31s", &rank, &at, fault) != 3 || rank != process_rank() || at != iteration) return;
+    const std::string kind = fault;
+    if (kind == "bad_alloc") throw std::bad_alloc();
+    if (kind == "missing_file") data::MappedFile("/nonexistent/loom-fault-injection.bin", "injected fault");
+    if (kind == "sigstop") std::raise(SIGSTOP);
+}
+
+}  // namespace
+
 double Trainer::step(IterationStats & stats) {
     ++iteration_;
+    inject_fault(iteration_);
     int64_t                        microbatches = options_.num_microbatches();
     ddp::DistributedDataParallel * d            = setup_.ddp.get();
     if (d) {
