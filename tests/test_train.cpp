@@ -15,7 +15,9 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <filesystem>
 #include <set>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 using namespace loom;
@@ -155,6 +157,41 @@ int run_status(const std::string & args, std::string * err) {
 }
 
 }  // namespace
+
+// A FIFO, a folder or a device given as an input file is refused at once naming the flag (opening a FIFO for
+// reading would block forever); output paths are checked before anything is built; a write error on the
+// log file stops the run naming it.
+TEST(LoomTrain, InputsMustBeRegularFilesAndOutputsWritable) {
+    char dir_template[] = "/tmp/loom_fifo_XXXXXX";
+    const std::string dir = mkdtemp(dir_template);
+    const std::string fifo = dir + "/pipe";
+    ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+    ASSERT_EQ(mkfifo((dir + "/corpus.idx").c_str(), 0600), 0);
+    std::filesystem::create_directories(dir + "/hf");
+    ASSERT_EQ(mkfifo((dir + "/hf/config.json").c_str(), 0600), 0);
+    struct Case { std::string args, names; } cases[] = {
+        {"train --text-file " + fifo, "--text-file '" + fifo + "' is a FIFO"},
+        {"train --llmc-shard " + fifo, fifo + "' is a FIFO"},
+        {"train --data-path " + dir + "/corpus", dir + "/corpus.idx' is a FIFO"},
+        {"train --load-hf " + dir + "/hf", "config.json' is a FIFO"},
+        {"train --text-file " + dir, "is a folder"},
+        {"data --input " + fifo + " --output-prefix " + dir + "/out", "--input '" + fifo + "' is a FIFO"},
+        {"train --log-file " + fifo, "--log-file '" + fifo + "' is a FIFO"},
+        {"train --log-file " + dir, "--log-file '" + dir + "' is a folder"},
+        {"train --log-file /nonexistent/metrics.jsonl", "--log-file '/nonexistent/metrics.jsonl': the folder"},
+        {"train --timeline t.svg", "--timeline"},
+    };
+    for (const Case & c : cases) {
+        // timeout(1) turns a hang into exit 124 instead of a stuck test.
+        CliRun r = run_command("timeout 20 " + std::string(LOOM_CLI_PATH) + " " + c.args + " 2>&1");
+        EXPECT_EQ(r.status, 2) << c.args << "\n" << r.out;
+        EXPECT_NE(r.out.find(c.names), std::string::npos) << c.args << "\n" << r.out;
+    }
+    CliRun full = run_loom("train --train-iters 2 --lr-warmup-iters 1 --log-interval 1 --log-file /dev/full");
+    EXPECT_NE(full.status, 0);
+    EXPECT_NE(full.out.find("cannot write --log-file '/dev/full'"), std::string::npos) << full.out;
+    std::filesystem::remove_all(dir);
+}
 
 TEST(LoomTrain, BadFlagsExitTwoNamingTheFlag) {
     struct Case { const char * args; const char * names; } cases[] = {

@@ -2,6 +2,7 @@
 
 #include "core/atomic_file.h"
 #include "core/error.h"
+#include "core/input_file.h"
 #include "model/hf_gpt2.h"
 
 #include <algorithm>
@@ -374,7 +375,7 @@ std::optional<std::string> find_checkpoint(const std::string & dir, std::optiona
     }
     const std::string tracker = (fs::path(dir) / kTrackerFile).string();
     if (!fs::exists(tracker)) return std::nullopt;
-    LOOM_CHECK(fs::is_regular_file(tracker), "'" << tracker << "' is not a regular file", "");
+    require_regular_file(tracker, "checkpoint tracker");
     std::ifstream in(tracker);
     std::string   text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     while (!text.empty() && (text.back() == '\n' || text.back() == ' ' || text.back() == '\r')) text.pop_back();
@@ -421,7 +422,8 @@ Index read_index(const std::string & folder) {
     Index index;
     index.folder            = folder;
     const std::string where = index.path();
-    LOOM_CHECK(fs::is_regular_file(where), "checkpoint index '" << where << "' is missing", kCorruptHint);
+    LOOM_CHECK(fs::exists(where), "checkpoint index '" << where << "' is missing", kCorruptHint);
+    require_regular_file(where, "checkpoint index");
     json j;
     try {
         std::ifstream in(where);

@@ -1,6 +1,7 @@
 #include "data/mapped_file.h"
 
 #include "core/error.h"
+#include "core/input_file.h"
 
 #include <cerrno>
 #include <fcntl.h>
@@ -11,6 +12,7 @@
 namespace loom::data {
 
 MappedFile::MappedFile(const std::string & path, const std::string & what) : path_(path) {
+    require_regular_file(path, what);
     int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     LOOM_CHECK(fd >= 0, "cannot open " << what << " '" << path << "': " << std::strerror(errno),
                "check that the file exists and is readable");

@@ -1,6 +1,7 @@
 #include "data/preprocess.h"
 
 #include "core/error.h"
+#include "core/input_file.h"
 #include "data/gpt2_bpe.h"
 
 #include <nlohmann/json.hpp>
@@ -60,6 +61,7 @@ PreprocessResult preprocess_to_indexed_dataset(const PreprocessOptions & options
     }
     result.dtype      = index_dtype_for_vocab(result.vocab_size);
 
+    require_regular_file(options.input, "--input");
     std::ifstream in(options.input, std::ios::binary);
     LOOM_CHECK(in.good(), "cannot read --input '" << options.input << "': " << std::strerror(errno),
                "check the path and its permissions");

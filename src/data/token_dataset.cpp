@@ -1,6 +1,7 @@
 #include "data/token_dataset.h"
 
 #include "core/error.h"
+#include "core/input_file.h"
 
 #include <fstream>
 #include <iterator>
@@ -55,6 +56,7 @@ void SyntheticDataset::sample(int64_t index, std::span<int32_t> out) const {
 }
 
 TextFileDataset::TextFileDataset(const std::string & path, int64_t seq_length) : path_(path), seq_length_(seq_length) {
+    require_regular_file(path, "--text-file");
     std::ifstream in(path, std::ios::binary);
     LOOM_CHECK(in.good(), "cannot read --text-file '" << path << "'", "check the path and its permissions");
     bytes_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());

@@ -1,6 +1,7 @@
 #include "model/hf_gpt2.h"
 
 #include "core/atomic_file.h"
+#include "core/input_file.h"
 
 #include "core/error.h"
 
@@ -61,6 +62,7 @@ size_t safetensors_dtype_size(const std::string & dtype) {
 }
 
 SafetensorsFile::SafetensorsFile(const std::string & path) : path_(path) {
+    require_regular_file(path, "safetensors file");
     std::error_code ec;
     uint64_t        size = std::filesystem::file_size(path, ec);
     file_.reset(ec ? nullptr : std::fopen(path.c_str(), "rb"));
@@ -236,6 +238,7 @@ namespace {
 
 json read_config_json(const std::string & dir) {
     std::string   path = join(dir, "config.json");
+    require_regular_file(path, "--load-hf config");
     std::ifstream in(path);
     LOOM_CHECK(in.good(), "cannot open '" << path << "' (--load-hf " << dir << ")", kConfigHint);
     try {

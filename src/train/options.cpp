@@ -7,6 +7,7 @@
 #include "pipeline/schedule.h"
 
 #include <cmath>
+#include <filesystem>
 #include <optional>
 
 namespace loom::train {
@@ -159,6 +160,20 @@ void validate_hyperparameters(const TrainOptions & o) {
                "--init-method-std must be a finite number > 0, got " << o.model.init_method_std, "");
 }
 
+// An output path given by `flag`: its folder exists, and it is not a folder or a FIFO (which would block
+// the writer until a reader appears). Checked before anything is built.
+void check_output_path(const std::string & path, const char * flag) {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    const fs::path  parent = fs::path(path).parent_path().empty() ? fs::path(".") : fs::path(path).parent_path();
+    LOOM_CHECK(fs::is_directory(parent, ec), flag << " '" << path << "': the folder '" << parent.string()
+                                                  << "' does not exist", "create it first");
+    const fs::file_status status = fs::status(path, ec);
+    LOOM_CHECK(!fs::is_directory(status) && !fs::is_fifo(status),
+               flag << " '" << path << "' is a " << (fs::is_directory(status) ? "folder" : "FIFO") << ", not a file",
+               "give the path of a file to write");
+}
+
 // --save, --load and the exit flags.
 void validate_checkpoint_flags(const TrainOptions & o, bool save_interval_given, bool exit_interval_given,
                                bool ckpt_step_given) {
@@ -279,6 +294,13 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     LOOM_CHECK(o.lr_decay_iters >= o.lr_warmup_iters,
                "--lr-decay-iters " << o.lr_decay_iters << " is shorter than --lr-warmup-iters " << o.lr_warmup_iters, "");
     LOOM_CHECK(o.log_interval >= 1, "--log-interval must be >= 1", "");
+    if (!o.log_file.empty()) check_output_path(o.log_file, "--log-file");
+    if (!o.timeline_file.empty()) {
+        LOOM_CHECK(o.pipeline_parallel_size > 1, "--timeline draws the pipeline stages' measured timeline; it needs "
+                                                 "--pipeline-model-parallel-size > 1",
+                   "`loom schedule --svg` draws a schedule without running one");
+        check_output_path(o.timeline_file, "--timeline");
+    }
     LOOM_CHECK(o.distributed_timeout_minutes >= 1,
                "--distributed-timeout-minutes must be >= 1, got " << o.distributed_timeout_minutes, "");
     int sources = !o.data_path.empty() + !o.text_file.empty() + !o.llmc_shard.empty();

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <new>
 #include <nlohmann/json.hpp>
@@ -299,7 +300,9 @@ TrainSummary Trainer::run(FILE * out) {
             }
             if (log_file) {
                 std::fprintf(log_file, "%s\n", metrics_json(stats).c_str());
-                std::fflush(log_file);
+                LOOM_CHECK(std::fflush(log_file) == 0 && !std::ferror(log_file),
+                           "cannot write --log-file '" << options_.log_file << "': " << std::strerror(errno),
+                           "check the free space of its file system");
             }
             window_start = now;
             window_loss  = 0;
