@@ -2,11 +2,14 @@
 #include "backend/cpu/cpu_device.h"
 #include "core/allocator.h"
 #include "core/error.h"
+#include "core/tensor.h"
 
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 #include <set>
+#include <type_traits>
+#include <utility>
 
 using namespace loom;
 
@@ -36,6 +39,11 @@ private:
 };
 
 }  // namespace
+
+// Freeing runs in ~Storage, often while an exception (std::bad_alloc) unwinds: a throw there terminates.
+static_assert(noexcept(std::declval<Allocator &>().deallocate(std::declval<const Block &>())),
+              "Allocator::deallocate must not throw");
+static_assert(std::is_nothrow_destructible_v<Storage>, "~Storage must not throw");
 
 TEST(Allocator, SizeClassesHaveAtMostQuarterSlack) {
     EXPECT_EQ(Allocator::class_size(1), 512u);

@@ -426,6 +426,8 @@ TEST_F(HfGpt2, MalformedSafetensorsFilesAreNamed) {
     raw("gap",
         R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
         12, "gap");
+    // 100 000 nested arrays once crashed (SIGSEGV) while the error message was built from the parsed header.
+    raw("deep", R"({"a":)" + std::string(100000, '[') + std::string(100000, ']') + "}", 0, "nests deeper than 64 levels");
 }
 
 TEST_F(HfGpt2, ConfigJsonErrorsNameTheKey) {

@@ -222,6 +222,18 @@ TEST(LoomTrain, BadFlagsExitTwoNamingTheFlag) {
         {"train --lr-warmup-iters 0 --make-vocab-size-divisible-by 0", "--make-vocab-size-divisible-by"},
         {"train --lr-warmup-iters 0 --make-vocab-size-divisible-by -4", "--make-vocab-size-divisible-by"},
         {"train --check-for-nan-in-loss-and-grad --no-check-for-nan-in-loss-and-grad", "--no-check-for-nan"},
+        // Sizes whose products overflowed (SIGSEGV, SIGFPE) or grew until std::bad_alloc (terminate): refused
+        // before anything is allocated, by range or by the memory estimate.
+        {"train --train-iters 99999999999999999999", "--train-iters: value out of the range of a 64-bit integer"},
+        {"train --num-layers 100000", "--num-layers"},
+        {"train --micro-batch-size 4000000000", "--micro-batch-size"},
+        {"train --micro-batch-size 100000", "--micro-batch-size"},
+        {"train --seq-length 100000000 --max-position-embeddings 100000000", "--seq-length"},
+        {"train --vocab-size 2000000000", "--vocab-size"},
+        {"train --hidden-size 4000000000 --num-attention-heads 1", "--hidden-size 4000000000 is larger than 2^31"},
+        {"train --global-batch-size -16", "--global-batch-size"},
+        {"eval --eval-iters 9223372036854775807", "--eval-iters"},
+        {"train --distributed-timeout-minutes 0", "--distributed-timeout-minutes"},
     };
     for (const Case & c : cases) {
         std::string err;

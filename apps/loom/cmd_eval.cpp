@@ -32,6 +32,10 @@ int cmd_eval(int argc, char ** argv) {
     }
     LOOM_CHECK(eval_iters >= 1, "--eval-iters must be >= 1, got " << eval_iters, "");
     train::TrainOptions              options = parser.resolve();
+    LOOM_CHECK(eval_iters <= (int64_t(1) << 40) / options.global_batch_size,
+               "--eval-iters " << eval_iters << " x global batch " << options.global_batch_size
+                               << " samples is more than Loom evaluates (2^40)",
+               "evaluate fewer batches");
     std::optional<checkpoint::Index> index;
     if (!options.load.empty()) index = train::index_to_read(options, "loom eval");
     Device &            device  = cpu::device();

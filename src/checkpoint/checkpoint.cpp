@@ -3,6 +3,7 @@
 #include "core/atomic_file.h"
 #include "core/error.h"
 #include "core/input_file.h"
+#include "core/json_depth.h"
 #include "model/hf_gpt2.h"
 
 #include <algorithm>
@@ -312,7 +313,7 @@ SaveStats save(const std::string & dir, int64_t iteration, const json & metadata
             const std::string part_path = (fs::path(tmp_folder) / rank_file(r, "json")).string();
             if (!fs::exists(part_path)) continue;   // a rank with nothing to write
             std::ifstream in(part_path);
-            json          part = json::parse(in);
+            json          part = json::parse(in, json_depth_limit<json>("'" + part_path + "'"));
             index["files"][part["file"].get<std::string>()] = {{"bytes", part["bytes"]}, {"crc32c", part["crc32c"]}};
             for (auto & [name, t] : part["tensors"].items()) {
                 json & merged = index["tensors"][name];
@@ -427,7 +428,7 @@ Index read_index(const std::string & folder) {
     json j;
     try {
         std::ifstream in(where);
-        j = json::parse(in, nullptr, true, false);
+        j = json::parse(in, json_depth_limit<json>("checkpoint index '" + where + "'"), true, false);
     } catch (const json::exception & e) {
         LOOM_THROW("checkpoint index '" << where << "' is not valid JSON: " << e.what(), kCorruptHint);
     }

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <bit>
+#include <cstdio>
+#include <cstdlib>
 
 namespace loom {
 
@@ -98,13 +100,21 @@ Block Allocator::allocate(size_t bytes, const std::string & pool_name) {
     return block;
 }
 
-void Allocator::deallocate(const Block & block) {
+void Allocator::deallocate(const Block & block) noexcept {
     std::lock_guard<std::mutex> lock(mutex_);
-    LOOM_CHECK(block.pool >= 0 && block.pool < static_cast<int>(pools_.size()),
-               "deallocate of a block that allocator '" << name_ << "' did not hand out", "");
+    if (block.pool < 0 || block.pool >= static_cast<int>(pools_.size())) {   // a bug, not an input: stop here
+        std::fprintf(stderr, "loom: deallocate of a block that allocator '%s' did not hand out\n", name_.c_str());
+        std::abort();
+    }
     Pool & pool = pools_[block.pool];
     if (block.ptr != nullptr) {
-        pool.cache[block.capacity].push_back(block.ptr);
+        try {
+            pool.cache[block.capacity].push_back(block.ptr);
+        } catch (...) {   // no memory to cache it (bad_alloc): give the block back instead of throwing
+            raw_->raw_free(block.ptr, block.capacity);
+            pool.stats.reserved -= static_cast<int64_t>(block.capacity);
+            total_.reserved     -= static_cast<int64_t>(block.capacity);
+        }
     }
     pool.stats.allocated -= static_cast<int64_t>(block.size);
     total_.allocated     -= static_cast<int64_t>(block.size);

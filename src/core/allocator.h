@@ -75,7 +75,8 @@ public:
 
     // bytes == 0 gives an empty block (ptr == nullptr) that still counts as an allocation.
     Block allocate(size_t bytes, const std::string & pool = kDefaultPool);
-    void  deallocate(const Block & block);
+    // Never throws (it runs in ~Storage): a block it cannot cache is freed.
+    void  deallocate(const Block & block) noexcept;
 
     AllocatorStats stats() const;                              // summed over all pools
     AllocatorStats pool_stats(const std::string & pool) const; // zeros for a pool never used

@@ -43,7 +43,7 @@ Storage::Storage(Device & device, size_t bytes, MemoryKind kind, const std::stri
 Storage::Storage(Device & device, void * external, size_t bytes, MemoryKind kind)
     : device_(&device), data_(external), nbytes_(bytes), kind_(kind) {}
 
-Storage::~Storage() {
+Storage::~Storage() {   // noexcept: Allocator::deallocate never throws
     if (allocator_ != nullptr) {
         allocator_->deallocate(block_);
     }
@@ -56,7 +56,13 @@ Tensor::Tensor(std::shared_ptr<Storage> storage, int64_t offset, Shape shape, DT
 
 Tensor Tensor::empty(const Shape & shape, DType dtype, Device & device, const TensorOptions & options) {
     check_shape(shape);
-    size_t bytes   = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
+    size_t bytes = dtype_size(dtype);
+    for (int64_t d : shape) {
+        LOOM_CHECK(!__builtin_mul_overflow(bytes, static_cast<size_t>(d), &bytes) && bytes <= (size_t(1) << 62),
+                   "a tensor of shape " << shape_string(shape) << " and dtype " << dtype_name(dtype)
+                                        << " is larger than any memory (its byte count overflows)",
+                   "lower the sizes that make it (batch, sequence, hidden, vocabulary)");
+    }
     auto   storage = std::make_shared<Storage>(device, bytes, options.memory_kind, options.pool);
     return Tensor(std::move(storage), 0, shape, dtype);
 }
@@ -69,7 +75,13 @@ Tensor Tensor::zeros(const Shape & shape, DType dtype, Device & device, const Te
 
 Tensor Tensor::from_blob(void * data, const Shape & shape, DType dtype, Device & device, MemoryKind kind) {
     check_shape(shape);
-    size_t bytes   = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
+    size_t bytes = dtype_size(dtype);
+    for (int64_t d : shape) {
+        LOOM_CHECK(!__builtin_mul_overflow(bytes, static_cast<size_t>(d), &bytes) && bytes <= (size_t(1) << 62),
+                   "a tensor of shape " << shape_string(shape) << " and dtype " << dtype_name(dtype)
+                                        << " is larger than any memory (its byte count overflows)",
+                   "lower the sizes that make it (batch, sequence, hidden, vocabulary)");
+    }
     auto   storage = std::make_shared<Storage>(device, data, bytes, kind);
     return Tensor(std::move(storage), 0, shape, dtype);
 }

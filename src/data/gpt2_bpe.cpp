@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "core/input_file.h"
+#include "core/json_depth.h"
 #include "data/unicode_tables.h"
 
 #include <nlohmann/json.hpp>
@@ -219,7 +220,7 @@ void Gpt2BpeTokenizer::load_vocab() {
     const std::string text = read_whole_file(vocab_file_, "vocab file", "--vocab-file");
     nlohmann::json    j;
     try {
-        j = nlohmann::json::parse(text);
+        j = nlohmann::json::parse(text, json_depth_limit<nlohmann::json>("vocab file '" + vocab_file_ + "'"));
     } catch (const nlohmann::json::parse_error & e) {
         size_t at   = std::min<size_t>(e.byte, text.size());
         auto   line = 1 + std::count(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(at), '\n');

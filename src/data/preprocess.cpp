@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "core/input_file.h"
+#include "core/json_depth.h"
 #include "data/gpt2_bpe.h"
 
 #include <nlohmann/json.hpp>
@@ -93,7 +94,8 @@ PreprocessResult preprocess_to_indexed_dataset(const PreprocessOptions & options
             if (is_blank(line)) continue;
             nlohmann::json j;
             try {
-                j = nlohmann::json::parse(line);
+                j = nlohmann::json::parse(line, json_depth_limit<nlohmann::json>(
+                    "--input '" + options.input + "' line " + std::to_string(line_number)));
             } catch (const nlohmann::json::parse_error & e) {
                 LOOM_THROW("--input '" << options.input << "' line " << line_number << " is not valid JSON: " << e.what(),
                            "give one JSON object per line (JSON lines), or --format text for a plain text file");

@@ -4,6 +4,7 @@
 
 #include "core/error.h"
 #include "core/input_file.h"
+#include "core/json_depth.h"
 
 #include <nlohmann/json.hpp>
 
@@ -451,7 +452,7 @@ std::vector<ParamSpec> read_param_specs(const std::string & path) {
 
     nlohmann::json root;
     try {
-        root = nlohmann::json::parse(text.str());
+        root = nlohmann::json::parse(text.str(), json_depth_limit<nlohmann::json>("params file '" + path + "'"));
     } catch (const nlohmann::json::parse_error & e) {
         LOOM_THROW("params file '" << path << "' is not JSON: " << e.what(), kFileHint);
     }

@@ -10,6 +10,19 @@ int64_t GptConfig::padded_vocab_size(int64_t tp) const {
 }
 
 void GptConfig::validate() const {
+    // Every size fits 32 bits, so products of two stay far from int64's limit (the memory estimate of
+    // train/options.h refuses what a machine cannot hold).
+    constexpr int64_t kMax = int64_t(1) << 31;
+    const struct { const char * flag; int64_t value; } sizes[] = {
+        {"--num-layers", num_layers},       {"--hidden-size", hidden_size},
+        {"--ffn-hidden-size", ffn_hidden_size}, {"--num-attention-heads", num_attention_heads},
+        {"--num-query-groups", num_query_groups}, {"--seq-length", seq_length},
+        {"--max-position-embeddings", max_position_embeddings}, {"--vocab-size", vocab_size},
+        {"--make-vocab-size-divisible-by", make_vocab_size_divisible_by},
+    };
+    for (const auto & size : sizes) {
+        LOOM_CHECK(size.value <= kMax, size.flag << " " << size.value << " is larger than 2^31", "");
+    }
     LOOM_CHECK(num_layers >= 1, "--num-layers must be >= 1, got " << num_layers, "");
     LOOM_CHECK(hidden_size >= 1 && num_attention_heads >= 1 && hidden_size % num_attention_heads == 0,
                "--hidden-size " << hidden_size << " is not divisible by --num-attention-heads " << num_attention_heads,

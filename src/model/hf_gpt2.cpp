@@ -2,6 +2,7 @@
 
 #include "core/atomic_file.h"
 #include "core/input_file.h"
+#include "core/json_depth.h"
 
 #include "core/error.h"
 
@@ -90,7 +91,7 @@ SafetensorsFile::SafetensorsFile(const std::string & path) : path_(path) {
 
     json header;
     try {
-        header = json::parse(text);
+        header = json::parse(text, json_depth_limit<json>("safetensors file '" + path + "' header"));
     } catch (const json::exception & e) {
         LOOM_THROW("safetensors file '" << path << "' has a bad JSON header (" << header_bytes
                                         << " bytes after the length): " << e.what(),
@@ -242,7 +243,7 @@ json read_config_json(const std::string & dir) {
     std::ifstream in(path);
     LOOM_CHECK(in.good(), "cannot open '" << path << "' (--load-hf " << dir << ")", kConfigHint);
     try {
-        json config = json::parse(in);
+        json config = json::parse(in, json_depth_limit<json>("'" + path + "'"));
         LOOM_CHECK(config.is_object(), "'" << path << "' is not a JSON object", kConfigHint);
         return config;
     } catch (const json::exception & e) {

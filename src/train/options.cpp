@@ -6,8 +6,11 @@
 #include "pipeline/layer_assignment.h"
 #include "pipeline/schedule.h"
 
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
+#include <unistd.h>
 #include <optional>
 
 namespace loom::train {
@@ -125,6 +128,41 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
                  "on SIGTERM, finish the iteration, save and exit 0");
     app.add_option("--log-interval", o.log_interval, "iterations between log lines")->capture_default_str();
     app.add_option("--log-file", o.log_file, "write the logged metrics as JSON lines to this file");
+
+    // An integer past int64's range is an error (CLI11 would clamp it to the largest value, which then runs
+    // "forever"); argparse reads such a value exactly, so it never means the clamped one.
+    CLI::Validator int64_range(
+        [](std::string & value) {
+            errno = 0;
+            char * end = nullptr;
+            std::strtoll(value.c_str(), &end, 10);
+            return errno == ERANGE ? std::string("value out of the range of a 64-bit integer") : std::string();
+        },
+        "", "int64");
+    for (CLI::Option * option : app.get_options()) {
+        if (option->get_type_name() == "INT") option->check(int64_range);
+    }
+}
+
+MemoryEstimate estimate_memory(const TrainOptions & o) {
+    const model::GptConfig & m = o.model;
+    const double h = static_cast<double>(m.hidden_size), f = static_cast<double>(m.ffn_hidden_size);
+    const double L = static_cast<double>(m.num_layers), V = static_cast<double>(m.vocab_size);
+    const double s = static_cast<double>(m.seq_length);
+    const double b = static_cast<double>(o.micro_batch_size);
+    const double tp = static_cast<double>(o.tensor_parallel_size), pp = static_cast<double>(o.pipeline_parallel_size);
+    const double dp = static_cast<double>(o.data_parallel_size);
+    // Parameters in double (an int64 count could overflow): embeddings, and per layer QKV, projection, MLP.
+    const double per_layer = 4 * h * h + h * f * (m.swiglu ? 3 : 2) + 8 * h;
+    const double params    = (V * h * (m.untie_embeddings_and_output_weights ? 2 : 1) +
+                           static_cast<double>(m.max_position_embeddings) * h + L * per_layer) / (tp * pp);
+    MemoryEstimate e;
+    e.weights   = params * (o.bf16 ? 2 : 4);
+    e.grads     = params * 4;
+    e.optimizer = params * (o.bf16 ? 12 : 8) / (o.ddp.use_distributed_optimizer ? dp : 1);
+    const double in_flight = std::min(pp, static_cast<double>(std::max<int64_t>(1, o.num_microbatches())));
+    e.activations = in_flight * (L / pp * s * b * h * 34 * 2 / tp + 3 * 4 * s * b * V / tp);
+    return e;
 }
 
 pipeline::LayerSplitOptions TrainOptions::layer_split() const {
@@ -158,6 +196,24 @@ void validate_hyperparameters(const TrainOptions & o) {
                "--clip-grad must be a finite number >= 0, got " << o.clip_grad, "0 turns clipping off");
     LOOM_CHECK(finite(o.model.init_method_std) && o.model.init_method_std > 0,
                "--init-method-std must be a finite number > 0, got " << o.model.init_method_std, "");
+}
+
+// Sizes past what a rank could hold are refused before anything is allocated (the products would
+// otherwise overflow, or allocate until the machine gives out), naming the flags that set them.
+void check_memory(const TrainOptions & o, int64_t world_size) {
+    const MemoryEstimate e = estimate_memory(o);
+    int64_t ranks_here = world_size;   // the ranks sharing this machine's memory
+    if (const char * local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) ranks_here = std::max(1L, std::atol(local));
+    const double machine = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+    const double gib     = 1024.0 * 1024.0 * 1024.0;
+    LOOM_CHECK(e.total() * static_cast<double>(ranks_here) <= machine,
+               "the model and batch need an estimated " << e.total() / gib << " GiB per rank (weights "
+                   << e.weights / gib << ", gradients " << e.grads / gib << ", optimizer " << e.optimizer / gib
+                   << ", activations " << e.activations / gib << ") x " << ranks_here << " rank(s), and this machine has "
+                   << machine / gib << " GiB",
+               "lower --num-layers, --hidden-size, --ffn-hidden-size, --vocab-size, --seq-length or "
+               "--micro-batch-size, or shard the model (--tensor-model-parallel-size, --pipeline-model-parallel-size, "
+               "--use-distributed-optimizer)");
 }
 
 // An output path given by `flag`: its folder exists, and it is not a folder or a FIFO (which would block
@@ -273,7 +329,10 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
         model::check_hf_gpt2_compatible(*hf, m, o.load_hf);
     }
 
-    LOOM_CHECK(o.micro_batch_size >= 1, "--micro-batch-size must be >= 1, got " << o.micro_batch_size, "");
+    LOOM_CHECK(o.micro_batch_size >= 1 && o.micro_batch_size <= (int64_t(1) << 31),
+               "--micro-batch-size must lie in [1, 2^31], got " << o.micro_batch_size, "");
+    LOOM_CHECK(o.global_batch_size >= 0 && o.global_batch_size <= (int64_t(1) << 40),
+               "--global-batch-size must lie in [1, 2^40], got " << o.global_batch_size, "");
     const int64_t dp = o.data_parallel_size;
     if (o.global_batch_size == 0) o.global_batch_size = o.micro_batch_size * dp;
     LOOM_CHECK(o.global_batch_size % (o.micro_batch_size * dp) == 0,
@@ -287,6 +346,9 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
                "--check-for-nan-in-loss-and-grad and --no-check-for-nan-in-loss-and-grad together", "give one of them");
     o.check_for_nan_in_loss_and_grad = !no_check_nan_;
     LOOM_CHECK(o.train_iters >= 1, "--train-iters must be >= 1", "");
+    LOOM_CHECK(o.train_iters <= (int64_t(1) << 62) / o.global_batch_size / std::max<int64_t>(1, o.model.seq_length),
+               "--train-iters " << o.train_iters << " x --global-batch-size " << o.global_batch_size
+                                << " x --seq-length tokens overflows a 64-bit count", "");
     validate_hyperparameters(o);
     LOOM_CHECK(o.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0", "");
     optim::lr_decay_style_from_name(o.lr_decay_style);
@@ -349,6 +411,7 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
         pipeline::validate_schedule(schedule);
     }
     m.validate();
+    check_memory(o, world_size);
     return o;
 }
 
