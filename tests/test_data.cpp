@@ -194,6 +194,12 @@ TEST(IndexedDataset, EveryMalformedFileThrowsNamingTheFileAndField) {
         {"documents_decrease", [](auto & i, auto &) { poke<int64_t>(i, 34 + 36 + 8, 4); }, ".idx", "document_indices[1]"},
         {"documents_end_early", [](auto & i, auto &) { poke<int64_t>(i, 34 + 36 + 16, 2); }, ".idx", "last document index is 2"},
         {"documents_start_late", [](auto & i, auto &) { poke<int64_t>(i, 34 + 36, 1); }, ".idx", "document_indices[0]"},
+        // Once accepted, and trained on garbage with exit 0: overlapping pointers, a changed dtype byte, a
+        // .bin with more bytes than its index describes.
+        {"pointers_overlap", [](auto & i, auto &) { poke<int64_t>(i, 34 + 12 + 8, 0); }, ".idx",
+         "sequence_pointers[1] = 0, but the sequences before it end at byte"},
+        {"dtype_byte_changed", [](auto & i, auto &) { poke<uint8_t>(i, 17, 1); }, ".idx", "sequence_pointers[1]"},
+        {"bin_trailing_bytes", [](auto &, auto & b) { b.resize(b.size() + 2); }, ".bin", "trailing bytes"},
     };
     for (const Case & c : cases) {
         std::string          bad = temp_path(std::string("bad_") + c.name);
@@ -368,10 +374,11 @@ TEST(GptDataset, OpensASplitOfAPrefixAndNamesAnEmptyOne) {
     EXPECT_NE(message.find(prefix), std::string::npos) << message;
     message = error_of([&] { open_gpt_dataset(prefix, "80,20,0", Split::valid, 100, 0, 1); });
     EXPECT_NE(message.find("seq_length + 1 = 101"), std::string::npos) << message;
-    auto                 small = open_gpt_dataset(prefix, "80,20,0", Split::train, 4, 0, 1, 512);
-    std::vector<int32_t> window(5);
-    message = error_of([&] { small->sample(0, window); });
-    EXPECT_NE(message.find(prefix + ".bin' holds token id"), std::string::npos) << message;
+    // A token outside --vocab-size is found when the dataset opens (one scan of the .bin), not when its sample
+    // is drawn: the largest one is named.
+    message = error_of([&] { open_gpt_dataset(prefix, "80,20,0", Split::train, 4, 0, 1, 512); });
+    EXPECT_NE(message.find(prefix + ".bin' holds token id 20008, outside the vocabulary of 512"), std::string::npos)
+        << message;
     EXPECT_NE(message.find("--vocab-size"), std::string::npos) << message;
 }
 

@@ -33,7 +33,7 @@ TEST_P(RankFault, EndsTheWholeJobWithinThirtySeconds) {
 INSTANTIATE_TEST_SUITE_P(
     Faults, RankFault,
     ::testing::Values(Fault{"bad_alloc", "[rank 1] loom train: std::bad_alloc"},
-                      Fault{"missing_file", "[rank 1] src/data/mapped_file.cpp"},
+                      Fault{"missing_file", "cannot read injected fault '/nonexistent/loom-fault-injection.bin'"},
                       Fault{"sigstop", "has not completed after 5 s: another rank has stopped"}),
     [](const ::testing::TestParamInfo<Fault> & info) { return std::string(info.param.name); });
 

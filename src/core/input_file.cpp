@@ -23,7 +23,7 @@ const char * kind_of(mode_t mode) {
 
 void require_regular_file(const std::string & path, const std::string & what) {
     struct stat st {};
-    LOOM_CHECK(::stat(path.c_str(), &st) == 0, "cannot open " << what << " '" << path << "': " << std::strerror(errno),
+    LOOM_CHECK(::stat(path.c_str(), &st) == 0, "cannot read " << what << " '" << path << "': " << std::strerror(errno),
                "check the path and its permissions");
     LOOM_CHECK(S_ISREG(st.st_mode), what << " '" << path << "' is " << kind_of(st.st_mode) << ", not a regular file",
                "Loom reads its inputs from files; write the stream to a file first");

@@ -133,7 +133,7 @@ std::string symbol_bytes(const std::string & symbol) {
 }
 
 std::string read_whole_file(const std::string & path, const char * what, const char * flag) {
-    require_regular_file(path, flag);
+    require_regular_file(path, what);
     std::ifstream in(path, std::ios::binary);
     LOOM_CHECK(in.good(), "cannot read " << what << " '" << path << "': " << std::strerror(errno),
                "check the path given to " << flag << " and its permissions");
@@ -263,7 +263,7 @@ void Gpt2BpeTokenizer::load_vocab() {
 }
 
 void Gpt2BpeTokenizer::load_merges(const std::string & merge_file) {
-    require_regular_file(merge_file, "--merge-file");
+    require_regular_file(merge_file, "merge file");
     std::ifstream in(merge_file, std::ios::binary);
     LOOM_CHECK(in.good(), "cannot read merge file '" << merge_file << "': " << std::strerror(errno),
                "check the path given to --merge-file and its permissions");

@@ -185,7 +185,18 @@ GptDataset::GptDataset(std::shared_ptr<const IndexedDataset> data, DocumentRange
     } catch (const Error & e) {
         LOOM_THROW("the " << name_ << " split of '" << data_->prefix() << "': " << e.message(), e.hint());
     }
-    if (vocab_size_ <= 0) vocab_size_ = data_->max_token() + 1;
+    // The token range, once at open: a bad token is found now, not when its sample is drawn hours in.
+    const auto [lowest, highest] = data_->token_range();
+    LOOM_CHECK(lowest >= 0, "'" << data_file_path(data_->prefix()) << "' holds token id " << lowest
+                                << ", and token ids are >= 0",
+               "the .idx's dtype code does not match the .bin, or the data is corrupt");
+    if (vocab_size_ <= 0) {
+        vocab_size_ = highest + 1;
+    } else {
+        LOOM_CHECK(highest < vocab_size_, "'" << data_file_path(data_->prefix()) << "' holds token id " << highest
+                                              << ", outside the vocabulary of " << vocab_size_ << " (--vocab-size)",
+                   "raise --vocab-size above the largest token id, or drop it to take the dataset's");
+    }
 }
 
 std::string GptDataset::describe() const {

@@ -28,14 +28,22 @@ std::string hex_bytes(const uint8_t * p, size_t n) {
     return os.str();
 }
 
-template <typename T> int64_t widen_max(const uint8_t * p, int64_t n) {
-    int64_t best = -1;
-    for (int64_t i = 0; i < n; ++i) {
-        T v;
-        std::memcpy(&v, p + i * sizeof(T), sizeof(T));
-        best = std::max<int64_t>(best, static_cast<int64_t>(v));
+// Smallest and largest of n tokens of type T at p (unaligned), in blocks copied to an aligned buffer so the
+// reductions vectorise.
+template <typename T> std::pair<int64_t, int64_t> token_min_max(const uint8_t * p, int64_t n) {
+    constexpr int64_t kBlock = 4096;
+    alignas(64) T     block[kBlock];
+    T                 lo = std::numeric_limits<T>::max(), hi = std::numeric_limits<T>::lowest();
+    for (int64_t start = 0; start < n; start += kBlock) {
+        const int64_t m = std::min(kBlock, n - start);
+        std::memcpy(block, p + start * static_cast<int64_t>(sizeof(T)), static_cast<size_t>(m) * sizeof(T));
+        for (int64_t i = 0; i < m; ++i) {
+            lo = std::min(lo, block[i]);
+            hi = std::max(hi, block[i]);
+        }
     }
-    return best;
+    if (n == 0) return {0, -1};
+    return {static_cast<int64_t>(lo), static_cast<int64_t>(hi)};
 }
 
 template <typename T> void widen(const uint8_t * p, std::span<int32_t> out) {
@@ -151,8 +159,19 @@ IndexedDataset::IndexedDataset(const std::string & prefix)
                                      << ptr + static_cast<int64_t>(len) * static_cast<int64_t>(token_bytes_)
                                      << ", but the .bin has " << bsize << " bytes",
                    "the .bin was truncated or belongs to another .idx; " << kIdxHint);
+        // The writer lays the sequences end to end from byte 0 (Megatron's _sequence_pointers): anything
+        // else means the index was edited, or belongs to another .bin.
+        const int64_t expected = num_tokens_ * static_cast<int64_t>(token_bytes_);
+        LOOM_CHECK(ptr == expected, "Megatron index '" << ip << "': sequence_pointers[" << i << "] = " << ptr
+                                                       << ", but the sequences before it end at byte " << expected,
+                   "pointers are the running sum of lengths x " << token_bytes_ << " bytes; " << kIdxHint);
         num_tokens_ += len;
     }
+    LOOM_CHECK(static_cast<uint64_t>(num_tokens_) * token_bytes_ == bsize,
+               "Megatron data '" << bp << "' has " << bsize << " bytes, but its index '" << ip << "' describes "
+                                 << num_tokens_ << " tokens of " << token_bytes_ << " bytes ("
+                                 << static_cast<uint64_t>(num_tokens_) * token_bytes_ << " bytes)",
+               "the .bin has trailing bytes, or the .idx's dtype code is wrong; " << kIdxHint);
     int64_t previous = -1;
     for (int64_t k = 0; k < num_document_indices_; ++k) {
         int64_t v = document_index(k);
@@ -208,24 +227,23 @@ std::vector<int32_t> IndexedDataset::sequence(int64_t i) const {
     return tokens;
 }
 
-int64_t IndexedDataset::max_token() const {
-    if (max_token_ != -2) return max_token_;
-    int64_t best = -1;
-    for (int64_t i = 0; i < num_sequences_; ++i) {
-        const uint8_t * p   = bin_.data() + sequence_pointer(i);
-        int64_t         len = sequence_length(i);
-        switch (dtype_code_) {
-            case 1: best = std::max(best, widen_max<uint8_t>(p, len)); break;
-            case 2: best = std::max(best, widen_max<int8_t>(p, len)); break;
-            case 3: best = std::max(best, widen_max<int16_t>(p, len)); break;
-            case 4: best = std::max(best, widen_max<int32_t>(p, len)); break;
-            case 5: best = std::max(best, widen_max<int64_t>(p, len)); break;
-            case 8: best = std::max(best, widen_max<uint16_t>(p, len)); break;
-            default: break;
-        }
+std::pair<int64_t, int64_t> IndexedDataset::token_range() const {
+    if (token_range_) return *token_range_;
+    // The sequences tile the .bin exactly (checked at open), so one pass over the whole file sees every token.
+    const int64_t   n = static_cast<int64_t>(bin_.size() / token_bytes_);
+    const uint8_t * p = bin_.data();
+    std::pair<int64_t, int64_t> range{0, -1};
+    switch (dtype_code_) {
+        case 1: range = token_min_max<uint8_t>(p, n); break;
+        case 2: range = token_min_max<int8_t>(p, n); break;
+        case 3: range = token_min_max<int16_t>(p, n); break;
+        case 4: range = token_min_max<int32_t>(p, n); break;
+        case 5: range = token_min_max<int64_t>(p, n); break;
+        case 8: range = token_min_max<uint16_t>(p, n); break;
+        default: break;
     }
-    max_token_ = best;
-    return best;
+    token_range_ = range;
+    return range;
 }
 
 // ---------------------------------------------------------------------------------------------------

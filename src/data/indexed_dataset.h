@@ -39,7 +39,9 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <span>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -82,8 +84,10 @@ public:
     // Tokens [offset, offset + out.size()) of sequence i, widened to int32.
     void                 read(int64_t i, int64_t offset, std::span<int32_t> out) const;
     std::vector<int32_t> sequence(int64_t i) const;
-    // The largest token id in .bin (one pass over the file, done on the first call); -1 if it is empty.
-    int64_t max_token() const;
+    // The smallest and largest token id in .bin (one vectorised pass over the file, done on the first call);
+    // {0, -1} if it is empty.
+    std::pair<int64_t, int64_t> token_range() const;
+    int64_t                     max_token() const { return token_range().second; }
 
 private:
     std::string     prefix_;
@@ -92,7 +96,7 @@ private:
     size_t          token_bytes_ = 0;
     int64_t         num_sequences_ = 0, num_document_indices_ = 0, num_tokens_ = 0;
     size_t          lengths_at_ = 0, pointers_at_ = 0, documents_at_ = 0;   // byte offsets into .idx
-    mutable int64_t max_token_ = -2;                                         // -2: not computed yet
+    mutable std::optional<std::pair<int64_t, int64_t>> token_range_;        // computed on first use
 };
 
 class IndexedDatasetWriter {

@@ -444,7 +444,7 @@ std::vector<ParamSpec> read_param_specs(const std::string & path) {
     const char * kFileHint = "the file is one JSON object {\"params\": [[name, [d0, d1, ...], dtype, "
                              "{\"shared_embedding\": true, \"allreduce\": false}?], ...]} listing the parameters in "
                              "registration (forward) order";
-    require_regular_file(path, "--params file");
+    require_regular_file(path, "params file");
     std::ifstream in(path);
     LOOM_CHECK(in.good(), "cannot read params file '" << path << "'", "check the path given to --params");
     std::stringstream text;
