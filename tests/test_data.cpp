@@ -15,6 +15,8 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
+
 #include <array>
 #include <cmath>
 #include <cstdio>
@@ -215,6 +217,22 @@ TEST(IndexedDataset, EveryMalformedFileThrowsNamingTheFileAndField) {
     std::string missing = temp_path("missing");
     std::string message = error_of([&] { IndexedDataset ds(missing); });
     EXPECT_NE(message.find(missing + ".idx"), std::string::npos) << message;
+}
+
+// A .bin truncated by another process while mapped: reading a lost page raises SIGBUS, which the mapped
+// file's handler turns into a message naming the file and exit status 2.
+TEST(IndexedDatasetDeathTest, BinTruncatedWhileMappedExitsTwoNamingIt) {
+    GTEST_FLAG_SET(death_test_style, "threadsafe");
+    std::vector<int32_t> lengths(4, 5000);
+    std::string          prefix = write_numbered_documents("shrinking", lengths);
+    EXPECT_EXIT(
+        {
+            IndexedDataset ds(prefix);
+            std::filesystem::resize_file(data_file_path(prefix), 0);
+            std::vector<int32_t> tokens = ds.sequence(3);
+            std::printf("read %d\n", tokens[0]);
+        },
+        ::testing::ExitedWithCode(2), "shrinking.bin' became shorter while Loom read it");
 }
 
 TEST(IndexedDataset, WriterRefusesTokensOutsideItsType) {

@@ -6,6 +6,9 @@
 //   f.size();   // bytes, checked by the reader against what the header says
 //   f.data();   // const uint8_t *, valid while f lives; nullptr for an empty file
 //
+// A file truncated by another process while it is mapped would kill the reader with SIGBUS; a handler
+// installed with the first mapping names the file and exits with status 2 instead.
+//
 // Multi-byte fields of a mapped file may sit at any byte offset (the int64 arrays of an .idx start at
 // 34 + 4N), so read them with load<T>(offset), which copies through memcpy, never through a cast pointer.
 #pragma once
