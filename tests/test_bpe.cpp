@@ -152,7 +152,8 @@ TEST(Gpt2Bpe, PretokenizationFollowsGpt2sPattern) {
 TEST(Gpt2Bpe, DecodeInvertsEncodeByteForByte) {
     Gpt2BpeTokenizer         tok(kVocab, kMerges);
     std::vector<std::string> texts;
-    for (const nlohmann::json & c : expected()["cases"]) texts.push_back(c["text"].get<std::string>());
+    const nlohmann::json     cases = expected();   // (iterating expected()["cases"] itself read a freed temporary)
+    for (const nlohmann::json & c : cases["cases"]) texts.push_back(c["text"].get<std::string>());
     std::string every_byte;
     for (int b = 0; b < 256; ++b) every_byte += static_cast<char>(b);
     texts.push_back(every_byte);

@@ -110,7 +110,7 @@ SafetensorsFile::SafetensorsFile(const std::string & path) : path_(path) {
             }
             continue;
         }
-        auto bad = [&](const std::string & what) {
+        auto bad = [&, &name = name](const std::string & what) {   // (clang 14 cannot capture a binding implicitly)
             LOOM_THROW("safetensors file '" << path << "': tensor '" << name << "' " << what, kSafetensorsHint);
         };
         if (!value.is_object() || !value.contains("dtype") || !value.contains("shape") || !value.contains("data_offsets")) {

@@ -179,8 +179,9 @@ void HybridDeviceOptimizer::step(float lr, Stream * current) {
     // Without a caller's stream the host sees the values on return: the work runs on the compute stream,
     // after what produced the gradients, and the host waits for it at the end.
     Stream &      cur     = current ? *current : device_.compute_stream();
-    Stream &      d2h     = overlap ? *d2h_ : cur;
-    Stream &      h2d     = overlap ? *h2d_ : cur;
+    // The side streams exist only when a slot is offloaded (overlap with nothing offloaded uses none).
+    Stream &      d2h     = overlap && d2h_ ? *d2h_ : cur;
+    Stream &      h2d     = overlap && h2d_ ? *h2d_ : cur;
     const AdamWConfig c   = config_;
     auto args = [&](float weight_decay) { return AdamStep{lr, c.beta1, c.beta2, c.eps, weight_decay, step_}; };
 

@@ -7,6 +7,7 @@
 #include "core/host_adam.h"
 
 #include <cmath>
+#include <tuple>
 #include <cstring>
 #include <utility>
 
@@ -62,7 +63,8 @@ public:
     void layernorm_forward(Stream & s, const Tensor & x, const Tensor & residual, const Tensor & gamma,
                            const Tensor & beta, const Tensor & y, const Tensor & mean, const Tensor & rstd,
                            float eps) override {
-        auto [n, h] = rows_cols(x, "layernorm_forward");
+        int64_t n, h;
+        std::tie(n, h) = rows_cols(x, "layernorm_forward");
         check_norm(x, residual, gamma, y, rstd, n, h, "layernorm_forward");
         expect(mean, DType::f32, n, "layernorm_forward", "mean");
         if (beta.defined()) expect(beta, DType::f32, h, "layernorm_forward", "beta");
@@ -78,7 +80,8 @@ public:
 
     void rmsnorm_forward(Stream & s, const Tensor & x, const Tensor & residual, const Tensor & gamma, const Tensor & y,
                          const Tensor & rstd, float eps) override {
-        auto [n, h] = rows_cols(x, "rmsnorm_forward");
+        int64_t n, h;
+        std::tie(n, h) = rows_cols(x, "rmsnorm_forward");
         check_norm(x, residual, gamma, y, rstd, n, h, "rmsnorm_forward");
         s.submit([=] {
             if (residual.defined()) {
@@ -92,7 +95,8 @@ public:
     void layernorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma, const Tensor & mean,
                             const Tensor & rstd, const Tensor & dx, const Tensor & dgamma,
                             const Tensor & dbeta) override {
-        auto [n, h] = rows_cols(dy, "layernorm_backward");
+        int64_t n, h;
+        std::tie(n, h) = rows_cols(dy, "layernorm_backward");
         for (const Tensor * t : {&dy, &x, &dx}) expect(*t, DType::f32, n * h, "layernorm_backward", "dy/x/dx");
         for (const Tensor * t : {&gamma, &dgamma}) expect(*t, DType::f32, h, "layernorm_backward", "gamma/dgamma");
         if (dbeta.defined()) expect(dbeta, DType::f32, h, "layernorm_backward", "dbeta");   // optional, as beta
@@ -105,7 +109,8 @@ public:
 
     void rmsnorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma, const Tensor & rstd,
                           const Tensor & dx, const Tensor & dgamma) override {
-        auto [n, h] = rows_cols(dy, "rmsnorm_backward");
+        int64_t n, h;
+        std::tie(n, h) = rows_cols(dy, "rmsnorm_backward");
         for (const Tensor * t : {&dy, &x, &dx}) expect(*t, DType::f32, n * h, "rmsnorm_backward", "dy/x/dx");
         for (const Tensor * t : {&gamma, &dgamma}) expect(*t, DType::f32, h, "rmsnorm_backward", "gamma/dgamma");
         expect(rstd, DType::f32, n, "rmsnorm_backward", "rstd");
@@ -113,14 +118,16 @@ public:
     }
 
     void bias_add(Stream & s, const Tensor & y, const Tensor & bias) override {
-        auto [n, h] = rows_cols(y, "bias_add");
+        int64_t n, h;
+        std::tie(n, h) = rows_cols(y, "bias_add");
         expect(y, DType::f32, -1, "bias_add", "y");
         expect(bias, DType::f32, h, "bias_add", "bias");
         s.submit([=] { cpu::bias_add(f32(y), f32(bias), n, h); });
     }
 
     void bias_backward(Stream & s, const Tensor & dy, const Tensor & dbias) override {
-        auto [n, h] = rows_cols(dy, "bias_backward");
+        int64_t n, h;
+        std::tie(n, h) = rows_cols(dy, "bias_backward");
         expect(dy, DType::f32, -1, "bias_backward", "dy");
         expect(dbias, DType::f32, h, "bias_backward", "dbias");
         s.submit([=] { cpu::bias_backward(f32(dy), f32(dbias), n, h); });
@@ -134,7 +141,8 @@ public:
 
     void bias_gelu_forward(Stream & s, const Tensor & x, const Tensor & bias, const Tensor & y,
                            const Tensor & x_bf16) override {
-        auto [n, f] = rows_cols(x, "bias_gelu_forward");
+        int64_t n, f;
+        std::tie(n, f) = rows_cols(x, "bias_gelu_forward");
         expect(x, DType::f32, -1, "bias_gelu_forward", "x");
         expect(y, DType::f32, n * f, "bias_gelu_forward", "y");
         if (bias.defined()) expect(bias, DType::f32, f, "bias_gelu_forward", "bias");
@@ -153,7 +161,8 @@ public:
     }
 
     void swiglu_forward(Stream & s, const Tensor & x, const Tensor & y) override {
-        auto [n, two_f] = rows_cols(x, "swiglu_forward");
+        int64_t n, two_f;
+        std::tie(n, two_f) = rows_cols(x, "swiglu_forward");
         expect(x, DType::f32, -1, "swiglu_forward", "x");
         LOOM_CHECK(two_f % 2 == 0, "swiglu_forward: x " << x.describe() << " has an odd width", "x is [gate | up]");
         expect(y, DType::f32, n * (two_f / 2), "swiglu_forward", "y");
@@ -161,7 +170,8 @@ public:
     }
 
     void swiglu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override {
-        auto [n, two_f] = rows_cols(x, "swiglu_backward");
+        int64_t n, two_f;
+        std::tie(n, two_f) = rows_cols(x, "swiglu_backward");
         expect(x, DType::f32, -1, "swiglu_backward", "x");
         LOOM_CHECK(two_f % 2 == 0, "swiglu_backward: x " << x.describe() << " has an odd width", "x is [gate | up]");
         expect(dy, DType::f32, n * (two_f / 2), "swiglu_backward", "dy");
@@ -171,7 +181,8 @@ public:
 
     void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base,
               bool inverse) override {
-        auto [n, stride] = rows_cols(x, "rope");
+        int64_t n, stride;
+        std::tie(n, stride) = rows_cols(x, "rope");
         expect(x, DType::f32, -1, "rope", "x");
         LOOM_CHECK(n == seq * batch && heads * d <= stride && d % 2 == 0,
                    "rope over " << heads << " heads of " << d << " in rows of " << x.describe(), "");
@@ -260,7 +271,8 @@ public:
 
     void cross_entropy_forward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & loss,
                                const Tensor & lse, int64_t vocab) override {
-        auto [n, stride] = check_cross_entropy(logits, labels, lse, vocab, "cross_entropy_forward");
+        int64_t n, stride;
+        std::tie(n, stride) = check_cross_entropy(logits, labels, lse, vocab, "cross_entropy_forward");
         expect(loss, DType::f32, n, "cross_entropy_forward", "loss");
         const int64_t b = labels.size(0), seq = labels.size(1);
         s.submit([=] {
@@ -271,7 +283,8 @@ public:
 
     void cross_entropy_backward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & lse,
                                 const Tensor & dloss, int64_t vocab) override {
-        auto [n, stride] = check_cross_entropy(logits, labels, lse, vocab, "cross_entropy_backward");
+        int64_t n, stride;
+        std::tie(n, stride) = check_cross_entropy(logits, labels, lse, vocab, "cross_entropy_backward");
         expect(dloss, DType::f32, n, "cross_entropy_backward", "dloss");
         const int64_t b = labels.size(0), seq = labels.size(1);
         s.submit([=] {
@@ -281,20 +294,23 @@ public:
     }
 
     void row_max(Stream & s, const Tensor & logits, int64_t valid, const Tensor & out) override {
-        auto [n, stride] = check_logits(logits, valid, "row_max");
+        int64_t n, stride;
+        std::tie(n, stride) = check_logits(logits, valid, "row_max");
         expect(out, DType::f32, n, "row_max", "out");
         s.submit([=] { cpu::row_max(f32(logits), n, stride, valid, f32(out)); });
     }
 
     void row_sum_exp(Stream & s, const Tensor & logits, const Tensor & max, int64_t valid, const Tensor & out) override {
-        auto [n, stride] = check_logits(logits, valid, "row_sum_exp");
+        int64_t n, stride;
+        std::tie(n, stride) = check_logits(logits, valid, "row_sum_exp");
         expect(max, DType::f32, n, "row_sum_exp", "max");
         expect(out, DType::f32, n, "row_sum_exp", "out");
         s.submit([=] { cpu::row_sum_exp(f32(logits), f32(max), n, stride, valid, f32(out)); });
     }
 
     void label_logit(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & out) override {
-        auto [n, stride] = check_logits(logits, 0, "label_logit");
+        int64_t n, stride;
+        std::tie(n, stride) = check_logits(logits, 0, "label_logit");
         check_labels(labels, n, "label_logit");
         expect(out, DType::f32, n, "label_logit", "out");
         const int64_t b = labels.size(0), seq = labels.size(1);
@@ -402,14 +418,16 @@ private:
     }
     // Logits (n, stride) f32 whose first `valid` columns are read.
     static std::pair<int64_t, int64_t> check_logits(const Tensor & logits, int64_t valid, const char * op) {
-        auto [n, stride] = rows_cols(logits, op);
+        int64_t n, stride;
+        std::tie(n, stride) = rows_cols(logits, op);
         expect(logits, DType::f32, -1, op, "logits");
         LOOM_CHECK(valid >= 0 && valid <= stride, op << ": " << valid << " columns of " << logits.describe(), "");
         return {n, stride};
     }
     static std::pair<int64_t, int64_t> check_cross_entropy(const Tensor & logits, const Tensor & labels,
                                                            const Tensor & lse, int64_t vocab, const char * op) {
-        auto [n, stride] = check_logits(logits, vocab, op);
+        int64_t n, stride;
+        std::tie(n, stride) = check_logits(logits, vocab, op);
         check_labels(labels, n, op);
         expect(lse, DType::f32, n, op, "lse");
         return {n, stride};

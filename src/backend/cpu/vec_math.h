@@ -27,6 +27,10 @@ inline float exp_approx(float x) {
     p        = p * r + 0.5f;
     p        = p * r + 1.0f;
     p        = p * r + 1.0f;
+    // 2^k from its exponent bits, k clamped first: converting a NaN or an out-of-range float to int is
+    // undefined. A NaN x gives k = -127 (2^k = 0) and p = NaN, so NaN still comes out; a huge x gives inf.
+    k         = k >= -127.0f ? k : -127.0f;
+    k         = k <= 128.0f ? k : 128.0f;
     int32_t e = (static_cast<int32_t>(k) + 127) << 23;
     return p * std::bit_cast<float>(e);
 }
