@@ -34,7 +34,7 @@ INSTANTIATE_TEST_SUITE_P(
     Faults, RankFault,
     ::testing::Values(Fault{"bad_alloc", "[rank 1] loom train: std::bad_alloc"},
                       Fault{"missing_file", "cannot read injected fault '/nonexistent/loom-fault-injection.bin'"},
-                      Fault{"sigstop", "has not completed after 5 s: another rank has stopped"}),
+                      Fault{"sigstop", "has not completed after 5 s: another rank of the group has stopped"}),
     [](const ::testing::TestParamInfo<Fault> & info) { return std::string(info.param.name); });
 
 }  // namespace

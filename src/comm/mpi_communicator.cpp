@@ -86,6 +86,7 @@ struct MpiOp {
     std::vector<MPI_Request>                  requests;
     // For the watchdog's message: the operation, its group, and when it was posted.
     const char *                              what = "";
+    int                                       peer = -1;   // send / recv: the other rank (in the group)
     std::string                               group;
     std::chrono::steady_clock::time_point     posted;
 };
@@ -207,10 +208,13 @@ private:
         if (timeout <= 0) return;
         const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - op.posted).count();
         if (waited < timeout) return;
+        char peer[64] = "";
+        if (op.peer >= 0) std::snprintf(peer, sizeof(peer), " with rank %d of the group", op.peer);
         std::fprintf(stderr,
-                     "[rank %d] loom: %s on group '%s' has not completed after %.0f s: another rank has stopped, "
-                     "crashed or is not taking part; aborting the job (--distributed-timeout-minutes)\n",
-                     process_rank(), op.what, op.group.c_str(), waited);
+                     "[rank %d] loom: %s%s on group '%s' has not completed after %.0f s: %s has stopped, crashed "
+                     "or is not taking part; aborting the job (--distributed-timeout-minutes)\n",
+                     process_rank(), op.what, peer, op.group.c_str(), waited,
+                     op.peer >= 0 ? "that rank" : "another rank of the group");
         std::fflush(stderr);
         MPI_Abort(MPI_COMM_WORLD, 1);
         std::_Exit(1);
@@ -509,6 +513,7 @@ protected:
         check_tag(tag);
         auto         mpi_op = std::make_shared<MpiOp>();
         mpi_op->what = "send";
+        mpi_op->peer = peer;
         int          count  = to_int_count(t.numel(), "send");
         MPI_Comm     comm   = comm_;
         MPI_Datatype type   = engine_->element_type(dtype_size(t.dtype()));
@@ -523,6 +528,7 @@ protected:
         check_tag(tag);
         auto         mpi_op = std::make_shared<MpiOp>();
         mpi_op->what = "recv";
+        mpi_op->peer = peer;
         int          count  = to_int_count(t.numel(), "recv");
         MPI_Comm     comm   = comm_;
         MPI_Datatype type   = engine_->element_type(dtype_size(t.dtype()));

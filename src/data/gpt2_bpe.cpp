@@ -226,6 +226,9 @@ void Gpt2BpeTokenizer::load_vocab() {
         auto   line = 1 + std::count(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(at), '\n');
         LOOM_THROW("vocab file '" << vocab_file_ << "' line " << line << " is not valid JSON: " << e.what(),
                    "--vocab-file takes a GPT-2 vocab.json: one JSON object mapping each token to its id");
+    } catch (const nlohmann::json::exception & e) {   // a number out of range, ...
+        LOOM_THROW("vocab file '" << vocab_file_ << "' is not valid JSON: " << e.what(),
+                   "--vocab-file takes a GPT-2 vocab.json: one JSON object mapping each token to its id");
     }
     LOOM_CHECK(j.is_object(), "vocab file '" << vocab_file_ << "' holds a JSON " << j.type_name() << ", not an object",
                "--vocab-file takes a GPT-2 vocab.json: one JSON object mapping each token to its id");

@@ -156,7 +156,7 @@ IndexedDataset::IndexedDataset(const std::string & prefix)
                                      << " has sequence_pointers[" << i << "] = " << ptr << " bytes and "
                                      << "sequence_lengths[" << i << "] = " << len << " tokens of "
                                      << token_bytes_ << " bytes, ending at byte "
-                                     << ptr + static_cast<int64_t>(len) * static_cast<int64_t>(token_bytes_)
+                                     << static_cast<uint64_t>(ptr) + static_cast<uint64_t>(len) * token_bytes_
                                      << ", but the .bin has " << bsize << " bytes",
                    "the .bin was truncated or belongs to another .idx; " << kIdxHint);
         // The writer lays the sequences end to end from byte 0 (Megatron's _sequence_pointers): anything

@@ -96,7 +96,7 @@ PreprocessResult preprocess_to_indexed_dataset(const PreprocessOptions & options
             try {
                 j = nlohmann::json::parse(line, json_depth_limit<nlohmann::json>(
                     "--input '" + options.input + "' line " + std::to_string(line_number)));
-            } catch (const nlohmann::json::parse_error & e) {
+            } catch (const nlohmann::json::exception & e) {
                 LOOM_THROW("--input '" << options.input << "' line " << line_number << " is not valid JSON: " << e.what(),
                            "give one JSON object per line (JSON lines), or --format text for a plain text file");
             }

@@ -453,7 +453,7 @@ std::vector<ParamSpec> read_param_specs(const std::string & path) {
     nlohmann::json root;
     try {
         root = nlohmann::json::parse(text.str(), json_depth_limit<nlohmann::json>("params file '" + path + "'"));
-    } catch (const nlohmann::json::parse_error & e) {
+    } catch (const nlohmann::json::exception & e) {
         LOOM_THROW("params file '" << path << "' is not JSON: " << e.what(), kFileHint);
     }
     LOOM_CHECK(root.is_object() && root.contains("params") && root["params"].is_array(),

@@ -260,9 +260,25 @@ double float_as_decimal(float value) {
 
 }  // namespace
 
+namespace {
+
+GptConfig config_from_json(const std::string & path, const json & config);
+
+}  // namespace
+
 GptConfig gpt_config_from_hf(const std::string & dir) {
     const std::string path   = join(dir, "config.json");
     const json        config = read_config_json(dir);
+    try {
+        return config_from_json(path, config);
+    } catch (const json::exception & e) {   // a key of the wrong type (n_layer "twelve", scale_attn_weights "yes")
+        LOOM_THROW("'" << path << "' has a value of the wrong type: " << e.what(), kConfigHint);
+    }
+}
+
+namespace {
+
+GptConfig config_from_json(const std::string & path, const json & config) {
     // A positive integer under `key`, else under `fallback` (n_positions, else n_ctx).
     auto integer = [&](const char * key, const char * fallback = nullptr) -> int64_t {
         const char * used = fallback != nullptr && !config.contains(key) ? fallback : key;
@@ -319,6 +335,8 @@ GptConfig gpt_config_from_hf(const std::string & dir) {
                kConfigHint);
     return c;
 }
+
+}  // namespace
 
 void check_gpt2_architecture(const GptConfig & c, const std::string & action) {
     const std::string what = "cannot " + action + " Hugging Face GPT-2 weights: ";
