@@ -212,6 +212,13 @@ json tp_ranges_json(const std::vector<std::pair<int64_t, int64_t>> & ranges) {
     return r;
 }
 
+// Where optimizer slot i starts in its parameter's elements (a slot is a view of the parameter's values).
+int64_t slot_offset(optim::Optimizer & opt, int i, const model::Parameter & p) {
+    const Tensor & values = opt.state().slot(i).values;
+    LOOM_CHECK(values.shares_storage(p.data), "optimizer slot " << i << " does not view parameter " << p.name, "");
+    return values.offset() - p.data.offset();
+}
+
 // This rank's pieces: its optimizer's slots over the parameters it writes (see the top of checkpoint.h).
 std::vector<RankPiece> rank_pieces(const RankContents & rank) {
     std::vector<RankPiece> pieces;
@@ -220,10 +227,8 @@ std::vector<RankPiece> rank_pieces(const RankContents & rank) {
     for (int i = 0; i < opt.state().num_slots(); ++i) {
         model::Parameter * p = opt.params()[static_cast<size_t>(opt.slot_params()[static_cast<size_t>(i)])];
         if (p->shared || p->tp_duplicate) continue;
-        const Tensor & values = opt.state().slot(i).values;
-        LOOM_CHECK(values.shares_storage(p->data), "optimizer slot " << i << " does not view parameter " << p->name, "");
-        const int64_t begin = values.offset() - p->data.offset();
-        pieces.push_back(RankPiece{p, begin, begin + values.numel(), i});
+        const int64_t begin = slot_offset(opt, i, *p);
+        pieces.push_back(RankPiece{p, begin, begin + opt.state().slot(i).values.numel(), i});
     }
     return pieces;
 }
@@ -635,8 +640,7 @@ void load(const Index & index, const RankContents & rank, const LoadOptions & op
             v.assign(values.size(), 0.0f);
         }
         for (int i : slots->second) {
-            const Tensor & view  = rank.optimizer->state().slot(i).values;
-            const int64_t  begin = view.offset() - p->data.offset();
+            const int64_t begin = slot_offset(*rank.optimizer, i, *p);
             rank.optimizer->state().load_slot_state(i, values.data() + begin, m.data() + begin, v.data() + begin);
         }
     }

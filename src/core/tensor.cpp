@@ -32,6 +32,19 @@ void check_shape(const Shape & shape) {
     }
 }
 
+// The bytes of a tensor of `shape` and `dtype`, refusing a count that overflows (or passes 2^62).
+size_t checked_bytes(const Shape & shape, DType dtype) {
+    check_shape(shape);
+    size_t bytes = dtype_size(dtype);
+    for (int64_t d : shape) {
+        LOOM_CHECK(!__builtin_mul_overflow(bytes, static_cast<size_t>(d), &bytes) && bytes <= (size_t(1) << 62),
+                   "a tensor of shape " << shape_string(shape) << " and dtype " << dtype_name(dtype)
+                                        << " is larger than any memory (its byte count overflows)",
+                   "lower the sizes that make it (batch, sequence, hidden, vocabulary)");
+    }
+    return bytes;
+}
+
 }  // namespace
 
 Storage::Storage(Device & device, size_t bytes, MemoryKind kind, const std::string & pool)
@@ -55,14 +68,7 @@ Tensor::Tensor(std::shared_ptr<Storage> storage, int64_t offset, Shape shape, DT
 }
 
 Tensor Tensor::empty(const Shape & shape, DType dtype, Device & device, const TensorOptions & options) {
-    check_shape(shape);
-    size_t bytes = dtype_size(dtype);
-    for (int64_t d : shape) {
-        LOOM_CHECK(!__builtin_mul_overflow(bytes, static_cast<size_t>(d), &bytes) && bytes <= (size_t(1) << 62),
-                   "a tensor of shape " << shape_string(shape) << " and dtype " << dtype_name(dtype)
-                                        << " is larger than any memory (its byte count overflows)",
-                   "lower the sizes that make it (batch, sequence, hidden, vocabulary)");
-    }
+    const size_t bytes = checked_bytes(shape, dtype);
     auto   storage = std::make_shared<Storage>(device, bytes, options.memory_kind, options.pool);
     return Tensor(std::move(storage), 0, shape, dtype);
 }
@@ -74,14 +80,7 @@ Tensor Tensor::zeros(const Shape & shape, DType dtype, Device & device, const Te
 }
 
 Tensor Tensor::from_blob(void * data, const Shape & shape, DType dtype, Device & device, MemoryKind kind) {
-    check_shape(shape);
-    size_t bytes = dtype_size(dtype);
-    for (int64_t d : shape) {
-        LOOM_CHECK(!__builtin_mul_overflow(bytes, static_cast<size_t>(d), &bytes) && bytes <= (size_t(1) << 62),
-                   "a tensor of shape " << shape_string(shape) << " and dtype " << dtype_name(dtype)
-                                        << " is larger than any memory (its byte count overflows)",
-                   "lower the sizes that make it (batch, sequence, hidden, vocabulary)");
-    }
+    const size_t bytes = checked_bytes(shape, dtype);
     auto   storage = std::make_shared<Storage>(device, data, bytes, kind);
     return Tensor(std::move(storage), 0, shape, dtype);
 }

@@ -73,7 +73,7 @@ checkpoint::RankContents rank_contents(const TrainOptions & options, Setup & set
     checkpoint::RankContents rank;
     rank.params    = setup.parameters();
     rank.optimizer = setup.optimizer.get();
-    rank.world     = setup.groups.world ? setup.groups.world.get() : setup.groups.dp.get();
+    rank.world     = setup.all_ranks();
     // Without ZeRO-1 every data-parallel rank holds the same state: the first one writes it.
     rank.writes = options.ddp.use_distributed_optimizer || !setup.groups.dp || setup.groups.dp->rank() == 0;
     return rank;
@@ -150,13 +150,17 @@ void apply_checkpoint_args(model::GptConfig & m, const checkpoint::Index & index
     }
 }
 
+std::optional<std::string> checkpoint_to_load(const TrainOptions & o) {
+    std::optional<int64_t> step;
+    if (o.ckpt_step >= 0) step = o.ckpt_step;
+    return checkpoint::find_checkpoint(o.load, step);
+}
+
 Resumed load_checkpoint(const TrainOptions & options, Setup & setup) {
     Resumed resumed;
     if (options.load.empty()) return resumed;
     const auto start = std::chrono::steady_clock::now();
-    std::optional<int64_t> step;
-    if (options.ckpt_step >= 0) step = options.ckpt_step;
-    std::optional<std::string> folder = checkpoint::find_checkpoint(options.load, step);
+    std::optional<std::string> folder = checkpoint_to_load(options);
     if (!folder) return resumed;
     checkpoint::Index index = checkpoint::read_index(*folder);
     check_checkpoint_args(options, index);
@@ -180,9 +184,7 @@ checkpoint::Index index_to_read(const TrainOptions & o, const char * command) {
                    !o.exit_signal_handler,
                "--save, --save-interval and the --exit-* flags are flags of `loom train`, not of `" << command << "`",
                "leave them out");
-    std::optional<int64_t> step;
-    if (o.ckpt_step >= 0) step = o.ckpt_step;
-    std::optional<std::string> folder = checkpoint::find_checkpoint(o.load, step);
+    std::optional<std::string> folder = checkpoint_to_load(o);
     LOOM_CHECK(folder, "--load '" << o.load << "' holds no " << checkpoint::kTrackerFile,
                "give the --save folder of a `loom train` run");
     return checkpoint::read_index(*folder);

@@ -23,6 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
+#include <optional>
 #include <string>
 
 namespace loom::train {
@@ -37,6 +38,9 @@ void check_checkpoint_args(const TrainOptions & options, const checkpoint::Index
 
 // --use-checkpoint-args: sets the model's shape from the checkpoint's args.
 void apply_checkpoint_args(model::GptConfig & model, const checkpoint::Index & index);
+
+// The folder --load (with --ckpt-step) names; nothing when its folder holds no tracker file.
+std::optional<std::string> checkpoint_to_load(const TrainOptions & options);
 
 // What a --load resumed.
 struct Resumed {

@@ -312,9 +312,7 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     if (given("--seed")) m.seed = seed_;
     validate_checkpoint_flags(o, given("--save-interval"), given("--exit-interval"), given("--ckpt-step"));
     if (o.use_checkpoint_args) {   // the checkpoint's shape wins over the flags, as Megatron's load_args_from_checkpoint
-        std::optional<int64_t> step;
-        if (o.ckpt_step >= 0) step = o.ckpt_step;
-        std::optional<std::string> folder = checkpoint::find_checkpoint(o.load, step);
+        std::optional<std::string> folder = checkpoint_to_load(o);
         LOOM_CHECK(folder, "--use-checkpoint-args: '" << o.load << "' holds no " << checkpoint::kTrackerFile,
                    "give a --load folder that holds a checkpoint");
         apply_checkpoint_args(m, checkpoint::read_index(*folder));

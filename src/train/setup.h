@@ -42,6 +42,9 @@ public:
 
     // Every parameter of every chunk, in chunk order.
     std::vector<model::Parameter *> parameters() const;
+    // Every rank of the job: the world group, or the data-parallel group of a single-model setup built
+    // without one (null: one process).
+    comm::Communicator * all_ranks() const { return groups.world ? groups.world.get() : groups.dp.get(); }
 };
 
 // Builds this rank's chunks (initialised from --seed, then --load-hf if given) and everything over them.

@@ -249,7 +249,7 @@ TrainSummary Trainer::run(FILE * out) {
                      options_.load.c_str(), checkpoint::kTrackerFile);
     }
     // The ranks agree on stopping: a flag any rank raised stops all of them after the same iteration.
-    comm::Communicator * everyone = setup_.groups.world ? setup_.groups.world.get() : setup_.groups.dp.get();
+    comm::Communicator * everyone = setup_.all_ranks();
     FILE *       log_file = nullptr;
     if (!options_.log_file.empty() && (!everyone || everyone->rank() == 0)) {   // one writer: rank 0
 
