@@ -4,6 +4,7 @@
 // converter and `loom data` run as a program.
 #include "backend/cpu/cpu_device.h"
 #include "core/error.h"
+#include "core/input_file.h"
 #include "data/gpt_dataset.h"
 #include "data/indexed_dataset.h"
 #include "data/llmc_shard.h"
@@ -28,6 +29,8 @@
 #include <numeric>
 #include <set>
 #include <string>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <vector>
@@ -91,6 +94,39 @@ std::string write_numbered_documents(const std::string & name, const std::vector
 
 // ---------------------------------------------------------------------------------------------------
 // MMIDIDX
+
+// Every reader opens its input through core/input_file: the open does not block on a FIFO with no writer
+// (the ctest timeout would catch a hang), and what is refused is decided on the descriptor that was opened.
+TEST(InputFile, RefusesFifosFoldersAndDevicesWithoutBlockingAndReadsFiles) {
+    const std::string dir  = temp_path("input_file");
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    const std::string fifo = dir + "/pipe";
+    ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+    auto expect_error = [](const std::function<void()> & f, const std::vector<std::string> & parts) {
+        const std::string text = error_of(f);
+        for (const std::string & part : parts) EXPECT_NE(text.find(part), std::string::npos) << part << " in: " << text;
+    };
+    expect_error([&] { open_input_fd(fifo, "--text-file"); }, {"--text-file '" + fifo + "'", "is a FIFO (named pipe)"});
+    expect_error([&] { read_input_file(dir, "--params"); }, {"--params '" + dir + "'", "is a folder"});
+    expect_error([&] { open_input_file("/dev/zero", "merge file"); }, {"merge file '/dev/zero'", "is a device"});
+    expect_error([&] { read_input_file(dir + "/absent", "checkpoint index"); },
+                 {"cannot read checkpoint index '" + dir + "/absent'", "No such file"});
+
+    const std::string file = dir + "/lines.txt";
+    { std::ofstream(file, std::ios::binary) << "one\r\n\ntwo\nlast"; }
+    EXPECT_EQ(read_input_file(file, "--input"), "one\r\n\ntwo\nlast");
+    InputStream              in = open_input_file(file, "--input");
+    std::vector<std::string> lines;
+    std::string              line;
+    while (read_line(in.get(), line)) lines.push_back(line);
+    EXPECT_EQ(lines, (std::vector<std::string>{"one\r", "", "two", "last"}));
+    // Reads block again once the file is open: the descriptor's O_NONBLOCK was cleared.
+    int fd = open_input_fd(file, "--input");
+    EXPECT_EQ(fcntl(fd, F_GETFL) & O_NONBLOCK, 0);
+    close(fd);
+    std::filesystem::remove_all(dir);
+}
 
 TEST(IndexedDataset, WriterReaderRoundTripInBothTokenTypes) {
     for (IndexDType dtype : {IndexDType::u16, IndexDType::i32}) {

@@ -381,9 +381,7 @@ std::optional<std::string> find_checkpoint(const std::string & dir, std::optiona
     }
     const std::string tracker = (fs::path(dir) / kTrackerFile).string();
     if (!fs::exists(tracker)) return std::nullopt;
-    require_regular_file(tracker, "checkpoint tracker");
-    std::ifstream in(tracker);
-    std::string   text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::string text = read_input_file(tracker, "checkpoint tracker");
     while (!text.empty() && (text.back() == '\n' || text.back() == ' ' || text.back() == '\r')) text.pop_back();
     char *    end       = nullptr;
     long long iteration = std::strtoll(text.c_str(), &end, 10);
@@ -429,11 +427,10 @@ Index read_index(const std::string & folder) {
     index.folder            = folder;
     const std::string where = index.path();
     LOOM_CHECK(fs::exists(where), "checkpoint index '" << where << "' is missing", kCorruptHint);
-    require_regular_file(where, "checkpoint index");
-    json j;
+    const std::string text = read_input_file(where, "checkpoint index");
+    json              j;
     try {
-        std::ifstream in(where);
-        j = json::parse(in, json_depth_limit<json>("checkpoint index '" + where + "'"), true, false);
+        j = json::parse(text, json_depth_limit<json>("checkpoint index '" + where + "'"), true, false);
     } catch (const json::exception & e) {
         LOOM_THROW("checkpoint index '" << where << "' is not valid JSON: " << e.what(), kCorruptHint);
     }
@@ -524,17 +521,15 @@ public:
     }
 
     static void check_file(const std::string & path, const FileRecord & record) {
-        std::FILE * f = std::fopen(path.c_str(), "rb");
-        LOOM_CHECK(f, "cannot open checkpoint file '" << path << "': " << std::strerror(errno), "");
+        InputStream f = open_input_file(path, "checkpoint file");
         std::vector<char> buffer(size_t(8) << 20);
         uint32_t          crc   = 0;
         uint64_t          total = 0;
         size_t            n;
-        while ((n = std::fread(buffer.data(), 1, buffer.size(), f)) > 0) {
+        while ((n = std::fread(buffer.data(), 1, buffer.size(), f.get())) > 0) {
             crc = crc32c(buffer.data(), n, crc);
             total += n;
         }
-        std::fclose(f);
         LOOM_CHECK(total == record.bytes, "checkpoint file '" << path << "' holds " << total << " bytes, its index says "
                                                               << record.bytes, kCorruptHint);
         LOOM_CHECK(crc == record.crc32c, "checkpoint file '" << path << "' fails its checksum (CRC-32C " << hex32(crc)

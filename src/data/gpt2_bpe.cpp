@@ -132,16 +132,6 @@ std::string symbol_bytes(const std::string & symbol) {
     return bytes;
 }
 
-std::string read_whole_file(const std::string & path, const char * what, const char * flag) {
-    require_regular_file(path, what);
-    std::ifstream in(path, std::ios::binary);
-    LOOM_CHECK(in.good(), "cannot read " << what << " '" << path << "': " << std::strerror(errno),
-               "check the path given to " << flag << " and its permissions");
-    std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-    LOOM_CHECK(!in.bad(), "error reading " << what << " '" << path << "'", "check the file given to " << flag);
-    return text;
-}
-
 constexpr int64_t kMaxTokenId     = (int64_t{1} << 24) - 1;   // far above any real vocabulary
 constexpr size_t  kMaxCachedWords = size_t{1} << 18;           // the word cache is cleared when it holds more
 
@@ -217,7 +207,7 @@ Gpt2BpeTokenizer::Gpt2BpeTokenizer(const std::string & vocab_file, const std::st
 }
 
 void Gpt2BpeTokenizer::load_vocab() {
-    const std::string text = read_whole_file(vocab_file_, "vocab file", "--vocab-file");
+    const std::string text = read_input_file(vocab_file_, "vocab file");
     nlohmann::json    j;
     try {
         j = nlohmann::json::parse(text, json_depth_limit<nlohmann::json>("vocab file '" + vocab_file_ + "'"));
@@ -266,15 +256,12 @@ void Gpt2BpeTokenizer::load_vocab() {
 }
 
 void Gpt2BpeTokenizer::load_merges(const std::string & merge_file) {
-    require_regular_file(merge_file, "merge file");
-    std::ifstream in(merge_file, std::ios::binary);
-    LOOM_CHECK(in.good(), "cannot read merge file '" << merge_file << "': " << std::strerror(errno),
-               "check the path given to --merge-file and its permissions");
+    InputStream in = open_input_file(merge_file, "merge file");
     std::string              line;
     int64_t                  line_number = 0;
     int32_t                  rank        = 0;
     std::vector<std::string> parts;
-    while (std::getline(in, line)) {
+    while (read_line(in.get(), line)) {
         ++line_number;
         if (!line.empty() && line.back() == '\r') line.pop_back();
         if (line_number == 1 && line.rfind("#version", 0) == 0) continue;
@@ -303,7 +290,7 @@ void Gpt2BpeTokenizer::load_merges(const std::string & merge_file) {
         // A repeated merge takes the rank of its last line, as in encoder.py's dict.
         merges_[pair_key(ids[0], ids[1])] = Merge{rank++, result};
     }
-    LOOM_CHECK(!in.bad(), "error reading merge file '" << merge_file << "' at line " << line_number, "check the file");
+    LOOM_CHECK(!std::ferror(in.get()), "error reading merge file '" << merge_file << "' at line " << line_number, "check the file");
 }
 
 int32_t Gpt2BpeTokenizer::token_id(std::string_view symbol) const {

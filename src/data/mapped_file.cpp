@@ -91,19 +91,12 @@ void unregister_range(const uint8_t * begin) {
 }  // namespace
 
 MappedFile::MappedFile(const std::string & path, const std::string & what) : path_(path) {
-    require_regular_file(path, what);
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    LOOM_CHECK(fd >= 0, "cannot open " << what << " '" << path << "': " << std::strerror(errno),
-               "check that the file exists and is readable");
+    int         fd = open_input_fd(path, what);
     struct stat st {};
     if (::fstat(fd, &st) != 0) {
         int err = errno;
         ::close(fd);
         LOOM_THROW("cannot stat " << what << " '" << path << "': " << std::strerror(err), "check the file");
-    }
-    if (!S_ISREG(st.st_mode)) {
-        ::close(fd);
-        LOOM_THROW(what << " '" << path << "' is not a regular file", "pass the path of a file, not a directory");
     }
     size_ = static_cast<size_t>(st.st_size);
     if (size_ > 0) {

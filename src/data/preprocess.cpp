@@ -62,10 +62,7 @@ PreprocessResult preprocess_to_indexed_dataset(const PreprocessOptions & options
     }
     result.dtype      = index_dtype_for_vocab(result.vocab_size);
 
-    require_regular_file(options.input, "--input");
-    std::ifstream in(options.input, std::ios::binary);
-    LOOM_CHECK(in.good(), "cannot read --input '" << options.input << "': " << std::strerror(errno),
-               "check the path and its permissions");
+    InputStream in = open_input_file(options.input, "--input");
 
     IndexedDatasetWriter writer(result.prefix, result.dtype);
     std::vector<int32_t> tokens;
@@ -88,7 +85,7 @@ PreprocessResult preprocess_to_indexed_dataset(const PreprocessOptions & options
     std::string line, paragraph;
     bool        in_paragraph = false;
     int64_t     line_number  = 0;
-    while (std::getline(in, line)) {
+    while (read_line(in.get(), line)) {
         ++line_number;
         if (result.format == InputFormat::jsonl) {
             if (is_blank(line)) continue;
@@ -133,7 +130,7 @@ PreprocessResult preprocess_to_indexed_dataset(const PreprocessOptions & options
             in_paragraph = true;
         }
     }
-    LOOM_CHECK(!in.bad(), "error reading --input '" << options.input << "' at line " << line_number, "check the file");
+    LOOM_CHECK(!std::ferror(in.get()), "error reading --input '" << options.input << "' at line " << line_number, "check the file");
     if (in_paragraph) emit(paragraph);
     LOOM_CHECK(result.documents > 0, "--input '" << options.input << "' holds no non-empty document",
                (result.format == InputFormat::jsonl ? "check --json-key and that the file is JSON lines"

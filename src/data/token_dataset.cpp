@@ -56,10 +56,8 @@ void SyntheticDataset::sample(int64_t index, std::span<int32_t> out) const {
 }
 
 TextFileDataset::TextFileDataset(const std::string & path, int64_t seq_length) : path_(path), seq_length_(seq_length) {
-    require_regular_file(path, "--text-file");
-    std::ifstream in(path, std::ios::binary);
-    LOOM_CHECK(in.good(), "cannot read --text-file '" << path << "'", "check the path and its permissions");
-    bytes_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    const std::string text = read_input_file(path, "--text-file");
+    bytes_.assign(text.begin(), text.end());
     LOOM_CHECK(static_cast<int64_t>(bytes_.size()) >= seq_length + 1,
                "--text-file '" << path << "' holds " << bytes_.size() << " bytes, fewer than one sample of --seq-length "
                                << seq_length << " + 1",

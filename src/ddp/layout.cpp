@@ -444,15 +444,11 @@ std::vector<ParamSpec> read_param_specs(const std::string & path) {
     const char * kFileHint = "the file is one JSON object {\"params\": [[name, [d0, d1, ...], dtype, "
                              "{\"shared_embedding\": true, \"allreduce\": false}?], ...]} listing the parameters in "
                              "registration (forward) order";
-    require_regular_file(path, "params file");
-    std::ifstream in(path);
-    LOOM_CHECK(in.good(), "cannot read params file '" << path << "'", "check the path given to --params");
-    std::stringstream text;
-    text << in.rdbuf();
+    const std::string text = read_input_file(path, "params file");
 
     nlohmann::json root;
     try {
-        root = nlohmann::json::parse(text.str(), json_depth_limit<nlohmann::json>("params file '" + path + "'"));
+        root = nlohmann::json::parse(text, json_depth_limit<nlohmann::json>("params file '" + path + "'"));
     } catch (const nlohmann::json::exception & e) {
         LOOM_THROW("params file '" << path << "' is not JSON: " << e.what(), kFileHint);
     }

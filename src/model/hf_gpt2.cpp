@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace loom::model {
@@ -63,13 +64,11 @@ size_t safetensors_dtype_size(const std::string & dtype) {
 }
 
 SafetensorsFile::SafetensorsFile(const std::string & path) : path_(path) {
-    require_regular_file(path, "safetensors file");
-    std::error_code ec;
-    uint64_t        size = std::filesystem::file_size(path, ec);
-    file_.reset(ec ? nullptr : std::fopen(path.c_str(), "rb"));
-    LOOM_CHECK(file_ != nullptr, "cannot open safetensors file '" << path << "': "
-                                                                 << (ec ? ec.message() : std::strerror(errno)),
-               kSafetensorsHint);
+    file_ = open_input_file(path, "safetensors file");
+    struct stat st {};
+    LOOM_CHECK(::fstat(::fileno(file_.get()), &st) == 0,
+               "cannot stat safetensors file '" << path << "': " << std::strerror(errno), kSafetensorsHint);
+    const uint64_t size = static_cast<uint64_t>(st.st_size);
     LOOM_CHECK(size >= 8, "safetensors file '" << path << "' is too short: " << size
                                                << " bytes, fewer than the 8-byte header length",
                kSafetensorsHint);
@@ -239,11 +238,9 @@ namespace {
 
 json read_config_json(const std::string & dir) {
     std::string   path = join(dir, "config.json");
-    require_regular_file(path, "--load-hf config");
-    std::ifstream in(path);
-    LOOM_CHECK(in.good(), "cannot open '" << path << "' (--load-hf " << dir << ")", kConfigHint);
+    const std::string text = read_input_file(path, "--load-hf config");
     try {
-        json config = json::parse(in, json_depth_limit<json>("'" + path + "'"));
+        json config = json::parse(text, json_depth_limit<json>("'" + path + "'"));
         LOOM_CHECK(config.is_object(), "'" << path << "' is not a JSON object", kConfigHint);
         return config;
     } catch (const json::exception & e) {

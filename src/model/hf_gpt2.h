@@ -49,6 +49,7 @@
 // Parameter data may be float32 or bfloat16: every read and write goes through loom::convert.
 #pragma once
 
+#include "core/input_file.h"
 #include "core/tensor.h"
 #include "model/gpt_model.h"
 
@@ -90,12 +91,8 @@ public:
     void                                       read_f32(const std::string & name, float * out) const;
 
 private:
-    struct FileCloser {
-        void operator()(std::FILE * f) const { std::fclose(f); }
-    };
-
     std::string                            path_;
-    std::unique_ptr<std::FILE, FileCloser> file_;
+    InputStream                            file_;
     uint64_t                               data_start_ = 0;   // 8 + N
     std::vector<SafetensorsEntry>          entries_;           // sorted by begin
     std::map<std::string, size_t>          index_;             // name -> position in entries_
