@@ -436,6 +436,40 @@ TEST(GptDataset, OpensASplitOfAPrefixAndNamesAnEmptyOne) {
     EXPECT_NE(message.find("--vocab-size"), std::string::npos) << message;
 }
 
+// Without --vocab-size the vocabulary is the largest id + 1. An end-of-document id far above the text's ids
+// (GPT-2's 50256 over a small corpus, the byte tokenizer's 256) is taken; one corrupt id far above the rest
+// inside a document is refused, naming where it is, instead of silently widening the model 76 times.
+TEST(GptDataset, InferredVocabularyRefusesALoneCorruptIdButNotAnEndOfDocumentId) {
+    auto write = [](const std::string & name, int32_t corrupt) {
+        std::string          prefix = temp_path(name);
+        IndexedDatasetWriter w(prefix, IndexDType::i32);
+        for (int32_t d = 0; d < 12; ++d) {
+            std::vector<int32_t> tokens;
+            for (int32_t i = 0; i < 20; ++i) tokens.push_back((d * 7 + i * 3) % 900);
+            if (d == 5 && corrupt > 0) tokens[7] = corrupt;
+            tokens.push_back(50256);   // the end of the document
+            w.add_document(tokens);
+        }
+        w.finish();
+        return prefix;
+    };
+    const std::string clean = write("eod_only", 0);
+    EXPECT_EQ(open_gpt_dataset(clean, "100,0,0", Split::train, 8, 0, 1)->vocab_size(), 50257);
+
+    const std::string bad     = write("corrupt_id", 3'819'532);
+    const std::string message = error_of([&] { open_gpt_dataset(bad, "100,0,0", Split::train, 8, 0, 1); });
+    EXPECT_NE(message.find(bad + ".bin' holds token id 3819532 (sequence 5, token 7), more than twice any other id "
+                                 "(the next largest is 50256)"),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("--vocab-size"), std::string::npos) << message;
+    // Given explicitly, the vocabulary is the user's word.
+    EXPECT_EQ(open_gpt_dataset(bad, "100,0,0", Split::train, 8, 0, 1, 4'000'000)->vocab_size(), 4'000'000);
+    // A large id that is not isolated (within twice the next) is an ordinary vocabulary.
+    const std::string dense = write("dense_top", 90'000);
+    EXPECT_EQ(open_gpt_dataset(dense, "100,0,0", Split::train, 8, 0, 1)->vocab_size(), 90'001);
+}
+
 // ---------------------------------------------------------------------------------------------------
 // llm.c shards
 

@@ -191,6 +191,16 @@ GptDataset::GptDataset(std::shared_ptr<const IndexedDataset> data, DocumentRange
                                 << ", and token ids are >= 0",
                "the .idx's dtype code does not match the .bin, or the data is corrupt");
     if (vocab_size_ <= 0) {
+        // Inferring the vocabulary trusts the largest id. One corrupt id far above the rest would silently
+        // make the model that much wider; an end-of-document id at the top of the vocabulary is fine, as it
+        // only ever ends a sequence.
+        const IndexedDataset::TopTokenUse use = data_->top_token_use(highest);
+        LOOM_CHECK(!(use.inner_sequence >= 0 && highest >= 2 * (use.next_below + 1)),
+                   "'" << data_file_path(data_->prefix()) << "' holds token id " << highest << " (sequence "
+                       << use.inner_sequence << ", token " << use.inner_offset << "), more than twice any other id (the "
+                       << "next largest is " << use.next_below << "); taking the vocabulary from the data would make it "
+                       << highest + 1,
+                   "the data may be corrupt; if the id is real, give the vocabulary with --vocab-size");
         vocab_size_ = highest + 1;
     } else {
         LOOM_CHECK(highest < vocab_size_, "'" << data_file_path(data_->prefix()) << "' holds token id " << highest

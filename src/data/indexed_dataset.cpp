@@ -46,6 +46,29 @@ template <typename T> std::pair<int64_t, int64_t> token_min_max(const uint8_t * 
     return {static_cast<int64_t>(lo), static_cast<int64_t>(hi)};
 }
 
+template <typename T> IndexedDataset::TopTokenUse top_use(const uint8_t * bin, const IndexedDataset & data, int64_t top) {
+    IndexedDataset::TopTokenUse use;
+    T                           below = std::numeric_limits<T>::lowest();
+    bool                        any   = false;
+    for (int64_t s = 0; s < data.num_sequences(); ++s) {
+        const uint8_t * p   = bin + data.sequence_pointer(s);
+        const int64_t   len = data.sequence_length(s);
+        for (int64_t i = 0; i < len; ++i) {
+            T v;
+            std::memcpy(&v, p + i * static_cast<int64_t>(sizeof(T)), sizeof(T));
+            if (static_cast<int64_t>(v) < top) {
+                below = std::max(below, v);
+                any   = true;
+            } else if (static_cast<int64_t>(v) == top && i + 1 < len && use.inner_sequence < 0) {
+                use.inner_sequence = s;
+                use.inner_offset   = i;
+            }
+        }
+    }
+    if (any) use.next_below = static_cast<int64_t>(below);
+    return use;
+}
+
 template <typename T> void widen(const uint8_t * p, std::span<int32_t> out) {
     for (size_t i = 0; i < out.size(); ++i) {
         T v;
@@ -244,6 +267,19 @@ std::pair<int64_t, int64_t> IndexedDataset::token_range() const {
     }
     token_range_ = range;
     return range;
+}
+
+IndexedDataset::TopTokenUse IndexedDataset::top_token_use(int64_t top) const {
+    const uint8_t * p = bin_.data();
+    switch (dtype_code_) {
+        case 1: return top_use<uint8_t>(p, *this, top);
+        case 2: return top_use<int8_t>(p, *this, top);
+        case 3: return top_use<int16_t>(p, *this, top);
+        case 4: return top_use<int32_t>(p, *this, top);
+        case 5: return top_use<int64_t>(p, *this, top);
+        case 8: return top_use<uint16_t>(p, *this, top);
+        default: return {};
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------

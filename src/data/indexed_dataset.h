@@ -89,6 +89,16 @@ public:
     std::pair<int64_t, int64_t> token_range() const;
     int64_t                     max_token() const { return token_range().second; }
 
+    // How the id `top` (normally the largest) is used: the largest id below it, and the first place it
+    // appears other than as the last token of a sequence. An end-of-document token sits at the top of the
+    // vocabulary and ends every sequence; a single corrupt id far above the rest does neither. One pass.
+    struct TopTokenUse {
+        int64_t next_below     = -1;   // -1: no smaller id
+        int64_t inner_sequence = -1;   // -1: `top` only ever ends a sequence
+        int64_t inner_offset   = -1;
+    };
+    TopTokenUse top_token_use(int64_t top) const;
+
 private:
     std::string     prefix_;
     MappedFile      idx_, bin_;
