@@ -1,7 +1,9 @@
 // No rank hangs the job: a rank that fails in any way (an allocation that throws std::bad_alloc, a missing
 // file, a process stopped by SIGSTOP) ends the whole `mpirun` job with a message naming the rank, within
 // 30 s. The faults come from the trainer's LOOM_FAULT seam; the watchdog's timeout from
-// LOOM_DISTRIBUTED_TIMEOUT_S (--distributed-timeout-minutes counts whole minutes).
+// LOOM_DISTRIBUTED_TIMEOUT_S (--distributed-timeout-minutes counts whole minutes). The watchdog's message
+// names the rank that did not arrive: a stopped one does not answer its roll call, a stalled one (sleeping
+// outside communication) answers that it has not posted the operation.
 #include "loom_cli_runner.h"
 
 #include <gtest/gtest.h>
@@ -34,7 +36,9 @@ INSTANTIATE_TEST_SUITE_P(
     Faults, RankFault,
     ::testing::Values(Fault{"bad_alloc", "[rank 1] loom train: std::bad_alloc"},
                       Fault{"missing_file", "cannot read injected fault '/nonexistent/loom-fault-injection.bin'"},
-                      Fault{"sigstop", "has not completed after 5 s: another rank of the group has stopped"}),
+                      Fault{"sigstop", "rank 1 did not answer within 1 s: it has stopped, crashed, or is blocked "
+                                       "inside MPI"},
+                      Fault{"stall", "rank 1 has not arrived: it has posted"}),
     [](const ::testing::TestParamInfo<Fault> & info) { return std::string(info.param.name); });
 
 }  // namespace

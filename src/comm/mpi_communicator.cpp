@@ -4,14 +4,16 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 #include <deque>
+#include <string>
+#include <vector>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -117,6 +119,9 @@ public:
                        "the MPI library provides thread level " << provided << ", Loom needs MPI_THREAD_FUNNELED",
                        "use an MPI built with thread support (Debian's Open MPI is)");
             MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+            LOOM_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &roll_call_comm_));
+            MPI_Comm_set_errhandler(roll_call_comm_, MPI_ERRORS_RETURN);
+            MPI_Comm_size(MPI_COMM_WORLD, &world_size_);
             for (int i = 0; i < 4; ++i) {
                 MPI_Type_contiguous(1 << i, MPI_BYTE, &element_types_[i]);
                 MPI_Type_commit(&element_types_[i]);
@@ -129,6 +134,8 @@ public:
             for (MPI_Datatype & t : element_types_) {
                 MPI_Type_free(&t);
             }
+            for (MPI_Request & r : answers_) MPI_Request_free(&r);
+            MPI_Comm_free(&roll_call_comm_);
             MPI_Finalize();
         });
         {
@@ -169,6 +176,27 @@ public:
 
     int new_comm_id() { return next_comm_id_.fetch_add(1); }
 
+    // Engine thread (inside call): names the communicator `comm_id` for the watchdog's roll call. Members
+    // of one group register it under the same key: its name, its members and how many groups of that
+    // name and membership this process made before it (every member creates them in the same order).
+    void register_comm(int comm_id, const std::string & name, const std::vector<int> & members) {
+        uint64_t key = 1469598103934665603ull;   // FNV-1a
+        auto     mix = [&key](uint64_t v) {
+            for (int b = 0; b < 8; ++b) key = (key ^ ((v >> (8 * b)) & 0xff)) * 1099511628211ull;
+        };
+        for (char c : name) mix(static_cast<uint8_t>(c));
+        for (int r : members) mix(static_cast<uint64_t>(r) + 0x100);
+        mix(made_[key]++);
+        comms_[comm_id] = CommInfo{key, members};
+        by_key_[key]    = comm_id;
+    }
+    void unregister_comm(int comm_id) {
+        auto it = comms_.find(comm_id);
+        if (it == comms_.end()) return;
+        by_key_.erase(it->second.key);
+        comms_.erase(it);
+    }
+
     // The watchdog: an operation in flight longer than this ends the job (0: never).
     void set_timeout(double seconds) { timeout_s_.store(seconds); }
 
@@ -187,6 +215,128 @@ private:
         uint64_t                                        next_seq = 0;
         std::map<uint64_t, std::shared_ptr<MpiOp>>      ready;
     };
+    struct CommInfo {
+        uint64_t         key = 0;
+        std::vector<int> members;   // world ranks
+    };
+    // The roll call: when an operation times out, its rank asks the other members of the group where
+    // they are, on a communicator of its own, and every engine answers from its loop, also while it
+    // waits on something else. A member that does not answer has stopped, crashed or is blocked inside
+    // MPI; one that answers says how many operations it has posted on the group and what it is waiting on.
+    struct RollCallQuestion {
+        uint64_t key = 0, seq = 0;
+    };
+    struct RollCallAnswer {
+        uint64_t key = 0, seq = 0;
+        int64_t  posted = -1;   // operations posted on the group; -1: the group is unknown (freed)
+        char     doing[120] = {};   // the oldest operation it waits on; empty: none
+    };
+    static constexpr int kQuestionTag = 32001;
+    static constexpr int kAnswerTag   = 32002;
+
+    // Answers every question that has arrived (engine thread; cheap when none has).
+    void answer_roll_call() {
+        if (world_size_ <= 1 || roll_call_comm_ == MPI_COMM_NULL) return;   // NULL: freed before MPI_Finalize
+        for (size_t i = 0; i < answers_.size();) {   // answers already sent
+            int done = 0;
+            MPI_Test(&answers_[i], &done, MPI_STATUS_IGNORE);
+            if (done) {
+                answers_.erase(answers_.begin() + static_cast<std::ptrdiff_t>(i));
+            } else {
+                ++i;
+            }
+        }
+        for (;;) {
+            int        flag = 0;
+            MPI_Status status;
+            if (MPI_Iprobe(MPI_ANY_SOURCE, kQuestionTag, roll_call_comm_, &flag, &status) != MPI_SUCCESS || !flag) {
+                return;
+            }
+            RollCallQuestion q;
+            MPI_Recv(&q, sizeof(q), MPI_BYTE, status.MPI_SOURCE, kQuestionTag, roll_call_comm_, MPI_STATUS_IGNORE);
+            auto a = std::make_shared<RollCallAnswer>();
+            a->key = q.key;
+            a->seq = q.seq;
+            auto it = by_key_.find(q.key);
+            if (it != by_key_.end()) {
+                const int comm_id = it->second;
+                a->posted         = static_cast<int64_t>(queues_[comm_id].next_seq);
+            }
+            if (!in_flight_.empty()) {   // the oldest operation it waits on, on any group
+                const MpiOp & op     = *in_flight_.front();
+                const double  waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - op.posted).count();
+                char          peer[40] = "";
+                if (op.peer >= 0) std::snprintf(peer, sizeof(peer), " with rank %d", op.peer);
+                std::snprintf(a->doing, sizeof(a->doing), "waiting %.0f s in %s #%llu%s on group '%s'", waited, op.what,
+                              static_cast<unsigned long long>(op.seq), peer, op.group.c_str());
+            }
+            answers_.emplace_back();
+            answer_buffers_.push_back(a);   // kept until the job ends: answers are rare and tiny
+            MPI_Isend(a.get(), sizeof(*a), MPI_BYTE, status.MPI_SOURCE, kAnswerTag, roll_call_comm_, &answers_.back());
+        }
+    }
+
+    // Asks the members of op's group (or its peer) where they are and waits up to `grace` seconds for the
+    // answers; returns one line per member that has not done its part.
+    std::string roll_call(const MpiOp & op, double grace) {
+        auto info = comms_.find(op.comm_id);
+        if (world_size_ <= 1 || info == comms_.end()) return "";
+        const int        me = process_rank();
+        std::vector<int> asked;
+        if (op.peer >= 0) {
+            if (op.peer < static_cast<int>(info->second.members.size())) asked.push_back(info->second.members[op.peer]);
+        } else {
+            for (int r : info->second.members) {
+                if (r != me) asked.push_back(r);
+            }
+        }
+        question_ = RollCallQuestion{info->second.key, op.seq};   // a member: the sends may outlive this call
+        const RollCallQuestion & question = question_;
+        std::vector<MPI_Request> sends(asked.size());
+        for (size_t i = 0; i < asked.size(); ++i) {
+            MPI_Isend(&question, sizeof(question), MPI_BYTE, asked[i], kQuestionTag, roll_call_comm_, &sends[i]);
+        }
+        std::map<int, RollCallAnswer> answers;
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(grace);
+        while (answers.size() < asked.size() && std::chrono::steady_clock::now() < deadline) {
+            answer_roll_call();
+            int        flag = 0;
+            MPI_Status status;
+            if (MPI_Iprobe(MPI_ANY_SOURCE, kAnswerTag, roll_call_comm_, &flag, &status) == MPI_SUCCESS && flag) {
+                RollCallAnswer a;
+                MPI_Recv(&a, sizeof(a), MPI_BYTE, status.MPI_SOURCE, kAnswerTag, roll_call_comm_, MPI_STATUS_IGNORE);
+                if (a.key == question.key && a.seq == question.seq) answers[status.MPI_SOURCE] = a;
+            } else {
+                std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            }
+        }
+        std::string lines;
+        char        line[320];
+        for (int r : asked) {
+            auto it = answers.find(r);
+            if (it == answers.end()) {
+                std::snprintf(line, sizeof(line),
+                              "  rank %d did not answer within %.0f s: it has stopped, crashed, or is blocked inside MPI\n",
+                              r, grace);
+            } else if (it->second.posted < 0) {
+                std::snprintf(line, sizeof(line), "  rank %d answered: it no longer has group '%s'\n", r, op.group.c_str());
+            } else if (op.peer < 0 && it->second.posted > static_cast<int64_t>(op.seq)) {
+                continue;   // it has posted this collective: it arrived
+            } else if (op.peer < 0) {
+                std::snprintf(line, sizeof(line),
+                              "  rank %d has not arrived: it has posted %lld operation(s) on group '%s', this is #%llu%s%s\n",
+                              r, static_cast<long long>(it->second.posted), op.group.c_str(),
+                              static_cast<unsigned long long>(op.seq), it->second.doing[0] ? "; it is " : "",
+                              it->second.doing);
+            } else {
+                std::snprintf(line, sizeof(line), "  rank %d answered: it is %s\n", r,
+                              it->second.doing[0] ? it->second.doing : "not communicating (busy elsewhere)");
+            }
+            lines += line;
+        }
+        for (MPI_Request & r : sends) MPI_Request_free(&r);
+        return lines;
+    }
 
     void post(const std::shared_ptr<MpiOp> & op) {
         try {
@@ -210,11 +360,12 @@ private:
         if (waited < timeout) return;
         char peer[64] = "";
         if (op.peer >= 0) std::snprintf(peer, sizeof(peer), " with rank %d of the group", op.peer);
+        const std::string missing = roll_call(op, std::clamp(timeout / 5, 1.0, 10.0));
         std::fprintf(stderr,
                      "[rank %d] loom: %s%s on group '%s' has not completed after %.0f s: %s has stopped, crashed "
-                     "or is not taking part; aborting the job (--distributed-timeout-minutes)\n",
+                     "or is not taking part; aborting the job (--distributed-timeout-minutes)\n%s",
                      process_rank(), op.what, peer, op.group.c_str(), waited,
-                     op.peer >= 0 ? "that rank" : "another rank of the group");
+                     op.peer >= 0 ? "that rank" : "another rank of the group", missing.c_str());
         std::fflush(stderr);
         MPI_Abort(MPI_COMM_WORLD, 1);
         std::_Exit(1);
@@ -265,8 +416,11 @@ private:
             {
                 std::unique_lock<std::mutex> lock(mutex_);
                 auto has_news = [this] { return stop_ || !control_.empty() || !delivered_.empty(); };
-                if (in_flight_.empty()) {
+                if (in_flight_.empty() && world_size_ <= 1) {
                     wake_.wait(lock, has_news);
+                } else if (in_flight_.empty()) {
+                    // Stay able to answer a roll call while idle (another rank's watchdog may ask).
+                    wake_.wait_for(lock, std::chrono::milliseconds(50), has_news);
                 } else if (idle_polls > 64) {
                     // Operations are in flight but nothing moves: poll less often, stay wakeable.
                     wake_.wait_for(lock, std::chrono::microseconds(idle_polls > 1024 ? 200 : 20), has_news);
@@ -295,6 +449,11 @@ private:
             }
             moved      = progress() || moved;
             idle_polls = moved ? 0 : idle_polls + 1;
+            const auto now = std::chrono::steady_clock::now();
+            if (now - last_roll_call_check_ > std::chrono::milliseconds(10)) {
+                last_roll_call_check_ = now;
+                answer_roll_call();
+            }
         }
     }
 
@@ -310,6 +469,16 @@ private:
     MPI_Datatype                           element_types_[4] = {};
     std::atomic<int>                       next_comm_id_{0};
     std::atomic<double>                    timeout_s_{600.0};   // Megatron's --distributed-timeout-minutes 10
+    // The roll call (engine thread only):
+    int                                    world_size_     = 1;
+    MPI_Comm                               roll_call_comm_ = MPI_COMM_NULL;
+    std::map<int, CommInfo>                comms_;
+    std::map<uint64_t, int>                by_key_;
+    std::map<uint64_t, uint64_t>           made_;
+    std::vector<MPI_Request>               answers_;
+    std::vector<std::shared_ptr<RollCallAnswer>> answer_buffers_;
+    RollCallQuestion                       question_;
+    std::chrono::steady_clock::time_point  last_roll_call_check_;
 };
 
 namespace {
@@ -354,11 +523,15 @@ public:
             MPI_Comm_rank(comm_, &rank_);
             MPI_Comm_size(comm_, &size_);
             MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+            engine_->register_comm(id_, name_, global_ranks_);
         });
     }
 
     ~MpiCommunicator() override {
-        engine_->call([this] { MPI_Comm_free(&comm_); });
+        engine_->call([this] {
+            engine_->unregister_comm(id_);
+            MPI_Comm_free(&comm_);
+        });
     }
 
     int                      rank() const override { return rank_; }

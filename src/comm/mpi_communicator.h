@@ -16,7 +16,10 @@
 //
 // Watchdog. The engine sees every operation in flight; one in flight longer than the timeout (set_timeout)
 // means a peer stopped, crashed or never issued it, so the engine says so on stderr and aborts the job
-// instead of letting every rank wait forever.
+// instead of letting every rank wait forever. Before it aborts it takes a roll call of the group (of the
+// peer, for a send or recv) on a communicator of its own: every engine answers from its loop with how many
+// operations it has posted on the group and what it is waiting on, so the message names each rank that did
+// not arrive, and says whether it did not answer (stopped, crashed) or is busy or waiting elsewhere.
 //
 // 16-bit reductions are staged through an f32 buffer from the "comm" pool of the tensor's allocator:
 // convert up, reduce in f32, convert down once.

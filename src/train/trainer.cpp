@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <thread>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
@@ -126,7 +127,9 @@ namespace {
 // The fault-injection seam: LOOM_FAULT=<rank>:<iteration>:<fault> makes world rank <rank> fail at the start
 // of <iteration>, so a test can check that the job ends instead of hanging. Faults: bad_alloc (a
 // std::bad_alloc, as an allocation that failed), missing_file (a loom::Error from opening a file that does
-// not exist), sigstop (the process stops: its peers wait in their next collective until the watchdog).
+// not exist), sigstop (the process stops: its peers wait in their next collective until the watchdog),
+// stall (the host thread sleeps forever outside communication, as a rank stuck in compute or I/O would:
+// its engine still answers the watchdog's roll call).
 void inject_fault(int64_t iteration) {
     static const char * spec = std::getenv("LOOM_FAULT");
     if (!spec) return;
@@ -138,6 +141,9 @@ void inject_fault(int64_t iteration) {
     if (kind == "bad_alloc") throw std::bad_alloc();
     if (kind == "missing_file") data::MappedFile("/nonexistent/loom-fault-injection.bin", "injected fault");
     if (kind == "sigstop") std::raise(SIGSTOP);
+    if (kind == "stall") {
+        for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+    }
 }
 
 }  // namespace
