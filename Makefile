@@ -30,7 +30,8 @@ build: configure
 # The main job: train the default small GPT (gpt-tiny) on the built-in synthetic dataset for 300
 # iterations (about half a minute on 2 cores), printing Megatron's log line and a summary.
 run: build
-	$(BUILD_DIR)/apps/loom train --log-interval 25
+	$(BUILD_DIR)/apps/loom train --mock-data --train-iters 300 --lr 2e-3 --min-lr 1e-4 --lr-warmup-iters 20 \
+	    --lr-decay-style cosine --log-interval 25 --log-throughput
 
 test: build
 	cd $(BUILD_DIR) && ctest -j $(JOBS) --output-on-failure

@@ -13,7 +13,7 @@ root=${3:-$(mktemp -d)}
 loom="$build/apps/loom"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
 export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl=self,vader
-args=(train --model gpt2-124m --seq-length 64 --micro-batch-size 1 --lr-warmup-iters 0 --log-interval 1)
+args=(train --mock-data --model gpt2-124m --seq-length 64 --micro-batch-size 1 --lr-warmup-iters 0 --log-interval 1)
 
 median() { sort -n | awk '{v[NR]=$1} END {print (NR % 2) ? v[(NR+1)/2] : (v[NR/2] + v[NR/2+1]) / 2}'; }
 

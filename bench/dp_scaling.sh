@@ -14,7 +14,7 @@ loom="$build/apps/loom"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
 export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl=self,vader
 cores=$(nproc)
-args=(train --model gpt-tiny --train-iters 60 --log-interval 10 --lr-warmup-iters 5
+args=(train --mock-data --model gpt-tiny --log-throughput --train-iters 60 --log-interval 10 --lr-warmup-iters 5
       --global-batch-size 16 --micro-batch-size 2)
 
 median_ms() {   # stdin: loom's log; prints the median of the windows after the first

@@ -1,6 +1,7 @@
 // `loom train`'s command line: NUL-separated arguments through CLI11 and TrainOptionParser::resolve (the
 // flags, defaults and every validation). Parse errors and loom::Error are the expected refusals.
 #include "fuzz/fuzz_input.h"
+#include "train/megatron_flags.h"
 #include "train/options.h"
 
 #include <CLI/CLI.hpp>
@@ -24,6 +25,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     try {
         CLI::App                      app{"fuzz", "loom train"};
         loom::train::TrainOptionParser parser(app);
+        loom::train::check_option_values(app, static_cast<int>(argv.size()), argv.data());
         app.parse(static_cast<int>(argv.size()), argv.data());
         loom::train::TrainOptions options = parser.resolve(1 + (size % 4));
         loom::train::estimate_memory(options);

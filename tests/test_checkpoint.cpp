@@ -57,7 +57,7 @@ std::map<int64_t, double> losses(const std::string & log_file) {
     return out;
 }
 
-const std::string kRun = "train --train-iters 20 --lr-warmup-iters 2 --log-interval 1 ";
+const std::string kRun = "train --mock-data --train-iters 20 --lr-warmup-iters 2 --log-interval 1 ";
 
 std::string tracker(const std::string & dir) {
     std::ifstream in(fs::path(dir) / checkpoint::kTrackerFile);
@@ -183,7 +183,7 @@ INSTANTIATE_TEST_SUITE_P(
 // save); each time the tracker names the last complete checkpoint, and resuming from it continues bitwise.
 TEST(CheckpointKill, AnyPointOfASaveLeavesTheLastCompleteCheckpoint) {
     TempDir           tmp;
-    const std::string run = "train --train-iters 12 --lr-warmup-iters 2 --log-interval 1 --save-interval 2 ";
+    const std::string run = "train --mock-data --train-iters 12 --lr-warmup-iters 2 --log-interval 1 --save-interval 2 ";
     CliRun            ref = run_loom(run + "--save " + (tmp / "ref") + " --log-file " + (tmp / "ref.jsonl"));
     ASSERT_EQ(ref.status, 0) << ref.out;
     std::map<int64_t, double> expected = losses(tmp / "ref.jsonl");
@@ -228,7 +228,7 @@ TEST(CheckpointExit, SigtermSavesAndExitsZero) {
         int null = open("/dev/null", O_WRONLY);
         dup2(null, 1);
         dup2(null, 2);
-        execl(LOOM_CLI_PATH, LOOM_CLI_PATH, "train", "--train-iters", "100000", "--log-interval", "1",
+        execl(LOOM_CLI_PATH, LOOM_CLI_PATH, "train", "--mock-data", "--train-iters", "100000", "--log-interval", "1",
               "--exit-signal-handler", "--save", dir.c_str(), "--log-file", log.c_str(), nullptr);
         _exit(127);
     }
@@ -311,8 +311,8 @@ TEST(CheckpointExport, ExportHfAndEvalReadTheTrainedWeights) {
     EXPECT_NE(info.out.find("verified"), std::string::npos) << info.out;
     CliRun exported = run_loom("export-hf --load " + (tmp / "a") + " --output " + (tmp / "hf"));
     ASSERT_EQ(exported.status, 0) << exported.out;
-    CliRun from_ckpt = run_loom("eval --eval-iters 2 --load " + (tmp / "a") + " --use-checkpoint-args", "2>/dev/null");
-    CliRun from_hf   = run_loom("eval --eval-iters 2 --load-hf " + (tmp / "hf"), "2>/dev/null");
+    CliRun from_ckpt = run_loom("eval --mock-data --eval-iters 2 --load " + (tmp / "a") + " --use-checkpoint-args", "2>/dev/null");
+    CliRun from_hf   = run_loom("eval --mock-data --eval-iters 2 --load-hf " + (tmp / "hf"), "2>/dev/null");
     ASSERT_EQ(from_ckpt.status, 0) << from_ckpt.out;
     ASSERT_EQ(from_hf.status, 0) << from_hf.out;
     auto loss = [](const std::string & out) {
@@ -396,16 +396,16 @@ TEST(CheckpointCorrupt, TwelveCorruptionsEachExitTwoNamingTheFile) {
 }
 
 TEST(CheckpointFlags, UnsupportedFormatsAndMisusedFlagsAreRefusedByName) {
-    CliRun torch = run_loom("train --ckpt-format torch");
+    CliRun torch = run_loom("train --mock-data --ckpt-format torch");
     EXPECT_EQ(torch.status, 2);
     EXPECT_NE(torch.out.find("--ckpt-format torch is not supported"), std::string::npos) << torch.out;
-    CliRun args = run_loom("train --use-checkpoint-args");
+    CliRun args = run_loom("train --mock-data --use-checkpoint-args");
     EXPECT_EQ(args.status, 2);
     EXPECT_NE(args.out.find("--use-checkpoint-args without --load"), std::string::npos) << args.out;
-    CliRun interval = run_loom("train --save-interval 0");
+    CliRun interval = run_loom("train --mock-data --save-interval 0");
     EXPECT_EQ(interval.status, 2);
     EXPECT_NE(interval.out.find("--save-interval must be >= 1"), std::string::npos) << interval.out;
-    CliRun eval = run_loom("eval --save /tmp/x --load /tmp");
+    CliRun eval = run_loom("eval --mock-data --save /tmp/x --load /tmp");
     EXPECT_EQ(eval.status, 2);
     EXPECT_NE(eval.out.find("flags of `loom train`"), std::string::npos) << eval.out;
 }

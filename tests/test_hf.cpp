@@ -496,24 +496,24 @@ TEST_F(HfGpt2, CliExportFromSeedThenTrainAndEvalLoadIt) {
     EXPECT_EQ(config["n_embd"], 32);
     EXPECT_EQ(config["n_positions"], 16);
     EXPECT_EQ(config["vocab_size"], 200);
-    CliRun eval = run_loom("eval --load-hf " + out + " --eval-iters 1 --micro-batch-size 2");
+    CliRun eval = run_loom("eval --mock-data --load-hf " + out + " --eval-iters 1 --micro-batch-size 2");
     ASSERT_EQ(eval.status, 0) << eval.out;
     EXPECT_TRUE(std::isfinite(lm_loss(eval.out))) << eval.out;
-    CliRun train = run_loom("train --load-hf " + out + " --train-iters 2 --lr-warmup-iters 0 --micro-batch-size 2 --log-interval 1");
+    CliRun train = run_loom("train --mock-data --load-hf " + out + " --train-iters 2 --lr-warmup-iters 0 --micro-batch-size 2 --log-interval 1");
     ASSERT_EQ(train.status, 0) << train.out;
     EXPECT_NE(train.out.find("training summary"), std::string::npos) << train.out;
 }
 
 TEST_F(HfGpt2, CliMismatchExitsTwoNamingTheFlag) {
-    CliRun r = run_loom("eval --load-hf " + kFixture + " --hidden-size 128 --eval-iters 1", "2>&1 >/dev/null");
+    CliRun r = run_loom("eval --mock-data --load-hf " + kFixture + " --hidden-size 128 --eval-iters 1", "2>&1 >/dev/null");
     EXPECT_EQ(r.status, 2);
     EXPECT_NE(r.out.find("--hidden-size 128 does not match n_embd = 64"), std::string::npos) << r.out;
 
-    r = run_loom("eval --load-hf " + kFixture + " --seq-length 64 --eval-iters 1", "2>&1 >/dev/null");
+    r = run_loom("eval --mock-data --load-hf " + kFixture + " --seq-length 64 --eval-iters 1", "2>&1 >/dev/null");
     EXPECT_EQ(r.status, 2);
     EXPECT_NE(r.out.find("--seq-length 64 exceeds n_positions = 32"), std::string::npos) << r.out;
 
-    r = run_loom("train --load-hf " + kFixture + " --swiglu", "2>&1 >/dev/null");
+    r = run_loom("train --mock-data --load-hf " + kFixture + " --swiglu", "2>&1 >/dev/null");
     EXPECT_EQ(r.status, 2);
     EXPECT_NE(r.out.find("--swiglu"), std::string::npos) << r.out;
 
@@ -522,7 +522,7 @@ TEST_F(HfGpt2, CliMismatchExitsTwoNamingTheFlag) {
     EXPECT_NE(r.out.find("--normalization RMSNorm"), std::string::npos) << r.out;
     EXPECT_FALSE(fs::exists(dir_ / "llama" / "config.json"));
 
-    r = run_loom("eval --load-hf " + (dir_ / "missing").string(), "2>&1 >/dev/null");
+    r = run_loom("eval --mock-data --load-hf " + (dir_ / "missing").string(), "2>&1 >/dev/null");
     EXPECT_EQ(r.status, 2);
     EXPECT_NE(r.out.find("config.json"), std::string::npos) << r.out;
 }

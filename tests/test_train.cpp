@@ -3,6 +3,8 @@
 #include "backend/cpu/cpu_device.h"
 #include "data/token_dataset.h"
 #include "train/data_source.h"
+#include "train/megatron_flags.h"
+#include "train/options.h"
 #include "train/trainer.h"
 
 #include <nlohmann/json.hpp>
@@ -108,7 +110,10 @@ train::TrainOptions golden_options() {
     o.train_iters        = 20;
     o.lr_warmup_iters    = 5;
     o.lr_decay_iters     = 20;
+    o.lr_decay_style     = "cosine";   // the curve was recorded with these (Loom's defaults before Megatron's)
+    o.min_lr             = 1e-4f;
     o.log_interval       = 100;
+    o.mock_data          = true;
     return o;
 }
 
@@ -176,10 +181,10 @@ TEST(LoomTrain, InputsMustBeRegularFilesAndOutputsWritable) {
         {"train --load-hf " + dir + "/hf", "config.json' is a FIFO"},
         {"train --text-file " + dir, "is a folder"},
         {"data --input " + fifo + " --output-prefix " + dir + "/out", "--input '" + fifo + "' is a FIFO"},
-        {"train --log-file " + fifo, "--log-file '" + fifo + "' is a FIFO"},
-        {"train --log-file " + dir, "--log-file '" + dir + "' is a folder"},
-        {"train --log-file /nonexistent/metrics.jsonl", "--log-file '/nonexistent/metrics.jsonl': the folder"},
-        {"train --timeline t.svg", "--timeline"},
+        {"train --mock-data --log-file " + fifo, "--log-file '" + fifo + "' is a FIFO"},
+        {"train --mock-data --log-file " + dir, "--log-file '" + dir + "' is a folder"},
+        {"train --mock-data --log-file /nonexistent/metrics.jsonl", "--log-file '/nonexistent/metrics.jsonl': the folder"},
+        {"train --mock-data --timeline t.svg", "--timeline"},
     };
     for (const Case & c : cases) {
         // timeout(1) turns a hang into exit 124 instead of a stuck test.
@@ -187,7 +192,7 @@ TEST(LoomTrain, InputsMustBeRegularFilesAndOutputsWritable) {
         EXPECT_EQ(r.status, 2) << c.args << "\n" << r.out;
         EXPECT_NE(r.out.find(c.names), std::string::npos) << c.args << "\n" << r.out;
     }
-    CliRun full = run_loom("train --train-iters 2 --lr-warmup-iters 1 --log-interval 1 --log-file /dev/full");
+    CliRun full = run_loom("train --mock-data --train-iters 2 --lr-warmup-iters 1 --log-interval 1 --log-file /dev/full");
     EXPECT_NE(full.status, 0);
     EXPECT_NE(full.out.find("cannot write --log-file '/dev/full'"), std::string::npos) << full.out;
     std::filesystem::remove_all(dir);
@@ -195,45 +200,45 @@ TEST(LoomTrain, InputsMustBeRegularFilesAndOutputsWritable) {
 
 TEST(LoomTrain, BadFlagsExitTwoNamingTheFlag) {
     struct Case { const char * args; const char * names; } cases[] = {
-        {"train --global-batch-size 10 --micro-batch-size 4", "--global-batch-size"},
-        {"train --hidden-size 100 --num-attention-heads 3", "--hidden-size"},
-        {"train --lr-decay-style sideways", "--lr-decay-style"},
-        {"train --num-query-groups 2", "--group-query-attention"},
+        {"train --mock-data --global-batch-size 10 --micro-batch-size 4", "--global-batch-size"},
+        {"train --mock-data --hidden-size 100 --num-attention-heads 3", "--hidden-size"},
+        {"train --mock-data --lr-decay-style sideways", "--lr-decay-style"},
+        {"train --mock-data --num-query-groups 2", "--group-query-attention"},
         {"train --text-file /nonexistent/x.txt", "/nonexistent/x.txt"},
         {"train --data-path /nonexistent/corpus_text_document", "/nonexistent/corpus_text_document"},
         {"train --llmc-shard /nonexistent/shard.bin", "/nonexistent/shard.bin"},
-        {"train --seq-length 256 --max-position-embeddings 128", "--max-position-embeddings"},
-        {"train --min-lr 1", "--min-lr"},
-        {"train --overlap-param-gather --overlap-grad-reduce", "--use-distributed-optimizer"},
-        {"train --overlap-param-gather --use-distributed-optimizer", "--overlap-grad-reduce"},
-        {"train --ddp-bucket-size 0 --overlap-grad-reduce", "--ddp-bucket-size"},
-        {"train --fp16", "--fp16"},
-        {"train --tensor-model-parallel-size 2", "--tensor-model-parallel-size"},   // one process: world 1
-        {"train --optimizer-cpu-offload --optimizer-offload-fraction 1.5", "--optimizer-offload-fraction"},
+        {"train --mock-data --seq-length 256 --max-position-embeddings 128", "--max-position-embeddings"},
+        {"train --mock-data --min-lr 1", "--min-lr"},
+        {"train --mock-data --overlap-param-gather --overlap-grad-reduce", "--use-distributed-optimizer"},
+        {"train --mock-data --overlap-param-gather --use-distributed-optimizer", "--overlap-grad-reduce"},
+        {"train --mock-data --ddp-bucket-size 0 --overlap-grad-reduce", "--ddp-bucket-size"},
+        {"train --mock-data --fp16", "--fp16"},
+        {"train --mock-data --tensor-model-parallel-size 2", "--tensor-model-parallel-size"},   // one process: world 1
+        {"train --mock-data --optimizer-cpu-offload --optimizer-offload-fraction 1.5", "--optimizer-offload-fraction"},
         // Hyper-parameters are finite and in range (each was accepted once, and trained on garbage or crashed).
-        {"train --lr inf", "--lr"},
-        {"train --lr nan", "--lr"},
-        {"train --adam-beta1 2", "--adam-beta1"},
-        {"train --adam-beta2 1", "--adam-beta2"},
-        {"train --adam-eps 0", "--adam-eps"},
-        {"train --clip-grad -1", "--clip-grad"},
-        {"train --weight-decay nan", "--weight-decay"},
-        {"train --init-method-std 0", "--init-method-std"},
-        {"train --lr-warmup-iters 0 --make-vocab-size-divisible-by 0", "--make-vocab-size-divisible-by"},
-        {"train --lr-warmup-iters 0 --make-vocab-size-divisible-by -4", "--make-vocab-size-divisible-by"},
-        {"train --check-for-nan-in-loss-and-grad --no-check-for-nan-in-loss-and-grad", "--no-check-for-nan"},
+        {"train --mock-data --lr inf", "--lr"},
+        {"train --mock-data --lr nan", "--lr"},
+        {"train --mock-data --adam-beta1 2", "--adam-beta1"},
+        {"train --mock-data --adam-beta2 1", "--adam-beta2"},
+        {"train --mock-data --adam-eps 0", "--adam-eps"},
+        {"train --mock-data --clip-grad -1", "--clip-grad"},
+        {"train --mock-data --weight-decay nan", "--weight-decay"},
+        {"train --mock-data --init-method-std 0", "--init-method-std"},
+        {"train --mock-data --lr-warmup-iters 0 --make-vocab-size-divisible-by 0", "--make-vocab-size-divisible-by"},
+        {"train --mock-data --lr-warmup-iters 0 --make-vocab-size-divisible-by -4", "--make-vocab-size-divisible-by"},
+        {"train --mock-data --check-for-nan-in-loss-and-grad --no-check-for-nan-in-loss-and-grad", "--no-check-for-nan"},
         // Sizes whose products overflowed (SIGSEGV, SIGFPE) or grew until std::bad_alloc (terminate): refused
         // before anything is allocated, by range or by the memory estimate.
-        {"train --train-iters 99999999999999999999", "--train-iters: value out of the range of a 64-bit integer"},
-        {"train --num-layers 100000", "--num-layers"},
-        {"train --micro-batch-size 4000000000", "--micro-batch-size"},
-        {"train --micro-batch-size 100000", "--micro-batch-size"},
-        {"train --seq-length 100000000 --max-position-embeddings 100000000", "--seq-length"},
-        {"train --vocab-size 2000000000", "--vocab-size"},
-        {"train --hidden-size 4000000000 --num-attention-heads 1", "--hidden-size 4000000000 is larger than 2^31"},
-        {"train --global-batch-size -16", "--global-batch-size"},
-        {"eval --eval-iters 9223372036854775807", "--eval-iters"},
-        {"train --distributed-timeout-minutes 0", "--distributed-timeout-minutes"},
+        {"train --mock-data --train-iters 99999999999999999999", "--train-iters: value out of the range of a 64-bit integer"},
+        {"train --mock-data --num-layers 100000", "--num-layers"},
+        {"train --mock-data --micro-batch-size 4000000000", "--micro-batch-size"},
+        {"train --mock-data --micro-batch-size 100000", "--micro-batch-size"},
+        {"train --mock-data --seq-length 100000000 --max-position-embeddings 100000000", "--seq-length"},
+        {"train --mock-data --vocab-size 2000000000", "--vocab-size"},
+        {"train --mock-data --hidden-size 4000000000 --num-attention-heads 1", "--hidden-size 4000000000 is larger than 2^31"},
+        {"train --mock-data --global-batch-size -16", "--global-batch-size"},
+        {"eval --mock-data --eval-iters 9223372036854775807", "--eval-iters"},
+        {"train --mock-data --distributed-timeout-minutes 0", "--distributed-timeout-minutes"},
     };
     for (const Case & c : cases) {
         std::string err;
@@ -245,7 +250,7 @@ TEST(LoomTrain, BadFlagsExitTwoNamingTheFlag) {
 // A loss that becomes NaN stops the run with exit 1 and a message naming the iteration (Megatron checks by
 // default); --no-check-for-nan-in-loss-and-grad skips those iterations' updates and counts them instead.
 TEST(LoomTrain, ANanLossEndsTheRunWithExitOneUnlessTheCheckIsOff) {
-    const std::string diverging = "train --train-iters 4 --lr 1e30 --lr-warmup-iters 0 --log-interval 1";
+    const std::string diverging = "train --mock-data --train-iters 4 --lr 1e30 --lr-warmup-iters 0 --log-interval 1";
     std::string       err;
     EXPECT_EQ(run_status(diverging, &err), 1) << err;
     EXPECT_NE(err.find("lm loss is"), std::string::npos) << err;
@@ -259,7 +264,7 @@ TEST(LoomTrain, ANanLossEndsTheRunWithExitOneUnlessTheCheckIsOff) {
 TEST(LoomEval, AnUntrainedModelScoresAboutLnVocab) {
     // With 0.02-std weights the logits are near zero: the loss is close to ln(512) = 6.238 and the
     // perplexity close to 512 (tolerance 0.1 nats).
-    CliRun      run = run_loom("eval --eval-iters 3");
+    CliRun      run = run_loom("eval --mock-data --eval-iters 3");
     ASSERT_EQ(run.status, 0) << run.out;
     std::string out = run.out;
     size_t at = out.find("lm loss value: ");
@@ -268,6 +273,136 @@ TEST(LoomEval, AnUntrainedModelScoresAboutLnVocab) {
     EXPECT_NEAR(loss, std::log(512.0), 0.1) << out;
     EXPECT_NE(out.find("lm loss PPL: "), std::string::npos);
     std::string err;
-    EXPECT_EQ(run_status("eval --eval-iters 0", &err), 2);
+    EXPECT_EQ(run_status("eval --mock-data --eval-iters 0", &err), 2);
     EXPECT_NE(err.find("--eval-iters"), std::string::npos) << err;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Megatron's command line (train/megatron_flags.h, docs/megatron_flags.md)
+
+namespace {
+
+// `loom train ARGS` parsed and resolved in this process, as cmd_train does.
+train::TrainOptions parse_train(const std::vector<std::string> & args) {
+    CLI::App                 app{"test", "loom train"};
+    train::TrainOptionParser parser(app);
+    std::vector<const char *> argv{"train"};
+    for (const std::string & a : args) argv.push_back(a.c_str());
+    train::check_option_values(app, static_cast<int>(argv.size()), argv.data());
+    app.parse(static_cast<int>(argv.size()), argv.data());
+    return parser.resolve();
+}
+
+int fresh_status(const std::string & args, std::string * err) {
+    err->clear();
+    return run_status(args, err);
+}
+
+}  // namespace
+
+// Megatron's defaults (megatron/training/config/training_config.py, transformer_config.py and arguments.py
+// at the commit the spec cites) for every flag Loom accepts that has one. Fails when one drifts.
+TEST(MegatronDefaults, AreLoomsDefaults) {
+    const train::TrainOptions o = parse_train({"--mock-data"});
+    EXPECT_EQ(o.lr_warmup_iters, 0);
+    EXPECT_EQ(o.lr_decay_style, "linear");
+    EXPECT_EQ(o.min_lr, 0.0f);
+    EXPECT_EQ(o.lr_decay_iters, o.train_iters) << "decay over the whole run when --lr-decay-iters is not given";
+    EXPECT_FLOAT_EQ(o.adam.weight_decay, 0.01f);
+    EXPECT_FLOAT_EQ(o.adam.beta1, 0.9f);
+    EXPECT_FLOAT_EQ(o.adam.beta2, 0.999f);
+    EXPECT_FLOAT_EQ(o.adam.eps, 1e-8f);
+    EXPECT_FLOAT_EQ(o.clip_grad, 1.0f);
+    EXPECT_FLOAT_EQ(o.model.init_method_std, 0.02f);
+    EXPECT_EQ(o.model.seed, 1234u);
+    EXPECT_EQ(o.log_interval, 100);
+    EXPECT_FALSE(o.log_throughput) << "the TFLOP/s field needs --log-throughput";
+    EXPECT_EQ(o.model.make_vocab_size_divisible_by, 128);
+    EXPECT_EQ(o.split, "969,30,1");
+    EXPECT_EQ(o.ckpt_format, "torch_dist");
+    EXPECT_EQ(o.distributed_timeout_minutes, 10);
+    EXPECT_EQ(o.save_interval, 0) << "no periodic saves unless asked";
+    EXPECT_TRUE(o.check_for_nan_in_loss_and_grad);
+    EXPECT_EQ(o.global_batch_size, o.micro_batch_size) << "micro-batch x data-parallel size";
+    EXPECT_FALSE(o.ddp.use_distributed_optimizer);
+    EXPECT_FALSE(o.ddp.overlap_grad_reduce);
+    EXPECT_FALSE(o.bf16);
+    EXPECT_EQ(o.model.position_embedding, model::PositionEmbedding::learned_absolute);
+    EXPECT_EQ(o.model.normalization, model::Normalization::layernorm);
+    // The MLP width: 4h, or int(8h/3/64)·64 with --swiglu (Megatron's arguments.py).
+    EXPECT_EQ(parse_train({"--mock-data", "--hidden-size", "256", "--num-attention-heads", "4"}).model.ffn_hidden_size, 1024);
+    EXPECT_EQ(parse_train({"--mock-data", "--hidden-size", "4096", "--num-attention-heads", "32", "--swiglu",
+                           "--num-layers", "1", "--vocab-size", "256"})
+                  .model.ffn_hidden_size,
+              10880);
+    EXPECT_EQ(parse_train({"--mock-data", "--swiglu"}).model.ffn_hidden_size, 320) << "gpt-tiny, hidden 128";
+    EXPECT_EQ(parse_train({"--mock-data", "--swiglu", "--ffn-hidden-size", "384"}).model.ffn_hidden_size, 384);
+}
+
+// Each silent behaviour of the issue, now loud or Megatron's.
+TEST(MegatronCommandLine, NothingIsSilentlyMisread) {
+    // A string option swallowing the next flag: argparse says "expected one argument".
+    std::string err;
+    EXPECT_EQ(fresh_status("train --mock-data --split --bf16", &err), 2);
+    EXPECT_NE(err.find("argument --split: expected one argument, got the flag '--bf16'"), std::string::npos) << err;
+    EXPECT_EQ(fresh_status("train --mock-data --lr", &err), 2);
+    EXPECT_NE(err.find("argument --lr: expected one argument"), std::string::npos) << err;
+    // A negative number is a value (then refused by its own range check, naming the flag).
+    EXPECT_EQ(fresh_status("train --mock-data --clip-grad -1", &err), 2);
+    EXPECT_NE(err.find("--clip-grad must be a finite number >= 0, got -1"), std::string::npos) << err;
+    // No data source: Megatron requires --data-path or --mock-data.
+    EXPECT_EQ(fresh_status("train --train-iters 2", &err), 2);
+    EXPECT_NE(err.find("no data: give --data-path PREFIX (a Megatron .bin/.idx dataset), or --mock-data"),
+              std::string::npos)
+        << err;
+    EXPECT_EQ(fresh_status("train --mock-data --text-file /etc/hostname", &err), 2);
+    EXPECT_NE(err.find("are exclusive (2 given)"), std::string::npos) << err;
+    // Unknown flags: one per line, with their values, in the order given, a hint where Loom has one.
+    EXPECT_EQ(fresh_status("train --mock-data --foo 3 --no-such-switch --tokenizer-type GPT2BPETokenizer", &err), 2);
+    EXPECT_NE(err.find("3 flags are not supported by Loom:\n  --foo 3\n  --no-such-switch\n  --tokenizer-type "
+                       "GPT2BPETokenizer  (Loom reads token ids"),
+              std::string::npos)
+        << err;
+    // --train-iters alone runs: warmup 0 (Megatron's default) cannot exceed the decay.
+    CliRun run = run_loom("train --mock-data --train-iters 3 --num-layers 1 --log-interval 1");
+    EXPECT_EQ(run.status, 0) << run.out;
+    EXPECT_NE(run.out.find("iteration        3/       3"), std::string::npos) << run.out;
+    EXPECT_EQ(run.out.find("throughput per GPU"), std::string::npos) << "only with --log-throughput\n" << run.out;
+    // Linear decay from --lr to 0 over the run, no warmup; as in Megatron the line shows the rate after the
+    // scheduler's step: 2/3 of --lr after iteration 1, 0 after the last.
+    EXPECT_NE(run.out.find("iteration        1/       3 | consumed samples:            8 | elapsed"), std::string::npos);
+    EXPECT_NE(run.out.find("learning rate: 1.333333E-03"), std::string::npos) << run.out;
+    EXPECT_NE(run.out.find("learning rate: 0.000000E+00"), std::string::npos) << run.out;
+    // A repeated flag takes its last value (scripts append "$@").
+    const train::TrainOptions twice = parse_train({"--mock-data", "--train-iters", "5", "--train-iters", "7"});
+    EXPECT_EQ(twice.train_iters, 7);
+}
+
+// Flags that only choose an implementation on Megatron's side are accepted where Loom's behaviour is the
+// one asked for, refused otherwise, and each is listed in docs/megatron_flags.md.
+TEST(MegatronCommandLine, ImplementationFlagsAreAcceptedOrRefusedByValue) {
+    std::vector<std::string> args{"--mock-data"};
+    for (const train::NoOpFlag & f : train::noop_flags()) {
+        args.push_back(f.name);
+        if (f.values != nullptr) args.push_back(f.values[0] ? std::string(f.values).substr(0, std::string(f.values).find('|')) : "2");
+    }
+    args.insert(args.end(), {"--context-parallel-size", "1", "--expert-model-parallel-size", "1", "--hidden-dropout",
+                             "0.0", "--attention-dropout", "0"});
+    EXPECT_NO_THROW(parse_train(args));
+    std::string err;
+    for (const char * bad : {"--transformer-impl te", "--distributed-backend mpi", "--attention-backend math"}) {
+        EXPECT_EQ(fresh_status(std::string("train --mock-data ") + bad, &err), 2) << bad;
+        EXPECT_NE(err.find(std::string(bad) + " is not supported by Loom"), std::string::npos) << err;
+    }
+    for (const char * bad : {"--context-parallel-size 2", "--expert-model-parallel-size 2", "--hidden-dropout 0.1",
+                             "--attention-dropout 0.1"}) {
+        EXPECT_EQ(fresh_status(std::string("train --mock-data ") + bad, &err), 2) << bad;
+        EXPECT_NE(err.find(std::string(bad) + " is not supported by Loom"), std::string::npos) << err;
+    }
+    std::ifstream     in(std::string(LOOM_SOURCE_DIR) + "/docs/megatron_flags.md");
+    const std::string doc{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+    ASSERT_FALSE(doc.empty());
+    for (const train::NoOpFlag & f : train::noop_flags()) {
+        EXPECT_NE(doc.find(std::string("| `") + f.name + "` |"), std::string::npos) << f.name << " is not in the docs";
+    }
 }

@@ -30,6 +30,7 @@ int cmd_export_hf(int argc, char ** argv) {
     if (std::optional<int> status = parse_arguments(app, argc, argv)) {
         return *status;
     }
+    parser.data_optional();
     train::TrainOptions              options = parser.resolve();
     std::optional<checkpoint::Index> index;
     if (!options.load.empty()) {

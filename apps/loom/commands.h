@@ -2,6 +2,8 @@
 // are thrown as loom::Error and turned into exit status 2 (bad input) by main().
 #pragma once
 
+#include "train/megatron_flags.h"
+
 #include <CLI/CLI.hpp>
 
 #include <optional>
@@ -11,8 +13,10 @@ namespace loom::app {
 inline constexpr int kExitBadInput = 2;
 
 // Parses a command's arguments. Returns the exit status when the command must stop here (0 after
-// --help, kExitBadInput after a parse error, with CLI11's message on stderr), or nothing to go on.
+// --help, kExitBadInput after a parse error, with CLI11's message on stderr), or nothing to go on. A value
+// that looks like a flag is refused first, as argparse does (throws loom::Error naming the option).
 inline std::optional<int> parse_arguments(CLI::App & app, int argc, char ** argv) {
+    train::check_option_values(app, argc, argv);
     try {
         app.parse(argc, argv);
     } catch (const CLI::CallForHelp & e) {

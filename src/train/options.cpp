@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "train/checkpointing.h"
+#include "train/megatron_flags.h"
 #include "model/hf_gpt2.h"
 #include "pipeline/layer_assignment.h"
 #include "pipeline/schedule.h"
@@ -19,11 +20,14 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     TrainOptions & o = opts_;
     // argparse's rule: a flag given twice takes its last value (launch scripts append "$@" to their flags).
     app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+    // Flags CLI11 does not know are collected and refused together in resolve(), one per line.
+    app.allow_extras();
     app.add_option("--model", o.model_preset,
                    "model preset: gpt-tiny, llama-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b")->capture_default_str();
     app.add_option("--num-layers", num_layers_, "transformer layers");
     app.add_option("--hidden-size", hidden_size_, "hidden size");
-    app.add_option("--ffn-hidden-size", ffn_hidden_size_, "MLP hidden size (default 4 x hidden)");
+    app.add_option("--ffn-hidden-size", ffn_hidden_size_,
+                   "MLP hidden size (default 4 x hidden; int(8 x hidden / 3 / 64) x 64 with --swiglu)");
     app.add_option("--num-attention-heads", heads_, "attention heads");
     app.add_flag("--group-query-attention", gqa_, "use grouped-query attention (with --num-query-groups)");
     app.add_option("--num-query-groups", query_groups_, "key/value heads with --group-query-attention");
@@ -108,6 +112,9 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
                    "pipeline stages (1F1B); the ranks mpirun starts are pp x dp")->capture_default_str();
 
     app.add_option("--data-path", o.data_path, "Megatron dataset prefix (PREFIX.bin / PREFIX.idx)");
+    app.add_flag("--mock-data", o.mock_data,
+                 "train on Loom's synthetic dataset (a random sparse Markov chain over --vocab-size tokens, "
+                 "default 512, with a known entropy floor)");
     app.add_option("--split", o.split, "train,valid,test weights over documents")->capture_default_str();
     app.add_option("--text-file", o.text_file, "a plain text file, tokenised by bytes");
     app.add_option("--llmc-shard", o.llmc_shard, "an llm.c token shard");
@@ -128,6 +135,14 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
                  "on SIGTERM, finish the iteration, save and exit 0");
     app.add_option("--log-interval", o.log_interval, "iterations between log lines")->capture_default_str();
     app.add_option("--log-file", o.log_file, "write the logged metrics as JSON lines to this file");
+    app.add_flag("--log-throughput", o.log_throughput, "add the achieved TFLOP/s to the log line");
+    app.add_option("--hidden-dropout", hidden_dropout_,
+                   "dropout on the residual stream (Loom has no dropout yet: only 0 is accepted)");
+    app.add_option("--attention-dropout", attention_dropout_,
+                   "dropout on the attention probabilities (Loom has no dropout yet: only 0 is accepted)");
+    app.add_option("--context-parallel-size", context_parallel_size_, "context-parallel ranks (only 1 in Loom)");
+    app.add_option("--expert-model-parallel-size", expert_parallel_size_, "expert-parallel ranks (only 1 in Loom)");
+    add_noop_flags(app, noop_values_);
 
     // An integer past int64's range is an error (CLI11 would clamp it to the largest value, which then runs
     // "forever"); argparse reads such a value exactly, so it never means the clamped one.
@@ -142,6 +157,7 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     for (CLI::Option * option : app.get_options()) {
         if (option->get_type_name() == "INT") option->check(int64_range);
     }
+    group_like_megatron(app);
 }
 
 MemoryEstimate estimate_memory(const TrainOptions & o) {
@@ -252,7 +268,21 @@ void validate_checkpoint_flags(const TrainOptions & o, bool save_interval_given,
 }  // namespace
 
 TrainOptions TrainOptionParser::resolve(int64_t world_size) {
+    const std::string unsupported = unsupported_flags_message(app_.remaining());
+    LOOM_CHECK(unsupported.empty(), unsupported,
+               "docs/megatron_flags.md lists the Megatron flags Loom accepts; `loom train --help` groups them");
     TrainOptions o = opts_;
+    LOOM_CHECK(context_parallel_size_ == 1, "--context-parallel-size " << context_parallel_size_
+                                                                       << " is not supported by Loom (no context parallelism yet)",
+               "only --context-parallel-size 1 is accepted");
+    LOOM_CHECK(expert_parallel_size_ == 1, "--expert-model-parallel-size " << expert_parallel_size_
+                                                                           << " is not supported by Loom (no experts yet)",
+               "only --expert-model-parallel-size 1 is accepted");
+    LOOM_CHECK(hidden_dropout_ == 0.0f, "--hidden-dropout " << hidden_dropout_ << " is not supported by Loom (no dropout yet)",
+               "give --hidden-dropout 0; Loom trains without dropout, where Megatron's default is 0.1");
+    LOOM_CHECK(attention_dropout_ == 0.0f,
+               "--attention-dropout " << attention_dropout_ << " is not supported by Loom (no dropout yet)",
+               "give --attention-dropout 0; Loom trains without dropout, where Megatron's default is 0.1");
     const int64_t model_parallel = o.tensor_parallel_size * o.pipeline_parallel_size;
     LOOM_CHECK(o.tensor_parallel_size >= 1 && o.pipeline_parallel_size >= 1 && world_size % model_parallel == 0,
                "world size " << world_size << " is not divisible by --tensor-model-parallel-size "
@@ -299,6 +329,11 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
         else LOOM_THROW("--normalization '" << normalization_ << "' is not supported", "use LayerNorm or RMSNorm");
     }
     if (swiglu_) m.swiglu = true;
+    // Megatron's MLP width when none is given: 4h, or with SwiGLU two thirds of it rounded down to a
+    // multiple of 64 (the same parameter count as a 4h GELU MLP, roughly).
+    if (!given("--ffn-hidden-size") && (given("--hidden-size") || swiglu_)) {
+        m.ffn_hidden_size = m.swiglu ? (4 * m.hidden_size * 2 / 3) / 64 * 64 : 4 * m.hidden_size;
+    }
     if (given("--position-embedding-type")) {
         if (position_embedding_ == "learned_absolute") m.position_embedding = model::PositionEmbedding::learned_absolute;
         else if (position_embedding_ == "rope") m.position_embedding = model::PositionEmbedding::rope;
@@ -363,9 +398,13 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     }
     LOOM_CHECK(o.distributed_timeout_minutes >= 1,
                "--distributed-timeout-minutes must be >= 1, got " << o.distributed_timeout_minutes, "");
-    int sources = !o.data_path.empty() + !o.text_file.empty() + !o.llmc_shard.empty();
-    LOOM_CHECK(sources <= 1, "--data-path, --text-file and --llmc-shard are exclusive (" << sources << " given)",
+    int sources = !o.data_path.empty() + !o.text_file.empty() + !o.llmc_shard.empty() + o.mock_data;
+    LOOM_CHECK(sources <= 1,
+               "--data-path, --mock-data, --text-file and --llmc-shard are exclusive (" << sources << " given)",
                "train on one data source at a time");
+    LOOM_CHECK(sources == 1 || data_optional_, "no data: give --data-path PREFIX (a Megatron .bin/.idx dataset), or --mock-data",
+               "as Megatron, Loom needs a data source; --mock-data trains on Loom's synthetic dataset, and "
+               "--text-file / --llmc-shard read a text file or an llm.c shard");
     LOOM_CHECK(!o.fp16, "--fp16 (float16 parameters with dynamic loss scaling) is not supported",
                "use --bf16, which needs no loss scaling, or train in float32");
     LOOM_CHECK(o.offload.offload_fraction >= 0.0f && o.offload.offload_fraction <= 1.0f,

@@ -32,9 +32,9 @@ struct TrainOptions {
 
     // Optimizer and schedule.
     optim::AdamWConfig adam{2e-3f};
-    float              min_lr           = 1e-4f;
-    int64_t            lr_warmup_iters  = 20;
-    std::string        lr_decay_style   = "cosine";
+    float              min_lr           = 0.0f;       // Megatron's defaults: no warmup, linear decay to 0
+    int64_t            lr_warmup_iters  = 0;
+    std::string        lr_decay_style   = "linear";
     int64_t            lr_decay_iters   = 0;   // 0: train_iters
     float              clip_grad        = 1.0f;
     bool               bf16             = false;
@@ -70,6 +70,7 @@ struct TrainOptions {
     std::string split = "969,30,1";
     std::string text_file;          // a plain text file, byte tokens
     std::string llmc_shard;         // an llm.c token shard
+    bool        mock_data = false;  // --mock-data: Loom's synthetic dataset (a sparse Markov chain)
 
     // Checkpoints (train/checkpointing.h): Megatron's flags and defaults.
     std::string save;                       // --save DIR
@@ -84,9 +85,9 @@ struct TrainOptions {
     bool        exit_signal_handler = false;   // SIGTERM: finish the iteration, save, exit 0
 
     // Logging.
-    int64_t     log_interval = 10;
+    int64_t     log_interval = 100;
     std::string log_file;           // JSON lines, one object per logged iteration (rank 0 writes it)
-    bool        log_throughput = true;
+    bool        log_throughput = false;   // --log-throughput: the TFLOP/s field of the log line
 
     // Micro-batches per iteration on each data-parallel rank.
     int64_t num_microbatches() const { return global_batch_size / (micro_batch_size * data_parallel_size); }
@@ -112,6 +113,8 @@ public:
     // After app.parse(): resolves the preset, applies explicit flags, validates for `world_size` ranks
     // (tp x pp x dp); throws loom::Error (identically on every rank, before any collective).
     TrainOptions resolve(int64_t world_size = 1);
+    // `loom export-hf` builds a model and reads no data: no data source is required.
+    void         data_optional() { data_optional_ = true; }
     // True when --vocab-size, --load-hf or --use-checkpoint-args fixed the vocabulary (otherwise the
     // dataset's is used).
     bool vocab_given() const {
@@ -132,6 +135,11 @@ private:
     int64_t     bucket_size_ = 0;
     bool        grads_in_fp32_ = false;
     bool        no_check_nan_ = false;
+    // Megatron flags accepted while their feature is a single value in Loom.
+    int64_t     context_parallel_size_ = 1, expert_parallel_size_ = 1;
+    float       hidden_dropout_ = 0.0f, attention_dropout_ = 0.0f;
+    std::vector<std::string> noop_values_;
+    bool                     data_optional_ = false;   // values of the flags accepted without effect (megatron_flags.h)
 };
 
 }  // namespace loom::train

@@ -1,0 +1,202 @@
+#include "train/megatron_flags.h"
+
+#include "core/error.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <sstream>
+
+namespace loom::train {
+
+namespace {
+
+constexpr NoOpFlag kNoOpFlags[] = {
+    {"--use-mcore-models", nullptr, "Megatron Core's GPT is the model Loom builds (the flag is deprecated upstream)"},
+    {"--transformer-impl", "local|transformer_engine",
+     "both name the same layer math; Loom runs its own kernels for either"},
+    {"--distributed-backend", "nccl|gloo", "Loom's communicator is MPI on the CPU (NCCL on CUDA), chosen by the device"},
+    {"--no-gradient-accumulation-fusion", nullptr,
+     "Loom accumulates weight gradients straight into the f32 main_grad buffer in any case"},
+    {"--attention-softmax-in-fp32", nullptr, "Loom's softmax always runs in f32, also with --bf16"},
+    {"--deterministic-mode", nullptr, "Loom's kernels and reductions are deterministic: every run is bitwise repeatable"},
+    {"--no-masked-softmax-fusion", nullptr, "a kernel-fusion choice; the result is the same"},
+    {"--no-bias-gelu-fusion", nullptr, "a kernel-fusion choice; the result is the same"},
+    {"--no-bias-swiglu-fusion", nullptr, "a kernel-fusion choice; the result is the same"},
+    {"--no-bias-dropout-fusion", nullptr, "a kernel-fusion choice; the result is the same"},
+    {"--no-rope-fusion", nullptr, "a kernel-fusion choice; the result is the same"},
+    {"--no-persist-layer-norm", nullptr, "a kernel choice; the result is the same"},
+    {"--use-flash-attn", nullptr, "Loom's attention is always tiled (flash-style) and never forms the full matrix"},
+    {"--attention-backend", "auto|flash|fused|unfused|local",
+     "every backend computes exact softmax attention, as Loom's tiled kernel does"},
+    {"--no-async-tensor-model-parallel-allreduce", nullptr, "a communication-overlap choice; the result is the same"},
+    {"--num-workers", "", "Loom's loader reads memory-mapped samples on the training thread; there are no workers"},
+};
+
+// Megatron flags Loom refuses, with what to do instead (only where Loom has something to offer).
+const std::map<std::string, std::string> & refusal_hints() {
+    static const std::map<std::string, std::string> hints = {
+        {"--tokenizer-type", "Loom reads token ids from the dataset; tokenise with `loom data --vocab-file V "
+                             "--merge-file M` and give --vocab-size if the data does not reach the last id"},
+        {"--vocab-file", "`loom data --vocab-file V --merge-file M` tokenises text with GPT-2's BPE"},
+        {"--merge-file", "`loom data --vocab-file V --merge-file M` tokenises text with GPT-2's BPE"},
+        {"--tokenizer-model", "Loom reads token ids from the dataset; give --vocab-size"},
+        {"--lr-warmup-fraction", "give the warmup in iterations with --lr-warmup-iters"},
+        {"--lr-warmup-samples", "give the warmup in iterations with --lr-warmup-iters"},
+        {"--train-samples", "give the length in iterations with --train-iters (samples / --global-batch-size)"},
+        {"--lr-decay-samples", "give the decay in iterations with --lr-decay-iters"},
+        {"--eval-interval", "evaluate a saved checkpoint with `loom eval --load DIR`"},
+        {"--eval-iters", "evaluate a saved checkpoint with `loom eval --load DIR --eval-iters N`"},
+        {"--tensorboard-dir", "--log-file writes the logged scalars as JSON lines"},
+        {"--wandb-project", "--log-file writes the logged scalars as JSON lines"},
+        {"--fp8-format", "train in --bf16"},
+        {"--num-experts", "Mixture of Experts is not in Loom yet; train a dense model"},
+        {"--recompute-granularity", "activation recompute is not in Loom yet; shard the model with "
+                                    "--pipeline-model-parallel-size or --tensor-model-parallel-size to save memory"},
+        {"--recompute-activations", "activation recompute is not in Loom yet"},
+        {"--use-torch-fsdp2", "use --use-distributed-optimizer (ZeRO-1)"},
+        {"--use-megatron-fsdp", "use --use-distributed-optimizer (ZeRO-1)"},
+        {"--data-cache-path", "Loom builds the sample index in memory at start-up; nothing is cached"},
+    };
+    return hints;
+}
+
+// argparse's _negative_number_matcher, widened to exponents: such a word is a value, not a flag.
+bool looks_like_negative_number(const char * word) {
+    if (word[0] != '-' || word[1] == '\0') return false;
+    char * end = nullptr;
+    std::strtod(word, &end);
+    return end != nullptr && *end == '\0';
+}
+
+bool looks_like_flag(const char * word) { return word[0] == '-' && word[1] != '\0' && !looks_like_negative_number(word); }
+
+}  // namespace
+
+std::span<const NoOpFlag> noop_flags() { return kNoOpFlags; }
+
+void add_noop_flags(CLI::App & app, std::vector<std::string> & sink) {
+    sink.assign(std::size(kNoOpFlags), std::string());
+    for (size_t i = 0; i < std::size(kNoOpFlags); ++i) {
+        const NoOpFlag & f    = kNoOpFlags[i];
+        std::string      help = std::string("accepted, no effect: ") + f.reason;
+        if (f.values == nullptr) {
+            app.add_flag(f.name)->description(help)->group("accepted without effect");
+            continue;
+        }
+        CLI::Option * option = app.add_option(f.name, sink[i], help)->group("accepted without effect");
+        if (f.values[0] == '\0') continue;
+        std::vector<std::string> allowed;
+        std::stringstream        values(f.values);
+        for (std::string v; std::getline(values, v, '|');) allowed.push_back(v);
+        const std::string name = f.name;
+        option->check(CLI::Validator(
+            [allowed, name](std::string & value) {
+                for (const std::string & a : allowed) {
+                    if (a == value) return std::string();
+                }
+                std::string list;
+                for (const std::string & a : allowed) list += (list.empty() ? "" : ", ") + a;
+                return name + " " + value + " is not supported by Loom (it accepts " + list +
+                       ", which behave as Loom does)";
+            },
+            std::string(f.values), "megatron-value"));
+    }
+}
+
+void check_option_values(const CLI::App & app, int argc, const char * const * argv) {
+    for (int i = 1; i < argc; ++i) {
+        const char * word = argv[i];
+        if (std::strncmp(word, "--", 2) != 0 || std::strchr(word, '=') != nullptr) continue;
+        const CLI::Option * option = nullptr;
+        try {
+            option = app.get_option_no_throw(word);
+        } catch (...) {
+        }
+        if (option == nullptr || option->get_expected_min() == 0) continue;   // unknown, or a switch
+        LOOM_CHECK(i + 1 < argc && !looks_like_flag(argv[i + 1]),
+                   "argument " << word << ": expected one argument"
+                               << (i + 1 < argc ? std::string(", got the flag '") + argv[i + 1] + "'" : std::string()),
+                   "give " << word << " a value; a value that starts with '-' is read as a flag (argparse's rule)");
+    }
+}
+
+std::string unsupported_flags_message(const std::vector<std::string> & remaining) {
+    std::vector<std::pair<std::string, std::string>> flags;   // flag, its values
+    for (const std::string & word : remaining) {
+        if (looks_like_flag(word.c_str()) || flags.empty()) {
+            flags.emplace_back(word, "");
+        } else {
+            flags.back().second += " " + word;
+        }
+    }
+    if (flags.empty()) return "";
+    std::ostringstream os;
+    os << (flags.size() == 1 ? "this flag is" : std::to_string(flags.size()) + " flags are") << " not supported by Loom:";
+    for (const auto & [flag, values] : flags) {
+        const std::string name = flag.substr(0, flag.find('='));
+        os << "\n  " << flag << values;
+        if (!looks_like_flag(flag.c_str())) {
+            os << "  (a value with no flag before it)";
+            continue;
+        }
+        auto hint = refusal_hints().find(name);
+        if (hint != refusal_hints().end()) os << "  (" << hint->second << ")";
+    }
+    return os.str();
+}
+
+void group_like_megatron(CLI::App & app) {
+    static const std::map<std::string, const char *> groups = {
+        {"--num-layers", "network size"}, {"--hidden-size", "network size"}, {"--ffn-hidden-size", "network size"},
+        {"--num-attention-heads", "network size"}, {"--group-query-attention", "network size"},
+        {"--num-query-groups", "network size"}, {"--max-position-embeddings", "network size"},
+        {"--make-vocab-size-divisible-by", "network size"}, {"--normalization", "network size"},
+        {"--swiglu", "network size"}, {"--position-embedding-type", "network size"},
+        {"--disable-bias-linear", "network size"}, {"--untie-embeddings-and-output-weights", "network size"},
+        {"--vocab-size", "network size"}, {"--kv-channels", "network size"}, {"--norm-epsilon", "network size"},
+        {"--rotary-base", "network size"}, {"--rotary-percent", "network size"},
+        {"--hidden-dropout", "regularization"}, {"--attention-dropout", "regularization"},
+        {"--weight-decay", "regularization"}, {"--clip-grad", "regularization"}, {"--adam-beta1", "regularization"},
+        {"--adam-beta2", "regularization"}, {"--adam-eps", "regularization"},
+        {"--micro-batch-size", "training"}, {"--global-batch-size", "training"}, {"--train-iters", "training"},
+        {"--exit-interval", "training"}, {"--exit-duration-in-mins", "training"}, {"--exit-signal-handler", "training"},
+        {"--seed", "initialization"}, {"--init-method-std", "initialization"},
+        {"--lr", "learning rate"}, {"--min-lr", "learning rate"}, {"--lr-warmup-iters", "learning rate"},
+        {"--lr-decay-style", "learning rate"}, {"--lr-decay-iters", "learning rate"},
+        {"--save", "checkpointing"}, {"--load", "checkpointing"}, {"--save-interval", "checkpointing"},
+        {"--no-save-optim", "checkpointing"}, {"--no-load-optim", "checkpointing"}, {"--no-load-rng", "checkpointing"},
+        {"--finetune", "checkpointing"}, {"--ckpt-step", "checkpointing"}, {"--ckpt-format", "checkpointing"},
+        {"--use-checkpoint-args", "checkpointing"},
+        {"--bf16", "mixed precision"}, {"--fp16", "mixed precision"},
+        {"--accumulate-allreduce-grads-in-fp32", "mixed precision"},
+        {"--tensor-model-parallel-size", "distributed"}, {"--pipeline-model-parallel-size", "distributed"},
+        {"--sequence-parallel", "distributed"}, {"--num-layers-per-virtual-pipeline-stage", "distributed"},
+        {"--num-virtual-stages-per-pipeline-rank", "distributed"},
+        {"--microbatch-group-size-per-virtual-pipeline-stage", "distributed"},
+        {"--decoder-first-pipeline-num-layers", "distributed"}, {"--decoder-last-pipeline-num-layers", "distributed"},
+        {"--context-parallel-size", "distributed"}, {"--expert-model-parallel-size", "distributed"},
+        {"--use-distributed-optimizer", "distributed"}, {"--overlap-grad-reduce", "distributed"},
+        {"--overlap-param-gather", "distributed"}, {"--ddp-bucket-size", "distributed"},
+        {"--ddp-average-in-collective", "distributed"}, {"--ddp-pad-buckets-for-high-nccl-busbw", "distributed"},
+        {"--distributed-timeout-minutes", "distributed"}, {"--check-for-nan-in-loss-and-grad", "distributed"},
+        {"--no-check-for-nan-in-loss-and-grad", "distributed"},
+        {"--optimizer-cpu-offload", "distributed"}, {"--optimizer-offload-fraction", "distributed"},
+        {"--overlap-cpu-optimizer-d2h-h2d", "distributed"}, {"--no-pin-cpu-grads", "distributed"},
+        {"--no-pin-cpu-params", "distributed"},
+        {"--data-path", "data and dataloader"}, {"--mock-data", "data and dataloader"}, {"--split", "data and dataloader"},
+        {"--seq-length", "data and dataloader"},
+        {"--log-interval", "logging"}, {"--log-throughput", "logging"},
+    };
+    for (CLI::Option * option : app.get_options()) {
+        if (option->get_group() == "accepted without effect") continue;
+        auto it = groups.find(option->get_name());
+        if (it != groups.end()) {
+            option->group(it->second);
+        } else if (option->get_name() != "--help") {
+            option->group("Loom (not Megatron's)");
+        }
+    }
+}
+
+}  // namespace loom::train
