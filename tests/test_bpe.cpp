@@ -328,3 +328,36 @@ TEST(Gpt2Bpe, LoomDataTokenizesWithBpeAndRefusesHalfATokenizer) {
         EXPECT_NE(bad.out.find(c.names), std::string::npos) << c.args << " -> " << bad.out;
     }
 }
+
+// `loom train --tokenizer-type GPT2BPETokenizer --vocab-file --merge-file`: the vocabulary size is the
+// tokenizer's (557 here), padded as Megatron pads it (to a multiple of 128 x TP), whatever the data reaches.
+TEST(Gpt2Bpe, LoomTrainTakesTheVocabularyFromTheTokenizer) {
+    const std::string jsonl  = write_jsonl("train.jsonl");
+    const std::string prefix = temp_path("train");
+    const std::string files  = " --vocab-file " + kVocab + " --merge-file " + kMerges;
+    ASSERT_EQ(run_loom("data --input " + jsonl + " --output-prefix " + prefix + files).status, 0);
+    const std::string base = "train --data-path " + prefix + "_text_document --split 100,0,0 --seq-length 16 "
+                             "--num-layers 1 --train-iters 2 --log-interval 1";
+    CliRun r = run_loom(base + " --tokenizer-type GPT2BPETokenizer" + files);
+    ASSERT_EQ(r.status, 0) << r.out;
+    EXPECT_NE(r.out.find("vocab 557 (padded 640)"), std::string::npos) << r.out;
+    struct Case {
+        std::string args, names;
+    } cases[] = {
+        {base + " --tokenizer-type GPT2BPETokenizer --vocab-file " + kVocab, "needs --vocab-file and --merge-file"},
+        {base + files, "--vocab-file without --tokenizer-type"},
+        {base + " --tokenizer-type GPT2BPETokenizer --vocab-size 600" + files,
+         "--vocab-size 600 contradicts --vocab-file '" + kVocab + "', which holds 557 tokens"},
+        {base + " --tokenizer-type NullTokenizer", "--tokenizer-type NullTokenizer needs --vocab-size"},
+        {base + " --tokenizer-type SentencePieceTokenizer", "--tokenizer-type SentencePieceTokenizer is not supported"},
+    };
+    for (const Case & c : cases) {
+        CliRun bad = run_loom(c.args);
+        EXPECT_EQ(bad.status, 2) << c.args << " -> " << bad.out;
+        EXPECT_NE(bad.out.find(c.names), std::string::npos) << c.args << " -> " << bad.out;
+    }
+    // NullTokenizer: the ids as they are, within --vocab-size.
+    r = run_loom(base + " --tokenizer-type NullTokenizer --vocab-size 557");
+    EXPECT_EQ(r.status, 0) << r.out;
+    EXPECT_NE(r.out.find("vocab 557 (padded 640)"), std::string::npos) << r.out;
+}

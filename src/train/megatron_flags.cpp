@@ -36,11 +36,8 @@ constexpr NoOpFlag kNoOpFlags[] = {
 // Megatron flags Loom refuses, with what to do instead (only where Loom has something to offer).
 const std::map<std::string, std::string> & refusal_hints() {
     static const std::map<std::string, std::string> hints = {
-        {"--tokenizer-type", "Loom reads token ids from the dataset; tokenise with `loom data --vocab-file V "
-                             "--merge-file M` and give --vocab-size if the data does not reach the last id"},
-        {"--vocab-file", "`loom data --vocab-file V --merge-file M` tokenises text with GPT-2's BPE"},
-        {"--merge-file", "`loom data --vocab-file V --merge-file M` tokenises text with GPT-2's BPE"},
-        {"--tokenizer-model", "Loom reads token ids from the dataset; give --vocab-size"},
+        {"--tokenizer-model", "Loom reads GPT-2 BPE files (--tokenizer-type GPT2BPETokenizer --vocab-file V "
+                              "--merge-file M) or plain ids (--tokenizer-type NullTokenizer --vocab-size N)"},
         {"--lr-warmup-fraction", "give the warmup in iterations with --lr-warmup-iters"},
         {"--lr-warmup-samples", "give the warmup in iterations with --lr-warmup-iters"},
         {"--train-samples", "give the length in iterations with --train-iters (samples / --global-batch-size)"},
@@ -154,7 +151,8 @@ void group_like_megatron(CLI::App & app) {
         {"--make-vocab-size-divisible-by", "network size"}, {"--normalization", "network size"},
         {"--swiglu", "network size"}, {"--position-embedding-type", "network size"},
         {"--disable-bias-linear", "network size"}, {"--untie-embeddings-and-output-weights", "network size"},
-        {"--vocab-size", "network size"}, {"--kv-channels", "network size"}, {"--norm-epsilon", "network size"},
+        {"--vocab-size", "network size"}, {"--tokenizer-type", "tokenizer"}, {"--vocab-file", "tokenizer"},
+        {"--merge-file", "tokenizer"}, {"--kv-channels", "network size"}, {"--norm-epsilon", "network size"},
         {"--rotary-base", "network size"}, {"--rotary-percent", "network size"},
         {"--hidden-dropout", "regularization"}, {"--attention-dropout", "regularization"},
         {"--weight-decay", "regularization"}, {"--clip-grad", "regularization"}, {"--adam-beta1", "regularization"},

@@ -3,6 +3,7 @@
 #include "core/error.h"
 #include "train/checkpointing.h"
 #include "train/megatron_flags.h"
+#include "data/gpt2_bpe.h"
 #include "model/hf_gpt2.h"
 #include "pipeline/layer_assignment.h"
 #include "pipeline/schedule.h"
@@ -112,6 +113,11 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
                    "pipeline stages (1F1B); the ranks mpirun starts are pp x dp")->capture_default_str();
 
     app.add_option("--data-path", o.data_path, "Megatron dataset prefix (PREFIX.bin / PREFIX.idx)");
+    app.add_option("--tokenizer-type", o.tokenizer_type,
+                   "GPT2BPETokenizer (the vocabulary of --vocab-file and --merge-file) or NullTokenizer "
+                   "(--vocab-size ids); without it the vocabulary is the data's largest id + 1");
+    app.add_option("--vocab-file", o.vocab_file, "GPT-2 BPE vocabulary (vocab.json) for GPT2BPETokenizer");
+    app.add_option("--merge-file", o.merge_file, "GPT-2 BPE merges (merges.txt) for GPT2BPETokenizer");
     app.add_flag("--mock-data", o.mock_data,
                  "train on Loom's synthetic dataset (a random sparse Markov chain over --vocab-size tokens, "
                  "default 512, with a known entropy floor)");
@@ -246,6 +252,36 @@ void check_output_path(const std::string & path, const char * flag) {
                "give the path of a file to write");
 }
 
+// --tokenizer-type: the vocabulary size from the tokenizer (Megatron's build_tokenizer), before padding.
+void apply_tokenizer(TrainOptions & o, bool vocab_size_given) {
+    const bool files = !o.vocab_file.empty() || !o.merge_file.empty();
+    if (o.tokenizer_type.empty()) {
+        LOOM_CHECK(!files, (o.vocab_file.empty() ? "--merge-file" : "--vocab-file") << " without --tokenizer-type",
+                   "add --tokenizer-type GPT2BPETokenizer to take the vocabulary from the GPT-2 BPE files");
+        return;
+    }
+    if (o.tokenizer_type == "GPT2BPETokenizer") {
+        LOOM_CHECK(!o.vocab_file.empty() && !o.merge_file.empty(),
+                   "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file",
+                   "give GPT-2's vocab.json and merges.txt (the files the dataset was tokenised with)");
+        const data::Gpt2BpeTokenizer tokenizer(o.vocab_file, o.merge_file);
+        LOOM_CHECK(!vocab_size_given || o.model.vocab_size == tokenizer.vocab_size(),
+                   "--vocab-size " << o.model.vocab_size << " contradicts --vocab-file '" << o.vocab_file << "', which holds "
+                                   << tokenizer.vocab_size() << " tokens",
+                   "drop --vocab-size: GPT2BPETokenizer takes the vocabulary from its files");
+        o.model.vocab_size = tokenizer.vocab_size();
+        return;
+    }
+    if (o.tokenizer_type == "NullTokenizer") {
+        LOOM_CHECK(vocab_size_given, "--tokenizer-type NullTokenizer needs --vocab-size", "the ids are taken as they are");
+        LOOM_CHECK(!files, "--tokenizer-type NullTokenizer reads no --vocab-file or --merge-file", "drop them");
+        return;
+    }
+    LOOM_THROW("--tokenizer-type " << o.tokenizer_type << " is not supported by Loom",
+               "Loom accepts GPT2BPETokenizer (--vocab-file, --merge-file) and NullTokenizer (--vocab-size); without "
+               "--tokenizer-type the vocabulary is the dataset's largest id + 1");
+}
+
 // --save, --load and the exit flags.
 void validate_checkpoint_flags(const TrainOptions & o, bool save_interval_given, bool exit_interval_given,
                                bool ckpt_step_given) {
@@ -344,6 +380,7 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     if (disable_bias_) m.add_bias_linear = false;
     if (untie_) m.untie_embeddings_and_output_weights = true;
     if (given("--init-method-std")) m.init_method_std = init_std_;
+    apply_tokenizer(o, given("--vocab-size"));
     if (given("--seed")) m.seed = seed_;
     validate_checkpoint_flags(o, given("--save-interval"), given("--exit-interval"), given("--ckpt-step"));
     if (o.use_checkpoint_args) {   // the checkpoint's shape wins over the flags, as Megatron's load_args_from_checkpoint

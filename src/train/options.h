@@ -71,6 +71,9 @@ struct TrainOptions {
     std::string text_file;          // a plain text file, byte tokens
     std::string llmc_shard;         // an llm.c token shard
     bool        mock_data = false;  // --mock-data: Loom's synthetic dataset (a sparse Markov chain)
+    // --tokenizer-type GPT2BPETokenizer (with --vocab-file, --merge-file) or NullTokenizer (with --vocab-size):
+    // the vocabulary size comes from the tokenizer, padded as Megatron pads it; the data's ids must fit it.
+    std::string tokenizer_type, vocab_file, merge_file;
 
     // Checkpoints (train/checkpointing.h): Megatron's flags and defaults.
     std::string save;                       // --save DIR
@@ -118,7 +121,8 @@ public:
     // True when --vocab-size, --load-hf or --use-checkpoint-args fixed the vocabulary (otherwise the
     // dataset's is used).
     bool vocab_given() const {
-        return app_.count("--vocab-size") > 0 || !opts_.load_hf.empty() || opts_.use_checkpoint_args;
+        return app_.count("--vocab-size") > 0 || !opts_.load_hf.empty() || opts_.use_checkpoint_args ||
+               !opts_.tokenizer_type.empty();
     }
 
 private:
