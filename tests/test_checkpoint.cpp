@@ -328,7 +328,7 @@ TEST(CheckpointExport, ExportHfAndEvalReadTheTrainedWeights) {
 TEST(CheckpointCorrupt, TwelveCorruptionsEachExitTwoNamingTheFile) {
     TempDir tmp;
     const std::string good = tmp / "good";
-    ASSERT_EQ(run_on(2, kRun + "--train-iters 2 --use-distributed-optimizer --save " + good).status, 0);
+    ASSERT_EQ(run_on(2, kRun + "--train-iters 2 --lr-warmup-iters 1 --use-distributed-optimizer --save " + good).status, 0);
     const std::string iter = "iter_0000002";
     auto edit_index = [&](const std::string & dir, const std::function<void(json &)> & fn) {
         const std::string path = dir + "/" + iter + "/index.json";

@@ -57,8 +57,8 @@ TEST(LrSchedule, WarmupThenDecayToMinimum) {
     optim::LrSchedule s;
     s.max_lr = 1.0f;
     s.min_lr = 0.1f;
-    s.warmup_iters = 10;
-    s.decay_iters = 110;
+    s.warmup_steps = 10;
+    s.decay_steps = 110;
     s.style = optim::LrDecayStyle::cosine;
     EXPECT_FLOAT_EQ(s.lr_at(1), 0.1f);
     EXPECT_FLOAT_EQ(s.lr_at(10), 1.0f);
@@ -70,6 +70,45 @@ TEST(LrSchedule, WarmupThenDecayToMinimum) {
     s.style = optim::LrDecayStyle::constant;
     EXPECT_FLOAT_EQ(s.lr_at(90), 1.0f);
     EXPECT_THROW(optim::lr_decay_style_from_name("inverse-square-root-ish"), Error);
+}
+
+// Megatron counts schedule steps in samples: with a global batch of 4, iteration k is step 4k.
+TEST(LrSchedule, CountsSamplesAndHasMegatronsOtherStyles) {
+    optim::LrSchedule s;
+    s.max_lr                = 1.0f;
+    s.min_lr                = 0.0f;
+    s.init_lr               = 0.2f;   // --lr-warmup-init
+    s.samples_per_iteration = 4;
+    s.warmup_steps          = 16;     // 4 iterations
+    s.decay_steps           = 80;     // 20 iterations
+    s.style                 = optim::LrDecayStyle::linear;
+    EXPECT_FLOAT_EQ(s.lr_at(1), 0.2f + 0.8f * 4 / 16);
+    EXPECT_FLOAT_EQ(s.lr_at(4), 1.0f);
+    EXPECT_NEAR(s.lr_at(12), 1.0f - 32.0f / 64.0f, 1e-6f);
+    // inverse-square-root: max_lr sqrt(warmup) / sqrt(n), not below min_lr.
+    s.style  = optim::LrDecayStyle::inverse_square_root;
+    s.min_lr = 0.3f;
+    EXPECT_NEAR(s.lr_at(9), 4.0f / 6.0f, 1e-6f);   // n = 36
+    EXPECT_NEAR(s.lr_at(20), 4.0f / std::sqrt(80.0f), 1e-6f);   // n = 80: 0.447
+    s.min_lr = 0.5f;
+    EXPECT_FLOAT_EQ(s.lr_at(20), 0.5f) << "clamped to min_lr";
+    // WSD: flat until the anneal (the last 16 samples of the decay), then each anneal style.
+    s.style     = optim::LrDecayStyle::wsd;
+    s.min_lr    = 0.0f;
+    s.wsd_steps = 16;
+    EXPECT_FLOAT_EQ(s.lr_at(16), 1.0f);   // n = 64 = decay - wsd: still flat
+    const std::pair<optim::WsdDecayStyle, float> anneal[] = {
+        {optim::WsdDecayStyle::linear, 0.5f}, {optim::WsdDecayStyle::cosine, 0.5f},
+        {optim::WsdDecayStyle::exponential, 2.0f * std::sqrt(0.5f) - 1.0f},
+        {optim::WsdDecayStyle::minus_sqrt, 1.0f - std::sqrt(0.5f)}};
+    for (const auto & [style, halfway] : anneal) {
+        s.wsd_style = style;
+        EXPECT_NEAR(s.lr_at(18), halfway, 1e-6f) << static_cast<int>(style);   // n = 72: halfway through
+        EXPECT_NEAR(s.lr_at(20), 0.0f, 1e-6f) << static_cast<int>(style);
+    }
+    EXPECT_EQ(optim::lr_decay_style_from_name("WSD"), optim::LrDecayStyle::wsd);
+    EXPECT_EQ(optim::wsd_decay_style_from_name("minus_sqrt"), optim::WsdDecayStyle::minus_sqrt);
+    EXPECT_THROW(optim::wsd_decay_style_from_name("step"), Error);
 }
 
 TEST(GradClip, ScalesToTheMaximumNormOnlyWhenAbove) {

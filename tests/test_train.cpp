@@ -406,3 +406,45 @@ TEST(MegatronCommandLine, ImplementationFlagsAreAcceptedOrRefusedByValue) {
         EXPECT_NE(doc.find(std::string("| `") + f.name + "` |"), std::string::npos) << f.name << " is not in the docs";
     }
 }
+
+// Megatron's schedule flags: sample-based training, the warmup as a fraction, WSD; never a mix of units.
+TEST(MegatronCommandLine, ScheduleFlagsInSamplesFractionsAndWsd) {
+    const train::TrainOptions o = parse_train({"--mock-data", "--train-samples", "40", "--global-batch-size", "8",
+                                               "--lr-decay-samples", "32", "--lr-warmup-fraction", "0.25"});
+    EXPECT_EQ(o.train_iters, 5) << "train_samples // global batch";
+    const optim::LrSchedule s = o.lr_schedule();
+    EXPECT_DOUBLE_EQ(s.decay_steps, 32.0);
+    EXPECT_DOUBLE_EQ(s.warmup_steps, 8.0);
+    EXPECT_EQ(s.samples_per_iteration, 8);
+    const optim::LrSchedule by_iters =
+        parse_train({"--mock-data", "--train-iters", "10", "--lr-warmup-fraction", "0.1"}).lr_schedule();
+    EXPECT_DOUBLE_EQ(by_iters.decay_steps, 80.0) << "10 iterations x global batch 8";
+    EXPECT_DOUBLE_EQ(by_iters.warmup_steps, 8.0);
+
+    CliRun run = run_loom("train --mock-data --train-samples 24 --num-layers 1 --log-interval 1 --lr-decay-style WSD "
+                          "--lr-wsd-decay-samples 8");
+    ASSERT_EQ(run.status, 0) << run.out;
+    EXPECT_NE(run.out.find("iteration        2/       3 | consumed samples:           16 | elapsed"), std::string::npos);
+    EXPECT_NE(run.out.find("learning rate: 2.000000E-03"), std::string::npos) << "flat before the anneal\n" << run.out;
+    EXPECT_NE(run.out.find("learning rate: 0.000000E+00"), std::string::npos) << "annealed to 0 at the end\n" << run.out;
+
+    struct Case {
+        const char * args;
+        const char * names;
+    } cases[] = {
+        {"--train-samples 80 --train-iters 10", "--train-samples with --train-iters"},
+        {"--train-iters 10 --lr-decay-samples 40", "need --train-samples"},
+        {"--train-samples 80 --lr-decay-iters 5", "--train-samples asks for sample-based training"},
+        {"--train-iters 10 --lr-warmup-fraction 0.1 --lr-warmup-iters 2", "--lr-warmup-fraction with --lr-warmup-iters"},
+        {"--train-iters 10 --lr-warmup-fraction 1.5", "--lr-warmup-fraction must lie in [0, 1)"},
+        {"--train-iters 10 --lr-decay-style WSD", "--lr-decay-style WSD needs the length of its anneal"},
+        {"--train-iters 10 --lr-decay-style WSD --lr-wsd-decay-iters 20", "the WSD anneal (160 samples)"},
+        {"--train-iters 10 --lr-warmup-iters 10", "the warmup (80 samples) is not shorter than the decay (80 samples)"},
+        {"--train-iters 10 --lr-wsd-decay-style step", "--lr-wsd-decay-style 'step'"},
+    };
+    std::string err;
+    for (const Case & c : cases) {
+        EXPECT_EQ(fresh_status(std::string("train --mock-data ") + c.args, &err), 2) << c.args;
+        EXPECT_NE(err.find(c.names), std::string::npos) << c.args << " -> " << err;
+    }
+}

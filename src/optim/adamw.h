@@ -11,11 +11,17 @@
 // there (Megatron's mixed precision: 2 bytes of bf16 weight + 4 of main_grad + 12 of master, m and v);
 // the step updates the master and writes it back rounded to the parameter's dtype in the same pass.
 //
-// LR schedule (Megatron's OptimizerParamScheduler), for iteration k = 1, 2, ...:
-//   k <= warmup:            lr = max_lr * k / warmup
-//   k >  decay_iters:       lr = min_lr
-//   otherwise, r = (k - warmup) / (decay_iters - warmup):
-//     constant: max_lr;  linear: min_lr + (max_lr - min_lr)(1 - r);  cosine: min_lr + (max_lr - min_lr)(1 + cos(pi r)) / 2
+// LR schedule (Megatron's OptimizerParamScheduler.get_lr). Megatron counts steps in samples: after
+// iteration k the step is n = k x samples_per_iteration (the global batch), and warmup, decay and WSD
+// lengths are in samples (iterations x global batch, a fraction of the decay, or samples as given):
+//   n <= warmup:             lr = init_lr + (max_lr - init_lr) n / warmup
+//   constant:                lr = max_lr
+//   n >  decay:              lr = min_lr
+//   inverse-square-root:     lr = max(min_lr, max_lr sqrt(max(warmup, 1)) / sqrt(max(n, 1)))
+//   otherwise, r = (n - warmup) / (decay - warmup), lr = min_lr + (max_lr - min_lr) c with
+//     linear: c = 1 - r;  cosine: c = (1 + cos(pi r)) / 2;
+//     WSD: c = 1 until n > decay - wsd, then with q = (n - decay + wsd) / wsd: linear 1 - q, cosine
+//          (1 + cos(pi q)) / 2, exponential 2 * 0.5^q - 1, minus_sqrt 1 - sqrt(q)
 //
 // Clipping (optim/optimizer.h): norm = sqrt(sum over all main_grad elements of g^2); if clip > 0 and
 // norm > clip, every gradient is scaled by clip / (norm + 1e-6).
@@ -37,15 +43,21 @@ struct AdamWConfig {
     float weight_decay = 0.01f;
 };
 
-enum class LrDecayStyle { constant, linear, cosine };
-LrDecayStyle lr_decay_style_from_name(const std::string & name);
+enum class LrDecayStyle { constant, linear, cosine, inverse_square_root, wsd };
+enum class WsdDecayStyle { exponential, linear, cosine, minus_sqrt };
+LrDecayStyle  lr_decay_style_from_name(const std::string & name);    // --lr-decay-style (WSD, inverse-square-root, ...)
+WsdDecayStyle wsd_decay_style_from_name(const std::string & name);   // --lr-wsd-decay-style
 
 struct LrSchedule {
-    float        max_lr       = 6e-4f;
-    float        min_lr       = 0.0f;
-    int64_t      warmup_iters = 0;
-    int64_t      decay_iters  = 0;   // 0: the number of training iterations
-    LrDecayStyle style        = LrDecayStyle::linear;
+    float         max_lr       = 6e-4f;
+    float         min_lr       = 0.0f;
+    float         init_lr      = 0.0f;   // --lr-warmup-init
+    double        warmup_steps = 0;      // samples
+    double        decay_steps  = 1;      // samples, > warmup_steps
+    double        wsd_steps    = 0;      // samples of the WSD anneal
+    int64_t       samples_per_iteration = 1;
+    LrDecayStyle  style     = LrDecayStyle::linear;
+    WsdDecayStyle wsd_style = WsdDecayStyle::exponential;
 
     float lr_at(int64_t iteration) const;
 };

@@ -38,10 +38,7 @@ const std::map<std::string, std::string> & refusal_hints() {
     static const std::map<std::string, std::string> hints = {
         {"--tokenizer-model", "Loom reads GPT-2 BPE files (--tokenizer-type GPT2BPETokenizer --vocab-file V "
                               "--merge-file M) or plain ids (--tokenizer-type NullTokenizer --vocab-size N)"},
-        {"--lr-warmup-fraction", "give the warmup in iterations with --lr-warmup-iters"},
-        {"--lr-warmup-samples", "give the warmup in iterations with --lr-warmup-iters"},
-        {"--train-samples", "give the length in iterations with --train-iters (samples / --global-batch-size)"},
-        {"--lr-decay-samples", "give the decay in iterations with --lr-decay-iters"},
+        {"--decoupled-lr", "one learning rate for every parameter in Loom so far: drop it"},
         {"--eval-interval", "evaluate a saved checkpoint with `loom eval --load DIR`"},
         {"--eval-iters", "evaluate a saved checkpoint with `loom eval --load DIR --eval-iters N`"},
         {"--tensorboard-dir", "--log-file writes the logged scalars as JSON lines"},
@@ -162,6 +159,10 @@ void group_like_megatron(CLI::App & app) {
         {"--seed", "initialization"}, {"--init-method-std", "initialization"},
         {"--lr", "learning rate"}, {"--min-lr", "learning rate"}, {"--lr-warmup-iters", "learning rate"},
         {"--lr-decay-style", "learning rate"}, {"--lr-decay-iters", "learning rate"},
+        {"--lr-decay-samples", "learning rate"}, {"--lr-warmup-samples", "learning rate"},
+        {"--lr-warmup-fraction", "learning rate"}, {"--lr-warmup-init", "learning rate"},
+        {"--lr-wsd-decay-style", "learning rate"}, {"--lr-wsd-decay-iters", "learning rate"},
+        {"--lr-wsd-decay-samples", "learning rate"}, {"--train-samples", "training"},
         {"--save", "checkpointing"}, {"--load", "checkpointing"}, {"--save-interval", "checkpointing"},
         {"--no-save-optim", "checkpointing"}, {"--no-load-optim", "checkpointing"}, {"--no-load-rng", "checkpointing"},
         {"--finetune", "checkpointing"}, {"--ckpt-step", "checkpointing"}, {"--ckpt-format", "checkpointing"},

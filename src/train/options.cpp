@@ -54,6 +54,15 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_option("--lr-warmup-iters", o.lr_warmup_iters, "linear warmup iterations")->capture_default_str();
     app.add_option("--lr-decay-style", o.lr_decay_style, "constant, linear or cosine")->capture_default_str();
     app.add_option("--lr-decay-iters", o.lr_decay_iters, "iterations to decay over (default: --train-iters)");
+    app.add_option("--train-samples", o.train_samples, "samples to train on (sample-based; instead of --train-iters)");
+    app.add_option("--lr-decay-samples", o.lr_decay_samples, "samples to decay over (default: --train-samples)");
+    app.add_option("--lr-warmup-samples", o.lr_warmup_samples, "linear warmup samples (sample-based)");
+    app.add_option("--lr-warmup-fraction", o.lr_warmup_fraction, "warmup as a fraction of the decay");
+    app.add_option("--lr-warmup-init", o.lr_warmup_init, "learning rate at the start of warmup")->capture_default_str();
+    app.add_option("--lr-wsd-decay-style", o.lr_wsd_decay_style, "WSD anneal: exponential, linear, cosine or "
+                                                                  "minus_sqrt")->capture_default_str();
+    app.add_option("--lr-wsd-decay-iters", o.lr_wsd_decay_iters, "iterations of the WSD anneal");
+    app.add_option("--lr-wsd-decay-samples", o.lr_wsd_decay_samples, "samples of the WSD anneal");
     app.add_option("--weight-decay", o.adam.weight_decay, "decoupled weight decay")->capture_default_str();
     app.add_option("--adam-beta1", o.adam.beta1, "Adam beta1")->capture_default_str();
     app.add_option("--adam-beta2", o.adam.beta2, "Adam beta2")->capture_default_str();
@@ -187,6 +196,28 @@ MemoryEstimate estimate_memory(const TrainOptions & o) {
     return e;
 }
 
+optim::LrSchedule TrainOptions::lr_schedule() const {
+    optim::LrSchedule s;
+    s.max_lr                = adam.lr;
+    s.min_lr                = min_lr;
+    s.init_lr               = lr_warmup_init;
+    s.samples_per_iteration = global_batch_size;
+    s.style                 = optim::lr_decay_style_from_name(lr_decay_style);
+    s.wsd_style             = optim::wsd_decay_style_from_name(lr_wsd_decay_style);
+    const double batch      = static_cast<double>(global_batch_size);
+    if (train_samples > 0) {
+        s.decay_steps  = static_cast<double>(lr_decay_samples);
+        s.wsd_steps    = static_cast<double>(lr_wsd_decay_samples);
+        s.warmup_steps = static_cast<double>(lr_warmup_samples);
+    } else {
+        s.decay_steps  = static_cast<double>(lr_decay_iters) * batch;
+        s.wsd_steps    = static_cast<double>(lr_wsd_decay_iters) * batch;
+        s.warmup_steps = static_cast<double>(lr_warmup_iters) * batch;
+    }
+    if (lr_warmup_fraction >= 0) s.warmup_steps = lr_warmup_fraction * s.decay_steps;
+    return s;
+}
+
 pipeline::LayerSplitOptions TrainOptions::layer_split() const {
     pipeline::LayerSplitOptions split;
     split.num_layers = static_cast<int>(model.num_layers);
@@ -250,6 +281,55 @@ void check_output_path(const std::string & path, const char * flag) {
     LOOM_CHECK(!fs::is_directory(status) && !fs::is_fifo(status),
                flag << " '" << path << "' is a " << (fs::is_directory(status) ? "folder" : "FIFO") << ", not a file",
                "give the path of a file to write");
+}
+
+// Megatron's schedule flags (arguments.py's asserts, training.py's get_optimizer_param_scheduler): either
+// iteration-based or sample-based, never a mix; the warmup shorter than the decay.
+template <typename Given> void validate_schedule(TrainOptions & o, const Given & given) {
+    const bool samples = given("--train-samples");
+    if (samples) {
+        LOOM_CHECK(!given("--train-iters"), "--train-samples with --train-iters", "give one of them (expected "
+                                                                                  "sample-based training)");
+        LOOM_CHECK(o.train_samples >= o.global_batch_size,
+                   "--train-samples " << o.train_samples << " is less than one global batch of " << o.global_batch_size,
+                   "");
+        LOOM_CHECK(!given("--lr-decay-iters") && !given("--lr-warmup-iters") && !given("--lr-wsd-decay-iters"),
+                   "--lr-decay-iters, --lr-warmup-iters and --lr-wsd-decay-iters count iterations, and --train-samples "
+                   "asks for sample-based training",
+                   "give --lr-decay-samples, --lr-warmup-samples or --lr-wsd-decay-samples");
+        o.train_iters = o.train_samples / o.global_batch_size;   // Megatron's update_train_iters
+    } else {
+        LOOM_CHECK(!given("--lr-decay-samples") && !given("--lr-warmup-samples") && !given("--lr-wsd-decay-samples"),
+                   "--lr-decay-samples, --lr-warmup-samples and --lr-wsd-decay-samples need --train-samples",
+                   "give the lengths in iterations (--lr-decay-iters, --lr-warmup-iters, --lr-wsd-decay-iters), or "
+                   "train for --train-samples");
+    }
+    LOOM_CHECK(!given("--lr-warmup-fraction") || (!given("--lr-warmup-iters") && !given("--lr-warmup-samples")),
+               "--lr-warmup-fraction with --lr-warmup-" << (samples ? "samples" : "iters"), "can only specify one of them");
+    LOOM_CHECK(!given("--lr-warmup-fraction") || (std::isfinite(o.lr_warmup_fraction) && o.lr_warmup_fraction >= 0 &&
+                                                  o.lr_warmup_fraction < 1),
+               "--lr-warmup-fraction must lie in [0, 1), got " << o.lr_warmup_fraction, "");
+    LOOM_CHECK(o.lr_warmup_iters >= 0 && o.lr_warmup_samples >= 0, "--lr-warmup-iters and --lr-warmup-samples must be "
+                                                                   ">= 0", "");
+    LOOM_CHECK(std::isfinite(o.lr_warmup_init) && o.lr_warmup_init >= 0,
+               "--lr-warmup-init must be a finite number >= 0, got " << o.lr_warmup_init, "");
+    const optim::LrDecayStyle style = optim::lr_decay_style_from_name(o.lr_decay_style);
+    optim::wsd_decay_style_from_name(o.lr_wsd_decay_style);
+    if (o.lr_decay_iters == 0) o.lr_decay_iters = o.train_iters;
+    if (o.lr_decay_samples == 0) o.lr_decay_samples = o.train_samples;
+    LOOM_CHECK(o.lr_decay_iters >= 1 && o.lr_decay_samples >= 0, "--lr-decay-iters and --lr-decay-samples must be >= 1", "");
+    LOOM_CHECK(style != optim::LrDecayStyle::wsd || given("--lr-wsd-decay-iters") || given("--lr-wsd-decay-samples"),
+               "--lr-decay-style WSD needs the length of its anneal",
+               "give --lr-wsd-decay-iters (or --lr-wsd-decay-samples with --train-samples)");
+    const optim::LrSchedule s = o.lr_schedule();
+    LOOM_CHECK(s.warmup_steps < s.decay_steps,
+               "the warmup (" << s.warmup_steps << " samples) is not shorter than the decay (" << s.decay_steps
+                              << " samples): --lr-warmup-* must be shorter than --lr-decay-* (default: the whole run)",
+               "shorten the warmup or lengthen the decay");
+    LOOM_CHECK(style != optim::LrDecayStyle::wsd || (s.wsd_steps > 0 && s.wsd_steps <= s.decay_steps),
+               "the WSD anneal (" << s.wsd_steps << " samples) must lie in (0, the decay of " << s.decay_steps
+                                  << " samples]",
+               "");
 }
 
 // --tokenizer-type: the vocabulary size from the tokenizer (Megatron's build_tokenizer), before padding.
@@ -415,16 +495,12 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     LOOM_CHECK(!(no_check_nan_ && o.ddp.check_for_nan_in_grad),
                "--check-for-nan-in-loss-and-grad and --no-check-for-nan-in-loss-and-grad together", "give one of them");
     o.check_for_nan_in_loss_and_grad = !no_check_nan_;
-    LOOM_CHECK(o.train_iters >= 1, "--train-iters must be >= 1", "");
+    LOOM_CHECK(o.train_iters >= 1 && o.train_samples >= 0, "--train-iters and --train-samples must be >= 1", "");
+    validate_schedule(o, given);
     LOOM_CHECK(o.train_iters <= (int64_t(1) << 62) / o.global_batch_size / std::max<int64_t>(1, o.model.seq_length),
                "--train-iters " << o.train_iters << " x --global-batch-size " << o.global_batch_size
                                 << " x --seq-length tokens overflows a 64-bit count", "");
     validate_hyperparameters(o);
-    LOOM_CHECK(o.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0", "");
-    optim::lr_decay_style_from_name(o.lr_decay_style);
-    if (o.lr_decay_iters == 0) o.lr_decay_iters = o.train_iters;
-    LOOM_CHECK(o.lr_decay_iters >= o.lr_warmup_iters,
-               "--lr-decay-iters " << o.lr_decay_iters << " is shorter than --lr-warmup-iters " << o.lr_warmup_iters, "");
     LOOM_CHECK(o.log_interval >= 1, "--log-interval must be >= 1", "");
     if (!o.log_file.empty()) check_output_path(o.log_file, "--log-file");
     if (!o.timeline_file.empty()) {

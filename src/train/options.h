@@ -36,6 +36,18 @@ struct TrainOptions {
     int64_t            lr_warmup_iters  = 0;
     std::string        lr_decay_style   = "linear";
     int64_t            lr_decay_iters   = 0;   // 0: train_iters
+    // Megatron's other ways to give the schedule: in samples (--train-samples, --lr-decay-samples,
+    // --lr-warmup-samples), as a fraction of the decay (--lr-warmup-fraction), and WSD's anneal.
+    int64_t            train_samples        = 0;    // 0: iteration-based
+    int64_t            lr_decay_samples     = 0;
+    int64_t            lr_warmup_samples    = 0;
+    double             lr_warmup_fraction   = -1;   // < 0: not given
+    float              lr_warmup_init       = 0.0f;
+    std::string        lr_wsd_decay_style   = "exponential";
+    int64_t            lr_wsd_decay_iters   = 0;
+    int64_t            lr_wsd_decay_samples = 0;
+    // The schedule in Megatron's units (samples), from the flags above and the global batch.
+    optim::LrSchedule lr_schedule() const;
     float              clip_grad        = 1.0f;
     bool               bf16             = false;
     bool               fp16             = false;   // refused with a message

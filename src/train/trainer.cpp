@@ -95,11 +95,7 @@ Trainer::Trainer(const TrainOptions & options, std::unique_ptr<Setup> owned, Set
                                                              static_cast<int>(options_.num_microbatches()),
                                                              static_cast<int>(options_.microbatch_group_size));
     if (setup_.ddp) grad_ready_ = setup_.ddp->grad_ready();
-    schedule_.max_lr       = options.adam.lr;
-    schedule_.min_lr       = options.min_lr;
-    schedule_.warmup_iters = options.lr_warmup_iters;
-    schedule_.decay_iters  = options.lr_decay_iters;
-    schedule_.style        = optim::lr_decay_style_from_name(options.lr_decay_style);
+    schedule_              = options.lr_schedule();
     resumed_               = load_checkpoint(options_, setup_);
     if (!resumed_.folder.empty()) {
         iteration_ = resumed_.iteration;
