@@ -329,6 +329,18 @@ TEST(MegatronDefaults, AreLoomsDefaults) {
     EXPECT_FALSE(o.bf16);
     EXPECT_EQ(o.model.position_embedding, model::PositionEmbedding::learned_absolute);
     EXPECT_EQ(o.model.normalization, model::Normalization::layernorm);
+    EXPECT_FLOAT_EQ(o.model.norm_epsilon, 1e-5f);
+    EXPECT_FLOAT_EQ(o.model.rotary_base, 10000.0f);
+    EXPECT_FLOAT_EQ(o.lr_warmup_init, 0.0f);
+    EXPECT_EQ(o.lr_wsd_decay_style, "exponential");
+    // Model flags that only restate Loom's shape are accepted; the others change it or are refused.
+    const train::TrainOptions m = parse_train({"--mock-data", "--norm-epsilon", "1e-6", "--rotary-base", "500000",
+                                               "--kv-channels", "32", "--rotary-percent", "1.0"});
+    EXPECT_FLOAT_EQ(m.model.norm_epsilon, 1e-6f);
+    EXPECT_FLOAT_EQ(m.model.rotary_base, 500000.0f);
+    EXPECT_THROW(parse_train({"--mock-data", "--kv-channels", "64"}), Error);
+    EXPECT_THROW(parse_train({"--mock-data", "--rotary-percent", "0.5"}), Error);
+    EXPECT_THROW(parse_train({"--mock-data", "--norm-epsilon", "0"}), Error);
     // The MLP width: 4h, or int(8h/3/64)·64 with --swiglu (Megatron's arguments.py).
     EXPECT_EQ(parse_train({"--mock-data", "--hidden-size", "256", "--num-attention-heads", "4"}).model.ffn_hidden_size, 1024);
     EXPECT_EQ(parse_train({"--mock-data", "--hidden-size", "4096", "--num-attention-heads", "32", "--swiglu",

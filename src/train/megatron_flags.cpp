@@ -50,6 +50,7 @@ const std::map<std::string, std::string> & refusal_hints() {
         {"--recompute-activations", "activation recompute is not in Loom yet"},
         {"--use-torch-fsdp2", "use --use-distributed-optimizer (ZeRO-1)"},
         {"--use-megatron-fsdp", "use --use-distributed-optimizer (ZeRO-1)"},
+        {"--qk-layernorm", "Loom normalises the attention input only; drop the flag"},
         {"--data-cache-path", "Loom builds the sample index in memory at start-up; nothing is cached"},
     };
     return hints;

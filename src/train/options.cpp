@@ -42,6 +42,10 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_flag("--disable-bias-linear", disable_bias_, "no biases in linear layers");
     app.add_flag("--untie-embeddings-and-output-weights", untie_, "separate output layer weight");
     app.add_option("--init-method-std", init_std_, "std of the normal initialisation");
+    app.add_option("--norm-epsilon", norm_epsilon_, "epsilon of LayerNorm / RMSNorm (default 1e-5)");
+    app.add_option("--rotary-base", rotary_base_, "base of the rotary embeddings' frequencies (default 10000)");
+    app.add_option("--rotary-percent", rotary_percent_, "share of the head dimension rotated (only 1.0 in Loom)");
+    app.add_option("--kv-channels", kv_channels_, "head dimension (only hidden / heads in Loom)");
     app.add_option("--seed", seed_, "random seed (initialisation and data order)");
     app.add_option("--load-hf", o.load_hf,
                    "Hugging Face GPT-2 folder (config.json + model.safetensors): its shape and weights");
@@ -460,6 +464,21 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     if (disable_bias_) m.add_bias_linear = false;
     if (untie_) m.untie_embeddings_and_output_weights = true;
     if (given("--init-method-std")) m.init_method_std = init_std_;
+    if (given("--norm-epsilon")) {
+        LOOM_CHECK(std::isfinite(norm_epsilon_) && norm_epsilon_ > 0,
+                   "--norm-epsilon must be a finite number > 0, got " << norm_epsilon_, "Megatron's default is 1e-5");
+        m.norm_epsilon = norm_epsilon_;
+    }
+    if (given("--rotary-base")) {
+        LOOM_CHECK(rotary_base_ >= 2, "--rotary-base must be >= 2, got " << rotary_base_, "Megatron's default is 10000");
+        m.rotary_base = static_cast<float>(rotary_base_);
+    }
+    LOOM_CHECK(rotary_percent_ == 1.0f, "--rotary-percent " << rotary_percent_ << " is not supported by Loom",
+               "Loom rotates the whole head dimension (--rotary-percent 1.0, Megatron's default)");
+    LOOM_CHECK(!given("--kv-channels") || kv_channels_ == m.head_dim(),
+               "--kv-channels " << kv_channels_ << " is not supported by Loom: its heads are hidden / heads = "
+                                << m.head_dim() << " wide",
+               "drop --kv-channels, or choose --hidden-size and --num-attention-heads so that it is their quotient");
     apply_tokenizer(o, given("--vocab-size"));
     if (given("--seed")) m.seed = seed_;
     validate_checkpoint_flags(o, given("--save-interval"), given("--exit-interval"), given("--ckpt-step"));

@@ -146,7 +146,8 @@ private:
     bool        gqa_ = false, swiglu_ = false, disable_bias_ = false, untie_ = false;
     bool        no_pin_cpu_grads_ = false, no_pin_cpu_params_ = false;
     std::string normalization_, position_embedding_;
-    float       init_std_ = 0;
+    float       init_std_ = 0, norm_epsilon_ = 0, rotary_percent_ = 1.0f;
+    int64_t     rotary_base_ = 0, kv_channels_ = 0;
     uint64_t    seed_     = 0;
     int64_t     bucket_size_ = 0;
     bool        grads_in_fp32_ = false;
