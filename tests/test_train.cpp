@@ -333,6 +333,8 @@ TEST(MegatronDefaults, AreLoomsDefaults) {
     EXPECT_FLOAT_EQ(o.model.rotary_base, 10000.0f);
     EXPECT_FLOAT_EQ(o.lr_warmup_init, 0.0f);
     EXPECT_EQ(o.lr_wsd_decay_style, "exponential");
+    EXPECT_EQ(o.eval_iters, 100);
+    EXPECT_EQ(o.eval_interval, 0) << "no validation unless --eval-interval is given (HEAD's None)";
     // Model flags that only restate Loom's shape are accepted; the others change it or are refused.
     const train::TrainOptions m = parse_train({"--mock-data", "--norm-epsilon", "1e-6", "--rotary-base", "500000",
                                                "--kv-channels", "32", "--rotary-percent", "1.0"});

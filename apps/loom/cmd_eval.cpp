@@ -16,6 +16,7 @@
 #include "model/hf_gpt2.h"
 #include "train/checkpointing.h"
 #include "train/data_source.h"
+#include "train/trainer.h"
 
 #include <cmath>
 #include <cstdio>
@@ -25,13 +26,12 @@ namespace loom::app {
 int cmd_eval(int argc, char ** argv) {
     CLI::App                 app{"Evaluate a GPT's lm loss and perplexity.", "loom eval"};
     train::TrainOptionParser parser(app);
-    int64_t                  eval_iters = 10;
-    app.add_option("--eval-iters", eval_iters, "batches to evaluate")->capture_default_str();
     if (std::optional<int> status = parse_arguments(app, argc, argv)) {
         return *status;
     }
+    train::TrainOptions options    = parser.resolve();
+    const int64_t       eval_iters = options.eval_iters;
     LOOM_CHECK(eval_iters >= 1, "--eval-iters must be >= 1, got " << eval_iters, "");
-    train::TrainOptions              options = parser.resolve();
     LOOM_CHECK(eval_iters <= (int64_t(1) << 40) / options.global_batch_size,
                "--eval-iters " << eval_iters << " x global batch " << options.global_batch_size
                                << " samples is more than Loom evaluates (2^40)",
@@ -60,9 +60,8 @@ int cmd_eval(int argc, char ** argv) {
     }
     double mean = sum / std::max(count, 1.0);
     std::printf("data: %s\n", data->describe().c_str());
-    std::printf(" validation loss at iteration %lld | lm loss value: %.6E | lm loss PPL: %.6E |\n",
-                static_cast<long long>(index ? index->iteration : 0), mean,
-                std::exp(std::min(mean, 20.0)));
+    std::printf("%s\n", train::megatron_validation_lines(
+                             "iteration " + std::to_string(index ? index->iteration : 0), mean).c_str());
     return 0;
 }
 

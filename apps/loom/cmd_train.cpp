@@ -120,6 +120,15 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
     Device &  device = cpu::device();
     std::unique_ptr<train::BatchSource> data = train::make_batch_source(
         options, device, vocab_given, groups.dp ? groups.dp->rank() : 0, options.data_parallel_size);
+    // Validation batches: --eval-iters global batches at each of the train_iters / eval_interval + 1
+    // evaluations (Megatron's count), from the validation split, with the vocabulary now fixed.
+    std::unique_ptr<train::BatchSource> valid;
+    if (options.eval_interval > 0 && options.eval_iters > 0) {
+        const int64_t evaluations = options.train_iters / options.eval_interval + 1;
+        valid = train::make_batch_source(options, device, true, groups.dp ? groups.dp->rank() : 0,
+                                         options.data_parallel_size, data::Split::valid,
+                                         evaluations * options.eval_iters * options.global_batch_size);
+    }
     train::Setup setup = train::setup(options, groups, device);
     if (out) std::printf("loom train: %s, %lld parameters, %lld layers, hidden %lld, heads %lld, seq %lld, vocab %lld (padded %lld)\n",
                 options.model_preset.c_str(), static_cast<long long>(options.model.num_parameters()),
@@ -140,6 +149,7 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
     train::TrainSummary summary;
     {
         train::Trainer trainer(options, setup, *data);
+        trainer.set_validation(valid.get());
         summary = trainer.run(out);
     }
     if (out) print_summary(summary);

@@ -22,8 +22,9 @@ uint64_t mix(uint64_t x) {
 
 }  // namespace
 
-SyntheticDataset::SyntheticDataset(int64_t vocab_size, int64_t seq_length, uint64_t seed, int64_t num_samples)
-    : vocab_(vocab_size), seq_length_(seq_length), num_samples_(num_samples), seed_(seed) {
+SyntheticDataset::SyntheticDataset(int64_t vocab_size, int64_t seq_length, uint64_t seed, int64_t num_samples,
+                                   int64_t first_sample)
+    : vocab_(vocab_size), seq_length_(seq_length), num_samples_(num_samples), first_sample_(first_sample), seed_(seed) {
     LOOM_CHECK(vocab_size >= kSuccessors, "the synthetic dataset needs a vocabulary of at least " << kSuccessors
                                                                                                  << ", got " << vocab_size,
                "raise --vocab-size");
@@ -44,7 +45,7 @@ std::string SyntheticDataset::describe() const {
 }
 
 void SyntheticDataset::sample(int64_t index, std::span<int32_t> out) const {
-    uint64_t state = mix(seed_ ^ mix(static_cast<uint64_t>(index)));
+    uint64_t state = mix(seed_ ^ mix(static_cast<uint64_t>(index + first_sample_)));
     auto     next  = [&] { return state = mix(state); };
     int32_t  token = static_cast<int32_t>(next() % static_cast<uint64_t>(vocab_));
     for (size_t i = 0; i < out.size(); ++i) {

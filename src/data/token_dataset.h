@@ -58,7 +58,10 @@ public:
 
 class SyntheticDataset : public TokenDataset {
 public:
-    SyntheticDataset(int64_t vocab_size, int64_t seq_length, uint64_t seed, int64_t num_samples = int64_t{1} << 40);
+    // `first_sample` offsets the sample stream: the validation and test splits draw other samples of the
+    // same chain (2^41 and 2^42 on).
+    SyntheticDataset(int64_t vocab_size, int64_t seq_length, uint64_t seed, int64_t num_samples = int64_t{1} << 40,
+                     int64_t first_sample = 0);
 
     int64_t     num_samples() const override { return num_samples_; }
     int64_t     vocab_size() const override { return vocab_; }
@@ -70,7 +73,7 @@ public:
     static constexpr double kEntropyNats = 1.1098;   // of the successor distribution below
 
 private:
-    int64_t              vocab_, seq_length_, num_samples_;
+    int64_t              vocab_, seq_length_, num_samples_, first_sample_;
     uint64_t             seed_;
     std::vector<int32_t> successors_;   // (V, 4)
 };

@@ -22,11 +22,25 @@ PipelineExecutor::PipelineExecutor(std::vector<model::GptModel *> chunks,
     }
     validate_schedule(options_);
     ops_ = schedule_ops(options_, rank_);
+    for (int m = 0; m < num_microbatches; ++m) {
+        for (int c = 0; c < static_cast<int>(chunks_.size()); ++c) forward_ops_.push_back(ScheduleOp{true, c, m});
+    }
 }
 
 PipelineExecutor::Result PipelineExecutor::run(const std::function<model::MicroBatch()> & next_batch,
                                                const model::GradReadyFn &                 ready,
                                                const std::function<void(bool)> &          set_last_microbatch) {
+    return execute(ops_, false, next_batch, ready, set_last_microbatch);
+}
+
+PipelineExecutor::Result PipelineExecutor::evaluate(const std::function<model::MicroBatch()> & next_batch) {
+    return execute(forward_ops_, true, next_batch, nullptr, nullptr);
+}
+
+PipelineExecutor::Result PipelineExecutor::execute(const std::vector<ScheduleOp> & ops, bool forward_only,
+                                                   const std::function<model::MicroBatch()> & next_batch,
+                                                   const model::GradReadyFn &                 ready,
+                                                   const std::function<void(bool)> &          set_last_microbatch) {
     const int     rank = rank_, pp = options_.pp;
     const int     chunks = static_cast<int>(chunks_.size()), stages = pp * chunks;
     const int64_t h      = chunks_[0]->config().hidden_size;
@@ -57,7 +71,7 @@ PipelineExecutor::Result PipelineExecutor::run(const std::function<model::MicroB
     auto       ms_since_begin = [&begin] {
         return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
     };
-    for (const ScheduleOp & op : ops_) {
+    for (const ScheduleOp & op : ops) {
         const int          mb = op.microbatch, c = op.chunk, v = virtual_stage(c);
         model::GptModel &  model = *chunks_[c];
         double             start = 0;   // when the computation begins: waiting for a transfer shows as a gap
@@ -86,6 +100,10 @@ PipelineExecutor::Result PipelineExecutor::run(const std::function<model::MicroB
                 sends.emplace_back(pp_->send(out, rank_of(v + 1), tag(v + 1, mb, false), &stream), out);
             }
             result.peak_in_flight = std::max(result.peak_in_flight, static_cast<int>(in_flight.size()));
+            if (forward_only) {   // nothing will run backward: release the activations now
+                in_flight.erase({c, mb});
+                if (c == chunks - 1) batches.erase(mb);
+            }
         } else {
             auto it = in_flight.find({c, mb});
             LOOM_CHECK(it != in_flight.end(), "pipeline order runs the backward of chunk " << c << ", micro-batch "

@@ -57,6 +57,9 @@ public:
     // others.
     Result run(const std::function<model::MicroBatch()> & next_batch, const model::GradReadyFn & ready,
                const std::function<void(bool)> & set_last_microbatch);
+    // Forward only (validation): every micro-batch through every chunk in order, each activation context
+    // released when its forward ends; the losses as run() gives them, no gradients.
+    Result evaluate(const std::function<model::MicroBatch()> & next_batch);
 
     const std::vector<ScheduleOp> & ops() const { return ops_; }
     const ScheduleOptions &         options() const { return options_; }
@@ -78,6 +81,11 @@ private:
     int                                 microbatches_;
     ScheduleOptions                     options_;
     std::vector<ScheduleOp>             ops_;
+    std::vector<ScheduleOp>             forward_ops_;   // evaluate(): (chunk 0, m), (chunk 1, m), ... for each m
+
+    Result execute(const std::vector<ScheduleOp> & ops, bool forward_only,
+                   const std::function<model::MicroBatch()> & next_batch, const model::GradReadyFn & ready,
+                   const std::function<void(bool)> & set_last_microbatch);
 };
 
 }  // namespace loom::pipeline

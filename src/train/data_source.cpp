@@ -45,7 +45,9 @@ std::unique_ptr<BatchSource> make_batch_source(TrainOptions & options, Device & 
     } else if (!options.text_file.empty()) {
         dataset = std::make_unique<data::TextFileDataset>(options.text_file, seq);
     } else {
-        dataset = std::make_unique<data::SyntheticDataset>(options.model.vocab_size, seq, options.model.seed);
+        const int64_t first = split == data::Split::train ? 0 : int64_t{1} << (split == data::Split::valid ? 41 : 42);
+        dataset = std::make_unique<data::SyntheticDataset>(options.model.vocab_size, seq, options.model.seed,
+                                                           int64_t{1} << 40, first);
     }
     if (!vocab_given) {
         options.model.vocab_size = dataset->vocab_size();

@@ -39,8 +39,6 @@ const std::map<std::string, std::string> & refusal_hints() {
         {"--tokenizer-model", "Loom reads GPT-2 BPE files (--tokenizer-type GPT2BPETokenizer --vocab-file V "
                               "--merge-file M) or plain ids (--tokenizer-type NullTokenizer --vocab-size N)"},
         {"--decoupled-lr", "one learning rate for every parameter in Loom so far: drop it"},
-        {"--eval-interval", "evaluate a saved checkpoint with `loom eval --load DIR`"},
-        {"--eval-iters", "evaluate a saved checkpoint with `loom eval --load DIR --eval-iters N`"},
         {"--tensorboard-dir", "--log-file writes the logged scalars as JSON lines"},
         {"--wandb-project", "--log-file writes the logged scalars as JSON lines"},
         {"--fp8-format", "train in --bf16"},
@@ -186,7 +184,7 @@ void group_like_megatron(CLI::App & app) {
         {"--no-pin-cpu-params", "distributed"},
         {"--data-path", "data and dataloader"}, {"--mock-data", "data and dataloader"}, {"--split", "data and dataloader"},
         {"--seq-length", "data and dataloader"},
-        {"--log-interval", "logging"}, {"--log-throughput", "logging"},
+        {"--log-interval", "logging"}, {"--eval-interval", "validation"}, {"--eval-iters", "validation"}, {"--log-throughput", "logging"},
     };
     for (CLI::Option * option : app.get_options()) {
         if (option->get_group() == "accepted without effect") continue;

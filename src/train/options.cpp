@@ -155,6 +155,10 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_option("--log-interval", o.log_interval, "iterations between log lines")->capture_default_str();
     app.add_option("--log-file", o.log_file, "write the logged metrics as JSON lines to this file");
     app.add_flag("--log-throughput", o.log_throughput, "add the achieved TFLOP/s to the log line");
+    app.add_option("--eval-interval", o.eval_interval,
+                   "iterations between validations (and one after training); without it, none");
+    app.add_option("--eval-iters", o.eval_iters, "global batches of the validation split per validation")
+        ->capture_default_str();
     app.add_option("--hidden-dropout", hidden_dropout_,
                    "dropout on the residual stream (Loom has no dropout yet: only 0 is accepted)");
     app.add_option("--attention-dropout", attention_dropout_,
@@ -521,6 +525,12 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
                                 << " x --seq-length tokens overflows a 64-bit count", "");
     validate_hyperparameters(o);
     LOOM_CHECK(o.log_interval >= 1, "--log-interval must be >= 1", "");
+    LOOM_CHECK(!given("--eval-interval") || o.eval_interval >= 1, "--eval-interval must be >= 1, got " << o.eval_interval,
+               "leave it out to train without validation");
+    LOOM_CHECK(o.eval_iters >= 0 && o.eval_iters <= (int64_t(1) << 40) / o.global_batch_size,
+               "--eval-iters " << o.eval_iters << " x global batch " << o.global_batch_size
+                               << " samples is outside what Loom evaluates [0, 2^40]",
+               "");
     if (!o.log_file.empty()) check_output_path(o.log_file, "--log-file");
     if (!o.timeline_file.empty()) {
         LOOM_CHECK(o.pipeline_parallel_size > 1, "--timeline draws the pipeline stages' measured timeline; it needs "

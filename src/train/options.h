@@ -99,6 +99,10 @@ struct TrainOptions {
     double      exit_duration_in_mins = 0;  // --exit-duration-in-mins: stop (after saving) past it
     bool        exit_signal_handler = false;   // SIGTERM: finish the iteration, save, exit 0
 
+    // Validation: every --eval-interval iterations (0: none) and after training, --eval-iters batches.
+    int64_t     eval_interval = 0;
+    int64_t     eval_iters    = 100;
+
     // Logging.
     int64_t     log_interval = 100;
     std::string log_file;           // JSON lines, one object per logged iteration (rank 0 writes it)

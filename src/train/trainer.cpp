@@ -218,6 +218,34 @@ double Trainer::step(IterationStats & stats) {
     return loss;
 }
 
+double Trainer::evaluate() {
+    LOOM_CHECK(valid_ != nullptr, "evaluate() without validation data", "");
+    double sum = 0, count = 0;
+    for (int64_t k = 0; k < options_.eval_iters; ++k) {
+        pipeline::PipelineExecutor::Result r = executor_->evaluate([this] { return valid_->next(); });
+        for (const model::GptModel::LossSum & loss : r.losses) {
+            sum += loss.sum;
+            count += loss.count;
+        }
+    }
+    // Only the last stage holds losses; summing over the pipeline and data-parallel groups gives every rank
+    // the same total (as doubles, in f32 pairs would be overkill: one value per evaluation).
+    Tensor totals = Tensor::empty({2}, DType::f32, model_.device());
+    totals.data<float>()[0] = static_cast<float>(sum);
+    totals.data<float>()[1] = static_cast<float>(count);
+    if (stages_) stages_->all_reduce(totals, comm::ReduceOp::sum)->wait();
+    if (setup_.groups.dp && setup_.groups.dp->size() > 1) setup_.groups.dp->all_reduce(totals, comm::ReduceOp::sum)->wait();
+    return static_cast<double>(totals.data<float>()[0]) / std::max(1.0, static_cast<double>(totals.data<float>()[1]));
+}
+
+std::string megatron_validation_lines(const std::string & where, double loss) {
+    char line[256];
+    std::snprintf(line, sizeof(line), " validation loss at %s | lm loss value: %.6E | lm loss PPL: %.6E | ",
+                  where.c_str(), loss, std::exp(std::min(loss, 20.0)));
+    const std::string dashes(std::strlen(line) + 1, '-');
+    return dashes + "\n" + line + "\n" + dashes;
+}
+
 namespace {
 
 std::atomic<bool> g_sigterm{false};
@@ -319,6 +347,11 @@ TrainSummary Trainer::run(FILE * out) {
                          width - filled, "", static_cast<long long>(k), static_cast<long long>(options_.train_iters), loss, eta);
             std::fflush(out);
         }
+        if (valid_ && options_.eval_interval > 0 && k % options_.eval_interval == 0) {
+            const double loss = evaluate();
+            summary.validation.emplace_back(k, loss);
+            if (out) std::fprintf(out, "%s\n", megatron_validation_lines("iteration " + std::to_string(k), loss).c_str());
+        }
         saved_last = false;
         if (!options_.save.empty() && options_.save_interval > 0 && k % options_.save_interval == 0) {
             save(out);
@@ -337,6 +370,15 @@ TrainSummary Trainer::run(FILE * out) {
         if (!summary.stopped_by.empty()) break;
     }
     if (!options_.save.empty() && !summary.losses.empty() && !saved_last) save(out);
+    if (valid_ && !summary.losses.empty()) {   // Megatron's pretrain(): validation after training
+        const int64_t last = summary.first_iteration + static_cast<int64_t>(summary.losses.size()) - 1;
+        const double  loss = evaluate();
+        summary.validation.emplace_back(last, loss);
+        if (out) {
+            std::fprintf(out, "%s\n",
+                         megatron_validation_lines("iteration " + std::to_string(last) + " on validation set", loss).c_str());
+        }
+    }
     if (out && !summary.stopped_by.empty()) {
         std::fprintf(out, "exiting program at iteration %lld (%s)\n", static_cast<long long>(iteration_),
                      summary.stopped_by.c_str());

@@ -55,11 +55,15 @@ struct IterationStats {
 
 // Megatron's log line: " [time] iteration  k/ N | consumed samples: ... | number of nan iterations:   0 |".
 std::string megatron_log_line(const IterationStats & stats, int64_t train_iters, bool with_throughput);
+// Megatron's validation report: a line of dashes, " validation loss at <where> | lm loss value: 6.081085E+00 |
+// lm loss PPL: 4.374914E+02 | ", the dashes again (PPL = exp(min(loss, 20))).
+std::string megatron_validation_lines(const std::string & where, double loss);
 // The same keys as one JSON object (one line of --log-file).
 std::string metrics_json(const IterationStats & stats);
 
 struct TrainSummary {
     std::vector<double> losses;   // lm loss of every iteration this run trained
+    std::vector<std::pair<int64_t, double>> validation;   // (iteration, lm loss) of each evaluation
     int64_t             first_iteration = 1;   // the iteration of losses[0] (after a --load, the one after it)
     std::string         stopped_by;            // "", or why the run ended early ("--exit-interval", "SIGTERM", ...)
     double              tokens_per_second = 0;
@@ -93,6 +97,12 @@ public:
     int64_t         consumed_samples() const { return consumed_; }
     // One iteration; returns its lm loss.
     double step(IterationStats & stats);
+    // Validation (--eval-interval, --eval-iters): `valid` yields this rank's share of the validation split's
+    // batches; run() evaluates every --eval-interval iterations and after the last one.
+    void   set_validation(BatchSource * valid) { valid_ = valid; }
+    // --eval-iters forward-only iterations on the validation batches; the token-weighted mean lm loss over
+    // every micro-batch of every data-parallel rank (the same on every rank).
+    double evaluate();
 
 private:
     Trainer(const TrainOptions & options, std::unique_ptr<Setup> owned, Setup * setup, BatchSource & data);
@@ -108,6 +118,7 @@ private:
     std::unique_ptr<pipeline::PipelineExecutor> executor_;   // every layout, one stage included
     int                                         peak_in_flight_ = 0;
     optim::LrSchedule                           schedule_;
+    BatchSource *                               valid_ = nullptr;
     int64_t                                     iteration_ = 0;
     int64_t                                     consumed_  = 0;
     int64_t                                     nan_iterations_ = 0;

@@ -1,0 +1,87 @@
+// Validation during training (--eval-interval, --eval-iters): Megatron's report at every interval and after
+// training, the same validation losses in every parallel layout as on one rank (forward-only pipeline
+// schedule, the losses summed over pipeline and data-parallel ranks), and `loom eval` printing the same
+// report for a checkpoint.
+#include "loom_cli_runner.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <regex>
+#include <string>
+#include <vector>
+
+namespace {
+
+const std::string kRun = "train --mock-data --train-iters 6 --eval-interval 3 --eval-iters 2 --log-interval 3 "
+                         "--num-layers 4 --seq-length 32 --micro-batch-size 2 --global-batch-size 8 --lr-warmup-iters 1 ";
+
+// Each report's (where, lm loss value) in order.
+std::vector<std::pair<std::string, double>> reports(const std::string & out) {
+    std::vector<std::pair<std::string, double>> found;
+    const std::regex line(" validation loss at ([^|]+) \\| lm loss value: ([0-9.E+-]+) \\| lm loss PPL: [0-9.E+-]+ \\| ");
+    for (std::sregex_iterator it(out.begin(), out.end(), line), end; it != end; ++it) {
+        found.emplace_back((*it)[1].str(), std::strtod((*it)[2].str().c_str(), nullptr));
+    }
+    return found;
+}
+
+struct Layout {
+    const char * name;
+    int          np;
+    const char * flags;
+};
+
+class Validation : public ::testing::TestWithParam<Layout> {};
+
+// Tolerance: the layouts' training losses agree with one rank's to ~1e-6 relative over 6 iterations (TP and
+// PP change summation orders); the validation loss, a mean over 2 x 8 x 32 tokens, is held to 2e-5 relative.
+TEST_P(Validation, EveryLayoutReportsTheSingleRankLosses) {
+    static const std::vector<std::pair<std::string, double>> single = [] {
+        CliRun r = run_loom_mpi(1, kRun);
+        EXPECT_EQ(r.status, 0) << r.out;
+        return reports(r.out);
+    }();
+    ASSERT_EQ(single.size(), 3u) << "iterations 3 and 6, then after training";
+    EXPECT_EQ(single[0].first, "iteration 3");
+    EXPECT_EQ(single[1].first, "iteration 6");
+    EXPECT_EQ(single[2].first, "iteration 6 on validation set");
+    const Layout & l = GetParam();
+    CliRun         r = run_loom_mpi(l.np, kRun + l.flags);
+    ASSERT_EQ(r.status, 0) << r.out;
+    const auto got = reports(r.out);
+    ASSERT_EQ(got.size(), single.size()) << r.out;
+    for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_EQ(got[i].first, single[i].first);
+        EXPECT_NEAR(got[i].second, single[i].second, 2e-5 * single[i].second) << l.name << ": " << got[i].first;
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, Validation,
+    ::testing::Values(Layout{"dp2_zero1_overlaps", 2,
+                             "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"},
+                      Layout{"pp2", 2, "--pipeline-model-parallel-size 2"},
+                      Layout{"pp2_vpp2", 2, "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2"},
+                      Layout{"tp2_sp", 2, "--tensor-model-parallel-size 2 --sequence-parallel"},
+                      Layout{"tp2_pp2_dp2", 8, "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"}),
+    [](const ::testing::TestParamInfo<Layout> & info) { return std::string(info.param.name); });
+
+// Without --eval-interval there is no validation; the report's format is Megatron's, dashes included.
+TEST(ValidationReport, OnlyWithEvalIntervalAndInMegatronsFormat) {
+    CliRun none = run_loom_mpi(1, "train --mock-data --train-iters 2 --log-interval 1 --num-layers 1");
+    ASSERT_EQ(none.status, 0) << none.out;
+    EXPECT_EQ(none.out.find("validation loss"), std::string::npos) << none.out;
+    CliRun one = run_loom_mpi(1, "train --mock-data --train-iters 2 --eval-interval 2 --eval-iters 1 --num-layers 1");
+    ASSERT_EQ(one.status, 0) << one.out;
+    const size_t at = one.out.find(" validation loss at iteration 2 | lm loss value: ");
+    ASSERT_NE(at, std::string::npos) << one.out;
+    const size_t line_end = one.out.find('\n', at);
+    const size_t width    = line_end - at + 1;   // Megatron prints len(string) + 1 dashes
+    EXPECT_EQ(one.out.substr(line_end + 1, width), std::string(width, '-')) << one.out;
+    CliRun bad = run_loom_mpi(1, "train --mock-data --eval-interval 0");
+    EXPECT_EQ(bad.status, 2);
+    EXPECT_NE(bad.out.find("--eval-interval must be >= 1"), std::string::npos) << bad.out;
+}
+
+}  // namespace
