@@ -39,7 +39,6 @@ const std::map<std::string, std::string> & refusal_hints() {
         {"--tokenizer-model", "Loom reads GPT-2 BPE files (--tokenizer-type GPT2BPETokenizer --vocab-file V "
                               "--merge-file M) or plain ids (--tokenizer-type NullTokenizer --vocab-size N)"},
         {"--decoupled-lr", "one learning rate for every parameter in Loom so far: drop it"},
-        {"--tensorboard-dir", "--log-file writes the logged scalars as JSON lines"},
         {"--wandb-project", "--log-file writes the logged scalars as JSON lines"},
         {"--fp8-format", "train in --bf16"},
         {"--num-experts", "Mixture of Experts is not in Loom yet; train a dense model"},
@@ -184,7 +183,10 @@ void group_like_megatron(CLI::App & app) {
         {"--no-pin-cpu-params", "distributed"},
         {"--data-path", "data and dataloader"}, {"--mock-data", "data and dataloader"}, {"--split", "data and dataloader"},
         {"--seq-length", "data and dataloader"},
-        {"--log-interval", "logging"}, {"--eval-interval", "validation"}, {"--eval-iters", "validation"}, {"--log-throughput", "logging"},
+        {"--log-interval", "logging"}, {"--tensorboard-dir", "logging"}, {"--tensorboard-log-interval", "logging"},
+        {"--tensorboard-queue-size", "logging"}, {"--log-timers-to-tensorboard", "logging"},
+        {"--log-memory-to-tensorboard", "logging"}, {"--log-validation-ppl-to-tensorboard", "logging"},
+        {"--no-log-loss-scale-to-tensorboard", "logging"}, {"--log-world-size-to-tensorboard", "logging"}, {"--eval-interval", "validation"}, {"--eval-iters", "validation"}, {"--log-throughput", "logging"},
     };
     for (CLI::Option * option : app.get_options()) {
         if (option->get_group() == "accepted without effect") continue;

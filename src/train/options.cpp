@@ -155,6 +155,18 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_option("--log-interval", o.log_interval, "iterations between log lines")->capture_default_str();
     app.add_option("--log-file", o.log_file, "write the logged metrics as JSON lines to this file");
     app.add_flag("--log-throughput", o.log_throughput, "add the achieved TFLOP/s to the log line");
+    app.add_option("--tensorboard-dir", o.tensorboard_dir, "write TensorBoard event files here (rank 0)");
+    app.add_option("--tensorboard-log-interval", o.tensorboard_log_interval, "iterations between TensorBoard scalars")
+        ->capture_default_str();
+    app.add_option("--tensorboard-queue-size", o.tensorboard_queue_size,
+                   "accepted; Loom flushes the event file at every logged iteration")->capture_default_str();
+    app.add_flag("--log-timers-to-tensorboard", o.log_timers_to_tensorboard, "iteration-time to TensorBoard");
+    app.add_flag("--log-memory-to-tensorboard", o.log_memory_to_tensorboard,
+                 "the device allocator's bytes to TensorBoard (mem-reserved-bytes, mem-allocated-bytes, ...)");
+    app.add_flag("--log-validation-ppl-to-tensorboard", o.log_validation_ppl_to_tensorboard,
+                 "the validation perplexity to TensorBoard as well");
+    app.add_flag("--no-log-loss-scale-to-tensorboard", no_log_loss_scale_, "leave loss-scale out of TensorBoard");
+    app.add_flag("--log-world-size-to-tensorboard", o.log_world_size_to_tensorboard, "world-size to TensorBoard");
     app.add_option("--eval-interval", o.eval_interval,
                    "iterations between validations (and one after training); without it, none");
     app.add_option("--eval-iters", o.eval_iters, "global batches of the validation split per validation")
@@ -525,6 +537,14 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
                                 << " x --seq-length tokens overflows a 64-bit count", "");
     validate_hyperparameters(o);
     LOOM_CHECK(o.log_interval >= 1, "--log-interval must be >= 1", "");
+    o.log_loss_scale_to_tensorboard = !no_log_loss_scale_;
+    LOOM_CHECK(o.tensorboard_log_interval >= 1 && o.tensorboard_queue_size >= 1,
+               "--tensorboard-log-interval and --tensorboard-queue-size must be >= 1", "");
+    if (!o.tensorboard_dir.empty()) {
+        std::error_code ec;
+        LOOM_CHECK(!std::filesystem::exists(o.tensorboard_dir, ec) || std::filesystem::is_directory(o.tensorboard_dir, ec),
+                   "--tensorboard-dir '" << o.tensorboard_dir << "' exists and is not a folder", "give a folder");
+    }
     LOOM_CHECK(!given("--eval-interval") || o.eval_interval >= 1, "--eval-interval must be >= 1, got " << o.eval_interval,
                "leave it out to train without validation");
     LOOM_CHECK(o.eval_iters >= 0 && o.eval_iters <= (int64_t(1) << 40) / o.global_batch_size,

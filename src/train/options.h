@@ -103,6 +103,16 @@ struct TrainOptions {
     int64_t     eval_interval = 0;
     int64_t     eval_iters    = 100;
 
+    // TensorBoard (train/tensorboard.h): Megatron's scalars under Megatron's tags, rank 0 writes.
+    std::string tensorboard_dir;
+    int64_t     tensorboard_log_interval          = 1;
+    int64_t     tensorboard_queue_size            = 1000;   // accepted; every logged iteration is flushed
+    bool        log_timers_to_tensorboard         = false;
+    bool        log_memory_to_tensorboard         = false;
+    bool        log_validation_ppl_to_tensorboard = false;
+    bool        log_loss_scale_to_tensorboard     = true;   // --no-log-loss-scale-to-tensorboard
+    bool        log_world_size_to_tensorboard     = false;
+
     // Logging.
     int64_t     log_interval = 100;
     std::string log_file;           // JSON lines, one object per logged iteration (rank 0 writes it)
@@ -160,7 +170,8 @@ private:
     int64_t     context_parallel_size_ = 1, expert_parallel_size_ = 1;
     float       hidden_dropout_ = 0.0f, attention_dropout_ = 0.0f;
     std::vector<std::string> noop_values_;
-    bool                     data_optional_ = false;   // values of the flags accepted without effect (megatron_flags.h)
+    bool                     data_optional_ = false;
+    bool                     no_log_loss_scale_ = false;   // values of the flags accepted without effect (megatron_flags.h)
 };
 
 }  // namespace loom::train

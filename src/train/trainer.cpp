@@ -218,6 +218,16 @@ double Trainer::step(IterationStats & stats) {
     return loss;
 }
 
+void Trainer::log_validation(TensorBoardWriter & board, int64_t iteration, double loss) const {
+    board.add_scalar("lm loss validation", loss, iteration);
+    board.add_scalar("lm loss validation vs samples", loss, consumed_);
+    if (options_.log_validation_ppl_to_tensorboard) {
+        const double ppl = std::exp(std::min(loss, 20.0));
+        board.add_scalar("lm loss validation ppl", ppl, iteration);
+        board.add_scalar("lm loss validation ppl vs samples", ppl, consumed_);
+    }
+}
+
 double Trainer::evaluate() {
     LOOM_CHECK(valid_ != nullptr, "evaluate() without validation data", "");
     double sum = 0, count = 0;
@@ -280,6 +290,10 @@ TrainSummary Trainer::run(FILE * out) {
     }
     // The ranks agree on stopping: a flag any rank raised stops all of them after the same iteration.
     comm::Communicator * everyone = setup_.all_ranks();
+    std::unique_ptr<TensorBoardWriter> board;
+    if (!options_.tensorboard_dir.empty() && (!everyone || everyone->rank() == 0)) {
+        board = std::make_unique<TensorBoardWriter>(options_.tensorboard_dir);
+    }
     FILE *       log_file = nullptr;
     if (!options_.log_file.empty() && (!everyone || everyone->rank() == 0)) {   // one writer: rank 0
 
@@ -318,12 +332,38 @@ TrainSummary Trainer::run(FILE * out) {
         summary.losses.push_back(loss);
         window_loss += loss;
         ++window_iters;
+        if (board && k % options_.tensorboard_log_interval == 0) {
+            // Megatron's training_log: each scalar by iteration and "vs samples".
+            auto both = [&](const std::string & tag, double value) {
+                board->add_scalar(tag, value, k);
+                board->add_scalar(tag + " vs samples", value, consumed_);
+            };
+            both("learning-rate", stats.learning_rate);
+            both("batch-size", static_cast<double>(stats.global_batch_size));
+            both("lm loss", loss);
+            if (options_.log_loss_scale_to_tensorboard) both("loss-scale", 1.0);
+            if (options_.log_world_size_to_tensorboard) {
+                both("world-size", static_cast<double>(everyone ? everyone->size() : 1));
+            }
+            both("grad-norm", stats.grad_norm);
+            if (options_.log_memory_to_tensorboard) {
+                const AllocatorStats m = model_.device().allocator(MemoryKind::device).stats();
+                board->add_scalar("mem-reserved-bytes", static_cast<double>(m.reserved), k);
+                board->add_scalar("mem-allocated-bytes", static_cast<double>(m.allocated), k);
+                board->add_scalar("mem-max-allocated-bytes", static_cast<double>(m.peak_allocated), k);
+                board->add_scalar("mem-allocated-count", static_cast<double>(m.active), k);
+            }
+        }
         if (k % options_.log_interval == 0 || k == options_.train_iters) {
             auto   now     = std::chrono::steady_clock::now();
             double seconds = std::chrono::duration<double>(now - window_start).count();
             stats.elapsed_ms = seconds * 1000.0 / static_cast<double>(window_iters);
             stats.tflops     = flops_per_iteration / (stats.elapsed_ms / 1000.0) / 1e12;
             stats.lm_loss    = window_loss / static_cast<double>(window_iters);
+            if (board && options_.log_timers_to_tensorboard) {
+                board->add_scalar("iteration-time", stats.elapsed_ms / 1000.0, k);
+            }
+            if (board && options_.log_throughput) board->add_scalar("throughput", stats.tflops, k);
             if (out) {
                 std::fprintf(out, "%s%s\n", progress_bar ? "\r\033[K" : "",
                              megatron_log_line(stats, options_.train_iters, options_.log_throughput).c_str());
@@ -351,7 +391,9 @@ TrainSummary Trainer::run(FILE * out) {
             const double loss = evaluate();
             summary.validation.emplace_back(k, loss);
             if (out) std::fprintf(out, "%s\n", megatron_validation_lines("iteration " + std::to_string(k), loss).c_str());
+            if (board) log_validation(*board, k, loss);
         }
+        if (board) board->flush();
         saved_last = false;
         if (!options_.save.empty() && options_.save_interval > 0 && k % options_.save_interval == 0) {
             save(out);
@@ -374,6 +416,10 @@ TrainSummary Trainer::run(FILE * out) {
         const int64_t last = summary.first_iteration + static_cast<int64_t>(summary.losses.size()) - 1;
         const double  loss = evaluate();
         summary.validation.emplace_back(last, loss);
+        if (board) {
+            log_validation(*board, last, loss);
+            board->flush();
+        }
         if (out) {
             std::fprintf(out, "%s\n",
                          megatron_validation_lines("iteration " + std::to_string(last) + " on validation set", loss).c_str());

@@ -21,6 +21,7 @@
 #include "train/checkpointing.h"
 #include "train/options.h"
 #include "train/setup.h"
+#include "train/tensorboard.h"
 
 #include <cstdio>
 #include <functional>
@@ -119,6 +120,8 @@ private:
     int                                         peak_in_flight_ = 0;
     optim::LrSchedule                           schedule_;
     BatchSource *                               valid_ = nullptr;
+
+    void log_validation(TensorBoardWriter & board, int64_t iteration, double loss) const;
     int64_t                                     iteration_ = 0;
     int64_t                                     consumed_  = 0;
     int64_t                                     nan_iterations_ = 0;
