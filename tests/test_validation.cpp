@@ -1,7 +1,7 @@
 // Validation during training (--eval-interval, --eval-iters): Megatron's report at every interval and after
 // training, the same validation losses in every parallel layout as on one rank (forward-only pipeline
-// schedule, the losses summed over pipeline and data-parallel ranks), and `loom eval` printing the same
-// report for a checkpoint.
+// schedule, the losses summed over pipeline and data-parallel ranks). Also the other quantities the log line
+// can carry, --log-params-norm and --log-num-zeros-in-grad, the same in every layout.
 #include "loom_cli_runner.h"
 
 #include <gtest/gtest.h>
@@ -82,6 +82,34 @@ TEST(ValidationReport, OnlyWithEvalIntervalAndInMegatronsFormat) {
     CliRun bad = run_loom_mpi(1, "train --mock-data --eval-interval 0");
     EXPECT_EQ(bad.status, 2);
     EXPECT_NE(bad.out.find("--eval-interval must be >= 1"), std::string::npos) << bad.out;
+}
+
+// --vocab-size 500 pads to 512: the 12 padded rows of the tied embedding never receive a gradient, so every
+// layout counts exactly 12 x 128 zeros; the parameter norm is the single rank's.
+TEST(LoggedNorms, ParamsNormAndNumZerosAreTheSingleRanksInEveryLayout) {
+    const std::string run = "train --mock-data --train-iters 3 --num-layers 2 --log-interval 1 --vocab-size 500 "
+                            "--global-batch-size 8 --micro-batch-size 4 --log-params-norm --log-num-zeros-in-grad ";
+    const std::regex field(" num zeros: ([0-9.]+) \\| params norm: ([0-9.]+) \\|");
+    auto last = [&](const CliRun & r) {
+        std::pair<double, double> v{-1, -1};
+        for (std::sregex_iterator it(r.out.begin(), r.out.end(), field), end; it != end; ++it) {
+            v = {std::stod((*it)[1].str()), std::stod((*it)[2].str())};
+        }
+        return v;
+    };
+    CliRun single = run_loom_mpi(1, run);
+    ASSERT_EQ(single.status, 0) << single.out;
+    const auto want = last(single);
+    EXPECT_EQ(want.first, 12.0 * 128.0) << single.out;
+    EXPECT_GT(want.second, 1.0);
+    for (const char * layout : {"--use-distributed-optimizer", "--tensor-model-parallel-size 2",
+                                "--pipeline-model-parallel-size 2"}) {
+        CliRun r = run_loom_mpi(2, run + layout);
+        ASSERT_EQ(r.status, 0) << r.out;
+        const auto got = last(r);
+        EXPECT_EQ(got.first, want.first) << layout;
+        EXPECT_NEAR(got.second, want.second, 1e-3) << layout << " (printed to 3 decimals)";
+    }
 }
 
 }  // namespace

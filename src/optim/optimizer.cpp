@@ -85,6 +85,32 @@ StepResult Optimizer::step(float lr) {
     return result;
 }
 
+double Optimizer::count_zeros() const {
+    Device & device = params_.front()->data.device();
+    device.compute_stream().synchronize();
+    double zeros = 0;
+    for (const GradView & v : views_) {
+        if (!v.counted) continue;
+        const float * g = v.grad.data<float>();
+        for (int64_t i = 0; i < v.grad.numel(); ++i) zeros += g[i] == 0.0f ? 1.0 : 0.0;
+    }
+    if (groups_.shard) zeros = group_sum(zeros, *groups_.shard, device);
+    if (groups_.model_parallel) zeros = group_sum(zeros, *groups_.model_parallel, device);
+    return zeros;
+}
+
+double Optimizer::params_norm() const {
+    Device & device = params_.front()->data.device();
+    double   sum    = 0;
+    for (const model::Parameter * p : params_) {   // one at a time: a bf16 model is widened a parameter at a time
+        if (p->shared || p->tp_duplicate) continue;
+        const double norm = norm_on(device, {GradView{model::parameter_f32(*p), true}}, NormGroups{});
+        sum += norm * norm;
+    }
+    if (groups_.model_parallel) sum = group_sum(sum, *groups_.model_parallel, device);
+    return std::sqrt(sum);
+}
+
 AdamW::AdamW(std::vector<model::Parameter *> params, const OptimizerOptions & options,
              comm::Communicator * model_parallel)
     : Optimizer(std::move(params), options, NormGroups{nullptr, model_parallel}) {

@@ -74,6 +74,13 @@ public:
 
     // Steps 1-5 above.
     StepResult step(float lr);
+    // --log-num-zeros-in-grad: zero elements of the gradients the norm counts, over the same groups (read on
+    // the host: the CPU backend's memory).
+    double count_zeros() const;
+    // --log-params-norm: the L2 norm of the model's values, each counted once (not the last stage's copy of
+    // the tied embedding, not TP-replicated copies), over the TP x PP group; every data-parallel rank holds
+    // the whole model, so the norm is the same on all of them. bf16 values are widened to f32.
+    double params_norm() const;
 
     int64_t                 steps() const { return state_->steps(); }
     const OptimizerOptions & options() const { return options_; }

@@ -183,7 +183,7 @@ void group_like_megatron(CLI::App & app) {
         {"--no-pin-cpu-params", "distributed"},
         {"--data-path", "data and dataloader"}, {"--mock-data", "data and dataloader"}, {"--split", "data and dataloader"},
         {"--seq-length", "data and dataloader"},
-        {"--log-interval", "logging"}, {"--tensorboard-dir", "logging"}, {"--tensorboard-log-interval", "logging"},
+        {"--log-interval", "logging"}, {"--log-params-norm", "logging"}, {"--log-num-zeros-in-grad", "logging"}, {"--tensorboard-dir", "logging"}, {"--tensorboard-log-interval", "logging"},
         {"--tensorboard-queue-size", "logging"}, {"--log-timers-to-tensorboard", "logging"},
         {"--log-memory-to-tensorboard", "logging"}, {"--log-validation-ppl-to-tensorboard", "logging"},
         {"--no-log-loss-scale-to-tensorboard", "logging"}, {"--log-world-size-to-tensorboard", "logging"}, {"--eval-interval", "validation"}, {"--eval-iters", "validation"}, {"--log-throughput", "logging"},

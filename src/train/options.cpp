@@ -167,6 +167,8 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
                  "the validation perplexity to TensorBoard as well");
     app.add_flag("--no-log-loss-scale-to-tensorboard", no_log_loss_scale_, "leave loss-scale out of TensorBoard");
     app.add_flag("--log-world-size-to-tensorboard", o.log_world_size_to_tensorboard, "world-size to TensorBoard");
+    app.add_flag("--log-params-norm", o.log_params_norm, "the parameters' L2 norm in the log line");
+    app.add_flag("--log-num-zeros-in-grad", o.log_num_zeros_in_grad, "the gradients' zero count in the log line");
     app.add_option("--eval-interval", o.eval_interval,
                    "iterations between validations (and one after training); without it, none");
     app.add_option("--eval-iters", o.eval_iters, "global batches of the validation split per validation")

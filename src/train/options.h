@@ -112,6 +112,8 @@ struct TrainOptions {
     bool        log_validation_ppl_to_tensorboard = false;
     bool        log_loss_scale_to_tensorboard     = true;   // --no-log-loss-scale-to-tensorboard
     bool        log_world_size_to_tensorboard     = false;
+    bool        log_params_norm       = false;   // " params norm: " in the log line (after the step)
+    bool        log_num_zeros_in_grad = false;   // " num zeros: " in the log line
 
     // Logging.
     int64_t     log_interval = 100;

@@ -44,10 +44,12 @@ std::string megatron_log_line(const IterationStats & s, int64_t train_iters, boo
     if (with_throughput) {
         n += std::snprintf(buffer + n, sizeof(buffer) - n, " throughput per GPU (TFLOP/s/GPU): %.1f |", s.tflops);
     }
-    std::snprintf(buffer + n, sizeof(buffer) - n,
-                  " learning rate: %.6E | global batch size: %5lld | lm loss: %.6E | loss scale: %.1f | grad norm: %.3f | "
-                  "number of skipped iterations: %3lld | number of nan iterations: %3lld |",
-                  s.learning_rate, static_cast<long long>(s.global_batch_size), s.lm_loss, s.loss_scale, s.grad_norm,
+    n += std::snprintf(buffer + n, sizeof(buffer) - n,
+                       " learning rate: %.6E | global batch size: %5lld | lm loss: %.6E | loss scale: %.1f | grad norm: %.3f |",
+                       s.learning_rate, static_cast<long long>(s.global_batch_size), s.lm_loss, s.loss_scale, s.grad_norm);
+    if (s.num_zeros >= 0) n += std::snprintf(buffer + n, sizeof(buffer) - n, " num zeros: %.1f |", s.num_zeros);
+    if (s.params_norm >= 0) n += std::snprintf(buffer + n, sizeof(buffer) - n, " params norm: %.3f |", s.params_norm);
+    std::snprintf(buffer + n, sizeof(buffer) - n, " number of skipped iterations: %3lld | number of nan iterations: %3lld |",
                   static_cast<long long>(s.skipped_iterations), static_cast<long long>(s.nan_iterations));
     return buffer;
 }
@@ -63,6 +65,8 @@ std::string metrics_json(const IterationStats & s) {
     j["lm loss"]                     = s.lm_loss;
     j["loss scale"]                  = s.loss_scale;
     j["grad norm"]                   = s.grad_norm;
+    if (s.num_zeros >= 0) j["num zeros"] = s.num_zeros;
+    if (s.params_norm >= 0) j["params norm"] = s.params_norm;
     j["number of skipped iterations"] = s.skipped_iterations;
     j["number of nan iterations"]    = s.nan_iterations;
     return j.dump();
@@ -185,6 +189,8 @@ double Trainer::step(IterationStats & stats) {
                         model_.device());
     const float             lr     = schedule_.lr_at(iteration_);
     const optim::StepResult result = setup_.optimizer->step(lr);
+    if (options_.log_num_zeros_in_grad) stats.num_zeros = setup_.optimizer->count_zeros();
+    if (options_.log_params_norm) stats.params_norm = setup_.optimizer->params_norm();
     if (!result.stepped) {
         // Every rank computed the same norm, so every rank stops here together.
         if (check) {
@@ -346,6 +352,8 @@ TrainSummary Trainer::run(FILE * out) {
                 both("world-size", static_cast<double>(everyone ? everyone->size() : 1));
             }
             both("grad-norm", stats.grad_norm);
+            if (stats.num_zeros >= 0) both("num-zeros", stats.num_zeros);
+            if (stats.params_norm >= 0) both("params-norm", stats.params_norm);
             if (options_.log_memory_to_tensorboard) {
                 const AllocatorStats m = model_.device().allocator(MemoryKind::device).stats();
                 board->add_scalar("mem-reserved-bytes", static_cast<double>(m.reserved), k);

@@ -50,6 +50,8 @@ struct IterationStats {
     double  lm_loss           = 0;   // mean over the log interval
     double  loss_scale        = 1.0;
     double  grad_norm         = 0;
+    double  num_zeros         = -1;   // --log-num-zeros-in-grad (< 0: not logged)
+    double  params_norm       = -1;   // --log-params-norm (< 0: not logged)
     int64_t skipped_iterations = 0;
     int64_t nan_iterations     = 0;
 };
