@@ -113,3 +113,33 @@ TEST(LoggedNorms, ParamsNormAndNumZerosAreTheSingleRanksInEveryLayout) {
 }
 
 }  // namespace
+
+namespace {
+
+// --timing-log-level 1: Megatron's timers block after each log line, every timer in every block, times
+// (min <= max, both >= 0) gathered over all ranks; level 0 prints none.
+TEST(TimingLog, LevelOnePrintsMegatronsTimersBlock) {
+    const std::string run = "train --mock-data --train-iters 4 --num-layers 1 --log-interval 2 ";
+    CliRun quiet = run_loom_mpi(1, run);
+    ASSERT_EQ(quiet.status, 0) << quiet.out;
+    EXPECT_EQ(quiet.out.find("time across ranks"), std::string::npos);
+    CliRun r = run_loom_mpi(2, run + "--timing-log-level 1 --use-distributed-optimizer");
+    ASSERT_EQ(r.status, 0) << r.out;
+    const std::regex timer("\n    (forward-backward|all-grads-sync|optimizer) \\.+: \\(([0-9.]+), ([0-9.]+)\\)");
+    int count = 0;
+    for (std::sregex_iterator it(r.out.begin(), r.out.end(), timer), end; it != end; ++it, ++count) {
+        EXPECT_LE(std::stod((*it)[2].str()), std::stod((*it)[3].str())) << (*it)[0].str();
+    }
+    EXPECT_EQ(count, 6) << "three timers after each of two log lines\n" << r.out;
+    size_t blocks = 0;
+    for (size_t at = r.out.find("(min, max) time across ranks (ms):"); at != std::string::npos;
+         at = r.out.find("(min, max) time across ranks (ms):", at + 1)) {
+        ++blocks;
+    }
+    EXPECT_EQ(blocks, 2u);
+    CliRun bad = run_loom_mpi(1, run + "--timing-log-level 3");
+    EXPECT_EQ(bad.status, 2);
+    EXPECT_NE(bad.out.find("--timing-log-level must be 0, 1 or 2"), std::string::npos) << bad.out;
+}
+
+}  // namespace

@@ -31,6 +31,23 @@ constexpr NoOpFlag kNoOpFlags[] = {
      "every backend computes exact softmax attention, as Loom's tiled kernel does"},
     {"--no-async-tensor-model-parallel-allreduce", nullptr, "a communication-overlap choice; the result is the same"},
     {"--num-workers", "", "Loom's loader reads memory-mapped samples on the training thread; there are no workers"},
+    {"--data-cache-path", "", "Loom builds the sample index in memory at start-up (a vectorised pass); nothing is "
+                              "cached, and the samples are the same"},
+    {"--no-mmap-bin-files", nullptr, "Loom maps the .bin; the tokens read are the same"},
+    {"--no-create-attention-mask-in-dataloader", nullptr,
+     "Loom's attention applies the causal mask in the kernel; no mask is ever built"},
+    {"--async-save", nullptr, "Loom saves synchronously; the checkpoint written is the same"},
+    {"--use-persistent-ckpt-worker", nullptr, "Loom saves synchronously; the checkpoint written is the same"},
+    {"--auto-detect-ckpt-format", nullptr, "Loom has one checkpoint format, which it reads"},
+    {"--ckpt-fully-parallel-load", nullptr, "every rank reads only the pieces it needs in any case"},
+    {"--dist-ckpt-strictness", "assume_ok_unexpected",
+     "Loom's load requires every tensor of the model and ignores the others (Megatron's default value)"},
+    {"--apply-query-key-layer-scaling", nullptr,
+     "an identity outside fp16: the scores are divided by the layer number and the f32 softmax multiplies it back"},
+    {"--calculate-per-token-loss", nullptr,
+     "every token of a Loom micro-batch counts, so normalising by the global token count equals Loom's per "
+     "micro-batch mean"},
+    {"--manual-gc", nullptr, "Python's garbage collector; Loom has none"},
 };
 
 // Megatron flags Loom refuses, with what to do instead (only where Loom has something to offer).
@@ -48,7 +65,6 @@ const std::map<std::string, std::string> & refusal_hints() {
         {"--use-torch-fsdp2", "use --use-distributed-optimizer (ZeRO-1)"},
         {"--use-megatron-fsdp", "use --use-distributed-optimizer (ZeRO-1)"},
         {"--qk-layernorm", "Loom normalises the attention input only; drop the flag"},
-        {"--data-cache-path", "Loom builds the sample index in memory at start-up; nothing is cached"},
     };
     return hints;
 }
@@ -183,7 +199,7 @@ void group_like_megatron(CLI::App & app) {
         {"--no-pin-cpu-params", "distributed"},
         {"--data-path", "data and dataloader"}, {"--mock-data", "data and dataloader"}, {"--split", "data and dataloader"},
         {"--seq-length", "data and dataloader"},
-        {"--log-interval", "logging"}, {"--log-params-norm", "logging"}, {"--log-num-zeros-in-grad", "logging"}, {"--tensorboard-dir", "logging"}, {"--tensorboard-log-interval", "logging"},
+        {"--log-interval", "logging"}, {"--timing-log-level", "logging"}, {"--log-params-norm", "logging"}, {"--log-num-zeros-in-grad", "logging"}, {"--tensorboard-dir", "logging"}, {"--tensorboard-log-interval", "logging"},
         {"--tensorboard-queue-size", "logging"}, {"--log-timers-to-tensorboard", "logging"},
         {"--log-memory-to-tensorboard", "logging"}, {"--log-validation-ppl-to-tensorboard", "logging"},
         {"--no-log-loss-scale-to-tensorboard", "logging"}, {"--log-world-size-to-tensorboard", "logging"}, {"--eval-interval", "validation"}, {"--eval-iters", "validation"}, {"--log-throughput", "logging"},

@@ -168,6 +168,9 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_flag("--no-log-loss-scale-to-tensorboard", no_log_loss_scale_, "leave loss-scale out of TensorBoard");
     app.add_flag("--log-world-size-to-tensorboard", o.log_world_size_to_tensorboard, "world-size to TensorBoard");
     app.add_flag("--log-params-norm", o.log_params_norm, "the parameters' L2 norm in the log line");
+    app.add_option("--timing-log-level", o.timing_log_level,
+                   "0: no timers; 1 and 2: forward-backward, all-grads-sync and optimizer times, (min, max) over ranks, "
+                   "after each log line")->capture_default_str();
     app.add_flag("--log-num-zeros-in-grad", o.log_num_zeros_in_grad, "the gradients' zero count in the log line");
     app.add_option("--eval-interval", o.eval_interval,
                    "iterations between validations (and one after training); without it, none");
@@ -540,6 +543,8 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     validate_hyperparameters(o);
     LOOM_CHECK(o.log_interval >= 1, "--log-interval must be >= 1", "");
     o.log_loss_scale_to_tensorboard = !no_log_loss_scale_;
+    LOOM_CHECK(o.timing_log_level >= 0 && o.timing_log_level <= 2,
+               "--timing-log-level must be 0, 1 or 2, got " << o.timing_log_level, "");
     LOOM_CHECK(o.tensorboard_log_interval >= 1 && o.tensorboard_queue_size >= 1,
                "--tensorboard-log-interval and --tensorboard-queue-size must be >= 1", "");
     if (!o.tensorboard_dir.empty()) {

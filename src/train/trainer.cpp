@@ -159,11 +159,15 @@ double Trainer::step(IterationStats & stats) {
         for (model::GptModel * chunk : setup_.chunks) chunk->zero_grad();
     }
     const bool timed = stages_ && !options_.timeline_file.empty() && iteration_ == options_.train_iters;
+    using Clock      = std::chrono::steady_clock;
+    auto seconds_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
+    Clock::time_point mark = Clock::now();
     if (timed) stages_->barrier()->wait();   // the stages start the timed iteration together
     pipeline::PipelineExecutor::Result r =
         executor_->run([this] { return data_.next(); }, grad_ready_,
                        d ? std::function<void(bool)>([d](bool last) { d->set_last_microbatch(last); }) : nullptr);
     peak_in_flight_ = std::max(peak_in_flight_, r.peak_in_flight);
+    timer_seconds_[0] += seconds_since(mark);
     const comm::Communicator * dp = setup_.groups.dp.get();
     if (timed) {
         pipeline::Timeline timeline = pipeline::PipelineExecutor::gather_timeline(r, *stages_, executor_->options(),
@@ -185,10 +189,15 @@ double Trainer::step(IterationStats & stats) {
         loss_total += r.losses[k].mean();
     }
     consumed_ += options_.global_batch_size;
+    mark = Clock::now();
     ddp::finalize_grads(d, params_, ddp::FinalizeGroups{setup_.groups.embedding.get(), setup_.groups.tp.get()},
                         model_.device());
+    timer_seconds_[1] += seconds_since(mark);
+    mark                           = Clock::now();
     const float             lr     = schedule_.lr_at(iteration_);
     const optim::StepResult result = setup_.optimizer->step(lr);
+    if (options_.timing_log_level >= 1) model_.device().compute_stream().synchronize();   // time the step itself
+    timer_seconds_[2] += seconds_since(mark);
     if (options_.log_num_zeros_in_grad) stats.num_zeros = setup_.optimizer->count_zeros();
     if (options_.log_params_norm) stats.params_norm = setup_.optimizer->params_norm();
     if (!result.stepped) {
@@ -222,6 +231,30 @@ double Trainer::step(IterationStats & stats) {
     stats.nan_iterations     = nan_iterations_;
     stats.skipped_iterations = nan_iterations_;
     return loss;
+}
+
+std::string Trainer::timers_block(int64_t iterations) {
+    // Per iteration in ms; min and max over every rank (two all-reduces of three values).
+    Tensor lo = Tensor::empty({3}, DType::f32, model_.device());
+    Tensor hi = Tensor::empty({3}, DType::f32, model_.device());
+    for (int i = 0; i < 3; ++i) {
+        lo.data<float>()[i] = hi.data<float>()[i] =
+            static_cast<float>(timer_seconds_[i] * 1000.0 / static_cast<double>(std::max<int64_t>(iterations, 1)));
+        timer_seconds_[i] = 0;
+    }
+    if (comm::Communicator * everyone = setup_.all_ranks(); everyone && everyone->size() > 1) {
+        everyone->all_reduce(lo, comm::ReduceOp::min)->wait();
+        everyone->all_reduce(hi, comm::ReduceOp::max)->wait();
+    }
+    std::string block = "(min, max) time across ranks (ms):";
+    char        line[128];
+    for (int i = 0; i < 3; ++i) {
+        std::string name = std::string(kTimerNames[i]) + " ";
+        name.resize(std::max<size_t>(name.size(), 48), '.');
+        std::snprintf(line, sizeof(line), "\n    %s: (%.2f, %.2f)", name.c_str(), lo.data<float>()[i], hi.data<float>()[i]);
+        block += line;
+    }
+    return block;
 }
 
 void Trainer::log_validation(TensorBoardWriter & board, int64_t iteration, double loss) const {
@@ -375,6 +408,10 @@ TrainSummary Trainer::run(FILE * out) {
             if (out) {
                 std::fprintf(out, "%s%s\n", progress_bar ? "\r\033[K" : "",
                              megatron_log_line(stats, options_.train_iters, options_.log_throughput).c_str());
+            }
+            if (options_.timing_log_level >= 1) {
+                const std::string block = timers_block(window_iters);   // every rank takes part
+                if (out) std::fprintf(out, "%s\n", block.c_str());
             }
             if (log_file) {
                 std::fprintf(log_file, "%s\n", metrics_json(stats).c_str());

@@ -122,6 +122,11 @@ private:
     int                                         peak_in_flight_ = 0;
     optim::LrSchedule                           schedule_;
     BatchSource *                               valid_ = nullptr;
+    // --timing-log-level: seconds spent in each timed part since the last log line.
+    static constexpr const char *               kTimerNames[3] = {"forward-backward", "all-grads-sync", "optimizer"};
+    double                                      timer_seconds_[3] = {0, 0, 0};
+    // Megatron's "(min, max) time across ranks (ms):" block for the last `iterations` (collective).
+    std::string                                 timers_block(int64_t iterations);
 
     void log_validation(TensorBoardWriter & board, int64_t iteration, double loss) const;
     int64_t                                     iteration_ = 0;
