@@ -345,7 +345,7 @@ TEST(Gpt2Bpe, LoomTrainTakesTheVocabularyFromTheTokenizer) {
         std::string args, names;
     } cases[] = {
         {base + " --tokenizer-type GPT2BPETokenizer --vocab-file " + kVocab, "needs --vocab-file and --merge-file"},
-        {base + files, "--vocab-file without --tokenizer-type"},
+        {base + " --merge-file " + kMerges, "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"},
         {base + " --tokenizer-type GPT2BPETokenizer --vocab-size 600" + files,
          "--vocab-size 600 contradicts --vocab-file '" + kVocab + "', which holds 557 tokens"},
         {base + " --tokenizer-type NullTokenizer", "--tokenizer-type NullTokenizer needs --vocab-size"},
@@ -356,6 +356,10 @@ TEST(Gpt2Bpe, LoomTrainTakesTheVocabularyFromTheTokenizer) {
         EXPECT_EQ(bad.status, 2) << c.args << " -> " << bad.out;
         EXPECT_NE(bad.out.find(c.names), std::string::npos) << c.args << " -> " << bad.out;
     }
+    // The files alone mean GPT2BPETokenizer, pretrain_gpt.py's default --tokenizer-type.
+    r = run_loom(base + files);
+    EXPECT_EQ(r.status, 0) << r.out;
+    EXPECT_NE(r.out.find("vocab 557 (padded 640)"), std::string::npos) << r.out;
     // NullTokenizer: the ids as they are, within --vocab-size.
     r = run_loom(base + " --tokenizer-type NullTokenizer --vocab-size 557");
     EXPECT_EQ(r.status, 0) << r.out;

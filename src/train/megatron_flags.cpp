@@ -48,6 +48,9 @@ constexpr NoOpFlag kNoOpFlags[] = {
      "every token of a Loom micro-batch counts, so normalising by the global token count equals Loom's per "
      "micro-batch mean"},
     {"--manual-gc", nullptr, "Python's garbage collector; Loom has none"},
+    {"--dist-ckpt-optim-fully-reshardable", nullptr,
+     "Loom's checkpoints, optimizer state included, reshard across DP, TP and PP in any case"},
+    {"--no-use-tokenizer-model-from-checkpoint-args", nullptr, "Loom's checkpoints record no tokenizer model"},
 };
 
 // Megatron flags Loom refuses, with what to do instead (only where Loom has something to offer).

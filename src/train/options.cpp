@@ -361,9 +361,8 @@ template <typename Given> void validate_schedule(TrainOptions & o, const Given &
 void apply_tokenizer(TrainOptions & o, bool vocab_size_given) {
     const bool files = !o.vocab_file.empty() || !o.merge_file.empty();
     if (o.tokenizer_type.empty()) {
-        LOOM_CHECK(!files, (o.vocab_file.empty() ? "--merge-file" : "--vocab-file") << " without --tokenizer-type",
-                   "add --tokenizer-type GPT2BPETokenizer to take the vocabulary from the GPT-2 BPE files");
-        return;
+        if (!files) return;   // Loom's extension: the vocabulary is the data's
+        o.tokenizer_type = "GPT2BPETokenizer";   // pretrain_gpt.py's args_defaults
     }
     if (o.tokenizer_type == "GPT2BPETokenizer") {
         LOOM_CHECK(!o.vocab_file.empty() && !o.merge_file.empty(),
