@@ -370,7 +370,10 @@ SaveStats save(const std::string & dir, int64_t iteration, const json & metadata
 // --- reading --------------------------------------------------------------------------------------------
 
 std::optional<std::string> find_checkpoint(const std::string & dir, std::optional<int64_t> step) {
-    LOOM_CHECK(fs::is_directory(dir), "--load folder '" << dir << "' does not exist", "give the --save folder of a run");
+    // As Megatron: a --load folder without a tracker (or not there yet, as on a job's first run) holds no
+    // checkpoint; the caller decides whether that is an error (--exit-on-missing-checkpoint).
+    if (!step && !fs::exists(dir)) return std::nullopt;
+    LOOM_CHECK(fs::is_directory(dir), "--load '" << dir << "' is not a folder", "give the --save folder of a run");
     if (fs::exists(fs::path(dir) / kIndexFile)) return dir;   // an iteration folder itself
     std::string folder;
     if (step) {

@@ -161,6 +161,10 @@ Resumed load_checkpoint(const TrainOptions & options, Setup & setup) {
     if (options.load.empty()) return resumed;
     const auto start = std::chrono::steady_clock::now();
     std::optional<std::string> folder = checkpoint_to_load(options);
+    LOOM_CHECK(folder || !options.exit_on_missing_checkpoint,
+               "--exit-on-missing-checkpoint: '" << options.load << "' holds no checkpoint (no "
+                                                 << checkpoint::kTrackerFile << ")",
+               "give the --save folder of a run, or leave the flag out to train from scratch");
     if (!folder) return resumed;
     checkpoint::Index index = checkpoint::read_index(*folder);
     check_checkpoint_args(options, index);

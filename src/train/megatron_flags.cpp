@@ -184,6 +184,7 @@ void group_like_megatron(CLI::App & app) {
         {"--no-save-optim", "checkpointing"}, {"--no-load-optim", "checkpointing"}, {"--no-load-rng", "checkpointing"},
         {"--finetune", "checkpointing"}, {"--ckpt-step", "checkpointing"}, {"--ckpt-format", "checkpointing"},
         {"--use-checkpoint-args", "checkpointing"},
+        {"--exit-on-missing-checkpoint", "checkpointing"},
         {"--bf16", "mixed precision"}, {"--fp16", "mixed precision"},
         {"--accumulate-allreduce-grads-in-fp32", "mixed precision"},
         {"--tensor-model-parallel-size", "distributed"}, {"--pipeline-model-parallel-size", "distributed"},

@@ -148,6 +148,8 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_option("--ckpt-format", o.ckpt_format, "checkpoint format: torch_dist (Loom's reshardable format)")
         ->capture_default_str();
     app.add_flag("--use-checkpoint-args", o.use_checkpoint_args, "take the model's shape from the --load checkpoint");
+    app.add_flag("--exit-on-missing-checkpoint", o.exit_on_missing_checkpoint,
+                 "stop with an error when --load holds no checkpoint (default: a warning, then train from scratch)");
     app.add_option("--exit-interval", o.exit_interval, "stop (after saving) when the iteration is a multiple of this");
     app.add_option("--exit-duration-in-mins", o.exit_duration_in_mins, "stop (after saving) after this many minutes");
     app.add_flag("--exit-signal-handler", o.exit_signal_handler,

@@ -95,6 +95,7 @@ struct TrainOptions {
     int64_t     ckpt_step = -1;             // --ckpt-step (-1: the tracker's iteration)
     std::string ckpt_format = "torch_dist"; // the only format: Loom's, under Megatron's default name
     bool        use_checkpoint_args = false;
+    bool        exit_on_missing_checkpoint = false;   // --load without a checkpoint is an error, not a warning
     int64_t     exit_interval = 0;          // --exit-interval: stop (after saving) at a multiple of it
     double      exit_duration_in_mins = 0;  // --exit-duration-in-mins: stop (after saving) past it
     bool        exit_signal_handler = false;   // SIGTERM: finish the iteration, save, exit 0
