@@ -157,7 +157,7 @@ namespace {
 
 int run_status(const std::string & args, std::string * err) {
     CliRun run = run_loom(args, "2>&1 >/dev/null");
-    *err += run.out;
+    *err = run.out;   // this command's stderr only
     return run.status;
 }
 
@@ -293,11 +293,6 @@ train::TrainOptions parse_train(const std::vector<std::string> & args) {
     return parser.resolve();
 }
 
-int fresh_status(const std::string & args, std::string * err) {
-    err->clear();
-    return run_status(args, err);
-}
-
 }  // namespace
 
 // Megatron's defaults (megatron/training/config/training_config.py, transformer_config.py and arguments.py
@@ -357,22 +352,22 @@ TEST(MegatronDefaults, AreLoomsDefaults) {
 TEST(MegatronCommandLine, NothingIsSilentlyMisread) {
     // A string option swallowing the next flag: argparse says "expected one argument".
     std::string err;
-    EXPECT_EQ(fresh_status("train --mock-data --split --bf16", &err), 2);
+    EXPECT_EQ(run_status("train --mock-data --split --bf16", &err), 2);
     EXPECT_NE(err.find("argument --split: expected one argument, got the flag '--bf16'"), std::string::npos) << err;
-    EXPECT_EQ(fresh_status("train --mock-data --lr", &err), 2);
+    EXPECT_EQ(run_status("train --mock-data --lr", &err), 2);
     EXPECT_NE(err.find("argument --lr: expected one argument"), std::string::npos) << err;
     // A negative number is a value (then refused by its own range check, naming the flag).
-    EXPECT_EQ(fresh_status("train --mock-data --clip-grad -1", &err), 2);
+    EXPECT_EQ(run_status("train --mock-data --clip-grad -1", &err), 2);
     EXPECT_NE(err.find("--clip-grad must be a finite number >= 0, got -1"), std::string::npos) << err;
     // No data source: Megatron requires --data-path or --mock-data.
-    EXPECT_EQ(fresh_status("train --train-iters 2", &err), 2);
+    EXPECT_EQ(run_status("train --train-iters 2", &err), 2);
     EXPECT_NE(err.find("no data: give --data-path PREFIX (a Megatron .bin/.idx dataset), or --mock-data"),
               std::string::npos)
         << err;
-    EXPECT_EQ(fresh_status("train --mock-data --text-file /etc/hostname", &err), 2);
+    EXPECT_EQ(run_status("train --mock-data --text-file /etc/hostname", &err), 2);
     EXPECT_NE(err.find("are exclusive (2 given)"), std::string::npos) << err;
     // Unknown flags: one per line, with their values, in the order given, a hint where Loom has one.
-    EXPECT_EQ(fresh_status("train --mock-data --foo 3 --no-such-switch --num-experts 8", &err), 2);
+    EXPECT_EQ(run_status("train --mock-data --foo 3 --no-such-switch --num-experts 8", &err), 2);
     EXPECT_NE(err.find("3 flags are not supported by Loom:\n  --foo 3\n  --no-such-switch\n  --num-experts 8  "
                        "(Mixture of Experts is not in Loom yet"),
               std::string::npos)
@@ -405,12 +400,12 @@ TEST(MegatronCommandLine, ImplementationFlagsAreAcceptedOrRefusedByValue) {
     EXPECT_NO_THROW(parse_train(args));
     std::string err;
     for (const char * bad : {"--transformer-impl te", "--distributed-backend mpi", "--attention-backend math"}) {
-        EXPECT_EQ(fresh_status(std::string("train --mock-data ") + bad, &err), 2) << bad;
+        EXPECT_EQ(run_status(std::string("train --mock-data ") + bad, &err), 2) << bad;
         EXPECT_NE(err.find(std::string(bad) + " is not supported by Loom"), std::string::npos) << err;
     }
     for (const char * bad : {"--context-parallel-size 2", "--expert-model-parallel-size 2", "--hidden-dropout 0.1",
                              "--attention-dropout 0.1"}) {
-        EXPECT_EQ(fresh_status(std::string("train --mock-data ") + bad, &err), 2) << bad;
+        EXPECT_EQ(run_status(std::string("train --mock-data ") + bad, &err), 2) << bad;
         EXPECT_NE(err.find(std::string(bad) + " is not supported by Loom"), std::string::npos) << err;
     }
     std::ifstream     in(std::string(LOOM_SOURCE_DIR) + "/docs/megatron_flags.md");
@@ -458,7 +453,7 @@ TEST(MegatronCommandLine, ScheduleFlagsInSamplesFractionsAndWsd) {
     };
     std::string err;
     for (const Case & c : cases) {
-        EXPECT_EQ(fresh_status(std::string("train --mock-data ") + c.args, &err), 2) << c.args;
+        EXPECT_EQ(run_status(std::string("train --mock-data ") + c.args, &err), 2) << c.args;
         EXPECT_NE(err.find(c.names), std::string::npos) << c.args << " -> " << err;
     }
 }

@@ -119,11 +119,7 @@ void check_option_values(const CLI::App & app, int argc, const char * const * ar
     for (int i = 1; i < argc; ++i) {
         const char * word = argv[i];
         if (std::strncmp(word, "--", 2) != 0 || std::strchr(word, '=') != nullptr) continue;
-        const CLI::Option * option = nullptr;
-        try {
-            option = app.get_option_no_throw(word);
-        } catch (...) {
-        }
+        const CLI::Option * option = app.get_option_no_throw(word);
         if (option == nullptr || option->get_expected_min() == 0) continue;   // unknown, or a switch
         LOOM_CHECK(i + 1 < argc && !looks_like_flag(argv[i + 1]),
                    "argument " << word << ": expected one argument"
