@@ -46,6 +46,7 @@
 #include "backend/cpu/gemm.h"
 #include "core/cpu_isa.h"
 #include "core/device.h"
+#include "core/dropout.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/ops.h"
@@ -700,6 +701,55 @@ TEST(OpsElementwise, RopeForwardAgainstReferenceAndInverse) {
 // ---------------------------------------------------------------------------------------------------
 // Embedding
 
+// Hidden dropout: y = x mask / (1 - p), the mask a function of (sample, position, feature) alone. Rows
+// are (s, b) ordered; a sequence-parallel block of rows given its offset draws the rows of the whole.
+TEST(OpsElementwise, DropoutKeepsOneMinusPScaledAndIsAFunctionOfTheGlobalRow) {
+    const int64_t s = 64, b = 4, h = 96, n = s * b;
+    Dropout       key;
+    key.p          = 0.1f;
+    key.seed       = 1234;
+    key.site       = dropout_site(0, DropoutKind::mlp_output);
+    key.sample_ids = empty({b}, DType::i64);
+    for (int64_t j = 0; j < b; ++j) key.sample_ids.data<int64_t>()[j] = 100 + j;
+    key.batch   = b;
+    Tensor x    = random_f32({n, h}, 77);
+    Tensor y    = empty({n, h});
+    ops().dropout(stream(), x, y, key);
+    // The last 3/4 of the rows alone, as a sequence-parallel rank holds them, in place.
+    Tensor tail = empty({n / 4 * 3, h});
+    ops().copy(stream(), x.narrow(0, n / 4, n - n / 4), tail);
+    Dropout tail_key = key;
+    tail_key.offset  = n / 4;
+    ops().dropout(stream(), tail, tail, tail_key);
+    synchronize();
+    const uint32_t threshold = dropout_threshold(key.p);
+    int64_t        kept      = 0;
+    for (int64_t r = 0; r < n; ++r) {
+        const uint64_t base = dropout_base(key.seed, key.site, 100 + r % b);
+        for (int64_t c = 0; c < h; ++c) {
+            const bool  keep = dropout_keep_hidden(base, r / b, c, threshold);
+            const float want = keep ? x.data<float>()[r * h + c] * (1.0f / 0.9f) : 0.0f;
+            ASSERT_EQ(y.data<float>()[r * h + c], want) << "row " << r << " feature " << c;
+            if (r >= n / 4) {
+                ASSERT_EQ(tail.data<float>()[(r - n / 4) * h + c], want) << "offset row " << r;
+            }
+            kept += keep;
+        }
+    }
+    // Kept fraction 0.9 within 5 standard deviations of a binomial over n h = 24576 draws (sd 0.0019).
+    const double fraction = static_cast<double>(kept) / static_cast<double>(n * h);
+    EXPECT_NEAR(fraction, 0.9, 5 * std::sqrt(0.09 / static_cast<double>(n * h)));
+    // Another sample, another site: another mask (the two agree on about 0.82 of the elements, not all).
+    Dropout other = key;
+    other.site    = dropout_site(1, DropoutKind::mlp_output);
+    int64_t same  = 0;
+    for (int64_t r = 0; r < n; ++r) {
+        const uint64_t a = dropout_base(key.seed, key.site, 100 + r % b), o = dropout_base(key.seed, other.site, 100 + r % b);
+        for (int64_t c = 0; c < h; ++c) same += dropout_keep_hidden(a, r / b, c, threshold) == dropout_keep_hidden(o, r / b, c, threshold);
+    }
+    EXPECT_NEAR(static_cast<double>(same) / static_cast<double>(n * h), 0.82, 0.01);
+}
+
 TEST(OpsEmbedding, ForwardF32AndBf16WithAndWithoutWpe) {
     const int64_t b = 3, s = 5, vocab = 11, h = 40, positions = 7;
     // tokens (b, s); -1 is another rank's row: it embeds to zero.
@@ -803,11 +853,21 @@ struct AttentionIndex {
     size_t row(int64_t si, int64_t bi) const { return static_cast<size_t>((si * a.b + bi) * a.row_stride); }
 };
 
+// The probabilities' dropout factor z (mask / (1 - p)) of (batch column, query head, query, key), drawn
+// straight from core/dropout.h's keys.
+double attention_dropout_factor(const Dropout & key, int64_t bi, int64_t hq, int64_t i, int64_t j) {
+    if (!key.enabled()) return 1.0;
+    const int64_t  sample = key.sample_ids.defined() ? key.sample_ids.data<int64_t>()[bi] : bi;
+    const uint64_t row    = dropout_attention_row(dropout_base(key.seed, key.site, sample), key.offset + hq, i);
+    return dropout_keep_attention(row, j, dropout_threshold(key.p)) ? 1.0 / (1.0 - static_cast<double>(key.p)) : 0.0;
+}
+
 // Naive causal softmax attention in double: the s x s probabilities of each (sequence, query head).
-// With dout given, also its gradient dqkv (assigned on the Q, K, V columns, 0 elsewhere).
+// With dout given, also its gradient dqkv (assigned on the Q, K, V columns, 0 elsewhere). With dropout,
+// O = (z P) V and dS = P (z dP - rowsum(dO O)).
 void attention_reference(const std::vector<double> & qkv, const AttentionShape & a, double scale,
                          std::vector<double> & out, std::vector<double> & lse, const std::vector<double> * dout,
-                         std::vector<double> * dqkv) {
+                         std::vector<double> * dqkv, const Dropout & dropout = {}) {
     const AttentionIndex ix{a};
     const int64_t        group = a.nq / a.nkv;
     out.assign(static_cast<size_t>(a.s * a.b * a.nq * a.d), 0.0);
@@ -829,8 +889,10 @@ void attention_reference(const std::vector<double> & qkv, const AttentionShape &
                 for (int64_t j = 0; j <= i; ++j) sum += (p[j] = std::exp(p[j] - mx));
                 for (int64_t j = 0; j <= i; ++j) p[j] /= sum;
                 lse[static_cast<size_t>((bi * a.nq + hq) * a.s + i)] = mx + std::log(sum);
+                std::vector<double> z(static_cast<size_t>(i + 1));
+                for (int64_t j = 0; j <= i; ++j) z[j] = attention_dropout_factor(dropout, bi, hq, i, j);
                 for (int64_t j = 0; j <= i; ++j) {
-                    for (int64_t dd = 0; dd < a.d; ++dd) out[ix.o(i, bi, hq, dd)] += p[j] * qkv[ix.v(j, bi, hk, dd)];
+                    for (int64_t dd = 0; dd < a.d; ++dd) out[ix.o(i, bi, hq, dd)] += z[j] * p[j] * qkv[ix.v(j, bi, hk, dd)];
                 }
                 if (!dqkv) continue;
                 // dV_j += P_ij dO_i;  dS_ij = P_ij (dO_i . V_j - dO_i . O_i);  dQ_i += scale dS_ij K_j;
@@ -840,9 +902,9 @@ void attention_reference(const std::vector<double> & qkv, const AttentionShape &
                 for (int64_t j = 0; j <= i; ++j) {
                     double dp = 0;
                     for (int64_t dd = 0; dd < a.d; ++dd) dp += (*dout)[ix.o(i, bi, hq, dd)] * qkv[ix.v(j, bi, hk, dd)];
-                    const double ds = p[j] * (dp - delta);
+                    const double ds = p[j] * (z[j] * dp - delta);
                     for (int64_t dd = 0; dd < a.d; ++dd) {
-                        (*dqkv)[ix.v(j, bi, hk, dd)] += p[j] * (*dout)[ix.o(i, bi, hq, dd)];
+                        (*dqkv)[ix.v(j, bi, hk, dd)] += z[j] * p[j] * (*dout)[ix.o(i, bi, hq, dd)];
                         (*dqkv)[ix.q(i, bi, hq, dd)] += scale * ds * qkv[ix.k(j, bi, hk, dd)];
                         (*dqkv)[ix.k(j, bi, hk, dd)] += scale * ds * qkv[ix.q(i, bi, hq, dd)];
                     }
@@ -853,9 +915,9 @@ void attention_reference(const std::vector<double> & qkv, const AttentionShape &
 }
 
 double attention_loss(const std::vector<double> & qkv, const AttentionShape & a, double scale,
-                      const std::vector<double> & dout) {
+                      const std::vector<double> & dout, const Dropout & dropout = {}) {
     std::vector<double> out, lse;
-    attention_reference(qkv, a, scale, out, lse, nullptr, nullptr);
+    attention_reference(qkv, a, scale, out, lse, nullptr, nullptr, dropout);
     double loss = 0;
     for (size_t i = 0; i < out.size(); ++i) loss += dout[i] * out[i];
     return loss;
@@ -863,13 +925,13 @@ double attention_loss(const std::vector<double> & qkv, const AttentionShape & a,
 
 }  // namespace
 
-TEST(OpsAttention, ForwardBackwardAgainstNaiveDoubleAttentionWithGqa) {
+static void attention_against_reference(const Dropout & dropout) {
     // (s, b, nq, nkv, d, row_stride): GQA with two query blocks of 64; multi-head with padded rows; one
     // key/value head for four query heads.
     const AttentionShape shapes[] = {{70, 2, 4, 2, 8, 8 * 8 + 3}, {5, 3, 2, 2, 4, 6 * 4 + 1}, {9, 1, 4, 1, 16, 6 * 16}};
     int                  variant  = 0;
     for (const AttentionShape & a : shapes) {
-        SCOPED_TRACE("attention shape " + std::to_string(variant));
+        SCOPED_TRACE("attention shape " + std::to_string(variant) + (dropout.enabled() ? " with dropout" : ""));
         const int64_t       n = a.s * a.b, width = (a.nq + 2 * a.nkv) * a.d;
         const float         scale = 1.0f / std::sqrt(static_cast<float>(a.d));
         Tensor              qkv   = random_f32({n, a.row_stride}, 5000 + 10 * variant, -2.0f, 2.0f);
@@ -877,7 +939,7 @@ TEST(OpsAttention, ForwardBackwardAgainstNaiveDoubleAttentionWithGqa) {
         Tensor              dout = random_f32({n, a.nq * a.d}, 5001 + 10 * variant);
         Tensor              dqkv = random_f32({n, a.row_stride}, 5002, 7.0f, 8.0f);   // assigned, not added to
         std::vector<double> ref_out, ref_lse, ref_dqkv, q = values(qkv), dov = values(dout);
-        attention_reference(q, a, scale, ref_out, ref_lse, &dov, &ref_dqkv);
+        attention_reference(q, a, scale, ref_out, ref_lse, &dov, &ref_dqkv, dropout);
 
         // The reference gradient against central differences of the reference forward, at a few elements.
         Rng pick(5003 + variant);
@@ -887,12 +949,12 @@ TEST(OpsAttention, ForwardBackwardAgainstNaiveDoubleAttentionWithGqa) {
             std::vector<double> qp = q, qm = q;
             qp[i] += hh;
             qm[i] -= hh;
-            const double fd = (attention_loss(qp, a, scale, dov) - attention_loss(qm, a, scale, dov)) / (2 * hh);
+            const double fd = (attention_loss(qp, a, scale, dov, dropout) - attention_loss(qm, a, scale, dov, dropout)) / (2 * hh);
             EXPECT_NEAR(ref_dqkv[i], fd, 1e-6 * std::max(std::fabs(fd), 1e-3)) << "reference gradient, element " << i;
         }
 
-        ops().attention_forward(stream(), qkv, out, lse, a, scale);
-        ops().attention_backward(stream(), qkv, out, dout, lse, dqkv, a, scale);
+        ops().attention_forward(stream(), qkv, out, lse, a, scale, dropout);
+        ops().attention_backward(stream(), qkv, out, dout, lse, dqkv, a, scale, dropout);
         synchronize();
         EXPECT_TRUE(close_to_max(name("attention out", variant), out.data<float>(), ref_out, kAttentionTol));
         EXPECT_TRUE(close(name("attention lse", variant), lse, ref_lse, kAttentionTol, 1.0));
@@ -953,6 +1015,25 @@ std::vector<double> logsumexp_rows(const Tensor & logits, int64_t valid) {
 }
 
 }  // namespace
+
+TEST(OpsAttention, ForwardBackwardAgainstNaiveDoubleAttentionWithGqa) {
+    attention_against_reference(Dropout{});
+}
+
+// Dropout on the probabilities: the kernel (tiled, the mask redrawn in backward) against the naive
+// attention with the same mask, including the gradient's central differences; head offset 3 and sample
+// ids far into the stream.
+TEST(OpsAttention, DropoutOnTheProbabilitiesAgainstNaiveDoubleAttention) {
+    Dropout key;
+    key.p          = 0.3f;
+    key.seed       = 1234;
+    key.site       = dropout_site(2, DropoutKind::attention_probs);
+    key.sample_ids = empty({3}, DType::i64);
+    for (int64_t j = 0; j < 3; ++j) key.sample_ids.data<int64_t>()[j] = (int64_t{1} << 33) + 7 * j;
+    key.batch  = 3;
+    key.offset = 3;
+    attention_against_reference(key);
+}
 
 TEST(OpsCrossEntropy, ForwardAndBackwardWithPaddingAndOtherRanksLabels) {
     const int64_t s = 3, b = 2, n = s * b;

@@ -9,11 +9,13 @@
 #include "backend/cpu/cpu_device.h"
 #include "backend/cpu/ops.h"
 #include "backend/cpu/vec_math.h"
+#include "core/device.h"
 #include "model/gpt_model.h"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <random>
 
@@ -294,6 +296,118 @@ TEST(GptModel, LlamaStyleGradientsMatchFiniteDifferences) {
     c.seq_length = 70;
     c.vocab_size = 50;
     check_model_gradients(c);
+}
+
+// Dropout's masks are a function of the key alone, so the loss is a deterministic function of the
+// weights and its gradient (each mask applied again in backward) matches central differences.
+TEST(GptModel, DropoutGradientsMatchFiniteDifferences) {
+    model::GptConfig c;
+    c.num_layers = 2;
+    c.hidden_size = 32;
+    c.ffn_hidden_size = 64;
+    c.num_attention_heads = 4;
+    c.num_query_groups = 4;
+    c.seq_length = 70;
+    c.max_position_embeddings = 80;
+    c.vocab_size = 50;
+    c.hidden_dropout    = 0.1f;
+    c.attention_dropout = 0.2f;
+    check_model_gradients(c);
+}
+
+namespace {
+
+model::GptConfig small_recompute_config() {
+    model::GptConfig c;
+    c.num_layers = 4;
+    c.hidden_size = 64;
+    c.ffn_hidden_size = 256;
+    c.num_attention_heads = 4;
+    c.num_query_groups = 4;
+    c.seq_length = 128;
+    c.max_position_embeddings = 128;
+    c.vocab_size = 64;
+    c.hidden_dropout    = 0.1f;
+    c.attention_dropout = 0.1f;
+    return c;
+}
+
+struct StepResult {
+    double                          loss = 0;
+    std::vector<std::vector<float>> grads;
+    int64_t                         peak_activations = 0;   // bytes of the "activations" pool, forward + backward
+};
+
+StepResult one_step(const model::GptConfig & c, bool training = true) {
+    Device &        device = cpu::device();
+    model::GptModel gpt(c, device);
+    gpt.init();
+    model::MicroBatch batch = make_batch(4, c.seq_length, c.vocab_size, 21, device);
+    batch.sample_ids        = Tensor::empty({4}, DType::i64, device);
+    for (int64_t j = 0; j < 4; ++j) batch.sample_ids.data<int64_t>()[j] = 1000 + j;
+    gpt.zero_grad();
+    device.compute_stream().synchronize();
+    device.allocator().reset_peak();
+    const int64_t before = device.allocator().pool_stats("activations").allocated;
+    StepResult    result;
+    {
+        model::GptModel::Context ctx;
+        ctx.training = training;
+        result.loss  = gpt.forward(ctx, batch).mean();
+        gpt.backward(ctx, 1.0, nullptr);
+        device.compute_stream().synchronize();
+    }
+    result.peak_activations = device.allocator().pool_stats("activations").peak_allocated - before;
+    for (auto * p : gpt.parameters()) result.grads.emplace_back(p->main_grad.data<float>(), p->main_grad.data<float>() + p->numel());
+    return result;
+}
+
+}  // namespace
+
+// Evaluation drops nothing: its loss is the dropout-free model's, bitwise; training with dropout differs.
+TEST(GptModel, DropoutOnlyWhenTraining) {
+    model::GptConfig c = small_recompute_config(), plain = c;
+    plain.hidden_dropout = plain.attention_dropout = 0.0f;
+    const double without = one_step(plain).loss, evaluated = one_step(c, false).loss, trained = one_step(c).loss;
+    EXPECT_EQ(evaluated, without);
+    EXPECT_GT(std::fabs(trained - without), 1e-4) << "dropout 0.1 changes the loss";
+}
+
+// Full activation recompute (uniform groups of 1 and 2, block of 3) gives bitwise the gradients of the
+// run that stores everything, dropout included, and holds fewer activation bytes at its peak: the peak
+// is measured from the allocator's "activations" pool over one forward and backward.
+//
+// The peak is asserted where streams run inline (LOOM_SYNC_STREAMS=1, the ctest entry
+// test_model_grad_sync_streams): there a block is free once its last user drops it, as with a GPU's
+// stream-ordered caching allocator. With the CPU's worker-thread stream the host enqueues far ahead of
+// the kernels, and every tensor an enqueued kernel holds stays allocated until it runs, so the peak is
+// set by how far the host runs ahead, not by what the model keeps.
+TEST(GptModel, FullRecomputeIsBitwiseAndLowersTheActivationPeak) {
+    const model::GptConfig stored = small_recompute_config();
+    const StepResult       base   = one_step(stored);
+    struct Variant { model::RecomputeMethod method; int64_t layers; const char * name; };
+    const Variant variants[] = {{model::RecomputeMethod::uniform, 1, "uniform 1"},
+                                {model::RecomputeMethod::uniform, 2, "uniform 2"},
+                                {model::RecomputeMethod::block, 3, "block 3"}};
+    std::printf("activation peak: stored %.2f MiB\n", base.peak_activations / 1048576.0);
+    for (const Variant & v : variants) {
+        model::GptConfig c     = stored;
+        c.recompute_granularity = model::RecomputeGranularity::full;
+        c.recompute_method      = v.method;
+        c.recompute_num_layers  = v.layers;
+        const StepResult r     = one_step(c);
+        EXPECT_EQ(r.loss, base.loss) << v.name;
+        ASSERT_EQ(r.grads.size(), base.grads.size());
+        for (size_t k = 0; k < r.grads.size(); ++k) {
+            ASSERT_EQ(0, std::memcmp(r.grads[k].data(), base.grads[k].data(), r.grads[k].size() * sizeof(float)))
+                << v.name << ": gradient " << k << " differs";
+        }
+        std::printf("activation peak: %s %.2f MiB (%.0f%% of stored)\n", v.name, r.peak_activations / 1048576.0,
+                    100.0 * r.peak_activations / base.peak_activations);
+        // Four layers stored hold about 4 layers' activations at the peak; recompute holds the checkpoints
+        // plus at most one group's: at least 25% less in each variant.
+        if (streams_synchronous_from_env()) EXPECT_LT(r.peak_activations, base.peak_activations * 3 / 4) << v.name;
+    }
 }
 
 TEST(GptModel, GradientsAccumulateAcrossMicrobatches) {

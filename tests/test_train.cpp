@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom_cli_runner.h"
+#include "error_text.h"
 
 #include <gtest/gtest.h>
 
@@ -330,6 +331,9 @@ TEST(MegatronDefaults, AreLoomsDefaults) {
     EXPECT_EQ(o.lr_wsd_decay_style, "exponential");
     EXPECT_EQ(o.eval_iters, 100);
     EXPECT_EQ(o.eval_interval, 0) << "no validation unless --eval-interval is given (HEAD's None)";
+    EXPECT_FLOAT_EQ(o.model.hidden_dropout, 0.1f);
+    EXPECT_FLOAT_EQ(o.model.attention_dropout, 0.1f);
+    EXPECT_EQ(o.model.recompute_granularity, model::RecomputeGranularity::none);
     // Model flags that only restate Loom's shape are accepted; the others change it or are refused.
     const train::TrainOptions m = parse_train({"--mock-data", "--norm-epsilon", "1e-6", "--rotary-base", "500000",
                                                "--kv-channels", "32", "--rotary-percent", "1.0"});
@@ -395,16 +399,14 @@ TEST(MegatronCommandLine, ImplementationFlagsAreAcceptedOrRefusedByValue) {
         args.push_back(f.name);
         if (f.values != nullptr) args.push_back(f.values[0] ? std::string(f.values).substr(0, std::string(f.values).find('|')) : "2");
     }
-    args.insert(args.end(), {"--context-parallel-size", "1", "--expert-model-parallel-size", "1", "--hidden-dropout",
-                             "0.0", "--attention-dropout", "0"});
+    args.insert(args.end(), {"--context-parallel-size", "1", "--expert-model-parallel-size", "1"});
     EXPECT_NO_THROW(parse_train(args));
     std::string err;
     for (const char * bad : {"--transformer-impl te", "--distributed-backend mpi", "--attention-backend math"}) {
         EXPECT_EQ(run_status(std::string("train --mock-data ") + bad, &err), 2) << bad;
         EXPECT_NE(err.find(std::string(bad) + " is not supported by Loom"), std::string::npos) << err;
     }
-    for (const char * bad : {"--context-parallel-size 2", "--expert-model-parallel-size 2", "--hidden-dropout 0.1",
-                             "--attention-dropout 0.1"}) {
+    for (const char * bad : {"--context-parallel-size 2", "--expert-model-parallel-size 2"}) {
         EXPECT_EQ(run_status(std::string("train --mock-data ") + bad, &err), 2) << bad;
         EXPECT_NE(err.find(std::string(bad) + " is not supported by Loom"), std::string::npos) << err;
     }
@@ -417,6 +419,41 @@ TEST(MegatronCommandLine, ImplementationFlagsAreAcceptedOrRefusedByValue) {
 }
 
 // Megatron's schedule flags: sample-based training, the warmup as a fraction, WSD; never a mix of units.
+// --recompute-*: arguments.py's choices and asserts, and transformer_config.py's rules for full.
+TEST(MegatronCommandLine, RecomputeFlagsFollowMegatronsRules) {
+    const train::TrainOptions full = parse_train({"--mock-data", "--recompute-granularity", "full", "--recompute-method",
+                                                  "block", "--recompute-num-layers", "2"});
+    EXPECT_EQ(full.model.recompute_granularity, model::RecomputeGranularity::full);
+    EXPECT_EQ(full.model.recompute_method, model::RecomputeMethod::block);
+    EXPECT_EQ(full.model.recompute_num_layers, 2);
+    EXPECT_EQ(parse_train({"--mock-data", "--recompute-activations"}).model.recompute_granularity,
+              model::RecomputeGranularity::selective);
+    EXPECT_EQ(parse_train({"--mock-data", "--recompute-granularity", "selective", "--recompute-modules", "core_attn"})
+                  .model.recompute_granularity,
+              model::RecomputeGranularity::selective);
+    EXPECT_EQ(parse_train({"--mock-data", "--recompute-method", "uniform"}).model.recompute_granularity,
+              model::RecomputeGranularity::none)
+        << "a method without a granularity recomputes nothing, as in Megatron";
+    const std::pair<std::vector<std::string>, const char *> bad[] = {
+        {{"--recompute-granularity", "layer"}, "invalid choice: 'layer' (choose from 'full', 'selective')"},
+        {{"--recompute-granularity", "full", "--recompute-method", "all", "--recompute-num-layers", "1"}, "invalid choice: 'all'"},
+        {{"--recompute-granularity", "full", "--recompute-num-layers", "1"}, "recompute_method must be \"block\" or \"uniform\""},
+        {{"--recompute-granularity", "full", "--recompute-method", "uniform"}, "recompute_num_layers must be between 1"},
+        {{"--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "0"}, "(--recompute-num-layers 0)"},
+        {{"--recompute-granularity", "selective", "--recompute-method", "uniform"}, "recompute method is not yet supported"},
+        {{"--recompute-granularity", "selective", "--recompute-num-layers", "1"}, "recompute_num_layers must be None"},
+        {{"--recompute-granularity", "selective", "--recompute-modules", "mlp"}, "--recompute-modules mlp is not supported"},
+        {{"--hidden-dropout", "1"}, "--hidden-dropout 1 is not a probability in [0, 1)"},
+        {{"--attention-dropout", "-0.1"}, "--attention-dropout -0.1 is not a probability"},
+    };
+    for (const auto & [flags, message] : bad) {
+        std::vector<std::string> args{"--mock-data"};
+        args.insert(args.end(), flags.begin(), flags.end());
+        const std::string text = error_of([&] { parse_train(args); });
+        EXPECT_NE(text.find(message), std::string::npos) << text;
+    }
+}
+
 TEST(MegatronCommandLine, ScheduleFlagsInSamplesFractionsAndWsd) {
     const train::TrainOptions o = parse_train({"--mock-data", "--train-samples", "40", "--global-batch-size", "8",
                                                "--lr-decay-samples", "32", "--lr-warmup-fraction", "0.25"});

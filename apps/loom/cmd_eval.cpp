@@ -54,6 +54,7 @@ int cmd_eval(int argc, char ** argv) {
     double sum = 0, count = 0;
     for (int64_t k = 0; k < eval_iters * options.num_microbatches(); ++k) {
         model::GptModel::Context ctx;
+        ctx.training                  = false;   // evaluation drops nothing out
         model::GptModel::LossSum loss = gpt.forward(ctx, data->next());
         sum += loss.sum;
         count += loss.count;

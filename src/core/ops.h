@@ -32,6 +32,20 @@ struct AttentionShape {
     int64_t row_stride;   // elements between consecutive (s, b) rows of qkv and dqkv
 };
 
+// A dropout's key (core/dropout.h): which mask to draw. p = 0 is no dropout.
+//   hidden (n, w) activations: row r is global row offset + r of the (s, b) rows (sequence parallelism
+//   holds a block of them), position (offset + r) / batch, batch column (offset + r) % batch;
+//   attention probabilities: query head h of the call is head offset + h of the model (tensor parallelism).
+struct Dropout {
+    float    p      = 0.0f;
+    uint64_t seed   = 0;
+    uint64_t site   = 0;   // dropout_site(layer, kind)
+    Tensor   sample_ids;   // (b) i64, host-readable: each batch column's global sample index; undefined: 0 .. b-1
+    int64_t  batch  = 1;
+    int64_t  offset = 0;
+    bool     enabled() const { return p > 0.0f; }
+};
+
 // One AdamW step's scalars (core/host_adam.h's update; step t >= 1 counts this step).
 struct AdamStep {
     float   lr;
@@ -82,6 +96,8 @@ public:
     // Rotary embedding, in place, on the first `heads` heads of dimension d of every (s, b) row of x.
     virtual void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base,
                       bool inverse) = 0;
+    // y = x * mask / (1 - p) with the mask of `key` (y may be x). Its own backward: dx = dropout(dy), same key.
+    virtual void dropout(Stream & s, const Tensor & x, const Tensor & y, const Dropout & key) = 0;
 
     // ---- Embedding. tokens (b, s) i32 (-1: another tensor-parallel rank's row: embeds to zero, adds no
     // gradient); wte (V, h) and wpe (P, h, optional) f32 or bf16; out (s * b, h) f32.
@@ -93,12 +109,14 @@ public:
     // out[i] = ids[i] - begin where begin <= ids[i] < begin + count, else -1 (a vocabulary shard's rows).
     virtual void vocab_shard_ids(Stream & s, const Tensor & ids, int64_t begin, int64_t count, const Tensor & out) = 0;
 
-    // ---- Attention (f32), tiled: no s x s matrix. out (n, nq d), lse (b, nq, s); dqkv assigned.
+    // ---- Attention (f32), tiled: no s x s matrix. out (n, nq d), lse (b, nq, s); dqkv assigned. With
+    // `dropout` enabled the probabilities are dropped out (after the softmax, before the values) with its
+    // mask; backward redraws the same mask.
     virtual void attention_forward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & lse,
-                                   const AttentionShape & shape, float scale) = 0;
+                                   const AttentionShape & shape, float scale, const Dropout & dropout = {}) = 0;
     virtual void attention_backward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & dout,
                                     const Tensor & lse, const Tensor & dqkv, const AttentionShape & shape,
-                                    float scale) = 0;
+                                    float scale, const Dropout & dropout = {}) = 0;
 
     // ---- Cross-entropy over logits (n, stride) whose first `vocab` columns are real tokens; labels (b, s)
     // i32 read in (s, b) row order (-1: the label is on another rank's shard). Forward: loss[r], lse[r].

@@ -101,8 +101,10 @@ Batch Loader::next_microbatch() {
     batch.tokens    = Tensor::empty({b, s}, DType::i32, device_, {MemoryKind::device, "data"});
     batch.labels    = Tensor::empty({b, s}, DType::i32, device_, {MemoryKind::device, "data"});
     batch.loss_mask = Tensor::empty({b, s}, DType::f32, device_, {MemoryKind::device, "data"});
+    batch.sample_ids = Tensor::empty({b}, DType::i64, device_, {MemoryKind::pinned_host, "data"});
     std::vector<int32_t> window(s + 1);
     for (int64_t j = 0; j < b; ++j) {
+        batch.sample_ids.data<int64_t>()[j] = consumed_ + dp_rank_ * micro_batch_size_ + j;
         dataset_.sample(sample_index(j), window);
         for (int64_t i = 0; i < s; ++i) {
             batch.tokens.data<int32_t>()[j * s + i]  = window[i];

@@ -98,6 +98,8 @@ struct Batch {
     Tensor tokens;      // (b, s) int32
     Tensor labels;      // (b, s) int32
     Tensor loss_mask;   // (b, s) f32
+    Tensor sample_ids;  // (b) int64: each row's place in the sample stream (consumed + r mbs + j, before
+                        // wrapping around the dataset), the same in every layout
 };
 
 class Loader {

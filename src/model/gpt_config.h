@@ -16,6 +16,14 @@ namespace loom::model {
 
 enum class Normalization { layernorm, rmsnorm };
 enum class PositionEmbedding { learned_absolute, rope, none };
+// Activation recompute (Megatron's --recompute-granularity / --recompute-method / --recompute-num-layers).
+// full: the chosen layers keep only their input in forward and rerun their forward just before their
+// backward. uniform: each model chunk's layers in groups of recompute_num_layers, one input kept per
+// group; block: the first recompute_num_layers layers of each chunk, one by one, the rest stored as
+// usual. selective (core_attn): the attention probabilities are recomputed in backward, which Loom's
+// tiled attention always does (it never stores the s x s matrix), so it changes nothing.
+enum class RecomputeGranularity { none, full, selective };
+enum class RecomputeMethod { uniform, block };
 
 struct GptConfig {
     int64_t           num_layers              = 4;
@@ -35,6 +43,14 @@ struct GptConfig {
     float             init_method_std         = 0.02f;
     float             norm_epsilon            = 1e-5f;
     float             rotary_base             = 10000.0f;
+    // Dropout probabilities (Megatron's --hidden-dropout on the embedding and on each attention and MLP
+    // output before its residual add; --attention-dropout on the attention probabilities). The library
+    // default is none; `loom train` takes Megatron's 0.1 and 0.1. Masks: core/dropout.h.
+    float             hidden_dropout          = 0.0f;
+    float             attention_dropout       = 0.0f;
+    RecomputeGranularity recompute_granularity = RecomputeGranularity::none;
+    RecomputeMethod      recompute_method      = RecomputeMethod::uniform;
+    int64_t              recompute_num_layers  = 0;   // >= 1 with full
     uint64_t          seed                    = 1234;
     // Parameter and GEMM-operand dtype: f32, or bf16 with --bf16 (main_grad and master weights stay f32).
     DType             params_dtype            = DType::f32;

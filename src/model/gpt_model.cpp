@@ -111,6 +111,7 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
     ctx.b     = b;
     ctx.batch = batch;
     ctx.layers.resize(layers_.size());
+    const DropoutBatch dropout_batch{batch.sample_ids, b, ctx.training};
 
     Tensor x;
     if (stage_.pre_process) {
@@ -135,11 +136,22 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
         } else {
             tp_.all_reduce(x);
         }
+        ctx.embedding_dropout = dropout_key(config_, tp_, dropout_batch, -1, DropoutKind::attention_output, x.size(0));
+        if (ctx.embedding_dropout.enabled()) ops.dropout(stream, x, x, ctx.embedding_dropout);
     } else {
         LOOM_CHECK(input.defined() && input.numel() == activation_rows(s, b) * h,
                    "pipeline stage input of " << (input.defined() ? input.numel() : 0) << " elements, expected "
                                               << activation_rows(s, b) * h << " (rows x h)", "");
         x = input;
+    }
+    // Full recompute: a group's first layer keeps its input, and every layer of the group drops what it
+    // saved for backward as soon as its forward has run (backward_stage reruns the group).
+    const std::vector<std::pair<int64_t, int64_t>> groups = recompute_groups();
+    ctx.checkpoints.assign(layers_.size(), Tensor());
+    std::vector<char> recomputed(layers_.size(), 0), group_input(layers_.size(), 0);
+    for (const auto & [begin, end] : groups) {
+        group_input[begin] = 1;
+        for (int64_t i = begin; i < end; ++i) recomputed[i] = 1;
     }
     for (size_t i = 0; i < layers_.size(); ++i) {
         if (pre_forward_) {
@@ -147,7 +159,9 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
             layers_[i]->parameters(params);
             pre_forward_(params);
         }
-        x = layers_[i]->forward(ctx.layers[i], x, s, b);
+        if (group_input[i]) ctx.checkpoints[i] = x;
+        x = layers_[i]->forward(ctx.layers[i], x, s, b, dropout_batch);
+        if (recomputed[i]) ctx.layers[i] = TransformerLayer::Context{};
     }
     if (!stage_.post_process) {
         return x;
@@ -212,10 +226,21 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
                                                         << activation_rows(s, b) * h, "");
         dx = dy;
     }
-    for (size_t i = layers_.size(); i-- > 0;) {
+    const std::vector<std::pair<int64_t, int64_t>> groups = recompute_groups();
+    const DropoutBatch dropout_batch{ctx.batch.sample_ids, b, ctx.training};
+    for (int64_t i = static_cast<int64_t>(layers_.size()); i-- > 0;) {
+        for (const auto & [begin, end] : groups) {
+            if (end - 1 != i) continue;
+            // The group's forward again from its input, keeping everything this time: the same kernels
+            // on the same values (and the same dropout keys) give bitwise the same activations.
+            Tensor y = ctx.checkpoints[begin];
+            for (int64_t k = begin; k < end; ++k) y = layers_[k]->forward(ctx.layers[k], y, s, b, dropout_batch);
+            ctx.checkpoints[begin] = Tensor();
+        }
         dx = layers_[i]->backward(ctx.layers[i], dx, ready);
     }
     if (stage_.pre_process) {
+        if (ctx.embedding_dropout.enabled()) ops.dropout(stream, dx, dx, ctx.embedding_dropout);
         if (tp_.sp()) dx = tp_.all_gather(dx);   // the lookup's gradient needs every position
         ops.embedding_backward(stream, local_tokens(ctx.batch.tokens), dx, wte_.main_grad,
                                wpe_.data.defined() ? wpe_.main_grad : Tensor());
@@ -227,6 +252,19 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
     }
     ctx.batch = MicroBatch{};
     return dx;
+}
+
+std::vector<std::pair<int64_t, int64_t>> GptModel::recompute_groups() const {
+    std::vector<std::pair<int64_t, int64_t>> groups;
+    if (config_.recompute_granularity != RecomputeGranularity::full) return groups;
+    const int64_t layers = static_cast<int64_t>(layers_.size()), n = config_.recompute_num_layers;
+    LOOM_CHECK(n >= 1, "full activation recompute of groups of " << n << " layers", "--recompute-num-layers must be >= 1");
+    if (config_.recompute_method == RecomputeMethod::uniform) {
+        for (int64_t begin = 0; begin < layers; begin += n) groups.emplace_back(begin, std::min(begin + n, layers));
+    } else {
+        for (int64_t i = 0; i < std::min(n, layers); ++i) groups.emplace_back(i, i + 1);
+    }
+    return groups;
 }
 
 int64_t GptModel::local_valid_vocab() const {

@@ -26,6 +26,8 @@ struct MicroBatch {
     Tensor tokens;      // (b, s) int32
     Tensor labels;      // (b, s) int32
     Tensor loss_mask;   // (b, s) f32
+    Tensor sample_ids;  // (b) int64, host: each row's place in the global sample stream (the dropout masks'
+                        // key, so they do not depend on the layout); undefined: 0 .. b-1
 };
 
 // The part of the model one pipeline stage holds: layers [first_layer, first_layer + num_layers) (global
@@ -65,6 +67,9 @@ public:
         Tensor                                 token_loss;     // (s*b)
         int64_t                                s = 0, b = 0;
         LossSum                                loss;           // last stage: this micro-batch's loss
+        bool                                   training = true;   // false: evaluation, no dropout
+        Dropout                                embedding_dropout;
+        std::vector<Tensor>                    checkpoints;    // full recompute: each group's input, at its first layer
     };
 
     // Initialises every parameter from config.seed (Megatron's scheme).
@@ -94,6 +99,10 @@ public:
     int64_t activation_rows(int64_t s, int64_t b) const { return tp_.sp() ? s * b / tp_.size : s * b; }
     // The word embedding (first stage) or its tied copy (last stage); null when the stage has neither.
     Parameter * word_embedding() { return wte_.data.defined() ? &wte_ : nullptr; }
+
+    // The layer groups this chunk recomputes (full recompute), as [begin, end) of its local layer indices;
+    // empty without. The layers outside every group keep their activations.
+    std::vector<std::pair<int64_t, int64_t>> recompute_groups() const;
 
     // Every parameter, in a fixed order (embedding first, output last).
     std::vector<Parameter *> parameters();

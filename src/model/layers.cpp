@@ -48,6 +48,21 @@ Tensor TensorParallel::all_gather(const Tensor & t) const {
     return out;
 }
 
+Dropout dropout_key(const GptConfig & config, const TensorParallel & tp, const DropoutBatch & batch, int64_t layer,
+                    DropoutKind kind, int64_t rows, int64_t heads) {
+    const float p = kind == DropoutKind::attention_probs ? config.attention_dropout : config.hidden_dropout;
+    if (!batch.training || p <= 0.0f) return {};
+    Dropout key;
+    key.p          = p;
+    key.seed       = config.seed;
+    key.site       = dropout_site(layer, kind);
+    key.sample_ids = batch.sample_ids;
+    key.batch      = batch.b;
+    // Attention: this rank's first head of the model's; hidden: its first row of the sequence's (s, b) rows.
+    key.offset = kind == DropoutKind::attention_probs ? tp.rank * heads : tp.sp() ? tp.rank * rows : 0;
+    return key;
+}
+
 void set_tp_slice(Parameter & p, int dim, std::vector<std::pair<int64_t, int64_t>> ranges, Shape full_shape) {
     p.tp_slice = TpSlice{dim, std::move(ranges), std::move(full_shape)};
 }
@@ -235,12 +250,13 @@ AttentionShape attention_shape(const GptConfig & c, int64_t heads, int64_t group
 
 }  // namespace
 
-Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b) {
+Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const Dropout & dropout) {
     AttentionShape shape  = attention_shape(config, heads, groups, s, b);
     Ops &          ops    = x.device().ops();
     Stream &       stream = x.device().compute_stream();
-    ctx.s = s;
-    ctx.b = b;
+    ctx.s       = s;
+    ctx.b       = b;
+    ctx.dropout = dropout;
     Tensor q_k_v = qkv.forward(ctx.qkv_ctx, x);
     if (config.position_embedding == PositionEmbedding::rope) {
         // Q and K heads are adjacent in each row: rotate nq + nkv heads at once.
@@ -250,7 +266,7 @@ Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_
     Tensor out = activation(x.device(), s * b, shape.nq * shape.d);
     ctx.lse    = activation(x.device(), b * shape.nq, s);
     float scale = 1.0f / std::sqrt(static_cast<float>(shape.d));
-    ops.attention_forward(stream, q_k_v, out, ctx.lse, shape, scale);
+    ops.attention_forward(stream, q_k_v, out, ctx.lse, shape, scale, dropout);
     return proj.forward(ctx.proj_ctx, out);   // keeps `out` (in the parameters' dtype) for both backwards
 }
 
@@ -263,11 +279,12 @@ Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReady
     Tensor q_k_v = in_dtype(ctx.qkv, DType::f32);
     Tensor d_qkv = activation(dy.device(), ctx.s * ctx.b, shape.row_stride);
     float  scale = 1.0f / std::sqrt(static_cast<float>(shape.d));
-    ops.attention_backward(stream, q_k_v, out, d_out, ctx.lse, d_qkv, shape, scale);
+    ops.attention_backward(stream, q_k_v, out, d_out, ctx.lse, d_qkv, shape, scale, ctx.dropout);
     if (config.position_embedding == PositionEmbedding::rope) {
         ops.rope(stream, d_qkv, ctx.s, ctx.b, shape.nq + shape.nkv, shape.d, config.rotary_base, true);
     }
     ctx.qkv = ctx.lse = Tensor();
+    ctx.dropout       = Dropout{};
     return qkv.backward(ctx.qkv_ctx, d_qkv, ready);
 }
 
@@ -346,6 +363,7 @@ Tensor Mlp::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready
 
 TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & device, const TensorParallel & tp)
     : config(c),
+      index(index),
       norm1("layers." + std::to_string(index) + ".norm1", c.hidden_size, c.normalization, c.norm_epsilon,
             c.params_dtype, device, tp),
       attention("layers." + std::to_string(index) + ".attention", c, device, tp),
@@ -370,21 +388,38 @@ void TransformerLayer::parameters(std::vector<Parameter *> & out) {
     mlp.parameters(out);
 }
 
-Tensor TransformerLayer::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b) {
-    Tensor h1 = attention.forward(ctx.attn, norm1.forward(ctx.norm1, x), s, b);
+Tensor TransformerLayer::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const DropoutBatch & batch) {
+    Ops &            ops    = x.device().ops();
+    Stream &         stream = x.device().compute_stream();
+    const TensorParallel & tp = attention.tp;
+    const int64_t    rows   = x.size(0);
+    ctx.attn_out = dropout_key(config, tp, batch, index, DropoutKind::attention_output, rows);
+    ctx.mlp_out  = dropout_key(config, tp, batch, index, DropoutKind::mlp_output, rows);
+    Tensor h1 = attention.forward(ctx.attn, norm1.forward(ctx.norm1, x), s, b,
+                                  dropout_key(config, tp, batch, index, DropoutKind::attention_probs, rows, attention.heads));
+    if (ctx.attn_out.enabled()) ops.dropout(stream, h1, h1, ctx.attn_out);
     Tensor h2 = mlp.forward(ctx.mlp, norm2.forward(ctx.norm2, h1, &x));   // h1 = x + attn, fused into norm2
-    x.device().ops().add_inplace(x.device().compute_stream(), h2, h1);   // h2 = h1 + mlp
+    if (ctx.mlp_out.enabled()) ops.dropout(stream, h2, h2, ctx.mlp_out);
+    ops.add_inplace(stream, h2, h1);   // h2 = h1 + mlp
     return h2;
 }
 
 Tensor TransformerLayer::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
-    // d h1 = dy + norm2'(mlp'(dy));  dx = d h1 + norm1'(attn'(d h1)).
-    Tensor dh1 = norm2.backward(ctx.norm2, mlp.backward(ctx.mlp, dy, ready), ready);
+    // d h1 = dy + norm2'(mlp'(drop(dy)));  dx = d h1 + norm1'(attn'(drop(d h1))): each dropout's backward
+    // is the same mask applied to the gradient, into a copy (the residual path takes the gradient whole).
     Ops &    ops    = dy.device().ops();
     Stream & stream = dy.device().compute_stream();
+    auto     dropped = [&](const Tensor & g, const Dropout & key) {
+        if (!key.enabled()) return g;
+        Tensor out = activation(g.device(), g.size(0), g.size(1));
+        ops.dropout(stream, g, out, key);
+        return out;
+    };
+    Tensor dh1 = norm2.backward(ctx.norm2, mlp.backward(ctx.mlp, dropped(dy, ctx.mlp_out), ready), ready);
     ops.add_inplace(stream, dh1, dy);
-    Tensor dx = norm1.backward(ctx.norm1, attention.backward(ctx.attn, dh1, ready), ready);
+    Tensor dx = norm1.backward(ctx.norm1, attention.backward(ctx.attn, dropped(dh1, ctx.attn_out), ready), ready);
     ops.add_inplace(stream, dx, dh1);
+    ctx.attn_out = ctx.mlp_out = Dropout{};
     return dx;
 }
 

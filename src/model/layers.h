@@ -19,6 +19,8 @@
 #pragma once
 
 #include "comm/communicator.h"
+#include "core/dropout.h"
+#include "core/ops.h"
 #include "model/gpt_config.h"
 #include "model/parameter.h"
 
@@ -66,6 +68,20 @@ struct TensorParallel {
         p.sequence_parallel = sp();
     }
 };
+
+// What a micro-batch's dropout masks are drawn from (core/dropout.h): the global sample index of each of
+// its b columns (i64, host-readable; undefined: 0 .. b-1), and whether it trains (evaluation drops nothing).
+struct DropoutBatch {
+    Tensor  sample_ids;   // (b)
+    int64_t b        = 1;
+    bool    training = true;
+};
+
+// The key of the dropout `kind` of layer `layer` (-1: the embedding) over hidden (rows, w) activations of
+// this rank (its sequence-parallel block of rows) or over its attention heads; disabled when p is 0 or
+// the batch does not train.
+Dropout dropout_key(const GptConfig & config, const TensorParallel & tp, const DropoutBatch & batch, int64_t layer,
+                    DropoutKind kind, int64_t rows = 0, int64_t heads = 0);
 
 // Sets p's tensor-parallel slice: dim 0 (rows) or 1 (columns) of `full_shape`, the given ranges.
 void set_tp_slice(Parameter & p, int dim, std::vector<std::pair<int64_t, int64_t>> ranges, Shape full_shape);
@@ -122,9 +138,11 @@ public:
         Tensor          qkv;   // (n, (a + 2g) d) after RoPE, in the parameters' dtype
         Tensor          lse;   // (b, a, s)
         int64_t         s = 0, b = 0;
+        Dropout         dropout;   // of the probabilities
     };
 
-    Tensor forward(Context & ctx, const Tensor & x, int64_t s, int64_t b);
+    // `dropout`: the probabilities' key (off when not enabled).
+    Tensor forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const Dropout & dropout = {});
     Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
     void   init(uint64_t seed, float std, float output_std);
     void   parameters(std::vector<Parameter *> & out);
@@ -153,7 +171,8 @@ public:
     Linear            fc2;   // f / tp -> h, row-parallel
 };
 
-// Pre-norm block: x + attn(norm1(x)), then + mlp(norm2(.)).
+// Pre-norm block: h1 = x + drop(attn(norm1(x))), then h1 + drop(mlp(norm2(h1))), each drop Megatron's
+// hidden dropout (its bias-dropout-add; the bias is added before the mask).
 class TransformerLayer {
 public:
     TransformerLayer(int64_t index, const GptConfig & config, Device & device, const TensorParallel & tp = {});
@@ -161,14 +180,16 @@ public:
         Norm::Context          norm1, norm2;
         SelfAttention::Context attn;
         Mlp::Context           mlp;
+        Dropout                attn_out, mlp_out;   // the hidden dropouts' keys
     };
 
-    Tensor forward(Context & ctx, const Tensor & x, int64_t s, int64_t b);
+    Tensor forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const DropoutBatch & batch = {});
     Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
     void   init(uint64_t seed);
     void   parameters(std::vector<Parameter *> & out);
 
     const GptConfig & config;
+    int64_t           index;   // in the whole model
     Norm              norm1;
     SelfAttention     attention;
     Norm              norm2;

@@ -89,6 +89,7 @@ PipelineExecutor::Result PipelineExecutor::execute(const std::vector<ScheduleOp>
                 post_input(c, mb + 1, rows * h);   // the chunk's next input arrives while this one computes
             }
             InFlight & slot = in_flight[{c, mb}];
+            slot.ctx.training = !forward_only;   // validation drops nothing out
             start           = ms_since_begin();
             Tensor out      = model.forward_stage(slot.ctx, batch, input);
             if (v == stages - 1) {

@@ -15,7 +15,7 @@ public:
 
     model::MicroBatch next() override {
         data::Batch b = loader_.next();
-        return model::MicroBatch{b.tokens, b.labels, b.loss_mask};
+        return model::MicroBatch{b.tokens, b.labels, b.loss_mask, b.sample_ids};
     }
     std::string describe() const override { return dataset_->describe(); }
     void        set_consumed_samples(int64_t consumed) override { loader_.set_consumed_samples(consumed); }

@@ -62,9 +62,6 @@ const std::map<std::string, std::string> & refusal_hints() {
         {"--wandb-project", "--log-file writes the logged scalars as JSON lines"},
         {"--fp8-format", "train in --bf16"},
         {"--num-experts", "Mixture of Experts is not in Loom yet; train a dense model"},
-        {"--recompute-granularity", "activation recompute is not in Loom yet; shard the model with "
-                                    "--pipeline-model-parallel-size or --tensor-model-parallel-size to save memory"},
-        {"--recompute-activations", "activation recompute is not in Loom yet"},
         {"--use-torch-fsdp2", "use --use-distributed-optimizer (ZeRO-1)"},
         {"--use-megatron-fsdp", "use --use-distributed-optimizer (ZeRO-1)"},
         {"--qk-layernorm", "Loom normalises the attention input only; drop the flag"},
@@ -165,6 +162,8 @@ void group_like_megatron(CLI::App & app) {
         {"--merge-file", "tokenizer"}, {"--kv-channels", "network size"}, {"--norm-epsilon", "network size"},
         {"--rotary-base", "network size"}, {"--rotary-percent", "network size"},
         {"--hidden-dropout", "regularization"}, {"--attention-dropout", "regularization"},
+        {"--recompute-activations", "training"}, {"--recompute-granularity", "training"},
+        {"--recompute-method", "training"}, {"--recompute-num-layers", "training"}, {"--recompute-modules", "training"},
         {"--weight-decay", "regularization"}, {"--clip-grad", "regularization"}, {"--adam-beta1", "regularization"},
         {"--adam-beta2", "regularization"}, {"--adam-eps", "regularization"},
         {"--micro-batch-size", "training"}, {"--global-batch-size", "training"}, {"--train-iters", "training"},

@@ -179,9 +179,19 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_option("--eval-iters", o.eval_iters, "global batches of the validation split per validation")
         ->capture_default_str();
     app.add_option("--hidden-dropout", hidden_dropout_,
-                   "dropout on the residual stream (Loom has no dropout yet: only 0 is accepted)");
-    app.add_option("--attention-dropout", attention_dropout_,
-                   "dropout on the attention probabilities (Loom has no dropout yet: only 0 is accepted)");
+                   "dropout probability on the embedding and on each attention and MLP output before its residual add")
+        ->capture_default_str();
+    app.add_option("--attention-dropout", attention_dropout_, "dropout probability on the attention probabilities")
+        ->capture_default_str();
+    app.add_option("--recompute-granularity", recompute_granularity_,
+                   "activation recompute: full (whole layers, see --recompute-method) or selective (core_attn, which "
+                   "Loom's tiled attention always recomputes)");
+    app.add_option("--recompute-method", recompute_method_,
+                   "full recompute: uniform (groups of --recompute-num-layers, one input kept each) or block (the first "
+                   "--recompute-num-layers layers of each pipeline stage)");
+    app.add_option("--recompute-num-layers", recompute_num_layers_, "layers per group (uniform) or per stage (block)");
+    app.add_flag("--recompute-activations", recompute_activations_, "the same as --recompute-granularity selective");
+    app.add_option("--recompute-modules", recompute_modules_, "selective recompute's modules (Loom: core_attn)");
     app.add_option("--context-parallel-size", context_parallel_size_, "context-parallel ranks (only 1 in Loom)");
     app.add_option("--expert-model-parallel-size", expert_parallel_size_, "expert-parallel ranks (only 1 in Loom)");
     add_noop_flags(app, noop_values_);
@@ -200,6 +210,39 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
         if (option->get_type_name() == "INT") option->check(int64_range);
     }
     group_like_megatron(app);
+}
+
+void TrainOptionParser::resolve_recompute(model::GptConfig & m) const {
+    std::string granularity = recompute_activations_ ? "selective" : recompute_granularity_;   // arguments.py's rule
+    LOOM_CHECK(granularity.empty() || granularity == "full" || granularity == "selective",
+               "argument --recompute-granularity: invalid choice: '" << granularity << "' (choose from 'full', 'selective')", "");
+    LOOM_CHECK(recompute_method_.empty() || recompute_method_ == "uniform" || recompute_method_ == "block",
+               "argument --recompute-method: invalid choice: '" << recompute_method_ << "' (choose from 'uniform', 'block')", "");
+    const bool num_given = app_.count("--recompute-num-layers") > 0;
+    if (granularity == "full") {
+        LOOM_CHECK(!recompute_method_.empty(),
+                   "Using recompute_granularity: full so recompute_method must be \"block\" or \"uniform\"",
+                   "add --recompute-method uniform or --recompute-method block");
+        LOOM_CHECK(num_given && recompute_num_layers_ >= 1,
+                   "When using recompute_granularity: full recompute_num_layers must be between 1 and "
+                   "num_layers_per_pipeline_rank" << (num_given ? " (--recompute-num-layers " + std::to_string(recompute_num_layers_) + ")" : ""),
+                   "add --recompute-num-layers N");
+        m.recompute_granularity = model::RecomputeGranularity::full;
+        m.recompute_method      = recompute_method_ == "block" ? model::RecomputeMethod::block : model::RecomputeMethod::uniform;
+        m.recompute_num_layers  = recompute_num_layers_;
+    } else if (granularity == "selective") {
+        LOOM_CHECK(recompute_method_.empty(), "recompute method is not yet supported for selective recomputing granularity",
+                   "drop --recompute-method, or use --recompute-granularity full");
+        LOOM_CHECK(!num_given, "When using recompute_granularity: selective recompute_num_layers must be None",
+                   "drop --recompute-num-layers");
+        for (const std::string & module : recompute_modules_) {
+            LOOM_CHECK(module == "core_attn", "--recompute-modules " << module << " is not supported by Loom",
+                       "Loom recomputes core_attn (its tiled attention never stores the probabilities); for more, use "
+                       "--recompute-granularity full");
+        }
+        m.recompute_granularity = model::RecomputeGranularity::selective;
+    }
+    // Without a granularity, --recompute-method and --recompute-num-layers recompute nothing, in Megatron too.
 }
 
 MemoryEstimate estimate_memory(const TrainOptions & o) {
@@ -420,11 +463,10 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     LOOM_CHECK(expert_parallel_size_ == 1, "--expert-model-parallel-size " << expert_parallel_size_
                                                                            << " is not supported by Loom (no experts yet)",
                "only --expert-model-parallel-size 1 is accepted");
-    LOOM_CHECK(hidden_dropout_ == 0.0f, "--hidden-dropout " << hidden_dropout_ << " is not supported by Loom (no dropout yet)",
-               "give --hidden-dropout 0; Loom trains without dropout, where Megatron's default is 0.1");
-    LOOM_CHECK(attention_dropout_ == 0.0f,
-               "--attention-dropout " << attention_dropout_ << " is not supported by Loom (no dropout yet)",
-               "give --attention-dropout 0; Loom trains without dropout, where Megatron's default is 0.1");
+    for (auto [flag, p] : {std::pair{"--hidden-dropout", hidden_dropout_}, {"--attention-dropout", attention_dropout_}}) {
+        LOOM_CHECK(p >= 0.0f && p < 1.0f, flag << " " << p << " is not a probability in [0, 1)",
+                   "Megatron's default is 0.1; 0 turns the dropout off");
+    }
     const int64_t model_parallel = o.tensor_parallel_size * o.pipeline_parallel_size;
     LOOM_CHECK(o.tensor_parallel_size >= 1 && o.pipeline_parallel_size >= 1 && world_size % model_parallel == 0,
                "world size " << world_size << " is not divisible by --tensor-model-parallel-size "
@@ -486,6 +528,9 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     if (disable_bias_) m.add_bias_linear = false;
     if (untie_) m.untie_embeddings_and_output_weights = true;
     if (given("--init-method-std")) m.init_method_std = init_std_;
+    m.hidden_dropout    = hidden_dropout_;
+    m.attention_dropout = attention_dropout_;
+    resolve_recompute(m);
     if (given("--norm-epsilon")) {
         LOOM_CHECK(std::isfinite(norm_epsilon_) && norm_epsilon_ > 0,
                    "--norm-epsilon must be a finite number > 0, got " << norm_epsilon_, "Megatron's default is 1e-5");

@@ -148,6 +148,8 @@ public:
     TrainOptions resolve(int64_t world_size = 1);
     // `loom export-hf` builds a model and reads no data: no data source is required.
     void         data_optional() { data_optional_ = true; }
+    // --recompute-* (with Megatron's rules) into m.
+    void         resolve_recompute(model::GptConfig & m) const;
     // True when --vocab-size, --load-hf or --use-checkpoint-args fixed the vocabulary (otherwise the
     // dataset's is used).
     bool vocab_given() const {
@@ -172,7 +174,11 @@ private:
     bool        no_check_nan_ = false;
     // Megatron flags accepted while their feature is a single value in Loom.
     int64_t     context_parallel_size_ = 1, expert_parallel_size_ = 1;
-    float       hidden_dropout_ = 0.0f, attention_dropout_ = 0.0f;
+    float       hidden_dropout_ = 0.1f, attention_dropout_ = 0.1f;   // Megatron's defaults
+    std::string recompute_granularity_, recompute_method_;            // "": None
+    int64_t     recompute_num_layers_ = 0;
+    bool        recompute_activations_ = false;
+    std::vector<std::string> recompute_modules_;
     std::vector<std::string> noop_values_;
     bool                     data_optional_ = false;
     bool                     no_log_loss_scale_ = false;   // values of the flags accepted without effect (megatron_flags.h)

@@ -1,6 +1,7 @@
 #include "backend/cpu/attention.h"
 
 #include "backend/cpu/vec_math.h"
+#include "core/dropout.h"
 #include "core/thread_pool.h"
 
 #include <algorithm>
@@ -52,16 +53,37 @@ void scores(const float * a, const float * bt, int64_t rows, int64_t cols, int64
     }
 }
 
+// Draws one row of the dropout mask: z[c] = mask / (1 - p) for keys j0 .. j0 + cols of one query's row key.
+struct MaskRow {
+    uint32_t threshold;
+    float    keep_scale;
+    void draw(uint64_t row, int64_t j0, int64_t cols, float * z) const {
+        for (int64_t c = 0; c < cols; ++c) z[c] = dropout_keep_attention(row, j0 + c, threshold) ? keep_scale : 0.0f;
+    }
+};
+
+MaskRow mask_row(const AttentionDropout & dropout) {
+    return {dropout_threshold(dropout.p), 1.0f / (1.0f - dropout.p)};
+}
+
+uint64_t sample_base(const AttentionDropout & dropout, int64_t bi) {
+    return dropout_base(dropout.seed, dropout.site, dropout.sample_ids ? dropout.sample_ids[bi] : bi);
+}
+
 }  // namespace
 
-void attention_forward(const float * qkv, float * out, float * lse, const AttentionShape & a, float scale) {
-    Layout  L{a};
-    int64_t group = a.nq / a.nkv;
+void attention_forward(const float * qkv, float * out, float * lse, const AttentionShape & a, float scale,
+                       const AttentionDropout & dropout) {
+    Layout        L{a};
+    int64_t       group   = a.nq / a.nkv;
+    const bool    dropped = dropout.p > 0.0f;
+    const MaskRow mask    = mask_row(dropout);
     parallel_for(a.b * a.nq, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> q(kBlock * a.d), kt(a.d * kBlock), v(kBlock * a.d), s(kBlock * kBlock),
-            acc(kBlock * a.d), m(kBlock), l(kBlock);
+            acc(kBlock * a.d), m(kBlock), l(kBlock), z(kBlock);
         for (int64_t task = begin; task < end; ++task) {
-            int64_t bi = task / a.nq, hq = task % a.nq, hk = hq / group;
+            int64_t  bi = task / a.nq, hq = task % a.nq, hk = hq / group;
+            uint64_t base = dropped ? sample_base(dropout, bi) : 0;
             for (int64_t i0 = 0; i0 < a.s; i0 += kBlock) {
                 int64_t rows = std::min(kBlock, a.s - i0);
                 gather(qkv, L, bi, i0, rows, L.q_off(hq), q.data());
@@ -84,6 +106,10 @@ void attention_forward(const float * qkv, float * out, float * lse, const Attent
                         for (int64_t c = 0; c < limit; ++c) sum += sr[c];
                         float * ar = acc.data() + r * a.d;
                         for (int64_t dd = 0; dd < a.d; ++dd) ar[dd] *= correction;
+                        if (dropped) {   // l sums the undropped probabilities; O takes the dropped ones
+                            mask.draw(dropout_attention_row(base, dropout.head_offset + hq, i0 + r), j0, limit, z.data());
+                            for (int64_t c = 0; c < limit; ++c) sr[c] *= z[c];
+                        }
                         for (int64_t c = 0; c < limit; ++c) {
                             float         p  = sr[c];
                             const float * vr = v.data() + c * a.d;
@@ -105,9 +131,11 @@ void attention_forward(const float * qkv, float * out, float * lse, const Attent
 }
 
 void attention_backward(const float * qkv, const float * out, const float * dout, const float * lse, float * dqkv,
-                        const AttentionShape & a, float scale) {
-    Layout  L{a};
-    int64_t group = a.nq / a.nkv;
+                        const AttentionShape & a, float scale, const AttentionDropout & dropout) {
+    Layout        L{a};
+    int64_t       group   = a.nq / a.nkv;
+    const bool    dropped = dropout.p > 0.0f;
+    const MaskRow mask    = mask_row(dropout);
     // dout and out are (s, b, nq * d): a layout with row stride nq * d and all heads "query".
     AttentionShape o_shape{a.s, a.b, a.nq, a.nkv, a.d, a.nq * a.d};
     Layout         O{o_shape};
@@ -116,9 +144,10 @@ void attention_backward(const float * qkv, const float * out, const float * dout
         int64_t d = a.d;
         std::vector<float> q(kBlock * d), k(kBlock * d), kt(d * kBlock), vt(d * kBlock), dob(kBlock * d),
             p(kBlock * kBlock), dp(kBlock * kBlock), dq(kBlock * d), dk(kBlock * d), dv(kBlock * d),
-            delta(a.s), lse_h(a.s);
+            delta(a.s), lse_h(a.s), z(kBlock);
         for (int64_t task = begin; task < end; ++task) {
-            int64_t bi = task / a.nkv, hk = task % a.nkv;
+            int64_t  bi = task / a.nkv, hk = task % a.nkv;
+            uint64_t base = dropped ? sample_base(dropout, bi) : 0;
             // Zero this sequence's dQ of the group's query heads and its dK, dV.
             for (int64_t si = 0; si < a.s; ++si) {
                 float * row = dqkv + L.row(si, bi);
@@ -155,10 +184,19 @@ void attention_backward(const float * qkv, const float * out, const float * dout
                             float * dpr   = dp.data() + r * kBlock;
                             int64_t limit = std::min(cols, i0 + r - j0 + 1);
                             float   li = lse_h[i0 + r], di = delta[i0 + r];
-                            for (int64_t c = 0; c < cols; ++c) {
-                                float pv = c < limit ? exp_approx(pr[c] - li) : 0.0f;
-                                pr[c]    = pv;
-                                dpr[c]   = pv * (dpr[c] - di) * scale;   // dS, scaled
+                            if (dropped) {   // pr becomes z P (for dV), dS takes z dP
+                                mask.draw(dropout_attention_row(base, dropout.head_offset + hq, i0 + r), j0, cols, z.data());
+                                for (int64_t c = 0; c < cols; ++c) {
+                                    float pv = c < limit ? exp_approx(pr[c] - li) : 0.0f;
+                                    pr[c]    = pv * z[c];
+                                    dpr[c]   = pv * (z[c] * dpr[c] - di) * scale;
+                                }
+                            } else {
+                                for (int64_t c = 0; c < cols; ++c) {
+                                    float pv = c < limit ? exp_approx(pr[c] - li) : 0.0f;
+                                    pr[c]    = pv;
+                                    dpr[c]   = pv * (dpr[c] - di) * scale;   // dS, scaled
+                                }
                             }
                             const float * dor = dob.data() + r * d;
                             const float * qr  = q.data() + r * d;

@@ -10,6 +10,10 @@
 // Only lse (b, nq, s) is kept for backward, which recomputes P = exp(S - lse) block by block:
 //   D_i = rowsum(dO_i * O_i),  dV_j += P^T dO_i,  dP = dO_i V_j^T,  dS = P (dP - D_i),
 //   dQ_i += scale dS K_j,  dK_j += scale dS^T Q_i.
+// Dropout on the probabilities (core/dropout.h) multiplies each P by z = mask / (1 - p) after the
+// softmax: forward accumulates O_i += (z P) V_j while l sums the undropped P; backward redraws z and uses
+//   dV_j += (z P)^T dO_i,  dP = z (dO_i V_j^T),  dS = P (dP - D_i)   with D_i = rowsum(dO_i * O_i) unchanged,
+// since rowsum(P * dP) = rowsum(dO_i * (z P) V) = rowsum(dO_i * O_i).
 // Backward runs one task per (sequence, key/value head) so the query heads sharing it add into dK, dV
 // without races. Memory: O(Br x Bc) scratch per thread.
 #pragma once
@@ -22,10 +26,21 @@ namespace loom::cpu {
 
 using AttentionShape = loom::AttentionShape;   // core/ops.h
 
+// The probabilities' dropout: head hq of a call is head_offset + hq of the model; sample_ids (b) are the
+// batch columns' global sample indices (null: 0 .. b-1). p = 0: none.
+struct AttentionDropout {
+    float           p           = 0.0f;
+    uint64_t        seed        = 0;
+    uint64_t        site        = 0;
+    const int64_t * sample_ids  = nullptr;
+    int64_t         head_offset = 0;
+};
+
 // out (s, b, nq * d); lse (b, nq, s).
-void attention_forward(const float * qkv, float * out, float * lse, const AttentionShape & shape, float scale);
+void attention_forward(const float * qkv, float * out, float * lse, const AttentionShape & shape, float scale,
+                       const AttentionDropout & dropout = {});
 // dqkv has the layout of qkv and is assigned (not accumulated).
 void attention_backward(const float * qkv, const float * out, const float * dout, const float * lse, float * dqkv,
-                        const AttentionShape & shape, float scale);
+                        const AttentionShape & shape, float scale, const AttentionDropout & dropout = {});
 
 }  // namespace loom::cpu

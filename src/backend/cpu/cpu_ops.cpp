@@ -3,8 +3,10 @@
 #include "backend/cpu/attention.h"
 #include "backend/cpu/gemm.h"
 #include "backend/cpu/ops.h"
+#include "core/dropout.h"
 #include "core/error.h"
 #include "core/host_adam.h"
+#include "core/thread_pool.h"
 
 #include <cmath>
 #include <tuple>
@@ -247,18 +249,47 @@ public:
         });
     }
 
+    void dropout(Stream & s, const Tensor & x, const Tensor & y, const Dropout & key) override {
+        int64_t n, w;
+        std::tie(n, w) = rows_cols(x, "dropout");
+        expect(x, DType::f32, -1, "dropout", "x");
+        expect(y, DType::f32, n * w, "dropout", "y");
+        check_dropout(key, "dropout");
+        LOOM_CHECK(key.offset >= 0 && key.batch >= 1, "dropout: rows from " << key.offset << " in columns of " << key.batch, "");
+        s.submit([=] {
+            const uint32_t  threshold  = dropout_threshold(key.p);
+            const float     keep_scale = 1.0f / (1.0f - key.p);
+            const int64_t * ids        = key.sample_ids.defined() ? key.sample_ids.data<int64_t>() : nullptr;
+            const float *   in         = f32(x);
+            float *         out        = f32(y);
+            parallel_for(n, 16, [&](int64_t begin, int64_t end) {
+                for (int64_t r = begin; r < end; ++r) {
+                    const int64_t  g = key.offset + r, position = g / key.batch, column = g % key.batch;
+                    const uint64_t base = dropout_base(key.seed, key.site, ids ? ids[column] : column);
+                    const float *  xr = in + r * w;
+                    float *        yr = out + r * w;
+                    for (int64_t c = 0; c < w; ++c) {
+                        yr[c] = dropout_keep_hidden(base, position, c, threshold) ? xr[c] * keep_scale : 0.0f;
+                    }
+                }
+            });
+        });
+    }
+
     void attention_forward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & lse,
-                           const AttentionShape & shape, float scale) override {
+                           const AttentionShape & shape, float scale, const Dropout & dropout) override {
         check_attention(shape, "attention_forward");
         const int64_t n = shape.s * shape.b;
         expect(qkv, DType::f32, n * shape.row_stride, "attention_forward", "qkv");
         expect(out, DType::f32, n * shape.nq * shape.d, "attention_forward", "out");
         expect(lse, DType::f32, n * shape.nq, "attention_forward", "lse");
-        s.submit([=] { cpu::attention_forward(f32(qkv), f32(out), f32(lse), shape, scale); });
+        check_dropout(dropout, "attention_forward");
+        s.submit([=] { cpu::attention_forward(f32(qkv), f32(out), f32(lse), shape, scale, attention_dropout(dropout)); });
     }
 
     void attention_backward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & dout, const Tensor & lse,
-                            const Tensor & dqkv, const AttentionShape & shape, float scale) override {
+                            const Tensor & dqkv, const AttentionShape & shape, float scale,
+                            const Dropout & dropout) override {
         check_attention(shape, "attention_backward");
         const int64_t n = shape.s * shape.b;
         expect(qkv, DType::f32, n * shape.row_stride, "attention_backward", "qkv");
@@ -266,7 +297,11 @@ public:
         expect(out, DType::f32, n * shape.nq * shape.d, "attention_backward", "out");
         expect(dout, DType::f32, n * shape.nq * shape.d, "attention_backward", "dout");
         expect(lse, DType::f32, n * shape.nq, "attention_backward", "lse");
-        s.submit([=] { cpu::attention_backward(f32(qkv), f32(out), f32(dout), f32(lse), f32(dqkv), shape, scale); });
+        check_dropout(dropout, "attention_backward");
+        s.submit([=] {
+            cpu::attention_backward(f32(qkv), f32(out), f32(dout), f32(lse), f32(dqkv), shape, scale,
+                                    attention_dropout(dropout));
+        });
     }
 
     void cross_entropy_forward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & loss,
@@ -438,6 +473,19 @@ private:
                    op << ": " << a.nq << " query heads over " << a.nkv << " key/value heads of " << a.d
                       << " in rows of " << a.row_stride,
                    "query heads are a multiple of the key/value heads, and a row holds [Q | K | V]");
+    }
+    static void check_dropout(const Dropout & key, const char * op) {
+        LOOM_CHECK(key.p >= 0.0f && key.p < 1.0f, op << ": dropout probability " << key.p, "a probability in [0, 1)");
+        if (key.sample_ids.defined()) {
+            expect(key.sample_ids, DType::i64, -1, op, "sample_ids");
+            LOOM_CHECK(key.sample_ids.numel() >= key.batch || !key.enabled(),
+                       op << ": " << key.sample_ids.numel() << " sample ids for a batch of " << key.batch, "");
+        }
+    }
+    // Read on the stream, where the sample ids are ready.
+    static AttentionDropout attention_dropout(const Dropout & key) {
+        return {key.p, key.seed, key.site, key.sample_ids.defined() ? key.sample_ids.data<int64_t>() : nullptr,
+                key.offset};
     }
     static void check_labels(const Tensor & labels, int64_t n, const char * op) {
         LOOM_CHECK(labels.dim() == 2, op << ": labels " << labels.describe(), "labels are (b, s)");
