@@ -1,6 +1,7 @@
 // The small GPT the parallel tests train: gpt-tiny shrunk to `layers` layers of hidden 64 (4 heads, MLP
-// 256) and sequence 32, micro-batch 1, with warmup and decay over the run. Each test sets its global
-// batch, its iterations and the parallel options on top.
+// 256) and sequence 32, micro-batch 1, with warmup and decay over the run, and Megatron's default dropout
+// (0.1 hidden, 0.1 attention): every layout must draw the single-rank run's masks to follow it. Each test
+// sets its global batch, its iterations and the parallel options on top.
 #pragma once
 
 #include "backend/cpu/cpu_device.h"
@@ -30,6 +31,8 @@ inline train::TrainOptions small_gpt_options(int64_t layers, int64_t global_batc
     o.lr_warmup_iters   = iterations / 4;
     o.lr_decay_iters    = iterations;
     o.log_interval      = 1000;
+    o.model.hidden_dropout    = 0.1f;
+    o.model.attention_dropout = 0.1f;
     return o;
 }
 

@@ -57,7 +57,7 @@ Run reference(bool llama) {
     return run;
 }
 
-Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp) {
+Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, bool recompute) {
     parallel::ParallelSizes sizes;
     sizes.world_size = g_mpi->world_size();
     sizes.tp         = tp;
@@ -73,6 +73,11 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp) {
     o.ddp.bucket_size               = 20000;
     o.tensor_parallel_size          = tp;
     o.sequence_parallel             = sp;
+    if (recompute) {   // every layer rerun in backward, its dropout masks redrawn
+        o.model.recompute_granularity = model::RecomputeGranularity::full;
+        o.model.recompute_method      = model::RecomputeMethod::uniform;
+        o.model.recompute_num_layers  = 1;
+    }
     auto         source = train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), config.dp());
     train::Setup setup  = train::setup(o, groups, cpu::device());
     Run          run;
@@ -87,12 +92,13 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp) {
     return run;
 }
 
-void expect_follows_reference(int tp, int pp, bool distopt, bool llama, bool sp = false) {
+void expect_follows_reference(int tp, int pp, bool distopt, bool llama, bool sp = false, bool recompute = false) {
     const std::string name = std::string(llama ? "llama" : "gpt") + " tp " + std::to_string(tp) + " pp " +
-                             std::to_string(pp) + (sp ? " sequence-parallel" : "") + (distopt ? " zero-1" : "");
+                             std::to_string(pp) + (sp ? " sequence-parallel" : "") + (distopt ? " zero-1" : "") +
+                             (recompute ? " full recompute" : "");
     SCOPED_TRACE(name);
     const Run ref = reference(llama);
-    const Run run = parallel_run(tp, pp, distopt, llama, sp);
+    const Run run = parallel_run(tp, pp, distopt, llama, sp, recompute);
     ASSERT_EQ(run.losses.size(), ref.losses.size());
     double worst_loss = 0, worst_param = 0;
     for (size_t i = 0; i < ref.losses.size(); ++i) {
@@ -135,8 +141,10 @@ TEST(TensorParallel, SequenceParallelFollowsTheSingleRankRun) {
     if (g_mpi->world_size() == 2) {
         expect_follows_reference(2, 1, false, false, true);   // TP 2 + SP
         expect_follows_reference(2, 1, false, true, true);    // Llama-style, TP 2 + SP
+        expect_follows_reference(2, 1, false, false, true, true);   // TP 2 + SP, every layer recomputed
     } else if (g_mpi->world_size() == 4) {
         expect_follows_reference(2, 2, true, false, true);    // TP 2 + SP x PP 2, ZeRO-1 (DP 1)
+        expect_follows_reference(2, 2, true, false, true, true);   // the same, every layer recomputed
     } else {
         GTEST_SKIP() << "runs with 2 and 4 ranks";
     }
