@@ -11,6 +11,7 @@
 
 #include "loom_cli_runner.h"
 #include "error_text.h"
+#include "small_gpt.h"
 
 #include <gtest/gtest.h>
 
@@ -152,6 +153,58 @@ TEST(Training, TwentyIterationLossCurveMatchesGolden) {
 
 TEST(Training, RunsAreBitwiseReproducible) {
     EXPECT_EQ(train_losses(golden_options()), train_losses(golden_options()));
+}
+
+// --decoupled-lr: the word embedding and the output layer step with their own lr on the same schedule.
+// At 0 they never move (AdamW's decay is lr-scaled too) while every other weight does; at --lr the run
+// is bitwise the run without the flag. The hybrid optimizer's host slots (offload 0.5) included.
+TEST(Training, DecoupledLrStepsOnlyTheEmbeddingAndOutputLayerWithIt) {
+    for (const bool offload : {false, true}) {
+        SCOPED_TRACE(offload ? "offload 0.5" : "on the device");
+        train::TrainOptions o = testing_models::small_gpt_options(2, 4, 4);
+        o.model.untie_embeddings_and_output_weights = true;
+        if (offload) {
+            o.optimizer_cpu_offload   = true;
+            o.offload.offload_fraction = 0.5;
+        }
+        auto initial = [&] {
+            model::GptModel gpt(o.model, cpu::device());
+            gpt.init();
+            std::map<std::string, std::vector<float>> values;
+            for (model::Parameter * p : gpt.parameters()) values[p->name] = testing_models::parameter_values(*p);
+            return values;
+        }();
+        const testing_models::SingleRankRun plain = testing_models::train_single_rank(o);
+        train::TrainOptions frozen = o;
+        frozen.decoupled_lr        = 0.0f;
+        frozen.decoupled_min_lr    = 0.0f;
+        const testing_models::SingleRankRun run = testing_models::train_single_rank(frozen);
+        for (const auto & [name, values] : run.params) {
+            const bool decoupled = name == "embedding.word_embeddings.weight" || name == "output_layer.weight";
+            if (decoupled) {
+                EXPECT_EQ(values, initial.at(name)) << name << " moved with --decoupled-lr 0";
+            } else if (name.find("weight") != std::string::npos && name.find("norm") == std::string::npos) {
+                EXPECT_NE(values, initial.at(name)) << name << " did not train";
+            }
+        }
+        train::TrainOptions same = o;
+        same.decoupled_lr        = o.adam.lr;
+        const testing_models::SingleRankRun again = testing_models::train_single_rank(same);
+        EXPECT_EQ(again.losses, plain.losses);
+        EXPECT_EQ(again.params, plain.params);
+    }
+    // The schedule: the decoupled maximum and minimum in the same warmup and decay.
+    optim::LrSchedule s;
+    s.max_lr = 1e-3f;
+    s.min_lr = 1e-4f;
+    s.warmup_steps = 10;
+    s.decay_steps  = 110;
+    s.decoupled_max_lr = 1e-2f;
+    EXPECT_FLOAT_EQ(s.decoupled_lr_at(5), 5e-3f) << "half way up the warmup";
+    EXPECT_FLOAT_EQ(s.decoupled_lr_at(60), 1e-4f + 0.5f * (1e-2f - 1e-4f)) << "linear, the default --min-lr";
+    s.decoupled_min_lr = 0.0f;
+    EXPECT_FLOAT_EQ(s.decoupled_lr_at(200), 0.0f);
+    EXPECT_FLOAT_EQ(s.lr_at(200), 1e-4f);
 }
 
 namespace {
@@ -334,6 +387,8 @@ TEST(MegatronDefaults, AreLoomsDefaults) {
     EXPECT_FLOAT_EQ(o.model.hidden_dropout, 0.1f);
     EXPECT_FLOAT_EQ(o.model.attention_dropout, 0.1f);
     EXPECT_EQ(o.model.recompute_granularity, model::RecomputeGranularity::none);
+    EXPECT_FALSE(o.decoupled_lr.has_value()) << "None: the embedding and output layer take --lr";
+    EXPECT_EQ(parse_train({"--mock-data", "--decoupled-lr", "3e-3"}).lr_schedule().decoupled_max_lr, 3e-3f);
     // Model flags that only restate Loom's shape are accepted; the others change it or are refused.
     const train::TrainOptions m = parse_train({"--mock-data", "--norm-epsilon", "1e-6", "--rotary-base", "500000",
                                                "--kv-channels", "32", "--rotary-percent", "1.0"});

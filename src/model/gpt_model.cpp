@@ -28,6 +28,7 @@ GptModel::GptModel(const GptConfig & config, Device & device, const PipelineStag
     if (stage_.pre_process || (stage_.post_process && tied)) {
         wte_ = parameter_create("embedding.word_embeddings.weight", {vocab_local_, config_.hidden_size}, dtype, device);
         wte_.shared_embedding = tied;
+        wte_.embedding_or_output = true;
         wte_.shared           = !stage_.pre_process;
         vocab_parallel(wte_);
     }
@@ -45,6 +46,7 @@ GptModel::GptModel(const GptConfig & config, Device & device, const PipelineStag
                                              config_.norm_epsilon, dtype, device, tp_);
         if (!tied) {
             output_ = parameter_create("output_layer.weight", {vocab_local_, config_.hidden_size}, dtype, device);
+            output_.embedding_or_output = true;
             vocab_parallel(output_);
         }
     }

@@ -32,6 +32,7 @@ struct Parameter {
     Tensor      data;                    // model dtype (f32, or bf16 with --bf16)
     Tensor      main_grad;               // f32, same shape
     bool        no_weight_decay  = false;   // biases and norm weights (Megatron's param groups)
+    bool        embedding_or_output = false;   // the word embedding and the output layer: --decoupled-lr
     bool        shared_embedding = false;   // word embedding tied to the output layer
     bool        shared = false;             // a copy another pipeline stage also holds (the last stage's tied
                                             // word embedding): counted once, on its owner, in the grad norm

@@ -28,7 +28,7 @@ WsdDecayStyle wsd_decay_style_from_name(const std::string & name) {
     LOOM_THROW("--lr-wsd-decay-style '" << name << "' is not supported", "use exponential, linear, cosine or minus_sqrt");
 }
 
-float LrSchedule::lr_at(int64_t k) const {
+float LrSchedule::lr_at(int64_t k, float max_lr, float min_lr) const {
     const double n = static_cast<double>(k) * static_cast<double>(samples_per_iteration);
     if (warmup_steps > 0 && n <= warmup_steps) {
         return static_cast<float>(init_lr + (static_cast<double>(max_lr) - init_lr) * n / warmup_steps);

@@ -30,6 +30,7 @@
 #include "comm/communicator.h"
 #include "core/device.h"
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -59,7 +60,16 @@ struct LrSchedule {
     LrDecayStyle  style     = LrDecayStyle::linear;
     WsdDecayStyle wsd_style = WsdDecayStyle::exponential;
 
-    float lr_at(int64_t iteration) const;
+    // --decoupled-lr / --decoupled-min-lr: the embedding's and output layer's own maximum and minimum (the
+    // minimum defaults to min_lr), on the same schedule (Megatron's param-group max_lr / min_lr overrides).
+    std::optional<float> decoupled_max_lr, decoupled_min_lr;
+
+    float lr_at(int64_t iteration) const { return lr_at(iteration, max_lr, min_lr); }
+    // The embedding's and output layer's lr: lr_at's without --decoupled-lr.
+    float decoupled_lr_at(int64_t iteration) const {
+        return decoupled_max_lr ? lr_at(iteration, *decoupled_max_lr, decoupled_min_lr.value_or(min_lr)) : lr_at(iteration);
+    }
+    float lr_at(int64_t iteration, float max, float min) const;
 };
 
 // The fused update of n elements (the scalar reference; vectorised by the compiler). When p_bf16 is

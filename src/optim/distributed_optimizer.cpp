@@ -45,7 +45,8 @@ DistributedOptimizer::DistributedOptimizer(ddp::DistributedDataParallel & ddp, c
                 }
                 Tensor values = ddp_.param_buffer(piece.buffer).slice(piece.start, {piece.numel});
                 Tensor grad   = ddp_.grad_buffer(piece.buffer).slice(piece.start, {piece.numel});
-                slots.push_back(HybridSlot{values, grad, p->no_weight_decay ? 0.0f : options.adam.weight_decay});
+                slots.push_back(HybridSlot{values, grad, p->no_weight_decay ? 0.0f : options.adam.weight_decay,
+                                           p->embedding_or_output});
                 slot_params.push_back(piece.param);
                 // Counted once: on the first stage (not the tied copy), on TP rank 0 for replicated ones.
                 views.push_back(GradView{grad, !p->shared && !p->tp_duplicate});

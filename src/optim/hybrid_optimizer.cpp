@@ -172,7 +172,7 @@ HybridSlotState HybridDeviceOptimizer::slot_state(int slot) const {
     return r;
 }
 
-void HybridDeviceOptimizer::step(float lr, Stream * current) {
+void HybridDeviceOptimizer::step(float lr, Stream * current, std::optional<float> decoupled_lr) {
     ++step_;   // the one step counter (hazard d)
     const bool    overlap = options_.overlap_d2h_h2d;
     Ops &         ops     = device_.ops();
@@ -183,7 +183,10 @@ void HybridDeviceOptimizer::step(float lr, Stream * current) {
     Stream &      d2h     = overlap && d2h_ ? *d2h_ : cur;
     Stream &      h2d     = overlap && h2d_ ? *h2d_ : cur;
     const AdamWConfig c   = config_;
-    auto args = [&](float weight_decay) { return AdamStep{lr, c.beta1, c.beta2, c.eps, weight_decay, step_}; };
+    auto slot_lr = [&](const HybridSlot & slot) { return slot.decoupled_lr && decoupled_lr ? *decoupled_lr : lr; };
+    auto args    = [&](const HybridSlot & slot) {
+        return AdamStep{slot_lr(slot), c.beta1, c.beta2, c.eps, slot.weight_decay, step_};
+    };
 
     // Which slots have a gradient this step, decided once (hazard c: the others are not touched).
     std::vector<bool> has_grad(slots_.size());
@@ -213,10 +216,10 @@ void HybridDeviceOptimizer::step(float lr, Stream * current) {
         const int64_t n = s.slot.values.numel();
         if (s.master >= 0) {   // bf16 values: the f32 master steps, the values get it rounded
             ops.adamw(cur, dev_master_.slice(s.master, {n}), s.slot.grad, dev_m_.slice(s.state, {n}),
-                      dev_v_.slice(s.state, {n}), s.slot.values, args(s.slot.weight_decay));
+                      dev_v_.slice(s.state, {n}), s.slot.values, args(s.slot));
         } else {               // f32 values are their own master
             ops.adamw(cur, s.slot.values, s.slot.grad, dev_m_.slice(s.state, {n}), dev_v_.slice(s.state, {n}), Tensor(),
-                      args(s.slot.weight_decay));
+                      args(s.slot));
         }
     }
 
@@ -228,7 +231,8 @@ void HybridDeviceOptimizer::step(float lr, Stream * current) {
             SlotInfo &    s = slots_[static_cast<size_t>(i)];
             const int64_t n = s.slot.values.numel();
             host_adam_step(host_master_.data() + s.state, host_grad_.data() + s.state, host_m_.data() + s.state,
-                           host_v_.data() + s.state, n, lr, c.beta1, c.beta2, c.eps, s.slot.weight_decay, step_);
+                           host_v_.data() + s.state, n, slot_lr(s.slot), c.beta1, c.beta2, c.eps, s.slot.weight_decay,
+                           step_);
             ops.convert(h2d, host_master_.slice(s.state, n), s.slot.values);
         }
         h2d.record(*h2d_events_[g]);

@@ -48,6 +48,7 @@
 #include "optim/adamw.h"
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace loom::optim {
@@ -64,6 +65,7 @@ struct HybridSlot {
     Tensor values;              // (n) f32 or bf16, device memory, updated in place
     Tensor grad;                // (n) f32, device memory; undefined: no gradient (not updated)
     float  weight_decay = 0.0f;
+    bool   decoupled_lr = false;   // steps with the embedding's and output layer's lr (--decoupled-lr)
 };
 
 // Which slots are offloaded, by spec 3.2's rule. Throws when fraction is outside [0, 1].
@@ -100,7 +102,8 @@ public:
 
     // One step with lr (weight decay from each slot). With `current`, the work is ordered on it and
     // anything submitted to it afterwards sees the updated values; without, the host sees them on return.
-    void step(float lr, Stream * current = nullptr);
+    // decoupled_lr: the lr of the slots marked decoupled_lr (default: lr).
+    void step(float lr, Stream * current = nullptr, std::optional<float> decoupled_lr = std::nullopt);
 
     // The gradient slot i reads from the next step on (undefined: none).
     void set_grad(int slot, Tensor grad);

@@ -73,13 +73,13 @@ void Optimizer::init(std::vector<HybridSlot> slots, std::vector<int> slot_params
                                                      offload);
 }
 
-StepResult Optimizer::step(float lr) {
+StepResult Optimizer::step(float lr, std::optional<float> decoupled_lr) {
     StepResult result;
     result.grad_norm = norm_on(params_.front()->data.device(), views_, groups_);
     if (!std::isfinite(result.grad_norm)) return result;
     const float coeff = clip_coefficient(result.grad_norm, options_.clip_grad);
     if (coeff != 1.0f) scale_grads(views_, coeff);
-    state_->step(lr, &params_.front()->data.device().compute_stream());
+    state_->step(lr, &params_.front()->data.device().compute_stream(), decoupled_lr);
     result.stepped = true;
     after_step();
     return result;
@@ -119,7 +119,7 @@ AdamW::AdamW(std::vector<model::Parameter *> params, const OptimizerOptions & op
     for (size_t i = 0; i < this->params().size(); ++i) {
         model::Parameter * p = this->params()[i];
         slots.push_back(HybridSlot{p->data.flatten(), p->main_grad.flatten(),
-                                   p->no_weight_decay ? 0.0f : options.adam.weight_decay});
+                                   p->no_weight_decay ? 0.0f : options.adam.weight_decay, p->embedding_or_output});
         slot_params.push_back(static_cast<int>(i));
     }
     init(std::move(slots), std::move(slot_params), grad_views(this->params()));

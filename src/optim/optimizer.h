@@ -72,8 +72,8 @@ public:
     Optimizer(const Optimizer &) = delete;
     Optimizer & operator=(const Optimizer &) = delete;
 
-    // Steps 1-5 above.
-    StepResult step(float lr);
+    // Steps 1-5 above; the embedding and output layer step with decoupled_lr when given (--decoupled-lr).
+    StepResult step(float lr, std::optional<float> decoupled_lr = std::nullopt);
     // --log-num-zeros-in-grad: zero elements of the gradients the norm counts, over the same groups (read on
     // the host: the CPU backend's memory).
     double count_zeros() const;

@@ -58,7 +58,6 @@ const std::map<std::string, std::string> & refusal_hints() {
     static const std::map<std::string, std::string> hints = {
         {"--tokenizer-model", "Loom reads GPT-2 BPE files (--tokenizer-type GPT2BPETokenizer --vocab-file V "
                               "--merge-file M) or plain ids (--tokenizer-type NullTokenizer --vocab-size N)"},
-        {"--decoupled-lr", "one learning rate for every parameter in Loom so far: drop it"},
         {"--wandb-project", "--log-file writes the logged scalars as JSON lines"},
         {"--fp8-format", "train in --bf16"},
         {"--num-experts", "Mixture of Experts is not in Loom yet; train a dense model"},
@@ -169,7 +168,8 @@ void group_like_megatron(CLI::App & app) {
         {"--micro-batch-size", "training"}, {"--global-batch-size", "training"}, {"--train-iters", "training"},
         {"--exit-interval", "training"}, {"--exit-duration-in-mins", "training"}, {"--exit-signal-handler", "training"},
         {"--seed", "initialization"}, {"--init-method-std", "initialization"},
-        {"--lr", "learning rate"}, {"--min-lr", "learning rate"}, {"--lr-warmup-iters", "learning rate"},
+        {"--lr", "learning rate"}, {"--min-lr", "learning rate"}, {"--decoupled-lr", "learning rate"},
+        {"--decoupled-min-lr", "learning rate"}, {"--lr-warmup-iters", "learning rate"},
         {"--lr-decay-style", "learning rate"}, {"--lr-decay-iters", "learning rate"},
         {"--lr-decay-samples", "learning rate"}, {"--lr-warmup-samples", "learning rate"},
         {"--lr-warmup-fraction", "learning rate"}, {"--lr-warmup-init", "learning rate"},

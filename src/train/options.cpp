@@ -55,6 +55,10 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_option("--train-iters", o.train_iters, "training iterations")->capture_default_str();
     app.add_option("--lr", o.adam.lr, "maximum learning rate")->capture_default_str();
     app.add_option("--min-lr", o.min_lr, "minimum learning rate")->capture_default_str();
+    app.add_option("--decoupled-lr", decoupled_lr_,
+                   "the word embedding's and output layer's learning rate, on the same schedule (default: --lr)");
+    app.add_option("--decoupled-min-lr", decoupled_min_lr_,
+                   "their minimum learning rate (default: --min-lr)");
     app.add_option("--lr-warmup-iters", o.lr_warmup_iters, "linear warmup iterations")->capture_default_str();
     app.add_option("--lr-decay-style", o.lr_decay_style, "constant, linear or cosine")->capture_default_str();
     app.add_option("--lr-decay-iters", o.lr_decay_iters, "iterations to decay over (default: --train-iters)");
@@ -285,6 +289,8 @@ optim::LrSchedule TrainOptions::lr_schedule() const {
         s.warmup_steps = static_cast<double>(lr_warmup_iters) * batch;
     }
     if (lr_warmup_fraction >= 0) s.warmup_steps = lr_warmup_fraction * s.decay_steps;
+    s.decoupled_max_lr = decoupled_lr;
+    s.decoupled_min_lr = decoupled_min_lr;
     return s;
 }
 
@@ -528,6 +534,12 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     if (disable_bias_) m.add_bias_linear = false;
     if (untie_) m.untie_embeddings_and_output_weights = true;
     if (given("--init-method-std")) m.init_method_std = init_std_;
+    for (auto [flag, value, target] : {std::tuple{"--decoupled-lr", decoupled_lr_, &o.decoupled_lr},
+                                       {"--decoupled-min-lr", decoupled_min_lr_, &o.decoupled_min_lr}}) {
+        if (!given(flag)) continue;
+        LOOM_CHECK(std::isfinite(value) && value >= 0.0f, flag << " must be a finite number >= 0, got " << value, "");
+        *target = value;
+    }
     m.hidden_dropout    = hidden_dropout_;
     m.attention_dropout = attention_dropout_;
     resolve_recompute(m);

@@ -33,6 +33,7 @@ struct TrainOptions {
     // Optimizer and schedule.
     optim::AdamWConfig adam{2e-3f};
     float              min_lr           = 0.0f;       // Megatron's defaults: no warmup, linear decay to 0
+    std::optional<float> decoupled_lr, decoupled_min_lr;   // the embedding's and output layer's (None: --lr, --min-lr)
     int64_t            lr_warmup_iters  = 0;
     std::string        lr_decay_style   = "linear";
     int64_t            lr_decay_iters   = 0;   // 0: train_iters
@@ -175,6 +176,7 @@ private:
     // Megatron flags accepted while their feature is a single value in Loom.
     int64_t     context_parallel_size_ = 1, expert_parallel_size_ = 1;
     float       hidden_dropout_ = 0.1f, attention_dropout_ = 0.1f;   // Megatron's defaults
+    float       decoupled_lr_ = 0.0f, decoupled_min_lr_ = 0.0f;
     std::string recompute_granularity_, recompute_method_;            // "": None
     int64_t     recompute_num_layers_ = 0;
     bool        recompute_activations_ = false;

@@ -195,7 +195,9 @@ double Trainer::step(IterationStats & stats) {
     timer_seconds_[1] += seconds_since(mark);
     mark                           = Clock::now();
     const float             lr     = schedule_.lr_at(iteration_);
-    const optim::StepResult result = setup_.optimizer->step(lr);
+    const optim::StepResult result =
+        setup_.optimizer->step(lr, schedule_.decoupled_max_lr ? std::optional<float>(schedule_.decoupled_lr_at(iteration_))
+                                                              : std::nullopt);
     if (options_.timing_log_level >= 1) model_.device().compute_stream().synchronize();   // time the step itself
     timer_seconds_[2] += seconds_since(mark);
     if (options_.log_num_zeros_in_grad) stats.num_zeros = setup_.optimizer->count_zeros();
