@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "core/input_file.h"
 #include "data/gpt_dataset.h"
+#include "data/index_cache.h"
 #include "data/indexed_dataset.h"
 #include "data/llmc_shard.h"
 #include "data/preprocess.h"
@@ -468,6 +469,139 @@ TEST(GptDataset, InferredVocabularyRefusesALoneCorruptIdButNotAnEndOfDocumentId)
     // A large id that is not isolated (within twice the next) is an ordinary vocabulary.
     const std::string dense = write("dense_top", 90'000);
     EXPECT_EQ(open_gpt_dataset(dense, "100,0,0", Split::train, 8, 0, 1)->vocab_size(), 90'001);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The index cache (data/index_cache.h)
+
+// Test data in a small vocabulary.
+
+namespace {
+
+// `count` documents of `length` tokens (uint16) in a small vocabulary: token i of document d is
+// (7 d + 3 i + salt) % 128, plus 128 when salt is odd, so the samples of a dataset written with an even salt
+// and one written with an odd salt are told apart by their tokens (below or from 128).
+std::string write_small_vocab_documents(const std::string & name, int count, int length, int salt) {
+    std::string          prefix = temp_path(name);
+    IndexedDatasetWriter w(prefix, IndexDType::u16);
+    for (int d = 0; d < count; ++d) {
+        std::vector<int32_t> tokens;
+        for (int i = 0; i < length; ++i) tokens.push_back((7 * d + 3 * i + salt) % 128 + 128 * (salt % 2));
+        w.add_document(tokens);
+    }
+    w.finish();
+    return prefix;
+}
+
+}  // namespace
+
+TEST(IndexCache, Md5MatchesPythonsHashlib) {
+    EXPECT_EQ(md5_hex(""), "d41d8cd98f00b204e9800998ecf8427e");
+    EXPECT_EQ(md5_hex("a"), "0cc175b9c0f1b6a831c399e269772661");
+    EXPECT_EQ(md5_hex("abc"), "900150983cd24fb0d6963f7d28e17f72");
+    EXPECT_EQ(md5_hex("message digest"), "f96b697d7cb7938d525a2f31aaf161d0");
+    // The padding's edge cases: 55, 56 and 64 bytes, and two blocks.
+    EXPECT_EQ(md5_hex(std::string(55, 'x')), "04364420e25c512fd958a70738aa8f72");
+    EXPECT_EQ(md5_hex(std::string(56, 'x')), "668a72d5ba17f08e62dabcafad6db14b");
+    EXPECT_EQ(md5_hex(std::string(64, 'x')), "c1bb4f81d892b2d57947682aeb252456");
+    std::string digits;
+    for (int i = 0; i < 8; ++i) digits += "1234567890";
+    EXPECT_EQ(md5_hex(digits), "57edf4a22be3c955ac49da2e2107b67a");
+    EXPECT_EQ(md5_hex("The quick brown fox jumps over the lazy dog"), "9e107d9d372bb6826bd81d3542a419d6");
+}
+
+// numpy.save's version 1.0 layout byte by byte, read back, and damaged files refused naming them.
+TEST(IndexCache, NpyFilesHaveNumpysLayoutAndDamagedOnesAreRefusedByName) {
+    const std::string    path = temp_path("pairs.npy");
+    std::vector<int64_t> values{0, 0, 1, 5, 2, 7};
+    write_npy<int64_t>(path, values, std::vector<int64_t>{3, 2});
+    std::vector<uint8_t> bytes = read_bytes(path);
+    ASSERT_EQ(bytes.size(), 128u + 48u) << "the header padded to 128 bytes, then 6 x 8";
+    const std::string head(bytes.begin(), bytes.begin() + 128);
+    EXPECT_EQ(head.substr(0, 8), std::string("\x93NUMPY\x01\x00", 8));
+    EXPECT_EQ(bytes[8] + 256 * bytes[9], 118);
+    EXPECT_EQ(head.substr(10, 59), "{'descr': '<i8', 'fortran_order': False, 'shape': (3, 2), }");
+    EXPECT_EQ(head.back(), '\n');
+    NpyArray<int64_t> back = read_npy<int64_t>(path);
+    EXPECT_EQ(back.shape, (std::vector<int64_t>{3, 2}));
+    EXPECT_EQ(back.values, values);
+    const std::string    small = temp_path("small.npy");
+    std::vector<int16_t> which{1, 0, 1};
+    write_npy<int16_t>(small, which, std::vector<int64_t>{3});
+    const std::vector<uint8_t> small_bytes = read_bytes(small);
+    EXPECT_NE(std::string(small_bytes.begin(), small_bytes.end()).find("'shape': (3,), }"), std::string::npos);
+    EXPECT_EQ(read_npy<int16_t>(small).values, which);
+
+    std::string message = error_of([&] { read_npy<int32_t>(path); });
+    EXPECT_NE(message.find("'" + path + "' holds dtype '<i8', and Loom's index is <i4"), std::string::npos) << message;
+    bytes.pop_back();
+    write_bytes(path, bytes);
+    message = error_of([&] { read_npy<int64_t>(path); });
+    EXPECT_NE(message.find("'" + path + "' is 175 bytes"), std::string::npos) << message;
+    EXPECT_NE(message.find("(truncated)"), std::string::npos) << message;
+    EXPECT_NE(message.find("delete the cached index files"), std::string::npos) << message;
+    write_bytes(path, {'n', 'o', 't', ' ', 'n', 'p', 'y', '!', '!', '!', '!'});
+    message = error_of([&] { read_npy<int64_t>(path); });
+    EXPECT_NE(message.find("'" + path + "' is not a .npy file"), std::string::npos) << message;
+}
+
+// A damaged cache file is an error naming it, with the hint to delete the set; a set missing a file is a
+// miss, rebuilt and rewritten.
+TEST(IndexCache, DamagedFileIsAnErrorNamingItAndAnIncompleteSetIsRebuilt) {
+    const std::string a   = write_small_vocab_documents("damaged", 30, 21, 0);
+    const std::string dir = temp_path("damaged_cache");
+    std::filesystem::remove_all(dir);
+    IndexCacheOptions cache{dir, true};
+    auto              built = open_gpt_dataset(a, "100,0,0", Split::train, 8, 40, 3, 0, cache);
+    const std::string base  = dir + "/" + md5_hex(built->cache_description()) + "-GPTDataset-train-";
+    auto open = [&] { return open_gpt_dataset(a, "100,0,0", Split::train, 8, 40, 3, 0, cache); };
+    EXPECT_TRUE(open()->loaded_from_cache());
+
+    // A truncated shuffle index.
+    const std::vector<uint8_t> shuffle = read_bytes(base + "shuffle_index.npy");
+    write_bytes(base + "shuffle_index.npy", std::vector<uint8_t>(shuffle.begin(), shuffle.end() - 8));
+    std::string message = error_of([&] { open(); });
+    EXPECT_NE(message.find("'" + base + "shuffle_index.npy' is"), std::string::npos) << message;
+    EXPECT_NE(message.find("(truncated)"), std::string::npos) << message;
+    EXPECT_NE(message.find("delete the"), std::string::npos) << message;
+    write_bytes(base + "shuffle_index.npy", shuffle);
+
+    // A document id outside the split, in a file of the right size.
+    std::vector<uint8_t> documents = read_bytes(base + "document_index.npy");
+    const std::vector<uint8_t> good = documents;
+    poke<int32_t>(documents, documents.size() - 4, 999);
+    write_bytes(base + "document_index.npy", documents);
+    message = error_of([&] { open(); });
+    EXPECT_NE(message.find("'" + base + "document_index.npy' holds document id 999, outside the split's [0, 30)"),
+              std::string::npos)
+        << message;
+    write_bytes(base + "document_index.npy", good);
+
+    // A shuffle index that is not a permutation.
+    std::vector<uint8_t> repeated = shuffle;
+    std::memcpy(repeated.data() + repeated.size() - 8, repeated.data() + repeated.size() - 16, 8);
+    write_bytes(base + "shuffle_index.npy", repeated);
+    message = error_of([&] { open(); });
+    EXPECT_NE(message.find("'" + base + "shuffle_index.npy' is not a permutation"), std::string::npos) << message;
+    write_bytes(base + "shuffle_index.npy", shuffle);
+
+    // A description edited under the same name.
+    std::ofstream(base + "description.txt", std::ios::app) << " ";
+    message = error_of([&] { open(); });
+    EXPECT_NE(message.find("'" + base + "description.txt' does not describe the indices this run needs"), std::string::npos)
+        << message;
+    std::ofstream(base + "description.txt", std::ios::trunc) << built->cache_description();
+    auto intact = open();
+    EXPECT_TRUE(intact->loaded_from_cache());
+    EXPECT_EQ(intact->index().shuffle_index, built->index().shuffle_index);
+
+    // A missing file: the set is incomplete, rebuilt and written again.
+    std::filesystem::remove(base + "sample_index.npy");
+    auto rebuilt = open();
+    EXPECT_FALSE(rebuilt->loaded_from_cache());
+    EXPECT_TRUE(std::filesystem::exists(base + "sample_index.npy"));
+    EXPECT_EQ(read_npy<int64_t>(base + "sample_index.npy").values, built->index().sample_index);
+    EXPECT_TRUE(open()->loaded_from_cache());
 }
 
 // ---------------------------------------------------------------------------------------------------
