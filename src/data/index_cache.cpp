@@ -231,7 +231,9 @@ template NpyArray<int64_t> read_npy<int64_t>(const std::string &);
 IndexCacheEntry::IndexCacheEntry(const IndexCacheOptions & options, std::string description, const std::string & cls,
                                  const std::string & split)
     : options_(options), description_(std::move(description)) {
-    if (enabled()) base_ = options_.path + "/" + md5_hex(description_) + "-" + cls + "-" + split + "-";
+    if (enabled()) {   // joined as paths: "cache/" and "cache" name the same files
+        base_ = (std::filesystem::path(options_.path) / (md5_hex(description_) + "-" + cls + "-" + split + "-")).string();
+    }
 }
 
 bool IndexCacheEntry::complete(std::span<const std::string> arrays) const {
