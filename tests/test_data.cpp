@@ -1100,3 +1100,43 @@ TEST(LoomData, BadInputExitsTwoNamingTheProblem) {
         EXPECT_NE(r.out.find(c.names), std::string::npos) << c.args << " -> " << r.out;
     }
 }
+
+// `loom train` on a weighted blend, end to end: --data-path 0.3 A 0.7 B trains, writes its indices to
+// --data-cache-path and loads them on the second run (the same losses); a malformed list exits 2 naming
+// the word.
+TEST(LoomTrain, WeightedDataPathTrainsWritesTheCacheAndLoadsItOnTheNextRun) {
+    const std::string a   = write_small_vocab_documents("cli_blend_a", 30, 21, 0);
+    const std::string b   = write_small_vocab_documents("cli_blend_b", 40, 17, 1);
+    const std::string dir = temp_path("cli_cache");
+    std::filesystem::remove_all(dir);
+    const std::string args = "train --data-path 0.3 " + a + " 0.7 " + b +
+                             " --split 100,0,0 --train-iters 3 --num-layers 1 --seq-length 16 --micro-batch-size 2 "
+                             "--log-interval 1 --data-cache-path " + dir;
+    CliRun first = run_loom(args);
+    ASSERT_EQ(first.status, 0) << first.out;
+    // 3 iterations x 2 samples: ceil(6 x 0.3) + ceil(6 x 0.7) = 2 + 5 samples, the vocabulary the larger one's.
+    EXPECT_NE(first.out.find("data: Megatron blend of 2 datasets (train split, 7 samples, vocab 256, weights 0.3 0.7) "
+                             "[indices written to " + dir + "]"),
+              std::string::npos)
+        << first.out;
+    EXPECT_NE(first.out.find("iteration        3/       3"), std::string::npos) << first.out;
+    EXPECT_EQ(folder_files(dir).size(), 11u);
+    CliRun second = run_loom(args);
+    ASSERT_EQ(second.status, 0) << second.out;
+    EXPECT_NE(second.out.find("[indices loaded from " + dir + "]"), std::string::npos) << second.out;
+    auto losses = [](const std::string & out) {
+        std::string found;
+        for (size_t at = out.find("lm loss: "); at != std::string::npos; at = out.find("lm loss: ", at + 1)) {
+            found += out.substr(at, 21) + "\n";
+        }
+        return found;
+    };
+    EXPECT_FALSE(losses(first.out).empty()) << first.out;
+    EXPECT_EQ(losses(second.out), losses(first.out)) << "the cached indices serve the same samples";
+
+    CliRun bad = run_loom("train --data-path 0.3 " + a + " 0.7 --split 100,0,0 --train-iters 1");
+    EXPECT_EQ(bad.status, 2) << bad.out;
+    EXPECT_NE(bad.out.find("--data-path: '0.3' (word 1) reads as a weight, but the 3 words are not WEIGHT PREFIX pairs"),
+              std::string::npos)
+        << bad.out;
+}
