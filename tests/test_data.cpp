@@ -636,6 +636,18 @@ TEST(BlendedDataset, OnePrefixIsTheGptDatasetUnchanged) {
         ASSERT_EQ(gpt->num_samples(), today->num_samples());
         for (int64_t i = 0; i < gpt->num_samples(); ++i) ASSERT_EQ(sample_of(*gpt, i), sample_of(*today, i)) << i;
     }
+    // With a weight, --data-path builds the blending layer as Megatron does (a blend of one, N samples of a
+    // dataset built with ceil(N x 1.005)); a per-split path (no --split) takes the dataset whole, unblended.
+    auto weighted = open_blended_split(parse_blend(words_of({"1", a.c_str()})), "80,20,0", Split::train, 90, o);
+    auto * one    = dynamic_cast<BlendedDataset *>(weighted.get());
+    ASSERT_NE(one, nullptr);
+    EXPECT_EQ(one->num_samples(), 90);
+    EXPECT_NE(one->datasets()[0]->cache_description().find("\"num_samples\": 91"), std::string::npos);
+    auto   whole = open_blended_split(parse_blend(words_of({"1", a.c_str()})), std::nullopt, Split::valid, 30, o);
+    auto * gpt   = dynamic_cast<GptDataset *>(whole.get());
+    ASSERT_NE(gpt, nullptr);
+    EXPECT_EQ(gpt->range(), (DocumentRange{0, 25}));
+    EXPECT_NE(gpt->describe().find("(valid split: documents [0, 25) of 25"), std::string::npos) << gpt->describe();
 }
 
 // Prefixes without weights: one epoch of each, weighted by their sample counts, min(N, total) samples.
