@@ -5,7 +5,9 @@
 #include "backend/cpu/cpu_device.h"
 #include "core/error.h"
 #include "core/input_file.h"
+#include "data/blended_dataset.h"
 #include "data/gpt_dataset.h"
+#include "data/index_cache.h"
 #include "data/indexed_dataset.h"
 #include "data/llmc_shard.h"
 #include "data/preprocess.h"
@@ -471,6 +473,397 @@ TEST(GptDataset, InferredVocabularyRefusesALoneCorruptIdButNotAnEndOfDocumentId)
 }
 
 // ---------------------------------------------------------------------------------------------------
+// Blends (data/blended_dataset.h)
+
+namespace {
+
+// `count` documents of `length` tokens (uint16) in a small vocabulary: token i of document d is
+// (7 d + 3 i + salt) % 128, plus 128 when salt is odd, so the samples of a dataset written with an even salt
+// and one written with an odd salt are told apart by their tokens (below or from 128).
+std::string write_small_vocab_documents(const std::string & name, int count, int length, int salt) {
+    std::string          prefix = temp_path(name);
+    IndexedDatasetWriter w(prefix, IndexDType::u16);
+    for (int d = 0; d < count; ++d) {
+        std::vector<int32_t> tokens;
+        for (int i = 0; i < length; ++i) tokens.push_back((7 * d + 3 * i + salt) % 128 + 128 * (salt % 2));
+        w.add_document(tokens);
+    }
+    w.finish();
+    return prefix;
+}
+
+std::vector<std::string> words_of(std::initializer_list<const char *> words) {
+    return std::vector<std::string>(words.begin(), words.end());
+}
+
+std::vector<int32_t> sample_of(const TokenDataset & ds, int64_t i) {
+    std::vector<int32_t> out(static_cast<size_t>(ds.seq_length() + 1));
+    ds.sample(i, out);
+    return out;
+}
+
+}  // namespace
+
+// get_blend_from_list: prefixes alone, or weight/prefix pairs when every weight position reads as a
+// number; Loom refuses the malformed lists Megatron would turn into a later failure, naming flag and word.
+TEST(BlendedDataset, DataPathParsesAsGetBlendFromListAndMalformedListsNameTheWord) {
+    Blend one = parse_blend(words_of({"A"}));
+    EXPECT_EQ(one.prefixes, words_of({"A"}));
+    EXPECT_TRUE(one.weights.empty());
+    Blend two = parse_blend(words_of({"A", "B"}));
+    EXPECT_EQ(two.prefixes, words_of({"A", "B"}));
+    EXPECT_TRUE(two.weights.empty()) << "prefixes alone are weighted by their sizes later";
+    Blend pairs = parse_blend(words_of({"30", "A", " 1e1 ", " B ", "0.5", "C"}));
+    EXPECT_EQ(pairs.prefixes, words_of({"A", "B", "C"})) << "prefixes are stripped";
+    EXPECT_EQ(pairs.weights, (std::vector<double>{30.0, 10.0, 0.5})) << "the weights as given, not normalised";
+
+    struct Case {
+        std::vector<std::string> words;
+        std::string              flag, names;
+    } cases[] = {
+        {{}, "--data-path", "--data-path needs at least one dataset prefix"},
+        {words_of({"0.3", "A", "0.7"}), "--data-path",
+         "--data-path: '0.3' (word 1) reads as a weight, but the 3 words are not WEIGHT PREFIX pairs (an odd count)"},
+        {words_of({"A", "0.3", "B", "0.7"}), "--data-path",
+         "--data-path: '0.3' (word 2) reads as a weight, but the 4 words are not WEIGHT PREFIX pairs (a weight must "
+         "come before its prefix)"},
+        {words_of({"0.3", "A", "x", "B"}), "--data-path",
+         "--data-path: 'x' (word 3) is not a number, and '0.3' (word 1) is a weight"},
+        {words_of({"-0.3", "A", "0.7", "B"}), "--data-path", "--data-path: the weight '-0.3' (word 1) of 'A' is negative"},
+        {words_of({"0.3", "A", "0", "B"}), "--train-data-path", "--train-data-path: the weight '0' (word 3) of 'B' is zero"},
+        {words_of({"nan", "A", "1", "B"}), "--data-path", "the weight 'nan' (word 1) of 'A' is not a finite number"},
+        {words_of({"0.3", "0.5", "0.7", "B"}), "--valid-data-path",
+         "--valid-data-path: '0.5' (word 2) stands where the prefix of weight '0.3' belongs, and is a number"},
+    };
+    for (const Case & c : cases) {
+        const std::string message = error_of([&] { parse_blend(c.words, c.flag); });
+        EXPECT_NE(message.find(c.names), std::string::npos) << message;
+    }
+}
+
+// normalize() and _get_size_per_split_per_dataset, numbers computed with Megatron's Python.
+TEST(BlendedDataset, WeightsAndDatasetSizesAreTheBuildersNumbers) {
+    EXPECT_EQ(normalize_weights(std::vector<double>{30, 70}), (std::vector<double>{0.3, 0.7}));
+    const std::vector<double> w = normalize_weights(normalize_weights(std::vector<double>{0.3, 0.7}));
+    EXPECT_EQ(samples_per_dataset(w, 10), (std::vector<int64_t>{3, 7}));
+    EXPECT_EQ(samples_per_dataset(w, 10, 0.005), (std::vector<int64_t>{4, 8})) << "ceil(3 x 1.005), ceil(7 x 1.005)";
+    const std::vector<double> three = normalize_weights(normalize_weights(std::vector<double>{0.2, 0.5, 0.3}));
+    EXPECT_EQ(samples_per_dataset(three, 7), (std::vector<int64_t>{2, 4, 3}));
+    EXPECT_EQ(samples_per_dataset(three, 7, 0.005), (std::vector<int64_t>{3, 5, 4}));
+    // Many weights: the sum is numpy's pairwise sum, so the normalised weights add to 1 within a few ulps.
+    std::vector<double> many(300);
+    for (size_t i = 0; i < many.size(); ++i) many[i] = 1.0 / static_cast<double>(i + 1);
+    const std::vector<double> normalized = normalize_weights(many);
+    EXPECT_NEAR(std::accumulate(normalized.begin(), normalized.end(), 0.0), 1.0, 1e-14);
+}
+
+// The header's worked example, a three-dataset case (from the reference implementation in Python) and
+// the tie rule.
+TEST(BlendedDataset, BlendingIndexMatchesTheHandComputedExamples) {
+    BlendingIndex x = build_blending_index(std::vector<double>{0.3, 0.7}, 10);
+    EXPECT_EQ(x.dataset_index, (std::vector<int16_t>{1, 0, 1, 1, 0, 1, 1, 0, 1, 1}));
+    EXPECT_EQ(x.dataset_sample_index, (std::vector<int64_t>{0, 0, 1, 2, 1, 3, 4, 2, 5, 6}));
+    BlendingIndex y = build_blending_index(normalize_weights(std::vector<double>{0.2, 0.5, 0.3}), 9);
+    EXPECT_EQ(y.dataset_index, (std::vector<int16_t>{1, 2, 0, 1, 2, 1, 0, 1, 2}));
+    EXPECT_EQ(y.dataset_sample_index, (std::vector<int64_t>{0, 0, 0, 1, 1, 2, 1, 3, 2}));
+    // Equal errors go to the lower index: i = 0 (0.5, 0.5) -> 0, i = 2 (0, 0) -> 0.
+    EXPECT_EQ(build_blending_index(std::vector<double>{0.5, 0.5}, 4).dataset_index, (std::vector<int16_t>{0, 1, 0, 1}));
+}
+
+// After S samples each dataset has given w_d S samples within one (tolerance: 1 sample, i.e. a fraction
+// within 1/S of its weight), for every S up to 2000 (the index of S samples is the first S of a longer one).
+TEST(BlendedDataset, AchievedFractionsAreWithinOneOverSOfTheWeights) {
+    for (const std::vector<double> & weights : {std::vector<double>{0.3, 0.7}, std::vector<double>{0.2, 0.5, 0.3}}) {
+        const std::vector<double> w     = normalize_weights(weights);
+        const BlendingIndex       index = build_blending_index(w, 2000);
+        std::vector<int64_t>      count(w.size(), 0);
+        for (int64_t s = 1; s <= 2000; ++s) {
+            ++count[static_cast<size_t>(index.dataset_index[static_cast<size_t>(s - 1)])];
+            for (size_t d = 0; d < w.size(); ++d) {
+                ASSERT_LE(std::abs(static_cast<double>(count[d]) / static_cast<double>(s) - w[d]), 1.0 / static_cast<double>(s))
+                    << "dataset " << d << " after " << s << " samples";
+            }
+        }
+    }
+}
+
+// --data-path 0.3 A 0.7 B: each dataset built with ceil(ceil(N w) x 1.005) samples, the blend of
+// sum ceil(N w) samples reads sample dataset_sample_index[i] of dataset dataset_index[i], and its
+// vocabulary is the larger of the two.
+TEST(BlendedDataset, WeightedBlendReadsEachSampleFromTheDatasetItsIndexNames) {
+    const std::string a = write_small_vocab_documents("blend_a", 30, 21, 0);   // even salt: tokens < 128
+    const std::string b = write_small_vocab_documents("blend_b", 40, 17, 1);   // odd salt: tokens >= 128
+    GptDatasetOptions o;
+    o.seq_length = 8;
+    o.seed       = 1234;
+    auto ds      = open_blended_split(parse_blend(words_of({"0.3", a.c_str(), "0.7", b.c_str()})), "100,0,0",
+                                      Split::train, 40, o);
+    auto * blend = dynamic_cast<BlendedDataset *>(ds.get());
+    ASSERT_NE(blend, nullptr);
+    EXPECT_EQ(blend->num_samples(), 12 + 28) << "ceil(40 x 0.3) + ceil(40 x 0.7)";
+    EXPECT_EQ(blend->datasets()[0]->vocab_size(), 127 + 1);
+    EXPECT_EQ(blend->vocab_size(), 255 + 1) << "the largest of the datasets' vocabularies";
+    EXPECT_EQ(blend->datasets()[1]->index().num_epochs, 1);
+    std::vector<int64_t> drawn(2, 0);
+    for (int64_t i = 0; i < blend->num_samples(); ++i) {
+        const int16_t d      = blend->index().dataset_index[static_cast<size_t>(i)];
+        const auto    sample = sample_of(*ds, i);
+        EXPECT_EQ(sample, sample_of(*blend->datasets()[static_cast<size_t>(d)], blend->index().dataset_sample_index[static_cast<size_t>(i)]));
+        for (int32_t t : sample) ASSERT_EQ(t >= 128, d == 1) << "sample " << i << " holds token " << t;
+        ++drawn[static_cast<size_t>(d)];
+    }
+    EXPECT_EQ(drawn, (std::vector<int64_t>{12, 28}));
+    // The datasets were asked for ceil(12 x 1.005) = 13 and ceil(28 x 1.005) = 29 samples (one epoch holds more).
+    const std::string desc_a = blend->datasets()[0]->cache_description();
+    EXPECT_NE(desc_a.find("\"num_samples\": 13"), std::string::npos) << desc_a;
+    EXPECT_NE(blend->datasets()[1]->cache_description().find("\"num_samples\": 29"), std::string::npos);
+}
+
+// One prefix without a weight is today's GPT dataset: no blending layer, the same indices and samples.
+TEST(BlendedDataset, OnePrefixIsTheGptDatasetUnchanged) {
+    const std::string a = write_small_vocab_documents("single", 25, 13, 0);
+    GptDatasetOptions o;
+    o.seq_length = 6;
+    o.seed       = 77;
+    for (Split which : {Split::train, Split::valid}) {
+        auto ds    = open_blended_split(parse_blend(words_of({a.c_str()})), "80,20,0", which, 90, o);
+        auto today = open_gpt_dataset(a, "80,20,0", which, 6, 90, 77);
+        auto * gpt = dynamic_cast<GptDataset *>(ds.get());
+        ASSERT_NE(gpt, nullptr) << "no BlendedDataset around a single prefix";
+        EXPECT_EQ(gpt->range(), today->range());
+        EXPECT_EQ(gpt->index().document_index, today->index().document_index);
+        EXPECT_EQ(gpt->index().shuffle_index, today->index().shuffle_index);
+        ASSERT_EQ(gpt->num_samples(), today->num_samples());
+        for (int64_t i = 0; i < gpt->num_samples(); ++i) ASSERT_EQ(sample_of(*gpt, i), sample_of(*today, i)) << i;
+    }
+    // With a weight, --data-path builds the blending layer as Megatron does (a blend of one, N samples of a
+    // dataset built with ceil(N x 1.005)); a per-split path (no --split) takes the dataset whole, unblended.
+    auto weighted = open_blended_split(parse_blend(words_of({"1", a.c_str()})), "80,20,0", Split::train, 90, o);
+    auto * one    = dynamic_cast<BlendedDataset *>(weighted.get());
+    ASSERT_NE(one, nullptr);
+    EXPECT_EQ(one->num_samples(), 90);
+    EXPECT_NE(one->datasets()[0]->cache_description().find("\"num_samples\": 91"), std::string::npos);
+    auto   whole = open_blended_split(parse_blend(words_of({"1", a.c_str()})), std::nullopt, Split::valid, 30, o);
+    auto * gpt   = dynamic_cast<GptDataset *>(whole.get());
+    ASSERT_NE(gpt, nullptr);
+    EXPECT_EQ(gpt->range(), (DocumentRange{0, 25}));
+    EXPECT_NE(gpt->describe().find("(valid split: documents [0, 25) of 25"), std::string::npos) << gpt->describe();
+}
+
+// Prefixes without weights: one epoch of each, weighted by their sample counts, min(N, total) samples.
+TEST(BlendedDataset, PrefixesWithoutWeightsBlendOneEpochOfEachBySize) {
+    const std::string a = write_small_vocab_documents("sized_a", 10, 21, 0);   // 210 tokens: (210 - 1) / 8 = 26 samples
+    const std::string b = write_small_vocab_documents("sized_b", 30, 21, 1);   // 630 tokens: 78 samples
+    GptDatasetOptions o;
+    o.seq_length = 8;
+    auto   ds    = open_blended_split(parse_blend(words_of({a.c_str(), b.c_str()})), "100,0,0", Split::train, 50, o);
+    auto * blend = dynamic_cast<BlendedDataset *>(ds.get());
+    ASSERT_NE(blend, nullptr);
+    EXPECT_EQ(blend->datasets()[0]->num_samples(), 26);
+    EXPECT_EQ(blend->datasets()[1]->num_samples(), 78);
+    EXPECT_EQ(blend->num_samples(), 50) << "min(N, 26 + 78)";
+    EXPECT_DOUBLE_EQ(blend->weights()[0], 0.25);
+    auto all = open_blended_split(parse_blend(words_of({a.c_str(), b.c_str()})), "100,0,0", Split::train, 1000, o);
+    EXPECT_EQ(all->num_samples(), 26 + 78) << "capped at one epoch of each";
+}
+
+// Megatron's IndexError: a blend drawing more samples from a dataset than it holds names the dataset and
+// --mid-level-dataset-surplus.
+TEST(BlendedDataset, OversampledDatasetIsAnErrorNamingTheSurplusFlag) {
+    const std::string a    = write_small_vocab_documents("over_a", 5, 9, 0);   // 45 tokens: 5 samples of 8
+    auto              data = std::make_shared<const IndexedDataset>(a);
+    std::vector<std::unique_ptr<GptDataset>> datasets;
+    datasets.push_back(std::make_unique<GptDataset>(data, DocumentRange{0, 5}, 8, 0, 1));
+    datasets.push_back(std::make_unique<GptDataset>(data, DocumentRange{0, 5}, 8, 0, 2));
+    const std::string message = error_of([&] { BlendedDataset(std::move(datasets), {0.5, 0.5}, 20, "train"); });
+    EXPECT_NE(message.find("the train blend draws 10 samples from dataset 0 ('" + a + "'), more than the 5 it was built with"),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("--mid-level-dataset-surplus"), std::string::npos) << message;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The index cache (data/index_cache.h)
+
+TEST(IndexCache, Md5MatchesPythonsHashlib) {
+    EXPECT_EQ(md5_hex(""), "d41d8cd98f00b204e9800998ecf8427e");
+    EXPECT_EQ(md5_hex("a"), "0cc175b9c0f1b6a831c399e269772661");
+    EXPECT_EQ(md5_hex("abc"), "900150983cd24fb0d6963f7d28e17f72");
+    EXPECT_EQ(md5_hex("message digest"), "f96b697d7cb7938d525a2f31aaf161d0");
+    // The padding's edge cases: 55, 56 and 64 bytes, and two blocks.
+    EXPECT_EQ(md5_hex(std::string(55, 'x')), "04364420e25c512fd958a70738aa8f72");
+    EXPECT_EQ(md5_hex(std::string(56, 'x')), "668a72d5ba17f08e62dabcafad6db14b");
+    EXPECT_EQ(md5_hex(std::string(64, 'x')), "c1bb4f81d892b2d57947682aeb252456");
+    std::string digits;
+    for (int i = 0; i < 8; ++i) digits += "1234567890";
+    EXPECT_EQ(md5_hex(digits), "57edf4a22be3c955ac49da2e2107b67a");
+    EXPECT_EQ(md5_hex("The quick brown fox jumps over the lazy dog"), "9e107d9d372bb6826bd81d3542a419d6");
+}
+
+// numpy.save's version 1.0 layout byte by byte, read back, and damaged files refused naming them.
+TEST(IndexCache, NpyFilesHaveNumpysLayoutAndDamagedOnesAreRefusedByName) {
+    const std::string    path = temp_path("pairs.npy");
+    std::vector<int64_t> values{0, 0, 1, 5, 2, 7};
+    write_npy<int64_t>(path, values, std::vector<int64_t>{3, 2});
+    std::vector<uint8_t> bytes = read_bytes(path);
+    ASSERT_EQ(bytes.size(), 128u + 48u) << "the header padded to 128 bytes, then 6 x 8";
+    const std::string head(bytes.begin(), bytes.begin() + 128);
+    EXPECT_EQ(head.substr(0, 8), std::string("\x93NUMPY\x01\x00", 8));
+    EXPECT_EQ(bytes[8] + 256 * bytes[9], 118);
+    EXPECT_EQ(head.substr(10, 59), "{'descr': '<i8', 'fortran_order': False, 'shape': (3, 2), }");
+    EXPECT_EQ(head.back(), '\n');
+    NpyArray<int64_t> back = read_npy<int64_t>(path);
+    EXPECT_EQ(back.shape, (std::vector<int64_t>{3, 2}));
+    EXPECT_EQ(back.values, values);
+    const std::string    small = temp_path("small.npy");
+    std::vector<int16_t> which{1, 0, 1};
+    write_npy<int16_t>(small, which, std::vector<int64_t>{3});
+    const std::vector<uint8_t> small_bytes = read_bytes(small);
+    EXPECT_NE(std::string(small_bytes.begin(), small_bytes.end()).find("'shape': (3,), }"), std::string::npos);
+    EXPECT_EQ(read_npy<int16_t>(small).values, which);
+
+    std::string message = error_of([&] { read_npy<int32_t>(path); });
+    EXPECT_NE(message.find("'" + path + "' holds dtype '<i8', and Loom's index is <i4"), std::string::npos) << message;
+    bytes.pop_back();
+    write_bytes(path, bytes);
+    message = error_of([&] { read_npy<int64_t>(path); });
+    EXPECT_NE(message.find("'" + path + "' is 175 bytes"), std::string::npos) << message;
+    EXPECT_NE(message.find("(truncated)"), std::string::npos) << message;
+    EXPECT_NE(message.find("delete the cached index files"), std::string::npos) << message;
+    write_bytes(path, {'n', 'o', 't', ' ', 'n', 'p', 'y', '!', '!', '!', '!'});
+    message = error_of([&] { read_npy<int64_t>(path); });
+    EXPECT_NE(message.find("'" + path + "' is not a .npy file"), std::string::npos) << message;
+}
+
+namespace {
+
+// The files of a folder, name -> (modification time in ns, size).
+std::map<std::string, std::pair<int64_t, int64_t>> folder_files(const std::string & dir) {
+    std::map<std::string, std::pair<int64_t, int64_t>> files;
+    for (const auto & entry : std::filesystem::directory_iterator(dir)) {
+        struct stat st;
+        EXPECT_EQ(::stat(entry.path().c_str(), &st), 0);
+        files[entry.path().filename().string()] = {int64_t(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec, st.st_size};
+    }
+    return files;
+}
+
+}  // namespace
+
+// --data-cache-path: the first build writes every index (named by the MD5 of its description), a second
+// build with the same description loads them (no file is rewritten: the modification times stay) and
+// serves the same samples; a rank that does not write leaves the folder as it is.
+TEST(IndexCache, FirstBuildWritesTheIndicesAndTheSecondLoadsThemUnchanged) {
+    const std::string a   = write_small_vocab_documents("cache_a", 30, 21, 0);
+    const std::string b   = write_small_vocab_documents("cache_b", 40, 17, 1);
+    const std::string dir = temp_path("index_cache");
+    std::filesystem::remove_all(dir);
+    GptDatasetOptions o;
+    o.seq_length = 8;
+    o.seed       = 5;
+    const Blend blend = parse_blend(words_of({"0.3", a.c_str(), "0.7", b.c_str()}));
+    auto        plain = open_blended_split(blend, "90,10,0", Split::train, 60, o);   // no cache: nothing written
+
+    o.cache.path = dir;
+    o.cache.write = false;
+    auto reader  = open_blended_split(blend, "90,10,0", Split::train, 60, o);
+    EXPECT_FALSE(std::filesystem::exists(dir)) << "a rank that does not write builds in memory on a miss";
+
+    o.cache.write = true;
+    auto first    = open_blended_split(blend, "90,10,0", Split::train, 60, o);
+    auto files    = folder_files(dir);
+    ASSERT_EQ(files.size(), 4u + 4u + 3u) << "two GPT sets of 4 files and the blend's 3";
+    const auto & blended = dynamic_cast<const BlendedDataset &>(*first);
+    EXPECT_FALSE(blended.loaded_from_cache());
+    const std::string hash = md5_hex(blended.datasets()[0]->cache_description());
+    for (const char * suffix : {"description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy"}) {
+        EXPECT_EQ(files.count(hash + "-GPTDataset-train-" + suffix), 1u) << suffix;
+    }
+    EXPECT_EQ(read_npy<int32_t>(dir + "/" + hash + "-GPTDataset-train-document_index.npy").values,
+              blended.datasets()[0]->index().document_index);
+
+    auto second = open_blended_split(blend, "90,10,0", Split::train, 60, o);
+    const auto & again = dynamic_cast<const BlendedDataset &>(*second);
+    EXPECT_TRUE(again.loaded_from_cache());
+    EXPECT_TRUE(again.datasets()[0]->loaded_from_cache());
+    EXPECT_TRUE(again.datasets()[1]->loaded_from_cache());
+    EXPECT_EQ(folder_files(dir), files) << "nothing rewritten";
+    EXPECT_EQ(again.index().dataset_index, blended.index().dataset_index);
+    EXPECT_EQ(again.datasets()[1]->index().sample_index, blended.datasets()[1]->index().sample_index);
+    EXPECT_EQ(again.datasets()[1]->index().shuffle_index, blended.datasets()[1]->index().shuffle_index);
+    ASSERT_EQ(second->num_samples(), plain->num_samples());
+    for (int64_t i = 0; i < second->num_samples(); ++i) {
+        ASSERT_EQ(sample_of(*second, i), sample_of(*plain, i)) << i;
+        ASSERT_EQ(sample_of(*reader, i), sample_of(*plain, i)) << i;
+    }
+    EXPECT_NE(second->describe().find("[indices loaded from " + dir + "]"), std::string::npos) << second->describe();
+
+    // Another description (another seed) is another set beside it.
+    o.seed = 6;
+    open_blended_split(blend, "90,10,0", Split::train, 60, o);
+    EXPECT_EQ(folder_files(dir).size(), 2 * files.size());
+}
+
+// A damaged cache file is an error naming it, with the hint to delete the set; a set missing a file is a
+// miss, rebuilt and rewritten.
+TEST(IndexCache, DamagedFileIsAnErrorNamingItAndAnIncompleteSetIsRebuilt) {
+    const std::string a   = write_small_vocab_documents("damaged", 30, 21, 0);
+    const std::string dir = temp_path("damaged_cache");
+    std::filesystem::remove_all(dir);
+    IndexCacheOptions cache{dir, true};
+    auto              built = open_gpt_dataset(a, "100,0,0", Split::train, 8, 40, 3, 0, cache);
+    const std::string base  = dir + "/" + md5_hex(built->cache_description()) + "-GPTDataset-train-";
+    auto open = [&] { return open_gpt_dataset(a, "100,0,0", Split::train, 8, 40, 3, 0, cache); };
+    EXPECT_TRUE(open()->loaded_from_cache());
+
+    // A truncated shuffle index.
+    const std::vector<uint8_t> shuffle = read_bytes(base + "shuffle_index.npy");
+    write_bytes(base + "shuffle_index.npy", std::vector<uint8_t>(shuffle.begin(), shuffle.end() - 8));
+    std::string message = error_of([&] { open(); });
+    EXPECT_NE(message.find("'" + base + "shuffle_index.npy' is"), std::string::npos) << message;
+    EXPECT_NE(message.find("(truncated)"), std::string::npos) << message;
+    EXPECT_NE(message.find("delete the"), std::string::npos) << message;
+    write_bytes(base + "shuffle_index.npy", shuffle);
+
+    // A document id outside the split, in a file of the right size.
+    std::vector<uint8_t> documents = read_bytes(base + "document_index.npy");
+    const std::vector<uint8_t> good = documents;
+    poke<int32_t>(documents, documents.size() - 4, 999);
+    write_bytes(base + "document_index.npy", documents);
+    message = error_of([&] { open(); });
+    EXPECT_NE(message.find("'" + base + "document_index.npy' holds document id 999, outside the split's [0, 30)"),
+              std::string::npos)
+        << message;
+    write_bytes(base + "document_index.npy", good);
+
+    // A shuffle index that is not a permutation.
+    std::vector<uint8_t> repeated = shuffle;
+    std::memcpy(repeated.data() + repeated.size() - 8, repeated.data() + repeated.size() - 16, 8);
+    write_bytes(base + "shuffle_index.npy", repeated);
+    message = error_of([&] { open(); });
+    EXPECT_NE(message.find("'" + base + "shuffle_index.npy' is not a permutation"), std::string::npos) << message;
+    write_bytes(base + "shuffle_index.npy", shuffle);
+
+    // A description edited under the same name.
+    std::ofstream(base + "description.txt", std::ios::app) << " ";
+    message = error_of([&] { open(); });
+    EXPECT_NE(message.find("'" + base + "description.txt' does not describe the indices this run needs"), std::string::npos)
+        << message;
+    std::ofstream(base + "description.txt", std::ios::trunc) << built->cache_description();
+    auto intact = open();
+    EXPECT_TRUE(intact->loaded_from_cache());
+    EXPECT_EQ(intact->index().shuffle_index, built->index().shuffle_index);
+
+    // A missing file: the set is incomplete, rebuilt and written again.
+    std::filesystem::remove(base + "sample_index.npy");
+    auto rebuilt = open();
+    EXPECT_FALSE(rebuilt->loaded_from_cache());
+    EXPECT_TRUE(std::filesystem::exists(base + "sample_index.npy"));
+    EXPECT_EQ(read_npy<int64_t>(base + "sample_index.npy").values, built->index().sample_index);
+    EXPECT_TRUE(open()->loaded_from_cache());
+}
+
+// ---------------------------------------------------------------------------------------------------
 // llm.c shards
 
 TEST(LlmcShard, ReadsBothVersionsAsWindowsWithStrideSeqLength) {
@@ -718,4 +1111,44 @@ TEST(LoomData, BadInputExitsTwoNamingTheProblem) {
         EXPECT_EQ(r.status, 2) << c.args << " -> " << r.out;
         EXPECT_NE(r.out.find(c.names), std::string::npos) << c.args << " -> " << r.out;
     }
+}
+
+// `loom train` on a weighted blend, end to end: --data-path 0.3 A 0.7 B trains, writes its indices to
+// --data-cache-path and loads them on the second run (the same losses); a malformed list exits 2 naming
+// the word.
+TEST(LoomTrain, WeightedDataPathTrainsWritesTheCacheAndLoadsItOnTheNextRun) {
+    const std::string a   = write_small_vocab_documents("cli_blend_a", 30, 21, 0);
+    const std::string b   = write_small_vocab_documents("cli_blend_b", 40, 17, 1);
+    const std::string dir = temp_path("cli_cache");
+    std::filesystem::remove_all(dir);
+    const std::string args = "train --data-path 0.3 " + a + " 0.7 " + b +
+                             " --split 100,0,0 --train-iters 3 --num-layers 1 --seq-length 16 --micro-batch-size 2 "
+                             "--log-interval 1 --data-cache-path " + dir;
+    CliRun first = run_loom(args);
+    ASSERT_EQ(first.status, 0) << first.out;
+    // 3 iterations x 2 samples: ceil(6 x 0.3) + ceil(6 x 0.7) = 2 + 5 samples, the vocabulary the larger one's.
+    EXPECT_NE(first.out.find("data: Megatron blend of 2 datasets (train split, 7 samples, vocab 256, weights 0.3 0.7) "
+                             "[indices written to " + dir + "]"),
+              std::string::npos)
+        << first.out;
+    EXPECT_NE(first.out.find("iteration        3/       3"), std::string::npos) << first.out;
+    EXPECT_EQ(folder_files(dir).size(), 11u);
+    CliRun second = run_loom(args);
+    ASSERT_EQ(second.status, 0) << second.out;
+    EXPECT_NE(second.out.find("[indices loaded from " + dir + "]"), std::string::npos) << second.out;
+    auto losses = [](const std::string & out) {
+        std::string found;
+        for (size_t at = out.find("lm loss: "); at != std::string::npos; at = out.find("lm loss: ", at + 1)) {
+            found += out.substr(at, 21) + "\n";
+        }
+        return found;
+    };
+    EXPECT_FALSE(losses(first.out).empty()) << first.out;
+    EXPECT_EQ(losses(second.out), losses(first.out)) << "the cached indices serve the same samples";
+
+    CliRun bad = run_loom("train --data-path 0.3 " + a + " 0.7 --split 100,0,0 --train-iters 1");
+    EXPECT_EQ(bad.status, 2) << bad.out;
+    EXPECT_NE(bad.out.find("--data-path: '0.3' (word 1) reads as a weight, but the 3 words are not WEIGHT PREFIX pairs"),
+              std::string::npos)
+        << bad.out;
 }

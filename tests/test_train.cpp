@@ -389,6 +389,8 @@ TEST(MegatronDefaults, AreLoomsDefaults) {
     EXPECT_EQ(o.model.recompute_granularity, model::RecomputeGranularity::none);
     EXPECT_FALSE(o.decoupled_lr.has_value()) << "None: the embedding and output layer take --lr";
     EXPECT_EQ(parse_train({"--mock-data", "--decoupled-lr", "3e-3"}).lr_schedule().decoupled_max_lr, 3e-3f);
+    EXPECT_DOUBLE_EQ(o.mid_level_dataset_surplus, 0.005);
+    EXPECT_TRUE(o.data_cache_path.empty()) << "indices built in memory unless --data-cache-path is given";
     // Model flags that only restate Loom's shape are accepted; the others change it or are refused.
     const train::TrainOptions m = parse_train({"--mock-data", "--norm-epsilon", "1e-6", "--rotary-base", "500000",
                                                "--kv-channels", "32", "--rotary-percent", "1.0"});
@@ -444,6 +446,42 @@ TEST(MegatronCommandLine, NothingIsSilentlyMisread) {
     // A repeated flag takes its last value (scripts append "$@").
     const train::TrainOptions twice = parse_train({"--mock-data", "--train-iters", "5", "--train-iters", "7"});
     EXPECT_EQ(twice.train_iters, 7);
+}
+
+// --data-path and the per-split paths take lists (argparse's nargs='*'): given twice, the last list wins;
+// a malformed list, two sources, and --split with per-split paths are refused naming the flags.
+TEST(MegatronCommandLine, DataPathListsTakeTheLastOccurrenceAndMalformedOnesAreRefused) {
+    using words = std::vector<std::string>;
+    const train::TrainOptions o = parse_train({"--data-path", "A", "B", "--data-path", "0.3", "C", "0.7", "D",
+                                               "--data-cache-path", "cache", "--mid-level-dataset-surplus", "0.01"});
+    EXPECT_EQ(o.data_path, (words{"0.3", "C", "0.7", "D"}));
+    EXPECT_EQ(o.data_cache_path, "cache");
+    EXPECT_DOUBLE_EQ(o.mid_level_dataset_surplus, 0.01);
+    EXPECT_FALSE(o.per_split_data());
+    const train::TrainOptions s = parse_train({"--train-data-path", "0.5", "A", "0.5", "B", "--valid-data-path", "V"});
+    EXPECT_TRUE(s.per_split_data());
+    EXPECT_EQ(s.train_data_path, (words{"0.5", "A", "0.5", "B"}));
+    EXPECT_EQ(s.valid_data_path, (words{"V"}));
+    EXPECT_TRUE(s.test_data_path.empty());
+    struct Case {
+        std::string args, names;
+    } cases[] = {
+        {"--data-path -0.3 A 0.7 B", "--data-path: the weight '-0.3' (word 1) of 'A' is negative"},
+        {"--data-path 0.3 A 0.7", "--data-path: '0.3' (word 1) reads as a weight, but the 3 words are not WEIGHT PREFIX "
+                                  "pairs (an odd count)"},
+        {"--data-path 0.3 A x B", "--data-path: 'x' (word 3) is not a number, and '0.3' (word 1) is a weight"},
+        {"--test-data-path 1 A 0 B", "--test-data-path: the weight '0' (word 3) of 'B' is zero"},
+        {"--data-path A --train-data-path B", "are exclusive (2 given)"},
+        {"--train-data-path A --split 99,1,0", "--split with --train-data-path, --valid-data-path or --test-data-path"},
+        {"--data-path --split 1", "argument --data-path: expected one argument, got the flag '--split'"},
+        {"--data-path A --mid-level-dataset-surplus -1", "--mid-level-dataset-surplus must be a finite number >= 0"},
+        {"--data-path A --data-cache-path /etc/hostname", "--data-cache-path '/etc/hostname' exists and is not a folder"},
+    };
+    std::string err;
+    for (const Case & c : cases) {
+        EXPECT_EQ(run_status("train " + c.args, &err), 2) << c.args;
+        EXPECT_NE(err.find(c.names), std::string::npos) << c.args << " -> " << err;
+    }
 }
 
 // Flags that only choose an implementation on Megatron's side are accepted where Loom's behaviour is the

@@ -123,7 +123,9 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
     // Validation batches: --eval-iters global batches at each of the train_iters / eval_interval + 1
     // evaluations (Megatron's count), from the validation split, with the vocabulary now fixed.
     std::unique_ptr<train::BatchSource> valid;
-    if (options.eval_interval > 0 && options.eval_iters > 0) {
+    // With per-split paths and no --valid-data-path there is nothing to validate on (Megatron's do_valid).
+    if (options.eval_interval > 0 && options.eval_iters > 0 &&
+        (!options.per_split_data() || !options.valid_data_path.empty())) {
         const int64_t evaluations = options.train_iters / options.eval_interval + 1;
         valid = train::make_batch_source(options, device, true, groups.dp ? groups.dp->rank() : 0,
                                          options.data_parallel_size, data::Split::valid,

@@ -2,6 +2,8 @@
 
 #include "core/error.h"
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -133,46 +135,171 @@ std::vector<int64_t> build_shuffle_index(int64_t num_samples, int64_t total_size
     return index;
 }
 
-GptSampleIndex build_gpt_sample_index(std::span<const int32_t> sizes, DocumentRange range, int64_t seq_length,
-                                      int64_t num_samples, uint64_t seed) {
+GptIndexPlan plan_gpt_sample_index(std::span<const int32_t> sizes, DocumentRange range, int64_t seq_length,
+                                   int64_t num_samples) {
+    LOOM_CHECK(seq_length >= 1, "seq_length must be positive, got " << seq_length, "raise --seq-length");
     LOOM_CHECK(range.begin >= 0 && range.begin <= range.end && range.end <= static_cast<int64_t>(sizes.size()),
                "document range [" << range.begin << ", " << range.end << ") outside the " << sizes.size() << " documents",
                "");
     LOOM_CHECK(range.end <= std::numeric_limits<int32_t>::max(), "more than 2^31 documents", "");
-    GptSampleIndex result;
-    std::vector<int32_t> documents(static_cast<size_t>(range.size()));
-    std::iota(documents.begin(), documents.end(), static_cast<int32_t>(range.begin));
-    for (int32_t d : documents) result.tokens_per_epoch += sizes[d];
-    const int64_t t = result.tokens_per_epoch;
-
-    result.num_epochs = 1;
+    GptIndexPlan plan;
+    for (int64_t d = range.begin; d < range.end; ++d) plan.tokens_per_epoch += sizes[static_cast<size_t>(d)];
+    const int64_t t = plan.tokens_per_epoch;
     if (num_samples > 0 && t > 0) {
         const int64_t requested = num_samples * seq_length + 1;
-        for (int64_t tokens = t; tokens < requested; tokens += t) ++result.num_epochs;
+        for (int64_t tokens = t; tokens < requested; tokens += t) ++plan.num_epochs;
     }
-    int64_t samples_before_final = 0;
-    if (result.num_epochs > 1) {
-        samples_before_final            = ((result.num_epochs - 1) * t - 1) / seq_length;
-        int64_t samples_from_final      = num_samples - samples_before_final;
+    if (plan.num_epochs > 1) {
+        plan.samples_before_final       = ((plan.num_epochs - 1) * t - 1) / seq_length;
+        int64_t samples_from_final      = num_samples - plan.samples_before_final;
         int64_t samples_per_epoch       = (t - 1) / seq_length;
-        result.separate_final_epoch     = samples_from_final < static_cast<int64_t>(0.80 * static_cast<double>(samples_per_epoch));
+        plan.separate_final_epoch       = samples_from_final < static_cast<int64_t>(0.80 * static_cast<double>(samples_per_epoch));
     }
+    const int64_t tokens = plan.num_epochs * t;
+    plan.total_samples   = tokens >= 1 ? (tokens - 1) / seq_length : 0;
+    LOOM_CHECK(plan.total_samples > 0, "documents [" << range.begin << ", " << range.end << ") hold " << t
+                                                     << " tokens, not one sample of seq_length + 1 = " << seq_length + 1,
+               "lower --seq-length, give this split more documents with --split, or use a larger dataset");
+    return plan;
+}
+
+GptSampleIndex build_gpt_sample_index(std::span<const int32_t> sizes, DocumentRange range, int64_t seq_length,
+                                      int64_t num_samples, uint64_t seed) {
+    const GptIndexPlan plan = plan_gpt_sample_index(sizes, range, seq_length, num_samples);
+    GptSampleIndex     result;
+    result.tokens_per_epoch     = plan.tokens_per_epoch;
+    result.num_epochs           = plan.num_epochs;
+    result.separate_final_epoch = plan.separate_final_epoch;
+    std::vector<int32_t> documents(static_cast<size_t>(range.size()));
+    std::iota(documents.begin(), documents.end(), static_cast<int32_t>(range.begin));
 
     std::mt19937_64 rng(seed);
     result.document_index = build_document_index(documents, result.num_epochs, rng, result.separate_final_epoch);
-    result.sample_index   = build_sample_index(sizes, result.document_index, seq_length, t, result.num_epochs);
+    result.sample_index   = build_sample_index(sizes, result.document_index, seq_length, plan.tokens_per_epoch,
+                                               result.num_epochs);
     const int64_t total   = static_cast<int64_t>(result.sample_index.size() / 2) - 1;
-    LOOM_CHECK(total > 0, "documents [" << range.begin << ", " << range.end << ") hold " << t
-                                        << " tokens, not one sample of seq_length + 1 = " << seq_length + 1,
-               "lower --seq-length, give this split more documents with --split, or use a larger dataset");
-    result.shuffle_index = build_shuffle_index(result.separate_final_epoch ? samples_before_final : total, total, rng);
+    LOOM_CHECK(total == plan.total_samples, "sample index of " << total << " samples, planned " << plan.total_samples, "");
+    result.shuffle_index = build_shuffle_index(result.separate_final_epoch ? plan.samples_before_final : total, total, rng);
     return result;
+}
+
+namespace {
+
+// The indices of a complete cached set, checked against the plan and the documents (data/index_cache.h):
+// shapes first, then every value, so that no sample can read outside the split.
+GptSampleIndex load_gpt_sample_index(const IndexCacheEntry & entry, const GptIndexPlan & plan,
+                                     std::span<const int32_t> sizes, DocumentRange range) {
+    const char * hint = "delete the files of this set (the files sharing its hash prefix) and run again; Loom "
+                        "rebuilds and rewrites them";
+    entry.check_description();
+    GptSampleIndex index;
+    index.tokens_per_epoch     = plan.tokens_per_epoch;
+    index.num_epochs           = plan.num_epochs;
+    index.separate_final_epoch = plan.separate_final_epoch;
+
+    const std::string    document_file = entry.path("document_index.npy");
+    NpyArray<int32_t>    documents     = read_npy<int32_t>(document_file);
+    const int64_t        positions     = plan.num_epochs * range.size();
+    LOOM_CHECK(documents.shape == std::vector<int64_t>{positions},
+               "'" << document_file << "' holds " << documents.values.size() << " document ids, and " << plan.num_epochs
+                   << " epoch(s) of the documents [" << range.begin << ", " << range.end << ") are " << positions,
+               hint);
+    for (int32_t d : documents.values) {
+        LOOM_CHECK(d >= range.begin && d < range.end, "'" << document_file << "' holds document id " << d << ", outside the split's ["
+                                                          << range.begin << ", " << range.end << ")",
+                   hint);
+    }
+    index.document_index = std::move(documents.values);
+
+    const std::string sample_file = entry.path("sample_index.npy");
+    NpyArray<int64_t> samples     = read_npy<int64_t>(sample_file);
+    LOOM_CHECK((samples.shape == std::vector<int64_t>{plan.total_samples + 1, 2}),
+               "'" << sample_file << "' holds " << samples.values.size() << " values, and the sample index of "
+                   << plan.total_samples << " samples is (" << plan.total_samples + 1 << ", 2)",
+               hint);
+    for (int64_t k = 0; k <= plan.total_samples; ++k) {
+        const int64_t p = samples.values[static_cast<size_t>(2 * k)], o = samples.values[static_cast<size_t>(2 * k + 1)];
+        bool ok = p >= 0 && p < positions && o >= 0;
+        if (ok) {
+            const int32_t length = sizes[static_cast<size_t>(index.document_index[static_cast<size_t>(p)])];
+            ok = o < length || o == 0;
+        }
+        if (ok && k > 0) {
+            const int64_t p0 = samples.values[static_cast<size_t>(2 * k - 2)], o0 = samples.values[static_cast<size_t>(2 * k - 1)];
+            ok = p > p0 || (p == p0 && o > o0);
+        }
+        LOOM_CHECK(ok, "'" << sample_file << "' entry " << k << " = (" << p << ", " << o
+                           << ") is not a boundary inside the document index, after the one before",
+                   hint);
+    }
+    index.sample_index = std::move(samples.values);
+
+    const std::string shuffle_file = entry.path("shuffle_index.npy");
+    NpyArray<int64_t> shuffle      = read_npy<int64_t>(shuffle_file);
+    LOOM_CHECK(shuffle.shape == std::vector<int64_t>{plan.total_samples},
+               "'" << shuffle_file << "' holds " << shuffle.values.size() << " values, and the split has "
+                   << plan.total_samples << " samples",
+               hint);
+    std::vector<bool> seen(static_cast<size_t>(plan.total_samples), false);
+    for (int64_t v : shuffle.values) {
+        LOOM_CHECK(v >= 0 && v < plan.total_samples && !seen[static_cast<size_t>(v)],
+                   "'" << shuffle_file << "' is not a permutation of the " << plan.total_samples << " samples (value " << v
+                       << ")",
+                   hint);
+        seen[static_cast<size_t>(v)] = true;
+    }
+    index.shuffle_index = std::move(shuffle.values);
+    return index;
+}
+
+}  // namespace
+
+void GptDataset::load_or_build(std::span<const int32_t> sizes, int64_t num_samples, const IndexCacheOptions & cache) {
+    const GptIndexPlan plan = plan_gpt_sample_index(sizes, range_, seq_length_, num_samples);
+    // Everything the indices depend on (data/index_cache.h), in Megatron's key order where the keys are
+    // Megatron's.
+    nlohmann::ordered_json d;
+    d["class"]            = "GPTDataset";
+    d["dataset_path"]     = data_->prefix();
+    d["num_samples"]      = num_samples > 0 ? nlohmann::ordered_json(num_samples) : nlohmann::ordered_json(nullptr);
+    d["index_split"]      = name_;
+    d["random_seed"]      = seed_;
+    d["sequence_length"]  = seq_length_;
+    d["document_range"]   = {range_.begin, range_.end};
+    d["num_sequences"]    = data_->num_sequences();
+    d["tokens_per_epoch"] = plan.tokens_per_epoch;
+    d["index_builder"]    = "loom-1: mt19937_64, Fisher-Yates from the back (src/data/gpt_dataset.h)";
+    description_          = d.dump(4);
+
+    static const std::string arrays[] = {"document_index.npy", "sample_index.npy", "shuffle_index.npy"};
+    const IndexCacheEntry    entry(cache, description_, "GPTDataset", name_);
+    if (entry.complete(arrays)) {
+        index_             = load_gpt_sample_index(entry, plan, sizes, range_);
+        loaded_from_cache_ = true;
+        cache_note_        = " [indices loaded from " + cache.path + "]";
+        return;
+    }
+    index_ = build_gpt_sample_index(sizes, range_, seq_length_, num_samples, seed_);
+    if (!entry.enabled()) return;
+    if (!entry.writes()) {
+        cache_note_ = " [indices built, not in " + cache.path + " yet]";
+        return;
+    }
+    cache_note_ = " [indices written to " + cache.path + "]";
+    entry.create_folder();
+    const int64_t positions = static_cast<int64_t>(index_.document_index.size());
+    const int64_t samples   = index_.num_samples();
+    write_npy<int32_t>(entry.path(arrays[0]), index_.document_index, std::vector<int64_t>{positions});
+    write_npy<int64_t>(entry.path(arrays[1]), index_.sample_index, std::vector<int64_t>{samples + 1, 2});
+    write_npy<int64_t>(entry.path(arrays[2]), index_.shuffle_index, std::vector<int64_t>{samples});
+    entry.write_description();
 }
 
 // ---------------------------------------------------------------------------------------------------
 
 GptDataset::GptDataset(std::shared_ptr<const IndexedDataset> data, DocumentRange range, int64_t seq_length,
-                       int64_t num_samples, uint64_t seed, int64_t vocab_size, std::string name)
+                       int64_t num_samples, uint64_t seed, int64_t vocab_size, std::string name,
+                       const IndexCacheOptions & cache)
     : data_(std::move(data)), range_(range), seq_length_(seq_length), vocab_size_(vocab_size), seed_(seed),
       name_(std::move(name)) {
     LOOM_CHECK(seq_length >= 1, "--seq-length must be positive, got " << seq_length, "");
@@ -181,7 +308,7 @@ GptDataset::GptDataset(std::shared_ptr<const IndexedDataset> data, DocumentRange
                "give the " << name_ << " split a larger weight in --split, or use a dataset with more documents");
     std::vector<int32_t> sizes = data_->sequence_lengths();
     try {
-        index_ = build_gpt_sample_index(sizes, range, seq_length, num_samples, seed);
+        load_or_build(sizes, num_samples, cache);
     } catch (const Error & e) {
         LOOM_THROW("the " << name_ << " split of '" << data_->prefix() << "': " << e.message(), e.hint());
     }
@@ -215,6 +342,7 @@ std::string GptDataset::describe() const {
        << range_.end << ") of " << data_->num_sequences() << ", " << index_.tokens_per_epoch << " tokens/epoch, "
        << index_.num_epochs << " epoch" << (index_.num_epochs > 1 ? "s" : "") << ", " << num_samples()
        << " samples, vocab " << vocab_size_ << ", seed " << seed_ << ")";
+    os << cache_note_;
     return os.str();
 }
 
@@ -255,11 +383,11 @@ void GptDataset::sample_unshuffled(int64_t index, std::span<int32_t> out) const 
 
 std::unique_ptr<GptDataset> open_gpt_dataset(const std::string & prefix, const std::string & split, Split which,
                                              int64_t seq_length, int64_t num_samples, uint64_t seed,
-                                             int64_t vocab_size) {
+                                             int64_t vocab_size, const IndexCacheOptions & cache) {
     auto data = std::make_shared<const IndexedDataset>(prefix);
     std::array<DocumentRange, 3> ranges = split_documents(split, data->num_sequences());
     return std::make_unique<GptDataset>(data, ranges[static_cast<int>(which)], seq_length, num_samples, seed,
-                                        vocab_size, split_name(which));
+                                        vocab_size, split_name(which), cache);
 }
 
 }  // namespace loom::data

@@ -37,10 +37,11 @@
 // where draw_below(m) takes 64-bit draws x, rejects those below 2^64 mod m, and returns x mod m (unbiased
 // and identical on every platform, unlike std::uniform_int_distribution). Same seed, same samples.
 //
-// The indices are built in memory on construction (Megatron caches them as .npy files; at the sizes this
-// CPU path trains on they take milliseconds).
+// The indices are built in memory on construction. With --data-cache-path they are cached as .npy files,
+// as Megatron caches them, and a later run with the same description loads them (data/index_cache.h).
 #pragma once
 
+#include "data/index_cache.h"
 #include "data/indexed_dataset.h"
 #include "data/token_dataset.h"
 
@@ -92,6 +93,19 @@ std::vector<int64_t> build_sample_index(std::span<const int32_t> sizes, std::spa
 // [0, num_samples) shuffled, then [num_samples, total_size) shuffled apart (Megatron's _build_shuffle_index).
 std::vector<int64_t> build_shuffle_index(int64_t num_samples, int64_t total_size, std::mt19937_64 & rng);
 
+// The sizes of the indices for the documents of `range`, computed from the sizes alone (what
+// build_gpt_sample_index builds, and what a cached set must hold). Throws when the range holds no sample
+// of seq_length + 1 tokens.
+struct GptIndexPlan {
+    int64_t tokens_per_epoch     = 0;   // T
+    int64_t num_epochs           = 1;   // E
+    bool    separate_final_epoch = false;
+    int64_t samples_before_final = 0;   // floor(((E - 1) T - 1) / s), when the final epoch is separate
+    int64_t total_samples        = 0;   // floor((E T - 1) / s)
+};
+GptIndexPlan plan_gpt_sample_index(std::span<const int32_t> sizes, DocumentRange range, int64_t seq_length,
+                                   int64_t num_samples);
+
 struct GptSampleIndex {
     int64_t              tokens_per_epoch = 0;
     int64_t              num_epochs = 0;
@@ -111,9 +125,11 @@ class GptDataset : public TokenDataset {
 public:
     // The documents of `range` of an opened indexed dataset. vocab_size 0: the largest token id + 1
     // (one pass over the .bin); otherwise every token read is checked against vocab_size, and one outside
-    // it throws naming the .bin. num_samples <= 0: one epoch.
+    // it throws naming the .bin. num_samples <= 0: one epoch. `name` is the split's ("train", "valid",
+    // "test"); with cache.path the indices are loaded from or written to the cache (data/index_cache.h).
     GptDataset(std::shared_ptr<const IndexedDataset> data, DocumentRange range, int64_t seq_length,
-               int64_t num_samples, uint64_t seed, int64_t vocab_size = 0, std::string name = "train");
+               int64_t num_samples, uint64_t seed, int64_t vocab_size = 0, std::string name = "train",
+               const IndexCacheOptions & cache = {});
 
     int64_t     num_samples() const override { return index_.num_samples(); }
     int64_t     vocab_size() const override { return vocab_size_; }
@@ -127,19 +143,27 @@ public:
     const GptSampleIndex & index() const { return index_; }
     const DocumentRange &  range() const { return range_; }
     const IndexedDataset & indexed_dataset() const { return *data_; }
+    // The JSON text that names the cached indices (data/index_cache.h): Megatron's unique description.
+    const std::string &    cache_description() const { return description_; }
+    // Whether the indices came from --data-cache-path rather than being built.
+    bool                   loaded_from_cache() const { return loaded_from_cache_; }
 
 private:
+    void load_or_build(std::span<const int32_t> sizes, int64_t num_samples, const IndexCacheOptions & cache);
+
     std::shared_ptr<const IndexedDataset> data_;
     DocumentRange                         range_;
     int64_t                               seq_length_, vocab_size_;
     uint64_t                              seed_;
     std::string                           name_;
     GptSampleIndex                        index_;
+    std::string                           description_, cache_note_;   // cache_note_: where the indices came from
+    bool                                  loaded_from_cache_ = false;
 };
 
 // --data-path PREFIX --split S: the `which` split of the dataset at `prefix`.
 std::unique_ptr<GptDataset> open_gpt_dataset(const std::string & prefix, const std::string & split, Split which,
                                              int64_t seq_length, int64_t num_samples, uint64_t seed,
-                                             int64_t vocab_size = 0);
+                                             int64_t vocab_size = 0, const IndexCacheOptions & cache = {});
 
 }  // namespace loom::data

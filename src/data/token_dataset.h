@@ -5,6 +5,7 @@
 //
 //   GptDataset        (gpt_dataset.h)   --data-path PREFIX: a split of a Megatron .bin/.idx, sampled
 //                                       across document boundaries and shuffled as Megatron does
+//   BlendedDataset    (blended_dataset.h) --data-path 0.3 A 0.7 B: Megatron's weighted blend of them
 //   LlmcShardDataset  (llmc_shard.h)    an llm.c token shard, consecutive windows
 //   TextFileDataset   (here)            a plain text file, byte tokens
 //   SyntheticDataset  (here)            learnable synthetic tokens, the default when no data is given

@@ -105,7 +105,12 @@ json checkpoint_metadata(const TrainOptions & o, int64_t consumed_samples) {
     args["lr_warmup_iters"]                      = o.lr_warmup_iters;
     args["weight_decay"]                         = o.adam.weight_decay;
     args["clip_grad"]                            = o.clip_grad;
-    args["data_path"]                            = o.data_path;
+    args["data_path"]                            = o.data_path;   // a list, as Megatron's nargs='*'
+    if (o.per_split_data()) {
+        args["train_data_path"] = o.train_data_path;
+        args["valid_data_path"] = o.valid_data_path;
+        args["test_data_path"]  = o.test_data_path;
+    }
     return {{"args", args}, {"consumed_train_samples", consumed_samples}, {"rng", {{"seed", o.model.seed}}}};
 }
 

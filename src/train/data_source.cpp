@@ -1,6 +1,7 @@
 #include "train/data_source.h"
 
 #include "core/error.h"
+#include "data/blended_dataset.h"
 #include "data/gpt_dataset.h"
 #include "data/llmc_shard.h"
 
@@ -34,11 +35,28 @@ std::unique_ptr<BatchSource> make_batch_source(TrainOptions & options, Device & 
     }
     int64_t seq = options.model.seq_length;
     std::unique_ptr<data::TokenDataset> dataset;
-    if (!options.data_path.empty()) {
-        // The train range of --split, enough samples for every iteration; the vocabulary is the
-        // dataset's largest token + 1 unless --vocab-size was given (then every token must fit it).
-        dataset = data::open_gpt_dataset(options.data_path, options.split, split, seq, num_samples, options.model.seed,
-                                         vocab_given ? options.model.vocab_size : 0);
+    if (!options.data_path.empty() || options.per_split_data()) {
+        // The split's range of --split of every dataset of the blend (or, per split, its blend of whole
+        // datasets), enough samples for every iteration; the vocabulary is the datasets' largest token + 1
+        // unless --vocab-size was given (then every token must fit it). Data-parallel rank 0 writes the
+        // --data-cache-path indices; the others load them, or build their own on a miss.
+        const bool        per_split = options.per_split_data();
+        const char *      flags[]   = {"--train-data-path", "--valid-data-path", "--test-data-path"};
+        const std::vector<std::string> * lists[] = {&options.train_data_path, &options.valid_data_path,
+                                                    &options.test_data_path};
+        const std::string flag  = per_split ? flags[static_cast<int>(split)] : "--data-path";
+        const auto &      words = per_split ? *lists[static_cast<int>(split)] : options.data_path;
+        LOOM_CHECK(!words.empty(), "the " << data::split_name(split) << " split has no data: " << flag << " was not given",
+                   "give " << flag << " with the other per-split paths");
+        data::GptDatasetOptions gpt;
+        gpt.seq_length                = seq;
+        gpt.seed                      = options.model.seed;
+        gpt.vocab_size                = vocab_given ? options.model.vocab_size : 0;
+        gpt.mid_level_dataset_surplus = options.mid_level_dataset_surplus;
+        gpt.cache                     = data::IndexCacheOptions{options.data_cache_path, dp_rank == 0};
+        dataset = data::open_blended_split(data::parse_blend(words, flag),
+                                           per_split ? std::nullopt : std::optional<std::string>(options.split), split,
+                                           num_samples, gpt);
     } else if (!options.llmc_shard.empty()) {
         dataset = std::make_unique<data::LlmcShardDataset>(options.llmc_shard, seq,
                                                            vocab_given ? options.model.vocab_size : 0);

@@ -1,6 +1,7 @@
-// The training data of `loom train`, chosen by the options: a Megatron dataset (--data-path; the train
-// range of --split, train_iters x global batch samples), an llm.c token shard (--llmc-shard), a text file
-// of bytes (--text-file), or the built-in synthetic dataset by default.
+// The training data of `loom train`, chosen by the options: a Megatron dataset or a weighted blend of
+// them (--data-path; the train range of --split, train_iters x global batch samples; or the per-split
+// --train-data-path ..., data/blended_dataset.h), an llm.c token shard (--llmc-shard), a text file of bytes
+// (--text-file), or the built-in synthetic dataset by default.
 #pragma once
 
 #include "data/gpt_dataset.h"

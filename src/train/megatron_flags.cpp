@@ -31,8 +31,6 @@ constexpr NoOpFlag kNoOpFlags[] = {
      "every backend computes exact softmax attention, as Loom's tiled kernel does"},
     {"--no-async-tensor-model-parallel-allreduce", nullptr, "a communication-overlap choice; the result is the same"},
     {"--num-workers", "", "Loom's loader reads memory-mapped samples on the training thread; there are no workers"},
-    {"--data-cache-path", "", "Loom builds the sample index in memory at start-up (a vectorised pass); nothing is "
-                              "cached, and the samples are the same"},
     {"--no-mmap-bin-files", nullptr, "Loom maps the .bin; the tokens read are the same"},
     {"--no-create-attention-mask-in-dataloader", nullptr,
      "Loom's attention applies the causal mask in the kernel; no mask is ever built"},
@@ -197,6 +195,9 @@ void group_like_megatron(CLI::App & app) {
         {"--overlap-cpu-optimizer-d2h-h2d", "distributed"}, {"--no-pin-cpu-grads", "distributed"},
         {"--no-pin-cpu-params", "distributed"},
         {"--data-path", "data and dataloader"}, {"--mock-data", "data and dataloader"}, {"--split", "data and dataloader"},
+        {"--train-data-path", "data and dataloader"}, {"--valid-data-path", "data and dataloader"},
+        {"--test-data-path", "data and dataloader"}, {"--data-cache-path", "data and dataloader"},
+        {"--mid-level-dataset-surplus", "data and dataloader"},
         {"--seq-length", "data and dataloader"},
         {"--log-interval", "logging"}, {"--timing-log-level", "logging"}, {"--log-params-norm", "logging"}, {"--log-num-zeros-in-grad", "logging"}, {"--tensorboard-dir", "logging"}, {"--tensorboard-log-interval", "logging"},
         {"--tensorboard-queue-size", "logging"}, {"--log-timers-to-tensorboard", "logging"},

@@ -3,6 +3,7 @@
 #include "core/error.h"
 #include "train/checkpointing.h"
 #include "train/megatron_flags.h"
+#include "data/blended_dataset.h"
 #include "data/gpt2_bpe.h"
 #include "model/hf_gpt2.h"
 #include "pipeline/layer_assignment.h"
@@ -129,7 +130,23 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_option("--pipeline-model-parallel-size", o.pipeline_parallel_size,
                    "pipeline stages (1F1B); the ranks mpirun starts are pp x dp")->capture_default_str();
 
-    app.add_option("--data-path", o.data_path, "Megatron dataset prefix (PREFIX.bin / PREFIX.idx)");
+    // nargs='*' lists; given twice, the last list wins (argparse's rule), which trigger_on_parse gives.
+    app.add_option("--data-path", o.data_path,
+                   "Megatron dataset prefix(es) PREFIX [PREFIX ...] (PREFIX.bin / PREFIX.idx; several are weighted by "
+                   "their sizes), or weight/prefix pairs W1 PREFIX1 W2 PREFIX2 ..., split by --split")
+        ->expected(1, -1)->trigger_on_parse();
+    app.add_option("--train-data-path", o.train_data_path,
+                   "the training blend, as --data-path, each dataset whole (instead of --data-path and --split)")
+        ->expected(1, -1)->trigger_on_parse();
+    app.add_option("--valid-data-path", o.valid_data_path, "the validation blend, as --train-data-path")
+        ->expected(1, -1)->trigger_on_parse();
+    app.add_option("--test-data-path", o.test_data_path, "the test blend, as --train-data-path")
+        ->expected(1, -1)->trigger_on_parse();
+    app.add_option("--data-cache-path", o.data_cache_path,
+                   "folder to cache the datasets' document, sample and shuffle indices in (.npy), and load them from");
+    app.add_option("--mid-level-dataset-surplus", o.mid_level_dataset_surplus,
+                   "the share of extra samples each dataset of a weighted blend is built with")
+        ->capture_default_str();
     app.add_option("--tokenizer-type", o.tokenizer_type,
                    "GPT2BPETokenizer (the vocabulary of --vocab-file and --merge-file) or NullTokenizer "
                    "(--vocab-size ids); without it the vocabulary is the data's largest id + 1");
@@ -456,6 +473,27 @@ void validate_checkpoint_flags(const TrainOptions & o, bool save_interval_given,
     LOOM_CHECK(!o.finetune || !o.load.empty(), "--finetune without --load", "give the folder to load from with --load");
 }
 
+// --data-path and the per-split paths parse as Megatron's get_blend_from_list (errors name the flag and the
+// word), before anything is opened; --data-cache-path is a folder or can become one.
+void validate_data_paths(const TrainOptions & o, bool split_given) {
+    if (!o.data_path.empty()) data::parse_blend(o.data_path, "--data-path");
+    if (!o.train_data_path.empty()) data::parse_blend(o.train_data_path, "--train-data-path");
+    if (!o.valid_data_path.empty()) data::parse_blend(o.valid_data_path, "--valid-data-path");
+    if (!o.test_data_path.empty()) data::parse_blend(o.test_data_path, "--test-data-path");
+    LOOM_CHECK(!(o.per_split_data() && split_given),
+               "--split with --train-data-path, --valid-data-path or --test-data-path",
+               "the per-split paths use each dataset whole; drop --split, or give --data-path to split one blend");
+    LOOM_CHECK(std::isfinite(o.mid_level_dataset_surplus) && o.mid_level_dataset_surplus >= 0,
+               "--mid-level-dataset-surplus must be a finite number >= 0, got " << o.mid_level_dataset_surplus,
+               "Megatron's default is 0.005");
+    if (!o.data_cache_path.empty()) {
+        std::error_code ec;
+        LOOM_CHECK(!std::filesystem::exists(o.data_cache_path, ec) || std::filesystem::is_directory(o.data_cache_path, ec),
+                   "--data-cache-path '" << o.data_cache_path << "' exists and is not a folder",
+                   "give a folder (Loom creates it when it does not exist)");
+    }
+}
+
 }  // namespace
 
 TrainOptions TrainOptionParser::resolve(int64_t world_size) {
@@ -625,10 +663,12 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     }
     LOOM_CHECK(o.distributed_timeout_minutes >= 1,
                "--distributed-timeout-minutes must be >= 1, got " << o.distributed_timeout_minutes, "");
-    int sources = !o.data_path.empty() + !o.text_file.empty() + !o.llmc_shard.empty() + o.mock_data;
+    int sources = !o.data_path.empty() + o.per_split_data() + !o.text_file.empty() + !o.llmc_shard.empty() + o.mock_data;
     LOOM_CHECK(sources <= 1,
-               "--data-path, --mock-data, --text-file and --llmc-shard are exclusive (" << sources << " given)",
+               "--data-path, --train-data-path (with --valid-data-path, --test-data-path), --mock-data, --text-file and "
+               "--llmc-shard are exclusive (" << sources << " given)",
                "train on one data source at a time");
+    validate_data_paths(o, given("--split"));
     LOOM_CHECK(sources == 1 || data_optional_, "no data: give --data-path PREFIX (a Megatron .bin/.idx dataset), or --mock-data",
                "as Megatron, Loom needs a data source; --mock-data trains on Loom's synthetic dataset, and "
                "--text-file / --llmc-shard read a text file or an llm.c shard");

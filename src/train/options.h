@@ -79,7 +79,15 @@ struct TrainOptions {
     std::string    timeline_file;          // --timeline: the last iteration's measured pipeline timeline (SVG)
 
     // Data.
-    std::string data_path;          // Megatron .bin/.idx prefix
+    // --data-path: one Megatron .bin/.idx prefix, several, or weight/prefix pairs (data/blended_dataset.h),
+    // cut by --split; or Megatron's blend per split, each dataset whole (--train-data-path, ...).
+    std::vector<std::string> data_path;
+    std::vector<std::string> train_data_path, valid_data_path, test_data_path;
+    std::string              data_cache_path;                    // --data-cache-path (data/index_cache.h)
+    double                   mid_level_dataset_surplus = 0.005;   // extra samples built per blended dataset
+    bool        per_split_data() const {
+        return !train_data_path.empty() || !valid_data_path.empty() || !test_data_path.empty();
+    }
     std::string split = "969,30,1";
     std::string text_file;          // a plain text file, byte tokens
     std::string llmc_shard;         // an llm.c token shard
