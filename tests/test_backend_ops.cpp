@@ -1261,6 +1261,33 @@ TEST(OpsData, RoundToBf16) {
     }
 }
 
+// A block of columns between two row-strided layouts, f32 and bf16; the other columns are untouched;
+// a block past either tensor's width is refused on the calling thread.
+TEST(OpsData, CopyColumnsMovesABlockBetweenRowStridedLayouts) {
+    for (const DType dtype : {DType::f32, DType::bf16}) {
+        Tensor src = random_f32({5, 12}, 91), dst = random_f32({5, 7}, 92);
+        Tensor src_d = empty({5, 12}, dtype), dst_d = empty({5, 7}, dtype), back = empty({5, 7});
+        ops().convert(stream(), src, src_d);
+        ops().convert(stream(), dst, dst_d);
+        ops().copy_columns(stream(), src_d, 6, dst_d, 2, 4);
+        ops().convert(stream(), dst_d, back);
+        Tensor src_r = empty({5, 12}), dst_r = empty({5, 7}), dst_rounded = empty({5, 7}, dtype);
+        ops().convert(stream(), src_d, src_r);
+        ops().convert(stream(), dst, dst_rounded);   // the destination's values before the copy, in its dtype
+        ops().convert(stream(), dst_rounded, dst_r);
+        synchronize();
+        for (int64_t r = 0; r < 5; ++r) {
+            for (int64_t c = 0; c < 7; ++c) {
+                const bool  moved = c >= 2 && c < 6;
+                const float want  = moved ? src_r.data<float>()[r * 12 + 6 + c - 2] : dst_r.data<float>()[r * 7 + c];
+                EXPECT_EQ(back.data<float>()[r * 7 + c], want) << dtype_name(dtype) << " row " << r << " column " << c;
+            }
+        }
+        EXPECT_THROW(ops().copy_columns(stream(), src_d, 9, dst_d, 0, 4), Error);
+        EXPECT_THROW(ops().copy_columns(stream(), src_d, 0, dst_d, 4, 4), Error);
+    }
+}
+
 TEST(OpsData, CopyFillZeroScale) {
     // copy: f32, bf16 and i32, into device and pinned host memory, and into a view inside a larger buffer.
     for (DType dtype : {DType::f32, DType::bf16, DType::i32}) {

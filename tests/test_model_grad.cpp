@@ -406,8 +406,36 @@ TEST(GptModel, FullRecomputeIsBitwiseAndLowersTheActivationPeak) {
                     100.0 * r.peak_activations / base.peak_activations);
         // Four layers stored hold about 4 layers' activations at the peak; recompute holds the checkpoints
         // plus at most one group's: at least 25% less in each variant.
-        if (streams_synchronous_from_env()) EXPECT_LT(r.peak_activations, base.peak_activations * 3 / 4) << v.name;
+        if (streams_synchronous_from_env()) {
+            EXPECT_LT(r.peak_activations, base.peak_activations * 3 / 4) << v.name;
+        }
     }
+}
+
+// --qk-layernorm: the per-head norms of Q and K (LayerNorm for GPT-2 style, RMSNorm with GQA and RoPE
+// for Llama style) and everything upstream of them.
+TEST(GptModel, QkLayernormGradientsMatchFiniteDifferences) {
+    model::GptConfig c;
+    c.num_layers = 2;
+    c.hidden_size = 32;
+    c.ffn_hidden_size = 64;
+    c.num_attention_heads = 4;
+    c.num_query_groups = 4;
+    c.seq_length = 70;
+    c.max_position_embeddings = 80;
+    c.vocab_size = 50;
+    c.qk_layernorm = true;
+    check_model_gradients(c);
+    model::GptConfig l = model::gpt_preset("llama-tiny");
+    l.num_layers = 2;
+    l.hidden_size = 32;
+    l.ffn_hidden_size = 48;
+    l.num_attention_heads = 4;
+    l.num_query_groups = 2;
+    l.seq_length = 70;
+    l.vocab_size = 50;
+    l.qk_layernorm = true;
+    check_model_gradients(l);
 }
 
 TEST(GptModel, GradientsAccumulateAcrossMicrobatches) {
@@ -451,11 +479,16 @@ TEST(GptModel, ParameterCountMatchesTheConfigFormula) {
     // Hugging Face counts 124,439,808 with V = 50257; padding V to 50304 (a multiple of 128) adds
     // 47 x 768 = 36,096.
     EXPECT_EQ(c.num_parameters(), 124439808 + 47 * 768);
-    model::GptConfig tiny;
-    model::GptModel  gpt(tiny, cpu::device());
-    int64_t          total = 0;
-    for (auto * p : gpt.parameters()) total += p->numel();
-    EXPECT_EQ(total, tiny.num_parameters());
+    for (const bool qk : {false, true}) {
+        for (const char * preset : {"gpt-tiny", "llama-tiny"}) {
+            model::GptConfig tiny = model::gpt_preset(preset);
+            tiny.qk_layernorm     = qk;
+            model::GptModel gpt(tiny, cpu::device());
+            int64_t         total = 0;
+            for (auto * p : gpt.parameters()) total += p->numel();
+            EXPECT_EQ(total, tiny.num_parameters()) << preset << (qk ? " --qk-layernorm" : "");
+        }
+    }
 }
 
 // vec_math.h's claims: exp within 3e-7 relative on [-87, 88] (against double exp), tanh within 2e-7

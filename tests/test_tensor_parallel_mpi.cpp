@@ -1,4 +1,4 @@
-// Tensor parallelism end to end, under mpirun: TP 2 (GPT-2-style and Llama-style: SwiGLU, GQA, RoPE,
+// Tensor parallelism end to end, under mpirun: TP 2 (GPT-2-style and Llama-style: SwiGLU, GQA, RoPE, --qk-layernorm,
 // untied output), with and without sequence parallelism, TP 2 x DP 2, TP 2 x PP 2 (also with sequence
 // parallelism and ZeRO-1), and with 8 ranks TP 2 x PP 2 x DP 2 with the distributed optimizer, each against the single-rank run every rank computes first. Each rank's parameter shard is
 // compared with the same slice (its tp_slice) of the reference's full tensor.
@@ -39,6 +39,7 @@ train::TrainOptions small_options(bool llama) {
         o.model.add_bias_linear = false;
         o.model.untie_embeddings_and_output_weights = true;
         o.model.num_query_groups = 2;
+        o.model.qk_layernorm     = true;   // as OLMo-2 and Qwen3 add to it: the per-head norms' gradients sum over TP
     }
     return o;
 }

@@ -143,6 +143,10 @@ public:
     virtual void round_to_bf16(Stream & s, const Tensor & x, const Tensor & x_bf16) = 0;
     // Copies src into dst (same dtype and numel), between any memory kinds of the device.
     virtual void copy(Stream & s, const Tensor & src, const Tensor & dst) = 0;
+    // dst[r, dst_col .. dst_col + width) = src[r, src_col .. src_col + width) for every row r of two 2-D
+    // tensors of one dtype and row count (a block of columns between row-strided layouts).
+    virtual void copy_columns(Stream & s, const Tensor & src, int64_t src_col, const Tensor & dst, int64_t dst_col,
+                              int64_t width) = 0;
     virtual void fill_zero(Stream & s, const Tensor & t) = 0;
     virtual void scale(Stream & s, const Tensor & t, float factor) = 0;   // f32, in place
     // out (2) f32 = the sum of the squares of x (f32) as a pair: out[0] is the sum rounded to f32, out[1]

@@ -52,7 +52,8 @@ int64_t GptConfig::num_parameters() const {
     int64_t attn = h * (h + 2 * kv) + bias * (h + 2 * kv) + h * h + bias * h;
     int64_t fc1  = swiglu ? 2 * f : f;
     int64_t mlp  = h * fc1 + bias * fc1 + f * h + bias * h;
-    int64_t per_layer = 2 * norm + attn + mlp;
+    int64_t qk_norm = qk_layernorm ? 2 * (normalization == Normalization::layernorm ? 2 * d : d) : 0;
+    int64_t per_layer = 2 * norm + attn + mlp + qk_norm;
     int64_t total = V * h + num_layers * per_layer + norm;
     if (position_embedding == PositionEmbedding::learned_absolute) total += max_position_embeddings * h;
     if (untie_embeddings_and_output_weights) total += V * h;

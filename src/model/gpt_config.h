@@ -37,6 +37,7 @@ struct GptConfig {
     int64_t           make_vocab_size_divisible_by = 128;
     Normalization     normalization           = Normalization::layernorm;
     bool              swiglu                  = false;
+    bool              qk_layernorm            = false;  // --qk-layernorm: each query and key head normalised (over d)
     PositionEmbedding position_embedding      = PositionEmbedding::learned_absolute;
     bool              add_bias_linear         = true;
     bool              untie_embeddings_and_output_weights = false;

@@ -229,15 +229,62 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
         if (qkv.has_bias) set_tp_slice(qkv.bias, 0, rows, {(a + 2 * g) * d});
         set_tp_slice(proj.weight, 1, {{t.rank * heads * d, (t.rank + 1) * heads * d}}, {c.hidden_size, a * d});
     }
+    if (c.qk_layernorm) {
+        for (auto [norm, which] : {std::pair{&q_norm, ".q_norm"}, {&k_norm, ".k_norm"}}) {
+            *norm = std::make_unique<Norm>(name + which, c.head_dim(), c.normalization, c.norm_epsilon, c.params_dtype, device);
+            std::vector<Parameter *> params;
+            (*norm)->parameters(params);
+            for (Parameter * p : params) {   // every TP rank holds it whole and feeds it its own heads
+                p->tp_duplicate      = t.rank != 0;
+                p->sequence_parallel = t.size > 1;
+            }
+        }
+    }
 }
+
+namespace {
+
+// The norm of `count` heads of d starting at column `col` of each row of qkv (n, w), in place: the heads
+// are copied out to (n count, d) rows, normalised, and the result copied back.
+void head_norm_forward(Norm & norm, Norm::Context & ctx, const Tensor & qkv, int64_t col, int64_t count, int64_t d) {
+    Ops &    ops    = qkv.device().ops();
+    Stream & stream = qkv.device().compute_stream();
+    const int64_t n = qkv.size(0);
+    Tensor heads = activation(qkv.device(), n, count * d);
+    ops.copy_columns(stream, qkv, col, heads, 0, count * d);
+    Tensor y = norm.forward(ctx, heads.view({n * count, d}));
+    ops.copy_columns(stream, y.view({n, count * d}), 0, qkv, col, count * d);
+}
+
+// Its backward on the gradient dqkv, in place; adds into the norm's parameter gradients.
+void head_norm_backward(Norm & norm, Norm::Context & ctx, const Tensor & dqkv, int64_t col, int64_t count, int64_t d,
+                        const GradReadyFn & ready) {
+    Ops &    ops    = dqkv.device().ops();
+    Stream & stream = dqkv.device().compute_stream();
+    const int64_t n = dqkv.size(0);
+    Tensor dy = activation(dqkv.device(), n, count * d);
+    ops.copy_columns(stream, dqkv, col, dy, 0, count * d);
+    Tensor dx = norm.backward(ctx, dy.view({n * count, d}), ready);
+    ops.copy_columns(stream, dx.view({n, count * d}), 0, dqkv, col, count * d);
+}
+
+}  // namespace
 
 void SelfAttention::init(uint64_t seed, float std, float output_std) {
     qkv.init(seed, std);
     proj.init(seed, output_std);
+    if (q_norm) {
+        q_norm->init();
+        k_norm->init();
+    }
 }
 
 void SelfAttention::parameters(std::vector<Parameter *> & out) {
     qkv.parameters(out);
+    if (q_norm) {
+        q_norm->parameters(out);
+        k_norm->parameters(out);
+    }
     proj.parameters(out);
 }
 
@@ -258,6 +305,10 @@ Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_
     ctx.b       = b;
     ctx.dropout = dropout;
     Tensor q_k_v = qkv.forward(ctx.qkv_ctx, x);
+    if (q_norm) {
+        head_norm_forward(*q_norm, ctx.q_norm, q_k_v, 0, shape.nq, shape.d);
+        head_norm_forward(*k_norm, ctx.k_norm, q_k_v, shape.nq * shape.d, shape.nkv, shape.d);
+    }
     if (config.position_embedding == PositionEmbedding::rope) {
         // Q and K heads are adjacent in each row: rotate nq + nkv heads at once.
         ops.rope(stream, q_k_v, s, b, shape.nq + shape.nkv, shape.d, config.rotary_base, false);
@@ -282,6 +333,10 @@ Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReady
     ops.attention_backward(stream, q_k_v, out, d_out, ctx.lse, d_qkv, shape, scale, ctx.dropout);
     if (config.position_embedding == PositionEmbedding::rope) {
         ops.rope(stream, d_qkv, ctx.s, ctx.b, shape.nq + shape.nkv, shape.d, config.rotary_base, true);
+    }
+    if (q_norm) {   // K's first: its parameters' gradients are final first, in reverse forward order
+        head_norm_backward(*k_norm, ctx.k_norm, d_qkv, shape.nq * shape.d, shape.nkv, shape.d, ready);
+        head_norm_backward(*q_norm, ctx.q_norm, d_qkv, 0, shape.nq, shape.d, ready);
     }
     ctx.qkv = ctx.lse = Tensor();
     ctx.dropout       = Dropout{};

@@ -139,6 +139,7 @@ public:
         Tensor          lse;   // (b, a, s)
         int64_t         s = 0, b = 0;
         Dropout         dropout;   // of the probabilities
+        Norm::Context   q_norm, k_norm;   // --qk-layernorm: inputs (n a, d), (n g, d) and statistics
     };
 
     // `dropout`: the probabilities' key (off when not enabled).
@@ -152,6 +153,10 @@ public:
     int64_t           heads, groups;   // this rank's: a / tp, g / tp
     Linear            qkv;    // h -> (a + 2g) d / tp, rows [Q | K | V] of this rank's heads and groups
     Linear            proj;   // a d / tp -> h, row-parallel
+    // --qk-layernorm: one norm over d shared by every query head, one by every key head (Megatron's
+    // q_layernorm / k_layernorm, of the model's --normalization), applied before RoPE. Under TP each rank
+    // sees its own heads, so their gradients are summed over the group.
+    std::unique_ptr<Norm> q_norm, k_norm;
 };
 
 class Mlp {

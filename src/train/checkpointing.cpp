@@ -34,6 +34,7 @@ json model_args(const model::GptConfig & m) {
             {"make_vocab_size_divisible_by", m.make_vocab_size_divisible_by},
             {"normalization", normalization_name(m.normalization)},
             {"swiglu", m.swiglu},
+            {"qk_layernorm", m.qk_layernorm},
             {"position_embedding_type", position_name(m.position_embedding)},
             {"add_bias_linear", m.add_bias_linear},
             {"untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights},
@@ -56,6 +57,7 @@ constexpr ArgFlag kModelFlags[] = {
     {"vocab_size", "--vocab-size"},
     {"normalization", "--normalization"},
     {"swiglu", "--swiglu"},
+    {"qk_layernorm", "--qk-layernorm"},
     {"position_embedding_type", "--position-embedding-type"},
     {"add_bias_linear", "--disable-bias-linear"},
     {"untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"},
@@ -140,6 +142,7 @@ void apply_checkpoint_args(model::GptConfig & m, const checkpoint::Index & index
         m.make_vocab_size_divisible_by = a.at("make_vocab_size_divisible_by").get<int64_t>();
         m.normalization = a.at("normalization") == "RMSNorm" ? model::Normalization::rmsnorm : model::Normalization::layernorm;
         m.swiglu        = a.at("swiglu").get<bool>();
+        m.qk_layernorm  = a.value("qk_layernorm", false);   // absent from checkpoints written before the flag
         const std::string position = a.at("position_embedding_type").get<std::string>();
         m.position_embedding = position == "rope"   ? model::PositionEmbedding::rope
                                : position == "none" ? model::PositionEmbedding::none

@@ -61,7 +61,6 @@ const std::map<std::string, std::string> & refusal_hints() {
         {"--num-experts", "Mixture of Experts is not in Loom yet; train a dense model"},
         {"--use-torch-fsdp2", "use --use-distributed-optimizer (ZeRO-1)"},
         {"--use-megatron-fsdp", "use --use-distributed-optimizer (ZeRO-1)"},
-        {"--qk-layernorm", "Loom normalises the attention input only; drop the flag"},
     };
     return hints;
 }
@@ -154,7 +153,7 @@ void group_like_megatron(CLI::App & app) {
         {"--num-query-groups", "network size"}, {"--max-position-embeddings", "network size"},
         {"--make-vocab-size-divisible-by", "network size"}, {"--normalization", "network size"},
         {"--swiglu", "network size"}, {"--position-embedding-type", "network size"},
-        {"--disable-bias-linear", "network size"}, {"--untie-embeddings-and-output-weights", "network size"},
+        {"--disable-bias-linear", "network size"}, {"--qk-layernorm", "network size"}, {"--untie-embeddings-and-output-weights", "network size"},
         {"--vocab-size", "network size"}, {"--tokenizer-type", "tokenizer"}, {"--vocab-file", "tokenizer"},
         {"--merge-file", "tokenizer"}, {"--kv-channels", "network size"}, {"--norm-epsilon", "network size"},
         {"--rotary-base", "network size"}, {"--rotary-percent", "network size"},

@@ -41,6 +41,8 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_flag("--swiglu", swiglu_, "SwiGLU MLP");
     app.add_option("--position-embedding-type", position_embedding_, "learned_absolute, rope or none");
     app.add_flag("--disable-bias-linear", disable_bias_, "no biases in linear layers");
+    app.add_flag("--qk-layernorm", qk_layernorm_,
+                 "normalise each query and key head (over the head dimension, with --normalization) before RoPE");
     app.add_flag("--untie-embeddings-and-output-weights", untie_, "separate output layer weight");
     app.add_option("--init-method-std", init_std_, "std of the normal initialisation");
     app.add_option("--norm-epsilon", norm_epsilon_, "epsilon of LayerNorm / RMSNorm (default 1e-5)");
@@ -570,6 +572,7 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
                         "use learned_absolute, rope or none");
     }
     if (disable_bias_) m.add_bias_linear = false;
+    if (qk_layernorm_) m.qk_layernorm = true;
     if (untie_) m.untie_embeddings_and_output_weights = true;
     if (given("--init-method-std")) m.init_method_std = init_std_;
     for (auto [flag, value, target] : {std::tuple{"--decoupled-lr", decoupled_lr_, &o.decoupled_lr},

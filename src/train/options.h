@@ -172,7 +172,7 @@ private:
     // Model flags, only applied when given.
     int64_t     num_layers_ = 0, hidden_size_ = 0, ffn_hidden_size_ = 0, heads_ = 0, query_groups_ = 0;
     int64_t     seq_length_ = 0, max_pos_ = 0, vocab_size_ = 0, vocab_divisible_ = 0;
-    bool        gqa_ = false, swiglu_ = false, disable_bias_ = false, untie_ = false;
+    bool        gqa_ = false, swiglu_ = false, disable_bias_ = false, untie_ = false, qk_layernorm_ = false;
     bool        no_pin_cpu_grads_ = false, no_pin_cpu_params_ = false;
     std::string normalization_, position_embedding_;
     float       init_std_ = 0, norm_epsilon_ = 0, rotary_percent_ = 1.0f;

@@ -404,6 +404,24 @@ public:
         s.submit([=] { std::memcpy(dst.data_ptr(), src.data_ptr(), src.nbytes()); });
     }
 
+    void copy_columns(Stream & s, const Tensor & src, int64_t src_col, const Tensor & dst, int64_t dst_col,
+                      int64_t width) override {
+        LOOM_CHECK(src.dim() == 2 && dst.dim() == 2 && src.dtype() == dst.dtype() && src.size(0) == dst.size(0),
+                   "copy_columns from " << src.describe() << " to " << dst.describe(), "2-D tensors of one dtype and row count");
+        LOOM_CHECK(width >= 0 && src_col >= 0 && dst_col >= 0 && src_col + width <= src.size(1) &&
+                       dst_col + width <= dst.size(1),
+                   "copy_columns of " << width << " columns from column " << src_col << " of " << src.describe()
+                                      << " to column " << dst_col << " of " << dst.describe(), "");
+        s.submit([=] {
+            const size_t elem = dtype_size(src.dtype());
+            const auto * in   = static_cast<const char *>(src.data_ptr());
+            auto *       out  = static_cast<char *>(dst.data_ptr());
+            for (int64_t r = 0; r < src.size(0); ++r) {
+                std::memcpy(out + (r * dst.size(1) + dst_col) * elem, in + (r * src.size(1) + src_col) * elem, width * elem);
+            }
+        });
+    }
+
     void fill_zero(Stream & s, const Tensor & t) override {
         s.submit([t] { std::memset(t.data_ptr(), 0, t.nbytes()); });
     }
