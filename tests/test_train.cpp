@@ -513,6 +513,32 @@ TEST(MegatronCommandLine, ImplementationFlagsAreAcceptedOrRefusedByValue) {
 
 // Megatron's schedule flags: sample-based training, the warmup as a fraction, WSD; never a mix of units.
 // --recompute-*: arguments.py's choices and asserts, and transformer_config.py's rules for full.
+// `loom train --help` prints Megatron's argument groups in the order arguments.py adds them, each flag in
+// its group (network size first, logging last of Megatron's), then Loom's own flags.
+TEST(MegatronCommandLine, HelpGroupsFlagsAsArgumentsPyDoes) {
+    CliRun run = run_loom("train --help");
+    ASSERT_EQ(run.status, 0) << run.out;
+    size_t      at = 0;
+    for (const char * group : {"network size:", "regularization:", "training:", "initialization:", "learning rate:",
+                               "checkpointing:", "mixed precision:", "distributed:", "validation:",
+                               "data and dataloader:", "tokenizer:", "logging:", "Loom (not Megatron's):",
+                               "accepted without effect:"}) {
+        const size_t found = run.out.find(std::string("\n") + group + "\n", at);
+        ASSERT_NE(found, std::string::npos) << group << " missing or out of order\n" << run.out;
+        at = found + 1;
+    }
+    const auto group_of = [&](const std::string & flag) {
+        const size_t where = run.out.find("  " + flag + " ");
+        const size_t title = run.out.rfind(":\n", where);
+        return run.out.substr(run.out.rfind('\n', title) + 1, title - run.out.rfind('\n', title) - 1);
+    };
+    EXPECT_EQ(group_of("--qk-layernorm"), "network size");
+    EXPECT_EQ(group_of("--hidden-dropout"), "regularization");
+    EXPECT_EQ(group_of("--recompute-granularity"), "training");
+    EXPECT_EQ(group_of("--decoupled-lr"), "learning rate");
+    EXPECT_EQ(group_of("--data-cache-path"), "data and dataloader");
+}
+
 TEST(MegatronCommandLine, RecomputeFlagsFollowMegatronsRules) {
     const train::TrainOptions full = parse_train({"--mock-data", "--recompute-granularity", "full", "--recompute-method",
                                                   "block", "--recompute-num-layers", "2"});

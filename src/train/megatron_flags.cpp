@@ -2,9 +2,11 @@
 
 #include "core/error.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <sstream>
 
 namespace loom::train {
@@ -146,6 +148,36 @@ std::string unsupported_flags_message(const std::vector<std::string> & remaining
     return os.str();
 }
 
+namespace {
+
+// The order arguments.py adds its groups (parse_args: _add_network_size_args, _add_regularization_args,
+// ...), then Loom's own flags and the ones accepted without effect.
+constexpr const char * kGroupOrder[] = {"network size", "regularization",  "training",  "initialization",
+                                        "learning rate", "checkpointing",  "mixed precision", "distributed",
+                                        "validation",    "data and dataloader", "tokenizer", "logging",
+                                        "Loom (not Megatron's)", "accepted without effect"};
+
+// CLI11 prints groups in the order their first option was added; this prints them in kGroupOrder.
+class MegatronHelpFormatter : public CLI::Formatter {
+public:
+    std::string make_help(const CLI::App * app, std::string name, CLI::AppFormatMode mode) const override {
+        if (mode == CLI::AppFormatMode::Sub) return CLI::Formatter::make_help(app, name, mode);
+        std::string out = make_description(app) + make_usage(app, name);
+        std::vector<std::string> groups(std::begin(kGroupOrder), std::end(kGroupOrder));
+        for (const std::string & g : app->get_groups()) {
+            if (std::find(groups.begin(), groups.end(), g) == groups.end()) groups.push_back(g);
+        }
+        for (const std::string & group : groups) {
+            std::vector<const CLI::Option *> opts =
+                app->get_options([&](const CLI::Option * o) { return o->get_group() == group && o->nonpositional(); });
+            if (!opts.empty()) out += make_group(group, false, opts) + "\n";
+        }
+        return out + make_footer(app);
+    }
+};
+
+}  // namespace
+
 void group_like_megatron(CLI::App & app) {
     static const std::map<std::string, const char *> groups = {
         {"--num-layers", "network size"}, {"--hidden-size", "network size"}, {"--ffn-hidden-size", "network size"},
@@ -203,6 +235,7 @@ void group_like_megatron(CLI::App & app) {
         {"--log-memory-to-tensorboard", "logging"}, {"--log-validation-ppl-to-tensorboard", "logging"},
         {"--no-log-loss-scale-to-tensorboard", "logging"}, {"--log-world-size-to-tensorboard", "logging"}, {"--eval-interval", "validation"}, {"--eval-iters", "validation"}, {"--log-throughput", "logging"},
     };
+    app.formatter(std::make_shared<MegatronHelpFormatter>());
     for (CLI::Option * option : app.get_options()) {
         if (option->get_group() == "accepted without effect") continue;
         auto it = groups.find(option->get_name());
