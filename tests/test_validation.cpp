@@ -1,5 +1,5 @@
 // Validation during training (--eval-interval, --eval-iters): Megatron's report at every interval and after
-// training, the same validation losses in every parallel layout as on one rank (forward-only pipeline
+// training, then on the test split ("on test set"), the same validation and test losses in every parallel layout as on one rank (forward-only pipeline
 // schedule, the losses summed over pipeline and data-parallel ranks). Also the other quantities the log line
 // can carry, --log-params-norm and --log-num-zeros-in-grad, the same in every layout.
 #include "loom_cli_runner.h"
@@ -42,10 +42,12 @@ TEST_P(Validation, EveryLayoutReportsTheSingleRankLosses) {
         EXPECT_EQ(r.status, 0) << r.out;
         return reports(r.out);
     }();
-    ASSERT_EQ(single.size(), 3u) << "iterations 3 and 6, then after training";
+    ASSERT_EQ(single.size(), 4u) << "iterations 3 and 6, then after training on the validation and test splits";
     EXPECT_EQ(single[0].first, "iteration 3");
     EXPECT_EQ(single[1].first, "iteration 6");
     EXPECT_EQ(single[2].first, "iteration 6 on validation set");
+    EXPECT_EQ(single[3].first, "iteration 6 on test set");
+    EXPECT_NE(single[3].second, single[2].second) << "the test split's samples are not the validation split's";
     const Layout & l = GetParam();
     CliRun         r = run_loom_mpi(l.np, kRun + l.flags);
     ASSERT_EQ(r.status, 0) << r.out;

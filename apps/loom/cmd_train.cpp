@@ -14,6 +14,8 @@
 #include "apps/loom/commands.h"
 #include "backend/cpu/cpu_device.h"
 #include "comm/mpi_communicator.h"
+#include "core/error.h"
+#include "data/gpt_dataset.h"
 #include "ddp/layout.h"
 #include "parallel/process_groups.h"
 #include "train/data_source.h"
@@ -131,6 +133,22 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
                                          options.data_parallel_size, data::Split::valid,
                                          evaluations * options.eval_iters * options.global_batch_size);
     }
+    // The test split: --eval-iters global batches once after training (Megatron's do_test), where the data
+    // has one: a --split with a test weight, --test-data-path, or --mock-data. A test split too small for a
+    // sample is reported and skipped (Megatron would have no test data loader for it).
+    std::unique_ptr<train::BatchSource> test;
+    const bool has_test = options.per_split_data() ? !options.test_data_path.empty()
+                          : !options.data_path.empty() ? data::parse_split(options.split)[2] > 0.0
+                                                       : options.mock_data;
+    if (valid && has_test) {
+        try {
+            test = train::make_batch_source(options, device, true, groups.dp ? groups.dp->rank() : 0,
+                                            options.data_parallel_size, data::Split::test,
+                                            options.eval_iters * options.global_batch_size);
+        } catch (const Error & e) {
+            if (out) std::printf("loom train: the test split is not evaluated: %s\n", e.message().c_str());
+        }
+    }
     train::Setup setup = train::setup(options, groups, device);
     if (out) std::printf("loom train: %s, %lld parameters, %lld layers, hidden %lld, heads %lld, seq %lld, vocab %lld (padded %lld)\n",
                 options.model_preset.c_str(), static_cast<long long>(options.model.num_parameters()),
@@ -152,6 +170,7 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
     {
         train::Trainer trainer(options, setup, *data);
         trainer.set_validation(valid.get());
+        trainer.set_test(test.get());
         summary = trainer.run(out);
     }
     if (out) print_summary(summary);

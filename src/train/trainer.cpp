@@ -269,11 +269,10 @@ void Trainer::log_validation(TensorBoardWriter & board, int64_t iteration, doubl
     }
 }
 
-double Trainer::evaluate() {
-    LOOM_CHECK(valid_ != nullptr, "evaluate() without validation data", "");
+double Trainer::evaluate(BatchSource & source) {
     double sum = 0, count = 0;
     for (int64_t k = 0; k < options_.eval_iters; ++k) {
-        pipeline::PipelineExecutor::Result r = executor_->evaluate([this] { return valid_->next(); });
+        pipeline::PipelineExecutor::Result r = executor_->evaluate([&source] { return source.next(); });
         for (const model::GptModel::LossSum & loss : r.losses) {
             sum += loss.sum;
             count += loss.count;
@@ -470,6 +469,14 @@ TrainSummary Trainer::run(FILE * out) {
         if (out) {
             std::fprintf(out, "%s\n",
                          megatron_validation_lines("iteration " + std::to_string(last) + " on validation set", loss).c_str());
+        }
+    }
+    if (test_ && !summary.losses.empty()) {   // and on the test split (not written to TensorBoard)
+        const int64_t last = summary.first_iteration + static_cast<int64_t>(summary.losses.size()) - 1;
+        summary.test       = evaluate(*test_);
+        if (out) {
+            std::fprintf(out, "%s\n",
+                         megatron_validation_lines("iteration " + std::to_string(last) + " on test set", *summary.test).c_str());
         }
     }
     if (out && !summary.stopped_by.empty()) {

@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <optional>
 
 namespace loom::train {
 
@@ -67,6 +68,7 @@ std::string metrics_json(const IterationStats & stats);
 struct TrainSummary {
     std::vector<double> losses;   // lm loss of every iteration this run trained
     std::vector<std::pair<int64_t, double>> validation;   // (iteration, lm loss) of each evaluation
+    std::optional<double>                   test;         // the test split's lm loss after training
     int64_t             first_iteration = 1;   // the iteration of losses[0] (after a --load, the one after it)
     std::string         stopped_by;            // "", or why the run ended early ("--exit-interval", "SIGTERM", ...)
     double              tokens_per_second = 0;
@@ -103,9 +105,12 @@ public:
     // Validation (--eval-interval, --eval-iters): `valid` yields this rank's share of the validation split's
     // batches; run() evaluates every --eval-interval iterations and after the last one.
     void   set_validation(BatchSource * valid) { valid_ = valid; }
-    // --eval-iters forward-only iterations on the validation batches; the token-weighted mean lm loss over
-    // every micro-batch of every data-parallel rank (the same on every rank).
-    double evaluate();
+    // The test split's batches: run() evaluates them once after training ("on test set", Megatron's do_test).
+    void   set_test(BatchSource * test) { test_ = test; }
+    // --eval-iters forward-only iterations on the validation batches (or `source`'s); the token-weighted
+    // mean lm loss over every micro-batch of every data-parallel rank (the same on every rank).
+    double evaluate() { return evaluate(*valid_); }
+    double evaluate(BatchSource & source);
 
 private:
     Trainer(const TrainOptions & options, std::unique_ptr<Setup> owned, Setup * setup, BatchSource & data);
@@ -122,6 +127,7 @@ private:
     int                                         peak_in_flight_ = 0;
     optim::LrSchedule                           schedule_;
     BatchSource *                               valid_ = nullptr;
+    BatchSource *                               test_  = nullptr;
     // --timing-log-level: seconds spent in each timed part since the last log line.
     static constexpr const char *               kTimerNames[3] = {"forward-backward", "all-grads-sync", "optimizer"};
     double                                      timer_seconds_[3] = {0, 0, 0};
