@@ -492,14 +492,15 @@ TEST(MegatronCommandLine, ImplementationFlagsAreAcceptedOrRefusedByValue) {
         args.push_back(f.name);
         if (f.values != nullptr) args.push_back(f.values[0] ? std::string(f.values).substr(0, std::string(f.values).find('|')) : "2");
     }
-    args.insert(args.end(), {"--context-parallel-size", "1", "--expert-model-parallel-size", "1"});
+    args.insert(args.end(), {"--context-parallel-size", "1", "--expert-model-parallel-size", "1",
+                             "--expert-tensor-parallel-size", "1", "--use-tp-pp-dp-mapping"});
     EXPECT_NO_THROW(parse_train(args));
     std::string err;
     for (const char * bad : {"--transformer-impl te", "--distributed-backend mpi", "--attention-backend math"}) {
         EXPECT_EQ(run_status(std::string("train --mock-data ") + bad, &err), 2) << bad;
         EXPECT_NE(err.find(std::string(bad) + " is not supported by Loom"), std::string::npos) << err;
     }
-    for (const char * bad : {"--context-parallel-size 2", "--expert-model-parallel-size 2"}) {
+    for (const char * bad : {"--context-parallel-size 2", "--expert-model-parallel-size 2", "--expert-tensor-parallel-size 2"}) {
         EXPECT_EQ(run_status(std::string("train --mock-data ") + bad, &err), 2) << bad;
         EXPECT_NE(err.find(std::string(bad) + " is not supported by Loom"), std::string::npos) << err;
     }

@@ -66,7 +66,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{"pp2", 2, "--pipeline-model-parallel-size 2"},
                       Layout{"pp2_vpp2", 2, "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2"},
                       Layout{"tp2_sp", 2, "--tensor-model-parallel-size 2 --sequence-parallel"},
-                      Layout{"tp2_pp2_dp2", 8, "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"}),
+                      Layout{"tp2_pp2_dp2", 8, "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"},
+                      Layout{"pp2_dp2_tp_pp_dp_mapping", 4, "--pipeline-model-parallel-size 2 --use-tp-pp-dp-mapping"}),
     [](const ::testing::TestParamInfo<Layout> & info) { return std::string(info.param.name); });
 
 // Without --eval-interval there is no validation; the report's format is Megatron's, dashes included.

@@ -217,6 +217,7 @@ void group_like_megatron(CLI::App & app) {
         {"--microbatch-group-size-per-virtual-pipeline-stage", "distributed"},
         {"--decoder-first-pipeline-num-layers", "distributed"}, {"--decoder-last-pipeline-num-layers", "distributed"},
         {"--context-parallel-size", "distributed"}, {"--expert-model-parallel-size", "distributed"},
+        {"--expert-tensor-parallel-size", "distributed"}, {"--use-tp-pp-dp-mapping", "distributed"},
         {"--use-distributed-optimizer", "distributed"}, {"--overlap-grad-reduce", "distributed"},
         {"--overlap-param-gather", "distributed"}, {"--ddp-bucket-size", "distributed"},
         {"--ddp-average-in-collective", "distributed"}, {"--ddp-pad-buckets-for-high-nccl-busbw", "distributed"},

@@ -217,6 +217,11 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_option("--recompute-modules", recompute_modules_, "selective recompute's modules (Loom: core_attn)");
     app.add_option("--context-parallel-size", context_parallel_size_, "context-parallel ranks (only 1 in Loom)");
     app.add_option("--expert-model-parallel-size", expert_parallel_size_, "expert-parallel ranks (only 1 in Loom)");
+    app.add_option("--expert-tensor-parallel-size", expert_tensor_parallel_size_,
+                   "tensor-parallel ranks of the experts (default, and only value in Loom: --tensor-model-parallel-size)");
+    app.add_flag("--use-tp-pp-dp-mapping", o.use_tp_pp_dp_mapping,
+                 "order the ranks tp-cp-ep-pp-dp (pipeline stages of one data-parallel replica adjacent) instead of "
+                 "tp-cp-ep-dp-pp");
     add_noop_flags(app, noop_values_);
 
     // An integer past int64's range is an error (CLI11 would clamp it to the largest value, which then runs
@@ -506,6 +511,10 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     LOOM_CHECK(context_parallel_size_ == 1, "--context-parallel-size " << context_parallel_size_
                                                                        << " is not supported by Loom (no context parallelism yet)",
                "only --context-parallel-size 1 is accepted");
+    LOOM_CHECK(app_.count("--expert-tensor-parallel-size") == 0 || expert_tensor_parallel_size_ == o.tensor_parallel_size,
+               "--expert-tensor-parallel-size " << expert_tensor_parallel_size_
+                                                << " is not supported by Loom (no experts yet)",
+               "only the default, --tensor-model-parallel-size (" << o.tensor_parallel_size << "), is accepted");
     LOOM_CHECK(expert_parallel_size_ == 1, "--expert-model-parallel-size " << expert_parallel_size_
                                                                            << " is not supported by Loom (no experts yet)",
                "only --expert-model-parallel-size 1 is accepted");

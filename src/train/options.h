@@ -91,6 +91,7 @@ struct TrainOptions {
     std::string split = "969,30,1";
     std::string text_file;          // a plain text file, byte tokens
     std::string llmc_shard;         // an llm.c token shard
+    bool        use_tp_pp_dp_mapping = false;   // ranks ordered tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp
     bool        mock_data = false;  // --mock-data: Loom's synthetic dataset (a sparse Markov chain)
     // --tokenizer-type GPT2BPETokenizer (with --vocab-file, --merge-file) or NullTokenizer (with --vocab-size):
     // the vocabulary size comes from the tokenizer, padded as Megatron pads it; the data's ids must fit it.
@@ -182,7 +183,7 @@ private:
     bool        grads_in_fp32_ = false;
     bool        no_check_nan_ = false;
     // Megatron flags accepted while their feature is a single value in Loom.
-    int64_t     context_parallel_size_ = 1, expert_parallel_size_ = 1;
+    int64_t     context_parallel_size_ = 1, expert_parallel_size_ = 1, expert_tensor_parallel_size_ = 0;
     float       hidden_dropout_ = 0.1f, attention_dropout_ = 0.1f;   // Megatron's defaults
     float       decoupled_lr_ = 0.0f, decoupled_min_lr_ = 0.0f;
     std::string recompute_granularity_, recompute_method_;            // "": None
