@@ -1,7 +1,10 @@
 // Whole training step of GPT-2 124M on the CPU: micro-batch 4, sequence 256 (1024 tokens per step),
 // forward + backward + AdamW, reported as tokens/s and achieved GFLOP/s (Megatron's FLOP count), in f32
 // and with --bf16's mixed precision (bf16 GEMM operands, f32 master weights). Compare GFLOP/s with
-// bench_gemm's f32 and bf16 peaks measured in the same run.
+// bench_gemm's f32 and bf16 peaks measured in the same run. The bf16 step also runs with Megatron's
+// default dropout (0.1, 0.1) and with dropout plus full activation recompute (uniform, 1 layer), each
+// reporting the "activations" pool's peak bytes over its steps (act_peak_MiB); the ratios against the
+// plain bf16 step in the same run are dropout's and recompute's cost.
 //
 //   build/bench/bench_step --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 #include "backend/cpu/cpu_device.h"
@@ -14,10 +17,16 @@
 
 using namespace loom;
 
-static void gpt2_124m_step(benchmark::State & state, DType dtype) {
+static void gpt2_124m_step(benchmark::State & state, DType dtype, float dropout = 0.0f, bool recompute = false) {
     model::GptConfig config = model::gpt_preset("gpt2-124m");
     config.seq_length       = 256;
     config.params_dtype     = dtype;
+    config.hidden_dropout = config.attention_dropout = dropout;
+    if (recompute) {
+        config.recompute_granularity = model::RecomputeGranularity::full;
+        config.recompute_method      = model::RecomputeMethod::uniform;
+        config.recompute_num_layers  = 1;
+    }
     const int64_t b = 4, s = 256;
     Device &        device = cpu::device();
     model::GptModel gpt(config, device);
@@ -44,6 +53,8 @@ static void gpt2_124m_step(benchmark::State & state, DType dtype) {
     };
     step();   // untimed warm-up: GEMM primitives and the allocator's first blocks (a step is seconds, and
               // MinTime(5) would otherwise time the first one)
+    device.allocator().reset_peak();
+    const int64_t resident = device.allocator().pool_stats("activations").allocated;
     for (auto _ : state) {
         gpt.zero_grad();
         model::GptModel::Context ctx;
@@ -52,6 +63,8 @@ static void gpt2_124m_step(benchmark::State & state, DType dtype) {
         adam.step(1e-4f);
         device.compute_stream().synchronize();
     }
+    state.counters["act_peak_MiB"] =
+        static_cast<double>(device.allocator().pool_stats("activations").peak_allocated - resident) / 1048576.0;
     double tokens = static_cast<double>(b * s);
     state.counters["tokens"] = benchmark::Counter(tokens * state.iterations(), benchmark::Counter::kIsRate);
     state.counters["GFLOP"]  = benchmark::Counter(config.training_flops_per_token() * tokens * state.iterations() / 1e9,
@@ -59,7 +72,13 @@ static void gpt2_124m_step(benchmark::State & state, DType dtype) {
 }
 static void BM_gpt2_124m_step_f32(benchmark::State & state) { gpt2_124m_step(state, DType::f32); }
 static void BM_gpt2_124m_step_bf16(benchmark::State & state) { gpt2_124m_step(state, DType::bf16); }
+static void BM_gpt2_124m_step_bf16_dropout(benchmark::State & state) { gpt2_124m_step(state, DType::bf16, 0.1f); }
+static void BM_gpt2_124m_step_bf16_dropout_recompute(benchmark::State & state) {
+    gpt2_124m_step(state, DType::bf16, 0.1f, true);
+}
 BENCHMARK(BM_gpt2_124m_step_f32)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(5.0);
 BENCHMARK(BM_gpt2_124m_step_bf16)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(5.0);
+BENCHMARK(BM_gpt2_124m_step_bf16_dropout)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(5.0);
+BENCHMARK(BM_gpt2_124m_step_bf16_dropout_recompute)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(5.0);
 
 BENCHMARK_MAIN();
