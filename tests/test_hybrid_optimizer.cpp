@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <thread>
@@ -180,8 +181,12 @@ TEST(HybridHazards, A_DeviceStepIsOrderedAfterTheCallersGradientWork) {
         optim::HybridOptions         options;
         options.offload_fraction = fraction;
         options.overlap_d2h_h2d  = true;
+        // Unbounded queues: the host must get every H2D copy enqueued behind the sleep and return, so that a
+        // reader without the wait runs while they are still pending (cpu_stream.h bounds run-ahead to 16).
+        setenv("LOOM_STREAM_QUEUE_DEPTH", "1000000", 1);
         optim::HybridDeviceOptimizer hdo(device, slots_of(hyb, 0.01f), {}, options);
         std::unique_ptr<Stream>      current = device.stream_create("compute");
+        unsetenv("LOOM_STREAM_QUEUE_DEPTH");
         for (int step = 1; step <= 3; ++step) {
             fill_grads(ref, step);
             adamw.step(1e-2f);
@@ -361,8 +366,12 @@ TEST(HybridStreams, CallersStreamWaitsForTheH2DCopies) {
         options.offload_fraction     = 1.0f;
         options.overlap_d2h_h2d      = true;
         options.unsafe_skip_h2d_wait = skip_wait;
+        // Unbounded queues: the host must get every H2D copy enqueued behind the sleep and return, so that a
+        // reader without the wait runs while they are still pending (cpu_stream.h bounds run-ahead to 16).
+        setenv("LOOM_STREAM_QUEUE_DEPTH", "1000000", 1);
         optim::HybridDeviceOptimizer hdo(device, slots_of(hyb, 0.01f), {}, options);
         std::unique_ptr<Stream>      current = device.stream_create("compute");
+        unsetenv("LOOM_STREAM_QUEUE_DEPTH");
         fill_grads(ref, 1);
         fill_grads(hyb, 1);
         adamw.step(1e-2f);

@@ -377,11 +377,10 @@ TEST(GptModel, DropoutOnlyWhenTraining) {
 // run that stores everything, dropout included, and holds fewer activation bytes at its peak: the peak
 // is measured from the allocator's "activations" pool over one forward and backward.
 //
-// The peak is asserted where streams run inline (LOOM_SYNC_STREAMS=1, the ctest entry
-// test_model_grad_sync_streams): there a block is free once its last user drops it, as with a GPU's
-// stream-ordered caching allocator. With the CPU's worker-thread stream the host enqueues far ahead of
-// the kernels, and every tensor an enqueued kernel holds stays allocated until it runs, so the peak is
-// set by how far the host runs ahead, not by what the model keeps.
+// It holds both with the worker-thread stream, whose queue bounds how far the host runs ahead (and with
+// it how many enqueued kernels' tensors are still allocated: cpu_stream.h), and with streams inline
+// (LOOM_SYNC_STREAMS=1, the ctest entry test_model_grad_sync_streams), where a block is free once its last
+// user drops it, as with a GPU's stream-ordered caching allocator.
 TEST(GptModel, FullRecomputeIsBitwiseAndLowersTheActivationPeak) {
     const model::GptConfig stored = small_recompute_config();
     const StepResult       base   = one_step(stored);
@@ -406,9 +405,7 @@ TEST(GptModel, FullRecomputeIsBitwiseAndLowersTheActivationPeak) {
                     100.0 * r.peak_activations / base.peak_activations);
         // Four layers stored hold about 4 layers' activations at the peak; recompute holds the checkpoints
         // plus at most one group's: at least 25% less in each variant.
-        if (streams_synchronous_from_env()) {
-            EXPECT_LT(r.peak_activations, base.peak_activations * 3 / 4) << v.name;
-        }
+        EXPECT_LT(r.peak_activations, base.peak_activations * 3 / 4) << v.name;
     }
 }
 

@@ -31,7 +31,7 @@ TEST(Stream, RunsAsynchronouslyAndInOrder) {
     Gate               gate;
     std::vector<int>   seen;
     stream->submit([&] { gate.pass(); });
-    for (int i = 0; i < 100; ++i) {
+    for (int i = 0; i < 10; ++i) {   // fewer than the queue's depth: the host does not block
         stream->submit([&seen, i] { seen.push_back(i); });
     }
     // The host got here while the stream is still blocked at the gate.
@@ -40,10 +40,35 @@ TEST(Stream, RunsAsynchronouslyAndInOrder) {
     gate.open();
     stream->synchronize();
     EXPECT_TRUE(stream->query());
-    ASSERT_EQ(seen.size(), 100u);
-    for (int i = 0; i < 100; ++i) {
+    ASSERT_EQ(seen.size(), 10u);
+    for (int i = 0; i < 10; ++i) {
         EXPECT_EQ(seen[i], i);
     }
+}
+
+// The host runs at most LOOM_STREAM_QUEUE_DEPTH pieces of work ahead of a stream: with the stream held at
+// a gate, a submitting thread returns from exactly 4 submits and blocks in the fifth until the gate opens.
+TEST(Stream, HostRunAheadIsBoundedByTheQueueDepth) {
+    setenv("LOOM_STREAM_QUEUE_DEPTH", "4", 1);
+    auto stream = cpu::device().stream_create("bounded");
+    unsetenv("LOOM_STREAM_QUEUE_DEPTH");
+    Gate             gate;
+    std::atomic<int> returned{0};
+    std::promise<void> running;
+    stream->submit([&] { running.set_value(); gate.pass(); });
+    running.get_future().wait();   // the gate's work left the queue: it is empty again
+    std::thread producer([&] {
+        for (int i = 0; i < 10; ++i) {
+            stream->submit([] {});
+            ++returned;
+        }
+    });
+    std::this_thread::sleep_for(200ms);
+    EXPECT_EQ(returned.load(), 4) << "four submits fill the queue, the fifth waits for room";
+    gate.open();
+    producer.join();
+    stream->synchronize();
+    EXPECT_EQ(returned.load(), 10);
 }
 
 TEST(Stream, TwoStreamsRunConcurrently) {

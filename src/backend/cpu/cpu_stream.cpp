@@ -4,8 +4,25 @@
 #include "core/error.h"
 
 #include <chrono>
+#include <cstdlib>
 
 namespace loom::cpu {
+
+namespace {
+
+thread_local bool t_stream_worker = false;   // this thread runs a stream's work: it never blocks in submit
+
+size_t queue_depth_from_env() {
+    const char * value = std::getenv("LOOM_STREAM_QUEUE_DEPTH");
+    if (value == nullptr || *value == '\0') return 16;
+    char *     end   = nullptr;
+    const long depth = std::strtol(value, &end, 10);
+    LOOM_CHECK(end != value && *end == '\0' && depth >= 1, "LOOM_STREAM_QUEUE_DEPTH='" << value << "'",
+               "a positive number of queued pieces of work per stream (default 16)");
+    return static_cast<size_t>(depth);
+}
+
+}  // namespace
 
 void EventState::complete(uint64_t generation) {
     {
@@ -44,7 +61,8 @@ CpuEvent & as_cpu_event(Event & event) {
 }
 
 CpuStream::CpuStream(Device & device, std::string name, bool synchronous)
-    : device_(device), name_(std::move(name)), synchronous_(synchronous), delay_us_(stream_delay_us_from_env(name_)) {
+    : device_(device), name_(std::move(name)), synchronous_(synchronous), delay_us_(stream_delay_us_from_env(name_)),
+      queue_depth_(queue_depth_from_env()) {
     if (!synchronous_) {
         worker_ = std::thread([this] { loop(); });
     }
@@ -74,6 +92,7 @@ void CpuStream::run(std::function<void()> & work) {
 
 void CpuStream::loop() {
     flush_denormals_on_this_thread();   // kernels run here: the same floating-point mode as the compute threads
+    t_stream_worker = true;
     for (;;) {
         std::function<void()> work;
         {
@@ -85,6 +104,7 @@ void CpuStream::loop() {
             work = std::move(queue_.front());
             queue_.pop_front();
         }
+        space_cv_.notify_all();
         if (delay_us_ > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us_));
         run(work);
         work = nullptr;   // the tensors it held are released before it counts as finished
@@ -102,7 +122,8 @@ void CpuStream::submit(std::function<void()> work) {
         return;
     }
     {
-        std::lock_guard<std::mutex> lock(mutex_);
+        std::unique_lock<std::mutex> lock(mutex_);
+        if (!t_stream_worker) space_cv_.wait(lock, [this] { return queue_.size() < queue_depth_; });
         queue_.push_back(std::move(work));
         ++submitted_;
     }

@@ -8,6 +8,14 @@
 //
 // With synchronous = true (LOOM_SYNC_STREAMS=1) there is no worker: submit() runs the work on the calling
 // thread before returning, so a program behaves as if every stream were the host.
+//
+// Run-ahead is bounded: submit() from the host blocks while more than `queue_depth` pieces of work wait
+// (LOOM_STREAM_QUEUE_DEPTH, default 16; a GPU's launch queue is bounded the same way). Every tensor an
+// enqueued kernel holds stays allocated until the kernel has run, so an unbounded queue lets the host
+// enqueue a whole iteration ahead and hold every temporary of it at once: the activation peak would be set
+// by the run-ahead, not by what the model keeps (a GPT step measured 2x its synchronous peak, and full
+// recompute, which must free activations to save anything, saved nothing). A stream's own worker never
+// blocks in submit (work that submits more work cannot deadlock on its own queue).
 #pragma once
 
 #include "core/device.h"
@@ -67,6 +75,8 @@ private:
     std::string                       name_;
     bool                              synchronous_;
     int64_t                           delay_us_ = 0;   // LOOM_STREAM_DELAY_US test seam
+    size_t                            queue_depth_;
+    std::condition_variable           space_cv_;       // the queue fell to queue_depth_
     std::mutex                        mutex_;
     std::condition_variable           work_cv_;
     std::condition_variable           idle_cv_;
