@@ -5,8 +5,12 @@
 //   loom schedule ... --json [--rank R]                        warm-up, schedule table, order, peak in flight
 //   loom schedule ... --svg timeline.svg                       the unit-time timeline of all ranks
 //   loom schedule ... --num-layers 32                          plus the layers each model chunk holds
+//   loom schedule ... --graph-plan [--json] [--rank R]         the per-layer CUDA-graph plan of each rank:
+//                     [--layers-per-chunk 4,4 | --num-layers 32]  timeline, graph ids, static input sets,
+//                                                                 pool intervals, counts (graphs/planner.h)
 #include "apps/loom/commands.h"
 #include "core/error.h"
+#include "graphs/planner.h"
 #include "pipeline/layer_assignment.h"
 #include "pipeline/schedule.h"
 #include "pipeline/timeline.h"
@@ -43,6 +47,67 @@ nlohmann::ordered_json rank_json(const pipeline::ScheduleOptions & options, int 
     return j;
 }
 
+nlohmann::ordered_json graph_plan_json(const graphs::GraphPlan & plan) {
+    nlohmann::ordered_json timeline = nlohmann::ordered_json::array();
+    for (size_t i = 0; i < plan.timeline.size(); ++i) {
+        const graphs::GraphStep & s = plan.timeline[i];
+        nlohmann::ordered_json    step;
+        step["step"]       = i;
+        step["kind"]       = graphs::graph_kind_name(s.kind);
+        step["chunk"]      = s.chunk;
+        step["microbatch"] = s.microbatch;
+        step["layer"]      = s.layer;
+        step["graph_id"]   = s.graph_id;
+        step["input_set"]  = s.input_set;
+        if (s.grad_output_buffer >= 0) step["grad_output_buffer"] = s.grad_output_buffer;
+        timeline.push_back(step);
+    }
+    nlohmann::ordered_json intervals = nlohmann::ordered_json::array();
+    for (const graphs::PoolInterval & p : plan.pool_intervals) {
+        intervals.push_back({{"tensor", graphs::pool_tensor_name(p.tensor)}, {"chunk", p.chunk},
+                             {"microbatch", p.microbatch}, {"layer", p.layer}, {"first", p.first}, {"last", p.last}});
+    }
+    nlohmann::ordered_json j;
+    j["rank"]                    = plan.rank;
+    j["schedule"]                = pipeline::schedule_kind_name(pipeline::schedule_kind(plan.schedule));
+    j["num_microbatches"]        = plan.schedule.num_microbatches;
+    j["captured_microbatches"]   = plan.captured_microbatches;
+    j["num_warmup_microbatches"] = plan.num_warmup;
+    j["layers_per_chunk"]        = plan.layers_per_chunk;
+    j["order"]                   = plan.order;
+    j["timeline"]                = timeline;
+    j["input_sets"]              = plan.input_sets;   // [chunk][microbatch][layer] -> set id
+    j["set_signatures"]          = plan.set_signatures;
+    j["grad_output_signatures"]  = plan.grad_output_signatures;
+    j["pool_intervals"]          = intervals;
+    j["counts"] = {{"graphs", plan.num_graphs},
+                   {"input_sets", plan.num_input_sets()},
+                   {"grad_output_buffers", plan.num_grad_output_buffers()},
+                   {"peak_in_flight", plan.peak_in_flight},
+                   {"peak_layer_forwards", plan.peak_layer_forwards},
+                   {"peak_live", {{"Y", plan.peak_live_outputs}, {"Saved", plan.peak_live_saved},
+                                  {"dX", plan.peak_live_grad_inputs}}}};
+    return j;
+}
+
+// Splits a flat, chunk-major list of per-layer signatures into [chunk][layer] ("" list: the default).
+std::vector<std::vector<std::string>> signatures_per_chunk(const std::vector<std::string> & flat,
+                                                           const std::vector<int> & layers, const char * flag) {
+    if (flat.empty()) return {};
+    int total = 0;
+    for (int n : layers) total += n;
+    LOOM_CHECK(static_cast<int>(flat.size()) == total,
+               flag << " names " << flat.size() << " layers, the rank has " << total << " graphed layers",
+               "give one signature per graphed layer, chunk after chunk, separated by commas");
+    std::vector<std::vector<std::string>> out;
+    size_t                                next = 0;
+    for (int n : layers) {
+        out.emplace_back(flat.begin() + next, flat.begin() + next + n);
+        next += n;
+    }
+    return out;
+}
+
 // "layers 0-3, 16-19" (inclusive, per chunk; "none" for an empty chunk).
 std::string layers_text(const pipeline::LayerAssignment & layers, int rank) {
     std::ostringstream os;
@@ -68,7 +133,7 @@ int cmd_schedule(int argc, char ** argv) {
                  "[(microbatch, chunk)], the order (+c forward / -c backward of 1-based model chunk c) and the peak "
                  "number of microbatches in flight; or draw the timeline of all ranks in unit time (forward 1, "
                  "backward 2) as an SVG. PP 1 runs no pipelining, --vpp unset the 1F1B schedule, --vpp V (even 1) "
-                 "the interleaved one.",
+                 "the interleaved one. With --graph-plan, the per-layer CUDA-graph plan of each rank instead.",
                  "loom schedule"};
     pipeline::ScheduleOptions   options;
     pipeline::LayerSplitOptions split;
@@ -78,6 +143,9 @@ int cmd_schedule(int argc, char ** argv) {
     int                         layers_per_virtual_stage = 0, first_layers = 0, last_layers = 0;
     bool                        json = false;
     std::string                 svg_path;
+    bool                        graph_plan = false;
+    std::vector<int>            layers_per_chunk;
+    std::vector<std::string>    input_signatures, output_signatures;
     app.add_option("--pp,--pipeline-model-parallel-size", options.pp, "pipeline-parallel size")->required();
     app.add_option("--vpp,--num-virtual-stages-per-pipeline-rank", vpp,
                    "model chunks per rank: the interleaved schedule (unset: 1F1B)");
@@ -95,6 +163,22 @@ int cmd_schedule(int argc, char ** argv) {
                    "derive --vpp as (num-layers / pp) / this (needs --num-layers)");
     app.add_option("--decoder-first-pipeline-num-layers", first_layers, "layers on the first stage (needs --num-layers)");
     app.add_option("--decoder-last-pipeline-num-layers", last_layers, "layers on the last stage (needs --num-layers)");
+
+    app.add_flag("--graph-plan", graph_plan,
+                 "print the per-layer CUDA-graph plan of each rank instead: the timeline of graphs with their ids, "
+                 "static input sets and grad-output buffers, the pool tensors' lifetimes and the counts");
+    app.add_option("--layers-per-chunk", layers_per_chunk,
+                   "with --graph-plan: graphed layers of each model chunk of the rank, e.g. 4,4 (default: from "
+                   "--num-layers, else 1 per chunk)")
+        ->delimiter(',');
+    app.add_option("--graph-input-signatures", input_signatures,
+                   "with --graph-plan: each graphed layer's static-input signature, chunk after chunk (layers with "
+                   "equal names share static input sets; default: all the same)")
+        ->delimiter(',');
+    app.add_option("--graph-output-signatures", output_signatures,
+                   "with --graph-plan: each graphed layer's output signature, chunk after chunk (one grad-output "
+                   "buffer per name; default: all the same)")
+        ->delimiter(',');
 
     if (std::optional<int> status = parse_arguments(app, argc, argv)) {
         return *status;
@@ -126,6 +210,49 @@ int cmd_schedule(int argc, char ** argv) {
     LOOM_CHECK(!one_rank || (rank >= 0 && rank < options.pp),
                "--rank " << rank << " is out of range for --pipeline-model-parallel-size " << options.pp,
                "use a rank in 0.." << options.pp - 1);
+
+    const bool graph_flags = app.count("--layers-per-chunk") || app.count("--graph-input-signatures") ||
+                             app.count("--graph-output-signatures");
+    LOOM_CHECK(graph_plan || !graph_flags,
+               "--layers-per-chunk and --graph-input/output-signatures only apply to --graph-plan", "add --graph-plan");
+    if (graph_plan) {
+        LOOM_CHECK(svg_path.empty(), "--svg draws the schedule timeline, not a graph plan",
+                   "drop --svg, or run without --graph-plan");
+        LOOM_CHECK(!(app.count("--layers-per-chunk") && layers),
+                   "--layers-per-chunk and --num-layers both give the layers of each chunk", "give one of them");
+        // Every plan is computed (and validated) before anything is printed.
+        std::vector<graphs::GraphPlan> plans;
+        for (int r = 0; r < options.pp; ++r) {
+            if (one_rank && r != rank) continue;
+            graphs::GraphPlanOptions plan_options;
+            plan_options.schedule = options;
+            plan_options.rank     = r;
+            if (layers) {
+                for (const pipeline::LayerRange & range : layers->ranges[r]) plan_options.layers_per_chunk.push_back(range.size());
+            } else {
+                plan_options.layers_per_chunk = layers_per_chunk;
+            }
+            std::vector<int> resolved = plan_options.layers_per_chunk;
+            if (resolved.empty()) resolved.assign(pipeline::num_model_chunks(options), 1);
+            plan_options.input_signatures  = signatures_per_chunk(input_signatures, resolved, "--graph-input-signatures");
+            plan_options.output_signatures = signatures_per_chunk(output_signatures, resolved, "--graph-output-signatures");
+            plans.push_back(graphs::plan_graphs(plan_options));
+        }
+        std::string out;
+        if (json && one_rank) {
+            out = graph_plan_json(plans[0]).dump() + "\n";
+        } else if (json) {
+            out = "[\n";
+            for (size_t i = 0; i < plans.size(); ++i) {
+                out += graph_plan_json(plans[i]).dump() + (i + 1 < plans.size() ? ",\n" : "\n");
+            }
+            out += "]\n";
+        } else {
+            for (size_t i = 0; i < plans.size(); ++i) out += (i ? "\n" : "") + graphs::graph_plan_text(plans[i]);
+        }
+        std::cout << out;
+        return 0;
+    }
 
     // Everything is computed before anything is printed or written.
     pipeline::Timeline timeline = pipeline::simulate_timeline(options);
