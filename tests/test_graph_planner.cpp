@@ -7,6 +7,7 @@
 #include "graphs/planner.h"
 #include "pipeline/schedule.h"
 
+#include "error_text.h"
 #include "loom_cli_runner.h"
 
 #include <nlohmann/json.hpp>
@@ -35,16 +36,6 @@ GraphPlanOptions options(int pp, std::optional<int> vpp, int m, int rank, std::v
     o.rank                           = rank;
     o.layers_per_chunk               = std::move(layers);
     return o;
-}
-
-template <typename F>
-std::string error_of(F && f) {
-    try {
-        f();
-    } catch (const Error & e) {
-        return e.message() + " | " + e.hint();
-    }
-    return "";
 }
 
 bool contains(const std::string & haystack, const std::string & needle) {

@@ -271,9 +271,9 @@ void check_model_gradients(model::GptConfig config) {
     }
 }
 
-}  // namespace
-
-TEST(GptModel, Gpt2StyleGradientsMatchFiniteDifferences) {
+// The models the gradient checks run: GPT-2 style (LayerNorm, GELU, learned positions) and Llama style
+// (RMSNorm, SwiGLU, RoPE, GQA), 2 layers of hidden 32 over 70 positions (two attention blocks of 64).
+model::GptConfig gpt2_style_grad_config() {
     model::GptConfig c;
     c.num_layers = 2;
     c.hidden_size = 32;
@@ -283,10 +283,10 @@ TEST(GptModel, Gpt2StyleGradientsMatchFiniteDifferences) {
     c.seq_length = 70;
     c.max_position_embeddings = 80;
     c.vocab_size = 50;
-    check_model_gradients(c);
+    return c;
 }
 
-TEST(GptModel, LlamaStyleGradientsMatchFiniteDifferences) {
+model::GptConfig llama_style_grad_config() {
     model::GptConfig c = model::gpt_preset("llama-tiny");
     c.num_layers = 2;
     c.hidden_size = 32;
@@ -295,21 +295,19 @@ TEST(GptModel, LlamaStyleGradientsMatchFiniteDifferences) {
     c.num_query_groups = 2;
     c.seq_length = 70;
     c.vocab_size = 50;
-    check_model_gradients(c);
+    return c;
 }
+
+}  // namespace
+
+TEST(GptModel, Gpt2StyleGradientsMatchFiniteDifferences) { check_model_gradients(gpt2_style_grad_config()); }
+
+TEST(GptModel, LlamaStyleGradientsMatchFiniteDifferences) { check_model_gradients(llama_style_grad_config()); }
 
 // Dropout's masks are a function of the key alone, so the loss is a deterministic function of the
 // weights and its gradient (each mask applied again in backward) matches central differences.
 TEST(GptModel, DropoutGradientsMatchFiniteDifferences) {
-    model::GptConfig c;
-    c.num_layers = 2;
-    c.hidden_size = 32;
-    c.ffn_hidden_size = 64;
-    c.num_attention_heads = 4;
-    c.num_query_groups = 4;
-    c.seq_length = 70;
-    c.max_position_embeddings = 80;
-    c.vocab_size = 50;
+    model::GptConfig c = gpt2_style_grad_config();
     c.hidden_dropout    = 0.1f;
     c.attention_dropout = 0.2f;
     check_model_gradients(c);
@@ -412,25 +410,10 @@ TEST(GptModel, FullRecomputeIsBitwiseAndLowersTheActivationPeak) {
 // --qk-layernorm: the per-head norms of Q and K (LayerNorm for GPT-2 style, RMSNorm with GQA and RoPE
 // for Llama style) and everything upstream of them.
 TEST(GptModel, QkLayernormGradientsMatchFiniteDifferences) {
-    model::GptConfig c;
-    c.num_layers = 2;
-    c.hidden_size = 32;
-    c.ffn_hidden_size = 64;
-    c.num_attention_heads = 4;
-    c.num_query_groups = 4;
-    c.seq_length = 70;
-    c.max_position_embeddings = 80;
-    c.vocab_size = 50;
+    model::GptConfig c = gpt2_style_grad_config();
     c.qk_layernorm = true;
     check_model_gradients(c);
-    model::GptConfig l = model::gpt_preset("llama-tiny");
-    l.num_layers = 2;
-    l.hidden_size = 32;
-    l.ffn_hidden_size = 48;
-    l.num_attention_heads = 4;
-    l.num_query_groups = 2;
-    l.seq_length = 70;
-    l.vocab_size = 50;
+    model::GptConfig l = llama_style_grad_config();
     l.qk_layernorm = true;
     check_model_gradients(l);
 }
