@@ -56,8 +56,18 @@ void Allocator::note_peaks_locked(Pool & pool) {
     total_.peak_reserved      = std::max(total_.peak_reserved, total_.reserved);
 }
 
-Block Allocator::allocate(size_t bytes, const std::string & pool_name) {
+Block Allocator::allocate(size_t bytes, const std::string & requested_pool) {
     std::lock_guard<std::mutex> lock(mutex_);
+    const std::string * chosen = &requested_pool;
+    if (capture_ && capture_->thread == std::this_thread::get_id()) {
+        LOOM_CHECK(requested_pool == kDefaultPool || requested_pool == kActivationsPool || requested_pool == capture_->pool,
+                   "allocation of " << bytes << " bytes from pool '" << requested_pool << "' of allocator '" << name_
+                                    << "' while capturing graph '" << capture_->graph << "'",
+                   "a captured step allocates only activations (into the graph's pool '" << capture_->pool
+                       << "'); create parameters, buffers and optimizer state before capture");
+        chosen = &capture_->pool;
+    }
+    const std::string & pool_name = *chosen;
     int    index = pool_index_locked(pool_name);
     Pool & pool  = pools_[index];
 
@@ -173,17 +183,45 @@ void Allocator::reset_peak() {
 void Allocator::empty_cache() {
     std::lock_guard<std::mutex> lock(mutex_);
     for (Pool & pool : pools_) {
-        release_cache_locked(pool);
+        if (graph_claims_.count(pool.name) == 0) release_cache_locked(pool);
     }
 }
 
 void Allocator::empty_cache(const std::string & name) {
     std::lock_guard<std::mutex> lock(mutex_);
+    auto claim = graph_claims_.find(name);
+    LOOM_CHECK(claim == graph_claims_.end(), "empty_cache of pool '" << name << "' of allocator '" << name_ << "', which "
+                                                                     << claim->second << " live graph(s) hold",
+               "destroy the graphs captured into the pool first");
     for (Pool & pool : pools_) {
         if (pool.name == name) {
             release_cache_locked(pool);
         }
     }
+}
+
+void Allocator::begin_capture(const std::string & graph, const std::string & pool) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    LOOM_CHECK(!capture_, "capture of graph '" << graph << "' begun while graph '" << capture_->graph
+                                                << "' is being captured (allocator '" << name_ << "')",
+               "end one capture before beginning the next");
+    capture_ = std::make_unique<Capture>(Capture{graph, pool, std::this_thread::get_id()});
+}
+
+void Allocator::end_capture() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    capture_.reset();
+}
+
+void Allocator::claim_for_graph(const std::string & pool) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++graph_claims_[pool];
+}
+
+void Allocator::release_graph_claim(const std::string & pool) noexcept {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = graph_claims_.find(pool);
+    if (it != graph_claims_.end() && --it->second == 0) graph_claims_.erase(it);
 }
 
 }  // namespace loom

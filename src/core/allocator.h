@@ -31,6 +31,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace loom {
@@ -39,6 +40,8 @@ enum class MemoryKind : uint8_t { device, pinned_host };
 const char * memory_kind_name(MemoryKind kind);
 
 inline constexpr const char * kDefaultPool = "default";
+// Where layers allocate what lives for one step (activations, their gradients, workspaces).
+inline constexpr const char * kActivationsPool = "activations";
 
 struct AllocatorStats {
     int64_t allocated      = 0;
@@ -84,9 +87,19 @@ public:
 
     // Peak of every pool (and of the sum) restarts from the current value.
     void reset_peak();
-    // Gives every cached free block back to the raw backend (of one pool, or of all).
+    // Gives every cached free block back to the raw backend (of one pool, or of all). A pool that live
+    // graphs hold (claim_for_graph) is refused by name; empty_cache() passes over such pools.
     void empty_cache();
     void empty_cache(const std::string & pool);
+
+    // Graph capture (core/graph.h). While the calling thread captures `graph`, its allocations from the
+    // default and activations pools come from `pool`; one from any other pool throws naming the graph
+    // (persistent state must exist before capture). Other threads allocate as usual.
+    void begin_capture(const std::string & graph, const std::string & pool);
+    void end_capture();
+    // A live graph's claim on its pool (its baked addresses point into it); release when it dies.
+    void claim_for_graph(const std::string & pool);
+    void release_graph_claim(const std::string & pool) noexcept;
 
     MemoryKind          kind() const { return kind_; }
     const std::string & name() const { return name_; }
@@ -110,6 +123,12 @@ private:
     mutable std::mutex         mutex_;
     std::vector<Pool>          pools_;
     AllocatorStats             total_;
+    struct Capture {
+        std::string     graph, pool;
+        std::thread::id thread;
+    };
+    std::unique_ptr<Capture>   capture_;        // the capture in progress, if any
+    std::map<std::string, int> graph_claims_;   // pool -> live graphs
 };
 
 }  // namespace loom

@@ -38,6 +38,7 @@ public:
 };
 
 class Device;
+class Graph;
 class Ops;
 
 class Stream {
@@ -56,6 +57,16 @@ public:
     virtual void synchronize() = 0;
     // True when everything submitted so far has run.
     virtual bool query() = 0;
+
+    // Graph capture (core/graph.h): until end_capture(), work, event records and event waits submitted to
+    // this stream are recorded into `graph` instead of run, and the calling thread's device allocations
+    // come from the graph's pool. One capture at a time per thread and per stream.
+    void    begin_capture(Graph & graph);
+    void    end_capture();
+    Graph * capture() const { return capture_; }
+
+protected:
+    Graph * capture_ = nullptr;   // backends record into it while it is set
 };
 
 class Device {

@@ -78,7 +78,7 @@ void GptModel::zero_grad() {
 
 Tensor GptModel::local_tokens(const Tensor & tokens) const {
     if (tp_.size == 1) return tokens;
-    Tensor local = Tensor::empty(tokens.shape(), DType::i32, device_, {MemoryKind::device, "activations"});
+    Tensor local = Tensor::empty(tokens.shape(), DType::i32, device_, {MemoryKind::device, kActivationsPool});
     device_.ops().vocab_shard_ids(device_.compute_stream(), tokens, vocab_begin_, vocab_local_, local);
     return local;
 }

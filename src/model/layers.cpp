@@ -8,14 +8,14 @@
 namespace loom::model {
 
 Tensor activation(Device & device, int64_t rows, int64_t cols) {
-    return Tensor::empty({rows, cols}, DType::f32, device, {MemoryKind::device, "activations"});
+    return Tensor::empty({rows, cols}, DType::f32, device, {MemoryKind::device, kActivationsPool});
 }
 
 Tensor in_dtype(const Tensor & x, DType dtype) {
     if (x.dtype() == dtype) {
         return x;
     }
-    Tensor out = Tensor::empty(x.shape(), dtype, x.device(), {MemoryKind::device, "activations"});
+    Tensor out = Tensor::empty(x.shape(), dtype, x.device(), {MemoryKind::device, kActivationsPool});
     x.device().ops().convert(x.device().compute_stream(), x, out);
     return out;
 }
@@ -26,7 +26,7 @@ Tensor keep_for_backward(Tensor & x, DType dtype) {
     }
     LOOM_CHECK(dtype == DType::bf16 && x.dtype() == DType::f32,
                "keeping a " << dtype_name(x.dtype()) << " activation as " << dtype_name(dtype), "");
-    Tensor out = Tensor::empty(x.shape(), DType::bf16, x.device(), {MemoryKind::device, "activations"});
+    Tensor out = Tensor::empty(x.shape(), DType::bf16, x.device(), {MemoryKind::device, kActivationsPool});
     x.device().ops().round_to_bf16(x.device().compute_stream(), x, out);
     return out;
 }
@@ -37,13 +37,13 @@ void TensorParallel::all_reduce(const Tensor & t) const {
 
 Tensor TensorParallel::reduce_scatter(const Tensor & t) const {
     LOOM_CHECK(t.size(0) % size == 0, t.size(0) << " rows do not split over " << size << " sequence-parallel ranks", "");
-    Tensor out = Tensor::empty({t.size(0) / size, t.size(1)}, t.dtype(), t.device(), {MemoryKind::device, "activations"});
+    Tensor out = Tensor::empty({t.size(0) / size, t.size(1)}, t.dtype(), t.device(), {MemoryKind::device, kActivationsPool});
     group->reduce_scatter(t, out, comm::ReduceOp::sum, &t.device().compute_stream());
     return out;
 }
 
 Tensor TensorParallel::all_gather(const Tensor & t) const {
-    Tensor out = Tensor::empty({t.size(0) * size, t.size(1)}, t.dtype(), t.device(), {MemoryKind::device, "activations"});
+    Tensor out = Tensor::empty({t.size(0) * size, t.size(1)}, t.dtype(), t.device(), {MemoryKind::device, kActivationsPool});
     group->all_gather(t, out, &t.device().compute_stream());
     return out;
 }
@@ -392,7 +392,7 @@ Tensor Mlp::forward(Context & ctx, const Tensor & x) {
         act         = activation(x.device(), pre.size(0), f);
         Tensor bias = fc1.has_bias ? parameter_f32(fc1.bias) : Tensor();
         ctx.pre_act = config.params_dtype == DType::f32 ? pre : Tensor::empty(pre.shape(), config.params_dtype, x.device(),
-                                                                                {MemoryKind::device, "activations"});
+                                                                                {MemoryKind::device, kActivationsPool});
         ops.bias_gelu_forward(stream, pre, bias, act, config.params_dtype == DType::f32 ? Tensor() : ctx.pre_act);
     }
     return fc2.forward(ctx.fc2_ctx, act);

@@ -2,6 +2,7 @@
 
 #include "backend/cpu/gemm.h"
 #include "core/error.h"
+#include "core/graph.h"
 
 #include <chrono>
 #include <cstdlib>
@@ -45,6 +46,7 @@ bool CpuEvent::query() {
 }
 
 void CpuEvent::synchronize() {
+    check_not_capturing("a host wait on an event");
     uint64_t generation;
     {
         std::lock_guard<std::mutex> lock(state_->mutex);
@@ -117,6 +119,10 @@ void CpuStream::loop() {
 }
 
 void CpuStream::submit(std::function<void()> work) {
+    if (capture_) {
+        capture_->add_work(std::move(work));
+        return;
+    }
     if (synchronous_) {
         run(work);
         return;
@@ -131,6 +137,11 @@ void CpuStream::submit(std::function<void()> work) {
 }
 
 void CpuStream::record(Event & event) {
+    if (capture_) {
+        as_cpu_event(event);   // checked now, recorded at each replay
+        capture_->add_record(event);
+        return;
+    }
     std::shared_ptr<EventState> state = as_cpu_event(event).state();
     uint64_t                    generation;
     {
@@ -141,6 +152,11 @@ void CpuStream::record(Event & event) {
 }
 
 void CpuStream::wait(Event & event) {
+    if (capture_) {
+        as_cpu_event(event);
+        capture_->add_wait(event);
+        return;
+    }
     std::shared_ptr<EventState> state = as_cpu_event(event).state();
     uint64_t                    generation;
     {
@@ -154,6 +170,7 @@ void CpuStream::wait(Event & event) {
 }
 
 void CpuStream::synchronize() {
+    check_not_capturing(("a synchronize of stream '" + name_ + "'").c_str());
     std::exception_ptr error;
     {
         std::unique_lock<std::mutex> lock(mutex_);
