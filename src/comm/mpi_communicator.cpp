@@ -1,6 +1,7 @@
 #include "comm/mpi_communicator.h"
 
 #include "core/error.h"
+#include "core/graph.h"
 
 #include <mpi.h>
 
@@ -74,6 +75,21 @@ private:
     std::condition_variable done_cv_;
     bool                    done_ = false;
     std::exception_ptr      error_;
+};
+
+// What a collective issued during graph capture returns: it completes in each replay, never on the host.
+class CapturedWork : public Work {
+public:
+    explicit CapturedWork(std::string graph) : graph_(std::move(graph)) {}
+    void wait() override {
+        check_not_capturing("a wait on a collective");
+        LOOM_CHECK(false, "a wait on a collective captured into graph '" << graph_ << "'",
+                   "a captured collective completes in each replay: wait on the replay's stream instead");
+    }
+    bool test() override { return false; }
+
+private:
+    std::string graph_;
 };
 
 // One operation on its way through the engine.
@@ -740,8 +756,9 @@ private:
 
     WorkPtr issue(std::shared_ptr<MpiOp> op, Stream * stream, bool stream_waits = true) {
         op->comm_id = id_;
-        op->seq     = next_seq_.fetch_add(1);
         op->group   = name_;
+        if (stream != nullptr && stream->capture() != nullptr) return capture(*op, *stream, stream_waits);
+        op->seq     = next_seq_->fetch_add(1);
         std::shared_ptr<WorkState> work = op->work;
         if (stream == nullptr) {
             engine_->deliver(std::move(op));
@@ -753,14 +770,33 @@ private:
         return work;
     }
 
-    std::shared_ptr<MpiEngine> engine_;
-    MPI_Comm                   comm_;
-    int                        id_;
-    int                        rank_ = 0;
-    int                        size_ = 1;
-    std::vector<int>           global_ranks_;
-    std::string                name_;
-    std::atomic<uint64_t>      next_seq_{0};
+    // While `stream` captures a graph the operation is a template: every replay issues a fresh copy, with
+    // the next sequence number of the communicator taken when the replay is enqueued (host order, as an
+    // eager call would take it) and its own completion. The template's tensors are held by the node, so
+    // the graph counts them as its own (Graph::collect).
+    WorkPtr capture(const MpiOp & op, Stream & stream, bool stream_waits) {
+        MpiOp tmpl = op;
+        tmpl.work  = nullptr;
+        stream.submit_replayable([engine = engine_, next_seq = next_seq_, tmpl, stream_waits]() -> std::function<void()> {
+            auto copy  = std::make_shared<MpiOp>(tmpl);
+            copy->seq  = next_seq->fetch_add(1);
+            copy->work = std::make_shared<WorkState>();
+            return [engine, copy, stream_waits] {
+                engine->deliver(copy);
+                if (stream_waits) copy->work->wait();
+            };
+        });
+        return std::make_shared<CapturedWork>(stream.capture()->name());
+    }
+
+    std::shared_ptr<MpiEngine>             engine_;
+    MPI_Comm                               comm_;
+    int                                    id_;
+    int                                    rank_ = 0;
+    int                                    size_ = 1;
+    std::vector<int>                       global_ranks_;
+    std::string                            name_;
+    std::shared_ptr<std::atomic<uint64_t>> next_seq_ = std::make_shared<std::atomic<uint64_t>>(0);
 };
 
 std::atomic<bool> g_context_alive{false};

@@ -64,6 +64,9 @@ public:
     void    begin_capture(Graph & graph);
     void    end_capture();
     Graph * capture() const { return capture_; }
+    // Work whose host side must run again at every replay: `prepare` runs now (or, while capturing, at
+    // each replay of the graph) and the work it returns is submitted.
+    void submit_replayable(std::function<std::function<void()>()> prepare);
 
 protected:
     Graph * capture_ = nullptr;   // backends record into it while it is set

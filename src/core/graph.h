@@ -15,20 +15,35 @@
 //
 // Replay enqueues the recorded nodes on the given stream in capture order: the same kernels on the same
 // addresses ("baked in"): a replay reads whatever its input tensors hold at the time it runs, so callers
-// copy new inputs into the captured tensors (not new tensors) before replaying. The nodes hold the tensors
-// they were given, so every block a graph touched stays allocated while the graph lives; the graph's
-// claim on its pool makes empty_cache of that pool an error until then. Several graphs share one pool.
+// copy new inputs into the captured tensors (not new tensors) before replaying. Work that must differ per
+// replay on the host side (a collective takes a new sequence number each time) is captured as a
+// replayable node: Stream::submit_replayable's `prepare` runs on the host at each replay and returns the
+// work to enqueue.
+//
+// Memory follows a CUDA graph's private pool. The nodes hold the tensors they were given, but a block
+// allocated during a capture goes back to the pool's free list as soon as only graphs refer to it (the
+// host has dropped every tensor on it): collect() finds those blocks when a capture begins or ends, and
+// releases them while the graphs keep the address (Storage::release_block). A later capture may be handed
+// the same block, which is valid because graphs sharing a pool are replayed in the order they were
+// captured: what a graph leaves in a released block is dead by the time a later graph overwrites it.
+// A graph's own outputs, wanted after a replay, are kept with hold() (a reference the host does not
+// count), so they too are released once the host stops using them at capture time. Every graph claims
+// its pool, so empty_cache of that pool is an error until the graphs are destroyed.
 #pragma once
 
 #include "core/device.h"
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace loom {
 
 inline constexpr const char * kGraphPool = "graphs";
+
+class Storage;
+class Tensor;
 
 class Graph {
 public:
@@ -45,23 +60,38 @@ public:
     // Enqueues every node on `stream` in capture order; returns without waiting for them.
     void replay(Stream & stream) const;
 
+    // Keeps t with the graph (its output, read after each replay) without counting as a host reference:
+    // held(index) returns it. Hold outputs before end_capture().
+    size_t         hold(const Tensor & t);
+    const Tensor & held(size_t index) const;
+
+    // Releases every block captured into `pool` of `device` that only graphs refer to (see above).
+    // Stream::begin_capture and end_capture call it; returns the number of blocks released.
+    static size_t collect(Device & device, const std::string & pool);
+
     // The capturing stream's side (Stream::begin_capture/end_capture and the backends' record paths).
+    using Prepare = std::function<std::function<void()>()>;
     void add_work(std::function<void()> work);
+    void add_replayable(Prepare prepare);
     void add_record(Event & event);
     void add_wait(Event & event);
     void mark_captured() { captured_ = true; }
+    void note_allocation(const std::shared_ptr<Storage> & storage);
 
 private:
     struct Node {
-        enum class Kind { work, record, wait } kind;
-        std::function<void()> work;    // kind work
-        Event *               event;   // kind record / wait: the caller keeps it alive while the graph lives
+        enum class Kind { work, replayable, record, wait } kind;
+        std::function<void()> work;       // kind work
+        Prepare               prepare;    // kind replayable
+        Event *               event;      // kind record / wait: the caller keeps it alive while the graph lives
     };
 
-    Device &          device_;
-    std::string       name_, pool_;
-    std::vector<Node> nodes_;
-    bool              captured_ = false;
+    Device &                            device_;
+    std::string                         name_, pool_;
+    std::vector<Node>                   nodes_;
+    std::vector<Tensor>                 held_;
+    std::vector<std::weak_ptr<Storage>> allocations_;   // made during its capture, not yet released
+    bool                                captured_ = false;
 };
 
 // The graph the calling thread is capturing (null: none): host waits check it to refuse.

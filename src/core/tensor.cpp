@@ -1,5 +1,7 @@
 #include "core/tensor.h"
 
+#include "core/graph.h"
+
 #include <cstring>
 #include <sstream>
 
@@ -62,6 +64,14 @@ Storage::~Storage() {   // noexcept: Allocator::deallocate never throws
     }
 }
 
+void Storage::release_block() noexcept {
+    if (allocator_ != nullptr) {
+        allocator_->deallocate(block_);
+        allocator_ = nullptr;
+        released_  = true;
+    }
+}
+
 Tensor::Tensor(std::shared_ptr<Storage> storage, int64_t offset, Shape shape, DType dtype)
     : storage_(std::move(storage)), offset_(offset), shape_(std::move(shape)), dtype_(dtype) {
     numel_ = shape_numel(shape_);
@@ -70,6 +80,11 @@ Tensor::Tensor(std::shared_ptr<Storage> storage, int64_t offset, Shape shape, DT
 Tensor Tensor::empty(const Shape & shape, DType dtype, Device & device, const TensorOptions & options) {
     const size_t bytes = checked_bytes(shape, dtype);
     auto   storage = std::make_shared<Storage>(device, bytes, options.memory_kind, options.pool);
+    // A device allocation on a capturing thread came from the graph's pool: the graph tracks it, so the
+    // block returns to the pool once only graphs refer to it (Graph::collect).
+    if (Graph * graph = graph_being_captured(); graph != nullptr && options.memory_kind == MemoryKind::device) {
+        graph->note_allocation(storage);
+    }
     return Tensor(std::move(storage), 0, shape, dtype);
 }
 

@@ -47,6 +47,12 @@ public:
     Device &   device() const { return *device_; }
     MemoryKind memory_kind() const { return kind_; }
 
+    // Gives the block back to its pool now while this Storage keeps its address (a CUDA graph's weak
+    // reference): graphs whose nodes still point here may find it handed to a later capture, which replay
+    // order makes safe (core/graph.h). The destructor then frees nothing. Idempotent.
+    void release_block() noexcept;
+    bool block_released() const { return released_; }
+
 private:
     Device *    device_;
     Allocator * allocator_ = nullptr;   // null for external memory
@@ -54,6 +60,7 @@ private:
     void *      data_;
     size_t      nbytes_;
     MemoryKind  kind_;
+    bool        released_ = false;
 };
 
 struct TensorOptions {
