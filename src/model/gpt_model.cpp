@@ -162,7 +162,11 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
             pre_forward_(params);
         }
         if (group_input[i]) ctx.checkpoints[i] = x;
-        x = layers_[i]->forward(ctx.layers[i], x, s, b, dropout_batch);
+        if (layer_graphs_ && ctx.training && !recomputed[i]) {
+            x = layer_graphs_->forward(graph_chunk_, static_cast<int64_t>(i), x, dropout_batch);
+        } else {
+            x = layers_[i]->forward(ctx.layers[i], x, s, b, dropout_batch);
+        }
         if (recomputed[i]) ctx.layers[i] = TransformerLayer::Context{};
     }
     if (!stage_.post_process) {
@@ -239,7 +243,12 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
             for (int64_t k = begin; k < end; ++k) y = layers_[k]->forward(ctx.layers[k], y, s, b, dropout_batch);
             ctx.checkpoints[begin] = Tensor();
         }
-        dx = layers_[i]->backward(ctx.layers[i], dx, ready);
+        const bool recomputed = std::any_of(groups.begin(), groups.end(), [i](const auto & g) { return g.first <= i && i < g.second; });
+        if (layer_graphs_ && ctx.training && !recomputed) {
+            dx = layer_graphs_->backward(graph_chunk_, i, dx, ready);
+        } else {
+            dx = layers_[i]->backward(ctx.layers[i], dx, ready);
+        }
     }
     if (stage_.pre_process) {
         if (ctx.embedding_dropout.enabled()) ops.dropout(stream, dx, dx, ctx.embedding_dropout);

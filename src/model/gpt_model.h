@@ -43,6 +43,17 @@ struct PipelineStage {
     bool    post_process = true;
 };
 
+// Per-layer graphs (graphs/layer_graph_runner.h) a chunk's training forward and backward run its layers
+// through instead of calling them: layer i of chunk `chunk` on input x (or output gradient dy). The
+// runner maps each call to the graph captured for it, copies the inputs into the graph's static buffers
+// and replays; evaluation and recomputed layers never reach it.
+class LayerGraphs {
+public:
+    virtual ~LayerGraphs() = default;
+    virtual Tensor forward(int chunk, int64_t layer, const Tensor & x, const DropoutBatch & batch) = 0;
+    virtual Tensor backward(int chunk, int64_t layer, const Tensor & dy, const GradReadyFn & ready) = 0;
+};
+
 class GptModel {
 public:
     // With tensor parallelism (tp.size > 1) this rank holds its shard of every split parameter (layers.h)
@@ -112,6 +123,13 @@ public:
     // buckets that hold them (Megatron's forward pre-hook).
     using PreForwardFn = std::function<void(const std::vector<Parameter *> &)>;
     void set_pre_forward_hook(PreForwardFn hook) { pre_forward_ = std::move(hook); }
+    // Training forwards and backwards run the layers through `graphs` as its chunk `chunk` (null: eager).
+    void set_layer_graphs(LayerGraphs * graphs, int chunk) {
+        layer_graphs_ = graphs;
+        graph_chunk_  = chunk;
+    }
+    int64_t            num_layers() const { return static_cast<int64_t>(layers_.size()); }
+    TransformerLayer & layer(int64_t i) { return *layers_.at(static_cast<size_t>(i)); }
     void zero_grad();
 
     const GptConfig & config() const { return config_; }
@@ -138,6 +156,8 @@ private:
     int64_t local_valid_vocab() const;
     void    vocab_parallel_cross_entropy(Context & ctx, const MicroBatch & batch);
     PreForwardFn                                   pre_forward_;
+    LayerGraphs *                                  layer_graphs_ = nullptr;
+    int                                            graph_chunk_  = 0;
 };
 
 }  // namespace loom::model

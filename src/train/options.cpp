@@ -215,6 +215,20 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_option("--recompute-num-layers", recompute_num_layers_, "layers per group (uniform) or per stage (block)");
     app.add_flag("--recompute-activations", recompute_activations_, "the same as --recompute-granularity selective");
     app.add_option("--recompute-modules", recompute_modules_, "selective recompute's modules (Loom: core_attn)");
+    app.add_option("--cuda-graph-impl", cuda_graph_impl_,
+                   "none, or transformer_engine: capture every transformer layer's forward and backward per "
+                   "micro-batch as graphs after --cuda-graph-warmup-steps eager iterations, and replay them "
+                   "(local and full_iteration are Megatron's other implementations, not Loom's)")
+        ->capture_default_str();
+    app.add_option("--cuda-graph-modules", cuda_graph_modules_,
+                   "what each layer graph covers: nothing given (or full) is the whole layer, which is all Loom "
+                   "captures; attn, mlp, moe, moe_router, moe_preprocess, mamba are refused");
+    app.add_option("--cuda-graph-scope", cuda_graph_scope_, "deprecated spelling of --cuda-graph-modules");
+    app.add_option("--cuda-graph-warmup-steps", o.cuda_graph_warmup_steps,
+                   "eager iterations before the layer graphs are captured")
+        ->capture_default_str();
+    app.add_flag("--enable-cuda-graph", enable_cuda_graph_, "deprecated: --cuda-graph-impl local (not Loom's)");
+    app.add_flag("--external-cuda-graph", external_cuda_graph_, "deprecated: --cuda-graph-impl transformer_engine");
     app.add_option("--context-parallel-size", context_parallel_size_, "context-parallel ranks (only 1 in Loom)");
     app.add_option("--expert-model-parallel-size", expert_parallel_size_, "expert-parallel ranks (only 1 in Loom)");
     app.add_option("--expert-tensor-parallel-size", expert_tensor_parallel_size_,
@@ -238,6 +252,55 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
         if (option->get_type_name() == "INT") option->check(int64_range);
     }
     group_like_megatron(app);
+}
+
+// Megatron's rules (arguments.py validate_args, TransformerConfig.__post_init__), in its words where it has
+// them; what Loom does not implement is refused by name.
+void TrainOptionParser::resolve_cuda_graphs(TrainOptions & o) const {
+    std::string impl = cuda_graph_impl_;
+    if (enable_cuda_graph_ || external_cuda_graph_) {
+        LOOM_CHECK(impl == "none", "Do not use --enable-cuda-graph or --external-cuda-graph with --cuda-graph-impl.", "");
+        LOOM_CHECK(!(enable_cuda_graph_ && external_cuda_graph_),
+                   "--enable-cuda-graph and --external-cuda-graph cannot be enabled at the same time.", "");
+        impl = enable_cuda_graph_ ? "local" : "transformer_engine";
+        std::fprintf(stderr, "WARNING: %s is deprecated, use --cuda-graph-impl=%s instead.\n",
+                     enable_cuda_graph_ ? "--enable-cuda-graph" : "--external-cuda-graph", impl.c_str());
+    }
+    LOOM_CHECK(impl == "none" || impl == "local" || impl == "transformer_engine" || impl == "full_iteration",
+               "argument --cuda-graph-impl: invalid choice: '" << impl
+                                                              << "' (choose from 'none', 'local', 'transformer_engine', 'full_iteration')",
+               "");
+    LOOM_CHECK(impl == "none" || impl == "transformer_engine",
+               "--cuda-graph-impl " << impl << " is not supported by Loom",
+               "Loom captures per-layer graphs: --cuda-graph-impl transformer_engine");
+    LOOM_CHECK(cuda_graph_scope_.empty() || cuda_graph_modules_.empty(),
+               "--cuda-graph-scope and --cuda-graph-modules cannot be used together.", "--cuda-graph-scope is deprecated");
+    std::vector<std::string> modules = cuda_graph_scope_.empty() ? cuda_graph_modules_ : cuda_graph_scope_;
+    if (!cuda_graph_scope_.empty()) std::fprintf(stderr, "WARNING: --cuda-graph-scope is deprecated, use --cuda-graph-modules instead.\n");
+    static const std::vector<std::string> known = {"attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba", "full"};
+    for (const std::string & module : modules) {
+        LOOM_CHECK(std::find(known.begin(), known.end(), module) != known.end(),
+                   "argument --cuda-graph-modules: invalid choice: '" << module
+                                                                     << "' (choose from 'attn', 'mlp', 'moe', 'moe_router', "
+                                                                        "'moe_preprocess', 'mamba')", "");
+    }
+    auto has = [&](const char * m) { return std::find(modules.begin(), modules.end(), m) != modules.end(); };
+    LOOM_CHECK(!(has("moe") && has("moe_router")), "cuda_graph_modules must not contain both moe and moe_router.", "");
+    LOOM_CHECK(!has("moe_preprocess") || has("moe_router"),
+               "moe_preprocess cuda graph is only supported with moe_router cuda graph.", "");
+    LOOM_CHECK(!(has("moe") || has("moe_router")), "moe cuda graph is only supported for MoE.",
+               "Loom has no --num-experts yet");
+    LOOM_CHECK(!has("mamba"), "--cuda-graph-modules mamba: Loom has no Mamba layers", "");
+    LOOM_CHECK(!(has("attn") || has("mlp")) || impl == "none",
+               "--cuda-graph-modules " << (has("attn") ? "attn" : "mlp") << " (a graph of part of a layer) is not supported by Loom",
+               "give no --cuda-graph-modules: Loom's layer graphs cover whole layers");
+    LOOM_CHECK(o.cuda_graph_warmup_steps >= 0, "--cuda-graph-warmup-steps must be >= 0, got " << o.cuda_graph_warmup_steps, "");
+    o.layer_graphs = impl == "transformer_engine";
+    if (o.layer_graphs) {
+        LOOM_CHECK(o.model.recompute_granularity != model::RecomputeGranularity::full,
+                   "full recompute is only supported with full iteration CUDA graph.",
+                   "drop --recompute-granularity full, or --cuda-graph-impl");
+    }
 }
 
 void TrainOptionParser::resolve_recompute(model::GptConfig & m) const {
@@ -609,6 +672,7 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
                                 << m.head_dim() << " wide",
                "drop --kv-channels, or choose --hidden-size and --num-attention-heads so that it is their quotient");
     apply_tokenizer(o, given("--vocab-size"));
+    resolve_cuda_graphs(o);
     if (given("--seed")) m.seed = seed_;
     validate_checkpoint_flags(o, given("--save-interval"), given("--exit-interval"), given("--ckpt-step"));
     if (o.use_checkpoint_args) {   // the checkpoint's shape wins over the flags, as Megatron's load_args_from_checkpoint

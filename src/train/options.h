@@ -74,6 +74,10 @@ struct TrainOptions {
     // A non-finite loss or gradient norm stops the run (exit 1), as Megatron's default; off
     // (--no-check-for-nan-in-loss-and-grad), such an iteration skips its update and counts as a nan iteration.
     bool           check_for_nan_in_loss_and_grad = true;
+    // Per-layer graphs (graphs/layer_graph_runner.h): --cuda-graph-impl transformer_engine captures every
+    // transformer layer's forward and backward after --cuda-graph-warmup-steps eager iterations of this run.
+    bool           layer_graphs = false;
+    int64_t        cuda_graph_warmup_steps = 3;   // Megatron's default
     int64_t        distributed_timeout_minutes = 10;   // the MPI watchdog (comm/mpi_communicator.h)
     bool           print_layout = false;   // print DDP's buffer layout on rank 0
     std::string    timeline_file;          // --timeline: the last iteration's measured pipeline timeline (SVG)
@@ -190,6 +194,10 @@ private:
     int64_t     recompute_num_layers_ = 0;
     bool        recompute_activations_ = false;
     std::vector<std::string> recompute_modules_;
+    std::string              cuda_graph_impl_ = "none";
+    std::vector<std::string> cuda_graph_modules_, cuda_graph_scope_;
+    bool                     enable_cuda_graph_ = false, external_cuda_graph_ = false;
+    void                     resolve_cuda_graphs(TrainOptions & o) const;
     std::vector<std::string> noop_values_;
     bool                     data_optional_ = false;
     bool                     no_log_loss_scale_ = false;   // values of the flags accepted without effect (megatron_flags.h)

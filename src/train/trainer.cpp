@@ -106,6 +106,7 @@ Trainer::Trainer(const TrainOptions & options, std::unique_ptr<Setup> owned, Set
         consumed_  = resumed_.consumed_samples;
         if (consumed_ > 0) data_.set_consumed_samples(consumed_);
     }
+    start_iteration_ = iteration_;
 }
 
 void BatchSource::set_consumed_samples(int64_t consumed) {
@@ -157,6 +158,14 @@ double Trainer::step(IterationStats & stats) {
         d->zero_grad_buffer();
     } else {
         for (model::GptModel * chunk : setup_.chunks) chunk->zero_grad();
+    }
+    if (options_.layer_graphs && !layer_graphs_ && iteration_ - 1 - start_iteration_ == options_.cuda_graph_warmup_steps) {
+        // After the eager warm-up iterations, before this one (Megatron's create_cudagraphs): capture runs
+        // nothing, so there is no gradient or optimizer state to undo.
+        layer_graphs_ = std::make_unique<graphs::LayerGraphRunner>(setup_.chunks, executor_->options(),
+                                                                   stages_ ? stages_->rank() : 0,
+                                                                   options_.model.seq_length, options_.micro_batch_size);
+        layer_graphs_->capture();
     }
     const bool timed = stages_ && !options_.timeline_file.empty() && iteration_ == options_.train_iters;
     using Clock      = std::chrono::steady_clock;

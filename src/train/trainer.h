@@ -17,6 +17,7 @@
 #pragma once
 
 #include "comm/communicator.h"
+#include "graphs/layer_graph_runner.h"
 #include "pipeline/executor.h"
 #include "train/checkpointing.h"
 #include "train/options.h"
@@ -91,6 +92,8 @@ public:
     optim::Optimizer &             optimizer() { return *setup_.optimizer; }
     // The most activation contexts the pipeline executor held at once (0 without pipelining).
     int peak_in_flight() const { return peak_in_flight_; }
+    // The layer graphs (--cuda-graph-impl transformer_engine) once captured; null before and without.
+    const graphs::LayerGraphRunner * layer_graphs() const { return layer_graphs_.get(); }
 
     // Runs the iterations after the loaded one (none: 0) up to options.train_iters, saving and stopping as
     // --save-interval, --exit-interval, --exit-duration-in-mins and --exit-signal-handler say; log lines go
@@ -124,6 +127,8 @@ private:
     model::GradReadyFn                          grad_ready_;
     comm::Communicator *                        stages_ = nullptr;   // the pipeline group, with more than one stage
     std::unique_ptr<pipeline::PipelineExecutor> executor_;   // every layout, one stage included
+    std::unique_ptr<graphs::LayerGraphRunner>   layer_graphs_;   // --cuda-graph-impl transformer_engine, once captured
+    int64_t                                     start_iteration_ = 0;   // the iteration this run started after
     int                                         peak_in_flight_ = 0;
     optim::LrSchedule                           schedule_;
     BatchSource *                               valid_ = nullptr;

@@ -1,0 +1,155 @@
+#include "graphs/layer_graph_runner.h"
+
+#include "core/error.h"
+#include "core/ops.h"
+
+#include <algorithm>
+#include <numeric>
+
+namespace loom::graphs {
+
+namespace {
+
+GraphPlanOptions plan_options(const std::vector<model::GptModel *> & chunks, const pipeline::ScheduleOptions & schedule,
+                              int rank) {
+    GraphPlanOptions options;
+    options.schedule = schedule;
+    options.rank     = rank;
+    for (model::GptModel * chunk : chunks) options.layers_per_chunk.push_back(static_cast<int>(chunk->num_layers()));
+    return options;
+}
+
+}  // namespace
+
+LayerGraphRunner::LayerGraphRunner(std::vector<model::GptModel *> chunks, const pipeline::ScheduleOptions & schedule,
+                                   int rank, int64_t seq_length, int64_t micro_batch_size)
+    : device_(chunks.at(0)->device()), chunks_(std::move(chunks)), plan_(plan_graphs(plan_options(chunks_, schedule, rank))),
+      s_(seq_length), b_(micro_batch_size) {
+    const model::GptConfig & config = chunks_[0]->config();
+    LOOM_CHECK(config.recompute_granularity != model::RecomputeGranularity::full,
+               "--cuda-graph-impl transformer_engine with --recompute-granularity full",
+               "full recompute is only supported with full iteration CUDA graph (Megatron's rule): drop one of them");
+    LOOM_CHECK(static_cast<int>(chunks_.size()) == plan_.num_chunks,
+               chunks_.size() << " model chunks for a schedule of " << plan_.num_chunks << " per rank", "");
+    rows_   = chunks_[0]->activation_rows(s_, b_);
+    hidden_ = config.hidden_size;
+    const TensorOptions static_pool{MemoryKind::device, kGraphStaticPool};
+    for (int set = 0; set < plan_.num_input_sets(); ++set) {
+        set_inputs_.push_back(Tensor::zeros({rows_, hidden_}, DType::f32, device_, static_pool));
+        set_sample_ids_.push_back(Tensor::zeros({b_}, DType::i64, device_, static_pool));
+    }
+    for (int buffer = 0; buffer < plan_.num_grad_output_buffers(); ++buffer) {
+        grad_outputs_.push_back(Tensor::zeros({rows_, hidden_}, DType::f32, device_, static_pool));
+    }
+    iota_ids_ = Tensor::empty({b_}, DType::i64, device_, static_pool);
+    std::iota(iota_ids_.data<int64_t>(), iota_ids_.data<int64_t>() + b_, int64_t{0});
+    graphs_.resize(static_cast<size_t>(plan_.num_graphs));
+    outputs_.assign(graphs_.size(), 0);
+    ready_order_.resize(graphs_.size());
+    next_forward_.assign(chunks_.size(), 0);
+    next_backward_.assign(chunks_.size(), 0);
+    forward_m_.assign(chunks_.size(), 0);
+    backward_m_.assign(chunks_.size(), 0);
+}
+
+LayerGraphRunner::~LayerGraphRunner() {
+    for (model::GptModel * chunk : chunks_) chunk->set_layer_graphs(nullptr, 0);
+    try {
+        device_.compute_stream().synchronize();   // replays in flight read the graphs' memory
+    } catch (...) {
+    }
+}
+
+void LayerGraphRunner::capture() {
+    LOOM_CHECK(!captured_, "the layer graphs are captured twice", "");
+    Stream & stream = device_.compute_stream();
+    stream.synchronize();
+    std::vector<std::unique_ptr<model::TransformerLayer::Context>> contexts(graphs_.size());   // by FWD id
+    for (const GraphStep & step : plan_.timeline) {
+        model::TransformerLayer & layer = chunks_[step.chunk]->layer(step.layer);
+        auto graph = std::make_unique<Graph>(device_, "layer " + std::to_string(layer.index) + " " + step_label(step));
+        const size_t  id     = static_cast<size_t>(step.graph_id);
+        const int64_t before = device_.allocator().pool_stats(graph->pool()).allocated;
+        stream.begin_capture(*graph);
+        if (step.kind == GraphKind::forward) {
+            contexts[id] = std::make_unique<model::TransformerLayer::Context>();
+            const model::DropoutBatch batch{set_sample_ids_[step.input_set], b_, true};
+            outputs_[id] = graph->hold(layer.forward(*contexts[id], set_inputs_[step.input_set], s_, b_, batch));
+        } else {
+            const size_t forward_id = static_cast<size_t>(graph_id(plan_, GraphKind::forward, step.chunk, step.microbatch, step.layer));
+            std::vector<model::Parameter *> & order = ready_order_[id];
+            outputs_[id] = graph->hold(layer.backward(*contexts[forward_id], grad_outputs_[step.grad_output_buffer],
+                                                      [&order](model::Parameter & p) { order.push_back(&p); }));
+            contexts[forward_id].reset();   // its saved activations go back to the pool at end_capture
+        }
+        stream.end_capture();
+        if (step.kind == GraphKind::forward) {
+            saved_bytes_ = std::max(saved_bytes_, device_.allocator().pool_stats(graph->pool()).allocated - before);
+        }
+        graphs_[id] = std::move(graph);
+    }
+    captured_ = true;
+    for (size_t c = 0; c < chunks_.size(); ++c) chunks_[c]->set_layer_graphs(this, static_cast<int>(c));
+}
+
+const GraphStep & LayerGraphRunner::expect_step(GraphKind kind, int chunk, int m, int layer) {
+    const GraphStep & step = plan_.timeline[position_];
+    LOOM_CHECK(step.kind == kind && step.chunk == chunk && step.microbatch == m && step.layer == layer,
+               "the schedule ran " << graph_kind_name(kind) << " of chunk " << chunk << ", micro-batch " << m
+                                   << ", layer " << layer << " where the captured timeline has "
+                                   << step_label(step) << " (step " << position_ << ")",
+               "graphs sharing a pool replay in the order they were captured: the micro-batch count and the "
+               "pipeline schedule must not change after capture");
+    position_ = (position_ + 1) % plan_.timeline.size();
+    ++replays_;
+    return step;
+}
+
+Tensor LayerGraphRunner::forward(int chunk, int64_t layer, const Tensor & x, const model::DropoutBatch & batch) {
+    const int  mc = plan_.captured_microbatches;
+    const auto c  = static_cast<size_t>(chunk);
+    if (layer == 0) forward_m_[c] = next_forward_[c]++ % mc;
+    const GraphStep & step = expect_step(GraphKind::forward, chunk, forward_m_[c], static_cast<int>(layer));
+    LOOM_CHECK(x.dtype() == DType::f32 && x.numel() == rows_ * hidden_ && batch.b == b_ && batch.training,
+               "a training call of layer graph " << step_label(step) << " with input " << x.describe() << " and "
+                                                 << batch.b << " sequences",
+               "graphs have static shapes: (" << rows_ << ", " << hidden_ << ") f32 and --micro-batch-size " << b_);
+    Ops &          ops    = device_.ops();
+    Stream &       stream = device_.compute_stream();
+    const Tensor & input  = set_inputs_[step.input_set];
+    if (x.data_ptr() != input.data_ptr()) ops.copy(stream, x.view({rows_, hidden_}), input);
+    ops.copy(stream, batch.sample_ids.defined() ? batch.sample_ids : iota_ids_, set_sample_ids_[step.input_set]);
+    const Graph & graph = *graphs_[static_cast<size_t>(step.graph_id)];
+    graph.replay(stream);
+    const Tensor & y = graph.held(outputs_[static_cast<size_t>(step.graph_id)]);
+    if (layer + 1 < chunks_[c]->num_layers()) return y;   // copied into the next layer's input before it replays
+    Tensor out = model::activation(device_, rows_, hidden_);
+    ops.copy(stream, y, out);
+    return out;
+}
+
+Tensor LayerGraphRunner::backward(int chunk, int64_t layer, const Tensor & dy, const model::GradReadyFn & ready) {
+    const int  mc = plan_.captured_microbatches;
+    const auto c  = static_cast<size_t>(chunk);
+    if (layer + 1 == chunks_[c]->num_layers()) backward_m_[c] = next_backward_[c]++ % mc;
+    const GraphStep & step = expect_step(GraphKind::backward, chunk, backward_m_[c], static_cast<int>(layer));
+    LOOM_CHECK(dy.dtype() == DType::f32 && dy.numel() == rows_ * hidden_,
+               "layer graph " << step_label(step) << " given the output gradient " << dy.describe(),
+               "graphs have static shapes: (" << rows_ << ", " << hidden_ << ") f32");
+    Ops &          ops         = device_.ops();
+    Stream &       stream      = device_.compute_stream();
+    const Tensor & grad_output = grad_outputs_[step.grad_output_buffer];
+    if (dy.data_ptr() != grad_output.data_ptr()) ops.copy(stream, dy.view({rows_, hidden_}), grad_output);
+    const Graph & graph = *graphs_[static_cast<size_t>(step.graph_id)];
+    graph.replay(stream);
+    if (ready) {
+        for (model::Parameter * p : ready_order_[static_cast<size_t>(step.graph_id)]) ready(*p);
+    }
+    const Tensor & dx = graph.held(outputs_[static_cast<size_t>(step.graph_id)]);
+    if (layer > 0) return dx;   // copied into the shared grad-output buffer before the next backward replays
+    Tensor out = model::activation(device_, rows_, hidden_);
+    ops.copy(stream, dx, out);
+    return out;
+}
+
+}  // namespace loom::graphs

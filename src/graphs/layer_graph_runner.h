@@ -1,0 +1,95 @@
+// LayerGraphRunner: per-layer graphs of one pipeline rank's transformer layers, captured in the order the
+// schedule runs them and replayed in that order (Megatron's --cuda-graph-impl transformer_engine; spec
+// ../shared/specs/schedules_and_graphs.md sections 2 and 6).
+//
+//   runner(chunks, schedule, rank, s, b)    plans (graphs/planner.h): timeline T, static input sets, ...
+//   runner.capture()                        captures FWD(c, m, l) and BWD(c, m, l) for every step of T and
+//                                           installs itself on the chunks (GptModel::set_layer_graphs)
+//   executor.run(...)                       each training layer call of chunk c becomes a replay:
+//
+//     forward(c, l, x):  m = the chunk's next forward microbatch mod Mc (at l = 0); x and the batch's
+//                        sample ids (the dropout masks' key) are copied into the static input set the
+//                        plan gives (c, m, l) unless x already is it; FWD(c, m, l) is replayed; its output
+//                        is returned (the chunk's last layer: copied out, see below)
+//     backward(c, l, dy): m = the chunk's next backward microbatch mod Mc (at l = L_c - 1); dy is copied
+//                        into the grad-output buffer every BWD graph shares; BWD(c, m, l) is replayed;
+//                        the layer's parameters are reported ready in the order its eager backward reports
+//                        them, after the replay is enqueued, so DDP's bucket reductions still overlap
+//
+// Each replay must be the next step of T: the runtime schedule produces exactly T, and a call out of order
+// is an error naming both steps, because graphs sharing a pool are only valid replayed in capture order.
+//
+// Memory. Static input sets (X and sample ids) and the grad-output buffers are allocated before capture
+// from the "graph-static" pool; everything a layer allocates during capture comes from the "graphs" pool
+// (core/graph.h): a FWD graph's saved activations stay allocated until its BWD graph has been captured, its
+// temporaries and output go back to the pool when its capture ends (the output is consumed by the copy
+// into the next layer's static input, which the stream runs before any later graph), so the pool's peak
+// is what the eager schedule's activations peak is: L P_r layer contexts plus one layer's workspace, the
+// same for every M. The chunk's last output and first input gradient are copied out into ordinary
+// activations, because a point-to-point send reads them after later graphs have run.
+//
+// During capture nothing runs: parameters, main_grad and the optimizer's state are untouched, DDP's hooks
+// are not called (the backward reports go to a recorder), and a collective inside a layer (tensor
+// parallelism) is recorded as a replayable node that issues a fresh operation at every replay.
+#pragma once
+
+#include "core/graph.h"
+#include "graphs/planner.h"
+#include "model/gpt_model.h"
+
+#include <memory>
+#include <vector>
+
+namespace loom::graphs {
+
+inline constexpr const char * kGraphStaticPool = "graph-static";
+
+class LayerGraphRunner : public model::LayerGraphs {
+public:
+    // `chunks`: this rank's model chunks in order (V of them); `schedule`: the training schedule (PP, V,
+    // M, N); `rank`: this rank's pipeline rank; s, b: the sequence length and micro-batch size every
+    // micro-batch has (graphs have static shapes).
+    LayerGraphRunner(std::vector<model::GptModel *> chunks, const pipeline::ScheduleOptions & schedule, int rank,
+                     int64_t seq_length, int64_t micro_batch_size);
+    ~LayerGraphRunner() override;
+    LayerGraphRunner(const LayerGraphRunner &)             = delete;
+    LayerGraphRunner & operator=(const LayerGraphRunner &) = delete;
+
+    // Captures every graph in T order on the compute stream, then routes the chunks' layers here.
+    void capture();
+
+    const GraphPlan & plan() const { return plan_; }
+    size_t            num_graphs() const { return graphs_.size(); }
+    int64_t           num_replays() const { return replays_; }
+    // The most bytes a layer's forward left allocated in the graph pool after its capture (its saved
+    // activations, what stays live until its backward).
+    int64_t           saved_bytes_per_layer() const { return saved_bytes_; }
+
+    // model::LayerGraphs
+    Tensor forward(int chunk, int64_t layer, const Tensor & x, const model::DropoutBatch & batch) override;
+    Tensor backward(int chunk, int64_t layer, const Tensor & dy, const model::GradReadyFn & ready) override;
+
+private:
+    // The next step of T must be `kind` of (chunk, m, layer); throws naming both otherwise.
+    const GraphStep & expect_step(GraphKind kind, int chunk, int m, int layer);
+
+    Device &                                 device_;
+    std::vector<model::GptModel *>           chunks_;
+    GraphPlan                                plan_;
+    int64_t                                  s_, b_, rows_, hidden_;
+    std::vector<Tensor>                      set_inputs_;       // [P1 set] X (rows, h) f32
+    std::vector<Tensor>                      set_sample_ids_;   // [P1 set] (b) i64
+    std::vector<Tensor>                      grad_outputs_;     // [P2 buffer] dY (rows, h) f32
+    Tensor                                   iota_ids_;         // 0 .. b-1: a batch without sample ids
+    std::vector<std::unique_ptr<Graph>>      graphs_;           // [graph id]
+    std::vector<size_t>                      outputs_;          // [graph id] the held output's index
+    std::vector<std::vector<model::Parameter *>> ready_order_;  // [graph id] BWD: its eager ready reports
+    std::vector<int>                         next_forward_, next_backward_;   // [chunk] microbatches so far
+    std::vector<int>                         forward_m_, backward_m_;         // [chunk] the one in progress
+    size_t                                   position_ = 0;     // the next step of T
+    int64_t                                  replays_  = 0;
+    int64_t                                  saved_bytes_ = 0;
+    bool                                     captured_ = false;
+};
+
+}  // namespace loom::graphs

@@ -1,0 +1,193 @@
+// Per-layer graphs in training (--cuda-graph-impl transformer_engine, graphs/layer_graph_runner.h), under
+// mpirun with 4 ranks and the stream-delay seam on: after 3 eager iterations every transformer layer's
+// forward and backward is captured per micro-batch and replayed, and 20 iterations must be BITWISE the
+// eager run of the same layout (losses and every final weight): a replay runs the very kernels on the very
+// values, so any difference is a bug (a stale input, a buffer reused too early, a collective replayed out
+// of order). Layouts: PP 1 (DP 4), PP 2 x DP 2, PP 4, PP 2 x VPP 2, DP 2 with ZeRO-1 and
+// --overlap-param-gather, TP 2 + SP, --bf16, uneven stages, --optimizer-cpu-offload.
+//
+// Memory, from the allocator's statistics of the "graphs" pool: its peak is the same for M = 8 and M = 16
+// (the static input sets and the live saved activations depend on the pipeline depth, not on M); the
+// difference between the first and the last stage's peaks is (P_0 - P_1) L (one layer's saved bytes);
+// and replaying allocates nothing in the pool.
+#include "backend/cpu/cpu_device.h"
+#include "parallel/parallel_config.h"
+#include "parallel/process_groups.h"
+#include "train/data_source.h"
+#include "train/trainer.h"
+
+#include "mpi_test_main.h"
+#include "small_gpt.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <map>
+
+using namespace loom;
+
+namespace {
+
+comm::MpiContext * g_mpi = nullptr;
+
+struct Layout {
+    int  tp = 1, pp = 1, vpp = 1;
+    bool sp = false, distopt = false, bf16 = false, offload = false;
+    int  first_stage_layers = 0;
+    int  global_batch       = 8;
+};
+
+struct TrainRun {
+    std::vector<double>                       losses;
+    std::map<std::string, std::vector<float>> params;
+    AllocatorStats                            pool;            // "graphs", over the whole run
+    int64_t                                   pool_allocs_after_capture = -1;   // at the end of the run
+    int64_t                                   pool_allocs_at_capture    = -1;
+    int                                       stage = 0, layers = 0, peak_in_flight = 0, graphs = 0;
+    int64_t                                   replays = 0, microbatches = 0;
+    int64_t                                   saved_bytes = 0;   // one layer forward's, after its capture
+    double                                    seconds     = 0;
+};
+
+TrainRun train_layout(const Layout & layout, bool graphed, int iterations = 20) {
+    parallel::ParallelSizes sizes;
+    sizes.world_size = g_mpi->world_size();
+    sizes.tp         = layout.tp;
+    sizes.pp         = layout.pp;
+    if (layout.vpp > 1) sizes.vpp = layout.vpp;
+    parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
+    parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi);
+
+    train::TrainOptions o = testing_models::small_gpt_options(4, layout.global_batch, iterations);
+    o.data_parallel_size            = config.dp();
+    o.tensor_parallel_size          = layout.tp;
+    o.sequence_parallel             = layout.sp;
+    o.pipeline_parallel_size        = layout.pp;
+    if (layout.vpp > 1) o.virtual_pipeline_size = layout.vpp;
+    if (layout.first_stage_layers > 0) o.first_stage_layers = layout.first_stage_layers;
+    o.ddp.use_distributed_optimizer = layout.distopt || layout.offload;
+    o.ddp.overlap_grad_reduce       = layout.distopt;
+    o.ddp.overlap_param_gather      = layout.distopt;
+    o.ddp.bucket_size               = 20000;
+    o.bf16                          = layout.bf16;
+    o.optimizer_cpu_offload         = layout.offload;
+    if (layout.offload) o.offload.offload_fraction = 0.5;
+    o.layer_graphs            = graphed;
+    o.cuda_graph_warmup_steps = 3;
+
+    Allocator & allocator = cpu::device().allocator();
+    auto        source    = train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), config.dp());
+    train::Setup setup    = train::setup(o, groups, cpu::device());
+    TrainRun          run;
+    run.stage = groups.pp->rank();
+    allocator.reset_peak();
+    {
+        train::Trainer trainer(o, setup, *source);
+        train::IterationStats stats;
+        const auto begin = std::chrono::steady_clock::now();
+        for (int i = 0; i < iterations; ++i) {
+            run.losses.push_back(trainer.step(stats));
+            if (const graphs::LayerGraphRunner * runner = trainer.layer_graphs();
+                runner != nullptr && run.pool_allocs_at_capture < 0) {
+                run.pool_allocs_at_capture = allocator.pool_stats(kGraphPool).num_allocs;
+                run.layers                 = runner->plan().total_layers();
+                run.peak_in_flight         = runner->plan().peak_in_flight;
+                run.graphs                 = static_cast<int>(runner->num_graphs());
+                run.saved_bytes            = runner->saved_bytes_per_layer();
+            }
+        }
+        cpu::device().compute_stream().synchronize();
+        run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+        run.pool_allocs_after_capture = allocator.pool_stats(kGraphPool).num_allocs;
+        run.pool                      = allocator.pool_stats(kGraphPool);
+        if (trainer.layer_graphs()) run.replays = trainer.layer_graphs()->num_replays();
+        run.microbatches = o.num_microbatches();
+    }
+    for (model::Parameter * p : setup.parameters()) run.params[p->name] = testing_models::parameter_values(*p);
+    return run;
+}
+
+std::string describe(const Layout & l) {
+    char text[160];
+    std::snprintf(text, sizeof text, "tp %d%s pp %d vpp %d%s%s%s%s", l.tp, l.sp ? "+sp" : "", l.pp, l.vpp,
+                  l.distopt ? " zero-1+overlaps" : "", l.bf16 ? " bf16" : "", l.offload ? " cpu-offload 0.5" : "",
+                  l.first_stage_layers ? " uneven" : "");
+    return text;
+}
+
+void expect_bitwise(const Layout & layout) {
+    SCOPED_TRACE(describe(layout));
+    const TrainRun eager = train_layout(layout, false);
+    const TrainRun graph = train_layout(layout, true);
+    ASSERT_EQ(graph.losses.size(), eager.losses.size());
+    for (size_t i = 0; i < eager.losses.size(); ++i) {
+        EXPECT_EQ(graph.losses[i], eager.losses[i]) << "iteration " << i + 1 << " (graphs replay from iteration 4)";
+    }
+    size_t differing = 0;
+    for (const auto & [name, values] : eager.params) {
+        const std::vector<float> & other = graph.params.at(name);
+        ASSERT_EQ(other.size(), values.size()) << name;
+        if (std::memcmp(other.data(), values.data(), values.size() * sizeof(float)) != 0) {
+            ++differing;
+            ADD_FAILURE() << name << " differs from the eager run";
+        }
+    }
+    EXPECT_EQ(differing, 0u);
+    EXPECT_GT(graph.graphs, 0) << "graphs were captured";
+    EXPECT_EQ(graph.replays, (20 - 3) * 2 * graph.microbatches * graph.layers)
+        << "every layer call of the 17 iterations after the warm-up replayed a graph";
+    EXPECT_EQ(graph.pool_allocs_after_capture, graph.pool_allocs_at_capture)
+        << "replays allocate nothing in the graph pool";
+    if (g_mpi->world_rank() == 0) {
+        std::printf("[%s] 20 iterations bitwise; %d graphs on rank 0; eager %.2f s, graphed %.2f s\n",
+                    describe(layout).c_str(), graph.graphs, eager.seconds, graph.seconds);
+    }
+}
+
+}  // namespace
+
+TEST(LayerGraphs, PipelineOneDataParallelFourIsBitwiseTheEagerRun) { expect_bitwise(Layout{}); }
+TEST(LayerGraphs, PipelineTwoTimesDataParallelTwoIsBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2}); }
+TEST(LayerGraphs, PipelineFourIsBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 4}); }
+TEST(LayerGraphs, InterleavedPipelineIsBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2, .vpp = 2}); }
+TEST(LayerGraphs, ZeroOneWithBothOverlapsIsBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2, .distopt = true}); }
+TEST(LayerGraphs, TensorParallelWithSequenceParallelIsBitwiseTheEagerRun) {
+    expect_bitwise(Layout{.tp = 2, .pp = 2, .sp = true});
+}
+TEST(LayerGraphs, Bf16IsBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2, .bf16 = true}); }
+TEST(LayerGraphs, UnevenStagesAreBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2, .first_stage_layers = 1}); }
+TEST(LayerGraphs, OptimizerCpuOffloadIsBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2, .offload = true}); }
+
+// PP 2 x DP 2: M = 4 and 8 per data-parallel rank (global batch 8 and 16); the pool's peak must not grow
+// with M, and the first stage (P_0 = 2 micro-batches in flight) must hold exactly L more layer contexts
+// at its peak than the last (P_1 = 1).
+TEST(LayerGraphs, GraphPoolPeakIsSetByThePipelineDepthNotTheMicroBatches) {
+    if (g_mpi->world_size() != 4) GTEST_SKIP() << "runs with 4 ranks";
+    const TrainRun m4 = train_layout(Layout{.pp = 2, .global_batch = 8}, true, 5);
+    const TrainRun m8 = train_layout(Layout{.pp = 2, .global_batch = 16}, true, 5);
+    EXPECT_EQ(m8.graphs, 2 * m4.graphs) << "Mc = M graphs per layer and direction";
+    EXPECT_EQ(m4.pool.peak_allocated, m8.pool.peak_allocated) << "stage " << m4.stage;
+    EXPECT_EQ(m4.peak_in_flight, 2 - m4.stage);
+    // Every rank's peak, saved bytes and layers, gathered.
+    Tensor    all  = Tensor::zeros({4, 3}, DType::i64, cpu::device());
+    int64_t * mine = all.data<int64_t>() + 3 * g_mpi->world_rank();
+    mine[0] = m4.pool.peak_allocated;
+    mine[1] = m4.saved_bytes;
+    mine[2] = m4.layers;
+    g_mpi->world()->all_reduce(all, comm::ReduceOp::sum)->wait();
+    const int64_t * r = all.data<int64_t>();
+    // World ranks 0, 1 hold stage 0 and 2, 3 stage 1 (tp-cp-ep-dp-pp order): rank 0 against rank 2.
+    ASSERT_EQ(r[1], r[3 * 2 + 1]) << "every layer saves the same bytes";
+    EXPECT_EQ(r[0] - r[3 * 2], (2 - 1) * r[2] * r[1]) << "(P_0 - P_1) L (one layer's saved bytes)";
+    if (g_mpi->world_rank() == 0) {
+        std::printf("graph pool peak: stage 0 %lld B (M 4 and 8: %lld, %lld), stage 1 %lld B; one layer saves %lld B; "
+                    "%d graphs (M 4), %d (M 8)\n",
+                    static_cast<long long>(r[0]), static_cast<long long>(m4.pool.peak_allocated),
+                    static_cast<long long>(m8.pool.peak_allocated), static_cast<long long>(r[6]),
+                    static_cast<long long>(r[1]), m4.graphs, m8.graphs);
+    }
+}
+
+int main(int argc, char ** argv) { return testing_mpi::run_all_tests_under_mpi(argc, argv, &g_mpi); }
