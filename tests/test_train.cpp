@@ -387,6 +387,8 @@ TEST(MegatronDefaults, AreLoomsDefaults) {
     EXPECT_FLOAT_EQ(o.model.hidden_dropout, 0.1f);
     EXPECT_FLOAT_EQ(o.model.attention_dropout, 0.1f);
     EXPECT_EQ(o.model.recompute_granularity, model::RecomputeGranularity::none);
+    EXPECT_FALSE(o.layer_graphs) << "--cuda-graph-impl none";
+    EXPECT_EQ(o.cuda_graph_warmup_steps, 3);
     EXPECT_FALSE(o.decoupled_lr.has_value()) << "None: the embedding and output layer take --lr";
     EXPECT_EQ(parse_train({"--mock-data", "--decoupled-lr", "3e-3"}).lr_schedule().decoupled_max_lr, 3e-3f);
     EXPECT_DOUBLE_EQ(o.mid_level_dataset_surplus, 0.005);
@@ -520,9 +522,9 @@ TEST(MegatronCommandLine, HelpGroupsFlagsAsArgumentsPyDoes) {
     CliRun run = run_loom("train --help");
     ASSERT_EQ(run.status, 0) << run.out;
     size_t      at = 0;
-    for (const char * group : {"network size:", "regularization:", "training:", "initialization:", "learning rate:",
+    for (const char * group : {"transformer configuration:", "network size:", "regularization:", "training:", "initialization:", "learning rate:",
                                "checkpointing:", "mixed precision:", "distributed:", "validation:",
-                               "data and dataloader:", "tokenizer:", "logging:", "Loom (not Megatron's):",
+                               "data and dataloader:", "tokenizer:", "logging:", "inference:", "Loom (not Megatron's):",
                                "accepted without effect:"}) {
         const size_t found = run.out.find(std::string("\n") + group + "\n", at);
         ASSERT_NE(found, std::string::npos) << group << " missing or out of order\n" << run.out;
@@ -538,6 +540,46 @@ TEST(MegatronCommandLine, HelpGroupsFlagsAsArgumentsPyDoes) {
     EXPECT_EQ(group_of("--recompute-granularity"), "training");
     EXPECT_EQ(group_of("--decoupled-lr"), "learning rate");
     EXPECT_EQ(group_of("--data-cache-path"), "data and dataloader");
+    EXPECT_EQ(group_of("--cuda-graph-impl"), "transformer configuration");
+    EXPECT_EQ(group_of("--cuda-graph-modules"), "inference");
+}
+
+// --cuda-graph-*: Megatron's choices, deprecated spellings and validity rules (arguments.py,
+// TransformerConfig.__post_init__); what Loom does not capture is refused by name.
+TEST(MegatronCommandLine, CudaGraphFlagsFollowMegatronsRules) {
+    const train::TrainOptions none = parse_train({"--mock-data"});
+    EXPECT_FALSE(none.layer_graphs) << "--cuda-graph-impl none is the default";
+    EXPECT_EQ(none.cuda_graph_warmup_steps, 3);
+    const train::TrainOptions te = parse_train({"--mock-data", "--cuda-graph-impl", "transformer_engine",
+                                                "--cuda-graph-warmup-steps", "0"});
+    EXPECT_TRUE(te.layer_graphs);
+    EXPECT_EQ(te.cuda_graph_warmup_steps, 0);
+    EXPECT_TRUE(parse_train({"--mock-data", "--external-cuda-graph"}).layer_graphs) << "the deprecated spelling";
+    EXPECT_TRUE(parse_train({"--mock-data", "--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "full"}).layer_graphs)
+        << "full: the whole layer, the deprecated scope value";
+    const std::pair<std::vector<std::string>, const char *> bad[] = {
+        {{"--cuda-graph-impl", "cudagraph"}, "invalid choice: 'cudagraph' (choose from 'none', 'local', 'transformer_engine', 'full_iteration')"},
+        {{"--cuda-graph-impl", "local"}, "--cuda-graph-impl local is not supported by Loom"},
+        {{"--cuda-graph-impl", "full_iteration"}, "--cuda-graph-impl full_iteration is not supported by Loom"},
+        {{"--enable-cuda-graph"}, "--cuda-graph-impl local is not supported by Loom"},
+        {{"--enable-cuda-graph", "--cuda-graph-impl", "transformer_engine"}, "Do not use --enable-cuda-graph or --external-cuda-graph with --cuda-graph-impl."},
+        {{"--enable-cuda-graph", "--external-cuda-graph"}, "cannot be enabled at the same time"},
+        {{"--cuda-graph-scope", "attn", "--cuda-graph-modules", "attn"}, "--cuda-graph-scope and --cuda-graph-modules cannot be used together."},
+        {{"--cuda-graph-modules", "layer"}, "invalid choice: 'layer'"},
+        {{"--cuda-graph-modules", "moe", "moe_router"}, "must not contain both moe and moe_router"},
+        {{"--cuda-graph-modules", "moe_preprocess"}, "moe_preprocess cuda graph is only supported with moe_router cuda graph."},
+        {{"--cuda-graph-modules", "moe_router"}, "moe cuda graph is only supported for MoE."},
+        {{"--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn"}, "--cuda-graph-modules attn (a graph of part of a layer) is not supported by Loom"},
+        {{"--cuda-graph-warmup-steps", "-1"}, "--cuda-graph-warmup-steps must be >= 0"},
+        {{"--cuda-graph-impl", "transformer_engine", "--recompute-granularity", "full", "--recompute-method", "uniform",
+          "--recompute-num-layers", "1"}, "full recompute is only supported with full iteration CUDA graph."},
+    };
+    for (const auto & [flags, message] : bad) {
+        std::vector<std::string> args{"--mock-data"};
+        args.insert(args.end(), flags.begin(), flags.end());
+        const std::string text = error_of([&] { parse_train(args); });
+        EXPECT_NE(text.find(message), std::string::npos) << text;
+    }
 }
 
 TEST(MegatronCommandLine, RecomputeFlagsFollowMegatronsRules) {

@@ -152,10 +152,11 @@ namespace {
 
 // The order arguments.py adds its groups (parse_args: _add_network_size_args, _add_regularization_args,
 // ...), then Loom's own flags and the ones accepted without effect.
-constexpr const char * kGroupOrder[] = {"network size", "regularization",  "training",  "initialization",
-                                        "learning rate", "checkpointing",  "mixed precision", "distributed",
-                                        "validation",    "data and dataloader", "tokenizer", "logging",
-                                        "Loom (not Megatron's)", "accepted without effect"};
+// (_add_network_size_args builds the TransformerConfig group, "transformer configuration", first.)
+constexpr const char * kGroupOrder[] = {"transformer configuration", "network size", "regularization",  "training",
+                                        "initialization", "learning rate", "checkpointing",  "mixed precision",
+                                        "distributed", "validation",    "data and dataloader", "tokenizer", "logging",
+                                        "inference", "Loom (not Megatron's)", "accepted without effect"};
 
 // CLI11 prints groups in the order their first option was added; this prints them in kGroupOrder.
 class MegatronHelpFormatter : public CLI::Formatter {
@@ -234,6 +235,9 @@ void group_like_megatron(CLI::App & app) {
         {"--log-interval", "logging"}, {"--timing-log-level", "logging"}, {"--log-params-norm", "logging"}, {"--log-num-zeros-in-grad", "logging"}, {"--tensorboard-dir", "logging"}, {"--tensorboard-log-interval", "logging"},
         {"--tensorboard-queue-size", "logging"}, {"--log-timers-to-tensorboard", "logging"},
         {"--log-memory-to-tensorboard", "logging"}, {"--log-validation-ppl-to-tensorboard", "logging"},
+        {"--cuda-graph-impl", "transformer configuration"}, {"--cuda-graph-warmup-steps", "transformer configuration"},
+        {"--enable-cuda-graph", "transformer configuration"}, {"--external-cuda-graph", "transformer configuration"},
+        {"--cuda-graph-modules", "inference"}, {"--cuda-graph-scope", "inference"},
         {"--no-log-loss-scale-to-tensorboard", "logging"}, {"--log-world-size-to-tensorboard", "logging"}, {"--eval-interval", "validation"}, {"--eval-iters", "validation"}, {"--log-throughput", "logging"},
     };
     app.formatter(std::make_shared<MegatronHelpFormatter>());

@@ -263,8 +263,10 @@ void TrainOptionParser::resolve_cuda_graphs(TrainOptions & o) const {
         LOOM_CHECK(!(enable_cuda_graph_ && external_cuda_graph_),
                    "--enable-cuda-graph and --external-cuda-graph cannot be enabled at the same time.", "");
         impl = enable_cuda_graph_ ? "local" : "transformer_engine";
-        std::fprintf(stderr, "WARNING: %s is deprecated, use --cuda-graph-impl=%s instead.\n",
-                     enable_cuda_graph_ ? "--enable-cuda-graph" : "--external-cuda-graph", impl.c_str());
+        if (process_rank() <= 0) {   // Megatron's warn_rank_0
+            std::fprintf(stderr, "WARNING: %s is deprecated, use --cuda-graph-impl=%s instead.\n",
+                         enable_cuda_graph_ ? "--enable-cuda-graph" : "--external-cuda-graph", impl.c_str());
+        }
     }
     LOOM_CHECK(impl == "none" || impl == "local" || impl == "transformer_engine" || impl == "full_iteration",
                "argument --cuda-graph-impl: invalid choice: '" << impl
@@ -276,7 +278,9 @@ void TrainOptionParser::resolve_cuda_graphs(TrainOptions & o) const {
     LOOM_CHECK(cuda_graph_scope_.empty() || cuda_graph_modules_.empty(),
                "--cuda-graph-scope and --cuda-graph-modules cannot be used together.", "--cuda-graph-scope is deprecated");
     std::vector<std::string> modules = cuda_graph_scope_.empty() ? cuda_graph_modules_ : cuda_graph_scope_;
-    if (!cuda_graph_scope_.empty()) std::fprintf(stderr, "WARNING: --cuda-graph-scope is deprecated, use --cuda-graph-modules instead.\n");
+    if (!cuda_graph_scope_.empty() && process_rank() <= 0) {
+        std::fprintf(stderr, "WARNING: --cuda-graph-scope is deprecated, use --cuda-graph-modules instead.\n");
+    }
     static const std::vector<std::string> known = {"attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba", "full"};
     for (const std::string & module : modules) {
         LOOM_CHECK(std::find(known.begin(), known.end(), module) != known.end(),
