@@ -4,10 +4,14 @@
 // bench_gemm's f32 and bf16 peaks measured in the same run. The bf16 step also runs with Megatron's
 // default dropout (0.1, 0.1) and with dropout plus full activation recompute (uniform, 1 layer), each
 // reporting the "activations" pool's peak bytes over its steps (act_peak_MiB); the ratios against the
-// plain bf16 step in the same run are dropout's and recompute's cost.
+// plain bf16 step in the same run are dropout's and recompute's cost. The dropout step also runs with
+// per-layer graphs (--cuda-graph-impl transformer_engine: every layer captured once, then replayed; its
+// saved activations live in the "graphs" pool, graph_pool_MiB): on the CPU a replay saves no launch cost,
+// so the ratio against the eager dropout step is what the copies into the static inputs cost.
 //
 //   build/bench/bench_step --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 #include "backend/cpu/cpu_device.h"
+#include "graphs/layer_graph_runner.h"
 #include "model/gpt_model.h"
 #include "optim/optimizer.h"
 
@@ -17,7 +21,8 @@
 
 using namespace loom;
 
-static void gpt2_124m_step(benchmark::State & state, DType dtype, float dropout = 0.0f, bool recompute = false) {
+static void gpt2_124m_step(benchmark::State & state, DType dtype, float dropout = 0.0f, bool recompute = false,
+                           bool layer_graphs = false) {
     model::GptConfig config = model::gpt_preset("gpt2-124m");
     config.seq_length       = 256;
     config.params_dtype     = dtype;
@@ -53,6 +58,13 @@ static void gpt2_124m_step(benchmark::State & state, DType dtype, float dropout 
     };
     step();   // untimed warm-up: GEMM primitives and the allocator's first blocks (a step is seconds, and
               // MinTime(5) would otherwise time the first one)
+    std::unique_ptr<graphs::LayerGraphRunner> runner;
+    if (layer_graphs) {
+        runner = std::make_unique<graphs::LayerGraphRunner>(std::vector<model::GptModel *>{&gpt}, pipeline::ScheduleOptions{},
+                                                            0, s, b);
+        runner->capture();
+        step();
+    }
     device.allocator().reset_peak();
     const int64_t resident = device.allocator().pool_stats("activations").allocated;
     for (auto _ : state) {
@@ -65,6 +77,9 @@ static void gpt2_124m_step(benchmark::State & state, DType dtype, float dropout 
     }
     state.counters["act_peak_MiB"] =
         static_cast<double>(device.allocator().pool_stats("activations").peak_allocated - resident) / 1048576.0;
+    if (runner) {
+        state.counters["graph_pool_MiB"] = static_cast<double>(device.allocator().pool_stats(kGraphPool).peak_allocated) / 1048576.0;
+    }
     double tokens = static_cast<double>(b * s);
     state.counters["tokens"] = benchmark::Counter(tokens * state.iterations(), benchmark::Counter::kIsRate);
     state.counters["GFLOP"]  = benchmark::Counter(config.training_flops_per_token() * tokens * state.iterations() / 1e9,
@@ -76,9 +91,13 @@ static void BM_gpt2_124m_step_bf16_dropout(benchmark::State & state) { gpt2_124m
 static void BM_gpt2_124m_step_bf16_dropout_recompute(benchmark::State & state) {
     gpt2_124m_step(state, DType::bf16, 0.1f, true);
 }
+static void BM_gpt2_124m_step_bf16_dropout_graphs(benchmark::State & state) {
+    gpt2_124m_step(state, DType::bf16, 0.1f, false, true);
+}
 BENCHMARK(BM_gpt2_124m_step_f32)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(5.0);
 BENCHMARK(BM_gpt2_124m_step_bf16)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(5.0);
 BENCHMARK(BM_gpt2_124m_step_bf16_dropout)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(5.0);
 BENCHMARK(BM_gpt2_124m_step_bf16_dropout_recompute)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(5.0);
+BENCHMARK(BM_gpt2_124m_step_bf16_dropout_graphs)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(5.0);
 
 BENCHMARK_MAIN();
