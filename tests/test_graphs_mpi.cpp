@@ -47,6 +47,7 @@ struct TrainRun {
     int64_t                                   pool_allocs_at_capture    = -1;
     int                                       stage = 0, layers = 0, peak_in_flight = 0, graphs = 0;
     int64_t                                   replays = 0, microbatches = 0;
+    int                                       input_sets = 0;
     int64_t                                   saved_bytes = 0;   // one layer forward's, after its capture
     double                                    seconds     = 0;
 };
@@ -95,6 +96,7 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = 20) 
                 run.layers                 = runner->plan().total_layers();
                 run.peak_in_flight         = runner->plan().peak_in_flight;
                 run.graphs                 = static_cast<int>(runner->num_graphs());
+                run.input_sets             = runner->plan().num_input_sets();
                 run.saved_bytes            = runner->saved_bytes_per_layer();
             }
         }
@@ -160,33 +162,35 @@ TEST(LayerGraphs, Bf16IsBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2, .bf
 TEST(LayerGraphs, UnevenStagesAreBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2, .first_stage_layers = 1}); }
 TEST(LayerGraphs, OptimizerCpuOffloadIsBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2, .offload = true}); }
 
-// PP 2 x DP 2: M = 4 and 8 per data-parallel rank (global batch 8 and 16); the pool's peak must not grow
+// PP 2 x DP 2: M = 8 and 16 per data-parallel rank (global batch 16 and 32); the pool's peak must not grow
 // with M, and the first stage (P_0 = 2 micro-batches in flight) must hold exactly L more layer contexts
 // at its peak than the last (P_1 = 1).
 TEST(LayerGraphs, GraphPoolPeakIsSetByThePipelineDepthNotTheMicroBatches) {
     if (g_mpi->world_size() != 4) GTEST_SKIP() << "runs with 4 ranks";
-    const TrainRun m4 = train_layout(Layout{.pp = 2, .global_batch = 8}, true, 5);
-    const TrainRun m8 = train_layout(Layout{.pp = 2, .global_batch = 16}, true, 5);
-    EXPECT_EQ(m8.graphs, 2 * m4.graphs) << "Mc = M graphs per layer and direction";
-    EXPECT_EQ(m4.pool.peak_allocated, m8.pool.peak_allocated) << "stage " << m4.stage;
-    EXPECT_EQ(m4.peak_in_flight, 2 - m4.stage);
+    const TrainRun m8 = train_layout(Layout{.pp = 2, .global_batch = 16}, true, 5);   // M = 8
+    const TrainRun m16 = train_layout(Layout{.pp = 2, .global_batch = 32}, true, 5);   // M = 16
+    EXPECT_EQ(m16.graphs, 2 * m8.graphs) << "Mc = M graphs per layer and direction";
+    EXPECT_EQ(m8.pool.peak_allocated, m16.pool.peak_allocated) << "stage " << m8.stage;
+    EXPECT_EQ(m8.input_sets, m16.input_sets) << "static input sets: L P_r, whatever M";
+    EXPECT_EQ(m8.input_sets, m8.layers * (2 - m8.stage));
+    EXPECT_EQ(m8.peak_in_flight, 2 - m8.stage);
     // Every rank's peak, saved bytes and layers, gathered.
     Tensor    all  = Tensor::zeros({4, 3}, DType::i64, cpu::device());
     int64_t * mine = all.data<int64_t>() + 3 * g_mpi->world_rank();
-    mine[0] = m4.pool.peak_allocated;
-    mine[1] = m4.saved_bytes;
-    mine[2] = m4.layers;
+    mine[0] = m8.pool.peak_allocated;
+    mine[1] = m8.saved_bytes;
+    mine[2] = m8.layers;
     g_mpi->world()->all_reduce(all, comm::ReduceOp::sum)->wait();
     const int64_t * r = all.data<int64_t>();
     // World ranks 0, 1 hold stage 0 and 2, 3 stage 1 (tp-cp-ep-dp-pp order): rank 0 against rank 2.
     ASSERT_EQ(r[1], r[3 * 2 + 1]) << "every layer saves the same bytes";
     EXPECT_EQ(r[0] - r[3 * 2], (2 - 1) * r[2] * r[1]) << "(P_0 - P_1) L (one layer's saved bytes)";
     if (g_mpi->world_rank() == 0) {
-        std::printf("graph pool peak: stage 0 %lld B (M 4 and 8: %lld, %lld), stage 1 %lld B; one layer saves %lld B; "
-                    "%d graphs (M 4), %d (M 8)\n",
-                    static_cast<long long>(r[0]), static_cast<long long>(m4.pool.peak_allocated),
-                    static_cast<long long>(m8.pool.peak_allocated), static_cast<long long>(r[6]),
-                    static_cast<long long>(r[1]), m4.graphs, m8.graphs);
+        std::printf("graph pool peak: stage 0 %lld B (M 8 and 16: %lld, %lld), stage 1 %lld B; one layer saves %lld B; "
+                    "%d graphs (M 8), %d (M 16)\n",
+                    static_cast<long long>(r[0]), static_cast<long long>(m8.pool.peak_allocated),
+                    static_cast<long long>(m16.pool.peak_allocated), static_cast<long long>(r[6]),
+                    static_cast<long long>(r[1]), m8.graphs, m16.graphs);
     }
 }
 
