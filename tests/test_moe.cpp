@@ -491,13 +491,15 @@ LayerRun run_layer(MoELayer & layer, const std::vector<float> & xv, const std::v
 
 TEST(Experts, GroupedGemmIsBitwiseTheSequentialLoop) {
     const int64_t s = 5, b = 2, E = 6;
-    // SwiGLU / GELU x no bias / biases; the last two padded to a capacity below the busiest expert's load.
-    for (int variant = 0; variant < 4; ++variant) {
+    // SwiGLU / GELU x no bias / biases; 2 and 3 padded to a capacity below the busiest expert's load;
+    // 4 and 5 with bf16 parameters (GEMM operands and saved activations in bf16).
+    for (int variant = 0; variant < 6; ++variant) {
         GptConfig config = small_config(/*swiglu=*/variant % 2 == 0, /*bias=*/variant == 1 || variant == 2);
+        if (variant >= 4) config.params_dtype = DType::bf16;
         MoeConfig moe;
         moe.num_experts = E;   // 10 tokens x 2 over 6 experts: some may get none
         moe.topk        = 2;
-        if (variant >= 2) {
+        if (variant == 2 || variant == 3) {
             moe.capacity_factor = 0.5f;
             moe.pad_to_capacity = true;
         }
@@ -508,10 +510,10 @@ TEST(Experts, GroupedGemmIsBitwiseTheSequentialLoop) {
         grouped.init(3, 0.5f, 0.3f);
         // The same seed gives the same values in both layouts (the grouped slices draw under the loop's names).
         const int64_t f1 = config.swiglu ? 2 * config.ffn_hidden_size : config.ffn_hidden_size;
+        const size_t  bytes = f1 * config.hidden_size * dtype_size(config.params_dtype);
         for (int64_t e = 0; e < E; ++e) {
             EXPECT_EQ(0, std::memcmp(loop.experts.local[e]->fc1.weight.data.data_ptr(),
-                                     grouped.experts.fc1_weight.data.data<float>() + e * f1 * config.hidden_size,
-                                     f1 * config.hidden_size * sizeof(float)));
+                                     static_cast<const char *>(grouped.experts.fc1_weight.data.data_ptr()) + e * bytes, bytes));
         }
         if (config.add_bias_linear) {
             std::vector<Parameter *> lp, gp;
@@ -608,7 +610,7 @@ TEST(MoELayer, GradientsMatchFiniteDifferences) {
     }
 }
 
-TEST(MoELayer, DropsEveryTokenAtCapacityZeroAndPaddedShapesNeedNoRouting) {
+TEST(MoELayer, CapacityZeroDropsEveryTokenAndLeavesTheSharedExpert) {
     GptConfig config = small_config(false, false);
     MoeConfig moe;
     moe.num_experts     = 4;

@@ -115,7 +115,7 @@ void Router::route(Context & ctx, const Tensor & logits, int64_t b, bool trainin
     ctx.logits  = logits;
     ctx.top_idx = Tensor::empty({n, k}, DType::i32, device, {MemoryKind::device, kActivationsPool});
     ctx.probs   = activation(device, n, k);
-    ctx.counts  = Tensor::zeros({ctx.groups, E}, DType::i32, device, {MemoryKind::device, kActivationsPool});
+    ctx.counts  = Tensor::empty({ctx.groups, E}, DType::i32, device, {MemoryKind::device, kActivationsPool});
     ctx.losses  = Tensor::empty({router_loss_count}, DType::f32, device, {MemoryKind::device, kActivationsPool});
 
     const MoeConfig cfg = moe;
@@ -145,6 +145,7 @@ void Router::route(Context & ctx, const Tensor & logits, int64_t b, bool trainin
 
         // Losses: one pass in token order (the sums are in double, in a fixed order).
         int32_t *           c = counts.data<int32_t>();
+        std::fill(c, c + G * E, 0);   // on the stream, so a captured graph's replay clears them too
         std::vector<double> p(E), P(G * E, 0.0);
         std::vector<int32_t> idx(k);
         double              lse_sq = 0;
