@@ -1,0 +1,249 @@
+#include "model/moe/experts.h"
+
+#include "core/error.h"
+#include "core/ops.h"
+
+namespace loom::model {
+
+namespace {
+
+GptConfig with_ffn(const GptConfig & config, int64_t ffn) {
+    GptConfig c       = config;
+    c.ffn_hidden_size = ffn;
+    return c;
+}
+
+// Expert e's (rows, cols) slice of an (E, rows, cols) or (E, rows) tensor.
+Tensor expert_slice(const Tensor & t, int64_t e, const Shape & shape) {
+    return t.slice(e * shape_numel(shape), shape);
+}
+
+}  // namespace
+
+Experts::Experts(const std::string & n, const GptConfig & config, const MoeConfig & moe, Device & device)
+    : expert_config(with_ffn(config, moe.expert_ffn(config))),
+      num_experts(moe.num_experts),
+      ffn(moe.expert_ffn(config)),
+      grouped(moe.grouped_gemm),
+      name(n) {
+    const int64_t h = config.hidden_size, f1 = config.swiglu ? 2 * ffn : ffn;
+    const DType   dtype = config.params_dtype;
+    if (grouped) {
+        fc1_weight = parameter_create(name + ".fc1.weight", {num_experts, f1, h}, dtype, device);
+        fc2_weight = parameter_create(name + ".fc2.weight", {num_experts, h, ffn}, dtype, device);
+        if (config.add_bias_linear) {
+            fc1_bias = parameter_create(name + ".fc1.bias", {num_experts, f1}, dtype, device);
+            fc2_bias = parameter_create(name + ".fc2.bias", {num_experts, h}, dtype, device);
+            fc1_bias.no_weight_decay = fc2_bias.no_weight_decay = true;
+        }
+    } else {
+        for (int64_t e = 0; e < num_experts; ++e) {
+            local.push_back(std::make_unique<Mlp>(name + "." + std::to_string(e), expert_config, device));
+        }
+    }
+    std::vector<Parameter *> params;
+    parameters(params);
+    for (Parameter * p : params) p->expert = true;
+}
+
+void Experts::init(uint64_t seed, float std, float output_std) {
+    if (!grouped) {
+        for (auto & mlp : local) mlp->init(seed, std, output_std);
+        return;
+    }
+    const int64_t h = expert_config.hidden_size, f1 = expert_config.swiglu ? 2 * ffn : ffn;
+    for (int64_t e = 0; e < num_experts; ++e) {
+        const std::string expert = name + "." + std::to_string(e);
+        Parameter         w1, w2;   // views under the sequential layout's names
+        w1.name = expert + ".fc1.weight";
+        w1.data = expert_slice(fc1_weight.data, e, {f1, h});
+        w2.name = expert + ".fc2.weight";
+        w2.data = expert_slice(fc2_weight.data, e, {h, ffn});
+        parameter_init_normal(w1, seed, std);
+        parameter_init_normal(w2, seed, output_std);
+    }
+    if (fc1_bias.data.defined()) {
+        parameter_init_constant(fc1_bias, 0.0f);
+        parameter_init_constant(fc2_bias, 0.0f);
+    }
+}
+
+void Experts::parameters(std::vector<Parameter *> & out) {
+    if (!grouped) {
+        for (auto & mlp : local) mlp->parameters(out);
+        return;
+    }
+    out.push_back(&fc1_weight);
+    if (fc1_bias.data.defined()) out.push_back(&fc1_bias);
+    out.push_back(&fc2_weight);
+    if (fc2_bias.data.defined()) out.push_back(&fc2_bias);
+}
+
+Tensor Experts::forward(Context & ctx, const Tensor & xp, const std::vector<int64_t> & counts) {
+    LOOM_CHECK(static_cast<int64_t>(counts.size()) == num_experts, counts.size() << " expert counts for " << num_experts
+                                                                                 << " experts", "");
+    int64_t rows = 0;
+    for (int64_t c : counts) rows += c;
+    LOOM_CHECK(xp.dim() == 2 && xp.size(0) == rows && xp.size(1) == expert_config.hidden_size,
+               "expert input " << xp.describe() << ", expected (" << rows << ", " << expert_config.hidden_size << ")", "");
+    ctx.counts = counts;
+    if (grouped) return grouped_forward(ctx, xp);
+
+    Ops &    ops    = xp.device().ops();
+    Stream & stream = xp.device().compute_stream();
+    Tensor   yp     = activation(xp.device(), rows, expert_config.hidden_size);
+    ctx.mlp.assign(num_experts, {});
+    int64_t offset = 0;
+    for (int64_t e = 0; e < num_experts; ++e) {
+        if (counts[e] == 0) continue;
+        Tensor ye = local[e]->forward(ctx.mlp[e], xp.narrow(0, offset, counts[e]));
+        ops.copy(stream, ye, yp.narrow(0, offset, counts[e]));
+        offset += counts[e];
+    }
+    return yp;
+}
+
+Tensor Experts::backward(Context & ctx, const Tensor & dyp, const GradReadyFn & ready) {
+    if (grouped) return grouped_backward(ctx, dyp, ready);
+    Ops &    ops    = dyp.device().ops();
+    Stream & stream = dyp.device().compute_stream();
+    Tensor   dxp    = activation(dyp.device(), dyp.size(0), expert_config.hidden_size);
+    int64_t  offset = 0;
+    for (int64_t e = 0; e < num_experts; ++e) {
+        if (ctx.counts[e] == 0) {   // no rows: no gradient, but final all the same
+            std::vector<Parameter *> params;
+            local[e]->parameters(params);
+            if (ready) {
+                for (Parameter * p : params) ready(*p);
+            }
+            continue;
+        }
+        Tensor dxe = local[e]->backward(ctx.mlp[e], dyp.narrow(0, offset, ctx.counts[e]), ready);
+        ops.copy(stream, dxe, dxp.narrow(0, offset, ctx.counts[e]));
+        offset += ctx.counts[e];
+    }
+    ctx = Context();
+    return dxp;
+}
+
+// The grouped path does, expert by expert, what Mlp and Linear do (the same kernels on the same shapes),
+// except that every expert reads a slice of one weight and the row-wise activation runs once.
+Tensor Experts::grouped_forward(Context & ctx, const Tensor & xp) {
+    Ops &         ops    = xp.device().ops();
+    Stream &      stream = xp.device().compute_stream();
+    Device &      device = xp.device();
+    const int64_t R = xp.size(0), h = expert_config.hidden_size, f = ffn, f1 = expert_config.swiglu ? 2 * f : f;
+    const DType   dtype    = expert_config.params_dtype;
+    const bool    has_bias = fc1_bias.data.defined();
+    Tensor        b1       = has_bias ? parameter_f32(fc1_bias) : Tensor();
+    Tensor        b2       = has_bias ? parameter_f32(fc2_bias) : Tensor();
+
+    ctx.x      = in_dtype(xp, dtype);
+    Tensor pre = activation(device, R, f1);
+    Tensor act = activation(device, R, f);
+    int64_t offset = 0;
+    for (int64_t e = 0; e < num_experts; ++e) {
+        const int64_t c = ctx.counts[e];
+        if (c == 0) continue;
+        ops.gemm(stream, ctx.x.narrow(0, offset, c), false, expert_slice(fc1_weight.data, e, {f1, h}), true,
+                 pre.narrow(0, offset, c));
+        offset += c;
+    }
+    if (expert_config.swiglu) {
+        if (has_bias) {
+            offset = 0;
+            for (int64_t e = 0; e < num_experts; ++e) {
+                if (ctx.counts[e] == 0) continue;
+                ops.bias_add(stream, pre.narrow(0, offset, ctx.counts[e]), expert_slice(b1, e, {f1}));
+                offset += ctx.counts[e];
+            }
+        }
+        ctx.pre_act = keep_for_backward(pre, dtype);
+        ops.swiglu_forward(stream, pre, act);
+    } else {
+        ctx.pre_act = dtype == DType::f32 ? pre : Tensor::empty(pre.shape(), dtype, device, {MemoryKind::device, kActivationsPool});
+        Tensor pre_bf16 = dtype == DType::f32 ? Tensor() : ctx.pre_act;
+        if (has_bias) {   // the fused bias + GELU, one call per expert (its own bias)
+            offset = 0;
+            for (int64_t e = 0; e < num_experts; ++e) {
+                const int64_t c = ctx.counts[e];
+                if (c == 0) continue;
+                ops.bias_gelu_forward(stream, pre.narrow(0, offset, c), expert_slice(b1, e, {f1}), act.narrow(0, offset, c),
+                                      pre_bf16.defined() ? pre_bf16.narrow(0, offset, c) : Tensor());
+                offset += c;
+            }
+        } else {
+            ops.bias_gelu_forward(stream, pre, Tensor(), act, pre_bf16);
+        }
+    }
+    ctx.act  = in_dtype(act, dtype);
+    Tensor y = activation(device, R, h);
+    offset   = 0;
+    for (int64_t e = 0; e < num_experts; ++e) {
+        const int64_t c = ctx.counts[e];
+        if (c == 0) continue;
+        Tensor ye = y.narrow(0, offset, c);
+        ops.gemm(stream, ctx.act.narrow(0, offset, c), false, expert_slice(fc2_weight.data, e, {h, f}), true, ye);
+        if (has_bias) ops.bias_add(stream, ye, expert_slice(b2, e, {h}));
+        offset += c;
+    }
+    return y;
+}
+
+Tensor Experts::grouped_backward(Context & ctx, const Tensor & dyp, const GradReadyFn & ready) {
+    Ops &         ops    = dyp.device().ops();
+    Stream &      stream = dyp.device().compute_stream();
+    Device &      device = dyp.device();
+    const int64_t R = dyp.size(0), h = expert_config.hidden_size, f = ffn, f1 = expert_config.swiglu ? 2 * f : f;
+    const DType   dtype    = expert_config.params_dtype;
+    const bool    has_bias = fc1_bias.data.defined();
+
+    // fc2
+    Tensor  dy_in = in_dtype(dyp, dtype);
+    Tensor  d_act = activation(device, R, f);
+    int64_t offset = 0;
+    for (int64_t e = 0; e < num_experts; ++e) {
+        const int64_t c = ctx.counts[e];
+        if (c == 0) continue;
+        if (has_bias) ops.bias_backward(stream, dyp.narrow(0, offset, c), expert_slice(fc2_bias.main_grad, e, {h}));
+        Tensor dye = dy_in.narrow(0, offset, c);
+        ops.gemm(stream, dye, false, expert_slice(fc2_weight.data, e, {h, f}), false, d_act.narrow(0, offset, c));
+        ops.gemm(stream, dye, true, ctx.act.narrow(0, offset, c), false, expert_slice(fc2_weight.main_grad, e, {h, f}),
+                 /*accumulate=*/true);
+        offset += c;
+    }
+    if (ready) {
+        ready(fc2_weight);
+        if (has_bias) ready(fc2_bias);
+    }
+    // activation
+    Tensor pre   = in_dtype(ctx.pre_act, DType::f32);
+    Tensor d_pre = activation(device, R, f1);
+    if (expert_config.swiglu) {
+        ops.swiglu_backward(stream, pre, d_act, d_pre);
+    } else {
+        ops.gelu_backward(stream, pre, d_act, d_pre);
+    }
+    // fc1
+    Tensor d_pre_in = in_dtype(d_pre, dtype);
+    Tensor dx       = activation(device, R, h);
+    offset          = 0;
+    for (int64_t e = 0; e < num_experts; ++e) {
+        const int64_t c = ctx.counts[e];
+        if (c == 0) continue;
+        if (has_bias) ops.bias_backward(stream, d_pre.narrow(0, offset, c), expert_slice(fc1_bias.main_grad, e, {f1}));
+        Tensor de = d_pre_in.narrow(0, offset, c);
+        ops.gemm(stream, de, false, expert_slice(fc1_weight.data, e, {f1, h}), false, dx.narrow(0, offset, c));
+        ops.gemm(stream, de, true, ctx.x.narrow(0, offset, c), false, expert_slice(fc1_weight.main_grad, e, {f1, h}),
+                 /*accumulate=*/true);
+        offset += c;
+    }
+    if (ready) {
+        ready(fc1_weight);
+        if (has_bias) ready(fc1_bias);
+    }
+    ctx = Context();
+    return dx;
+}
+
+}  // namespace loom::model

@@ -1,0 +1,59 @@
+// Experts: the E expert MLPs of a MoE layer, run on the permuted rows (token_dispatcher.h), expert e on
+// its block of rows [offset_e, offset_e + count_e). Each expert is fc1 h -> f (2f with SwiGLU), the
+// model's activation, fc2 f -> h, with biases under --add-bias-linear (Megatron's experts are MLPs of the
+// model's config with --moe-ffn-hidden-size). The routing probabilities are applied by the unpermute,
+// which equals Megatron's scaling of each row after the activation (and of the fc2 bias) in exact arithmetic.
+//
+// Two layouts of the same model (the same values from the same seed, see init):
+//   sequential (Megatron's SequentialMLP): E Mlp layers, parameters "<name>.<e>.fc1.weight" (F1, h), ...;
+//   grouped (--moe-grouped-gemm, Megatron's GroupedMLP): one tensor per kind over all experts,
+//     "<name>.fc1.weight" (E, F1, h), "<name>.fc1.bias" (E, F1), "<name>.fc2.weight" (E, h, f),
+//     "<name>.fc2.bias" (E, h); every expert's GEMM reads its slice of the one weight, and the activation
+//     runs once over all R rows. Same GEMM shapes and elementwise kernels: bitwise the sequential result.
+// F1 = f, or 2f with SwiGLU.
+#pragma once
+
+#include "model/gpt_config.h"
+#include "model/layers.h"
+#include "model/moe/moe_config.h"
+
+#include <memory>
+#include <vector>
+
+namespace loom::model {
+
+class Experts {
+public:
+    Experts(const std::string & name, const GptConfig & config, const MoeConfig & moe, Device & device);
+    Experts(const Experts &) = delete;             // the Mlps hold a reference to expert_config
+    Experts & operator=(const Experts &) = delete;
+
+    struct Context {
+        std::vector<int64_t>     counts;    // (E) rows of each expert
+        std::vector<Mlp::Context> mlp;      // sequential: one per expert
+        Tensor                   x, act;    // grouped: fc1 and fc2 inputs (R, h), (R, f), in the weights' dtype
+        Tensor                   pre_act;   // grouped: (R, F1) in the weights' dtype
+    };
+
+    // xp (R, h) f32 with R = the sum of counts -> (R, h) f32.
+    Tensor forward(Context & ctx, const Tensor & xp, const std::vector<int64_t> & counts);
+    Tensor backward(Context & ctx, const Tensor & dyp, const GradReadyFn & ready);
+    // Every expert's weights N(0, std) (fc2: output_std), biases 0; the grouped slices draw under the
+    // sequential names, so both layouts start from the same values.
+    void init(uint64_t seed, float std, float output_std);
+    void parameters(std::vector<Parameter *> & out);
+
+    GptConfig                         expert_config;   // the model's, with ffn_hidden_size = f
+    int64_t                           num_experts;
+    int64_t                           ffn;              // f
+    bool                              grouped;
+    std::string                       name;
+    std::vector<std::unique_ptr<Mlp>> local;            // sequential
+    Parameter fc1_weight, fc1_bias, fc2_weight, fc2_bias;   // grouped: (E, F1, h), (E, F1), (E, h, f), (E, h)
+
+private:
+    Tensor grouped_forward(Context & ctx, const Tensor & xp);
+    Tensor grouped_backward(Context & ctx, const Tensor & dyp, const GradReadyFn & ready);
+};
+
+}  // namespace loom::model

@@ -1,0 +1,64 @@
+#include "model/moe/moe_config.h"
+
+#include "core/error.h"
+
+#include <cmath>
+
+namespace loom::model {
+
+const char * moe_score_function_name(MoeScoreFunction f) {
+    return f == MoeScoreFunction::softmax ? "softmax" : "sigmoid";
+}
+
+const char * moe_load_balancing_name(MoeLoadBalancing t) {
+    switch (t) {
+    case MoeLoadBalancing::aux_loss: return "aux_loss";
+    case MoeLoadBalancing::seq_aux_loss: return "seq_aux_loss";
+    case MoeLoadBalancing::none: return "none";
+    }
+    return "?";
+}
+
+const char * moe_drop_policy_name(MoeDropPolicy p) { return p == MoeDropPolicy::probs ? "probs" : "position"; }
+
+MoeLoadBalancing moe_load_balancing_parse(const std::string & name) {
+    if (name == "aux_loss") return MoeLoadBalancing::aux_loss;
+    if (name == "seq_aux_loss") return MoeLoadBalancing::seq_aux_loss;
+    if (name == "none") return MoeLoadBalancing::none;
+    LOOM_CHECK(name != "sinkhorn" && name != "global_aux_loss" && name != "quantile_balancing",
+               "--moe-router-load-balancing-type " << name << " is not supported by Loom",
+               "use aux_loss, seq_aux_loss or none");
+    LOOM_THROW("--moe-router-load-balancing-type " << name << " is not a load-balancing type",
+               "use aux_loss, seq_aux_loss or none");
+}
+
+void moe_config_validate(const MoeConfig & moe, const GptConfig & config) {
+    LOOM_CHECK(moe.num_experts >= 1, "--num-experts must be >= 1, got " << moe.num_experts, "");
+    LOOM_CHECK(moe.topk >= 1 && moe.topk <= moe.num_experts,
+               "--moe-router-topk " << moe.topk << " must be between 1 and --num-experts " << moe.num_experts, "");
+    // Megatron's own message: a softmax over one selected logit is 1 whatever the logit, so the router
+    // would get no gradient.
+    LOOM_CHECK(!(moe.topk == 1 && moe.score_function == MoeScoreFunction::softmax && !moe.pre_softmax),
+               "Please use --moe-router-pre-softmax when topk is 1.",
+               "a softmax over the one selected expert is always 1 and gives the router no gradient");
+    LOOM_CHECK(moe.aux_loss_coeff >= 0.0f, "--moe-aux-loss-coeff must be >= 0, got " << moe.aux_loss_coeff, "");
+    LOOM_CHECK(moe.z_loss_coeff >= 0.0f, "--moe-z-loss-coeff must be >= 0, got " << moe.z_loss_coeff, "");
+    LOOM_CHECK(moe.topk_scaling_factor >= 0.0f,
+               "--moe-router-topk-scaling-factor must be > 0, got " << moe.topk_scaling_factor, "");
+    LOOM_CHECK(!moe.pad_to_capacity || moe.drops(),
+               "moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity",
+               "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor");
+    LOOM_CHECK(moe.expert_ffn(config) >= 1, "--moe-ffn-hidden-size must be >= 1, got " << moe.ffn_hidden_size, "");
+    LOOM_CHECK(moe.shared_expert_intermediate_size >= 0,
+               "--moe-shared-expert-intermediate-size must be > 0, got " << moe.shared_expert_intermediate_size, "");
+    LOOM_CHECK(moe.shared_expert_intermediate_size == 0 || !config.add_bias_linear,
+               "bias is not supported in the shared experts, please set '--disable-bias-linear' instead.",
+               "--moe-shared-expert-intermediate-size needs --disable-bias-linear");
+}
+
+int64_t moe_capacity(int64_t n, int64_t num_experts, int64_t topk, double capacity_factor) {
+    const double assignments = static_cast<double>(n * topk);
+    return static_cast<int64_t>(std::ceil(assignments / static_cast<double>(num_experts) * capacity_factor));
+}
+
+}  // namespace loom::model

@@ -1,0 +1,70 @@
+// MoELayer: a Mixture-of-Experts MLP on one rank (Megatron's MoELayer with the all-gather dispatcher,
+// EP = TP = 1). It replaces a transformer layer's Mlp: same input and output, (n, h) rows in (s, b) order.
+//
+//   forward:   router (logits, top-k, probs, aux and z losses)
+//              -> dispatch plan (capacity dropping, padding)          token_dispatcher.h
+//              -> [host reads tokens per expert, unless padded to capacity]
+//              -> permute -> experts -> unpermute (weighted by probs)
+//              (+ shared expert(x), with --moe-shared-expert-intermediate-size)
+//   backward:  unpermute' -> experts' -> permute' (+ shared') + router' (dprobs, aux and z gradients)
+//
+// Wiring, as a TransformerLayer would use it in place of its Mlp:
+//
+//   MoELayer moe("layers.3.mlp", config, moe_config, device);   // validates moe_config
+//   moe.init(seed, std, std / sqrt(2 L));
+//   moe.aux_loss_backward_scale = loss_scale / num_microbatches;  // Megatron's MoEAuxLossAutoScaler scale
+//   Tensor y  = moe.forward(ctx, x, s, b, training);               // ctx: one per (layer, microbatch)
+//   ...   after a stream synchronize: ctx.router.losses.data<float>()[router_loss_aux_logged] is
+//         Megatron's "load_balancing_loss" for this layer and microbatch (router.h)
+//   Tensor dx = moe.backward(ctx, dy, ready);
+//
+// The aux and z losses are not part of y: their gradients are added in backward as if the objective
+// included them (multiplied by aux_loss_backward_scale, as the main loss's gradient is by the caller).
+// The parameters: router ("<name>.router.weight", (E, h)), the experts ("<name>.experts...", marked
+// expert), the shared expert ("<name>.shared_experts.fc1.weight", ...).
+//
+// Unless --moe-pad-expert-input-to-capacity is set, forward drains the compute stream once (the host
+// needs each expert's row count, as Megatron's dispatcher does), so it cannot be graph-captured whole.
+#pragma once
+
+#include "model/layers.h"
+#include "model/moe/experts.h"
+#include "model/moe/moe_config.h"
+#include "model/moe/router.h"
+#include "model/moe/token_dispatcher.h"
+
+#include <memory>
+
+namespace loom::model {
+
+class MoELayer {
+public:
+    MoELayer(const std::string & name, const GptConfig & config, const MoeConfig & moe, Device & device);
+    MoELayer(const MoELayer &) = delete;   // the experts hold references into it
+    MoELayer & operator=(const MoELayer &) = delete;
+
+    struct Context {
+        Router::Context  router;
+        DispatchPlan     plan;
+        Experts::Context experts;
+        Mlp::Context     shared;
+        Tensor           yp;         // (R, h) the experts' outputs, for the probabilities' gradient
+        int64_t          rows = 0;   // R
+    };
+
+    // x (n, h) f32, n = s b rows in (s, b) order; training: compute the aux and z losses.
+    Tensor forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, bool training = true);
+    Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
+    // Router and experts N(0, std) (the experts' fc2 and the shared expert's fc2: output_std), biases 0.
+    void   init(uint64_t seed, float std, float output_std);
+    void   parameters(std::vector<Parameter *> & out);
+
+    float                   aux_loss_backward_scale = 1.0f;
+    MoeConfig               moe;
+    GptConfig               shared_config;   // the model's, with ffn_hidden_size = the shared expert's
+    Router                  router;
+    Experts                 experts;
+    std::unique_ptr<Mlp>    shared_expert;   // with --moe-shared-expert-intermediate-size
+};
+
+}  // namespace loom::model

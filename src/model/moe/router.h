@@ -1,0 +1,82 @@
+// Router: the gate of a Mixture-of-Experts layer (Megatron's TopKRouter), with its load-balancing
+// auxiliary loss and z-loss. Legend as moe_config.h: n tokens, h hidden, E experts, k per token.
+//
+//   logits (n, E) = x W^T (+ bias, with --add-bias-linear as Megatron's router)      f32
+//
+// Top-k (every selection orders by value and breaks ties toward the lower expert index, so routing is
+// deterministic; sf is --moe-router-topk-scaling-factor, 1 when unset):
+//   softmax (default, "post-softmax"): the k largest logits, then probs = sf * softmax over those k only
+//                                      (which is why k = 1 needs --moe-router-pre-softmax)
+//   softmax --moe-router-pre-softmax:  s = softmax over all E, the k largest s, probs = sf * s
+//   sigmoid:                           g = sigmoid(logits), the k largest g,
+//                                      probs = sf * g / (sum of the k g + 1e-20) when k > 1, else sf * g
+//
+// Auxiliary load-balancing loss (Megatron's switch_load_balancing_loss_func), only while training:
+//   p (n, E)  = softmax(logits) over all E (sigmoid: g / (sum over E of g + 1e-20))
+//   c_i       = tokens whose top-k of p contains expert i (before any capacity dropping)
+//   aux       = E * coeff / (k * T^2) * sum_i (sum_x p_xi) * c_i        over the T = n tokens
+//   Balanced routing (c_i = T k / E) gives aux = coeff whatever p is, as sum_i p_xi = 1.
+//   seq_aux_loss: the same per sequence (T = s tokens of sample j, the rows r with r % b == j), averaged
+//   over the b samples. Its gradient reaches the logits through p only (the counts are constants).
+//   Megatron logs aux / coeff as "load_balancing_loss" ("seq_load_balancing_loss").
+// z-loss (ST-MoE):  z = z_coeff * mean over tokens of logsumexp(logits)^2, logged as z / z_coeff ("z_loss").
+//
+// The gradients of aux and z enter the backward multiplied by `loss_scale`, the factor the caller applies
+// to the main loss's gradient (Megatron's MoEAuxLossAutoScaler.set_loss_scale: loss scale / microbatches).
+#pragma once
+
+#include "core/tensor.h"
+#include "model/gpt_config.h"
+#include "model/moe/moe_config.h"
+#include "model/parameter.h"
+
+#include <string>
+#include <vector>
+
+namespace loom::model {
+
+// Indices into Router::Context::losses (f32, host-readable after the stream has run).
+enum RouterLoss : int64_t {
+    router_loss_aux        = 0,   // aux as added to the objective (coefficient included)
+    router_loss_aux_logged = 1,   // aux / coeff: Megatron's "load_balancing_loss"
+    router_loss_z          = 2,   // z as added to the objective
+    router_loss_z_logged   = 3,   // z / z_coeff: Megatron's "z_loss"
+    router_loss_count      = 4,
+};
+
+class Router {
+public:
+    Router(const std::string & name, const GptConfig & config, const MoeConfig & moe, Device & device);
+    struct Context {
+        Tensor  x;         // (n, h) input, in the weight's dtype
+        Tensor  logits;    // (n, E) f32
+        Tensor  top_idx;   // (n, k) i32: each token's experts, by descending score
+        Tensor  probs;     // (n, k) f32: their routing probabilities
+        Tensor  counts;    // (G, E) i32: c_i per aux-loss group (G = 1, or b with seq_aux_loss)
+        Tensor  losses;    // (router_loss_count) f32
+        int64_t groups   = 1;
+        bool    aux      = false;   // aux loss computed (training, coeff > 0, a balancing type)
+        bool    z        = false;   // z-loss computed (training, z_coeff > 0)
+    };
+
+    // x (n, h) rows in (s, b) order, b the micro-batch size (seq_aux_loss's samples). Enqueued on the
+    // compute stream.
+    void forward(Context & ctx, const Tensor & x, int64_t b, bool training = true);
+    // Everything after the gate, from given logits (n, E): top-k, probs, counts, losses.
+    void route(Context & ctx, const Tensor & logits, int64_t b, bool training = true);
+    // dprobs (n, k): the objective's gradient w.r.t. ctx.probs. Adds the gate's gradient (from dprobs and
+    // loss_scale times the aux and z gradients) into main_grad, reports it ready, returns dx (n, h).
+    Tensor backward(Context & ctx, const Tensor & dprobs, float loss_scale, const GradReadyFn & ready);
+    // The gradient w.r.t. the logits alone (backward without the gate's GEMMs), (n, E) f32.
+    Tensor logits_backward(Context & ctx, const Tensor & dprobs, float loss_scale);
+
+    void init(uint64_t seed, float std);
+    void parameters(std::vector<Parameter *> & out);
+
+    MoeConfig moe;
+    Parameter weight;   // (E, h)
+    Parameter bias;     // (E), with add_bias_linear
+    bool      has_bias;
+};
+
+}  // namespace loom::model

@@ -1,0 +1,657 @@
+// Mixture-of-Experts on one rank (src/model/moe/): Megatron's formulas and rules, checked by number.
+//
+// Gradient checks: central finite differences of a scalar objective evaluated in f32 and summed in double
+// (L = <w, y> + aux + z for the layer, with fixed random w), eps = 1e-2 on O(1) inputs and weights,
+// accepted when |analytic - numeric| <= 2e-3 (1 + |numeric|) per checked element (as test_model_grad).
+// Top-k and capacity dropping are piecewise constant: a probe whose +-eps moves any token to another
+// expert (or drops another one) is skipped and counted; each check asserts that most probes ran.
+#include "backend/cpu/cpu_device.h"
+#include "core/device.h"
+#include "core/ops.h"
+#include "model/moe/moe_layer.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <random>
+
+using namespace loom;
+using namespace loom::model;
+
+namespace {
+
+Device & dev() { return cpu::device(); }
+void     wait_compute() { dev().compute_stream().synchronize(); }
+
+std::vector<float> random_vector(int64_t n, uint64_t seed, float scale = 1.0f) {
+    std::mt19937_64                       rng(seed);
+    std::uniform_real_distribution<float> u(-scale, scale);
+    std::vector<float>                    v(n);
+    for (auto & x : v) x = u(rng);
+    return v;
+}
+
+template <typename T>
+Tensor tensor_of(const std::vector<T> & v, const Shape & shape) {
+    Tensor t = Tensor::empty(shape, dtype_of<T>::value, dev());
+    std::memcpy(t.data_ptr(), v.data(), v.size() * sizeof(T));
+    return t;
+}
+
+template <typename T>
+std::vector<T> values(const Tensor & t) {
+    wait_compute();
+    return std::vector<T>(t.data<T>(), t.data<T>() + t.numel());
+}
+
+double dot(const std::vector<float> & a, const Tensor & b) {
+    const float * p = b.data<float>();
+    double        s = 0;
+    for (size_t i = 0; i < a.size(); ++i) s += static_cast<double>(a[i]) * p[i];
+    return s;
+}
+
+// A probe of the objective: its value, and a signature of the routing it took (which expert and row
+// each (token, slot) got), so a probe across a routing change can be recognised.
+struct Probe {
+    double               value;
+    std::vector<int32_t> routing;
+};
+
+// Compares analytic[i] with the central difference of `loss` in x[i] for `samples` indices (all of them
+// when samples >= n); probes whose routing differs from `base` are skipped.
+void check_gradient(const std::string & what, float * x, int64_t n, const float * analytic,
+                    const std::function<Probe()> & loss, int samples = 24, float eps = 1e-2f, double tol = 2e-3) {
+    const std::vector<int32_t> base = loss().routing;
+    std::mt19937_64            rng(n * 7919 + what.size());
+    int                        bad = 0, skipped = 0, total = 0;
+    for (int s = 0; s < std::min<int64_t>(samples, n); ++s) {
+        int64_t i    = samples >= n ? s : static_cast<int64_t>(rng() % n);
+        float   orig = x[i];
+        x[i]         = orig + eps;
+        Probe lp     = loss();
+        x[i]         = orig - eps;
+        Probe lm     = loss();
+        x[i]         = orig;
+        ++total;
+        if (lp.routing != base || lm.routing != base) {
+            ++skipped;
+            continue;
+        }
+        double numeric = (lp.value - lm.value) / (2.0 * eps);
+        double diff    = std::fabs(analytic[i] - numeric);
+        if (diff > tol * (1.0 + std::fabs(numeric)) && ++bad <= 3) {
+            ADD_FAILURE() << what << "[" << i << "]: analytic " << analytic[i] << " numeric " << numeric;
+        }
+    }
+    EXPECT_EQ(bad, 0) << what;
+    EXPECT_LE(skipped * 4, total) << what << ": " << skipped << " of " << total << " probes crossed a routing change";
+}
+
+GptConfig small_config(bool swiglu, bool bias) {
+    GptConfig c;
+    c.hidden_size     = 8;
+    c.ffn_hidden_size = 12;
+    c.swiglu          = swiglu;
+    c.add_bias_linear = bias;
+    return c;
+}
+
+// Scales every parameter's values (the 0.02 init would leave the router's logits near zero).
+void scale_parameters(std::vector<Parameter *> params, float factor) {
+    for (Parameter * p : params) {
+        float * w = p->data.data<float>();
+        for (int64_t i = 0; i < p->numel(); ++i) w[i] *= factor;
+    }
+}
+
+// Biases get random values too, so their gradients are not checked at a special point.
+void randomise_biases(std::vector<Parameter *> params, uint64_t seed) {
+    for (Parameter * p : params) {
+        if (p->name.find(".bias") == std::string::npos) continue;
+        auto v = random_vector(p->numel(), seed++, 0.5f);
+        std::memcpy(p->data.data<float>(), v.data(), v.size() * sizeof(float));
+    }
+}
+
+void zero_grads(const std::vector<Parameter *> & params) {
+    for (Parameter * p : params) p->main_grad.fill_zero();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------
+// Configuration
+
+TEST(MoeConfig, CapacityIsCeilOfTokensTimesTopkOverExpertsTimesFactor) {
+    EXPECT_EQ(moe_capacity(10, 4, 2, 1.0), 5);    // ceil(5.0)
+    EXPECT_EQ(moe_capacity(10, 4, 2, 1.1), 6);    // ceil(5.5)
+    EXPECT_EQ(moe_capacity(7, 3, 1, 1.0), 3);     // ceil(2.33)
+    EXPECT_EQ(moe_capacity(8, 8, 2, 0.5), 1);     // ceil(1.0)
+    EXPECT_EQ(moe_capacity(8, 8, 2, 0.0), 0);
+    EXPECT_EQ(moe_capacity(4096, 64, 8, 1.25), 640);
+    EXPECT_EQ(moe_capacity(6, 4, 2, 2.5), 8);     // above n: padding rows only
+}
+
+TEST(MoeConfig, ValidationNamesMegatronsFlags) {
+    GptConfig config = small_config(false, false);
+    auto message = [&](const MoeConfig & moe) -> std::string {
+        try {
+            moe_config_validate(moe, config);
+        } catch (const Error & e) {
+            return e.what();
+        }
+        return "";
+    };
+    MoeConfig moe;
+    moe.num_experts = 4;
+    EXPECT_EQ(message(moe), "");
+    moe.topk = 1;
+    EXPECT_NE(message(moe).find("Please use --moe-router-pre-softmax when topk is 1."), std::string::npos);
+    moe.pre_softmax = true;
+    EXPECT_EQ(message(moe), "");
+    moe.score_function = MoeScoreFunction::sigmoid;
+    moe.pre_softmax    = false;
+    EXPECT_EQ(message(moe), "");   // a sigmoid score has a gradient with k = 1
+    moe.topk            = 5;
+    EXPECT_NE(message(moe).find("--moe-router-topk 5"), std::string::npos);
+    moe.topk            = 2;
+    moe.pad_to_capacity = true;
+    EXPECT_NE(message(moe).find("moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity"),
+              std::string::npos);
+    moe.capacity_factor = 1.0f;
+    EXPECT_EQ(message(moe), "");
+    moe.shared_expert_intermediate_size = 16;
+    config.add_bias_linear              = true;
+    EXPECT_NE(message(moe).find("please set '--disable-bias-linear'"), std::string::npos);
+    EXPECT_THROW(moe_load_balancing_parse("sinkhorn"), Error);
+    EXPECT_THROW(moe_load_balancing_parse("global_aux_loss"), Error);
+    EXPECT_EQ(moe_load_balancing_parse("seq_aux_loss"), MoeLoadBalancing::seq_aux_loss);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Router
+
+namespace {
+
+struct RouterRun {
+    std::vector<int32_t> top_idx;
+    std::vector<float>   probs, losses;
+};
+
+RouterRun route(const MoeConfig & moe, const std::vector<float> & logits, int64_t b = 1) {
+    GptConfig       config = small_config(false, false);
+    Router          router("router", config, moe, dev());
+    Router::Context ctx;
+    const int64_t   n = static_cast<int64_t>(logits.size()) / moe.num_experts;
+    router.route(ctx, tensor_of(logits, {n, moe.num_experts}), b);
+    return {values<int32_t>(ctx.top_idx), values<float>(ctx.probs), values<float>(ctx.losses)};
+}
+
+std::vector<double> softmax(const float * l, int64_t E) {
+    std::vector<double> s(E);
+    double              m = *std::max_element(l, l + E), sum = 0;
+    for (int64_t e = 0; e < E; ++e) sum += (s[e] = std::exp(l[e] - m));
+    for (auto & v : s) v /= sum;
+    return s;
+}
+
+}  // namespace
+
+TEST(Router, TopkTiesGoToTheLowestExpertIndex) {
+    const std::vector<float> logits = {0, 0, 0, 0,  1, 3, 3, 3,  5, -1, 5, 2};
+    for (int variant = 0; variant < 3; ++variant) {
+        MoeConfig moe;
+        moe.num_experts    = 4;
+        moe.topk           = 2;
+        moe.pre_softmax    = variant == 1;
+        moe.score_function = variant == 2 ? MoeScoreFunction::sigmoid : MoeScoreFunction::softmax;
+        RouterRun r        = route(moe, logits);
+        EXPECT_EQ(r.top_idx, (std::vector<int32_t>{0, 1, 1, 2, 0, 2})) << "variant " << variant;
+        EXPECT_EQ(r.probs[0], r.probs[1]);
+        EXPECT_EQ(r.probs[4], r.probs[5]);
+    }
+}
+
+TEST(Router, ProbabilitiesFollowTheScoreFunction) {
+    const std::vector<float> logits = {0.5f, -1.0f, 2.0f, 1.0f};
+    MoeConfig                moe;
+    moe.num_experts = 4;
+    moe.topk        = 2;
+    // Post-softmax (Megatron's default): softmax over the two selected logits 2 and 1.
+    RouterRun r = route(moe, logits);
+    EXPECT_EQ(r.top_idx, (std::vector<int32_t>{2, 3}));
+    EXPECT_NEAR(r.probs[0], 1.0 / (1.0 + std::exp(-1.0)), 1e-7);
+    EXPECT_NEAR(r.probs[0] + r.probs[1], 1.0, 1e-7);
+    // Pre-softmax: the softmax over all four, not renormalised.
+    moe.pre_softmax        = true;
+    r                      = route(moe, logits);
+    std::vector<double> s  = softmax(logits.data(), 4);
+    EXPECT_NEAR(r.probs[0], s[2], 1e-7);
+    EXPECT_NEAR(r.probs[1], s[3], 1e-7);
+    // Sigmoid, k = 2: normalised over the two; k = 1: the sigmoid itself. Scaling factor multiplies.
+    moe.pre_softmax    = false;
+    moe.score_function = MoeScoreFunction::sigmoid;
+    r                  = route(moe, logits);
+    const double g2 = 1.0 / (1.0 + std::exp(-2.0)), g3 = 1.0 / (1.0 + std::exp(-1.0));
+    EXPECT_NEAR(r.probs[0], g2 / (g2 + g3), 1e-7);
+    moe.topk                = 1;
+    moe.topk_scaling_factor = 2.5f;
+    r                       = route(moe, logits);
+    EXPECT_NEAR(r.probs[0], 2.5 * g2, 1e-6);
+}
+
+TEST(Router, AuxLossIsTheSwitchFormulaAndTheCoefficientWhenBalanced) {
+    const int64_t n = 12, E = 4, k = 2;
+    MoeConfig     moe;
+    moe.num_experts    = E;
+    moe.topk           = k;
+    moe.aux_loss_coeff = 0.01f;
+    moe.z_loss_coeff   = 0.001f;
+    auto logits        = random_vector(n * E, 21, 2.0f);
+    RouterRun r        = route(moe, logits);
+    // aux = E coeff / (k T^2) sum_i (sum_x p_xi) c_i, p the softmax over all E, c from its top-k.
+    std::vector<double> P(E, 0.0), c(E, 0.0);
+    double              z = 0;
+    for (int64_t x = 0; x < n; ++x) {
+        auto p = softmax(&logits[x * E], E);
+        std::vector<int64_t> order = {0, 1, 2, 3};
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return p[a] > p[b]; });
+        for (int64_t e = 0; e < E; ++e) P[e] += p[e];
+        for (int64_t j = 0; j < k; ++j) c[order[j]] += 1;
+        double m = *std::max_element(&logits[x * E], &logits[x * E] + E), sum = 0;
+        for (int64_t e = 0; e < E; ++e) sum += std::exp(logits[x * E + e] - m);
+        z += std::pow(m + std::log(sum), 2);
+    }
+    double aux = 0;
+    for (int64_t e = 0; e < E; ++e) aux += P[e] * c[e];
+    aux *= E * double(moe.aux_loss_coeff) / (k * double(n) * n);
+    EXPECT_NEAR(r.losses[router_loss_aux], aux, 1e-7 * aux);
+    EXPECT_NEAR(r.losses[router_loss_aux_logged], aux / moe.aux_loss_coeff, 1e-6);
+    EXPECT_NEAR(r.losses[router_loss_z], double(moe.z_loss_coeff) * z / n, 1e-7 * z);
+    EXPECT_NEAR(r.losses[router_loss_z_logged], z / n, 1e-6 * z);
+
+    // Balanced: token t prefers experts t and t + 1 (mod 4), so every expert gets T k / E = 2 tokens.
+    std::vector<float> balanced(4 * E, 0.0f);
+    for (int64_t t = 0; t < 4; ++t) {
+        balanced[t * E + t]           = 2.0f;
+        balanced[t * E + (t + 1) % E] = 1.5f;
+    }
+    r = route(moe, balanced);
+    EXPECT_NEAR(r.losses[router_loss_aux], moe.aux_loss_coeff, 1e-9);
+    EXPECT_NEAR(r.losses[router_loss_aux_logged], 1.0, 1e-6);
+
+    // seq_aux_loss: the aux loss of each sample's s tokens (rows r with r % b == j), averaged over b.
+    moe.load_balancing = MoeLoadBalancing::seq_aux_loss;
+    const int64_t b = 3, s = n / b;
+    r               = route(moe, logits, b);
+    double seq      = 0;
+    for (int64_t j = 0; j < b; ++j) {
+        std::vector<float> rows;
+        for (int64_t si = 0; si < s; ++si) rows.insert(rows.end(), &logits[(si * b + j) * E], &logits[(si * b + j) * E] + E);
+        MoeConfig one      = moe;
+        one.load_balancing = MoeLoadBalancing::aux_loss;
+        seq += route(one, rows).losses[router_loss_aux];
+    }
+    EXPECT_NEAR(r.losses[router_loss_aux], seq / b, 1e-6 * seq);
+
+    // Evaluation computes neither loss.
+    GptConfig       config = small_config(false, false);
+    Router          router("router", config, moe, dev());
+    Router::Context ctx;
+    router.route(ctx, tensor_of(logits, {n, E}), b, /*training=*/false);
+    EXPECT_EQ(values<float>(ctx.losses), (std::vector<float>{0, 0, 0, 0}));
+}
+
+TEST(Router, GradientsMatchFiniteDifferences) {
+    const int64_t n = 8, b = 2, h = 6, E = 4;
+    struct Case { const char * name; MoeScoreFunction f; bool pre; int64_t k; MoeLoadBalancing lb; float sf; bool bias; };
+    const Case cases[] = {
+        {"softmax k2", MoeScoreFunction::softmax, false, 2, MoeLoadBalancing::aux_loss, 0.0f, true},
+        {"pre-softmax k2", MoeScoreFunction::softmax, true, 2, MoeLoadBalancing::seq_aux_loss, 0.0f, false},
+        {"pre-softmax k1", MoeScoreFunction::softmax, true, 1, MoeLoadBalancing::aux_loss, 2.0f, false},
+        {"sigmoid k2", MoeScoreFunction::sigmoid, false, 2, MoeLoadBalancing::aux_loss, 0.0f, true},
+        {"sigmoid k1", MoeScoreFunction::sigmoid, false, 1, MoeLoadBalancing::seq_aux_loss, 0.0f, false},
+    };
+    // Each objective on its own, so a wrong aux or z gradient cannot hide under the others' size.
+    struct Objective { const char * name; float w, aux, z; };
+    const Objective objectives[] = {{"probs", 1.0f, 0.0f, 0.0f}, {"aux", 0.0f, 10.0f, 0.0f}, {"z", 0.0f, 0.0f, 1.0f}};
+    for (const Case & c : cases) {
+        for (const Objective & o : objectives) {
+            MoeConfig moe;
+            moe.num_experts         = E;
+            moe.topk                = c.k;
+            moe.score_function      = c.f;
+            moe.pre_softmax         = c.pre;
+            moe.load_balancing      = c.lb;
+            moe.topk_scaling_factor = c.sf;
+            moe.aux_loss_coeff      = o.aux;
+            moe.z_loss_coeff        = o.z;
+            GptConfig config        = small_config(false, c.bias);
+            config.hidden_size      = h;
+            Router router("router", config, moe, dev());
+            router.init(5, 1.0f);
+            std::vector<Parameter *> params;
+            router.parameters(params);
+            auto         xv = random_vector(n * h, 31);
+            Tensor       x  = tensor_of(xv, {n, h});
+            auto         wv = random_vector(n * c.k, 32);
+            for (auto & v : wv) v *= o.w;
+            auto objective = [&] {
+                Router::Context ctx;
+                router.forward(ctx, x, b);
+                wait_compute();
+                const float * loss = ctx.losses.data<float>();
+                return Probe{dot(wv, ctx.probs) + loss[router_loss_aux] + loss[router_loss_z], values<int32_t>(ctx.top_idx)};
+            };
+            zero_grads(params);
+            Router::Context ctx;
+            router.forward(ctx, x, b);
+            int    reported = 0;
+            Tensor dx       = router.backward(ctx, tensor_of(wv, {n, c.k}), 1.0f, [&](Parameter &) { ++reported; });
+            auto   dxv      = values<float>(dx);
+            EXPECT_EQ(reported, static_cast<int>(params.size()));
+            const std::string what = std::string(c.name) + ", " + o.name + ": ";
+            check_gradient(what + "dx", xv.data(), n * h, dxv.data(), [&] {
+                std::memcpy(x.data<float>(), xv.data(), xv.size() * sizeof(float));
+                return objective();
+            }, 48);
+            std::memcpy(x.data<float>(), xv.data(), xv.size() * sizeof(float));
+            for (Parameter * p : params) {
+                auto grad = values<float>(p->main_grad);
+                check_gradient(what + p->name, p->data.data<float>(), p->numel(), grad.data(), objective, 24);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Dispatch
+
+namespace {
+
+DispatchPlan plan_for(const std::vector<int32_t> & top_idx, const std::vector<float> & probs, int64_t k,
+                      const MoeConfig & moe) {
+    const int64_t n = static_cast<int64_t>(top_idx.size()) / k;
+    return dispatch_plan_create(tensor_of(top_idx, {n, k}), tensor_of(probs, {n, k}), moe);
+}
+
+}  // namespace
+
+TEST(Dispatch, UnpermuteOfPermuteIsXForOneExpertAndTwiceXForTwo) {
+    const int64_t n = 7, h = 5, E = 3;
+    auto          xv = random_vector(n * h, 41);
+    Tensor        x  = tensor_of(xv, {n, h});
+    MoeConfig     moe;
+    moe.num_experts = E;
+    {
+        DispatchPlan plan   = plan_for({2, 0, 1, 2, 2, 0, 1}, std::vector<float>(n, 1.0f), 1, moe);
+        auto         counts = dispatch_plan_counts(plan);
+        EXPECT_EQ(counts, (std::vector<int64_t>{2, 2, 3}));
+        Tensor xp = moe_permute(x, plan, n);
+        // Expert-major, token order inside each expert: tokens 1 5 | 2 6 | 0 3 4.
+        auto xpv = values<float>(xp);
+        const int order[] = {1, 5, 2, 6, 0, 3, 4};
+        for (int64_t r = 0; r < n; ++r) EXPECT_EQ(0, std::memcmp(&xpv[r * h], &xv[order[r] * h], h * sizeof(float)));
+        EXPECT_EQ(values<float>(moe_unpermute(xp, plan)), xv);
+        EXPECT_EQ(values<float>(moe_permute_backward(xp, plan)), xv);
+    }
+    {
+        DispatchPlan plan = plan_for({2, 0, 0, 1, 1, 2, 0, 2, 2, 1, 0, 1, 1, 0}, std::vector<float>(2 * n, 1.0f), 2, moe);
+        auto         counts = dispatch_plan_counts(plan);
+        Tensor       xp     = moe_permute(x, plan, 2 * n);
+        auto         twice  = xv;
+        for (auto & v : twice) v *= 2.0f;
+        EXPECT_EQ(values<float>(moe_unpermute(xp, plan)), twice);
+        EXPECT_EQ(values<float>(moe_permute_backward(xp, plan)), twice);
+    }
+}
+
+TEST(Dispatch, DroppingKeepsTheHighestProbsOrTheEarliestTokensAndPads) {
+    // The worked example of token_dispatcher.h: C = ceil(4 * 1 / 2 * 1.0) = 2, expert 1 gets 3 tokens.
+    const std::vector<int32_t> top_idx = {1, 0, 1, 1};
+    const std::vector<float>   probs   = {0.5f, 0.9f, 0.7f, 0.6f};
+    MoeConfig                  moe;
+    moe.num_experts     = 2;
+    moe.capacity_factor = 1.0f;
+    DispatchPlan plan   = plan_for(top_idx, probs, 1, moe);
+    EXPECT_EQ(plan.capacity, 2);
+    EXPECT_EQ(dispatch_plan_counts(plan), (std::vector<int64_t>{1, 2}));
+    EXPECT_EQ(values<int32_t>(plan.row_of), (std::vector<int32_t>{-1, 0, 1, 2}));   // token 0 (0.5) dropped
+    EXPECT_EQ(values<float>(plan.probs), (std::vector<float>{0.0f, 0.9f, 0.7f, 0.6f}));
+
+    moe.drop_policy = MoeDropPolicy::position;
+    plan            = plan_for(top_idx, probs, 1, moe);
+    EXPECT_EQ(values<int32_t>(plan.row_of), (std::vector<int32_t>{1, 0, 2, -1}));   // token 3 (the last) dropped
+    EXPECT_EQ(values<int32_t>(plan.token_of_row), (std::vector<int32_t>{1, 0, 2, -1}));
+
+    // Padded: two rows per expert whatever the routing; expert 0's second row is a zero row.
+    moe.drop_policy     = MoeDropPolicy::probs;
+    moe.pad_to_capacity = true;
+    plan                = plan_for(top_idx, probs, 1, moe);
+    EXPECT_EQ(dispatch_plan_counts(plan), (std::vector<int64_t>{2, 2}));
+    EXPECT_EQ(values<int32_t>(plan.row_of), (std::vector<int32_t>{-1, 0, 2, 3}));
+    EXPECT_EQ(values<int32_t>(plan.token_of_row), (std::vector<int32_t>{1, -1, 2, 3}));
+    const int64_t h  = 3;
+    auto          xv = random_vector(4 * h, 42);
+    Tensor        xp = moe_permute(tensor_of(xv, {4, h}), plan, 4);
+    auto          xpv = values<float>(xp);
+    EXPECT_EQ(std::vector<float>(xpv.begin() + h, xpv.begin() + 2 * h), std::vector<float>(h, 0.0f));
+    // A dropped token gets nothing back and passes no gradient; its probability's gradient is 0.
+    Tensor y = moe_unpermute(xp, plan);
+    auto   yv = values<float>(y);
+    EXPECT_EQ(std::vector<float>(yv.begin(), yv.begin() + h), std::vector<float>(h, 0.0f));
+    Tensor dyp, dprobs;
+    moe_unpermute_backward(tensor_of(std::vector<float>(4 * h, 1.0f), {4, h}), xp, plan, dyp, dprobs);
+    EXPECT_EQ(values<float>(dprobs)[0], 0.0f);
+    auto dyv = values<float>(dyp);
+    EXPECT_EQ(std::vector<float>(dyv.begin() + h, dyv.begin() + 2 * h), std::vector<float>(h, 0.0f));
+    auto dxv = values<float>(moe_permute_backward(dyp, plan));
+    EXPECT_EQ(std::vector<float>(dxv.begin(), dxv.begin() + h), std::vector<float>(h, 0.0f));
+
+    // A capacity above the tokens pads with zero rows only: C = ceil(4 * 1 / 2 * 2.5) = 5.
+    moe.capacity_factor = 2.5f;
+    plan                = plan_for(top_idx, probs, 1, moe);
+    EXPECT_EQ(dispatch_plan_counts(plan), (std::vector<int64_t>{5, 5}));
+    EXPECT_EQ(values<int32_t>(plan.row_of), (std::vector<int32_t>{5, 0, 6, 7}));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Experts and the layer
+
+namespace {
+
+struct LayerRun {
+    std::vector<float>              y, dx, losses;
+    std::vector<std::vector<float>> grads;   // in parameters() order
+    std::vector<std::string>        ready;
+};
+
+LayerRun run_layer(MoELayer & layer, const std::vector<float> & xv, const std::vector<float> & wv, int64_t s, int64_t b) {
+    const int64_t            h = xv.size() / (s * b);
+    std::vector<Parameter *> params;
+    layer.parameters(params);
+    zero_grads(params);
+    MoELayer::Context ctx;
+    LayerRun          run;
+    Tensor            y = layer.forward(ctx, tensor_of(xv, {s * b, h}), s, b);
+    run.y               = values<float>(y);
+    run.losses          = values<float>(ctx.router.losses);
+    Tensor dx = layer.backward(ctx, tensor_of(wv, {s * b, h}), [&](Parameter & p) { run.ready.push_back(p.name); });
+    run.dx    = values<float>(dx);
+    for (Parameter * p : params) run.grads.push_back(values<float>(p->main_grad));
+    return run;
+}
+
+}  // namespace
+
+TEST(Experts, GroupedGemmIsBitwiseTheSequentialLoop) {
+    const int64_t s = 5, b = 2, E = 6;
+    // SwiGLU / GELU x no bias / biases; 2 and 3 padded to a capacity below the busiest expert's load;
+    // 4 and 5 with bf16 parameters (GEMM operands and saved activations in bf16).
+    for (int variant = 0; variant < 6; ++variant) {
+        GptConfig config = small_config(/*swiglu=*/variant % 2 == 0, /*bias=*/variant == 1 || variant == 2);
+        if (variant >= 4) config.params_dtype = DType::bf16;
+        MoeConfig moe;
+        moe.num_experts = E;   // 10 tokens x 2 over 6 experts: some may get none
+        moe.topk        = 2;
+        if (variant == 2 || variant == 3) {
+            moe.capacity_factor = 0.5f;
+            moe.pad_to_capacity = true;
+        }
+        MoELayer loop("mlp", config, moe, dev());
+        moe.grouped_gemm = true;
+        MoELayer grouped("mlp", config, moe, dev());
+        loop.init(3, 0.5f, 0.3f);
+        grouped.init(3, 0.5f, 0.3f);
+        // The same seed gives the same values in both layouts (the grouped slices draw under the loop's names).
+        const int64_t f1 = config.swiglu ? 2 * config.ffn_hidden_size : config.ffn_hidden_size;
+        const size_t  bytes = f1 * config.hidden_size * dtype_size(config.params_dtype);
+        for (int64_t e = 0; e < E; ++e) {
+            EXPECT_EQ(0, std::memcmp(loop.experts.local[e]->fc1.weight.data.data_ptr(),
+                                     static_cast<const char *>(grouped.experts.fc1_weight.data.data_ptr()) + e * bytes, bytes));
+        }
+        if (config.add_bias_linear) {
+            std::vector<Parameter *> lp, gp;
+            loop.parameters(lp);
+            grouped.parameters(gp);
+            randomise_biases(lp, 7);
+            // The same bias values in the grouped layout: expert e's row e.
+            for (int64_t e = 0; e < E; ++e) {
+                std::memcpy(grouped.experts.fc1_bias.data.data<float>() + e * f1,
+                            loop.experts.local[e]->fc1.bias.data.data_ptr(), f1 * sizeof(float));
+                std::memcpy(grouped.experts.fc2_bias.data.data<float>() + e * config.hidden_size,
+                            loop.experts.local[e]->fc2.bias.data.data_ptr(), config.hidden_size * sizeof(float));
+            }
+            std::memcpy(grouped.router.bias.data.data_ptr(), loop.router.bias.data.data_ptr(), E * sizeof(float));
+        }
+        auto     xv = random_vector(s * b * config.hidden_size, 51);
+        auto     wv = random_vector(s * b * config.hidden_size, 52);
+        LayerRun a  = run_layer(loop, xv, wv, s, b);
+        LayerRun g  = run_layer(grouped, xv, wv, s, b);
+        const std::string what = "variant " + std::to_string(variant);
+        EXPECT_EQ(0, std::memcmp(a.y.data(), g.y.data(), a.y.size() * sizeof(float))) << what << ": y";
+        EXPECT_EQ(0, std::memcmp(a.dx.data(), g.dx.data(), a.dx.size() * sizeof(float))) << what << ": dx";
+        // Gradients: the router's, then each expert's against its slice of the grouped tensors.
+        EXPECT_EQ(a.grads[0], g.grads[0]) << what << ": router weight";
+        const int64_t per_expert = config.add_bias_linear ? 4 : 2;
+        const int64_t first      = config.add_bias_linear ? 2 : 1;   // after the router's parameters
+        for (int64_t kind = 0; kind < per_expert; ++kind) {
+            const std::vector<float> & all = g.grads[first + kind];   // fc1.w, (fc1.b), fc2.w, (fc2.b)
+            const int64_t              size = all.size() / E;
+            for (int64_t e = 0; e < E; ++e) {
+                const std::vector<float> & one = a.grads[first + e * per_expert + kind];
+                ASSERT_EQ(static_cast<int64_t>(one.size()), size);
+                EXPECT_EQ(0, std::memcmp(one.data(), all.data() + e * size, size * sizeof(float)))
+                    << what << ": expert " << e << " parameter kind " << kind;
+            }
+        }
+        EXPECT_EQ(a.ready.size(), a.grads.size());
+        EXPECT_EQ(g.ready.size(), g.grads.size());
+    }
+}
+
+TEST(MoELayer, GradientsMatchFiniteDifferences) {
+    const int64_t s = 4, b = 2;
+    struct Case { const char * name; bool swiglu, bias, grouped; MoeConfig moe; };
+    std::vector<Case> cases;
+    {
+        MoeConfig m;   // GELU with biases, post-softmax top-2, aux and z losses, no dropping
+        m.num_experts = 4, m.topk = 2, m.aux_loss_coeff = 0.5f, m.z_loss_coeff = 0.1f;
+        cases.push_back({"gelu bias softmax k2", false, true, false, m});
+    }
+    {
+        MoeConfig m;   // SwiGLU grouped, pre-softmax, dropping by probs padded to capacity, shared expert
+        m.num_experts = 4, m.topk = 2, m.pre_softmax = true, m.aux_loss_coeff = 0.5f, m.capacity_factor = 1.0f;
+        m.pad_to_capacity = true, m.grouped_gemm = true, m.shared_expert_intermediate_size = 6;
+        cases.push_back({"swiglu grouped pre-softmax padded shared", true, false, true, m});
+    }
+    {
+        MoeConfig m;   // sigmoid top-1, seq_aux_loss, dropping by position without padding
+        m.num_experts = 3, m.topk = 1, m.score_function = MoeScoreFunction::sigmoid;
+        m.load_balancing = MoeLoadBalancing::seq_aux_loss, m.aux_loss_coeff = 0.5f, m.capacity_factor = 1.0f;
+        m.drop_policy = MoeDropPolicy::position, m.z_loss_coeff = 0.1f;
+        cases.push_back({"sigmoid k1 seq_aux position", false, false, false, m});
+    }
+    for (const Case & c : cases) {
+        GptConfig config = small_config(c.swiglu, c.bias);
+        MoELayer  layer("mlp", config, c.moe, dev());
+        layer.init(9, 0.5f, 0.5f);
+        std::vector<Parameter *> params;
+        layer.parameters(params);
+        scale_parameters({&layer.router.weight}, 2.0f);   // logits of order 1
+        randomise_biases(params, 90);
+        const int64_t h  = config.hidden_size;
+        auto          xv = random_vector(s * b * h, 61);
+        auto          wv = random_vector(s * b * h, 62);
+        Tensor        x  = tensor_of(xv, {s * b, h});
+        auto objective = [&] {
+            MoELayer::Context ctx;
+            Tensor            y = layer.forward(ctx, x, s, b);
+            wait_compute();
+            const float * loss = ctx.router.losses.data<float>();
+            Probe         probe{dot(wv, y) + loss[router_loss_aux] + loss[router_loss_z], values<int32_t>(ctx.router.top_idx)};
+            auto          rows = values<int32_t>(ctx.plan.row_of);
+            probe.routing.insert(probe.routing.end(), rows.begin(), rows.end());
+            return probe;
+        };
+        LayerRun run = run_layer(layer, xv, wv, s, b);
+        EXPECT_EQ(run.ready.size(), params.size()) << c.name << ": every parameter is reported ready once";
+        EXPECT_GT(run.losses[router_loss_aux], 0.0f);
+        check_gradient(std::string(c.name) + ": dx", x.data<float>(), s * b * h, run.dx.data(), objective, 64);
+        for (size_t i = 0; i < params.size(); ++i) {
+            check_gradient(std::string(c.name) + ": " + params[i]->name, params[i]->data.data<float>(), params[i]->numel(),
+                           run.grads[i].data(), objective, 12);
+        }
+    }
+}
+
+TEST(MoELayer, CapacityZeroDropsEveryTokenAndLeavesTheSharedExpert) {
+    GptConfig config = small_config(false, false);
+    MoeConfig moe;
+    moe.num_experts     = 4;
+    moe.topk            = 2;
+    moe.capacity_factor = 0.0f;   // C = 0: every token dropped, the output is the shared expert's alone
+    moe.shared_expert_intermediate_size = 6;
+    MoELayer layer("mlp", config, moe, dev());
+    layer.init(4, 0.5f, 0.5f);
+    auto xv = random_vector(8 * config.hidden_size, 71), wv = random_vector(8 * config.hidden_size, 72);
+    LayerRun run = run_layer(layer, xv, wv, 4, 2);
+    Mlp::Context ctx;
+    Tensor shared = layer.shared_expert->forward(ctx, tensor_of(xv, {8, config.hidden_size}));
+    EXPECT_EQ(run.y, values<float>(shared));
+    std::vector<Parameter *> params;
+    layer.parameters(params);
+    EXPECT_EQ(run.ready.size(), params.size());
+}
+
+TEST(Experts, ExpertsWithoutTokensAddNoGradientAndAreStillReportedReady) {
+    // One token, top-2 of 4 experts: two experts get no rows.
+    GptConfig config = small_config(true, false);
+    MoeConfig moe;
+    moe.num_experts = 4;
+    moe.topk        = 2;
+    for (bool grouped : {false, true}) {
+        moe.grouped_gemm = grouped;
+        MoELayer layer("mlp", config, moe, dev());
+        layer.init(8, 0.5f, 0.5f);
+        auto     xv  = random_vector(config.hidden_size, 81), wv = random_vector(config.hidden_size, 82);
+        LayerRun run = run_layer(layer, xv, wv, 1, 1);
+        std::vector<Parameter *> params;
+        layer.parameters(params);
+        EXPECT_EQ(run.ready.size(), params.size());
+        int64_t zero_experts = 0;
+        for (int64_t e = 0; e < 4; ++e) {
+            // fc2's weight gradient of expert e: its own tensor, or its slice of the grouped one.
+            const std::vector<float> & g = grouped ? run.grads[2] : run.grads[1 + e * 2 + 1];
+            const int64_t size = grouped ? g.size() / 4 : g.size(), begin = grouped ? e * size : 0;
+            bool all_zero = std::all_of(g.begin() + begin, g.begin() + begin + size, [](float v) { return v == 0.0f; });
+            zero_experts += all_zero;
+        }
+        EXPECT_EQ(zero_experts, 2) << (grouped ? "grouped" : "sequential");
+    }
+}
