@@ -337,14 +337,14 @@ TEST(LoomEval, AnUntrainedModelScoresAboutLnVocab) {
 namespace {
 
 // `loom train ARGS` parsed and resolved in this process, as cmd_train does.
-train::TrainOptions parse_train(const std::vector<std::string> & args) {
+train::TrainOptions parse_train(const std::vector<std::string> & args, int64_t world_size = 1) {
     CLI::App                 app{"test", "loom train"};
     train::TrainOptionParser parser(app);
     std::vector<const char *> argv{"train"};
     for (const std::string & a : args) argv.push_back(a.c_str());
     train::check_option_values(app, static_cast<int>(argv.size()), argv.data());
     app.parse(static_cast<int>(argv.size()), argv.data());
-    return parser.resolve();
+    return parser.resolve(world_size);
 }
 
 }  // namespace
@@ -430,9 +430,9 @@ TEST(MegatronCommandLine, NothingIsSilentlyMisread) {
     EXPECT_EQ(run_status("train --mock-data --text-file /etc/hostname", &err), 2);
     EXPECT_NE(err.find("are exclusive (2 given)"), std::string::npos) << err;
     // Unknown flags: one per line, with their values, in the order given, a hint where Loom has one.
-    EXPECT_EQ(run_status("train --mock-data --foo 3 --no-such-switch --num-experts 8", &err), 2);
-    EXPECT_NE(err.find("3 flags are not supported by Loom:\n  --foo 3\n  --no-such-switch\n  --num-experts 8  "
-                       "(Mixture of Experts is not in Loom yet"),
+    EXPECT_EQ(run_status("train --mock-data --foo 3 --no-such-switch --moe-router-enable-expert-bias", &err), 2);
+    EXPECT_NE(err.find("3 flags are not supported by Loom:\n  --foo 3\n  --no-such-switch\n  --moe-router-enable-expert-bias  "
+                       "(Loom's router has no expert bias"),
               std::string::npos)
         << err;
     // --train-iters alone runs: warmup 0 (Megatron's default) cannot exceed the decay.
@@ -502,10 +502,14 @@ TEST(MegatronCommandLine, ImplementationFlagsAreAcceptedOrRefusedByValue) {
         EXPECT_EQ(run_status(std::string("train --mock-data ") + bad, &err), 2) << bad;
         EXPECT_NE(err.find(std::string(bad) + " is not supported by Loom"), std::string::npos) << err;
     }
-    for (const char * bad : {"--context-parallel-size 2", "--expert-model-parallel-size 2", "--expert-tensor-parallel-size 2"}) {
+    for (const char * bad : {"--context-parallel-size 2", "--num-experts 4 --expert-model-parallel-size 2",
+                             "--expert-tensor-parallel-size 2"}) {
         EXPECT_EQ(run_status(std::string("train --mock-data ") + bad, &err), 2) << bad;
-        EXPECT_NE(err.find(std::string(bad) + " is not supported by Loom"), std::string::npos) << err;
+        const std::string flag = std::string(bad).substr(std::string(bad).rfind("--"));
+        EXPECT_NE(err.find(flag + " is not supported by Loom"), std::string::npos) << err;
     }
+    EXPECT_EQ(run_status("train --mock-data --expert-model-parallel-size 2", &err), 2);
+    EXPECT_NE(err.find("num_experts must be non None to use expert model parallelism"), std::string::npos) << err;
     std::ifstream     in(std::string(LOOM_SOURCE_DIR) + "/docs/megatron_flags.md");
     const std::string doc{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
     ASSERT_FALSE(doc.empty());
@@ -542,6 +546,65 @@ TEST(MegatronCommandLine, HelpGroupsFlagsAsArgumentsPyDoes) {
     EXPECT_EQ(group_of("--data-cache-path"), "data and dataloader");
     EXPECT_EQ(group_of("--cuda-graph-impl"), "transformer configuration");
     EXPECT_EQ(group_of("--cuda-graph-modules"), "inference");
+}
+
+// --num-experts and --moe-*: Megatron's defaults (top-2, softmax after the top-k, aux_loss with coefficient
+// 0, dropless, every layer MoE), --moe-layer-freq as an integer or a list expression, and its checks.
+TEST(MegatronCommandLine, MoeFlagsFollowMegatronsRules) {
+    EXPECT_FALSE(parse_train({"--mock-data"}).model.moe.enabled());
+    const train::TrainOptions d = parse_train({"--mock-data", "--num-experts", "8"});
+    EXPECT_EQ(d.model.moe.num_experts, 8);
+    EXPECT_EQ(d.model.moe.topk, 2);
+    EXPECT_EQ(d.model.moe.score_function, model::MoeScoreFunction::softmax);
+    EXPECT_FALSE(d.model.moe.pre_softmax);
+    EXPECT_EQ(d.model.moe.load_balancing, model::MoeLoadBalancing::aux_loss);
+    EXPECT_EQ(d.model.moe.aux_loss_coeff, 0.0f);
+    EXPECT_EQ(d.model.moe.z_loss_coeff, 0.0f) << "None: no z-loss";
+    EXPECT_FALSE(d.model.moe.drops()) << "dropless unless --moe-expert-capacity-factor";
+    EXPECT_EQ(d.model.moe.expert_ffn(d.model), d.model.ffn_hidden_size);
+    for (int64_t i = 0; i < d.model.num_layers; ++i) EXPECT_TRUE(d.model.moe.is_moe_layer(i));
+    const train::TrainOptions f = parse_train({"--mock-data", "--num-layers", "8", "--num-experts", "4", "--moe-layer-freq", "2"});
+    EXPECT_TRUE(f.model.moe.is_moe_layer(0));
+    EXPECT_FALSE(f.model.moe.is_moe_layer(1));
+    EXPECT_TRUE(f.model.moe.is_moe_layer(6));
+    const train::TrainOptions p = parse_train({"--mock-data", "--num-layers", "8", "--num-experts", "4", "--moe-layer-freq",
+                                               "([1]*3+[0]*1)*2"});
+    EXPECT_EQ(p.model.moe.layer_pattern, (std::vector<int>{1, 1, 1, 0, 1, 1, 1, 0}));
+    EXPECT_EQ(parse_train({"--mock-data", "--num-layers", "2", "--num-experts", "4", "--moe-layer-freq", "[0, 1]"}).model.moe.layer_pattern,
+              (std::vector<int>{0, 1}));
+    const train::TrainOptions c = parse_train({"--mock-data", "--num-experts", "4", "--moe-router-topk", "1",
+                                               "--moe-router-pre-softmax", "--moe-expert-capacity-factor", "1.5",
+                                               "--moe-pad-expert-input-to-capacity", "--moe-token-drop-policy", "position",
+                                               "--moe-grouped-gemm", "--moe-ffn-hidden-size", "96", "--moe-z-loss-coeff", "1e-3",
+                                               "--moe-token-dispatcher-type", "alltoall"});
+    EXPECT_EQ(c.model.moe.capacity_factor, 1.5f);
+    EXPECT_TRUE(c.model.moe.pad_to_capacity);
+    EXPECT_EQ(c.model.moe.drop_policy, model::MoeDropPolicy::position);
+    EXPECT_TRUE(c.model.moe.grouped_gemm);
+    EXPECT_EQ(c.model.moe.expert_ffn(c.model), 96);
+    EXPECT_EQ(c.model.moe.z_loss_coeff, 1e-3f);
+    const std::pair<std::vector<std::string>, const char *> bad[] = {
+        {{"--num-experts", "4", "--moe-router-topk", "1"}, "Please use --moe-router-pre-softmax when topk is 1."},
+        {{"--num-experts", "4", "--moe-pad-expert-input-to-capacity"}, "moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity"},
+        {{"--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"}, "sinkhorn"},
+        {{"--num-experts", "4", "--moe-token-dispatcher-type", "flex"}, "--moe-token-dispatcher-type flex is not supported by Loom"},
+        {{"--num-experts", "4", "--moe-layer-freq", "[1,0]"}, "Invalid length of moe_layer_pattern: 2, expected 4"},
+        {{"--num-experts", "4", "--moe-layer-freq", "([1]*2"}, "a ')' is missing"},
+        {{"--num-experts", "4", "--moe-layer-freq", "0"}, "neither an integer >= 1 nor a list expression"},
+        {{"--num-experts", "4", "--moe-shared-expert-intermediate-size", "64"}, "please set '--disable-bias-linear'"},
+        {{"--moe-ffn-hidden-size", "64"}, "--moe-ffn-hidden-size without --num-experts"},
+        {{"--num-experts", "4", "--cuda-graph-impl", "transformer_engine"}, "with dropless MoE layers"},
+        {{"--num-experts", "4", "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "moe_router"},
+         "(a graph of part of a MoE layer) is not supported by Loom yet"},
+    };
+    for (const auto & [flags, message] : bad) {
+        std::vector<std::string> args{"--mock-data"};
+        args.insert(args.end(), flags.begin(), flags.end());
+        const std::string text = error_of([&] { parse_train(args); });
+        EXPECT_NE(text.find(message), std::string::npos) << text;
+    }
+    const std::string tp = error_of([] { parse_train({"--mock-data", "--num-experts", "4", "--tensor-model-parallel-size", "2"}, 2); });
+    EXPECT_NE(tp.find("--num-experts with --tensor-model-parallel-size 2"), std::string::npos) << tp;
 }
 
 // --cuda-graph-*: Megatron's choices, deprecated spellings and validity rules (arguments.py,

@@ -38,9 +38,10 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
                                                  std::shared_ptr<comm::Communicator> dp_group, Device & device)
     : config_(config), dp_group_(std::move(dp_group)), device_(device), params_(std::move(params)) {
     config_.validate();
+    // Expert parameters get buffers of their own (after the dense ones, as Megatron lays them out) and reduce
+    // over dp_group_, which is the expert-data-parallel group while the expert-parallel size is 1 (the
+    // options refuse more), so their gradients are averaged by 1 / dp like every other.
     for (const model::Parameter * p : params_) {
-        LOOM_CHECK(!p->expert, "parameter " << p->name << " is an expert parameter",
-                   "expert parameters reduce over the expert-data-parallel group, which needs MoE support");
         LOOM_CHECK(p->main_grad.dtype() == DType::f32, "parameter " << p->name << " has a "
                                                                     << dtype_name(p->main_grad.dtype()) << " main_grad",
                    "Loom accumulates gradients in float32");

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "core/dtype.h"
+#include "model/moe/moe_options.h"
 
 #include <cstdint>
 #include <string>
@@ -52,6 +53,7 @@ struct GptConfig {
     RecomputeGranularity recompute_granularity = RecomputeGranularity::none;
     RecomputeMethod      recompute_method      = RecomputeMethod::uniform;
     int64_t              recompute_num_layers  = 0;   // >= 1 with full
+    MoeConfig            moe;                         // --num-experts and --moe-*: MoE MLPs (none by default)
     uint64_t          seed                    = 1234;
     // Parameter and GEMM-operand dtype: f32, or bf16 with --bf16 (main_grad and master weights stay f32).
     DType             params_dtype            = DType::f32;

@@ -1,6 +1,7 @@
 #include "model/gpt_model.h"
 
 #include "core/ops.h"
+#include "model/moe/moe_layer.h"
 
 #include <algorithm>
 #include <cmath>
@@ -263,6 +264,27 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
     }
     ctx.batch = MicroBatch{};
     return dx;
+}
+
+void GptModel::set_moe_aux_loss_scale(float scale) {
+    for (auto & layer : layers_) {
+        if (layer->moe) layer->moe->aux_loss_backward_scale = scale;
+    }
+}
+
+std::array<double, 4> GptModel::take_moe_losses() {
+    std::array<double, 4> sums{};
+    for (auto & layer : layers_) {
+        if (!layer->moe) continue;
+        float * values = layer->moe_losses.data<float>();
+        for (size_t i = 0; i < sums.size(); ++i) sums[i] += values[i];
+        layer->moe_losses.fill_zero();
+    }
+    return sums;
+}
+
+int64_t GptModel::num_moe_layers() const {
+    return std::count_if(layers_.begin(), layers_.end(), [](const auto & layer) { return layer->moe != nullptr; });
 }
 
 std::vector<std::pair<int64_t, int64_t>> GptModel::recompute_groups() const {

@@ -16,6 +16,7 @@
 
 #include "model/layers.h"
 
+#include <array>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -129,6 +130,13 @@ public:
         graph_chunk_  = chunk;
     }
     int64_t            num_layers() const { return static_cast<int64_t>(layers_.size()); }
+    // MoE (--num-experts): the factor the router's aux and z losses' gradients are scaled by (Megatron's
+    // MoEAuxLossAutoScaler: 1 / the number of micro-batches, as the lm loss is averaged over them).
+    void    set_moe_aux_loss_scale(float scale);
+    // The router's four logged losses (router.h's RouterLoss order) summed over this chunk's MoE layers and
+    // over the training forwards since the last call, which clears them; wait for the compute stream first.
+    std::array<double, 4> take_moe_losses();
+    int64_t num_moe_layers() const;
     TransformerLayer & layer(int64_t i) { return *layers_.at(static_cast<size_t>(i)); }
     void zero_grad();
 

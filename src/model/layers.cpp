@@ -1,5 +1,7 @@
 #include "model/layers.h"
 
+#include "model/moe/moe_layer.h"
+
 #include "core/error.h"
 #include "core/ops.h"
 
@@ -423,8 +425,19 @@ TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & 
             c.params_dtype, device, tp),
       attention("layers." + std::to_string(index) + ".attention", c, device, tp),
       norm2("layers." + std::to_string(index) + ".norm2", c.hidden_size, c.normalization, c.norm_epsilon,
-            c.params_dtype, device, tp),
-      mlp("layers." + std::to_string(index) + ".mlp", c, device, tp) {}
+            c.params_dtype, device, tp) {
+    const std::string name = "layers." + std::to_string(index) + ".mlp";
+    if (c.moe.is_moe_layer(index)) {
+        LOOM_CHECK(tp.size == 1, "MoE layers with tensor parallelism (--tensor-model-parallel-size " << tp.size << ")",
+                   "Loom's experts run with --tensor-model-parallel-size 1 for now");
+        moe        = std::make_unique<MoELayer>(name, c, c.moe, device);
+        moe_losses = Tensor::zeros({router_loss_count}, DType::f32, device, {MemoryKind::device, "moe-metrics"});
+    } else {
+        mlp = std::make_unique<Mlp>(name, c, device, tp);
+    }
+}
+
+TransformerLayer::~TransformerLayer() = default;
 
 void TransformerLayer::init(uint64_t seed) {
     // Megatron's init: N(0, std) for inputs, std / sqrt(2 L) for the layers that write the residual.
@@ -433,14 +446,22 @@ void TransformerLayer::init(uint64_t seed) {
     norm1.init();
     attention.init(seed, std, output_std);
     norm2.init();
-    mlp.init(seed, std, output_std);
+    if (moe) {
+        moe->init(seed, std, output_std);
+    } else {
+        mlp->init(seed, std, output_std);
+    }
 }
 
 void TransformerLayer::parameters(std::vector<Parameter *> & out) {
     norm1.parameters(out);
     attention.parameters(out);
     norm2.parameters(out);
-    mlp.parameters(out);
+    if (moe) {
+        moe->parameters(out);
+    } else {
+        mlp->parameters(out);
+    }
 }
 
 Tensor TransformerLayer::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const DropoutBatch & batch) {
@@ -453,7 +474,15 @@ Tensor TransformerLayer::forward(Context & ctx, const Tensor & x, int64_t s, int
     Tensor h1 = attention.forward(ctx.attn, norm1.forward(ctx.norm1, x), s, b,
                                   dropout_key(config, tp, batch, index, DropoutKind::attention_probs, rows, attention.heads));
     if (ctx.attn_out.enabled()) ops.dropout(stream, h1, h1, ctx.attn_out);
-    Tensor h2 = mlp.forward(ctx.mlp, norm2.forward(ctx.norm2, h1, &x));   // h1 = x + attn, fused into norm2
+    const Tensor normed = norm2.forward(ctx.norm2, h1, &x);   // h1 = x + attn, fused into norm2
+    Tensor       h2;
+    if (moe) {
+        ctx.moe = std::make_shared<MoeLayerContext>();
+        h2      = moe->forward(*ctx.moe, normed, s, b, batch.training);
+        if (batch.training) ops.add_inplace(stream, moe_losses, ctx.moe->router.losses);
+    } else {
+        h2 = mlp->forward(ctx.mlp, normed);
+    }
     if (ctx.mlp_out.enabled()) ops.dropout(stream, h2, h2, ctx.mlp_out);
     ops.add_inplace(stream, h2, h1);   // h2 = h1 + mlp
     return h2;
@@ -470,7 +499,9 @@ Tensor TransformerLayer::backward(Context & ctx, const Tensor & dy, const GradRe
         ops.dropout(stream, g, out, key);
         return out;
     };
-    Tensor dh1 = norm2.backward(ctx.norm2, mlp.backward(ctx.mlp, dropped(dy, ctx.mlp_out), ready), ready);
+    Tensor dmlp = moe ? moe->backward(*ctx.moe, dropped(dy, ctx.mlp_out), ready) : mlp->backward(ctx.mlp, dropped(dy, ctx.mlp_out), ready);
+    ctx.moe.reset();
+    Tensor dh1 = norm2.backward(ctx.norm2, dmlp, ready);
     ops.add_inplace(stream, dh1, dy);
     Tensor dx = norm1.backward(ctx.norm1, attention.backward(ctx.attn, dropped(dh1, ctx.attn_out), ready), ready);
     ops.add_inplace(stream, dx, dh1);

@@ -176,16 +176,22 @@ public:
     Linear            fc2;   // f / tp -> h, row-parallel
 };
 
+class MoELayer;               // model/moe/moe_layer.h
+struct MoeLayerContext;
+
 // Pre-norm block: h1 = x + drop(attn(norm1(x))), then h1 + drop(mlp(norm2(h1))), each drop Megatron's
-// hidden dropout (its bias-dropout-add; the bias is added before the mask).
+// hidden dropout (its bias-dropout-add; the bias is added before the mask). The MLP is a Mixture of
+// Experts (model/moe/moe_layer.h) where config.moe says this layer is one (--num-experts, --moe-layer-freq).
 class TransformerLayer {
 public:
     TransformerLayer(int64_t index, const GptConfig & config, Device & device, const TensorParallel & tp = {});
+    ~TransformerLayer();
     struct Context {
-        Norm::Context          norm1, norm2;
-        SelfAttention::Context attn;
-        Mlp::Context           mlp;
-        Dropout                attn_out, mlp_out;   // the hidden dropouts' keys
+        Norm::Context                    norm1, norm2;
+        SelfAttention::Context           attn;
+        Mlp::Context                     mlp;
+        std::shared_ptr<MoeLayerContext> moe;                // MoE layers
+        Dropout                          attn_out, mlp_out;  // the hidden dropouts' keys
     };
 
     Tensor forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const DropoutBatch & batch = {});
@@ -198,7 +204,11 @@ public:
     Norm              norm1;
     SelfAttention     attention;
     Norm              norm2;
-    Mlp               mlp;
+    std::unique_ptr<Mlp>      mlp;   // dense layers
+    std::unique_ptr<MoELayer> moe;   // MoE layers
+    // MoE layers: the router's logged losses (router.h's four entries) summed over this layer's training
+    // forwards since the trainer last read and cleared them (Megatron's MoE metrics tracker).
+    Tensor            moe_losses;
 };
 
 }  // namespace loom::model

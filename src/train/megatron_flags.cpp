@@ -60,7 +60,7 @@ const std::map<std::string, std::string> & refusal_hints() {
                               "--merge-file M) or plain ids (--tokenizer-type NullTokenizer --vocab-size N)"},
         {"--wandb-project", "--log-file writes the logged scalars as JSON lines"},
         {"--fp8-format", "train in --bf16"},
-        {"--num-experts", "Mixture of Experts is not in Loom yet; train a dense model"},
+        {"--moe-router-enable-expert-bias", "Loom's router has no expert bias; balance with --moe-aux-loss-coeff"},
         {"--use-torch-fsdp2", "use --use-distributed-optimizer (ZeRO-1)"},
         {"--use-megatron-fsdp", "use --use-distributed-optimizer (ZeRO-1)"},
     };

@@ -6,6 +6,7 @@
 #include "data/blended_dataset.h"
 #include "data/gpt2_bpe.h"
 #include "model/hf_gpt2.h"
+#include "model/moe/moe_config.h"
 #include "pipeline/layer_assignment.h"
 #include "pipeline/schedule.h"
 
@@ -215,6 +216,32 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_option("--recompute-num-layers", recompute_num_layers_, "layers per group (uniform) or per stage (block)");
     app.add_flag("--recompute-activations", recompute_activations_, "the same as --recompute-granularity selective");
     app.add_option("--recompute-modules", recompute_modules_, "selective recompute's modules (Loom: core_attn)");
+    app.add_option("--num-experts", num_experts_, "experts per MoE layer (none: dense MLPs)");
+    app.add_option("--moe-layer-freq", moe_layer_freq_,
+                   "which layers are MoE: an integer N (layers 0, N, 2N, ...) or a Python list expression such as "
+                   "\"([1]*3+[0]*1)*2\" with one entry per layer")
+        ->capture_default_str();
+    app.add_option("--moe-ffn-hidden-size", moe_ffn_, "each expert's MLP width (default --ffn-hidden-size)");
+    app.add_option("--moe-router-topk", moe_topk_, "experts per token")->capture_default_str();
+    app.add_option("--moe-router-score-function", moe_score_function_, "softmax or sigmoid")->capture_default_str();
+    app.add_flag("--moe-router-pre-softmax", moe_pre_softmax_, "softmax over all experts before the top-k");
+    app.add_option("--moe-router-topk-scaling-factor", moe_topk_scaling_, "multiplies the routing probabilities");
+    app.add_option("--moe-router-load-balancing-type", moe_load_balancing_, "aux_loss, seq_aux_loss or none")
+        ->capture_default_str();
+    app.add_option("--moe-aux-loss-coeff", moe_aux_loss_coeff_, "the load-balancing loss's coefficient")
+        ->capture_default_str();
+    app.add_option("--moe-z-loss-coeff", moe_z_loss_coeff_, "the router z-loss's coefficient (default: none)");
+    app.add_option("--moe-expert-capacity-factor", moe_capacity_factor_,
+                   "each expert takes at most ceil(tokens x topk / experts x factor) tokens; the rest are dropped "
+                   "(default: none, dropless)");
+    app.add_flag("--moe-pad-expert-input-to-capacity", moe_pad_, "pad every expert's input to its capacity");
+    app.add_option("--moe-token-drop-policy", moe_drop_policy_, "probs (keep the most probable) or position (the first)")
+        ->capture_default_str();
+    app.add_flag("--moe-grouped-gemm", moe_grouped_gemm_, "every expert's GEMMs in one grouped call (bitwise the loop)");
+    app.add_option("--moe-shared-expert-intermediate-size", moe_shared_ffn_, "a shared expert of this width");
+    app.add_option("--moe-token-dispatcher-type", moe_dispatcher_,
+                   "allgather or alltoall (with --expert-model-parallel-size 1 both permute the same tokens on one rank)")
+        ->capture_default_str();
     app.add_option("--cuda-graph-impl", cuda_graph_impl_,
                    "none, or transformer_engine: capture every transformer layer's forward and backward per "
                    "micro-batch as graphs after --cuda-graph-warmup-steps eager iterations, and replay them "
@@ -252,6 +279,134 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
         if (option->get_type_name() == "INT") option->check(int64_range);
     }
     group_like_megatron(app);
+}
+
+namespace {
+
+// --moe-layer-freq's Python list expression: sums of lists and parenthesised sums, each repeated with
+// "* N" ("([1]*3+[0]*1)*2" -> 1 1 1 0 1 1 1 0), the subset of Python Megatron's examples use.
+class LayerPatternParser {
+public:
+    explicit LayerPatternParser(const std::string & text) : text_(text) {}
+    std::vector<int> parse() {
+        std::vector<int> out = sum();
+        skip();
+        LOOM_CHECK(at_ == text_.size(), "--moe-layer-freq '" << text_ << "': unexpected '" << text_.substr(at_) << "'",
+                   "write an integer or a list expression such as \"([1]*3+[0]*1)*2\"");
+        return out;
+    }
+
+private:
+    void skip() { while (at_ < text_.size() && text_[at_] == ' ') ++at_; }
+    bool take(char c) {
+        skip();
+        if (at_ < text_.size() && text_[at_] == c) return ++at_, true;
+        return false;
+    }
+    int64_t integer() {
+        skip();
+        size_t end = at_;
+        while (end < text_.size() && std::isdigit(static_cast<unsigned char>(text_[end]))) ++end;
+        LOOM_CHECK(end > at_ && end - at_ < 10, "--moe-layer-freq '" << text_ << "': a number expected at '" << text_.substr(at_) << "'", "");
+        int64_t value = std::stoll(text_.substr(at_, end - at_));
+        at_ = end;
+        return value;
+    }
+    std::vector<int> atom() {
+        std::vector<int> out;
+        if (take('(')) {
+            out = sum();
+            LOOM_CHECK(take(')'), "--moe-layer-freq '" << text_ << "': a ')' is missing", "");
+        } else {
+            LOOM_CHECK(take('['), "--moe-layer-freq '" << text_ << "': a list or '(' expected at '" << text_.substr(at_) << "'", "");
+            if (!take(']')) {
+                do out.push_back(static_cast<int>(integer())); while (take(','));
+                LOOM_CHECK(take(']'), "--moe-layer-freq '" << text_ << "': a ']' is missing", "");
+            }
+        }
+        while (take('*')) {
+            const int64_t times = integer();
+            LOOM_CHECK(times <= 100000, "--moe-layer-freq '" << text_ << "': a repeat of " << times, "");
+            std::vector<int> repeated;
+            for (int64_t i = 0; i < times; ++i) repeated.insert(repeated.end(), out.begin(), out.end());
+            out = std::move(repeated);
+        }
+        return out;
+    }
+    std::vector<int> sum() {
+        std::vector<int> out = atom();
+        while (take('+')) {
+            std::vector<int> more = atom();
+            out.insert(out.end(), more.begin(), more.end());
+        }
+        return out;
+    }
+
+    const std::string & text_;
+    size_t              at_ = 0;
+};
+
+}  // namespace
+
+// --num-experts and --moe-*: Megatron's defaults, choices and checks (arguments.py, transformer_config.py,
+// model/moe/moe_config.h); what Loom's single-rank experts cannot do is refused by name.
+void TrainOptionParser::resolve_moe(TrainOptions & o) const {
+    auto given = [&](const char * flag) { return app_.count(flag) > 0; };
+    model::MoeConfig & moe = o.model.moe;
+    LOOM_CHECK(expert_parallel_size_ == 1 || given("--num-experts"), "num_experts must be non None to use expert model parallelism", "");
+    if (!given("--num-experts")) {
+        for (const char * flag : {"--moe-ffn-hidden-size", "--moe-grouped-gemm", "--moe-shared-expert-intermediate-size"}) {
+            LOOM_CHECK(!given(flag), flag << " without --num-experts", "add --num-experts E to make the MLPs Mixtures of Experts");
+        }
+        return;
+    }
+    LOOM_CHECK(num_experts_ >= 1, "--num-experts must be >= 1, got " << num_experts_, "");
+    LOOM_CHECK(num_experts_ % expert_parallel_size_ == 0, "Number of experts should be a multiple of expert model parallel_size.", "");
+    moe.num_experts = num_experts_;
+    moe.topk        = moe_topk_;
+    LOOM_CHECK(moe_score_function_ == "softmax" || moe_score_function_ == "sigmoid",
+               "--moe-router-score-function " << moe_score_function_ << " is not supported by Loom", "use softmax or sigmoid");
+    moe.score_function      = moe_score_function_ == "sigmoid" ? model::MoeScoreFunction::sigmoid : model::MoeScoreFunction::softmax;
+    moe.pre_softmax         = moe_pre_softmax_;
+    moe.topk_scaling_factor = given("--moe-router-topk-scaling-factor") ? moe_topk_scaling_ : 0.0f;
+    LOOM_CHECK(moe_load_balancing_.size() == 1 && moe_aux_loss_coeff_.size() == 1,
+               "--moe-router-load-balancing-type and --moe-aux-loss-coeff with several values (combined balancing losses) "
+               "are not supported by Loom", "give one type and one coefficient");
+    moe.load_balancing = model::moe_load_balancing_parse(moe_load_balancing_[0]);
+    moe.aux_loss_coeff = moe_aux_loss_coeff_[0];
+    moe.z_loss_coeff   = given("--moe-z-loss-coeff") ? moe_z_loss_coeff_ : 0.0f;
+    moe.capacity_factor = given("--moe-expert-capacity-factor") ? moe_capacity_factor_ : -1.0f;
+    LOOM_CHECK(!given("--moe-expert-capacity-factor") || moe_capacity_factor_ >= 0.0f,
+               "--moe-expert-capacity-factor must be >= 0, got " << moe_capacity_factor_, "");
+    moe.pad_to_capacity = moe_pad_;
+    LOOM_CHECK(moe_drop_policy_ == "probs" || moe_drop_policy_ == "position",
+               "argument --moe-token-drop-policy: invalid choice: '" << moe_drop_policy_ << "' (choose from 'probs', 'position')", "");
+    moe.drop_policy     = moe_drop_policy_ == "position" ? model::MoeDropPolicy::position : model::MoeDropPolicy::probs;
+    moe.ffn_hidden_size = moe_ffn_;
+    moe.grouped_gemm    = moe_grouped_gemm_;
+    moe.shared_expert_intermediate_size = moe_shared_ffn_;
+    LOOM_CHECK(moe_dispatcher_ == "allgather" || moe_dispatcher_ == "alltoall" || moe_dispatcher_ == "flex",
+               "argument --moe-token-dispatcher-type: invalid choice: '" << moe_dispatcher_
+                                                                         << "' (choose from 'allgather', 'alltoall', 'flex')", "");
+    LOOM_CHECK(moe_dispatcher_ != "flex", "--moe-token-dispatcher-type flex is not supported by Loom", "use allgather or alltoall");
+    if (moe_layer_freq_.find('[') != std::string::npos) {
+        moe.layer_pattern = LayerPatternParser(moe_layer_freq_).parse();
+        LOOM_CHECK(static_cast<int64_t>(moe.layer_pattern.size()) == o.model.num_layers,
+                   "Invalid length of moe_layer_pattern: " << moe.layer_pattern.size() << ", expected " << o.model.num_layers
+                                                           << ", current moe layer pattern: " << moe_layer_freq_, "");
+        for (int v : moe.layer_pattern) LOOM_CHECK(v == 0 || v == 1, "--moe-layer-freq '" << moe_layer_freq_ << "': entries are 0 or 1", "");
+    } else {
+        char * end = nullptr;
+        errno      = 0;
+        const long long n = std::strtoll(moe_layer_freq_.c_str(), &end, 10);
+        LOOM_CHECK(end != moe_layer_freq_.c_str() && *end == '\0' && errno == 0 && n >= 1,
+                   "--moe-layer-freq '" << moe_layer_freq_ << "' is neither an integer >= 1 nor a list expression", "");
+        moe.layer_freq = n;
+    }
+    model::moe_config_validate(moe, o.model);
+    LOOM_CHECK(o.tensor_parallel_size == 1, "--num-experts with --tensor-model-parallel-size " << o.tensor_parallel_size
+                                                                                             << " is not supported by Loom yet",
+               "Loom's experts run without tensor parallelism for now");
 }
 
 // Megatron's rules (arguments.py validate_args, TransformerConfig.__post_init__), in its words where it has
@@ -292,8 +447,11 @@ void TrainOptionParser::resolve_cuda_graphs(TrainOptions & o) const {
     LOOM_CHECK(!(has("moe") && has("moe_router")), "cuda_graph_modules must not contain both moe and moe_router.", "");
     LOOM_CHECK(!has("moe_preprocess") || has("moe_router"),
                "moe_preprocess cuda graph is only supported with moe_router cuda graph.", "");
-    LOOM_CHECK(!(has("moe") || has("moe_router")), "moe cuda graph is only supported for MoE.",
-               "Loom has no --num-experts yet");
+    LOOM_CHECK(!(has("moe") || has("moe_router")) || o.model.moe.num_experts > 1, "moe cuda graph is only supported for MoE.",
+               "the MoE scopes need --num-experts > 1");
+    LOOM_CHECK(!(has("moe") || has("moe_router") || has("moe_preprocess")) || impl == "none",
+               "--cuda-graph-modules " << (has("moe") ? "moe" : "moe_router") << " (a graph of part of a MoE layer) is not supported by Loom yet",
+               "give no --cuda-graph-modules to capture whole layers (MoE layers need --moe-pad-expert-input-to-capacity)");
     LOOM_CHECK(!has("mamba"), "--cuda-graph-modules mamba: Loom has no Mamba layers", "");
     LOOM_CHECK(!(has("attn") || has("mlp")) || impl == "none",
                "--cuda-graph-modules " << (has("attn") ? "attn" : "mlp") << " (a graph of part of a layer) is not supported by Loom",
@@ -301,6 +459,11 @@ void TrainOptionParser::resolve_cuda_graphs(TrainOptions & o) const {
     LOOM_CHECK(o.cuda_graph_warmup_steps >= 0, "--cuda-graph-warmup-steps must be >= 0, got " << o.cuda_graph_warmup_steps, "");
     o.layer_graphs = impl == "transformer_engine";
     if (o.layer_graphs) {
+        LOOM_CHECK(!o.model.moe.enabled() || o.model.moe.pad_to_capacity,
+                   "--cuda-graph-impl transformer_engine with dropless MoE layers",
+                   "a dropless dispatch reads each expert's token count on the host, which no graph can; add "
+                   "--moe-expert-capacity-factor and --moe-pad-expert-input-to-capacity (Megatron's rule for graphing "
+                   "whole MoE layers)");
         LOOM_CHECK(o.model.recompute_granularity != model::RecomputeGranularity::full,
                    "full recompute is only supported with full iteration CUDA graph.",
                    "drop --recompute-granularity full, or --cuda-graph-impl");
@@ -582,9 +745,9 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
                "--expert-tensor-parallel-size " << expert_tensor_parallel_size_
                                                 << " is not supported by Loom (no experts yet)",
                "only the default, --tensor-model-parallel-size (" << o.tensor_parallel_size << "), is accepted");
-    LOOM_CHECK(expert_parallel_size_ == 1, "--expert-model-parallel-size " << expert_parallel_size_
-                                                                           << " is not supported by Loom (no experts yet)",
-               "only --expert-model-parallel-size 1 is accepted");
+    LOOM_CHECK(expert_parallel_size_ == 1 || app_.count("--num-experts") == 0,
+               "--expert-model-parallel-size " << expert_parallel_size_ << " is not supported by Loom yet",
+               "only --expert-model-parallel-size 1 is accepted (experts replicated over data parallelism)");
     for (auto [flag, p] : {std::pair{"--hidden-dropout", hidden_dropout_}, {"--attention-dropout", attention_dropout_}}) {
         LOOM_CHECK(p >= 0.0f && p < 1.0f, flag << " " << p << " is not a probability in [0, 1)",
                    "Megatron's default is 0.1; 0 turns the dropout off");
@@ -676,6 +839,7 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
                                 << m.head_dim() << " wide",
                "drop --kv-channels, or choose --hidden-size and --num-attention-heads so that it is their quotient");
     apply_tokenizer(o, given("--vocab-size"));
+    resolve_moe(o);
     resolve_cuda_graphs(o);
     if (given("--seed")) m.seed = seed_;
     validate_checkpoint_flags(o, given("--save-interval"), given("--exit-interval"), given("--ckpt-step"));

@@ -194,6 +194,15 @@ private:
     int64_t     recompute_num_layers_ = 0;
     bool        recompute_activations_ = false;
     std::vector<std::string> recompute_modules_;
+    // --num-experts and --moe-*, resolved into model.moe by resolve_moe.
+    int64_t                  num_experts_ = 0, moe_topk_ = 2, moe_ffn_ = 0, moe_shared_ffn_ = 0;
+    std::string              moe_layer_freq_ = "1", moe_score_function_ = "softmax", moe_drop_policy_ = "probs";
+    std::string              moe_dispatcher_ = "allgather";
+    std::vector<std::string> moe_load_balancing_{"aux_loss"};
+    std::vector<float>       moe_aux_loss_coeff_{0.0f};
+    float                    moe_z_loss_coeff_ = 0.0f, moe_capacity_factor_ = 0.0f, moe_topk_scaling_ = 0.0f;
+    bool                     moe_pre_softmax_ = false, moe_pad_ = false, moe_grouped_gemm_ = false;
+    void                     resolve_moe(TrainOptions & o) const;
     std::string              cuda_graph_impl_ = "none";
     std::vector<std::string> cuda_graph_modules_, cuda_graph_scope_;
     bool                     enable_cuda_graph_ = false, external_cuda_graph_ = false;

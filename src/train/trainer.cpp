@@ -1,8 +1,11 @@
 #include "train/trainer.h"
 
+#include "model/moe/router.h"
+
 #include "core/device.h"
 #include "data/mapped_file.h"
 #include "ddp/finalize_grads.h"
+#include "model/moe/router.h"
 
 #include <atomic>
 #include <chrono>
@@ -44,9 +47,13 @@ std::string megatron_log_line(const IterationStats & s, int64_t train_iters, boo
     if (with_throughput) {
         n += std::snprintf(buffer + n, sizeof(buffer) - n, " throughput per GPU (TFLOP/s/GPU): %.1f |", s.tflops);
     }
-    n += std::snprintf(buffer + n, sizeof(buffer) - n,
-                       " learning rate: %.6E | global batch size: %5lld | lm loss: %.6E | loss scale: %.1f | grad norm: %.3f |",
-                       s.learning_rate, static_cast<long long>(s.global_batch_size), s.lm_loss, s.loss_scale, s.grad_norm);
+    n += std::snprintf(buffer + n, sizeof(buffer) - n, " learning rate: %.6E | global batch size: %5lld | lm loss: %.6E |",
+                       s.learning_rate, static_cast<long long>(s.global_batch_size), s.lm_loss);
+    // The MoE losses follow lm loss, as the other keys of Megatron's total_loss_dict do.
+    for (const auto & [name, value] : s.moe_losses) {
+        n += std::snprintf(buffer + n, sizeof(buffer) - n, " %s: %.6E |", name.c_str(), value);
+    }
+    n += std::snprintf(buffer + n, sizeof(buffer) - n, " loss scale: %.1f | grad norm: %.3f |", s.loss_scale, s.grad_norm);
     if (s.num_zeros >= 0) n += std::snprintf(buffer + n, sizeof(buffer) - n, " num zeros: %.1f |", s.num_zeros);
     if (s.params_norm >= 0) n += std::snprintf(buffer + n, sizeof(buffer) - n, " params norm: %.3f |", s.params_norm);
     std::snprintf(buffer + n, sizeof(buffer) - n, " number of skipped iterations: %3lld | number of nan iterations: %3lld |",
@@ -63,6 +70,7 @@ std::string metrics_json(const IterationStats & s) {
     j["learning rate"]               = s.learning_rate;
     j["global batch size"]           = s.global_batch_size;
     j["lm loss"]                     = s.lm_loss;
+    for (const auto & [name, value] : s.moe_losses) j[name] = value;
     j["loss scale"]                  = s.loss_scale;
     j["grad norm"]                   = s.grad_norm;
     if (s.num_zeros >= 0) j["num zeros"] = s.num_zeros;
@@ -107,6 +115,34 @@ Trainer::Trainer(const TrainOptions & options, std::unique_ptr<Setup> owned, Set
         if (consumed_ > 0) data_.set_consumed_samples(consumed_);
     }
     start_iteration_ = iteration_;
+    for (model::GptModel * chunk : setup_.chunks) {
+        chunk->set_moe_aux_loss_scale(1.0f / static_cast<float>(options_.num_microbatches()));
+    }
+}
+
+std::vector<std::pair<std::string, double>> Trainer::moe_losses() {
+    const model::MoeConfig & moe = options_.model.moe;
+    if (!moe.enabled()) return {};
+    Tensor sums = Tensor::zeros({4}, DType::f32, model_.device());
+    for (model::GptModel * chunk : setup_.chunks) {
+        const std::array<double, 4> mine = chunk->take_moe_losses();
+        for (size_t i = 0; i < mine.size(); ++i) sums.data<float>()[i] += static_cast<float>(mine[i]);
+    }
+    if (stages_) stages_->all_reduce(sums, comm::ReduceOp::sum)->wait();   // every stage's layers
+    if (const comm::Communicator * dp = setup_.groups.dp.get(); dp && dp->size() > 1) {
+        setup_.groups.dp->all_reduce(sums, comm::ReduceOp::avg)->wait();
+    }
+    int64_t layers = 0;
+    for (int64_t i = 0; i < options_.model.num_layers; ++i) layers += moe.is_moe_layer(i) ? 1 : 0;
+    const double per_layer_microbatch = 1.0 / (static_cast<double>(options_.num_microbatches()) * static_cast<double>(layers));
+    std::vector<std::pair<std::string, double>> out;
+    if (moe.load_balancing != model::MoeLoadBalancing::none) {
+        out.emplace_back(moe.load_balancing == model::MoeLoadBalancing::seq_aux_loss ? "seq_load_balancing_loss"
+                                                                                   : "load_balancing_loss",
+                         sums.data<float>()[model::router_loss_aux_logged] * per_layer_microbatch);
+    }
+    if (moe.z_loss_coeff > 0.0f) out.emplace_back("z_loss", sums.data<float>()[model::router_loss_z_logged] * per_layer_microbatch);
+    return out;
 }
 
 void BatchSource::set_consumed_samples(int64_t consumed) {
@@ -176,6 +212,7 @@ double Trainer::step(IterationStats & stats) {
         executor_->run([this] { return data_.next(); }, grad_ready_,
                        d ? std::function<void(bool)>([d](bool last) { d->set_last_microbatch(last); }) : nullptr);
     peak_in_flight_ = std::max(peak_in_flight_, r.peak_in_flight);
+    stats.moe_losses = moe_losses();   // run() waited for the stream
     timer_seconds_[0] += seconds_since(mark);
     const comm::Communicator * dp = setup_.groups.dp.get();
     if (timed) {
@@ -374,12 +411,15 @@ TrainSummary Trainer::run(FILE * out) {
     auto   window_start = start;
     double window_loss  = 0;
     int64_t window_iters = 0;
+    std::vector<std::pair<std::string, double>> window_moe;   // MoE losses summed over the window
     bool    saved_last   = false;   // the last iteration run has been saved
     for (int64_t k = iteration_ + 1; k <= options_.train_iters; ++k) {
         IterationStats stats;
         double         loss = step(stats);
         summary.losses.push_back(loss);
         window_loss += loss;
+        if (window_moe.empty()) window_moe = stats.moe_losses;
+        else for (size_t i = 0; i < window_moe.size(); ++i) window_moe[i].second += stats.moe_losses[i].second;
         ++window_iters;
         if (board && k % options_.tensorboard_log_interval == 0) {
             // Megatron's training_log: each scalar by iteration and "vs samples".
@@ -395,6 +435,7 @@ TrainSummary Trainer::run(FILE * out) {
                 both("world-size", static_cast<double>(everyone ? everyone->size() : 1));
             }
             both("grad-norm", stats.grad_norm);
+            for (const auto & [name, value] : stats.moe_losses) board->add_scalar(name, value, k);   // the MoE tracker's
             if (stats.num_zeros >= 0) both("num-zeros", stats.num_zeros);
             if (stats.params_norm >= 0) both("params-norm", stats.params_norm);
             if (options_.log_memory_to_tensorboard) {
@@ -411,6 +452,8 @@ TrainSummary Trainer::run(FILE * out) {
             stats.elapsed_ms = seconds * 1000.0 / static_cast<double>(window_iters);
             stats.tflops     = flops_per_iteration / (stats.elapsed_ms / 1000.0) / 1e12;
             stats.lm_loss    = window_loss / static_cast<double>(window_iters);
+            stats.moe_losses = window_moe;
+            for (auto & entry : stats.moe_losses) entry.second /= static_cast<double>(window_iters);
             if (board && options_.log_timers_to_tensorboard) {
                 board->add_scalar("iteration-time", stats.elapsed_ms / 1000.0, k);
             }
@@ -431,6 +474,7 @@ TrainSummary Trainer::run(FILE * out) {
             }
             window_start = now;
             window_loss  = 0;
+            window_moe.clear();
             window_iters = 0;
         } else if (progress_bar) {
             double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

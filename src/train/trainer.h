@@ -50,6 +50,9 @@ struct IterationStats {
     double  learning_rate     = 0;
     int64_t global_batch_size = 0;
     double  lm_loss           = 0;   // mean over the log interval
+    // MoE: Megatron's tracked router losses, each the mean over MoE layers of its per-micro-batch mean
+    // (then over the log interval), by name ("load_balancing_loss", "seq_load_balancing_loss", "z_loss").
+    std::vector<std::pair<std::string, double>> moe_losses;
     double  loss_scale        = 1.0;
     double  grad_norm         = 0;
     double  num_zeros         = -1;   // --log-num-zeros-in-grad (< 0: not logged)
@@ -129,6 +132,9 @@ private:
     std::unique_ptr<pipeline::PipelineExecutor> executor_;   // every layout, one stage included
     std::unique_ptr<graphs::LayerGraphRunner>   layer_graphs_;   // --cuda-graph-impl transformer_engine, once captured
     int64_t                                     start_iteration_ = 0;   // the iteration this run started after
+    // The MoE router losses of the iteration just run (names as IterationStats::moe_losses), reduced
+    // over the pipeline (sum over layers) and data-parallel ranks (mean).
+    std::vector<std::pair<std::string, double>> moe_losses();
     int                                         peak_in_flight_ = 0;
     optim::LrSchedule                           schedule_;
     BatchSource *                               valid_ = nullptr;

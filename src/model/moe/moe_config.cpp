@@ -6,6 +6,10 @@
 
 namespace loom::model {
 
+int64_t MoeConfig::expert_ffn(const GptConfig & config) const {
+    return ffn_hidden_size > 0 ? ffn_hidden_size : config.ffn_hidden_size;
+}
+
 const char * moe_score_function_name(MoeScoreFunction f) {
     return f == MoeScoreFunction::softmax ? "softmax" : "sigmoid";
 }

@@ -13,35 +13,12 @@
 #pragma once
 
 #include "model/gpt_config.h"
+#include "model/moe/moe_options.h"
 
 #include <cstdint>
 #include <string>
 
 namespace loom::model {
-
-enum class MoeScoreFunction { softmax, sigmoid };                // --moe-router-score-function
-enum class MoeLoadBalancing { aux_loss, seq_aux_loss, none };    // --moe-router-load-balancing-type
-enum class MoeDropPolicy { probs, position };                    // --moe-token-drop-policy
-
-struct MoeConfig {
-    int64_t          num_experts          = 0;       // --num-experts (0: no MoE)
-    int64_t          topk                 = 2;       // --moe-router-topk
-    MoeScoreFunction score_function       = MoeScoreFunction::softmax;
-    bool             pre_softmax          = false;   // --moe-router-pre-softmax
-    float            topk_scaling_factor  = 0.0f;    // --moe-router-topk-scaling-factor (0: none)
-    MoeLoadBalancing load_balancing       = MoeLoadBalancing::aux_loss;
-    float            aux_loss_coeff       = 0.0f;    // --moe-aux-loss-coeff
-    float            z_loss_coeff         = 0.0f;    // --moe-z-loss-coeff (0: none)
-    float            capacity_factor      = -1.0f;   // --moe-expert-capacity-factor (< 0: none, no dropping)
-    bool             pad_to_capacity      = false;   // --moe-pad-expert-input-to-capacity
-    MoeDropPolicy    drop_policy          = MoeDropPolicy::probs;
-    int64_t          ffn_hidden_size      = 0;       // --moe-ffn-hidden-size (0: --ffn-hidden-size)
-    bool             grouped_gemm         = false;   // --moe-grouped-gemm
-    int64_t          shared_expert_intermediate_size = 0;   // --moe-shared-expert-intermediate-size (0: none)
-
-    bool    drops() const { return capacity_factor >= 0.0f; }
-    int64_t expert_ffn(const GptConfig & config) const { return ffn_hidden_size > 0 ? ffn_hidden_size : config.ffn_hidden_size; }
-};
 
 // Megatron's spellings, for messages and option tables.
 const char *     moe_score_function_name(MoeScoreFunction f);

@@ -37,20 +37,24 @@
 
 namespace loom::model {
 
+// What one (MoE layer, micro-batch) saves for backward (a namespace-level struct, so layers.h can name it
+// before this header).
+struct MoeLayerContext {
+    Router::Context  router;
+    DispatchPlan     plan;
+    Experts::Context experts;
+    Mlp::Context     shared;
+    Tensor           yp;         // (R, h) the experts' outputs, for the probabilities' gradient
+    int64_t          rows = 0;   // R
+};
+
 class MoELayer {
 public:
     MoELayer(const std::string & name, const GptConfig & config, const MoeConfig & moe, Device & device);
     MoELayer(const MoELayer &) = delete;   // the experts hold references into it
     MoELayer & operator=(const MoELayer &) = delete;
 
-    struct Context {
-        Router::Context  router;
-        DispatchPlan     plan;
-        Experts::Context experts;
-        Mlp::Context     shared;
-        Tensor           yp;         // (R, h) the experts' outputs, for the probabilities' gradient
-        int64_t          rows = 0;   // R
-    };
+    using Context = MoeLayerContext;
 
     // x (n, h) f32, n = s b rows in (s, b) order; training: compute the aux and z losses.
     Tensor forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, bool training = true);
