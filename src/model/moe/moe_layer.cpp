@@ -41,10 +41,18 @@ void MoELayer::parameters(std::vector<Parameter *> & out) {
 Tensor MoELayer::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, bool training) {
     LOOM_CHECK(x.dim() == 2 && x.size(0) == s * b && x.dtype() == DType::f32,
                "MoE input " << x.describe() << ", expected (" << s * b << ", h) float32 rows", "");
+    forward_router(ctx, x, b, training, true);
+    return forward_experts(ctx, x);
+}
+
+void MoELayer::forward_router(Context & ctx, const Tensor & x, int64_t b, bool training, bool with_plan) {
+    router.forward(ctx.router, x, b, training);
+    if (with_plan) ctx.plan = dispatch_plan_create(ctx.router.top_idx, ctx.router.probs, moe);
+}
+
+Tensor MoELayer::forward_experts(Context & ctx, const Tensor & x) {
     Ops &    ops    = x.device().ops();
     Stream & stream = x.device().compute_stream();
-    router.forward(ctx.router, x, b, training);
-    ctx.plan                    = dispatch_plan_create(ctx.router.top_idx, ctx.router.probs, moe);
     std::vector<int64_t> counts = dispatch_plan_counts(ctx.plan);
     ctx.rows                    = 0;
     for (int64_t c : counts) ctx.rows += c;
@@ -62,9 +70,14 @@ Tensor MoELayer::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, 
 }
 
 Tensor MoELayer::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
+    Tensor dx, dprobs;
+    backward_experts(ctx, dy, ready, dx, dprobs);
+    return backward_router(ctx, dx, dprobs, ready);
+}
+
+void MoELayer::backward_experts(Context & ctx, const Tensor & dy, const GradReadyFn & ready, Tensor & dx, Tensor & dprobs) {
     Ops &    ops    = dy.device().ops();
     Stream & stream = dy.device().compute_stream();
-    Tensor   dx, dprobs;
     if (ctx.rows > 0) {
         Tensor dyp;
         moe_unpermute_backward(dy, ctx.yp, ctx.plan, dyp, dprobs);
@@ -83,7 +96,12 @@ Tensor MoELayer::backward(Context & ctx, const Tensor & dy, const GradReadyFn & 
         }
     }
     if (shared_expert) ops.add_inplace(stream, dx, shared_expert->backward(ctx.shared, dy, ready));
-    ops.add_inplace(stream, dx, router.backward(ctx.router, dprobs, aux_loss_backward_scale, ready));
+    ctx.plan = DispatchPlan();
+}
+
+Tensor MoELayer::backward_router(Context & ctx, const Tensor & dx, const Tensor & dprobs, const GradReadyFn & ready) {
+    dx.device().ops().add_inplace(dx.device().compute_stream(), dx,
+                                  router.backward(ctx.router, dprobs, aux_loss_backward_scale, ready));
     ctx.plan = DispatchPlan();
     return dx;
 }

@@ -23,17 +23,22 @@ void check_rows(const Tensor & t, int64_t rows, const char * what) {
 
 }  // namespace
 
-DispatchPlan dispatch_plan_create(const Tensor & top_idx, const Tensor & probs, const MoeConfig & moe) {
-    LOOM_CHECK(top_idx.dim() == 2 && top_idx.dtype() == DType::i32, "top_idx " << top_idx.describe(), "");
-    LOOM_CHECK(probs.dtype() == DType::f32 && probs.numel() == top_idx.numel(), "probs " << probs.describe(), "");
-    Device &     device = top_idx.device();
+DispatchPlan dispatch_plan_shape(int64_t n, int64_t k, const MoeConfig & moe) {
     DispatchPlan plan;
-    plan.n        = top_idx.size(0);
-    plan.k        = top_idx.size(1);
+    plan.n        = n;
+    plan.k        = k;
     plan.experts  = moe.num_experts;
     plan.capacity = moe.drops() ? moe_capacity(plan.n, plan.experts, plan.k, moe.capacity_factor) : -1;
     plan.padded   = moe.drops() && moe.pad_to_capacity;
     plan.rows_max = plan.padded ? plan.experts * plan.capacity : plan.n * plan.k;
+    return plan;
+}
+
+DispatchPlan dispatch_plan_create(const Tensor & top_idx, const Tensor & probs, const MoeConfig & moe) {
+    LOOM_CHECK(top_idx.dim() == 2 && top_idx.dtype() == DType::i32, "top_idx " << top_idx.describe(), "");
+    LOOM_CHECK(probs.dtype() == DType::f32 && probs.numel() == top_idx.numel(), "probs " << probs.describe(), "");
+    Device &     device = top_idx.device();
+    DispatchPlan plan   = dispatch_plan_shape(top_idx.size(0), top_idx.size(1), moe);
     plan.probs    = activation(device, plan.n, plan.k);
     plan.row_of   = activation_i32(device, {plan.n, plan.k});
     plan.token_of_row      = activation_i32(device, {std::max<int64_t>(plan.rows_max, 1)});

@@ -40,6 +40,8 @@ struct DispatchPlan {
     Tensor  tokens_per_expert;        // (E) i64: each expert's rows (C each when padded)
 };
 
+// The plan's scalars for n tokens and k slots (no tensors): what dispatch_plan_create fills in.
+DispatchPlan dispatch_plan_shape(int64_t n, int64_t k, const MoeConfig & moe);
 // Enqueues the plan for top_idx (n, k) i32 and probs (n, k) f32 under `moe`'s capacity settings.
 DispatchPlan dispatch_plan_create(const Tensor & top_idx, const Tensor & probs, const MoeConfig & moe);
 
