@@ -197,15 +197,27 @@ std::string Tensor::describe() const {
     return os.str();
 }
 
+namespace {
+// copy_from and fill_zero touch memory from the host: CPU memory or pinned host memory, never a GPU's.
+void check_host_access(const Tensor & t, const char * what) {
+    LOOM_CHECK(!t.defined() || t.device().type() == DeviceType::cpu || t.memory_kind() == MemoryKind::pinned_host,
+               what << " on the host of " << t.describe() << ", which the host cannot address",
+               "use the device's ops (ops().copy, ops().fill_zero) on a stream, or a pinned_host tensor");
+}
+}  // namespace
+
 void Tensor::copy_from(const Tensor & src) {
     LOOM_CHECK(src.dtype_ == dtype_ && src.numel_ == numel_,
                "copy_from " << src.describe() << " into " << describe(), "dtype and numel must match");
+    check_host_access(*this, "copy_from");
+    check_host_access(src, "copy_from");
     if (nbytes() > 0) {
         std::memmove(data_ptr(), src.data_ptr(), nbytes());
     }
 }
 
 void Tensor::fill_zero() {
+    check_host_access(*this, "fill_zero");
     if (nbytes() > 0) {
         std::memset(data_ptr(), 0, nbytes());
     }

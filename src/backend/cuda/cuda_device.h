@@ -1,6 +1,9 @@
-// The CUDA backend's public surface so far (see cuda_device.cu). Built only with LOOM_CUDA=ON.
+// The CUDA backend's public surface: device discovery and the process's CUDA devices (core/device.h's
+// Device on CUDA: streams, events, caching allocators over cudaMalloc and pinned host memory, and the ops
+// of cuda_ops.cpp). Built only with LOOM_CUDA=ON; nothing here needs the CUDA headers.
 #pragma once
 
+#include "core/device.h"
 #include "core/error.h"
 
 #include <cstdint>
@@ -15,5 +18,9 @@ int device_count();
 std::string versions();
 // Fills n floats on device 0 with a kernel and copies them back (the smallest end-to-end check).
 std::vector<float> fill_on_device(int64_t n, float value);
+
+// The process's CUDA device `index` ("cuda:index"), created on first use and alive until exit; throws
+// naming the index when there is no such device.
+Device & device(int index = 0);
 
 }  // namespace loom::cuda

@@ -1,0 +1,354 @@
+// The CUDA backend's Device, Stream and Event (cuda_device.h, cuda_stream.h), and the raw memory its
+// caching allocators draw from: cudaMalloc for device memory, cudaHostAlloc (portable) for pinned host
+// memory. Pools and statistics are core's Allocator's, the same as on the CPU.
+#include "backend/cuda/cuda_device.h"
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/cuda_ops.h"
+#include "backend/cuda/cuda_stream.h"
+#include "backend/cuda/kernels.h"
+#include "core/graph.h"
+
+#include <nccl.h>
+
+#include <memory>
+#include <mutex>
+
+namespace loom::cuda {
+
+int device_count() {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+        cudaGetLastError();   // no driver or no device: clear the sticky error, report none
+        return 0;
+    }
+    return count;
+}
+
+std::string versions() {
+    int runtime = 0;
+    LOOM_CUDA_CHECK(cudaRuntimeGetVersion(&runtime));
+    int nccl = 0;
+    LOOM_NCCL_CHECK(ncclGetVersion(&nccl));
+    size_t cublaslt = cublasLtGetVersion();
+    return "CUDA runtime " + std::to_string(runtime) + ", cuBLASLt " + std::to_string(cublaslt) + ", NCCL " +
+           std::to_string(nccl);
+}
+
+std::vector<float> fill_on_device(int64_t n, float value) {
+    DeviceGuard guard(0);
+    float *     device_data = nullptr;
+    LOOM_CUDA_CHECK(cudaMalloc(&device_data, n * sizeof(float)));
+    kernels::fill_f32(nullptr, device_data, n, value);
+    std::vector<float> host(n);
+    cudaError_t status = cudaGetLastError();
+    if (status == cudaSuccess) status = cudaMemcpy(host.data(), device_data, n * sizeof(float), cudaMemcpyDeviceToHost);
+    cudaFree(device_data);
+    LOOM_CUDA_CHECK(status);
+    return host;
+}
+
+// ---- DeviceGuard
+
+DeviceGuard::DeviceGuard(int index) {
+    LOOM_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != index) LOOM_CUDA_CHECK(cudaSetDevice(index));
+}
+
+DeviceGuard::~DeviceGuard() {
+    int current = -1;
+    if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
+}
+
+// ---- Events
+
+CudaEvent::CudaEvent(int device_index) : device_index_(device_index) {
+    DeviceGuard guard(device_index_);
+    LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+}
+
+CudaEvent::~CudaEvent() {
+    if (event_ != nullptr) cudaEventDestroy(event_);   // at exit the runtime may be gone: nothing to report
+}
+
+bool CudaEvent::query() {
+    cudaError_t status = cudaEventQuery(event_);
+    if (status == cudaErrorNotReady) return false;
+    LOOM_CUDA_CHECK(status);
+    return true;
+}
+
+void CudaEvent::synchronize() {
+    check_not_capturing("a host wait on an event");
+    LOOM_CUDA_CHECK(cudaEventSynchronize(event_));
+}
+
+CudaEvent & as_cuda_event(Event & event) {
+    auto * cuda_event = dynamic_cast<CudaEvent *>(&event);
+    LOOM_CHECK(cuda_event != nullptr, "a CUDA stream was given an event of another backend",
+               "create events with the same device as the stream (device.event_create())");
+    return *cuda_event;
+}
+
+// ---- Streams
+
+namespace {
+
+struct HostWork {
+    std::function<void()> work;
+    CudaStream *          stream;
+};
+
+// Runs on the CUDA runtime's callback thread, in stream order. It must not call CUDA: work that would (an op
+// enqueuing kernels) belongs on the host thread, not in submit().
+void CUDART_CB run_host_work(void * user_data) {
+    std::unique_ptr<HostWork> host_work(static_cast<HostWork *>(user_data));
+    try {
+        host_work->work();
+    } catch (...) {
+        host_work->stream->note_error(std::current_exception());
+    }
+}
+
+}  // namespace
+
+CudaStream::CudaStream(Device & device, std::string name, bool synchronous)
+    : device_(device), name_(std::move(name)), synchronous_(synchronous) {
+    DeviceGuard guard(device_.index());
+    LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+}
+
+CudaStream::~CudaStream() {
+    if (stream_ == nullptr) return;
+    cudaStreamSynchronize(stream_);   // host work still queued points at this stream; errors have no one to go to
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        for (Retained & r : retained_) free_events_.push_back(r.event);
+        retained_.clear();
+        for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
+    }
+    cudaStreamDestroy(stream_);
+}
+
+int CudaStream::device_index() const { return device_.index(); }
+
+void CudaStream::check_not_captured(const char * what) const {
+    LOOM_CHECK(capture_ == nullptr,
+               what << " on CUDA stream '" << name_ << "' while it captures graph '" << capture_->name()
+                    << "': CUDA graph capture of Loom graphs is not implemented yet",
+               "run this part without graphs on CUDA (no --cuda-graph-* / layer graphs) until the CUDA backend captures them");
+}
+
+void CudaStream::note_error(std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!error_) error_ = std::move(error);
+}
+
+void CudaStream::submit(std::function<void()> work) {
+    check_not_captured("host work");
+    auto host_work = std::make_unique<HostWork>(HostWork{std::move(work), this});
+    DeviceGuard guard(device_.index());
+    LOOM_CUDA_CHECK(cudaLaunchHostFunc(stream_, run_host_work, host_work.get()));
+    host_work.release();   // run_host_work owns it now
+    if (synchronous_) synchronize();
+}
+
+void CudaStream::record(Event & event) {
+    check_not_captured("an event record");
+    CudaEvent & e = as_cuda_event(event);
+    LOOM_CHECK(e.device_index() == device_.index(),
+               "record on stream '" << name_ << "' of cuda:" << device_.index() << " of an event of cuda:" << e.device_index(),
+               "record events created by the stream's own device");
+    DeviceGuard guard(device_.index());
+    LOOM_CUDA_CHECK(cudaEventRecord(e.native(), stream_));
+}
+
+void CudaStream::wait(Event & event) {
+    check_not_captured("an event wait");
+    DeviceGuard guard(device_.index());
+    LOOM_CUDA_CHECK(cudaStreamWaitEvent(stream_, as_cuda_event(event).native(), 0));
+}
+
+void CudaStream::synchronize() {
+    check_not_capturing(("a synchronize of stream '" + name_ + "'").c_str());
+    DeviceGuard guard(device_.index());
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::exception_ptr error;
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        reap_locked(true);
+        std::swap(error, error_);
+    }
+    if (error) std::rethrow_exception(error);
+}
+
+bool CudaStream::query() {
+    cudaError_t status = cudaStreamQuery(stream_);
+    if (status == cudaErrorNotReady) return false;
+    LOOM_CUDA_CHECK(status);
+    return true;
+}
+
+cudaStream_t CudaStream::launch(const char * op) {
+    check_not_captured(op);
+    LOOM_CUDA_CHECK(cudaSetDevice(device_.index()));
+    return stream_;
+}
+
+void CudaStream::reap_locked(bool all) {
+    while (!retained_.empty()) {
+        Retained & oldest = retained_.front();
+        if (!all) {
+            cudaError_t status = cudaEventQuery(oldest.event);
+            if (status == cudaErrorNotReady) return;
+            LOOM_CUDA_CHECK(status);
+        }
+        free_events_.push_back(oldest.event);
+        retained_.pop_front();   // the tensors' blocks go back to their allocators' caches here
+    }
+}
+
+void CudaStream::launched(const char * op, std::vector<Tensor> tensors) {
+    LOOM_CHECK_STATUS(cudaGetLastError(), cudaSuccess, cudaGetErrorString, "CUDA",
+                      "launching the kernels of " << op << " on stream '" << name_ << "' failed");
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        reap_locked(false);
+        cudaEvent_t event = nullptr;
+        if (free_events_.empty()) {
+            LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+        } else {
+            event = free_events_.back();
+            free_events_.pop_back();
+        }
+        cudaError_t status = cudaEventRecord(event, stream_);
+        if (status != cudaSuccess) free_events_.push_back(event);
+        LOOM_CUDA_CHECK(status);
+        retained_.push_back(Retained{event, std::move(tensors)});
+    }
+    if (synchronous_) synchronize();
+}
+
+void * CudaStream::gemm_workspace() {
+    if (!workspace_.defined()) {
+        workspace_ = Tensor::empty({static_cast<int64_t>(kGemmWorkspaceBytes)}, DType::u8, device_,
+                                   TensorOptions{MemoryKind::device, "cublas-workspace"});
+    }
+    return workspace_.data_ptr();
+}
+
+CudaStream & as_cuda_stream(Stream & stream, const char * op) {
+    auto * cuda_stream = dynamic_cast<CudaStream *>(&stream);
+    LOOM_CHECK(cuda_stream != nullptr, op << " of the CUDA ops on stream '" << stream.name() << "' of " << stream.device().name(),
+               "run CUDA ops on a stream of the CUDA device (device.compute_stream() or device.stream_create())");
+    return *cuda_stream;
+}
+
+// ---- Memory and the device
+
+namespace {
+
+// cudaMalloc's memory; nullptr when the device is out of memory (the allocator empties its caches and
+// retries, then throws with its own message).
+class DeviceMemory : public RawMemory {
+public:
+    explicit DeviceMemory(int index) : index_(index) {}
+    void * raw_alloc(size_t bytes) override {
+        DeviceGuard guard(index_);
+        void *      ptr    = nullptr;
+        cudaError_t status = cudaMalloc(&ptr, bytes);
+        if (status == cudaErrorMemoryAllocation) {
+            cudaGetLastError();   // not sticky, but leave no error for the next launch check
+            return nullptr;
+        }
+        LOOM_CUDA_CHECK(status);
+        return ptr;
+    }
+    // cudaFree waits for the device; the allocator frees only cached blocks, whose last kernels completed
+    // before they were cached (stream-ordered frees). Errors at exit (runtime unloaded) are ignored.
+    void raw_free(void * ptr, size_t) override {
+        int previous = -1;
+        cudaGetDevice(&previous);
+        if (previous != index_) cudaSetDevice(index_);
+        cudaFree(ptr);
+        if (previous >= 0 && previous != index_) cudaSetDevice(previous);
+    }
+
+private:
+    int index_;
+};
+
+class PinnedHostMemory : public RawMemory {
+public:
+    explicit PinnedHostMemory(int index) : index_(index) {}
+    void * raw_alloc(size_t bytes) override {
+        DeviceGuard guard(index_);
+        void *      ptr    = nullptr;
+        cudaError_t status = cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable);
+        if (status == cudaErrorMemoryAllocation) {
+            cudaGetLastError();
+            return nullptr;
+        }
+        LOOM_CUDA_CHECK(status);
+        return ptr;
+    }
+    void raw_free(void * ptr, size_t) override { cudaFreeHost(ptr); }
+
+private:
+    int index_;
+};
+
+class CudaDevice : public Device {
+public:
+    explicit CudaDevice(int index)
+        : index_(index),
+          device_memory_(std::make_unique<DeviceMemory>(index), MemoryKind::device, "cuda:" + std::to_string(index) + " device"),
+          pinned_memory_(std::make_unique<PinnedHostMemory>(index), MemoryKind::pinned_host,
+                         "cuda:" + std::to_string(index) + " pinned host"),
+          synchronous_(streams_synchronous_from_env()) {}
+
+    DeviceType type() const override { return DeviceType::cuda; }
+    int        index() const override { return index_; }
+
+    Allocator & allocator(MemoryKind kind) override {
+        return kind == MemoryKind::device ? device_memory_ : pinned_memory_;
+    }
+
+    std::unique_ptr<Stream> stream_create(const std::string & name) override {
+        return std::make_unique<CudaStream>(*this, name, synchronous_);
+    }
+
+    std::unique_ptr<Event> event_create() override { return std::make_unique<CudaEvent>(index_); }
+
+    Ops & ops() override { return cuda_ops(); }
+
+    Stream & compute_stream() override {
+        std::call_once(compute_once_, [this] { compute_ = stream_create("compute"); });
+        return *compute_;
+    }
+
+private:
+    int                     index_;
+    Allocator               device_memory_;   // declared before the stream: destroyed after it
+    Allocator               pinned_memory_;
+    bool                    synchronous_;
+    std::once_flag          compute_once_;
+    std::unique_ptr<Stream> compute_;
+};
+
+}  // namespace
+
+Device & device(int index) {
+    static const int                                count = device_count();
+    static std::vector<std::unique_ptr<CudaDevice>> devices(static_cast<size_t>(count));
+    static std::mutex                               mutex;
+    LOOM_CHECK(index >= 0 && index < count,
+               "CUDA device " << index << " requested, but " << count << " CUDA device(s) are visible",
+               "check CUDA_VISIBLE_DEVICES and nvidia-smi; a build with LOOM_CUDA=ON still needs a GPU to run CUDA work");
+    std::lock_guard<std::mutex> lock(mutex);
+    std::unique_ptr<CudaDevice> & slot = devices[static_cast<size_t>(index)];
+    if (!slot) slot = std::make_unique<CudaDevice>(index);
+    return *slot;
+}
+
+}  // namespace loom::cuda

@@ -1,0 +1,23 @@
+// GEMM through cuBLASLt (host code). Loom's matrices are row-major; cuBLASLt's are column-major, so
+// c (m, n) = op(a) op(b) is computed as the column-major product c^T (n, m) = op(b)^T op(a)^T:
+//
+//   cuBLASLt A = b   rows x cols = trans_b ? (k, n) : (n, k), ld = rows, op = trans_b ? T : N
+//   cuBLASLt B = a   rows x cols = trans_a ? (m, k) : (k, m), ld = rows, op = trans_a ? T : N
+//   cuBLASLt C = D = c   (n, m), ld = n, f32
+//
+// a and b are both f32 or both bf16; the compute type is CUBLAS_COMPUTE_32F (f32 accumulation, no TF32),
+// alpha = 1, beta = accumulate ? 1 : 0. k = 0 gives c = 0 (or leaves it, accumulating).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace loom::cuda {
+
+void gemm_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,
+             bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, bool bf16, float * c,
+             bool accumulate);
+
+}  // namespace loom::cuda

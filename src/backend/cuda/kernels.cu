@@ -1,0 +1,408 @@
+// The CUDA backend's kernels (kernels.h): simple and correct first, each the twin of a CPU kernel of
+// backend/cpu/ops.cpp. Elementwise kernels are grid-stride loops; per-row kernels take one block per row;
+// reductions over rows (parameter gradients) take one thread per column and add the rows in order, as the
+// CPU does, so they are deterministic and give the CPU's f32 sums.
+#include "backend/cuda/kernels.h"
+
+#include <algorithm>
+
+namespace loom::cuda::kernels {
+
+namespace {
+
+constexpr int     kThreads   = 256;
+constexpr int64_t kMaxBlocks = 8192;
+constexpr int64_t kChunk     = int64_t{1} << 16;   // sum_of_squares: the CPU's chunk
+
+int blocks_for(int64_t n) { return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, kMaxBlocks)); }
+
+#define LOOM_GRID_STRIDE(i, n)                                                                         \
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < (n);            \
+         i += static_cast<int64_t>(blockDim.x) * gridDim.x)
+
+// ---- Bit-exact twins of core/dtype.h's conversions
+
+__device__ __forceinline__ uint16_t f32_to_bf16_bits(float value) {
+    uint32_t u         = __float_as_uint(value);
+    uint32_t rounded   = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t quiet_nan = (u >> 16) | 0x0040u;
+    return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+__device__ __forceinline__ float bf16_bits_to_f32(uint16_t bits) {
+    return __uint_as_float(static_cast<uint32_t>(bits) << 16);
+}
+
+__device__ __forceinline__ uint16_t f32_to_f16_bits(float value) {
+    uint32_t u      = __float_as_uint(value);
+    uint32_t sign   = (u >> 16) & 0x8000u;
+    uint32_t a      = u & 0x7fffffffu;
+    uint32_t normal = ((a - (112u << 23)) + 0xfffu + ((a >> 13) & 1u)) >> 13;
+    normal          = normal > 0x7c00u ? 0x7c00u : normal;
+    float    sub_f  = __fadd_rn(__uint_as_float(a), 0.5f);
+    uint32_t sub    = __float_as_uint(sub_f) - 0x3f000000u;
+    uint32_t nan    = 0x7e00u | ((a >> 13) & 0x3ffu);
+    uint32_t bits   = a < (113u << 23) ? sub : normal;
+    bits            = a >= 0x7f800000u ? (a == 0x7f800000u ? 0x7c00u : nan) : bits;
+    return static_cast<uint16_t>(sign | bits);
+}
+
+__device__ __forceinline__ float f16_bits_to_f32(uint16_t h) {
+    uint32_t sign     = (static_cast<uint32_t>(h) & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1fu;
+    uint32_t mantissa = h & 0x3ffu;
+    uint32_t bits;
+    if (exponent == 0x1f) {
+        bits = 0x7f800000u | (mantissa << 13) | (mantissa != 0 ? 0x00400000u : 0u);
+    } else if (exponent != 0) {
+        bits = ((exponent + 112u) << 23) | (mantissa << 13);
+    } else {
+        bits = __float_as_uint(__fmul_rn(static_cast<float>(mantissa), 0x1p-24f));
+    }
+    return __uint_as_float(sign | bits);
+}
+
+__device__ __forceinline__ float load_float(const void * p, Float kind, int64_t i) {
+    switch (kind) {
+        case Float::f32: return static_cast<const float *>(p)[i];
+        case Float::bf16: return bf16_bits_to_f32(static_cast<const uint16_t *>(p)[i]);
+        default: return f16_bits_to_f32(static_cast<const uint16_t *>(p)[i]);
+    }
+}
+
+__device__ __forceinline__ void store_float(void * p, Float kind, int64_t i, float v) {
+    switch (kind) {
+        case Float::f32: static_cast<float *>(p)[i] = v; break;
+        case Float::bf16: static_cast<uint16_t *>(p)[i] = f32_to_bf16_bits(v); break;
+        default: static_cast<uint16_t *>(p)[i] = f32_to_f16_bits(v); break;
+    }
+}
+
+// ---- Block reductions (fixed tree for a fixed block size: deterministic)
+
+__device__ double block_sum(double v) {
+    __shared__ double warp_sums[32];
+    __shared__ double total;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_down_sync(0xffffffffu, v, offset);
+    if (lane == 0) warp_sums[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        const int warps = (blockDim.x + 31) / 32;
+        v = lane < warps ? warp_sums[lane] : 0.0;
+        for (int offset = 16; offset > 0; offset /= 2) v += __shfl_down_sync(0xffffffffu, v, offset);
+        if (lane == 0) total = v;
+    }
+    __syncthreads();
+    double result = total;
+    __syncthreads();   // warp_sums and total may be reused by the next call
+    return result;
+}
+
+// ---- Elementwise
+
+__global__ void fill_kernel(float * data, int64_t n, float value) {
+    LOOM_GRID_STRIDE(i, n) data[i] = value;
+}
+
+__global__ void convert_kernel(const void * src, Float src_kind, void * dst, Float dst_kind, int64_t n) {
+    LOOM_GRID_STRIDE(i, n) store_float(dst, dst_kind, i, load_float(src, src_kind, i));
+}
+
+__global__ void round_to_bf16_kernel(float * x, uint16_t * x_bf16, int64_t n) {
+    LOOM_GRID_STRIDE(i, n) {
+        uint16_t bits = f32_to_bf16_bits(x[i]);
+        x_bf16[i]     = bits;
+        x[i]          = bf16_bits_to_f32(bits);
+    }
+}
+
+__global__ void scale_kernel(float * x, float factor, int64_t n) {
+    LOOM_GRID_STRIDE(i, n) x[i] = __fmul_rn(x[i], factor);
+}
+
+__global__ void add_inplace_kernel(float * y, const float * x, int64_t n) {
+    LOOM_GRID_STRIDE(i, n) y[i] = __fadd_rn(y[i], x[i]);
+}
+
+__global__ void bias_add_kernel(float * y, const float * bias, int64_t n, int64_t h) {
+    LOOM_GRID_STRIDE(i, n * h) y[i] = __fadd_rn(y[i], bias[i % h]);
+}
+
+__global__ void bias_backward_kernel(const float * dy, float * dbias, int64_t n, int64_t h) {
+    LOOM_GRID_STRIDE(j, h) {
+        float acc = dbias[j];
+        for (int64_t r = 0; r < n; ++r) acc = __fadd_rn(acc, dy[r * h + j]);
+        dbias[j] = acc;
+    }
+}
+
+// ---- Sum of squares
+
+__global__ void sum_of_squares_chunks_kernel(const float * x, int64_t n, double * partial) {
+    const int64_t begin = blockIdx.x * kChunk;
+    const int64_t end   = min(n, begin + kChunk);
+    double        s     = 0;
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) s += static_cast<double>(x[i]) * x[i];
+    s = block_sum(s);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+__global__ void sum_of_squares_total_kernel(const double * partial, int64_t chunks, float * out) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    double total = 0;
+    for (int64_t c = 0; c < chunks; ++c) total += partial[c];
+    const float hi = static_cast<float>(total);
+    out[0]         = hi;
+    out[1]         = static_cast<float>(total - static_cast<double>(hi));
+}
+
+// ---- Norms
+
+__global__ void layernorm_forward_kernel(float * x, const float * residual, const float * gamma, const float * beta,
+                                         float * y, float * mean, float * rstd, int64_t h, float eps, bool rms) {
+    const int64_t r  = blockIdx.x;
+    float *       xr = x + r * h;
+    float *       yr = y + r * h;
+    double        sum = 0;
+    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {   // each thread reads back only what it wrote
+        float v = xr[j];
+        if (residual != nullptr) {
+            v     = __fadd_rn(v, residual[r * h + j]);
+            xr[j] = v;
+        }
+        sum += rms ? static_cast<double>(v) * v : static_cast<double>(v);
+    }
+    sum = block_sum(sum);
+    if (rms) {
+        const float rs = 1.0f / sqrtf(static_cast<float>(sum / h) + eps);
+        for (int64_t j = threadIdx.x; j < h; j += blockDim.x) yr[j] = xr[j] * rs * gamma[j];
+        if (threadIdx.x == 0) rstd[r] = rs;
+        return;
+    }
+    const float m   = static_cast<float>(sum / h);
+    double      var = 0;
+    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
+        float c = xr[j] - m;
+        var += static_cast<double>(c) * c;
+    }
+    var            = block_sum(var);
+    const float rs = 1.0f / sqrtf(static_cast<float>(var / h) + eps);
+    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
+        float v = (xr[j] - m) * rs * gamma[j];
+        yr[j]   = beta != nullptr ? v + beta[j] : v;
+    }
+    if (threadIdx.x == 0) {
+        mean[r] = m;
+        rstd[r] = rs;
+    }
+}
+
+// dx of one row per block. LayerNorm: dx = rstd (g - mean(g) - xhat mean(g xhat)); RMSNorm (mean null):
+// dx = rstd (g - xhat mean(g xhat)); g = dy gamma.
+__global__ void norm_backward_dx_kernel(const float * dy, const float * x, const float * gamma, const float * mean,
+                                        const float * rstd, float * dx, int64_t h) {
+    const int64_t r   = blockIdx.x;
+    const float * dyr = dy + r * h;
+    const float * xr  = x + r * h;
+    const float   m   = mean != nullptr ? mean[r] : 0.0f;
+    const float   rs  = rstd[r];
+    double        sum_g = 0, sum_gx = 0;
+    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
+        float g    = dyr[j] * gamma[j];
+        float xhat = mean != nullptr ? (xr[j] - m) * rs : xr[j] * rs;
+        sum_g += g;
+        sum_gx += static_cast<double>(g) * xhat;
+    }
+    sum_gx = block_sum(sum_gx);
+    if (mean != nullptr) sum_g = block_sum(sum_g);
+    const float mg = static_cast<float>(sum_g / h), mgx = static_cast<float>(sum_gx / h);
+    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
+        if (mean != nullptr) {
+            float xhat       = (xr[j] - m) * rs;
+            dx[r * h + j]    = rs * (dyr[j] * gamma[j] - mg - xhat * mgx);
+        } else {
+            dx[r * h + j]    = rs * (dyr[j] * gamma[j] - xr[j] * rs * mgx);
+        }
+    }
+}
+
+// dgamma[j] += sum_r dy (x - mean) rstd (mean null: dy x rstd); dbeta[j] += sum_r dy. Rows in order.
+__global__ void norm_backward_params_kernel(const float * dy, const float * x, const float * mean, const float * rstd,
+                                            float * dgamma, float * dbeta, int64_t n, int64_t h) {
+    LOOM_GRID_STRIDE(j, h) {
+        float dg = dgamma[j];
+        float db = dbeta != nullptr ? dbeta[j] : 0.0f;
+        for (int64_t r = 0; r < n; ++r) {
+            const float d = dy[r * h + j];
+            dg += mean != nullptr ? d * (x[r * h + j] - mean[r]) * rstd[r] : d * x[r * h + j] * rstd[r];
+            db += d;
+        }
+        dgamma[j] = dg;
+        if (dbeta != nullptr) dbeta[j] = db;
+    }
+}
+
+// ---- Activations
+
+constexpr float kGeluC = 0.7978845608028654f;   // sqrt(2 / pi)
+
+__device__ __forceinline__ float gelu(float v) { return 0.5f * v * (1.0f + tanhf(kGeluC * (v + 0.044715f * v * v * v))); }
+__device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+__global__ void bias_gelu_forward_kernel(float * x, const float * bias, float * y, uint16_t * x_bf16, int64_t n,
+                                         int64_t f) {
+    LOOM_GRID_STRIDE(i, n * f) {
+        float v = bias != nullptr ? x[i] + bias[i % f] : x[i];
+        if (x_bf16 != nullptr) {
+            uint16_t bits = f32_to_bf16_bits(v);
+            x_bf16[i]     = bits;
+            y[i]          = gelu(bf16_bits_to_f32(bits));
+        } else {
+            x[i] = v;
+            y[i] = gelu(v);
+        }
+    }
+}
+
+__global__ void gelu_backward_kernel(const float * x, const float * dy, float * dx, int64_t count) {
+    LOOM_GRID_STRIDE(i, count) {
+        float v    = x[i];
+        float u    = kGeluC * (v + 0.044715f * v * v * v);
+        float t    = tanhf(u);
+        float du   = kGeluC * (1.0f + 3.0f * 0.044715f * v * v);
+        float grad = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du;
+        dx[i]      = dy[i] * grad;
+    }
+}
+
+__global__ void swiglu_forward_kernel(const float * x, float * y, int64_t n, int64_t f) {
+    LOOM_GRID_STRIDE(i, n * f) {
+        const int64_t r = i / f, j = i % f;
+        const float   g = x[r * 2 * f + j];
+        y[i]            = g * sigmoid(g) * x[r * 2 * f + f + j];
+    }
+}
+
+__global__ void swiglu_backward_kernel(const float * x, const float * dy, float * dx, int64_t n, int64_t f) {
+    LOOM_GRID_STRIDE(i, n * f) {
+        const int64_t r = i / f, j = i % f;
+        const float   g   = x[r * 2 * f + j];
+        const float   up  = x[r * 2 * f + f + j];
+        const float   sig = sigmoid(g);
+        const float   d   = dy[i];
+        dx[r * 2 * f + f + j] = d * g * sig;
+        dx[r * 2 * f + j]     = d * up * sig * (1.0f + g * (1.0f - sig));
+    }
+}
+
+// ---- AdamW: core/host_adam.cpp's adam_element, operation for operation.
+
+__global__ void adamw_kernel(float * p, const float * g, float * m, float * v, void * out, AdamOut out_kind,
+                             int64_t n, AdamCoeffs c) {
+    LOOM_GRID_STRIDE(i, n) {
+        const float gi = g[i];
+        const float mi = __fmaf_rn(c.beta1, m[i], __fmul_rn(c.one_minus_beta1, gi));
+        const float vi = __fmaf_rn(c.beta2, v[i], __fmul_rn(__fmul_rn(c.one_minus_beta2, gi), gi));
+        const float q  = __fdiv_rn(__fmul_rn(c.step_size, mi), __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), c.bc2_sqrt), c.eps));
+        const float pi = __fmaf_rn(p[i], c.decay, -q);
+        m[i]           = mi;
+        v[i]           = vi;
+        p[i]           = pi;
+        if (out_kind == AdamOut::bf16) static_cast<uint16_t *>(out)[i] = f32_to_bf16_bits(pi);
+        if (out_kind == AdamOut::f32) static_cast<float *>(out)[i] = pi;
+    }
+}
+
+}  // namespace
+
+void fill_f32(cudaStream_t stream, float * data, int64_t n, float value) {
+    if (n > 0) fill_kernel<<<blocks_for(n), kThreads, 0, stream>>>(data, n, value);
+}
+
+void convert(cudaStream_t stream, const void * src, Float src_kind, void * dst, Float dst_kind, int64_t n) {
+    if (n > 0) convert_kernel<<<blocks_for(n), kThreads, 0, stream>>>(src, src_kind, dst, dst_kind, n);
+}
+
+void round_to_bf16(cudaStream_t stream, float * x, uint16_t * x_bf16, int64_t n) {
+    if (n > 0) round_to_bf16_kernel<<<blocks_for(n), kThreads, 0, stream>>>(x, x_bf16, n);
+}
+
+void scale(cudaStream_t stream, float * x, float factor, int64_t n) {
+    if (n > 0) scale_kernel<<<blocks_for(n), kThreads, 0, stream>>>(x, factor, n);
+}
+
+void add_inplace(cudaStream_t stream, float * y, const float * x, int64_t n) {
+    if (n > 0) add_inplace_kernel<<<blocks_for(n), kThreads, 0, stream>>>(y, x, n);
+}
+
+void bias_add(cudaStream_t stream, float * y, const float * bias, int64_t n, int64_t h) {
+    if (n * h > 0) bias_add_kernel<<<blocks_for(n * h), kThreads, 0, stream>>>(y, bias, n, h);
+}
+
+void bias_backward(cudaStream_t stream, const float * dy, float * dbias, int64_t n, int64_t h) {
+    if (h > 0) bias_backward_kernel<<<blocks_for(h), kThreads, 0, stream>>>(dy, dbias, n, h);
+}
+
+int64_t sum_of_squares_chunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
+
+void sum_of_squares(cudaStream_t stream, const float * x, int64_t n, double * partial, float * out) {
+    const int64_t chunks = sum_of_squares_chunks(n);
+    if (chunks > 0) sum_of_squares_chunks_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream>>>(x, n, partial);
+    sum_of_squares_total_kernel<<<1, 32, 0, stream>>>(partial, chunks, out);
+}
+
+void layernorm_forward(cudaStream_t stream, float * x, const float * residual, const float * gamma,
+                       const float * beta, float * y, float * mean, float * rstd, int64_t n, int64_t h, float eps) {
+    if (n > 0) {
+        layernorm_forward_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(x, residual, gamma, beta, y, mean,
+                                                                                   rstd, h, eps, false);
+    }
+}
+
+void rmsnorm_forward(cudaStream_t stream, float * x, const float * residual, const float * gamma, float * y,
+                     float * rstd, int64_t n, int64_t h, float eps) {
+    if (n > 0) {
+        layernorm_forward_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(x, residual, gamma, nullptr, y,
+                                                                                   nullptr, rstd, h, eps, true);
+    }
+}
+
+void layernorm_backward(cudaStream_t stream, const float * dy, const float * x, const float * gamma,
+                        const float * mean, const float * rstd, float * dx, float * dgamma, float * dbeta, int64_t n,
+                        int64_t h) {
+    if (n == 0 || h == 0) return;
+    norm_backward_dx_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(dy, x, gamma, mean, rstd, dx, h);
+    norm_backward_params_kernel<<<blocks_for(h), kThreads, 0, stream>>>(dy, x, mean, rstd, dgamma, dbeta, n, h);
+}
+
+void rmsnorm_backward(cudaStream_t stream, const float * dy, const float * x, const float * gamma, const float * rstd,
+                      float * dx, float * dgamma, int64_t n, int64_t h) {
+    if (n == 0 || h == 0) return;
+    norm_backward_dx_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(dy, x, gamma, nullptr, rstd, dx, h);
+    norm_backward_params_kernel<<<blocks_for(h), kThreads, 0, stream>>>(dy, x, nullptr, rstd, dgamma, nullptr, n, h);
+}
+
+void bias_gelu_forward(cudaStream_t stream, float * x, const float * bias, float * y, uint16_t * x_bf16, int64_t n,
+                       int64_t f) {
+    if (n * f > 0) bias_gelu_forward_kernel<<<blocks_for(n * f), kThreads, 0, stream>>>(x, bias, y, x_bf16, n, f);
+}
+
+void gelu_backward(cudaStream_t stream, const float * x, const float * dy, float * dx, int64_t count) {
+    if (count > 0) gelu_backward_kernel<<<blocks_for(count), kThreads, 0, stream>>>(x, dy, dx, count);
+}
+
+void swiglu_forward(cudaStream_t stream, const float * x, float * y, int64_t n, int64_t f) {
+    if (n * f > 0) swiglu_forward_kernel<<<blocks_for(n * f), kThreads, 0, stream>>>(x, y, n, f);
+}
+
+void swiglu_backward(cudaStream_t stream, const float * x, const float * dy, float * dx, int64_t n, int64_t f) {
+    if (n * f > 0) swiglu_backward_kernel<<<blocks_for(n * f), kThreads, 0, stream>>>(x, dy, dx, n, f);
+}
+
+void adamw(cudaStream_t stream, float * p, const float * g, float * m, float * v, void * out, AdamOut out_kind,
+           int64_t n, const AdamCoeffs & c) {
+    if (n > 0) adamw_kernel<<<blocks_for(n), kThreads, 0, stream>>>(p, g, m, v, out, out_kind, n, c);
+}
+
+}  // namespace loom::cuda::kernels

@@ -1,0 +1,74 @@
+// The CUDA backend's kernels, as plain launch functions over raw device pointers (kernels.cu). Each one
+// enqueues its kernel on `stream` and returns; argument checking, tensor lifetimes and launch-error checks
+// belong to the caller (cuda_ops.cpp). This header is read by nvcc in C++17 and by the C++20 host code,
+// so it includes no Loom header.
+//
+// Every kernel is the twin of a CPU kernel (backend/cpu/ops.h) and follows its contract; where the CPU
+// computes in double (norm statistics, sum of squares) so does the GPU. Reductions run in a fixed order
+// for a fixed launch shape, so results are deterministic run to run.
+//
+// Legend: n rows (= s * b), h hidden, f ffn hidden.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace loom::cuda::kernels {
+
+// The floating formats of convert(); values match core's DType numbering only by name.
+enum class Float : int { f32, bf16, f16 };
+
+void fill_f32(cudaStream_t stream, float * data, int64_t n, float value);
+// dst = src converted, bit for bit as core/dtype.h's scalar conversions (nearest even, NaN payload kept).
+void convert(cudaStream_t stream, const void * src, Float src_kind, void * dst, Float dst_kind, int64_t n);
+// x rounded to bf16 in place, its bits written to x_bf16.
+void round_to_bf16(cudaStream_t stream, float * x, uint16_t * x_bf16, int64_t n);
+
+void scale(cudaStream_t stream, float * x, float factor, int64_t n);
+void add_inplace(cudaStream_t stream, float * y, const float * x, int64_t n);
+void bias_add(cudaStream_t stream, float * y, const float * bias, int64_t n, int64_t h);
+// dbias[j] += dy[0, j] + dy[1, j] + ... in row order (the CPU's order: the same f32 additions).
+void bias_backward(cudaStream_t stream, const float * dy, float * dbias, int64_t n, int64_t h);
+
+// Number of doubles of scratch sum_of_squares needs for n elements: one per chunk of 2^16.
+int64_t sum_of_squares_chunks(int64_t n);
+// out[0] = the double sum of x^2 rounded to f32, out[1] = the rest. Partial sums per chunk of 2^16 elements
+// (a block each, tree-reduced in double), then added in chunk order by one thread.
+void sum_of_squares(cudaStream_t stream, const float * x, int64_t n, double * partial, float * out);
+
+// Norms, one block per row, row statistics in double as the CPU's. residual may be null (else x += residual
+// first, written back); beta may be null; mean is null for RMSNorm.
+void layernorm_forward(cudaStream_t stream, float * x, const float * residual, const float * gamma,
+                       const float * beta, float * y, float * mean, float * rstd, int64_t n, int64_t h, float eps);
+void rmsnorm_forward(cudaStream_t stream, float * x, const float * residual, const float * gamma, float * y,
+                     float * rstd, int64_t n, int64_t h, float eps);
+// dx assigned; dgamma (and dbeta, may be null) added to, over rows in row order.
+void layernorm_backward(cudaStream_t stream, const float * dy, const float * x, const float * gamma,
+                        const float * mean, const float * rstd, float * dx, float * dgamma, float * dbeta, int64_t n,
+                        int64_t h);
+void rmsnorm_backward(cudaStream_t stream, const float * dy, const float * x, const float * gamma, const float * rstd,
+                      float * dx, float * dgamma, int64_t n, int64_t h);
+
+// GELU (tanh approximation) fused with the bias; x_bf16 may be null (see core/ops.h).
+void bias_gelu_forward(cudaStream_t stream, float * x, const float * bias, float * y, uint16_t * x_bf16, int64_t n,
+                       int64_t f);
+void gelu_backward(cudaStream_t stream, const float * x, const float * dy, float * dx, int64_t count);
+void swiglu_forward(cudaStream_t stream, const float * x, float * y, int64_t n, int64_t f);
+void swiglu_backward(cudaStream_t stream, const float * x, const float * dy, float * dx, int64_t n, int64_t f);
+
+// AdamW, the scalars of core/host_adam.h computed on the host exactly as there; the element update uses
+// the same IEEE operations in the same order (explicit fma, no contraction), so it gives the host's bits.
+struct AdamCoeffs {
+    float beta1, beta2;
+    float one_minus_beta1, one_minus_beta2;
+    float step_size;   // lr / (1 - beta1^t)
+    float bc2_sqrt;    // sqrt(1 - beta2^t)
+    float eps;
+    float decay;       // 1 - lr * wd
+};
+enum class AdamOut : int { none, f32, bf16 };
+void adamw(cudaStream_t stream, float * p, const float * g, float * m, float * v, void * out, AdamOut out_kind,
+           int64_t n, const AdamCoeffs & c);
+
+}  // namespace loom::cuda::kernels
