@@ -1,0 +1,494 @@
+// The CUDA backend against its oracle, the CPU backend (ARCHITECTURE.md: a CUDA kernel is done only when a
+// test compares it with its CPU twin). Every op runs on the same random inputs on cpu:0 and cuda:0 and the
+// results are compared element-wise with the tolerance stated next to each test:
+//   exact (bitwise)     copy, copy_columns, fill_zero, convert, round_to_bf16, scale, add_inplace, bias_add,
+//                       AdamW (the same IEEE operations in the same order, explicit fma on both sides)
+//   1e-5 x max(1, |ref|) norms forward and backward, GELU/SwiGLU (tanh/exp differ by a few ulp)
+//   1e-6 x sum |terms|  bias_backward (f32 sums over rows, in the CPU's row order)
+//   1e-5 / 1e-3 x sum |a_ik b_kj|   GEMM with f32 / bf16 operands (f32 accumulation in another order)
+//   1e-12 relative      sum_of_squares (double partial sums, tree-reduced on the GPU)
+// It also checks the CUDA device's allocators (pools, statistics, stream-ordered frees), stream and event
+// ordering across two streams, host work via submit, and that Loom graph capture is refused on CUDA.
+//
+// Without a CUDA device every test skips with a message: the backend was compiled and linked, not run.
+#include "backend/cpu/cpu_device.h"
+#include "backend/cuda/cuda_device.h"
+#include "core/graph.h"
+#include "core/ops.h"
+#include "core/tensor.h"
+#include "tests/error_text.h"
+#include "tests/random_values.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+using namespace loom;
+
+namespace {
+
+#define SKIP_WITHOUT_CUDA()                                                                            \
+    if (cuda::device_count() == 0) {                                                                   \
+        GTEST_SKIP() << "no CUDA device on this machine: the CUDA backend was compiled and linked, not run"; \
+    }
+
+Device & gpu() { return cuda::device(0); }
+Stream & gs() { return gpu().compute_stream(); }
+Ops &    gops() { return gpu().ops(); }
+Device & cpu_dev() { return cpu::device(); }
+Stream & cs() { return cpu_dev().compute_stream(); }
+Ops &    cops() { return cpu_dev().ops(); }
+
+Tensor cpu_tensor(const Shape & shape, DType dtype = DType::f32) { return Tensor::empty(shape, dtype, cpu_dev()); }
+
+// f32 values uniform in [-scale, scale], converted to `dtype` (f32, bf16, f16) on the host.
+Tensor random_cpu(const Shape & shape, uint64_t seed, float scale = 1.0f, DType dtype = DType::f32) {
+    Tensor             t = cpu_tensor(shape, dtype);
+    std::vector<float> v = loom::testing::random_vector(t.numel(), seed, scale);
+    convert(v.data(), DType::f32, t.data_ptr(), dtype, v.size());
+    return t;
+}
+
+// A CPU tensor's copy on cuda:0, through a pinned staging tensor (the stream holds it until the copy ran).
+Tensor to_gpu(const Tensor & host) {
+    Tensor pinned = Tensor::empty(host.shape(), host.dtype(), gpu(), {MemoryKind::pinned_host});
+    pinned.copy_from(host);
+    Tensor d = Tensor::empty(host.shape(), host.dtype(), gpu());
+    gops().copy(gs(), pinned, d);
+    return d;
+}
+
+// A CUDA tensor's values on the CPU, after everything enqueued on the GPU compute stream.
+Tensor to_cpu(const Tensor & d) {
+    Tensor pinned = Tensor::empty(d.shape(), d.dtype(), gpu(), {MemoryKind::pinned_host});
+    gops().copy(gs(), d, pinned);
+    gs().synchronize();
+    Tensor h = cpu_tensor(d.shape(), d.dtype());
+    h.copy_from(pinned);
+    return h;
+}
+
+Tensor clone_cpu(const Tensor & t) {
+    Tensor c = cpu_tensor(t.shape(), t.dtype());
+    c.copy_from(t);
+    return c;
+}
+
+std::vector<double> values(const Tensor & t) {
+    std::vector<double> out(static_cast<size_t>(t.numel()));
+    std::vector<float>  f(out.size());
+    convert(t.data_ptr(), t.dtype(), f.data(), DType::f32, f.size());
+    for (size_t i = 0; i < f.size(); ++i) out[i] = f[i];
+    return out;
+}
+
+void expect_bitwise(const Tensor & ref, const Tensor & got, const std::string & what) {
+    ASSERT_EQ(ref.nbytes(), got.nbytes()) << what;
+    const auto * a = static_cast<const unsigned char *>(ref.data_ptr());
+    const auto * b = static_cast<const unsigned char *>(got.data_ptr());
+    size_t       bad = 0, first = 0;
+    for (size_t i = 0; i < ref.nbytes(); ++i) {
+        if (a[i] != b[i] && bad++ == 0) first = i;
+    }
+    EXPECT_EQ(bad, 0u) << what << ": " << bad << " bytes differ, the first at byte " << first;
+}
+
+// |got - ref| <= tol * max(floor, |ref|) element-wise (floor 1: values of order 1 are compared absolutely).
+void expect_close(const Tensor & ref, const Tensor & got, double tol, const std::string & what, double floor = 1.0) {
+    std::vector<double> r = values(ref), g = values(got);
+    ASSERT_EQ(r.size(), g.size()) << what;
+    double worst = 0;
+    size_t at    = 0;
+    for (size_t i = 0; i < r.size(); ++i) {
+        double err = std::fabs(g[i] - r[i]) / std::max(floor, std::fabs(r[i]));
+        if (!(err <= worst)) {   // NaN counts as the worst
+            worst = std::isnan(err) ? INFINITY : err;
+            at    = i;
+        }
+    }
+    EXPECT_LE(worst, tol) << what << ": worst relative error at element " << at << " (cpu " << r[at] << ", cuda " << g[at] << ")";
+}
+
+// ---------------------------------------------------------------------------------------------- GEMM
+
+TEST(CudaOps, GemmF32AndBf16EveryTransposeWithAndWithoutAccumulateMatchesTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    struct Case { int64_t m, n, k; };
+    uint64_t seed = 100;
+    for (DType dtype : {DType::f32, DType::bf16}) {
+        const double tol = dtype == DType::f32 ? 1e-5 : 1e-3;
+        for (Case sz : {Case{1, 1, 1}, Case{37, 53, 71}, Case{128, 64, 256}, Case{5, 300, 17}}) {
+            for (int t = 0; t < 8; ++t) {
+                const bool ta = t & 1, tb = t & 2, acc = t & 4;
+                const std::string what = std::string(dtype_name(dtype)) + " m " + std::to_string(sz.m) + " n " +
+                                         std::to_string(sz.n) + " k " + std::to_string(sz.k) + (ta ? " ta" : "") +
+                                         (tb ? " tb" : "") + (acc ? " accumulate" : "");
+                // a is a view one element into its storage, so its address is only 2- or 4-byte aligned.
+                Tensor a_store = random_cpu({sz.m * sz.k + 1}, ++seed, 1.0f, dtype);
+                Tensor a       = a_store.slice(1, ta ? Shape{sz.k, sz.m} : Shape{sz.m, sz.k});
+                Tensor b       = random_cpu(tb ? Shape{sz.n, sz.k} : Shape{sz.k, sz.n}, ++seed, 1.0f, dtype);
+                Tensor c0      = random_cpu({sz.m, sz.n}, ++seed);
+                Tensor c_cpu   = clone_cpu(c0);
+                cops().gemm(cs(), a, ta, b, tb, c_cpu, acc);
+                cs().synchronize();
+                Tensor a_gpu = to_gpu(a_store).slice(1, a.shape());
+                Tensor c_gpu = to_gpu(c0);
+                gops().gemm(gs(), a_gpu, ta, to_gpu(b), tb, c_gpu, acc);
+                Tensor got = to_cpu(c_gpu);
+                // Tolerance per element: tol * sum_k |a_ik b_kj| (+ |c0| accumulating).
+                std::vector<double> av = values(a), bv = values(b), c0v = values(c0), ref = values(c_cpu), g = values(got);
+                for (int64_t i = 0; i < sz.m; ++i) {
+                    for (int64_t j = 0; j < sz.n; ++j) {
+                        double mag = acc ? std::fabs(c0v[i * sz.n + j]) : 0.0;
+                        for (int64_t p = 0; p < sz.k; ++p) {
+                            mag += std::fabs((ta ? av[p * sz.m + i] : av[i * sz.k + p]) * (tb ? bv[j * sz.k + p] : bv[p * sz.n + j]));
+                        }
+                        ASSERT_LE(std::fabs(g[i * sz.n + j] - ref[i * sz.n + j]), tol * mag + 1e-30)
+                            << what << " at (" << i << ", " << j << ")";
+                    }
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------- Norms
+
+TEST(CudaOps, LayerNormAndRmsNormForwardBackwardMatchTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    const int64_t n = 67, h = 1000;   // h: several strides of a 256-thread block, not a multiple of it
+    const float   eps = 1e-5f;
+    for (int variant = 0; variant < 6; ++variant) {
+        const bool rms = variant >= 4, residual_on = variant & 1, beta_on = !rms && (variant & 2);
+        const std::string what = std::string(rms ? "rmsnorm" : "layernorm") + (residual_on ? " +residual" : "") +
+                                 (beta_on ? " +beta" : "");
+        Tensor x = random_cpu({n, h}, 200 + variant, 2.0f), residual = random_cpu({n, h}, 210 + variant);
+        Tensor gamma = random_cpu({h}, 220 + variant), beta = random_cpu({h}, 230 + variant);
+        Tensor dy = random_cpu({n, h}, 240 + variant), dgamma0 = random_cpu({h}, 250 + variant), dbeta0 = random_cpu({h}, 260);
+
+        Tensor xc = clone_cpu(x), yc = cpu_tensor({n, h}), mc = cpu_tensor({n}), rc = cpu_tensor({n});
+        Tensor dxc = cpu_tensor({n, h}), dgc = clone_cpu(dgamma0), dbc = clone_cpu(dbeta0);
+        Tensor xg = to_gpu(x), yg = Tensor::empty({n, h}, DType::f32, gpu()), mg = Tensor::empty({n}, DType::f32, gpu());
+        Tensor rg = Tensor::empty({n}, DType::f32, gpu()), dxg = Tensor::empty({n, h}, DType::f32, gpu());
+        Tensor dgg = to_gpu(dgamma0), dbg = to_gpu(dbeta0);
+        Tensor res_c = residual_on ? residual : Tensor(), res_g = residual_on ? to_gpu(residual) : Tensor();
+        if (rms) {
+            cops().rmsnorm_forward(cs(), xc, res_c, gamma, yc, rc, eps);
+            cops().rmsnorm_backward(cs(), dy, xc, gamma, rc, dxc, dgc);
+            Tensor gamma_g = to_gpu(gamma);
+            gops().rmsnorm_forward(gs(), xg, res_g, gamma_g, yg, rg, eps);
+            gops().rmsnorm_backward(gs(), to_gpu(dy), xg, gamma_g, rg, dxg, dgg);
+        } else {
+            Tensor beta_c = beta_on ? beta : Tensor(), beta_g = beta_on ? to_gpu(beta) : Tensor();
+            Tensor dbeta_c = beta_on ? dbc : Tensor(), dbeta_g = beta_on ? dbg : Tensor();
+            cops().layernorm_forward(cs(), xc, res_c, gamma, beta_c, yc, mc, rc, eps);
+            cops().layernorm_backward(cs(), dy, xc, gamma, mc, rc, dxc, dgc, dbeta_c);
+            Tensor gamma_g = to_gpu(gamma);
+            gops().layernorm_forward(gs(), xg, res_g, gamma_g, beta_g, yg, mg, rg, eps);
+            gops().layernorm_backward(gs(), to_gpu(dy), xg, gamma_g, mg, rg, dxg, dgg, dbeta_g);
+        }
+        cs().synchronize();
+        expect_close(xc, to_cpu(xg), 0.0, what + ": x (plus residual)");
+        expect_close(yc, to_cpu(yg), 1e-5, what + ": y");
+        expect_close(rc, to_cpu(rg), 1e-5, what + ": rstd");
+        if (!rms) expect_close(mc, to_cpu(mg), 1e-5, what + ": mean");
+        expect_close(dxc, to_cpu(dxg), 1e-5, what + ": dx");
+        expect_close(dgc, to_cpu(dgg), 1e-5, what + ": dgamma (added to)");
+        if (beta_on) expect_close(dbc, to_cpu(dbg), 1e-5, what + ": dbeta (added to)");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------- Elementwise
+
+TEST(CudaOps, BiasAddAddInplaceScaleExactlyAndBiasBackwardInRowOrder) {
+    SKIP_WITHOUT_CUDA();
+    const int64_t n = 129, h = 300;
+    Tensor y = random_cpu({n, h}, 300), bias = random_cpu({h}, 301), x = random_cpu({n, h}, 302), db0 = random_cpu({h}, 303);
+    Tensor yc = clone_cpu(y), dbc = clone_cpu(db0);
+    cops().bias_add(cs(), yc, bias);
+    cops().add_inplace(cs(), yc, x);
+    cops().scale(cs(), yc, 0.37f);
+    cops().bias_backward(cs(), x, dbc);
+    cs().synchronize();
+    Tensor yg = to_gpu(y), dbg = to_gpu(db0), xg = to_gpu(x);
+    gops().bias_add(gs(), yg, to_gpu(bias));
+    gops().add_inplace(gs(), yg, xg);
+    gops().scale(gs(), yg, 0.37f);
+    gops().bias_backward(gs(), xg, dbg);
+    expect_bitwise(yc, to_cpu(yg), "bias_add, add_inplace, scale");
+    // sum over rows: tolerance 1e-6 x sum |terms| (|terms| <= 1, 130 of them; the order is the CPU's).
+    expect_close(dbc, to_cpu(dbg), 1e-6 * (n + 1), "bias_backward");
+}
+
+TEST(CudaOps, GeluAndSwigluForwardBackwardMatchTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    const int64_t n = 33, f = 517;
+    for (int variant = 0; variant < 4; ++variant) {
+        const bool bias_on = variant & 1, bf16_on = variant & 2;
+        const std::string what = std::string("bias_gelu_forward") + (bias_on ? " +bias" : "") + (bf16_on ? " +x_bf16" : "");
+        Tensor x = random_cpu({n, f}, 400 + variant, 5.0f), bias = random_cpu({f}, 410 + variant);
+        Tensor xc = clone_cpu(x), yc = cpu_tensor({n, f}), bc = cpu_tensor({n, f}, DType::bf16);
+        Tensor xg = to_gpu(x), yg = Tensor::empty({n, f}, DType::f32, gpu()), bg = Tensor::empty({n, f}, DType::bf16, gpu());
+        cops().bias_gelu_forward(cs(), xc, bias_on ? bias : Tensor(), yc, bf16_on ? bc : Tensor());
+        gops().bias_gelu_forward(gs(), xg, bias_on ? to_gpu(bias) : Tensor(), yg, bf16_on ? bg : Tensor());
+        cs().synchronize();
+        expect_bitwise(xc, to_cpu(xg), what + ": x");
+        if (bf16_on) expect_bitwise(bc, to_cpu(bg), what + ": x_bf16");
+        expect_close(yc, to_cpu(yg), 1e-5, what + ": y");
+    }
+    Tensor x = random_cpu({n, f}, 420, 5.0f), dy = random_cpu({n, f}, 421);
+    Tensor dxc = cpu_tensor({n, f}), dxg = Tensor::empty({n, f}, DType::f32, gpu());
+    cops().gelu_backward(cs(), x, dy, dxc);
+    gops().gelu_backward(gs(), to_gpu(x), to_gpu(dy), dxg);
+    cs().synchronize();
+    expect_close(dxc, to_cpu(dxg), 1e-5, "gelu_backward");
+
+    Tensor xs = random_cpu({n, 2 * f}, 430, 4.0f), dys = random_cpu({n, f}, 431);
+    Tensor yc = cpu_tensor({n, f}), dxs = cpu_tensor({n, 2 * f});
+    Tensor xsg = to_gpu(xs), yg = Tensor::empty({n, f}, DType::f32, gpu()), dxsg = Tensor::empty({n, 2 * f}, DType::f32, gpu());
+    cops().swiglu_forward(cs(), xs, yc);
+    cops().swiglu_backward(cs(), xs, dys, dxs);
+    gops().swiglu_forward(gs(), xsg, yg);
+    gops().swiglu_backward(gs(), xsg, to_gpu(dys), dxsg);
+    cs().synchronize();
+    expect_close(yc, to_cpu(yg), 1e-5, "swiglu_forward");
+    expect_close(dxs, to_cpu(dxsg), 1e-5, "swiglu_backward");
+}
+
+// ---------------------------------------------------------------------------------------------- Data movement
+
+// Values that exercise rounding: ties, subnormals of every format, overflow, infinities, NaNs with payloads.
+Tensor conversion_inputs(int64_t n) {
+    Tensor             t = random_cpu({n}, 500, 1000.0f);
+    float *            p = t.data<float>();
+    const uint32_t     specials[] = {0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u, 0x7fc00000u, 0x7f800001u,
+                                     0xffa12345u, 0x00000001u, 0x807fffffu, 0x3f808000u, 0x3f818000u, 0x477fe000u,
+                                     0x477ff000u, 0x7f7fffffu, 0x33800000u, 0x38800000u, 0x387fc000u, 0x3f800fffu};
+    for (size_t i = 0; i < std::size(specials); ++i) p[i] = std::bit_cast<float>(specials[i]);
+    for (int64_t i = std::size(specials); i < n; i += 7) p[i] = std::ldexp(p[i], -int(i % 150));   // small magnitudes
+    return t;
+}
+
+TEST(CudaOps, ConvertBetweenF32Bf16F16IsBitwiseTheCpus) {
+    SKIP_WITHOUT_CUDA();
+    const int64_t n   = 70001;
+    Tensor        f32 = conversion_inputs(n);
+    for (DType mid : {DType::bf16, DType::f16}) {
+        for (DType back : {DType::f32, DType::bf16, DType::f16}) {
+            const std::string what = std::string("float32 -> ") + dtype_name(mid) + " -> " + dtype_name(back);
+            Tensor mc = cpu_tensor({n}, mid), bc = cpu_tensor({n}, back);
+            cops().convert(cs(), f32, mc);
+            cops().convert(cs(), mc, bc);
+            Tensor mg = Tensor::empty({n}, mid, gpu()), bg = Tensor::empty({n}, back, gpu());
+            gops().convert(gs(), to_gpu(f32), mg);
+            gops().convert(gs(), mg, bg);
+            cs().synchronize();
+            expect_bitwise(mc, to_cpu(mg), what + " (first step)");
+            expect_bitwise(bc, to_cpu(bg), what);
+        }
+    }
+    Tensor xc = clone_cpu(f32), bc = cpu_tensor({n}, DType::bf16);
+    Tensor xg = to_gpu(f32), bg = Tensor::empty({n}, DType::bf16, gpu());
+    cops().round_to_bf16(cs(), xc, bc);
+    gops().round_to_bf16(gs(), xg, bg);
+    cs().synchronize();
+    expect_bitwise(xc, to_cpu(xg), "round_to_bf16: x");
+    expect_bitwise(bc, to_cpu(bg), "round_to_bf16: x_bf16");
+}
+
+TEST(CudaOps, CopyCopyColumnsAndFillZeroAreExact) {
+    SKIP_WITHOUT_CUDA();
+    Tensor src = random_cpu({45, 31}, 600), dst0 = random_cpu({45, 50}, 601);
+    // device -> device, pinned -> device and device -> pinned all through ops().copy.
+    Tensor a = to_gpu(src), b = Tensor::empty({45, 31}, DType::f32, gpu());
+    gops().copy(gs(), a, b);
+    expect_bitwise(src, to_cpu(b), "copy");
+    Tensor dc = clone_cpu(dst0), dg = to_gpu(dst0);
+    cops().copy_columns(cs(), src, 3, dc, 17, 20);
+    gops().copy_columns(gs(), b, 3, dg, 17, 20);
+    cs().synchronize();
+    expect_bitwise(dc, to_cpu(dg), "copy_columns");
+    gops().fill_zero(gs(), dg.narrow(0, 10, 5));
+    Tensor expect = clone_cpu(dc);
+    std::memset(expect.data<float>() + 10 * 50, 0, 5 * 50 * sizeof(float));
+    expect_bitwise(expect, to_cpu(dg), "fill_zero of rows 10..14");
+}
+
+TEST(CudaOps, SumOfSquaresHiPlusLoIsTheCpusDoubleSum) {
+    SKIP_WITHOUT_CUDA();
+    const int64_t n   = 3 * (int64_t{1} << 16) + 12345;   // 4 chunks of 2^16, the last partial
+    Tensor        x   = random_cpu({n}, 700, 2.0f);
+    Tensor        oc  = cpu_tensor({2});
+    Tensor        og  = Tensor::empty({2}, DType::f32, gpu());
+    cops().sum_of_squares(cs(), x, oc);
+    gops().sum_of_squares(gs(), to_gpu(x), og);
+    cs().synchronize();
+    Tensor       got = to_cpu(og);
+    const double ref = double(oc.data<float>()[0]) + oc.data<float>()[1];
+    const double gpu_sum = double(got.data<float>()[0]) + got.data<float>()[1];
+    EXPECT_LE(std::fabs(gpu_sum - ref), 1e-12 * ref) << "cpu " << ref << ", cuda " << gpu_sum;
+    EXPECT_EQ(got.data<float>()[0], static_cast<float>(gpu_sum)) << "out[0] is the sum rounded to f32";
+}
+
+TEST(CudaOps, AdamWFiveStepsGiveTheCpusBitsWithBf16F32AndNoOutput) {
+    SKIP_WITHOUT_CUDA();
+    const int64_t n = 100003;
+    for (int kind = 0; kind < 3; ++kind) {
+        const DType       out_dtype = kind == 1 ? DType::bf16 : DType::f32;
+        const std::string what      = kind == 0 ? "no output" : kind == 1 ? "bf16 output" : "f32 output";
+        Tensor p = random_cpu({n}, 800), m = random_cpu({n}, 801, 0.1f), v = random_cpu({n}, 802, 0.01f);
+        float * vp = v.data<float>();
+        for (int64_t i = 0; i < n; ++i) vp[i] = std::fabs(vp[i]);   // second moments are non-negative
+        Tensor pc = clone_cpu(p), mc = clone_cpu(m), vc = clone_cpu(v), oc = cpu_tensor({n}, out_dtype);
+        Tensor pg = to_gpu(p), mg = to_gpu(m), vg = to_gpu(v), og = Tensor::empty({n}, out_dtype, gpu());
+        for (int64_t step = 1; step <= 5; ++step) {
+            Tensor   g = random_cpu({n}, 810 + step, 0.5f);
+            AdamStep a{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step};
+            cops().adamw(cs(), pc, g, mc, vc, kind ? oc : Tensor(), a);
+            gops().adamw(gs(), pg, to_gpu(g), mg, vg, kind ? og : Tensor(), a);
+            cs().synchronize();
+        }
+        expect_bitwise(pc, to_cpu(pg), "adamw " + what + ": master");
+        expect_bitwise(mc, to_cpu(mg), "adamw " + what + ": m");
+        expect_bitwise(vc, to_cpu(vg), "adamw " + what + ": v");
+        if (kind) expect_bitwise(oc, to_cpu(og), "adamw " + what + ": out");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------- Refusals
+
+TEST(CudaOps, OpsNotWrittenYetThrowNamingTheOp) {
+    SKIP_WITHOUT_CUDA();
+    Tensor x = Tensor::empty({4, 8}, DType::f32, gpu());
+    std::string text = error_of([&] { gops().rope(gs(), x, 2, 2, 1, 8, 10000.0f, false); });
+    EXPECT_NE(text.find("rope is not implemented on CUDA yet"), std::string::npos) << text;
+    text = error_of([&] { gops().attention_forward(gs(), x, x, x, AttentionShape{2, 2, 1, 1, 2, 8}, 1.0f); });
+    EXPECT_NE(text.find("attention_forward is not implemented on CUDA yet"), std::string::npos) << text;
+}
+
+TEST(CudaOps, HostTensorsAndHostAccessToDeviceMemoryAreRefused) {
+    SKIP_WITHOUT_CUDA();
+    Tensor      host = random_cpu({16}, 900);
+    Tensor      dev  = Tensor::empty({16}, DType::f32, gpu());
+    std::string text = error_of([&] { gops().add_inplace(gs(), dev, host); });
+    EXPECT_NE(text.find("is not on cuda:0"), std::string::npos) << text;
+    text = error_of([&] { dev.fill_zero(); });
+    EXPECT_NE(text.find("the host cannot address"), std::string::npos) << text;
+}
+
+TEST(CudaOps, LoomGraphCaptureIsRefusedNamingTheGraph) {
+    SKIP_WITHOUT_CUDA();
+    Tensor   x      = Tensor::empty({1024}, DType::f32, gpu());
+    auto     stream = gpu().stream_create("capture-test");
+    Graph    graph(gpu(), "layer 0 fwd, mb 0");
+    stream->begin_capture(graph);
+    std::string text = error_of([&] { gops().scale(*stream, x, 2.0f); });
+    std::string host = error_of([&] { stream->submit([] {}); });
+    stream->end_capture();
+    EXPECT_NE(text.find("CUDA graph capture of Loom graphs is not implemented yet"), std::string::npos) << text;
+    EXPECT_NE(text.find("layer 0 fwd, mb 0"), std::string::npos) << text;
+    EXPECT_NE(host.find("CUDA graph capture of Loom graphs is not implemented yet"), std::string::npos) << host;
+    stream->synchronize();
+}
+
+// ---------------------------------------------------------------------------------------------- Allocator
+
+TEST(CudaAllocator, PoolsAndStatisticsAsOnTheCpuForDeviceAndPinnedMemory) {
+    SKIP_WITHOUT_CUDA();
+    for (MemoryKind kind : {MemoryKind::device, MemoryKind::pinned_host}) {
+        Allocator &       alloc = gpu().allocator(kind);
+        const std::string pool  = std::string("cuda-test-") + memory_kind_name(kind);
+        EXPECT_EQ(alloc.kind(), kind);
+        const size_t bytes = 3 * 1000 * 1000 + 17;
+        const size_t cap   = Allocator::class_size(bytes);
+        {
+            Block block = alloc.allocate(bytes, pool);
+            ASSERT_NE(block.ptr, nullptr);
+            AllocatorStats s = alloc.pool_stats(pool);
+            EXPECT_EQ(s.allocated, int64_t(bytes));
+            EXPECT_EQ(s.reserved, int64_t(cap));
+            EXPECT_EQ(s.active, 1);
+            alloc.deallocate(block);
+            s = alloc.pool_stats(pool);
+            EXPECT_EQ(s.allocated, 0);
+            EXPECT_EQ(s.reserved, int64_t(cap)) << "a freed block stays cached in its pool";
+            Block again = alloc.allocate(bytes - 5, pool);   // same size class: a cache hit
+            EXPECT_EQ(again.ptr, block.ptr);
+            EXPECT_EQ(alloc.pool_stats(pool).reserved, int64_t(cap));
+            EXPECT_EQ(alloc.pool_stats(pool).num_allocs, 2);
+            EXPECT_EQ(alloc.pool_stats(pool).peak_allocated, int64_t(bytes));
+            alloc.deallocate(again);
+        }
+        alloc.empty_cache(pool);
+        EXPECT_EQ(alloc.pool_stats(pool).reserved, 0);
+        EXPECT_EQ(alloc.pool_stats(pool).num_frees, 2);
+    }
+}
+
+TEST(CudaAllocator, ATensorDroppedAfterAnOpIsFreedInStreamOrder) {
+    SKIP_WITHOUT_CUDA();
+    const std::string pool  = "cuda-test-stream-order";
+    Allocator &       alloc = gpu().allocator(MemoryKind::device);
+    gs().synchronize();
+    {
+        Tensor big = Tensor::empty({int64_t{1} << 24}, DType::f32, gpu(), {MemoryKind::device, pool});
+        for (int i = 0; i < 20; ++i) gops().scale(gs(), big, 1.0f);
+    }   // the host drops it while the kernels may still run
+    EXPECT_EQ(alloc.pool_stats(pool).allocated, int64_t{4} << 24) << "the stream holds the tensor until its kernels ran";
+    gs().synchronize();
+    EXPECT_EQ(alloc.pool_stats(pool).allocated, 0) << "synchronize gives it back";
+    alloc.empty_cache(pool);
+}
+
+// ---------------------------------------------------------------------------------------------- Streams, events
+
+TEST(CudaStreams, EventOrdersWorkAcrossTwoStreams) {
+    SKIP_WITHOUT_CUDA();
+    const int64_t n = int64_t{1} << 22;
+    auto          a = gpu().stream_create("a");
+    auto          b = gpu().stream_create("b");
+    auto          e = gpu().event_create();
+    EXPECT_TRUE(e->query()) << "an event never recorded counts as complete";
+    e->synchronize();
+    Tensor ones_host = cpu_tensor({n});
+    for (int64_t i = 0; i < n; ++i) ones_host.data<float>()[i] = 1.0f;
+    Tensor one = to_gpu(ones_host);   // copied on the compute stream: done before a and b start
+    gs().synchronize();
+    Tensor x = Tensor::empty({n}, DType::f32, gpu()), y = Tensor::empty({n}, DType::f32, gpu());
+    gops().fill_zero(*a, x);
+    for (int i = 0; i < 100; ++i) gops().add_inplace(*a, x, one);   // long enough that b would overtake a
+    a->record(*e);
+    b->wait(*e);
+    gops().copy(*b, x, y);
+    b->synchronize();
+    EXPECT_TRUE(e->query());
+    Tensor got = to_cpu(y);
+    for (int64_t i = 0; i < n; i += 4099) ASSERT_EQ(got.data<float>()[i], 100.0f) << "element " << i;
+    EXPECT_TRUE(a->query());
+}
+
+TEST(CudaStreams, HostWorkRunsInStreamOrderAndItsErrorsSurfaceAtSynchronize) {
+    SKIP_WITHOUT_CUDA();
+    auto   s      = gpu().stream_create("host-work");
+    Tensor x      = to_gpu(random_cpu({4096}, 950));
+    Tensor pinned = Tensor::empty({4096}, DType::f32, gpu(), {MemoryKind::pinned_host});
+    gs().synchronize();
+    gops().scale(*s, x, 2.0f);
+    gops().copy(*s, x, pinned);
+    std::atomic<float> seen{0.0f};
+    s->submit([&] { seen = pinned.data<float>()[4095]; });   // runs after the copy, on the runtime's thread
+    s->synchronize();
+    Tensor expect = to_cpu(x);
+    EXPECT_EQ(seen.load(), expect.data<float>()[4095]);
+    s->submit([] { LOOM_THROW("host work failed on purpose", ""); });
+    std::string text = error_of([&] { s->synchronize(); });
+    EXPECT_NE(text.find("host work failed on purpose"), std::string::npos) << text;
+    s->synchronize();   // the error was reported once
+}
+
+}  // namespace
