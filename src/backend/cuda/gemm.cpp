@@ -20,6 +20,19 @@ cublasLtHandle_t lt_handle(int device_index) {
     return handles[device_index];
 }
 
+// One cuBLAS handle per device, for the shapes cuBLASLt has no kernel for (gemm_lt's fallback).
+cublasHandle_t blas_handle(int device_index) {
+    static std::mutex                  mutex;
+    static std::vector<cublasHandle_t> handles;
+    std::lock_guard<std::mutex>        lock(mutex);
+    if (static_cast<size_t>(device_index) >= handles.size()) handles.resize(device_index + 1, nullptr);
+    if (handles[device_index] == nullptr) {
+        LOOM_CUBLAS_CHECK(cublasCreate(&handles[device_index]));
+        LOOM_CUBLAS_CHECK(cublasSetMathMode(handles[device_index], CUBLAS_PEDANTIC_MATH));   // no TF32, as cuBLASLt's path
+    }
+    return handles[device_index];
+}
+
 // The largest power of two (up to 256) dividing the address: cuBLASLt assumes 256-byte alignment unless told,
 // and views (Tensor::slice) can start anywhere.
 uint32_t alignment_of(const void * p) {
@@ -86,9 +99,21 @@ void gemm_lt(int device_index, cudaStream_t stream, void * workspace, size_t wor
     cublasLtHandle_t                handle = lt_handle(device_index);
     cublasLtMatmulHeuristicResult_t heuristic{};
     int                             found = 0;
-    LOOM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc.handle, layout_a.handle, layout_b.handle,
-                                                     layout_c.handle, layout_c.handle, preference.handle, 1,
-                                                     &heuristic, &found));
+    cublasStatus_t                  status = cublasLtMatmulAlgoGetHeuristic(
+        handle, desc.handle, layout_a.handle, layout_b.handle, layout_c.handle, layout_c.handle, preference.handle, 1,
+        &heuristic, &found);
+    if (status == CUBLAS_STATUS_NOT_SUPPORTED || (status == CUBLAS_STATUS_SUCCESS && found == 0)) {
+        // No cuBLASLt kernel for these alignments or leading dimensions: cublasGemmEx takes any.
+        const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+        cublasHandle_t blas = blas_handle(device_index);
+        LOOM_CUBLAS_CHECK(cublasSetStream(blas, stream));
+        LOOM_CUBLAS_CHECK(cublasGemmEx(blas, op_a, op_b, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k),
+                                       &alpha, b, ab_type, static_cast<int>(a_rows), a, ab_type, static_cast<int>(b_rows),
+                                       &beta, c, CUDA_R_32F, static_cast<int>(n), CUBLAS_COMPUTE_32F,
+                                       CUBLAS_GEMM_DEFAULT));
+        return;
+    }
+    LOOM_CUBLAS_CHECK(status);
     LOOM_CHECK(found > 0,
                "cuBLASLt has no algorithm for a " << (bf16 ? "bfloat16" : "float32") << " GEMM of (" << m << ", " << k
                                                   << ") x (" << k << ", " << n << ")"

@@ -6,7 +6,10 @@
 //   cuBLASLt C = D = c   (n, m), ld = n, f32
 //
 // a and b are both f32 or both bf16; the compute type is CUBLAS_COMPUTE_32F (f32 accumulation, no TF32),
-// alpha = 1, beta = accumulate ? 1 : 0. k = 0 gives c = 0 (or leaves it, accumulating).
+// alpha = 1, beta = accumulate ? 1 : 0. k = 0 gives c = 0 (or leaves it, accumulating). Operands are
+// often views into flat buffers, so their addresses are passed to cuBLASLt's heuristic as the alignment
+// it may assume; where it has no kernel (cuBLASLt wants 16-byte alignment for most), cublasGemmEx with the
+// same types and compute type runs the product instead. m, n, k must fit in int for that fallback.
 #pragma once
 
 #include <cuda_runtime.h>
