@@ -14,6 +14,7 @@
 #include "model/moe/moe_layer.h"
 #include "parallel/parallel_config.h"
 #include "parallel/process_groups.h"
+#include "train/checkpointing.h"
 #include "train/data_source.h"
 #include "train/setup.h"
 #include "train/trainer.h"
@@ -73,12 +74,13 @@ struct Layout {
     bool distopt = false;
     model::MoeDispatcher dispatcher = model::MoeDispatcher::allgather;
     bool grouped = false;
+    bool offload = false;   // --optimizer-cpu-offload, half the optimizer state on the host
 };
 
 std::string describe(const Layout & l) {
     return "world " + std::to_string(g_mpi->world_size()) + " ep " + std::to_string(l.ep) + " pp " + std::to_string(l.pp) +
            (l.dispatcher == model::MoeDispatcher::alltoall ? " alltoall" : " allgather") + (l.grouped ? " grouped" : "") +
-           (l.distopt ? " zero-1 + overlaps" : "");
+           (l.distopt ? " zero-1 + overlaps" : "") + (l.offload ? " cpu-offload 0.5" : "");
 }
 
 struct Reference {
@@ -127,6 +129,10 @@ void expect_follows_reference(const Layout & l) {
     o.ddp.overlap_param_gather        = l.distopt;
     o.ddp.bucket_size                 = 20000;
     o.log_file                        = log_path("run");   // world rank 0 writes it
+    if (l.offload) {
+        o.optimizer_cpu_offload            = true;
+        o.offload.offload_fraction         = 0.5f;
+    }
     auto                source = train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), config.dp());
     train::Setup        setup  = train::setup(o, groups, cpu::device());
     std::vector<double> losses;
@@ -151,6 +157,22 @@ void expect_follows_reference(const Layout & l) {
         ASSERT_EQ(v.size(), r.size()) << p->name;
         for (size_t i = 0; i < v.size(); ++i) worst_param = std::max(worst_param, static_cast<double>(std::fabs(v[i] - r[i])));
         experts_held += p->expert && p->name.find(".fc1.weight") != std::string::npos;
+    }
+    // The checkpoint of this layout holds the whole model, each expert once: loaded into one rank's model it
+    // is the single-rank run's.
+    o.save = ::testing::TempDir() + "loom_moe_mpi_ckpt_" + std::to_string(g_mpi->world_size());
+    train::save_checkpoint(o, setup, 20, 20 * o.global_batch_size);
+    {
+        model::GptConfig whole = o.model;
+        model::GptModel  gpt(whole, cpu::device());
+        train::load_weights(checkpoint::read_index(o.save + "/iter_0000020"), gpt);
+        double worst_loaded = 0;
+        for (model::Parameter * p : gpt.parameters()) {
+            std::vector<float> v = testing_models::parameter_values(*p);
+            const std::vector<float> & r = ref.params.at(p->name);
+            for (size_t i = 0; i < v.size(); ++i) worst_loaded = std::max(worst_loaded, static_cast<double>(std::fabs(v[i] - r[i])));
+        }
+        EXPECT_LT(worst_loaded, 5e-5) << "the checkpoint loaded into one rank";
     }
     // Each MoE layer of this rank's stage holds E / ep experts (one grouped tensor of them).
     const int layers = 2 / l.pp;
@@ -187,6 +209,11 @@ TEST(ExpertParallel, Ep2AlltoallFollowsTheSingleRankRun) {
 TEST(ExpertParallel, Ep2AlltoallGroupedGemmFollowsTheSingleRankRun) {
     if (g_mpi->world_size() != 2) GTEST_SKIP() << "runs with 2 ranks";
     expect_follows_reference(Layout{2, 1, false, model::MoeDispatcher::alltoall, true});
+}
+
+TEST(ExpertParallel, Ep2WithCpuOffloadFollowsTheSingleRankRun) {
+    if (g_mpi->world_size() != 2) GTEST_SKIP() << "runs with 2 ranks";
+    expect_follows_reference(Layout{2, 1, false, model::MoeDispatcher::allgather, false, true});
 }
 
 TEST(ExpertParallel, Ep2TimesPp2FollowsTheSingleRankRun) {
