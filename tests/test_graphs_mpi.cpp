@@ -35,6 +35,7 @@ comm::MpiContext * g_mpi = nullptr;
 struct Layout {
     int  tp = 1, pp = 1, vpp = 1;
     bool sp = false, distopt = false, bf16 = false, offload = false;
+    bool moe = false;   // 4 experts, top-2, drop-and-pad (capacity 1): whole MoE layers in the graphs
     int  first_stage_layers = 0;
     int  global_batch       = 8;
 };
@@ -75,6 +76,14 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = 20) 
     o.bf16                          = layout.bf16;
     o.optimizer_cpu_offload         = layout.offload;
     if (layout.offload) o.offload.offload_fraction = 0.5;
+    if (layout.moe) {
+        o.model.moe.num_experts     = 4;
+        o.model.moe.topk            = 2;
+        o.model.moe.aux_loss_coeff  = 1e-2f;
+        o.model.moe.z_loss_coeff    = 1e-3f;
+        o.model.moe.capacity_factor = 1.0f;
+        o.model.moe.pad_to_capacity = true;
+    }
     o.layer_graphs            = graphed;
     o.cuda_graph_warmup_steps = 3;
 
@@ -113,9 +122,9 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = 20) 
 
 std::string describe(const Layout & l) {
     char text[160];
-    std::snprintf(text, sizeof text, "tp %d%s pp %d vpp %d%s%s%s%s", l.tp, l.sp ? "+sp" : "", l.pp, l.vpp,
+    std::snprintf(text, sizeof text, "tp %d%s pp %d vpp %d%s%s%s%s%s", l.tp, l.sp ? "+sp" : "", l.pp, l.vpp,
                   l.distopt ? " zero-1+overlaps" : "", l.bf16 ? " bf16" : "", l.offload ? " cpu-offload 0.5" : "",
-                  l.first_stage_layers ? " uneven" : "");
+                  l.first_stage_layers ? " uneven" : "", l.moe ? " moe drop-and-pad" : "");
     return text;
 }
 
@@ -161,6 +170,7 @@ TEST(LayerGraphs, TensorParallelWithSequenceParallelIsBitwiseTheEagerRun) {
 TEST(LayerGraphs, Bf16IsBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2, .bf16 = true}); }
 TEST(LayerGraphs, UnevenStagesAreBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2, .first_stage_layers = 1}); }
 TEST(LayerGraphs, OptimizerCpuOffloadIsBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2, .offload = true}); }
+TEST(LayerGraphs, DropAndPadMoeLayersAreBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2, .moe = true}); }
 
 // PP 2 x DP 2: M = 8 and 16 per data-parallel rank (global batch 16 and 32); the pool's peak must not grow
 // with M, and the first stage (P_0 = 2 micro-batches in flight) must hold exactly L more layer contexts

@@ -62,8 +62,16 @@ void MoELayer::parameters(std::vector<Parameter *> & out) {
 Tensor MoELayer::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, bool training) {
     LOOM_CHECK(x.dim() == 2 && x.size(0) == s * b && x.dtype() == DType::f32,
                "MoE input " << x.describe() << ", expected (" << s * b << ", h) float32 rows", "");
+    forward_router(ctx, x, b, training, true);
+    return forward_experts(ctx, x);
+}
+
+void MoELayer::forward_router(Context & ctx, const Tensor & x, int64_t b, bool training, bool with_plan) {
     router.forward(ctx.router, x, b, training);
-    ctx.plan = dispatch_plan_create(ctx.router.top_idx, ctx.router.probs, moe);
+    if (with_plan) ctx.plan = dispatch_plan_create(ctx.router.top_idx, ctx.router.probs, moe);
+}
+
+Tensor MoELayer::forward_experts(Context & ctx, const Tensor & x) {
     Tensor y = ep.size == 1                               ? local_forward(ctx, x)
                : moe.dispatcher == MoeDispatcher::alltoall ? alltoall_forward(ctx, x)
                                                            : allgather_forward(ctx, x);
@@ -72,17 +80,27 @@ Tensor MoELayer::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, 
 }
 
 Tensor MoELayer::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
+    Tensor dx, dprobs;
+    backward_experts(ctx, dy, ready, dx, dprobs);
+    return backward_router(ctx, dx, dprobs, ready);
+}
+
+void MoELayer::backward_experts(Context & ctx, const Tensor & dy, const GradReadyFn & ready, Tensor & dx, Tensor & dprobs) {
     Ops &    ops    = dy.device().ops();
     Stream & stream = dy.device().compute_stream();
-    Tensor   dprobs;
-    Tensor   dx = ep.size == 1                               ? local_backward(ctx, dy, dprobs, ready)
-                  : moe.dispatcher == MoeDispatcher::alltoall ? alltoall_backward(ctx, dy, dprobs, ready)
-                                                              : allgather_backward(ctx, dy, dprobs, ready);
+    dx = ep.size == 1                               ? local_backward(ctx, dy, dprobs, ready)
+         : moe.dispatcher == MoeDispatcher::alltoall ? alltoall_backward(ctx, dy, dprobs, ready)
+                                                     : allgather_backward(ctx, dy, dprobs, ready);
     if (shared_expert) ops.add_inplace(stream, dx, shared_expert->backward(ctx.shared, dy, ready));
-    ops.add_inplace(stream, dx, router.backward(ctx.router, dprobs, aux_loss_backward_scale, ready));
     ctx.plan     = DispatchPlan();
     ctx.gathered = DispatchPlan();
     ctx.yp       = Tensor();
+}
+
+Tensor MoELayer::backward_router(Context & ctx, const Tensor & dx, const Tensor & dprobs, const GradReadyFn & ready) {
+    dx.device().ops().add_inplace(dx.device().compute_stream(), dx,
+                                  router.backward(ctx.router, dprobs, aux_loss_backward_scale, ready));
+    ctx.plan = DispatchPlan();
     return dx;
 }
 
@@ -232,7 +250,7 @@ Tensor MoELayer::allgather_forward(Context & ctx, const Tensor & x) {
     Stream &      stream = device.compute_stream();
     const int     P = ep.size;
     const int64_t n = x.size(0), h = x.size(1), k = ctx.plan.k, L = moe.num_experts / P;
-    Tensor routed     = dispatch_plan_routed(ctx.plan, ctx.router.top_idx);
+    Tensor routed     = dispatch_plan_routed(ctx.plan);
     Tensor routed_all = Tensor::empty({P * n, k}, DType::i32, device, {MemoryKind::device, kActivationsPool});
     Tensor probs_all  = activation(device, P * n, k);
     Tensor x_all      = activation(device, P * n, h);

@@ -86,6 +86,19 @@ public:
     // x (n, h) f32, n = s b rows in (s, b) order; training: compute the aux and z losses.
     Tensor forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, bool training = true);
     Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
+
+    // The same in two segments (MoE partial graph capture, graphs/layer_graph_runner.h): forward is
+    // forward_router then forward_experts, backward is backward_experts then backward_router, kernel for
+    // kernel. The router segment has static shapes and no host read: the router, and with `with_plan` the
+    // dispatch plan (Megatron's moe_preprocess). forward_experts needs ctx.plan (from forward_router, or set
+    // by the caller from the router's outputs), reads the experts' row counts on the host unless padded,
+    // and runs the permutation, experts, combine and shared expert. backward_experts returns the gradients
+    // of the router segment's outputs: dx (of x, without the router's share) and dprobs; backward_router
+    // adds the router's share into dx, in place, and returns it.
+    void   forward_router(Context & ctx, const Tensor & x, int64_t b, bool training, bool with_plan);
+    Tensor forward_experts(Context & ctx, const Tensor & x);
+    void   backward_experts(Context & ctx, const Tensor & dy, const GradReadyFn & ready, Tensor & dx, Tensor & dprobs);
+    Tensor backward_router(Context & ctx, const Tensor & dx, const Tensor & dprobs, const GradReadyFn & ready);
     // Router and experts N(0, std) (the experts' fc2 and the shared expert's fc2: output_std), biases 0.
     void   init(uint64_t seed, float std, float output_std);
     void   parameters(std::vector<Parameter *> & out);

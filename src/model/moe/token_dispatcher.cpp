@@ -23,17 +23,22 @@ void check_rows(const Tensor & t, int64_t rows, const char * what) {
 
 }  // namespace
 
-DispatchPlan dispatch_plan_create(const Tensor & top_idx, const Tensor & probs, const MoeConfig & moe) {
-    LOOM_CHECK(top_idx.dim() == 2 && top_idx.dtype() == DType::i32, "top_idx " << top_idx.describe(), "");
-    LOOM_CHECK(probs.dtype() == DType::f32 && probs.numel() == top_idx.numel(), "probs " << probs.describe(), "");
-    Device &     device = top_idx.device();
+DispatchPlan dispatch_plan_shape(int64_t n, int64_t k, const MoeConfig & moe) {
     DispatchPlan plan;
-    plan.n        = top_idx.size(0);
-    plan.k        = top_idx.size(1);
+    plan.n        = n;
+    plan.k        = k;
     plan.experts  = moe.num_experts;
     plan.capacity = moe.drops() ? moe_capacity(plan.n, plan.experts, plan.k, moe.capacity_factor) : -1;
     plan.padded   = moe.drops() && moe.pad_to_capacity;
     plan.rows_max = plan.padded ? plan.experts * plan.capacity : plan.n * plan.k;
+    return plan;
+}
+
+DispatchPlan dispatch_plan_create(const Tensor & top_idx, const Tensor & probs, const MoeConfig & moe) {
+    LOOM_CHECK(top_idx.dim() == 2 && top_idx.dtype() == DType::i32, "top_idx " << top_idx.describe(), "");
+    LOOM_CHECK(probs.dtype() == DType::f32 && probs.numel() == top_idx.numel(), "probs " << probs.describe(), "");
+    Device &     device = top_idx.device();
+    DispatchPlan plan   = dispatch_plan_shape(top_idx.size(0), top_idx.size(1), moe);
     plan.probs    = activation(device, plan.n, plan.k);
     plan.row_of   = activation_i32(device, {plan.n, plan.k});
     plan.token_of_row      = activation_i32(device, {std::max<int64_t>(plan.rows_max, 1)});
@@ -209,15 +214,22 @@ void moe_unpermute_backward(const Tensor & dy, const Tensor & yp, const Dispatch
     });
 }
 
-Tensor dispatch_plan_routed(const DispatchPlan & plan, const Tensor & top_idx) {
-    LOOM_CHECK(top_idx.numel() == plan.n * plan.k && top_idx.dtype() == DType::i32, "top_idx " << top_idx.describe(), "");
-    Tensor routed = activation_i32(top_idx.device(), {plan.n, plan.k});
-    Tensor row_of = plan.row_of;
-    top_idx.device().compute_stream().submit([=] {
-        const int32_t * ti = top_idx.data<int32_t>();
-        const int32_t * ro = row_of.data<int32_t>();
+Tensor dispatch_plan_routed(const DispatchPlan & plan) {
+    Device & device = plan.row_of.device();
+    Tensor   routed = activation_i32(device, {plan.n, plan.k});
+    Tensor   row_of = plan.row_of, counts = plan.tokens_per_expert;
+    const int64_t E = plan.experts;
+    device.compute_stream().submit([=] {
+        const int32_t * ro  = row_of.data<int32_t>();
+        const int64_t * cnt = counts.data<int64_t>();
         int32_t *       out = routed.data<int32_t>();
-        for (int64_t a = 0; a < routed.numel(); ++a) out[a] = ro[a] >= 0 ? ti[a] : -1;
+        // Rows are expert-major: expert e's rows end at the prefix sum of the counts up to e.
+        std::vector<int64_t> end(E);
+        int64_t              total = 0;
+        for (int64_t e = 0; e < E; ++e) end[e] = total += cnt[e];
+        for (int64_t a = 0; a < routed.numel(); ++a) {
+            out[a] = ro[a] < 0 ? -1 : static_cast<int32_t>(std::upper_bound(end.begin(), end.end(), ro[a]) - end.begin());
+        }
     });
     return routed;
 }

@@ -40,6 +40,8 @@ struct DispatchPlan {
     Tensor  tokens_per_expert;        // (E) i64: each expert's rows (C each when padded)
 };
 
+// The plan's scalars for n tokens and k slots (no tensors): what dispatch_plan_create fills in.
+DispatchPlan dispatch_plan_shape(int64_t n, int64_t k, const MoeConfig & moe);
 // Enqueues the plan for top_idx (n, k) i32 and probs (n, k) f32 under `moe`'s capacity settings.
 DispatchPlan dispatch_plan_create(const Tensor & top_idx, const Tensor & probs, const MoeConfig & moe);
 
@@ -59,9 +61,10 @@ void   moe_unpermute_backward(const Tensor & dy, const Tensor & yp, const Dispat
 
 // Expert parallelism (model/moe/moe_layer.h has the two dispatchers that use these).
 //
-// The plan's expert of each (token, slot), -1 where the capacity dropped it: (n, k) i32. The all-gather
-// dispatcher gathers it (with plan.probs, 0 where dropped) from every EP rank.
-Tensor dispatch_plan_routed(const DispatchPlan & plan, const Tensor & top_idx);
+// The plan's expert of each (token, slot), -1 where the capacity dropped it: (n, k) i32, read off the
+// plan's rows (expert-major). The all-gather dispatcher gathers it (with plan.probs, 0 where dropped) from
+// every EP rank.
+Tensor dispatch_plan_routed(const DispatchPlan & plan);
 // The plan of the local experts [first, first + count) over gathered routing: routed (N, k) i32 (-1:
 // dropped), probs (N, k) f32. Its experts are the local ones (plan.experts = count), rows local-expert-
 // major with tokens in order; slots routed elsewhere or dropped get no row (probability 0). No capacity:
