@@ -159,11 +159,16 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
                 static_cast<long long>(options.model.vocab_size),
                 static_cast<long long>(options.model.padded_vocab_size()));
     if (out) std::printf("data: %s | micro-batch %lld, global batch %lld, %lld iterations | parallel: tp %lld, pp %lld, "
-                         "dp %lld\n",
+                         "dp %lld%s\n",
                 data->describe().c_str(), static_cast<long long>(options.micro_batch_size),
                 static_cast<long long>(options.global_batch_size), static_cast<long long>(options.train_iters),
                 static_cast<long long>(options.tensor_parallel_size), static_cast<long long>(options.pipeline_parallel_size),
-                static_cast<long long>(options.data_parallel_size));
+                static_cast<long long>(options.data_parallel_size),
+                options.expert_parallel_size > 1
+                    ? (", experts: ep " + std::to_string(options.expert_parallel_size) + " x edp " +
+                       std::to_string(options.data_parallel_size / options.expert_parallel_size))
+                          .c_str()
+                    : "");
     if (out && options.print_layout) {
         std::printf("%s\n", ddp::layout_table(setup.ddp->layout(), setup.ddp->specs(),
                                               options.ddp.use_distributed_optimizer).c_str());
