@@ -324,6 +324,37 @@ TEST(CheckpointExport, ExportHfAndEvalReadTheTrainedWeights) {
     EXPECT_NE(from_ckpt.out.find("validation loss at iteration 6"), std::string::npos) << from_ckpt.out;
 }
 
+// A MoE checkpoint records the experts' shape as Megatron's args: a resume with the same flags continues
+// bitwise, one with a different shape is refused naming the flag, --use-checkpoint-args rebuilds the
+// experts, and export-hf refuses (GPT-2 has no experts).
+TEST(CheckpointMoe, ExpertShapeIsSavedCheckedAndRestored) {
+    TempDir           tmp;
+    const std::string moe = kRun + "--num-layers 2 --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 ";
+    CliRun            whole = run_loom(moe + "--train-iters 6");
+    ASSERT_EQ(whole.status, 0) << whole.out;
+    ASSERT_EQ(run_loom(moe + "--train-iters 6 --save " + (tmp / "a") + " --exit-interval 3").status, 0);
+    CliRun resumed = run_loom(moe + "--train-iters 6 --load " + (tmp / "a"));
+    ASSERT_EQ(resumed.status, 0) << resumed.out;
+    auto line6 = [](const std::string & out) {
+        const size_t at = out.find("iteration        6/");
+        return at == std::string::npos ? std::string() : out.substr(out.find("lm loss:", at), 60);
+    };
+    EXPECT_FALSE(line6(whole.out).empty()) << whole.out;
+    EXPECT_EQ(line6(resumed.out), line6(whole.out)) << "the resumed run's iteration 6, lm loss and load_balancing_loss";
+    CliRun dense = run_loom(kRun + "--num-layers 2 --train-iters 6 --load " + (tmp / "a"));
+    EXPECT_EQ(dense.status, 2);
+    EXPECT_NE(dense.out.find("--num-experts: the model has num_experts = null, the checkpoint"), std::string::npos) << dense.out;
+    CliRun grouped = run_loom(moe + "--moe-grouped-gemm --train-iters 6 --load " + (tmp / "a"));
+    EXPECT_EQ(grouped.status, 2);
+    EXPECT_NE(grouped.out.find("--moe-grouped-gemm: the model has moe_grouped_gemm = true"), std::string::npos) << grouped.out;
+    CliRun eval = run_loom("eval --mock-data --eval-iters 2 --load " + (tmp / "a") + " --use-checkpoint-args", "2>/dev/null");
+    EXPECT_EQ(eval.status, 0) << eval.out;
+    EXPECT_NE(eval.out.find("validation loss at iteration 3"), std::string::npos) << eval.out;
+    CliRun exported = run_loom("export-hf --load " + (tmp / "a") + " --output " + (tmp / "hf"));
+    EXPECT_EQ(exported.status, 2);
+    EXPECT_NE(exported.out.find("the model has --num-experts 4 (GPT-2 has no experts)"), std::string::npos) << exported.out;
+}
+
 // Twelve ways a checkpoint can be damaged: each is refused with exit 2, naming the file at fault.
 TEST(CheckpointCorrupt, TwelveCorruptionsEachExitTwoNamingTheFile) {
     TempDir tmp;

@@ -21,7 +21,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <functional>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -36,6 +38,9 @@ struct Layout {
     int  tp = 1, pp = 1, vpp = 1;
     bool sp = false, distopt = false, bf16 = false, offload = false;
     bool moe = false;   // 4 experts, top-2, drop-and-pad (capacity 1): whole MoE layers in the graphs
+    // Dropless MoE layers captured up to the router (--cuda-graph-modules attn moe_router), with the
+    // dispatch plan too (moe_preprocess).
+    bool moe_router = false, moe_preprocess = false;
     int  first_stage_layers = 0;
     int  global_batch       = 8;
 };
@@ -49,6 +54,8 @@ struct TrainRun {
     int                                       stage = 0, layers = 0, peak_in_flight = 0, graphs = 0;
     int64_t                                   replays = 0, microbatches = 0;
     int                                       input_sets = 0;
+    size_t                                    collective_nodes = 0;
+    std::vector<double>                       balancing;   // load_balancing_loss per iteration (MoE)
     int64_t                                   saved_bytes = 0;   // one layer forward's, after its capture
     double                                    seconds     = 0;
 };
@@ -76,14 +83,18 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = 20) 
     o.bf16                          = layout.bf16;
     o.optimizer_cpu_offload         = layout.offload;
     if (layout.offload) o.offload.offload_fraction = 0.5;
+    if (layout.moe || layout.moe_router) {
+        o.model.moe.num_experts    = 4;
+        o.model.moe.topk           = 2;
+        o.model.moe.aux_loss_coeff = 1e-2f;
+        o.model.moe.z_loss_coeff   = 1e-3f;
+    }
     if (layout.moe) {
-        o.model.moe.num_experts     = 4;
-        o.model.moe.topk            = 2;
-        o.model.moe.aux_loss_coeff  = 1e-2f;
-        o.model.moe.z_loss_coeff    = 1e-3f;
         o.model.moe.capacity_factor = 1.0f;
         o.model.moe.pad_to_capacity = true;
     }
+    o.graph_moe_router     = layout.moe_router;
+    o.graph_moe_preprocess = layout.moe_preprocess;
     o.layer_graphs            = graphed;
     o.cuda_graph_warmup_steps = 3;
 
@@ -99,6 +110,7 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = 20) 
         const auto begin = std::chrono::steady_clock::now();
         for (int i = 0; i < iterations; ++i) {
             run.losses.push_back(trainer.step(stats));
+            if (!stats.moe_losses.empty()) run.balancing.push_back(stats.moe_losses[0].second);
             if (const graphs::LayerGraphRunner * runner = trainer.layer_graphs();
                 runner != nullptr && run.pool_allocs_at_capture < 0) {
                 run.pool_allocs_at_capture = allocator.pool_stats(kGraphPool).num_allocs;
@@ -106,6 +118,7 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = 20) 
                 run.peak_in_flight         = runner->plan().peak_in_flight;
                 run.graphs                 = static_cast<int>(runner->num_graphs());
                 run.input_sets             = runner->plan().num_input_sets();
+                run.collective_nodes       = runner->num_collective_nodes();
                 run.saved_bytes            = runner->saved_bytes_per_layer();
             }
         }
@@ -122,9 +135,10 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = 20) 
 
 std::string describe(const Layout & l) {
     char text[160];
-    std::snprintf(text, sizeof text, "tp %d%s pp %d vpp %d%s%s%s%s%s", l.tp, l.sp ? "+sp" : "", l.pp, l.vpp,
+    std::snprintf(text, sizeof text, "tp %d%s pp %d vpp %d%s%s%s%s%s%s", l.tp, l.sp ? "+sp" : "", l.pp, l.vpp,
                   l.distopt ? " zero-1+overlaps" : "", l.bf16 ? " bf16" : "", l.offload ? " cpu-offload 0.5" : "",
-                  l.first_stage_layers ? " uneven" : "", l.moe ? " moe drop-and-pad" : "");
+                  l.first_stage_layers ? " uneven" : "", l.moe ? " moe drop-and-pad" : "",
+                  l.moe_preprocess ? " dropless moe, graphs to the dispatch plan" : l.moe_router ? " dropless moe, graphs to the router" : "");
     return text;
 }
 
@@ -146,6 +160,14 @@ void expect_bitwise(const Layout & layout) {
         }
     }
     EXPECT_EQ(differing, 0u);
+    EXPECT_EQ(graph.balancing, eager.balancing) << "the MoE router's load-balancing loss, iteration by iteration";
+    if (layout.moe_router) {
+        // The routing differs between iterations (the balancing loss moves), so a dispatch replayed from the
+        // capture would have diverged; and the router's graphs hold no communication.
+        EXPECT_NE(std::adjacent_find(eager.balancing.begin(), eager.balancing.end(), std::not_equal_to<>()), eager.balancing.end());
+        EXPECT_EQ(graph.collective_nodes, 0u);
+    }
+    if (layout.tp > 1) EXPECT_GT(graph.collective_nodes, 0u) << "tensor parallelism's collectives are in the graphs";
     EXPECT_GT(graph.graphs, 0) << "graphs were captured";
     EXPECT_EQ(graph.replays, (20 - 3) * 2 * graph.microbatches * graph.layers)
         << "every layer call of the 17 iterations after the warm-up replayed a graph";
@@ -171,6 +193,11 @@ TEST(LayerGraphs, Bf16IsBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2, .bf
 TEST(LayerGraphs, UnevenStagesAreBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2, .first_stage_layers = 1}); }
 TEST(LayerGraphs, OptimizerCpuOffloadIsBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2, .offload = true}); }
 TEST(LayerGraphs, DropAndPadMoeLayersAreBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2, .moe = true}); }
+TEST(LayerGraphs, DroplessMoeCapturedToTheRouterIsBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2, .moe_router = true}); }
+TEST(LayerGraphs, DroplessMoeCapturedToTheDispatchPlanIsBitwiseTheEagerRun) {
+    expect_bitwise(Layout{.pp = 2, .moe_router = true, .moe_preprocess = true});
+}
+TEST(LayerGraphs, MoeCapturedToTheRouterWithOneStageIsBitwiseTheEagerRun) { expect_bitwise(Layout{.moe_router = true}); }
 
 // PP 2 x DP 2: M = 8 and 16 per data-parallel rank (global batch 16 and 32); the pool's peak must not grow
 // with M, and the first stage (P_0 = 2 micro-batches in flight) must hold exactly L more layer contexts

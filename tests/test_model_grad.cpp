@@ -12,6 +12,8 @@
 #include "core/device.h"
 #include "model/gpt_model.h"
 
+#include "random_values.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -23,13 +25,7 @@ using namespace loom;
 
 namespace {
 
-std::vector<float> random_vector(int64_t n, uint64_t seed, float scale = 1.0f) {
-    std::mt19937_64                       rng(seed);
-    std::uniform_real_distribution<float> u(-scale, scale);
-    std::vector<float>                    v(n);
-    for (auto & x : v) x = u(rng);
-    return v;
-}
+using loom::testing::random_vector;
 
 double dot(const std::vector<float> & a, const float * b) {
     double s = 0;

@@ -10,6 +10,8 @@
 #include "core/ops.h"
 #include "model/moe/moe_layer.h"
 
+#include "random_values.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -27,13 +29,7 @@ namespace {
 Device & dev() { return cpu::device(); }
 void     wait_compute() { dev().compute_stream().synchronize(); }
 
-std::vector<float> random_vector(int64_t n, uint64_t seed, float scale = 1.0f) {
-    std::mt19937_64                       rng(seed);
-    std::uniform_real_distribution<float> u(-scale, scale);
-    std::vector<float>                    v(n);
-    for (auto & x : v) x = u(rng);
-    return v;
-}
+using loom::testing::random_vector;
 
 template <typename T>
 Tensor tensor_of(const std::vector<T> & v, const Shape & shape) {

@@ -209,3 +209,33 @@ TEST(TensorBoardWriter, LoomTrainWritesMegatronsScalars) {
     EXPECT_EQ(bad.status, 2);
     EXPECT_NE(bad.out.find("--tensorboard-dir '/etc/hostname' exists and is not a folder"), std::string::npos) << bad.out;
 }
+
+// A MoE run adds the router's tracked losses, as Megatron's tracker writes them (their own tags, by
+// iteration), equal to the log's.
+TEST(TensorBoardWriter, MoeRunWritesTheRoutersLosses) {
+    const std::string dir = fs::temp_directory_path() / ("loom_tb_moe_" + std::to_string(::getpid()));
+    fs::remove_all(dir);
+    const std::string log = dir + "_metrics.jsonl";
+    CliRun r = run_loom("train --mock-data --train-iters 3 --num-layers 1 --log-interval 1 --num-experts 4 "
+                        "--moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 --tensorboard-dir " + dir + " --log-file " + log);
+    ASSERT_EQ(r.status, 0) << r.out;
+    EXPECT_NE(r.out.find(" | load_balancing_loss: "), std::string::npos) << r.out;
+    const std::vector<Event> events = read_events(only_event_file(dir));
+    std::map<std::string, std::vector<std::pair<int64_t, float>>> by_tag;
+    for (size_t i = 1; i < events.size(); ++i) by_tag[events[i].tag].emplace_back(events[i].step, events[i].value);
+    std::ifstream in(log);
+    std::string   line;
+    int64_t       k = 1;
+    for (; std::getline(in, line); ++k) {
+        const nlohmann::json j = nlohmann::json::parse(line);
+        for (const char * tag : {"load_balancing_loss", "z_loss"}) {
+            ASSERT_EQ(by_tag[tag].size(), 3u) << tag;
+            EXPECT_EQ(by_tag[tag].at(k - 1).first, k);
+            EXPECT_FLOAT_EQ(by_tag[tag].at(k - 1).second, j[tag].get<float>()) << tag << ", iteration " << k;
+            EXPECT_GT(j[tag].get<double>(), 0.0) << tag;
+        }
+    }
+    EXPECT_EQ(k, 4);
+    fs::remove_all(dir);
+    fs::remove(log);
+}

@@ -600,7 +600,14 @@ TEST(MegatronCommandLine, MoeFlagsFollowMegatronsRules) {
         {{"--moe-ffn-hidden-size", "64"}, "--moe-ffn-hidden-size without --num-experts"},
         {{"--num-experts", "4", "--cuda-graph-impl", "transformer_engine"}, "with dropless MoE layers"},
         {{"--num-experts", "4", "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "moe_router"},
-         "(a graph of part of a MoE layer) is not supported by Loom yet"},
+         "--cuda-graph-modules moe_router is not supported by Loom"},
+        {{"--num-experts", "4", "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "moe"},
+         "moe cuda graph is only supported with drop-padding MoE."},
+        {{"--num-experts", "4", "--cuda-graph-modules", "mlp"}, "mlp cuda graph is only supported for dense layers"},
+        {{"--num-experts", "4", "--moe-token-dispatcher-type", "alltoall", "--moe-expert-capacity-factor", "1",
+          "--cuda-graph-modules", "attn", "moe_router", "moe_preprocess"}, "moe_preprocess cuda graph is not supported when there are DtoH"},
+        {{"--num-experts", "4", "--num-layers", "2", "--moe-layer-freq", "2", "--cuda-graph-impl", "transformer_engine",
+          "--cuda-graph-modules", "attn", "moe_router"}, "--cuda-graph-modules attn moe_router is not supported by Loom"},
     };
     for (const auto & [flags, message] : bad) {
         std::vector<std::string> args{"--mock-data"};
@@ -608,6 +615,14 @@ TEST(MegatronCommandLine, MoeFlagsFollowMegatronsRules) {
         const std::string text = error_of([&] { parse_train(args); });
         EXPECT_NE(text.find(message), std::string::npos) << text;
     }
+    // What Loom captures of MoE layers: up to the router (with the dispatch plan), or whole drop-and-pad layers.
+    const train::TrainOptions router = parse_train({"--mock-data", "--num-experts", "4", "--cuda-graph-impl", "transformer_engine",
+                                                    "--cuda-graph-modules", "attn", "moe_router", "moe_preprocess"});
+    EXPECT_TRUE(router.layer_graphs && router.graph_moe_router && router.graph_moe_preprocess);
+    const train::TrainOptions whole = parse_train({"--mock-data", "--num-experts", "4", "--moe-expert-capacity-factor", "1",
+                                                   "--moe-pad-expert-input-to-capacity", "--cuda-graph-impl", "transformer_engine",
+                                                   "--cuda-graph-modules", "attn", "moe"});
+    EXPECT_TRUE(whole.layer_graphs && !whole.graph_moe_router);
     const std::string tp = error_of([] { parse_train({"--mock-data", "--num-experts", "4", "--tensor-model-parallel-size", "2"}, 2); });
     EXPECT_NE(tp.find("--num-experts with --tensor-model-parallel-size 2"), std::string::npos) << tp;
 }
@@ -637,7 +652,7 @@ TEST(MegatronCommandLine, CudaGraphFlagsFollowMegatronsRules) {
         {{"--cuda-graph-modules", "moe", "moe_router"}, "must not contain both moe and moe_router"},
         {{"--cuda-graph-modules", "moe_preprocess"}, "moe_preprocess cuda graph is only supported with moe_router cuda graph."},
         {{"--cuda-graph-modules", "moe_router"}, "moe cuda graph is only supported for MoE."},
-        {{"--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn"}, "--cuda-graph-modules attn (a graph of part of a layer) is not supported by Loom"},
+        {{"--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn"}, "--cuda-graph-modules attn is not supported by Loom"},
         {{"--cuda-graph-warmup-steps", "-1"}, "--cuda-graph-warmup-steps must be >= 0"},
         {{"--cuda-graph-impl", "transformer_engine", "--recompute-granularity", "full", "--recompute-method", "uniform",
           "--recompute-num-layers", "1"}, "full recompute is only supported with full iteration CUDA graph."},

@@ -54,6 +54,10 @@ void Graph::add_replayable(Prepare prepare) {
 void Graph::add_record(Event & event) { nodes_.push_back(Node{Node::Kind::record, nullptr, nullptr, &event}); }
 void Graph::add_wait(Event & event) { nodes_.push_back(Node{Node::Kind::wait, nullptr, nullptr, &event}); }
 
+size_t Graph::num_replayable_nodes() const {
+    return static_cast<size_t>(std::count_if(nodes_.begin(), nodes_.end(), [](const Node & n) { return n.kind == Node::Kind::replayable; }));
+}
+
 void Graph::note_allocation(const std::shared_ptr<Storage> & storage) { allocations_.push_back(storage); }
 
 size_t Graph::hold(const Tensor & t) {

@@ -55,6 +55,7 @@ public:
     const std::string & name() const { return name_; }
     const std::string & pool() const { return pool_; }
     size_t              num_nodes() const { return nodes_.size(); }
+    size_t              num_replayable_nodes() const;   // those re-prepared at each replay (collectives)
     bool                captured() const { return captured_; }
 
     // Enqueues every node on `stream` in capture order; returns without waiting for them.

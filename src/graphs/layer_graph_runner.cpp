@@ -22,9 +22,9 @@ GraphPlanOptions plan_options(const std::vector<model::GptModel *> & chunks, con
 }  // namespace
 
 LayerGraphRunner::LayerGraphRunner(std::vector<model::GptModel *> chunks, const pipeline::ScheduleOptions & schedule,
-                                   int rank, int64_t seq_length, int64_t micro_batch_size)
+                                   int rank, int64_t seq_length, int64_t micro_batch_size, Scope scope)
     : device_(chunks.at(0)->device()), chunks_(std::move(chunks)), plan_(plan_graphs(plan_options(chunks_, schedule, rank))),
-      s_(seq_length), b_(micro_batch_size) {
+      s_(seq_length), b_(micro_batch_size), scope_(scope) {
     const model::GptConfig & config = chunks_[0]->config();
     LOOM_CHECK(config.recompute_granularity != model::RecomputeGranularity::full,
                "--cuda-graph-impl transformer_engine with --recompute-granularity full",
@@ -41,6 +41,26 @@ LayerGraphRunner::LayerGraphRunner(std::vector<model::GptModel *> chunks, const 
     for (int buffer = 0; buffer < plan_.num_grad_output_buffers(); ++buffer) {
         grad_outputs_.push_back(Tensor::zeros({rows_, hidden_}, DType::f32, device_, static_pool));
     }
+    LOOM_CHECK(!scope_.moe_preprocess || scope_.moe_router, "moe_preprocess cuda graph is only supported with moe_router cuda graph.", "");
+    bool any_split = false;
+    for (size_t c = 0; c < chunks_.size(); ++c) {
+        for (int64_t l = 0; l < chunks_[c]->num_layers(); ++l) {
+            const model::TransformerLayer & layer = chunks_[c]->layer(l);
+            any_split = any_split || split(static_cast<int>(c), l);
+            LOOM_CHECK(!scope_.moe_router || layer.moe, "--cuda-graph-modules moe_router with dense layer " << layer.index,
+                       "Loom captures part of a layer only for MoE layers: make every layer MoE (--moe-layer-freq 1)");
+            LOOM_CHECK(!layer.moe || scope_.moe_router || (config.moe.drops() && config.moe.pad_to_capacity),
+                       "a graph of the whole MoE layer " << layer.index << " without drop-and-pad",
+                       "a dropless dispatch reads each expert's token count on the host: add --moe-expert-capacity-factor "
+                       "and --moe-pad-expert-input-to-capacity, or capture up to the router (--cuda-graph-modules attn moe_router)");
+        }
+    }
+    if (any_split) {
+        segment_grad_hidden_   = Tensor::zeros({rows_, hidden_}, DType::f32, device_, static_pool);
+        segment_grad_residual_ = Tensor::zeros({rows_, hidden_}, DType::f32, device_, static_pool);
+        segment_grad_probs_    = Tensor::zeros({rows_, config.moe.topk}, DType::f32, device_, static_pool);
+    }
+    segment_outputs_.resize(static_cast<size_t>(plan_.num_graphs));
     iota_ids_ = Tensor::empty({b_}, DType::i64, device_, static_pool);
     std::iota(iota_ids_.data<int64_t>(), iota_ids_.data<int64_t>() + b_, int64_t{0});
     graphs_.resize(static_cast<size_t>(plan_.num_graphs));
@@ -71,15 +91,31 @@ void LayerGraphRunner::capture() {
         const size_t  id     = static_cast<size_t>(step.graph_id);
         const int64_t before = device_.allocator().pool_stats(graph->pool()).allocated;
         stream.begin_capture(*graph);
+        const bool split_layer = split(step.chunk, step.layer);
         if (step.kind == GraphKind::forward) {
             contexts[id] = std::make_unique<model::TransformerLayer::Context>();
             const model::DropoutBatch batch{set_sample_ids_[step.input_set], b_, true};
-            outputs_[id] = graph->hold(layer.forward(*contexts[id], set_inputs_[step.input_set], s_, b_, batch));
+            const Tensor &            x = set_inputs_[step.input_set];
+            if (split_layer) {
+                const model::TransformerLayer::MoeSegment out =
+                    layer.forward_graphable(*contexts[id], x, s_, b_, batch, scope_.moe_preprocess);
+                for (const Tensor * t : {&out.hidden, &out.residual, &out.top_idx, &out.probs, &out.plan_probs, &out.row_of,
+                                         &out.token_of_row, &out.tokens_per_expert}) {
+                    segment_outputs_[id].push_back(graph->hold(*t));
+                }
+            } else {
+                outputs_[id] = graph->hold(layer.forward(*contexts[id], x, s_, b_, batch));
+            }
         } else {
             const size_t forward_id = static_cast<size_t>(graph_id(plan_, GraphKind::forward, step.chunk, step.microbatch, step.layer));
             std::vector<model::Parameter *> & order = ready_order_[id];
-            outputs_[id] = graph->hold(layer.backward(*contexts[forward_id], grad_outputs_[step.grad_output_buffer],
-                                                      [&order](model::Parameter & p) { order.push_back(&p); }));
+            const model::GradReadyFn record = [&order](model::Parameter & p) { order.push_back(&p); };
+            if (split_layer) {
+                const model::TransformerLayer::MoeSegmentGrad grad{segment_grad_hidden_, segment_grad_probs_, segment_grad_residual_};
+                outputs_[id] = graph->hold(layer.backward_graphable(*contexts[forward_id], grad, record));
+            } else {
+                outputs_[id] = graph->hold(layer.backward(*contexts[forward_id], grad_outputs_[step.grad_output_buffer], record));
+            }
             contexts[forward_id].reset();   // its saved activations go back to the pool at end_capture
         }
         stream.end_capture();
@@ -90,6 +126,16 @@ void LayerGraphRunner::capture() {
     }
     captured_ = true;
     for (size_t c = 0; c < chunks_.size(); ++c) chunks_[c]->set_layer_graphs(this, static_cast<int>(c));
+}
+
+size_t LayerGraphRunner::num_collective_nodes() const {
+    size_t n = 0;
+    for (const auto & graph : graphs_) n += graph ? graph->num_replayable_nodes() : 0;
+    return n;
+}
+
+bool LayerGraphRunner::split(int chunk, int64_t layer) const {
+    return scope_.moe_router && chunks_[static_cast<size_t>(chunk)]->layer(layer).moe != nullptr;
 }
 
 const GraphStep & LayerGraphRunner::expect_step(GraphKind kind, int chunk, int m, int layer) {
@@ -121,6 +167,22 @@ Tensor LayerGraphRunner::forward(int chunk, int64_t layer, const Tensor & x, con
     ops.copy(stream, batch.sample_ids.defined() ? batch.sample_ids : iota_ids_, set_sample_ids_[step.input_set]);
     const Graph & graph = *graphs_[static_cast<size_t>(step.graph_id)];
     graph.replay(stream);
+    if (split(chunk, layer)) {
+        // The graphable segment's outputs, copied out before any later graph can reuse their blocks; the
+        // eager segment runs from them with this micro-batch's routing.
+        auto copy_out = [&](size_t i) {
+            const Tensor & held = graph.held(segment_outputs_[static_cast<size_t>(step.graph_id)][i]);
+            if (!held.defined()) return Tensor();
+            Tensor out = Tensor::empty(held.shape(), held.dtype(), device_, {MemoryKind::device, kActivationsPool});
+            ops.copy(stream, held, out);
+            return out;
+        };
+        const model::TransformerLayer::MoeSegment segment{copy_out(0), copy_out(1), copy_out(2), copy_out(3),
+                                                          copy_out(4), copy_out(5), copy_out(6), copy_out(7)};
+        EagerSegment & eager = eager_[{chunk, step.microbatch, layer}];
+        eager                = EagerSegment{};
+        return chunks_[c]->layer(layer).forward_eager(eager.ctx, segment, s_, b_, batch);
+    }
     const Tensor & y = graph.held(outputs_[static_cast<size_t>(step.graph_id)]);
     if (layer + 1 < chunks_[c]->num_layers()) return y;   // copied into the next layer's input before it replays
     Tensor out = model::activation(device_, rows_, hidden_);
@@ -138,8 +200,21 @@ Tensor LayerGraphRunner::backward(int chunk, int64_t layer, const Tensor & dy, c
                "graphs have static shapes: (" << rows_ << ", " << hidden_ << ") f32");
     Ops &          ops         = device_.ops();
     Stream &       stream      = device_.compute_stream();
-    const Tensor & grad_output = grad_outputs_[step.grad_output_buffer];
-    if (dy.data_ptr() != grad_output.data_ptr()) ops.copy(stream, dy.view({rows_, hidden_}), grad_output);
+    if (split(chunk, layer)) {
+        // The eager segment's backward first (the experts' parameters report ready from it), then its
+        // gradients of the graphable outputs into the shared buffers.
+        auto it = eager_.find({chunk, step.microbatch, layer});
+        LOOM_CHECK(it != eager_.end(), "the backward of " << step_label(step) << " without its forward", "");
+        const model::TransformerLayer::MoeSegmentGrad grad =
+            chunks_[c]->layer(layer).backward_eager(it->second.ctx, dy.view({rows_, hidden_}), ready);
+        eager_.erase(it);
+        ops.copy(stream, grad.hidden, segment_grad_hidden_);
+        ops.copy(stream, grad.probs, segment_grad_probs_);
+        ops.copy(stream, grad.residual, segment_grad_residual_);
+    } else {
+        const Tensor & grad_output = grad_outputs_[step.grad_output_buffer];
+        if (dy.data_ptr() != grad_output.data_ptr()) ops.copy(stream, dy.view({rows_, hidden_}), grad_output);
+    }
     const Graph & graph = *graphs_[static_cast<size_t>(step.graph_id)];
     graph.replay(stream);
     if (ready) {

@@ -28,6 +28,16 @@
 // same for every M. The chunk's last output and first input gradient are copied out into ordinary
 // activations, because a point-to-point send reads them after later graphs have run.
 //
+// MoE partial capture (--cuda-graph-modules attn moe_router [moe_preprocess]; spec 6.6): a MoE layer's
+// graphs cover its graphable segment only (TransformerLayer::forward_graphable: attention, norm2, the
+// router, and with moe_preprocess the dispatch plan), whose outputs are fixed-size (hidden, residual,
+// top-k ids and probabilities, the plan's tensors). After the FWD replay they are copied out, and the eager
+// segment runs outside any graph: the host reads each expert's row count once the stream has computed the
+// routing, then the dispatch, experts and combine run with the routing of this very micro-batch (a captured
+// dispatch would replay the routing of the capture). Backward runs the eager segment first; its gradients
+// of the graphable outputs go into the grad-output buffers (hidden, probabilities, residual) and the BWD
+// graph replays. The eager segment's context is kept per (chunk, micro-batch, layer) until its backward.
+//
 // During capture nothing runs: parameters, main_grad and the optimizer's state are untouched, DDP's hooks
 // are not called (the backward reports go to a recorder), and a collective inside a layer (tensor
 // parallelism) is recorded as a replayable node that issues a fresh operation at every replay.
@@ -37,20 +47,30 @@
 #include "graphs/planner.h"
 #include "model/gpt_model.h"
 
+#include <map>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 namespace loom::graphs {
 
 inline constexpr const char * kGraphStaticPool = "graph-static";
 
+// What MoE layers' graphs cover: the whole layer (default; needs drop-and-pad MoE), or the segment up to the
+// router (moe_router), with the dispatch plan (moe_preprocess).
+struct LayerGraphScope {
+    bool moe_router     = false;
+    bool moe_preprocess = false;
+};
+
 class LayerGraphRunner : public model::LayerGraphs {
 public:
     // `chunks`: this rank's model chunks in order (V of them); `schedule`: the training schedule (PP, V,
     // M, N); `rank`: this rank's pipeline rank; s, b: the sequence length and micro-batch size every
     // micro-batch has (graphs have static shapes).
+    using Scope = LayerGraphScope;
     LayerGraphRunner(std::vector<model::GptModel *> chunks, const pipeline::ScheduleOptions & schedule, int rank,
-                     int64_t seq_length, int64_t micro_batch_size);
+                     int64_t seq_length, int64_t micro_batch_size, Scope scope = {});
     ~LayerGraphRunner() override;
     LayerGraphRunner(const LayerGraphRunner &)             = delete;
     LayerGraphRunner & operator=(const LayerGraphRunner &) = delete;
@@ -61,6 +81,8 @@ public:
     const GraphPlan & plan() const { return plan_; }
     size_t            num_graphs() const { return graphs_.size(); }
     int64_t           num_replays() const { return replays_; }
+    // Collectives recorded into the graphs (tensor parallelism's; none with TP 1).
+    size_t            num_collective_nodes() const;
     // The most bytes a layer's forward left allocated in the graph pool after its capture (its saved
     // activations, what stays live until its backward).
     int64_t           saved_bytes_per_layer() const { return saved_bytes_; }
@@ -72,6 +94,13 @@ public:
 private:
     // The next step of T must be `kind` of (chunk, m, layer); throws naming both otherwise.
     const GraphStep & expect_step(GraphKind kind, int chunk, int m, int layer);
+    bool split(int chunk, int64_t layer) const;   // a MoE layer captured up to its router
+
+    // A split layer's FWD graph outputs (held indices, MoeSegment's order) and its eager segment's state.
+    static constexpr size_t kSegmentOutputs = 8;
+    struct EagerSegment {
+        model::TransformerLayer::Context ctx;
+    };
 
     Device &                                 device_;
     std::vector<model::GptModel *>           chunks_;
@@ -80,6 +109,11 @@ private:
     std::vector<Tensor>                      set_inputs_;       // [P1 set] X (rows, h) f32
     std::vector<Tensor>                      set_sample_ids_;   // [P1 set] (b) i64
     std::vector<Tensor>                      grad_outputs_;     // [P2 buffer] dY (rows, h) f32
+    // Split layers' grad-output buffers, shared by all their BWD graphs: d hidden, d probs, d residual.
+    Tensor                                   segment_grad_hidden_, segment_grad_probs_, segment_grad_residual_;
+    Scope                                    scope_;
+    std::vector<std::vector<size_t>>         segment_outputs_;  // [graph id] split FWD: held indices
+    std::map<std::tuple<int, int, int64_t>, EagerSegment> eager_;   // (chunk, m, layer) in flight
     Tensor                                   iota_ids_;         // 0 .. b-1: a batch without sample ids
     std::vector<std::unique_ptr<Graph>>      graphs_;           // [graph id]
     std::vector<size_t>                      outputs_;          // [graph id] the held output's index

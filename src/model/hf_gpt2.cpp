@@ -341,6 +341,7 @@ void check_gpt2_architecture(const GptConfig & c, const std::string & action) {
     LOOM_CHECK(c.normalization == Normalization::layernorm, what << "the model has --normalization RMSNorm", hint);
     LOOM_CHECK(!c.swiglu, what << "the model has --swiglu", hint);
     LOOM_CHECK(!c.qk_layernorm, what << "the model has --qk-layernorm", hint);
+    LOOM_CHECK(!c.moe.enabled(), what << "the model has --num-experts " << c.moe.num_experts << " (GPT-2 has no experts)", hint);
     LOOM_CHECK(c.position_embedding == PositionEmbedding::learned_absolute,
                what << "the model has --position-embedding-type "
                     << (c.position_embedding == PositionEmbedding::rope ? "rope" : "none"),

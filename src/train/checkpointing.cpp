@@ -39,7 +39,21 @@ json model_args(const model::GptConfig & m) {
             {"add_bias_linear", m.add_bias_linear},
             {"untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights},
             {"norm_epsilon", m.norm_epsilon},
-            {"rotary_base", m.rotary_base}};
+            {"rotary_base", m.rotary_base},
+            // MoE, as Megatron's args (num_experts None for a dense model); what decides the parameters.
+            {"num_experts", m.moe.enabled() ? json(m.moe.num_experts) : json(nullptr)},
+            {"moe_layer_freq", !m.moe.enabled() ? json(1) : m.moe.layer_pattern.empty() ? json(m.moe.layer_freq) : json(m.moe.layer_pattern)},
+            {"moe_ffn_hidden_size", m.moe.enabled() ? json(m.moe.expert_ffn(m)) : json(nullptr)},
+            {"moe_shared_expert_intermediate_size", m.moe.shared_expert_intermediate_size > 0 ? json(m.moe.shared_expert_intermediate_size) : json(nullptr)},
+            {"moe_grouped_gemm", m.moe.grouped_gemm}};
+}
+
+// The MoE args a checkpoint written before Loom had experts lacks: a dense model's.
+json saved_or_dense(const json & saved, const char * key) {
+    if (saved.contains(key)) return saved[key];
+    if (std::string(key) == "moe_layer_freq") return 1;
+    if (std::string(key) == "moe_grouped_gemm") return false;
+    return nullptr;
 }
 
 // The flag that sets each arg that must agree with the checkpoint.
@@ -63,7 +77,13 @@ constexpr ArgFlag kModelFlags[] = {
     {"untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"},
     {"norm_epsilon", "--norm-epsilon"},
     {"rotary_base", "--rotary-base"},
+    {"num_experts", "--num-experts"},
+    {"moe_layer_freq", "--moe-layer-freq"},
+    {"moe_ffn_hidden_size", "--moe-ffn-hidden-size"},
+    {"moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size"},
+    {"moe_grouped_gemm", "--moe-grouped-gemm"},
 };
+bool is_moe_arg(const char * key) { return std::string(key).rfind("moe_", 0) == 0 || std::string(key) == "num_experts"; }
 
 const json & saved_args(const checkpoint::Index & index) {
     LOOM_CHECK(index.metadata.is_object() && index.metadata.contains("args") && index.metadata["args"].is_object(),
@@ -123,10 +143,11 @@ void check_checkpoint_args(const TrainOptions & options, const checkpoint::Index
     const json & saved = saved_args(index);
     const json   now   = model_args(options.model);
     for (const ArgFlag & a : kModelFlags) {
-        LOOM_CHECK(saved.contains(a.key), "checkpoint index '" << index.path() << "' has no arg " << a.key, "");
-        if (saved[a.key] == now[a.key]) continue;
+        LOOM_CHECK(saved.contains(a.key) || is_moe_arg(a.key), "checkpoint index '" << index.path() << "' has no arg " << a.key, "");
+        const json was = saved_or_dense(saved, a.key);
+        if (was == now[a.key]) continue;
         LOOM_THROW(a.flag << ": the model has " << a.key << " = " << now[a.key].dump() << ", the checkpoint in '"
-                          << index.folder << "' has " << saved[a.key].dump(),
+                          << index.folder << "' has " << was.dump(),
                    "give the model flags the checkpoint was saved with, or --use-checkpoint-args to take them from it");
     }
 }
@@ -155,6 +176,20 @@ void apply_checkpoint_args(model::GptConfig & m, const checkpoint::Index & index
         m.norm_epsilon                        = a.at("norm_epsilon").get<float>();
         m.rotary_base                         = a.at("rotary_base").get<float>();
         m.init_method_std                     = a.at("init_method_std").get<float>();
+        // The MoE shape (the router's other settings are training choices, given as flags).
+        if (const json experts = saved_or_dense(a, "num_experts"); !experts.is_null()) {
+            m.moe.num_experts = experts.get<int64_t>();
+            const json freq   = saved_or_dense(a, "moe_layer_freq");
+            if (freq.is_array()) {
+                m.moe.layer_pattern = freq.get<std::vector<int>>();
+            } else {
+                m.moe.layer_freq = freq.get<int64_t>();
+            }
+            m.moe.ffn_hidden_size = saved_or_dense(a, "moe_ffn_hidden_size").get<int64_t>();
+            const json shared     = saved_or_dense(a, "moe_shared_expert_intermediate_size");
+            m.moe.shared_expert_intermediate_size = shared.is_null() ? 0 : shared.get<int64_t>();
+            m.moe.grouped_gemm                    = saved_or_dense(a, "moe_grouped_gemm").get<bool>();
+        }
     } catch (const json::exception & e) {
         LOOM_THROW("checkpoint index '" << index.path() << "' has malformed args: " << e.what(),
                    "give the model flags instead of --use-checkpoint-args");

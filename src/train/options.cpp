@@ -450,23 +450,46 @@ void TrainOptionParser::resolve_cuda_graphs(TrainOptions & o) const {
     LOOM_CHECK(!(has("moe") && has("moe_router")), "cuda_graph_modules must not contain both moe and moe_router.", "");
     LOOM_CHECK(!has("moe_preprocess") || has("moe_router"),
                "moe_preprocess cuda graph is only supported with moe_router cuda graph.", "");
-    LOOM_CHECK(!(has("moe") || has("moe_router")) || o.model.moe.num_experts > 1, "moe cuda graph is only supported for MoE.",
+    const model::MoeConfig & moe = o.model.moe;
+    LOOM_CHECK(!(has("moe") || has("moe_router")) || moe.num_experts > 1, "moe cuda graph is only supported for MoE.",
                "the MoE scopes need --num-experts > 1");
-    LOOM_CHECK(!(has("moe") || has("moe_router") || has("moe_preprocess")) || impl == "none",
-               "--cuda-graph-modules " << (has("moe") ? "moe" : "moe_router") << " (a graph of part of a MoE layer) is not supported by Loom yet",
-               "give no --cuda-graph-modules to capture whole layers (MoE layers need --moe-pad-expert-input-to-capacity)");
+    bool every_layer_moe = moe.enabled();
+    for (int64_t i = 0; i < o.model.num_layers; ++i) every_layer_moe = every_layer_moe && moe.is_moe_layer(i);
+    const bool drop_pad = moe.drops() && moe.pad_to_capacity;
+    LOOM_CHECK(!has("mlp") || !every_layer_moe, "mlp cuda graph is only supported for dense layers, but not found in the model.", "");
+    LOOM_CHECK(!has("moe") || drop_pad, "moe cuda graph is only supported with drop-padding MoE.",
+               "add --moe-expert-capacity-factor and --moe-pad-expert-input-to-capacity, or capture up to the router (moe_router)");
+    LOOM_CHECK(!has("moe_preprocess") || moe_dispatcher_ != "alltoall" || !moe.drops(),
+               "moe_preprocess cuda graph is not supported when there are DtoH copies and synchronizations in the preprocess step.", "");
     LOOM_CHECK(!has("mamba"), "--cuda-graph-modules mamba: Loom has no Mamba layers", "");
-    LOOM_CHECK(!(has("attn") || has("mlp")) || impl == "none",
-               "--cuda-graph-modules " << (has("attn") ? "attn" : "mlp") << " (a graph of part of a layer) is not supported by Loom",
-               "give no --cuda-graph-modules: Loom's layer graphs cover whole layers");
+    // What Loom captures: whole layers (no modules, full, or attn + moe of drop-and-pad MoE layers), or
+    // every layer a MoE layer up to its router (attn moe_router [moe_preprocess]).
+    std::vector<std::string> named;
+    for (const std::string & m : modules) {
+        if (m != "full" && std::find(named.begin(), named.end(), m) == named.end()) named.push_back(m);
+    }
+    std::sort(named.begin(), named.end());
+    using Modules = std::vector<std::string>;
+    const bool whole   = named.empty() || (named == Modules{"attn", "moe"} && every_layer_moe);
+    const bool partial = (named == Modules{"attn", "moe_router"} || named == Modules{"attn", "moe_preprocess", "moe_router"}) &&
+                         every_layer_moe;
+    if (impl != "none") {
+        std::string given;
+        for (const std::string & m : named) given += (given.empty() ? "" : " ") + m;
+        LOOM_CHECK(whole || partial, "--cuda-graph-modules " << given << " is not supported by Loom",
+                   "Loom captures whole layers (no --cuda-graph-modules, or attn moe of drop-and-pad MoE layers), or, "
+                   "with every layer MoE, each layer up to its router: attn moe_router [moe_preprocess]");
+    }
+    o.graph_moe_router     = partial;
+    o.graph_moe_preprocess = partial && has("moe_preprocess");
     LOOM_CHECK(o.cuda_graph_warmup_steps >= 0, "--cuda-graph-warmup-steps must be >= 0, got " << o.cuda_graph_warmup_steps, "");
     o.layer_graphs = impl == "transformer_engine";
     if (o.layer_graphs) {
-        LOOM_CHECK(!o.model.moe.enabled() || o.model.moe.pad_to_capacity,
+        LOOM_CHECK(!o.model.moe.enabled() || o.model.moe.pad_to_capacity || o.graph_moe_router,
                    "--cuda-graph-impl transformer_engine with dropless MoE layers",
                    "a dropless dispatch reads each expert's token count on the host, which no graph can; add "
                    "--moe-expert-capacity-factor and --moe-pad-expert-input-to-capacity (Megatron's rule for graphing "
-                   "whole MoE layers)");
+                   "whole MoE layers), or capture each layer up to its router: --cuda-graph-modules attn moe_router");
         LOOM_CHECK(o.model.recompute_granularity != model::RecomputeGranularity::full,
                    "full recompute is only supported with full iteration CUDA graph.",
                    "drop --recompute-granularity full, or --cuda-graph-impl");

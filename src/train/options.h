@@ -79,6 +79,9 @@ struct TrainOptions {
     // transformer layer's forward and backward after --cuda-graph-warmup-steps eager iterations of this run.
     bool           layer_graphs = false;
     int64_t        cuda_graph_warmup_steps = 3;   // Megatron's default
+    // --cuda-graph-modules attn moe_router [moe_preprocess]: MoE layers captured up to their router (and
+    // their dispatch plan); the rest runs eagerly (graphs/layer_graph_runner.h).
+    bool           graph_moe_router = false, graph_moe_preprocess = false;
     int64_t        distributed_timeout_minutes = 10;   // the MPI watchdog (comm/mpi_communicator.h)
     bool           print_layout = false;   // print DDP's buffer layout on rank 0
     std::string    timeline_file;          // --timeline: the last iteration's measured pipeline timeline (SVG)

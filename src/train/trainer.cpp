@@ -200,7 +200,9 @@ double Trainer::step(IterationStats & stats) {
         // nothing, so there is no gradient or optimizer state to undo.
         layer_graphs_ = std::make_unique<graphs::LayerGraphRunner>(setup_.chunks, executor_->options(),
                                                                    stages_ ? stages_->rank() : 0,
-                                                                   options_.model.seq_length, options_.micro_batch_size);
+                                                                   options_.model.seq_length, options_.micro_batch_size,
+                                                                   graphs::LayerGraphScope{options_.graph_moe_router,
+                                                                                           options_.graph_moe_preprocess});
         layer_graphs_->capture();
     }
     const bool timed = stages_ && !options_.timeline_file.empty() && iteration_ == options_.train_iters;

@@ -118,53 +118,45 @@ Tensor moe_permute(const Tensor & x, const DispatchPlan & plan, int64_t rows) {
     return xp;
 }
 
-Tensor moe_permute_backward(const Tensor & dxp, const DispatchPlan & plan) {
-    LOOM_CHECK(dxp.dim() == 2 && dxp.dtype() == DType::f32, "moe_permute_backward of " << dxp.describe(), "");
-    const int64_t n = plan.n, k = plan.k, h = dxp.size(1);
-    Tensor        dx     = activation(dxp.device(), n, h);
-    Tensor        row_of = plan.row_of;
-    dxp.device().compute_stream().submit([=] {
-        const float *   src = dxp.data<float>();
-        float *         dst = dx.data<float>();
-        const int32_t * ro  = row_of.data<int32_t>();
-        parallel_for(n, 16, [&](int64_t begin, int64_t end) {
-            for (int64_t t = begin; t < end; ++t) {
-                float * d = dst + t * h;
-                std::memset(d, 0, h * sizeof(float));
-                for (int64_t j = 0; j < k; ++j) {
-                    if (ro[t * k + j] < 0) continue;
-                    const float * s = src + static_cast<int64_t>(ro[t * k + j]) * h;
-                    for (int64_t c = 0; c < h; ++c) d[c] += s[c];
-                }
-            }
-        });
-    });
-    return dx;
-}
+namespace {
 
-Tensor moe_unpermute(const Tensor & yp, const DispatchPlan & plan) {
-    LOOM_CHECK(yp.dim() == 2 && yp.dtype() == DType::f32, "moe_unpermute of " << yp.describe(), "");
-    const int64_t n = plan.n, k = plan.k, h = yp.size(1);
-    Tensor        y      = activation(yp.device(), n, h);
-    Tensor        row_of = plan.row_of, probs = plan.probs;
-    yp.device().compute_stream().submit([=] {
-        const float *   src = yp.data<float>();
-        const float *   pr  = probs.data<float>();
-        float *         dst = y.data<float>();
+// dst[t] = sum over j = 0 .. k-1 with a row of weight(t, j) * src[row_of[t, j]], the terms added in slot
+// order from zero; weights null: 1 (an exact product, so both callers share one loop).
+void gather_rows(const Tensor & src, const Tensor & dst, const Tensor & row_of, const Tensor & weights, int64_t n, int64_t k) {
+    const int64_t h = src.size(1);
+    src.device().compute_stream().submit([=] {
+        const float *   in  = src.data<float>();
+        const float *   pr  = weights.defined() ? weights.data<float>() : nullptr;
+        float *         out = dst.data<float>();
         const int32_t * ro  = row_of.data<int32_t>();
         parallel_for(n, 16, [&](int64_t begin, int64_t end) {
             for (int64_t t = begin; t < end; ++t) {
-                float * d = dst + t * h;
+                float * d = out + t * h;
                 std::memset(d, 0, h * sizeof(float));
                 for (int64_t j = 0; j < k; ++j) {
                     if (ro[t * k + j] < 0) continue;
-                    const float * s = src + static_cast<int64_t>(ro[t * k + j]) * h;
-                    const float   p = pr[t * k + j];
+                    const float * s = in + static_cast<int64_t>(ro[t * k + j]) * h;
+                    const float   p = pr ? pr[t * k + j] : 1.0f;
                     for (int64_t c = 0; c < h; ++c) d[c] += p * s[c];
                 }
             }
         });
     });
+}
+
+}  // namespace
+
+Tensor moe_permute_backward(const Tensor & dxp, const DispatchPlan & plan) {
+    LOOM_CHECK(dxp.dim() == 2 && dxp.dtype() == DType::f32, "moe_permute_backward of " << dxp.describe(), "");
+    Tensor dx = activation(dxp.device(), plan.n, dxp.size(1));
+    gather_rows(dxp, dx, plan.row_of, Tensor(), plan.n, plan.k);
+    return dx;
+}
+
+Tensor moe_unpermute(const Tensor & yp, const DispatchPlan & plan) {
+    LOOM_CHECK(yp.dim() == 2 && yp.dtype() == DType::f32, "moe_unpermute of " << yp.describe(), "");
+    Tensor y = activation(yp.device(), plan.n, yp.size(1));
+    gather_rows(yp, y, plan.row_of, plan.probs, plan.n, plan.k);
     return y;
 }
 
