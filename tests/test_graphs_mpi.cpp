@@ -41,6 +41,7 @@ struct Layout {
     // Dropless MoE layers captured up to the router (--cuda-graph-modules attn moe_router), with the
     // dispatch plan too (moe_preprocess).
     bool moe_router = false, moe_preprocess = false;
+    int  ep         = 1;       // expert parallelism (with moe_router), alltoall dispatcher
     int  first_stage_layers = 0;
     int  global_batch       = 8;
 };
@@ -65,6 +66,7 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = 20) 
     sizes.world_size = g_mpi->world_size();
     sizes.tp         = layout.tp;
     sizes.pp         = layout.pp;
+    sizes.ep         = layout.ep;
     if (layout.vpp > 1) sizes.vpp = layout.vpp;
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi);
@@ -93,6 +95,8 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = 20) 
         o.model.moe.capacity_factor = 1.0f;
         o.model.moe.pad_to_capacity = true;
     }
+    o.expert_parallel_size = layout.ep;
+    if (layout.ep > 1) o.model.moe.dispatcher = model::MoeDispatcher::alltoall;
     o.graph_moe_router     = layout.moe_router;
     o.graph_moe_preprocess = layout.moe_preprocess;
     o.layer_graphs            = graphed;
@@ -135,7 +139,7 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = 20) 
 
 std::string describe(const Layout & l) {
     char text[160];
-    std::snprintf(text, sizeof text, "tp %d%s pp %d vpp %d%s%s%s%s%s%s", l.tp, l.sp ? "+sp" : "", l.pp, l.vpp,
+    std::snprintf(text, sizeof text, "tp %d%s pp %d vpp %d ep %d%s%s%s%s%s%s", l.tp, l.sp ? "+sp" : "", l.pp, l.vpp, l.ep,
                   l.distopt ? " zero-1+overlaps" : "", l.bf16 ? " bf16" : "", l.offload ? " cpu-offload 0.5" : "",
                   l.first_stage_layers ? " uneven" : "", l.moe ? " moe drop-and-pad" : "",
                   l.moe_preprocess ? " dropless moe, graphs to the dispatch plan" : l.moe_router ? " dropless moe, graphs to the router" : "");
@@ -198,6 +202,10 @@ TEST(LayerGraphs, DroplessMoeCapturedToTheDispatchPlanIsBitwiseTheEagerRun) {
     expect_bitwise(Layout{.pp = 2, .moe_router = true, .moe_preprocess = true});
 }
 TEST(LayerGraphs, MoeCapturedToTheRouterWithOneStageIsBitwiseTheEagerRun) { expect_bitwise(Layout{.moe_router = true}); }
+// Expert parallelism: the all-to-all dispatch runs eagerly between the router's graphs, which hold none.
+TEST(LayerGraphs, ExpertParallelMoeCapturedToTheDispatchPlanIsBitwiseTheEagerRun) {
+    expect_bitwise(Layout{.pp = 2, .moe_router = true, .moe_preprocess = true, .ep = 2});
+}
 
 // PP 2 x DP 2: M = 8 and 16 per data-parallel rank (global batch 16 and 32); the pool's peak must not grow
 // with M, and the first stage (P_0 = 2 micro-batches in flight) must hold exactly L more layer contexts

@@ -502,14 +502,19 @@ TEST(MegatronCommandLine, ImplementationFlagsAreAcceptedOrRefusedByValue) {
         EXPECT_EQ(run_status(std::string("train --mock-data ") + bad, &err), 2) << bad;
         EXPECT_NE(err.find(std::string(bad) + " is not supported by Loom"), std::string::npos) << err;
     }
-    for (const char * bad : {"--context-parallel-size 2", "--num-experts 4 --expert-model-parallel-size 2",
-                             "--expert-tensor-parallel-size 2"}) {
+    for (const char * bad : {"--context-parallel-size 2", "--expert-tensor-parallel-size 2"}) {
         EXPECT_EQ(run_status(std::string("train --mock-data ") + bad, &err), 2) << bad;
         const std::string flag = std::string(bad).substr(std::string(bad).rfind("--"));
         EXPECT_NE(err.find(flag + " is not supported by Loom"), std::string::npos) << err;
     }
     EXPECT_EQ(run_status("train --mock-data --expert-model-parallel-size 2", &err), 2);
     EXPECT_NE(err.find("num_experts must be non None to use expert model parallelism"), std::string::npos) << err;
+    // Expert parallelism is accepted, on a world its ranks divide (one process here).
+    EXPECT_EQ(run_status("train --mock-data --num-experts 4 --expert-model-parallel-size 2", &err), 2);
+    EXPECT_NE(err.find("world size 1 is not divisible by --tensor-model-parallel-size 1 x --expert-model-parallel-size 2"),
+              std::string::npos) << err;
+    EXPECT_EQ(run_status("train --mock-data --num-experts 3 --expert-model-parallel-size 2", &err), 2);
+    EXPECT_NE(err.find("Number of experts should be a multiple of expert model parallel_size."), std::string::npos) << err;
     std::ifstream     in(std::string(LOOM_SOURCE_DIR) + "/docs/megatron_flags.md");
     const std::string doc{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
     ASSERT_FALSE(doc.empty());

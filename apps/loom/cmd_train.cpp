@@ -115,6 +115,7 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
         sizes.world_size = mpi->world_size();
         sizes.pp         = static_cast<int>(options.pipeline_parallel_size);
         sizes.tp         = static_cast<int>(options.tensor_parallel_size);
+        sizes.ep         = static_cast<int>(options.expert_parallel_size);
         if (options.use_tp_pp_dp_mapping) sizes.order = "tp-cp-ep-pp-dp";   // Megatron's initialize.py
         groups = parallel::ProcessGroups::create(parallel::ParallelConfig::create(sizes), *mpi);
     }
@@ -158,11 +159,16 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
                 static_cast<long long>(options.model.vocab_size),
                 static_cast<long long>(options.model.padded_vocab_size()));
     if (out) std::printf("data: %s | micro-batch %lld, global batch %lld, %lld iterations | parallel: tp %lld, pp %lld, "
-                         "dp %lld\n",
+                         "dp %lld%s\n",
                 data->describe().c_str(), static_cast<long long>(options.micro_batch_size),
                 static_cast<long long>(options.global_batch_size), static_cast<long long>(options.train_iters),
                 static_cast<long long>(options.tensor_parallel_size), static_cast<long long>(options.pipeline_parallel_size),
-                static_cast<long long>(options.data_parallel_size));
+                static_cast<long long>(options.data_parallel_size),
+                options.expert_parallel_size > 1
+                    ? (", experts: ep " + std::to_string(options.expert_parallel_size) + " x edp " +
+                       std::to_string(options.data_parallel_size / options.expert_parallel_size))
+                          .c_str()
+                    : "");
     if (out && options.print_layout) {
         std::printf("%s\n", ddp::layout_table(setup.ddp->layout(), setup.ddp->specs(),
                                               options.ddp.use_distributed_optimizer).c_str());

@@ -222,11 +222,11 @@ int64_t slot_offset(optim::Optimizer & opt, int i, const model::Parameter & p) {
 // This rank's pieces: its optimizer's slots over the parameters it writes (see the top of checkpoint.h).
 std::vector<RankPiece> rank_pieces(const RankContents & rank) {
     std::vector<RankPiece> pieces;
-    if (!rank.writes || !rank.optimizer) return pieces;
+    if (!rank.optimizer) return pieces;
     optim::Optimizer & opt = *rank.optimizer;
     for (int i = 0; i < opt.state().num_slots(); ++i) {
         model::Parameter * p = opt.params()[static_cast<size_t>(opt.slot_params()[static_cast<size_t>(i)])];
-        if (p->shared || p->tp_duplicate) continue;
+        if (p->shared || p->tp_duplicate || !(p->expert ? rank.writes_experts : rank.writes)) continue;
         const int64_t begin = slot_offset(opt, i, *p);
         pieces.push_back(RankPiece{p, begin, begin + opt.state().slot(i).values.numel(), i});
     }

@@ -21,7 +21,7 @@
 // for the distributed optimizer, so every element is written once, by the rank that steps it. Left out:
 // the last stage's copy of the tied word embedding (`shared`), a TP-replicated parameter on TP ranks other
 // than 0 (`tp_duplicate`), and everything on data-parallel replicas when the optimizer is not sharded
-// (RankContents::writes false).
+// (RankContents::writes false; for expert parameters, expert-data-parallel replicas: writes_experts).
 //
 // Saving (every rank calls save(); the world communicator orders the steps):
 //   1. rank 0 removes stale DIR/iter_*.tmp folders and creates DIR/iter_0000010.tmp;      barrier
@@ -78,6 +78,7 @@ struct RankContents {
     std::vector<model::Parameter *> params;               // every parameter this rank holds
     optim::Optimizer *              optimizer = nullptr;  // its slots are the pieces (null: load values only)
     bool                            writes    = true;     // false: a replica whose pieces another rank writes
+    bool                            writes_experts = true;   // the same for expert parameters (Parameter::expert)
     comm::Communicator *            world     = nullptr;  // every rank of the job (null: one process)
 };
 

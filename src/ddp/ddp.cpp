@@ -35,12 +35,19 @@ std::vector<ParamSpec> param_specs(const std::vector<model::Parameter *> & param
 }
 
 DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *> params, const DdpConfig & config,
-                                                 std::shared_ptr<comm::Communicator> dp_group, Device & device)
-    : config_(config), dp_group_(std::move(dp_group)), device_(device), params_(std::move(params)) {
+                                                 std::shared_ptr<comm::Communicator> dp_group, Device & device,
+                                                 std::shared_ptr<comm::Communicator> expert_dp_group)
+    : config_(config),
+      dp_group_(std::move(dp_group)),
+      expert_dp_group_(expert_dp_group ? std::move(expert_dp_group) : dp_group_),
+      device_(device),
+      params_(std::move(params)) {
     config_.validate();
+    LOOM_CHECK(dp_group_->size() % expert_dp_group_->size() == 0,
+               "expert-data-parallel group of " << expert_dp_group_->size() << " ranks in a data-parallel group of "
+                                                << dp_group_->size(), "");
     // Expert parameters get buffers of their own (after the dense ones, as Megatron lays them out) and reduce
-    // over dp_group_, which is the expert-data-parallel group while the expert-parallel size is 1 (the
-    // options refuse more), so their gradients are averaged by 1 / dp like every other.
+    // over the expert-data-parallel group, scaled by 1 / dp like every other gradient (the header).
     for (const model::Parameter * p : params_) {
         LOOM_CHECK(p->main_grad.dtype() == DType::f32, "parameter " << p->name << " has a "
                                                                     << dtype_name(p->main_grad.dtype()) << " main_grad",
@@ -50,7 +57,7 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
     int64_t       dp = dp_group_->size();
     LayoutOptions options;
     options.dp                              = dp;
-    options.edp                             = dp;
+    options.edp                             = expert_dp_group_->size();
     options.use_distributed_optimizer       = config_.use_distributed_optimizer;
     options.bucket_size                     = effective_bucket_size(config_, dp);
     options.pad_buckets_for_high_nccl_busbw = config_.pad_buckets_for_high_nccl_busbw;
@@ -114,6 +121,10 @@ DistributedDataParallel::~DistributedDataParallel() {
             }
         }
     }
+}
+
+comm::Communicator & DistributedDataParallel::buffer_group(int buffer) {
+    return layout_.buffers[static_cast<size_t>(buffer)].is_expert_parallel ? *expert_dp_group_ : *dp_group_;
 }
 
 Tensor DistributedDataParallel::bucket_view(const Tensor & buffer, const BucketLayout & bucket) const {
@@ -189,15 +200,18 @@ void DistributedDataParallel::launch_grad_sync(Group & group) {
                 }
             }
         }
-        if (!config_.average_in_collective && dp > 1) {
-            device_.ops().scale(*comm_stream_, grads, 1.0f / static_cast<float>(dp));
-        }
+        // Spec 1.8: 1/dp before a sum, or edp/dp before an average over the buffer's group (1 for dense ones).
+        comm::Communicator & reducer = buffer_group(ref.buffer);
+        const int64_t        n       = reducer.size();
+        const float factor = config_.average_in_collective ? static_cast<float>(n) / static_cast<float>(dp)
+                                                           : 1.0f / static_cast<float>(dp);
+        if (factor != 1.0f) device_.ops().scale(*comm_stream_, grads, factor);
         if (config_.use_distributed_optimizer) {
-            int64_t shard = bucket.numel / dp;
-            group.grad_work.push_back(dp_group_->reduce_scatter(grads, grads.narrow(0, dp_group_->rank() * shard, shard),
-                                                                op, comm_stream_.get()));
+            int64_t shard = bucket.numel / n;
+            group.grad_work.push_back(reducer.reduce_scatter(grads, grads.narrow(0, reducer.rank() * shard, shard), op,
+                                                             comm_stream_.get()));
         } else {
-            group.grad_work.push_back(dp_group_->all_reduce(grads, op, comm_stream_.get()));
+            group.grad_work.push_back(reducer.all_reduce(grads, op, comm_stream_.get()));
         }
     }
     group.grad_launched = true;
@@ -220,13 +234,13 @@ void DistributedDataParallel::finish_grad_sync() {
 
 void DistributedDataParallel::dispatch_gather(int index) {
     Group & group = groups_[index];
-    int64_t dp    = dp_group_->size();
     for (const BucketRef & ref : group.buckets) {
         const BucketLayout & bucket = layout_.buffers[ref.buffer].buckets[ref.bucket];
+        comm::Communicator & gather = buffer_group(ref.buffer);
         Tensor               whole  = bucket_view(param_buffers_[ref.buffer], bucket);
-        int64_t              shard  = bucket.numel / dp;
+        int64_t              shard  = bucket.numel / gather.size();
         group.gather_work.push_back(
-            dp_group_->all_gather(whole.narrow(0, dp_group_->rank() * shard, shard), whole, comm_stream_.get()));
+            gather.all_gather(whole.narrow(0, gather.rank() * shard, shard), whole, comm_stream_.get()));
     }
     group.gather_dispatched = true;
 }

@@ -26,7 +26,13 @@
 //
 // Collectives per bucket group: the bucket's local gradients are scaled in place by 1/dp (or reduced
 // with AVG under --ddp-average-in-collective), then reduce-scattered into the rank's shard of the same
-// buffer (distributed optimizer: only that shard is valid afterwards) or all-reduced whole. With
+// buffer (distributed optimizer: only that shard is valid afterwards) or all-reduced whole.
+//
+// Expert parameters (Parameter::expert) sit in buffers of their own that reduce and shard over the
+// expert-data-parallel group (edp ranks) instead (spec 1.2, 1.8, 1.14). Their factor is still 1/dp, not
+// 1/edp (edp/dp before an AVG over edp): an expert's gradient already sums the tokens of the EP ranks that
+// sent it rows, so summing over edp and dividing by dp = ep x edp (TP = 1) is the average over the dense
+// data-parallel ranks, as for every other gradient. With
 // --check-for-nan-in-loss-and-grad a non-finite local gradient stops the run before the collective,
 // naming the rank and the parameter.
 //
@@ -74,9 +80,11 @@ std::vector<ParamSpec> param_specs(const std::vector<model::Parameter *> & param
 class DistributedDataParallel {
 public:
     // Re-points every parameter's main_grad (and, with the distributed optimizer, its data) at views of
-    // the buffers, keeping their values. `dp_group` reduces and shards every buffer.
+    // the buffers, keeping their values. `dp_group` reduces and shards the dense buffers, `expert_dp_group`
+    // (null: dp_group) the expert buffers.
     DistributedDataParallel(std::vector<model::Parameter *> params, const DdpConfig & config,
-                            std::shared_ptr<comm::Communicator> dp_group, Device & device);
+                            std::shared_ptr<comm::Communicator> dp_group, Device & device,
+                            std::shared_ptr<comm::Communicator> expert_dp_group = nullptr);
     ~DistributedDataParallel();
     DistributedDataParallel(const DistributedDataParallel &) = delete;
     DistributedDataParallel & operator=(const DistributedDataParallel &) = delete;
@@ -101,6 +109,9 @@ public:
     comm::Communicator &                    dp_group() { return *dp_group_; }
     int64_t                                 dp_rank() const { return dp_group_->rank(); }
     int64_t                                 dp_size() const { return dp_group_->size(); }
+    comm::Communicator &                    expert_dp_group() { return *expert_dp_group_; }
+    // The group that reduces and shards a buffer of layout().buffers: dp, or expert dp for expert buffers.
+    comm::Communicator &                    buffer_group(int buffer);
     Tensor &                                grad_buffer(int buffer) { return grad_buffers_[buffer]; }
     Tensor &                                param_buffer(int buffer) { return param_buffers_[buffer]; }
     int64_t                                 num_bucket_groups() const { return static_cast<int64_t>(groups_.size()); }
@@ -124,6 +135,7 @@ private:
 
     DdpConfig                           config_;
     std::shared_ptr<comm::Communicator> dp_group_;
+    std::shared_ptr<comm::Communicator> expert_dp_group_;
     Device &                            device_;
     std::vector<model::Parameter *>     params_;
     std::vector<ParamSpec>              specs_;

@@ -8,8 +8,9 @@
 
 namespace loom::model {
 
-GptModel::GptModel(const GptConfig & config, Device & device, const PipelineStage & stage, const TensorParallel & tp)
-    : config_(config), stage_(stage), device_(device), vocab_(config.padded_vocab_size(tp.size)), tp_(tp) {
+GptModel::GptModel(const GptConfig & config, Device & device, const PipelineStage & stage, const TensorParallel & tp,
+                   const ExpertParallel & ep)
+    : config_(config), stage_(stage), device_(device), vocab_(config.padded_vocab_size(tp.size)), tp_(tp), ep_(ep) {
     LOOM_CHECK(!tp_.sp() || config_.seq_length % tp_.size == 0,
                "--seq-length " << config_.seq_length << " is not divisible by --tensor-model-parallel-size " << tp_.size,
                "--sequence-parallel splits the positions evenly over the tensor-parallel ranks");
@@ -40,7 +41,7 @@ GptModel::GptModel(const GptConfig & config, Device & device, const PipelineStag
         wpe_.sequence_parallel = false;   // its gradient comes from every position's (all-gathered) rows
     }
     for (int64_t i = stage_.first_layer; i < stage_.first_layer + stage_.num_layers; ++i) {
-        layers_.push_back(std::make_unique<TransformerLayer>(i, config_, device, tp_));
+        layers_.push_back(std::make_unique<TransformerLayer>(i, config_, device, tp_, ep_));
     }
     if (stage_.post_process) {
         final_norm_ = std::make_unique<Norm>("final_norm", config_.hidden_size, config_.normalization,

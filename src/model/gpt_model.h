@@ -60,8 +60,9 @@ public:
     // With tensor parallelism (tp.size > 1) this rank holds its shard of every split parameter (layers.h)
     // and the vocabulary rows [rank, rank + 1) x V / tp of the embedding and output layer, V padded to a
     // multiple of make_vocab_size_divisible_by x tp; the cross-entropy never gathers the full logits.
+    // With expert parallelism (ep.size > 1) its MoE layers hold their share of the experts (layers.h).
     GptModel(const GptConfig & config, Device & device, const PipelineStage & stage = {},
-             const TensorParallel & tp = {});
+             const TensorParallel & tp = {}, const ExpertParallel & ep = {});
 
     struct LossSum {
         double sum   = 0;   // sum of mask * per-token loss
@@ -154,6 +155,7 @@ private:
     std::unique_ptr<Norm>                          final_norm_;
     Parameter                                      output_;  // (V, h), untied only
     TensorParallel                                 tp_;
+    ExpertParallel                                 ep_;
     int64_t                                        vocab_local_ = 0;   // V / tp rows on this rank
     int64_t                                        vocab_begin_ = 0;   // the first of them
 

@@ -418,7 +418,8 @@ Tensor Mlp::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready
 // ---------------------------------------------------------------------------------------------------
 // TransformerLayer
 
-TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & device, const TensorParallel & tp)
+TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & device, const TensorParallel & tp,
+                                   const ExpertParallel & ep)
     : config(c),
       index(index),
       norm1("layers." + std::to_string(index) + ".norm1", c.hidden_size, c.normalization, c.norm_epsilon,
@@ -430,7 +431,7 @@ TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & 
     if (c.moe.is_moe_layer(index)) {
         LOOM_CHECK(tp.size == 1, "MoE layers with tensor parallelism (--tensor-model-parallel-size " << tp.size << ")",
                    "Loom's experts run with --tensor-model-parallel-size 1 for now");
-        moe        = std::make_unique<MoELayer>(name, c, c.moe, device);
+        moe        = std::make_unique<MoELayer>(name, c, c.moe, device, ep);
         moe_losses = Tensor::zeros({router_loss_count}, DType::f32, device, {MemoryKind::device, "moe-metrics"});
     } else {
         mlp = std::make_unique<Mlp>(name, c, device, tp);

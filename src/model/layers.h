@@ -176,6 +176,15 @@ public:
     Linear            fc2;   // f / tp -> h, row-parallel
 };
 
+// Expert parallelism of the MoE layers (--expert-model-parallel-size): the EP group (null: none) and this
+// rank's place in it. Rank r of P holds experts [r E / P, (r + 1) E / P) of every MoE layer; the tokens
+// reach them through the dispatcher (model/moe/moe_layer.h). The EP ranks are data-parallel ranks of the
+// dense layers: each routes its own tokens.
+struct ExpertParallel {
+    std::shared_ptr<comm::Communicator> group;
+    int                                 rank = 0, size = 1;
+};
+
 class MoELayer;               // model/moe/moe_layer.h
 struct MoeLayerContext;
 
@@ -184,7 +193,8 @@ struct MoeLayerContext;
 // Experts (model/moe/moe_layer.h) where config.moe says this layer is one (--num-experts, --moe-layer-freq).
 class TransformerLayer {
 public:
-    TransformerLayer(int64_t index, const GptConfig & config, Device & device, const TensorParallel & tp = {});
+    TransformerLayer(int64_t index, const GptConfig & config, Device & device, const TensorParallel & tp = {},
+                     const ExpertParallel & ep = {});
     ~TransformerLayer();
     struct Context {
         Norm::Context                    norm1, norm2;

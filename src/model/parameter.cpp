@@ -58,7 +58,11 @@ void parameter_init_normal(Parameter & p, uint64_t seed, float std) {
 std::vector<float> tp_extract(const TpSlice & slice, const float * full) {
     LOOM_CHECK(slice.dim == 0 || slice.dim == 1, "tp_extract of an unsplit tensor", "");
     const Shape & shape = slice.full_shape;
-    const int64_t rows = shape[0], cols = shape.size() > 1 ? shape[1] : 1;
+    // dim 0: rows of everything after the first dimension ((E, F1, h): an expert's (F1, h) block per row).
+    const int64_t rows = shape[0];
+    LOOM_CHECK(slice.dim == 0 || shape.size() == 2, "tp_extract along dim 1 of a " << shape.size() << "-d tensor", "");
+    int64_t cols = 1;
+    for (size_t d = 1; d < shape.size(); ++d) cols *= shape[d];
     std::vector<float> out;
     if (slice.dim == 0) {
         for (auto [begin, end] : slice.ranges) {

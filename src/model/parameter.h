@@ -17,7 +17,8 @@ namespace loom::model {
 
 // The part of a full tensor one tensor-parallel rank holds: along `dim` (0: rows, or the elements of a
 // vector; 1: columns of a 2-D weight), the listed [begin, end) ranges, concatenated in order. A column-
-// parallel QKV weight, for example, holds its heads' Q rows, then its groups' K rows, then V rows.
+// parallel QKV weight, for example, holds its heads' Q rows, then its groups' K rows, then V rows. Expert
+// parallelism marks grouped expert tensors (E, F1, h) the same way: dim 0, this rank's experts.
 struct TpSlice {
     int                                      dim = -1;   // -1: the whole tensor (not split)
     std::vector<std::pair<int64_t, int64_t>> ranges;

@@ -5,8 +5,10 @@
 namespace loom::optim {
 
 DistributedOptimizer::DistributedOptimizer(ddp::DistributedDataParallel & ddp, const OptimizerOptions & options,
-                                           comm::Communicator * model_parallel)
-    : Optimizer(ddp.params(), options, NormGroups{&ddp.dp_group(), model_parallel}), ddp_(ddp) {
+                                           comm::Communicator * model_parallel, comm::Communicator * expert_model_parallel)
+    : Optimizer(ddp.params(), options,
+                NormGroups{&ddp.dp_group(), model_parallel, &ddp.expert_dp_group(), expert_model_parallel}),
+      ddp_(ddp) {
     LOOM_CHECK(ddp_.config().use_distributed_optimizer, "DistributedOptimizer over buffers laid out without it",
                "construct DDP with use_distributed_optimizer");
     struct Piece {
@@ -22,7 +24,7 @@ DistributedOptimizer::DistributedOptimizer(ddp::DistributedDataParallel & ddp, c
         LOOM_CHECK(buffer.param_dtype == DType::f32 || buffer.param_dtype == DType::bf16,
                    "distributed optimizer over " << dtype_name(buffer.param_dtype) << " parameters",
                    "parameters are float32 or bfloat16");
-        for (const std::vector<ddp::ShardRange> & bucket : ddp::shard_ranges(buffer, ddp_.dp_rank())) {
+        for (const std::vector<ddp::ShardRange> & bucket : ddp::shard_ranges(buffer, ddp_.buffer_group(static_cast<int>(b)).rank())) {
             for (const ddp::ShardRange & r : bucket) {
                 const int64_t n = r.gbuf_world_end - r.gbuf_world_start;
                 pieces.push_back(Piece{r.param, static_cast<int>(b), r.gbuf_world_start, n});
@@ -49,7 +51,7 @@ DistributedOptimizer::DistributedOptimizer(ddp::DistributedDataParallel & ddp, c
                                            p->embedding_or_output});
                 slot_params.push_back(piece.param);
                 // Counted once: on the first stage (not the tied copy), on TP rank 0 for replicated ones.
-                views.push_back(GradView{grad, !p->shared && !p->tp_duplicate});
+                views.push_back(GradView{grad, !p->shared && !p->tp_duplicate, p->expert});
             }
         }
     }

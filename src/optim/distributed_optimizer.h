@@ -6,6 +6,7 @@
 // gradients. The step is Optimizer::step (optim/optimizer.h) over the owned pieces (spec 2.2's ranges):
 //   - the norm counts each owned piece once over the data-parallel group (every element is owned by
 //     exactly one rank), then over the model-parallel ranks, leaving out `shared` and `tp_duplicate` copies;
+//     expert pieces (sharded over DDP's expert-data-parallel group) over that group, then ETP x EP x PP;
 //   - AdamW on each piece with its parameter's weight decay: a bf16 parameter's piece updates its f32
 //     master and writes the rounded value into the param buffer in the same pass, an f32 parameter's
 //     piece updates the param buffer in place (it is its own master);
@@ -28,9 +29,11 @@ namespace loom::optim {
 
 class DistributedOptimizer final : public Optimizer {
 public:
-    // model_parallel: the TP x PP group the norm sums over after the data-parallel group (null: none).
+    // model_parallel: the TP x PP group the norm sums over after the data-parallel group (null: none);
+    // expert_model_parallel: the ETP x EP x PP group the expert pieces sum over after the expert-data-parallel
+    // group (null: with the rest). Expert buffers are sharded over DDP's expert-data-parallel group.
     DistributedOptimizer(ddp::DistributedDataParallel & ddp, const OptimizerOptions & options,
-                         comm::Communicator * model_parallel = nullptr);
+                         comm::Communicator * model_parallel = nullptr, comm::Communicator * expert_model_parallel = nullptr);
 
     // Elements of the model this rank owns (sum over its pieces).
     int64_t owned_numel() const { return owned_; }

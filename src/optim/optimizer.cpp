@@ -10,13 +10,27 @@ namespace loom::optim {
 std::vector<GradView> grad_views(const std::vector<model::Parameter *> & params) {
     std::vector<GradView> views;
     views.reserve(params.size());
-    for (model::Parameter * p : params) views.push_back(GradView{p->main_grad.flatten(), !p->shared && !p->tp_duplicate});
+    for (model::Parameter * p : params) {
+        views.push_back(GradView{p->main_grad.flatten(), !p->shared && !p->tp_duplicate, p->expert});
+    }
     return views;
 }
 
 namespace {
 
-// grad_norm on `device` (a rank that owns no piece still takes part in the group sums).
+// The dense and expert parts of a sum over views, each summed over its groups, added (expert views count with
+// the dense ones when no expert group is given). Every rank of the groups calls this (a rank that owns no
+// piece still takes part in the group sums).
+double group_total(double dense, double expert, const NormGroups & groups, Device & device) {
+    if (!groups.expert_model_parallel) dense += expert;
+    if (groups.shard) dense = group_sum(dense, *groups.shard, device);
+    if (groups.model_parallel) dense = group_sum(dense, *groups.model_parallel, device);
+    if (!groups.expert_model_parallel) return dense;
+    if (groups.expert_shard) expert = group_sum(expert, *groups.expert_shard, device);
+    return dense + group_sum(expert, *groups.expert_model_parallel, device);
+}
+
+// grad_norm on `device`.
 double norm_on(Device & device, const std::vector<GradView> & views, const NormGroups & groups) {
     Stream & stream = device.compute_stream();
     // One (hi, lo) pair per counted view, summed by the host in view order: the same bits at any thread
@@ -29,13 +43,15 @@ double norm_on(Device & device, const std::vector<GradView> & views, const NormG
         if (v.counted) device.ops().sum_of_squares(stream, v.grad, sums.slice(2 * k++, {2}));
     }
     stream.synchronize();
-    double local = 0;
-    for (int64_t i = 0; i < counted; ++i) {
-        local += static_cast<double>(sums.data<float>()[2 * i]) + static_cast<double>(sums.data<float>()[2 * i + 1]);
+    double dense = 0, expert = 0;
+    k            = 0;
+    for (const GradView & v : views) {
+        if (!v.counted) continue;
+        const double sq = static_cast<double>(sums.data<float>()[2 * k]) + static_cast<double>(sums.data<float>()[2 * k + 1]);
+        (v.expert ? expert : dense) += sq;
+        ++k;
     }
-    if (groups.shard) local = group_sum(local, *groups.shard, device);
-    if (groups.model_parallel) local = group_sum(local, *groups.model_parallel, device);
-    return std::sqrt(local);
+    return std::sqrt(group_total(dense, expert, groups, device));
 }
 
 }  // namespace
@@ -88,32 +104,31 @@ StepResult Optimizer::step(float lr, std::optional<float> decoupled_lr) {
 double Optimizer::count_zeros() const {
     Device & device = params_.front()->data.device();
     device.compute_stream().synchronize();
-    double zeros = 0;
+    double zeros[2] = {0, 0};   // dense, expert
     for (const GradView & v : views_) {
         if (!v.counted) continue;
         const float * g = v.grad.data<float>();
-        for (int64_t i = 0; i < v.grad.numel(); ++i) zeros += g[i] == 0.0f ? 1.0 : 0.0;
+        for (int64_t i = 0; i < v.grad.numel(); ++i) zeros[v.expert ? 1 : 0] += g[i] == 0.0f ? 1.0 : 0.0;
     }
-    if (groups_.shard) zeros = group_sum(zeros, *groups_.shard, device);
-    if (groups_.model_parallel) zeros = group_sum(zeros, *groups_.model_parallel, device);
-    return zeros;
+    return group_total(zeros[0], zeros[1], groups_, device);
 }
 
 double Optimizer::params_norm() const {
     Device & device = params_.front()->data.device();
-    double   sum    = 0;
+    double   sum[2] = {0, 0};   // dense, expert
     for (const model::Parameter * p : params_) {   // one at a time: a bf16 model is widened a parameter at a time
         if (p->shared || p->tp_duplicate) continue;
         const double norm = norm_on(device, {GradView{model::parameter_f32(*p), true}}, NormGroups{});
-        sum += norm * norm;
+        sum[p->expert ? 1 : 0] += norm * norm;
     }
-    if (groups_.model_parallel) sum = group_sum(sum, *groups_.model_parallel, device);
-    return std::sqrt(sum);
+    // Every data-parallel rank holds the values whole: only the model-parallel groups sum.
+    return std::sqrt(group_total(sum[0], sum[1], NormGroups{nullptr, groups_.model_parallel, nullptr, groups_.expert_model_parallel},
+                                 device));
 }
 
 AdamW::AdamW(std::vector<model::Parameter *> params, const OptimizerOptions & options,
-             comm::Communicator * model_parallel)
-    : Optimizer(std::move(params), options, NormGroups{nullptr, model_parallel}) {
+             comm::Communicator * model_parallel, comm::Communicator * expert_model_parallel)
+    : Optimizer(std::move(params), options, NormGroups{nullptr, model_parallel, nullptr, expert_model_parallel}) {
     std::vector<HybridSlot> slots;
     std::vector<int>        slot_params;
     for (size_t i = 0; i < this->params().size(); ++i) {

@@ -17,6 +17,10 @@
 //      each as an exact double sum (group_sum). Copies are left out of the count: the tied embedding's
 //      copy on the last pipeline stage (`shared`) and TP-replicated parameters on TP ranks other than 0
 //      (`tp_duplicate`);
+//      Expert parameters (Megatron's expert sub-optimizer) are summed apart when the expert groups are
+//      given: over `expert_shard` (ZeRO-1's expert-data-parallel group) and `expert_model_parallel` (ETP x
+//      EP x PP: every expert once, as the EP ranks hold different experts and the edp ranks the same ones),
+//      and the two totals added (Megatron's sqrt(dense^2 + expert^2));
 //   2. a non-finite norm skips the update (stepped = false; Megatron's nan iteration);
 //   3. clip: when clip_grad > 0 and norm > clip_grad, every view is scaled by clip_grad / (norm + 1e-6);
 //   4. AdamW with lr on every slot (weight decay per slot: 0 for biases and norms);
@@ -38,15 +42,19 @@ namespace loom::optim {
 struct GradView {
     Tensor grad;             // f32
     bool   counted = true;   // adds to the norm (false: a copy another rank or stage counts)
+    bool   expert  = false;  // an expert parameter's (summed over the expert groups when given)
 };
 
 // The groups the squares are summed over after this rank's own (null: none).
 struct NormGroups {
     comm::Communicator * shard          = nullptr;   // ZeRO-1's data-parallel group
     comm::Communicator * model_parallel = nullptr;   // the TP x PP ranks
+    // Expert views are summed over these instead when expert_model_parallel is set (else with the rest).
+    comm::Communicator * expert_shard          = nullptr;   // ZeRO-1's expert-data-parallel group
+    comm::Communicator * expert_model_parallel = nullptr;   // the ETP x EP x PP ranks
 };
 
-// Whole main_grads, counted unless shared or tp_duplicate.
+// Whole main_grads, counted unless shared or tp_duplicate, marked expert as their parameters.
 std::vector<GradView> grad_views(const std::vector<model::Parameter *> & params);
 // sqrt of the sum of squares of the counted views over the groups (the host waits for the compute stream).
 double grad_norm(const std::vector<GradView> & views, const NormGroups & groups = {});
@@ -78,8 +86,8 @@ public:
     // the host: the CPU backend's memory).
     double count_zeros() const;
     // --log-params-norm: the L2 norm of the model's values, each counted once (not the last stage's copy of
-    // the tied embedding, not TP-replicated copies), over the TP x PP group; every data-parallel rank holds
-    // the whole model, so the norm is the same on all of them. bf16 values are widened to f32.
+    // the tied embedding, not TP-replicated copies), over the TP x PP group (experts: over ETP x EP x PP);
+    // every data-parallel rank holds the whole model (its EP share), so the norm is the same on all of them. bf16 values are widened to f32.
     double params_norm() const;
 
     int64_t                 steps() const { return state_->steps(); }
@@ -108,9 +116,10 @@ private:
 // AdamW over whole parameters.
 class AdamW final : public Optimizer {
 public:
-    // model_parallel: the TP x PP group the norm sums over (null: none).
+    // model_parallel: the TP x PP group the norm sums over (null: none); expert_model_parallel: the ETP x
+    // EP x PP group the expert parameters' part sums over (null: with the rest).
     AdamW(std::vector<model::Parameter *> params, const OptimizerOptions & options,
-          comm::Communicator * model_parallel = nullptr);
+          comm::Communicator * model_parallel = nullptr, comm::Communicator * expert_model_parallel = nullptr);
     AdamW(std::vector<model::Parameter *> params, const AdamWConfig & config)
         : AdamW(std::move(params), OptimizerOptions{config, 0.0f, std::nullopt}) {}
 };

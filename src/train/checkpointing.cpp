@@ -98,6 +98,9 @@ checkpoint::RankContents rank_contents(const TrainOptions & options, Setup & set
     rank.world     = setup.all_ranks();
     // Without ZeRO-1 every data-parallel rank holds the same state: the first one writes it.
     rank.writes = options.ddp.use_distributed_optimizer || !setup.groups.dp || setup.groups.dp->rank() == 0;
+    // Experts: the EP ranks hold different experts, the expert-data-parallel ranks the same ones.
+    const auto & edp    = setup.groups.expert_dp ? setup.groups.expert_dp : setup.groups.dp;
+    rank.writes_experts = options.ddp.use_distributed_optimizer || !edp || edp->rank() == 0;
     return rank;
 }
 

@@ -240,7 +240,9 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_flag("--moe-grouped-gemm", moe_grouped_gemm_, "every expert's GEMMs in one grouped call (bitwise the loop)");
     app.add_option("--moe-shared-expert-intermediate-size", moe_shared_ffn_, "a shared expert of this width");
     app.add_option("--moe-token-dispatcher-type", moe_dispatcher_,
-                   "allgather or alltoall (with --expert-model-parallel-size 1 both permute the same tokens on one rank)")
+                   "how tokens reach the expert-parallel ranks' experts: allgather (gather every rank's tokens, reduce-scatter "
+                   "the outputs) or alltoall (send each token to its experts' ranks); with --expert-model-parallel-size 1 "
+                   "both permute the same tokens on one rank")
         ->capture_default_str();
     app.add_option("--cuda-graph-impl", cuda_graph_impl_,
                    "none, or transformer_engine: capture every transformer layer's forward and backward per "
@@ -257,7 +259,7 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_flag("--enable-cuda-graph", enable_cuda_graph_, "deprecated: --cuda-graph-impl local (not Loom's)");
     app.add_flag("--external-cuda-graph", external_cuda_graph_, "deprecated: --cuda-graph-impl transformer_engine");
     app.add_option("--context-parallel-size", context_parallel_size_, "context-parallel ranks (only 1 in Loom)");
-    app.add_option("--expert-model-parallel-size", expert_parallel_size_, "expert-parallel ranks (only 1 in Loom)");
+    app.add_option("--expert-model-parallel-size", expert_parallel_size_, "expert-parallel ranks: each holds --num-experts / this many experts (they divide the data-parallel ranks)");
     app.add_option("--expert-tensor-parallel-size", expert_tensor_parallel_size_,
                    "tensor-parallel ranks of the experts (default, and only value in Loom: --tensor-model-parallel-size)");
     app.add_flag("--use-tp-pp-dp-mapping", o.use_tp_pp_dp_mapping,
@@ -389,6 +391,7 @@ void TrainOptionParser::resolve_moe(TrainOptions & o) const {
                "argument --moe-token-dispatcher-type: invalid choice: '" << moe_dispatcher_
                                                                          << "' (choose from 'allgather', 'alltoall', 'flex')", "");
     LOOM_CHECK(moe_dispatcher_ != "flex", "--moe-token-dispatcher-type flex is not supported by Loom", "use allgather or alltoall");
+    moe.dispatcher = moe_dispatcher_ == "alltoall" ? model::MoeDispatcher::alltoall : model::MoeDispatcher::allgather;
     if (moe_layer_freq_.find('[') != std::string::npos) {
         moe.layer_pattern = LayerPatternParser(moe_layer_freq_).parse();
         LOOM_CHECK(static_cast<int64_t>(moe.layer_pattern.size()) == o.model.num_layers,
@@ -766,11 +769,10 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
                "only --context-parallel-size 1 is accepted");
     LOOM_CHECK(app_.count("--expert-tensor-parallel-size") == 0 || expert_tensor_parallel_size_ == o.tensor_parallel_size,
                "--expert-tensor-parallel-size " << expert_tensor_parallel_size_
-                                                << " is not supported by Loom (no experts yet)",
+                                                << " is not supported by Loom (no expert tensor parallelism)",
                "only the default, --tensor-model-parallel-size (" << o.tensor_parallel_size << "), is accepted");
-    LOOM_CHECK(expert_parallel_size_ == 1 || app_.count("--num-experts") == 0,
-               "--expert-model-parallel-size " << expert_parallel_size_ << " is not supported by Loom yet",
-               "only --expert-model-parallel-size 1 is accepted (experts replicated over data parallelism)");
+    LOOM_CHECK(expert_parallel_size_ >= 1, "--expert-model-parallel-size must be >= 1, got " << expert_parallel_size_, "");
+    o.expert_parallel_size = expert_parallel_size_;
     for (auto [flag, p] : {std::pair{"--hidden-dropout", hidden_dropout_}, {"--attention-dropout", attention_dropout_}}) {
         LOOM_CHECK(p >= 0.0f && p < 1.0f, flag << " " << p << " is not a probability in [0, 1)",
                    "Megatron's default is 0.1; 0 turns the dropout off");
@@ -863,6 +865,13 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
                "drop --kv-channels, or choose --hidden-size and --num-attention-heads so that it is their quotient");
     apply_tokenizer(o, given("--vocab-size"));
     resolve_moe(o);
+    // The experts' decomposition (parallel/parallel_config.h: world = etp x ep x edp x pp, etp = tp).
+    LOOM_CHECK(world_size % (o.tensor_parallel_size * o.pipeline_parallel_size * o.expert_parallel_size) == 0,
+               "world size " << world_size << " is not divisible by --tensor-model-parallel-size " << o.tensor_parallel_size
+                             << " x --expert-model-parallel-size " << o.expert_parallel_size
+                             << " x --pipeline-model-parallel-size " << o.pipeline_parallel_size,
+               "the expert-parallel ranks are data-parallel ranks of the dense layers: --expert-model-parallel-size must "
+               "divide the data-parallel size (" << o.data_parallel_size << ")");
     resolve_cuda_graphs(o);
     if (given("--seed")) m.seed = seed_;
     validate_checkpoint_flags(o, given("--save-interval"), given("--exit-interval"), given("--ckpt-step"));

@@ -61,10 +61,15 @@ Setup setup(const TrainOptions & options, const parallel::ProcessGroups & groups
     if (size_of(groups.tp) > 1) {
         tensor = model::TensorParallel{groups.tp, groups.tp->rank(), groups.tp->size(), options.sequence_parallel};
     }
+    LOOM_CHECK(size_of(groups.expert_ep) == options.expert_parallel_size,
+               "expert-parallel group of " << size_of(groups.expert_ep) << " ranks for --expert-model-parallel-size "
+                                           << options.expert_parallel_size, "");
+    model::ExpertParallel expert;
+    if (size_of(groups.expert_ep) > 1) expert = model::ExpertParallel{groups.expert_ep, groups.expert_ep->rank(), groups.expert_ep->size()};
     std::vector<std::unique_ptr<model::GptModel>> owned;
     std::vector<model::GptModel *>                chunks;
     for (const model::PipelineStage & part : pipeline_stages(options, groups.pp ? groups.pp->rank() : 0)) {
-        owned.push_back(std::make_unique<model::GptModel>(options.model, device, part, tensor));
+        owned.push_back(std::make_unique<model::GptModel>(options.model, device, part, tensor, expert));
         owned.back()->init();
         chunks.push_back(owned.back().get());
     }
@@ -89,7 +94,10 @@ Setup setup(const TrainOptions & options, std::vector<model::GptModel *> chunks,
         LOOM_CHECK(groups.dp->size() == options.data_parallel_size,
                    "data-parallel group of " << groups.dp->size() << " ranks for options resolved for "
                                              << options.data_parallel_size, "");
-        s.ddp = std::make_unique<ddp::DistributedDataParallel>(params, options.ddp, groups.dp, device);
+        // Expert parameters reduce and shard over the expert-data-parallel group (the dense dp group's
+        // ranks while --expert-model-parallel-size is 1).
+        s.ddp = std::make_unique<ddp::DistributedDataParallel>(params, options.ddp, groups.dp, device,
+                                                               groups.expert_dp ? groups.expert_dp : groups.dp);
         if (options.ddp.overlap_param_gather) {
             ddp::DistributedDataParallel * d = s.ddp.get();
             for (model::GptModel * chunk : s.chunks) {
@@ -106,10 +114,14 @@ Setup setup(const TrainOptions & options, std::vector<model::GptModel *> chunks,
     comm::Communicator * model_parallel = size_of(groups.tp_pp) > 1 ? groups.tp_pp.get()
                                           : size_of(groups.pp) > 1  ? groups.pp.get()
                                                                     : nullptr;
+    // Expert parameters are summed over their own model-parallel ranks, ETP x EP x PP (each expert once),
+    // when the model has them and the expert groups exist (Megatron's expert sub-optimizer's norm).
+    comm::Communicator * expert_model_parallel =
+        options.model.moe.enabled() && groups.expert_tp_ep_pp ? groups.expert_tp_ep_pp.get() : nullptr;
     if (options.ddp.use_distributed_optimizer) {
-        s.optimizer = std::make_unique<optim::DistributedOptimizer>(*s.ddp, optimizer, model_parallel);
+        s.optimizer = std::make_unique<optim::DistributedOptimizer>(*s.ddp, optimizer, model_parallel, expert_model_parallel);
     } else {
-        s.optimizer = std::make_unique<optim::AdamW>(params, optimizer, model_parallel);
+        s.optimizer = std::make_unique<optim::AdamW>(params, optimizer, model_parallel, expert_model_parallel);
     }
     return s;
 }

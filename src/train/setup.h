@@ -7,6 +7,9 @@
 //   groups.tp         with more than one rank: tensor-parallel layers (and --sequence-parallel)
 //   groups.tp_pp      the TP x PP ranks the gradient norm sums over
 //   groups.embedding  the first and last stages, over which the tied word embedding's gradient is summed
+//   groups.expert_ep  with more than one rank: the MoE layers' experts spread over it (--expert-model-parallel-size)
+//   groups.expert_dp  expert parameters' DDP buffers reduce and shard over it (null: groups.dp)
+//   groups.expert_tp_ep_pp  the ranks the expert parameters' share of the gradient norm sums over
 // A default-constructed ProcessGroups is a single process.
 #pragma once
 

@@ -20,14 +20,26 @@ Tensor expert_slice(const Tensor & t, int64_t e, const Shape & shape) {
 
 }  // namespace
 
-Experts::Experts(const std::string & n, const GptConfig & config, const MoeConfig & moe, Device & device)
+Experts::Experts(const std::string & n, const GptConfig & config, const MoeConfig & moe, Device & device, int64_t first,
+                 int64_t count)
     : expert_config(with_ffn(config, moe.expert_ffn(config))),
-      num_experts(moe.num_experts),
+      num_experts(count < 0 ? moe.num_experts : count),
+      first_expert(first),
       ffn(moe.expert_ffn(config)),
       grouped(moe.grouped_gemm),
       name(n) {
     const int64_t h = config.hidden_size, f1 = config.swiglu ? 2 * ffn : ffn;
     const DType   dtype = config.params_dtype;
+    LOOM_CHECK(first >= 0 && num_experts >= 1 && first + num_experts <= moe.num_experts,
+               "experts [" << first << ", " << first + num_experts << ") of " << moe.num_experts, "");
+    const bool sliced = num_experts < moe.num_experts;
+    // A grouped tensor holding experts [first, first + L) of the full (E, ...) one.
+    auto slice_of_full = [&](Parameter & p) {
+        if (!sliced) return;
+        Shape full = p.data.shape();
+        full[0]    = moe.num_experts;
+        p.tp_slice = TpSlice{0, {{first, first + num_experts}}, full};
+    };
     if (grouped) {
         fc1_weight = parameter_create(name + ".fc1.weight", {num_experts, f1, h}, dtype, device);
         fc2_weight = parameter_create(name + ".fc2.weight", {num_experts, h, ffn}, dtype, device);
@@ -35,10 +47,14 @@ Experts::Experts(const std::string & n, const GptConfig & config, const MoeConfi
             fc1_bias = parameter_create(name + ".fc1.bias", {num_experts, f1}, dtype, device);
             fc2_bias = parameter_create(name + ".fc2.bias", {num_experts, h}, dtype, device);
             fc1_bias.no_weight_decay = fc2_bias.no_weight_decay = true;
+            slice_of_full(fc1_bias);
+            slice_of_full(fc2_bias);
         }
+        slice_of_full(fc1_weight);
+        slice_of_full(fc2_weight);
     } else {
         for (int64_t e = 0; e < num_experts; ++e) {
-            local.push_back(std::make_unique<Mlp>(name + "." + std::to_string(e), expert_config, device));
+            local.push_back(std::make_unique<Mlp>(name + "." + std::to_string(first_expert + e), expert_config, device));
         }
     }
     std::vector<Parameter *> params;
@@ -53,7 +69,7 @@ void Experts::init(uint64_t seed, float std, float output_std) {
     }
     const int64_t h = expert_config.hidden_size, f1 = expert_config.swiglu ? 2 * ffn : ffn;
     for (int64_t e = 0; e < num_experts; ++e) {
-        const std::string expert = name + "." + std::to_string(e);
+        const std::string expert = name + "." + std::to_string(first_expert + e);
         Parameter         w1, w2;   // views under the sequential layout's names
         w1.name = expert + ".fc1.weight";
         w1.data = expert_slice(fc1_weight.data, e, {f1, h});

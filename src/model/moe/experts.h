@@ -11,6 +11,13 @@
 //     "<name>.fc2.bias" (E, h); every expert's GEMM reads its slice of the one weight, and the activation
 //     runs once over all R rows. Same GEMM shapes and elementwise kernels: bitwise the sequential result.
 // F1 = f, or 2f with SwiGLU.
+//
+// With expert parallelism an Experts holds the L = E / EP experts [first, first + L) (model/moe/moe_layer.h)
+// and runs only them: rows and counts are of its local experts. Names use the GLOBAL expert index, so
+// every layout draws the single-rank model's values and checkpoints line up: sequential experts are whole
+// tensors "<name>.<first + j>.fc1.weight"; a grouped tensor (L, F1, h) is the slice [first, first + L) of
+// dim 0 of the full (E, F1, h), marked as such in its tp_slice (the checkpoint assembles and reshards it as
+// any tensor-parallel slice).
 #pragma once
 
 #include "model/gpt_config.h"
@@ -24,12 +31,14 @@ namespace loom::model {
 
 class Experts {
 public:
-    Experts(const std::string & name, const GptConfig & config, const MoeConfig & moe, Device & device);
+    // first, count: the global indices of this rank's experts (count -1: all E).
+    Experts(const std::string & name, const GptConfig & config, const MoeConfig & moe, Device & device,
+            int64_t first = 0, int64_t count = -1);
     Experts(const Experts &) = delete;             // the Mlps hold a reference to expert_config
     Experts & operator=(const Experts &) = delete;
 
     struct Context {
-        std::vector<int64_t>     counts;    // (E) rows of each expert
+        std::vector<int64_t>     counts;    // (L) rows of each local expert
         std::vector<Mlp::Context> mlp;      // sequential: one per expert
         Tensor                   x, act;    // grouped: fc1 and fc2 inputs (R, h), (R, f), in the weights' dtype
         Tensor                   pre_act;   // grouped: (R, F1) in the weights' dtype
@@ -44,12 +53,13 @@ public:
     void parameters(std::vector<Parameter *> & out);
 
     GptConfig                         expert_config;   // the model's, with ffn_hidden_size = f
-    int64_t                           num_experts;
+    int64_t                           num_experts;      // L, the local experts
+    int64_t                           first_expert = 0; // the global index of local expert 0
     int64_t                           ffn;              // f
     bool                              grouped;
     std::string                       name;
     std::vector<std::unique_ptr<Mlp>> local;            // sequential
-    Parameter fc1_weight, fc1_bias, fc2_weight, fc2_bias;   // grouped: (E, F1, h), (E, F1), (E, h, f), (E, h)
+    Parameter fc1_weight, fc1_bias, fc2_weight, fc2_bias;   // grouped: (L, F1, h), (L, F1), (L, h, f), (L, h)
 
 private:
     Tensor grouped_forward(Context & ctx, const Tensor & xp);

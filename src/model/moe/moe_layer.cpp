@@ -14,13 +14,34 @@ GptConfig shared_expert_config(const GptConfig & config, const MoeConfig & moe) 
     return c;
 }
 
+// The first of this EP rank's experts (checks that they divide evenly and the group matches).
+int64_t ep_first_expert(const MoeConfig & moe, const ExpertParallel & ep) {
+    LOOM_CHECK(ep.size >= 1 && ep.rank >= 0 && ep.rank < ep.size && (ep.size == 1 || (ep.group && ep.group->size() == ep.size)),
+               "expert-parallel rank " << ep.rank << " of " << ep.size, "");
+    LOOM_CHECK(moe.num_experts % ep.size == 0, "--num-experts " << moe.num_experts
+                                                                << " is not divisible by --expert-model-parallel-size " << ep.size,
+               "Number of experts should be a multiple of expert model parallel_size.");
+    return ep.rank * (moe.num_experts / ep.size);
+}
+
+// (max(rows, 1), cols) f32: a buffer a collective may send or receive nothing through.
+Tensor rows_buffer(Device & device, int64_t rows, int64_t cols) { return activation(device, std::max<int64_t>(rows, 1), cols); }
+
+std::vector<int64_t> times(const std::vector<int64_t> & v, int64_t f) {
+    std::vector<int64_t> out(v);
+    for (int64_t & x : out) x *= f;
+    return out;
+}
+
 }  // namespace
 
-MoELayer::MoELayer(const std::string & name, const GptConfig & config, const MoeConfig & m, Device & device)
+MoELayer::MoELayer(const std::string & name, const GptConfig & config, const MoeConfig & m, Device & device,
+                   const ExpertParallel & expert_parallel)
     : moe(m),
+      ep(expert_parallel),
       shared_config(shared_expert_config(config, m)),
       router(name + ".router", config, m, device),
-      experts(name + ".experts", config, m, device) {
+      experts(name + ".experts", config, m, device, ep_first_expert(m, expert_parallel), m.num_experts / expert_parallel.size) {
     if (moe.shared_expert_intermediate_size > 0) {
         shared_expert = std::make_unique<Mlp>(name + ".shared_experts", shared_config, device);
     }
@@ -51,21 +72,10 @@ void MoELayer::forward_router(Context & ctx, const Tensor & x, int64_t b, bool t
 }
 
 Tensor MoELayer::forward_experts(Context & ctx, const Tensor & x) {
-    Ops &    ops    = x.device().ops();
-    Stream & stream = x.device().compute_stream();
-    std::vector<int64_t> counts = dispatch_plan_counts(ctx.plan);
-    ctx.rows                    = 0;
-    for (int64_t c : counts) ctx.rows += c;
-    Tensor y;
-    if (ctx.rows > 0) {
-        Tensor xp = moe_permute(x, ctx.plan, ctx.rows);
-        ctx.yp    = experts.forward(ctx.experts, xp, counts);
-        y         = moe_unpermute(ctx.yp, ctx.plan);
-    } else {   // every token dropped
-        y = activation(x.device(), x.size(0), x.size(1));
-        ops.fill_zero(stream, y);
-    }
-    if (shared_expert) ops.add_inplace(stream, y, shared_expert->forward(ctx.shared, x));
+    Tensor y = ep.size == 1                               ? local_forward(ctx, x)
+               : moe.dispatcher == MoeDispatcher::alltoall ? alltoall_forward(ctx, x)
+                                                           : allgather_forward(ctx, x);
+    if (shared_expert) x.device().ops().add_inplace(x.device().compute_stream(), y, shared_expert->forward(ctx.shared, x));
     return y;
 }
 
@@ -78,31 +88,218 @@ Tensor MoELayer::backward(Context & ctx, const Tensor & dy, const GradReadyFn & 
 void MoELayer::backward_experts(Context & ctx, const Tensor & dy, const GradReadyFn & ready, Tensor & dx, Tensor & dprobs) {
     Ops &    ops    = dy.device().ops();
     Stream & stream = dy.device().compute_stream();
-    if (ctx.rows > 0) {
-        Tensor dyp;
-        moe_unpermute_backward(dy, ctx.yp, ctx.plan, dyp, dprobs);
-        ctx.yp     = Tensor();
-        Tensor dxp = experts.backward(ctx.experts, dyp, ready);
-        dx         = moe_permute_backward(dxp, ctx.plan);
-    } else {
-        dx     = activation(dy.device(), dy.size(0), dy.size(1));
-        dprobs = activation(dy.device(), ctx.plan.n, ctx.plan.k);
-        ops.fill_zero(stream, dx);
-        ops.fill_zero(stream, dprobs);
-        std::vector<Parameter *> params;
-        experts.parameters(params);
-        if (ready) {
-            for (Parameter * p : params) ready(*p);
-        }
-    }
+    dx = ep.size == 1                               ? local_backward(ctx, dy, dprobs, ready)
+         : moe.dispatcher == MoeDispatcher::alltoall ? alltoall_backward(ctx, dy, dprobs, ready)
+                                                     : allgather_backward(ctx, dy, dprobs, ready);
     if (shared_expert) ops.add_inplace(stream, dx, shared_expert->backward(ctx.shared, dy, ready));
-    ctx.plan = DispatchPlan();
+    ctx.plan     = DispatchPlan();
+    ctx.gathered = DispatchPlan();
+    ctx.yp       = Tensor();
 }
 
 Tensor MoELayer::backward_router(Context & ctx, const Tensor & dx, const Tensor & dprobs, const GradReadyFn & ready) {
     dx.device().ops().add_inplace(dx.device().compute_stream(), dx,
                                   router.backward(ctx.router, dprobs, aux_loss_backward_scale, ready));
     ctx.plan = DispatchPlan();
+    return dx;
+}
+
+void MoELayer::experts_ready(const GradReadyFn & ready) {
+    if (!ready) return;
+    std::vector<Parameter *> params;
+    experts.parameters(params);
+    for (Parameter * p : params) ready(*p);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// One rank
+
+Tensor MoELayer::local_forward(Context & ctx, const Tensor & x) {
+    std::vector<int64_t> counts = dispatch_plan_counts(ctx.plan);
+    ctx.rows                    = 0;
+    for (int64_t c : counts) ctx.rows += c;
+    if (ctx.rows == 0) {   // every token dropped
+        Tensor y = activation(x.device(), x.size(0), x.size(1));
+        x.device().ops().fill_zero(x.device().compute_stream(), y);
+        return y;
+    }
+    Tensor xp = moe_permute(x, ctx.plan, ctx.rows);
+    ctx.yp    = experts.forward(ctx.experts, xp, counts);
+    return moe_unpermute(ctx.yp, ctx.plan);
+}
+
+Tensor MoELayer::local_backward(Context & ctx, const Tensor & dy, Tensor & dprobs, const GradReadyFn & ready) {
+    Ops &    ops    = dy.device().ops();
+    Stream & stream = dy.device().compute_stream();
+    if (ctx.rows == 0) {
+        Tensor dx = activation(dy.device(), dy.size(0), dy.size(1));
+        dprobs    = activation(dy.device(), ctx.plan.n, ctx.plan.k);
+        ops.fill_zero(stream, dx);
+        ops.fill_zero(stream, dprobs);
+        experts_ready(ready);
+        return dx;
+    }
+    Tensor dyp;
+    moe_unpermute_backward(dy, ctx.yp, ctx.plan, dyp, dprobs);
+    ctx.yp     = Tensor();
+    Tensor dxp = experts.backward(ctx.experts, dyp, ready);
+    return moe_permute_backward(dxp, ctx.plan);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// alltoall
+
+Tensor MoELayer::alltoall_forward(Context & ctx, const Tensor & x) {
+    Device &      device = x.device();
+    Stream &      stream = device.compute_stream();
+    const int     P = ep.size;
+    const int64_t E = moe.num_experts, L = E / P, h = x.size(1);
+    std::vector<int64_t> counts = dispatch_plan_counts(ctx.plan);   // (E) rows for every global expert
+    ctx.rows = 0;
+    ctx.send_rows.assign(P, 0);
+    for (int64_t e = 0; e < E; ++e) {
+        ctx.rows += counts[e];
+        ctx.send_rows[e / L] += counts[e];
+    }
+    // Each rank's counts for my experts: recv[q L + j] rows from rank q for local expert j.
+    Tensor                     recv_counts = Tensor::empty({E}, DType::i64, device, {MemoryKind::device, kActivationsPool});
+    const std::vector<int64_t> per_rank(P, L);
+    ep.group->all_to_all(ctx.plan.tokens_per_expert, per_rank, recv_counts, per_rank, &stream)->wait();
+    stream.synchronize();
+    const int64_t * recv = recv_counts.data<int64_t>();
+    ctx.recv_rows.assign(P, 0);
+    ctx.local_counts.assign(L, 0);
+    for (int q = 0; q < P; ++q) {
+        for (int64_t j = 0; j < L; ++j) {
+            ctx.recv_rows[q] += recv[q * L + j];
+            ctx.local_counts[j] += recv[q * L + j];
+        }
+    }
+    ctx.local_rows = 0;
+    for (int64_t c : ctx.local_counts) ctx.local_rows += c;
+    // Received rows are [source q][local expert j]; the experts want [j][q].
+    ctx.sort.clear();
+    ctx.unsort.assign(ctx.local_rows, 0);
+    for (int64_t j = 0; j < L; ++j) {
+        int64_t offset = 0;
+        for (int q = 0; q < P; ++q) {
+            int64_t begin = offset;
+            for (int64_t i = 0; i < j; ++i) begin += recv[q * L + i];
+            for (int64_t r = 0; r < recv[q * L + j]; ++r) {
+                ctx.unsort[begin + r] = static_cast<int32_t>(ctx.sort.size());
+                ctx.sort.push_back(static_cast<int32_t>(begin + r));
+            }
+            offset += ctx.recv_rows[q];
+        }
+    }
+    Tensor xp = ctx.rows > 0 ? moe_permute(x, ctx.plan, ctx.rows) : rows_buffer(device, 0, h);
+    Tensor xr = rows_buffer(device, ctx.local_rows, h);
+    ep.group->all_to_all(xp, times(ctx.send_rows, h), xr, times(ctx.recv_rows, h), &stream);
+    Tensor yr = rows_buffer(device, ctx.local_rows, h);
+    if (ctx.local_rows > 0) {
+        Tensor ys = experts.forward(ctx.experts, moe_gather_rows(xr, ctx.sort), ctx.local_counts);
+        yr        = moe_gather_rows(ys, ctx.unsort);
+    }
+    Tensor yp = rows_buffer(device, ctx.rows, h);
+    ep.group->all_to_all(yr, times(ctx.recv_rows, h), yp, times(ctx.send_rows, h), &stream);
+    if (ctx.rows == 0) {   // every local token dropped
+        Tensor y = activation(device, x.size(0), h);
+        device.ops().fill_zero(stream, y);
+        return y;
+    }
+    ctx.yp = yp.narrow(0, 0, ctx.rows);
+    return moe_unpermute(ctx.yp, ctx.plan);
+}
+
+Tensor MoELayer::alltoall_backward(Context & ctx, const Tensor & dy, Tensor & dprobs, const GradReadyFn & ready) {
+    Device &      device = dy.device();
+    Stream &      stream = device.compute_stream();
+    const int64_t h      = dy.size(1);
+    Tensor        dyp    = rows_buffer(device, ctx.rows, h);
+    if (ctx.rows > 0) {
+        moe_unpermute_backward(dy, ctx.yp, ctx.plan, dyp, dprobs);
+    } else {
+        dprobs = activation(device, ctx.plan.n, ctx.plan.k);
+        device.ops().fill_zero(stream, dprobs);
+    }
+    ctx.yp     = Tensor();
+    Tensor dyr = rows_buffer(device, ctx.local_rows, h);
+    ep.group->all_to_all(dyp, times(ctx.send_rows, h), dyr, times(ctx.recv_rows, h), &stream);
+    Tensor dxr = rows_buffer(device, ctx.local_rows, h);
+    if (ctx.local_rows > 0) {
+        Tensor dxs = experts.backward(ctx.experts, moe_gather_rows(dyr, ctx.sort), ready);
+        dxr        = moe_gather_rows(dxs, ctx.unsort);
+    } else {
+        experts_ready(ready);
+    }
+    Tensor dxp = rows_buffer(device, ctx.rows, h);
+    ep.group->all_to_all(dxr, times(ctx.recv_rows, h), dxp, times(ctx.send_rows, h), &stream);
+    if (ctx.rows == 0) {
+        Tensor dx = activation(device, dy.size(0), h);
+        device.ops().fill_zero(stream, dx);
+        return dx;
+    }
+    return moe_permute_backward(dxp.narrow(0, 0, ctx.rows), ctx.plan);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// allgather
+
+Tensor MoELayer::allgather_forward(Context & ctx, const Tensor & x) {
+    Device &      device = x.device();
+    Stream &      stream = device.compute_stream();
+    const int     P = ep.size;
+    const int64_t n = x.size(0), h = x.size(1), k = ctx.plan.k, L = moe.num_experts / P;
+    Tensor routed     = dispatch_plan_routed(ctx.plan);
+    Tensor routed_all = Tensor::empty({P * n, k}, DType::i32, device, {MemoryKind::device, kActivationsPool});
+    Tensor probs_all  = activation(device, P * n, k);
+    Tensor x_all      = activation(device, P * n, h);
+    ep.group->all_gather(routed, routed_all, &stream);
+    ep.group->all_gather(ctx.plan.probs, probs_all, &stream);
+    ep.group->all_gather(x, x_all, &stream);
+    ctx.gathered             = dispatch_plan_local(routed_all, probs_all, experts.first_expert, L);
+    ctx.local_counts         = dispatch_plan_counts(ctx.gathered);
+    ctx.local_rows           = 0;
+    for (int64_t c : ctx.local_counts) ctx.local_rows += c;
+    Tensor y_all;
+    if (ctx.local_rows > 0) {
+        Tensor xp = moe_permute(x_all, ctx.gathered, ctx.local_rows);
+        ctx.yp    = experts.forward(ctx.experts, xp, ctx.local_counts);
+        y_all     = moe_unpermute(ctx.yp, ctx.gathered);
+    } else {
+        y_all = activation(device, P * n, h);
+        device.ops().fill_zero(stream, y_all);
+    }
+    Tensor y = activation(device, n, h);
+    ep.group->reduce_scatter(y_all, y, comm::ReduceOp::sum, &stream);
+    return y;
+}
+
+Tensor MoELayer::allgather_backward(Context & ctx, const Tensor & dy, Tensor & dprobs, const GradReadyFn & ready) {
+    Device &      device = dy.device();
+    Stream &      stream = device.compute_stream();
+    const int     P = ep.size;
+    const int64_t n = dy.size(0), h = dy.size(1), k = ctx.plan.k;
+    Tensor        dy_all = activation(device, P * n, h);
+    ep.group->all_gather(dy, dy_all, &stream);
+    Tensor dx_all, dprobs_all;
+    if (ctx.local_rows > 0) {
+        Tensor dyp;
+        moe_unpermute_backward(dy_all, ctx.yp, ctx.gathered, dyp, dprobs_all);
+        ctx.yp     = Tensor();
+        Tensor dxp = experts.backward(ctx.experts, dyp, ready);
+        dx_all     = moe_permute_backward(dxp, ctx.gathered);
+    } else {
+        dx_all     = activation(device, P * n, h);
+        dprobs_all = activation(device, P * n, k);
+        device.ops().fill_zero(stream, dx_all);
+        device.ops().fill_zero(stream, dprobs_all);
+        experts_ready(ready);
+    }
+    Tensor dx = activation(device, n, h);
+    dprobs    = activation(device, n, k);
+    ep.group->reduce_scatter(dx_all, dx, comm::ReduceOp::sum, &stream);
+    ep.group->reduce_scatter(dprobs_all, dprobs, comm::ReduceOp::sum, &stream);
     return dx;
 }
 

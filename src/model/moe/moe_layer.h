@@ -1,5 +1,6 @@
-// MoELayer: a Mixture-of-Experts MLP on one rank (Megatron's MoELayer with the all-gather dispatcher,
-// EP = TP = 1). It replaces a transformer layer's Mlp: same input and output, (n, h) rows in (s, b) order.
+// MoELayer: a Mixture-of-Experts MLP (Megatron's MoELayer, TP = ETP = 1), on one rank or with its experts
+// spread over an expert-parallel group. It replaces a transformer layer's Mlp: same input and output, (n, h)
+// rows in (s, b) order.
 //
 //   forward:   router (logits, top-k, probs, aux and z losses)
 //              -> dispatch plan (capacity dropping, padding)          token_dispatcher.h
@@ -25,6 +26,25 @@
 //
 // Unless --moe-pad-expert-input-to-capacity is set, forward drains the compute stream once (the host
 // needs each expert's row count, as Megatron's dispatcher does), so it cannot be graph-captured whole.
+//
+// Expert parallelism (ep.size = P > 1, layers.h's ExpertParallel): EP rank r holds the L = E / P experts
+// [r L, (r + 1) L) and routes its own n tokens (the router is replicated; capacity drops are decided per
+// rank on its local tokens, as Megatron's router does). --moe-token-dispatcher-type picks the exchange:
+//
+//   alltoall:  permute by global expert (rows for rank p are experts [p L, (p + 1) L), contiguous)
+//              -> all-to-all of the (E) per-expert counts; the host reads what each rank sends it
+//                 (the layer's second drain of the stream)
+//              -> all-to-all of the rows: received [source q][local expert j] -> sorted [j][q]
+//              -> local experts -> unsorted -> all-to-all back -> unpermute (weighted by probs)
+//              backward: the same exchanges in reverse on dy, and the experts' backward between them.
+//   allgather: all-gather x (n, h), the routed experts (n, k; -1 where dropped) and their probs over the
+//              EP group -> each rank permutes the gathered tokens routed to its experts, runs them,
+//              unpermutes into (P n, h) -> reduce-scatter: every rank gets its n rows, summed over ranks.
+//              backward: all-gather dy, the local backward, reduce-scatter dx and dprobs.
+// Both give each token sum_j probs[t, j] expert_{e_j}(x[t]); with k = 2 the two terms are added in one
+// order or the other, which float addition does not tell apart. --moe-pad-expert-input-to-capacity keeps
+// its single-rank meaning for alltoall (every expert receives P C rows); allgather runs the kept rows only
+// (the padding rows contribute nothing to the result).
 #pragma once
 
 #include "model/layers.h"
@@ -46,11 +66,18 @@ struct MoeLayerContext {
     Mlp::Context     shared;
     Tensor           yp;         // (R, h) the experts' outputs, for the probabilities' gradient
     int64_t          rows = 0;   // R
+    // Expert parallelism:
+    std::vector<int64_t> send_rows, recv_rows;   // alltoall: rows to / from each EP rank
+    std::vector<int64_t> local_counts;           // rows of each local expert (in the sorted order)
+    std::vector<int32_t> sort, unsort;           // alltoall: received -> local-expert-major rows, and back
+    DispatchPlan         gathered;               // allgather: the local experts' plan over all EP ranks' tokens
+    int64_t              local_rows = 0;         // rows the local experts ran
 };
 
 class MoELayer {
 public:
-    MoELayer(const std::string & name, const GptConfig & config, const MoeConfig & moe, Device & device);
+    MoELayer(const std::string & name, const GptConfig & config, const MoeConfig & moe, Device & device,
+             const ExpertParallel & ep = {});
     MoELayer(const MoELayer &) = delete;   // the experts hold references into it
     MoELayer & operator=(const MoELayer &) = delete;
 
@@ -78,10 +105,21 @@ public:
 
     float                   aux_loss_backward_scale = 1.0f;
     MoeConfig               moe;
+    ExpertParallel          ep;
     GptConfig               shared_config;   // the model's, with ffn_hidden_size = the shared expert's
     Router                  router;
     Experts                 experts;
     std::unique_ptr<Mlp>    shared_expert;   // with --moe-shared-expert-intermediate-size
+
+private:
+    // The routed experts' part of the output (and its backward) by dispatcher.
+    Tensor local_forward(Context & ctx, const Tensor & x);
+    Tensor local_backward(Context & ctx, const Tensor & dy, Tensor & dprobs, const GradReadyFn & ready);
+    Tensor alltoall_forward(Context & ctx, const Tensor & x);
+    Tensor alltoall_backward(Context & ctx, const Tensor & dy, Tensor & dprobs, const GradReadyFn & ready);
+    Tensor allgather_forward(Context & ctx, const Tensor & x);
+    Tensor allgather_backward(Context & ctx, const Tensor & dy, Tensor & dprobs, const GradReadyFn & ready);
+    void   experts_ready(const GradReadyFn & ready);   // no rows: the experts' gradients are final as they are
 };
 
 }  // namespace loom::model

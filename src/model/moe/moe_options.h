@@ -12,6 +12,7 @@ struct GptConfig;
 enum class MoeScoreFunction { softmax, sigmoid };                // --moe-router-score-function
 enum class MoeLoadBalancing { aux_loss, seq_aux_loss, none };    // --moe-router-load-balancing-type
 enum class MoeDropPolicy { probs, position };                    // --moe-token-drop-policy
+enum class MoeDispatcher { allgather, alltoall };                // --moe-token-dispatcher-type
 
 struct MoeConfig {
     int64_t          num_experts          = 0;       // --num-experts (0: no MoE)
@@ -28,6 +29,7 @@ struct MoeConfig {
     int64_t          ffn_hidden_size      = 0;       // --moe-ffn-hidden-size (0: --ffn-hidden-size)
     bool             grouped_gemm         = false;   // --moe-grouped-gemm
     int64_t          shared_expert_intermediate_size = 0;   // --moe-shared-expert-intermediate-size (0: none)
+    MoeDispatcher    dispatcher           = MoeDispatcher::allgather;   // --moe-token-dispatcher-type
 
     // --moe-layer-freq: which layers are MoE. An integer N: layers 0, N, 2N, ... (Megatron's default 1: all);
     // a list: one 0/1 entry per layer of the whole model.

@@ -206,4 +206,78 @@ void moe_unpermute_backward(const Tensor & dy, const Tensor & yp, const Dispatch
     });
 }
 
+Tensor dispatch_plan_routed(const DispatchPlan & plan) {
+    Device & device = plan.row_of.device();
+    Tensor   routed = activation_i32(device, {plan.n, plan.k});
+    Tensor   row_of = plan.row_of, counts = plan.tokens_per_expert;
+    const int64_t E = plan.experts;
+    device.compute_stream().submit([=] {
+        const int32_t * ro  = row_of.data<int32_t>();
+        const int64_t * cnt = counts.data<int64_t>();
+        int32_t *       out = routed.data<int32_t>();
+        // Rows are expert-major: expert e's rows end at the prefix sum of the counts up to e.
+        std::vector<int64_t> end(E);
+        int64_t              total = 0;
+        for (int64_t e = 0; e < E; ++e) end[e] = total += cnt[e];
+        for (int64_t a = 0; a < routed.numel(); ++a) {
+            out[a] = ro[a] < 0 ? -1 : static_cast<int32_t>(std::upper_bound(end.begin(), end.end(), ro[a]) - end.begin());
+        }
+    });
+    return routed;
+}
+
+DispatchPlan dispatch_plan_local(const Tensor & routed, const Tensor & probs, int64_t first, int64_t count) {
+    LOOM_CHECK(routed.dim() == 2 && routed.dtype() == DType::i32, "routed " << routed.describe(), "");
+    LOOM_CHECK(probs.dtype() == DType::f32 && probs.numel() == routed.numel(), "probs " << probs.describe(), "");
+    Device &     device = routed.device();
+    DispatchPlan plan;
+    plan.n        = routed.size(0);
+    plan.k        = routed.size(1);
+    plan.experts  = count;
+    plan.rows_max = plan.n * plan.k;
+    plan.probs    = activation(device, plan.n, plan.k);
+    plan.row_of   = activation_i32(device, {plan.n, plan.k});
+    plan.token_of_row      = activation_i32(device, {std::max<int64_t>(plan.rows_max, 1)});
+    plan.tokens_per_expert = Tensor::empty({count}, DType::i64, device, {MemoryKind::device, kActivationsPool});
+    const int64_t n = plan.n, k = plan.k;
+    Tensor        p_out = plan.probs, row_of = plan.row_of, token_of_row = plan.token_of_row, counts = plan.tokens_per_expert;
+    device.compute_stream().submit([=] {
+        const int32_t * ri  = routed.data<int32_t>();
+        const float *   pr  = probs.data<float>();
+        float *         po  = p_out.data<float>();
+        int32_t *       ro  = row_of.data<int32_t>();
+        int32_t *       tor = token_of_row.data<int32_t>();
+        int64_t *       cnt = counts.data<int64_t>();
+        std::fill(ro, ro + n * k, -1);
+        std::fill(tor, tor + token_of_row.numel(), -1);
+        int64_t row = 0;
+        for (int64_t j = 0; j < count; ++j) {
+            const int64_t begin = row;
+            for (int64_t a = 0; a < n * k; ++a) {
+                if (ri[a] != first + j) continue;
+                ro[a]      = static_cast<int32_t>(row);
+                tor[row++] = static_cast<int32_t>(a / k);
+            }
+            cnt[j] = row - begin;
+        }
+        for (int64_t a = 0; a < n * k; ++a) po[a] = ro[a] >= 0 ? pr[a] : 0.0f;
+    });
+    return plan;
+}
+
+Tensor moe_gather_rows(const Tensor & x, std::vector<int32_t> index) {
+    LOOM_CHECK(x.dim() == 2 && x.dtype() == DType::f32, "moe_gather_rows of " << x.describe(), "");
+    const int64_t rows = static_cast<int64_t>(index.size()), h = x.size(1), m = x.size(0);
+    for (int32_t i : index) LOOM_CHECK(i >= 0 && i < m, "row " << i << " of " << m, "");
+    Tensor out = activation(x.device(), rows, h);
+    x.device().compute_stream().submit([=, index = std::move(index)] {
+        const float * src = x.data<float>();
+        float *       dst = out.data<float>();
+        parallel_for(rows, 16, [&](int64_t begin, int64_t end) {
+            for (int64_t r = begin; r < end; ++r) std::memcpy(dst + r * h, src + index[r] * h, h * sizeof(float));
+        });
+    });
+    return out;
+}
+
 }  // namespace loom::model

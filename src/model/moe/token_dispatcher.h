@@ -59,4 +59,18 @@ Tensor moe_unpermute(const Tensor & yp, const DispatchPlan & plan);
 void   moe_unpermute_backward(const Tensor & dy, const Tensor & yp, const DispatchPlan & plan, Tensor & dyp,
                               Tensor & dprobs);
 
+// Expert parallelism (model/moe/moe_layer.h has the two dispatchers that use these).
+//
+// The plan's expert of each (token, slot), -1 where the capacity dropped it: (n, k) i32, read off the
+// plan's rows (expert-major). The all-gather dispatcher gathers it (with plan.probs, 0 where dropped) from
+// every EP rank.
+Tensor dispatch_plan_routed(const DispatchPlan & plan);
+// The plan of the local experts [first, first + count) over gathered routing: routed (N, k) i32 (-1:
+// dropped), probs (N, k) f32. Its experts are the local ones (plan.experts = count), rows local-expert-
+// major with tokens in order; slots routed elsewhere or dropped get no row (probability 0). No capacity:
+// the ranks that routed the tokens applied theirs.
+DispatchPlan dispatch_plan_local(const Tensor & routed, const Tensor & probs, int64_t first, int64_t count);
+// out[r] = x[index[r]] for r < index.size(): x (m, h) f32 -> (index.size(), h).
+Tensor moe_gather_rows(const Tensor & x, std::vector<int32_t> index);
+
 }  // namespace loom::model
