@@ -63,9 +63,9 @@ public:
         const int64_t kb = trans_b ? b.size(1) : b.size(0), n = trans_b ? b.size(0) : b.size(1);
         LOOM_CHECK(k == kb, "gemm: op(a) is " << m << "x" << k << ", op(b) " << kb << "x" << n, "");
         expect(c, DType::f32, m * n, "gemm", "c");
-        CudaStream & cs = start(s, "gemm", {a, b, c});
-        void *       workspace = cs.gemm_workspace();
-        gemm_lt(cs.device_index(), cs.launch("gemm"), workspace, CudaStream::kGemmWorkspaceBytes, trans_a, trans_b, m,
+        CudaStream & cs     = start(s, "gemm", {a, b, c});
+        cudaStream_t stream = cs.launch("gemm");   // refuses a capture before the workspace is allocated
+        gemm_lt(cs.device_index(), stream, cs.gemm_workspace(), CudaStream::kGemmWorkspaceBytes, trans_a, trans_b, m,
                 n, k, a.data_ptr(), b.data_ptr(), a.dtype() == DType::bf16, f32(c), accumulate);
         cs.launched("gemm", {a, b, c});
     }
@@ -313,12 +313,12 @@ public:
         expect(x, DType::f32, -1, "sum_of_squares", "x");
         expect(out, DType::f32, 2, "sum_of_squares", "out");
         CudaStream &  cs     = start(s, "sum_of_squares", {x, out});
+        cudaStream_t  stream = cs.launch("sum_of_squares");
         const int64_t chunks = kernels::sum_of_squares_chunks(x.numel());
         // Scratch for the per-chunk partial sums, freed in stream order with the op's tensors.
         Tensor partial = Tensor::empty({std::max<int64_t>(chunks, 1)}, DType::i64, cs.device(),
                                        TensorOptions{MemoryKind::device, kActivationsPool});
-        kernels::sum_of_squares(cs.launch("sum_of_squares"), f32(x), x.numel(), static_cast<double *>(partial.data_ptr()),
-                                f32(out));
+        kernels::sum_of_squares(stream, f32(x), x.numel(), static_cast<double *>(partial.data_ptr()), f32(out));
         cs.launched("sum_of_squares", {x, out, partial});
     }
 
