@@ -318,15 +318,18 @@ TEST(ExpertParallel, DispatchersSendEveryRoutedTokenOnceAndMatchTheSingleRankLay
                 EXPECT_EQ(forward_rs.calls, 1);   // the outputs
                 EXPECT_EQ(forward_ag.bytes, P * n * (k * 4 + k * 4 + h * 4));
             }
+            // Tolerance 1e-5: an expert's GEMMs run over the rows this rank received, not the single layer's,
+            // and the GEMM's blocking (so its rounding) depends on the row count (AVX2-capped runs differ by
+            // a few ulps, about 2e-6 here); the same rows give exact equality.
             const double dy_diff = max_diff(values(y_single), values(y_spread));
-            EXPECT_LT(dy_diff, 1e-6);
+            EXPECT_LT(dy_diff, 1e-5);
             Tensor dx_single = single.backward(a, tensor_of(dyv, {n, h}), {});
             Tensor dx_spread = spread.backward(c, tensor_of(dyv, {n, h}), {});
             const double dx_diff = max_diff(values(dx_single), values(dx_spread));
-            EXPECT_LT(dx_diff, 1e-6);
+            EXPECT_LT(dx_diff, 1e-5);
             // The router's gradient is this rank's tokens' alone on both.
             const double router_diff = max_diff(values(single.router.weight.main_grad), values(spread.router.weight.main_grad));
-            EXPECT_LT(router_diff, 1e-6);
+            EXPECT_LT(router_diff, 1e-5);
             if (counting->rank() == 0) {
                 std::printf("[%s%s, world %d] worst |y| diff %.3g, |dx| diff %.3g, |router grad| diff %.3g\n",
                             alltoall ? "alltoall" : "allgather", capacity > 0 ? ", capacity 1" : "", P, dy_diff, dx_diff,
