@@ -8,6 +8,8 @@
 #include "core/tensor.h"
 #include "error_text.h"
 
+#include "stream_gate.h"
+
 #include <gtest/gtest.h>
 
 #include <future>
@@ -19,13 +21,7 @@ namespace {
 
 Device & dev() { return cpu::device(); }
 
-// A gate the host opens: holds a stream at a known point.
-struct Gate {
-    std::promise<void>       promise;
-    std::shared_future<void> future = promise.get_future().share();
-    void open() { promise.set_value(); }
-    void pass() const { future.wait(); }
-};
+using loom::testing::Gate;
 
 }  // namespace
 

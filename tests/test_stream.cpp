@@ -3,6 +3,8 @@
 #include "backend/cpu/cpu_device.h"
 #include "backend/cpu/cpu_stream.h"
 
+#include "stream_gate.h"
+
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -16,13 +18,7 @@ using namespace std::chrono_literals;
 
 namespace {
 
-// A gate the host opens: lets a test hold a stream at a known point.
-struct Gate {
-    std::promise<void>       promise;
-    std::shared_future<void> future = promise.get_future().share();
-    void open() { promise.set_value(); }
-    void pass() const { future.wait(); }
-};
+using loom::testing::Gate;
 
 }  // namespace
 

@@ -5,6 +5,7 @@
 #include "backend/cpu/ops.h"
 #include "core/dropout.h"
 #include "core/error.h"
+#include "core/op_checks.h"
 #include "core/host_adam.h"
 #include "core/thread_pool.h"
 
@@ -17,21 +18,13 @@ namespace loom::cpu {
 
 namespace {
 
+using op_checks::expect;
+using op_checks::rows_cols;
+
 float * f32(const Tensor & t) { return t.data<float>(); }
 float * f32_or_null(const Tensor & t) { return t.defined() ? t.data<float>() : nullptr; }
 
-void expect(const Tensor & t, DType dtype, int64_t numel, const char * op, const char * what) {
-    LOOM_CHECK(t.defined(), op << ": " << what << " is missing", "");
-    LOOM_CHECK(t.dtype() == dtype, op << ": " << what << " is " << t.describe() << ", expected " << dtype_name(dtype), "");
-    LOOM_CHECK(numel < 0 || t.numel() == numel,
-               op << ": " << what << " has " << t.numel() << " elements, expected " << numel, "");
-}
 
-// Rows and width of a 2-D (or flattened (n, w)) activation.
-std::pair<int64_t, int64_t> rows_cols(const Tensor & t, const char * op) {
-    LOOM_CHECK(t.dim() == 2, op << ": expected a 2-D (rows, width) tensor, got " << t.describe(), "");
-    return {t.size(0), t.size(1)};
-}
 
 // On the stream: every id is -1 or below `limit` (a token or label past the table would read or write
 // outside it). The error surfaces at the stream's next synchronize, naming the op.
@@ -48,14 +41,7 @@ class CpuOps final : public Ops {
 public:
     void gemm(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c,
               bool accumulate) override {
-        LOOM_CHECK(a.dim() == 2 && b.dim() == 2, "gemm of " << a.describe() << " and " << b.describe(),
-                   "gemm takes 2-D operands");
-        LOOM_CHECK(a.dtype() == b.dtype() && (a.dtype() == DType::f32 || a.dtype() == DType::bf16),
-                   "gemm of " << a.describe() << " and " << b.describe(), "operands are both float32 or both bfloat16");
-        const int64_t m = trans_a ? a.size(1) : a.size(0), k = trans_a ? a.size(0) : a.size(1);
-        const int64_t kb = trans_b ? b.size(1) : b.size(0), n = trans_b ? b.size(0) : b.size(1);
-        LOOM_CHECK(k == kb, "gemm: op(a) is " << m << "x" << k << ", op(b) " << kb << "x" << n, "");
-        expect(c, DType::f32, m * n, "gemm", "c");
+        const auto [m, n, k] = op_checks::gemm(a, trans_a, b, trans_b, c);
         const DType dtype = a.dtype();
         s.submit([a, b, c, trans_a, trans_b, m, n, k, dtype, accumulate] {
             cpu::gemm(trans_a, trans_b, m, n, k, a.data_ptr(), b.data_ptr(), dtype, c.data<float>(), accumulate);
@@ -67,7 +53,7 @@ public:
                            float eps) override {
         int64_t n, h;
         std::tie(n, h) = rows_cols(x, "layernorm_forward");
-        check_norm(x, residual, gamma, y, rstd, n, h, "layernorm_forward");
+        op_checks::norm(x, residual, gamma, y, rstd, n, h, "layernorm_forward");
         expect(mean, DType::f32, n, "layernorm_forward", "mean");
         if (beta.defined()) expect(beta, DType::f32, h, "layernorm_forward", "beta");
         s.submit([=] {
@@ -84,7 +70,7 @@ public:
                          const Tensor & rstd, float eps) override {
         int64_t n, h;
         std::tie(n, h) = rows_cols(x, "rmsnorm_forward");
-        check_norm(x, residual, gamma, y, rstd, n, h, "rmsnorm_forward");
+        op_checks::norm(x, residual, gamma, y, rstd, n, h, "rmsnorm_forward");
         s.submit([=] {
             if (residual.defined()) {
                 add_rmsnorm_forward(f32(x), f32(residual), f32(gamma), f32(y), f32(rstd), n, h, eps);
@@ -461,14 +447,6 @@ public:
     }
 
 private:
-    static void check_norm(const Tensor & x, const Tensor & residual, const Tensor & gamma, const Tensor & y,
-                           const Tensor & rstd, int64_t n, int64_t h, const char * op) {
-        expect(x, DType::f32, n * h, op, "x");
-        if (residual.defined()) expect(residual, DType::f32, n * h, op, "residual");
-        expect(gamma, DType::f32, h, op, "gamma");
-        expect(y, DType::f32, n * h, op, "y");
-        expect(rstd, DType::f32, n, op, "rstd");
-    }
     // Logits (n, stride) f32 whose first `valid` columns are read.
     static std::pair<int64_t, int64_t> check_logits(const Tensor & logits, int64_t valid, const char * op) {
         int64_t n, stride;

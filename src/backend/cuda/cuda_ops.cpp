@@ -5,6 +5,7 @@
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/kernels.h"
 #include "core/error.h"
+#include "core/op_checks.h"
 
 #include <cmath>
 #include <tuple>
@@ -13,6 +14,9 @@
 namespace loom::cuda {
 
 namespace {
+
+using op_checks::expect;
+using op_checks::rows_cols;
 
 float *    f32(const Tensor & t) { return t.data<float>(); }
 float *    f32_or_null(const Tensor & t) { return t.defined() ? t.data<float>() : nullptr; }
@@ -25,17 +29,7 @@ uint16_t * bits16(const Tensor & t) { return static_cast<uint16_t *>(t.data_ptr(
                                                                   << " in src/backend/cuda (its CPU twin is in src/backend/cpu)");
 }
 
-void expect(const Tensor & t, DType dtype, int64_t numel, const char * op, const char * what) {
-    LOOM_CHECK(t.defined(), op << ": " << what << " is missing", "");
-    LOOM_CHECK(t.dtype() == dtype, op << ": " << what << " is " << t.describe() << ", expected " << dtype_name(dtype), "");
-    LOOM_CHECK(numel < 0 || t.numel() == numel,
-               op << ": " << what << " has " << t.numel() << " elements, expected " << numel, "");
-}
 
-std::pair<int64_t, int64_t> rows_cols(const Tensor & t, const char * op) {
-    LOOM_CHECK(t.dim() == 2, op << ": expected a 2-D (rows, width) tensor, got " << t.describe(), "");
-    return {t.size(0), t.size(1)};
-}
 
 // Every tensor a kernel touches lives on the stream's CUDA device (device or pinned host memory).
 void expect_on(const CudaStream & s, const std::vector<Tensor> & tensors, const char * op) {
@@ -55,14 +49,7 @@ class CudaOps final : public Ops {
 public:
     void gemm(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c,
               bool accumulate) override {
-        LOOM_CHECK(a.dim() == 2 && b.dim() == 2, "gemm of " << a.describe() << " and " << b.describe(),
-                   "gemm takes 2-D operands");
-        LOOM_CHECK(a.dtype() == b.dtype() && (a.dtype() == DType::f32 || a.dtype() == DType::bf16),
-                   "gemm of " << a.describe() << " and " << b.describe(), "operands are both float32 or both bfloat16");
-        const int64_t m = trans_a ? a.size(1) : a.size(0), k = trans_a ? a.size(0) : a.size(1);
-        const int64_t kb = trans_b ? b.size(1) : b.size(0), n = trans_b ? b.size(0) : b.size(1);
-        LOOM_CHECK(k == kb, "gemm: op(a) is " << m << "x" << k << ", op(b) " << kb << "x" << n, "");
-        expect(c, DType::f32, m * n, "gemm", "c");
+        const auto [m, n, k] = op_checks::gemm(a, trans_a, b, trans_b, c);
         CudaStream & cs     = start(s, "gemm", {a, b, c});
         cudaStream_t stream = cs.launch("gemm");   // refuses a capture before the workspace is allocated
         gemm_lt(cs.device_index(), stream, cs.gemm_workspace(), CudaStream::kGemmWorkspaceBytes, trans_a, trans_b, m,
@@ -75,7 +62,7 @@ public:
                            float eps) override {
         int64_t n, h;
         std::tie(n, h) = rows_cols(x, "layernorm_forward");
-        check_norm(x, residual, gamma, y, rstd, n, h, "layernorm_forward");
+        op_checks::norm(x, residual, gamma, y, rstd, n, h, "layernorm_forward");
         expect(mean, DType::f32, n, "layernorm_forward", "mean");
         if (beta.defined()) expect(beta, DType::f32, h, "layernorm_forward", "beta");
         std::vector<Tensor> held{x, residual, gamma, beta, y, mean, rstd};
@@ -89,7 +76,7 @@ public:
                          const Tensor & rstd, float eps) override {
         int64_t n, h;
         std::tie(n, h) = rows_cols(x, "rmsnorm_forward");
-        check_norm(x, residual, gamma, y, rstd, n, h, "rmsnorm_forward");
+        op_checks::norm(x, residual, gamma, y, rstd, n, h, "rmsnorm_forward");
         std::vector<Tensor> held{x, residual, gamma, y, rstd};
         CudaStream &        cs = start(s, "rmsnorm_forward", held);
         kernels::rmsnorm_forward(cs.launch("rmsnorm_forward"), f32(x), f32_or_null(residual), f32(gamma), f32(y),
@@ -362,14 +349,6 @@ private:
         return cs;
     }
 
-    static void check_norm(const Tensor & x, const Tensor & residual, const Tensor & gamma, const Tensor & y,
-                           const Tensor & rstd, int64_t n, int64_t h, const char * op) {
-        expect(x, DType::f32, n * h, op, "x");
-        if (residual.defined()) expect(residual, DType::f32, n * h, op, "residual");
-        expect(gamma, DType::f32, h, op, "gamma");
-        expect(y, DType::f32, n * h, op, "y");
-        expect(rstd, DType::f32, n, op, "rstd");
-    }
 };
 
 }  // namespace
