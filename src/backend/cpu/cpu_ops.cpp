@@ -41,7 +41,8 @@ class CpuOps final : public Ops {
 public:
     void gemm(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c,
               bool accumulate) override {
-        const auto [m, n, k] = op_checks::gemm(a, trans_a, b, trans_b, c);
+        const op_checks::GemmDims dims = op_checks::gemm(a, trans_a, b, trans_b, c);
+        const int64_t             m = dims.m, n = dims.n, k = dims.k;   // plain variables: clang 14 captures no structured bindings
         const DType dtype = a.dtype();
         s.submit([a, b, c, trans_a, trans_b, m, n, k, dtype, accumulate] {
             cpu::gemm(trans_a, trans_b, m, n, k, a.data_ptr(), b.data_ptr(), dtype, c.data<float>(), accumulate);

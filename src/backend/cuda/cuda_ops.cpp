@@ -49,7 +49,8 @@ class CudaOps final : public Ops {
 public:
     void gemm(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c,
               bool accumulate) override {
-        const auto [m, n, k] = op_checks::gemm(a, trans_a, b, trans_b, c);
+        const op_checks::GemmDims dims = op_checks::gemm(a, trans_a, b, trans_b, c);
+        const int64_t             m = dims.m, n = dims.n, k = dims.k;   // plain variables: clang 14 captures no structured bindings
         CudaStream & cs     = start(s, "gemm", {a, b, c});
         cudaStream_t stream = cs.launch("gemm");   // refuses a capture before the workspace is allocated
         gemm_lt(cs.device_index(), stream, cs.gemm_workspace(), CudaStream::kGemmWorkspaceBytes, trans_a, trans_b, m,
