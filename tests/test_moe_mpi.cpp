@@ -1,7 +1,10 @@
 // Expert parallelism end to end, under mpirun with 2 and 4 ranks: the small GPT with 4 experts per layer
 // (top-2, an aux loss) trains with its experts spread over an EP group and must follow the single-rank run
 // that every rank computes first: EP 2 (world 2: dp 2, ep 2, edp 1) with both dispatchers, EP 2 x PP 2
-// (world 4), EP 2 with ZeRO-1 and both overlaps (world 4: dp 4, ep 2, edp 2), and DP 2 with EP 1. A layer-
+// (world 4), EP 2 with ZeRO-1 and both overlaps (world 4: dp 4, ep 2, edp 2), DP 2 with EP 1, and MoE
+// parallel folding on 4 ranks: dense TP 2 + SP x DP 2 with the experts ETP 2 x EP 2 (both dispatchers) or
+// ETP 1 x EP 2 x EDP 2. Every run also checks its DDP buffers against `loom layout`'s for the same
+// parameters, and its logged load_balancing_loss against the single-rank run's. A layer-
 // level test counts the exchanges through a CountingCommunicator and compares one layer's output and input
 // gradient with the single-rank layer's on the same tokens, with and without capacity dropping.
 //
@@ -11,6 +14,8 @@
 // expert parts apart. Over 20 iterations losses and weights agree within 5e-5.
 #include "backend/cpu/cpu_device.h"
 #include "comm/counting_communicator.h"
+#include "ddp/ddp.h"
+#include "ddp/layout.h"
 #include "model/moe/moe_layer.h"
 #include "parallel/parallel_config.h"
 #include "parallel/process_groups.h"
@@ -40,8 +45,10 @@ namespace {
 
 comm::MpiContext * g_mpi = nullptr;
 
-train::TrainOptions moe_options(model::MoeDispatcher dispatcher = model::MoeDispatcher::allgather, bool grouped = false) {
+train::TrainOptions moe_options(model::MoeDispatcher dispatcher = model::MoeDispatcher::allgather, bool grouped = false,
+                                bool bias = true) {
     train::TrainOptions o   = testing_models::small_gpt_options(2, 8, 20);
+    o.model.add_bias_linear = bias;
     model::MoeConfig &  moe = o.model.moe;
     moe.num_experts         = 4;
     moe.topk                = 2;
@@ -53,16 +60,18 @@ train::TrainOptions moe_options(model::MoeDispatcher dispatcher = model::MoeDisp
     return o;
 }
 
-// The "grad norm" of every iteration of a --log-file.
-std::vector<double> grad_norms(const std::string & path) {
+// The value `key` of every iteration of a --log-file.
+std::vector<double> logged(const std::string & path, const char * key) {
     std::ifstream       in(path);
-    std::vector<double> norms;
+    std::vector<double> values;
     for (std::string line; std::getline(in, line);) {
         nlohmann::json j = nlohmann::json::parse(line);
-        if (j.contains("grad norm")) norms.push_back(j["grad norm"].get<double>());
+        if (j.contains(key)) values.push_back(j[key].get<double>());
     }
-    return norms;
+    return values;
 }
+
+std::vector<double> grad_norms(const std::string & path) { return logged(path, "grad norm"); }
 
 std::string log_path(const std::string & what) {
     return ::testing::TempDir() + "loom_moe_mpi_" + what + "_" + std::to_string(g_mpi->world_size()) + "_" +
@@ -75,32 +84,64 @@ struct Layout {
     model::MoeDispatcher dispatcher = model::MoeDispatcher::allgather;
     bool grouped = false;
     bool offload = false;   // --optimizer-cpu-offload, half the optimizer state on the host
+    int  tp = 1, etp = 1;   // --tensor-model-parallel-size (with --sequence-parallel), --expert-tensor-parallel-size
+    bool bias = true;       // --add-bias-linear (ETP > 1 needs --disable-bias-linear)
 };
 
 std::string describe(const Layout & l) {
     return "world " + std::to_string(g_mpi->world_size()) + " ep " + std::to_string(l.ep) + " pp " + std::to_string(l.pp) +
            (l.dispatcher == model::MoeDispatcher::alltoall ? " alltoall" : " allgather") + (l.grouped ? " grouped" : "") +
-           (l.distopt ? " zero-1 + overlaps" : "") + (l.offload ? " cpu-offload 0.5" : "");
+           (l.distopt ? " zero-1 + overlaps" : "") + (l.offload ? " cpu-offload 0.5" : "") +
+           (l.tp > 1 ? " tp " + std::to_string(l.tp) + " + sp" : "") + (l.etp > 1 ? " etp " + std::to_string(l.etp) : "") + (l.bias ? "" : " no bias");
 }
 
 struct Reference {
     testing_models::SingleRankRun run;
-    std::vector<double>           grad_norms;
+    std::vector<double>           grad_norms, balancing;   // balancing: the logged load_balancing_loss
 };
 
-const Reference & reference(bool grouped) {
+const Reference & reference(bool grouped, bool bias) {
     // The dispatcher does not matter on one rank: both permute the same tokens.
-    static std::map<bool, Reference> runs;
-    auto it = runs.find(grouped);
+    static std::map<std::pair<bool, bool>, Reference> runs;
+    auto it = runs.find({grouped, bias});
     if (it == runs.end()) {
-        train::TrainOptions o = moe_options(model::MoeDispatcher::allgather, grouped);
-        o.log_file            = log_path(grouped ? "reference_grouped" : "reference");
+        train::TrainOptions o = moe_options(model::MoeDispatcher::allgather, grouped, bias);
+        o.log_file = log_path(std::string(grouped ? "reference_grouped" : "reference") + (bias ? "" : "_no_bias"));
         Reference ref;
         ref.run        = testing_models::train_single_rank(o);
         ref.grad_norms = grad_norms(o.log_file);
-        it             = runs.emplace(grouped, std::move(ref)).first;
+        ref.balancing  = logged(o.log_file, "load_balancing_loss");
+        it             = runs.emplace(std::pair{grouped, bias}, std::move(ref)).first;
     }
     return it->second;
+}
+
+// The runtime's DDP layout is the one `loom layout` computes from this rank's parameters written in its
+// --params format (entries [name, shape, dtype, {"allreduce": false} for experts]) with the sizes and
+// options the run used: the expert buffers apart, reduced and sharded over expert-data-parallel ranks.
+void expect_layout_is_loom_layouts(const ddp::DistributedDataParallel & ddp, int64_t dp, int64_t edp, const std::string & path) {
+    nlohmann::json params = nlohmann::json::array();
+    int64_t        expert_params = 0;
+    for (const ddp::ParamSpec & p : ddp.specs()) {
+        nlohmann::json entry = {p.name, p.shape, dtype_name(p.param_dtype)};
+        nlohmann::json extra = nlohmann::json::object();
+        if (p.shared_embedding) extra["shared_embedding"] = true;
+        if (p.expert) extra["allreduce"] = false;
+        if (!extra.empty()) entry.push_back(extra);
+        params.push_back(entry);
+        expert_params += p.expert ? 1 : 0;
+    }
+    std::ofstream(path) << nlohmann::json{{"params", params}}.dump();
+    const std::vector<ddp::ParamSpec> specs = ddp::read_param_specs(path);   // `loom layout --params`
+    ddp::LayoutOptions options;
+    options.dp                        = dp;    // `loom layout --dp`
+    options.edp                       = edp;   // `--edp`
+    options.use_distributed_optimizer = ddp.config().use_distributed_optimizer;
+    options.bucket_size               = ddp::effective_bucket_size(ddp.config(), options.dp);
+    options.grad_reduce_in_fp32       = true;   // Loom's gradients are float32 (--grad-reduce-in-fp32)
+    const bool shards = options.use_distributed_optimizer;
+    EXPECT_EQ(ddp::layout_json(ddp::compute_layout(specs, options), specs, shards), ddp::layout_json(ddp.layout(), ddp.specs(), shards));
+    EXPECT_GT(expert_params, 0);
 }
 
 // The largest of `v` over the world's ranks.
@@ -117,13 +158,18 @@ void expect_follows_reference(const Layout & l) {
     sizes.world_size = g_mpi->world_size();
     sizes.pp         = l.pp;
     sizes.ep         = l.ep;
+    sizes.tp         = l.tp;
+    sizes.etp        = l.etp;
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi);
 
-    train::TrainOptions o             = moe_options(l.dispatcher, l.grouped);
+    train::TrainOptions o             = moe_options(l.dispatcher, l.grouped, l.bias);
     o.data_parallel_size              = config.dp();
     o.pipeline_parallel_size          = l.pp;
     o.expert_parallel_size            = l.ep;
+    o.tensor_parallel_size            = l.tp;
+    o.sequence_parallel               = l.tp > 1;
+    o.expert_tensor_parallel_size     = l.etp;
     o.ddp.use_distributed_optimizer   = l.distopt;
     o.ddp.overlap_grad_reduce         = l.distopt;
     o.ddp.overlap_param_gather        = l.distopt;
@@ -135,12 +181,14 @@ void expect_follows_reference(const Layout & l) {
     }
     auto                source = train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), config.dp());
     train::Setup        setup  = train::setup(o, groups, cpu::device());
+    ASSERT_TRUE(setup.ddp);
+    expect_layout_is_loom_layouts(*setup.ddp, config.dp(), config.edp(), log_path("params"));
     std::vector<double> losses;
     {
         train::Trainer trainer(o, setup, *source);
         losses = trainer.run(nullptr).losses;
     }
-    const Reference &                     reference_run = reference(l.grouped);
+    const Reference &                     reference_run = reference(l.grouped, l.bias);
     const testing_models::SingleRankRun & ref           = reference_run.run;
     ASSERT_EQ(losses.size(), ref.losses.size());
     double worst_loss = 0, worst_param = 0;
@@ -174,7 +222,8 @@ void expect_follows_reference(const Layout & l) {
         }
         EXPECT_LT(worst_loaded, 5e-5) << "the checkpoint loaded into one rank";
     }
-    // Each MoE layer of this rank's stage holds E / ep experts (one grouped tensor of them).
+    // Each MoE layer of this rank's stage holds E / ep experts (one grouped tensor of them), each its ETP
+    // rank's share of the features.
     const int layers = 2 / l.pp;
     EXPECT_EQ(experts_held, l.grouped ? layers : layers * 4 / l.ep);
     worst_loss  = world_max(worst_loss);
@@ -192,9 +241,18 @@ void expect_follows_reference(const Layout & l) {
             EXPECT_LT(rel, 1e-4) << "grad norm of iteration " << i + 1 << ": " << norms[i] << " vs "
                                  << reference_run.grad_norms[i];
         }
+        // The logged load-balancing loss (summed over the sequence-parallel ranks' shares, averaged over DP).
+        std::vector<double> balancing = logged(o.log_file, "load_balancing_loss");
+        ASSERT_EQ(balancing.size(), reference_run.balancing.size());
+        ASSERT_FALSE(balancing.empty());
+        double worst_balancing = 0;
+        for (size_t i = 0; i < balancing.size(); ++i) {
+            worst_balancing = std::max(worst_balancing, std::fabs(balancing[i] - reference_run.balancing[i]));
+            EXPECT_NEAR(balancing[i], reference_run.balancing[i], 1e-5) << "load_balancing_loss of iteration " << i + 1;
+        }
         std::printf("[%s] worst |loss - reference| %.3g, worst |param - reference| %.3g, worst relative grad-norm "
-                    "difference %.3g over %zu iterations\n",
-                    describe(l).c_str(), worst_loss, worst_param, worst_norm, losses.size());
+                    "difference %.3g, worst |load_balancing_loss - reference| %.3g over %zu iterations\n",
+                    describe(l).c_str(), worst_loss, worst_param, worst_norm, worst_balancing, losses.size());
     }
 }
 
@@ -227,6 +285,32 @@ TEST(ExpertParallel, Ep2WithZeroOneAndOverlapsFollowsTheSingleRankRun) {
 }
 
 TEST(ExpertParallel, DataParallelWithEp1FollowsTheSingleRankRun) { expect_follows_reference(Layout{1, 1, false}); }
+
+// MoE parallel folding: the dense layers TP 2 + SP x DP 2, the experts ETP 2 x EP 2 (edp 1).
+Layout tp2_sp(model::MoeDispatcher dispatcher, int etp) {
+    Layout l;
+    l.ep         = 2;
+    l.dispatcher = dispatcher;
+    l.tp         = 2;
+    l.etp        = etp;
+    l.bias       = false;
+    return l;
+}
+
+TEST(ExpertParallel, Ep2TimesEtp2WithTp2SpAlltoallFollowsTheSingleRankRun) {
+    if (g_mpi->world_size() != 4) GTEST_SKIP() << "needs 4 ranks (tp 2 x dp 2; etp 2 x ep 2)";
+    expect_follows_reference(tp2_sp(model::MoeDispatcher::alltoall, 2));
+}
+
+TEST(ExpertParallel, Ep2TimesEtp2WithTp2SpAllgatherFollowsTheSingleRankRun) {
+    if (g_mpi->world_size() != 4) GTEST_SKIP() << "needs 4 ranks (tp 2 x dp 2; etp 2 x ep 2)";
+    expect_follows_reference(tp2_sp(model::MoeDispatcher::allgather, 2));
+}
+
+TEST(ExpertParallel, Ep2WithEtp1AndTp2SpFollowsTheSingleRankRun) {
+    if (g_mpi->world_size() != 4) GTEST_SKIP() << "needs 4 ranks (tp 2 x dp 2; etp 1 x ep 2 x edp 2)";
+    expect_follows_reference(tp2_sp(model::MoeDispatcher::alltoall, 1));
+}
 
 // ---------------------------------------------------------------------------------------------------
 // One layer: the exchanges, counted, and the result against the single-rank layer on the same tokens.
@@ -274,8 +358,11 @@ TEST(ExpertParallel, DispatchersSendEveryRoutedTokenOnceAndMatchTheSingleRankLay
             moe.dispatcher       = dispatcher;
             moe.capacity_factor  = capacity;
             model::MoELayer single("layers.0.mlp", config, moe, cpu::device());
-            model::MoELayer spread("layers.0.mlp", config, moe, cpu::device(),
-                                   model::ExpertParallel{counting, counting->rank(), P});
+            model::ExpertParallel ep;
+            ep.group = counting;
+            ep.rank  = counting->rank();
+            ep.size  = P;
+            model::MoELayer spread("layers.0.mlp", config, moe, cpu::device(), {}, ep);
             single.init(5, 0.2f, 0.1f);
             spread.init(5, 0.2f, 0.1f);
             // Every rank routes its own tokens.

@@ -502,7 +502,7 @@ TEST(MegatronCommandLine, ImplementationFlagsAreAcceptedOrRefusedByValue) {
         EXPECT_EQ(run_status(std::string("train --mock-data ") + bad, &err), 2) << bad;
         EXPECT_NE(err.find(std::string(bad) + " is not supported by Loom"), std::string::npos) << err;
     }
-    for (const char * bad : {"--context-parallel-size 2", "--expert-tensor-parallel-size 2"}) {
+    for (const char * bad : {"--context-parallel-size 2"}) {
         EXPECT_EQ(run_status(std::string("train --mock-data ") + bad, &err), 2) << bad;
         const std::string flag = std::string(bad).substr(std::string(bad).rfind("--"));
         EXPECT_NE(err.find(flag + " is not supported by Loom"), std::string::npos) << err;
@@ -511,8 +511,10 @@ TEST(MegatronCommandLine, ImplementationFlagsAreAcceptedOrRefusedByValue) {
     EXPECT_NE(err.find("num_experts must be non None to use expert model parallelism"), std::string::npos) << err;
     // Expert parallelism is accepted, on a world its ranks divide (one process here).
     EXPECT_EQ(run_status("train --mock-data --num-experts 4 --expert-model-parallel-size 2", &err), 2);
-    EXPECT_NE(err.find("world size 1 is not divisible by --tensor-model-parallel-size 1 x --expert-model-parallel-size 2"),
+    EXPECT_NE(err.find("world size 1 is not divisible by --expert-tensor-parallel-size 1 x --expert-model-parallel-size 2"),
               std::string::npos) << err;
+    EXPECT_EQ(run_status("train --mock-data --num-experts 4 --disable-bias-linear --expert-tensor-parallel-size 2", &err), 2);
+    EXPECT_NE(err.find("world size 1 is not divisible by --expert-tensor-parallel-size 2"), std::string::npos) << err;
     EXPECT_EQ(run_status("train --mock-data --num-experts 3 --expert-model-parallel-size 2", &err), 2);
     EXPECT_NE(err.find("Number of experts should be a multiple of expert model parallel_size."), std::string::npos) << err;
     std::ifstream     in(std::string(LOOM_SOURCE_DIR) + "/docs/megatron_flags.md");
@@ -615,6 +617,35 @@ TEST(MegatronCommandLine, MoeFlagsFollowMegatronsRules) {
         const std::string text = error_of([&] { parse_train(args); });
         EXPECT_NE(text.find(message), std::string::npos) << text;
     }
+    // Tensor and expert tensor parallelism (a world of 4 ranks): --expert-tensor-parallel-size defaults to
+    // --tensor-model-parallel-size; MoE with TP trains only with sequence parallelism (Megatron's error).
+    const train::TrainOptions tp = parse_train({"--mock-data", "--num-experts", "4", "--tensor-model-parallel-size", "2",
+                                                "--sequence-parallel", "--disable-bias-linear"}, 4);
+    EXPECT_EQ(tp.expert_tensor_parallel_size, 2);
+    const train::TrainOptions folded = parse_train({"--mock-data", "--num-experts", "4", "--tensor-model-parallel-size", "2",
+                                                    "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+                                                    "--expert-model-parallel-size", "4"}, 4);
+    EXPECT_EQ(folded.expert_tensor_parallel_size, 1);
+    EXPECT_EQ(folded.expert_parallel_size, 4);
+    const std::pair<std::vector<std::string>, const char *> bad_tp[] = {
+        {{"--num-experts", "4", "--tensor-model-parallel-size", "2"},
+         "performance may degrade if MoE and tensor parallelism are enabled without also enabling sequence parallelism"},
+        {{"--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"},
+         "biases in the experts with --expert-tensor-parallel-size 2 are not supported by Loom"},
+        {{"--num-experts", "4", "--expert-tensor-parallel-size", "2", "--disable-bias-linear", "--moe-grouped-gemm"},
+         "--moe-grouped-gemm with --expert-tensor-parallel-size 2 is not supported by Loom"},
+        {{"--num-experts", "4", "--expert-tensor-parallel-size", "2", "--disable-bias-linear", "--moe-ffn-hidden-size", "33"},
+         "is not divisible by --expert-tensor-parallel-size 2"},
+        {{"--num-experts", "4", "--expert-tensor-parallel-size", "0"}, "--expert-tensor-parallel-size must be >= 1"},
+        {{"--num-experts", "4", "--expert-tensor-parallel-size", "8", "--disable-bias-linear"},
+         "world size 4 is not divisible by --expert-tensor-parallel-size 8"},
+    };
+    for (const auto & [flags, message] : bad_tp) {
+        std::vector<std::string> args{"--mock-data"};
+        args.insert(args.end(), flags.begin(), flags.end());
+        const std::string text = error_of([&] { parse_train(args, 4); });
+        EXPECT_NE(text.find(message), std::string::npos) << text;
+    }
     // What Loom captures of MoE layers: up to the router (with the dispatch plan), or whole drop-and-pad layers.
     const train::TrainOptions router = parse_train({"--mock-data", "--num-experts", "4", "--cuda-graph-impl", "transformer_engine",
                                                     "--cuda-graph-modules", "attn", "moe_router", "moe_preprocess"});
@@ -623,8 +654,6 @@ TEST(MegatronCommandLine, MoeFlagsFollowMegatronsRules) {
                                                    "--moe-pad-expert-input-to-capacity", "--cuda-graph-impl", "transformer_engine",
                                                    "--cuda-graph-modules", "attn", "moe"});
     EXPECT_TRUE(whole.layer_graphs && !whole.graph_moe_router);
-    const std::string tp = error_of([] { parse_train({"--mock-data", "--num-experts", "4", "--tensor-model-parallel-size", "2"}, 2); });
-    EXPECT_NE(tp.find("--num-experts with --tensor-model-parallel-size 2"), std::string::npos) << tp;
 }
 
 // --cuda-graph-*: Megatron's choices, deprecated spellings and validity rules (arguments.py,
@@ -663,6 +692,35 @@ TEST(MegatronCommandLine, CudaGraphFlagsFollowMegatronsRules) {
         const std::string text = error_of([&] { parse_train(args); });
         EXPECT_NE(text.find(message), std::string::npos) << text;
     }
+    // Tensor and expert tensor parallelism (a world of 4 ranks): --expert-tensor-parallel-size defaults to
+    // --tensor-model-parallel-size; MoE with TP trains only with sequence parallelism (Megatron's error).
+    const train::TrainOptions tp = parse_train({"--mock-data", "--num-experts", "4", "--tensor-model-parallel-size", "2",
+                                                "--sequence-parallel", "--disable-bias-linear"}, 4);
+    EXPECT_EQ(tp.expert_tensor_parallel_size, 2);
+    const train::TrainOptions folded = parse_train({"--mock-data", "--num-experts", "4", "--tensor-model-parallel-size", "2",
+                                                    "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+                                                    "--expert-model-parallel-size", "4"}, 4);
+    EXPECT_EQ(folded.expert_tensor_parallel_size, 1);
+    EXPECT_EQ(folded.expert_parallel_size, 4);
+    const std::pair<std::vector<std::string>, const char *> bad_tp[] = {
+        {{"--num-experts", "4", "--tensor-model-parallel-size", "2"},
+         "performance may degrade if MoE and tensor parallelism are enabled without also enabling sequence parallelism"},
+        {{"--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"},
+         "biases in the experts with --expert-tensor-parallel-size 2 are not supported by Loom"},
+        {{"--num-experts", "4", "--expert-tensor-parallel-size", "2", "--disable-bias-linear", "--moe-grouped-gemm"},
+         "--moe-grouped-gemm with --expert-tensor-parallel-size 2 is not supported by Loom"},
+        {{"--num-experts", "4", "--expert-tensor-parallel-size", "2", "--disable-bias-linear", "--moe-ffn-hidden-size", "33"},
+         "is not divisible by --expert-tensor-parallel-size 2"},
+        {{"--num-experts", "4", "--expert-tensor-parallel-size", "0"}, "--expert-tensor-parallel-size must be >= 1"},
+        {{"--num-experts", "4", "--expert-tensor-parallel-size", "8", "--disable-bias-linear"},
+         "world size 4 is not divisible by --expert-tensor-parallel-size 8"},
+    };
+    for (const auto & [flags, message] : bad_tp) {
+        std::vector<std::string> args{"--mock-data"};
+        args.insert(args.end(), flags.begin(), flags.end());
+        const std::string text = error_of([&] { parse_train(args, 4); });
+        EXPECT_NE(text.find(message), std::string::npos) << text;
+    }
 }
 
 TEST(MegatronCommandLine, RecomputeFlagsFollowMegatronsRules) {
@@ -695,6 +753,35 @@ TEST(MegatronCommandLine, RecomputeFlagsFollowMegatronsRules) {
         std::vector<std::string> args{"--mock-data"};
         args.insert(args.end(), flags.begin(), flags.end());
         const std::string text = error_of([&] { parse_train(args); });
+        EXPECT_NE(text.find(message), std::string::npos) << text;
+    }
+    // Tensor and expert tensor parallelism (a world of 4 ranks): --expert-tensor-parallel-size defaults to
+    // --tensor-model-parallel-size; MoE with TP trains only with sequence parallelism (Megatron's error).
+    const train::TrainOptions tp = parse_train({"--mock-data", "--num-experts", "4", "--tensor-model-parallel-size", "2",
+                                                "--sequence-parallel", "--disable-bias-linear"}, 4);
+    EXPECT_EQ(tp.expert_tensor_parallel_size, 2);
+    const train::TrainOptions folded = parse_train({"--mock-data", "--num-experts", "4", "--tensor-model-parallel-size", "2",
+                                                    "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+                                                    "--expert-model-parallel-size", "4"}, 4);
+    EXPECT_EQ(folded.expert_tensor_parallel_size, 1);
+    EXPECT_EQ(folded.expert_parallel_size, 4);
+    const std::pair<std::vector<std::string>, const char *> bad_tp[] = {
+        {{"--num-experts", "4", "--tensor-model-parallel-size", "2"},
+         "performance may degrade if MoE and tensor parallelism are enabled without also enabling sequence parallelism"},
+        {{"--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"},
+         "biases in the experts with --expert-tensor-parallel-size 2 are not supported by Loom"},
+        {{"--num-experts", "4", "--expert-tensor-parallel-size", "2", "--disable-bias-linear", "--moe-grouped-gemm"},
+         "--moe-grouped-gemm with --expert-tensor-parallel-size 2 is not supported by Loom"},
+        {{"--num-experts", "4", "--expert-tensor-parallel-size", "2", "--disable-bias-linear", "--moe-ffn-hidden-size", "33"},
+         "is not divisible by --expert-tensor-parallel-size 2"},
+        {{"--num-experts", "4", "--expert-tensor-parallel-size", "0"}, "--expert-tensor-parallel-size must be >= 1"},
+        {{"--num-experts", "4", "--expert-tensor-parallel-size", "8", "--disable-bias-linear"},
+         "world size 4 is not divisible by --expert-tensor-parallel-size 8"},
+    };
+    for (const auto & [flags, message] : bad_tp) {
+        std::vector<std::string> args{"--mock-data"};
+        args.insert(args.end(), flags.begin(), flags.end());
+        const std::string text = error_of([&] { parse_train(args, 4); });
         EXPECT_NE(text.find(message), std::string::npos) << text;
     }
 }

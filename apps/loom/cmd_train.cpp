@@ -116,6 +116,7 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
         sizes.pp         = static_cast<int>(options.pipeline_parallel_size);
         sizes.tp         = static_cast<int>(options.tensor_parallel_size);
         sizes.ep         = static_cast<int>(options.expert_parallel_size);
+        sizes.etp        = static_cast<int>(options.expert_tensor_parallel_size);
         if (options.use_tp_pp_dp_mapping) sizes.order = "tp-cp-ep-pp-dp";   // Megatron's initialize.py
         groups = parallel::ProcessGroups::create(parallel::ParallelConfig::create(sizes), *mpi);
     }

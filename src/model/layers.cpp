@@ -429,9 +429,7 @@ TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & 
             c.params_dtype, device, tp) {
     const std::string name = "layers." + std::to_string(index) + ".mlp";
     if (c.moe.is_moe_layer(index)) {
-        LOOM_CHECK(tp.size == 1, "MoE layers with tensor parallelism (--tensor-model-parallel-size " << tp.size << ")",
-                   "Loom's experts run with --tensor-model-parallel-size 1 for now");
-        moe        = std::make_unique<MoELayer>(name, c, c.moe, device, ep);
+        moe        = std::make_unique<MoELayer>(name, c, c.moe, device, tp, ep);
         moe_losses = Tensor::zeros({router_loss_count}, DType::f32, device, {MemoryKind::device, "moe-metrics"});
     } else {
         mlp = std::make_unique<Mlp>(name, c, device, tp);
@@ -527,7 +525,8 @@ Tensor TransformerLayer::forward_eager(Context & ctx, const MoeSegment & in, int
         plan.tokens_per_expert = in.tokens_per_expert;
         ctx.moe->plan          = plan;
     }
-    LOOM_CHECK(in.hidden.size(0) == s * b, "MoE segment of " << in.hidden.size(0) << " rows for s " << s << ", b " << b, "");
+    const int64_t rows = s * b / (attention.tp.sp() ? attention.tp.size : 1);   // this rank's block with SP
+    LOOM_CHECK(in.hidden.size(0) == rows, "MoE segment of " << in.hidden.size(0) << " rows for s " << s << ", b " << b, "");
     Tensor h2 = moe->forward_experts(*ctx.moe, in.hidden);
     if (ctx.mlp_out.enabled()) ops.dropout(stream, h2, h2, ctx.mlp_out);
     ops.add_inplace(stream, h2, in.residual);   // h2 = h1 + mlp

@@ -178,11 +178,21 @@ public:
 
 // Expert parallelism of the MoE layers (--expert-model-parallel-size): the EP group (null: none) and this
 // rank's place in it. Rank r of P holds experts [r E / P, (r + 1) E / P) of every MoE layer; the tokens
-// reach them through the dispatcher (model/moe/moe_layer.h). The EP ranks are data-parallel ranks of the
-// dense layers: each routes its own tokens.
+// reach them through the dispatcher (model/moe/moe_layer.h). Every rank routes its own tokens (with
+// sequence parallelism, its block of the sequence).
+//
+// Expert tensor parallelism (--expert-tensor-parallel-size, MoE parallel folding): the ETP ranks of one EP
+// rank split each of its experts' hidden features as a tensor-parallel MLP does (fc1 by output features,
+// fc2 by input features), and each sees the tokens all of them received. The dispatcher exchanges over the
+// ETP x EP group (`tp_ep`, in-group rank = tp_rank + rank * tp_size) and sums the ETP ranks' partial outputs
+// itself, so the experts run no collective of their own.
 struct ExpertParallel {
-    std::shared_ptr<comm::Communicator> group;
+    std::shared_ptr<comm::Communicator> group;   // EP
     int                                 rank = 0, size = 1;
+    std::shared_ptr<comm::Communicator> tp_ep;   // ETP x EP (null while both are 1)
+    int                                 tp_rank = 0, tp_size = 1;
+
+    int exchange_size() const { return size * tp_size; }   // the dispatcher's group: ETP x EP ranks
 };
 
 class MoELayer;               // model/moe/moe_layer.h

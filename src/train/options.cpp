@@ -261,7 +261,7 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.add_option("--context-parallel-size", context_parallel_size_, "context-parallel ranks (only 1 in Loom)");
     app.add_option("--expert-model-parallel-size", expert_parallel_size_, "expert-parallel ranks: each holds --num-experts / this many experts (they divide the data-parallel ranks)");
     app.add_option("--expert-tensor-parallel-size", expert_tensor_parallel_size_,
-                   "tensor-parallel ranks of the experts (default, and only value in Loom: --tensor-model-parallel-size)");
+                   "tensor-parallel ranks of each expert's features (default: --tensor-model-parallel-size)");
     app.add_flag("--use-tp-pp-dp-mapping", o.use_tp_pp_dp_mapping,
                  "order the ranks tp-cp-ep-pp-dp (pipeline stages of one data-parallel replica adjacent) instead of "
                  "tp-cp-ep-dp-pp");
@@ -407,9 +407,27 @@ void TrainOptionParser::resolve_moe(TrainOptions & o) const {
         moe.layer_freq = n;
     }
     model::moe_config_validate(moe, o.model);
-    LOOM_CHECK(o.tensor_parallel_size == 1, "--num-experts with --tensor-model-parallel-size " << o.tensor_parallel_size
-                                                                                             << " is not supported by Loom yet",
-               "Loom's experts run without tensor parallelism for now");
+    // Megatron raises this in MoELayer.forward while training; Loom refuses before any rank starts.
+    LOOM_CHECK(o.tensor_parallel_size == 1 || o.sequence_parallel,
+               "During training, performance may degrade if MoE and tensor parallelism are enabled without also enabling "
+               "sequence parallelism.",
+               "add --sequence-parallel to --num-experts with --tensor-model-parallel-size " << o.tensor_parallel_size);
+    const int64_t etp = o.expert_tensor_parallel_size;
+    LOOM_CHECK(moe.expert_ffn(o.model) % etp == 0,
+               "the experts' hidden size " << moe.expert_ffn(o.model) << " (--moe-ffn-hidden-size, or --ffn-hidden-size) "
+                                           << "is not divisible by --expert-tensor-parallel-size " << etp,
+               "each expert-tensor-parallel rank takes an equal share of every expert's features");
+    LOOM_CHECK(moe.shared_expert_intermediate_size % o.tensor_parallel_size == 0,
+               "--moe-shared-expert-intermediate-size " << moe.shared_expert_intermediate_size
+                                                        << " is not divisible by --tensor-model-parallel-size "
+                                                        << o.tensor_parallel_size,
+               "the shared expert is split over the tensor-parallel ranks as a dense MLP");
+    LOOM_CHECK(etp == 1 || !moe.grouped_gemm, "--moe-grouped-gemm with --expert-tensor-parallel-size " << etp
+                                                                                                      << " is not supported by Loom",
+               "drop --moe-grouped-gemm (the sequential experts split over ETP ranks), or use --expert-tensor-parallel-size 1");
+    LOOM_CHECK(etp == 1 || !o.model.add_bias_linear,
+               "biases in the experts with --expert-tensor-parallel-size " << etp << " are not supported by Loom",
+               "pass --disable-bias-linear (Megatron's alltoall dispatcher refuses expert biases as well)");
 }
 
 // Megatron's rules (arguments.py validate_args, TransformerConfig.__post_init__), in its words where it has
@@ -767,12 +785,13 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     LOOM_CHECK(context_parallel_size_ == 1, "--context-parallel-size " << context_parallel_size_
                                                                        << " is not supported by Loom (no context parallelism yet)",
                "only --context-parallel-size 1 is accepted");
-    LOOM_CHECK(app_.count("--expert-tensor-parallel-size") == 0 || expert_tensor_parallel_size_ == o.tensor_parallel_size,
-               "--expert-tensor-parallel-size " << expert_tensor_parallel_size_
-                                                << " is not supported by Loom (no expert tensor parallelism)",
-               "only the default, --tensor-model-parallel-size (" << o.tensor_parallel_size << "), is accepted");
     LOOM_CHECK(expert_parallel_size_ >= 1, "--expert-model-parallel-size must be >= 1, got " << expert_parallel_size_, "");
     o.expert_parallel_size = expert_parallel_size_;
+    // Megatron's default: the experts' tensor parallelism is the dense layers'.
+    LOOM_CHECK(app_.count("--expert-tensor-parallel-size") == 0 || expert_tensor_parallel_size_ >= 1,
+               "--expert-tensor-parallel-size must be >= 1, got " << expert_tensor_parallel_size_, "");
+    o.expert_tensor_parallel_size =
+        app_.count("--expert-tensor-parallel-size") > 0 ? expert_tensor_parallel_size_ : o.tensor_parallel_size;
     for (auto [flag, p] : {std::pair{"--hidden-dropout", hidden_dropout_}, {"--attention-dropout", attention_dropout_}}) {
         LOOM_CHECK(p >= 0.0f && p < 1.0f, flag << " " << p << " is not a probability in [0, 1)",
                    "Megatron's default is 0.1; 0 turns the dropout off");
@@ -865,13 +884,12 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
                "drop --kv-channels, or choose --hidden-size and --num-attention-heads so that it is their quotient");
     apply_tokenizer(o, given("--vocab-size"));
     resolve_moe(o);
-    // The experts' decomposition (parallel/parallel_config.h: world = etp x ep x edp x pp, etp = tp).
-    LOOM_CHECK(world_size % (o.tensor_parallel_size * o.pipeline_parallel_size * o.expert_parallel_size) == 0,
-               "world size " << world_size << " is not divisible by --tensor-model-parallel-size " << o.tensor_parallel_size
-                             << " x --expert-model-parallel-size " << o.expert_parallel_size
+    // The experts' decomposition (parallel/parallel_config.h: world = etp x ep x edp x pp).
+    LOOM_CHECK(world_size % (o.expert_tensor_parallel_size * o.pipeline_parallel_size * o.expert_parallel_size) == 0,
+               "world size " << world_size << " is not divisible by --expert-tensor-parallel-size "
+                             << o.expert_tensor_parallel_size << " x --expert-model-parallel-size " << o.expert_parallel_size
                              << " x --pipeline-model-parallel-size " << o.pipeline_parallel_size,
-               "the expert-parallel ranks are data-parallel ranks of the dense layers: --expert-model-parallel-size must "
-               "divide the data-parallel size (" << o.data_parallel_size << ")");
+               "choose expert sizes whose product with the pipeline size divides the world size");
     resolve_cuda_graphs(o);
     if (given("--seed")) m.seed = seed_;
     validate_checkpoint_flags(o, given("--save-interval"), given("--exit-interval"), given("--ckpt-step"));

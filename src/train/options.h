@@ -63,6 +63,7 @@ struct TrainOptions {
     bool           sequence_parallel      = false;   // --sequence-parallel (with tensor parallelism)
     int64_t        pipeline_parallel_size = 1;   // --pipeline-model-parallel-size
     int64_t        expert_parallel_size   = 1;   // --expert-model-parallel-size (MoE experts over ep ranks)
+    int64_t        expert_tensor_parallel_size = 1;   // --expert-tensor-parallel-size (default: tensor_parallel_size)
     int64_t        virtual_pipeline_size  = 0;   // --num-virtual-stages-per-pipeline-rank (0: none)
     int64_t        microbatch_group_size  = 0;   // --microbatch-group-size-per-virtual-pipeline-stage (0: pp)
     int64_t        layers_per_virtual_stage = 0;   // --num-layers-per-virtual-pipeline-stage (0: unset)

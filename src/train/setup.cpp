@@ -65,7 +65,16 @@ Setup setup(const TrainOptions & options, const parallel::ProcessGroups & groups
                "expert-parallel group of " << size_of(groups.expert_ep) << " ranks for --expert-model-parallel-size "
                                            << options.expert_parallel_size, "");
     model::ExpertParallel expert;
-    if (size_of(groups.expert_ep) > 1) expert = model::ExpertParallel{groups.expert_ep, groups.expert_ep->rank(), groups.expert_ep->size()};
+    if (size_of(groups.expert_ep) > 1) {
+        expert.group = groups.expert_ep;
+        expert.rank  = groups.expert_ep->rank();
+        expert.size  = groups.expert_ep->size();
+    }
+    if (size_of(groups.expert_tp) > 1) {
+        expert.tp_rank = groups.expert_tp->rank();
+        expert.tp_size = groups.expert_tp->size();
+    }
+    if (size_of(groups.expert_tp_ep) > 1) expert.tp_ep = groups.expert_tp_ep;
     std::vector<std::unique_ptr<model::GptModel>> owned;
     std::vector<model::GptModel *>                chunks;
     for (const model::PipelineStage & part : pipeline_stages(options, groups.pp ? groups.pp->rank() : 0)) {

@@ -129,6 +129,9 @@ std::vector<std::pair<std::string, double>> Trainer::moe_losses() {
         for (size_t i = 0; i < mine.size(); ++i) sums.data<float>()[i] += static_cast<float>(mine[i]);
     }
     if (stages_) stages_->all_reduce(sums, comm::ReduceOp::sum)->wait();   // every stage's layers
+    if (const comm::Communicator * tp = setup_.groups.tp.get(); tp && tp->size() > 1 && options_.sequence_parallel) {
+        setup_.groups.tp->all_reduce(sums, comm::ReduceOp::sum)->wait();   // each rank's share of its sequence's
+    }
     if (const comm::Communicator * dp = setup_.groups.dp.get(); dp && dp->size() > 1) {
         setup_.groups.dp->all_reduce(sums, comm::ReduceOp::avg)->wait();
     }

@@ -3,6 +3,8 @@
 #include "core/error.h"
 #include "core/ops.h"
 
+#include <algorithm>
+
 namespace loom::model {
 
 namespace {
@@ -21,17 +23,27 @@ Tensor expert_slice(const Tensor & t, int64_t e, const Shape & shape) {
 }  // namespace
 
 Experts::Experts(const std::string & n, const GptConfig & config, const MoeConfig & moe, Device & device, int64_t first,
-                 int64_t count)
+                 int64_t count, const TensorParallel & etp)
     : expert_config(with_ffn(config, moe.expert_ffn(config))),
       num_experts(count < 0 ? moe.num_experts : count),
       first_expert(first),
-      ffn(moe.expert_ffn(config)),
+      ffn(moe.expert_ffn(config) / std::max(etp.size, 1)),
+      shard(etp),
       grouped(moe.grouped_gemm),
       name(n) {
     const int64_t h = config.hidden_size, f1 = config.swiglu ? 2 * ffn : ffn;
     const DType   dtype = config.params_dtype;
     LOOM_CHECK(first >= 0 && num_experts >= 1 && first + num_experts <= moe.num_experts,
                "experts [" << first << ", " << first + num_experts << ") of " << moe.num_experts, "");
+    LOOM_CHECK(!shard.group && shard.size >= 1 && shard.rank >= 0 && shard.rank < shard.size,
+               "expert-tensor-parallel rank " << shard.rank << " of " << shard.size, "");
+    LOOM_CHECK(moe.expert_ffn(config) % shard.size == 0,
+               "the experts' hidden size " << moe.expert_ffn(config) << " (--moe-ffn-hidden-size, or --ffn-hidden-size) "
+                                           << "is not divisible by --expert-tensor-parallel-size " << shard.size, "");
+    LOOM_CHECK(shard.size == 1 || (!grouped && !config.add_bias_linear),
+               "--expert-tensor-parallel-size " << shard.size << " with "
+                                                << (grouped ? "--moe-grouped-gemm" : "biases in the experts"),
+               "Loom splits sequential experts without biases: drop --moe-grouped-gemm, pass --disable-bias-linear");
     const bool sliced = num_experts < moe.num_experts;
     // A grouped tensor holding experts [first, first + L) of the full (E, ...) one.
     auto slice_of_full = [&](Parameter & p) {
@@ -54,7 +66,7 @@ Experts::Experts(const std::string & n, const GptConfig & config, const MoeConfi
         slice_of_full(fc2_weight);
     } else {
         for (int64_t e = 0; e < num_experts; ++e) {
-            local.push_back(std::make_unique<Mlp>(name + "." + std::to_string(first_expert + e), expert_config, device));
+            local.push_back(std::make_unique<Mlp>(name + "." + std::to_string(first_expert + e), expert_config, device, shard));
         }
     }
     std::vector<Parameter *> params;

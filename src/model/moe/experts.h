@@ -18,6 +18,12 @@
 // tensors "<name>.<first + j>.fc1.weight"; a grouped tensor (L, F1, h) is the slice [first, first + L) of
 // dim 0 of the full (E, F1, h), marked as such in its tp_slice (the checkpoint assembles and reshards it as
 // any tensor-parallel slice).
+//
+// Expert tensor parallelism (`shard`: a TensorParallel with no group, size ETP): each sequential expert is an
+// Mlp split as tensor parallelism splits one (fc1 by output features, fc2 by input features, marked as TP
+// slices), and its output is this rank's partial sum over its features, summed by the dispatcher; the
+// input gradient is likewise partial. No collective runs here. Biases and the grouped layout are refused
+// with ETP > 1 (a bias would be added once per ETP rank; a grouped tensor would be split along two dims).
 #pragma once
 
 #include "model/gpt_config.h"
@@ -31,9 +37,10 @@ namespace loom::model {
 
 class Experts {
 public:
-    // first, count: the global indices of this rank's experts (count -1: all E).
+    // first, count: the global indices of this rank's experts (count -1: all E); shard: this rank's place
+    // among the expert-tensor-parallel ranks (size 1: whole experts).
     Experts(const std::string & name, const GptConfig & config, const MoeConfig & moe, Device & device,
-            int64_t first = 0, int64_t count = -1);
+            int64_t first = 0, int64_t count = -1, const TensorParallel & shard = {});
     Experts(const Experts &) = delete;             // the Mlps hold a reference to expert_config
     Experts & operator=(const Experts &) = delete;
 
@@ -55,7 +62,8 @@ public:
     GptConfig                         expert_config;   // the model's, with ffn_hidden_size = f
     int64_t                           num_experts;      // L, the local experts
     int64_t                           first_expert = 0; // the global index of local expert 0
-    int64_t                           ffn;              // f
+    int64_t                           ffn;              // f (this rank's f / ETP when sharded)
+    TensorParallel                    shard;            // ETP: no group, only the rank and size
     bool                              grouped;
     std::string                       name;
     std::vector<std::unique_ptr<Mlp>> local;            // sequential

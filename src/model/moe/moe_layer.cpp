@@ -18,6 +18,11 @@ GptConfig shared_expert_config(const GptConfig & config, const MoeConfig & moe) 
 int64_t ep_first_expert(const MoeConfig & moe, const ExpertParallel & ep) {
     LOOM_CHECK(ep.size >= 1 && ep.rank >= 0 && ep.rank < ep.size && (ep.size == 1 || (ep.group && ep.group->size() == ep.size)),
                "expert-parallel rank " << ep.rank << " of " << ep.size, "");
+    LOOM_CHECK(ep.tp_size >= 1 && ep.tp_rank >= 0 && ep.tp_rank < ep.tp_size &&
+                   (ep.tp_size == 1 || ep.tp_ep) &&
+                   (!ep.tp_ep || (ep.tp_ep->size() == ep.exchange_size() && ep.tp_ep->rank() == ep.tp_rank + ep.rank * ep.tp_size)),
+               "expert-tensor-parallel rank " << ep.tp_rank << " of " << ep.tp_size << " without its ETP x EP group",
+               "");
     LOOM_CHECK(moe.num_experts % ep.size == 0, "--num-experts " << moe.num_experts
                                                                 << " is not divisible by --expert-model-parallel-size " << ep.size,
                "Number of experts should be a multiple of expert model parallel_size.");
@@ -33,19 +38,57 @@ std::vector<int64_t> times(const std::vector<int64_t> & v, int64_t f) {
     return out;
 }
 
+// Expert tensor parallelism sends each EP rank's block to its T ETP ranks: blocks (rows[q], ...) of src,
+// back to back, become T copies of each, in the exchange group's rank order (q T + t).
+Tensor replicate_blocks(const Tensor & src, const std::vector<int64_t> & rows, int64_t T) {
+    if (T == 1) return src;
+    Device & device = src.device();
+    int64_t  total  = 0;
+    for (int64_t r : rows) total += r;
+    Tensor out = Tensor::empty({std::max<int64_t>(T * total, 1), src.size(1)}, src.dtype(), device,
+                               {MemoryKind::device, kActivationsPool});
+    int64_t from = 0, to = 0;
+    for (int64_t r : rows) {
+        for (int64_t t = 0; t < T && r > 0; ++t, to += r) device.ops().copy(device.compute_stream(), src.narrow(0, from, r), out.narrow(0, to, r));
+        from += r;
+    }
+    return out;
+}
+
+// The inverse's sum: T partial copies of each block (q T + t order) -> their sum in t order, (sum of rows, h).
+Tensor sum_blocks(const Tensor & src, const std::vector<int64_t> & rows, int64_t T) {
+    if (T == 1) return src;
+    Device & device = src.device();
+    int64_t  total  = 0;
+    for (int64_t r : rows) total += r;
+    Tensor  out  = rows_buffer(device, total, src.size(1));
+    int64_t from = 0, to = 0;
+    for (int64_t r : rows) {
+        for (int64_t t = 0; t < T && r > 0; ++t, from += r) {
+            if (t == 0) device.ops().copy(device.compute_stream(), src.narrow(0, from, r), out.narrow(0, to, r));
+            else device.ops().add_inplace(device.compute_stream(), out.narrow(0, to, r), src.narrow(0, from, r));
+        }
+        to += r;
+    }
+    return out;
+}
+
 }  // namespace
 
 MoELayer::MoELayer(const std::string & name, const GptConfig & config, const MoeConfig & m, Device & device,
-                   const ExpertParallel & expert_parallel)
+                   const TensorParallel & tensor_parallel, const ExpertParallel & expert_parallel)
     : moe(m),
       ep(expert_parallel),
       shared_config(shared_expert_config(config, m)),
-      router(name + ".router", config, m, device),
-      experts(name + ".experts", config, m, device, ep_first_expert(m, expert_parallel), m.num_experts / expert_parallel.size) {
+      router(name + ".router", config, m, device, tensor_parallel),
+      experts(name + ".experts", config, m, device, ep_first_expert(m, expert_parallel), m.num_experts / expert_parallel.size,
+              TensorParallel{nullptr, expert_parallel.tp_rank, expert_parallel.tp_size, false}) {
     if (moe.shared_expert_intermediate_size > 0) {
-        shared_expert = std::make_unique<Mlp>(name + ".shared_experts", shared_config, device);
+        shared_expert = std::make_unique<Mlp>(name + ".shared_experts", shared_config, device, tensor_parallel);
     }
 }
+
+comm::Communicator & MoELayer::exchange() const { return ep.tp_ep ? *ep.tp_ep : *ep.group; }
 
 void MoELayer::init(uint64_t seed, float std, float output_std) {
     router.init(seed, std);
@@ -72,7 +115,7 @@ void MoELayer::forward_router(Context & ctx, const Tensor & x, int64_t b, bool t
 }
 
 Tensor MoELayer::forward_experts(Context & ctx, const Tensor & x) {
-    Tensor y = ep.size == 1                               ? local_forward(ctx, x)
+    Tensor y = ep.exchange_size() == 1                    ? local_forward(ctx, x)
                : moe.dispatcher == MoeDispatcher::alltoall ? alltoall_forward(ctx, x)
                                                            : allgather_forward(ctx, x);
     if (shared_expert) x.device().ops().add_inplace(x.device().compute_stream(), y, shared_expert->forward(ctx.shared, x));
@@ -88,7 +131,7 @@ Tensor MoELayer::backward(Context & ctx, const Tensor & dy, const GradReadyFn & 
 void MoELayer::backward_experts(Context & ctx, const Tensor & dy, const GradReadyFn & ready, Tensor & dx, Tensor & dprobs) {
     Ops &    ops    = dy.device().ops();
     Stream & stream = dy.device().compute_stream();
-    dx = ep.size == 1                               ? local_backward(ctx, dy, dprobs, ready)
+    dx = ep.exchange_size() == 1                    ? local_backward(ctx, dy, dprobs, ready)
          : moe.dispatcher == MoeDispatcher::alltoall ? alltoall_backward(ctx, dy, dprobs, ready)
                                                      : allgather_backward(ctx, dy, dprobs, ready);
     if (shared_expert) ops.add_inplace(stream, dx, shared_expert->backward(ctx.shared, dy, ready));
@@ -152,70 +195,73 @@ Tensor MoELayer::local_backward(Context & ctx, const Tensor & dy, Tensor & dprob
 Tensor MoELayer::alltoall_forward(Context & ctx, const Tensor & x) {
     Device &      device = x.device();
     Stream &      stream = device.compute_stream();
-    const int     P = ep.size;
+    const int     P = ep.size, T = ep.tp_size, X = ep.exchange_size();
     const int64_t E = moe.num_experts, L = E / P, h = x.size(1);
     std::vector<int64_t> counts = dispatch_plan_counts(ctx.plan);   // (E) rows for every global expert
     ctx.rows = 0;
-    ctx.send_rows.assign(P, 0);
+    ctx.send_rows.assign(P, 0);   // rows for each EP rank's experts (sent to each of its T ETP ranks)
     for (int64_t e = 0; e < E; ++e) {
         ctx.rows += counts[e];
         ctx.send_rows[e / L] += counts[e];
     }
-    // Each rank's counts for my experts: recv[q L + j] rows from rank q for local expert j.
-    Tensor                     recv_counts = Tensor::empty({E}, DType::i64, device, {MemoryKind::device, kActivationsPool});
-    const std::vector<int64_t> per_rank(P, L);
-    ep.group->all_to_all(ctx.plan.tokens_per_expert, per_rank, recv_counts, per_rank, &stream)->wait();
+    // Each exchange rank's counts for my experts: recv[d L + j] rows from rank d for local expert j.
+    Tensor                     recv_counts = Tensor::empty({X * L}, DType::i64, device, {MemoryKind::device, kActivationsPool});
+    const std::vector<int64_t> per_rank(X, L);
+    exchange().all_to_all(replicate_blocks(ctx.plan.tokens_per_expert.view({E, 1}), std::vector<int64_t>(P, L), T),
+                          per_rank, recv_counts, per_rank, &stream)->wait();
     stream.synchronize();
     const int64_t * recv = recv_counts.data<int64_t>();
-    ctx.recv_rows.assign(P, 0);
+    ctx.recv_rows.assign(X, 0);
     ctx.local_counts.assign(L, 0);
-    for (int q = 0; q < P; ++q) {
+    for (int d = 0; d < X; ++d) {
         for (int64_t j = 0; j < L; ++j) {
-            ctx.recv_rows[q] += recv[q * L + j];
-            ctx.local_counts[j] += recv[q * L + j];
+            ctx.recv_rows[d] += recv[d * L + j];
+            ctx.local_counts[j] += recv[d * L + j];
         }
     }
     ctx.local_rows = 0;
     for (int64_t c : ctx.local_counts) ctx.local_rows += c;
-    // Received rows are [source q][local expert j]; the experts want [j][q].
+    // Received rows are [source d][local expert j]; the experts want [j][d].
     ctx.sort.clear();
     ctx.unsort.assign(ctx.local_rows, 0);
     for (int64_t j = 0; j < L; ++j) {
         int64_t offset = 0;
-        for (int q = 0; q < P; ++q) {
+        for (int d = 0; d < X; ++d) {
             int64_t begin = offset;
-            for (int64_t i = 0; i < j; ++i) begin += recv[q * L + i];
-            for (int64_t r = 0; r < recv[q * L + j]; ++r) {
+            for (int64_t i = 0; i < j; ++i) begin += recv[d * L + i];
+            for (int64_t r = 0; r < recv[d * L + j]; ++r) {
                 ctx.unsort[begin + r] = static_cast<int32_t>(ctx.sort.size());
                 ctx.sort.push_back(static_cast<int32_t>(begin + r));
             }
-            offset += ctx.recv_rows[q];
+            offset += ctx.recv_rows[d];
         }
     }
+    const std::vector<int64_t> send_each = exchange_rows(ctx.send_rows);
     Tensor xp = ctx.rows > 0 ? moe_permute(x, ctx.plan, ctx.rows) : rows_buffer(device, 0, h);
     Tensor xr = rows_buffer(device, ctx.local_rows, h);
-    ep.group->all_to_all(xp, times(ctx.send_rows, h), xr, times(ctx.recv_rows, h), &stream);
+    exchange().all_to_all(replicate_blocks(xp, ctx.send_rows, T), times(send_each, h), xr, times(ctx.recv_rows, h), &stream);
     Tensor yr = rows_buffer(device, ctx.local_rows, h);
     if (ctx.local_rows > 0) {
         Tensor ys = experts.forward(ctx.experts, moe_gather_rows(xr, ctx.sort), ctx.local_counts);
         yr        = moe_gather_rows(ys, ctx.unsort);
     }
-    Tensor yp = rows_buffer(device, ctx.rows, h);
-    ep.group->all_to_all(yr, times(ctx.recv_rows, h), yp, times(ctx.send_rows, h), &stream);
+    // ETP: every EP rank's T ranks send back their partial sums of each row; they add up here.
+    Tensor yb = rows_buffer(device, T * ctx.rows, h);
+    exchange().all_to_all(yr, times(ctx.recv_rows, h), yb, times(send_each, h), &stream);
     if (ctx.rows == 0) {   // every local token dropped
         Tensor y = activation(device, x.size(0), h);
         device.ops().fill_zero(stream, y);
         return y;
     }
-    ctx.yp = yp.narrow(0, 0, ctx.rows);
+    ctx.yp = sum_blocks(yb, ctx.send_rows, T).narrow(0, 0, ctx.rows);
     return moe_unpermute(ctx.yp, ctx.plan);
 }
 
 Tensor MoELayer::alltoall_backward(Context & ctx, const Tensor & dy, Tensor & dprobs, const GradReadyFn & ready) {
     Device &      device = dy.device();
     Stream &      stream = device.compute_stream();
-    const int64_t h      = dy.size(1);
-    Tensor        dyp    = rows_buffer(device, ctx.rows, h);
+    const int64_t h = dy.size(1), T = ep.tp_size;
+    Tensor        dyp = rows_buffer(device, ctx.rows, h);
     if (ctx.rows > 0) {
         moe_unpermute_backward(dy, ctx.yp, ctx.plan, dyp, dprobs);
     } else {
@@ -223,8 +269,9 @@ Tensor MoELayer::alltoall_backward(Context & ctx, const Tensor & dy, Tensor & dp
         device.ops().fill_zero(stream, dprobs);
     }
     ctx.yp     = Tensor();
+    const std::vector<int64_t> send_each = exchange_rows(ctx.send_rows);
     Tensor dyr = rows_buffer(device, ctx.local_rows, h);
-    ep.group->all_to_all(dyp, times(ctx.send_rows, h), dyr, times(ctx.recv_rows, h), &stream);
+    exchange().all_to_all(replicate_blocks(dyp, ctx.send_rows, T), times(send_each, h), dyr, times(ctx.recv_rows, h), &stream);
     Tensor dxr = rows_buffer(device, ctx.local_rows, h);
     if (ctx.local_rows > 0) {
         Tensor dxs = experts.backward(ctx.experts, moe_gather_rows(dyr, ctx.sort), ready);
@@ -232,14 +279,20 @@ Tensor MoELayer::alltoall_backward(Context & ctx, const Tensor & dy, Tensor & dp
     } else {
         experts_ready(ready);
     }
-    Tensor dxp = rows_buffer(device, ctx.rows, h);
-    ep.group->all_to_all(dxr, times(ctx.recv_rows, h), dxp, times(ctx.send_rows, h), &stream);
+    Tensor dxb = rows_buffer(device, T * ctx.rows, h);
+    exchange().all_to_all(dxr, times(ctx.recv_rows, h), dxb, times(send_each, h), &stream);
     if (ctx.rows == 0) {
         Tensor dx = activation(device, dy.size(0), h);
         device.ops().fill_zero(stream, dx);
         return dx;
     }
-    return moe_permute_backward(dxp.narrow(0, 0, ctx.rows), ctx.plan);
+    return moe_permute_backward(sum_blocks(dxb, ctx.send_rows, T).narrow(0, 0, ctx.rows), ctx.plan);
+}
+
+std::vector<int64_t> MoELayer::exchange_rows(const std::vector<int64_t> & per_ep_rank) const {
+    std::vector<int64_t> out;
+    for (int64_t r : per_ep_rank) out.insert(out.end(), static_cast<size_t>(ep.tp_size), r);
+    return out;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -248,15 +301,15 @@ Tensor MoELayer::alltoall_backward(Context & ctx, const Tensor & dy, Tensor & dp
 Tensor MoELayer::allgather_forward(Context & ctx, const Tensor & x) {
     Device &      device = x.device();
     Stream &      stream = device.compute_stream();
-    const int     P = ep.size;
-    const int64_t n = x.size(0), h = x.size(1), k = ctx.plan.k, L = moe.num_experts / P;
+    const int     P = ep.exchange_size();   // the ETP x EP ranks: every one's tokens
+    const int64_t n = x.size(0), h = x.size(1), k = ctx.plan.k, L = moe.num_experts / ep.size;
     Tensor routed     = dispatch_plan_routed(ctx.plan);
     Tensor routed_all = Tensor::empty({P * n, k}, DType::i32, device, {MemoryKind::device, kActivationsPool});
     Tensor probs_all  = activation(device, P * n, k);
     Tensor x_all      = activation(device, P * n, h);
-    ep.group->all_gather(routed, routed_all, &stream);
-    ep.group->all_gather(ctx.plan.probs, probs_all, &stream);
-    ep.group->all_gather(x, x_all, &stream);
+    exchange().all_gather(routed, routed_all, &stream);
+    exchange().all_gather(ctx.plan.probs, probs_all, &stream);
+    exchange().all_gather(x, x_all, &stream);
     ctx.gathered             = dispatch_plan_local(routed_all, probs_all, experts.first_expert, L);
     ctx.local_counts         = dispatch_plan_counts(ctx.gathered);
     ctx.local_rows           = 0;
@@ -271,17 +324,17 @@ Tensor MoELayer::allgather_forward(Context & ctx, const Tensor & x) {
         device.ops().fill_zero(stream, y_all);
     }
     Tensor y = activation(device, n, h);
-    ep.group->reduce_scatter(y_all, y, comm::ReduceOp::sum, &stream);
+    exchange().reduce_scatter(y_all, y, comm::ReduceOp::sum, &stream);
     return y;
 }
 
 Tensor MoELayer::allgather_backward(Context & ctx, const Tensor & dy, Tensor & dprobs, const GradReadyFn & ready) {
     Device &      device = dy.device();
     Stream &      stream = device.compute_stream();
-    const int     P = ep.size;
+    const int     P = ep.exchange_size();
     const int64_t n = dy.size(0), h = dy.size(1), k = ctx.plan.k;
     Tensor        dy_all = activation(device, P * n, h);
-    ep.group->all_gather(dy, dy_all, &stream);
+    exchange().all_gather(dy, dy_all, &stream);
     Tensor dx_all, dprobs_all;
     if (ctx.local_rows > 0) {
         Tensor dyp;
@@ -298,8 +351,8 @@ Tensor MoELayer::allgather_backward(Context & ctx, const Tensor & dy, Tensor & d
     }
     Tensor dx = activation(device, n, h);
     dprobs    = activation(device, n, k);
-    ep.group->reduce_scatter(dx_all, dx, comm::ReduceOp::sum, &stream);
-    ep.group->reduce_scatter(dprobs_all, dprobs, comm::ReduceOp::sum, &stream);
+    exchange().reduce_scatter(dx_all, dx, comm::ReduceOp::sum, &stream);
+    exchange().reduce_scatter(dprobs_all, dprobs, comm::ReduceOp::sum, &stream);
     return dx;
 }
 

@@ -1,5 +1,5 @@
-// MoELayer: a Mixture-of-Experts MLP (Megatron's MoELayer, TP = ETP = 1), on one rank or with its experts
-// spread over an expert-parallel group. It replaces a transformer layer's Mlp: same input and output, (n, h)
+// MoELayer: a Mixture-of-Experts MLP (Megatron's MoELayer), on one rank or with its experts spread over an
+// expert-parallel group and split over expert-tensor-parallel ranks. It replaces a transformer layer's Mlp: same input and output, (n, h)
 // rows in (s, b) order.
 //
 //   forward:   router (logits, top-k, probs, aux and z losses)
@@ -41,6 +41,16 @@
 //              EP group -> each rank permutes the gathered tokens routed to its experts, runs them,
 //              unpermutes into (P n, h) -> reduce-scatter: every rank gets its n rows, summed over ranks.
 //              backward: all-gather dy, the local backward, reduce-scatter dx and dprobs.
+// Expert tensor parallelism (ETP = T > 1, layers.h): both exchanges run over the ETP x EP group instead of
+// EP, so every ETP rank of an EP rank sees the tokens all its ETP peers route there:
+//   alltoall:  each rank's block for EP rank p goes to all T of p's ranks (T copies in the send buffer);
+//              the experts' outputs are partial sums over their feature shards, and the T partial blocks
+//              that come back are added (in ETP rank order) before the unpermute. Backward mirrors it.
+//   allgather: all-gather over ETP x EP; the reduce-scatter adds the partial sums with the other ranks'.
+// Tensor parallelism of the dense layers (tp): the router and the shared expert are the layer's; with
+// sequence parallelism (which training with TP > 1 requires, as Megatron does) each rank routes its block of
+// the sequence's rows, and the router's losses are shares of the whole sequence's (router.h).
+//
 // Both give each token sum_j probs[t, j] expert_{e_j}(x[t]); with k = 2 the two terms are added in one
 // order or the other, which float addition does not tell apart. --moe-pad-expert-input-to-capacity keeps
 // its single-rank meaning for alltoall (every expert receives P C rows); allgather runs the kept rows only
@@ -67,7 +77,7 @@ struct MoeLayerContext {
     Tensor           yp;         // (R, h) the experts' outputs, for the probabilities' gradient
     int64_t          rows = 0;   // R
     // Expert parallelism:
-    std::vector<int64_t> send_rows, recv_rows;   // alltoall: rows to / from each EP rank
+    std::vector<int64_t> send_rows, recv_rows;   // alltoall: rows to each EP rank, from each exchange rank
     std::vector<int64_t> local_counts;           // rows of each local expert (in the sorted order)
     std::vector<int32_t> sort, unsort;           // alltoall: received -> local-expert-major rows, and back
     DispatchPlan         gathered;               // allgather: the local experts' plan over all EP ranks' tokens
@@ -77,7 +87,7 @@ struct MoeLayerContext {
 class MoELayer {
 public:
     MoELayer(const std::string & name, const GptConfig & config, const MoeConfig & moe, Device & device,
-             const ExpertParallel & ep = {});
+             const TensorParallel & tp = {}, const ExpertParallel & ep = {});
     MoELayer(const MoELayer &) = delete;   // the experts hold references into it
     MoELayer & operator=(const MoELayer &) = delete;
 
@@ -120,6 +130,9 @@ private:
     Tensor allgather_forward(Context & ctx, const Tensor & x);
     Tensor allgather_backward(Context & ctx, const Tensor & dy, Tensor & dprobs, const GradReadyFn & ready);
     void   experts_ready(const GradReadyFn & ready);   // no rows: the experts' gradients are final as they are
+    comm::Communicator & exchange() const;             // the dispatcher's group: ETP x EP, or EP
+    // Rows per exchange rank from rows per EP rank (each repeated for the EP rank's T ETP ranks).
+    std::vector<int64_t> exchange_rows(const std::vector<int64_t> & per_ep_rank) const;
 };
 
 }  // namespace loom::model

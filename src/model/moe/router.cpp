@@ -71,14 +71,18 @@ void topk_probs(const float * l, const int32_t * idx, int64_t E, int64_t k, cons
 
 }  // namespace
 
-Router::Router(const std::string & name, const GptConfig & config, const MoeConfig & m, Device & device)
+Router::Router(const std::string & name, const GptConfig & config, const MoeConfig & m, Device & device,
+               const TensorParallel & tensor_parallel)
     : moe(m),
+      tp(tensor_parallel),
       weight(parameter_create(name + ".weight", {m.num_experts, config.hidden_size}, config.params_dtype, device)),
       has_bias(config.add_bias_linear) {
     moe_config_validate(moe, config);
+    tp.replicated(weight);   // every TP rank routes its own rows with the whole gate
     if (has_bias) {
         bias                 = parameter_create(name + ".bias", {m.num_experts}, config.params_dtype, device);
         bias.no_weight_decay = true;
+        tp.replicated(bias);
     }
 }
 
@@ -122,6 +126,8 @@ void Router::route(Context & ctx, const Tensor & logits, int64_t b, bool trainin
     const int64_t   G = ctx.groups;
     const bool      aux = ctx.aux, z = ctx.z;
     Tensor          top_idx = ctx.top_idx, probs = ctx.probs, counts = ctx.counts, losses = ctx.losses;
+    auto            P      = std::make_shared<std::vector<double>>(G * E);   // the host's, between the two tasks
+    auto            lse_sq = std::make_shared<double>(0.0);
     device.compute_stream().submit([=] {
         const float * l  = logits.data<float>();
         int32_t *     ti = top_idx.data<int32_t>();
@@ -143,33 +149,43 @@ void Router::route(Context & ctx, const Tensor & logits, int64_t b, bool trainin
             }
         });
 
-        // Losses: one pass in token order (the sums are in double, in a fixed order).
-        int32_t *           c = counts.data<int32_t>();
-        std::fill(c, c + G * E, 0);   // on the stream, so a captured graph's replay clears them too
-        std::vector<double> p(E), P(G * E, 0.0);
+        // Each aux-loss group's counts c_i and score sums P over this rank's tokens, in token order (in
+        // double). On the stream, so a captured graph's replay clears them too.
+        int32_t * c = counts.data<int32_t>();
+        std::fill(c, c + G * E, 0);
+        std::fill(P->begin(), P->end(), 0.0);
+        *lse_sq = 0.0;
+        std::vector<double>  p(E);
         std::vector<int32_t> idx(k);
-        double              lse_sq = 0;
         for (int64_t x = 0; x < n && (aux || z); ++x) {
             const float * lx = l + x * E;
             if (aux) {
                 aux_scores(lx, E, cfg.score_function, p.data());
                 topk_desc(p.data(), E, k, idx.data());
-                const int64_t g = x % G;
-                for (int64_t e = 0; e < E; ++e) P[g * E + e] += p[e];
-                for (int64_t j = 0; j < k; ++j) c[g * E + idx[j]] += 1;
+                for (int64_t e = 0; e < E; ++e) (*P)[(x % G) * E + e] += p[e];
+                for (int64_t j = 0; j < k; ++j) c[(x % G) * E + idx[j]] += 1;
             }
             if (z) {
-                double lse = softmax(lx, E, p.data());
-                lse_sq += lse * lse;
+                const double lse = softmax(lx, E, p.data());
+                *lse_sq += lse * lse;
             }
         }
+    });
+    // Sequence parallelism: the counts over the whole sequence (Megatron reduces them over TP x CP).
+    if (ctx.aux && tp.sp()) tp.all_reduce(ctx.counts);
+
+    const int64_t tokens = n * (tp.sp() ? tp.size : 1);   // the sequence's rows over the TP group
+    device.compute_stream().submit([=] {
+        // This rank's share of the losses: summed over a sequence-parallel group, the shares give the
+        // single-rank losses (the counts are the group's, the score sums and lse^2 this rank's).
+        const int32_t * c = counts.data<int32_t>();
         double aux_loss = 0;
         if (aux) {
-            const double T = static_cast<double>(n / G);
-            for (int64_t i = 0; i < G * E; ++i) aux_loss += P[i] * c[i];
+            const double T = static_cast<double>(tokens / G);
+            for (int64_t i = 0; i < G * E; ++i) aux_loss += (*P)[i] * c[i];
             aux_loss *= static_cast<double>(E) * cfg.aux_loss_coeff / (static_cast<double>(k) * T * T) / G;
         }
-        const double z_loss = z ? cfg.z_loss_coeff * lse_sq / static_cast<double>(n) : 0.0;
+        const double z_loss = z ? cfg.z_loss_coeff * *lse_sq / static_cast<double>(tokens) : 0.0;
         float *      out    = losses.data<float>();
         out[router_loss_aux]        = static_cast<float>(aux_loss);
         out[router_loss_aux_logged] = aux ? static_cast<float>(aux_loss / cfg.aux_loss_coeff) : 0.0f;
@@ -188,6 +204,7 @@ Tensor Router::logits_backward(Context & ctx, const Tensor & dprobs, float loss_
     const int64_t   G   = ctx.groups;
     const bool      aux = ctx.aux, z = ctx.z;
     Tensor          logits = ctx.logits, top_idx = ctx.top_idx, counts = ctx.counts;
+    const int64_t   tokens = n * (tp.sp() ? tp.size : 1);
     device.compute_stream().submit([=] {
         const float *   l  = logits.data<float>();
         const int32_t * ti = top_idx.data<int32_t>();
@@ -196,9 +213,9 @@ Tensor Router::logits_backward(Context & ctx, const Tensor & dprobs, float loss_
         float *         dl = dlogits.data<float>();
         const double    sf = cfg.topk_scaling_factor > 0.0f ? cfg.topk_scaling_factor : 1.0;
         // d aux / d p_xi = c_gi * E coeff / (k T^2 G), times the caller's scale.
-        const double T         = static_cast<double>(n / G);
+        const double T         = static_cast<double>(tokens / G);
         const double aux_unit  = aux ? loss_scale * static_cast<double>(E) * cfg.aux_loss_coeff / (k * T * T) / G : 0.0;
-        const double z_unit    = z ? loss_scale * cfg.z_loss_coeff * 2.0 / static_cast<double>(n) : 0.0;
+        const double z_unit    = z ? loss_scale * cfg.z_loss_coeff * 2.0 / static_cast<double>(tokens) : 0.0;
         parallel_for(n, 64, [&](int64_t begin, int64_t end) {
             std::vector<double> d(E), s(E), q(k), dq(k);
             for (int64_t x = begin; x < end; ++x) {

@@ -20,6 +20,9 @@
 //   over the b samples. Its gradient reaches the logits through p only (the counts are constants).
 //   Megatron logs aux / coeff as "load_balancing_loss" ("seq_load_balancing_loss").
 // z-loss (ST-MoE):  z = z_coeff * mean over tokens of logsumexp(logits)^2, logged as z / z_coeff ("z_loss").
+// Under sequence parallelism T is the whole sequence's tokens (tp times this rank's), c_i is summed over the
+// TP group, and each rank's aux and z are its rows' share (Megatron divides the z coefficient by the TP x CP
+// size for the same effect).
 //
 // The gradients of aux and z enter the backward multiplied by `loss_scale`, the factor the caller applies
 // to the main loss's gradient (Megatron's MoEAuxLossAutoScaler.set_loss_scale: loss scale / microbatches).
@@ -27,6 +30,7 @@
 
 #include "core/tensor.h"
 #include "model/gpt_config.h"
+#include "model/layers.h"
 #include "model/moe/moe_config.h"
 #include "model/parameter.h"
 
@@ -46,7 +50,11 @@ enum RouterLoss : int64_t {
 
 class Router {
 public:
-    Router(const std::string & name, const GptConfig & config, const MoeConfig & moe, Device & device);
+    // tp: the layer's tensor parallelism. Every TP rank holds the whole gate (marked replicated); with
+    // sequence parallelism each routes its block of rows, the aux loss's counts are summed over the group,
+    // and this rank's losses are its share: the group's sum is the loss of the whole sequence.
+    Router(const std::string & name, const GptConfig & config, const MoeConfig & moe, Device & device,
+           const TensorParallel & tp = {});
     struct Context {
         Tensor  x;         // (n, h) input, in the weight's dtype
         Tensor  logits;    // (n, E) f32
@@ -73,7 +81,8 @@ public:
     void init(uint64_t seed, float std);
     void parameters(std::vector<Parameter *> & out);
 
-    MoeConfig moe;
+    MoeConfig      moe;
+    TensorParallel tp;
     Parameter weight;   // (E, h)
     Parameter bias;     // (E), with add_bias_linear
     bool      has_bias;
