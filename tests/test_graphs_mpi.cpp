@@ -42,6 +42,7 @@ struct Layout {
     // dispatch plan too (moe_preprocess).
     bool moe_router = false, moe_preprocess = false;
     int  ep         = 1;       // expert parallelism (with moe_router), alltoall dispatcher
+    int  etp        = 1;       // expert tensor parallelism (with tp = etp, sp, and no biases)
     int  first_stage_layers = 0;
     int  global_batch       = 8;
 };
@@ -55,7 +56,7 @@ struct TrainRun {
     int                                       stage = 0, layers = 0, peak_in_flight = 0, graphs = 0;
     int64_t                                   replays = 0, microbatches = 0;
     int                                       input_sets = 0;
-    size_t                                    collective_nodes = 0;
+    size_t                                    collective_nodes = 0, all_to_all_nodes = 0;
     std::vector<double>                       balancing;   // load_balancing_loss per iteration (MoE)
     int64_t                                   saved_bytes = 0;   // one layer forward's, after its capture
     double                                    seconds     = 0;
@@ -67,6 +68,7 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = 20) 
     sizes.tp         = layout.tp;
     sizes.pp         = layout.pp;
     sizes.ep         = layout.ep;
+    sizes.etp        = layout.etp;
     if (layout.vpp > 1) sizes.vpp = layout.vpp;
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi);
@@ -95,7 +97,9 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = 20) 
         o.model.moe.capacity_factor = 1.0f;
         o.model.moe.pad_to_capacity = true;
     }
-    o.expert_parallel_size = layout.ep;
+    o.expert_parallel_size        = layout.ep;
+    o.expert_tensor_parallel_size = layout.etp;
+    if (layout.etp > 1) o.model.add_bias_linear = false;
     if (layout.ep > 1) o.model.moe.dispatcher = model::MoeDispatcher::alltoall;
     o.graph_moe_router     = layout.moe_router;
     o.graph_moe_preprocess = layout.moe_preprocess;
@@ -123,6 +127,7 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = 20) 
                 run.graphs                 = static_cast<int>(runner->num_graphs());
                 run.input_sets             = runner->plan().num_input_sets();
                 run.collective_nodes       = runner->num_collective_nodes();
+                run.all_to_all_nodes       = runner->num_collective_nodes("all_to_all");
                 run.saved_bytes            = runner->saved_bytes_per_layer();
             }
         }
@@ -139,7 +144,7 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = 20) 
 
 std::string describe(const Layout & l) {
     char text[160];
-    std::snprintf(text, sizeof text, "tp %d%s pp %d vpp %d ep %d%s%s%s%s%s%s", l.tp, l.sp ? "+sp" : "", l.pp, l.vpp, l.ep,
+    std::snprintf(text, sizeof text, "tp %d%s pp %d vpp %d ep %d etp %d%s%s%s%s%s%s", l.tp, l.sp ? "+sp" : "", l.pp, l.vpp, l.ep, l.etp,
                   l.distopt ? " zero-1+overlaps" : "", l.bf16 ? " bf16" : "", l.offload ? " cpu-offload 0.5" : "",
                   l.first_stage_layers ? " uneven" : "", l.moe ? " moe drop-and-pad" : "",
                   l.moe_preprocess ? " dropless moe, graphs to the dispatch plan" : l.moe_router ? " dropless moe, graphs to the router" : "");
@@ -167,9 +172,11 @@ void expect_bitwise(const Layout & layout) {
     EXPECT_EQ(graph.balancing, eager.balancing) << "the MoE router's load-balancing loss, iteration by iteration";
     if (layout.moe_router) {
         // The routing differs between iterations (the balancing loss moves), so a dispatch replayed from the
-        // capture would have diverged; and the router's graphs hold no communication.
+        // capture would have diverged; and the router's graphs hold no all-to-all (and without tensor
+        // parallelism no communication at all).
         EXPECT_NE(std::adjacent_find(eager.balancing.begin(), eager.balancing.end(), std::not_equal_to<>()), eager.balancing.end());
-        EXPECT_EQ(graph.collective_nodes, 0u);
+        EXPECT_EQ(graph.all_to_all_nodes, 0u);
+        if (layout.tp == 1) EXPECT_EQ(graph.collective_nodes, 0u);
     }
     if (layout.tp > 1) EXPECT_GT(graph.collective_nodes, 0u) << "tensor parallelism's collectives are in the graphs";
     EXPECT_GT(graph.graphs, 0) << "graphs were captured";
@@ -205,6 +212,11 @@ TEST(LayerGraphs, MoeCapturedToTheRouterWithOneStageIsBitwiseTheEagerRun) { expe
 // Expert parallelism: the all-to-all dispatch runs eagerly between the router's graphs, which hold none.
 TEST(LayerGraphs, ExpertParallelMoeCapturedToTheDispatchPlanIsBitwiseTheEagerRun) {
     expect_bitwise(Layout{.pp = 2, .moe_router = true, .moe_preprocess = true, .ep = 2});
+}
+// MoE parallel folding: TP 2 + SP x DP 2 with the experts ETP 2 x EP 2. The router's graphs hold the
+// sequence-parallel collectives (and the sum of the aux loss's counts over TP), not the dispatch.
+TEST(LayerGraphs, ExpertTensorParallelMoeWithSequenceParallelCapturedToTheRouterIsBitwiseTheEagerRun) {
+    expect_bitwise(Layout{.tp = 2, .sp = true, .moe_router = true, .moe_preprocess = true, .ep = 2, .etp = 2});
 }
 
 // PP 2 x DP 2: M = 8 and 16 per data-parallel rank (global batch 16 and 32); the pool's peak must not grow

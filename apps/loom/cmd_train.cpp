@@ -159,17 +159,22 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
                 static_cast<long long>(options.model.num_attention_heads), static_cast<long long>(options.model.seq_length),
                 static_cast<long long>(options.model.vocab_size),
                 static_cast<long long>(options.model.padded_vocab_size()));
+    // The experts' decomposition when it differs from the dense one: world = etp x ep x edp x pp.
+    std::string experts;
+    if (options.expert_parallel_size > 1 || options.expert_tensor_parallel_size != options.tensor_parallel_size) {
+        const int64_t world = options.tensor_parallel_size * options.pipeline_parallel_size * options.data_parallel_size;
+        const int64_t etp   = options.expert_tensor_parallel_size;
+        experts = ", experts: " + (etp > 1 ? "etp " + std::to_string(etp) + " x " : std::string()) + "ep " +
+                  std::to_string(options.expert_parallel_size) + " x edp " +
+                  std::to_string(world / (etp * options.expert_parallel_size * options.pipeline_parallel_size));
+    }
     if (out) std::printf("data: %s | micro-batch %lld, global batch %lld, %lld iterations | parallel: tp %lld, pp %lld, "
                          "dp %lld%s\n",
                 data->describe().c_str(), static_cast<long long>(options.micro_batch_size),
                 static_cast<long long>(options.global_batch_size), static_cast<long long>(options.train_iters),
                 static_cast<long long>(options.tensor_parallel_size), static_cast<long long>(options.pipeline_parallel_size),
                 static_cast<long long>(options.data_parallel_size),
-                options.expert_parallel_size > 1
-                    ? (", experts: ep " + std::to_string(options.expert_parallel_size) + " x edp " +
-                       std::to_string(options.data_parallel_size / options.expert_parallel_size))
-                          .c_str()
-                    : "");
+                experts.c_str());
     if (out && options.print_layout) {
         std::printf("%s\n", ddp::layout_table(setup.ddp->layout(), setup.ddp->specs(),
                                               options.ddp.use_distributed_optimizer).c_str());

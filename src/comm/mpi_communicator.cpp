@@ -785,7 +785,7 @@ private:
                 engine->deliver(copy);
                 if (stream_waits) copy->work->wait();
             };
-        });
+        }, op.what);
         return std::make_shared<CapturedWork>(stream.capture()->name());
     }
 

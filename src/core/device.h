@@ -65,8 +65,8 @@ public:
     void    end_capture();
     Graph * capture() const { return capture_; }
     // Work whose host side must run again at every replay: `prepare` runs now (or, while capturing, at
-    // each replay of the graph) and the work it returns is submitted.
-    void submit_replayable(std::function<std::function<void()>()> prepare);
+    // each replay of the graph) and the work it returns is submitted. `label` names it in the graph.
+    void submit_replayable(std::function<std::function<void()>()> prepare, std::string label = "");
 
 protected:
     Graph * capture_ = nullptr;   // backends record into it while it is set

@@ -46,16 +46,18 @@ Graph::~Graph() {
 }
 
 void Graph::add_work(std::function<void()> work) {
-    nodes_.push_back(Node{Node::Kind::work, std::move(work), nullptr, nullptr});
+    nodes_.push_back(Node{Node::Kind::work, std::move(work), nullptr, {}, nullptr});
 }
-void Graph::add_replayable(Prepare prepare) {
-    nodes_.push_back(Node{Node::Kind::replayable, nullptr, std::move(prepare), nullptr});
+void Graph::add_replayable(Prepare prepare, std::string label) {
+    nodes_.push_back(Node{Node::Kind::replayable, nullptr, std::move(prepare), std::move(label), nullptr});
 }
-void Graph::add_record(Event & event) { nodes_.push_back(Node{Node::Kind::record, nullptr, nullptr, &event}); }
-void Graph::add_wait(Event & event) { nodes_.push_back(Node{Node::Kind::wait, nullptr, nullptr, &event}); }
+void Graph::add_record(Event & event) { nodes_.push_back(Node{Node::Kind::record, nullptr, nullptr, {}, &event}); }
+void Graph::add_wait(Event & event) { nodes_.push_back(Node{Node::Kind::wait, nullptr, nullptr, {}, &event}); }
 
-size_t Graph::num_replayable_nodes() const {
-    return static_cast<size_t>(std::count_if(nodes_.begin(), nodes_.end(), [](const Node & n) { return n.kind == Node::Kind::replayable; }));
+size_t Graph::num_replayable_nodes(const std::string & label) const {
+    return static_cast<size_t>(std::count_if(nodes_.begin(), nodes_.end(), [&](const Node & n) {
+        return n.kind == Node::Kind::replayable && (label.empty() || n.label == label);
+    }));
 }
 
 void Graph::note_allocation(const std::shared_ptr<Storage> & storage) { allocations_.push_back(storage); }
@@ -149,9 +151,9 @@ void Stream::end_capture() {
     Graph::collect(device(), graph.pool());   // this capture's temporaries
 }
 
-void Stream::submit_replayable(std::function<std::function<void()>()> prepare) {
+void Stream::submit_replayable(std::function<std::function<void()>()> prepare, std::string label) {
     if (capture_ != nullptr) {
-        capture_->add_replayable(std::move(prepare));
+        capture_->add_replayable(std::move(prepare), std::move(label));
     } else {
         submit(prepare());
     }

@@ -55,7 +55,9 @@ public:
     const std::string & name() const { return name_; }
     const std::string & pool() const { return pool_; }
     size_t              num_nodes() const { return nodes_.size(); }
-    size_t              num_replayable_nodes() const;   // those re-prepared at each replay (collectives)
+    // The nodes re-prepared at each replay (collectives); with a label, those captured under it (the
+    // communicators label theirs with the operation: "all_reduce", "all_to_all", ...).
+    size_t              num_replayable_nodes(const std::string & label = "") const;
     bool                captured() const { return captured_; }
 
     // Enqueues every node on `stream` in capture order; returns without waiting for them.
@@ -73,7 +75,7 @@ public:
     // The capturing stream's side (Stream::begin_capture/end_capture and the backends' record paths).
     using Prepare = std::function<std::function<void()>()>;
     void add_work(std::function<void()> work);
-    void add_replayable(Prepare prepare);
+    void add_replayable(Prepare prepare, std::string label = "");
     void add_record(Event & event);
     void add_wait(Event & event);
     void mark_captured() { captured_ = true; }
@@ -84,6 +86,7 @@ private:
         enum class Kind { work, replayable, record, wait } kind;
         std::function<void()> work;       // kind work
         Prepare               prepare;    // kind replayable
+        std::string           label;      // kind replayable: what it is (num_replayable_nodes)
         Event *               event;      // kind record / wait: the caller keeps it alive while the graph lives
     };
 

@@ -128,9 +128,9 @@ void LayerGraphRunner::capture() {
     for (size_t c = 0; c < chunks_.size(); ++c) chunks_[c]->set_layer_graphs(this, static_cast<int>(c));
 }
 
-size_t LayerGraphRunner::num_collective_nodes() const {
+size_t LayerGraphRunner::num_collective_nodes(const std::string & op) const {
     size_t n = 0;
-    for (const auto & graph : graphs_) n += graph ? graph->num_replayable_nodes() : 0;
+    for (const auto & graph : graphs_) n += graph ? graph->num_replayable_nodes(op) : 0;
     return n;
 }
 

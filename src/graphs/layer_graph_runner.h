@@ -82,7 +82,7 @@ public:
     size_t            num_graphs() const { return graphs_.size(); }
     int64_t           num_replays() const { return replays_; }
     // Collectives recorded into the graphs (tensor parallelism's; none with TP 1).
-    size_t            num_collective_nodes() const;
+    size_t            num_collective_nodes(const std::string & op = "") const;   // op: "all_to_all", ... ("": all)
     // The most bytes a layer's forward left allocated in the graph pool after its capture (its saved
     // activations, what stays live until its backward).
     int64_t           saved_bytes_per_layer() const { return saved_bytes_; }
