@@ -3,6 +3,7 @@
 #pragma once
 
 #include "core/error.h"
+#include "core/ops.h"
 #include "core/tensor.h"
 
 #include <cstdint>
@@ -47,6 +48,120 @@ inline void norm(const Tensor & x, const Tensor & residual, const Tensor & gamma
     expect(gamma, DType::f32, h, op, "gamma");
     expect(y, DType::f32, n * h, op, "y");
     expect(rstd, DType::f32, n, op, "rstd");
+}
+
+// ---- Ids read where the kernel runs (tokens, labels): -1 (another rank's shard) or below `limit`. The
+// CPU checks every id on its stream before its kernel; the CUDA kernels record the first id outside that
+// range and host work after them raises this error. Either way it surfaces at the stream's next
+// synchronize, naming the op and the id's position in the (b, s) tensor.
+inline void id_in_range(int64_t value, int64_t position, int64_t limit, const char * op, const char * what) {
+    LOOM_CHECK(value >= -1 && value < limit,
+               op << ": " << what << " " << value << " at position " << position << " is outside [0, " << limit << ")",
+               "token ids must be below the vocabulary size");
+}
+
+// rope over `heads` heads of d in the rows of x (seq * batch, stride); returns (rows, stride).
+inline std::pair<int64_t, int64_t> rope(const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d) {
+    const std::pair<int64_t, int64_t> nw = rows_cols(x, "rope");
+    expect(x, DType::f32, -1, "rope", "x");
+    LOOM_CHECK(nw.first == seq * batch && heads * d <= nw.second && d % 2 == 0,
+               "rope over " << heads << " heads of " << d << " in rows of " << x.describe(), "");
+    return nw;
+}
+
+// A dropout key: p in [0, 1), sample ids (when given) i64 and at least one per batch column.
+inline void dropout_key(const Dropout & key, const char * op) {
+    LOOM_CHECK(key.p >= 0.0f && key.p < 1.0f, op << ": dropout probability " << key.p, "a probability in [0, 1)");
+    if (key.sample_ids.defined()) {
+        expect(key.sample_ids, DType::i64, -1, op, "sample_ids");
+        LOOM_CHECK(key.sample_ids.numel() >= key.batch || !key.enabled(),
+                   op << ": " << key.sample_ids.numel() << " sample ids for a batch of " << key.batch, "");
+    }
+}
+
+// Hidden dropout of x (n, w) into y; returns (n, w).
+inline std::pair<int64_t, int64_t> dropout(const Tensor & x, const Tensor & y, const Dropout & key) {
+    const std::pair<int64_t, int64_t> nw = rows_cols(x, "dropout");
+    expect(x, DType::f32, -1, "dropout", "x");
+    expect(y, DType::f32, nw.first * nw.second, "dropout", "y");
+    dropout_key(key, "dropout");
+    LOOM_CHECK(key.offset >= 0 && key.batch >= 1, "dropout: rows from " << key.offset << " in columns of " << key.batch, "");
+    return nw;
+}
+
+// The embedding's operands: tokens (b, s) i32, tables (V, h) and (P >= s, h) of one float dtype, out (s b, h).
+struct EmbeddingDims {
+    int64_t b, s, h;
+};
+inline EmbeddingDims embedding_forward(const Tensor & tokens, const Tensor & wte, const Tensor & wpe, const Tensor & out) {
+    LOOM_CHECK(tokens.dim() == 2, "embedding_forward: tokens " << tokens.describe(), "tokens are (b, s)");
+    expect(tokens, DType::i32, -1, "embedding_forward", "tokens");
+    LOOM_CHECK(wte.defined() && wte.dim() == 2 && (wte.dtype() == DType::f32 || wte.dtype() == DType::bf16),
+               "embedding table " << wte.describe(), "");
+    const int64_t b = tokens.size(0), seq = tokens.size(1), h = wte.size(1);
+    expect(out, DType::f32, seq * b * h, "embedding_forward", "out");
+    if (wpe.defined()) {
+        expect(wpe, wte.dtype(), -1, "embedding_forward", "wpe");
+        LOOM_CHECK(wpe.dim() == 2 && wpe.size(0) >= seq && wpe.size(1) == h,
+                   "embedding_forward: position table " << wpe.describe() << " for " << seq << " positions of " << h, "");
+    }
+    return {b, seq, h};
+}
+inline EmbeddingDims embedding_backward(const Tensor & tokens, const Tensor & dout, const Tensor & dwte,
+                                        const Tensor & dwpe) {
+    LOOM_CHECK(tokens.dim() == 2, "embedding_backward: tokens " << tokens.describe(), "tokens are (b, s)");
+    expect(tokens, DType::i32, -1, "embedding_backward", "tokens");
+    expect(dwte, DType::f32, -1, "embedding_backward", "dwte");
+    LOOM_CHECK(dwte.dim() == 2, "embedding_backward: dwte " << dwte.describe(), "");
+    const int64_t b = tokens.size(0), seq = tokens.size(1), h = dwte.size(1);
+    expect(dout, DType::f32, seq * b * h, "embedding_backward", "dout");
+    if (dwpe.defined()) {
+        expect(dwpe, DType::f32, -1, "embedding_backward", "dwpe");
+        LOOM_CHECK(dwpe.dim() == 2 && dwpe.size(0) >= seq && dwpe.size(1) == h,
+                   "embedding_backward: dwpe " << dwpe.describe() << " for " << seq << " positions of " << h, "");
+    }
+    return {b, seq, h};
+}
+
+inline void vocab_shard_ids(const Tensor & ids, const Tensor & out) {
+    expect(ids, DType::i32, -1, "vocab_shard_ids", "ids");
+    expect(out, DType::i32, ids.numel(), "vocab_shard_ids", "out");
+}
+
+// Logits (n, stride) f32 whose first `valid` columns are read; returns (n, stride).
+inline std::pair<int64_t, int64_t> logits(const Tensor & logits, int64_t valid, const char * op) {
+    const std::pair<int64_t, int64_t> ns = rows_cols(logits, op);
+    expect(logits, DType::f32, -1, op, "logits");
+    LOOM_CHECK(valid >= 0 && valid <= ns.second, op << ": " << valid << " columns of " << logits.describe(), "");
+    return ns;
+}
+// Labels (b, s) i32 for n rows.
+inline void labels(const Tensor & labels, int64_t n, const char * op) {
+    LOOM_CHECK(labels.dim() == 2, op << ": labels " << labels.describe(), "labels are (b, s)");
+    expect(labels, DType::i32, n, op, "labels");
+}
+inline std::pair<int64_t, int64_t> cross_entropy(const Tensor & logits_t, const Tensor & labels_t, const Tensor & lse,
+                                                 int64_t vocab, const char * op) {
+    const std::pair<int64_t, int64_t> ns = logits(logits_t, vocab, op);
+    labels(labels_t, ns.first, op);
+    expect(lse, DType::f32, ns.first, op, "lse");
+    return ns;
+}
+
+// Five row vectors of one length; returns it.
+inline int64_t lse_and_loss(const Tensor & max, const Tensor & sum, const Tensor & target, const Tensor & lse,
+                            const Tensor & loss) {
+    const int64_t n = max.numel();
+    for (const Tensor * t : {&max, &sum, &target, &lse, &loss}) expect(*t, DType::f32, n, "lse_and_loss", "row vector");
+    return n;
+}
+
+// mask (b, s) f32 and dloss of its size; returns (b, s).
+inline std::pair<int64_t, int64_t> loss_grad(const Tensor & mask, const Tensor & dloss) {
+    LOOM_CHECK(mask.dim() == 2, "loss_grad: mask " << mask.describe(), "the loss mask is (b, s)");
+    expect(mask, DType::f32, -1, "loss_grad", "mask");
+    expect(dloss, DType::f32, mask.numel(), "loss_grad", "dloss");
+    return {mask.size(0), mask.size(1)};
 }
 
 }  // namespace loom::op_checks

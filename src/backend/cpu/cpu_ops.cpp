@@ -31,9 +31,7 @@ float * f32_or_null(const Tensor & t) { return t.defined() ? t.data<float>() : n
 void check_ids(const Tensor & ids, int64_t limit, const char * op, const char * what) {
     const int32_t * v = ids.data<int32_t>();
     for (int64_t i = 0; i < ids.numel(); ++i) {
-        LOOM_CHECK(v[i] >= -1 && v[i] < limit,
-                   op << ": " << what << " " << v[i] << " at position " << i << " is outside [0, " << limit << ")",
-                   "token ids must be below the vocabulary size");
+        if (v[i] < -1 || v[i] >= limit) op_checks::id_in_range(v[i], i, limit, op, what);
     }
 }
 
@@ -170,27 +168,14 @@ public:
 
     void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base,
               bool inverse) override {
-        int64_t n, stride;
-        std::tie(n, stride) = rows_cols(x, "rope");
-        expect(x, DType::f32, -1, "rope", "x");
-        LOOM_CHECK(n == seq * batch && heads * d <= stride && d % 2 == 0,
-                   "rope over " << heads << " heads of " << d << " in rows of " << x.describe(), "");
+        const int64_t stride = op_checks::rope(x, seq, batch, heads, d).second;
         s.submit([=] { rope_apply(f32(x), stride, seq, batch, heads, d, base, inverse); });
     }
 
     void embedding_forward(Stream & s, const Tensor & tokens, const Tensor & wte, const Tensor & wpe,
                            const Tensor & out) override {
-        LOOM_CHECK(tokens.dim() == 2, "embedding_forward: tokens " << tokens.describe(), "tokens are (b, s)");
-        expect(tokens, DType::i32, -1, "embedding_forward", "tokens");
-        const int64_t b = tokens.size(0), seq = tokens.size(1), h = wte.size(1);
-        expect(out, DType::f32, seq * b * h, "embedding_forward", "out");
-        LOOM_CHECK(wte.dim() == 2 && (wte.dtype() == DType::f32 || wte.dtype() == DType::bf16),
-                   "embedding table " << wte.describe(), "");
-        if (wpe.defined()) {
-            expect(wpe, wte.dtype(), -1, "embedding_forward", "wpe");
-            LOOM_CHECK(wpe.dim() == 2 && wpe.size(0) >= seq && wpe.size(1) == h,
-                       "embedding_forward: position table " << wpe.describe() << " for " << seq << " positions of " << h, "");
-        }
+        const op_checks::EmbeddingDims dims = op_checks::embedding_forward(tokens, wte, wpe, out);
+        const int64_t                  b = dims.b, seq = dims.s, h = dims.h;
         s.submit([=] {
             check_ids(tokens, wte.size(0), "embedding_forward", "token");
             const int32_t * ids = tokens.data<int32_t>();
@@ -206,17 +191,8 @@ public:
 
     void embedding_backward(Stream & s, const Tensor & tokens, const Tensor & dout, const Tensor & dwte,
                             const Tensor & dwpe) override {
-        LOOM_CHECK(tokens.dim() == 2, "embedding_backward: tokens " << tokens.describe(), "tokens are (b, s)");
-        expect(tokens, DType::i32, -1, "embedding_backward", "tokens");
-        expect(dwte, DType::f32, -1, "embedding_backward", "dwte");
-        LOOM_CHECK(dwte.dim() == 2, "embedding_backward: dwte " << dwte.describe(), "");
-        const int64_t b = tokens.size(0), seq = tokens.size(1), h = dwte.size(1);
-        expect(dout, DType::f32, seq * b * h, "embedding_backward", "dout");
-        if (dwpe.defined()) {
-            expect(dwpe, DType::f32, -1, "embedding_backward", "dwpe");
-            LOOM_CHECK(dwpe.dim() == 2 && dwpe.size(0) >= seq && dwpe.size(1) == h,
-                       "embedding_backward: dwpe " << dwpe.describe() << " for " << seq << " positions of " << h, "");
-        }
+        const op_checks::EmbeddingDims dims = op_checks::embedding_backward(tokens, dout, dwte, dwpe);
+        const int64_t                  b = dims.b, seq = dims.s, h = dims.h;
         const int64_t vocab = dwte.size(0);
         s.submit([=] {
             check_ids(tokens, vocab, "embedding_backward", "token");
@@ -225,8 +201,7 @@ public:
     }
 
     void vocab_shard_ids(Stream & s, const Tensor & ids, int64_t begin, int64_t count, const Tensor & out) override {
-        expect(ids, DType::i32, -1, "vocab_shard_ids", "ids");
-        expect(out, DType::i32, ids.numel(), "vocab_shard_ids", "out");
+        op_checks::vocab_shard_ids(ids, out);
         s.submit([=] {
             const int32_t * in = ids.data<int32_t>();
             int32_t *       o  = out.data<int32_t>();
@@ -238,11 +213,7 @@ public:
 
     void dropout(Stream & s, const Tensor & x, const Tensor & y, const Dropout & key) override {
         int64_t n, w;
-        std::tie(n, w) = rows_cols(x, "dropout");
-        expect(x, DType::f32, -1, "dropout", "x");
-        expect(y, DType::f32, n * w, "dropout", "y");
-        check_dropout(key, "dropout");
-        LOOM_CHECK(key.offset >= 0 && key.batch >= 1, "dropout: rows from " << key.offset << " in columns of " << key.batch, "");
+        std::tie(n, w) = op_checks::dropout(x, y, key);
         s.submit([=] {
             const uint32_t  threshold  = dropout_threshold(key.p);
             const float     keep_scale = 1.0f / (1.0f - key.p);
@@ -270,7 +241,7 @@ public:
         expect(qkv, DType::f32, n * shape.row_stride, "attention_forward", "qkv");
         expect(out, DType::f32, n * shape.nq * shape.d, "attention_forward", "out");
         expect(lse, DType::f32, n * shape.nq, "attention_forward", "lse");
-        check_dropout(dropout, "attention_forward");
+        op_checks::dropout_key(dropout, "attention_forward");
         s.submit([=] { cpu::attention_forward(f32(qkv), f32(out), f32(lse), shape, scale, attention_dropout(dropout)); });
     }
 
@@ -284,7 +255,7 @@ public:
         expect(out, DType::f32, n * shape.nq * shape.d, "attention_backward", "out");
         expect(dout, DType::f32, n * shape.nq * shape.d, "attention_backward", "dout");
         expect(lse, DType::f32, n * shape.nq, "attention_backward", "lse");
-        check_dropout(dropout, "attention_backward");
+        op_checks::dropout_key(dropout, "attention_backward");
         s.submit([=] {
             cpu::attention_backward(f32(qkv), f32(out), f32(dout), f32(lse), f32(dqkv), shape, scale,
                                     attention_dropout(dropout));
@@ -294,7 +265,7 @@ public:
     void cross_entropy_forward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & loss,
                                const Tensor & lse, int64_t vocab) override {
         int64_t n, stride;
-        std::tie(n, stride) = check_cross_entropy(logits, labels, lse, vocab, "cross_entropy_forward");
+        std::tie(n, stride) = op_checks::cross_entropy(logits, labels, lse, vocab, "cross_entropy_forward");
         expect(loss, DType::f32, n, "cross_entropy_forward", "loss");
         const int64_t b = labels.size(0), seq = labels.size(1);
         s.submit([=] {
@@ -306,7 +277,7 @@ public:
     void cross_entropy_backward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & lse,
                                 const Tensor & dloss, int64_t vocab) override {
         int64_t n, stride;
-        std::tie(n, stride) = check_cross_entropy(logits, labels, lse, vocab, "cross_entropy_backward");
+        std::tie(n, stride) = op_checks::cross_entropy(logits, labels, lse, vocab, "cross_entropy_backward");
         expect(dloss, DType::f32, n, "cross_entropy_backward", "dloss");
         const int64_t b = labels.size(0), seq = labels.size(1);
         s.submit([=] {
@@ -317,14 +288,14 @@ public:
 
     void row_max(Stream & s, const Tensor & logits, int64_t valid, const Tensor & out) override {
         int64_t n, stride;
-        std::tie(n, stride) = check_logits(logits, valid, "row_max");
+        std::tie(n, stride) = op_checks::logits(logits, valid, "row_max");
         expect(out, DType::f32, n, "row_max", "out");
         s.submit([=] { cpu::row_max(f32(logits), n, stride, valid, f32(out)); });
     }
 
     void row_sum_exp(Stream & s, const Tensor & logits, const Tensor & max, int64_t valid, const Tensor & out) override {
         int64_t n, stride;
-        std::tie(n, stride) = check_logits(logits, valid, "row_sum_exp");
+        std::tie(n, stride) = op_checks::logits(logits, valid, "row_sum_exp");
         expect(max, DType::f32, n, "row_sum_exp", "max");
         expect(out, DType::f32, n, "row_sum_exp", "out");
         s.submit([=] { cpu::row_sum_exp(f32(logits), f32(max), n, stride, valid, f32(out)); });
@@ -332,8 +303,8 @@ public:
 
     void label_logit(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & out) override {
         int64_t n, stride;
-        std::tie(n, stride) = check_logits(logits, 0, "label_logit");
-        check_labels(labels, n, "label_logit");
+        std::tie(n, stride) = op_checks::logits(logits, 0, "label_logit");
+        op_checks::labels(labels, n, "label_logit");
         expect(out, DType::f32, n, "label_logit", "out");
         const int64_t b = labels.size(0), seq = labels.size(1);
         s.submit([=] {
@@ -350,8 +321,7 @@ public:
 
     void lse_and_loss(Stream & s, const Tensor & max, const Tensor & sum, const Tensor & target, const Tensor & lse,
                       const Tensor & loss) override {
-        const int64_t n = max.numel();
-        for (const Tensor * t : {&max, &sum, &target, &lse, &loss}) expect(*t, DType::f32, n, "lse_and_loss", "row vector");
+        const int64_t n = op_checks::lse_and_loss(max, sum, target, lse, loss);
         s.submit([=] {
             for (int64_t r = 0; r < n; ++r) {
                 float l       = f32(max)[r] + std::log(f32(sum)[r]);
@@ -362,10 +332,8 @@ public:
     }
 
     void loss_grad(Stream & s, const Tensor & mask, double scale, const Tensor & dloss) override {
-        LOOM_CHECK(mask.dim() == 2, "loss_grad: mask " << mask.describe(), "the loss mask is (b, s)");
-        expect(mask, DType::f32, -1, "loss_grad", "mask");
-        expect(dloss, DType::f32, mask.numel(), "loss_grad", "dloss");
-        const int64_t b = mask.size(0), seq = mask.size(1);
+        int64_t b, seq;
+        std::tie(b, seq) = op_checks::loss_grad(mask, dloss);
         s.submit([=] {
             const float * m = f32(mask);
             float *       d = f32(dloss);
@@ -448,22 +416,6 @@ public:
     }
 
 private:
-    // Logits (n, stride) f32 whose first `valid` columns are read.
-    static std::pair<int64_t, int64_t> check_logits(const Tensor & logits, int64_t valid, const char * op) {
-        int64_t n, stride;
-        std::tie(n, stride) = rows_cols(logits, op);
-        expect(logits, DType::f32, -1, op, "logits");
-        LOOM_CHECK(valid >= 0 && valid <= stride, op << ": " << valid << " columns of " << logits.describe(), "");
-        return {n, stride};
-    }
-    static std::pair<int64_t, int64_t> check_cross_entropy(const Tensor & logits, const Tensor & labels,
-                                                           const Tensor & lse, int64_t vocab, const char * op) {
-        int64_t n, stride;
-        std::tie(n, stride) = check_logits(logits, vocab, op);
-        check_labels(labels, n, op);
-        expect(lse, DType::f32, n, op, "lse");
-        return {n, stride};
-    }
     static void check_attention(const AttentionShape & a, const char * op) {
         LOOM_CHECK(a.s > 0 && a.b > 0 && a.d > 0 && a.nkv > 0 && a.nq % a.nkv == 0 &&
                        a.row_stride >= (a.nq + 2 * a.nkv) * a.d,
@@ -471,22 +423,10 @@ private:
                       << " in rows of " << a.row_stride,
                    "query heads are a multiple of the key/value heads, and a row holds [Q | K | V]");
     }
-    static void check_dropout(const Dropout & key, const char * op) {
-        LOOM_CHECK(key.p >= 0.0f && key.p < 1.0f, op << ": dropout probability " << key.p, "a probability in [0, 1)");
-        if (key.sample_ids.defined()) {
-            expect(key.sample_ids, DType::i64, -1, op, "sample_ids");
-            LOOM_CHECK(key.sample_ids.numel() >= key.batch || !key.enabled(),
-                       op << ": " << key.sample_ids.numel() << " sample ids for a batch of " << key.batch, "");
-        }
-    }
     // Read on the stream, where the sample ids are ready.
     static AttentionDropout attention_dropout(const Dropout & key) {
         return {key.p, key.seed, key.site, key.sample_ids.defined() ? key.sample_ids.data<int64_t>() : nullptr,
                 key.offset};
-    }
-    static void check_labels(const Tensor & labels, int64_t n, const char * op) {
-        LOOM_CHECK(labels.dim() == 2, op << ": labels " << labels.describe(), "labels are (b, s)");
-        expect(labels, DType::i32, n, op, "labels");
     }
 };
 

@@ -4,10 +4,13 @@
 #include "backend/cuda/cuda_stream.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/kernels.h"
+#include "core/dropout.h"
 #include "core/error.h"
 #include "core/op_checks.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <tuple>
 #include <utility>
 
@@ -43,6 +46,34 @@ void expect_on(const CudaStream & s, const std::vector<Tensor> & tensors, const 
 
 kernels::Float float_kind(DType dtype) {
     return dtype == DType::f32 ? kernels::Float::f32 : dtype == DType::bf16 ? kernels::Float::bf16 : kernels::Float::f16;
+}
+
+// Device scratch of t's dtype and element count, freed in stream order with the op's tensors.
+Tensor scratch_like(CudaStream & cs, const Tensor & t) {
+    return Tensor::empty({std::max<int64_t>(t.numel(), 1)}, t.dtype(), cs.device(),
+                         TensorOptions{MemoryKind::device, kActivationsPool});
+}
+
+// Ids read on the device (tokens, labels) are checked there: kernels::find_bad_id records the first one
+// outside [-1, limit) in a pinned word, and host work enqueued after the op's kernels raises the CPU
+// backend's error (op_checks::id_in_range) at the stream's next synchronize. The kernels themselves read
+// such an id as -1, so nothing outside a table is read or written.
+Tensor bad_id_word(CudaStream & cs) {
+    Tensor word = Tensor::empty({1}, DType::i64, cs.device(), TensorOptions{MemoryKind::pinned_host});
+    // No kernel uses a block the allocator hands out (frees are stream-ordered), so the host may write it.
+    *static_cast<uint64_t *>(word.data_ptr()) = ~uint64_t{0};
+    return word;
+}
+
+unsigned long long * bad_id_ptr(const Tensor & word) { return static_cast<unsigned long long *>(word.data_ptr()); }
+
+void report_bad_id(CudaStream & cs, const Tensor & word, int64_t limit, const char * op, const char * what) {
+    cs.submit([word, limit, op, what] {
+        const uint64_t first = *static_cast<const volatile uint64_t *>(word.data_ptr());
+        if (first == ~uint64_t{0}) return;
+        op_checks::id_in_range(static_cast<int32_t>(static_cast<uint32_t>(first & 0xffffffffu)),
+                               static_cast<int64_t>(first >> 32), limit, op, what);
+    });
 }
 
 class CudaOps final : public Ops {
@@ -190,19 +221,94 @@ public:
         cs.launched("swiglu_backward", {x, dy, dx});
     }
 
-    void rope(Stream &, const Tensor &, int64_t, int64_t, int64_t, int64_t, float, bool) override {
-        not_implemented("rope");
+    void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base,
+              bool inverse) override {
+        const int64_t stride = op_checks::rope(x, seq, batch, heads, d).second;
+        // The frequencies as backend/cpu/ops.cpp's rope_apply computes them (host std::pow: the same bits),
+        // staged through pinned memory into device scratch; the stream keeps both until the kernel has run.
+        CudaStream &  cs   = start(s, "rope", {x});
+        const int64_t half = d / 2;
+        Tensor        host = Tensor::empty({std::max<int64_t>(half, 1)}, DType::f32, cs.device(),
+                                           TensorOptions{MemoryKind::pinned_host});
+        for (int64_t i = 0; i < half; ++i) {
+            host.data<float>()[i] = std::pow(base, -2.0f * static_cast<float>(i) / static_cast<float>(d));
+        }
+        Tensor       inv_freq = scratch_like(cs, host);
+        cudaStream_t stream   = cs.launch("rope");
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(inv_freq.data_ptr(), host.data_ptr(), host.nbytes(), cudaMemcpyDefault, stream));
+        kernels::rope(stream, f32(x), stride, seq, batch, heads, d, f32(inv_freq), inverse);
+        cs.launched("rope", {x, host, inv_freq});
     }
-    void dropout(Stream &, const Tensor &, const Tensor &, const Dropout &) override { not_implemented("dropout"); }
-    void embedding_forward(Stream &, const Tensor &, const Tensor &, const Tensor &, const Tensor &) override {
-        not_implemented("embedding_forward");
+
+    void dropout(Stream & s, const Tensor & x, const Tensor & y, const Dropout & key) override {
+        int64_t n, w;
+        std::tie(n, w) = op_checks::dropout(x, y, key);
+        kernels::DropoutKey k;
+        k.seed       = key.seed;
+        k.site       = key.site;
+        k.batch      = key.batch;
+        k.offset     = key.offset;
+        k.threshold  = dropout_threshold(key.p);
+        k.keep_scale = 1.0f / (1.0f - key.p);   // f32, as the CPU computes it
+        std::vector<Tensor> held{x, y, key.sample_ids};
+        CudaStream &        cs     = start(s, "dropout", held);
+        cudaStream_t        stream = cs.launch("dropout");
+        k.sample_ids               = nullptr;
+        if (key.sample_ids.defined()) {
+            // Sample ids usually sit in pinned host memory (the data loader's): copied to the device once,
+            // rather than read over the bus by every element.
+            Tensor ids = scratch_like(cs, key.sample_ids);
+            if (key.sample_ids.nbytes() > 0) {
+                LOOM_CUDA_CHECK(cudaMemcpyAsync(ids.data_ptr(), key.sample_ids.data_ptr(), key.sample_ids.nbytes(),
+                                                cudaMemcpyDefault, stream));
+            }
+            k.sample_ids = ids.data<int64_t>();
+            held.push_back(ids);
+        }
+        kernels::dropout(stream, f32(x), f32(y), n, w, k);
+        cs.launched("dropout", std::move(held));
     }
-    void embedding_backward(Stream &, const Tensor &, const Tensor &, const Tensor &, const Tensor &) override {
-        not_implemented("embedding_backward");
+
+    void embedding_forward(Stream & s, const Tensor & tokens, const Tensor & wte, const Tensor & wpe,
+                           const Tensor & out) override {
+        const op_checks::EmbeddingDims dims = op_checks::embedding_forward(tokens, wte, wpe, out);
+        const int64_t                  vocab = wte.size(0);
+        std::vector<Tensor>            held{tokens, wte, wpe, out};
+        CudaStream &                   cs     = start(s, "embedding_forward", held);
+        Tensor                         bad    = bad_id_word(cs);
+        cudaStream_t                   stream = cs.launch("embedding_forward");
+        kernels::find_bad_id(stream, tokens.data<int32_t>(), tokens.numel(), vocab, bad_id_ptr(bad));
+        kernels::embedding_forward(stream, tokens.data<int32_t>(), wte.data_ptr(), wpe.defined() ? wpe.data_ptr() : nullptr,
+                                   float_kind(wte.dtype()), f32(out), dims.s, dims.b, dims.h, vocab);
+        held.push_back(bad);
+        cs.launched("embedding_forward", std::move(held));
+        report_bad_id(cs, bad, vocab, "embedding_forward", "token");
     }
-    void vocab_shard_ids(Stream &, const Tensor &, int64_t, int64_t, const Tensor &) override {
-        not_implemented("vocab_shard_ids");
+
+    void embedding_backward(Stream & s, const Tensor & tokens, const Tensor & dout, const Tensor & dwte,
+                            const Tensor & dwpe) override {
+        const op_checks::EmbeddingDims dims = op_checks::embedding_backward(tokens, dout, dwte, dwpe);
+        const int64_t                  vocab = dwte.size(0);
+        std::vector<Tensor>            held{tokens, dout, dwte, dwpe};
+        CudaStream &                   cs     = start(s, "embedding_backward", held);
+        Tensor                         bad    = bad_id_word(cs);
+        cudaStream_t                   stream = cs.launch("embedding_backward");
+        kernels::find_bad_id(stream, tokens.data<int32_t>(), tokens.numel(), vocab, bad_id_ptr(bad));
+        kernels::embedding_backward(stream, tokens.data<int32_t>(), f32(dout), f32(dwte), f32_or_null(dwpe), dims.s,
+                                    dims.b, dims.h, vocab);
+        held.push_back(bad);
+        cs.launched("embedding_backward", std::move(held));
+        report_bad_id(cs, bad, vocab, "embedding_backward", "token");
     }
+
+    void vocab_shard_ids(Stream & s, const Tensor & ids, int64_t begin, int64_t count, const Tensor & out) override {
+        op_checks::vocab_shard_ids(ids, out);
+        CudaStream & cs = start(s, "vocab_shard_ids", {ids, out});
+        kernels::vocab_shard_ids(cs.launch("vocab_shard_ids"), ids.data<int32_t>(), ids.numel(), begin, count,
+                                 out.data<int32_t>());
+        cs.launched("vocab_shard_ids", {ids, out});
+    }
+
     void attention_forward(Stream &, const Tensor &, const Tensor &, const Tensor &, const AttentionShape &, float,
                            const Dropout &) override {
         not_implemented("attention_forward");
@@ -211,23 +317,93 @@ public:
                             const AttentionShape &, float, const Dropout &) override {
         not_implemented("attention_backward");
     }
-    void cross_entropy_forward(Stream &, const Tensor &, const Tensor &, const Tensor &, const Tensor &,
-                               int64_t) override {
-        not_implemented("cross_entropy_forward");
+
+    void cross_entropy_forward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & loss,
+                               const Tensor & lse, int64_t vocab) override {
+        int64_t n, stride;
+        std::tie(n, stride) = op_checks::cross_entropy(logits, labels, lse, vocab, "cross_entropy_forward");
+        expect(loss, DType::f32, n, "cross_entropy_forward", "loss");
+        const int64_t       b = labels.size(0), seq = labels.size(1);
+        std::vector<Tensor> held{logits, labels, loss, lse};
+        CudaStream &        cs     = start(s, "cross_entropy_forward", held);
+        Tensor              bad    = bad_id_word(cs);
+        cudaStream_t        stream = cs.launch("cross_entropy_forward");
+        kernels::find_bad_id(stream, labels.data<int32_t>(), labels.numel(), vocab, bad_id_ptr(bad));
+        kernels::cross_entropy_forward(stream, f32(logits), labels.data<int32_t>(), f32(loss), f32(lse), seq, b, stride,
+                                       vocab);
+        held.push_back(bad);
+        cs.launched("cross_entropy_forward", std::move(held));
+        report_bad_id(cs, bad, vocab, "cross_entropy_forward", "label");
     }
-    void cross_entropy_backward(Stream &, const Tensor &, const Tensor &, const Tensor &, const Tensor &,
-                                int64_t) override {
-        not_implemented("cross_entropy_backward");
+
+    void cross_entropy_backward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & lse,
+                                const Tensor & dloss, int64_t vocab) override {
+        int64_t n, stride;
+        std::tie(n, stride) = op_checks::cross_entropy(logits, labels, lse, vocab, "cross_entropy_backward");
+        expect(dloss, DType::f32, n, "cross_entropy_backward", "dloss");
+        const int64_t       b = labels.size(0), seq = labels.size(1);
+        std::vector<Tensor> held{logits, labels, lse, dloss};
+        CudaStream &        cs     = start(s, "cross_entropy_backward", held);
+        Tensor              bad    = bad_id_word(cs);
+        cudaStream_t        stream = cs.launch("cross_entropy_backward");
+        kernels::find_bad_id(stream, labels.data<int32_t>(), labels.numel(), vocab, bad_id_ptr(bad));
+        kernels::cross_entropy_backward(stream, f32(logits), labels.data<int32_t>(), f32(lse), f32(dloss), seq, b,
+                                        stride, vocab);
+        held.push_back(bad);
+        cs.launched("cross_entropy_backward", std::move(held));
+        report_bad_id(cs, bad, vocab, "cross_entropy_backward", "label");
     }
-    void row_max(Stream &, const Tensor &, int64_t, const Tensor &) override { not_implemented("row_max"); }
-    void row_sum_exp(Stream &, const Tensor &, const Tensor &, int64_t, const Tensor &) override {
-        not_implemented("row_sum_exp");
+
+    void row_max(Stream & s, const Tensor & logits, int64_t valid, const Tensor & out) override {
+        int64_t n, stride;
+        std::tie(n, stride) = op_checks::logits(logits, valid, "row_max");
+        expect(out, DType::f32, n, "row_max", "out");
+        CudaStream & cs = start(s, "row_max", {logits, out});
+        kernels::row_max(cs.launch("row_max"), f32(logits), n, stride, valid, f32(out));
+        cs.launched("row_max", {logits, out});
     }
-    void label_logit(Stream &, const Tensor &, const Tensor &, const Tensor &) override { not_implemented("label_logit"); }
-    void lse_and_loss(Stream &, const Tensor &, const Tensor &, const Tensor &, const Tensor &, const Tensor &) override {
-        not_implemented("lse_and_loss");
+
+    void row_sum_exp(Stream & s, const Tensor & logits, const Tensor & max, int64_t valid, const Tensor & out) override {
+        int64_t n, stride;
+        std::tie(n, stride) = op_checks::logits(logits, valid, "row_sum_exp");
+        expect(max, DType::f32, n, "row_sum_exp", "max");
+        expect(out, DType::f32, n, "row_sum_exp", "out");
+        CudaStream & cs = start(s, "row_sum_exp", {logits, max, out});
+        kernels::row_sum_exp(cs.launch("row_sum_exp"), f32(logits), f32(max), n, stride, valid, f32(out));
+        cs.launched("row_sum_exp", {logits, max, out});
     }
-    void loss_grad(Stream &, const Tensor &, double, const Tensor &) override { not_implemented("loss_grad"); }
+
+    void label_logit(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & out) override {
+        int64_t n, stride;
+        std::tie(n, stride) = op_checks::logits(logits, 0, "label_logit");
+        op_checks::labels(labels, n, "label_logit");
+        expect(out, DType::f32, n, "label_logit", "out");
+        const int64_t b = labels.size(0), seq = labels.size(1);
+        CudaStream &  cs     = start(s, "label_logit", {logits, labels, out});
+        Tensor        bad    = bad_id_word(cs);
+        cudaStream_t  stream = cs.launch("label_logit");
+        kernels::find_bad_id(stream, labels.data<int32_t>(), labels.numel(), stride, bad_id_ptr(bad));
+        kernels::label_logit(stream, f32(logits), labels.data<int32_t>(), f32(out), seq, b, stride);
+        cs.launched("label_logit", {logits, labels, out, bad});
+        report_bad_id(cs, bad, stride, "label_logit", "label");
+    }
+
+    void lse_and_loss(Stream & s, const Tensor & max, const Tensor & sum, const Tensor & target, const Tensor & lse,
+                      const Tensor & loss) override {
+        const int64_t       n = op_checks::lse_and_loss(max, sum, target, lse, loss);
+        std::vector<Tensor> held{max, sum, target, lse, loss};
+        CudaStream &        cs = start(s, "lse_and_loss", held);
+        kernels::lse_and_loss(cs.launch("lse_and_loss"), f32(max), f32(sum), f32(target), f32(lse), f32(loss), n);
+        cs.launched("lse_and_loss", std::move(held));
+    }
+
+    void loss_grad(Stream & s, const Tensor & mask, double scale, const Tensor & dloss) override {
+        int64_t b, seq;
+        std::tie(b, seq) = op_checks::loss_grad(mask, dloss);
+        CudaStream & cs = start(s, "loss_grad", {mask, dloss});
+        kernels::loss_grad(cs.launch("loss_grad"), f32(mask), scale, f32(dloss), seq, b);
+        cs.launched("loss_grad", {mask, dloss});
+    }
 
     void convert(Stream & s, const Tensor & src, const Tensor & dst) override {
         LOOM_CHECK(dtype_is_floating(src.dtype()) && dtype_is_floating(dst.dtype()) && src.numel() == dst.numel(),

@@ -5,6 +5,8 @@
 #include "backend/cuda/kernels.h"
 
 #include <algorithm>
+#include <climits>
+#include <cmath>
 
 namespace loom::cuda::kernels {
 
@@ -97,6 +99,85 @@ __device__ double block_sum(double v) {
     double result = total;
     __syncthreads();   // warp_sums and total may be reused by the next call
     return result;
+}
+
+
+// The first maximum of a row, as std::max over its columns in order keeps it (a later equal value, -0 after
+// +0 too, does not replace it; NaNs never do): each thread keeps (value, column) of its columns, and pairs
+// combine to the greater value, the lower column on ties.
+struct MaxAt {
+    float     v;
+    long long at;
+};
+
+__device__ __forceinline__ MaxAt first_max(MaxAt a, MaxAt b) { return a.v < b.v || (a.v == b.v && b.at < a.at) ? b : a; }
+
+__device__ MaxAt block_first_max(MaxAt m) {
+    __shared__ float     warp_v[32];
+    __shared__ long long warp_at[32];
+    __shared__ MaxAt     total;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int offset = 16; offset > 0; offset /= 2) {
+        MaxAt other{__shfl_down_sync(0xffffffffu, m.v, offset), __shfl_down_sync(0xffffffffu, m.at, offset)};
+        m = first_max(m, other);
+    }
+    if (lane == 0) {
+        warp_v[warp]  = m.v;
+        warp_at[warp] = m.at;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int warps = (blockDim.x + 31) / 32;
+        m = lane < warps ? MaxAt{warp_v[lane], warp_at[lane]} : MaxAt{-INFINITY, LLONG_MAX};
+        for (int offset = 16; offset > 0; offset /= 2) {
+            MaxAt other{__shfl_down_sync(0xffffffffu, m.v, offset), __shfl_down_sync(0xffffffffu, m.at, offset)};
+            m = first_max(m, other);
+        }
+        if (lane == 0) total = m;
+    }
+    __syncthreads();
+    MaxAt result = total;
+    __syncthreads();
+    return result;
+}
+
+// backend/cpu/vec_math.h's exp_approx, operation for operation, each rounded on its own (nothing fused).
+__device__ __forceinline__ float exp_approx(float x) {
+    x       = x < -87.3f ? -87.3f : x;   // std::max(x, -87.3f): a NaN stays
+    x       = 88.3f < x ? 88.3f : x;     // std::min(x, 88.3f)
+    float k = __fsub_rn(__fadd_rn(__fmul_rn(x, 1.44269504088896341f), 12582912.0f), 12582912.0f);
+    float r = __fsub_rn(x, __fmul_rn(k, 0.693145751953125f));
+    r       = __fsub_rn(r, __fmul_rn(k, 1.428606765330187e-06f));
+    float p = 1.0f / 720.0f;
+    p       = __fadd_rn(__fmul_rn(p, r), 1.0f / 120.0f);
+    p       = __fadd_rn(__fmul_rn(p, r), 1.0f / 24.0f);
+    p       = __fadd_rn(__fmul_rn(p, r), 1.0f / 6.0f);
+    p       = __fadd_rn(__fmul_rn(p, r), 0.5f);
+    p       = __fadd_rn(__fmul_rn(p, r), 1.0f);
+    p       = __fadd_rn(__fmul_rn(p, r), 1.0f);
+    k       = k >= -127.0f ? k : -127.0f;
+    k       = k <= 128.0f ? k : 128.0f;
+    return __fmul_rn(p, __int_as_float((static_cast<int>(k) + 127) << 23));
+}
+
+// ---- core/dropout.h's counter-based hash, ported bit for bit (tests/test_cuda_ops.cpp compares the masks).
+
+__device__ __forceinline__ uint64_t fmix64(uint64_t k) {
+    k ^= k >> 33;
+    k *= 0xff51afd7ed558ccdULL;
+    k ^= k >> 33;
+    k *= 0xc4ceb9fe1a85ec53ULL;
+    k ^= k >> 33;
+    return k;
+}
+
+__device__ __forceinline__ uint64_t dropout_base(uint64_t seed, uint64_t site, int64_t sample) {
+    return fmix64(seed * 0x9e3779b97f4a7c15ULL ^ fmix64(site * 0xd6e8feb86659fd93ULL + static_cast<uint64_t>(sample)));
+}
+
+__device__ __forceinline__ bool dropout_keep_hidden(uint64_t base, int64_t position, int64_t feature, uint32_t threshold) {
+    return static_cast<uint32_t>(fmix64(base + (static_cast<uint64_t>(position) << 32) + static_cast<uint64_t>(feature)) >> 32) >=
+           threshold;
 }
 
 // ---- Elementwise
@@ -314,6 +395,171 @@ __global__ void adamw_kernel(float * p, const float * g, float * m, float * v, v
     }
 }
 
+
+// ---- Ids, rotary embedding, dropout, embedding
+
+__global__ void find_bad_id_kernel(const int32_t * ids, int64_t n, int64_t limit, unsigned long long * first_bad) {
+    LOOM_GRID_STRIDE(i, n) {
+        const int32_t v = ids[i];
+        if (v < -1 || v >= limit) {
+            atomicMin(first_bad, (static_cast<unsigned long long>(i) << 32) | static_cast<uint32_t>(v));   // integer: exact
+        }
+    }
+}
+
+// One thread per rotated pair (row, head, i < d / 2), as backend/cpu/ops.cpp's rope_apply.
+__global__ void rope_kernel(float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d,
+                            const float * inv_freq, bool inverse) {
+    const int64_t half = d / 2;
+    LOOM_GRID_STRIDE(e, s * b * heads * half) {
+        const int64_t i = e % half, t = e / half, hd = t % heads, row = t / heads, si = row / b;
+        const float   angle = __fmul_rn(static_cast<float>(si), inv_freq[i]);
+        const float   c     = cosf(angle);
+        const float   sn    = inverse ? -sinf(angle) : sinf(angle);
+        float *       v     = x + row * row_stride + hd * d;
+        const float   x1 = v[i], x2 = v[i + half];
+        v[i]        = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sn));
+        v[i + half] = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, sn));
+    }
+}
+
+__global__ void dropout_kernel(const float * x, float * y, int64_t n, int64_t w, DropoutKey key) {
+    LOOM_GRID_STRIDE(i, n * w) {
+        const int64_t  r = i / w, c = i % w;
+        const int64_t  g = key.offset + r, position = g / key.batch, column = g % key.batch;
+        const uint64_t base = dropout_base(key.seed, key.site, key.sample_ids != nullptr ? key.sample_ids[column] : column);
+        y[i] = dropout_keep_hidden(base, position, c, key.threshold) ? __fmul_rn(x[i], key.keep_scale) : 0.0f;
+    }
+}
+
+__device__ __forceinline__ float load_table(const float * p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float load_table(const uint16_t * p, int64_t i) { return bf16_bits_to_f32(p[i]); }
+
+template <typename W>
+__global__ void embedding_forward_kernel(const int32_t * tokens, const W * wte, const W * wpe, float * out, int64_t s,
+                                         int64_t b, int64_t h, int64_t vocab) {
+    LOOM_GRID_STRIDE(i, s * b * h) {
+        const int64_t r = i / h, j = i % h, si = r / b, bi = r % b;
+        const int32_t token = tokens[bi * s + si];
+        float         v     = token >= 0 && token < vocab ? load_table(wte, static_cast<int64_t>(token) * h + j) : 0.0f;
+        if (wpe != nullptr) v = __fadd_rn(v, load_table(wpe, si * h + j));
+        out[i] = v;
+    }
+}
+
+// dwte: thread (column j, bucket k) adds, in row order, the rows whose token t has t % buckets == k. Every
+// dwte element therefore has one owner adding its rows in the CPU's order: no atomics, the CPU's bits.
+__global__ void embedding_backward_wte_kernel(const int32_t * tokens, const float * dout, float * dwte, int64_t s,
+                                              int64_t b, int64_t h, int64_t vocab, int64_t buckets) {
+    const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+    if (j >= h) return;
+    const int64_t bucket = blockIdx.y;
+    for (int64_t si = 0; si < s; ++si) {
+        for (int64_t bi = 0; bi < b; ++bi) {
+            const int32_t t = tokens[bi * s + si];   // the same for the whole block: a broadcast read
+            if (t < 0 || t >= vocab || t % buckets != bucket) continue;
+            float * w = dwte + static_cast<int64_t>(t) * h + j;
+            *w        = __fadd_rn(*w, dout[(si * b + bi) * h + j]);
+        }
+    }
+}
+
+// dwpe[si, j] += dout[si * b + bi, j] for bi in order.
+__global__ void embedding_backward_wpe_kernel(const float * dout, float * dwpe, int64_t s, int64_t b, int64_t h) {
+    LOOM_GRID_STRIDE(i, s * h) {
+        const int64_t si = i / h, j = i % h;
+        float         acc = dwpe[i];
+        for (int64_t bi = 0; bi < b; ++bi) acc = __fadd_rn(acc, dout[(si * b + bi) * h + j]);
+        dwpe[i] = acc;
+    }
+}
+
+__global__ void vocab_shard_ids_kernel(const int32_t * ids, int64_t n, int64_t begin, int64_t count, int32_t * out) {
+    LOOM_GRID_STRIDE(i, n) {
+        const int64_t v = ids[i];
+        out[i]          = v >= begin && v < begin + count ? static_cast<int32_t>(v - begin) : -1;
+    }
+}
+
+// ---- Cross-entropy, one block per row
+
+__device__ float row_first_max(const float * row, int64_t valid) {
+    MaxAt m{-INFINITY, LLONG_MAX};
+    for (int64_t v = threadIdx.x; v < valid; v += blockDim.x) {
+        if (m.v < row[v]) m = MaxAt{row[v], v};
+    }
+    return block_first_max(m).v;
+}
+
+__device__ float row_sum_exp_of(const float * row, float mx, int64_t valid) {
+    double sum = 0;
+    for (int64_t v = threadIdx.x; v < valid; v += blockDim.x) sum += static_cast<double>(exp_approx(__fsub_rn(row[v], mx)));
+    return static_cast<float>(block_sum(sum));
+}
+
+__global__ void row_max_kernel(const float * logits, int64_t stride, int64_t valid, float * out) {
+    const float mx = row_first_max(logits + blockIdx.x * stride, valid);
+    if (threadIdx.x == 0) out[blockIdx.x] = mx;
+}
+
+__global__ void row_sum_exp_kernel(const float * logits, const float * max, int64_t stride, int64_t valid, float * out) {
+    const float sum = row_sum_exp_of(logits + blockIdx.x * stride, max[blockIdx.x], valid);
+    if (threadIdx.x == 0) out[blockIdx.x] = sum;
+}
+
+__device__ __forceinline__ int32_t row_label(const int32_t * labels, int64_t r, int64_t s, int64_t b, int64_t limit) {
+    const int32_t label = labels[(r % b) * s + r / b];
+    return label >= 0 && label < limit ? label : -1;
+}
+
+__global__ void cross_entropy_forward_kernel(const float * logits, const int32_t * labels, float * loss, float * lse,
+                                             int64_t s, int64_t b, int64_t stride, int64_t vocab) {
+    const int64_t r   = blockIdx.x;
+    const float * row = logits + r * stride;
+    const float   mx  = row_first_max(row, vocab);
+    const float   sum = row_sum_exp_of(row, mx, vocab);
+    if (threadIdx.x == 0) {
+        const float   l     = __fadd_rn(mx, static_cast<float>(log(static_cast<double>(sum))));
+        const int32_t label = row_label(labels, r, s, b, vocab);
+        lse[r]              = l;
+        loss[r]             = __fsub_rn(l, label >= 0 ? row[label] : 0.0f);
+    }
+}
+
+__global__ void cross_entropy_backward_kernel(float * logits, const int32_t * labels, const float * lse,
+                                              const float * dloss, int64_t s, int64_t b, int64_t stride, int64_t vocab) {
+    const int64_t r     = blockIdx.x;
+    float *       row   = logits + r * stride;
+    const float   l     = lse[r], g = dloss[r];
+    const int32_t label = row_label(labels, r, s, b, vocab);
+    for (int64_t v = threadIdx.x; v < stride; v += blockDim.x) {
+        float value = v < vocab ? __fmul_rn(exp_approx(__fsub_rn(row[v], l)), g) : 0.0f;
+        if (v == label) value = __fsub_rn(value, g);
+        row[v] = value;
+    }
+}
+
+__global__ void label_logit_kernel(const float * logits, const int32_t * labels, float * out, int64_t s, int64_t b,
+                                   int64_t stride) {
+    LOOM_GRID_STRIDE(r, s * b) {
+        const int32_t label = row_label(labels, r, s, b, stride);
+        out[r]              = label >= 0 ? logits[r * stride + label] : 0.0f;
+    }
+}
+
+__global__ void lse_and_loss_kernel(const float * max, const float * sum, const float * target, float * lse,
+                                    float * loss, int64_t n) {
+    LOOM_GRID_STRIDE(r, n) {
+        const float l = __fadd_rn(max[r], logf(sum[r]));
+        lse[r]        = l;
+        loss[r]       = __fsub_rn(l, target[r]);
+    }
+}
+
+__global__ void loss_grad_kernel(const float * mask, double scale, float * dloss, int64_t s, int64_t b) {
+    LOOM_GRID_STRIDE(r, s * b) dloss[r] = static_cast<float>(__dmul_rn(static_cast<double>(mask[(r % b) * s + r / b]), scale));
+}
+
 }  // namespace
 
 void fill_f32(cudaStream_t stream, float * data, int64_t n, float value) {
@@ -403,6 +649,89 @@ void swiglu_backward(cudaStream_t stream, const float * x, const float * dy, flo
 void adamw(cudaStream_t stream, float * p, const float * g, float * m, float * v, void * out, AdamOut out_kind,
            int64_t n, const AdamCoeffs & c) {
     if (n > 0) adamw_kernel<<<blocks_for(n), kThreads, 0, stream>>>(p, g, m, v, out, out_kind, n, c);
+}
+
+void find_bad_id(cudaStream_t stream, const int32_t * ids, int64_t n, int64_t limit, unsigned long long * first_bad) {
+    if (n > 0) find_bad_id_kernel<<<blocks_for(n), kThreads, 0, stream>>>(ids, n, limit, first_bad);
+}
+
+void rope(cudaStream_t stream, float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d,
+          const float * inv_freq, bool inverse) {
+    const int64_t pairs = s * b * heads * (d / 2);
+    if (pairs > 0) rope_kernel<<<blocks_for(pairs), kThreads, 0, stream>>>(x, row_stride, s, b, heads, d, inv_freq, inverse);
+}
+
+void dropout(cudaStream_t stream, const float * x, float * y, int64_t n, int64_t w, const DropoutKey & key) {
+    if (n * w > 0) dropout_kernel<<<blocks_for(n * w), kThreads, 0, stream>>>(x, y, n, w, key);
+}
+
+void embedding_forward(cudaStream_t stream, const int32_t * tokens, const void * wte, const void * wpe, Float kind,
+                       float * out, int64_t s, int64_t b, int64_t h, int64_t vocab) {
+    const int64_t count = s * b * h;
+    if (count == 0) return;
+    if (kind == Float::f32) {
+        embedding_forward_kernel<<<blocks_for(count), kThreads, 0, stream>>>(
+            tokens, static_cast<const float *>(wte), static_cast<const float *>(wpe), out, s, b, h, vocab);
+    } else {
+        embedding_forward_kernel<<<blocks_for(count), kThreads, 0, stream>>>(
+            tokens, static_cast<const uint16_t *>(wte), static_cast<const uint16_t *>(wpe), out, s, b, h, vocab);
+    }
+}
+
+void embedding_backward(cudaStream_t stream, const int32_t * tokens, const float * dout, float * dwte, float * dwpe,
+                        int64_t s, int64_t b, int64_t h, int64_t vocab) {
+    if (s * b == 0 || h == 0) return;
+    if (vocab > 0) {
+        // Buckets of the vocabulary so that about 2^17 threads share the work (any count gives the same bits).
+        constexpr int64_t kTargetThreads = int64_t{1} << 17;
+        const int64_t     buckets = std::max<int64_t>(1, std::min<int64_t>({vocab, 65535, kTargetThreads / h}));
+        const dim3        grid(static_cast<unsigned>((h + kThreads - 1) / kThreads), static_cast<unsigned>(buckets));
+        embedding_backward_wte_kernel<<<grid, kThreads, 0, stream>>>(tokens, dout, dwte, s, b, h, vocab, buckets);
+    }
+    if (dwpe != nullptr) embedding_backward_wpe_kernel<<<blocks_for(s * h), kThreads, 0, stream>>>(dout, dwpe, s, b, h);
+}
+
+void vocab_shard_ids(cudaStream_t stream, const int32_t * ids, int64_t n, int64_t begin, int64_t count, int32_t * out) {
+    if (n > 0) vocab_shard_ids_kernel<<<blocks_for(n), kThreads, 0, stream>>>(ids, n, begin, count, out);
+}
+
+void row_max(cudaStream_t stream, const float * logits, int64_t n, int64_t stride, int64_t valid, float * out) {
+    if (n > 0) row_max_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(logits, stride, valid, out);
+}
+
+void row_sum_exp(cudaStream_t stream, const float * logits, const float * max, int64_t n, int64_t stride,
+                 int64_t valid, float * out) {
+    if (n > 0) row_sum_exp_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(logits, max, stride, valid, out);
+}
+
+void cross_entropy_forward(cudaStream_t stream, const float * logits, const int32_t * labels, float * loss,
+                           float * lse, int64_t s, int64_t b, int64_t stride, int64_t vocab) {
+    if (s * b > 0) {
+        cross_entropy_forward_kernel<<<static_cast<unsigned>(s * b), kThreads, 0, stream>>>(logits, labels, loss, lse, s,
+                                                                                           b, stride, vocab);
+    }
+}
+
+void cross_entropy_backward(cudaStream_t stream, float * logits, const int32_t * labels, const float * lse,
+                            const float * dloss, int64_t s, int64_t b, int64_t stride, int64_t vocab) {
+    if (s * b > 0) {
+        cross_entropy_backward_kernel<<<static_cast<unsigned>(s * b), kThreads, 0, stream>>>(logits, labels, lse, dloss,
+                                                                                            s, b, stride, vocab);
+    }
+}
+
+void label_logit(cudaStream_t stream, const float * logits, const int32_t * labels, float * out, int64_t s, int64_t b,
+                 int64_t stride) {
+    if (s * b > 0) label_logit_kernel<<<blocks_for(s * b), kThreads, 0, stream>>>(logits, labels, out, s, b, stride);
+}
+
+void lse_and_loss(cudaStream_t stream, const float * max, const float * sum, const float * target, float * lse,
+                  float * loss, int64_t n) {
+    if (n > 0) lse_and_loss_kernel<<<blocks_for(n), kThreads, 0, stream>>>(max, sum, target, lse, loss, n);
+}
+
+void loss_grad(cudaStream_t stream, const float * mask, double scale, float * dloss, int64_t s, int64_t b) {
+    if (s * b > 0) loss_grad_kernel<<<blocks_for(s * b), kThreads, 0, stream>>>(mask, scale, dloss, s, b);
 }
 
 }  // namespace loom::cuda::kernels

@@ -71,4 +71,62 @@ enum class AdamOut : int { none, f32, bf16 };
 void adamw(cudaStream_t stream, float * p, const float * g, float * m, float * v, void * out, AdamOut out_kind,
            int64_t n, const AdamCoeffs & c);
 
+// ---- Ids, rotary embedding, dropout, embedding, cross-entropy (twins of backend/cpu/ops.cpp and of the
+// inline kernels of backend/cpu/cpu_ops.cpp). Ids (tokens, labels) outside [-1, limit) are read as -1 by
+// every kernel below (nothing outside a table is touched); find_bad_id reports them.
+
+// *first_bad = min over the ids outside [-1, limit) of (position << 32 | the id's 32 bits); the caller sets
+// it to ~0 first, so ~0 afterwards means every id is in range.
+void find_bad_id(cudaStream_t stream, const int32_t * ids, int64_t n, int64_t limit, unsigned long long * first_bad);
+
+// Rotary embedding in place on the first `heads` heads of d in every (s, b) row of x (row stride in
+// elements). inv_freq (d / 2, device memory) is the CPU's table, computed on the host.
+void rope(cudaStream_t stream, float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d,
+          const float * inv_freq, bool inverse);
+
+// Hidden dropout of x (n, w) into y (may be x): core/dropout.h's hash, bit for bit. sample_ids (batch, in
+// device memory) may be null (column c is sample c); keep_scale = 1 / (1 - p) in f32 as the CPU computes it.
+struct DropoutKey {
+    uint64_t        seed;
+    uint64_t        site;
+    const int64_t * sample_ids;
+    int64_t         batch;
+    int64_t         offset;
+    uint32_t        threshold;
+    float           keep_scale;
+};
+void dropout(cudaStream_t stream, const float * x, float * y, int64_t n, int64_t w, const DropoutKey & key);
+
+// out (s * b, h) = wte[tokens[bi, si]] (0 for -1) + wpe[si] (wpe may be null), tables f32 or bf16 (both
+// the same; Float::f16 is not a table format).
+void embedding_forward(cudaStream_t stream, const int32_t * tokens, const void * wte, const void * wpe, Float kind,
+                       float * out, int64_t s, int64_t b, int64_t h, int64_t vocab);
+// dwte[token] += dout rows and dwpe[si] += dout rows (dwpe may be null), each element's additions in row
+// order as the CPU's, with no atomics: the same bits as the CPU.
+void embedding_backward(cudaStream_t stream, const int32_t * tokens, const float * dout, float * dwte, float * dwpe,
+                        int64_t s, int64_t b, int64_t h, int64_t vocab);
+// out[i] = ids[i] - begin where begin <= ids[i] < begin + count, else -1.
+void vocab_shard_ids(cudaStream_t stream, const int32_t * ids, int64_t n, int64_t begin, int64_t count, int32_t * out);
+
+// One block per row of logits (n, stride): max over the first `valid` columns (the CPU's value bit for bit:
+// the first maximum in column order), and the sum of exp(x - max) (exp as the CPU's exp_approx, summed in
+// double over a fixed tree, rounded to f32).
+void row_max(cudaStream_t stream, const float * logits, int64_t n, int64_t stride, int64_t valid, float * out);
+void row_sum_exp(cudaStream_t stream, const float * logits, const float * max, int64_t n, int64_t stride,
+                 int64_t valid, float * out);
+// labels (b, s) read in (s, b) row order. Forward: lse[r] = max + log(sum) (log in double), loss[r] = lse -
+// the label's logit (0 for -1). Backward in place: (exp(x - lse) - onehot) * dloss[r], 0 on the padding.
+void cross_entropy_forward(cudaStream_t stream, const float * logits, const int32_t * labels, float * loss,
+                           float * lse, int64_t s, int64_t b, int64_t stride, int64_t vocab);
+void cross_entropy_backward(cudaStream_t stream, float * logits, const int32_t * labels, const float * lse,
+                            const float * dloss, int64_t s, int64_t b, int64_t stride, int64_t vocab);
+// out[r] = logits[r, label] (0 for -1), labels (b, s) in (s, b) row order; labels >= stride read as -1.
+void label_logit(cudaStream_t stream, const float * logits, const int32_t * labels, float * out, int64_t s, int64_t b,
+                 int64_t stride);
+// lse = max + logf(sum), loss = lse - target.
+void lse_and_loss(cudaStream_t stream, const float * max, const float * sum, const float * target, float * lse,
+                  float * loss, int64_t n);
+// dloss[r] = float(mask[(r % b) * s + r / b] * scale), the product in double.
+void loss_grad(cudaStream_t stream, const float * mask, double scale, float * dloss, int64_t s, int64_t b);
+
 }  // namespace loom::cuda::kernels
