@@ -307,6 +307,15 @@ TEST(ExpertParallel, Ep2TimesEtp2WithTp2SpAllgatherFollowsTheSingleRankRun) {
     expect_follows_reference(tp2_sp(model::MoeDispatcher::allgather, 2));
 }
 
+// Grouped GEMM: each (L, F1, h) tensor is this rank's experts (dim 0) and its ETP block of features (dim 1,
+// or 2 for fc2) of the full (E, F1, h); the checkpoint assembles them into the single-rank tensors.
+TEST(ExpertParallel, Ep2TimesEtp2WithTp2SpGroupedGemmFollowsTheSingleRankRun) {
+    if (g_mpi->world_size() != 4) GTEST_SKIP() << "needs 4 ranks (tp 2 x dp 2; etp 2 x ep 2)";
+    Layout l  = tp2_sp(model::MoeDispatcher::alltoall, 2);
+    l.grouped = true;
+    expect_follows_reference(l);
+}
+
 TEST(ExpertParallel, Ep2WithEtp1AndTp2SpFollowsTheSingleRankRun) {
     if (g_mpi->world_size() != 4) GTEST_SKIP() << "needs 4 ranks (tp 2 x dp 2; etp 1 x ep 2 x edp 2)";
     expect_follows_reference(tp2_sp(model::MoeDispatcher::alltoall, 1));

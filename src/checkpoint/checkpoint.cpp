@@ -123,40 +123,19 @@ void fsync_folder(const std::string & path) {
     LOOM_CHECK(rc == 0, "cannot flush folder '" << path << "': " << std::strerror(errno), "");
 }
 
-// Calls fn(local_offset, full_offset, length) for the contiguous runs that elements [begin, end) of a TP
-// part (tp_dim, ranges, local shape) occupy in the full tensor of shape `full` (row-major).
+// Calls fn(local_offset, full_offset, length) for the contiguous runs that elements [begin, end) of a
+// piece's TP part occupy in the full tensor of shape `full` (row-major): model::tp_slice_runs, clipped.
 template <typename Fn>
-void for_each_run(int tp_dim, const std::vector<std::pair<int64_t, int64_t>> & ranges, const Shape & full,
-                  int64_t begin, int64_t end, Fn && fn) {
-    if (begin >= end) return;
-    if (tp_dim < 0) {
-        fn(begin, begin, end - begin);
+void for_each_run(const Piece & p, const Shape & full, Fn && fn) {
+    if (p.begin >= p.end) return;
+    if (p.tp_dim < 0) {
+        fn(p.begin, p.begin, p.end - p.begin);
         return;
     }
-    int64_t inner = 1;   // elements per index of dimension 0 (dim 0) or per row (dim 1)
-    for (size_t d = 1; d < full.size(); ++d) inner *= full[d];
-    if (tp_dim == 0) {
-        int64_t local = 0;   // local offset of the range's first element
-        for (auto [a, b] : ranges) {
-            const int64_t n  = (b - a) * inner;
-            const int64_t lo = std::max(begin, local), hi = std::min(end, local + n);
-            if (lo < hi) fn(lo, a * inner + (lo - local), hi - lo);
-            local += n;
-        }
-        return;
-    }
-    // tp_dim 1 of a 2-D tensor: every row holds the listed column ranges.
-    const int64_t cols = full[1];
-    int64_t       width = 0;
-    for (auto [a, b] : ranges) width += b - a;
-    for (int64_t row = begin / width; row * width < end; ++row) {
-        int64_t local = row * width;
-        for (auto [a, b] : ranges) {
-            const int64_t lo = std::max(begin, local), hi = std::min(end, local + (b - a));
-            if (lo < hi) fn(lo, row * cols + a + (lo - local), hi - lo);
-            local += b - a;
-        }
-    }
+    model::tp_slice_runs(model::TpSlice{p.tp_dim, p.tp_ranges, full, p.tp_outer}, [&](int64_t local, int64_t at, int64_t n) {
+        const int64_t lo = std::max(p.begin, local), hi = std::min(p.end, local + n);
+        if (lo < hi) fn(lo, at + (lo - local), hi - lo);
+    });
 }
 
 // --- writing --------------------------------------------------------------------------------------------
@@ -286,9 +265,11 @@ SaveStats save(const std::string & dir, int64_t iteration, const json & metadata
             t = {{"shape", slice.dim < 0 ? p.data.shape() : slice.full_shape}, {"dtype", values_dtype},
                  {"pieces", json::array()}};
         }
-        t["pieces"].push_back({{"file", rank_file(my_rank, "safetensors")}, {"tp_dim", slice.dim},
-                               {"tp_ranges", tp_ranges_json(slice.ranges)}, {"local_shape", p.data.shape()},
-                               {"range", {piece.begin, piece.end}}});
+        json piece_json = {{"file", rank_file(my_rank, "safetensors")}, {"tp_dim", slice.dim},
+                           {"tp_ranges", tp_ranges_json(slice.ranges)}, {"local_shape", p.data.shape()},
+                           {"range", {piece.begin, piece.end}}};
+        if (slice.dim >= 1 && slice.outer.second >= 0) piece_json["tp_outer"] = {slice.outer.first, slice.outer.second};
+        t["pieces"].push_back(piece_json);
     }
     int64_t my_bytes = 0;
     if (!pieces.empty()) {
@@ -475,7 +456,7 @@ Index read_index(const std::string & folder) {
                 LOOM_CHECK(index.files.count(p.file), what << " has a piece in '" << p.file << "', which the index does not list",
                            kCorruptHint);
                 p.tp_dim = pj.at("tp_dim").get<int>();
-                LOOM_CHECK(p.tp_dim >= -1 && p.tp_dim <= 1 && (p.tp_dim < 1 || record.shape.size() == 2),
+                LOOM_CHECK(p.tp_dim >= -1 && p.tp_dim < static_cast<int>(record.shape.size()),
                            what << " has tp_dim " << p.tp_dim, kCorruptHint);
                 int64_t extent = p.tp_dim < 0 ? 0 : record.shape[static_cast<size_t>(p.tp_dim)], held = 0;
                 for (const json & r : pj.at("tp_ranges")) {
@@ -488,6 +469,14 @@ Index read_index(const std::string & folder) {
                 p.local_shape = shape_from(pj.at("local_shape"), "local_shape", what);
                 Shape expected = record.shape;
                 if (p.tp_dim >= 0) expected[static_cast<size_t>(p.tp_dim)] = held;
+                if (pj.contains("tp_outer")) {
+                    const int64_t a = pj.at("tp_outer").at(0).get<int64_t>(), b = pj.at("tp_outer").at(1).get<int64_t>();
+                    LOOM_CHECK(p.tp_dim >= 1 && 0 <= a && a <= b && b <= record.shape[0],
+                               what << ": outer range [" << a << ", " << b << ") outside " << record.shape[0] << " (tp_dim "
+                                    << p.tp_dim << ")", kCorruptHint);
+                    p.tp_outer    = {a, b};
+                    expected[0]   = b - a;
+                }
                 LOOM_CHECK(p.local_shape == expected, what << ": a piece's local shape " << shape_string(p.local_shape)
                                                            << " does not match its ranges", kCorruptHint);
                 p.begin = pj.at("range").at(0).get<int64_t>();
@@ -565,7 +554,7 @@ void assemble(const Index & index, const std::string & name, const TensorRecord 
         }
         scratch.resize(static_cast<size_t>(numel));
         file.read_f32(entry, scratch.data());
-        for_each_run(p.tp_dim, p.tp_ranges, t.shape, p.begin, p.end, [&](int64_t local, int64_t at, int64_t n) {
+        for_each_run(p, t.shape, [&](int64_t local, int64_t at, int64_t n) {
             std::copy_n(scratch.data() + (local - p.begin), n, full.data() + at);
         });
     }

@@ -97,6 +97,7 @@ struct Piece {
     std::string                              file;
     int                                      tp_dim = -1;
     std::vector<std::pair<int64_t, int64_t>> tp_ranges;
+    std::pair<int64_t, int64_t>              tp_outer{0, -1};   // tp_dim >= 1: the range of dim 0 held (model::TpSlice)
     Shape                                    local_shape;   // the saving rank's part of the tensor
     int64_t                                  begin = 0, end = 0;   // flat range of that part
 };

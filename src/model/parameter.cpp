@@ -55,28 +55,44 @@ void parameter_init_normal(Parameter & p, uint64_t seed, float std) {
     convert(w.data(), DType::f32, p.data.data_ptr(), p.data.dtype(), w.size());
 }
 
-std::vector<float> tp_extract(const TpSlice & slice, const float * full) {
-    LOOM_CHECK(slice.dim == 0 || slice.dim == 1, "tp_extract of an unsplit tensor", "");
+void tp_slice_runs(const TpSlice & slice, const std::function<void(int64_t, int64_t, int64_t)> & fn) {
     const Shape & shape = slice.full_shape;
-    // dim 0: rows of everything after the first dimension ((E, F1, h): an expert's (F1, h) block per row).
-    const int64_t rows = shape[0];
-    LOOM_CHECK(slice.dim == 0 || shape.size() == 2, "tp_extract along dim 1 of a " << shape.size() << "-d tensor", "");
-    int64_t cols = 1;
-    for (size_t d = 1; d < shape.size(); ++d) cols *= shape[d];
-    std::vector<float> out;
-    if (slice.dim == 0) {
-        for (auto [begin, end] : slice.ranges) {
-            LOOM_CHECK(0 <= begin && begin <= end && end <= rows, "row range out of the tensor", "");
-            out.insert(out.end(), full + begin * cols, full + end * cols);
+    const int     dim   = slice.dim;
+    LOOM_CHECK(dim >= 0 && dim < static_cast<int>(shape.size()), "a tensor-parallel slice along dim " << dim << " of a "
+                                                                                                       << shape.size() << "-d tensor", "");
+    int64_t inner = 1;   // elements per index of `dim`
+    for (size_t d = static_cast<size_t>(dim) + 1; d < shape.size(); ++d) inner *= shape[d];
+    for (auto [a, b] : slice.ranges) {
+        LOOM_CHECK(0 <= a && a <= b && b <= shape[static_cast<size_t>(dim)],
+                   "range [" << a << ", " << b << ") outside dim " << dim << " of " << shape_string(shape), "");
+    }
+    int64_t local = 0;
+    if (dim == 0) {
+        for (auto [a, b] : slice.ranges) {
+            fn(local, a * inner, (b - a) * inner);
+            local += (b - a) * inner;
         }
-    } else {
-        for (int64_t r = 0; r < rows; ++r) {
-            for (auto [begin, end] : slice.ranges) {
-                LOOM_CHECK(0 <= begin && begin <= end && end <= cols, "column range out of the tensor", "");
-                out.insert(out.end(), full + r * cols + begin, full + r * cols + end);
-            }
+        return;
+    }
+    // Rows: every index of dims [0, dim), dim 0 restricted to `outer`; each holds the ranges of `dim`.
+    int64_t between = 1;   // indices of dims 1 .. dim-1 per index of dim 0
+    for (size_t d = 1; d < static_cast<size_t>(dim); ++d) between *= shape[d];
+    const int64_t first = slice.outer.first, count = slice.outer.second < 0 ? shape[0] - first : slice.outer.second - first;
+    LOOM_CHECK(first >= 0 && count >= 0 && first + count <= shape[0], "outer range outside dim 0 of " << shape_string(shape), "");
+    const int64_t row_size = shape[static_cast<size_t>(dim)] * inner;
+    for (int64_t r = 0; r < count * between; ++r) {
+        const int64_t row = (first + r / between) * between + r % between;
+        for (auto [a, b] : slice.ranges) {
+            fn(local, row * row_size + a * inner, (b - a) * inner);
+            local += (b - a) * inner;
         }
     }
+}
+
+std::vector<float> tp_extract(const TpSlice & slice, const float * full) {
+    LOOM_CHECK(slice.dim >= 0, "tp_extract of an unsplit tensor", "");
+    std::vector<float> out;
+    tp_slice_runs(slice, [&](int64_t, int64_t at, int64_t n) { out.insert(out.end(), full + at, full + at + n); });
     return out;
 }
 

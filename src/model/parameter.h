@@ -19,12 +19,21 @@ namespace loom::model {
 // vector; 1: columns of a 2-D weight), the listed [begin, end) ranges, concatenated in order. A column-
 // parallel QKV weight, for example, holds its heads' Q rows, then its groups' K rows, then V rows. Expert
 // parallelism marks grouped expert tensors (E, F1, h) the same way: dim 0, this rank's experts.
+//
+// A slice holds, along `dim`, the listed index ranges (back to back), and every index of the other
+// dimensions, except that with dim >= 1 a tensor of experts may also hold only `outer`, a range of dim 0:
+// a grouped expert tensor (E, F1, h) split over expert ranks (dim 0) and expert-tensor-parallel ranks
+// (dim 1 or 2) at once.
 struct TpSlice {
     int                                      dim = -1;   // -1: the whole tensor (not split)
     std::vector<std::pair<int64_t, int64_t>> ranges;
     Shape                                    full_shape;
+    std::pair<int64_t, int64_t>              outer{0, -1};   // dim >= 1: the range of dim 0 held (end -1: all)
 };
 
+// Calls fn(local_offset, full_offset, count) for every contiguous run of the slice's elements, in local
+// (row-major) order: where each run of the rank's tensor lies in the full row-major tensor.
+void tp_slice_runs(const TpSlice & slice, const std::function<void(int64_t, int64_t, int64_t)> & fn);
 // This rank's shard of a full row-major tensor's values.
 std::vector<float> tp_extract(const TpSlice & slice, const float * full);
 

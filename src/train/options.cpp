@@ -422,9 +422,6 @@ void TrainOptionParser::resolve_moe(TrainOptions & o) const {
                                                         << " is not divisible by --tensor-model-parallel-size "
                                                         << o.tensor_parallel_size,
                "the shared expert is split over the tensor-parallel ranks as a dense MLP");
-    LOOM_CHECK(etp == 1 || !moe.grouped_gemm, "--moe-grouped-gemm with --expert-tensor-parallel-size " << etp
-                                                                                                      << " is not supported by Loom",
-               "drop --moe-grouped-gemm (the sequential experts split over ETP ranks), or use --expert-tensor-parallel-size 1");
     LOOM_CHECK(etp == 1 || !o.model.add_bias_linear,
                "biases in the experts with --expert-tensor-parallel-size " << etp << " are not supported by Loom",
                "pass --disable-bias-linear (Megatron's alltoall dispatcher refuses expert biases as well)");

@@ -40,10 +40,8 @@ Experts::Experts(const std::string & n, const GptConfig & config, const MoeConfi
     LOOM_CHECK(moe.expert_ffn(config) % shard.size == 0,
                "the experts' hidden size " << moe.expert_ffn(config) << " (--moe-ffn-hidden-size, or --ffn-hidden-size) "
                                            << "is not divisible by --expert-tensor-parallel-size " << shard.size, "");
-    LOOM_CHECK(shard.size == 1 || (!grouped && !config.add_bias_linear),
-               "--expert-tensor-parallel-size " << shard.size << " with "
-                                                << (grouped ? "--moe-grouped-gemm" : "biases in the experts"),
-               "Loom splits sequential experts without biases: drop --moe-grouped-gemm, pass --disable-bias-linear");
+    LOOM_CHECK(shard.size == 1 || !config.add_bias_linear,
+               "--expert-tensor-parallel-size " << shard.size << " with biases in the experts", "pass --disable-bias-linear");
     const bool sliced = num_experts < moe.num_experts;
     // A grouped tensor holding experts [first, first + L) of the full (E, ...) one.
     auto slice_of_full = [&](Parameter & p) {
@@ -62,8 +60,15 @@ Experts::Experts(const std::string & n, const GptConfig & config, const MoeConfi
             slice_of_full(fc1_bias);
             slice_of_full(fc2_bias);
         }
-        slice_of_full(fc1_weight);
-        slice_of_full(fc2_weight);
+        if (shard.size == 1) {
+            slice_of_full(fc1_weight);
+            slice_of_full(fc2_weight);
+        } else {   // this ETP rank's features of each held expert (and with EP, of its experts only)
+            const int64_t                      F = moe.expert_ffn(config), r = shard.rank;
+            const std::pair<int64_t, int64_t> held = sliced ? std::pair{first, first + num_experts} : std::pair<int64_t, int64_t>{0, -1};
+            fc1_weight.tp_slice = TpSlice{1, etp_rows(F, r), {moe.num_experts, config.swiglu ? 2 * F : F, h}, held};
+            fc2_weight.tp_slice = TpSlice{2, {{r * ffn, (r + 1) * ffn}}, {moe.num_experts, h, F}, held};
+        }
     } else {
         for (int64_t e = 0; e < num_experts; ++e) {
             local.push_back(std::make_unique<Mlp>(name + "." + std::to_string(first_expert + e), expert_config, device, shard));
@@ -74,19 +79,30 @@ Experts::Experts(const std::string & n, const GptConfig & config, const MoeConfi
     for (Parameter * p : params) p->expert = true;
 }
 
+std::vector<std::pair<int64_t, int64_t>> Experts::etp_rows(int64_t F, int64_t r) const {
+    std::vector<std::pair<int64_t, int64_t>> rows{{r * ffn, (r + 1) * ffn}};
+    if (expert_config.swiglu) rows.push_back({F + r * ffn, F + (r + 1) * ffn});
+    return rows;
+}
+
 void Experts::init(uint64_t seed, float std, float output_std) {
     if (!grouped) {
         for (auto & mlp : local) mlp->init(seed, std, output_std);
         return;
     }
     const int64_t h = expert_config.hidden_size, f1 = expert_config.swiglu ? 2 * ffn : ffn;
+    const int64_t F = ffn * shard.size;   // the whole expert's features
     for (int64_t e = 0; e < num_experts; ++e) {
         const std::string expert = name + "." + std::to_string(first_expert + e);
-        Parameter         w1, w2;   // views under the sequential layout's names
+        Parameter         w1, w2;   // views under the sequential layout's names (its ETP slices with ETP)
         w1.name = expert + ".fc1.weight";
         w1.data = expert_slice(fc1_weight.data, e, {f1, h});
         w2.name = expert + ".fc2.weight";
         w2.data = expert_slice(fc2_weight.data, e, {h, ffn});
+        if (shard.size > 1) {
+            w1.tp_slice = TpSlice{0, etp_rows(F, shard.rank), {expert_config.swiglu ? 2 * F : F, h}};
+            w2.tp_slice = TpSlice{1, {{shard.rank * ffn, (shard.rank + 1) * ffn}}, {h, F}};
+        }
         parameter_init_normal(w1, seed, std);
         parameter_init_normal(w2, seed, output_std);
     }

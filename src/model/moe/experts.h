@@ -22,8 +22,9 @@
 // Expert tensor parallelism (`shard`: a TensorParallel with no group, size ETP): each sequential expert is an
 // Mlp split as tensor parallelism splits one (fc1 by output features, fc2 by input features, marked as TP
 // slices), and its output is this rank's partial sum over its features, summed by the dispatcher; the
-// input gradient is likewise partial. No collective runs here. Biases and the grouped layout are refused
-// with ETP > 1 (a bias would be added once per ETP rank; a grouped tensor would be split along two dims).
+// input gradient is likewise partial. No collective runs here. A grouped tensor is split the same way
+// along dim 1 (fc1) or 2 (fc2), and with EP also along dim 0 (TpSlice's outer range). Biases are refused
+// with ETP > 1 (each ETP rank would add the bias to its partial sum).
 #pragma once
 
 #include "model/gpt_config.h"
@@ -70,6 +71,8 @@ public:
     Parameter fc1_weight, fc1_bias, fc2_weight, fc2_bias;   // grouped: (L, F1, h), (L, F1), (L, h, f), (L, h)
 
 private:
+    // fc1's rows held by ETP rank r of an expert with F features: its block of them ([gate | up]'s with SwiGLU).
+    std::vector<std::pair<int64_t, int64_t>> etp_rows(int64_t F, int64_t r) const;
     Tensor grouped_forward(Context & ctx, const Tensor & xp);
     Tensor grouped_backward(Context & ctx, const Tensor & dyp, const GradReadyFn & ready);
 };
