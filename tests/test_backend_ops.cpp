@@ -1592,6 +1592,10 @@ TEST(OpsArgumentErrors, Attention) {
     expect_error_here("dout size", [&] {
         ops().attention_backward(stream(), qkv, out, empty({n, 7}), lse, empty({n, 16}), a, 0.5f);
     });
+    Dropout few;   // dropout draws each sequence's mask from its sample id: one is missing
+    few.p          = 0.1f;
+    few.sample_ids = empty({1}, DType::i64);
+    expect_error_here("a sample id per sequence", [&] { ops().attention_forward(stream(), qkv, out, lse, a, 0.5f, few); });
 }
 
 TEST(OpsArgumentErrors, CrossEntropy) {

@@ -14,6 +14,8 @@
 //                       and lse (the sum of exps in another order), lse_and_loss (logf)
 //   1e-5 x max(0.01, |ref|) cross_entropy_backward from the same lse (exp_approx's polynomial, which the
 //                       host compiler may fuse), its padding exactly 0
+//   2e-5 x max(1, |ref|)    attention out and lse, 5e-5 its dqkv (f32 dot products and sums in tiles of 32 keys
+//                       and warp trees); a second backward is bitwise the first (no atomics)
 // Out-of-range tokens and labels give the CPU's error text at the next synchronize.
 // It also checks the CUDA device's allocators (pools, statistics, stream-ordered frees), stream and event
 // ordering across two streams, host work via submit, and that Loom graph capture is refused on CUDA.
@@ -34,6 +36,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -614,16 +617,165 @@ TEST(CudaOps, OutOfRangeIdsRaiseTheCpusErrorAtSynchronize) {
     gs().synchronize();   // reported once
 }
 
-// ---------------------------------------------------------------------------------------------- Refusals
+// ---------------------------------------------------------------------------------------------- Attention
 
-TEST(CudaOps, OpsNotWrittenYetThrowNamingTheOp) {
-    SKIP_WITHOUT_CUDA();
-    Tensor x = Tensor::empty({4, 8}, DType::f32, gpu());
-    std::string text = error_of([&] { gops().attention_forward(gs(), x, x, x, AttentionShape{2, 2, 1, 1, 2, 8}, 1.0f); });
-    EXPECT_NE(text.find("attention_forward is not implemented on CUDA yet"), std::string::npos) << text;
-    text = error_of([&] { gops().attention_backward(gs(), x, x, x, x, x, AttentionShape{2, 2, 1, 1, 2, 8}, 1.0f); });
-    EXPECT_NE(text.find("attention_backward is not implemented on CUDA yet"), std::string::npos) << text;
+// One attention case on both backends: forward (out, lse) and backward (dqkv, its padding columns left as
+// they were) from the same qkv, dout and the CPU's out and lse, so each comparison isolates one kernel.
+// With bf16_values, qkv and dout hold bf16-representable values (what a bf16 model feeds: its kept QKV
+// is bf16, converted to f32 for the op, which takes f32 only, as the CPU's).
+struct AttentionCase {
+    AttentionShape a;
+    bool           bf16_values;
+    bool           dropout;
+};
+
+std::string attention_name(const AttentionCase & c) {
+    const AttentionShape & a = c.a;
+    return "attention s " + std::to_string(a.s) + " b " + std::to_string(a.b) + " nq " + std::to_string(a.nq) +
+           " nkv " + std::to_string(a.nkv) + " d " + std::to_string(a.d) + " stride " + std::to_string(a.row_stride) +
+           (c.bf16_values ? " bf16 values" : " f32") + (c.dropout ? " dropout" : "");
 }
+
+Tensor rounded_to_bf16(const Tensor & t) {
+    std::vector<uint16_t> bits(static_cast<size_t>(t.numel()));
+    convert(t.data_ptr(), DType::f32, bits.data(), DType::bf16, bits.size());
+    Tensor r = cpu_tensor(t.shape());
+    convert(bits.data(), DType::bf16, r.data_ptr(), DType::f32, bits.size());
+    return r;
+}
+
+void attention_matches_the_cpu(const AttentionCase & c, uint64_t seed, double fwd_tol, double bwd_tol) {
+    const AttentionShape & a    = c.a;
+    const std::string      what = attention_name(c);
+    const int64_t          n = a.s * a.b;
+    const float            scale = 1.0f / std::sqrt(static_cast<float>(a.d));
+    Tensor qkv  = random_cpu({n, a.row_stride}, seed, 1.5f);
+    Tensor dout = random_cpu({n, a.nq * a.d}, seed + 1);
+    if (c.bf16_values) {
+        qkv  = rounded_to_bf16(qkv);
+        dout = rounded_to_bf16(dout);
+    }
+    Tensor dqkv_init = random_cpu({n, a.row_stride}, seed + 2, 8.0f);   // assigned, padding untouched
+
+    Dropout kc;
+    Dropout kg;
+    Tensor  ids = cpu_tensor({a.b}, DType::i64);
+    if (c.dropout) {
+        kc.p      = 0.25f;
+        kc.seed   = 4321;
+        kc.site   = dropout_site(1, DropoutKind::attention_probs);
+        kc.batch  = a.b;
+        kc.offset = 3;   // tensor parallelism: these are heads 3 .. of the model
+        for (int64_t j = 0; j < a.b; ++j) ids.data<int64_t>()[j] = (int64_t{1} << 33) + 5 * j;
+        kc.sample_ids = ids;
+        kg            = kc;
+        Tensor pinned = Tensor::empty({a.b}, DType::i64, gpu(), {MemoryKind::pinned_host});
+        pinned.copy_from(ids);
+        kg.sample_ids = pinned;
+    }
+
+    // CPU: the oracle.
+    Tensor out_c = cpu_tensor({n, a.nq * a.d}), lse_c = cpu_tensor({a.b * a.nq * a.s});
+    Tensor dqkv_c = clone_cpu(dqkv_init);
+    cops().attention_forward(cs(), qkv, out_c, lse_c, a, scale, kc);
+    cops().attention_backward(cs(), qkv, out_c, dout, lse_c, dqkv_c, a, scale, kc);
+    cs().synchronize();
+
+    // CUDA: forward on its own; backward from the CPU's out and lse (the same inputs as the CPU's backward).
+    Tensor qkv_g = to_gpu(qkv), dout_g = to_gpu(dout);
+    Tensor out_g = Tensor::empty({n, a.nq * a.d}, DType::f32, gpu()), lse_g = Tensor::empty({a.b * a.nq * a.s}, DType::f32, gpu());
+    gops().attention_forward(gs(), qkv_g, out_g, lse_g, a, scale, kg);
+    Tensor dqkv_g = to_gpu(dqkv_init);
+    gops().attention_backward(gs(), qkv_g, to_gpu(out_c), dout_g, to_gpu(lse_c), dqkv_g, a, scale, kg);
+    Tensor dqkv_first = to_cpu(dqkv_g);
+    // Deterministic: a second backward gives the same bits.
+    gops().attention_backward(gs(), qkv_g, to_gpu(out_c), dout_g, to_gpu(lse_c), dqkv_g, a, scale, kg);
+
+    expect_close(out_c, to_cpu(out_g), fwd_tol, what + ": out");
+    expect_close(lse_c, to_cpu(lse_g), fwd_tol, what + ": lse");
+    expect_close(dqkv_c, dqkv_first, bwd_tol, what + ": dqkv");
+    expect_bitwise(dqkv_first, to_cpu(dqkv_g), what + ": dqkv run twice");
+}
+
+// Sequence lengths below, at and past the 32-row tile (1, 31, 33, 64, 70, 129), MHA, GQA and one key/value
+// head, head dimensions 5 (odd), 8, 16, 64, 128 and 256 (over 48 KiB of shared memory), rows with padding.
+// Tolerances, |cuda - cpu| <= tol x max(1, |cpu|) element-wise: the same f32 operations and exp_approx on
+// both sides, the dot products and sums in another order (tiles of 32 keys, warp trees, fused multiply-adds):
+//   out and lse 2e-5, dqkv 5e-5 (sums over every query of a key and the group's heads)
+// and the same for bf16-valued inputs (the op computes in f32 either way).
+const AttentionShape kAttentionShapes[] = {
+    {1, 1, 2, 2, 8, 6 * 8},             // one token
+    {31, 2, 4, 4, 16, 12 * 16 + 5},     // MHA, one partial tile, padded rows
+    {33, 3, 2, 1, 5, 4 * 5},            // one key/value head, odd d, one full tile and one row
+    {70, 2, 4, 2, 8, 8 * 8 + 3},        // GQA, two full tiles and 6 rows
+    {64, 1, 8, 2, 64, 12 * 64},         // GQA, exactly two tiles
+    {129, 2, 6, 3, 128, 12 * 128},      // GQA d 128: 66 KiB of shared memory in backward
+    {45, 1, 2, 1, 256, 4 * 256 + 7},    // d 256, the CUDA maximum
+};
+
+TEST(CudaOps, AttentionForwardBackwardMatchTheCpuMhaGqaF32) {
+    SKIP_WITHOUT_CUDA();
+    uint64_t seed = 2000;
+    for (const AttentionShape & a : kAttentionShapes) attention_matches_the_cpu({a, false, false}, seed += 10, 2e-5, 5e-5);
+}
+
+TEST(CudaOps, AttentionForwardBackwardMatchTheCpuWithBf16Values) {
+    SKIP_WITHOUT_CUDA();
+    uint64_t seed = 3000;
+    for (const AttentionShape & a : kAttentionShapes) attention_matches_the_cpu({a, true, false}, seed += 10, 2e-5, 5e-5);
+}
+
+// Dropout on the probabilities: the CPU's masks (core/dropout.h's hash, the head offset and sample ids of
+// the key), redrawn in backward. A wrong mask moves out by whole probabilities, far past the tolerance.
+TEST(CudaOps, AttentionWithDropoutMatchesTheCpuMasks) {
+    SKIP_WITHOUT_CUDA();
+    uint64_t seed = 4000;
+    for (const AttentionShape & a : kAttentionShapes) {
+        attention_matches_the_cpu({a, false, true}, seed += 10, 2e-5, 5e-5);
+        attention_matches_the_cpu({a, true, true}, seed += 10, 2e-5, 5e-5);
+    }
+}
+
+// The argument checks are the CPU's (core/op_checks.h), word for word; heads past 256 are refused on CUDA.
+TEST(CudaOps, AttentionArgumentErrorsAreTheCpus) {
+    SKIP_WITHOUT_CUDA();
+    const AttentionShape a{4, 2, 2, 1, 4, 16};
+    const int64_t        n = 8;
+    auto both = [&](const std::string & what, const std::function<void(Ops &, Stream &, Device &)> & call) {
+        const std::string c = error_of([&] { call(cops(), cs(), cpu_dev()); });
+        const std::string g = error_of([&] { call(gops(), gs(), gpu()); });
+        EXPECT_EQ(g, c) << what;
+    };
+    auto t = [](Device & dev, const Shape & shape, DType dtype = DType::f32) { return Tensor::empty(shape, dtype, dev); };
+    both("qkv size", [&](Ops & o, Stream & s, Device & d) {
+        o.attention_forward(s, t(d, {n, 15}), t(d, {n, 8}), t(d, {16}), a, 0.5f);
+    });
+    // A wrong dtype's text names the tensor's device: the rest is the CPU's.
+    const std::string bf16_text = error_of([&] {
+        gops().attention_forward(gs(), t(gpu(), {n, 16}, DType::bf16), t(gpu(), {n, 8}), t(gpu(), {16}), a, 0.5f);
+    });
+    EXPECT_NE(bf16_text.find("attention_forward: qkv is"), std::string::npos) << bf16_text;
+    EXPECT_NE(bf16_text.find("expected float32"), std::string::npos) << bf16_text;
+    both("bad groups", [&](Ops & o, Stream & s, Device & d) {
+        o.attention_forward(s, t(d, {n, 16}), t(d, {n, 8}), t(d, {16}), AttentionShape{4, 2, 3, 2, 4, 16}, 0.5f);
+    });
+    both("dout size", [&](Ops & o, Stream & s, Device & d) {
+        o.attention_backward(s, t(d, {n, 16}), t(d, {n, 8}), t(d, {n, 7}), t(d, {16}), t(d, {n, 16}), a, 0.5f);
+    });
+    Dropout few;
+    few.p          = 0.1f;
+    few.sample_ids = cpu_tensor({1}, DType::i64);
+    both("one sample id for two sequences", [&](Ops & o, Stream & s, Device & d) {
+        o.attention_forward(s, t(d, {n, 16}), t(d, {n, 8}), t(d, {16}), a, 0.5f, few);
+    });
+    const AttentionShape wide{2, 1, 1, 1, 264, 3 * 264};
+    const std::string    text = error_of([&] {
+        gops().attention_forward(gs(), t(gpu(), {2, 3 * 264}), t(gpu(), {2, 264}), t(gpu(), {2}), wide, 0.1f);
+    });
+    EXPECT_NE(text.find("head dimension 264 on CUDA"), std::string::npos) << text;
+}
+
+// ---------------------------------------------------------------------------------------------- Refusals
 
 TEST(CudaOps, HostTensorsAndHostAccessToDeviceMemoryAreRefused) {
     SKIP_WITHOUT_CUDA();

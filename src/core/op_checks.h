@@ -79,6 +79,41 @@ inline void dropout_key(const Dropout & key, const char * op) {
     }
 }
 
+// ---- Causal attention (core/ops.h): qkv (and dqkv) f32 rows of shape.row_stride, each [Q | K | V];
+// out (and dout) f32 (s b, nq d); lse f32 (b, nq, s); the dropout key with a sample id per sequence.
+inline void attention_shape(const AttentionShape & a, const char * op) {
+    LOOM_CHECK(a.s > 0 && a.b > 0 && a.d > 0 && a.nkv > 0 && a.nq % a.nkv == 0 &&
+                   a.row_stride >= (a.nq + 2 * a.nkv) * a.d,
+               op << ": " << a.nq << " query heads over " << a.nkv << " key/value heads of " << a.d
+                  << " in rows of " << a.row_stride,
+               "query heads are a multiple of the key/value heads, and a row holds [Q | K | V]");
+}
+inline void attention_key(const AttentionShape & a, const Dropout & key, const char * op) {
+    dropout_key(key, op);
+    LOOM_CHECK(!key.enabled() || !key.sample_ids.defined() || key.sample_ids.numel() >= a.b,
+               op << ": " << key.sample_ids.numel() << " sample ids for " << a.b << " sequences", "");
+}
+inline void attention_forward(const Tensor & qkv, const Tensor & out, const Tensor & lse, const AttentionShape & a,
+                              const Dropout & key) {
+    attention_shape(a, "attention_forward");
+    const int64_t n = a.s * a.b;
+    expect(qkv, DType::f32, n * a.row_stride, "attention_forward", "qkv");
+    expect(out, DType::f32, n * a.nq * a.d, "attention_forward", "out");
+    expect(lse, DType::f32, n * a.nq, "attention_forward", "lse");
+    attention_key(a, key, "attention_forward");
+}
+inline void attention_backward(const Tensor & qkv, const Tensor & out, const Tensor & dout, const Tensor & lse,
+                               const Tensor & dqkv, const AttentionShape & a, const Dropout & key) {
+    attention_shape(a, "attention_backward");
+    const int64_t n = a.s * a.b;
+    expect(qkv, DType::f32, n * a.row_stride, "attention_backward", "qkv");
+    expect(dqkv, DType::f32, n * a.row_stride, "attention_backward", "dqkv");
+    expect(out, DType::f32, n * a.nq * a.d, "attention_backward", "out");
+    expect(dout, DType::f32, n * a.nq * a.d, "attention_backward", "dout");
+    expect(lse, DType::f32, n * a.nq, "attention_backward", "lse");
+    attention_key(a, key, "attention_backward");
+}
+
 // Hidden dropout of x (n, w) into y; returns (n, w).
 inline std::pair<int64_t, int64_t> dropout(const Tensor & x, const Tensor & y, const Dropout & key) {
     const std::pair<int64_t, int64_t> nw = rows_cols(x, "dropout");

@@ -236,26 +236,14 @@ public:
 
     void attention_forward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & lse,
                            const AttentionShape & shape, float scale, const Dropout & dropout) override {
-        check_attention(shape, "attention_forward");
-        const int64_t n = shape.s * shape.b;
-        expect(qkv, DType::f32, n * shape.row_stride, "attention_forward", "qkv");
-        expect(out, DType::f32, n * shape.nq * shape.d, "attention_forward", "out");
-        expect(lse, DType::f32, n * shape.nq, "attention_forward", "lse");
-        op_checks::dropout_key(dropout, "attention_forward");
+        op_checks::attention_forward(qkv, out, lse, shape, dropout);
         s.submit([=] { cpu::attention_forward(f32(qkv), f32(out), f32(lse), shape, scale, attention_dropout(dropout)); });
     }
 
     void attention_backward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & dout, const Tensor & lse,
                             const Tensor & dqkv, const AttentionShape & shape, float scale,
                             const Dropout & dropout) override {
-        check_attention(shape, "attention_backward");
-        const int64_t n = shape.s * shape.b;
-        expect(qkv, DType::f32, n * shape.row_stride, "attention_backward", "qkv");
-        expect(dqkv, DType::f32, n * shape.row_stride, "attention_backward", "dqkv");
-        expect(out, DType::f32, n * shape.nq * shape.d, "attention_backward", "out");
-        expect(dout, DType::f32, n * shape.nq * shape.d, "attention_backward", "dout");
-        expect(lse, DType::f32, n * shape.nq, "attention_backward", "lse");
-        op_checks::dropout_key(dropout, "attention_backward");
+        op_checks::attention_backward(qkv, out, dout, lse, dqkv, shape, dropout);
         s.submit([=] {
             cpu::attention_backward(f32(qkv), f32(out), f32(dout), f32(lse), f32(dqkv), shape, scale,
                                     attention_dropout(dropout));
@@ -416,13 +404,6 @@ public:
     }
 
 private:
-    static void check_attention(const AttentionShape & a, const char * op) {
-        LOOM_CHECK(a.s > 0 && a.b > 0 && a.d > 0 && a.nkv > 0 && a.nq % a.nkv == 0 &&
-                       a.row_stride >= (a.nq + 2 * a.nkv) * a.d,
-                   op << ": " << a.nq << " query heads over " << a.nkv << " key/value heads of " << a.d
-                      << " in rows of " << a.row_stride,
-                   "query heads are a multiple of the key/value heads, and a row holds [Q | K | V]");
-    }
     // Read on the stream, where the sample ids are ready.
     static AttentionDropout attention_dropout(const Dropout & key) {
         return {key.p, key.seed, key.site, key.sample_ids.defined() ? key.sample_ids.data<int64_t>() : nullptr,

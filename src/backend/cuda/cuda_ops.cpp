@@ -25,15 +25,6 @@ float *    f32(const Tensor & t) { return t.data<float>(); }
 float *    f32_or_null(const Tensor & t) { return t.defined() ? t.data<float>() : nullptr; }
 uint16_t * bits16(const Tensor & t) { return static_cast<uint16_t *>(t.data_ptr()); }
 
-// The ops of core/ops.h not written for CUDA yet: each throws naming itself.
-[[noreturn]] void not_implemented(const char * op) {
-    LOOM_THROW(op << " is not implemented on CUDA yet",
-               "run this model on the CPU backend, or implement " << op
-                                                                  << " in src/backend/cuda (its CPU twin is in src/backend/cpu)");
-}
-
-
-
 // Every tensor a kernel touches lives on the stream's CUDA device (device or pinned host memory).
 void expect_on(const CudaStream & s, const std::vector<Tensor> & tensors, const char * op) {
     for (const Tensor & t : tensors) {
@@ -74,6 +65,44 @@ void report_bad_id(CudaStream & cs, const Tensor & word, int64_t limit, const ch
         op_checks::id_in_range(static_cast<int32_t>(static_cast<uint32_t>(first & 0xffffffffu)),
                                static_cast<int64_t>(first >> 32), limit, op, what);
     });
+}
+
+// A dropout key's sample ids on the device (null when it has none). They usually sit in pinned host memory
+// (the data loader's): copied to the device once, rather than read over the bus by every element; the
+// copy joins `held`.
+const int64_t * device_sample_ids(CudaStream & cs, cudaStream_t stream, const Dropout & key, std::vector<Tensor> & held) {
+    if (!key.sample_ids.defined()) return nullptr;
+    Tensor ids = scratch_like(cs, key.sample_ids);
+    if (key.sample_ids.nbytes() > 0) {
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(ids.data_ptr(), key.sample_ids.data_ptr(), key.sample_ids.nbytes(),
+                                        cudaMemcpyDefault, stream));
+    }
+    held.push_back(ids);
+    return ids.data<int64_t>();
+}
+
+kernels::AttentionDims attention_dims(const AttentionShape & a) { return {a.s, a.b, a.nq, a.nkv, a.d, a.row_stride}; }
+
+// The CUDA kernels keep a (32, d) block per 256 threads in registers: d up to kAttentionMaxHeadDim.
+void check_head_dim(const AttentionShape & a, const char * op) {
+    LOOM_CHECK(a.d <= kernels::kAttentionMaxHeadDim,
+               op << ": head dimension " << a.d << " on CUDA", "the CUDA attention takes heads of up to "
+                                                                  << kernels::kAttentionMaxHeadDim);
+}
+
+// The attention dropout's key as the kernels take it (backend/cpu/cpu_ops.cpp's attention_dropout: the
+// key's offset is the head offset).
+kernels::AttentionKey attention_key(CudaStream & cs, cudaStream_t stream, const Dropout & key, std::vector<Tensor> & held) {
+    kernels::AttentionKey k{};
+    k.dropped = key.enabled();
+    if (!k.dropped) return k;
+    k.seed        = key.seed;
+    k.site        = key.site;
+    k.head_offset = key.offset;
+    k.threshold   = dropout_threshold(key.p);
+    k.keep_scale  = 1.0f / (1.0f - key.p);   // f32, as the CPU computes it
+    k.sample_ids  = device_sample_ids(cs, stream, key, held);
+    return k;
 }
 
 class CudaOps final : public Ops {
@@ -253,18 +282,7 @@ public:
         std::vector<Tensor> held{x, y, key.sample_ids};
         CudaStream &        cs     = start(s, "dropout", held);
         cudaStream_t        stream = cs.launch("dropout");
-        k.sample_ids               = nullptr;
-        if (key.sample_ids.defined()) {
-            // Sample ids usually sit in pinned host memory (the data loader's): copied to the device once,
-            // rather than read over the bus by every element.
-            Tensor ids = scratch_like(cs, key.sample_ids);
-            if (key.sample_ids.nbytes() > 0) {
-                LOOM_CUDA_CHECK(cudaMemcpyAsync(ids.data_ptr(), key.sample_ids.data_ptr(), key.sample_ids.nbytes(),
-                                                cudaMemcpyDefault, stream));
-            }
-            k.sample_ids = ids.data<int64_t>();
-            held.push_back(ids);
-        }
+        k.sample_ids               = device_sample_ids(cs, stream, key, held);
         kernels::dropout(stream, f32(x), f32(y), n, w, k);
         cs.launched("dropout", std::move(held));
     }
@@ -309,13 +327,31 @@ public:
         cs.launched("vocab_shard_ids", {ids, out});
     }
 
-    void attention_forward(Stream &, const Tensor &, const Tensor &, const Tensor &, const AttentionShape &, float,
-                           const Dropout &) override {
-        not_implemented("attention_forward");
+    void attention_forward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & lse,
+                           const AttentionShape & shape, float scale, const Dropout & dropout) override {
+        op_checks::attention_forward(qkv, out, lse, shape, dropout);
+        check_head_dim(shape, "attention_forward");
+        std::vector<Tensor> held{qkv, out, lse, dropout.sample_ids};
+        CudaStream &        cs     = start(s, "attention_forward", held);
+        cudaStream_t        stream = cs.launch("attention_forward");
+        const kernels::AttentionKey key = attention_key(cs, stream, dropout, held);
+        LOOM_CUDA_CHECK(kernels::attention_forward(stream, f32(qkv), f32(out), f32(lse), attention_dims(shape), scale, key));
+        cs.launched("attention_forward", std::move(held));
     }
-    void attention_backward(Stream &, const Tensor &, const Tensor &, const Tensor &, const Tensor &, const Tensor &,
-                            const AttentionShape &, float, const Dropout &) override {
-        not_implemented("attention_backward");
+    void attention_backward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & dout, const Tensor & lse,
+                            const Tensor & dqkv, const AttentionShape & shape, float scale,
+                            const Dropout & dropout) override {
+        op_checks::attention_backward(qkv, out, dout, lse, dqkv, shape, dropout);
+        check_head_dim(shape, "attention_backward");
+        std::vector<Tensor> held{qkv, out, dout, lse, dqkv, dropout.sample_ids};
+        CudaStream &        cs     = start(s, "attention_backward", held);
+        Tensor              delta  = scratch_like(cs, lse);   // rowsum(dO * O), (b, nq, s) as lse
+        cudaStream_t        stream = cs.launch("attention_backward");
+        const kernels::AttentionKey key = attention_key(cs, stream, dropout, held);
+        LOOM_CUDA_CHECK(kernels::attention_backward(stream, f32(qkv), f32(out), f32(dout), f32(lse), f32(delta), f32(dqkv),
+                                                    attention_dims(shape), scale, key));
+        held.push_back(delta);
+        cs.launched("attention_backward", std::move(held));
     }
 
     void cross_entropy_forward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & loss,

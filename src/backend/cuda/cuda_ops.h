@@ -1,7 +1,7 @@
 // The CUDA backend's ops table (core/ops.h): each op checks its arguments on the caller's thread exactly as
 // the CPU's do, enqueues its kernels (kernels.h, gemm.h) on the given CUDA stream and hands its tensors to
-// the stream until they have run (cuda_stream.h). Ops not written yet (attention forward and backward) throw
-// a loom::Error naming the op ("not implemented on CUDA yet"): see not_implemented in cuda_ops.cpp.
+// the stream until they have run (cuda_stream.h). Every op of core/ops.h is written; attention alone adds a
+// CUDA limit, heads of up to kernels::kAttentionMaxHeadDim (256).
 #pragma once
 
 #include "core/ops.h"
