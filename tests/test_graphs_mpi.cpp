@@ -42,7 +42,7 @@ struct Layout {
     // dispatch plan too (moe_preprocess).
     bool moe_router = false, moe_preprocess = false;
     int  ep         = 1;       // expert parallelism (with moe_router), alltoall dispatcher
-    int  etp        = 1;       // expert tensor parallelism (with tp = etp, sp, and no biases)
+    int  etp        = 0;       // expert tensor parallelism (0: tp, Megatron's default; > 1 needs no biases)
     int  first_stage_layers = 0;
     int  global_batch       = 8;
 };
@@ -68,7 +68,7 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = 20) 
     sizes.tp         = layout.tp;
     sizes.pp         = layout.pp;
     sizes.ep         = layout.ep;
-    sizes.etp        = layout.etp;
+    if (layout.etp > 0) sizes.etp = layout.etp;
     if (layout.vpp > 1) sizes.vpp = layout.vpp;
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi);
@@ -98,8 +98,8 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = 20) 
         o.model.moe.pad_to_capacity = true;
     }
     o.expert_parallel_size        = layout.ep;
-    o.expert_tensor_parallel_size = layout.etp;
-    if (layout.etp > 1) o.model.add_bias_linear = false;
+    o.expert_tensor_parallel_size = layout.etp > 0 ? layout.etp : layout.tp;
+    if (o.expert_tensor_parallel_size > 1 && (layout.moe || layout.moe_router)) o.model.add_bias_linear = false;
     if (layout.ep > 1) o.model.moe.dispatcher = model::MoeDispatcher::alltoall;
     o.graph_moe_router     = layout.moe_router;
     o.graph_moe_preprocess = layout.moe_preprocess;
@@ -144,7 +144,7 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = 20) 
 
 std::string describe(const Layout & l) {
     char text[160];
-    std::snprintf(text, sizeof text, "tp %d%s pp %d vpp %d ep %d etp %d%s%s%s%s%s%s", l.tp, l.sp ? "+sp" : "", l.pp, l.vpp, l.ep, l.etp,
+    std::snprintf(text, sizeof text, "tp %d%s pp %d vpp %d ep %d etp %d%s%s%s%s%s%s", l.tp, l.sp ? "+sp" : "", l.pp, l.vpp, l.ep, l.etp > 0 ? l.etp : l.tp,
                   l.distopt ? " zero-1+overlaps" : "", l.bf16 ? " bf16" : "", l.offload ? " cpu-offload 0.5" : "",
                   l.first_stage_layers ? " uneven" : "", l.moe ? " moe drop-and-pad" : "",
                   l.moe_preprocess ? " dropless moe, graphs to the dispatch plan" : l.moe_router ? " dropless moe, graphs to the router" : "");

@@ -316,6 +316,15 @@ TEST(ExpertParallel, Ep2TimesEtp2WithTp2SpGroupedGemmFollowsTheSingleRankRun) {
     expect_follows_reference(l);
 }
 
+// ETP 1 under TP 2 + SP on 2 ranks: every rank holds every expert whole and routes its half of the
+// sequence, so the expert-data-parallel group (2) is larger than the data-parallel one (1).
+TEST(ExpertParallel, Etp1UnderTp2SpFollowsTheSingleRankRun) {
+    if (g_mpi->world_size() != 2) GTEST_SKIP() << "runs with 2 ranks (tp 2; etp 1 x ep 1 x edp 2)";
+    Layout l     = tp2_sp(model::MoeDispatcher::alltoall, 1);
+    l.ep         = 1;
+    expect_follows_reference(l);
+}
+
 TEST(ExpertParallel, Ep2WithEtp1AndTp2SpFollowsTheSingleRankRun) {
     if (g_mpi->world_size() != 4) GTEST_SKIP() << "needs 4 ranks (tp 2 x dp 2; etp 1 x ep 2 x edp 2)";
     expect_follows_reference(tp2_sp(model::MoeDispatcher::alltoall, 1));

@@ -43,9 +43,9 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
       device_(device),
       params_(std::move(params)) {
     config_.validate();
-    LOOM_CHECK(dp_group_->size() % expert_dp_group_->size() == 0,
-               "expert-data-parallel group of " << expert_dp_group_->size() << " ranks in a data-parallel group of "
-                                                << dp_group_->size(), "");
+    // No relation between the two sizes is assumed: with MoE parallel folding the expert-data-parallel
+    // group may be smaller than the data-parallel one (EP > 1) or larger (ETP < TP: the tensor-parallel
+    // peers hold the same whole experts and see different tokens).
     // Expert parameters get buffers of their own (after the dense ones, as Megatron lays them out) and reduce
     // over the expert-data-parallel group, scaled by 1 / dp like every other gradient (the header).
     for (const model::Parameter * p : params_) {
