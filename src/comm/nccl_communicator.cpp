@@ -178,6 +178,7 @@ protected:
         check_cuda_tensor(t, "all_reduce", "input/output");
         ncclComm_t comm = state_->comm;
         return issue("all_reduce", stream, true, {t}, [&](cudaStream_t s) {
+            if (t.numel() == 0) return;
             LOOM_NCCL_OP_CHECK(ncclAllReduce(t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()),
                                              nccl_type(t.dtype()), nccl_op(op), comm, s),
                                comm, "all_reduce", name_);
@@ -194,6 +195,7 @@ protected:
         Tensor staged = aliased ? Tensor::empty({out.numel()}, out.dtype(), device_, TensorOptions{MemoryKind::device, "comm"})
                                 : out;
         return issue("reduce_scatter", stream, true, {in, out, staged}, [&](cudaStream_t s) {
+            if (out.numel() == 0) return;
             LOOM_NCCL_OP_CHECK(ncclReduceScatter(in.data_ptr(), staged.data_ptr(), static_cast<size_t>(out.numel()),
                                                  nccl_type(in.dtype()), nccl_op(op), comm, s),
                                comm, "reduce_scatter", name_);
@@ -216,6 +218,7 @@ protected:
         Tensor staged = aliased ? Tensor::empty({in.numel()}, in.dtype(), device_, TensorOptions{MemoryKind::device, "comm"})
                                 : in;
         return issue("all_gather", stream, true, {in, out, staged}, [&](cudaStream_t s) {
+            if (in.numel() == 0) return;
             if (aliased) {
                 LOOM_CUDA_OP_CHECK(cudaMemcpyAsync(staged.data_ptr(), in.data_ptr(), in.nbytes(),
                                                    cudaMemcpyDeviceToDevice, s),
@@ -231,6 +234,7 @@ protected:
         check_cuda_tensor(t, "broadcast", "input/output");
         ncclComm_t comm = state_->comm;
         return issue("broadcast", stream, true, {t}, [&](cudaStream_t s) {
+            if (t.numel() == 0) return;
             LOOM_NCCL_OP_CHECK(ncclBroadcast(t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()),
                                              nccl_type(t.dtype()), root, comm, s),
                                comm, "broadcast", name_);
@@ -281,6 +285,7 @@ protected:
         check_cuda_tensor(t, "send", "input");
         ncclComm_t comm = state_->comm;
         return issue("send", stream, /*stream_waits=*/false, {t}, [&](cudaStream_t s) {
+            if (t.numel() == 0) return;
             LOOM_NCCL_OP_CHECK(ncclSend(t.data_ptr(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, comm, s),
                                comm, "send", name_);
         });
@@ -290,6 +295,7 @@ protected:
         check_cuda_tensor(t, "recv", "output");
         ncclComm_t comm = state_->comm;
         return issue("recv", stream, true, {t}, [&](cudaStream_t s) {
+            if (t.numel() == 0) return;
             LOOM_NCCL_OP_CHECK(ncclRecv(t.data_ptr(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, comm, s),
                                comm, "recv", name_);
         });
@@ -317,6 +323,9 @@ private:
                    "communicate tensors of the device the NcclContext was made for");
     }
 
+    // Empty operations call no NCCL function (NCCL may refuse their null buffers); every rank skips the same
+    // ones, since sizes must match across the group (and across a send's pair) anyway.
+    //
     // Enqueues `enqueue` on the NCCL stream after the caller's earlier work on `stream` (if any); the
     // caller's stream waits for it unless `stream_waits` is false (a send). `tensors` are kept until the
     // operation has run.
