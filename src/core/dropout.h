@@ -26,9 +26,17 @@
 #include <cmath>
 #include <cstdint>
 
+// The hash functions below run on the host and, compiled by nvcc, in CUDA kernels (backend/cuda/kernels.cu):
+// one definition, so both backends draw the same masks.
+#if defined(__CUDACC__)
+#define LOOM_HOST_DEVICE __host__ __device__
+#else
+#define LOOM_HOST_DEVICE
+#endif
+
 namespace loom {
 
-inline constexpr uint64_t fmix64(uint64_t k) {
+LOOM_HOST_DEVICE inline constexpr uint64_t fmix64(uint64_t k) {
     k ^= k >> 33;
     k *= 0xff51afd7ed558ccdULL;
     k ^= k >> 33;
@@ -49,20 +57,20 @@ inline uint32_t dropout_threshold(float p) {
     return static_cast<uint32_t>(std::min(std::llround(static_cast<double>(p) * 4294967296.0), 4294967295LL));
 }
 
-inline constexpr uint64_t dropout_base(uint64_t seed, uint64_t site, int64_t sample) {
+LOOM_HOST_DEVICE inline constexpr uint64_t dropout_base(uint64_t seed, uint64_t site, int64_t sample) {
     return fmix64(seed * 0x9e3779b97f4a7c15ULL ^ fmix64(site * 0xd6e8feb86659fd93ULL + static_cast<uint64_t>(sample)));
 }
 
-inline constexpr bool dropout_keep_hidden(uint64_t base, int64_t position, int64_t feature, uint32_t threshold) {
+LOOM_HOST_DEVICE inline constexpr bool dropout_keep_hidden(uint64_t base, int64_t position, int64_t feature, uint32_t threshold) {
     return static_cast<uint32_t>(fmix64(base + (static_cast<uint64_t>(position) << 32) + static_cast<uint64_t>(feature)) >> 32) >=
            threshold;
 }
 
-inline constexpr uint64_t dropout_attention_row(uint64_t base, int64_t head, int64_t query) {
+LOOM_HOST_DEVICE inline constexpr uint64_t dropout_attention_row(uint64_t base, int64_t head, int64_t query) {
     return fmix64(base ^ ((static_cast<uint64_t>(head) << 40) + static_cast<uint64_t>(query)));
 }
 
-inline constexpr bool dropout_keep_attention(uint64_t row, int64_t key, uint32_t threshold) {
+LOOM_HOST_DEVICE inline constexpr bool dropout_keep_attention(uint64_t row, int64_t key, uint32_t threshold) {
     return static_cast<uint32_t>(fmix64(row + static_cast<uint64_t>(key)) >> 32) >= threshold;
 }
 

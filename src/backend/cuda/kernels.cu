@@ -3,6 +3,7 @@
 // reductions over rows (parameter gradients) take one thread per column and add the rows in order, as the
 // CPU does, so they are deterministic and give the CPU's f32 sums.
 #include "backend/cuda/kernels.h"
+#include "core/dropout.h"
 
 #include <algorithm>
 #include <climits>
@@ -160,25 +161,7 @@ __device__ __forceinline__ float exp_approx(float x) {
     return __fmul_rn(p, __int_as_float((static_cast<int>(k) + 127) << 23));
 }
 
-// ---- core/dropout.h's counter-based hash, ported bit for bit (tests/test_cuda_ops.cpp compares the masks).
-
-__device__ __forceinline__ uint64_t fmix64(uint64_t k) {
-    k ^= k >> 33;
-    k *= 0xff51afd7ed558ccdULL;
-    k ^= k >> 33;
-    k *= 0xc4ceb9fe1a85ec53ULL;
-    k ^= k >> 33;
-    return k;
-}
-
-__device__ __forceinline__ uint64_t dropout_base(uint64_t seed, uint64_t site, int64_t sample) {
-    return fmix64(seed * 0x9e3779b97f4a7c15ULL ^ fmix64(site * 0xd6e8feb86659fd93ULL + static_cast<uint64_t>(sample)));
-}
-
-__device__ __forceinline__ bool dropout_keep_hidden(uint64_t base, int64_t position, int64_t feature, uint32_t threshold) {
-    return static_cast<uint32_t>(fmix64(base + (static_cast<uint64_t>(position) << 32) + static_cast<uint64_t>(feature)) >> 32) >=
-           threshold;
-}
+// ---- The dropout masks: core/dropout.h's hash functions themselves (host and device).
 
 // ---- Elementwise
 
@@ -571,14 +554,6 @@ __global__ void loss_grad_kernel(const float * mask, double scale, float * dloss
 constexpr int kAttnTile    = 32;    // Br = Bc
 constexpr int kAttnThreads = 256;
 constexpr int kAttnPerThread = kAttnTile * kAttentionMaxHeadDim / kAttnThreads;   // (tile, d) elements a thread owns
-
-__device__ __forceinline__ uint64_t dropout_attention_row(uint64_t base, int64_t head, int64_t query) {
-    return fmix64(base ^ ((static_cast<uint64_t>(head) << 40) + static_cast<uint64_t>(query)));
-}
-
-__device__ __forceinline__ bool dropout_keep_attention(uint64_t row, int64_t key, uint32_t threshold) {
-    return static_cast<uint32_t>(fmix64(row + static_cast<uint64_t>(key)) >> 32) >= threshold;
-}
 
 // The shared-memory row stride for head dimension d: odd.
 __host__ __device__ __forceinline__ int attn_stride(int64_t d) { return static_cast<int>(d | 1); }
