@@ -176,9 +176,13 @@ void expect_bitwise(const Layout & layout) {
         // parallelism no communication at all).
         EXPECT_NE(std::adjacent_find(eager.balancing.begin(), eager.balancing.end(), std::not_equal_to<>()), eager.balancing.end());
         EXPECT_EQ(graph.all_to_all_nodes, 0u);
-        if (layout.tp == 1) EXPECT_EQ(graph.collective_nodes, 0u);
+        if (layout.tp == 1) {
+            EXPECT_EQ(graph.collective_nodes, 0u);
+        }
     }
-    if (layout.tp > 1) EXPECT_GT(graph.collective_nodes, 0u) << "tensor parallelism's collectives are in the graphs";
+    if (layout.tp > 1) {
+        EXPECT_GT(graph.collective_nodes, 0u) << "tensor parallelism's collectives are in the graphs";
+    }
     EXPECT_GT(graph.graphs, 0) << "graphs were captured";
     EXPECT_EQ(graph.replays, (20 - 3) * 2 * graph.microbatches * graph.layers)
         << "every layer call of the 17 iterations after the warm-up replayed a graph";

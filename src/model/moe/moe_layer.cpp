@@ -38,38 +38,47 @@ std::vector<int64_t> times(const std::vector<int64_t> & v, int64_t f) {
     return out;
 }
 
-// Expert tensor parallelism sends each EP rank's block to its T ETP ranks: blocks (rows[q], ...) of src,
-// back to back, become T copies of each, in the exchange group's rank order (q T + t).
+// Expert tensor parallelism sends each EP rank's block of rows to its T ETP ranks, and gets T partial sums
+// back. Calls fn(block, copy, r) for each block of r > 0 rows (at row `block` of the blocks back to back)
+// and each of its T copies (at row `copy` of the copies, in the exchange group's rank order q T + t).
+template <typename Fn>
+void for_each_copy(const std::vector<int64_t> & rows, int64_t T, Fn && fn) {
+    int64_t block = 0, copy = 0;
+    for (int64_t r : rows) {
+        for (int64_t t = 0; t < T; ++t, copy += r) {
+            if (r > 0) fn(block, copy, r, t);
+        }
+        block += r;
+    }
+}
+
+int64_t total_rows(const std::vector<int64_t> & rows) {
+    int64_t total = 0;
+    for (int64_t r : rows) total += r;
+    return total;
+}
+
+// Blocks (rows[q], w) of src -> T copies of each.
 Tensor replicate_blocks(const Tensor & src, const std::vector<int64_t> & rows, int64_t T) {
     if (T == 1) return src;
     Device & device = src.device();
-    int64_t  total  = 0;
-    for (int64_t r : rows) total += r;
-    Tensor out = Tensor::empty({std::max<int64_t>(T * total, 1), src.size(1)}, src.dtype(), device,
-                               {MemoryKind::device, kActivationsPool});
-    int64_t from = 0, to = 0;
-    for (int64_t r : rows) {
-        for (int64_t t = 0; t < T && r > 0; ++t, to += r) device.ops().copy(device.compute_stream(), src.narrow(0, from, r), out.narrow(0, to, r));
-        from += r;
-    }
+    Tensor   out    = Tensor::empty({std::max<int64_t>(T * total_rows(rows), 1), src.size(1)}, src.dtype(), device,
+                                    {MemoryKind::device, kActivationsPool});
+    for_each_copy(rows, T, [&](int64_t block, int64_t copy, int64_t r, int64_t) {
+        device.ops().copy(device.compute_stream(), src.narrow(0, block, r), out.narrow(0, copy, r));
+    });
     return out;
 }
 
-// The inverse's sum: T partial copies of each block (q T + t order) -> their sum in t order, (sum of rows, h).
+// T partial copies of each block -> each block's sum, added in t order.
 Tensor sum_blocks(const Tensor & src, const std::vector<int64_t> & rows, int64_t T) {
     if (T == 1) return src;
     Device & device = src.device();
-    int64_t  total  = 0;
-    for (int64_t r : rows) total += r;
-    Tensor  out  = rows_buffer(device, total, src.size(1));
-    int64_t from = 0, to = 0;
-    for (int64_t r : rows) {
-        for (int64_t t = 0; t < T && r > 0; ++t, from += r) {
-            if (t == 0) device.ops().copy(device.compute_stream(), src.narrow(0, from, r), out.narrow(0, to, r));
-            else device.ops().add_inplace(device.compute_stream(), out.narrow(0, to, r), src.narrow(0, from, r));
-        }
-        to += r;
-    }
+    Tensor   out    = rows_buffer(device, total_rows(rows), src.size(1));
+    for_each_copy(rows, T, [&](int64_t block, int64_t copy, int64_t r, int64_t t) {
+        if (t == 0) device.ops().copy(device.compute_stream(), src.narrow(0, copy, r), out.narrow(0, block, r));
+        else device.ops().add_inplace(device.compute_stream(), out.narrow(0, block, r), src.narrow(0, copy, r));
+    });
     return out;
 }
 
