@@ -13,6 +13,7 @@
 #include "parallel/process_groups.h"
 
 #include "mpi_test_main.h"
+#include "typed_values.h"
 
 #include <gtest/gtest.h>
 
@@ -40,23 +41,7 @@ double input_value(int global_rank, int64_t i, DType dtype, int salt = 0) {
     }
 }
 
-// A tensor holding `values` in `dtype` (floats rounded to nearest even, exact for our inputs).
-Tensor tensor_of(DType dtype, const std::vector<double> & values) {
-    int64_t n = static_cast<int64_t>(values.size());
-    Tensor  t = Tensor::empty({n}, dtype, cpu::device());
-    for (int64_t i = 0; i < n; ++i) {
-        double v = values[i];
-        switch (dtype) {
-            case DType::f32:  t.data<float>()[i] = static_cast<float>(v); break;
-            case DType::bf16: t.data<bf16_t>()[i] = bf16_t{f32_to_bf16_bits(static_cast<float>(v))}; break;
-            case DType::f16:  t.data<f16_t>()[i] = f16_t{f32_to_f16_bits(static_cast<float>(v))}; break;
-            case DType::i32:  t.data<int32_t>()[i] = static_cast<int32_t>(v); break;
-            case DType::i64:  t.data<int64_t>()[i] = static_cast<int64_t>(v); break;
-            case DType::u8:   t.data<uint8_t>()[i] = static_cast<uint8_t>(v); break;
-        }
-    }
-    return t;
-}
+using loom::testing::tensor_of;
 
 std::vector<double> inputs_of(int global_rank, int64_t n, DType dtype, int salt = 0) {
     std::vector<double> v(n);

@@ -27,6 +27,7 @@
 #include "core/graph.h"
 #include "core/ops.h"
 #include "core/tensor.h"
+#include "tests/cuda_transfer.h"
 #include "tests/error_text.h"
 #include "tests/random_values.h"
 
@@ -66,24 +67,9 @@ Tensor random_cpu(const Shape & shape, uint64_t seed, float scale = 1.0f, DType 
     return t;
 }
 
-// A CPU tensor's copy on cuda:0, through a pinned staging tensor (the stream holds it until the copy ran).
-Tensor to_gpu(const Tensor & host) {
-    Tensor pinned = Tensor::empty(host.shape(), host.dtype(), gpu(), {MemoryKind::pinned_host});
-    pinned.copy_from(host);
-    Tensor d = Tensor::empty(host.shape(), host.dtype(), gpu());
-    gops().copy(gs(), pinned, d);
-    return d;
-}
-
-// A CUDA tensor's values on the CPU, after everything enqueued on the GPU compute stream.
-Tensor to_cpu(const Tensor & d) {
-    Tensor pinned = Tensor::empty(d.shape(), d.dtype(), gpu(), {MemoryKind::pinned_host});
-    gops().copy(gs(), d, pinned);
-    gs().synchronize();
-    Tensor h = cpu_tensor(d.shape(), d.dtype());
-    h.copy_from(pinned);
-    return h;
-}
+// CPU <-> cuda:0 (tests/cuda_transfer.h).
+Tensor to_gpu(const Tensor & host) { return loom::testing::to_gpu(host, gpu()); }
+using loom::testing::to_cpu;
 
 Tensor clone_cpu(const Tensor & t) {
     Tensor c = cpu_tensor(t.shape(), t.dtype());

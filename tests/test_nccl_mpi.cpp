@@ -23,7 +23,9 @@
 #include "core/graph.h"
 #include "core/ops.h"
 #include "core/tensor.h"
+#include "tests/cuda_transfer.h"
 #include "tests/error_text.h"
+#include "tests/typed_values.h"
 
 #include "mpi_test_main.h"
 
@@ -83,42 +85,18 @@ double input_value(int global_rank, int64_t i, DType dtype, int salt) {
 
 // A host tensor of n elements of rank `global_rank`'s input (exact in every dtype).
 Tensor host_input(DType dtype, int64_t n, int global_rank, int salt) {
-    Tensor t = Tensor::empty({n}, dtype, cpu::device());
-    for (int64_t i = 0; i < n; ++i) {
-        double v = input_value(global_rank, i, dtype, salt);
-        switch (dtype) {
-            case DType::f32:  t.data<float>()[i] = static_cast<float>(v); break;
-            case DType::bf16: t.data<bf16_t>()[i] = bf16_t{f32_to_bf16_bits(static_cast<float>(v))}; break;
-            case DType::f16:  t.data<f16_t>()[i] = f16_t{f32_to_f16_bits(static_cast<float>(v))}; break;
-            case DType::i32:  t.data<int32_t>()[i] = static_cast<int32_t>(v); break;
-            case DType::i64:  t.data<int64_t>()[i] = static_cast<int64_t>(v); break;
-            case DType::u8:   t.data<uint8_t>()[i] = static_cast<uint8_t>(v); break;
-        }
-    }
-    return t;
+    std::vector<double> v(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = input_value(global_rank, i, dtype, salt);
+    return loom::testing::tensor_of(dtype, v);
 }
+
+Tensor to_gpu(const Tensor & host) { return loom::testing::to_gpu(host, gpu()); }
+using loom::testing::to_cpu;
 
 Tensor clone_host(const Tensor & t) {
     Tensor c = Tensor::empty(t.shape(), t.dtype(), cpu::device());
     c.copy_from(t);
     return c;
-}
-
-// A host tensor's copy on the GPU, enqueued on the compute stream (through pinned memory).
-Tensor to_gpu(const Tensor & host) {
-    Tensor pinned = Tensor::empty(host.shape(), host.dtype(), gpu(), {MemoryKind::pinned_host});
-    pinned.copy_from(host);
-    Tensor d = Tensor::empty(host.shape(), host.dtype(), gpu());
-    gops().copy(gs(), pinned, d);
-    return d;
-}
-
-// A GPU tensor's values on the host, after everything enqueued on the compute stream.
-Tensor to_host(const Tensor & d) {
-    Tensor pinned = Tensor::empty(d.shape(), d.dtype(), gpu(), {MemoryKind::pinned_host});
-    gops().copy(gs(), d, pinned);
-    gs().synchronize();
-    return clone_host(pinned);
 }
 
 std::vector<double> values(const Tensor & t) {
@@ -218,7 +196,7 @@ TEST(NcclMpi, AllReduceMatchesMpi) {
             mpi.all_reduce(expected, op)->wait();
             Tensor d = to_gpu(host);
             run_nccl(on_stream, [&](Stream * s) { return nc.all_reduce(d, op, s); });
-            compare(expected, to_host(d), tolerance(dtype, op), label("all_reduce", dtype, op, on_stream));
+            compare(expected, to_cpu(d), tolerance(dtype, op), label("all_reduce", dtype, op, on_stream));
         }
     }
 }
@@ -240,7 +218,7 @@ TEST(NcclMpi, ReduceScatterMatchesMpi) {
             Tensor d_in  = to_gpu(in);
             Tensor d_out = to_gpu(Tensor::zeros({n}, dtype, cpu::device()));
             run_nccl(on_stream, [&](Stream * s) { return nc.reduce_scatter(d_in, d_out, op, s); });
-            compare(expected, to_host(d_out), tolerance(dtype, op), label("reduce_scatter", dtype, op, on_stream));
+            compare(expected, to_cpu(d_out), tolerance(dtype, op), label("reduce_scatter", dtype, op, on_stream));
         }
     }
     // In place: the output is this rank's block of the input (NCCL's own in-place form).
@@ -250,7 +228,7 @@ TEST(NcclMpi, ReduceScatterMatchesMpi) {
     Tensor d_in = to_gpu(in);
     Tensor slot = d_in.slice(n * nc.rank(), {n});
     run_nccl(true, [&](Stream * s) { return nc.reduce_scatter(d_in, slot, ReduceOp::sum, s); });
-    expect_bitwise(expected, to_host(slot), "reduce_scatter in place");
+    expect_bitwise(expected, to_cpu(slot), "reduce_scatter in place");
 }
 
 TEST(NcclMpi, AllGatherMatchesMpi) {
@@ -268,7 +246,7 @@ TEST(NcclMpi, AllGatherMatchesMpi) {
         Tensor d_in  = to_gpu(in);
         Tensor d_out = to_gpu(Tensor::zeros({n * mpi.size()}, dtype, cpu::device()));
         run_nccl(on_stream, [&](Stream * s) { return nc.all_gather(d_in, d_out, s); });
-        expect_bitwise(expected, to_host(d_out), std::string("all_gather ") + dtype_name(dtype));
+        expect_bitwise(expected, to_cpu(d_out), std::string("all_gather ") + dtype_name(dtype));
 
         // In place: the input is this rank's slot of the output (the distributed optimizer's gather).
         Tensor full = Tensor::zeros({n * mpi.size()}, dtype, cpu::device());
@@ -276,7 +254,7 @@ TEST(NcclMpi, AllGatherMatchesMpi) {
         Tensor d_full = to_gpu(full);
         Tensor slot   = d_full.slice(n * nc.rank(), {n});
         run_nccl(!on_stream, [&](Stream * s) { return nc.all_gather(slot, d_full, s); });
-        expect_bitwise(expected, to_host(d_full), std::string("all_gather in place ") + dtype_name(dtype));
+        expect_bitwise(expected, to_cpu(d_full), std::string("all_gather in place ") + dtype_name(dtype));
     }
 }
 
@@ -293,7 +271,7 @@ TEST(NcclMpi, BroadcastMatchesMpi) {
             mpi.broadcast(expected, root)->wait();
             Tensor d = to_gpu(host);
             run_nccl(on_stream, [&](Stream * s) { return nc.broadcast(d, root, s); });
-            expect_bitwise(expected, to_host(d), "broadcast from " + std::to_string(root) + " " + dtype_name(dtype));
+            expect_bitwise(expected, to_cpu(d), "broadcast from " + std::to_string(root) + " " + dtype_name(dtype));
         }
     }
 }
@@ -324,7 +302,7 @@ TEST(NcclMpi, AllToAllWithUnevenCountsMatchesMpi) {
         Tensor d_in  = to_gpu(in);
         Tensor d_out = to_gpu(out_init);
         run_nccl(on_stream, [&](Stream * s) { return nc.all_to_all(d_in, send_counts, d_out, recv_counts, s); });
-        expect_bitwise(expected, to_host(d_out), std::string("all_to_all ") + dtype_name(dtype));
+        expect_bitwise(expected, to_cpu(d_out), std::string("all_to_all ") + dtype_name(dtype));
     }
 }
 
@@ -361,7 +339,7 @@ TEST(NcclMpi, SendRecvKeepOrderAndSendsDoNotBlockTheStream) {
         Tensor back = to_gpu(Tensor::zeros({n}, DType::f32, cpu::device()));
         gs().synchronize();
         nc.recv(back, 1, 7)->wait();
-        expect_bitwise(messages[2], to_host(back), "the message sent back without a stream");
+        expect_bitwise(messages[2], to_cpu(back), "the message sent back without a stream");
     } else {
         mpi.barrier()->wait();
         if (me == 1) {
@@ -371,7 +349,7 @@ TEST(NcclMpi, SendRecvKeepOrderAndSendsDoNotBlockTheStream) {
                 nc.recv(received.back(), 0, m, &gs());
             }
             for (int m = 0; m < 3; ++m) {
-                expect_bitwise(messages[m], to_host(received[m]), "message " + std::to_string(m) + " in issue order");
+                expect_bitwise(messages[m], to_cpu(received[m]), "message " + std::to_string(m) + " in issue order");
             }
             Tensor reply = to_gpu(messages[2]);
             gs().synchronize();
@@ -413,7 +391,7 @@ TEST(NcclMpi, SplitGroupsMatchMpi) {
     Tensor d_in  = to_gpu(in);
     Tensor d_out = to_gpu(Tensor::zeros({n * size}, DType::i64, cpu::device()));
     run_nccl(true, [&](Stream * s) { return nc_rev->all_gather(d_in, d_out, s); });
-    expect_bitwise(expected, to_host(d_out), "all_gather in the reversed group");
+    expect_bitwise(expected, to_cpu(d_out), "all_gather in the reversed group");
 
     std::vector<int> without_0;
     for (int r = 1; r < size; ++r) without_0.push_back(r);
@@ -430,7 +408,7 @@ TEST(NcclMpi, SplitGroupsMatchMpi) {
     mpi_part->all_reduce(x_ref, ReduceOp::sum)->wait();
     Tensor d_x = to_gpu(x);
     run_nccl(false, [&](Stream * s) { return nc_part->all_reduce(d_x, ReduceOp::sum, s); });
-    expect_bitwise(x_ref, to_host(d_x), "all_reduce in the group without rank 0");
+    expect_bitwise(x_ref, to_cpu(d_x), "all_reduce in the group without rank 0");
 }
 
 TEST(NcclMpi, HostTensorsAreRefusedNamingTheOpAndGroup) {
