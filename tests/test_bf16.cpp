@@ -43,12 +43,6 @@ model::MicroBatch batch_of(const model::GptConfig & c, int64_t b, uint64_t seed)
     return mb;
 }
 
-std::vector<float> values_f32(const Tensor & t) {
-    std::vector<float> out(static_cast<size_t>(t.numel()));
-    convert(t.data_ptr(), t.dtype(), out.data(), DType::f32, out.size());
-    return out;
-}
-
 double cosine(const std::vector<float> & a, const std::vector<float> & b) {
     double ab = 0, aa = 0, bb = 0;
     for (size_t i = 0; i < a.size(); ++i) {

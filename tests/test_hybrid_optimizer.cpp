@@ -118,7 +118,7 @@ TEST_P(HybridMatchesAdamW, BitwiseOverTwentyStepsForEveryFractionWithAndWithoutO
         optim::HybridSlotState s = hdo.slot_state(k);
         EXPECT_EQ(s.offloaded, k < hdo.num_offloaded());
         if (ref[static_cast<size_t>(k)].data.dtype() == DType::f32) {
-            EXPECT_EQ(std::memcmp(s.master, ref[static_cast<size_t>(k)].data.data_ptr(), s.numel * 4), 0);
+            EXPECT_EQ(std::memcmp(s.master.data_ptr(), ref[static_cast<size_t>(k)].data.data_ptr(), s.numel * 4), 0);
         }
     }
 }
@@ -261,9 +261,9 @@ TEST(HybridHazards, C_ASlotWithoutGradientIsNotUpdatedWithTheStaleOne) {
         std::vector<Tensor>             values;
         for (int k : {host, dev}) {
             optim::HybridSlotState s = hdo.slot_state(k);
-            before.emplace_back(s.master, s.master + s.numel);
-            before.emplace_back(s.exp_avg, s.exp_avg + s.numel);
-            before.emplace_back(s.exp_avg_sq, s.exp_avg_sq + s.numel);
+            before.push_back(values_f32(s.master));
+            before.push_back(values_f32(s.exp_avg));
+            before.push_back(values_f32(s.exp_avg_sq));
             Tensor copy = Tensor::empty({hyb[static_cast<size_t>(k)].numel()}, hyb[static_cast<size_t>(k)].data.dtype(), device);
             copy.copy_from(hyb[static_cast<size_t>(k)].data.flatten());
             values.push_back(copy);
@@ -274,9 +274,9 @@ TEST(HybridHazards, C_ASlotWithoutGradientIsNotUpdatedWithTheStaleOne) {
         size_t j = 0;
         for (int k : {host, dev}) {
             optim::HybridSlotState s = hdo.slot_state(k);
-            EXPECT_EQ(std::memcmp(s.master, before[j].data(), s.numel * 4), 0) << "master of slot " << k;
-            EXPECT_EQ(std::memcmp(s.exp_avg, before[j + 1].data(), s.numel * 4), 0) << "m of slot " << k;
-            EXPECT_EQ(std::memcmp(s.exp_avg_sq, before[j + 2].data(), s.numel * 4), 0) << "v of slot " << k;
+            EXPECT_EQ(std::memcmp(s.master.data_ptr(), before[j].data(), s.numel * 4), 0) << "master of slot " << k;
+            EXPECT_EQ(std::memcmp(s.exp_avg.data_ptr(), before[j + 1].data(), s.numel * 4), 0) << "m of slot " << k;
+            EXPECT_EQ(std::memcmp(s.exp_avg_sq.data_ptr(), before[j + 2].data(), s.numel * 4), 0) << "v of slot " << k;
             EXPECT_TRUE(same_bits(values[j / 3], hyb[static_cast<size_t>(k)].data.flatten())) << "values of slot " << k;
             j += 3;
         }
@@ -317,7 +317,7 @@ TEST(HybridHazards, D_OneStepCounterForEveryPart) {
     EXPECT_EQ(hdo.steps(), 7);
     for (int k = 0; k < hdo.num_slots(); ++k) {
         optim::HybridSlotState s = hdo.slot_state(k);
-        EXPECT_EQ(std::memcmp(s.master, p[static_cast<size_t>(k)].data(), s.numel * 4), 0) << "slot " << k;
+        EXPECT_EQ(std::memcmp(s.master.data_ptr(), p[static_cast<size_t>(k)].data(), s.numel * 4), 0) << "slot " << k;
     }
 }
 

@@ -141,10 +141,10 @@ void for_each_run(const Piece & p, const Shape & full, Fn && fn) {
 // --- writing --------------------------------------------------------------------------------------------
 
 struct WriteEntry {
-    std::string  name;
-    std::string  dtype;   // "F32" / "BF16"
-    int64_t      numel = 0;
-    const void * data  = nullptr;
+    std::string name;
+    std::string dtype;   // "F32" / "BF16"
+    int64_t     numel = 0;
+    Tensor      values;   // host-readable (host_readable: a pinned copy of device memory)
 };
 
 struct RankPiece {
@@ -177,7 +177,7 @@ FileRecord write_shard(const std::string & path, const std::vector<WriteEntry> &
     kill_point();
     for (size_t i = 0; i < entries.size(); ++i) {
         const WriteEntry & e = entries[i];
-        put(e.data, static_cast<size_t>(e.numel) * (e.dtype == "F32" ? 4u : 2u));
+        put(e.values.data_ptr(), static_cast<size_t>(e.numel) * (e.dtype == "F32" ? 4u : 2u));
         if (i == entries.size() / 2) kill_point();
     }
     file.commit();
@@ -252,12 +252,14 @@ SaveStats save(const std::string & dir, int64_t iteration, const json & metadata
                    "checkpoint of parameter " << p.name << " in " << dtype_name(dtype), "");
         const char * values_dtype = dtype == DType::f32 ? "F32" : "BF16";
         entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "values"), values_dtype, n,
-                                     static_cast<const char *>(p.data.data_ptr()) + piece.begin * dtype_size(dtype)});
+                                     host_readable(p.data.flatten().slice(piece.begin, {n}))});
         if (with_optimizer) {
             optim::HybridSlotState st = rank.optimizer->state().slot_state(piece.slot);
-            if (dtype != DType::f32) entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "master"), "F32", n, st.master});
-            entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "exp_avg"), "F32", n, st.exp_avg});
-            entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "exp_avg_sq"), "F32", n, st.exp_avg_sq});
+            if (dtype != DType::f32) {
+                entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "master"), "F32", n, host_readable(st.master)});
+            }
+            entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "exp_avg"), "F32", n, host_readable(st.exp_avg)});
+            entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "exp_avg_sq"), "F32", n, host_readable(st.exp_avg_sq)});
         }
         const model::TpSlice & slice = p.tp_slice;
         json &                 t     = tensors[p.name];
@@ -616,7 +618,7 @@ void load(const Index & index, const RankContents & rank, const LoadOptions & op
         const TensorRecord & t = it->second;
         // Values from the f32 master when there is one (see the top of checkpoint.h).
         part(*p, t, index.has_optimizer && t.dtype != "F32" ? "master" : "values", values);
-        convert(values.data(), DType::f32, p->data.data_ptr(), p->data.dtype(), values.size());
+        write_values_f32(p->data, values);
         auto slots = slots_of.find(p);
         if (slots == slots_of.end()) continue;
         if (with_optimizer) {
@@ -627,8 +629,10 @@ void load(const Index & index, const RankContents & rank, const LoadOptions & op
             v.assign(values.size(), 0.0f);
         }
         for (int i : slots->second) {
-            const int64_t begin = slot_offset(*rank.optimizer, i, *p);
-            rank.optimizer->state().load_slot_state(i, values.data() + begin, m.data() + begin, v.data() + begin);
+            const size_t begin = static_cast<size_t>(slot_offset(*rank.optimizer, i, *p));
+            const size_t n     = static_cast<size_t>(rank.optimizer->state().slot(i).values.numel());
+            rank.optimizer->state().load_slot_state(i, std::span(values).subspan(begin, n), std::span(m).subspan(begin, n),
+                                                    std::span(v).subspan(begin, n));
         }
     }
     if (rank.optimizer) rank.optimizer->state().set_steps(with_optimizer ? index.optimizer_step : 0);

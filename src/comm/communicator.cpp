@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 
+#include <cstring>
 #include <numeric>
 
 namespace loom::comm {
@@ -131,5 +132,44 @@ WorkPtr Communicator::recv(const Tensor & t, int peer, int tag, Stream * stream)
 }
 
 WorkPtr Communicator::barrier(Stream * stream) { return do_barrier(stream); }
+
+namespace {
+
+// `values` in a tensor the group can reduce: the values themselves on the CPU, a device copy elsewhere.
+Tensor staged(std::vector<float> & values, Device & device) {
+    Tensor host = host_blob(values, device);
+    if (device.type() == DeviceType::cpu) return host;
+    Tensor on_device = Tensor::empty(host.shape(), DType::f32, device);
+    copy_now(on_device, host);
+    return on_device;
+}
+
+std::vector<float> unstaged(const Tensor & t) {
+    Tensor             host = host_readable(t);
+    std::vector<float> values(static_cast<size_t>(t.numel()));
+    if (!values.empty()) std::memcpy(values.data(), host.data_ptr(), values.size() * sizeof(float));
+    return values;
+}
+
+}  // namespace
+
+std::vector<float> all_reduce_values(Communicator & group, Device & device, std::vector<float> values, ReduceOp op) {
+    Tensor t = staged(values, device);
+    group.all_reduce(t, op)->wait();
+    return unstaged(t);
+}
+
+std::vector<float> broadcast_values(Communicator & group, Device & device, std::vector<float> values, int root) {
+    Tensor t = staged(values, device);
+    group.broadcast(t, root)->wait();
+    return unstaged(t);
+}
+
+std::vector<float> all_gather_values(Communicator & group, Device & device, std::vector<float> values) {
+    Tensor mine = staged(values, device);
+    Tensor all  = Tensor::empty({mine.numel() * group.size()}, DType::f32, device);
+    group.all_gather(mine, all)->wait();
+    return unstaged(all);
+}
 
 }  // namespace loom::comm

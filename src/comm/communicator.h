@@ -87,6 +87,16 @@ protected:
     virtual WorkPtr do_barrier(Stream * stream) = 0;
 };
 
+// Collectives over a few host values (losses, token counts, flags, timings, norm partials), staged through
+// an f32 tensor in `device`'s memory, since an NCCL group reduces device memory only. Blocking; every member
+// passes the same number of values. On the CPU the values are reduced where they are.
+//
+//   std::vector<float> totals = all_reduce_values(*dp, device, {sum, count}, ReduceOp::sum);
+std::vector<float> all_reduce_values(Communicator & group, Device & device, std::vector<float> values, ReduceOp op);
+std::vector<float> broadcast_values(Communicator & group, Device & device, std::vector<float> values, int root);
+// Every member's values, in rank order (size() * values.size()).
+std::vector<float> all_gather_values(Communicator & group, Device & device, std::vector<float> values);
+
 // Creates communicators: the world, and sub-groups from a partition of the world's ranks.
 class CommunicatorFactory {
 public:

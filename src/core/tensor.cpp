@@ -1,6 +1,7 @@
 #include "core/tensor.h"
 
 #include "core/graph.h"
+#include "core/ops.h"
 
 #include <cstring>
 #include <sstream>
@@ -90,7 +91,11 @@ Tensor Tensor::empty(const Shape & shape, DType dtype, Device & device, const Te
 
 Tensor Tensor::zeros(const Shape & shape, DType dtype, Device & device, const TensorOptions & options) {
     Tensor t = empty(shape, dtype, device, options);
-    t.fill_zero();
+    if (t.host_addressable()) {
+        t.fill_zero();
+    } else {   // device memory: zeroed in order on the compute stream, before any kernel there reads it
+        device.ops().fill_zero(device.compute_stream(), t);
+    }
     return t;
 }
 
@@ -109,6 +114,10 @@ int64_t Tensor::size(int64_t d) const {
 Device & Tensor::device() const {
     LOOM_CHECK(defined(), "device() of an undefined tensor", "");
     return storage_->device();
+}
+
+bool Tensor::host_addressable() const {
+    return device().type() == DeviceType::cpu || memory_kind() == MemoryKind::pinned_host;
 }
 
 MemoryKind Tensor::memory_kind() const {
@@ -200,7 +209,7 @@ std::string Tensor::describe() const {
 namespace {
 // copy_from and fill_zero touch memory from the host: CPU memory or pinned host memory, never a GPU's.
 void check_host_access(const Tensor & t, const char * what) {
-    LOOM_CHECK(!t.defined() || t.device().type() == DeviceType::cpu || t.memory_kind() == MemoryKind::pinned_host,
+    LOOM_CHECK(!t.defined() || t.host_addressable(),
                what << " on the host of " << t.describe() << ", which the host cannot address",
                "use the device's ops (ops().copy, ops().fill_zero) on a stream, or a pinned_host tensor");
 }
@@ -221,6 +230,62 @@ void Tensor::fill_zero() {
     if (nbytes() > 0) {
         std::memset(data_ptr(), 0, nbytes());
     }
+}
+
+Tensor host_readable(const Tensor & t) {
+    if (!t.defined() || t.host_addressable()) return t;
+    Device & device = t.device();
+    Tensor   pinned = Tensor::empty(t.shape(), t.dtype(), device, {MemoryKind::pinned_host});
+    device.ops().copy(device.compute_stream(), t, pinned);
+    device.compute_stream().synchronize();
+    return pinned;
+}
+
+void copy_now(const Tensor & dst, const Tensor & src) {
+    LOOM_CHECK(src.dtype() == dst.dtype() && src.numel() == dst.numel(),
+               "copy_now " << src.describe() << " into " << dst.describe(), "dtype and numel must match");
+    if (dst.host_addressable() && src.host_addressable()) {
+        Tensor(dst).copy_from(src);   // a handle to the same storage
+        return;
+    }
+    Device & device = dst.host_addressable() ? src.device() : dst.device();
+    device.ops().copy(device.compute_stream(), src, dst);
+    device.compute_stream().synchronize();   // `src` may be gone (or rewritten) once this returns
+}
+
+std::vector<float> values_f32(const Tensor & t) {
+    const Tensor       host = host_readable(t);
+    std::vector<float> values(static_cast<size_t>(t.numel()));
+    convert(host.data_ptr(), host.dtype(), values.data(), DType::f32, values.size());
+    return values;
+}
+
+void write_values_f32(const Tensor & t, std::span<const float> values) {
+    LOOM_CHECK(static_cast<int64_t>(values.size()) == t.numel(),
+               values.size() << " values for " << t.describe(), "give one value per element");
+    if (t.host_addressable()) {
+        convert(values.data(), DType::f32, t.data_ptr(), t.dtype(), values.size());
+        return;
+    }
+    Tensor pinned = Tensor::empty(t.shape(), t.dtype(), t.device(), {MemoryKind::pinned_host});
+    convert(values.data(), DType::f32, pinned.data_ptr(), pinned.dtype(), values.size());
+    copy_now(t, pinned);
+}
+
+Tensor host_blob(std::vector<float> & values, Device & device) {
+    return Tensor::from_blob(values.data(), {static_cast<int64_t>(values.size())}, DType::f32, device,
+                             device.type() == DeviceType::cpu ? MemoryKind::device : MemoryKind::pinned_host);
+}
+
+MemoryKind host_filled_kind(const Device & device) {
+    return device.type() == DeviceType::cpu ? MemoryKind::device : MemoryKind::pinned_host;
+}
+
+Tensor device_resident(const Tensor & t, Stream & stream) {
+    if (!t.defined() || t.device().type() == DeviceType::cpu || t.memory_kind() == MemoryKind::device) return t;
+    Tensor d = Tensor::empty(t.shape(), t.dtype(), t.device(), {MemoryKind::device, kActivationsPool});
+    t.device().ops().copy(stream, t, d);
+    return d;
 }
 
 }  // namespace loom

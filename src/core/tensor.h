@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -88,6 +89,8 @@ public:
     int64_t       offset() const { return offset_; }   // in elements, from the start of storage
     Device &      device() const;
     MemoryKind    memory_kind() const;
+    // True when the host may read and write the elements: CPU memory, or pinned host memory of any device.
+    bool          host_addressable() const;
     const std::shared_ptr<Storage> & storage() const { return storage_; }
 
     void * data_ptr() const;
@@ -112,7 +115,8 @@ public:
     // "bfloat16(4, 8) on cpu:0 device"
     std::string describe() const;
 
-    // Copies the elements of src (same dtype and numel) into this tensor, on the host, now.
+    // Copies the elements of src (same dtype and numel) into this tensor, on the host, now. Both must be
+    // host-addressable (copy_now and host_readable stage device memory).
     void copy_from(const Tensor & src);
     void fill_zero();
 
@@ -125,5 +129,28 @@ private:
     int64_t                  numel_  = 0;
     DType                    dtype_  = DType::f32;
 };
+
+// Host transfers for the host's side of a run (set-up, checks, logging, checkpoints; never a step's hot
+// path), the same code on every backend. Host-addressable tensors are read or written in place and in
+// host order, as copy_from does: the caller has synchronized whatever writes them. Device memory is read
+// or written by a copy on its device's compute stream, which these synchronize.
+//
+//   Tensor loss = host_readable(ctx.token_loss);   // `t` itself on the CPU; a pinned copy of GPU memory
+//   copy_now(bucket_view, p.main_grad);            // any memory on either side, done on return
+Tensor host_readable(const Tensor & t);
+void   copy_now(const Tensor & dst, const Tensor & src);
+// A host vector seen as a host-addressable tensor of `device` (the vector keeps the memory; nothing is
+// copied), for copy_now and the communicators' host-value helpers.
+Tensor host_blob(std::vector<float> & values, Device & device);
+// A float tensor's values as f32 on the host, and f32 host values written into a float tensor (rounded to
+// its dtype): any memory, blocking as above.
+std::vector<float> values_f32(const Tensor & t);
+void               write_values_f32(const Tensor & t, std::span<const float> values);
+// Memory the host fills and kernels of `device` read: the device's own memory on the CPU, pinned host
+// memory on a GPU (a data loader's batches).
+MemoryKind host_filled_kind(const Device & device);
+// `t` itself when kernels of its device read it where it is (device memory, or any CPU memory); else a copy
+// in device memory (activations pool) enqueued on `stream`: a loader's pinned batch on a GPU.
+Tensor device_resident(const Tensor & t, Stream & stream);
 
 }  // namespace loom

@@ -98,9 +98,10 @@ int64_t Loader::sample_index(int64_t j) const {
 Batch Loader::next_microbatch() {
     int64_t b = micro_batch_size_, s = dataset_.seq_length();
     Batch   batch;
-    batch.tokens    = Tensor::empty({b, s}, DType::i32, device_, {MemoryKind::device, "data"});
-    batch.labels    = Tensor::empty({b, s}, DType::i32, device_, {MemoryKind::device, "data"});
-    batch.loss_mask = Tensor::empty({b, s}, DType::f32, device_, {MemoryKind::device, "data"});
+    const MemoryKind host = host_filled_kind(device_);   // the model copies it to the device where that differs
+    batch.tokens    = Tensor::empty({b, s}, DType::i32, device_, {host, "data"});
+    batch.labels    = Tensor::empty({b, s}, DType::i32, device_, {host, "data"});
+    batch.loss_mask = Tensor::empty({b, s}, DType::f32, device_, {host, "data"});
     batch.sample_ids = Tensor::empty({b}, DType::i64, device_, {MemoryKind::pinned_host, "data"});
     std::vector<int32_t> window(s + 1);
     for (int64_t j = 0; j < b; ++j) {

@@ -76,11 +76,11 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
         for (const ParamPlace & place : buffer.params) {
             model::Parameter * p = params_[place.param];
             Tensor grad = grads.slice(place.start, p->main_grad.shape());
-            grad.copy_from(p->main_grad);
+            copy_now(grad, p->main_grad);
             p->main_grad = grad;
             if (weights.defined()) {
                 Tensor data = weights.slice(place.start, p->data.shape());
-                data.copy_from(p->data);
+                copy_now(data, p->data);
                 p->data = data;
             }
         }
@@ -187,9 +187,10 @@ void DistributedDataParallel::launch_grad_sync(Group & group) {
         const BucketLayout & bucket = layout_.buffers[ref.buffer].buckets[ref.bucket];
         Tensor               grads  = bucket_view(grad_buffers_[ref.buffer], bucket);
         if (config_.check_for_nan_in_grad) {
+            const Tensor host = host_readable(grads);
             for (const ParamPlace & place : layout_.buffers[ref.buffer].params) {
                 if (place.bucket != ref.bucket) continue;
-                const float * pg = grad_buffers_[ref.buffer].data<float>() + place.start;
+                const float * pg = host.data<float>() + (place.start - bucket.offset);
                 for (int64_t i = 0; i < place.end - place.start; ++i) {
                     LOOM_CHECK(std::isfinite(pg[i]),
                                "rank " << dp_group_->global_ranks()[dp_group_->rank()] << ": gradient of "

@@ -62,7 +62,9 @@ LayerGraphRunner::LayerGraphRunner(std::vector<model::GptModel *> chunks, const 
     }
     segment_outputs_.resize(static_cast<size_t>(plan_.num_graphs));
     iota_ids_ = Tensor::empty({b_}, DType::i64, device_, static_pool);
-    std::iota(iota_ids_.data<int64_t>(), iota_ids_.data<int64_t>() + b_, int64_t{0});
+    Tensor iota = Tensor::empty({b_}, DType::i64, device_, {host_filled_kind(device_)});
+    std::iota(iota.data<int64_t>(), iota.data<int64_t>() + b_, int64_t{0});
+    copy_now(iota_ids_, iota);
     graphs_.resize(static_cast<size_t>(plan_.num_graphs));
     outputs_.assign(graphs_.size(), 0);
     ready_order_.resize(graphs_.size());

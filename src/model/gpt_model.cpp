@@ -87,8 +87,9 @@ Tensor GptModel::local_tokens(const Tensor & tokens) const {
 
 double GptModel::masked_loss_sum(const Tensor & token_loss, const Tensor & mask) {
     const int64_t b = mask.size(0), s = mask.size(1);
-    const float * m = mask.data<float>();
-    const float * l = token_loss.data<float>();
+    const Tensor  losses = host_readable(token_loss);
+    const float * m      = mask.data<float>();
+    const float * l      = losses.data<float>();
     double        sum = 0;
     for (int64_t r = 0; r < s * b; ++r) sum += static_cast<double>(m[(r % b) * s + r / b]) * l[r];
     return sum;
@@ -113,7 +114,11 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
     Stream & stream = device_.compute_stream();
     ctx.s     = s;
     ctx.b     = b;
-    ctx.batch = batch;
+    // The host reads `batch` (token checks, the mask's count); kernels read ctx.batch, the same tensors in
+    // device memory (a loader's pinned batch is copied there once).
+    ctx.batch = MicroBatch{stage_.pre_process ? device_resident(batch.tokens, stream) : Tensor(),
+                           stage_.post_process ? device_resident(batch.labels, stream) : Tensor(),
+                           stage_.post_process ? device_resident(batch.loss_mask, stream) : Tensor(), batch.sample_ids};
     ctx.layers.resize(layers_.size());
     const DropoutBatch dropout_batch{batch.sample_ids, b, ctx.training};
 
@@ -134,7 +139,7 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
         // Vocabulary-parallel: each rank embeds its tokens (zeros for the rest), rank 0 adds the positions,
         // and the sum over the group is the embedding.
         const bool pos = wpe_.data.defined() && tp_.rank == 0;
-        ops.embedding_forward(stream, local_tokens(batch.tokens), wte_.data, pos ? wpe_.data : Tensor(), x);
+        ops.embedding_forward(stream, local_tokens(ctx.batch.tokens), wte_.data, pos ? wpe_.data : Tensor(), x);
         if (tp_.sp()) {
             x = tp_.reduce_scatter(x);   // sequence parallel: this rank's rows of the sum
         } else {
@@ -189,9 +194,9 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
     ctx.token_loss = activation(device_, s * b, 1);
     ops.gemm(stream, ctx.final_hidden, false, out_w.data, true, ctx.logits);
     if (tp_.size == 1) {
-        ops.cross_entropy_forward(stream, ctx.logits, batch.labels, ctx.token_loss, ctx.lse, config_.vocab_size);
+        ops.cross_entropy_forward(stream, ctx.logits, ctx.batch.labels, ctx.token_loss, ctx.lse, config_.vocab_size);
     } else {
-        vocab_parallel_cross_entropy(ctx, batch);
+        vocab_parallel_cross_entropy(ctx);
     }
     // The token count comes from the mask, which the host holds; the loss itself is read once the stream
     // has computed ctx.token_loss (masked_loss_sum, after a synchronization: forward() or the executor).
@@ -277,9 +282,10 @@ std::array<double, 4> GptModel::take_moe_losses() {
     std::array<double, 4> sums{};
     for (auto & layer : layers_) {
         if (!layer->moe) continue;
-        float * values = layer->moe_losses.data<float>();
+        const Tensor  host   = host_readable(layer->moe_losses);
+        const float * values = host.data<float>();
         for (size_t i = 0; i < sums.size(); ++i) sums[i] += values[i];
-        layer->moe_losses.fill_zero();
+        device_.ops().fill_zero(device_.compute_stream(), layer->moe_losses);
     }
     return sums;
 }
@@ -305,7 +311,7 @@ int64_t GptModel::local_valid_vocab() const {
     return std::clamp<int64_t>(config_.vocab_size - vocab_begin_, 0, vocab_local_);
 }
 
-void GptModel::vocab_parallel_cross_entropy(Context & ctx, const MicroBatch & batch) {
+void GptModel::vocab_parallel_cross_entropy(Context & ctx) {
     // loss = log(sum over all ranks' columns of exp(logit - max)) + max - logit[label], with the max, the
     // sum and the label's logit each combined over the group: the full logits are never gathered.
     const int64_t n = ctx.s * ctx.b, valid = local_valid_vocab();
@@ -318,7 +324,7 @@ void GptModel::vocab_parallel_cross_entropy(Context & ctx, const MicroBatch & ba
     tp_.group->all_reduce(max, comm::ReduceOp::max, &stream);
     ops.row_sum_exp(stream, ctx.logits, max, valid, sum);
     tp_.all_reduce(sum);
-    ops.label_logit(stream, ctx.logits, local_tokens(batch.labels), target);
+    ops.label_logit(stream, ctx.logits, local_tokens(ctx.batch.labels), target);
     tp_.all_reduce(target);
     ops.lse_and_loss(stream, max, sum, target, ctx.lse, ctx.token_loss);
 }

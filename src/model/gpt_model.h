@@ -73,7 +73,7 @@ public:
     struct Context {
         std::vector<TransformerLayer::Context> layers;
         Norm::Context                          final_norm;
-        MicroBatch                             batch;
+        MicroBatch                             batch;          // the micro-batch's tensors in device memory (forward_stage)
         Tensor                                 final_hidden;   // input of the output layer (s*b, h), params' dtype
         Tensor                                 logits;         // (s*b, V) f32; becomes dlogits in backward
         Tensor                                 lse;            // (s*b)
@@ -164,7 +164,7 @@ private:
     Tensor  local_tokens(const Tensor & tokens) const;
     // How many of this rank's vocabulary columns are real tokens (the rest is padding).
     int64_t local_valid_vocab() const;
-    void    vocab_parallel_cross_entropy(Context & ctx, const MicroBatch & batch);
+    void    vocab_parallel_cross_entropy(Context & ctx);
     PreForwardFn                                   pre_forward_;
     LayerGraphs *                                  layer_graphs_ = nullptr;
     int                                            graph_chunk_  = 0;

@@ -433,13 +433,6 @@ bool skipped_tensor(const std::string & name) {
     return name == "lm_head.weight" || ends_with(".attn.bias") || ends_with(".attn.masked_bias");
 }
 
-void check_host(const Parameter & p) {
-    LOOM_CHECK(p.data.device().type() == DeviceType::cpu,
-               "parameter '" << p.name << "' lives on " << p.data.device().name() << "; Hugging Face import/export reads "
-                             << "and writes host memory",
-               "load or export the model on the CPU");
-}
-
 // (rows, cols) row-major -> (cols, rows).
 std::vector<float> transposed(const std::vector<float> & a, int64_t rows, int64_t cols) {
     std::vector<float> t(a.size());
@@ -482,12 +475,11 @@ void load_hf_gpt2(GptModel & model, const std::string & dir) {
                    "safetensors file '" << file.path() << "': tensor '" << e.name << "' has shape " << shape_list(e.shape)
                                         << ", expected " << shape_list(m.hf_shape) << " from '" << join(dir, "config.json") << "'",
                    "config.json and model.safetensors describe different models");
-        check_host(*m.param);
         std::vector<float> values = file.read_f32(e.name);
         if (m.transpose) values = transposed(values, m.hf_shape[0], m.hf_shape[1]);
         // The word embedding: rows beyond the checkpoint's vocabulary (padding, or a larger --vocab-size) are zero.
         values.resize(static_cast<size_t>(m.param->numel()), 0.0f);
-        convert(values.data(), DType::f32, m.param->data.data_ptr(), m.param->data.dtype(), values.size());
+        write_values_f32(m.param->data, values);
         names.erase(it);
     }
     LOOM_CHECK(names.empty(), "safetensors file '" << file.path() << "' has tensor '" << names.begin()->second
@@ -505,9 +497,7 @@ void export_hf_gpt2(GptModel & model, const std::string & dir) {
 
     std::vector<SafetensorsTensor> tensors;
     for (const Mapping & m : gpt2_mapping(model, c.vocab_size)) {
-        check_host(*m.param);
-        std::vector<float> values(static_cast<size_t>(m.param->numel()));
-        convert(m.param->data.data_ptr(), m.param->data.dtype(), values.data(), DType::f32, values.size());
+        std::vector<float> values = values_f32(m.param->data);
         if (m.transpose) {
             values = transposed(values, m.hf_shape[1], m.hf_shape[0]);
         } else {

@@ -52,7 +52,7 @@ void parameter_init_normal(Parameter & p, uint64_t seed, float std) {
     LOOM_CHECK(static_cast<int64_t>(w.size()) == p.numel(), "tensor-parallel slice of " << p.name << " holds "
                                                                                          << w.size() << " elements, the parameter "
                                                                                          << p.numel(), "");
-    convert(w.data(), DType::f32, p.data.data_ptr(), p.data.dtype(), w.size());
+    write_values_f32(p.data, w);
 }
 
 void tp_slice_runs(const TpSlice & slice, const std::function<void(int64_t, int64_t, int64_t)> & fn) {
@@ -97,8 +97,7 @@ std::vector<float> tp_extract(const TpSlice & slice, const float * full) {
 }
 
 void parameter_init_constant(Parameter & p, float value) {
-    std::vector<float> w(static_cast<size_t>(p.numel()), value);
-    convert(w.data(), DType::f32, p.data.data_ptr(), p.data.dtype(), w.size());
+    write_values_f32(p.data, std::vector<float>(static_cast<size_t>(p.numel()), value));
 }
 
 Tensor parameter_f32(const Parameter & p) {

@@ -83,16 +83,10 @@ void adamw_update(float * p, const float * g, float * m, float * v, int64_t n, f
 }
 
 double group_sum(double value, comm::Communicator & group, Device & device) {
-    Tensor   mine   = Tensor::empty({2}, DType::f32, device);
-    Tensor   all    = Tensor::empty({2 * static_cast<int64_t>(group.size())}, DType::f32, device);
-    float    hi     = static_cast<float>(value);
-    mine.data<float>()[0] = hi;
-    mine.data<float>()[1] = static_cast<float>(value - static_cast<double>(hi));
-    group.all_gather(mine, all)->wait();
-    double total = 0;
-    for (int r = 0; r < group.size(); ++r) {
-        total += static_cast<double>(all.data<float>()[2 * r]) + static_cast<double>(all.data<float>()[2 * r + 1]);
-    }
+    const float              hi  = static_cast<float>(value);
+    const std::vector<float> all = comm::all_gather_values(group, device, {hi, static_cast<float>(value - static_cast<double>(hi))});
+    double                   total = 0;
+    for (int r = 0; r < group.size(); ++r) total += static_cast<double>(all[2 * r]) + static_cast<double>(all[2 * r + 1]);
     return total;
 }
 

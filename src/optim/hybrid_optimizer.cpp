@@ -79,20 +79,17 @@ HybridDeviceOptimizer::HybridDeviceOptimizer(Device & device, std::vector<Hybrid
     host_array(host_v_, options_.pin_cpu_params);
     host_array(host_grad_, options_.pin_cpu_grads);
 
-    // Masters start from the model values (once the compute stream has written them); host groups: one
+    // Masters start from the model values, after the compute stream has written them; host groups: one
     // per slot with overlap, else one in all.
-    device_.compute_stream().synchronize();
     for (int i = 0; i < num_slots(); ++i) {
-        SlotInfo &    s = slots_[static_cast<size_t>(i)];
-        const Tensor & w = s.slot.values;
-        float *       master = s.offloaded ? host_master_.data() + s.state
-                               : s.master >= 0 ? dev_master_.data<float>() + s.master
-                                               : nullptr;
-        if (master) convert(w.data_ptr(), w.dtype(), master, DType::f32, static_cast<size_t>(w.numel()));
+        SlotInfo &      s  = slots_[static_cast<size_t>(i)];
+        HybridSlotState st = slot_state(i);
+        if (!st.master.shares_storage(s.slot.values)) device_.ops().convert(device_.compute_stream(), s.slot.values, st.master);
         if (!s.offloaded) continue;
         if (options_.overlap_d2h_h2d || groups_.empty()) groups_.emplace_back();
         groups_.back().push_back(i);
     }
+    device_.compute_stream().synchronize();
 
     if (!groups_.empty()) {   // host work: the side streams
         d2h_ = device_.stream_create("hdo-d2h");
@@ -155,19 +152,18 @@ int64_t HybridDeviceOptimizer::offloaded_numel() const {
 
 HybridSlotState HybridDeviceOptimizer::slot_state(int slot) const {
     LOOM_CHECK(slot >= 0 && slot < num_slots(), "hybrid optimizer slot " << slot << " of " << num_slots(), "");
-    const SlotInfo & s  = slots_[static_cast<size_t>(slot)];
-    auto *           me = const_cast<HybridDeviceOptimizer *>(this);
+    const SlotInfo & s = slots_[static_cast<size_t>(slot)];
     HybridSlotState  r;
     r.offloaded = s.offloaded;
     r.numel     = s.slot.values.numel();
     if (s.offloaded) {
-        r.master     = me->host_master_.data() + s.state;
-        r.exp_avg    = me->host_m_.data() + s.state;
-        r.exp_avg_sq = me->host_v_.data() + s.state;
+        r.master     = host_master_.slice(s.state, r.numel);
+        r.exp_avg    = host_m_.slice(s.state, r.numel);
+        r.exp_avg_sq = host_v_.slice(s.state, r.numel);
     } else {
-        r.master     = s.master >= 0 ? dev_master_.data<float>() + s.master : s.slot.values.data<float>();
-        r.exp_avg    = dev_m_.data<float>() + s.state;
-        r.exp_avg_sq = dev_v_.data<float>() + s.state;
+        r.master     = s.master >= 0 ? dev_master_.slice(s.master, {r.numel}) : s.slot.values;
+        r.exp_avg    = dev_m_.slice(s.state, {r.numel});
+        r.exp_avg_sq = dev_v_.slice(s.state, {r.numel});
     }
     return r;
 }
@@ -258,9 +254,9 @@ HybridStateDict HybridDeviceOptimizer::state_dict() const {
     for (int i = 0; i < num_slots(); ++i) {
         HybridSlotState     st = slot_state(i);
         HybridSlotStateDict slot;
-        slot.master.assign(st.master, st.master + st.numel);
-        slot.exp_avg.assign(st.exp_avg, st.exp_avg + st.numel);
-        slot.exp_avg_sq.assign(st.exp_avg_sq, st.exp_avg_sq + st.numel);
+        slot.master     = values_f32(st.master);
+        slot.exp_avg    = values_f32(st.exp_avg);
+        slot.exp_avg_sq = values_f32(st.exp_avg_sq);
         state.slots.push_back(std::move(slot));
     }
     return state;
@@ -277,21 +273,26 @@ void HybridDeviceOptimizer::load_state_dict(const HybridStateDict & state) {
                        slot.exp_avg_sq.size() == slot.master.size(),
                    "optimizer state of slot " << i << " holds " << slot.master.size() << " elements, the slot " << numel,
                    "load the state into an optimizer over the same parameters");
-        load_slot_state(i, slot.master.data(), slot.exp_avg.data(), slot.exp_avg_sq.data());
+        load_slot_state(i, slot.master, slot.exp_avg, slot.exp_avg_sq);
     }
     step_ = state.step;
 }
 
-void HybridDeviceOptimizer::load_slot_state(int slot, const float * master, const float * exp_avg,
-                                            const float * exp_avg_sq) {
+void HybridDeviceOptimizer::load_slot_state(int slot, std::span<const float> master, std::span<const float> exp_avg,
+                                            std::span<const float> exp_avg_sq) {
     synchronize();
     HybridSlotState st = slot_state(slot);
-    std::copy_n(exp_avg, st.numel, st.exp_avg);
-    std::copy_n(exp_avg_sq, st.numel, st.exp_avg_sq);
-    std::copy_n(master, st.numel, st.master);
+    LOOM_CHECK(static_cast<int64_t>(master.size()) == st.numel && exp_avg.size() == master.size() &&
+                   exp_avg_sq.size() == master.size(),
+               "optimizer state of slot " << slot << " holds " << master.size() << " elements, the slot " << st.numel,
+               "load the state into an optimizer over the same parameters");
+    write_values_f32(st.exp_avg, exp_avg);
+    write_values_f32(st.exp_avg_sq, exp_avg_sq);
+    write_values_f32(st.master, master);
     const Tensor & values = slots_[static_cast<size_t>(slot)].slot.values;
-    if (static_cast<const void *>(st.master) != values.data_ptr()) {   // else the values are the master
-        convert(st.master, DType::f32, values.data_ptr(), values.dtype(), static_cast<size_t>(st.numel));
+    if (!st.master.shares_storage(values)) {   // else the values are the master
+        device_.ops().convert(device_.compute_stream(), st.master, values);
+        device_.compute_stream().synchronize();
     }
 }
 

@@ -49,6 +49,7 @@
 
 #include <memory>
 #include <optional>
+#include <span>
 #include <vector>
 
 namespace loom::optim {
@@ -71,13 +72,14 @@ struct HybridSlot {
 // Which slots are offloaded, by spec 3.2's rule. Throws when fraction is outside [0, 1].
 std::vector<bool> hybrid_offload_split(const std::vector<int64_t> & numels, double fraction);
 
-// Where one slot's state lives.
+// Where one slot's state lives: (n) f32 views into the optimizer's arrays, in device memory or host memory
+// (host_readable / values_f32 read any of them, core/tensor.h).
 struct HybridSlotState {
-    bool    offloaded  = false;
-    int64_t numel      = 0;
-    float * master     = nullptr;   // (n) f32 master: host copy, device copy (bf16), or the values (device f32)
-    float * exp_avg    = nullptr;   // (n) m
-    float * exp_avg_sq = nullptr;   // (n) v
+    bool    offloaded = false;
+    int64_t numel     = 0;
+    Tensor  master;       // the f32 master: host copy, device copy (bf16 values), or the values (device f32)
+    Tensor  exp_avg;      // m
+    Tensor  exp_avg_sq;   // v
 };
 
 // The wrapper's one state for the whole model, whichever side each slot's state lives on: per slot its
@@ -115,8 +117,8 @@ public:
     int                     num_slots() const { return static_cast<int>(slots_.size()); }
     int                     num_offloaded() const;
     int64_t                 offloaded_numel() const;
-    // Pointers into the state: the host reads them after the queued steps have run (the compute stream
-    // synchronized, or step() called without a stream).
+    // Views of the state: read them after the queued steps have run (the compute stream synchronized, or
+    // step() called without a stream).
     HybridSlotState         slot_state(int slot) const;
     // The slot as given (its values view tells a checkpoint which elements of its parameter it holds).
     const HybridSlot &      slot(int i) const { return slots_.at(static_cast<size_t>(i)).slot; }
@@ -127,7 +129,8 @@ public:
     // model's dtype, as after a step. Throws naming the slot when the sizes do not match.
     void            load_state_dict(const HybridStateDict & state);
     // One slot's part of it (numel elements each), without building the whole dict (a checkpoint load).
-    void            load_slot_state(int slot, const float * master, const float * exp_avg, const float * exp_avg_sq);
+    void            load_slot_state(int slot, std::span<const float> master, std::span<const float> exp_avg,
+                                    std::span<const float> exp_avg_sq);
     int                     num_host_groups() const { return static_cast<int>(groups_.size()); }
     const HybridOptions &   options() const { return options_; }
     // The side streams (tests delay them to prove the waits); they exist only when a slot is offloaded.

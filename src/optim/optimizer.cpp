@@ -43,11 +43,13 @@ double norm_on(Device & device, const std::vector<GradView> & views, const NormG
         if (v.counted) device.ops().sum_of_squares(stream, v.grad, sums.slice(2 * k++, {2}));
     }
     stream.synchronize();
-    double dense = 0, expert = 0;
-    k            = 0;
+    const Tensor  host  = host_readable(sums);
+    const float * pairs = host.data<float>();
+    double        dense = 0, expert = 0;
+    k                   = 0;
     for (const GradView & v : views) {
         if (!v.counted) continue;
-        const double sq = static_cast<double>(sums.data<float>()[2 * k]) + static_cast<double>(sums.data<float>()[2 * k + 1]);
+        const double sq = static_cast<double>(pairs[2 * k]) + static_cast<double>(pairs[2 * k + 1]);
         (v.expert ? expert : dense) += sq;
         ++k;
     }
@@ -107,7 +109,8 @@ double Optimizer::count_zeros() const {
     double zeros[2] = {0, 0};   // dense, expert
     for (const GradView & v : views_) {
         if (!v.counted) continue;
-        const float * g = v.grad.data<float>();
+        const Tensor  host = host_readable(v.grad);
+        const float * g    = host.data<float>();
         for (int64_t i = 0; i < v.grad.numel(); ++i) zeros[v.expert ? 1 : 0] += g[i] == 0.0f ? 1.0 : 0.0;
     }
     return group_total(zeros[0], zeros[1], groups_, device);

@@ -144,25 +144,24 @@ Timeline PipelineExecutor::gather_timeline(const Result & mine, comm::Communicat
                                            Device & device) {
     // Each op as 5 floats: forward, chunk, microbatch, start, end; every stage has 2M ops.
     const int64_t per_rank = static_cast<int64_t>(mine.ops.size()) * 5;
-    Tensor        local    = Tensor::empty({per_rank}, DType::f32, device);
-    Tensor        all      = Tensor::empty({per_rank * pp.size()}, DType::f32, device);
+    std::vector<float> local(static_cast<size_t>(per_rank));
     for (size_t i = 0; i < mine.ops.size(); ++i) {
         const TimelineOp & t = mine.ops[i];
-        float *            v = local.data<float>() + 5 * i;
+        float *            v = local.data() + 5 * i;
         v[0] = t.op.forward ? 1.0f : 0.0f;
         v[1] = static_cast<float>(t.op.chunk);
         v[2] = static_cast<float>(t.op.microbatch);
         v[3] = static_cast<float>(t.start);
         v[4] = static_cast<float>(t.end);
     }
-    pp.all_gather(local, all)->wait();
+    const std::vector<float> all = comm::all_gather_values(pp, device, std::move(local));
     Timeline timeline;
     timeline.options                  = options;
     timeline.unit_time                = false;
     timeline.ranks.resize(static_cast<size_t>(pp.size()));
     for (int r = 0; r < pp.size(); ++r) {
         for (size_t i = 0; i < mine.ops.size(); ++i) {
-            const float * v = all.data<float>() + r * per_rank + 5 * static_cast<int64_t>(i);
+            const float * v = all.data() + r * per_rank + 5 * static_cast<int64_t>(i);
             timeline.ranks[r].push_back(TimelineOp{ScheduleOp{v[0] != 0.0f, static_cast<int>(v[1]), static_cast<int>(v[2])},
                                                    v[3], v[4]});
         }

@@ -123,17 +123,18 @@ Trainer::Trainer(const TrainOptions & options, std::unique_ptr<Setup> owned, Set
 std::vector<std::pair<std::string, double>> Trainer::moe_losses() {
     const model::MoeConfig & moe = options_.model.moe;
     if (!moe.enabled()) return {};
-    Tensor sums = Tensor::zeros({4}, DType::f32, model_.device());
+    Device &           device = model_.device();
+    std::vector<float> sums(4, 0.0f);
     for (model::GptModel * chunk : setup_.chunks) {
         const std::array<double, 4> mine = chunk->take_moe_losses();
-        for (size_t i = 0; i < mine.size(); ++i) sums.data<float>()[i] += static_cast<float>(mine[i]);
+        for (size_t i = 0; i < mine.size(); ++i) sums[i] += static_cast<float>(mine[i]);
     }
-    if (stages_) stages_->all_reduce(sums, comm::ReduceOp::sum)->wait();   // every stage's layers
+    if (stages_) sums = comm::all_reduce_values(*stages_, device, sums, comm::ReduceOp::sum);   // every stage's layers
     if (const comm::Communicator * tp = setup_.groups.tp.get(); tp && tp->size() > 1 && options_.sequence_parallel) {
-        setup_.groups.tp->all_reduce(sums, comm::ReduceOp::sum)->wait();   // each rank's share of its sequence's
+        sums = comm::all_reduce_values(*setup_.groups.tp, device, sums, comm::ReduceOp::sum);   // each rank's share of its sequence's
     }
     if (const comm::Communicator * dp = setup_.groups.dp.get(); dp && dp->size() > 1) {
-        setup_.groups.dp->all_reduce(sums, comm::ReduceOp::avg)->wait();
+        sums = comm::all_reduce_values(*setup_.groups.dp, device, sums, comm::ReduceOp::avg);
     }
     int64_t layers = 0;
     for (int64_t i = 0; i < options_.model.num_layers; ++i) layers += moe.is_moe_layer(i) ? 1 : 0;
@@ -142,9 +143,9 @@ std::vector<std::pair<std::string, double>> Trainer::moe_losses() {
     if (moe.load_balancing != model::MoeLoadBalancing::none) {
         out.emplace_back(moe.load_balancing == model::MoeLoadBalancing::seq_aux_loss ? "seq_load_balancing_loss"
                                                                                    : "load_balancing_loss",
-                         sums.data<float>()[model::router_loss_aux_logged] * per_layer_microbatch);
+                         sums[model::router_loss_aux_logged] * per_layer_microbatch);
     }
-    if (moe.z_loss_coeff > 0.0f) out.emplace_back("z_loss", sums.data<float>()[model::router_loss_z_logged] * per_layer_microbatch);
+    if (moe.z_loss_coeff > 0.0f) out.emplace_back("z_loss", sums[model::router_loss_z_logged] * per_layer_microbatch);
     return out;
 }
 
@@ -265,16 +266,10 @@ double Trainer::step(IterationStats & stats) {
     }
     double loss = loss_total / static_cast<double>(microbatches);
     if (stages_) {   // only the last stage computed the loss
-        Tensor value = Tensor::empty({1}, DType::f32, model_.device());
-        value.data<float>()[0] = static_cast<float>(loss);
-        stages_->broadcast(value, stages_->size() - 1)->wait();
-        loss = value.data<float>()[0];
+        loss = comm::broadcast_values(*stages_, model_.device(), {static_cast<float>(loss)}, stages_->size() - 1)[0];
     }
     if (dp && dp->size() > 1) {
-        Tensor mean = Tensor::empty({1}, DType::f32, model_.device());
-        mean.data<float>()[0] = static_cast<float>(loss);
-        setup_.groups.dp->all_reduce(mean, comm::ReduceOp::avg)->wait();
-        loss = mean.data<float>()[0];
+        loss = comm::all_reduce_values(*setup_.groups.dp, model_.device(), {static_cast<float>(loss)}, comm::ReduceOp::avg)[0];
     }
     stats.iteration          = iteration_;
     stats.consumed_samples   = consumed_;
@@ -288,23 +283,21 @@ double Trainer::step(IterationStats & stats) {
 
 std::string Trainer::timers_block(int64_t iterations) {
     // Per iteration in ms; min and max over every rank (two all-reduces of three values).
-    Tensor lo = Tensor::empty({3}, DType::f32, model_.device());
-    Tensor hi = Tensor::empty({3}, DType::f32, model_.device());
+    std::vector<float> lo(3), hi(3);
     for (int i = 0; i < 3; ++i) {
-        lo.data<float>()[i] = hi.data<float>()[i] =
-            static_cast<float>(timer_seconds_[i] * 1000.0 / static_cast<double>(std::max<int64_t>(iterations, 1)));
+        lo[i] = hi[i] = static_cast<float>(timer_seconds_[i] * 1000.0 / static_cast<double>(std::max<int64_t>(iterations, 1)));
         timer_seconds_[i] = 0;
     }
     if (comm::Communicator * everyone = setup_.all_ranks(); everyone && everyone->size() > 1) {
-        everyone->all_reduce(lo, comm::ReduceOp::min)->wait();
-        everyone->all_reduce(hi, comm::ReduceOp::max)->wait();
+        lo = comm::all_reduce_values(*everyone, model_.device(), lo, comm::ReduceOp::min);
+        hi = comm::all_reduce_values(*everyone, model_.device(), hi, comm::ReduceOp::max);
     }
     std::string block = "(min, max) time across ranks (ms):";
     char        line[128];
     for (int i = 0; i < 3; ++i) {
         std::string name = std::string(kTimerNames[i]) + " ";
         name.resize(std::max<size_t>(name.size(), 48), '.');
-        std::snprintf(line, sizeof(line), "\n    %s: (%.2f, %.2f)", name.c_str(), lo.data<float>()[i], hi.data<float>()[i]);
+        std::snprintf(line, sizeof(line), "\n    %s: (%.2f, %.2f)", name.c_str(), lo[i], hi[i]);
         block += line;
     }
     return block;
@@ -331,12 +324,12 @@ double Trainer::evaluate(BatchSource & source) {
     }
     // Only the last stage holds losses; summing over the pipeline and data-parallel groups gives every rank
     // the same total (as doubles, in f32 pairs would be overkill: one value per evaluation).
-    Tensor totals = Tensor::empty({2}, DType::f32, model_.device());
-    totals.data<float>()[0] = static_cast<float>(sum);
-    totals.data<float>()[1] = static_cast<float>(count);
-    if (stages_) stages_->all_reduce(totals, comm::ReduceOp::sum)->wait();
-    if (setup_.groups.dp && setup_.groups.dp->size() > 1) setup_.groups.dp->all_reduce(totals, comm::ReduceOp::sum)->wait();
-    return static_cast<double>(totals.data<float>()[0]) / std::max(1.0, static_cast<double>(totals.data<float>()[1]));
+    std::vector<float> totals{static_cast<float>(sum), static_cast<float>(count)};
+    if (stages_) totals = comm::all_reduce_values(*stages_, model_.device(), totals, comm::ReduceOp::sum);
+    if (setup_.groups.dp && setup_.groups.dp->size() > 1) {
+        totals = comm::all_reduce_values(*setup_.groups.dp, model_.device(), totals, comm::ReduceOp::sum);
+    }
+    return static_cast<double>(totals[0]) / std::max(1.0, static_cast<double>(totals[1]));
 }
 
 std::string megatron_validation_lines(const std::string & where, double loss) {
@@ -401,10 +394,7 @@ TrainSummary Trainer::run(FILE * out) {
     }
     auto any_rank = [&](bool local) {
         if (!everyone || everyone->size() == 1) return local;
-        Tensor flag = Tensor::empty({1}, DType::f32, model_.device());
-        flag.data<float>()[0] = local ? 1.0f : 0.0f;
-        everyone->all_reduce(flag, comm::ReduceOp::max)->wait();
-        return flag.data<float>()[0] > 0.0f;
+        return comm::all_reduce_values(*everyone, model_.device(), {local ? 1.0f : 0.0f}, comm::ReduceOp::max)[0] > 0.0f;
     };
     bool   progress_bar = out != nullptr && isatty(fileno(out));
     // Per rank, as Megatron's "throughput per GPU".
