@@ -12,7 +12,7 @@
 // the validation line then names the checkpoint's iteration. The softmax covers the real vocabulary only (model/gpt_model.h), so an imported model
 // scores Hugging Face's own loss whatever the padding.
 #include "apps/loom/commands.h"
-#include "backend/cpu/cpu_device.h"
+#include "apps/loom/devices.h"
 #include "model/hf_gpt2.h"
 #include "train/checkpointing.h"
 #include "train/data_source.h"
@@ -38,7 +38,7 @@ int cmd_eval(int argc, char ** argv) {
                "evaluate fewer batches");
     std::optional<checkpoint::Index> index;
     if (!options.load.empty()) index = train::index_to_read(options, "loom eval");
-    Device &            device  = cpu::device();
+    Device &            device  = device_for(options.device);
     auto data = train::make_batch_source(options, device, parser.vocab_given(), 0, 1, data::Split::valid,
                                          eval_iters * options.global_batch_size);
     options.model.validate();

@@ -32,6 +32,8 @@ int cmd_export_hf(int argc, char ** argv) {
     }
     parser.data_optional();
     train::TrainOptions              options = parser.resolve();
+    LOOM_CHECK(options.device != "cuda", "--device cuda: loom export-hf converts the weights on the CPU",
+               "leave --device out (or give --device cpu)");
     std::optional<checkpoint::Index> index;
     if (!options.load.empty()) {
         index = train::index_to_read(options, "loom export-hf");

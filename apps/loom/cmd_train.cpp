@@ -12,7 +12,7 @@
 // any rank stops the whole job. The options are validated for the launched world size before MPI starts.
 // A single process uses DDP's buffers too when a data-parallel flag asks for them.
 #include "apps/loom/commands.h"
-#include "backend/cpu/cpu_device.h"
+#include "apps/loom/devices.h"
 #include "comm/mpi_communicator.h"
 #include "core/error.h"
 #include "data/gpt_dataset.h"
@@ -21,6 +21,10 @@
 #include "train/data_source.h"
 #include "train/setup.h"
 #include "train/trainer.h"
+
+#ifdef LOOM_WITH_CUDA
+#include "comm/nccl_communicator.h"
+#endif
 
 #include <CLI/CLI.hpp>
 
@@ -31,7 +35,7 @@ namespace loom::app {
 
 namespace {
 
-void print_summary(const train::TrainSummary & s) {
+void print_summary(const train::TrainSummary & s, Device & where) {
     if (s.losses.empty()) {
         std::printf("\ntraining summary: no iterations to run (the checkpoint is at --train-iters already)\n");
         return;
@@ -41,7 +45,7 @@ void print_summary(const train::TrainSummary & s) {
                 s.losses.size(), static_cast<long long>(s.first_iteration),
                 static_cast<long long>(s.first_iteration + static_cast<int64_t>(s.losses.size()) - 1), s.seconds,
                 s.tokens_per_second, s.tflops, s.losses.front(), s.losses.back());
-    Allocator & device = cpu::device().allocator(MemoryKind::device);
+    Allocator & device = where.allocator(MemoryKind::device);
     std::printf("peak memory (%s): %.1f MiB allocated, %.1f MiB reserved\n", device.name().c_str(),
                 device.stats().peak_allocated / 1048576.0, device.stats().peak_reserved / 1048576.0);
     for (const std::string & pool : device.pool_names()) {
@@ -108,7 +112,13 @@ int cmd_train(int argc, char ** argv) {
 }
 
 static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, comm::MpiContext * mpi) {
-    // Process groups: Megatron's rank order (tp-cp-ep-dp-pp); none in a single process without DDP.
+    Device & device = device_for(options.device);
+    // Process groups: Megatron's rank order (tp-cp-ep-dp-pp); none in a single process without DDP. On a GPU
+    // the groups are NCCL communicators, MPI carrying their ids.
+    std::unique_ptr<comm::CommunicatorFactory> nccl;
+#ifdef LOOM_WITH_CUDA
+    if (mpi && device.type() == DeviceType::cuda) nccl = std::make_unique<comm::NcclContext>(*mpi, device);
+#endif
     parallel::ProcessGroups groups;
     if (mpi) {
         parallel::ParallelSizes sizes;
@@ -118,11 +128,11 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
         sizes.ep         = static_cast<int>(options.expert_parallel_size);
         sizes.etp        = static_cast<int>(options.expert_tensor_parallel_size);
         if (options.use_tp_pp_dp_mapping) sizes.order = "tp-cp-ep-pp-dp";   // Megatron's initialize.py
-        groups = parallel::ProcessGroups::create(parallel::ParallelConfig::create(sizes), *mpi);
+        comm::CommunicatorFactory & factory = nccl ? *nccl : static_cast<comm::CommunicatorFactory &>(*mpi);
+        groups = parallel::ProcessGroups::create(parallel::ParallelConfig::create(sizes), factory);
     }
-    const int rank   = mpi ? mpi->world_rank() : 0;
-    FILE *    out    = rank == 0 ? stdout : nullptr;
-    Device &  device = cpu::device();
+    const int rank = mpi ? mpi->world_rank() : 0;
+    FILE *    out  = rank == 0 ? stdout : nullptr;
     std::unique_ptr<train::BatchSource> data = train::make_batch_source(
         options, device, vocab_given, groups.dp ? groups.dp->rank() : 0, options.data_parallel_size);
     // Validation batches: --eval-iters global batches at each of the train_iters / eval_interval + 1
@@ -153,8 +163,8 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
         }
     }
     train::Setup setup = train::setup(options, groups, device);
-    if (out) std::printf("loom train: %s, %lld parameters, %lld layers, hidden %lld, heads %lld, seq %lld, vocab %lld (padded %lld)\n",
-                options.model_preset.c_str(), static_cast<long long>(options.model.num_parameters()),
+    if (out) std::printf("loom train: %s on %s, %lld parameters, %lld layers, hidden %lld, heads %lld, seq %lld, vocab %lld (padded %lld)\n",
+                options.model_preset.c_str(), device.name().c_str(), static_cast<long long>(options.model.num_parameters()),
                 static_cast<long long>(options.model.num_layers), static_cast<long long>(options.model.hidden_size),
                 static_cast<long long>(options.model.num_attention_heads), static_cast<long long>(options.model.seq_length),
                 static_cast<long long>(options.model.vocab_size),
@@ -186,7 +196,7 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
         trainer.set_test(test.get());
         summary = trainer.run(out);
     }
-    if (out) print_summary(summary);
+    if (out) print_summary(summary, device);
     return 0;
 }
 

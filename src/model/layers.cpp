@@ -429,6 +429,10 @@ TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & 
             c.params_dtype, device, tp) {
     const std::string name = "layers." + std::to_string(index) + ".mlp";
     if (c.moe.is_moe_layer(index)) {
+        LOOM_CHECK(device.type() == DeviceType::cpu,
+                   "--num-experts " << c.moe.num_experts << " on " << device.name()
+                                    << ": the MoE router and token dispatcher run on the CPU backend only (no CUDA kernels yet)",
+                   "train MoE models with --device cpu, or a dense model on the GPU");
         moe        = std::make_unique<MoELayer>(name, c, c.moe, device, tp, ep);
         moe_losses = Tensor::zeros({router_loss_count}, DType::f32, device, {MemoryKind::device, "moe-metrics"});
     } else {

@@ -85,6 +85,7 @@ struct TrainOptions {
     bool           graph_moe_router = false, graph_moe_preprocess = false;
     int64_t        distributed_timeout_minutes = 10;   // the MPI watchdog (comm/mpi_communicator.h)
     bool           print_layout = false;   // print DDP's buffer layout on rank 0
+    std::string    device = "auto";        // --device: auto (cuda when built with it and a GPU is visible), cpu, cuda
     std::string    timeline_file;          // --timeline: the last iteration's measured pipeline timeline (SVG)
 
     // Data.

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# GPT-2 124M training on one GPU (micro-batch 16 x 1024 tokens, bf16): `loom train --device cuda` with
+# layer graphs off and on, beside PyTorch's own step (bench/pytorch_step.py --device cuda: torch.compile,
+# bf16 autocast, flash attention, fused AdamW; then eager) measured in the same session on the same GPU.
+# Prints tokens/s and MFU for each (the median of Loom's logged windows after the first; PyTorch's median
+# step), and each one's ratio to torch.compile's tokens/s.
+#
+#   bench/gpu_gpt2.sh [build-dir] [peak TFLOP/s, default 989: H100 SXM dense bf16]
+#
+# Without a GPU it says so and exits 0.
+set -euo pipefail
+build=${1:-build}
+peak=${2:-989}
+loom="$build/apps/loom"
+here=$(cd "$(dirname "$0")" && pwd)
+if ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "gpu_gpt2: no GPU visible (nvidia-smi); nothing measured"
+    exit 0
+fi
+nvidia-smi -L | head -1
+b=16; s=1024; iters=60; interval=10
+args=(train --device cuda --model gpt2-124m --mock-data --bf16 --micro-batch-size $b --global-batch-size $b
+      --seq-length $s --train-iters $iters --log-interval $interval --log-throughput --lr-warmup-iters 5)
+
+median() {   # stdin: numbers, one per line (the first window dropped by the caller); prints the median
+    sort -n | awk '{v[NR]=$1} END {print (NR % 2) ? v[(NR+1)/2] : (v[NR/2] + v[NR/2+1]) / 2}'
+}
+
+torch_line=$(python3 "$here/pytorch_step.py" --device cuda --steps 30 --peak-tflops "$peak")
+echo "$torch_line"
+torch_tps=$(grep -o '[0-9]* tokens/s' <<<"$torch_line" | awk '{print $1}')
+eager_line=$(python3 "$here/pytorch_step.py" --device cuda --steps 30 --no-compile --peak-tflops "$peak")
+echo "$eager_line"
+eager_tps=$(grep -o '[0-9]* tokens/s' <<<"$eager_line" | awk '{print $1}')
+
+printf "\n%-34s %12s %8s %12s\n" run tokens/s MFU "vs compile"
+if [[ -n "$torch_tps" ]]; then
+    mfu=$(grep -o 'MFU [0-9.]*%' <<<"$torch_line" | awk '{print $2}')
+    printf "%-34s %12s %8s %12s\n" "pytorch torch.compile" "$torch_tps" "$mfu" "1.00x"
+    mfu=$(grep -o 'MFU [0-9.]*%' <<<"$eager_line" | awk '{print $2}')
+    printf "%-34s %12s %8s %12s\n" "pytorch eager" "$eager_tps" "$mfu" \
+        "$(awk -v a="$eager_tps" -v b="$torch_tps" 'BEGIN {printf "%.2fx", a / b}')"
+fi
+for graphs in none local; do
+    if ! log=$("$loom" "${args[@]}" --cuda-graph-impl $graphs 2>&1); then
+        printf "%-34s failed:\n%s\n" "loom, layer graphs $graphs" "$(tail -5 <<<"$log")"
+        continue
+    fi
+    ms=$(grep -o 'elapsed time per iteration (ms): [0-9.]*' <<<"$log" | awk '{print $NF}' | tail -n +2 | median)
+    tflops=$(grep -o 'TFLOP/s/GPU): [0-9.]*' <<<"$log" | awk '{print $NF}' | tail -n +2 | median)
+    tps=$(awk -v ms="$ms" -v t=$((b * s)) 'BEGIN {printf "%.0f", t / (ms / 1000)}')
+    mfu=$(awk -v t="$tflops" -v p="$peak" 'BEGIN {printf "%.1f%%", 100 * t / p}')
+    vs=${torch_tps:+$(awk -v a="$tps" -v b="$torch_tps" 'BEGIN {printf "%.2fx", a / b}')}
+    printf "%-34s %12s %8s %12s\n" "loom, layer graphs $graphs" "$tps" "$mfu" "${vs:--}"
+done
