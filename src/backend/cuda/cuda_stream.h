@@ -29,8 +29,8 @@
 //     CUDA graph, not a record another stream can wait on after a replay (record on the replay stream after
 //     replay() for that; on the CPU the record node is re-recorded at each replay);
 //   - a wait on an event last recorded outside any capture becomes an external event wait node
-//     (cudaEventWaitExternal): each replay waits on the event's latest record, as the CPU backend's replayed
-//     wait node does. A wait on an event last recorded inside another capture (an earlier graph, or this one
+//     (cudaEventWaitExternal): each replay waits on the event again (CUDA's event wait node; the CPU
+//     backend's replayed wait node likewise waits on the event's latest record at each replay). A wait on an event last recorded inside another capture (an earlier graph, or this one
 //     before a replayable node ended its segment) is refused naming the graph and the recording stream: that
 //     record was a graph edge, and nothing would be waited on;
 //   - a replayable node (Stream::submit_replayable) ends the CUDA capture into a cudaGraphExec (a
@@ -43,10 +43,12 @@
 //     stream is legal; a forked stream that never ran a GEMM before the capture has no workspace yet and its
 //     first GEMM is refused (run one GEMM on it eagerly first).
 // A segment records an event after each replay; destroying the Graph waits for it before destroying the
-// executable and dropping the kept tensors (so destroy graphs outside a capture).
+// executable and dropping the kept tensors (so destroy graphs outside a capture). The ops that check ids on
+// the device (bad_id_word in cuda_ops.cpp) reset their word on the host when they are called, not at each
+// replay: once a replay has seen a bad id, every later replay of that graph reports it again.
 //
 // With LOOM_SYNC_STREAMS=1 every op synchronizes its stream after launching, so a failing kernel is
-// reported by the op that launched it.
+// reported by the op that launched it (not while capturing: the capture cannot synchronize).
 #pragma once
 
 #include "core/device.h"
@@ -121,6 +123,9 @@ public:
 
     cudaStream_t native() const { return stream_; }
     int          device_index() const;
+    // True while the native stream captures: its own Loom capture, or one it joined by waiting on an event
+    // recorded in a capture (a fork). capture() says only the former.
+    bool         capturing() const { return captured_into() != nullptr; }
 
     // cuBLASLt's workspace for GEMMs on this stream (one per stream: GEMMs on two streams may overlap).
     void * gemm_workspace();
