@@ -18,7 +18,8 @@
 //                       and warp trees); a second backward is bitwise the first (no atomics)
 // Out-of-range tokens and labels give the CPU's error text at the next synchronize.
 // It also checks the CUDA device's allocators (pools, statistics, stream-ordered frees), stream and event
-// ordering across two streams, host work via submit, and that Loom graph capture is refused on CUDA.
+// ordering across two streams, host work via submit, and Loom graph capture into CUDA graphs (replays bitwise
+// the eager ops, replayable nodes between segments, a fork/join across streams, the graph pool, refusals).
 //
 // Without a CUDA device every test skips with a message: the backend was compiled and linked, not run.
 #include "backend/cpu/cpu_device.h"
@@ -773,19 +774,162 @@ TEST(CudaOps, HostTensorsAndHostAccessToDeviceMemoryAreRefused) {
     EXPECT_NE(text.find("the host cannot address"), std::string::npos) << text;
 }
 
-TEST(CudaOps, LoomGraphCaptureIsRefusedNamingTheGraph) {
+// ---------------------------------------------------------------------------------------------- Graphs
+
+// h (m, n) = a (m, k) w (n, k)^T + bias; y = gelu(h).
+void gemm_bias_gelu(Stream & s, const Tensor & a, const Tensor & w, const Tensor & bias, const Tensor & h,
+                    const Tensor & y) {
+    gops().gemm(s, a, false, w, true, h, false);
+    gops().bias_add(s, h, bias);
+    gops().bias_gelu_forward(s, h, Tensor(), y, Tensor());
+}
+
+TEST(CudaGraphs, GemmBiasGeluGraphReplaysBitwiseTheEagerOpsAfterItsInputChangesInPlace) {
     SKIP_WITHOUT_CUDA();
-    Tensor   x      = Tensor::empty({1024}, DType::f32, gpu());
-    auto     stream = gpu().stream_create("capture-test");
-    Graph    graph(gpu(), "layer 0 fwd, mb 0");
-    stream->begin_capture(graph);
-    std::string text = error_of([&] { gops().scale(*stream, x, 2.0f); });
-    std::string host = error_of([&] { stream->submit([] {}); });
-    stream->end_capture();
-    EXPECT_NE(text.find("CUDA graph capture of Loom graphs is not implemented yet"), std::string::npos) << text;
-    EXPECT_NE(text.find("layer 0 fwd, mb 0"), std::string::npos) << text;
-    EXPECT_NE(host.find("CUDA graph capture of Loom graphs is not implemented yet"), std::string::npos) << host;
-    stream->synchronize();
+    const int64_t m = 64, n = 96, k = 128;
+    Tensor        w = to_gpu(random_cpu({n, k}, 1101)), bias = to_gpu(random_cpu({n}, 1102));
+    Tensor        a = to_gpu(random_cpu({m, k}, 1103));   // the graph's input: new values are copied into it
+    Tensor        h = Tensor::empty({m, n}, DType::f32, gpu()), y = Tensor::empty({m, n}, DType::f32, gpu());
+    gops().fill_zero(gs(), y);
+    gs().synchronize();
+    Graph graph(gpu(), "cuda test: gemm bias gelu");
+    gs().begin_capture(graph);
+    gemm_bias_gelu(gs(), a, w, bias, h, y);
+    gs().end_capture();
+    EXPECT_EQ(graph.num_segments(), 1u);
+    Tensor untouched = to_cpu(y);
+    for (int64_t i = 0; i < untouched.numel(); ++i) ASSERT_EQ(untouched.data<float>()[i], 0.0f) << "capture ran element " << i;
+    for (uint64_t seed : {uint64_t{1104}, uint64_t{1105}}) {
+        Tensor input = to_gpu(random_cpu({m, k}, seed));
+        Tensor ref_h = Tensor::empty({m, n}, DType::f32, gpu()), ref_y = Tensor::empty({m, n}, DType::f32, gpu());
+        gemm_bias_gelu(gs(), input, w, bias, ref_h, ref_y);   // eager
+        gops().copy(gs(), input, a);                          // in place: the graph reads a's address
+        graph.replay(gs());
+        expect_bitwise(to_cpu(ref_h), to_cpu(h), "h after a replay, input seed " + std::to_string(seed));
+        expect_bitwise(to_cpu(ref_y), to_cpu(y), "y after a replay, input seed " + std::to_string(seed));
+    }
+}
+
+TEST(CudaGraphs, AReplayableNodeSplitsTheCaptureAndItsPrepareRunsBetweenTheSegmentsAtEachReplay) {
+    SKIP_WITHOUT_CUDA();
+    Tensor ones = cpu_tensor({256});
+    for (int64_t i = 0; i < 256; ++i) ones.data<float>()[i] = 1.0f;
+    Tensor x = to_gpu(ones);
+    Tensor p = Tensor::empty({256}, DType::f32, gpu(), {MemoryKind::pinned_host});
+    gs().synchronize();
+    Graph              graph(gpu(), "cuda test: replayable in the middle");
+    int                prepares = 0;
+    std::vector<float> seen;   // what the replayable's host work read, on the runtime's callback thread
+    gs().begin_capture(graph);
+    gops().scale(gs(), x, 2.0f);
+    gops().copy(gs(), x, p);
+    gs().submit_replayable(
+        [&]() -> std::function<void()> {
+            ++prepares;
+            return [&] { seen.push_back(p.data<float>()[255]); };
+        },
+        "test");
+    gops().scale(gs(), x, 3.0f);
+    gops().copy(gs(), x, p);
+    gs().end_capture();
+    EXPECT_EQ(prepares, 0) << "prepare runs at each replay, not at capture";
+    EXPECT_EQ(graph.num_segments(), 2u);
+    EXPECT_EQ(graph.num_replayable_nodes("test"), 1u);
+    graph.replay(gs());
+    graph.replay(gs());
+    gs().synchronize();
+    EXPECT_EQ(prepares, 2);
+    // x: 1 -> 2 (seen) -> 6 -> 12 (seen) -> 36: the host work ran after its replay's first segment and
+    // before its second.
+    EXPECT_EQ(seen, (std::vector<float>{2.0f, 12.0f}));
+    EXPECT_EQ(p.data<float>()[255], 36.0f);
+}
+
+TEST(CudaGraphs, AForkAndJoinAcrossTwoStreamsAndAWaitOnAnOutsideEventAreCapturedAndReplayed) {
+    SKIP_WITHOUT_CUDA();
+    const int64_t n      = int64_t{1} << 20;
+    auto          side   = gpu().stream_create("graph-side");
+    auto          before = gpu().event_create(), forked = gpu().event_create(), joined = gpu().event_create();
+    Tensor        xc = random_cpu({n}, 1201), yc = random_cpu({n}, 1202), zc = random_cpu({n}, 1203);
+    Tensor        x = to_gpu(xc), y = to_gpu(yc), z = to_gpu(zc);
+    gs().synchronize();
+    gops().scale(*side, z, 0.5f);   // eager, before the capture: the graph waits on it at each replay
+    side->record(*before);
+    Graph graph(gpu(), "cuda test: fork join");
+    gs().begin_capture(graph);
+    gs().wait(*before);             // recorded outside the capture: an external event wait node
+    gops().scale(gs(), x, 2.0f);
+    gs().record(*forked);
+    side->wait(*forked);            // the fork: side joins the capture
+    gops().add_inplace(*side, y, x);
+    side->record(*joined);
+    gs().wait(*joined);             // the join
+    gops().add_inplace(gs(), x, y);
+    gops().add_inplace(gs(), x, z);
+    gs().end_capture();
+    side->synchronize();
+    cops().scale(cs(), zc, 0.5f);
+    for (int replay = 0; replay < 2; ++replay) {
+        graph.replay(gs());
+        cops().scale(cs(), xc, 2.0f);
+        cops().add_inplace(cs(), yc, xc);
+        cops().add_inplace(cs(), xc, yc);
+        cops().add_inplace(cs(), xc, zc);
+    }
+    cs().synchronize();
+    expect_bitwise(xc, to_cpu(x), "x after two replays");
+    expect_bitwise(yc, to_cpu(y), "y (written by the forked stream) after two replays");
+}
+
+TEST(CudaGraphs, TensorsAllocatedDuringCaptureComeFromTheGraphPoolAndLiveAsLongAsTheGraph) {
+    SKIP_WITHOUT_CUDA();
+    const std::string pool  = "cuda-test-graph-pool";
+    Allocator &       alloc = gpu().allocator(MemoryKind::device);
+    Tensor            xc    = random_cpu({4096}, 1301);
+    Tensor            x = to_gpu(xc), out = Tensor::empty({4096}, DType::f32, gpu());
+    gs().synchronize();
+    {
+        Graph graph(gpu(), "cuda test: graph pool", pool);
+        gs().begin_capture(graph);
+        {
+            Tensor tmp = Tensor::empty({4096}, DType::f32, gpu(), TensorOptions{MemoryKind::device, kActivationsPool});
+            gops().copy(gs(), x, tmp);
+            gops().scale(gs(), tmp, 3.0f);
+            gops().copy(gs(), tmp, out);
+            EXPECT_EQ(alloc.pool_stats(pool).active, 1) << "an activations allocation during capture is the graph pool's";
+        }   // the host drops tmp: the graph keeps its address
+        gs().end_capture();
+        graph.replay(gs());
+        cops().scale(cs(), xc, 3.0f);
+        cs().synchronize();
+        expect_bitwise(xc, to_cpu(out), "out after a replay whose temporary the host dropped at capture");
+    }
+    EXPECT_EQ(alloc.pool_stats(pool).active, 0) << "the graph's blocks go back to its pool when it is destroyed";
+    alloc.empty_cache(pool);
+}
+
+TEST(CudaGraphs, HostSynchronisationAndAWaitAcrossSegmentsAreRefusedNamingTheGraph) {
+    SKIP_WITHOUT_CUDA();
+    Tensor x = to_gpu(random_cpu({1024}, 1401));
+    auto   e = gpu().event_create();
+    gs().synchronize();
+    Graph graph(gpu(), "layer 0 fwd, mb 0");
+    gs().begin_capture(graph);
+    gops().scale(gs(), x, 2.0f);
+    std::string sync      = error_of([&] { gs().synchronize(); });
+    std::string host_wait = error_of([&] { e->synchronize(); });
+    gs().record(*e);
+    gs().submit_replayable([] { return std::function<void()>([] {}); });
+    std::string across = error_of([&] { gs().wait(*e); });   // e was recorded in the previous segment
+    gops().scale(gs(), x, 0.5f);
+    gs().end_capture();
+    EXPECT_NE(sync.find("synchronize of stream 'compute' while capturing graph 'layer 0 fwd, mb 0'"), std::string::npos) << sync;
+    EXPECT_NE(host_wait.find("while capturing graph 'layer 0 fwd, mb 0'"), std::string::npos) << host_wait;
+    EXPECT_NE(across.find("capturing graph 'layer 0 fwd, mb 0'"), std::string::npos) << across;
+    EXPECT_NE(across.find("inside another CUDA capture"), std::string::npos) << across;
+    EXPECT_EQ(graph.num_segments(), 2u);
+    graph.replay(gs());   // the refusals left the capture intact
+    gs().synchronize();
 }
 
 // ---------------------------------------------------------------------------------------------- Allocator

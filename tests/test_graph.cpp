@@ -13,6 +13,8 @@
 #include <gtest/gtest.h>
 
 #include <future>
+#include <memory>
+#include <string>
 #include <vector>
 
 using namespace loom;
@@ -204,4 +206,107 @@ TEST(Graph, HeldOutputsAndReplayableNodes) {
     stream.submit_replayable([&]() -> std::function<void()> { return [&] { ++ran; }; });
     stream.synchronize();
     EXPECT_EQ(ran, 3) << "without capture it runs at once";
+}
+
+namespace {
+
+// A run of work a "native" backend captured: replayed as one node, by submitting its work in order.
+class FakeSegment final : public CapturedSegment {
+public:
+    explicit FakeSegment(std::vector<std::function<void()>> work) : work_(std::move(work)) {}
+    void replay(Stream & stream) const override {
+        for (const std::function<void()> & w : work_) stream.submit(w);
+    }
+
+private:
+    std::vector<std::function<void()>> work_;
+};
+
+// A stream that captures the way the CUDA backend does (through core's native_capture_* hooks), over a CPU
+// stream: work submitted while its native capture is on collects into a segment, which it hands to the graph
+// when the capture ends or a replayable node splits it. The tensors a submit names are kept by the graph.
+class SegmentingStream final : public Stream {
+public:
+    explicit SegmentingStream(Device & device) : inner_(device.stream_create("segmenting")) {}
+
+    Device &            device() override { return inner_->device(); }
+    const std::string & name() const override { return inner_->name(); }
+    void                submit(std::function<void()> work) override {
+        if (native_) {
+            pending_.push_back(std::move(work));
+        } else {
+            inner_->submit(std::move(work));
+        }
+    }
+    void submit_using(std::function<void()> work, std::vector<Tensor> tensors) {
+        if (native_) capture()->keep(std::move(tensors));
+        submit(std::move(work));
+    }
+    void record(Event & event) override { inner_->record(event); }
+    void wait(Event & event) override { inner_->wait(event); }
+    void synchronize() override { inner_->synchronize(); }
+    bool query() override { return inner_->query(); }
+
+    int begins = 0, ends = 0;
+
+protected:
+    void native_capture_begin() override {
+        ++begins;
+        native_ = true;
+    }
+    void native_capture_end(Graph & graph) override {
+        ++ends;
+        native_ = false;
+        graph.add_segment(std::make_shared<FakeSegment>(std::move(pending_)));
+        pending_.clear();
+    }
+
+private:
+    std::unique_ptr<Stream>            inner_;
+    bool                               native_ = false;
+    std::vector<std::function<void()>> pending_;
+};
+
+}  // namespace
+
+// The path the CUDA backend takes through core, run on the CPU: segment, replayable, segment in capture
+// order; each replay runs them in that order with prepare between; what the segments keep is counted as
+// the graph's, so a block only they refer to is released at end_capture like a node's.
+TEST(Graph, NativeCaptureSegmentsAReplayableNodeSplitsReplayInCaptureOrder) {
+    SegmentingStream         stream(dev());
+    std::vector<std::string> log;   // written on the stream's worker, read after synchronize
+    int                      prepared = 0;
+    void *                   address  = nullptr;
+    Graph                    graph(dev(), "segmented", "segmented-pool");
+    stream.begin_capture(graph);
+    EXPECT_EQ(stream.begins, 1);
+    {
+        Tensor temporary = Tensor::empty({16}, DType::f32, dev(), {MemoryKind::device, kActivationsPool});
+        address          = temporary.data_ptr();
+        stream.submit_using([&log] { log.push_back("a"); }, {temporary});
+        stream.submit([&log] { log.push_back("b"); });
+        stream.submit_replayable([&]() -> std::function<void()> {
+            ++prepared;
+            return [&log] { log.push_back("r"); };
+        });
+        EXPECT_EQ(stream.ends, 1) << "the replayable node ended the first segment";
+        EXPECT_EQ(stream.begins, 2) << "and began the next";
+        stream.submit([&log] { log.push_back("c"); });
+    }   // the host drops the temporary: only the graph keeps it
+    stream.end_capture();
+    EXPECT_EQ(stream.ends, 2);
+    EXPECT_EQ(graph.num_nodes(), 3u);
+    EXPECT_EQ(graph.num_segments(), 2u);
+    EXPECT_EQ(graph.num_replayable_nodes(), 1u);
+    EXPECT_EQ(dev().allocator().pool_stats("segmented-pool").allocated, 0)
+        << "the kept temporary's block went back to the pool's free list at end_capture";
+    stream.synchronize();
+    EXPECT_TRUE(log.empty()) << "nothing runs during capture";
+    graph.replay(stream);
+    graph.replay(stream);
+    stream.synchronize();
+    EXPECT_EQ(prepared, 2);
+    EXPECT_EQ(log, (std::vector<std::string>{"a", "b", "r", "c", "a", "b", "r", "c"}));
+    Tensor again = Tensor::empty({16}, DType::f32, dev(), {MemoryKind::device, "segmented-pool"});
+    EXPECT_EQ(again.data_ptr(), address) << "the released block is the pool's to hand out again";
 }

@@ -333,12 +333,16 @@ private:
     WorkPtr issue(const char * op, Stream * stream, bool stream_waits, std::vector<Tensor> tensors, Enqueue && enqueue) {
         cuda::CudaStream * caller = nullptr;
         if (stream != nullptr) {
-            LOOM_CHECK(stream->capture() == nullptr,
+            caller = dynamic_cast<cuda::CudaStream *>(stream);
+            // A stream capturing a Loom graph, or one forked into the capture (it would pull the NCCL stream
+            // into the CUDA capture too): refused, see nccl_communicator.h.
+            Graph * capturing = stream->capture();
+            if (capturing == nullptr && caller != nullptr && caller->capturing()) capturing = graph_being_captured();
+            LOOM_CHECK(capturing == nullptr,
                        "NCCL collectives inside a Loom graph are not supported yet: " << op << " on group '" << name_
                            << "' issued on stream '" << stream->name() << "' while it captures graph '"
-                           << stream->capture()->name() << "'",
+                           << capturing->name() << "'",
                        "issue NCCL operations outside graph capture (no --cuda-graph-* / layer graphs with NCCL yet)");
-            caller = dynamic_cast<cuda::CudaStream *>(stream);
             LOOM_CHECK(caller != nullptr && caller->device_index() == device_.index(),
                        "nccl " << op << " on group '" << name_ << "' ordered on stream '" << stream->name() << "' of "
                                << stream->device().name() << ", the group's communicator is on " << device_.name(),

@@ -27,8 +27,12 @@
 //   - bf16/f16 reductions reduce in NCCL's own order (the f32 sum of each pair, rounded at each step): on
 //     two ranks that is the f32 result rounded once, as communicator.h asks; on more ranks it may differ
 //     from it by rounding. avg is ncclAvg.
-//   - graph capture: an operation issued on a stream that captures a Loom graph is refused (NCCL
-//     collectives inside a Loom graph are not supported yet; CUDA streams refuse captures as well).
+//   - graph capture: an operation issued on a stream that captures a Loom graph (or on one forked into such
+//     a capture) is refused. CUDA streams capture Loom graphs (backend/cuda/cuda_stream.h), and a replayable
+//     node would let a collective be issued again at each replay, but this communicator issues its NCCL
+//     calls directly on its own stream when called (recording `ready` on the caller's stream, which inside
+//     a capture is a graph edge, and its Work's `done` event would be recorded in the capture). Until it
+//     issues through Stream::submit_replayable, with the replay stream in hand, it refuses.
 #pragma once
 
 #include "comm/communicator.h"

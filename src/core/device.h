@@ -69,6 +69,15 @@ public:
     void submit_replayable(std::function<std::function<void()>()> prepare, std::string label = "");
 
 protected:
+    // A backend that captures natively (CUDA) overrides these; the CPU backend records nodes itself and
+    // leaves them empty. begin: start recording on the native stream (before the allocator redirects the
+    // thread's allocations to the graph's pool). end: stop, and add what was recorded to `graph` as a
+    // CapturedSegment (core/graph.h); called before each replayable node and by end_capture(). abort: stop
+    // and drop what was recorded (a begin_capture that failed after native_capture_begin).
+    virtual void native_capture_begin() {}
+    virtual void native_capture_end(Graph & graph) { (void)graph; }
+    virtual void native_capture_abort() noexcept {}
+
     Graph * capture_ = nullptr;   // backends record into it while it is set
 };
 

@@ -4,6 +4,7 @@
 #include "core/tensor.h"
 
 #include <algorithm>
+#include <exception>
 #include <mutex>
 
 namespace loom {
@@ -40,19 +41,42 @@ Graph::~Graph() {
         std::lock_guard<std::mutex> lock(g_registry_mutex);
         std::erase(registry(), this);
     }
-    nodes_.clear();   // the nodes' tensors go back to the pool before the claim is released
+    // The nodes' tensors go back to the pool before the claim is released. Segments go first (a CUDA
+    // segment waits for its last replay to finish), then what their work used.
+    nodes_.clear();
+    kept_work_.clear();
+    kept_.clear();
     held_.clear();
     device_.allocator(MemoryKind::device).release_graph_claim(pool_);
 }
 
 void Graph::add_work(std::function<void()> work) {
-    nodes_.push_back(Node{Node::Kind::work, std::move(work), nullptr, {}, nullptr});
+    nodes_.push_back(Node{Node::Kind::work, std::move(work), nullptr, {}, nullptr, nullptr});
 }
 void Graph::add_replayable(Prepare prepare, std::string label) {
-    nodes_.push_back(Node{Node::Kind::replayable, nullptr, std::move(prepare), std::move(label), nullptr});
+    nodes_.push_back(Node{Node::Kind::replayable, nullptr, std::move(prepare), std::move(label), nullptr, nullptr});
 }
-void Graph::add_record(Event & event) { nodes_.push_back(Node{Node::Kind::record, nullptr, nullptr, {}, &event}); }
-void Graph::add_wait(Event & event) { nodes_.push_back(Node{Node::Kind::wait, nullptr, nullptr, {}, &event}); }
+void Graph::add_record(Event & event) { nodes_.push_back(Node{Node::Kind::record, nullptr, nullptr, {}, &event, nullptr}); }
+void Graph::add_wait(Event & event) { nodes_.push_back(Node{Node::Kind::wait, nullptr, nullptr, {}, &event, nullptr}); }
+void Graph::add_segment(std::shared_ptr<CapturedSegment> segment) {
+    nodes_.push_back(Node{Node::Kind::segment, nullptr, nullptr, {}, nullptr, std::move(segment)});
+}
+
+void Graph::keep(std::vector<Tensor> tensors) {
+    for (Tensor & t : tensors) {
+        if (t.defined()) kept_.push_back(std::move(t));
+    }
+}
+
+std::function<void()> & Graph::keep_work(std::function<void()> work) {
+    kept_work_.push_back(std::move(work));
+    return kept_work_.back();
+}
+
+size_t Graph::num_segments() const {
+    return static_cast<size_t>(
+        std::count_if(nodes_.begin(), nodes_.end(), [](const Node & n) { return n.kind == Node::Kind::segment; }));
+}
 
 size_t Graph::num_replayable_nodes(const std::string & label) const {
     return static_cast<size_t>(std::count_if(nodes_.begin(), nodes_.end(), [&](const Node & n) {
@@ -95,11 +119,14 @@ size_t Graph::collect(Device & device, const std::string & pool) {
     std::vector<long> before(candidates.size()), graph_refs(candidates.size());
     for (size_t i = 0; i < candidates.size(); ++i) before[i] = candidates[i].use_count();
     {
-        std::vector<std::vector<Node>>   node_copies;
-        std::vector<std::vector<Tensor>> held_copies;
+        std::vector<std::vector<Node>>                   node_copies;
+        std::vector<std::vector<Tensor>>                 held_copies;
+        std::vector<std::deque<std::function<void()>>>   work_copies;
         for (Graph * g : graphs) {
             node_copies.push_back(g->nodes_);
             held_copies.push_back(g->held_);
+            held_copies.push_back(g->kept_);
+            work_copies.push_back(g->kept_work_);
         }
         for (size_t i = 0; i < candidates.size(); ++i) graph_refs[i] = candidates[i].use_count() - before[i];
     }
@@ -125,6 +152,7 @@ void Graph::replay(Stream & stream) const {
             case Node::Kind::replayable: stream.submit(node.prepare()); break;
             case Node::Kind::record: stream.record(*node.event); break;
             case Node::Kind::wait: stream.wait(*node.event); break;
+            case Node::Kind::segment: node.segment->replay(stream); break;
         }
     }
 }
@@ -136,24 +164,41 @@ void Stream::begin_capture(Graph & graph) {
                "end one capture before beginning the next");
     LOOM_CHECK(!graph.captured(), "graph '" << graph.name() << "' is captured again", "capture into a new Graph");
     Graph::collect(device(), graph.pool());   // what earlier captures' tensors the host has let go of since
-    device().allocator(MemoryKind::device).begin_capture(graph.name(), graph.pool());
+    // The backend's native capture begins before the allocator redirects this thread: what the backend
+    // allocates for itself first (the CUDA stream's GEMM workspace) is persistent state, not the graph's.
+    native_capture_begin();
+    try {
+        device().allocator(MemoryKind::device).begin_capture(graph.name(), graph.pool());
+    } catch (...) {
+        native_capture_abort();
+        throw;
+    }
     capture_    = &graph;
     t_capturing = &graph;
 }
 
 void Stream::end_capture() {
     LOOM_CHECK(capture_ != nullptr, "end_capture() on stream '" << name() << "', which is not capturing", "");
+    Graph &            graph = *capture_;
+    std::exception_ptr failed;
+    try {
+        native_capture_end(graph);   // the last segment (a backend that captures natively)
+    } catch (...) {
+        failed = std::current_exception();
+    }
     device().allocator(MemoryKind::device).end_capture();
-    capture_->mark_captured();
-    Graph & graph = *capture_;
-    capture_      = nullptr;
-    t_capturing   = nullptr;
+    capture_    = nullptr;
+    t_capturing = nullptr;
+    if (failed) std::rethrow_exception(failed);   // the graph stays uncaptured: replay refuses it
+    graph.mark_captured();
     Graph::collect(device(), graph.pool());   // this capture's temporaries
 }
 
 void Stream::submit_replayable(std::function<std::function<void()>()> prepare, std::string label) {
     if (capture_ != nullptr) {
+        native_capture_end(*capture_);   // a native capture ends into a segment before the node ...
         capture_->add_replayable(std::move(prepare), std::move(label));
+        native_capture_begin();          // ... and the next segment begins after it
     } else {
         submit(prepare());
     }

@@ -7,11 +7,21 @@
 //   g.replay(stream);  g.replay(stream);             // each enqueues the nodes in order and returns at once
 //
 // During capture (on the capturing thread):
-//   - submit/record/wait on the capturing stream append a node; nothing runs;
+//   - submit/record/wait on the capturing stream append a node (CPU) or are captured into the current
+//     segment (CUDA, see below); nothing runs;
 //   - allocations from the default and activations pools come from the graph's pool, and one from any
 //     other pool is an error naming the graph (allocator.h): persistent state exists before capture;
 //   - a host synchronisation of any stream, or a host wait on an event, is an error naming the graph:
 //     a captured step cannot depend on the host seeing results.
+//
+// How a backend records. The CPU backend records every submit, record and wait as a node of its own.
+// A backend that captures natively (CUDA: cudaStreamBeginCapture on the stream) records runs of work
+// itself and hands each run to the graph as one CapturedSegment node, which the graph replays through a
+// virtual call; a replayable node ends the current segment and the next begins after it, so a graph is
+// segment, replayable, segment, ... in capture order. What a segment's work uses on the host side stays
+// alive with the graph: the tensors of its kernels (keep) and the closures of its host work (keep_work),
+// both counted as graph references by collect(). See backend/cuda/cuda_stream.h for what CUDA captures
+// and what it refuses.
 //
 // Replay enqueues the recorded nodes on the given stream in capture order: the same kernels on the same
 // addresses ("baked in"): a replay reads whatever its input tensors hold at the time it runs, so callers
@@ -33,6 +43,7 @@
 
 #include "core/device.h"
 
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -44,6 +55,14 @@ inline constexpr const char * kGraphPool = "graphs";
 
 class Storage;
 class Tensor;
+
+// A run of captured work that a backend replays as a whole (a CUDA graph's executable). The graph owns it
+// and destroys it before the tensors it kept; replay enqueues the run on `stream` and returns at once.
+class CapturedSegment {
+public:
+    virtual ~CapturedSegment() = default;
+    virtual void replay(Stream & stream) const = 0;
+};
 
 class Graph {
 public:
@@ -58,6 +77,8 @@ public:
     // The nodes re-prepared at each replay (collectives); with a label, those captured under it (the
     // communicators label theirs with the operation: "all_reduce", "all_to_all", ...).
     size_t              num_replayable_nodes(const std::string & label = "") const;
+    // The backend segments among the nodes (CUDA: one per run of work between replayable nodes; CPU: 0).
+    size_t              num_segments() const;
     bool                captured() const { return captured_; }
 
     // Enqueues every node on `stream` in capture order; returns without waiting for them.
@@ -78,22 +99,30 @@ public:
     void add_replayable(Prepare prepare, std::string label = "");
     void add_record(Event & event);
     void add_wait(Event & event);
+    void add_segment(std::shared_ptr<CapturedSegment> segment);
+    // What a backend's segment uses, kept for the graph's lifetime: the tensors of a captured kernel, and
+    // the closure of captured host work (the reference stays valid: the backend's node points at it).
+    void                    keep(std::vector<Tensor> tensors);
+    std::function<void()> & keep_work(std::function<void()> work);
     void mark_captured() { captured_ = true; }
     void note_allocation(const std::shared_ptr<Storage> & storage);
 
 private:
     struct Node {
-        enum class Kind { work, replayable, record, wait } kind;
-        std::function<void()> work;       // kind work
-        Prepare               prepare;    // kind replayable
-        std::string           label;      // kind replayable: what it is (num_replayable_nodes)
-        Event *               event;      // kind record / wait: the caller keeps it alive while the graph lives
+        enum class Kind { work, replayable, record, wait, segment } kind;
+        std::function<void()>            work;      // kind work
+        Prepare                          prepare;   // kind replayable
+        std::string                      label;     // kind replayable: what it is (num_replayable_nodes)
+        Event *                          event;     // kind record / wait: the caller keeps it alive while the graph lives
+        std::shared_ptr<CapturedSegment> segment;   // kind segment
     };
 
     Device &                            device_;
     std::string                         name_, pool_;
     std::vector<Node>                   nodes_;
     std::vector<Tensor>                 held_;
+    std::vector<Tensor>                 kept_;        // the tensors of the segments' kernels
+    std::deque<std::function<void()>>   kept_work_;   // the segments' host work (a deque: stable references)
     std::vector<std::weak_ptr<Storage>> allocations_;   // made during its capture, not yet released
     bool                                captured_ = false;
 };

@@ -6,6 +6,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_ops.h"
 #include "backend/cuda/cuda_stream.h"
+#include "backend/cuda/gemm.h"
 #include "backend/cuda/kernels.h"
 #include "core/graph.h"
 
@@ -110,6 +111,58 @@ void CUDART_CB run_host_work(void * user_data) {
     }
 }
 
+// A host node of a captured segment: runs at every replay, so the closure stays with the Graph (keep_work).
+void CUDART_CB run_kept_host_work(void * user_data) { (*static_cast<std::function<void()> *>(user_data))(); }
+
+// One run of captured work (core/graph.h's CapturedSegment): the CUDA graph and its executable.
+class CudaSegment final : public CapturedSegment {
+public:
+    CudaSegment(int device_index, cudaGraph_t graph, std::string graph_name)
+        : device_index_(device_index), graph_(graph), name_(std::move(graph_name)) {
+        DeviceGuard guard(device_index_);
+        cudaError_t status = cudaGraphInstantiateWithFlags(&exec_, graph_, 0);
+        if (status == cudaSuccess) status = cudaEventCreateWithFlags(&replayed_, cudaEventDisableTiming);
+        if (status != cudaSuccess) {
+            if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+            cudaGraphDestroy(graph_);
+        }
+        LOOM_CHECK(status == cudaSuccess,
+                   "instantiating a CUDA graph of Loom graph '" << name_ << "' failed: " << cudaGetErrorString(status), "");
+    }
+
+    // Waits for the last replay: the Graph drops the tensors and host closures the executable uses next.
+    ~CudaSegment() override {
+        DeviceGuard guard(device_index_);
+        if (launched_) cudaEventSynchronize(replayed_);
+        cudaEventDestroy(replayed_);
+        cudaGraphExecDestroy(exec_);
+        cudaGraphDestroy(graph_);
+    }
+
+    void replay(Stream & stream) const override {
+        CudaStream & cs = as_cuda_stream(stream, "replay of a CUDA graph");
+        LOOM_CHECK(cs.device_index() == device_index_,
+                   "replay of graph '" << name_ << "', captured on cuda:" << device_index_ << ", on stream '"
+                                       << cs.name() << "' of cuda:" << cs.device_index(),
+                   "replay a graph on a stream of the device it was captured on");
+        DeviceGuard guard(device_index_);
+        const cudaError_t status = cudaGraphLaunch(exec_, cs.native());
+        LOOM_CHECK(status == cudaSuccess, "replay of graph '" << name_ << "' on stream '" << cs.name()
+                                                              << "': cudaGraphLaunch failed: " << cudaGetErrorString(status),
+                   "run with CUDA_LAUNCH_BLOCKING=1 to find the failing kernel");
+        LOOM_CUDA_CHECK(cudaEventRecord(replayed_, cs.native()));
+        launched_ = true;
+    }
+
+private:
+    int             device_index_;
+    cudaGraph_t     graph_ = nullptr;
+    cudaGraphExec_t exec_  = nullptr;
+    cudaEvent_t     replayed_ = nullptr;   // recorded after each launch
+    mutable bool    launched_ = false;
+    std::string     name_;
+};
+
 }  // namespace
 
 CudaStream::CudaStream(Device & device, std::string name, bool synchronous)
@@ -132,11 +185,63 @@ CudaStream::~CudaStream() {
 
 int CudaStream::device_index() const { return device_.index(); }
 
-void CudaStream::check_not_captured(const char * what) const {
-    LOOM_CHECK(capture_ == nullptr,
-               what << " on CUDA stream '" << name_ << "' while it captures graph '" << capture_->name()
-                    << "': CUDA graph capture of Loom graphs is not implemented yet",
-               "run this part without graphs on CUDA (no --cuda-graph-* / layer graphs) until the CUDA backend captures them");
+Graph * CudaStream::captured_into(unsigned long long * id) const {
+    if (id != nullptr) *id = 0;
+    cudaStreamCaptureStatus status  = cudaStreamCaptureStatusNone;
+    unsigned long long      capture = 0;
+    LOOM_CUDA_CHECK(cudaStreamGetCaptureInfo(stream_, &status, &capture));
+    if (status == cudaStreamCaptureStatusNone) return nullptr;
+    LOOM_CHECK(status == cudaStreamCaptureStatusActive,
+               "CUDA stream '" << name_ << "' is in an invalidated capture"
+                               << (capture_ ? " of graph '" + capture_->name() + "'" : std::string()),
+               "an illegal CUDA call during the capture (a synchronisation, a query of a captured event) broke it: end_capture() "
+               "and capture again without it");
+    if (id != nullptr) *id = capture;
+    if (capture_ != nullptr) return capture_;
+    Graph * graph = graph_being_captured();
+    LOOM_CHECK(graph != nullptr,
+               "CUDA stream '" << name_ << "' joined a CUDA capture (it waited on an event recorded in one), but "
+                               << "this thread captures no Loom graph",
+               "fork streams into a capture only from the thread that captures (its ops are kept by that graph)");
+    return graph;
+}
+
+void CudaStream::native_capture_begin() {
+    gemm_workspace();                      // persistent state: allocated before the allocator redirects
+    gemm_handles_create(device_.index());  // cuBLAS(Lt) handles allocate on creation: never inside a capture
+    DeviceGuard guard(device_.index());
+    LOOM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+}
+
+void CudaStream::native_capture_end(Graph & graph) {
+    DeviceGuard guard(device_.index());
+    cudaGraph_t cuda_graph = nullptr;
+    cudaError_t status     = cudaStreamEndCapture(stream_, &cuda_graph);
+    if (status != cudaSuccess) cudaGetLastError();   // the failure is reported here, not by the next launch
+    LOOM_CHECK(status == cudaSuccess,
+               "ending the CUDA capture of graph '" << graph.name() << "' on stream '" << name_
+                                                     << "' failed: " << cudaGetErrorString(status),
+               "if unjoined: a stream that waited on an event recorded in the capture (a fork) must be waited on by "
+               "the capturing stream (a join) before end_capture() and before a replayable node; if invalidated: an "
+               "illegal call was made during the capture");
+    size_t nodes = 0;
+    status       = cudaGraphGetNodes(cuda_graph, nullptr, &nodes);
+    if (status != cudaSuccess || nodes == 0) {   // nothing between two replayable nodes: no segment
+        cudaGraphDestroy(cuda_graph);
+        LOOM_CUDA_CHECK(status);
+        return;
+    }
+    graph.add_segment(std::make_shared<CudaSegment>(device_.index(), cuda_graph, graph.name()));
+}
+
+void CudaStream::native_capture_abort() noexcept {
+    int previous = -1;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device_.index());
+    cudaGraph_t cuda_graph = nullptr;
+    if (cudaStreamEndCapture(stream_, &cuda_graph) == cudaSuccess && cuda_graph != nullptr) cudaGraphDestroy(cuda_graph);
+    cudaGetLastError();
+    if (previous >= 0) cudaSetDevice(previous);
 }
 
 void CudaStream::note_error(std::exception_ptr error) {
@@ -145,28 +250,53 @@ void CudaStream::note_error(std::exception_ptr error) {
 }
 
 void CudaStream::submit(std::function<void()> work) {
-    check_not_captured("host work");
-    auto host_work = std::make_unique<HostWork>(HostWork{std::move(work), this});
     DeviceGuard guard(device_.index());
+    if (Graph * graph = captured_into()) {   // a host node, run at every replay
+        std::function<void()> & kept = graph->keep_work([work = std::move(work), this] {
+            try {
+                work();
+            } catch (...) {
+                note_error(std::current_exception());
+            }
+        });
+        LOOM_CUDA_CHECK(cudaLaunchHostFunc(stream_, run_kept_host_work, &kept));
+        return;
+    }
+    auto host_work = std::make_unique<HostWork>(HostWork{std::move(work), this});
     LOOM_CUDA_CHECK(cudaLaunchHostFunc(stream_, run_host_work, host_work.get()));
     host_work.release();   // run_host_work owns it now
     if (synchronous_) synchronize();
 }
 
 void CudaStream::record(Event & event) {
-    check_not_captured("an event record");
     CudaEvent & e = as_cuda_event(event);
     LOOM_CHECK(e.device_index() == device_.index(),
                "record on stream '" << name_ << "' of cuda:" << device_.index() << " of an event of cuda:" << e.device_index(),
                "record events created by the stream's own device");
-    DeviceGuard guard(device_.index());
+    DeviceGuard        guard(device_.index());
+    unsigned long long capture = 0;
+    captured_into(&capture);   // inside a capture the record is an edge of the CUDA graph (a fork point)
     LOOM_CUDA_CHECK(cudaEventRecord(e.native(), stream_));
+    e.note_record(capture, name_);
 }
 
 void CudaStream::wait(Event & event) {
-    check_not_captured("an event wait");
-    DeviceGuard guard(device_.index());
-    LOOM_CUDA_CHECK(cudaStreamWaitEvent(stream_, as_cuda_event(event).native(), 0));
+    CudaEvent &        e = as_cuda_event(event);
+    DeviceGuard        guard(device_.index());
+    unsigned long long capture = 0;
+    Graph *            graph   = captured_into(&capture);
+    unsigned int       flags   = cudaEventWaitDefault;
+    if (graph != nullptr && e.capture_id() != capture) {
+        LOOM_CHECK(e.capture_id() == 0,
+                   "stream '" << name_ << "' waits, while capturing graph '" << graph->name()
+                              << "', on an event last recorded by stream '" << e.recorded_by()
+                              << "' inside another CUDA capture (an earlier graph, or this graph before a replayable "
+                                 "node ended its segment)",
+                   "a record inside a capture is a graph edge, not an event a later capture can wait on: record the "
+                   "event again outside the capture, or keep the record and the wait in one segment");
+        flags = cudaEventWaitExternal;   // recorded outside any capture: an event wait node, at each replay
+    }
+    LOOM_CUDA_CHECK(cudaStreamWaitEvent(stream_, e.native(), flags));
 }
 
 void CudaStream::synchronize() {
@@ -189,8 +319,7 @@ bool CudaStream::query() {
     return true;
 }
 
-cudaStream_t CudaStream::launch(const char * op) {
-    check_not_captured(op);
+cudaStream_t CudaStream::launch(const char *) {
     LOOM_CUDA_CHECK(cudaSetDevice(device_.index()));
     return stream_;
 }
@@ -211,6 +340,10 @@ void CudaStream::reap_locked(bool all) {
 void CudaStream::launched(const char * op, std::vector<Tensor> tensors) {
     LOOM_CHECK_STATUS(cudaGetLastError(), cudaSuccess, cudaGetErrorString, "CUDA",
                       "launching the kernels of " << op << " on stream '" << name_ << "' failed");
+    if (Graph * graph = captured_into()) {   // the graph keeps them: its replays use them
+        graph->keep(std::move(tensors));
+        return;
+    }
     {
         std::lock_guard<std::mutex> lock(mutex_);
         reap_locked(false);
@@ -248,15 +381,30 @@ CudaStream & as_cuda_stream(Stream & stream, const char * op) {
 
 namespace {
 
+// cudaMalloc, cudaFree and their pinned twins are unsafe calls in a thread-local capture: the thread that
+// captures switches to relaxed mode for the call (as PyTorch's caching allocator does). An allocation made
+// during a capture is not a node: the graph keeps the address, and the block stays in the graph's pool.
+class RelaxedCaptureMode {
+public:
+    RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+    ~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+    RelaxedCaptureMode(const RelaxedCaptureMode &)             = delete;
+    RelaxedCaptureMode & operator=(const RelaxedCaptureMode &) = delete;
+
+private:
+    cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
 // cudaMalloc's memory; nullptr when the device is out of memory (the allocator empties its caches and
 // retries, then throws with its own message).
 class DeviceMemory : public RawMemory {
 public:
     explicit DeviceMemory(int index) : index_(index) {}
     void * raw_alloc(size_t bytes) override {
-        DeviceGuard guard(index_);
-        void *      ptr    = nullptr;
-        cudaError_t status = cudaMalloc(&ptr, bytes);
+        DeviceGuard        guard(index_);
+        RelaxedCaptureMode relaxed;
+        void *             ptr    = nullptr;
+        cudaError_t        status = cudaMalloc(&ptr, bytes);
         if (status == cudaErrorMemoryAllocation) {
             cudaGetLastError();   // not sticky, but leave no error for the next launch check
             return nullptr;
@@ -270,6 +418,7 @@ public:
         int previous = -1;
         cudaGetDevice(&previous);
         if (previous != index_) cudaSetDevice(index_);
+        RelaxedCaptureMode relaxed;
         cudaFree(ptr);
         if (previous >= 0 && previous != index_) cudaSetDevice(previous);
     }
@@ -282,9 +431,10 @@ class PinnedHostMemory : public RawMemory {
 public:
     explicit PinnedHostMemory(int index) : index_(index) {}
     void * raw_alloc(size_t bytes) override {
-        DeviceGuard guard(index_);
-        void *      ptr    = nullptr;
-        cudaError_t status = cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable);
+        DeviceGuard        guard(index_);
+        RelaxedCaptureMode relaxed;
+        void *             ptr    = nullptr;
+        cudaError_t        status = cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable);
         if (status == cudaErrorMemoryAllocation) {
             cudaGetLastError();
             return nullptr;
@@ -292,7 +442,10 @@ public:
         LOOM_CUDA_CHECK(status);
         return ptr;
     }
-    void raw_free(void * ptr, size_t) override { cudaFreeHost(ptr); }
+    void raw_free(void * ptr, size_t) override {
+        RelaxedCaptureMode relaxed;
+        cudaFreeHost(ptr);
+    }
 
 private:
     int index_;

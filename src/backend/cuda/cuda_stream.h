@@ -12,12 +12,43 @@
 // caching allocator, so a block is never handed out while a kernel on any stream may still use it, and the
 // caller may drop its tensors as soon as the op returns (core/ops.h).
 //
-// Graph capture. Loom graphs (core/graph.h) are not yet captured into CUDA graphs: while a Loom graph
-// capture is active on a CUDA stream, every submit, record, wait and op launch throws naming the graph,
-// rather than running work that the capture would silently miss.
+// Graph capture (core/graph.h). begin_capture(graph) on a CudaStream starts cudaStreamBeginCapture on its
+// native stream in cudaStreamCaptureModeThreadLocal (other threads' unsafe calls stay legal; the allocator's
+// cudaMalloc/cudaFree switch this thread to relaxed mode for their call, as PyTorch's caching allocator
+// does). While it captures:
+//   - kernels and async copies that ops launch become CUDA graph nodes; the tensors an op hands to
+//     launched() are kept by the Graph (Graph::keep) instead of by the stream-ordered frees above, whose
+//     events cannot be queried inside a capture;
+//   - submit(host work) becomes a host node (cudaLaunchHostFunc is legal in a capture) that runs at every
+//     replay; its closure is kept by the Graph (Graph::keep_work) and its errors go to the capturing stream;
+//   - record(e) on the capturing stream, and a wait by another stream on it, is CUDA's fork: that stream
+//     joins the capture and what ops launch on it is captured too (into the same Graph, found through the
+//     thread's graph_being_captured()); the capturing stream's wait on an event that stream recorded is the
+//     join. Every forked stream must be joined before end_capture() and before a replayable node (CUDA:
+//     cudaErrorStreamCaptureUnjoined, reported naming the graph). A record inside a capture is an edge of the
+//     CUDA graph, not a record another stream can wait on after a replay (record on the replay stream after
+//     replay() for that; on the CPU the record node is re-recorded at each replay);
+//   - a wait on an event last recorded outside any capture becomes an external event wait node
+//     (cudaEventWaitExternal): each replay waits on the event again (CUDA's event wait node; the CPU
+//     backend's replayed wait node likewise waits on the event's latest record at each replay). A wait on an event last recorded inside another capture (an earlier graph, or this one
+//     before a replayable node ended its segment) is refused naming the graph and the recording stream: that
+//     record was a graph edge, and nothing would be waited on;
+//   - a replayable node (Stream::submit_replayable) ends the CUDA capture into a cudaGraphExec (a
+//     CapturedSegment of the Graph), keeps the node, and begins the next capture. Replay launches each
+//     segment with cudaGraphLaunch on the replay stream and runs each replayable node's prepare on the host
+//     between them, submitting its work, in capture order;
+//   - host synchronisation (Stream::synchronize, Event::synchronize) is refused by core naming the graph;
+//     an allocation from a pool other than default/activations is refused by the allocator. A stream's GEMM
+//     workspace and the cuBLAS handles are created when its capture begins, so a GEMM on the capturing
+//     stream is legal; a forked stream that never ran a GEMM before the capture has no workspace yet and its
+//     first GEMM is refused (run one GEMM on it eagerly first).
+// A segment records an event after each replay; destroying the Graph waits for it before destroying the
+// executable and dropping the kept tensors (so destroy graphs outside a capture). The ops that check ids on
+// the device (bad_id_word in cuda_ops.cpp) reset their word on the host when they are called, not at each
+// replay: once a replay has seen a bad id, every later replay of that graph reports it again.
 //
 // With LOOM_SYNC_STREAMS=1 every op synchronizes its stream after launching, so a failing kernel is
-// reported by the op that launched it.
+// reported by the op that launched it (not while capturing: the capture cannot synchronize).
 #pragma once
 
 #include "core/device.h"
@@ -54,9 +85,20 @@ public:
     cudaEvent_t native() const { return event_; }
     int         device_index() const { return device_index_; }
 
+    // The CUDA capture the last record was made in (0: recorded outside any capture, or never), and the
+    // stream that made it: what a wait during a capture decides on (see above).
+    unsigned long long  capture_id() const { return capture_id_; }
+    const std::string & recorded_by() const { return recorded_by_; }
+    void                note_record(unsigned long long capture_id, const std::string & stream) {
+        capture_id_  = capture_id;
+        recorded_by_ = stream;
+    }
+
 private:
-    cudaEvent_t event_ = nullptr;
-    int         device_index_;
+    cudaEvent_t        event_ = nullptr;
+    int                device_index_;
+    unsigned long long capture_id_ = 0;
+    std::string        recorded_by_;
 };
 
 class CudaStream : public Stream {
@@ -72,15 +114,18 @@ public:
     void synchronize() override;
     bool query() override;
 
-    // The stream kernels of `op` are launched on; throws while a Loom graph capture is active on it. The
-    // calling thread's current device is the stream's device afterwards.
+    // The stream kernels of `op` are launched on (capturing or not). The calling thread's current device is
+    // the stream's device afterwards.
     cudaStream_t launch(const char * op);
     // After launching `op`'s kernels: throws on a launch error, keeps `tensors` until the kernels have run
-    // (see above), and synchronizes under LOOM_SYNC_STREAMS=1.
+    // (see above; while capturing, the Graph keeps them), and synchronizes under LOOM_SYNC_STREAMS=1.
     void launched(const char * op, std::vector<Tensor> tensors);
 
     cudaStream_t native() const { return stream_; }
     int          device_index() const;
+    // True while the native stream captures: its own Loom capture, or one it joined by waiting on an event
+    // recorded in a capture (a fork). capture() says only the former.
+    bool         capturing() const { return captured_into() != nullptr; }
 
     // cuBLASLt's workspace for GEMMs on this stream (one per stream: GEMMs on two streams may overlap).
     void * gemm_workspace();
@@ -89,9 +134,16 @@ public:
     // Host work's error path (called from the host function).
     void note_error(std::exception_ptr error);
 
+protected:
+    void native_capture_begin() override;
+    void native_capture_end(Graph & graph) override;
+    void native_capture_abort() noexcept override;
+
 private:
-    void check_not_captured(const char * what) const;
-    void reap_locked(bool all);
+    // The Graph the native stream is capturing into (its own Loom capture, or one it joined by a fork);
+    // null when it is not capturing. `id` gets CUDA's capture id (0 when not capturing).
+    Graph * captured_into(unsigned long long * id = nullptr) const;
+    void    reap_locked(bool all);
 
     struct Retained {
         cudaEvent_t         event;

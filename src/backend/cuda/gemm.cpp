@@ -58,6 +58,11 @@ struct Preference {
 
 }  // namespace
 
+void gemm_handles_create(int device_index) {
+    lt_handle(device_index);
+    blas_handle(device_index);
+}
+
 void gemm_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,
              bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, bool bf16, float * c,
              bool accumulate) {

@@ -19,6 +19,10 @@
 
 namespace loom::cuda {
 
+// Creates the device's cuBLASLt and cuBLAS handles if they do not exist yet (a capture begins with it:
+// creating a handle allocates, which a CUDA graph capture must not see).
+void gemm_handles_create(int device_index);
+
 void gemm_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,
              bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, bool bf16, float * c,
              bool accumulate);
