@@ -15,6 +15,7 @@
 //   layernorm / rmsnorm forward     y 1e-5 rel(1), mean 1e-5 rel(1), rstd 1e-5 rel; x += residual 2^-23 rel(0).
 //   layernorm / rmsnorm backward    dx 1e-5 rel(1); dgamma, dbeta 1e-5 mag (added into their old values).
 //   bias_add, add_inplace           2^-23 rel(0): one f32 addition.   bias_backward 1e-6 mag.
+//   gemm_bias                       exact: the bits of gemm followed by bias_add.
 //   bias_gelu_forward               y 2e-6 rel(1) (tanh through exp_approx, |error| < 2e-7 absolute);
 //                                   x += bias 2^-23 rel(0); x_bf16 exact (the nearest bf16, ties to even).
 //   gelu_backward                   1e-5 rel(1) on x in [-5, 5] (tanh's error times up to |x| du ~ 17).
@@ -395,6 +396,31 @@ TEST(OpsGemm, InterfaceF32AndBf16WithAndWithoutAccumulate) {
             ops().gemm(stream(), a, g.ta, b, g.tb, c, g.accumulate);
             synchronize();
             EXPECT_TRUE(close_to_magnitude(name("gemm", variant), c, ref, mag, kGemmTol));
+            ++variant;
+        }
+    }
+}
+
+// gemm_bias is gemm followed by bias_add, bit for bit: f32 and bf16 operands, b transposed or not (the
+// linear layer's forward is (false, true)), sizes off multiples of 16, and k = 0 (c is the bias).
+TEST(OpsGemm, GemmBiasIsGemmThenBiasAddBitwise) {
+    const GemmCase cases[] = {{false, true, 37, 48, 40, false}, {false, false, 37, 48, 40, false},
+                              {false, true, 5, 17, 33, false},  {false, false, 33, 7, 129, false},
+                              {true, true, 9, 65, 17, false},   {false, true, 1, 1, 1, false},
+                              {false, true, 6, 3, 0, false}};
+    int            variant = 0;
+    for (const GemmCase & g : cases) {
+        for (DType dtype : {DType::f32, DType::bf16}) {
+            SCOPED_TRACE(std::string(dtype_name(dtype)) + " case " + std::to_string(variant));
+            Tensor a    = random_tensor(g.ta ? Shape{g.k, g.m} : Shape{g.m, g.k}, dtype, 110 + variant);
+            Tensor b    = random_tensor(g.tb ? Shape{g.n, g.k} : Shape{g.k, g.n}, dtype, 210 + variant);
+            Tensor bias = random_f32({g.n}, 310 + variant);
+            Tensor fused = random_f32({g.m, g.n}, 410 + variant), twin = random_f32({g.m, g.n}, 510 + variant);
+            ops().gemm_bias(stream(), a, g.ta, b, g.tb, fused, bias);
+            ops().gemm(stream(), a, g.ta, b, g.tb, twin);
+            ops().bias_add(stream(), twin, bias);
+            synchronize();
+            EXPECT_TRUE(same_bits(name("gemm_bias", variant), fused.data_ptr(), twin.data_ptr(), twin.nbytes()));
             ++variant;
         }
     }
@@ -1509,6 +1535,11 @@ TEST(OpsArgumentErrors, Gemm) {
     });
     expect_error_here("bf16 c", [&] { ops().gemm(stream(), a, false, b, false, empty({4, 5}, DType::bf16)); });
     expect_error_here("1-D a", [&] { ops().gemm(stream(), empty({32}), false, b, false, c); });
+    expect_error_here("gemm_bias: bias size", [&] { ops().gemm_bias(stream(), a, false, b, false, c, empty({4})); });
+    expect_error_here("gemm_bias: bf16 bias",
+                      [&] { ops().gemm_bias(stream(), a, false, b, false, c, empty({5}, DType::bf16)); });
+    expect_error_here("gemm_bias: 1-D c", [&] { ops().gemm_bias(stream(), a, false, b, false, empty({20}), empty({5})); });
+    expect_error_here("gemm_bias: no bias", [&] { ops().gemm_bias(stream(), a, false, b, false, c, Tensor()); });
 }
 
 TEST(OpsArgumentErrors, Norms) {

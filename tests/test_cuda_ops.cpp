@@ -5,7 +5,8 @@
 //                       AdamW (the same IEEE operations in the same order, explicit fma on both sides)
 //   1e-5 x max(1, |ref|) norms forward and backward, GELU/SwiGLU (tanh/exp differ by a few ulp)
 //   1e-6 x sum |terms|  bias_backward (f32 sums over rows, in the CPU's row order)
-//   1e-5 / 1e-3 x sum |a_ik b_kj|   GEMM with f32 / bf16 operands (f32 accumulation in another order)
+//   1e-5 / 1e-3 x sum |a_ik b_kj|   GEMM with f32 / bf16 operands (f32 accumulation in another order);
+//                       gemm_bias the same with |bias_j| among the terms
 //   1e-12 relative      sum_of_squares (double partial sums, tree-reduced on the GPU)
 //   exact (bitwise)     dropout (core/dropout.h's hash: the same masks, x * (1 / (1 - p)) the same product),
 //                       embedding_forward (f32 and bf16 tables), embedding_backward (each element's f32
@@ -144,6 +145,57 @@ TEST(CudaOps, GemmF32AndBf16EveryTransposeWithAndWithoutAccumulateMatchesTheCpu)
                 for (int64_t i = 0; i < sz.m; ++i) {
                     for (int64_t j = 0; j < sz.n; ++j) {
                         double mag = acc ? std::fabs(c0v[i * sz.n + j]) : 0.0;
+                        for (int64_t p = 0; p < sz.k; ++p) {
+                            mag += std::fabs((ta ? av[p * sz.m + i] : av[i * sz.k + p]) * (tb ? bv[j * sz.k + p] : bv[p * sz.n + j]));
+                        }
+                        ASSERT_LE(std::fabs(g[i * sz.n + j] - ref[i * sz.n + j]), tol * mag + 1e-30)
+                            << what << " at (" << i << ", " << j << ")";
+                    }
+                }
+            }
+        }
+    }
+}
+
+// gemm_bias against the CPU's gemm + bias_add, the GEMM's tolerance with |bias_j| among the terms. Aligned
+// operands take cuBLASLt's bias epilogue; `offset` 1 puts a, the bias and c one element into their storage
+// (2- or 4-byte aligned), where cuBLASLt may have no epilogue kernel and the product plus bias_add's kernel
+// run instead; k = 0 always takes that path (c is the bias).
+TEST(CudaOps, GemmBiasF32AndBf16MatchesTheCpusGemmThenBiasAdd) {
+    SKIP_WITHOUT_CUDA();
+    struct Case { int64_t m, n, k, offset; };
+    uint64_t seed = 900;
+    for (DType dtype : {DType::f32, DType::bf16}) {
+        const double tol = dtype == DType::f32 ? 1e-5 : 1e-3;
+        for (Case sz : {Case{128, 64, 256, 0}, Case{37, 48, 40, 0}, Case{64, 96, 32, 0}, Case{37, 53, 71, 1},
+                        Case{5, 300, 17, 1}, Case{1, 1, 1, 0}, Case{6, 3, 0, 0}}) {
+            for (int t = 0; t < 4; ++t) {
+                const bool        ta = t & 1, tb = t & 2;
+                const std::string what = std::string(dtype_name(dtype)) + " m " + std::to_string(sz.m) + " n " +
+                                         std::to_string(sz.n) + " k " + std::to_string(sz.k) + " offset " +
+                                         std::to_string(sz.offset) + (ta ? " ta" : "") + (tb ? " tb" : "");
+                const int64_t o       = sz.offset;
+                // Storage one element longer than the views: never empty (k = 0) when copied to the GPU.
+                Tensor        a_store = random_cpu({sz.m * sz.k + o + 1}, ++seed, 1.0f, dtype);
+                Tensor        a       = a_store.slice(o, ta ? Shape{sz.k, sz.m} : Shape{sz.m, sz.k});
+                Tensor        b_store = random_cpu({sz.n * sz.k + 1}, ++seed, 1.0f, dtype);
+                Tensor        b       = b_store.slice(0, tb ? Shape{sz.n, sz.k} : Shape{sz.k, sz.n});
+                Tensor        bias_store = random_cpu({sz.n + o}, ++seed);
+                Tensor        bias       = bias_store.slice(o, Shape{sz.n});
+                Tensor        c_store    = random_cpu({sz.m * sz.n + o}, ++seed);   // overwritten
+                Tensor        c_cpu      = clone_cpu(c_store).slice(o, Shape{sz.m, sz.n});
+                cops().gemm(cs(), a, ta, b, tb, c_cpu);
+                cops().bias_add(cs(), c_cpu, bias);
+                cs().synchronize();
+                Tensor c_gpu = to_gpu(c_store).slice(o, Shape{sz.m, sz.n});
+                gops().gemm_bias(gs(), to_gpu(a_store).slice(o, a.shape()), ta, to_gpu(b_store).slice(0, b.shape()), tb, c_gpu,
+                                 to_gpu(bias_store).slice(o, Shape{sz.n}));
+                Tensor got = to_cpu(c_gpu);
+                std::vector<double> av = values(a), bv = values(b), biasv = values(bias), ref = values(c_cpu),
+                                    g = values(got);
+                for (int64_t i = 0; i < sz.m; ++i) {
+                    for (int64_t j = 0; j < sz.n; ++j) {
+                        double mag = std::fabs(biasv[j]);
                         for (int64_t p = 0; p < sz.k; ++p) {
                             mag += std::fabs((ta ? av[p * sz.m + i] : av[i * sz.k + p]) * (tb ? bv[j * sz.k + p] : bv[p * sz.n + j]));
                         }

@@ -40,6 +40,16 @@ inline GemmDims gemm(const Tensor & a, bool trans_a, const Tensor & b, bool tran
     return {m, n, k};
 }
 
+// gemm's checks, and bias (n) f32 for c (m, n).
+inline GemmDims gemm_bias(const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c,
+                          const Tensor & bias) {
+    const GemmDims dims = gemm(a, trans_a, b, trans_b, c);
+    LOOM_CHECK(c.dim() == 2 && c.size(0) == dims.m, "gemm_bias: c is " << c.describe() << ", expected (" << dims.m
+                                                                       << ", " << dims.n << ")", "");
+    expect(bias, DType::f32, dims.n, "gemm_bias", "bias");
+    return dims;
+}
+
 // A norm's forward operands over n rows of width h (the residual optional).
 inline void norm(const Tensor & x, const Tensor & residual, const Tensor & gamma, const Tensor & y, const Tensor & rstd,
                  int64_t n, int64_t h, const char * op) {

@@ -66,6 +66,12 @@ public:
     // c is f32 and the products accumulate in f32.
     virtual void gemm(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c,
                       bool accumulate = false) = 0;
+    // c (m, n) = op(a) op(b) + bias, bias (n) f32 added to every row: a linear layer's forward with its bias
+    // in the GEMM's epilogue where the backend has one. Its contract is gemm followed by bias_add (the CPU
+    // runs exactly those two steps, so the bits are theirs); a backend may instead add the bias to the f32
+    // accumulator before the store (cuBLASLt's bias epilogue). No accumulate: a bias is added once.
+    virtual void gemm_bias(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b,
+                           const Tensor & c, const Tensor & bias) = 0;
 
     // ---- Norms, per row of x (n, h); statistics (n) are f32 and saved for backward.
     // With `residual` defined, x += residual first in the same pass (x then holds the sum).

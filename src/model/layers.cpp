@@ -104,7 +104,15 @@ Tensor Linear::forward(Context & ctx, const Tensor & x_rows, bool add_bias) {
     Tensor  y     = activation(x.device(), n, o);
     Ops &   ops = x.device().ops();
     Stream & stream = x.device().compute_stream();
-    ops.gemm(stream, x_in, false, weight.data, true, y);
+    // The bias rides in the GEMM's epilogue unless a sum over the TP group comes between them (a row linear
+    // adds it once, after the reduction).
+    const bool reduced    = split == Split::row && tp->size > 1;
+    const bool fused_bias = has_bias && add_bias && !reduced;
+    if (fused_bias) {
+        ops.gemm_bias(stream, x_in, false, weight.data, true, y, parameter_f32(bias));
+    } else {
+        ops.gemm(stream, x_in, false, weight.data, true, y);
+    }
     if (split == Split::row) {   // partial sums over this rank's input features
         if (tp->sp()) {
             y = tp->reduce_scatter(y);
@@ -113,7 +121,7 @@ Tensor Linear::forward(Context & ctx, const Tensor & x_rows, bool add_bias) {
             tp->all_reduce(y);
         }
     }
-    if (has_bias && add_bias) {
+    if (has_bias && add_bias && !fused_bias) {
         ops.bias_add(stream, y, parameter_f32(bias));
     }
     ctx.x = x_in;
@@ -389,7 +397,10 @@ Tensor Mlp::forward(Context & ctx, const Tensor & x) {
         ctx.pre_act = keep_for_backward(pre, config.params_dtype);
         ops.swiglu_forward(stream, pre, act);
     } else {
-        // Bias, rounding to the saved dtype and GELU in one pass over the (n, f) pre-activation.
+        // Bias, rounding to the saved dtype and GELU in one pass over the (n, f) pre-activation. The bias stays
+        // out of fc1's GEMM epilogue: that pass runs anyway, so moving it saves nothing, and cuBLASLt's
+        // GELU_AUX_BIAS epilogue would apply GELU to the unrounded f32 value (the bf16 model's gelu reads the
+        // bf16-rounded pre-activation it saves for backward), with its own GELU formula.
         Tensor pre  = fc1.forward(ctx.fc1_ctx, x, /*add_bias=*/false);
         act         = activation(x.device(), pre.size(0), f);
         Tensor bias = fc1.has_bias ? parameter_f32(fc1.bias) : Tensor();

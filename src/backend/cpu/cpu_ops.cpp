@@ -47,6 +47,19 @@ public:
         });
     }
 
+    // gemm then bias_add, in one task: the bits of the two ops (a oneDNN bias post-op would round the
+    // same sum, but only its own kernels promise that).
+    void gemm_bias(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c,
+                   const Tensor & bias) override {
+        const op_checks::GemmDims dims = op_checks::gemm_bias(a, trans_a, b, trans_b, c, bias);
+        const int64_t             m = dims.m, n = dims.n, k = dims.k;
+        const DType dtype = a.dtype();
+        s.submit([a, b, c, bias, trans_a, trans_b, m, n, k, dtype] {
+            cpu::gemm(trans_a, trans_b, m, n, k, a.data_ptr(), b.data_ptr(), dtype, c.data<float>());
+            cpu::bias_add(c.data<float>(), bias.data<float>(), m, n);
+        });
+    }
+
     void layernorm_forward(Stream & s, const Tensor & x, const Tensor & residual, const Tensor & gamma,
                            const Tensor & beta, const Tensor & y, const Tensor & mean, const Tensor & rstd,
                            float eps) override {

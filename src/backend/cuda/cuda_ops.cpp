@@ -118,6 +118,20 @@ public:
         cs.launched("gemm", {a, b, c});
     }
 
+    // cuBLASLt's bias epilogue where it has a kernel for the operands; else the product and bias_add's kernel.
+    void gemm_bias(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c,
+                   const Tensor & bias) override {
+        const op_checks::GemmDims dims = op_checks::gemm_bias(a, trans_a, b, trans_b, c, bias);
+        const int64_t             m = dims.m, n = dims.n, k = dims.k;
+        CudaStream & cs     = start(s, "gemm_bias", {a, b, c, bias});
+        cudaStream_t stream = cs.launch("gemm_bias");
+        if (!gemm_bias_lt(cs.device_index(), stream, cs.gemm_workspace(), CudaStream::kGemmWorkspaceBytes, trans_a,
+                          trans_b, m, n, k, a.data_ptr(), b.data_ptr(), a.dtype() == DType::bf16, f32(bias), f32(c))) {
+            kernels::bias_add(stream, f32(c), f32(bias), m, n);
+        }
+        cs.launched("gemm_bias", {a, b, c, bias});
+    }
+
     void layernorm_forward(Stream & s, const Tensor & x, const Tensor & residual, const Tensor & gamma,
                            const Tensor & beta, const Tensor & y, const Tensor & mean, const Tensor & rstd,
                            float eps) override {

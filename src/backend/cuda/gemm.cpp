@@ -56,6 +56,75 @@ struct Preference {
     ~Preference() { if (handle) cublasLtMatmulPreferenceDestroy(handle); }
 };
 
+// One call's cuBLASLt plan: the descriptors of c (m, n) = op(a) op(b), with the bias epilogue when `bias`
+// is given, and the heuristic's algorithm for them. `found` is false where cuBLASLt has no kernel for the
+// operands' alignments or leading dimensions (or for the epilogue); any other failure throws.
+struct LtPlan {
+    MatmulDesc                      desc;
+    Layout                          layout_a, layout_b, layout_c;
+    Preference                      preference;
+    cublasOperation_t               op_a, op_b;        // cuBLASLt's A is Loom's b, its B Loom's a
+    uint64_t                        a_rows, b_rows;    // their leading dimensions
+    cudaDataType_t                  ab_type;
+    cublasLtMatmulHeuristicResult_t heuristic{};
+    bool                            found = false;
+
+    LtPlan(cublasLtHandle_t handle, size_t workspace_bytes, bool trans_a, bool trans_b, int64_t m, int64_t n,
+           int64_t k, const void * a, const void * b, bool bf16, const float * c, const float * bias)
+        : op_a(trans_b ? CUBLAS_OP_T : CUBLAS_OP_N), op_b(trans_a ? CUBLAS_OP_T : CUBLAS_OP_N),
+          a_rows(trans_b ? k : n), b_rows(trans_a ? m : k), ab_type(bf16 ? CUDA_R_16BF : CUDA_R_32F) {
+        LOOM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.handle, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+        LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+        LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+        if (bias != nullptr) {
+            // D (n, m) column-major: the bias runs along D's n rows, broadcast over its m columns, i.e. one
+            // value per output feature of Loom's (m, n). Its type is D's (f32), stated rather than defaulted.
+            // The heuristic reads the pointer's alignment, so it is set before the heuristic runs.
+            const cublasLtEpilogue_t epilogue  = CUBLASLT_EPILOGUE_BIAS;
+            const int32_t            bias_type = CUDA_R_32F;
+            LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
+                                                             sizeof(epilogue)));
+            LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                                             sizeof(bias)));
+            LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                                                             &bias_type, sizeof(bias_type)));
+        }
+
+        const uint64_t a_cols = trans_b ? n : k, b_cols = trans_a ? k : m;
+        LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout_a.handle, ab_type, a_rows, a_cols, static_cast<int64_t>(a_rows)));
+        LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout_b.handle, ab_type, b_rows, b_cols, static_cast<int64_t>(b_rows)));
+        LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout_c.handle, CUDA_R_32F, n, m, n));
+
+        LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference.handle));
+        LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference.handle, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                               &workspace_bytes, sizeof(workspace_bytes)));
+        const uint32_t align_a = alignment_of(b), align_b = alignment_of(a), align_c = alignment_of(c);
+        LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference.handle, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                                               &align_a, sizeof(align_a)));
+        LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference.handle, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                               &align_b, sizeof(align_b)));
+        LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference.handle, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                                               &align_c, sizeof(align_c)));
+        LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference.handle, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                                               &align_c, sizeof(align_c)));
+
+        int            count  = 0;
+        cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, desc.handle, layout_a.handle, layout_b.handle,
+                                                               layout_c.handle, layout_c.handle, preference.handle, 1,
+                                                               &heuristic, &count);
+        if (status != CUBLAS_STATUS_NOT_SUPPORTED) LOOM_CUBLAS_CHECK(status);
+        found = status == CUBLAS_STATUS_SUCCESS && count > 0;
+    }
+
+    void run(cublasLtHandle_t handle, cudaStream_t stream, void * workspace, size_t workspace_bytes, const void * a,
+             const void * b, float * c, bool accumulate) const {
+        const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+        LOOM_CUBLAS_CHECK(cublasLtMatmul(handle, desc.handle, &alpha, b, layout_a.handle, a, layout_b.handle, &beta, c,
+                                         layout_c.handle, c, layout_c.handle, &heuristic.algo, workspace,
+                                         workspace_bytes, stream));
+    }
+};
+
 }  // namespace
 
 void gemm_handles_create(int device_index) {
@@ -71,65 +140,36 @@ void gemm_lt(int device_index, cudaStream_t stream, void * workspace, size_t wor
         if (!accumulate) LOOM_CUDA_CHECK(cudaMemsetAsync(c, 0, static_cast<size_t>(m * n) * sizeof(float), stream));
         return;
     }
-    const cudaDataType_t ab_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
-
-    MatmulDesc desc;
-    LOOM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.handle, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    const cublasOperation_t op_a = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;   // cuBLASLt's A is Loom's b
-    const cublasOperation_t op_b = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-    LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
-    LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
-
-    const uint64_t a_rows = trans_b ? k : n, a_cols = trans_b ? n : k;
-    const uint64_t b_rows = trans_a ? m : k, b_cols = trans_a ? k : m;
-    Layout         layout_a, layout_b, layout_c;
-    LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout_a.handle, ab_type, a_rows, a_cols, static_cast<int64_t>(a_rows)));
-    LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout_b.handle, ab_type, b_rows, b_cols, static_cast<int64_t>(b_rows)));
-    LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout_c.handle, CUDA_R_32F, n, m, n));
-
-    Preference preference;
-    LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference.handle));
-    LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference.handle, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                           &workspace_bytes, sizeof(workspace_bytes)));
-    const uint32_t align_a = alignment_of(b), align_b = alignment_of(a), align_c = alignment_of(c);
-    LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference.handle, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                                           &align_a, sizeof(align_a)));
-    LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference.handle, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                                           &align_b, sizeof(align_b)));
-    LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference.handle, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                                                           &align_c, sizeof(align_c)));
-    LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference.handle, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                                           &align_c, sizeof(align_c)));
-
-    cublasLtHandle_t                handle = lt_handle(device_index);
-    cublasLtMatmulHeuristicResult_t heuristic{};
-    int                             found = 0;
-    cublasStatus_t                  status = cublasLtMatmulAlgoGetHeuristic(
-        handle, desc.handle, layout_a.handle, layout_b.handle, layout_c.handle, layout_c.handle, preference.handle, 1,
-        &heuristic, &found);
-    if (status == CUBLAS_STATUS_NOT_SUPPORTED || (status == CUBLAS_STATUS_SUCCESS && found == 0)) {
+    cublasLtHandle_t handle = lt_handle(device_index);
+    const LtPlan     plan(handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, bf16, c, nullptr);
+    if (!plan.found) {
         // No cuBLASLt kernel for these alignments or leading dimensions: cublasGemmEx takes any.
-        const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-        cublasHandle_t blas = blas_handle(device_index);
+        const float    alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+        cublasHandle_t blas  = blas_handle(device_index);
         LOOM_CUBLAS_CHECK(cublasSetStream(blas, stream));
-        LOOM_CUBLAS_CHECK(cublasGemmEx(blas, op_a, op_b, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k),
-                                       &alpha, b, ab_type, static_cast<int>(a_rows), a, ab_type, static_cast<int>(b_rows),
-                                       &beta, c, CUDA_R_32F, static_cast<int>(n), CUBLAS_COMPUTE_32F,
-                                       CUBLAS_GEMM_DEFAULT));
+        LOOM_CUBLAS_CHECK(cublasGemmEx(blas, plan.op_a, plan.op_b, static_cast<int>(n), static_cast<int>(m),
+                                       static_cast<int>(k), &alpha, b, plan.ab_type, static_cast<int>(plan.a_rows), a,
+                                       plan.ab_type, static_cast<int>(plan.b_rows), &beta, c, CUDA_R_32F,
+                                       static_cast<int>(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         return;
     }
-    LOOM_CUBLAS_CHECK(status);
-    LOOM_CHECK(found > 0,
-               "cuBLASLt has no algorithm for a " << (bf16 ? "bfloat16" : "float32") << " GEMM of (" << m << ", " << k
-                                                  << ") x (" << k << ", " << n << ")"
-                                                  << (trans_a ? ", a transposed" : "") << (trans_b ? ", b transposed" : ""),
-               "operand addresses aligned to " << align_b << "/" << align_a << "/" << align_c
-                                               << " bytes; 16-byte aligned operands widen the choice");
+    plan.run(handle, stream, workspace, workspace_bytes, a, b, c, accumulate);
+}
 
-    const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-    LOOM_CUBLAS_CHECK(cublasLtMatmul(handle, desc.handle, &alpha, b, layout_a.handle, a, layout_b.handle, &beta, c,
-                                     layout_c.handle, c, layout_c.handle, &heuristic.algo, workspace, workspace_bytes,
-                                     stream));
+bool gemm_bias_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,
+                  bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, bool bf16,
+                  const float * bias, float * c) {
+    if (m == 0 || n == 0) return true;   // nothing to add to
+    if (k > 0) {
+        cublasLtHandle_t handle = lt_handle(device_index);
+        const LtPlan     plan(handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, bf16, c, bias);
+        if (plan.found) {
+            plan.run(handle, stream, workspace, workspace_bytes, a, b, c, /*accumulate=*/false);
+            return true;
+        }
+    }
+    gemm_lt(device_index, stream, workspace, workspace_bytes, trans_a, trans_b, m, n, k, a, b, bf16, c, false);
+    return false;
 }
 
 }  // namespace loom::cuda

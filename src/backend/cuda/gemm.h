@@ -27,4 +27,13 @@ void gemm_lt(int device_index, cudaStream_t stream, void * workspace, size_t wor
              bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, bool bf16, float * c,
              bool accumulate);
 
+// c (m, n) = op(a) op(b) + bias (n, f32, one value per column of c) through cuBLASLt's bias epilogue
+// (CUBLASLT_EPILOGUE_BIAS: the bias is added to the f32 result before the store, bias of D's type, f32).
+// Returns false where the epilogue did not run (k = 0, or no cuBLASLt kernel with the epilogue for these
+// alignments): then c holds the plain product (gemm_lt, with its cublasGemmEx fallback) and the caller
+// adds the bias.
+bool gemm_bias_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,
+                  bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, bool bf16,
+                  const float * bias, float * c);
+
 }  // namespace loom::cuda
