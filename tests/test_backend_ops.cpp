@@ -332,6 +332,12 @@ struct GemmCase {
     bool    accumulate;
 };
 
+// A case's random operands a and b, stored as its transposes ask.
+std::pair<Tensor, Tensor> gemm_operands(const GemmCase & g, DType dtype, uint64_t seed_a, uint64_t seed_b) {
+    return {random_tensor(g.ta ? Shape{g.k, g.m} : Shape{g.m, g.k}, dtype, seed_a),
+            random_tensor(g.tb ? Shape{g.n, g.k} : Shape{g.k, g.n}, dtype, seed_b)};
+}
+
 class Gemm : public ::testing::TestWithParam<GemmCase> {};
 
 TEST_P(Gemm, BothDtypesAgainstDoubleReference) {
@@ -384,8 +390,7 @@ TEST(OpsGemm, InterfaceF32AndBf16WithAndWithoutAccumulate) {
     for (const GemmCase & g : cases) {
         for (DType dtype : {DType::f32, DType::bf16}) {
             SCOPED_TRACE(std::string(dtype_name(dtype)) + " case " + std::to_string(variant));
-            Tensor              a = random_tensor(g.ta ? Shape{g.k, g.m} : Shape{g.m, g.k}, dtype, 100 + variant);
-            Tensor              b = random_tensor(g.tb ? Shape{g.n, g.k} : Shape{g.k, g.n}, dtype, 200 + variant);
+            const auto [a, b]     = gemm_operands(g, dtype, 100 + variant, 200 + variant);
             Tensor              c = random_f32({g.m, g.n}, 300 + variant);
             std::vector<double> ref(static_cast<size_t>(g.m * g.n), 0.0), mag(ref.size(), 0.0);
             if (g.accumulate) {
@@ -412,9 +417,8 @@ TEST(OpsGemm, GemmBiasIsGemmThenBiasAddBitwise) {
     for (const GemmCase & g : cases) {
         for (DType dtype : {DType::f32, DType::bf16}) {
             SCOPED_TRACE(std::string(dtype_name(dtype)) + " case " + std::to_string(variant));
-            Tensor a    = random_tensor(g.ta ? Shape{g.k, g.m} : Shape{g.m, g.k}, dtype, 110 + variant);
-            Tensor b    = random_tensor(g.tb ? Shape{g.n, g.k} : Shape{g.k, g.n}, dtype, 210 + variant);
-            Tensor bias = random_f32({g.n}, 310 + variant);
+            const auto [a, b] = gemm_operands(g, dtype, 110 + variant, 210 + variant);
+            Tensor     bias   = random_f32({g.n}, 310 + variant);
             Tensor fused = random_f32({g.m, g.n}, 410 + variant), twin = random_f32({g.m, g.n}, 510 + variant);
             ops().gemm_bias(stream(), a, g.ta, b, g.tb, fused, bias);
             ops().gemm(stream(), a, g.ta, b, g.tb, twin);
