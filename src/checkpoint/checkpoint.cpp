@@ -144,7 +144,7 @@ struct WriteEntry {
     std::string name;
     std::string dtype;   // "F32" / "BF16"
     int64_t     numel = 0;
-    Tensor      values;   // host-readable (host_readable: a pinned copy of device memory)
+    Tensor      values;   // any memory: read through host_readable as it is written, one entry at a time
 };
 
 struct RankPiece {
@@ -177,7 +177,8 @@ FileRecord write_shard(const std::string & path, const std::vector<WriteEntry> &
     kill_point();
     for (size_t i = 0; i < entries.size(); ++i) {
         const WriteEntry & e = entries[i];
-        put(e.values.data_ptr(), static_cast<size_t>(e.numel) * (e.dtype == "F32" ? 4u : 2u));
+        const Tensor host = host_readable(e.values);   // on a GPU one entry's pinned copy at a time
+        put(host.data_ptr(), static_cast<size_t>(e.numel) * (e.dtype == "F32" ? 4u : 2u));
         if (i == entries.size() / 2) kill_point();
     }
     file.commit();
@@ -252,14 +253,14 @@ SaveStats save(const std::string & dir, int64_t iteration, const json & metadata
                    "checkpoint of parameter " << p.name << " in " << dtype_name(dtype), "");
         const char * values_dtype = dtype == DType::f32 ? "F32" : "BF16";
         entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "values"), values_dtype, n,
-                                     host_readable(p.data.flatten().slice(piece.begin, {n}))});
+                                     p.data.flatten().slice(piece.begin, {n})});
         if (with_optimizer) {
             optim::HybridSlotState st = rank.optimizer->state().slot_state(piece.slot);
             if (dtype != DType::f32) {
-                entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "master"), "F32", n, host_readable(st.master)});
+                entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "master"), "F32", n, st.master});
             }
-            entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "exp_avg"), "F32", n, host_readable(st.exp_avg)});
-            entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "exp_avg_sq"), "F32", n, host_readable(st.exp_avg_sq)});
+            entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "exp_avg"), "F32", n, st.exp_avg});
+            entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "exp_avg_sq"), "F32", n, st.exp_avg_sq});
         }
         const model::TpSlice & slice = p.tp_slice;
         json &                 t     = tensors[p.name];
