@@ -274,7 +274,7 @@ void write_values_f32(const Tensor & t, std::span<const float> values) {
 
 Tensor host_blob(std::vector<float> & values, Device & device) {
     return Tensor::from_blob(values.data(), {static_cast<int64_t>(values.size())}, DType::f32, device,
-                             device.type() == DeviceType::cpu ? MemoryKind::device : MemoryKind::pinned_host);
+                             host_filled_kind(device));
 }
 
 MemoryKind host_filled_kind(const Device & device) {
