@@ -1,7 +1,7 @@
-// The data layer: Megatron's MMIDIDX files (round trip, the spec's byte layout, every malformed file
-// named in its error), the split of documents, the GPT document/sample/shuffle indices, llm.c shards,
-// the synthetic dataset, the loader's per-rank tiling of each global batch and resume, the text/JSONL
-// converter and `loom data` run as a program.
+// The data layer: Megatron's MMIDIDX files (round trip, the byte layout of docs/design/conventions.md B2, every
+// malformed file named in its error), the split of documents, the GPT document/sample/shuffle indices, llm.c shards,
+// the synthetic dataset, the loader's per-rank tiling of each global batch and resume, the text/JSONL converter and
+// `loom data` run as a program.
 #include "backend/cpu/cpu_device.h"
 #include "core/error.h"
 #include "core/input_file.h"

@@ -1,6 +1,6 @@
-// DDP buffer layout (spec sections 1.3-1.7, 2.2 and 4; seed 003): the spec's dp=4 worked example and its
-// shard ranges, the padding helpers, upstream's bucket-size sweep over 10 Linear(95->95) layers, the
-// shared-embedding bucket, expert and mixed-dtype buffers, bucket groups, shard coverage over many dp,
+// DDP buffer layout (docs/design/ddp_and_optimizers.md sections 1.3-1.7, 2.2 and 4, cited below by number): the dp=4
+// worked example of 1.4 and its shard ranges, the padding helpers, Megatron's bucket-size sweep over 10 Linear(95->95)
+// layers, the shared-embedding bucket, expert and mixed-dtype buffers, bucket groups, shard coverage over many dp,
 // parameter-file validation, and the `loom layout` command.
 #include "core/error.h"
 #include "ddp/layout.h"
@@ -44,7 +44,7 @@ LayoutOptions distopt(int64_t dp, std::optional<int64_t> bucket_size = std::null
     return o;
 }
 
-// The spec 1.4 worked example: `w` (100) then `b` (50) in registration order.
+// The section 1.4 worked example: `w` (100) then `b` (50) in registration order.
 std::vector<ParamSpec> worked_example_params() { return {param("w", {100}), param("b", {50})}; }
 
 // The message and hint of the Error `f` throws ("" if none).
@@ -153,7 +153,7 @@ TEST(DdpLayoutPadding, DefaultBucketSizeIsMax40MAnd1MTimesDp) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// The spec's worked example (1.4 and 2.2)
+// The worked example of sections 1.4 and 2.2
 
 TEST(DdpLayout, WorkedExampleDp4DistoptPlacesBThenWAndPadsTo256) {
     std::vector<ParamSpec> params = worked_example_params();
@@ -428,8 +428,9 @@ TEST(DdpLayout, SharedEmbeddingIsolatedEvenWhenBucketSizeWouldMergeIt) {
     EXPECT_EQ(buffer.numel_unpadded, 9216 + 95000);
 }
 
-// The spec (HEAD) closes the bucket before a shared embedding at its 64-aligned start; seed 003's older
-// code padded that end to lcm(dp, 128) first when it was not divisible by dp, which would count 384 here.
+// Section 1.4 (b): Megatron's current code closes the bucket before a shared embedding at its 64-aligned
+// start; older releases padded that end to lcm(dp, 128) first when it was not divisible by dp, which would
+// count 384 here.
 TEST(DdpLayout, SharedEmbeddingPreCloseCountsOnlyTheAlignmentGapAtDp3) {
     std::vector<ParamSpec> params = {param("embedding", {1000}, DType::f32, true), param("w", {100})};
     Layout layout = compute_layout(params, distopt(3));
@@ -534,7 +535,7 @@ TEST(DdpLayout, MixedDtypesMakeBuffersInFirstSeenOrder) {
     EXPECT_EQ(fp32.buffers[2].param_dtype, DType::f16);
 }
 
-// Seed 003, case 1: four bf16 params with fp32 grads form one (bfloat16, float32) buffer.
+// Section 1.3: four bf16 params with fp32 grads form one (bfloat16, float32) buffer.
 TEST(DdpLayout, Seed003FourBf16ParamsWithFp32GradsShareOneBuffer) {
     std::vector<ParamSpec> params;
     for (int i = 0; i < 4; ++i) params.push_back(param(numbered("p", i), {64}, DType::bf16));

@@ -298,8 +298,9 @@ TEST(DataParallel, BytesPerParameterFollowMegatronsTable) {
     }
 }
 
-// Spec 3.2's offload order under the distributed optimizer: the default-weight-decay group's pieces
-// before the no-decay group's (biases, norms), so a fraction offloads weight-matrix pieces first.
+// The offload order under the distributed optimizer (docs/design/ddp_and_optimizers.md 2.3, 3.2): the
+// default-weight-decay group's pieces before the no-decay group's (biases, norms), so a fraction offloads weight-matrix
+// pieces first.
 TEST(DataParallel, CpuOffloadTakesTheDecayGroupsPiecesFirst) {
     Device &            device = cpu::device();
     train::TrainOptions o      = small_options(g_mpi->world_size());

@@ -1,8 +1,8 @@
-// The per-layer CUDA-graph planner (../shared/specs/schedules_and_graphs.md sections 2.3, 6.1-6.3, 6.5,
-// 6.7): the header's worked example step by step, the spec's golden set assignment, the counts table of
-// 6.5, P1 set counts independent of M, every golden schedule order expanding to a valid timeline, the
-// pool intervals, several signatures, the validation catching corrupted plans, and `loom schedule
-// --graph-plan`. Everything is exact integer arithmetic.
+// The per-layer CUDA-graph planner (docs/design/schedules_and_graphs.md sections 2.3, 6.1-6.3, 6.5,
+// 6.7, cited below by number): the header's worked example step by step, the golden set assignment of 6.5, the counts
+// table of 6.5, P1 set counts independent of M, every golden schedule order expanding to a valid timeline, the pool
+// intervals, several signatures, the validation catching corrupted plans, and `loom schedule --graph-plan`. Everything
+// is exact integer arithmetic.
 #include "core/error.h"
 #include "graphs/planner.h"
 #include "pipeline/schedule.h"
@@ -101,7 +101,7 @@ TEST(GraphPlanner, HeaderWorkedExamplePp2M3TwoLayers) {
     EXPECT_EQ(plan.peak_live_grad_inputs, 3);          // at step 9: dX0.0.0, dX0.1.1, dX0.1.0
 }
 
-// Spec 6.5, "Golden set assignment": L = 1, PP 4, V 2, M 8 (N = PP), ranks 0 and 3; S_i in allocation order.
+// Section 6.5, "Golden set assignment": L = 1, PP 4, V 2, M 8 (N = PP), ranks 0 and 3; S_i in allocation order.
 TEST(GraphPlanner, SpecGoldenSetAssignmentL1Pp4Vpp2M8Ranks0And3) {
     GraphPlan r0 = plan_graphs(options(4, 2, 8, 0));
     EXPECT_EQ(r0.num_input_sets(), 11);
@@ -121,7 +121,7 @@ TEST(GraphPlanner, SpecGoldenSetAssignmentL1Pp4Vpp2M8Ranks0And3) {
     EXPECT_EQ(graph_id(r3, GraphKind::backward, 0, 7, 0), 23);
 }
 
-// Spec 6.5's counts table: W / P_r, P1 sets and graphs per rank.
+// Section 6.5's counts table: W / P_r, P1 sets and graphs per rank.
 TEST(GraphPlanner, SpecCountsTablePerRank) {
     struct Row {
         const char *       name;
@@ -153,7 +153,7 @@ TEST(GraphPlanner, SpecCountsTablePerRank) {
     }
 }
 
-// Spec 6.5: PP = 1 captures one microbatch, P = 1, L sets, 2 L graphs; every microbatch replays m = 0's.
+// Section 6.5: PP = 1 captures one microbatch, P = 1, L sets, 2 L graphs; every microbatch replays m = 0's.
 TEST(GraphPlanner, Pp1CapturesOneMicrobatchWithLSetsAnd2LGraphs) {
     for (int layers : {1, 3, 6}) {
         GraphPlan plan = plan_graphs(options(1, std::nullopt, 8, 0, {layers}));
@@ -173,7 +173,7 @@ TEST(GraphPlanner, Pp1CapturesOneMicrobatchWithLSetsAnd2LGraphs) {
     EXPECT_EQ(graph_id(pp2, GraphKind::backward, 0, 3, 1), 15);
 }
 
-// Spec 2.3 / 6.7: the number of P1 sets does not grow with M (16, 64, 256) at fixed (PP, V), the graphs do.
+// Sections 2.3 / 6.7: the number of P1 sets does not grow with M (16, 64, 256) at fixed (PP, V), the graphs do.
 TEST(GraphPlanner, InputSetCountIndependentOfMicrobatches) {
     for (int pp : {2, 4, 8}) {
         for (std::optional<int> vpp : {std::optional<int>{}, std::optional<int>{2}, std::optional<int>{4}}) {
@@ -237,7 +237,7 @@ TEST(GraphPlanner, EveryGoldenScheduleOrderExpandsToAValidTimeline) {
         std::string      order;   // "" when only the invariants are checked
     };
     std::vector<Case> cases = {
-        // test_schedule.cpp's goldens: spec 1.6, PP 4 V 2 M 8, ranks 0 and 3; the reference docstring PP 2 N 3 M 5 V 2.
+        // test_schedule.cpp's goldens: section 1.6, PP 4 V 2 M 8, ranks 0 and 3; the docstring's PP 2 N 3 M 5 V 2.
         {options(4, 2, 8, 0),
          "1 1 1 1 2 2 2 2 1 1 1 -2 1 -2 2 -2 2 -2 2 -1 2 -1 -1 -1 -2 -2 -2 -2 -1 -1 -1 -1"},
         {options(4, 2, 8, 1), "1 1 1 1 2 2 2 2 1 -2 1 -2 1 -2 1 -2 2 -1 2 -1 2 -1 2 -1 -2 -2 -2 -2 -1 -1 -1 -1"},
@@ -284,7 +284,7 @@ TEST(GraphPlanner, EveryGoldenScheduleOrderExpandsToAValidTimeline) {
 // ---------------------------------------------------------------------------------------------------
 // Pool intervals, signatures, non-uniform chunks
 
-// Spec 6.5: Y and Saved peak at L P_r; at most 3 dX buffers live at once, 2 when L = 1.
+// Section 6.5: Y and Saved peak at L P_r; at most 3 dX buffers live at once, 2 when L = 1.
 TEST(GraphPlanner, PoolPeaksAreLTimesPeakInFlightAndAtMostThreeDgrads) {
     for (int layers : {1, 2, 4}) {
         for (int r = 0; r < 4; ++r) {
@@ -416,7 +416,7 @@ TEST(LoomScheduleGraphPlan, JsonMatchesTheLibrary) {
         }
         EXPECT_EQ(j[rank]["pool_intervals"].size(), 48u);
     }
-    // --rank 3 with --num-layers 32 (4 layers per chunk): one object, the spec's 20 sets / 128 graphs.
+    // --rank 3 with --num-layers 32 (4 layers per chunk): one object, section 6.5's 20 sets / 128 graphs.
     CliRun one = run_loom("schedule --graph-plan --pp 4 --vpp 2 --microbatches 8 --num-layers 32 --rank 3 --json",
                           "2>/dev/null");
     ASSERT_EQ(one.status, 0) << one.out;

@@ -1,7 +1,7 @@
 // HybridDeviceOptimizer: the split rule, bitwise equality with AdamW for every offload fraction with and
 // without overlap, the memory moved from the device allocator to the pinned host allocator, and one test
-// per hazard of spec section 3.7 (each would fail with the upstream behaviour it names); then the Trainer
-// with --optimizer-cpu-offload against the same run without it.
+// per hazard of docs/design/ddp_and_optimizers.md section 3.7 (each would fail with the upstream behaviour it
+// names); then the Trainer with --optimizer-cpu-offload against the same run without it.
 // Tolerance everywhere: none (bitwise), unless stated.
 #include "backend/cpu/cpu_device.h"
 #include "optim/adamw.h"
@@ -321,11 +321,11 @@ TEST(HybridHazards, D_OneStepCounterForEveryPart) {
     }
 }
 
-// The fix of spec 3.5: the caller's stream waits on the h2d event. With a slow h2d stream, work queued on
-// the caller's stream after the step must read the updated values; without the wait it reads old ones.
-// One state dict for the whole model: taken after 3 steps of an f = 0.5 overlapped run, loaded into an
-// f = 1 run without overlap (over copies of the same values), the next 3 steps are bitwise those of the
-// uninterrupted run, and the step counter travels with it.
+// The fix of docs/design/ddp_and_optimizers.md 3.5: the caller's stream waits on the h2d event. With a slow h2d stream,
+// work queued on the caller's stream after the step must read the updated values; without the wait it reads old ones.
+// One state dict for the whole model: taken after 3 steps of an f = 0.5 overlapped run, loaded into an f = 1 run
+// without overlap (over copies of the same values), the next 3 steps are bitwise those of the uninterrupted run, and
+// the step counter travels with it.
 TEST(HybridStateDict, ResumesBitwiseUnderAnotherSplit) {
     Device &                      device = cpu::device();
     std::vector<model::Parameter> a = make_params(device), b = make_params(device);

@@ -1,4 +1,5 @@
-// `loom ranks`: the JSON for seed 001's two examples equals the groups derived in the seed; the text
+// `loom ranks`: the JSON for the two 16-rank examples of docs/design/parallel_state.md section 3 equals
+// the groups listed there; the text
 // view has both tables and the per-rank map; Megatron spellings work; bad input exits 2 with nothing on
 // stdout.
 #include <nlohmann/json.hpp>

@@ -1,4 +1,5 @@
-// Rank generation and parallel configuration: seed 001's worked examples, the spec's example, the
+// Rank generation and parallel configuration: the worked examples of docs/design/parallel_state.md section 3
+// (the Seed001* tests: its two 16-rank jobs; SpecExample*: its tp 2, pp 2 dp groups), the
 // partition and intersection properties over many configurations, and every rejected configuration.
 #include "core/error.h"
 #include "parallel/parallel_config.h"

@@ -1,6 +1,6 @@
-// Pipeline schedules (../shared/specs/schedules_and_graphs.md section 1, 6.5; seed 002): the spec's golden
-// PP=4 VPP=2 M=8 orders on every rank, the reference docstring's PP=2 N=3 M=5 VPP=2 example, the seed's
-// schedule table and layer split, warm-up counts (explicit VPP=1 against none, the cap at M x V,
+// Pipeline schedules (docs/design/schedules_and_graphs.md sections 1 and 6.5, cited below by number): the golden
+// PP=4 VPP=2 M=8 orders of 1.6 on every rank, Megatron's docstring PP=2 N=3 M=5 VPP=2 example, the
+// M=8 V=2 N=4 schedule table and the layer split of 1.7, warm-up counts (explicit VPP=1 against none, the cap at M x V,
 // forward-only), the order invariants, peak in flight against its closed form and the unit-time
 // timeline over pp {1,2,3,4,8} x vpp {none,1,2,3,4} x several M and N, the validation errors naming
 // Megatron's flags, and the `loom schedule` command. Everything here is exact integer arithmetic, except
@@ -74,9 +74,9 @@ bool contains(const std::string & haystack, const std::string & needle) {
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------
-// Worked examples of the spec and the seed
+// Worked examples of docs/design/schedules_and_graphs.md
 
-// Spec 1.6, golden per-rank orders for PP=4, V=2, M=8, N=4 (the default N = PP).
+// Section 1.6, golden per-rank orders for PP=4, V=2, M=8, N=4 (the default N = PP).
 TEST(Schedule, SpecGoldenOrdersPp4Vpp2M8EveryRank) {
     const std::vector<std::string> golden = {
         "+1 +1 +1 +1 +2 +2 +2 +2 +1 +1 +1 -2 +1 -2 +2 -2 +2 -2 +2 -1 +2 -1 -1 -1 -2 -2 -2 -2 -1 -1 -1 -1",
@@ -99,7 +99,7 @@ TEST(Schedule, SpecGoldenOrdersPp4Vpp2M8EveryRank) {
               "F1.4 B1.4 F1.5 B1.5 F1.6 B1.6 F1.7 B1.7 B0.4 B0.5 B0.6 B0.7");
 }
 
-// Spec 1.4 and the reference's docstring: PP=2, N=3, M=5, V=2.
+// Section 1.4 and Megatron's docstring: PP=2, N=3, M=5, V=2.
 TEST(Schedule, ReferenceDocstringExamplePp2N3M5Vpp2) {
     ScheduleOptions                  o     = schedule(2, 2, 5, 3);
     const std::vector<ScheduleEntry> table = schedule_table(o);
@@ -121,18 +121,18 @@ TEST(Schedule, ReferenceDocstringExamplePp2N3M5Vpp2) {
     EXPECT_EQ(peak_in_flight(o, 1), 4);
 }
 
-// Seed 002: the table for M=8, V=2, N=4, and the forward/backward id lists it derives.
+// Section 1.6: the table for M=8, V=2, N=4, and the forward/backward id lists derived from it.
 TEST(Schedule, SeedTableM8Vpp2N4) {
     const std::vector<ScheduleEntry> expected = {{0, 0}, {1, 0}, {2, 0}, {3, 0}, {0, 1}, {1, 1}, {2, 1}, {3, 1},
                                                  {4, 0}, {5, 0}, {6, 0}, {7, 0}, {4, 1}, {5, 1}, {6, 1}, {7, 1}};
     EXPECT_EQ(schedule_table(8, 2, 4), expected);
     EXPECT_EQ(schedule_table(schedule(4, 2, 8)), expected);
-    // The seed's rank-0 derivation: warm-up fwd[:10], then (fwd[k], bwd[k-10]), then bwd[-10:].
+    // Rank 0's derivation: warm-up fwd[:10], then (fwd[k], bwd[k-10]), then bwd[-10:].
     EXPECT_EQ(convert_schedule_table_to_order(10, 2, expected),
               parse_order("1 1 1 1 2 2 2 2 1 1  1 -2 1 -2 2 -2 2 -2 2 -1 2 -1  -1 -1 -2 -2 -2 -2 -1 -1 -1 -1"));
 }
 
-// Seed 002's no-pipelining orders: [1, -1] per microbatch (1F1B without a pipeline).
+// Section 1.2's no-pipelining orders: [1, -1] per microbatch (1F1B without a pipeline).
 TEST(Schedule, NoPipeliningIsForwardThenBackwardPerMicrobatch) {
     ScheduleOptions o = schedule(1, std::nullopt, 4);
     EXPECT_EQ(schedule_kind(o), ScheduleKind::no_pipelining);
@@ -143,7 +143,7 @@ TEST(Schedule, NoPipeliningIsForwardThenBackwardPerMicrobatch) {
     EXPECT_EQ(schedule_order(schedule(1, 1, 4), 0), parse_order("1 -1 1 -1 1 -1 1 -1"));
 }
 
-// Spec 6.5's table of warm-up counts and peaks (W / P per rank).
+// Section 6.5's table of warm-up counts and peaks (W / P per rank).
 TEST(Schedule, SpecWorkedExamplesWarmupAndPeak) {
     struct Case {
         ScheduleOptions  options;
@@ -164,7 +164,7 @@ TEST(Schedule, SpecWorkedExamplesWarmupAndPeak) {
     }
 }
 
-// The 1F1B closed form of spec 1.6: [+1]*W + [+1, -1]*(M - W) + [-1]*W.
+// The 1F1B closed form of section 1.6: [+1]*W + [+1, -1]*(M - W) + [-1]*W.
 TEST(Schedule, OneFOneBOrderClosedForm) {
     for (int pp : {2, 3, 4, 8}) {
         for (int m : {1, 2, 3, 5, 8, 16}) {
@@ -241,7 +241,7 @@ TEST(Schedule, ForwardOnlyRunsEveryMicrobatchInWarmupAndKeepsNoContext) {
 
 namespace {
 
-// Whether the spec accepts the configuration (the validation the sweep checks against).
+// Whether section 1.4's validation accepts the configuration (the validation the sweep checks against).
 bool spec_accepts(int pp, std::optional<int> vpp, int m, std::optional<int> n_flag) {
     if (!vpp) return true;
     if (pp == 1) return *vpp == 1;
@@ -249,7 +249,7 @@ bool spec_accepts(int pp, std::optional<int> vpp, int m, std::optional<int> n_fl
     return pp <= n && n <= m && (m % n == 0 || m % n >= pp);
 }
 
-// Order invariants of spec 1.6 and the test_get_pipeline_parallel_order assertions, plus: every (m, c)
+// Order invariants of section 1.6 and Megatron's test_get_pipeline_parallel_order assertions, plus: every (m, c)
 // forward and backward exactly once, a backward never before its forward, per-chunk FIFO.
 void check_order(const std::vector<int> & order, int m, int v, bool forward_only, const std::string & where) {
     ASSERT_EQ(order.size(), static_cast<size_t>((forward_only ? 1 : 2) * m * v)) << where;

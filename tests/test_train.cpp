@@ -350,7 +350,8 @@ train::TrainOptions parse_train(const std::vector<std::string> & args, int64_t w
 }  // namespace
 
 // Megatron's defaults (megatron/training/config/training_config.py, transformer_config.py and arguments.py
-// at the commit the spec cites) for every flag Loom accepts that has one. Fails when one drifts.
+// at commit d98e8a64, the snapshot docs/design/ follows) for every flag Loom accepts that has one. Fails when one
+// drifts.
 TEST(MegatronDefaults, AreLoomsDefaults) {
     const train::TrainOptions o = parse_train({"--mock-data"});
     EXPECT_EQ(o.lr_warmup_iters, 0);

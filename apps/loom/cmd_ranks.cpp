@@ -1,6 +1,6 @@
 // loom ranks: the process groups of a parallel configuration, without launching anything.
 //
-//   loom ranks --world-size 16 --tp 4 --pp 2                 dense TP4-PP2-DP2 (seed 001)
+//   loom ranks --world-size 16 --tp 4 --pp 2                 dense TP4-PP2-DP2 (docs/design/parallel_state.md 3)
 //   loom ranks --world-size 16 --tp 4 --pp 2 --etp 1 --ep 4  plus MoE ETP1-EP4-EDP2-PP2
 //   loom ranks ... --json                                    one JSON object, groups in reference order
 #include "apps/loom/commands.h"

@@ -1,6 +1,6 @@
 // Checkpoints in parameter space: what each rank holds, written as the pieces of the full logical tensors
 // it owns, so that any saved layout (DP x TP x PP x VPP, ZeRO-1 on or off, any offload fraction) loads into
-// any other (../shared/specs/conventions.md B3 and C1-C5: never save optimizer state in buffer space).
+// any other (docs/design/conventions.md B3 and C1-C5: never save optimizer state in buffer space).
 //
 // Layout on disk (Megatron's folder names; the files are Loom's own, in open formats):
 //

@@ -2,10 +2,10 @@
 // moments are read and written once in one pass, which also writes the updated parameter in the model's
 // dtype. The step is bound by memory bandwidth, not arithmetic.
 //
-// Why core and not optim (ARCHITECTURE.md puts the Adam kernels in optim): two layers run this one kernel
-// on host memory. The CPU backend registers it as its AdamW op (core/ops.h), and the hybrid device
-// optimizer (optim) runs it on the offloaded slots' host state whatever the device is. A backend may use
-// only core, so the kernel lives here; optim keeps the optimizers and the scalar reference adamw_update.
+// Why core and not optim (docs/architecture.md section 5; a textbook layering would put it in optim): two layers run
+// this one kernel on host memory. The CPU backend registers it as its AdamW op (core/ops.h), and the hybrid device
+// optimizer (optim) runs it on the offloaded slots' host state whatever the device is. A backend may use only core, so
+// the kernel lives here; optim keeps the optimizers and the scalar reference adamw_update.
 //
 // Per element, at step t >= 1 (the update of optim/adamw.h, same operations in the same order;
 // fma(a, b, c) is a*b + c rounded once):

@@ -201,7 +201,8 @@ void DistributedDataParallel::launch_grad_sync(Group & group) {
                 }
             }
         }
-        // Spec 1.8: 1/dp before a sum, or edp/dp before an average over the buffer's group (1 for dense ones).
+        // docs/design/ddp_and_optimizers.md 1.8: 1/dp before a sum, or edp/dp before an average over the buffer's group
+        // (1 for dense ones).
         comm::Communicator & reducer = buffer_group(ref.buffer);
         const int64_t        n       = reducer.size();
         const float factor = config_.average_in_collective ? static_cast<float>(n) / static_cast<float>(dp)

@@ -1,6 +1,6 @@
 // DistributedDataParallel: the model's gradients (and, with the distributed optimizer, its weights) in
 // contiguous buffers laid out by ddp/layout.h, reduced over the data-parallel group bucket group by
-// bucket group (../shared/specs/ddp_and_optimizers.md section 1).
+// bucket group (docs/design/ddp_and_optimizers.md section 1; the section numbers below refer to that document).
 //
 // One iteration, as the trainer drives it:
 //
@@ -29,7 +29,7 @@
 // buffer (distributed optimizer: only that shard is valid afterwards) or all-reduced whole.
 //
 // Expert parameters (Parameter::expert) sit in buffers of their own that reduce and shard over the
-// expert-data-parallel group (edp ranks) instead (spec 1.2, 1.8, 1.14). Their factor is still 1/dp, not
+// expert-data-parallel group (edp ranks) instead (sections 1.2, 1.8, 1.14). Their factor is still 1/dp, not
 // 1/edp (edp/dp before an AVG over edp): an expert's gradient already sums the tokens of the EP ranks that
 // sent it rows, so summing over edp and dividing by dp = ep x edp (TP = 1) is the average over the dense
 // data-parallel ranks, as for every other gradient. With
@@ -69,7 +69,7 @@ struct DdpConfig {
     void validate() const;
 };
 
-// The bucket size the buffers use (spec 1.5): without --overlap-grad-reduce or on a pipeline stage after
+// The bucket size the buffers use (section 1.5): without --overlap-grad-reduce or on a pipeline stage after
 // the first, none (one bucket per buffer, apart from the shared embedding's); else --ddp-bucket-size when
 // given, or Megatron's default max(40M, 1M x dp).
 std::optional<int64_t> effective_bucket_size(const DdpConfig & config, int64_t dp, bool first_pipeline_stage = true);

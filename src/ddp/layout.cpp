@@ -54,7 +54,7 @@ struct BufferKey {
 };
 
 // Places the members of one buffer (ParamSpec indices in registration order) in reverse order and closes
-// buckets, as in spec 1.4: (a) without the distributed optimizer, (b) with it.
+// buckets, as in docs/design/ddp_and_optimizers.md 1.4: (a) without the distributed optimizer, (b) with it.
 void place_buffer(BufferLayout & buffer, const std::vector<int> & members, const std::vector<ParamSpec> & params,
                   const LayoutOptions & options) {
     const bool    distopt = options.use_distributed_optimizer;
@@ -107,7 +107,7 @@ void place_buffer(BufferLayout & buffer, const std::vector<int> & members, const
     }
 }
 
-// Spec 1.7 without FP8 buffers: one group per bucket, or one group of every bucket.
+// docs/design/ddp_and_optimizers.md 1.7 without FP8 buffers: one group per bucket, or one group of every bucket.
 void partition_buckets(Layout & layout, bool expert, bool force_single_bucket_group) {
     std::vector<BucketRef> single;
     for (size_t b = 0; b < layout.buffers.size(); ++b) {

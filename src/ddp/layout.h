@@ -3,7 +3,7 @@
 // parameter each data-parallel rank owns under the distributed optimizer. Pure functions of the
 // parameter list and the options: the trainer, `loom layout` and the tests all compute it here.
 //
-// Rules (../shared/specs/ddp_and_optimizers.md sections 1.3-1.7 and 2.2; seed 003):
+// Rules (docs/design/ddp_and_optimizers.md sections 1.3-1.7 and 2.2; the section numbers below refer to that document):
 //   - one buffer per key (param dtype, grad dtype, expert), keys in order of first appearance; grad
 //     dtype is f32 with grad_reduce_in_fp32, else the param dtype; dense buffers come first in
 //     Layout::buffers, then expert buffers;
@@ -17,15 +17,15 @@
 //   - bucket groups: one per bucket, buffer by buffer, dense then expert; with force_single_bucket_group
 //     all buckets of the dense buffers form one group (and the expert ones another);
 //   - shard ranges: bucket [off, off + S) splits into dp shards of S / dp; rank r's four ranges of each
-//     parameter it overlaps are as in spec 2.2.
+//     parameter it overlaps are as in section 2.2.
 //
-// Worked example (spec 1.4/2.2): distributed optimizer, dp 4, params w (100) then b (50), no bucket size.
+// Worked example (sections 1.4, 2.2): distributed optimizer, dp 4, params w (100) then b (50), no bucket size.
 //   b [0, 50); w at pad(50, 64) = 64: [64, 164); bucket 0 unpadded 164, padded to lcm(4, 128): 256.
 //   shards of 64: rank 0 owns b [0, 50); rank 1 w [0, 64); rank 2 w [64, 100) (local [0, 36), world
 //   [128, 164)); rank 3 only padding.
 // The bucket closed before a shared embedding ends at the embedding's 64-aligned start (its unpadded size
-// counts the alignment gap) and is then padded as any bucket; seed 003's older code padded that end to
-// lcm(dp, 128) first when it was not divisible by dp, which the spec (HEAD) no longer does.
+// counts the alignment gap) and is then padded as any bucket; older Megatron releases padded that end to
+// lcm(dp, 128) first when it was not divisible by dp, which Megatron's current code (and Loom) no longer does.
 #pragma once
 
 #include "core/dtype.h"
@@ -62,7 +62,7 @@ struct LayoutOptions {
 // Megatron's default bucket size: max(40'000'000, 1'000'000 * dp) elements.
 int64_t default_bucket_size(int64_t dp);
 
-// The padding helpers of the distributed-optimizer layout (spec 1.4 (b)):
+// The padding helpers of the distributed-optimizer layout (section 1.4 (b)):
 //   pad_to_divisor(x, m)  = ceil(x / m) * m
 //   pad_param_start(pos)  = pad_to_divisor(pos, 64)                 0 -> 0, 1 -> 64, 63 -> 64, 65 -> 128
 //   bucket_end_divisor    = lcm(dp, 128), or lcm(dp, 128, 65536) with pad_buckets_for_high_nccl_busbw
@@ -119,7 +119,7 @@ struct Layout {
 // the layout of `params`.
 Layout compute_layout(const std::vector<ParamSpec> & params, const LayoutOptions & options);
 
-// The four ranges (spec 2.2) of one parameter piece that one DP rank owns.
+// The four ranges (section 2.2) of one parameter piece that one DP rank owns.
 struct ShardRange {
     int     param = 0;
     int64_t gbuf_world_start = 0, gbuf_world_end = 0;                     // in the buffer

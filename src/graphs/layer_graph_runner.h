@@ -1,6 +1,6 @@
 // LayerGraphRunner: per-layer graphs of one pipeline rank's transformer layers, captured in the order the
-// schedule runs them and replayed in that order (Megatron's --cuda-graph-impl transformer_engine; spec
-// ../shared/specs/schedules_and_graphs.md sections 2 and 6).
+// schedule runs them and replayed in that order (Megatron's --cuda-graph-impl transformer_engine;
+// docs/design/schedules_and_graphs.md sections 2 and 6).
 //
 //   runner(chunks, schedule, rank, s, b)    plans (graphs/planner.h): timeline T, static input sets, ...
 //   runner.capture()                        captures FWD(c, m, l) and BWD(c, m, l) for every step of T and
@@ -28,7 +28,7 @@
 // same for every M. The chunk's last output and first input gradient are copied out into ordinary
 // activations, because a point-to-point send reads them after later graphs have run.
 //
-// MoE partial capture (--cuda-graph-modules attn moe_router [moe_preprocess]; spec 6.6): a MoE layer's
+// MoE partial capture (--cuda-graph-modules attn moe_router [moe_preprocess]; section 6.6): a MoE layer's
 // graphs cover its graphable segment only (TransformerLayer::forward_graphable: attention, norm2, the
 // router, and with moe_preprocess the dispatch plan), whose outputs are fixed-size (hidden, residual,
 // top-k ids and probabilities, the plan's tensors). After the FWD replay they are copied out, and the eager

@@ -53,8 +53,8 @@ int peak_live(const std::vector<PoolInterval> & intervals, PoolTensor tensor, in
     return peak;
 }
 
-// The pool intervals of spec 6.3 for a timeline whose steps are valid: Y and Saved of every forward in
-// T order, then dX of every backward in T order.
+// The pool intervals of docs/design/schedules_and_graphs.md 6.3 for a timeline whose steps are valid: Y and Saved of
+// every forward in T order, then dX of every backward in T order.
 std::vector<PoolInterval> pool_intervals_of(const std::vector<GraphStep> & timeline) {
     std::map<Key, int> backward_at;
     for (size_t i = 0; i < timeline.size(); ++i) {
@@ -342,7 +342,7 @@ void validate_graph_plan(const GraphPlan & plan) {
                                << " output signatures",
                kHint);
 
-    // P3: the intervals of spec 6.3.
+    // P3: the intervals of docs/design/schedules_and_graphs.md 6.3.
     LOOM_CHECK(plan.pool_intervals.size() == 3u * steps / 2,
                "the plan has " << plan.pool_intervals.size() << " pool intervals, expected 3 per layer-microbatch",
                kHint);

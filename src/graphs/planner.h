@@ -1,9 +1,9 @@
 // The per-layer CUDA-graph plan of one pipeline rank, as a pure function: which graphs exist, the order
 // in which they are captured and replayed, which static input set each forward graph reads, which
 // grad-output buffer each backward graph reads, and how long each pool tensor lives
-// (../shared/specs/schedules_and_graphs.md sections 2.3, 6.1-6.3, 6.5). Nothing here touches a device:
-// the capture code allocates what the plan says, `loom schedule --graph-plan` prints it, the tests check
-// it against the spec's golden tables.
+// (docs/design/schedules_and_graphs.md sections 2.3, 6.1-6.3, 6.5; the section numbers below refer to that document).
+// Nothing here touches a device: the capture code allocates what the plan says, `loom schedule --graph-plan` prints it,
+// the tests check it against the golden tables of section 6.5.
 //
 // Symbols: PP pipeline size, r this rank, V model chunks per rank, M microbatches, N microbatch group
 // size, L_c graphed layers of local chunk c, prefix(c) = L_0 + ... + L_{c-1}, W warm-up forwards.
@@ -17,15 +17,15 @@
 // microbatch, and every microbatch m replays the graphs of m mod Mc = 0.
 //
 // Chunk-level order: pipeline::schedule_order() for (PP, V, Mc, N) and rank r, the very order the runtime
-// executes (spec 1.6): +c = forward of chunk c - 1, -c = backward of chunk c - 1, per-chunk FIFO
+// executes (section 1.6): +c = forward of chunk c - 1, -c = backward of chunk c - 1, per-chunk FIFO
 // microbatches.
 //
-// Timeline T (spec 6.2): +c -> FWD(c, f[c]++, l) for l = 0..L_c-1; -c -> BWD(c, b[c]++, l) for
+// Timeline T (section 6.2): +c -> FWD(c, f[c]++, l) for l = 0..L_c-1; -c -> BWD(c, b[c]++, l) for
 // l = L_c-1..0. Graphs are captured and replayed in T order; T has 2 Mc sum(L_c) steps.
 //
-// Graph ids (spec 2.3, 6.1): FWD(c, m, l) = prefix(c) Mc + m L_c + l, BWD(c, m, l) = the same + Mc sum(L_c).
+// Graph ids (sections 2.3, 6.1): FWD(c, m, l) = prefix(c) Mc + m L_c + l, BWD(c, m, l) = the same + Mc sum(L_c).
 //
-// P1, static input sets (spec 2.3, 6.3): per input signature a FIFO free list of set ids. At FWD(c, m, l)
+// P1, static input sets (sections 2.3, 6.3): per input signature a FIFO free list of set ids. At FWD(c, m, l)
 // pop the head of its signature's list, or create set id = number of sets so far (ids count over all
 // signatures, in creation order). At the chunk-backward event B(c, m), i.e. when its first layer graph
 // BWD(c, m, L_c - 1) is reached, push the L_c sets of F(c, m, .) to the back of their lists, l ascending.
@@ -37,7 +37,7 @@
 //   dX(c, m, l), l > 0           [BWD(c, m, l), BWD(c, m, l - 1)]
 //   dX(c, m, 0)                  [BWD(c, m, 0), the next chunk-backward's layer-0 graph (the last step of T
 //                                 if none)]
-// P_r (spec 6.5): the peak number of chunk-microbatches whose forward is done and backward not,
+// P_r (section 6.5): the peak number of chunk-microbatches whose forward is done and backward not,
 // min(2 (PP - r - 1) + (V - 1) N + 1, M V) interleaved, min(PP - r, M) for 1F1B, 1 for PP = 1.
 //
 // Worked example: PP 2, no virtual stages (1F1B), M 3, rank 0, L_0 = 2; Mc = 3, W = 1, P_r = 2.
@@ -47,10 +47,10 @@
 //   sets   S0     S1     S2     S3     S1     S0     S0     S1     S3     S2     S1     S0
 //   (Fc.m.l / Bc.m.l: chunk, microbatch, layer.) B0.0's event frees S0, S1 for F0.2: 4 sets = L P_r.
 //   dX(0,0,1) lives over steps [4, 5]; dX(0,0,0) over [5, 9] (B0.1.0 is the next layer-0 graph).
-// The spec's golden example, L = 1, PP 4, V 2, M 8, rank 3 (order +1 +1 +1 +1 +2 -2 +2 -2 ...):
+// The golden example of section 6.5, L = 1, PP 4, V 2, M 8, rank 3 (order +1 +1 +1 +1 +2 -2 +2 -2 ...):
 //   chunk 0, m 0..7 -> S0 S1 S2 S3 S4 S0 S1 S2;  chunk 1 -> S4 S4 S4 S4 S3 S3 S3 S3;  5 sets = P_3.
 //
-// validate_graph_plan() asserts what a plan promises (spec 6.3) and throws loom::Error otherwise: every
+// validate_graph_plan() asserts what a plan promises (section 6.3) and throws loom::Error otherwise: every
 // graph exactly once with its formula id; every BWD after its FWD and each chunk-backward contiguous in
 // descending layers; no set handed out while owned and every BWD reads the set of its FWD; no more sets
 // than the peak outstanding layer-forwards of their signature; dX(c, m, l > 0) consumed by

@@ -32,9 +32,9 @@ DistributedOptimizer::DistributedOptimizer(ddp::DistributedDataParallel & ddp, c
             }
         }
     }
-    // Spec 3.2's order, which decides what an offload fraction offloads: the param groups with the default
-    // weight decay first, then the no-decay group (biases, norms); inside a group, f32-native pieces before
-    // 16-bit ones; each in buffer, bucket, placement order (the pieces' order).
+    // The slot order of docs/design/ddp_and_optimizers.md 2.3, which decides what an offload fraction offloads (3.2):
+    // the param groups with the default weight decay first, then the no-decay group (biases, norms); inside a group,
+    // f32-native pieces before 16-bit ones; each in buffer, bucket, placement order (the pieces' order).
     std::vector<HybridSlot> slots;
     std::vector<int>        slot_params;
     std::vector<GradView>   views;

@@ -1,9 +1,9 @@
 // DistributedOptimizer (ZeRO-1): each data-parallel rank keeps the AdamW state, and the f32 master
 // weights of 16-bit parameters, only for the shard of the DDP buffers it owns
-// (../shared/specs/ddp_and_optimizers.md section 2; seeds 003, 004).
+// (docs/design/ddp_and_optimizers.md section 2; the section numbers below refer to that document).
 //
 // After DDP's reduce-scatter, rank r's shard of every bucket holds the data-parallel average of the
-// gradients. The step is Optimizer::step (optim/optimizer.h) over the owned pieces (spec 2.2's ranges):
+// gradients. The step is Optimizer::step (optim/optimizer.h) over the owned pieces (section 2.2's ranges):
 //   - the norm counts each owned piece once over the data-parallel group (every element is owned by
 //     exactly one rank), then over the model-parallel ranks, leaving out `shared` and `tp_duplicate` copies;
 //     expert pieces (sharded over DDP's expert-data-parallel group) over that group, then ETP x EP x PP;
@@ -12,7 +12,7 @@
 //     piece updates the param buffer in place (it is its own master);
 //   - then DDP's start_param_sync() all-gathers the updated shards (now, or lazily before each layer's
 //     forward with --overlap-param-gather), after the compute stream's update.
-// The pieces are the slots of the Adam state in spec 3.2's order (the default-weight-decay group, then
+// The pieces are the slots of the Adam state in section 2.3's order (the default-weight-decay group, then
 // the no-decay group; in each, f32-native pieces before 16-bit ones; then buffer -> bucket -> shard-range
 // order), which decides what --optimizer-cpu-offload's fraction offloads: a prefix of this rank's local
 // shard (the split uses local piece sizes, per rank). Every element goes through the same AdamW kernel

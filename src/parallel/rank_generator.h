@@ -16,9 +16,9 @@
 //   - groups numbered by mixed radix over the unmasked axes, leftmost fastest;
 //   - the order of tokens inside the argument does not matter ("dp-cp" == "cp-dp").
 //
-// Worked example (seed 001): world 16, tp 4, pp 2, so dp 2. Masking dp leaves tp (stride 1) and pp
-// (stride 8): group index = tp_rank + pp_rank * 4, and group[tp_rank + 4 pp_rank] = tp_rank +
-// {0, 1} * 4 + pp_rank * 8, giving dp groups [0,4] [1,5] [2,6] [3,7] [8,12] [9,13] [10,14] [11,15].
+// Worked example (docs/design/parallel_state.md section 3): world 16, tp 4, pp 2, so dp 2. Masking dp
+// leaves tp (stride 1) and pp (stride 8): group index = tp_rank + pp_rank * 4, and group[tp_rank + 4 pp_rank]
+// = tp_rank + {0, 1} * 4 + pp_rank * 8, giving dp groups [0,4] [1,5] [2,6] [3,7] [8,12] [9,13] [10,14] [11,15].
 //
 // Axes of size 1 missing from the order are appended in the order tp, pp, dp, ep, cp; an axis of size
 // greater than 1 missing from it is an error.

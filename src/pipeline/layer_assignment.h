@@ -15,8 +15,8 @@
 // Virtual stages come from --num-virtual-stages-per-pipeline-rank V, or from
 // --num-layers-per-virtual-pipeline-stage n as V = (L / PP) / n (even split only); at most one of them.
 //
-// Worked example (seed 002): L 32, PP 4, V 2: rank 0 chunk 0 = layers 0-3, chunk 1 = 16-19; rank 1 4-7
-// and 20-23; rank 2 8-11 and 24-27; rank 3 12-15 and 28-31.
+// Worked example (docs/design/schedules_and_graphs.md 1.7): L 32, PP 4, V 2: rank 0 chunk 0 = layers 0-3,
+// chunk 1 = 16-19; rank 1 4-7 and 20-23; rank 2 8-11 and 24-27; rank 3 12-15 and 28-31.
 // Uneven: L 10, PP 4, F 1, X 3: rank 0 [0], rank 1 [1, 2, 3], rank 2 [4, 5, 6], rank 3 [7, 8, 9].
 #pragma once
 

@@ -1,28 +1,29 @@
 // Pipeline-parallel schedules as pure functions: which schedule runs, how many forwards each rank runs
 // before its first backward (the warm-up), the interleaved schedule table, the per-rank compute order
 // and the number of microbatches each rank keeps in flight. The executor, graph capture, `loom
-// schedule` and the tests all compute them here (../shared/specs/schedules_and_graphs.md section 1).
+// schedule` and the tests all compute them here (docs/design/schedules_and_graphs.md section 1; the section
+// numbers below refer to that document).
 //
 // Symbols: PP pipeline size, r this rank's stage (0 = first), V virtual stages (model chunks) per rank,
 // M microbatches per iteration, N microbatch group size, W warm-up forwards, k step of the schedule.
 //
-// Which schedule (spec 1.1):
+// Which schedule (section 1.1):
 //   PP == 1               no pipelining: F(m) B(m) for every m, W = 0
 //   PP > 1, V unset       1F1B (non-interleaved), one model chunk
 //   PP > 1, V set         interleaved 1F1B with V chunks; an explicit V = 1 runs the interleaved code path
 //                         too (W = 2(PP - r - 1), the interleaved validation), unlike V unset
 //
-// Warm-up forwards (Megatron's get_pp_rank_microbatches, spec 1.3/1.4):
+// Warm-up forwards (Megatron's get_pp_rank_microbatches, sections 1.3, 1.4):
 //   forward-only          W = M * V                        (all microbatches "in warm-up")
 //   PP == 1               W = 0
 //   1F1B                  W = min(PP - r - 1, M)
 //   interleaved           W = min(2 (PP - r - 1) + (V - 1) N, M * V)
 //
-// Schedule table (get_schedule_table, spec 1.4): microbatches cut into groups of N consecutive ids (the
+// Schedule table (get_schedule_table, section 1.4): microbatches cut into groups of N consecutive ids (the
 // last group takes the remainder); for each group, for each chunk c = 0..V-1, for each m of the group:
 // (m, c). M * V entries; every rank sees the same table. Non-interleaved schedules use V = 1.
 //
-// Order (convert_schedule_table_to_order, spec 1.6): signed 1-based chunk ids, +c = forward of chunk
+// Order (convert_schedule_table_to_order, section 1.6): signed 1-based chunk ids, +c = forward of chunk
 // c - 1, -c = backward of chunk c - 1. With fwd[k] = table[k].c + 1 and bwd[k] = table[k].c - V (the
 // backward at step k runs the mirrored chunk V - 1 - table[k].c):
 //   order = fwd[0:W], then (fwd[k], bwd[k - W]) for k = W..M*V-1, then bwd[M*V - W:]
@@ -30,14 +31,14 @@
 // forwards and no backward. The microbatch of each entry is per-chunk FIFO: the i-th +c (or -c) of an
 // order is microbatch i of chunk c - 1.
 //
-// Validation of the interleaved schedule (schedules.py:1160-1180, spec 1.4): PP <= N <= M, and M mod N
+// Validation of the interleaved schedule (Megatron's schedules.py, section 1.4): PP <= N <= M, and M mod N
 // must be 0 or >= PP (a last group smaller than PP leaves dependency bubbles). Virtual stages need PP > 1.
 //
-// Peak in flight (spec 1.3 and 6.5): the most chunk-microbatches whose forward is done and backward not,
+// Peak in flight (sections 1.3, 1.4 and 6.5): the most chunk-microbatches whose forward is done and backward not,
 // i.e. the activation contexts a rank keeps: min(PP - r, M) for 1F1B, 1 without pipelining, and
 // min(2 (PP - r - 1) + (V - 1) N + 1, M * V) interleaved. Forward-only keeps no context past its forward.
 //
-// Worked example (the reference's docstring, spec 1.4): PP 2, N 3, M 5, V 2, rank 0.
+// Worked example (Megatron's docstring, section 1.4): PP 2, N 3, M 5, V 2, rank 0.
 //   table  k 0..9: m 0 1 2 0 1 2 3 4 3 4, c 0 0 0 1 1 1 0 0 1 1
 //   W = 2 (2 - 0 - 1) + (2 - 1) 3 = 5
 //   order  1 1 1 2 2 | 2 -2 1 -2 1 -2 2 -1 2 -1 | -1 -2 -2 -1 -1       peak in flight 6
