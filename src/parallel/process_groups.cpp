@@ -83,7 +83,33 @@ ProcessGroups ProcessGroups::create(const ParallelConfig & config, comm::Communi
         groups.*member_of(kind.name, kind.expert) =
             factory.split(kind.groups, (kind.expert ? "expert-" : "") + kind.name);
     }
+    // The pipeline's channels: one split per channel position, holding that pair of every pipeline group (they
+    // are disjoint because the pipeline groups are), in the same order on every rank.
+    const RankGroups pp_groups = config.dense().get_ranks("pp");
+    const int        pp        = config.pp();
+    auto             add       = [&](int src, int dst, bool gradient) {
+        RankGroups pairs;
+        for (const std::vector<int> & group : pp_groups) pairs.push_back({group[src], group[dst]});
+        const std::string name = std::string(gradient ? "pp-gradients-" : "pp-activations-") + std::to_string(src) +
+                                 "-" + std::to_string(dst);
+        if (CommPtr comm = factory.split(pairs, name)) {
+            groups.pp_channels.channels.push_back(PipelineChannel{src, dst, gradient, std::move(comm)});
+        }
+    };
+    if (pp > 1) {
+        for (int r = 0; r < pp; ++r) {
+            add(r, (r + 1) % pp, false);
+            add((r + 1) % pp, r, true);
+        }
+    }
     return groups;
+}
+
+std::shared_ptr<comm::Communicator> PipelineChannels::find(int src, int dst, bool gradient) const {
+    for (const PipelineChannel & channel : channels) {
+        if (channel.src == src && channel.dst == dst && channel.gradient == gradient) return channel.comm;
+    }
+    return nullptr;
 }
 
 ProcessGroups::CommPtr ProcessGroups::by_name(const std::string & kind, bool expert) const {

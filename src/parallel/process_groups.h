@@ -7,6 +7,13 @@
 //                                   (expert pp is the dense pp: the configuration checks they match)
 //
 // embedding and position_embedding are null on ranks outside those groups (middle pipeline stages).
+//
+// pp_channels: the pipeline's point-to-point channels, one two-rank communicator per directed channel of
+// data (pipeline/p2p_plan.h says why: NCCL matches sends and receives by order only, per communicator, and a
+// send may wait for its receive). For each pipeline rank r, in this order: the activations r -> (r + 1) mod PP,
+// then the gradients (r + 1) mod PP -> r (pipeline::pipeline_channels(PP) lists the same). A rank holds the
+// four that touch it (PP 2: all four, with its one peer); the pair through the wrap-around, PP - 1 and 0,
+// carries data only with virtual stages, but the groups are built the same for every layout.
 #pragma once
 
 #include "comm/communicator.h"
@@ -28,12 +35,28 @@ struct GroupKind {
 // Every group kind of both generators, in the order `loom ranks` prints them.
 std::vector<GroupKind> group_kinds(const ParallelConfig & config);
 
+// One directed pipeline channel that holds this rank.
+struct PipelineChannel {
+    int                                 src      = 0;       // pipeline ranks (in-group ranks of the pp group)
+    int                                 dst      = 0;
+    bool                                gradient = false;   // false: forward activations, true: input gradients
+    std::shared_ptr<comm::Communicator> comm;   // the two ranks, src first: src is its rank 0, dst its rank 1
+};
+
+struct PipelineChannels {
+    std::vector<PipelineChannel> channels;   // those holding this rank, in creation order; empty for PP 1
+
+    // The communicator of the channel src -> dst, or null when this rank holds none.
+    std::shared_ptr<comm::Communicator> find(int src, int dst, bool gradient) const;
+};
+
 struct ProcessGroups {
     using CommPtr = std::shared_ptr<comm::Communicator>;
 
     CommPtr world;
     CommPtr tp, pp, dp, cp, dp_cp, tp_pp, tp_cp, tp_dp_cp, tp_dp, embedding, position_embedding;
     CommPtr expert_ep, expert_tp, expert_dp, expert_tp_ep, expert_tp_ep_pp;
+    PipelineChannels pp_channels;   // the pipeline group's point-to-point channels (see the top of this file)
 
     // Collective over the world: every rank must call it with the same config.
     static ProcessGroups create(const ParallelConfig & config, comm::CommunicatorFactory & factory);

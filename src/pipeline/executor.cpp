@@ -4,12 +4,16 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <map>
+#include <string>
+#include <tuple>
 
 namespace loom::pipeline {
 
 PipelineExecutor::PipelineExecutor(std::vector<model::GptModel *> chunks,
-                                   std::shared_ptr<comm::Communicator> pp_group, int num_microbatches, int group_size)
+                                   std::shared_ptr<comm::Communicator> pp_group, parallel::PipelineChannels channels,
+                                   int num_microbatches, int group_size)
     : chunks_(std::move(chunks)), pp_(std::move(pp_group)), microbatches_(num_microbatches) {
     LOOM_CHECK(!chunks_.empty(), "a pipeline stage without model chunks", "");
     rank_                     = pp_ ? pp_->rank() : 0;
@@ -21,49 +25,123 @@ PipelineExecutor::PipelineExecutor(std::vector<model::GptModel *> chunks,
         if (group_size > 0) options_.microbatch_group_size = group_size;
     }
     validate_schedule(options_);
-    ops_ = schedule_ops(options_, rank_);
-    for (int m = 0; m < num_microbatches; ++m) {
-        for (int c = 0; c < static_cast<int>(chunks_.size()); ++c) forward_ops_.push_back(ScheduleOp{true, c, m});
+    ops_       = schedule_ops(options_, rank_);
+    plan_      = p2p_plan(options_, rank_, ops_);
+    eval_plan_ = p2p_plan(options_, rank_, evaluation_ops(num_microbatches, static_cast<int>(chunks_.size())));
+    // LOOM_PP_ONE_COMMUNICATOR=1, a test seam, sends every transfer over the pipeline group itself, as Loom did
+    // before the channels: under NCCL's semantics an interleaved schedule then deadlocks (tests/test_cuda_train.cpp
+    // shows the watchdog catching it on the emulated device).
+    const char * seam          = std::getenv("LOOM_PP_ONE_COMMUNICATOR");
+    const bool   one_pp_comm   = seam != nullptr && std::string(seam) == "1";
+    // Resolve every channel either plan uses to its communicator now, so a missing one is an error here rather
+    // than a hang in the middle of a schedule.
+    for (const P2PPlan * plan : {&plan_, &eval_plan_}) {
+        for (const ChannelUse & use : plan->channels) {
+            if (links_.count(use.channel)) continue;
+            const bool gradient = use.channel.kind == TransferKind::gradient;
+            Link       l;
+            if (one_pp_comm) {
+                l.comm = pp_;
+                l.peer = use.send ? use.channel.dst : use.channel.src;
+                links_.emplace(use.channel, std::move(l));
+                continue;
+            }
+            l.comm = channels.find(use.channel.src, use.channel.dst, gradient);
+            LOOM_CHECK(l.comm, "pipeline rank " << rank_ << " has no communicator for the "
+                                                << channel_label(use.channel) << " channel of a " << options_.pp
+                                                << "-stage pipeline",
+                       "build the process groups with ProcessGroups::create, which splits the pipeline channels "
+                       "(pp_channels) next to the pipeline group");
+            LOOM_CHECK(l.comm->size() == 2 && l.comm->rank() == (use.send ? 0 : 1),
+                       "the communicator '" << l.comm->name() << "' of the " << channel_label(use.channel)
+                                            << " channel has " << l.comm->size() << " ranks, this one at "
+                                            << l.comm->rank(),
+                       "a channel's communicator holds its source (rank 0) and destination (rank 1)");
+            l.peer = use.send ? 1 : 0;
+            links_.emplace(use.channel, std::move(l));
+        }
+    }
+    if (!one_pp_comm) connect_channels();
+}
+
+const PipelineExecutor::Link & PipelineExecutor::link(const Channel & channel) const {
+    auto it = links_.find(channel);
+    LOOM_CHECK(it != links_.end(), "no communicator for the pipeline channel " << channel_label(channel), "");
+    return it->second;
+}
+
+void PipelineExecutor::connect_channels() {
+    if (links_.empty()) return;
+    Device & device = chunks_[0]->device();
+    Stream & stream = device.compute_stream();
+    for (const Channel & channel : pipeline_channels(options_.pp)) {
+        auto it = links_.find(channel);
+        if (it == links_.end()) continue;
+        // Both ends use a channel or neither (the plans are functions of the same options), so each waits here
+        // only for a peer that is on its way to the same channel.
+        Tensor t = Tensor::zeros({1}, DType::f32, device, {MemoryKind::device, "activations"});
+        if (channel.src == rank_) {
+            it->second.comm->send(t, it->second.peer, 0, &stream)->wait();
+        } else {
+            it->second.comm->recv(t, it->second.peer, 0)->wait();
+        }
     }
 }
 
 PipelineExecutor::Result PipelineExecutor::run(const std::function<model::MicroBatch()> & next_batch,
                                                const model::GradReadyFn &                 ready,
                                                const std::function<void(bool)> &          set_last_microbatch) {
-    return execute(ops_, false, next_batch, ready, set_last_microbatch);
+    return execute(plan_, false, next_batch, ready, set_last_microbatch);
 }
 
 PipelineExecutor::Result PipelineExecutor::evaluate(const std::function<model::MicroBatch()> & next_batch) {
-    return execute(forward_ops_, true, next_batch, nullptr, nullptr);
+    return execute(eval_plan_, true, next_batch, nullptr, nullptr);
 }
 
-PipelineExecutor::Result PipelineExecutor::execute(const std::vector<ScheduleOp> & ops, bool forward_only,
+PipelineExecutor::Result PipelineExecutor::execute(const P2PPlan & plan, bool forward_only,
                                                    const std::function<model::MicroBatch()> & next_batch,
                                                    const model::GradReadyFn &                 ready,
                                                    const std::function<void(bool)> &          set_last_microbatch) {
-    const int     rank = rank_, pp = options_.pp;
+    const int     pp = options_.pp;
     const int     chunks = static_cast<int>(chunks_.size()), stages = pp * chunks;
     const int64_t h      = chunks_[0]->config().hidden_size;
     Device &      device = chunks_[0]->device();
-    auto          virtual_stage = [&](int chunk) { return chunk * pp + rank; };
-    // The rank holding virtual stage v.
-    auto          rank_of = [&](int v) { return v % pp; };
+    auto          virtual_stage = [&](int chunk) { return chunk * pp + rank_; };
 
     struct InFlight {
         model::GptModel::Context ctx;
         double                   tokens = 1;
     };
+    using DataKey = std::tuple<int, int, int>;   // kind, consumer virtual stage, micro-batch
+    auto data_key = [](const Transfer & t) { return DataKey{static_cast<int>(t.kind), t.consumer, t.microbatch}; };
     std::map<std::pair<int, int>, InFlight>         in_flight;   // (chunk, micro-batch)
     std::map<int, model::MicroBatch>                batches;     // micro-batch -> its data, until chunk 0's backward
     std::vector<std::pair<comm::WorkPtr, Tensor>>   sends;       // kept alive until sent
-    std::map<std::pair<int, int>, std::pair<comm::WorkPtr, Tensor>> posted;   // forward inputs received ahead
+    std::map<DataKey, std::pair<comm::WorkPtr, Tensor>> posted;  // receives posted ahead of their op
     std::vector<std::pair<Tensor, Tensor>>          pending_losses;   // (token_loss, mask), read after the stream
     Stream &                                        stream = device.compute_stream();
-    auto post_input = [&](int chunk, int mb, int64_t numel) {
-        const int v = virtual_stage(chunk);
-        if (v == 0 || mb >= microbatches_ || posted.count({chunk, mb})) return;
-        Tensor t = Tensor::empty({numel}, DType::f32, device, {MemoryKind::device, "activations"});
-        posted[{chunk, mb}] = {pp_->recv(t, rank_of(v - 1), tag(v, mb, false)), t};
+    // Receives are posted in the plan's order, which is their channel's order on both sides.
+    auto post = [&](const Transfer & t, int64_t numel) {
+        Tensor buffer = Tensor::empty({numel}, DType::f32, device, {MemoryKind::device, "activations"});
+        const Link & l = link(t.channel);
+        posted[data_key(t)] = {l.comm->recv(buffer, l.peer, tag(t)), buffer};
+    };
+    // Waits for `t` (posting it first unless an earlier op did) and returns it as a rows x h tensor.
+    auto receive = [&](const Transfer & t, int64_t rows) {
+        if (!posted.count(data_key(t))) post(t, rows * h);
+        auto it = posted.find(data_key(t));
+        it->second.first->wait();
+        Tensor buffer = it->second.second;
+        posted.erase(it);
+        LOOM_CHECK(buffer.numel() == rows * h, "pipeline " << transfer_label(t) << " was received early into "
+                                                           << buffer.numel() << " elements, it needs " << rows * h,
+                   "every micro-batch of an iteration must have the same shape");
+        return buffer.view({rows, h});
+    };
+    auto send = [&](const Transfer & t, const Tensor & data) {
+        // Posted once the stream has computed `data`; the stream goes on without waiting for it.
+        const Link & l = link(t.channel);
+        sends.emplace_back(l.comm->send(data, l.peer, tag(t), &stream), data);
     };
 
     Result     result;
@@ -71,7 +149,8 @@ PipelineExecutor::Result PipelineExecutor::execute(const std::vector<ScheduleOp>
     auto       ms_since_begin = [&begin] {
         return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
     };
-    for (const ScheduleOp & op : ops) {
+    for (const OpTransfers & step : plan.ops) {
+        const ScheduleOp & op = step.op;
         const int          mb = op.microbatch, c = op.chunk, v = virtual_stage(c);
         model::GptModel &  model = *chunks_[c];
         double             start = 0;   // when the computation begins: waiting for a transfer shows as a gap
@@ -80,13 +159,13 @@ PipelineExecutor::Result PipelineExecutor::execute(const std::vector<ScheduleOp>
             const model::MicroBatch & batch = batches[mb];
             const int64_t rows = model.activation_rows(batch.tokens.size(1), batch.tokens.size(0));
             Tensor                    input;
-            if (v > 0) {
-                post_input(c, mb, rows * h);
-                auto it = posted.find({c, mb});
-                it->second.first->wait();
-                input = it->second.second.view({rows, h});
-                posted.erase(it);
-                post_input(c, mb + 1, rows * h);   // the chunk's next input arrives while this one computes
+            if (step.receive) {   // v > 0
+                input = receive(*step.receive, rows);
+                // The channel's next input arrives while this one computes; it has this micro-batch's shape.
+                if (step.prefetch) {
+                    const model::GptModel & next = *chunks_[step.prefetch->consumer / pp];
+                    post(*step.prefetch, next.activation_rows(batch.tokens.size(1), batch.tokens.size(0)) * h);
+                }
             }
             InFlight & slot = in_flight[{c, mb}];
             slot.ctx.training = !forward_only;   // validation drops nothing out
@@ -96,10 +175,8 @@ PipelineExecutor::Result PipelineExecutor::execute(const std::vector<ScheduleOp>
                 result.losses.push_back(slot.ctx.loss);
                 pending_losses.emplace_back(slot.ctx.token_loss, batch.loss_mask);
                 slot.tokens = std::max(slot.ctx.loss.count, 1.0);
-            } else {
-                // Posted once the stream has computed `out`; the stream goes on without waiting for it.
-                sends.emplace_back(pp_->send(out, rank_of(v + 1), tag(v + 1, mb, false), &stream), out);
             }
+            if (step.send) send(*step.send, out);   // v < stages - 1
             result.peak_in_flight = std::max(result.peak_in_flight, static_cast<int>(in_flight.size()));
             if (forward_only) {   // nothing will run backward: release the activations now
                 in_flight.erase({c, mb});
@@ -113,17 +190,11 @@ PipelineExecutor::Result PipelineExecutor::execute(const std::vector<ScheduleOp>
             InFlight &    slot = it->second;
             const int64_t rows = model.activation_rows(slot.ctx.s, slot.ctx.b);
             Tensor        dy;
-            if (v < stages - 1) {
-                dy = Tensor::empty({rows * h}, DType::f32, device, {MemoryKind::device, "activations"});
-                pp_->recv(dy, rank_of(v + 1), tag(v, mb, true))->wait();
-                dy = dy.view({rows, h});
-            }
+            if (step.receive) dy = receive(*step.receive, rows);   // v < stages - 1
             double scale = 1.0 / (slot.tokens * static_cast<double>(microbatches_));
             start        = ms_since_begin();
             Tensor dx    = model.backward_stage(slot.ctx, scale, dy, ready);
-            if (v > 0) {
-                sends.emplace_back(pp_->send(dx, rank_of(v - 1), tag(v - 1, mb, true), &stream), dx);
-            }
+            if (step.send) send(*step.send, dx);   // v > 0
             in_flight.erase(it);
             if (c == 0) batches.erase(mb);
         }

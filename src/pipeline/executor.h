@@ -12,25 +12,37 @@
 //   -c (backward of chunk c, micro-batch m): receive v + 1's input gradient for m (last virtual stage:
 //                                   start from the loss), run backward_stage, send the input gradient back
 //
+// Channels. Every transfer travels on its own directed channel (source rank, destination rank, activation or
+// gradient), a two-rank communicator of its own (ProcessGroups::pp_channels), never on the pipeline group: NCCL
+// matches sends and receives by their order on a communicator and runs a communicator's operations one after
+// another, so on one shared communicator an operation waiting for its peer holds up everything queued behind
+// it, which the peer may need first, and interleaved schedules deadlock. The plan (pipeline/p2p_plan.h) gives
+// each op's receive, early receive and send with their channels; on each channel both sides issue them in the
+// same order, and a simulation of NCCL's semantics over every configuration checks that no rank can hang.
+//
 // Every stage's work is enqueued on the device's compute stream: a send is posted when the stream reaches
 // it (the stream does not wait for the receiver), a receive is waited for by the host before the work that
 // reads it is enqueued, and run() waits for the stream at the end, where it reads the losses. Sends are
-// asynchronous and complete while later work runs; a forward's input receive is posted when
-// the previous forward of the same chunk starts, so it overlaps the computation in between. Only the
-// activation contexts of (chunk, micro-batch) pairs whose backward has not run are kept; their number
-// peaks at min(pp - rank, M) for 1F1B and min(2(pp - rank - 1) + (V - 1) N + 1, M V) interleaved, which
-// the executor measures. DDP's no_sync is lifted for each chunk's last micro-batch backward.
+// asynchronous and complete while later work runs; once a forward's input has arrived, the next receive of
+// the same channel is posted (the chunk's next micro-batch without virtual stages), so it overlaps the
+// computation in between. Only the activation contexts of (chunk, micro-batch) pairs whose backward has not
+// run are kept; their number peaks at min(pp - rank, M) for 1F1B and min(2(pp - rank - 1) + (V - 1) N + 1, M V)
+// interleaved, which the executor measures. DDP's no_sync is lifted for each chunk's last micro-batch backward.
 //
 // Tags: a transfer to virtual stage v for micro-batch m has tag 2 (v M + m) (activation) or that + 1
-// (gradient), so every receive matches exactly its own message.
+// (gradient). MPI matches by them, so every receive matches exactly its own message; NCCL ignores them and
+// relies on the channels' order.
 #pragma once
 
 #include "comm/communicator.h"
 #include "model/gpt_model.h"
+#include "parallel/process_groups.h"
+#include "pipeline/p2p_plan.h"
 #include "pipeline/schedule.h"
 #include "pipeline/timeline.h"
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -39,10 +51,13 @@ namespace loom::pipeline {
 class PipelineExecutor {
 public:
     // `pp_group` holds the ranks in stage order (null: one stage, the whole model on this rank, run as
-    // forward/backward per micro-batch); `chunks` are this rank's model chunks (one without virtual
-    // stages); `group_size` is N (--microbatch-group-size-per-virtual-pipeline-stage, 0: pp).
+    // forward/backward per micro-batch); `channels` are its point-to-point channels (ProcessGroups::pp_channels;
+    // every channel the schedule uses must be there when `pp_group` has more than one rank); `chunks` are this
+    // rank's model chunks (one without virtual stages); `group_size` is N
+    // (--microbatch-group-size-per-virtual-pipeline-stage, 0: pp). With more than one stage the constructor is
+    // collective over the pipeline group: it exchanges one element on each channel (see connect_channels()).
     PipelineExecutor(std::vector<model::GptModel *> chunks, std::shared_ptr<comm::Communicator> pp_group,
-                     int num_microbatches, int group_size = 0);
+                     parallel::PipelineChannels channels, int num_microbatches, int group_size = 0);
 
     struct Result {
         std::vector<model::GptModel::LossSum> losses;   // last stage: each micro-batch's loss, in order
@@ -62,6 +77,7 @@ public:
     Result evaluate(const std::function<model::MicroBatch()> & next_batch);
 
     const std::vector<ScheduleOp> & ops() const { return ops_; }
+    const P2PPlan &                 plan() const { return plan_; }
     const ScheduleOptions &         options() const { return options_; }
 
     // Every stage's ops of one iteration, gathered over the pipeline group (collective), as a measured
@@ -74,18 +90,31 @@ private:
     int tag(int virtual_stage, int microbatch, bool gradient) const {
         return 2 * (virtual_stage * microbatches_ + microbatch) + (gradient ? 1 : 0);
     }
+    int tag(const Transfer & t) const { return tag(t.consumer, t.microbatch, t.kind == TransferKind::gradient); }
+
+    // A channel as this rank reaches it: its communicator and the other rank's place in it.
+    struct Link {
+        std::shared_ptr<comm::Communicator> comm;
+        int                                 peer = 0;
+    };
+    const Link & link(const Channel & channel) const;
+    // NCCL connects a pair of ranks on its first transfer, a handshake that blocks the host until the peer
+    // takes part; one element on every channel this rank uses, in pipeline_channels() order (the same total
+    // order on every rank, so each handshake finds its peer), does that before any schedule runs.
+    void connect_channels();
 
     std::vector<model::GptModel *>      chunks_;
     std::shared_ptr<comm::Communicator> pp_;
+    std::map<Channel, Link>             links_;   // every channel either plan uses
     int                                 rank_ = 0;
     int                                 microbatches_;
     ScheduleOptions                     options_;
     std::vector<ScheduleOp>             ops_;
-    std::vector<ScheduleOp>             forward_ops_;   // evaluate(): (chunk 0, m), (chunk 1, m), ... for each m
+    P2PPlan                             plan_;        // run(): the schedule's ops
+    P2PPlan                             eval_plan_;   // evaluate(): (chunk 0, m), (chunk 1, m), ... for each m
 
-    Result execute(const std::vector<ScheduleOp> & ops, bool forward_only,
-                   const std::function<model::MicroBatch()> & next_batch, const model::GradReadyFn & ready,
-                   const std::function<void(bool)> & set_last_microbatch);
+    Result execute(const P2PPlan & plan, bool forward_only, const std::function<model::MicroBatch()> & next_batch,
+                   const model::GradReadyFn & ready, const std::function<void(bool)> & set_last_microbatch);
 };
 
 }  // namespace loom::pipeline

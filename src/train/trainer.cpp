@@ -103,9 +103,11 @@ Trainer::Trainer(const TrainOptions & options, std::unique_ptr<Setup> owned, Set
       model_(*setup_.chunks.at(0)), data_(data), params_(setup_.parameters()) {
     if (setup_.groups.pp && setup_.groups.pp->size() > 1) stages_ = setup_.groups.pp.get();
     // One executor for every layout: without a pipeline group it runs forward/backward per micro-batch.
-    executor_ = std::make_unique<pipeline::PipelineExecutor>(setup_.chunks, stages_ ? setup_.groups.pp : nullptr,
-                                                             static_cast<int>(options_.num_microbatches()),
-                                                             static_cast<int>(options_.microbatch_group_size));
+    // Its transfers go over the pipeline's channel communicators, built next to the pipeline group.
+    executor_ = std::make_unique<pipeline::PipelineExecutor>(
+        setup_.chunks, stages_ ? setup_.groups.pp : nullptr,
+        stages_ ? setup_.groups.pp_channels : parallel::PipelineChannels{},
+        static_cast<int>(options_.num_microbatches()), static_cast<int>(options_.microbatch_group_size));
     if (setup_.ddp) grad_ready_ = setup_.ddp->grad_ready();
     schedule_              = options.lr_schedule();
     resumed_               = load_checkpoint(options_, setup_);
