@@ -19,8 +19,10 @@ if ! nvidia-smi -L >/dev/null 2>&1; then
 fi
 nvidia-smi -L | head -1
 b=16; s=1024; iters=60; interval=10
+# Dropout off, as in bench/pytorch_step.py's model: both sides run the same arithmetic.
 args=(train --device cuda --model gpt2-124m --mock-data --bf16 --micro-batch-size $b --global-batch-size $b
-      --seq-length $s --train-iters $iters --log-interval $interval --log-throughput --lr-warmup-iters 5)
+      --seq-length $s --train-iters $iters --log-interval $interval --log-throughput --lr-warmup-iters 5
+      --hidden-dropout 0 --attention-dropout 0)
 
 median() {   # stdin: numbers, one per line (the first window dropped by the caller); prints the median
     sort -n | awk '{v[NR]=$1} END {print (NR % 2) ? v[(NR+1)/2] : (v[NR/2] + v[NR/2+1]) / 2}'
@@ -41,7 +43,7 @@ if [[ -n "$torch_tps" ]]; then
     printf "%-34s %12s %8s %12s\n" "pytorch eager" "$eager_tps" "$mfu" \
         "$(awk -v a="$eager_tps" -v b="$torch_tps" 'BEGIN {printf "%.2fx", a / b}')"
 fi
-for graphs in none local; do
+for graphs in none transformer_engine; do   # eager, then per-layer graphs (Loom's --cuda-graph-impl)
     if ! log=$("$loom" "${args[@]}" --cuda-graph-impl $graphs 2>&1); then
         printf "%-34s failed:\n%s\n" "loom, layer graphs $graphs" "$(tail -5 <<<"$log")"
         continue

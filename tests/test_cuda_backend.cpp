@@ -4,19 +4,19 @@
 #include <gtest/gtest.h>
 
 TEST(CudaBackend, LibrariesReportTheirVersions) {
-    if (loom::cuda::device_count() == 0) {
+    if (loom::LOOM_CUDA_NS::device_count() == 0) {
         GTEST_SKIP() << "no CUDA device on this machine: the CUDA backend was compiled and linked, not run";
     }
-    std::string v = loom::cuda::versions();
+    std::string v = loom::LOOM_CUDA_NS::versions();
     EXPECT_NE(v.find("CUDA runtime"), std::string::npos);
     EXPECT_NE(v.find("NCCL"), std::string::npos);
 }
 
 TEST(CudaBackend, FillKernelMatchesTheHost) {
-    if (loom::cuda::device_count() == 0) {
+    if (loom::LOOM_CUDA_NS::device_count() == 0) {
         GTEST_SKIP() << "no CUDA device on this machine: the CUDA backend was compiled and linked, not run";
     }
-    std::vector<float> out = loom::cuda::fill_on_device(100003, 2.5f);
+    std::vector<float> out = loom::LOOM_CUDA_NS::fill_on_device(100003, 2.5f);
     ASSERT_EQ(out.size(), 100003u);
     for (float v : out) {
         ASSERT_EQ(v, 2.5f);

@@ -1,5 +1,5 @@
-// The CUDA backend against its oracle, the CPU backend (ARCHITECTURE.md: a CUDA kernel is done only when a
-// test compares it with its CPU twin). Every op runs on the same random inputs on cpu:0 and cuda:0 and the
+// The CUDA backend against its oracle, the CPU backend (docs/architecture.md 3.2: a CUDA kernel is done only
+// when a test compares it with its CPU twin). Every op runs on the same random inputs on cpu:0 and cuda:0 and the
 // results are compared element-wise with the tolerance stated next to each test:
 //   exact (bitwise)     copy, copy_columns, fill_zero, convert, round_to_bf16, scale, add_inplace, bias_add,
 //                       AdamW (the same IEEE operations in the same order, explicit fma on both sides)
@@ -22,7 +22,9 @@
 // ordering across two streams, host work via submit, and Loom graph capture into CUDA graphs (replays bitwise
 // the eager ops, replayable nodes between segments, a fork/join across streams, the graph pool, refusals).
 //
-// Without a CUDA device every test skips with a message: the backend was compiled and linked, not run.
+// Without a CUDA device every test skips with a message: the backend was compiled and linked, not run. The
+// same file built with LOOM_CUDA_EMU (test_cuda_ops_emu) runs every test on the emulated device, every
+// machine, every CI run.
 #include "backend/cpu/cpu_device.h"
 #include "backend/cuda/cuda_device.h"
 #include "core/dropout.h"
@@ -40,6 +42,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -47,12 +50,16 @@ using namespace loom;
 
 namespace {
 
+// The backend under test: loom::cuda on a GPU, or loom::cuda_emu (the same sources on the emulated device)
+// in the test_cuda_ops_emu build of this file, which defines LOOM_CUDA_EMU.
+namespace gpu_backend = loom::LOOM_CUDA_NS;
+
 #define SKIP_WITHOUT_CUDA()                                                                            \
-    if (cuda::device_count() == 0) {                                                                   \
+    if (gpu_backend::device_count() == 0) {                                                            \
         GTEST_SKIP() << "no CUDA device on this machine: the CUDA backend was compiled and linked, not run"; \
     }
 
-Device & gpu() { return cuda::device(0); }
+Device & gpu() { return gpu_backend::device(0); }
 Stream & gs() { return gpu().compute_stream(); }
 Ops &    gops() { return gpu().ops(); }
 Device & cpu_dev() { return cpu::device(); }
@@ -860,6 +867,58 @@ TEST(CudaGraphs, GemmBiasGeluGraphReplaysBitwiseTheEagerOpsAfterItsInputChangesI
         expect_bitwise(to_cpu(ref_h), to_cpu(h), "h after a replay, input seed " + std::to_string(seed));
         expect_bitwise(to_cpu(ref_y), to_cpu(y), "y after a replay, input seed " + std::to_string(seed));
     }
+}
+
+// A GEMM cuBLASLt has no kernel for (an operand 4 bytes into its storage) runs cuBLAS's fallback. Captured on
+// a stream that never ran a GEMM, the fallback must not allocate (cuBLAS's own per-stream pool would, at the
+// stream's first GEMM, and break the capture): it runs in the stream's workspace with the stream's handle, so
+// the capture holds and each replay is bitwise the eager product.
+TEST(CudaGraphs, AMisalignedGemmCapturedOnAFreshStreamRunsTheFallbackInTheStreamsWorkspace) {
+    SKIP_WITHOUT_CUDA();
+    const int64_t m = 33, n = 17, k = 29;
+    Tensor        a_store = to_gpu(random_cpu({m * k + 1}, 1201));
+    Tensor        a       = a_store.slice(1, {m, k});
+    Tensor        b       = to_gpu(random_cpu({k, n}, 1202));
+    Tensor        eager   = Tensor::empty({m, n}, DType::f32, gpu()), c = Tensor::empty({m, n}, DType::f32, gpu());
+    gops().gemm(gs(), a, false, b, false, eager, false);
+    gs().synchronize();
+    std::unique_ptr<Stream> fresh = gpu().stream_create("fresh gemm stream");
+    Graph                   graph(gpu(), "cuda test: misaligned gemm");
+    fresh->begin_capture(graph);
+    gops().gemm(*fresh, a, false, b, false, c, false);
+    fresh->end_capture();
+    for (int replay = 0; replay < 2; ++replay) {
+        gops().fill_zero(*fresh, c);
+        graph.replay(*fresh);
+        fresh->synchronize();
+        expect_bitwise(to_cpu(eager), to_cpu(c), "the captured fallback GEMM, replay " + std::to_string(replay));
+    }
+}
+
+// A captured op checks its ids on the device at each replay from a clean word (reset in stream order): a
+// replay reports the bad id of its own input, and the replay after the input was fixed reports nothing.
+TEST(CudaGraphs, EachReplayChecksItsOwnIds) {
+    SKIP_WITHOUT_CUDA();
+    const int64_t b = 2, seq = 5, vocab = 11, h = 8;
+    Tensor        good = random_ids(b, seq, vocab, 1800, 0);
+    Tensor        bad  = clone_cpu(good);
+    bad.data<int32_t>()[7] = int32_t(vocab);
+    Tensor tokens = to_gpu(good), wte = to_gpu(random_cpu({vocab, h}, 1801));
+    Tensor out    = Tensor::empty({seq * b, h}, DType::f32, gpu());
+    gs().synchronize();
+    Graph graph(gpu(), "cuda test: embedding ids");
+    gs().begin_capture(graph);
+    gops().embedding_forward(gs(), tokens, wte, Tensor(), out);
+    gs().end_capture();
+    graph.replay(gs());
+    EXPECT_NO_THROW(gs().synchronize()) << "good ids";
+    gops().copy(gs(), to_gpu(bad), tokens);
+    graph.replay(gs());
+    const std::string text = error_of([&] { gs().synchronize(); });
+    EXPECT_NE(text.find("embedding_forward: token 11 at position 7 is outside [0, 11)"), std::string::npos) << text;
+    gops().copy(gs(), to_gpu(good), tokens);
+    graph.replay(gs());
+    EXPECT_NO_THROW(gs().synchronize()) << "good ids again: the last replay's bad id is not reported twice";
 }
 
 TEST(CudaGraphs, AReplayableNodeSplitsTheCaptureAndItsPrepareRunsBetweenTheSegmentsAtEachReplay) {

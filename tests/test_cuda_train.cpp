@@ -1,12 +1,17 @@
 // `loom train --device cuda` against `--device cpu` (label gpu): the same model, data and seed trained for 20
-// iterations in bf16 on the GPU follows the CPU run's loss curve within 1e-3 relative, on one GPU, with
-// the hybrid optimizer offloading half the state over pinned memory, and on two ranks sharing one GPU
-// through NCCL (each rank claims its own host with NCCL_HOSTID, as tests/test_nccl_mpi.cpp does). Without
-// a GPU these skip, and `--device cuda` is refused naming the flag.
+// iterations on the GPU follows the CPU run's loss curve, on one GPU in bf16 and in f32, with the hybrid
+// optimizer offloading half the state over pinned memory, and on two ranks sharing one GPU through NCCL
+// (each rank claims its own host with NCCL_HOSTID, as tests/test_nccl_mpi.cpp does): DP 2 with ZeRO-1 and
+// both overlaps, TP 2 + SP (also with layer graphs), PP 2, PP 2 x VPP 2. Without a GPU these skip, and
+// `--device cuda` is refused naming the flag.
 //
-// Tolerance: both runs round the same bf16 operands, but cuBLASLt and the CPU's GEMMs sum in different
-// orders (f32 accumulation), so per-iteration losses drift apart by rounding only; 1e-3 relative over 20
-// iterations is the bound, three orders above the drift seen between CPU layouts (~1e-6).
+// The same file built with LOOM_CUDA_EMU (test_cuda_train_emu, every machine) trains with --device cuda-emu:
+// the CUDA backend's sources on the emulated device, NCCL's semantics between the ranks; there it also shows
+// the interleaved pipeline deadlocking on a single NCCL communicator, caught by the watchdog.
+//
+// Tolerance: both runs round the same bf16 operands, but the GPU's GEMMs and the CPU's sum in different
+// orders (f32 accumulation), so per-iteration losses drift apart by rounding only: 1e-3 relative over 20
+// iterations in bf16 (three orders above the drift seen between CPU layouts, ~1e-6), 1e-5 in f32.
 #include "backend/cuda/cuda_device.h"
 #include "loom_cli_runner.h"
 
@@ -14,14 +19,20 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <map>
 #include <string>
 #include <vector>
 
 namespace {
 
-const std::string kRun = "train --mock-data --bf16 --train-iters 20 --log-interval 1 --num-layers 2 --hidden-size 64 "
-                         "--num-attention-heads 4 --seq-length 64 --micro-batch-size 2 --global-batch-size 8 "
+namespace gpu_backend = loom::LOOM_CUDA_NS;
+const std::string kDevice = LOOM_CUDA_DEVICE_KIND;   // "cuda", or "cuda-emu" in the emulated build
+
+// The run every layout trains: `model` adds the model flags a layout needs (more layers to split, f32).
+const std::string kRun = "train --mock-data --train-iters 20 --log-interval 1 --hidden-size 64 "
+                         "--num-attention-heads 4 --seq-length 32 --micro-batch-size 2 --global-batch-size 4 "
                          "--lr 1e-3 --lr-warmup-iters 2 ";
+const std::string kBf16 = "--bf16 --num-layers 2 ";
 
 // The lm loss of every logged iteration, in order.
 std::vector<double> losses(const std::string & out) {
@@ -32,47 +43,67 @@ std::vector<double> losses(const std::string & out) {
     return found;
 }
 
-const std::vector<double> & cpu_curve() {
-    static const std::vector<double> curve = [] {
-        CliRun r = run_loom_mpi(1, kRun + "--device cpu");
+// The CPU's curve of the model `model` describes, trained once per test program.
+const std::vector<double> & cpu_curve(const std::string & model) {
+    static std::map<std::string, std::vector<double>> curves;
+    auto it = curves.find(model);
+    if (it == curves.end()) {
+        CliRun r = run_loom_mpi(1, kRun + model + "--device cpu");
         EXPECT_EQ(r.status, 0) << r.out;
-        return losses(r.out);
-    }();
-    return curve;
+        it = curves.emplace(model, losses(r.out)).first;
+    }
+    return it->second;
 }
 
-void expect_follows_cpu(const CliRun & r, const char * what) {
+// `r` (a run of `model`) follows the CPU's curve within `tolerance` relative at every iteration.
+void expect_follows_cpu(const CliRun & r, const char * what, const std::string & model = kBf16, double tolerance = 1e-3) {
     ASSERT_EQ(r.status, 0) << r.out;
-    EXPECT_NE(r.out.find(" on cuda:"), std::string::npos) << "the run names its GPU\n" << r.out;
-    const std::vector<double> got = losses(r.out), & want = cpu_curve();
+    EXPECT_NE(r.out.find(" on " + kDevice + ":"), std::string::npos) << "the run names its GPU\n" << r.out;
+    const std::vector<double> got = losses(r.out), & want = cpu_curve(model);
     ASSERT_EQ(want.size(), 20u);
     ASSERT_EQ(got.size(), want.size()) << r.out;
     for (size_t i = 0; i < got.size(); ++i) {
-        EXPECT_NEAR(got[i], want[i], 1e-3 * want[i]) << what << ", iteration " << i + 1;
+        EXPECT_NEAR(got[i], want[i], tolerance * want[i]) << what << ", iteration " << i + 1;
     }
     EXPECT_LT(got.back(), got.front()) << what << ": the loss falls";
 }
 
+// `loom train` on `np` ranks of the GPU device; each rank its own NCCL host id, so NCCL accepts two ranks on
+// one GPU.
+CliRun run_on_gpus(int np, const std::string & args, const std::string & env = "") {
+    return run_command(std::string(LOOM_MPIEXEC) + " --oversubscribe -np " + std::to_string(np) + " sh -c '" + env +
+                       " NCCL_HOSTID=loom-test-$OMPI_COMM_WORLD_RANK exec " + LOOM_CLI_PATH + " " + args +
+                       " --device " + kDevice + "' 2>&1");
+}
+
 #define SKIP_WITHOUT_CUDA()                                                                                      \
-    if (loom::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device visible: `loom train --device cuda` not run"
+    if (gpu_backend::device_count() == 0) GTEST_SKIP() << "no CUDA device visible: `loom train --device cuda` not run"
 
 }  // namespace
 
 TEST(CudaTrain, DeviceCudaIsRefusedNamingTheFlagWithoutAGpu) {
-    if (loom::cuda::device_count() > 0) GTEST_SKIP() << "a GPU is visible: the refusal does not apply";
-    CliRun r = run_loom_mpi(1, kRun + "--device cuda");
+    if (kDevice != "cuda") GTEST_SKIP() << "the emulated device is always there: no refusal to check";
+    if (gpu_backend::device_count() > 0) GTEST_SKIP() << "a GPU is visible: the refusal does not apply";
+    CliRun r = run_loom_mpi(1, kRun + kBf16 + "--device cuda");
     EXPECT_EQ(r.status, 2) << r.out;
     EXPECT_NE(r.out.find("--device cuda: no CUDA device is visible"), std::string::npos) << r.out;
 }
 
 TEST(CudaTrain, OneGpuFollowsTheCpuLossCurveInBf16) {
     SKIP_WITHOUT_CUDA();
-    expect_follows_cpu(run_loom_mpi(1, kRun + "--device cuda"), "one GPU");
+    expect_follows_cpu(run_loom_mpi(1, kRun + kBf16 + "--device " + kDevice), "one GPU");
+}
+
+// f32 end to end: the GPU's GEMMs sum in another order than oneDNN's, nothing else differs.
+TEST(CudaTrain, OneGpuFollowsTheCpuLossCurveInF32) {
+    SKIP_WITHOUT_CUDA();
+    const std::string f32 = "--num-layers 2 ";
+    expect_follows_cpu(run_loom_mpi(1, kRun + f32 + "--device " + kDevice), "one GPU, f32", f32, 1e-5);
 }
 
 TEST(CudaTrain, HybridOptimizerOffloadOverPinnedMemoryFollowsTheCpu) {
     SKIP_WITHOUT_CUDA();
-    expect_follows_cpu(run_loom_mpi(1, kRun + "--device cuda --use-distributed-optimizer --optimizer-cpu-offload "
+    expect_follows_cpu(run_loom_mpi(1, kRun + kBf16 + "--device " + kDevice + " --use-distributed-optimizer --optimizer-cpu-offload "
                                               "--optimizer-offload-fraction 0.5 --overlap-cpu-optimizer-d2h-h2d"),
                        "hybrid optimizer");
 }
@@ -80,6 +111,7 @@ TEST(CudaTrain, HybridOptimizerOffloadOverPinnedMemoryFollowsTheCpu) {
 struct Layout {
     const char * name;
     const char * flags;
+    const char * model = "--bf16 --num-layers 2 ";
 };
 
 class CudaTrainTwoRanks : public ::testing::TestWithParam<Layout> {};
@@ -87,15 +119,39 @@ class CudaTrainTwoRanks : public ::testing::TestWithParam<Layout> {};
 TEST_P(CudaTrainTwoRanks, FollowTheCpuThroughNccl) {
     SKIP_WITHOUT_CUDA();
     const Layout & l = GetParam();
-    // Each rank its own NCCL host id, so NCCL accepts two ranks on one GPU.
-    const std::string command = std::string(LOOM_MPIEXEC) + " --oversubscribe -np 2 sh -c 'NCCL_HOSTID=loom-test-$OMPI_COMM_WORLD_RANK exec " +
-                                LOOM_CLI_PATH + " " + kRun + "--device cuda " + l.flags + "' 2>&1";
-    expect_follows_cpu(run_command(command), l.name);
+    expect_follows_cpu(run_on_gpus(2, kRun + l.model + l.flags), l.name, l.model);
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Layouts, CudaTrainTwoRanks,
     ::testing::Values(Layout{"dp2_zero1_overlaps", "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"},
                       Layout{"tp2_sp", "--tensor-model-parallel-size 2 --sequence-parallel"},
-                      Layout{"pp2", "--pipeline-model-parallel-size 2"}),
+                      Layout{"pp2", "--pipeline-model-parallel-size 2"},
+                      // Interleaved: its transfers deadlock on one NCCL communicator (the next test).
+                      Layout{"pp2_vpp2", "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2",
+                             "--bf16 --num-layers 4 "},
+                      // Per-layer graphs with the TP collectives as replayable nodes between CUDA segments.
+                      Layout{"tp2_sp_layer_graphs", "--tensor-model-parallel-size 2 --sequence-parallel "
+                                                    "--cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 2"}),
     [](const ::testing::TestParamInfo<Layout> & info) { return std::string(info.param.name); });
+
+// What the pipeline's channel communicators (pipeline/p2p_plan.h) prevent: with every transfer on the one
+// pipeline communicator (the LOOM_PP_ONE_COMMUNICATOR seam), PP 2 x VPP 2 deadlocks under NCCL's semantics,
+// and the watchdog ends the job naming the rank that waited. Only the emulated device is strict about it:
+// real NCCL completes small sends without their receives (it buffers them), so a GPU may not hang at this
+// size.
+TEST(CudaTrain, InterleavedPipelineOnOneCommunicatorDeadlocksAndTheWatchdogSaysSo) {
+    SKIP_WITHOUT_CUDA();
+    if (kDevice != "cuda-emu") GTEST_SKIP() << "NCCL buffers small sends: the deadlock is certain only on cuda-emu";
+    const CliRun r = run_on_gpus(2,
+                                 kRun + "--bf16 --num-layers 4 --global-batch-size 8 --pipeline-model-parallel-size 2 "
+                                        "--num-virtual-stages-per-pipeline-rank 2",
+                                 "LOOM_PP_ONE_COMMUNICATOR=1 LOOM_DISTRIBUTED_TIMEOUT_S=3");
+    EXPECT_NE(r.status, 0) << r.out;
+    EXPECT_NE(r.out.find("has waited"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("for its peers: a rank of the group has not issued the matching operation"), std::string::npos)
+        << r.out;
+    EXPECT_NE(r.out.find("[rank "), std::string::npos) << "the message names the rank\n" << r.out;
+    EXPECT_EQ(r.out.find("iteration       20/"), std::string::npos) << "the job did not hang past the deadlock\n"
+                                                                      << r.out;
+}

@@ -10,7 +10,8 @@
 //   2^-10 x max(1, |ref|)    f16 sum and avg       once; on two ranks they agree exactly)
 // It also checks that a send does not block later work on the caller's stream and that sends and receives
 // between two ranks match in issue order, splits (a reversed group, a group that leaves ranks out), the
-// barrier, and the refusals: host tensors (naming the op and the group) and Loom graph capture.
+// barrier, the refusal of host tensors (naming the op and the group), and collectives captured into a Loom
+// graph, issued afresh at each replay.
 //
 // Without a CUDA device every test skips with a message: the communicator was compiled and linked, not run.
 // NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"); where fewer GPUs than
@@ -49,12 +50,16 @@ MpiContext *                 g_mpi = nullptr;
 std::unique_ptr<NcclContext> g_nccl;
 int                          g_device_index = 0;
 
+// The backend under test: loom::cuda on a GPU, or loom::cuda_emu (the same sources on the emulated device,
+// NCCL's semantics between processes over shared memory) in the test_nccl_mpi_emu build of this file.
+namespace gpu_backend = loom::LOOM_CUDA_NS;
+
 #define SKIP_WITHOUT_CUDA()                                                                            \
-    if (cuda::device_count() == 0) {                                                                   \
+    if (gpu_backend::device_count() == 0) {                                                                   \
         GTEST_SKIP() << "no CUDA device visible: the NCCL communicator was compiled and linked, not run"; \
     }
 
-Device & gpu() { return cuda::device(g_device_index); }
+Device & gpu() { return gpu_backend::device(g_device_index); }
 Stream & gs() { return gpu().compute_stream(); }
 Ops &    gops() { return gpu().ops(); }
 
@@ -430,23 +435,51 @@ TEST(NcclMpi, HostTensorsAreRefusedNamingTheOpAndGroup) {
     EXPECT_NE(text.find("output"), std::string::npos) << text;
 }
 
-TEST(NcclMpi, GraphCaptureIsRefused) {
+// An all_reduce captured into a Loom graph is a replayable node between two CUDA segments: nothing runs
+// during the capture, a wait on the captured Work is refused, and each replay reduces the values the tensor
+// holds then (the kernel after it, in the next segment, sees the sum): exact, the inputs are small integers.
+TEST(NcclMpi, ACapturedAllReduceRunsAtEachReplay) {
     SKIP_WITHOUT_CUDA();
-    Communicator & nc     = *nccl().world();
-    Tensor         d      = Tensor::zeros({8}, DType::f32, gpu());
-    auto           stream = gpu().stream_create("capture-test");
-    Graph          graph(gpu(), "layer 0 bwd");
-    stream->begin_capture(graph);
-    std::string text = error_of([&] { nc.all_reduce(d, ReduceOp::sum, stream.get()); });
-    stream->end_capture();
-    EXPECT_NE(text.find("NCCL collectives inside a Loom graph are not supported yet"), std::string::npos) << text;
-    EXPECT_NE(text.find("layer 0 bwd"), std::string::npos) << text;
-    nc.barrier()->wait();   // nothing was enqueued: the group is still in step
+    Communicator & nc   = *nccl().world();
+    const int      me   = g_mpi->world_rank();
+    const int      size = g_mpi->world_size();
+    Tensor         d    = Tensor::zeros({8}, DType::f32, gpu());
+    gs().synchronize();
+    Graph graph(gpu(), "layer 0 bwd");
+    gs().begin_capture(graph);
+    WorkPtr work = nc.all_reduce(d, ReduceOp::sum, &gs());
+    gops().scale(gs(), d, 0.5f);
+    gs().end_capture();
+    EXPECT_EQ(graph.num_replayable_nodes("nccl all_reduce"), 1u);
+    EXPECT_EQ(graph.num_segments(), 1u) << "nothing before the collective, the scale after it";
+    const std::string text = error_of([&] { work->wait(); });
+    EXPECT_NE(text.find("captured into graph 'layer 0 bwd'"), std::string::npos) << text;
+    for (float v : values_f32(d)) ASSERT_EQ(v, 0.0f) << "the capture ran nothing";
+    for (int replay = 0; replay < 3; ++replay) {
+        std::vector<float> mine(8, static_cast<float>(me + 1 + replay));
+        write_values_f32(d, mine);
+        graph.replay(gs());
+        const float want = 0.5f * static_cast<float>(size * (size + 1) / 2 + size * replay);
+        for (float v : values_f32(d)) ASSERT_EQ(v, want) << "replay " << replay;
+    }
+    // A stream merely forked into the capture cannot end it into a segment: refused, naming the graph.
+    auto  side = gpu().stream_create("forked");
+    auto  fork = gpu().event_create();
+    Graph second(gpu(), "layer 1 bwd");
+    gs().begin_capture(second);
+    gs().record(*fork);
+    side->wait(*fork);
+    const std::string forked = error_of([&] { nc.all_reduce(d, ReduceOp::sum, side.get()); });
+    side->record(*fork);
+    gs().wait(*fork);
+    gs().end_capture();
+    EXPECT_NE(forked.find("forked into the capture of graph 'layer 1 bwd'"), std::string::npos) << forked;
+    nc.barrier()->wait();   // nothing was enqueued by the refusal: the group is still in step
 }
 
 int main(int argc, char ** argv) {
     // NCCL refuses two ranks of a communicator on one GPU; ranks sharing one are told apart as hosts.
-    const int devices = cuda::device_count();
+    const int devices = gpu_backend::device_count();
     if (devices > 0) {
         const char * local_size = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
         const char * world_rank = std::getenv("OMPI_COMM_WORLD_RANK");

@@ -22,10 +22,6 @@
 #include "train/setup.h"
 #include "train/trainer.h"
 
-#ifdef LOOM_WITH_CUDA
-#include "comm/nccl_communicator.h"
-#endif
-
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -116,9 +112,8 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
     // Process groups: Megatron's rank order (tp-cp-ep-dp-pp); none in a single process without DDP. On a GPU
     // the groups are NCCL communicators, MPI carrying their ids.
     std::unique_ptr<comm::CommunicatorFactory> nccl;
-#ifdef LOOM_WITH_CUDA
-    if (mpi && device.type() == DeviceType::cuda) nccl = std::make_unique<comm::NcclContext>(*mpi, device);
-#endif
+    if (mpi) nccl = gpu_process_groups(*mpi, device);
+    if (nccl) nccl->set_timeout(static_cast<double>(options.distributed_timeout_minutes) * 60.0);
     parallel::ProcessGroups groups;
     if (mpi) {
         parallel::ParallelSizes sizes;

@@ -107,6 +107,10 @@ public:
     // group holds it.
     virtual std::shared_ptr<Communicator> split(const std::vector<std::vector<int>> & groups,
                                                 const std::string & name) = 0;
+    // The watchdog's limit: an operation that waits longer for its peers than `seconds` ends the job with
+    // a message naming the operation, the group and this rank (Megatron's --distributed-timeout-minutes).
+    // LOOM_DISTRIBUTED_TIMEOUT_S overrides it (a test seam).
+    virtual void set_timeout(double seconds) = 0;
 };
 
 }  // namespace loom::comm

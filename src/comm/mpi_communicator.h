@@ -51,7 +51,7 @@ public:
     // The watchdog: an operation that has been in flight for `seconds` (default 600, Megatron's
     // --distributed-timeout-minutes 10) prints which operation and group on stderr and aborts the job.
     // LOOM_DISTRIBUTED_TIMEOUT_S overrides it (a test seam).
-    void set_timeout(double seconds);
+    void set_timeout(double seconds) override;
 
     // Terminates every rank of the job (after an error on this one, so the others do not hang).
     [[noreturn]] void abort(int exit_code);

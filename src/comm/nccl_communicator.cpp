@@ -8,14 +8,17 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
-namespace loom::comm {
+namespace loom::comm::inline LOOM_NCCL_NS {
 
 namespace {
 
@@ -32,7 +35,7 @@ std::string nccl_status_text(ncclResult_t status, ncclComm_t comm) {
 
 }  // namespace
 
-}  // namespace loom::comm
+}  // namespace loom::comm::LOOM_NCCL_NS
 
 // Every NCCL and CUDA call of the communicator names the call, the operation and the group.
 #define LOOM_NCCL_OP_CHECK(expr, handle, op, group)                                                      \
@@ -58,7 +61,9 @@ std::string nccl_status_text(ncclResult_t status, ncclComm_t comm) {
         }                                                                                              \
     } while (0)
 
-namespace loom::comm {
+namespace loom::comm::inline LOOM_NCCL_NS {
+
+namespace gpu = ::loom::LOOM_CUDA_NS;   // the CUDA backend these communicators run on
 
 namespace {
 
@@ -92,12 +97,19 @@ bool overlaps(const void * a, size_t a_bytes, const void * b, size_t b_bytes) {
 
 // The NCCL communicator itself, shared by the Communicator and its Works: destroyed when the last of them
 // is gone (after the Communicator's stream has drained).
+// The watchdog's limit for this process's NCCL waits (NcclContext::set_timeout), in seconds.
+std::atomic<double> g_timeout_s{600.0};
+
 struct NcclState {
     ncclComm_t  comm = nullptr;
     std::string name;
+    int         rank = 0, size = 1;
+    std::string device;
+    bool        aborted = false;   // by the watchdog: the communicator is unusable
 
     ~NcclState() {
-        if (comm != nullptr) ncclCommDestroy(comm);   // at exit NCCL may be gone: nothing to report
+        // At exit NCCL may be gone: nothing to report. An aborted communicator is already freed (ncclCommAbort).
+        if (comm != nullptr && !aborted) ncclCommDestroy(comm);
     }
 
     // The communicator's asynchronous error ("" if none): a peer that died, a network failure, an abort.
@@ -111,13 +123,16 @@ struct NcclState {
 
 class NcclWork : public Work {
 public:
-    NcclWork(std::shared_ptr<NcclState> state, std::unique_ptr<cuda::CudaEvent> done, const char * op)
+    NcclWork(std::shared_ptr<NcclState> state, std::unique_ptr<gpu::CudaEvent> done, const char * op)
         : state_(std::move(state)), done_(std::move(done)), op_(op) {}
 
     void wait() override {
         check_not_capturing("a wait on an NCCL operation");
+        const auto start = std::chrono::steady_clock::now();
         while (!poll()) {
             std::this_thread::sleep_for(std::chrono::microseconds(20));
+            const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+            if (waited > g_timeout_s.load()) time_out(waited);
         }
         LOOM_CHECK(error_.empty(),
                    "NCCL " << op_ << " on group '" << state_->name << "' failed asynchronously: " << error_,
@@ -127,6 +142,22 @@ public:
     bool test() override { return poll(); }
 
 private:
+    // The watchdog: the operation never completed. Aborting the communicator releases the NCCL stream it
+    // blocks (so the process can end), and the error names the rank that waited; the other ranks' own waits
+    // time out too, or the launcher ends them when this rank exits.
+    [[noreturn]] void time_out(double waited) {
+        if (!state_->aborted) {
+            state_->aborted = true;
+            ncclCommAbort(state_->comm);
+        }
+        LOOM_THROW("NCCL " << op_ << " on group '" << state_->name << "' (rank " << state_->rank << " of "
+                           << state_->size << ", " << state_->device << ") has waited " << static_cast<int>(waited)
+                           << " s for its peers: a rank of the group has not issued the matching operation (operations "
+                              "issued in another order: a deadlock; or a stopped rank)",
+                   "every rank of a group must issue the same NCCL operations in the same order; "
+                   "--distributed-timeout-minutes sets how long a wait may take");
+    }
+
     // True once the operation has completed or the communicator has failed (error_ says which).
     bool poll() {
         if (finished_) return true;
@@ -139,10 +170,25 @@ private:
     }
 
     std::shared_ptr<NcclState>       state_;
-    std::unique_ptr<cuda::CudaEvent> done_;
+    std::unique_ptr<gpu::CudaEvent> done_;
     const char *                     op_;
     bool                             finished_ = false;
     std::string                      error_;
+};
+
+// What an operation issued during graph capture returns: it completes in each replay, never on the host.
+class CapturedNcclWork : public Work {
+public:
+    explicit CapturedNcclWork(std::string graph) : graph_(std::move(graph)) {}
+    void wait() override {
+        check_not_capturing("a wait on an NCCL operation");
+        LOOM_CHECK(false, "a wait on an NCCL operation captured into graph '" << graph_ << "'",
+                   "a captured operation completes in each replay: wait on the replay's stream instead");
+    }
+    bool test() override { return false; }
+
+private:
+    std::string graph_;
 };
 
 class NcclCommunicator : public Communicator {
@@ -156,8 +202,8 @@ public:
           global_ranks_(std::move(global_ranks)),
           name_(std::move(name)) {
         stream_      = device_.stream_create("nccl:" + name_);
-        nccl_stream_ = &cuda::as_cuda_stream(*stream_, "the NCCL communicator");
-        ready_       = std::make_unique<cuda::CudaEvent>(device_.index());
+        nccl_stream_ = &gpu::as_cuda_stream(*stream_, "the NCCL communicator");
+        ready_       = std::make_unique<gpu::CudaEvent>(device_.index());
         barrier_     = Tensor::zeros({1}, DType::i32, device_, TensorOptions{MemoryKind::device, "comm"});
     }
 
@@ -177,7 +223,7 @@ protected:
     WorkPtr do_all_reduce(const Tensor & t, ReduceOp op, Stream * stream) override {
         check_cuda_tensor(t, "all_reduce", "input/output");
         ncclComm_t comm = state_->comm;
-        return issue("all_reduce", stream, true, {t}, [&](cudaStream_t s) {
+        return issue("all_reduce", stream, true, {t}, [=, this](cudaStream_t s) {
             if (t.numel() == 0) return;
             LOOM_NCCL_OP_CHECK(ncclAllReduce(t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()),
                                              nccl_type(t.dtype()), nccl_op(op), comm, s),
@@ -194,7 +240,7 @@ protected:
         bool aliased  = !in_place && overlaps(in.data_ptr(), in.nbytes(), out.data_ptr(), out.nbytes());
         Tensor staged = aliased ? Tensor::empty({out.numel()}, out.dtype(), device_, TensorOptions{MemoryKind::device, "comm"})
                                 : out;
-        return issue("reduce_scatter", stream, true, {in, out, staged}, [&](cudaStream_t s) {
+        return issue("reduce_scatter", stream, true, {in, out, staged}, [=, this](cudaStream_t s) {
             if (out.numel() == 0) return;
             LOOM_NCCL_OP_CHECK(ncclReduceScatter(in.data_ptr(), staged.data_ptr(), static_cast<size_t>(out.numel()),
                                                  nccl_type(in.dtype()), nccl_op(op), comm, s),
@@ -217,7 +263,7 @@ protected:
         bool aliased  = !in_place && overlaps(in.data_ptr(), in.nbytes(), out.data_ptr(), out.nbytes());
         Tensor staged = aliased ? Tensor::empty({in.numel()}, in.dtype(), device_, TensorOptions{MemoryKind::device, "comm"})
                                 : in;
-        return issue("all_gather", stream, true, {in, out, staged}, [&](cudaStream_t s) {
+        return issue("all_gather", stream, true, {in, out, staged}, [=, this](cudaStream_t s) {
             if (in.numel() == 0) return;
             if (aliased) {
                 LOOM_CUDA_OP_CHECK(cudaMemcpyAsync(staged.data_ptr(), in.data_ptr(), in.nbytes(),
@@ -233,7 +279,7 @@ protected:
     WorkPtr do_broadcast(const Tensor & t, int root, Stream * stream) override {
         check_cuda_tensor(t, "broadcast", "input/output");
         ncclComm_t comm = state_->comm;
-        return issue("broadcast", stream, true, {t}, [&](cudaStream_t s) {
+        return issue("broadcast", stream, true, {t}, [=, this](cudaStream_t s) {
             if (t.numel() == 0) return;
             LOOM_NCCL_OP_CHECK(ncclBroadcast(t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()),
                                              nccl_type(t.dtype()), root, comm, s),
@@ -241,8 +287,8 @@ protected:
         });
     }
 
-    WorkPtr do_all_to_all(const Tensor & in, std::span<const int64_t> send_counts, const Tensor & out,
-                          std::span<const int64_t> recv_counts, Stream * stream) override {
+    WorkPtr do_all_to_all(const Tensor & in, std::span<const int64_t> send_span, const Tensor & out,
+                          std::span<const int64_t> recv_span, Stream * stream) override {
         check_cuda_tensor(in, "all_to_all", "input");
         check_cuda_tensor(out, "all_to_all", "output");
         LOOM_CHECK(!overlaps(in.data_ptr(), in.nbytes(), out.data_ptr(), out.nbytes()),
@@ -251,7 +297,10 @@ protected:
         ncclComm_t     comm = state_->comm;
         ncclDataType_t type = nccl_type(in.dtype());
         size_t         elem = dtype_size(in.dtype());
-        return issue("all_to_all", stream, true, {in, out}, [&](cudaStream_t s) {
+        // Owned copies: a captured operation runs again at each replay, after the caller's spans are gone.
+        std::vector<int64_t> send_counts(send_span.begin(), send_span.end());
+        std::vector<int64_t> recv_counts(recv_span.begin(), recv_span.end());
+        return issue("all_to_all", stream, true, {in, out}, [=, this](cudaStream_t s) {
             LOOM_NCCL_OP_CHECK(ncclGroupStart(), comm, "all_to_all", name_);
             try {
                 size_t send_offset = 0;
@@ -284,7 +333,7 @@ protected:
     WorkPtr do_send(const Tensor & t, int peer, int tag, Stream * stream) override {
         check_cuda_tensor(t, "send", "input");
         ncclComm_t comm = state_->comm;
-        return issue("send", stream, /*stream_waits=*/false, {t}, [&](cudaStream_t s) {
+        return issue("send", stream, /*stream_waits=*/false, {t}, [=, this](cudaStream_t s) {
             if (t.numel() == 0) return;
             LOOM_NCCL_OP_CHECK(ncclSend(t.data_ptr(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, comm, s),
                                comm, "send", name_);
@@ -294,7 +343,7 @@ protected:
     WorkPtr do_recv(const Tensor & t, int peer, int tag, Stream * stream) override {
         check_cuda_tensor(t, "recv", "output");
         ncclComm_t comm = state_->comm;
-        return issue("recv", stream, true, {t}, [&](cudaStream_t s) {
+        return issue("recv", stream, true, {t}, [=, this](cudaStream_t s) {
             if (t.numel() == 0) return;
             LOOM_NCCL_OP_CHECK(ncclRecv(t.data_ptr(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, comm, s),
                                comm, "recv", name_);
@@ -304,7 +353,7 @@ protected:
     // A one-element all_reduce: complete on every rank only once every rank has issued it.
     WorkPtr do_barrier(Stream * stream) override {
         ncclComm_t comm = state_->comm;
-        return issue("barrier", stream, true, {barrier_}, [&](cudaStream_t s) {
+        return issue("barrier", stream, true, {barrier_}, [=, this](cudaStream_t s) {
             LOOM_NCCL_OP_CHECK(ncclAllReduce(barrier_.data_ptr(), barrier_.data_ptr(), 1, ncclInt32, ncclSum, comm, s),
                                comm, "barrier", name_);
         });
@@ -329,34 +378,53 @@ private:
     // Enqueues `enqueue` on the NCCL stream after the caller's earlier work on `stream` (if any); the
     // caller's stream waits for it unless `stream_waits` is false (a send). `tensors` are kept until the
     // operation has run.
-    template <typename Enqueue>
-    WorkPtr issue(const char * op, Stream * stream, bool stream_waits, std::vector<Tensor> tensors, Enqueue && enqueue) {
-        cuda::CudaStream * caller = nullptr;
+    //
+    // On a stream capturing a Loom graph the operation becomes a replayable node (core/graph.h), as the MPI
+    // communicator's do: the CUDA capture ends into a segment before it and begins again after it, and each
+    // replay issues the operation afresh between the segments, ordered after the previous one on the replay
+    // stream by the same events (so replay a graph on the stream that captured it). The NCCL call itself is
+    // never inside a CUDA graph; the graph keeps the closure, its tensors and this communicator's stream in
+    // use, so the communicator must outlive the graph. A stream only forked into someone else's capture is
+    // refused: it cannot end the capture into a segment.
+    WorkPtr issue(const char * op, Stream * stream, bool stream_waits, std::vector<Tensor> tensors,
+                  std::function<void(cudaStream_t)> enqueue) {
+        gpu::CudaStream * caller = nullptr;
         if (stream != nullptr) {
-            caller = dynamic_cast<cuda::CudaStream *>(stream);
-            // A stream capturing a Loom graph, or one forked into the capture (it would pull the NCCL stream
-            // into the CUDA capture too): refused, see nccl_communicator.h.
-            Graph * capturing = stream->capture();
-            if (capturing == nullptr && caller != nullptr && caller->capturing()) capturing = graph_being_captured();
-            LOOM_CHECK(capturing == nullptr,
-                       "NCCL collectives inside a Loom graph are not supported yet: " << op << " on group '" << name_
-                           << "' issued on stream '" << stream->name() << "' while it captures graph '"
-                           << capturing->name() << "'",
-                       "issue NCCL operations outside graph capture (no --cuda-graph-* / layer graphs with NCCL yet)");
+            caller = dynamic_cast<gpu::CudaStream *>(stream);
             LOOM_CHECK(caller != nullptr && caller->device_index() == device_.index(),
                        "nccl " << op << " on group '" << name_ << "' ordered on stream '" << stream->name() << "' of "
                                << stream->device().name() << ", the group's communicator is on " << device_.name(),
                        "pass a stream of the communicator's CUDA device (device.compute_stream() or stream_create())");
+            if (Graph * graph = stream->capture()) {
+                stream->submit_replayable(
+                    [this, op, caller, stream_waits, tensors, enqueue]() -> std::function<void()> {
+                        launch(op, caller, stream_waits, tensors, enqueue);
+                        return [] {};
+                    },
+                    std::string("nccl ") + op);
+                return std::make_shared<CapturedNcclWork>(graph->name());
+            }
+            LOOM_CHECK(!caller->capturing(),
+                       "nccl " << op << " on group '" << name_ << "' issued on stream '" << stream->name()
+                               << "', which is forked into the capture of graph '"
+                               << (graph_being_captured() ? graph_being_captured()->name() : std::string("?")) << "'",
+                       "issue NCCL operations inside a capture on the capturing stream itself");
         }
+        return launch(op, caller, stream_waits, std::move(tensors), enqueue);
+    }
+
+    // issue()'s eager part: the operation on the NCCL stream now, between events on the caller's stream.
+    WorkPtr launch(const char * op, gpu::CudaStream * caller, bool stream_waits, std::vector<Tensor> tensors,
+                   const std::function<void(cudaStream_t)> & enqueue) {
         std::lock_guard<std::mutex> lock(mutex_);   // NCCL calls of one communicator: one thread, issue order
-        cuda::DeviceGuard           guard(device_.index());
+        gpu::DeviceGuard           guard(device_.index());
         cudaStream_t                s = nccl_stream_->native();
         if (caller != nullptr) {
             LOOM_CUDA_OP_CHECK(cudaEventRecord(ready_->native(), caller->native()), op, name_);
             LOOM_CUDA_OP_CHECK(cudaStreamWaitEvent(s, ready_->native(), 0), op, name_);
         }
         enqueue(s);
-        auto done = std::make_unique<cuda::CudaEvent>(device_.index());
+        auto done = std::make_unique<gpu::CudaEvent>(device_.index());
         LOOM_CUDA_OP_CHECK(cudaEventRecord(done->native(), s), op, name_);
         if (caller != nullptr && stream_waits) {
             LOOM_CUDA_OP_CHECK(cudaStreamWaitEvent(caller->native(), done->native(), 0), op, name_);
@@ -372,8 +440,8 @@ private:
     std::vector<int>                 global_ranks_;
     std::string                      name_;
     std::unique_ptr<Stream>          stream_;
-    cuda::CudaStream *               nccl_stream_ = nullptr;
-    std::unique_ptr<cuda::CudaEvent> ready_;
+    gpu::CudaStream *               nccl_stream_ = nullptr;
+    std::unique_ptr<gpu::CudaEvent> ready_;
     Tensor                           barrier_;
     std::mutex                       mutex_;
 };
@@ -399,10 +467,13 @@ std::shared_ptr<Communicator> make_nccl_communicator(Communicator & launcher_gro
     launcher_group.broadcast(buffer, 0)->wait();
     std::memcpy(&id, buffer.data_ptr(), sizeof(id));
 
-    auto state  = std::make_shared<NcclState>();
-    state->name = name;
+    auto state    = std::make_shared<NcclState>();
+    state->name   = name;
+    state->rank   = rank;
+    state->size   = size;
+    state->device = device.name();
     {
-        cuda::DeviceGuard guard(device.index());
+        gpu::DeviceGuard guard(device.index());
         ncclResult_t      status = ncclCommInitRank(&state->comm, size, id, rank);
         if (status != ncclSuccess) state->comm = nullptr;   // nothing of a failed init to destroy
         LOOM_CHECK(status == ncclSuccess,
@@ -422,6 +493,11 @@ NcclContext::NcclContext(CommunicatorFactory & launcher, Device & device) : laun
 
 NcclContext::~NcclContext() = default;
 
+void NcclContext::set_timeout(double seconds) {
+    if (const char * seam = std::getenv("LOOM_DISTRIBUTED_TIMEOUT_S")) seconds = std::strtod(seam, nullptr);
+    g_timeout_s.store(seconds);
+}
+
 std::shared_ptr<Communicator> NcclContext::split(const std::vector<std::vector<int>> & groups,
                                                  const std::string & name) {
     std::shared_ptr<Communicator> group = launcher_.split(groups, name);   // checks the groups, collective
@@ -429,4 +505,4 @@ std::shared_ptr<Communicator> NcclContext::split(const std::vector<std::vector<i
     return make_nccl_communicator(*group, device_, name);
 }
 
-}  // namespace loom::comm
+}  // namespace loom::comm::LOOM_NCCL_NS

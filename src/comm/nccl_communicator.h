@@ -23,18 +23,21 @@
 //   - send/recv: NCCL has no tags (the tag is checked, then ignored); the sends and receives between two
 //     ranks match in the order they were issued. A send blocks the NCCL stream (not the caller's) until the
 //     peer has posted its receive, so two ranks that both send to each other before receiving deadlock:
-//     receive on one side first (as a pipeline's 1F1B order does), or use all_to_all.
+//     the pipeline gives each directed channel its own communicator for that reason (pipeline/p2p_plan.h).
 //   - bf16/f16 reductions reduce in NCCL's own order (the f32 sum of each pair, rounded at each step): on
 //     two ranks that is the f32 result rounded once, as communicator.h asks; on more ranks it may differ
 //     from it by rounding. avg is ncclAvg.
-//   - graph capture: an operation issued on a stream that captures a Loom graph (or on one forked into such
-//     a capture) is refused. CUDA streams capture Loom graphs (backend/cuda/cuda_stream.h), and a replayable
-//     node would let a collective be issued again at each replay, but this communicator issues its NCCL
-//     calls directly on its own stream when called (recording `ready` on the caller's stream, which inside
-//     a capture is a graph edge, and its Work's `done` event would be recorded in the capture). Until it
-//     issues through Stream::submit_replayable, with the replay stream in hand, it refuses.
+//   - graph capture: an operation issued on a stream that captures a Loom graph is a replayable node
+//     (Stream::submit_replayable), as the MPI backend's: the CUDA capture ends into a segment before it and
+//     begins again after it, and each replay issues the operation afresh on the NCCL stream between the
+//     segments, with the same events against the replay stream (replay on the stream that captured). The
+//     NCCL call is never inside a CUDA graph; the Work returned during capture refuses a wait (the operation
+//     completes in each replay). A stream merely forked into another stream's capture is refused.
+//   - watchdog: a Work::wait that has waited past NcclContext::set_timeout aborts the communicator and throws
+//     naming the operation, the group and the rank (NCCL itself would wait forever).
 #pragma once
 
+#include "backend/cuda/cuda_namespace.h"
 #include "comm/communicator.h"
 #include "core/device.h"
 
@@ -42,7 +45,7 @@
 #include <string>
 #include <vector>
 
-namespace loom::comm {
+namespace loom::comm::inline LOOM_NCCL_NS {
 
 class NcclContext : public CommunicatorFactory {
 public:
@@ -56,6 +59,12 @@ public:
     NcclContext & operator=(const NcclContext &) = delete;
 
     Device & device() const { return device_; }
+
+    // The watchdog of this process's NCCL operations (default 600 s): a Work::wait that has waited longer
+    // aborts the communicator (ncclCommAbort, which releases the stream it blocks) and throws naming the
+    // operation, the group and the rank. A wait on the host is where NCCL's hangs show: a rank that issued
+    // operations in another order, or a stopped peer.
+    void set_timeout(double seconds) override;
 
     std::shared_ptr<Communicator> world() override { return world_; }
     // Splits the launcher's world the same way (its split), then creates one NCCL communicator per group.
@@ -74,4 +83,4 @@ private:
 std::shared_ptr<Communicator> make_nccl_communicator(Communicator & launcher_group, Device & device,
                                                      const std::string & name);
 
-}  // namespace loom::comm
+}  // namespace loom::comm::LOOM_NCCL_NS

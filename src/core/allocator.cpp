@@ -10,7 +10,12 @@
 namespace loom {
 
 const char * memory_kind_name(MemoryKind kind) {
-    return kind == MemoryKind::device ? "device" : "pinned_host";
+    switch (kind) {
+        case MemoryKind::device: return "device";
+        case MemoryKind::pinned_host: return "pinned_host";
+        case MemoryKind::pageable_host: return "pageable_host";
+    }
+    return "?";
 }
 
 Allocator::Allocator(std::unique_ptr<RawMemory> raw, MemoryKind kind, std::string name)

@@ -36,7 +36,11 @@
 
 namespace loom {
 
-enum class MemoryKind : uint8_t { device, pinned_host };
+// Where a tensor's bytes live. device: the device's own memory; pinned_host: host memory the device can reach
+// (page-locked on a GPU: kernels and asynchronous copies may use it); pageable_host: ordinary host memory
+// handed in with Tensor::from_blob, which the host reads and writes and copies move, but which no kernel may
+// touch (a GPU cannot address it). No allocator hands out pageable_host memory.
+enum class MemoryKind : uint8_t { device, pinned_host, pageable_host };
 const char * memory_kind_name(MemoryKind kind);
 
 inline constexpr const char * kDefaultPool = "default";

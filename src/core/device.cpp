@@ -37,7 +37,7 @@ int64_t stream_delay_us_from_env(const std::string & stream_name) {
 }
 
 std::string Device::name() const {
-    return std::string(device_type_name(type())) + ":" + std::to_string(index());
+    return std::string(kind_name()) + ":" + std::to_string(index());
 }
 
 }  // namespace loom

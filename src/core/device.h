@@ -87,7 +87,10 @@ public:
 
     virtual DeviceType type() const = 0;
     virtual int        index() const = 0;
-    std::string        name() const;   // "cpu:0", "cuda:1"
+    std::string        name() const;   // "cpu:0", "cuda:1", "cuda-emu:0"
+    // What name() calls the device: its type's name, or a backend's own ("cuda-emu" for the emulated GPU,
+    // whose type is cuda: it runs the CUDA backend).
+    virtual const char * kind_name() const { return device_type_name(type()); }
 
     virtual Allocator & allocator(MemoryKind kind = MemoryKind::device) = 0;
     virtual std::unique_ptr<Stream> stream_create(const std::string & name) = 0;

@@ -51,8 +51,11 @@ size_t checked_bytes(const Shape & shape, DType dtype) {
 }  // namespace
 
 Storage::Storage(Device & device, size_t bytes, MemoryKind kind, const std::string & pool)
-    : device_(&device), allocator_(&device.allocator(kind)), nbytes_(bytes), kind_(kind) {
-    block_ = allocator_->allocate(bytes, pool);
+    : device_(&device), nbytes_(bytes), kind_(kind) {
+    LOOM_CHECK(kind != MemoryKind::pageable_host, "an allocation of pageable_host memory from pool '" << pool << "'",
+               "pageable host memory is the caller's own: wrap it with Tensor::from_blob, or allocate pinned_host");
+    allocator_ = &device.allocator(kind);
+    block_     = allocator_->allocate(bytes, pool);
     data_  = block_.ptr;
 }
 
@@ -117,7 +120,7 @@ Device & Tensor::device() const {
 }
 
 bool Tensor::host_addressable() const {
-    return device().type() == DeviceType::cpu || memory_kind() == MemoryKind::pinned_host;
+    return device().type() == DeviceType::cpu || memory_kind() != MemoryKind::device;
 }
 
 MemoryKind Tensor::memory_kind() const {
@@ -273,8 +276,9 @@ void write_values_f32(const Tensor & t, std::span<const float> values) {
 }
 
 Tensor host_blob(std::vector<float> & values, Device & device) {
+    // A vector's memory is pageable: copies take it, kernels of a GPU cannot.
     return Tensor::from_blob(values.data(), {static_cast<int64_t>(values.size())}, DType::f32, device,
-                             host_filled_kind(device));
+                             device.type() == DeviceType::cpu ? MemoryKind::device : MemoryKind::pageable_host);
 }
 
 MemoryKind host_filled_kind(const Device & device) {

@@ -140,7 +140,8 @@ private:
 Tensor host_readable(const Tensor & t);
 void   copy_now(const Tensor & dst, const Tensor & src);
 // A host vector seen as a host-addressable tensor of `device` (the vector keeps the memory; nothing is
-// copied), for copy_now and the communicators' host-value helpers.
+// copied), for copy_now and the communicators' host-value helpers: pageable_host memory on a GPU, which
+// copies take and kernels refuse.
 Tensor host_blob(std::vector<float> & values, Device & device);
 // A float tensor's values as f32 on the host, and f32 host values written into a float tensor (rounded to
 // its dtype): any memory, blocking as above.

@@ -71,7 +71,10 @@ HybridDeviceOptimizer::HybridDeviceOptimizer(Device & device, std::vector<Hybrid
             a.tensor = Tensor::zeros({host_numel}, DType::f32, device_, TensorOptions{MemoryKind::pinned_host, "optimizer"});
         } else {
             a.pageable.assign(static_cast<size_t>(host_numel), 0.0f);
-            a.tensor = Tensor::from_blob(a.pageable.data(), {host_numel}, DType::f32, device_, MemoryKind::pinned_host);
+            // Pageable memory says so: copies stage it, and no kernel is handed it (step() converts through a
+            // device copy).
+            const MemoryKind kind = device_.type() == DeviceType::cpu ? MemoryKind::device : MemoryKind::pageable_host;
+            a.tensor = Tensor::from_blob(a.pageable.data(), {host_numel}, DType::f32, device_, kind);
         }
     };
     host_array(host_master_, options_.pin_cpu_params);
@@ -148,6 +151,15 @@ int64_t HybridDeviceOptimizer::offloaded_numel() const {
     int64_t n = 0;
     for (const SlotInfo & s : slots_) n += s.offloaded ? s.slot.values.numel() : 0;
     return n;
+}
+
+// `t` where a kernel on `stream` can read it: itself, or (pageable host memory, --no-pin-cpu-params) a device
+// copy made on `stream`, freed in stream order after its reader.
+Tensor HybridDeviceOptimizer::kernel_readable(Stream & stream, const Tensor & t) const {
+    if (t.memory_kind() != MemoryKind::pageable_host) return t;
+    Tensor staged = Tensor::empty(t.shape(), t.dtype(), device_, TensorOptions{MemoryKind::device, "optimizer-staging"});
+    device_.ops().copy(stream, t, staged);
+    return staged;
 }
 
 HybridSlotState HybridDeviceOptimizer::slot_state(int slot) const {
@@ -229,7 +241,7 @@ void HybridDeviceOptimizer::step(float lr, Stream * current, std::optional<float
             host_adam_step(host_master_.data() + s.state, host_grad_.data() + s.state, host_m_.data() + s.state,
                            host_v_.data() + s.state, n, slot_lr(s.slot), c.beta1, c.beta2, c.eps, s.slot.weight_decay,
                            step_);
-            ops.convert(h2d, host_master_.slice(s.state, n), s.slot.values);
+            ops.convert(h2d, kernel_readable(h2d, host_master_.slice(s.state, n)), s.slot.values);
         }
         h2d.record(*h2d_events_[g]);
         if (overlap && !options_.unsafe_skip_h2d_wait) {
@@ -291,7 +303,7 @@ void HybridDeviceOptimizer::load_slot_state(int slot, std::span<const float> mas
     write_values_f32(st.master, master);
     const Tensor & values = slots_[static_cast<size_t>(slot)].slot.values;
     if (!st.master.shares_storage(values)) {   // else the values are the master
-        device_.ops().convert(device_.compute_stream(), st.master, values);
+        device_.ops().convert(device_.compute_stream(), kernel_readable(device_.compute_stream(), st.master), values);
         device_.compute_stream().synchronize();
     }
 }

@@ -1,5 +1,6 @@
 // HybridDeviceOptimizer (HDO): AdamW whose state lives partly in device memory and partly in host memory,
-// the host part stepped by the host (../shared/specs/ddp_and_optimizers.md section 3; seed 000).
+// the host part stepped by the host (docs/design/ddp_and_optimizers.md section 3; the section numbers below refer to
+// that document).
 //
 // It steps a list of slots: each slot is a window of model values in device memory (f32 or bf16), its f32
 // gradient in device memory, and a weight decay. The slots are the whole parameters of the replicated
@@ -7,7 +8,7 @@
 // optimizer (optim/optimizer.h): fraction 0 offloads nothing, and the step is then the plain AdamW step,
 // one Ops::adamw per slot on the caller's stream (no host work, no side streams).
 //
-// Split (spec 3.2, exact): a prefix of the slots, in slot order, is offloaded until the offloaded numel
+// Split (section 3.2, exact): a prefix of the slots, in slot order, is offloaded until the offloaded numel
 // reaches f * total. The test comes before the add, so the slot that crosses the threshold is offloaded
 // whole (overshoot by at most one slot); f = 0 offloads nothing (0 < 0 is false), f = 1 everything.
 //   numels (10, 20, 30, 40), f = 0.3: threshold 30; offload 10 (0 < 30), 20 (10 < 30), stop at 30: 2 slots.
@@ -21,7 +22,7 @@
 //                                                             / --no-pin-cpu-grads)
 // so offloading a bf16 element saves 12 device bytes and costs 16 pinned host bytes.
 //
-// Step (spec 3.5, with the fixes of 3.7), `current` is the caller's stream that produced the gradients and
+// Step (section 3.5, with the fixes of 3.7), `current` is the caller's stream that produced the gradients and
 // will read the values next (all device work goes through the device's ops, core/ops.h):
 //   1. record `start` on current; the d2h and h2d streams wait on it (gradients final, earlier readers of
 //      the values done);
@@ -34,7 +35,7 @@
 //      its slots, submits the H2D copies (f32 master -> model dtype, Ops::convert) on h2d, records the
 //      group's h2d event, and current waits on it (the h2d event, not the d2h one). Group k's host step
 //      runs while group k+1's D2H and group k-1's H2D are in flight.
-// Hazards of spec 3.7, each tested in tests/test_hybrid_optimizer.cpp:
+// Hazards of section 3.7, each tested in tests/test_hybrid_optimizer.cpp:
 //   (a) the device step is ordered after the caller's stream (grad casts/scales there);
 //   (b) every slot, device or host, f32 or bf16, reads its gradient from the one grad tensor of the slot;
 //   (c) a slot whose grad is missing this step (set_grad(i, Tensor())) is not updated at all;
@@ -69,7 +70,7 @@ struct HybridSlot {
     bool   decoupled_lr = false;   // steps with the embedding's and output layer's lr (--decoupled-lr)
 };
 
-// Which slots are offloaded, by spec 3.2's rule. Throws when fraction is outside [0, 1].
+// Which slots are offloaded, by section 3.2's rule. Throws when fraction is outside [0, 1].
 std::vector<bool> hybrid_offload_split(const std::vector<int64_t> & numels, double fraction);
 
 // Where one slot's state lives: (n) f32 views into the optimizer's arrays, in device memory or host memory
@@ -140,9 +141,11 @@ public:
 private:
     // Waits for the compute stream and the side streams (the host then reads or writes the state).
     void synchronize() const;
+    // `t` where a kernel on `stream` can read it (a device copy of pageable host memory).
+    Tensor kernel_readable(Stream & stream, const Tensor & t) const;
 
     // f32 host memory: pinned (a tensor of the pinned host allocator) or pageable (owned here, `tensor`
-    // a view of it).
+    // a view of it, of kind pageable_host on a GPU: copies take it, kernels are handed a device copy).
     struct HostArray {
         Tensor             tensor;     // (n)
         std::vector<float> pageable;   // (n), or empty when pinned

@@ -117,8 +117,9 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
         ->capture_default_str();
     app.add_flag("--print-layout", o.print_layout, "print the DDP buffer layout (as `loom layout`) on rank 0");
     app.add_option("--device", o.device,
-                   "where the model trains: cpu, cuda (one GPU per rank, NCCL between ranks), or auto: cuda when "
-                   "this build has the CUDA backend and a GPU is visible, else cpu")
+                   "where the model trains: cpu, cuda (one GPU per rank, NCCL between ranks), cuda-emu (the CUDA "
+                   "backend on an emulated GPU that runs on the CPU), or auto: cuda when this build has the CUDA "
+                   "backend and a GPU is visible, else cpu")
         ->capture_default_str();
     app.add_option("--timeline", o.timeline_file,
                    "write the last iteration's measured pipeline timeline (one row per stage) as an SVG");
@@ -956,8 +957,8 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
                    "`loom schedule --svg` draws a schedule without running one");
         check_output_path(o.timeline_file, "--timeline");
     }
-    LOOM_CHECK(o.device == "auto" || o.device == "cpu" || o.device == "cuda",
-               "--device " << o.device << " is not a device Loom trains on", "give --device cpu, cuda or auto");
+    LOOM_CHECK(o.device == "auto" || o.device == "cpu" || o.device == "cuda" || o.device == "cuda-emu",
+               "--device " << o.device << " is not a device Loom trains on", "give --device cpu, cuda, cuda-emu or auto");
     LOOM_CHECK(o.distributed_timeout_minutes >= 1,
                "--distributed-timeout-minutes must be >= 1, got " << o.distributed_timeout_minutes, "");
     int sources = !o.data_path.empty() + o.per_split_data() + !o.text_file.empty() + !o.llmc_shard.empty() + o.mock_data;

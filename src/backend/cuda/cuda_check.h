@@ -4,22 +4,23 @@
 // nvcc); kernels never throw.
 #pragma once
 
+#include "backend/cuda/cuda_namespace.h"
 #include "core/error.h"
 
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
-namespace loom::cuda {
+namespace loom::LOOM_CUDA_NS {
 
 inline const char * cublas_status_string(cublasStatus_t status) { return cublasGetStatusString(status); }
 
-}  // namespace loom::cuda
+}  // namespace loom::LOOM_CUDA_NS
 
 #define LOOM_CUDA_CHECK(expr)                                                                          \
     LOOM_CHECK_STATUS(expr, cudaSuccess, cudaGetErrorString, "CUDA",                                   \
                       "run with CUDA_LAUNCH_BLOCKING=1 to find the failing kernel")
 #define LOOM_CUBLAS_CHECK(expr)                                                                        \
-    LOOM_CHECK_STATUS(expr, CUBLAS_STATUS_SUCCESS, ::loom::cuda::cublas_status_string, "cuBLAS", "")
+    LOOM_CHECK_STATUS(expr, CUBLAS_STATUS_SUCCESS, ::loom::LOOM_CUDA_NS::cublas_status_string, "cuBLAS", "")
 #define LOOM_NCCL_CHECK(expr)                                                                          \
     LOOM_CHECK_STATUS(expr, ncclSuccess, ncclGetErrorString, "NCCL", "run with NCCL_DEBUG=INFO")

@@ -15,7 +15,7 @@
 #include <memory>
 #include <mutex>
 
-namespace loom::cuda {
+namespace loom::LOOM_CUDA_NS {
 
 int device_count() {
     int count = 0;
@@ -208,7 +208,7 @@ Graph * CudaStream::captured_into(unsigned long long * id) const {
 
 void CudaStream::native_capture_begin() {
     gemm_workspace();                      // persistent state: allocated before the allocator redirects
-    gemm_handles_create(device_.index());  // cuBLAS(Lt) handles allocate on creation: never inside a capture
+    gemm_handles_create(device_.index(), stream_);   // cuBLAS(Lt) handles allocate on creation: never in a capture
     DeviceGuard guard(device_.index());
     LOOM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
 }
@@ -460,8 +460,9 @@ public:
                          "cuda:" + std::to_string(index) + " pinned host"),
           synchronous_(streams_synchronous_from_env()) {}
 
-    DeviceType type() const override { return DeviceType::cuda; }
-    int        index() const override { return index_; }
+    DeviceType   type() const override { return DeviceType::cuda; }
+    int          index() const override { return index_; }
+    const char * kind_name() const override { return LOOM_CUDA_DEVICE_KIND; }
 
     Allocator & allocator(MemoryKind kind) override {
         return kind == MemoryKind::device ? device_memory_ : pinned_memory_;
@@ -504,4 +505,4 @@ Device & device(int index) {
     return *slot;
 }
 
-}  // namespace loom::cuda
+}  // namespace loom::LOOM_CUDA_NS

@@ -3,6 +3,7 @@
 // of cuda_ops.cpp). Built only with LOOM_CUDA=ON; nothing here needs the CUDA headers.
 #pragma once
 
+#include "backend/cuda/cuda_namespace.h"
 #include "core/device.h"
 #include "core/error.h"
 
@@ -10,7 +11,7 @@
 #include <string>
 #include <vector>
 
-namespace loom::cuda {
+namespace loom::LOOM_CUDA_NS {
 
 // Number of visible CUDA devices; 0 without a driver or a device.
 int device_count();
@@ -23,4 +24,4 @@ std::vector<float> fill_on_device(int64_t n, float value);
 // naming the index when there is no such device.
 Device & device(int index = 0);
 
-}  // namespace loom::cuda
+}  // namespace loom::LOOM_CUDA_NS

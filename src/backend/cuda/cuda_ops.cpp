@@ -14,7 +14,7 @@
 #include <tuple>
 #include <utility>
 
-namespace loom::cuda {
+namespace loom::LOOM_CUDA_NS {
 
 namespace {
 
@@ -25,13 +25,18 @@ float *    f32(const Tensor & t) { return t.data<float>(); }
 float *    f32_or_null(const Tensor & t) { return t.defined() ? t.data<float>() : nullptr; }
 uint16_t * bits16(const Tensor & t) { return static_cast<uint16_t *>(t.data_ptr()); }
 
-// Every tensor a kernel touches lives on the stream's CUDA device (device or pinned host memory).
-void expect_on(const CudaStream & s, const std::vector<Tensor> & tensors, const char * op) {
+// Every tensor an op touches lives on the stream's CUDA device: device or pinned host memory for a kernel;
+// a copy (`copy_only`: cudaMemcpy*Async, which stages pageable memory itself) may also take pageable host
+// memory, which no kernel can address.
+void expect_on(const CudaStream & s, const std::vector<Tensor> & tensors, const char * op, bool copy_only = false) {
     for (const Tensor & t : tensors) {
         if (!t.defined()) continue;
         LOOM_CHECK(t.device().type() == DeviceType::cuda && t.device().index() == s.device_index(),
                    op << ": " << t.describe() << " is not on cuda:" << s.device_index(),
                    "copy host tensors to the device first (a pinned_host tensor of the CUDA device and ops().copy)");
+        LOOM_CHECK(copy_only || t.memory_kind() != MemoryKind::pageable_host,
+                   op << ": " << t.describe() << " is pageable host memory, which a kernel cannot address",
+                   "copy it into device or pinned memory first (ops().copy takes pageable memory)");
     }
 }
 
@@ -46,26 +51,43 @@ Tensor scratch_like(CudaStream & cs, const Tensor & t) {
 }
 
 // Ids read on the device (tokens, labels) are checked there: kernels::find_bad_id records the first one
-// outside [-1, limit) in a pinned word, and host work enqueued after the op's kernels raises the CPU
-// backend's error (op_checks::id_in_range) at the stream's next synchronize. The kernels themselves read
-// such an id as -1, so nothing outside a table is read or written.
-Tensor bad_id_word(CudaStream & cs) {
-    Tensor word = Tensor::empty({1}, DType::i64, cs.device(), TensorOptions{MemoryKind::pinned_host});
-    // No kernel uses a block the allocator hands out (frees are stream-ordered), so the host may write it.
-    *static_cast<uint64_t *>(word.data_ptr()) = ~uint64_t{0};
-    return word;
-}
+// outside [-1, limit) with an atomicMin on a device word (device memory: an atomic over the bus on pinned
+// memory needs PCIe atomics, which a virtual machine may not give). The word is reset in stream order before
+// the kernel, so every replay of a captured op starts clean, and copied after the op's kernels into a
+// pinned word that host work enqueued behind the copy reads, raising the CPU backend's error
+// (op_checks::id_in_range) at the stream's next synchronize. The kernels themselves read such an id as -1,
+// so nothing outside a table is read or written.
+class BadIdCheck {
+public:
+    // On `stream`, the stream cs.launch() returned for the op.
+    BadIdCheck(CudaStream & cs, cudaStream_t stream)
+        : device_(Tensor::empty({1}, DType::i64, cs.device(), TensorOptions{MemoryKind::device, kActivationsPool})),
+          host_(Tensor::empty({1}, DType::i64, cs.device(), TensorOptions{MemoryKind::pinned_host})) {
+        LOOM_CUDA_CHECK(cudaMemsetAsync(device_.data_ptr(), 0xff, sizeof(uint64_t), stream));
+    }
 
-unsigned long long * bad_id_ptr(const Tensor & word) { return static_cast<unsigned long long *>(word.data_ptr()); }
+    unsigned long long * word() const { return static_cast<unsigned long long *>(device_.data_ptr()); }
 
-void report_bad_id(CudaStream & cs, const Tensor & word, int64_t limit, const char * op, const char * what) {
-    cs.submit([word, limit, op, what] {
-        const uint64_t first = *static_cast<const volatile uint64_t *>(word.data_ptr());
-        if (first == ~uint64_t{0}) return;
-        op_checks::id_in_range(static_cast<int32_t>(static_cast<uint32_t>(first & 0xffffffffu)),
-                               static_cast<int64_t>(first >> 32), limit, op, what);
-    });
-}
+    // After the op's kernels and before cs.launched(held): the copy to the host and the host's check. The
+    // op keeps both words (`held`) until the copy has run; the host work keeps the pinned one.
+    void report(CudaStream & cs, cudaStream_t stream, int64_t limit, const char * op, const char * what,
+                std::vector<Tensor> & held) const {
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(host_.data_ptr(), device_.data_ptr(), sizeof(uint64_t),
+                                        cudaMemcpyDeviceToHost, stream));
+        held.push_back(device_);
+        held.push_back(host_);
+        cs.submit([word = host_, limit, op, what] {
+            const uint64_t first = *static_cast<const volatile uint64_t *>(word.data_ptr());
+            if (first == ~uint64_t{0}) return;
+            op_checks::id_in_range(static_cast<int32_t>(static_cast<uint32_t>(first & 0xffffffffu)),
+                                   static_cast<int64_t>(first >> 32), limit, op, what);
+        });
+    }
+
+private:
+    Tensor device_;
+    Tensor host_;
+};
 
 // A dropout key's sample ids on the device (null when it has none). They usually sit in pinned host memory
 // (the data loader's): copied to the device once, rather than read over the bus by every element; the
@@ -307,14 +329,13 @@ public:
         const int64_t                  vocab = wte.size(0);
         std::vector<Tensor>            held{tokens, wte, wpe, out};
         CudaStream &                   cs     = start(s, "embedding_forward", held);
-        Tensor                         bad    = bad_id_word(cs);
         cudaStream_t                   stream = cs.launch("embedding_forward");
-        kernels::find_bad_id(stream, tokens.data<int32_t>(), tokens.numel(), vocab, bad_id_ptr(bad));
+        const BadIdCheck               bad(cs, stream);
+        kernels::find_bad_id(stream, tokens.data<int32_t>(), tokens.numel(), vocab, bad.word());
         kernels::embedding_forward(stream, tokens.data<int32_t>(), wte.data_ptr(), wpe.defined() ? wpe.data_ptr() : nullptr,
                                    float_kind(wte.dtype()), f32(out), dims.s, dims.b, dims.h, vocab);
-        held.push_back(bad);
+        bad.report(cs, stream, vocab, "embedding_forward", "token", held);
         cs.launched("embedding_forward", std::move(held));
-        report_bad_id(cs, bad, vocab, "embedding_forward", "token");
     }
 
     void embedding_backward(Stream & s, const Tensor & tokens, const Tensor & dout, const Tensor & dwte,
@@ -323,14 +344,13 @@ public:
         const int64_t                  vocab = dwte.size(0);
         std::vector<Tensor>            held{tokens, dout, dwte, dwpe};
         CudaStream &                   cs     = start(s, "embedding_backward", held);
-        Tensor                         bad    = bad_id_word(cs);
         cudaStream_t                   stream = cs.launch("embedding_backward");
-        kernels::find_bad_id(stream, tokens.data<int32_t>(), tokens.numel(), vocab, bad_id_ptr(bad));
+        const BadIdCheck               bad(cs, stream);
+        kernels::find_bad_id(stream, tokens.data<int32_t>(), tokens.numel(), vocab, bad.word());
         kernels::embedding_backward(stream, tokens.data<int32_t>(), f32(dout), f32(dwte), f32_or_null(dwpe), dims.s,
                                     dims.b, dims.h, vocab);
-        held.push_back(bad);
+        bad.report(cs, stream, vocab, "embedding_backward", "token", held);
         cs.launched("embedding_backward", std::move(held));
-        report_bad_id(cs, bad, vocab, "embedding_backward", "token");
     }
 
     void vocab_shard_ids(Stream & s, const Tensor & ids, int64_t begin, int64_t count, const Tensor & out) override {
@@ -376,14 +396,13 @@ public:
         const int64_t       b = labels.size(0), seq = labels.size(1);
         std::vector<Tensor> held{logits, labels, loss, lse};
         CudaStream &        cs     = start(s, "cross_entropy_forward", held);
-        Tensor              bad    = bad_id_word(cs);
         cudaStream_t        stream = cs.launch("cross_entropy_forward");
-        kernels::find_bad_id(stream, labels.data<int32_t>(), labels.numel(), vocab, bad_id_ptr(bad));
+        const BadIdCheck    bad(cs, stream);
+        kernels::find_bad_id(stream, labels.data<int32_t>(), labels.numel(), vocab, bad.word());
         kernels::cross_entropy_forward(stream, f32(logits), labels.data<int32_t>(), f32(loss), f32(lse), seq, b, stride,
                                        vocab);
-        held.push_back(bad);
+        bad.report(cs, stream, vocab, "cross_entropy_forward", "label", held);
         cs.launched("cross_entropy_forward", std::move(held));
-        report_bad_id(cs, bad, vocab, "cross_entropy_forward", "label");
     }
 
     void cross_entropy_backward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & lse,
@@ -394,14 +413,13 @@ public:
         const int64_t       b = labels.size(0), seq = labels.size(1);
         std::vector<Tensor> held{logits, labels, lse, dloss};
         CudaStream &        cs     = start(s, "cross_entropy_backward", held);
-        Tensor              bad    = bad_id_word(cs);
         cudaStream_t        stream = cs.launch("cross_entropy_backward");
-        kernels::find_bad_id(stream, labels.data<int32_t>(), labels.numel(), vocab, bad_id_ptr(bad));
+        const BadIdCheck    bad(cs, stream);
+        kernels::find_bad_id(stream, labels.data<int32_t>(), labels.numel(), vocab, bad.word());
         kernels::cross_entropy_backward(stream, f32(logits), labels.data<int32_t>(), f32(lse), f32(dloss), seq, b,
                                         stride, vocab);
-        held.push_back(bad);
+        bad.report(cs, stream, vocab, "cross_entropy_backward", "label", held);
         cs.launched("cross_entropy_backward", std::move(held));
-        report_bad_id(cs, bad, vocab, "cross_entropy_backward", "label");
     }
 
     void row_max(Stream & s, const Tensor & logits, int64_t valid, const Tensor & out) override {
@@ -429,13 +447,14 @@ public:
         op_checks::labels(labels, n, "label_logit");
         expect(out, DType::f32, n, "label_logit", "out");
         const int64_t b = labels.size(0), seq = labels.size(1);
-        CudaStream &  cs     = start(s, "label_logit", {logits, labels, out});
-        Tensor        bad    = bad_id_word(cs);
-        cudaStream_t  stream = cs.launch("label_logit");
-        kernels::find_bad_id(stream, labels.data<int32_t>(), labels.numel(), stride, bad_id_ptr(bad));
+        std::vector<Tensor> held{logits, labels, out};
+        CudaStream &        cs     = start(s, "label_logit", held);
+        cudaStream_t        stream = cs.launch("label_logit");
+        const BadIdCheck    bad(cs, stream);
+        kernels::find_bad_id(stream, labels.data<int32_t>(), labels.numel(), stride, bad.word());
         kernels::label_logit(stream, f32(logits), labels.data<int32_t>(), f32(out), seq, b, stride);
-        cs.launched("label_logit", {logits, labels, out, bad});
-        report_bad_id(cs, bad, stride, "label_logit", "label");
+        bad.report(cs, stream, stride, "label_logit", "label", held);
+        cs.launched("label_logit", std::move(held));
     }
 
     void lse_and_loss(Stream & s, const Tensor & max, const Tensor & sum, const Tensor & target, const Tensor & lse,
@@ -482,7 +501,7 @@ public:
     void copy(Stream & s, const Tensor & src, const Tensor & dst) override {
         LOOM_CHECK(src.dtype() == dst.dtype() && src.numel() == dst.numel(),
                    "copy " << src.describe() << " to " << dst.describe(), "copies keep the dtype and element count");
-        CudaStream & cs     = start(s, "copy", {src, dst});
+        CudaStream & cs     = start(s, "copy", {src, dst}, /*copy_only=*/true);
         cudaStream_t stream = cs.launch("copy");
         if (src.nbytes() > 0) {
             LOOM_CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), src.nbytes(), cudaMemcpyDefault, stream));
@@ -498,7 +517,7 @@ public:
                        dst_col + width <= dst.size(1),
                    "copy_columns of " << width << " columns from column " << src_col << " of " << src.describe()
                                       << " to column " << dst_col << " of " << dst.describe(), "");
-        CudaStream & cs     = start(s, "copy_columns", {src, dst});
+        CudaStream & cs     = start(s, "copy_columns", {src, dst}, /*copy_only=*/true);
         cudaStream_t stream = cs.launch("copy_columns");
         const size_t elem   = dtype_size(src.dtype());
         if (width > 0 && src.size(0) > 0) {
@@ -570,9 +589,9 @@ public:
 
 private:
     // The CUDA stream of `s`, after checking that every tensor lives on its device.
-    static CudaStream & start(Stream & s, const char * op, const std::vector<Tensor> & tensors) {
+    static CudaStream & start(Stream & s, const char * op, const std::vector<Tensor> & tensors, bool copy_only = false) {
         CudaStream & cs = as_cuda_stream(s, op);
-        expect_on(cs, tensors, op);
+        expect_on(cs, tensors, op, copy_only);
         return cs;
     }
 
@@ -585,4 +604,4 @@ Ops & cuda_ops() {
     return instance;
 }
 
-}  // namespace loom::cuda
+}  // namespace loom::LOOM_CUDA_NS

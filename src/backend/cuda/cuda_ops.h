@@ -4,11 +4,12 @@
 // CUDA limit, heads of up to kernels::kAttentionMaxHeadDim (256).
 #pragma once
 
+#include "backend/cuda/cuda_namespace.h"
 #include "core/ops.h"
 
-namespace loom::cuda {
+namespace loom::LOOM_CUDA_NS {
 
 // The process's CUDA ops (stateless apart from cuBLASLt handles; one instance for every device).
 Ops & cuda_ops();
 
-}  // namespace loom::cuda
+}  // namespace loom::LOOM_CUDA_NS

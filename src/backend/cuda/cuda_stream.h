@@ -44,13 +44,14 @@
 //     first GEMM is refused (run one GEMM on it eagerly first).
 // A segment records an event after each replay; destroying the Graph waits for it before destroying the
 // executable and dropping the kept tensors (so destroy graphs outside a capture). The ops that check ids on
-// the device (bad_id_word in cuda_ops.cpp) reset their word on the host when they are called, not at each
-// replay: once a replay has seen a bad id, every later replay of that graph reports it again.
+// the device (BadIdCheck in cuda_ops.cpp) reset their device word in stream order, so each replay of a
+// graph reports only the bad ids of its own inputs.
 //
 // With LOOM_SYNC_STREAMS=1 every op synchronizes its stream after launching, so a failing kernel is
 // reported by the op that launched it (not while capturing: the capture cannot synchronize).
 #pragma once
 
+#include "backend/cuda/cuda_namespace.h"
 #include "core/device.h"
 #include "core/tensor.h"
 
@@ -61,7 +62,7 @@
 #include <mutex>
 #include <vector>
 
-namespace loom::cuda {
+namespace loom::LOOM_CUDA_NS {
 
 // Makes `index` the calling thread's current device for the guard's lifetime.
 class DeviceGuard {
@@ -164,4 +165,4 @@ private:
 CudaStream & as_cuda_stream(Stream & stream, const char * op);
 CudaEvent &  as_cuda_event(Event & event);
 
-}  // namespace loom::cuda
+}  // namespace loom::LOOM_CUDA_NS

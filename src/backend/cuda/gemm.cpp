@@ -2,11 +2,13 @@
 
 #include "backend/cuda/cuda_check.h"
 
+#include <map>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
-namespace loom::cuda {
+namespace loom::LOOM_CUDA_NS {
 
 namespace {
 
@@ -20,17 +22,21 @@ cublasLtHandle_t lt_handle(int device_index) {
     return handles[device_index];
 }
 
-// One cuBLAS handle per device, for the shapes cuBLASLt has no kernel for (gemm_lt's fallback).
-cublasHandle_t blas_handle(int device_index) {
-    static std::mutex                  mutex;
-    static std::vector<cublasHandle_t> handles;
-    std::lock_guard<std::mutex>        lock(mutex);
-    if (static_cast<size_t>(device_index) >= handles.size()) handles.resize(device_index + 1, nullptr);
-    if (handles[device_index] == nullptr) {
-        LOOM_CUBLAS_CHECK(cublasCreate(&handles[device_index]));
-        LOOM_CUBLAS_CHECK(cublasSetMathMode(handles[device_index], CUBLAS_PEDANTIC_MATH));   // no TF32, as cuBLASLt's path
+// One cuBLAS handle per stream, for the shapes cuBLASLt has no kernel for (gemm_lt's fallback). A handle
+// is bound to its stream and to the stream's GEMM workspace at every call (cublasSetStream resets the
+// workspace to cuBLAS's own pool, whose per-stream buffer cuBLAS would allocate at the stream's first GEMM:
+// inside a capture, an allocation that breaks it). Per stream, so two threads driving two streams never
+// re-bind one handle under each other. Created before a capture begins (gemm_handles_create); kept until exit.
+cublasHandle_t blas_handle(int device_index, cudaStream_t stream) {
+    static std::mutex                                          mutex;
+    static std::map<std::pair<int, cudaStream_t>, cublasHandle_t> handles;
+    std::lock_guard<std::mutex>                                lock(mutex);
+    cublasHandle_t & handle = handles[{device_index, stream}];
+    if (handle == nullptr) {
+        LOOM_CUBLAS_CHECK(cublasCreate(&handle));
+        LOOM_CUBLAS_CHECK(cublasSetMathMode(handle, CUBLAS_PEDANTIC_MATH));   // no TF32, as cuBLASLt's path
     }
-    return handles[device_index];
+    return handle;
 }
 
 // The largest power of two (up to 256) dividing the address: cuBLASLt assumes 256-byte alignment unless told,
@@ -127,9 +133,9 @@ struct LtPlan {
 
 }  // namespace
 
-void gemm_handles_create(int device_index) {
+void gemm_handles_create(int device_index, cudaStream_t stream) {
     lt_handle(device_index);
-    blas_handle(device_index);
+    blas_handle(device_index, stream);
 }
 
 void gemm_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,
@@ -145,8 +151,9 @@ void gemm_lt(int device_index, cudaStream_t stream, void * workspace, size_t wor
     if (!plan.found) {
         // No cuBLASLt kernel for these alignments or leading dimensions: cublasGemmEx takes any.
         const float    alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-        cublasHandle_t blas  = blas_handle(device_index);
+        cublasHandle_t blas  = blas_handle(device_index, stream);
         LOOM_CUBLAS_CHECK(cublasSetStream(blas, stream));
+        LOOM_CUBLAS_CHECK(cublasSetWorkspace(blas, workspace, workspace_bytes));
         LOOM_CUBLAS_CHECK(cublasGemmEx(blas, plan.op_a, plan.op_b, static_cast<int>(n), static_cast<int>(m),
                                        static_cast<int>(k), &alpha, b, plan.ab_type, static_cast<int>(plan.a_rows), a,
                                        plan.ab_type, static_cast<int>(plan.b_rows), &beta, c, CUDA_R_32F,
@@ -172,4 +179,4 @@ bool gemm_bias_lt(int device_index, cudaStream_t stream, void * workspace, size_
     return false;
 }
 
-}  // namespace loom::cuda
+}  // namespace loom::LOOM_CUDA_NS

@@ -12,16 +12,19 @@
 // same types and compute type runs the product instead. m, n, k must fit in int for that fallback.
 #pragma once
 
+#include "backend/cuda/cuda_namespace.h"
+
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
 
-namespace loom::cuda {
+namespace loom::LOOM_CUDA_NS {
 
-// Creates the device's cuBLASLt and cuBLAS handles if they do not exist yet (a capture begins with it:
-// creating a handle allocates, which a CUDA graph capture must not see).
-void gemm_handles_create(int device_index);
+// Creates the device's cuBLASLt handle and `stream`'s cuBLAS handle if they do not exist yet (a capture
+// begins with it: creating a handle allocates, which a CUDA graph capture must not see). GEMMs run in the
+// stream's own workspace (CudaStream::gemm_workspace), cuBLASLt's and cuBLAS's fallback alike.
+void gemm_handles_create(int device_index, cudaStream_t stream);
 
 void gemm_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,
              bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, bool bf16, float * c,
@@ -36,4 +39,4 @@ bool gemm_bias_lt(int device_index, cudaStream_t stream, void * workspace, size_
                   bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, bool bf16,
                   const float * bias, float * c);
 
-}  // namespace loom::cuda
+}  // namespace loom::LOOM_CUDA_NS

@@ -3,13 +3,14 @@
 // reductions over rows (parameter gradients) take one thread per column and add the rows in order, as the
 // CPU does, so they are deterministic and give the CPU's f32 sums.
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.h"
 #include "core/dropout.h"
 
 #include <algorithm>
 #include <climits>
 #include <cmath>
 
-namespace loom::cuda::kernels {
+namespace loom::LOOM_CUDA_NS::kernels {
 
 namespace {
 
@@ -589,7 +590,7 @@ __device__ __forceinline__ uint64_t attn_base(const AttentionKey & key, int64_t 
 // One block per (sequence, query head, query tile), the last tiles (most keys) first.
 __global__ void __launch_bounds__(kAttnThreads) attention_forward_kernel(const float * qkv, float * out, float * lse,
                                                                         AttentionDims a, float scale, AttentionKey key) {
-    extern __shared__ float smem[];
+    LOOM_DYNAMIC_SHARED(float, smem);
     constexpr int T = kAttnTile;
     const int     ds = attn_stride(a.d);
     float *       qs = smem, *ks = qs + T * ds, *vs = ks + T * ds, *ps = vs + T * ds;
@@ -732,7 +733,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_dq_kernel(const float 
                                                                    const float * lse, const float * delta,
                                                                    float * dqkv, AttentionDims a, float scale,
                                                                    AttentionKey key) {
-    extern __shared__ float smem[];
+    LOOM_DYNAMIC_SHARED(float, smem);
     constexpr int T = kAttnTile;
     const int     ds = attn_stride(a.d);
     float *       qs = smem, *dos = qs + T * ds, *ks = dos + T * ds, *vs = ks + T * ds;
@@ -787,7 +788,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_dkdv_kernel(const floa
                                                                      const float * lse, const float * delta,
                                                                      float * dqkv, AttentionDims a, float scale,
                                                                      AttentionKey key) {
-    extern __shared__ float smem[];
+    LOOM_DYNAMIC_SHARED(float, smem);
     constexpr int T = kAttnTile;
     const int     ds = attn_stride(a.d);
     float *       qs = smem, *dos = qs + T * ds, *ks = dos + T * ds, *vs = ks + T * ds;
@@ -864,54 +865,56 @@ cudaError_t allow_smem(Kernel kernel, size_t bytes) {
 }  // namespace
 
 void fill_f32(cudaStream_t stream, float * data, int64_t n, float value) {
-    if (n > 0) fill_kernel<<<blocks_for(n), kThreads, 0, stream>>>(data, n, value);
+    if (n > 0) LOOM_LAUNCH(fill_kernel, blocks_for(n), kThreads, 0, stream)(data, n, value);
 }
 
 void convert(cudaStream_t stream, const void * src, Float src_kind, void * dst, Float dst_kind, int64_t n) {
-    if (n > 0) convert_kernel<<<blocks_for(n), kThreads, 0, stream>>>(src, src_kind, dst, dst_kind, n);
+    if (n > 0) LOOM_LAUNCH(convert_kernel, blocks_for(n), kThreads, 0, stream)(src, src_kind, dst, dst_kind, n);
 }
 
 void round_to_bf16(cudaStream_t stream, float * x, uint16_t * x_bf16, int64_t n) {
-    if (n > 0) round_to_bf16_kernel<<<blocks_for(n), kThreads, 0, stream>>>(x, x_bf16, n);
+    if (n > 0) LOOM_LAUNCH(round_to_bf16_kernel, blocks_for(n), kThreads, 0, stream)(x, x_bf16, n);
 }
 
 void scale(cudaStream_t stream, float * x, float factor, int64_t n) {
-    if (n > 0) scale_kernel<<<blocks_for(n), kThreads, 0, stream>>>(x, factor, n);
+    if (n > 0) LOOM_LAUNCH(scale_kernel, blocks_for(n), kThreads, 0, stream)(x, factor, n);
 }
 
 void add_inplace(cudaStream_t stream, float * y, const float * x, int64_t n) {
-    if (n > 0) add_inplace_kernel<<<blocks_for(n), kThreads, 0, stream>>>(y, x, n);
+    if (n > 0) LOOM_LAUNCH(add_inplace_kernel, blocks_for(n), kThreads, 0, stream)(y, x, n);
 }
 
 void bias_add(cudaStream_t stream, float * y, const float * bias, int64_t n, int64_t h) {
-    if (n * h > 0) bias_add_kernel<<<blocks_for(n * h), kThreads, 0, stream>>>(y, bias, n, h);
+    if (n * h > 0) LOOM_LAUNCH(bias_add_kernel, blocks_for(n * h), kThreads, 0, stream)(y, bias, n, h);
 }
 
 void bias_backward(cudaStream_t stream, const float * dy, float * dbias, int64_t n, int64_t h) {
-    if (h > 0) bias_backward_kernel<<<blocks_for(h), kThreads, 0, stream>>>(dy, dbias, n, h);
+    if (h > 0) LOOM_LAUNCH(bias_backward_kernel, blocks_for(h), kThreads, 0, stream)(dy, dbias, n, h);
 }
 
 int64_t sum_of_squares_chunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
 
 void sum_of_squares(cudaStream_t stream, const float * x, int64_t n, double * partial, float * out) {
     const int64_t chunks = sum_of_squares_chunks(n);
-    if (chunks > 0) sum_of_squares_chunks_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream>>>(x, n, partial);
-    sum_of_squares_total_kernel<<<1, 32, 0, stream>>>(partial, chunks, out);
+    if (chunks > 0) {
+        LOOM_LAUNCH(sum_of_squares_chunks_kernel, static_cast<unsigned>(chunks), kThreads, 0, stream)(x, n, partial);
+    }
+    LOOM_LAUNCH(sum_of_squares_total_kernel, 1, 32, 0, stream)(partial, chunks, out);
 }
 
 void layernorm_forward(cudaStream_t stream, float * x, const float * residual, const float * gamma,
                        const float * beta, float * y, float * mean, float * rstd, int64_t n, int64_t h, float eps) {
     if (n > 0) {
-        layernorm_forward_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(x, residual, gamma, beta, y, mean,
-                                                                                   rstd, h, eps, false);
+        LOOM_LAUNCH(layernorm_forward_kernel, static_cast<unsigned>(n), kThreads, 0, stream)(
+            x, residual, gamma, beta, y, mean, rstd, h, eps, false);
     }
 }
 
 void rmsnorm_forward(cudaStream_t stream, float * x, const float * residual, const float * gamma, float * y,
                      float * rstd, int64_t n, int64_t h, float eps) {
     if (n > 0) {
-        layernorm_forward_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(x, residual, gamma, nullptr, y,
-                                                                                   nullptr, rstd, h, eps, true);
+        LOOM_LAUNCH(layernorm_forward_kernel, static_cast<unsigned>(n), kThreads, 0, stream)(
+            x, residual, gamma, nullptr, y, nullptr, rstd, h, eps, true);
     }
 }
 
@@ -919,51 +922,60 @@ void layernorm_backward(cudaStream_t stream, const float * dy, const float * x, 
                         const float * mean, const float * rstd, float * dx, float * dgamma, float * dbeta, int64_t n,
                         int64_t h) {
     if (n == 0 || h == 0) return;
-    norm_backward_dx_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(dy, x, gamma, mean, rstd, dx, h);
-    norm_backward_params_kernel<<<blocks_for(h), kThreads, 0, stream>>>(dy, x, mean, rstd, dgamma, dbeta, n, h);
+    LOOM_LAUNCH(norm_backward_dx_kernel, static_cast<unsigned>(n), kThreads, 0, stream)(
+        dy, x, gamma, mean, rstd, dx, h);
+    LOOM_LAUNCH(norm_backward_params_kernel, blocks_for(h), kThreads, 0, stream)(
+        dy, x, mean, rstd, dgamma, dbeta, n, h);
 }
 
 void rmsnorm_backward(cudaStream_t stream, const float * dy, const float * x, const float * gamma, const float * rstd,
                       float * dx, float * dgamma, int64_t n, int64_t h) {
     if (n == 0 || h == 0) return;
-    norm_backward_dx_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(dy, x, gamma, nullptr, rstd, dx, h);
-    norm_backward_params_kernel<<<blocks_for(h), kThreads, 0, stream>>>(dy, x, nullptr, rstd, dgamma, nullptr, n, h);
+    LOOM_LAUNCH(norm_backward_dx_kernel, static_cast<unsigned>(n), kThreads, 0, stream)(
+        dy, x, gamma, nullptr, rstd, dx, h);
+    LOOM_LAUNCH(norm_backward_params_kernel, blocks_for(h), kThreads, 0, stream)(
+        dy, x, nullptr, rstd, dgamma, nullptr, n, h);
 }
 
 void bias_gelu_forward(cudaStream_t stream, float * x, const float * bias, float * y, uint16_t * x_bf16, int64_t n,
                        int64_t f) {
-    if (n * f > 0) bias_gelu_forward_kernel<<<blocks_for(n * f), kThreads, 0, stream>>>(x, bias, y, x_bf16, n, f);
+    if (n * f > 0) {
+        LOOM_LAUNCH(bias_gelu_forward_kernel, blocks_for(n * f), kThreads, 0, stream)(x, bias, y, x_bf16, n, f);
+    }
 }
 
 void gelu_backward(cudaStream_t stream, const float * x, const float * dy, float * dx, int64_t count) {
-    if (count > 0) gelu_backward_kernel<<<blocks_for(count), kThreads, 0, stream>>>(x, dy, dx, count);
+    if (count > 0) LOOM_LAUNCH(gelu_backward_kernel, blocks_for(count), kThreads, 0, stream)(x, dy, dx, count);
 }
 
 void swiglu_forward(cudaStream_t stream, const float * x, float * y, int64_t n, int64_t f) {
-    if (n * f > 0) swiglu_forward_kernel<<<blocks_for(n * f), kThreads, 0, stream>>>(x, y, n, f);
+    if (n * f > 0) LOOM_LAUNCH(swiglu_forward_kernel, blocks_for(n * f), kThreads, 0, stream)(x, y, n, f);
 }
 
 void swiglu_backward(cudaStream_t stream, const float * x, const float * dy, float * dx, int64_t n, int64_t f) {
-    if (n * f > 0) swiglu_backward_kernel<<<blocks_for(n * f), kThreads, 0, stream>>>(x, dy, dx, n, f);
+    if (n * f > 0) LOOM_LAUNCH(swiglu_backward_kernel, blocks_for(n * f), kThreads, 0, stream)(x, dy, dx, n, f);
 }
 
 void adamw(cudaStream_t stream, float * p, const float * g, float * m, float * v, void * out, AdamOut out_kind,
            int64_t n, const AdamCoeffs & c) {
-    if (n > 0) adamw_kernel<<<blocks_for(n), kThreads, 0, stream>>>(p, g, m, v, out, out_kind, n, c);
+    if (n > 0) LOOM_LAUNCH(adamw_kernel, blocks_for(n), kThreads, 0, stream)(p, g, m, v, out, out_kind, n, c);
 }
 
 void find_bad_id(cudaStream_t stream, const int32_t * ids, int64_t n, int64_t limit, unsigned long long * first_bad) {
-    if (n > 0) find_bad_id_kernel<<<blocks_for(n), kThreads, 0, stream>>>(ids, n, limit, first_bad);
+    if (n > 0) LOOM_LAUNCH(find_bad_id_kernel, blocks_for(n), kThreads, 0, stream)(ids, n, limit, first_bad);
 }
 
 void rope(cudaStream_t stream, float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d,
           const float * inv_freq, bool inverse) {
     const int64_t pairs = s * b * heads * (d / 2);
-    if (pairs > 0) rope_kernel<<<blocks_for(pairs), kThreads, 0, stream>>>(x, row_stride, s, b, heads, d, inv_freq, inverse);
+    if (pairs > 0) {
+        LOOM_LAUNCH(rope_kernel, blocks_for(pairs), kThreads, 0, stream)(
+            x, row_stride, s, b, heads, d, inv_freq, inverse);
+    }
 }
 
 void dropout(cudaStream_t stream, const float * x, float * y, int64_t n, int64_t w, const DropoutKey & key) {
-    if (n * w > 0) dropout_kernel<<<blocks_for(n * w), kThreads, 0, stream>>>(x, y, n, w, key);
+    if (n * w > 0) LOOM_LAUNCH(dropout_kernel, blocks_for(n * w), kThreads, 0, stream)(x, y, n, w, key);
 }
 
 void embedding_forward(cudaStream_t stream, const int32_t * tokens, const void * wte, const void * wpe, Float kind,
@@ -971,10 +983,10 @@ void embedding_forward(cudaStream_t stream, const int32_t * tokens, const void *
     const int64_t count = s * b * h;
     if (count == 0) return;
     if (kind == Float::f32) {
-        embedding_forward_kernel<<<blocks_for(count), kThreads, 0, stream>>>(
+        LOOM_LAUNCH(embedding_forward_kernel<float>, blocks_for(count), kThreads, 0, stream)(
             tokens, static_cast<const float *>(wte), static_cast<const float *>(wpe), out, s, b, h, vocab);
     } else {
-        embedding_forward_kernel<<<blocks_for(count), kThreads, 0, stream>>>(
+        LOOM_LAUNCH(embedding_forward_kernel<uint16_t>, blocks_for(count), kThreads, 0, stream)(
             tokens, static_cast<const uint16_t *>(wte), static_cast<const uint16_t *>(wpe), out, s, b, h, vocab);
     }
 }
@@ -987,52 +999,59 @@ void embedding_backward(cudaStream_t stream, const int32_t * tokens, const float
         constexpr int64_t kTargetThreads = int64_t{1} << 17;
         const int64_t     buckets = std::max<int64_t>(1, std::min<int64_t>({vocab, 65535, kTargetThreads / h}));
         const dim3        grid(static_cast<unsigned>((h + kThreads - 1) / kThreads), static_cast<unsigned>(buckets));
-        embedding_backward_wte_kernel<<<grid, kThreads, 0, stream>>>(tokens, dout, dwte, s, b, h, vocab, buckets);
+        LOOM_LAUNCH(embedding_backward_wte_kernel, grid, kThreads, 0, stream)(
+            tokens, dout, dwte, s, b, h, vocab, buckets);
     }
-    if (dwpe != nullptr) embedding_backward_wpe_kernel<<<blocks_for(s * h), kThreads, 0, stream>>>(dout, dwpe, s, b, h);
+    if (dwpe != nullptr) {
+        LOOM_LAUNCH(embedding_backward_wpe_kernel, blocks_for(s * h), kThreads, 0, stream)(dout, dwpe, s, b, h);
+    }
 }
 
 void vocab_shard_ids(cudaStream_t stream, const int32_t * ids, int64_t n, int64_t begin, int64_t count, int32_t * out) {
-    if (n > 0) vocab_shard_ids_kernel<<<blocks_for(n), kThreads, 0, stream>>>(ids, n, begin, count, out);
+    if (n > 0) LOOM_LAUNCH(vocab_shard_ids_kernel, blocks_for(n), kThreads, 0, stream)(ids, n, begin, count, out);
 }
 
 void row_max(cudaStream_t stream, const float * logits, int64_t n, int64_t stride, int64_t valid, float * out) {
-    if (n > 0) row_max_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(logits, stride, valid, out);
+    if (n > 0) LOOM_LAUNCH(row_max_kernel, static_cast<unsigned>(n), kThreads, 0, stream)(logits, stride, valid, out);
 }
 
 void row_sum_exp(cudaStream_t stream, const float * logits, const float * max, int64_t n, int64_t stride,
                  int64_t valid, float * out) {
-    if (n > 0) row_sum_exp_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(logits, max, stride, valid, out);
+    if (n > 0) {
+        LOOM_LAUNCH(row_sum_exp_kernel, static_cast<unsigned>(n), kThreads, 0, stream)(logits, max, stride, valid, out);
+    }
 }
 
 void cross_entropy_forward(cudaStream_t stream, const float * logits, const int32_t * labels, float * loss,
                            float * lse, int64_t s, int64_t b, int64_t stride, int64_t vocab) {
     if (s * b > 0) {
-        cross_entropy_forward_kernel<<<static_cast<unsigned>(s * b), kThreads, 0, stream>>>(logits, labels, loss, lse, s,
-                                                                                           b, stride, vocab);
+        LOOM_LAUNCH(cross_entropy_forward_kernel, static_cast<unsigned>(s * b), kThreads, 0, stream)(
+            logits, labels, loss, lse, s, b, stride, vocab);
     }
 }
 
 void cross_entropy_backward(cudaStream_t stream, float * logits, const int32_t * labels, const float * lse,
                             const float * dloss, int64_t s, int64_t b, int64_t stride, int64_t vocab) {
     if (s * b > 0) {
-        cross_entropy_backward_kernel<<<static_cast<unsigned>(s * b), kThreads, 0, stream>>>(logits, labels, lse, dloss,
-                                                                                            s, b, stride, vocab);
+        LOOM_LAUNCH(cross_entropy_backward_kernel, static_cast<unsigned>(s * b), kThreads, 0, stream)(
+            logits, labels, lse, dloss, s, b, stride, vocab);
     }
 }
 
 void label_logit(cudaStream_t stream, const float * logits, const int32_t * labels, float * out, int64_t s, int64_t b,
                  int64_t stride) {
-    if (s * b > 0) label_logit_kernel<<<blocks_for(s * b), kThreads, 0, stream>>>(logits, labels, out, s, b, stride);
+    if (s * b > 0) {
+        LOOM_LAUNCH(label_logit_kernel, blocks_for(s * b), kThreads, 0, stream)(logits, labels, out, s, b, stride);
+    }
 }
 
 void lse_and_loss(cudaStream_t stream, const float * max, const float * sum, const float * target, float * lse,
                   float * loss, int64_t n) {
-    if (n > 0) lse_and_loss_kernel<<<blocks_for(n), kThreads, 0, stream>>>(max, sum, target, lse, loss, n);
+    if (n > 0) LOOM_LAUNCH(lse_and_loss_kernel, blocks_for(n), kThreads, 0, stream)(max, sum, target, lse, loss, n);
 }
 
 void loss_grad(cudaStream_t stream, const float * mask, double scale, float * dloss, int64_t s, int64_t b) {
-    if (s * b > 0) loss_grad_kernel<<<blocks_for(s * b), kThreads, 0, stream>>>(mask, scale, dloss, s, b);
+    if (s * b > 0) LOOM_LAUNCH(loss_grad_kernel, blocks_for(s * b), kThreads, 0, stream)(mask, scale, dloss, s, b);
 }
 
 cudaError_t attention_forward(cudaStream_t stream, const float * qkv, float * out, float * lse, const AttentionDims & a,
@@ -1043,7 +1062,8 @@ cudaError_t attention_forward(cudaStream_t stream, const float * qkv, float * ou
     const size_t smem = attention_forward_smem(a.d);
     cudaError_t  err  = allow_smem(attention_forward_kernel, smem);
     if (err != cudaSuccess) return err;
-    attention_forward_kernel<<<static_cast<unsigned>(blocks), kAttnThreads, smem, stream>>>(qkv, out, lse, a, scale, key);
+    LOOM_LAUNCH(attention_forward_kernel, static_cast<unsigned>(blocks), kAttnThreads, smem, stream)(
+        qkv, out, lse, a, scale, key);
     return cudaGetLastError();
 }
 
@@ -1056,12 +1076,12 @@ cudaError_t attention_backward(cudaStream_t stream, const float * qkv, const flo
     cudaError_t  err  = allow_smem(attention_dq_kernel, smem);
     if (err == cudaSuccess) err = allow_smem(attention_dkdv_kernel, smem);
     if (err != cudaSuccess) return err;
-    attention_delta_kernel<<<blocks_for(a.b * a.nq * a.s), kThreads, 0, stream>>>(out, dout, delta, a);
-    attention_dq_kernel<<<static_cast<unsigned>(tiles * a.b * a.nq), kAttnThreads, smem, stream>>>(qkv, dout, lse, delta,
-                                                                                                   dqkv, a, scale, key);
-    attention_dkdv_kernel<<<static_cast<unsigned>(tiles * a.b * a.nkv), kAttnThreads, smem, stream>>>(
+    LOOM_LAUNCH(attention_delta_kernel, blocks_for(a.b * a.nq * a.s), kThreads, 0, stream)(out, dout, delta, a);
+    LOOM_LAUNCH(attention_dq_kernel, static_cast<unsigned>(tiles * a.b * a.nq), kAttnThreads, smem, stream)(
+        qkv, dout, lse, delta, dqkv, a, scale, key);
+    LOOM_LAUNCH(attention_dkdv_kernel, static_cast<unsigned>(tiles * a.b * a.nkv), kAttnThreads, smem, stream)(
         qkv, dout, lse, delta, dqkv, a, scale, key);
     return cudaGetLastError();
 }
 
-}  // namespace loom::cuda::kernels
+}  // namespace loom::LOOM_CUDA_NS::kernels

@@ -1,7 +1,7 @@
 // The CUDA backend's kernels, as plain launch functions over raw device pointers (kernels.cu). Each one
 // enqueues its kernel on `stream` and returns; argument checking, tensor lifetimes and launch-error checks
 // belong to the caller (cuda_ops.cpp). This header is read by nvcc in C++17 and by the C++20 host code,
-// so it includes no Loom header.
+// so it includes no Loom header but the namespace macro (cuda_namespace.h).
 //
 // Every kernel is the twin of a CPU kernel (backend/cpu/ops.h) and follows its contract; where the CPU
 // computes in double (norm statistics, sum of squares) so does the GPU. Reductions run in a fixed order
@@ -10,11 +10,13 @@
 // Legend: n rows (= s * b), h hidden, f ffn hidden.
 #pragma once
 
+#include "backend/cuda/cuda_namespace.h"
+
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-namespace loom::cuda::kernels {
+namespace loom::LOOM_CUDA_NS::kernels {
 
 // The floating formats of convert(); values match core's DType numbering only by name.
 enum class Float : int { f32, bf16, f16 };
@@ -157,4 +159,4 @@ cudaError_t attention_backward(cudaStream_t stream, const float * qkv, const flo
                                const float * lse, float * delta, float * dqkv, const AttentionDims & a, float scale,
                                const AttentionKey & key);
 
-}  // namespace loom::cuda::kernels
+}  // namespace loom::LOOM_CUDA_NS::kernels
