@@ -150,6 +150,7 @@ void convert(const void * src, DType src_dtype, void * dst, DType dst_dtype, siz
                "convert supports float32, bfloat16 and float16, got " << dtype_name(src_dtype) << " -> "
                                                                        << dtype_name(dst_dtype),
                "convert integer tensors element by element");
+    if (n == 0) return;   // an empty tensor's data may be null, which memcpy must not be given
     if (src_dtype == dst_dtype) {
         std::memcpy(dst, src, n * dtype_size(src_dtype));
         return;
