@@ -23,7 +23,7 @@ TEST_P(RankFault, EndsTheWholeJobWithinThirtySeconds) {
     const Fault & f     = GetParam();
     const auto    start = std::chrono::steady_clock::now();
     CliRun r = run_loom_mpi(2, "train --mock-data --train-iters 50 --lr-warmup-iters 1 --log-interval 1",
-                            std::string("LOOM_DISTRIBUTED_TIMEOUT_S=5 LOOM_FAULT=1:3:") + f.name + " timeout 120");
+                            std::string("LOOM_DISTRIBUTED_TIMEOUT_S=2 LOOM_FAULT=1:3:") + f.name + " timeout 120");
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     EXPECT_NE(r.status, 0) << r.out;
     EXPECT_NE(r.status, 124) << "timeout(1) had to end it: the job hung\n" << r.out;
