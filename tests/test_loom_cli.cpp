@@ -1,7 +1,6 @@
-// `loom ranks`: the JSON for the two 16-rank examples of docs/design/parallel_state.md section 3 equals
-// the groups listed there; the text
-// view has both tables and the per-rank map; Megatron spellings work; bad input exits 2 with nothing on
-// stdout.
+// `loom --version` and `loom help`. `loom ranks`: the JSON for the two 16-rank examples of
+// docs/design/parallel_state.md section 3 equals the groups listed there; the text view has both tables and
+// the per-rank map; Megatron spellings work; bad input exits 2 with nothing on stdout.
 #include <nlohmann/json.hpp>
 
 #include "loom_cli_runner.h"
@@ -85,4 +84,22 @@ TEST(LoomRanks, InvalidConfigurationExitsTwoWithNothingOnStdout) {
     EXPECT_EQ(bad_flag.out, "");
     CliRun missing = run_loom_stdout("ranks --tp 2");
     EXPECT_EQ(missing.status, 2);
+}
+
+// `loom --version` names the version and the backends; `loom help` is the usage and `loom help <command>` the
+// command's --help, both on stdout with status 0; an unknown command after help exits 2.
+TEST(LoomCli, VersionAndHelpAsUsersExpect) {
+    CliRun version = run_loom_stdout("--version");
+    EXPECT_EQ(version.status, 0);
+    EXPECT_EQ(version.out.rfind("loom ", 0), 0u) << version.out;
+    EXPECT_NE(version.out.find("backends: cpu"), std::string::npos) << version.out;
+    CliRun usage = run_loom_stdout("help");
+    EXPECT_EQ(usage.status, 0);
+    EXPECT_NE(usage.out.find("usage: loom <command>"), std::string::npos) << usage.out;
+    CliRun help_train = run_loom_stdout("help train"), train_help = run_loom_stdout("train --help");
+    EXPECT_EQ(help_train.status, 0);
+    EXPECT_EQ(help_train.out, train_help.out);
+    EXPECT_NE(help_train.out.find("--tensor-model-parallel-size"), std::string::npos);
+    CliRun unknown = run_loom_stdout("help nonsense");
+    EXPECT_EQ(unknown.status, 2);
 }

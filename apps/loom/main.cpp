@@ -8,10 +8,13 @@
 //   loom export-hf write a model as a Hugging Face GPT-2 folder
 //   loom schedule  print or draw the pipeline-parallel schedule of every rank (1F1B, interleaved)
 //   loom checkpoint info   what a checkpoint of `loom train --save` holds
+//   loom help [command]    the list of commands, or a command's options (as `loom <command> --help`)
+//   loom --version         the version and the backends this build holds
 //
 // Only this file turns a loom::Error into an exit status (2: the input was at fault) and a message on
 // stderr.
 #include "apps/loom/commands.h"
+#include "apps/loom/gpu_backend.h"
 #include "core/error.h"
 
 #include <cstdio>
@@ -43,15 +46,41 @@ void print_usage(FILE * out) {
     for (const Command & c : kCommands) {
         std::fprintf(out, "  %-10s %s\n", c.name, c.help);
     }
-    std::fprintf(out, "\n`loom <command> --help` describes a command's options.\n");
+    std::fprintf(out, "\n`loom <command> --help` (or `loom help <command>`) describes a command's options;\n"
+                      "`loom --version` names the version and the backends of this build.\n");
+}
+
+// "loom 0.1.0" and a line per backend: what --device can name, and what each sees.
+void print_version() {
+    std::printf("loom %s\n", LOOM_VERSION);
+    std::printf("backends: cpu");
+    for (const loom::app::GpuBackend * gpu : {loom::app::cuda_backend(), loom::app::cuda_emu_backend()}) {
+        if (gpu != nullptr) std::printf(", %s (%d device(s) visible)", gpu->kind, gpu->device_count());
+    }
+    std::printf("\n");
 }
 
 }  // namespace
 
 int main(int argc, char ** argv) {
-    if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
+    if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0 ||
+        (std::strcmp(argv[1], "help") == 0 && argc == 2)) {
         print_usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? loom::app::kExitBadInput : 0;
+    }
+    if (std::strcmp(argv[1], "--version") == 0 || std::strcmp(argv[1], "version") == 0) {
+        print_version();
+        return 0;
+    }
+    if (std::strcmp(argv[1], "help") == 0) {   // `loom help train` is `loom train --help`
+        char   help_flag[] = "--help";
+        char * args[]      = {argv[2], help_flag, nullptr};
+        for (const Command & c : kCommands) {
+            if (std::strcmp(argv[2], c.name) == 0) return c.run(2, args);
+        }
+        std::fprintf(stderr, "loom help: unknown command '%s'\n\n", argv[2]);
+        print_usage(stderr);
+        return loom::app::kExitBadInput;
     }
     for (const Command & c : kCommands) {
         if (std::strcmp(argv[1], c.name) == 0) {
