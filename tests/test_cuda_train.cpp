@@ -2,8 +2,8 @@
 // iterations on the GPU follows the CPU run's loss curve, on one GPU in bf16 and in f32, with the hybrid
 // optimizer offloading half the state over pinned memory, and on two ranks sharing one GPU through NCCL
 // (each rank claims its own host with NCCL_HOSTID, as tests/test_nccl_mpi.cpp does): DP 2 with ZeRO-1 and
-// both overlaps, TP 2 + SP (also with layer graphs), PP 2, PP 2 x VPP 2. Without a GPU these skip, and
-// `--device cuda` is refused naming the flag.
+// both overlaps, TP 2 + SP (also with layer graphs), PP 2, PP 2 x VPP 2; and PP 4 x VPP 2 on four ranks.
+// Without a GPU these skip, and `--device cuda` is refused naming the flag.
 //
 // The same file built with LOOM_CUDA_EMU (test_cuda_train_emu, every machine) trains with --device cuda-emu:
 // the CUDA backend's sources on the emulated device, NCCL's semantics between the ranks; there it also shows
@@ -134,6 +134,15 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{"tp2_sp_layer_graphs", "--tensor-model-parallel-size 2 --sequence-parallel "
                                                     "--cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 2"}),
     [](const ::testing::TestParamInfo<Layout> & info) { return std::string(info.param.name); });
+
+// Four ranks, PP 4 x VPP 2: the wrap-around channel from the last stage to the first carries data too.
+TEST(CudaTrain, FourRanksPp4Vpp2FollowTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    const std::string model = "--bf16 --num-layers 8 --global-batch-size 8 ";
+    expect_follows_cpu(run_on_gpus(4, kRun + model + "--pipeline-model-parallel-size 4 "
+                                                     "--num-virtual-stages-per-pipeline-rank 2"),
+                       "pp4_vpp2", model);
+}
 
 // What the pipeline's channel communicators (pipeline/p2p_plan.h) prevent: with every transfer on the one
 // pipeline communicator (the LOOM_PP_ONE_COMMUNICATOR seam), PP 2 x VPP 2 deadlocks under NCCL's semantics,

@@ -222,10 +222,10 @@ TEST_F(HfGpt2, ExportRoundTripIsBitwise) {
     model::export_hf_gpt2(*gpt, (dir_ / "out").string());
 
     // The safetensors written holds the fixture's tensors (less the mask buffers), bit for bit.
-    model::SafetensorsFile original(kFixture + "/model.safetensors");
-    model::SafetensorsFile exported((dir_ / "out" / "model.safetensors").string());
+    io::SafetensorsFile original(kFixture + "/model.safetensors");
+    io::SafetensorsFile exported((dir_ / "out" / "model.safetensors").string());
     size_t compared = 0;
-    for (const model::SafetensorsEntry & t : original.entries()) {
+    for (const io::SafetensorsEntry & t : original.entries()) {
         if (is_buffer(t.name)) continue;
         ASSERT_TRUE(exported.contains(t.name)) << t.name;
         EXPECT_EQ(exported.entry(t.name).dtype, "F32");
@@ -274,7 +274,7 @@ TEST_F(HfGpt2, Bf16ParametersLoadRoundedAndExportTheirValues) {
         EXPECT_TRUE(bitwise_equal(as_f32(*b[i]), rounded)) << b[i]->name;
     }
     model::export_hf_gpt2(*bf16, (dir_ / "out").string());
-    model::SafetensorsFile exported((dir_ / "out" / "model.safetensors").string());
+    io::SafetensorsFile exported((dir_ / "out" / "model.safetensors").string());
     std::vector<float>     wte = exported.read_f32("wte.weight");
     std::vector<float>     param = as_f32(*b[0]);
     param.resize(wte.size());
@@ -282,15 +282,15 @@ TEST_F(HfGpt2, Bf16ParametersLoadRoundedAndExportTheirValues) {
 }
 
 TEST_F(HfGpt2, TransformerPrefixAndTiedLmHeadAreAccepted) {
-    model::SafetensorsFile                original(kFixture + "/model.safetensors");
-    std::vector<model::SafetensorsTensor> tensors;
-    for (const model::SafetensorsEntry & t : original.entries()) {
+    io::SafetensorsFile                original(kFixture + "/model.safetensors");
+    std::vector<io::SafetensorsTensor> tensors;
+    for (const io::SafetensorsEntry & t : original.entries()) {
         if (is_buffer(t.name)) continue;
         tensors.push_back({"transformer." + t.name, t.shape, original.read_f32(t.name)});
     }
     tensors.push_back({"lm_head.weight", original.entry("wte.weight").shape, original.read_f32("wte.weight")});
     fs::path d = checkpoint("prefixed");
-    model::write_safetensors((d / "model.safetensors").string(), tensors);
+    io::write_safetensors((d / "model.safetensors").string(), tensors);
 
     auto reference = load_model(kFixture);
     auto prefixed  = load_model(d.string());
@@ -313,7 +313,7 @@ TEST_F(HfGpt2, SafetensorsReadsBf16AndF16AsFloat32) {
                           R"("h":{"dtype":"F16","shape":[3],"data_offsets":[6,12]},)"
                           R"("i":{"dtype":"I64","shape":[],"data_offsets":[12,20]},"__metadata__":{"format":"pt"}})",
                           data);
-    model::SafetensorsFile f((dir_ / "m.safetensors").string());
+    io::SafetensorsFile f((dir_ / "m.safetensors").string());
     EXPECT_EQ(f.metadata().at("format"), "pt");
     EXPECT_EQ(f.read_f32("b"), (std::vector<float>{1.5f, -2.0f, 0.099609375f}));
     EXPECT_EQ(f.read_f32("h"), (std::vector<float>{1.5f, -2.0f, 0.099609375f}));
@@ -359,20 +359,20 @@ TEST_F(HfGpt2, NonGpt2ModelsAreRefusedNamingTheFlag) {
 }
 
 TEST_F(HfGpt2, MissingUnexpectedAndMisshapenTensorsAreNamed) {
-    model::SafetensorsFile original(kFixture + "/model.safetensors");
-    auto with = [&](const std::string & sub, const std::function<void(std::vector<model::SafetensorsTensor> &)> & edit) {
-        std::vector<model::SafetensorsTensor> tensors;
-        for (const model::SafetensorsEntry & t : original.entries()) {
+    io::SafetensorsFile original(kFixture + "/model.safetensors");
+    auto with = [&](const std::string & sub, const std::function<void(std::vector<io::SafetensorsTensor> &)> & edit) {
+        std::vector<io::SafetensorsTensor> tensors;
+        for (const io::SafetensorsEntry & t : original.entries()) {
             tensors.push_back({t.name, t.shape, original.read_f32(t.name)});
         }
         edit(tensors);
         fs::path d = checkpoint(sub);
-        model::write_safetensors((d / "model.safetensors").string(), tensors);
+        io::write_safetensors((d / "model.safetensors").string(), tensors);
         auto gpt = std::make_unique<model::GptModel>(model::gpt_config_from_hf(d.string()), cpu::device());
         return error_of([&] { model::load_hf_gpt2(*gpt, d.string()); });
     };
     std::string msg = with("missing", [](auto & t) {
-        std::erase_if(t, [](const model::SafetensorsTensor & x) { return x.name == "h.1.mlp.c_fc.bias"; });
+        std::erase_if(t, [](const io::SafetensorsTensor & x) { return x.name == "h.1.mlp.c_fc.bias"; });
     });
     EXPECT_NE(msg.find("no tensor 'h.1.mlp.c_fc.bias'"), std::string::npos) << msg;
     EXPECT_NE(msg.find("layers.1.mlp.fc1.bias"), std::string::npos) << msg;
@@ -394,7 +394,7 @@ TEST_F(HfGpt2, MalformedSafetensorsFilesAreNamed) {
         fs::path d = checkpoint(name);
         write_text(d / "model.safetensors", contents);
         return std::make_pair((d / "model.safetensors").string(),
-                              error_of([&] { model::SafetensorsFile f((d / "model.safetensors").string()); }));
+                              error_of([&] { io::SafetensorsFile f((d / "model.safetensors").string()); }));
     };
     auto expect_error = [&](const std::string & name, const std::string & contents, const std::string & needle) {
         auto [path, msg] = error_for(name, contents);

@@ -2,6 +2,7 @@
 // points, global-norm clipping, and the optimizer interface's step (norm, skip, clip, update).
 #include "backend/cpu/cpu_device.h"
 #include "optim/adamw.h"
+#include "optim/lr_schedule.h"
 #include "optim/optimizer.h"
 
 #include <gtest/gtest.h>

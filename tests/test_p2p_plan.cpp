@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "pipeline/p2p_plan.h"
 #include "pipeline/schedule.h"
+#include "tests/schedule_options.h"
 
 #include <gtest/gtest.h>
 
@@ -24,16 +25,7 @@ using namespace loom::pipeline;
 
 namespace {
 
-ScheduleOptions schedule(int pp, std::optional<int> vpp, int m, std::optional<int> n = std::nullopt,
-                         bool forward_only = false) {
-    ScheduleOptions o;
-    o.pp                    = pp;
-    o.vpp                   = vpp;
-    o.num_microbatches      = m;
-    o.microbatch_group_size = n;
-    o.forward_only          = forward_only;
-    return o;
-}
+using loom::testing::schedule;
 
 bool valid(const ScheduleOptions & o) {
     try {

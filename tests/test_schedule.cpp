@@ -11,6 +11,7 @@
 #include "pipeline/timeline.h"
 
 #include "loom_cli_runner.h"
+#include "tests/schedule_options.h"
 
 #include <nlohmann/json.hpp>
 
@@ -29,16 +30,7 @@ using namespace loom::pipeline;
 
 namespace {
 
-ScheduleOptions schedule(int pp, std::optional<int> vpp, int m, std::optional<int> n = std::nullopt,
-                         bool forward_only = false) {
-    ScheduleOptions o;
-    o.pp                    = pp;
-    o.vpp                   = vpp;
-    o.num_microbatches      = m;
-    o.microbatch_group_size = n;
-    o.forward_only          = forward_only;
-    return o;
-}
+using loom::testing::schedule;
 
 // The message and hint of the Error `f` throws ("" if none).
 template <typename F>

@@ -1,10 +1,11 @@
 #include "checkpoint/checkpoint.h"
 
 #include "core/atomic_file.h"
+#include "core/crc32c.h"
 #include "core/error.h"
 #include "core/input_file.h"
 #include "core/json_depth.h"
-#include "model/hf_gpt2.h"
+#include "io/safetensors.h"
 
 #include <algorithm>
 #include <array>
@@ -26,53 +27,6 @@ namespace loom::checkpoint {
 
 namespace fs = std::filesystem;
 using json   = nlohmann::json;
-
-// --- CRC-32C ------------------------------------------------------------------------------------------
-
-namespace {
-
-constexpr uint32_t kCrcPoly = 0x82F63B78u;   // Castagnoli, reflected
-
-const std::array<uint32_t, 256> & crc_table() {
-    static const std::array<uint32_t, 256> table = [] {
-        std::array<uint32_t, 256> t{};
-        for (uint32_t i = 0; i < 256; ++i) {
-            uint32_t c = i;
-            for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ kCrcPoly : c >> 1;
-            t[i] = c;
-        }
-        return t;
-    }();
-    return table;
-}
-
-uint32_t crc32c_table(const uint8_t * p, size_t n, uint32_t crc) {
-    const auto & t = crc_table();
-    for (size_t i = 0; i < n; ++i) crc = t[(crc ^ p[i]) & 0xFF] ^ (crc >> 8);
-    return crc;
-}
-
-__attribute__((target("sse4.2"))) uint32_t crc32c_sse42(const uint8_t * p, size_t n, uint32_t crc) {
-    uint64_t c = crc;
-    for (; n >= 8; n -= 8, p += 8) {
-        uint64_t word;
-        std::memcpy(&word, p, 8);
-        c = __builtin_ia32_crc32di(c, word);
-    }
-    uint32_t c32 = static_cast<uint32_t>(c);
-    for (; n > 0; --n, ++p) c32 = __builtin_ia32_crc32qi(c32, *p);
-    return c32;
-}
-
-}  // namespace
-
-uint32_t crc32c(const void * data, size_t bytes, uint32_t crc) {
-    static const bool hardware = __builtin_cpu_supports("sse4.2");
-    const auto *      p        = static_cast<const uint8_t *>(data);
-    crc                        = ~crc;
-    crc = hardware ? crc32c_sse42(p, bytes, crc) : crc32c_table(p, bytes, crc);
-    return ~crc;
-}
 
 std::string iteration_folder(int64_t iteration) {
     char name[32];
@@ -506,12 +460,12 @@ class FileCache {
 public:
     explicit FileCache(const Index & index) : index_(index) {}
 
-    const model::SafetensorsFile & open(const std::string & name) {
+    const io::SafetensorsFile & open(const std::string & name) {
         auto it = files_.find(name);
         if (it != files_.end()) return *it->second;
         const std::string path = (fs::path(index_.folder) / name).string();
         check_file(path, index_.files.at(name));
-        auto file = std::make_unique<model::SafetensorsFile>(path);
+        auto file = std::make_unique<io::SafetensorsFile>(path);
         return *files_.emplace(name, std::move(file)).first->second;
     }
 
@@ -534,7 +488,7 @@ public:
 
 private:
     const Index &                                                    index_;
-    std::map<std::string, std::unique_ptr<model::SafetensorsFile>> files_;
+    std::map<std::string, std::unique_ptr<io::SafetensorsFile>> files_;
 };
 
 // The full tensor's `kind` from every piece, into `full` (`scratch` holds a piece that must be scattered).
@@ -543,7 +497,7 @@ void assemble(const Index & index, const std::string & name, const TensorRecord 
               FileCache & files, std::vector<float> & full, std::vector<float> & scratch) {
     full.resize(static_cast<size_t>(shape_numel(t.shape)));
     for (const Piece & p : t.pieces) {
-        const model::SafetensorsFile & file  = files.open(p.file);
+        const io::SafetensorsFile & file  = files.open(p.file);
         const std::string              entry = entry_name(name, p.begin, kind);
         LOOM_CHECK(file.contains(entry), "checkpoint file '" << file.path() << "' has no entry '" << entry
                                                              << "' (listed in '" << index.path() << "')", kCorruptHint);

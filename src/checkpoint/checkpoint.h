@@ -67,9 +67,6 @@ inline constexpr const char * kTrackerFile = "latest_checkpointed_iteration.txt"
 inline constexpr const char * kIndexFile   = "index.json";
 inline constexpr int          kFormatVersion = 1;
 
-// CRC-32C (Castagnoli) of `bytes`, continuing from `crc` (0 to start); SSE4.2 where the CPU has it.
-uint32_t crc32c(const void * data, size_t bytes, uint32_t crc = 0);
-
 // "iter_0000010", as Megatron names the folders (seven digits).
 std::string iteration_folder(int64_t iteration);
 

@@ -1,6 +1,7 @@
 #include "comm/communicator.h"
 
 #include "core/error.h"
+#include "core/graph.h"
 
 #include <cstring>
 #include <numeric>
@@ -129,6 +130,12 @@ WorkPtr Communicator::recv(const Tensor & t, int peer, int tag, Stream * stream)
     check_peer(peer, *this, "recv");
     LOOM_CHECK(tag >= 0, name() << ".recv: negative tag " << tag, "");
     return do_recv(t, peer, tag, stream);
+}
+
+void CapturedWork::wait() {
+    check_not_capturing("a wait on a collective");
+    LOOM_CHECK(false, "a wait on a collective captured into graph '" << graph_ << "'",
+               "a captured collective completes in each replay: wait on the replay's stream instead");
 }
 
 WorkPtr Communicator::barrier(Stream * stream) { return do_barrier(stream); }

@@ -55,6 +55,19 @@ public:
 };
 using WorkPtr = std::shared_ptr<Work>;
 
+// What an operation issued on a stream capturing a graph returns (every backend issues it afresh at each
+// replay, core/graph.h's replayable node): it completes in each replay, never on the host, so a wait is
+// refused naming the graph.
+class CapturedWork : public Work {
+public:
+    explicit CapturedWork(std::string graph) : graph_(std::move(graph)) {}
+    void wait() override;
+    bool test() override { return false; }
+
+private:
+    std::string graph_;
+};
+
 class Communicator {
 public:
     virtual ~Communicator() = default;

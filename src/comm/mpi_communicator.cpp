@@ -77,21 +77,6 @@ private:
     std::exception_ptr      error_;
 };
 
-// What a collective issued during graph capture returns: it completes in each replay, never on the host.
-class CapturedWork : public Work {
-public:
-    explicit CapturedWork(std::string graph) : graph_(std::move(graph)) {}
-    void wait() override {
-        check_not_capturing("a wait on a collective");
-        LOOM_CHECK(false, "a wait on a collective captured into graph '" << graph_ << "'",
-                   "a captured collective completes in each replay: wait on the replay's stream instead");
-    }
-    bool test() override { return false; }
-
-private:
-    std::string graph_;
-};
-
 // One operation on its way through the engine.
 struct MpiOp {
     int                                       comm_id = 0;

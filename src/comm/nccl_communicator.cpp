@@ -176,21 +176,6 @@ private:
     std::string                      error_;
 };
 
-// What an operation issued during graph capture returns: it completes in each replay, never on the host.
-class CapturedNcclWork : public Work {
-public:
-    explicit CapturedNcclWork(std::string graph) : graph_(std::move(graph)) {}
-    void wait() override {
-        check_not_capturing("a wait on an NCCL operation");
-        LOOM_CHECK(false, "a wait on an NCCL operation captured into graph '" << graph_ << "'",
-                   "a captured operation completes in each replay: wait on the replay's stream instead");
-    }
-    bool test() override { return false; }
-
-private:
-    std::string graph_;
-};
-
 class NcclCommunicator : public Communicator {
 public:
     NcclCommunicator(std::shared_ptr<NcclState> state, Device & device, int rank, int size,
@@ -402,7 +387,7 @@ private:
                         return [] {};
                     },
                     std::string("nccl ") + op);
-                return std::make_shared<CapturedNcclWork>(graph->name());
+                return std::make_shared<CapturedWork>(graph->name());
             }
             LOOM_CHECK(!caller->capturing(),
                        "nccl " << op << " on group '" << name_ << "' issued on stream '" << stream->name()

@@ -294,6 +294,16 @@ int64_t host_adam_bytes_per_element(const HostAdamOut & out) {
     return 28 + static_cast<int64_t>(dtype_size(out.dtype));
 }
 
+AdamScalars adam_scalars(float lr, float beta1, float beta2, float weight_decay, int64_t step) {
+    AdamScalars s;
+    s.one_minus_beta1 = 1.0f - beta1;
+    s.one_minus_beta2 = 1.0f - beta2;
+    s.step_size       = lr / (1.0f - std::pow(beta1, static_cast<float>(step)));
+    s.bc2_sqrt        = std::sqrt(1.0f - std::pow(beta2, static_cast<float>(step)));
+    s.decay           = 1.0f - lr * weight_decay;
+    return s;
+}
+
 void host_adam_step(float * p, const float * g, float * m, float * v, int64_t n, float lr, float beta1,
                     float beta2, float eps, float weight_decay, int64_t step, HostAdamOut out,
                     const HostAdamOptions & options) {
@@ -308,16 +318,16 @@ void host_adam_step(float * p, const float * g, float * m, float * v, int64_t n,
     const Body body = body_for(host_adam_isa_resolve(options.isa), kind);
     if (n == 0) return;
 
-    // The scalars exactly as adamw_update computes them.
-    Coeffs c;
+    const AdamScalars s = adam_scalars(lr, beta1, beta2, weight_decay, step);
+    Coeffs            c;
     c.beta1           = beta1;
     c.beta2           = beta2;
-    c.one_minus_beta1 = 1.0f - beta1;
-    c.one_minus_beta2 = 1.0f - beta2;
-    c.step_size       = lr / (1.0f - std::pow(beta1, static_cast<float>(step)));
-    c.bc2_sqrt        = std::sqrt(1.0f - std::pow(beta2, static_cast<float>(step)));
+    c.one_minus_beta1 = s.one_minus_beta1;
+    c.one_minus_beta2 = s.one_minus_beta2;
+    c.step_size       = s.step_size;
+    c.bc2_sqrt        = s.bc2_sqrt;
     c.eps             = eps;
-    c.decay           = 1.0f - lr * weight_decay;
+    c.decay           = s.decay;
     // A step this large streams through memory: its output would leave the caches before anyone reads it,
     // so the SIMD bodies write it with non-temporal stores and save the read-for-ownership of its lines
     // (2 or 4 bytes per element, about 7% of a bf16-output step).

@@ -71,6 +71,18 @@ HostAdamIsa  host_adam_isa_best();
 // when the body is not supported here.
 HostAdamIsa  host_adam_isa_resolve(HostAdamIsa isa);
 
+// The scalars of one AdamW step, computed on the host in f32 by this one function (no contraction) for every
+// implementation: the host kernel below, the CUDA kernel (backend/cuda/cuda_ops.cpp) and optim's scalar
+// reference (optim/adamw.h), so all three apply the same factors and their elements agree to the bit.
+struct AdamScalars {
+    float one_minus_beta1;   // 1 - b1
+    float one_minus_beta2;   // 1 - b2
+    float step_size;         // lr / (1 - b1^t)
+    float bc2_sqrt;          // sqrt(1 - b2^t)
+    float decay;             // 1 - lr * wd
+};
+AdamScalars adam_scalars(float lr, float beta1, float beta2, float weight_decay, int64_t step);
+
 // Where the updated parameter is also written, in the model's dtype.
 struct HostAdamOut {
     void * data  = nullptr;       // (n) elements of dtype; nullptr: no output

@@ -1,5 +1,5 @@
-// AdamW's hyper-parameters with Megatron's defaults, the update's scalar reference, the LR schedule and
-// the clipping factor. The optimizers themselves are in optim/optimizer.h.
+// AdamW's hyper-parameters with Megatron's defaults, the update's scalar reference, and the clipping factor.
+// The optimizers themselves are in optim/optimizer.h, the learning-rate schedule in optim/lr_schedule.h.
 //
 // Update of one element at step t (1-based), gradient g = main_grad, decoupled weight decay wd:
 //   p  <- p - lr * wd * p                       (only parameters with decay: not biases or norms)
@@ -11,18 +11,6 @@
 // there (Megatron's mixed precision: 2 bytes of bf16 weight + 4 of main_grad + 12 of master, m and v);
 // the step updates the master and writes it back rounded to the parameter's dtype in the same pass.
 //
-// LR schedule (Megatron's OptimizerParamScheduler.get_lr). Megatron counts steps in samples: after
-// iteration k the step is n = k x samples_per_iteration (the global batch), and warmup, decay and WSD
-// lengths are in samples (iterations x global batch, a fraction of the decay, or samples as given):
-//   n <= warmup:             lr = init_lr + (max_lr - init_lr) n / warmup
-//   constant:                lr = max_lr
-//   n >  decay:              lr = min_lr
-//   inverse-square-root:     lr = max(min_lr, max_lr sqrt(max(warmup, 1)) / sqrt(max(n, 1)))
-//   otherwise, r = (n - warmup) / (decay - warmup), lr = min_lr + (max_lr - min_lr) c with
-//     linear: c = 1 - r;  cosine: c = (1 + cos(pi r)) / 2;
-//     WSD: c = 1 until n > decay - wsd, then with q = (n - decay + wsd) / wsd: linear 1 - q, cosine
-//          (1 + cos(pi q)) / 2, exponential 2 * 0.5^q - 1, minus_sqrt 1 - sqrt(q)
-//
 // Clipping (optim/optimizer.h): norm = sqrt(sum over all main_grad elements of g^2); if clip > 0 and
 // norm > clip, every gradient is scaled by clip / (norm + 1e-6).
 #pragma once
@@ -30,9 +18,7 @@
 #include "comm/communicator.h"
 #include "core/device.h"
 
-#include <optional>
-#include <string>
-#include <vector>
+#include <cstdint>
 
 namespace loom::optim {
 
@@ -42,34 +28,6 @@ struct AdamWConfig {
     float beta2        = 0.999f;
     float eps          = 1e-8f;
     float weight_decay = 0.01f;
-};
-
-enum class LrDecayStyle { constant, linear, cosine, inverse_square_root, wsd };
-enum class WsdDecayStyle { exponential, linear, cosine, minus_sqrt };
-LrDecayStyle  lr_decay_style_from_name(const std::string & name);    // --lr-decay-style (WSD, inverse-square-root, ...)
-WsdDecayStyle wsd_decay_style_from_name(const std::string & name);   // --lr-wsd-decay-style
-
-struct LrSchedule {
-    float         max_lr       = 6e-4f;
-    float         min_lr       = 0.0f;
-    float         init_lr      = 0.0f;   // --lr-warmup-init
-    double        warmup_steps = 0;      // samples
-    double        decay_steps  = 1;      // samples, > warmup_steps
-    double        wsd_steps    = 0;      // samples of the WSD anneal
-    int64_t       samples_per_iteration = 1;
-    LrDecayStyle  style     = LrDecayStyle::linear;
-    WsdDecayStyle wsd_style = WsdDecayStyle::exponential;
-
-    // --decoupled-lr / --decoupled-min-lr: the embedding's and output layer's own maximum and minimum (the
-    // minimum defaults to min_lr), on the same schedule (Megatron's param-group max_lr / min_lr overrides).
-    std::optional<float> decoupled_max_lr, decoupled_min_lr;
-
-    float lr_at(int64_t iteration) const { return lr_at(iteration, max_lr, min_lr); }
-    // The embedding's and output layer's lr: lr_at's without --decoupled-lr.
-    float decoupled_lr_at(int64_t iteration) const {
-        return decoupled_max_lr ? lr_at(iteration, *decoupled_max_lr, decoupled_min_lr.value_or(min_lr)) : lr_at(iteration);
-    }
-    float lr_at(int64_t iteration, float max, float min) const;
 };
 
 // The fused update of n elements (the scalar reference; vectorised by the compiler). When p_bf16 is

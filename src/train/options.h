@@ -8,6 +8,7 @@
 #include "ddp/ddp.h"
 #include "model/gpt_config.h"
 #include "optim/adamw.h"
+#include "optim/lr_schedule.h"
 #include "pipeline/layer_assignment.h"
 #include "optim/hybrid_optimizer.h"
 

@@ -1,6 +1,6 @@
 #include "train/tensorboard.h"
 
-#include "checkpoint/checkpoint.h"
+#include "core/crc32c.h"
 #include "core/error.h"
 
 #include <cerrno>
@@ -14,7 +14,7 @@ namespace loom::train {
 namespace {
 
 uint32_t masked_crc(const void * data, size_t bytes) {
-    const uint32_t c = checkpoint::crc32c(data, bytes);
+    const uint32_t c = crc32c(data, bytes);
     return ((c >> 15) | (c << 17)) + 0xa282ead8u;
 }
 

@@ -191,13 +191,59 @@ void inject_fault(int64_t iteration) {
 
 }  // namespace
 
+// One iteration, phase by phase: begin (fault seam, zeroed gradients, the layer graphs' capture once the
+// warm-up is over), the pipeline schedule's forward and backward passes, the gradients' final reduction, the
+// optimizer step, and the loss every rank logs.
 double Trainer::step(IterationStats & stats) {
+    begin_iteration();
+    const pipeline::PipelineExecutor::Result r = run_schedule(stats);
+    const double loss_sum = checked_loss_sum(r);
+    consumed_ += options_.global_batch_size;
+    timed(1, [&] {
+        ddp::finalize_grads(setup_.ddp.get(), params_,
+                            ddp::FinalizeGroups{setup_.groups.embedding.get(), setup_.groups.tp.get()}, model_.device());
+    });
+    const float lr = schedule_.lr_at(iteration_);
+    optim::StepResult result;
+    timed(2, [&] {
+        result = setup_.optimizer->step(lr, schedule_.decoupled_max_lr
+                                                ? std::optional<float>(schedule_.decoupled_lr_at(iteration_))
+                                                : std::nullopt);
+        if (options_.timing_log_level >= 1) model_.device().compute_stream().synchronize();   // the step itself
+    });
+    if (options_.log_num_zeros_in_grad) stats.num_zeros = setup_.optimizer->count_zeros();
+    if (options_.log_params_norm) stats.params_norm = setup_.optimizer->params_norm();
+    if (!result.stepped) {
+        // Every rank computed the same norm, so every rank stops here together.
+        if (options_.check_for_nan_in_loss_and_grad) {
+            throw RunError(detail::concat("the gradient norm is ", result.grad_norm, " at iteration ", iteration_),
+                           "lower --lr or enable --clip-grad; --no-check-for-nan-in-loss-and-grad skips such "
+                           "iterations instead",
+                           __FILE__, __LINE__);
+        }
+        ++nan_iterations_;
+    }
+    stats.iteration          = iteration_;
+    stats.consumed_samples   = consumed_;
+    stats.learning_rate      = lr;
+    stats.global_batch_size  = options_.global_batch_size;
+    stats.grad_norm          = result.grad_norm;
+    stats.nan_iterations     = nan_iterations_;
+    stats.skipped_iterations = nan_iterations_;
+    return exchanged_loss(loss_sum / static_cast<double>(options_.num_microbatches()));
+}
+
+void Trainer::timed(int timer, const std::function<void()> & work) {
+    const auto start = std::chrono::steady_clock::now();
+    work();
+    timer_seconds_[timer] += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+void Trainer::begin_iteration() {
     ++iteration_;
     inject_fault(iteration_);
-    int64_t                        microbatches = options_.num_microbatches();
-    ddp::DistributedDataParallel * d            = setup_.ddp.get();
-    if (d) {
-        d->zero_grad_buffer();
+    if (setup_.ddp) {
+        setup_.ddp->zero_grad_buffer();
     } else {
         for (model::GptModel * chunk : setup_.chunks) chunk->zero_grad();
     }
@@ -211,75 +257,54 @@ double Trainer::step(IterationStats & stats) {
                                                                                            options_.graph_moe_preprocess});
         layer_graphs_->capture();
     }
-    const bool timed = stages_ && !options_.timeline_file.empty() && iteration_ == options_.train_iters;
-    using Clock      = std::chrono::steady_clock;
-    auto seconds_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
-    Clock::time_point mark = Clock::now();
-    if (timed) stages_->barrier()->wait();   // the stages start the timed iteration together
-    pipeline::PipelineExecutor::Result r =
-        executor_->run([this] { return data_.next(); }, grad_ready_,
-                       d ? std::function<void(bool)>([d](bool last) { d->set_last_microbatch(last); }) : nullptr);
-    peak_in_flight_ = std::max(peak_in_flight_, r.peak_in_flight);
-    stats.moe_losses = moe_losses();   // run() waited for the stream
-    timer_seconds_[0] += seconds_since(mark);
-    const comm::Communicator * dp = setup_.groups.dp.get();
-    if (timed) {
+}
+
+pipeline::PipelineExecutor::Result Trainer::run_schedule(IterationStats & stats) {
+    ddp::DistributedDataParallel * d = setup_.ddp.get();
+    // --timeline draws the last iteration as measured.
+    const bool drawn = stages_ && !options_.timeline_file.empty() && iteration_ == options_.train_iters;
+    pipeline::PipelineExecutor::Result r;
+    timed(0, [&] {
+        if (drawn) stages_->barrier()->wait();   // the stages start the drawn iteration together
+        r = executor_->run([this] { return data_.next(); }, grad_ready_,
+                           d ? std::function<void(bool)>([d](bool last) { d->set_last_microbatch(last); }) : nullptr);
+        peak_in_flight_  = std::max(peak_in_flight_, r.peak_in_flight);
+        stats.moe_losses = moe_losses();   // run() waited for the stream
+    });
+    if (drawn) {
         pipeline::Timeline timeline = pipeline::PipelineExecutor::gather_timeline(r, *stages_, executor_->options(),
                                                                                   model_.device());
+        const comm::Communicator * dp = setup_.groups.dp.get();
         if (stages_->rank() == 0 && (!dp || dp->rank() == 0)) {
             pipeline::write_file_atomically(options_.timeline_file, pipeline::timeline_svg(timeline));
         }
     }
-    double     loss_total = 0;   // sum of the micro-batches' mean losses (last stage)
-    const bool check      = options_.check_for_nan_in_loss_and_grad;
+    return r;
+}
+
+double Trainer::checked_loss_sum(const pipeline::PipelineExecutor::Result & r) const {
+    double total = 0;   // the micro-batches' mean losses (last stage)
     for (size_t k = 0; k < r.losses.size(); ++k) {
-        if (check && !std::isfinite(r.losses[k].sum)) {
+        if (options_.check_for_nan_in_loss_and_grad && !std::isfinite(r.losses[k].sum)) {
             throw RunError(detail::concat("lm loss is ", r.losses[k].sum, " in micro-batch ", k, " of iteration ",
                                           iteration_),
                            "lower --lr, check the data, or give --no-check-for-nan-in-loss-and-grad to skip such "
                            "iterations",
                            __FILE__, __LINE__);
         }
-        loss_total += r.losses[k].mean();
+        total += r.losses[k].mean();
     }
-    consumed_ += options_.global_batch_size;
-    mark = Clock::now();
-    ddp::finalize_grads(d, params_, ddp::FinalizeGroups{setup_.groups.embedding.get(), setup_.groups.tp.get()},
-                        model_.device());
-    timer_seconds_[1] += seconds_since(mark);
-    mark                           = Clock::now();
-    const float             lr     = schedule_.lr_at(iteration_);
-    const optim::StepResult result =
-        setup_.optimizer->step(lr, schedule_.decoupled_max_lr ? std::optional<float>(schedule_.decoupled_lr_at(iteration_))
-                                                              : std::nullopt);
-    if (options_.timing_log_level >= 1) model_.device().compute_stream().synchronize();   // time the step itself
-    timer_seconds_[2] += seconds_since(mark);
-    if (options_.log_num_zeros_in_grad) stats.num_zeros = setup_.optimizer->count_zeros();
-    if (options_.log_params_norm) stats.params_norm = setup_.optimizer->params_norm();
-    if (!result.stepped) {
-        // Every rank computed the same norm, so every rank stops here together.
-        if (check) {
-            throw RunError(detail::concat("the gradient norm is ", result.grad_norm, " at iteration ", iteration_),
-                           "lower --lr or enable --clip-grad; --no-check-for-nan-in-loss-and-grad skips such "
-                           "iterations instead",
-                           __FILE__, __LINE__);
-        }
-        ++nan_iterations_;
-    }
-    double loss = loss_total / static_cast<double>(microbatches);
+    return total;
+}
+
+double Trainer::exchanged_loss(double loss) const {
     if (stages_) {   // only the last stage computed the loss
         loss = comm::broadcast_values(*stages_, model_.device(), {static_cast<float>(loss)}, stages_->size() - 1)[0];
     }
+    const comm::Communicator * dp = setup_.groups.dp.get();
     if (dp && dp->size() > 1) {
         loss = comm::all_reduce_values(*setup_.groups.dp, model_.device(), {static_cast<float>(loss)}, comm::ReduceOp::avg)[0];
     }
-    stats.iteration          = iteration_;
-    stats.consumed_samples   = consumed_;
-    stats.learning_rate      = lr;
-    stats.global_batch_size  = options_.global_batch_size;
-    stats.grad_norm          = result.grad_norm;
-    stats.nan_iterations     = nan_iterations_;
-    stats.skipped_iterations = nan_iterations_;
     return loss;
 }
 

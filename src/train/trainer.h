@@ -146,6 +146,16 @@ private:
     std::string                                 timers_block(int64_t iterations);
 
     void log_validation(TensorBoardWriter & board, int64_t iteration, double loss) const;
+
+    // step()'s phases.
+    void   begin_iteration();
+    pipeline::PipelineExecutor::Result run_schedule(IterationStats & stats);
+    // The sum of the micro-batches' mean losses; throws on a non-finite one (--check-for-nan-in-loss-and-grad).
+    double checked_loss_sum(const pipeline::PipelineExecutor::Result & r) const;
+    // The iteration's loss as every rank logs it: from the last stage, averaged over data-parallel ranks.
+    double exchanged_loss(double loss) const;
+    // Runs `work` and adds its seconds to timer `timer` (kTimerNames).
+    void   timed(int timer, const std::function<void()> & work);
     int64_t                                     iteration_ = 0;
     int64_t                                     consumed_  = 0;
     int64_t                                     nan_iterations_ = 0;

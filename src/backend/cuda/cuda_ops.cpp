@@ -6,6 +6,7 @@
 #include "backend/cuda/kernels.h"
 #include "core/dropout.h"
 #include "core/error.h"
+#include "core/host_adam.h"
 #include "core/op_checks.h"
 
 #include <algorithm>
@@ -567,16 +568,17 @@ public:
                        "adamw: out is " << out.describe() << " for " << n << " elements", "out is bf16 or f32");
         }
         LOOM_CHECK(a.step >= 1, "adamw: step " << a.step, "the first step is 1");
-        // The scalars exactly as core/host_adam.cpp computes them (on the host, in f32).
+        // The scalars of core's adam_scalars, the host kernel's own.
+        const AdamScalars   sc = adam_scalars(a.lr, a.beta1, a.beta2, a.weight_decay, a.step);
         kernels::AdamCoeffs c;
         c.beta1           = a.beta1;
         c.beta2           = a.beta2;
-        c.one_minus_beta1 = 1.0f - a.beta1;
-        c.one_minus_beta2 = 1.0f - a.beta2;
-        c.step_size       = a.lr / (1.0f - std::pow(a.beta1, static_cast<float>(a.step)));
-        c.bc2_sqrt        = std::sqrt(1.0f - std::pow(a.beta2, static_cast<float>(a.step)));
+        c.one_minus_beta1 = sc.one_minus_beta1;
+        c.one_minus_beta2 = sc.one_minus_beta2;
+        c.step_size       = sc.step_size;
+        c.bc2_sqrt        = sc.bc2_sqrt;
         c.eps             = a.eps;
-        c.decay           = 1.0f - a.lr * a.weight_decay;
+        c.decay           = sc.decay;
         const kernels::AdamOut kind = !out.defined()              ? kernels::AdamOut::none
                                       : out.dtype() == DType::bf16 ? kernels::AdamOut::bf16
                                                                    : kernels::AdamOut::f32;

@@ -299,7 +299,7 @@ cublasStatus_t cublasCreate(cublasHandle_t * handle) {
     if (handle == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
     void * workspace = nullptr;
     if (cudaMalloc(&workspace, size_t{4} << 20) != cudaSuccess) return CUBLAS_STATUS_ALLOC_FAILED;
-    *handle = new CublasContext{nullptr, CUBLAS_DEFAULT_MATH, workspace};
+    *handle = new CublasContext{nullptr, CUBLAS_DEFAULT_MATH, workspace, nullptr, {}};
     return CUBLAS_STATUS_SUCCESS;
 }
 

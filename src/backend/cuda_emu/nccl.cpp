@@ -251,31 +251,22 @@ struct Plain {
     static void store(char * p, size_t i, Acc value) { std::memcpy(p + i * sizeof(T), &value, sizeof(T)); }
 };
 
-struct Half {
+// A 16-bit float format accumulated in f32: widened exactly on load, rounded once on store.
+template <float (*Widen)(uint16_t), uint16_t (*Narrow)(float)>
+struct Float16Format {
     using Acc = float;
     static Acc load(const char * p, size_t i) {
         uint16_t h;
         std::memcpy(&h, p + i * 2, 2);
-        return f16_to_float(h);
+        return Widen(h);
     }
     static void store(char * p, size_t i, Acc value) {
-        uint16_t h = float_to_f16(value);
+        uint16_t h = Narrow(value);
         std::memcpy(p + i * 2, &h, 2);
     }
 };
-
-struct BFloat {
-    using Acc = float;
-    static Acc load(const char * p, size_t i) {
-        uint16_t h;
-        std::memcpy(&h, p + i * 2, 2);
-        return bf16_to_float(h);
-    }
-    static void store(char * p, size_t i, Acc value) {
-        uint16_t h = float_to_bf16(value);
-        std::memcpy(p + i * 2, &h, 2);
-    }
-};
+using Half   = Float16Format<f16_to_float, float_to_f16>;
+using BFloat = Float16Format<bf16_to_float, float_to_bf16>;
 
 // Integer sums and products wrap around (in the unsigned type, so without undefined behaviour), as on a GPU.
 struct SumOp {

@@ -998,34 +998,35 @@ std::vector<Record> sync_positions_locked(StreamState * st) {
 
 }  // namespace
 
+namespace {
+
+// What a synchronize or a query of `stream` waits for (its work and, for the legacy default stream, the
+// blocking streams'); cudaSuccess, or the error the call returns: a bad handle, or a stream that captures
+// (the capture is invalidated, as CUDA does).
+cudaError_t stream_sync_positions(cudaStream_t stream, std::vector<Record> & records) {
+    std::lock_guard<std::mutex> lock(state().mutex);
+    StreamState *               st = resolve_locked(stream);
+    if (st == nullptr) return cudaErrorInvalidResourceHandle;
+    if (st->capture != nullptr) {
+        invalidate(st->capture);
+        return cudaErrorStreamCaptureUnsupported;
+    }
+    records = sync_positions_locked(st);
+    return cudaSuccess;
+}
+
+}  // namespace
+
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
     std::vector<Record> records;
-    {
-        std::lock_guard<std::mutex> lock(state().mutex);
-        StreamState *               st = resolve_locked(stream);
-        if (st == nullptr) return result(cudaErrorInvalidResourceHandle);
-        if (st->capture != nullptr) {
-            invalidate(st->capture);
-            return result(cudaErrorStreamCaptureUnsupported);
-        }
-        records = sync_positions_locked(st);
-    }
+    if (cudaError_t e = stream_sync_positions(stream, records); e != cudaSuccess) return result(e);
     wait_all(records);
     return result(sticky());
 }
 
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
     std::vector<Record> records;
-    {
-        std::lock_guard<std::mutex> lock(state().mutex);
-        StreamState *               st = resolve_locked(stream);
-        if (st == nullptr) return result(cudaErrorInvalidResourceHandle);
-        if (st->capture != nullptr) {
-            invalidate(st->capture);
-            return result(cudaErrorStreamCaptureUnsupported);
-        }
-        records = sync_positions_locked(st);
-    }
+    if (cudaError_t e = stream_sync_positions(stream, records); e != cudaSuccess) return result(e);
     if (cudaError_t e = sticky(); e != cudaSuccess) return result(e);
     for (const Record & r : records) {
         if (!reached(r)) return cudaErrorNotReady;

@@ -1,0 +1,49 @@
+// The learning-rate schedule: Megatron's OptimizerParamScheduler.get_lr, as a pure function of the iteration.
+// Megatron counts steps in samples: after iteration k the step is n = k x samples_per_iteration (the global
+// batch), and warmup, decay and WSD lengths are in samples (iterations x global batch, a fraction of the
+// decay, or samples as given):
+//   n <= warmup:             lr = init_lr + (max_lr - init_lr) n / warmup
+//   constant:                lr = max_lr
+//   n >  decay:              lr = min_lr
+//   inverse-square-root:     lr = max(min_lr, max_lr sqrt(max(warmup, 1)) / sqrt(max(n, 1)))
+//   otherwise, r = (n - warmup) / (decay - warmup), lr = min_lr + (max_lr - min_lr) c with
+//     linear: c = 1 - r;  cosine: c = (1 + cos(pi r)) / 2;
+//     WSD: c = 1 until n > decay - wsd, then with q = (n - decay + wsd) / wsd: linear 1 - q, cosine
+//          (1 + cos(pi q)) / 2, exponential 2 * 0.5^q - 1, minus_sqrt 1 - sqrt(q)
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace loom::optim {
+
+enum class LrDecayStyle { constant, linear, cosine, inverse_square_root, wsd };
+enum class WsdDecayStyle { exponential, linear, cosine, minus_sqrt };
+LrDecayStyle  lr_decay_style_from_name(const std::string & name);    // --lr-decay-style (WSD, inverse-square-root, ...)
+WsdDecayStyle wsd_decay_style_from_name(const std::string & name);   // --lr-wsd-decay-style
+
+struct LrSchedule {
+    float         max_lr       = 6e-4f;
+    float         min_lr       = 0.0f;
+    float         init_lr      = 0.0f;   // --lr-warmup-init
+    double        warmup_steps = 0;      // samples
+    double        decay_steps  = 1;      // samples, > warmup_steps
+    double        wsd_steps    = 0;      // samples of the WSD anneal
+    int64_t       samples_per_iteration = 1;
+    LrDecayStyle  style     = LrDecayStyle::linear;
+    WsdDecayStyle wsd_style = WsdDecayStyle::exponential;
+
+    // --decoupled-lr / --decoupled-min-lr: the embedding's and output layer's own maximum and minimum (the
+    // minimum defaults to min_lr), on the same schedule (Megatron's param-group max_lr / min_lr overrides).
+    std::optional<float> decoupled_max_lr, decoupled_min_lr;
+
+    float lr_at(int64_t iteration) const { return lr_at(iteration, max_lr, min_lr); }
+    // The embedding's and output layer's lr: lr_at's without --decoupled-lr.
+    float decoupled_lr_at(int64_t iteration) const {
+        return decoupled_max_lr ? lr_at(iteration, *decoupled_max_lr, decoupled_min_lr.value_or(min_lr)) : lr_at(iteration);
+    }
+    float lr_at(int64_t iteration, float max, float min) const;
+};
+
+}  // namespace loom::optim
