@@ -826,6 +826,169 @@ TEST(CudaOps, AttentionArgumentErrorsAreTheCpus) {
     EXPECT_NE(text.find("head dimension 264 on CUDA"), std::string::npos) << text;
 }
 
+// ---------------------------------------------------------------------------------------------- Mixture of Experts
+// The router's ops compute in double and round once: 1e-6 x max(1e-3, |ref|) (a GPU's exp and log differ
+// from the host's by an ulp of a double; the emulated device gives the CPU's bits). The expert choices and
+// the dispatch plan (integers, and probabilities copied) are bitwise; combining rows adds the same f32
+// products in slot order: 1e-6 x max(1, |ref|) (the host compiler may fuse them).
+
+struct RouterCase {
+    const char * name;
+    MoeRouting   routing;
+    int64_t      groups;
+};
+
+TEST(CudaOps, MoeRouterTopkLossesAndBackwardMatchTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    const int64_t n = 96, E = 8;
+    const RouterCase cases[] = {
+        {"softmax top-2", {E, 2, false, false, 1.0f}, 1},
+        {"pre-softmax top-1, seq aux over 4 samples", {E, 1, false, true, 1.0f}, 4},
+        {"sigmoid top-3 scaled 2.5", {E, 3, true, false, 2.5f}, 2},
+        {"sigmoid top-1", {E, 1, true, false, 1.0f}, 1},
+    };
+    for (const RouterCase & c : cases) {
+        const int64_t k      = c.routing.topk;
+        Tensor        logits = random_cpu({n, E}, 1700 + k, 3.0f);
+        logits.data<float>()[5 * E + 2] = logits.data<float>()[5 * E + 6] = 10.0f;   // a tie for first place
+        Tensor        logits_g = to_gpu(logits);
+        Tensor        ic = cpu_tensor({n, k}, DType::i32), pc = cpu_tensor({n, k});
+        Tensor        ig = Tensor::empty({n, k}, DType::i32, gpu()), pg = Tensor::empty({n, k}, DType::f32, gpu());
+        cops().moe_topk(cs(), logits, c.routing, ic, pc);
+        gops().moe_topk(gs(), logits_g, c.routing, ig, pg);
+        Tensor cc = cpu_tensor({c.groups, E}, DType::i32), cg = Tensor::empty({c.groups, E}, DType::i32, gpu());
+        cops().moe_aux_counts(cs(), logits, c.routing, c.groups, cc);
+        gops().moe_aux_counts(gs(), logits_g, c.routing, c.groups, cg);
+        const MoeRouterLoss loss{c.groups, 2 * n, 0.01f, 0.001f};   // as the first of two sequence-parallel ranks
+        Tensor lc = cpu_tensor({4}), lg = Tensor::empty({4}, DType::f32, gpu());
+        cops().moe_router_losses(cs(), logits, cc, c.routing, loss, lc);
+        gops().moe_router_losses(gs(), logits_g, cg, c.routing, loss, lg);
+        Tensor dprobs = random_cpu({n, k}, 1710 + k);
+        Tensor dc = cpu_tensor({n, E}), dg = Tensor::empty({n, E}, DType::f32, gpu());
+        cops().moe_router_backward(cs(), logits, ic, dprobs, cc, c.routing, loss, 0.5f, dc);
+        gops().moe_router_backward(gs(), logits_g, ig, to_gpu(dprobs), cg, c.routing, loss, 0.5f, dg);
+        cs().synchronize();
+        const std::string what = c.name;
+        expect_bitwise(ic, to_cpu(ig), what + ": top_idx");
+        EXPECT_EQ(ic.data<int32_t>()[5 * k], 2) << what << ": ties go to the lower expert";
+        if (k > 1) {
+            EXPECT_EQ(ic.data<int32_t>()[5 * k + 1], 6) << what;
+        }
+        expect_close(pc, to_cpu(pg), 1e-6, what + ": probs", 1e-3);
+        expect_bitwise(cc, to_cpu(cg), what + ": aux counts");
+        expect_close(lc, to_cpu(lg), 1e-6, what + ": losses", 1e-3);
+        expect_close(dc, to_cpu(dg), 1e-6, what + ": dlogits", 1e-3);
+        int64_t routed = 0;
+        for (int64_t i = 0; i < c.groups * E; ++i) routed += cc.data<int32_t>()[i];
+        EXPECT_EQ(routed, n * k) << what << ": every token counted k times";
+    }
+}
+
+// Slots (n, k) routed to experts [0, E), with -1 every `minus_every` and repeated probabilities (ties).
+void random_slots(int64_t n, int64_t k, int64_t E, uint64_t seed, int64_t minus_every, Tensor & expert_of, Tensor & probs) {
+    expert_of = random_ids(n, k, E, seed, minus_every);
+    probs     = random_cpu({n, k}, seed + 1, 1.0f);
+    for (int64_t i = 0; i < n * k; ++i) probs.data<float>()[i] = std::round(std::fabs(probs.data<float>()[i]) * 8.0f) / 8.0f;
+}
+
+TEST(CudaOps, MoeDispatchPlansAreBitwiseTheCpusWithCapacityPaddingAndLocalExperts) {
+    SKIP_WITHOUT_CUDA();
+    const int64_t n = 40, k = 2, E = 4;
+    const struct {
+        const char * name;
+        MoePlanSpec  spec;
+        int64_t      minus_every;
+    } cases[] = {
+        {"dropless", {0, E, -1, false, true}, 0},
+        {"capacity 12, by probability", {0, E, 12, false, true}, 0},
+        {"capacity 12, by position, padded", {0, E, 12, true, false}, 0},
+        {"capacity 25, by probability, padded", {0, E, 25, true, true}, 0},
+        {"local experts [1, 3) of gathered slots with drops", {1, 2, -1, false, true}, 7},
+    };
+    for (const auto & c : cases) {
+        Tensor expert_of, probs;
+        random_slots(n, k, E, 1800, c.minus_every, expert_of, probs);
+        const int64_t rows = c.spec.padded ? c.spec.experts * c.spec.capacity : n * k;
+        Tensor pc = cpu_tensor({n, k}), rc = cpu_tensor({n, k}, DType::i32), tc = cpu_tensor({rows}, DType::i32),
+               nc = cpu_tensor({c.spec.experts}, DType::i64);
+        Tensor pg = Tensor::empty({n, k}, DType::f32, gpu()), rg = Tensor::empty({n, k}, DType::i32, gpu()),
+               tg = Tensor::empty({rows}, DType::i32, gpu()), ng = Tensor::empty({c.spec.experts}, DType::i64, gpu());
+        cops().moe_plan(cs(), expert_of, probs, c.spec, pc, rc, tc, nc);
+        gops().moe_plan(gs(), to_gpu(expert_of), to_gpu(probs), c.spec, pg, rg, tg, ng);
+        Tensor ec = cpu_tensor({n, k}, DType::i32), eg = Tensor::empty({n, k}, DType::i32, gpu());
+        cops().moe_plan_experts(cs(), rc, nc, ec);
+        gops().moe_plan_experts(gs(), rg, ng, eg);
+        cs().synchronize();
+        const std::string what = c.name;
+        expect_bitwise(pc, to_cpu(pg), what + ": plan probs");
+        expect_bitwise(rc, to_cpu(rg), what + ": row_of");
+        expect_bitwise(tc, to_cpu(tg), what + ": token_of_row");
+        expect_bitwise(nc, to_cpu(ng), what + ": tokens_per_expert");
+        expect_bitwise(ec, to_cpu(eg), what + ": experts of the rows");
+        // What the plan means, checked on the CPU's: each expert keeps at most the capacity, a kept slot's
+        // expert is its own (shifted by the first local expert), a dropped slot keeps no probability.
+        for (int64_t e = 0; e < c.spec.experts; ++e) {
+            if (c.spec.capacity >= 0) {
+                EXPECT_LE(nc.data<int64_t>()[e], c.spec.capacity) << what;
+            }
+        }
+        for (int64_t a = 0; a < n * k; ++a) {
+            if (rc.data<int32_t>()[a] < 0) {
+                EXPECT_EQ(pc.data<float>()[a], 0.0f) << what << " slot " << a;
+            } else {
+                EXPECT_EQ(ec.data<int32_t>()[a] + c.spec.first, expert_of.data<int32_t>()[a]) << what << " slot " << a;
+            }
+        }
+    }
+}
+
+TEST(CudaOps, MoeGatherCombineAndCombineBackwardMatchTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    const int64_t n = 33, k = 2, E = 3, h = 70;
+    Tensor        expert_of, probs;
+    random_slots(n, k, E, 1900, 0, expert_of, probs);
+    const MoePlanSpec spec{0, E, 20, true, true};   // drops and padding rows
+    const int64_t     rows = E * 20;
+    Tensor pc = cpu_tensor({n, k}), rc = cpu_tensor({n, k}, DType::i32), tc = cpu_tensor({rows}, DType::i32),
+           nc = cpu_tensor({E}, DType::i64);
+    cops().moe_plan(cs(), expert_of, probs, spec, pc, rc, tc, nc);
+    cs().synchronize();
+    Tensor x = random_cpu({n, h}, 1902), xc = cpu_tensor({rows, h}), xg = Tensor::empty({rows, h}, DType::f32, gpu());
+    Tensor tg = to_gpu(tc), rg = to_gpu(rc), pg = to_gpu(pc);
+    cops().moe_gather_rows(cs(), x, tc, xc);
+    gops().moe_gather_rows(gs(), to_gpu(x), tg, xg);
+    Tensor yp = random_cpu({rows, h}, 1903), yc = cpu_tensor({n, h}), yg = Tensor::empty({n, h}, DType::f32, gpu());
+    Tensor uc = cpu_tensor({n, h}), ug = Tensor::empty({n, h}, DType::f32, gpu());
+    Tensor yp_g = to_gpu(yp);
+    cops().moe_combine(cs(), yp, rc, pc, yc);
+    gops().moe_combine(gs(), yp_g, rg, pg, yg);
+    cops().moe_combine(cs(), yp, rc, Tensor(), uc);
+    gops().moe_combine(gs(), yp_g, rg, Tensor(), ug);
+    Tensor dy = random_cpu({n, h}, 1904), dsc = cpu_tensor({rows, h}), dwc = cpu_tensor({n, k});
+    Tensor dsg = Tensor::empty({rows, h}, DType::f32, gpu()), dwg = Tensor::empty({n, k}, DType::f32, gpu());
+    cops().moe_combine_backward(cs(), dy, yp, pc, rc, tc, dsc, dwc);
+    gops().moe_combine_backward(gs(), to_gpu(dy), yp_g, pg, rg, tg, dsg, dwg);
+    cs().synchronize();
+    expect_bitwise(xc, to_cpu(xg), "moe_gather_rows (padding rows zero)");
+    expect_close(yc, to_cpu(yg), 1e-6, "moe_combine weighted");
+    expect_close(uc, to_cpu(ug), 1e-6, "moe_combine unweighted");
+    expect_close(dsc, to_cpu(dsg), 1e-6, "moe_combine_backward: rows");
+    expect_close(dwc, to_cpu(dwg), 1e-6, "moe_combine_backward: weights", 1e-3);
+    for (int64_t r = 0; r < rows; ++r) {
+        if (tc.data<int32_t>()[r] >= 0) continue;
+        for (int64_t c = 0; c < h; ++c) ASSERT_EQ(xc.data<float>()[r * h + c], 0.0f) << "padding row " << r;
+    }
+}
+
+TEST(CudaOps, MoeRouterRefusesMoreExpertsPerTokenThanItsArrayHolds) {
+    SKIP_WITHOUT_CUDA();
+    const MoeRouting r{80, 70, false, false, 1.0f};
+    Tensor logits = Tensor::empty({4, 80}, DType::f32, gpu());
+    Tensor idx = Tensor::empty({4, 70}, DType::i32, gpu()), probs = Tensor::empty({4, 70}, DType::f32, gpu());
+    EXPECT_NE(error_of([&] { gops().moe_topk(gs(), logits, r, idx, probs); }).find("moe_topk: top-70 routing on CUDA"),
+              std::string::npos);
+}
+
 // ---------------------------------------------------------------------------------------------- Refusals
 
 TEST(CudaOps, HostTensorsAndHostAccessToDeviceMemoryAreRefused) {

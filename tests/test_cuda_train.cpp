@@ -2,7 +2,8 @@
 // iterations on the GPU follows the CPU run's loss curve, on one GPU in bf16 and in f32, with the hybrid
 // optimizer offloading half the state over pinned memory, and on two ranks sharing one GPU through NCCL
 // (each rank claims its own host with NCCL_HOSTID, as tests/test_nccl_mpi.cpp does): DP 2 with ZeRO-1 and
-// both overlaps, TP 2 + SP (also with layer graphs), PP 2, PP 2 x VPP 2; and PP 4 x VPP 2 on four ranks.
+// both overlaps, TP 2 + SP (also with layer graphs), PP 2, PP 2 x VPP 2, MoE with EP 2 (both dispatchers);
+// and PP 4 x VPP 2 on four ranks. MoE on one GPU too, eagerly and with layer graphs.
 // Without a GPU these skip, and `--device cuda` is refused naming the flag.
 //
 // The same file built with LOOM_CUDA_EMU (test_cuda_train_emu, every machine) trains with --device cuda-emu:
@@ -33,6 +34,10 @@ const std::string kRun = "train --mock-data --train-iters 20 --log-interval 1 --
                          "--num-attention-heads 4 --seq-length 32 --micro-batch-size 2 --global-batch-size 4 "
                          "--lr 1e-3 --lr-warmup-iters 2 ";
 const std::string kBf16 = "--bf16 --num-layers 2 ";
+// MoE layers (the router's aux and z losses on), dropless, and dropping and padding to a capacity.
+#define LOOM_MOE_MODEL "--bf16 --num-layers 2 --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001 "
+const std::string kMoe        = LOOM_MOE_MODEL;
+const std::string kMoeDropPad = kMoe + "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity ";
 
 // The lm loss of every logged iteration, in order.
 std::vector<double> losses(const std::string & out) {
@@ -89,6 +94,21 @@ TEST(CudaTrain, DeviceCudaIsRefusedNamingTheFlagWithoutAGpu) {
     EXPECT_NE(r.out.find("--device cuda: no CUDA device is visible"), std::string::npos) << r.out;
 }
 
+// What the CUDA kernels cannot run (Ops::supports) is refused when the model is built, naming the flags,
+// before a step runs: heads over 256 wide, more than 64 experts per token.
+TEST(CudaTrain, SizesTheKernelsCannotRunAreRefusedAtSetupNamingTheFlags) {
+    SKIP_WITHOUT_CUDA();
+    CliRun wide = run_loom_mpi(1, kRun + "--num-layers 1 --hidden-size 576 --num-attention-heads 2 --device " + kDevice);
+    EXPECT_NE(wide.status, 0) << wide.out;
+    EXPECT_NE(wide.out.find("attention_forward: head dimension 288 on CUDA"), std::string::npos) << wide.out;
+    EXPECT_NE(wide.out.find("--hidden-size / --num-attention-heads"), std::string::npos) << wide.out;
+    EXPECT_EQ(wide.out.find("lm loss"), std::string::npos) << wide.out;
+    CliRun topk = run_loom_mpi(1, kRun + "--num-layers 1 --num-experts 80 --moe-router-topk 70 --device " + kDevice);
+    EXPECT_NE(topk.status, 0) << topk.out;
+    EXPECT_NE(topk.out.find("moe_topk: top-70 routing on CUDA"), std::string::npos) << topk.out;
+    EXPECT_NE(topk.out.find("--moe-router-topk"), std::string::npos) << topk.out;
+}
+
 TEST(CudaTrain, OneGpuFollowsTheCpuLossCurveInBf16) {
     SKIP_WITHOUT_CUDA();
     expect_follows_cpu(run_loom_mpi(1, kRun + kBf16 + "--device " + kDevice), "one GPU");
@@ -106,6 +126,18 @@ TEST(CudaTrain, HybridOptimizerOffloadOverPinnedMemoryFollowsTheCpu) {
     expect_follows_cpu(run_loom_mpi(1, kRun + kBf16 + "--device " + kDevice + " --use-distributed-optimizer --optimizer-cpu-offload "
                                               "--optimizer-offload-fraction 0.5 --overlap-cpu-optimizer-d2h-h2d"),
                        "hybrid optimizer");
+}
+
+// MoE on one GPU: the router, the dispatch plan and the experts' rows through the CUDA ops, with per-layer
+// graphs captured up to the router (the host reads the expert counts outside the graph; the experts run
+// eagerly), and whole layers captured when dropping and padding fixes every expert's rows.
+TEST(CudaTrain, OneGpuMoeWithLayerGraphsFollowsTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    const std::string graphs = " --cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 2 --cuda-graph-modules attn ";
+    expect_follows_cpu(run_loom_mpi(1, kRun + kMoe + "--device " + kDevice + graphs + "moe_router"),
+                       "MoE, graphs to the router", kMoe);
+    expect_follows_cpu(run_loom_mpi(1, kRun + kMoeDropPad + "--device " + kDevice + graphs + "moe"),
+                       "MoE drop-and-pad, whole-layer graphs", kMoeDropPad);
 }
 
 struct Layout {
@@ -132,7 +164,12 @@ INSTANTIATE_TEST_SUITE_P(
                              "--bf16 --num-layers 4 "},
                       // Per-layer graphs with the TP collectives as replayable nodes between CUDA segments.
                       Layout{"tp2_sp_layer_graphs", "--tensor-model-parallel-size 2 --sequence-parallel "
-                                                    "--cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 2"}),
+                                                    "--cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 2"},
+                      // Expert parallelism: the tokens exchanged by all-to-all, and gathered from every rank.
+                      Layout{"moe_ep2_alltoall", "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
+                             LOOM_MOE_MODEL},
+                      Layout{"moe_ep2_allgather", "--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather",
+                             LOOM_MOE_MODEL}),
     [](const ::testing::TestParamInfo<Layout> & info) { return std::string(info.param.name); });
 
 // Four ranks, PP 4 x VPP 2: the wrap-around channel from the last stage to the first carries data too.

@@ -209,4 +209,125 @@ inline std::pair<int64_t, int64_t> loss_grad(const Tensor & mask, const Tensor &
     return {mask.size(0), mask.size(1)};
 }
 
+// ---- Mixture of Experts (core/ops.h). Router logits (n, E) f32; returns n.
+inline int64_t moe_logits(const Tensor & logits, const MoeRouting & r, const char * op) {
+    LOOM_CHECK(r.experts >= 1 && r.topk >= 1 && r.topk <= r.experts,
+               op << ": top-" << r.topk << " of " << r.experts << " experts", "");
+    const std::pair<int64_t, int64_t> nw = rows_cols(logits, op);
+    expect(logits, DType::f32, -1, op, "logits");
+    LOOM_CHECK(nw.second == r.experts, op << ": logits " << logits.describe() << " for " << r.experts << " experts", "");
+    return nw.first;
+}
+// counts (G, E) i32 for n rows in G groups.
+inline void moe_counts(const Tensor & counts, int64_t n, int64_t groups, int64_t experts, const char * op) {
+    LOOM_CHECK(groups >= 1 && n % groups == 0, op << ": " << n << " rows in " << groups << " groups", "");
+    expect(counts, DType::i32, groups * experts, op, "counts");
+}
+inline void moe_router_loss(const MoeRouterLoss & loss, int64_t n, const char * op) {
+    LOOM_CHECK(loss.tokens >= n && loss.tokens % loss.groups == 0 && loss.aux_coeff >= 0.0f && loss.z_coeff >= 0.0f,
+               op << ": " << loss.tokens << " tokens in " << loss.groups << " groups (aux " << loss.aux_coeff
+                  << ", z " << loss.z_coeff << ") for " << n << " rows", "");
+}
+// The plan's slots (n, k): expert_of i32 and probs f32; the outputs' sizes; returns (n, k).
+inline std::pair<int64_t, int64_t> moe_plan(const Tensor & expert_of, const Tensor & probs, const MoePlanSpec & spec,
+                                            const Tensor & plan_probs, const Tensor & row_of,
+                                            const Tensor & token_of_row, const Tensor & tokens_per_expert) {
+    LOOM_CHECK(expert_of.dim() == 2, "moe_plan: expert_of " << expert_of.describe(), "slots are (n, k)");
+    const int64_t n = expert_of.size(0), k = expert_of.size(1);
+    expect(expert_of, DType::i32, -1, "moe_plan", "expert_of");
+    expect(probs, DType::f32, n * k, "moe_plan", "probs");
+    expect(plan_probs, DType::f32, n * k, "moe_plan", "plan_probs");
+    expect(row_of, DType::i32, n * k, "moe_plan", "row_of");
+    expect(tokens_per_expert, DType::i64, spec.experts, "moe_plan", "tokens_per_expert");
+    LOOM_CHECK(spec.first >= 0 && spec.experts >= 1 && (!spec.padded || spec.capacity >= 0),
+               "moe_plan over experts [" << spec.first << ", " << spec.first + spec.experts << ") with capacity "
+                                         << spec.capacity, "padding needs a capacity");
+    const int64_t rows_max = spec.padded ? spec.experts * spec.capacity : n * k;
+    expect(token_of_row, DType::i32, -1, "moe_plan", "token_of_row");
+    LOOM_CHECK(token_of_row.numel() >= rows_max,
+               "moe_plan: token_of_row has " << token_of_row.numel() << " rows, the plan may use " << rows_max, "");
+    return {n, k};
+}
+// x (m, h) f32 and out (rows, h) f32 rows of one width; returns (rows, h).
+inline std::pair<int64_t, int64_t> moe_rows(const Tensor & x, const Tensor & out, const char * op) {
+    const std::pair<int64_t, int64_t> mh = rows_cols(x, op);
+    expect(x, DType::f32, -1, op, "input");
+    const std::pair<int64_t, int64_t> rh = rows_cols(out, op);
+    expect(out, DType::f32, -1, op, "output");
+    LOOM_CHECK(mh.second == rh.second, op << ": rows of " << x.describe() << " into " << out.describe(), "");
+    return rh;
+}
+// row_of (n, k) i32 and weights (n, k) f32 (optional) for n rows; returns k.
+inline int64_t moe_slots(const Tensor & row_of, const Tensor & weights, int64_t n, const char * op) {
+    LOOM_CHECK(row_of.dim() == 2 && row_of.size(0) == n, op << ": row_of " << row_of.describe() << " for " << n << " rows", "");
+    expect(row_of, DType::i32, -1, op, "row_of");
+    if (weights.defined()) expect(weights, DType::f32, row_of.numel(), op, "weights");
+    return row_of.size(1);
+}
+
+// Each MoE op's operands (core/ops.h); each returns the sizes its kernels take.
+inline int64_t moe_topk(const Tensor & logits, const MoeRouting & r, const Tensor & top_idx, const Tensor & probs) {
+    const int64_t n = moe_logits(logits, r, "moe_topk");
+    expect(top_idx, DType::i32, n * r.topk, "moe_topk", "top_idx");
+    expect(probs, DType::f32, n * r.topk, "moe_topk", "probs");
+    return n;
+}
+inline int64_t moe_aux_counts(const Tensor & logits, const MoeRouting & r, int64_t groups, const Tensor & counts) {
+    const int64_t n = moe_logits(logits, r, "moe_aux_counts");
+    moe_counts(counts, n, groups, r.experts, "moe_aux_counts");
+    return n;
+}
+inline int64_t moe_router_losses(const Tensor & logits, const Tensor & counts, const MoeRouting & r,
+                                 const MoeRouterLoss & loss, const Tensor & losses) {
+    const int64_t n = moe_logits(logits, r, "moe_router_losses");
+    moe_counts(counts, n, loss.groups, r.experts, "moe_router_losses");
+    moe_router_loss(loss, n, "moe_router_losses");
+    expect(losses, DType::f32, 4, "moe_router_losses", "losses");
+    return n;
+}
+inline int64_t moe_router_backward(const Tensor & logits, const Tensor & top_idx, const Tensor & dprobs,
+                                   const Tensor & counts, const MoeRouting & r, const MoeRouterLoss & loss,
+                                   const Tensor & dlogits) {
+    const int64_t n = moe_logits(logits, r, "moe_router_backward");
+    expect(top_idx, DType::i32, n * r.topk, "moe_router_backward", "top_idx");
+    expect(dprobs, DType::f32, n * r.topk, "moe_router_backward", "dprobs");
+    moe_counts(counts, n, loss.groups, r.experts, "moe_router_backward");
+    moe_router_loss(loss, n, "moe_router_backward");
+    expect(dlogits, DType::f32, n * r.experts, "moe_router_backward", "dlogits");
+    return n;
+}
+inline void moe_plan_experts(const Tensor & row_of, const Tensor & tokens_per_expert, const Tensor & expert_of) {
+    expect(row_of, DType::i32, -1, "moe_plan_experts", "row_of");
+    expect(tokens_per_expert, DType::i64, -1, "moe_plan_experts", "tokens_per_expert");
+    expect(expert_of, DType::i32, row_of.numel(), "moe_plan_experts", "expert_of");
+}
+// Returns (rows, h).
+inline std::pair<int64_t, int64_t> moe_gather_rows(const Tensor & x, const Tensor & index, const Tensor & out) {
+    const std::pair<int64_t, int64_t> rh = moe_rows(x, out, "moe_gather_rows");
+    expect(index, DType::i32, rh.first, "moe_gather_rows", "index");
+    return rh;
+}
+struct MoeCombineDims {
+    int64_t rows, n, k, h;   // src rows, dst rows (tokens), slots per token, width
+};
+inline MoeCombineDims moe_combine(const Tensor & src, const Tensor & row_of, const Tensor & weights, const Tensor & dst) {
+    const std::pair<int64_t, int64_t> nh = moe_rows(src, dst, "moe_combine");
+    const int64_t                     k  = moe_slots(row_of, weights, nh.first, "moe_combine");
+    return {src.size(0), nh.first, k, nh.second};
+}
+inline MoeCombineDims moe_combine_backward(const Tensor & dy, const Tensor & src, const Tensor & weights,
+                                           const Tensor & row_of, const Tensor & token_of_row, const Tensor & dsrc,
+                                           const Tensor & dweights) {
+    const char * op = "moe_combine_backward";
+    const std::pair<int64_t, int64_t> rh = moe_rows(dy, src, op);
+    const int64_t                     n  = dy.size(0);
+    LOOM_CHECK(weights.defined(), op << ": weights are missing", "");
+    const int64_t k = moe_slots(row_of, weights, n, op);
+    expect(token_of_row, DType::i32, -1, op, "token_of_row");
+    LOOM_CHECK(token_of_row.numel() >= rh.first, op << ": " << token_of_row.numel() << " row tokens for " << rh.first << " rows", "");
+    expect(dsrc, DType::f32, rh.first * rh.second, op, "dsrc");
+    expect(dweights, DType::f32, n * k, op, "dweights");
+    return {rh.first, n, k, rh.second};
+}
+
 }  // namespace loom::op_checks

@@ -18,6 +18,7 @@
 #include "core/tensor.h"
 
 #include <cstdint>
+#include <string>
 
 namespace loom {
 
@@ -56,9 +57,59 @@ struct AdamStep {
     int64_t step;
 };
 
+// ---- Mixture of Experts (model/moe/router.h and model/moe/token_dispatcher.h give the math and layouts)
+
+// How a router turns logits (n, E) into each token's k experts and their probabilities.
+struct MoeRouting {
+    int64_t experts     = 0;       // E
+    int64_t topk        = 0;       // k
+    bool    sigmoid     = false;   // --moe-router-score-function sigmoid (else softmax)
+    bool    pre_softmax = false;   // softmax over all E before the top-k (softmax only)
+    float   scaling     = 1.0f;    // --moe-router-topk-scaling-factor (1 when unset)
+};
+
+// The load-balancing aux loss and the z-loss of a router (either coefficient 0: that loss is off).
+struct MoeRouterLoss {
+    int64_t groups    = 1;      // G: 1, or the micro-batch size with seq_aux_loss (row r is in group r % G)
+    int64_t tokens    = 0;      // T: the rows of the whole sequence (over a sequence-parallel group)
+    float   aux_coeff = 0.0f;   // --moe-aux-loss-coeff
+    float   z_coeff   = 0.0f;   // --moe-z-loss-coeff
+};
+
+// A dispatch plan over the experts [first, first + experts) (model/moe/token_dispatcher.h): slots whose
+// expert is outside that range, or -1, get no row.
+struct MoePlanSpec {
+    int64_t first         = 0;
+    int64_t experts       = 0;
+    int64_t capacity      = -1;     // rows an expert keeps at most; -1: no dropping
+    bool    padded        = false;  // every expert gets exactly `capacity` rows (padding rows: token -1)
+    bool    drop_by_probs = true;   // over capacity, keep the highest probabilities (else the earliest tokens)
+};
+
+// A question setup asks a backend before it builds anything: can it run `op` at these sizes? Only the sizes
+// some backend limits are asked; 0 where the question does not concern them.
+struct OpQuery {
+    const char * op       = "";   // an Ops method's name: "attention_forward", "moe_topk", ...
+    int64_t      head_dim = 0;    // attention's head dimension
+    int64_t      topk     = 0;    // experts a router selects per token
+};
+
+struct OpSupport {
+    bool        ok = true;
+    std::string why;   // when not ok: the op, the size and the backend's limit
+};
+
 class Ops {
 public:
     virtual ~Ops() = default;
+
+    // Whether this backend runs the query's op at its sizes (every backend runs every op; some bound a
+    // size). Model setup asks first, so a run the backend cannot do is refused before anything is
+    // allocated, naming the flags; the op itself refuses the same sizes with the same words.
+    virtual OpSupport supports(const OpQuery & query) const {
+        (void)query;
+        return {};
+    }
 
     // ---- GEMM
     // c (m, n) = op(a) op(b), or += with accumulate. op(a) is (m, k): a stored (m, k), or (k, m) with
@@ -159,6 +210,42 @@ public:
     // the rest (out[0] + out[1] equals the double sum to about 1e-14). The sum is taken in double over
     // fixed chunks added in order, so its bits do not depend on the thread count.
     virtual void sum_of_squares(Stream & s, const Tensor & x, const Tensor & out) = 0;
+
+    // ---- Mixture of Experts. Router: logits (n, E) f32; top_idx (n, k) i32; probs (n, k) f32.
+    // Each token's k experts by descending score (ties toward the lower expert) and their probabilities.
+    virtual void moe_topk(Stream & s, const Tensor & logits, const MoeRouting & routing, const Tensor & top_idx,
+                          const Tensor & probs) = 0;
+    // counts (G, E) i32: per aux-loss group, the tokens whose top-k of the aux scores holds each expert.
+    virtual void moe_aux_counts(Stream & s, const Tensor & logits, const MoeRouting & routing, int64_t groups,
+                                const Tensor & counts) = 0;
+    // losses (4) f32: aux, aux / aux_coeff, z, z / z_coeff (model/moe/router.h's RouterLoss), this rank's
+    // share; counts (G, E) i32 as moe_aux_counts gave them (summed over a sequence-parallel group).
+    virtual void moe_router_losses(Stream & s, const Tensor & logits, const Tensor & counts, const MoeRouting & routing,
+                                   const MoeRouterLoss & loss, const Tensor & losses) = 0;
+    // dlogits (n, E) f32 assigned: from dprobs (n, k) and loss_scale times the aux and z gradients.
+    virtual void moe_router_backward(Stream & s, const Tensor & logits, const Tensor & top_idx, const Tensor & dprobs,
+                                     const Tensor & counts, const MoeRouting & routing, const MoeRouterLoss & loss,
+                                     float loss_scale, const Tensor & dlogits) = 0;
+    // Dispatch plan for expert_of (n, k) i32 and probs (n, k) f32: plan_probs (n, k) f32 (0 where no row),
+    // row_of (n, k) i32 (-1: no row), token_of_row (rows_max) i32 (-1: padding or unused), tokens_per_expert
+    // (experts) i64.
+    virtual void moe_plan(Stream & s, const Tensor & expert_of, const Tensor & probs, const MoePlanSpec & spec,
+                          const Tensor & plan_probs, const Tensor & row_of, const Tensor & token_of_row,
+                          const Tensor & tokens_per_expert) = 0;
+    // expert_of (n, k) i32: the expert of each slot's row, -1 where it has none (rows are expert-major).
+    virtual void moe_plan_experts(Stream & s, const Tensor & row_of, const Tensor & tokens_per_expert,
+                                  const Tensor & expert_of) = 0;
+    // out (r, h) = x[index[r]] for each r (zero where index[r] is -1): x (m, h) f32, index (r) i32.
+    virtual void moe_gather_rows(Stream & s, const Tensor & x, const Tensor & index, const Tensor & out) = 0;
+    // dst (n, h) = sum over j of weights[t, j] * src[row_of[t, j]] (weights undefined: 1), slots in order,
+    // from zero; slots without a row add nothing. src (rows, h) f32, row_of (n, k) i32.
+    virtual void moe_combine(Stream & s, const Tensor & src, const Tensor & row_of, const Tensor & weights,
+                             const Tensor & dst) = 0;
+    // moe_combine's backward with weights: dsrc[row_of[t, j]] = weights[t, j] dy[t] (0 on rows no slot
+    // has); dweights[t, j] = <dy[t], src[row_of[t, j]]> (0 without a row).
+    virtual void moe_combine_backward(Stream & s, const Tensor & dy, const Tensor & src, const Tensor & weights,
+                                      const Tensor & row_of, const Tensor & token_of_row, const Tensor & dsrc,
+                                      const Tensor & dweights) = 0;
 
     // ---- Optimizer
     // AdamW on n elements: master (f32), m and v updated in place from grad (f32, all n elements); with

@@ -220,12 +220,19 @@ Tensor Norm::backward(Context & ctx, const Tensor & dy, const GradReadyFn & read
 // ---------------------------------------------------------------------------------------------------
 // SelfAttention
 
+void require_supported(Device & device, const OpQuery & query, const char * flags) {
+    const OpSupport support = device.ops().supports(query);
+    LOOM_CHECK(support.ok, support.why << ": " << flags << " ask for more than " << device.name() << " runs",
+               "choose sizes within that limit, or train on another device (--device cpu runs every size)");
+}
+
 SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Device & device, const TensorParallel & t)
     : config(c), tp(t), heads(c.num_attention_heads / t.size), groups(c.num_query_groups / t.size),
       qkv(name + ".qkv", c.hidden_size, (heads + 2 * groups) * c.head_dim(), c.add_bias_linear, c.params_dtype, device,
           t.size > 1 ? Linear::Split::column : Linear::Split::none, &tp),
       proj(name + ".proj", heads * c.head_dim(), c.hidden_size, c.add_bias_linear, c.params_dtype, device,
            t.size > 1 ? Linear::Split::row : Linear::Split::none, &tp) {
+    require_supported(device, {"attention_forward", c.head_dim(), 0}, "--hidden-size / --num-attention-heads");
     LOOM_CHECK(c.num_attention_heads % t.size == 0 && c.num_query_groups % t.size == 0,
                "--num-attention-heads " << c.num_attention_heads << " and --num-query-groups " << c.num_query_groups
                                         << " must be divisible by --tensor-model-parallel-size " << t.size, "");
@@ -440,10 +447,6 @@ TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & 
             c.params_dtype, device, tp) {
     const std::string name = "layers." + std::to_string(index) + ".mlp";
     if (c.moe.is_moe_layer(index)) {
-        LOOM_CHECK(device.type() == DeviceType::cpu,
-                   "--num-experts " << c.moe.num_experts << " on " << device.name()
-                                    << ": the MoE router and token dispatcher run on the CPU backend only (no CUDA kernels yet)",
-                   "train MoE models with --device cpu, or a dense model on the GPU");
         moe        = std::make_unique<MoELayer>(name, c, c.moe, device, tp, ep);
         moe_losses = Tensor::zeros({router_loss_count}, DType::f32, device, {MemoryKind::device, "moe-metrics"});
     } else {

@@ -29,6 +29,8 @@
 
 namespace loom::model {
 
+// Refuses, naming `flags`, a size the device's backend cannot run (Ops::supports), before anything is built.
+void require_supported(Device & device, const OpQuery & query, const char * flags);
 // Allocates an f32 activation (rows, cols) from the "activations" pool.
 Tensor activation(Device & device, int64_t rows, int64_t cols);
 // x in `dtype`: x itself when it already has it, else a converted copy from the "activations" pool.

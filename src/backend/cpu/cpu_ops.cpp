@@ -2,6 +2,7 @@
 
 #include "backend/cpu/attention.h"
 #include "backend/cpu/gemm.h"
+#include "backend/cpu/moe.h"
 #include "backend/cpu/ops.h"
 #include "core/dropout.h"
 #include "core/error.h"
@@ -395,6 +396,80 @@ public:
             const float  hi  = static_cast<float>(sum);
             f32(out)[0]      = hi;
             f32(out)[1]      = static_cast<float>(sum - static_cast<double>(hi));
+        });
+    }
+
+    // ---- Mixture of Experts (backend/cpu/moe.h)
+    void moe_topk(Stream & s, const Tensor & logits, const MoeRouting & r, const Tensor & top_idx,
+                  const Tensor & probs) override {
+        const int64_t n = op_checks::moe_topk(logits, r, top_idx, probs);
+        s.submit([=] { cpu::moe_topk(f32(logits), n, r, top_idx.data<int32_t>(), f32(probs)); });
+    }
+
+    void moe_aux_counts(Stream & s, const Tensor & logits, const MoeRouting & r, int64_t groups,
+                        const Tensor & counts) override {
+        const int64_t n = op_checks::moe_aux_counts(logits, r, groups, counts);
+        s.submit([=] { cpu::moe_aux_counts(f32(logits), n, r, groups, counts.data<int32_t>()); });
+    }
+
+    void moe_router_losses(Stream & s, const Tensor & logits, const Tensor & counts, const MoeRouting & r,
+                           const MoeRouterLoss & loss, const Tensor & losses) override {
+        const int64_t n = op_checks::moe_router_losses(logits, counts, r, loss, losses);
+        s.submit([=] { cpu::moe_router_losses(f32(logits), n, counts.data<int32_t>(), r, loss, f32(losses)); });
+    }
+
+    void moe_router_backward(Stream & s, const Tensor & logits, const Tensor & top_idx, const Tensor & dprobs,
+                             const Tensor & counts, const MoeRouting & r, const MoeRouterLoss & loss, float loss_scale,
+                             const Tensor & dlogits) override {
+        const int64_t n = op_checks::moe_router_backward(logits, top_idx, dprobs, counts, r, loss, dlogits);
+        s.submit([=] {
+            cpu::moe_router_backward(f32(logits), n, top_idx.data<int32_t>(), f32(dprobs), counts.data<int32_t>(), r,
+                                     loss, loss_scale, f32(dlogits));
+        });
+    }
+
+    void moe_plan(Stream & s, const Tensor & expert_of, const Tensor & probs, const MoePlanSpec & spec,
+                  const Tensor & plan_probs, const Tensor & row_of, const Tensor & token_of_row,
+                  const Tensor & tokens_per_expert) override {
+        int64_t n, k;
+        std::tie(n, k) = op_checks::moe_plan(expert_of, probs, spec, plan_probs, row_of, token_of_row, tokens_per_expert);
+        s.submit([=] {
+            cpu::moe_plan(expert_of.data<int32_t>(), f32(probs), n, k, spec, f32(plan_probs), row_of.data<int32_t>(),
+                          token_of_row.data<int32_t>(), token_of_row.numel(), tokens_per_expert.data<int64_t>());
+        });
+    }
+
+    void moe_plan_experts(Stream & s, const Tensor & row_of, const Tensor & tokens_per_expert,
+                          const Tensor & expert_of) override {
+        op_checks::moe_plan_experts(row_of, tokens_per_expert, expert_of);
+        s.submit([=] {
+            cpu::moe_plan_experts(row_of.data<int32_t>(), row_of.numel(), tokens_per_expert.data<int64_t>(),
+                                  tokens_per_expert.numel(), expert_of.data<int32_t>());
+        });
+    }
+
+    void moe_gather_rows(Stream & s, const Tensor & x, const Tensor & index, const Tensor & out) override {
+        int64_t rows, h;
+        std::tie(rows, h) = op_checks::moe_gather_rows(x, index, out);
+        s.submit([=] { cpu::moe_gather_rows(f32(x), x.size(0), index.data<int32_t>(), rows, h, f32(out)); });
+    }
+
+    void moe_combine(Stream & s, const Tensor & src, const Tensor & row_of, const Tensor & weights,
+                     const Tensor & dst) override {
+        const op_checks::MoeCombineDims d = op_checks::moe_combine(src, row_of, weights, dst);
+        const int64_t                   n = d.n, k = d.k, h = d.h;
+        s.submit([=] { cpu::moe_combine(f32(src), row_of.data<int32_t>(), f32_or_null(weights), n, k, h, f32(dst)); });
+    }
+
+    void moe_combine_backward(Stream & s, const Tensor & dy, const Tensor & src, const Tensor & weights,
+                              const Tensor & row_of, const Tensor & token_of_row, const Tensor & dsrc,
+                              const Tensor & dweights) override {
+        const op_checks::MoeCombineDims d =
+            op_checks::moe_combine_backward(dy, src, weights, row_of, token_of_row, dsrc, dweights);
+        const int64_t rows = d.rows, n = d.n, k = d.k, h = d.h;
+        s.submit([=] {
+            cpu::moe_combine_backward(f32(dy), f32(src), rows, f32(weights), row_of.data<int32_t>(),
+                                      token_of_row.data<int32_t>(), n, k, h, f32(dsrc), f32(dweights));
         });
     }
 

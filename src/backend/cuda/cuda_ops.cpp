@@ -1,9 +1,11 @@
 #include "backend/cuda/cuda_ops.h"
 
+#include "backend/cuda/attention_kernels.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_stream.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/moe_kernels.h"
 #include "core/dropout.h"
 #include "core/error.h"
 #include "core/host_adam.h"
@@ -12,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <sstream>
 #include <tuple>
 #include <utility>
 
@@ -106,12 +109,27 @@ const int64_t * device_sample_ids(CudaStream & cs, cudaStream_t stream, const Dr
 
 kernels::AttentionDims attention_dims(const AttentionShape & a) { return {a.s, a.b, a.nq, a.nkv, a.d, a.row_stride}; }
 
-// The CUDA kernels keep a (32, d) block per 256 threads in registers: d up to kAttentionMaxHeadDim.
-void check_head_dim(const AttentionShape & a, const char * op) {
-    LOOM_CHECK(a.d <= kernels::kAttentionMaxHeadDim,
-               op << ": head dimension " << a.d << " on CUDA", "the CUDA attention takes heads of up to "
-                                                                  << kernels::kAttentionMaxHeadDim);
+// The limits of the CUDA kernels (Ops::supports): attention keeps a (32, d) block per 256 threads in
+// registers, d up to kAttentionMaxHeadDim; the router keeps a token's top-k in a per-thread array.
+OpSupport cuda_supports(const OpQuery & q) {
+    std::ostringstream why;
+    const std::string  op = q.op;
+    if (op.rfind("attention", 0) == 0 && q.head_dim > kernels::kAttentionMaxHeadDim) {
+        why << q.op << ": head dimension " << q.head_dim << " on CUDA (the CUDA attention takes heads of up to "
+            << kernels::kAttentionMaxHeadDim << ")";
+    } else if (op.rfind("moe_", 0) == 0 && q.topk > kernels::kMoeMaxTopk) {
+        why << q.op << ": top-" << q.topk << " routing on CUDA (the CUDA router selects up to " << kernels::kMoeMaxTopk
+            << " experts per token)";
+    }
+    return {why.str().empty(), why.str()};
 }
+
+void require(const OpQuery & q) {
+    const OpSupport s = cuda_supports(q);
+    LOOM_CHECK(s.ok, s.why, "");
+}
+
+void check_head_dim(const AttentionShape & a, const char * op) { require({op, a.d, 0}); }
 
 // The attention dropout's key as the kernels take it (backend/cpu/cpu_ops.cpp's attention_dropout: the
 // key's offset is the head offset).
@@ -128,8 +146,23 @@ kernels::AttentionKey attention_key(CudaStream & cs, cudaStream_t stream, const 
     return k;
 }
 
+// A router's arguments as the kernels take them.
+kernels::MoeRoutingArgs routing_args(const MoeRouting & r, const char * op) {
+    require({op, 0, r.topk});
+    return {r.experts, r.topk, r.sigmoid, r.pre_softmax, r.scaling > 0.0f ? static_cast<double>(r.scaling) : 1.0};
+}
+
+kernels::MoeLossArgs loss_args(const MoeRouterLoss & l) { return {l.groups, l.tokens, l.aux_coeff, l.z_coeff}; }
+
+// Device scratch of `count` elements of `dtype`, freed in stream order with the op's tensors.
+Tensor scratch_of(CudaStream & cs, int64_t count, DType dtype) {
+    return Tensor::empty({std::max<int64_t>(count, 1)}, dtype, cs.device(), TensorOptions{MemoryKind::device, kActivationsPool});
+}
+
 class CudaOps final : public Ops {
 public:
+    OpSupport supports(const OpQuery & query) const override { return cuda_supports(query); }
+
     void gemm(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c,
               bool accumulate) override {
         const op_checks::GemmDims dims = op_checks::gemm(a, trans_a, b, trans_b, c);
@@ -554,6 +587,105 @@ public:
                                        TensorOptions{MemoryKind::device, kActivationsPool});
         kernels::sum_of_squares(stream, f32(x), x.numel(), static_cast<double *>(partial.data_ptr()), f32(out));
         cs.launched("sum_of_squares", {x, out, partial});
+    }
+
+    // ---- Mixture of Experts (moe_kernels.h)
+    void moe_topk(Stream & s, const Tensor & logits, const MoeRouting & r, const Tensor & top_idx,
+                  const Tensor & probs) override {
+        const int64_t                 n    = op_checks::moe_topk(logits, r, top_idx, probs);
+        const kernels::MoeRoutingArgs args = routing_args(r, "moe_topk");
+        CudaStream &                  cs   = start(s, "moe_topk", {logits, top_idx, probs});
+        kernels::moe_topk(cs.launch("moe_topk"), f32(logits), n, args, top_idx.data<int32_t>(), f32(probs));
+        cs.launched("moe_topk", {logits, top_idx, probs});
+    }
+
+    void moe_aux_counts(Stream & s, const Tensor & logits, const MoeRouting & r, int64_t groups,
+                        const Tensor & counts) override {
+        const int64_t                 n    = op_checks::moe_aux_counts(logits, r, groups, counts);
+        const kernels::MoeRoutingArgs args = routing_args(r, "moe_aux_counts");
+        CudaStream &                  cs   = start(s, "moe_aux_counts", {logits, counts});
+        kernels::moe_aux_counts(cs.launch("moe_aux_counts"), f32(logits), n, args, groups, counts.data<int32_t>());
+        cs.launched("moe_aux_counts", {logits, counts});
+    }
+
+    void moe_router_losses(Stream & s, const Tensor & logits, const Tensor & counts, const MoeRouting & r,
+                           const MoeRouterLoss & loss, const Tensor & losses) override {
+        const int64_t                 n    = op_checks::moe_router_losses(logits, counts, r, loss, losses);
+        const kernels::MoeRoutingArgs args = routing_args(r, "moe_router_losses");
+        CudaStream &                  cs   = start(s, "moe_router_losses", {logits, counts, losses});
+        cudaStream_t                  stream = cs.launch("moe_router_losses");
+        Tensor scratch = scratch_of(cs, kernels::moe_router_losses_scratch(n, loss.groups, r.experts), DType::i64);
+        kernels::moe_router_losses(stream, f32(logits), n, counts.data<int32_t>(), args, loss_args(loss),
+                                   static_cast<double *>(scratch.data_ptr()), f32(losses));
+        cs.launched("moe_router_losses", {logits, counts, losses, scratch});
+    }
+
+    void moe_router_backward(Stream & s, const Tensor & logits, const Tensor & top_idx, const Tensor & dprobs,
+                             const Tensor & counts, const MoeRouting & r, const MoeRouterLoss & loss, float loss_scale,
+                             const Tensor & dlogits) override {
+        const int64_t n = op_checks::moe_router_backward(logits, top_idx, dprobs, counts, r, loss, dlogits);
+        const kernels::MoeRoutingArgs args = routing_args(r, "moe_router_backward");
+        const std::vector<Tensor>     held{logits, top_idx, dprobs, counts, dlogits};
+        CudaStream &                  cs = start(s, "moe_router_backward", held);
+        kernels::moe_router_backward(cs.launch("moe_router_backward"), f32(logits), n, top_idx.data<int32_t>(),
+                                     f32(dprobs), counts.data<int32_t>(), args, loss_args(loss), loss_scale, f32(dlogits));
+        cs.launched("moe_router_backward", held);
+    }
+
+    void moe_plan(Stream & s, const Tensor & expert_of, const Tensor & probs, const MoePlanSpec & spec,
+                  const Tensor & plan_probs, const Tensor & row_of, const Tensor & token_of_row,
+                  const Tensor & tokens_per_expert) override {
+        int64_t n, k;
+        std::tie(n, k) = op_checks::moe_plan(expert_of, probs, spec, plan_probs, row_of, token_of_row, tokens_per_expert);
+        std::vector<Tensor> held{expert_of, probs, plan_probs, row_of, token_of_row, tokens_per_expert};
+        CudaStream &        cs      = start(s, "moe_plan", held);
+        cudaStream_t        stream  = cs.launch("moe_plan");
+        Tensor              scratch = scratch_of(cs, kernels::moe_plan_scratch(n * k, spec.experts), DType::i32);
+        kernels::moe_plan(stream, expert_of.data<int32_t>(), f32(probs), n, k,
+                          {spec.first, spec.experts, spec.capacity, spec.padded, spec.drop_by_probs}, f32(plan_probs),
+                          row_of.data<int32_t>(), token_of_row.data<int32_t>(), token_of_row.numel(),
+                          tokens_per_expert.data<int64_t>(), scratch.data<int32_t>());
+        held.push_back(scratch);
+        cs.launched("moe_plan", held);
+    }
+
+    void moe_plan_experts(Stream & s, const Tensor & row_of, const Tensor & tokens_per_expert,
+                          const Tensor & expert_of) override {
+        op_checks::moe_plan_experts(row_of, tokens_per_expert, expert_of);
+        CudaStream & cs = start(s, "moe_plan_experts", {row_of, tokens_per_expert, expert_of});
+        kernels::moe_plan_experts(cs.launch("moe_plan_experts"), row_of.data<int32_t>(), row_of.numel(),
+                                  tokens_per_expert.data<int64_t>(), tokens_per_expert.numel(), expert_of.data<int32_t>());
+        cs.launched("moe_plan_experts", {row_of, tokens_per_expert, expert_of});
+    }
+
+    void moe_gather_rows(Stream & s, const Tensor & x, const Tensor & index, const Tensor & out) override {
+        int64_t rows, h;
+        std::tie(rows, h) = op_checks::moe_gather_rows(x, index, out);
+        CudaStream & cs   = start(s, "moe_gather_rows", {x, index, out});
+        kernels::moe_gather_rows(cs.launch("moe_gather_rows"), f32(x), x.size(0), index.data<int32_t>(), rows, h, f32(out));
+        cs.launched("moe_gather_rows", {x, index, out});
+    }
+
+    void moe_combine(Stream & s, const Tensor & src, const Tensor & row_of, const Tensor & weights,
+                     const Tensor & dst) override {
+        const op_checks::MoeCombineDims d  = op_checks::moe_combine(src, row_of, weights, dst);
+        CudaStream &                    cs = start(s, "moe_combine", {src, row_of, weights, dst});
+        kernels::moe_combine(cs.launch("moe_combine"), f32(src), row_of.data<int32_t>(), f32_or_null(weights), d.n, d.k,
+                             d.h, f32(dst));
+        cs.launched("moe_combine", {src, row_of, weights, dst});
+    }
+
+    void moe_combine_backward(Stream & s, const Tensor & dy, const Tensor & src, const Tensor & weights,
+                              const Tensor & row_of, const Tensor & token_of_row, const Tensor & dsrc,
+                              const Tensor & dweights) override {
+        const op_checks::MoeCombineDims d =
+            op_checks::moe_combine_backward(dy, src, weights, row_of, token_of_row, dsrc, dweights);
+        const std::vector<Tensor> held{dy, src, weights, row_of, token_of_row, dsrc, dweights};
+        CudaStream &              cs = start(s, "moe_combine_backward", held);
+        kernels::moe_combine_backward(cs.launch("moe_combine_backward"), f32(dy), f32(src), d.rows, f32(weights),
+                                      row_of.data<int32_t>(), token_of_row.data<int32_t>(), d.n, d.k, d.h, f32(dsrc),
+                                      f32(dweights));
+        cs.launched("moe_combine_backward", held);
     }
 
     void adamw(Stream & s, const Tensor & master, const Tensor & grad, const Tensor & m, const Tensor & v,

@@ -218,8 +218,7 @@ Tensor MoELayer::alltoall_forward(Context & ctx, const Tensor & x) {
     const std::vector<int64_t> per_rank(X, L);
     exchange().all_to_all(replicate_blocks(ctx.plan.tokens_per_expert.view({E, 1}), std::vector<int64_t>(P, L), T),
                           per_rank, recv_counts, per_rank, &stream)->wait();
-    stream.synchronize();
-    const int64_t * recv = recv_counts.data<int64_t>();
+    const std::vector<int64_t> recv = read_counts(recv_counts);
     ctx.recv_rows.assign(X, 0);
     ctx.local_counts.assign(L, 0);
     for (int d = 0; d < X; ++d) {

@@ -28,6 +28,7 @@
 // to the main loss's gradient (Megatron's MoEAuxLossAutoScaler.set_loss_scale: loss scale / microbatches).
 #pragma once
 
+#include "core/ops.h"
 #include "core/tensor.h"
 #include "model/gpt_config.h"
 #include "model/layers.h"
@@ -83,6 +84,8 @@ public:
 
     MoeConfig      moe;
     TensorParallel tp;
+    // The losses' operands of a routed context of n rows.
+    MoeRouterLoss loss_of(const Context & ctx, int64_t n) const;
     Parameter weight;   // (E, h)
     Parameter bias;     // (E), with add_bias_linear
     bool      has_bias;

@@ -48,6 +48,8 @@ DispatchPlan dispatch_plan_create(const Tensor & top_idx, const Tensor & probs, 
 // Each expert's rows on the host. Padded: E times C, with no wait. Otherwise the one host
 // synchronisation of the layer (Megatron's tokens_per_expert.cpu()): the compute stream is drained.
 std::vector<int64_t> dispatch_plan_counts(const DispatchPlan & plan);
+// An i64 tensor's values on the host, after the compute stream has run up to now (a drain).
+std::vector<int64_t> read_counts(const Tensor & counts);
 
 // x (n, h) f32 -> xp (rows, h), rows = the sum of the counts.
 Tensor moe_permute(const Tensor & x, const DispatchPlan & plan, int64_t rows);
@@ -71,6 +73,6 @@ Tensor dispatch_plan_routed(const DispatchPlan & plan);
 // the ranks that routed the tokens applied theirs.
 DispatchPlan dispatch_plan_local(const Tensor & routed, const Tensor & probs, int64_t first, int64_t count);
 // out[r] = x[index[r]] for r < index.size(): x (m, h) f32 -> (index.size(), h).
-Tensor moe_gather_rows(const Tensor & x, std::vector<int32_t> index);
+Tensor moe_gather_rows(const Tensor & x, const std::vector<int32_t> & index);
 
 }  // namespace loom::model

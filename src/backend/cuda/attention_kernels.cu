@@ -1,0 +1,364 @@
+// The causal attention kernels (attention_kernels.h): flash-style tiles in shared memory, the CPU's
+// exp_approx for the probabilities, and the dropout masks of core/dropout.h.
+#include "backend/cuda/attention_kernels.h"
+#include "backend/cuda/kernel_common.cuh"
+#include "backend/cuda/launch.h"
+#include "core/dropout.h"
+
+#include <cmath>
+
+namespace loom::LOOM_CUDA_NS::kernels {
+
+namespace {
+
+// ---- Causal attention (backend/cpu/attention.cpp's twin), flash-style: tiles of kAttnTile query rows and
+// kAttnTile key rows in shared memory (rows padded to an odd stride, so a warp reading 32 rows' same column
+// hits 32 banks), 256 threads a block. The forward keeps each query row's running max m, sum l and output
+// accumulator (registers: thread t owns elements t, t + 256, ... of the (tile, d) block) and never forms
+// the s x s matrix. The backward recomputes P = exp(S - lse) tile by tile: one kernel per key tile writes
+// dK and dV (summing over the group's query heads and the query tiles in a fixed order), another per query
+// tile writes dQ: no atomics, so the bits do not change run to run.
+
+constexpr int kAttnTile    = 32;    // Br = Bc
+constexpr int kAttnThreads = 256;
+constexpr int kAttnPerThread = kAttnTile * kAttentionMaxHeadDim / kAttnThreads;   // (tile, d) elements a thread owns
+
+// The shared-memory row stride for head dimension d: odd.
+__host__ __device__ __forceinline__ int attn_stride(int64_t d) { return static_cast<int>(d | 1); }
+
+// dst (kAttnTile, stride ds) <- d columns from `col` of rows row0 .. of one sequence bi; rows past s are 0.
+__device__ void attn_load(float * dst, const float * src, int64_t row0, int64_t bi, int64_t col, int64_t stride,
+                          const AttentionDims & a, int ds) {
+    for (int64_t e = threadIdx.x; e < kAttnTile * a.d; e += blockDim.x) {
+        const int64_t r = e / a.d, dd = e % a.d, i = row0 + r;
+        dst[r * ds + dd] = i < a.s ? src[(i * a.b + bi) * stride + col + dd] : 0.0f;
+    }
+}
+
+__device__ __forceinline__ float attn_dot(const float * x, const float * y, int64_t d) {
+    float sum = 0.0f;
+    for (int64_t dd = 0; dd < d; ++dd) sum += x[dd] * y[dd];
+    return sum;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ uint64_t attn_base(const AttentionKey & key, int64_t bi) {
+    return key.dropped ? dropout_base(key.seed, key.site, key.sample_ids != nullptr ? key.sample_ids[bi] : bi) : 0;
+}
+
+// One block per (sequence, query head, query tile), the last tiles (most keys) first.
+__global__ void __launch_bounds__(kAttnThreads) attention_forward_kernel(const float * qkv, float * out, float * lse,
+                                                                        AttentionDims a, float scale, AttentionKey key) {
+    LOOM_DYNAMIC_SHARED(float, smem);
+    constexpr int T = kAttnTile;
+    const int     ds = attn_stride(a.d);
+    float *       qs = smem, *ks = qs + T * ds, *vs = ks + T * ds, *ps = vs + T * ds;
+    float *       ms = ps + T * (T + 1), *ls = ms + T, *corr = ls + T;
+
+    const int64_t tiles = (a.s + T - 1) / T;
+    const int64_t bh = blockIdx.x / tiles, qt = tiles - 1 - blockIdx.x % tiles;
+    const int64_t bi = bh / a.nq, hq = bh % a.nq, hk = hq / (a.nq / a.nkv);
+    const int64_t i0 = qt * T;
+    const int     warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const uint64_t base = attn_base(key, bi);
+
+    attn_load(qs, qkv, i0, bi, hq * a.d, a.row_stride, a, ds);
+    if (threadIdx.x < T) {
+        ms[threadIdx.x] = -INFINITY;
+        ls[threadIdx.x] = 0.0f;
+    }
+    float acc[kAttnPerThread];
+#pragma unroll
+    for (int k = 0; k < kAttnPerThread; ++k) acc[k] = 0.0f;
+    const int64_t elems = T * a.d;
+
+    for (int64_t kt = 0; kt <= qt; ++kt) {
+        const int64_t j0 = kt * T;
+        __syncthreads();   // the previous tile's K, V and P are no longer read
+        attn_load(ks, qkv, j0, bi, (a.nq + hk) * a.d, a.row_stride, a, ds);
+        attn_load(vs, qkv, j0, bi, (a.nq + a.nkv + hk) * a.d, a.row_stride, a, ds);
+        __syncthreads();
+        for (int e = threadIdx.x; e < T * T; e += blockDim.x) {
+            const int r = e / T, c = e % T;
+            const int64_t i = i0 + r, j = j0 + c;
+            ps[r * (T + 1) + c] = i < a.s && j <= i ? attn_dot(qs + r * ds, ks + c * ds, a.d) * scale : 0.0f;
+        }
+        __syncthreads();
+        // The online softmax, a warp per row: lane c holds key j0 + c.
+        for (int r = warp; r < T; r += kAttnThreads / 32) {
+            const int64_t i = i0 + r, j = j0 + lane;
+            if (i >= a.s || j0 > i) {   // no key of this tile is visible to row i (or no row i)
+                ps[r * (T + 1) + lane] = 0.0f;
+                if (lane == 0) corr[r] = 1.0f;
+                continue;
+            }
+            const bool  valid  = j <= i;
+            const float sc     = ps[r * (T + 1) + lane];
+            const float m_old  = ms[r];
+            const float mx     = fmaxf(m_old, warp_max(valid ? sc : -INFINITY));
+            float       p      = valid ? exp_approx(__fsub_rn(sc, mx)) : 0.0f;
+            const float sum    = warp_sum(p);
+            if (key.dropped && valid) {   // l sums the undropped probabilities; O takes the dropped ones
+                const uint64_t row = dropout_attention_row(base, key.head_offset + hq, i);
+                p = __fmul_rn(p, dropout_keep_attention(row, j, key.threshold) ? key.keep_scale : 0.0f);
+            }
+            ps[r * (T + 1) + lane] = p;
+            if (lane == 0) {
+                const float cr = exp_approx(__fsub_rn(m_old, mx));
+                corr[r]        = cr;
+                ls[r]          = ls[r] * cr + sum;
+                ms[r]          = mx;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < kAttnPerThread; ++k) {
+            const int64_t e = threadIdx.x + static_cast<int64_t>(k) * kAttnThreads;
+            if (e < elems) {
+                const int64_t r = e / a.d, dd = e % a.d;
+                const float * pr = ps + r * (T + 1);
+                float         v  = acc[k] * corr[r];
+                for (int c = 0; c < T; ++c) v += pr[c] * vs[c * ds + dd];
+                acc[k] = v;
+            }
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < kAttnPerThread; ++k) {
+        const int64_t e = threadIdx.x + static_cast<int64_t>(k) * kAttnThreads;
+        if (e < elems) {
+            const int64_t r = e / a.d, dd = e % a.d, i = i0 + r;
+            if (i < a.s) out[((i * a.b + bi) * a.nq + hq) * a.d + dd] = acc[k] * (1.0f / ls[r]);
+        }
+    }
+    if (threadIdx.x < T && i0 + threadIdx.x < a.s) {
+        lse[(bi * a.nq + hq) * a.s + i0 + threadIdx.x] = ms[threadIdx.x] + logf(ls[threadIdx.x]);
+    }
+}
+
+// delta[(bi, hq, i)] = sum_dd out * dout over query row i's head hq, in dd order (the CPU's).
+__global__ void attention_delta_kernel(const float * out, const float * dout, float * delta, AttentionDims a) {
+    LOOM_GRID_STRIDE(t, a.b * a.nq * a.s) {
+        const int64_t i = t % a.s, bh = t / a.s, bi = bh / a.nq, hq = bh % a.nq;
+        const int64_t at = ((i * a.b + bi) * a.nq + hq) * a.d;
+        delta[t]         = attn_dot(out + at, dout + at, a.d);
+    }
+}
+
+// The shared tile of both backward kernels: for query rows i0 + r (Q, dO, lse, delta in shared memory) and
+// keys j0 + c (K, V), ps[r][c] = P z (z the dropout factor, 1 without) and dss[r][c] = P (z dP - delta) scale,
+// both 0 outside the causal triangle.
+__device__ void attention_grad_tile(const float * qs, const float * dos, const float * ks, const float * vs,
+                                    const float * lses, const float * deltas, float * ps, float * dss, int64_t i0,
+                                    int64_t j0, int64_t hq, uint64_t base, const AttentionDims & a, float scale,
+                                    const AttentionKey & key, int ds) {
+    constexpr int T = kAttnTile;
+    for (int e = threadIdx.x; e < T * T; e += blockDim.x) {
+        const int     r = e / T, c = e % T;
+        const int64_t i = i0 + r, j = j0 + c;
+        float         p = 0.0f, dsv = 0.0f;
+        if (i < a.s && j <= i) {
+            const float pv = exp_approx(__fsub_rn(attn_dot(qs + r * ds, ks + c * ds, a.d) * scale, lses[r]));
+            const float dp = attn_dot(dos + r * ds, vs + c * ds, a.d);
+            if (key.dropped) {
+                const uint64_t row = dropout_attention_row(base, key.head_offset + hq, i);
+                const float    z   = dropout_keep_attention(row, j, key.threshold) ? key.keep_scale : 0.0f;
+                p                  = pv * z;
+                dsv                = pv * (z * dp - deltas[r]) * scale;
+            } else {
+                p   = pv;
+                dsv = pv * (dp - deltas[r]) * scale;
+            }
+        }
+        ps[e + r]  = p;   // row stride T + 1
+        dss[e + r] = dsv;
+    }
+}
+
+// Loads the query tile's lse and delta rows of head hq (0 past s).
+__device__ void attn_load_rows(float * lses, float * deltas, const float * lse, const float * delta, int64_t i0,
+                               int64_t bi, int64_t hq, const AttentionDims & a) {
+    if (threadIdx.x < kAttnTile) {
+        const int64_t i  = i0 + threadIdx.x;
+        const int64_t at = (bi * a.nq + hq) * a.s + i;
+        lses[threadIdx.x]   = i < a.s ? lse[at] : 0.0f;
+        deltas[threadIdx.x] = i < a.s ? delta[at] : 0.0f;
+    }
+}
+
+// dQ: one block per (sequence, query head, query tile); dQ = sum over key tiles of dS K, assigned.
+__global__ void __launch_bounds__(kAttnThreads) attention_dq_kernel(const float * qkv, const float * dout,
+                                                                   const float * lse, const float * delta,
+                                                                   float * dqkv, AttentionDims a, float scale,
+                                                                   AttentionKey key) {
+    LOOM_DYNAMIC_SHARED(float, smem);
+    constexpr int T = kAttnTile;
+    const int     ds = attn_stride(a.d);
+    float *       qs = smem, *dos = qs + T * ds, *ks = dos + T * ds, *vs = ks + T * ds;
+    float *       ps = vs + T * ds, *dss = ps + T * (T + 1), *lses = dss + T * (T + 1), *deltas = lses + T;
+
+    const int64_t tiles = (a.s + T - 1) / T;
+    const int64_t bh = blockIdx.x / tiles, qt = tiles - 1 - blockIdx.x % tiles;
+    const int64_t bi = bh / a.nq, hq = bh % a.nq, hk = hq / (a.nq / a.nkv);
+    const int64_t i0 = qt * T, elems = T * a.d;
+    const uint64_t base = attn_base(key, bi);
+
+    attn_load(qs, qkv, i0, bi, hq * a.d, a.row_stride, a, ds);
+    attn_load(dos, dout, i0, bi, hq * a.d, a.nq * a.d, a, ds);
+    attn_load_rows(lses, deltas, lse, delta, i0, bi, hq, a);
+    float acc[kAttnPerThread];
+#pragma unroll
+    for (int k = 0; k < kAttnPerThread; ++k) acc[k] = 0.0f;
+
+    for (int64_t kt = 0; kt <= qt; ++kt) {
+        const int64_t j0 = kt * T;
+        __syncthreads();
+        attn_load(ks, qkv, j0, bi, (a.nq + hk) * a.d, a.row_stride, a, ds);
+        attn_load(vs, qkv, j0, bi, (a.nq + a.nkv + hk) * a.d, a.row_stride, a, ds);
+        __syncthreads();
+        attention_grad_tile(qs, dos, ks, vs, lses, deltas, ps, dss, i0, j0, hq, base, a, scale, key, ds);
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < kAttnPerThread; ++k) {
+            const int64_t e = threadIdx.x + static_cast<int64_t>(k) * kAttnThreads;
+            if (e < elems) {
+                const int64_t r = e / a.d, dd = e % a.d;
+                const float * dsr = dss + r * (T + 1);
+                float         v   = acc[k];
+                for (int c = 0; c < T; ++c) v += dsr[c] * ks[c * ds + dd];
+                acc[k] = v;
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < kAttnPerThread; ++k) {
+        const int64_t e = threadIdx.x + static_cast<int64_t>(k) * kAttnThreads;
+        if (e < elems) {
+            const int64_t r = e / a.d, dd = e % a.d, i = i0 + r;
+            if (i < a.s) dqkv[(i * a.b + bi) * a.row_stride + hq * a.d + dd] = acc[k];
+        }
+    }
+}
+
+// dK and dV: one block per (sequence, key/value head, key tile); sums over the group's query heads, then
+// over the query tiles from the diagonal on, in that order; assigned.
+__global__ void __launch_bounds__(kAttnThreads) attention_dkdv_kernel(const float * qkv, const float * dout,
+                                                                     const float * lse, const float * delta,
+                                                                     float * dqkv, AttentionDims a, float scale,
+                                                                     AttentionKey key) {
+    LOOM_DYNAMIC_SHARED(float, smem);
+    constexpr int T = kAttnTile;
+    const int     ds = attn_stride(a.d);
+    float *       qs = smem, *dos = qs + T * ds, *ks = dos + T * ds, *vs = ks + T * ds;
+    float *       ps = vs + T * ds, *dss = ps + T * (T + 1), *lses = dss + T * (T + 1), *deltas = lses + T;
+
+    const int64_t tiles = (a.s + T - 1) / T;
+    const int64_t bh = blockIdx.x / tiles, kt = blockIdx.x % tiles;   // the first tiles (most queries) first
+    const int64_t bi = bh / a.nkv, hk = bh % a.nkv, group = a.nq / a.nkv;
+    const int64_t j0 = kt * T, elems = T * a.d;
+    const uint64_t base = attn_base(key, bi);
+
+    attn_load(ks, qkv, j0, bi, (a.nq + hk) * a.d, a.row_stride, a, ds);
+    attn_load(vs, qkv, j0, bi, (a.nq + a.nkv + hk) * a.d, a.row_stride, a, ds);
+    float dk[kAttnPerThread], dv[kAttnPerThread];
+#pragma unroll
+    for (int k = 0; k < kAttnPerThread; ++k) dk[k] = dv[k] = 0.0f;
+
+    for (int64_t g = 0; g < group; ++g) {
+        const int64_t hq = hk * group + g;
+        for (int64_t qt = kt; qt < tiles; ++qt) {
+            const int64_t i0 = qt * T;
+            __syncthreads();
+            attn_load(qs, qkv, i0, bi, hq * a.d, a.row_stride, a, ds);
+            attn_load(dos, dout, i0, bi, hq * a.d, a.nq * a.d, a, ds);
+            attn_load_rows(lses, deltas, lse, delta, i0, bi, hq, a);
+            __syncthreads();
+            attention_grad_tile(qs, dos, ks, vs, lses, deltas, ps, dss, i0, j0, hq, base, a, scale, key, ds);
+            __syncthreads();
+#pragma unroll
+            for (int k = 0; k < kAttnPerThread; ++k) {
+                const int64_t e = threadIdx.x + static_cast<int64_t>(k) * kAttnThreads;
+                if (e < elems) {
+                    const int64_t c = e / a.d, dd = e % a.d;
+                    float         vk = dk[k], vv = dv[k];
+                    for (int r = 0; r < T; ++r) {
+                        vv += ps[r * (T + 1) + c] * dos[r * ds + dd];
+                        vk += dss[r * (T + 1) + c] * qs[r * ds + dd];
+                    }
+                    dk[k] = vk;
+                    dv[k] = vv;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < kAttnPerThread; ++k) {
+        const int64_t e = threadIdx.x + static_cast<int64_t>(k) * kAttnThreads;
+        if (e < elems) {
+            const int64_t c = e / a.d, dd = e % a.d, j = j0 + c;
+            if (j < a.s) {
+                float * row                                   = dqkv + (j * a.b + bi) * a.row_stride;
+                row[(a.nq + hk) * a.d + dd]                   = dk[k];
+                row[(a.nq + a.nkv + hk) * a.d + dd]           = dv[k];
+            }
+        }
+    }
+}
+
+// Dynamic shared memory of the forward and of the backward kernels, in bytes.
+size_t attention_forward_smem(int64_t d) {
+    return sizeof(float) * (3 * kAttnTile * attn_stride(d) + kAttnTile * (kAttnTile + 1) + 3 * kAttnTile);
+}
+size_t attention_backward_smem(int64_t d) {
+    return sizeof(float) * (4 * kAttnTile * attn_stride(d) + 2 * kAttnTile * (kAttnTile + 1) + 2 * kAttnTile);
+}
+
+// Allows `bytes` of dynamic shared memory to `kernel` where it needs more than the default 48 KiB.
+template <typename Kernel>
+cudaError_t allow_smem(Kernel kernel, size_t bytes) {
+    if (bytes <= 48 * 1024) return cudaSuccess;
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+}
+
+}  // namespace
+
+cudaError_t attention_forward(cudaStream_t stream, const float * qkv, float * out, float * lse, const AttentionDims & a,
+                              float scale, const AttentionKey & key) {
+    const int64_t tiles  = (a.s + kAttnTile - 1) / kAttnTile;
+    const int64_t blocks = tiles * a.b * a.nq;
+    if (blocks == 0) return cudaSuccess;
+    const size_t smem = attention_forward_smem(a.d);
+    cudaError_t  err  = allow_smem(attention_forward_kernel, smem);
+    if (err != cudaSuccess) return err;
+    LOOM_LAUNCH(attention_forward_kernel, static_cast<unsigned>(blocks), kAttnThreads, smem, stream)(
+        qkv, out, lse, a, scale, key);
+    return cudaGetLastError();
+}
+
+cudaError_t attention_backward(cudaStream_t stream, const float * qkv, const float * out, const float * dout,
+                               const float * lse, float * delta, float * dqkv, const AttentionDims & a, float scale,
+                               const AttentionKey & key) {
+    const int64_t tiles = (a.s + kAttnTile - 1) / kAttnTile;
+    if (tiles * a.b * a.nq == 0) return cudaSuccess;
+    const size_t smem = attention_backward_smem(a.d);
+    cudaError_t  err  = allow_smem(attention_dq_kernel, smem);
+    if (err == cudaSuccess) err = allow_smem(attention_dkdv_kernel, smem);
+    if (err != cudaSuccess) return err;
+    LOOM_LAUNCH(attention_delta_kernel, blocks_for(a.b * a.nq * a.s), kThreads, 0, stream)(out, dout, delta, a);
+    LOOM_LAUNCH(attention_dq_kernel, static_cast<unsigned>(tiles * a.b * a.nq), kAttnThreads, smem, stream)(
+        qkv, dout, lse, delta, dqkv, a, scale, key);
+    LOOM_LAUNCH(attention_dkdv_kernel, static_cast<unsigned>(tiles * a.b * a.nkv), kAttnThreads, smem, stream)(
+        qkv, dout, lse, delta, dqkv, a, scale, key);
+    return cudaGetLastError();
+}
+
+}  // namespace loom::LOOM_CUDA_NS::kernels

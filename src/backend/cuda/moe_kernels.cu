@@ -1,0 +1,466 @@
+// The Mixture-of-Experts kernels (moe_kernels.h): one thread per token for the router, whose scores are
+// recomputed on the fly instead of kept in per-thread arrays of E; the dispatch plan in one block per
+// expert, whose slot list is built in token order by one thread (the order the CPU's plan takes).
+#include "backend/cuda/kernel_common.cuh"
+#include "backend/cuda/launch.h"
+#include "backend/cuda/moe_kernels.h"
+
+#include <cmath>
+
+namespace loom::LOOM_CUDA_NS::kernels {
+
+namespace {
+
+__device__ __forceinline__ double sigmoid_d(double v) { return 1.0 / (1.0 + exp(-v)); }
+
+// softmax(l) over E is exp(l_e - m) / sum; logsumexp is m + log(sum).
+struct Softmax {
+    double m, sum;
+};
+
+__device__ Softmax softmax_of(const float * l, int64_t E) {
+    double m = l[0];
+    for (int64_t e = 1; e < E; ++e) m = fmax(m, static_cast<double>(l[e]));
+    double sum = 0;
+    for (int64_t e = 0; e < E; ++e) sum += exp(l[e] - m);
+    return {m, sum};
+}
+
+__device__ __forceinline__ double softmax_at(const float * l, int64_t e, const Softmax & s) {
+    return exp(l[e] - s.m) / s.sum;
+}
+
+__device__ double sigmoid_sum(const float * l, int64_t E) {
+    double sum = 0;
+    for (int64_t e = 0; e < E; ++e) sum += sigmoid_d(l[e]);
+    return sum;
+}
+
+// A row's score of expert e: the selection score (aux = false) or the aux loss's (aux = true).
+struct Scores {
+    const float * l;
+    Softmax       soft;
+    double        sig_sum;
+    int           kind;   // 0 logits, 1 softmax, 2 sigmoid, 3 sigmoid normalised over E
+
+    __device__ double operator()(int64_t e) const {
+        switch (kind) {
+            case 0: return l[e];
+            case 1: return softmax_at(l, e, soft);
+            case 2: return sigmoid_d(l[e]);
+            default: return sigmoid_d(l[e]) / (sig_sum + 1e-20);
+        }
+    }
+};
+
+__device__ Scores selection_scores(const float * l, const MoeRoutingArgs & r) {
+    Scores s{l, {0, 1}, 0, r.sigmoid ? 2 : r.pre_softmax ? 1 : 0};
+    if (s.kind == 1) s.soft = softmax_of(l, r.experts);
+    return s;
+}
+
+__device__ Scores aux_scores(const float * l, const MoeRoutingArgs & r) {
+    Scores s{l, {0, 1}, 0, r.sigmoid ? 3 : 1};
+    if (s.kind == 1) s.soft = softmax_of(l, r.experts);
+    if (s.kind == 3) s.sig_sum = sigmoid_sum(l, r.experts);
+    return s;
+}
+
+// The k largest scores in descending order, ties toward the lower index.
+__device__ void topk_desc(const Scores & score, int64_t E, int64_t k, int32_t * idx) {
+    for (int64_t j = 0; j < k; ++j) {
+        int64_t best = -1;
+        double  best_v = 0;
+        for (int64_t e = 0; e < E; ++e) {
+            bool taken = false;
+            for (int64_t i = 0; i < j; ++i) taken |= idx[i] == e;
+            if (taken) continue;
+            const double v = score(e);
+            if (best < 0 || v > best_v) {
+                best   = e;
+                best_v = v;
+            }
+        }
+        idx[j] = static_cast<int32_t>(best);
+    }
+}
+
+// The selected experts' probabilities before the scaling factor.
+__device__ void topk_probs(const float * l, const int32_t * idx, const MoeRoutingArgs & r, double * q) {
+    const int64_t k = r.topk;
+    if (!r.sigmoid) {
+        if (r.pre_softmax) {
+            const Softmax s = softmax_of(l, r.experts);
+            for (int64_t j = 0; j < k; ++j) q[j] = softmax_at(l, idx[j], s);
+        } else {
+            const double m = l[idx[0]];
+            double       sum = 0;
+            for (int64_t j = 0; j < k; ++j) sum += (q[j] = exp(l[idx[j]] - m));
+            for (int64_t j = 0; j < k; ++j) q[j] /= sum;
+        }
+    } else {
+        double sum = 0;
+        for (int64_t j = 0; j < k; ++j) sum += (q[j] = sigmoid_d(l[idx[j]]));
+        if (k > 1) {
+            for (int64_t j = 0; j < k; ++j) q[j] /= sum + 1e-20;
+        }
+    }
+}
+
+__global__ void moe_topk_kernel(const float * logits, int64_t n, MoeRoutingArgs r, int32_t * top_idx, float * probs) {
+    LOOM_GRID_STRIDE(x, n) {
+        const float * l = logits + x * r.experts;
+        int32_t *     idx = top_idx + x * r.topk;
+        topk_desc(selection_scores(l, r), r.experts, r.topk, idx);
+        double q[kMoeMaxTopk];
+        topk_probs(l, idx, r, q);
+        for (int64_t j = 0; j < r.topk; ++j) probs[x * r.topk + j] = static_cast<float>(r.scaling * q[j]);
+    }
+}
+
+__global__ void moe_aux_counts_kernel(const float * logits, int64_t n, MoeRoutingArgs r, int64_t groups, int32_t * counts) {
+    LOOM_GRID_STRIDE(x, n) {
+        int32_t idx[kMoeMaxTopk];
+        topk_desc(aux_scores(logits + x * r.experts, r), r.experts, r.topk, idx);
+        for (int64_t j = 0; j < r.topk; ++j) atomicAdd(counts + (x % groups) * r.experts + idx[j], 1);   // integers: any order
+    }
+}
+
+// Per row: the aux scores' normaliser (softmax's m and sum, or the sigmoid sum) and logsumexp.
+__global__ void moe_row_stats_kernel(const float * logits, int64_t n, MoeRoutingArgs r, double * stats) {
+    LOOM_GRID_STRIDE(x, n) {
+        const float * l = logits + x * r.experts;
+        const Softmax s = softmax_of(l, r.experts);
+        stats[x * 4 + 0] = s.m;
+        stats[x * 4 + 1] = s.sum;
+        stats[x * 4 + 2] = r.sigmoid ? sigmoid_sum(l, r.experts) : 0.0;
+        stats[x * 4 + 3] = s.m + log(s.sum);
+    }
+}
+
+// P[g, e]: the aux scores of expert e summed over group g's rows in token order.
+__global__ void moe_score_sums_kernel(const float * logits, int64_t n, MoeRoutingArgs r, int64_t groups,
+                                      const double * stats, double * P) {
+    LOOM_GRID_STRIDE(i, groups * r.experts) {
+        const int64_t g = i / r.experts, e = i % r.experts;
+        double        sum = 0;
+        for (int64_t x = g; x < n; x += groups) {
+            const float * l = logits + x * r.experts;
+            sum += r.sigmoid ? sigmoid_d(l[e]) / (stats[x * 4 + 2] + 1e-20)
+                             : softmax_at(l, e, Softmax{stats[x * 4 + 0], stats[x * 4 + 1]});
+        }
+        P[i] = sum;
+    }
+}
+
+__global__ void moe_losses_kernel(int64_t n, MoeRoutingArgs r, MoeLossArgs loss, const int32_t * counts,
+                                  const double * stats, const double * P, float * losses) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const int64_t E = r.experts, k = r.topk, G = loss.groups;
+    const bool    aux = loss.aux_coeff > 0.0f, z = loss.z_coeff > 0.0f;
+    double        aux_loss = 0;
+    if (aux) {
+        const double T = static_cast<double>(loss.tokens / G);
+        for (int64_t i = 0; i < G * E; ++i) aux_loss += P[i] * counts[i];
+        aux_loss *= static_cast<double>(E) * loss.aux_coeff / (static_cast<double>(k) * T * T) / G;
+    }
+    double lse_sq = 0;
+    for (int64_t x = 0; x < n && z; ++x) lse_sq += stats[x * 4 + 3] * stats[x * 4 + 3];
+    const double z_loss = z ? loss.z_coeff * lse_sq / static_cast<double>(loss.tokens) : 0.0;
+    losses[0] = static_cast<float>(aux_loss);
+    losses[1] = aux ? static_cast<float>(aux_loss / loss.aux_coeff) : 0.0f;
+    losses[2] = static_cast<float>(z_loss);
+    losses[3] = z ? static_cast<float>(z_loss / loss.z_coeff) : 0.0f;
+}
+
+// backend/cpu/moe.cpp's moe_router_backward, each expert's gradient summed from its terms in the CPU's order.
+__global__ void moe_router_backward_kernel(const float * logits, int64_t n, const int32_t * top_idx, const float * dprobs,
+                                           const int32_t * counts, MoeRoutingArgs r, MoeLossArgs loss, float loss_scale,
+                                           float * dlogits) {
+    const int64_t E = r.experts, k = r.topk, G = loss.groups;
+    const bool    aux = loss.aux_coeff > 0.0f, z = loss.z_coeff > 0.0f;
+    const double  T        = static_cast<double>(loss.tokens / G);
+    const double  aux_unit = aux ? loss_scale * static_cast<double>(E) * loss.aux_coeff / (k * T * T) / G : 0.0;
+    const double  z_unit   = z ? loss_scale * loss.z_coeff * 2.0 / static_cast<double>(loss.tokens) : 0.0;
+    LOOM_GRID_STRIDE(x, n) {
+        const float *   l   = logits + x * E;
+        const int32_t * idx = top_idx + x * k;
+        double          q[kMoeMaxTopk], dq[kMoeMaxTopk], term[kMoeMaxTopk];
+        for (int64_t j = 0; j < k; ++j) dq[j] = r.scaling * dprobs[x * k + j];
+        const Softmax soft = softmax_of(l, E);
+        // The top-k part: a term per selected expert, or (pre-softmax) s_e (ds_e - dot) for every e.
+        double dot = 0, S = 0;
+        if (!r.sigmoid && r.pre_softmax) {
+            for (int64_t j = 0; j < k; ++j) dot += softmax_at(l, idx[j], soft) * dq[j];
+        } else if (!r.sigmoid) {
+            topk_probs(l, idx, r, q);
+            for (int64_t j = 0; j < k; ++j) dot += q[j] * dq[j];
+            for (int64_t j = 0; j < k; ++j) term[j] = q[j] * (dq[j] - dot);
+        } else {
+            double sum = 0;
+            for (int64_t j = 0; j < k; ++j) sum += (q[j] = sigmoid_d(l[idx[j]]));
+            S = sum + 1e-20;
+            if (k > 1) {
+                for (int64_t j = 0; j < k; ++j) dot += q[j] / S * dq[j];
+            }
+            for (int64_t j = 0; j < k; ++j) {
+                const double dg = k > 1 ? (dq[j] - dot) / S : dq[j];
+                term[j]         = dg * q[j] * (1.0 - q[j]);
+            }
+        }
+        // The aux part's dot product over all E.
+        const int32_t * cg      = counts + (x % G) * E;
+        double          aux_dot = 0, aux_S = 0;
+        if (aux && !r.sigmoid) {
+            for (int64_t e = 0; e < E; ++e) aux_dot += softmax_at(l, e, soft) * cg[e] * aux_unit;
+        } else if (aux) {
+            aux_S = sigmoid_sum(l, E) + 1e-20;
+            for (int64_t e = 0; e < E; ++e) aux_dot += sigmoid_d(l[e]) / aux_S * cg[e] * aux_unit;
+        }
+        const double lse = soft.m + log(soft.sum);
+        for (int64_t e = 0; e < E; ++e) {
+            double d = 0.0;
+            if (!r.sigmoid && r.pre_softmax) {
+                double ds = 0.0;
+                for (int64_t j = 0; j < k; ++j) ds = idx[j] == e ? dq[j] : ds;
+                d += softmax_at(l, e, soft) * (ds - dot);
+            } else {
+                for (int64_t j = 0; j < k; ++j) {
+                    if (idx[j] == e) d += term[j];
+                }
+            }
+            if (aux && !r.sigmoid) {
+                const double s = softmax_at(l, e, soft);
+                d += s * (cg[e] * aux_unit - aux_dot);
+            } else if (aux) {
+                const double s = sigmoid_d(l[e]);
+                d += (cg[e] * aux_unit - aux_dot) / aux_S * s * (1.0 - s);
+            }
+            if (z) d += z_unit * lse * softmax_at(l, e, soft);
+            dlogits[x * E + e] = static_cast<float>(d);
+        }
+    }
+}
+
+// ---- Dispatch plan
+
+// count[e]: the slots routed to expert first + e.
+__global__ void moe_plan_count_kernel(const int32_t * expert_of, int64_t slots, MoePlanArgs spec, int32_t * count) {
+    const int64_t e = blockIdx.x;
+    double        mine = 0;
+    for (int64_t a = threadIdx.x; a < slots; a += blockDim.x) mine += expert_of[a] >= 0 && expert_of[a] - spec.first == e;
+    const double total = block_sum(mine);
+    if (threadIdx.x == 0) count[e] = static_cast<int32_t>(total);
+}
+
+// Block e: its slots in token order, which of them it keeps, and their rows (expert-major, after the rows of
+// the experts before it).
+__global__ void moe_plan_rows_kernel(const int32_t * expert_of, const float * probs, int64_t slots, int64_t k,
+                                     MoePlanArgs spec, int32_t * row_of, int32_t * token_of_row,
+                                     int64_t * tokens_per_expert, const int32_t * count, int32_t * list, int32_t * kept) {
+    const int64_t e = blockIdx.x, C = spec.capacity;
+    int64_t       offset = 0, base = 0;
+    for (int64_t i = 0; i < e; ++i) {
+        offset += count[i];
+        base += spec.padded ? C : C >= 0 && count[i] > C ? C : count[i];
+    }
+    const int64_t m = count[e];
+    int32_t *     mine = list + offset;
+    int32_t *     keep = kept + offset;
+    if (threadIdx.x == 0) {
+        int64_t i = 0;
+        for (int64_t a = 0; a < slots; ++a) {
+            if (expert_of[a] >= 0 && expert_of[a] - spec.first == e) mine[i++] = static_cast<int32_t>(a);
+        }
+    }
+    __syncthreads();
+    const bool over = C >= 0 && m > C;
+    for (int64_t i = threadIdx.x; i < m; i += blockDim.x) {
+        if (!over) {
+            keep[i] = 1;
+        } else if (!spec.drop_by_probs) {
+            keep[i] = i < C;   // the C earliest tokens
+        } else {               // the C highest probabilities, ties toward the earlier token
+            const float p    = probs[mine[i]];
+            int64_t     rank = 0;
+            for (int64_t j = 0; j < m; ++j) rank += probs[mine[j]] > p || (probs[mine[j]] == p && j < i);
+            keep[i] = rank < C;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int64_t row = base;
+        for (int64_t i = 0; i < m; ++i) {
+            if (!keep[i]) continue;
+            row_of[mine[i]]     = static_cast<int32_t>(row);
+            token_of_row[row++] = static_cast<int32_t>(mine[i] / k);
+        }
+        tokens_per_expert[e] = spec.padded ? C : row - base;
+    }
+}
+
+__global__ void fill_i32_kernel(int32_t * x, int64_t n, int32_t value) {
+    LOOM_GRID_STRIDE(i, n) x[i] = value;
+}
+
+__global__ void moe_plan_probs_kernel(const float * probs, const int32_t * row_of, int64_t slots, float * plan_probs) {
+    LOOM_GRID_STRIDE(a, slots) plan_probs[a] = row_of[a] >= 0 ? probs[a] : 0.0f;
+}
+
+__global__ void moe_plan_experts_kernel(const int32_t * row_of, int64_t slots, const int64_t * tokens_per_expert,
+                                        int64_t experts, int32_t * expert_of) {
+    LOOM_GRID_STRIDE(a, slots) {
+        int32_t e = -1;
+        if (row_of[a] >= 0) {
+            int64_t end = 0;
+            for (int64_t i = 0; i < experts && e < 0; ++i) {
+                end += tokens_per_expert[i];
+                if (row_of[a] < end) e = static_cast<int32_t>(i);
+            }
+            e = e < 0 ? static_cast<int32_t>(experts) : e;   // past the last expert's rows, as upper_bound
+        }
+        expert_of[a] = e;
+    }
+}
+
+// ---- Moving rows
+
+__global__ void moe_gather_rows_kernel(const float * x, int64_t m, const int32_t * index, int64_t rows, int64_t h, float * out) {
+    LOOM_GRID_STRIDE(i, rows * h) {
+        const int64_t src = index[i / h];
+        out[i]            = src >= 0 && src < m ? x[src * h + i % h] : 0.0f;
+    }
+}
+
+__global__ void moe_combine_kernel(const float * src, const int32_t * row_of, const float * weights, int64_t n,
+                                   int64_t k, int64_t h, float * dst) {
+    LOOM_GRID_STRIDE(i, n * h) {
+        const int64_t t = i / h, c = i % h;
+        float         d = 0.0f;
+        for (int64_t j = 0; j < k; ++j) {
+            const int64_t r = row_of[t * k + j];
+            if (r < 0) continue;
+            const float p = weights ? weights[t * k + j] : 1.0f;
+            d             = __fadd_rn(d, __fmul_rn(p, src[r * h + c]));
+        }
+        dst[i] = d;
+    }
+}
+
+__global__ void moe_zero_padding_rows_kernel(const int32_t * token_of_row, int64_t rows, int64_t h, float * dsrc) {
+    LOOM_GRID_STRIDE(i, rows * h) {
+        if (token_of_row[i / h] < 0) dsrc[i] = 0.0f;
+    }
+}
+
+__global__ void moe_scatter_grad_kernel(const float * dy, const float * weights, const int32_t * row_of, int64_t slots,
+                                        int64_t k, int64_t h, float * dsrc) {
+    LOOM_GRID_STRIDE(i, slots * h) {
+        const int64_t a = i / h, c = i % h, r = row_of[a];
+        if (r >= 0) dsrc[r * h + c] = __fmul_rn(weights[a], dy[(a / k) * h + c]);
+    }
+}
+
+__global__ void moe_weight_grad_kernel(const float * dy, const float * src, const int32_t * row_of, int64_t slots,
+                                       int64_t k, int64_t h, float * dweights) {
+    LOOM_GRID_STRIDE(a, slots) {
+        const int64_t r = row_of[a];
+        double        dot = 0;
+        if (r >= 0) {
+            const float * g = dy + (a / k) * h;
+            const float * y = src + r * h;
+            for (int64_t c = 0; c < h; ++c) dot += static_cast<double>(g[c]) * y[c];
+        }
+        dweights[a] = r >= 0 ? static_cast<float>(dot) : 0.0f;
+    }
+}
+
+}  // namespace
+
+void moe_topk(cudaStream_t stream, const float * logits, int64_t n, const MoeRoutingArgs & r, int32_t * top_idx,
+              float * probs) {
+    if (n > 0) LOOM_LAUNCH(moe_topk_kernel, blocks_for(n), kThreads, 0, stream)(logits, n, r, top_idx, probs);
+}
+
+void moe_aux_counts(cudaStream_t stream, const float * logits, int64_t n, const MoeRoutingArgs & r, int64_t groups,
+                    int32_t * counts) {
+    cudaMemsetAsync(counts, 0, static_cast<size_t>(groups * r.experts) * sizeof(int32_t), stream);
+    if (n > 0) LOOM_LAUNCH(moe_aux_counts_kernel, blocks_for(n), kThreads, 0, stream)(logits, n, r, groups, counts);
+}
+
+int64_t moe_router_losses_scratch(int64_t n, int64_t groups, int64_t experts) { return 4 * n + groups * experts + 1; }
+
+void moe_router_losses(cudaStream_t stream, const float * logits, int64_t n, const int32_t * counts,
+                       const MoeRoutingArgs & r, const MoeLossArgs & loss, double * scratch, float * losses) {
+    double * stats = scratch;
+    double * P     = scratch + 4 * n;
+    if (n > 0 && (loss.aux_coeff > 0.0f || loss.z_coeff > 0.0f)) {
+        LOOM_LAUNCH(moe_row_stats_kernel, blocks_for(n), kThreads, 0, stream)(logits, n, r, stats);
+        if (loss.aux_coeff > 0.0f) {
+            LOOM_LAUNCH(moe_score_sums_kernel, blocks_for(loss.groups * r.experts), kThreads, 0, stream)(
+                logits, n, r, loss.groups, stats, P);
+        }
+    }
+    LOOM_LAUNCH(moe_losses_kernel, 1, 1, 0, stream)(n, r, loss, counts, stats, P, losses);
+}
+
+void moe_router_backward(cudaStream_t stream, const float * logits, int64_t n, const int32_t * top_idx,
+                         const float * dprobs, const int32_t * counts, const MoeRoutingArgs & r, const MoeLossArgs & loss,
+                         float loss_scale, float * dlogits) {
+    if (n > 0) {
+        LOOM_LAUNCH(moe_router_backward_kernel, blocks_for(n), kThreads, 0, stream)(
+            logits, n, top_idx, dprobs, counts, r, loss, loss_scale, dlogits);
+    }
+}
+
+int64_t moe_plan_scratch(int64_t slots, int64_t experts) { return experts + 2 * slots + 1; }
+
+void moe_plan(cudaStream_t stream, const int32_t * expert_of, const float * probs, int64_t n, int64_t k,
+              const MoePlanArgs & spec, float * plan_probs, int32_t * row_of, int32_t * token_of_row,
+              int64_t token_rows, int64_t * tokens_per_expert, int32_t * scratch) {
+    const int64_t slots = n * k;
+    int32_t *     count = scratch;
+    int32_t *     list  = scratch + spec.experts;
+    int32_t *     kept  = list + slots;
+    if (slots > 0) LOOM_LAUNCH(fill_i32_kernel, blocks_for(slots), kThreads, 0, stream)(row_of, slots, -1);
+    if (token_rows > 0) LOOM_LAUNCH(fill_i32_kernel, blocks_for(token_rows), kThreads, 0, stream)(token_of_row, token_rows, -1);
+    const unsigned experts = static_cast<unsigned>(spec.experts);
+    LOOM_LAUNCH(moe_plan_count_kernel, experts, kThreads, 0, stream)(expert_of, slots, spec, count);
+    LOOM_LAUNCH(moe_plan_rows_kernel, experts, kThreads, 0, stream)(expert_of, probs, slots, k, spec, row_of, token_of_row,
+                                                                    tokens_per_expert, count, list, kept);
+    if (slots > 0) LOOM_LAUNCH(moe_plan_probs_kernel, blocks_for(slots), kThreads, 0, stream)(probs, row_of, slots, plan_probs);
+}
+
+void moe_plan_experts(cudaStream_t stream, const int32_t * row_of, int64_t slots, const int64_t * tokens_per_expert,
+                      int64_t experts, int32_t * expert_of) {
+    if (slots > 0) {
+        LOOM_LAUNCH(moe_plan_experts_kernel, blocks_for(slots), kThreads, 0, stream)(
+            row_of, slots, tokens_per_expert, experts, expert_of);
+    }
+}
+
+void moe_gather_rows(cudaStream_t stream, const float * x, int64_t m, const int32_t * index, int64_t rows, int64_t h,
+                     float * out) {
+    if (rows * h > 0) LOOM_LAUNCH(moe_gather_rows_kernel, blocks_for(rows * h), kThreads, 0, stream)(x, m, index, rows, h, out);
+}
+
+void moe_combine(cudaStream_t stream, const float * src, const int32_t * row_of, const float * weights, int64_t n,
+                 int64_t k, int64_t h, float * dst) {
+    if (n * h > 0) LOOM_LAUNCH(moe_combine_kernel, blocks_for(n * h), kThreads, 0, stream)(src, row_of, weights, n, k, h, dst);
+}
+
+void moe_combine_backward(cudaStream_t stream, const float * dy, const float * src, int64_t rows, const float * weights,
+                          const int32_t * row_of, const int32_t * token_of_row, int64_t n, int64_t k, int64_t h,
+                          float * dsrc, float * dweights) {
+    if (rows * h > 0) {
+        LOOM_LAUNCH(moe_zero_padding_rows_kernel, blocks_for(rows * h), kThreads, 0, stream)(token_of_row, rows, h, dsrc);
+    }
+    if (n * k * h > 0) {
+        LOOM_LAUNCH(moe_scatter_grad_kernel, blocks_for(n * k * h), kThreads, 0, stream)(dy, weights, row_of, n * k, k, h, dsrc);
+    }
+    if (n * k > 0) {
+        LOOM_LAUNCH(moe_weight_grad_kernel, blocks_for(n * k), kThreads, 0, stream)(dy, src, row_of, n * k, k, h, dweights);
+    }
+}
+
+}  // namespace loom::LOOM_CUDA_NS::kernels
