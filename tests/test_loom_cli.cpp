@@ -103,3 +103,42 @@ TEST(LoomCli, VersionAndHelpAsUsersExpect) {
     CliRun unknown = run_loom_stdout("help nonsense");
     EXPECT_EQ(unknown.status, 2);
 }
+
+// The CUDA backend is a plugin (apps/loom/cuda_plugin.cpp): loom itself needs no CUDA library, a CPU run
+// never opens one (LD_DEBUG=files lists every object the loader opens), `--device cuda` without the plugin
+// says which file could not be loaded and why, and `--version` loads it to count the GPUs.
+TEST(LoomCli, TheCudaBackendIsAPluginThatACpuRunNeverOpens) {
+#ifndef LOOM_CUDA_PLUGIN_PATH
+    GTEST_SKIP() << "this build has no CUDA backend (LOOM_CUDA=OFF): no plugin to check";
+#else
+    const std::string loom = LOOM_CLI_PATH;
+    CliRun            needed = run_command("readelf -d " + loom + " 2>&1");
+    EXPECT_NE(needed.out.find("(NEEDED)"), std::string::npos) << needed.out;
+    for (const char * lib : {"libcudart", "libcublas", "libnccl"}) {
+        EXPECT_EQ(needed.out.find(lib), std::string::npos) << "loom needs " << lib << ":\n" << needed.out;
+    }
+    CliRun plugin = run_command(std::string("readelf -d ") + LOOM_CUDA_PLUGIN_PATH + " 2>&1");
+    EXPECT_NE(plugin.out.find("libcudart"), std::string::npos) << plugin.out;
+
+    CliRun cpu = run_command("LD_DEBUG=files " + loom +
+                             " train --device cpu --mock-data --train-iters 2 --log-interval 1 --num-layers 1 "
+                             "--hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 1 2>&1");
+    EXPECT_EQ(cpu.status, 0) << cpu.out;
+    EXPECT_NE(cpu.out.find("lm loss"), std::string::npos) << cpu.out;
+    for (const char * lib : {"libloom_cuda", "libcudart", "libcublas", "libnccl"}) {
+        EXPECT_EQ(cpu.out.find(lib), std::string::npos) << "a CPU run opened " << lib;
+    }
+
+    CliRun missing = run_command("LOOM_CUDA_PLUGIN=/nonexistent/libloom_cuda.so " + loom +
+                                 " train --device cuda --mock-data --train-iters 1 2>&1");
+    EXPECT_NE(missing.status, 0) << missing.out;
+    EXPECT_NE(missing.out.find("--device cuda: the CUDA backend /nonexistent/libloom_cuda.so could not be loaded"),
+              std::string::npos)
+        << missing.out;
+
+    CliRun version = run_command("LD_DEBUG=files " + loom + " --version 2>&1");
+    EXPECT_EQ(version.status, 0) << version.out;
+    EXPECT_NE(version.out.find("libloom_cuda"), std::string::npos) << version.out;
+    EXPECT_NE(version.out.find("cuda ("), std::string::npos) << version.out;
+#endif
+}

@@ -19,7 +19,7 @@ int first_env(std::initializer_list<const char *> names, int fallback) {
 }
 
 int visible_gpus() {
-    const GpuBackend * cuda = cuda_backend();
+    const GpuBackend * cuda = cuda_backend();   // loads the plugin
     return cuda != nullptr ? cuda->device_count() : 0;
 }
 
@@ -38,12 +38,14 @@ Device & device_for(const std::string & choice) {
                    "unset LOOM_EMU_DEVICES or give it a positive count");
         return emu->device(local_rank() % devices);
     }
-    const bool cuda = choice == "cuda" || (choice == "auto" && visible_gpus() > 0);
+    // auto: a GPU if the machine has an NVIDIA driver and the backend sees one; no driver, no plugin loaded.
+    const bool cuda = choice == "cuda" || (choice == "auto" && nvidia_driver_present() && visible_gpus() > 0);
     if (!cuda) return cpu::device();
     const GpuBackend * backend = cuda_backend();
-    LOOM_CHECK(backend != nullptr, "--device cuda: this loom was built without the CUDA backend",
-               "build with the CUDA toolkit present (LOOM_CUDA=ON, which `make` sets when nvcc is found), or give "
-               "--device cpu (or --device cuda-emu: the CUDA backend on an emulated device)");
+    LOOM_CHECK(backend != nullptr, "--device cuda: " << cuda_backend_error(),
+               "build with the CUDA toolkit present (LOOM_CUDA=ON, which `make` sets when nvcc is found) and keep "
+               "libloom_cuda.so beside loom, with the CUDA libraries on the loader's path; or give --device cpu "
+               "(or --device cuda-emu: the CUDA backend on an emulated device)");
     const int gpus = visible_gpus();
     LOOM_CHECK(gpus > 0, "--device cuda: no CUDA device is visible",
                "check nvidia-smi and CUDA_VISIBLE_DEVICES, or give --device cpu");
