@@ -16,7 +16,7 @@ ifneq ($(NVCC),)
 CMAKE_FLAGS += -DCMAKE_CUDA_COMPILER=$(NVCC)
 endif
 
-.PHONY: deps configure build run test test-avx2 test-sanitize fuzz bench clean
+.PHONY: deps configure build docs run test test-avx2 test-sanitize fuzz bench clean
 
 deps:
 	./scripts/install-deps
@@ -26,6 +26,11 @@ configure: deps
 
 build: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+# docs/megatron_flags.md's flag reference, rendered from the flag tables (src/train/flags_*.cpp);
+# tests/test_flag_docs.cpp fails when the committed file is stale.
+docs: build
+	$(BUILD_DIR)/apps/loom help flags --update docs/megatron_flags.md
 
 # The main job: train the default small GPT (gpt-tiny) on the built-in synthetic dataset for 300
 # iterations (about half a minute on 2 cores), printing Megatron's log line and a summary.

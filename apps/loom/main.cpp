@@ -9,6 +9,7 @@
 //   loom schedule  print or draw the pipeline-parallel schedule of every rank (1F1B, interleaved)
 //   loom checkpoint info   what a checkpoint of `loom train --save` holds
 //   loom help [command]    the list of commands, or a command's options (as `loom <command> --help`)
+//   loom help flags [--update FILE]   the flag reference of docs/megatron_flags.md, from the flag tables
 //   loom --version         the version and the backends this build holds
 //
 // Only this file turns a loom::Error into an exit status (2: the input was at fault) and a message on
@@ -71,6 +72,14 @@ int main(int argc, char ** argv) {
     if (std::strcmp(argv[1], "--version") == 0 || std::strcmp(argv[1], "version") == 0) {
         print_version();
         return 0;
+    }
+    if (std::strcmp(argv[1], "help") == 0 && std::strcmp(argv[2], "flags") == 0) {
+        try {
+            return loom::app::cmd_help_flags(argc - 2, argv + 2);
+        } catch (const std::exception & e) {
+            std::fprintf(stderr, "loom help flags: %s\n", e.what());
+            return loom::app::kExitBadInput;
+        }
     }
     if (std::strcmp(argv[1], "help") == 0) {   // `loom help train` is `loom train --help`
         char   help_flag[] = "--help";

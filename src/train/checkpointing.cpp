@@ -10,44 +10,6 @@ using json = nlohmann::json;
 
 namespace {
 
-const char * normalization_name(model::Normalization n) {
-    return n == model::Normalization::rmsnorm ? "RMSNorm" : "LayerNorm";
-}
-
-const char * position_name(model::PositionEmbedding p) {
-    switch (p) {
-        case model::PositionEmbedding::rope: return "rope";
-        case model::PositionEmbedding::none: return "none";
-        default: return "learned_absolute";
-    }
-}
-
-// The model's shape under Megatron's arg names.
-json model_args(const model::GptConfig & m) {
-    return {{"num_layers", m.num_layers},
-            {"hidden_size", m.hidden_size},
-            {"ffn_hidden_size", m.ffn_hidden_size},
-            {"num_attention_heads", m.num_attention_heads},
-            {"num_query_groups", m.num_query_groups},
-            {"max_position_embeddings", m.max_position_embeddings},
-            {"vocab_size", m.vocab_size},
-            {"make_vocab_size_divisible_by", m.make_vocab_size_divisible_by},
-            {"normalization", normalization_name(m.normalization)},
-            {"swiglu", m.swiglu},
-            {"qk_layernorm", m.qk_layernorm},
-            {"position_embedding_type", position_name(m.position_embedding)},
-            {"add_bias_linear", m.add_bias_linear},
-            {"untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights},
-            {"norm_epsilon", m.norm_epsilon},
-            {"rotary_base", m.rotary_base},
-            // MoE, as Megatron's args (num_experts None for a dense model); what decides the parameters.
-            {"num_experts", m.moe.enabled() ? json(m.moe.num_experts) : json(nullptr)},
-            {"moe_layer_freq", !m.moe.enabled() ? json(1) : m.moe.layer_pattern.empty() ? json(m.moe.layer_freq) : json(m.moe.layer_pattern)},
-            {"moe_ffn_hidden_size", m.moe.enabled() ? json(m.moe.expert_ffn(m)) : json(nullptr)},
-            {"moe_shared_expert_intermediate_size", m.moe.shared_expert_intermediate_size > 0 ? json(m.moe.shared_expert_intermediate_size) : json(nullptr)},
-            {"moe_grouped_gemm", m.moe.grouped_gemm}};
-}
-
 // The MoE args a checkpoint written before Loom had experts lacks: a dense model's.
 json saved_or_dense(const json & saved, const char * key) {
     if (saved.contains(key)) return saved[key];
@@ -56,33 +18,6 @@ json saved_or_dense(const json & saved, const char * key) {
     return nullptr;
 }
 
-// The flag that sets each arg that must agree with the checkpoint.
-struct ArgFlag {
-    const char * key;
-    const char * flag;
-};
-constexpr ArgFlag kModelFlags[] = {
-    {"num_layers", "--num-layers"},
-    {"hidden_size", "--hidden-size"},
-    {"ffn_hidden_size", "--ffn-hidden-size"},
-    {"num_attention_heads", "--num-attention-heads"},
-    {"num_query_groups", "--num-query-groups"},
-    {"max_position_embeddings", "--max-position-embeddings"},
-    {"vocab_size", "--vocab-size"},
-    {"normalization", "--normalization"},
-    {"swiglu", "--swiglu"},
-    {"qk_layernorm", "--qk-layernorm"},
-    {"position_embedding_type", "--position-embedding-type"},
-    {"add_bias_linear", "--disable-bias-linear"},
-    {"untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"},
-    {"norm_epsilon", "--norm-epsilon"},
-    {"rotary_base", "--rotary-base"},
-    {"num_experts", "--num-experts"},
-    {"moe_layer_freq", "--moe-layer-freq"},
-    {"moe_ffn_hidden_size", "--moe-ffn-hidden-size"},
-    {"moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size"},
-    {"moe_grouped_gemm", "--moe-grouped-gemm"},
-};
 bool is_moe_arg(const char * key) { return std::string(key).rfind("moe_", 0) == 0 || std::string(key) == "num_experts"; }
 
 const json & saved_args(const checkpoint::Index & index) {
@@ -106,47 +41,30 @@ checkpoint::RankContents rank_contents(const TrainOptions & options, Setup & set
 
 }  // namespace
 
+// The args the flag tables save (train/flag_table.h), plus the sizes derived from several flags.
 json checkpoint_metadata(const TrainOptions & o, int64_t consumed_samples) {
-    json args = model_args(o.model);
-    args["model"]                                = o.model_preset;
-    args["seq_length"]                           = o.model.seq_length;
-    args["padded_vocab_size"]                    = o.model.padded_vocab_size(o.tensor_parallel_size);
-    args["init_method_std"]                      = o.model.init_method_std;
-    args["seed"]                                 = o.model.seed;
-    args["bf16"]                                 = o.bf16;
-    args["tensor_model_parallel_size"]           = o.tensor_parallel_size;
-    args["pipeline_model_parallel_size"]         = o.pipeline_parallel_size;
-    args["num_virtual_stages_per_pipeline_rank"] = o.virtual_pipeline_size;
-    args["sequence_parallel"]                    = o.sequence_parallel;
-    args["data_parallel_size"]                   = o.data_parallel_size;
-    args["use_distributed_optimizer"]            = o.ddp.use_distributed_optimizer;
-    args["optimizer_cpu_offload"]                = o.optimizer_cpu_offload;
-    args["micro_batch_size"]                     = o.micro_batch_size;
-    args["global_batch_size"]                    = o.global_batch_size;
-    args["train_iters"]                          = o.train_iters;
-    args["lr"]                                   = o.adam.lr;
-    args["min_lr"]                               = o.min_lr;
-    args["lr_decay_style"]                       = o.lr_decay_style;
-    args["lr_warmup_iters"]                      = o.lr_warmup_iters;
-    args["weight_decay"]                         = o.adam.weight_decay;
-    args["clip_grad"]                            = o.clip_grad;
-    args["data_path"]                            = o.data_path;   // a list, as Megatron's nargs='*'
-    if (o.per_split_data()) {
-        args["train_data_path"] = o.train_data_path;
-        args["valid_data_path"] = o.valid_data_path;
-        args["test_data_path"]  = o.test_data_path;
+    json args = json::object();
+    for (const FlagInfo & f : train_flags()) {
+        if (f.arg.key == nullptr) continue;
+        json value = f.arg.value(o);
+        if (!value.is_discarded()) args[f.arg.key] = std::move(value);
     }
+    args["padded_vocab_size"]  = o.model.padded_vocab_size(o.tensor_parallel_size);
+    args["data_parallel_size"] = o.data_parallel_size;
     return {{"args", args}, {"consumed_train_samples", consumed_samples}, {"rng", {{"seed", o.model.seed}}}};
 }
 
+// Each arg a table marks must_match, named by its flag.
 void check_checkpoint_args(const TrainOptions & options, const checkpoint::Index & index) {
     const json & saved = saved_args(index);
-    const json   now   = model_args(options.model);
-    for (const ArgFlag & a : kModelFlags) {
-        LOOM_CHECK(saved.contains(a.key) || is_moe_arg(a.key), "checkpoint index '" << index.path() << "' has no arg " << a.key, "");
-        const json was = saved_or_dense(saved, a.key);
-        if (was == now[a.key]) continue;
-        LOOM_THROW(a.flag << ": the model has " << a.key << " = " << now[a.key].dump() << ", the checkpoint in '"
+    for (const FlagInfo & f : train_flags()) {
+        if (!f.arg.must_match) continue;
+        const char * key = f.arg.key;
+        LOOM_CHECK(saved.contains(key) || is_moe_arg(key), "checkpoint index '" << index.path() << "' has no arg " << key, "");
+        const json was = saved_or_dense(saved, key);
+        const json now = f.arg.value(options);
+        if (was == now) continue;
+        LOOM_THROW(f.name << ": the model has " << key << " = " << now.dump() << ", the checkpoint in '"
                           << index.folder << "' has " << was.dump(),
                    "give the model flags the checkpoint was saved with, or --use-checkpoint-args to take them from it");
     }

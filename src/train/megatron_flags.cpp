@@ -6,7 +6,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
-#include <memory>
 #include <sstream>
 
 namespace loom::train {
@@ -53,7 +52,8 @@ constexpr NoOpFlag kNoOpFlags[] = {
     {"--no-use-tokenizer-model-from-checkpoint-args", nullptr, "Loom's checkpoints record no tokenizer model"},
 };
 
-// Megatron flags Loom refuses, with what to do instead (only where Loom has something to offer).
+}  // namespace
+
 const std::map<std::string, std::string> & refusal_hints() {
     static const std::map<std::string, std::string> hints = {
         {"--tokenizer-model", "Loom reads GPT-2 BPE files (--tokenizer-type GPT2BPETokenizer --vocab-file V "
@@ -66,6 +66,8 @@ const std::map<std::string, std::string> & refusal_hints() {
     };
     return hints;
 }
+
+namespace {
 
 // argparse's _negative_number_matcher, widened to exponents: such a word is a value, not a flag.
 bool looks_like_negative_number(const char * word) {
@@ -146,110 +148,6 @@ std::string unsupported_flags_message(const std::vector<std::string> & remaining
         if (hint != refusal_hints().end()) os << "  (" << hint->second << ")";
     }
     return os.str();
-}
-
-namespace {
-
-// The order arguments.py adds its groups (parse_args: _add_network_size_args, _add_regularization_args,
-// ...), then Loom's own flags and the ones accepted without effect.
-// (_add_network_size_args builds the TransformerConfig group, "transformer configuration", first.)
-constexpr const char * kGroupOrder[] = {"transformer configuration", "network size", "regularization",  "training",
-                                        "initialization", "learning rate", "checkpointing",  "mixed precision",
-                                        "distributed", "validation",    "data and dataloader", "tokenizer", "logging",
-                                        "inference", "Loom (not Megatron's)", "accepted without effect"};
-
-// CLI11 prints groups in the order their first option was added; this prints them in kGroupOrder.
-class MegatronHelpFormatter : public CLI::Formatter {
-public:
-    std::string make_help(const CLI::App * app, std::string name, CLI::AppFormatMode mode) const override {
-        if (mode == CLI::AppFormatMode::Sub) return CLI::Formatter::make_help(app, name, mode);
-        std::string out = make_description(app) + make_usage(app, name);
-        std::vector<std::string> groups(std::begin(kGroupOrder), std::end(kGroupOrder));
-        for (const std::string & g : app->get_groups()) {
-            if (std::find(groups.begin(), groups.end(), g) == groups.end()) groups.push_back(g);
-        }
-        for (const std::string & group : groups) {
-            std::vector<const CLI::Option *> opts =
-                app->get_options([&](const CLI::Option * o) { return o->get_group() == group && o->nonpositional(); });
-            if (!opts.empty()) out += make_group(group, false, opts) + "\n";
-        }
-        return out + make_footer(app);
-    }
-};
-
-}  // namespace
-
-void group_like_megatron(CLI::App & app) {
-    static const std::map<std::string, const char *> groups = {
-        {"--num-layers", "network size"}, {"--hidden-size", "network size"}, {"--ffn-hidden-size", "network size"},
-        {"--num-attention-heads", "network size"}, {"--group-query-attention", "network size"},
-        {"--num-query-groups", "network size"}, {"--max-position-embeddings", "network size"},
-        {"--make-vocab-size-divisible-by", "network size"}, {"--normalization", "network size"},
-        {"--swiglu", "network size"}, {"--position-embedding-type", "network size"},
-        {"--disable-bias-linear", "network size"}, {"--qk-layernorm", "network size"}, {"--untie-embeddings-and-output-weights", "network size"},
-        {"--vocab-size", "network size"}, {"--tokenizer-type", "tokenizer"}, {"--vocab-file", "tokenizer"},
-        {"--merge-file", "tokenizer"}, {"--kv-channels", "network size"}, {"--norm-epsilon", "network size"},
-        {"--rotary-base", "network size"}, {"--rotary-percent", "network size"},
-        {"--hidden-dropout", "regularization"}, {"--attention-dropout", "regularization"},
-        {"--recompute-activations", "training"}, {"--recompute-granularity", "training"},
-        {"--recompute-method", "training"}, {"--recompute-num-layers", "training"}, {"--recompute-modules", "training"},
-        {"--weight-decay", "regularization"}, {"--clip-grad", "regularization"}, {"--adam-beta1", "regularization"},
-        {"--adam-beta2", "regularization"}, {"--adam-eps", "regularization"},
-        {"--micro-batch-size", "training"}, {"--global-batch-size", "training"}, {"--train-iters", "training"},
-        {"--exit-interval", "training"}, {"--exit-duration-in-mins", "training"}, {"--exit-signal-handler", "training"},
-        {"--seed", "initialization"}, {"--init-method-std", "initialization"},
-        {"--lr", "learning rate"}, {"--min-lr", "learning rate"}, {"--decoupled-lr", "learning rate"},
-        {"--decoupled-min-lr", "learning rate"}, {"--lr-warmup-iters", "learning rate"},
-        {"--lr-decay-style", "learning rate"}, {"--lr-decay-iters", "learning rate"},
-        {"--lr-decay-samples", "learning rate"}, {"--lr-warmup-samples", "learning rate"},
-        {"--lr-warmup-fraction", "learning rate"}, {"--lr-warmup-init", "learning rate"},
-        {"--lr-wsd-decay-style", "learning rate"}, {"--lr-wsd-decay-iters", "learning rate"},
-        {"--lr-wsd-decay-samples", "learning rate"}, {"--train-samples", "training"},
-        {"--save", "checkpointing"}, {"--load", "checkpointing"}, {"--save-interval", "checkpointing"},
-        {"--no-save-optim", "checkpointing"}, {"--no-load-optim", "checkpointing"}, {"--no-load-rng", "checkpointing"},
-        {"--finetune", "checkpointing"}, {"--ckpt-step", "checkpointing"}, {"--ckpt-format", "checkpointing"},
-        {"--use-checkpoint-args", "checkpointing"},
-        {"--exit-on-missing-checkpoint", "checkpointing"},
-        {"--bf16", "mixed precision"}, {"--fp16", "mixed precision"},
-        {"--accumulate-allreduce-grads-in-fp32", "mixed precision"},
-        {"--tensor-model-parallel-size", "distributed"}, {"--pipeline-model-parallel-size", "distributed"},
-        {"--sequence-parallel", "distributed"}, {"--num-layers-per-virtual-pipeline-stage", "distributed"},
-        {"--num-virtual-stages-per-pipeline-rank", "distributed"},
-        {"--microbatch-group-size-per-virtual-pipeline-stage", "distributed"},
-        {"--decoder-first-pipeline-num-layers", "distributed"}, {"--decoder-last-pipeline-num-layers", "distributed"},
-        {"--context-parallel-size", "distributed"}, {"--expert-model-parallel-size", "distributed"},
-        {"--expert-tensor-parallel-size", "distributed"}, {"--use-tp-pp-dp-mapping", "distributed"},
-        {"--use-distributed-optimizer", "distributed"}, {"--overlap-grad-reduce", "distributed"},
-        {"--overlap-param-gather", "distributed"}, {"--ddp-bucket-size", "distributed"},
-        {"--ddp-average-in-collective", "distributed"}, {"--ddp-pad-buckets-for-high-nccl-busbw", "distributed"},
-        {"--distributed-timeout-minutes", "distributed"}, {"--check-for-nan-in-loss-and-grad", "distributed"},
-        {"--no-check-for-nan-in-loss-and-grad", "distributed"},
-        {"--optimizer-cpu-offload", "distributed"}, {"--optimizer-offload-fraction", "distributed"},
-        {"--overlap-cpu-optimizer-d2h-h2d", "distributed"}, {"--no-pin-cpu-grads", "distributed"},
-        {"--no-pin-cpu-params", "distributed"},
-        {"--data-path", "data and dataloader"}, {"--mock-data", "data and dataloader"}, {"--split", "data and dataloader"},
-        {"--train-data-path", "data and dataloader"}, {"--valid-data-path", "data and dataloader"},
-        {"--test-data-path", "data and dataloader"}, {"--data-cache-path", "data and dataloader"},
-        {"--mid-level-dataset-surplus", "data and dataloader"},
-        {"--seq-length", "data and dataloader"},
-        {"--log-interval", "logging"}, {"--timing-log-level", "logging"}, {"--log-params-norm", "logging"}, {"--log-num-zeros-in-grad", "logging"}, {"--tensorboard-dir", "logging"}, {"--tensorboard-log-interval", "logging"},
-        {"--tensorboard-queue-size", "logging"}, {"--log-timers-to-tensorboard", "logging"},
-        {"--log-memory-to-tensorboard", "logging"}, {"--log-validation-ppl-to-tensorboard", "logging"},
-        {"--cuda-graph-impl", "transformer configuration"}, {"--cuda-graph-warmup-steps", "transformer configuration"},
-        {"--enable-cuda-graph", "transformer configuration"}, {"--external-cuda-graph", "transformer configuration"},
-        {"--cuda-graph-modules", "inference"}, {"--cuda-graph-scope", "inference"},
-        {"--no-log-loss-scale-to-tensorboard", "logging"}, {"--log-world-size-to-tensorboard", "logging"}, {"--eval-interval", "validation"}, {"--eval-iters", "validation"}, {"--log-throughput", "logging"},
-    };
-    app.formatter(std::make_shared<MegatronHelpFormatter>());
-    for (CLI::Option * option : app.get_options()) {
-        if (option->get_group() == "accepted without effect") continue;
-        auto it = groups.find(option->get_name());
-        if (it != groups.end()) {
-            option->group(it->second);
-        } else if (option->get_name() != "--help") {
-            option->group("Loom (not Megatron's)");
-        }
-    }
 }
 
 }  // namespace loom::train

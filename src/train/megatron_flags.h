@@ -2,11 +2,13 @@
 // without acting on them (they choose an implementation on Megatron's side, and Loom's behaviour is the
 // one they ask for), the flags it refuses with a hint, and the help groups of Megatron's arguments.py.
 //
-// The list of accepted no-op flags is printed into docs/megatron_flags.md; keep the two in step.
+// The accepted no-op flags and the refusal hints are rendered into docs/megatron_flags.md (train/flag_table.h);
+// the help groups are named by each flag's table entry.
 #pragma once
 
 #include <CLI/CLI.hpp>
 
+#include <map>
 #include <span>
 #include <string>
 #include <vector>
@@ -35,7 +37,7 @@ void check_option_values(const CLI::App & app, int argc, const char * const * ar
 // Empty when there are none.
 std::string unsupported_flags_message(const std::vector<std::string> & remaining);
 
-// Puts each option of `app` into the help group of Megatron's arguments.py that holds it.
-void group_like_megatron(CLI::App & app);
+// Megatron flags Loom refuses, with what to do instead (only where Loom has something to offer).
+const std::map<std::string, std::string> & refusal_hints();
 
 }  // namespace loom::train

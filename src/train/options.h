@@ -1,5 +1,6 @@
-// The options of `loom train` and `loom eval`: one table of Megatron's flag spellings, defaults and help,
-// registered on a CLI11 app, then validated in one place with messages that name the flags.
+// The options of `loom train` and `loom eval`: Megatron's flag spellings, defaults and help, declared in one
+// table per config (train/flag_table.h, train/flag_values.h), registered on a CLI11 app, then resolved and
+// validated in one place with messages that name the flags.
 //
 // A model is a preset (--model, Loom's shortcut; default gpt-tiny) overridden by any of Megatron's model
 // flags given explicitly.
@@ -11,6 +12,7 @@
 #include "optim/lr_schedule.h"
 #include "pipeline/layer_assignment.h"
 #include "optim/hybrid_optimizer.h"
+#include "train/flag_values.h"
 
 #include <CLI/CLI.hpp>
 
@@ -160,63 +162,48 @@ struct MemoryEstimate {
 };
 MemoryEstimate estimate_memory(const TrainOptions & options);
 
-// Registers every option; explicit model flags are recorded so they override the preset.
+// Refuses a run whose estimate, times the ranks on this machine, exceeds its memory, naming the flags.
+void check_memory(const TrainOptions & options, int64_t world_size);
+
+// Every value the flag tables write: TrainOptions, and the flags a resolve step reads (train/flag_values.h).
+struct FlagValues {
+    TrainOptions   options;
+    ModelFlags     model;
+    OptimFlags     optim;
+    ParallelFlags  parallel;
+    RecomputeFlags recompute;
+    MoeFlags       moe;
+    GraphFlags     graphs;
+};
+
+// Every flag of `loom train`, from its tables, in the order they are registered (--help's order within a
+// group): what the checkpoint's args and docs/megatron_flags.md are made from.
+std::vector<FlagInfo> train_flags();
+
+// The flag reference of docs/megatron_flags.md, rendered from the tables (train/flag_table.h).
+std::string flag_reference_markdown();
+
+// Registers every table's flags on `app`, then resolves them in one place.
 class TrainOptionParser {
 public:
     explicit TrainOptionParser(CLI::App & app);
-    // After app.parse(): resolves the preset, applies explicit flags, validates for `world_size` ranks
-    // (tp x pp x dp); throws loom::Error (identically on every rank, before any collective).
+    // After app.parse(): the preset, the flags given, the files they name; validated for `world_size`
+    // ranks (tp x pp x dp); throws loom::Error (identically on every rank, before any collective).
     TrainOptions resolve(int64_t world_size = 1);
     // `loom export-hf` builds a model and reads no data: no data source is required.
     void         data_optional() { data_optional_ = true; }
-    // --recompute-* (with Megatron's rules) into m.
-    void         resolve_recompute(model::GptConfig & m) const;
     // True when --vocab-size, --load-hf or --use-checkpoint-args fixed the vocabulary (otherwise the
     // dataset's is used).
     bool vocab_given() const {
-        return app_.count("--vocab-size") > 0 || !opts_.load_hf.empty() || opts_.use_checkpoint_args ||
-               !opts_.tokenizer_type.empty();
+        const TrainOptions & o = values_.options;
+        return app_.count("--vocab-size") > 0 || !o.load_hf.empty() || o.use_checkpoint_args || !o.tokenizer_type.empty();
     }
 
 private:
-    CLI::App &   app_;
-    TrainOptions opts_;
-    // Model flags, only applied when given.
-    int64_t     num_layers_ = 0, hidden_size_ = 0, ffn_hidden_size_ = 0, heads_ = 0, query_groups_ = 0;
-    int64_t     seq_length_ = 0, max_pos_ = 0, vocab_size_ = 0, vocab_divisible_ = 0;
-    bool        gqa_ = false, swiglu_ = false, disable_bias_ = false, untie_ = false, qk_layernorm_ = false;
-    bool        no_pin_cpu_grads_ = false, no_pin_cpu_params_ = false;
-    std::string normalization_, position_embedding_;
-    float       init_std_ = 0, norm_epsilon_ = 0, rotary_percent_ = 1.0f;
-    int64_t     rotary_base_ = 0, kv_channels_ = 0;
-    uint64_t    seed_     = 0;
-    int64_t     bucket_size_ = 0;
-    bool        grads_in_fp32_ = false;
-    bool        no_check_nan_ = false;
-    // Megatron flags accepted while their feature is a single value in Loom.
-    int64_t     context_parallel_size_ = 1, expert_parallel_size_ = 1, expert_tensor_parallel_size_ = 0;
-    float       hidden_dropout_ = 0.1f, attention_dropout_ = 0.1f;   // Megatron's defaults
-    float       decoupled_lr_ = 0.0f, decoupled_min_lr_ = 0.0f;
-    std::string recompute_granularity_, recompute_method_;            // "": None
-    int64_t     recompute_num_layers_ = 0;
-    bool        recompute_activations_ = false;
-    std::vector<std::string> recompute_modules_;
-    // --num-experts and --moe-*, resolved into model.moe by resolve_moe.
-    int64_t                  num_experts_ = 0, moe_topk_ = 2, moe_ffn_ = 0, moe_shared_ffn_ = 0;
-    std::string              moe_layer_freq_ = "1", moe_score_function_ = "softmax", moe_drop_policy_ = "probs";
-    std::string              moe_dispatcher_ = "allgather";
-    std::vector<std::string> moe_load_balancing_{"aux_loss"};
-    std::vector<float>       moe_aux_loss_coeff_{0.0f};
-    float                    moe_z_loss_coeff_ = 0.0f, moe_capacity_factor_ = 0.0f, moe_topk_scaling_ = 0.0f;
-    bool                     moe_pre_softmax_ = false, moe_pad_ = false, moe_grouped_gemm_ = false;
-    void                     resolve_moe(TrainOptions & o) const;
-    std::string              cuda_graph_impl_ = "none";
-    std::vector<std::string> cuda_graph_modules_, cuda_graph_scope_;
-    bool                     enable_cuda_graph_ = false, external_cuda_graph_ = false;
-    void                     resolve_cuda_graphs(TrainOptions & o) const;
-    std::vector<std::string> noop_values_;
+    CLI::App &               app_;
+    FlagValues               values_;
+    std::vector<std::string> noop_values_;   // values of the flags accepted without effect (megatron_flags.h)
     bool                     data_optional_ = false;
-    bool                     no_log_loss_scale_ = false;   // values of the flags accepted without effect (megatron_flags.h)
 };
 
 }  // namespace loom::train

@@ -1,0 +1,117 @@
+#include "train/flag_table.h"
+
+#include "train/megatron_flags.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <memory>
+#include <sstream>
+
+namespace loom::train {
+
+void check_int64_range(CLI::App & app) {
+    CLI::Validator int64_range(
+        [](std::string & value) {
+            errno = 0;
+            char * end = nullptr;
+            std::strtoll(value.c_str(), &end, 10);
+            return errno == ERANGE ? std::string("value out of the range of a 64-bit integer") : std::string();
+        },
+        "", "int64");
+    for (CLI::Option * option : app.get_options()) {
+        if (option->get_type_name() == "INT") option->check(int64_range);
+    }
+}
+
+namespace {
+
+// The order arguments.py adds its groups (parse_args: _add_network_size_args, _add_regularization_args,
+// ...), then Loom's own flags and the ones accepted without effect.
+// (_add_network_size_args builds the TransformerConfig group, "transformer configuration", first.)
+constexpr const char * kGroupOrder[] = {"transformer configuration", "network size", "regularization",  "training",
+                                        "initialization", "learning rate", "checkpointing",  "mixed precision",
+                                        "distributed", "validation",    "data and dataloader", "tokenizer", "logging",
+                                        "inference", kLoomGroup, "accepted without effect"};
+
+// Megatron's groups in their order, then any other group of `app` (CLI11's "Options", holding --help).
+std::vector<std::string> groups_in_order(const CLI::App & app) {
+    std::vector<std::string> groups(std::begin(kGroupOrder), std::end(kGroupOrder));
+    for (const std::string & g : app.get_groups()) {
+        if (std::find(groups.begin(), groups.end(), g) == groups.end()) groups.push_back(g);
+    }
+    return groups;
+}
+
+class MegatronHelpFormatter : public CLI::Formatter {
+public:
+    std::string make_help(const CLI::App * app, std::string name, CLI::AppFormatMode mode) const override {
+        if (mode == CLI::AppFormatMode::Sub) return CLI::Formatter::make_help(app, name, mode);
+        std::string out = make_description(app) + make_usage(app, name);
+        for (const std::string & group : groups_in_order(*app)) {
+            std::vector<const CLI::Option *> opts =
+                app->get_options([&](const CLI::Option * o) { return o->get_group() == group && o->nonpositional(); });
+            if (!opts.empty()) out += make_group(group, false, opts) + "\n";
+        }
+        return out + make_footer(app);
+    }
+};
+
+// A table cell: '|' would end it.
+std::string cell(const std::string & text) {
+    std::string out;
+    for (char c : text) out += c == '|' ? std::string("\\|") : std::string(1, c);
+    return out;
+}
+
+}  // namespace
+
+void group_like_megatron(CLI::App & app) { app.formatter(std::make_shared<MegatronHelpFormatter>()); }
+
+std::string render_flags_markdown(const CLI::App & app) {
+    std::ostringstream md;
+    md << "## Flag reference\n\n"
+          "Every flag `loom train` reads, in the help groups of Megatron's `arguments.py` and in the order `loom "
+          "train --help`\nprints them. The default is the value taken when the flag is not given; where none is "
+          "shown, the value\ncomes from the `--model` preset, from another flag, or is none (as Megatron's None).\n";
+    for (const std::string & group : groups_in_order(app)) {
+        if (group == "accepted without effect") continue;   // the next section, with the values accepted
+        std::vector<const CLI::Option *> opts = app.get_options(
+            [&](const CLI::Option * o) { return o->get_group() == group && o->nonpositional() && o->get_name() != "--help"; });
+        if (opts.empty()) continue;
+        md << "\n### " << group << "\n\n| flag | default | meaning |\n|---|---|---|\n";
+        for (const CLI::Option * o : opts) {
+            const std::string def = o->get_default_str();
+            md << "| `" << o->get_name() << "` | " << (def.empty() ? "" : "`" + cell(def) + "`") << " | "
+               << cell(o->get_description()) << " |\n";
+        }
+    }
+    md << "\n## Accepted without effect\n\n"
+          "These flags only choose an implementation on Megatron's side; Loom's behaviour is the one they ask for, so\n"
+          "they are accepted and change nothing. A value outside the list is refused by name, because it would ask for\n"
+          "different behaviour.\n\n"
+          "| flag | values accepted | why it changes nothing in Loom |\n|---|---|---|\n";
+    for (const NoOpFlag & f : noop_flags()) {
+        std::string values = "(switch)";
+        if (f.values != nullptr && f.values[0] == '\0') values = "any";
+        if (f.values != nullptr && f.values[0] != '\0') {
+            values.clear();
+            std::stringstream list(f.values);
+            for (std::string v; std::getline(list, v, '|');) values += (values.empty() ? "`" : ", `") + v + "`";
+        }
+        md << "| `" << f.name << "` | " << values << " | " << cell(f.reason) << " |\n";
+    }
+    md << "\n## Refused with a hint\n\n"
+          "Any other flag is refused as \"not supported by Loom\"; for these the message says what to use instead.\n\n"
+          "| flag | instead |\n|---|---|\n";
+    for (const auto & [flag, hint] : refusal_hints()) md << "| `" << flag << "` | " << cell(hint) << " |\n";
+    return md.str();
+}
+
+std::string splice_generated(const std::string & doc, const std::string & generated) {
+    const size_t at   = doc.find(kGeneratedMarker);
+    std::string  head = at == std::string::npos ? doc + "\n" : doc.substr(0, at);
+    return head + kGeneratedMarker + "\n\n" + generated;
+}
+
+}  // namespace loom::train

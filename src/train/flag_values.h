@@ -1,0 +1,152 @@
+// The flags of `loom train` by the config they fill, each with its table (train/flag_table.h) and the
+// rules that resolve it: the table in src/train/flags_<config>.cpp, next to its rules.
+//
+// Most flags land straight in TrainOptions (or a config it holds: AdamWConfig, DdpConfig, HybridOptions).
+// The structs here hold the flags that cannot: those applied only when given (the model's shape over the
+// --model preset), and those resolved together into another type (the MoE, graph and recompute rules).
+#pragma once
+
+#include "model/gpt_config.h"
+#include "train/flag_table.h"
+
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace loom::ddp {
+struct DdpConfig;
+}
+namespace loom::optim {
+struct AdamWConfig;
+struct HybridOptions;
+}
+
+namespace loom::train {
+
+struct TrainOptions;
+
+// Whether a flag was given on the command line (argparse's "is not None" for flags whose default means
+// "not given").
+class Given {
+public:
+    explicit Given(const CLI::App & app) : app_(app) {}
+    bool operator()(const char * flag) const { return app_.count(flag) > 0; }
+
+private:
+    const CLI::App & app_;
+};
+
+// The model's shape (flags_model.cpp): each overrides the --model preset (or --load-hf's config.json)
+// only when given.
+struct ModelFlags {
+    int64_t     num_layers = 0, hidden_size = 0, ffn_hidden_size = 0, heads = 0, query_groups = 0;
+    int64_t     seq_length = 0, max_pos = 0, vocab_size = 0, vocab_divisible = 0;
+    bool        gqa = false, swiglu = false, disable_bias = false, untie = false, qk_layernorm = false;
+    std::string normalization, position_embedding;
+    float       init_std = 0, norm_epsilon = 0, rotary_percent = 1.0f;
+    int64_t     rotary_base = 0, kv_channels = 0;
+    uint64_t    seed = 0;
+    float       hidden_dropout = 0.1f, attention_dropout = 0.1f;   // Megatron's defaults
+};
+std::span<const Flag<ModelFlags>> model_flags();
+std::span<const Flag<TrainOptions>> model_option_flags();   // --model, --load-hf
+// The flags given in `f` onto `o.model` (already the preset or --load-hf's shape); throws naming the flag.
+void resolve_model_shape(const ModelFlags & f, const Given & given, TrainOptions & o);
+// --norm-epsilon, --rotary-base, and the values Loom accepts of --rotary-percent and --kv-channels.
+void check_model_flags(const ModelFlags & f, const Given & given, TrainOptions & o);
+void check_dropout(const ModelFlags & f);
+
+// --recompute-* (flags_recompute.cpp), Megatron's rules.
+struct RecomputeFlags {
+    std::string              granularity, method;   // "": None
+    int64_t                  num_layers  = 0;
+    bool                     activations = false;
+    std::vector<std::string> modules;
+};
+std::span<const Flag<RecomputeFlags>> recompute_flags();
+void resolve_recompute(const RecomputeFlags & f, const Given & given, model::GptConfig & m);
+
+// --num-experts and --moe-* (flags_moe.cpp), resolved into model.moe.
+struct MoeFlags {
+    int64_t                  num_experts = 0, topk = 2, ffn = 0, shared_ffn = 0;
+    std::string              layer_freq = "1", score_function = "softmax", drop_policy = "probs";
+    std::string              dispatcher = "allgather";
+    std::vector<std::string> load_balancing{"aux_loss"};
+    std::vector<float>       aux_loss_coeff{0.0f};
+    float                    z_loss_coeff = 0.0f, capacity_factor = 0.0f, topk_scaling = 0.0f;
+    bool                     pre_softmax = false, pad = false, grouped_gemm = false;
+};
+std::span<const Flag<MoeFlags>> moe_flags();
+void resolve_moe(const MoeFlags & f, const Given & given, TrainOptions & o);
+
+// --cuda-graph-* (flags_graphs.cpp), Megatron's rules, into layer_graphs and the MoE graph scopes.
+struct GraphFlags {
+    std::string              impl = "none";
+    std::vector<std::string> modules, scope;
+    bool                     enable = false, external = false;
+};
+std::span<const Flag<GraphFlags>> graph_flags();
+std::span<const Flag<TrainOptions>> graph_option_flags();   // --cuda-graph-warmup-steps
+void resolve_cuda_graphs(const GraphFlags & f, const MoeFlags & moe, TrainOptions & o);
+
+// Parallelism (flags_parallel.cpp): the sizes, the layer split over stages, DDP and the hybrid optimizer.
+struct ParallelFlags {
+    int64_t context_parallel_size = 1;
+    int64_t bucket_size           = 0;       // --ddp-bucket-size, applied when given
+    bool    grads_in_fp32         = false;   // always on in Loom
+};
+std::span<const Flag<ParallelFlags>> parallel_flags();
+std::span<const Flag<TrainOptions>> parallel_option_flags();
+std::span<const Flag<ddp::DdpConfig>> ddp_flags();
+std::span<const Flag<optim::HybridOptions>> offload_flags();
+// The sizes against `world_size` and the data-parallel size (before the model is resolved).
+void resolve_parallel_sizes(const ParallelFlags & f, const Given & given, int64_t world_size, TrainOptions & o);
+// The experts' decomposition (after MoE is resolved).
+void check_expert_decomposition(int64_t world_size, const TrainOptions & o);
+// --ddp-bucket-size when given, DDP's rules and the NaN flags' contradiction.
+void resolve_ddp(const ParallelFlags & f, const Given & given, TrainOptions & o);
+void check_offload(const TrainOptions & o);
+// The model's split over tensor-parallel ranks and pipeline stages (after the model is resolved).
+void validate_layout(const TrainOptions & o);
+
+// Batch, iterations, learning rate and Adam (flags_optim.cpp).
+struct OptimFlags {
+    float decoupled_lr = 0.0f, decoupled_min_lr = 0.0f;   // applied when given
+};
+std::span<const Flag<OptimFlags>> optim_flags();
+std::span<const Flag<TrainOptions>> schedule_flags();
+std::span<const Flag<optim::AdamWConfig>> adam_flags();
+void resolve_decoupled_lr(const OptimFlags & f, const Given & given, TrainOptions & o);
+// The global batch (default micro x dp) and its divisibility.
+void resolve_batch(TrainOptions & o);
+// Megatron's schedule rules; sample-based training sets train_iters, unset decay lengths the run's.
+void resolve_schedule(const Given & given, TrainOptions & o);
+void validate_hyperparameters(const TrainOptions & o);
+// --fp16 refused; --bf16 into the model's parameter dtype.
+void resolve_precision(TrainOptions & o);
+
+// Checkpoints and the exit flags (flags_checkpoint.cpp).
+std::span<const Flag<TrainOptions>> checkpoint_flags();
+void validate_checkpoint_flags(const TrainOptions & o, const Given & given);
+
+// Logging, TensorBoard, validation and the run's own outputs (flags_logging.cpp).
+std::span<const Flag<TrainOptions>> logging_flags();
+void validate_logging(const Given & given, const TrainOptions & o);
+
+// Data sources and the tokenizer (flags_data.cpp).
+std::span<const Flag<TrainOptions>> data_flags();
+void validate_data(const Given & given, const TrainOptions & o, bool data_optional);
+
+// The step that reads files (resolve_files.cpp): --load-hf's config.json, the tokenizer's vocabulary and
+// --use-checkpoint-args' index, each where the flags' order of precedence needs it.
+// --load-hf: its shape (the model, unless --model is given too); the check that the flags agree with it.
+std::optional<model::GptConfig> read_hf_shape(const Given & given, TrainOptions & o);
+void check_hf_shape(const model::GptConfig & hf, const ModelFlags & f, const Given & given, const TrainOptions & o);
+void apply_tokenizer(TrainOptions & o, bool vocab_size_given);
+void apply_checkpoint_shape(TrainOptions & o);
+
+}  // namespace loom::train

@@ -1,0 +1,55 @@
+// --save, --load and the exit flags: Megatron's spellings and defaults (train/checkpointing.h).
+#include "core/error.h"
+#include "train/flag_values.h"
+#include "train/options.h"
+
+#include <cmath>
+
+namespace loom::train {
+
+namespace {
+
+using O = TrainOptions;
+
+constexpr const char * kCkpt = "checkpointing";
+
+const Flag<TrainOptions> kCheckpointFlags[] = {
+    {"--save", kCkpt, &O::save, "folder to save checkpoints to (DIR/iter_XXXXXXX)"},
+    {"--load", kCkpt, &O::load, "folder to resume from (its latest_checkpointed_iteration.txt, or --ckpt-step)"},
+    {"--save-interval", kCkpt, &O::save_interval, "iterations between checkpoints (and one at the end)"},
+    {"--no-save-optim", kCkpt, &O::no_save_optim, "save the parameters only"},
+    {"--no-load-optim", kCkpt, &O::no_load_optim, "load the parameters only; the optimizer starts afresh"},
+    {"--no-load-rng", kCkpt, &O::no_load_rng, "do not load the random state (Loom keeps none after initialisation)"},
+    {"--finetune", kCkpt, &O::finetune, "load the parameters only and start from iteration 0"},
+    {"--ckpt-step", kCkpt, &O::ckpt_step, "load this iteration instead of the latest"},
+    {"--ckpt-format", kCkpt, &O::ckpt_format, "checkpoint format: torch_dist (Loom's reshardable format)", kShowDefault},
+    {"--use-checkpoint-args", kCkpt, &O::use_checkpoint_args, "take the model's shape from the --load checkpoint"},
+    {"--exit-on-missing-checkpoint", kCkpt, &O::exit_on_missing_checkpoint,
+     "stop with an error when --load holds no checkpoint (default: a warning, then train from scratch)"},
+    {"--exit-interval", "training", &O::exit_interval, "stop (after saving) when the iteration is a multiple of this"},
+    {"--exit-duration-in-mins", "training", &O::exit_duration_in_mins, "stop (after saving) after this many minutes"},
+    {"--exit-signal-handler", "training", &O::exit_signal_handler, "on SIGTERM, finish the iteration, save and exit 0"},
+};
+
+}  // namespace
+
+std::span<const Flag<TrainOptions>> checkpoint_flags() { return kCheckpointFlags; }
+
+void validate_checkpoint_flags(const TrainOptions & o, const Given & given) {
+    LOOM_CHECK(o.ckpt_format == "torch_dist",
+               "--ckpt-format " << o.ckpt_format << " is not supported by Loom",
+               "Loom writes one format, sharded safetensors in parameter space that reshard across DP, TP and PP; "
+               "it answers to Megatron's default name, torch_dist (leave the flag out)");
+    LOOM_CHECK(!given("--save-interval") || o.save_interval >= 1, "--save-interval must be >= 1, got " << o.save_interval, "");
+    LOOM_CHECK(!given("--exit-interval") || o.exit_interval >= 1, "--exit-interval must be >= 1, got " << o.exit_interval, "");
+    LOOM_CHECK(std::isfinite(o.exit_duration_in_mins) && o.exit_duration_in_mins >= 0,
+               "--exit-duration-in-mins must be a finite number >= 0, got " << o.exit_duration_in_mins, "");
+    LOOM_CHECK(!given("--ckpt-step") || o.ckpt_step >= 0, "--ckpt-step must be >= 0, got " << o.ckpt_step, "");
+    LOOM_CHECK(o.ckpt_step < 0 || !o.load.empty(), "--ckpt-step " << o.ckpt_step << " without --load",
+               "give the folder to load from with --load");
+    LOOM_CHECK(!o.use_checkpoint_args || !o.load.empty(), "--use-checkpoint-args without --load",
+               "give the folder to load from with --load");
+    LOOM_CHECK(!o.finetune || !o.load.empty(), "--finetune without --load", "give the folder to load from with --load");
+}
+
+}  // namespace loom::train

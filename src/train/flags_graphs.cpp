@@ -1,0 +1,122 @@
+// --cuda-graph-*: Megatron's rules (arguments.py validate_args, TransformerConfig.__post_init__), in its
+// words where it has them; what Loom does not implement is refused by name.
+#include "core/error.h"
+#include "train/flag_values.h"
+#include "train/options.h"
+
+#include <algorithm>
+#include <cstdio>
+
+namespace loom::train {
+
+namespace {
+
+using G = GraphFlags;
+
+const Flag<GraphFlags> kGraphFlags[] = {
+    {"--cuda-graph-impl", "transformer configuration", &G::impl,
+     "none, or transformer_engine: capture every transformer layer's forward and backward per "
+     "micro-batch as graphs after --cuda-graph-warmup-steps eager iterations, and replay them "
+     "(local and full_iteration are Megatron's other implementations, not Loom's)", kShowDefault},
+    {"--cuda-graph-modules", "inference", &G::modules,
+     "what each layer graph covers: nothing given (or full) is the whole layer, which is all Loom "
+     "captures; attn, mlp, moe, moe_router, moe_preprocess, mamba are refused"},
+    {"--cuda-graph-scope", "inference", &G::scope, "deprecated spelling of --cuda-graph-modules"},
+    {"--enable-cuda-graph", "transformer configuration", &G::enable, "deprecated: --cuda-graph-impl local (not Loom's)"},
+    {"--external-cuda-graph", "transformer configuration", &G::external,
+     "deprecated: --cuda-graph-impl transformer_engine"},
+};
+
+const Flag<TrainOptions> kGraphOptionFlags[] = {
+    {"--cuda-graph-warmup-steps", "transformer configuration", &TrainOptions::cuda_graph_warmup_steps,
+     "eager iterations before the layer graphs are captured", kShowDefault},
+};
+
+}  // namespace
+
+std::span<const Flag<GraphFlags>> graph_flags() { return kGraphFlags; }
+std::span<const Flag<TrainOptions>> graph_option_flags() { return kGraphOptionFlags; }
+
+void resolve_cuda_graphs(const GraphFlags & f, const MoeFlags & moe_flags, TrainOptions & o) {
+    std::string impl = f.impl;
+    if (f.enable || f.external) {
+        LOOM_CHECK(impl == "none", "Do not use --enable-cuda-graph or --external-cuda-graph with --cuda-graph-impl.", "");
+        LOOM_CHECK(!(f.enable && f.external),
+                   "--enable-cuda-graph and --external-cuda-graph cannot be enabled at the same time.", "");
+        impl = f.enable ? "local" : "transformer_engine";
+        if (process_rank() <= 0) {   // Megatron's warn_rank_0
+            std::fprintf(stderr, "WARNING: %s is deprecated, use --cuda-graph-impl=%s instead.\n",
+                         f.enable ? "--enable-cuda-graph" : "--external-cuda-graph", impl.c_str());
+        }
+    }
+    LOOM_CHECK(impl == "none" || impl == "local" || impl == "transformer_engine" || impl == "full_iteration",
+               "argument --cuda-graph-impl: invalid choice: '" << impl
+                                                              << "' (choose from 'none', 'local', 'transformer_engine', 'full_iteration')",
+               "");
+    LOOM_CHECK(impl == "none" || impl == "transformer_engine",
+               "--cuda-graph-impl " << impl << " is not supported by Loom",
+               "Loom captures per-layer graphs: --cuda-graph-impl transformer_engine");
+    LOOM_CHECK(f.scope.empty() || f.modules.empty(),
+               "--cuda-graph-scope and --cuda-graph-modules cannot be used together.", "--cuda-graph-scope is deprecated");
+    std::vector<std::string> modules = f.scope.empty() ? f.modules : f.scope;
+    if (!f.scope.empty() && process_rank() <= 0) {
+        std::fprintf(stderr, "WARNING: --cuda-graph-scope is deprecated, use --cuda-graph-modules instead.\n");
+    }
+    static const std::vector<std::string> known = {"attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba", "full"};
+    for (const std::string & module : modules) {
+        LOOM_CHECK(std::find(known.begin(), known.end(), module) != known.end(),
+                   "argument --cuda-graph-modules: invalid choice: '" << module
+                                                                     << "' (choose from 'attn', 'mlp', 'moe', 'moe_router', "
+                                                                        "'moe_preprocess', 'mamba')", "");
+    }
+    auto has = [&](const char * m) { return std::find(modules.begin(), modules.end(), m) != modules.end(); };
+    LOOM_CHECK(!(has("moe") && has("moe_router")), "cuda_graph_modules must not contain both moe and moe_router.", "");
+    LOOM_CHECK(!has("moe_preprocess") || has("moe_router"),
+               "moe_preprocess cuda graph is only supported with moe_router cuda graph.", "");
+    const model::MoeConfig & moe = o.model.moe;
+    LOOM_CHECK(!(has("moe") || has("moe_router")) || moe.num_experts > 1, "moe cuda graph is only supported for MoE.",
+               "the MoE scopes need --num-experts > 1");
+    bool every_layer_moe = moe.enabled();
+    for (int64_t i = 0; i < o.model.num_layers; ++i) every_layer_moe = every_layer_moe && moe.is_moe_layer(i);
+    const bool drop_pad = moe.drops() && moe.pad_to_capacity;
+    LOOM_CHECK(!has("mlp") || !every_layer_moe, "mlp cuda graph is only supported for dense layers, but not found in the model.", "");
+    LOOM_CHECK(!has("moe") || drop_pad, "moe cuda graph is only supported with drop-padding MoE.",
+               "add --moe-expert-capacity-factor and --moe-pad-expert-input-to-capacity, or capture up to the router (moe_router)");
+    LOOM_CHECK(!has("moe_preprocess") || moe_flags.dispatcher != "alltoall" || !moe.drops(),
+               "moe_preprocess cuda graph is not supported when there are DtoH copies and synchronizations in the preprocess step.", "");
+    LOOM_CHECK(!has("mamba"), "--cuda-graph-modules mamba: Loom has no Mamba layers", "");
+    // What Loom captures: whole layers (no modules, full, or attn + moe of drop-and-pad MoE layers), or
+    // every layer a MoE layer up to its router (attn moe_router [moe_preprocess]).
+    std::vector<std::string> named;
+    for (const std::string & m : modules) {
+        if (m != "full" && std::find(named.begin(), named.end(), m) == named.end()) named.push_back(m);
+    }
+    std::sort(named.begin(), named.end());
+    using Modules = std::vector<std::string>;
+    const bool whole   = named.empty() || (named == Modules{"attn", "moe"} && every_layer_moe);
+    const bool partial = (named == Modules{"attn", "moe_router"} || named == Modules{"attn", "moe_preprocess", "moe_router"}) &&
+                         every_layer_moe;
+    if (impl != "none") {
+        std::string given;
+        for (const std::string & m : named) given += (given.empty() ? "" : " ") + m;
+        LOOM_CHECK(whole || partial, "--cuda-graph-modules " << given << " is not supported by Loom",
+                   "Loom captures whole layers (no --cuda-graph-modules, or attn moe of drop-and-pad MoE layers), or, "
+                   "with every layer MoE, each layer up to its router: attn moe_router [moe_preprocess]");
+    }
+    o.graph_moe_router     = partial;
+    o.graph_moe_preprocess = partial && has("moe_preprocess");
+    LOOM_CHECK(o.cuda_graph_warmup_steps >= 0, "--cuda-graph-warmup-steps must be >= 0, got " << o.cuda_graph_warmup_steps, "");
+    o.layer_graphs = impl == "transformer_engine";
+    if (o.layer_graphs) {
+        LOOM_CHECK(!o.model.moe.enabled() || o.model.moe.pad_to_capacity || o.graph_moe_router,
+                   "--cuda-graph-impl transformer_engine with dropless MoE layers",
+                   "a dropless dispatch reads each expert's token count on the host, which no graph can; add "
+                   "--moe-expert-capacity-factor and --moe-pad-expert-input-to-capacity (Megatron's rule for graphing "
+                   "whole MoE layers), or capture each layer up to its router: --cuda-graph-modules attn moe_router");
+        LOOM_CHECK(o.model.recompute_granularity != model::RecomputeGranularity::full,
+                   "full recompute is only supported with full iteration CUDA graph.",
+                   "drop --recompute-granularity full, or --cuda-graph-impl");
+    }
+}
+
+}  // namespace loom::train

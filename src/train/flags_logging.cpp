@@ -1,0 +1,99 @@
+// The log line, TensorBoard (train/tensorboard.h), validation, and the run's other outputs and device.
+#include "core/error.h"
+#include "train/flag_values.h"
+#include "train/options.h"
+
+#include <filesystem>
+
+namespace loom::train {
+
+namespace {
+
+using O = TrainOptions;
+
+constexpr const char * kLog = "logging";
+
+const Flag<TrainOptions> kLoggingFlags[] = {
+    {"--print-layout", kLoomGroup, &O::print_layout, "print the DDP buffer layout (as `loom layout`) on rank 0"},
+    {"--device", kLoomGroup, &O::device,
+     "where the model trains: cpu, cuda (one GPU per rank, NCCL between ranks), cuda-emu (the CUDA "
+     "backend on an emulated GPU that runs on the CPU), or auto: cuda when this build has the CUDA "
+     "backend and a GPU is visible, else cpu", kShowDefault},
+    {"--timeline", kLoomGroup, &O::timeline_file,
+     "write the last iteration's measured pipeline timeline (one row per stage) as an SVG"},
+    {"--log-interval", kLog, &O::log_interval, "iterations between log lines", kShowDefault},
+    {"--log-file", kLoomGroup, &O::log_file, "write the logged metrics as JSON lines to this file"},
+    {"--log-throughput", kLog, &O::log_throughput, "add the achieved TFLOP/s to the log line"},
+    {"--tensorboard-dir", kLog, &O::tensorboard_dir, "write TensorBoard event files here (rank 0)"},
+    {"--tensorboard-log-interval", kLog, &O::tensorboard_log_interval, "iterations between TensorBoard scalars",
+     kShowDefault},
+    {"--tensorboard-queue-size", kLog, &O::tensorboard_queue_size,
+     "accepted; Loom flushes the event file at every logged iteration", kShowDefault},
+    {"--log-timers-to-tensorboard", kLog, &O::log_timers_to_tensorboard, "iteration-time to TensorBoard"},
+    {"--log-memory-to-tensorboard", kLog, &O::log_memory_to_tensorboard,
+     "the device allocator's bytes to TensorBoard (mem-reserved-bytes, mem-allocated-bytes, ...)"},
+    {"--log-validation-ppl-to-tensorboard", kLog, &O::log_validation_ppl_to_tensorboard,
+     "the validation perplexity to TensorBoard as well"},
+    {"--no-log-loss-scale-to-tensorboard", kLog, &O::log_loss_scale_to_tensorboard, "leave loss-scale out of TensorBoard",
+     kNegated},
+    {"--log-world-size-to-tensorboard", kLog, &O::log_world_size_to_tensorboard, "world-size to TensorBoard"},
+    {"--log-params-norm", kLog, &O::log_params_norm, "the parameters' L2 norm in the log line"},
+    {"--timing-log-level", kLog, &O::timing_log_level,
+     "0: no timers; 1 and 2: forward-backward, all-grads-sync and optimizer times, (min, max) over ranks, "
+     "after each log line", kShowDefault},
+    {"--log-num-zeros-in-grad", kLog, &O::log_num_zeros_in_grad, "the gradients' zero count in the log line"},
+    {"--eval-interval", "validation", &O::eval_interval,
+     "iterations between validations (and one after training); without it, none"},
+    {"--eval-iters", "validation", &O::eval_iters, "global batches of the validation split per validation",
+     kShowDefault},
+};
+
+// An output path given by `flag`: its folder exists, and it is not a folder or a FIFO (which would block
+// the writer until a reader appears). Checked before anything is built.
+void check_output_path(const std::string & path, const char * flag) {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    const fs::path  parent = fs::path(path).parent_path().empty() ? fs::path(".") : fs::path(path).parent_path();
+    LOOM_CHECK(fs::is_directory(parent, ec), flag << " '" << path << "': the folder '" << parent.string()
+                                                  << "' does not exist", "create it first");
+    const fs::file_status status = fs::status(path, ec);
+    LOOM_CHECK(!fs::is_directory(status) && !fs::is_fifo(status),
+               flag << " '" << path << "' is a " << (fs::is_directory(status) ? "folder" : "FIFO") << ", not a file",
+               "give the path of a file to write");
+}
+
+}  // namespace
+
+std::span<const Flag<TrainOptions>> logging_flags() { return kLoggingFlags; }
+
+void validate_logging(const Given & given, const TrainOptions & o) {
+    LOOM_CHECK(o.log_interval >= 1, "--log-interval must be >= 1", "");
+    LOOM_CHECK(o.timing_log_level >= 0 && o.timing_log_level <= 2,
+               "--timing-log-level must be 0, 1 or 2, got " << o.timing_log_level, "");
+    LOOM_CHECK(o.tensorboard_log_interval >= 1 && o.tensorboard_queue_size >= 1,
+               "--tensorboard-log-interval and --tensorboard-queue-size must be >= 1", "");
+    if (!o.tensorboard_dir.empty()) {
+        std::error_code ec;
+        LOOM_CHECK(!std::filesystem::exists(o.tensorboard_dir, ec) || std::filesystem::is_directory(o.tensorboard_dir, ec),
+                   "--tensorboard-dir '" << o.tensorboard_dir << "' exists and is not a folder", "give a folder");
+    }
+    LOOM_CHECK(!given("--eval-interval") || o.eval_interval >= 1, "--eval-interval must be >= 1, got " << o.eval_interval,
+               "leave it out to train without validation");
+    LOOM_CHECK(o.eval_iters >= 0 && o.eval_iters <= (int64_t(1) << 40) / o.global_batch_size,
+               "--eval-iters " << o.eval_iters << " x global batch " << o.global_batch_size
+                               << " samples is outside what Loom evaluates [0, 2^40]",
+               "");
+    if (!o.log_file.empty()) check_output_path(o.log_file, "--log-file");
+    if (!o.timeline_file.empty()) {
+        LOOM_CHECK(o.pipeline_parallel_size > 1, "--timeline draws the pipeline stages' measured timeline; it needs "
+                                                 "--pipeline-model-parallel-size > 1",
+                   "`loom schedule --svg` draws a schedule without running one");
+        check_output_path(o.timeline_file, "--timeline");
+    }
+    LOOM_CHECK(o.device == "auto" || o.device == "cpu" || o.device == "cuda" || o.device == "cuda-emu",
+               "--device " << o.device << " is not a device Loom trains on", "give --device cpu, cuda, cuda-emu or auto");
+    LOOM_CHECK(o.distributed_timeout_minutes >= 1,
+               "--distributed-timeout-minutes must be >= 1, got " << o.distributed_timeout_minutes, "");
+}
+
+}  // namespace loom::train

@@ -1,0 +1,176 @@
+// The model's shape: Megatron's network-size flags over Loom's --model preset, and the args a checkpoint
+// records of it (the ones that decide the parameters must agree on --load).
+#include "core/error.h"
+#include "model/gpt_config.h"
+#include "train/flag_values.h"
+#include "train/options.h"
+
+#include <cmath>
+
+namespace loom::train {
+
+namespace {
+
+using json = nlohmann::json;
+using M    = ModelFlags;
+
+const char * normalization_name(model::Normalization n) {
+    return n == model::Normalization::rmsnorm ? "RMSNorm" : "LayerNorm";
+}
+
+const char * position_name(model::PositionEmbedding p) {
+    switch (p) {
+        case model::PositionEmbedding::rope: return "rope";
+        case model::PositionEmbedding::none: return "none";
+        default: return "learned_absolute";
+    }
+}
+
+constexpr const char * kSize = "network size";
+
+const Flag<TrainOptions> kModelOptionFlags[] = {
+    {"--model", kLoomGroup, &TrainOptions::model_preset,
+     "model preset: gpt-tiny, llama-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b", kShowDefault,
+     {"model", [](const TrainOptions & o) -> json { return o.model_preset; }}},
+    {"--load-hf", kLoomGroup, &TrainOptions::load_hf,
+     "Hugging Face GPT-2 folder (config.json + model.safetensors): its shape and weights"},
+};
+
+const Flag<ModelFlags> kModelFlags[] = {
+    {"--num-layers", kSize, &M::num_layers, "transformer layers", kPlain,
+     {"num_layers", [](const TrainOptions & o) -> json { return o.model.num_layers; }, true}},
+    {"--hidden-size", kSize, &M::hidden_size, "hidden size", kPlain,
+     {"hidden_size", [](const TrainOptions & o) -> json { return o.model.hidden_size; }, true}},
+    {"--ffn-hidden-size", kSize, &M::ffn_hidden_size,
+     "MLP hidden size (default 4 x hidden; int(8 x hidden / 3 / 64) x 64 with --swiglu)", kPlain,
+     {"ffn_hidden_size", [](const TrainOptions & o) -> json { return o.model.ffn_hidden_size; }, true}},
+    {"--num-attention-heads", kSize, &M::heads, "attention heads", kPlain,
+     {"num_attention_heads", [](const TrainOptions & o) -> json { return o.model.num_attention_heads; }, true}},
+    {"--group-query-attention", kSize, &M::gqa, "use grouped-query attention (with --num-query-groups)"},
+    {"--num-query-groups", kSize, &M::query_groups, "key/value heads with --group-query-attention", kPlain,
+     {"num_query_groups", [](const TrainOptions & o) -> json { return o.model.num_query_groups; }, true}},
+    {"--seq-length", "data and dataloader", &M::seq_length, "sequence length", kPlain,
+     {"seq_length", [](const TrainOptions & o) -> json { return o.model.seq_length; }}},
+    {"--max-position-embeddings", kSize, &M::max_pos, "learned position embeddings", kPlain,
+     {"max_position_embeddings", [](const TrainOptions & o) -> json { return o.model.max_position_embeddings; }, true}},
+    {"--vocab-size", kSize, &M::vocab_size, "vocabulary size (default: the dataset's)", kPlain,
+     {"vocab_size", [](const TrainOptions & o) -> json { return o.model.vocab_size; }, true}},
+    {"--make-vocab-size-divisible-by", kSize, &M::vocab_divisible, "pad the vocabulary to a multiple of this", kPlain,
+     {"make_vocab_size_divisible_by", [](const TrainOptions & o) -> json { return o.model.make_vocab_size_divisible_by; }}},
+    {"--normalization", kSize, &M::normalization, "LayerNorm or RMSNorm", kPlain,
+     {"normalization", [](const TrainOptions & o) -> json { return normalization_name(o.model.normalization); }, true}},
+    {"--swiglu", kSize, &M::swiglu, "SwiGLU MLP", kPlain,
+     {"swiglu", [](const TrainOptions & o) -> json { return o.model.swiglu; }, true}},
+    {"--position-embedding-type", kSize, &M::position_embedding, "learned_absolute, rope or none", kPlain,
+     {"position_embedding_type", [](const TrainOptions & o) -> json { return position_name(o.model.position_embedding); },
+      true}},
+    {"--disable-bias-linear", kSize, &M::disable_bias, "no biases in linear layers", kPlain,
+     {"add_bias_linear", [](const TrainOptions & o) -> json { return o.model.add_bias_linear; }, true}},
+    {"--qk-layernorm", kSize, &M::qk_layernorm,
+     "normalise each query and key head (over the head dimension, with --normalization) before RoPE", kPlain,
+     {"qk_layernorm", [](const TrainOptions & o) -> json { return o.model.qk_layernorm; }, true}},
+    {"--untie-embeddings-and-output-weights", kSize, &M::untie, "separate output layer weight", kPlain,
+     {"untie_embeddings_and_output_weights",
+      [](const TrainOptions & o) -> json { return o.model.untie_embeddings_and_output_weights; }, true}},
+    {"--init-method-std", "initialization", &M::init_std, "std of the normal initialisation", kPlain,
+     {"init_method_std", [](const TrainOptions & o) -> json { return o.model.init_method_std; }}},
+    {"--norm-epsilon", kSize, &M::norm_epsilon, "epsilon of LayerNorm / RMSNorm (default 1e-5)", kPlain,
+     {"norm_epsilon", [](const TrainOptions & o) -> json { return o.model.norm_epsilon; }, true}},
+    {"--rotary-base", kSize, &M::rotary_base, "base of the rotary embeddings' frequencies (default 10000)", kPlain,
+     {"rotary_base", [](const TrainOptions & o) -> json { return o.model.rotary_base; }, true}},
+    {"--rotary-percent", kSize, &M::rotary_percent, "share of the head dimension rotated (only 1.0 in Loom)"},
+    {"--kv-channels", kSize, &M::kv_channels, "head dimension (only hidden / heads in Loom)"},
+    {"--seed", "initialization", &M::seed, "random seed (initialisation and data order)", kPlain,
+     {"seed", [](const TrainOptions & o) -> json { return o.model.seed; }}},
+    {"--hidden-dropout", "regularization", &M::hidden_dropout,
+     "dropout probability on the embedding and on each attention and MLP output before its residual add", kShowDefault},
+    {"--attention-dropout", "regularization", &M::attention_dropout,
+     "dropout probability on the attention probabilities", kShowDefault},
+};
+
+}  // namespace
+
+std::span<const Flag<TrainOptions>> model_option_flags() { return kModelOptionFlags; }
+std::span<const Flag<ModelFlags>> model_flags() { return kModelFlags; }
+
+void resolve_model_shape(const ModelFlags & f, const Given & given, TrainOptions & o) {
+    model::GptConfig & m = o.model;
+    if (given("--num-layers")) m.num_layers = f.num_layers;
+    if (given("--hidden-size")) {
+        m.hidden_size = f.hidden_size;
+        if (!given("--ffn-hidden-size")) m.ffn_hidden_size = 4 * f.hidden_size;
+    }
+    if (given("--ffn-hidden-size")) m.ffn_hidden_size = f.ffn_hidden_size;
+    if (given("--num-attention-heads")) {
+        m.num_attention_heads = f.heads;
+        m.num_query_groups    = f.heads;
+    }
+    if (given("--num-query-groups") && !f.gqa) {
+        LOOM_THROW("--num-query-groups " << f.query_groups << " without --group-query-attention",
+                   "add --group-query-attention to use grouped-query attention");
+    }
+    if (f.gqa) {
+        LOOM_CHECK(given("--num-query-groups"), "--group-query-attention needs --num-query-groups", "");
+        m.num_query_groups = f.query_groups;
+    }
+    if (given("--seq-length")) {
+        m.seq_length = f.seq_length;
+        if (!given("--max-position-embeddings")) m.max_position_embeddings = std::max(m.max_position_embeddings, f.seq_length);
+    }
+    if (given("--max-position-embeddings")) m.max_position_embeddings = f.max_pos;
+    if (given("--vocab-size")) m.vocab_size = f.vocab_size;
+    if (given("--make-vocab-size-divisible-by")) m.make_vocab_size_divisible_by = f.vocab_divisible;
+    if (given("--normalization")) {
+        if (f.normalization == "LayerNorm") m.normalization = model::Normalization::layernorm;
+        else if (f.normalization == "RMSNorm") m.normalization = model::Normalization::rmsnorm;
+        else LOOM_THROW("--normalization '" << f.normalization << "' is not supported", "use LayerNorm or RMSNorm");
+    }
+    if (f.swiglu) m.swiglu = true;
+    // Megatron's MLP width when none is given: 4h, or with SwiGLU two thirds of it rounded down to a
+    // multiple of 64 (the same parameter count as a 4h GELU MLP, roughly).
+    if (!given("--ffn-hidden-size") && (given("--hidden-size") || f.swiglu)) {
+        m.ffn_hidden_size = m.swiglu ? (4 * m.hidden_size * 2 / 3) / 64 * 64 : 4 * m.hidden_size;
+    }
+    if (given("--position-embedding-type")) {
+        if (f.position_embedding == "learned_absolute") m.position_embedding = model::PositionEmbedding::learned_absolute;
+        else if (f.position_embedding == "rope") m.position_embedding = model::PositionEmbedding::rope;
+        else if (f.position_embedding == "none") m.position_embedding = model::PositionEmbedding::none;
+        else LOOM_THROW("--position-embedding-type '" << f.position_embedding << "' is not supported",
+                        "use learned_absolute, rope or none");
+    }
+    if (f.disable_bias) m.add_bias_linear = false;
+    if (f.qk_layernorm) m.qk_layernorm = true;
+    if (f.untie) m.untie_embeddings_and_output_weights = true;
+    if (given("--init-method-std")) m.init_method_std = f.init_std;
+    if (given("--seed")) m.seed = f.seed;
+    m.hidden_dropout    = f.hidden_dropout;
+    m.attention_dropout = f.attention_dropout;
+}
+
+void check_model_flags(const ModelFlags & f, const Given & given, TrainOptions & o) {
+    model::GptConfig & m = o.model;
+    if (given("--norm-epsilon")) {
+        LOOM_CHECK(std::isfinite(f.norm_epsilon) && f.norm_epsilon > 0,
+                   "--norm-epsilon must be a finite number > 0, got " << f.norm_epsilon, "Megatron's default is 1e-5");
+        m.norm_epsilon = f.norm_epsilon;
+    }
+    if (given("--rotary-base")) {
+        LOOM_CHECK(f.rotary_base >= 2, "--rotary-base must be >= 2, got " << f.rotary_base, "Megatron's default is 10000");
+        m.rotary_base = static_cast<float>(f.rotary_base);
+    }
+    LOOM_CHECK(f.rotary_percent == 1.0f, "--rotary-percent " << f.rotary_percent << " is not supported by Loom",
+               "Loom rotates the whole head dimension (--rotary-percent 1.0, Megatron's default)");
+    LOOM_CHECK(!given("--kv-channels") || f.kv_channels == m.head_dim(),
+               "--kv-channels " << f.kv_channels << " is not supported by Loom: its heads are hidden / heads = "
+                                << m.head_dim() << " wide",
+               "drop --kv-channels, or choose --hidden-size and --num-attention-heads so that it is their quotient");
+}
+
+void check_dropout(const ModelFlags & f) {
+    for (auto [flag, p] : {std::pair{"--hidden-dropout", f.hidden_dropout}, {"--attention-dropout", f.attention_dropout}}) {
+        LOOM_CHECK(p >= 0.0f && p < 1.0f, flag << " " << p << " is not a probability in [0, 1)",
+                   "Megatron's default is 0.1; 0 turns the dropout off");
+    }
+}
+
+}  // namespace loom::train

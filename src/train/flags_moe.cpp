@@ -1,0 +1,139 @@
+// --num-experts and --moe-*: Megatron's defaults, choices and checks (arguments.py, transformer_config.py,
+// model/moe/moe_config.h); what Loom's experts cannot do is refused by name.
+#include "core/error.h"
+#include "model/moe/moe_config.h"
+#include "train/flag_values.h"
+#include "train/layer_pattern.h"
+#include "train/options.h"
+
+#include <cerrno>
+#include <cstdlib>
+
+namespace loom::train {
+
+namespace {
+
+using json = nlohmann::json;
+using E    = MoeFlags;
+
+const Flag<MoeFlags> kMoeFlags[] = {
+    {"--num-experts", kLoomGroup, &E::num_experts, "experts per MoE layer (none: dense MLPs)", kPlain,
+     {"num_experts", [](const TrainOptions & o) -> json {
+          return o.model.moe.enabled() ? json(o.model.moe.num_experts) : json(nullptr);   // Megatron's None
+      }, true}},
+    {"--moe-layer-freq", kLoomGroup, &E::layer_freq,
+     "which layers are MoE: an integer N (layers 0, N, 2N, ...) or a Python list expression such as "
+     "\"([1]*3+[0]*1)*2\" with one entry per layer", kShowDefault,
+     {"moe_layer_freq", [](const TrainOptions & o) -> json {
+          const model::MoeConfig & moe = o.model.moe;
+          return !moe.enabled() ? json(1) : moe.layer_pattern.empty() ? json(moe.layer_freq) : json(moe.layer_pattern);
+      }, true}},
+    {"--moe-ffn-hidden-size", kLoomGroup, &E::ffn, "each expert's MLP width (default --ffn-hidden-size)", kPlain,
+     {"moe_ffn_hidden_size", [](const TrainOptions & o) -> json {
+          return o.model.moe.enabled() ? json(o.model.moe.expert_ffn(o.model)) : json(nullptr);
+      }, true}},
+    {"--moe-router-topk", kLoomGroup, &E::topk, "experts per token", kShowDefault},
+    {"--moe-router-score-function", kLoomGroup, &E::score_function, "softmax or sigmoid", kShowDefault},
+    {"--moe-router-pre-softmax", kLoomGroup, &E::pre_softmax, "softmax over all experts before the top-k"},
+    {"--moe-router-topk-scaling-factor", kLoomGroup, &E::topk_scaling, "multiplies the routing probabilities"},
+    {"--moe-router-load-balancing-type", kLoomGroup, &E::load_balancing, "aux_loss, seq_aux_loss or none", kShowDefault},
+    {"--moe-aux-loss-coeff", kLoomGroup, &E::aux_loss_coeff, "the load-balancing loss's coefficient", kShowDefault},
+    {"--moe-z-loss-coeff", kLoomGroup, &E::z_loss_coeff, "the router z-loss's coefficient (default: none)"},
+    {"--moe-expert-capacity-factor", kLoomGroup, &E::capacity_factor,
+     "each expert takes at most ceil(tokens x topk / experts x factor) tokens; the rest are dropped "
+     "(default: none, dropless)"},
+    {"--moe-pad-expert-input-to-capacity", kLoomGroup, &E::pad, "pad every expert's input to its capacity"},
+    {"--moe-token-drop-policy", kLoomGroup, &E::drop_policy, "probs (keep the most probable) or position (the first)",
+     kShowDefault},
+    {"--moe-grouped-gemm", kLoomGroup, &E::grouped_gemm, "every expert's GEMMs in one grouped call (bitwise the loop)",
+     kPlain, {"moe_grouped_gemm", [](const TrainOptions & o) -> json { return o.model.moe.grouped_gemm; }, true}},
+    {"--moe-shared-expert-intermediate-size", kLoomGroup, &E::shared_ffn, "a shared expert of this width", kPlain,
+     {"moe_shared_expert_intermediate_size", [](const TrainOptions & o) -> json {
+          const int64_t shared = o.model.moe.shared_expert_intermediate_size;
+          return shared > 0 ? json(shared) : json(nullptr);
+      }, true}},
+    {"--moe-token-dispatcher-type", kLoomGroup, &E::dispatcher,
+     "how tokens reach the expert-parallel ranks' experts: allgather (gather every rank's tokens, reduce-scatter "
+     "the outputs) or alltoall (send each token to its experts' ranks); with --expert-model-parallel-size 1 "
+     "both permute the same tokens on one rank", kShowDefault},
+};
+
+}  // namespace
+
+std::span<const Flag<MoeFlags>> moe_flags() { return kMoeFlags; }
+
+void resolve_moe(const MoeFlags & f, const Given & given, TrainOptions & o) {
+    model::MoeConfig & moe = o.model.moe;
+    LOOM_CHECK(o.expert_parallel_size == 1 || given("--num-experts"), "num_experts must be non None to use expert model parallelism", "");
+    if (!given("--num-experts")) {
+        for (const char * flag : {"--moe-ffn-hidden-size", "--moe-grouped-gemm", "--moe-shared-expert-intermediate-size"}) {
+            LOOM_CHECK(!given(flag), flag << " without --num-experts", "add --num-experts E to make the MLPs Mixtures of Experts");
+        }
+        return;
+    }
+    LOOM_CHECK(f.num_experts >= 1, "--num-experts must be >= 1, got " << f.num_experts, "");
+    LOOM_CHECK(f.num_experts % o.expert_parallel_size == 0, "Number of experts should be a multiple of expert model parallel_size.", "");
+    moe.num_experts = f.num_experts;
+    moe.topk        = f.topk;
+    LOOM_CHECK(f.score_function == "softmax" || f.score_function == "sigmoid",
+               "--moe-router-score-function " << f.score_function << " is not supported by Loom", "use softmax or sigmoid");
+    moe.score_function      = f.score_function == "sigmoid" ? model::MoeScoreFunction::sigmoid : model::MoeScoreFunction::softmax;
+    moe.pre_softmax         = f.pre_softmax;
+    moe.topk_scaling_factor = given("--moe-router-topk-scaling-factor") ? f.topk_scaling : 0.0f;
+    LOOM_CHECK(f.load_balancing.size() == 1 && f.aux_loss_coeff.size() == 1,
+               "--moe-router-load-balancing-type and --moe-aux-loss-coeff with several values (combined balancing losses) "
+               "are not supported by Loom", "give one type and one coefficient");
+    moe.load_balancing = model::moe_load_balancing_parse(f.load_balancing[0]);
+    moe.aux_loss_coeff = f.aux_loss_coeff[0];
+    moe.z_loss_coeff   = given("--moe-z-loss-coeff") ? f.z_loss_coeff : 0.0f;
+    moe.capacity_factor = given("--moe-expert-capacity-factor") ? f.capacity_factor : -1.0f;
+    LOOM_CHECK(!given("--moe-expert-capacity-factor") || f.capacity_factor >= 0.0f,
+               "--moe-expert-capacity-factor must be >= 0, got " << f.capacity_factor, "");
+    moe.pad_to_capacity = f.pad;
+    LOOM_CHECK(f.drop_policy == "probs" || f.drop_policy == "position",
+               "argument --moe-token-drop-policy: invalid choice: '" << f.drop_policy << "' (choose from 'probs', 'position')", "");
+    moe.drop_policy     = f.drop_policy == "position" ? model::MoeDropPolicy::position : model::MoeDropPolicy::probs;
+    moe.ffn_hidden_size = f.ffn;
+    moe.grouped_gemm    = f.grouped_gemm;
+    moe.shared_expert_intermediate_size = f.shared_ffn;
+    LOOM_CHECK(f.dispatcher == "allgather" || f.dispatcher == "alltoall" || f.dispatcher == "flex",
+               "argument --moe-token-dispatcher-type: invalid choice: '" << f.dispatcher
+                                                                         << "' (choose from 'allgather', 'alltoall', 'flex')", "");
+    LOOM_CHECK(f.dispatcher != "flex", "--moe-token-dispatcher-type flex is not supported by Loom", "use allgather or alltoall");
+    moe.dispatcher = f.dispatcher == "alltoall" ? model::MoeDispatcher::alltoall : model::MoeDispatcher::allgather;
+    if (f.layer_freq.find('[') != std::string::npos) {
+        moe.layer_pattern = parse_layer_pattern(f.layer_freq);
+        LOOM_CHECK(static_cast<int64_t>(moe.layer_pattern.size()) == o.model.num_layers,
+                   "Invalid length of moe_layer_pattern: " << moe.layer_pattern.size() << ", expected " << o.model.num_layers
+                                                           << ", current moe layer pattern: " << f.layer_freq, "");
+        for (int v : moe.layer_pattern) LOOM_CHECK(v == 0 || v == 1, "--moe-layer-freq '" << f.layer_freq << "': entries are 0 or 1", "");
+    } else {
+        char * end = nullptr;
+        errno      = 0;
+        const long long n = std::strtoll(f.layer_freq.c_str(), &end, 10);
+        LOOM_CHECK(end != f.layer_freq.c_str() && *end == '\0' && errno == 0 && n >= 1,
+                   "--moe-layer-freq '" << f.layer_freq << "' is neither an integer >= 1 nor a list expression", "");
+        moe.layer_freq = n;
+    }
+    model::moe_config_validate(moe, o.model);
+    // Megatron raises this in MoELayer.forward while training; Loom refuses before any rank starts.
+    LOOM_CHECK(o.tensor_parallel_size == 1 || o.sequence_parallel,
+               "During training, performance may degrade if MoE and tensor parallelism are enabled without also enabling "
+               "sequence parallelism.",
+               "add --sequence-parallel to --num-experts with --tensor-model-parallel-size " << o.tensor_parallel_size);
+    const int64_t etp = o.expert_tensor_parallel_size;
+    LOOM_CHECK(moe.expert_ffn(o.model) % etp == 0,
+               "the experts' hidden size " << moe.expert_ffn(o.model) << " (--moe-ffn-hidden-size, or --ffn-hidden-size) "
+                                           << "is not divisible by --expert-tensor-parallel-size " << etp,
+               "each expert-tensor-parallel rank takes an equal share of every expert's features");
+    LOOM_CHECK(moe.shared_expert_intermediate_size % o.tensor_parallel_size == 0,
+               "--moe-shared-expert-intermediate-size " << moe.shared_expert_intermediate_size
+                                                        << " is not divisible by --tensor-model-parallel-size "
+                                                        << o.tensor_parallel_size,
+               "the shared expert is split over the tensor-parallel ranks as a dense MLP");
+    LOOM_CHECK(etp == 1 || !o.model.add_bias_linear,
+               "biases in the experts with --expert-tensor-parallel-size " << etp << " are not supported by Loom",
+               "pass --disable-bias-linear (Megatron's alltoall dispatcher refuses expert biases as well)");
+}
+
+}  // namespace loom::train

@@ -1,0 +1,187 @@
+// Parallelism: the sizes and the data-parallel size they leave, how layers split over pipeline stages,
+// DDP (ddp/ddp.h) and the hybrid device optimizer (optim/hybrid_optimizer.h).
+#include "core/error.h"
+#include "ddp/ddp.h"
+#include "optim/hybrid_optimizer.h"
+#include "pipeline/layer_assignment.h"
+#include "pipeline/schedule.h"
+#include "train/flag_values.h"
+#include "train/options.h"
+
+namespace loom::train {
+
+namespace {
+
+using json = nlohmann::json;
+using O    = TrainOptions;
+using P    = ParallelFlags;
+using D    = ddp::DdpConfig;
+using H    = optim::HybridOptions;
+
+constexpr const char * kDist = "distributed";
+
+const Flag<TrainOptions> kParallelOptionFlags[] = {
+    {"--tensor-model-parallel-size", kDist, &O::tensor_parallel_size,
+     "tensor-parallel ranks (heads, MLP features and vocabulary split)", kShowDefault,
+     {"tensor_model_parallel_size", [](const O & o) -> json { return o.tensor_parallel_size; }}},
+    {"--sequence-parallel", kDist, &O::sequence_parallel,
+     "norms and the residual stream on sequence shards; all-gather / reduce-scatter in place of all-reduce", kPlain,
+     {"sequence_parallel", [](const O & o) -> json { return o.sequence_parallel; }}},
+    {"--pipeline-model-parallel-size", kDist, &O::pipeline_parallel_size,
+     "pipeline stages (1F1B); the ranks mpirun starts are pp x dp", kShowDefault,
+     {"pipeline_model_parallel_size", [](const O & o) -> json { return o.pipeline_parallel_size; }}},
+    {"--num-virtual-stages-per-pipeline-rank", kDist, &O::virtual_pipeline_size,
+     "model chunks per pipeline rank (interleaved 1F1B)", kPlain,
+     {"num_virtual_stages_per_pipeline_rank", [](const O & o) -> json { return o.virtual_pipeline_size; }}},
+    {"--microbatch-group-size-per-virtual-pipeline-stage", kDist, &O::microbatch_group_size,
+     "micro-batches per group of the interleaved schedule (default: the pipeline size)"},
+    {"--num-layers-per-virtual-pipeline-stage", kDist, &O::layers_per_virtual_stage,
+     "layers per model chunk (the other way to ask for virtual stages)"},
+    {"--decoder-first-pipeline-num-layers", kDist, &O::first_stage_layers, "layers of the first pipeline stage"},
+    {"--decoder-last-pipeline-num-layers", kDist, &O::last_stage_layers, "layers of the last pipeline stage"},
+    {"--expert-model-parallel-size", kDist, &O::expert_parallel_size,
+     "expert-parallel ranks: each holds --num-experts / this many experts (they divide the data-parallel ranks)"},
+    {"--expert-tensor-parallel-size", kDist, &O::expert_tensor_parallel_size,
+     "tensor-parallel ranks of each expert's features (default: --tensor-model-parallel-size)"},
+    {"--use-tp-pp-dp-mapping", kDist, &O::use_tp_pp_dp_mapping,
+     "order the ranks tp-cp-ep-pp-dp (pipeline stages of one data-parallel replica adjacent) instead of "
+     "tp-cp-ep-dp-pp"},
+    {"--distributed-timeout-minutes", kDist, &O::distributed_timeout_minutes,
+     "abort the job when a collective or transfer waits this long for another rank", kShowDefault},
+    {"--no-check-for-nan-in-loss-and-grad", kDist, &O::check_for_nan_in_loss_and_grad,
+     "skip the update of an iteration whose loss or gradient norm is not finite, and go on", kNegated},
+    {"--optimizer-cpu-offload", kDist, &O::optimizer_cpu_offload,
+     "step part of the optimizer on the host (hybrid device optimizer)", kPlain,
+     {"optimizer_cpu_offload", [](const O & o) -> json { return o.optimizer_cpu_offload; }}},
+};
+
+const Flag<ParallelFlags> kParallelFlags[] = {
+    {"--context-parallel-size", kDist, &P::context_parallel_size, "context-parallel ranks (only 1 in Loom)"},
+    {"--ddp-bucket-size", kDist, &P::bucket_size,
+     "elements per gradient bucket (default max(40M, 1M x dp) with --overlap-grad-reduce, else one bucket)"},
+    {"--accumulate-allreduce-grads-in-fp32", "mixed precision", &P::grads_in_fp32,
+     "accumulate and reduce gradients in f32 (always on in Loom)"},
+};
+
+const Flag<ddp::DdpConfig> kDdpFlags[] = {
+    {"--use-distributed-optimizer", kDist, &D::use_distributed_optimizer,
+     "ZeRO-1: shard the optimizer state and f32 master weights over data-parallel ranks", kPlain,
+     {"use_distributed_optimizer", [](const O & o) -> json { return o.ddp.use_distributed_optimizer; }}},
+    {"--overlap-grad-reduce", kDist, &D::overlap_grad_reduce,
+     "reduce each bucket group's gradients as soon as backward has produced them"},
+    {"--overlap-param-gather", kDist, &D::overlap_param_gather,
+     "all-gather updated parameters lazily before each layer's forward (distributed optimizer)"},
+    {"--ddp-average-in-collective", kDist, &D::average_in_collective,
+     "average in the collective instead of scaling gradients by 1/dp first"},
+    {"--ddp-pad-buckets-for-high-nccl-busbw", kDist, &D::pad_buckets_for_high_nccl_busbw,
+     "pad buckets to a multiple of lcm(dp, 128, 65536)"},
+    {"--check-for-nan-in-loss-and-grad", kDist, &D::check_for_nan_in_grad,
+     "stop on a non-finite loss or gradient norm (the default); given explicitly, also scan every "
+     "bucket before its reduction to name the rank and parameter (a host pass over the gradients)"},
+};
+
+const Flag<optim::HybridOptions> kOffloadFlags[] = {
+    {"--optimizer-offload-fraction", kDist, &H::offload_fraction,
+     "share of the optimizer state (a prefix of the parameters) stepped on the host, in [0, 1]", kShowDefault},
+    {"--overlap-cpu-optimizer-d2h-h2d", kDist, &H::overlap_d2h_h2d,
+     "one host optimizer per parameter, overlapped with the gradient and parameter copies"},
+    {"--no-pin-cpu-grads", kDist, &H::pin_cpu_grads, "host gradient buffers in pageable memory", kNegated},
+    {"--no-pin-cpu-params", kDist, &H::pin_cpu_params, "host master weights and state in pageable memory", kNegated},
+};
+
+}  // namespace
+
+std::span<const Flag<TrainOptions>> parallel_option_flags() { return kParallelOptionFlags; }
+std::span<const Flag<ParallelFlags>> parallel_flags() { return kParallelFlags; }
+std::span<const Flag<ddp::DdpConfig>> ddp_flags() { return kDdpFlags; }
+std::span<const Flag<optim::HybridOptions>> offload_flags() { return kOffloadFlags; }
+
+void resolve_parallel_sizes(const ParallelFlags & f, const Given & given, int64_t world_size, TrainOptions & o) {
+    LOOM_CHECK(f.context_parallel_size == 1, "--context-parallel-size " << f.context_parallel_size
+                                                                        << " is not supported by Loom (no context parallelism yet)",
+               "only --context-parallel-size 1 is accepted");
+    LOOM_CHECK(o.expert_parallel_size >= 1, "--expert-model-parallel-size must be >= 1, got " << o.expert_parallel_size, "");
+    // Megatron's default: the experts' tensor parallelism is the dense layers'.
+    LOOM_CHECK(!given("--expert-tensor-parallel-size") || o.expert_tensor_parallel_size >= 1,
+               "--expert-tensor-parallel-size must be >= 1, got " << o.expert_tensor_parallel_size, "");
+    if (!given("--expert-tensor-parallel-size")) o.expert_tensor_parallel_size = o.tensor_parallel_size;
+    const int64_t model_parallel = o.tensor_parallel_size * o.pipeline_parallel_size;
+    LOOM_CHECK(o.tensor_parallel_size >= 1 && o.pipeline_parallel_size >= 1 && world_size % model_parallel == 0,
+               "world size " << world_size << " is not divisible by --tensor-model-parallel-size "
+                             << o.tensor_parallel_size << " x --pipeline-model-parallel-size " << o.pipeline_parallel_size,
+               "start a multiple of " << model_parallel << " ranks; the data-parallel size is the quotient");
+    o.data_parallel_size = world_size / model_parallel;
+}
+
+void check_expert_decomposition(int64_t world_size, const TrainOptions & o) {
+    // parallel/parallel_config.h: world = etp x ep x edp x pp.
+    LOOM_CHECK(world_size % (o.expert_tensor_parallel_size * o.pipeline_parallel_size * o.expert_parallel_size) == 0,
+               "world size " << world_size << " is not divisible by --expert-tensor-parallel-size "
+                             << o.expert_tensor_parallel_size << " x --expert-model-parallel-size " << o.expert_parallel_size
+                             << " x --pipeline-model-parallel-size " << o.pipeline_parallel_size,
+               "choose expert sizes whose product with the pipeline size divides the world size");
+}
+
+void resolve_ddp(const ParallelFlags & f, const Given & given, TrainOptions & o) {
+    if (given("--ddp-bucket-size")) o.ddp.bucket_size = f.bucket_size;
+    o.ddp.validate();
+    LOOM_CHECK(o.check_for_nan_in_loss_and_grad || !o.ddp.check_for_nan_in_grad,
+               "--check-for-nan-in-loss-and-grad and --no-check-for-nan-in-loss-and-grad together", "give one of them");
+}
+
+void check_offload(const TrainOptions & o) {
+    LOOM_CHECK(o.offload.offload_fraction >= 0.0f && o.offload.offload_fraction <= 1.0f,
+               "--optimizer-offload-fraction " << o.offload.offload_fraction << " is outside [0, 1]",
+               "give the share of the optimizer state to step on the host, 0 (none) to 1 (all)");
+}
+
+void validate_layout(const TrainOptions & o) {
+    const model::GptConfig & m = o.model;
+    LOOM_CHECK(o.pipeline_parallel_size > 1 ||
+                   (o.layers_per_virtual_stage == 0 && o.first_stage_layers == 0 && o.last_stage_layers == 0),
+               "--num-layers-per-virtual-pipeline-stage, --decoder-first-pipeline-num-layers and "
+               "--decoder-last-pipeline-num-layers need --pipeline-model-parallel-size > 1",
+               "they describe how layers split over pipeline stages");
+    LOOM_CHECK(o.virtual_pipeline_size <= 1 || o.pipeline_parallel_size > 1,
+               "--num-virtual-stages-per-pipeline-rank " << o.virtual_pipeline_size
+                                                          << " needs --pipeline-model-parallel-size > 1",
+               "virtual stages interleave the chunks of several pipeline ranks");
+    if (o.tensor_parallel_size > 1) {
+        const int64_t tp = o.tensor_parallel_size;
+        LOOM_CHECK(m.num_attention_heads % tp == 0 && m.num_query_groups % tp == 0 && m.ffn_hidden_size % tp == 0,
+                   "--num-attention-heads " << m.num_attention_heads << ", --num-query-groups " << m.num_query_groups
+                                            << " and --ffn-hidden-size " << m.ffn_hidden_size
+                                            << " must all be divisible by --tensor-model-parallel-size " << tp,
+                   "each tensor-parallel rank takes an equal share of heads, query groups and MLP features");
+        LOOM_CHECK(!o.sequence_parallel || m.seq_length % tp == 0,
+                   "--seq-length " << m.seq_length << " is not divisible by --tensor-model-parallel-size " << tp,
+                   "--sequence-parallel gives each tensor-parallel rank an equal block of positions");
+        LOOM_CHECK(o.load_hf.empty(), "--load-hf with --tensor-model-parallel-size " << tp,
+                   "loading Hugging Face weights into tensor-parallel shards is not supported yet; train from --seed");
+    }
+    if (o.pipeline_parallel_size > 1) {
+        LOOM_CHECK(o.load_hf.empty(), "--load-hf with --pipeline-model-parallel-size " << o.pipeline_parallel_size,
+                   "loading Hugging Face weights into pipeline stages is not supported yet; train from --seed");
+        pipeline::LayerSplitOptions split  = o.layer_split();
+        pipeline::LayerAssignment   layout = pipeline::assign_layers(split);   // throws naming the flags
+        pipeline::ScheduleOptions   schedule;
+        schedule.pp = split.pp;
+        if (layout.num_chunks > 1) schedule.vpp = layout.num_chunks;
+        schedule.num_microbatches = static_cast<int>(o.num_microbatches());
+        if (o.microbatch_group_size > 0) schedule.microbatch_group_size = static_cast<int>(o.microbatch_group_size);
+        pipeline::validate_schedule(schedule);
+    }
+}
+
+pipeline::LayerSplitOptions TrainOptions::layer_split() const {
+    pipeline::LayerSplitOptions split;
+    split.num_layers = static_cast<int>(model.num_layers);
+    split.pp         = static_cast<int>(pipeline_parallel_size);
+    if (virtual_pipeline_size > 0) split.vpp = static_cast<int>(virtual_pipeline_size);
+    if (layers_per_virtual_stage > 0) split.num_layers_per_virtual_stage = static_cast<int>(layers_per_virtual_stage);
+    if (first_stage_layers > 0) split.first_stage_layers = static_cast<int>(first_stage_layers);
+    if (last_stage_layers > 0) split.last_stage_layers = static_cast<int>(last_stage_layers);
+    return split;
+}
+
+}  // namespace loom::train
