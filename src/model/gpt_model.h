@@ -14,7 +14,7 @@
 // Loom does: a padded token can never be a label, so giving it probability only makes the loss worse.)
 #pragma once
 
-#include "model/layers.h"
+#include "model/transformer_layer.h"
 
 #include <array>
 #include <functional>

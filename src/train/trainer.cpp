@@ -1,84 +1,16 @@
 #include "train/trainer.h"
 
-#include "model/moe/router.h"
-
 #include "core/device.h"
-#include "data/mapped_file.h"
+#include "core/fault_injection.h"
 #include "ddp/finalize_grads.h"
 #include "model/moe/router.h"
+#include "train/stop_policy.h"
 
-#include <atomic>
 #include <chrono>
 #include <cmath>
-#include <csignal>
-#include <thread>
-#include <cstdlib>
-#include <cstring>
-#include <ctime>
-#include <new>
-#include <nlohmann/json.hpp>
-#include <unistd.h>
+#include <cstdio>
 
 namespace loom::train {
-
-namespace {
-
-std::string timestamp() {
-    auto        now  = std::chrono::system_clock::now();
-    std::time_t secs = std::chrono::system_clock::to_time_t(now);
-    auto        us   = std::chrono::duration_cast<std::chrono::microseconds>(now.time_since_epoch()).count() % 1000000;
-    std::tm     tm;
-    localtime_r(&secs, &tm);
-    char buffer[64];
-    std::strftime(buffer, sizeof(buffer), "%Y-%m-%d %H:%M:%S", &tm);
-    char out[80];
-    std::snprintf(out, sizeof(out), "%s.%06lld", buffer, static_cast<long long>(us));
-    return out;
-}
-
-}  // namespace
-
-std::string megatron_log_line(const IterationStats & s, int64_t train_iters, bool with_throughput) {
-    char buffer[1024];
-    int  n = std::snprintf(buffer, sizeof(buffer), " [%s] iteration %8lld/%8lld | consumed samples: %12lld | "
-                           "elapsed time per iteration (ms): %.1f |",
-                           timestamp().c_str(), static_cast<long long>(s.iteration), static_cast<long long>(train_iters),
-                           static_cast<long long>(s.consumed_samples), s.elapsed_ms);
-    if (with_throughput) {
-        n += std::snprintf(buffer + n, sizeof(buffer) - n, " throughput per GPU (TFLOP/s/GPU): %.1f |", s.tflops);
-    }
-    n += std::snprintf(buffer + n, sizeof(buffer) - n, " learning rate: %.6E | global batch size: %5lld | lm loss: %.6E |",
-                       s.learning_rate, static_cast<long long>(s.global_batch_size), s.lm_loss);
-    // The MoE losses follow lm loss, as the other keys of Megatron's total_loss_dict do.
-    for (const auto & [name, value] : s.moe_losses) {
-        n += std::snprintf(buffer + n, sizeof(buffer) - n, " %s: %.6E |", name.c_str(), value);
-    }
-    n += std::snprintf(buffer + n, sizeof(buffer) - n, " loss scale: %.1f | grad norm: %.3f |", s.loss_scale, s.grad_norm);
-    if (s.num_zeros >= 0) n += std::snprintf(buffer + n, sizeof(buffer) - n, " num zeros: %.1f |", s.num_zeros);
-    if (s.params_norm >= 0) n += std::snprintf(buffer + n, sizeof(buffer) - n, " params norm: %.3f |", s.params_norm);
-    std::snprintf(buffer + n, sizeof(buffer) - n, " number of skipped iterations: %3lld | number of nan iterations: %3lld |",
-                  static_cast<long long>(s.skipped_iterations), static_cast<long long>(s.nan_iterations));
-    return buffer;
-}
-
-std::string metrics_json(const IterationStats & s) {
-    nlohmann::ordered_json j;
-    j["iteration"]                   = s.iteration;
-    j["consumed samples"]            = s.consumed_samples;
-    j["elapsed time per iteration (ms)"] = s.elapsed_ms;
-    j["throughput per GPU (TFLOP/s/GPU)"] = s.tflops;
-    j["learning rate"]               = s.learning_rate;
-    j["global batch size"]           = s.global_batch_size;
-    j["lm loss"]                     = s.lm_loss;
-    for (const auto & [name, value] : s.moe_losses) j[name] = value;
-    j["loss scale"]                  = s.loss_scale;
-    j["grad norm"]                   = s.grad_norm;
-    if (s.num_zeros >= 0) j["num zeros"] = s.num_zeros;
-    if (s.params_norm >= 0) j["params norm"] = s.params_norm;
-    j["number of skipped iterations"] = s.skipped_iterations;
-    j["number of nan iterations"]    = s.nan_iterations;
-    return j.dump();
-}
 
 namespace {
 
@@ -164,32 +96,6 @@ Trainer::~Trainer() {
     } catch (...) {
     }
 }
-
-namespace {
-
-// The fault-injection seam: LOOM_FAULT=<rank>:<iteration>:<fault> makes world rank <rank> fail at the start
-// of <iteration>, so a test can check that the job ends instead of hanging. Faults: bad_alloc (a
-// std::bad_alloc, as an allocation that failed), missing_file (a loom::Error from opening a file that does
-// not exist), sigstop (the process stops: its peers wait in their next collective until the watchdog),
-// stall (the host thread sleeps forever outside communication, as a rank stuck in compute or I/O would:
-// its engine still answers the watchdog's roll call).
-void inject_fault(int64_t iteration) {
-    static const char * spec = std::getenv("LOOM_FAULT");
-    if (!spec) return;
-    int  rank = -1;
-    long at   = -1;
-    char fault[32] = {};
-    if (std::sscanf(spec, "%d:%ld:%31s", &rank, &at, fault) != 3 || rank != process_rank() || at != iteration) return;
-    const std::string kind = fault;
-    if (kind == "bad_alloc") throw std::bad_alloc();
-    if (kind == "missing_file") data::MappedFile("/nonexistent/loom-fault-injection.bin", "injected fault");
-    if (kind == "sigstop") std::raise(SIGSTOP);
-    if (kind == "stall") {
-        for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
-    }
-}
-
-}  // namespace
 
 // One iteration, phase by phase: begin (fault seam, zeroed gradients, the layer graphs' capture once the
 // warm-up is over), the pipeline schedule's forward and backward passes, the gradients' final reduction, the
@@ -330,16 +236,6 @@ std::string Trainer::timers_block(int64_t iterations) {
     return block;
 }
 
-void Trainer::log_validation(TensorBoardWriter & board, int64_t iteration, double loss) const {
-    board.add_scalar("lm loss validation", loss, iteration);
-    board.add_scalar("lm loss validation vs samples", loss, consumed_);
-    if (options_.log_validation_ppl_to_tensorboard) {
-        const double ppl = std::exp(std::min(loss, 20.0));
-        board.add_scalar("lm loss validation ppl", ppl, iteration);
-        board.add_scalar("lm loss validation ppl vs samples", ppl, consumed_);
-    }
-}
-
 double Trainer::evaluate(BatchSource & source) {
     double sum = 0, count = 0;
     for (int64_t k = 0; k < options_.eval_iters; ++k) {
@@ -359,213 +255,114 @@ double Trainer::evaluate(BatchSource & source) {
     return static_cast<double>(totals[0]) / std::max(1.0, static_cast<double>(totals[1]));
 }
 
-std::string megatron_validation_lines(const std::string & where, double loss) {
-    char line[256];
-    std::snprintf(line, sizeof(line), " validation loss at %s | lm loss value: %.6E | lm loss PPL: %.6E | ",
-                  where.c_str(), loss, std::exp(std::min(loss, 20.0)));
-    const std::string dashes(std::strlen(line) + 1, '-');
-    return dashes + "\n" + line + "\n" + dashes;
-}
-
 namespace {
 
-std::atomic<bool> g_sigterm{false};
-
-extern "C" void on_sigterm(int) { g_sigterm.store(true); }
+std::string padded(int64_t iteration) {   // Megatron's %7d
+    char text[32];
+    std::snprintf(text, sizeof(text), "%7lld", static_cast<long long>(iteration));
+    return text;
+}
 
 }  // namespace
 
-void Trainer::save(FILE * out) {
-    if (out) {
-        std::fprintf(out, "saving checkpoint at iteration %7lld to %s in torch_dist format\n",
-                     static_cast<long long>(iteration_), options_.save.c_str());
-        std::fflush(out);
-    }
+void Trainer::save() {
+    report_message("saving checkpoint at iteration " + padded(iteration_) + " to " + options_.save + " in torch_dist format");
     checkpoint::SaveStats stats = save_checkpoint(options_, setup_, iteration_, consumed_);
-    if (out) {
-        std::fprintf(out, "  successfully saved checkpoint from iteration %7lld to %s [ %.1f MiB in %.3f s ]\n",
-                     static_cast<long long>(iteration_), options_.save.c_str(), stats.bytes / 1048576.0, stats.seconds);
-    }
+    char sizes[96];
+    std::snprintf(sizes, sizeof(sizes), " [ %.1f MiB in %.3f s ]", stats.bytes / 1048576.0, stats.seconds);
+    report_message("  successfully saved checkpoint from iteration " + padded(iteration_) + " to " + options_.save + sizes);
 }
 
+void Trainer::report_message(const std::string & line) {
+    for (auto & sink : sinks_) sink->message(line);
+}
+
+void Trainer::report_evaluation(EvalSplit split, int64_t iteration, bool after_training, double loss) {
+    for (auto & sink : sinks_) sink->evaluation(split, iteration, consumed_, after_training, loss);
+}
+
+// The loop: an iteration, its report, an evaluation at --eval-interval, a save at --save-interval, and the
+// stop policy; after it the last save, the evaluations after training and the summary.
 TrainSummary Trainer::run(FILE * out) {
     TrainSummary summary;
     summary.first_iteration = iteration_ + 1;
-    if (out && !resumed_.folder.empty()) {
-        std::fprintf(out, "  successfully loaded checkpoint from %s at iteration %lld (consumed samples %lld) in %.3f s\n",
-                     resumed_.folder.c_str(), static_cast<long long>(resumed_.iteration),
-                     static_cast<long long>(resumed_.consumed_samples), resumed_.seconds);
-    } else if (out && !options_.load.empty()) {
-        std::fprintf(out, "WARNING: could not find a checkpoint in %s (no %s); training from scratch\n",
-                     options_.load.c_str(), checkpoint::kTrackerFile);
-    }
-    // The ranks agree on stopping: a flag any rank raised stops all of them after the same iteration.
     comm::Communicator * everyone = setup_.all_ranks();
-    std::unique_ptr<TensorBoardWriter> board;
-    if (!options_.tensorboard_dir.empty() && (!everyone || everyone->rank() == 0)) {
-        board = std::make_unique<TensorBoardWriter>(options_.tensorboard_dir);
+    sinks_ = make_report_sinks(options_, out, everyone ? everyone->rank() : 0, everyone ? everyone->size() : 1,
+                               model_.device());
+    if (!resumed_.folder.empty()) {
+        char line[512];
+        std::snprintf(line, sizeof(line), "  successfully loaded checkpoint from %s at iteration %lld (consumed samples %lld) in %.3f s",
+                      resumed_.folder.c_str(), static_cast<long long>(resumed_.iteration),
+                      static_cast<long long>(resumed_.consumed_samples), resumed_.seconds);
+        report_message(line);
+    } else if (!options_.load.empty()) {
+        report_message("WARNING: could not find a checkpoint in " + options_.load + " (no " + checkpoint::kTrackerFile +
+                       "); training from scratch");
     }
-    FILE *       log_file = nullptr;
-    if (!options_.log_file.empty() && (!everyone || everyone->rank() == 0)) {   // one writer: rank 0
-
-        log_file = std::fopen(options_.log_file.c_str(), "w");
-        LOOM_CHECK(log_file != nullptr, "cannot open --log-file '" << options_.log_file << "' for writing",
-                   "check that the directory exists and is writable");
-    }
-    struct sigaction previous {};
-    if (options_.exit_signal_handler) {
-        struct sigaction action {};
-        action.sa_handler = on_sigterm;
-        sigemptyset(&action.sa_mask);
-        sigaction(SIGTERM, &action, &previous);
-    }
-    auto any_rank = [&](bool local) {
-        if (!everyone || everyone->size() == 1) return local;
-        return comm::all_reduce_values(*everyone, model_.device(), {local ? 1.0f : 0.0f}, comm::ReduceOp::max)[0] > 0.0f;
-    };
-    bool   progress_bar = out != nullptr && isatty(fileno(out));
+    StopPolicy stop(options_, everyone, model_.device());
     // Per rank, as Megatron's "throughput per GPU".
-    double flops_per_iteration = model_.config().training_flops_per_token() *
-                                 static_cast<double>(options_.global_batch_size * model_.config().seq_length) /
-                                 static_cast<double>(options_.data_parallel_size * options_.pipeline_parallel_size *
-                                                     options_.tensor_parallel_size);
-    auto   start        = std::chrono::steady_clock::now();
-    auto   window_start = start;
-    double window_loss  = 0;
-    int64_t window_iters = 0;
-    std::vector<std::pair<std::string, double>> window_moe;   // MoE losses summed over the window
-    bool    saved_last   = false;   // the last iteration run has been saved
+    const double flops_per_iteration = model_.config().training_flops_per_token() *
+                                       static_cast<double>(options_.global_batch_size * model_.config().seq_length) /
+                                       static_cast<double>(options_.data_parallel_size * options_.pipeline_parallel_size *
+                                                           options_.tensor_parallel_size);
+    const auto start   = std::chrono::steady_clock::now();
+    auto       seconds = [&start] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+    LogWindow  window(0.0);
+    bool       saved_last = false;   // the last iteration run has been saved
     for (int64_t k = iteration_ + 1; k <= options_.train_iters; ++k) {
         IterationStats stats;
-        double         loss = step(stats);
+        const double   loss = step(stats);
         summary.losses.push_back(loss);
-        window_loss += loss;
-        if (window_moe.empty()) window_moe = stats.moe_losses;
-        else for (size_t i = 0; i < window_moe.size(); ++i) window_moe[i].second += stats.moe_losses[i].second;
-        ++window_iters;
-        if (board && k % options_.tensorboard_log_interval == 0) {
-            // Megatron's training_log: each scalar by iteration and "vs samples".
-            auto both = [&](const std::string & tag, double value) {
-                board->add_scalar(tag, value, k);
-                board->add_scalar(tag + " vs samples", value, consumed_);
-            };
-            both("learning-rate", stats.learning_rate);
-            both("batch-size", static_cast<double>(stats.global_batch_size));
-            both("lm loss", loss);
-            if (options_.log_loss_scale_to_tensorboard) both("loss-scale", 1.0);
-            if (options_.log_world_size_to_tensorboard) {
-                both("world-size", static_cast<double>(everyone ? everyone->size() : 1));
-            }
-            both("grad-norm", stats.grad_norm);
-            for (const auto & [name, value] : stats.moe_losses) board->add_scalar(name, value, k);   // the MoE tracker's
-            if (stats.num_zeros >= 0) both("num-zeros", stats.num_zeros);
-            if (stats.params_norm >= 0) both("params-norm", stats.params_norm);
-            if (options_.log_memory_to_tensorboard) {
-                const AllocatorStats m = model_.device().allocator(MemoryKind::device).stats();
-                board->add_scalar("mem-reserved-bytes", static_cast<double>(m.reserved), k);
-                board->add_scalar("mem-allocated-bytes", static_cast<double>(m.allocated), k);
-                board->add_scalar("mem-max-allocated-bytes", static_cast<double>(m.peak_allocated), k);
-                board->add_scalar("mem-allocated-count", static_cast<double>(m.active), k);
-            }
-        }
+        window.add(loss, stats);
+        IterationReport report;
+        report.iteration       = k;
+        report.loss            = loss;
+        report.stats           = &stats;
+        report.first_iteration = summary.first_iteration;
+        report.seconds         = seconds();
+        IterationStats logged;
         if (k % options_.log_interval == 0 || k == options_.train_iters) {
-            auto   now     = std::chrono::steady_clock::now();
-            double seconds = std::chrono::duration<double>(now - window_start).count();
-            stats.elapsed_ms = seconds * 1000.0 / static_cast<double>(window_iters);
-            stats.tflops     = flops_per_iteration / (stats.elapsed_ms / 1000.0) / 1e12;
-            stats.lm_loss    = window_loss / static_cast<double>(window_iters);
-            stats.moe_losses = window_moe;
-            for (auto & entry : stats.moe_losses) entry.second /= static_cast<double>(window_iters);
-            if (board && options_.log_timers_to_tensorboard) {
-                board->add_scalar("iteration-time", stats.elapsed_ms / 1000.0, k);
-            }
-            if (board && options_.log_throughput) board->add_scalar("throughput", stats.tflops, k);
-            if (out) {
-                std::fprintf(out, "%s%s\n", progress_bar ? "\r\033[K" : "",
-                             megatron_log_line(stats, options_.train_iters, options_.log_throughput).c_str());
-            }
-            if (options_.timing_log_level >= 1) {
-                const std::string block = timers_block(window_iters);   // every rank takes part
-                if (out) std::fprintf(out, "%s\n", block.c_str());
-            }
-            if (log_file) {
-                std::fprintf(log_file, "%s\n", metrics_json(stats).c_str());
-                LOOM_CHECK(std::fflush(log_file) == 0 && !std::ferror(log_file),
-                           "cannot write --log-file '" << options_.log_file << "': " << std::strerror(errno),
-                           "check the free space of its file system");
-            }
-            window_start = now;
-            window_loss  = 0;
-            window_moe.clear();
-            window_iters = 0;
-        } else if (progress_bar) {
-            double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-            double done    = static_cast<double>(k - summary.first_iteration + 1);
-            double eta     = elapsed / done * static_cast<double>(options_.train_iters - k);
-            int    width   = 30;
-            int    filled  = static_cast<int>(width * k / options_.train_iters);
-            std::fprintf(out, "\r[%.*s%*s] %lld/%lld  loss %.4f  ETA %.0fs", filled, "##############################",
-                         width - filled, "", static_cast<long long>(k), static_cast<long long>(options_.train_iters), loss, eta);
-            std::fflush(out);
+            if (options_.timing_log_level >= 1) report.timers = timers_block(window.iterations());   // collective
+            logged        = window.close(stats, report.seconds, flops_per_iteration);
+            report.window = &logged;
         }
+        for (auto & sink : sinks_) sink->iteration(report);
         if (valid_ && options_.eval_interval > 0 && k % options_.eval_interval == 0) {
-            const double loss = evaluate();
-            summary.validation.emplace_back(k, loss);
-            if (out) std::fprintf(out, "%s\n", megatron_validation_lines("iteration " + std::to_string(k), loss).c_str());
-            if (board) log_validation(*board, k, loss);
+            const double valid_loss = evaluate();
+            summary.validation.emplace_back(k, valid_loss);
+            report_evaluation(EvalSplit::validation, k, false, valid_loss);
         }
-        if (board) board->flush();
+        for (auto & sink : sinks_) sink->flush();
         saved_last = false;
         if (!options_.save.empty() && options_.save_interval > 0 && k % options_.save_interval == 0) {
-            save(out);
+            save();
             saved_last = true;
         }
-        // Megatron's order: the signal, the duration, the interval; each saves (with --save) and stops.
-        if (options_.exit_signal_handler && any_rank(g_sigterm.load())) {
-            summary.stopped_by = "SIGTERM";
-        } else if (options_.exit_duration_in_mins > 0 &&
-                   any_rank(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / 60.0 >
-                            options_.exit_duration_in_mins)) {
-            summary.stopped_by = "--exit-duration-in-mins";
-        } else if (options_.exit_interval > 0 && k % options_.exit_interval == 0) {
-            summary.stopped_by = "--exit-interval";
-        }
+        summary.stopped_by = stop.after(k, seconds());
         if (!summary.stopped_by.empty()) break;
     }
-    if (!options_.save.empty() && !summary.losses.empty() && !saved_last) save(out);
+    if (!options_.save.empty() && !summary.losses.empty() && !saved_last) save();
+    const int64_t last = summary.first_iteration + static_cast<int64_t>(summary.losses.size()) - 1;
     if (valid_ && !summary.losses.empty()) {   // Megatron's pretrain(): validation after training
-        const int64_t last = summary.first_iteration + static_cast<int64_t>(summary.losses.size()) - 1;
-        const double  loss = evaluate();
+        const double loss = evaluate();
         summary.validation.emplace_back(last, loss);
-        if (board) {
-            log_validation(*board, last, loss);
-            board->flush();
-        }
-        if (out) {
-            std::fprintf(out, "%s\n",
-                         megatron_validation_lines("iteration " + std::to_string(last) + " on validation set", loss).c_str());
-        }
+        report_evaluation(EvalSplit::validation, last, true, loss);
+        for (auto & sink : sinks_) sink->flush();
     }
-    if (test_ && !summary.losses.empty()) {   // and on the test split (not written to TensorBoard)
-        const int64_t last = summary.first_iteration + static_cast<int64_t>(summary.losses.size()) - 1;
-        summary.test       = evaluate(*test_);
-        if (out) {
-            std::fprintf(out, "%s\n",
-                         megatron_validation_lines("iteration " + std::to_string(last) + " on test set", *summary.test).c_str());
-        }
+    if (test_ && !summary.losses.empty()) {   // and on the test split
+        summary.test = evaluate(*test_);
+        report_evaluation(EvalSplit::test, last, true, *summary.test);
     }
-    if (out && !summary.stopped_by.empty()) {
-        std::fprintf(out, "exiting program at iteration %lld (%s)\n", static_cast<long long>(iteration_),
-                     summary.stopped_by.c_str());
+    if (!summary.stopped_by.empty()) {
+        report_message("exiting program at iteration " + std::to_string(iteration_) + " (" + summary.stopped_by + ")");
     }
-    if (options_.exit_signal_handler) sigaction(SIGTERM, &previous, nullptr);
     model_.device().compute_stream().synchronize();   // the last step's update is part of the run
-    summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    summary.seconds = seconds();
     const double iterations = static_cast<double>(summary.losses.size());
-    double tokens   = iterations * static_cast<double>(options_.global_batch_size * model_.config().seq_length);
+    const double tokens     = iterations * static_cast<double>(options_.global_batch_size * model_.config().seq_length);
     summary.tokens_per_second = tokens / summary.seconds;
-    summary.tflops = flops_per_iteration * iterations / summary.seconds / 1e12;
-    if (log_file) std::fclose(log_file);
+    summary.tflops            = flops_per_iteration * iterations / summary.seconds / 1e12;
+    sinks_.clear();
     return summary;
 }
 

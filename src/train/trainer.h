@@ -22,7 +22,7 @@
 #include "train/checkpointing.h"
 #include "train/options.h"
 #include "train/setup.h"
-#include "train/tensorboard.h"
+#include "train/reporting.h"
 
 #include <cstdio>
 #include <functional>
@@ -41,33 +41,6 @@ public:
     // cannot seek refuses.
     virtual void              set_consumed_samples(int64_t consumed);
 };
-
-struct IterationStats {
-    int64_t iteration         = 0;
-    int64_t consumed_samples  = 0;
-    double  elapsed_ms        = 0;   // mean over the log interval
-    double  tflops            = 0;   // achieved, per rank
-    double  learning_rate     = 0;
-    int64_t global_batch_size = 0;
-    double  lm_loss           = 0;   // mean over the log interval
-    // MoE: Megatron's tracked router losses, each the mean over MoE layers of its per-micro-batch mean
-    // (then over the log interval), by name ("load_balancing_loss", "seq_load_balancing_loss", "z_loss").
-    std::vector<std::pair<std::string, double>> moe_losses;
-    double  loss_scale        = 1.0;
-    double  grad_norm         = 0;
-    double  num_zeros         = -1;   // --log-num-zeros-in-grad (< 0: not logged)
-    double  params_norm       = -1;   // --log-params-norm (< 0: not logged)
-    int64_t skipped_iterations = 0;
-    int64_t nan_iterations     = 0;
-};
-
-// Megatron's log line: " [time] iteration  k/ N | consumed samples: ... | number of nan iterations:   0 |".
-std::string megatron_log_line(const IterationStats & stats, int64_t train_iters, bool with_throughput);
-// Megatron's validation report: a line of dashes, " validation loss at <where> | lm loss value: 6.081085E+00 |
-// lm loss PPL: 4.374914E+02 | ", the dashes again (PPL = exp(min(loss, 20))).
-std::string megatron_validation_lines(const std::string & where, double loss);
-// The same keys as one JSON object (one line of --log-file).
-std::string metrics_json(const IterationStats & stats);
 
 struct TrainSummary {
     std::vector<double> losses;   // lm loss of every iteration this run trained
@@ -145,7 +118,10 @@ private:
     // Megatron's "(min, max) time across ranks (ms):" block for the last `iterations` (collective).
     std::string                                 timers_block(int64_t iterations);
 
-    void log_validation(TensorBoardWriter & board, int64_t iteration, double loss) const;
+    // Where run() reports (train/reporting.h), while it runs.
+    std::vector<std::unique_ptr<ReportSink>>    sinks_;
+    void report_message(const std::string & line);
+    void report_evaluation(EvalSplit split, int64_t iteration, bool after_training, double loss);
 
     // step()'s phases.
     void   begin_iteration();
@@ -161,8 +137,8 @@ private:
     int64_t                                     nan_iterations_ = 0;
     Resumed                                     resumed_;
 
-    // Saves a checkpoint of the current iteration (--save) and prints Megatron's lines to `out`.
-    void save(FILE * out);
+    // Saves a checkpoint of the current iteration (--save) and reports Megatron's lines.
+    void save();
 };
 
 }  // namespace loom::train

@@ -1,0 +1,32 @@
+#include "core/fault_injection.h"
+
+#include "core/error.h"
+#include "core/input_file.h"
+
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <new>
+#include <string>
+#include <thread>
+
+namespace loom {
+
+void inject_fault(int64_t iteration) {
+    static const char * spec = std::getenv("LOOM_FAULT");
+    if (!spec) return;
+    int  rank = -1;
+    long at   = -1;
+    char fault[32] = {};
+    if (std::sscanf(spec, "%d:%ld:%31s", &rank, &at, fault) != 3 || rank != process_rank() || at != iteration) return;
+    const std::string kind = fault;
+    if (kind == "bad_alloc") throw std::bad_alloc();
+    if (kind == "missing_file") open_input_fd("/nonexistent/loom-fault-injection.bin", "injected fault");
+    if (kind == "sigstop") std::raise(SIGSTOP);
+    if (kind == "stall") {
+        for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+    }
+}
+
+}  // namespace loom

@@ -1,0 +1,168 @@
+#include "model/transformer_layer.h"
+
+#include "core/error.h"
+#include "core/ops.h"
+
+#include <cmath>
+
+namespace loom::model {
+
+// ---------------------------------------------------------------------------------------------------
+// TransformerLayer
+
+TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & device, const TensorParallel & tp,
+                                   const ExpertParallel & ep)
+    : config(c),
+      index(index),
+      norm1("layers." + std::to_string(index) + ".norm1", c.hidden_size, c.normalization, c.norm_epsilon,
+            c.params_dtype, device, tp),
+      attention("layers." + std::to_string(index) + ".attention", c, device, tp),
+      norm2("layers." + std::to_string(index) + ".norm2", c.hidden_size, c.normalization, c.norm_epsilon,
+            c.params_dtype, device, tp) {
+    const std::string name = "layers." + std::to_string(index) + ".mlp";
+    if (c.moe.is_moe_layer(index)) {
+        moe        = std::make_unique<MoELayer>(name, c, c.moe, device, tp, ep);
+        moe_losses = Tensor::zeros({router_loss_count}, DType::f32, device, {MemoryKind::device, "moe-metrics"});
+    } else {
+        mlp = std::make_unique<Mlp>(name, c, device, tp);
+    }
+}
+
+TransformerLayer::~TransformerLayer() = default;
+
+void TransformerLayer::init(uint64_t seed) {
+    // Megatron's init: N(0, std) for inputs, std / sqrt(2 L) for the layers that write the residual.
+    float std        = config.init_method_std;
+    float output_std = std / std::sqrt(2.0f * static_cast<float>(config.num_layers));
+    norm1.init();
+    attention.init(seed, std, output_std);
+    norm2.init();
+    if (moe) {
+        moe->init(seed, std, output_std);
+    } else {
+        mlp->init(seed, std, output_std);
+    }
+}
+
+void TransformerLayer::parameters(std::vector<Parameter *> & out) {
+    norm1.parameters(out);
+    attention.parameters(out);
+    norm2.parameters(out);
+    if (moe) {
+        moe->parameters(out);
+    } else {
+        mlp->parameters(out);
+    }
+}
+
+Tensor TransformerLayer::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const DropoutBatch & batch) {
+    if (moe) return forward_eager(ctx, forward_graphable(ctx, x, s, b, batch, true), s, b, batch);
+    Ops &            ops    = x.device().ops();
+    Stream &         stream = x.device().compute_stream();
+    const Tensor     h1     = attention_block(ctx, x, s, b, batch);
+    Tensor h2 = mlp->forward(ctx.mlp, norm2.forward(ctx.norm2, h1, &x));   // h1 = x + attn, fused into norm2
+    if (ctx.mlp_out.enabled()) ops.dropout(stream, h2, h2, ctx.mlp_out);
+    ops.add_inplace(stream, h2, h1);   // h2 = h1 + mlp
+    return h2;
+}
+
+Tensor TransformerLayer::attention_block(Context & ctx, const Tensor & x, int64_t s, int64_t b, const DropoutBatch & batch) {
+    Ops &            ops    = x.device().ops();
+    Stream &         stream = x.device().compute_stream();
+    const TensorParallel & tp = attention.tp;
+    const int64_t    rows   = x.size(0);
+    ctx.attn_out = dropout_key(config, tp, batch, index, DropoutKind::attention_output, rows);
+    ctx.mlp_out  = dropout_key(config, tp, batch, index, DropoutKind::mlp_output, rows);
+    Tensor h1 = attention.forward(ctx.attn, norm1.forward(ctx.norm1, x), s, b,
+                                  dropout_key(config, tp, batch, index, DropoutKind::attention_probs, rows, attention.heads));
+    if (ctx.attn_out.enabled()) ops.dropout(stream, h1, h1, ctx.attn_out);
+    return h1;
+}
+
+TransformerLayer::MoeSegment TransformerLayer::forward_graphable(Context & ctx, const Tensor & x, int64_t s, int64_t b,
+                                                                 const DropoutBatch & batch, bool preprocess) {
+    LOOM_CHECK(moe, "the MoE segments of dense layer " << index, "");
+    Ops &      ops    = x.device().ops();
+    Stream &   stream = x.device().compute_stream();
+    MoeSegment out;
+    out.residual = attention_block(ctx, x, s, b, batch);
+    out.hidden   = norm2.forward(ctx.norm2, out.residual, &x);   // residual = x + attn, fused into norm2
+    ctx.moe      = std::make_shared<MoeLayerContext>();
+    moe->forward_router(*ctx.moe, out.hidden, b, batch.training, preprocess);
+    if (batch.training) ops.add_inplace(stream, moe_losses, ctx.moe->router.losses);
+    out.top_idx = ctx.moe->router.top_idx;
+    out.probs   = ctx.moe->router.probs;
+    if (preprocess) {
+        out.plan_probs        = ctx.moe->plan.probs;
+        out.row_of            = ctx.moe->plan.row_of;
+        out.token_of_row      = ctx.moe->plan.token_of_row;
+        out.tokens_per_expert = ctx.moe->plan.tokens_per_expert;
+    }
+    return out;
+}
+
+Tensor TransformerLayer::forward_eager(Context & ctx, const MoeSegment & in, int64_t s, int64_t b, const DropoutBatch & batch) {
+    Ops &    ops    = in.hidden.device().ops();
+    Stream & stream = in.hidden.device().compute_stream();
+    ctx.mlp_out = dropout_key(config, attention.tp, batch, index, DropoutKind::mlp_output, in.hidden.size(0));
+    if (!ctx.moe) ctx.moe = std::make_shared<MoeLayerContext>();
+    if (!in.plan_probs.defined()) {
+        ctx.moe->plan = dispatch_plan_create(in.top_idx, in.probs, moe->moe);
+    } else if (!ctx.moe->plan.probs.shares_storage(in.plan_probs)) {
+        // Made by the graphable segment under another context: the scalars follow from the shapes.
+        DispatchPlan plan      = dispatch_plan_shape(in.top_idx.size(0), in.top_idx.size(1), moe->moe);
+        plan.probs             = in.plan_probs;
+        plan.row_of            = in.row_of;
+        plan.token_of_row      = in.token_of_row;
+        plan.tokens_per_expert = in.tokens_per_expert;
+        ctx.moe->plan          = plan;
+    }
+    const int64_t rows = s * b / (attention.tp.sp() ? attention.tp.size : 1);   // this rank's block with SP
+    LOOM_CHECK(in.hidden.size(0) == rows, "MoE segment of " << in.hidden.size(0) << " rows for s " << s << ", b " << b, "");
+    Tensor h2 = moe->forward_experts(*ctx.moe, in.hidden);
+    if (ctx.mlp_out.enabled()) ops.dropout(stream, h2, h2, ctx.mlp_out);
+    ops.add_inplace(stream, h2, in.residual);   // h2 = h1 + mlp
+    return h2;
+}
+
+Tensor TransformerLayer::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
+    if (moe) return backward_graphable(ctx, backward_eager(ctx, dy, ready), ready);
+    Tensor dh1 = norm2.backward(ctx.norm2, mlp->backward(ctx.mlp, dropped(ctx.mlp_out, dy), ready), ready);
+    return attention_block_backward(ctx, dh1, dy, ready);
+}
+
+// A copy of g with the dropout `key`'s mask applied, or g itself without dropout (the residual path
+// takes the gradient whole).
+Tensor TransformerLayer::dropped(const Dropout & key, const Tensor & g) const {
+    if (!key.enabled()) return g;
+    Tensor out = activation(g.device(), g.size(0), g.size(1));
+    g.device().ops().dropout(g.device().compute_stream(), g, out, key);
+    return out;
+}
+
+// d h1 = dy + norm2'(...) (dh1 holds the norm2 part); dx = d h1 + norm1'(attn'(drop(d h1))).
+Tensor TransformerLayer::attention_block_backward(Context & ctx, const Tensor & dh1, const Tensor & dy, const GradReadyFn & ready) {
+    Ops &    ops    = dy.device().ops();
+    Stream & stream = dy.device().compute_stream();
+    ops.add_inplace(stream, dh1, dy);
+    Tensor dx = norm1.backward(ctx.norm1, attention.backward(ctx.attn, dropped(ctx.attn_out, dh1), ready), ready);
+    ops.add_inplace(stream, dx, dh1);
+    ctx.attn_out = ctx.mlp_out = Dropout{};
+    return dx;
+}
+
+TransformerLayer::MoeSegmentGrad TransformerLayer::backward_eager(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
+    MoeSegmentGrad grad;
+    moe->backward_experts(*ctx.moe, dropped(ctx.mlp_out, dy), ready, grad.hidden, grad.probs);
+    grad.residual = dy;
+    return grad;
+}
+
+Tensor TransformerLayer::backward_graphable(Context & ctx, const MoeSegmentGrad & grad, const GradReadyFn & ready) {
+    Tensor dhidden = moe->backward_router(*ctx.moe, grad.hidden, grad.probs, ready);
+    ctx.moe.reset();
+    Tensor dh1 = norm2.backward(ctx.norm2, dhidden, ready);
+    return attention_block_backward(ctx, dh1, grad.residual, ready);
+}
+
+}  // namespace loom::model

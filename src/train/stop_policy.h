@@ -1,0 +1,36 @@
+// When a training run stops before --train-iters: Megatron's checks after each iteration, in its order —
+// SIGTERM (with --exit-signal-handler), --exit-duration-in-mins, then --exit-interval. The ranks agree: a
+// condition any rank sees stops all of them after the same iteration (one all-reduce per time-dependent check).
+#pragma once
+
+#include "comm/communicator.h"
+#include "train/options.h"
+
+#include <csignal>
+#include <string>
+
+namespace loom::train {
+
+class StopPolicy {
+public:
+    // `everyone`: the group of all ranks (null on one rank). Installs the SIGTERM handler with
+    // --exit-signal-handler; the destructor restores the previous one.
+    StopPolicy(const TrainOptions & options, comm::Communicator * everyone, Device & device);
+    ~StopPolicy();
+    StopPolicy(const StopPolicy &)             = delete;
+    StopPolicy & operator=(const StopPolicy &) = delete;
+
+    // After iteration `iteration`, `seconds` into the run: "" to go on, else the reason to stop ("SIGTERM",
+    // "--exit-duration-in-mins", "--exit-interval"). Collective where the first two apply.
+    std::string after(int64_t iteration, double seconds);
+
+private:
+    bool any_rank(bool local);
+
+    const TrainOptions & options_;
+    comm::Communicator * everyone_;
+    Device &             device_;
+    struct sigaction     previous_ {};
+};
+
+}  // namespace loom::train
