@@ -2,7 +2,7 @@
 // flags, defaults and every validation). Parse errors and loom::Error are the expected refusals.
 #include "fuzz/fuzz_input.h"
 #include "train/megatron_flags.h"
-#include "train/options.h"
+#include "train/options_parser.h"
 
 #include <CLI/CLI.hpp>
 

@@ -2,7 +2,7 @@
 // and of the checkpoint's args: the committed file must be what they render, and each arg has one flag.
 #include "train/flag_table.h"
 #include "train/megatron_flags.h"
-#include "train/options.h"
+#include "train/options_parser.h"
 
 #include <gtest/gtest.h>
 

@@ -13,6 +13,7 @@
 // scores Hugging Face's own loss whatever the padding.
 #include "apps/loom/commands.h"
 #include "apps/loom/devices.h"
+#include "train/options_parser.h"
 #include "model/hf_gpt2.h"
 #include "train/checkpointing.h"
 #include "train/data_source.h"

@@ -15,7 +15,7 @@
 #include "backend/cpu/cpu_device.h"
 #include "model/hf_gpt2.h"
 #include "train/checkpointing.h"
-#include "train/options.h"
+#include "train/options_parser.h"
 
 #include <cstdio>
 #include <filesystem>

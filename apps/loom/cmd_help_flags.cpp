@@ -4,7 +4,7 @@
 #include "apps/loom/commands.h"
 #include "core/error.h"
 #include "train/flag_table.h"
-#include "train/options.h"
+#include "train/options_parser.h"
 
 #include <cstdio>
 #include <fstream>

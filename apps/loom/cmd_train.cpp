@@ -13,6 +13,7 @@
 // A single process uses DDP's buffers too when a data-parallel flag asks for them.
 #include "apps/loom/commands.h"
 #include "apps/loom/devices.h"
+#include "train/options_parser.h"
 #include "comm/mpi_communicator.h"
 #include "core/error.h"
 #include "data/gpt_dataset.h"
@@ -116,15 +117,9 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
     if (nccl) nccl->set_timeout(static_cast<double>(options.distributed_timeout_minutes) * 60.0);
     parallel::ProcessGroups groups;
     if (mpi) {
-        parallel::ParallelSizes sizes;
-        sizes.world_size = mpi->world_size();
-        sizes.pp         = static_cast<int>(options.pipeline_parallel_size);
-        sizes.tp         = static_cast<int>(options.tensor_parallel_size);
-        sizes.ep         = static_cast<int>(options.expert_parallel_size);
-        sizes.etp        = static_cast<int>(options.expert_tensor_parallel_size);
-        if (options.use_tp_pp_dp_mapping) sizes.order = "tp-cp-ep-pp-dp";   // Megatron's initialize.py
+        // The layout resolve() validated for this world size (train/options.h: TrainOptions::parallel).
         comm::CommunicatorFactory & factory = nccl ? *nccl : static_cast<comm::CommunicatorFactory &>(*mpi);
-        groups = parallel::ProcessGroups::create(parallel::ParallelConfig::create(sizes), factory);
+        groups = parallel::ProcessGroups::create(options.parallel, factory);
     }
     const int rank = mpi ? mpi->world_rank() : 0;
     FILE *    out  = rank == 0 ? stdout : nullptr;

@@ -31,6 +31,8 @@ struct ParallelSizes {
 
 class ParallelConfig {
 public:
+    // One rank: every size 1, the default order.
+    ParallelConfig() : ParallelConfig(ParallelSizes{}, 1, 1, 1) {}
     // Validates and derives; throws loom::Error naming the flags at fault.
     static ParallelConfig create(const ParallelSizes & sizes);
 

@@ -1,4 +1,5 @@
 #include "train/checkpointing.h"
+#include "train/options_parser.h"
 
 #include "core/error.h"
 

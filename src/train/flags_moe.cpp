@@ -64,7 +64,6 @@ std::span<const Flag<MoeFlags>> moe_flags() { return kMoeFlags; }
 
 void resolve_moe(const MoeFlags & f, const Given & given, TrainOptions & o) {
     model::MoeConfig & moe = o.model.moe;
-    LOOM_CHECK(o.expert_parallel_size == 1 || given("--num-experts"), "num_experts must be non None to use expert model parallelism", "");
     if (!given("--num-experts")) {
         for (const char * flag : {"--moe-ffn-hidden-size", "--moe-grouped-gemm", "--moe-shared-expert-intermediate-size"}) {
             LOOM_CHECK(!given(flag), flag << " without --num-experts", "add --num-experts E to make the MLPs Mixtures of Experts");
@@ -72,7 +71,6 @@ void resolve_moe(const MoeFlags & f, const Given & given, TrainOptions & o) {
         return;
     }
     LOOM_CHECK(f.num_experts >= 1, "--num-experts must be >= 1, got " << f.num_experts, "");
-    LOOM_CHECK(f.num_experts % o.expert_parallel_size == 0, "Number of experts should be a multiple of expert model parallel_size.", "");
     moe.num_experts = f.num_experts;
     moe.topk        = f.topk;
     LOOM_CHECK(f.score_function == "softmax" || f.score_function == "sigmoid",

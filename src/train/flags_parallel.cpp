@@ -5,8 +5,11 @@
 #include "optim/hybrid_optimizer.h"
 #include "pipeline/layer_assignment.h"
 #include "pipeline/schedule.h"
+#include "parallel/parallel_config.h"
 #include "train/flag_values.h"
 #include "train/options.h"
+
+#include <limits>
 
 namespace loom::train {
 
@@ -96,30 +99,32 @@ std::span<const Flag<ParallelFlags>> parallel_flags() { return kParallelFlags; }
 std::span<const Flag<ddp::DdpConfig>> ddp_flags() { return kDdpFlags; }
 std::span<const Flag<optim::HybridOptions>> offload_flags() { return kOffloadFlags; }
 
-void resolve_parallel_sizes(const ParallelFlags & f, const Given & given, int64_t world_size, TrainOptions & o) {
+void resolve_parallel_sizes(const ParallelFlags & f, int64_t num_experts, const Given & given, int64_t world_size,
+                            TrainOptions & o) {
     LOOM_CHECK(f.context_parallel_size == 1, "--context-parallel-size " << f.context_parallel_size
                                                                         << " is not supported by Loom (no context parallelism yet)",
                "only --context-parallel-size 1 is accepted");
-    LOOM_CHECK(o.expert_parallel_size >= 1, "--expert-model-parallel-size must be >= 1, got " << o.expert_parallel_size, "");
+    // Megatron's argument checks of expert parallelism (validate_args) come before the world's decomposition.
+    LOOM_CHECK(o.expert_parallel_size >= 1, "--expert-model-parallel-size must be >= 1, got " << o.expert_parallel_size,
+               "parallel sizes are positive integers");
+    LOOM_CHECK(o.expert_parallel_size == 1 || given("--num-experts"), "num_experts must be non None to use expert model parallelism", "");
+    LOOM_CHECK(num_experts % o.expert_parallel_size == 0, "Number of experts should be a multiple of expert model parallel_size.", "");
+    auto size = [](int64_t value, const char * flag) {   // ParallelConfig's sizes are ints
+        LOOM_CHECK(value <= std::numeric_limits<int>::max(), flag << " " << value << " is larger than any world size",
+                   "give the number of ranks of that parallel dimension");
+        return static_cast<int>(value);
+    };
+    parallel::ParallelSizes sizes;
+    sizes.world_size = size(world_size, "the world size");
+    sizes.tp         = size(o.tensor_parallel_size, "--tensor-model-parallel-size");
+    sizes.pp         = size(o.pipeline_parallel_size, "--pipeline-model-parallel-size");
+    sizes.ep         = size(o.expert_parallel_size, "--expert-model-parallel-size");
     // Megatron's default: the experts' tensor parallelism is the dense layers'.
-    LOOM_CHECK(!given("--expert-tensor-parallel-size") || o.expert_tensor_parallel_size >= 1,
-               "--expert-tensor-parallel-size must be >= 1, got " << o.expert_tensor_parallel_size, "");
-    if (!given("--expert-tensor-parallel-size")) o.expert_tensor_parallel_size = o.tensor_parallel_size;
-    const int64_t model_parallel = o.tensor_parallel_size * o.pipeline_parallel_size;
-    LOOM_CHECK(o.tensor_parallel_size >= 1 && o.pipeline_parallel_size >= 1 && world_size % model_parallel == 0,
-               "world size " << world_size << " is not divisible by --tensor-model-parallel-size "
-                             << o.tensor_parallel_size << " x --pipeline-model-parallel-size " << o.pipeline_parallel_size,
-               "start a multiple of " << model_parallel << " ranks; the data-parallel size is the quotient");
-    o.data_parallel_size = world_size / model_parallel;
-}
-
-void check_expert_decomposition(int64_t world_size, const TrainOptions & o) {
-    // parallel/parallel_config.h: world = etp x ep x edp x pp.
-    LOOM_CHECK(world_size % (o.expert_tensor_parallel_size * o.pipeline_parallel_size * o.expert_parallel_size) == 0,
-               "world size " << world_size << " is not divisible by --expert-tensor-parallel-size "
-                             << o.expert_tensor_parallel_size << " x --expert-model-parallel-size " << o.expert_parallel_size
-                             << " x --pipeline-model-parallel-size " << o.pipeline_parallel_size,
-               "choose expert sizes whose product with the pipeline size divides the world size");
+    if (given("--expert-tensor-parallel-size")) sizes.etp = size(o.expert_tensor_parallel_size, "--expert-tensor-parallel-size");
+    if (o.use_tp_pp_dp_mapping) sizes.order = "tp-cp-ep-pp-dp";   // Megatron's initialize.py
+    o.parallel                    = parallel::ParallelConfig::create(sizes);   // throws naming the flags
+    o.data_parallel_size          = o.parallel.dp();
+    o.expert_tensor_parallel_size = o.parallel.etp();
 }
 
 void resolve_ddp(const ParallelFlags & f, const Given & given, TrainOptions & o) {

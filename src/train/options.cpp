@@ -1,4 +1,4 @@
-#include "train/options.h"
+#include "train/options_parser.h"
 
 #include "core/error.h"
 #include "train/megatron_flags.h"
@@ -59,7 +59,7 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
                "docs/megatron_flags.md lists the Megatron flags Loom accepts; `loom train --help` groups them");
     const Given  given(app_);
     TrainOptions o = values_.options;
-    resolve_parallel_sizes(values_.parallel, given, world_size, o);
+    resolve_parallel_sizes(values_.parallel, values_.moe.num_experts, given, world_size, o);
     check_dropout(values_.model);
 
     o.model = model::gpt_preset(o.model_preset);
@@ -70,7 +70,6 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     check_model_flags(values_.model, given, o);
     apply_tokenizer(o, given("--vocab-size"));
     resolve_moe(values_.moe, given, o);
-    check_expert_decomposition(world_size, o);
     resolve_cuda_graphs(values_.graphs, values_.moe, o);
     validate_checkpoint_flags(o, given);
     apply_checkpoint_shape(o);

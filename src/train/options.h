@@ -1,6 +1,5 @@
-// The options of `loom train` and `loom eval`: Megatron's flag spellings, defaults and help, declared in one
-// table per config (train/flag_table.h, train/flag_values.h), registered on a CLI11 app, then resolved and
-// validated in one place with messages that name the flags.
+// The options of `loom train` and `loom eval`, resolved: what every part of a run reads. The flags that fill
+// them (Megatron's spellings, defaults and help, one table per config) are parsed by train/options_parser.h.
 //
 // A model is a preset (--model, Loom's shortcut; default gpt-tiny) overridden by any of Megatron's model
 // flags given explicitly.
@@ -12,10 +11,9 @@
 #include "optim/lr_schedule.h"
 #include "pipeline/layer_assignment.h"
 #include "optim/hybrid_optimizer.h"
-#include "train/flag_values.h"
+#include "parallel/parallel_config.h"
 
-#include <CLI/CLI.hpp>
-
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -60,7 +58,11 @@ struct TrainOptions {
     bool                 optimizer_cpu_offload = false;
     optim::HybridOptions offload;
 
-    // Data, tensor and pipeline parallelism (the ranks `mpirun` starts are tp x pp x dp).
+    // Parallelism. The sizes as the flags give them (data_parallel_size and, when not given,
+    // expert_tensor_parallel_size derived from them), and `parallel`: the layout resolve() made of them for
+    // the world size, validated there and only there (parallel/parallel_config.h), from which the process
+    // groups are built.
+    parallel::ParallelConfig parallel;
     int64_t        data_parallel_size = 1;
     int64_t        tensor_parallel_size   = 1;   // --tensor-model-parallel-size
     bool           sequence_parallel      = false;   // --sequence-parallel (with tensor parallelism)
@@ -164,46 +166,5 @@ MemoryEstimate estimate_memory(const TrainOptions & options);
 
 // Refuses a run whose estimate, times the ranks on this machine, exceeds its memory, naming the flags.
 void check_memory(const TrainOptions & options, int64_t world_size);
-
-// Every value the flag tables write: TrainOptions, and the flags a resolve step reads (train/flag_values.h).
-struct FlagValues {
-    TrainOptions   options;
-    ModelFlags     model;
-    OptimFlags     optim;
-    ParallelFlags  parallel;
-    RecomputeFlags recompute;
-    MoeFlags       moe;
-    GraphFlags     graphs;
-};
-
-// Every flag of `loom train`, from its tables, in the order they are registered (--help's order within a
-// group): what the checkpoint's args and docs/megatron_flags.md are made from.
-std::vector<FlagInfo> train_flags();
-
-// The flag reference of docs/megatron_flags.md, rendered from the tables (train/flag_table.h).
-std::string flag_reference_markdown();
-
-// Registers every table's flags on `app`, then resolves them in one place.
-class TrainOptionParser {
-public:
-    explicit TrainOptionParser(CLI::App & app);
-    // After app.parse(): the preset, the flags given, the files they name; validated for `world_size`
-    // ranks (tp x pp x dp); throws loom::Error (identically on every rank, before any collective).
-    TrainOptions resolve(int64_t world_size = 1);
-    // `loom export-hf` builds a model and reads no data: no data source is required.
-    void         data_optional() { data_optional_ = true; }
-    // True when --vocab-size, --load-hf or --use-checkpoint-args fixed the vocabulary (otherwise the
-    // dataset's is used).
-    bool vocab_given() const {
-        const TrainOptions & o = values_.options;
-        return app_.count("--vocab-size") > 0 || !o.load_hf.empty() || o.use_checkpoint_args || !o.tokenizer_type.empty();
-    }
-
-private:
-    CLI::App &               app_;
-    FlagValues               values_;
-    std::vector<std::string> noop_values_;   // values of the flags accepted without effect (megatron_flags.h)
-    bool                     data_optional_ = false;
-};
 
 }  // namespace loom::train
