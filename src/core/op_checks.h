@@ -330,4 +330,174 @@ inline MoeCombineDims moe_combine_backward(const Tensor & dy, const Tensor & src
     return {rh.first, n, k, rh.second};
 }
 
+// ---- Per op: each returns the sizes its kernels take (rows and width where it has them).
+
+inline std::pair<int64_t, int64_t> layernorm_forward(const Tensor & x, const Tensor & residual, const Tensor & gamma,
+                                                     const Tensor & beta, const Tensor & y, const Tensor & mean,
+                                                     const Tensor & rstd) {
+    const auto [n, h] = rows_cols(x, "layernorm_forward");
+    op_checks::norm(x, residual, gamma, y, rstd, n, h, "layernorm_forward");
+    expect(mean, DType::f32, n, "layernorm_forward", "mean");
+    if (beta.defined()) expect(beta, DType::f32, h, "layernorm_forward", "beta");
+    return {n, h};
+}
+
+inline std::pair<int64_t, int64_t> rmsnorm_forward(const Tensor & x, const Tensor & residual, const Tensor & gamma,
+                                                   const Tensor & y, const Tensor & rstd) {
+    const auto [n, h] = rows_cols(x, "rmsnorm_forward");
+    op_checks::norm(x, residual, gamma, y, rstd, n, h, "rmsnorm_forward");
+    return {n, h};
+}
+
+inline std::pair<int64_t, int64_t> layernorm_backward(const Tensor & dy, const Tensor & x, const Tensor & gamma,
+                                                      const Tensor & mean, const Tensor & rstd, const Tensor & dx,
+                                                      const Tensor & dgamma, const Tensor & dbeta) {
+    const auto [n, h] = rows_cols(dy, "layernorm_backward");
+    for (const Tensor * t : {&dy, &x, &dx}) expect(*t, DType::f32, n * h, "layernorm_backward", "dy/x/dx");
+    for (const Tensor * t : {&gamma, &dgamma}) expect(*t, DType::f32, h, "layernorm_backward", "gamma/dgamma");
+    if (dbeta.defined()) expect(dbeta, DType::f32, h, "layernorm_backward", "dbeta");   // optional, as beta
+    for (const Tensor * t : {&mean, &rstd}) expect(*t, DType::f32, n, "layernorm_backward", "statistics");
+    return {n, h};
+}
+
+inline std::pair<int64_t, int64_t> rmsnorm_backward(const Tensor & dy, const Tensor & x, const Tensor & gamma,
+                                                    const Tensor & rstd, const Tensor & dx, const Tensor & dgamma) {
+    const auto [n, h] = rows_cols(dy, "rmsnorm_backward");
+    for (const Tensor * t : {&dy, &x, &dx}) expect(*t, DType::f32, n * h, "rmsnorm_backward", "dy/x/dx");
+    for (const Tensor * t : {&gamma, &dgamma}) expect(*t, DType::f32, h, "rmsnorm_backward", "gamma/dgamma");
+    expect(rstd, DType::f32, n, "rmsnorm_backward", "rstd");
+    return {n, h};
+}
+
+inline std::pair<int64_t, int64_t> bias_add(const Tensor & y, const Tensor & bias) {
+    const auto [n, h] = rows_cols(y, "bias_add");
+    expect(y, DType::f32, -1, "bias_add", "y");
+    expect(bias, DType::f32, h, "bias_add", "bias");
+    return {n, h};
+}
+
+inline std::pair<int64_t, int64_t> bias_backward(const Tensor & dy, const Tensor & dbias) {
+    const auto [n, h] = rows_cols(dy, "bias_backward");
+    expect(dy, DType::f32, -1, "bias_backward", "dy");
+    expect(dbias, DType::f32, h, "bias_backward", "dbias");
+    return {n, h};
+}
+
+inline void add_inplace(const Tensor & y, const Tensor & x) {
+    expect(y, DType::f32, -1, "add_inplace", "y");
+    expect(x, DType::f32, y.numel(), "add_inplace", "x");
+}
+
+inline std::pair<int64_t, int64_t> bias_gelu_forward(const Tensor & x, const Tensor & bias, const Tensor & y,
+                                                     const Tensor & x_bf16) {
+    const auto [n, f] = rows_cols(x, "bias_gelu_forward");
+    expect(x, DType::f32, -1, "bias_gelu_forward", "x");
+    expect(y, DType::f32, n * f, "bias_gelu_forward", "y");
+    if (bias.defined()) expect(bias, DType::f32, f, "bias_gelu_forward", "bias");
+    if (x_bf16.defined()) expect(x_bf16, DType::bf16, n * f, "bias_gelu_forward", "x_bf16");
+    return {n, f};
+}
+
+inline void gelu_backward(const Tensor & x, const Tensor & dy, const Tensor & dx) {
+    expect(x, DType::f32, -1, "gelu_backward", "x");
+    expect(dy, DType::f32, x.numel(), "gelu_backward", "dy");
+    expect(dx, DType::f32, x.numel(), "gelu_backward", "dx");
+}
+
+inline std::pair<int64_t, int64_t> swiglu_forward(const Tensor & x, const Tensor & y) {
+    const auto [n, two_f] = rows_cols(x, "swiglu_forward");
+    expect(x, DType::f32, -1, "swiglu_forward", "x");
+    LOOM_CHECK(two_f % 2 == 0, "swiglu_forward: x " << x.describe() << " has an odd width", "x is [gate | up]");
+    expect(y, DType::f32, n * (two_f / 2), "swiglu_forward", "y");
+    return {n, two_f};
+}
+
+inline std::pair<int64_t, int64_t> swiglu_backward(const Tensor & x, const Tensor & dy, const Tensor & dx) {
+    const auto [n, two_f] = rows_cols(x, "swiglu_backward");
+    expect(x, DType::f32, -1, "swiglu_backward", "x");
+    LOOM_CHECK(two_f % 2 == 0, "swiglu_backward: x " << x.describe() << " has an odd width", "x is [gate | up]");
+    expect(dy, DType::f32, n * (two_f / 2), "swiglu_backward", "dy");
+    expect(dx, DType::f32, n * two_f, "swiglu_backward", "dx");
+    return {n, two_f};
+}
+
+inline std::pair<int64_t, int64_t> cross_entropy_forward(const Tensor & logits, const Tensor & labels,
+                                                         const Tensor & loss, const Tensor & lse, int64_t vocab) {
+    const auto [n, stride] = op_checks::cross_entropy(logits, labels, lse, vocab, "cross_entropy_forward");
+    expect(loss, DType::f32, n, "cross_entropy_forward", "loss");
+    return {n, stride};
+}
+
+inline std::pair<int64_t, int64_t> cross_entropy_backward(const Tensor & logits, const Tensor & labels,
+                                                          const Tensor & lse, const Tensor & dloss, int64_t vocab) {
+    const auto [n, stride] = op_checks::cross_entropy(logits, labels, lse, vocab, "cross_entropy_backward");
+    expect(dloss, DType::f32, n, "cross_entropy_backward", "dloss");
+    return {n, stride};
+}
+
+inline std::pair<int64_t, int64_t> row_max(const Tensor & logits, int64_t valid, const Tensor & out) {
+    const auto [n, stride] = op_checks::logits(logits, valid, "row_max");
+    expect(out, DType::f32, n, "row_max", "out");
+    return {n, stride};
+}
+
+inline std::pair<int64_t, int64_t> row_sum_exp(const Tensor & logits, const Tensor & max, int64_t valid,
+                                               const Tensor & out) {
+    const auto [n, stride] = op_checks::logits(logits, valid, "row_sum_exp");
+    expect(max, DType::f32, n, "row_sum_exp", "max");
+    expect(out, DType::f32, n, "row_sum_exp", "out");
+    return {n, stride};
+}
+
+inline std::pair<int64_t, int64_t> label_logit(const Tensor & logits, const Tensor & labels, const Tensor & out) {
+    const auto [n, stride] = op_checks::logits(logits, 0, "label_logit");
+    op_checks::labels(labels, n, "label_logit");
+    expect(out, DType::f32, n, "label_logit", "out");
+    return {n, stride};
+}
+
+inline void convert(const Tensor & src, const Tensor & dst) {
+    LOOM_CHECK(dtype_is_floating(src.dtype()) && dtype_is_floating(dst.dtype()) && src.numel() == dst.numel(),
+               "convert " << src.describe() << " to " << dst.describe(), "");
+}
+
+inline void round_to_bf16(const Tensor & x, const Tensor & x_bf16) {
+    expect(x, DType::f32, -1, "round_to_bf16", "x");
+    expect(x_bf16, DType::bf16, x.numel(), "round_to_bf16", "x_bf16");
+}
+
+inline void copy(const Tensor & src, const Tensor & dst) {
+    LOOM_CHECK(src.dtype() == dst.dtype() && src.numel() == dst.numel(),
+               "copy " << src.describe() << " to " << dst.describe(), "copies keep the dtype and element count");
+}
+
+inline void copy_columns(const Tensor & src, int64_t src_col, const Tensor & dst, int64_t dst_col, int64_t width) {
+    LOOM_CHECK(src.dim() == 2 && dst.dim() == 2 && src.dtype() == dst.dtype() && src.size(0) == dst.size(0),
+               "copy_columns from " << src.describe() << " to " << dst.describe(), "2-D tensors of one dtype and row count");
+    LOOM_CHECK(width >= 0 && src_col >= 0 && dst_col >= 0 && src_col + width <= src.size(1) &&
+                   dst_col + width <= dst.size(1),
+               "copy_columns of " << width << " columns from column " << src_col << " of " << src.describe()
+                                  << " to column " << dst_col << " of " << dst.describe(), "");
+}
+
+inline void sum_of_squares(const Tensor & x, const Tensor & out) {
+    expect(x, DType::f32, -1, "sum_of_squares", "x");
+    expect(out, DType::f32, 2, "sum_of_squares", "out");
+}
+
+inline int64_t adamw(const Tensor & master, const Tensor & grad, const Tensor & m, const Tensor & v, const Tensor & out,
+                     const AdamStep & a) {
+    expect(master, DType::f32, -1, "adamw", "master");
+    const int64_t n = master.numel();
+    expect(grad, DType::f32, n, "adamw", "grad");
+    expect(m, DType::f32, n, "adamw", "m");
+    expect(v, DType::f32, n, "adamw", "v");
+    if (out.defined()) {
+        LOOM_CHECK(out.numel() == n && (out.dtype() == DType::bf16 || out.dtype() == DType::f32),
+                   "adamw: out is " << out.describe() << " for " << n << " elements", "out is bf16 or f32");
+    }
+    LOOM_CHECK(a.step >= 1, "adamw: step " << a.step, "the first step is 1");
+    return n;
+}
+
 }  // namespace loom::op_checks

@@ -65,10 +65,7 @@ public:
                            const Tensor & beta, const Tensor & y, const Tensor & mean, const Tensor & rstd,
                            float eps) override {
         int64_t n, h;
-        std::tie(n, h) = rows_cols(x, "layernorm_forward");
-        op_checks::norm(x, residual, gamma, y, rstd, n, h, "layernorm_forward");
-        expect(mean, DType::f32, n, "layernorm_forward", "mean");
-        if (beta.defined()) expect(beta, DType::f32, h, "layernorm_forward", "beta");
+        std::tie(n, h) = op_checks::layernorm_forward(x, residual, gamma, beta, y, mean, rstd);
         s.submit([=] {
             if (residual.defined()) {
                 add_layernorm_forward(f32(x), f32(residual), f32(gamma), f32_or_null(beta), f32(y), f32(mean),
@@ -82,8 +79,7 @@ public:
     void rmsnorm_forward(Stream & s, const Tensor & x, const Tensor & residual, const Tensor & gamma, const Tensor & y,
                          const Tensor & rstd, float eps) override {
         int64_t n, h;
-        std::tie(n, h) = rows_cols(x, "rmsnorm_forward");
-        op_checks::norm(x, residual, gamma, y, rstd, n, h, "rmsnorm_forward");
+        std::tie(n, h) = op_checks::rmsnorm_forward(x, residual, gamma, y, rstd);
         s.submit([=] {
             if (residual.defined()) {
                 add_rmsnorm_forward(f32(x), f32(residual), f32(gamma), f32(y), f32(rstd), n, h, eps);
@@ -97,11 +93,7 @@ public:
                             const Tensor & rstd, const Tensor & dx, const Tensor & dgamma,
                             const Tensor & dbeta) override {
         int64_t n, h;
-        std::tie(n, h) = rows_cols(dy, "layernorm_backward");
-        for (const Tensor * t : {&dy, &x, &dx}) expect(*t, DType::f32, n * h, "layernorm_backward", "dy/x/dx");
-        for (const Tensor * t : {&gamma, &dgamma}) expect(*t, DType::f32, h, "layernorm_backward", "gamma/dgamma");
-        if (dbeta.defined()) expect(dbeta, DType::f32, h, "layernorm_backward", "dbeta");   // optional, as beta
-        for (const Tensor * t : {&mean, &rstd}) expect(*t, DType::f32, n, "layernorm_backward", "statistics");
+        std::tie(n, h) = op_checks::layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta);
         s.submit([=] {
             cpu::layernorm_backward(f32(dy), f32(x), f32(gamma), f32(mean), f32(rstd), f32(dx), f32(dgamma),
                                     f32_or_null(dbeta), n, h);
@@ -111,43 +103,31 @@ public:
     void rmsnorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma, const Tensor & rstd,
                           const Tensor & dx, const Tensor & dgamma) override {
         int64_t n, h;
-        std::tie(n, h) = rows_cols(dy, "rmsnorm_backward");
-        for (const Tensor * t : {&dy, &x, &dx}) expect(*t, DType::f32, n * h, "rmsnorm_backward", "dy/x/dx");
-        for (const Tensor * t : {&gamma, &dgamma}) expect(*t, DType::f32, h, "rmsnorm_backward", "gamma/dgamma");
-        expect(rstd, DType::f32, n, "rmsnorm_backward", "rstd");
+        std::tie(n, h) = op_checks::rmsnorm_backward(dy, x, gamma, rstd, dx, dgamma);
         s.submit([=] { cpu::rmsnorm_backward(f32(dy), f32(x), f32(gamma), f32(rstd), f32(dx), f32(dgamma), n, h); });
     }
 
     void bias_add(Stream & s, const Tensor & y, const Tensor & bias) override {
         int64_t n, h;
-        std::tie(n, h) = rows_cols(y, "bias_add");
-        expect(y, DType::f32, -1, "bias_add", "y");
-        expect(bias, DType::f32, h, "bias_add", "bias");
+        std::tie(n, h) = op_checks::bias_add(y, bias);
         s.submit([=] { cpu::bias_add(f32(y), f32(bias), n, h); });
     }
 
     void bias_backward(Stream & s, const Tensor & dy, const Tensor & dbias) override {
         int64_t n, h;
-        std::tie(n, h) = rows_cols(dy, "bias_backward");
-        expect(dy, DType::f32, -1, "bias_backward", "dy");
-        expect(dbias, DType::f32, h, "bias_backward", "dbias");
+        std::tie(n, h) = op_checks::bias_backward(dy, dbias);
         s.submit([=] { cpu::bias_backward(f32(dy), f32(dbias), n, h); });
     }
 
     void add_inplace(Stream & s, const Tensor & y, const Tensor & x) override {
-        expect(y, DType::f32, -1, "add_inplace", "y");
-        expect(x, DType::f32, y.numel(), "add_inplace", "x");
+        op_checks::add_inplace(y, x);
         s.submit([=] { cpu::add_inplace(f32(y), f32(x), y.numel()); });
     }
 
     void bias_gelu_forward(Stream & s, const Tensor & x, const Tensor & bias, const Tensor & y,
                            const Tensor & x_bf16) override {
         int64_t n, f;
-        std::tie(n, f) = rows_cols(x, "bias_gelu_forward");
-        expect(x, DType::f32, -1, "bias_gelu_forward", "x");
-        expect(y, DType::f32, n * f, "bias_gelu_forward", "y");
-        if (bias.defined()) expect(bias, DType::f32, f, "bias_gelu_forward", "bias");
-        if (x_bf16.defined()) expect(x_bf16, DType::bf16, n * f, "bias_gelu_forward", "x_bf16");
+        std::tie(n, f) = op_checks::bias_gelu_forward(x, bias, y, x_bf16);
         s.submit([=] {
             cpu::bias_gelu_forward(f32(x), f32_or_null(bias), f32(y),
                                    x_bf16.defined() ? static_cast<uint16_t *>(x_bf16.data_ptr()) : nullptr, n, f);
@@ -155,28 +135,19 @@ public:
     }
 
     void gelu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override {
-        expect(x, DType::f32, -1, "gelu_backward", "x");
-        expect(dy, DType::f32, x.numel(), "gelu_backward", "dy");
-        expect(dx, DType::f32, x.numel(), "gelu_backward", "dx");
+        op_checks::gelu_backward(x, dy, dx);
         s.submit([=] { cpu::gelu_backward(f32(x), f32(dy), f32(dx), x.numel()); });
     }
 
     void swiglu_forward(Stream & s, const Tensor & x, const Tensor & y) override {
         int64_t n, two_f;
-        std::tie(n, two_f) = rows_cols(x, "swiglu_forward");
-        expect(x, DType::f32, -1, "swiglu_forward", "x");
-        LOOM_CHECK(two_f % 2 == 0, "swiglu_forward: x " << x.describe() << " has an odd width", "x is [gate | up]");
-        expect(y, DType::f32, n * (two_f / 2), "swiglu_forward", "y");
+        std::tie(n, two_f) = op_checks::swiglu_forward(x, y);
         s.submit([=] { cpu::swiglu_forward(f32(x), f32(y), n, two_f / 2); });
     }
 
     void swiglu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override {
         int64_t n, two_f;
-        std::tie(n, two_f) = rows_cols(x, "swiglu_backward");
-        expect(x, DType::f32, -1, "swiglu_backward", "x");
-        LOOM_CHECK(two_f % 2 == 0, "swiglu_backward: x " << x.describe() << " has an odd width", "x is [gate | up]");
-        expect(dy, DType::f32, n * (two_f / 2), "swiglu_backward", "dy");
-        expect(dx, DType::f32, n * two_f, "swiglu_backward", "dx");
+        std::tie(n, two_f) = op_checks::swiglu_backward(x, dy, dx);
         s.submit([=] { cpu::swiglu_backward(f32(x), f32(dy), f32(dx), n, two_f / 2); });
     }
 
@@ -267,8 +238,7 @@ public:
     void cross_entropy_forward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & loss,
                                const Tensor & lse, int64_t vocab) override {
         int64_t n, stride;
-        std::tie(n, stride) = op_checks::cross_entropy(logits, labels, lse, vocab, "cross_entropy_forward");
-        expect(loss, DType::f32, n, "cross_entropy_forward", "loss");
+        std::tie(n, stride) = op_checks::cross_entropy_forward(logits, labels, loss, lse, vocab);
         const int64_t b = labels.size(0), seq = labels.size(1);
         s.submit([=] {
             check_ids(labels, vocab, "cross_entropy_forward", "label");
@@ -279,8 +249,7 @@ public:
     void cross_entropy_backward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & lse,
                                 const Tensor & dloss, int64_t vocab) override {
         int64_t n, stride;
-        std::tie(n, stride) = op_checks::cross_entropy(logits, labels, lse, vocab, "cross_entropy_backward");
-        expect(dloss, DType::f32, n, "cross_entropy_backward", "dloss");
+        std::tie(n, stride) = op_checks::cross_entropy_backward(logits, labels, lse, dloss, vocab);
         const int64_t b = labels.size(0), seq = labels.size(1);
         s.submit([=] {
             check_ids(labels, vocab, "cross_entropy_backward", "label");
@@ -290,24 +259,19 @@ public:
 
     void row_max(Stream & s, const Tensor & logits, int64_t valid, const Tensor & out) override {
         int64_t n, stride;
-        std::tie(n, stride) = op_checks::logits(logits, valid, "row_max");
-        expect(out, DType::f32, n, "row_max", "out");
+        std::tie(n, stride) = op_checks::row_max(logits, valid, out);
         s.submit([=] { cpu::row_max(f32(logits), n, stride, valid, f32(out)); });
     }
 
     void row_sum_exp(Stream & s, const Tensor & logits, const Tensor & max, int64_t valid, const Tensor & out) override {
         int64_t n, stride;
-        std::tie(n, stride) = op_checks::logits(logits, valid, "row_sum_exp");
-        expect(max, DType::f32, n, "row_sum_exp", "max");
-        expect(out, DType::f32, n, "row_sum_exp", "out");
+        std::tie(n, stride) = op_checks::row_sum_exp(logits, max, valid, out);
         s.submit([=] { cpu::row_sum_exp(f32(logits), f32(max), n, stride, valid, f32(out)); });
     }
 
     void label_logit(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & out) override {
         int64_t n, stride;
-        std::tie(n, stride) = op_checks::logits(logits, 0, "label_logit");
-        op_checks::labels(labels, n, "label_logit");
-        expect(out, DType::f32, n, "label_logit", "out");
+        std::tie(n, stride) = op_checks::label_logit(logits, labels, out);
         const int64_t b = labels.size(0), seq = labels.size(1);
         s.submit([=] {
             check_ids(labels, stride, "label_logit", "label");
@@ -344,31 +308,23 @@ public:
     }
 
     void convert(Stream & s, const Tensor & src, const Tensor & dst) override {
-        LOOM_CHECK(dtype_is_floating(src.dtype()) && dtype_is_floating(dst.dtype()) && src.numel() == dst.numel(),
-                   "convert " << src.describe() << " to " << dst.describe(), "");
+        op_checks::convert(src, dst);
         s.submit([=] { convert_parallel(src.data_ptr(), src.dtype(), dst.data_ptr(), dst.dtype(), src.numel()); });
     }
 
     void round_to_bf16(Stream & s, const Tensor & x, const Tensor & x_bf16) override {
-        expect(x, DType::f32, -1, "round_to_bf16", "x");
-        expect(x_bf16, DType::bf16, x.numel(), "round_to_bf16", "x_bf16");
+        op_checks::round_to_bf16(x, x_bf16);
         s.submit([=] { cpu::round_to_bf16(f32(x), static_cast<uint16_t *>(x_bf16.data_ptr()), x.numel()); });
     }
 
     void copy(Stream & s, const Tensor & src, const Tensor & dst) override {
-        LOOM_CHECK(src.dtype() == dst.dtype() && src.numel() == dst.numel(),
-                   "copy " << src.describe() << " to " << dst.describe(), "copies keep the dtype and element count");
+        op_checks::copy(src, dst);
         s.submit([=] { std::memcpy(dst.data_ptr(), src.data_ptr(), src.nbytes()); });
     }
 
     void copy_columns(Stream & s, const Tensor & src, int64_t src_col, const Tensor & dst, int64_t dst_col,
                       int64_t width) override {
-        LOOM_CHECK(src.dim() == 2 && dst.dim() == 2 && src.dtype() == dst.dtype() && src.size(0) == dst.size(0),
-                   "copy_columns from " << src.describe() << " to " << dst.describe(), "2-D tensors of one dtype and row count");
-        LOOM_CHECK(width >= 0 && src_col >= 0 && dst_col >= 0 && src_col + width <= src.size(1) &&
-                       dst_col + width <= dst.size(1),
-                   "copy_columns of " << width << " columns from column " << src_col << " of " << src.describe()
-                                      << " to column " << dst_col << " of " << dst.describe(), "");
+        op_checks::copy_columns(src, src_col, dst, dst_col, width);
         s.submit([=] {
             const size_t elem = dtype_size(src.dtype());
             const auto * in   = static_cast<const char *>(src.data_ptr());
@@ -389,8 +345,7 @@ public:
     }
 
     void sum_of_squares(Stream & s, const Tensor & x, const Tensor & out) override {
-        expect(x, DType::f32, -1, "sum_of_squares", "x");
-        expect(out, DType::f32, 2, "sum_of_squares", "out");
+        op_checks::sum_of_squares(x, out);
         s.submit([x, out] {
             const double sum = cpu::sum_of_squares(f32(x), x.numel());
             const float  hi  = static_cast<float>(sum);
@@ -475,16 +430,7 @@ public:
 
     void adamw(Stream & s, const Tensor & master, const Tensor & grad, const Tensor & m, const Tensor & v,
                const Tensor & out, const AdamStep & a) override {
-        expect(master, DType::f32, -1, "adamw", "master");
-        const int64_t n = master.numel();
-        expect(grad, DType::f32, n, "adamw", "grad");
-        expect(m, DType::f32, n, "adamw", "m");
-        expect(v, DType::f32, n, "adamw", "v");
-        if (out.defined()) {
-            LOOM_CHECK(out.numel() == n && (out.dtype() == DType::bf16 || out.dtype() == DType::f32),
-                       "adamw: out is " << out.describe() << " for " << n << " elements", "out is bf16 or f32");
-        }
-        LOOM_CHECK(a.step >= 1, "adamw: step " << a.step, "the first step is 1");
+        const int64_t n = op_checks::adamw(master, grad, m, v, out, a);
         s.submit([=] {
             host_adam_step(f32(master), f32(grad), f32(m), f32(v), n, a.lr, a.beta1, a.beta2, a.eps, a.weight_decay,
                            a.step, out.defined() ? HostAdamOut{out.data_ptr(), out.dtype()} : HostAdamOut{});

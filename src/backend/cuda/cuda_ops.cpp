@@ -192,10 +192,7 @@ public:
                            const Tensor & beta, const Tensor & y, const Tensor & mean, const Tensor & rstd,
                            float eps) override {
         int64_t n, h;
-        std::tie(n, h) = rows_cols(x, "layernorm_forward");
-        op_checks::norm(x, residual, gamma, y, rstd, n, h, "layernorm_forward");
-        expect(mean, DType::f32, n, "layernorm_forward", "mean");
-        if (beta.defined()) expect(beta, DType::f32, h, "layernorm_forward", "beta");
+        std::tie(n, h) = op_checks::layernorm_forward(x, residual, gamma, beta, y, mean, rstd);
         std::vector<Tensor> held{x, residual, gamma, beta, y, mean, rstd};
         CudaStream &        cs = start(s, "layernorm_forward", held);
         kernels::layernorm_forward(cs.launch("layernorm_forward"), f32(x), f32_or_null(residual), f32(gamma),
@@ -206,8 +203,7 @@ public:
     void rmsnorm_forward(Stream & s, const Tensor & x, const Tensor & residual, const Tensor & gamma, const Tensor & y,
                          const Tensor & rstd, float eps) override {
         int64_t n, h;
-        std::tie(n, h) = rows_cols(x, "rmsnorm_forward");
-        op_checks::norm(x, residual, gamma, y, rstd, n, h, "rmsnorm_forward");
+        std::tie(n, h) = op_checks::rmsnorm_forward(x, residual, gamma, y, rstd);
         std::vector<Tensor> held{x, residual, gamma, y, rstd};
         CudaStream &        cs = start(s, "rmsnorm_forward", held);
         kernels::rmsnorm_forward(cs.launch("rmsnorm_forward"), f32(x), f32_or_null(residual), f32(gamma), f32(y),
@@ -219,11 +215,7 @@ public:
                             const Tensor & rstd, const Tensor & dx, const Tensor & dgamma,
                             const Tensor & dbeta) override {
         int64_t n, h;
-        std::tie(n, h) = rows_cols(dy, "layernorm_backward");
-        for (const Tensor * t : {&dy, &x, &dx}) expect(*t, DType::f32, n * h, "layernorm_backward", "dy/x/dx");
-        for (const Tensor * t : {&gamma, &dgamma}) expect(*t, DType::f32, h, "layernorm_backward", "gamma/dgamma");
-        if (dbeta.defined()) expect(dbeta, DType::f32, h, "layernorm_backward", "dbeta");
-        for (const Tensor * t : {&mean, &rstd}) expect(*t, DType::f32, n, "layernorm_backward", "statistics");
+        std::tie(n, h) = op_checks::layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta);
         std::vector<Tensor> held{dy, x, gamma, mean, rstd, dx, dgamma, dbeta};
         CudaStream &        cs = start(s, "layernorm_backward", held);
         kernels::layernorm_backward(cs.launch("layernorm_backward"), f32(dy), f32(x), f32(gamma), f32(mean), f32(rstd),
@@ -234,10 +226,7 @@ public:
     void rmsnorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma, const Tensor & rstd,
                           const Tensor & dx, const Tensor & dgamma) override {
         int64_t n, h;
-        std::tie(n, h) = rows_cols(dy, "rmsnorm_backward");
-        for (const Tensor * t : {&dy, &x, &dx}) expect(*t, DType::f32, n * h, "rmsnorm_backward", "dy/x/dx");
-        for (const Tensor * t : {&gamma, &dgamma}) expect(*t, DType::f32, h, "rmsnorm_backward", "gamma/dgamma");
-        expect(rstd, DType::f32, n, "rmsnorm_backward", "rstd");
+        std::tie(n, h) = op_checks::rmsnorm_backward(dy, x, gamma, rstd, dx, dgamma);
         std::vector<Tensor> held{dy, x, gamma, rstd, dx, dgamma};
         CudaStream &        cs = start(s, "rmsnorm_backward", held);
         kernels::rmsnorm_backward(cs.launch("rmsnorm_backward"), f32(dy), f32(x), f32(gamma), f32(rstd), f32(dx),
@@ -247,9 +236,7 @@ public:
 
     void bias_add(Stream & s, const Tensor & y, const Tensor & bias) override {
         int64_t n, h;
-        std::tie(n, h) = rows_cols(y, "bias_add");
-        expect(y, DType::f32, -1, "bias_add", "y");
-        expect(bias, DType::f32, h, "bias_add", "bias");
+        std::tie(n, h) = op_checks::bias_add(y, bias);
         CudaStream & cs = start(s, "bias_add", {y, bias});
         kernels::bias_add(cs.launch("bias_add"), f32(y), f32(bias), n, h);
         cs.launched("bias_add", {y, bias});
@@ -257,17 +244,14 @@ public:
 
     void bias_backward(Stream & s, const Tensor & dy, const Tensor & dbias) override {
         int64_t n, h;
-        std::tie(n, h) = rows_cols(dy, "bias_backward");
-        expect(dy, DType::f32, -1, "bias_backward", "dy");
-        expect(dbias, DType::f32, h, "bias_backward", "dbias");
+        std::tie(n, h) = op_checks::bias_backward(dy, dbias);
         CudaStream & cs = start(s, "bias_backward", {dy, dbias});
         kernels::bias_backward(cs.launch("bias_backward"), f32(dy), f32(dbias), n, h);
         cs.launched("bias_backward", {dy, dbias});
     }
 
     void add_inplace(Stream & s, const Tensor & y, const Tensor & x) override {
-        expect(y, DType::f32, -1, "add_inplace", "y");
-        expect(x, DType::f32, y.numel(), "add_inplace", "x");
+        op_checks::add_inplace(y, x);
         CudaStream & cs = start(s, "add_inplace", {y, x});
         kernels::add_inplace(cs.launch("add_inplace"), f32(y), f32(x), y.numel());
         cs.launched("add_inplace", {y, x});
@@ -276,11 +260,7 @@ public:
     void bias_gelu_forward(Stream & s, const Tensor & x, const Tensor & bias, const Tensor & y,
                            const Tensor & x_bf16) override {
         int64_t n, f;
-        std::tie(n, f) = rows_cols(x, "bias_gelu_forward");
-        expect(x, DType::f32, -1, "bias_gelu_forward", "x");
-        expect(y, DType::f32, n * f, "bias_gelu_forward", "y");
-        if (bias.defined()) expect(bias, DType::f32, f, "bias_gelu_forward", "bias");
-        if (x_bf16.defined()) expect(x_bf16, DType::bf16, n * f, "bias_gelu_forward", "x_bf16");
+        std::tie(n, f) = op_checks::bias_gelu_forward(x, bias, y, x_bf16);
         std::vector<Tensor> held{x, bias, y, x_bf16};
         CudaStream &        cs = start(s, "bias_gelu_forward", held);
         kernels::bias_gelu_forward(cs.launch("bias_gelu_forward"), f32(x), f32_or_null(bias), f32(y),
@@ -289,9 +269,7 @@ public:
     }
 
     void gelu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override {
-        expect(x, DType::f32, -1, "gelu_backward", "x");
-        expect(dy, DType::f32, x.numel(), "gelu_backward", "dy");
-        expect(dx, DType::f32, x.numel(), "gelu_backward", "dx");
+        op_checks::gelu_backward(x, dy, dx);
         CudaStream & cs = start(s, "gelu_backward", {x, dy, dx});
         kernels::gelu_backward(cs.launch("gelu_backward"), f32(x), f32(dy), f32(dx), x.numel());
         cs.launched("gelu_backward", {x, dy, dx});
@@ -299,10 +277,7 @@ public:
 
     void swiglu_forward(Stream & s, const Tensor & x, const Tensor & y) override {
         int64_t n, two_f;
-        std::tie(n, two_f) = rows_cols(x, "swiglu_forward");
-        expect(x, DType::f32, -1, "swiglu_forward", "x");
-        LOOM_CHECK(two_f % 2 == 0, "swiglu_forward: x " << x.describe() << " has an odd width", "x is [gate | up]");
-        expect(y, DType::f32, n * (two_f / 2), "swiglu_forward", "y");
+        std::tie(n, two_f) = op_checks::swiglu_forward(x, y);
         CudaStream & cs = start(s, "swiglu_forward", {x, y});
         kernels::swiglu_forward(cs.launch("swiglu_forward"), f32(x), f32(y), n, two_f / 2);
         cs.launched("swiglu_forward", {x, y});
@@ -310,11 +285,7 @@ public:
 
     void swiglu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override {
         int64_t n, two_f;
-        std::tie(n, two_f) = rows_cols(x, "swiglu_backward");
-        expect(x, DType::f32, -1, "swiglu_backward", "x");
-        LOOM_CHECK(two_f % 2 == 0, "swiglu_backward: x " << x.describe() << " has an odd width", "x is [gate | up]");
-        expect(dy, DType::f32, n * (two_f / 2), "swiglu_backward", "dy");
-        expect(dx, DType::f32, n * two_f, "swiglu_backward", "dx");
+        std::tie(n, two_f) = op_checks::swiglu_backward(x, dy, dx);
         CudaStream & cs = start(s, "swiglu_backward", {x, dy, dx});
         kernels::swiglu_backward(cs.launch("swiglu_backward"), f32(x), f32(dy), f32(dx), n, two_f / 2);
         cs.launched("swiglu_backward", {x, dy, dx});
@@ -425,8 +396,7 @@ public:
     void cross_entropy_forward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & loss,
                                const Tensor & lse, int64_t vocab) override {
         int64_t n, stride;
-        std::tie(n, stride) = op_checks::cross_entropy(logits, labels, lse, vocab, "cross_entropy_forward");
-        expect(loss, DType::f32, n, "cross_entropy_forward", "loss");
+        std::tie(n, stride) = op_checks::cross_entropy_forward(logits, labels, loss, lse, vocab);
         const int64_t       b = labels.size(0), seq = labels.size(1);
         std::vector<Tensor> held{logits, labels, loss, lse};
         CudaStream &        cs     = start(s, "cross_entropy_forward", held);
@@ -442,8 +412,7 @@ public:
     void cross_entropy_backward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & lse,
                                 const Tensor & dloss, int64_t vocab) override {
         int64_t n, stride;
-        std::tie(n, stride) = op_checks::cross_entropy(logits, labels, lse, vocab, "cross_entropy_backward");
-        expect(dloss, DType::f32, n, "cross_entropy_backward", "dloss");
+        std::tie(n, stride) = op_checks::cross_entropy_backward(logits, labels, lse, dloss, vocab);
         const int64_t       b = labels.size(0), seq = labels.size(1);
         std::vector<Tensor> held{logits, labels, lse, dloss};
         CudaStream &        cs     = start(s, "cross_entropy_backward", held);
@@ -458,8 +427,7 @@ public:
 
     void row_max(Stream & s, const Tensor & logits, int64_t valid, const Tensor & out) override {
         int64_t n, stride;
-        std::tie(n, stride) = op_checks::logits(logits, valid, "row_max");
-        expect(out, DType::f32, n, "row_max", "out");
+        std::tie(n, stride) = op_checks::row_max(logits, valid, out);
         CudaStream & cs = start(s, "row_max", {logits, out});
         kernels::row_max(cs.launch("row_max"), f32(logits), n, stride, valid, f32(out));
         cs.launched("row_max", {logits, out});
@@ -467,9 +435,7 @@ public:
 
     void row_sum_exp(Stream & s, const Tensor & logits, const Tensor & max, int64_t valid, const Tensor & out) override {
         int64_t n, stride;
-        std::tie(n, stride) = op_checks::logits(logits, valid, "row_sum_exp");
-        expect(max, DType::f32, n, "row_sum_exp", "max");
-        expect(out, DType::f32, n, "row_sum_exp", "out");
+        std::tie(n, stride) = op_checks::row_sum_exp(logits, max, valid, out);
         CudaStream & cs = start(s, "row_sum_exp", {logits, max, out});
         kernels::row_sum_exp(cs.launch("row_sum_exp"), f32(logits), f32(max), n, stride, valid, f32(out));
         cs.launched("row_sum_exp", {logits, max, out});
@@ -477,9 +443,7 @@ public:
 
     void label_logit(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & out) override {
         int64_t n, stride;
-        std::tie(n, stride) = op_checks::logits(logits, 0, "label_logit");
-        op_checks::labels(labels, n, "label_logit");
-        expect(out, DType::f32, n, "label_logit", "out");
+        std::tie(n, stride) = op_checks::label_logit(logits, labels, out);
         const int64_t b = labels.size(0), seq = labels.size(1);
         std::vector<Tensor> held{logits, labels, out};
         CudaStream &        cs     = start(s, "label_logit", held);
@@ -509,8 +473,7 @@ public:
     }
 
     void convert(Stream & s, const Tensor & src, const Tensor & dst) override {
-        LOOM_CHECK(dtype_is_floating(src.dtype()) && dtype_is_floating(dst.dtype()) && src.numel() == dst.numel(),
-                   "convert " << src.describe() << " to " << dst.describe(), "");
+        op_checks::convert(src, dst);
         CudaStream & cs     = start(s, "convert", {src, dst});
         cudaStream_t stream = cs.launch("convert");
         if (src.dtype() == dst.dtype()) {
@@ -525,16 +488,14 @@ public:
     }
 
     void round_to_bf16(Stream & s, const Tensor & x, const Tensor & x_bf16) override {
-        expect(x, DType::f32, -1, "round_to_bf16", "x");
-        expect(x_bf16, DType::bf16, x.numel(), "round_to_bf16", "x_bf16");
+        op_checks::round_to_bf16(x, x_bf16);
         CudaStream & cs = start(s, "round_to_bf16", {x, x_bf16});
         kernels::round_to_bf16(cs.launch("round_to_bf16"), f32(x), bits16(x_bf16), x.numel());
         cs.launched("round_to_bf16", {x, x_bf16});
     }
 
     void copy(Stream & s, const Tensor & src, const Tensor & dst) override {
-        LOOM_CHECK(src.dtype() == dst.dtype() && src.numel() == dst.numel(),
-                   "copy " << src.describe() << " to " << dst.describe(), "copies keep the dtype and element count");
+        op_checks::copy(src, dst);
         CudaStream & cs     = start(s, "copy", {src, dst}, /*copy_only=*/true);
         cudaStream_t stream = cs.launch("copy");
         if (src.nbytes() > 0) {
@@ -545,12 +506,7 @@ public:
 
     void copy_columns(Stream & s, const Tensor & src, int64_t src_col, const Tensor & dst, int64_t dst_col,
                       int64_t width) override {
-        LOOM_CHECK(src.dim() == 2 && dst.dim() == 2 && src.dtype() == dst.dtype() && src.size(0) == dst.size(0),
-                   "copy_columns from " << src.describe() << " to " << dst.describe(), "2-D tensors of one dtype and row count");
-        LOOM_CHECK(width >= 0 && src_col >= 0 && dst_col >= 0 && src_col + width <= src.size(1) &&
-                       dst_col + width <= dst.size(1),
-                   "copy_columns of " << width << " columns from column " << src_col << " of " << src.describe()
-                                      << " to column " << dst_col << " of " << dst.describe(), "");
+        op_checks::copy_columns(src, src_col, dst, dst_col, width);
         CudaStream & cs     = start(s, "copy_columns", {src, dst}, /*copy_only=*/true);
         cudaStream_t stream = cs.launch("copy_columns");
         const size_t elem   = dtype_size(src.dtype());
@@ -577,8 +533,7 @@ public:
     }
 
     void sum_of_squares(Stream & s, const Tensor & x, const Tensor & out) override {
-        expect(x, DType::f32, -1, "sum_of_squares", "x");
-        expect(out, DType::f32, 2, "sum_of_squares", "out");
+        op_checks::sum_of_squares(x, out);
         CudaStream &  cs     = start(s, "sum_of_squares", {x, out});
         cudaStream_t  stream = cs.launch("sum_of_squares");
         const int64_t chunks = kernels::sum_of_squares_chunks(x.numel());
@@ -690,16 +645,7 @@ public:
 
     void adamw(Stream & s, const Tensor & master, const Tensor & grad, const Tensor & m, const Tensor & v,
                const Tensor & out, const AdamStep & a) override {
-        expect(master, DType::f32, -1, "adamw", "master");
-        const int64_t n = master.numel();
-        expect(grad, DType::f32, n, "adamw", "grad");
-        expect(m, DType::f32, n, "adamw", "m");
-        expect(v, DType::f32, n, "adamw", "v");
-        if (out.defined()) {
-            LOOM_CHECK(out.numel() == n && (out.dtype() == DType::bf16 || out.dtype() == DType::f32),
-                       "adamw: out is " << out.describe() << " for " << n << " elements", "out is bf16 or f32");
-        }
-        LOOM_CHECK(a.step >= 1, "adamw: step " << a.step, "the first step is 1");
+        const int64_t n = op_checks::adamw(master, grad, m, v, out, a);
         // The scalars of core's adam_scalars, the host kernel's own.
         const AdamScalars   sc = adam_scalars(a.lr, a.beta1, a.beta2, a.weight_decay, a.step);
         kernels::AdamCoeffs c;

@@ -537,10 +537,21 @@ void sum_of_squares(cudaStream_t stream, const float * x, int64_t n, double * pa
     LOOM_LAUNCH(sum_of_squares_total_kernel, 1, 32, 0, stream)(partial, chunks, out);
 }
 
+namespace {
+
+// Threads for a kernel that reduces one row of h per block: a whole number of warps, at most kThreads. A
+// row narrower than kThreads leaves no thread without an element (and, on the emulated device, no fiber
+// that only waits at the barriers).
+unsigned row_threads(int64_t h) {
+    return static_cast<unsigned>(std::clamp<int64_t>((h + 31) / 32 * 32, 32, kThreads));
+}
+
+}  // namespace
+
 void layernorm_forward(cudaStream_t stream, float * x, const float * residual, const float * gamma,
                        const float * beta, float * y, float * mean, float * rstd, int64_t n, int64_t h, float eps) {
     if (n > 0) {
-        LOOM_LAUNCH(layernorm_forward_kernel, static_cast<unsigned>(n), kThreads, 0, stream)(
+        LOOM_LAUNCH(layernorm_forward_kernel, static_cast<unsigned>(n), row_threads(h), 0, stream)(
             x, residual, gamma, beta, y, mean, rstd, h, eps, false);
     }
 }
@@ -548,7 +559,7 @@ void layernorm_forward(cudaStream_t stream, float * x, const float * residual, c
 void rmsnorm_forward(cudaStream_t stream, float * x, const float * residual, const float * gamma, float * y,
                      float * rstd, int64_t n, int64_t h, float eps) {
     if (n > 0) {
-        LOOM_LAUNCH(layernorm_forward_kernel, static_cast<unsigned>(n), kThreads, 0, stream)(
+        LOOM_LAUNCH(layernorm_forward_kernel, static_cast<unsigned>(n), row_threads(h), 0, stream)(
             x, residual, gamma, nullptr, y, nullptr, rstd, h, eps, true);
     }
 }
@@ -557,7 +568,7 @@ void layernorm_backward(cudaStream_t stream, const float * dy, const float * x, 
                         const float * mean, const float * rstd, float * dx, float * dgamma, float * dbeta, int64_t n,
                         int64_t h) {
     if (n == 0 || h == 0) return;
-    LOOM_LAUNCH(norm_backward_dx_kernel, static_cast<unsigned>(n), kThreads, 0, stream)(
+    LOOM_LAUNCH(norm_backward_dx_kernel, static_cast<unsigned>(n), row_threads(h), 0, stream)(
         dy, x, gamma, mean, rstd, dx, h);
     LOOM_LAUNCH(norm_backward_params_kernel, blocks_for(h), kThreads, 0, stream)(
         dy, x, mean, rstd, dgamma, dbeta, n, h);
@@ -566,7 +577,7 @@ void layernorm_backward(cudaStream_t stream, const float * dy, const float * x, 
 void rmsnorm_backward(cudaStream_t stream, const float * dy, const float * x, const float * gamma, const float * rstd,
                       float * dx, float * dgamma, int64_t n, int64_t h) {
     if (n == 0 || h == 0) return;
-    LOOM_LAUNCH(norm_backward_dx_kernel, static_cast<unsigned>(n), kThreads, 0, stream)(
+    LOOM_LAUNCH(norm_backward_dx_kernel, static_cast<unsigned>(n), row_threads(h), 0, stream)(
         dy, x, gamma, nullptr, rstd, dx, h);
     LOOM_LAUNCH(norm_backward_params_kernel, blocks_for(h), kThreads, 0, stream)(
         dy, x, nullptr, rstd, dgamma, nullptr, n, h);

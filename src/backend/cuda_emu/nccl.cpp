@@ -1450,93 +1450,61 @@ const char * ncclGetLastError(ncclComm_t comm) {
     return t_last_error.c_str();
 }
 
+namespace {
+
+// The byte views of the buffers an OpDesc holds.
+const char * in(const void * buffer) { return static_cast<const char *>(buffer); }
+char *       out(void * buffer) { return static_cast<char *>(buffer); }
+
+}  // namespace
+
 ncclResult_t ncclAllReduce(const void * sendbuff, void * recvbuff, size_t count, ncclDataType_t datatype,
                            ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
-    OpDesc d;
-    d.kind   = Kind::all_reduce;
-    d.send   = static_cast<const char *>(sendbuff);
-    d.recv   = static_cast<char *>(recvbuff);
-    d.count  = count;
-    d.type   = datatype;
-    d.op     = op;
-    d.stream = stream;
-    return issue(std::move(d), comm, "ncclAllReduce");
+    return issue(OpDesc{.kind = Kind::all_reduce, .comm = nullptr, .send = in(sendbuff), .recv = out(recvbuff),
+                        .count = count, .type = datatype, .op = op, .stream = stream},
+                 comm, "ncclAllReduce");
 }
 
 ncclResult_t ncclReduceScatter(const void * sendbuff, void * recvbuff, size_t recvcount, ncclDataType_t datatype,
                                ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
-    OpDesc d;
-    d.kind   = Kind::reduce_scatter;
-    d.send   = static_cast<const char *>(sendbuff);
-    d.recv   = static_cast<char *>(recvbuff);
-    d.count  = recvcount;
-    d.type   = datatype;
-    d.op     = op;
-    d.stream = stream;
-    return issue(std::move(d), comm, "ncclReduceScatter");
+    return issue(OpDesc{.kind = Kind::reduce_scatter, .comm = nullptr, .send = in(sendbuff), .recv = out(recvbuff),
+                        .count = recvcount, .type = datatype, .op = op, .stream = stream},
+                 comm, "ncclReduceScatter");
 }
 
 ncclResult_t ncclAllGather(const void * sendbuff, void * recvbuff, size_t sendcount, ncclDataType_t datatype,
                            ncclComm_t comm, cudaStream_t stream) {
-    OpDesc d;
-    d.kind   = Kind::all_gather;
-    d.send   = static_cast<const char *>(sendbuff);
-    d.recv   = static_cast<char *>(recvbuff);
-    d.count  = sendcount;
-    d.type   = datatype;
-    d.stream = stream;
-    return issue(std::move(d), comm, "ncclAllGather");
+    return issue(OpDesc{.kind = Kind::all_gather, .comm = nullptr, .send = in(sendbuff), .recv = out(recvbuff),
+                        .count = sendcount, .type = datatype, .stream = stream},
+                 comm, "ncclAllGather");
 }
 
 ncclResult_t ncclBroadcast(const void * sendbuff, void * recvbuff, size_t count, ncclDataType_t datatype, int root,
                            ncclComm_t comm, cudaStream_t stream) {
-    OpDesc d;
-    d.kind   = Kind::broadcast;
-    d.send   = static_cast<const char *>(sendbuff);
-    d.recv   = static_cast<char *>(recvbuff);
-    d.count  = count;
-    d.type   = datatype;
-    d.peer   = root;
-    d.stream = stream;
-    return issue(std::move(d), comm, "ncclBroadcast");
+    return issue(OpDesc{.kind = Kind::broadcast, .comm = nullptr, .send = in(sendbuff), .recv = out(recvbuff),
+                        .count = count, .type = datatype, .peer = root, .stream = stream},
+                 comm, "ncclBroadcast");
 }
 
 ncclResult_t ncclReduce(const void * sendbuff, void * recvbuff, size_t count, ncclDataType_t datatype,
                         ncclRedOp_t op, int root, ncclComm_t comm, cudaStream_t stream) {
-    OpDesc d;
-    d.kind   = Kind::reduce;
-    d.send   = static_cast<const char *>(sendbuff);
-    d.recv   = static_cast<char *>(recvbuff);
-    d.count  = count;
-    d.type   = datatype;
-    d.op     = op;
-    d.peer   = root;
-    d.stream = stream;
-    return issue(std::move(d), comm, "ncclReduce");
+    return issue(OpDesc{.kind = Kind::reduce, .comm = nullptr, .send = in(sendbuff), .recv = out(recvbuff),
+                        .count = count, .type = datatype, .op = op, .peer = root, .stream = stream},
+                 comm, "ncclReduce");
 }
 
 ncclResult_t ncclSend(const void * sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
                       cudaStream_t stream) {
-    OpDesc d;
-    d.kind   = Kind::send;
-    d.send   = static_cast<const char *>(sendbuff);
-    d.count  = count;
-    d.type   = datatype;
-    d.peer   = peer;
-    d.stream = stream;
-    return issue(std::move(d), comm, "ncclSend");
+    return issue(OpDesc{.kind = Kind::send, .comm = nullptr, .send = in(sendbuff), .count = count, .type = datatype,
+                        .peer = peer, .stream = stream},
+                 comm, "ncclSend");
 }
 
 ncclResult_t ncclRecv(void * recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
                       cudaStream_t stream) {
-    OpDesc d;
-    d.kind   = Kind::recv;
-    d.recv   = static_cast<char *>(recvbuff);
-    d.count  = count;
-    d.type   = datatype;
-    d.peer   = peer;
-    d.stream = stream;
-    return issue(std::move(d), comm, "ncclRecv");
+    return issue(OpDesc{.kind = Kind::recv, .comm = nullptr, .recv = out(recvbuff), .count = count, .type = datatype,
+                        .peer = peer, .stream = stream},
+                 comm, "ncclRecv");
 }
 
 ncclResult_t ncclGroupStart() {
