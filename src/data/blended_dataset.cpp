@@ -221,13 +221,7 @@ BlendedDataset::BlendedDataset(std::vector<std::unique_ptr<GptDataset>> datasets
                    "raise --mid-level-dataset-surplus (default 0.005), e.g. two- or ten-fold, so that each dataset is "
                    "built with more samples than the blend draws from it");
     }
-    if (!entry.enabled()) return;
-    if (!entry.writes()) {
-        cache_note_ = " [indices built, not in " + cache.path + " yet]";
-        return;
-    }
-    cache_note_ = " [indices written to " + cache.path + "]";
-    entry.create_folder();
+    if (!entry.start_writing(cache_note_)) return;
     const std::vector<int64_t> shape{size};
     write_npy<int16_t>(entry.path(arrays[0]), index_.dataset_index, shape);
     write_npy<int64_t>(entry.path(arrays[1]), index_.dataset_sample_index, shape);

@@ -280,13 +280,7 @@ void GptDataset::load_or_build(std::span<const int32_t> sizes, int64_t num_sampl
         return;
     }
     index_ = build_gpt_sample_index(sizes, range_, seq_length_, num_samples, seed_);
-    if (!entry.enabled()) return;
-    if (!entry.writes()) {
-        cache_note_ = " [indices built, not in " + cache.path + " yet]";
-        return;
-    }
-    cache_note_ = " [indices written to " + cache.path + "]";
-    entry.create_folder();
+    if (!entry.start_writing(cache_note_)) return;
     const int64_t positions = static_cast<int64_t>(index_.document_index.size());
     const int64_t samples   = index_.num_samples();
     write_npy<int32_t>(entry.path(arrays[0]), index_.document_index, std::vector<int64_t>{positions});

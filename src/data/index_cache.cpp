@@ -255,6 +255,17 @@ void IndexCacheEntry::check_description() const {
                "delete the files of this set (the files sharing its hash prefix) and run again; Loom rebuilds them");
 }
 
+bool IndexCacheEntry::start_writing(std::string & note) const {
+    if (!enabled()) return false;
+    if (!writes()) {
+        note = " [indices built, not in " + options_.path + " yet]";
+        return false;
+    }
+    note = " [indices written to " + options_.path + "]";
+    create_folder();
+    return true;
+}
+
 void IndexCacheEntry::create_folder() const {
     std::error_code ec;
     std::filesystem::create_directories(options_.path, ec);   // another rank may create it at the same time

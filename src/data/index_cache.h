@@ -87,6 +87,10 @@ public:
     // (last, atomically), so that a set is complete only once every array is whole.
     void create_folder() const;
     void write_description() const;
+    // Once a set is built: whether this rank writes it now (then its folder exists). `note` is set to what
+    // the log line says of it (" [indices written to DIR]", or " [indices built, not in DIR yet]" on a rank
+    // that does not write); without a cache it is left as it was.
+    bool start_writing(std::string & note) const;
 
 private:
     IndexCacheOptions options_;
