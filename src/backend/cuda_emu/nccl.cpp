@@ -126,11 +126,11 @@ void warn(const std::string & text) {
 }
 
 // The error of this thread's last failed call, for ncclGetLastError without a failed communicator.
-thread_local std::string t_last_error;
+thread_local std::string t_last_nccl_error;
 
 ncclResult_t call_error(ncclResult_t code, std::string text) {
     warn(text);
-    t_last_error = std::move(text);
+    t_last_nccl_error = std::move(text);
     return code;
 }
 
@@ -1447,7 +1447,7 @@ const char * ncclGetLastError(ncclComm_t comm) {
     if (comm != nullptr && comm->state && comm->state->error.load(std::memory_order_acquire) != ncclSuccess) {
         return comm->state->error_text.c_str();
     }
-    return t_last_error.c_str();
+    return t_last_nccl_error.c_str();
 }
 
 namespace {
@@ -1523,7 +1523,7 @@ ncclResult_t ncclGroupEnd() {
     t_group.ops.clear();
     if (t_group.error != ncclSuccess) {
         // A call of the group failed: the group launches nothing, and its end reports that call's error.
-        t_last_error = t_group.error_text;
+        t_last_nccl_error = t_group.error_text;
         return t_group.error;
     }
     // One unit per stream, in the order the streams first appear; each keeps its operations' issue order.
