@@ -1,6 +1,6 @@
 // Per-layer graphs in training (--cuda-graph-impl transformer_engine, graphs/layer_graph_runner.h), under
 // mpirun with 4 ranks and the stream-delay seam on: after 3 eager iterations every transformer layer's
-// forward and backward is captured per micro-batch and replayed, and 20 iterations must be BITWISE the
+// forward and backward is captured per micro-batch and replayed, and 10 iterations must be BITWISE the
 // eager run of the same layout (losses and every final weight): a replay runs the very kernels on the very
 // values, so any difference is a bug (a stale input, a buffer reused too early, a collective replayed out
 // of order). Layouts: PP 1 (DP 4), PP 2 x DP 2, PP 4, PP 2 x VPP 2, DP 2 with ZeRO-1 and
@@ -62,7 +62,11 @@ struct TrainRun {
     double                                    seconds     = 0;
 };
 
-TrainRun train_layout(const Layout & layout, bool graphed, int iterations = 20) {
+// Each layout trains 10 iterations: 3 eager, then 7 that replay every layer's graphs. A replay that reads a
+// stale input or a reused buffer differs at its first iteration, bitwise.
+constexpr int kIterations = 10, kWarmup = 3;
+
+TrainRun train_layout(const Layout & layout, bool graphed, int iterations = kIterations) {
     parallel::ParallelSizes sizes;
     sizes.world_size = g_mpi->world_size();
     sizes.tp         = layout.tp;
@@ -104,7 +108,7 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = 20) 
     o.graph_moe_router     = layout.moe_router;
     o.graph_moe_preprocess = layout.moe_preprocess;
     o.layer_graphs            = graphed;
-    o.cuda_graph_warmup_steps = 3;
+    o.cuda_graph_warmup_steps = kWarmup;
 
     Allocator & allocator = cpu::device().allocator();
     auto        source    = train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), config.dp());
@@ -184,13 +188,13 @@ void expect_bitwise(const Layout & layout) {
         EXPECT_GT(graph.collective_nodes, 0u) << "tensor parallelism's collectives are in the graphs";
     }
     EXPECT_GT(graph.graphs, 0) << "graphs were captured";
-    EXPECT_EQ(graph.replays, (20 - 3) * 2 * graph.microbatches * graph.layers)
-        << "every layer call of the 17 iterations after the warm-up replayed a graph";
+    EXPECT_EQ(graph.replays, (kIterations - kWarmup) * 2 * graph.microbatches * graph.layers)
+        << "every layer call of the iterations after the warm-up replayed a graph";
     EXPECT_EQ(graph.pool_allocs_after_capture, graph.pool_allocs_at_capture)
         << "replays allocate nothing in the graph pool";
     if (g_mpi->world_rank() == 0) {
-        std::printf("[%s] 20 iterations bitwise; %d graphs on rank 0; eager %.2f s, graphed %.2f s\n",
-                    describe(layout).c_str(), graph.graphs, eager.seconds, graph.seconds);
+        std::printf("[%s] %d iterations bitwise; %d graphs on rank 0; eager %.2f s, graphed %.2f s\n",
+                    describe(layout).c_str(), kIterations, graph.graphs, eager.seconds, graph.seconds);
     }
 }
 
