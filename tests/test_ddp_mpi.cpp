@@ -375,17 +375,17 @@ TEST(DataParallel, DistributedOptimizerWithCpuOffloadIsBitwiseTheRunWithout) {
         const int64_t dev0 = bytes(MemoryKind::device);
         TrainRun      ref  = train_model(base, g_mpi->world());
         ASSERT_EQ(bytes(MemoryKind::device), dev0) << "the optimizer state is freed with the trainer";
-        for (float fraction : {0.0f, 0.3f, 0.5f, 1.0f}) {
-            for (bool overlap : {false, true}) {
-                SCOPED_TRACE("fraction " + std::to_string(fraction) + (overlap ? " overlap" : ""));
-                train::TrainOptions o      = base;
-                o.optimizer_cpu_offload    = true;
-                o.offload.offload_fraction = fraction;
-                o.offload.overlap_d2h_h2d  = overlap;
-                TrainRun run = train_model(o, g_mpi->world());
-                EXPECT_EQ(run.losses, ref.losses);
-                EXPECT_EQ(run.params, ref.params);
-            }
+        // Each fraction once, the overlap on for two of them and off for the other two.
+        const std::pair<float, bool> cases[] = {{0.0f, true}, {0.3f, false}, {0.5f, true}, {1.0f, false}};
+        for (auto [fraction, overlap] : cases) {
+            SCOPED_TRACE("fraction " + std::to_string(fraction) + (overlap ? " overlap" : ""));
+            train::TrainOptions o      = base;
+            o.optimizer_cpu_offload    = true;
+            o.offload.offload_fraction = fraction;
+            o.offload.overlap_d2h_h2d  = overlap;
+            TrainRun run = train_model(o, g_mpi->world());
+            EXPECT_EQ(run.losses, ref.losses);
+            EXPECT_EQ(run.params, ref.params);
         }
         // Memory, with a trainer alive: fraction 1 moves this rank's whole shard (`owned` elements, measured
         // from the plain distributed optimizer's state) to the pinned host allocator.
