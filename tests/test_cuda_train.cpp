@@ -3,7 +3,7 @@
 // optimizer offloading half the state over pinned memory, and on two ranks sharing one GPU through NCCL
 // (each rank claims its own host with NCCL_HOSTID, as tests/test_nccl_mpi.cpp does): DP 2 with ZeRO-1 and
 // both overlaps, TP 2 + SP (also with layer graphs), PP 2, PP 2 x VPP 2, MoE with EP 2 (both dispatchers);
-// and PP 4 x VPP 2 on four ranks. MoE on one GPU too, eagerly and with layer graphs.
+// and PP 4 x VPP 2 on four ranks (8 iterations). MoE on one GPU too, eagerly and with layer graphs.
 // Without a GPU these skip, and `--device cuda` is refused naming the flag.
 //
 // The same file built with LOOM_CUDA_EMU (test_cuda_train_emu, every machine) trains with --device cuda-emu:
@@ -60,12 +60,18 @@ const std::vector<double> & cpu_curve(const std::string & model) {
     return it->second;
 }
 
+// The value of the last --train-iters in `args`: the one a run uses (Megatron's rule).
+size_t train_iters(const std::string & args) {
+    const size_t at = args.rfind("--train-iters ");
+    return static_cast<size_t>(std::stoul(args.substr(at + 14)));
+}
+
 // `r` (a run of `model`) follows the CPU's curve within `tolerance` relative at every iteration.
 void expect_follows_cpu(const CliRun & r, const char * what, const std::string & model = kBf16, double tolerance = 1e-3) {
     ASSERT_EQ(r.status, 0) << r.out;
     EXPECT_NE(r.out.find(" on " + kDevice + ":"), std::string::npos) << "the run names its GPU\n" << r.out;
     const std::vector<double> got = losses(r.out), & want = cpu_curve(model);
-    ASSERT_EQ(want.size(), 20u);
+    ASSERT_EQ(want.size(), train_iters(kRun + model));
     ASSERT_EQ(got.size(), want.size()) << r.out;
     for (size_t i = 0; i < got.size(); ++i) {
         EXPECT_NEAR(got[i], want[i], tolerance * want[i]) << what << ", iteration " << i + 1;
@@ -173,9 +179,10 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<Layout> & info) { return std::string(info.param.name); });
 
 // Four ranks, PP 4 x VPP 2: the wrap-around channel from the last stage to the first carries data too.
+// Eight iterations: four emulated ranks on two cores take 2 s for each.
 TEST(CudaTrain, FourRanksPp4Vpp2FollowTheCpu) {
     SKIP_WITHOUT_CUDA();
-    const std::string model = "--bf16 --num-layers 8 --global-batch-size 8 ";
+    const std::string model = "--bf16 --num-layers 8 --global-batch-size 8 --train-iters 8 ";
     expect_follows_cpu(run_on_gpus(4, kRun + model + "--pipeline-model-parallel-size 4 "
                                                      "--num-virtual-stages-per-pipeline-rank 2"),
                        "pp4_vpp2", model);
