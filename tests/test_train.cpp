@@ -3,6 +3,7 @@
 #include "backend/cpu/cpu_device.h"
 #include "data/token_dataset.h"
 #include "train/data_source.h"
+#include "train/flag_table.h"
 #include "train/megatron_flags.h"
 #include "train/options_parser.h"
 #include "train/trainer.h"
@@ -23,6 +24,7 @@
 #include <set>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 using namespace loom;
 
@@ -239,7 +241,11 @@ TEST(LoomTrain, InputsMustBeRegularFilesAndOutputsWritable) {
         {"train --mock-data --log-file " + dir, "--log-file '" + dir + "' is a folder"},
         {"train --mock-data --log-file /nonexistent/metrics.jsonl", "--log-file '/nonexistent/metrics.jsonl': the folder"},
         {"train --mock-data --timeline t.svg", "--timeline"},
+        // Writing through a link would truncate its target (as root, any file of the system).
+        {"train --mock-data --log-file " + dir + "/link.jsonl", "--log-file '" + dir + "/link.jsonl' is a symbolic link"},
     };
+    ASSERT_EQ(symlink((dir + "/target").c_str(), (dir + "/link.jsonl").c_str()), 0);
+    std::ofstream(dir + "/target") << "kept\n";
     for (const Case & c : cases) {
         // timeout(1) turns a hang into exit 124 instead of a stuck test.
         CliRun r = run_command("timeout 20 " + std::string(LOOM_CLI_PATH) + " " + c.args + " 2>&1");
@@ -249,6 +255,10 @@ TEST(LoomTrain, InputsMustBeRegularFilesAndOutputsWritable) {
     CliRun full = run_loom("train --mock-data --train-iters 2 --lr-warmup-iters 1 --log-interval 1 --log-file /dev/full");
     EXPECT_NE(full.status, 0);
     EXPECT_NE(full.out.find("cannot write --log-file '/dev/full'"), std::string::npos) << full.out;
+    std::ifstream target(dir + "/target");
+    std::string   kept;
+    std::getline(target, kept);
+    EXPECT_EQ(kept, "kept") << "the link's target is untouched";
     std::filesystem::remove_all(dir);
 }
 
@@ -449,6 +459,53 @@ TEST(MegatronCommandLine, NothingIsSilentlyMisread) {
     // A repeated flag takes its last value (scripts append "$@").
     const train::TrainOptions twice = parse_train({"--mock-data", "--train-iters", "5", "--train-iters", "7"});
     EXPECT_EQ(twice.train_iters, 7);
+}
+
+// Numbers as argparse reads them (Python's int() and float()), where CLI11 alone read "010" as octal 8, "0x10"
+// as 16 and '' as a value; and a switch given a value is refused, as argparse's store_true refuses it.
+TEST(MegatronCommandLine, NumbersAreReadAsPythonReadsThemAndSwitchesTakeNoValue) {
+    EXPECT_EQ(train::python_int_text("010"), "10");
+    EXPECT_EQ(train::python_int_text(" -1_000 "), "-1000");
+    EXPECT_EQ(train::python_int_text("+000"), "0");
+    for (const char * bad : {"", " ", "0x10", "1e3", "1.0", "1__0", "_1", "1_", "--1", "1 2"}) {
+        EXPECT_EQ(train::python_int_text(bad), std::nullopt) << "int('" << bad << "') raises";
+    }
+    EXPECT_EQ(train::python_float_text("1."), "1");
+    EXPECT_EQ(train::python_float_text(".5e-3"), "0.5e-3");
+    EXPECT_EQ(train::python_float_text("1_000.000_1E+0_1"), "1000.0001e01");
+    EXPECT_EQ(train::python_float_text(" -Infinity"), "-infinity");
+    for (const char * bad : {"", ".", "e5", "1e", "0x1p-3", "1.5.2", "1e_5", "1_e5", "1,5", "nan1"}) {
+        EXPECT_EQ(train::python_float_text(bad), std::nullopt) << "float('" << bad << "') raises";
+    }
+
+    const train::TrainOptions o =
+        parse_train({"--mock-data", "--train-iters", "010", "--lr-warmup-iters", "0_2", "--lr", ".5e-3",
+                     "--weight-decay", " 0.1_5 "});
+    EXPECT_EQ(o.train_iters, 10) << "decimal, as Python's int('010')";
+    EXPECT_EQ(o.lr_warmup_iters, 2);
+    EXPECT_FLOAT_EQ(o.adam.lr, 5e-4f);
+    EXPECT_FLOAT_EQ(o.adam.weight_decay, 0.15f);
+    for (const std::vector<std::string> & args :
+         std::vector<std::vector<std::string>>{{"--train-iters", "0x10"},
+                                               {"--train-iters", "1e3"},
+                                               {"--train-iters", ""},
+                                               {"--weight-decay", ""},
+                                               {"--lr", "0x1p-3"},
+                                               {"--moe-aux-loss-coeff", "1..2"},
+                                               {"--seed", "99999999999999999999"}}) {   // was saturated
+        std::vector<std::string> argv{"--mock-data"};
+        argv.insert(argv.end(), args.begin(), args.end());
+        EXPECT_THROW(parse_train(argv), CLI::ParseError) << args[0] << " " << args.back();
+    }
+    EXPECT_THROW(parse_train({"--mock-data", "--swiglu=false"}), Error);
+    EXPECT_THROW(parse_train({"--mock-data", "--no-check-for-nan-in-loss-and-grad=1"}), Error);
+    // A negative count of virtual stages was accepted as none.
+    EXPECT_THROW(parse_train({"--mock-data", "--num-virtual-stages-per-pipeline-rank", "-1"}), Error);
+    std::string err;
+    EXPECT_EQ(run_status("train --mock-data --train-iters 0x10", &err), 2);
+    EXPECT_NE(err.find("--train-iters: invalid int value: '0x10'"), std::string::npos) << err;
+    EXPECT_EQ(run_status("train --mock-data --swiglu=false", &err), 2);
+    EXPECT_NE(err.find("argument --swiglu: ignored explicit argument 'false'"), std::string::npos) << err;
 }
 
 // --data-path and the per-split paths take lists (argparse's nargs='*'): given twice, the last list wins;

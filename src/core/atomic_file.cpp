@@ -10,9 +10,26 @@
 
 namespace loom {
 
+namespace {
+
+// fopen(path, "wb") that refuses to write through a symbolic link (O_NOFOLLOW); nullptr and errno on failure.
+std::FILE * create_no_follow(const std::string & path) {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd < 0) return nullptr;
+    std::FILE * f = ::fdopen(fd, "wb");
+    if (f == nullptr) {
+        const int err = errno;
+        ::close(fd);
+        errno = err;
+    }
+    return f;
+}
+
+}  // namespace
+
 AtomicFile::AtomicFile(const std::string & path)
-    : path_(path), tmp_(path + ".tmp." + std::to_string(::getpid())), file_(std::fopen(tmp_.c_str(), "wb")) {
-    LOOM_CHECK(file_ != nullptr, "cannot create '" << tmp_ << "': " << std::strerror(errno),
+    : path_(path), tmp_(path + ".tmp." + std::to_string(::getpid())), file_(create_no_follow(tmp_)) {
+    LOOM_CHECK(file_ != nullptr, "cannot create '" << tmp_ << "': " << (errno == ELOOP ? "it is a symbolic link" : std::strerror(errno)),
                "check that the output folder exists and is writable");
 }
 

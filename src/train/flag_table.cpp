@@ -3,6 +3,7 @@
 #include "train/megatron_flags.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <memory>
@@ -10,17 +11,98 @@
 
 namespace loom::train {
 
-void check_int64_range(CLI::App & app) {
-    CLI::Validator int64_range(
+namespace {
+
+bool python_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+
+std::string_view strip(std::string_view s) {
+    while (!s.empty() && python_space(s.front())) s.remove_prefix(1);
+    while (!s.empty() && python_space(s.back())) s.remove_suffix(1);
+    return s;
+}
+
+// Decimal digits with single underscores between them (PEP 515), returned without the underscores.
+std::optional<std::string> digits(std::string_view s) {
+    if (s.empty() || s.front() == '_' || s.back() == '_') return std::nullopt;
+    std::string out;
+    for (size_t i = 0; i < s.size(); ++i) {
+        if (s[i] >= '0' && s[i] <= '9') {
+            out += s[i];
+        } else if (s[i] != '_' || s[i - 1] == '_') {
+            return std::nullopt;
+        }
+    }
+    return out;
+}
+
+// The sign ("-" or "") taken off the front of `s`.
+std::string take_sign(std::string_view & s) {
+    if (s.empty() || (s.front() != '+' && s.front() != '-')) return "";
+    const bool minus = s.front() == '-';
+    s.remove_prefix(1);
+    return minus ? "-" : "";
+}
+
+}  // namespace
+
+std::optional<std::string> python_int_text(std::string_view text) {
+    std::string_view        s    = strip(text);
+    const std::string       sign = take_sign(s);
+    std::optional<std::string> d = digits(s);
+    if (!d) return std::nullopt;
+    const size_t first = std::min(d->find_first_not_of('0'), d->size() - 1);   // "000" is 0
+    return sign + d->substr(first);
+}
+
+std::optional<std::string> python_float_text(std::string_view text) {
+    std::string_view  s    = strip(text);
+    const std::string sign = take_sign(s);
+    std::string       lower(s);
+    for (char & c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    if (lower == "inf" || lower == "infinity" || lower == "nan") return sign + lower;
+    std::string      exponent;
+    const size_t     e = s.find_first_of("eE");
+    if (e != std::string_view::npos) {
+        std::string_view exp = s.substr(e + 1);
+        const std::string exp_sign = take_sign(exp);
+        std::optional<std::string> d = digits(exp);
+        if (!d) return std::nullopt;
+        exponent = "e" + exp_sign + *d;
+        s        = s.substr(0, e);
+    }
+    const size_t     dot = s.find('.');
+    std::string_view whole = s.substr(0, dot), fraction = dot == std::string_view::npos ? "" : s.substr(dot + 1);
+    if (whole.empty() && fraction.empty()) return std::nullopt;   // "", ".", "e5"
+    std::optional<std::string> w = whole.empty() ? std::string() : digits(whole);
+    std::optional<std::string> f = fraction.empty() ? std::string() : digits(fraction);
+    if (!w || !f) return std::nullopt;
+    return sign + (w->empty() ? "0" : *w) + (f->empty() ? "" : "." + *f) + exponent;
+}
+
+void read_numbers_as_argparse(CLI::App & app) {
+    CLI::Validator as_int(
         [](std::string & value) {
+            const std::optional<std::string> text = python_int_text(value);
+            if (!text) return "invalid int value: '" + value + "'";
             errno = 0;
-            char * end = nullptr;
-            std::strtoll(value.c_str(), &end, 10);
-            return errno == ERANGE ? std::string("value out of the range of a 64-bit integer") : std::string();
+            std::strtoll(text->c_str(), nullptr, 10);
+            if (errno == ERANGE) return std::string("value out of the range of a 64-bit integer");
+            value = *text;
+            return std::string();
         },
-        "", "int64");
+        "", "python_int");
+    CLI::Validator as_float(
+        [](std::string & value) {
+            const std::optional<std::string> text = python_float_text(value);
+            if (!text) return "invalid float value: '" + value + "'";
+            value = *text;
+            return std::string();
+        },
+        "", "python_float");
     for (CLI::Option * option : app.get_options()) {
-        if (option->get_type_name() == "INT") option->check(int64_range);
+        const std::string type = option->get_type_name();
+        if (type == "INT" || type == "UINT") option->transform(as_int);
+        if (type == "FLOAT") option->transform(as_float);
     }
 }
 

@@ -14,8 +14,10 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <variant>
 #include <vector>
@@ -81,6 +83,8 @@ template <class Owner> void add_flags(CLI::App & app, std::span<const Flag<Owner
                     } else {
                         option = app.add_flag(f.name, value, f.help);
                     }
+                    // A switch takes no value: argparse refuses `--swiglu=false` ("ignored explicit argument").
+                    option->disable_flag_override();
                 } else {
                     option = app.add_option(f.name, value, f.help);
                     if (f.traits & kList) option->expected(1, -1)->trigger_on_parse();
@@ -97,9 +101,17 @@ template <class Owner> void append_info(std::vector<FlagInfo> & out, std::span<c
     for (const Flag<Owner> & f : table) out.push_back({f.name, f.group, f.help, f.traits, f.arg});
 }
 
-// An integer past int64's range is an error (CLI11 would clamp it to the largest value, which then runs
-// "forever"); argparse reads such a value exactly, so it never means the clamped one. On every integer option.
-void check_int64_range(CLI::App & app);
+// Every integer and floating-point option of `app` reads its value as argparse does, with Python's int()
+// and float(): surrounding whitespace ignored, underscores allowed between digits, an integer in decimal
+// only ("010" is 10, not octal 8; "0x10" and "1e3" are refused), a float without C's hexadecimal form, and
+// an empty value refused. An integer past int64's range is refused too: CLI11 would clamp it to the largest
+// value, which then runs "forever", where argparse reads it exactly. The error names the flag and the value.
+void read_numbers_as_argparse(CLI::App & app);
+
+// Python's int() and float() of `text`, as the decimal spelling C++ reads back unchanged (no underscores,
+// no leading zeros, no surrounding whitespace); nullopt where Python raises ValueError.
+std::optional<std::string> python_int_text(std::string_view text);
+std::optional<std::string> python_float_text(std::string_view text);
 
 // Prints the groups of `app` in the order arguments.py adds them (CLI11 prints them in the order their
 // first option was added).

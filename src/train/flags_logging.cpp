@@ -48,11 +48,17 @@ const Flag<TrainOptions> kLoggingFlags[] = {
      kShowDefault},
 };
 
-// An output path given by `flag`: its folder exists, and it is not a folder or a FIFO (which would block
-// the writer until a reader appears). Checked before anything is built.
+// An output path given by `flag`: its folder exists, and it is not a folder, a FIFO (which would block the
+// writer until a reader appears) or a symbolic link (writing through one truncates whatever it points at:
+// as root, /etc/hostname). Checked before anything is built.
 void check_output_path(const std::string & path, const char * flag) {
     namespace fs = std::filesystem;
     std::error_code ec;
+    if (fs::is_symlink(fs::symlink_status(path, ec))) {
+        LOOM_THROW(flag << " '" << path << "' is a symbolic link (to '" << fs::read_symlink(path, ec).string()
+                        << "'); Loom does not write through one",
+                   "give the path of the file itself");
+    }
     const fs::path  parent = fs::path(path).parent_path().empty() ? fs::path(".") : fs::path(path).parent_path();
     LOOM_CHECK(fs::is_directory(parent, ec), flag << " '" << path << "': the folder '" << parent.string()
                                                   << "' does not exist", "create it first");

@@ -121,6 +121,9 @@ void resolve_parallel_sizes(const ParallelFlags & f, int64_t num_experts, const 
     sizes.ep         = size(o.expert_parallel_size, "--expert-model-parallel-size");
     // Megatron's default: the experts' tensor parallelism is the dense layers'.
     if (given("--expert-tensor-parallel-size")) sizes.etp = size(o.expert_tensor_parallel_size, "--expert-tensor-parallel-size");
+    if (given("--num-virtual-stages-per-pipeline-rank")) {
+        sizes.vpp = size(o.virtual_pipeline_size, "--num-virtual-stages-per-pipeline-rank");
+    }
     if (o.use_tp_pp_dp_mapping) sizes.order = "tp-cp-ep-pp-dp";   // Megatron's initialize.py
     o.parallel                    = parallel::ParallelConfig::create(sizes);   // throws naming the flags
     o.data_parallel_size          = o.parallel.dp();
@@ -147,10 +150,6 @@ void validate_layout(const TrainOptions & o) {
                "--num-layers-per-virtual-pipeline-stage, --decoder-first-pipeline-num-layers and "
                "--decoder-last-pipeline-num-layers need --pipeline-model-parallel-size > 1",
                "they describe how layers split over pipeline stages");
-    LOOM_CHECK(o.virtual_pipeline_size <= 1 || o.pipeline_parallel_size > 1,
-               "--num-virtual-stages-per-pipeline-rank " << o.virtual_pipeline_size
-                                                          << " needs --pipeline-model-parallel-size > 1",
-               "virtual stages interleave the chunks of several pipeline ranks");
     if (o.tensor_parallel_size > 1) {
         const int64_t tp = o.tensor_parallel_size;
         LOOM_CHECK(m.num_attention_heads % tp == 0 && m.num_query_groups % tp == 0 && m.ffn_hidden_size % tp == 0,

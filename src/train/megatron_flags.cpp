@@ -115,7 +115,16 @@ void add_noop_flags(CLI::App & app, std::vector<std::string> & sink) {
 void check_option_values(const CLI::App & app, int argc, const char * const * argv) {
     for (int i = 1; i < argc; ++i) {
         const char * word = argv[i];
-        if (std::strncmp(word, "--", 2) != 0 || std::strchr(word, '=') != nullptr) continue;
+        if (std::strncmp(word, "--", 2) != 0) continue;
+        if (const char * eq = std::strchr(word, '='); eq != nullptr) {
+            // argparse's store_true and store_false take no value, not even "true".
+            const std::string   name(word, eq);
+            const CLI::Option * option = app.get_option_no_throw(name);
+            LOOM_CHECK(option == nullptr || option->get_expected_min() > 0,
+                       "argument " << name << ": ignored explicit argument '" << eq + 1 << "'",
+                       name << " is a switch: give it alone to turn it on, or leave it out");
+            continue;
+        }
         const CLI::Option * option = app.get_option_no_throw(word);
         if (option == nullptr || option->get_expected_min() == 0) continue;   // unknown, or a switch
         LOOM_CHECK(i + 1 < argc && !looks_like_flag(argv[i + 1]),

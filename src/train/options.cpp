@@ -46,7 +46,7 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     app.allow_extras();
     for_each_table(values_, [&](auto table, auto & owner) { add_flags(app, table, owner); });
     add_noop_flags(app, noop_values_);
-    check_int64_range(app);
+    read_numbers_as_argparse(app);
     group_like_megatron(app);
 }
 
