@@ -809,7 +809,9 @@ TEST(CudaEmuCublas, FirstGemmOnAStreamAllocatesUnlessGivenAWorkspace) {
     for (bool given : {false, true}) {
         cudaStream_t s = make_stream();
         ASSERT_EQ(cublasSetStream(blas, s), CUBLAS_STATUS_SUCCESS);
-        if (given) ASSERT_EQ(cublasSetWorkspace(blas, workspace, size_t{1} << 20), CUBLAS_STATUS_SUCCESS);
+        if (given) {
+            ASSERT_EQ(cublasSetWorkspace(blas, workspace, size_t{1} << 20), CUBLAS_STATUS_SUCCESS);
+        }
         ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
         gemm();
         cudaGraph_t graph = nullptr;

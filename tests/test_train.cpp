@@ -492,7 +492,9 @@ TEST(MegatronCommandLine, NumbersAreReadAsPythonReadsThemAndSwitchesTakeNoValue)
                                                {"--weight-decay", ""},
                                                {"--lr", "0x1p-3"},
                                                {"--moe-aux-loss-coeff", "1..2"},
-                                               {"--seed", "99999999999999999999"}}) {   // was saturated
+                                               {"--seed", "99999999999999999999"},   // was saturated
+                                               {"--lr", "1e-50"},    // was read as 0, then "got 0"
+                                               {"--lr", "1e308"}}) {   // was read as inf
         std::vector<std::string> argv{"--mock-data"};
         argv.insert(argv.end(), args.begin(), args.end());
         EXPECT_THROW(parse_train(argv), CLI::ParseError) << args[0] << " " << args.back();
@@ -504,6 +506,8 @@ TEST(MegatronCommandLine, NumbersAreReadAsPythonReadsThemAndSwitchesTakeNoValue)
     std::string err;
     EXPECT_EQ(run_status("train --mock-data --train-iters 0x10", &err), 2);
     EXPECT_NE(err.find("--train-iters: invalid int value: '0x10'"), std::string::npos) << err;
+    EXPECT_EQ(run_status("train --mock-data --lr 1e308", &err), 2);
+    EXPECT_NE(err.find("--lr: value 1e308 is outside what a 32-bit float holds"), std::string::npos) << err;
     EXPECT_EQ(run_status("train --mock-data --swiglu=false", &err), 2);
     EXPECT_NE(err.find("argument --swiglu: ignored explicit argument 'false'"), std::string::npos) << err;
 }

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
+#include <limits>
 #include <cerrno>
 #include <cstdlib>
 #include <memory>
@@ -77,6 +79,20 @@ std::optional<std::string> python_float_text(std::string_view text) {
     std::optional<std::string> f = fraction.empty() ? std::string() : digits(fraction);
     if (!w || !f) return std::nullopt;
     return sign + (w->empty() ? "0" : *w) + (f->empty() ? "" : "." + *f) + exponent;
+}
+
+CLI::Validator float32_range() {
+    return CLI::Validator(
+        [](std::string & value) {
+            const double v = std::strtod(value.c_str(), nullptr);
+            if (!std::isfinite(v)) return std::string();   // inf and nan: the flag's own check decides
+            const double a = std::fabs(v);
+            if (a > std::numeric_limits<float>::max() || (a != 0 && a < std::numeric_limits<float>::denorm_min())) {
+                return "value " + value + " is outside what a 32-bit float holds (Loom keeps this value as one)";
+            }
+            return std::string();
+        },
+        "", "float32");
 }
 
 void read_numbers_as_argparse(CLI::App & app) {

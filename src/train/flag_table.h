@@ -69,6 +69,10 @@ struct FlagInfo {
     CheckpointArg arg;
 };
 
+// A value a 32-bit float member holds: a finite number past its range, or a nonzero one that would round to
+// zero, is refused naming the flag (it read as inf or 0, and a range check then blamed the value given).
+CLI::Validator float32_range();
+
 // Registers each flag of `table` on `app`, its value landing in `owner` (which must outlive the parse).
 template <class Owner> void add_flags(CLI::App & app, std::span<const Flag<Owner>> table, Owner & owner) {
     for (const Flag<Owner> & f : table) {
@@ -88,6 +92,9 @@ template <class Owner> void add_flags(CLI::App & app, std::span<const Flag<Owner
                 } else {
                     option = app.add_option(f.name, value, f.help);
                     if (f.traits & kList) option->expected(1, -1)->trigger_on_parse();
+                    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, std::vector<float>>) {
+                        option->check(float32_range());
+                    }
                 }
                 if (f.traits & kShowDefault) option->capture_default_str();
                 option->group(f.group);
