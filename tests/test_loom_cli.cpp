@@ -84,6 +84,13 @@ TEST(LoomRanks, InvalidConfigurationExitsTwoWithNothingOnStdout) {
     EXPECT_EQ(bad_flag.out, "");
     CliRun missing = run_loom_stdout("ranks --tp 2");
     EXPECT_EQ(missing.status, 2);
+    // Listings too large to hold end in a message naming the flag, not in std::bad_alloc.
+    CliRun huge = run_loom("ranks --world-size 2147483647");
+    EXPECT_EQ(huge.status, 2);
+    EXPECT_NE(huge.out.find("--world-size 2147483647 is more ranks than `loom ranks` lists"), std::string::npos) << huge.out;
+    CliRun long_schedule = run_loom("schedule --pp 100000 --microbatches 100000");
+    EXPECT_EQ(long_schedule.status, 2);
+    EXPECT_NE(long_schedule.out.find("more than `loom schedule` prints"), std::string::npos) << long_schedule.out;
 }
 
 // `loom --version` names the version and the backends; `loom help` is the usage and `loom help <command>` the

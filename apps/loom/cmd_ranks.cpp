@@ -4,6 +4,7 @@
 //   loom ranks --world-size 16 --tp 4 --pp 2 --etp 1 --ep 4  plus MoE ETP1-EP4-EDP2-PP2
 //   loom ranks ... --json                                    one JSON object, groups in reference order
 #include "apps/loom/commands.h"
+#include "core/error.h"
 #include "parallel/parallel_config.h"
 #include "parallel/rank_map.h"
 
@@ -34,6 +35,12 @@ int cmd_ranks(int argc, char ** argv) {
     if (std::optional<int> status = parse_arguments(app, argc, argv)) {
         return *status;
     }
+    // Every rank is a line (or a JSON object): past a million ranks, more than any cluster, the listing
+    // would only exhaust memory.
+    constexpr int kMaxRanks = 1 << 20;
+    LOOM_CHECK(sizes.world_size <= kMaxRanks,
+               "--world-size " << sizes.world_size << " is more ranks than `loom ranks` lists (at most " << kMaxRanks << ")",
+               "the groups repeat with the world size: list a smaller world of the same layout");
     if (app.count("--etp")) {
         sizes.etp = etp;
     }
