@@ -861,6 +861,20 @@ TEST(IndexCache, DamagedFileIsAnErrorNamingItAndAnIncompleteSetIsRebuilt) {
     EXPECT_TRUE(std::filesystem::exists(base + "sample_index.npy"));
     EXPECT_EQ(read_npy<int64_t>(base + "sample_index.npy").values, built->index().sample_index);
     EXPECT_TRUE(open()->loaded_from_cache());
+
+    // Another dataset written at the same prefix, with as many documents and tokens but other lengths: its
+    // indices differ, so the cached set is not used; a new one is built beside it.
+    IndexedDatasetWriter w(a, IndexDType::u16);
+    for (int d = 0; d < 30; ++d) {
+        std::vector<int32_t> tokens;
+        for (int i = 0; i < (d % 2 == 0 ? 11 : 31); ++i) tokens.push_back((7 * d + 3 * i) % 128);
+        w.add_document(tokens);
+    }
+    w.finish();
+    auto other = open();
+    EXPECT_FALSE(other->loaded_from_cache()) << "a set built for the old documents";
+    EXPECT_NE(other->index().sample_index, built->index().sample_index);
+    EXPECT_EQ(other->index().sample_index, open_gpt_dataset(a, "100,0,0", Split::train, 8, 40, 3, 0, {})->index().sample_index);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 #include "data/gpt_dataset.h"
 
+#include "core/crc32c.h"
 #include "core/error.h"
 
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <numeric>
 #include <sstream>
@@ -268,6 +270,13 @@ void GptDataset::load_or_build(std::span<const int32_t> sizes, int64_t num_sampl
     d["document_range"]   = {range_.begin, range_.end};
     d["num_sequences"]    = data_->num_sequences();
     d["tokens_per_epoch"] = plan.tokens_per_epoch;
+    // The indices are a function of the split's document lengths: another dataset written at the same prefix
+    // with as many documents and tokens, but other lengths, is another set, not a stale hit.
+    const std::span<const int32_t> lengths = sizes.subspan(static_cast<size_t>(range_.begin),
+                                                           static_cast<size_t>(range_.end - range_.begin));
+    char lengths_crc[9];
+    std::snprintf(lengths_crc, sizeof lengths_crc, "%08x", crc32c(lengths.data(), lengths.size_bytes()));
+    d["document_lengths_crc32c"] = lengths_crc;
     d["index_builder"]    = "loom-1: mt19937_64, Fisher-Yates from the back (src/data/gpt_dataset.h)";
     description_          = d.dump(4);
 
