@@ -362,8 +362,9 @@ TEST(CheckpointMoe, ExpertShapeIsSavedCheckedAndRestored) {
     EXPECT_NE(exported.out.find("the model has --num-experts 4 (GPT-2 has no experts)"), std::string::npos) << exported.out;
 }
 
-// Twelve ways a checkpoint can be damaged: each is refused with exit 2, naming the file at fault.
-TEST(CheckpointCorrupt, TwelveCorruptionsEachExitTwoNamingTheFile) {
+// Twenty ways a checkpoint can be damaged: each is refused with exit 2, naming the file at fault (and the
+// field, for the index's), in Loom's words: no JSON library's exception text reaches the user.
+TEST(CheckpointCorrupt, TwentyCorruptionsEachExitTwoNamingTheFile) {
     TempDir tmp;
     const std::string good = tmp / "good";
     ASSERT_EQ(run_on(2, kRun + "--train-iters 2 --lr-warmup-iters 1 --use-distributed-optimizer --save " + good).status, 0);
@@ -388,6 +389,7 @@ TEST(CheckpointCorrupt, TwelveCorruptionsEachExitTwoNamingTheFile) {
         std::function<void(const std::string &)>  damage;
         std::string                               names;   // the file (or flag) the message must name
         std::string                               flags = "";
+        std::string                               says  = "";   // and, for a field of the index, what it says
     };
     const std::string shard = iter + "/rank_00001.safetensors", index = iter + "/index.json";
     std::vector<Case> cases = {
@@ -419,8 +421,41 @@ TEST(CheckpointCorrupt, TwelveCorruptionsEachExitTwoNamingTheFile) {
          [&](const std::string & d) { std::ofstream(d + "/latest_checkpointed_iteration.txt") << "30\n"; },
          "latest_checkpointed_iteration.txt"},
         {"args that contradict the checkpoint", [](const std::string &) {}, "--num-layers", "--num-layers 2"},
+        {"negative iteration", [&](const std::string & d) { edit_index(d, [](json & j) { j["iteration"] = -3; }); },
+         index, "", "iteration -3 is negative"},
+        {"iteration of another folder", [&](const std::string & d) { edit_index(d, [](json & j) { j["iteration"] = 5; }); },
+         index, "", "iteration 5 is not the iteration of its folder 'iter_0000002'"},
+        {"negative optimizer step",
+         [&](const std::string & d) { edit_index(d, [](json & j) { j["optimizer"]["step"] = -1; }); }, index, "",
+         "optimizer step -1 is negative"},
+        {"negative consumed samples",
+         [&](const std::string & d) { edit_index(d, [](json & j) { j["metadata"]["consumed_train_samples"] = -8; }); },
+         index, "", "consumed_train_samples -8 is not a count of samples"},
+        {"null metadata", [&](const std::string & d) { edit_index(d, [](json & j) { j["metadata"] = nullptr; }); }, index,
+         "", "\"metadata\" is null, not an object"},
+        {"checksum not hexadecimal",
+         [&](const std::string & d) {
+             edit_index(d, [](json & j) { j["files"]["rank_00001.safetensors"]["crc32c"] = "zz"; });
+         },
+         index, "", "has crc32c 'zz', not 8 hexadecimal digits"},
+        {"string where a number belongs",
+         [&](const std::string & d) {
+             edit_index(d, [](json & j) { j["files"]["rank_00001.safetensors"]["bytes"] = "1000"; });
+         },
+         index, "", "is malformed: type must be number, but is string"},
+        {"tensor listed twice",
+         [&](const std::string & d) {
+             const std::string path = d + "/" + iter + "/index.json";
+             std::ifstream     in(path);
+             json              j = json::parse(in);
+             std::string       text = j.dump();
+             const std::string entry = "\"final_norm.bias\":" + j["tensors"]["final_norm.bias"].dump() + ",";
+             text.insert(text.find("\"tensors\":{") + 11, entry);
+             std::ofstream(path) << text;
+         },
+         index, "", "holds the key \"final_norm.bias\" twice in one object"},
     };
-    ASSERT_EQ(cases.size(), 12u);
+    ASSERT_EQ(cases.size(), 20u);
     for (const Case & c : cases) {
         SCOPED_TRACE(c.name);
         const std::string dir = tmp / "bad";
@@ -430,6 +465,8 @@ TEST(CheckpointCorrupt, TwelveCorruptionsEachExitTwoNamingTheFile) {
         CliRun r = run_loom(kRun + "--train-iters 4 --load " + dir + " " + c.flags);
         EXPECT_EQ(r.status, 2) << r.out;
         EXPECT_NE(r.out.find(c.names), std::string::npos) << "the message names " << c.names << ":\n" << r.out;
+        EXPECT_NE(r.out.find(c.says), std::string::npos) << "the message says " << c.says << ":\n" << r.out;
+        EXPECT_EQ(r.out.find("json.exception"), std::string::npos) << r.out;
     }
 }
 

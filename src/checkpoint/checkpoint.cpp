@@ -256,7 +256,7 @@ SaveStats save(const std::string & dir, int64_t iteration, const json & metadata
             const std::string part_path = (fs::path(tmp_folder) / rank_file(r, "json")).string();
             if (!fs::exists(part_path)) continue;   // a rank with nothing to write
             std::ifstream in(part_path);
-            json          part = json::parse(in, json_depth_limit<json>("'" + part_path + "'"));
+            json          part = json::parse(in, json_parse_checks<json>("'" + part_path + "'"));
             index["files"][part["file"].get<std::string>()] = {{"bytes", part["bytes"]}, {"crc32c", part["crc32c"]}};
             for (auto & [name, t] : part["tensors"].items()) {
                 json & merged = index["tensors"][name];
@@ -371,9 +371,9 @@ Index read_index(const std::string & folder) {
     const std::string text = read_input_file(where, "checkpoint index");
     json              j;
     try {
-        j = json::parse(text, json_depth_limit<json>("checkpoint index '" + where + "'"), true, false);
+        j = json::parse(text, json_parse_checks<json>("checkpoint index '" + where + "'", JsonKeys::unique), true, false);
     } catch (const json::exception & e) {
-        LOOM_THROW("checkpoint index '" << where << "' is not valid JSON: " << e.what(), kCorruptHint);
+        LOOM_THROW("checkpoint index '" << where << "' is not valid JSON: " << json_error_text(e), kCorruptHint);
     }
     try {
         LOOM_CHECK(j.is_object() && j.value("format", "") == "loom-checkpoint",
@@ -384,12 +384,34 @@ Index read_index(const std::string & folder) {
         index.metadata       = j.at("metadata");
         index.has_optimizer  = j.at("optimizer").at("saved").get<bool>();
         index.optimizer_step = j.at("optimizer").at("step").get<int64_t>();
+        // The counters a resume continues from: in range, and the iteration the folder's name says.
+        LOOM_CHECK(index.iteration >= 0, "'" << where << "': iteration " << index.iteration << " is negative", kCorruptHint);
+        const std::string named = fs::path(folder).filename().string();
+        LOOM_CHECK(named.rfind("iter_", 0) != 0 || named == iteration_folder(index.iteration),
+                   "'" << where << "': iteration " << index.iteration << " is not the iteration of its folder '" << named << "'",
+                   kCorruptHint);
+        LOOM_CHECK(index.optimizer_step >= 0, "'" << where << "': optimizer step " << index.optimizer_step << " is negative",
+                   kCorruptHint);
+        LOOM_CHECK(index.metadata.is_object(), "'" << where << "': \"metadata\" is " << index.metadata.type_name()
+                                                   << ", not an object",
+                   kCorruptHint);
+        if (const auto consumed = index.metadata.find("consumed_train_samples"); consumed != index.metadata.end()) {
+            LOOM_CHECK(consumed->is_number_integer() && consumed->get<int64_t>() >= 0 &&
+                           consumed->get<int64_t>() <= (int64_t{1} << 53),
+                       "'" << where << "': consumed_train_samples " << consumed->dump() << " is not a count of samples",
+                       kCorruptHint);
+        }
         for (auto & [name, f] : j.at("files").items()) {
             LOOM_CHECK(name.find('/') == std::string::npos && name.find("..") == std::string::npos,
                        where << ": file name '" << name << "' leaves the folder", kCorruptHint);
             FileRecord record;
             record.bytes  = f.at("bytes").get<uint64_t>();
-            record.crc32c = static_cast<uint32_t>(std::stoul(f.at("crc32c").get<std::string>(), nullptr, 16));
+            const std::string crc = f.at("crc32c").get<std::string>();
+            LOOM_CHECK(crc.size() == 8 && crc.find_first_not_of("0123456789abcdefABCDEF") == std::string::npos,
+                       "'" << where << "': file '" << name << "' has crc32c '" << crc.substr(0, 40)
+                           << "', not 8 hexadecimal digits",
+                       kCorruptHint);
+            record.crc32c = static_cast<uint32_t>(std::strtoul(crc.c_str(), nullptr, 16));
             const fs::path path = fs::path(folder) / name;
             LOOM_CHECK(fs::is_regular_file(path), "checkpoint file '" << path.string() << "' is missing (listed in '"
                                                                      << where << "')", kCorruptHint);
@@ -448,7 +470,7 @@ Index read_index(const std::string & folder) {
             index.tensors[name] = std::move(record);
         }
     } catch (const json::exception & e) {
-        LOOM_THROW("checkpoint index '" << where << "' is malformed: " << e.what(), kCorruptHint);
+        LOOM_THROW("checkpoint index '" << where << "' is malformed: " << json_error_text(e), kCorruptHint);
     }
     return index;
 }

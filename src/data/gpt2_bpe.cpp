@@ -210,14 +210,14 @@ void Gpt2BpeTokenizer::load_vocab() {
     const std::string text = read_input_file(vocab_file_, "vocab file");
     nlohmann::json    j;
     try {
-        j = nlohmann::json::parse(text, json_depth_limit<nlohmann::json>("vocab file '" + vocab_file_ + "'"));
+        j = nlohmann::json::parse(text, json_parse_checks<nlohmann::json>("vocab file '" + vocab_file_ + "'"));
     } catch (const nlohmann::json::parse_error & e) {
         size_t at   = std::min<size_t>(e.byte, text.size());
         auto   line = 1 + std::count(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(at), '\n');
-        LOOM_THROW("vocab file '" << vocab_file_ << "' line " << line << " is not valid JSON: " << e.what(),
+        LOOM_THROW("vocab file '" << vocab_file_ << "' line " << line << " is not valid JSON: " << json_error_text(e),
                    "--vocab-file takes a GPT-2 vocab.json: one JSON object mapping each token to its id");
     } catch (const nlohmann::json::exception & e) {   // a number out of range, ...
-        LOOM_THROW("vocab file '" << vocab_file_ << "' is not valid JSON: " << e.what(),
+        LOOM_THROW("vocab file '" << vocab_file_ << "' is not valid JSON: " << json_error_text(e),
                    "--vocab-file takes a GPT-2 vocab.json: one JSON object mapping each token to its id");
     }
     LOOM_CHECK(j.is_object(), "vocab file '" << vocab_file_ << "' holds a JSON " << j.type_name() << ", not an object",

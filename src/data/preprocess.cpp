@@ -91,10 +91,10 @@ PreprocessResult preprocess_to_indexed_dataset(const PreprocessOptions & options
             if (is_blank(line)) continue;
             nlohmann::json j;
             try {
-                j = nlohmann::json::parse(line, json_depth_limit<nlohmann::json>(
+                j = nlohmann::json::parse(line, json_parse_checks<nlohmann::json>(
                     "--input '" + options.input + "' line " + std::to_string(line_number)));
             } catch (const nlohmann::json::exception & e) {
-                LOOM_THROW("--input '" << options.input << "' line " << line_number << " is not valid JSON: " << e.what(),
+                LOOM_THROW("--input '" << options.input << "' line " << line_number << " is not valid JSON: " << json_error_text(e),
                            "give one JSON object per line (JSON lines), or --format text for a plain text file");
             }
             LOOM_CHECK(j.is_object(), "--input '" << options.input << "' line " << line_number

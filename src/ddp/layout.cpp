@@ -448,9 +448,9 @@ std::vector<ParamSpec> read_param_specs(const std::string & path) {
 
     nlohmann::json root;
     try {
-        root = nlohmann::json::parse(text, json_depth_limit<nlohmann::json>("params file '" + path + "'"));
+        root = nlohmann::json::parse(text, json_parse_checks<nlohmann::json>("params file '" + path + "'"));
     } catch (const nlohmann::json::exception & e) {
-        LOOM_THROW("params file '" << path << "' is not JSON: " << e.what(), kFileHint);
+        LOOM_THROW("params file '" << path << "' is not JSON: " << json_error_text(e), kFileHint);
     }
     LOOM_CHECK(root.is_object() && root.contains("params") && root["params"].is_array(),
                "params file '" << path << "' has no \"params\" list", kFileHint);

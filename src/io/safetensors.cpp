@@ -63,10 +63,10 @@ SafetensorsFile::SafetensorsFile(const std::string & path) : path_(path) {
 
     json header;
     try {
-        header = json::parse(text, json_depth_limit<json>("safetensors file '" + path + "' header"));
+        header = json::parse(text, json_parse_checks<json>("safetensors file '" + path + "' header", JsonKeys::unique));
     } catch (const json::exception & e) {
         LOOM_THROW("safetensors file '" << path << "' has a bad JSON header (" << header_bytes
-                                        << " bytes after the length): " << e.what(),
+                                        << " bytes after the length): " << json_error_text(e),
                    kSafetensorsHint);
     }
     LOOM_CHECK(header.is_object(), "safetensors file '" << path << "' has a JSON header that is not an object",

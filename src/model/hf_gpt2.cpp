@@ -50,11 +50,11 @@ json read_config_json(const std::string & dir) {
     std::string   path = join(dir, "config.json");
     const std::string text = read_input_file(path, "--load-hf config");
     try {
-        json config = json::parse(text, json_depth_limit<json>("'" + path + "'"));
+        json config = json::parse(text, json_parse_checks<json>("'" + path + "'"));
         LOOM_CHECK(config.is_object(), "'" << path << "' is not a JSON object", kConfigHint);
         return config;
     } catch (const json::exception & e) {
-        LOOM_THROW("'" << path << "' is not valid JSON: " << e.what(), kConfigHint);
+        LOOM_THROW("'" << path << "' is not valid JSON: " << json_error_text(e), kConfigHint);
     }
 }
 
@@ -79,7 +79,7 @@ GptConfig gpt_config_from_hf(const std::string & dir) {
     try {
         return config_from_json(path, config);
     } catch (const json::exception & e) {   // a key of the wrong type (n_layer "twelve", scale_attn_weights "yes")
-        LOOM_THROW("'" << path << "' has a value of the wrong type: " << e.what(), kConfigHint);
+        LOOM_THROW("'" << path << "' has a value of the wrong type: " << json_error_text(e), kConfigHint);
     }
 }
 
