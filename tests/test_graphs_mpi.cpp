@@ -161,7 +161,7 @@ void expect_bitwise(const Layout & layout) {
     const TrainRun graph = train_layout(layout, true);
     ASSERT_EQ(graph.losses.size(), eager.losses.size());
     for (size_t i = 0; i < eager.losses.size(); ++i) {
-        EXPECT_EQ(graph.losses[i], eager.losses[i]) << "iteration " << i + 1 << " (graphs replay from iteration 4)";
+        EXPECT_EQ(graph.losses[i], eager.losses[i]) << "iteration " << i + 1 << " (graphs replay from iteration " << kWarmup + 1 << ")";
     }
     size_t differing = 0;
     for (const auto & [name, values] : eager.params) {

@@ -18,7 +18,6 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include <algorithm>
 #include <iostream>
 #include <optional>
 #include <sstream>
@@ -209,7 +208,7 @@ int cmd_schedule(int argc, char ** argv) {
     pipeline::validate_schedule(options);   // throws: exit 2, no stdout
     // Every rank's order holds 2 x vpp x microbatches operations, each printed: past 2^24 in all the listing
     // would only exhaust memory.
-    const int64_t operations = 2 * int64_t{options.pp} * std::max(1, options.vpp.value_or(1)) * options.num_microbatches;
+    const int64_t operations = 2 * int64_t{options.pp} * options.vpp.value_or(1) * options.num_microbatches;
     LOOM_CHECK(operations <= (int64_t{1} << 24),
                "--pipeline-model-parallel-size " << options.pp << " x --num-microbatches " << options.num_microbatches
                                                  << " is " << operations << " operations to print, more than `loom schedule` "

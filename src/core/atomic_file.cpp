@@ -10,10 +10,7 @@
 
 namespace loom {
 
-namespace {
-
-// fopen(path, "wb") that refuses to write through a symbolic link (O_NOFOLLOW); nullptr and errno on failure.
-std::FILE * create_no_follow(const std::string & path) {
+std::FILE * open_for_writing(const std::string & path) {
     const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
     if (fd < 0) return nullptr;
     std::FILE * f = ::fdopen(fd, "wb");
@@ -25,10 +22,8 @@ std::FILE * create_no_follow(const std::string & path) {
     return f;
 }
 
-}  // namespace
-
 AtomicFile::AtomicFile(const std::string & path)
-    : path_(path), tmp_(path + ".tmp." + std::to_string(::getpid())), file_(create_no_follow(tmp_)) {
+    : path_(path), tmp_(path + ".tmp." + std::to_string(::getpid())), file_(open_for_writing(tmp_)) {
     LOOM_CHECK(file_ != nullptr, "cannot create '" << tmp_ << "': " << (errno == ELOOP ? "it is a symbolic link" : std::strerror(errno)),
                "check that the output folder exists and is writable");
 }

@@ -36,6 +36,10 @@ private:
     bool        committed_ = false;
 };
 
+// fopen(path, "wb") that refuses to write through a symbolic link (O_NOFOLLOW: errno ELOOP when the last
+// component is one); nullptr and errno on failure. Every file Loom writes is opened through here.
+std::FILE * open_for_writing(const std::string & path);
+
 // The whole of `bytes` as <path>, atomically.
 void write_file_atomically(const std::string & path, std::string_view bytes);
 

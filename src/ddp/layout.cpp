@@ -4,7 +4,7 @@
 
 #include "core/error.h"
 #include "core/input_file.h"
-#include "core/json_depth.h"
+#include "core/json_checks.h"
 
 #include <nlohmann/json.hpp>
 

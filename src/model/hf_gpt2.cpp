@@ -2,7 +2,7 @@
 
 #include "core/atomic_file.h"
 #include "core/input_file.h"
-#include "core/json_depth.h"
+#include "core/json_checks.h"
 
 #include "core/error.h"
 

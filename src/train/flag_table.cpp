@@ -4,10 +4,10 @@
 
 #include <algorithm>
 #include <cctype>
-#include <cmath>
-#include <limits>
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 #include <sstream>
 

@@ -1,5 +1,6 @@
 #include "train/reporting.h"
 
+#include "core/atomic_file.h"
 #include "core/error.h"
 #include "core/device.h"
 
@@ -9,7 +10,6 @@
 #include <cmath>
 #include <cstring>
 #include <ctime>
-#include <fcntl.h>
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
@@ -150,17 +150,11 @@ void ConsoleSink::message(const std::string & line) {
 // ---- JsonLinesSink
 
 JsonLinesSink::JsonLinesSink(const std::string & path) : path_(path) {
-    // O_NOFOLLOW: a symbolic link put in place after the flags were checked is refused, not written through.
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
-    LOOM_CHECK(fd >= 0, "cannot open --log-file '" << path_ << "' for writing: "
-                                                    << (errno == ELOOP ? "it is a symbolic link" : std::strerror(errno)),
+    // A symbolic link put in place after the flags were checked is refused, not written through.
+    file_ = open_for_writing(path);
+    LOOM_CHECK(file_ != nullptr, "cannot open --log-file '" << path_ << "' for writing: "
+                                                             << (errno == ELOOP ? "it is a symbolic link" : std::strerror(errno)),
                "give the path of a file in a folder that exists and is writable");
-    file_ = ::fdopen(fd, "w");
-    if (file_ == nullptr) {
-        const int err = errno;
-        ::close(fd);
-        LOOM_THROW("cannot open --log-file '" << path_ << "' for writing: " << std::strerror(err), "");
-    }
 }
 
 JsonLinesSink::~JsonLinesSink() { std::fclose(file_); }

@@ -1,5 +1,6 @@
 #include "train/tensorboard.h"
 
+#include "core/atomic_file.h"
 #include "core/crc32c.h"
 #include "core/error.h"
 
@@ -61,7 +62,7 @@ TensorBoardWriter::TensorBoardWriter(const std::string & dir) {
     path_ = (fs::path(dir) / ("events.out.tfevents." + std::to_string(static_cast<long long>(now_seconds())) + "." +
                               host + "." + std::to_string(::getpid()) + ".0"))
                 .string();
-    file_ = std::fopen(path_.c_str(), "wb");
+    file_ = open_for_writing(path_);
     LOOM_CHECK(file_ != nullptr, "cannot create TensorBoard event file '" << path_ << "': " << std::strerror(errno),
                "check --tensorboard-dir's permissions");
     std::string first = event_header(now_seconds(), 0);
