@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -142,20 +143,28 @@ public:
     bool test() override { return poll(); }
 
 private:
-    // The watchdog: the operation never completed. Aborting the communicator releases the NCCL stream it
-    // blocks (so the process can end), and the error names the rank that waited; the other ranks' own waits
-    // time out too, or the launcher ends them when this rank exits.
+    // The watchdog: the operation never completed. Its account goes to stderr before the communicator is
+    // aborted: the abort fails the peers' operations at once, and a peer that ends the job (MPI_Abort)
+    // could otherwise kill this process before its exception is printed. Aborting releases the NCCL
+    // stream the operation blocks, so the process can end; the exception then stops this rank.
     [[noreturn]] void time_out(double waited) {
+        const std::string report = detail::concat(
+            "NCCL ", op_, " on group '", state_->name, "' (rank ", state_->rank, " of ", state_->size, ", ",
+            state_->device, ") has waited ", static_cast<int>(waited),
+            " s for its peers: a rank of the group has not issued the matching operation (operations issued in "
+            "another order: a deadlock; or a stopped rank)");
+        std::fprintf(stderr,
+                     "[rank %d] loom: %s\n  HINT: every rank of a group must issue the same NCCL operations in the "
+                     "same order; --distributed-timeout-minutes sets how long a wait may take\n",
+                     process_rank(), report.c_str());
+        std::fflush(stderr);
         if (!state_->aborted) {
             state_->aborted = true;
             ncclCommAbort(state_->comm);
         }
-        LOOM_THROW("NCCL " << op_ << " on group '" << state_->name << "' (rank " << state_->rank << " of "
-                           << state_->size << ", " << state_->device << ") has waited " << static_cast<int>(waited)
-                           << " s for its peers: a rank of the group has not issued the matching operation (operations "
-                              "issued in another order: a deadlock; or a stopped rank)",
-                   "every rank of a group must issue the same NCCL operations in the same order; "
-                   "--distributed-timeout-minutes sets how long a wait may take");
+        throw RunError(detail::concat("NCCL ", op_, " on group '", state_->name, "' timed out after ",
+                                      static_cast<int>(waited), " s (the watchdog's report is above)"),
+                       "", __FILE__, __LINE__);
     }
 
     // True once the operation has completed or the communicator has failed (error_ says which).

@@ -33,8 +33,10 @@
 //     segments, with the same events against the replay stream (replay on the stream that captured). The
 //     NCCL call is never inside a CUDA graph; the Work returned during capture refuses a wait (the operation
 //     completes in each replay). A stream merely forked into another stream's capture is refused.
-//   - watchdog: a Work::wait that has waited past NcclContext::set_timeout aborts the communicator and throws
-//     naming the operation, the group and the rank (NCCL itself would wait forever).
+//   - watchdog: a Work::wait that has waited past NcclContext::set_timeout prints its report to stderr
+//     (the operation, the group and the rank), aborts the communicator and throws a RunError (NCCL itself
+//     would wait forever). The report is printed first: the abort fails the peers at once, and a peer
+//     that ends the job could otherwise stop this rank before its exception is printed.
 #pragma once
 
 #include "backend/cuda/cuda_namespace.h"
