@@ -7,6 +7,7 @@
 // are exact in bf16 and f16 and every f32 sum of them is exact: results are compared bitwise, and a
 // 16-bit reduction must equal the exact sum rounded once.
 #include "backend/cpu/cpu_device.h"
+#include "comm/agreement.h"
 #include "comm/counting_communicator.h"
 #include "comm/mpi_communicator.h"
 #include "parallel/parallel_config.h"
@@ -421,6 +422,67 @@ TEST(MpiComm, EveryGroupKindOfEtp1Ep4Pp2MoeWorld) {
     sizes.ep         = 4;
     sizes.etp        = 1;
     run_in_every_group_kind(sizes);
+}
+
+// Agreement (comm/agreement.h): ranks launched alike pass; a rank that differs is named, on every rank, with
+// each value and the ranks holding it, whatever the lengths of the ranks' settings.
+std::vector<Setting> common_settings() { return {{"--seq-length", "128"}, {"--lr", "0.0001"}, {"--bf16", "false"}}; }
+
+TEST(Agreement, RanksLaunchedAlikePass) {
+    const std::vector<Setting> settings = common_settings();
+    EXPECT_NO_THROW(check_agreement(*g_mpi->world(), cpu::device(), settings, "different options"));
+}
+
+TEST(Agreement, AValueOnTheLastRankIsNamedOnEveryRank) {
+    auto                 world    = g_mpi->world();
+    std::vector<Setting> settings = common_settings();
+    if (world->rank() == world->size() - 1) settings[1].value = "0.0002";
+    if (world->size() == 1) {
+        EXPECT_NO_THROW(check_agreement(*world, cpu::device(), settings, "different options"));
+        return;
+    }
+    std::vector<int> others(static_cast<size_t>(world->size() - 1));
+    for (size_t r = 0; r < others.size(); ++r) others[r] = static_cast<int>(r);
+    const std::string expected = "different options:\n    --lr: 0.0001 on " + rank_list(others) + "; 0.0002 on rank " +
+                                 std::to_string(world->size() - 1);
+    try {
+        check_agreement(*world, cpu::device(), settings, "different options");
+        ADD_FAILURE() << "no error on rank " << world->rank();
+    } catch (const Error & e) {
+        EXPECT_EQ(e.message(), expected);
+    }
+    // The exchange completed on every rank: the world still works.
+    world->barrier()->wait();
+}
+
+TEST(Agreement, ASettingOneRankAloneHasIsNamedAsAbsentElsewhere) {
+    auto                 world    = g_mpi->world();
+    std::vector<Setting> settings = common_settings();
+    // Rank 0's message is the longest: the others' are padded to it.
+    if (world->rank() == 0) settings.insert(settings.begin() + 1, {"--data-path", std::string(300, 'x')});
+    if (world->size() == 1) return;
+    try {
+        check_agreement(*world, cpu::device(), settings, "different options");
+        ADD_FAILURE() << "no error on rank " << world->rank();
+    } catch (const Error & e) {
+        EXPECT_EQ(e.message(), "different options:\n    --data-path: " + std::string(300, 'x') + " on rank 0; (absent) on " +
+                                   (world->size() == 2 ? std::string("rank 1") : "ranks 1-" + std::to_string(world->size() - 1)));
+    }
+}
+
+TEST(Agreement, ReportLinesAndRankLists) {
+    EXPECT_EQ(rank_list(std::vector<int>{3}), "rank 3");
+    EXPECT_EQ(rank_list(std::vector<int>{0, 1, 2, 5, 7, 8}), "ranks 0-2, 5, 7-8");
+    const std::vector<std::vector<Setting>> ranks = {
+        {{"a", "1"}, {"b", ""}, {"c", "x"}}, {{"a", "1"}, {"b", "2"}, {"c", "x"}}, {{"a", "1"}, {"c", "y"}}};
+    EXPECT_EQ(disagreements(ranks),
+              (std::vector<std::string>{"b: '' on rank 0; 2 on rank 1; (absent) on rank 2", "c: x on ranks 0-1; y on rank 2"}));
+    EXPECT_TRUE(disagreements({ranks[0], ranks[0]}).empty());
+    const std::vector<Setting> settings = common_settings();
+    const std::vector<Setting> back     = decode_settings(encode_settings(settings));
+    ASSERT_EQ(back.size(), settings.size());
+    for (size_t i = 0; i < back.size(); ++i) EXPECT_EQ(back[i].name + "=" + back[i].value, settings[i].name + "=" + settings[i].value);
+    EXPECT_THROW(decode_settings(std::string("--lr\0" "1", 6)), Error);
 }
 
 int main(int argc, char ** argv) { return loom::testing_mpi::run_all_tests_under_mpi(argc, argv, &g_mpi); }

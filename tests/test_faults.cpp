@@ -4,11 +4,18 @@
 // LOOM_DISTRIBUTED_TIMEOUT_S (--distributed-timeout-minutes counts whole minutes). The watchdog's message
 // names the rank that did not arrive: a stopped one does not answer its roll call, a stalled one (sleeping
 // outside communication) answers that it has not posted the operation.
+//
+// Ranks launched differently (a flag on one rank only, another value, another file at the same path on
+// another host) refuse before the first collective, every rank exiting with status 2 and the message
+// naming the flag, its values and the ranks holding each (comm/agreement.h).
 #include "loom_cli_runner.h"
 
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <unistd.h>
 
 namespace {
 
@@ -40,5 +47,72 @@ INSTANTIATE_TEST_SUITE_P(
                                        "inside MPI"},
                       Fault{"stall", "rank 1 has not arrived: it has posted"}),
     [](const ::testing::TestParamInfo<Fault> & info) { return std::string(info.param.name); });
+
+// Two ranks launched apart (mpirun's multiple-program form): `loom train <rank0>` in `dir0` and
+// `loom train <rank1>` in `dir1`; the seconds it took.
+struct TwoRanks {
+    CliRun run;
+    double seconds;
+};
+TwoRanks train_on_two_ranks(const std::string & rank0, const std::string & rank1, const std::string & dir0 = ".",
+                            const std::string & dir1 = ".") {
+    const auto        start = std::chrono::steady_clock::now();
+    const std::string loom  = std::string(LOOM_CLI_PATH) + " train --train-iters 4 --lr-warmup-iters 1 ";
+    CliRun r = run_command("timeout 120 " + std::string(LOOM_MPIEXEC) + " --oversubscribe -np 1 -wdir " + dir0 + " " + loom +
+                           rank0 + " : -np 1 -wdir " + dir1 + " " + loom + rank1 + " 2>&1");
+    return {r, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()};
+}
+
+void expect_refused_before_training(const TwoRanks & t, const std::string & heading, const std::string & line) {
+    EXPECT_EQ(t.run.status, 2) << t.run.out;
+    EXPECT_LT(t.seconds, 30.0) << t.run.out;
+    EXPECT_NE(t.run.out.find(heading + ":"), std::string::npos) << t.run.out;
+    EXPECT_NE(t.run.out.find("\n    " + line + "\n"), std::string::npos) << "expected the line: " << line << "\n"
+                                                                         << t.run.out;
+    EXPECT_EQ(t.run.out.find("iteration "), std::string::npos) << "a rank trained\n" << t.run.out;
+}
+
+constexpr const char * kOptions = "the ranks were launched with different options";
+
+TEST(RanksThatDisagree, AnotherLearningRateIsNamedWithBothValues) {
+    expect_refused_before_training(train_on_two_ranks("--mock-data --lr 1e-4", "--mock-data --lr 2e-4"), kOptions,
+                                   "--lr: 0.0001 on rank 0; 0.0002 on rank 1");
+}
+
+TEST(RanksThatDisagree, AFlagOnOneRankOnlyIsNamed) {
+    expect_refused_before_training(train_on_two_ranks("--mock-data", "--mock-data --bf16"), kOptions,
+                                   "--bf16: false on rank 0; true on rank 1");
+}
+
+TEST(RanksThatDisagree, AnotherModelShapeIsNamedBeforeAnyCollective) {
+    // Once an MPI error in a non-blocking collective, far from the cause.
+    const TwoRanks t = train_on_two_ranks("--mock-data --num-layers 2", "--mock-data --num-layers 4");
+    expect_refused_before_training(t, kOptions, "--num-layers: 2 on rank 0; 4 on rank 1");
+    EXPECT_NE(t.run.out.find("the resolved model: 2 layers"), std::string::npos) << t.run.out;
+}
+
+TEST(RanksThatDisagree, TheSamePathNamingOtherDataOnAnotherHostIsNamed) {
+    // Two "hosts": each rank in its own folder, where corpus_text_document is a different dataset.
+    namespace fs = std::filesystem;
+    const fs::path root = fs::temp_directory_path() / ("loom-agreement-" + std::to_string(getpid()));
+    for (int host = 0; host < 2; ++host) {
+        const fs::path dir = root / ("host" + std::to_string(host));
+        fs::create_directories(dir);
+        std::ofstream text(dir / "corpus.txt");
+        for (int line = 0; line < 200 + 50 * host; ++line) text << "document " << line << " of host " << host << "\n";
+        text.close();
+        ASSERT_EQ(run_loom("data --input " + (dir / "corpus.txt").string() + " --output-prefix " + (dir / "corpus").string() +
+                           " --text-documents line").status, 0);
+    }
+    const std::string flags = "--data-path corpus_text_document --split 100,0,0 --seq-length 32 --num-layers 1";
+    const TwoRanks    t = train_on_two_ranks(flags, flags, (root / "host0").string(), (root / "host1").string());
+    EXPECT_EQ(t.run.status, 2) << t.run.out;
+    EXPECT_LT(t.seconds, 30.0) << t.run.out;
+    EXPECT_NE(t.run.out.find("the ranks read different data:\n    training data: Megatron dataset corpus_text_document"),
+              std::string::npos) << t.run.out;
+    EXPECT_NE(t.run.out.find(" on rank 0; Megatron dataset corpus_text_document"), std::string::npos) << t.run.out;
+    EXPECT_EQ(t.run.out.find("iteration "), std::string::npos) << "a rank trained\n" << t.run.out;
+    fs::remove_all(root);
+}
 
 }  // namespace

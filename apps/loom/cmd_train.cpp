@@ -9,11 +9,14 @@
 // Prints Megatron's per-iteration line every --log-interval iterations, optionally writes the same keys
 // as JSON lines (--log-file), and ends with a summary: tokens/s, achieved TFLOP/s, peak memory by pool.
 // Under mpirun every rank is a data-parallel rank (DDP, ddp/ddp.h); only rank 0 prints, and an error on
-// any rank stops the whole job. The options are validated for the launched world size before MPI starts.
+// any rank stops the whole job. The options are validated for the launched world size before MPI starts,
+// and the ranks check that they were launched alike (flags, build, model, data) before any other collective.
 // A single process uses DDP's buffers too when a data-parallel flag asks for them.
 #include "apps/loom/commands.h"
 #include "apps/loom/devices.h"
 #include "train/options_parser.h"
+#include "backend/cpu/cpu_device.h"
+#include "comm/agreement.h"
 #include "comm/mpi_communicator.h"
 #include "core/error.h"
 #include "data/gpt_dataset.h"
@@ -66,6 +69,15 @@ int64_t launched_world_size() {
 
 static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, comm::MpiContext * mpi);
 
+// Under mpirun, before the first collective: every rank was launched with the same flags (as parsed) and
+// build, and resolved the same model (comm/agreement.h). A disagreement ends every rank naming the flags.
+static void check_launch_agreement(const train::TrainOptionParser & parser, const train::TrainOptions & options,
+                                   comm::MpiContext & mpi) {
+    std::vector<comm::Setting> settings = parser.settings(options);
+    settings.insert(settings.begin(), comm::Setting{"loom version", LOOM_VERSION});
+    comm::check_agreement(*mpi.world(), cpu::device(), settings, "the ranks were launched with different options");
+}
+
 int cmd_train(int argc, char ** argv) {
     CLI::App app{"Train a GPT on this rank.", "loom train"};
     train::TrainOptionParser parser(app);
@@ -95,6 +107,7 @@ int cmd_train(int argc, char ** argv) {
         mpi->abort(status);
     };
     try {
+        check_launch_agreement(parser, options, *mpi);
         return train_on_this_rank(options, parser.vocab_given(), mpi.get());
     } catch (const RunError & e) {
         stop(e.what(), 1, true);
@@ -151,6 +164,16 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
         } catch (const Error & e) {
             if (out) std::printf("loom train: the test split is not evaluated: %s\n", e.message().c_str());
         }
+    }
+    if (mpi && mpi->world_size() > 1) {
+        // The data the flags named is the same on every rank (a path can name different files on two hosts).
+        const std::vector<comm::Setting> read = {
+            {"training data", data->identity()},
+            {"validation data", valid ? valid->identity() : "none"},
+            {"test data", test ? test->identity() : "none"},
+            {"the vocabulary", std::to_string(options.model.vocab_size)},
+        };
+        comm::check_agreement(*mpi->world(), cpu::device(), read, "the ranks read different data");
     }
     train::Setup setup = train::setup(options, groups, device);
     if (out) std::printf("loom train: %s on %s, %lld parameters, %lld layers, hidden %lld, heads %lld, seq %lld, vocab %lld (padded %lld)\n",

@@ -228,14 +228,16 @@ BlendedDataset::BlendedDataset(std::vector<std::unique_ptr<GptDataset>> datasets
     entry.write_description();
 }
 
-std::string BlendedDataset::describe() const {
+std::string BlendedDataset::text(bool cache_notes) const {
     std::ostringstream os;
     os << "Megatron blend of " << datasets_.size() << " datasets (" << name_ << " split, " << num_samples()
        << " samples, vocab " << vocab_size_ << ", weights";
     for (double w : weights_) os << " " << w;
     os << ")";
-    os << cache_note_;
-    for (size_t d = 0; d < datasets_.size(); ++d) os << (d == 0 ? ": " : "; ") << datasets_[d]->describe();
+    if (cache_notes) os << cache_note_;
+    for (size_t d = 0; d < datasets_.size(); ++d) {
+        os << (d == 0 ? ": " : "; ") << (cache_notes ? datasets_[d]->describe() : datasets_[d]->identity());
+    }
     return os.str();
 }
 

@@ -96,7 +96,8 @@ public:
     int64_t     num_samples() const override { return static_cast<int64_t>(index_.dataset_index.size()); }
     int64_t     vocab_size() const override { return vocab_size_; }
     int64_t     seq_length() const override { return datasets_.front()->seq_length(); }
-    std::string describe() const override;
+    std::string describe() const override { return text(true); }
+    std::string identity() const override { return text(false); }
     // Sample dataset_sample_index[i] of dataset dataset_index[i].
     void        sample(int64_t index, std::span<int32_t> out) const override;
 
@@ -106,6 +107,8 @@ public:
     bool                                             loaded_from_cache() const { return loaded_from_cache_; }
 
 private:
+    std::string text(bool cache_notes) const;   // describe() with or without where the indices came from
+
     std::vector<std::unique_ptr<GptDataset>> datasets_;
     std::vector<double>                      weights_;   // normalised
     std::string                              name_, cache_note_;   // where the indices came from

@@ -339,13 +339,12 @@ GptDataset::GptDataset(std::shared_ptr<const IndexedDataset> data, DocumentRange
     }
 }
 
-std::string GptDataset::describe() const {
+std::string GptDataset::identity() const {
     std::ostringstream os;
     os << "Megatron dataset " << data_->prefix() << " (" << name_ << " split: documents [" << range_.begin << ", "
        << range_.end << ") of " << data_->num_sequences() << ", " << index_.tokens_per_epoch << " tokens/epoch, "
        << index_.num_epochs << " epoch" << (index_.num_epochs > 1 ? "s" : "") << ", " << num_samples()
        << " samples, vocab " << vocab_size_ << ", seed " << seed_ << ")";
-    os << cache_note_;
     return os.str();
 }
 

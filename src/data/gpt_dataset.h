@@ -134,7 +134,8 @@ public:
     int64_t     num_samples() const override { return index_.num_samples(); }
     int64_t     vocab_size() const override { return vocab_size_; }
     int64_t     seq_length() const override { return seq_length_; }
-    std::string describe() const override;
+    std::string describe() const override { return identity() + cache_note_; }
+    std::string identity() const override;
     // Sample shuffle_index[index].
     void sample(int64_t index, std::span<int32_t> out) const override;
     // Sample `index` of the sample index, before shuffling (what the tests walk in order).

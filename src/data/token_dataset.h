@@ -53,6 +53,9 @@ public:
     virtual int64_t     vocab_size() const = 0;
     virtual int64_t     seq_length() const = 0;
     virtual std::string describe() const = 0;
+    // What the dataset is, the same on every rank that reads the same data (describe() less where this
+    // rank's indices came from): what the ranks of a job must agree on.
+    virtual std::string identity() const { return describe(); }
     // Writes the seq_length + 1 tokens of sample `index` (0 <= index < num_samples()).
     virtual void sample(int64_t index, std::span<int32_t> out) const = 0;
 };

@@ -19,6 +19,7 @@ public:
         return model::MicroBatch{b.tokens, b.labels, b.loss_mask, b.sample_ids};
     }
     std::string describe() const override { return dataset_->describe(); }
+    std::string identity() const override { return dataset_->identity(); }
     void        set_consumed_samples(int64_t consumed) override { loader_.set_consumed_samples(consumed); }
 
 private:

@@ -3,6 +3,10 @@
 #include "core/error.h"
 #include "train/megatron_flags.h"
 
+#include <cstdio>
+#include <cstdlib>
+#include <type_traits>
+
 namespace loom::train {
 
 namespace {
@@ -10,8 +14,8 @@ namespace {
 // The tables, each with the value its flags land in, in the order they are registered (so the order
 // --help lists a group's flags in). The one list of tables: registration, the checkpoint's args and the
 // docs all walk it.
-template <class Visit> void for_each_table(FlagValues & v, Visit && visit) {
-    TrainOptions & o = v.options;
+template <class Values, class Visit> void for_each_table(Values & v, Visit && visit) {
+    auto & o = v.options;
     visit(model_option_flags(), o);
     visit(model_flags(), v.model);
     visit(adam_flags(), o.adam);
@@ -30,7 +34,52 @@ template <class Visit> void for_each_table(FlagValues & v, Visit && visit) {
     visit(graph_option_flags(), o);
 }
 
+// The shortest %g spelling of `value` that reads back as the same T (1e-4f is "0.0001", not "9.99999975e-05").
+template <class T> std::string shortest_text(T value) {
+    char buffer[40];
+    for (int digits = 6;; ++digits) {
+        std::snprintf(buffer, sizeof buffer, "%.*g", digits, static_cast<double>(value));
+        const T back = std::is_same_v<T, float> ? std::strtof(buffer, nullptr) : std::strtod(buffer, nullptr);
+        if (back == value || digits == 17 || value != value) return buffer;
+    }
+}
+
+// A member's value as text that is equal exactly when the values are.
+template <class T> std::string value_text(const T & value) {
+    if constexpr (std::is_same_v<T, bool>) {
+        return value ? "true" : "false";
+    } else if constexpr (std::is_floating_point_v<T>) {
+        return shortest_text(value);
+    } else if constexpr (std::is_integral_v<T>) {
+        return std::to_string(value);
+    } else if constexpr (std::is_same_v<T, std::string>) {
+        return value;
+    } else {   // a list
+        std::string text;
+        for (const auto & item : value) {
+            if (!text.empty()) text += ' ';
+            text += value_text(item);
+        }
+        return text;
+    }
+}
+
 }  // namespace
+
+std::vector<comm::Setting> TrainOptionParser::settings(const TrainOptions & resolved) const {
+    std::vector<comm::Setting> out;
+    for_each_table(values_, [&](auto table, const auto & owner) {
+        for (const auto & flag : table) {
+            std::visit([&](auto member) { out.push_back({flag.name, value_text(owner.*member)}); }, flag.member);
+        }
+    });
+    const model::GptConfig & m = resolved.model;
+    out.push_back({"the resolved model",
+                   detail::concat(m.num_layers, " layers, hidden ", m.hidden_size, ", ffn ", m.ffn_hidden_size, ", heads ",
+                                  m.num_attention_heads, " (", m.num_query_groups, " query groups), seq ", m.seq_length,
+                                  ", vocab ", m.vocab_size, ", ", m.num_parameters(), " parameters")});
+    return out;
+}
 
 std::vector<FlagInfo> train_flags() {
     FlagValues            scratch;

@@ -3,6 +3,7 @@
 // and validated in one place with messages that name the flags, into TrainOptions (train/options.h).
 #pragma once
 
+#include "comm/agreement.h"
 #include "train/flag_values.h"
 #include "train/options.h"
 
@@ -38,6 +39,10 @@ public:
     // After app.parse(): the preset, the flags given, the files they name; validated for `world_size`
     // ranks (tp x pp x dp); throws loom::Error (identically on every rank, before any collective).
     TrainOptions resolve(int64_t world_size = 1);
+    // What every rank of a job must hold alike, for comm::check_agreement before the first collective:
+    // each flag of the tables with its value as parsed (given or default), and the model `resolved` has
+    // (its shape may come from files: --load-hf, --use-checkpoint-args, a tokenizer).
+    std::vector<comm::Setting> settings(const TrainOptions & resolved) const;
     // `loom export-hf` builds a model and reads no data: no data source is required.
     void         data_optional() { data_optional_ = true; }
     // True when --vocab-size, --load-hf or --use-checkpoint-args fixed the vocabulary (otherwise the

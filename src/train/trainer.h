@@ -37,6 +37,8 @@ public:
     virtual ~BatchSource() = default;
     virtual model::MicroBatch next() = 0;
     virtual std::string       describe() const = 0;
+    // What every rank reading the same data holds alike (data::TokenDataset::identity).
+    virtual std::string       identity() const { return describe(); }
     // Resume (--load): the next micro-batch starts after `consumed` samples of all ranks. A source that
     // cannot seek refuses.
     virtual void              set_consumed_samples(int64_t consumed);

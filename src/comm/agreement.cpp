@@ -1,0 +1,158 @@
+#include "comm/agreement.h"
+
+#include "core/error.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+
+namespace loom::comm {
+
+namespace {
+
+// FNV-1a, 64 bits: a digest of the encoded settings (accidental equality of different settings: 2^-64).
+uint64_t digest(std::string_view bytes) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (unsigned char c : bytes) h = (h ^ c) * 0x100000001b3ull;
+    return h;
+}
+
+// Every rank's `mine` (each the same size), gathered in rank order: host bytes staged through `device`.
+std::string gather(Communicator & world, Device & device, std::string mine) {
+    const int64_t size = static_cast<int64_t>(mine.size());
+    const MemoryKind host_kind = device.type() == DeviceType::cpu ? MemoryKind::device : MemoryKind::pageable_host;
+    std::string all(mine.size() * static_cast<size_t>(world.size()), '\0');
+    Tensor      in  = Tensor::from_blob(mine.data(), {size}, DType::u8, device, host_kind);
+    Tensor      out = Tensor::from_blob(all.data(), {size * world.size()}, DType::u8, device, host_kind);
+    if (device.type() == DeviceType::cpu) {
+        world.all_gather(in, out)->wait();
+        return all;
+    }
+    Tensor in_device  = Tensor::empty(in.shape(), DType::u8, device);
+    Tensor out_device = Tensor::empty(out.shape(), DType::u8, device);
+    copy_now(in_device, in);
+    world.all_gather(in_device, out_device)->wait();
+    copy_now(out, out_device);
+    return all;
+}
+
+void put_u64(std::string & bytes, size_t at, uint64_t v) { std::memcpy(bytes.data() + at, &v, sizeof v); }
+uint64_t get_u64(const std::string & bytes, size_t at) {
+    uint64_t v = 0;
+    std::memcpy(&v, bytes.data() + at, sizeof v);
+    return v;
+}
+
+}  // namespace
+
+std::string encode_settings(std::span<const Setting> settings) {
+    std::string bytes;
+    for (const Setting & s : settings) {
+        bytes.append(s.name).push_back('\0');
+        bytes.append(s.value).push_back('\0');
+    }
+    return bytes;
+}
+
+std::vector<Setting> decode_settings(std::string_view bytes) {
+    std::vector<Setting> settings;
+    size_t               at = 0;
+    auto next = [&]() {
+        const size_t end = bytes.find('\0', at);
+        LOOM_CHECK(end != std::string_view::npos, "an agreement message ends inside a setting (" << bytes.size() << " bytes)",
+                   "the ranks run different builds of loom?");
+        std::string part(bytes.substr(at, end - at));
+        at = end + 1;
+        return part;
+    };
+    while (at < bytes.size()) {
+        std::string name  = next();
+        std::string value = next();
+        settings.push_back({std::move(name), std::move(value)});
+    }
+    return settings;
+}
+
+std::string rank_list(std::span<const int> ranks) {
+    std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+    for (size_t i = 0; i < ranks.size();) {
+        size_t j = i;
+        while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+        if (i > 0) out += ", ";
+        out += std::to_string(ranks[i]);
+        if (j > i) out += "-" + std::to_string(ranks[j]);
+        i = j + 1;
+    }
+    return out;
+}
+
+std::vector<std::string> disagreements(const std::vector<std::vector<Setting>> & per_rank) {
+    // Names in the order they first appear, each with its value on every rank.
+    std::vector<std::string>                             names;
+    std::map<std::string, std::vector<const std::string *>> values;
+    for (size_t r = 0; r < per_rank.size(); ++r) {
+        for (const Setting & s : per_rank[r]) {
+            auto [it, added] = values.try_emplace(s.name, per_rank.size(), nullptr);
+            if (added) names.push_back(s.name);
+            it->second[r] = &s.value;
+        }
+    }
+    static const std::string absent = "(absent)";
+    std::vector<std::string> lines;
+    for (const std::string & name : names) {
+        const std::vector<const std::string *> & held = values[name];
+        // Each distinct value with the ranks holding it, in the order of their first rank.
+        std::vector<std::pair<const std::string *, std::vector<int>>> groups;
+        for (size_t r = 0; r < held.size(); ++r) {
+            const std::string * v = held[r] ? held[r] : &absent;
+            auto g = std::find_if(groups.begin(), groups.end(), [&](const auto & p) { return *p.first == *v; });
+            if (g == groups.end()) {
+                groups.push_back({v, {}});
+                g = groups.end() - 1;
+            }
+            g->second.push_back(static_cast<int>(r));
+        }
+        if (groups.size() == 1) continue;
+        std::string line = name + ":";
+        for (size_t g = 0; g < groups.size(); ++g) {
+            line += (g == 0 ? " " : "; ") + (groups[g].first->empty() ? std::string("''") : *groups[g].first) +
+                    " on " + rank_list(groups[g].second);
+        }
+        lines.push_back(std::move(line));
+    }
+    return lines;
+}
+
+void check_agreement(Communicator & world, Device & device, std::span<const Setting> settings, std::string_view what) {
+    const std::string mine = encode_settings(settings);
+    std::string       head(2 * sizeof(uint64_t), '\0');
+    put_u64(head, 0, digest(mine));
+    put_u64(head, sizeof(uint64_t), mine.size());
+    const std::string heads = gather(world, device, head);
+    bool              same  = true;
+    size_t            most  = 0;
+    for (int r = 0; r < world.size(); ++r) {
+        const size_t at = static_cast<size_t>(r) * head.size();
+        same            = same && get_u64(heads, at) == get_u64(heads, 0);
+        most            = std::max<size_t>(most, get_u64(heads, at + sizeof(uint64_t)));
+    }
+    if (same) return;
+    // Every rank's settings, each padded to the longest (every rank computed the same `most`).
+    std::string padded = mine;
+    padded.resize(most, '\0');
+    const std::string                 all = gather(world, device, padded);
+    std::vector<std::vector<Setting>> per_rank;
+    for (int r = 0; r < world.size(); ++r) {
+        const size_t length = get_u64(heads, static_cast<size_t>(r) * head.size() + sizeof(uint64_t));
+        per_rank.push_back(decode_settings(std::string_view(all).substr(static_cast<size_t>(r) * most, length)));
+    }
+    std::string report(what);
+    report += ":";
+    const std::vector<std::string> lines = disagreements(per_rank);
+    for (const std::string & line : lines) report += "\n    " + line;
+    if (lines.empty()) report += " the same settings in another order (different builds of loom?)";
+    LOOM_THROW(report, "launch every rank with the same flags, build and files: a wrapper script or environment "
+                       "that differs on some ranks or nodes?");
+}
+
+}  // namespace loom::comm

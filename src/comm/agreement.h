@@ -1,0 +1,53 @@
+// Agreement before the first collective: every rank of a job must have been launched alike (the same
+// resolved flags, the same build, the same data). A wrapper that adds a flag on one rank only, a stale
+// environment or a per-node file that differs would otherwise train ranks that compute different things,
+// or reach a collective with mismatched shapes (an MPI error far from the cause, or a hang until the
+// watchdog fires).
+//
+//   check_agreement(*mpi.world(), cpu::device(), settings, "the ranks were launched with different options");
+//
+// The exchange cannot itself mismatch: first an all-gather of two integers per rank (a 64-bit digest of
+// the settings and their encoded length); only when the digests differ, an all-gather of every rank's
+// settings padded to the longest, from which every rank builds the same report and throws the same
+// loom::Error (exit status 2), naming each setting that differs, its values and the ranks holding each:
+//
+//   the ranks were launched with different options:
+//     --lr: 0.0001 on ranks 0-2; 0.0002 on rank 3
+//     --bf16: false on ranks 0, 2-3; true on rank 1
+#pragma once
+
+#include "comm/communicator.h"
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace loom::comm {
+
+// One named value that must be the same on every rank: a flag and its resolved value, the build, a
+// dataset's identity.
+struct Setting {
+    std::string name;
+    std::string value;
+};
+
+// Returns when every rank of `world` holds the same `settings`; otherwise throws loom::Error on every rank
+// with the report above, headed by `what`. Collective over `world` (blocking), its messages staged in
+// `device`'s memory as the communicator needs them.
+void check_agreement(Communicator & world, Device & device, std::span<const Setting> settings, std::string_view what);
+
+// The report's lines for the settings of each rank (per_rank[r]: rank r's), one per name whose values
+// differ, in the order names first appear (rank 0's first); a name a rank lacks reads "(absent)". Empty
+// when every rank agrees.
+std::vector<std::string> disagreements(const std::vector<std::vector<Setting>> & per_rank);
+
+// "rank 3", "ranks 0-2, 5": the ranks of a sorted list, runs collapsed.
+std::string rank_list(std::span<const int> ranks);
+
+// The settings as bytes (name, NUL, value, NUL each) and back; decode throws on bytes encode did not make.
+std::string          encode_settings(std::span<const Setting> settings);
+std::vector<Setting> decode_settings(std::string_view bytes);
+
+}  // namespace loom::comm
