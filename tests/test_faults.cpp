@@ -8,6 +8,9 @@
 // Ranks launched differently (a flag on one rank only, another value, another file at the same path on
 // another host) refuse before the first collective, every rank exiting with status 2 and the message
 // naming the flag, its values and the ranks holding each (comm/agreement.h).
+//
+// No output is lost silently: a standard output or --log-file that cannot be written (full, closed) stops
+// the run at the next log iteration on every rank, saves the checkpoint, and exits 1 naming the stream.
 #include "loom_cli_runner.h"
 
 #include <gtest/gtest.h>
@@ -113,6 +116,61 @@ TEST(RanksThatDisagree, TheSamePathNamingOtherDataOnAnotherHostIsNamed) {
     EXPECT_NE(t.run.out.find(" on rank 0; Megatron dataset corpus_text_document"), std::string::npos) << t.run.out;
     EXPECT_EQ(t.run.out.find("iteration "), std::string::npos) << "a rank trained\n" << t.run.out;
     fs::remove_all(root);
+}
+
+// An output that fails: the run stops at the first log iteration after it (2 here), on every rank, saved.
+struct LostOutput {
+    const char * name;
+    int          np;
+    const char * redirect;   // where the output goes
+    const char * message;    // what stderr must say
+};
+
+class OutputLost : public ::testing::TestWithParam<LostOutput> {};
+
+TEST_P(OutputLost, EndsTheRunWithExitOneNamingItAfterSaving) {
+    namespace fs = std::filesystem;
+    const LostOutput & o    = GetParam();
+    const fs::path     save = fs::temp_directory_path() / ("loom-lost-output-" + std::string(o.name) + "-" + std::to_string(getpid()));
+    fs::remove_all(save);
+    const std::string train = std::string(LOOM_CLI_PATH) +
+                              " train --mock-data --num-layers 1 --train-iters 6 --log-interval 2 --lr-warmup-iters 1 --save " +
+                              save.string() + " " + o.redirect;
+    const std::string launch = o.np == 1 ? "" : std::string(LOOM_MPIEXEC) + " --oversubscribe -np " + std::to_string(o.np) + " ";
+    const CliRun      r      = run_command("timeout 120 " + launch + train);
+    EXPECT_EQ(r.status, 1) << r.out;
+    EXPECT_NE(r.out.find(o.message), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("(the run stopped after iteration 2; the checkpoint is saved in " + save.string() + ")"),
+              std::string::npos) << r.out;
+    std::ifstream tracker(save / "latest_checkpointed_iteration.txt");
+    std::string   iteration;
+    tracker >> iteration;
+    EXPECT_EQ(iteration, "2") << "the checkpoint of the iteration the run stopped after";
+    fs::remove_all(save);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Outputs, OutputLost,
+    ::testing::Values(
+        LostOutput{"full_stdout", 1, "2>&1 >/dev/full",
+                   "cannot write the training log to standard output: No space left on device"},
+        LostOutput{"full_log_file_of_two_ranks", 2, "--log-file /dev/full 2>&1",
+                   "cannot write --log-file '/dev/full': No space left on device"}),
+    [](const ::testing::TestParamInfo<LostOutput> & info) { return std::string(info.param.name); });
+
+TEST(OutputLost, AClosedStandardOutputIsRefusedBeforeAnythingRuns) {
+    // Left closed, the first file opened would take its number, and the log would be written into it.
+    const CliRun r = run_loom("train --mock-data --train-iters 2", "2>&1 >&-");
+    EXPECT_EQ(r.status, 1) << r.out;
+    EXPECT_NE(r.out.find("loom: standard output is closed"), std::string::npos) << r.out;
+    EXPECT_EQ(r.out.find("iteration"), std::string::npos) << r.out;
+}
+
+TEST(OutputLost, AnyCommandWhoseStandardOutputIsFullExitsOne) {
+    const CliRun r = run_loom("ranks --world-size 8 --tensor-model-parallel-size 2", "2>&1 >/dev/full");
+    EXPECT_EQ(r.status, 1) << r.out;
+    EXPECT_EQ(r.out.rfind("loom ranks: ", 0), 0u) << r.out;
+    EXPECT_NE(r.out.find("cannot write standard output: No space left on device"), std::string::npos) << r.out;
 }
 
 }  // namespace

@@ -16,12 +16,16 @@
 // stderr.
 #include "apps/loom/commands.h"
 #include "apps/loom/gpu_backend.h"
+#include "core/atomic_file.h"
 #include "core/error.h"
 
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <fcntl.h>
 #include <string>
+#include <unistd.h>
 
 namespace {
 
@@ -63,7 +67,26 @@ void print_version() {
 
 }  // namespace
 
+// A standard stream the launcher left closed would be the number the first file opened gets, and what is
+// printed would land in that file (a checkpoint, the --log-file). Each closed one is held by /dev/null;
+// a closed standard output is refused: what it would have shown is lost.
+static bool standard_output_is_open() {
+    bool stdout_open = true;
+    for (int fd : {STDIN_FILENO, STDOUT_FILENO, STDERR_FILENO}) {
+        if (fcntl(fd, F_GETFD) != -1 || errno != EBADF) continue;
+        const int held = open("/dev/null", fd == STDIN_FILENO ? O_RDONLY : O_WRONLY);
+        if (held != fd && held >= 0) close(held);
+        if (fd == STDOUT_FILENO) stdout_open = false;
+    }
+    return stdout_open;
+}
+
 int main(int argc, char ** argv) {
+    if (!standard_output_is_open()) {
+        std::fprintf(stderr, "loom: standard output is closed: what this command prints would be lost\n"
+                             "  HINT: redirect it to a file, or to /dev/null to discard it\n");
+        return 1;
+    }
     if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0 ||
         (std::strcmp(argv[1], "help") == 0 && argc == 2)) {
         print_usage(argc < 2 ? stderr : stdout);
@@ -94,7 +117,13 @@ int main(int argc, char ** argv) {
     for (const Command & c : kCommands) {
         if (std::strcmp(argv[1], c.name) == 0) {
             try {
-                return c.run(argc - 1, argv + 1);
+                const int status = c.run(argc - 1, argv + 1);
+                // What the command printed is part of its result: a standard output that is full or closed
+                // fails the command (coreutils' rule) rather than exiting 0 with the output lost.
+                loom::check_written(stdout, "standard output",
+                                    "standard output is full, closed or gone: redirect it to a file on a file "
+                                    "system with space");
+                return status;
             } catch (const loom::RunError & e) {
                 std::fprintf(stderr, "loom %s: %s\n", c.name, e.what());
                 return 1;

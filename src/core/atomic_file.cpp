@@ -10,6 +10,13 @@
 
 namespace loom {
 
+void check_written(std::FILE * file, const std::string & what, const std::string & hint) {
+    if (std::fflush(file) == 0 && !std::ferror(file)) return;
+    const int err = errno;
+    std::clearerr(file);   // a caller that goes on writing elsewhere does not see this failure again
+    throw OutputError(detail::concat("cannot write ", what, ": ", std::strerror(err)), hint, __FILE__, __LINE__);
+}
+
 std::FILE * open_for_writing(const std::string & path) {
     const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
     if (fd < 0) return nullptr;

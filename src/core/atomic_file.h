@@ -7,12 +7,25 @@
 // a folder would replace it (as root, a device node), so the error names the path instead.
 #pragma once
 
+#include "core/error.h"
+
 #include <cstddef>
 #include <cstdio>
 #include <string>
 #include <string_view>
 
 namespace loom {
+
+// A stream of a run's output (standard output, --log-file, TensorBoard's events) could not be written: a
+// full disk, a closed or vanished stream. A failure of the run (exit status 1), not of its input.
+class OutputError : public RunError {
+public:
+    using RunError::RunError;
+};
+
+// Flushes `file` and throws OutputError naming `what` ("standard output", "--log-file 'x'") when the flush
+// or an earlier write into it failed; `hint` says what the user can do.
+void check_written(std::FILE * file, const std::string & what, const std::string & hint);
 
 class AtomicFile {
 public:

@@ -121,11 +121,19 @@ IterationStats LogWindow::close(IterationStats last, double now_seconds, double 
 ConsoleSink::ConsoleSink(FILE * out, const TrainOptions & options, bool progress_bar)
     : out_(out), options_(options), progress_bar_(progress_bar) {}
 
+// Each line reaches the stream when it is printed (as Megatron's print(..., flush=True)); one that cannot
+// stops the run (Trainer::run) rather than training on with its log lost.
+void ConsoleSink::written() {
+    check_written(out_, "the training log to standard output",
+                  "standard output is full, closed or gone: redirect it to a file on a file system with space");
+}
+
 void ConsoleSink::iteration(const IterationReport & r) {
     if (r.window) {
         std::fprintf(out_, "%s%s\n", progress_bar_ ? "\r\033[K" : "",
                      megatron_log_line(*r.window, options_.train_iters, options_.log_throughput).c_str());
         if (!r.timers.empty()) std::fprintf(out_, "%s\n", r.timers.c_str());
+        written();
     } else if (progress_bar_) {
         const double done   = static_cast<double>(r.iteration - r.first_iteration + 1);
         const double eta    = r.seconds / done * static_cast<double>(options_.train_iters - r.iteration);
@@ -134,17 +142,18 @@ void ConsoleSink::iteration(const IterationReport & r) {
         std::fprintf(out_, "\r[%.*s%*s] %lld/%lld  loss %.4f  ETA %.0fs", filled, "##############################",
                      width - filled, "", static_cast<long long>(r.iteration),
                      static_cast<long long>(options_.train_iters), r.loss, eta);
-        std::fflush(out_);
+        written();
     }
 }
 
 void ConsoleSink::evaluation(EvalSplit split, int64_t iteration, int64_t, bool after_training, double loss) {
     std::fprintf(out_, "%s\n", megatron_validation_lines(evaluation_site(split, iteration, after_training), loss).c_str());
+    written();
 }
 
 void ConsoleSink::message(const std::string & line) {
     std::fprintf(out_, "%s\n", line.c_str());
-    std::fflush(out_);
+    written();
 }
 
 // ---- JsonLinesSink
@@ -162,9 +171,7 @@ JsonLinesSink::~JsonLinesSink() { std::fclose(file_); }
 void JsonLinesSink::iteration(const IterationReport & r) {
     if (!r.window) return;
     std::fprintf(file_, "%s\n", metrics_json(*r.window).c_str());
-    LOOM_CHECK(std::fflush(file_) == 0 && !std::ferror(file_),
-               "cannot write --log-file '" << path_ << "': " << std::strerror(errno),
-               "check the free space of its file system");
+    check_written(file_, "--log-file '" + path_ + "'", "check the free space of its file system");
 }
 
 // ---- TensorBoardSink

@@ -4,9 +4,12 @@
 //   JsonLinesSink    --log-file: one JSON object per log line
 //   TensorBoardSink  --tensorboard-dir: Megatron's training_log scalars, by iteration and "vs samples"
 // make_report_sinks() builds the ones the options ask for (the files on rank 0 only). The trainer never
-// formats output itself; a new destination is a new sink.
+// formats output itself; a new destination is a new sink. A sink whose stream fails throws OutputError
+// (core/atomic_file.h): the trainer drops it, stops the run at the next log iteration on every rank, saves
+// if --save is given, and ends with exit status 1 naming the stream.
 #pragma once
 
+#include "core/atomic_file.h"
 #include "train/options.h"
 #include "train/tensorboard.h"
 
@@ -100,6 +103,8 @@ public:
     void message(const std::string & line) override;
 
 private:
+    void written();   // flushes; throws OutputError when the stream failed
+
     FILE *               out_;
     const TrainOptions & options_;
     bool                 progress_bar_;

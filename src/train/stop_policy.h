@@ -1,6 +1,7 @@
-// When a training run stops before --train-iters: Megatron's checks after each iteration, in its order —
-// SIGTERM (with --exit-signal-handler), --exit-duration-in-mins, then --exit-interval. The ranks agree: a
-// condition any rank sees stops all of them after the same iteration (one all-reduce per time-dependent check).
+// When a training run stops before --train-iters: a failed output stream (a log iteration's check, on
+// every run), then Megatron's checks after each iteration, in its order — SIGTERM (with
+// --exit-signal-handler), --exit-duration-in-mins, then --exit-interval. The ranks agree: a condition any
+// rank sees stops all of them after the same iteration (one all-reduce per check that one rank alone sees).
 #pragma once
 
 #include "comm/communicator.h"
@@ -20,9 +21,13 @@ public:
     StopPolicy(const StopPolicy &)             = delete;
     StopPolicy & operator=(const StopPolicy &) = delete;
 
-    // After iteration `iteration`, `seconds` into the run: "" to go on, else the reason to stop ("SIGTERM",
-    // "--exit-duration-in-mins", "--exit-interval"). Collective where the first two apply.
-    std::string after(int64_t iteration, double seconds);
+    // After iteration `iteration`, `seconds` into the run, `output_failed` when one of this rank's output
+    // streams could not be written: "" to go on, else the reason to stop (kOutputFailed, "SIGTERM",
+    // "--exit-duration-in-mins", "--exit-interval"). Collective at log iterations (--log-interval and the
+    // last) and where the signal and duration checks apply.
+    std::string after(int64_t iteration, double seconds, bool output_failed = false);
+
+    static constexpr const char * kOutputFailed = "an output stream failed";
 
 private:
     bool any_rank(bool local);

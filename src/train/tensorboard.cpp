@@ -95,14 +95,14 @@ void TensorBoardWriter::write_record(const std::string & data) {
     bool           ok          = std::fwrite(&length, 8, 1, file_) == 1 && std::fwrite(&length_crc, 4, 1, file_) == 1 &&
                 std::fwrite(data.data(), 1, data.size(), file_) == data.size() &&
                 std::fwrite(&data_crc, 4, 1, file_) == 1;
-    LOOM_CHECK(ok, "cannot write TensorBoard event file '" << path_ << "': " << std::strerror(errno),
-               "check the free space of --tensorboard-dir's file system");
+    if (!ok) {
+        throw OutputError(detail::concat("cannot write TensorBoard event file '", path_, "': ", std::strerror(errno)),
+                          "check the free space of --tensorboard-dir's file system", __FILE__, __LINE__);
+    }
 }
 
 void TensorBoardWriter::flush() {
-    LOOM_CHECK(std::fflush(file_) == 0 && !std::ferror(file_),
-               "cannot write TensorBoard event file '" << path_ << "': " << std::strerror(errno),
-               "check the free space of --tensorboard-dir's file system");
+    check_written(file_, "TensorBoard event file '" + path_ + "'", "check the free space of --tensorboard-dir's file system");
 }
 
 }  // namespace loom::train

@@ -273,12 +273,25 @@ void Trainer::save() {
     report_message("  successfully saved checkpoint from iteration " + padded(iteration_) + " to " + options_.save + sizes);
 }
 
+// Each sink in turn; one whose stream fails is dropped, and its failure kept for run() to act on.
+template <class Call> void Trainer::to_sinks(Call && call) {
+    for (size_t i = 0; i < sinks_.size();) {
+        try {
+            call(*sinks_[i]);
+            ++i;
+        } catch (const OutputError & e) {
+            if (!output_failure_) output_failure_ = e;
+            sinks_.erase(sinks_.begin() + static_cast<std::ptrdiff_t>(i));
+        }
+    }
+}
+
 void Trainer::report_message(const std::string & line) {
-    for (auto & sink : sinks_) sink->message(line);
+    to_sinks([&](ReportSink & sink) { sink.message(line); });
 }
 
 void Trainer::report_evaluation(EvalSplit split, int64_t iteration, bool after_training, double loss) {
-    for (auto & sink : sinks_) sink->evaluation(split, iteration, consumed_, after_training, loss);
+    to_sinks([&](ReportSink & sink) { sink.evaluation(split, iteration, consumed_, after_training, loss); });
 }
 
 // The loop: an iteration, its report, an evaluation at --eval-interval, a save at --save-interval, and the
@@ -326,28 +339,40 @@ TrainSummary Trainer::run(FILE * out) {
             logged        = window.close(stats, report.seconds, flops_per_iteration);
             report.window = &logged;
         }
-        for (auto & sink : sinks_) sink->iteration(report);
+        to_sinks([&](ReportSink & sink) { sink.iteration(report); });
         if (valid_ && options_.eval_interval > 0 && k % options_.eval_interval == 0) {
             const double valid_loss = evaluate();
             summary.validation.emplace_back(k, valid_loss);
             report_evaluation(EvalSplit::validation, k, false, valid_loss);
         }
-        for (auto & sink : sinks_) sink->flush();
+        to_sinks([](ReportSink & sink) { sink.flush(); });
         saved_last = false;
         if (!options_.save.empty() && options_.save_interval > 0 && k % options_.save_interval == 0) {
             save();
             saved_last = true;
         }
-        summary.stopped_by = stop.after(k, seconds());
+        summary.stopped_by = stop.after(k, seconds(), output_failure_.has_value());
         if (!summary.stopped_by.empty()) break;
     }
     if (!options_.save.empty() && !summary.losses.empty() && !saved_last) save();
     const int64_t last = summary.first_iteration + static_cast<int64_t>(summary.losses.size()) - 1;
+    const bool    lost = summary.stopped_by == StopPolicy::kOutputFailed;
+    if (lost && output_failure_) {   // this rank's stream failed: the others stop here too, saved as this one
+        throw OutputError(detail::concat(output_failure_->message(), " (the run stopped after iteration ", iteration_,
+                                         options_.save.empty() ? std::string()
+                                                               : "; the checkpoint is saved in " + options_.save,
+                                         ")"),
+                          output_failure_->hint(), output_failure_->file(), output_failure_->line());
+    }
+    if (lost) {   // another rank's stream failed: it ends the job with the message
+        sinks_.clear();
+        return summary;
+    }
     if (valid_ && !summary.losses.empty()) {   // Megatron's pretrain(): validation after training
         const double loss = evaluate();
         summary.validation.emplace_back(last, loss);
         report_evaluation(EvalSplit::validation, last, true, loss);
-        for (auto & sink : sinks_) sink->flush();
+        to_sinks([](ReportSink & sink) { sink.flush(); });
     }
     if (test_ && !summary.losses.empty()) {   // and on the test split
         summary.test = evaluate(*test_);

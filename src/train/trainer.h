@@ -122,6 +122,9 @@ private:
 
     // Where run() reports (train/reporting.h), while it runs.
     std::vector<std::unique_ptr<ReportSink>>    sinks_;
+    // The first sink failure of this rank (an OutputError's text): the sink is dropped, the run stops.
+    std::optional<OutputError>                  output_failure_;
+    template <class Call> void to_sinks(Call && call);
     void report_message(const std::string & line);
     void report_evaluation(EvalSplit split, int64_t iteration, bool after_training, double loss);
 
