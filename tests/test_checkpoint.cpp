@@ -219,6 +219,7 @@ TEST(CheckpointKill, AnyPointOfASaveLeavesTheLastCompleteCheckpoint) {
         for (auto [k, loss] : got) EXPECT_EQ(loss, expected.at(k)) << "iteration " << k;
         EXPECT_EQ(tracker(dir), "12");
         for (const fs::directory_entry & e : fs::directory_iterator(dir)) {
+            if (e.path().filename() == checkpoint::kSaveLockFile) continue;   // the folder's lock stays by design
             EXPECT_EQ(e.path().extension(), e.is_directory() ? "" : ".txt") << e.path() << " left behind";
         }
     }
@@ -253,6 +254,30 @@ TEST(CheckpointExit, SigtermSavesAndExitsZero) {
     EXPECT_GE(saved, static_cast<int64_t>(logged));
     EXPECT_LE(saved, static_cast<int64_t>(logged) + 2) << "stopped within the iteration in flight";
     EXPECT_EQ(losses(log).rbegin()->first, saved) << "the last iteration trained is the one saved";
+}
+
+// A --save folder is one job's: this process holds the lock as a running job's rank 0 does, and loom train
+// saving there, on one rank or two, is refused before it trains, naming the holder; once the holder ends,
+// the same run saves.
+TEST(CheckpointSaveLock, ASecondJobSavingIntoTheFolderIsRefusedNamingTheHolder) {
+    TempDir           tmp;
+    const std::string dir = tmp / "shared";
+    const std::string run = kRun + "--train-iters 3 --save " + dir;
+    {
+        checkpoint::SaveFolderLock held(dir);
+        EXPECT_THROW(checkpoint::SaveFolderLock again(dir), Error) << "a lock conflicts with another of the same process";
+        const std::string holder = "--save folder '" + dir + "' is held by another job (pid " + std::to_string(getpid()) + " on ";
+        for (int np : {1, 2}) {
+            const CliRun r = run_on(np, run);
+            EXPECT_EQ(r.status, 2) << r.out;
+            EXPECT_NE(r.out.find(holder), std::string::npos) << r.out;
+            EXPECT_EQ(r.out.find("iteration "), std::string::npos) << "np " << np << " trained\n" << r.out;
+        }
+        EXPECT_FALSE(fs::exists(fs::path(dir) / checkpoint::kTrackerFile));
+    }
+    const CliRun r = run_loom(run);
+    ASSERT_EQ(r.status, 0) << r.out;
+    EXPECT_EQ(tracker(dir), "3");
 }
 
 TEST(CheckpointExit, ExitIntervalStopsThereAfterSaving) {

@@ -16,6 +16,7 @@
 #include "apps/loom/devices.h"
 #include "train/options_parser.h"
 #include "backend/cpu/cpu_device.h"
+#include "checkpoint/checkpoint.h"
 #include "comm/agreement.h"
 #include "comm/mpi_communicator.h"
 #include "core/error.h"
@@ -122,6 +123,10 @@ int cmd_train(int argc, char ** argv) {
 }
 
 static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, comm::MpiContext * mpi) {
+    // --save is this job's until it ends (checkpoint/checkpoint.h): a second job saving there is refused
+    // before it reads any data or trains a step.
+    std::optional<checkpoint::SaveFolderLock> save_lock;
+    if (!options.save.empty() && (!mpi || mpi->world_rank() == 0)) save_lock.emplace(options.save);
     Device & device = device_for(options.device);
     // Process groups: Megatron's rank order (tp-cp-ep-dp-pp); none in a single process without DDP. On a GPU
     // the groups are NCCL communicators, MPI carrying their ids.

@@ -10,10 +10,12 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <fcntl.h>
 #include <filesystem>
 #include <fstream>
@@ -168,6 +170,50 @@ std::vector<RankPiece> rank_pieces(const RankContents & rank) {
 }
 
 }  // namespace
+
+SaveFolderLock::SaveFolderLock(const std::string & dir) {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    LOOM_CHECK(!ec && fs::is_directory(dir), "cannot create --save folder '" << dir << "': "
+                                                 << (ec ? ec.message() : std::string("a file has that name")),
+               "give the path of a folder this job can write");
+    const std::string path = (fs::path(dir) / kSaveLockFile).string();
+    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
+    LOOM_CHECK(fd_ >= 0, "cannot open the --save folder's lock '" << path << "': "
+                             << (errno == ELOOP ? "it is a symbolic link" : std::strerror(errno)),
+               "check that the --save folder is writable");
+    struct flock lock {};
+    lock.l_type   = F_WRLCK;
+    lock.l_whence = SEEK_SET;
+    if (::fcntl(fd_, F_OFD_SETLK, &lock) != 0) {
+        const int err = errno;
+        char      holder[256] = {};
+        const ssize_t n = ::pread(fd_, holder, sizeof(holder) - 1, 0);
+        std::string who(holder, n > 0 ? static_cast<size_t>(n) : 0);
+        while (!who.empty() && (who.back() == '\n' || who.back() == '\0')) who.pop_back();
+        ::close(fd_);
+        fd_ = -1;
+        LOOM_CHECK(err != EAGAIN && err != EACCES, "--save folder '" << dir << "' is held by another job ("
+                                                       << (who.empty() ? std::string("its holder is not recorded") : who)
+                                                       << ")",
+                   "give each job its own --save folder, or wait for that job to end");
+        LOOM_THROW("cannot lock the --save folder's '" << path << "': " << std::strerror(err),
+                   "a file system without locks? give a --save folder on a local or NFS file system");
+    }
+    char host[128] = "?";
+    ::gethostname(host, sizeof(host) - 1);
+    const std::time_t now = std::time(nullptr);
+    char              since[64];
+    std::strftime(since, sizeof(since), "%Y-%m-%d %H:%M:%S", std::localtime(&now));
+    const std::string who = detail::concat("pid ", ::getpid(), " on ", host, ", since ", since, "\n");
+    if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, who.data(), who.size(), 0) != static_cast<ssize_t>(who.size())) {
+        // The lock is held either way; only the holder's description is missing.
+    }
+}
+
+SaveFolderLock::~SaveFolderLock() {
+    if (fd_ >= 0) ::close(fd_);
+}
 
 SaveStats save(const std::string & dir, int64_t iteration, const json & metadata, const RankContents & rank,
                bool with_optimizer) {

@@ -89,6 +89,25 @@ struct SaveStats {
 SaveStats save(const std::string & dir, int64_t iteration, const nlohmann::json & metadata,
                const RankContents & rank, bool with_optimizer);
 
+// The --save folder held by the job that writes it, from before its first step to its end: rank 0 takes an
+// open-file-description lock (fcntl F_OFD_SETLK, which NFS carries too) on DIR/.loom-save.lock, creating
+// DIR, and writes who holds it there. A second job saving into DIR is refused naming the holder (without
+// it, its save would also delete the first job's unfinished iter_*.tmp folders as leftovers). The lock is
+// released when the holder ends, however it ends; the file stays.
+inline constexpr const char * kSaveLockFile = ".loom-save.lock";
+
+class SaveFolderLock {
+public:
+    // Throws loom::Error naming DIR and the holder ("pid 123 on host, since <time>") when another holds it.
+    explicit SaveFolderLock(const std::string & dir);
+    ~SaveFolderLock();
+    SaveFolderLock(const SaveFolderLock &)             = delete;
+    SaveFolderLock & operator=(const SaveFolderLock &) = delete;
+
+private:
+    int fd_ = -1;
+};
+
 // One saved piece (see the top of this file).
 struct Piece {
     std::string                              file;
