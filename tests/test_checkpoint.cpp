@@ -19,6 +19,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <sys/wait.h>
@@ -387,9 +389,11 @@ TEST(CheckpointMoe, ExpertShapeIsSavedCheckedAndRestored) {
     EXPECT_NE(exported.out.find("the model has --num-experts 4 (GPT-2 has no experts)"), std::string::npos) << exported.out;
 }
 
-// Twenty ways a checkpoint can be damaged: each is refused with exit 2, naming the file at fault (and the
-// field, for the index's), in Loom's words: no JSON library's exception text reaches the user.
-TEST(CheckpointCorrupt, TwentyCorruptionsEachExitTwoNamingTheFile) {
+// Twenty-three ways a checkpoint can be damaged (three of them in a shard whose size and checksum were
+// written into the index again): each is refused with exit 2, by --load and by `checkpoint info --verify`,
+// naming the file at fault (and the field, for the index's), in Loom's words: no JSON library's exception
+// text reaches the user.
+TEST(CheckpointCorrupt, TwentyThreeCorruptionsEachExitTwoNamingTheFile) {
     TempDir tmp;
     const std::string good = tmp / "good";
     ASSERT_EQ(run_on(2, kRun + "--train-iters 2 --lr-warmup-iters 1 --use-distributed-optimizer --save " + good).status, 0);
@@ -415,8 +419,36 @@ TEST(CheckpointCorrupt, TwentyCorruptionsEachExitTwoNamingTheFile) {
         std::string                               names;   // the file (or flag) the message must name
         std::string                               flags = "";
         std::string                               says  = "";   // and, for a field of the index, what it says
+        bool                                      damaged = true;   // `checkpoint info --verify` refuses it too
     };
     const std::string shard = iter + "/rank_00001.safetensors", index = iter + "/index.json";
+    // A shard changed as a careful tool would: its size and CRC-32C written into the index again, so only
+    // the checks of what the shard holds can find the damage.
+    auto rewrite_shard = [&](const std::string & dir, const std::function<void(std::string &)> & change) {
+        const std::string path = dir + "/" + shard;
+        std::ifstream     in(path, std::ios::binary);
+        std::string       bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+        in.close();
+        change(bytes);
+        std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+        char crc[9];
+        std::snprintf(crc, sizeof(crc), "%08x", crc32c(bytes.data(), bytes.size()));
+        edit_index(dir, [&](json & j) {
+            j["files"]["rank_00001.safetensors"] = {{"bytes", bytes.size()}, {"crc32c", crc}};
+        });
+    };
+    // The first F32 entry's first element of a safetensors file's bytes, set to `value`.
+    auto set_first_f32 = [](std::string & bytes, float value) {
+        uint64_t header = 0;
+        std::memcpy(&header, bytes.data(), 8);
+        const json entries = json::parse(bytes.substr(8, header));
+        for (const auto & [name, e] : entries.items()) {
+            if (name == "__metadata__" || e["dtype"] != "F32") continue;
+            std::memcpy(bytes.data() + 8 + header + e["data_offsets"][0].get<size_t>(), &value, sizeof(value));
+            return;
+        }
+        FAIL() << "no F32 entry";
+    };
     std::vector<Case> cases = {
         {"truncated shard", [&](const std::string & d) { fs::resize_file(d + "/" + shard, 1000); }, shard},
         {"flipped byte in the data", [&](const std::string & d) { corrupt_byte(d + "/" + shard, 5000); }, shard},
@@ -445,7 +477,7 @@ TEST(CheckpointCorrupt, TwentyCorruptionsEachExitTwoNamingTheFile) {
         {"tracker naming a missing iteration",
          [&](const std::string & d) { std::ofstream(d + "/latest_checkpointed_iteration.txt") << "30\n"; },
          "latest_checkpointed_iteration.txt"},
-        {"args that contradict the checkpoint", [](const std::string &) {}, "--num-layers", "--num-layers 2"},
+        {"args that contradict the checkpoint", [](const std::string &) {}, "--num-layers", "--num-layers 2", "", false},
         {"negative iteration", [&](const std::string & d) { edit_index(d, [](json & j) { j["iteration"] = -3; }); },
          index, "", "iteration -3 is negative"},
         {"iteration of another folder", [&](const std::string & d) { edit_index(d, [](json & j) { j["iteration"] = 5; }); },
@@ -479,8 +511,23 @@ TEST(CheckpointCorrupt, TwentyCorruptionsEachExitTwoNamingTheFile) {
              std::ofstream(path) << text;
          },
          index, "", "holds the key \"final_norm.bias\" twice in one object"},
+        {"flipped byte in the header, checksum rewritten",
+         [&](const std::string & d) { rewrite_shard(d, [](std::string & b) { b[20] = static_cast<char>(b[20] ^ 0x5A); }); },
+         shard},
+        {"NaN in a shard, checksum rewritten",
+         [&](const std::string & d) {
+             rewrite_shard(d, [&](std::string & b) { set_first_f32(b, std::numeric_limits<float>::quiet_NaN()); });
+         },
+         shard, "", "holds nan at element 0"},
+        {"a dtype in the index that its shards do not hold",
+         [&](const std::string & d) {
+             edit_index(d, [](json & j) {
+                 for (auto & [name, t] : j["tensors"].items()) t["dtype"] = "BF16";
+             });
+         },
+         "rank_0000"},
     };
-    ASSERT_EQ(cases.size(), 20u);
+    ASSERT_EQ(cases.size(), 23u);
     for (const Case & c : cases) {
         SCOPED_TRACE(c.name);
         const std::string dir = tmp / "bad";
@@ -492,6 +539,12 @@ TEST(CheckpointCorrupt, TwentyCorruptionsEachExitTwoNamingTheFile) {
         EXPECT_NE(r.out.find(c.names), std::string::npos) << "the message names " << c.names << ":\n" << r.out;
         EXPECT_NE(r.out.find(c.says), std::string::npos) << "the message says " << c.says << ":\n" << r.out;
         EXPECT_EQ(r.out.find("json.exception"), std::string::npos) << r.out;
+        if (!c.damaged) continue;
+        // `checkpoint info --verify` runs the checks --load runs: it refuses what --load refuses.
+        CliRun info = run_loom("checkpoint info " + dir + " --verify");
+        EXPECT_EQ(info.status, 2) << info.out;
+        EXPECT_NE(info.out.find(c.names), std::string::npos) << "--verify names " << c.names << ":\n" << info.out;
+        EXPECT_EQ(info.out.find("verified"), std::string::npos) << info.out;
     }
 }
 

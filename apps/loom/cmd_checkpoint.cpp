@@ -2,7 +2,7 @@
 //
 //   loom checkpoint info ckpt                  the tracker's iteration (or ckpt/iter_0000100 itself)
 //   loom checkpoint info ckpt --ckpt-step 10   another iteration
-//   loom checkpoint info ckpt --verify         also read every file and check its CRC-32C
+//   loom checkpoint info ckpt --verify         also run every check --load runs (CRC-32C, headers, entries)
 //
 // Prints the iteration, the consumed samples, the model and the layout it was saved from, whether the
 // optimizer state is inside (and its step), the files with their sizes, and the tensors with their shapes,
@@ -25,7 +25,8 @@ int cmd_checkpoint(int argc, char ** argv) {
     bool        quiet  = false;
     info->add_option("DIR", dir, "the --save folder, or one of its iter_XXXXXXX folders")->required();
     info->add_option("--ckpt-step", step, "the iteration to show (default: the tracker's)");
-    info->add_flag("--verify", check, "read every file and check its size and CRC-32C");
+    info->add_flag("--verify", check, "run every check --load runs: each file's size and CRC-32C, and every tensor "
+                                      "read from its pieces");
     info->add_flag("--no-tensors", quiet, "leave out the list of tensors");
     if (std::optional<int> status = parse_arguments(app, argc, argv)) {
         return *status;
@@ -73,7 +74,8 @@ int cmd_checkpoint(int argc, char ** argv) {
     }
     if (check) {
         checkpoint::verify(index);
-        std::printf("  verified: every file has its size and CRC-32C\n");
+        std::printf("  verified: every file has its size and CRC-32C; every tensor its entries, dtypes, sizes and "
+                    "finite values (the checks of --load)\n");
     }
     return 0;
 }

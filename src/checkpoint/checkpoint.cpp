@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
@@ -573,12 +574,21 @@ void assemble(const Index & index, const std::string & name, const TensorRecord 
         LOOM_CHECK(numel == p.end - p.begin, "checkpoint file '" << file.path() << "': entry '" << entry << "' holds "
                                                                  << numel << " elements, the index says " << p.end - p.begin,
                    kCorruptHint);
-        if (p.tp_dim < 0) {   // the piece is a contiguous range of the full tensor
-            file.read_f32(entry, full.data() + p.begin);
-            continue;
-        }
-        scratch.resize(static_cast<size_t>(numel));
-        file.read_f32(entry, scratch.data());
+        // The parameter's values in its saved dtype, the master and Adam's moments in f32 (save()'s rule).
+        const std::string dtype = std::strcmp(kind, "values") == 0 ? t.dtype : std::string("F32");
+        LOOM_CHECK(file.entry(entry).dtype == dtype, "checkpoint file '" << file.path() << "': entry '" << entry << "' is "
+                                                                         << file.entry(entry).dtype << ", the index says "
+                                                                         << dtype,
+                   kCorruptHint);
+        float * const out = p.tp_dim < 0 ? full.data() + p.begin : (scratch.resize(static_cast<size_t>(numel)), scratch.data());
+        file.read_f32(entry, out);
+        // A NaN or infinity is never saved (a step that makes one is skipped): the file is damaged, and
+        // loading it would be blamed on the learning rate a step later.
+        const float * bad = std::find_if(out, out + numel, [](float x) { return !std::isfinite(x); });
+        LOOM_CHECK(bad == out + numel, "checkpoint file '" << file.path() << "': entry '" << entry << "' holds " << *bad
+                                                           << " at element " << (bad - out),
+                   kCorruptHint);
+        if (p.tp_dim < 0) continue;   // the piece is a contiguous range of the full tensor
         for_each_run(p, t.shape, [&](int64_t local, int64_t at, int64_t n) {
             std::copy_n(scratch.data() + (local - p.begin), n, full.data() + at);
         });
@@ -671,8 +681,35 @@ std::vector<float> read_tensor(const Index & index, const std::string & name, co
 }
 
 void verify(const Index & index) {
+    std::set<std::string> pieces_read;   // FileCache checks these as it opens them
+    for (const auto & [name, t] : index.tensors) {
+        for (const Piece & p : t.pieces) pieces_read.insert(p.file);
+    }
     for (const auto & [name, record] : index.files) {
-        FileCache::check_file((fs::path(index.folder) / name).string(), record);
+        if (!pieces_read.count(name)) FileCache::check_file((fs::path(index.folder) / name).string(), record);
+    }
+    FileCache                                    files(index);
+    std::vector<float>                           full, scratch;
+    std::map<std::string, std::set<std::string>> listed;   // file -> the entries the index names in it
+    for (const auto & [name, t] : index.tensors) {
+        std::vector<const char *> kinds = {"values"};
+        if (index.has_optimizer) {
+            if (t.dtype != "F32") kinds.push_back("master");
+            kinds.push_back("exp_avg");
+            kinds.push_back("exp_avg_sq");
+        }
+        for (const char * kind : kinds) {
+            assemble(index, name, t, kind, files, full, scratch);
+            for (const Piece & p : t.pieces) listed[p.file].insert(entry_name(name, p.begin, kind));
+        }
+    }
+    // And nothing else: an entry no tensor of the index names is a tensor the index lost.
+    for (const auto & [file, names] : listed) {
+        for (const io::SafetensorsEntry & e : files.open(file).entries()) {
+            LOOM_CHECK(names.count(e.name), "checkpoint file '" << (fs::path(index.folder) / file).string() << "' holds entry '"
+                                                                << e.name << "', which '" << index.path() << "' does not list",
+                       kCorruptHint);
+        }
     }
 }
 

@@ -162,7 +162,9 @@ void load(const Index & index, const RankContents & rank, const LoadOptions & op
 // every piece; the files read are checksummed. For export and tests.
 std::vector<float> read_tensor(const Index & index, const std::string & name, const std::string & kind = "values");
 
-// Reads every file of the checkpoint and checks its size and CRC-32C; throws naming the first bad file.
+// Every check a --load runs, without a model: each file's size and CRC-32C, its safetensors header, and
+// every kind of every tensor the index lists assembled from its pieces (each entry present, of the
+// index's dtype and size, its values finite). Throws naming the first bad file and entry.
 void verify(const Index & index);
 
 }  // namespace loom::checkpoint
