@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <regex>
 #include <unistd.h>
 
@@ -386,6 +387,14 @@ TEST_F(HfGpt2, MissingUnexpectedAndMisshapenTensorsAreNamed) {
         }
     });
     EXPECT_NE(msg.find("'h.0.attn.c_proj.weight' has shape [32, 128], expected [64, 64]"), std::string::npos) << msg;
+
+    // A weight that is not finite is the file's fault, named there, not a NaN loss a step later.
+    msg = with("nan", [](auto & t) {
+        for (auto & x : t) {
+            if (x.name == "h.1.ln_2.bias") x.data[5] = std::numeric_limits<float>::quiet_NaN();
+        }
+    });
+    EXPECT_NE(msg.find("tensor 'h.1.ln_2.bias' holds nan at element 5"), std::string::npos) << msg;
 }
 
 TEST_F(HfGpt2, MalformedSafetensorsFilesAreNamed) {

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cerrno>
 #include <charconv>
 #include <cstring>
@@ -286,6 +287,11 @@ void load_hf_gpt2(GptModel & model, const std::string & dir) {
                                         << ", expected " << shape_list(m.hf_shape) << " from '" << join(dir, "config.json") << "'",
                    "config.json and model.safetensors describe different models");
         std::vector<float> values = file.read_f32(e.name);
+        // A weight that is not finite would surface a step later as a NaN loss, blamed on the learning rate.
+        const auto bad = std::find_if(values.begin(), values.end(), [](float x) { return !std::isfinite(x); });
+        LOOM_CHECK(bad == values.end(), "safetensors file '" << file.path() << "': tensor '" << e.name << "' holds " << *bad
+                                                             << " at element " << (bad - values.begin()),
+                   "the file is damaged; download or export it again");
         if (m.transpose) values = transposed(values, m.hf_shape[0], m.hf_shape[1]);
         // The word embedding: rows beyond the checkpoint's vocabulary (padding, or a larger --vocab-size) are zero.
         values.resize(static_cast<size_t>(m.param->numel()), 0.0f);
