@@ -258,6 +258,39 @@ TEST(CheckpointExit, SigtermSavesAndExitsZero) {
     EXPECT_EQ(losses(log).rbegin()->first, saved) << "the last iteration trained is the one saved";
 }
 
+// Under mpirun, a SIGTERM sent to mpirun ends the job (Open MPI's rule, exit 1 whatever the ranks do), and
+// Open MPI does not forward it; it does forward SIGUSR1. With --exit-signal SIGUSR1, the launcher's signal
+// reaches every rank, which finish the iteration, save together and exit 0, and so does mpirun.
+TEST(CheckpointExit, ExitSignalSentToMpirunSavesAndExitsZero) {
+    TempDir     tmp;
+    std::string dir = tmp / "d", log = tmp / "log.jsonl";
+    pid_t       pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+        int null = open("/dev/null", O_WRONLY);
+        dup2(null, 1);
+        dup2(null, 2);
+        execl(LOOM_MPIEXEC, LOOM_MPIEXEC, "--oversubscribe", "-np", "2", LOOM_CLI_PATH, "train", "--mock-data",
+              "--num-layers", "1", "--train-iters", "100000", "--log-interval", "1", "--exit-signal-handler",
+              "--exit-signal", "SIGUSR1", "--save", dir.c_str(), "--log-file", log.c_str(), nullptr);
+        _exit(127);
+    }
+    size_t logged = 0;
+    for (int wait = 0; wait < 600 && logged < 3; ++wait) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        logged = losses(log).size();
+    }
+    ASSERT_GE(logged, 3u) << "the run did not start";
+    kill(pid, SIGUSR1);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    ASSERT_TRUE(WIFEXITED(status)) << "mpirun was killed by the signal";
+    EXPECT_EQ(WEXITSTATUS(status), 0);
+    const int64_t saved = std::stoll(tracker(dir));
+    EXPECT_GE(saved, static_cast<int64_t>(logged));
+    EXPECT_EQ(losses(log).rbegin()->first, saved) << "the last iteration trained is the one saved";
+}
+
 // A --save folder is one job's: this process holds the lock as a running job's rank 0 does, and loom train
 // saving there, on one rank or two, is refused before it trains, naming the holder; once the holder ends,
 // the same run saves.
@@ -558,6 +591,12 @@ TEST(CheckpointFlags, UnsupportedFormatsAndMisusedFlagsAreRefusedByName) {
     CliRun interval = run_loom("train --mock-data --save-interval 0");
     EXPECT_EQ(interval.status, 2);
     EXPECT_NE(interval.out.find("--save-interval must be >= 1"), std::string::npos) << interval.out;
+    for (const char * bad : {"SIGKILL", "SIGSTOP", "TERM", "sigterm"}) {
+        CliRun signal = run_loom(std::string("train --mock-data --exit-signal-handler --exit-signal ") + bad);
+        EXPECT_EQ(signal.status, 2) << signal.out;
+        EXPECT_NE(signal.out.find(std::string("--exit-signal ") + (bad[0] == 'S' ? "" : "'") + bad), std::string::npos)
+            << signal.out;
+    }
     CliRun eval = run_loom("eval --mock-data --save /tmp/x --load /tmp");
     EXPECT_EQ(eval.status, 2);
     EXPECT_NE(eval.out.find("flags of `loom train`"), std::string::npos) << eval.out;

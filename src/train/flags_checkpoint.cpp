@@ -2,6 +2,7 @@
 #include "core/error.h"
 #include "train/flag_values.h"
 #include "train/options.h"
+#include "train/stop_policy.h"
 
 #include <cmath>
 
@@ -28,7 +29,11 @@ const Flag<TrainOptions> kCheckpointFlags[] = {
      "stop with an error when --load holds no checkpoint (default: a warning, then train from scratch)"},
     {"--exit-interval", "training", &O::exit_interval, "stop (after saving) when the iteration is a multiple of this"},
     {"--exit-duration-in-mins", "training", &O::exit_duration_in_mins, "stop (after saving) after this many minutes"},
-    {"--exit-signal-handler", "training", &O::exit_signal_handler, "on SIGTERM, finish the iteration, save and exit 0"},
+    {"--exit-signal-handler", "training", &O::exit_signal_handler,
+     "on the --exit-signal, finish the iteration, save and exit 0"},
+    {"--exit-signal", "training", &O::exit_signal,
+     "the signal --exit-signal-handler acts on, by name (SIGTERM, SIGUSR1, ...); mpirun forwards SIGUSR1 and SIGUSR2 "
+     "to the ranks, while a SIGTERM sent to mpirun ends the job itself", kShowDefault},
 };
 
 }  // namespace
@@ -44,6 +49,7 @@ void validate_checkpoint_flags(const TrainOptions & o, const Given & given) {
     LOOM_CHECK(!given("--exit-interval") || o.exit_interval >= 1, "--exit-interval must be >= 1, got " << o.exit_interval, "");
     LOOM_CHECK(std::isfinite(o.exit_duration_in_mins) && o.exit_duration_in_mins >= 0,
                "--exit-duration-in-mins must be a finite number >= 0, got " << o.exit_duration_in_mins, "");
+    exit_signal_number(o.exit_signal);   // throws naming --exit-signal
     LOOM_CHECK(!given("--ckpt-step") || o.ckpt_step >= 0, "--ckpt-step must be >= 0, got " << o.ckpt_step, "");
     LOOM_CHECK(o.ckpt_step < 0 || !o.load.empty(), "--ckpt-step " << o.ckpt_step << " without --load",
                "give the folder to load from with --load");

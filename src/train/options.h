@@ -123,7 +123,8 @@ struct TrainOptions {
     bool        exit_on_missing_checkpoint = false;   // --load without a checkpoint is an error, not a warning
     int64_t     exit_interval = 0;          // --exit-interval: stop (after saving) at a multiple of it
     double      exit_duration_in_mins = 0;  // --exit-duration-in-mins: stop (after saving) past it
-    bool        exit_signal_handler = false;   // SIGTERM: finish the iteration, save, exit 0
+    bool        exit_signal_handler = false;   // the --exit-signal: finish the iteration, save, exit 0
+    std::string exit_signal = "SIGTERM";       // --exit-signal: Python's signal.Signals name of the signal
 
     // Validation: every --eval-interval iterations (0: none) and after training, --eval-iters batches.
     int64_t     eval_interval = 0;
