@@ -3,7 +3,8 @@
 // 30 s. The faults come from the trainer's LOOM_FAULT seam; the watchdog's timeout from
 // LOOM_DISTRIBUTED_TIMEOUT_S (--distributed-timeout-minutes counts whole minutes). The watchdog's message
 // names the rank that did not arrive: a stopped one does not answer its roll call, a stalled one (sleeping
-// outside communication) answers that it has not posted the operation.
+// outside communication) answers that it has not posted the operation, a diverged one (an extra
+// collective) answers which operation it waits in.
 //
 // Ranks launched differently (a flag on one rank only, another value, another file at the same path on
 // another host) refuse before the first collective, every rank exiting with status 2 and the message
@@ -48,7 +49,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Fault{"missing_file", "cannot read injected fault '/nonexistent/loom-fault-injection.bin'"},
                       Fault{"sigstop", "rank 1 did not answer within 1 s: it has stopped, crashed, or is blocked "
                                        "inside MPI"},
-                      Fault{"stall", "rank 1 has not arrived: it has posted"}),
+                      Fault{"stall", "rank 1 has not arrived: it has posted"},
+                      // Rank 1 issues an all-reduce the others never do: whichever watchdog reports first,
+                      // it names the ranks that have not arrived and what each is waiting in.
+                      Fault{"diverge", "has not arrived: it has posted"}),
     [](const ::testing::TestParamInfo<Fault> & info) { return std::string(info.param.name); });
 
 // Two ranks launched apart (mpirun's multiple-program form): `loom train <rank0>` in `dir0` and

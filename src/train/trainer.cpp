@@ -147,7 +147,10 @@ void Trainer::timed(int timer, const std::function<void()> & work) {
 
 void Trainer::begin_iteration() {
     ++iteration_;
-    inject_fault(iteration_);
+    if (inject_fault(iteration_) && setup_.all_ranks()) {
+        // A schedule that diverged: one all-reduce the other ranks never issue.
+        comm::all_reduce_values(*setup_.all_ranks(), model_.device(), {1.0f}, comm::ReduceOp::sum);
+    }
     if (setup_.ddp) {
         setup_.ddp->zero_grad_buffer();
     } else {
