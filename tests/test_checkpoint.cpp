@@ -227,18 +227,19 @@ TEST(CheckpointKill, AnyPointOfASaveLeavesTheLastCompleteCheckpoint) {
     }
 }
 
-// --exit-signal-handler: SIGTERM finishes the iteration in flight, saves and exits 0.
-TEST(CheckpointExit, SigtermSavesAndExitsZero) {
-    TempDir     tmp;
-    std::string dir = tmp / "d", log = tmp / "log.jsonl";
-    pid_t       pid = fork();
-    ASSERT_GE(pid, 0);
+// Starts `argv` (stdout and stderr discarded) training with --log-interval 1 into `log`, sends it `signal`
+// once 3 iterations are logged, and returns (how many had been logged, its wait status); `logged` 0: it did
+// not start.
+static std::pair<size_t, int> signal_when_running(std::vector<std::string> argv, const std::string & log, int signal) {
+    pid_t pid = fork();
     if (pid == 0) {
         int null = open("/dev/null", O_WRONLY);
         dup2(null, 1);
         dup2(null, 2);
-        execl(LOOM_CLI_PATH, LOOM_CLI_PATH, "train", "--mock-data", "--train-iters", "100000", "--log-interval", "1",
-              "--exit-signal-handler", "--save", dir.c_str(), "--log-file", log.c_str(), nullptr);
+        std::vector<char *> args;
+        for (std::string & a : argv) args.push_back(a.data());
+        args.push_back(nullptr);
+        execv(args[0], args.data());
         _exit(127);
     }
     size_t logged = 0;
@@ -246,10 +247,21 @@ TEST(CheckpointExit, SigtermSavesAndExitsZero) {
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
         logged = losses(log).size();
     }
-    ASSERT_GE(logged, 3u) << "the run did not start";
-    kill(pid, SIGTERM);
+    kill(pid, logged < 3 ? SIGKILL : signal);
     int status = 0;
     waitpid(pid, &status, 0);
+    return {logged < 3 ? 0 : logged, status};
+}
+
+// --exit-signal-handler: SIGTERM finishes the iteration in flight, saves and exits 0.
+TEST(CheckpointExit, SigtermSavesAndExitsZero) {
+    TempDir     tmp;
+    std::string dir = tmp / "d", log = tmp / "log.jsonl";
+    const auto [logged, status] = signal_when_running(
+        {LOOM_CLI_PATH, "train", "--mock-data", "--train-iters", "100000", "--log-interval", "1", "--exit-signal-handler",
+         "--save", dir, "--log-file", log},
+        log, SIGTERM);
+    ASSERT_GE(logged, 3u) << "the run did not start";
     ASSERT_TRUE(WIFEXITED(status)) << "killed by the signal instead of handling it";
     EXPECT_EQ(WEXITSTATUS(status), 0);
     const int64_t saved = std::stoll(tracker(dir));
@@ -264,26 +276,12 @@ TEST(CheckpointExit, SigtermSavesAndExitsZero) {
 TEST(CheckpointExit, ExitSignalSentToMpirunSavesAndExitsZero) {
     TempDir     tmp;
     std::string dir = tmp / "d", log = tmp / "log.jsonl";
-    pid_t       pid = fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {
-        int null = open("/dev/null", O_WRONLY);
-        dup2(null, 1);
-        dup2(null, 2);
-        execl(LOOM_MPIEXEC, LOOM_MPIEXEC, "--oversubscribe", "-np", "2", LOOM_CLI_PATH, "train", "--mock-data",
-              "--num-layers", "1", "--train-iters", "100000", "--log-interval", "1", "--exit-signal-handler",
-              "--exit-signal", "SIGUSR1", "--save", dir.c_str(), "--log-file", log.c_str(), nullptr);
-        _exit(127);
-    }
-    size_t logged = 0;
-    for (int wait = 0; wait < 600 && logged < 3; ++wait) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        logged = losses(log).size();
-    }
+    const auto [logged, status] = signal_when_running(
+        {LOOM_MPIEXEC, "--oversubscribe", "-np", "2", LOOM_CLI_PATH, "train", "--mock-data", "--num-layers", "1",
+         "--train-iters", "100000", "--log-interval", "1", "--exit-signal-handler", "--exit-signal", "SIGUSR1",
+         "--save", dir, "--log-file", log},
+        log, SIGUSR1);
     ASSERT_GE(logged, 3u) << "the run did not start";
-    kill(pid, SIGUSR1);
-    int status = 0;
-    waitpid(pid, &status, 0);
     ASSERT_TRUE(WIFEXITED(status)) << "mpirun was killed by the signal";
     EXPECT_EQ(WEXITSTATUS(status), 0);
     const int64_t saved = std::stoll(tracker(dir));
