@@ -34,7 +34,9 @@ comm::MpiContext * g_mpi = nullptr;
 train::TrainOptions small_options(int64_t dp) {
     train::TrainOptions o = testing_models::small_gpt_options(2, 8, 20);
     o.lr_warmup_iters     = 5;
-    o.data_parallel_size  = dp;
+    parallel::ParallelSizes sizes;
+    sizes.world_size = static_cast<int>(dp);
+    o.parallel       = parallel::ParallelConfig::create(sizes);
     return o;
 }
 
@@ -45,7 +47,7 @@ struct TrainRun {
 
 TrainRun train_model(train::TrainOptions o, std::shared_ptr<comm::Communicator> group) {
     Device & device = cpu::device();
-    auto     source = train::make_batch_source(o, device, false, group ? group->rank() : 0, o.data_parallel_size);
+    auto     source = train::make_batch_source(o, device, false, group ? group->rank() : 0, o.parallel.dp());
     model::GptModel gpt(o.model, device);
     gpt.init();
     TrainRun run;

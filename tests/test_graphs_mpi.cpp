@@ -78,11 +78,8 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = kIte
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi);
 
     train::TrainOptions o = testing_models::small_gpt_options(4, layout.global_batch, iterations);
-    o.data_parallel_size            = config.dp();
-    o.tensor_parallel_size          = layout.tp;
+    o.parallel                      = config;
     o.sequence_parallel             = layout.sp;
-    o.pipeline_parallel_size        = layout.pp;
-    if (layout.vpp > 1) o.virtual_pipeline_size = layout.vpp;
     if (layout.first_stage_layers > 0) o.first_stage_layers = layout.first_stage_layers;
     o.ddp.use_distributed_optimizer = layout.distopt || layout.offload;
     o.ddp.overlap_grad_reduce       = layout.distopt;
@@ -101,9 +98,7 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = kIte
         o.model.moe.capacity_factor = 1.0f;
         o.model.moe.pad_to_capacity = true;
     }
-    o.expert_parallel_size        = layout.ep;
-    o.expert_tensor_parallel_size = layout.etp > 0 ? layout.etp : layout.tp;
-    if (o.expert_tensor_parallel_size > 1 && (layout.moe || layout.moe_router)) o.model.add_bias_linear = false;
+    if (config.etp() > 1 && (layout.moe || layout.moe_router)) o.model.add_bias_linear = false;
     if (layout.ep > 1) o.model.moe.dispatcher = model::MoeDispatcher::alltoall;
     o.graph_moe_router     = layout.moe_router;
     o.graph_moe_preprocess = layout.moe_preprocess;

@@ -164,12 +164,8 @@ void expect_follows_reference(const Layout & l) {
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi);
 
     train::TrainOptions o             = moe_options(l.dispatcher, l.grouped, l.bias);
-    o.data_parallel_size              = config.dp();
-    o.pipeline_parallel_size          = l.pp;
-    o.expert_parallel_size            = l.ep;
-    o.tensor_parallel_size            = l.tp;
+    o.parallel                        = config;
     o.sequence_parallel               = l.tp > 1;
-    o.expert_tensor_parallel_size     = l.etp;
     o.ddp.use_distributed_optimizer   = l.distopt;
     o.ddp.overlap_grad_reduce         = l.distopt;
     o.ddp.overlap_param_gather        = l.distopt;

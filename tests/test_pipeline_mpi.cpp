@@ -59,19 +59,18 @@ StageRun pipelined(int pp, bool distopt, const std::string & timeline = "", int 
     parallel::ParallelSizes sizes;
     sizes.world_size = g_mpi->world_size();
     sizes.pp         = pp;
+    if (vpp > 1) sizes.vpp = vpp;
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi);
     const int                stage  = groups.pp->rank();
 
     train::TrainOptions o = small_options();
-    o.data_parallel_size  = config.dp();
-    o.pipeline_parallel_size = pp;
+    o.parallel            = config;
     o.ddp.use_distributed_optimizer = distopt;
     o.ddp.overlap_grad_reduce       = distopt;
     o.ddp.overlap_param_gather      = distopt;
     o.ddp.bucket_size               = 20000;
     o.timeline_file                 = timeline;
-    if (vpp > 1) o.virtual_pipeline_size = vpp;
     if (first_stage_layers > 0) o.first_stage_layers = first_stage_layers;
     auto         source = train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), config.dp());
     train::Setup setup  = train::setup(o, groups, cpu::device());

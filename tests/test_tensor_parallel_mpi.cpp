@@ -67,12 +67,10 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, bool recompu
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi);
 
     train::TrainOptions o           = small_options(llama);
-    o.data_parallel_size            = config.dp();
-    o.pipeline_parallel_size        = pp;
+    o.parallel                      = config;
     o.ddp.use_distributed_optimizer = distopt;
     o.ddp.overlap_grad_reduce       = distopt;
     o.ddp.bucket_size               = 20000;
-    o.tensor_parallel_size          = tp;
     o.sequence_parallel             = sp;
     if (recompute) {   // every layer rerun in backward, its dropout masks redrawn
         o.model.recompute_granularity = model::RecomputeGranularity::full;

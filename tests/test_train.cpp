@@ -683,12 +683,12 @@ TEST(MegatronCommandLine, MoeFlagsFollowMegatronsRules) {
     // --tensor-model-parallel-size; MoE with TP trains only with sequence parallelism (Megatron's error).
     const train::TrainOptions tp = parse_train({"--mock-data", "--num-experts", "4", "--tensor-model-parallel-size", "2",
                                                 "--sequence-parallel", "--disable-bias-linear"}, 4);
-    EXPECT_EQ(tp.expert_tensor_parallel_size, 2);
+    EXPECT_EQ(tp.parallel.etp(), 2);
     const train::TrainOptions folded = parse_train({"--mock-data", "--num-experts", "4", "--tensor-model-parallel-size", "2",
                                                     "--sequence-parallel", "--expert-tensor-parallel-size", "1",
                                                     "--expert-model-parallel-size", "4"}, 4);
-    EXPECT_EQ(folded.expert_tensor_parallel_size, 1);
-    EXPECT_EQ(folded.expert_parallel_size, 4);
+    EXPECT_EQ(folded.parallel.etp(), 1);
+    EXPECT_EQ(folded.parallel.ep(), 4);
     const std::pair<std::vector<std::string>, const char *> bad_tp[] = {
         {{"--num-experts", "4", "--tensor-model-parallel-size", "2"},
          "performance may degrade if MoE and tensor parallelism are enabled without also enabling sequence parallelism"},

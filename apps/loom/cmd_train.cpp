@@ -142,7 +142,7 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
     const int rank = mpi ? mpi->world_rank() : 0;
     FILE *    out  = rank == 0 ? stdout : nullptr;
     std::unique_ptr<train::BatchSource> data = train::make_batch_source(
-        options, device, vocab_given, groups.dp ? groups.dp->rank() : 0, options.data_parallel_size);
+        options, device, vocab_given, groups.dp ? groups.dp->rank() : 0, options.parallel.dp());
     // Validation batches: --eval-iters global batches at each of the train_iters / eval_interval + 1
     // evaluations (Megatron's count), from the validation split, with the vocabulary now fixed.
     std::unique_ptr<train::BatchSource> valid;
@@ -151,7 +151,7 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
         (!options.per_split_data() || !options.valid_data_path.empty())) {
         const int64_t evaluations = options.train_iters / options.eval_interval + 1;
         valid = train::make_batch_source(options, device, true, groups.dp ? groups.dp->rank() : 0,
-                                         options.data_parallel_size, data::Split::valid,
+                                         options.parallel.dp(), data::Split::valid,
                                          evaluations * options.eval_iters * options.global_batch_size);
     }
     // The test split: --eval-iters global batches once after training (Megatron's do_test), where the data
@@ -164,7 +164,7 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
     if (valid && has_test) {
         try {
             test = train::make_batch_source(options, device, true, groups.dp ? groups.dp->rank() : 0,
-                                            options.data_parallel_size, data::Split::test,
+                                            options.parallel.dp(), data::Split::test,
                                             options.eval_iters * options.global_batch_size);
         } catch (const Error & e) {
             if (out) std::printf("loom train: the test split is not evaluated: %s\n", e.message().c_str());
@@ -189,19 +189,17 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
                 static_cast<long long>(options.model.padded_vocab_size()));
     // The experts' decomposition when it differs from the dense one: world = etp x ep x edp x pp.
     std::string experts;
-    if (options.expert_parallel_size > 1 || options.expert_tensor_parallel_size != options.tensor_parallel_size) {
-        const int64_t world = options.tensor_parallel_size * options.pipeline_parallel_size * options.data_parallel_size;
-        const int64_t etp   = options.expert_tensor_parallel_size;
-        experts = ", experts: " + (etp > 1 ? "etp " + std::to_string(etp) + " x " : std::string()) + "ep " +
-                  std::to_string(options.expert_parallel_size) + " x edp " +
-                  std::to_string(world / (etp * options.expert_parallel_size * options.pipeline_parallel_size));
+    const parallel::ParallelConfig & layout = options.parallel;
+    if (layout.ep() > 1 || layout.etp() != layout.tp()) {
+        experts = ", experts: " + (layout.etp() > 1 ? "etp " + std::to_string(layout.etp()) + " x " : std::string()) +
+                  "ep " + std::to_string(layout.ep()) + " x edp " + std::to_string(layout.edp());
     }
     if (out) std::printf("data: %s | micro-batch %lld, global batch %lld, %lld iterations | parallel: tp %lld, pp %lld, "
                          "dp %lld%s\n",
                 data->describe().c_str(), static_cast<long long>(options.micro_batch_size),
                 static_cast<long long>(options.global_batch_size), static_cast<long long>(options.train_iters),
-                static_cast<long long>(options.tensor_parallel_size), static_cast<long long>(options.pipeline_parallel_size),
-                static_cast<long long>(options.data_parallel_size),
+                static_cast<long long>(layout.tp()), static_cast<long long>(layout.pp()),
+                static_cast<long long>(options.parallel.dp()),
                 experts.c_str());
     if (out && options.print_layout) {
         std::printf("%s\n", ddp::layout_table(setup.ddp->layout(), setup.ddp->specs(),

@@ -50,8 +50,8 @@ json checkpoint_metadata(const TrainOptions & o, int64_t consumed_samples) {
         json value = f.arg.value(o);
         if (!value.is_discarded()) args[f.arg.key] = std::move(value);
     }
-    args["padded_vocab_size"]  = o.model.padded_vocab_size(o.tensor_parallel_size);
-    args["data_parallel_size"] = o.data_parallel_size;
+    args["padded_vocab_size"]  = o.model.padded_vocab_size(o.parallel.tp());
+    args["data_parallel_size"] = o.parallel.dp();
     return {{"args", args}, {"consumed_train_samples", consumed_samples}, {"rng", {{"seed", o.model.seed}}}};
 }
 

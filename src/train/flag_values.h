@@ -95,6 +95,11 @@ void resolve_cuda_graphs(const GraphFlags & f, const MoeFlags & moe, TrainOption
 
 // Parallelism (flags_parallel.cpp): the sizes, the layer split over stages, DDP and the hybrid optimizer.
 struct ParallelFlags {
+    int64_t tensor_parallel_size        = 1;   // --tensor-model-parallel-size
+    int64_t pipeline_parallel_size      = 1;   // --pipeline-model-parallel-size
+    int64_t virtual_pipeline_size       = 0;   // --num-virtual-stages-per-pipeline-rank (0: none)
+    int64_t expert_parallel_size        = 1;   // --expert-model-parallel-size
+    int64_t expert_tensor_parallel_size = 1;   // --expert-tensor-parallel-size (default: the dense tp)
     int64_t context_parallel_size = 1;
     int64_t bucket_size           = 0;       // --ddp-bucket-size, applied when given
     bool    grads_in_fp32         = false;   // always on in Loom

@@ -91,7 +91,7 @@ void validate_logging(const Given & given, const TrainOptions & o) {
                "");
     if (!o.log_file.empty()) check_output_path(o.log_file, "--log-file");
     if (!o.timeline_file.empty()) {
-        LOOM_CHECK(o.pipeline_parallel_size > 1, "--timeline draws the pipeline stages' measured timeline; it needs "
+        LOOM_CHECK(o.parallel.pp() > 1, "--timeline draws the pipeline stages' measured timeline; it needs "
                                                  "--pipeline-model-parallel-size > 1",
                    "`loom schedule --svg` draws a schedule without running one");
         check_output_path(o.timeline_file, "--timeline");

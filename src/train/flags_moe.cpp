@@ -115,19 +115,19 @@ void resolve_moe(const MoeFlags & f, const Given & given, TrainOptions & o) {
     }
     model::moe_config_validate(moe, o.model);
     // Megatron raises this in MoELayer.forward while training; Loom refuses before any rank starts.
-    LOOM_CHECK(o.tensor_parallel_size == 1 || o.sequence_parallel,
+    LOOM_CHECK(o.parallel.tp() == 1 || o.sequence_parallel,
                "During training, performance may degrade if MoE and tensor parallelism are enabled without also enabling "
                "sequence parallelism.",
-               "add --sequence-parallel to --num-experts with --tensor-model-parallel-size " << o.tensor_parallel_size);
-    const int64_t etp = o.expert_tensor_parallel_size;
+               "add --sequence-parallel to --num-experts with --tensor-model-parallel-size " << o.parallel.tp());
+    const int64_t etp = o.parallel.etp();
     LOOM_CHECK(moe.expert_ffn(o.model) % etp == 0,
                "the experts' hidden size " << moe.expert_ffn(o.model) << " (--moe-ffn-hidden-size, or --ffn-hidden-size) "
                                            << "is not divisible by --expert-tensor-parallel-size " << etp,
                "each expert-tensor-parallel rank takes an equal share of every expert's features");
-    LOOM_CHECK(moe.shared_expert_intermediate_size % o.tensor_parallel_size == 0,
+    LOOM_CHECK(moe.shared_expert_intermediate_size % o.parallel.tp() == 0,
                "--moe-shared-expert-intermediate-size " << moe.shared_expert_intermediate_size
                                                         << " is not divisible by --tensor-model-parallel-size "
-                                                        << o.tensor_parallel_size,
+                                                        << o.parallel.tp(),
                "the shared expert is split over the tensor-parallel ranks as a dense MLP");
     LOOM_CHECK(etp == 1 || !o.model.add_bias_linear,
                "biases in the experts with --expert-tensor-parallel-size " << etp << " are not supported by Loom",

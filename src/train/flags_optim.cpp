@@ -84,7 +84,7 @@ void resolve_batch(TrainOptions & o) {
                "--micro-batch-size must lie in [1, 2^31], got " << o.micro_batch_size, "");
     LOOM_CHECK(o.global_batch_size >= 0 && o.global_batch_size <= (int64_t(1) << 40),
                "--global-batch-size must lie in [1, 2^40], got " << o.global_batch_size, "");
-    const int64_t dp = o.data_parallel_size;
+    const int64_t dp = o.parallel.dp();
     if (o.global_batch_size == 0) o.global_batch_size = o.micro_batch_size * dp;
     LOOM_CHECK(o.global_batch_size % (o.micro_batch_size * dp) == 0,
                "--global-batch-size " << o.global_batch_size << " is not a multiple of --micro-batch-size "

@@ -24,28 +24,15 @@ using H    = optim::HybridOptions;
 constexpr const char * kDist = "distributed";
 
 const Flag<TrainOptions> kParallelOptionFlags[] = {
-    {"--tensor-model-parallel-size", kDist, &O::tensor_parallel_size,
-     "tensor-parallel ranks (heads, MLP features and vocabulary split)", kShowDefault,
-     {"tensor_model_parallel_size", [](const O & o) -> json { return o.tensor_parallel_size; }}},
     {"--sequence-parallel", kDist, &O::sequence_parallel,
      "norms and the residual stream on sequence shards; all-gather / reduce-scatter in place of all-reduce", kPlain,
      {"sequence_parallel", [](const O & o) -> json { return o.sequence_parallel; }}},
-    {"--pipeline-model-parallel-size", kDist, &O::pipeline_parallel_size,
-     "pipeline stages (1F1B); the ranks mpirun starts are pp x dp", kShowDefault,
-     {"pipeline_model_parallel_size", [](const O & o) -> json { return o.pipeline_parallel_size; }}},
-    {"--num-virtual-stages-per-pipeline-rank", kDist, &O::virtual_pipeline_size,
-     "model chunks per pipeline rank (interleaved 1F1B)", kPlain,
-     {"num_virtual_stages_per_pipeline_rank", [](const O & o) -> json { return o.virtual_pipeline_size; }}},
     {"--microbatch-group-size-per-virtual-pipeline-stage", kDist, &O::microbatch_group_size,
      "micro-batches per group of the interleaved schedule (default: the pipeline size)"},
     {"--num-layers-per-virtual-pipeline-stage", kDist, &O::layers_per_virtual_stage,
      "layers per model chunk (the other way to ask for virtual stages)"},
     {"--decoder-first-pipeline-num-layers", kDist, &O::first_stage_layers, "layers of the first pipeline stage"},
     {"--decoder-last-pipeline-num-layers", kDist, &O::last_stage_layers, "layers of the last pipeline stage"},
-    {"--expert-model-parallel-size", kDist, &O::expert_parallel_size,
-     "expert-parallel ranks: each holds --num-experts / this many experts (they divide the data-parallel ranks)"},
-    {"--expert-tensor-parallel-size", kDist, &O::expert_tensor_parallel_size,
-     "tensor-parallel ranks of each expert's features (default: --tensor-model-parallel-size)"},
     {"--use-tp-pp-dp-mapping", kDist, &O::use_tp_pp_dp_mapping,
      "order the ranks tp-cp-ep-pp-dp (pipeline stages of one data-parallel replica adjacent) instead of "
      "tp-cp-ep-dp-pp"},
@@ -58,7 +45,21 @@ const Flag<TrainOptions> kParallelOptionFlags[] = {
      {"optimizer_cpu_offload", [](const O & o) -> json { return o.optimizer_cpu_offload; }}},
 };
 
+// The sizes, read into `parallel` (TrainOptions::parallel) by resolve_parallel_sizes.
 const Flag<ParallelFlags> kParallelFlags[] = {
+    {"--tensor-model-parallel-size", kDist, &P::tensor_parallel_size,
+     "tensor-parallel ranks (heads, MLP features and vocabulary split)", kShowDefault,
+     {"tensor_model_parallel_size", [](const O & o) -> json { return o.parallel.tp(); }}},
+    {"--pipeline-model-parallel-size", kDist, &P::pipeline_parallel_size,
+     "pipeline stages (1F1B); the ranks mpirun starts are pp x dp", kShowDefault,
+     {"pipeline_model_parallel_size", [](const O & o) -> json { return o.parallel.pp(); }}},
+    {"--num-virtual-stages-per-pipeline-rank", kDist, &P::virtual_pipeline_size,
+     "model chunks per pipeline rank (interleaved 1F1B)", kPlain,
+     {"num_virtual_stages_per_pipeline_rank", [](const O & o) -> json { return o.parallel.vpp().value_or(0); }}},
+    {"--expert-model-parallel-size", kDist, &P::expert_parallel_size,
+     "expert-parallel ranks: each holds --num-experts / this many experts (they divide the data-parallel ranks)"},
+    {"--expert-tensor-parallel-size", kDist, &P::expert_tensor_parallel_size,
+     "tensor-parallel ranks of each expert's features (default: --tensor-model-parallel-size)"},
     {"--context-parallel-size", kDist, &P::context_parallel_size, "context-parallel ranks (only 1 in Loom)"},
     {"--ddp-bucket-size", kDist, &P::bucket_size,
      "elements per gradient bucket (default max(40M, 1M x dp) with --overlap-grad-reduce, else one bucket)"},
@@ -105,10 +106,10 @@ void resolve_parallel_sizes(const ParallelFlags & f, int64_t num_experts, const 
                                                                         << " is not supported by Loom (no context parallelism yet)",
                "only --context-parallel-size 1 is accepted");
     // Megatron's argument checks of expert parallelism (validate_args) come before the world's decomposition.
-    LOOM_CHECK(o.expert_parallel_size >= 1, "--expert-model-parallel-size must be >= 1, got " << o.expert_parallel_size,
+    LOOM_CHECK(f.expert_parallel_size >= 1, "--expert-model-parallel-size must be >= 1, got " << f.expert_parallel_size,
                "parallel sizes are positive integers");
-    LOOM_CHECK(o.expert_parallel_size == 1 || given("--num-experts"), "num_experts must be non None to use expert model parallelism", "");
-    LOOM_CHECK(num_experts % o.expert_parallel_size == 0, "Number of experts should be a multiple of expert model parallel_size.", "");
+    LOOM_CHECK(f.expert_parallel_size == 1 || given("--num-experts"), "num_experts must be non None to use expert model parallelism", "");
+    LOOM_CHECK(num_experts % f.expert_parallel_size == 0, "Number of experts should be a multiple of expert model parallel_size.", "");
     auto size = [](int64_t value, const char * flag) {   // ParallelConfig's sizes are ints
         LOOM_CHECK(value <= std::numeric_limits<int>::max(), flag << " " << value << " is larger than any world size",
                    "give the number of ranks of that parallel dimension");
@@ -116,18 +117,16 @@ void resolve_parallel_sizes(const ParallelFlags & f, int64_t num_experts, const 
     };
     parallel::ParallelSizes sizes;
     sizes.world_size = size(world_size, "the world size");
-    sizes.tp         = size(o.tensor_parallel_size, "--tensor-model-parallel-size");
-    sizes.pp         = size(o.pipeline_parallel_size, "--pipeline-model-parallel-size");
-    sizes.ep         = size(o.expert_parallel_size, "--expert-model-parallel-size");
+    sizes.tp         = size(f.tensor_parallel_size, "--tensor-model-parallel-size");
+    sizes.pp         = size(f.pipeline_parallel_size, "--pipeline-model-parallel-size");
+    sizes.ep         = size(f.expert_parallel_size, "--expert-model-parallel-size");
     // Megatron's default: the experts' tensor parallelism is the dense layers'.
-    if (given("--expert-tensor-parallel-size")) sizes.etp = size(o.expert_tensor_parallel_size, "--expert-tensor-parallel-size");
+    if (given("--expert-tensor-parallel-size")) sizes.etp = size(f.expert_tensor_parallel_size, "--expert-tensor-parallel-size");
     if (given("--num-virtual-stages-per-pipeline-rank")) {
-        sizes.vpp = size(o.virtual_pipeline_size, "--num-virtual-stages-per-pipeline-rank");
+        sizes.vpp = size(f.virtual_pipeline_size, "--num-virtual-stages-per-pipeline-rank");
     }
     if (o.use_tp_pp_dp_mapping) sizes.order = "tp-cp-ep-pp-dp";   // Megatron's initialize.py
-    o.parallel                    = parallel::ParallelConfig::create(sizes);   // throws naming the flags
-    o.data_parallel_size          = o.parallel.dp();
-    o.expert_tensor_parallel_size = o.parallel.etp();
+    o.parallel = parallel::ParallelConfig::create(sizes);   // throws naming the flags
 }
 
 void resolve_ddp(const ParallelFlags & f, const Given & given, TrainOptions & o) {
@@ -145,13 +144,13 @@ void check_offload(const TrainOptions & o) {
 
 void validate_layout(const TrainOptions & o) {
     const model::GptConfig & m = o.model;
-    LOOM_CHECK(o.pipeline_parallel_size > 1 ||
+    LOOM_CHECK(o.parallel.pp() > 1 ||
                    (o.layers_per_virtual_stage == 0 && o.first_stage_layers == 0 && o.last_stage_layers == 0),
                "--num-layers-per-virtual-pipeline-stage, --decoder-first-pipeline-num-layers and "
                "--decoder-last-pipeline-num-layers need --pipeline-model-parallel-size > 1",
                "they describe how layers split over pipeline stages");
-    if (o.tensor_parallel_size > 1) {
-        const int64_t tp = o.tensor_parallel_size;
+    if (o.parallel.tp() > 1) {
+        const int64_t tp = o.parallel.tp();
         LOOM_CHECK(m.num_attention_heads % tp == 0 && m.num_query_groups % tp == 0 && m.ffn_hidden_size % tp == 0,
                    "--num-attention-heads " << m.num_attention_heads << ", --num-query-groups " << m.num_query_groups
                                             << " and --ffn-hidden-size " << m.ffn_hidden_size
@@ -163,8 +162,8 @@ void validate_layout(const TrainOptions & o) {
         LOOM_CHECK(o.load_hf.empty(), "--load-hf with --tensor-model-parallel-size " << tp,
                    "loading Hugging Face weights into tensor-parallel shards is not supported yet; train from --seed");
     }
-    if (o.pipeline_parallel_size > 1) {
-        LOOM_CHECK(o.load_hf.empty(), "--load-hf with --pipeline-model-parallel-size " << o.pipeline_parallel_size,
+    if (o.parallel.pp() > 1) {
+        LOOM_CHECK(o.load_hf.empty(), "--load-hf with --pipeline-model-parallel-size " << o.parallel.pp(),
                    "loading Hugging Face weights into pipeline stages is not supported yet; train from --seed");
         pipeline::LayerSplitOptions split  = o.layer_split();
         pipeline::LayerAssignment   layout = pipeline::assign_layers(split);   // throws naming the flags
@@ -180,8 +179,8 @@ void validate_layout(const TrainOptions & o) {
 pipeline::LayerSplitOptions TrainOptions::layer_split() const {
     pipeline::LayerSplitOptions split;
     split.num_layers = static_cast<int>(model.num_layers);
-    split.pp         = static_cast<int>(pipeline_parallel_size);
-    if (virtual_pipeline_size > 0) split.vpp = static_cast<int>(virtual_pipeline_size);
+    split.pp         = parallel.pp();
+    split.vpp        = parallel.vpp();
     if (layers_per_virtual_stage > 0) split.num_layers_per_virtual_stage = static_cast<int>(layers_per_virtual_stage);
     if (first_stage_layers > 0) split.first_stage_layers = static_cast<int>(first_stage_layers);
     if (last_stage_layers > 0) split.last_stage_layers = static_cast<int>(last_stage_layers);

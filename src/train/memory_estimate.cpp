@@ -12,8 +12,8 @@ MemoryEstimate estimate_memory(const TrainOptions & o) {
     const double L = static_cast<double>(m.num_layers), V = static_cast<double>(m.vocab_size);
     const double s = static_cast<double>(m.seq_length);
     const double b = static_cast<double>(o.micro_batch_size);
-    const double tp = static_cast<double>(o.tensor_parallel_size), pp = static_cast<double>(o.pipeline_parallel_size);
-    const double dp = static_cast<double>(o.data_parallel_size);
+    const double tp = static_cast<double>(o.parallel.tp()), pp = static_cast<double>(o.parallel.pp());
+    const double dp = static_cast<double>(o.parallel.dp());
     // Parameters in double (an int64 count could overflow): embeddings, and per layer QKV, projection, MLP.
     const double per_layer = 4 * h * h + h * f * (m.swiglu ? 3 : 2) + 8 * h;
     const double params    = (V * h * (m.untie_embeddings_and_output_weights ? 2 : 1) +

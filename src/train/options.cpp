@@ -23,8 +23,8 @@ template <class Values, class Visit> void for_each_table(Values & v, Visit && vi
     visit(schedule_flags(), o);
     visit(offload_flags(), o.offload);
     visit(ddp_flags(), o.ddp);
-    visit(parallel_option_flags(), o);
     visit(parallel_flags(), v.parallel);
+    visit(parallel_option_flags(), o);
     visit(logging_flags(), o);
     visit(data_flags(), o);
     visit(checkpoint_flags(), o);

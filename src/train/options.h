@@ -58,18 +58,11 @@ struct TrainOptions {
     bool                 optimizer_cpu_offload = false;
     optim::HybridOptions offload;
 
-    // Parallelism. The sizes as the flags give them (data_parallel_size and, when not given,
-    // expert_tensor_parallel_size derived from them), and `parallel`: the layout resolve() made of them for
-    // the world size, validated there and only there (parallel/parallel_config.h), from which the process
-    // groups are built.
+    // Parallelism: the layout resolve() made of the size flags (ParallelFlags, train/flag_values.h) for the
+    // world size, validated there and only there (parallel/parallel_config.h): every size is read from it
+    // (tp(), pp(), dp(), ep(), etp(), vpp()), and the process groups are built from it.
     parallel::ParallelConfig parallel;
-    int64_t        data_parallel_size = 1;
-    int64_t        tensor_parallel_size   = 1;   // --tensor-model-parallel-size
     bool           sequence_parallel      = false;   // --sequence-parallel (with tensor parallelism)
-    int64_t        pipeline_parallel_size = 1;   // --pipeline-model-parallel-size
-    int64_t        expert_parallel_size   = 1;   // --expert-model-parallel-size (MoE experts over ep ranks)
-    int64_t        expert_tensor_parallel_size = 1;   // --expert-tensor-parallel-size (default: tensor_parallel_size)
-    int64_t        virtual_pipeline_size  = 0;   // --num-virtual-stages-per-pipeline-rank (0: none)
     int64_t        microbatch_group_size  = 0;   // --microbatch-group-size-per-virtual-pipeline-stage (0: pp)
     int64_t        layers_per_virtual_stage = 0;   // --num-layers-per-virtual-pipeline-stage (0: unset)
     int64_t        first_stage_layers       = 0;   // --decoder-first-pipeline-num-layers (0: even split)
@@ -149,7 +142,7 @@ struct TrainOptions {
     bool        log_throughput = false;   // --log-throughput: the TFLOP/s field of the log line
 
     // Micro-batches per iteration on each data-parallel rank.
-    int64_t num_microbatches() const { return global_batch_size / (micro_batch_size * data_parallel_size); }
+    int64_t num_microbatches() const { return global_batch_size / (micro_batch_size * parallel.dp()); }
 };
 
 // What one rank of a training run needs, estimated before anything is allocated (bytes, as doubles: the

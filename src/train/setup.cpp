@@ -12,15 +12,15 @@ namespace {
 int size_of(const std::shared_ptr<comm::Communicator> & group) { return group ? group->size() : 1; }
 
 void check_pipeline_group(const TrainOptions & options, const parallel::ProcessGroups & groups) {
-    LOOM_CHECK(size_of(groups.pp) == options.pipeline_parallel_size,
+    LOOM_CHECK(size_of(groups.pp) == options.parallel.pp(),
                "pipeline group of " << size_of(groups.pp) << " ranks for --pipeline-model-parallel-size "
-                                    << options.pipeline_parallel_size, "");
+                                    << options.parallel.pp(), "");
 }
 
 }  // namespace
 
 std::vector<model::PipelineStage> pipeline_stages(const TrainOptions & options, int stage) {
-    const int pp = static_cast<int>(options.pipeline_parallel_size);
+    const int pp = options.parallel.pp();
     LOOM_CHECK(stage >= 0 && stage < pp, "pipeline stage " << stage << " of --pipeline-model-parallel-size " << pp, "");
     if (pp == 1) return {model::PipelineStage{}};
     const pipeline::LayerAssignment   layout = pipeline::assign_layers(options.layer_split());
@@ -53,17 +53,17 @@ std::vector<model::Parameter *> Setup::parameters() const {
 
 Setup setup(const TrainOptions & options, const parallel::ProcessGroups & groups, Device & device) {
     check_pipeline_group(options, groups);
-    LOOM_CHECK(size_of(groups.tp) == options.tensor_parallel_size,
+    LOOM_CHECK(size_of(groups.tp) == options.parallel.tp(),
                "tensor-parallel group of " << size_of(groups.tp) << " ranks for --tensor-model-parallel-size "
-                                           << options.tensor_parallel_size, "");
+                                           << options.parallel.tp(), "");
     options.model.validate();
     model::TensorParallel tensor;
     if (size_of(groups.tp) > 1) {
         tensor = model::TensorParallel{groups.tp, groups.tp->rank(), groups.tp->size(), options.sequence_parallel};
     }
-    LOOM_CHECK(size_of(groups.expert_ep) == options.expert_parallel_size,
+    LOOM_CHECK(size_of(groups.expert_ep) == options.parallel.ep(),
                "expert-parallel group of " << size_of(groups.expert_ep) << " ranks for --expert-model-parallel-size "
-                                           << options.expert_parallel_size, "");
+                                           << options.parallel.ep(), "");
     model::ExpertParallel expert;
     if (size_of(groups.expert_ep) > 1) {
         expert.group = groups.expert_ep;
@@ -100,9 +100,9 @@ Setup setup(const TrainOptions & options, std::vector<model::GptModel *> chunks,
     Device &                        device = s.chunks.front()->device();
     std::vector<model::Parameter *> params = s.parameters();
     if (groups.dp) {
-        LOOM_CHECK(groups.dp->size() == options.data_parallel_size,
+        LOOM_CHECK(groups.dp->size() == options.parallel.dp(),
                    "data-parallel group of " << groups.dp->size() << " ranks for options resolved for "
-                                             << options.data_parallel_size, "");
+                                             << options.parallel.dp(), "");
         // Expert parameters reduce and shard over the expert-data-parallel group (the dense dp group's
         // ranks while --expert-model-parallel-size is 1).
         s.ddp = std::make_unique<ddp::DistributedDataParallel>(params, options.ddp, groups.dp, device,

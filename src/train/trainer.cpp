@@ -319,8 +319,7 @@ TrainSummary Trainer::run(FILE * out) {
     // Per rank, as Megatron's "throughput per GPU".
     const double flops_per_iteration = model_.config().training_flops_per_token() *
                                        static_cast<double>(options_.global_batch_size * model_.config().seq_length) /
-                                       static_cast<double>(options_.data_parallel_size * options_.pipeline_parallel_size *
-                                                           options_.tensor_parallel_size);
+                                       static_cast<double>(options_.parallel.world_size());
     const auto start   = std::chrono::steady_clock::now();
     auto       seconds = [&start] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
     LogWindow  window(0.0);
