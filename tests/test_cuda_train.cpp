@@ -190,7 +190,7 @@ TEST(CudaTrain, FourRanksPp4Vpp2FollowTheCpu) {
 
 // What the pipeline's channel communicators (pipeline/p2p_plan.h) prevent: with every transfer on the one
 // pipeline communicator (the LOOM_PP_ONE_COMMUNICATOR seam), PP 2 x VPP 2 deadlocks under NCCL's semantics,
-// and the watchdog ends the job naming the rank that waited. Only the emulated device is strict about it:
+// and the watchdog ends the job naming the rank that waited and, from its roll call, what its peer waits in. Only the emulated device is strict about it:
 // real NCCL completes small sends without their receives (it buffers them), so a GPU may not hang at this
 // size.
 TEST(CudaTrain, InterleavedPipelineOnOneCommunicatorDeadlocksAndTheWatchdogSaysSo) {
@@ -205,6 +205,10 @@ TEST(CudaTrain, InterleavedPipelineOnOneCommunicatorDeadlocksAndTheWatchdogSaysS
     EXPECT_NE(r.out.find("for its peers: a rank of the group has not issued the matching operation"), std::string::npos)
         << r.out;
     EXPECT_NE(r.out.find("[rank "), std::string::npos) << "the message names the rank\n" << r.out;
+    // The roll call over the launcher: the peer answers from its MPI engine while its host thread is blocked
+    // in NCCL, naming the operation it waits in (here a receive of its own: each waits on the other).
+    EXPECT_NE(r.out.find(" answered: it is waiting "), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find(" s in NCCL recv #"), std::string::npos) << r.out;
     EXPECT_EQ(r.out.find("iteration       20/"), std::string::npos) << "the job did not hang past the deadlock\n"
                                                                       << r.out;
 }

@@ -30,7 +30,9 @@
 #include "core/device.h"
 #include "core/tensor.h"
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -68,9 +70,35 @@ private:
     std::string graph_;
 };
 
+// The roll call of another transport over the same ranks (NCCL's, whose own waits cannot ask anyone): a
+// group registered with a communicator that has a side channel (MPI's engine, which answers other ranks'
+// questions from its own thread while this process is blocked elsewhere).
+struct RollCallSubject {
+    std::shared_ptr<std::atomic<uint64_t>> posted;   // operations this process has issued on the group
+    std::function<std::string()>           doing;    // what it waits on there ("" none); any thread
+};
+
+class RollCallChannel {
+public:
+    virtual ~RollCallChannel() = default;
+    // Asks the group's other members (the peer only, for a send or recv: `peer` >= 0, its group rank) where
+    // they are in operation #seq, waiting up to `grace` seconds; one line per member that has not done its
+    // part, naming it: one that does not answer has stopped, crashed or is blocked.
+    virtual std::string ask(uint64_t seq, int peer, double grace) = 0;
+};
+
 class Communicator {
 public:
     virtual ~Communicator() = default;
+
+    // Registers `subject`, a group of another transport over this communicator's members named `name`, for
+    // the roll call; every member must open it, in the same order. Null where there is no side channel.
+    // The channel unregisters when destroyed.
+    virtual std::unique_ptr<RollCallChannel> open_roll_call(const std::string & name, RollCallSubject subject) {
+        (void)name;
+        (void)subject;
+        return nullptr;
+    }
 
     virtual int                      rank() const = 0;
     virtual int                      size() const = 0;

@@ -85,6 +85,24 @@ public:
     const std::vector<int> & global_ranks() const override { return global_ranks_; }
     const std::string &      name() const override { return name_; }
 
+    // The engine answers and asks for another transport's group over these members (its watchdog).
+    std::unique_ptr<RollCallChannel> open_roll_call(const std::string & name, RollCallSubject subject) override {
+        class Channel : public RollCallChannel {
+        public:
+            Channel(std::shared_ptr<MpiEngine> engine, int id) : engine_(std::move(engine)), id_(id) {}
+            ~Channel() override { engine_->unregister_external(id_); }
+            std::string ask(uint64_t seq, int peer, double grace) override {
+                return engine_->roll_call_external(id_, seq, peer, grace);
+            }
+
+        private:
+            std::shared_ptr<MpiEngine> engine_;
+            int                        id_;
+        };
+        const int id = engine_->register_external(name, global_ranks_, std::move(subject));
+        return std::make_unique<Channel>(engine_, id);
+    }
+
 protected:
     WorkPtr do_all_reduce(const Tensor & t, ReduceOp op, Stream * stream) override {
         auto mpi_op = std::make_shared<MpiOp>();

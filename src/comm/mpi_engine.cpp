@@ -94,8 +94,36 @@ void MpiEngine::register_comm(int comm_id, const std::string & name, const std::
     for (char c : name) mix(static_cast<uint8_t>(c));
     for (int r : members) mix(static_cast<uint64_t>(r) + 0x100);
     mix(made_[key]++);
-    comms_[comm_id] = CommInfo{key, members};
+    comms_[comm_id] = CommInfo{key, members, name, {}};
     by_key_[key]    = comm_id;
+}
+
+int MpiEngine::register_external(const std::string & name, const std::vector<int> & members, RollCallSubject subject) {
+    const int id = new_comm_id();
+    call([&] {
+        register_comm(id, name, members);
+        comms_[id].subject = std::move(subject);
+    });
+    return id;
+}
+
+void MpiEngine::unregister_external(int id) {
+    call([&] { unregister_comm(id); });
+}
+
+std::string MpiEngine::roll_call_external(int id, uint64_t seq, int peer, double grace) {
+    std::string lines;
+    call([&] {
+        auto info = comms_.find(id);
+        if (info == comms_.end()) return;
+        MpiOp op;
+        op.comm_id = id;
+        op.seq     = seq;
+        op.peer    = peer;
+        op.group   = info->second.name;
+        lines      = roll_call(op, grace);
+    });
+    return lines;
 }
 
 void MpiEngine::unregister_comm(int comm_id) {
@@ -129,8 +157,9 @@ void MpiEngine::answer_roll_call() {
         a->seq = q.seq;
         auto it = by_key_.find(q.key);
         if (it != by_key_.end()) {
-            const int comm_id = it->second;
-            a->posted         = static_cast<int64_t>(queues_[comm_id].next_seq);
+            const int        comm_id = it->second;
+            const CommInfo & info    = comms_[comm_id];
+            a->posted = static_cast<int64_t>(info.subject.posted ? info.subject.posted->load() : queues_[comm_id].next_seq);
         }
         if (!in_flight_.empty()) {   // the oldest operation it waits on, on any group
             const MpiOp & op     = *in_flight_.front();
@@ -139,6 +168,14 @@ void MpiEngine::answer_roll_call() {
             if (op.peer >= 0) std::snprintf(peer, sizeof(peer), " with rank %d", op.peer);
             std::snprintf(a->doing, sizeof(a->doing), "waiting %.0f s in %s #%llu%s on group '%s'", waited, op.what,
                           static_cast<unsigned long long>(op.seq), peer, op.group.c_str());
+        } else {   // or what it waits on in another transport (an NCCL operation)
+            for (const auto & [id, info] : comms_) {
+                if (!info.subject.doing) continue;
+                const std::string doing = info.subject.doing();
+                if (doing.empty()) continue;
+                std::snprintf(a->doing, sizeof(a->doing), "%s", doing.c_str());
+                break;
+            }
         }
         answers_.emplace_back();
         answer_buffers_.push_back(a);   // kept until the job ends: answers are rare and tiny

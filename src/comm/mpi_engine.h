@@ -118,6 +118,15 @@ public:
     void register_comm(int comm_id, const std::string & name, const std::vector<int> & members);
     void unregister_comm(int comm_id);
 
+    // A group of another transport over `members` (comm/communicator.h's RollCallSubject: NCCL's), known to
+    // the roll call as a communicator is: this engine answers other ranks' questions about it from the
+    // subject, and asks about it for that transport's watchdog. Any thread; returns its id.
+    int         register_external(const std::string & name, const std::vector<int> & members, RollCallSubject subject);
+    void        unregister_external(int id);
+    // The roll call for operation #seq of that group (`peer`: its group rank, for a send or recv), taken on
+    // the engine thread; returns the lines naming the members that have not done their part.
+    std::string roll_call_external(int id, uint64_t seq, int peer, double grace);
+
     // The watchdog: an operation in flight longer than this ends the job (0: never).
     void set_timeout(double seconds) { timeout_s_.store(seconds); }
 
@@ -139,6 +148,8 @@ private:
     struct CommInfo {
         uint64_t         key = 0;
         std::vector<int> members;   // world ranks
+        std::string      name;
+        RollCallSubject  subject;   // another transport's group: what it has posted and waits on
     };
     // The roll call: when an operation times out, its rank asks the other members of the group where
     // they are, on a communicator of its own, and every engine answers from its loop, also while it

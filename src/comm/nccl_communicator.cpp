@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -101,12 +102,34 @@ bool overlaps(const void * a, size_t a_bytes, const void * b, size_t b_bytes) {
 // The watchdog's limit for this process's NCCL waits (NcclContext::set_timeout), in seconds.
 std::atomic<double> g_timeout_s{600.0};
 
+// What this process has done on a group, for the roll call (comm/communicator.h): the operations it has
+// issued, and the one a host thread waits on now. The MPI engine reads it from its own thread when another
+// rank's watchdog asks.
+struct WaitBoard {
+    std::shared_ptr<std::atomic<uint64_t>> issued = std::make_shared<std::atomic<uint64_t>>(0);
+    std::mutex                             mutex;
+    const char *                           op = nullptr;   // null: no wait in progress
+    uint64_t                               seq  = 0;
+    int                                    peer = -1;
+    std::chrono::steady_clock::time_point  since;
+
+    std::string doing(const std::string & group) {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (op == nullptr) return "";
+        const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+        return detail::concat("waiting ", static_cast<int>(waited), " s in NCCL ", op, " #", seq,
+                              peer >= 0 ? detail::concat(" with rank ", peer) : std::string(), " on group '", group, "'");
+    }
+};
+
 struct NcclState {
     ncclComm_t  comm = nullptr;
     std::string name;
     int         rank = 0, size = 1;
     std::string device;
     bool        aborted = false;   // by the watchdog: the communicator is unusable
+    std::shared_ptr<WaitBoard>       board = std::make_shared<WaitBoard>();
+    std::unique_ptr<RollCallChannel> roll_call;   // over the launcher's group (null: no side channel)
 
     ~NcclState() {
         // At exit NCCL may be gone: nothing to report. An aborted communicator is already freed (ncclCommAbort).
@@ -124,12 +147,29 @@ struct NcclState {
 
 class NcclWork : public Work {
 public:
-    NcclWork(std::shared_ptr<NcclState> state, std::unique_ptr<gpu::CudaEvent> done, const char * op)
-        : state_(std::move(state)), done_(std::move(done)), op_(op) {}
+    // Operation #seq of the group (`peer`: the other rank, for a send or recv).
+    NcclWork(std::shared_ptr<NcclState> state, std::unique_ptr<gpu::CudaEvent> done, const char * op, uint64_t seq,
+             int peer)
+        : state_(std::move(state)), done_(std::move(done)), op_(op), seq_(seq), peer_(peer) {}
 
     void wait() override {
         check_not_capturing("a wait on an NCCL operation");
         const auto start = std::chrono::steady_clock::now();
+        WaitBoard & board = *state_->board;
+        {
+            std::lock_guard<std::mutex> lock(board.mutex);
+            board.op    = op_;
+            board.seq   = seq_;
+            board.peer  = peer_;
+            board.since = start;
+        }
+        struct Done {   // the board forgets the wait however it ends
+            WaitBoard & board;
+            ~Done() {
+                std::lock_guard<std::mutex> lock(board.mutex);
+                board.op = nullptr;
+            }
+        } done{board};
         while (!poll()) {
             std::this_thread::sleep_for(std::chrono::microseconds(20));
             const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -149,14 +189,21 @@ private:
     // stream the operation blocks, so the process can end; the exception then stops this rank.
     [[noreturn]] void time_out(double waited) {
         const std::string report = detail::concat(
-            "NCCL ", op_, " on group '", state_->name, "' (rank ", state_->rank, " of ", state_->size, ", ",
-            state_->device, ") has waited ", static_cast<int>(waited),
+            "NCCL ", op_, " #", seq_, peer_ >= 0 ? detail::concat(" with rank ", peer_) : std::string(), " on group '",
+            state_->name, "' (rank ", state_->rank, " of ", state_->size, ", ", state_->device, ") has waited ",
+            static_cast<int>(waited),
             " s for its peers: a rank of the group has not issued the matching operation (operations issued in "
             "another order: a deadlock; or a stopped rank)");
-        std::fprintf(stderr,
-                     "[rank %d] loom: %s\n  HINT: every rank of a group must issue the same NCCL operations in the "
-                     "same order; --distributed-timeout-minutes sets how long a wait may take\n",
-                     process_rank(), report.c_str());
+        std::fprintf(stderr, "[rank %d] loom: %s\n", process_rank(), report.c_str());
+        std::fflush(stderr);
+        // Where the others are, asked over the launcher (MPI), whose engine answers while its host thread
+        // is blocked here: the ranks that have not arrived, and what each waits on.
+        if (state_->roll_call) {
+            const std::string lines = state_->roll_call->ask(seq_, peer_, std::clamp(g_timeout_s.load() / 5, 1.0, 10.0));
+            std::fprintf(stderr, "%s", lines.c_str());
+        }
+        std::fprintf(stderr, "  HINT: every rank of a group must issue the same NCCL operations in the same order; "
+                             "--distributed-timeout-minutes sets how long a wait may take\n");
         std::fflush(stderr);
         if (!state_->aborted) {
             state_->aborted = true;
@@ -183,6 +230,8 @@ private:
     const char *                     op_;
     bool                             finished_ = false;
     std::string                      error_;
+    uint64_t                         seq_  = 0;
+    int                              peer_ = -1;
 };
 
 class NcclCommunicator : public Communicator {
@@ -331,7 +380,7 @@ protected:
             if (t.numel() == 0) return;
             LOOM_NCCL_OP_CHECK(ncclSend(t.data_ptr(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, comm, s),
                                comm, "send", name_);
-        });
+        }, peer);
     }
 
     WorkPtr do_recv(const Tensor & t, int peer, int tag, Stream * stream) override {
@@ -341,7 +390,7 @@ protected:
             if (t.numel() == 0) return;
             LOOM_NCCL_OP_CHECK(ncclRecv(t.data_ptr(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, comm, s),
                                comm, "recv", name_);
-        });
+        }, peer);
     }
 
     // A one-element all_reduce: complete on every rank only once every rank has issued it.
@@ -381,7 +430,7 @@ private:
     // use, so the communicator must outlive the graph. A stream only forked into someone else's capture is
     // refused: it cannot end the capture into a segment.
     WorkPtr issue(const char * op, Stream * stream, bool stream_waits, std::vector<Tensor> tensors,
-                  std::function<void(cudaStream_t)> enqueue) {
+                  std::function<void(cudaStream_t)> enqueue, int peer = -1) {
         gpu::CudaStream * caller = nullptr;
         if (stream != nullptr) {
             caller = dynamic_cast<gpu::CudaStream *>(stream);
@@ -391,8 +440,8 @@ private:
                        "pass a stream of the communicator's CUDA device (device.compute_stream() or stream_create())");
             if (Graph * graph = stream->capture()) {
                 stream->submit_replayable(
-                    [this, op, caller, stream_waits, tensors, enqueue]() -> std::function<void()> {
-                        launch(op, caller, stream_waits, tensors, enqueue);
+                    [this, op, caller, stream_waits, tensors, enqueue, peer]() -> std::function<void()> {
+                        launch(op, caller, stream_waits, tensors, enqueue, peer);
                         return [] {};
                     },
                     std::string("nccl ") + op);
@@ -404,13 +453,14 @@ private:
                                << (graph_being_captured() ? graph_being_captured()->name() : std::string("?")) << "'",
                        "issue NCCL operations inside a capture on the capturing stream itself");
         }
-        return launch(op, caller, stream_waits, std::move(tensors), enqueue);
+        return launch(op, caller, stream_waits, std::move(tensors), enqueue, peer);
     }
 
     // issue()'s eager part: the operation on the NCCL stream now, between events on the caller's stream.
     WorkPtr launch(const char * op, gpu::CudaStream * caller, bool stream_waits, std::vector<Tensor> tensors,
-                   const std::function<void(cudaStream_t)> & enqueue) {
+                   const std::function<void(cudaStream_t)> & enqueue, int peer) {
         std::lock_guard<std::mutex> lock(mutex_);   // NCCL calls of one communicator: one thread, issue order
+        const uint64_t              seq = state_->board->issued->fetch_add(1);
         gpu::DeviceGuard           guard(device_.index());
         cudaStream_t                s = nccl_stream_->native();
         if (caller != nullptr) {
@@ -424,7 +474,7 @@ private:
             LOOM_CUDA_OP_CHECK(cudaStreamWaitEvent(caller->native(), done->native(), 0), op, name_);
         }
         nccl_stream_->launched(op, std::move(tensors));   // stream-ordered: freed once the NCCL stream has passed
-        return std::make_shared<NcclWork>(state_, std::move(done), op);
+        return std::make_shared<NcclWork>(state_, std::move(done), op, seq, peer);
     }
 
     std::shared_ptr<NcclState>       state_;   // declared first: the communicator goes after the stream
@@ -476,6 +526,11 @@ std::shared_ptr<Communicator> make_nccl_communicator(Communicator & launcher_gro
                    "NCCL needs a distinct GPU per rank of a group (\"Duplicate GPU detected\" under NCCL_DEBUG=WARN): "
                    "check CUDA_VISIBLE_DEVICES and the device each rank picks");
     }
+    // The watchdog's roll call goes over the launcher (every member registers the group, in the same order).
+    RollCallSubject subject;
+    subject.posted   = state->board->issued;
+    subject.doing    = [board = state->board, name] { return board->doing(name); };
+    state->roll_call = launcher_group.open_roll_call("nccl:" + name, std::move(subject));
     return std::make_shared<NcclCommunicator>(std::move(state), device, rank, size, launcher_group.global_ranks(), name);
 }
 

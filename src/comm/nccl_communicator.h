@@ -34,9 +34,12 @@
 //     NCCL call is never inside a CUDA graph; the Work returned during capture refuses a wait (the operation
 //     completes in each replay). A stream merely forked into another stream's capture is refused.
 //   - watchdog: a Work::wait that has waited past NcclContext::set_timeout prints its report to stderr
-//     (the operation, the group and the rank), aborts the communicator and throws a RunError (NCCL itself
-//     would wait forever). The report is printed first: the abort fails the peers at once, and a peer
-//     that ends the job could otherwise stop this rank before its exception is printed.
+//     (the operation and its number on the group, the group and the rank), takes a roll call of the group
+//     over the launcher (comm/communicator.h's RollCallChannel: each member's MPI engine answers from its
+//     own thread how many operations it has issued on the group and which NCCL operation it waits in, and
+//     a member that does not answer has stopped), aborts the communicator and throws a RunError (NCCL
+//     itself would wait forever). The report is printed first: the abort fails the peers at once, and a
+//     peer that ends the job could otherwise stop this rank before its exception is printed.
 #pragma once
 
 #include "backend/cuda/cuda_namespace.h"
