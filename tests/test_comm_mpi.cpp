@@ -470,6 +470,36 @@ TEST(Agreement, ASettingOneRankAloneHasIsNamedAsAbsentElsewhere) {
     }
 }
 
+// The running check: collectives that all ranks issued alike pass; a rank whose all-reduce used another
+// reduction (it completes) is named, on every rank, with its last collective beside the others'.
+TEST(Agreement, CollectivesThatDivergedWithoutHangingAreNamed) {
+    auto world = g_mpi->world();
+    if (world->size() == 1) return;
+    // A group of its own: the other tests' collectives on the world are not part of this one.
+    std::vector<int> everyone(static_cast<size_t>(world->size()));
+    for (size_t r = 0; r < everyone.size(); ++r) everyone[r] = static_cast<int>(r);
+    std::shared_ptr<Communicator> group = g_mpi->split({everyone}, "checked");
+    Communicator * const          kinds[] = {group.get(), nullptr};
+    std::vector<float>            values  = {1.0f, 2.0f};
+    all_reduce_values(*group, cpu::device(), values, ReduceOp::sum);
+    EXPECT_NO_THROW(check_issued(*world, cpu::device(), kinds));
+    if (world->rank() == world->size() - 1) flip_next_reduction();
+    const std::vector<float> reduced = all_reduce_values(*group, cpu::device(), values, ReduceOp::sum);
+    try {
+        check_issued(*world, cpu::device(), kinds);
+        ADD_FAILURE() << "no error on rank " << world->rank();
+    } catch (const RunError & e) {
+        const std::string others = world->size() == 2 ? "rank 0" : "ranks 0-" + std::to_string(world->size() - 2);
+        // The first divergent collective, by number, with each reduction and the ranks that used it.
+        EXPECT_NE(e.message().find("group 'checked' of ranks 0-" + std::to_string(world->size() - 1) +
+                                   ", collective #2: all_reduce of 2 float32 (sum) on " + others +
+                                   "; all_reduce of 2 float32 (max) on rank " + std::to_string(world->size() - 1)),
+                  std::string::npos)
+            << e.message();
+        EXPECT_EQ(e.message().find("collective #1:"), std::string::npos) << "#1 agreed\n" << e.message();
+    }
+}
+
 TEST(Agreement, ReportLinesAndRankLists) {
     EXPECT_EQ(rank_list(std::vector<int>{3}), "rank 3");
     EXPECT_EQ(rank_list(std::vector<int>{0, 1, 2, 5, 7, 8}), "ranks 0-2, 5, 7-8");

@@ -52,7 +52,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Fault{"stall", "rank 1 has not arrived: it has posted"},
                       // Rank 1 issues an all-reduce the others never do: whichever watchdog reports first,
                       // it names the ranks that have not arrived and what each is waiting in.
-                      Fault{"diverge", "has not arrived: it has posted"}),
+                      Fault{"diverge", "has not arrived: it has posted"},
+                      // Rank 1's next all-reduce reduces with max where the others sum: it completes, and the
+                      // running check at the next log line names the group and both reductions.
+                      Fault{"diverge_op", "the ranks' collective operations diverged"}),
     [](const ::testing::TestParamInfo<Fault> & info) { return std::string(info.param.name); });
 
 // Two ranks launched apart (mpirun's multiple-program form): `loom train <rank0>` in `dir0` and

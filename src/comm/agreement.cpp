@@ -86,7 +86,7 @@ std::string rank_list(std::span<const int> ranks) {
     return out;
 }
 
-std::vector<std::string> disagreements(const std::vector<std::vector<Setting>> & per_rank) {
+std::vector<std::string> disagreements(const std::vector<std::vector<Setting>> & per_rank, bool absent_differs) {
     // Names in the order they first appear, each with its value on every rank.
     std::vector<std::string>                             names;
     std::map<std::string, std::vector<const std::string *>> values;
@@ -104,6 +104,7 @@ std::vector<std::string> disagreements(const std::vector<std::vector<Setting>> &
         // Each distinct value with the ranks holding it, in the order of their first rank.
         std::vector<std::pair<const std::string *, std::vector<int>>> groups;
         for (size_t r = 0; r < held.size(); ++r) {
+            if (!held[r] && !absent_differs) continue;
             const std::string * v = held[r] ? held[r] : &absent;
             auto g = std::find_if(groups.begin(), groups.end(), [&](const auto & p) { return *p.first == *v; });
             if (g == groups.end()) {
@@ -123,7 +124,12 @@ std::vector<std::string> disagreements(const std::vector<std::vector<Setting>> &
     return lines;
 }
 
-void check_agreement(Communicator & world, Device & device, std::span<const Setting> settings, std::string_view what) {
+namespace {
+
+// Every rank's settings when some rank's differ from another's (the exchange of check_agreement); empty
+// when the digests agree.
+std::vector<std::vector<Setting>> settings_if_different(Communicator & world, Device & device,
+                                                        std::span<const Setting> settings) {
     const std::string mine = encode_settings(settings);
     std::string       head(2 * sizeof(uint64_t), '\0');
     put_u64(head, 0, digest(mine));
@@ -136,7 +142,7 @@ void check_agreement(Communicator & world, Device & device, std::span<const Sett
         same            = same && get_u64(heads, at) == get_u64(heads, 0);
         most            = std::max<size_t>(most, get_u64(heads, at + sizeof(uint64_t)));
     }
-    if (same) return;
+    if (same) return {};
     // Every rank's settings, each padded to the longest (every rank computed the same `most`).
     std::string padded = mine;
     padded.resize(most, '\0');
@@ -146,6 +152,14 @@ void check_agreement(Communicator & world, Device & device, std::span<const Sett
         const size_t length = get_u64(heads, static_cast<size_t>(r) * head.size() + sizeof(uint64_t));
         per_rank.push_back(decode_settings(std::string_view(all).substr(static_cast<size_t>(r) * most, length)));
     }
+    return per_rank;
+}
+
+}  // namespace
+
+void check_agreement(Communicator & world, Device & device, std::span<const Setting> settings, std::string_view what) {
+    const std::vector<std::vector<Setting>> per_rank = settings_if_different(world, device, settings);
+    if (per_rank.empty()) return;
     std::string report(what);
     report += ":";
     const std::vector<std::string> lines = disagreements(per_rank);
@@ -153,6 +167,73 @@ void check_agreement(Communicator & world, Device & device, std::span<const Sett
     if (lines.empty()) report += " the same settings in another order (different builds of loom?)";
     LOOM_THROW(report, "launch every rank with the same flags, build and files: a wrapper script or environment "
                        "that differs on some ranks or nodes?");
+}
+
+void check_issued(Communicator & world, Device & device, std::span<Communicator * const> groups) {
+    // Per group kind: whether this rank holds one, its first member (which instance), count and digest.
+    constexpr size_t kFields = 4;
+    std::string      table(groups.size() * kFields * sizeof(uint64_t), '\0');
+    for (size_t g = 0; g < groups.size(); ++g) {
+        if (groups[g] == nullptr) continue;
+        const IssuedOps issued = groups[g]->issued();
+        const size_t    at     = g * kFields * sizeof(uint64_t);
+        put_u64(table, at, 1);
+        put_u64(table, at + 8, static_cast<uint64_t>(groups[g]->global_ranks().front()));
+        put_u64(table, at + 16, issued.count);
+        put_u64(table, at + 24, issued.digest);
+    }
+    const std::string all = gather(world, device, table);
+    // The kinds where two members of one instance differ (every rank finds the same ones).
+    std::vector<bool> differs(groups.size(), false);
+    bool              any = false;
+    for (size_t g = 0; g < groups.size(); ++g) {
+        std::map<uint64_t, std::pair<uint64_t, uint64_t>> first_seen;   // instance -> (count, digest)
+        for (int r = 0; r < world.size(); ++r) {
+            const size_t at = static_cast<size_t>(r) * table.size() + g * kFields * sizeof(uint64_t);
+            if (get_u64(all, at) == 0) continue;
+            const std::pair<uint64_t, uint64_t> seen{get_u64(all, at + 16), get_u64(all, at + 24)};
+            auto [it, added] = first_seen.try_emplace(get_u64(all, at + 8), seen);
+            if (!added && it->second != seen) differs[g] = any = true;
+        }
+    }
+    if (!any) return;
+    // What each member has issued on those groups, compared within each instance only: the digest of what
+    // came before the collectives it keeps, each kept collective by number, and the count. The first line
+    // of a group that differs is its first divergent collective (or "before #k": older than those kept).
+    std::vector<Setting> mine;
+    for (size_t g = 0; g < groups.size(); ++g) {
+        if (!differs[g] || groups[g] == nullptr) continue;
+        const IssuedOps  issued  = groups[g]->issued();
+        std::vector<int> members = groups[g]->global_ranks();
+        std::sort(members.begin(), members.end());
+        const std::string prefix = "group '" + groups[g]->name() + "' of " + rank_list(members);
+        const uint64_t    kept   = std::min<uint64_t>(issued.count, issued.last.size());
+        const uint64_t    first  = issued.count - kept;   // 0-based number of the oldest kept
+        const uint64_t    before = kept > 0 ? issued.last[first % issued.last.size()].digest_before : issued.digest;
+        char              hex[20];
+        std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(before));
+        mine.push_back({prefix + ", collectives before #" + std::to_string(first + 1), std::string("digest ") + hex});
+        for (uint64_t k = first; k < issued.count; ++k) {
+            mine.push_back({prefix + ", collective #" + std::to_string(k + 1), describe(issued.last[k % issued.last.size()])});
+        }
+        mine.push_back({prefix + ", collectives issued", std::to_string(issued.count)});
+    }
+    std::vector<std::vector<Setting>> per_rank = settings_if_different(world, device, mine);
+    std::string report = "the ranks' collective operations diverged (a schedule that differs between ranks):";
+    std::vector<std::string> lines = disagreements(per_rank, false);
+    // Per group, its first divergent line and its counts.
+    std::map<std::string, int> shown;
+    for (const std::string & line : lines) {
+        const std::string group = line.substr(0, line.find(", collective"));
+        const bool        count = line.find(", collectives issued:") != std::string::npos;
+        if (shown[group]++ > 0 && !count) continue;
+        report += "\n    " + line;
+    }
+    if (lines.empty()) report += " their digests differ, and no kept collective does";
+    throw RunError(report,
+                   "every member of a group must issue the same collectives in the same order with the same sizes; "
+                   "this is a bug in the schedule of the ranks named (please report it with the command line)",
+                   __FILE__, __LINE__);
 }
 
 }  // namespace loom::comm

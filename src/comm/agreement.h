@@ -39,9 +39,21 @@ struct Setting {
 void check_agreement(Communicator & world, Device & device, std::span<const Setting> settings, std::string_view what);
 
 // The report's lines for the settings of each rank (per_rank[r]: rank r's), one per name whose values
-// differ, in the order names first appear (rank 0's first); a name a rank lacks reads "(absent)". Empty
-// when every rank agrees.
-std::vector<std::string> disagreements(const std::vector<std::vector<Setting>> & per_rank);
+// differ, in the order names first appear (rank 0's first); a name a rank lacks reads "(absent)", or, with
+// `absent_differs` false, leaves that rank out of the comparison. Empty when every rank agrees.
+std::vector<std::string> disagreements(const std::vector<std::vector<Setting>> & per_rank, bool absent_differs = true);
+
+// The running check, at every log interval: each group's count and digest of issued collectives
+// (Communicator::issued), gathered over `world` (one all-gather of a fixed-size table: `groups` lists the
+// same kinds on every rank, null where this rank holds none). Where the members of a group differ, a
+// second exchange gathers the last 16 collectives of each member (and the digest of those before), and
+// every rank throws the same RunError (exit status 1) naming the group, its first divergent collective
+// with each member's version of it, the counts where they differ, and the ranks holding each:
+//
+//   the ranks' collective operations diverged (a schedule that differs between ranks):
+//     group 'dp' of ranks 0-1, collective #12: all_reduce of 1 float32 (sum) on rank 0; all_reduce of
+//     1 float32 (max) on rank 1
+void check_issued(Communicator & world, Device & device, std::span<Communicator * const> groups);
 
 // "rank 3", "ranks 0-2, 5": the ranks of a sorted list, runs collapsed.
 std::string rank_list(std::span<const int> ranks);

@@ -55,9 +55,43 @@ void check_peer(int peer, const Communicator & c, const char * op) {
 
 }  // namespace
 
+namespace {
+std::atomic<bool> g_flip_next_reduction{false};
+}  // namespace
+
+void flip_next_reduction() { g_flip_next_reduction.store(true); }
+
+std::string describe(const IssuedOp & op) {
+    std::string text = std::string(op_kind_name(op.kind));
+    if (op.kind == OpKind::barrier) return text;
+    text += op.kind == OpKind::all_to_all ? std::string(" of ") + dtype_name(op.dtype)
+                                          : " of " + std::to_string(op.numel) + " " + dtype_name(op.dtype);
+    if (op.reduce >= 0) text += std::string(" (") + reduce_op_name(static_cast<ReduceOp>(op.reduce)) + ")";
+    if (op.root >= 0) text += " from rank " + std::to_string(op.root);
+    return text;
+}
+
+void Communicator::note(OpKind kind, DType dtype, int64_t numel, int reduce, int root) {
+    std::lock_guard<std::mutex> lock(issued_mutex_);
+    const IssuedOp              op{kind, dtype, reduce, root, numel, issued_.digest};
+    uint64_t &                  h   = issued_.digest;
+    auto                        mix = [&h](uint64_t v) {
+        for (int b = 0; b < 8; ++b) h = (h ^ ((v >> (8 * b)) & 0xff)) * 0x100000001b3ull;
+    };
+    mix(static_cast<uint64_t>(kind));
+    mix(static_cast<uint64_t>(dtype));
+    mix(static_cast<uint64_t>(reduce + 1));
+    mix(static_cast<uint64_t>(root + 1));
+    mix(static_cast<uint64_t>(numel));
+    issued_.last[issued_.count % issued_.last.size()] = op;
+    ++issued_.count;
+}
+
 WorkPtr Communicator::all_reduce(const Tensor & t, ReduceOp op, Stream * stream) {
     check_defined(t, *this, "all_reduce", "input/output");
     check_reducible(t, op, *this, "all_reduce");
+    if (g_flip_next_reduction.exchange(false)) op = op == ReduceOp::max ? ReduceOp::sum : ReduceOp::max;
+    note(OpKind::all_reduce, t.dtype(), t.numel(), static_cast<int>(op), -1);
     return do_all_reduce(t, op, stream);
 }
 
@@ -73,6 +107,7 @@ WorkPtr Communicator::reduce_scatter(const Tensor & in, const Tensor & out, Redu
                name() << ".reduce_scatter: input has " << in.numel() << " elements, output " << out.numel()
                       << ", group size " << size(),
                "the input must hold exactly group size x output elements (equal blocks)");
+    note(OpKind::reduce_scatter, in.dtype(), in.numel(), static_cast<int>(op), -1);
     return do_reduce_scatter(in, out, op, stream);
 }
 
@@ -87,12 +122,14 @@ WorkPtr Communicator::all_gather(const Tensor & in, const Tensor & out, Stream *
                name() << ".all_gather: input has " << in.numel() << " elements, output " << out.numel()
                       << ", group size " << size(),
                "the output must hold exactly group size x input elements");
+    note(OpKind::all_gather, in.dtype(), in.numel(), -1, -1);
     return do_all_gather(in, out, stream);
 }
 
 WorkPtr Communicator::broadcast(const Tensor & t, int root, Stream * stream) {
     check_defined(t, *this, "broadcast", "input/output");
     check_peer(root, *this, "broadcast");
+    note(OpKind::broadcast, t.dtype(), t.numel(), -1, root);
     return do_broadcast(t, root, stream);
 }
 
@@ -115,6 +152,7 @@ WorkPtr Communicator::all_to_all(const Tensor & in, std::span<const int64_t> sen
                name() << ".all_to_all: counts sum to " << sent << " sent / " << received
                       << " received, tensors hold " << in.numel() << " / " << out.numel(),
                "the input must hold every block sent and the output every block received");
+    note(OpKind::all_to_all, in.dtype(), 0, -1, -1);
     return do_all_to_all(in, send_counts, out, recv_counts, stream);
 }
 
@@ -138,7 +176,10 @@ void CapturedWork::wait() {
                "a captured collective completes in each replay: wait on the replay's stream instead");
 }
 
-WorkPtr Communicator::barrier(Stream * stream) { return do_barrier(stream); }
+WorkPtr Communicator::barrier(Stream * stream) {
+    note(OpKind::barrier, DType::u8, 0, -1, -1);
+    return do_barrier(stream);
+}
 
 namespace {
 

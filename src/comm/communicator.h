@@ -30,10 +30,12 @@
 #include "core/device.h"
 #include "core/tensor.h"
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -87,9 +89,39 @@ public:
     virtual std::string ask(uint64_t seq, int peer, double grace) = 0;
 };
 
+// The collectives a communicator has issued, in order, as its callers asked for them: how many, a running
+// digest (FNV-1a) of each one's kind, element count, dtype, reduction and root, and the last few, for a
+// report. Every member of a group issues the same collectives, so the members must agree on all of it
+// (comm/agreement.h's check_issued). Sends and receives are not counted: the two ends issue different ones.
+// An all_to_all counts without its size (each rank sends what its data routes).
+struct IssuedOp {
+    OpKind  kind   = OpKind::barrier;
+    DType   dtype  = DType::f32;
+    int     reduce = -1;   // ReduceOp, or -1
+    int      root   = -1;   // broadcast: the root; else -1
+    int64_t  numel  = 0;
+    uint64_t digest_before = 0;   // the running digest of the collectives before this one
+};
+std::string describe(const IssuedOp & op);   // "all_reduce of 1 float32 (sum)", "broadcast of 8 uint8 from rank 0"
+
+struct IssuedOps {
+    uint64_t                count  = 0;
+    uint64_t                digest = 0xcbf29ce484222325ull;
+    std::array<IssuedOp, 16> last{};   // the last min(count, 16): collective #k (0-based) at k % 16
+};
+
+// A test seam: the next all_reduce this process issues uses another reduction (sum <-> max) than its caller
+// asked for, as a rank whose schedule diverged silently would (LOOM_FAULT's diverge_op).
+void flip_next_reduction();
+
 class Communicator {
 public:
     virtual ~Communicator() = default;
+
+    IssuedOps issued() const {
+        std::lock_guard<std::mutex> lock(issued_mutex_);
+        return issued_;
+    }
 
     // Registers `subject`, a group of another transport over this communicator's members named `name`, for
     // the roll call; every member must open it, in the same order. Null where there is no side channel.
@@ -117,6 +149,8 @@ public:
     WorkPtr barrier(Stream * stream = nullptr);
 
 protected:
+    void note(OpKind kind, DType dtype, int64_t numel, int reduce, int root);
+
     virtual WorkPtr do_all_reduce(const Tensor & t, ReduceOp op, Stream * stream) = 0;
     virtual WorkPtr do_reduce_scatter(const Tensor & in, const Tensor & out, ReduceOp op, Stream * stream) = 0;
     virtual WorkPtr do_all_gather(const Tensor & in, const Tensor & out, Stream * stream) = 0;
@@ -126,6 +160,10 @@ protected:
     virtual WorkPtr do_send(const Tensor & t, int peer, int tag, Stream * stream) = 0;
     virtual WorkPtr do_recv(const Tensor & t, int peer, int tag, Stream * stream) = 0;
     virtual WorkPtr do_barrier(Stream * stream) = 0;
+
+private:
+    mutable std::mutex issued_mutex_;
+    IssuedOps          issued_;
 };
 
 // Collectives over a few host values (losses, token counts, flags, timings, norm partials), staged through

@@ -13,13 +13,13 @@
 
 namespace loom {
 
-bool inject_fault(int64_t iteration) {
+FaultAction inject_fault(int64_t iteration) {
     static const char * spec = std::getenv("LOOM_FAULT");
-    if (!spec) return false;
+    if (!spec) return FaultAction::none;
     int  rank = -1;
     long at   = -1;
     char fault[32] = {};
-    if (std::sscanf(spec, "%d:%ld:%31s", &rank, &at, fault) != 3 || rank != process_rank() || at != iteration) return false;
+    if (std::sscanf(spec, "%d:%ld:%31s", &rank, &at, fault) != 3 || rank != process_rank() || at != iteration) return FaultAction::none;
     const std::string kind = fault;
     if (kind == "bad_alloc") throw std::bad_alloc();
     if (kind == "missing_file") open_input_fd("/nonexistent/loom-fault-injection.bin", "injected fault");
@@ -27,7 +27,9 @@ bool inject_fault(int64_t iteration) {
     if (kind == "stall") {
         for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
     }
-    return kind == "diverge";
+    if (kind == "diverge") return FaultAction::extra_collective;
+    if (kind == "diverge_op") return FaultAction::other_reduction;
+    return FaultAction::none;
 }
 
 }  // namespace loom

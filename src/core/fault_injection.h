@@ -4,14 +4,19 @@
 // not exist), sigstop (the process stops: its peers wait in their next collective until the watchdog),
 // stall (the host thread sleeps forever outside communication, as a rank stuck in compute or I/O would:
 // its engine still answers the watchdog's roll call), diverge (the caller issues one collective the other
-// ranks do not: a schedule that diverged). Without LOOM_FAULT it does nothing.
+// ranks do not: a schedule that diverged), diverge_op (the caller's next all-reduce uses another reduction:
+// a divergence that completes, found by the running check of comm/agreement.h). Without LOOM_FAULT it does
+// nothing.
 #pragma once
 
 #include <cstdint>
 
 namespace loom {
 
-// Called by the trainer at the start of each iteration; true when the fault asks the caller to diverge.
-bool inject_fault(int64_t iteration);
+// What the caller does for the fault (the faults that need a communicator).
+enum class FaultAction { none, extra_collective, other_reduction };
+
+// Called by the trainer at the start of each iteration.
+FaultAction inject_fault(int64_t iteration);
 
 }  // namespace loom

@@ -1,6 +1,7 @@
 #include "train/trainer.h"
 
 #include "core/device.h"
+#include "comm/agreement.h"
 #include "core/fault_injection.h"
 #include "ddp/finalize_grads.h"
 #include "model/moe/router.h"
@@ -147,10 +148,12 @@ void Trainer::timed(int timer, const std::function<void()> & work) {
 
 void Trainer::begin_iteration() {
     ++iteration_;
-    if (inject_fault(iteration_) && setup_.all_ranks()) {
+    const FaultAction fault = inject_fault(iteration_);
+    if (fault == FaultAction::extra_collective && setup_.all_ranks()) {
         // A schedule that diverged: one all-reduce the other ranks never issue.
         comm::all_reduce_values(*setup_.all_ranks(), model_.device(), {1.0f}, comm::ReduceOp::sum);
     }
+    if (fault == FaultAction::other_reduction) comm::flip_next_reduction();
     if (setup_.ddp) {
         setup_.ddp->zero_grad_buffer();
     } else {
@@ -260,6 +263,17 @@ double Trainer::evaluate(BatchSource & source) {
 
 namespace {
 
+// The running check of comm/agreement.h over every group kind of the layout (the pipeline's point-to-point
+// channels aside: their two ends issue different operations).
+void check_collectives(const parallel::ProcessGroups & g, comm::Communicator & everyone, Device & device) {
+    comm::Communicator * const kinds[] = {
+        g.world.get(),     g.tp.get(),        g.pp.get(),        g.dp.get(),        g.cp.get(),
+        g.dp_cp.get(),     g.tp_pp.get(),     g.tp_cp.get(),     g.tp_dp_cp.get(),  g.tp_dp.get(),
+        g.embedding.get(), g.position_embedding.get(),           g.expert_ep.get(), g.expert_tp.get(),
+        g.expert_dp.get(), g.expert_tp_ep.get(), g.expert_tp_ep_pp.get()};
+    comm::check_issued(everyone, device, kinds);
+}
+
 std::string padded(int64_t iteration) {   // Megatron's %7d
     char text[32];
     std::snprintf(text, sizeof(text), "%7lld", static_cast<long long>(iteration));
@@ -352,6 +366,11 @@ TrainSummary Trainer::run(FILE * out) {
         if (!options_.save.empty() && options_.save_interval > 0 && k % options_.save_interval == 0) {
             save();
             saved_last = true;
+        }
+        // Each log line, the ranks compare the collectives each group has issued: a schedule that diverged
+        // without hanging (another size, dtype or reduction) is named here, not by its wrong numbers.
+        if (everyone && everyone->size() > 1 && (k % options_.log_interval == 0 || k == options_.train_iters)) {
+            check_collectives(setup_.groups, *everyone, model_.device());
         }
         summary.stopped_by = stop.after(k, seconds(), output_failure_.has_value());
         if (!summary.stopped_by.empty()) break;
