@@ -170,13 +170,15 @@ void check_agreement(Communicator & world, Device & device, std::span<const Sett
 }
 
 void check_issued(Communicator & world, Device & device, std::span<Communicator * const> groups) {
-    // Per group kind: whether this rank holds one, its first member (which instance), count and digest.
-    constexpr size_t kFields = 4;
-    std::string      table(groups.size() * kFields * sizeof(uint64_t), '\0');
+    // Per group kind: whether this rank holds one, its first member (which instance), count and digest, from
+    // one snapshot taken before any exchange (`world` may be one of the groups: the exchanges add to it).
+    constexpr size_t       kFields = 4;
+    std::string            table(groups.size() * kFields * sizeof(uint64_t), '\0');
+    std::vector<IssuedOps> snapshot(groups.size());
     for (size_t g = 0; g < groups.size(); ++g) {
         if (groups[g] == nullptr) continue;
-        const IssuedOps issued = groups[g]->issued();
-        const size_t    at     = g * kFields * sizeof(uint64_t);
+        const IssuedOps & issued = snapshot[g] = groups[g]->issued();
+        const size_t      at     = g * kFields * sizeof(uint64_t);
         put_u64(table, at, 1);
         put_u64(table, at + 8, static_cast<uint64_t>(groups[g]->global_ranks().front()));
         put_u64(table, at + 16, issued.count);
@@ -203,7 +205,7 @@ void check_issued(Communicator & world, Device & device, std::span<Communicator 
     std::vector<Setting> mine;
     for (size_t g = 0; g < groups.size(); ++g) {
         if (!differs[g] || groups[g] == nullptr) continue;
-        const IssuedOps  issued  = groups[g]->issued();
+        const IssuedOps & issued = snapshot[g];
         std::vector<int> members = groups[g]->global_ranks();
         std::sort(members.begin(), members.end());
         const std::string prefix = "group '" + groups[g]->name() + "' of " + rank_list(members);

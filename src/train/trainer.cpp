@@ -1,7 +1,7 @@
 #include "train/trainer.h"
 
-#include "core/device.h"
 #include "comm/agreement.h"
+#include "core/device.h"
 #include "core/fault_injection.h"
 #include "ddp/finalize_grads.h"
 #include "model/moe/router.h"
