@@ -363,6 +363,133 @@ TEST(CheckpointLoad, MissingTrackerTrainsFromScratchAndFinetuneRestartsTheCount)
     EXPECT_NE(done.out.find("no iterations to run"), std::string::npos) << done.out;
 }
 
+// A checkpoint whose tensor `from` was renamed `to` in its index: the model's `from` is "unexpected" (asked
+// for, absent), the checkpoint's `to` "missing" (there, used by no rank).
+void rename_tensor(const std::string & folder, const std::string & from, const std::string & to) {
+    const std::string path = folder + "/index.json";
+    std::ifstream     in(path);
+    json              j = json::parse(in);
+    in.close();
+    j["tensors"][to] = j["tensors"][from];
+    j["tensors"].erase(from);
+    std::ofstream(path) << j.dump();
+}
+
+// --dist-ckpt-strictness, each of Megatron's values. A final norm trained 4 iterations at --lr 2e-3 sits
+// ~1e-3 away from its initial 1.0; resumed at --lr 1e-9 (--override-opt_param-scheduler) it keeps whatever
+// the load gave it within 1e-6, so the saved values tell a loaded tensor from an unloaded one.
+TEST(CheckpointStrictness, EachModeLogsRaisesOrIgnoresUnexpectedAndMissingTensors) {
+    TempDir tmp;
+    ASSERT_EQ(run_loom(kRun + "--train-iters 4 --save " + (tmp / "a")).status, 0);
+    rename_tensor(tmp / "a/iter_0000004", "final_norm.weight", "final_norm.renamed");
+    const std::string resume = kRun + "--train-iters 5 --lr 1e-9 --override-opt_param-scheduler --load " + (tmp / "a");
+
+    CliRun strict = run_loom(resume);
+    EXPECT_EQ(strict.status, 2) << strict.out;
+    EXPECT_NE(strict.out.find("has no tensor final_norm.weight"), std::string::npos) << "the default\n" << strict.out;
+    CliRun raise = run_loom(resume + " --dist-ckpt-strictness raise_unexpected");
+    EXPECT_EQ(raise.status, 2) << raise.out;
+    EXPECT_NE(raise.out.find("(unexpected): final_norm.weight"), std::string::npos) << raise.out;
+    EXPECT_EQ(raise.out.find("(missing)"), std::string::npos) << "raise_unexpected does not look for missing ones";
+    CliRun all = run_loom(resume + " --dist-ckpt-strictness raise_all");
+    EXPECT_EQ(all.status, 2) << all.out;
+    EXPECT_NE(all.out.find("(missing): final_norm.renamed"), std::string::npos) << all.out;
+
+    for (const char * mode : {"log_all", "log_unexpected", "return_all", "ignore_all"}) {
+        SCOPED_TRACE(mode);
+        const std::string save = tmp / (std::string("b_") + mode);
+        CliRun            r    = run_loom(resume + " --dist-ckpt-strictness " + mode + " --save " + save);
+        ASSERT_EQ(r.status, 0) << r.out;
+        const bool listed = std::string(mode) != "ignore_all";
+        EXPECT_EQ(r.out.find("rank 0: --dist-ckpt-strictness " + std::string(mode) +
+                             ": 1 tensor(s) of the model are not in") != std::string::npos, listed)
+            << r.out;
+        const bool missing_listed = std::string(mode) == "log_all" || std::string(mode) == "return_all";
+        EXPECT_EQ(r.out.find("used by no rank's model (missing), not loaded: final_norm.renamed") != std::string::npos,
+                  missing_listed)
+            << r.out;
+        checkpoint::Index before = checkpoint::read_index(tmp / "a/iter_0000004");
+        checkpoint::Index after  = checkpoint::read_index(save + "/iter_0000005");
+        for (float w : checkpoint::read_tensor(after, "final_norm.weight")) ASSERT_NEAR(w, 1.0f, 1e-6f) << "initial";
+        const std::vector<float> loaded = checkpoint::read_tensor(before, "final_norm.bias");
+        const std::vector<float> kept   = checkpoint::read_tensor(after, "final_norm.bias");
+        double                   moved  = 0;
+        for (size_t i = 0; i < loaded.size(); ++i) {
+            ASSERT_NEAR(kept[i], loaded[i], 1e-6f) << "a tensor the checkpoint has is loaded";
+            moved = std::max(moved, std::abs(static_cast<double>(loaded[i])));
+        }
+        EXPECT_GT(moved, 1e-4) << "the first run moved the bias away from its initial 0";
+    }
+}
+
+// Under PP 2 the missing tensors are found over the world: rank 1's last layer is renamed, and rank 0
+// reports it (one all-reduce), while rank 1 reports its own unexpected tensor.
+TEST(CheckpointStrictness, MissingTensorsAreFoundAcrossPipelineStages) {
+    TempDir           tmp;
+    const std::string pp = kRun + "--pipeline-model-parallel-size 2 --num-layers 2 --train-iters 4 ";
+    ASSERT_EQ(run_on(2, pp + "--save " + (tmp / "a")).status, 0);
+    rename_tensor(tmp / "a/iter_0000004", "layers.1.mlp.fc2.bias", "layers.1.mlp.fc2.gone");
+    CliRun r = run_on(2, pp + "--train-iters 5 --override-opt_param-scheduler --load " + (tmp / "a") +
+                             " --dist-ckpt-strictness log_all");
+    ASSERT_EQ(r.status, 0) << r.out;
+    EXPECT_NE(r.out.find("rank 1: --dist-ckpt-strictness log_all: 1 tensor(s) of the model are not in"),
+              std::string::npos) << r.out;
+    EXPECT_EQ(r.out.find("rank 0: --dist-ckpt-strictness"), std::string::npos) << "rank 0 holds layer 0 only\n" << r.out;
+    EXPECT_NE(r.out.find("(missing), not loaded: layers.1.mlp.fc2.gone"), std::string::npos) << r.out;
+}
+
+// The schedule's state: saved with the optimizer, checked against the flags on --load as Megatron's
+// OptimizerParamScheduler.load_state_dict, or taken from either side by its flags.
+TEST(CheckpointScheduler, ResumeChecksTheFlagsOrTakesTheCheckpointsOrTheFlagsSchedule) {
+    TempDir           tmp;
+    const std::string run = kRun + "--train-iters 8 --lr-decay-style cosine --min-lr 1e-4 ";
+    ASSERT_EQ(run_loom(run + "--save " + (tmp / "a") + " --save-interval 4 --log-file " + (tmp / "a.jsonl")).status, 0);
+    const json saved = checkpoint::read_index(tmp / "a/iter_0000004").metadata["opt_param_scheduler"];
+    EXPECT_EQ(saved["num_steps"], 4 * 8) << "4 iterations of 8 samples";
+    EXPECT_EQ(saved["lr_decay_style"], "cosine");
+    EXPECT_EQ(saved["lr_decay_steps"], 8 * 8);
+    EXPECT_EQ(saved["lr_warmup_steps"], 2 * 8);
+    EXPECT_FLOAT_EQ(saved["max_lr"].get<float>(), 2e-3f);
+
+    auto lrs = [](const std::string & log) {
+        std::map<int64_t, double> out;
+        std::ifstream             in(log);
+        for (std::string line; std::getline(in, line);) {
+            const json j = json::parse(line);
+            out[j["iteration"].get<int64_t>()] = j["learning rate"].get<double>();
+        }
+        return out;
+    };
+    const std::string from = " --load " + (tmp / "a") + " --ckpt-step 4";
+    CliRun            differ = run_loom(kRun + "--train-iters 8 --lr 1e-3" + from);
+    EXPECT_EQ(differ.status, 2) << differ.out;
+    for (const char * line : {"learning rate (--lr): 0.001 in the flags, 0.002 in the checkpoint",
+                              "learning rate decay style (--lr-decay-style): linear in the flags, cosine in the checkpoint",
+                              "minimum learning rate (--min-lr): 0 in the flags, 0.0001 in the checkpoint"}) {
+        EXPECT_NE(differ.out.find(line), std::string::npos) << line << "\n" << differ.out;
+    }
+    CliRun both = run_loom(run + "--override-opt_param-scheduler --use-checkpoint-opt_param-scheduler" + from);
+    EXPECT_EQ(both.status, 2);
+    EXPECT_NE(both.out.find("--override-opt_param-scheduler with --use-checkpoint-opt_param-scheduler"), std::string::npos);
+
+    // The checkpoint's schedule, given other flags: iterations 5-8 at the first run's learning rates.
+    CliRun use = run_loom(kRun + "--train-iters 8 --lr 1e-3 --use-checkpoint-opt-param-scheduler --log-file " +
+                          (tmp / "use.jsonl") + from);
+    ASSERT_EQ(use.status, 0) << use.out;
+    const auto first = lrs(tmp / "a.jsonl"), taken = lrs(tmp / "use.jsonl");
+    ASSERT_EQ(taken.size(), 4u);
+    for (int64_t k = 5; k <= 8; ++k) EXPECT_EQ(taken.at(k), first.at(k)) << "iteration " << k;
+    // The flags' schedule, continued from the checkpoint's step: warmup over 16 samples, then linear from
+    // 1e-3 to 0 at 64.
+    CliRun over = run_loom(kRun + "--train-iters 8 --lr 1e-3 --override-opt_param-scheduler --log-file " +
+                           (tmp / "over.jsonl") + from);
+    ASSERT_EQ(over.status, 0) << over.out;
+    const auto overridden = lrs(tmp / "over.jsonl");
+    for (int64_t k = 5; k <= 8; ++k) {
+        EXPECT_NEAR(overridden.at(k), 1e-3 * (1.0 - (8.0 * k - 16.0) / 48.0), 1e-9) << "iteration " << k;
+    }
+}
+
 // The checkpoint's weights reach Hugging Face's format and the eval command unchanged.
 TEST(CheckpointExport, ExportHfAndEvalReadTheTrainedWeights) {
     TempDir tmp;

@@ -205,7 +205,8 @@ void expect_follows_reference(const Layout & l) {
     // The checkpoint of this layout holds the whole model, each expert once: loaded into one rank's model it
     // is the single-rank run's.
     o.save = ::testing::TempDir() + "loom_moe_mpi_ckpt_" + std::to_string(g_mpi->world_size());
-    train::save_checkpoint(o, setup, 20, 20 * o.global_batch_size);
+    train::save_checkpoint(o, setup, 20, 20 * o.global_batch_size,
+                           train::SchedulerState{o.lr_schedule(), 20.0 * static_cast<double>(o.global_batch_size)});
     {
         model::GptConfig whole = o.model;
         model::GptModel  gpt(whole, cpu::device());

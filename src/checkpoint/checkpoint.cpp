@@ -616,8 +616,18 @@ void fit_shape(std::vector<float> & full, const Index & index, const std::string
 
 }  // namespace
 
-void load(const Index & index, const RankContents & rank, const LoadOptions & options) {
-    if (rank.params.empty()) return;
+std::vector<std::string> absent_tensors(const Index & index, const RankContents & rank) {
+    std::vector<std::string> absent;
+    std::set<std::string>    seen;
+    for (const model::Parameter * p : rank.params) {
+        if (!index.tensors.count(p->name) && seen.insert(p->name).second) absent.push_back(p->name);
+    }
+    return absent;
+}
+
+LoadReport load(const Index & index, const RankContents & rank, const LoadOptions & options) {
+    LoadReport report;
+    if (rank.params.empty()) return report;
     rank.params.front()->data.device().compute_stream().synchronize();
     FileCache  files(index);
     const bool with_optimizer = options.optimizer && index.has_optimizer && rank.optimizer;
@@ -646,9 +656,15 @@ void load(const Index & index, const RankContents & rank, const LoadOptions & op
     for (model::Parameter * p : rank.params) {
         if (!done.insert(p).second) continue;
         auto it = index.tensors.find(p->name);
-        LOOM_CHECK(it != index.tensors.end(), "checkpoint '" << index.path() << "' has no tensor " << p->name,
+        LOOM_CHECK(it != index.tensors.end() || options.allow_absent,
+                   "checkpoint '" << index.path() << "' has no tensor " << p->name,
                    "the checkpoint is of another model; give the model flags it was saved with, or --use-checkpoint-args");
+        if (it == index.tensors.end()) {   // kept as initialised, its optimizer slots too
+            report.absent.push_back(p->name);
+            continue;
+        }
         const TensorRecord & t = it->second;
+        report.read.insert(p->name);
         // Values from the f32 master when there is one (see the top of checkpoint.h).
         part(*p, t, index.has_optimizer && t.dtype != "F32" ? "master" : "values", values);
         write_values_f32(p->data, values);
@@ -669,6 +685,7 @@ void load(const Index & index, const RankContents & rank, const LoadOptions & op
         }
     }
     if (rank.optimizer) rank.optimizer->state().set_steps(with_optimizer ? index.optimizer_step : 0);
+    return report;
 }
 
 std::vector<float> read_tensor(const Index & index, const std::string & name, const std::string & kind) {

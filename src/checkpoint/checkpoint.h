@@ -58,6 +58,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -153,10 +154,23 @@ Index read_index(const std::string & folder);
 struct LoadOptions {
     bool    optimizer  = true;   // load master, m, v and the step (false: master = the loaded values, m = v = 0)
     int64_t vocab_size = 0;      // real rows of the vocabulary tensors (0: their shapes must match exactly)
+    // A parameter the index does not list: false, an error naming it; true, it keeps its values (and its
+    // optimizer slots a fresh state over them) and is reported in LoadReport::absent.
+    bool    allow_absent = false;
 };
 
+// What a load found: the parameters of this rank the checkpoint does not hold (Megatron's "unexpected"
+// keys: asked for, not there), and the names of the checkpoint's tensors this rank read.
+struct LoadReport {
+    std::vector<std::string> absent;
+    std::set<std::string>    read;
+};
+
+// The parameters of `rank` the index does not list, each once, in the rank's order.
+std::vector<std::string> absent_tensors(const Index & index, const RankContents & rank);
+
 // Loads the checkpoint into this rank's parameters and optimizer (see the top of this file).
-void load(const Index & index, const RankContents & rank, const LoadOptions & options);
+LoadReport load(const Index & index, const RankContents & rank, const LoadOptions & options);
 
 // The whole logical tensor `name` ("values", "master", "exp_avg", "exp_avg_sq") as f32, assembled from
 // every piece; the files read are checksummed. For export and tests.

@@ -25,8 +25,28 @@ WsdDecayStyle wsd_decay_style_from_name(const std::string & name) {
     LOOM_THROW("--lr-wsd-decay-style '" << name << "' is not supported", "use exponential, linear, cosine or minus_sqrt");
 }
 
-float LrSchedule::lr_at(int64_t k, float max_lr, float min_lr) const {
-    const double n = static_cast<double>(k) * static_cast<double>(samples_per_iteration);
+const char * lr_decay_style_name(LrDecayStyle style) {
+    switch (style) {
+        case LrDecayStyle::constant: return "constant";
+        case LrDecayStyle::linear: return "linear";
+        case LrDecayStyle::cosine: return "cosine";
+        case LrDecayStyle::inverse_square_root: return "inverse-square-root";
+        case LrDecayStyle::wsd: return "WSD";
+    }
+    return "?";
+}
+
+const char * wsd_decay_style_name(WsdDecayStyle style) {
+    switch (style) {
+        case WsdDecayStyle::exponential: return "exponential";
+        case WsdDecayStyle::linear: return "linear";
+        case WsdDecayStyle::cosine: return "cosine";
+        case WsdDecayStyle::minus_sqrt: return "minus_sqrt";
+    }
+    return "?";
+}
+
+float LrSchedule::lr_at_step(double n, float max_lr, float min_lr) const {
     if (warmup_steps > 0 && n <= warmup_steps) {
         return static_cast<float>(init_lr + (static_cast<double>(max_lr) - init_lr) * n / warmup_steps);
     }

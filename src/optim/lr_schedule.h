@@ -22,6 +22,8 @@ enum class LrDecayStyle { constant, linear, cosine, inverse_square_root, wsd };
 enum class WsdDecayStyle { exponential, linear, cosine, minus_sqrt };
 LrDecayStyle  lr_decay_style_from_name(const std::string & name);    // --lr-decay-style (WSD, inverse-square-root, ...)
 WsdDecayStyle wsd_decay_style_from_name(const std::string & name);   // --lr-wsd-decay-style
+const char *  lr_decay_style_name(LrDecayStyle style);              // the flag's spelling of each
+const char *  wsd_decay_style_name(WsdDecayStyle style);
 
 struct LrSchedule {
     float         max_lr       = 6e-4f;
@@ -38,12 +40,19 @@ struct LrSchedule {
     // minimum defaults to min_lr), on the same schedule (Megatron's param-group max_lr / min_lr overrides).
     std::optional<float> decoupled_max_lr, decoupled_min_lr;
 
-    float lr_at(int64_t iteration) const { return lr_at(iteration, max_lr, min_lr); }
-    // The embedding's and output layer's lr: lr_at's without --decoupled-lr.
-    float decoupled_lr_at(int64_t iteration) const {
-        return decoupled_max_lr ? lr_at(iteration, *decoupled_max_lr, decoupled_min_lr.value_or(min_lr)) : lr_at(iteration);
+    // The lr after `iteration` iterations of samples_per_iteration samples each.
+    float lr_at(int64_t iteration) const { return lr_at_step(steps_after(iteration)); }
+    float decoupled_lr_at(int64_t iteration) const { return decoupled_lr_at_step(steps_after(iteration)); }
+    // The lr after `n` samples (Megatron's num_steps).
+    float lr_at_step(double n) const { return lr_at_step(n, max_lr, min_lr); }
+    // The embedding's and output layer's lr: lr_at_step's without --decoupled-lr.
+    float decoupled_lr_at_step(double n) const {
+        return decoupled_max_lr ? lr_at_step(n, *decoupled_max_lr, decoupled_min_lr.value_or(min_lr)) : lr_at_step(n);
     }
-    float lr_at(int64_t iteration, float max, float min) const;
+    float  lr_at_step(double n, float max, float min) const;
+    double steps_after(int64_t iteration) const {
+        return static_cast<double>(iteration) * static_cast<double>(samples_per_iteration);
+    }
 };
 
 }  // namespace loom::optim

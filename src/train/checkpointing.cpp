@@ -1,9 +1,15 @@
 #include "train/checkpointing.h"
 #include "train/options_parser.h"
 
+#include "comm/agreement.h"
 #include "core/error.h"
 
 #include <chrono>
+#include <cmath>
+#include <set>
+#include <cstdio>
+#include <functional>
+#include <sstream>
 
 namespace loom::train {
 
@@ -40,10 +46,140 @@ checkpoint::RankContents rank_contents(const TrainOptions & options, Setup & set
     return rank;
 }
 
+// Megatron's wd_incr_steps: the whole run in samples (Loom's weight decay is constant over it).
+double weight_decay_steps(const TrainOptions & o) {
+    return o.train_samples > 0 ? static_cast<double>(o.train_samples)
+                               : static_cast<double>(o.train_iters) * static_cast<double>(o.global_batch_size);
+}
+
+json scheduler_json(const TrainOptions & o, const SchedulerState & state) {
+    const optim::LrSchedule & s = state.schedule;
+    return {{"max_lr", s.max_lr},
+            {"min_lr", s.min_lr},
+            {"lr_warmup_steps", s.warmup_steps},
+            {"lr_decay_steps", s.decay_steps},
+            {"lr_decay_style", optim::lr_decay_style_name(s.style)},
+            {"num_steps", state.num_steps},
+            {"start_wd", o.adam.weight_decay},
+            {"end_wd", o.adam.weight_decay},
+            {"wd_incr_steps", weight_decay_steps(o)},
+            {"wd_incr_style", "constant"},
+            {"lr_warmup_init", s.init_lr},
+            {"lr_wsd_decay_steps", s.wsd_steps},
+            {"lr_wsd_decay_style", optim::wsd_decay_style_name(s.wsd_style)}};
+}
+
+// Whether no rank's model uses each of the index's tensors (`read`: this rank's): one all-reduce over the
+// world of a flag per tensor, once the ranks agree on the index they read.
+std::vector<std::string> unused_tensors(const checkpoint::Index & index, const std::set<std::string> & read,
+                                        comm::Communicator * world, Device & device) {
+    std::vector<float> used;
+    std::string        names;
+    for (const auto & [name, record] : index.tensors) {
+        used.push_back(read.count(name) ? 1.0f : 0.0f);
+        names += name + '\n';
+    }
+    if (world && world->size() > 1) {
+        const comm::Setting read_from[] = {{"checkpoint", std::to_string(index.tensors.size()) + " tensors, names digest " +
+                                                              std::to_string(std::hash<std::string>{}(names))}};
+        comm::check_agreement(*world, device, read_from, "the ranks read different checkpoints");
+        used = comm::all_reduce_values(*world, device, std::move(used), comm::ReduceOp::max);
+    }
+    std::vector<std::string> unused;
+    size_t                   i = 0;
+    for (const auto & [name, record] : index.tensors) {
+        if (used[i++] == 0.0f) unused.push_back(name);
+    }
+    return unused;
+}
+
+std::string name_list(const std::vector<std::string> & names) {
+    std::string out;
+    for (const std::string & n : names) out += (out.empty() ? "" : ", ") + n;
+    return out;
+}
+
 }  // namespace
 
+Strictness strictness_from_name(const std::string & name) {
+    static const std::pair<const char *, Strictness> kNames[] = {
+        {"assume_ok_unexpected", Strictness::assume_ok_unexpected}, {"log_unexpected", Strictness::log_unexpected},
+        {"log_all", Strictness::log_all}, {"raise_unexpected", Strictness::raise_unexpected},
+        {"raise_all", Strictness::raise_all}, {"return_unexpected", Strictness::return_unexpected},
+        {"return_all", Strictness::return_all}, {"ignore_all", Strictness::ignore_all}};
+    std::string choices;
+    for (const auto & [n, value] : kNames) {
+        if (name == n) return value;
+        choices += (choices.empty() ? "" : ", ") + std::string(n);
+    }
+    LOOM_THROW("argument --dist-ckpt-strictness: invalid choice: '" << name << "'", "choose from " << choices);
+}
+
+SchedulerState resume_scheduler(const TrainOptions & o, const optim::LrSchedule & flags, const json & saved,
+                                const std::string & index_path) {
+    SchedulerState state;
+    state.schedule = flags;
+    try {
+        state.num_steps = saved.at("num_steps").get<double>();
+        LOOM_CHECK(std::isfinite(state.num_steps) && state.num_steps >= 0,
+                   "checkpoint index '" << index_path << "' has opt_param_scheduler.num_steps " << state.num_steps,
+                   "the index is damaged");
+        if (o.override_opt_param_scheduler) return state;
+        optim::LrSchedule from = flags;
+        from.max_lr       = saved.at("max_lr").get<float>();
+        from.min_lr       = saved.at("min_lr").get<float>();
+        from.warmup_steps = saved.at("lr_warmup_steps").get<double>();
+        from.decay_steps  = saved.at("lr_decay_steps").get<double>();
+        from.style        = optim::lr_decay_style_from_name(saved.at("lr_decay_style").get<std::string>());
+        from.init_lr      = saved.value("lr_warmup_init", flags.init_lr);
+        from.wsd_steps    = saved.value("lr_wsd_decay_steps", flags.wsd_steps);
+        if (saved.contains("lr_wsd_decay_style")) {
+            from.wsd_style = optim::wsd_decay_style_from_name(saved.at("lr_wsd_decay_style").get<std::string>());
+        }
+        // Each value Megatron's load_state_dict checks, with the flags that set it.
+        std::vector<std::string> differ;
+        auto                     compare = [&](const char * what, const char * flag, auto now, auto was) {
+            if (now == was) return;
+            std::ostringstream line;
+            line << "    " << what << " (" << flag << "): " << now << " in the flags, " << was << " in the checkpoint";
+            differ.push_back(line.str());
+        };
+        const bool weight_decay_only = o.use_checkpoint_opt_param_scheduler;
+        if (!weight_decay_only) {
+            compare("learning rate", "--lr", flags.max_lr, from.max_lr);
+            compare("minimum learning rate", "--min-lr", flags.min_lr, from.min_lr);
+            compare("warmup steps, in samples", "--lr-warmup-*", flags.warmup_steps, from.warmup_steps);
+            compare("decay steps, in samples", "--lr-decay-* or --train-*", flags.decay_steps, from.decay_steps);
+            compare("learning rate decay style", "--lr-decay-style", std::string(optim::lr_decay_style_name(flags.style)),
+                    std::string(optim::lr_decay_style_name(from.style)));
+            compare("weight decay steps, in samples", "--train-iters or --train-samples", weight_decay_steps(o),
+                    saved.at("wd_incr_steps").get<double>());
+        }
+        compare("start weight decay", "--weight-decay", o.adam.weight_decay, saved.at("start_wd").get<float>());
+        compare("end weight decay", "--weight-decay", o.adam.weight_decay, saved.at("end_wd").get<float>());
+        compare("weight decay increment style", "--weight-decay-incr-style", std::string("constant"),
+                saved.at("wd_incr_style").get<std::string>());
+        if (!differ.empty()) {
+            std::string lines;
+            for (const std::string & l : differ) lines += "\n" + l;
+            LOOM_THROW("--load: the learning-rate schedule of the flags is not the checkpoint's ('"
+                           << index_path << "'):" << lines,
+                       (weight_decay_only
+                           ? std::string("Loom's weight decay is fixed when the optimizer is built: give the checkpoint's "
+                                         "--weight-decay, or --override-opt_param-scheduler to take the flags'")
+                           : std::string("give the checkpoint's values, --use-checkpoint-opt_param-scheduler to take the "
+                                         "checkpoint's schedule, or --override-opt_param-scheduler to take the flags'")));
+        }
+        if (o.use_checkpoint_opt_param_scheduler) state.schedule = from;
+    } catch (const json::exception & e) {
+        LOOM_THROW("checkpoint index '" << index_path << "' has a malformed opt_param_scheduler: " << e.what(),
+                   "the index is damaged; --override-opt_param-scheduler does not read it");
+    }
+    return state;
+}
+
 // The args the flag tables save (train/flag_table.h), plus the sizes derived from several flags.
-json checkpoint_metadata(const TrainOptions & o, int64_t consumed_samples) {
+json checkpoint_metadata(const TrainOptions & o, int64_t consumed_samples, const SchedulerState & scheduler) {
     json args = json::object();
     for (const FlagInfo & f : train_flags()) {
         if (f.arg.key == nullptr) continue;
@@ -52,7 +188,10 @@ json checkpoint_metadata(const TrainOptions & o, int64_t consumed_samples) {
     }
     args["padded_vocab_size"]  = o.model.padded_vocab_size(o.parallel.tp());
     args["data_parallel_size"] = o.parallel.dp();
-    return {{"args", args}, {"consumed_train_samples", consumed_samples}, {"rng", {{"seed", o.model.seed}}}};
+    json metadata = {{"args", args}, {"consumed_train_samples", consumed_samples}, {"rng", {{"seed", o.model.seed}}}};
+    // With the optimizer only, as Megatron (--no-save-optim saves neither).
+    if (!o.no_save_optim) metadata["opt_param_scheduler"] = scheduler_json(o, scheduler);
+    return metadata;
 }
 
 // Each arg a table marks must_match, named by its flag.
@@ -133,10 +272,58 @@ Resumed load_checkpoint(const TrainOptions & options, Setup & setup) {
     if (!folder) return resumed;
     checkpoint::Index index = checkpoint::read_index(*folder);
     check_checkpoint_args(options, index);
+    // The schedule (checked before any tensor is read), as Megatron: not with --finetune or --no-load-optim.
+    if (!options.finetune && !options.no_load_optim && index.metadata.contains("opt_param_scheduler")) {
+        resumed.scheduler = resume_scheduler(options, options.lr_schedule(), index.metadata["opt_param_scheduler"],
+                                             index.path());
+    } else if (!options.finetune && !options.no_load_optim) {
+        LOOM_CHECK(!options.use_checkpoint_opt_param_scheduler,
+                   "--use-checkpoint-opt_param-scheduler: checkpoint index '" << index.path()
+                                                                              << "' holds no opt_param_scheduler",
+                   "it was saved with --no-save-optim, or before Loom saved the schedule; give the schedule's flags "
+                   "instead");
+    }
     checkpoint::LoadOptions load;
     load.optimizer  = !options.no_load_optim && !options.finetune;
     load.vocab_size = options.model.vocab_size;
-    checkpoint::load(index, rank_contents(options, setup), load);
+    const checkpoint::RankContents contents = rank_contents(options, setup);
+    const Strictness               strict   = strictness_from_name(options.dist_ckpt_strictness);
+    load.allow_absent = strict != Strictness::assume_ok_unexpected;
+    const bool find_missing =
+        strict == Strictness::log_all || strict == Strictness::raise_all || strict == Strictness::return_all;
+    const std::vector<std::string> unexpected = checkpoint::absent_tensors(index, contents);
+    std::vector<std::string>       missing;
+    if (find_missing) {
+        std::set<std::string> read;
+        for (const model::Parameter * p : contents.params) {
+            if (index.tensors.count(p->name)) read.insert(p->name);
+        }
+        missing = unused_tensors(index, read, contents.world, setup.chunks.at(0)->device());
+    }
+    const int rank = contents.world ? contents.world->rank() : 0;
+    if (strict == Strictness::raise_unexpected || strict == Strictness::raise_all) {
+        LOOM_CHECK(unexpected.empty() && missing.empty(),
+                   "--dist-ckpt-strictness " << options.dist_ckpt_strictness << ": checkpoint '" << index.path()
+                       << "' does not match the model"
+                       << (unexpected.empty() ? "" : "; rank " + std::to_string(rank) +
+                                                         "'s model has tensors it lacks (unexpected): " + name_list(unexpected))
+                       << (missing.empty() ? "" : "; it has tensors no rank's model uses (missing): " + name_list(missing)),
+                   "load a checkpoint of this model, or give log_all to load the tensors it has and keep the others' "
+                   "initial values");
+    }
+    checkpoint::load(index, contents, load);
+    const bool listed = strict != Strictness::ignore_all && strict != Strictness::assume_ok_unexpected;
+    if (listed && !unexpected.empty()) {
+        std::fprintf(stderr, "WARNING: rank %d: --dist-ckpt-strictness %s: %zu tensor(s) of the model are not in '%s' "
+                             "(unexpected), kept at their initial values: %s\n",
+                     rank, options.dist_ckpt_strictness.c_str(), unexpected.size(), index.path().c_str(),
+                     name_list(unexpected).c_str());
+    }
+    if (listed && !missing.empty()) {
+        resumed.notes.push_back("WARNING: --dist-ckpt-strictness " + options.dist_ckpt_strictness + ": " +
+                                std::to_string(missing.size()) + " tensor(s) of '" + index.path() +
+                                "' are used by no rank's model (missing), not loaded: " + name_list(missing));
+    }
     resumed.folder = *folder;
     if (!options.finetune) {
         resumed.iteration = index.iteration;
@@ -169,8 +356,8 @@ void load_weights(const checkpoint::Index & index, model::GptModel & model) {
 }
 
 checkpoint::SaveStats save_checkpoint(const TrainOptions & options, Setup & setup, int64_t iteration,
-                                      int64_t consumed_samples) {
-    return checkpoint::save(options.save, iteration, checkpoint_metadata(options, consumed_samples),
+                                      int64_t consumed_samples, const SchedulerState & scheduler) {
+    return checkpoint::save(options.save, iteration, checkpoint_metadata(options, consumed_samples, scheduler),
                             rank_contents(options, setup), !options.no_save_optim);
 }
 

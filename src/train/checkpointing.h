@@ -14,6 +14,29 @@
 //   --use-checkpoint-args          the model's shape from the checkpoint, over the model flags
 //   --ckpt-format torch_dist       the default; Loom's format answers to Megatron's default name, other
 //                                  formats are refused
+//   --dist-ckpt-strictness S       the model's tensors the checkpoint lacks ("unexpected") and the checkpoint's
+//                                  tensors no rank's model uses ("missing"), Megatron's StrictHandling:
+//                                    assume_ok_unexpected   (default) an unexpected tensor is an error naming it
+//                                    log_unexpected         unexpected ones keep their initial values (and a fresh
+//                                                           optimizer state), each rank lists its own on stderr
+//                                    log_all                the same, and rank 0 lists the missing ones
+//                                    raise_unexpected       an error listing the unexpected, before anything loads
+//                                    raise_all              an error listing both
+//                                    return_unexpected/_all as log_*: the trainer is the caller they are returned to
+//                                    ignore_all             unexpected ones keep their initial values, unlisted
+//                                  The *_all values find the missing tensors with one collective over the world
+//                                  (after the ranks agree on the checkpoint they read).
+//
+// The schedule's state (Megatron's OptimizerParamScheduler.state_dict(), steps counted in samples) is saved
+// in the index's metadata as "opt_param_scheduler": max_lr, min_lr, lr_warmup_steps, lr_decay_steps,
+// lr_decay_style, num_steps, start_wd, end_wd, wd_incr_steps, wd_incr_style (and Loom's lr_warmup_init and
+// WSD anneal). A --load restores num_steps, and, as Megatron's load_state_dict:
+//   by default                              each value of the flags must equal the checkpoint's: an error
+//                                           lists every difference with its flag
+//   --override-opt_param-scheduler          the flags' values
+//   --use-checkpoint-opt_param-scheduler    the checkpoint's values (the weight decay must still agree: Loom's
+//                                           is the optimizer's, fixed when it is built)
+// With --finetune or --no-load-optim the scheduler is not loaded (Megatron's rule): it starts at step 0.
 #pragma once
 
 #include "checkpoint/checkpoint.h"
@@ -28,8 +51,27 @@
 
 namespace loom::train {
 
-// The metadata a checkpoint of this run holds: {"args": {...}, "consumed_train_samples", "rng"}.
-nlohmann::json checkpoint_metadata(const TrainOptions & options, int64_t consumed_samples);
+// --dist-ckpt-strictness's values, Megatron's spellings.
+enum class Strictness {
+    assume_ok_unexpected, log_unexpected, log_all, raise_unexpected, raise_all, return_unexpected, return_all, ignore_all
+};
+Strictness strictness_from_name(const std::string & name);   // throws naming --dist-ckpt-strictness
+
+// The learning-rate schedule's position: the schedule in use and the samples it has stepped over.
+struct SchedulerState {
+    optim::LrSchedule schedule;
+    double            num_steps = 0;
+};
+
+// The metadata a checkpoint of this run holds: {"args": {...}, "consumed_train_samples", "rng",
+// "opt_param_scheduler"}.
+nlohmann::json checkpoint_metadata(const TrainOptions & options, int64_t consumed_samples,
+                                   const SchedulerState & scheduler);
+
+// The schedule a resumed run follows, from the flags' (`flags`) and a checkpoint's "opt_param_scheduler"
+// under the rules above; throws listing each value that differs, with its flag, by default.
+SchedulerState resume_scheduler(const TrainOptions & options, const optim::LrSchedule & flags,
+                                const nlohmann::json & saved, const std::string & index_path);
 
 // Throws naming the flag when the model `options` describes is not the checkpoint's (layers, sizes, heads,
 // groups, positions, vocabulary, normalization, MLP, biases, tied output). Parallel layout, batch sizes,
@@ -48,6 +90,9 @@ struct Resumed {
     int64_t     iteration        = 0;
     int64_t     consumed_samples = 0;
     double      seconds          = 0;
+    std::optional<SchedulerState> scheduler;   // the checkpoint's schedule, under the rules above (nothing:
+                                               // not loaded, the run starts the flags' at step 0)
+    std::vector<std::string> notes;            // lines for rank 0's log (the missing tensors)
 };
 
 // --load into this rank's setup (every rank, no collective).
@@ -62,6 +107,6 @@ void load_weights(const checkpoint::Index & index, model::GptModel & model);
 
 // --save at `iteration`: every rank of the setup calls it.
 checkpoint::SaveStats save_checkpoint(const TrainOptions & options, Setup & setup, int64_t iteration,
-                                      int64_t consumed_samples);
+                                      int64_t consumed_samples, const SchedulerState & scheduler);
 
 }  // namespace loom::train

@@ -1,6 +1,7 @@
 // --save, --load and the exit flags: Megatron's spellings and defaults (train/checkpointing.h).
 #include "core/error.h"
 #include "train/flag_values.h"
+#include "train/checkpointing.h"
 #include "train/options.h"
 #include "train/stop_policy.h"
 
@@ -25,6 +26,16 @@ const Flag<TrainOptions> kCheckpointFlags[] = {
     {"--ckpt-step", kCkpt, &O::ckpt_step, "load this iteration instead of the latest"},
     {"--ckpt-format", kCkpt, &O::ckpt_format, "checkpoint format: torch_dist (Loom's reshardable format)", kShowDefault},
     {"--use-checkpoint-args", kCkpt, &O::use_checkpoint_args, "take the model's shape from the --load checkpoint"},
+    {"--dist-ckpt-strictness", kCkpt, &O::dist_ckpt_strictness,
+     "a --load's handling of the model's tensors the checkpoint lacks (unexpected) and the checkpoint's the model "
+     "does not use (missing): assume_ok_unexpected (an error names the first unexpected), log_unexpected, log_all, "
+     "raise_unexpected, raise_all, return_unexpected, return_all (logged as log_*), ignore_all; unexpected tensors "
+     "keep their initial values", kShowDefault},
+    {"--override-opt_param-scheduler,--override-opt-param-scheduler", "learning rate", &O::override_opt_param_scheduler,
+     "on --load, take the schedule (learning rates, warmup, decay, weight decay) from the flags, not the checkpoint"},
+    {"--use-checkpoint-opt_param-scheduler,--use-checkpoint-opt-param-scheduler", "learning rate",
+     &O::use_checkpoint_opt_param_scheduler,
+     "on --load, take the schedule (learning rates, warmup, decay, weight decay) from the checkpoint, not the flags"},
     {"--exit-on-missing-checkpoint", kCkpt, &O::exit_on_missing_checkpoint,
      "stop with an error when --load holds no checkpoint (default: a warning, then train from scratch)"},
     {"--exit-interval", "training", &O::exit_interval, "stop (after saving) when the iteration is a multiple of this"},
@@ -56,6 +67,11 @@ void validate_checkpoint_flags(const TrainOptions & o, const Given & given) {
     LOOM_CHECK(!o.use_checkpoint_args || !o.load.empty(), "--use-checkpoint-args without --load",
                "give the folder to load from with --load");
     LOOM_CHECK(!o.finetune || !o.load.empty(), "--finetune without --load", "give the folder to load from with --load");
+    strictness_from_name(o.dist_ckpt_strictness);   // throws naming --dist-ckpt-strictness
+    // Megatron's OptimizerParamScheduler asserts the same.
+    LOOM_CHECK(!o.override_opt_param_scheduler || !o.use_checkpoint_opt_param_scheduler,
+               "--override-opt_param-scheduler with --use-checkpoint-opt_param-scheduler",
+               "give one: the first takes the schedule from the flags, the second from the checkpoint");
 }
 
 }  // namespace loom::train

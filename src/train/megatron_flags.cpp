@@ -39,8 +39,6 @@ constexpr NoOpFlag kNoOpFlags[] = {
     {"--use-persistent-ckpt-worker", nullptr, "Loom saves synchronously; the checkpoint written is the same"},
     {"--auto-detect-ckpt-format", nullptr, "Loom has one checkpoint format, which it reads"},
     {"--ckpt-fully-parallel-load", nullptr, "every rank reads only the pieces it needs in any case"},
-    {"--dist-ckpt-strictness", "assume_ok_unexpected",
-     "Loom's load requires every tensor of the model and ignores the others (Megatron's default value)"},
     {"--apply-query-key-layer-scaling", nullptr,
      "an identity outside fp16: the scores are divided by the layer number and the f32 softmax multiplies it back"},
     {"--calculate-per-token-loss", nullptr,

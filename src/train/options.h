@@ -113,6 +113,13 @@ struct TrainOptions {
     int64_t     ckpt_step = -1;             // --ckpt-step (-1: the tracker's iteration)
     std::string ckpt_format = "torch_dist"; // the only format: Loom's, under Megatron's default name
     bool        use_checkpoint_args = false;
+    // --dist-ckpt-strictness: what a --load does with the model's tensors the checkpoint lacks ("unexpected")
+    // and the checkpoint's tensors the model does not use ("missing"); Megatron's values and default.
+    std::string dist_ckpt_strictness = "assume_ok_unexpected";
+    // The schedule a --load resumes (train/checkpointing.h): by default the flags must give the
+    // checkpoint's; --override-opt_param-scheduler takes the flags', --use-checkpoint-opt_param-scheduler
+    // the checkpoint's.
+    bool        override_opt_param_scheduler = false, use_checkpoint_opt_param_scheduler = false;
     bool        exit_on_missing_checkpoint = false;   // --load without a checkpoint is an error, not a warning
     int64_t     exit_interval = 0;          // --exit-interval: stop (after saving) at a multiple of it
     double      exit_duration_in_mins = 0;  // --exit-duration-in-mins: stop (after saving) past it

@@ -42,12 +42,17 @@ Trainer::Trainer(const TrainOptions & options, std::unique_ptr<Setup> owned, Set
         stages_ ? setup_.groups.pp_channels : parallel::PipelineChannels{},
         static_cast<int>(options_.num_microbatches()), static_cast<int>(options_.microbatch_group_size));
     if (setup_.ddp) grad_ready_ = setup_.ddp->grad_ready();
-    schedule_              = options.lr_schedule();
+    scheduler_.schedule    = options.lr_schedule();
     resumed_               = load_checkpoint(options_, setup_);
     if (!resumed_.folder.empty()) {
         iteration_ = resumed_.iteration;
         consumed_  = resumed_.consumed_samples;
         if (consumed_ > 0) data_.set_consumed_samples(consumed_);
+        if (resumed_.scheduler) {
+            scheduler_ = *resumed_.scheduler;
+        } else if (!options_.finetune && !options_.no_load_optim) {   // a checkpoint saved without the schedule
+            scheduler_.num_steps = static_cast<double>(consumed_);
+        }
     }
     start_iteration_ = iteration_;
     for (model::GptModel * chunk : setup_.chunks) {
@@ -110,12 +115,13 @@ double Trainer::step(IterationStats & stats) {
         ddp::finalize_grads(setup_.ddp.get(), params_,
                             ddp::FinalizeGroups{setup_.groups.embedding.get(), setup_.groups.tp.get()}, model_.device());
     });
-    const float lr = schedule_.lr_at(iteration_);
+    const optim::LrSchedule & schedule = scheduler_.schedule;
+    const double              at       = scheduler_.num_steps + static_cast<double>(options_.global_batch_size);
+    const float               lr       = schedule.lr_at_step(at);
     optim::StepResult result;
     timed(2, [&] {
-        result = setup_.optimizer->step(lr, schedule_.decoupled_max_lr
-                                                ? std::optional<float>(schedule_.decoupled_lr_at(iteration_))
-                                                : std::nullopt);
+        result = setup_.optimizer->step(lr, schedule.decoupled_max_lr ? std::optional<float>(schedule.decoupled_lr_at_step(at))
+                                                                      : std::nullopt);
         if (options_.timing_log_level >= 1) model_.device().compute_stream().synchronize();   // the step itself
     });
     if (options_.log_num_zeros_in_grad) stats.num_zeros = setup_.optimizer->count_zeros();
@@ -129,6 +135,8 @@ double Trainer::step(IterationStats & stats) {
                            __FILE__, __LINE__);
         }
         ++nan_iterations_;
+    } else {
+        scheduler_.num_steps += static_cast<double>(options_.global_batch_size);
     }
     stats.iteration          = iteration_;
     stats.consumed_samples   = consumed_;
@@ -284,7 +292,7 @@ std::string padded(int64_t iteration) {   // Megatron's %7d
 
 void Trainer::save() {
     report_message("saving checkpoint at iteration " + padded(iteration_) + " to " + options_.save + " in torch_dist format");
-    checkpoint::SaveStats stats = save_checkpoint(options_, setup_, iteration_, consumed_);
+    checkpoint::SaveStats stats = save_checkpoint(options_, setup_, iteration_, consumed_, scheduler_);
     char sizes[96];
     std::snprintf(sizes, sizeof(sizes), " [ %.1f MiB in %.3f s ]", stats.bytes / 1048576.0, stats.seconds);
     report_message("  successfully saved checkpoint from iteration " + padded(iteration_) + " to " + options_.save + sizes);
@@ -325,6 +333,7 @@ TrainSummary Trainer::run(FILE * out) {
                       resumed_.folder.c_str(), static_cast<long long>(resumed_.iteration),
                       static_cast<long long>(resumed_.consumed_samples), resumed_.seconds);
         report_message(line);
+        for (const std::string & note : resumed_.notes) report_message(note);
     } else if (!options_.load.empty()) {
         report_message("WARNING: could not find a checkpoint in " + options_.load + " (no " + checkpoint::kTrackerFile +
                        "); training from scratch");

@@ -111,7 +111,9 @@ private:
     // over the pipeline (sum over layers) and data-parallel ranks (mean).
     std::vector<std::pair<std::string, double>> moe_losses();
     int                                         peak_in_flight_ = 0;
-    optim::LrSchedule                           schedule_;
+    // The learning-rate schedule and the samples it has stepped over (Megatron's OptimizerParamScheduler:
+    // it steps only after a successful update).
+    SchedulerState                              scheduler_;
     BatchSource *                               valid_ = nullptr;
     BatchSource *                               test_  = nullptr;
     // --timing-log-level: seconds spent in each timed part since the last log line.

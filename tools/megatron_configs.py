@@ -1,0 +1,231 @@
+#!/usr/bin/env python3
+"""Replays Megatron-LM's own training configurations against a Loom binary and counts which train.
+
+Reads every training case of a Megatron-LM checkout's functional tests
+(tests/functional_tests/test_cases/{gpt,moe}/*/model_config.yaml with MODEL_ARGS) and the training example
+scripts (examples/{gpt3,llama,mixtral,gptoss}/*.sh), shrinks each one mechanically to a tiny model on one
+rank (every parallel size 1, hidden 64, 4 heads, 64 tokens, 4 experts, --mock-data, 4 iterations), runs
+`loom train` on it, and prints a line per configuration and a table of the flags that stop them.
+
+Where a run is refused, the flag named in the message is taken out and the run tried again (up to 12 times),
+so the table counts every blocker of a configuration, not only the first.
+
+    tools/megatron_configs.py --megatron /path/to/Megatron-LM --loom build/apps/loom [--only SUBSTRING]
+
+--megatron may be a work tree or a bare git directory (read at HEAD).
+"""
+
+import argparse
+import collections
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import yaml
+
+
+class Source:
+    def __init__(self, path):
+        self.path = path
+        self.bare = not os.path.isdir(os.path.join(path, "tests"))
+
+    def files(self, prefix):
+        if self.bare:
+            out = subprocess.run(["git", "--git-dir", self.path, "ls-tree", "-r", "--name-only", "HEAD", prefix],
+                                 check=True, capture_output=True, text=True).stdout
+            return out.split()
+        found = []
+        for root, _, names in os.walk(os.path.join(self.path, prefix)):
+            found += [os.path.relpath(os.path.join(root, n), self.path) for n in names]
+        return sorted(found)
+
+    def read(self, name):
+        if self.bare:
+            return subprocess.run(["git", "--git-dir", self.path, "show", "HEAD:" + name], check=True,
+                                  capture_output=True, text=True).stdout
+        with open(os.path.join(self.path, name)) as f:
+            return f.read()
+
+
+def yaml_cases(src):
+    cases = []
+    for name in src.files("tests/functional_tests/test_cases"):
+        parts = name.split("/")
+        if not name.endswith("model_config.yaml") or parts[3] not in ("gpt", "moe"):
+            continue
+        doc = yaml.safe_load(src.read(name))
+        args = doc.get("MODEL_ARGS") or {}
+        if "--train-iters" not in args and "--train-samples" not in args:
+            continue   # an inference case
+        flags = []
+        for flag, value in args.items():
+            if value is False or value is None:
+                continue
+            flags.append((flag, None if value is True else str(value)))
+        resume = str(doc.get("TEST_TYPE", "")).startswith("ckpt-resume")
+        cases.append((parts[3] + "/" + parts[4], flags, resume))
+    return cases
+
+
+def script_cases(src):
+    """The --flag value words of an example script's argument arrays (lines inside `NAME=( ... )`)."""
+    cases = []
+    for name in src.files("examples"):
+        if not re.match(r"examples/(gpt3|llama|mixtral|gptoss)/[^/]*train[^/]*\.sh$", name):
+            continue
+        words, inside, skip, env = [], False, False, {}
+        for line in src.read(name).splitlines():
+            line = line.split("#", 1)[0].strip()
+            assign = re.match(r'^(?:export )?([A-Z_0-9]+)=("?)([^"()$ ]*|\$\{\1:-([^}]*)\})\2$', line)
+            if assign:
+                env[assign.group(1)] = assign.group(4) if assign.group(4) is not None else assign.group(3)
+            if re.match(r"^[A-Z_]+=\(", line):
+                inside, skip = True, line.startswith("DISTRIBUTED_ARGS")
+                line = line.split("(", 1)[1]
+            if not inside:
+                continue
+            line = re.sub(r"\$\{?([A-Z_0-9]+)\}?", lambda m: env.get(m.group(1), m.group(0)), line)
+            if skip:
+                inside = not line.endswith(")")
+                continue
+            if line.endswith(")"):
+                inside = False
+                line = line[:-1]
+            try:
+                words += shlex.split(line.rstrip("\\"))
+            except ValueError:
+                pass
+        flags = []
+        for w in words:
+            if w.startswith("--") and not re.match(r"^--?\d", w):
+                flags.append([w, None])
+            elif flags and flags[-1][1] is None:
+                flags[-1][1] = w
+        cases.append(("example/" + os.path.basename(name)[:-3], [tuple(f) for f in flags], False))
+    return cases
+
+
+PARALLEL = ["--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+            "--expert-model-parallel-size", "--expert-tensor-parallel-size"]
+DROP = {"--data-path", "--split", "--data-cache-path", "--num-virtual-stages-per-pipeline-rank",
+        "--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
+        "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+        "--pipeline-model-parallel-layout", "--exit-interval", "--hierarchical-context-parallel-sizes",
+        "--tokenizer-model", "--tokenizer-type", "--vocab-file", "--merge-file", "--vocab-size",
+        "--train-samples", "--lr-decay-samples", "--lr-warmup-samples", "--lr-decay-iters", "--lr-warmup-iters",
+        "--lr-wsd-decay-iters", "--lr-wsd-decay-samples", "--rampup-batch-size", "--load", "--save",
+        "--pretrained-checkpoint", "--tensorboard-dir", "--wandb-save-dir", "--eval-interval", "--eval-iters",
+        "--save-interval", "--log-interval", "--exit-duration-in-mins", "--micro-batch-size",
+        "--global-batch-size", "--seq-length", "--max-position-embeddings", "--train-iters", "--mock-data",
+        "--sequence-parallel", "--data-args-path", "--per-split-data-args-path", "--timing-log-option",
+        "--tensorboard-log-interval", "--profile-ranks", "--distributed-timeout-minutes"}
+
+
+def shrink(flags, work):
+    """The tiny single-rank command line for a configuration's flags."""
+    given = dict(flags)
+    out = []
+    for flag, value in flags:
+        if flag in DROP or flag in PARALLEL:
+            continue
+        value = None if value is None else value.replace("${", "{")
+        if flag == "--hidden-size":
+            value = "64"
+        elif flag in ("--ffn-hidden-size", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size"):
+            value = "64" if flag != "--ffn-hidden-size" else "128"
+        elif flag == "--num-attention-heads":
+            value = "4"
+        elif flag == "--num-query-groups":
+            value = "2" if value not in ("1", "4") else value
+        elif flag == "--kv-channels":
+            value = "16"
+        elif flag == "--num-experts":
+            value = "4"
+        elif flag == "--moe-router-topk":
+            value = str(min(int(value), 2))
+        elif flag in ("--moe-router-num-groups", "--moe-router-group-topk"):
+            value = "2" if flag == "--moe-router-num-groups" else "1"
+        elif flag == "--num-layers":
+            value = value if "--moe-layer-freq" in given or not value.isdigit() or int(value) <= 8 else "8"
+        out.append((flag, value))
+    out += [("--mock-data", None), ("--tokenizer-type", "NullTokenizer"), ("--vocab-size", "512"),
+            ("--seq-length", "64"), ("--max-position-embeddings", "64"), ("--micro-batch-size", "1"),
+            ("--global-batch-size", "2"), ("--train-iters", "4"), ("--eval-interval", "2"), ("--eval-iters", "1"),
+            ("--log-interval", "1"), ("--save", work + "/ckpt"), ("--save-interval", "2"),
+            ("--tensorboard-dir", work + "/tb")]
+    if "--num-layers" not in given:
+        out.append(("--num-layers", "2"))
+    return out
+
+
+def argv(loom, flags):
+    words = [loom, "train"]
+    for flag, value in flags:
+        words.append(flag)
+        if value is not None:
+            words.append(value)
+    return words
+
+
+def blocker(output, flags):
+    """The flag a refused run names, or the message's first line."""
+    names = {f for f, _ in flags}
+    for line in output.splitlines():
+        for m in re.finditer(r"(--[a-z0-9][a-z0-9-_]*)", line):
+            if m.group(1) in names:
+                return m.group(1), line.strip()
+    lines = [l.strip() for l in output.splitlines() if l.strip()]
+    return None, lines[-1] if lines else "(no output)"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--megatron", required=True)
+    p.add_argument("--loom", required=True)
+    p.add_argument("--only", default="")
+    p.add_argument("--timeout", type=int, default=120)
+    p.add_argument("--verbose", action="store_true")
+    a = p.parse_args()
+    src = Source(a.megatron)
+    cases = [c for c in yaml_cases(src) + script_cases(src) if a.only in c[0]]
+    blockers, trained = collections.Counter(), 0
+    for name, flags, _ in cases:
+        work = tempfile.mkdtemp(prefix="loom_megatron_")
+        try:
+            current = shrink(flags, work)
+            found = []
+            for attempt in range(12):
+                shutil.rmtree(work + "/ckpt", ignore_errors=True)
+                try:
+                    r = subprocess.run(argv(a.loom, current), capture_output=True, text=True, timeout=a.timeout,
+                                       env=dict(os.environ, LOOM_NUM_THREADS="1"))
+                    rc, out = r.returncode, r.stdout + r.stderr
+                except subprocess.TimeoutExpired:
+                    rc, out = -1, "timed out after %d s" % a.timeout
+                if rc == 0:
+                    break
+                flag, line = blocker(out, current)
+                found.append(flag or line)
+                if flag is None:
+                    break
+                current = [f for f in current if f[0] != flag]
+            if not found:
+                trained += 1
+            blockers.update(set(found))
+            print("%-4s %s%s" % ("ok" if not found else "no", name, "" if not found else "  <- " + "; ".join(found)))
+            if a.verbose and found:
+                print("     " + " ".join(shlex.quote(w) for w in argv(a.loom, shrink(flags, work))))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    print("\n%d of %d configurations train" % (trained, len(cases)))
+    print("\nblockers, by the number of configurations each stops:")
+    for what, n in blockers.most_common():
+        print("%5d  %s" % (n, what))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
