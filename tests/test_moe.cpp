@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <numeric>
 #include <random>
 
 using namespace loom;
@@ -164,8 +165,15 @@ TEST(MoeConfig, ValidationNamesMegatronsFlags) {
     moe.shared_expert_intermediate_size = 16;
     config.add_bias_linear              = true;
     EXPECT_NE(message(moe).find("please set '--disable-bias-linear'"), std::string::npos);
-    EXPECT_THROW(moe_load_balancing_parse("sinkhorn"), Error);
+    EXPECT_EQ(moe_load_balancing_parse("sinkhorn"), MoeLoadBalancing::sinkhorn);
     EXPECT_THROW(moe_load_balancing_parse("global_aux_loss"), Error);
+    config.add_bias_linear              = false;
+    moe.shared_expert_intermediate_size = 0;
+    moe.load_balancing                  = MoeLoadBalancing::sinkhorn;
+    moe.topk                            = 1;
+    EXPECT_EQ(message(moe), "") << "sinkhorn takes top-1 without --moe-router-pre-softmax, as Megatron";
+    moe.aux_loss_coeff = 0.01f;
+    EXPECT_NE(message(moe).find("Sinkhorn routing does not support aux loss."), std::string::npos);
     EXPECT_EQ(moe_load_balancing_parse("seq_aux_loss"), MoeLoadBalancing::seq_aux_loss);
 }
 
@@ -312,12 +320,15 @@ TEST(Router, GradientsMatchFiniteDifferences) {
         {"pre-softmax k1", MoeScoreFunction::softmax, true, 1, MoeLoadBalancing::aux_loss, 2.0f, false},
         {"sigmoid k2", MoeScoreFunction::sigmoid, false, 2, MoeLoadBalancing::aux_loss, 0.0f, true},
         {"sigmoid k1", MoeScoreFunction::sigmoid, false, 1, MoeLoadBalancing::seq_aux_loss, 0.0f, false},
+        {"sinkhorn k1", MoeScoreFunction::softmax, false, 1, MoeLoadBalancing::sinkhorn, 0.0f, true},
+        {"sinkhorn k2", MoeScoreFunction::softmax, false, 2, MoeLoadBalancing::sinkhorn, 0.0f, false},
     };
     // Each objective on its own, so a wrong aux or z gradient cannot hide under the others' size.
     struct Objective { const char * name; float w, aux, z; };
     const Objective objectives[] = {{"probs", 1.0f, 0.0f, 0.0f}, {"aux", 0.0f, 10.0f, 0.0f}, {"z", 0.0f, 0.0f, 1.0f}};
     for (const Case & c : cases) {
         for (const Objective & o : objectives) {
+            if (c.lb == MoeLoadBalancing::sinkhorn && o.aux > 0.0f) continue;   // sinkhorn has no aux loss
             MoeConfig moe;
             moe.num_experts         = E;
             moe.topk                = c.k;
@@ -363,6 +374,108 @@ TEST(Router, GradientsMatchFiniteDifferences) {
             }
         }
     }
+}
+
+// Sinkhorn routing against a reference written here from its definition (Megatron's moe_utils.sinkhorn
+// and sinkhorn_load_balancing), on random logits: the same experts, and the probabilities sigmoid(logit)
+// for k = 1 or the softmax over all E for k = 2. On logits that all prefer expert 0, plain top-1 sends it
+// every token while sinkhorn spreads them (each expert gets between half and twice its share).
+TEST(Router, SinkhornSelectsAsItsDefinitionAndBalancesTheExperts) {
+    const int64_t n = 32, E = 4;
+    for (const int64_t k : {int64_t(1), int64_t(2)}) {
+        SCOPED_TRACE("k = " + std::to_string(k));
+        std::vector<float> logits = random_vector(n * E, 41 + k);
+        for (int64_t x = 0; x < n; ++x) logits[x * E] += 2.0f;   // expert 0 first for nearly every token
+        // The reference: d0, d1 from ones, alternating, until the mean change of d1 is at most 1e-4.
+        std::vector<double> C(n * E), d0(n, 1.0), d1(E, 1.0);
+        for (int64_t i = 0; i < n * E; ++i) C[i] = std::exp(static_cast<double>(logits[i]));
+        for (double error = 1e9; error > 1e-4;) {
+            for (int64_t x = 0; x < n; ++x) {
+                double sum = 0;
+                for (int64_t e = 0; e < E; ++e) sum += d1[e] * C[x * E + e];
+                d0[x] = 1.0 / n / (sum + 1e-8);
+            }
+            std::vector<double> next(E);
+            error = 0;
+            for (int64_t e = 0; e < E; ++e) {
+                double sum = 0;
+                for (int64_t x = 0; x < n; ++x) sum += d0[x] * C[x * E + e];
+                next[e] = 1.0 / E / (sum + 1e-8);
+                error += std::abs(next[e] - d1[e]) / E;
+            }
+            d1 = next;
+        }
+        MoeConfig moe;
+        moe.num_experts    = E;
+        moe.topk           = k;
+        moe.load_balancing = MoeLoadBalancing::sinkhorn;
+        RouterRun             r = route(moe, logits);
+        std::vector<int64_t>  load(E, 0);
+        for (int64_t x = 0; x < n; ++x) {
+            std::vector<int32_t> order(E);
+            std::iota(order.begin(), order.end(), 0);
+            std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+                return d0[x] * C[x * E + a] * d1[a] > d0[x] * C[x * E + b] * d1[b];
+            });
+            const std::vector<double> s = softmax(&logits[x * E], E);
+            for (int64_t j = 0; j < k; ++j) {
+                ASSERT_EQ(r.top_idx[x * k + j], order[j]) << "token " << x << " slot " << j;
+                const float  l    = logits[x * E + order[j]];
+                const double prob = k == 1 ? 1.0 / (1.0 + std::exp(-static_cast<double>(l))) : s[order[j]];
+                EXPECT_NEAR(r.probs[x * k + j], prob, 1e-6) << "token " << x << " slot " << j;
+                ++load[order[j]];
+            }
+        }
+        for (int64_t e = 0; e < E; ++e) {
+            EXPECT_GE(load[e], n * k / E / 2) << "expert " << e;
+            EXPECT_LE(load[e], 2 * n * k / E) << "expert " << e;
+        }
+        // Plain top-k of the same logits piles onto expert 0; evaluation (no sinkhorn) does too.
+        MoeConfig plain  = moe;
+        plain.load_balancing = MoeLoadBalancing::none;
+        plain.pre_softmax    = true;
+        int64_t on_zero = 0;
+        for (int32_t i : route(plain, logits).top_idx) on_zero += i == 0;
+        EXPECT_GT(on_zero, n * 3 / 4) << "the logits do prefer expert 0";
+        EXPECT_LT(load[0], on_zero);
+    }
+}
+
+// --moe-router-dtype fp32 under bf16 parameters: the gate reads its input unrounded and its weight widened,
+// so its logits are the f32 product (to summation order), not the product of the input rounded to bf16.
+TEST(Router, Fp32RouterDtypeComputesTheGateInF32) {
+    const int64_t n = 16, h = 8, E = 4;
+    GptConfig     config = small_config(false, false);
+    config.params_dtype  = DType::bf16;
+    MoeConfig moe;
+    moe.num_experts = E;
+    moe.topk        = 2;
+    std::vector<float> xv = random_vector(n * h, 51);
+    Tensor             x  = tensor_of(xv, {n, h});
+    auto logits_of = [&](bool f32) {
+        MoeConfig m  = moe;
+        m.router_f32 = f32;
+        Router router("router", config, m, dev());
+        router.init(7, 1.0f);
+        Router::Context ctx;
+        router.forward(ctx, x, 1);
+        std::vector<float> w = values<float>(parameter_f32(router.weight));
+        return std::pair{values<float>(ctx.logits), w};
+    };
+    const auto [f32_logits, w] = logits_of(true);
+    const auto [bf16_logits, w2] = logits_of(false);
+    ASSERT_EQ(w, w2);
+    double worst_f32 = 0, worst_bf16 = 0;
+    for (int64_t r = 0; r < n; ++r) {
+        for (int64_t e = 0; e < E; ++e) {
+            double exact = 0;
+            for (int64_t i = 0; i < h; ++i) exact += static_cast<double>(xv[r * h + i]) * w[e * h + i];
+            worst_f32  = std::max(worst_f32, std::abs(f32_logits[r * E + e] - exact));
+            worst_bf16 = std::max(worst_bf16, std::abs(bf16_logits[r * E + e] - exact));
+        }
+    }
+    EXPECT_LT(worst_f32, 1e-5) << "f32 operands";
+    EXPECT_GT(worst_bf16, 1e-3) << "without the flag the input is rounded to bf16 (8 bits of mantissa)";
 }
 
 // ---------------------------------------------------------------------------------------------------

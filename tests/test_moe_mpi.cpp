@@ -38,6 +38,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <tuple>
 
 using namespace loom;
 
@@ -46,7 +47,7 @@ namespace {
 comm::MpiContext * g_mpi = nullptr;
 
 train::TrainOptions moe_options(model::MoeDispatcher dispatcher = model::MoeDispatcher::allgather, bool grouped = false,
-                                bool bias = true) {
+                                bool bias = true, bool sinkhorn = false) {
     train::TrainOptions o   = testing_models::small_gpt_options(2, 8, 20);
     o.model.add_bias_linear = bias;
     model::MoeConfig &  moe = o.model.moe;
@@ -55,6 +56,11 @@ train::TrainOptions moe_options(model::MoeDispatcher dispatcher = model::MoeDisp
     moe.aux_loss_coeff      = 0.01f;
     moe.dispatcher          = dispatcher;
     moe.grouped_gemm        = grouped;
+    if (sinkhorn) {   // Megatron's functional tests route top-1 by sinkhorn, without an aux loss
+        moe.load_balancing = model::MoeLoadBalancing::sinkhorn;
+        moe.topk           = 1;
+        moe.aux_loss_coeff = 0.0f;
+    }
     o.clip_grad             = 1.0f;
     o.log_interval          = 1;   // every iteration's grad norm in the --log-file
     return o;
@@ -86,13 +92,15 @@ struct Layout {
     bool offload = false;   // --optimizer-cpu-offload, half the optimizer state on the host
     int  tp = 1, etp = 1;   // --tensor-model-parallel-size (with --sequence-parallel), --expert-tensor-parallel-size
     bool bias = true;       // --add-bias-linear (ETP > 1 needs --disable-bias-linear)
+    bool sinkhorn = false;  // --moe-router-load-balancing-type sinkhorn --moe-router-topk 1
 };
 
 std::string describe(const Layout & l) {
     return "world " + std::to_string(g_mpi->world_size()) + " ep " + std::to_string(l.ep) + " pp " + std::to_string(l.pp) +
            (l.dispatcher == model::MoeDispatcher::alltoall ? " alltoall" : " allgather") + (l.grouped ? " grouped" : "") +
            (l.distopt ? " zero-1 + overlaps" : "") + (l.offload ? " cpu-offload 0.5" : "") +
-           (l.tp > 1 ? " tp " + std::to_string(l.tp) + " + sp" : "") + (l.etp > 1 ? " etp " + std::to_string(l.etp) : "") + (l.bias ? "" : " no bias");
+           (l.tp > 1 ? " tp " + std::to_string(l.tp) + " + sp" : "") + (l.etp > 1 ? " etp " + std::to_string(l.etp) : "") + (l.bias ? "" : " no bias") +
+           (l.sinkhorn ? " sinkhorn top-1" : "");
 }
 
 struct Reference {
@@ -100,18 +108,19 @@ struct Reference {
     std::vector<double>           grad_norms, balancing;   // balancing: the logged load_balancing_loss
 };
 
-const Reference & reference(bool grouped, bool bias) {
+const Reference & reference(bool grouped, bool bias, bool sinkhorn) {
     // The dispatcher does not matter on one rank: both permute the same tokens.
-    static std::map<std::pair<bool, bool>, Reference> runs;
-    auto it = runs.find({grouped, bias});
+    static std::map<std::tuple<bool, bool, bool>, Reference> runs;
+    auto it = runs.find({grouped, bias, sinkhorn});
     if (it == runs.end()) {
-        train::TrainOptions o = moe_options(model::MoeDispatcher::allgather, grouped, bias);
-        o.log_file = log_path(std::string(grouped ? "reference_grouped" : "reference") + (bias ? "" : "_no_bias"));
+        train::TrainOptions o = moe_options(model::MoeDispatcher::allgather, grouped, bias, sinkhorn);
+        o.log_file = log_path(std::string(grouped ? "reference_grouped" : "reference") + (bias ? "" : "_no_bias") +
+                              (sinkhorn ? "_sinkhorn" : ""));
         Reference ref;
         ref.run        = testing_models::train_single_rank(o);
         ref.grad_norms = grad_norms(o.log_file);
         ref.balancing  = logged(o.log_file, "load_balancing_loss");
-        it             = runs.emplace(std::pair{grouped, bias}, std::move(ref)).first;
+        it             = runs.emplace(std::tuple{grouped, bias, sinkhorn}, std::move(ref)).first;
     }
     return it->second;
 }
@@ -163,7 +172,7 @@ void expect_follows_reference(const Layout & l) {
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi);
 
-    train::TrainOptions o             = moe_options(l.dispatcher, l.grouped, l.bias);
+    train::TrainOptions o             = moe_options(l.dispatcher, l.grouped, l.bias, l.sinkhorn);
     o.parallel                        = config;
     o.sequence_parallel               = l.tp > 1;
     o.ddp.use_distributed_optimizer   = l.distopt;
@@ -184,7 +193,7 @@ void expect_follows_reference(const Layout & l) {
         train::Trainer trainer(o, setup, *source);
         losses = trainer.run(nullptr).losses;
     }
-    const Reference &                     reference_run = reference(l.grouped, l.bias);
+    const Reference &                     reference_run = reference(l.grouped, l.bias, l.sinkhorn);
     const testing_models::SingleRankRun & ref           = reference_run.run;
     ASSERT_EQ(losses.size(), ref.losses.size());
     double worst_loss = 0, worst_param = 0;
@@ -241,7 +250,7 @@ void expect_follows_reference(const Layout & l) {
         // The logged load-balancing loss (summed over the sequence-parallel ranks' shares, averaged over DP).
         std::vector<double> balancing = logged(o.log_file, "load_balancing_loss");
         ASSERT_EQ(balancing.size(), reference_run.balancing.size());
-        ASSERT_FALSE(balancing.empty());
+        ASSERT_EQ(balancing.empty(), l.sinkhorn) << "sinkhorn has no aux loss to log";
         double worst_balancing = 0;
         for (size_t i = 0; i < balancing.size(); ++i) {
             worst_balancing = std::max(worst_balancing, std::fabs(balancing[i] - reference_run.balancing[i]));
@@ -319,6 +328,25 @@ TEST(ExpertParallel, Etp1UnderTp2SpFollowsTheSingleRankRun) {
     if (g_mpi->world_size() != 2) GTEST_SKIP() << "runs with 2 ranks (tp 2; etp 1 x ep 1 x edp 2)";
     Layout l     = tp2_sp(model::MoeDispatcher::alltoall, 1);
     l.ep         = 1;
+    expect_follows_reference(l);
+}
+
+// Sinkhorn balances over the micro-batch's rows: under TP 2 + SP each rank holds half of them, and the
+// router gathers the group's logits so that both select as the single rank does.
+TEST(ExpertParallel, SinkhornUnderTp2SpFollowsTheSingleRankRun) {
+    if (g_mpi->world_size() != 2) GTEST_SKIP() << "runs with 2 ranks (tp 2; etp 1 x ep 1 x edp 2)";
+    Layout l   = tp2_sp(model::MoeDispatcher::alltoall, 1);
+    l.ep       = 1;
+    l.sinkhorn = true;
+    expect_follows_reference(l);
+}
+
+TEST(ExpertParallel, SinkhornWithEp2FollowsTheSingleRankRun) {
+    if (g_mpi->world_size() != 2) GTEST_SKIP() << "runs with 2 ranks (ep 2)";
+    Layout l;
+    l.ep         = 2;
+    l.dispatcher = model::MoeDispatcher::alltoall;
+    l.sinkhorn   = true;
     expect_follows_reference(l);
 }
 

@@ -272,6 +272,17 @@ inline int64_t moe_topk(const Tensor & logits, const MoeRouting & r, const Tenso
     expect(probs, DType::f32, n * r.topk, "moe_topk", "probs");
     return n;
 }
+// Returns n, the rows routed (of the N rows of logits, from `first`).
+inline int64_t moe_sinkhorn_topk(const Tensor & logits, int64_t first, const MoeRouting & r, const Tensor & top_idx,
+                                 const Tensor & probs) {
+    const int64_t N = moe_logits(logits, r, "moe_sinkhorn_topk");
+    const int64_t n = top_idx.numel() / std::max<int64_t>(r.topk, 1);
+    LOOM_CHECK(first >= 0 && first + n <= N, "moe_sinkhorn_topk: rows [" << first << ", " << first + n
+                                                                          << ") of logits with " << N << " rows", "");
+    expect(top_idx, DType::i32, n * r.topk, "moe_sinkhorn_topk", "top_idx");
+    expect(probs, DType::f32, n * r.topk, "moe_sinkhorn_topk", "probs");
+    return n;
+}
 inline int64_t moe_aux_counts(const Tensor & logits, const MoeRouting & r, int64_t groups, const Tensor & counts) {
     const int64_t n = moe_logits(logits, r, "moe_aux_counts");
     moe_counts(counts, n, groups, r.experts, "moe_aux_counts");

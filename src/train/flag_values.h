@@ -75,6 +75,7 @@ struct MoeFlags {
     int64_t                  num_experts = 0, topk = 2, ffn = 0, shared_ffn = 0;
     std::string              layer_freq = "1", score_function = "softmax", drop_policy = "probs";
     std::string              dispatcher = "allgather";
+    std::string              router_dtype;   // --moe-router-dtype ("": None, the model's dtype)
     std::vector<std::string> load_balancing{"aux_loss"};
     std::vector<float>       aux_loss_coeff{0.0f};
     float                    z_loss_coeff = 0.0f, capacity_factor = 0.0f, topk_scaling = 0.0f;

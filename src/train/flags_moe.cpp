@@ -36,7 +36,10 @@ const Flag<MoeFlags> kMoeFlags[] = {
     {"--moe-router-score-function", kLoomGroup, &E::score_function, "softmax or sigmoid", kShowDefault},
     {"--moe-router-pre-softmax", kLoomGroup, &E::pre_softmax, "softmax over all experts before the top-k"},
     {"--moe-router-topk-scaling-factor", kLoomGroup, &E::topk_scaling, "multiplies the routing probabilities"},
-    {"--moe-router-load-balancing-type", kLoomGroup, &E::load_balancing, "aux_loss, seq_aux_loss or none", kShowDefault},
+    {"--moe-router-load-balancing-type", kLoomGroup, &E::load_balancing,
+     "aux_loss, seq_aux_loss, sinkhorn (S-BASE: balanced by Sinkhorn's algorithm, no aux loss) or none", kShowDefault},
+    {"--moe-router-dtype", kLoomGroup, &E::router_dtype,
+     "fp32: the router's GEMMs in f32 under --bf16 (default: the model's dtype; fp64 is not supported)"},
     {"--moe-aux-loss-coeff", kLoomGroup, &E::aux_loss_coeff, "the load-balancing loss's coefficient", kShowDefault},
     {"--moe-z-loss-coeff", kLoomGroup, &E::z_loss_coeff, "the router z-loss's coefficient (default: none)"},
     {"--moe-expert-capacity-factor", kLoomGroup, &E::capacity_factor,
@@ -82,6 +85,11 @@ void resolve_moe(const MoeFlags & f, const Given & given, TrainOptions & o) {
                "--moe-router-load-balancing-type and --moe-aux-loss-coeff with several values (combined balancing losses) "
                "are not supported by Loom", "give one type and one coefficient");
     moe.load_balancing = model::moe_load_balancing_parse(f.load_balancing[0]);
+    LOOM_CHECK(!given("--moe-router-dtype") || f.router_dtype == "fp32" || f.router_dtype == "fp64",
+               "argument --moe-router-dtype: invalid choice: '" << f.router_dtype << "' (choose from 'fp32', 'fp64')", "");
+    LOOM_CHECK(f.router_dtype != "fp64", "--moe-router-dtype fp64 is not supported by Loom",
+               "use fp32: Loom's router kernels compute in f32 (their scores and losses in double on the CPU)");
+    moe.router_f32 = f.router_dtype == "fp32";
     moe.aux_loss_coeff = f.aux_loss_coeff[0];
     moe.z_loss_coeff   = given("--moe-z-loss-coeff") ? f.z_loss_coeff : 0.0f;
     moe.capacity_factor = given("--moe-expert-capacity-factor") ? f.capacity_factor : -1.0f;

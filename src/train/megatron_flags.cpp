@@ -48,6 +48,25 @@ constexpr NoOpFlag kNoOpFlags[] = {
     {"--dist-ckpt-optim-fully-reshardable", nullptr,
      "Loom's checkpoints, optimizer state included, reshard across DP, TP and PP in any case"},
     {"--no-use-tokenizer-model-from-checkpoint-args", nullptr, "Loom's checkpoints record no tokenizer model"},
+    {"--ckpt-assume-constant-structure", nullptr,
+     "a caching choice of Megatron's save; Loom plans each save afresh (a list of its pieces), and writes the same "
+     "checkpoint"},
+    {"--no-ckpt-fully-parallel-save", nullptr,
+     "Loom's save is parallel by construction: each element is written once, by the rank that steps it; the "
+     "checkpoint is the same either way"},
+    {"--ckpt-fully-parallel-save", nullptr, "deprecated upstream, where it has no effect either"},
+    {"--cross-entropy-loss-fusion", nullptr, "a kernel-fusion choice: Loom's loss is one fused softmax cross-entropy "
+                                             "in any case; the result is the same"},
+    {"--cross-entropy-fusion-impl", "native|te", "both compute the same vocabulary-parallel cross-entropy as Loom's"},
+    {"--moe-permute-fusion", nullptr, "a kernel-fusion choice for the token permutation; the tokens moved are the same"},
+    {"--manual-gc-interval", "", "Python's garbage collector; Loom has none"},
+    {"--verify-integrity", nullptr,
+     "Loom's index holds every checkpoint file's CRC-32C, written on each save and checked on each load, with or "
+     "without the flag"},
+    {"--async-strategy", "nvrx|mcore", "the engine of --async-save, which Loom accepts and saves synchronously"},
+    {"--empty-unused-memory-level", "0|1|2",
+     "torch.cuda.empty_cache() between steps; Loom's allocator keeps its pools, which changes no result "
+     "(its statistics report the peak either way)"},
 };
 
 }  // namespace

@@ -80,7 +80,7 @@ std::vector<std::pair<std::string, double>> Trainer::moe_losses() {
     for (int64_t i = 0; i < options_.model.num_layers; ++i) layers += moe.is_moe_layer(i) ? 1 : 0;
     const double per_layer_microbatch = 1.0 / (static_cast<double>(options_.num_microbatches()) * static_cast<double>(layers));
     std::vector<std::pair<std::string, double>> out;
-    if (moe.load_balancing != model::MoeLoadBalancing::none) {
+    if (moe.load_balancing != model::MoeLoadBalancing::none && moe.load_balancing != model::MoeLoadBalancing::sinkhorn) {
         out.emplace_back(moe.load_balancing == model::MoeLoadBalancing::seq_aux_loss ? "seq_load_balancing_loss"
                                                                                    : "load_balancing_loss",
                          sums[model::router_loss_aux_logged] * per_layer_microbatch);

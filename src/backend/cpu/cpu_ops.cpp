@@ -361,6 +361,13 @@ public:
         s.submit([=] { cpu::moe_topk(f32(logits), n, r, top_idx.data<int32_t>(), f32(probs)); });
     }
 
+    void moe_sinkhorn_topk(Stream & s, const Tensor & logits, int64_t first, const MoeRouting & r,
+                           const Tensor & top_idx, const Tensor & probs) override {
+        const int64_t n = op_checks::moe_sinkhorn_topk(logits, first, r, top_idx, probs);
+        const int64_t N = logits.size(0);
+        s.submit([=] { cpu::moe_sinkhorn_topk(f32(logits), N, first, n, r, top_idx.data<int32_t>(), f32(probs)); });
+    }
+
     void moe_aux_counts(Stream & s, const Tensor & logits, const MoeRouting & r, int64_t groups,
                         const Tensor & counts) override {
         const int64_t n = op_checks::moe_aux_counts(logits, r, groups, counts);

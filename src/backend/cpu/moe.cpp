@@ -93,6 +93,39 @@ void moe_topk(const float * logits, int64_t n, const MoeRouting & r, int32_t * t
     });
 }
 
+void moe_sinkhorn_topk(const float * logits, int64_t N, int64_t first, int64_t n, const MoeRouting & r,
+                       int32_t * top_idx, float * probs) {
+    const int64_t E = r.experts, k = r.topk;
+    // C = exp(logits) and the two scalings, in double; each sum in index order.
+    std::vector<double> C(static_cast<size_t>(N * E)), d0(static_cast<size_t>(N), 1.0), d1(static_cast<size_t>(E), 1.0);
+    for (int64_t i = 0; i < N * E; ++i) C[i] = std::exp(static_cast<double>(logits[i]));
+    const double eps = 1e-8, tol = 1e-4;
+    for (double error = 1e9; error > tol;) {
+        for (int64_t x = 0; x < N; ++x) {
+            double sum = 0;
+            for (int64_t e = 0; e < E; ++e) sum += d1[e] * C[x * E + e];
+            d0[x] = 1.0 / static_cast<double>(N) / (sum + eps);
+        }
+        error = 0;
+        for (int64_t e = 0; e < E; ++e) {
+            double sum = 0;
+            for (int64_t x = 0; x < N; ++x) sum += d0[x] * C[x * E + e];
+            const double next = 1.0 / static_cast<double>(E) / (sum + eps);
+            error += std::abs(d1[e] - next);
+            d1[e] = next;
+        }
+        error /= static_cast<double>(E);
+    }
+    std::vector<double> score(E), q(k), scratch(E);
+    for (int64_t x = 0; x < n; ++x) {
+        const int64_t row = first + x;
+        for (int64_t e = 0; e < E; ++e) score[e] = d0[row] * C[row * E + e] * d1[e];
+        topk_desc(score.data(), E, k, top_idx + x * k);
+        topk_probs(logits + row * E, top_idx + x * k, r, q.data(), scratch.data());
+        for (int64_t j = 0; j < k; ++j) probs[x * k + j] = static_cast<float>(scaling(r) * q[j]);
+    }
+}
+
 void moe_aux_counts(const float * logits, int64_t n, const MoeRouting & r, int64_t groups, int32_t * counts) {
     const int64_t E = r.experts, k = r.topk;
     std::fill(counts, counts + groups * E, 0);

@@ -11,6 +11,8 @@
 namespace loom::cpu {
 
 void moe_topk(const float * logits, int64_t n, const MoeRouting & r, int32_t * top_idx, float * probs);
+void moe_sinkhorn_topk(const float * logits, int64_t N, int64_t first, int64_t n, const MoeRouting & r, int32_t * top_idx,
+                       float * probs);
 void moe_aux_counts(const float * logits, int64_t n, const MoeRouting & r, int64_t groups, int32_t * counts);
 void moe_router_losses(const float * logits, int64_t n, const int32_t * counts, const MoeRouting & r,
                        const MoeRouterLoss & loss, float * losses);

@@ -117,6 +117,8 @@ OpSupport cuda_supports(const OpQuery & q) {
     if (op.rfind("attention", 0) == 0 && q.head_dim > kernels::kAttentionMaxHeadDim) {
         why << q.op << ": head dimension " << q.head_dim << " on CUDA (the CUDA attention takes heads of up to "
             << kernels::kAttentionMaxHeadDim << ")";
+    } else if (op == "moe_sinkhorn_topk") {
+        why << q.op << ": sinkhorn routing on CUDA (Loom's sinkhorn runs on the CPU backend only)";
     } else if (op.rfind("moe_", 0) == 0 && q.topk > kernels::kMoeMaxTopk) {
         why << q.op << ": top-" << q.topk << " routing on CUDA (the CUDA router selects up to " << kernels::kMoeMaxTopk
             << " experts per token)";

@@ -19,6 +19,7 @@ const char * moe_load_balancing_name(MoeLoadBalancing t) {
     case MoeLoadBalancing::aux_loss: return "aux_loss";
     case MoeLoadBalancing::seq_aux_loss: return "seq_aux_loss";
     case MoeLoadBalancing::none: return "none";
+    case MoeLoadBalancing::sinkhorn: return "sinkhorn";
     }
     return "?";
 }
@@ -29,11 +30,12 @@ MoeLoadBalancing moe_load_balancing_parse(const std::string & name) {
     if (name == "aux_loss") return MoeLoadBalancing::aux_loss;
     if (name == "seq_aux_loss") return MoeLoadBalancing::seq_aux_loss;
     if (name == "none") return MoeLoadBalancing::none;
-    LOOM_CHECK(name != "sinkhorn" && name != "global_aux_loss" && name != "quantile_balancing",
+    if (name == "sinkhorn") return MoeLoadBalancing::sinkhorn;
+    LOOM_CHECK(name != "global_aux_loss" && name != "quantile_balancing",
                "--moe-router-load-balancing-type " << name << " is not supported by Loom",
-               "use aux_loss, seq_aux_loss or none");
+               "use aux_loss, seq_aux_loss, sinkhorn or none");
     LOOM_THROW("--moe-router-load-balancing-type " << name << " is not a load-balancing type",
-               "use aux_loss, seq_aux_loss or none");
+               "use aux_loss, seq_aux_loss, sinkhorn or none");
 }
 
 void moe_config_validate(const MoeConfig & moe, const GptConfig & config) {
@@ -42,10 +44,15 @@ void moe_config_validate(const MoeConfig & moe, const GptConfig & config) {
                "--moe-router-topk " << moe.topk << " must be between 1 and --num-experts " << moe.num_experts, "");
     // Megatron's own message: a softmax over one selected logit is 1 whatever the logit, so the router
     // would get no gradient.
-    LOOM_CHECK(!(moe.topk == 1 && moe.score_function == MoeScoreFunction::softmax && !moe.pre_softmax),
+    LOOM_CHECK(!(moe.topk == 1 && moe.score_function == MoeScoreFunction::softmax && !moe.pre_softmax &&
+                 moe.load_balancing != MoeLoadBalancing::sinkhorn),
                "Please use --moe-router-pre-softmax when topk is 1.",
                "a softmax over the one selected expert is always 1 and gives the router no gradient");
     LOOM_CHECK(moe.aux_loss_coeff >= 0.0f, "--moe-aux-loss-coeff must be >= 0, got " << moe.aux_loss_coeff, "");
+    // Megatron's assert in sinkhorn_load_balancing, checked before any rank starts.
+    LOOM_CHECK(moe.load_balancing != MoeLoadBalancing::sinkhorn || moe.aux_loss_coeff == 0.0f,
+               "Sinkhorn routing does not support aux loss.",
+               "--moe-router-load-balancing-type sinkhorn balances by itself: leave --moe-aux-loss-coeff at 0");
     LOOM_CHECK(moe.z_loss_coeff >= 0.0f, "--moe-z-loss-coeff must be >= 0, got " << moe.z_loss_coeff, "");
     LOOM_CHECK(moe.topk_scaling_factor >= 0.0f,
                "--moe-router-topk-scaling-factor must be > 0, got " << moe.topk_scaling_factor, "");

@@ -10,7 +10,7 @@ namespace loom::model {
 struct GptConfig;
 
 enum class MoeScoreFunction { softmax, sigmoid };                // --moe-router-score-function
-enum class MoeLoadBalancing { aux_loss, seq_aux_loss, none };    // --moe-router-load-balancing-type
+enum class MoeLoadBalancing { aux_loss, seq_aux_loss, none, sinkhorn };   // --moe-router-load-balancing-type
 enum class MoeDropPolicy { probs, position };                    // --moe-token-drop-policy
 enum class MoeDispatcher { allgather, alltoall };                // --moe-token-dispatcher-type
 
@@ -30,6 +30,7 @@ struct MoeConfig {
     bool             grouped_gemm         = false;   // --moe-grouped-gemm
     int64_t          shared_expert_intermediate_size = 0;   // --moe-shared-expert-intermediate-size (0: none)
     MoeDispatcher    dispatcher           = MoeDispatcher::allgather;   // --moe-token-dispatcher-type
+    bool             router_f32           = false;   // --moe-router-dtype fp32: the gate's GEMMs in f32
 
     // --moe-layer-freq: which layers are MoE. An integer N: layers 0, N, 2N, ... (Megatron's default 1: all);
     // a list: one 0/1 entry per layer of the whole model.

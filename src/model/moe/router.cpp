@@ -11,8 +11,15 @@ namespace {
 
 MoeRouting routing_of(const MoeConfig & moe) {
     MoeRouting r;
-    r.experts     = moe.num_experts;
-    r.topk        = moe.topk;
+    r.experts = moe.num_experts;
+    r.topk    = moe.topk;
+    if (moe.load_balancing == MoeLoadBalancing::sinkhorn) {
+        // Megatron's sinkhorn scores: sigmoid(logit) for k = 1, else the softmax over all E, unscaled; the
+        // selection (while training) is sinkhorn's, in eval the scores' own top-k.
+        r.sigmoid     = moe.topk == 1;
+        r.pre_softmax = moe.topk > 1;
+        return r;
+    }
     r.sigmoid     = moe.score_function == MoeScoreFunction::sigmoid;
     r.pre_softmax = moe.pre_softmax;
     r.scaling     = moe.topk_scaling_factor > 0.0f ? moe.topk_scaling_factor : 1.0f;
@@ -29,6 +36,9 @@ Router::Router(const std::string & name, const GptConfig & config, const MoeConf
       has_bias(config.add_bias_linear) {
     moe_config_validate(moe, config);
     require_supported(device, {"moe_topk", 0, m.topk}, "--moe-router-topk");
+    if (m.load_balancing == MoeLoadBalancing::sinkhorn) {
+        require_supported(device, {"moe_sinkhorn_topk", 0, m.topk}, "--moe-router-load-balancing-type sinkhorn");
+    }
     tp.replicated(weight);   // every TP rank routes its own rows with the whole gate
     if (has_bias) {
         bias                 = parameter_create(name + ".bias", {m.num_experts}, config.params_dtype, device);
@@ -48,12 +58,16 @@ void Router::parameters(std::vector<Parameter *> & out) {
     if (has_bias) out.push_back(&bias);
 }
 
+// The gate's weight as its GEMMs read it: the parameter, or with --moe-router-dtype fp32 its values in f32.
+Tensor Router::gate_weight() const { return moe.router_f32 ? parameter_f32(weight) : weight.data; }
+
 void Router::forward(Context & ctx, const Tensor & x, int64_t b, bool training) {
     Ops &    ops    = x.device().ops();
     Stream & stream = x.device().compute_stream();
-    ctx.x           = in_dtype(x, weight.data.dtype());
+    const Tensor w  = gate_weight();
+    ctx.x           = in_dtype(x, w.dtype());
     Tensor logits   = activation(x.device(), x.size(0), moe.num_experts);
-    ops.gemm(stream, ctx.x, false, weight.data, true, logits);
+    ops.gemm(stream, ctx.x, false, w, true, logits);
     if (has_bias) ops.bias_add(stream, logits, parameter_f32(bias));
     route(ctx, logits, b, training);
 }
@@ -65,7 +79,8 @@ void Router::route(Context & ctx, const Tensor & logits, int64_t b, bool trainin
     Device & device = logits.device();
     Ops &    ops    = device.ops();
     Stream & stream = device.compute_stream();
-    ctx.aux         = training && moe.aux_loss_coeff > 0.0f && moe.load_balancing != MoeLoadBalancing::none;
+    ctx.aux         = training && moe.aux_loss_coeff > 0.0f && moe.load_balancing != MoeLoadBalancing::none &&
+              moe.load_balancing != MoeLoadBalancing::sinkhorn;
     ctx.z           = training && moe.z_loss_coeff > 0.0f;
     ctx.groups      = moe.load_balancing == MoeLoadBalancing::seq_aux_loss ? b : 1;
     LOOM_CHECK(b >= 1 && n % b == 0, n << " router rows are not a multiple of the micro-batch size " << b, "");
@@ -76,7 +91,14 @@ void Router::route(Context & ctx, const Tensor & logits, int64_t b, bool trainin
     ctx.losses  = Tensor::empty({router_loss_count}, DType::f32, device, {MemoryKind::device, kActivationsPool});
 
     const MoeRouting routing = routing_of(moe);
-    ops.moe_topk(stream, logits, routing, ctx.top_idx, ctx.probs);
+    if (moe.load_balancing == MoeLoadBalancing::sinkhorn && training) {
+        // Sinkhorn balances over every row of the micro-batch: under sequence parallelism the group's rows,
+        // gathered, so each rank selects as the single-rank run does.
+        const Tensor all = tp.sp() ? tp.all_gather(logits) : logits;
+        ops.moe_sinkhorn_topk(stream, all, tp.sp() ? tp.rank * n : 0, routing, ctx.top_idx, ctx.probs);
+    } else {
+        ops.moe_topk(stream, logits, routing, ctx.top_idx, ctx.probs);
+    }
     // The counts are written on the stream even without the aux loss, so a captured graph's replay clears
     // them too; sequence parallelism sums them over the whole sequence (Megatron reduces them over TP x CP).
     if (ctx.aux) {
@@ -111,9 +133,10 @@ Tensor Router::backward(Context & ctx, const Tensor & dprobs, float loss_scale, 
     Ops &    ops     = dlogits.device().ops();
     Stream & stream  = dlogits.device().compute_stream();
     if (has_bias) ops.bias_backward(stream, dlogits, bias.main_grad);
-    Tensor dl_in = in_dtype(dlogits, weight.data.dtype());
-    Tensor dx    = activation(dlogits.device(), dlogits.size(0), weight.data.size(1));
-    ops.gemm(stream, dl_in, false, weight.data, false, dx);
+    const Tensor w     = gate_weight();
+    Tensor       dl_in = in_dtype(dlogits, w.dtype());
+    Tensor       dx    = activation(dlogits.device(), dlogits.size(0), weight.data.size(1));
+    ops.gemm(stream, dl_in, false, w, false, dx);
     ops.gemm(stream, dl_in, true, ctx.x, false, weight.main_grad, /*accumulate=*/true);
     Tensor losses = ctx.losses;   // still readable for logging
     ctx           = Context();

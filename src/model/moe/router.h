@@ -11,6 +11,15 @@
 //   sigmoid:                           g = sigmoid(logits), the k largest g,
 //                                      probs = sf * g / (sum of the k g + 1e-20) when k > 1, else sf * g
 //
+//   sinkhorn (--moe-router-load-balancing-type sinkhorn, Megatron's S-BASE routing): while training the
+//                                      k largest of sinkhorn(logits) over the micro-batch's rows (under
+//                                      sequence parallelism the TP group's rows, all-gathered: the same
+//                                      selection as one rank), then probs = sigmoid(logit) for k = 1, or
+//                                      the softmax over all E at the selected experts (no scaling factor);
+//                                      in eval the top-k of those scores. No aux loss.
+// --moe-router-dtype fp32: the gate's GEMMs (forward and both of backward) read f32 operands, the bf16
+// weight's values widened and the gradient of the logits unrounded (without it, bf16 operands under --bf16).
+//
 // Auxiliary load-balancing loss (Megatron's switch_load_balancing_loss_func), only while training:
 //   p (n, E)  = softmax(logits) over all E (sigmoid: g / (sum over E of g + 1e-20))
 //   c_i       = tokens whose top-k of p contains expert i (before any capacity dropping)
@@ -84,6 +93,7 @@ public:
 
     MoeConfig      moe;
     TensorParallel tp;
+    Tensor         gate_weight() const;
     // The losses' operands of a routed context of n rows.
     MoeRouterLoss loss_of(const Context & ctx, int64_t n) const;
     Parameter weight;   // (E, h)
