@@ -655,7 +655,12 @@ TEST(MegatronCommandLine, MoeFlagsFollowMegatronsRules) {
     const std::pair<std::vector<std::string>, const char *> bad[] = {
         {{"--num-experts", "4", "--moe-router-topk", "1"}, "Please use --moe-router-pre-softmax when topk is 1."},
         {{"--num-experts", "4", "--moe-pad-expert-input-to-capacity"}, "moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity"},
-        {{"--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"}, "sinkhorn"},
+        {{"--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0.01"},
+         "Sinkhorn routing does not support aux loss."},
+        {{"--num-experts", "4", "--moe-router-load-balancing-type", "global_aux_loss"},
+         "--moe-router-load-balancing-type global_aux_loss is not supported by Loom"},
+        {{"--num-experts", "4", "--moe-router-dtype", "fp64"}, "--moe-router-dtype fp64 is not supported by Loom"},
+        {{"--num-experts", "4", "--moe-router-dtype", "bf16"}, "argument --moe-router-dtype: invalid choice: 'bf16'"},
         {{"--num-experts", "4", "--moe-token-dispatcher-type", "flex"}, "--moe-token-dispatcher-type flex is not supported by Loom"},
         {{"--num-experts", "4", "--moe-layer-freq", "[1,0]"}, "Invalid length of moe_layer_pattern: 2, expected 4"},
         {{"--num-experts", "4", "--moe-layer-freq", "([1]*2"}, "a ')' is missing"},
