@@ -46,6 +46,7 @@ struct ModelFlags {
     int64_t     num_layers = 0, hidden_size = 0, ffn_hidden_size = 0, heads = 0, query_groups = 0;
     int64_t     seq_length = 0, max_pos = 0, vocab_size = 0, vocab_divisible = 0;
     bool        gqa = false, swiglu = false, disable_bias = false, untie = false, qk_layernorm = false;
+    bool        no_position_embedding = false;   // --no-position-embedding (deprecated upstream; only with rope)
     std::string normalization, position_embedding;
     float       init_std = 0, norm_epsilon = 0, rotary_percent = 1.0f;
     int64_t     rotary_base = 0, kv_channels = 0;

@@ -6,6 +6,7 @@
 #include "train/stop_policy.h"
 
 #include <cmath>
+#include <cstdio>
 
 namespace loom::train {
 
@@ -24,7 +25,9 @@ const Flag<TrainOptions> kCheckpointFlags[] = {
     {"--no-load-rng", kCkpt, &O::no_load_rng, "do not load the random state (Loom keeps none after initialisation)"},
     {"--finetune", kCkpt, &O::finetune, "load the parameters only and start from iteration 0"},
     {"--ckpt-step", kCkpt, &O::ckpt_step, "load this iteration instead of the latest"},
-    {"--ckpt-format", kCkpt, &O::ckpt_format, "checkpoint format: torch_dist (Loom's reshardable format)", kShowDefault},
+    {"--ckpt-format", kCkpt, &O::ckpt_format,
+     "torch_dist, torch, torch_dcp or fsdp_dtensor: Loom writes its own reshardable format (Megatron's folder "
+     "layout, sharded safetensors) for each, and says so for the others", kShowDefault},
     {"--use-checkpoint-args", kCkpt, &O::use_checkpoint_args, "take the model's shape from the --load checkpoint"},
     {"--dist-ckpt-strictness", kCkpt, &O::dist_ckpt_strictness,
      "a --load's handling of the model's tensors the checkpoint lacks (unexpected) and the checkpoint's the model "
@@ -52,10 +55,16 @@ const Flag<TrainOptions> kCheckpointFlags[] = {
 std::span<const Flag<TrainOptions>> checkpoint_flags() { return kCheckpointFlags; }
 
 void validate_checkpoint_flags(const TrainOptions & o, const Given & given) {
-    LOOM_CHECK(o.ckpt_format == "torch_dist",
+    LOOM_CHECK(o.ckpt_format == "torch_dist" || o.ckpt_format == "torch" || o.ckpt_format == "torch_dcp" ||
+                   o.ckpt_format == "fsdp_dtensor",
                "--ckpt-format " << o.ckpt_format << " is not supported by Loom",
-               "Loom writes one format, sharded safetensors in parameter space that reshard across DP, TP and PP; "
-               "it answers to Megatron's default name, torch_dist (leave the flag out)");
+               "Loom writes one format, sharded safetensors in parameter space that reshard across DP, TP and PP, "
+               "under the names torch_dist (Megatron's default), torch, torch_dcp and fsdp_dtensor");
+    if (o.ckpt_format != "torch_dist" && process_rank() <= 0) {
+        std::fprintf(stderr, "WARNING: --ckpt-format %s: Loom writes and reads its own format (Megatron's folders, "
+                             "sharded safetensors inside) whatever the format's name; it reshards across layouts\n",
+                     o.ckpt_format.c_str());
+    }
     LOOM_CHECK(!given("--save-interval") || o.save_interval >= 1, "--save-interval must be >= 1, got " << o.save_interval, "");
     LOOM_CHECK(!given("--exit-interval") || o.exit_interval >= 1, "--exit-interval must be >= 1, got " << o.exit_interval, "");
     LOOM_CHECK(std::isfinite(o.exit_duration_in_mins) && o.exit_duration_in_mins >= 0,

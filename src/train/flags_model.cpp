@@ -64,6 +64,8 @@ const Flag<ModelFlags> kModelFlags[] = {
     {"--position-embedding-type", kSize, &M::position_embedding, "learned_absolute, rope or none", kPlain,
      {"position_embedding_type", [](const TrainOptions & o) -> json { return position_name(o.model.position_embedding); },
       true}},
+    {"--no-position-embedding", kSize, &M::no_position_embedding,
+     "deprecated upstream: accepted with --position-embedding-type rope (where it has no effect), refused otherwise"},
     {"--disable-bias-linear", kSize, &M::disable_bias, "no biases in linear layers", kPlain,
      {"add_bias_linear", [](const TrainOptions & o) -> json { return o.model.add_bias_linear; }, true}},
     {"--qk-layernorm", kSize, &M::qk_layernorm,
@@ -138,6 +140,10 @@ void resolve_model_shape(const ModelFlags & f, const Given & given, TrainOptions
         else LOOM_THROW("--position-embedding-type '" << f.position_embedding << "' is not supported",
                         "use learned_absolute, rope or none");
     }
+    // Megatron's rule (arguments.py): the deprecated switch only rides along with RoPE.
+    LOOM_CHECK(!f.no_position_embedding || m.position_embedding == model::PositionEmbedding::rope,
+               "--no-position-embedding is deprecated, use --position-embedding-type",
+               "--position-embedding-type none (or rope, with which --no-position-embedding has no effect)");
     if (f.disable_bias) m.add_bias_linear = false;
     if (f.qk_layernorm) m.qk_layernorm = true;
     if (f.untie) m.untie_embeddings_and_output_weights = true;
