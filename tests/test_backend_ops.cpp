@@ -688,6 +688,40 @@ TEST(OpsElementwise, SwigluForwardBackward) {
 // Rotary embedding: backend/cpu/ops.h documents Megatron's non-interleaved halves: in each head of d,
 // element i pairs with element i + d/2 (i < d/2) and the pair at sequence position si turns by the angle
 // si * base^(-2i/d): (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); the inverse turns by minus the angle.
+// Partial (--rotary-percent: only the first r of each head's d turn, by base^(-2i/r)) and interleaved
+// (--rotary-interleaved: pairs (2i, 2i + 1)) rotary embeddings against the same reference.
+TEST(OpsElementwise, PartialAndInterleavedRopeAgainstReference) {
+    const int64_t seq = 9, batch = 2, heads = 3, d = 16, stride = heads * d + 5;
+    const double  base = 10000.0;
+    for (const int64_t r : {int64_t(8), int64_t(16)}) {
+        for (const bool interleaved : {false, true}) {
+            SCOPED_TRACE("r " + std::to_string(r) + (interleaved ? ", interleaved" : ", halves"));
+            Tensor              x   = random_f32({seq * batch, stride}, 3400 + r + interleaved);
+            std::vector<double> xv  = values(x);
+            std::vector<double> fwd = xv;
+            for (int64_t si = 0; si < seq; ++si) {
+                for (int64_t row = si * batch; row < (si + 1) * batch; ++row) {
+                    for (int64_t hd = 0; hd < heads; ++hd) {
+                        for (int64_t i = 0; i < r / 2; ++i) {
+                            const size_t a = static_cast<size_t>(row * stride + hd * d + (interleaved ? 2 * i : i));
+                            const size_t b = a + static_cast<size_t>(interleaved ? 1 : r / 2);
+                            const double angle = static_cast<double>(si) * std::pow(base, -2.0 * i / r);
+                            fwd[a] = xv[a] * std::cos(angle) - xv[b] * std::sin(angle);
+                            fwd[b] = xv[b] * std::cos(angle) + xv[a] * std::sin(angle);
+                        }
+                    }
+                }
+            }
+            ops().rope(stream(), x, seq, batch, heads, d, static_cast<float>(base), false, r, interleaved);
+            synchronize();
+            EXPECT_TRUE(close("rope forward", x, fwd, kRopeTol, 1.0));   // the unturned elements stay as they were
+            ops().rope(stream(), x, seq, batch, heads, d, static_cast<float>(base), true, r, interleaved);
+            synchronize();
+            EXPECT_TRUE(close("rope inverse(forward(x))", x, xv, kRopeTol, 1.0));
+        }
+    }
+}
+
 TEST(OpsElementwise, RopeForwardAgainstReferenceAndInverse) {
     const int64_t       seq = 41, batch = 2, heads = 3, d = 16, stride = 5 * d + 3;   // K, V and padding after
     const double        base = 10000.0;
@@ -1581,6 +1615,8 @@ TEST(OpsArgumentErrors, Elementwise) {
     expect_error_here("swiglu y size", [&] { ops().swiglu_forward(stream(), y, empty({4, 6})); });
     expect_error_here("swiglu dx size", [&] { ops().swiglu_backward(stream(), y, empty({4, 3}), empty({4, 3})); });
     expect_error_here("rope odd d", [&] { ops().rope(stream(), empty({6, 20}), 3, 2, 2, 5, 10000.0f, false); });
+    expect_error_here("rope odd rotary dimension",
+                      [&] { ops().rope(stream(), empty({6, 20}), 3, 2, 2, 8, 10000.0f, false, 3); });
     expect_error_here("rope heads wider than rows", [&] {
         ops().rope(stream(), empty({6, 20}), 3, 2, 3, 8, 10000.0f, false);
     });

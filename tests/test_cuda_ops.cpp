@@ -425,6 +425,19 @@ TEST(CudaOps, AdamWFiveStepsGiveTheCpusBitsWithBf16F32AndNoOutput) {
 
 // ---------------------------------------------------------------------------------------------- Rotary embedding, dropout
 
+TEST(CudaOps, PartialInterleavedRopeMatchesTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    const int64_t seq = 11, b = 2, heads = 3, d = 32, stride = heads * d + 7;
+    for (bool inverse : {false, true}) {
+        Tensor x  = random_cpu({seq * b, stride}, 1100 + inverse, 2.0f);
+        Tensor xc = clone_cpu(x), xg = to_gpu(x);
+        cops().rope(cs(), xc, seq, b, heads, d, 10000.0f, inverse, 16, true);
+        gops().rope(gs(), xg, seq, b, heads, d, 10000.0f, inverse, 16, true);
+        cs().synchronize();
+        expect_close(xc, to_cpu(xg), 1e-5, inverse ? "partial interleaved rope inverse" : "partial interleaved rope");
+    }
+}
+
 TEST(CudaOps, RopeForwardAndInverseMatchTheCpu) {
     SKIP_WITHOUT_CUDA();
     const int64_t seq = 37, b = 3, heads = 5, d = 64, stride = heads * d + 17;   // 17 columns rope leaves alone

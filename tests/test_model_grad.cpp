@@ -414,6 +414,18 @@ TEST(GptModel, QkLayernormGradientsMatchFiniteDifferences) {
     check_model_gradients(l);
 }
 
+// --rotary-percent 0.5 (RoPE turns the first half of each head) and --rotary-interleaved (pairs 2i, 2i+1):
+// the backward's inverse rotation is the forward's, whichever elements it turns.
+TEST(GptModel, PartialAndInterleavedRopeGradientsMatchFiniteDifferences) {
+    for (const bool interleaved : {false, true}) {
+        SCOPED_TRACE(interleaved ? "interleaved, half" : "halves, half");
+        model::GptConfig l   = llama_style_grad_config();
+        l.rotary_percent     = 0.5f;
+        l.rotary_interleaved = interleaved;
+        check_model_gradients(l);
+    }
+}
+
 TEST(GptModel, GradientsAccumulateAcrossMicrobatches) {
     model::GptConfig c;
     c.num_layers = 1;

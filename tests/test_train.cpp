@@ -410,7 +410,11 @@ TEST(MegatronDefaults, AreLoomsDefaults) {
     EXPECT_FLOAT_EQ(m.model.norm_epsilon, 1e-6f);
     EXPECT_FLOAT_EQ(m.model.rotary_base, 500000.0f);
     EXPECT_THROW(parse_train({"--mock-data", "--kv-channels", "64"}), Error);
-    EXPECT_THROW(parse_train({"--mock-data", "--rotary-percent", "0.5"}), Error);
+    EXPECT_EQ(parse_train({"--mock-data", "--position-embedding-type", "rope", "--rotary-percent", "0.5"}).model.rotary_dim(),
+              m.model.head_dim() / 2);
+    EXPECT_THROW(parse_train({"--mock-data", "--rotary-percent", "0"}), Error);
+    EXPECT_THROW(parse_train({"--mock-data", "--rotary-percent", "1.5"}), Error);
+    EXPECT_THROW(parse_train({"--mock-data", "--position-embedding-type", "rope", "--rotary-percent", "0.01"}), Error);
     EXPECT_THROW(parse_train({"--mock-data", "--norm-epsilon", "0"}), Error);
     // The MLP width: 4h, or int(8h/3/64)·64 with --swiglu (Megatron's arguments.py).
     EXPECT_EQ(parse_train({"--mock-data", "--hidden-size", "256", "--num-attention-heads", "4"}).model.ffn_hidden_size, 1024);

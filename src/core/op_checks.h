@@ -71,11 +71,14 @@ inline void id_in_range(int64_t value, int64_t position, int64_t limit, const ch
 }
 
 // rope over `heads` heads of d in the rows of x (seq * batch, stride); returns (rows, stride).
-inline std::pair<int64_t, int64_t> rope(const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d) {
+inline std::pair<int64_t, int64_t> rope(const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d,
+                                        int64_t rotary_dim = 0) {
     const std::pair<int64_t, int64_t> nw = rows_cols(x, "rope");
     expect(x, DType::f32, -1, "rope", "x");
     LOOM_CHECK(nw.first == seq * batch && heads * d <= nw.second && d % 2 == 0,
                "rope over " << heads << " heads of " << d << " in rows of " << x.describe(), "");
+    LOOM_CHECK(rotary_dim >= 0 && rotary_dim <= d && rotary_dim % 2 == 0,
+               "rope: rotary dimension " << rotary_dim << " of heads of " << d, "an even number in [2, d] (0: d)");
     return nw;
 }
 

@@ -150,9 +150,11 @@ public:
     // SwiGLU on x (n, 2f) = [gate | up] -> y (n, f) = silu(gate) * up.
     virtual void swiglu_forward(Stream & s, const Tensor & x, const Tensor & y) = 0;
     virtual void swiglu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) = 0;
-    // Rotary embedding, in place, on the first `heads` heads of dimension d of every (s, b) row of x.
+    // Rotary embedding, in place, on the first `heads` heads of dimension d of every (s, b) row of x: the
+    // first rotary_dim elements of each head turn (0: all d; --rotary-percent), in pairs (i, i + rotary_dim/2)
+    // or, interleaved (--rotary-interleaved), (2i, 2i + 1), pair i by the angle si * base^(-2i / rotary_dim).
     virtual void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base,
-                      bool inverse) = 0;
+                      bool inverse, int64_t rotary_dim = 0, bool interleaved = false) = 0;
     // y = x * mask / (1 - p) with the mask of `key` (y may be x). Its own backward: dx = dropout(dy), same key.
     virtual void dropout(Stream & s, const Tensor & x, const Tensor & y, const Dropout & key) = 0;
 

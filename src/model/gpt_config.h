@@ -45,6 +45,8 @@ struct GptConfig {
     float             init_method_std         = 0.02f;
     float             norm_epsilon            = 1e-5f;
     float             rotary_base             = 10000.0f;
+    float             rotary_percent          = 1.0f;    // --rotary-percent: the share of each head RoPE turns
+    bool              rotary_interleaved      = false;   // --rotary-interleaved: pairs (2i, 2i + 1)
     // Dropout probabilities (Megatron's --hidden-dropout on the embedding and on each attention and MLP
     // output before its residual add; --attention-dropout on the attention probabilities). The library
     // default is none; `loom train` takes Megatron's 0.1 and 0.1. Masks: core/dropout.h.
@@ -59,6 +61,8 @@ struct GptConfig {
     DType             params_dtype            = DType::f32;
 
     int64_t head_dim() const { return hidden_size / num_attention_heads; }
+    // The elements of each head RoPE turns: Megatron's int(kv_channels * rotary_percent).
+    int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(head_dim()) * rotary_percent); }
     int64_t padded_vocab_size(int64_t tp = 1) const;
     // Checks the shapes agree (heads divide hidden, groups divide heads, ...); throws naming the flags.
     void validate() const;

@@ -326,7 +326,8 @@ Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_
     }
     if (config.position_embedding == PositionEmbedding::rope) {
         // Q and K heads are adjacent in each row: rotate nq + nkv heads at once.
-        ops.rope(stream, q_k_v, s, b, shape.nq + shape.nkv, shape.d, config.rotary_base, false);
+        ops.rope(stream, q_k_v, s, b, shape.nq + shape.nkv, shape.d, config.rotary_base, false, config.rotary_dim(),
+                 config.rotary_interleaved);
     }
     ctx.qkv    = keep_for_backward(q_k_v, config.params_dtype);
     Tensor out = activation(x.device(), s * b, shape.nq * shape.d);
@@ -347,7 +348,8 @@ Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReady
     float  scale = 1.0f / std::sqrt(static_cast<float>(shape.d));
     ops.attention_backward(stream, q_k_v, out, d_out, ctx.lse, d_qkv, shape, scale, ctx.dropout);
     if (config.position_embedding == PositionEmbedding::rope) {
-        ops.rope(stream, d_qkv, ctx.s, ctx.b, shape.nq + shape.nkv, shape.d, config.rotary_base, true);
+        ops.rope(stream, d_qkv, ctx.s, ctx.b, shape.nq + shape.nkv, shape.d, config.rotary_base, true,
+                 config.rotary_dim(), config.rotary_interleaved);
     }
     if (q_norm) {   // K's first: its parameters' gradients are final first, in reverse forward order
         head_norm_backward(*k_norm, ctx.k_norm, d_qkv, shape.nq * shape.d, shape.nkv, shape.d, ready);

@@ -9,6 +9,7 @@
 #include <set>
 #include <cstdio>
 #include <functional>
+#include <map>
 #include <sstream>
 
 namespace loom::train {
@@ -17,15 +18,22 @@ using json = nlohmann::json;
 
 namespace {
 
-// The MoE args a checkpoint written before Loom had experts lacks: a dense model's.
+// The args a checkpoint written before Loom had them lacks, each with the value that model had: a dense
+// model's MoE args, RoPE over whole heads in halves.
+const std::map<std::string, json> & later_args() {
+    static const std::map<std::string, json> defaults = {{"moe_layer_freq", 1},       {"moe_grouped_gemm", false},
+                                                         {"rotary_percent", 1.0},     {"rotary_interleaved", false}};
+    return defaults;
+}
+
 json saved_or_dense(const json & saved, const char * key) {
     if (saved.contains(key)) return saved[key];
-    if (std::string(key) == "moe_layer_freq") return 1;
-    if (std::string(key) == "moe_grouped_gemm") return false;
-    return nullptr;
+    auto it = later_args().find(key);
+    return it != later_args().end() ? it->second : json(nullptr);
 }
 
 bool is_moe_arg(const char * key) { return std::string(key).rfind("moe_", 0) == 0 || std::string(key) == "num_experts"; }
+bool is_later_arg(const char * key) { return is_moe_arg(key) || later_args().count(key) > 0; }
 
 const json & saved_args(const checkpoint::Index & index) {
     LOOM_CHECK(index.metadata.is_object() && index.metadata.contains("args") && index.metadata["args"].is_object(),
@@ -200,7 +208,7 @@ void check_checkpoint_args(const TrainOptions & options, const checkpoint::Index
     for (const FlagInfo & f : train_flags()) {
         if (!f.arg.must_match) continue;
         const char * key = f.arg.key;
-        LOOM_CHECK(saved.contains(key) || is_moe_arg(key), "checkpoint index '" << index.path() << "' has no arg " << key, "");
+        LOOM_CHECK(saved.contains(key) || is_later_arg(key), "checkpoint index '" << index.path() << "' has no arg " << key, "");
         const json was = saved_or_dense(saved, key);
         const json now = f.arg.value(options);
         if (was == now) continue;
@@ -233,6 +241,8 @@ void apply_checkpoint_args(model::GptConfig & m, const checkpoint::Index & index
         m.untie_embeddings_and_output_weights = a.at("untie_embeddings_and_output_weights").get<bool>();
         m.norm_epsilon                        = a.at("norm_epsilon").get<float>();
         m.rotary_base                         = a.at("rotary_base").get<float>();
+        m.rotary_percent                      = saved_or_dense(a, "rotary_percent").get<float>();
+        m.rotary_interleaved                  = saved_or_dense(a, "rotary_interleaved").get<bool>();
         m.init_method_std                     = a.at("init_method_std").get<float>();
         // The MoE shape (the router's other settings are training choices, given as flags).
         if (const json experts = saved_or_dense(a, "num_experts"); !experts.is_null()) {

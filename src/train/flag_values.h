@@ -49,6 +49,7 @@ struct ModelFlags {
     bool        no_position_embedding = false;   // --no-position-embedding (deprecated upstream; only with rope)
     std::string normalization, position_embedding;
     float       init_std = 0, norm_epsilon = 0, rotary_percent = 1.0f;
+    bool        rotary_interleaved = false;
     int64_t     rotary_base = 0, kv_channels = 0;
     uint64_t    seed = 0;
     float       hidden_dropout = 0.1f, attention_dropout = 0.1f;   // Megatron's defaults

@@ -80,7 +80,12 @@ const Flag<ModelFlags> kModelFlags[] = {
      {"norm_epsilon", [](const TrainOptions & o) -> json { return o.model.norm_epsilon; }, true}},
     {"--rotary-base", kSize, &M::rotary_base, "base of the rotary embeddings' frequencies (default 10000)", kPlain,
      {"rotary_base", [](const TrainOptions & o) -> json { return o.model.rotary_base; }, true}},
-    {"--rotary-percent", kSize, &M::rotary_percent, "share of the head dimension rotated (only 1.0 in Loom)"},
+    {"--rotary-percent", kSize, &M::rotary_percent,
+     "share of each head's dimension RoPE turns (the first int(d x percent) elements; the rest pass unturned)",
+     kShowDefault, {"rotary_percent", [](const TrainOptions & o) -> json { return o.model.rotary_percent; }, true}},
+    {"--rotary-interleaved", kSize, &M::rotary_interleaved,
+     "RoPE turns the pairs (2i, 2i + 1) rather than the halves (i, i + d/2)", kPlain,
+     {"rotary_interleaved", [](const TrainOptions & o) -> json { return o.model.rotary_interleaved; }, true}},
     {"--kv-channels", kSize, &M::kv_channels, "head dimension (only hidden / heads in Loom)"},
     {"--seed", "initialization", &M::seed, "random seed (initialisation and data order)", kPlain,
      {"seed", [](const TrainOptions & o) -> json { return o.model.seed; }}},
@@ -164,8 +169,14 @@ void check_model_flags(const ModelFlags & f, const Given & given, TrainOptions &
         LOOM_CHECK(f.rotary_base >= 2, "--rotary-base must be >= 2, got " << f.rotary_base, "Megatron's default is 10000");
         m.rotary_base = static_cast<float>(f.rotary_base);
     }
-    LOOM_CHECK(f.rotary_percent == 1.0f, "--rotary-percent " << f.rotary_percent << " is not supported by Loom",
-               "Loom rotates the whole head dimension (--rotary-percent 1.0, Megatron's default)");
+    LOOM_CHECK(f.rotary_percent > 0.0f && f.rotary_percent <= 1.0f,
+               "--rotary-percent must lie in (0, 1], got " << f.rotary_percent, "Megatron's default is 1.0");
+    m.rotary_percent     = f.rotary_percent;
+    m.rotary_interleaved = f.rotary_interleaved;
+    LOOM_CHECK(m.position_embedding != model::PositionEmbedding::rope || (m.rotary_dim() >= 2 && m.rotary_dim() % 2 == 0),
+               "--rotary-percent " << f.rotary_percent << " turns " << m.rotary_dim() << " of each head's "
+                                   << m.head_dim() << " elements, which RoPE cannot pair",
+               "choose a share that leaves an even number of at least 2");
     LOOM_CHECK(!given("--kv-channels") || f.kv_channels == m.head_dim(),
                "--kv-channels " << f.kv_channels << " is not supported by Loom: its heads are hidden / heads = "
                                 << m.head_dim() << " wide",

@@ -152,9 +152,9 @@ public:
     }
 
     void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base,
-              bool inverse) override {
-        const int64_t stride = op_checks::rope(x, seq, batch, heads, d).second;
-        s.submit([=] { rope_apply(f32(x), stride, seq, batch, heads, d, base, inverse); });
+              bool inverse, int64_t rotary_dim, bool interleaved) override {
+        const int64_t stride = op_checks::rope(x, seq, batch, heads, d, rotary_dim).second;
+        s.submit([=] { rope_apply(f32(x), stride, seq, batch, heads, d, base, inverse, rotary_dim, interleaved); });
     }
 
     void embedding_forward(Stream & s, const Tensor & tokens, const Tensor & wte, const Tensor & wpe,

@@ -310,11 +310,14 @@ void embedding_backward(const int32_t * tokens, const float * dout, float * dwte
 }
 
 void rope_apply(float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d, float base,
-                bool inverse) {
-    int64_t half = d / 2;
+                bool inverse, int64_t rotary_dim, bool interleaved) {
+    const int64_t r    = rotary_dim > 0 ? rotary_dim : d;
+    const int64_t half = r / 2;
+    // Element j of pair i: (i, i + half), or interleaved (2i, 2i + 1).
+    const int64_t first = interleaved ? 2 : 1, second = interleaved ? 1 : half;
     std::vector<float> inv_freq(half);
     for (int64_t i = 0; i < half; ++i) {
-        inv_freq[i] = std::pow(base, -2.0f * static_cast<float>(i) / static_cast<float>(d));
+        inv_freq[i] = std::pow(base, -2.0f * static_cast<float>(i) / static_cast<float>(r));
     }
     parallel_for(s, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> cs(half), sn(half);
@@ -329,9 +332,11 @@ void rope_apply(float * x, int64_t row_stride, int64_t s, int64_t b, int64_t hea
                 for (int64_t hd = 0; hd < heads; ++hd) {
                     float * v = row + hd * d;
                     for (int64_t i = 0; i < half; ++i) {
-                        float x1 = v[i], x2 = v[i + half];
-                        v[i]        = x1 * cs[i] - x2 * sn[i];
-                        v[i + half] = x2 * cs[i] + x1 * sn[i];
+                        float * p1 = v + i * first;
+                        float * p2 = p1 + second;
+                        float   x1 = *p1, x2 = *p2;
+                        *p1        = x1 * cs[i] - x2 * sn[i];
+                        *p2        = x2 * cs[i] + x1 * sn[i];
                     }
                 }
             }

@@ -61,11 +61,13 @@ void embedding_forward(const int32_t * tokens, const uint16_t * wte_bf16, const 
 void embedding_backward(const int32_t * tokens, const float * dout, float * dwte, float * dwpe, int64_t s,
                         int64_t b, int64_t h, int64_t vocab);
 
-// Rotary position embedding (non-interleaved halves, Megatron's default), in place on `heads` heads of
-// dimension d in each row of x (row stride in elements; rows are (s, b)); inverse = true rotates back
-// (the backward of a rotation is the inverse rotation).
+// Rotary position embedding, in place on `heads` heads of dimension d in each row of x (row stride in
+// elements; rows are (s, b)); inverse = true rotates back (the backward of a rotation is the inverse
+// rotation). The first r = rotary_dim elements of each head turn (0: r = d), the rest pass; pair i is
+// (i, i + r/2) (non-interleaved halves, Megatron's default) or (2i, 2i + 1) (interleaved), and turns by
+// si * base^(-2i / r).
 void rope_apply(float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d, float base,
-                bool inverse);
+                bool inverse, int64_t rotary_dim = 0, bool interleaved = false);
 
 // Cross-entropy over logits (n, stride) with labels (b, s) read in (s, b) row order; only the first
 // `vocab` columns are real tokens, the rest (vocabulary padding) are outside the softmax. Forward:

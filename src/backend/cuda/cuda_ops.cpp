@@ -294,21 +294,22 @@ public:
     }
 
     void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base,
-              bool inverse) override {
-        const int64_t stride = op_checks::rope(x, seq, batch, heads, d).second;
+              bool inverse, int64_t rotary_dim, bool interleaved) override {
+        const int64_t stride = op_checks::rope(x, seq, batch, heads, d, rotary_dim).second;
+        const int64_t r      = rotary_dim > 0 ? rotary_dim : d;
         // The frequencies as backend/cpu/ops.cpp's rope_apply computes them (host std::pow: the same bits),
         // staged through pinned memory into device scratch; the stream keeps both until the kernel has run.
         CudaStream &  cs   = start(s, "rope", {x});
-        const int64_t half = d / 2;
+        const int64_t half = r / 2;
         Tensor        host = Tensor::empty({std::max<int64_t>(half, 1)}, DType::f32, cs.device(),
                                            TensorOptions{MemoryKind::pinned_host});
         for (int64_t i = 0; i < half; ++i) {
-            host.data<float>()[i] = std::pow(base, -2.0f * static_cast<float>(i) / static_cast<float>(d));
+            host.data<float>()[i] = std::pow(base, -2.0f * static_cast<float>(i) / static_cast<float>(r));
         }
         Tensor       inv_freq = scratch_like(cs, host);
         cudaStream_t stream   = cs.launch("rope");
         LOOM_CUDA_CHECK(cudaMemcpyAsync(inv_freq.data_ptr(), host.data_ptr(), host.nbytes(), cudaMemcpyDefault, stream));
-        kernels::rope(stream, f32(x), stride, seq, batch, heads, d, f32(inv_freq), inverse);
+        kernels::rope(stream, f32(x), stride, seq, batch, heads, d, r, interleaved, f32(inv_freq), inverse);
         cs.launched("rope", {x, host, inv_freq});
     }
 

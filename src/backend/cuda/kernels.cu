@@ -344,19 +344,20 @@ __global__ void find_bad_id_kernel(const int32_t * ids, int64_t n, int64_t limit
     }
 }
 
-// One thread per rotated pair (row, head, i < d / 2), as backend/cpu/ops.cpp's rope_apply.
-__global__ void rope_kernel(float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d,
-                            const float * inv_freq, bool inverse) {
-    const int64_t half = d / 2;
+// One thread per rotated pair (row, head, i < r / 2), as backend/cpu/ops.cpp's rope_apply.
+__global__ void rope_kernel(float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d, int64_t r,
+                            bool interleaved, const float * inv_freq, bool inverse) {
+    const int64_t half = r / 2;
     LOOM_GRID_STRIDE(e, s * b * heads * half) {
         const int64_t i = e % half, t = e / half, hd = t % heads, row = t / heads, si = row / b;
         const float   angle = __fmul_rn(static_cast<float>(si), inv_freq[i]);
         const float   c     = cosf(angle);
         const float   sn    = inverse ? -sinf(angle) : sinf(angle);
-        float *       v     = x + row * row_stride + hd * d;
-        const float   x1 = v[i], x2 = v[i + half];
-        v[i]        = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sn));
-        v[i + half] = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, sn));
+        float *       p1    = x + row * row_stride + hd * d + (interleaved ? 2 * i : i);
+        float *       p2    = p1 + (interleaved ? 1 : half);
+        const float   x1 = *p1, x2 = *p2;
+        *p1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sn));
+        *p2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, sn));
     }
 }
 
@@ -612,11 +613,11 @@ void find_bad_id(cudaStream_t stream, const int32_t * ids, int64_t n, int64_t li
 }
 
 void rope(cudaStream_t stream, float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d,
-          const float * inv_freq, bool inverse) {
-    const int64_t pairs = s * b * heads * (d / 2);
+          int64_t r, bool interleaved, const float * inv_freq, bool inverse) {
+    const int64_t pairs = s * b * heads * (r / 2);
     if (pairs > 0) {
         LOOM_LAUNCH(rope_kernel, blocks_for(pairs), kThreads, 0, stream)(
-            x, row_stride, s, b, heads, d, inv_freq, inverse);
+            x, row_stride, s, b, heads, d, r, interleaved, inv_freq, inverse);
     }
 }
 

@@ -82,9 +82,10 @@ void adamw(cudaStream_t stream, float * p, const float * g, float * m, float * v
 void find_bad_id(cudaStream_t stream, const int32_t * ids, int64_t n, int64_t limit, unsigned long long * first_bad);
 
 // Rotary embedding in place on the first `heads` heads of d in every (s, b) row of x (row stride in
-// elements). inv_freq (d / 2, device memory) is the CPU's table, computed on the host.
+// elements): the first r elements of each head, in pairs (i, i + r/2) or interleaved (2i, 2i + 1), as
+// backend/cpu/ops.h's rope_apply. inv_freq (r / 2, device memory) is the CPU's table, computed on the host.
 void rope(cudaStream_t stream, float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d,
-          const float * inv_freq, bool inverse);
+          int64_t r, bool interleaved, const float * inv_freq, bool inverse);
 
 // Hidden dropout of x (n, w) into y (may be x): core/dropout.h's hash, bit for bit. sample_ids (batch, in
 // device memory) may be null (column c is sample c); keep_scale = 1 / (1 - p) in f32 as the CPU computes it.
