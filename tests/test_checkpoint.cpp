@@ -490,6 +490,30 @@ TEST(CheckpointScheduler, ResumeChecksTheFlagsOrTakesTheCheckpointsOrTheFlagsSch
     }
 }
 
+// --rerun-mode under PP 2: only the last stage validates a loss (rate 1 injects a persistent error at
+// iteration 2); the first stage reruns with it, both save iteration 1 and exit 16; resumed on "another node"
+// the last stage reports the persistent error and both exit 17 (Megatron's statuses, train/rerun.h).
+TEST(CheckpointRerun, PipelineStagesRerunAndExitTogether) {
+    TempDir           tmp;
+    const std::string pp = "train --mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
+                           "--micro-batch-size 2 --global-batch-size 4 --train-iters 6 --log-interval 1 "
+                           "--pipeline-model-parallel-size 2 --error-injection-rate 1 --error-injection-type "
+                           "persistent_error --save " + (tmp / "s");
+    CliRun staged = run_on(2, pp);
+    EXPECT_EQ(staged.status, 16) << staged.out;
+    const nlohmann::json saved = checkpoint::read_index(tmp / "s/iter_0000001").metadata["rerun_state_machine"];
+    ASSERT_EQ(saved["ranks"].size(), 2u) << saved.dump();
+    EXPECT_EQ(saved["ranks"][1]["state"], "will_rerun_from_checkpoint");
+    EXPECT_EQ(saved["ranks"][1]["failed_validation_call"]["message"], "found NaN in local forward loss calculation");
+    EXPECT_EQ(saved["ranks"][0]["failed_validation_call"]["message"], "") << "the first stage validates no loss";
+    CliRun same = run_on(2, pp + " --load " + (tmp / "s"));
+    EXPECT_EQ(same.status, 16) << "the same node: resume elsewhere\n" << same.out;
+    CliRun other = run_loom_mpi(2, pp + " --load " + (tmp / "s"), "LOOM_RERUN_NODE=another-node");
+    EXPECT_EQ(other.status, 17) << other.out;
+    EXPECT_NE(other.out.find("rank 1, node another-node, device 0, iteration #2: Possible persistent error!"),
+              std::string::npos) << other.out;
+}
+
 // The checkpoint's weights reach Hugging Face's format and the eval command unchanged.
 TEST(CheckpointExport, ExportHfAndEvalReadTheTrainedWeights) {
     TempDir tmp;

@@ -6,6 +6,7 @@
 #include "train/flag_table.h"
 #include "train/megatron_flags.h"
 #include "train/options_parser.h"
+#include "train/rerun.h"
 #include "train/trainer.h"
 
 #include <nlohmann/json.hpp>
@@ -311,18 +312,149 @@ TEST(LoomTrain, BadFlagsExitTwoNamingTheFlag) {
     }
 }
 
-// A loss that becomes NaN stops the run with exit 1 and a message naming the iteration (Megatron checks by
-// default); --no-check-for-nan-in-loss-and-grad skips those iterations' updates and counts them instead.
+// A loss that becomes NaN: with --rerun-mode disabled the run stops with exit 1 and a message naming the
+// iteration; by default (validate_results) the iteration reruns, the NaN reproduces, and the job exits 16
+// (resume on another device to tell a faulty device from a bad run); --no-check-for-nan-in-loss-and-grad
+// skips those iterations' updates and counts them instead.
 TEST(LoomTrain, ANanLossEndsTheRunWithExitOneUnlessTheCheckIsOff) {
     const std::string diverging = "train --mock-data --train-iters 4 --lr 1e30 --lr-warmup-iters 0 --log-interval 1";
     std::string       err;
-    EXPECT_EQ(run_status(diverging, &err), 1) << err;
+    EXPECT_EQ(run_status(diverging, &err), 16) << err;
+    EXPECT_NE(err.find("First rerun: unexpected result is reproducible within the tolerance (nan = nan)"),
+              std::string::npos) << err;
+    EXPECT_EQ(run_status(diverging + " --rerun-mode disabled", &err), 1) << err;
     EXPECT_NE(err.find("lm loss is"), std::string::npos) << err;
     EXPECT_NE(err.find("of iteration 2"), std::string::npos) << err;
     EXPECT_NE(err.find("--no-check-for-nan-in-loss-and-grad"), std::string::npos) << err;
     CliRun skipped = run_loom(diverging + " --no-check-for-nan-in-loss-and-grad");
     EXPECT_EQ(skipped.status, 0) << skipped.out;
     EXPECT_NE(skipped.out.find("number of nan iterations:   3 |"), std::string::npos) << skipped.out;
+}
+
+// The rerun state machine by itself (train/rerun.h), on one rank: each of Megatron's diagnoses and exit
+// statuses, and its state through a checkpoint.
+namespace {
+
+train::RerunStateMachine machine(train::RerunMode mode, int64_t rate, train::RerunDiagnostic type,
+                                 const std::string & node = "node-a") {
+    return train::RerunStateMachine({mode, rate, type}, 0, node, 0, 1234, [](std::vector<bool> v) { return v; });
+}
+
+// One iteration whose loss is `loss`: the runs the machine asks for, each validating the loss once.
+struct Iteration {
+    int                                  runs = 0;
+    train::RerunStateMachine::Decision   decision;
+};
+Iteration iterate(train::RerunStateMachine & m, double loss) {
+    static int64_t k = 0;
+    m.set_iteration(++k);
+    Iteration it;
+    while (m.should_run_forward_backward()) {
+        ++it.runs;
+        m.validate_result(loss, std::isnan(loss), "found NaN in local forward loss calculation");
+    }
+    it.decision = m.should_checkpoint_and_exit();
+    return it;
+}
+
+}  // namespace
+
+TEST(RerunStateMachine, TellsTransientFromPersistentFromCorrectAsMegatron) {
+    using train::RerunDiagnostic;
+    using train::RerunMode;
+    {   // A finite loss: one run, nothing to do.
+        auto m = machine(RerunMode::validate_results, 0, RerunDiagnostic::transient_error);
+        for (int k = 0; k < 3; ++k) {
+            const Iteration it = iterate(m, 2.5);
+            EXPECT_EQ(it.runs, 1);
+            EXPECT_FALSE(it.decision.exit);
+        }
+    }
+    {   // A NaN on the first iteration is not validated (no checkpoint before a step); on the second it reruns,
+        // reproduces, and asks for a checkpoint and exit 16.
+        auto m = machine(RerunMode::validate_results, 0, RerunDiagnostic::transient_error);
+        EXPECT_EQ(iterate(m, NAN).runs, 1);
+        const Iteration it = iterate(m, NAN);
+        EXPECT_EQ(it.runs, 2);
+        EXPECT_TRUE(it.decision.checkpoint);
+        EXPECT_EQ(it.decision.code, train::kExitResumeToDisambiguate);
+        // The state through a checkpoint (NaN kept), resumed elsewhere: the rerun reproduces -> exit 17.
+        const nlohmann::json saved = nlohmann::json::parse(m.state_dict().dump());
+        auto elsewhere = machine(RerunMode::validate_results, 0, RerunDiagnostic::transient_error, "node-b");
+        elsewhere.load_state_dict(saved);
+        const Iteration again = iterate(elsewhere, NAN);
+        EXPECT_EQ(again.runs, 1);
+        EXPECT_FALSE(again.decision.checkpoint);
+        EXPECT_EQ(again.decision.code, train::kExitFailedOnResultValidation);
+        // Resumed on the same node and device: exit 16 again, no new checkpoint.
+        auto same = machine(RerunMode::validate_results, 0, RerunDiagnostic::transient_error, "node-a");
+        same.load_state_dict(saved);
+        const Iteration here = iterate(same, NAN);
+        EXPECT_FALSE(here.decision.checkpoint);
+        EXPECT_EQ(here.decision.code, train::kExitResumeToDisambiguate);
+    }
+    // Injected errors (rate 1: every validation call once the first iteration is done).
+    {
+        auto m = machine(RerunMode::validate_results, 1, RerunDiagnostic::transient_error);
+        iterate(m, 2.5);
+        const Iteration it = iterate(m, 2.5);
+        EXPECT_EQ(it.runs, 2);
+        EXPECT_FALSE(it.decision.checkpoint) << "a transient error leaves no checkpoint to rerun from";
+        EXPECT_EQ(it.decision.code, train::kExitFailedOnResultValidation);
+    }
+    for (const RerunDiagnostic type : {RerunDiagnostic::persistent_error, RerunDiagnostic::correct_result}) {
+        auto m = machine(RerunMode::validate_results, 1, type);
+        iterate(m, 2.5);
+        const Iteration it = iterate(m, 2.5);
+        EXPECT_TRUE(it.decision.checkpoint);
+        EXPECT_EQ(it.decision.code, train::kExitResumeToDisambiguate);
+        auto elsewhere = machine(RerunMode::validate_results, 1, type, "node-b");
+        elsewhere.load_state_dict(m.state_dict());
+        const Iteration again = iterate(elsewhere, 2.5);
+        EXPECT_EQ(again.decision.code, train::kExitFailedOnResultValidation);
+    }
+    {   // disabled: never reruns; report_stats: always reruns once, never exits.
+        auto off = machine(RerunMode::disabled, 1, RerunDiagnostic::transient_error);
+        iterate(off, NAN);
+        EXPECT_EQ(iterate(off, NAN).runs, 1);
+        EXPECT_TRUE(off.state_dict().is_null());
+        auto stats = machine(RerunMode::report_stats, 0, RerunDiagnostic::transient_error);
+        const Iteration it = iterate(stats, 2.5);
+        EXPECT_EQ(it.runs, 2);
+        EXPECT_FALSE(it.decision.exit);
+    }
+}
+
+// End to end: an injected persistent error at iteration 2 (rate 1: every validation from the second
+// iteration on) saves iteration 1 with the machine's state and exits 16; the resume on "another node" reruns
+// iteration 2 and
+// exits 17 ("Possible persistent error!"); on the same node it exits 16 again; a transient error exits 17
+// with no checkpoint of its own. Megatron's exit statuses.
+TEST(LoomTrain, RerunModeDiagnosesInjectedErrorsWithMegatronsExitStatuses) {
+    namespace fs          = std::filesystem;
+    const std::string dir = (fs::temp_directory_path() / ("loom_rerun_" + std::to_string(::getpid()))).string();
+    fs::remove_all(dir);
+    const std::string run = "train --mock-data --num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
+                            "--micro-batch-size 2 --train-iters 6 --log-interval 1 --error-injection-rate 1 --save " +
+                            dir;
+    CliRun first = run_loom_mpi(1, run + " --error-injection-type persistent_error");
+    EXPECT_EQ(first.status, 16) << first.out;
+    EXPECT_NE(first.out.find("Injecting error type Persistent error"), std::string::npos) << first.out;
+    EXPECT_NE(first.out.find("saving checkpoint at iteration       1"), std::string::npos) << first.out;
+    const std::string resume = run + " --error-injection-type persistent_error --load " + dir;
+    CliRun            same   = run_loom_mpi(1, resume);
+    EXPECT_EQ(same.status, 16) << same.out;
+    EXPECT_NE(same.out.find("Got rescheduled on the same GPU"), std::string::npos) << same.out;
+    CliRun other = run_loom_mpi(1, resume, "LOOM_RERUN_NODE=another-node");
+    EXPECT_EQ(other.status, 17) << other.out;
+    EXPECT_NE(other.out.find("Possible persistent error!"), std::string::npos) << other.out;
+    fs::remove_all(dir);
+    CliRun transient = run_loom_mpi(1, run + " --error-injection-type transient_error");
+    EXPECT_EQ(transient.status, 17) << transient.out;
+    EXPECT_NE(transient.out.find("Possible transient error!"), std::string::npos) << transient.out;
+    EXPECT_FALSE(fs::exists(dir + "/iter_0000001")) << "nothing to rerun from";
+    fs::remove_all(dir);
+    fs::remove_all(dir);
 }
 
 TEST(LoomEval, AnUntrainedModelScoresAboutLnVocab) {

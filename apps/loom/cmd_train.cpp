@@ -110,6 +110,10 @@ int cmd_train(int argc, char ** argv) {
     try {
         check_launch_agreement(parser, options, *mpi);
         return train_on_this_rank(options, parser.vocab_given(), mpi.get());
+    } catch (const train::RerunExit & e) {
+        // Every rank reached the same decision (reduced over the world): each ends with its status, no abort.
+        if (mpi->world_rank() == 0) std::fprintf(stderr, "loom train: %s\n", e.what());
+        return e.code();
     } catch (const RunError & e) {
         stop(e.what(), 1, true);
     } catch (const Error & e) {

@@ -18,6 +18,7 @@
 #include "apps/loom/gpu_backend.h"
 #include "core/atomic_file.h"
 #include "core/error.h"
+#include "train/rerun.h"
 
 #include <cerrno>
 #include <cstdio>
@@ -124,6 +125,9 @@ int main(int argc, char ** argv) {
                                     "standard output is full, closed or gone: redirect it to a file on a file "
                                     "system with space");
                 return status;
+            } catch (const loom::train::RerunExit & e) {   // the rerun state machine's decision (train/rerun.h)
+                std::fprintf(stderr, "loom %s: %s\n", c.name, e.what());
+                return e.code();
             } catch (const loom::RunError & e) {
                 std::fprintf(stderr, "loom %s: %s\n", c.name, e.what());
                 return 1;

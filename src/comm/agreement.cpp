@@ -73,6 +73,21 @@ std::vector<Setting> decode_settings(std::string_view bytes) {
     return settings;
 }
 
+std::vector<std::string> all_gather_strings(Communicator & world, Device & device, const std::string & mine) {
+    std::string head(sizeof(uint64_t), '\0');
+    put_u64(head, 0, mine.size());
+    const std::string heads = gather(world, device, head);
+    std::vector<size_t> sizes(static_cast<size_t>(world.size()));
+    size_t              longest = 0;
+    for (size_t r = 0; r < sizes.size(); ++r) longest = std::max(longest, sizes[r] = get_u64(heads, r * sizeof(uint64_t)));
+    std::string padded = mine;
+    padded.resize(longest, '\0');
+    const std::string        all = longest > 0 ? gather(world, device, padded) : std::string();
+    std::vector<std::string> out;
+    for (size_t r = 0; r < sizes.size(); ++r) out.push_back(all.substr(r * longest, sizes[r]));
+    return out;
+}
+
 std::string rank_list(std::span<const int> ranks) {
     std::string out = ranks.size() == 1 ? "rank " : "ranks ";
     for (size_t i = 0; i < ranks.size();) {

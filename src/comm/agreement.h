@@ -55,6 +55,10 @@ std::vector<std::string> disagreements(const std::vector<std::vector<Setting>> &
 //     1 float32 (max) on rank 1
 void check_issued(Communicator & world, Device & device, std::span<Communicator * const> groups);
 
+// Every rank's `mine` (any lengths), in rank order: two all-gathers over `world` (the lengths, then the bytes
+// padded to the longest).
+std::vector<std::string> all_gather_strings(Communicator & world, Device & device, const std::string & mine);
+
 // "rank 3", "ranks 0-2, 5": the ranks of a sorted list, runs collapsed.
 std::string rank_list(std::span<const int> ranks);
 

@@ -187,7 +187,8 @@ SchedulerState resume_scheduler(const TrainOptions & o, const optim::LrSchedule 
 }
 
 // The args the flag tables save (train/flag_table.h), plus the sizes derived from several flags.
-json checkpoint_metadata(const TrainOptions & o, int64_t consumed_samples, const SchedulerState & scheduler) {
+json checkpoint_metadata(const TrainOptions & o, int64_t consumed_samples, const SchedulerState & scheduler,
+                         const json & rerun) {
     json args = json::object();
     for (const FlagInfo & f : train_flags()) {
         if (f.arg.key == nullptr) continue;
@@ -199,6 +200,7 @@ json checkpoint_metadata(const TrainOptions & o, int64_t consumed_samples, const
     json metadata = {{"args", args}, {"consumed_train_samples", consumed_samples}, {"rng", {{"seed", o.model.seed}}}};
     // With the optimizer only, as Megatron (--no-save-optim saves neither).
     if (!o.no_save_optim) metadata["opt_param_scheduler"] = scheduler_json(o, scheduler);
+    if (!rerun.is_null()) metadata["rerun_state_machine"] = rerun;
     return metadata;
 }
 
@@ -334,6 +336,7 @@ Resumed load_checkpoint(const TrainOptions & options, Setup & setup) {
                                 std::to_string(missing.size()) + " tensor(s) of '" + index.path() +
                                 "' are used by no rank's model (missing), not loaded: " + name_list(missing));
     }
+    if (index.metadata.contains("rerun_state_machine")) resumed.rerun = index.metadata["rerun_state_machine"];
     resumed.folder = *folder;
     if (!options.finetune) {
         resumed.iteration = index.iteration;
@@ -366,8 +369,8 @@ void load_weights(const checkpoint::Index & index, model::GptModel & model) {
 }
 
 checkpoint::SaveStats save_checkpoint(const TrainOptions & options, Setup & setup, int64_t iteration,
-                                      int64_t consumed_samples, const SchedulerState & scheduler) {
-    return checkpoint::save(options.save, iteration, checkpoint_metadata(options, consumed_samples, scheduler),
+                                      int64_t consumed_samples, const SchedulerState & scheduler, const json & rerun) {
+    return checkpoint::save(options.save, iteration, checkpoint_metadata(options, consumed_samples, scheduler, rerun),
                             rank_contents(options, setup), !options.no_save_optim);
 }
 

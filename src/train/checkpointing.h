@@ -65,8 +65,9 @@ struct SchedulerState {
 
 // The metadata a checkpoint of this run holds: {"args": {...}, "consumed_train_samples", "rng",
 // "opt_param_scheduler"}.
+// `rerun`: the rerun state machine's pending state (train/rerun.h), saved when not null.
 nlohmann::json checkpoint_metadata(const TrainOptions & options, int64_t consumed_samples,
-                                   const SchedulerState & scheduler);
+                                   const SchedulerState & scheduler, const nlohmann::json & rerun = nullptr);
 
 // The schedule a resumed run follows, from the flags' (`flags`) and a checkpoint's "opt_param_scheduler"
 // under the rules above; throws listing each value that differs, with its flag, by default.
@@ -93,6 +94,7 @@ struct Resumed {
     std::optional<SchedulerState> scheduler;   // the checkpoint's schedule, under the rules above (nothing:
                                                // not loaded, the run starts the flags' at step 0)
     std::vector<std::string> notes;            // lines for rank 0's log (the missing tensors)
+    nlohmann::json           rerun;            // the rerun state machine's saved state (null: none)
 };
 
 // --load into this rank's setup (every rank, no collective).
@@ -107,6 +109,7 @@ void load_weights(const checkpoint::Index & index, model::GptModel & model);
 
 // --save at `iteration`: every rank of the setup calls it.
 checkpoint::SaveStats save_checkpoint(const TrainOptions & options, Setup & setup, int64_t iteration,
-                                      int64_t consumed_samples, const SchedulerState & scheduler);
+                                      int64_t consumed_samples, const SchedulerState & scheduler,
+                                      const nlohmann::json & rerun = nullptr);
 
 }  // namespace loom::train

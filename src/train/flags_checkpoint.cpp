@@ -2,6 +2,7 @@
 #include "core/error.h"
 #include "train/flag_values.h"
 #include "train/checkpointing.h"
+#include "train/rerun.h"
 #include "train/options.h"
 #include "train/stop_policy.h"
 
@@ -41,6 +42,14 @@ const Flag<TrainOptions> kCheckpointFlags[] = {
      "on --load, take the schedule (learning rates, warmup, decay, weight decay) from the checkpoint, not the flags"},
     {"--exit-on-missing-checkpoint", kCkpt, &O::exit_on_missing_checkpoint,
      "stop with an error when --load holds no checkpoint (default: a warning, then train from scratch)"},
+    {"--rerun-mode", "training", &O::rerun_mode,
+     "validate_results: rerun an iteration whose loss is NaN or Inf, to tell a transient fault (exit 17) from a "
+     "reproducible result (a checkpoint, then exit 16 to rerun on another device); disabled: such a loss ends the "
+     "run; report_stats: run every iteration twice and report the differences", kShowDefault},
+    {"--error-injection-rate", "training", &O::error_injection_rate,
+     "reject one validated result in this many, at random (0: never), to test --rerun-mode", kShowDefault},
+    {"--error-injection-type", "training", &O::error_injection_type,
+     "what the reruns of an injected result see: correct_result, transient_error or persistent_error", kShowDefault},
     {"--exit-interval", "training", &O::exit_interval, "stop (after saving) when the iteration is a multiple of this"},
     {"--exit-duration-in-mins", "training", &O::exit_duration_in_mins, "stop (after saving) after this many minutes"},
     {"--exit-signal-handler", "training", &O::exit_signal_handler,
@@ -77,6 +86,9 @@ void validate_checkpoint_flags(const TrainOptions & o, const Given & given) {
                "give the folder to load from with --load");
     LOOM_CHECK(!o.finetune || !o.load.empty(), "--finetune without --load", "give the folder to load from with --load");
     strictness_from_name(o.dist_ckpt_strictness);   // throws naming --dist-ckpt-strictness
+    rerun_mode_from_name(o.rerun_mode);
+    rerun_diagnostic_from_name(o.error_injection_type);
+    LOOM_CHECK(o.error_injection_rate >= 0, "--error-injection-rate must be >= 0, got " << o.error_injection_rate, "");
     // Megatron's OptimizerParamScheduler asserts the same.
     LOOM_CHECK(!o.override_opt_param_scheduler || !o.use_checkpoint_opt_param_scheduler,
                "--override-opt_param-scheduler with --use-checkpoint-opt_param-scheduler",

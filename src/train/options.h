@@ -74,6 +74,10 @@ struct TrainOptions {
     // A non-finite loss or gradient norm stops the run (exit 1), as Megatron's default; off
     // (--no-check-for-nan-in-loss-and-grad), such an iteration skips its update and counts as a nan iteration.
     bool           check_for_nan_in_loss_and_grad = true;
+    // The rerun state machine (train/rerun.h): --rerun-mode, --error-injection-rate, --error-injection-type.
+    std::string    rerun_mode           = "validate_results";   // Megatron's default
+    int64_t        error_injection_rate = 0;
+    std::string    error_injection_type = "transient_error";
     // Per-layer graphs (graphs/layer_graph_runner.h): --cuda-graph-impl transformer_engine captures every
     // transformer layer's forward and backward after --cuda-graph-warmup-steps eager iterations of this run.
     bool           layer_graphs = false;

@@ -8,8 +8,10 @@
 #include "train/stop_policy.h"
 
 #include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <cstdio>
+#include <unistd.h>
 
 namespace loom::train {
 
@@ -43,7 +45,38 @@ Trainer::Trainer(const TrainOptions & options, std::unique_ptr<Setup> owned, Set
         static_cast<int>(options_.num_microbatches()), static_cast<int>(options_.microbatch_group_size));
     if (setup_.ddp) grad_ready_ = setup_.ddp->grad_ready();
     scheduler_.schedule    = options.lr_schedule();
+    {
+        comm::Communicator * everyone = setup_.all_ranks();
+        const char *         node     = std::getenv("LOOM_RERUN_NODE");   // a test seam: "another node"
+        char                 host[256] = {};
+        if (node == nullptr) node = ::gethostname(host, sizeof(host) - 1) == 0 ? host : "unknown";
+        Device & device = model_.device();
+        RerunStateMachine::ReduceAny any = [everyone, &device](std::vector<bool> flags) {
+            if (!everyone || everyone->size() == 1) return flags;
+            std::vector<float> values(flags.begin(), flags.end());
+            values = comm::all_reduce_values(*everyone, device, values, comm::ReduceOp::max);
+            for (size_t i = 0; i < flags.size(); ++i) flags[i] = values[i] > 0.0f;
+            return flags;
+        };
+        rerun_ = std::make_unique<RerunStateMachine>(
+            RerunOptions{rerun_mode_from_name(options.rerun_mode), options.error_injection_rate,
+                         rerun_diagnostic_from_name(options.error_injection_type)},
+            everyone ? everyone->rank() : 0, node, device.index(), options.model.seed, std::move(any));
+    }
     resumed_               = load_checkpoint(options_, setup_);
+    if (!resumed_.rerun.is_null()) {   // each rank's own part (its failed validation, where it ran)
+        comm::Communicator * everyone = setup_.all_ranks();
+        const int            world    = everyone ? everyone->size() : 1;
+        const nlohmann::json & saved  = resumed_.rerun;
+        LOOM_CHECK(saved.is_object() && saved.value("world_size", 0) == world && saved.contains("ranks") &&
+                       saved["ranks"].is_array() && static_cast<int>(saved["ranks"].size()) == world,
+                   "the rerun state of '" << resumed_.folder << "' was saved by "
+                                          << (saved.is_object() ? saved.value("world_size", 0) : 0) << " ranks, this job has "
+                                          << world,
+                   "rerun the iteration with the layout that saved it (the same ranks), or --rerun-mode disabled to "
+                   "ignore the state");
+        rerun_->load_state_dict(saved["ranks"][static_cast<size_t>(everyone ? everyone->rank() : 0)]);
+    }
     if (!resumed_.folder.empty()) {
         iteration_ = resumed_.iteration;
         consumed_  = resumed_.consumed_samples;
@@ -108,8 +141,27 @@ Trainer::~Trainer() {
 // optimizer step, and the loss every rank logs.
 double Trainer::step(IterationStats & stats) {
     begin_iteration();
-    const pipeline::PipelineExecutor::Result r = run_schedule(stats);
-    const double loss_sum = checked_loss_sum(r);
+    const int64_t                      before = consumed_;
+    pipeline::PipelineExecutor::Result r;
+    double                             loss_sum = 0;
+    rerun_->set_iteration(iteration_);
+    for (bool again = false; rerun_->should_run_forward_backward(); again = true) {
+        if (again) restart_iteration(before);
+        r        = run_schedule(stats);
+        loss_sum = checked_loss_sum(r);
+    }
+    const RerunStateMachine::Decision decision = rerun_->should_checkpoint_and_exit();
+    if (decision.checkpoint) save_for_rerun(before);
+    if (decision.exit) {
+        const std::string why = decision.checkpoint && options_.save.empty()
+                                    ? "Exiting now without a checkpoint (no --save). Resume the job from its last "
+                                      "checkpoint on another device to rerun the iteration and establish a diagnostic"
+                                    : decision.why;
+        throw RerunExit(decision.code, detail::concat(why, " (iteration ", iteration_, ", exit status ", decision.code, ")"));
+    }
+    if (const std::string report = rerun_->take_stats_report(); !report.empty()) {
+        std::fprintf(stderr, "%s\n", report.c_str());
+    }
     consumed_ += options_.global_batch_size;
     timed(1, [&] {
         ddp::finalize_grads(setup_.ddp.get(), params_,
@@ -202,10 +254,25 @@ pipeline::PipelineExecutor::Result Trainer::run_schedule(IterationStats & stats)
     return r;
 }
 
+void Trainer::restart_iteration(int64_t consumed_before) {
+    if (setup_.ddp) {
+        setup_.ddp->finish_grad_sync();   // the first run's reductions, before their buffers are zeroed
+        setup_.ddp->zero_grad_buffer();
+    } else {
+        for (model::GptModel * chunk : setup_.chunks) chunk->zero_grad();
+    }
+    data_.set_consumed_samples(consumed_before);   // the same batch again
+}
+
 double Trainer::checked_loss_sum(const pipeline::PipelineExecutor::Result & r) const {
     double total = 0;   // the micro-batches' mean losses (last stage)
+    const bool validated = options_.check_for_nan_in_loss_and_grad && rerun_->mode() != RerunMode::disabled;
     for (size_t k = 0; k < r.losses.size(); ++k) {
-        if (options_.check_for_nan_in_loss_and_grad && !std::isfinite(r.losses[k].sum)) {
+        if (validated) {   // Megatron's loss_func checks, through the rerun state machine
+            const double loss = r.losses[k].mean();
+            rerun_->validate_result(loss, std::isnan(loss), "found NaN in local forward loss calculation");
+            rerun_->validate_result(loss, std::isinf(loss), "found Inf in local forward loss calculation");
+        } else if (options_.check_for_nan_in_loss_and_grad && !std::isfinite(r.losses[k].sum)) {
             throw RunError(detail::concat("lm loss is ", r.losses[k].sum, " in micro-batch ", k, " of iteration ",
                                           iteration_),
                            "lower --lr, check the data, or give --no-check-for-nan-in-loss-and-grad to skip such "
@@ -296,6 +363,26 @@ void Trainer::save() {
     char sizes[96];
     std::snprintf(sizes, sizeof(sizes), " [ %.1f MiB in %.3f s ]", stats.bytes / 1048576.0, stats.seconds);
     report_message("  successfully saved checkpoint from iteration " + padded(iteration_) + " to " + options_.save + sizes);
+}
+
+void Trainer::save_for_rerun(int64_t consumed_before) {
+    if (options_.save.empty()) {
+        return;   // the exit's message says so
+    }
+    if (setup_.ddp) setup_.ddp->finish_grad_sync();
+    // Every rank's state: each holds its own failed validation (Megatron's per-rank ShardedObject).
+    nlohmann::json       states   = nlohmann::json::array({rerun_->state_dict()});
+    comm::Communicator * everyone = setup_.all_ranks();
+    if (everyone && everyone->size() > 1) {
+        states = nlohmann::json::array();
+        for (const std::string & s : comm::all_gather_strings(*everyone, model_.device(), rerun_->state_dict().dump())) {
+            states.push_back(nlohmann::json::parse(s));
+        }
+    }
+    report_message("saving checkpoint at iteration " + padded(iteration_ - 1) + " to " + options_.save +
+                   " in torch_dist format (to rerun iteration " + std::to_string(iteration_) + ")");
+    save_checkpoint(options_, setup_, iteration_ - 1, consumed_before, scheduler_,
+                    {{"world_size", everyone ? everyone->size() : 1}, {"ranks", states}});
 }
 
 // Each sink in turn; one whose stream fails is dropped, and its failure kept for run() to act on.

@@ -23,6 +23,7 @@
 #include "train/options.h"
 #include "train/setup.h"
 #include "train/reporting.h"
+#include "train/rerun.h"
 
 #include <cstdio>
 #include <functional>
@@ -114,6 +115,11 @@ private:
     // The learning-rate schedule and the samples it has stepped over (Megatron's OptimizerParamScheduler:
     // it steps only after a successful update).
     SchedulerState                              scheduler_;
+    std::unique_ptr<RerunStateMachine>          rerun_;   // --rerun-mode (train/rerun.h)
+    // Runs the iteration's forward and backward again on the same batch (the rerun state machine's call).
+    void restart_iteration(int64_t consumed_before);
+    // Saves iteration_ - 1 (the state before this iteration's step) with the rerun machine's state.
+    void save_for_rerun(int64_t consumed_before);
     BatchSource *                               valid_ = nullptr;
     BatchSource *                               test_  = nullptr;
     // --timing-log-level: seconds spent in each timed part since the last log line.
