@@ -58,6 +58,27 @@ INSTANTIATE_TEST_SUITE_P(
                       Fault{"diverge_op", "the ranks' collective operations diverged"}),
     [](const ::testing::TestParamInfo<Fault> & info) { return std::string(info.param.name); });
 
+// --check-weight-hash-across-dp-replicas-interval: replicas that agree print Megatron's line at every check;
+// a replica whose weights drifted (LOOM_FAULT perturb_param on rank 1 at iteration 3) ends the job at the
+// next check (iteration 4) naming the parameter and the replicas.
+TEST(WeightHashes, ReplicasCompareTheirWeightsAndADriftedOneIsNamed) {
+    const std::string run = "train --mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
+                            "--micro-batch-size 2 --train-iters 6 --log-interval 2 "
+                            "--check-weight-hash-across-dp-replicas-interval 2";
+    CliRun fine = run_loom_mpi(2, run);
+    EXPECT_EQ(fine.status, 0) << fine.out;
+    for (const char * k : {"2", "4", "6"}) {
+        EXPECT_NE(fine.out.find(std::string(">>> Weight hashes match after ") + k + " iterations..."), std::string::npos)
+            << fine.out;
+    }
+    CliRun drifted = run_loom_mpi(2, run, "LOOM_FAULT=1:3:perturb_param");
+    EXPECT_EQ(drifted.status, 1) << drifted.out;
+    EXPECT_NE(drifted.out.find("Parameter hashes not matching across DP replicas after 4 iterations"), std::string::npos)
+        << drifted.out;
+    EXPECT_NE(drifted.out.find("embedding.word_embeddings.weight: group rank 0 and group rank 1 (data-parallel)"),
+              std::string::npos) << drifted.out;
+}
+
 // Two ranks launched apart (mpirun's multiple-program form): `loom train <rank0>` in `dir0` and
 // `loom train <rank1>` in `dir1`; the seconds it took.
 struct TwoRanks {

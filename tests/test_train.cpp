@@ -292,6 +292,15 @@ TEST(LoomTrain, BadFlagsExitTwoNamingTheFlag) {
         {"train --mock-data --lr-warmup-iters 0 --make-vocab-size-divisible-by 0", "--make-vocab-size-divisible-by"},
         {"train --mock-data --lr-warmup-iters 0 --make-vocab-size-divisible-by -4", "--make-vocab-size-divisible-by"},
         {"train --mock-data --check-for-nan-in-loss-and-grad --no-check-for-nan-in-loss-and-grad", "--no-check-for-nan"},
+        // Megatron's asserts and choices of the resilience and overlap flags.
+        {"train --mock-data --overlap-param-gather-with-optimizer-step", "only supported with distributed optimizer"},
+        {"train --mock-data --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather "
+         "--overlap-param-gather-with-optimizer-step", "only supported with interleaved pipeline parallelism"},
+        {"train --mock-data --check-weight-hash-across-dp-replicas-interval 0", "--check-weight-hash-across-dp-replicas-interval"},
+        {"train --mock-data --rerun-mode always", "argument --rerun-mode: invalid choice: 'always'"},
+        {"train --mock-data --error-injection-type flaky", "argument --error-injection-type: invalid choice"},
+        {"train --mock-data --error-injection-rate -1", "--error-injection-rate must be >= 0"},
+        {"train --mock-data --dist-ckpt-strictness strict", "argument --dist-ckpt-strictness: invalid choice: 'strict'"},
         // Sizes whose products overflowed (SIGSEGV, SIGFPE) or grew until std::bad_alloc (terminate): refused
         // before anything is allocated, by range or by the memory estimate.
         {"train --mock-data --train-iters 99999999999999999999", "--train-iters: value out of the range of a 64-bit integer"},

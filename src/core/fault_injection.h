@@ -5,8 +5,9 @@
 // stall (the host thread sleeps forever outside communication, as a rank stuck in compute or I/O would:
 // its engine still answers the watchdog's roll call), diverge (the caller issues one collective the other
 // ranks do not: a schedule that diverged), diverge_op (the caller's next all-reduce uses another reduction:
-// a divergence that completes, found by the running check of comm/agreement.h). Without LOOM_FAULT it does
-// nothing.
+// a divergence that completes, found by the running check of comm/agreement.h), perturb_param (the caller
+// adds 1 to the first element of its first parameter: a replica whose weights drifted). Without LOOM_FAULT
+// it does nothing.
 #pragma once
 
 #include <cstdint>
@@ -14,7 +15,7 @@
 namespace loom {
 
 // What the caller does for the fault (the faults that need a communicator).
-enum class FaultAction { none, extra_collective, other_reduction };
+enum class FaultAction { none, extra_collective, other_reduction, perturb_param };
 
 // Called by the trainer at the start of each iteration.
 FaultAction inject_fault(int64_t iteration);

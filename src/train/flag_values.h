@@ -106,6 +106,7 @@ struct ParallelFlags {
     int64_t context_parallel_size = 1;
     int64_t bucket_size           = 0;       // --ddp-bucket-size, applied when given
     bool    grads_in_fp32         = false;   // always on in Loom
+    bool    overlap_param_gather_with_optimizer_step = false;   // accepted under Megatron's rules
 };
 std::span<const Flag<ParallelFlags>> parallel_flags();
 std::span<const Flag<TrainOptions>> parallel_option_flags();

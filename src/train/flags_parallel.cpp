@@ -38,6 +38,9 @@ const Flag<TrainOptions> kParallelOptionFlags[] = {
      "tp-cp-ep-dp-pp"},
     {"--distributed-timeout-minutes", kDist, &O::distributed_timeout_minutes,
      "abort the job when a collective or transfer waits this long for another rank", kShowDefault},
+    {"--check-weight-hash-across-dp-replicas-interval", kDist, &O::check_weight_hash_interval,
+     "every this many iterations the data-parallel replicas compare a digest of each parameter, and stop (exit 1) "
+     "naming those that differ"},
     {"--no-check-for-nan-in-loss-and-grad", kDist, &O::check_for_nan_in_loss_and_grad,
      "skip the update of an iteration whose loss or gradient norm is not finite, and go on", kNegated},
     {"--optimizer-cpu-offload", kDist, &O::optimizer_cpu_offload,
@@ -61,6 +64,9 @@ const Flag<ParallelFlags> kParallelFlags[] = {
     {"--expert-tensor-parallel-size", kDist, &P::expert_tensor_parallel_size,
      "tensor-parallel ranks of each expert's features (default: --tensor-model-parallel-size)"},
     {"--context-parallel-size", kDist, &P::context_parallel_size, "context-parallel ranks (only 1 in Loom)"},
+    {"--overlap-param-gather-with-optimizer-step", kDist, &P::overlap_param_gather_with_optimizer_step,
+     "an overlap choice (the first bucket's gather with the optimizer step) under Megatron's rules: with "
+     "--use-distributed-optimizer, --overlap-param-gather and virtual pipeline stages; the result is the same"},
     {"--ddp-bucket-size", kDist, &P::bucket_size,
      "elements per gradient bucket (default max(40M, 1M x dp) with --overlap-grad-reduce, else one bucket)"},
     {"--accumulate-allreduce-grads-in-fp32", "mixed precision", &P::grads_in_fp32,
@@ -131,7 +137,18 @@ void resolve_parallel_sizes(const ParallelFlags & f, int64_t num_experts, const 
 
 void resolve_ddp(const ParallelFlags & f, const Given & given, TrainOptions & o) {
     if (given("--ddp-bucket-size")) o.ddp.bucket_size = f.bucket_size;
+    if (f.overlap_param_gather_with_optimizer_step) {   // Megatron's asserts (arguments.py)
+        LOOM_CHECK(o.ddp.use_distributed_optimizer,
+                   "--overlap-param-gather-with-optimizer-step only supported with distributed optimizer", "");
+        LOOM_CHECK(o.ddp.overlap_param_gather,
+                   "Must use --overlap-param-gather-with-optimizer-step with --overlap-param-gather", "");
+        LOOM_CHECK(f.virtual_pipeline_size > 0,
+                   "--overlap-param-gather-with-optimizer-step only supported with interleaved pipeline parallelism",
+                   "give --num-virtual-stages-per-pipeline-rank");
+    }
     o.ddp.validate();
+    LOOM_CHECK(!given("--check-weight-hash-across-dp-replicas-interval") || o.check_weight_hash_interval >= 1,
+               "--check-weight-hash-across-dp-replicas-interval must be >= 1, got " << o.check_weight_hash_interval, "");
     LOOM_CHECK(o.check_for_nan_in_loss_and_grad || !o.ddp.check_for_nan_in_grad,
                "--check-for-nan-in-loss-and-grad and --no-check-for-nan-in-loss-and-grad together", "give one of them");
 }

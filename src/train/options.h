@@ -86,6 +86,9 @@ struct TrainOptions {
     // their dispatch plan); the rest runs eagerly (graphs/layer_graph_runner.h).
     bool           graph_moe_router = false, graph_moe_preprocess = false;
     int64_t        distributed_timeout_minutes = 10;   // the MPI watchdog (comm/mpi_communicator.h)
+    // --check-weight-hash-across-dp-replicas-interval: every this many iterations the data-parallel replicas
+    // compare a digest of each parameter (0: never).
+    int64_t        check_weight_hash_interval = 0;
     bool           print_layout = false;   // print DDP's buffer layout on rank 0
     std::string    device = "auto";        // --device: auto (cuda when built with it and a GPU is visible), cpu, cuda
     std::string    timeline_file;          // --timeline: the last iteration's measured pipeline timeline (SVG)

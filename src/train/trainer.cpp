@@ -9,6 +9,8 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
+#include <sstream>
 #include <cmath>
 #include <cstdio>
 #include <unistd.h>
@@ -214,6 +216,11 @@ void Trainer::begin_iteration() {
         comm::all_reduce_values(*setup_.all_ranks(), model_.device(), {1.0f}, comm::ReduceOp::sum);
     }
     if (fault == FaultAction::other_reduction) comm::flip_next_reduction();
+    if (fault == FaultAction::perturb_param && !params_.empty()) {   // a replica whose weights drifted
+        std::vector<float> v = values_f32(params_.front()->data);
+        v.front() += 1.0f;
+        write_values_f32(params_.front()->data, v);
+    }
     if (setup_.ddp) {
         setup_.ddp->zero_grad_buffer();
     } else {
@@ -262,6 +269,57 @@ void Trainer::restart_iteration(int64_t consumed_before) {
         for (model::GptModel * chunk : setup_.chunks) chunk->zero_grad();
     }
     data_.set_consumed_samples(consumed_before);   // the same batch again
+}
+
+void Trainer::check_weight_hashes(int64_t iteration) {
+    if (setup_.ddp) setup_.ddp->finish_param_sync();   // every replica's gathered weights
+    comm::Communicator * everyone = setup_.all_ranks();
+    Device &             device   = model_.device();
+    // One line per parameter: its name and a 64-bit FNV-1a digest of its values' bits.
+    auto digests = [&](bool expert) {
+        std::string lines;
+        for (const model::Parameter * p : params_) {
+            if (p->expert != expert) continue;
+            const std::vector<float> v = values_f32(p->data);
+            uint64_t                 h = 0xcbf29ce484222325ull;
+            for (float x : v) {
+                uint32_t bits;
+                std::memcpy(&bits, &x, sizeof bits);
+                for (int b = 0; b < 4; ++b) h = (h ^ ((bits >> (8 * b)) & 0xffu)) * 0x100000001b3ull;
+            }
+            char hex[24];
+            std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(h));
+            lines += p->name + " " + hex + "\n";
+        }
+        return lines;
+    };
+    std::string differ;   // "name on ranks ..." of this rank's groups
+    for (const bool expert : {false, true}) {
+        comm::Communicator * group = expert && setup_.groups.expert_dp ? setup_.groups.expert_dp.get() : setup_.groups.dp.get();
+        if (!group || group->size() == 1) continue;
+        const std::vector<std::string> all = comm::all_gather_strings(*group, device, digests(expert));
+        for (size_t r = 1; r < all.size(); ++r) {
+            if (all[r] == all[0]) continue;
+            std::istringstream a(all[0]), b(all[r]);
+            for (std::string la, lb; std::getline(a, la) && std::getline(b, lb);) {
+                if (la != lb) {
+                    differ += "\n    " + la.substr(0, la.find(' ')) + ": group rank 0 and group rank " + std::to_string(r) +
+                              (expert ? " (expert-data-parallel)" : " (data-parallel)");
+                    break;
+                }
+            }
+        }
+    }
+    const bool any = everyone && everyone->size() > 1
+                         ? comm::all_reduce_values(*everyone, device, {differ.empty() ? 0.0f : 1.0f}, comm::ReduceOp::max)[0] > 0
+                         : !differ.empty();
+    if (any) {
+        throw RunError(detail::concat("Parameter hashes not matching across DP replicas after ", iteration, " iterations",
+                                      differ.empty() ? std::string(" (on another rank's group)") : ":" + differ),
+                       "a replica's weights drifted (a faulty device, or a bug): resume from the last checkpoint",
+                       __FILE__, __LINE__);
+    }
+    report_message(">>> Weight hashes match after " + std::to_string(iteration) + " iterations...");
 }
 
 double Trainer::checked_loss_sum(const pipeline::PipelineExecutor::Result & r) const {
@@ -462,6 +520,9 @@ TrainSummary Trainer::run(FILE * out) {
         if (!options_.save.empty() && options_.save_interval > 0 && k % options_.save_interval == 0) {
             save();
             saved_last = true;
+        }
+        if (options_.check_weight_hash_interval > 0 && k % options_.check_weight_hash_interval == 0) {
+            check_weight_hashes(k);
         }
         // Each log line, the ranks compare the collectives each group has issued: a schedule that diverged
         // without hanging (another size, dtype or reduction) is named here, not by its wrong numbers.

@@ -120,6 +120,9 @@ private:
     void restart_iteration(int64_t consumed_before);
     // Saves iteration_ - 1 (the state before this iteration's step) with the rerun machine's state.
     void save_for_rerun(int64_t consumed_before);
+    // --check-weight-hash-across-dp-replicas-interval: each data-parallel group (expert parameters: the
+    // expert-data-parallel group) compares every parameter's digest; a difference stops every rank.
+    void check_weight_hashes(int64_t iteration);
     BatchSource *                               valid_ = nullptr;
     BatchSource *                               test_  = nullptr;
     // --timing-log-level: seconds spent in each timed part since the last log line.
