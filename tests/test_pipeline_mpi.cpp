@@ -159,6 +159,41 @@ TEST(PipelineParallel, UnevenStagesFollowTheSingleRankRun) {
     }
 }
 
+// --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split (Megatron's functional
+// test gpt3_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_split): 6 layers, PP 4, V 2: the
+// model's first chunk holds the embedding alone and its last the loss alone; the run is the single rank's.
+TEST(PipelineParallel, EmbeddingAndLossCountedAsLayersFollowTheSingleRankRun) {
+    if (g_mpi->world_size() != 4) GTEST_SKIP() << "runs with 4 ranks";
+    train::TrainOptions o = testing_models::small_gpt_options(6, 8, 6);
+    o.lr_warmup_iters     = 3;
+    const testing_models::SingleRankRun ref = testing_models::train_single_rank(o);
+    parallel::ParallelSizes sizes;
+    sizes.world_size = 4;
+    sizes.pp         = 4;
+    sizes.vpp        = 2;
+    o.parallel                              = parallel::ParallelConfig::create(sizes);
+    o.account_for_embedding_in_pipeline_split = true;
+    o.account_for_loss_in_pipeline_split      = true;
+    parallel::ProcessGroups groups = parallel::ProcessGroups::create(o.parallel, *g_mpi);
+    auto                    source = train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), o.parallel.dp());
+    train::Setup            setup  = train::setup(o, groups, cpu::device());
+    std::vector<double>     losses;
+    {
+        train::Trainer trainer(o, setup, *source);
+        losses = trainer.run(nullptr).losses;
+    }
+    ASSERT_EQ(losses.size(), ref.losses.size());
+    for (size_t i = 0; i < losses.size(); ++i) EXPECT_NEAR(losses[i], ref.losses[i], 5e-5) << "iteration " << i + 1;
+    size_t layers = 0;
+    for (model::Parameter * p : setup.parameters()) {
+        layers += p->name.find(".norm1.weight") != std::string::npos;
+        const std::vector<float> v = parameter_values(*p), & r = ref.params.at(p->name);
+        for (size_t i = 0; i < v.size(); ++i) ASSERT_NEAR(v[i], r[i], 5e-5) << p->name;
+    }
+    const int stage = groups.pp->rank();
+    EXPECT_EQ(layers, stage == 0 || stage == 3 ? 1u : 2u) << "stage " << stage << ": [] + [3], [0] + [4], [1] + [5], [2] + []";
+}
+
 TEST(PipelineParallel, InterleavedTwoStagesTwoVirtualStagesFollowTheSingleRankRun) {
     if (g_mpi->world_size() % 2 != 0) GTEST_SKIP() << "needs an even number of ranks";
     expect_follows_reference(2, false, 2);

@@ -500,6 +500,35 @@ TEST(LayerAssignment, SeedExample32LayersPp4Vpp2) {
     EXPECT_EQ(assign_layers(per_stage).ranges, a.ranges);
 }
 
+// The embedding and the loss counted as layers: the header's example (L 6, PP 4, V 2), one of them alone,
+// and Megatron's checks.
+TEST(LayerAssignment, EmbeddingAndLossCountedAsLayers) {
+    LayerSplitOptions o;
+    o.num_layers            = 6;
+    o.pp                    = 4;
+    o.vpp                   = 2;
+    o.account_for_embedding = true;
+    o.account_for_loss      = true;
+    LayerAssignment   a     = assign_layers(o);
+    const LayerRange expected[4][2] = {{{0, 0}, {3, 4}}, {{0, 1}, {4, 5}}, {{1, 2}, {5, 6}}, {{2, 3}, {6, 6}}};
+    for (int r = 0; r < 4; ++r) {
+        for (int c = 0; c < 2; ++c) EXPECT_EQ(a.at(r, c), expected[r][c]) << r << " " << c;
+    }
+    LayerSplitOptions embedding_only;   // L 7 + 1 over PP 4: rank 0 holds one layer, the others two
+    embedding_only.num_layers            = 7;
+    embedding_only.pp                    = 4;
+    embedding_only.account_for_embedding = true;
+    LayerAssignment e = assign_layers(embedding_only);
+    EXPECT_EQ(e.at(0, 0), (LayerRange{0, 1}));
+    EXPECT_EQ(e.at(1, 0), (LayerRange{1, 3}));
+    EXPECT_EQ(e.at(3, 0), (LayerRange{5, 7}));
+    o.num_layers = 7;
+    EXPECT_THROW(assign_layers(o), Error) << "9 counted layers over 4 stages";
+    o.num_layers         = 6;
+    o.first_stage_layers = 2;
+    EXPECT_THROW(assign_layers(o), Error) << "not with uneven ends";
+}
+
 TEST(LayerAssignment, EvenAndUnevenEnds) {
     LayerSplitOptions even;
     even.num_layers = 12;

@@ -49,6 +49,40 @@ LayerAssignment assign_layers(const LayerSplitOptions & o) {
     const int                l   = o.num_layers;
     std::vector<int>         per_rank(pp);   // n_r, over all of rank r's chunks
 
+    if (o.account_for_embedding || o.account_for_loss) {   // Megatron's transformer_config.py checks
+        LOOM_CHECK(!o.first_stage_layers && !o.last_stage_layers,
+                   "num_layers_in_first_pipeline_stage and num_layers_in_last_pipeline_stage cannot be set at the "
+                   "same time with account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split",
+                   "drop --decoder-first/last-pipeline-num-layers or the --account-for-* flags");
+        const int counted = l + (o.account_for_embedding ? 1 : 0) + (o.account_for_loss ? 1 : 0);
+        LOOM_CHECK(counted % pp == 0,
+                   "number of middle layers: " << counted << " must be divisible by middle pipeline_model_parallel_size "
+                                               << pp,
+                   "--num-layers plus the embedding and loss the --account-for-* flags count must divide over the "
+                   "pipeline stages");
+        LOOM_CHECK((counted / pp) % v == 0, "num_layers_per_pipeline_rank " << counted / pp
+                                                << " should be divisible by vp_size " << v,
+                   "");
+        const int chunk = counted / (pp * v);
+        LayerAssignment a;
+        a.pp         = pp;
+        a.num_chunks = v;
+        a.ranges.assign(pp, std::vector<LayerRange>(v));
+        int next = 0;
+        for (int c = 0; c < v; ++c) {   // model order: chunk c of every rank, then chunk c + 1
+            for (int r = 0; r < pp; ++r) {
+                int size = chunk;
+                if (o.account_for_embedding && r == 0 && c == 0) --size;
+                if (o.account_for_loss && r == pp - 1 && c == v - 1) --size;
+                LOOM_CHECK(size >= 0, "Not enough layers in the " << (r == 0 ? "first" : "last")
+                                                                  << " virtual pipeline stage",
+                           "");
+                a.ranges[r][c] = {next, next + size};
+                next += size;
+            }
+        }
+        return a;
+    }
     if (o.first_stage_layers || o.last_stage_layers) {
         LOOM_CHECK(pp > 1,
                    "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers need pipeline "

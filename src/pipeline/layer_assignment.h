@@ -15,6 +15,14 @@
 // Virtual stages come from --num-virtual-stages-per-pipeline-rank V, or from
 // --num-layers-per-virtual-pipeline-stage n as V = (L / PP) / n (even split only); at most one of them.
 //
+// Embedding and loss counted as layers (--account-for-embedding-in-pipeline-split E,
+// --account-for-loss-in-pipeline-split S, Megatron's standalone embedding and loss stages): L + E + S must
+// divide by PP x V into chunks of c = (L + E + S) / (PP x V); every chunk holds c layers but the model's first
+// (rank 0, chunk 0), which holds c - E, and its last (rank PP-1, chunk V-1), which holds c - S; either may be
+// empty (a stage of the embedding or the loss alone). Layers follow the model order of the chunks.
+// L 6, PP 4, V 2, E and S: rank 0 chunk 0 = [] and chunk 1 = [3], rank 1 [0] and [4], rank 2 [1] and [5],
+// rank 3 [2] and [].
+//
 // Worked example (docs/design/schedules_and_graphs.md 1.7): L 32, PP 4, V 2: rank 0 chunk 0 = layers 0-3,
 // chunk 1 = 16-19; rank 1 4-7 and 20-23; rank 2 8-11 and 24-27; rank 3 12-15 and 28-31.
 // Uneven: L 10, PP 4, F 1, X 3: rank 0 [0], rank 1 [1, 2, 3], rank 2 [4, 5, 6], rank 3 [7, 8, 9].
@@ -32,6 +40,8 @@ struct LayerSplitOptions {
     std::optional<int> num_layers_per_virtual_stage;      // --num-layers-per-virtual-pipeline-stage
     std::optional<int> first_stage_layers;                // --decoder-first-pipeline-num-layers
     std::optional<int> last_stage_layers;                 // --decoder-last-pipeline-num-layers
+    bool               account_for_embedding = false;     // --account-for-embedding-in-pipeline-split
+    bool               account_for_loss      = false;     // --account-for-loss-in-pipeline-split
 };
 
 struct LayerRange {

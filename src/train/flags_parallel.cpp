@@ -33,6 +33,10 @@ const Flag<TrainOptions> kParallelOptionFlags[] = {
      "layers per model chunk (the other way to ask for virtual stages)"},
     {"--decoder-first-pipeline-num-layers", kDist, &O::first_stage_layers, "layers of the first pipeline stage"},
     {"--decoder-last-pipeline-num-layers", kDist, &O::last_stage_layers, "layers of the last pipeline stage"},
+    {"--account-for-embedding-in-pipeline-split", kDist, &O::account_for_embedding_in_pipeline_split,
+     "count the embedding as a layer when splitting layers over pipeline stages (the first chunk holds one fewer)"},
+    {"--account-for-loss-in-pipeline-split", kDist, &O::account_for_loss_in_pipeline_split,
+     "count the loss as a layer when splitting layers over pipeline stages (the last chunk holds one fewer)"},
     {"--use-tp-pp-dp-mapping", kDist, &O::use_tp_pp_dp_mapping,
      "order the ranks tp-cp-ep-pp-dp (pipeline stages of one data-parallel replica adjacent) instead of "
      "tp-cp-ep-dp-pp"},
@@ -201,6 +205,8 @@ pipeline::LayerSplitOptions TrainOptions::layer_split() const {
     if (layers_per_virtual_stage > 0) split.num_layers_per_virtual_stage = static_cast<int>(layers_per_virtual_stage);
     if (first_stage_layers > 0) split.first_stage_layers = static_cast<int>(first_stage_layers);
     if (last_stage_layers > 0) split.last_stage_layers = static_cast<int>(last_stage_layers);
+    split.account_for_embedding = account_for_embedding_in_pipeline_split;
+    split.account_for_loss      = account_for_loss_in_pipeline_split;
     return split;
 }
 

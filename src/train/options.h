@@ -67,6 +67,8 @@ struct TrainOptions {
     int64_t        layers_per_virtual_stage = 0;   // --num-layers-per-virtual-pipeline-stage (0: unset)
     int64_t        first_stage_layers       = 0;   // --decoder-first-pipeline-num-layers (0: even split)
     int64_t        last_stage_layers        = 0;   // --decoder-last-pipeline-num-layers (0: even split)
+    bool           account_for_embedding_in_pipeline_split = false;   // the embedding counts as a layer
+    bool           account_for_loss_in_pipeline_split      = false;   // the loss counts as a layer
 
     // How the layers split over pipeline stages and virtual stages (pipeline/layer_assignment.h).
     pipeline::LayerSplitOptions layer_split() const;
