@@ -1,7 +1,9 @@
-// The learning-rate schedule: Megatron's OptimizerParamScheduler.get_lr, as a pure function of the iteration.
-// Megatron counts steps in samples: after iteration k the step is n = k x samples_per_iteration (the global
+// The learning-rate schedule: Megatron's OptimizerParamScheduler.get_lr, as a pure function of the step n.
+// Megatron counts steps in samples: after k successful updates n = k x samples_per_iteration (the global
 // batch), and warmup, decay and WSD lengths are in samples (iterations x global batch, a fraction of the
-// decay, or samples as given):
+// decay, or samples as given). Iteration k's update uses the lr at the step before it (n = (k-1) x batch:
+// the first update of a warmup from 0 moves nothing), and the log line of iteration k shows the lr at
+// n = k x batch, the one the scheduler advanced to, as Megatron's training_log reads it after the step:
 //   n <= warmup:             lr = init_lr + (max_lr - init_lr) n / warmup
 //   constant:                lr = max_lr
 //   n >  decay:              lr = min_lr

@@ -169,8 +169,10 @@ double Trainer::step(IterationStats & stats) {
         ddp::finalize_grads(setup_.ddp.get(), params_,
                             ddp::FinalizeGroups{setup_.groups.embedding.get(), setup_.groups.tp.get()}, model_.device());
     });
+    // Megatron's order: the step uses the scheduler's current lr, then the scheduler advances (after a
+    // successful update only), and the log line shows the lr it advanced to.
     const optim::LrSchedule & schedule = scheduler_.schedule;
-    const double              at       = scheduler_.num_steps + static_cast<double>(options_.global_batch_size);
+    const double              at       = scheduler_.num_steps;
     const float               lr       = schedule.lr_at_step(at);
     optim::StepResult result;
     timed(2, [&] {
@@ -194,7 +196,7 @@ double Trainer::step(IterationStats & stats) {
     }
     stats.iteration          = iteration_;
     stats.consumed_samples   = consumed_;
-    stats.learning_rate      = lr;
+    stats.learning_rate      = schedule.lr_at_step(scheduler_.num_steps);
     stats.global_batch_size  = options_.global_batch_size;
     stats.grad_norm          = result.grad_norm;
     stats.nan_iterations     = nan_iterations_;
