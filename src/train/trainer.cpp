@@ -219,6 +219,7 @@ void Trainer::begin_iteration() {
     }
     if (fault == FaultAction::other_reduction) comm::flip_next_reduction();
     if (fault == FaultAction::perturb_param && !params_.empty()) {   // a replica whose weights drifted
+        model_.device().compute_stream().synchronize();
         std::vector<float> v = values_f32(params_.front()->data);
         v.front() += 1.0f;
         write_values_f32(params_.front()->data, v);
@@ -275,6 +276,8 @@ void Trainer::restart_iteration(int64_t consumed_before) {
 
 void Trainer::check_weight_hashes(int64_t iteration) {
     if (setup_.ddp) setup_.ddp->finish_param_sync();   // every replica's gathered weights
+    model_.device().compute_stream().synchronize();     // the last step has written them (values_f32 reads
+                                                        // host memory as it is)
     comm::Communicator * everyone = setup_.all_ranks();
     Device &             device   = model_.device();
     // One line per parameter: its name and a 64-bit FNV-1a digest of its values' bits.
