@@ -23,6 +23,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <set>
 #include <sys/wait.h>
 #include <thread>
 #include <unistd.h>
@@ -322,6 +323,26 @@ TEST(CheckpointExit, ExitIntervalStopsThereAfterSaving) {
     EXPECT_EQ(losses(tmp / "l.jsonl").size(), 7u);
 }
 
+// --save-retain-interval 4 with --save-interval 2 over 12 iterations: the checkpoints of 4, 8 and 12 (the
+// latest) stay, each other one is removed by the save after it; a retain interval that is not a multiple of
+// the save interval is refused (Megatron's assert).
+TEST(CheckpointRetention, OnlyMultiplesOfTheRetainIntervalAndTheLatestStay) {
+    TempDir tmp;
+    CliRun  r = run_loom(kRun + "--train-iters 12 --save-interval 2 --save-retain-interval 4 --save " + (tmp / "d"));
+    ASSERT_EQ(r.status, 0) << r.out;
+    std::set<std::string> kept;
+    for (const auto & e : fs::directory_iterator(tmp / "d")) {
+        if (e.path().filename().string().rfind("iter_", 0) == 0) kept.insert(e.path().filename().string());
+    }
+    EXPECT_EQ(kept, (std::set<std::string>{"iter_0000004", "iter_0000008", "iter_0000012"}));
+    EXPECT_EQ(tracker(tmp / "d"), "12");
+    CliRun resumed = run_loom(kRun + "--train-iters 12 --load " + (tmp / "d") + " --ckpt-step 8");
+    EXPECT_EQ(resumed.status, 0) << "a retained checkpoint loads\n" << resumed.out;
+    CliRun bad = run_loom(kRun + "--save-interval 2 --save-retain-interval 3 --save " + (tmp / "e"));
+    EXPECT_EQ(bad.status, 2);
+    EXPECT_NE(bad.out.find("--save-retain-interval 3 is not a multiple of --save-interval 2"), std::string::npos) << bad.out;
+}
+
 TEST(CheckpointExit, ExitDurationStopsAfterTheFirstIterationPastIt) {
     TempDir tmp;
     CliRun  r = run_loom(kRun + "--exit-duration-in-mins 0.00001 --save " + (tmp / "d"));
@@ -571,11 +592,11 @@ TEST(CheckpointMoe, ExpertShapeIsSavedCheckedAndRestored) {
     EXPECT_NE(exported.out.find("the model has --num-experts 4 (GPT-2 has no experts)"), std::string::npos) << exported.out;
 }
 
-// Twenty-three ways a checkpoint can be damaged (three of them in a shard whose size and checksum were
+// Twenty-five ways a checkpoint can be damaged (three of them in a shard whose size and checksum were
 // written into the index again): each is refused with exit 2, by --load and by `checkpoint info --verify`,
 // naming the file at fault (and the field, for the index's), in Loom's words: no JSON library's exception
 // text reaches the user.
-TEST(CheckpointCorrupt, TwentyThreeCorruptionsEachExitTwoNamingTheFile) {
+TEST(CheckpointCorrupt, TwentyFiveCorruptionsEachExitTwoNamingTheFile) {
     TempDir tmp;
     const std::string good = tmp / "good";
     ASSERT_EQ(run_on(2, kRun + "--train-iters 2 --lr-warmup-iters 1 --use-distributed-optimizer --save " + good).status, 0);
@@ -662,6 +683,12 @@ TEST(CheckpointCorrupt, TwentyThreeCorruptionsEachExitTwoNamingTheFile) {
         {"args that contradict the checkpoint", [](const std::string &) {}, "--num-layers", "--num-layers 2", "", false},
         {"negative iteration", [&](const std::string & d) { edit_index(d, [](json & j) { j["iteration"] = -3; }); },
          index, "", "iteration -3 is negative"},
+        // A float where an integer belongs (found by fuzz_checkpoint_index: converting 1e95 to int is undefined).
+        {"float version", [&](const std::string & d) { edit_index(d, [](json & j) { j["version"] = 1e95; }); },
+         index, "", "version is 1e+95, not an integer"},
+        {"float piece range", [&](const std::string & d) {
+             edit_index(d, [](json & j) { j["tensors"]["final_norm.weight"]["pieces"][0]["range"][1] = 3.5e30; });
+         }, index, "", "final_norm.weight's range is 3.5e+30, not an integer"},
         {"iteration of another folder", [&](const std::string & d) { edit_index(d, [](json & j) { j["iteration"] = 5; }); },
          index, "", "iteration 5 is not the iteration of its folder 'iter_0000002'"},
         {"negative optimizer step",
@@ -681,7 +708,7 @@ TEST(CheckpointCorrupt, TwentyThreeCorruptionsEachExitTwoNamingTheFile) {
          [&](const std::string & d) {
              edit_index(d, [](json & j) { j["files"]["rank_00001.safetensors"]["bytes"] = "1000"; });
          },
-         index, "", "is malformed: type must be number, but is string"},
+         index, "", "the size of file 'rank_00001.safetensors' is \"1000\", not an integer"},
         {"tensor listed twice",
          [&](const std::string & d) {
              const std::string path = d + "/" + iter + "/index.json";
@@ -709,7 +736,7 @@ TEST(CheckpointCorrupt, TwentyThreeCorruptionsEachExitTwoNamingTheFile) {
          },
          "rank_0000"},
     };
-    ASSERT_EQ(cases.size(), 23u);
+    ASSERT_EQ(cases.size(), 25u);
     for (const Case & c : cases) {
         SCOPED_TRACE(c.name);
         const std::string dir = tmp / "bad";

@@ -301,6 +301,7 @@ TEST(LoomTrain, BadFlagsExitTwoNamingTheFlag) {
         {"train --mock-data --error-injection-type flaky", "argument --error-injection-type: invalid choice"},
         {"train --mock-data --error-injection-rate -1", "--error-injection-rate must be >= 0"},
         {"train --mock-data --dist-ckpt-strictness strict", "argument --dist-ckpt-strictness: invalid choice: 'strict'"},
+        {"train --mock-data --save-retain-interval 4", "--save-retain-interval 4 is not a multiple of --save-interval 0"},
         // Sizes whose products overflowed (SIGSEGV, SIGFPE) or grew until std::bad_alloc (terminate): refused
         // before anything is allocated, by range or by the memory estimate.
         {"train --mock-data --train-iters 99999999999999999999", "--train-iters: value out of the range of a 64-bit integer"},
@@ -542,6 +543,28 @@ TEST(MegatronDefaults, AreLoomsDefaults) {
     EXPECT_FALSE(o.layer_graphs) << "--cuda-graph-impl none";
     EXPECT_EQ(o.cuda_graph_warmup_steps, 3);
     EXPECT_FALSE(o.decoupled_lr.has_value()) << "None: the embedding and output layer take --lr";
+    // --apply-wd-to-qk-layernorm: the q and k norms' parameters decay; the other norms and the biases do not.
+    for (const bool apply : {false, true}) {
+        std::vector<std::string> args{"--mock-data", "--qk-layernorm"};
+        if (apply) args.push_back("--apply-wd-to-qk-layernorm");
+        const train::TrainOptions qk = parse_train(args);
+        model::GptModel           gpt(qk.model, cpu::device());
+        int                       qk_params = 0;
+        for (const model::Parameter * p : gpt.parameters()) {
+            const bool qk_norm = p->name.find(".q_norm.") != std::string::npos || p->name.find(".k_norm.") != std::string::npos;
+            qk_params += qk_norm;
+            if (qk_norm) EXPECT_EQ(p->no_weight_decay, !apply) << p->name;
+            if (p->name.find(".norm1.") != std::string::npos) EXPECT_TRUE(p->no_weight_decay) << p->name;
+        }
+        EXPECT_GT(qk_params, 0);
+    }
+    // The W&B flags are accepted with a warning that says where the scalars go.
+    {
+        std::string err;
+        EXPECT_EQ(run_status("train --mock-data --train-iters 2 --lr-warmup-iters 0 --wandb-project p --wandb-entity e "
+                             "--wandb-exp-name x --wandb-save-dir /tmp", &err), 0) << err;
+        EXPECT_NE(err.find("WARNING: --wandb-project p: Loom has no Weights & Biases client"), std::string::npos) << err;
+    }
     EXPECT_EQ(parse_train({"--mock-data", "--decoupled-lr", "3e-3"}).lr_schedule().decoupled_max_lr, 3e-3f);
     EXPECT_DOUBLE_EQ(o.mid_level_dataset_surplus, 0.005);
     EXPECT_TRUE(o.data_cache_path.empty()) << "indices built in memory unless --data-cache-path is given";

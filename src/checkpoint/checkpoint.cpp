@@ -1,5 +1,7 @@
 #include "checkpoint/checkpoint.h"
 
+#include <cstdint>
+
 #include "core/atomic_file.h"
 #include "core/crc32c.h"
 #include "core/error.h"
@@ -408,6 +410,14 @@ int64_t numel_checked(const Shape & s, const std::string & where) {
 const char * kCorruptHint = "the checkpoint is damaged or was not written by Loom; load an earlier iteration "
                             "with --ckpt-step";
 
+// An integer field: a JSON integer in int64's range. A number such as 1e95 (which nlohmann would convert with
+// undefined behaviour) or a larger unsigned one is refused naming the field.
+int64_t integer(const json & v, const std::string & what, const std::string & where) {
+    LOOM_CHECK(v.is_number_integer() && !(v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX)),
+               "'" << where << "': " << what << " is " << v.dump().substr(0, 40) << ", not an integer", kCorruptHint);
+    return v.get<int64_t>();
+}
+
 }  // namespace
 
 Index read_index(const std::string & folder) {
@@ -425,12 +435,12 @@ Index read_index(const std::string & folder) {
     try {
         LOOM_CHECK(j.is_object() && j.value("format", "") == "loom-checkpoint",
                    "'" << where << "' is not a Loom checkpoint index (no \"format\": \"loom-checkpoint\")", kCorruptHint);
-        LOOM_CHECK(j.at("version").get<int>() == kFormatVersion,
+        LOOM_CHECK(integer(j.at("version"), "version", where) == kFormatVersion,
                    "'" << where << "' has format version " << j.at("version") << ", this Loom reads " << kFormatVersion, "");
-        index.iteration      = j.at("iteration").get<int64_t>();
+        index.iteration      = integer(j.at("iteration"), "iteration", where);
         index.metadata       = j.at("metadata");
         index.has_optimizer  = j.at("optimizer").at("saved").get<bool>();
-        index.optimizer_step = j.at("optimizer").at("step").get<int64_t>();
+        index.optimizer_step = integer(j.at("optimizer").at("step"), "optimizer step", where);
         // The counters a resume continues from: in range, and the iteration the folder's name says.
         LOOM_CHECK(index.iteration >= 0, "'" << where << "': iteration " << index.iteration << " is negative", kCorruptHint);
         const std::string named = fs::path(folder).filename().string();
@@ -452,7 +462,9 @@ Index read_index(const std::string & folder) {
             LOOM_CHECK(name.find('/') == std::string::npos && name.find("..") == std::string::npos,
                        where << ": file name '" << name << "' leaves the folder", kCorruptHint);
             FileRecord record;
-            record.bytes  = f.at("bytes").get<uint64_t>();
+            const int64_t bytes = integer(f.at("bytes"), "the size of file '" + name + "'", where);
+            LOOM_CHECK(bytes >= 0, "'" << where << "': file '" << name << "' has " << bytes << " bytes", kCorruptHint);
+            record.bytes = static_cast<uint64_t>(bytes);
             const std::string crc = f.at("crc32c").get<std::string>();
             LOOM_CHECK(crc.size() == 8 && crc.find_first_not_of("0123456789abcdefABCDEF") == std::string::npos,
                        "'" << where << "': file '" << name << "' has crc32c '" << crc.substr(0, 40)
@@ -481,12 +493,13 @@ Index read_index(const std::string & folder) {
                 p.file = pj.at("file").get<std::string>();
                 LOOM_CHECK(index.files.count(p.file), what << " has a piece in '" << p.file << "', which the index does not list",
                            kCorruptHint);
-                p.tp_dim = pj.at("tp_dim").get<int>();
-                LOOM_CHECK(p.tp_dim >= -1 && p.tp_dim < static_cast<int>(record.shape.size()),
-                           what << " has tp_dim " << p.tp_dim, kCorruptHint);
+                const int64_t tp_dim = integer(pj.at("tp_dim"), name + "'s tp_dim", where);
+                LOOM_CHECK(tp_dim >= -1 && tp_dim < static_cast<int64_t>(record.shape.size()),
+                           what << " has tp_dim " << tp_dim, kCorruptHint);
+                p.tp_dim = static_cast<int>(tp_dim);
                 int64_t extent = p.tp_dim < 0 ? 0 : record.shape[static_cast<size_t>(p.tp_dim)], held = 0;
                 for (const json & r : pj.at("tp_ranges")) {
-                    int64_t a = r.at(0).get<int64_t>(), b = r.at(1).get<int64_t>();
+                    int64_t a = integer(r.at(0), name + "'s tp_ranges", where), b = integer(r.at(1), name + "'s tp_ranges", where);
                     LOOM_CHECK(0 <= a && a <= b && b <= extent, what << ": range [" << a << ", " << b << ") outside "
                                                                      << extent, kCorruptHint);
                     p.tp_ranges.emplace_back(a, b);
@@ -496,7 +509,8 @@ Index read_index(const std::string & folder) {
                 Shape expected = record.shape;
                 if (p.tp_dim >= 0) expected[static_cast<size_t>(p.tp_dim)] = held;
                 if (pj.contains("tp_outer")) {
-                    const int64_t a = pj.at("tp_outer").at(0).get<int64_t>(), b = pj.at("tp_outer").at(1).get<int64_t>();
+                    const int64_t a = integer(pj.at("tp_outer").at(0), name + "'s tp_outer", where),
+                                  b = integer(pj.at("tp_outer").at(1), name + "'s tp_outer", where);
                     LOOM_CHECK(p.tp_dim >= 1 && 0 <= a && a <= b && b <= record.shape[0],
                                what << ": outer range [" << a << ", " << b << ") outside " << record.shape[0] << " (tp_dim "
                                     << p.tp_dim << ")", kCorruptHint);
@@ -505,8 +519,8 @@ Index read_index(const std::string & folder) {
                 }
                 LOOM_CHECK(p.local_shape == expected, what << ": a piece's local shape " << shape_string(p.local_shape)
                                                            << " does not match its ranges", kCorruptHint);
-                p.begin = pj.at("range").at(0).get<int64_t>();
-                p.end   = pj.at("range").at(1).get<int64_t>();
+                p.begin = integer(pj.at("range").at(0), name + "'s range", where);
+                p.end   = integer(pj.at("range").at(1), name + "'s range", where);
                 LOOM_CHECK(0 <= p.begin && p.begin <= p.end && p.end <= shape_numel(p.local_shape),
                            what << ": piece range [" << p.begin << ", " << p.end << ") outside its part", kCorruptHint);
                 covered += p.end - p.begin;

@@ -39,6 +39,7 @@ struct GptConfig {
     Normalization     normalization           = Normalization::layernorm;
     bool              swiglu                  = false;
     bool              qk_layernorm            = false;  // --qk-layernorm: each query and key head normalised (over d)
+    bool              apply_wd_to_qk_layernorm = false; // --apply-wd-to-qk-layernorm: their parameters decay
     PositionEmbedding position_embedding      = PositionEmbedding::learned_absolute;
     bool              add_bias_linear         = true;
     bool              untie_embeddings_and_output_weights = false;

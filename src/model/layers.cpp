@@ -252,6 +252,7 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
             for (Parameter * p : params) {   // every TP rank holds it whole and feeds it its own heads
                 p->tp_duplicate      = t.rank != 0;
                 p->sequence_parallel = t.size > 1;
+                p->no_weight_decay   = !c.apply_wd_to_qk_layernorm;   // Megatron's special case of its param groups
             }
         }
     }

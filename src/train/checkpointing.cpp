@@ -5,6 +5,8 @@
 #include "core/error.h"
 
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <cmath>
 #include <set>
 #include <cstdio>
@@ -123,6 +125,20 @@ Strictness strictness_from_name(const std::string & name) {
     LOOM_THROW("argument --dist-ckpt-strictness: invalid choice: '" << name << "'", "choose from " << choices);
 }
 
+namespace {
+
+// A number of the saved schedule that a float holds (a damaged index could give 1e300, which a float
+// conversion would turn into undefined behaviour).
+float float_field(const json & saved, const char * key, const std::string & index_path) {
+    const json & v = saved.at(key);
+    LOOM_CHECK(v.is_number() && std::isfinite(v.get<double>()) && std::fabs(v.get<double>()) <= 3.4e38,
+               "checkpoint index '" << index_path << "': opt_param_scheduler." << key << " is " << v.dump().substr(0, 40),
+               "the index is damaged");
+    return static_cast<float>(v.get<double>());
+}
+
+}  // namespace
+
 SchedulerState resume_scheduler(const TrainOptions & o, const optim::LrSchedule & flags, const json & saved,
                                 const std::string & index_path) {
     SchedulerState state;
@@ -134,12 +150,12 @@ SchedulerState resume_scheduler(const TrainOptions & o, const optim::LrSchedule 
                    "the index is damaged");
         if (o.override_opt_param_scheduler) return state;
         optim::LrSchedule from = flags;
-        from.max_lr       = saved.at("max_lr").get<float>();
-        from.min_lr       = saved.at("min_lr").get<float>();
+        from.max_lr       = float_field(saved, "max_lr", index_path);
+        from.min_lr       = float_field(saved, "min_lr", index_path);
         from.warmup_steps = saved.at("lr_warmup_steps").get<double>();
         from.decay_steps  = saved.at("lr_decay_steps").get<double>();
         from.style        = optim::lr_decay_style_from_name(saved.at("lr_decay_style").get<std::string>());
-        from.init_lr      = saved.value("lr_warmup_init", flags.init_lr);
+        from.init_lr      = saved.contains("lr_warmup_init") ? float_field(saved, "lr_warmup_init", index_path) : flags.init_lr;
         from.wsd_steps    = saved.value("lr_wsd_decay_steps", flags.wsd_steps);
         if (saved.contains("lr_wsd_decay_style")) {
             from.wsd_style = optim::wsd_decay_style_from_name(saved.at("lr_wsd_decay_style").get<std::string>());
@@ -163,8 +179,8 @@ SchedulerState resume_scheduler(const TrainOptions & o, const optim::LrSchedule 
             compare("weight decay steps, in samples", "--train-iters or --train-samples", weight_decay_steps(o),
                     saved.at("wd_incr_steps").get<double>());
         }
-        compare("start weight decay", "--weight-decay", o.adam.weight_decay, saved.at("start_wd").get<float>());
-        compare("end weight decay", "--weight-decay", o.adam.weight_decay, saved.at("end_wd").get<float>());
+        compare("start weight decay", "--weight-decay", o.adam.weight_decay, float_field(saved, "start_wd", index_path));
+        compare("end weight decay", "--weight-decay", o.adam.weight_decay, float_field(saved, "end_wd", index_path));
         compare("weight decay increment style", "--weight-decay-incr-style", std::string("constant"),
                 saved.at("wd_incr_style").get<std::string>());
         if (!differ.empty()) {
@@ -366,6 +382,29 @@ void load_weights(const checkpoint::Index & index, model::GptModel & model) {
     load.optimizer  = false;
     load.vocab_size = model.config().vocab_size;
     checkpoint::load(index, contents, load);
+}
+
+std::optional<int64_t> tracked_iteration(const std::string & dir) {
+    std::ifstream in(std::filesystem::path(dir) / checkpoint::kTrackerFile);
+    int64_t       iteration = 0;
+    if (!(in >> iteration)) return std::nullopt;
+    return iteration;
+}
+
+void retire_checkpoint(const TrainOptions & o, std::optional<int64_t> previous, int64_t iteration) {
+    namespace fs = std::filesystem;
+    if (o.save_retain_interval <= 0 || !previous || *previous <= 0 || *previous == iteration ||
+        *previous % o.save_retain_interval == 0) {
+        return;
+    }
+    const fs::path folder = fs::path(o.save) / checkpoint::iteration_folder(*previous);
+    std::error_code ec;
+    if (fs::is_symlink(fs::symlink_status(folder, ec)) || !fs::is_directory(folder, ec)) return;
+    const fs::path doomed = folder.string() + ".tmp";
+    fs::remove_all(doomed, ec);
+    fs::rename(folder, doomed, ec);
+    LOOM_CHECK(!ec, "--save-retain-interval: cannot remove '" << folder.string() << "': " << ec.message(), "");
+    fs::remove_all(doomed, ec);
 }
 
 checkpoint::SaveStats save_checkpoint(const TrainOptions & options, Setup & setup, int64_t iteration,

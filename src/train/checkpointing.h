@@ -107,6 +107,14 @@ checkpoint::Index index_to_read(const TrainOptions & options, const char * comma
 // The checkpoint's weights into a whole model on one rank (the f32 master where one was saved).
 void load_weights(const checkpoint::Index & index, model::GptModel & model);
 
+// --save-retain-interval R, after a save of `iteration` (rank 0): the checkpoint the tracker named before it
+// (`previous`) is removed unless its iteration is a multiple of R, or is `iteration`, or its folder is a
+// symbolic link (Megatron's rule). Renamed to iter_XXXXXXX.tmp first, which the next save clears if a kill
+// comes between: the tracker already names the new checkpoint.
+void retire_checkpoint(const TrainOptions & options, std::optional<int64_t> previous, int64_t iteration);
+// The iteration DIR's tracker names, if any (a "release" tracker or none: nothing).
+std::optional<int64_t> tracked_iteration(const std::string & dir);
+
 // --save at `iteration`: every rank of the setup calls it.
 checkpoint::SaveStats save_checkpoint(const TrainOptions & options, Setup & setup, int64_t iteration,
                                       int64_t consumed_samples, const SchedulerState & scheduler,

@@ -21,6 +21,9 @@ const Flag<TrainOptions> kCheckpointFlags[] = {
     {"--save", kCkpt, &O::save, "folder to save checkpoints to (DIR/iter_XXXXXXX)"},
     {"--load", kCkpt, &O::load, "folder to resume from (its latest_checkpointed_iteration.txt, or --ckpt-step)"},
     {"--save-interval", kCkpt, &O::save_interval, "iterations between checkpoints (and one at the end)"},
+    {"--save-retain-interval", kCkpt, &O::save_retain_interval,
+     "keep the checkpoints of iterations that are multiples of this, and the latest; each save removes the one "
+     "before it otherwise (a multiple of --save-interval)"},
     {"--no-save-optim", kCkpt, &O::no_save_optim, "save the parameters only"},
     {"--no-load-optim", kCkpt, &O::no_load_optim, "load the parameters only; the optimizer starts afresh"},
     {"--no-load-rng", kCkpt, &O::no_load_rng, "do not load the random state (Loom keeps none after initialisation)"},
@@ -75,6 +78,13 @@ void validate_checkpoint_flags(const TrainOptions & o, const Given & given) {
                      o.ckpt_format.c_str());
     }
     LOOM_CHECK(!given("--save-interval") || o.save_interval >= 1, "--save-interval must be >= 1, got " << o.save_interval, "");
+    if (given("--save-retain-interval")) {   // Megatron's asserts
+        LOOM_CHECK(o.save_retain_interval >= 1, "--save-retain-interval must be >= 1, got " << o.save_retain_interval, "");
+        LOOM_CHECK(o.save_interval >= 1 && o.save_retain_interval % o.save_interval == 0,
+                   "--save-retain-interval " << o.save_retain_interval << " is not a multiple of --save-interval "
+                                             << o.save_interval,
+                   "the retained checkpoints are some of the saved ones: give a multiple of --save-interval");
+    }
     LOOM_CHECK(!given("--exit-interval") || o.exit_interval >= 1, "--exit-interval must be >= 1, got " << o.exit_interval, "");
     LOOM_CHECK(std::isfinite(o.exit_duration_in_mins) && o.exit_duration_in_mins >= 0,
                "--exit-duration-in-mins must be a finite number >= 0, got " << o.exit_duration_in_mins, "");

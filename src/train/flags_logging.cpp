@@ -3,6 +3,7 @@
 #include "train/flag_values.h"
 #include "train/options.h"
 
+#include <cstdio>
 #include <filesystem>
 
 namespace loom::train {
@@ -24,6 +25,11 @@ const Flag<TrainOptions> kLoggingFlags[] = {
     {"--log-interval", kLog, &O::log_interval, "iterations between log lines", kShowDefault},
     {"--log-file", kLoomGroup, &O::log_file, "write the logged metrics as JSON lines to this file"},
     {"--log-throughput", kLog, &O::log_throughput, "add the achieved TFLOP/s to the log line"},
+    {"--wandb-project", kLog, &O::wandb_project,
+     "accepted with a warning: Loom has no W&B client; the scalars go to --tensorboard-dir and --log-file"},
+    {"--wandb-entity", kLog, &O::wandb_entity, "accepted with --wandb-project's warning"},
+    {"--wandb-exp-name", kLog, &O::wandb_exp_name, "accepted with --wandb-project's warning"},
+    {"--wandb-save-dir", kLog, &O::wandb_save_dir, "accepted with --wandb-project's warning"},
     {"--tensorboard-dir", kLog, &O::tensorboard_dir, "write TensorBoard event files here (rank 0)"},
     {"--tensorboard-log-interval", kLog, &O::tensorboard_log_interval, "iterations between TensorBoard scalars",
      kShowDefault},
@@ -73,6 +79,12 @@ void check_output_path(const std::string & path, const char * flag) {
 std::span<const Flag<TrainOptions>> logging_flags() { return kLoggingFlags; }
 
 void validate_logging(const Given & given, const TrainOptions & o) {
+    if (!o.wandb_project.empty() && process_rank() <= 0) {
+        std::fprintf(stderr, "WARNING: --wandb-project %s: Loom has no Weights & Biases client; the logged scalars go "
+                             "to TensorBoard (--tensorboard-dir) and to --log-file%s\n",
+                     o.wandb_project.c_str(),
+                     o.tensorboard_dir.empty() && o.log_file.empty() ? ", neither of which is given" : "");
+    }
     LOOM_CHECK(o.log_interval >= 1, "--log-interval must be >= 1", "");
     LOOM_CHECK(o.timing_log_level >= 0 && o.timing_log_level <= 2,
                "--timing-log-level must be 0, 1 or 2, got " << o.timing_log_level, "");

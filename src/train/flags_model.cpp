@@ -71,6 +71,8 @@ const Flag<ModelFlags> kModelFlags[] = {
     {"--qk-layernorm", kSize, &M::qk_layernorm,
      "normalise each query and key head (over the head dimension, with --normalization) before RoPE", kPlain,
      {"qk_layernorm", [](const TrainOptions & o) -> json { return o.model.qk_layernorm; }, true}},
+    {"--apply-wd-to-qk-layernorm", "regularization", &M::apply_wd_to_qk_layernorm,
+     "apply --weight-decay to the --qk-layernorm parameters too (other norms and biases never decay)"},
     {"--untie-embeddings-and-output-weights", kSize, &M::untie, "separate output layer weight", kPlain,
      {"untie_embeddings_and_output_weights",
       [](const TrainOptions & o) -> json { return o.model.untie_embeddings_and_output_weights; }, true}},
@@ -151,6 +153,7 @@ void resolve_model_shape(const ModelFlags & f, const Given & given, TrainOptions
                "--position-embedding-type none (or rope, with which --no-position-embedding has no effect)");
     if (f.disable_bias) m.add_bias_linear = false;
     if (f.qk_layernorm) m.qk_layernorm = true;
+    if (f.apply_wd_to_qk_layernorm) m.apply_wd_to_qk_layernorm = true;
     if (f.untie) m.untie_embeddings_and_output_weights = true;
     if (given("--init-method-std")) m.init_method_std = f.init_std;
     if (given("--seed")) m.seed = f.seed;

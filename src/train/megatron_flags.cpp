@@ -88,7 +88,6 @@ const std::map<std::string, std::string> & refusal_hints() {
     static const std::map<std::string, std::string> hints = {
         {"--tokenizer-model", "Loom reads GPT-2 BPE files (--tokenizer-type GPT2BPETokenizer --vocab-file V "
                               "--merge-file M) or plain ids (--tokenizer-type NullTokenizer --vocab-size N)"},
-        {"--wandb-project", "--log-file writes the logged scalars as JSON lines"},
         {"--fp8-format", "train in --bf16"},
         {"--moe-router-enable-expert-bias", "Loom's router has no expert bias; balance with --moe-aux-loss-coeff"},
         {"--use-torch-fsdp2", "use --use-distributed-optimizer (ZeRO-1)"},

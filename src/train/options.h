@@ -118,6 +118,7 @@ struct TrainOptions {
     std::string save;                       // --save DIR
     std::string load;                       // --load DIR
     int64_t     save_interval = 0;          // --save-interval (0: only at the end)
+    int64_t     save_retain_interval = 0;   // --save-retain-interval: keep only multiples of it and the latest
     bool        no_save_optim = false, no_load_optim = false, no_load_rng = false, finetune = false;
     int64_t     ckpt_step = -1;             // --ckpt-step (-1: the tracker's iteration)
     std::string ckpt_format = "torch_dist"; // the only format: Loom's, under Megatron's default name
@@ -155,6 +156,9 @@ struct TrainOptions {
     // Logging.
     int64_t     log_interval = 100;
     std::string log_file;           // JSON lines, one object per logged iteration (rank 0 writes it)
+    // --wandb-project, --wandb-entity, --wandb-exp-name, --wandb-save-dir: accepted with a warning (no W&B
+    // client here; the scalars go to TensorBoard and --log-file).
+    std::string wandb_project, wandb_entity, wandb_exp_name, wandb_save_dir;
     bool        log_throughput = false;   // --log-throughput: the TFLOP/s field of the log line
 
     // Micro-batches per iteration on each data-parallel rank.

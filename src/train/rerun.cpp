@@ -282,11 +282,17 @@ void RerunStateMachine::load_state_dict(const json & state) {
     try {
         state_ = state_from_name(state.at("state").get<std::string>());
         if (state_ == RerunState::not_running_yet) return;
-        failed_            = Call{state.at("failed_validation_call").at("message").get<std::string>(),
-                       state.at("failed_validation_call").at("sequence").get<int64_t>()};
-        initial_result_    = result_of(state.at("initial_result_bits"));
+        const json & sequence = state.at("failed_validation_call").at("sequence");
+        const json & device   = state.at("suspicious_device");
+        const json & bits     = state.at("initial_result_bits");
+        LOOM_CHECK(sequence.is_number_integer() && device.is_number_integer() && bits.is_number_unsigned() &&
+                       device.get<int64_t>() >= -1 && device.get<int64_t>() < (int64_t(1) << 20),
+                   "the checkpoint's rerun_state_machine holds a sequence, device or result that is not an integer",
+                   "the index is damaged");
+        failed_            = Call{state.at("failed_validation_call").at("message").get<std::string>(), sequence.get<int64_t>()};
+        initial_result_    = result_of(bits);
         suspicious_node_   = state.at("suspicious_node").get<std::string>();
-        suspicious_device_ = state.at("suspicious_device").get<int>();
+        suspicious_device_ = static_cast<int>(device.get<int64_t>());
         const json & injected = state.at("injected_error_type");
         injected_             = !injected.is_null();
         if (injected_) injected_type_ = rerun_diagnostic_from_name(injected.get<std::string>());

@@ -422,7 +422,11 @@ std::string padded(int64_t iteration) {   // Megatron's %7d
 
 void Trainer::save() {
     report_message("saving checkpoint at iteration " + padded(iteration_) + " to " + options_.save + " in torch_dist format");
+    comm::Communicator *         everyone = setup_.all_ranks();
+    const bool                   writer   = !everyone || everyone->rank() == 0;   // the tracker's writer
+    const std::optional<int64_t> previous = writer ? tracked_iteration(options_.save) : std::nullopt;
     checkpoint::SaveStats stats = save_checkpoint(options_, setup_, iteration_, consumed_, scheduler_);
+    if (writer) retire_checkpoint(options_, previous, iteration_);
     char sizes[96];
     std::snprintf(sizes, sizeof(sizes), " [ %.1f MiB in %.3f s ]", stats.bytes / 1048576.0, stats.seconds);
     report_message("  successfully saved checkpoint from iteration " + padded(iteration_) + " to " + options_.save + sizes);
