@@ -426,6 +426,17 @@ TEST(GptModel, PartialAndInterleavedRopeGradientsMatchFiniteDifferences) {
     }
 }
 
+// --apply-layernorm-1p: every norm (final, per layer, and the per-head Q and K norms) scales by 1 + weight.
+TEST(GptModel, ZeroCentredNormGradientsMatchFiniteDifferences) {
+    model::GptConfig c = gpt2_style_grad_config();
+    c.apply_layernorm_1p = true;
+    check_model_gradients(c);
+    model::GptConfig l = llama_style_grad_config();
+    l.apply_layernorm_1p = true;
+    l.qk_layernorm       = true;
+    check_model_gradients(l);
+}
+
 TEST(GptModel, GradientsAccumulateAcrossMicrobatches) {
     model::GptConfig c;
     c.num_layers = 1;

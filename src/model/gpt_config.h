@@ -40,6 +40,7 @@ struct GptConfig {
     bool              swiglu                  = false;
     bool              qk_layernorm            = false;  // --qk-layernorm: each query and key head normalised (over d)
     bool              apply_wd_to_qk_layernorm = false; // --apply-wd-to-qk-layernorm: their parameters decay
+    bool              apply_layernorm_1p      = false;  // --apply-layernorm-1p: every norm scales by 1 + weight
     PositionEmbedding position_embedding      = PositionEmbedding::learned_absolute;
     bool              add_bias_linear         = true;
     bool              untie_embeddings_and_output_weights = false;

@@ -46,6 +46,7 @@ GptModel::GptModel(const GptConfig & config, Device & device, const PipelineStag
     if (stage_.post_process) {
         final_norm_ = std::make_unique<Norm>("final_norm", config_.hidden_size, config_.normalization,
                                              config_.norm_epsilon, dtype, device, tp_);
+        final_norm_->set_one_plus(config_.apply_layernorm_1p);
         if (!tied) {
             output_ = parameter_create("output_layer.weight", {vocab_local_, config_.hidden_size}, dtype, device);
             output_.embedding_or_output = true;

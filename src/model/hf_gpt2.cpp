@@ -204,6 +204,10 @@ std::vector<Mapping> gpt2_mapping(GptModel & model, int64_t hf_vocab) {
     for (Parameter * p : model.parameters()) params[p->name] = p;
     const GptConfig & c = model.config();
     const int64_t     h = c.hidden_size, f = c.ffn_hidden_size;
+    LOOM_CHECK(!c.apply_layernorm_1p,
+               "a model with --apply-layernorm-1p does not map onto Hugging Face GPT-2: its norms scale by 1 + weight, "
+               "GPT-2's by the weight",
+               "train without --apply-layernorm-1p to exchange weights with Hugging Face");
     std::vector<Mapping> out;
     auto add = [&](const std::string & hf, const std::string & loom, Shape shape, bool transpose) {
         auto it = params.find(loom);

@@ -169,8 +169,25 @@ Norm::Norm(const std::string & name, int64_t h, Normalization k, float e, DType 
     }
 }
 
+void Norm::set_one_plus(bool one_plus) {
+    one_plus_ = one_plus;
+    if (!one_plus_ || ones_.defined()) return;
+    ones_ = Tensor::empty({weight.data.numel()}, DType::f32, weight.data.device());
+    write_values_f32(ones_, std::vector<float>(static_cast<size_t>(weight.data.numel()), 1.0f));
+}
+
+Tensor Norm::scale() const {
+    Tensor w = parameter_f32(weight);
+    if (!one_plus_) return w;
+    Device & device = weight.data.device();
+    Tensor   g      = Tensor::empty({weight.data.numel()}, DType::f32, device, {MemoryKind::device, kActivationsPool});
+    device.ops().copy(device.compute_stream(), w, g);
+    device.ops().add_inplace(device.compute_stream(), g, ones_);
+    return g;
+}
+
 void Norm::init() {
-    parameter_init_constant(weight, 1.0f);
+    parameter_init_constant(weight, one_plus_ ? 0.0f : 1.0f);
     if (kind == Normalization::layernorm) parameter_init_constant(bias, 0.0f);
 }
 
@@ -182,7 +199,7 @@ void Norm::parameters(std::vector<Parameter *> & out) {
 Tensor Norm::forward(Context & ctx, const Tensor & x, const Tensor * residual) {
     int64_t  n = x.size(0), h = x.size(1);
     Tensor   y = activation(x.device(), n, h);
-    Tensor   w = parameter_f32(weight);
+    Tensor   w = scale();
     Ops &    ops    = x.device().ops();
     Stream & stream = x.device().compute_stream();
     ctx.rstd = activation(x.device(), n, 1);
@@ -199,7 +216,7 @@ Tensor Norm::forward(Context & ctx, const Tensor & x, const Tensor * residual) {
 Tensor Norm::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
     int64_t  n = dy.size(0), h = dy.size(1);
     Tensor   dx = activation(dy.device(), n, h);
-    Tensor   w  = parameter_f32(weight);
+    Tensor   w  = scale();
     Ops &    ops    = dy.device().ops();
     Stream & stream = dy.device().compute_stream();
     if (kind == Normalization::layernorm) {
@@ -247,6 +264,7 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
     if (c.qk_layernorm) {
         for (auto [norm, which] : {std::pair{&q_norm, ".q_norm"}, {&k_norm, ".k_norm"}}) {
             *norm = std::make_unique<Norm>(name + which, c.head_dim(), c.normalization, c.norm_epsilon, c.params_dtype, device);
+            (*norm)->set_one_plus(c.apply_layernorm_1p);
             std::vector<Parameter *> params;
             (*norm)->parameters(params);
             for (Parameter * p : params) {   // every TP rank holds it whole and feeds it its own heads

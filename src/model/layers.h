@@ -126,11 +126,19 @@ public:
     Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
     void   init();
     void   parameters(std::vector<Parameter *> & out);
+    // --apply-layernorm-1p (Megatron's zero-centred gamma): the weight starts at 0 and the kernels scale by
+    // 1 + weight; its gradient is the scale's. Set before init().
+    void   set_one_plus(bool one_plus);
 
     Parameter     weight;   // (h)
     Parameter     bias;     // (h), LayerNorm only
     Normalization kind;
     float         eps;
+
+private:
+    Tensor scale() const;   // what the kernels multiply by: the weight, or 1 + it
+    bool   one_plus_ = false;
+    Tensor ones_;           // (h) f32 ones, with one_plus_
 };
 
 class SelfAttention {

@@ -19,6 +19,8 @@ TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & 
       attention("layers." + std::to_string(index) + ".attention", c, device, tp),
       norm2("layers." + std::to_string(index) + ".norm2", c.hidden_size, c.normalization, c.norm_epsilon,
             c.params_dtype, device, tp) {
+    norm1.set_one_plus(c.apply_layernorm_1p);
+    norm2.set_one_plus(c.apply_layernorm_1p);
     const std::string name = "layers." + std::to_string(index) + ".mlp";
     if (c.moe.is_moe_layer(index)) {
         moe        = std::make_unique<MoELayer>(name, c, c.moe, device, tp, ep);

@@ -24,7 +24,8 @@ namespace {
 // model's MoE args, RoPE over whole heads in halves.
 const std::map<std::string, json> & later_args() {
     static const std::map<std::string, json> defaults = {{"moe_layer_freq", 1},       {"moe_grouped_gemm", false},
-                                                         {"rotary_percent", 1.0},     {"rotary_interleaved", false}};
+                                                         {"rotary_percent", 1.0},     {"rotary_interleaved", false},
+                                                         {"apply_layernorm_1p", false}};
     return defaults;
 }
 
@@ -261,6 +262,7 @@ void apply_checkpoint_args(model::GptConfig & m, const checkpoint::Index & index
         m.rotary_base                         = a.at("rotary_base").get<float>();
         m.rotary_percent                      = saved_or_dense(a, "rotary_percent").get<float>();
         m.rotary_interleaved                  = saved_or_dense(a, "rotary_interleaved").get<bool>();
+        m.apply_layernorm_1p                  = saved_or_dense(a, "apply_layernorm_1p").get<bool>();
         m.init_method_std                     = a.at("init_method_std").get<float>();
         // The MoE shape (the router's other settings are training choices, given as flags).
         if (const json experts = saved_or_dense(a, "num_experts"); !experts.is_null()) {

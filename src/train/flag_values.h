@@ -48,6 +48,7 @@ struct ModelFlags {
     bool        gqa = false, swiglu = false, disable_bias = false, untie = false, qk_layernorm = false;
     bool        no_position_embedding = false;   // --no-position-embedding (deprecated upstream; only with rope)
     bool        apply_wd_to_qk_layernorm = false;
+    bool        apply_layernorm_1p = false;
     std::string normalization, position_embedding;
     float       init_std = 0, norm_epsilon = 0, rotary_percent = 1.0f;
     bool        rotary_interleaved = false;

@@ -71,6 +71,9 @@ const Flag<ModelFlags> kModelFlags[] = {
     {"--qk-layernorm", kSize, &M::qk_layernorm,
      "normalise each query and key head (over the head dimension, with --normalization) before RoPE", kPlain,
      {"qk_layernorm", [](const TrainOptions & o) -> json { return o.model.qk_layernorm; }, true}},
+    {"--apply-layernorm-1p", kSize, &M::apply_layernorm_1p,
+     "zero-centred norm weights: every norm scales by 1 + weight, the weight starting at 0", kPlain,
+     {"apply_layernorm_1p", [](const TrainOptions & o) -> json { return o.model.apply_layernorm_1p; }, true}},
     {"--apply-wd-to-qk-layernorm", "regularization", &M::apply_wd_to_qk_layernorm,
      "apply --weight-decay to the --qk-layernorm parameters too (other norms and biases never decay)"},
     {"--untie-embeddings-and-output-weights", kSize, &M::untie, "separate output layer weight", kPlain,
@@ -154,6 +157,7 @@ void resolve_model_shape(const ModelFlags & f, const Given & given, TrainOptions
     if (f.disable_bias) m.add_bias_linear = false;
     if (f.qk_layernorm) m.qk_layernorm = true;
     if (f.apply_wd_to_qk_layernorm) m.apply_wd_to_qk_layernorm = true;
+    if (f.apply_layernorm_1p) m.apply_layernorm_1p = true;
     if (f.untie) m.untie_embeddings_and_output_weights = true;
     if (given("--init-method-std")) m.init_method_std = f.init_std;
     if (given("--seed")) m.seed = f.seed;
