@@ -8,14 +8,13 @@
 
 namespace loom::comm {
 
-namespace {
-
-// FNV-1a, 64 bits: a digest of the encoded settings (accidental equality of different settings: 2^-64).
 uint64_t digest(std::string_view bytes) {
     uint64_t h = 0xcbf29ce484222325ull;
     for (unsigned char c : bytes) h = (h ^ c) * 0x100000001b3ull;
     return h;
 }
+
+namespace {
 
 // Every rank's `mine` (each the same size), gathered in rank order: host bytes staged through `device`.
 std::string gather(Communicator & world, Device & device, std::string mine) {

@@ -59,6 +59,10 @@ void check_issued(Communicator & world, Device & device, std::span<Communicator 
 // padded to the longest).
 std::vector<std::string> all_gather_strings(Communicator & world, Device & device, const std::string & mine);
 
+// FNV-1a, 64 bits, of `bytes`: the same on every host and build (std::hash is not), so ranks may compare
+// digests (accidental equality of different bytes: about 2^-64).
+uint64_t digest(std::string_view bytes);
+
 // "rank 3", "ranks 0-2, 5": the ranks of a sorted list, runs collapsed.
 std::string rank_list(std::span<const int> ranks);
 

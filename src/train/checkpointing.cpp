@@ -10,7 +10,6 @@
 #include <cmath>
 #include <set>
 #include <cstdio>
-#include <functional>
 #include <map>
 #include <sstream>
 
@@ -92,7 +91,7 @@ std::vector<std::string> unused_tensors(const checkpoint::Index & index, const s
     }
     if (world && world->size() > 1) {
         const comm::Setting read_from[] = {{"checkpoint", std::to_string(index.tensors.size()) + " tensors, names digest " +
-                                                              std::to_string(std::hash<std::string>{}(names))}};
+                                                              std::to_string(comm::digest(names))}};
         comm::check_agreement(*world, device, read_from, "the ranks read different checkpoints");
         used = comm::all_reduce_values(*world, device, std::move(used), comm::ReduceOp::max);
     }

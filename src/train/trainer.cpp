@@ -9,7 +9,6 @@
 
 #include <chrono>
 #include <cstdlib>
-#include <cstring>
 #include <sstream>
 #include <cmath>
 #include <cstdio>
@@ -280,19 +279,14 @@ void Trainer::check_weight_hashes(int64_t iteration) {
                                                         // host memory as it is)
     comm::Communicator * everyone = setup_.all_ranks();
     Device &             device   = model_.device();
-    // One line per parameter: its name and a 64-bit FNV-1a digest of its values' bits.
+    // One line per parameter: its name and the digest of its values' bits (comm::digest).
     auto digests = [&](bool expert) {
         std::string lines;
         for (const model::Parameter * p : params_) {
             if (p->expert != expert) continue;
             const std::vector<float> v = values_f32(p->data);
-            uint64_t                 h = 0xcbf29ce484222325ull;
-            for (float x : v) {
-                uint32_t bits;
-                std::memcpy(&bits, &x, sizeof bits);
-                for (int b = 0; b < 4; ++b) h = (h ^ ((bits >> (8 * b)) & 0xffu)) * 0x100000001b3ull;
-            }
-            char hex[24];
+            const uint64_t h = comm::digest({reinterpret_cast<const char *>(v.data()), v.size() * sizeof(float)});
+            char           hex[24];
             std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(h));
             lines += p->name + " " + hex + "\n";
         }
