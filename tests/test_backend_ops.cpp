@@ -685,6 +685,23 @@ TEST(OpsElementwise, SwigluForwardBackward) {
     EXPECT_TRUE(close("swiglu dx", dx, ref_dx, kActivationTol, 1.0));
 }
 
+TEST(OpsElementwise, SquaredReluForwardBackward) {
+    const int64_t       n = kRows, f = 72;
+    Tensor              x = random_f32({n, f}, 3251, -4.0f, 4.0f), y = empty({n, f});
+    Tensor              dy = random_f32({n, f}, 3252), dx = empty({n, f});
+    std::vector<double> xv = values(x), dv = values(dy), ref_y(xv.size()), ref_dx(xv.size());
+    for (size_t i = 0; i < xv.size(); ++i) {
+        const double r = xv[i] > 0.0 ? xv[i] : 0.0;
+        ref_y[i]       = r * r;
+        ref_dx[i]      = dv[i] * 2.0 * r;
+    }
+    ops().squared_relu_forward(stream(), x, y);
+    ops().squared_relu_backward(stream(), x, dy, dx);
+    synchronize();
+    EXPECT_TRUE(close("squared_relu y", y, ref_y, kActivationTol, 1.0));
+    EXPECT_TRUE(close("squared_relu dx", dx, ref_dx, kActivationTol, 1.0));
+}
+
 // Rotary embedding: backend/cpu/ops.h documents Megatron's non-interleaved halves: in each head of d,
 // element i pairs with element i + d/2 (i < d/2) and the pair at sequence position si turns by the angle
 // si * base^(-2i/d): (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); the inverse turns by minus the angle.

@@ -321,6 +321,18 @@ TEST(CudaOps, GeluAndSwigluForwardBackwardMatchTheCpu) {
     cs().synchronize();
     expect_close(yc, to_cpu(yg), 1e-5, "swiglu_forward");
     expect_close(dxs, to_cpu(dxsg), 1e-5, "swiglu_backward");
+
+    // Squared ReLU: one rounding each way on both devices, so the results are bitwise the CPU's.
+    Tensor xr = random_cpu({n, f}, 440, 3.0f), dyr = random_cpu({n, f}, 441);
+    Tensor yrc = cpu_tensor({n, f}), dxrc = cpu_tensor({n, f});
+    Tensor yrg = Tensor::empty({n, f}, DType::f32, gpu()), dxrg = Tensor::empty({n, f}, DType::f32, gpu());
+    cops().squared_relu_forward(cs(), xr, yrc);
+    cops().squared_relu_backward(cs(), xr, dyr, dxrc);
+    gops().squared_relu_forward(gs(), to_gpu(xr), yrg);
+    gops().squared_relu_backward(gs(), to_gpu(xr), to_gpu(dyr), dxrg);
+    cs().synchronize();
+    expect_bitwise(yrc, to_cpu(yrg), "squared_relu_forward");
+    expect_bitwise(dxrc, to_cpu(dxrg), "squared_relu_backward");
 }
 
 // ---------------------------------------------------------------------------------------------- Data movement

@@ -104,6 +104,19 @@ TEST(Kernels, ActivationGradients) {
     };
     cpu::swiglu_backward(x.data(), wf.data(), dx.data(), n, f);
     check_gradient("swiglu", x.data(), n * 2 * f, dx.data(), swiglu);
+
+    auto squared_relu = [&] {
+        cpu::squared_relu_forward(x.data(), y.data(), n * 2 * f);
+        return dot(w, y.data());
+    };
+    cpu::squared_relu_backward(x.data(), w.data(), dx.data(), n * 2 * f);
+    check_gradient("squared_relu", x.data(), n * 2 * f, dx.data(), squared_relu);
+    const float in[3] = {-2.0f, 0.0f, 1.5f};
+    float       out[3];
+    cpu::squared_relu_forward(in, out, 3);
+    EXPECT_EQ(out[0], 0.0f);
+    EXPECT_EQ(out[1], 0.0f);
+    EXPECT_EQ(out[2], 2.25f);
 }
 
 TEST(Kernels, RopeIsARotationAndItsInverseUndoesIt) {
@@ -435,6 +448,13 @@ TEST(GptModel, ZeroCentredNormGradientsMatchFiniteDifferences) {
     l.apply_layernorm_1p = true;
     l.qk_layernorm       = true;
     check_model_gradients(l);
+}
+
+// --squared-relu: every MLP's activation is max(x, 0)^2 (the GPT-2-style model, with its biases).
+TEST(GptModel, SquaredReluGradientsMatchFiniteDifferences) {
+    model::GptConfig c = gpt2_style_grad_config();
+    c.squared_relu     = true;
+    check_model_gradients(c);
 }
 
 TEST(GptModel, GradientsAccumulateAcrossMicrobatches) {

@@ -601,10 +601,13 @@ LayerRun run_layer(MoELayer & layer, const std::vector<float> & xv, const std::v
 TEST(Experts, GroupedGemmIsBitwiseTheSequentialLoop) {
     const int64_t s = 5, b = 2, E = 6;
     // SwiGLU / GELU x no bias / biases; 2 and 3 padded to a capacity below the busiest expert's load;
-    // 4 and 5 with bf16 parameters (GEMM operands and saved activations in bf16).
-    for (int variant = 0; variant < 6; ++variant) {
-        GptConfig config = small_config(/*swiglu=*/variant % 2 == 0, /*bias=*/variant == 1 || variant == 2);
-        if (variant >= 4) config.params_dtype = DType::bf16;
+    // 4 and 5 with bf16 parameters (GEMM operands and saved activations in bf16); 6 and 7 squared ReLU
+    // (--squared-relu), 6 with biases, 7 in bf16.
+    for (int variant = 0; variant < 8; ++variant) {
+        GptConfig config = small_config(/*swiglu=*/variant % 2 == 0 && variant < 6,
+                                        /*bias=*/variant == 1 || variant == 2 || variant == 6);
+        if (variant == 4 || variant == 5 || variant == 7) config.params_dtype = DType::bf16;
+        config.squared_relu = variant >= 6;
         MoeConfig moe;
         moe.num_experts = E;   // 10 tokens x 2 over 6 experts: some may get none
         moe.topk        = 2;
@@ -666,7 +669,7 @@ TEST(Experts, GroupedGemmIsBitwiseTheSequentialLoop) {
 
 TEST(MoELayer, GradientsMatchFiniteDifferences) {
     const int64_t s = 4, b = 2;
-    struct Case { const char * name; bool swiglu, bias, grouped; MoeConfig moe; };
+    struct Case { const char * name; bool swiglu, bias, grouped; MoeConfig moe; bool squared_relu = false; };
     std::vector<Case> cases;
     {
         MoeConfig m;   // GELU with biases, post-softmax top-2, aux and z losses, no dropping
@@ -686,8 +689,16 @@ TEST(MoELayer, GradientsMatchFiniteDifferences) {
         m.drop_policy = MoeDropPolicy::position, m.z_loss_coeff = 0.1f;
         cases.push_back({"sigmoid k1 seq_aux position", false, false, false, m});
     }
+    {
+        MoeConfig m;   // --squared-relu, grouped with biases; then without, beside a shared expert (the same activation)
+        m.num_experts = 4, m.topk = 2, m.aux_loss_coeff = 0.5f, m.grouped_gemm = true;
+        cases.push_back({"squared relu grouped bias", false, true, true, m, true});
+        m.shared_expert_intermediate_size = 6;
+        cases.push_back({"squared relu grouped shared", false, false, true, m, true});
+    }
     for (const Case & c : cases) {
         GptConfig config = small_config(c.swiglu, c.bias);
+        config.squared_relu = c.squared_relu;
         MoELayer  layer("mlp", config, c.moe, dev());
         layer.init(9, 0.5f, 0.5f);
         std::vector<Parameter *> params;

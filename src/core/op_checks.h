@@ -418,6 +418,17 @@ inline void gelu_backward(const Tensor & x, const Tensor & dy, const Tensor & dx
     expect(dx, DType::f32, x.numel(), "gelu_backward", "dx");
 }
 
+inline void squared_relu_forward(const Tensor & x, const Tensor & y) {
+    expect(x, DType::f32, -1, "squared_relu_forward", "x");
+    expect(y, DType::f32, x.numel(), "squared_relu_forward", "y");
+}
+
+inline void squared_relu_backward(const Tensor & x, const Tensor & dy, const Tensor & dx) {
+    expect(x, DType::f32, -1, "squared_relu_backward", "x");
+    expect(dy, DType::f32, x.numel(), "squared_relu_backward", "dy");
+    expect(dx, DType::f32, x.numel(), "squared_relu_backward", "dx");
+}
+
 inline std::pair<int64_t, int64_t> swiglu_forward(const Tensor & x, const Tensor & y) {
     const auto [n, two_f] = rows_cols(x, "swiglu_forward");
     expect(x, DType::f32, -1, "swiglu_forward", "x");

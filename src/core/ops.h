@@ -150,6 +150,9 @@ public:
     // SwiGLU on x (n, 2f) = [gate | up] -> y (n, f) = silu(gate) * up.
     virtual void swiglu_forward(Stream & s, const Tensor & x, const Tensor & y) = 0;
     virtual void swiglu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) = 0;
+    // Squared ReLU (--squared-relu), elementwise: y = max(x, 0)^2; dx = dy * 2 max(x, 0).
+    virtual void squared_relu_forward(Stream & s, const Tensor & x, const Tensor & y) = 0;
+    virtual void squared_relu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) = 0;
     // Rotary embedding, in place, on the first `heads` heads of dimension d of every (s, b) row of x: the
     // first rotary_dim elements of each head turn (0: all d; --rotary-percent), in pairs (i, i + rotary_dim/2)
     // or, interleaved (--rotary-interleaved), (2i, 2i + 1), pair i by the angle si * base^(-2i / rotary_dim).

@@ -33,6 +33,8 @@ void GptConfig::validate() const {
                "the query groups must divide the heads");
     LOOM_CHECK(position_embedding != PositionEmbedding::rope || head_dim() % 2 == 0,
                "--position-embedding-type rope needs an even head dimension, got " << head_dim(), "");
+    LOOM_CHECK(!(swiglu && squared_relu), "--squared-relu and --swiglu are both given",
+               "choose one MLP activation (Megatron asserts the same)");
     LOOM_CHECK(seq_length >= 1, "--seq-length must be >= 1", "");
     LOOM_CHECK(position_embedding != PositionEmbedding::learned_absolute || seq_length <= max_position_embeddings,
                "--seq-length " << seq_length << " exceeds --max-position-embeddings " << max_position_embeddings,

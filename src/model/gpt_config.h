@@ -38,6 +38,7 @@ struct GptConfig {
     int64_t           make_vocab_size_divisible_by = 128;
     Normalization     normalization           = Normalization::layernorm;
     bool              swiglu                  = false;
+    bool              squared_relu            = false;  // --squared-relu: the MLPs' activation is max(x, 0)^2
     bool              qk_layernorm            = false;  // --qk-layernorm: each query and key head normalised (over d)
     bool              apply_wd_to_qk_layernorm = false; // --apply-wd-to-qk-layernorm: their parameters decay
     bool              apply_layernorm_1p      = false;  // --apply-layernorm-1p: every norm scales by 1 + weight

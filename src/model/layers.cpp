@@ -422,6 +422,11 @@ Tensor Mlp::forward(Context & ctx, const Tensor & x) {
         act         = activation(x.device(), pre.size(0), f);
         ctx.pre_act = keep_for_backward(pre, config.params_dtype);
         ops.swiglu_forward(stream, pre, act);
+    } else if (config.squared_relu) {
+        Tensor pre  = fc1.forward(ctx.fc1_ctx, x);
+        act         = activation(x.device(), pre.size(0), f);
+        ctx.pre_act = keep_for_backward(pre, config.params_dtype);
+        ops.squared_relu_forward(stream, pre, act);
     } else {
         // Bias, rounding to the saved dtype and GELU in one pass over the (n, f) pre-activation. The bias stays
         // out of fc1's GEMM epilogue: that pass runs anyway, so moving it saves nothing, and cuBLASLt's
@@ -445,6 +450,8 @@ Tensor Mlp::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready
     Ops &   ops   = dy.device().ops();
     if (config.swiglu) {
         ops.swiglu_backward(dy.device().compute_stream(), pre, d_act, d_pre);
+    } else if (config.squared_relu) {
+        ops.squared_relu_backward(dy.device().compute_stream(), pre, d_act, d_pre);
     } else {
         ops.gelu_backward(dy.device().compute_stream(), pre, d_act, d_pre);
     }

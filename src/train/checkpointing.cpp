@@ -24,7 +24,7 @@ namespace {
 const std::map<std::string, json> & later_args() {
     static const std::map<std::string, json> defaults = {{"moe_layer_freq", 1},       {"moe_grouped_gemm", false},
                                                          {"rotary_percent", 1.0},     {"rotary_interleaved", false},
-                                                         {"apply_layernorm_1p", false}};
+                                                         {"apply_layernorm_1p", false}, {"squared_relu", false}};
     return defaults;
 }
 
@@ -250,6 +250,7 @@ void apply_checkpoint_args(model::GptConfig & m, const checkpoint::Index & index
         m.make_vocab_size_divisible_by = a.at("make_vocab_size_divisible_by").get<int64_t>();
         m.normalization = a.at("normalization") == "RMSNorm" ? model::Normalization::rmsnorm : model::Normalization::layernorm;
         m.swiglu        = a.at("swiglu").get<bool>();
+        m.squared_relu  = saved_or_dense(a, "squared_relu").get<bool>();
         m.qk_layernorm  = a.value("qk_layernorm", false);   // absent from checkpoints written before the flag
         const std::string position = a.at("position_embedding_type").get<std::string>();
         m.position_embedding = position == "rope"   ? model::PositionEmbedding::rope

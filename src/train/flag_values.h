@@ -45,7 +45,7 @@ private:
 struct ModelFlags {
     int64_t     num_layers = 0, hidden_size = 0, ffn_hidden_size = 0, heads = 0, query_groups = 0;
     int64_t     seq_length = 0, max_pos = 0, vocab_size = 0, vocab_divisible = 0;
-    bool        gqa = false, swiglu = false, disable_bias = false, untie = false, qk_layernorm = false;
+    bool        gqa = false, swiglu = false, squared_relu = false, disable_bias = false, untie = false, qk_layernorm = false;
     bool        no_position_embedding = false;   // --no-position-embedding (deprecated upstream; only with rope)
     bool        apply_wd_to_qk_layernorm = false;
     bool        apply_layernorm_1p = false;

@@ -61,6 +61,8 @@ const Flag<ModelFlags> kModelFlags[] = {
      {"normalization", [](const TrainOptions & o) -> json { return normalization_name(o.model.normalization); }, true}},
     {"--swiglu", kSize, &M::swiglu, "SwiGLU MLP", kPlain,
      {"swiglu", [](const TrainOptions & o) -> json { return o.model.swiglu; }, true}},
+    {"--squared-relu", kSize, &M::squared_relu, "squared ReLU MLP activation, max(x, 0)^2 (instead of GELU)", kPlain,
+     {"squared_relu", [](const TrainOptions & o) -> json { return o.model.squared_relu; }, true}},
     {"--position-embedding-type", kSize, &M::position_embedding, "learned_absolute, rope or none", kPlain,
      {"position_embedding_type", [](const TrainOptions & o) -> json { return position_name(o.model.position_embedding); },
       true}},
@@ -138,6 +140,7 @@ void resolve_model_shape(const ModelFlags & f, const Given & given, TrainOptions
         else LOOM_THROW("--normalization '" << f.normalization << "' is not supported", "use LayerNorm or RMSNorm");
     }
     if (f.swiglu) m.swiglu = true;
+    if (f.squared_relu) m.squared_relu = true;
     // Megatron's MLP width when none is given: 4h, or with SwiGLU two thirds of it rounded down to a
     // multiple of 64 (the same parameter count as a 4h GELU MLP, roughly).
     if (!given("--ffn-hidden-size") && (given("--hidden-size") || f.swiglu)) {

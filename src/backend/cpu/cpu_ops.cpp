@@ -139,6 +139,16 @@ public:
         s.submit([=] { cpu::gelu_backward(f32(x), f32(dy), f32(dx), x.numel()); });
     }
 
+    void squared_relu_forward(Stream & s, const Tensor & x, const Tensor & y) override {
+        op_checks::squared_relu_forward(x, y);
+        s.submit([=] { cpu::squared_relu_forward(f32(x), f32(y), x.numel()); });
+    }
+
+    void squared_relu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override {
+        op_checks::squared_relu_backward(x, dy, dx);
+        s.submit([=] { cpu::squared_relu_backward(f32(x), f32(dy), f32(dx), x.numel()); });
+    }
+
     void swiglu_forward(Stream & s, const Tensor & x, const Tensor & y) override {
         int64_t n, two_f;
         std::tie(n, two_f) = op_checks::swiglu_forward(x, y);

@@ -12,7 +12,8 @@ namespace loom::cpu {
 
 namespace {
 
-constexpr int64_t kRowGrain = 16;
+constexpr int64_t kRowGrain  = 16;
+constexpr int64_t kElemGrain = 4096;
 
 // Runs fn(begin, end) over column chunks of h, for parameter-gradient reductions over rows: each chunk
 // of columns belongs to one thread, so no two threads add into the same gradient element.
@@ -211,6 +212,21 @@ void gelu_backward(const float * x, const float * dy, float * dx, int64_t count)
             float grad  = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du;
             dx[i]       = dy[i] * grad;
         }
+    });
+}
+
+void squared_relu_forward(const float * x, float * y, int64_t count) {
+    parallel_for(count, kElemGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+            const float r = x[i] > 0.0f ? x[i] : 0.0f;
+            y[i]          = r * r;
+        }
+    });
+}
+
+void squared_relu_backward(const float * x, const float * dy, float * dx, int64_t count) {
+    parallel_for(count, kElemGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) dx[i] = x[i] > 0.0f ? dy[i] * (2.0f * x[i]) : 0.0f;
     });
 }
 

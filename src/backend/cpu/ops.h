@@ -48,6 +48,10 @@ void bias_gelu_forward(float * x, const float * bias, float * y, uint16_t * x_bf
 void swiglu_forward(const float * x, float * y, int64_t n, int64_t f);
 void swiglu_backward(const float * x, const float * dy, float * dx, int64_t n, int64_t f);
 
+// Squared ReLU, elementwise: y = max(x, 0)^2, dx = dy * 2 max(x, 0).
+void squared_relu_forward(const float * x, float * y, int64_t count);
+void squared_relu_backward(const float * x, const float * dy, float * dx, int64_t count);
+
 // y += x (residual), count elements.
 void add_inplace(float * y, const float * x, int64_t count);
 

@@ -277,6 +277,20 @@ public:
         cs.launched("gelu_backward", {x, dy, dx});
     }
 
+    void squared_relu_forward(Stream & s, const Tensor & x, const Tensor & y) override {
+        op_checks::squared_relu_forward(x, y);
+        CudaStream & cs = start(s, "squared_relu_forward", {x, y});
+        kernels::squared_relu_forward(cs.launch("squared_relu_forward"), f32(x), f32(y), x.numel());
+        cs.launched("squared_relu_forward", {x, y});
+    }
+
+    void squared_relu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override {
+        op_checks::squared_relu_backward(x, dy, dx);
+        CudaStream & cs = start(s, "squared_relu_backward", {x, dy, dx});
+        kernels::squared_relu_backward(cs.launch("squared_relu_backward"), f32(x), f32(dy), f32(dx), x.numel());
+        cs.launched("squared_relu_backward", {x, dy, dx});
+    }
+
     void swiglu_forward(Stream & s, const Tensor & x, const Tensor & y) override {
         int64_t n, two_f;
         std::tie(n, two_f) = op_checks::swiglu_forward(x, y);

@@ -294,6 +294,17 @@ __global__ void gelu_backward_kernel(const float * x, const float * dy, float * 
     }
 }
 
+__global__ void squared_relu_forward_kernel(const float * x, float * y, int64_t count) {
+    LOOM_GRID_STRIDE(i, count) {
+        const float r = x[i] > 0.0f ? x[i] : 0.0f;
+        y[i]          = r * r;
+    }
+}
+
+__global__ void squared_relu_backward_kernel(const float * x, const float * dy, float * dx, int64_t count) {
+    LOOM_GRID_STRIDE(i, count) { dx[i] = x[i] > 0.0f ? dy[i] * (2.0f * x[i]) : 0.0f; }
+}
+
 __global__ void swiglu_forward_kernel(const float * x, float * y, int64_t n, int64_t f) {
     LOOM_GRID_STRIDE(i, n * f) {
         const int64_t r = i / f, j = i % f;
@@ -593,6 +604,14 @@ void bias_gelu_forward(cudaStream_t stream, float * x, const float * bias, float
 
 void gelu_backward(cudaStream_t stream, const float * x, const float * dy, float * dx, int64_t count) {
     if (count > 0) LOOM_LAUNCH(gelu_backward_kernel, blocks_for(count), kThreads, 0, stream)(x, dy, dx, count);
+}
+
+void squared_relu_forward(cudaStream_t stream, const float * x, float * y, int64_t count) {
+    if (count > 0) LOOM_LAUNCH(squared_relu_forward_kernel, blocks_for(count), kThreads, 0, stream)(x, y, count);
+}
+
+void squared_relu_backward(cudaStream_t stream, const float * x, const float * dy, float * dx, int64_t count) {
+    if (count > 0) LOOM_LAUNCH(squared_relu_backward_kernel, blocks_for(count), kThreads, 0, stream)(x, dy, dx, count);
 }
 
 void swiglu_forward(cudaStream_t stream, const float * x, float * y, int64_t n, int64_t f) {

@@ -58,6 +58,8 @@ void bias_gelu_forward(cudaStream_t stream, float * x, const float * bias, float
 void gelu_backward(cudaStream_t stream, const float * x, const float * dy, float * dx, int64_t count);
 void swiglu_forward(cudaStream_t stream, const float * x, float * y, int64_t n, int64_t f);
 void swiglu_backward(cudaStream_t stream, const float * x, const float * dy, float * dx, int64_t n, int64_t f);
+void squared_relu_forward(cudaStream_t stream, const float * x, float * y, int64_t count);
+void squared_relu_backward(cudaStream_t stream, const float * x, const float * dy, float * dx, int64_t count);
 
 // AdamW, the scalars of core/host_adam.h computed on the host exactly as there; the element update uses
 // the same IEEE operations in the same order (explicit fma, no contraction), so it gives the host's bits.

@@ -193,7 +193,7 @@ Tensor Experts::grouped_forward(Context & ctx, const Tensor & xp) {
                  pre.narrow(0, offset, c));
         offset += c;
     }
-    if (expert_config.swiglu) {
+    if (expert_config.swiglu || expert_config.squared_relu) {   // the bias, then the activation
         if (has_bias) {
             offset = 0;
             for (int64_t e = 0; e < num_experts; ++e) {
@@ -203,7 +203,11 @@ Tensor Experts::grouped_forward(Context & ctx, const Tensor & xp) {
             }
         }
         ctx.pre_act = keep_for_backward(pre, dtype);
-        ops.swiglu_forward(stream, pre, act);
+        if (expert_config.swiglu) {
+            ops.swiglu_forward(stream, pre, act);
+        } else {
+            ops.squared_relu_forward(stream, pre, act);
+        }
     } else {
         ctx.pre_act = dtype == DType::f32 ? pre : Tensor::empty(pre.shape(), dtype, device, {MemoryKind::device, kActivationsPool});
         Tensor pre_bf16 = dtype == DType::f32 ? Tensor() : ctx.pre_act;
@@ -265,6 +269,8 @@ Tensor Experts::grouped_backward(Context & ctx, const Tensor & dyp, const GradRe
     Tensor d_pre = activation(device, R, f1);
     if (expert_config.swiglu) {
         ops.swiglu_backward(stream, pre, d_act, d_pre);
+    } else if (expert_config.squared_relu) {
+        ops.squared_relu_backward(stream, pre, d_act, d_pre);
     } else {
         ops.gelu_backward(stream, pre, d_act, d_pre);
     }
