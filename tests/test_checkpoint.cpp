@@ -784,3 +784,32 @@ TEST(CheckpointFlags, UnsupportedFormatsAndMisusedFlagsAreRefusedByName) {
     EXPECT_EQ(eval.status, 2);
     EXPECT_NE(eval.out.find("flags of `loom train`"), std::string::npos) << eval.out;
 }
+
+// A growing global batch (--step-batch-size-schedule, thresholds in tokens: samples 0, 4 and 12 at
+// sequence 32; 44 samples make 8 iterations) on two data-parallel ranks with ZeRO-1 follows the one-rank run, and a resume on a two-stage
+// pipeline from the one-rank checkpoint at iteration 4 picks the schedule up at its consumed samples.
+TEST(BatchSchedule, DataParallelAndAResumeOnAPipelineFollowTheOneRankRun) {
+    TempDir           tmp;
+    // In samples: a schedule's iteration-based lr lengths count micro x dp samples per iteration (Megatron's
+    // global batch with a schedule), which differ between the layouts.
+    const std::string run = "train --mock-data --train-samples 44 --lr-warmup-samples 4 --lr-decay-samples 1000 "
+                            "--log-interval 1 --micro-batch-size 1 " +
+                            kModel + "--num-layers 2 --step-batch-size-schedule '0:2 128:4 384:8' ";
+    CliRun one = run_on(1, run + "--save " + (tmp / "one") + " --save-interval 4 --log-file " + (tmp / "one.jsonl"));
+    ASSERT_EQ(one.status, 0) << one.out;
+    CliRun dp = run_on(2, run + "--use-distributed-optimizer --log-file " + (tmp / "dp.jsonl"));
+    ASSERT_EQ(dp.status, 0) << dp.out;
+    CliRun pp = run_on(2, run + "--pipeline-model-parallel-size 2 --load " + (tmp / "one") + " --ckpt-step 4 --log-file " +
+                              (tmp / "pp.jsonl"));
+    ASSERT_EQ(pp.status, 0) << pp.out;
+    std::map<int64_t, double> l1 = losses(tmp / "one.jsonl"), l2 = losses(tmp / "dp.jsonl"), l3 = losses(tmp / "pp.jsonl");
+    ASSERT_EQ(l1.size(), 8u);
+    ASSERT_EQ(l2.size(), 8u);
+    ASSERT_EQ(l3.size(), 4u) << pp.out;
+    for (int64_t k = 1; k <= 8; ++k) {
+        EXPECT_NEAR(l2.at(k), l1.at(k), 1e-5 * std::abs(l1.at(k))) << "dp 2, iteration " << k;
+        if (k > 4) EXPECT_NEAR(l3.at(k), l1.at(k), 1e-5 * std::abs(l1.at(k))) << "pp 2 resumed, iteration " << k;
+    }
+    EXPECT_NE(pp.out.find("consumed samples:           20 | elapsed"), std::string::npos) << "iteration 5: 12 + 8\n"
+                                                                                              << pp.out;
+}

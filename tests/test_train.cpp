@@ -1015,3 +1015,113 @@ TEST(MegatronCommandLine, ScheduleFlagsInSamplesFractionsAndWsd) {
         EXPECT_NE(err.find(c.names), std::string::npos) << c.args << " -> " << err;
     }
 }
+
+// --step-batch-size-schedule and --rampup-batch-size against Megatron's calculators, written out here as
+// Megatron states them: the schedule's thresholds are tokens (K/M/B/T suffixes) turned into samples, and
+// the global batch is then micro x dp (what the learning-rate schedule and validation use); the ramp's
+// batch after c samples is start + increment x int(c / (samples / steps)) up to `samples`, the global batch
+// past it; --train-samples gives Megatron's update_train_iters count.
+TEST(MegatronCommandLine, BatchSizeSchedulesFollowMegatronsCalculators) {
+    const train::TrainOptions s = parse_train({"--mock-data", "--seq-length", "4096", "--micro-batch-size", "1",
+                                               "--step-batch-size-schedule", "0:384 200B:768, 400b:1152"});
+    const std::vector<std::pair<int64_t, int64_t>> expected{
+        {0, 384}, {200000000000 / 4096, 768}, {400000000000 / 4096, 1152}};
+    EXPECT_EQ(s.batch_schedule, expected);
+    EXPECT_EQ(s.global_batch_size, 1) << "Megatron's args.global_batch_size: micro x dp";
+    EXPECT_EQ(s.eval_global_batch_size, 1);
+    EXPECT_EQ(s.global_batch_size_at(200000000000 / 4096 - 1), 384);
+    EXPECT_EQ(s.global_batch_size_at(200000000000 / 4096), 768);
+    EXPECT_EQ(s.train_samples_total(), 300 * 384) << "300 iterations, all before the first step up";
+    EXPECT_EQ(parse_train({"--mock-data", "--seq-length", "64", "--step-batch-size-schedule", "0:8 1.5K:16"})
+                  .batch_schedule[1].first, 1500 / 64);
+
+    // The ramp, sample by sample, against the calculator's formula.
+    struct Ramp { int64_t start, increment, samples, global; };
+    for (const Ramp r : {Ramp{2, 2, 12, 8}, Ramp{4, 4, 10, 16}, Ramp{16, 8, 3000, 1024}, Ramp{8, 8, 5, 64}}) {
+        SCOPED_TRACE(std::to_string(r.start) + " " + std::to_string(r.increment) + " " + std::to_string(r.samples));
+        const train::TrainOptions o = parse_train(
+            {"--mock-data", "--micro-batch-size", "1", "--global-batch-size", std::to_string(r.global),
+             "--rampup-batch-size", std::to_string(r.start), std::to_string(r.increment), std::to_string(r.samples)});
+        const double per_step = static_cast<double>(r.samples) / static_cast<double>((r.global - r.start) / r.increment);
+        for (int64_t c = 0; c <= r.samples + 3; ++c) {
+            const int64_t megatron =
+                c > r.samples ? r.global : r.start + r.increment * static_cast<int64_t>(static_cast<double>(c) / per_step);
+            ASSERT_EQ(o.global_batch_size_at(c), megatron) << "after " << c << " samples";
+        }
+    }
+    // update_train_iters, both loops as Megatron writes them.
+    const train::TrainOptions ramp = parse_train({"--mock-data", "--micro-batch-size", "1", "--global-batch-size", "8",
+                                                  "--rampup-batch-size", "2", "2", "12", "--train-samples", "40"});
+    int64_t consumed = 0, iterations = 0;
+    while (consumed <= 12 && consumed <= 40) consumed += ramp.global_batch_size_at(consumed), ++iterations;
+    iterations += (40 - consumed) / 8;
+    EXPECT_EQ(ramp.train_iters, iterations);
+    EXPECT_EQ(ramp.train_iters, 7);
+    const train::TrainOptions stepped = parse_train({"--mock-data", "--seq-length", "64", "--micro-batch-size", "1",
+                                                     "--step-batch-size-schedule", "0:2 192:4 640:8", "--train-samples",
+                                                     "30", "--lr-decay-samples", "30"});
+    consumed = 0, iterations = 0;
+    while (consumed < 30) consumed += stepped.global_batch_size_at(consumed), ++iterations;
+    EXPECT_EQ(stepped.train_iters, iterations);
+    EXPECT_EQ(stepped.train_samples_total(), consumed);
+
+    struct Case {
+        const char * args;
+        const char * names;
+    } cases[] = {
+        {"--step-batch-size-schedule 0:4 --global-batch-size 4", "Cannot specify both --step-batch-size-schedule"},
+        {"--step-batch-size-schedule '0:4 64'", "invalid schedule entry \"64\""},
+        {"--step-batch-size-schedule 1M:4", "first schedule entry must have threshold 0"},
+        {"--step-batch-size-schedule '0:4 0.01K:8'", "strictly increasing"},
+        {"--step-batch-size-schedule '0:4 1K:x'", "'x', not a number"},
+        {"--step-batch-size-schedule '0:4 1K:0'", "batch size must lie in [1, 2^40]"},
+        {"--rampup-batch-size 2 2", "takes 3 values"},
+        {"--rampup-batch-size 16 8 100 --global-batch-size 16", "interval (0)"},
+        {"--rampup-batch-size 2 4 100 --global-batch-size 16", "divisible by global batch size increment (4)"},
+        {"--rampup-batch-size 2 2 100 --step-batch-size-schedule 0:4", "with --rampup-batch-size"},
+        {"--eval-global-batch-size 6 --micro-batch-size 4", "eval_global_batch_size (6) must be divisible"},
+        {"--step-batch-size-schedule '0:8 1K:12' --micro-batch-size 8 --seq-length 64",
+         "global batch 12 (from sample 15) is not divisible by micro_batch_size (8)"},
+    };
+    std::string err;
+    for (const Case & c : cases) {
+        EXPECT_EQ(run_status(std::string("train --mock-data --num-layers 1 --train-iters 20 --micro-batch-size 1 ") + c.args, &err), 2)
+            << c.args;
+        EXPECT_NE(err.find(c.names), std::string::npos) << c.args << " -> " << err;
+    }
+}
+
+// A growing batch trains as the schedule says: each iteration's batch and consumed samples in the log line,
+// and the iterations before the first step up bitwise those of a constant batch of the schedule's first size
+// (with a constant learning rate: the schedule's lr counts micro x dp samples per iteration, as Megatron's).
+// Validation takes --eval-global-batch-size sequences.
+TEST(Training, AGrowingBatchFollowsItsScheduleAndValidatesAtItsOwnBatch) {
+    const std::string run = "train --mock-data --num-layers 1 --seq-length 64 --micro-batch-size 1 --train-iters 6 "
+                            "--lr-decay-style constant --log-interval 1 --eval-interval 6 --eval-iters 1 ";
+    CliRun grown = run_loom(run + "--step-batch-size-schedule '0:2 192:4 640:8' --eval-global-batch-size 4");
+    ASSERT_EQ(grown.status, 0) << grown.out;
+    const int64_t batches[]  = {2, 2, 4, 4, 8, 8};
+    int64_t       consumed   = 0;
+    for (int k = 0; k < 6; ++k) {
+        consumed += batches[k];
+        char field[160];
+        std::snprintf(field, sizeof(field), "consumed samples: %12lld", static_cast<long long>(consumed));
+        EXPECT_NE(grown.out.find(field), std::string::npos) << field << "\n" << grown.out;
+        std::snprintf(field, sizeof(field), "global batch size: %5lld", static_cast<long long>(batches[k]));
+        EXPECT_NE(grown.out.find(field), std::string::npos) << field;
+    }
+    CliRun constant = run_loom(run + "--global-batch-size 2 --eval-global-batch-size 4");
+    ASSERT_EQ(constant.status, 0) << constant.out;
+    auto loss_of = [](const std::string & out, int iteration) {
+        char key[64];
+        std::snprintf(key, sizeof(key), "iteration %8d/", iteration);
+        const size_t at = out.find(key);
+        if (at == std::string::npos) return std::string("(no iteration)");
+        const size_t loss = out.find("lm loss: ", at);
+        return out.substr(loss, out.find(" |", loss) - loss);
+    };
+    EXPECT_EQ(loss_of(grown.out, 1), loss_of(constant.out, 1));
+    EXPECT_EQ(loss_of(grown.out, 2), loss_of(constant.out, 2));
+    EXPECT_NE(loss_of(grown.out, 3), loss_of(constant.out, 3)) << "a batch of 4 from iteration 3";
+    EXPECT_NE(grown.out.find("validation loss at iteration 6"), std::string::npos) << grown.out;
+}

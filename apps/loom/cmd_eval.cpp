@@ -33,15 +33,15 @@ int cmd_eval(int argc, char ** argv) {
     train::TrainOptions options    = parser.resolve();
     const int64_t       eval_iters = options.eval_iters;
     LOOM_CHECK(eval_iters >= 1, "--eval-iters must be >= 1, got " << eval_iters, "");
-    LOOM_CHECK(eval_iters <= (int64_t(1) << 40) / options.global_batch_size,
-               "--eval-iters " << eval_iters << " x global batch " << options.global_batch_size
+    LOOM_CHECK(eval_iters <= (int64_t(1) << 40) / options.eval_global_batch_size,
+               "--eval-iters " << eval_iters << " x global batch " << options.eval_global_batch_size
                                << " samples is more than Loom evaluates (2^40)",
                "evaluate fewer batches");
     std::optional<checkpoint::Index> index;
     if (!options.load.empty()) index = train::index_to_read(options, "loom eval");
     Device &            device  = device_for(options.device);
     auto data = train::make_batch_source(options, device, parser.vocab_given(), 0, 1, data::Split::valid,
-                                         eval_iters * options.global_batch_size);
+                                         eval_iters * options.eval_global_batch_size);
     options.model.validate();
     model::GptModel gpt(options.model, device);
     gpt.init();
@@ -53,7 +53,7 @@ int cmd_eval(int argc, char ** argv) {
         train::load_weights(*index, gpt);
     }
     double sum = 0, count = 0;
-    for (int64_t k = 0; k < eval_iters * options.num_microbatches(); ++k) {
+    for (int64_t k = 0; k < eval_iters * options.eval_num_microbatches(); ++k) {
         model::GptModel::Context ctx;
         ctx.training                  = false;   // evaluation drops nothing out
         model::GptModel::LossSum loss = gpt.forward(ctx, data->next());

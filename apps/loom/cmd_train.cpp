@@ -147,7 +147,7 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
     FILE *    out  = rank == 0 ? stdout : nullptr;
     std::unique_ptr<train::BatchSource> data = train::make_batch_source(
         options, device, vocab_given, groups.dp ? groups.dp->rank() : 0, options.parallel.dp());
-    // Validation batches: --eval-iters global batches at each of the train_iters / eval_interval + 1
+    // Validation batches: --eval-iters batches of --eval-global-batch-size at each of the train_iters / eval_interval + 1
     // evaluations (Megatron's count), from the validation split, with the vocabulary now fixed.
     std::unique_ptr<train::BatchSource> valid;
     // With per-split paths and no --valid-data-path there is nothing to validate on (Megatron's do_valid).
@@ -156,7 +156,7 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
         const int64_t evaluations = options.train_iters / options.eval_interval + 1;
         valid = train::make_batch_source(options, device, true, groups.dp ? groups.dp->rank() : 0,
                                          options.parallel.dp(), data::Split::valid,
-                                         evaluations * options.eval_iters * options.global_batch_size);
+                                         evaluations * options.eval_iters * options.eval_global_batch_size);
     }
     // The test split: --eval-iters global batches once after training (Megatron's do_test), where the data
     // has one: a --split with a test weight, --test-data-path, or --mock-data. A test split too small for a
@@ -169,7 +169,7 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
         try {
             test = train::make_batch_source(options, device, true, groups.dp ? groups.dp->rank() : 0,
                                             options.parallel.dp(), data::Split::test,
-                                            options.eval_iters * options.global_batch_size);
+                                            options.eval_iters * options.eval_global_batch_size);
         } catch (const Error & e) {
             if (out) std::printf("loom train: the test split is not evaluated: %s\n", e.message().c_str());
         }
@@ -198,10 +198,17 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
         experts = ", experts: " + (layout.etp() > 1 ? "etp " + std::to_string(layout.etp()) + " x " : std::string()) +
                   "ep " + std::to_string(layout.ep()) + " x edp " + std::to_string(layout.edp());
     }
-    if (out) std::printf("data: %s | micro-batch %lld, global batch %lld, %lld iterations | parallel: tp %lld, pp %lld, "
+    std::string batch = "global batch " + std::to_string(options.global_batch_size);
+    if (!options.batch_schedule.empty()) {   // (first sample, batch) pairs
+        batch = "global batch by samples consumed:";
+        for (const auto & [first, size] : options.batch_schedule) {
+            batch += " " + std::to_string(first) + ":" + std::to_string(size);
+        }
+    }
+    if (out) std::printf("data: %s | micro-batch %lld, %s, %lld iterations | parallel: tp %lld, pp %lld, "
                          "dp %lld%s\n",
-                data->describe().c_str(), static_cast<long long>(options.micro_batch_size),
-                static_cast<long long>(options.global_batch_size), static_cast<long long>(options.train_iters),
+                data->describe().c_str(), static_cast<long long>(options.micro_batch_size), batch.c_str(),
+                static_cast<long long>(options.train_iters),
                 static_cast<long long>(layout.tp()), static_cast<long long>(layout.pp()),
                 static_cast<long long>(options.parallel.dp()),
                 experts.c_str());

@@ -32,7 +32,7 @@ private:
 std::unique_ptr<BatchSource> make_batch_source(TrainOptions & options, Device & device, bool vocab_given,
                                                int64_t dp_rank, int64_t dp_size, data::Split split, int64_t num_samples) {
     if (num_samples == 0) {
-        num_samples = options.train_iters * options.global_batch_size;
+        num_samples = options.train_samples_total();
     }
     int64_t seq = options.model.seq_length;
     std::unique_ptr<data::TokenDataset> dataset;

@@ -134,7 +134,7 @@ std::span<const Flag<TrainOptions>> schedule_flags();
 std::span<const Flag<optim::AdamWConfig>> adam_flags();
 void resolve_decoupled_lr(const OptimFlags & f, const Given & given, TrainOptions & o);
 // The global batch (default micro x dp) and its divisibility.
-void resolve_batch(TrainOptions & o);
+void resolve_batch(const Given & given, TrainOptions & o);
 // Megatron's schedule rules; sample-based training sets train_iters, unset decay lengths the run's.
 void resolve_schedule(const Given & given, TrainOptions & o);
 void validate_hyperparameters(const TrainOptions & o);

@@ -50,6 +50,8 @@ const Flag<TrainOptions> kLoggingFlags[] = {
     {"--log-num-zeros-in-grad", kLog, &O::log_num_zeros_in_grad, "the gradients' zero count in the log line"},
     {"--eval-interval", "validation", &O::eval_interval,
      "iterations between validations (and one after training); without it, none"},
+    {"--eval-global-batch-size", "validation", &O::eval_global_batch_size,
+     "sequences per validation iteration (default: the global batch)"},
     {"--eval-iters", "validation", &O::eval_iters, "global batches of the validation split per validation",
      kShowDefault},
 };
@@ -97,8 +99,8 @@ void validate_logging(const Given & given, const TrainOptions & o) {
     }
     LOOM_CHECK(!given("--eval-interval") || o.eval_interval >= 1, "--eval-interval must be >= 1, got " << o.eval_interval,
                "leave it out to train without validation");
-    LOOM_CHECK(o.eval_iters >= 0 && o.eval_iters <= (int64_t(1) << 40) / o.global_batch_size,
-               "--eval-iters " << o.eval_iters << " x global batch " << o.global_batch_size
+    LOOM_CHECK(o.eval_iters >= 0 && o.eval_iters <= (int64_t(1) << 40) / o.eval_global_batch_size,
+               "--eval-iters " << o.eval_iters << " x global batch " << o.eval_global_batch_size
                                << " samples is outside what Loom evaluates [0, 2^40]",
                "");
     if (!o.log_file.empty()) check_output_path(o.log_file, "--log-file");

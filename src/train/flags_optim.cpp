@@ -5,7 +5,10 @@
 #include "train/flag_values.h"
 #include "train/options.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
+#include <sstream>
 
 namespace loom::train {
 
@@ -38,6 +41,13 @@ const Flag<TrainOptions> kScheduleFlags[] = {
      {"micro_batch_size", [](const O & o) -> json { return o.micro_batch_size; }}},
     {"--global-batch-size", "training", &O::global_batch_size, "sequences per iteration (default: micro x dp)", kPlain,
      {"global_batch_size", [](const O & o) -> json { return o.global_batch_size; }}},
+    {"--step-batch-size-schedule", "training", &O::step_batch_size_schedule,
+     "a growing global batch: \"THRESHOLD:BATCH ...\", thresholds in tokens (K, M, B, T suffixes), the first 0; "
+     "instead of --global-batch-size"},
+    {"--rampup-batch-size", "training", &O::rampup_batch_size,
+     "START INCREMENT SAMPLES: the global batch grows from START by INCREMENT to --global-batch-size over SAMPLES "
+     "samples (deprecated upstream for --step-batch-size-schedule, which Loom also takes)",
+     kList},
     {"--train-iters", "training", &O::train_iters, "training iterations", kShowDefault,
      {"train_iters", [](const O & o) -> json { return o.train_iters; }}},
     {"--min-lr", kLr, &O::min_lr, "minimum learning rate", kShowDefault,
@@ -64,6 +74,115 @@ const Flag<TrainOptions> kScheduleFlags[] = {
     {"--fp16", "mixed precision", &O::fp16, "float16 with loss scaling (not supported: use --bf16)"},
 };
 
+// "THRESHOLD:BATCH ..." (spaces or commas between entries), Megatron's StepBatchsizeNumMicroBatchesCalculator:
+// each number int(float(text) x 10^3/6/9/12 for a K/M/B/T suffix), thresholds in tokens (Megatron always
+// passes the sequence length) turned into samples, sorted, the first 0 and strictly increasing, every
+// batch >= 1. Whether micro x dp divides a batch is checked where the run reaches it (train/trainer.cpp).
+std::vector<std::pair<int64_t, int64_t>> parse_step_batch_size_schedule(const std::string & text, int64_t seq_length) {
+    auto number = [&](const std::string & given, const std::string & entry) {
+        const char * const kHint = "write each entry THRESHOLD:BATCH, e.g. \"0:384 200B:768\"";
+        std::string        word  = given;
+        for (char & c : word) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+        double scale = 1;
+        if (!word.empty() && std::string("KMBT").find(word.back()) != std::string::npos) {
+            scale = std::pow(1000.0, 1 + static_cast<double>(std::string("KMBT").find(word.back())));
+            word.pop_back();
+        }
+        const std::optional<std::string> plain = python_float_text(word);
+        LOOM_CHECK(plain, "--step-batch-size-schedule: '" << entry << "' has '" << given << "', not a number", kHint);
+        const double value = std::stod(*plain) * scale;
+        LOOM_CHECK(std::isfinite(value) && value >= 0 && value < 0x1p62,
+                   "--step-batch-size-schedule: '" << entry << "' is outside [0, 2^62)", kHint);
+        return static_cast<int64_t>(value);
+    };
+    std::string spaced = text;
+    for (char & c : spaced) c = c == ',' ? ' ' : c;
+    std::vector<std::pair<int64_t, int64_t>> schedule;
+    std::istringstream words(spaced);
+    for (std::string entry; words >> entry;) {
+        const size_t colon = entry.find(':');
+        LOOM_CHECK(colon != std::string::npos,
+                   "--step-batch-size-schedule: invalid schedule entry \"" << entry << "\"",
+                   "Expected format: \"THRESHOLD:BATCH_SIZE\"");
+        const int64_t threshold = number(entry.substr(0, colon), entry) / std::max<int64_t>(1, seq_length);
+        schedule.emplace_back(threshold, number(entry.substr(colon + 1), entry));
+    }
+    std::stable_sort(schedule.begin(), schedule.end(), [](const auto & a, const auto & b) { return a.first < b.first; });
+    LOOM_CHECK(!schedule.empty(), "--step-batch-size-schedule '" << text << "' has no entries", "");
+    LOOM_CHECK(schedule[0].first == 0, "--step-batch-size-schedule: first schedule entry must have threshold 0, got "
+                                           << schedule[0].first << " samples",
+               "start the schedule with 0:BATCH");
+    for (size_t i = 0; i < schedule.size(); ++i) {
+        LOOM_CHECK(i == 0 || schedule[i].first > schedule[i - 1].first,
+                   "--step-batch-size-schedule: schedule thresholds must be strictly increasing, got "
+                       << schedule[i - 1].first << " before " << schedule[i].first << " samples",
+                   "thresholds closer than one sequence's tokens fall on the same sample");
+        LOOM_CHECK(schedule[i].second >= 1 && schedule[i].second <= (int64_t(1) << 40),
+                   "--step-batch-size-schedule: batch size must lie in [1, 2^40], got " << schedule[i].second, "");
+    }
+    return schedule;
+}
+
+// START INCREMENT SAMPLES, Megatron's RampupBatchsizeNumMicroBatchesCalculator: after c samples the batch is
+// START + INCREMENT x int(c / (SAMPLES / steps)) until c exceeds SAMPLES, then the global batch; as a
+// schedule, step k starts at the first c where that int() reaches k.
+std::vector<std::pair<int64_t, int64_t>> rampup_schedule(const std::vector<std::string> & words, int64_t global) {
+    LOOM_CHECK(words.size() == 3, "--rampup-batch-size takes 3 values (START INCREMENT SAMPLES), got " << words.size(),
+               "e.g. --rampup-batch-size 16 8 300000");
+    int64_t v[3];
+    for (size_t i = 0; i < 3; ++i) {
+        const std::optional<std::string> plain = python_int_text(words[i]);
+        LOOM_CHECK(plain && plain->size() < 19, "--rampup-batch-size: '" << words[i] << "' is not an integer", "");
+        v[i] = std::stoll(*plain);
+    }
+    const int64_t start = v[0], increment = v[1], samples = v[2];
+    LOOM_CHECK(start >= 1 && increment >= 1 && samples >= 1,
+               "--rampup-batch-size " << start << " " << increment << " " << samples << ": each value must be >= 1", "");
+    LOOM_CHECK(start < global && (global - start) % increment == 0,
+               "--rampup-batch-size: expected global batch size interval (" << global - start
+                   << ") to be divisible by global batch size increment (" << increment << ") and positive",
+               "--global-batch-size " << global << " is where the ramp ends");
+    const int64_t steps = (global - start) / increment;
+    LOOM_CHECK(steps <= 1000000, "--rampup-batch-size: " << steps << " increments", "ramp in fewer, larger steps");
+    const double per_step = static_cast<double>(samples) / static_cast<double>(steps);
+    std::vector<std::pair<int64_t, int64_t>> schedule{{0, start}};
+    for (int64_t k = 1; k <= steps; ++k) {
+        auto reached = [&](int64_t c) { return static_cast<int64_t>(static_cast<double>(c) / per_step) >= k; };
+        int64_t c = static_cast<int64_t>(std::ceil(static_cast<double>(k) * per_step));
+        while (c > schedule.back().first + 1 && reached(c - 1)) --c;
+        while (!reached(c)) ++c;
+        if (c <= schedule.back().first) schedule.back().second = start + k * increment;
+        else schedule.emplace_back(c, start + k * increment);
+    }
+    // Past SAMPLES (c > SAMPLES) the global batch, which the last step already is.
+    return schedule;
+}
+
+// The iterations --train-samples makes (Megatron's update_train_iters): with a step schedule, iterations
+// until the samples are consumed; with a ramp, those up to the end of the ramp, then whole global batches
+// (Python's floor division); otherwise whole global batches.
+int64_t iterations_for_samples(const TrainOptions & o) {
+    const auto & s = o.batch_schedule;
+    if (s.empty()) return o.train_samples / o.global_batch_size;
+    const bool ramp  = !o.rampup_batch_size.empty();
+    // Megatron's loops: `while consumed < samples` (a schedule), `while consumed <= ramp and consumed <=
+    // samples` (a ramp): every iteration that starts below `end`.
+    const int64_t end = ramp ? std::min(s.back().first, o.train_samples) + 1 : o.train_samples;
+    int64_t consumed = 0, iterations = 0;
+    for (size_t i = 0; i < s.size() && consumed < end; ++i) {
+        const int64_t stop = std::min(end, i + 1 < s.size() ? s[i + 1].first : end);
+        if (consumed >= stop) continue;
+        const int64_t n = (stop - consumed + s[i].second - 1) / s[i].second;
+        consumed += n * s[i].second;
+        iterations += n;
+    }
+    if (ramp) {
+        const int64_t rest = o.train_samples - consumed;
+        iterations += rest >= 0 ? rest / o.global_batch_size : -((-rest + o.global_batch_size - 1) / o.global_batch_size);
+    }
+    return iterations;
+}
+
 }  // namespace
 
 std::span<const Flag<optim::AdamWConfig>> adam_flags() { return kAdamFlags; }
@@ -79,11 +198,16 @@ void resolve_decoupled_lr(const OptimFlags & f, const Given & given, TrainOption
     }
 }
 
-void resolve_batch(TrainOptions & o) {
+void resolve_batch(const Given & given, TrainOptions & o) {
     LOOM_CHECK(o.micro_batch_size >= 1 && o.micro_batch_size <= (int64_t(1) << 31),
                "--micro-batch-size must lie in [1, 2^31], got " << o.micro_batch_size, "");
     LOOM_CHECK(o.global_batch_size >= 0 && o.global_batch_size <= (int64_t(1) << 40),
                "--global-batch-size must lie in [1, 2^40], got " << o.global_batch_size, "");
+    const bool stepped = given("--step-batch-size-schedule"), ramped = given("--rampup-batch-size");
+    LOOM_CHECK(!stepped || !given("--global-batch-size"), "Cannot specify both --step-batch-size-schedule and "
+                                                          "--global-batch-size",
+               "the schedule's last batch is the global batch");
+    LOOM_CHECK(!stepped || !ramped, "--step-batch-size-schedule with --rampup-batch-size", "give one of them");
     const int64_t dp = o.parallel.dp();
     if (o.global_batch_size == 0) o.global_batch_size = o.micro_batch_size * dp;
     LOOM_CHECK(o.global_batch_size % (o.micro_batch_size * dp) == 0,
@@ -91,6 +215,14 @@ void resolve_batch(TrainOptions & o) {
                                       << o.micro_batch_size << " x data-parallel size " << dp,
                "choose a global batch that " << o.micro_batch_size * dp << " divides (each of the " << dp
                                              << " data-parallel ranks runs whole micro-batches)");
+    if (stepped) o.batch_schedule = parse_step_batch_size_schedule(o.step_batch_size_schedule, o.model.seq_length);
+    if (ramped) o.batch_schedule = rampup_schedule(o.rampup_batch_size, o.global_batch_size);
+    if (o.eval_global_batch_size == 0) o.eval_global_batch_size = o.global_batch_size;
+    LOOM_CHECK(o.eval_global_batch_size >= 1 && o.eval_global_batch_size <= (int64_t(1) << 40) &&
+                   o.eval_global_batch_size % (o.micro_batch_size * dp) == 0,
+               "eval_global_batch_size (" << o.eval_global_batch_size << ") must be divisible by eval_micro_batch_size ("
+                                          << o.micro_batch_size << ") * data_parallel_size (" << dp << ")",
+               "give --eval-global-batch-size a multiple of " << o.micro_batch_size * dp);
 }
 
 // Either iteration-based or sample-based, never a mix; the warmup shorter than the decay.
@@ -107,7 +239,7 @@ void resolve_schedule(const Given & given, TrainOptions & o) {
                    "--lr-decay-iters, --lr-warmup-iters and --lr-wsd-decay-iters count iterations, and --train-samples "
                    "asks for sample-based training",
                    "give --lr-decay-samples, --lr-warmup-samples or --lr-wsd-decay-samples");
-        o.train_iters = o.train_samples / o.global_batch_size;   // Megatron's update_train_iters
+        o.train_iters = iterations_for_samples(o);   // Megatron's update_train_iters
     } else {
         LOOM_CHECK(!given("--lr-decay-samples") && !given("--lr-warmup-samples") && !given("--lr-wsd-decay-samples"),
                    "--lr-decay-samples, --lr-warmup-samples and --lr-wsd-decay-samples need --train-samples",
@@ -140,8 +272,10 @@ void resolve_schedule(const Given & given, TrainOptions & o) {
                "the WSD anneal (" << s.wsd_steps << " samples) must lie in (0, the decay of " << s.decay_steps
                                   << " samples]",
                "");
-    LOOM_CHECK(o.train_iters <= (int64_t(1) << 62) / o.global_batch_size / std::max<int64_t>(1, o.model.seq_length),
-               "--train-iters " << o.train_iters << " x --global-batch-size " << o.global_batch_size
+    int64_t largest = o.global_batch_size;   // the largest batch an iteration may take
+    for (const auto & entry : o.batch_schedule) largest = std::max(largest, entry.second);
+    LOOM_CHECK(o.train_iters <= (int64_t(1) << 62) / largest / std::max<int64_t>(1, o.model.seq_length),
+               "--train-iters " << o.train_iters << " x --global-batch-size " << largest
                                 << " x --seq-length tokens overflows a 64-bit count", "");
 }
 
@@ -169,6 +303,31 @@ void resolve_precision(TrainOptions & o) {
     LOOM_CHECK(!o.fp16, "--fp16 (float16 parameters with dynamic loss scaling) is not supported",
                "use --bf16, which needs no loss scaling, or train in float32");
     o.model.params_dtype = o.bf16 ? DType::bf16 : DType::f32;
+}
+
+int64_t TrainOptions::global_batch_size_at(int64_t consumed) const {
+    int64_t batch = global_batch_size;
+    for (const auto & [first, size] : batch_schedule) {
+        if (consumed < first) break;
+        batch = size;
+    }
+    return batch;
+}
+
+int64_t TrainOptions::train_samples_total() const {
+    // Segment by segment of the schedule: the iterations that start inside [c, next threshold) each take
+    // that segment's batch.
+    int64_t consumed = 0, left = train_iters;
+    for (size_t i = 0; i < batch_schedule.size() && left > 0; ++i) {
+        if (i + 1 < batch_schedule.size() && consumed >= batch_schedule[i + 1].first) continue;
+        const int64_t size = batch_schedule[i].second;
+        const int64_t n    = i + 1 < batch_schedule.size()
+                                 ? std::min(left, (batch_schedule[i + 1].first - consumed + size - 1) / size)
+                                 : left;
+        consumed += n * size;
+        left -= n;
+    }
+    return consumed + left * global_batch_size;
 }
 
 // Megatron counts the schedule's steps in samples: lengths given in iterations are multiplied by the

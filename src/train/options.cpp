@@ -124,7 +124,7 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     apply_checkpoint_shape(o);
     if (hf) check_hf_shape(*hf, values_.model, given, o);
 
-    resolve_batch(o);
+    resolve_batch(given, o);
     resolve_ddp(values_.parallel, given, o);
     resolve_schedule(given, o);
     validate_hyperparameters(o);

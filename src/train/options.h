@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace loom::train {
 
@@ -30,6 +32,19 @@ struct TrainOptions {
     int64_t micro_batch_size  = 8;
     int64_t global_batch_size = 0;   // 0: micro_batch_size x dp
     int64_t train_iters       = 300;
+    // A global batch that grows with the samples consumed: --step-batch-size-schedule "THRESHOLD:BATCH ..."
+    // (thresholds in tokens, K/M/B/T suffixes, the first 0; Megatron then sets the global batch to micro x
+    // dp, which the learning-rate schedule and the validation batch use) or the older --rampup-batch-size
+    // START INCREMENT SAMPLES (from START to --global-batch-size in equal steps over SAMPLES samples).
+    // Resolved into batch_schedule: (first sample, global batch) pairs, the first at 0; empty: constant.
+    std::string                              step_batch_size_schedule;
+    std::vector<std::string>                 rampup_batch_size;
+    std::vector<std::pair<int64_t, int64_t>> batch_schedule;
+    int64_t eval_global_batch_size = 0;   // --eval-global-batch-size; 0: the global batch
+    // The global batch of the iteration that starts after `consumed` samples.
+    int64_t global_batch_size_at(int64_t consumed) const;
+    // The samples train_iters iterations consume.
+    int64_t train_samples_total() const;
 
     // Optimizer and schedule.
     optim::AdamWConfig adam{2e-3f};
@@ -163,6 +178,9 @@ struct TrainOptions {
 
     // Micro-batches per iteration on each data-parallel rank.
     int64_t num_microbatches() const { return global_batch_size / (micro_batch_size * parallel.dp()); }
+    int64_t eval_num_microbatches() const {
+        return (eval_global_batch_size > 0 ? eval_global_batch_size : global_batch_size) / (micro_batch_size * parallel.dp());
+    }
 };
 
 // What one rank of a training run needs, estimated before anything is allocated (bytes, as doubles: the

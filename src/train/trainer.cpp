@@ -40,10 +40,6 @@ Trainer::Trainer(const TrainOptions & options, std::unique_ptr<Setup> owned, Set
     if (setup_.groups.pp && setup_.groups.pp->size() > 1) stages_ = setup_.groups.pp.get();
     // One executor for every layout: without a pipeline group it runs forward/backward per micro-batch.
     // Its transfers go over the pipeline's channel communicators, built next to the pipeline group.
-    executor_ = std::make_unique<pipeline::PipelineExecutor>(
-        setup_.chunks, stages_ ? setup_.groups.pp : nullptr,
-        stages_ ? setup_.groups.pp_channels : parallel::PipelineChannels{},
-        static_cast<int>(options_.num_microbatches()), static_cast<int>(options_.microbatch_group_size));
     if (setup_.ddp) grad_ready_ = setup_.ddp->grad_ready();
     scheduler_.schedule    = options.lr_schedule();
     {
@@ -89,8 +85,45 @@ Trainer::Trainer(const TrainOptions & options, std::unique_ptr<Setup> owned, Set
         }
     }
     start_iteration_ = iteration_;
+    // Every batch the schedule still reaches must split into whole micro-batches on each data-parallel rank
+    // (Megatron checks each as training reaches it; here before the first collective).
+    const int64_t per_step = options_.micro_batch_size * options_.parallel.dp();
+    for (size_t i = 0; i < options_.batch_schedule.size(); ++i) {
+        const auto & [first, size] = options_.batch_schedule[i];
+        if (i + 1 < options_.batch_schedule.size() && options_.batch_schedule[i + 1].first <= consumed_) continue;
+        LOOM_CHECK(size % per_step == 0,
+                   "the batch-size schedule's global batch " << size << " (from sample " << first
+                       << ") is not divisible by micro_batch_size (" << options_.micro_batch_size
+                       << ") * data_parallel_size (" << options_.parallel.dp() << ")",
+                   (options_.rampup_batch_size.empty() ? "--step-batch-size-schedule" : "--rampup-batch-size")
+                       << ": give batches that are multiples of " << per_step);
+    }
+    LOOM_CHECK(options_.batch_schedule.empty() || !options_.layer_graphs,
+               "--step-batch-size-schedule and --rampup-batch-size change the number of micro-batches, which the layer "
+               "graphs of --cuda-graph-impl are captured for",
+               "train with a constant --global-batch-size, or without --cuda-graph-impl");
+    follow_batch_schedule();
+    if (!options_.batch_schedule.empty() || options_.eval_num_microbatches() != microbatches_) {
+        eval_executor_ = make_executor(options_.eval_num_microbatches());
+    }
+}
+
+std::unique_ptr<pipeline::PipelineExecutor> Trainer::make_executor(int64_t microbatches) const {
+    // One executor for every layout: without a pipeline group it runs forward/backward per micro-batch.
+    // Its transfers go over the pipeline's channel communicators, built next to the pipeline group.
+    return std::make_unique<pipeline::PipelineExecutor>(
+        setup_.chunks, stages_ ? setup_.groups.pp : nullptr, stages_ ? setup_.groups.pp_channels : parallel::PipelineChannels{},
+        static_cast<int>(microbatches), static_cast<int>(options_.microbatch_group_size));
+}
+
+void Trainer::follow_batch_schedule() {
+    const int64_t batch = options_.global_batch_size_at(consumed_);
+    if (batch == global_batch_) return;
+    global_batch_ = batch;
+    microbatches_ = batch / (options_.micro_batch_size * options_.parallel.dp());
+    executor_     = make_executor(microbatches_);
     for (model::GptModel * chunk : setup_.chunks) {
-        chunk->set_moe_aux_loss_scale(1.0f / static_cast<float>(options_.num_microbatches()));
+        chunk->set_moe_aux_loss_scale(1.0f / static_cast<float>(microbatches_));
     }
 }
 
@@ -112,7 +145,7 @@ std::vector<std::pair<std::string, double>> Trainer::moe_losses() {
     }
     int64_t layers = 0;
     for (int64_t i = 0; i < options_.model.num_layers; ++i) layers += moe.is_moe_layer(i) ? 1 : 0;
-    const double per_layer_microbatch = 1.0 / (static_cast<double>(options_.num_microbatches()) * static_cast<double>(layers));
+    const double per_layer_microbatch = 1.0 / (static_cast<double>(microbatches_) * static_cast<double>(layers));
     std::vector<std::pair<std::string, double>> out;
     if (moe.load_balancing != model::MoeLoadBalancing::none && moe.load_balancing != model::MoeLoadBalancing::sinkhorn) {
         out.emplace_back(moe.load_balancing == model::MoeLoadBalancing::seq_aux_loss ? "seq_load_balancing_loss"
@@ -141,6 +174,7 @@ Trainer::~Trainer() {
 // warm-up is over), the pipeline schedule's forward and backward passes, the gradients' final reduction, the
 // optimizer step, and the loss every rank logs.
 double Trainer::step(IterationStats & stats) {
+    follow_batch_schedule();
     begin_iteration();
     const int64_t                      before = consumed_;
     pipeline::PipelineExecutor::Result r;
@@ -163,7 +197,7 @@ double Trainer::step(IterationStats & stats) {
     if (const std::string report = rerun_->take_stats_report(); !report.empty()) {
         std::fprintf(stderr, "%s\n", report.c_str());
     }
-    consumed_ += options_.global_batch_size;
+    consumed_ += global_batch_;
     timed(1, [&] {
         ddp::finalize_grads(setup_.ddp.get(), params_,
                             ddp::FinalizeGroups{setup_.groups.embedding.get(), setup_.groups.tp.get()}, model_.device());
@@ -191,16 +225,16 @@ double Trainer::step(IterationStats & stats) {
         }
         ++nan_iterations_;
     } else {
-        scheduler_.num_steps += static_cast<double>(options_.global_batch_size);
+        scheduler_.num_steps += static_cast<double>(global_batch_);
     }
     stats.iteration          = iteration_;
     stats.consumed_samples   = consumed_;
     stats.learning_rate      = schedule.lr_at_step(scheduler_.num_steps);
-    stats.global_batch_size  = options_.global_batch_size;
+    stats.global_batch_size  = global_batch_;
     stats.grad_norm          = result.grad_norm;
     stats.nan_iterations     = nan_iterations_;
     stats.skipped_iterations = nan_iterations_;
-    return exchanged_loss(loss_sum / static_cast<double>(options_.num_microbatches()));
+    return exchanged_loss(loss_sum / static_cast<double>(microbatches_));
 }
 
 void Trainer::timed(int timer, const std::function<void()> & work) {
@@ -377,7 +411,8 @@ std::string Trainer::timers_block(int64_t iterations) {
 double Trainer::evaluate(BatchSource & source) {
     double sum = 0, count = 0;
     for (int64_t k = 0; k < options_.eval_iters; ++k) {
-        pipeline::PipelineExecutor::Result r = executor_->evaluate([&source] { return source.next(); });
+        pipeline::PipelineExecutor & executor = eval_executor_ ? *eval_executor_ : *executor_;
+        pipeline::PipelineExecutor::Result r = executor.evaluate([&source] { return source.next(); });
         for (const model::GptModel::LossSum & loss : r.losses) {
             sum += loss.sum;
             count += loss.count;
@@ -488,9 +523,10 @@ TrainSummary Trainer::run(FILE * out) {
     }
     StopPolicy stop(options_, everyone, model_.device());
     // Per rank, as Megatron's "throughput per GPU".
-    const double flops_per_iteration = model_.config().training_flops_per_token() *
-                                       static_cast<double>(options_.global_batch_size * model_.config().seq_length) /
-                                       static_cast<double>(options_.parallel.world_size());
+    const double flops_per_sample = model_.config().training_flops_per_token() *
+                                    static_cast<double>(model_.config().seq_length) /
+                                    static_cast<double>(options_.parallel.world_size());
+    const int64_t consumed_at_start = consumed_;
     const auto start   = std::chrono::steady_clock::now();
     auto       seconds = [&start] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
     LogWindow  window(0.0);
@@ -509,7 +545,7 @@ TrainSummary Trainer::run(FILE * out) {
         IterationStats logged;
         if (k % options_.log_interval == 0 || k == options_.train_iters) {
             if (options_.timing_log_level >= 1) report.timers = timers_block(window.iterations());   // collective
-            logged        = window.close(stats, report.seconds, flops_per_iteration);
+            logged        = window.close(stats, report.seconds, flops_per_sample * static_cast<double>(global_batch_));
             report.window = &logged;
         }
         to_sinks([&](ReportSink & sink) { sink.iteration(report); });
@@ -564,10 +600,10 @@ TrainSummary Trainer::run(FILE * out) {
     }
     model_.device().compute_stream().synchronize();   // the last step's update is part of the run
     summary.seconds = seconds();
-    const double iterations = static_cast<double>(summary.losses.size());
-    const double tokens     = iterations * static_cast<double>(options_.global_batch_size * model_.config().seq_length);
+    const double samples    = static_cast<double>(consumed_ - consumed_at_start);
+    const double tokens     = samples * static_cast<double>(model_.config().seq_length);
     summary.tokens_per_second = tokens / summary.seconds;
-    summary.tflops            = flops_per_iteration * iterations / summary.seconds / 1e12;
+    summary.tflops            = flops_per_sample * samples / summary.seconds / 1e12;
     sinks_.clear();
     return summary;
 }

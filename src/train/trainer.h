@@ -106,6 +106,14 @@ private:
     model::GradReadyFn                          grad_ready_;
     comm::Communicator *                        stages_ = nullptr;   // the pipeline group, with more than one stage
     std::unique_ptr<pipeline::PipelineExecutor> executor_;   // every layout, one stage included
+    std::unique_ptr<pipeline::PipelineExecutor> eval_executor_;   // --eval-global-batch-size's micro-batches
+    // The global batch of the iteration in hand and its micro-batches per data-parallel rank (they change
+    // with --step-batch-size-schedule and --rampup-batch-size: the executor is rebuilt for the new count).
+    int64_t                                     global_batch_  = 0;
+    int64_t                                     microbatches_  = 0;
+    std::unique_ptr<pipeline::PipelineExecutor> make_executor(int64_t microbatches) const;
+    // Sets the batch of the iteration that starts after consumed_ samples.
+    void                                        follow_batch_schedule();
     std::unique_ptr<graphs::LayerGraphRunner>   layer_graphs_;   // --cuda-graph-impl transformer_engine, once captured
     int64_t                                     start_iteration_ = 0;   // the iteration this run started after
     // The MoE router losses of the iteration just run (names as IterationStats::moe_losses), reduced
