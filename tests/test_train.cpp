@@ -1125,3 +1125,30 @@ TEST(Training, AGrowingBatchFollowsItsScheduleAndValidatesAtItsOwnBatch) {
     EXPECT_NE(loss_of(grown.out, 3), loss_of(constant.out, 3)) << "a batch of 4 from iteration 3";
     EXPECT_NE(grown.out.find("validation loss at iteration 6"), std::string::npos) << grown.out;
 }
+
+// The context-parallel exchange flags and --tp-comm-overlap under Megatron's asserts: accepted where Megatron
+// accepts them (and then without effect on what trains: context parallelism is 1, the TP collectives are not
+// overlapped), refused with Megatron's message where it asserts.
+TEST(MegatronCommandLine, OverlapAndContextParallelExchangeFlagsFollowMegatronsAsserts) {
+    const std::string run = "train --mock-data --num-layers 2 --train-iters 1 --micro-batch-size 1 ";
+    std::string       err;
+    for (const char * ok : {"--cp-comm-type p2p", "--cp-comm-type p2p a2a",
+                            "--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 1 1"}) {
+        EXPECT_EQ(run_status(run + ok, &err), 0) << ok << " -> " << err;
+    }
+    struct Case {
+        const char * args;
+        const char * names;
+    } cases[] = {
+        {"--cp-comm-type ring", "--cp-comm-type 'ring' is not one of p2p, a2a, allgather, a2a+p2p"},
+        {"--cp-comm-type p2p a2a p2p", "--cp-comm-type has 3 values for 2 layers"},
+        {"--cp-comm-type a2a+p2p", "--hierarchical-context-parallel-sizes must be set when a2a+p2p is used"},
+        {"--hierarchical-context-parallel-sizes 2 2", "multiply to 4, not --context-parallel-size 1"},
+        {"--tp-comm-overlap", "only when sequence parallelism is enabled"},
+        {"--tp-comm-overlap --sequence-parallel", "only when sequence parallelism is enabled"},
+    };
+    for (const Case & c : cases) {
+        EXPECT_EQ(run_status(run + c.args, &err), 2) << c.args;
+        EXPECT_NE(err.find(c.names), std::string::npos) << c.args << " -> " << err;
+    }
+}

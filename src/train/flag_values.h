@@ -109,6 +109,13 @@ struct ParallelFlags {
     int64_t bucket_size           = 0;       // --ddp-bucket-size, applied when given
     bool    grads_in_fp32         = false;   // always on in Loom
     bool    overlap_param_gather_with_optimizer_step = false;   // accepted under Megatron's rules
+    bool    tp_comm_overlap = false;   // --tp-comm-overlap: accepted under Megatron's rule (sequence parallelism)
+    std::string tp_comm_overlap_cfg;   // --tp-comm-overlap-cfg: Transformer Engine's userbuffer settings (unread)
+    // --cp-comm-type (one value, or one per layer) and --hierarchical-context-parallel-sizes: how context-
+    // parallel ranks exchange keys and values, validated as Megatron does; without context parallelism
+    // (the only size Loom runs) nothing is exchanged.
+    std::vector<std::string> cp_comm_type{"p2p"};
+    std::vector<std::string> hierarchical_cp_sizes;
 };
 std::span<const Flag<ParallelFlags>> parallel_flags();
 std::span<const Flag<TrainOptions>> parallel_option_flags();

@@ -94,7 +94,6 @@ void validate_checkpoint_flags(const TrainOptions & o, const Given & given) {
                "give the folder to load from with --load");
     LOOM_CHECK(!o.use_checkpoint_args || !o.load.empty(), "--use-checkpoint-args without --load",
                "give the folder to load from with --load");
-    LOOM_CHECK(!o.finetune || !o.load.empty(), "--finetune without --load", "give the folder to load from with --load");
     strictness_from_name(o.dist_ckpt_strictness);   // throws naming --dist-ckpt-strictness
     rerun_mode_from_name(o.rerun_mode);
     rerun_diagnostic_from_name(o.error_injection_type);

@@ -6,9 +6,11 @@
 #include "pipeline/layer_assignment.h"
 #include "pipeline/schedule.h"
 #include "parallel/parallel_config.h"
+#include "train/flag_table.h"
 #include "train/flag_values.h"
 #include "train/options.h"
 
+#include <algorithm>
 #include <limits>
 
 namespace loom::train {
@@ -71,6 +73,17 @@ const Flag<ParallelFlags> kParallelFlags[] = {
     {"--overlap-param-gather-with-optimizer-step", kDist, &P::overlap_param_gather_with_optimizer_step,
      "an overlap choice (the first bucket's gather with the optimizer step) under Megatron's rules: with "
      "--use-distributed-optimizer, --overlap-param-gather and virtual pipeline stages; the result is the same"},
+    {"--cp-comm-type", kDist, &P::cp_comm_type,
+     "p2p, a2a, allgather or a2a+p2p (one, or one per layer): how context-parallel ranks exchange keys and values; "
+     "validated, and without effect at --context-parallel-size 1",
+     kList | kShowDefault},
+    {"--hierarchical-context-parallel-sizes", kDist, &P::hierarchical_cp_sizes,
+     "the context-parallel group's inner and outer sizes for a2a+p2p (their product is --context-parallel-size)", kList},
+    {"--tp-comm-overlap", kDist, &P::tp_comm_overlap,
+     "a communication-overlap choice (Transformer Engine's userbuffers) under Megatron's rule, --sequence-parallel; "
+     "Loom runs each tensor-parallel collective beside its GEMM, the result is the same"},
+    {"--tp-comm-overlap-cfg", kDist, &P::tp_comm_overlap_cfg,
+     "the userbuffer settings file of --tp-comm-overlap (not read: Loom has no userbuffers)"},
     {"--ddp-bucket-size", kDist, &P::bucket_size,
      "elements per gradient bucket (default max(40M, 1M x dp) with --overlap-grad-reduce, else one bucket)"},
     {"--accumulate-allreduce-grads-in-fp32", "mixed precision", &P::grads_in_fp32,
@@ -112,6 +125,27 @@ std::span<const Flag<optim::HybridOptions>> offload_flags() { return kOffloadFla
 
 void resolve_parallel_sizes(const ParallelFlags & f, int64_t num_experts, const Given & given, int64_t world_size,
                             TrainOptions & o) {
+    // Megatron's checks of the context-parallel flags (arguments.py, TransformerConfig), at any size.
+    for (const std::string & type : f.cp_comm_type) {
+        LOOM_CHECK(type == "p2p" || type == "a2a" || type == "allgather" || type == "a2a+p2p",
+                   "--cp-comm-type '" << type << "' is not one of p2p, a2a, allgather, a2a+p2p", "");
+    }
+    if (!f.hierarchical_cp_sizes.empty()) {
+        int64_t product = 1;
+        for (const std::string & word : f.hierarchical_cp_sizes) {
+            const std::optional<std::string> plain = python_int_text(word);
+            LOOM_CHECK(plain && plain->size() < 10 && std::stoll(*plain) >= 1,
+                       "--hierarchical-context-parallel-sizes: '" << word << "' is not a positive integer", "");
+            product *= std::stoll(*plain);
+        }
+        LOOM_CHECK(product == f.context_parallel_size,
+                   "--hierarchical-context-parallel-sizes multiply to " << product << ", not --context-parallel-size "
+                                                                        << f.context_parallel_size,
+                   "their product is the context-parallel size");
+    }
+    const bool hierarchical = std::find(f.cp_comm_type.begin(), f.cp_comm_type.end(), "a2a+p2p") != f.cp_comm_type.end();
+    LOOM_CHECK(!hierarchical || !f.hierarchical_cp_sizes.empty(),
+               "--hierarchical-context-parallel-sizes must be set when a2a+p2p is used in cp comm", "");
     LOOM_CHECK(f.context_parallel_size == 1, "--context-parallel-size " << f.context_parallel_size
                                                                         << " is not supported by Loom (no context parallelism yet)",
                "only --context-parallel-size 1 is accepted");
@@ -150,6 +184,13 @@ void resolve_ddp(const ParallelFlags & f, const Given & given, TrainOptions & o)
                    "--overlap-param-gather-with-optimizer-step only supported with interleaved pipeline parallelism",
                    "give --num-virtual-stages-per-pipeline-rank");
     }
+    // Megatron turns sequence parallelism off without tensor parallelism, then asserts it for the overlap.
+    LOOM_CHECK(!f.tp_comm_overlap || (o.sequence_parallel && o.parallel.tp() > 1),
+               "Tensor parallel communication/GEMM overlap can happen only when sequence parallelism is enabled",
+               "--tp-comm-overlap needs --sequence-parallel with --tensor-model-parallel-size > 1");
+    LOOM_CHECK(f.cp_comm_type.size() == 1 || static_cast<int64_t>(f.cp_comm_type.size()) == o.model.num_layers,
+               "--cp-comm-type has " << f.cp_comm_type.size() << " values for " << o.model.num_layers << " layers",
+               "give one value, or one per layer");
     o.ddp.validate();
     LOOM_CHECK(!given("--check-weight-hash-across-dp-replicas-interval") || o.check_weight_hash_interval >= 1,
                "--check-weight-hash-across-dp-replicas-interval must be >= 1, got " << o.check_weight_hash_interval, "");

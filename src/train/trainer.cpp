@@ -520,6 +520,9 @@ TrainSummary Trainer::run(FILE * out) {
     } else if (!options_.load.empty()) {
         report_message("WARNING: could not find a checkpoint in " + options_.load + " (no " + checkpoint::kTrackerFile +
                        "); training from scratch");
+    } else if (options_.finetune) {   // Megatron loads nothing without --load, and says nothing
+        report_message("WARNING: --finetune without --load: there is no checkpoint to fine-tune from; training from "
+                       "scratch");
     }
     StopPolicy stop(options_, everyone, model_.device());
     // Per rank, as Megatron's "throughput per GPU".
