@@ -11,7 +11,8 @@
 // correctly rounded f32 operation that the reference computes exactly in double and rounds once).
 //   gemm (cpu::gemm and Ops::gemm)  1e-5 mag: f32 accumulation over k <= 512 terms; bf16 the same once the
 //                                   operands are read as bf16 values (products of bf16 values are exact in
-//                                   f32); the widened bf16 path is bitwise the f32 GEMM of the widened operands.
+//                                   f32), f16 likewise; the widened bf16 path (f16's only CPU path) is bitwise
+//                                   the f32 GEMM of the widened operands.
 //   layernorm / rmsnorm forward     y 1e-5 rel(1), mean 1e-5 rel(1), rstd 1e-5 rel; x += residual 2^-23 rel(0).
 //   layernorm / rmsnorm backward    dx 1e-5 rel(1); dgamma, dbeta 1e-5 mag (added into their old values).
 //   bias_add, add_inplace           2^-23 rel(0): one f32 addition.   bias_backward 1e-6 mag.
@@ -380,7 +381,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Gemm,
 // ---------------------------------------------------------------------------------------------------
 // GEMM through the interface
 
-TEST(OpsGemm, InterfaceF32AndBf16WithAndWithoutAccumulate) {
+TEST(OpsGemm, InterfaceF32Bf16AndF16WithAndWithoutAccumulate) {
     const GemmCase cases[] = {{false, true, 37, 48, 40, false},
                               {false, true, 37, 48, 40, true},
                               {true, false, 24, 16, 33, true},
@@ -388,7 +389,7 @@ TEST(OpsGemm, InterfaceF32AndBf16WithAndWithoutAccumulate) {
                               {true, true, 9, 65, 17, true}};
     int            variant = 0;
     for (const GemmCase & g : cases) {
-        for (DType dtype : {DType::f32, DType::bf16}) {
+        for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
             SCOPED_TRACE(std::string(dtype_name(dtype)) + " case " + std::to_string(variant));
             const auto [a, b]     = gemm_operands(g, dtype, 100 + variant, 200 + variant);
             Tensor              c = random_f32({g.m, g.n}, 300 + variant);
@@ -415,7 +416,7 @@ TEST(OpsGemm, GemmBiasIsGemmThenBiasAddBitwise) {
                               {false, true, 6, 3, 0, false}};
     int            variant = 0;
     for (const GemmCase & g : cases) {
-        for (DType dtype : {DType::f32, DType::bf16}) {
+        for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
             SCOPED_TRACE(std::string(dtype_name(dtype)) + " case " + std::to_string(variant));
             const auto [a, b] = gemm_operands(g, dtype, 110 + variant, 210 + variant);
             Tensor     bias   = random_f32({g.n}, 310 + variant);

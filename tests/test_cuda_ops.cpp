@@ -128,11 +128,11 @@ void expect_close(const Tensor & ref, const Tensor & got, double tol, const std:
 
 // ---------------------------------------------------------------------------------------------- GEMM
 
-TEST(CudaOps, GemmF32AndBf16EveryTransposeWithAndWithoutAccumulateMatchesTheCpu) {
+TEST(CudaOps, GemmF32Bf16AndF16EveryTransposeWithAndWithoutAccumulateMatchesTheCpu) {
     SKIP_WITHOUT_CUDA();
     struct Case { int64_t m, n, k; };
     uint64_t seed = 100;
-    for (DType dtype : {DType::f32, DType::bf16}) {
+    for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
         const double tol = dtype == DType::f32 ? 1e-5 : 1e-3;
         for (Case sz : {Case{1, 1, 1}, Case{37, 53, 71}, Case{128, 64, 256}, Case{5, 300, 17}}) {
             for (int t = 0; t < 8; ++t) {
@@ -173,11 +173,11 @@ TEST(CudaOps, GemmF32AndBf16EveryTransposeWithAndWithoutAccumulateMatchesTheCpu)
 // operands take cuBLASLt's bias epilogue; `offset` 1 puts a, the bias and c one element into their storage
 // (2- or 4-byte aligned), where cuBLASLt may have no epilogue kernel and the product plus bias_add's kernel
 // run instead; k = 0 always takes that path (c is the bias).
-TEST(CudaOps, GemmBiasF32AndBf16MatchesTheCpusGemmThenBiasAdd) {
+TEST(CudaOps, GemmBiasF32Bf16AndF16MatchesTheCpusGemmThenBiasAdd) {
     SKIP_WITHOUT_CUDA();
     struct Case { int64_t m, n, k, offset; };
     uint64_t seed = 900;
-    for (DType dtype : {DType::f32, DType::bf16}) {
+    for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
         const double tol = dtype == DType::f32 ? 1e-5 : 1e-3;
         for (Case sz : {Case{128, 64, 256, 0}, Case{37, 48, 40, 0}, Case{64, 96, 32, 0}, Case{37, 53, 71, 1},
                         Case{5, 300, 17, 1}, Case{1, 1, 1, 0}, Case{6, 3, 0, 0}}) {

@@ -127,6 +127,26 @@ TEST(CudaTrain, OneGpuFollowsTheCpuLossCurveInF32) {
     expect_follows_cpu(run_loom_mpi(1, kRun + f32 + "--device " + kDevice), "one GPU, f32", f32, 1e-5);
 }
 
+// --fp16 with a dynamic loss scale: f16 GEMM operands through cuBLASLt's CUDA_R_16F, the f16 embedding
+// widened, f16 values written from the f32 master; the scale starts where the first steps overflow, so
+// both devices skip, halve and then train the same iterations (their log lines' loss scales agree).
+TEST(CudaTrain, OneGpuFollowsTheCpuLossCurveInFp16UnderADynamicLossScale) {
+    SKIP_WITHOUT_CUDA();
+    const std::string fp16 = "--fp16 --initial-loss-scale 1e9 --num-layers 2 ";
+    CliRun            r    = run_loom_mpi(1, kRun + fp16 + "--device " + kDevice);
+    expect_follows_cpu(r, "one GPU, fp16", fp16);
+    CliRun cpu = run_loom_mpi(1, kRun + fp16 + "--device cpu");
+    auto scales = [](const std::string & out) {
+        std::vector<std::string> found;
+        for (size_t at = out.find("loss scale: "); at != std::string::npos; at = out.find("loss scale: ", at + 1)) {
+            found.push_back(out.substr(at, out.find(" |", at) - at));
+        }
+        return found;
+    };
+    EXPECT_EQ(scales(r.out), scales(cpu.out));
+    EXPECT_NE(scales(cpu.out).front(), scales(cpu.out).back()) << "the scale moved:\n" << cpu.out;
+}
+
 TEST(CudaTrain, HybridOptimizerOffloadOverPinnedMemoryFollowsTheCpu) {
     SKIP_WITHOUT_CUDA();
     expect_follows_cpu(run_loom_mpi(1, kRun + kBf16 + "--device " + kDevice + " --use-distributed-optimizer --optimizer-cpu-offload "

@@ -2,12 +2,14 @@
 // points, global-norm clipping, and the optimizer interface's step (norm, skip, clip, update).
 #include "backend/cpu/cpu_device.h"
 #include "optim/adamw.h"
+#include "optim/loss_scaler.h"
 #include "optim/lr_schedule.h"
 #include "optim/optimizer.h"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <random>
 
 using namespace loom;
 
@@ -161,4 +163,95 @@ TEST(Optimizer, StepClipsAndSkipsNonFiniteNorms) {
     EXPECT_TRUE(std::isnan(r.grad_norm));
     EXPECT_EQ(w.data.data<float>()[0], before);
     EXPECT_EQ(opt.steps(), 1);
+}
+
+// The loss scaler against Megatron's DynamicGradScaler.update, transcribed here: an overflow resets the
+// growth count and spends one of the hysteresis chances, and once they are spent halves the scale (never
+// below the minimum); `window` clean steps double it and restore the chances. 2000 random steps with
+// overflows at several rates, and the scripted sequence of a run's start.
+TEST(LossScaler, FollowsMegatronsDynamicGradScaler) {
+    struct Reference {   // grad_scaler.py, float32 scale
+        float   scale, min;
+        double  window;
+        int64_t hysteresis, growth = 0, chances;
+        void    update(bool found_inf) {
+            if (found_inf) {
+                growth = 0;
+                chances -= 1;
+                if (chances <= 0) scale = std::max(scale * 0.5f, min);
+            } else {
+                growth += 1;
+                if (static_cast<double>(growth) == window) {
+                    growth  = 0;
+                    chances = hysteresis;
+                    scale   = scale * 2.0f;
+                }
+            }
+        }
+    };
+    std::mt19937 rng(7);
+    for (const double rate : {0.05, 0.3, 0.7}) {
+        optim::LossScalerOptions o;
+        o.initial = 65536.0f, o.min = 4.0f, o.window = 7, o.hysteresis = 3;
+        optim::LossScaler scaler(o);
+        Reference         ref{65536.0f, 4.0f, 7, 3, 0, 3};
+        std::bernoulli_distribution overflow(rate);
+        for (int step = 0; step < 2000; ++step) {
+            const bool inf = overflow(rng);
+            scaler.update(inf);
+            ref.update(inf);
+            ASSERT_EQ(scaler.scale(), ref.scale) << "rate " << rate << ", step " << step;
+            ASSERT_EQ(scaler.state().growth_tracker, ref.growth);
+            ASSERT_EQ(scaler.state().hysteresis_tracker, ref.chances);
+        }
+    }
+    // Megatron's defaults: 2^32; the first overflow only spends a chance, each later one halves; the floor.
+    optim::LossScalerOptions defaults;
+    defaults.min = 1024.0f;
+    optim::LossScaler scaler(defaults);
+    EXPECT_EQ(scaler.scale(), 4294967296.0f);
+    scaler.update(true);
+    EXPECT_EQ(scaler.scale(), 4294967296.0f) << "hysteresis 2: the first overflow is tolerated";
+    scaler.update(true);
+    EXPECT_EQ(scaler.scale(), 2147483648.0f);
+    for (int i = 0; i < 40; ++i) scaler.update(true);
+    EXPECT_EQ(scaler.scale(), 1024.0f) << "never below --min-loss-scale";
+    for (int i = 0; i < 999; ++i) scaler.update(false);
+    EXPECT_EQ(scaler.scale(), 1024.0f);
+    scaler.update(false);
+    EXPECT_EQ(scaler.scale(), 2048.0f) << "doubled after --loss-scale-window (1000) clean steps";
+    EXPECT_EQ(scaler.inv_scale(), 1.0f / 2048.0f);
+    EXPECT_EQ(scaler.state().hysteresis_tracker, 2) << "the chances restored";
+
+    // A constant scale (--loss-scale) never moves, and loads nothing.
+    optim::LossScalerOptions constant;
+    constant.constant = 512.0f;
+    optim::LossScaler fixed(constant);
+    for (int i = 0; i < 10; ++i) fixed.update(i % 2 == 0);
+    fixed.load({8.0f, 1, 1});
+    EXPECT_EQ(fixed.scale(), 512.0f);
+    EXPECT_FALSE(fixed.dynamic());
+
+    // The state round trip, and what is refused by name.
+    optim::LossScaler other(defaults);
+    other.load(scaler.state());
+    EXPECT_EQ(other.scale(), scaler.scale());
+    EXPECT_EQ(other.state().hysteresis_tracker, scaler.state().hysteresis_tracker);
+    auto refused = [](optim::LossScalerOptions o, const char * flag) {
+        try {
+            optim::LossScaler s(o);
+            ADD_FAILURE() << flag << " was accepted";
+        } catch (const Error & e) {
+            EXPECT_NE(e.message().find(flag), std::string::npos) << e.message();
+        }
+    };
+    optim::LossScalerOptions bad = defaults;
+    bad.min = 8589934592.0f;
+    refused(bad, "--min-loss-scale");
+    bad = defaults, bad.hysteresis = 0;
+    refused(bad, "--hysteresis");
+    bad = defaults, bad.window = 0;
+    refused(bad, "--loss-scale-window");
+    bad = defaults, bad.constant = -1.0f;
+    refused(bad, "--loss-scale");
 }

@@ -291,7 +291,6 @@ TEST(LoomTrain, BadFlagsExitTwoNamingTheFlag) {
         {"train --mock-data --overlap-param-gather --overlap-grad-reduce", "--use-distributed-optimizer"},
         {"train --mock-data --overlap-param-gather --use-distributed-optimizer", "--overlap-grad-reduce"},
         {"train --mock-data --ddp-bucket-size 0 --overlap-grad-reduce", "--ddp-bucket-size"},
-        {"train --mock-data --fp16", "--fp16"},
         {"train --mock-data --tensor-model-parallel-size 2", "--tensor-model-parallel-size"},   // one process: world 1
         {"train --mock-data --optimizer-cpu-offload --optimizer-offload-fraction 1.5", "--optimizer-offload-fraction"},
         // Hyper-parameters are finite and in range (each was accepted once, and trained on garbage or crashed).
@@ -1151,4 +1150,77 @@ TEST(MegatronCommandLine, OverlapAndContextParallelExchangeFlagsFollowMegatronsA
         EXPECT_EQ(run_status(run + c.args, &err), 2) << c.args;
         EXPECT_NE(err.find(c.names), std::string::npos) << c.args << " -> " << err;
     }
+}
+
+// --fp16 and the loss scaler through `loom train`, read back from --log-file:
+//  - a constant power-of-two --loss-scale under --bf16 is exact (scaling and unscaling move exponents
+//    only): the losses are bitwise those without it;
+//  - --fp16 with a constant scale follows the f32 run (f16 operands: 11-bit mantissas) within 2e-2;
+//  - --fp16's dynamic scale starts at 2^32, skips each overflowing step without moving the learning-rate
+//    schedule, keeps the first overflow (hysteresis 2), halves on each later one, and once a step fits,
+//    trains; the log's loss scale and skipped count say so at every iteration.
+TEST(Training, Fp16TrainsUnderItsLossScalerAndAPowerOfTwoScaleIsExact) {
+    char dir_template[] = "/tmp/loom_fp16_XXXXXX";
+    const std::string dir = mkdtemp(dir_template);
+    const std::string run = "train --mock-data --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+                            "--micro-batch-size 2 --global-batch-size 4 --train-iters 20 --log-interval 1 ";
+    auto records = [&](const std::string & args, const std::string & name) {
+        CliRun r = run_loom(run + args + " --log-file " + dir + "/" + name);
+        EXPECT_EQ(r.status, 0) << args << "\n" << r.out;
+        std::vector<nlohmann::json> out;
+        std::ifstream               in(dir + "/" + name);
+        for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+        return out;
+    };
+    const auto bf16 = records("--bf16", "bf16.jsonl"), scaled = records("--bf16 --loss-scale 1024", "scaled.jsonl");
+    ASSERT_EQ(bf16.size(), 20u);
+    ASSERT_EQ(scaled.size(), 20u);
+    for (size_t k = 0; k < 20; ++k) {
+        EXPECT_EQ(scaled[k]["lm loss"], bf16[k]["lm loss"]) << "iteration " << k + 1;
+        EXPECT_EQ(scaled[k]["loss scale"].get<double>(), 1024.0);
+    }
+    const auto f32 = records("", "f32.jsonl"), half = records("--fp16 --loss-scale 1024", "half.jsonl");
+    ASSERT_EQ(half.size(), 20u);
+    for (size_t k = 0; k < 20; ++k) {
+        EXPECT_NEAR(half[k]["lm loss"].get<double>(), f32[k]["lm loss"].get<double>(), 2e-2) << "iteration " << k + 1;
+        EXPECT_EQ(half[k]["number of skipped iterations"].get<int64_t>(), 0);
+    }
+    EXPECT_LT(half.back()["lm loss"].get<double>(), half.front()["lm loss"].get<double>() - 0.1) << "fp16 learns";
+
+    const auto dynamic = records("--fp16", "dynamic.jsonl");
+    ASSERT_EQ(dynamic.size(), 20u);
+    double  scale = 4294967296.0;
+    int64_t chances = 2, skipped = 0, first_step = 0;
+    for (size_t k = 0; k < 20; ++k) {
+        const bool overflow = dynamic[k]["number of skipped iterations"].get<int64_t>() > skipped;
+        if (overflow) {
+            ASSERT_EQ(first_step, 0) << "no overflow after the first step at this window (1000)";
+            ++skipped;
+            if (--chances <= 0) scale /= 2;
+            EXPECT_EQ(dynamic[k]["learning rate"], dynamic[0]["learning rate"]) << "the schedule waits";
+        } else if (first_step == 0) {
+            first_step = static_cast<int64_t>(k) + 1;
+        }
+        EXPECT_EQ(dynamic[k]["loss scale"].get<double>(), scale) << "iteration " << k + 1;
+    }
+    EXPECT_GE(skipped, 5) << "2^32 overflows f16 (65504) for several halvings";
+    EXPECT_GT(first_step, 0) << "a scale that fits was reached within 20 iterations";
+    EXPECT_LT(dynamic.back()["lm loss"].get<double>(), dynamic.front()["lm loss"].get<double>() - 0.05);
+
+    struct Case {
+        const char * args;
+        const char * names;
+    } cases[] = {
+        {"--fp16 --bf16", "--fp16 and --bf16 together"},
+        {"--fp16 --loss-scale -2", "--loss-scale must be a positive number"},
+        {"--fp16 --min-loss-scale 1e10", "--min-loss-scale"},
+        {"--fp16 --hysteresis 0", "--hysteresis must be positive"},
+        {"--fp16 --loss-scale-window 0", "--loss-scale-window must be positive"},
+    };
+    std::string err;
+    for (const Case & c : cases) {
+        EXPECT_EQ(run_status(run + c.args, &err), 2) << c.args;
+        EXPECT_NE(err.find(c.names), std::string::npos) << c.args << " -> " << err;
+    }
+    std::filesystem::remove_all(dir);
 }

@@ -101,7 +101,7 @@ void for_each_run(const Piece & p, const Shape & full, Fn && fn) {
 
 struct WriteEntry {
     std::string name;
-    std::string dtype;   // "F32" / "BF16"
+    std::string dtype;   // "F32" / "BF16" / "F16"
     int64_t     numel = 0;
     Tensor      values;   // any memory: read through host_readable as it is written, one entry at a time
 };
@@ -252,9 +252,9 @@ SaveStats save(const std::string & dir, int64_t iteration, const json & metadata
         model::Parameter & p     = *piece.param;
         const int64_t      n     = piece.end - piece.begin;
         const DType        dtype = p.data.dtype();
-        LOOM_CHECK(dtype == DType::f32 || dtype == DType::bf16,
+        LOOM_CHECK(dtype == DType::f32 || dtype_is_half(dtype),
                    "checkpoint of parameter " << p.name << " in " << dtype_name(dtype), "");
-        const char * values_dtype = dtype == DType::f32 ? "F32" : "BF16";
+        const char * values_dtype = dtype == DType::f32 ? "F32" : dtype == DType::bf16 ? "BF16" : "F16";
         entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "values"), values_dtype, n,
                                      p.data.flatten().slice(piece.begin, {n})});
         if (with_optimizer) {
@@ -485,7 +485,8 @@ Index read_index(const std::string & folder) {
             const std::string what = where + ": tensor " + name;
             record.shape = shape_from(t.at("shape"), "shape", what);
             record.dtype = t.at("dtype").get<std::string>();
-            LOOM_CHECK(record.dtype == "F32" || record.dtype == "BF16", what << " has dtype " << record.dtype, kCorruptHint);
+            LOOM_CHECK(record.dtype == "F32" || record.dtype == "BF16" || record.dtype == "F16",
+                       what << " has dtype " << record.dtype, kCorruptHint);
             const int64_t numel   = numel_checked(record.shape, what);
             int64_t       covered = 0;
             for (const json & pj : t.at("pieces")) {

@@ -13,8 +13,8 @@
 //
 // A piece is a flat range [begin, end) of one rank's tensor-parallel part of a parameter (its TpSlice:
 // which rows or columns of the full tensor that part holds). Its entries in the rank's file are
-//   "<name>:<begin>:values"       the model's values in the model's dtype (F32 or BF16)
-//   "<name>:<begin>:master"       the f32 master weights (only for BF16 values; F32 values are the master)
+//   "<name>:<begin>:values"       the model's values in the model's dtype (F32, BF16 or F16)
+//   "<name>:<begin>:master"       the f32 master weights (only for 16-bit values; F32 values are the master)
 //   "<name>:<begin>:exp_avg"      Adam's m, f32
 //   "<name>:<begin>:exp_avg_sq"   Adam's v, f32
 // Pieces are the optimizer's slots (optim/optimizer.h): whole parameters for AdamW, the ZeRO-1 shard pieces
@@ -121,7 +121,7 @@ struct Piece {
 
 struct TensorRecord {
     Shape              shape;   // the full logical tensor
-    std::string        dtype;   // of the values: "F32" or "BF16"
+    std::string        dtype;   // of the values: "F32", "BF16" or "F16"
     std::vector<Piece> pieces;
 };
 

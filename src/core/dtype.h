@@ -32,6 +32,8 @@ inline constexpr DType kAllDTypes[] = {DType::f32, DType::bf16, DType::f16, DTyp
 
 size_t      dtype_size(DType dtype);
 bool        dtype_is_floating(DType dtype);
+// bf16 or f16: a 16-bit float parameter dtype (--bf16, --fp16), with an f32 master beside it.
+inline bool dtype_is_half(DType dtype) { return dtype == DType::bf16 || dtype == DType::f16; }
 // The name users type and files store: "float32", "bfloat16", "float16", "int32", "int64", "uint8".
 const char * dtype_name(DType dtype);
 // Parses dtype_name()'s spellings and the short ones ("f32", "bf16", "fp16", ...); throws on others.

@@ -31,8 +31,9 @@ struct GemmDims {
 };
 inline GemmDims gemm(const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c) {
     LOOM_CHECK(a.dim() == 2 && b.dim() == 2, "gemm of " << a.describe() << " and " << b.describe(), "gemm takes 2-D operands");
-    LOOM_CHECK(a.dtype() == b.dtype() && (a.dtype() == DType::f32 || a.dtype() == DType::bf16),
-               "gemm of " << a.describe() << " and " << b.describe(), "operands are both float32 or both bfloat16");
+    LOOM_CHECK(a.dtype() == b.dtype() && (a.dtype() == DType::f32 || dtype_is_half(a.dtype())),
+               "gemm of " << a.describe() << " and " << b.describe(),
+               "operands are both float32, both bfloat16 or both float16");
     const int64_t m = trans_a ? a.size(1) : a.size(0), k = trans_a ? a.size(0) : a.size(1);
     const int64_t kb = trans_b ? b.size(1) : b.size(0), n = trans_b ? b.size(0) : b.size(1);
     LOOM_CHECK(k == kb, "gemm: op(a) is " << m << "x" << k << ", op(b) " << kb << "x" << n, "");

@@ -140,7 +140,10 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
         // Vocabulary-parallel: each rank embeds its tokens (zeros for the rest), rank 0 adds the positions,
         // and the sum over the group is the embedding.
         const bool pos = wpe_.data.defined() && tp_.rank == 0;
-        ops.embedding_forward(stream, local_tokens(ctx.batch.tokens), wte_.data, pos ? wpe_.data : Tensor(), x);
+        // The kernels read f32 or bf16 tables; an f16 model's are widened first.
+        const bool wide = wte_.data.dtype() == DType::f16;
+        ops.embedding_forward(stream, local_tokens(ctx.batch.tokens), wide ? parameter_f32(wte_) : wte_.data,
+                              pos ? (wide ? parameter_f32(wpe_) : wpe_.data) : Tensor(), x);
         if (tp_.sp()) {
             x = tp_.reduce_scatter(x);   // sequence parallel: this rank's rows of the sum
         } else {

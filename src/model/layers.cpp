@@ -24,10 +24,14 @@ Tensor keep_for_backward(Tensor & x, DType dtype) {
     if (dtype == DType::f32) {
         return x;
     }
-    LOOM_CHECK(dtype == DType::bf16 && x.dtype() == DType::f32,
+    LOOM_CHECK(dtype_is_half(dtype) && x.dtype() == DType::f32,
                "keeping a " << dtype_name(x.dtype()) << " activation as " << dtype_name(dtype), "");
-    Tensor out = Tensor::empty(x.shape(), DType::bf16, x.device(), {MemoryKind::device, kActivationsPool});
-    x.device().ops().round_to_bf16(x.device().compute_stream(), x, out);
+    Tensor out = Tensor::empty(x.shape(), dtype, x.device(), {MemoryKind::device, kActivationsPool});
+    if (dtype == DType::bf16) {
+        x.device().ops().round_to_bf16(x.device().compute_stream(), x, out);
+    } else {
+        x.device().ops().convert(x.device().compute_stream(), x, out);
+    }
     return out;
 }
 
@@ -435,9 +439,13 @@ Tensor Mlp::forward(Context & ctx, const Tensor & x) {
         Tensor pre  = fc1.forward(ctx.fc1_ctx, x, /*add_bias=*/false);
         act         = activation(x.device(), pre.size(0), f);
         Tensor bias = fc1.has_bias ? parameter_f32(fc1.bias) : Tensor();
-        ctx.pre_act = config.params_dtype == DType::f32 ? pre : Tensor::empty(pre.shape(), config.params_dtype, x.device(),
-                                                                                {MemoryKind::device, kActivationsPool});
-        ops.bias_gelu_forward(stream, pre, bias, act, config.params_dtype == DType::f32 ? Tensor() : ctx.pre_act);
+        if (config.params_dtype == DType::bf16) {
+            ctx.pre_act = Tensor::empty(pre.shape(), DType::bf16, x.device(), {MemoryKind::device, kActivationsPool});
+            ops.bias_gelu_forward(stream, pre, bias, act, ctx.pre_act);
+        } else {   // f32 keeps pre itself; f16 a rounded copy of the biased pre-activation
+            ops.bias_gelu_forward(stream, pre, bias, act, Tensor());
+            ctx.pre_act = keep_for_backward(pre, config.params_dtype);
+        }
     }
     return fc2.forward(ctx.fc2_ctx, act);
 }

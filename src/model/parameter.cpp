@@ -10,8 +10,8 @@
 namespace loom::model {
 
 Parameter parameter_create(const std::string & name, const Shape & shape, DType dtype, Device & device) {
-    LOOM_CHECK(dtype == DType::f32 || dtype == DType::bf16,
-               "parameter " << name << " of dtype " << dtype_name(dtype), "parameters are float32 or bfloat16");
+    LOOM_CHECK(dtype == DType::f32 || dtype_is_half(dtype),
+               "parameter " << name << " of dtype " << dtype_name(dtype), "parameters are float32, bfloat16 or float16");
     Parameter p;
     p.name      = name;
     p.data      = Tensor::empty(shape, dtype, device, {MemoryKind::device, "weights"});

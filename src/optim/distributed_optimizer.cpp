@@ -21,9 +21,9 @@ DistributedOptimizer::DistributedOptimizer(ddp::DistributedDataParallel & ddp, c
     const ddp::Layout & layout = ddp_.layout();
     for (size_t b = 0; b < layout.buffers.size(); ++b) {
         const ddp::BufferLayout & buffer = layout.buffers[b];
-        LOOM_CHECK(buffer.param_dtype == DType::f32 || buffer.param_dtype == DType::bf16,
+        LOOM_CHECK(buffer.param_dtype == DType::f32 || dtype_is_half(buffer.param_dtype),
                    "distributed optimizer over " << dtype_name(buffer.param_dtype) << " parameters",
-                   "parameters are float32 or bfloat16");
+                   "parameters are float32, bfloat16 or float16");
         for (const std::vector<ddp::ShardRange> & bucket : ddp::shard_ranges(buffer, ddp_.buffer_group(static_cast<int>(b)).rank())) {
             for (const ddp::ShardRange & r : bucket) {
                 const int64_t n = r.gbuf_world_end - r.gbuf_world_start;

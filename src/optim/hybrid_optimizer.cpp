@@ -30,9 +30,9 @@ HybridDeviceOptimizer::HybridDeviceOptimizer(Device & device, std::vector<Hybrid
     : device_(device), config_(config), options_(options) {
     std::vector<int64_t> numels;
     for (const HybridSlot & s : slots) {
-        LOOM_CHECK(s.values.defined() && (s.values.dtype() == DType::f32 || s.values.dtype() == DType::bf16),
-                   "hybrid optimizer slot " << numels.size() << " has no f32 or bf16 values",
-                   "parameters are float32 or bfloat16");
+        LOOM_CHECK(s.values.defined() && (s.values.dtype() == DType::f32 || dtype_is_half(s.values.dtype())),
+                   "hybrid optimizer slot " << numels.size() << " has no f32, bf16 or f16 values",
+                   "parameters are float32, bfloat16 or float16");
         LOOM_CHECK(!s.grad.defined() || (s.grad.dtype() == DType::f32 && s.grad.numel() == s.values.numel()),
                    "hybrid optimizer slot " << numels.size() << ": the gradient must be f32 with the values' numel",
                    "");
@@ -52,7 +52,7 @@ HybridDeviceOptimizer::HybridDeviceOptimizer(Device & device, std::vector<Hybrid
         } else {
             info.state = dev_numel;
             dev_numel += n;
-            if (info.slot.values.dtype() == DType::bf16) {
+            if (dtype_is_half(info.slot.values.dtype())) {
                 info.master = dev_master;
                 dev_master += n;
             }
@@ -222,9 +222,13 @@ void HybridDeviceOptimizer::step(float lr, Stream * current, std::optional<float
         const SlotInfo & s = slots_[i];
         if (s.offloaded || !has_grad[i]) continue;
         const int64_t n = s.slot.values.numel();
-        if (s.master >= 0) {   // bf16 values: the f32 master steps, the values get it rounded
+        if (s.master >= 0 && s.slot.values.dtype() == DType::bf16) {   // the f32 master steps, the values get it rounded
             ops.adamw(cur, dev_master_.slice(s.master, {n}), s.slot.grad, dev_m_.slice(s.state, {n}),
                       dev_v_.slice(s.state, {n}), s.slot.values, args(s.slot));
+        } else if (s.master >= 0) {   // f16 values: the master steps, then a rounding pass writes them
+            ops.adamw(cur, dev_master_.slice(s.master, {n}), s.slot.grad, dev_m_.slice(s.state, {n}),
+                      dev_v_.slice(s.state, {n}), Tensor(), args(s.slot));
+            ops.convert(cur, dev_master_.slice(s.master, {n}), s.slot.values);
         } else {               // f32 values are their own master
             ops.adamw(cur, s.slot.values, s.slot.grad, dev_m_.slice(s.state, {n}), dev_v_.slice(s.state, {n}), Tensor(),
                       args(s.slot));

@@ -91,8 +91,9 @@ void Optimizer::init(std::vector<HybridSlot> slots, std::vector<int> slot_params
                                                      offload);
 }
 
-StepResult Optimizer::step(float lr, std::optional<float> decoupled_lr) {
+StepResult Optimizer::step(float lr, std::optional<float> decoupled_lr, float grad_scale) {
     StepResult result;
+    if (grad_scale != 1.0f) scale_grads(views_, grad_scale);
     result.grad_norm = norm_on(params_.front()->data.device(), views_, groups_);
     if (!std::isfinite(result.grad_norm)) return result;
     const float coeff = clip_coefficient(result.grad_norm, options_.clip_grad);

@@ -81,7 +81,9 @@ public:
     Optimizer & operator=(const Optimizer &) = delete;
 
     // Steps 1-5 above; the embedding and output layer step with decoupled_lr when given (--decoupled-lr).
-    StepResult step(float lr, std::optional<float> decoupled_lr = std::nullopt);
+    // grad_scale != 1 first multiplies every gradient by it (the loss scaler's 1 / scale: Megatron's
+    // unscale of the main gradients), so the norm, the non-finite check and the clip see true gradients.
+    StepResult step(float lr, std::optional<float> decoupled_lr = std::nullopt, float grad_scale = 1.0f);
     // --log-num-zeros-in-grad: zero elements of the gradients the norm counts, over the same groups (read on
     // the host: the CPU backend's memory).
     double count_zeros() const;

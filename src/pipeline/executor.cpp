@@ -191,7 +191,7 @@ PipelineExecutor::Result PipelineExecutor::execute(const P2PPlan & plan, bool fo
             const int64_t rows = model.activation_rows(slot.ctx.s, slot.ctx.b);
             Tensor        dy;
             if (step.receive) dy = receive(*step.receive, rows);   // v < stages - 1
-            double scale = 1.0 / (slot.tokens * static_cast<double>(microbatches_));
+            double scale = loss_scale_ / (slot.tokens * static_cast<double>(microbatches_));
             start        = ms_since_begin();
             Tensor dx    = model.backward_stage(slot.ctx, scale, dy, ready);
             if (step.send) send(*step.send, dx);   // v > 0

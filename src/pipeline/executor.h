@@ -75,6 +75,9 @@ public:
     // Forward only (validation): every micro-batch through every chunk in order, each activation context
     // released when its forward ends; the losses as run() gives them, no gradients.
     Result evaluate(const std::function<model::MicroBatch()> & next_batch);
+    // The loss scale run()'s backward passes start from (optim/loss_scaler.h; 1 without one): each
+    // micro-batch's loss gradient is multiplied by it.
+    void   set_loss_scale(double scale) { loss_scale_ = scale; }
 
     const std::vector<ScheduleOp> & ops() const { return ops_; }
     const P2PPlan &                 plan() const { return plan_; }
@@ -108,6 +111,7 @@ private:
     std::map<Channel, Link>             links_;   // every channel either plan uses
     int                                 rank_ = 0;
     int                                 microbatches_;
+    double                              loss_scale_ = 1.0;
     ScheduleOptions                     options_;
     std::vector<ScheduleOp>             ops_;
     P2PPlan                             plan_;        // run(): the schedule's ops

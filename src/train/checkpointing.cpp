@@ -137,6 +137,14 @@ float float_field(const json & saved, const char * key, const std::string & inde
     return static_cast<float>(v.get<double>());
 }
 
+// A count of the saved loss scaler: an integer of int64's range (a damaged index could hold 1e95).
+int64_t scaler_count(const json & saved, const char * key, const std::string & where) {
+    const json v = saved.value(key, json(0));
+    LOOM_CHECK(v.is_number_integer() && !(v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX)),
+               where << "." << key << " is " << v.dump().substr(0, 40), "the index is damaged");
+    return v.get<int64_t>();
+}
+
 }  // namespace
 
 SchedulerState resume_scheduler(const TrainOptions & o, const optim::LrSchedule & flags, const json & saved,
@@ -204,7 +212,7 @@ SchedulerState resume_scheduler(const TrainOptions & o, const optim::LrSchedule 
 
 // The args the flag tables save (train/flag_table.h), plus the sizes derived from several flags.
 json checkpoint_metadata(const TrainOptions & o, int64_t consumed_samples, const SchedulerState & scheduler,
-                         const json & rerun) {
+                         const json & rerun, const std::optional<optim::LossScalerState> & grad_scaler) {
     json args = json::object();
     for (const FlagInfo & f : train_flags()) {
         if (f.arg.key == nullptr) continue;
@@ -216,6 +224,11 @@ json checkpoint_metadata(const TrainOptions & o, int64_t consumed_samples, const
     json metadata = {{"args", args}, {"consumed_train_samples", consumed_samples}, {"rng", {{"seed", o.model.seed}}}};
     // With the optimizer only, as Megatron (--no-save-optim saves neither).
     if (!o.no_save_optim) metadata["opt_param_scheduler"] = scheduler_json(o, scheduler);
+    if (!o.no_save_optim && grad_scaler) {
+        metadata["grad_scaler"] = {{"scale", grad_scaler->scale},
+                                   {"growth_tracker", grad_scaler->growth_tracker},
+                                   {"hysteresis_tracker", grad_scaler->hysteresis_tracker}};
+    }
     if (!rerun.is_null()) metadata["rerun_state_machine"] = rerun;
     return metadata;
 }
@@ -303,6 +316,18 @@ Resumed load_checkpoint(const TrainOptions & options, Setup & setup) {
     checkpoint::Index index = checkpoint::read_index(*folder);
     check_checkpoint_args(options, index);
     // The schedule (checked before any tensor is read), as Megatron: not with --finetune or --no-load-optim.
+    if (const json * saved = index.metadata.contains("grad_scaler") ? &index.metadata["grad_scaler"] : nullptr) {
+        const std::string where = "checkpoint index '" + index.path() + "': grad_scaler";
+        LOOM_CHECK(saved->is_object() && saved->contains("scale") && (*saved)["scale"].is_number() &&
+                       std::isfinite((*saved)["scale"].get<double>()) && (*saved)["scale"].get<double>() > 0 &&
+                       (*saved)["scale"].get<double>() <= 3.4e38,
+                   where << " has no positive finite scale", "the index is damaged");
+        optim::LossScalerState state;
+        state.scale              = static_cast<float>((*saved)["scale"].get<double>());
+        state.growth_tracker     = scaler_count(*saved, "growth_tracker", where);
+        state.hysteresis_tracker = scaler_count(*saved, "hysteresis_tracker", where);
+        resumed.grad_scaler      = state;
+    }
     if (!options.finetune && !options.no_load_optim && index.metadata.contains("opt_param_scheduler")) {
         resumed.scheduler = resume_scheduler(options, options.lr_schedule(), index.metadata["opt_param_scheduler"],
                                              index.path());
@@ -410,8 +435,10 @@ void retire_checkpoint(const TrainOptions & o, std::optional<int64_t> previous, 
 }
 
 checkpoint::SaveStats save_checkpoint(const TrainOptions & options, Setup & setup, int64_t iteration,
-                                      int64_t consumed_samples, const SchedulerState & scheduler, const json & rerun) {
-    return checkpoint::save(options.save, iteration, checkpoint_metadata(options, consumed_samples, scheduler, rerun),
+                                      int64_t consumed_samples, const SchedulerState & scheduler, const json & rerun,
+                                      const std::optional<optim::LossScalerState> & grad_scaler) {
+    return checkpoint::save(options.save, iteration,
+                            checkpoint_metadata(options, consumed_samples, scheduler, rerun, grad_scaler),
                             rank_contents(options, setup), !options.no_save_optim);
 }
 

@@ -65,9 +65,11 @@ struct SchedulerState {
 
 // The metadata a checkpoint of this run holds: {"args": {...}, "consumed_train_samples", "rng",
 // "opt_param_scheduler"}.
-// `rerun`: the rerun state machine's pending state (train/rerun.h), saved when not null.
+// `rerun`: the rerun state machine's pending state (train/rerun.h), saved when not null; `grad_scaler`:
+// a dynamic loss scaler's state (Megatron's optimizer "grad_scaler"), saved with the optimizer.
 nlohmann::json checkpoint_metadata(const TrainOptions & options, int64_t consumed_samples,
-                                   const SchedulerState & scheduler, const nlohmann::json & rerun = nullptr);
+                                   const SchedulerState & scheduler, const nlohmann::json & rerun = nullptr,
+                                   const std::optional<optim::LossScalerState> & grad_scaler = std::nullopt);
 
 // The schedule a resumed run follows, from the flags' (`flags`) and a checkpoint's "opt_param_scheduler"
 // under the rules above; throws listing each value that differs, with its flag, by default.
@@ -95,6 +97,7 @@ struct Resumed {
                                                // not loaded, the run starts the flags' at step 0)
     std::vector<std::string> notes;            // lines for rank 0's log (the missing tensors)
     nlohmann::json           rerun;            // the rerun state machine's saved state (null: none)
+    std::optional<optim::LossScalerState> grad_scaler;   // a dynamic loss scaler's, where the checkpoint has one
 };
 
 // --load into this rank's setup (every rank, no collective).
@@ -118,6 +121,7 @@ std::optional<int64_t> tracked_iteration(const std::string & dir);
 // --save at `iteration`: every rank of the setup calls it.
 checkpoint::SaveStats save_checkpoint(const TrainOptions & options, Setup & setup, int64_t iteration,
                                       int64_t consumed_samples, const SchedulerState & scheduler,
-                                      const nlohmann::json & rerun = nullptr);
+                                      const nlohmann::json & rerun = nullptr,
+                                      const std::optional<optim::LossScalerState> & grad_scaler = std::nullopt);
 
 }  // namespace loom::train

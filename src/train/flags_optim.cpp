@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdio>
 #include <sstream>
 
 namespace loom::train {
@@ -71,7 +72,19 @@ const Flag<TrainOptions> kScheduleFlags[] = {
     {"--bf16", "mixed precision", &O::bf16,
      "bf16 parameters, GEMM operands and saved activations; f32 grads and master weights", kPlain,
      {"bf16", [](const O & o) -> json { return o.bf16; }}},
-    {"--fp16", "mixed precision", &O::fp16, "float16 with loss scaling (not supported: use --bf16)"},
+    {"--fp16", "mixed precision", &O::fp16,
+     "f16 parameters, GEMM operands and saved activations with a loss scaler (dynamic unless --loss-scale); f32 grads "
+     "and master weights", kPlain,
+     {"fp16", [](const O & o) -> json { return o.fp16; }}},
+    {"--loss-scale", "mixed precision", &O::loss_scale,
+     "a constant loss scale (with --fp16 or --bf16); without it --fp16 scales dynamically"},
+    {"--initial-loss-scale", "mixed precision", &O::initial_loss_scale, "the dynamic loss scale's start",
+     kShowDefault},
+    {"--min-loss-scale", "mixed precision", &O::min_loss_scale, "the dynamic loss scale's floor", kShowDefault},
+    {"--loss-scale-window", "mixed precision", &O::loss_scale_window,
+     "steps without overflow before the dynamic loss scale doubles", kShowDefault},
+    {"--hysteresis", "mixed precision", &O::hysteresis,
+     "overflowing steps the dynamic loss scale tolerates before it halves", kShowDefault},
 };
 
 // "THRESHOLD:BATCH ..." (spaces or commas between entries), Megatron's StepBatchsizeNumMicroBatchesCalculator:
@@ -300,9 +313,35 @@ void validate_hyperparameters(const TrainOptions & o) {
 }
 
 void resolve_precision(TrainOptions & o) {
-    LOOM_CHECK(!o.fp16, "--fp16 (float16 parameters with dynamic loss scaling) is not supported",
-               "use --bf16, which needs no loss scaling, or train in float32");
-    o.model.params_dtype = o.bf16 ? DType::bf16 : DType::f32;
+    LOOM_CHECK(!(o.fp16 && o.bf16), "--fp16 and --bf16 together", "choose one 16-bit dtype (Megatron asserts the same)");
+    LOOM_CHECK(std::isfinite(o.loss_scale) && o.loss_scale >= 0.0f,
+               "--loss-scale must be a positive number, got " << o.loss_scale, "");
+    o.model.params_dtype = o.bf16 ? DType::bf16 : o.fp16 ? DType::f16 : DType::f32;
+    if (o.fp16 && o.loss_scale == 0.0f) {
+        // Megatron: overflowing gradients are the dynamic scaler's signal, not an error.
+        if (o.check_for_nan_in_loss_and_grad || o.ddp.check_for_nan_in_grad) {
+            std::fprintf(stderr, "WARNING: Setting args.check_for_nan_in_loss_and_grad to False since dynamic loss "
+                                 "scaling is being used\n");
+        }
+        o.check_for_nan_in_loss_and_grad = false;
+        o.ddp.check_for_nan_in_grad      = false;
+    }
+    if (o.loss_scale > 0.0f && !o.fp16 && !o.bf16) {
+        std::fprintf(stderr, "WARNING: --loss-scale without --fp16 or --bf16 has no effect (Megatron's f32 optimizer "
+                             "does not scale)\n");
+    }
+    if (const std::optional<optim::LossScalerOptions> scaler = o.loss_scaler()) optim::LossScaler check(*scaler);
+}
+
+std::optional<optim::LossScalerOptions> TrainOptions::loss_scaler() const {
+    if (!fp16 && !(bf16 && loss_scale > 0.0f)) return std::nullopt;
+    optim::LossScalerOptions s;
+    if (loss_scale > 0.0f) s.constant = loss_scale;
+    s.initial    = initial_loss_scale;
+    s.min        = min_loss_scale;
+    s.window     = loss_scale_window;
+    s.hysteresis = hysteresis;
+    return s;
 }
 
 int64_t TrainOptions::global_batch_size_at(int64_t consumed) const {

@@ -8,6 +8,7 @@
 #include "ddp/ddp.h"
 #include "model/gpt_config.h"
 #include "optim/adamw.h"
+#include "optim/loss_scaler.h"
 #include "optim/lr_schedule.h"
 #include "pipeline/layer_assignment.h"
 #include "optim/hybrid_optimizer.h"
@@ -67,7 +68,16 @@ struct TrainOptions {
     optim::LrSchedule lr_schedule() const;
     float              clip_grad        = 1.0f;
     bool               bf16             = false;
-    bool               fp16             = false;   // refused with a message
+    bool               fp16             = false;   // f16 parameters and GEMM operands, with a loss scaler
+    // The loss scaler (optim/loss_scaler.h): --loss-scale (0: none given, dynamic with --fp16), and the
+    // dynamic scaler's --initial-loss-scale, --min-loss-scale, --loss-scale-window and --hysteresis.
+    float              loss_scale         = 0.0f;
+    float              initial_loss_scale = 4294967296.0f;
+    float              min_loss_scale     = 1.0f;
+    double             loss_scale_window  = 1000;
+    int64_t            hysteresis         = 2;
+    // The scaler these ask for: with --fp16, or with --bf16 and --loss-scale (Megatron's rule); none otherwise.
+    std::optional<optim::LossScalerOptions> loss_scaler() const;
     // Hybrid device optimizer (optim/hybrid_optimizer.h): --optimizer-cpu-offload, with
     // --optimizer-offload-fraction, --overlap-cpu-optimizer-d2h-h2d, --no-pin-cpu-grads, --no-pin-cpu-params.
     bool                 optimizer_cpu_offload = false;

@@ -191,7 +191,7 @@ void TensorBoardSink::iteration(const IterationReport & r) {
         both("learning-rate", stats.learning_rate);
         both("batch-size", static_cast<double>(stats.global_batch_size));
         both("lm loss", r.loss);
-        if (options_.log_loss_scale_to_tensorboard) both("loss-scale", 1.0);
+        if (options_.log_loss_scale_to_tensorboard) both("loss-scale", stats.loss_scale);
         if (options_.log_world_size_to_tensorboard) both("world-size", static_cast<double>(world_size_));
         both("grad-norm", stats.grad_norm);
         for (const auto & [name, value] : stats.moe_losses) board_.add_scalar(name, value, k);   // the MoE tracker's

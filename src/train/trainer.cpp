@@ -84,6 +84,15 @@ Trainer::Trainer(const TrainOptions & options, std::unique_ptr<Setup> owned, Set
             scheduler_.num_steps = static_cast<double>(consumed_);
         }
     }
+    if (const std::optional<optim::LossScalerOptions> scaling = options_.loss_scaler()) {
+        scaler_ = std::make_unique<optim::LossScaler>(*scaling);
+        LOOM_CHECK(!options_.layer_graphs || !options_.model.moe.enabled() || !scaler_->dynamic(),
+                   "a dynamic loss scale with MoE layers in layer graphs: the auxiliary loss's gradient is captured "
+                   "with the scale of the capture",
+                   "give a constant --loss-scale, or train without --cuda-graph-impl");
+        // The scaler's state comes back with the optimizer's (Megatron's grad_scaler), not after --finetune.
+        if (resumed_.grad_scaler && !options_.finetune && !options_.no_load_optim) scaler_->load(*resumed_.grad_scaler);
+    }
     start_iteration_ = iteration_;
     // Every batch the schedule still reaches must split into whole micro-batches on each data-parallel rank
     // (Megatron checks each as training reaches it; here before the first collective).
@@ -175,6 +184,12 @@ Trainer::~Trainer() {
 // optimizer step, and the loss every rank logs.
 double Trainer::step(IterationStats & stats) {
     follow_batch_schedule();
+    if (scaler_) {   // every backward starts from the loss times the scale, the MoE auxiliary losses' too
+        executor_->set_loss_scale(scaler_->scale());
+        for (model::GptModel * chunk : setup_.chunks) {
+            chunk->set_moe_aux_loss_scale(scaler_->scale() / static_cast<float>(microbatches_));
+        }
+    }
     begin_iteration();
     const int64_t                      before = consumed_;
     pipeline::PipelineExecutor::Result r;
@@ -210,7 +225,8 @@ double Trainer::step(IterationStats & stats) {
     optim::StepResult result;
     timed(2, [&] {
         result = setup_.optimizer->step(lr, schedule.decoupled_max_lr ? std::optional<float>(schedule.decoupled_lr_at_step(at))
-                                                                      : std::nullopt);
+                                                                      : std::nullopt,
+                                        scaler_ ? scaler_->inv_scale() : 1.0f);
         if (options_.timing_log_level >= 1) model_.device().compute_stream().synchronize();   // the step itself
     });
     if (options_.log_num_zeros_in_grad) stats.num_zeros = setup_.optimizer->count_zeros();
@@ -223,7 +239,8 @@ double Trainer::step(IterationStats & stats) {
                            "iterations instead",
                            __FILE__, __LINE__);
         }
-        ++nan_iterations_;
+        ++skipped_iterations_;
+        if (!scaler_) ++nan_iterations_;   // with a scaler an overflow is a skipped step; a NaN loss is counted below
     } else {
         scheduler_.num_steps += static_cast<double>(global_batch_);
     }
@@ -232,9 +249,15 @@ double Trainer::step(IterationStats & stats) {
     stats.learning_rate      = schedule.lr_at_step(scheduler_.num_steps);
     stats.global_batch_size  = global_batch_;
     stats.grad_norm          = result.grad_norm;
+    if (scaler_) {
+        scaler_->update(!result.stepped);   // Megatron's order: after the unscaled gradients were checked
+        stats.loss_scale = scaler_->scale();
+    }
+    const double loss = exchanged_loss(loss_sum / static_cast<double>(microbatches_));
+    if (scaler_ && !std::isfinite(loss)) ++nan_iterations_;
     stats.nan_iterations     = nan_iterations_;
-    stats.skipped_iterations = nan_iterations_;
-    return exchanged_loss(loss_sum / static_cast<double>(microbatches_));
+    stats.skipped_iterations = skipped_iterations_;
+    return loss;
 }
 
 void Trainer::timed(int timer, const std::function<void()> & work) {
@@ -454,7 +477,9 @@ void Trainer::save() {
     comm::Communicator *         everyone = setup_.all_ranks();
     const bool                   writer   = !everyone || everyone->rank() == 0;   // the tracker's writer
     const std::optional<int64_t> previous = writer ? tracked_iteration(options_.save) : std::nullopt;
-    checkpoint::SaveStats stats = save_checkpoint(options_, setup_, iteration_, consumed_, scheduler_);
+    checkpoint::SaveStats stats = save_checkpoint(options_, setup_, iteration_, consumed_, scheduler_, nullptr,
+                                                  scaler_ && scaler_->dynamic() ? std::optional(scaler_->state())
+                                                                                : std::nullopt);
     if (writer) retire_checkpoint(options_, previous, iteration_);
     char sizes[96];
     std::snprintf(sizes, sizeof(sizes), " [ %.1f MiB in %.3f s ]", stats.bytes / 1048576.0, stats.seconds);
@@ -478,7 +503,8 @@ void Trainer::save_for_rerun(int64_t consumed_before) {
     report_message("saving checkpoint at iteration " + padded(iteration_ - 1) + " to " + options_.save +
                    " in torch_dist format (to rerun iteration " + std::to_string(iteration_) + ")");
     save_checkpoint(options_, setup_, iteration_ - 1, consumed_before, scheduler_,
-                    {{"world_size", everyone ? everyone->size() : 1}, {"ranks", states}});
+                    {{"world_size", everyone ? everyone->size() : 1}, {"ranks", states}},
+                    scaler_ && scaler_->dynamic() ? std::optional(scaler_->state()) : std::nullopt);
 }
 
 // Each sink in turn; one whose stream fails is dropped, and its failure kept for run() to act on.

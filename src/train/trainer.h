@@ -23,6 +23,7 @@
 #include "train/options.h"
 #include "train/setup.h"
 #include "train/reporting.h"
+#include "optim/loss_scaler.h"
 #include "train/rerun.h"
 
 #include <cstdio>
@@ -159,6 +160,8 @@ private:
     int64_t                                     iteration_ = 0;
     int64_t                                     consumed_  = 0;
     int64_t                                     nan_iterations_ = 0;
+    int64_t                                     skipped_iterations_ = 0;   // updates not made (overflows too)
+    std::unique_ptr<optim::LossScaler>          scaler_;   // --fp16, or --bf16 with --loss-scale
     Resumed                                     resumed_;
 
     // Saves a checkpoint of the current iteration (--save) and reports Megatron's lines.

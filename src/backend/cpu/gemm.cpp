@@ -94,8 +94,8 @@ bool gemm_bf16_native() {
 
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b,
           DType ab_dtype, float * c, bool accumulate) {
-    LOOM_CHECK(ab_dtype == DType::f32 || ab_dtype == DType::bf16,
-               "gemm of " << dtype_name(ab_dtype) << " inputs", "gemm takes float32 or bfloat16 inputs");
+    LOOM_CHECK(ab_dtype == DType::f32 || dtype_is_half(ab_dtype),
+               "gemm of " << dtype_name(ab_dtype) << " inputs", "gemm takes float32, bfloat16 or float16 inputs");
     if (m == 0 || n == 0) {
         return;
     }
@@ -113,7 +113,7 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const voi
         std::lock_guard<std::mutex> lock(g.mutex);
         auto it = g.primitives.find(key);
         if (it == g.primitives.end()) {
-            if (ab_dtype == DType::bf16 && !gemm_bf16_native()) {
+            if (ab_dtype == DType::f16 || (ab_dtype == DType::bf16 && !gemm_bf16_native())) {   // f16: always widened
                 it = g.primitives.emplace(key, Cached{{}, {}, {}, {}, true}).first;
             } else {
                 try {
@@ -130,13 +130,13 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const voi
         p = it->second;
     }
     if (p.widen) {
-        // The operands' values are bf16-exact, so the f32 GEMM of their widened copies computes the same
-        // products (exact in f32) with the same f32 accumulation: the contract of the bf16 GEMM.
+        // The operands' values are bf16- or f16-exact, so the f32 GEMM of their widened copies computes the
+        // same products (exact in f32) with the same f32 accumulation: the contract of the 16-bit GEMM.
         thread_local std::vector<float> wide_a, wide_b;
         wide_a.resize(static_cast<size_t>(m * k));
         wide_b.resize(static_cast<size_t>(k * n));
-        convert_parallel(a, DType::bf16, wide_a.data(), DType::f32, m * k);
-        convert_parallel(b, DType::bf16, wide_b.data(), DType::f32, k * n);
+        convert_parallel(a, ab_dtype, wide_a.data(), DType::f32, m * k);
+        convert_parallel(b, ab_dtype, wide_b.data(), DType::f32, k * n);
         gemm(trans_a, trans_b, m, n, k, wide_a.data(), wide_b.data(), DType::f32, c, accumulate);
         return;
     }

@@ -161,6 +161,10 @@ Tensor scratch_of(CudaStream & cs, int64_t count, DType dtype) {
     return Tensor::empty({std::max<int64_t>(count, 1)}, dtype, cs.device(), TensorOptions{MemoryKind::device, kActivationsPool});
 }
 
+GemmOperands gemm_operands(DType dtype) {
+    return dtype == DType::bf16 ? GemmOperands::bf16 : dtype == DType::f16 ? GemmOperands::f16 : GemmOperands::f32;
+}
+
 class CudaOps final : public Ops {
 public:
     OpSupport supports(const OpQuery & query) const override { return cuda_supports(query); }
@@ -172,7 +176,7 @@ public:
         CudaStream & cs     = start(s, "gemm", {a, b, c});
         cudaStream_t stream = cs.launch("gemm");   // refuses a capture before the workspace is allocated
         gemm_lt(cs.device_index(), stream, cs.gemm_workspace(), CudaStream::kGemmWorkspaceBytes, trans_a, trans_b, m,
-                n, k, a.data_ptr(), b.data_ptr(), a.dtype() == DType::bf16, f32(c), accumulate);
+                n, k, a.data_ptr(), b.data_ptr(), gemm_operands(a.dtype()), f32(c), accumulate);
         cs.launched("gemm", {a, b, c});
     }
 
@@ -184,7 +188,7 @@ public:
         CudaStream & cs     = start(s, "gemm_bias", {a, b, c, bias});
         cudaStream_t stream = cs.launch("gemm_bias");
         if (!gemm_bias_lt(cs.device_index(), stream, cs.gemm_workspace(), CudaStream::kGemmWorkspaceBytes, trans_a,
-                          trans_b, m, n, k, a.data_ptr(), b.data_ptr(), a.dtype() == DType::bf16, f32(bias), f32(c))) {
+                          trans_b, m, n, k, a.data_ptr(), b.data_ptr(), gemm_operands(a.dtype()), f32(bias), f32(c))) {
             kernels::bias_add(stream, f32(c), f32(bias), m, n);
         }
         cs.launched("gemm_bias", {a, b, c, bias});

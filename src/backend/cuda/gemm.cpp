@@ -76,9 +76,9 @@ struct LtPlan {
     bool                            found = false;
 
     LtPlan(cublasLtHandle_t handle, size_t workspace_bytes, bool trans_a, bool trans_b, int64_t m, int64_t n,
-           int64_t k, const void * a, const void * b, bool bf16, const float * c, const float * bias)
+           int64_t k, const void * a, const void * b, GemmOperands ab, const float * c, const float * bias)
         : op_a(trans_b ? CUBLAS_OP_T : CUBLAS_OP_N), op_b(trans_a ? CUBLAS_OP_T : CUBLAS_OP_N),
-          a_rows(trans_b ? k : n), b_rows(trans_a ? m : k), ab_type(bf16 ? CUDA_R_16BF : CUDA_R_32F) {
+          a_rows(trans_b ? k : n), b_rows(trans_a ? m : k), ab_type(ab == GemmOperands::bf16 ? CUDA_R_16BF : ab == GemmOperands::f16 ? CUDA_R_16F : CUDA_R_32F) {
         LOOM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.handle, CUBLAS_COMPUTE_32F, CUDA_R_32F));
         LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
         LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
@@ -139,7 +139,7 @@ void gemm_handles_create(int device_index, cudaStream_t stream) {
 }
 
 void gemm_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,
-             bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, bool bf16, float * c,
+             bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab, float * c,
              bool accumulate) {
     if (m == 0 || n == 0) return;
     if (k == 0) {
@@ -147,7 +147,7 @@ void gemm_lt(int device_index, cudaStream_t stream, void * workspace, size_t wor
         return;
     }
     cublasLtHandle_t handle = lt_handle(device_index);
-    const LtPlan     plan(handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, bf16, c, nullptr);
+    const LtPlan     plan(handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, nullptr);
     if (!plan.found) {
         // No cuBLASLt kernel for these alignments or leading dimensions: cublasGemmEx takes any.
         const float    alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
@@ -164,18 +164,18 @@ void gemm_lt(int device_index, cudaStream_t stream, void * workspace, size_t wor
 }
 
 bool gemm_bias_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,
-                  bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, bool bf16,
+                  bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab,
                   const float * bias, float * c) {
     if (m == 0 || n == 0) return true;   // nothing to add to
     if (k > 0) {
         cublasLtHandle_t handle = lt_handle(device_index);
-        const LtPlan     plan(handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, bf16, c, bias);
+        const LtPlan     plan(handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, bias);
         if (plan.found) {
             plan.run(handle, stream, workspace, workspace_bytes, a, b, c, /*accumulate=*/false);
             return true;
         }
     }
-    gemm_lt(device_index, stream, workspace, workspace_bytes, trans_a, trans_b, m, n, k, a, b, bf16, c, false);
+    gemm_lt(device_index, stream, workspace, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, false);
     return false;
 }
 

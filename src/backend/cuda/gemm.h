@@ -5,7 +5,7 @@
 //   cuBLASLt B = a   rows x cols = trans_a ? (m, k) : (k, m), ld = rows, op = trans_a ? T : N
 //   cuBLASLt C = D = c   (n, m), ld = n, f32
 //
-// a and b are both f32 or both bf16; the compute type is CUBLAS_COMPUTE_32F (f32 accumulation, no TF32),
+// a and b are both f32, both bf16 or both f16 (GemmOperands); the compute type is CUBLAS_COMPUTE_32F (f32 accumulation, no TF32),
 // alpha = 1, beta = accumulate ? 1 : 0. k = 0 gives c = 0 (or leaves it, accumulating). Operands are
 // often views into flat buffers, so their addresses are passed to cuBLASLt's heuristic as the alignment
 // it may assume; where it has no kernel (cuBLASLt wants 16-byte alignment for most), cublasGemmEx with the
@@ -26,8 +26,11 @@ namespace loom::LOOM_CUDA_NS {
 // stream's own workspace (CudaStream::gemm_workspace), cuBLASLt's and cuBLAS's fallback alike.
 void gemm_handles_create(int device_index, cudaStream_t stream);
 
+// The element type of both operands.
+enum class GemmOperands { f32, bf16, f16 };
+
 void gemm_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,
-             bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, bool bf16, float * c,
+             bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab, float * c,
              bool accumulate);
 
 // c (m, n) = op(a) op(b) + bias (n, f32, one value per column of c) through cuBLASLt's bias epilogue
@@ -36,7 +39,7 @@ void gemm_lt(int device_index, cudaStream_t stream, void * workspace, size_t wor
 // alignments): then c holds the plain product (gemm_lt, with its cublasGemmEx fallback) and the caller
 // adds the bias.
 bool gemm_bias_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,
-                  bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, bool bf16,
+                  bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab,
                   const float * bias, float * c);
 
 }  // namespace loom::LOOM_CUDA_NS

@@ -71,6 +71,7 @@ size_t element_size(cudaDataType_t type) {
     switch (type) {
         case CUDA_R_32F: return 4;
         case CUDA_R_16BF: return 2;
+        case CUDA_R_16F: return 2;
         default: return 0;
     }
 }
@@ -91,8 +92,29 @@ uint16_t narrow_bf16(float f) {
     return static_cast<uint16_t>(word >> 16);
 }
 
+// IEEE binary16 read exactly (this library stands in for cuBLAS and links nothing of Loom's). f16 is an
+// operand type only: C and D are f32 or bf16 here.
+float widen_f16(uint16_t bits) {
+    const uint32_t sign = static_cast<uint32_t>(bits & 0x8000) << 16;
+    const uint32_t exp  = (bits >> 10) & 0x1f, man = bits & 0x3ff;
+    float          value;
+    if (exp == 0) {
+        value = std::ldexp(static_cast<float>(man), -24);   // zero or subnormal
+    } else if (exp == 31) {
+        value = man == 0 ? INFINITY : NAN;
+    } else {
+        value = std::ldexp(static_cast<float>(man | 0x400), static_cast<int>(exp) - 25);
+    }
+    uint32_t word;
+    std::memcpy(&word, &value, sizeof(word));
+    word |= sign;
+    std::memcpy(&value, &word, sizeof(word));
+    return value;
+}
+
 float load(const void * base, cudaDataType_t type, size_t index) {
     if (type == CUDA_R_32F) return static_cast<const float *>(base)[index];
+    if (type == CUDA_R_16F) return widen_f16(static_cast<const uint16_t *>(base)[index]);
     return widen_bf16(static_cast<const uint16_t *>(base)[index]);
 }
 
@@ -220,11 +242,11 @@ bool scalar_compute(cublasComputeType_t compute) {
     return compute == CUBLAS_COMPUTE_32F || compute == CUBLAS_COMPUTE_32F_PEDANTIC;
 }
 
-// The operand types emulated: A and B both f32 or both bf16; C and D f32, or of A's type.
+// The operand types emulated: A and B both f32, both bf16 or both f16; C and D f32, or bf16 with bf16 A.
 bool types_supported(cudaDataType_t ab_a, cudaDataType_t ab_b, cudaDataType_t c, cudaDataType_t d) {
     if (ab_a != ab_b || element_size(ab_a) == 0) return false;
     if (c != d) return false;
-    return c == CUDA_R_32F || c == ab_a;
+    return c == CUDA_R_32F || (c == ab_a && c != CUDA_R_16F);
 }
 
 uint32_t alignment_of(const void * p) {

@@ -209,8 +209,9 @@ Tensor Experts::grouped_forward(Context & ctx, const Tensor & xp) {
             ops.squared_relu_forward(stream, pre, act);
         }
     } else {
-        ctx.pre_act = dtype == DType::f32 ? pre : Tensor::empty(pre.shape(), dtype, device, {MemoryKind::device, kActivationsPool});
-        Tensor pre_bf16 = dtype == DType::f32 ? Tensor() : ctx.pre_act;
+        // bf16: the fused op writes the rounded pre-activation; f16: rounded after it (keep_for_backward).
+        ctx.pre_act = dtype != DType::bf16 ? pre : Tensor::empty(pre.shape(), dtype, device, {MemoryKind::device, kActivationsPool});
+        Tensor pre_bf16 = dtype != DType::bf16 ? Tensor() : ctx.pre_act;
         if (has_bias) {   // the fused bias + GELU, one call per expert (its own bias)
             offset = 0;
             for (int64_t e = 0; e < num_experts; ++e) {
@@ -223,6 +224,7 @@ Tensor Experts::grouped_forward(Context & ctx, const Tensor & xp) {
         } else {
             ops.bias_gelu_forward(stream, pre, Tensor(), act, pre_bf16);
         }
+        if (dtype == DType::f16) ctx.pre_act = keep_for_backward(pre, dtype);
     }
     ctx.act  = in_dtype(act, dtype);
     Tensor y = activation(device, R, h);
