@@ -822,3 +822,35 @@ TEST(BatchSchedule, DataParallelAndAResumeOnAPipelineFollowTheOneRankRun) {
     EXPECT_NE(pp.out.find("consumed samples:           20 | elapsed"), std::string::npos) << "iteration 5: 12 + 8\n"
                                                                                               << pp.out;
 }
+
+// --num-distributed-optimizer-instances 2 on four data-parallel ranks: two instances of two ranks, each
+// sharding the optimizer over its own pair and all-reducing its shards with the other instance. The loss
+// curve is the one-rank run's (1e-5 relative: the sums regroup), and the checkpoint (written by the first
+// instance alone) resumes on one rank where the four-rank run went on.
+TEST(DistOptInstances, TwoInstancesFollowTheOneRankRunAndTheirCheckpointReshards) {
+    TempDir           tmp;
+    const std::string run = kRun + "--global-batch-size 8 --micro-batch-size 2 --num-layers 2 ";
+    const std::string instances = "--use-distributed-optimizer --num-distributed-optimizer-instances 2 "
+                                  "--overlap-grad-reduce --ddp-bucket-size 50000 ";
+    CliRun one = run_on(1, run + "--log-file " + (tmp / "one.jsonl"));
+    ASSERT_EQ(one.status, 0) << one.out;
+    CliRun four = run_on(4, run + instances + "--save " + (tmp / "four") + " --save-interval 10 --log-file " +
+                                (tmp / "four.jsonl"));
+    ASSERT_EQ(four.status, 0) << four.out;
+    CliRun back = run_on(1, run + "--load " + (tmp / "four") + " --ckpt-step 10 --log-file " + (tmp / "back.jsonl"));
+    ASSERT_EQ(back.status, 0) << back.out;
+    std::map<int64_t, double> l1 = losses(tmp / "one.jsonl"), l4 = losses(tmp / "four.jsonl"), lb = losses(tmp / "back.jsonl");
+    ASSERT_EQ(l4.size(), 20u);
+    ASSERT_EQ(lb.size(), 10u) << back.out;
+    for (int64_t k = 1; k <= 20; ++k) {
+        EXPECT_NEAR(l4.at(k), l1.at(k), 1e-5 * std::abs(l1.at(k))) << "two instances, iteration " << k;
+        if (k > 10) EXPECT_NEAR(lb.at(k), l4.at(k), 1e-5 * std::abs(l4.at(k))) << "resumed on one rank, iteration " << k;
+    }
+    // Megatron's rules, before any collective.
+    CliRun odd = run_on(2, run + "--use-distributed-optimizer --num-distributed-optimizer-instances 4");
+    EXPECT_NE(odd.status, 0);
+    EXPECT_NE(odd.out.find("Data parallel size should be divisible by partial DistOpt shard factor"), std::string::npos)
+        << odd.out;
+    CliRun plain = run_on(1, run + "--num-distributed-optimizer-instances 2");
+    EXPECT_NE(plain.out.find("Partial DistOpt cannot be used without DistOpt"), std::string::npos) << plain.out;
+}

@@ -110,7 +110,8 @@ def script_cases(src):
 
 
 PARALLEL = ["--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
-            "--expert-model-parallel-size", "--expert-tensor-parallel-size"]
+            "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+            "--num-distributed-optimizer-instances"]   # instances divide the data-parallel ranks, 1 here
 DROP = {"--data-path", "--split", "--data-cache-path", "--num-virtual-stages-per-pipeline-rank",
         "--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
         "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",

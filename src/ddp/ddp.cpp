@@ -17,6 +17,11 @@ void DdpConfig::validate() const {
                "--overlap-param-gather");
     LOOM_CHECK(!overlap_param_gather || overlap_grad_reduce, "--overlap-param-gather needs --overlap-grad-reduce",
                "Megatron requires both overlaps together; add --overlap-grad-reduce");
+    LOOM_CHECK(num_distributed_optimizer_instances >= 1,
+               "--num-distributed-optimizer-instances must be >= 1, got " << num_distributed_optimizer_instances, "");
+    LOOM_CHECK(num_distributed_optimizer_instances == 1 || use_distributed_optimizer,
+               "Partial DistOpt cannot be used without DistOpt",
+               "--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer");
     LOOM_CHECK(!bucket_size || *bucket_size >= 1, "--ddp-bucket-size must be >= 1 element, got " << *bucket_size,
                "omit it for Megatron's default, max(40M, 1M x dp) elements with --overlap-grad-reduce");
 }
@@ -36,13 +41,23 @@ std::vector<ParamSpec> param_specs(const std::vector<model::Parameter *> & param
 
 DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *> params, const DdpConfig & config,
                                                  std::shared_ptr<comm::Communicator> dp_group, Device & device,
-                                                 std::shared_ptr<comm::Communicator> expert_dp_group)
+                                                 std::shared_ptr<comm::Communicator> expert_dp_group,
+                                                 std::shared_ptr<comm::Communicator> inter_group,
+                                                 std::shared_ptr<comm::Communicator> inter_expert_group)
     : config_(config),
       dp_group_(std::move(dp_group)),
       expert_dp_group_(expert_dp_group ? std::move(expert_dp_group) : dp_group_),
+      inter_group_(std::move(inter_group)),
+      inter_expert_group_(inter_expert_group ? std::move(inter_expert_group) : inter_group_),
+      full_dp_(dp_group_->size() * (inter_group_ ? inter_group_->size() : 1)),
       device_(device),
       params_(std::move(params)) {
     config_.validate();
+    LOOM_CHECK((inter_group_ != nullptr) == (config_.num_distributed_optimizer_instances > 1) &&
+                   (!inter_group_ || inter_group_->size() == config_.num_distributed_optimizer_instances),
+               "--num-distributed-optimizer-instances " << config_.num_distributed_optimizer_instances
+                                                        << " without its instance groups",
+               "build the process groups with the same number of instances");
     // No relation between the two sizes is assumed: with MoE parallel folding the expert-data-parallel
     // group may be smaller than the data-parallel one (EP > 1) or larger (ETP < TP: the tensor-parallel
     // peers hold the same whole experts and see different tokens).
@@ -59,7 +74,7 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
     options.dp                              = dp;
     options.edp                             = expert_dp_group_->size();
     options.use_distributed_optimizer       = config_.use_distributed_optimizer;
-    options.bucket_size                     = effective_bucket_size(config_, dp);
+    options.bucket_size                     = effective_bucket_size(config_, full_dp_);   // Megatron's: the whole dp
     options.pad_buckets_for_high_nccl_busbw = config_.pad_buckets_for_high_nccl_busbw;
     options.grad_reduce_in_fp32             = true;
     layout_ = compute_layout(specs_, options);
@@ -175,7 +190,7 @@ model::GradReadyFn DistributedDataParallel::grad_ready() {
 
 void DistributedDataParallel::launch_grad_sync(Group & group) {
     LOOM_CHECK(!group.grad_launched, "a second gradient reduction of a bucket group while one is outstanding", "");
-    const int64_t   dp = dp_group_->size();
+    const int64_t   dp = full_dp_;
     comm::ReduceOp  op = config_.average_in_collective ? comm::ReduceOp::avg : comm::ReduceOp::sum;
     // The gradients are final once the compute stream has run the backward work enqueued so far: the comm
     // stream waits for that point before it touches them.
@@ -210,8 +225,14 @@ void DistributedDataParallel::launch_grad_sync(Group & group) {
         if (factor != 1.0f) device_.ops().scale(*comm_stream_, grads, factor);
         if (config_.use_distributed_optimizer) {
             int64_t shard = bucket.numel / n;
-            group.grad_work.push_back(reducer.reduce_scatter(grads, grads.narrow(0, reducer.rank() * shard, shard), op,
-                                                             comm_stream_.get()));
+            Tensor  mine  = grads.narrow(0, reducer.rank() * shard, shard);
+            group.grad_work.push_back(reducer.reduce_scatter(grads, mine, op, comm_stream_.get()));
+            // Several instances: this instance's sum of the shard, summed with the other instances' (the
+            // factor above already divides by every data-parallel rank; an average in the collective
+            // averaged within the instance only).
+            comm::Communicator * inter = layout_.buffers[ref.buffer].is_expert_parallel ? inter_expert_group_.get()
+                                                                                         : inter_group_.get();
+            if (inter) group.grad_work.push_back(inter->all_reduce(mine, comm::ReduceOp::sum, comm_stream_.get()));
         } else {
             group.grad_work.push_back(reducer.all_reduce(grads, op, comm_stream_.get()));
         }

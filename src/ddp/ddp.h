@@ -63,6 +63,10 @@ struct DdpConfig {
     bool                   pad_buckets_for_high_nccl_busbw = false;
     bool                   average_in_collective           = false;
     bool                   check_for_nan_in_grad           = false;
+    // --num-distributed-optimizer-instances N: the data-parallel ranks form N instances of dp / N consecutive
+    // ranks; each instance shards the optimizer over its own ranks (reduce-scatter and all-gather within it)
+    // and the instances all-reduce their shards (Megatron's partial distributed optimizer).
+    int64_t                num_distributed_optimizer_instances = 1;
 
     // Rejects --overlap-param-gather without the distributed optimizer or without --overlap-grad-reduce
     // and a bucket size below 1, naming the flags.
@@ -81,10 +85,15 @@ class DistributedDataParallel {
 public:
     // Re-points every parameter's main_grad (and, with the distributed optimizer, its data) at views of
     // the buffers, keeping their values. `dp_group` reduces and shards the dense buffers, `expert_dp_group`
-    // (null: dp_group) the expert buffers.
+    // (null: dp_group) the expert buffers. With several distributed-optimizer instances these are the
+    // instance's own ranks (Megatron's intra-partial groups), and `inter_group` / `inter_expert_group` join
+    // the ranks holding the same shard in every instance: each shard, reduce-scattered in its instance, is
+    // then all-reduced over them.
     DistributedDataParallel(std::vector<model::Parameter *> params, const DdpConfig & config,
                             std::shared_ptr<comm::Communicator> dp_group, Device & device,
-                            std::shared_ptr<comm::Communicator> expert_dp_group = nullptr);
+                            std::shared_ptr<comm::Communicator> expert_dp_group = nullptr,
+                            std::shared_ptr<comm::Communicator> inter_group = nullptr,
+                            std::shared_ptr<comm::Communicator> inter_expert_group = nullptr);
     ~DistributedDataParallel();
     DistributedDataParallel(const DistributedDataParallel &) = delete;
     DistributedDataParallel & operator=(const DistributedDataParallel &) = delete;
@@ -136,6 +145,8 @@ private:
     DdpConfig                           config_;
     std::shared_ptr<comm::Communicator> dp_group_;
     std::shared_ptr<comm::Communicator> expert_dp_group_;
+    std::shared_ptr<comm::Communicator> inter_group_, inter_expert_group_;   // null: one instance
+    int64_t                             full_dp_ = 1;   // every data-parallel rank, all instances
     Device &                            device_;
     std::vector<model::Parameter *>     params_;
     std::vector<ParamSpec>              specs_;

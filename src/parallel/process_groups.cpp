@@ -66,13 +66,44 @@ Member member_of(const std::string & kind, bool expert) {
 
 }  // namespace
 
-ProcessGroups ProcessGroups::create(const ParallelConfig & config, comm::CommunicatorFactory & factory) {
+namespace {
+
+// Each group cut into `parts` runs of consecutive ranks (intra), and the ranks at the same place of every
+// run (inter).
+std::pair<RankGroups, RankGroups> instance_groups(const RankGroups & groups, int64_t parts) {
+    RankGroups intra, inter;
+    for (const std::vector<int> & group : groups) {
+        const size_t run = group.size() / static_cast<size_t>(parts);
+        for (int64_t i = 0; i < parts; ++i) {
+            intra.emplace_back(group.begin() + static_cast<std::ptrdiff_t>(i * run),
+                               group.begin() + static_cast<std::ptrdiff_t>((i + 1) * run));
+        }
+        for (size_t j = 0; j < run; ++j) {
+            std::vector<int> across;
+            for (int64_t i = 0; i < parts; ++i) across.push_back(group[static_cast<size_t>(i) * run + j]);
+            inter.push_back(std::move(across));
+        }
+    }
+    return {intra, inter};
+}
+
+}  // namespace
+
+ProcessGroups ProcessGroups::create(const ParallelConfig & config, comm::CommunicatorFactory & factory,
+                                    int64_t dist_opt_instances) {
     CommPtr world = factory.world();
     LOOM_CHECK(world->size() == config.world_size(),
                "the parallel configuration is for a world of " << config.world_size() << " ranks, but "
                    << world->size() << " were launched",
                "launch " << config.world_size() << " ranks (mpirun -np " << config.world_size()
                          << "), or change the parallel sizes");
+    // Megatron's checks of the instances (parallel_state.py), before any split.
+    LOOM_CHECK(dist_opt_instances >= 1 && config.dp() % dist_opt_instances == 0,
+               "Data parallel size should be divisible by partial DistOpt shard factor: data-parallel size "
+                   << config.dp() << ", --num-distributed-optimizer-instances " << dist_opt_instances, "");
+    LOOM_CHECK(config.edp() % dist_opt_instances == 0,
+               "Expert data parallel size should be divisible by partial DistOpt shard factor: expert data-parallel "
+               "size " << config.edp() << ", --num-distributed-optimizer-instances " << dist_opt_instances, "");
     ProcessGroups groups;
     groups.world = world;
     // Every rank walks the same kinds in the same order: the splits are collective over the world.
@@ -101,6 +132,14 @@ ProcessGroups ProcessGroups::create(const ParallelConfig & config, comm::Communi
             add(r, (r + 1) % pp, false);
             add((r + 1) % pp, r, true);
         }
+    }
+    if (dist_opt_instances > 1) {
+        const auto [intra, inter] = instance_groups(config.dense().get_ranks("dp"), dist_opt_instances);
+        groups.intra_dp           = factory.split(intra, "intra-dp");
+        groups.inter_dp           = factory.split(inter, "inter-dp");
+        const auto [expert_intra, expert_inter] = instance_groups(config.expert().get_ranks("dp"), dist_opt_instances);
+        groups.intra_expert_dp = factory.split(expert_intra, "expert-intra-dp");
+        groups.inter_expert_dp = factory.split(expert_inter, "expert-inter-dp");
     }
     return groups;
 }

@@ -57,9 +57,15 @@ struct ProcessGroups {
     CommPtr tp, pp, dp, cp, dp_cp, tp_pp, tp_cp, tp_dp_cp, tp_dp, embedding, position_embedding;
     CommPtr expert_ep, expert_tp, expert_dp, expert_tp_ep, expert_tp_ep_pp;
     PipelineChannels pp_channels;   // the pipeline group's point-to-point channels (see the top of this file)
+    // With several distributed-optimizer instances (--num-distributed-optimizer-instances N > 1; null
+    // otherwise): each data-parallel group's ranks cut into N runs of consecutive ranks, this rank's run
+    // (intra_dp; intra_expert_dp from the expert data-parallel group), and the ranks at this rank's place in
+    // every run (inter_dp, inter_expert_dp): Megatron's intra- and inter-partial data-parallel groups.
+    CommPtr intra_dp, inter_dp, intra_expert_dp, inter_expert_dp;
 
-    // Collective over the world: every rank must call it with the same config.
-    static ProcessGroups create(const ParallelConfig & config, comm::CommunicatorFactory & factory);
+    // Collective over the world: every rank must call it with the same config (and instances).
+    static ProcessGroups create(const ParallelConfig & config, comm::CommunicatorFactory & factory,
+                                int64_t dist_opt_instances = 1);
 
     // The communicator of a group kind by its name ("tp", "expert-dp", ...); throws for unknown names.
     CommPtr by_name(const std::string & kind, bool expert) const;

@@ -102,6 +102,9 @@ const Flag<ddp::DdpConfig> kDdpFlags[] = {
      "average in the collective instead of scaling gradients by 1/dp first"},
     {"--ddp-pad-buckets-for-high-nccl-busbw", kDist, &D::pad_buckets_for_high_nccl_busbw,
      "pad buckets to a multiple of lcm(dp, 128, 65536)"},
+    {"--num-distributed-optimizer-instances", kDist, &D::num_distributed_optimizer_instances,
+     "partial distributed optimizer: the data-parallel ranks form this many instances, each sharding the optimizer "
+     "over its own ranks, the instances all-reducing their shards", kShowDefault},
     {"--check-for-nan-in-loss-and-grad", kDist, &D::check_for_nan_in_grad,
      "stop on a non-finite loss or gradient norm (the default); given explicitly, also scan every "
      "bucket before its reduction to name the rank and parameter (a host pass over the gradients)"},
@@ -192,6 +195,13 @@ void resolve_ddp(const ParallelFlags & f, const Given & given, TrainOptions & o)
                "--cp-comm-type has " << f.cp_comm_type.size() << " values for " << o.model.num_layers << " layers",
                "give one value, or one per layer");
     o.ddp.validate();
+    const int64_t instances = o.ddp.num_distributed_optimizer_instances;   // parallel_state.py's asserts
+    LOOM_CHECK(o.parallel.dp() % instances == 0,
+               "Data parallel size should be divisible by partial DistOpt shard factor: data-parallel size "
+                   << o.parallel.dp() << ", --num-distributed-optimizer-instances " << instances, "");
+    LOOM_CHECK(o.parallel.edp() % instances == 0,
+               "Expert data parallel size should be divisible by partial DistOpt shard factor: expert data-parallel "
+               "size " << o.parallel.edp() << ", --num-distributed-optimizer-instances " << instances, "");
     LOOM_CHECK(!given("--check-weight-hash-across-dp-replicas-interval") || o.check_weight_hash_interval >= 1,
                "--check-weight-hash-across-dp-replicas-interval must be >= 1, got " << o.check_weight_hash_interval, "");
     LOOM_CHECK(o.check_for_nan_in_loss_and_grad || !o.ddp.check_for_nan_in_grad,

@@ -105,8 +105,13 @@ Setup setup(const TrainOptions & options, std::vector<model::GptModel *> chunks,
                                              << options.parallel.dp(), "");
         // Expert parameters reduce and shard over the expert-data-parallel group (the dense dp group's
         // ranks while --expert-model-parallel-size is 1).
-        s.ddp = std::make_unique<ddp::DistributedDataParallel>(params, options.ddp, groups.dp, device,
-                                                               groups.expert_dp ? groups.expert_dp : groups.dp);
+        // With several distributed-optimizer instances each instance's own ranks shard (intra groups) and
+        // the instances all-reduce their shards (inter groups).
+        const bool instances = groups.intra_dp != nullptr;
+        s.ddp = std::make_unique<ddp::DistributedDataParallel>(
+            params, options.ddp, instances ? groups.intra_dp : groups.dp, device,
+            instances ? groups.intra_expert_dp : (groups.expert_dp ? groups.expert_dp : groups.dp),
+            instances ? groups.inter_dp : nullptr, instances ? groups.inter_expert_dp : nullptr);
         if (options.ddp.overlap_param_gather) {
             ddp::DistributedDataParallel * d = s.ddp.get();
             for (model::GptModel * chunk : s.chunks) {
