@@ -854,3 +854,53 @@ TEST(DistOptInstances, TwoInstancesFollowTheOneRankRunAndTheirCheckpointReshards
     CliRun plain = run_on(1, run + "--num-distributed-optimizer-instances 2");
     EXPECT_NE(plain.out.find("Partial DistOpt cannot be used without DistOpt"), std::string::npos) << plain.out;
 }
+
+// --profile under mpirun (two data-parallel ranks with ZeRO-1 and both overlaps): each profiled rank writes
+// its trace, which parses as a Chrome trace with the compute and DDP streams' work, collectives among it;
+// a window of two iterations holds exactly twice the operations of a window of one, stream by stream and
+// name by name (every iteration enqueues the same work); --profile-ranks 1 leaves rank 0 unprofiled.
+TEST(Profile, EveryRankTracesEachStreamOperationOfTheWindow) {
+    TempDir           tmp;
+    const std::string run = kRun + "--num-layers 2 --global-batch-size 8 --micro-batch-size 2 --train-iters 6 "
+                                   "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather "
+                                   "--ddp-bucket-size 40000 --profile ";
+    auto counts = [&](const std::string & path) {
+        std::map<std::pair<std::string, std::string>, int> out;
+        std::ifstream in(path);
+        EXPECT_TRUE(in.good()) << path;
+        if (!in.good()) return out;
+        const json trace = json::parse(in);
+        std::map<int, std::string> threads;
+        for (const json & e : trace["traceEvents"]) {
+            if (e["ph"] == "M" && e["name"] == "thread_name") threads[e["tid"].get<int>()] = e["args"]["name"];
+        }
+        for (const json & e : trace["traceEvents"]) {
+            if (e["ph"] != "X") continue;
+            EXPECT_GE(e["dur"].get<int64_t>(), 0);
+            ++out[{threads.at(e["tid"].get<int>()), e["name"].get<std::string>()}];
+        }
+        return out;
+    };
+    CliRun one = run_on(2, run + "--profile-step-start 3 --profile-step-end 4 --tensorboard-dir " + (tmp / "one"));
+    ASSERT_EQ(one.status, 0) << one.out;
+    EXPECT_NE(one.out.find("profile of iterations 4 to 4"), std::string::npos) << one.out;
+    CliRun two = run_on(2, run + "--profile-step-start 3 --profile-step-end 5 --tensorboard-dir " + (tmp / "two"));
+    ASSERT_EQ(two.status, 0) << two.out;
+    for (int rank : {0, 1}) {
+        const auto c1 = counts(tmp / ("one/loom_profile_rank" + std::to_string(rank) + ".json"));
+        const auto c2 = counts(tmp / ("two/loom_profile_rank" + std::to_string(rank) + ".json"));
+        ASSERT_FALSE(c1.empty());
+        EXPECT_GT(c1.count({"compute", "gemm"}), 0u) << "rank " << rank;
+        EXPECT_GT(c1.count({"ddp-comm", "reduce_scatter"}), 0u) << "rank " << rank;
+        EXPECT_GT(c1.count({"ddp-comm", "all_gather"}), 0u) << "rank " << rank;
+        EXPECT_EQ(c1.size(), c2.size()) << "rank " << rank;
+        for (const auto & [key, n] : c1) {
+            EXPECT_EQ(c2.count(key) ? c2.at(key) : 0, 2 * n) << "rank " << rank << ": " << key.first << " " << key.second;
+        }
+    }
+    CliRun only = run_on(2, run + "--profile-step-start 3 --profile-step-end 4 --profile-ranks 1 --save " + (tmp / "only") +
+                                " --save-interval 100");
+    ASSERT_EQ(only.status, 0) << only.out;
+    EXPECT_FALSE(fs::exists(tmp / "only/loom_profile_rank0.json"));
+    EXPECT_TRUE(fs::exists(tmp / "only/loom_profile_rank1.json"));
+}

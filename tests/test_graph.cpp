@@ -231,11 +231,11 @@ public:
 
     Device &            device() override { return inner_->device(); }
     const std::string & name() const override { return inner_->name(); }
-    void                submit(std::function<void()> work) override {
+    void                submit(std::function<void()> work, const char * name = __builtin_FUNCTION()) override {
         if (native_) {
             pending_.push_back(std::move(work));
         } else {
-            inner_->submit(std::move(work));
+            inner_->submit(std::move(work), name);
         }
     }
     void submit_using(std::function<void()> work, std::vector<Tensor> tensors) {

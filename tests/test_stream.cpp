@@ -3,13 +3,18 @@
 #include "backend/cpu/cpu_device.h"
 #include "backend/cpu/cpu_stream.h"
 
+#include "core/profiler.h"
 #include "stream_gate.h"
+
+#include <nlohmann/json.hpp>
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <future>
+#include <map>
 #include <thread>
 #include <vector>
 
@@ -219,4 +224,63 @@ TEST(Stream, ManyProducersAndConsumersStayOrderedByEvents) {
     for (int i = 0; i < kSteps; ++i) {
         EXPECT_EQ(log[i], i);
     }
+}
+
+// --profile's timeline (core/profiler.h): while a profile is taken, every piece of work a stream runs is
+// one event on that stream, named by its submitter (the calling function by default), the event records
+// and waits included; the events of one stream do not overlap and follow submission order; nothing is
+// recorded outside start()..stop(); the Chrome trace names each stream's thread.
+TEST(Profiler, EveryPieceOfWorkIsOneEventOnItsStreamAndTheTraceNamesTheStreams) {
+    auto a = cpu::device().stream_create("alpha-stream");
+    auto b = cpu::device().stream_create("beta-stream");
+    auto e = cpu::device().event_create();
+    a->submit([] {}, "before");   // not profiled
+    a->synchronize();
+    Profiler::start();
+    for (int i = 0; i < 5; ++i) a->submit([] { std::this_thread::sleep_for(1ms); }, "alpha");
+    a->record(*e);
+    b->wait(*e);
+    for (int i = 0; i < 3; ++i) b->submit([] {}, "beta");
+    b->submit([] {});   // named after this function
+    a->synchronize();
+    b->synchronize();
+    const std::vector<TraceEvent> events = Profiler::stop();
+    a->submit([] {}, "after");   // not profiled
+    a->synchronize();
+
+    auto count = [&](const std::string & stream, const std::string & name) {
+        return std::count_if(events.begin(), events.end(),
+                             [&](const TraceEvent & x) { return x.stream == stream && x.name == name; });
+    };
+    EXPECT_EQ(count("alpha-stream", "alpha"), 5);
+    EXPECT_EQ(count("alpha-stream", "record"), 1);
+    EXPECT_EQ(count("beta-stream", "wait"), 1);
+    EXPECT_EQ(count("beta-stream", "beta"), 3);
+    EXPECT_EQ(count("beta-stream", "TestBody"), 1);
+    EXPECT_EQ(events.size(), 11u) << "nothing else, nothing before start() or after stop()";
+    for (const std::string stream : {"alpha-stream", "beta-stream"}) {
+        int64_t end = -1;
+        for (const TraceEvent & x : events) {
+            if (x.stream != stream) continue;
+            EXPECT_LE(x.begin_us, x.end_us);
+            EXPECT_GE(x.begin_us, end) << stream << ": one piece of work at a time, in order";
+            end = x.end_us;
+        }
+    }
+    const int64_t slept = std::count_if(events.begin(), events.end(), [](const TraceEvent & x) {
+        return x.name == "alpha" && x.end_us - x.begin_us >= 1000;
+    });
+    EXPECT_EQ(slept, 5) << "each event spans its work";
+
+    const nlohmann::json trace = nlohmann::json::parse(chrome_trace_json(events, 3, "cpu:0", "test"));
+    std::map<int, std::string> threads;
+    int64_t                    complete = 0;
+    for (const nlohmann::json & x : trace["traceEvents"]) {
+        EXPECT_EQ(x["pid"], 3);
+        if (x["ph"] == "M" && x["name"] == "thread_name") threads[x["tid"].get<int>()] = x["args"]["name"];
+        if (x["ph"] == "X") ++complete;
+    }
+    EXPECT_EQ(complete, 11);
+    ASSERT_EQ(threads.size(), 2u);
+    EXPECT_EQ(threads.begin()->second, "alpha-stream");
 }

@@ -312,8 +312,9 @@ private:
             engine_->deliver(std::move(op));
         } else {
             std::shared_ptr<MpiEngine> engine = engine_;
-            stream->submit([engine, op] { engine->deliver(op); });
-            if (stream_waits) stream->submit([work] { work->wait(); });
+            const char * what = op->what;   // a literal: it outlives the profile's record
+            stream->submit([engine, op] { engine->deliver(op); }, what);
+            if (stream_waits) stream->submit([work] { work->wait(); }, what);
         }
         return work;
     }

@@ -48,8 +48,9 @@ public:
     virtual Device & device() = 0;
     virtual const std::string & name() const = 0;
 
-    // Enqueues host work: a kernel on the CPU backend, a host callback on CUDA.
-    virtual void submit(std::function<void()> work) = 0;
+    // Enqueues host work: a kernel on the CPU backend, a host callback on CUDA. `name` labels it in a
+    // profile (core/profiler.h): by default the calling function's name (the Ops method: "gemm", ...).
+    virtual void submit(std::function<void()> work, const char * name = __builtin_FUNCTION()) = 0;
     virtual void record(Event & event) = 0;
     virtual void wait(Event & event) = 0;
     // Blocks the host until everything submitted so far has run. Rethrows the first error raised by

@@ -1,5 +1,6 @@
 // The log line, TensorBoard (train/tensorboard.h), validation, and the run's other outputs and device.
 #include "core/error.h"
+#include "train/flag_table.h"
 #include "train/flag_values.h"
 #include "train/options.h"
 
@@ -48,6 +49,15 @@ const Flag<TrainOptions> kLoggingFlags[] = {
      "0: no timers; 1 and 2: forward-backward, all-grads-sync and optimizer times, (min, max) over ranks, "
      "after each log line", kShowDefault},
     {"--log-num-zeros-in-grad", kLog, &O::log_num_zeros_in_grad, "the gradients' zero count in the log line"},
+    {"--profile", "training", &O::profile,
+     "a Chrome trace (chrome://tracing, ui.perfetto.dev) of every stream's work from --profile-step-start to "
+     "--profile-step-end, per rank, to --tensorboard-dir (else --save, else .) as loom_profile_rank<R>.json"},
+    {"--profile-step-start", "training", &O::profile_step_start, "completed iterations before the profile starts",
+     kShowDefault},
+    {"--profile-step-end", "training", &O::profile_step_end, "completed iterations when it ends", kShowDefault},
+    {"--profile-ranks", "training", &O::profile_ranks, "global ranks to profile (default: every rank)", kList},
+    {"--use-pytorch-profiler", "training", &O::use_pytorch_profiler,
+     "accepted: Loom's own trace is written either way (there is no PyTorch here)"},
     {"--eval-interval", "validation", &O::eval_interval,
      "iterations between validations (and one after training); without it, none"},
     {"--eval-global-batch-size", "validation", &O::eval_global_batch_size,
@@ -88,6 +98,14 @@ void validate_logging(const Given & given, const TrainOptions & o) {
                      o.tensorboard_dir.empty() && o.log_file.empty() ? ", neither of which is given" : "");
     }
     LOOM_CHECK(o.log_interval >= 1, "--log-interval must be >= 1", "");
+    LOOM_CHECK(!o.profile || (o.profile_step_start >= 0 && o.profile_step_end > o.profile_step_start),
+               "--profile-step-start " << o.profile_step_start << " and --profile-step-end " << o.profile_step_end
+                                       << " give no iteration to profile",
+               "the profile covers the iterations after --profile-step-start completed ones up to --profile-step-end");
+    for (const std::string & word : o.profile_ranks) {
+        const std::optional<std::string> plain = python_int_text(word);
+        LOOM_CHECK(plain && plain->size() < 10 && (*plain)[0] != '-', "--profile-ranks: '" << word << "' is not a rank", "");
+    }
     LOOM_CHECK(o.timing_log_level >= 0 && o.timing_log_level <= 2,
                "--timing-log-level must be 0, 1 or 2, got " << o.timing_log_level, "");
     LOOM_CHECK(o.tensorboard_log_interval >= 1 && o.tensorboard_queue_size >= 1,
@@ -114,6 +132,15 @@ void validate_logging(const Given & given, const TrainOptions & o) {
                "--device " << o.device << " is not a device Loom trains on", "give --device cpu, cuda, cuda-emu or auto");
     LOOM_CHECK(o.distributed_timeout_minutes >= 1,
                "--distributed-timeout-minutes must be >= 1, got " << o.distributed_timeout_minutes, "");
+}
+
+}  // namespace loom::train
+
+namespace loom::train {
+
+std::string TrainOptions::profile_file(int rank) const {
+    const std::string dir = !tensorboard_dir.empty() ? tensorboard_dir : !save.empty() ? save : std::string(".");
+    return (std::filesystem::path(dir) / ("loom_profile_rank" + std::to_string(rank) + ".json")).string();
 }
 
 }  // namespace loom::train

@@ -185,6 +185,16 @@ struct TrainOptions {
     // client here; the scalars go to TensorBoard and --log-file).
     std::string wandb_project, wandb_entity, wandb_exp_name, wandb_save_dir;
     bool        log_throughput = false;   // --log-throughput: the TFLOP/s field of the log line
+    // --profile: a Chrome trace of every stream's work (core/profiler.h) for the iterations after
+    // --profile-step-start completed ones up to --profile-step-end (Megatron's window: 11 and 12 by default),
+    // on --profile-ranks (none given: every rank), written to --tensorboard-dir (else --save, else the
+    // working folder) as loom_profile_rank<R>.json.
+    bool                     profile              = false;
+    int64_t                  profile_step_start   = 10;
+    int64_t                  profile_step_end     = 12;
+    std::vector<std::string> profile_ranks;
+    bool                     use_pytorch_profiler = false;   // accepted: Loom's trace is the same either way
+    std::string              profile_file(int rank) const;
 
     // Micro-batches per iteration on each data-parallel rank.
     int64_t num_microbatches() const { return global_batch_size / (micro_batch_size * parallel.dp()); }

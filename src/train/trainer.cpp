@@ -2,11 +2,14 @@
 
 #include "comm/agreement.h"
 #include "core/device.h"
+#include "core/atomic_file.h"
 #include "core/fault_injection.h"
+#include "core/profiler.h"
 #include "ddp/finalize_grads.h"
 #include "model/moe/router.h"
 #include "train/stop_policy.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <sstream>
@@ -472,6 +475,23 @@ std::string padded(int64_t iteration) {   // Megatron's %7d
 
 }  // namespace
 
+void Trainer::write_profile(int rank, int64_t last) {
+    // What this iteration enqueued on the compute stream has run. No collective here: with --profile-ranks
+    // only some ranks arrive (--overlap-param-gather's gathers, dispatched in the next forward, are the
+    // next iteration's work).
+    model_.device().compute_stream().synchronize();
+    const std::vector<TraceEvent> events = Profiler::stop();
+    const std::string             path   = options_.profile_file(rank);
+    const std::string note = "iterations " + std::to_string(options_.profile_step_start + 1) + " to " + std::to_string(last) +
+                             (model_.device().name().rfind("cpu", 0) == 0 ? "" : "; CUDA kernels are not timed yet, host work is");
+    const std::string text = chrome_trace_json(events, rank, model_.device().name(), note);
+    AtomicFile        file(path);
+    file.write(text.data(), text.size());
+    file.commit();
+    report_message("profile of " + note + " (" + std::to_string(events.size()) + " stream operations on rank " +
+                   std::to_string(rank) + ") written to " + path);
+}
+
 void Trainer::save() {
     report_message("saving checkpoint at iteration " + padded(iteration_) + " to " + options_.save + " in torch_dist format");
     comm::Communicator *         everyone = setup_.all_ranks();
@@ -560,9 +580,15 @@ TrainSummary Trainer::run(FILE * out) {
     auto       seconds = [&start] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
     LogWindow  window(0.0);
     bool       saved_last = false;   // the last iteration run has been saved
+    const int  rank       = everyone ? everyone->rank() : 0;
+    const bool profiled   = options_.profile && (options_.profile_ranks.empty() ||
+                                                std::find(options_.profile_ranks.begin(), options_.profile_ranks.end(),
+                                                          std::to_string(rank)) != options_.profile_ranks.end());
     for (int64_t k = iteration_ + 1; k <= options_.train_iters; ++k) {
+        if (profiled && k - 1 == options_.profile_step_start) Profiler::start();   // Megatron's window
         IterationStats stats;
         const double   loss = step(stats);
+        if (Profiler::active() && k == options_.profile_step_end) write_profile(rank, k);
         summary.losses.push_back(loss);
         window.add(loss, stats);
         IterationReport report;
@@ -628,6 +654,7 @@ TrainSummary Trainer::run(FILE * out) {
         report_message("exiting program at iteration " + std::to_string(iteration_) + " (" + summary.stopped_by + ")");
     }
     model_.device().compute_stream().synchronize();   // the last step's update is part of the run
+    if (Profiler::active()) write_profile(rank, iteration_);   // the run ended inside the window
     summary.seconds = seconds();
     const double samples    = static_cast<double>(consumed_ - consumed_at_start);
     const double tokens     = samples * static_cast<double>(model_.config().seq_length);

@@ -132,6 +132,8 @@ private:
     // --check-weight-hash-across-dp-replicas-interval: each data-parallel group (expert parameters: the
     // expert-data-parallel group) compares every parameter's digest; a difference stops every rank.
     void check_weight_hashes(int64_t iteration);
+    // --profile: stops the profile after iteration `last` and writes this rank's trace.
+    void write_profile(int rank, int64_t last);
     BatchSource *                               valid_ = nullptr;
     BatchSource *                               test_  = nullptr;
     // --timing-log-level: seconds spent in each timed part since the last log line.

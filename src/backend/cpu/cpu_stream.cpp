@@ -3,6 +3,7 @@
 #include "backend/cpu/gemm.h"
 #include "core/error.h"
 #include "core/graph.h"
+#include "core/profiler.h"
 
 #include <chrono>
 #include <cstdlib>
@@ -118,10 +119,17 @@ void CpuStream::loop() {
     }
 }
 
-void CpuStream::submit(std::function<void()> work) {
+void CpuStream::submit(std::function<void()> work, const char * name) {
     if (capture_) {
         capture_->add_work(std::move(work));
         return;
+    }
+    if (Profiler::active()) {   // --profile: the work's span on this stream
+        work = [inner = std::move(work), name, this] {
+            const auto begin = std::chrono::steady_clock::now();
+            inner();
+            Profiler::record(name_, name, begin, std::chrono::steady_clock::now());
+        };
     }
     if (synchronous_) {
         run(work);

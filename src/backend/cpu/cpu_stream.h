@@ -59,7 +59,7 @@ public:
 
     Device &            device() override { return device_; }
     const std::string & name() const override { return name_; }
-    void submit(std::function<void()> work) override;
+    void submit(std::function<void()> work, const char * name = __builtin_FUNCTION()) override;
     void record(Event & event) override;
     void wait(Event & event) override;
     void synchronize() override;

@@ -6,7 +6,9 @@
 #include "backend/cuda/cuda_device.h"
 #include "backend/cuda/gemm.h"
 #include "core/graph.h"
+#include "core/profiler.h"
 
+#include <chrono>
 #include <memory>
 #include <mutex>
 
@@ -200,8 +202,15 @@ void CudaStream::note_error(std::exception_ptr error) {
     if (!error_) error_ = std::move(error);
 }
 
-void CudaStream::submit(std::function<void()> work) {
+void CudaStream::submit(std::function<void()> work, const char * name) {
     DeviceGuard guard(device_.index());
+    if (Profiler::active() && !captured_into()) {   // --profile: the host work's span (kernels are not timed)
+        work = [inner = std::move(work), name, this] {
+            const auto begin = std::chrono::steady_clock::now();
+            inner();
+            Profiler::record(name_, name, begin, std::chrono::steady_clock::now());
+        };
+    }
     if (Graph * graph = captured_into()) {   // a host node, run at every replay
         std::function<void()> & kept = graph->keep_work([work = std::move(work), this] {
             try {
