@@ -22,7 +22,9 @@
 #include <fcntl.h>
 #include <filesystem>
 #include <fstream>
+#include <atomic>
 #include <memory>
+#include <thread>
 #include <set>
 #include <sstream>
 #include <sys/stat.h>
@@ -63,7 +65,7 @@ void kill_point() {
         const char * v = std::getenv("LOOM_CHECKPOINT_KILL_AT");
         return v ? std::strtol(v, nullptr, 10) : 0L;
     }();
-    static long count = 0;
+    static std::atomic<long> count{0};   // the writer thread of --async-save counts too
     if (kill_at > 0 && ++count == kill_at) {
         std::fflush(nullptr);
         std::raise(SIGKILL);
@@ -218,13 +220,70 @@ SaveFolderLock::~SaveFolderLock() {
     if (fd_ >= 0) ::close(fd_);
 }
 
-SaveStats save(const std::string & dir, int64_t iteration, const json & metadata, const RankContents & rank,
-               bool with_optimizer) {
-    const auto start     = std::chrono::steady_clock::now();
-    const int  my_rank   = rank.world ? rank.world->rank() : 0;
-    const int  world     = rank.world ? rank.world->size() : 1;
-    const std::string final_folder = (fs::path(dir) / iteration_folder(iteration)).string();
-    const std::string tmp_folder   = final_folder + ".tmp";
+// What a save carries from begin_save to finish_save: this rank's entries (snapshots in host memory when
+// written in the background), its part of the index, and the writer thread.
+struct SaveInProgress::State {
+    std::string             dir, final_folder, tmp_folder;
+    int64_t                 iteration = 0;
+    json                    metadata;
+    bool                    with_optimizer = false;
+    int64_t                 optimizer_step = 0;
+    int                     my_rank = 0, world = 1;
+    std::vector<WriteEntry> entries;
+    json                    tensors = json::object();
+    int64_t                 my_bytes = 0;
+    std::chrono::steady_clock::time_point start;
+    std::thread             writer;
+    std::atomic<bool>       written{false};
+    std::exception_ptr      error;
+
+    // Step 2 of the top of checkpoint.h: this rank's shard and its description (no collective: it may run
+    // on the writer thread, which touches no device stream: the snapshots are host memory).
+    void write() {
+        try {
+            if (const char * delay = std::getenv("LOOM_CHECKPOINT_WRITE_DELAY_MS")) {   // a test seam: a slow disk
+                std::this_thread::sleep_for(std::chrono::milliseconds(std::strtol(delay, nullptr, 10)));
+            }
+            if (!entries.empty()) {
+                FileRecord record = write_shard((fs::path(tmp_folder) / rank_file(my_rank, "safetensors")).string(), entries);
+                json       part   = {{"file", rank_file(my_rank, "safetensors")},
+                                     {"bytes", record.bytes},
+                                     {"crc32c", hex32(record.crc32c)},
+                                     {"tensors", tensors}};
+                write_file_atomically((fs::path(tmp_folder) / rank_file(my_rank, "json")).string(), part.dump());
+                my_bytes = static_cast<int64_t>(record.bytes);
+                kill_point();
+            }
+        } catch (...) {
+            error = std::current_exception();
+        }
+        written.store(true);
+    }
+};
+
+SaveInProgress::SaveInProgress(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+SaveInProgress::~SaveInProgress() {
+    if (state_ && state_->writer.joinable()) state_->writer.join();   // never committed: the tracker is untouched
+}
+
+bool SaveInProgress::written() const { return state_->written.load(); }
+int64_t SaveInProgress::iteration() const { return state_->iteration; }
+
+std::unique_ptr<SaveInProgress> begin_save(const std::string & dir, int64_t iteration, const json & metadata,
+                                           const RankContents & rank, bool with_optimizer, bool background) {
+    auto st            = std::make_unique<SaveInProgress::State>();
+    st->start          = std::chrono::steady_clock::now();
+    st->dir            = dir;
+    st->iteration      = iteration;
+    st->metadata       = metadata;
+    st->with_optimizer = with_optimizer;
+    st->optimizer_step = rank.optimizer ? rank.optimizer->steps() : 0;
+    st->my_rank        = rank.world ? rank.world->rank() : 0;
+    st->world          = rank.world ? rank.world->size() : 1;
+    st->final_folder   = (fs::path(dir) / iteration_folder(iteration)).string();
+    st->tmp_folder     = st->final_folder + ".tmp";
+    const int my_rank  = st->my_rank;
     if (!rank.params.empty()) rank.params.front()->data.device().compute_stream().synchronize();
     if (my_rank == 0) {
         std::error_code ec;
@@ -238,35 +297,40 @@ SaveStats save(const std::string & dir, int64_t iteration, const json & metadata
                 fs::remove_all(e.path(), ec);
             }
         }
-        fs::create_directory(tmp_folder, ec);
-        LOOM_CHECK(!ec, "cannot create checkpoint folder '" << tmp_folder << "': " << ec.message(), "");
+        fs::create_directory(st->tmp_folder, ec);
+        LOOM_CHECK(!ec, "cannot create checkpoint folder '" << st->tmp_folder << "': " << ec.message(), "");
         kill_point();
     }
     barrier(rank.world);
 
-    // 2. This rank's shard and its description.
-    std::vector<RankPiece>  pieces = rank_pieces(rank);
-    std::vector<WriteEntry> entries;
-    json                    tensors = json::object();
-    for (const RankPiece & piece : pieces) {
+    // This rank's pieces: in background, copied now into host memory (the "checkpoint" pool), so training
+    // may change the model while they are written.
+    auto snapshot = [&](const Tensor & t) {
+        if (!background) return t;
+        Tensor copy = Tensor::empty({t.numel()}, t.dtype(), t.device(), {MemoryKind::pinned_host, "checkpoint"});
+        copy_now(copy, t.flatten());
+        return copy;
+    };
+    for (const RankPiece & piece : rank_pieces(rank)) {
         model::Parameter & p     = *piece.param;
         const int64_t      n     = piece.end - piece.begin;
         const DType        dtype = p.data.dtype();
         LOOM_CHECK(dtype == DType::f32 || dtype_is_half(dtype),
                    "checkpoint of parameter " << p.name << " in " << dtype_name(dtype), "");
         const char * values_dtype = dtype == DType::f32 ? "F32" : dtype == DType::bf16 ? "BF16" : "F16";
-        entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "values"), values_dtype, n,
-                                     p.data.flatten().slice(piece.begin, {n})});
+        st->entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "values"), values_dtype, n,
+                                         snapshot(p.data.flatten().slice(piece.begin, {n}))});
         if (with_optimizer) {
-            optim::HybridSlotState st = rank.optimizer->state().slot_state(piece.slot);
+            optim::HybridSlotState slot = rank.optimizer->state().slot_state(piece.slot);
             if (dtype != DType::f32) {
-                entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "master"), "F32", n, st.master});
+                st->entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "master"), "F32", n, snapshot(slot.master)});
             }
-            entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "exp_avg"), "F32", n, st.exp_avg});
-            entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "exp_avg_sq"), "F32", n, st.exp_avg_sq});
+            st->entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "exp_avg"), "F32", n, snapshot(slot.exp_avg)});
+            st->entries.push_back(
+                WriteEntry{entry_name(p.name, piece.begin, "exp_avg_sq"), "F32", n, snapshot(slot.exp_avg_sq)});
         }
         const model::TpSlice & slice = p.tp_slice;
-        json &                 t     = tensors[p.name];
+        json &                 t     = st->tensors[p.name];
         if (t.is_null()) {
             t = {{"shape", slice.dim < 0 ? p.data.shape() : slice.full_shape}, {"dtype", values_dtype},
                  {"pieces", json::array()}};
@@ -277,31 +341,37 @@ SaveStats save(const std::string & dir, int64_t iteration, const json & metadata
         if (slice.dim >= 1 && slice.outer.second >= 0) piece_json["tp_outer"] = {slice.outer.first, slice.outer.second};
         t["pieces"].push_back(piece_json);
     }
-    int64_t my_bytes = 0;
-    if (!pieces.empty()) {
-        FileRecord record = write_shard((fs::path(tmp_folder) / rank_file(my_rank, "safetensors")).string(), entries);
-        json       part   = {{"file", rank_file(my_rank, "safetensors")},
-                             {"bytes", record.bytes},
-                             {"crc32c", hex32(record.crc32c)},
-                             {"tensors", tensors}};
-        write_file_atomically((fs::path(tmp_folder) / rank_file(my_rank, "json")).string(), part.dump());
-        my_bytes = static_cast<int64_t>(record.bytes);
-        kill_point();
+    SaveInProgress::State * raw = st.get();
+    if (background) {
+        raw->writer = std::thread([raw] { raw->write(); });
+    } else {
+        raw->write();
     }
-    barrier(rank.world);
+    return std::unique_ptr<SaveInProgress>(new SaveInProgress(std::move(st)));
+}
+
+SaveStats finish_save(SaveInProgress & save, comm::Communicator * world) {
+    SaveInProgress::State & st = *save.state_;
+    if (st.writer.joinable()) st.writer.join();
+    // A rank whose shard could not be written stops here, naming the file; its exit ends the job before
+    // rank 0 commits anything (the others wait at the barrier below).
+    if (st.error) std::rethrow_exception(st.error);
+    const int my_rank = st.my_rank, world_size = st.world;
+    const std::string & tmp_folder = st.tmp_folder, & final_folder = st.final_folder, & dir = st.dir;
+    barrier(world);
 
     // 3. Rank 0 merges, commits the folder, then the tracker.
     int64_t index_bytes = 0;
     if (my_rank == 0) {
         json index = {{"format", "loom-checkpoint"},
                       {"version", kFormatVersion},
-                      {"iteration", iteration},
-                      {"metadata", metadata},
-                      {"optimizer", {{"saved", with_optimizer}, {"step", rank.optimizer ? rank.optimizer->steps() : 0}}},
+                      {"iteration", st.iteration},
+                      {"metadata", st.metadata},
+                      {"optimizer", {{"saved", st.with_optimizer}, {"step", st.optimizer_step}}},
                       {"files", json::object()},
                       {"tensors", json::object()}};
         std::vector<std::string> parts;
-        for (int r = 0; r < world; ++r) {
+        for (int r = 0; r < world_size; ++r) {
             const std::string part_path = (fs::path(tmp_folder) / rank_file(r, "json")).string();
             if (!fs::exists(part_path)) continue;   // a rank with nothing to write
             std::ifstream in(part_path);
@@ -338,20 +408,26 @@ SaveStats save(const std::string & dir, int64_t iteration, const json & metadata
         LOOM_CHECK(!ec, "cannot rename '" << tmp_folder << "' to '" << final_folder << "': " << ec.message(), "");
         fsync_folder(dir);
         kill_point();
-        write_file_atomically((fs::path(dir) / kTrackerFile).string(), std::to_string(iteration) + "\n");
+        write_file_atomically((fs::path(dir) / kTrackerFile).string(), std::to_string(st.iteration) + "\n");
         kill_point();
     }
-    barrier(rank.world);   // every rank returns once the checkpoint is complete
+    barrier(world);   // every rank returns once the checkpoint is complete
     SaveStats stats;
-    stats.bytes = my_bytes + index_bytes;   // rank 0: every file, from the index
+    stats.bytes = st.my_bytes + index_bytes;   // rank 0: every file, from the index
     if (my_rank == 0) {
         stats.bytes = index_bytes;
         for (const fs::directory_entry & e : fs::directory_iterator(final_folder)) {
             if (e.is_regular_file() && e.path().filename() != kIndexFile) stats.bytes += static_cast<int64_t>(e.file_size());
         }
     }
-    stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - st.start).count();
     return stats;
+}
+
+SaveStats save(const std::string & dir, int64_t iteration, const json & metadata, const RankContents & rank,
+               bool with_optimizer) {
+    std::unique_ptr<SaveInProgress> s = begin_save(dir, iteration, metadata, rank, with_optimizer, /*background=*/false);
+    return finish_save(*s, rank.world);
 }
 
 // --- reading --------------------------------------------------------------------------------------------

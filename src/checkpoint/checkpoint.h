@@ -34,7 +34,8 @@
 // folder untouched. LOOM_CHECKPOINT_KILL_AT=k (a test seam) sends SIGKILL to the process at the k-th of the
 // points between those steps (counted from 1 over the whole run, 9 per save: after step 1, after a shard's
 // header, half-way through its entries, after its rename, after rank_N.json, after index.json, after the
-// merge, after the folder's rename, after the tracker).
+// merge, after the folder's rename, after the tracker). LOOM_CHECKPOINT_WRITE_DELAY_MS=t (a test seam) holds
+// each rank's writing of its shard for t ms (a slow disk), to show --async-save training on meanwhile.
 //
 // Loading (each rank on its own, no collective): the index is parsed and checked in full (format, every
 // file's size, every tensor's shape and that its pieces tile it exactly); each shard file's CRC-32C is
@@ -57,6 +58,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -89,6 +91,30 @@ struct SaveStats {
 // `world` calls it. Throws naming the path when a file cannot be written.
 SaveStats save(const std::string & dir, int64_t iteration, const nlohmann::json & metadata,
                const RankContents & rank, bool with_optimizer);
+
+// The same save in two halves, for --async-save: begin_save (collective) creates the temporary folder and,
+// with `background`, copies this rank's pieces into pinned host memory (the "checkpoint" pool) and writes them on a
+// thread of their own while training goes on (step 2 above; without it, writes them before returning);
+// finish_save (collective) waits for this rank's writer, then runs step 3. Until finish_save has returned
+// the tracker names the previous checkpoint, so a kill at any instant of either half leaves it loadable.
+// Destroying an unfinished save joins its writer and commits nothing.
+class SaveInProgress {
+public:
+    struct State;
+    explicit SaveInProgress(std::unique_ptr<State> state);
+    ~SaveInProgress();
+    SaveInProgress(const SaveInProgress &)             = delete;
+    SaveInProgress & operator=(const SaveInProgress &) = delete;
+    bool    written() const;   // this rank's writer is done (finish_save will not wait for it)
+    int64_t iteration() const;
+
+private:
+    friend SaveStats finish_save(SaveInProgress & save, comm::Communicator * world);
+    std::unique_ptr<State> state_;
+};
+std::unique_ptr<SaveInProgress> begin_save(const std::string & dir, int64_t iteration, const nlohmann::json & metadata,
+                                           const RankContents & rank, bool with_optimizer, bool background);
+SaveStats finish_save(SaveInProgress & save, comm::Communicator * world);
 
 // The --save folder held by the job that writes it, from before its first step to its end: rank 0 takes an
 // open-file-description lock (fcntl F_OFD_SETLK, which NFS carries too) on DIR/.loom-save.lock, creating

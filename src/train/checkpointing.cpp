@@ -437,6 +437,14 @@ void retire_checkpoint(const TrainOptions & o, std::optional<int64_t> previous, 
     fs::remove_all(doomed, ec);
 }
 
+std::unique_ptr<checkpoint::SaveInProgress> begin_save_checkpoint(
+    const TrainOptions & options, Setup & setup, int64_t iteration, int64_t consumed_samples,
+    const SchedulerState & scheduler, const std::optional<optim::LossScalerState> & grad_scaler, bool background) {
+    return checkpoint::begin_save(options.save, iteration,
+                                  checkpoint_metadata(options, consumed_samples, scheduler, nullptr, grad_scaler),
+                                  rank_contents(options, setup), !options.no_save_optim, background);
+}
+
 checkpoint::SaveStats save_checkpoint(const TrainOptions & options, Setup & setup, int64_t iteration,
                                       int64_t consumed_samples, const SchedulerState & scheduler, const json & rerun,
                                       const std::optional<optim::LossScalerState> & grad_scaler) {

@@ -118,6 +118,12 @@ void retire_checkpoint(const TrainOptions & options, std::optional<int64_t> prev
 // The iteration DIR's tracker names, if any (a "release" tracker or none: nothing).
 std::optional<int64_t> tracked_iteration(const std::string & dir);
 
+// --save at `iteration` begun: the temporary folder made and this rank's part snapshotted and written on a
+// thread (`background`, --async-save) or written before returning; checkpoint::finish_save commits it.
+std::unique_ptr<checkpoint::SaveInProgress> begin_save_checkpoint(
+    const TrainOptions & options, Setup & setup, int64_t iteration, int64_t consumed_samples,
+    const SchedulerState & scheduler, const std::optional<optim::LossScalerState> & grad_scaler, bool background);
+
 // --save at `iteration`: every rank of the setup calls it.
 checkpoint::SaveStats save_checkpoint(const TrainOptions & options, Setup & setup, int64_t iteration,
                                       int64_t consumed_samples, const SchedulerState & scheduler,

@@ -20,6 +20,9 @@ constexpr const char * kCkpt = "checkpointing";
 const Flag<TrainOptions> kCheckpointFlags[] = {
     {"--save", kCkpt, &O::save, "folder to save checkpoints to (DIR/iter_XXXXXXX)"},
     {"--load", kCkpt, &O::load, "folder to resume from (its latest_checkpointed_iteration.txt, or --ckpt-step)"},
+    {"--async-save", kCkpt, &O::async_save,
+     "copy each checkpoint into host memory and write it on a thread while training goes on; the tracker moves "
+     "once every rank's part is written (checked each iteration), so a kill leaves the last complete one"},
     {"--save-interval", kCkpt, &O::save_interval, "iterations between checkpoints (and one at the end)"},
     {"--save-retain-interval", kCkpt, &O::save_retain_interval,
      "keep the checkpoints of iterations that are multiples of this, and the latest; each save removes the one "

@@ -143,6 +143,7 @@ struct TrainOptions {
     std::string save;                       // --save DIR
     std::string load;                       // --load DIR
     int64_t     save_interval = 0;          // --save-interval (0: only at the end)
+    bool        async_save    = false;      // --async-save: written from a host snapshot on a thread
     int64_t     save_retain_interval = 0;   // --save-retain-interval: keep only multiples of it and the latest
     bool        no_save_optim = false, no_load_optim = false, no_load_rng = false, finetune = false;
     int64_t     ckpt_step = -1;             // --ckpt-step (-1: the tracker's iteration)

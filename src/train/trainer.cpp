@@ -493,17 +493,34 @@ void Trainer::write_profile(int rank, int64_t last) {
 }
 
 void Trainer::save() {
-    report_message("saving checkpoint at iteration " + padded(iteration_) + " to " + options_.save + " in torch_dist format");
-    comm::Communicator *         everyone = setup_.all_ranks();
-    const bool                   writer   = !everyone || everyone->rank() == 0;   // the tracker's writer
-    const std::optional<int64_t> previous = writer ? tracked_iteration(options_.save) : std::nullopt;
-    checkpoint::SaveStats stats = save_checkpoint(options_, setup_, iteration_, consumed_, scheduler_, nullptr,
-                                                  scaler_ && scaler_->dynamic() ? std::optional(scaler_->state())
-                                                                                : std::nullopt);
-    if (writer) retire_checkpoint(options_, previous, iteration_);
+    finish_async_save(/*blocking=*/true);   // one save in flight at a time
+    report_message("saving checkpoint at iteration " + padded(iteration_) + " to " + options_.save + " in torch_dist format" +
+                   (options_.async_save ? " (asynchronously)" : ""));
+    pending_save_ = begin_save_checkpoint(options_, setup_, iteration_, consumed_, scheduler_,
+                                          scaler_ && scaler_->dynamic() ? std::optional(scaler_->state()) : std::nullopt,
+                                          options_.async_save);
+    if (!options_.async_save) finish_async_save(/*blocking=*/true);
+}
+
+void Trainer::finish_async_save(bool blocking) {
+    if (!pending_save_) return;
+    comm::Communicator * everyone = setup_.all_ranks();
+    if (!blocking) {   // every rank asks whether every rank's part is written (Megatron's per-iteration check)
+        std::vector<float> waiting{pending_save_->written() ? 0.0f : 1.0f};
+        if (everyone && everyone->size() > 1) {
+            waiting = comm::all_reduce_values(*everyone, model_.device(), waiting, comm::ReduceOp::max);
+        }
+        if (waiting[0] > 0.0f) return;
+    }
+    const bool                   writer    = !everyone || everyone->rank() == 0;   // the tracker's writer
+    const std::optional<int64_t> previous  = writer ? tracked_iteration(options_.save) : std::nullopt;
+    const int64_t                iteration = pending_save_->iteration();
+    std::unique_ptr<checkpoint::SaveInProgress> save = std::move(pending_save_);
+    const checkpoint::SaveStats stats = checkpoint::finish_save(*save, everyone);
+    if (writer) retire_checkpoint(options_, previous, iteration);
     char sizes[96];
     std::snprintf(sizes, sizeof(sizes), " [ %.1f MiB in %.3f s ]", stats.bytes / 1048576.0, stats.seconds);
-    report_message("  successfully saved checkpoint from iteration " + padded(iteration_) + " to " + options_.save + sizes);
+    report_message("  successfully saved checkpoint from iteration " + padded(iteration) + " to " + options_.save + sizes);
 }
 
 void Trainer::save_for_rerun(int64_t consumed_before) {
@@ -522,6 +539,7 @@ void Trainer::save_for_rerun(int64_t consumed_before) {
     }
     report_message("saving checkpoint at iteration " + padded(iteration_ - 1) + " to " + options_.save +
                    " in torch_dist format (to rerun iteration " + std::to_string(iteration_) + ")");
+    finish_async_save(/*blocking=*/true);
     save_checkpoint(options_, setup_, iteration_ - 1, consumed_before, scheduler_,
                     {{"world_size", everyone ? everyone->size() : 1}, {"ranks", states}},
                     scaler_ && scaler_->dynamic() ? std::optional(scaler_->state()) : std::nullopt);
@@ -611,6 +629,7 @@ TrainSummary Trainer::run(FILE * out) {
         }
         to_sinks([](ReportSink & sink) { sink.flush(); });
         saved_last = false;
+        finish_async_save(/*blocking=*/false);   // commits a save in flight once every rank has written its part
         if (!options_.save.empty() && options_.save_interval > 0 && k % options_.save_interval == 0) {
             save();
             saved_last = true;
@@ -627,6 +646,7 @@ TrainSummary Trainer::run(FILE * out) {
         if (!summary.stopped_by.empty()) break;
     }
     if (!options_.save.empty() && !summary.losses.empty() && !saved_last) save();
+    finish_async_save(/*blocking=*/true);   // the run ends with its last checkpoint committed
     const int64_t last = summary.first_iteration + static_cast<int64_t>(summary.losses.size()) - 1;
     const bool    lost = summary.stopped_by == StopPolicy::kOutputFailed;
     if (lost && output_failure_) {   // this rank's stream failed: the others stop here too, saved as this one

@@ -132,6 +132,10 @@ private:
     // --check-weight-hash-across-dp-replicas-interval: each data-parallel group (expert parameters: the
     // expert-data-parallel group) compares every parameter's digest; a difference stops every rank.
     void check_weight_hashes(int64_t iteration);
+    // --async-save: the save in flight (at most one), committed once every rank's part is written: checked
+    // after each iteration (a collective then), waited for at the next save and at the end of the run.
+    std::unique_ptr<checkpoint::SaveInProgress> pending_save_;
+    void finish_async_save(bool blocking);
     // --profile: stops the profile after iteration `last` and writes this rank's trace.
     void write_profile(int rank, int64_t last);
     BatchSource *                               valid_ = nullptr;
