@@ -15,6 +15,7 @@
 #include <chrono>
 #include <future>
 #include <map>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -282,5 +283,7 @@ TEST(Profiler, EveryPieceOfWorkIsOneEventOnItsStreamAndTheTraceNamesTheStreams) 
     }
     EXPECT_EQ(complete, 11);
     ASSERT_EQ(threads.size(), 2u);
-    EXPECT_EQ(threads.begin()->second, "alpha-stream");
+    std::set<std::string> names;
+    for (const auto & [tid, name] : threads) names.insert(name);
+    EXPECT_EQ(names, (std::set<std::string>{"alpha-stream", "beta-stream"}));
 }
