@@ -10,13 +10,20 @@ rank (every parallel size 1, hidden 64, 4 heads, 64 tokens, 4 experts, --mock-da
 Where a run is refused, the flag named in the message is taken out and the run tried again (up to 12 times),
 so the table counts every blocker of a configuration, not only the first.
 
-    tools/megatron_configs.py --megatron /path/to/Megatron-LM --loom build/apps/loom [--only SUBSTRING]
+    tools/megatron_configs.py --megatron /path/to/Megatron-LM --loom build/apps/loom [--only SUBSTRING] [--layout]
+
+With --layout each configuration runs at its own parallel layout instead (its tensor, pipeline with virtual
+stages and uneven stages, context, expert and expert-tensor sizes, sequence parallelism, distributed-optimizer
+instances) on the smallest world that holds it (data parallelism 1, or the instances' count), under mpirun:
+hidden 128 with 8 heads so that the sizes divide, the global batch a multiple of the data-parallel size and
+the pipeline.
 
 --megatron may be a work tree or a bare git directory (read at HEAD).
 """
 
 import argparse
 import collections
+import math
 import os
 import re
 import shlex
@@ -128,43 +135,83 @@ DROP = {"--data-path", "--split", "--data-cache-path", "--num-virtual-stages-per
         # TP comm overlap needs sequence parallelism, the optimizer-step overlap virtual stages, a2a+p2p
         # the hierarchical context-parallel sizes.
         "--tp-comm-overlap", "--tp-comm-overlap-cfg", "--overlap-param-gather-with-optimizer-step", "--cp-comm-type"}
+# Open MPI on one machine in a container (as the tests' LOOM_MPI_ENV).
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_btl_vader_single_copy_mechanism": "none", "OMPI_MCA_rmaps_base_oversubscribe": "1",
+           "OMPI_MCA_btl": "self,vader"}
 # Placeholders Megatron's test harness fills in, with the value of its first repeat.
 HARNESS = {"{REPEAT}": "1"}
 
 
-def shrink(flags, work):
-    """The tiny single-rank command line for a configuration's flags."""
+# What --layout keeps of DROP and PARALLEL: the layout itself.
+LAYOUT = {"--sequence-parallel", "--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size",
+          "--num-layers-per-virtual-pipeline-stage", "--decoder-first-pipeline-num-layers",
+          "--decoder-last-pipeline-num-layers", "--pipeline-model-parallel-layout", "--hierarchical-context-parallel-sizes",
+          "--tp-comm-overlap", "--overlap-param-gather-with-optimizer-step", "--cp-comm-type"}
+
+
+def size_of(given, flag, default=1):
+    try:
+        return int(given.get(flag, default))
+    except (TypeError, ValueError):
+        return default
+
+
+def layout_of(given):
+    """(world, data-parallel size, pipeline size) of a configuration's own layout on its smallest world."""
+    tp, pp, cp = (size_of(given, f) for f in PARALLEL[:3])
+    ep = size_of(given, "--expert-model-parallel-size")
+    etp = size_of(given, "--expert-tensor-parallel-size", tp)
+    instances = size_of(given, "--num-distributed-optimizer-instances")
+    dense, expert = tp * pp * cp, etp * ep * pp
+    world = dense * expert // math.gcd(dense, expert)
+    while (world // dense) % instances or (world // expert) % instances:   # both data-parallel sizes divide
+        world += dense * expert // math.gcd(dense, expert)
+    return world, world // dense, pp
+
+
+def shrink(flags, work, layout=False):
+    """The tiny command line for a configuration's flags: one rank, or (layout) its own layout."""
     given = dict(flags)
+    world, dp, pp = layout_of(given) if layout else (1, 1, 1)
+    unit = dp * max(1, pp)   # a global batch every layout splits into whole micro-batches, a multiple of pp
     out = []
     for flag, value in flags:
+        if layout and (flag in LAYOUT or flag in PARALLEL):
+            out.append((flag, value))
+            continue
         if flag in DROP or flag in PARALLEL:
             continue
         value = None if value is None else value.replace("${", "{")
         value = HARNESS.get(value, value)
         if flag == "--hidden-size":
-            value = "64"
+            value = "128" if layout else "64"
         elif flag in ("--ffn-hidden-size", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size"):
             value = "64" if flag != "--ffn-hidden-size" else "128"
         elif flag == "--num-attention-heads":
-            value = "4"
+            value = "8" if layout else "4"
         elif flag == "--num-query-groups":
-            value = "2" if value not in ("1", "4") else value
+            if layout:
+                value = str(max(2, size_of(given, "--tensor-model-parallel-size")))
+            else:
+                value = "2" if value not in ("1", "4") else value
         elif flag == "--kv-channels":
             value = "16"
         elif flag == "--num-experts":
-            value = "4"
+            value = str(max(4, size_of(given, "--expert-model-parallel-size"))) if layout else "4"
         elif flag == "--moe-router-topk":
             value = str(min(int(value), 2))
         elif flag in ("--moe-router-num-groups", "--moe-router-group-topk"):
             value = "2" if flag == "--moe-router-num-groups" else "1"
         elif flag == "--num-layers":
-            value = value if "--moe-layer-freq" in given or not value.isdigit() or int(value) <= 8 else "8"
-        elif flag == "--step-batch-size-schedule":
-            value = "0:1 128:2"   # tokens: one sequence a batch for the first two samples, then two
-        elif flag == "--rampup-batch-size":
-            value = "1 1 2"       # from 1 to the global batch of 2 over 2 samples
+            keep = layout and any(f in given for f in LAYOUT if "pipeline" in f or "virtual" in f)
+            value = value if keep or "--moe-layer-freq" in given or not value.isdigit() or int(value) <= 8 else "8"
+        elif flag == "--step-batch-size-schedule":   # tokens: a batch for the first samples, then twice it
+            value = "0:%d %d:%d" % (unit, 64 * unit, 2 * unit) if layout else "0:1 128:2"
+        elif flag == "--rampup-batch-size":          # from one unit to the global batch over two samples
+            value = "%d %d 2" % (unit, unit) if layout else "1 1 2"
         elif flag == "--eval-global-batch-size":
-            value = "2"
+            value = str(2 * unit) if layout else "2"
         out.append((flag, value))
     out += [("--mock-data", None), ("--tokenizer-type", "NullTokenizer"), ("--vocab-size", "512"),
             ("--seq-length", "64"), ("--max-position-embeddings", "64"), ("--micro-batch-size", "1"),
@@ -172,25 +219,28 @@ def shrink(flags, work):
             ("--log-interval", "1"), ("--save", work + "/ckpt"), ("--save-interval", "2"),
             ("--tensorboard-dir", work + "/tb")]
     if "--step-batch-size-schedule" not in given:   # Megatron refuses a global batch beside the schedule
-        out.append(("--global-batch-size", "2"))
+        out.append(("--global-batch-size", str(2 * unit)))
     if "--num-layers" not in given:
         out.append(("--num-layers", "2"))
     return out
 
 
-def argv(loom, flags):
-    words = [loom, "train"]
+def argv(loom, flags, world=1):
+    words = ([os.environ.get("MPIEXEC", "mpirun"), "--oversubscribe", "-np", str(world)] if world > 1 else []) + [loom, "train"]
     for flag, value in flags:
         words.append(flag)
         if value is not None:   # nargs flags (--rampup-batch-size 16 8 300) take each word
-            words += value.split() if flag in ("--rampup-batch-size", "--cp-comm-type") else [value]
+            words += value.split() if flag in ("--rampup-batch-size", "--cp-comm-type",
+                                               "--hierarchical-context-parallel-sizes") else [value]
     return words
 
 
 def blocker(output, flags):
-    """The flag a refused run names, or the message's first line."""
+    """The flag a refused run names, or the message's first line (warnings are not refusals)."""
     names = {f for f, _ in flags}
     for line in output.splitlines():
+        if line.startswith("WARNING"):
+            continue
         for m in re.finditer(r"(--[a-z0-9][a-z0-9-_]*)", line):
             if m.group(1) in names:
                 return m.group(1), line.strip()
@@ -205,6 +255,7 @@ def main():
     p.add_argument("--only", default="")
     p.add_argument("--timeout", type=int, default=120)
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--layout", action="store_true", help="run each at its own parallel layout (under mpirun)")
     a = p.parse_args()
     src = Source(a.megatron)
     cases = [c for c in yaml_cases(src) + script_cases(src) if a.only in c[0]]
@@ -212,13 +263,14 @@ def main():
     for name, flags, _ in cases:
         work = tempfile.mkdtemp(prefix="loom_megatron_")
         try:
-            current = shrink(flags, work)
+            current = shrink(flags, work, a.layout)
+            world = layout_of(dict(flags))[0] if a.layout else 1
             found = []
             for attempt in range(12):
                 shutil.rmtree(work + "/ckpt", ignore_errors=True)
                 try:
-                    r = subprocess.run(argv(a.loom, current), capture_output=True, text=True, timeout=a.timeout,
-                                       env=dict(os.environ, LOOM_NUM_THREADS="1"))
+                    r = subprocess.run(argv(a.loom, current, world), capture_output=True, text=True, timeout=a.timeout,
+                                       env=dict(os.environ, LOOM_NUM_THREADS="1", **MPI_ENV))
                     rc, out = r.returncode, r.stdout + r.stderr
                 except subprocess.TimeoutExpired:
                     rc, out = -1, "timed out after %d s" % a.timeout
@@ -234,7 +286,7 @@ def main():
             blockers.update(set(found))
             print("%-4s %s%s" % ("ok" if not found else "no", name, "" if not found else "  <- " + "; ".join(found)))
             if a.verbose and found:
-                print("     " + " ".join(shlex.quote(w) for w in argv(a.loom, shrink(flags, work))))
+                print("     " + " ".join(shlex.quote(w) for w in argv(a.loom, shrink(flags, work, a.layout), world)))
         finally:
             shutil.rmtree(work, ignore_errors=True)
     print("\n%d of %d configurations train" % (trained, len(cases)))

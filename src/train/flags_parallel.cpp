@@ -183,9 +183,9 @@ void resolve_ddp(const ParallelFlags & f, const Given & given, TrainOptions & o)
                    "--overlap-param-gather-with-optimizer-step only supported with distributed optimizer", "");
         LOOM_CHECK(o.ddp.overlap_param_gather,
                    "Must use --overlap-param-gather-with-optimizer-step with --overlap-param-gather", "");
-        LOOM_CHECK(f.virtual_pipeline_size > 0,
+        LOOM_CHECK(f.virtual_pipeline_size > 0 || o.layers_per_virtual_stage > 0,   // either form of virtual stages
                    "--overlap-param-gather-with-optimizer-step only supported with interleaved pipeline parallelism",
-                   "give --num-virtual-stages-per-pipeline-rank");
+                   "give --num-virtual-stages-per-pipeline-rank or --num-layers-per-virtual-pipeline-stage");
     }
     // Megatron turns sequence parallelism off without tensor parallelism, then asserts it for the overlap.
     LOOM_CHECK(!f.tp_comm_overlap || (o.sequence_parallel && o.parallel.tp() > 1),
@@ -242,9 +242,18 @@ void validate_layout(const TrainOptions & o) {
         pipeline::ScheduleOptions   schedule;
         schedule.pp = split.pp;
         if (layout.num_chunks > 1) schedule.vpp = layout.num_chunks;
-        schedule.num_microbatches = static_cast<int>(o.num_microbatches());
         if (o.microbatch_group_size > 0) schedule.microbatch_group_size = static_cast<int>(o.microbatch_group_size);
-        pipeline::validate_schedule(schedule);
+        // Every batch the run takes: the global batch, or each of a batch-size schedule's (those micro x dp
+        // divides; the trainer refuses the others before the run reaches them).
+        std::vector<int64_t> batches{o.global_batch_size};
+        if (!o.batch_schedule.empty()) batches.clear();
+        for (const auto & entry : o.batch_schedule) {
+            if (entry.second % (o.micro_batch_size * o.parallel.dp()) == 0) batches.push_back(entry.second);
+        }
+        for (const int64_t batch : batches) {
+            schedule.num_microbatches = static_cast<int>(batch / (o.micro_batch_size * o.parallel.dp()));
+            pipeline::validate_schedule(schedule);
+        }
     }
 }
 
