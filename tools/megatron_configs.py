@@ -174,7 +174,10 @@ def shrink(flags, work, layout=False):
     """The tiny command line for a configuration's flags: one rank, or (layout) its own layout."""
     given = dict(flags)
     world, dp, pp = layout_of(given) if layout else (1, 1, 1)
-    unit = dp * max(1, pp)   # a global batch every layout splits into whole micro-batches, a multiple of pp
+    # A global batch every layout splits into whole micro-batches, a multiple of pp (and of the interleaved
+    # schedule's micro-batch group, which must leave no partial group).
+    group = size_of(given, "--microbatch-group-size-per-virtual-pipeline-stage") if layout else 1
+    unit = dp * max(1, pp) * group // math.gcd(max(1, pp), group)
     out = []
     for flag, value in flags:
         if layout and (flag in LAYOUT or flag in PARALLEL):
@@ -206,6 +209,8 @@ def shrink(flags, work, layout=False):
         elif flag == "--num-layers":
             keep = layout and any(f in given for f in LAYOUT if "pipeline" in f or "virtual" in f)
             value = value if keep or "--moe-layer-freq" in given or not value.isdigit() or int(value) <= 8 else "8"
+            if layout and value.isdigit() and int(value) % pp:   # whole layers per stage
+                value = str((int(value) + pp - 1) // pp * pp)
         elif flag == "--step-batch-size-schedule":   # tokens: a batch for the first samples, then twice it
             value = "0:%d %d:%d" % (unit, 64 * unit, 2 * unit) if layout else "0:1 128:2"
         elif flag == "--rampup-batch-size":          # from one unit to the global batch over two samples
@@ -256,11 +261,16 @@ def main():
     p.add_argument("--timeout", type=int, default=120)
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--layout", action="store_true", help="run each at its own parallel layout (under mpirun)")
+    p.add_argument("--max-world", type=int, default=16, help="--layout: skip layouts of more ranks than this")
     a = p.parse_args()
     src = Source(a.megatron)
     cases = [c for c in yaml_cases(src) + script_cases(src) if a.only in c[0]]
-    blockers, trained = collections.Counter(), 0
+    blockers, trained, skipped = collections.Counter(), 0, 0
     for name, flags, _ in cases:
+        if a.layout and layout_of(dict(flags))[0] > a.max_world:
+            skipped += 1
+            print("skip %s  <- a world of %d ranks (--max-world %d)" % (name, layout_of(dict(flags))[0], a.max_world))
+            continue
         work = tempfile.mkdtemp(prefix="loom_megatron_")
         try:
             current = shrink(flags, work, a.layout)
@@ -289,7 +299,8 @@ def main():
                 print("     " + " ".join(shlex.quote(w) for w in argv(a.loom, shrink(flags, work, a.layout), world)))
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    print("\n%d of %d configurations train" % (trained, len(cases)))
+    print("\n%d of %d configurations train%s" % (trained, len(cases), " (%d skipped: worlds above --max-world)" % skipped
+                                                                    if skipped else ""))
     print("\nblockers, by the number of configurations each stops:")
     for what, n in blockers.most_common():
         print("%5d  %s" % (n, what))
