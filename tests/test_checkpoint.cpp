@@ -140,13 +140,13 @@ INSTANTIATE_TEST_SUITE_P(
         ResumeCase{"pp2_vpp2", 2, "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
                                   "--global-batch-size 16"},
         ResumeCase{"tp2_sp", 2, "--tensor-model-parallel-size 2 --sequence-parallel"},
-        ResumeCase{"offload_half", 1, "--optimizer-cpu-offload --optimizer-offload-fraction 0.5"},
+        ResumeCase{"offload_half", 1, "--use-precision-aware-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.5"},
         // The dynamic loss scale halves and doubles within the run (a window of 3): the resume must bring
         // back its trackers as well as its scale to continue bitwise.
         ResumeCase{"dp2_zero1_fp16_dynamic_scale", 2,
                    "--use-distributed-optimizer --fp16 --initial-loss-scale 262144 --loss-scale-window 3"},
         ResumeCase{"dp2_zero1_offload_half_bf16", 2,
-                   "--use-distributed-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.5 "
+                   "--use-distributed-optimizer --use-precision-aware-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.5 "
                    "--overlap-cpu-optimizer-d2h-h2d --bf16"}),
     [](const ::testing::TestParamInfo<ResumeCase> & info) { return std::string(info.param.name); });
 
@@ -192,7 +192,8 @@ INSTANTIATE_TEST_SUITE_P(
         ReshardCase{"1_to_pp2", 1, "", 2, "--pipeline-model-parallel-size 2"},
         ReshardCase{"tp2_pp2_to_dp2_offload", 4,
                     "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --use-distributed-optimizer", 2,
-                    "--use-distributed-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.3"}),
+                    "--use-distributed-optimizer --use-precision-aware-optimizer --optimizer-cpu-offload "
+                    "--optimizer-offload-fraction 0.3"}),
     [](const ::testing::TestParamInfo<ReshardCase> & info) { return std::string(info.param.name); });
 
 // SIGKILL at each of the 9 points inside a save (the LOOM_CHECKPOINT_KILL_AT seam), each in a save drawn at

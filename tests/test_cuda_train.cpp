@@ -149,7 +149,7 @@ TEST(CudaTrain, OneGpuFollowsTheCpuLossCurveInFp16UnderADynamicLossScale) {
 
 TEST(CudaTrain, HybridOptimizerOffloadOverPinnedMemoryFollowsTheCpu) {
     SKIP_WITHOUT_CUDA();
-    expect_follows_cpu(run_loom_mpi(1, kRun + kBf16 + "--device " + kDevice + " --use-distributed-optimizer --optimizer-cpu-offload "
+    expect_follows_cpu(run_loom_mpi(1, kRun + kBf16 + "--device " + kDevice + " --use-distributed-optimizer --use-precision-aware-optimizer --optimizer-cpu-offload "
                                               "--optimizer-offload-fraction 0.5 --overlap-cpu-optimizer-d2h-h2d"),
                        "hybrid optimizer");
 }

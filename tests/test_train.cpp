@@ -292,7 +292,11 @@ TEST(LoomTrain, BadFlagsExitTwoNamingTheFlag) {
         {"train --mock-data --overlap-param-gather --use-distributed-optimizer", "--overlap-grad-reduce"},
         {"train --mock-data --ddp-bucket-size 0 --overlap-grad-reduce", "--ddp-bucket-size"},
         {"train --mock-data --tensor-model-parallel-size 2", "--tensor-model-parallel-size"},   // one process: world 1
-        {"train --mock-data --optimizer-cpu-offload --optimizer-offload-fraction 1.5", "--optimizer-offload-fraction"},
+        {"train --mock-data --use-precision-aware-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 1.5",
+         "--optimizer-offload-fraction"},
+        {"train --mock-data --optimizer-cpu-offload", "--use-precision-aware-optimizer"},   // Megatron's rule
+        {"train --mock-data --use-precision-aware-optimizer --exp-avg-dtype bf16", "--exp-avg-dtype bf16 is not supported"},
+        {"train --mock-data --use-precision-aware-optimizer --main-grads-dtype fp64", "invalid choice: 'fp64'"},
         // Hyper-parameters are finite and in range (each was accepted once, and trained on garbage or crashed).
         {"train --mock-data --lr inf", "--lr"},
         {"train --mock-data --lr nan", "--lr"},

@@ -49,6 +49,17 @@ const Flag<TrainOptions> kParallelOptionFlags[] = {
      "naming those that differ"},
     {"--no-check-for-nan-in-loss-and-grad", kDist, &O::check_for_nan_in_loss_and_grad,
      "skip the update of an iteration whose loss or gradient norm is not finite, and go on", kNegated},
+    {"--use-precision-aware-optimizer", kDist, &O::use_precision_aware_optimizer,
+     "Megatron's precision-aware Adam (needed by --optimizer-cpu-offload): Loom's AdamW, its state in the dtypes "
+     "below, all f32"},
+    {"--main-grads-dtype", kDist, &O::main_grads_dtype, "with the precision-aware optimizer: fp32 (bf16 is refused)",
+     kShowDefault},
+    {"--main-params-dtype", kDist, &O::main_params_dtype, "with the precision-aware optimizer: fp32 (fp16 is refused)",
+     kShowDefault},
+    {"--exp-avg-dtype", kDist, &O::exp_avg_dtype, "with the precision-aware optimizer: fp32 (fp16, bf16, fp8 refused)",
+     kShowDefault},
+    {"--exp-avg-sq-dtype", kDist, &O::exp_avg_sq_dtype,
+     "with the precision-aware optimizer: fp32 (fp16, bf16, fp8 refused)", kShowDefault},
     {"--optimizer-cpu-offload", kDist, &O::optimizer_cpu_offload,
      "step part of the optimizer on the host (hybrid device optimizer)", kPlain,
      {"optimizer_cpu_offload", [](const O & o) -> json { return o.optimizer_cpu_offload; }}},
@@ -209,6 +220,28 @@ void resolve_ddp(const ParallelFlags & f, const Given & given, TrainOptions & o)
 }
 
 void check_offload(const TrainOptions & o) {
+    const struct { const char * flag; const std::string & value; std::vector<const char *> choices; } dtypes[] = {
+        {"--main-grads-dtype", o.main_grads_dtype, {"fp32", "bf16"}},
+        {"--main-params-dtype", o.main_params_dtype, {"fp32", "fp16"}},
+        {"--exp-avg-dtype", o.exp_avg_dtype, {"fp32", "fp16", "bf16", "fp8"}},
+        {"--exp-avg-sq-dtype", o.exp_avg_sq_dtype, {"fp32", "fp16", "bf16", "fp8"}},
+    };
+    for (const auto & d : dtypes) {   // argparse's choices, then what Loom's optimizer keeps
+        std::string choices;
+        bool        known = false;
+        for (const char * c : d.choices) {
+            choices += (choices.empty() ? "'" : ", '") + std::string(c) + "'";
+            known = known || d.value == c;
+        }
+        LOOM_CHECK(known, "argument " << d.flag << ": invalid choice: '" << d.value << "' (choose from " << choices << ")", "");
+        LOOM_CHECK(d.value == "fp32", d.flag << " " << d.value << " is not supported: Loom's optimizer keeps its "
+                                             << "gradients, master weights and moments in f32",
+                   "leave " << d.flag << " at fp32");
+    }
+    LOOM_CHECK(!o.optimizer_cpu_offload || o.use_precision_aware_optimizer,
+               "The optimizer cpu offload must be used in conjunction with `--use-precision-aware-optimizer`, as the "
+               "hybrid device optimizer reuses the code path of this flag.",
+               "add --use-precision-aware-optimizer (Megatron's rule)");
     LOOM_CHECK(o.offload.offload_fraction >= 0.0f && o.offload.offload_fraction <= 1.0f,
                "--optimizer-offload-fraction " << o.offload.offload_fraction << " is outside [0, 1]",
                "give the share of the optimizer state to step on the host, 0 (none) to 1 (all)");

@@ -81,6 +81,12 @@ struct TrainOptions {
     // Hybrid device optimizer (optim/hybrid_optimizer.h): --optimizer-cpu-offload, with
     // --optimizer-offload-fraction, --overlap-cpu-optimizer-d2h-h2d, --no-pin-cpu-grads, --no-pin-cpu-params.
     bool                 optimizer_cpu_offload = false;
+    // --use-precision-aware-optimizer (Megatron: Transformer Engine's FusedAdam, which the CPU offload needs)
+    // with its state dtypes; Loom's AdamW keeps every one of them in f32 (the flags' defaults): other values
+    // are refused by name.
+    bool                 use_precision_aware_optimizer = false;
+    std::string          main_grads_dtype = "fp32", main_params_dtype = "fp32", exp_avg_dtype = "fp32",
+                         exp_avg_sq_dtype = "fp32";
     optim::HybridOptions offload;
 
     // Parallelism: the layout resolve() made of the size flags (ParallelFlags, train/flag_values.h) for the
