@@ -23,6 +23,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <regex>
 #include <set>
 #include <sys/wait.h>
 #include <thread>
@@ -939,4 +940,43 @@ TEST(Profile, EveryRankTracesEachStreamOperationOfTheWindow) {
     ASSERT_EQ(only.status, 0) << only.out;
     EXPECT_FALSE(fs::exists(tmp / "only/loom_profile_rank0.json"));
     EXPECT_TRUE(fs::exists(tmp / "only/loom_profile_rank1.json"));
+}
+
+// --log-progress: Megatron's progress.txt in the --save folder: the job's start, each save with its
+// iteration, throughputs, floating-point operations so far (in proportion to the samples consumed) and tokens,
+// each checkpoint --save-retain-interval removes; a resumed job appends its own start, and with --async-save
+// its save line says "Saving async checkpoint".
+TEST(ProgressLog, StartsSavesAndDeletionsAreAppendedAsMegatronWritesThem) {
+    TempDir           tmp;
+    const std::string run = "train --mock-data --num-layers 1 " + kModel + "--micro-batch-size 2 --global-batch-size 4 "
+                            "--save-interval 2 --log-progress --save " + (tmp / "ckpt") + " ";
+    ASSERT_EQ(run_loom(run + "--train-iters 6 --save-retain-interval 4").status, 0);
+    CliRun again = run_loom(run + "--train-iters 8 --load " + (tmp / "ckpt") + " --override-opt_param-scheduler --async-save");
+    ASSERT_EQ(again.status, 0) << again.out;
+    std::ifstream            in(tmp / "ckpt/progress.txt");
+    std::vector<std::string> lines;
+    for (std::string line; std::getline(in, line);) lines.push_back(line);
+    ASSERT_EQ(lines.size(), 7u);
+    const std::regex head(R"(^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\tJob ID: [^\t]*\t# GPUs: 1\t)");
+    for (const std::string & line : lines) EXPECT_TRUE(std::regex_search(line, head)) << line;
+    auto message = [&](size_t i) { return lines[i].substr(lines[i].find("# GPUs: 1\t") + 10); };
+    EXPECT_EQ(message(0), "Starting job");
+    EXPECT_EQ(message(3), "Deleted checkpoint\tIteration: 2");
+    EXPECT_EQ(message(5), "Starting job");
+    const std::regex saved(R"(^(Saved checkpoint|Saving async checkpoint)\tIteration: (\d+)\tJob throughput: [0-9.]+ TFLOP/s/GPU\t)"
+                           R"(Cumulative throughput: [0-9.]+ TFLOP/s/GPU\tFloating-point operations: ([0-9.e+]+)\t)"
+                           R"(Tokens \(in billions\): 0\.00$)");
+    const size_t save_lines[] = {1, 2, 4, 6};
+    const int    iterations[] = {2, 4, 6, 8};
+    double       per_iteration = 0;
+    for (int i = 0; i < 4; ++i) {
+        std::smatch m;
+        const std::string text = message(save_lines[i]);
+        ASSERT_TRUE(std::regex_match(text, m, saved)) << text;
+        EXPECT_EQ(m[1].str(), i == 3 ? "Saving async checkpoint" : "Saved checkpoint");
+        EXPECT_EQ(std::stoi(m[2].str()), iterations[i]);
+        const double flops = std::stod(m[3].str());
+        if (i == 0) per_iteration = flops / 2;
+        EXPECT_NEAR(flops, per_iteration * iterations[i], 0.01 * flops) << "operations so far, iteration " << iterations[i];
+    }
 }

@@ -421,20 +421,21 @@ std::optional<int64_t> tracked_iteration(const std::string & dir) {
     return iteration;
 }
 
-void retire_checkpoint(const TrainOptions & o, std::optional<int64_t> previous, int64_t iteration) {
+bool retire_checkpoint(const TrainOptions & o, std::optional<int64_t> previous, int64_t iteration) {
     namespace fs = std::filesystem;
     if (o.save_retain_interval <= 0 || !previous || *previous <= 0 || *previous == iteration ||
         *previous % o.save_retain_interval == 0) {
-        return;
+        return false;
     }
     const fs::path folder = fs::path(o.save) / checkpoint::iteration_folder(*previous);
     std::error_code ec;
-    if (fs::is_symlink(fs::symlink_status(folder, ec)) || !fs::is_directory(folder, ec)) return;
+    if (fs::is_symlink(fs::symlink_status(folder, ec)) || !fs::is_directory(folder, ec)) return false;
     const fs::path doomed = folder.string() + ".tmp";
     fs::remove_all(doomed, ec);
     fs::rename(folder, doomed, ec);
     LOOM_CHECK(!ec, "--save-retain-interval: cannot remove '" << folder.string() << "': " << ec.message(), "");
     fs::remove_all(doomed, ec);
+    return true;
 }
 
 std::unique_ptr<checkpoint::SaveInProgress> begin_save_checkpoint(

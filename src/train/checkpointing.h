@@ -114,7 +114,8 @@ void load_weights(const checkpoint::Index & index, model::GptModel & model);
 // (`previous`) is removed unless its iteration is a multiple of R, or is `iteration`, or its folder is a
 // symbolic link (Megatron's rule). Renamed to iter_XXXXXXX.tmp first, which the next save clears if a kill
 // comes between: the tracker already names the new checkpoint.
-void retire_checkpoint(const TrainOptions & options, std::optional<int64_t> previous, int64_t iteration);
+// Returns whether it removed one.
+bool retire_checkpoint(const TrainOptions & options, std::optional<int64_t> previous, int64_t iteration);
 // The iteration DIR's tracker names, if any (a "release" tracker or none: nothing).
 std::optional<int64_t> tracked_iteration(const std::string & dir);
 

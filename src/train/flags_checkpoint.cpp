@@ -23,6 +23,9 @@ const Flag<TrainOptions> kCheckpointFlags[] = {
     {"--async-save", kCkpt, &O::async_save,
      "copy each checkpoint into host memory and write it on a thread while training goes on; the tracker moves "
      "once every rank's part is written (checked each iteration), so a kill leaves the last complete one"},
+    {"--log-progress", "logging", &O::log_progress,
+     "append the job's start, each save (with its throughput and operations so far) and each retired checkpoint to "
+     "progress.txt in the --save folder"},
     {"--save-interval", kCkpt, &O::save_interval, "iterations between checkpoints (and one at the end)"},
     {"--save-retain-interval", kCkpt, &O::save_retain_interval,
      "keep the checkpoints of iterations that are multiples of this, and the latest; each save removes the one "

@@ -150,6 +150,7 @@ struct TrainOptions {
     std::string load;                       // --load DIR
     int64_t     save_interval = 0;          // --save-interval (0: only at the end)
     bool        async_save    = false;      // --async-save: written from a host snapshot on a thread
+    bool        log_progress  = false;      // --log-progress: <save>/progress.txt (train/progress_log.h)
     int64_t     save_retain_interval = 0;   // --save-retain-interval: keep only multiples of it and the latest
     bool        no_save_optim = false, no_load_optim = false, no_load_rng = false, finetune = false;
     int64_t     ckpt_step = -1;             // --ckpt-step (-1: the tracker's iteration)

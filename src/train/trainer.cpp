@@ -7,6 +7,7 @@
 #include "core/profiler.h"
 #include "ddp/finalize_grads.h"
 #include "model/moe/router.h"
+#include "train/progress_log.h"
 #include "train/stop_policy.h"
 
 #include <algorithm>
@@ -475,6 +476,21 @@ std::string padded(int64_t iteration) {   // Megatron's %7d
 
 }  // namespace
 
+void Trainer::log_progress_of_save(int64_t iteration) {
+    comm::Communicator * everyone = setup_.all_ranks();
+    if (!options_.log_progress || (everyone && everyone->rank() != 0)) return;
+    const int    world = everyone ? everyone->size() : 1;
+    const double per_sample =
+        model_.config().training_flops_per_token() * static_cast<double>(model_.config().seq_length);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - job_start_).count();
+    append_progress(options_.save, world,
+                    saved_checkpoint_message(options_.save, world, iteration, per_sample * static_cast<double>(consumed_),
+                                             per_sample * static_cast<double>(consumed_ - job_start_consumed_), seconds,
+                                             static_cast<double>(consumed_) * static_cast<double>(model_.config().seq_length),
+                                             options_.async_save));
+}
+
 void Trainer::write_profile(int rank, int64_t last) {
     // What this iteration enqueued on the compute stream has run. No collective here: with --profile-ranks
     // only some ranks arrive (--overlap-param-gather's gathers, dispatched in the next forward, are the
@@ -499,6 +515,7 @@ void Trainer::save() {
     pending_save_ = begin_save_checkpoint(options_, setup_, iteration_, consumed_, scheduler_,
                                           scaler_ && scaler_->dynamic() ? std::optional(scaler_->state()) : std::nullopt,
                                           options_.async_save);
+    if (options_.async_save) log_progress_of_save(iteration_);   // Megatron's "Saving async checkpoint", now
     if (!options_.async_save) finish_async_save(/*blocking=*/true);
 }
 
@@ -517,7 +534,11 @@ void Trainer::finish_async_save(bool blocking) {
     const int64_t                iteration = pending_save_->iteration();
     std::unique_ptr<checkpoint::SaveInProgress> save = std::move(pending_save_);
     const checkpoint::SaveStats stats = checkpoint::finish_save(*save, everyone);
-    if (writer) retire_checkpoint(options_, previous, iteration);
+    if (!options_.async_save) log_progress_of_save(iteration);
+    if (writer && retire_checkpoint(options_, previous, iteration) && options_.log_progress) {
+        append_progress(options_.save, everyone ? everyone->size() : 1,
+                        "Deleted checkpoint\tIteration: " + std::to_string(*previous));
+    }
     char sizes[96];
     std::snprintf(sizes, sizeof(sizes), " [ %.1f MiB in %.3f s ]", stats.bytes / 1048576.0, stats.seconds);
     report_message("  successfully saved checkpoint from iteration " + padded(iteration) + " to " + options_.save + sizes);
@@ -589,6 +610,11 @@ TrainSummary Trainer::run(FILE * out) {
                        "scratch");
     }
     StopPolicy stop(options_, everyone, model_.device());
+    job_start_          = std::chrono::steady_clock::now();
+    job_start_consumed_ = consumed_;
+    if (options_.log_progress && !options_.save.empty() && (!everyone || everyone->rank() == 0)) {
+        append_progress(options_.save, everyone ? everyone->size() : 1, "Starting job");
+    }
     // Per rank, as Megatron's "throughput per GPU".
     const double flops_per_sample = model_.config().training_flops_per_token() *
                                     static_cast<double>(model_.config().seq_length) /

@@ -28,6 +28,7 @@
 
 #include <cstdio>
 #include <functional>
+#include <chrono>
 #include <memory>
 #include <optional>
 
@@ -136,6 +137,10 @@ private:
     // after each iteration (a collective then), waited for at the next save and at the end of the run.
     std::unique_ptr<checkpoint::SaveInProgress> pending_save_;
     void finish_async_save(bool blocking);
+    // --log-progress: the save line of train/progress_log.h (rank 0), from this job's start.
+    void log_progress_of_save(int64_t iteration);
+    std::chrono::steady_clock::time_point job_start_ = std::chrono::steady_clock::now();
+    int64_t                               job_start_consumed_ = 0;
     // --profile: stops the profile after iteration `last` and writes this rank's trace.
     void write_profile(int rank, int64_t last);
     BatchSource *                               valid_ = nullptr;
