@@ -642,7 +642,7 @@ TEST(CheckpointMoe, ExpertShapeIsSavedCheckedAndRestored) {
 // written into the index again): each is refused with exit 2, by --load and by `checkpoint info --verify`,
 // naming the file at fault (and the field, for the index's), in Loom's words: no JSON library's exception
 // text reaches the user.
-TEST(CheckpointCorrupt, TwentyFiveCorruptionsEachExitTwoNamingTheFile) {
+TEST(CheckpointCorrupt, TwentySevenCorruptionsEachExitTwoNamingTheFile) {
     TempDir tmp;
     const std::string good = tmp / "good";
     ASSERT_EQ(run_on(2, kRun + "--train-iters 2 --lr-warmup-iters 1 --use-distributed-optimizer --save " + good).status, 0);
@@ -781,8 +781,15 @@ TEST(CheckpointCorrupt, TwentyFiveCorruptionsEachExitTwoNamingTheFile) {
              });
          },
          "rank_0000"},
+        // --use-checkpoint-args reads the saved model shape: each value checked before it is converted.
+        {"an integer arg of 1e95",
+         [&](const std::string & d) { edit_index(d, [](json & j) { j["metadata"]["args"]["num_layers"] = 1e95; }); },
+         index, "--use-checkpoint-args", "num_layers is 1e+95", false},
+        {"a switch arg that is a number",
+         [&](const std::string & d) { edit_index(d, [](json & j) { j["metadata"]["args"]["swiglu"] = 3; }); },
+         index, "--use-checkpoint-args", "swiglu is 3", false},
     };
-    ASSERT_EQ(cases.size(), 25u);
+    ASSERT_EQ(cases.size(), 27u);
     for (const Case & c : cases) {
         SCOPED_TRACE(c.name);
         const std::string dir = tmp / "bad";

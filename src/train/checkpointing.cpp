@@ -254,49 +254,73 @@ void check_checkpoint_args(const TrainOptions & options, const checkpoint::Index
 
 void apply_checkpoint_args(model::GptConfig & m, const checkpoint::Index & index) {
     const json & a = saved_args(index);
-    try {
-        m.num_layers                   = a.at("num_layers").get<int64_t>();
-        m.hidden_size                  = a.at("hidden_size").get<int64_t>();
-        m.ffn_hidden_size              = a.at("ffn_hidden_size").get<int64_t>();
-        m.num_attention_heads          = a.at("num_attention_heads").get<int64_t>();
-        m.num_query_groups             = a.at("num_query_groups").get<int64_t>();
-        m.max_position_embeddings      = a.at("max_position_embeddings").get<int64_t>();
-        m.seq_length                   = a.at("seq_length").get<int64_t>();
-        m.vocab_size                   = a.at("vocab_size").get<int64_t>();
-        m.make_vocab_size_divisible_by = a.at("make_vocab_size_divisible_by").get<int64_t>();
-        m.normalization = a.at("normalization") == "RMSNorm" ? model::Normalization::rmsnorm : model::Normalization::layernorm;
-        m.swiglu        = a.at("swiglu").get<bool>();
-        m.squared_relu  = saved_or_dense(a, "squared_relu").get<bool>();
-        m.qk_layernorm  = a.value("qk_layernorm", false);   // absent from checkpoints written before the flag
-        const std::string position = a.at("position_embedding_type").get<std::string>();
-        m.position_embedding = position == "rope"   ? model::PositionEmbedding::rope
-                               : position == "none" ? model::PositionEmbedding::none
-                                                    : model::PositionEmbedding::learned_absolute;
-        m.add_bias_linear                     = a.at("add_bias_linear").get<bool>();
-        m.untie_embeddings_and_output_weights = a.at("untie_embeddings_and_output_weights").get<bool>();
-        m.norm_epsilon                        = a.at("norm_epsilon").get<float>();
-        m.rotary_base                         = a.at("rotary_base").get<float>();
-        m.rotary_percent                      = saved_or_dense(a, "rotary_percent").get<float>();
-        m.rotary_interleaved                  = saved_or_dense(a, "rotary_interleaved").get<bool>();
-        m.apply_layernorm_1p                  = saved_or_dense(a, "apply_layernorm_1p").get<bool>();
-        m.init_method_std                     = a.at("init_method_std").get<float>();
-        // The MoE shape (the router's other settings are training choices, given as flags).
-        if (const json experts = saved_or_dense(a, "num_experts"); !experts.is_null()) {
-            m.moe.num_experts = experts.get<int64_t>();
-            const json freq   = saved_or_dense(a, "moe_layer_freq");
-            if (freq.is_array()) {
-                m.moe.layer_pattern = freq.get<std::vector<int>>();
-            } else {
-                m.moe.layer_freq = freq.get<int64_t>();
-            }
-            m.moe.ffn_hidden_size = saved_or_dense(a, "moe_ffn_hidden_size").get<int64_t>();
-            const json shared     = saved_or_dense(a, "moe_shared_expert_intermediate_size");
-            m.moe.shared_expert_intermediate_size = shared.is_null() ? 0 : shared.get<int64_t>();
-            m.moe.grouped_gemm                    = saved_or_dense(a, "moe_grouped_gemm").get<bool>();
-        }
-    } catch (const json::exception & e) {
-        LOOM_THROW("checkpoint index '" << index.path() << "' has malformed args: " << e.what(),
+    // Each value checked before it is converted: a damaged index could hold 1e95 where an integer belongs,
+    // whose conversion would be undefined behaviour, not an error.
+    auto bad = [&](const std::string & key, const json & v) {
+        LOOM_THROW("checkpoint index '" << index.path() << "' has malformed args: " << key << " is "
+                                        << v.dump().substr(0, 40),
                    "give the model flags instead of --use-checkpoint-args");
+    };
+    auto integer = [&](const std::string & key, const json & v) -> int64_t {
+        if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX))) bad(key, v);
+        return v.get<int64_t>();
+    };
+    auto real = [&](const std::string & key, const json & v) -> float {
+        if (!v.is_number() || !std::isfinite(v.get<double>()) || std::fabs(v.get<double>()) > 3.4e38) bad(key, v);
+        return static_cast<float>(v.get<double>());
+    };
+    auto flag = [&](const std::string & key, const json & v) -> bool {
+        if (!v.is_boolean()) bad(key, v);
+        return v.get<bool>();
+    };
+    auto at = [&](const char * key) -> const json & {
+        if (!a.contains(key)) bad(key, json("missing"));
+        return a.at(key);
+    };
+    m.num_layers                   = integer("num_layers", at("num_layers"));
+    m.hidden_size                  = integer("hidden_size", at("hidden_size"));
+    m.ffn_hidden_size              = integer("ffn_hidden_size", at("ffn_hidden_size"));
+    m.num_attention_heads          = integer("num_attention_heads", at("num_attention_heads"));
+    m.num_query_groups             = integer("num_query_groups", at("num_query_groups"));
+    m.max_position_embeddings      = integer("max_position_embeddings", at("max_position_embeddings"));
+    m.seq_length                   = integer("seq_length", at("seq_length"));
+    m.vocab_size                   = integer("vocab_size", at("vocab_size"));
+    m.make_vocab_size_divisible_by = integer("make_vocab_size_divisible_by", at("make_vocab_size_divisible_by"));
+    m.normalization = at("normalization") == "RMSNorm" ? model::Normalization::rmsnorm : model::Normalization::layernorm;
+    m.swiglu        = flag("swiglu", at("swiglu"));
+    m.squared_relu  = flag("squared_relu", saved_or_dense(a, "squared_relu"));
+    m.qk_layernorm  = flag("qk_layernorm", a.value("qk_layernorm", json(false)));   // absent before the flag
+    const json & position = at("position_embedding_type");
+    if (!position.is_string()) bad("position_embedding_type", position);
+    m.position_embedding = position == "rope"   ? model::PositionEmbedding::rope
+                           : position == "none" ? model::PositionEmbedding::none
+                                                : model::PositionEmbedding::learned_absolute;
+    m.add_bias_linear                     = flag("add_bias_linear", at("add_bias_linear"));
+    m.untie_embeddings_and_output_weights = flag("untie_embeddings_and_output_weights", at("untie_embeddings_and_output_weights"));
+    m.norm_epsilon                        = real("norm_epsilon", at("norm_epsilon"));
+    m.rotary_base                         = real("rotary_base", at("rotary_base"));
+    m.rotary_percent                      = real("rotary_percent", saved_or_dense(a, "rotary_percent"));
+    m.rotary_interleaved                  = flag("rotary_interleaved", saved_or_dense(a, "rotary_interleaved"));
+    m.apply_layernorm_1p                  = flag("apply_layernorm_1p", saved_or_dense(a, "apply_layernorm_1p"));
+    m.init_method_std                     = real("init_method_std", at("init_method_std"));
+    // The MoE shape (the router's other settings are training choices, given as flags).
+    if (const json experts = saved_or_dense(a, "num_experts"); !experts.is_null()) {
+        m.moe.num_experts = integer("num_experts", experts);
+        const json freq   = saved_or_dense(a, "moe_layer_freq");
+        if (freq.is_array()) {
+            m.moe.layer_pattern.clear();
+            for (const json & v : freq) {
+                const int64_t x = integer("moe_layer_freq", v);
+                if (x < 0 || x > 1) bad("moe_layer_freq", v);
+                m.moe.layer_pattern.push_back(static_cast<int>(x));
+            }
+        } else {
+            m.moe.layer_freq = integer("moe_layer_freq", freq);
+        }
+        m.moe.ffn_hidden_size = integer("moe_ffn_hidden_size", saved_or_dense(a, "moe_ffn_hidden_size"));
+        const json shared     = saved_or_dense(a, "moe_shared_expert_intermediate_size");
+        m.moe.shared_expert_intermediate_size = shared.is_null() ? 0 : integer("moe_shared_expert_intermediate_size", shared);
+        m.moe.grouped_gemm = flag("moe_grouped_gemm", saved_or_dense(a, "moe_grouped_gemm"));
     }
 }
 
