@@ -901,8 +901,10 @@ TEST(DistOptInstances, TwoInstancesFollowTheOneRankRunAndTheirCheckpointReshards
 
 // --profile under mpirun (two data-parallel ranks with ZeRO-1 and both overlaps): each profiled rank writes
 // its trace, which parses as a Chrome trace with the compute and DDP streams' work, collectives among it;
-// a window of two iterations holds exactly twice the operations of a window of one, stream by stream and
-// name by name (every iteration enqueues the same work); --profile-ranks 1 leaves rank 0 unprofiled.
+// on the compute stream (which the end of the window drains) a window of two iterations holds exactly twice
+// the operations of a window of one, name by name (every iteration enqueues the same work); the DDP stream's
+// work may still run when the window closes, so a longer window holds at least as much of it;
+// --profile-ranks 1 leaves rank 0 unprofiled.
 TEST(Profile, EveryRankTracesEachStreamOperationOfTheWindow) {
     TempDir           tmp;
     const std::string run = kRun + "--num-layers 2 --global-batch-size 8 --micro-batch-size 2 --train-iters 6 "
@@ -937,9 +939,13 @@ TEST(Profile, EveryRankTracesEachStreamOperationOfTheWindow) {
         EXPECT_GT(c1.count({"compute", "gemm"}), 0u) << "rank " << rank;
         EXPECT_GT(c1.count({"ddp-comm", "reduce_scatter"}), 0u) << "rank " << rank;
         EXPECT_GT(c1.count({"ddp-comm", "all_gather"}), 0u) << "rank " << rank;
-        EXPECT_EQ(c1.size(), c2.size()) << "rank " << rank;
         for (const auto & [key, n] : c1) {
-            EXPECT_EQ(c2.count(key) ? c2.at(key) : 0, 2 * n) << "rank " << rank << ": " << key.first << " " << key.second;
+            const int twice = c2.count(key) ? c2.at(key) : 0;
+            if (key.first == "compute") {
+                EXPECT_EQ(twice, 2 * n) << "rank " << rank << ": " << key.first << " " << key.second;
+            } else {
+                EXPECT_GE(twice, n) << "rank " << rank << ": " << key.first << " " << key.second;
+            }
         }
     }
     CliRun only = run_on(2, run + "--profile-step-start 3 --profile-step-end 4 --profile-ranks 1 --save " + (tmp / "only") +
