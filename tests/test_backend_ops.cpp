@@ -904,6 +904,75 @@ TEST(OpsEmbedding, BackwardAddsIntoDwteAndDwpeSkippingOtherRanksTokens) {
     }
 }
 
+// The ops that read positions (core/positions.h) on a context-parallel rank's rows: rank 1 of CP 2 over
+// chunks of 3 holds positions 3..5 and 6..8 of 12. Its rope, hidden dropout, embedding lookup and position
+// gradient give, bit for bit, what the whole sequence's ops give at those rows.
+TEST(OpsPositions, RopeDropoutAndEmbeddingOfTwoChunksAreTheWholeSequencesRows) {
+    const int64_t      S = 12, local = 6, b = 2, w = 16, vocab = 9;
+    const SeqPositions positions{3, 3, 6};
+    // Rank rows of a whole (S b, width) tensor.
+    auto rows_of = [&](const Tensor & t) {
+        const int64_t width = t.size(1);
+        Tensor        out   = empty({local * b, width}, t.dtype());
+        for (int64_t i = 0; i < local; ++i) {
+            const int64_t from = positions(i) * b * width * static_cast<int64_t>(dtype_size(t.dtype()));
+            std::memcpy(static_cast<char *>(out.data_ptr()) + i * b * width * static_cast<int64_t>(dtype_size(t.dtype())),
+                        static_cast<const char *>(t.data_ptr()) + from, static_cast<size_t>(b * width) * dtype_size(t.dtype()));
+        }
+        return out;
+    };
+    auto same = [&](const char * what, const Tensor & whole, const Tensor & mine) {
+        const Tensor want = rows_of(whole);
+        EXPECT_EQ(0, std::memcmp(want.data_ptr(), mine.data_ptr(), static_cast<size_t>(want.nbytes()))) << what;
+    };
+    // Rope on 2 heads of 8.
+    Tensor x_whole = random_f32({S * b, w}, 7300, -2.0f, 2.0f), x_mine = rows_of(x_whole);
+    ops().rope(stream(), x_whole, S, b, 2, 8, 10000.0f, false);
+    ops().rope(stream(), x_mine, local, b, 2, 8, 10000.0f, false, 0, false, positions);
+    synchronize();
+    same("rope", x_whole, x_mine);
+    // Hidden dropout: the whole sequence from row 0, the rank's rows through its positions.
+    Dropout key;
+    key.p     = 0.4f;
+    key.seed  = 5;
+    key.site  = dropout_site(0, DropoutKind::mlp_output);
+    key.batch = b;
+    Tensor h_whole = random_f32({S * b, w}, 7301), h_mine = rows_of(h_whole);
+    ops().dropout(stream(), h_whole, h_whole, key);
+    key.positions = positions;
+    ops().dropout(stream(), h_mine, h_mine, key);
+    synchronize();
+    same("dropout", h_whole, h_mine);
+    // Embedding with learned positions: the rank's tokens are the whole sequence's at its positions.
+    Tensor tokens_whole = empty({b, S}, DType::i32), tokens_mine = empty({b, local}, DType::i32);
+    for (int64_t bi = 0; bi < b; ++bi) {
+        for (int64_t si = 0; si < S; ++si) tokens_whole.data<int32_t>()[bi * S + si] = static_cast<int32_t>((si * 7 + bi) % vocab);
+        for (int64_t i = 0; i < local; ++i) tokens_mine.data<int32_t>()[bi * local + i] = tokens_whole.data<int32_t>()[bi * S + positions(i)];
+    }
+    Tensor wte = random_f32({vocab, w}, 7302), wpe = random_f32({S, w}, 7303);
+    Tensor e_whole = empty({S * b, w}), e_mine = empty({local * b, w});
+    ops().embedding_forward(stream(), tokens_whole, wte, wpe, e_whole);
+    ops().embedding_forward(stream(), tokens_mine, wte, wpe, e_mine, positions);
+    // Backward: the rank's output gradient lands on its positions' rows of dwpe, the rest stays 0.
+    Tensor dout = random_f32({local * b, w}, 7304), dwte = empty({vocab, w}), dwpe = empty({S, w});
+    ops().fill_zero(stream(), dwte);
+    ops().fill_zero(stream(), dwpe);
+    ops().embedding_backward(stream(), tokens_mine, dout, dwte, dwpe, positions);
+    synchronize();
+    same("embedding", e_whole, e_mine);
+    for (int64_t p = 0; p < S; ++p) {
+        const bool mine = (p >= 3 && p < 9);
+        for (int64_t j = 0; j < w; ++j) {
+            double want = 0;
+            if (mine) {
+                const int64_t i = p - 3;   // local row of position p (chunks 3..5 then 6..8: contiguous here)
+                for (int64_t bi = 0; bi < b; ++bi) want += dout.data<float>()[(i * b + bi) * w + j];
+            }
+            EXPECT_NEAR(dwpe.data<float>()[p * w + j], want, 1e-6) << "dwpe position " << p;
+        }
+    }
+}
+
 TEST(OpsEmbedding, VocabShardIds) {
     const int64_t        begin = 17, count = 13;
     std::vector<int32_t> ids = {0, 16, 17, 18, 29, 30, 31, 100, -1, 23, 17, 29, 5, 22};
@@ -1115,6 +1184,122 @@ TEST(OpsAttention, DropoutOnTheProbabilitiesAgainstNaiveDoubleAttention) {
     key.batch  = 3;
     key.offset = 3;
     attention_against_reference(key);
+}
+
+// Context parallelism's blocks (core/positions.h): the sequence in 2 CP chunks, rank r holding chunks r and
+// 2 CP - 1 - r. Each rank's queries against every rank's keys and values (K and V alone, in their own rows
+// of 2 nkv d), each block by global positions and merged with attention_merge, give the whole sequence's
+// out and lse at the rank's rows; backward per block from the merged out and lse, dQ added over the blocks
+// and each block's dK and dV summed at their owner's rows, gives the whole sequence's gradient (the first
+// block's gradients assigned, the later ones added). With and
+// without dropout (its masks drawn by global positions), at CP 2 and 3, chunks of 35 and 22 rows (blocks of
+// 64 that straddle the chunks, and a rank whose first chunk sees no key of a later rank's).
+TEST(OpsAttention, ContextParallelBlocksMergeToTheWholeSequence) {
+    for (const bool dropped : {false, true}) {
+        for (const auto [cp, chunk] : {std::pair<int64_t, int64_t>{2, 35}, {3, 22}}) {
+            SCOPED_TRACE("cp " + std::to_string(cp) + (dropped ? " with dropout" : ""));
+            const int64_t b = 2, nq = 4, nkv = 2, d = 8, S = 2 * cp * chunk, local = 2 * chunk;
+            const AttentionShape whole{S, b, nq, nkv, d, (nq + 2 * nkv) * d};
+            const float          scale = 1.0f / std::sqrt(static_cast<float>(d));
+            Dropout              key;
+            if (dropped) {
+                key.p          = 0.2f;
+                key.seed       = 77;
+                key.site       = dropout_site(1, DropoutKind::attention_probs);
+                key.batch      = b;
+                key.offset     = 2;
+            }
+            Tensor              qkv  = random_f32({S * b, whole.row_stride}, 7100 + cp, -2.0f, 2.0f);
+            Tensor              dout = random_f32({S * b, nq * d}, 7101 + cp);
+            std::vector<double> ref_out, ref_lse, ref_dqkv, q = values(qkv), dov = values(dout);
+            attention_reference(q, whole, scale, ref_out, ref_lse, &dov, &ref_dqkv, key);
+
+            auto positions = [&](int64_t r) { return SeqPositions{r * chunk, chunk, (2 * cp - 1 - r) * chunk}; };
+            // Rank r's rows of a whole-sequence (S b, width) tensor, columns [c0, c0 + w).
+            auto rows_of = [&](const Tensor & t, int64_t r, int64_t c0, int64_t w) {
+                Tensor        out = empty({local * b, w});
+                const int64_t width = t.size(1);
+                for (int64_t i = 0; i < local; ++i) {
+                    for (int64_t bi = 0; bi < b; ++bi) {
+                        const float * src = t.data<float>() + (positions(r)(i) * b + bi) * width + c0;
+                        std::copy(src, src + w, out.data<float>() + (i * b + bi) * w);
+                    }
+                }
+                return out;
+            };
+            std::vector<double> got_dkv(static_cast<size_t>(S * b * 2 * nkv * d), 0.0);   // whole-sequence dK | dV
+            for (int64_t r = 0; r < cp; ++r) {
+                AttentionShape mine = whole;
+                mine.s = local;
+                mine.row_stride = nq * d;   // Q alone
+                mine.s_kv = local;
+                mine.kv_row_stride = 2 * nkv * d;
+                mine.k_col = 0;
+                mine.v_col = nkv * d;
+                mine.q_pos = positions(r);
+                Tensor q_r = rows_of(qkv, r, 0, nq * d), dout_r = rows_of(dout, r, 0, nq * d);
+                Tensor out = empty({local * b, nq * d}), lse = empty({b * nq * local});
+                Tensor part = empty({local * b, nq * d}), part_lse = empty({b * nq * local});
+                std::vector<Tensor> kvs;
+                for (int64_t p = 0; p < cp; ++p) kvs.push_back(rows_of(qkv, p, nq * d, 2 * nkv * d));
+                for (int64_t step = 0; step < cp; ++step) {   // the ring's order: own block first
+                    const int64_t p = (r - step + cp) % cp;
+                    mine.k_pos      = positions(p);
+                    if (step == 0) {
+                        ops().attention_forward(stream(), q_r, kvs[p], out, lse, mine, scale, key);
+                    } else {
+                        ops().attention_forward(stream(), q_r, kvs[p], part, part_lse, mine, scale, key);
+                        ops().attention_merge(stream(), out, lse, part, part_lse, mine);
+                    }
+                }
+                Tensor dq = empty({local * b, nq * d});
+                for (int64_t step = 0; step < cp; ++step) {
+                    const int64_t p = (r - step + cp) % cp;
+                    mine.k_pos      = positions(p);
+                    // The first block's dK, dV are assigned over a random fill, the later ones added to zeros.
+                    Tensor dkv = random_f32({local * b, 2 * nkv * d}, 7102, 5.0f, 6.0f);
+                    if (step > 0) ops().fill_zero(stream(), dkv);
+                    ops().attention_backward(stream(), q_r, kvs[p], out, dout_r, lse, dq, dkv, mine, scale, key,
+                                             /*accumulate=*/step > 0);
+                    synchronize();
+                    for (int64_t i = 0; i < local; ++i) {
+                        for (int64_t bi = 0; bi < b; ++bi) {
+                            for (int64_t c = 0; c < 2 * nkv * d; ++c) {
+                                got_dkv[static_cast<size_t>((positions(p)(i) * b + bi) * 2 * nkv * d + c)] +=
+                                    dkv.data<float>()[(i * b + bi) * 2 * nkv * d + c];
+                            }
+                        }
+                    }
+                }
+                synchronize();
+                std::vector<double> want_out, want_lse, want_dq;
+                for (int64_t i = 0; i < local; ++i) {
+                    for (int64_t bi = 0; bi < b; ++bi) {
+                        const int64_t g = positions(r)(i) * b + bi;
+                        for (int64_t c = 0; c < nq * d; ++c) {
+                            want_out.push_back(ref_out[static_cast<size_t>(g * nq * d + c)]);
+                            want_dq.push_back(ref_dqkv[static_cast<size_t>(g * whole.row_stride + c)]);
+                        }
+                    }
+                }
+                for (int64_t bh = 0; bh < b * nq; ++bh) {
+                    for (int64_t i = 0; i < local; ++i) want_lse.push_back(ref_lse[static_cast<size_t>(bh * S + positions(r)(i))]);
+                }
+                EXPECT_TRUE(close_to_max(name("cp attention out", static_cast<int>(r)), out.data<float>(), want_out, kAttentionTol));
+                EXPECT_TRUE(close(name("cp attention lse", static_cast<int>(r)), lse, want_lse, kAttentionTol, 1.0));
+                EXPECT_TRUE(close_to_max(name("cp attention dq", static_cast<int>(r)), dq.data<float>(), want_dq, kAttentionBwTol));
+            }
+            std::vector<double> want_dkv;
+            std::vector<float>  got;
+            for (int64_t g = 0; g < S * b; ++g) {
+                for (int64_t c = 0; c < 2 * nkv * d; ++c) {
+                    want_dkv.push_back(ref_dqkv[static_cast<size_t>(g * whole.row_stride + nq * d + c)]);
+                    got.push_back(static_cast<float>(got_dkv[static_cast<size_t>(g * 2 * nkv * d + c)]));
+                }
+            }
+            EXPECT_TRUE(close_to_max("cp attention dk dv", got.data(), want_dkv, kAttentionBwTol));
+        }
+    }
 }
 
 TEST(OpsCrossEntropy, ForwardAndBackwardWithPaddingAndOtherRanksLabels) {

@@ -196,7 +196,7 @@ TEST(Kernels, TiledAttentionMatchesDirectEvaluationAndItsGradient) {
     float               scale = 0.25f;
     auto qkv = random_vector(a.s * a.b * a.row_stride, 9);
     std::vector<float>  out(a.s * a.b * a.nq * a.d), lse(a.b * a.nq * a.s);
-    cpu::attention_forward(qkv.data(), out.data(), lse.data(), a, scale);
+    cpu::attention_forward(qkv.data(), qkv.data(), out.data(), lse.data(), a, scale);
     std::vector<double> ref;
     naive_attention(qkv, a, scale, ref);
     double worst = 0;
@@ -205,9 +205,9 @@ TEST(Kernels, TiledAttentionMatchesDirectEvaluationAndItsGradient) {
 
     auto w = random_vector(out.size(), 10);
     std::vector<float> dqkv(qkv.size());
-    cpu::attention_backward(qkv.data(), out.data(), w.data(), lse.data(), dqkv.data(), a, scale);
+    cpu::attention_backward(qkv.data(), qkv.data(), out.data(), w.data(), lse.data(), dqkv.data(), dqkv.data(), a, scale);
     auto objective = [&] {
-        cpu::attention_forward(qkv.data(), out.data(), lse.data(), a, scale);
+        cpu::attention_forward(qkv.data(), qkv.data(), out.data(), lse.data(), a, scale);
         return dot(w, out.data());
     };
     // Check Q, K and V entries separately, including early and late positions.

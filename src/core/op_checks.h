@@ -93,39 +93,58 @@ inline void dropout_key(const Dropout & key, const char * op) {
     }
 }
 
-// ---- Causal attention (core/ops.h): qkv (and dqkv) f32 rows of shape.row_stride, each [Q | K | V];
-// out (and dout) f32 (s b, nq d); lse f32 (b, nq, s); the dropout key with a sample id per sequence.
+// ---- Causal attention (core/ops.h): q (and dq) f32 rows of shape.row_stride holding Q first; kv (and dkv)
+// f32 rows of kv_stride() holding K at k_column() and V at v_column(); out (and dout) f32 (s b, nq d); lse
+// f32 (b, nq, s); the dropout key with a sample id per sequence.
 inline void attention_shape(const AttentionShape & a, const char * op) {
-    LOOM_CHECK(a.s > 0 && a.b > 0 && a.d > 0 && a.nkv > 0 && a.nq % a.nkv == 0 &&
-                   a.row_stride >= (a.nq + 2 * a.nkv) * a.d,
+    LOOM_CHECK(a.s > 0 && a.b > 0 && a.d > 0 && a.nkv > 0 && a.nq % a.nkv == 0 && a.row_stride >= a.nq * a.d,
                op << ": " << a.nq << " query heads over " << a.nkv << " key/value heads of " << a.d
                   << " in rows of " << a.row_stride,
                "query heads are a multiple of the key/value heads, and a row holds [Q | K | V]");
+    const int64_t width = a.nkv * a.d;
+    LOOM_CHECK(a.keys() > 0 && a.k_column() >= 0 && a.v_column() >= 0 && a.k_column() + width <= a.kv_stride() &&
+                   a.v_column() + width <= a.kv_stride(),
+               op << ": keys and values at columns " << a.k_column() << " and " << a.v_column() << " of rows of "
+                  << a.kv_stride() << " (" << a.nkv << " heads of " << a.d << ")", "");
 }
 inline void attention_key(const AttentionShape & a, const Dropout & key, const char * op) {
     dropout_key(key, op);
     LOOM_CHECK(!key.enabled() || !key.sample_ids.defined() || key.sample_ids.numel() >= a.b,
                op << ": " << key.sample_ids.numel() << " sample ids for " << a.b << " sequences", "");
 }
-inline void attention_forward(const Tensor & qkv, const Tensor & out, const Tensor & lse, const AttentionShape & a,
-                              const Dropout & key) {
+inline void attention_forward(const Tensor & q, const Tensor & kv, const Tensor & out, const Tensor & lse,
+                              const AttentionShape & a, const Dropout & key) {
     attention_shape(a, "attention_forward");
     const int64_t n = a.s * a.b;
-    expect(qkv, DType::f32, n * a.row_stride, "attention_forward", "qkv");
+    expect(q, DType::f32, n * a.row_stride, "attention_forward", "q");
+    expect(kv, DType::f32, a.keys() * a.b * a.kv_stride(), "attention_forward", "kv");
     expect(out, DType::f32, n * a.nq * a.d, "attention_forward", "out");
     expect(lse, DType::f32, n * a.nq, "attention_forward", "lse");
     attention_key(a, key, "attention_forward");
 }
-inline void attention_backward(const Tensor & qkv, const Tensor & out, const Tensor & dout, const Tensor & lse,
-                               const Tensor & dqkv, const AttentionShape & a, const Dropout & key) {
+inline void attention_backward(const Tensor & q, const Tensor & kv, const Tensor & out, const Tensor & dout,
+                               const Tensor & lse, const Tensor & dq, const Tensor & dkv, const AttentionShape & a,
+                               const Dropout & key) {
     attention_shape(a, "attention_backward");
     const int64_t n = a.s * a.b;
-    expect(qkv, DType::f32, n * a.row_stride, "attention_backward", "qkv");
-    expect(dqkv, DType::f32, n * a.row_stride, "attention_backward", "dqkv");
+    expect(q, DType::f32, n * a.row_stride, "attention_backward", "q");
+    expect(dq, DType::f32, n * a.row_stride, "attention_backward", "dq");
+    expect(kv, DType::f32, a.keys() * a.b * a.kv_stride(), "attention_backward", "kv");
+    expect(dkv, DType::f32, a.keys() * a.b * a.kv_stride(), "attention_backward", "dkv");
     expect(out, DType::f32, n * a.nq * a.d, "attention_backward", "out");
     expect(dout, DType::f32, n * a.nq * a.d, "attention_backward", "dout");
     expect(lse, DType::f32, n * a.nq, "attention_backward", "lse");
     attention_key(a, key, "attention_backward");
+}
+inline void attention_merge(const Tensor & out, const Tensor & lse, const Tensor & part_out, const Tensor & part_lse,
+                            const AttentionShape & a) {
+    const int64_t n = a.s * a.b;
+    LOOM_CHECK(n > 0 && a.nq > 0 && a.d > 0, "attention_merge: " << a.s << " x " << a.b << " queries of " << a.nq
+                                                                 << " heads of " << a.d, "");
+    expect(out, DType::f32, n * a.nq * a.d, "attention_merge", "out");
+    expect(part_out, DType::f32, n * a.nq * a.d, "attention_merge", "part_out");
+    expect(lse, DType::f32, n * a.nq, "attention_merge", "lse");
+    expect(part_lse, DType::f32, n * a.nq, "attention_merge", "part_lse");
 }
 
 // Hidden dropout of x (n, w) into y; returns (n, w).
@@ -142,7 +161,8 @@ inline std::pair<int64_t, int64_t> dropout(const Tensor & x, const Tensor & y, c
 struct EmbeddingDims {
     int64_t b, s, h;
 };
-inline EmbeddingDims embedding_forward(const Tensor & tokens, const Tensor & wte, const Tensor & wpe, const Tensor & out) {
+inline EmbeddingDims embedding_forward(const Tensor & tokens, const Tensor & wte, const Tensor & wpe, const Tensor & out,
+                                       const SeqPositions & positions = {}) {
     LOOM_CHECK(tokens.dim() == 2, "embedding_forward: tokens " << tokens.describe(), "tokens are (b, s)");
     expect(tokens, DType::i32, -1, "embedding_forward", "tokens");
     LOOM_CHECK(wte.defined() && wte.dim() == 2 && (wte.dtype() == DType::f32 || wte.dtype() == DType::bf16),
@@ -151,13 +171,14 @@ inline EmbeddingDims embedding_forward(const Tensor & tokens, const Tensor & wte
     expect(out, DType::f32, seq * b * h, "embedding_forward", "out");
     if (wpe.defined()) {
         expect(wpe, wte.dtype(), -1, "embedding_forward", "wpe");
-        LOOM_CHECK(wpe.dim() == 2 && wpe.size(0) >= seq && wpe.size(1) == h,
-                   "embedding_forward: position table " << wpe.describe() << " for " << seq << " positions of " << h, "");
+        LOOM_CHECK(wpe.dim() == 2 && (seq == 0 || wpe.size(0) > positions(seq - 1)) && wpe.size(1) == h,
+                   "embedding_forward: position table " << wpe.describe() << " for positions up to "
+                                                        << positions(seq - 1) << " of " << h, "");
     }
     return {b, seq, h};
 }
 inline EmbeddingDims embedding_backward(const Tensor & tokens, const Tensor & dout, const Tensor & dwte,
-                                        const Tensor & dwpe) {
+                                        const Tensor & dwpe, const SeqPositions & positions = {}) {
     LOOM_CHECK(tokens.dim() == 2, "embedding_backward: tokens " << tokens.describe(), "tokens are (b, s)");
     expect(tokens, DType::i32, -1, "embedding_backward", "tokens");
     expect(dwte, DType::f32, -1, "embedding_backward", "dwte");
@@ -166,8 +187,9 @@ inline EmbeddingDims embedding_backward(const Tensor & tokens, const Tensor & do
     expect(dout, DType::f32, seq * b * h, "embedding_backward", "dout");
     if (dwpe.defined()) {
         expect(dwpe, DType::f32, -1, "embedding_backward", "dwpe");
-        LOOM_CHECK(dwpe.dim() == 2 && dwpe.size(0) >= seq && dwpe.size(1) == h,
-                   "embedding_backward: dwpe " << dwpe.describe() << " for " << seq << " positions of " << h, "");
+        LOOM_CHECK(dwpe.dim() == 2 && (seq == 0 || dwpe.size(0) > positions(seq - 1)) && dwpe.size(1) == h,
+                   "embedding_backward: dwpe " << dwpe.describe() << " for positions up to " << positions(seq - 1)
+                                               << " of " << h, "");
     }
     return {b, seq, h};
 }

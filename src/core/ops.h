@@ -15,6 +15,7 @@
 // op against a double-precision host reference at every dispatch level, and a later backend joins it.
 #pragma once
 
+#include "core/positions.h"
 #include "core/tensor.h"
 
 #include <cstdint>
@@ -24,18 +25,34 @@ namespace loom {
 
 // Causal self-attention over the rows of a QKV projection, each row [Q | K | V]: nq query heads, nkv key/
 // value heads (query head hq reads group hq / (nq / nkv)), head dimension d.
+//
+// Keys and values may come from another tensor (context parallelism: a block of another rank's sequence):
+// kv's rows (s_kv, b) of kv_row_stride hold K at column k_col and V at v_col. Key j is visible to query i
+// when k_pos(j) <= q_pos(i) (global positions, core/positions.h); the defaults are the query tensor's own
+// [Q | K | V] rows at the same positions, which is plain causal attention.
 struct AttentionShape {
-    int64_t s;            // sequence length
+    int64_t s;            // query rows' sequence length
     int64_t b;            // micro-batch size
     int64_t nq;           // query heads
     int64_t nkv;          // key/value heads (query groups)
     int64_t d;            // head dimension
-    int64_t row_stride;   // elements between consecutive (s, b) rows of qkv and dqkv
+    int64_t row_stride;   // elements between consecutive (s, b) rows of q and dq
+    int64_t      s_kv          = 0;    // key rows' sequence length (0: s)
+    int64_t      kv_row_stride = 0;    // elements between rows of kv and dkv (0: row_stride)
+    int64_t      k_col         = -1;   // K's first column in kv (-1: nq d, after Q)
+    int64_t      v_col         = -1;   // V's first column in kv (-1: (nq + nkv) d)
+    SeqPositions q_pos, k_pos;
+
+    int64_t keys() const { return s_kv > 0 ? s_kv : s; }
+    int64_t kv_stride() const { return kv_row_stride > 0 ? kv_row_stride : row_stride; }
+    int64_t k_column() const { return k_col >= 0 ? k_col : nq * d; }
+    int64_t v_column() const { return v_col >= 0 ? v_col : (nq + nkv) * d; }
 };
 
 // A dropout's key (core/dropout.h): which mask to draw. p = 0 is no dropout.
-//   hidden (n, w) activations: row r is global row offset + r of the (s, b) rows (sequence parallelism
-//   holds a block of them), position (offset + r) / batch, batch column (offset + r) % batch;
+//   hidden (n, w) activations: row r is row offset + r of the rank's (s, b) rows (sequence parallelism
+//   holds a block of them), local position (offset + r) / batch, global position positions(that) (context
+//   parallelism), batch column (offset + r) % batch;
 //   attention probabilities: query head h of the call is head offset + h of the model (tensor parallelism).
 struct Dropout {
     float    p      = 0.0f;
@@ -44,6 +61,7 @@ struct Dropout {
     Tensor   sample_ids;   // (b) i64, host-readable: each batch column's global sample index; undefined: 0 .. b-1
     int64_t  batch  = 1;
     int64_t  offset = 0;
+    SeqPositions positions;   // hidden dropout: the rows' global positions
     bool     enabled() const { return p > 0.0f; }
 };
 
@@ -155,30 +173,57 @@ public:
     virtual void squared_relu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) = 0;
     // Rotary embedding, in place, on the first `heads` heads of dimension d of every (s, b) row of x: the
     // first rotary_dim elements of each head turn (0: all d; --rotary-percent), in pairs (i, i + rotary_dim/2)
-    // or, interleaved (--rotary-interleaved), (2i, 2i + 1), pair i by the angle si * base^(-2i / rotary_dim).
+    // or, interleaved (--rotary-interleaved), (2i, 2i + 1), pair i by the angle p * base^(-2i / rotary_dim)
+    // for the row's global position p = positions(si).
     virtual void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base,
-                      bool inverse, int64_t rotary_dim = 0, bool interleaved = false) = 0;
+                      bool inverse, int64_t rotary_dim = 0, bool interleaved = false,
+                      const SeqPositions & positions = {}) = 0;
     // y = x * mask / (1 - p) with the mask of `key` (y may be x). Its own backward: dx = dropout(dy), same key.
     virtual void dropout(Stream & s, const Tensor & x, const Tensor & y, const Dropout & key) = 0;
 
     // ---- Embedding. tokens (b, s) i32 (-1: another tensor-parallel rank's row: embeds to zero, adds no
-    // gradient); wte (V, h) and wpe (P, h, optional) f32 or bf16; out (s * b, h) f32.
+    // gradient); wte (V, h) and wpe (P, h, optional) f32 or bf16; out (s * b, h) f32. Position si of the
+    // tokens reads wpe row positions(si).
     virtual void embedding_forward(Stream & s, const Tensor & tokens, const Tensor & wte, const Tensor & wpe,
-                                   const Tensor & out) = 0;
-    // dwte[token] += dout; dwpe[si] += dout (dwpe optional).
+                                   const Tensor & out, const SeqPositions & positions = {}) = 0;
+    // dwte[token] += dout; dwpe[positions(si)] += dout (dwpe optional).
     virtual void embedding_backward(Stream & s, const Tensor & tokens, const Tensor & dout, const Tensor & dwte,
-                                    const Tensor & dwpe) = 0;
+                                    const Tensor & dwpe, const SeqPositions & positions = {}) = 0;
     // out[i] = ids[i] - begin where begin <= ids[i] < begin + count, else -1 (a vocabulary shard's rows).
     virtual void vocab_shard_ids(Stream & s, const Tensor & ids, int64_t begin, int64_t count, const Tensor & out) = 0;
 
-    // ---- Attention (f32), tiled: no s x s matrix. out (n, nq d), lse (b, nq, s); dqkv assigned. With
-    // `dropout` enabled the probabilities are dropped out (after the softmax, before the values) with its
-    // mask; backward redraws the same mask.
-    virtual void attention_forward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & lse,
-                                   const AttentionShape & shape, float scale, const Dropout & dropout = {}) = 0;
-    virtual void attention_backward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & dout,
-                                    const Tensor & lse, const Tensor & dqkv, const AttentionShape & shape,
-                                    float scale, const Dropout & dropout = {}) = 0;
+    // ---- Attention (f32), tiled: no s x s matrix. Queries from q's rows, keys and values from kv's
+    // (AttentionShape); out (s b, nq d) and lse (b, nq, s) assigned. A query that sees no key of the call
+    // gets out 0 and lse -inf (attention_merge then takes the other blocks'). With `dropout` enabled the
+    // probabilities are dropped out (after the softmax, before the values) with its mask, drawn by global
+    // query and key positions; backward redraws the same mask.
+    virtual void attention_forward(Stream & s, const Tensor & q, const Tensor & kv, const Tensor & out,
+                                   const Tensor & lse, const AttentionShape & shape, float scale,
+                                   const Dropout & dropout = {}) = 0;
+    // From the final out and lse of the queries (over every key block, merged): dq's Q columns (q's layout)
+    // and dkv's K and V columns (kv's) get this block's gradients, assigned or, with accumulate, added. dq
+    // and dkv may be one tensor (the [Q | K | V] rows); their other columns are untouched.
+    virtual void attention_backward(Stream & s, const Tensor & q, const Tensor & kv, const Tensor & out,
+                                    const Tensor & dout, const Tensor & lse, const Tensor & dq, const Tensor & dkv,
+                                    const AttentionShape & shape, float scale, const Dropout & dropout = {},
+                                    bool accumulate = false) = 0;
+    // Merges the attention of the same queries over another block of keys into (out, lse), in place:
+    // lse' = log(e^lse + e^part_lse), out' = out e^(lse - lse') + part_out e^(part_lse - lse'). out and
+    // part_out (s b, nq d), lse and part_lse (b, nq, s) f32 of shape's queries; a query whose part_lse is
+    // -inf (it saw no key of that block) keeps its out and lse.
+    virtual void attention_merge(Stream & s, const Tensor & out, const Tensor & lse, const Tensor & part_out,
+                                 const Tensor & part_lse, const AttentionShape & shape) = 0;
+
+    // The plain causal attention of [Q | K | V] rows: q and kv are the same tensor.
+    void attention_forward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & lse,
+                           const AttentionShape & shape, float scale, const Dropout & dropout = {}) {
+        attention_forward(s, qkv, qkv, out, lse, shape, scale, dropout);
+    }
+    void attention_backward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & dout,
+                            const Tensor & lse, const Tensor & dqkv, const AttentionShape & shape, float scale,
+                            const Dropout & dropout = {}) {
+        attention_backward(s, qkv, qkv, out, dout, lse, dqkv, dqkv, shape, scale, dropout, false);
+    }
 
     // ---- Cross-entropy over logits (n, stride) whose first `vocab` columns are real tokens; labels (b, s)
     // i32 read in (s, b) row order (-1: the label is on another rank's shard). Forward: loss[r], lse[r].

@@ -15,19 +15,17 @@ namespace {
 
 constexpr int64_t kBlock = 64;   // Br = Bc
 
+// The (s, b) rows of one tensor: a row stride and the batch.
 struct Layout {
-    const AttentionShape & a;
-    int64_t row(int64_t si, int64_t bi) const { return (si * a.b + bi) * a.row_stride; }
-    int64_t q_off(int64_t hq) const { return hq * a.d; }
-    int64_t k_off(int64_t hk) const { return (a.nq + hk) * a.d; }
-    int64_t v_off(int64_t hk) const { return (a.nq + a.nkv + hk) * a.d; }
+    int64_t b, stride, d;
+    int64_t row(int64_t si, int64_t bi) const { return (si * b + bi) * stride; }
 };
 
 // dst (rows, d) <- rows of src at row offsets (contiguous copy of a strided block).
 void gather(const float * src, const Layout & L, int64_t bi, int64_t s0, int64_t rows, int64_t col, float * dst) {
     for (int64_t r = 0; r < rows; ++r) {
         const float * p = src + L.row(s0 + r, bi) + col;
-        std::copy(p, p + L.a.d, dst + r * L.a.d);
+        std::copy(p, p + L.d, dst + r * L.d);
     }
 }
 
@@ -35,8 +33,15 @@ void gather(const float * src, const Layout & L, int64_t bi, int64_t s0, int64_t
 void gather_t(const float * src, const Layout & L, int64_t bi, int64_t s0, int64_t cols, int64_t col, float * dst) {
     for (int64_t c = 0; c < cols; ++c) {
         const float * p = src + L.row(s0 + c, bi) + col;
-        for (int64_t dd = 0; dd < L.a.d; ++dd) dst[dd * kBlock + c] = p[dd];
+        for (int64_t dd = 0; dd < L.d; ++dd) dst[dd * kBlock + c] = p[dd];
     }
+}
+
+// The keys j0 .. j0 + count of a block that query position qp sees: a prefix, positions increasing.
+int64_t visible(const SeqPositions & k_pos, int64_t j0, int64_t cols, int64_t qp) {
+    int64_t n = 0;
+    while (n < cols && k_pos(j0 + n) <= qp) ++n;
+    return n;
 }
 
 // S (rows, cols) = scale * A (rows, d) . Bt (d, cols), with Bt's row stride kBlock.
@@ -57,8 +62,10 @@ void scores(const float * a, const float * bt, int64_t rows, int64_t cols, int64
 struct MaskRow {
     uint32_t threshold;
     float    keep_scale;
-    void draw(uint64_t row, int64_t j0, int64_t cols, float * z) const {
-        for (int64_t c = 0; c < cols; ++c) z[c] = dropout_keep_attention(row, j0 + c, threshold) ? keep_scale : 0.0f;
+    void draw(uint64_t row, const SeqPositions & k_pos, int64_t j0, int64_t cols, float * z) const {
+        for (int64_t c = 0; c < cols; ++c) {
+            z[c] = dropout_keep_attention(row, k_pos(j0 + c), threshold) ? keep_scale : 0.0f;
+        }
     }
 };
 
@@ -72,10 +79,10 @@ uint64_t sample_base(const AttentionDropout & dropout, int64_t bi) {
 
 }  // namespace
 
-void attention_forward(const float * qkv, float * out, float * lse, const AttentionShape & a, float scale,
-                       const AttentionDropout & dropout) {
-    Layout        L{a};
-    int64_t       group   = a.nq / a.nkv;
+void attention_forward(const float * qkv_q, const float * kv, float * out, float * lse, const AttentionShape & a,
+                       float scale, const AttentionDropout & dropout) {
+    const Layout  Q{a.b, a.row_stride, a.d}, K{a.b, a.kv_stride(), a.d};
+    const int64_t group = a.nq / a.nkv, s_kv = a.keys(), k_col = a.k_column(), v_col = a.v_column();
     const bool    dropped = dropout.p > 0.0f;
     const MaskRow mask    = mask_row(dropout);
     parallel_for(a.b * a.nq, 1, [&](int64_t begin, int64_t end) {
@@ -86,18 +93,21 @@ void attention_forward(const float * qkv, float * out, float * lse, const Attent
             uint64_t base = dropped ? sample_base(dropout, bi) : 0;
             for (int64_t i0 = 0; i0 < a.s; i0 += kBlock) {
                 int64_t rows = std::min(kBlock, a.s - i0);
-                gather(qkv, L, bi, i0, rows, L.q_off(hq), q.data());
+                gather(qkv_q, Q, bi, i0, rows, hq * a.d, q.data());
                 std::fill(acc.begin(), acc.end(), 0.0f);
                 std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
                 std::fill(l.begin(), l.end(), 0.0f);
-                for (int64_t j0 = 0; j0 <= i0; j0 += kBlock) {
-                    int64_t cols = std::min(kBlock, a.s - j0);
-                    gather_t(qkv, L, bi, j0, cols, L.k_off(hk), kt.data());
-                    gather(qkv, L, bi, j0, cols, L.v_off(hk), v.data());
+                const int64_t last = a.q_pos(i0 + rows - 1);   // the block's last query position
+                for (int64_t j0 = 0; j0 < s_kv && a.k_pos(j0) <= last; j0 += kBlock) {
+                    int64_t cols = std::min(kBlock, s_kv - j0);
+                    gather_t(kv, K, bi, j0, cols, k_col + hk * a.d, kt.data());
+                    gather(kv, K, bi, j0, cols, v_col + hk * a.d, v.data());
                     scores(q.data(), kt.data(), rows, cols, a.d, scale, s.data());
                     for (int64_t r = 0; r < rows; ++r) {
-                        float * sr    = s.data() + r * kBlock;
-                        int64_t limit = std::min(cols, i0 + r - j0 + 1);   // causal: keys <= query
+                        const int64_t qp    = a.q_pos(i0 + r);
+                        float *       sr    = s.data() + r * kBlock;
+                        int64_t       limit = visible(a.k_pos, j0, cols, qp);   // causal: keys <= query
+                        if (limit == 0) continue;
                         float   mx    = m[r];
                         for (int64_t c = 0; c < limit; ++c) mx = std::max(mx, sr[c]);
                         float correction = exp_approx(m[r] - mx);
@@ -107,7 +117,8 @@ void attention_forward(const float * qkv, float * out, float * lse, const Attent
                         float * ar = acc.data() + r * a.d;
                         for (int64_t dd = 0; dd < a.d; ++dd) ar[dd] *= correction;
                         if (dropped) {   // l sums the undropped probabilities; O takes the dropped ones
-                            mask.draw(dropout_attention_row(base, dropout.head_offset + hq, i0 + r), j0, limit, z.data());
+                            mask.draw(dropout_attention_row(base, dropout.head_offset + hq, qp), a.k_pos, j0, limit,
+                                      z.data());
                             for (int64_t c = 0; c < limit; ++c) sr[c] *= z[c];
                         }
                         for (int64_t c = 0; c < limit; ++c) {
@@ -121,24 +132,30 @@ void attention_forward(const float * qkv, float * out, float * lse, const Attent
                 }
                 for (int64_t r = 0; r < rows; ++r) {
                     float * o   = out + ((i0 + r) * a.b + bi) * a.nq * a.d + hq * a.d;
+                    float * ls  = lse + (bi * a.nq + hq) * a.s + i0 + r;
+                    if (l[r] == 0.0f) {   // no visible key in this call
+                        std::fill(o, o + a.d, 0.0f);
+                        *ls = -std::numeric_limits<float>::infinity();
+                        continue;
+                    }
                     float   inv = 1.0f / l[r];
                     for (int64_t dd = 0; dd < a.d; ++dd) o[dd] = acc[r * a.d + dd] * inv;
-                    lse[(bi * a.nq + hq) * a.s + i0 + r] = m[r] + std::log(l[r]);
+                    *ls = m[r] + std::log(l[r]);
                 }
             }
         }
     });
 }
 
-void attention_backward(const float * qkv, const float * out, const float * dout, const float * lse, float * dqkv,
-                        const AttentionShape & a, float scale, const AttentionDropout & dropout) {
-    Layout        L{a};
-    int64_t       group   = a.nq / a.nkv;
+void attention_backward(const float * qkv_q, const float * kv, const float * out, const float * dout, const float * lse,
+                        float * dq_out, float * dkv, const AttentionShape & a, float scale,
+                        const AttentionDropout & dropout, bool accumulate) {
+    const Layout  Q{a.b, a.row_stride, a.d}, K{a.b, a.kv_stride(), a.d};
+    const int64_t group = a.nq / a.nkv, s_kv = a.keys(), k_col = a.k_column(), v_col = a.v_column();
     const bool    dropped = dropout.p > 0.0f;
     const MaskRow mask    = mask_row(dropout);
-    // dout and out are (s, b, nq * d): a layout with row stride nq * d and all heads "query".
-    AttentionShape o_shape{a.s, a.b, a.nq, a.nkv, a.d, a.nq * a.d};
-    Layout         O{o_shape};
+    // dout and out are (s, b, nq * d): a layout with row stride nq * d.
+    const Layout O{a.b, a.nq * a.d, a.d};
 
     parallel_for(a.b * a.nkv, 1, [&](int64_t begin, int64_t end) {
         int64_t d = a.d;
@@ -148,12 +165,16 @@ void attention_backward(const float * qkv, const float * out, const float * dout
         for (int64_t task = begin; task < end; ++task) {
             int64_t  bi = task / a.nkv, hk = task % a.nkv;
             uint64_t base = dropped ? sample_base(dropout, bi) : 0;
-            // Zero this sequence's dQ of the group's query heads and its dK, dV.
-            for (int64_t si = 0; si < a.s; ++si) {
-                float * row = dqkv + L.row(si, bi);
-                for (int64_t g = 0; g < group; ++g) std::fill(row + L.q_off(hk * group + g), row + L.q_off(hk * group + g) + d, 0.0f);
-                std::fill(row + L.k_off(hk), row + L.k_off(hk) + d, 0.0f);
-                std::fill(row + L.v_off(hk), row + L.v_off(hk) + d, 0.0f);
+            if (!accumulate) {   // zero this sequence's dQ of the group's query heads and its dK, dV
+                for (int64_t si = 0; si < a.s; ++si) {
+                    float * row = dq_out + Q.row(si, bi);
+                    std::fill(row + hk * group * d, row + (hk + 1) * group * d, 0.0f);
+                }
+                for (int64_t sj = 0; sj < s_kv; ++sj) {
+                    float * row = dkv + K.row(sj, bi);
+                    std::fill(row + k_col + hk * d, row + k_col + (hk + 1) * d, 0.0f);
+                    std::fill(row + v_col + hk * d, row + v_col + (hk + 1) * d, 0.0f);
+                }
             }
             for (int64_t g = 0; g < group; ++g) {
                 int64_t hq = hk * group + g;
@@ -165,27 +186,31 @@ void attention_backward(const float * qkv, const float * out, const float * dout
                     delta[si] = sum;
                     lse_h[si] = lse[(bi * a.nq + hq) * a.s + si];
                 }
-                for (int64_t j0 = 0; j0 < a.s; j0 += kBlock) {
-                    int64_t cols = std::min(kBlock, a.s - j0);
-                    gather(qkv, L, bi, j0, cols, L.k_off(hk), k.data());
-                    gather_t(qkv, L, bi, j0, cols, L.k_off(hk), kt.data());
-                    gather_t(qkv, L, bi, j0, cols, L.v_off(hk), vt.data());
+                for (int64_t j0 = 0; j0 < s_kv; j0 += kBlock) {
+                    int64_t cols = std::min(kBlock, s_kv - j0);
+                    const int64_t first_key = a.k_pos(j0);
+                    gather(kv, K, bi, j0, cols, k_col + hk * d, k.data());
+                    gather_t(kv, K, bi, j0, cols, k_col + hk * d, kt.data());
+                    gather_t(kv, K, bi, j0, cols, v_col + hk * d, vt.data());
                     std::fill(dk.begin(), dk.end(), 0.0f);
                     std::fill(dv.begin(), dv.end(), 0.0f);
-                    for (int64_t i0 = (j0 / kBlock) * kBlock; i0 < a.s; i0 += kBlock) {
+                    for (int64_t i0 = 0; i0 < a.s; i0 += kBlock) {
                         int64_t rows = std::min(kBlock, a.s - i0);
-                        gather(qkv, L, bi, i0, rows, L.q_off(hq), q.data());
+                        if (a.q_pos(i0 + rows - 1) < first_key) continue;   // no query of the block sees a key
+                        gather(qkv_q, Q, bi, i0, rows, hq * d, q.data());
                         gather(dout, O, bi, i0, rows, hq * d, dob.data());
                         scores(q.data(), kt.data(), rows, cols, d, scale, p.data());
                         scores(dob.data(), vt.data(), rows, cols, d, 1.0f, dp.data());
                         std::fill(dq.begin(), dq.end(), 0.0f);
                         for (int64_t r = 0; r < rows; ++r) {
-                            float * pr    = p.data() + r * kBlock;
-                            float * dpr   = dp.data() + r * kBlock;
-                            int64_t limit = std::min(cols, i0 + r - j0 + 1);
+                            float *       pr    = p.data() + r * kBlock;
+                            float *       dpr   = dp.data() + r * kBlock;
+                            const int64_t qp    = a.q_pos(i0 + r);
+                            int64_t       limit = visible(a.k_pos, j0, cols, qp);
                             float   li = lse_h[i0 + r], di = delta[i0 + r];
                             if (dropped) {   // pr becomes z P (for dV), dS takes z dP
-                                mask.draw(dropout_attention_row(base, dropout.head_offset + hq, i0 + r), j0, cols, z.data());
+                                mask.draw(dropout_attention_row(base, dropout.head_offset + hq, qp), a.k_pos, j0, cols,
+                                          z.data());
                                 for (int64_t c = 0; c < cols; ++c) {
                                     float pv = c < limit ? exp_approx(pr[c] - li) : 0.0f;
                                     pr[c]    = pv * z[c];
@@ -214,19 +239,41 @@ void attention_backward(const float * qkv, const float * out, const float * dout
                             }
                         }
                         for (int64_t r = 0; r < rows; ++r) {
-                            float * dst = dqkv + L.row(i0 + r, bi) + L.q_off(hq);
+                            float * dst = dq_out + Q.row(i0 + r, bi) + hq * d;
                             for (int64_t dd = 0; dd < d; ++dd) dst[dd] += dq[r * d + dd];
                         }
                     }
                     for (int64_t c = 0; c < cols; ++c) {
-                        float * dkr = dqkv + L.row(j0 + c, bi) + L.k_off(hk);
-                        float * dvr = dqkv + L.row(j0 + c, bi) + L.v_off(hk);
+                        float * dkr = dkv + K.row(j0 + c, bi) + k_col + hk * d;
+                        float * dvr = dkv + K.row(j0 + c, bi) + v_col + hk * d;
                         for (int64_t dd = 0; dd < d; ++dd) {
                             dkr[dd] += dk[c * d + dd];
                             dvr[dd] += dv[c * d + dd];
                         }
                     }
                 }
+            }
+        }
+    });
+}
+
+void attention_merge(float * out, float * lse, const float * part_out, const float * part_lse, int64_t s, int64_t b,
+                     int64_t nq, int64_t d) {
+    parallel_for(b * nq, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t bi = task / nq, hq = task % nq;
+            for (int64_t i = 0; i < s; ++i) {
+                float &     l  = lse[task * s + i];
+                const float pl = part_lse[task * s + i];
+                if (pl == -std::numeric_limits<float>::infinity()) continue;   // nothing to add
+                const float mx  = std::max(l, pl);
+                const float sum = std::exp(l - mx) + std::exp(pl - mx);
+                const float nl  = mx + std::log(sum);
+                const float wa = std::exp(l - nl), wb = std::exp(pl - nl);
+                float *       o = out + (i * b + bi) * nq * d + hq * d;
+                const float * po = part_out + (i * b + bi) * nq * d + hq * d;
+                for (int64_t dd = 0; dd < d; ++dd) o[dd] = o[dd] * wa + po[dd] * wb;
+                l = nl;
             }
         }
     });

@@ -1,8 +1,10 @@
 // Causal self-attention, tiled like FlashAttention: no s x s matrix is ever materialised.
 //
-// Input rows are the (s, b) rows of the QKV projection, each row laid out [Q | K | V]:
-//   Q: nq heads of d, K: nkv heads of d, V: nkv heads of d   (row_stride >= (nq + 2 nkv) d)
-// Query head hq reads key/value head hq / (nq / nkv) (grouped-query attention; nkv = nq is multi-head).
+// Queries are the (s, b) rows of q (Q: nq heads of d from column 0); keys and values the (s_kv, b) rows of
+// kv (K and V: nkv heads of d from columns k_col and v_col); for the QKV projection's [Q | K | V] rows both
+// are the same tensor. Query head hq reads key/value head hq / (nq / nkv) (grouped-query attention; nkv = nq
+// is multi-head). Key j is visible to query i when k_pos(j) <= q_pos(i) (core/positions.h; both increase,
+// so a block of keys past a block of queries' last position is skipped whole).
 //
 // Forward, per (sequence, query head) and per block of Br queries, over the key blocks up to the diagonal:
 //   S = scale Q_i K_j^T (causal mask),  m' = max(m, rowmax S),  P = exp(S - m'),
@@ -36,11 +38,16 @@ struct AttentionDropout {
     int64_t         head_offset = 0;
 };
 
-// out (s, b, nq * d); lse (b, nq, s).
-void attention_forward(const float * qkv, float * out, float * lse, const AttentionShape & shape, float scale,
-                       const AttentionDropout & dropout = {});
-// dqkv has the layout of qkv and is assigned (not accumulated).
-void attention_backward(const float * qkv, const float * out, const float * dout, const float * lse, float * dqkv,
-                        const AttentionShape & shape, float scale, const AttentionDropout & dropout = {});
+// out (s, b, nq * d); lse (b, nq, s). A query with no visible key: out 0, lse -inf.
+void attention_forward(const float * q, const float * kv, float * out, float * lse, const AttentionShape & shape,
+                       float scale, const AttentionDropout & dropout = {});
+// dq has the layout of q, dkv of kv (they may be the same rows); their Q, K and V columns are assigned, or
+// added to with accumulate. out and lse are the queries' final ones (every key block merged).
+void attention_backward(const float * q, const float * kv, const float * out, const float * dout, const float * lse,
+                        float * dq, float * dkv, const AttentionShape & shape, float scale,
+                        const AttentionDropout & dropout = {}, bool accumulate = false);
+// (out, lse) merged with (part_out, part_lse) in place (core/ops.h's attention_merge).
+void attention_merge(float * out, float * lse, const float * part_out, const float * part_lse, int64_t s, int64_t b,
+                     int64_t nq, int64_t d);
 
 }  // namespace loom::cpu

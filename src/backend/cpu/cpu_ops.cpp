@@ -162,36 +162,39 @@ public:
     }
 
     void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base,
-              bool inverse, int64_t rotary_dim, bool interleaved) override {
+              bool inverse, int64_t rotary_dim, bool interleaved, const SeqPositions & positions) override {
         const int64_t stride = op_checks::rope(x, seq, batch, heads, d, rotary_dim).second;
-        s.submit([=] { rope_apply(f32(x), stride, seq, batch, heads, d, base, inverse, rotary_dim, interleaved); });
+        s.submit([=] {
+            rope_apply(f32(x), stride, seq, batch, heads, d, base, inverse, rotary_dim, interleaved, positions);
+        });
     }
 
     void embedding_forward(Stream & s, const Tensor & tokens, const Tensor & wte, const Tensor & wpe,
-                           const Tensor & out) override {
-        const op_checks::EmbeddingDims dims = op_checks::embedding_forward(tokens, wte, wpe, out);
+                           const Tensor & out, const SeqPositions & positions) override {
+        const op_checks::EmbeddingDims dims = op_checks::embedding_forward(tokens, wte, wpe, out, positions);
         const int64_t                  b = dims.b, seq = dims.s, h = dims.h;
         s.submit([=] {
             check_ids(tokens, wte.size(0), "embedding_forward", "token");
             const int32_t * ids = tokens.data<int32_t>();
             if (wte.dtype() == DType::f32) {
-                cpu::embedding_forward(ids, f32(wte), f32_or_null(wpe), f32(out), seq, b, h);
+                cpu::embedding_forward(ids, f32(wte), f32_or_null(wpe), f32(out), seq, b, h, positions);
             } else {
                 cpu::embedding_forward(ids, static_cast<const uint16_t *>(wte.data_ptr()),
                                        wpe.defined() ? static_cast<const uint16_t *>(wpe.data_ptr()) : nullptr, f32(out),
-                                       seq, b, h);
+                                       seq, b, h, positions);
             }
         });
     }
 
     void embedding_backward(Stream & s, const Tensor & tokens, const Tensor & dout, const Tensor & dwte,
-                            const Tensor & dwpe) override {
-        const op_checks::EmbeddingDims dims = op_checks::embedding_backward(tokens, dout, dwte, dwpe);
+                            const Tensor & dwpe, const SeqPositions & positions) override {
+        const op_checks::EmbeddingDims dims = op_checks::embedding_backward(tokens, dout, dwte, dwpe, positions);
         const int64_t                  b = dims.b, seq = dims.s, h = dims.h;
         const int64_t vocab = dwte.size(0);
         s.submit([=] {
             check_ids(tokens, vocab, "embedding_backward", "token");
-            cpu::embedding_backward(tokens.data<int32_t>(), f32(dout), f32(dwte), f32_or_null(dwpe), seq, b, h, vocab);
+            cpu::embedding_backward(tokens.data<int32_t>(), f32(dout), f32(dwte), f32_or_null(dwpe), seq, b, h, vocab,
+                                    positions);
         });
     }
 
@@ -217,7 +220,7 @@ public:
             float *         out        = f32(y);
             parallel_for(n, 16, [&](int64_t begin, int64_t end) {
                 for (int64_t r = begin; r < end; ++r) {
-                    const int64_t  g = key.offset + r, position = g / key.batch, column = g % key.batch;
+                    const int64_t  g = key.offset + r, position = key.positions(g / key.batch), column = g % key.batch;
                     const uint64_t base = dropout_base(key.seed, key.site, ids ? ids[column] : column);
                     const float *  xr = in + r * w;
                     float *        yr = out + r * w;
@@ -229,20 +232,26 @@ public:
         });
     }
 
-    void attention_forward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & lse,
+    void attention_forward(Stream & s, const Tensor & q, const Tensor & kv, const Tensor & out, const Tensor & lse,
                            const AttentionShape & shape, float scale, const Dropout & dropout) override {
-        op_checks::attention_forward(qkv, out, lse, shape, dropout);
-        s.submit([=] { cpu::attention_forward(f32(qkv), f32(out), f32(lse), shape, scale, attention_dropout(dropout)); });
+        op_checks::attention_forward(q, kv, out, lse, shape, dropout);
+        s.submit([=] { cpu::attention_forward(f32(q), f32(kv), f32(out), f32(lse), shape, scale, attention_dropout(dropout)); });
     }
 
-    void attention_backward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & dout, const Tensor & lse,
-                            const Tensor & dqkv, const AttentionShape & shape, float scale,
-                            const Dropout & dropout) override {
-        op_checks::attention_backward(qkv, out, dout, lse, dqkv, shape, dropout);
+    void attention_backward(Stream & s, const Tensor & q, const Tensor & kv, const Tensor & out, const Tensor & dout,
+                            const Tensor & lse, const Tensor & dq, const Tensor & dkv, const AttentionShape & shape,
+                            float scale, const Dropout & dropout, bool accumulate) override {
+        op_checks::attention_backward(q, kv, out, dout, lse, dq, dkv, shape, dropout);
         s.submit([=] {
-            cpu::attention_backward(f32(qkv), f32(out), f32(dout), f32(lse), f32(dqkv), shape, scale,
-                                    attention_dropout(dropout));
+            cpu::attention_backward(f32(q), f32(kv), f32(out), f32(dout), f32(lse), f32(dq), f32(dkv), shape, scale,
+                                    attention_dropout(dropout), accumulate);
         });
+    }
+
+    void attention_merge(Stream & s, const Tensor & out, const Tensor & lse, const Tensor & part_out,
+                         const Tensor & part_lse, const AttentionShape & shape) override {
+        op_checks::attention_merge(out, lse, part_out, part_lse, shape);
+        s.submit([=] { cpu::attention_merge(f32(out), f32(lse), f32(part_out), f32(part_lse), shape.s, shape.b, shape.nq, shape.d); });
     }
 
     void cross_entropy_forward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & loss,

@@ -274,7 +274,7 @@ inline float load_f32(const uint16_t * p, int64_t j) { return bf16_bits_to_f32(p
 
 template <typename W>
 void embedding_forward_impl(const int32_t * tokens, const W * wte, const W * wpe, float * out, int64_t s, int64_t b,
-                            int64_t h) {
+                            int64_t h, const SeqPositions & positions) {
     parallel_for(s * b, kRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
             int64_t   si    = r / b, bi = r % b;
@@ -287,7 +287,7 @@ void embedding_forward_impl(const int32_t * tokens, const W * wte, const W * wpe
                 for (int64_t j = 0; j < h; ++j) o[j] = load_f32(row, j);
             }
             if (wpe) {
-                for (int64_t j = 0; j < h; ++j) o[j] += load_f32(wpe + si * h, j);
+                for (int64_t j = 0; j < h; ++j) o[j] += load_f32(wpe + positions(si) * h, j);
             }
         }
     });
@@ -296,17 +296,17 @@ void embedding_forward_impl(const int32_t * tokens, const W * wte, const W * wpe
 }  // namespace
 
 void embedding_forward(const int32_t * tokens, const float * wte, const float * wpe, float * out, int64_t s,
-                       int64_t b, int64_t h) {
-    embedding_forward_impl(tokens, wte, wpe, out, s, b, h);
+                       int64_t b, int64_t h, const SeqPositions & positions) {
+    embedding_forward_impl(tokens, wte, wpe, out, s, b, h, positions);
 }
 
 void embedding_forward(const int32_t * tokens, const uint16_t * wte_bf16, const uint16_t * wpe_bf16, float * out,
-                       int64_t s, int64_t b, int64_t h) {
-    embedding_forward_impl(tokens, wte_bf16, wpe_bf16, out, s, b, h);
+                       int64_t s, int64_t b, int64_t h, const SeqPositions & positions) {
+    embedding_forward_impl(tokens, wte_bf16, wpe_bf16, out, s, b, h, positions);
 }
 
 void embedding_backward(const int32_t * tokens, const float * dout, float * dwte, float * dwpe, int64_t s,
-                        int64_t b, int64_t h, int64_t vocab) {
+                        int64_t b, int64_t h, int64_t vocab, const SeqPositions & positions) {
     // Column chunks: each thread owns a slice of h for every token row, so repeated tokens never race.
     over_column_chunks(h, [&](int64_t c0, int64_t c1) {
         for (int64_t r = 0; r < s * b; ++r) {
@@ -318,7 +318,7 @@ void embedding_backward(const int32_t * tokens, const float * dout, float * dwte
                 for (int64_t j = c0; j < c1; ++j) w[j] += d[j];
             }
             if (dwpe) {
-                for (int64_t j = c0; j < c1; ++j) dwpe[si * h + j] += d[j];
+                for (int64_t j = c0; j < c1; ++j) dwpe[positions(si) * h + j] += d[j];
             }
         }
     });
@@ -326,7 +326,7 @@ void embedding_backward(const int32_t * tokens, const float * dout, float * dwte
 }
 
 void rope_apply(float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d, float base,
-                bool inverse, int64_t rotary_dim, bool interleaved) {
+                bool inverse, int64_t rotary_dim, bool interleaved, const SeqPositions & positions) {
     const int64_t r    = rotary_dim > 0 ? rotary_dim : d;
     const int64_t half = r / 2;
     // Element j of pair i: (i, i + half), or interleaved (2i, 2i + 1).
@@ -339,7 +339,7 @@ void rope_apply(float * x, int64_t row_stride, int64_t s, int64_t b, int64_t hea
         std::vector<float> cs(half), sn(half);
         for (int64_t si = begin; si < end; ++si) {
             for (int64_t i = 0; i < half; ++i) {
-                float angle = static_cast<float>(si) * inv_freq[i];
+                float angle = static_cast<float>(positions(si)) * inv_freq[i];
                 cs[i]       = std::cos(angle);
                 sn[i]       = inverse ? -std::sin(angle) : std::sin(angle);
             }

@@ -9,6 +9,8 @@
 // Legend: n rows (= s * b), h hidden, f ffn hidden, V vocab, d head dim.
 #pragma once
 
+#include "core/positions.h"
+
 #include "core/dtype.h"
 
 #include <cstdint>
@@ -57,21 +59,21 @@ void add_inplace(float * y, const float * x, int64_t count);
 
 // Embedding: out (s, b, h) = wte[tokens[bi, si]] (+ wpe[si]); tokens are (b, s).
 void embedding_forward(const int32_t * tokens, const float * wte, const float * wpe, float * out, int64_t s,
-                       int64_t b, int64_t h);
+                       int64_t b, int64_t h, const SeqPositions & positions = {});
 // The same with bf16 tables (bit patterns), summed in f32.
 void embedding_forward(const int32_t * tokens, const uint16_t * wte_bf16, const uint16_t * wpe_bf16, float * out,
-                       int64_t s, int64_t b, int64_t h);
-// dwte[token] += dout; dwpe[si] += dout (wpe may be null).
+                       int64_t s, int64_t b, int64_t h, const SeqPositions & positions = {});
+// dwte[token] += dout; dwpe[positions(si)] += dout (wpe may be null).
 void embedding_backward(const int32_t * tokens, const float * dout, float * dwte, float * dwpe, int64_t s,
-                        int64_t b, int64_t h, int64_t vocab);
+                        int64_t b, int64_t h, int64_t vocab, const SeqPositions & positions = {});
 
 // Rotary position embedding, in place on `heads` heads of dimension d in each row of x (row stride in
 // elements; rows are (s, b)); inverse = true rotates back (the backward of a rotation is the inverse
 // rotation). The first r = rotary_dim elements of each head turn (0: r = d), the rest pass; pair i is
 // (i, i + r/2) (non-interleaved halves, Megatron's default) or (2i, 2i + 1) (interleaved), and turns by
-// si * base^(-2i / r).
+// positions(si) * base^(-2i / r).
 void rope_apply(float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d, float base,
-                bool inverse, int64_t rotary_dim = 0, bool interleaved = false);
+                bool inverse, int64_t rotary_dim = 0, bool interleaved = false, const SeqPositions & positions = {});
 
 // Cross-entropy over logits (n, stride) with labels (b, s) read in (s, b) row order; only the first
 // `vocab` columns are real tokens, the rest (vocabulary padding) are outside the softmax. Forward:

@@ -26,13 +26,23 @@ constexpr int kAttnPerThread = kAttnTile * kAttentionMaxHeadDim / kAttnThreads; 
 // The shared-memory row stride for head dimension d: odd.
 __host__ __device__ __forceinline__ int attn_stride(int64_t d) { return static_cast<int>(d | 1); }
 
-// dst (kAttnTile, stride ds) <- d columns from `col` of rows row0 .. of one sequence bi; rows past s are 0.
-__device__ void attn_load(float * dst, const float * src, int64_t row0, int64_t bi, int64_t col, int64_t stride,
-                          const AttentionDims & a, int ds) {
+// dst (kAttnTile, stride ds) <- d columns from `col` of rows row0 .. of one sequence bi; rows past `rows`
+// are 0.
+__device__ void attn_load(float * dst, const float * src, int64_t row0, int64_t rows, int64_t bi, int64_t col,
+                          int64_t stride, const AttentionDims & a, int ds) {
     for (int64_t e = threadIdx.x; e < kAttnTile * a.d; e += blockDim.x) {
         const int64_t r = e / a.d, dd = e % a.d, i = row0 + r;
-        dst[r * ds + dd] = i < a.s ? src[(i * a.b + bi) * stride + col + dd] : 0.0f;
+        dst[r * ds + dd] = i < rows ? src[(i * a.b + bi) * stride + col + dd] : 0.0f;
     }
+}
+
+// Whether query row i sees key row j (both in range).
+__device__ __forceinline__ bool attn_visible(const AttentionDims & a, int64_t i, int64_t j) {
+    return i < a.s && j < a.s_kv && a.k_pos(j) <= a.q_pos(i);
+}
+// The last query position of the tile from row i0.
+__device__ __forceinline__ int64_t attn_last_query(const AttentionDims & a, int64_t i0) {
+    return a.q_pos((i0 + kAttnTile < a.s ? i0 + kAttnTile : a.s) - 1);
 }
 
 __device__ __forceinline__ float attn_dot(const float * x, const float * y, int64_t d) {
@@ -55,8 +65,9 @@ __device__ __forceinline__ uint64_t attn_base(const AttentionKey & key, int64_t 
 }
 
 // One block per (sequence, query head, query tile), the last tiles (most keys) first.
-__global__ void __launch_bounds__(kAttnThreads) attention_forward_kernel(const float * qkv, float * out, float * lse,
-                                                                        AttentionDims a, float scale, AttentionKey key) {
+__global__ void __launch_bounds__(kAttnThreads) attention_forward_kernel(const float * q, const float * kv, float * out,
+                                                                        float * lse, AttentionDims a, float scale,
+                                                                        AttentionKey key) {
     LOOM_DYNAMIC_SHARED(float, smem);
     constexpr int T = kAttnTile;
     const int     ds = attn_stride(a.d);
@@ -70,7 +81,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_forward_kernel(const f
     const int     warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const uint64_t base = attn_base(key, bi);
 
-    attn_load(qs, qkv, i0, bi, hq * a.d, a.row_stride, a, ds);
+    attn_load(qs, q, i0, a.s, bi, hq * a.d, a.row_stride, a, ds);
     if (threadIdx.x < T) {
         ms[threadIdx.x] = -INFINITY;
         ls[threadIdx.x] = 0.0f;
@@ -79,36 +90,36 @@ __global__ void __launch_bounds__(kAttnThreads) attention_forward_kernel(const f
 #pragma unroll
     for (int k = 0; k < kAttnPerThread; ++k) acc[k] = 0.0f;
     const int64_t elems = T * a.d;
+    const int64_t last  = attn_last_query(a, i0);
 
-    for (int64_t kt = 0; kt <= qt; ++kt) {
-        const int64_t j0 = kt * T;
+    for (int64_t j0 = 0; j0 < a.s_kv && a.k_pos(j0) <= last; j0 += T) {
         __syncthreads();   // the previous tile's K, V and P are no longer read
-        attn_load(ks, qkv, j0, bi, (a.nq + hk) * a.d, a.row_stride, a, ds);
-        attn_load(vs, qkv, j0, bi, (a.nq + a.nkv + hk) * a.d, a.row_stride, a, ds);
+        attn_load(ks, kv, j0, a.s_kv, bi, a.k_col + hk * a.d, a.kv_stride, a, ds);
+        attn_load(vs, kv, j0, a.s_kv, bi, a.v_col + hk * a.d, a.kv_stride, a, ds);
         __syncthreads();
         for (int e = threadIdx.x; e < T * T; e += blockDim.x) {
             const int r = e / T, c = e % T;
             const int64_t i = i0 + r, j = j0 + c;
-            ps[r * (T + 1) + c] = i < a.s && j <= i ? attn_dot(qs + r * ds, ks + c * ds, a.d) * scale : 0.0f;
+            ps[r * (T + 1) + c] = attn_visible(a, i, j) ? attn_dot(qs + r * ds, ks + c * ds, a.d) * scale : 0.0f;
         }
         __syncthreads();
         // The online softmax, a warp per row: lane c holds key j0 + c.
         for (int r = warp; r < T; r += kAttnThreads / 32) {
             const int64_t i = i0 + r, j = j0 + lane;
-            if (i >= a.s || j0 > i) {   // no key of this tile is visible to row i (or no row i)
+            if (i >= a.s || a.k_pos(j0) > a.q_pos(i)) {   // no key of this tile is visible to row i (or no row i)
                 ps[r * (T + 1) + lane] = 0.0f;
                 if (lane == 0) corr[r] = 1.0f;
                 continue;
             }
-            const bool  valid  = j <= i;
+            const bool  valid  = attn_visible(a, i, j);
             const float sc     = ps[r * (T + 1) + lane];
             const float m_old  = ms[r];
             const float mx     = fmaxf(m_old, warp_max(valid ? sc : -INFINITY));
             float       p      = valid ? exp_approx(__fsub_rn(sc, mx)) : 0.0f;
             const float sum    = warp_sum(p);
             if (key.dropped && valid) {   // l sums the undropped probabilities; O takes the dropped ones
-                const uint64_t row = dropout_attention_row(base, key.head_offset + hq, i);
-                p = __fmul_rn(p, dropout_keep_attention(row, j, key.threshold) ? key.keep_scale : 0.0f);
+                const uint64_t row = dropout_attention_row(base, key.head_offset + hq, a.q_pos(i));
+                p = __fmul_rn(p, dropout_keep_attention(row, a.k_pos(j), key.threshold) ? key.keep_scale : 0.0f);
             }
             ps[r * (T + 1) + lane] = p;
             if (lane == 0) {
@@ -137,11 +148,12 @@ __global__ void __launch_bounds__(kAttnThreads) attention_forward_kernel(const f
         const int64_t e = threadIdx.x + static_cast<int64_t>(k) * kAttnThreads;
         if (e < elems) {
             const int64_t r = e / a.d, dd = e % a.d, i = i0 + r;
-            if (i < a.s) out[((i * a.b + bi) * a.nq + hq) * a.d + dd] = acc[k] * (1.0f / ls[r]);
+            if (i < a.s) out[((i * a.b + bi) * a.nq + hq) * a.d + dd] = ls[r] > 0.0f ? acc[k] * (1.0f / ls[r]) : 0.0f;
         }
     }
-    if (threadIdx.x < T && i0 + threadIdx.x < a.s) {
-        lse[(bi * a.nq + hq) * a.s + i0 + threadIdx.x] = ms[threadIdx.x] + logf(ls[threadIdx.x]);
+    if (threadIdx.x < T && i0 + threadIdx.x < a.s) {   // a row that saw no key: -inf
+        const float l = ls[threadIdx.x];
+        lse[(bi * a.nq + hq) * a.s + i0 + threadIdx.x] = l > 0.0f ? ms[threadIdx.x] + logf(l) : -INFINITY;
     }
 }
 
@@ -166,12 +178,12 @@ __device__ void attention_grad_tile(const float * qs, const float * dos, const f
         const int     r = e / T, c = e % T;
         const int64_t i = i0 + r, j = j0 + c;
         float         p = 0.0f, dsv = 0.0f;
-        if (i < a.s && j <= i) {
+        if (attn_visible(a, i, j)) {
             const float pv = exp_approx(__fsub_rn(attn_dot(qs + r * ds, ks + c * ds, a.d) * scale, lses[r]));
             const float dp = attn_dot(dos + r * ds, vs + c * ds, a.d);
             if (key.dropped) {
-                const uint64_t row = dropout_attention_row(base, key.head_offset + hq, i);
-                const float    z   = dropout_keep_attention(row, j, key.threshold) ? key.keep_scale : 0.0f;
+                const uint64_t row = dropout_attention_row(base, key.head_offset + hq, a.q_pos(i));
+                const float    z   = dropout_keep_attention(row, a.k_pos(j), key.threshold) ? key.keep_scale : 0.0f;
                 p                  = pv * z;
                 dsv                = pv * (z * dp - deltas[r]) * scale;
             } else {
@@ -195,11 +207,12 @@ __device__ void attn_load_rows(float * lses, float * deltas, const float * lse, 
     }
 }
 
-// dQ: one block per (sequence, query head, query tile); dQ = sum over key tiles of dS K, assigned.
-__global__ void __launch_bounds__(kAttnThreads) attention_dq_kernel(const float * qkv, const float * dout,
-                                                                   const float * lse, const float * delta,
-                                                                   float * dqkv, AttentionDims a, float scale,
-                                                                   AttentionKey key) {
+// dQ: one block per (sequence, query head, query tile); dQ = sum over key tiles of dS K, assigned (added with
+// accumulate).
+__global__ void __launch_bounds__(kAttnThreads) attention_dq_kernel(const float * q, const float * kv,
+                                                                   const float * dout, const float * lse,
+                                                                   const float * delta, float * dq, AttentionDims a,
+                                                                   float scale, AttentionKey key, bool accumulate) {
     LOOM_DYNAMIC_SHARED(float, smem);
     constexpr int T = kAttnTile;
     const int     ds = attn_stride(a.d);
@@ -212,18 +225,18 @@ __global__ void __launch_bounds__(kAttnThreads) attention_dq_kernel(const float 
     const int64_t i0 = qt * T, elems = T * a.d;
     const uint64_t base = attn_base(key, bi);
 
-    attn_load(qs, qkv, i0, bi, hq * a.d, a.row_stride, a, ds);
-    attn_load(dos, dout, i0, bi, hq * a.d, a.nq * a.d, a, ds);
+    attn_load(qs, q, i0, a.s, bi, hq * a.d, a.row_stride, a, ds);
+    attn_load(dos, dout, i0, a.s, bi, hq * a.d, a.nq * a.d, a, ds);
     attn_load_rows(lses, deltas, lse, delta, i0, bi, hq, a);
     float acc[kAttnPerThread];
 #pragma unroll
     for (int k = 0; k < kAttnPerThread; ++k) acc[k] = 0.0f;
+    const int64_t last = attn_last_query(a, i0);
 
-    for (int64_t kt = 0; kt <= qt; ++kt) {
-        const int64_t j0 = kt * T;
+    for (int64_t j0 = 0; j0 < a.s_kv && a.k_pos(j0) <= last; j0 += T) {
         __syncthreads();
-        attn_load(ks, qkv, j0, bi, (a.nq + hk) * a.d, a.row_stride, a, ds);
-        attn_load(vs, qkv, j0, bi, (a.nq + a.nkv + hk) * a.d, a.row_stride, a, ds);
+        attn_load(ks, kv, j0, a.s_kv, bi, a.k_col + hk * a.d, a.kv_stride, a, ds);
+        attn_load(vs, kv, j0, a.s_kv, bi, a.v_col + hk * a.d, a.kv_stride, a, ds);
         __syncthreads();
         attention_grad_tile(qs, dos, ks, vs, lses, deltas, ps, dss, i0, j0, hq, base, a, scale, key, ds);
         __syncthreads();
@@ -244,42 +257,46 @@ __global__ void __launch_bounds__(kAttnThreads) attention_dq_kernel(const float 
         const int64_t e = threadIdx.x + static_cast<int64_t>(k) * kAttnThreads;
         if (e < elems) {
             const int64_t r = e / a.d, dd = e % a.d, i = i0 + r;
-            if (i < a.s) dqkv[(i * a.b + bi) * a.row_stride + hq * a.d + dd] = acc[k];
+            if (i < a.s) {
+                float * at = dq + (i * a.b + bi) * a.row_stride + hq * a.d + dd;
+                *at        = accumulate ? __fadd_rn(*at, acc[k]) : acc[k];
+            }
         }
     }
 }
 
 // dK and dV: one block per (sequence, key/value head, key tile); sums over the group's query heads, then
-// over the query tiles from the diagonal on, in that order; assigned.
-__global__ void __launch_bounds__(kAttnThreads) attention_dkdv_kernel(const float * qkv, const float * dout,
-                                                                     const float * lse, const float * delta,
-                                                                     float * dqkv, AttentionDims a, float scale,
-                                                                     AttentionKey key) {
+// over the query tiles that see the key tile, in that order; assigned (added with accumulate).
+__global__ void __launch_bounds__(kAttnThreads) attention_dkdv_kernel(const float * q, const float * kv,
+                                                                     const float * dout, const float * lse,
+                                                                     const float * delta, float * dkv, AttentionDims a,
+                                                                     float scale, AttentionKey key, bool accumulate) {
     LOOM_DYNAMIC_SHARED(float, smem);
     constexpr int T = kAttnTile;
     const int     ds = attn_stride(a.d);
     float *       qs = smem, *dos = qs + T * ds, *ks = dos + T * ds, *vs = ks + T * ds;
     float *       ps = vs + T * ds, *dss = ps + T * (T + 1), *lses = dss + T * (T + 1), *deltas = lses + T;
 
-    const int64_t tiles = (a.s + T - 1) / T;
-    const int64_t bh = blockIdx.x / tiles, kt = blockIdx.x % tiles;   // the first tiles (most queries) first
+    const int64_t tiles = (a.s + T - 1) / T, key_tiles = (a.s_kv + T - 1) / T;
+    const int64_t bh = blockIdx.x / key_tiles, kt = blockIdx.x % key_tiles;   // the first tiles (most queries) first
     const int64_t bi = bh / a.nkv, hk = bh % a.nkv, group = a.nq / a.nkv;
-    const int64_t j0 = kt * T, elems = T * a.d;
+    const int64_t j0 = kt * T, elems = T * a.d, first_key = a.k_pos(j0);
     const uint64_t base = attn_base(key, bi);
 
-    attn_load(ks, qkv, j0, bi, (a.nq + hk) * a.d, a.row_stride, a, ds);
-    attn_load(vs, qkv, j0, bi, (a.nq + a.nkv + hk) * a.d, a.row_stride, a, ds);
+    attn_load(ks, kv, j0, a.s_kv, bi, a.k_col + hk * a.d, a.kv_stride, a, ds);
+    attn_load(vs, kv, j0, a.s_kv, bi, a.v_col + hk * a.d, a.kv_stride, a, ds);
     float dk[kAttnPerThread], dv[kAttnPerThread];
 #pragma unroll
     for (int k = 0; k < kAttnPerThread; ++k) dk[k] = dv[k] = 0.0f;
 
     for (int64_t g = 0; g < group; ++g) {
         const int64_t hq = hk * group + g;
-        for (int64_t qt = kt; qt < tiles; ++qt) {
+        for (int64_t qt = 0; qt < tiles; ++qt) {
             const int64_t i0 = qt * T;
+            if (attn_last_query(a, i0) < first_key) continue;   // no query of the tile sees a key of this one
             __syncthreads();
-            attn_load(qs, qkv, i0, bi, hq * a.d, a.row_stride, a, ds);
-            attn_load(dos, dout, i0, bi, hq * a.d, a.nq * a.d, a, ds);
+            attn_load(qs, q, i0, a.s, bi, hq * a.d, a.row_stride, a, ds);
+            attn_load(dos, dout, i0, a.s, bi, hq * a.d, a.nq * a.d, a, ds);
             attn_load_rows(lses, deltas, lse, delta, i0, bi, hq, a);
             __syncthreads();
             attention_grad_tile(qs, dos, ks, vs, lses, deltas, ps, dss, i0, j0, hq, base, a, scale, key, ds);
@@ -305,12 +322,32 @@ __global__ void __launch_bounds__(kAttnThreads) attention_dkdv_kernel(const floa
         const int64_t e = threadIdx.x + static_cast<int64_t>(k) * kAttnThreads;
         if (e < elems) {
             const int64_t c = e / a.d, dd = e % a.d, j = j0 + c;
-            if (j < a.s) {
-                float * row                                   = dqkv + (j * a.b + bi) * a.row_stride;
-                row[(a.nq + hk) * a.d + dd]                   = dk[k];
-                row[(a.nq + a.nkv + hk) * a.d + dd]           = dv[k];
+            if (j < a.s_kv) {
+                float * row = dkv + (j * a.b + bi) * a.kv_stride;
+                float * pk  = row + a.k_col + hk * a.d + dd;
+                float * pv  = row + a.v_col + hk * a.d + dd;
+                *pk         = accumulate ? __fadd_rn(*pk, dk[k]) : dk[k];
+                *pv         = accumulate ? __fadd_rn(*pv, dv[k]) : dv[k];
             }
         }
+    }
+}
+
+// One thread per (sequence, head, query): lse' = log(e^lse + e^part), out' = out e^(lse - lse') + part_out
+// e^(part - lse'); a query whose part is -inf keeps its own.
+__global__ void attention_merge_kernel(float * out, float * lse, const float * part_out, const float * part_lse,
+                                       int64_t s, int64_t b, int64_t nq, int64_t d) {
+    LOOM_GRID_STRIDE(t, b * nq * s) {
+        const float pl = part_lse[t];
+        if (pl == -INFINITY) continue;
+        const int64_t i = t % s, bh = t / s, bi = bh / nq, hq = bh % nq;
+        const float   l = lse[t], mx = fmaxf(l, pl);
+        const float   nl = mx + logf(expf(l - mx) + expf(pl - mx));
+        const float   wa = expf(l - nl), wb = expf(pl - nl);
+        float *       o  = out + ((i * b + bi) * nq + hq) * d;
+        const float * po = part_out + ((i * b + bi) * nq + hq) * d;
+        for (int64_t dd = 0; dd < d; ++dd) o[dd] = o[dd] * wa + po[dd] * wb;
+        lse[t] = nl;
     }
 }
 
@@ -331,8 +368,8 @@ cudaError_t allow_smem(Kernel kernel, size_t bytes) {
 
 }  // namespace
 
-cudaError_t attention_forward(cudaStream_t stream, const float * qkv, float * out, float * lse, const AttentionDims & a,
-                              float scale, const AttentionKey & key) {
+cudaError_t attention_forward(cudaStream_t stream, const float * q, const float * kv, float * out, float * lse,
+                              const AttentionDims & a, float scale, const AttentionKey & key) {
     const int64_t tiles  = (a.s + kAttnTile - 1) / kAttnTile;
     const int64_t blocks = tiles * a.b * a.nq;
     if (blocks == 0) return cudaSuccess;
@@ -340,24 +377,32 @@ cudaError_t attention_forward(cudaStream_t stream, const float * qkv, float * ou
     cudaError_t  err  = allow_smem(attention_forward_kernel, smem);
     if (err != cudaSuccess) return err;
     LOOM_LAUNCH(attention_forward_kernel, static_cast<unsigned>(blocks), kAttnThreads, smem, stream)(
-        qkv, out, lse, a, scale, key);
+        q, kv, out, lse, a, scale, key);
     return cudaGetLastError();
 }
 
-cudaError_t attention_backward(cudaStream_t stream, const float * qkv, const float * out, const float * dout,
-                               const float * lse, float * delta, float * dqkv, const AttentionDims & a, float scale,
-                               const AttentionKey & key) {
-    const int64_t tiles = (a.s + kAttnTile - 1) / kAttnTile;
-    if (tiles * a.b * a.nq == 0) return cudaSuccess;
+cudaError_t attention_backward(cudaStream_t stream, const float * q, const float * kv, const float * out,
+                               const float * dout, const float * lse, float * delta, float * dq, float * dkv,
+                               const AttentionDims & a, float scale, const AttentionKey & key, bool accumulate) {
+    const int64_t tiles = (a.s + kAttnTile - 1) / kAttnTile, key_tiles = (a.s_kv + kAttnTile - 1) / kAttnTile;
+    if (tiles * a.b * a.nq == 0 || key_tiles == 0) return cudaSuccess;
     const size_t smem = attention_backward_smem(a.d);
     cudaError_t  err  = allow_smem(attention_dq_kernel, smem);
     if (err == cudaSuccess) err = allow_smem(attention_dkdv_kernel, smem);
     if (err != cudaSuccess) return err;
     LOOM_LAUNCH(attention_delta_kernel, blocks_for(a.b * a.nq * a.s), kThreads, 0, stream)(out, dout, delta, a);
     LOOM_LAUNCH(attention_dq_kernel, static_cast<unsigned>(tiles * a.b * a.nq), kAttnThreads, smem, stream)(
-        qkv, dout, lse, delta, dqkv, a, scale, key);
-    LOOM_LAUNCH(attention_dkdv_kernel, static_cast<unsigned>(tiles * a.b * a.nkv), kAttnThreads, smem, stream)(
-        qkv, dout, lse, delta, dqkv, a, scale, key);
+        q, kv, dout, lse, delta, dq, a, scale, key, accumulate);
+    LOOM_LAUNCH(attention_dkdv_kernel, static_cast<unsigned>(key_tiles * a.b * a.nkv), kAttnThreads, smem, stream)(
+        q, kv, dout, lse, delta, dkv, a, scale, key, accumulate);
+    return cudaGetLastError();
+}
+
+cudaError_t attention_merge(cudaStream_t stream, float * out, float * lse, const float * part_out,
+                            const float * part_lse, int64_t s, int64_t b, int64_t nq, int64_t d) {
+    if (s * b * nq == 0) return cudaSuccess;
+    LOOM_LAUNCH(attention_merge_kernel, blocks_for(b * nq * s), kThreads, 0, stream)(out, lse, part_out, part_lse, s, b,
+                                                                                    nq, d);
     return cudaGetLastError();
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "backend/cuda/cuda_namespace.h"
+#include "core/positions.h"
 
 #include <cuda_runtime.h>
 
@@ -10,13 +11,17 @@
 
 namespace loom::LOOM_CUDA_NS::kernels {
 
-// ---- Causal attention (backend/cpu/attention.cpp's contract, core/ops.h): qkv rows (s b, row_stride) of
-// [Q | K | V], out (s b, nq d), lse (b, nq, s). Flash-style tiles in shared memory: no s x s matrix.
+// ---- Causal attention (backend/cpu/attention.cpp's contract, core/ops.h): q rows (s b, row_stride) with Q
+// first, kv rows (s_kv b, kv_stride) with K at k_col and V at v_col (q and kv may be the same [Q | K | V]
+// rows), key j visible to query i when k_pos(j) <= q_pos(i); out (s b, nq d), lse (b, nq, s); a query that
+// sees no key gets out 0 and lse -inf. Flash-style tiles in shared memory: no s x s matrix.
 // Probabilities from exp_approx as the CPU's; sums in another order than the CPU's (tiles of 32 keys, warp
 // trees), so results agree to rounding, not bitwise. Deterministic: no atomics.
 constexpr int64_t kAttentionMaxHeadDim = 256;   // d <= this (per-thread accumulators in registers)
 struct AttentionDims {
-    int64_t s, b, nq, nkv, d, row_stride;
+    int64_t      s, b, nq, nkv, d, row_stride;
+    int64_t      s_kv, kv_stride, k_col, v_col;
+    SeqPositions q_pos, k_pos;
 };
 // The attention dropout's key: sample_ids (b, device memory) may be null (sequence bi is sample bi); query
 // head hq of the call is head head_offset + hq of the model; keep_scale = 1 / (1 - p) in f32 as the CPU's.
@@ -30,12 +35,16 @@ struct AttentionKey {
     float           keep_scale;
 };
 // Each returns the launch's error (a shared-memory attribute refused, a bad launch).
-cudaError_t attention_forward(cudaStream_t stream, const float * qkv, float * out, float * lse, const AttentionDims & a,
-                              float scale, const AttentionKey & key);
-// delta: scratch of b * nq * s floats (rowsum(dO * O), computed first). dqkv's Q, K and V columns are
-// assigned (its other columns untouched).
-cudaError_t attention_backward(cudaStream_t stream, const float * qkv, const float * out, const float * dout,
-                               const float * lse, float * delta, float * dqkv, const AttentionDims & a, float scale,
-                               const AttentionKey & key);
+cudaError_t attention_forward(cudaStream_t stream, const float * q, const float * kv, float * out, float * lse,
+                              const AttentionDims & a, float scale, const AttentionKey & key);
+// delta: scratch of b * nq * s floats (rowsum(dO * O), computed first). dq's Q columns (q's layout) and
+// dkv's K and V columns (kv's) are assigned, or added to with accumulate (their other columns untouched).
+cudaError_t attention_backward(cudaStream_t stream, const float * q, const float * kv, const float * out,
+                               const float * dout, const float * lse, float * delta, float * dq, float * dkv,
+                               const AttentionDims & a, float scale, const AttentionKey & key, bool accumulate);
+// (out, lse) merged in place with (part_out, part_lse) (core/ops.h's attention_merge): out (s b, nq d), lse
+// (b, nq, s).
+cudaError_t attention_merge(cudaStream_t stream, float * out, float * lse, const float * part_out,
+                            const float * part_lse, int64_t s, int64_t b, int64_t nq, int64_t d);
 
 }  // namespace loom::LOOM_CUDA_NS::kernels

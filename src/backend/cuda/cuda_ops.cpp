@@ -107,7 +107,10 @@ const int64_t * device_sample_ids(CudaStream & cs, cudaStream_t stream, const Dr
     return ids.data<int64_t>();
 }
 
-kernels::AttentionDims attention_dims(const AttentionShape & a) { return {a.s, a.b, a.nq, a.nkv, a.d, a.row_stride}; }
+kernels::AttentionDims attention_dims(const AttentionShape & a) {
+    return {a.s,    a.b,           a.nq,         a.nkv,        a.d,     a.row_stride,
+            a.keys(), a.kv_stride(), a.k_column(), a.v_column(), a.q_pos, a.k_pos};
+}
 
 // The limits of the CUDA kernels (Ops::supports): attention keeps a (32, d) block per 256 threads in
 // registers, d up to kAttentionMaxHeadDim; the router keeps a token's top-k in a per-thread array.
@@ -312,7 +315,7 @@ public:
     }
 
     void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base,
-              bool inverse, int64_t rotary_dim, bool interleaved) override {
+              bool inverse, int64_t rotary_dim, bool interleaved, const SeqPositions & positions) override {
         const int64_t stride = op_checks::rope(x, seq, batch, heads, d, rotary_dim).second;
         const int64_t r      = rotary_dim > 0 ? rotary_dim : d;
         // The frequencies as backend/cpu/ops.cpp's rope_apply computes them (host std::pow: the same bits),
@@ -327,7 +330,7 @@ public:
         Tensor       inv_freq = scratch_like(cs, host);
         cudaStream_t stream   = cs.launch("rope");
         LOOM_CUDA_CHECK(cudaMemcpyAsync(inv_freq.data_ptr(), host.data_ptr(), host.nbytes(), cudaMemcpyDefault, stream));
-        kernels::rope(stream, f32(x), stride, seq, batch, heads, d, r, interleaved, f32(inv_freq), inverse);
+        kernels::rope(stream, f32(x), stride, seq, batch, heads, d, r, interleaved, f32(inv_freq), inverse, positions);
         cs.launched("rope", {x, host, inv_freq});
     }
 
@@ -339,6 +342,7 @@ public:
         k.site       = key.site;
         k.batch      = key.batch;
         k.offset     = key.offset;
+        k.positions  = key.positions;
         k.threshold  = dropout_threshold(key.p);
         k.keep_scale = 1.0f / (1.0f - key.p);   // f32, as the CPU computes it
         std::vector<Tensor> held{x, y, key.sample_ids};
@@ -350,8 +354,8 @@ public:
     }
 
     void embedding_forward(Stream & s, const Tensor & tokens, const Tensor & wte, const Tensor & wpe,
-                           const Tensor & out) override {
-        const op_checks::EmbeddingDims dims = op_checks::embedding_forward(tokens, wte, wpe, out);
+                           const Tensor & out, const SeqPositions & positions) override {
+        const op_checks::EmbeddingDims dims = op_checks::embedding_forward(tokens, wte, wpe, out, positions);
         const int64_t                  vocab = wte.size(0);
         std::vector<Tensor>            held{tokens, wte, wpe, out};
         CudaStream &                   cs     = start(s, "embedding_forward", held);
@@ -359,14 +363,14 @@ public:
         const BadIdCheck               bad(cs, stream);
         kernels::find_bad_id(stream, tokens.data<int32_t>(), tokens.numel(), vocab, bad.word());
         kernels::embedding_forward(stream, tokens.data<int32_t>(), wte.data_ptr(), wpe.defined() ? wpe.data_ptr() : nullptr,
-                                   float_kind(wte.dtype()), f32(out), dims.s, dims.b, dims.h, vocab);
+                                   float_kind(wte.dtype()), f32(out), dims.s, dims.b, dims.h, vocab, positions);
         bad.report(cs, stream, vocab, "embedding_forward", "token", held);
         cs.launched("embedding_forward", std::move(held));
     }
 
     void embedding_backward(Stream & s, const Tensor & tokens, const Tensor & dout, const Tensor & dwte,
-                            const Tensor & dwpe) override {
-        const op_checks::EmbeddingDims dims = op_checks::embedding_backward(tokens, dout, dwte, dwpe);
+                            const Tensor & dwpe, const SeqPositions & positions) override {
+        const op_checks::EmbeddingDims dims = op_checks::embedding_backward(tokens, dout, dwte, dwpe, positions);
         const int64_t                  vocab = dwte.size(0);
         std::vector<Tensor>            held{tokens, dout, dwte, dwpe};
         CudaStream &                   cs     = start(s, "embedding_backward", held);
@@ -374,7 +378,7 @@ public:
         const BadIdCheck               bad(cs, stream);
         kernels::find_bad_id(stream, tokens.data<int32_t>(), tokens.numel(), vocab, bad.word());
         kernels::embedding_backward(stream, tokens.data<int32_t>(), f32(dout), f32(dwte), f32_or_null(dwpe), dims.s,
-                                    dims.b, dims.h, vocab);
+                                    dims.b, dims.h, vocab, positions);
         bad.report(cs, stream, vocab, "embedding_backward", "token", held);
         cs.launched("embedding_backward", std::move(held));
     }
@@ -387,31 +391,41 @@ public:
         cs.launched("vocab_shard_ids", {ids, out});
     }
 
-    void attention_forward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & lse,
+    void attention_forward(Stream & s, const Tensor & q, const Tensor & kv, const Tensor & out, const Tensor & lse,
                            const AttentionShape & shape, float scale, const Dropout & dropout) override {
-        op_checks::attention_forward(qkv, out, lse, shape, dropout);
+        op_checks::attention_forward(q, kv, out, lse, shape, dropout);
         check_head_dim(shape, "attention_forward");
-        std::vector<Tensor> held{qkv, out, lse, dropout.sample_ids};
+        std::vector<Tensor> held{q, kv, out, lse, dropout.sample_ids};
         CudaStream &        cs     = start(s, "attention_forward", held);
         cudaStream_t        stream = cs.launch("attention_forward");
         const kernels::AttentionKey key = attention_key(cs, stream, dropout, held);
-        LOOM_CUDA_CHECK(kernels::attention_forward(stream, f32(qkv), f32(out), f32(lse), attention_dims(shape), scale, key));
+        LOOM_CUDA_CHECK(kernels::attention_forward(stream, f32(q), f32(kv), f32(out), f32(lse), attention_dims(shape),
+                                                   scale, key));
         cs.launched("attention_forward", std::move(held));
     }
-    void attention_backward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & dout, const Tensor & lse,
-                            const Tensor & dqkv, const AttentionShape & shape, float scale,
-                            const Dropout & dropout) override {
-        op_checks::attention_backward(qkv, out, dout, lse, dqkv, shape, dropout);
+    void attention_backward(Stream & s, const Tensor & q, const Tensor & kv, const Tensor & out, const Tensor & dout,
+                            const Tensor & lse, const Tensor & dq, const Tensor & dkv, const AttentionShape & shape,
+                            float scale, const Dropout & dropout, bool accumulate) override {
+        op_checks::attention_backward(q, kv, out, dout, lse, dq, dkv, shape, dropout);
         check_head_dim(shape, "attention_backward");
-        std::vector<Tensor> held{qkv, out, dout, lse, dqkv, dropout.sample_ids};
+        std::vector<Tensor> held{q, kv, out, dout, lse, dq, dkv, dropout.sample_ids};
         CudaStream &        cs     = start(s, "attention_backward", held);
         Tensor              delta  = scratch_like(cs, lse);   // rowsum(dO * O), (b, nq, s) as lse
         cudaStream_t        stream = cs.launch("attention_backward");
         const kernels::AttentionKey key = attention_key(cs, stream, dropout, held);
-        LOOM_CUDA_CHECK(kernels::attention_backward(stream, f32(qkv), f32(out), f32(dout), f32(lse), f32(delta), f32(dqkv),
-                                                    attention_dims(shape), scale, key));
+        LOOM_CUDA_CHECK(kernels::attention_backward(stream, f32(q), f32(kv), f32(out), f32(dout), f32(lse), f32(delta),
+                                                    f32(dq), f32(dkv), attention_dims(shape), scale, key, accumulate));
         held.push_back(delta);
         cs.launched("attention_backward", std::move(held));
+    }
+    void attention_merge(Stream & s, const Tensor & out, const Tensor & lse, const Tensor & part_out,
+                         const Tensor & part_lse, const AttentionShape & shape) override {
+        op_checks::attention_merge(out, lse, part_out, part_lse, shape);
+        std::vector<Tensor> held{out, lse, part_out, part_lse};
+        CudaStream &        cs = start(s, "attention_merge", held);
+        LOOM_CUDA_CHECK(kernels::attention_merge(cs.launch("attention_merge"), f32(out), f32(lse), f32(part_out),
+                                                 f32(part_lse), shape.s, shape.b, shape.nq, shape.d));
+        cs.launched("attention_merge", std::move(held));
     }
 
     void cross_entropy_forward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & loss,

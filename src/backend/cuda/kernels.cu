@@ -357,11 +357,11 @@ __global__ void find_bad_id_kernel(const int32_t * ids, int64_t n, int64_t limit
 
 // One thread per rotated pair (row, head, i < r / 2), as backend/cpu/ops.cpp's rope_apply.
 __global__ void rope_kernel(float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d, int64_t r,
-                            bool interleaved, const float * inv_freq, bool inverse) {
+                            bool interleaved, const float * inv_freq, bool inverse, SeqPositions positions) {
     const int64_t half = r / 2;
     LOOM_GRID_STRIDE(e, s * b * heads * half) {
         const int64_t i = e % half, t = e / half, hd = t % heads, row = t / heads, si = row / b;
-        const float   angle = __fmul_rn(static_cast<float>(si), inv_freq[i]);
+        const float   angle = __fmul_rn(static_cast<float>(positions(si)), inv_freq[i]);
         const float   c     = cosf(angle);
         const float   sn    = inverse ? -sinf(angle) : sinf(angle);
         float *       p1    = x + row * row_stride + hd * d + (interleaved ? 2 * i : i);
@@ -375,7 +375,7 @@ __global__ void rope_kernel(float * x, int64_t row_stride, int64_t s, int64_t b,
 __global__ void dropout_kernel(const float * x, float * y, int64_t n, int64_t w, DropoutKey key) {
     LOOM_GRID_STRIDE(i, n * w) {
         const int64_t  r = i / w, c = i % w;
-        const int64_t  g = key.offset + r, position = g / key.batch, column = g % key.batch;
+        const int64_t  g = key.offset + r, position = key.positions(g / key.batch), column = g % key.batch;
         const uint64_t base = dropout_base(key.seed, key.site, key.sample_ids != nullptr ? key.sample_ids[column] : column);
         y[i] = dropout_keep_hidden(base, position, c, key.threshold) ? __fmul_rn(x[i], key.keep_scale) : 0.0f;
     }
@@ -386,12 +386,12 @@ __device__ __forceinline__ float load_table(const uint16_t * p, int64_t i) { ret
 
 template <typename W>
 __global__ void embedding_forward_kernel(const int32_t * tokens, const W * wte, const W * wpe, float * out, int64_t s,
-                                         int64_t b, int64_t h, int64_t vocab) {
+                                         int64_t b, int64_t h, int64_t vocab, SeqPositions positions) {
     LOOM_GRID_STRIDE(i, s * b * h) {
         const int64_t r = i / h, j = i % h, si = r / b, bi = r % b;
         const int32_t token = tokens[bi * s + si];
         float         v     = token >= 0 && token < vocab ? load_table(wte, static_cast<int64_t>(token) * h + j) : 0.0f;
-        if (wpe != nullptr) v = __fadd_rn(v, load_table(wpe, si * h + j));
+        if (wpe != nullptr) v = __fadd_rn(v, load_table(wpe, positions(si) * h + j));
         out[i] = v;
     }
 }
@@ -413,13 +413,15 @@ __global__ void embedding_backward_wte_kernel(const int32_t * tokens, const floa
     }
 }
 
-// dwpe[si, j] += dout[si * b + bi, j] for bi in order.
-__global__ void embedding_backward_wpe_kernel(const float * dout, float * dwpe, int64_t s, int64_t b, int64_t h) {
+// dwpe[positions(si), j] += dout[si * b + bi, j] for bi in order.
+__global__ void embedding_backward_wpe_kernel(const float * dout, float * dwpe, int64_t s, int64_t b, int64_t h,
+                                              SeqPositions positions) {
     LOOM_GRID_STRIDE(i, s * h) {
         const int64_t si = i / h, j = i % h;
-        float         acc = dwpe[i];
+        float *       w   = dwpe + positions(si) * h + j;
+        float         acc = *w;
         for (int64_t bi = 0; bi < b; ++bi) acc = __fadd_rn(acc, dout[(si * b + bi) * h + j]);
-        dwpe[i] = acc;
+        *w = acc;
     }
 }
 
@@ -632,11 +634,11 @@ void find_bad_id(cudaStream_t stream, const int32_t * ids, int64_t n, int64_t li
 }
 
 void rope(cudaStream_t stream, float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d,
-          int64_t r, bool interleaved, const float * inv_freq, bool inverse) {
+          int64_t r, bool interleaved, const float * inv_freq, bool inverse, SeqPositions positions) {
     const int64_t pairs = s * b * heads * (r / 2);
     if (pairs > 0) {
         LOOM_LAUNCH(rope_kernel, blocks_for(pairs), kThreads, 0, stream)(
-            x, row_stride, s, b, heads, d, r, interleaved, inv_freq, inverse);
+            x, row_stride, s, b, heads, d, r, interleaved, inv_freq, inverse, positions);
     }
 }
 
@@ -645,20 +647,21 @@ void dropout(cudaStream_t stream, const float * x, float * y, int64_t n, int64_t
 }
 
 void embedding_forward(cudaStream_t stream, const int32_t * tokens, const void * wte, const void * wpe, Float kind,
-                       float * out, int64_t s, int64_t b, int64_t h, int64_t vocab) {
+                       float * out, int64_t s, int64_t b, int64_t h, int64_t vocab, SeqPositions positions) {
     const int64_t count = s * b * h;
     if (count == 0) return;
     if (kind == Float::f32) {
         LOOM_LAUNCH(embedding_forward_kernel<float>, blocks_for(count), kThreads, 0, stream)(
-            tokens, static_cast<const float *>(wte), static_cast<const float *>(wpe), out, s, b, h, vocab);
+            tokens, static_cast<const float *>(wte), static_cast<const float *>(wpe), out, s, b, h, vocab, positions);
     } else {
         LOOM_LAUNCH(embedding_forward_kernel<uint16_t>, blocks_for(count), kThreads, 0, stream)(
-            tokens, static_cast<const uint16_t *>(wte), static_cast<const uint16_t *>(wpe), out, s, b, h, vocab);
+            tokens, static_cast<const uint16_t *>(wte), static_cast<const uint16_t *>(wpe), out, s, b, h, vocab,
+            positions);
     }
 }
 
 void embedding_backward(cudaStream_t stream, const int32_t * tokens, const float * dout, float * dwte, float * dwpe,
-                        int64_t s, int64_t b, int64_t h, int64_t vocab) {
+                        int64_t s, int64_t b, int64_t h, int64_t vocab, SeqPositions positions) {
     if (s * b == 0 || h == 0) return;
     if (vocab > 0) {
         // Buckets of the vocabulary so that about 2^17 threads share the work (any count gives the same bits).
@@ -669,7 +672,7 @@ void embedding_backward(cudaStream_t stream, const int32_t * tokens, const float
             tokens, dout, dwte, s, b, h, vocab, buckets);
     }
     if (dwpe != nullptr) {
-        LOOM_LAUNCH(embedding_backward_wpe_kernel, blocks_for(s * h), kThreads, 0, stream)(dout, dwpe, s, b, h);
+        LOOM_LAUNCH(embedding_backward_wpe_kernel, blocks_for(s * h), kThreads, 0, stream)(dout, dwpe, s, b, h, positions);
     }
 }
 

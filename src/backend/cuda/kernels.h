@@ -1,7 +1,8 @@
 // The CUDA backend's kernels, as plain launch functions over raw device pointers (kernels.cu). Each one
 // enqueues its kernel on `stream` and returns; argument checking, tensor lifetimes and launch-error checks
 // belong to the caller (cuda_ops.cpp). This header is read by nvcc in C++17 and by the C++20 host code,
-// so it includes no Loom header but the namespace macro (cuda_namespace.h).
+// so it includes no Loom header but the namespace macro (cuda_namespace.h) and core/positions.h (a plain
+// C++17 struct with host-device members).
 //
 // Every kernel is the twin of a CPU kernel (backend/cpu/ops.h) and follows its contract; where the CPU
 // computes in double (norm statistics, sum of squares) so does the GPU. Reductions run in a fixed order
@@ -11,6 +12,7 @@
 #pragma once
 
 #include "backend/cuda/cuda_namespace.h"
+#include "core/positions.h"
 
 #include <cuda_runtime.h>
 
@@ -86,8 +88,9 @@ void find_bad_id(cudaStream_t stream, const int32_t * ids, int64_t n, int64_t li
 // Rotary embedding in place on the first `heads` heads of d in every (s, b) row of x (row stride in
 // elements): the first r elements of each head, in pairs (i, i + r/2) or interleaved (2i, 2i + 1), as
 // backend/cpu/ops.h's rope_apply. inv_freq (r / 2, device memory) is the CPU's table, computed on the host.
+// Row si turns by its global position positions(si).
 void rope(cudaStream_t stream, float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d,
-          int64_t r, bool interleaved, const float * inv_freq, bool inverse);
+          int64_t r, bool interleaved, const float * inv_freq, bool inverse, SeqPositions positions);
 
 // Hidden dropout of x (n, w) into y (may be x): core/dropout.h's hash, bit for bit. sample_ids (batch, in
 // device memory) may be null (column c is sample c); keep_scale = 1 / (1 - p) in f32 as the CPU computes it.
@@ -99,17 +102,18 @@ struct DropoutKey {
     int64_t         offset;
     uint32_t        threshold;
     float           keep_scale;
+    SeqPositions    positions;   // local position -> global position
 };
 void dropout(cudaStream_t stream, const float * x, float * y, int64_t n, int64_t w, const DropoutKey & key);
 
-// out (s * b, h) = wte[tokens[bi, si]] (0 for -1) + wpe[si] (wpe may be null), tables f32 or bf16 (both
-// the same; Float::f16 is not a table format).
+// out (s * b, h) = wte[tokens[bi, si]] (0 for -1) + wpe[positions(si)] (wpe may be null), tables f32 or
+// bf16 (both the same; Float::f16 is not a table format).
 void embedding_forward(cudaStream_t stream, const int32_t * tokens, const void * wte, const void * wpe, Float kind,
-                       float * out, int64_t s, int64_t b, int64_t h, int64_t vocab);
-// dwte[token] += dout rows and dwpe[si] += dout rows (dwpe may be null), each element's additions in row
-// order as the CPU's, with no atomics: the same bits as the CPU.
+                       float * out, int64_t s, int64_t b, int64_t h, int64_t vocab, SeqPositions positions);
+// dwte[token] += dout rows and dwpe[positions(si)] += dout rows (dwpe may be null), each element's additions
+// in row order as the CPU's, with no atomics: the same bits as the CPU.
 void embedding_backward(cudaStream_t stream, const int32_t * tokens, const float * dout, float * dwte, float * dwpe,
-                        int64_t s, int64_t b, int64_t h, int64_t vocab);
+                        int64_t s, int64_t b, int64_t h, int64_t vocab, SeqPositions positions);
 // out[i] = ids[i] - begin where begin <= ids[i] < begin + count, else -1.
 void vocab_shard_ids(cudaStream_t stream, const int32_t * ids, int64_t n, int64_t begin, int64_t count, int32_t * out);
 
