@@ -174,6 +174,11 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
             if (out) std::printf("loom train: the test split is not evaluated: %s\n", e.message().c_str());
         }
     }
+    // Context parallelism: each CP rank trains on its two chunks of the same samples.
+    const int cp_rank = groups.cp ? groups.cp->rank() : 0, cp_size = options.parallel.cp();
+    data = train::context_parallel_part(std::move(data), cp_rank, cp_size);
+    if (valid) valid = train::context_parallel_part(std::move(valid), cp_rank, cp_size);
+    if (test) test = train::context_parallel_part(std::move(test), cp_rank, cp_size);
     if (mpi && mpi->world_size() > 1) {
         // The data the flags named is the same on every rank (a path can name different files on two hosts).
         const std::vector<comm::Setting> read = {
@@ -205,12 +210,12 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
             batch += " " + std::to_string(first) + ":" + std::to_string(size);
         }
     }
-    if (out) std::printf("data: %s | micro-batch %lld, %s, %lld iterations | parallel: tp %lld, pp %lld, "
+    const std::string context = layout.cp() > 1 ? ", cp " + std::to_string(layout.cp()) : std::string();
+    if (out) std::printf("data: %s | micro-batch %lld, %s, %lld iterations | parallel: tp %lld%s, pp %lld, "
                          "dp %lld%s\n",
                 data->describe().c_str(), static_cast<long long>(options.micro_batch_size), batch.c_str(),
-                static_cast<long long>(options.train_iters),
-                static_cast<long long>(layout.tp()), static_cast<long long>(layout.pp()),
-                static_cast<long long>(options.parallel.dp()),
+                static_cast<long long>(options.train_iters), static_cast<long long>(layout.tp()), context.c_str(),
+                static_cast<long long>(layout.pp()), static_cast<long long>(options.parallel.dp()),
                 experts.c_str());
     if (out && options.print_layout) {
         std::printf("%s\n", ddp::layout_table(setup.ddp->layout(), setup.ddp->specs(),

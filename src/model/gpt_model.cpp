@@ -9,8 +9,9 @@
 namespace loom::model {
 
 GptModel::GptModel(const GptConfig & config, Device & device, const PipelineStage & stage, const TensorParallel & tp,
-                   const ExpertParallel & ep)
-    : config_(config), stage_(stage), device_(device), vocab_(config.padded_vocab_size(tp.size)), tp_(tp), ep_(ep) {
+                   const ExpertParallel & ep, const ContextParallel & cp)
+    : config_(config), stage_(stage), device_(device), vocab_(config.padded_vocab_size(tp.size)), tp_(tp), ep_(ep),
+      cp_(cp) {
     LOOM_CHECK(!tp_.sp() || config_.seq_length % tp_.size == 0,
                "--seq-length " << config_.seq_length << " is not divisible by --tensor-model-parallel-size " << tp_.size,
                "--sequence-parallel splits the positions evenly over the tensor-parallel ranks");
@@ -41,7 +42,7 @@ GptModel::GptModel(const GptConfig & config, Device & device, const PipelineStag
         wpe_.sequence_parallel = false;   // its gradient comes from every position's (all-gathered) rows
     }
     for (int64_t i = stage_.first_layer; i < stage_.first_layer + stage_.num_layers; ++i) {
-        layers_.push_back(std::make_unique<TransformerLayer>(i, config_, device, tp_, ep_));
+        layers_.push_back(std::make_unique<TransformerLayer>(i, config_, device, tp_, ep_, cp_));
     }
     if (stage_.post_process) {
         final_norm_ = std::make_unique<Norm>("final_norm", config_.hidden_size, config_.normalization,
@@ -121,12 +122,16 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
                            stage_.post_process ? device_resident(batch.labels, stream) : Tensor(),
                            stage_.post_process ? device_resident(batch.loss_mask, stream) : Tensor(), batch.sample_ids};
     ctx.layers.resize(layers_.size());
-    const DropoutBatch dropout_batch{batch.sample_ids, b, ctx.training};
+    const SeqPositions positions = cp_.positions(s);
+    const DropoutBatch dropout_batch{batch.sample_ids, b, ctx.training, positions};
 
     Tensor x;
     if (stage_.pre_process) {
-        LOOM_CHECK(s <= config_.seq_length || config_.position_embedding != PositionEmbedding::learned_absolute,
-                   "micro-batch of sequence length " << s << " for a model with --seq-length " << config_.seq_length, "");
+        LOOM_CHECK(positions(s - 1) < config_.seq_length || config_.position_embedding != PositionEmbedding::learned_absolute,
+                   "micro-batch of sequence length " << positions(s - 1) + 1 << " for a model with --seq-length "
+                                                     << config_.seq_length, "");
+        LOOM_CHECK(!cp_.enabled() || s % 2 == 0, "a context-parallel micro-batch of " << s << " positions",
+                   "each rank holds two chunks of the same length");
         const int32_t * tokens = batch.tokens.data<int32_t>();
         for (int64_t i = 0; i < b * s; ++i) {
             LOOM_CHECK(tokens[i] >= 0 && tokens[i] < config_.vocab_size,
@@ -143,7 +148,7 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
         // The kernels read f32 or bf16 tables; an f16 model's are widened first.
         const bool wide = wte_.data.dtype() == DType::f16;
         ops.embedding_forward(stream, local_tokens(ctx.batch.tokens), wide ? parameter_f32(wte_) : wte_.data,
-                              pos ? (wide ? parameter_f32(wpe_) : wpe_.data) : Tensor(), x);
+                              pos ? (wide ? parameter_f32(wpe_) : wpe_.data) : Tensor(), x, positions);
         if (tp_.sp()) {
             x = tp_.reduce_scatter(x);   // sequence parallel: this rank's rows of the sum
         } else {
@@ -207,6 +212,8 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
     LossSum       result;
     const float * mask = batch.loss_mask.data<float>();
     for (int64_t r = 0; r < s * b; ++r) result.count += mask[(r % b) * s + r / b];
+    // Context parallelism: the loss is a mean over the whole sequences' tokens (this rank's sum is a share).
+    if (batch.sequence_tokens >= 0) result.count = batch.sequence_tokens;
     result.sum = std::nan("");
     ctx.loss   = result;
     return Tensor();
@@ -219,7 +226,10 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
     Tensor   dx;
     if (stage_.post_process) {
         Tensor dloss = activation(device_, s * b, 1);
-        ops.loss_grad(stream, ctx.batch.loss_mask, loss_scale, dloss);
+        // Context parallelism: the gradients are averaged over the data- and context-parallel ranks
+        // together (dp_cp), where the CP ranks' shares must add up: each starts from CP times its share
+        // (Megatron's loss * context_parallel_size).
+        ops.loss_grad(stream, ctx.batch.loss_mask, loss_scale * cp_.size, dloss);
         ops.cross_entropy_backward(stream, ctx.logits, local_tokens(ctx.batch.labels), ctx.lse, dloss, local_valid_vocab());
         Parameter & out_w   = output_.data.defined() ? output_ : wte_;
         Tensor      dlogits = in_dtype(ctx.logits, out_w.data.dtype());
@@ -244,7 +254,7 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
         dx = dy;
     }
     const std::vector<std::pair<int64_t, int64_t>> groups = recompute_groups();
-    const DropoutBatch dropout_batch{ctx.batch.sample_ids, b, ctx.training};
+    const DropoutBatch dropout_batch{ctx.batch.sample_ids, b, ctx.training, cp_.positions(s)};
     for (int64_t i = static_cast<int64_t>(layers_.size()); i-- > 0;) {
         for (const auto & [begin, end] : groups) {
             if (end - 1 != i) continue;
@@ -265,7 +275,7 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
         if (ctx.embedding_dropout.enabled()) ops.dropout(stream, dx, dx, ctx.embedding_dropout);
         if (tp_.sp()) dx = tp_.all_gather(dx);   // the lookup's gradient needs every position
         ops.embedding_backward(stream, local_tokens(ctx.batch.tokens), dx, wte_.main_grad,
-                               wpe_.data.defined() ? wpe_.main_grad : Tensor());
+                               wpe_.data.defined() ? wpe_.main_grad : Tensor(), cp_.positions(s));
         if (ready) {
             if (wpe_.data.defined()) ready(wpe_);
             ready(wte_);   // tied on one stage: both the output-layer and the embedding contributions are in

@@ -29,6 +29,10 @@ struct MicroBatch {
     Tensor loss_mask;   // (b, s) f32
     Tensor sample_ids;  // (b) int64, host: each row's place in the global sample stream (the dropout masks'
                         // key, so they do not depend on the layout); undefined: 0 .. b-1
+    // With context parallelism the tensors hold this rank's two chunks of each sequence
+    // (model::ContextParallel); sequence_tokens is then the whole sequences' loss_mask sum, which every
+    // rank's loss is a share of. -1: the sum of loss_mask itself.
+    double sequence_tokens = -1;
 };
 
 // The part of the model one pipeline stage holds: layers [first_layer, first_layer + num_layers) (global
@@ -62,7 +66,7 @@ public:
     // multiple of make_vocab_size_divisible_by x tp; the cross-entropy never gathers the full logits.
     // With expert parallelism (ep.size > 1) its MoE layers hold their share of the experts (layers.h).
     GptModel(const GptConfig & config, Device & device, const PipelineStage & stage = {},
-             const TensorParallel & tp = {}, const ExpertParallel & ep = {});
+             const TensorParallel & tp = {}, const ExpertParallel & ep = {}, const ContextParallel & cp = {});
 
     struct LossSum {
         double sum   = 0;   // sum of mask * per-token loss
@@ -156,6 +160,7 @@ private:
     Parameter                                      output_;  // (V, h), untied only
     TensorParallel                                 tp_;
     ExpertParallel                                 ep_;
+    ContextParallel                                cp_;
     int64_t                                        vocab_local_ = 0;   // V / tp rows on this rank
     int64_t                                        vocab_begin_ = 0;   // the first of them
 

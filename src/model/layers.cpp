@@ -62,6 +62,7 @@ Dropout dropout_key(const GptConfig & config, const TensorParallel & tp, const D
     key.site       = dropout_site(layer, kind);
     key.sample_ids = batch.sample_ids;
     key.batch      = batch.b;
+    key.positions  = batch.positions;
     // Attention: this rank's first head of the model's; hidden: its first row of the sequence's (s, b) rows.
     key.offset = kind == DropoutKind::attention_probs ? tp.rank * heads : tp.sp() ? tp.rank * rows : 0;
     return key;
@@ -245,8 +246,10 @@ void require_supported(Device & device, const OpQuery & query, const char * flag
                "choose sizes within that limit, or train on another device (--device cpu runs every size)");
 }
 
-SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Device & device, const TensorParallel & t)
-    : config(c), tp(t), heads(c.num_attention_heads / t.size), groups(c.num_query_groups / t.size),
+SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Device & device, const TensorParallel & t,
+                             const ContextParallel & context, int64_t layer)
+    : config(c), tp(t), cp(context), cp_comm(context.comm_type(layer)), heads(c.num_attention_heads / t.size),
+      groups(c.num_query_groups / t.size),
       qkv(name + ".qkv", c.hidden_size, (heads + 2 * groups) * c.head_dim(), c.add_bias_linear, c.params_dtype, device,
           t.size > 1 ? Linear::Split::column : Linear::Split::none, &tp),
       proj(name + ".proj", heads * c.head_dim(), c.hidden_size, c.add_bias_linear, c.params_dtype, device,
@@ -255,6 +258,12 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
     LOOM_CHECK(c.num_attention_heads % t.size == 0 && c.num_query_groups % t.size == 0,
                "--num-attention-heads " << c.num_attention_heads << " and --num-query-groups " << c.num_query_groups
                                         << " must be divisible by --tensor-model-parallel-size " << t.size, "");
+    if (cp.enabled() && cp_comm == CpCommType::a2a) {   // Megatron's check for the all-to-all of heads
+        LOOM_CHECK(heads % cp.size == 0 && groups % cp.size == 0,
+                   "--cp-comm-type a2a needs each tensor-parallel rank's " << heads << " attention heads and " << groups
+                       << " query groups divisible by --context-parallel-size " << cp.size,
+                   "give --cp-comm-type p2p or allgather, or heads (and query groups) divisible by TP x CP");
+    }
     if (t.size > 1) {
         // This rank's heads' Q rows, then its groups' K rows, then their V rows, of the full [Q | K | V].
         const int64_t d = c.head_dim(), a = c.num_attention_heads, g = c.num_query_groups;
@@ -328,15 +337,18 @@ void SelfAttention::parameters(std::vector<Parameter *> & out) {
 
 namespace {
 
-AttentionShape attention_shape(const GptConfig & c, int64_t heads, int64_t groups, int64_t s, int64_t b) {
-    int64_t d = c.head_dim();
-    return {s, b, heads, groups, d, (heads + 2 * groups) * d};
+AttentionShape attention_shape(const GptConfig & c, int64_t heads, int64_t groups, int64_t s, int64_t b,
+                               const ContextParallel & cp) {
+    int64_t        d = c.head_dim();
+    AttentionShape shape{s, b, heads, groups, d, (heads + 2 * groups) * d};
+    shape.q_pos = shape.k_pos = cp.positions(s);
+    return shape;
 }
 
 }  // namespace
 
 Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const Dropout & dropout) {
-    AttentionShape shape  = attention_shape(config, heads, groups, s, b);
+    AttentionShape shape  = attention_shape(config, heads, groups, s, b, cp);
     Ops &          ops    = x.device().ops();
     Stream &       stream = x.device().compute_stream();
     ctx.s       = s;
@@ -350,18 +362,23 @@ Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_
     if (config.position_embedding == PositionEmbedding::rope) {
         // Q and K heads are adjacent in each row: rotate nq + nkv heads at once.
         ops.rope(stream, q_k_v, s, b, shape.nq + shape.nkv, shape.d, config.rotary_base, false, config.rotary_dim(),
-                 config.rotary_interleaved);
+                 config.rotary_interleaved, shape.q_pos);
     }
     ctx.qkv    = keep_for_backward(q_k_v, config.params_dtype);
     Tensor out = activation(x.device(), s * b, shape.nq * shape.d);
     ctx.lse    = activation(x.device(), b * shape.nq, s);
     float scale = 1.0f / std::sqrt(static_cast<float>(shape.d));
-    ops.attention_forward(stream, q_k_v, out, ctx.lse, shape, scale, dropout);
+    if (cp.enabled()) {
+        // The forward reads q_k_v as computed (f32); backward reads ctx.qkv, the same values (rounded first).
+        cp_forward(ctx, q_k_v, out, shape, scale, dropout);
+    } else {
+        ops.attention_forward(stream, q_k_v, out, ctx.lse, shape, scale, dropout);
+    }
     return proj.forward(ctx.proj_ctx, out);   // keeps `out` (in the parameters' dtype) for both backwards
 }
 
 Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
-    AttentionShape shape  = attention_shape(config, heads, groups, ctx.s, ctx.b);
+    AttentionShape shape  = attention_shape(config, heads, groups, ctx.s, ctx.b, cp);
     Ops &          ops    = dy.device().ops();
     Stream &       stream = dy.device().compute_stream();
     Tensor out   = in_dtype(ctx.proj_ctx.x, DType::f32);   // before proj.backward releases it
@@ -369,10 +386,14 @@ Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReady
     Tensor q_k_v = in_dtype(ctx.qkv, DType::f32);
     Tensor d_qkv = activation(dy.device(), ctx.s * ctx.b, shape.row_stride);
     float  scale = 1.0f / std::sqrt(static_cast<float>(shape.d));
-    ops.attention_backward(stream, q_k_v, out, d_out, ctx.lse, d_qkv, shape, scale, ctx.dropout);
+    if (cp.enabled()) {
+        cp_backward(ctx, q_k_v, out, d_out, d_qkv, shape, scale);
+    } else {
+        ops.attention_backward(stream, q_k_v, out, d_out, ctx.lse, d_qkv, shape, scale, ctx.dropout);
+    }
     if (config.position_embedding == PositionEmbedding::rope) {
         ops.rope(stream, d_qkv, ctx.s, ctx.b, shape.nq + shape.nkv, shape.d, config.rotary_base, true,
-                 config.rotary_dim(), config.rotary_interleaved);
+                 config.rotary_dim(), config.rotary_interleaved, shape.q_pos);
     }
     if (q_norm) {   // K's first: its parameters' gradients are final first, in reverse forward order
         head_norm_backward(*k_norm, ctx.k_norm, d_qkv, shape.nq * shape.d, shape.nkv, shape.d, ready);
@@ -381,6 +402,212 @@ Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReady
     ctx.qkv = ctx.lse = Tensor();
     ctx.dropout       = Dropout{};
     return qkv.backward(ctx.qkv_ctx, d_qkv, ready);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Context parallelism (ContextParallel in layers.h)
+
+namespace {
+
+// t sent to the next rank of the CP ring, the previous rank's received in its place (an all-to-all with one
+// non-empty block each way: deadlock-free on any transport, each rank sending and receiving at once).
+Tensor ring_pass(const ContextParallel & cp, const Tensor & t) {
+    Tensor               out = Tensor::empty(t.shape(), t.dtype(), t.device(), {MemoryKind::device, kActivationsPool});
+    std::vector<int64_t> send(static_cast<size_t>(cp.size), 0), recv(static_cast<size_t>(cp.size), 0);
+    send[static_cast<size_t>((cp.rank + 1) % cp.size)]           = t.numel();
+    recv[static_cast<size_t>((cp.rank - 1 + cp.size) % cp.size)] = t.numel();
+    cp.group->all_to_all(t, send, out, recv, &t.device().compute_stream());
+    return out;
+}
+
+// A row block of columns for the all-to-all of heads: rank j's share is columns [base + j w, base + (j + 1) w).
+struct HeadColumns {
+    int64_t base, width;
+};
+
+// The a2a exchange's two directions. Local rows (n = s b, every head) of each rank <-> the whole sequence's
+// rows (S b, S = CP s, in position order) of this rank's share of the heads: block j of the all-to-all
+// carries this rank's rows of rank j's heads, and a rank's rows are its two chunks (ContextParallel).
+Tensor heads_to_sequence(const ContextParallel & cp, const Tensor & local, int64_t s, int64_t b,
+                         const std::vector<HeadColumns> & columns) {
+    Device &      dev = local.device();
+    Ops &         ops = dev.ops();
+    Stream &      stream = dev.compute_stream();
+    const int64_t n = s * b, chunk_rows = s / 2 * b;
+    int64_t       width = 0;
+    for (const HeadColumns & c : columns) width += c.width;
+    Tensor send = activation(dev, cp.size * n, width), recv = activation(dev, cp.size * n, width);
+    for (int j = 0; j < cp.size; ++j) {
+        const Tensor block = send.narrow(0, j * n, n);
+        int64_t      at    = 0;
+        for (const HeadColumns & c : columns) {
+            ops.copy_columns(stream, local, c.base + j * c.width, block, at, c.width);
+            at += c.width;
+        }
+    }
+    const std::vector<int64_t> counts(static_cast<size_t>(cp.size), n * width);
+    cp.group->all_to_all(send, counts, recv, counts, &stream);
+    Tensor whole = activation(dev, cp.size * n, width);
+    for (int i = 0; i < cp.size; ++i) {   // rank i's chunks i and 2 CP - 1 - i
+        const SeqPositions at = cp.positions(s, i);
+        ops.copy(stream, recv.narrow(0, i * n, chunk_rows), whole.narrow(0, at(0) * b, chunk_rows));
+        ops.copy(stream, recv.narrow(0, i * n + chunk_rows, chunk_rows), whole.narrow(0, at(s / 2) * b, chunk_rows));
+    }
+    return whole;
+}
+
+void sequence_to_heads(const ContextParallel & cp, const Tensor & whole, int64_t s, int64_t b,
+                       const std::vector<HeadColumns> & columns, const Tensor & local) {
+    Device &      dev = whole.device();
+    Ops &         ops = dev.ops();
+    Stream &      stream = dev.compute_stream();
+    const int64_t n = s * b, chunk_rows = s / 2 * b, width = whole.size(1);
+    Tensor        send = activation(dev, cp.size * n, width), recv = activation(dev, cp.size * n, width);
+    for (int i = 0; i < cp.size; ++i) {
+        const SeqPositions at = cp.positions(s, i);
+        ops.copy(stream, whole.narrow(0, at(0) * b, chunk_rows), send.narrow(0, i * n, chunk_rows));
+        ops.copy(stream, whole.narrow(0, at(s / 2) * b, chunk_rows), send.narrow(0, i * n + chunk_rows, chunk_rows));
+    }
+    const std::vector<int64_t> counts(static_cast<size_t>(cp.size), n * width);
+    cp.group->all_to_all(send, counts, recv, counts, &stream);
+    for (int j = 0; j < cp.size; ++j) {
+        const Tensor block = recv.narrow(0, j * n, n);
+        int64_t      at    = 0;
+        for (const HeadColumns & c : columns) {
+            ops.copy_columns(stream, block, at, local, c.base + j * c.width, c.width);
+            at += c.width;
+        }
+    }
+}
+
+}  // namespace
+
+void SelfAttention::cp_forward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const AttentionShape & shape,
+                               float scale, const Dropout & dropout) {
+    if (cp_comm == CpCommType::a2a) return a2a_forward(ctx, q_k_v, out, shape, scale, dropout);
+    Device &      dev    = q_k_v.device();
+    Ops &         ops    = dev.ops();
+    Stream &      stream = dev.compute_stream();
+    const int64_t n = shape.s * shape.b, kv_width = 2 * shape.nkv * shape.d;
+    // This rank's K | V (adjacent in each [Q | K | V] row), the block that travels.
+    Tensor kv = activation(dev, n, kv_width);
+    ops.copy_columns(stream, q_k_v, shape.nq * shape.d, kv, 0, kv_width);
+    Tensor gathered;
+    if (cp_comm == CpCommType::allgather) {
+        gathered = activation(dev, cp.size * n, kv_width);
+        cp.group->all_gather(kv, gathered, &stream);
+    }
+    AttentionShape block = shape;
+    block.kv_row_stride  = kv_width;
+    block.k_col          = 0;
+    block.v_col          = shape.nkv * shape.d;
+    Tensor part = activation(dev, n, shape.nq * shape.d), part_lse = activation(dev, shape.b * shape.nq, shape.s);
+    // Step k holds rank (r - k)'s keys: its own first, then the ring's order. Each block's attention skips
+    // the key tiles past its queries' positions, so a step computes only what the causal mask leaves.
+    for (int step = 0; step < cp.size; ++step) {
+        const int peer = (cp.rank - step + cp.size) % cp.size;
+        if (cp_comm == CpCommType::p2p && step > 0) kv = ring_pass(cp, kv);
+        const Tensor keys = cp_comm == CpCommType::allgather ? gathered.narrow(0, peer * n, n) : kv;
+        block.k_pos       = cp.positions(shape.s, peer);
+        if (step == 0) {
+            ops.attention_forward(stream, q_k_v, keys, out, ctx.lse, block, scale, dropout);
+        } else {
+            ops.attention_forward(stream, q_k_v, keys, part, part_lse, block, scale, dropout);
+            ops.attention_merge(stream, out, ctx.lse, part, part_lse, shape);
+        }
+    }
+}
+
+void SelfAttention::cp_backward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const Tensor & d_out,
+                                const Tensor & d_qkv, const AttentionShape & shape, float scale) {
+    if (cp_comm == CpCommType::a2a) return a2a_backward(ctx, q_k_v, out, d_out, d_qkv, shape, scale);
+    Device &      dev    = q_k_v.device();
+    Ops &         ops    = dev.ops();
+    Stream &      stream = dev.compute_stream();
+    const int64_t n = shape.s * shape.b, kv_width = 2 * shape.nkv * shape.d;
+    Tensor        kv = activation(dev, n, kv_width);
+    ops.copy_columns(stream, q_k_v, shape.nq * shape.d, kv, 0, kv_width);
+    AttentionShape block = shape;
+    block.kv_row_stride  = kv_width;
+    block.k_col          = 0;
+    block.v_col          = shape.nkv * shape.d;
+    Tensor mine = activation(dev, n, kv_width);   // this rank's dK | dV, summed over every rank's queries
+    if (cp_comm == CpCommType::allgather) {
+        // Every block's dK | dV from this rank's queries, then each block's sum over the ranks to its owner.
+        Tensor gathered = activation(dev, cp.size * n, kv_width), dkv = activation(dev, cp.size * n, kv_width);
+        cp.group->all_gather(kv, gathered, &stream);
+        ops.fill_zero(stream, dkv);
+        for (int step = 0; step < cp.size; ++step) {
+            const int peer = (cp.rank - step + cp.size) % cp.size;
+            block.k_pos    = cp.positions(shape.s, peer);
+            ops.attention_backward(stream, q_k_v, gathered.narrow(0, peer * n, n), out, d_out, ctx.lse, d_qkv,
+                                   dkv.narrow(0, peer * n, n), block, scale, ctx.dropout, step > 0);
+        }
+        cp.group->reduce_scatter(dkv, mine, comm::ReduceOp::sum, &stream);
+    } else {
+        // The ring again, each block travelling with its dK | dV: a block's gradient starts at its owner
+        // (assigned), gains each rank's share as it passes, and one last step takes it home.
+        Tensor dkv = activation(dev, n, kv_width);
+        for (int step = 0; step < cp.size; ++step) {
+            const int peer = (cp.rank - step + cp.size) % cp.size;
+            if (step > 0) {
+                kv  = ring_pass(cp, kv);
+                dkv = ring_pass(cp, dkv);
+            }
+            block.k_pos = cp.positions(shape.s, peer);
+            ops.attention_backward(stream, q_k_v, kv, out, d_out, ctx.lse, d_qkv, dkv, block, scale, ctx.dropout,
+                                   step > 0);
+        }
+        mine = ring_pass(cp, dkv);
+    }
+    ops.copy_columns(stream, mine, 0, d_qkv, shape.nq * shape.d, kv_width);
+}
+
+namespace {
+
+// The [Q | K | V] columns of the a2a exchange, and the attention output's.
+std::vector<HeadColumns> qkv_head_columns(const AttentionShape & a, int cp) {
+    const int64_t hs = a.nq / cp * a.d, gs = a.nkv / cp * a.d;
+    return {{0, hs}, {a.nq * a.d, gs}, {(a.nq + a.nkv) * a.d, gs}};
+}
+std::vector<HeadColumns> out_head_columns(const AttentionShape & a, int cp) { return {{0, a.nq / cp * a.d}}; }
+
+// The whole sequence's attention of this rank's share of the heads.
+AttentionShape whole_shape(const AttentionShape & a, int cp) {
+    const int64_t hs = a.nq / cp, gs = a.nkv / cp;
+    return {a.s * cp, a.b, hs, gs, a.d, (hs + 2 * gs) * a.d};
+}
+
+}  // namespace
+
+void SelfAttention::a2a_forward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const AttentionShape & shape,
+                                float scale, const Dropout & dropout) {
+    Device &             dev   = q_k_v.device();
+    const AttentionShape whole = whole_shape(shape, cp.size);
+    Dropout              key   = dropout;
+    key.offset += cp.rank * whole.nq;   // this rank's first head of the tensor-parallel rank's
+    const Tensor qkv_whole = heads_to_sequence(cp, q_k_v, shape.s, shape.b, qkv_head_columns(shape, cp.size));
+    Tensor       out_whole = activation(dev, whole.s * whole.b, whole.nq * whole.d);
+    dev.ops().attention_forward(dev.compute_stream(), qkv_whole, out_whole, ctx.lse, whole, scale, key);
+    sequence_to_heads(cp, out_whole, shape.s, shape.b, out_head_columns(shape, cp.size), out);
+}
+
+void SelfAttention::a2a_backward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const Tensor & d_out,
+                                 const Tensor & d_qkv, const AttentionShape & shape, float scale) {
+    // The forward's exchanges again (nothing of the whole sequence is kept between the passes), then the
+    // whole sequence's backward and the gradient back to the rows.
+    Device &             dev   = q_k_v.device();
+    const AttentionShape whole = whole_shape(shape, cp.size);
+    Dropout              key   = ctx.dropout;
+    key.offset += cp.rank * whole.nq;
+    const std::vector<HeadColumns> qkv_columns = qkv_head_columns(shape, cp.size);
+    const Tensor qkv_whole  = heads_to_sequence(cp, q_k_v, shape.s, shape.b, qkv_columns);
+    const Tensor out_whole  = heads_to_sequence(cp, out, shape.s, shape.b, out_head_columns(shape, cp.size));
+    const Tensor dout_whole = heads_to_sequence(cp, d_out, shape.s, shape.b, out_head_columns(shape, cp.size));
+    Tensor       dqkv_whole = activation(dev, whole.s * whole.b, whole.row_stride);
+    dev.ops().attention_backward(dev.compute_stream(), qkv_whole, out_whole, dout_whole, ctx.lse, dqkv_whole, whole,
+                                 scale, key);
+    sequence_to_heads(cp, dqkv_whole, shape.s, shape.b, qkv_columns, d_qkv);
 }
 
 // ---------------------------------------------------------------------------------------------------

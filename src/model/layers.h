@@ -72,12 +72,37 @@ struct TensorParallel {
     }
 };
 
+// Context parallelism (--context-parallel-size): the CP group (null: none) and this rank's place in it. The
+// sequence is cut in 2 CP chunks and rank r holds chunks r and 2 CP - 1 - r: an early and a late chunk, so
+// every rank has the same share of causal attention's work. Everything but attention is per position; the
+// kernels read each row's global position (core/positions.h), so dropout masks, rotary angles and learned
+// position embeddings are the single-rank run's.
+struct ContextParallel {
+    std::shared_ptr<comm::Communicator> group;
+    int                                 rank = 0, size = 1;
+    std::vector<CpCommType>             comm_types{CpCommType::p2p};   // one, or one per layer
+
+    bool enabled() const { return size > 1; }
+    // Rank r's positions for a local sequence of s_local = 2 chunks (identity without CP).
+    SeqPositions positions(int64_t s_local, int r) const {
+        if (size == 1) return {};
+        const int64_t chunk = s_local / 2;
+        return {r * chunk, chunk, (2 * static_cast<int64_t>(size) - 1 - r) * chunk};
+    }
+    SeqPositions positions(int64_t s_local) const { return positions(s_local, rank); }
+    CpCommType   comm_type(int64_t layer) const {
+        return comm_types.size() == 1 ? comm_types[0] : comm_types.at(static_cast<size_t>(layer));
+    }
+};
+
 // What a micro-batch's dropout masks are drawn from (core/dropout.h): the global sample index of each of
-// its b columns (i64, host-readable; undefined: 0 .. b-1), and whether it trains (evaluation drops nothing).
+// its b columns (i64, host-readable; undefined: 0 .. b-1), whether it trains (evaluation drops nothing),
+// and its rows' global positions (context parallelism).
 struct DropoutBatch {
-    Tensor  sample_ids;   // (b)
-    int64_t b        = 1;
-    bool    training = true;
+    Tensor       sample_ids;   // (b)
+    int64_t      b        = 1;
+    bool         training = true;
+    SeqPositions positions;
 };
 
 // The key of the dropout `kind` of layer `layer` (-1: the embedding) over hidden (rows, w) activations of
@@ -143,7 +168,9 @@ private:
 
 class SelfAttention {
 public:
-    SelfAttention(const std::string & name, const GptConfig & config, Device & device, const TensorParallel & tp = {});
+    // `layer`: the model's layer index (its --cp-comm-type).
+    SelfAttention(const std::string & name, const GptConfig & config, Device & device, const TensorParallel & tp = {},
+                  const ContextParallel & cp = {}, int64_t layer = 0);
     struct Context {
         Linear::Context qkv_ctx, proj_ctx;   // proj_ctx.x is the attention output (n, a d)
         Tensor          qkv;   // (n, (a + 2g) d) after RoPE, in the parameters' dtype
@@ -161,6 +188,8 @@ public:
 
     const GptConfig & config;
     TensorParallel    tp;
+    ContextParallel   cp;
+    CpCommType        cp_comm = CpCommType::p2p;
     int64_t           heads, groups;   // this rank's: a / tp, g / tp
     Linear            qkv;    // h -> (a + 2g) d / tp, rows [Q | K | V] of this rank's heads and groups
     Linear            proj;   // a d / tp -> h, row-parallel
@@ -168,6 +197,20 @@ public:
     // q_layernorm / k_layernorm, of the model's --normalization), applied before RoPE. Under TP each rank
     // sees its own heads, so their gradients are summed over the group.
     std::unique_ptr<Norm> q_norm, k_norm;
+
+private:
+    // Attention over the whole sequence from this rank's rows (context parallelism, by cp_comm): out and
+    // ctx.lse of this rank's queries; backward assigns d_qkv's Q, K and V columns.
+    void cp_forward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const AttentionShape & shape, float scale,
+                    const Dropout & dropout);
+    void cp_backward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const Tensor & d_out,
+                     const Tensor & d_qkv, const AttentionShape & shape, float scale);
+    // The a2a variant: this rank's rows of every head <-> every rank's rows (the whole sequence, in order) of
+    // this rank's share of the heads.
+    void a2a_forward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const AttentionShape & shape, float scale,
+                     const Dropout & dropout);
+    void a2a_backward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const Tensor & d_out,
+                      const Tensor & d_qkv, const AttentionShape & shape, float scale);
 };
 
 class Mlp {

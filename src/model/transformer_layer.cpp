@@ -11,12 +11,12 @@ namespace loom::model {
 // TransformerLayer
 
 TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & device, const TensorParallel & tp,
-                                   const ExpertParallel & ep)
+                                   const ExpertParallel & ep, const ContextParallel & cp)
     : config(c),
       index(index),
       norm1("layers." + std::to_string(index) + ".norm1", c.hidden_size, c.normalization, c.norm_epsilon,
             c.params_dtype, device, tp),
-      attention("layers." + std::to_string(index) + ".attention", c, device, tp),
+      attention("layers." + std::to_string(index) + ".attention", c, device, tp, cp, index),
       norm2("layers." + std::to_string(index) + ".norm2", c.hidden_size, c.normalization, c.norm_epsilon,
             c.params_dtype, device, tp) {
     norm1.set_one_plus(c.apply_layernorm_1p);

@@ -17,7 +17,7 @@ namespace loom::model {
 class TransformerLayer {
 public:
     TransformerLayer(int64_t index, const GptConfig & config, Device & device, const TensorParallel & tp = {},
-                     const ExpertParallel & ep = {});
+                     const ExpertParallel & ep = {}, const ContextParallel & cp = {});
     ~TransformerLayer();
     struct Context {
         Norm::Context                    norm1, norm2;

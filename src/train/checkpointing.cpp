@@ -51,9 +51,10 @@ checkpoint::RankContents rank_contents(const TrainOptions & options, Setup & set
     // Without ZeRO-1 every data-parallel rank holds the same state: the first one writes it. With several
     // distributed-optimizer instances each holds the same shards: the first instance writes them.
     const bool first_instance = !setup.groups.inter_dp || setup.groups.inter_dp->rank() == 0;
-    rank.writes = options.ddp.use_distributed_optimizer ? first_instance : !setup.groups.dp || setup.groups.dp->rank() == 0;
+    const auto & grads = setup.gradient_group();   // the data-parallel ranks (with context parallelism, x CP)
+    rank.writes = options.ddp.use_distributed_optimizer ? first_instance : !grads || grads->rank() == 0;
     // Experts: the EP ranks hold different experts, the expert-data-parallel ranks the same ones.
-    const auto & edp            = setup.groups.expert_dp ? setup.groups.expert_dp : setup.groups.dp;
+    const auto & edp            = setup.groups.expert_dp ? setup.groups.expert_dp : grads;
     const bool   first_expert   = !setup.groups.inter_expert_dp || setup.groups.inter_expert_dp->rank() == 0;
     rank.writes_experts = options.ddp.use_distributed_optimizer ? first_expert : !edp || edp->rank() == 0;
     return rank;

@@ -5,6 +5,8 @@
 #include "data/gpt_dataset.h"
 #include "data/llmc_shard.h"
 
+#include <cstring>
+
 namespace loom::train {
 
 namespace {
@@ -27,7 +29,54 @@ private:
     data::Loader                        loader_;
 };
 
+// This rank's chunks r and 2 CP - 1 - r of each sequence (model::ContextParallel), in position order.
+class ContextParallelSource : public BatchSource {
+public:
+    ContextParallelSource(std::unique_ptr<BatchSource> source, int rank, int size)
+        : source_(std::move(source)), rank_(rank), size_(size) {}
+
+    model::MicroBatch next() override {
+        model::MicroBatch whole = source_->next();
+        const int64_t     b = whole.tokens.size(0), s = whole.tokens.size(1), chunk = s / (2 * size_);
+        LOOM_CHECK(s % (2 * size_) == 0, "a sequence of " << s << " tokens for --context-parallel-size " << size_,
+                   "the sequence length must be a multiple of 2 x --context-parallel-size");
+        model::MicroBatch mine{part(whole.tokens, chunk), part(whole.labels, chunk), part(whole.loss_mask, chunk),
+                               whole.sample_ids};
+        const float * mask = whole.loss_mask.data<float>();
+        mine.sequence_tokens = 0;
+        for (int64_t i = 0; i < b * s; ++i) mine.sequence_tokens += mask[i];
+        return mine;
+    }
+    std::string describe() const override { return source_->describe(); }
+    std::string identity() const override { return source_->identity(); }
+    void        set_consumed_samples(int64_t consumed) override { source_->set_consumed_samples(consumed); }
+
+private:
+    // (b, s) -> (b, 2 chunk): this rank's two chunks of each row, in a tensor of the same kind of memory.
+    Tensor part(const Tensor & whole, int64_t chunk) const {
+        const int64_t b = whole.size(0), s = whole.size(1);
+        const size_t  size = dtype_size(whole.dtype()), run = static_cast<size_t>(chunk) * size;
+        Tensor        out  = Tensor::empty({b, 2 * chunk}, whole.dtype(), whole.device(), {whole.memory_kind()});
+        const char *  from = static_cast<const char *>(whole.data_ptr());
+        char *        to   = static_cast<char *>(out.data_ptr());
+        for (int64_t bi = 0; bi < b; ++bi) {
+            const char * row = from + static_cast<size_t>(bi * s) * size;
+            std::memcpy(to + static_cast<size_t>(bi * 2) * run, row + static_cast<size_t>(rank_) * run, run);
+            std::memcpy(to + static_cast<size_t>(bi * 2 + 1) * run, row + static_cast<size_t>(2 * size_ - 1 - rank_) * run, run);
+        }
+        return out;
+    }
+
+    std::unique_ptr<BatchSource> source_;
+    int                          rank_, size_;
+};
+
 }  // namespace
+
+std::unique_ptr<BatchSource> context_parallel_part(std::unique_ptr<BatchSource> source, int rank, int size) {
+    if (size <= 1) return source;
+    return std::make_unique<ContextParallelSource>(std::move(source), rank, size);
+}
 
 std::unique_ptr<BatchSource> make_batch_source(TrainOptions & options, Device & device, bool vocab_given,
                                                int64_t dp_rank, int64_t dp_size, data::Split split, int64_t num_samples) {

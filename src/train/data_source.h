@@ -21,4 +21,9 @@ std::unique_ptr<BatchSource> make_batch_source(TrainOptions & options, Device & 
                                                int64_t dp_rank = 0, int64_t dp_size = 1,
                                                data::Split split = data::Split::train, int64_t num_samples = 0);
 
+// Context parallelism (model::ContextParallel): each micro-batch of `source` cut to this CP rank's two
+// chunks of every sequence, with the whole sequences' loss-mask sum (MicroBatch::sequence_tokens). Every CP
+// rank of a data-parallel rank reads the same samples. size 1 returns `source`.
+std::unique_ptr<BatchSource> context_parallel_part(std::unique_ptr<BatchSource> source, int rank, int size);
+
 }  // namespace loom::train

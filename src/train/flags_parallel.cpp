@@ -160,9 +160,9 @@ void resolve_parallel_sizes(const ParallelFlags & f, int64_t num_experts, const 
     const bool hierarchical = std::find(f.cp_comm_type.begin(), f.cp_comm_type.end(), "a2a+p2p") != f.cp_comm_type.end();
     LOOM_CHECK(!hierarchical || !f.hierarchical_cp_sizes.empty(),
                "--hierarchical-context-parallel-sizes must be set when a2a+p2p is used in cp comm", "");
-    LOOM_CHECK(f.context_parallel_size == 1, "--context-parallel-size " << f.context_parallel_size
-                                                                        << " is not supported by Loom (no context parallelism yet)",
-               "only --context-parallel-size 1 is accepted");
+    LOOM_CHECK(f.context_parallel_size == 1 || !hierarchical,
+               "--cp-comm-type a2a+p2p (hierarchical context parallelism) is not supported by Loom yet",
+               "give p2p, a2a or allgather");
     // Megatron's argument checks of expert parallelism (validate_args) come before the world's decomposition.
     LOOM_CHECK(f.expert_parallel_size >= 1, "--expert-model-parallel-size must be >= 1, got " << f.expert_parallel_size,
                "parallel sizes are positive integers");
@@ -177,6 +177,7 @@ void resolve_parallel_sizes(const ParallelFlags & f, int64_t num_experts, const 
     sizes.world_size = size(world_size, "the world size");
     sizes.tp         = size(f.tensor_parallel_size, "--tensor-model-parallel-size");
     sizes.pp         = size(f.pipeline_parallel_size, "--pipeline-model-parallel-size");
+    sizes.cp         = size(f.context_parallel_size, "--context-parallel-size");
     sizes.ep         = size(f.expert_parallel_size, "--expert-model-parallel-size");
     // Megatron's default: the experts' tensor parallelism is the dense layers'.
     if (given("--expert-tensor-parallel-size")) sizes.etp = size(f.expert_tensor_parallel_size, "--expert-tensor-parallel-size");
@@ -203,8 +204,15 @@ void resolve_ddp(const ParallelFlags & f, const Given & given, TrainOptions & o)
                "Tensor parallel communication/GEMM overlap can happen only when sequence parallelism is enabled",
                "--tp-comm-overlap needs --sequence-parallel with --tensor-model-parallel-size > 1");
     LOOM_CHECK(f.cp_comm_type.size() == 1 || static_cast<int64_t>(f.cp_comm_type.size()) == o.model.num_layers,
-               "--cp-comm-type has " << f.cp_comm_type.size() << " values for " << o.model.num_layers << " layers",
+               "Length of cp_comm_type (" << f.cp_comm_type.size() << ") should equal to the total number of "
+                                          << "transformer layers (" << o.model.num_layers << ")!",
                "give one value, or one per layer");
+    o.cp_comm_types.clear();
+    for (const std::string & type : f.cp_comm_type) {
+        o.cp_comm_types.push_back(type == "a2a" ? model::CpCommType::a2a
+                                  : type == "allgather" ? model::CpCommType::allgather
+                                                        : model::CpCommType::p2p);   // a2a+p2p is refused above
+    }
     o.ddp.validate();
     const int64_t instances = o.ddp.num_distributed_optimizer_instances;   // parallel_state.py's asserts
     LOOM_CHECK(o.parallel.dp() % instances == 0,
@@ -266,6 +274,33 @@ void validate_layout(const TrainOptions & o) {
                    "--sequence-parallel gives each tensor-parallel rank an equal block of positions");
         LOOM_CHECK(o.load_hf.empty(), "--load-hf with --tensor-model-parallel-size " << tp,
                    "loading Hugging Face weights into tensor-parallel shards is not supported yet; train from --seed");
+    }
+    if (o.parallel.cp() > 1) {   // Megatron's checks (arguments.py, TransformerConfig), then Loom's limits
+        const int64_t cp = o.parallel.cp(), tp = o.parallel.tp();
+        LOOM_CHECK(m.seq_length % (2 * cp) == 0,
+                   "seq-length should be a multiple of 2 * context-parallel-size if context-parallel-size > 1.",
+                   "--seq-length " << m.seq_length << " with --context-parallel-size " << cp
+                                   << ": each rank holds two of the sequence's 2 x CP chunks");
+        LOOM_CHECK(!o.sequence_parallel || tp == 1 || m.seq_length % (2 * cp * tp) == 0,
+                   "--seq-length " << m.seq_length << " is not a multiple of 2 x --context-parallel-size (" << cp
+                                   << ") x --tensor-model-parallel-size (" << tp << ") with --sequence-parallel",
+                   "each tensor-parallel rank holds an equal block of each context-parallel rank's positions");
+        for (size_t i = 0; i < o.cp_comm_types.size(); ++i) {
+            if (o.cp_comm_types[i] != model::CpCommType::a2a) continue;
+            LOOM_CHECK(m.num_attention_heads % (tp * cp) == 0 && m.num_query_groups % (tp * cp) == 0,
+                       "--cp-comm-type a2a" << (o.cp_comm_types.size() > 1 ? " (layer " + std::to_string(i) + ")" : "")
+                           << " needs --num-attention-heads " << m.num_attention_heads << " and --num-query-groups "
+                           << m.num_query_groups << " divisible by --tensor-model-parallel-size x --context-parallel-size = "
+                           << tp * cp,
+                       "the all-to-all gives each context-parallel rank an equal share of each tensor-parallel rank's heads");
+        }
+        LOOM_CHECK(!m.moe.enabled(), "--num-experts with --context-parallel-size " << cp
+                                         << ": Loom's MoE layers do not run under context parallelism yet",
+                   "train the MoE model with --context-parallel-size 1");
+        LOOM_CHECK(o.ddp.num_distributed_optimizer_instances == 1,
+                   "--num-distributed-optimizer-instances " << o.ddp.num_distributed_optimizer_instances
+                       << " with --context-parallel-size " << cp << " is not supported by Loom yet",
+                   "give one distributed-optimizer instance");
     }
     if (o.parallel.pp() > 1) {
         LOOM_CHECK(o.load_hf.empty(), "--load-hf with --pipeline-model-parallel-size " << o.parallel.pp(),

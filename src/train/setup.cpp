@@ -75,10 +75,20 @@ Setup setup(const TrainOptions & options, const parallel::ProcessGroups & groups
         expert.tp_size = groups.expert_tp->size();
     }
     if (size_of(groups.expert_tp_ep) > 1) expert.tp_ep = groups.expert_tp_ep;
+    LOOM_CHECK(size_of(groups.cp) == options.parallel.cp(),
+               "context-parallel group of " << size_of(groups.cp) << " ranks for --context-parallel-size "
+                                            << options.parallel.cp(), "");
+    model::ContextParallel context;
+    context.comm_types = options.cp_comm_types;
+    if (size_of(groups.cp) > 1) {
+        context.group = groups.cp;
+        context.rank  = groups.cp->rank();
+        context.size  = groups.cp->size();
+    }
     std::vector<std::unique_ptr<model::GptModel>> owned;
     std::vector<model::GptModel *>                chunks;
     for (const model::PipelineStage & part : pipeline_stages(options, groups.pp ? groups.pp->rank() : 0)) {
-        owned.push_back(std::make_unique<model::GptModel>(options.model, device, part, tensor, expert));
+        owned.push_back(std::make_unique<model::GptModel>(options.model, device, part, tensor, expert, context));
         owned.back()->init();
         chunks.push_back(owned.back().get());
     }
@@ -103,14 +113,17 @@ Setup setup(const TrainOptions & options, std::vector<model::GptModel *> chunks,
         LOOM_CHECK(groups.dp->size() == options.parallel.dp(),
                    "data-parallel group of " << groups.dp->size() << " ranks for options resolved for "
                                              << options.parallel.dp(), "");
+        // With context parallelism the CP ranks hold the same weights and different positions of the same
+        // samples: gradients reduce (and ZeRO-1 shards) over data- and context-parallel ranks together.
+        const std::shared_ptr<comm::Communicator> & grads = s.gradient_group();
         // Expert parameters reduce and shard over the expert-data-parallel group (the dense dp group's
         // ranks while --expert-model-parallel-size is 1).
         // With several distributed-optimizer instances each instance's own ranks shard (intra groups) and
         // the instances all-reduce their shards (inter groups).
         const bool instances = groups.intra_dp != nullptr;
         s.ddp = std::make_unique<ddp::DistributedDataParallel>(
-            params, options.ddp, instances ? groups.intra_dp : groups.dp, device,
-            instances ? groups.intra_expert_dp : (groups.expert_dp ? groups.expert_dp : groups.dp),
+            params, options.ddp, instances ? groups.intra_dp : grads, device,
+            instances ? groups.intra_expert_dp : (groups.expert_dp ? groups.expert_dp : grads),
             instances ? groups.inter_dp : nullptr, instances ? groups.inter_expert_dp : nullptr);
         if (options.ddp.overlap_param_gather) {
             ddp::DistributedDataParallel * d = s.ddp.get();

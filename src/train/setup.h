@@ -48,6 +48,11 @@ public:
     // Every rank of the job: the world group, or the data-parallel group of a single-model setup built
     // without one (null: one process).
     comm::Communicator * all_ranks() const { return groups.world ? groups.world.get() : groups.dp.get(); }
+    // The ranks that hold the same weights and reduce gradients together: the data-parallel group, or with
+    // context parallelism the data- and context-parallel ranks (dp_cp).
+    const std::shared_ptr<comm::Communicator> & gradient_group() const {
+        return groups.cp && groups.cp->size() > 1 ? groups.dp_cp : groups.dp;
+    }
 };
 
 // Builds this rank's chunks (initialised from --seed, then --load-hf if given) and everything over them.

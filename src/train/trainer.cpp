@@ -310,6 +310,7 @@ pipeline::PipelineExecutor::Result Trainer::run_schedule(IterationStats & stats)
         if (drawn) stages_->barrier()->wait();   // the stages start the drawn iteration together
         r = executor_->run([this] { return data_.next(); }, grad_ready_,
                            d ? std::function<void(bool)>([d](bool last) { d->set_last_microbatch(last); }) : nullptr);
+        sum_losses_over_context(r);
         peak_in_flight_  = std::max(peak_in_flight_, r.peak_in_flight);
         stats.moe_losses = moe_losses();   // run() waited for the stream
     });
@@ -402,6 +403,15 @@ double Trainer::checked_loss_sum(const pipeline::PipelineExecutor::Result & r) c
     return total;
 }
 
+void Trainer::sum_losses_over_context(pipeline::PipelineExecutor::Result & r) const {
+    comm::Communicator * cp = setup_.groups.cp.get();
+    if (!cp || cp->size() == 1 || r.losses.empty()) return;   // every CP rank is on the same stage
+    std::vector<float> sums;
+    for (const model::GptModel::LossSum & loss : r.losses) sums.push_back(static_cast<float>(loss.sum));
+    sums = comm::all_reduce_values(*cp, model_.device(), std::move(sums), comm::ReduceOp::sum);
+    for (size_t k = 0; k < r.losses.size(); ++k) r.losses[k].sum = sums[k];
+}
+
 double Trainer::exchanged_loss(double loss) const {
     if (stages_) {   // only the last stage computed the loss
         loss = comm::broadcast_values(*stages_, model_.device(), {static_cast<float>(loss)}, stages_->size() - 1)[0];
@@ -440,6 +450,7 @@ double Trainer::evaluate(BatchSource & source) {
     for (int64_t k = 0; k < options_.eval_iters; ++k) {
         pipeline::PipelineExecutor & executor = eval_executor_ ? *eval_executor_ : *executor_;
         pipeline::PipelineExecutor::Result r = executor.evaluate([&source] { return source.next(); });
+        sum_losses_over_context(r);
         for (const model::GptModel::LossSum & loss : r.losses) {
             sum += loss.sum;
             count += loss.count;

@@ -164,6 +164,9 @@ private:
     pipeline::PipelineExecutor::Result run_schedule(IterationStats & stats);
     // The sum of the micro-batches' mean losses; throws on a non-finite one (--check-for-nan-in-loss-and-grad).
     double checked_loss_sum(const pipeline::PipelineExecutor::Result & r) const;
+    // Context parallelism: each rank's loss sums cover its positions; this sums them over the CP group, so
+    // every CP rank holds its micro-batches' whole losses (the counts are the whole sequences' already).
+    void sum_losses_over_context(pipeline::PipelineExecutor::Result & r) const;
     // The iteration's loss as every rank logs it: from the last stage, averaged over data-parallel ranks.
     double exchanged_loss(double loss) const;
     // Runs `work` and adds its seconds to timer `timer` (kTimerNames).
