@@ -4,7 +4,8 @@
 // eager run of the same layout (losses and every final weight): a replay runs the very kernels on the very
 // values, so any difference is a bug (a stale input, a buffer reused too early, a collective replayed out
 // of order). Layouts: PP 1 (DP 4), PP 2 x DP 2, PP 4, PP 2 x VPP 2, DP 2 with ZeRO-1 and
-// --overlap-param-gather, TP 2 + SP, --bf16, uneven stages, --optimizer-cpu-offload.
+// --overlap-param-gather, TP 2 + SP, CP 2 x PP 2 (p2p) and CP 2 x DP 2 (a2a), --bf16, uneven stages,
+// --optimizer-cpu-offload.
 //
 // Memory, from the allocator's statistics of the "graphs" pool: its peak is the same for M = 8 and M = 16
 // (the static input sets and the live saved activations depend on the pipeline depth, not on M); the
@@ -36,6 +37,8 @@ comm::MpiContext * g_mpi = nullptr;
 
 struct Layout {
     int  tp = 1, pp = 1, vpp = 1;
+    int  cp = 1;   // context parallelism, cp_comm's exchange inside the captured layers
+    model::CpCommType cp_comm = model::CpCommType::p2p;
     bool sp = false, distopt = false, bf16 = false, offload = false;
     bool moe = false;   // 4 experts, top-2, drop-and-pad (capacity 1): whole MoE layers in the graphs
     // Dropless MoE layers captured up to the router (--cuda-graph-modules attn moe_router), with the
@@ -71,6 +74,7 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = kIte
     sizes.world_size = g_mpi->world_size();
     sizes.tp         = layout.tp;
     sizes.pp         = layout.pp;
+    sizes.cp         = layout.cp;
     sizes.ep         = layout.ep;
     if (layout.etp > 0) sizes.etp = layout.etp;
     if (layout.vpp > 1) sizes.vpp = layout.vpp;
@@ -79,6 +83,7 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = kIte
 
     train::TrainOptions o = testing_models::small_gpt_options(4, layout.global_batch, iterations);
     o.parallel                      = config;
+    o.cp_comm_types                 = {layout.cp_comm};
     o.sequence_parallel             = layout.sp;
     if (layout.first_stage_layers > 0) o.first_stage_layers = layout.first_stage_layers;
     o.ddp.use_distributed_optimizer = layout.distopt || layout.offload;
@@ -106,7 +111,8 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = kIte
     o.cuda_graph_warmup_steps = kWarmup;
 
     Allocator & allocator = cpu::device().allocator();
-    auto        source    = train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), config.dp());
+    auto source = train::context_parallel_part(
+        train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), config.dp()), groups.cp->rank(), layout.cp);
     train::Setup setup    = train::setup(o, groups, cpu::device());
     TrainRun          run;
     run.stage = groups.pp->rank();
@@ -143,7 +149,9 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = kIte
 
 std::string describe(const Layout & l) {
     char text[160];
-    std::snprintf(text, sizeof text, "tp %d%s pp %d vpp %d ep %d etp %d%s%s%s%s%s%s", l.tp, l.sp ? "+sp" : "", l.pp, l.vpp, l.ep, l.etp > 0 ? l.etp : l.tp,
+    std::snprintf(text, sizeof text, "tp %d%s cp %d%s pp %d vpp %d ep %d etp %d%s%s%s%s%s%s", l.tp, l.sp ? "+sp" : "", l.cp,
+                  l.cp == 1 ? "" : l.cp_comm == model::CpCommType::a2a ? " a2a" : l.cp_comm == model::CpCommType::allgather ? " allgather" : " p2p",
+                  l.pp, l.vpp, l.ep, l.etp > 0 ? l.etp : l.tp,
                   l.distopt ? " zero-1+overlaps" : "", l.bf16 ? " bf16" : "", l.offload ? " cpu-offload 0.5" : "",
                   l.first_stage_layers ? " uneven" : "", l.moe ? " moe drop-and-pad" : "",
                   l.moe_preprocess ? " dropless moe, graphs to the dispatch plan" : l.moe_router ? " dropless moe, graphs to the router" : "");
@@ -202,6 +210,11 @@ TEST(LayerGraphs, InterleavedPipelineIsBitwiseTheEagerRun) { expect_bitwise(Layo
 TEST(LayerGraphs, ZeroOneWithBothOverlapsIsBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2, .distopt = true}); }
 TEST(LayerGraphs, TensorParallelWithSequenceParallelIsBitwiseTheEagerRun) {
     expect_bitwise(Layout{.tp = 2, .pp = 2, .sp = true});
+}
+// Context parallelism: the ring's all-to-alls (p2p) and the head exchange's (a2a) inside the captured layers.
+TEST(LayerGraphs, ContextParallelIsBitwiseTheEagerRun) {
+    expect_bitwise(Layout{.pp = 2, .cp = 2});
+    expect_bitwise(Layout{.cp = 2, .cp_comm = model::CpCommType::a2a});
 }
 TEST(LayerGraphs, Bf16IsBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2, .bf16 = true}); }
 TEST(LayerGraphs, UnevenStagesAreBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2, .first_stage_layers = 1}); }

@@ -96,7 +96,8 @@ void LayerGraphRunner::capture() {
         const bool split_layer = split(step.chunk, step.layer);
         if (step.kind == GraphKind::forward) {
             contexts[id] = std::make_unique<model::TransformerLayer::Context>();
-            const model::DropoutBatch batch{set_sample_ids_[step.input_set], b_, true};
+            const model::DropoutBatch batch{set_sample_ids_[step.input_set], b_, true,
+                                            chunks_[0]->context_parallel().positions(s_)};
             const Tensor &            x = set_inputs_[step.input_set];
             if (split_layer) {
                 const model::TransformerLayer::MoeSegment out =

@@ -66,8 +66,8 @@ struct LayerGraphScope {
 class LayerGraphRunner : public model::LayerGraphs {
 public:
     // `chunks`: this rank's model chunks in order (V of them); `schedule`: the training schedule (PP, V,
-    // M, N); `rank`: this rank's pipeline rank; s, b: the sequence length and micro-batch size every
-    // micro-batch has (graphs have static shapes).
+    // M, N); `rank`: this rank's pipeline rank; s, b: the sequence length (this rank's share of it with
+    // context parallelism) and micro-batch size every micro-batch has (graphs have static shapes).
     using Scope = LayerGraphScope;
     LayerGraphRunner(std::vector<model::GptModel *> chunks, const pipeline::ScheduleOptions & schedule, int rank,
                      int64_t seq_length, int64_t micro_batch_size, Scope scope = {});

@@ -146,6 +146,7 @@ public:
     void zero_grad();
 
     const GptConfig & config() const { return config_; }
+    const ContextParallel & context_parallel() const { return cp_; }
     Device &          device() const { return device_; }
 
 private:

@@ -294,7 +294,8 @@ void Trainer::begin_iteration() {
         // nothing, so there is no gradient or optimizer state to undo.
         layer_graphs_ = std::make_unique<graphs::LayerGraphRunner>(setup_.chunks, executor_->options(),
                                                                    stages_ ? stages_->rank() : 0,
-                                                                   options_.model.seq_length, options_.micro_batch_size,
+                                                                   options_.model.seq_length / options_.parallel.cp(),
+                                                                   options_.micro_batch_size,
                                                                    graphs::LayerGraphScope{options_.graph_moe_router,
                                                                                            options_.graph_moe_preprocess});
         layer_graphs_->capture();
