@@ -191,6 +191,9 @@ INSTANTIATE_TEST_SUITE_P(
         ReshardCase{"1_to_dp2_zero1", 1, "", 2, "--use-distributed-optimizer"},
         ReshardCase{"1_to_tp2", 1, "", 2, "--tensor-model-parallel-size 2"},
         ReshardCase{"1_to_pp2", 1, "", 2, "--pipeline-model-parallel-size 2"},
+        // Context parallelism holds whole weights on every CP rank; ZeRO-1 shards over dp x cp.
+        ReshardCase{"cp2_zero1_to_1", 2, "--context-parallel-size 2 --use-distributed-optimizer", 1, ""},
+        ReshardCase{"1_to_cp2_a2a", 1, "", 2, "--context-parallel-size 2 --cp-comm-type a2a"},
         ReshardCase{"tp2_pp2_to_dp2_offload", 4,
                     "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --use-distributed-optimizer", 2,
                     "--use-distributed-optimizer --use-precision-aware-optimizer --optimizer-cpu-offload "
