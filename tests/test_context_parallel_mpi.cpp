@@ -26,6 +26,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <map>
 #include <memory>
 
@@ -172,9 +173,12 @@ TEST(ContextParallel, ComposesWithTensorPipelineAndDataParallelism) {
 // rank's K | V block to the next rank CP - 1 times in forward (2 (CP - 1) K and V blocks, each s/CP x b rows
 // of nkv d), and in backward the blocks again with their dK | dV (CP - 1 times each) plus one last pass of
 // dK | dV home: 2 (CP - 1) + 1 all-to-alls, nothing else on the group. The activations pool's peak
-// (allocator statistics) at CP 4 is at most 0.35 of CP 1's (at CP 2, 0.65): the positions split four ways,
+// (allocator statistics) at CP 4 is at most 0.35 of CP 1's (at CP 2, 0.6): the positions split four ways,
 // and what the ring adds (the blocks in flight with their gradients, one partial output) is a fraction of a
-// layer's.
+// layer's. The bounds hold with streams inline (LOOM_SYNC_STREAMS=1, the ctest entry
+// test_context_parallel_mpi_np4_sync_streams), where a block is free once its last user drops it, as with a
+// GPU's stream-ordered allocator; the worker-thread stream keeps up to its queue's depth of enqueued
+// kernels' tensors alive, which moves the peak with the timing, so there it is only printed.
 TEST(ContextParallel, RingTransfersAndActivationPeak) {
     const int cp = g_mpi->world_size();
     if (cp != 2 && cp != 4) GTEST_SKIP() << "runs with 2 and 4 ranks";
@@ -254,8 +258,11 @@ TEST(ContextParallel, RingTransfersAndActivationPeak) {
         std::printf("[cp %d, 4096 tokens] activation peak %.2f MiB vs %.2f MiB at CP 1: %.3f\n", cp,
                     static_cast<double>(peak_cp) / (1 << 20), static_cast<double>(peak_alone) / (1 << 20), ratio);
     }
-    if (cp == 4) EXPECT_LE(ratio, 0.35);
-    if (cp == 2) EXPECT_LE(ratio, 0.65);   // half the positions, plus the ring's four K | V buffers in backward
+    const char * sync = std::getenv("LOOM_SYNC_STREAMS");
+    if (sync != nullptr && std::string(sync) == "1") {
+        if (cp == 4) EXPECT_LE(ratio, 0.35);
+        if (cp == 2) EXPECT_LE(ratio, 0.6);
+    }
 }
 
 int main(int argc, char ** argv) { return testing_mpi::run_all_tests_under_mpi(argc, argv, &g_mpi); }
