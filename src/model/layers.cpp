@@ -1,9 +1,11 @@
 #include "model/layers.h"
 
 #include "core/error.h"
+#include "core/graph.h"
 #include "core/ops.h"
 
 #include <cmath>
+#include <optional>
 
 namespace loom::model {
 
@@ -407,18 +409,49 @@ Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReady
 // ---------------------------------------------------------------------------------------------------
 // Context parallelism (ContextParallel in layers.h)
 
+ContextParallel::Streams::Streams(Device & device)
+    : stream(device.stream_create("cp-comm")), ready(device.event_create()), done(device.event_create()) {}
+
 namespace {
 
-// t sent to the next rank of the CP ring, the previous rank's received in its place (an all-to-all with one
-// non-empty block each way: deadlock-free on any transport, each rank sending and receiving at once).
-Tensor ring_pass(const ContextParallel & cp, const Tensor & t) {
-    Tensor               out = Tensor::empty(t.shape(), t.dtype(), t.device(), {MemoryKind::device, kActivationsPool});
-    std::vector<int64_t> send(static_cast<size_t>(cp.size), 0), recv(static_cast<size_t>(cp.size), 0);
-    send[static_cast<size_t>((cp.rank + 1) % cp.size)]           = t.numel();
-    recv[static_cast<size_t>((cp.rank - 1 + cp.size) % cp.size)] = t.numel();
-    cp.group->all_to_all(t, send, out, recv, &t.device().compute_stream());
-    return out;
-}
+// Tensors sent to the next rank of the CP ring, the previous rank's received in their place (an all-to-
+// all with one non-empty block each way: deadlock-free on any transport, each rank sending and receiving
+// at once). On the CP stream the transfers start once the compute stream has produced the tensors and
+// run while it computes; arrive() makes the compute stream wait for them before it reads what came.
+class RingPass {
+public:
+    RingPass(const ContextParallel & cp, std::initializer_list<Tensor> tensors) : cp_(cp) {
+        Device & dev     = tensors.begin()->device();
+        Stream & compute = dev.compute_stream();
+        overlapped_      = cp.streams && graph_being_captured() == nullptr;
+        Stream & on      = overlapped_ ? *cp.streams->stream : compute;
+        if (overlapped_) {
+            compute.record(*cp.streams->ready);
+            on.wait(*cp.streams->ready);
+        }
+        for (const Tensor & t : tensors) {
+            Tensor out = Tensor::empty(t.shape(), t.dtype(), dev, {MemoryKind::device, kActivationsPool});
+            std::vector<int64_t> send(static_cast<size_t>(cp.size), 0), recv(static_cast<size_t>(cp.size), 0);
+            send[static_cast<size_t>((cp.rank + 1) % cp.size)]           = t.numel();
+            recv[static_cast<size_t>((cp.rank - 1 + cp.size) % cp.size)] = t.numel();
+            cp.group->all_to_all(t, send, out, recv, &on);
+            received_.push_back(out);
+        }
+        if (overlapped_) on.record(*cp.streams->done);
+    }
+    // The received tensors, in the order sent, once the compute stream may read them.
+    std::vector<Tensor> arrive() {
+        if (overlapped_) received_.front().device().compute_stream().wait(*cp_.streams->done);
+        return received_;
+    }
+
+private:
+    const ContextParallel & cp_;
+    bool                    overlapped_ = false;
+    std::vector<Tensor>     received_;
+};
+
+Tensor ring_pass(const ContextParallel & cp, const Tensor & t) { return RingPass(cp, {t}).arrive().front(); }
 
 // A row block of columns for the all-to-all of heads: rank j's share is columns [base + j w, base + (j + 1) w).
 struct HeadColumns {
@@ -502,11 +535,14 @@ void SelfAttention::cp_forward(Context & ctx, const Tensor & q_k_v, const Tensor
     block.k_col          = 0;
     block.v_col          = shape.nkv * shape.d;
     Tensor part = activation(dev, n, shape.nq * shape.d), part_lse = activation(dev, shape.b * shape.nq, shape.s);
-    // Step k holds rank (r - k)'s keys: its own first, then the ring's order. Each block's attention skips
-    // the key tiles past its queries' positions, so a step computes only what the causal mask leaves.
+    // Step k holds rank (r - k)'s keys: its own first, then the ring's order; the next block travels while
+    // this one's attention runs (double-buffered: the block in hand and the one arriving). Each block's
+    // attention skips the key tiles past its queries' positions, so a step computes only what the causal
+    // mask leaves.
     for (int step = 0; step < cp.size; ++step) {
         const int peer = (cp.rank - step + cp.size) % cp.size;
-        if (cp_comm == CpCommType::p2p && step > 0) kv = ring_pass(cp, kv);
+        std::optional<RingPass> next;
+        if (cp_comm == CpCommType::p2p && step + 1 < cp.size) next.emplace(cp, std::initializer_list<Tensor>{kv});
         const Tensor keys = cp_comm == CpCommType::allgather ? gathered.narrow(0, peer * n, n) : kv;
         block.k_pos       = cp.positions(shape.s, peer);
         if (step == 0) {
@@ -515,6 +551,7 @@ void SelfAttention::cp_forward(Context & ctx, const Tensor & q_k_v, const Tensor
             ops.attention_forward(stream, q_k_v, keys, part, part_lse, block, scale, dropout);
             ops.attention_merge(stream, out, ctx.lse, part, part_lse, shape);
         }
+        if (next) kv = next->arrive().front();
     }
 }
 
@@ -531,7 +568,7 @@ void SelfAttention::cp_backward(Context & ctx, const Tensor & q_k_v, const Tenso
     block.kv_row_stride  = kv_width;
     block.k_col          = 0;
     block.v_col          = shape.nkv * shape.d;
-    Tensor mine = activation(dev, n, kv_width);   // this rank's dK | dV, summed over every rank's queries
+    Tensor mine;   // this rank's dK | dV, summed over every rank's queries
     if (cp_comm == CpCommType::allgather) {
         // Every block's dK | dV from this rank's queries, then each block's sum over the ranks to its owner.
         Tensor gathered = activation(dev, cp.size * n, kv_width), dkv = activation(dev, cp.size * n, kv_width);
@@ -543,22 +580,24 @@ void SelfAttention::cp_backward(Context & ctx, const Tensor & q_k_v, const Tenso
             ops.attention_backward(stream, q_k_v, gathered.narrow(0, peer * n, n), out, d_out, ctx.lse, d_qkv,
                                    dkv.narrow(0, peer * n, n), block, scale, ctx.dropout, step > 0);
         }
+        mine = activation(dev, n, kv_width);
         cp.group->reduce_scatter(dkv, mine, comm::ReduceOp::sum, &stream);
     } else {
         // The ring again, each block travelling with its dK | dV: a block's gradient starts at its owner
-        // (assigned), gains each rank's share as it passes, and one last step takes it home.
+        // (assigned), gains each rank's share as it passes, and one last step takes it home. The keys and
+        // values move on while their gradients are computed; the gradients follow once done.
         Tensor dkv = activation(dev, n, kv_width);
         for (int step = 0; step < cp.size; ++step) {
             const int peer = (cp.rank - step + cp.size) % cp.size;
-            if (step > 0) {
-                kv  = ring_pass(cp, kv);
-                dkv = ring_pass(cp, dkv);
-            }
+            std::optional<RingPass> next_kv;
+            if (step + 1 < cp.size) next_kv.emplace(cp, std::initializer_list<Tensor>{kv});
             block.k_pos = cp.positions(shape.s, peer);
             ops.attention_backward(stream, q_k_v, kv, out, d_out, ctx.lse, d_qkv, dkv, block, scale, ctx.dropout,
                                    step > 0);
+            if (next_kv) kv = next_kv->arrive().front();
+            dkv = ring_pass(cp, dkv);   // to the next rank: the block's next holder, or after the last step its owner
         }
-        mine = ring_pass(cp, dkv);
+        mine = dkv;
     }
     ops.copy_columns(stream, mine, 0, d_qkv, shape.nq * shape.d, kv_width);
 }

@@ -81,6 +81,14 @@ struct ContextParallel {
     std::shared_ptr<comm::Communicator> group;
     int                                 rank = 0, size = 1;
     std::vector<CpCommType>             comm_types{CpCommType::p2p};   // one, or one per layer
+    // The ring's transfers run on their own stream ("cp-comm", with its two events), overlapped with the
+    // attention of the block in hand; null: on the compute stream, in line (as inside a graph capture).
+    struct Streams {
+        std::unique_ptr<Stream> stream;
+        std::unique_ptr<Event>  ready, done;
+        explicit Streams(Device & device);
+    };
+    std::shared_ptr<Streams> streams;
 
     bool enabled() const { return size > 1; }
     // Rank r's positions for a local sequence of s_local = 2 chunks (identity without CP).
