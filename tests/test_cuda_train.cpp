@@ -195,7 +195,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{"moe_ep2_alltoall", "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
                              LOOM_MOE_MODEL},
                       Layout{"moe_ep2_allgather", "--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather",
-                             LOOM_MOE_MODEL}),
+                             LOOM_MOE_MODEL},
+                      // Context parallelism: the ring's K | V blocks through NCCL's all-to-all on the cp-comm
+                      // stream (p2p), and the all-to-all of heads (a2a), with the block-attention kernels.
+                      Layout{"cp2_p2p", "--context-parallel-size 2 --cp-comm-type p2p"},
+                      Layout{"cp2_a2a", "--context-parallel-size 2 --cp-comm-type a2a"}),
     [](const ::testing::TestParamInfo<Layout> & info) { return std::string(info.param.name); });
 
 // Four ranks, PP 4 x VPP 2: the wrap-around channel from the last stage to the first carries data too.
