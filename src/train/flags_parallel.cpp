@@ -80,13 +80,14 @@ const Flag<ParallelFlags> kParallelFlags[] = {
      "expert-parallel ranks: each holds --num-experts / this many experts (they divide the data-parallel ranks)"},
     {"--expert-tensor-parallel-size", kDist, &P::expert_tensor_parallel_size,
      "tensor-parallel ranks of each expert's features (default: --tensor-model-parallel-size)"},
-    {"--context-parallel-size", kDist, &P::context_parallel_size, "context-parallel ranks (only 1 in Loom)"},
+    {"--context-parallel-size", kDist, &P::context_parallel_size,
+     "context-parallel ranks: each holds 2 of the sequence's 2 x CP chunks (docs/design/context_parallelism.md)"},
     {"--overlap-param-gather-with-optimizer-step", kDist, &P::overlap_param_gather_with_optimizer_step,
      "an overlap choice (the first bucket's gather with the optimizer step) under Megatron's rules: with "
      "--use-distributed-optimizer, --overlap-param-gather and virtual pipeline stages; the result is the same"},
     {"--cp-comm-type", kDist, &P::cp_comm_type,
-     "p2p, a2a, allgather or a2a+p2p (one, or one per layer): how context-parallel ranks exchange keys and values; "
-     "validated, and without effect at --context-parallel-size 1",
+     "p2p, a2a or allgather (one, or one per layer): how context-parallel ranks exchange keys and values (a ring of "
+     "K|V blocks, an all-to-all of heads, or an all-gather); a2a+p2p is refused with --context-parallel-size > 1",
      kList | kShowDefault},
     {"--hierarchical-context-parallel-sizes", kDist, &P::hierarchical_cp_sizes,
      "the context-parallel group's inner and outer sizes for a2a+p2p (their product is --context-parallel-size)", kList},
