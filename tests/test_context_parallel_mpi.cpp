@@ -36,9 +36,17 @@ namespace {
 
 comm::MpiContext * g_mpi = nullptr;
 
-train::TrainOptions small_options(bool llama) {
+train::TrainOptions small_options(bool llama, bool moe = false) {
     train::TrainOptions o = testing_models::small_gpt_options(4, 4, 20);
     o.lr_warmup_iters     = 3;
+    if (moe) {   // 4 experts, top-2, both router losses, tokens exchanged by all-to-all (no expert biases)
+        o.model.moe.num_experts    = 4;
+        o.model.moe.topk           = 2;
+        o.model.moe.aux_loss_coeff = 1e-2f;
+        o.model.moe.z_loss_coeff   = 1e-3f;
+        o.model.moe.dispatcher     = model::MoeDispatcher::alltoall;
+        o.model.add_bias_linear    = false;
+    }
     if (llama) {
         model::GptConfig l         = model::gpt_preset("llama-tiny");
         o.model.normalization      = l.normalization;
@@ -53,14 +61,15 @@ train::TrainOptions small_options(bool llama) {
 }
 
 struct Layout {
-    int                 cp = 2, tp = 1, pp = 1, vpp = 1;
+    int                 cp = 2, tp = 1, pp = 1, vpp = 1, ep = 1;
     model::CpCommType   type = model::CpCommType::p2p;
-    bool                llama = false, sp = false, zero1 = false;
+    bool                llama = false, sp = false, zero1 = false, moe = false;
     std::string name() const {
         const char * t = type == model::CpCommType::p2p ? "p2p" : type == model::CpCommType::a2a ? "a2a" : "allgather";
         return std::string(llama ? "llama" : "gpt") + " cp " + std::to_string(cp) + " " + t +
                (tp > 1 ? " tp " + std::to_string(tp) : "") + (sp ? " sp" : "") + (pp > 1 ? " pp " + std::to_string(pp) : "") +
-               (vpp > 1 ? " vpp " + std::to_string(vpp) : "") + (zero1 ? " zero-1, both overlaps" : "");
+               (vpp > 1 ? " vpp " + std::to_string(vpp) : "") + (zero1 ? " zero-1, both overlaps" : "") +
+               (moe ? " moe ep " + std::to_string(ep) : "");
     }
 };
 
@@ -76,11 +85,12 @@ Run parallel_run(const Layout & l) {
     sizes.cp         = l.cp;
     sizes.tp         = l.tp;
     sizes.pp         = l.pp;
+    sizes.ep         = l.ep;
     if (l.vpp > 1) sizes.vpp = l.vpp;
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi);
 
-    train::TrainOptions o = small_options(l.llama);
+    train::TrainOptions o = small_options(l.llama, l.moe);
     o.parallel            = config;
     o.cp_comm_types       = {l.type};
     o.sequence_parallel   = l.sp;
@@ -107,7 +117,7 @@ Run parallel_run(const Layout & l) {
 
 void expect_follows_reference(const Layout & l) {
     SCOPED_TRACE(l.name());
-    const testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(l.llama));
+    const testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(l.llama, l.moe));
     const Run                           run = parallel_run(l);
     ASSERT_EQ(run.losses.size(), ref.losses.size());
     double worst_loss = 0, worst_param = 0;
@@ -128,7 +138,7 @@ void expect_follows_reference(const Layout & l) {
         }
         const std::vector<float> expected = slice.dim >= 0 ? model::tp_extract(slice, full.data()) : full;
         ASSERT_EQ(shard.size(), expected.size()) << pname;
-        const model::GptConfig & m = small_options(l.llama).model;
+        const model::GptConfig & m = small_options(l.llama, l.moe).model;
         const bool   key_bias = pname.find(".attention.qkv.bias") != std::string::npos;
         const size_t k0 = static_cast<size_t>(m.num_attention_heads * m.head_dim()),
                      k1 = k0 + static_cast<size_t>(m.num_query_groups * m.head_dim());
@@ -159,6 +169,13 @@ TEST(ContextParallel, EachCommTypeFollowsTheSingleRankRun) {
     expect_follows_reference({.cp = cp, .type = CpCommType::allgather});
     // a2a splits the heads over CP: the Llama-style model's 2 query groups take CP 2, the GPT's 4 CP 4.
     expect_follows_reference({.cp = cp, .type = CpCommType::a2a, .llama = cp == 2});
+}
+
+// MoE layers: the router's balancing counts summed over the CP ranks (its losses are each rank's share), the
+// experts fed by all-to-all from both CP ranks' tokens (CP x EP on the same ranks: MoE parallel folding).
+TEST(ContextParallel, MoeWithExpertParallelismFollowsTheSingleRankRun) {
+    if (g_mpi->world_size() != 2) GTEST_SKIP() << "runs with 2 ranks";
+    expect_follows_reference({.cp = 2, .ep = 2, .type = CpCommType::p2p, .moe = true});
 }
 
 TEST(ContextParallel, ComposesWithTensorPipelineAndDataParallelism) {

@@ -287,8 +287,10 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
 }
 
 void GptModel::set_moe_aux_loss_scale(float scale) {
+    // Context parallelism: each CP rank's router losses are its share, and the gradients are averaged over
+    // dp x cp; as with the language-model loss, each share's gradient starts CP times larger.
     for (auto & layer : layers_) {
-        if (layer->moe) layer->moe->aux_loss_backward_scale = scale;
+        if (layer->moe) layer->moe->aux_loss_backward_scale = scale * static_cast<float>(cp_.size);
     }
 }
 

@@ -81,6 +81,9 @@ struct ContextParallel {
     std::shared_ptr<comm::Communicator> group;
     int                                 rank = 0, size = 1;
     std::vector<CpCommType>             comm_types{CpCommType::p2p};   // one, or one per layer
+    // The TP x CP ranks (Megatron's tp_cp group): with sequence parallelism, every rank holding rows of this
+    // rank's sequences (the MoE router sums its balancing counts there). Null without CP.
+    std::shared_ptr<comm::Communicator> tp_cp;
     // The ring's transfers run on their own stream ("cp-comm", with its two events), overlapped with the
     // attention of the block in hand; null: on the compute stream, in line (as inside a graph capture).
     struct Streams {

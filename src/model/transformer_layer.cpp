@@ -23,7 +23,7 @@ TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & 
     norm2.set_one_plus(c.apply_layernorm_1p);
     const std::string name = "layers." + std::to_string(index) + ".mlp";
     if (c.moe.is_moe_layer(index)) {
-        moe        = std::make_unique<MoELayer>(name, c, c.moe, device, tp, ep);
+        moe        = std::make_unique<MoELayer>(name, c, c.moe, device, tp, ep, cp);
         moe_losses = Tensor::zeros({router_loss_count}, DType::f32, device, {MemoryKind::device, "moe-metrics"});
     } else {
         mlp = std::make_unique<Mlp>(name, c, device, tp);

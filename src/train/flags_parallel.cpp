@@ -295,9 +295,6 @@ void validate_layout(const TrainOptions & o) {
                            << tp * cp,
                        "the all-to-all gives each context-parallel rank an equal share of each tensor-parallel rank's heads");
         }
-        LOOM_CHECK(!m.moe.enabled(), "--num-experts with --context-parallel-size " << cp
-                                         << ": Loom's MoE layers do not run under context parallelism yet",
-                   "train the MoE model with --context-parallel-size 1");
         LOOM_CHECK(o.ddp.num_distributed_optimizer_instances == 1,
                    "--num-distributed-optimizer-instances " << o.ddp.num_distributed_optimizer_instances
                        << " with --context-parallel-size " << cp << " is not supported by Loom yet",

@@ -84,6 +84,7 @@ Setup setup(const TrainOptions & options, const parallel::ProcessGroups & groups
         context.group = groups.cp;
         context.rank  = groups.cp->rank();
         context.size  = groups.cp->size();
+        context.tp_cp = groups.tp_cp;
         context.streams = std::make_shared<model::ContextParallel::Streams>(device);
     }
     std::vector<std::unique_ptr<model::GptModel>> owned;

@@ -150,8 +150,13 @@ std::vector<std::pair<std::string, double>> Trainer::moe_losses() {
         for (size_t i = 0; i < mine.size(); ++i) sums[i] += static_cast<float>(mine[i]);
     }
     if (stages_) sums = comm::all_reduce_values(*stages_, device, sums, comm::ReduceOp::sum);   // every stage's layers
-    if (const comm::Communicator * tp = setup_.groups.tp.get(); tp && tp->size() > 1 && options_.sequence_parallel) {
-        sums = comm::all_reduce_values(*setup_.groups.tp, device, sums, comm::ReduceOp::sum);   // each rank's share of its sequence's
+    // Each rank's share of its sequences' losses: summed over the ranks holding the other rows (TP with
+    // sequence parallelism, and CP).
+    const bool sp = setup_.groups.tp && setup_.groups.tp->size() > 1 && options_.sequence_parallel;
+    const bool cp = setup_.groups.cp && setup_.groups.cp->size() > 1;
+    if (comm::Communicator * rows = cp ? (sp ? setup_.groups.tp_cp.get() : setup_.groups.cp.get())
+                                       : (sp ? setup_.groups.tp.get() : nullptr)) {
+        sums = comm::all_reduce_values(*rows, device, sums, comm::ReduceOp::sum);
     }
     if (const comm::Communicator * dp = setup_.groups.dp.get(); dp && dp->size() > 1) {
         sums = comm::all_reduce_values(*setup_.groups.dp, device, sums, comm::ReduceOp::avg);

@@ -85,11 +85,12 @@ Tensor sum_blocks(const Tensor & src, const std::vector<int64_t> & rows, int64_t
 }  // namespace
 
 MoELayer::MoELayer(const std::string & name, const GptConfig & config, const MoeConfig & m, Device & device,
-                   const TensorParallel & tensor_parallel, const ExpertParallel & expert_parallel)
+                   const TensorParallel & tensor_parallel, const ExpertParallel & expert_parallel,
+                   const ContextParallel & context_parallel)
     : moe(m),
       ep(expert_parallel),
       shared_config(shared_expert_config(config, m)),
-      router(name + ".router", config, m, device, tensor_parallel),
+      router(name + ".router", config, m, device, tensor_parallel, context_parallel),
       experts(name + ".experts", config, m, device, ep_first_expert(m, expert_parallel), m.num_experts / expert_parallel.size,
               TensorParallel{nullptr, expert_parallel.tp_rank, expert_parallel.tp_size, false}) {
     if (moe.shared_expert_intermediate_size > 0) {

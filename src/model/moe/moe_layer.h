@@ -87,7 +87,7 @@ struct MoeLayerContext {
 class MoELayer {
 public:
     MoELayer(const std::string & name, const GptConfig & config, const MoeConfig & moe, Device & device,
-             const TensorParallel & tp = {}, const ExpertParallel & ep = {});
+             const TensorParallel & tp = {}, const ExpertParallel & ep = {}, const ContextParallel & cp = {});
     MoELayer(const MoELayer &) = delete;   // the experts hold references into it
     MoELayer & operator=(const MoELayer &) = delete;
 

@@ -29,9 +29,10 @@ MoeRouting routing_of(const MoeConfig & moe) {
 }  // namespace
 
 Router::Router(const std::string & name, const GptConfig & config, const MoeConfig & m, Device & device,
-               const TensorParallel & tensor_parallel)
+               const TensorParallel & tensor_parallel, const ContextParallel & context_parallel)
     : moe(m),
       tp(tensor_parallel),
+      cp(context_parallel),
       weight(parameter_create(name + ".weight", {m.num_experts, config.hidden_size}, config.params_dtype, device)),
       has_bias(config.add_bias_linear) {
     moe_config_validate(moe, config);
@@ -39,6 +40,10 @@ Router::Router(const std::string & name, const GptConfig & config, const MoeConf
     if (m.load_balancing == MoeLoadBalancing::sinkhorn) {
         require_supported(device, {"moe_sinkhorn_topk", 0, m.topk}, "--moe-router-load-balancing-type sinkhorn");
     }
+    LOOM_CHECK(!cp.enabled() || m.load_balancing != MoeLoadBalancing::sinkhorn,
+               "--moe-router-load-balancing-type sinkhorn with --context-parallel-size " << cp.size,
+               "sinkhorn balances over every row of the micro-batch, which context parallelism spreads over ranks; "
+               "choose aux_loss, seq_aux_loss or none");
     tp.replicated(weight);   // every TP rank routes its own rows with the whole gate
     if (has_bias) {
         bias                 = parameter_create(name + ".bias", {m.num_experts}, config.params_dtype, device);
@@ -103,7 +108,7 @@ void Router::route(Context & ctx, const Tensor & logits, int64_t b, bool trainin
     // them too; sequence parallelism sums them over the whole sequence (Megatron reduces them over TP x CP).
     if (ctx.aux) {
         ops.moe_aux_counts(stream, logits, routing, ctx.groups, ctx.counts);
-        if (tp.sp()) tp.all_reduce(ctx.counts);
+        if (comm::Communicator * group = sequence_group()) group->all_reduce(ctx.counts, comm::ReduceOp::sum, &stream);
     } else {
         ops.fill_zero(stream, ctx.counts);
     }
@@ -113,11 +118,18 @@ void Router::route(Context & ctx, const Tensor & logits, int64_t b, bool trainin
 MoeRouterLoss Router::loss_of(const Context & ctx, int64_t n) const {
     MoeRouterLoss loss;
     loss.groups    = ctx.groups;
-    loss.tokens    = n * (tp.sp() ? tp.size : 1);   // the sequence's rows over the TP group
+    loss.tokens    = n * sequence_ranks();   // the sequence's rows over the TP (and CP) ranks
     loss.aux_coeff = ctx.aux ? moe.aux_loss_coeff : 0.0f;
     loss.z_coeff   = ctx.z ? moe.z_loss_coeff : 0.0f;
     return loss;
 }
+
+comm::Communicator * Router::sequence_group() const {
+    if (cp.enabled()) return tp.sp() ? cp.tp_cp.get() : cp.group.get();
+    return tp.sp() ? tp.group.get() : nullptr;
+}
+
+int Router::sequence_ranks() const { return (tp.sp() ? tp.size : 1) * cp.size; }
 
 Tensor Router::logits_backward(Context & ctx, const Tensor & dprobs, float loss_scale) {
     const int64_t n = ctx.logits.size(0);

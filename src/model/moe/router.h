@@ -62,9 +62,10 @@ class Router {
 public:
     // tp: the layer's tensor parallelism. Every TP rank holds the whole gate (marked replicated); with
     // sequence parallelism each routes its block of rows, the aux loss's counts are summed over the group,
-    // and this rank's losses are its share: the group's sum is the loss of the whole sequence.
+    // and this rank's losses are its share: the group's sum is the loss of the whole sequence. Context
+    // parallelism (cp) splits the sequence further: the counts are summed over TP x CP (or CP alone).
     Router(const std::string & name, const GptConfig & config, const MoeConfig & moe, Device & device,
-           const TensorParallel & tp = {});
+           const TensorParallel & tp = {}, const ContextParallel & cp = {});
     struct Context {
         Tensor  x;         // (n, h) input, in the weight's dtype
         Tensor  logits;    // (n, E) f32
@@ -93,7 +94,12 @@ public:
 
     MoeConfig      moe;
     TensorParallel tp;
+    ContextParallel cp;
     Tensor         gate_weight() const;
+    // The ranks holding rows of this rank's sequences, this one included: TP x CP, TP (sequence
+    // parallelism), CP, or null (this rank alone); and how many.
+    comm::Communicator * sequence_group() const;
+    int                  sequence_ranks() const;
     // The losses' operands of a routed context of n rows.
     MoeRouterLoss loss_of(const Context & ctx, int64_t n) const;
     Parameter weight;   // (E, h)
