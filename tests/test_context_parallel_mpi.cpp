@@ -1,8 +1,9 @@
 // Context parallelism end to end, under mpirun: each CP rank trains on chunks r and 2 CP - 1 - r of the same
 // samples (train::context_parallel_part), against the single-rank run every rank computes first. 2 ranks:
 // CP 2 with each --cp-comm-type (p2p, allgather; a2a on the Llama-style model: RoPE, GQA with 2 groups,
-// --qk-layernorm, SwiGLU). 4 ranks: CP 4 with each type, CP 2 x TP 2 with sequence parallelism (Llama-
-// style), CP 2 x PP 2 with 2 virtual stages, and CP 2 x DP 2 with ZeRO-1 and both overlaps. Hidden and
+// --qk-layernorm, SwiGLU), and CP 2 x EP 2 with MoE layers. 4 ranks: CP 4 with each type, a2a+p2p as 2 x 2,
+// one type per layer, CP 2 x TP 2 with sequence parallelism (Llama-style), CP 2 x PP 2 with 2 virtual
+// stages, and CP 2 x DP 2 with ZeRO-1 and both overlaps. Hidden and
 // attention dropout are on (0.1): the masks are drawn by global position, so they are the single-rank run's.
 //
 // Tolerance. Context parallelism reorders sums: a query's softmax is merged from per-block partial sums
@@ -64,8 +65,19 @@ struct Layout {
     int                 cp = 2, tp = 1, pp = 1, vpp = 1, ep = 1;
     model::CpCommType   type = model::CpCommType::p2p;
     bool                llama = false, sp = false, zero1 = false, moe = false;
+    std::vector<model::CpCommType> per_layer;   // one type per layer instead of `type`
+    std::vector<int64_t>           hierarchical;   // a2a+p2p's sizes
+    static const char * type_name(model::CpCommType t) {
+        return t == model::CpCommType::p2p ? "p2p" : t == model::CpCommType::a2a ? "a2a"
+             : t == model::CpCommType::allgather ? "allgather" : "a2a+p2p";
+    }
     std::string name() const {
-        const char * t = type == model::CpCommType::p2p ? "p2p" : type == model::CpCommType::a2a ? "a2a" : "allgather";
+        std::string t = type_name(type);
+        if (!per_layer.empty()) {
+            t = "per layer";
+            for (model::CpCommType each : per_layer) t += std::string(" ") + type_name(each);
+        }
+        if (!hierarchical.empty()) t += " (" + std::to_string(hierarchical[0]) + " x " + std::to_string(hierarchical[1]) + ")";
         return std::string(llama ? "llama" : "gpt") + " cp " + std::to_string(cp) + " " + t +
                (tp > 1 ? " tp " + std::to_string(tp) : "") + (sp ? " sp" : "") + (pp > 1 ? " pp " + std::to_string(pp) : "") +
                (vpp > 1 ? " vpp " + std::to_string(vpp) : "") + (zero1 ? " zero-1, both overlaps" : "") +
@@ -88,11 +100,12 @@ Run parallel_run(const Layout & l) {
     sizes.ep         = l.ep;
     if (l.vpp > 1) sizes.vpp = l.vpp;
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
-    parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi);
+    parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi, 1, l.hierarchical);
 
-    train::TrainOptions o = small_options(l.llama, l.moe);
-    o.parallel            = config;
-    o.cp_comm_types       = {l.type};
+    train::TrainOptions o   = small_options(l.llama, l.moe);
+    o.parallel              = config;
+    o.cp_comm_types         = l.per_layer.empty() ? std::vector<model::CpCommType>{l.type} : l.per_layer;
+    o.hierarchical_cp_sizes = l.hierarchical;
     o.sequence_parallel   = l.sp;
     if (l.zero1) {
         o.ddp.use_distributed_optimizer = true;
@@ -176,6 +189,15 @@ TEST(ContextParallel, EachCommTypeFollowsTheSingleRankRun) {
 TEST(ContextParallel, MoeWithExpertParallelismFollowsTheSingleRankRun) {
     if (g_mpi->world_size() != 2) GTEST_SKIP() << "runs with 2 ranks";
     expect_follows_reference({.cp = 2, .ep = 2, .type = CpCommType::p2p, .moe = true});
+}
+
+// a2a+p2p: CP 4 as an all-to-all of heads inside pairs and a ring across them; and one type per layer.
+TEST(ContextParallel, HierarchicalAndPerLayerTypesFollowTheSingleRankRun) {
+    if (g_mpi->world_size() != 4) GTEST_SKIP() << "runs with 4 ranks";
+    expect_follows_reference({.cp = 4, .type = CpCommType::a2a_p2p, .hierarchical = {2, 2}});
+    expect_follows_reference({.cp = 4,
+                              .per_layer = {CpCommType::p2p, CpCommType::a2a_p2p, CpCommType::allgather, CpCommType::a2a},
+                              .hierarchical = {2, 2}});
 }
 
 TEST(ContextParallel, ComposesWithTensorPipelineAndDataParallelism) {

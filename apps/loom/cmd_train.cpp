@@ -141,7 +141,8 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
     if (mpi) {
         // The layout resolve() validated for this world size (train/options.h: TrainOptions::parallel).
         comm::CommunicatorFactory & factory = nccl ? *nccl : static_cast<comm::CommunicatorFactory &>(*mpi);
-        groups = parallel::ProcessGroups::create(options.parallel, factory, options.ddp.num_distributed_optimizer_instances);
+        groups = parallel::ProcessGroups::create(options.parallel, factory, options.ddp.num_distributed_optimizer_instances,
+                                                 options.hierarchical_cp_sizes);
     }
     const int rank = mpi ? mpi->world_rank() : 0;
     FILE *    out  = rank == 0 ? stdout : nullptr;

@@ -18,8 +18,9 @@ namespace loom::model {
 // How the ranks of a context-parallel group exchange keys and values (--cp-comm-type): p2p passes each
 // rank's K | V around a ring, one block per step, merging the partial attentions by log-sum-exp; allgather
 // gathers every rank's K | V first; a2a swaps the sequence split for a head split (all-to-all), runs whole-
-// sequence attention on this rank's heads and swaps back.
-enum class CpCommType { p2p, a2a, allgather };
+// sequence attention on this rank's heads and swaps back; a2a_p2p (a2a+p2p, hierarchical) swaps heads inside
+// groups of --hierarchical-context-parallel-sizes' first size and runs the ring across them.
+enum class CpCommType { p2p, a2a, allgather, a2a_p2p };
 
 
 enum class Normalization { layernorm, rmsnorm };

@@ -266,6 +266,15 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
                        << " query groups divisible by --context-parallel-size " << cp.size,
                    "give --cp-comm-type p2p or allgather, or heads (and query groups) divisible by TP x CP");
     }
+    if (cp.enabled() && cp_comm == CpCommType::a2a_p2p) {
+        LOOM_CHECK(cp.inner && cp.outer, "--cp-comm-type a2a+p2p without its inner and outer groups",
+                   "give --hierarchical-context-parallel-sizes");
+        const int inner = cp.inner->size();
+        LOOM_CHECK(heads % inner == 0 && groups % inner == 0,
+                   "--cp-comm-type a2a+p2p needs each tensor-parallel rank's " << heads << " attention heads and " << groups
+                       << " query groups divisible by the all-to-all's size " << inner,
+                   "choose --hierarchical-context-parallel-sizes whose first size divides the heads");
+    }
     if (t.size > 1) {
         // This rank's heads' Q rows, then its groups' K rows, then their V rows, of the full [Q | K | V].
         const int64_t d = c.head_dim(), a = c.num_attention_heads, g = c.num_query_groups;
@@ -420,21 +429,25 @@ namespace {
 // run while it computes; arrive() makes the compute stream wait for them before it reads what came.
 class RingPass {
 public:
-    RingPass(const ContextParallel & cp, std::initializer_list<Tensor> tensors) : cp_(cp) {
-        Device & dev     = tensors.begin()->device();
-        Stream & compute = dev.compute_stream();
-        overlapped_      = cp.streams && graph_being_captured() == nullptr;
-        Stream & on      = overlapped_ ? *cp.streams->stream : compute;
+    // Around the ring of `ring` (the CP group, or a2a+p2p's outer group).
+    RingPass(const ContextParallel & cp, std::initializer_list<Tensor> tensors, comm::Communicator * ring = nullptr)
+        : cp_(cp) {
+        comm::Communicator & group = ring ? *ring : *cp.group;
+        const int            rank = group.rank(), size = group.size();
+        Device &             dev     = tensors.begin()->device();
+        Stream &             compute = dev.compute_stream();
+        overlapped_ = cp.streams && graph_being_captured() == nullptr;
+        Stream & on = overlapped_ ? *cp.streams->stream : compute;
         if (overlapped_) {
             compute.record(*cp.streams->ready);
             on.wait(*cp.streams->ready);
         }
         for (const Tensor & t : tensors) {
             Tensor out = Tensor::empty(t.shape(), t.dtype(), dev, {MemoryKind::device, kActivationsPool});
-            std::vector<int64_t> send(static_cast<size_t>(cp.size), 0), recv(static_cast<size_t>(cp.size), 0);
-            send[static_cast<size_t>((cp.rank + 1) % cp.size)]           = t.numel();
-            recv[static_cast<size_t>((cp.rank - 1 + cp.size) % cp.size)] = t.numel();
-            cp.group->all_to_all(t, send, out, recv, &on);
+            std::vector<int64_t> send(static_cast<size_t>(size), 0), recv(static_cast<size_t>(size), 0);
+            send[static_cast<size_t>((rank + 1) % size)]        = t.numel();
+            recv[static_cast<size_t>((rank - 1 + size) % size)] = t.numel();
+            group.all_to_all(t, send, out, recv, &on);
             received_.push_back(out);
         }
         if (overlapped_) on.record(*cp.streams->done);
@@ -451,26 +464,27 @@ private:
     std::vector<Tensor>     received_;
 };
 
-Tensor ring_pass(const ContextParallel & cp, const Tensor & t) { return RingPass(cp, {t}).arrive().front(); }
+Tensor ring_pass(const ContextParallel & cp, const Tensor & t, comm::Communicator * ring = nullptr) {
+    return RingPass(cp, {t}, ring).arrive().front();
+}
 
 // A row block of columns for the all-to-all of heads: rank j's share is columns [base + j w, base + (j + 1) w).
 struct HeadColumns {
     int64_t base, width;
 };
 
-// The a2a exchange's two directions. Local rows (n = s b, every head) of each rank <-> the whole sequence's
-// rows (S b, S = CP s, in position order) of this rank's share of the heads: block j of the all-to-all
-// carries this rank's rows of rank j's heads, and a rank's rows are its two chunks (ContextParallel).
-Tensor heads_to_sequence(const ContextParallel & cp, const Tensor & local, int64_t s, int64_t b,
-                         const std::vector<HeadColumns> & columns) {
-    Device &      dev = local.device();
-    Ops &         ops = dev.ops();
-    Stream &      stream = dev.compute_stream();
-    const int64_t n = s * b, chunk_rows = s / 2 * b;
-    int64_t       width = 0;
+// The all-to-all of heads over `group` (of `size` ranks): this rank's rows (n = s b) of every head ->
+// every member's rows of this rank's share of the heads, member-major ((size n, width): block i is member
+// i's rows). Block j of the exchange carries this rank's rows of member j's heads.
+Tensor exchange_heads(comm::Communicator & group, int size, const Tensor & local, int64_t n,
+                      const std::vector<HeadColumns> & columns) {
+    Device & dev    = local.device();
+    Ops &    ops    = dev.ops();
+    Stream & stream = dev.compute_stream();
+    int64_t  width  = 0;
     for (const HeadColumns & c : columns) width += c.width;
-    Tensor send = activation(dev, cp.size * n, width), recv = activation(dev, cp.size * n, width);
-    for (int j = 0; j < cp.size; ++j) {
+    Tensor send = activation(dev, size * n, width), recv = activation(dev, size * n, width);
+    for (int j = 0; j < size; ++j) {
         const Tensor block = send.narrow(0, j * n, n);
         int64_t      at    = 0;
         for (const HeadColumns & c : columns) {
@@ -478,32 +492,23 @@ Tensor heads_to_sequence(const ContextParallel & cp, const Tensor & local, int64
             at += c.width;
         }
     }
-    const std::vector<int64_t> counts(static_cast<size_t>(cp.size), n * width);
-    cp.group->all_to_all(send, counts, recv, counts, &stream);
-    Tensor whole = activation(dev, cp.size * n, width);
-    for (int i = 0; i < cp.size; ++i) {   // rank i's chunks i and 2 CP - 1 - i
-        const SeqPositions at = cp.positions(s, i);
-        ops.copy(stream, recv.narrow(0, i * n, chunk_rows), whole.narrow(0, at(0) * b, chunk_rows));
-        ops.copy(stream, recv.narrow(0, i * n + chunk_rows, chunk_rows), whole.narrow(0, at(s / 2) * b, chunk_rows));
-    }
-    return whole;
+    const std::vector<int64_t> counts(static_cast<size_t>(size), n * width);
+    group.all_to_all(send, counts, recv, counts, &stream);
+    return recv;
 }
 
-void sequence_to_heads(const ContextParallel & cp, const Tensor & whole, int64_t s, int64_t b,
-                       const std::vector<HeadColumns> & columns, const Tensor & local) {
-    Device &      dev = whole.device();
-    Ops &         ops = dev.ops();
+// exchange_heads' inverse: member-major rows of this rank's heads -> this rank's rows of every head, into
+// `local`'s columns.
+void exchange_heads_back(comm::Communicator & group, int size, const Tensor & members, int64_t n,
+                         const std::vector<HeadColumns> & columns, const Tensor & local) {
+    Device &      dev    = members.device();
+    Ops &         ops    = dev.ops();
     Stream &      stream = dev.compute_stream();
-    const int64_t n = s * b, chunk_rows = s / 2 * b, width = whole.size(1);
-    Tensor        send = activation(dev, cp.size * n, width), recv = activation(dev, cp.size * n, width);
-    for (int i = 0; i < cp.size; ++i) {
-        const SeqPositions at = cp.positions(s, i);
-        ops.copy(stream, whole.narrow(0, at(0) * b, chunk_rows), send.narrow(0, i * n, chunk_rows));
-        ops.copy(stream, whole.narrow(0, at(s / 2) * b, chunk_rows), send.narrow(0, i * n + chunk_rows, chunk_rows));
-    }
-    const std::vector<int64_t> counts(static_cast<size_t>(cp.size), n * width);
-    cp.group->all_to_all(send, counts, recv, counts, &stream);
-    for (int j = 0; j < cp.size; ++j) {
+    const int64_t width  = members.size(1);
+    Tensor        recv   = activation(dev, size * n, width);
+    const std::vector<int64_t> counts(static_cast<size_t>(size), n * width);
+    group.all_to_all(members, counts, recv, counts, &stream);
+    for (int j = 0; j < size; ++j) {
         const Tensor block = recv.narrow(0, j * n, n);
         int64_t      at    = 0;
         for (const HeadColumns & c : columns) {
@@ -513,11 +518,44 @@ void sequence_to_heads(const ContextParallel & cp, const Tensor & whole, int64_t
     }
 }
 
+// The a2a exchange's two directions over the whole CP group, with the rows in position order: local rows
+// (every head) of each rank <-> the whole sequence's rows (S b, S = CP s) of this rank's share of the heads.
+// A rank's rows are its two chunks (ContextParallel).
+Tensor heads_to_sequence(const ContextParallel & cp, const Tensor & local, int64_t s, int64_t b,
+                         const std::vector<HeadColumns> & columns) {
+    Device &      dev = local.device();
+    const int64_t n = s * b, chunk_rows = s / 2 * b;
+    const Tensor  recv  = exchange_heads(*cp.group, cp.size, local, n, columns);
+    Tensor        whole = activation(dev, cp.size * n, recv.size(1));
+    for (int i = 0; i < cp.size; ++i) {   // rank i's chunks i and 2 CP - 1 - i
+        const SeqPositions at = cp.positions(s, i);
+        dev.ops().copy(dev.compute_stream(), recv.narrow(0, i * n, chunk_rows), whole.narrow(0, at(0) * b, chunk_rows));
+        dev.ops().copy(dev.compute_stream(), recv.narrow(0, i * n + chunk_rows, chunk_rows),
+                       whole.narrow(0, at(s / 2) * b, chunk_rows));
+    }
+    return whole;
+}
+
+void sequence_to_heads(const ContextParallel & cp, const Tensor & whole, int64_t s, int64_t b,
+                       const std::vector<HeadColumns> & columns, const Tensor & local) {
+    Device &      dev = whole.device();
+    const int64_t n = s * b, chunk_rows = s / 2 * b;
+    Tensor        members = activation(dev, cp.size * n, whole.size(1));
+    for (int i = 0; i < cp.size; ++i) {
+        const SeqPositions at = cp.positions(s, i);
+        dev.ops().copy(dev.compute_stream(), whole.narrow(0, at(0) * b, chunk_rows), members.narrow(0, i * n, chunk_rows));
+        dev.ops().copy(dev.compute_stream(), whole.narrow(0, at(s / 2) * b, chunk_rows),
+                       members.narrow(0, i * n + chunk_rows, chunk_rows));
+    }
+    exchange_heads_back(*cp.group, cp.size, members, n, columns, local);
+}
+
 }  // namespace
 
 void SelfAttention::cp_forward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const AttentionShape & shape,
                                float scale, const Dropout & dropout) {
     if (cp_comm == CpCommType::a2a) return a2a_forward(ctx, q_k_v, out, shape, scale, dropout);
+    if (cp_comm == CpCommType::a2a_p2p) return hierarchical_forward(ctx, q_k_v, out, shape, scale, dropout);
     Device &      dev    = q_k_v.device();
     Ops &         ops    = dev.ops();
     Stream &      stream = dev.compute_stream();
@@ -558,6 +596,7 @@ void SelfAttention::cp_forward(Context & ctx, const Tensor & q_k_v, const Tensor
 void SelfAttention::cp_backward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const Tensor & d_out,
                                 const Tensor & d_qkv, const AttentionShape & shape, float scale) {
     if (cp_comm == CpCommType::a2a) return a2a_backward(ctx, q_k_v, out, d_out, d_qkv, shape, scale);
+    if (cp_comm == CpCommType::a2a_p2p) return hierarchical_backward(ctx, q_k_v, out, d_out, d_qkv, shape, scale);
     Device &      dev    = q_k_v.device();
     Ops &         ops    = dev.ops();
     Stream &      stream = dev.compute_stream();
@@ -647,6 +686,112 @@ void SelfAttention::a2a_backward(Context & ctx, const Tensor & q_k_v, const Tens
     dev.ops().attention_backward(dev.compute_stream(), qkv_whole, out_whole, dout_whole, ctx.lse, dqkv_whole, whole,
                                  scale, key);
     sequence_to_heads(cp, dqkv_whole, shape.s, shape.b, qkv_columns, d_qkv);
+}
+
+namespace {
+
+// a2a+p2p's blocks: member i of the inner group (CP rank o ci + i for outer rank o) holds its two chunks.
+struct Hierarchy {
+    int ci, co, inner_rank, outer_rank;
+    explicit Hierarchy(const ContextParallel & cp)
+        : ci(cp.inner->size()), co(cp.outer->size()), inner_rank(cp.inner->rank()), outer_rank(cp.outer->rank()) {}
+    int cp_rank(int outer, int member) const { return outer * ci + member; }
+};
+
+}  // namespace
+
+void SelfAttention::hierarchical_forward(Context & ctx, const Tensor & q_k_v, const Tensor & out,
+                                         const AttentionShape & shape, float scale, const Dropout & dropout) {
+    Device &        dev    = q_k_v.device();
+    Ops &           ops    = dev.ops();
+    Stream &        stream = dev.compute_stream();
+    const Hierarchy h(cp);
+    const int64_t   n = shape.s * shape.b, hs = shape.nq / h.ci, gs = shape.nkv / h.ci, d = shape.d;
+    const int64_t   width = (hs + 2 * gs) * d, kv_width = 2 * gs * d;
+    Dropout         key   = dropout;
+    key.offset += h.inner_rank * hs;   // this rank's first head of the tensor-parallel rank's
+    // The inner group's rows (member-major) of this rank's heads, and their K | V, the block that travels.
+    const std::vector<HeadColumns> columns{{0, hs * d}, {shape.nq * d, gs * d}, {(shape.nq + shape.nkv) * d, gs * d}};
+    const Tensor members = exchange_heads(*cp.inner, h.ci, q_k_v, n, columns);
+    Tensor       kv      = activation(dev, h.ci * n, kv_width);
+    ops.copy_columns(stream, members, hs * d, kv, 0, kv_width);
+    Tensor out_m = activation(dev, h.ci * n, hs * d);
+    Tensor part = activation(dev, n, hs * d), part_lse = activation(dev, shape.b * hs, shape.s);
+    AttentionShape block{shape.s, shape.b, hs, gs, d, width};
+    block.kv_row_stride = kv_width;
+    block.k_col         = 0;
+    block.v_col         = gs * d;
+    // ctx.lse holds member i's (b, hs, s) at i b hs s: as many values as the plain lse.
+    auto lse_of = [&](int i) { return ctx.lse.slice(i * shape.b * hs * shape.s, {shape.b * hs, shape.s}); };
+    for (int step = 0; step < h.co; ++step) {
+        const int               peer = (h.outer_rank - step + h.co) % h.co;
+        std::optional<RingPass> next;
+        if (step + 1 < h.co) next.emplace(cp, std::initializer_list<Tensor>{kv}, cp.outer.get());
+        for (int i = 0; i < h.ci; ++i) {
+            block.q_pos = cp.positions(shape.s, h.cp_rank(h.outer_rank, i));
+            const Tensor q_i = members.narrow(0, i * n, n), out_i = out_m.narrow(0, i * n, n);
+            for (int j = 0; j < h.ci; ++j) {
+                block.k_pos = cp.positions(shape.s, h.cp_rank(peer, j));
+                const Tensor kv_j = kv.narrow(0, j * n, n);
+                if (step == 0 && j == 0) {
+                    ops.attention_forward(stream, q_i, kv_j, out_i, lse_of(i), block, scale, key);
+                } else {
+                    ops.attention_forward(stream, q_i, kv_j, part, part_lse, block, scale, key);
+                    ops.attention_merge(stream, out_i, lse_of(i), part, part_lse, block);
+                }
+            }
+        }
+        if (next) kv = next->arrive().front();
+    }
+    exchange_heads_back(*cp.inner, h.ci, out_m, n, {{0, hs * d}}, out);
+}
+
+void SelfAttention::hierarchical_backward(Context & ctx, const Tensor & q_k_v, const Tensor & out,
+                                          const Tensor & d_out, const Tensor & d_qkv, const AttentionShape & shape,
+                                          float scale) {
+    // The forward's head exchanges again, then the ring with each block's dK | dV travelling with it (all
+    // accumulated from zero: a member's dQ and a block's dK | dV each gather several blocks' shares).
+    Device &        dev    = q_k_v.device();
+    Ops &           ops    = dev.ops();
+    Stream &        stream = dev.compute_stream();
+    const Hierarchy h(cp);
+    const int64_t   n = shape.s * shape.b, hs = shape.nq / h.ci, gs = shape.nkv / h.ci, d = shape.d;
+    const int64_t   width = (hs + 2 * gs) * d, kv_width = 2 * gs * d;
+    Dropout         key   = ctx.dropout;
+    key.offset += h.inner_rank * hs;
+    const std::vector<HeadColumns> columns{{0, hs * d}, {shape.nq * d, gs * d}, {(shape.nq + shape.nkv) * d, gs * d}};
+    const std::vector<HeadColumns> out_columns{{0, hs * d}};
+    const Tensor members = exchange_heads(*cp.inner, h.ci, q_k_v, n, columns);
+    const Tensor out_m   = exchange_heads(*cp.inner, h.ci, out, n, out_columns);
+    const Tensor dout_m  = exchange_heads(*cp.inner, h.ci, d_out, n, out_columns);
+    Tensor       kv      = activation(dev, h.ci * n, kv_width);
+    ops.copy_columns(stream, members, hs * d, kv, 0, kv_width);
+    Tensor dmembers = activation(dev, h.ci * n, width), dkv = activation(dev, h.ci * n, kv_width);
+    ops.fill_zero(stream, dmembers);
+    ops.fill_zero(stream, dkv);
+    AttentionShape block{shape.s, shape.b, hs, gs, d, width};
+    block.kv_row_stride = kv_width;
+    block.k_col         = 0;
+    block.v_col         = gs * d;
+    auto lse_of = [&](int i) { return ctx.lse.slice(i * shape.b * hs * shape.s, {shape.b * hs, shape.s}); };
+    for (int step = 0; step < h.co; ++step) {
+        const int               peer = (h.outer_rank - step + h.co) % h.co;
+        std::optional<RingPass> next;
+        if (step + 1 < h.co) next.emplace(cp, std::initializer_list<Tensor>{kv}, cp.outer.get());
+        for (int i = 0; i < h.ci; ++i) {
+            block.q_pos = cp.positions(shape.s, h.cp_rank(h.outer_rank, i));
+            for (int j = 0; j < h.ci; ++j) {
+                block.k_pos = cp.positions(shape.s, h.cp_rank(peer, j));
+                ops.attention_backward(stream, members.narrow(0, i * n, n), kv.narrow(0, j * n, n),
+                                       out_m.narrow(0, i * n, n), dout_m.narrow(0, i * n, n), lse_of(i),
+                                       dmembers.narrow(0, i * n, n), dkv.narrow(0, j * n, n), block, scale, key, true);
+            }
+        }
+        if (next) kv = next->arrive().front();
+        dkv = ring_pass(cp, dkv, cp.outer.get());   // to the block's next holder, or after the last step home
+    }
+    ops.copy_columns(stream, dkv, 0, dmembers, hs * d, kv_width);
+    exchange_heads_back(*cp.inner, h.ci, dmembers, n, columns, d_qkv);
 }
 
 // ---------------------------------------------------------------------------------------------------

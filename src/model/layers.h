@@ -84,6 +84,10 @@ struct ContextParallel {
     // The TP x CP ranks (Megatron's tp_cp group): with sequence parallelism, every rank holding rows of this
     // rank's sequences (the MoE router sums its balancing counts there). Null without CP.
     std::shared_ptr<comm::Communicator> tp_cp;
+    // a2a+p2p (--hierarchical-context-parallel-sizes inner outer): CP rank r = i + o inner, in the inner
+    // group of consecutive CP ranks (the heads' all-to-all) and the outer group of every inner group's i-th
+    // rank (the ring). Null without a2a+p2p.
+    std::shared_ptr<comm::Communicator> inner, outer;
     // The ring's transfers run on their own stream ("cp-comm", with its two events), overlapped with the
     // attention of the block in hand; null: on the compute stream, in line (as inside a graph capture).
     struct Streams {
@@ -222,6 +226,12 @@ private:
                      const Dropout & dropout);
     void a2a_backward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const Tensor & d_out,
                       const Tensor & d_qkv, const AttentionShape & shape, float scale);
+    // The a2a+p2p variant: the heads' all-to-all inside the inner group, then the ring of the inner groups'
+    // K | V across the outer group, block by block (member by member).
+    void hierarchical_forward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const AttentionShape & shape,
+                              float scale, const Dropout & dropout);
+    void hierarchical_backward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const Tensor & d_out,
+                               const Tensor & d_qkv, const AttentionShape & shape, float scale);
 };
 
 class Mlp {

@@ -90,7 +90,7 @@ std::pair<RankGroups, RankGroups> instance_groups(const RankGroups & groups, int
 }  // namespace
 
 ProcessGroups ProcessGroups::create(const ParallelConfig & config, comm::CommunicatorFactory & factory,
-                                    int64_t dist_opt_instances) {
+                                    int64_t dist_opt_instances, const std::vector<int64_t> & hierarchical_cp) {
     CommPtr world = factory.world();
     LOOM_CHECK(world->size() == config.world_size(),
                "the parallel configuration is for a world of " << config.world_size() << " ranks, but "
@@ -104,6 +104,12 @@ ProcessGroups ProcessGroups::create(const ParallelConfig & config, comm::Communi
     LOOM_CHECK(config.edp() % dist_opt_instances == 0,
                "Expert data parallel size should be divisible by partial DistOpt shard factor: expert data-parallel "
                "size " << config.edp() << ", --num-distributed-optimizer-instances " << dist_opt_instances, "");
+    LOOM_CHECK(hierarchical_cp.empty() ||
+                   (hierarchical_cp.size() == 2 && hierarchical_cp[0] >= 1 && hierarchical_cp[1] >= 1 &&
+                    hierarchical_cp[0] * hierarchical_cp[1] == config.cp()),
+               "--hierarchical-context-parallel-sizes of " << hierarchical_cp.size() << " sizes for a2a+p2p over --context-parallel-size "
+                                                           << config.cp(),
+               "give two sizes, the all-to-all's and the ring's, whose product is the context-parallel size");
     ProcessGroups groups;
     groups.world = world;
     // Every rank walks the same kinds in the same order: the splits are collective over the world.
@@ -132,6 +138,11 @@ ProcessGroups ProcessGroups::create(const ParallelConfig & config, comm::Communi
             add(r, (r + 1) % pp, false);
             add((r + 1) % pp, r, true);
         }
+    }
+    if (!hierarchical_cp.empty()) {
+        const auto [inner, outer] = instance_groups(config.dense().get_ranks("cp"), hierarchical_cp[1]);
+        groups.cp_inner           = factory.split(inner, "cp-inner");
+        groups.cp_outer           = factory.split(outer, "cp-outer");
     }
     if (dist_opt_instances > 1) {
         const auto [intra, inter] = instance_groups(config.dense().get_ranks("dp"), dist_opt_instances);

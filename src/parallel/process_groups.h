@@ -62,10 +62,14 @@ struct ProcessGroups {
     // (intra_dp; intra_expert_dp from the expert data-parallel group), and the ranks at this rank's place in
     // every run (inter_dp, inter_expert_dp): Megatron's intra- and inter-partial data-parallel groups.
     CommPtr intra_dp, inter_dp, intra_expert_dp, inter_expert_dp;
+    // Hierarchical context parallelism (--hierarchical-context-parallel-sizes inner outer; null otherwise):
+    // each CP group cut into runs of `inner` consecutive ranks (cp_inner, the heads' all-to-all of a2a+p2p)
+    // and the ranks at this rank's place in every run (cp_outer, its ring). Megatron's hierarchical groups.
+    CommPtr cp_inner, cp_outer;
 
-    // Collective over the world: every rank must call it with the same config (and instances).
+    // Collective over the world: every rank must call it with the same config (and instances, and sizes).
     static ProcessGroups create(const ParallelConfig & config, comm::CommunicatorFactory & factory,
-                                int64_t dist_opt_instances = 1);
+                                int64_t dist_opt_instances = 1, const std::vector<int64_t> & hierarchical_cp = {});
 
     // The communicator of a group kind by its name ("tp", "expert-dp", ...); throws for unknown names.
     CommPtr by_name(const std::string & kind, bool expert) const;

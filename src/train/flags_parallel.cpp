@@ -86,11 +86,12 @@ const Flag<ParallelFlags> kParallelFlags[] = {
      "an overlap choice (the first bucket's gather with the optimizer step) under Megatron's rules: with "
      "--use-distributed-optimizer, --overlap-param-gather and virtual pipeline stages; the result is the same"},
     {"--cp-comm-type", kDist, &P::cp_comm_type,
-     "p2p, a2a or allgather (one, or one per layer): how context-parallel ranks exchange keys and values (a ring of "
-     "K|V blocks, an all-to-all of heads, or an all-gather); a2a+p2p is refused with --context-parallel-size > 1",
+     "p2p, a2a, allgather or a2a+p2p (one, or one per layer): how context-parallel ranks exchange keys and values (a "
+     "ring of K|V blocks, an all-to-all of heads, an all-gather, or an all-to-all inside groups and a ring across them)",
      kList | kShowDefault},
     {"--hierarchical-context-parallel-sizes", kDist, &P::hierarchical_cp_sizes,
-     "the context-parallel group's inner and outer sizes for a2a+p2p (their product is --context-parallel-size)", kList},
+     "the context-parallel group's inner (all-to-all) and outer (ring) sizes for a2a+p2p (their product is "
+     "--context-parallel-size)", kList},
     {"--tp-comm-overlap", kDist, &P::tp_comm_overlap,
      "a communication-overlap choice (Transformer Engine's userbuffers) under Megatron's rule, --sequence-parallel; "
      "Loom runs each tensor-parallel collective beside its GEMM, the result is the same"},
@@ -161,9 +162,14 @@ void resolve_parallel_sizes(const ParallelFlags & f, int64_t num_experts, const 
     const bool hierarchical = std::find(f.cp_comm_type.begin(), f.cp_comm_type.end(), "a2a+p2p") != f.cp_comm_type.end();
     LOOM_CHECK(!hierarchical || !f.hierarchical_cp_sizes.empty(),
                "--hierarchical-context-parallel-sizes must be set when a2a+p2p is used in cp comm", "");
-    LOOM_CHECK(f.context_parallel_size == 1 || !hierarchical,
-               "--cp-comm-type a2a+p2p (hierarchical context parallelism) is not supported by Loom yet",
-               "give p2p, a2a or allgather");
+    o.hierarchical_cp_sizes.clear();
+    if (hierarchical && f.context_parallel_size > 1) {
+        for (const std::string & word : f.hierarchical_cp_sizes) o.hierarchical_cp_sizes.push_back(std::stoll(*python_int_text(word)));
+        LOOM_CHECK(o.hierarchical_cp_sizes.size() == 2,
+                   "--hierarchical-context-parallel-sizes with " << o.hierarchical_cp_sizes.size()
+                                                                  << " sizes: Loom's a2a+p2p takes two levels",
+                   "give the all-to-all's size and the ring's, e.g. --hierarchical-context-parallel-sizes 2 2");
+    }
     // Megatron's argument checks of expert parallelism (validate_args) come before the world's decomposition.
     LOOM_CHECK(f.expert_parallel_size >= 1, "--expert-model-parallel-size must be >= 1, got " << f.expert_parallel_size,
                "parallel sizes are positive integers");
@@ -210,9 +216,10 @@ void resolve_ddp(const ParallelFlags & f, const Given & given, TrainOptions & o)
                "give one value, or one per layer");
     o.cp_comm_types.clear();
     for (const std::string & type : f.cp_comm_type) {
-        o.cp_comm_types.push_back(type == "a2a" ? model::CpCommType::a2a
+        o.cp_comm_types.push_back(type == "a2a"         ? model::CpCommType::a2a
                                   : type == "allgather" ? model::CpCommType::allgather
-                                                        : model::CpCommType::p2p);   // a2a+p2p is refused above
+                                  : type == "a2a+p2p"   ? model::CpCommType::a2a_p2p
+                                                        : model::CpCommType::p2p);
     }
     o.ddp.validate();
     const int64_t instances = o.ddp.num_distributed_optimizer_instances;   // parallel_state.py's asserts
@@ -287,12 +294,15 @@ void validate_layout(const TrainOptions & o) {
                                    << ") x --tensor-model-parallel-size (" << tp << ") with --sequence-parallel",
                    "each tensor-parallel rank holds an equal block of each context-parallel rank's positions");
         for (size_t i = 0; i < o.cp_comm_types.size(); ++i) {
-            if (o.cp_comm_types[i] != model::CpCommType::a2a) continue;
-            LOOM_CHECK(m.num_attention_heads % (tp * cp) == 0 && m.num_query_groups % (tp * cp) == 0,
-                       "--cp-comm-type a2a" << (o.cp_comm_types.size() > 1 ? " (layer " + std::to_string(i) + ")" : "")
+            if (o.cp_comm_types[i] != model::CpCommType::a2a && o.cp_comm_types[i] != model::CpCommType::a2a_p2p) continue;
+            // a2a splits the heads over CP, a2a+p2p over its all-to-all's size.
+            const int64_t a2a = o.cp_comm_types[i] == model::CpCommType::a2a ? cp : o.hierarchical_cp_sizes.at(0);
+            LOOM_CHECK(m.num_attention_heads % (tp * a2a) == 0 && m.num_query_groups % (tp * a2a) == 0,
+                       "--cp-comm-type " << (a2a == cp && o.cp_comm_types[i] == model::CpCommType::a2a ? "a2a" : "a2a+p2p")
+                           << (o.cp_comm_types.size() > 1 ? " (layer " + std::to_string(i) + ")" : "")
                            << " needs --num-attention-heads " << m.num_attention_heads << " and --num-query-groups "
-                           << m.num_query_groups << " divisible by --tensor-model-parallel-size x --context-parallel-size = "
-                           << tp * cp,
+                           << m.num_query_groups << " divisible by --tensor-model-parallel-size x the all-to-all's size = "
+                           << tp * a2a,
                        "the all-to-all gives each context-parallel rank an equal share of each tensor-parallel rank's heads");
         }
         LOOM_CHECK(o.ddp.num_distributed_optimizer_instances == 1,

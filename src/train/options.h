@@ -96,6 +96,8 @@ struct TrainOptions {
     bool           sequence_parallel      = false;   // --sequence-parallel (with tensor parallelism)
     // --cp-comm-type: one for every layer, or one per layer (context parallelism, model::ContextParallel).
     std::vector<model::CpCommType> cp_comm_types{model::CpCommType::p2p};
+    // --hierarchical-context-parallel-sizes (a2a+p2p: the all-to-all's size, then the ring's); empty: none.
+    std::vector<int64_t>           hierarchical_cp_sizes;
     int64_t        microbatch_group_size  = 0;   // --microbatch-group-size-per-virtual-pipeline-stage (0: pp)
     int64_t        layers_per_virtual_stage = 0;   // --num-layers-per-virtual-pipeline-stage (0: unset)
     int64_t        first_stage_layers       = 0;   // --decoder-first-pipeline-num-layers (0: even split)

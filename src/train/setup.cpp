@@ -1,5 +1,7 @@
 #include "train/setup.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "model/hf_gpt2.h"
 #include "optim/distributed_optimizer.h"
@@ -85,6 +87,13 @@ Setup setup(const TrainOptions & options, const parallel::ProcessGroups & groups
         context.rank  = groups.cp->rank();
         context.size  = groups.cp->size();
         context.tp_cp = groups.tp_cp;
+        context.inner = groups.cp_inner;
+        context.outer = groups.cp_outer;
+        const bool hierarchical = std::find(context.comm_types.begin(), context.comm_types.end(),
+                                            model::CpCommType::a2a_p2p) != context.comm_types.end();
+        LOOM_CHECK(!hierarchical || (context.inner && context.outer),
+                   "--cp-comm-type a2a+p2p without the hierarchical context-parallel groups",
+                   "give --hierarchical-context-parallel-sizes (the process groups are built from it)");
         context.streams = std::make_shared<model::ContextParallel::Streams>(device);
     }
     std::vector<std::unique_ptr<model::GptModel>> owned;
