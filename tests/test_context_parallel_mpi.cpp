@@ -37,7 +37,7 @@ namespace {
 
 comm::MpiContext * g_mpi = nullptr;
 
-train::TrainOptions small_options(bool llama, bool moe = false) {
+train::TrainOptions small_options(bool llama, bool moe = false, bool sinkhorn = false) {
     train::TrainOptions o = testing_models::small_gpt_options(4, 4, 20);
     o.lr_warmup_iters     = 3;
     if (moe) {   // 4 experts, top-2, both router losses, tokens exchanged by all-to-all (no expert biases)
@@ -47,6 +47,11 @@ train::TrainOptions small_options(bool llama, bool moe = false) {
         o.model.moe.z_loss_coeff   = 1e-3f;
         o.model.moe.dispatcher     = model::MoeDispatcher::alltoall;
         o.model.add_bias_linear    = false;
+        if (sinkhorn) {   // top-1 by sinkhorn over every row of the micro-batch: the CP ranks' rows gathered
+            o.model.moe.topk           = 1;
+            o.model.moe.load_balancing = model::MoeLoadBalancing::sinkhorn;
+            o.model.moe.aux_loss_coeff = 0.0f;
+        }
     }
     if (llama) {
         model::GptConfig l         = model::gpt_preset("llama-tiny");
@@ -64,7 +69,7 @@ train::TrainOptions small_options(bool llama, bool moe = false) {
 struct Layout {
     int                 cp = 2, tp = 1, pp = 1, vpp = 1, ep = 1;
     model::CpCommType   type = model::CpCommType::p2p;
-    bool                llama = false, sp = false, zero1 = false, moe = false;
+    bool                llama = false, sp = false, zero1 = false, moe = false, sinkhorn = false;
     std::vector<model::CpCommType> per_layer;   // one type per layer instead of `type`
     std::vector<int64_t>           hierarchical;   // a2a+p2p's sizes
     static const char * type_name(model::CpCommType t) {
@@ -81,7 +86,7 @@ struct Layout {
         return std::string(llama ? "llama" : "gpt") + " cp " + std::to_string(cp) + " " + t +
                (tp > 1 ? " tp " + std::to_string(tp) : "") + (sp ? " sp" : "") + (pp > 1 ? " pp " + std::to_string(pp) : "") +
                (vpp > 1 ? " vpp " + std::to_string(vpp) : "") + (zero1 ? " zero-1, both overlaps" : "") +
-               (moe ? " moe ep " + std::to_string(ep) : "");
+               (moe ? " moe ep " + std::to_string(ep) : "") + (sinkhorn ? " sinkhorn" : "");
     }
 };
 
@@ -102,7 +107,7 @@ Run parallel_run(const Layout & l) {
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi, 1, l.hierarchical);
 
-    train::TrainOptions o   = small_options(l.llama, l.moe);
+    train::TrainOptions o   = small_options(l.llama, l.moe, l.sinkhorn);
     o.parallel              = config;
     o.cp_comm_types         = l.per_layer.empty() ? std::vector<model::CpCommType>{l.type} : l.per_layer;
     o.hierarchical_cp_sizes = l.hierarchical;
@@ -130,7 +135,7 @@ Run parallel_run(const Layout & l) {
 
 void expect_follows_reference(const Layout & l) {
     SCOPED_TRACE(l.name());
-    const testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(l.llama, l.moe));
+    const testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(l.llama, l.moe, l.sinkhorn));
     const Run                           run = parallel_run(l);
     ASSERT_EQ(run.losses.size(), ref.losses.size());
     double worst_loss = 0, worst_param = 0;
@@ -151,7 +156,7 @@ void expect_follows_reference(const Layout & l) {
         }
         const std::vector<float> expected = slice.dim >= 0 ? model::tp_extract(slice, full.data()) : full;
         ASSERT_EQ(shard.size(), expected.size()) << pname;
-        const model::GptConfig & m = small_options(l.llama, l.moe).model;
+        const model::GptConfig & m = small_options(l.llama, l.moe, l.sinkhorn).model;
         const bool   key_bias = pname.find(".attention.qkv.bias") != std::string::npos;
         const size_t k0 = static_cast<size_t>(m.num_attention_heads * m.head_dim()),
                      k1 = k0 + static_cast<size_t>(m.num_query_groups * m.head_dim());
@@ -189,6 +194,7 @@ TEST(ContextParallel, EachCommTypeFollowsTheSingleRankRun) {
 TEST(ContextParallel, MoeWithExpertParallelismFollowsTheSingleRankRun) {
     if (g_mpi->world_size() != 2) GTEST_SKIP() << "runs with 2 ranks";
     expect_follows_reference({.cp = 2, .ep = 2, .type = CpCommType::p2p, .moe = true});
+    expect_follows_reference({.cp = 2, .type = CpCommType::p2p, .moe = true, .sinkhorn = true});
 }
 
 // a2a+p2p: CP 4 as an all-to-all of heads inside pairs and a ring across them; and one type per layer.

@@ -1,6 +1,6 @@
 // Launch configurations written the way Megatron's functional tests write them (tests/launch_configs/*.yaml:
 // ENV_VARS and MODEL_ARGS as in tests/functional_tests/test_cases/gpt/*/model_config.yaml, with tiny sizes),
-// replayed under mpirun at their own TP x PP x DP: each trains to exit 0 with its validation, TensorBoard
+// replayed under mpirun at their own TP x CP x PP x DP (x EP): each trains to exit 0 with its validation, TensorBoard
 // files and checkpoints; a ckpt-resume configuration stops halfway (--exit-interval), then resumes from its
 // checkpoint with the same command line and finishes.
 #include "loom_cli_runner.h"

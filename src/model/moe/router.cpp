@@ -40,10 +40,6 @@ Router::Router(const std::string & name, const GptConfig & config, const MoeConf
     if (m.load_balancing == MoeLoadBalancing::sinkhorn) {
         require_supported(device, {"moe_sinkhorn_topk", 0, m.topk}, "--moe-router-load-balancing-type sinkhorn");
     }
-    LOOM_CHECK(!cp.enabled() || m.load_balancing != MoeLoadBalancing::sinkhorn,
-               "--moe-router-load-balancing-type sinkhorn with --context-parallel-size " << cp.size,
-               "sinkhorn balances over every row of the micro-batch, which context parallelism spreads over ranks; "
-               "choose aux_loss, seq_aux_loss or none");
     tp.replicated(weight);   // every TP rank routes its own rows with the whole gate
     if (has_bias) {
         bias                 = parameter_create(name + ".bias", {m.num_experts}, config.params_dtype, device);
@@ -97,10 +93,16 @@ void Router::route(Context & ctx, const Tensor & logits, int64_t b, bool trainin
 
     const MoeRouting routing = routing_of(moe);
     if (moe.load_balancing == MoeLoadBalancing::sinkhorn && training) {
-        // Sinkhorn balances over every row of the micro-batch: under sequence parallelism the group's rows,
-        // gathered, so each rank selects as the single-rank run does.
-        const Tensor all = tp.sp() ? tp.all_gather(logits) : logits;
-        ops.moe_sinkhorn_topk(stream, all, tp.sp() ? tp.rank * n : 0, routing, ctx.top_idx, ctx.probs);
+        // Sinkhorn balances over every row of the micro-batch: under sequence (and context) parallelism the
+        // rows of every rank holding part of it, gathered, so each rank selects as the single-rank run does
+        // (to the rounding of the balancing sums, taken in the gathered order).
+        comm::Communicator * group = sequence_group();
+        Tensor               all   = logits;
+        if (group) {
+            all = activation(device, n * group->size(), E);
+            group->all_gather(logits, all, &stream);
+        }
+        ops.moe_sinkhorn_topk(stream, all, group ? group->rank() * n : 0, routing, ctx.top_idx, ctx.probs);
     } else {
         ops.moe_topk(stream, logits, routing, ctx.top_idx, ctx.probs);
     }
