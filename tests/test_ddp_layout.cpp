@@ -604,6 +604,57 @@ TEST(DdpLayout, BucketGroupsOnePerBucketDenseBeforeExpert) {
     EXPECT_EQ(groups(compute_layout(params, o)), (Groups{{{0, 0}, {0, 1}, {1, 0}}}));
 }
 
+// Megatron's one DDP per model chunk (section 1.5): with a bucket size of 100 elements and the distributed
+// optimizer at dp 2, only chunk 0 of pipeline rank 0 is cut into buckets (one group each); chunk 1 is one
+// bucket per buffer, its buckets one group; on pipeline rank 1 chunk 0 is unbucketed too, apart from the
+// shared embedding's own bucket (two buckets, two groups); --overlap-param-gather-with-optimizer-step
+// leaves every chunk unbucketed with one group each. Chunks lay out one after the other, each its dense
+// buffers then its expert buffers.
+TEST(DdpLayout, LaterChunksAndStagesAreOneBucketAsMegatronsDdpPerChunk) {
+    auto in_chunk = [](ParamSpec p, int chunk) {
+        p.chunk = chunk;
+        return p;
+    };
+    const std::vector<ParamSpec> params = {
+        in_chunk(param("c0.a", {100}), 0), in_chunk(param("c0.b", {100}), 0), in_chunk(param("c0.x", {100}, DType::f32, false, true), 0),
+        in_chunk(param("c1.a", {100}), 1), in_chunk(param("c1.b", {100}), 1), in_chunk(param("c1.emb", {100}, DType::f32, true), 1)};
+    using Groups = std::vector<std::vector<std::pair<int, int>>>;
+    auto groups  = [](const Layout & l) {
+        Groups g;
+        for (const auto & group : l.bucket_groups) {
+            g.emplace_back();
+            for (const BucketRef & r : group) g.back().push_back({r.buffer, r.bucket});
+        }
+        return g;
+    };
+    auto chunks = [](const Layout & l) {
+        std::vector<int> c;
+        for (const BufferLayout & b : l.buffers) c.push_back(b.chunk);
+        return c;
+    };
+    LayoutOptions o = distopt(2, 100);
+    Layout first    = compute_layout(params, o);
+    // Buffers: chunk 0 dense (2 buckets), chunk 0 expert (1), chunk 1 dense (the shared embedding alone, the rest).
+    EXPECT_EQ(chunks(first), (std::vector<int>{0, 0, 1}));
+    ASSERT_EQ(first.buffers.size(), 3u);
+    EXPECT_EQ(first.buffers[0].buckets.size(), 2u);
+    EXPECT_EQ(first.buffers[2].buckets.size(), 2u) << "the shared embedding keeps a bucket of its own";
+    EXPECT_EQ(groups(first), (Groups{{{0, 0}}, {{0, 1}}, {{1, 0}}, {{2, 0}, {2, 1}}}));
+
+    o.pipeline_rank = 1;   // a later stage: no chunk is cut by the size
+    Layout later    = compute_layout(params, o);
+    EXPECT_EQ(later.buffers[0].buckets.size(), 1u);
+    EXPECT_EQ(groups(later), (Groups{{{0, 0}}, {{1, 0}}, {{2, 0}, {2, 1}}}));
+
+    o.pipeline_rank                             = 0;
+    o.overlap_param_gather_with_optimizer_step  = true;
+    EXPECT_EQ(groups(compute_layout(params, o)), (Groups{{{0, 0}}, {{1, 0}}, {{2, 0}, {2, 1}}}));
+
+    // Chunks must come in order.
+    std::vector<ParamSpec> shuffled = {in_chunk(param("a", {10}), 1), in_chunk(param("b", {10}), 0)};
+    EXPECT_THROW(compute_layout(shuffled, o), Error);
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Shards cover every parameter (test_optimizer_shards_cover_every_param)
 
@@ -743,7 +794,7 @@ TEST(DdpLayoutViews, JsonOfTheWorkedExampleFollowsTheSchemaInOrder) {
     for (const auto & [key, value] : j["buffers"][0].items()) keys.push_back(key);
     EXPECT_EQ(keys, (std::vector<std::string>{"param_dtype", "grad_dtype", "is_expert_parallel",
                                               "data_parallel_world_size", "param_index_map", "bucket_indices",
-                                              "numel", "numel_unpadded", "buckets"}));
+                                              "numel", "numel_unpadded", "buckets", "chunk"}));
     EXPECT_EQ(j["buffers"][0]["param_index_map"].dump(), R"([["b",0,50,0],["w",64,164,0]])");
     EXPECT_EQ(j["buffers"][0]["buckets"].dump(), R"([{"bucket_id":0,"offset":0,"numel":256,"numel_unpadded":164}])");
     EXPECT_EQ(j["shards"].dump(),
@@ -838,6 +889,29 @@ TEST_F(LoomLayoutCli, WithoutDistoptThereAreNoShardsAndNoPadding) {
     EXPECT_FALSE(j.contains("shards"));
     EXPECT_EQ(j["buffers"][0]["param_index_map"].dump(), R"([["b",0,50,0],["w",50,150,0]])");
     EXPECT_EQ(j["buffers"][0]["numel"], 150);
+}
+
+// The stage and chunk from the command line: two chunks of the worked example's parameters at a bucket size
+// of 40 cut chunk 0 on pipeline rank 0 (two buckets), chunk 1 never; on pipeline rank 1 neither.
+TEST_F(LoomLayoutCli, ChunksAndThePipelineRankFollowMegatronsBucketing) {
+    const std::string chunked = write_file("chunks.json", R"({"params": [["w", [100], "float32"], ["b", [50], "float32"],
+        ["w1", [100], "float32", {"chunk": 1}], ["b1", [50], "float32", {"chunk": 1}]]})");
+    CliRun first = run_loom("layout --params " + chunked + " --dp 2 --bucket-size 40 --json", "2>/dev/null");
+    ASSERT_EQ(first.status, 0) << first.out;
+    nlohmann::json j = nlohmann::json::parse(first.out);
+    ASSERT_EQ(j["buffers"].size(), 2u);
+    EXPECT_EQ(j["buffers"][0]["chunk"], 0);
+    EXPECT_EQ(j["buffers"][1]["chunk"], 1);
+    EXPECT_EQ(j["buffers"][0]["bucket_indices"].dump(), "[[0,50],[50,150]]");
+    EXPECT_EQ(j["buffers"][1]["bucket_indices"].dump(), "[[0,150]]");
+    CliRun later = run_loom("layout --params " + chunked + " --dp 2 --bucket-size 40 --pipeline-rank 1 --json", "2>/dev/null");
+    ASSERT_EQ(later.status, 0) << later.out;
+    j = nlohmann::json::parse(later.out);
+    EXPECT_EQ(j["buffers"][0]["bucket_indices"].dump(), "[[0,150]]");
+    EXPECT_EQ(j["bucket_groups"].dump(), "[[[0,0]],[[1,0]]]");
+    CliRun table = run_loom("layout --params " + chunked + " --dp 2", "2>/dev/null");
+    EXPECT_NE(table.out.find("buffer 1 (chunk 1)"), std::string::npos) << table.out;
+    std::remove(chunked.c_str());
 }
 
 TEST_F(LoomLayoutCli, TableModePrintsBars) {

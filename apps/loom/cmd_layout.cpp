@@ -4,8 +4,9 @@
 //   loom layout --params model.json --dp 4 --use-distributed-optimizer    plus padding and each rank's shard
 //   loom layout ... --json                                                one JSON object (issue 4's schema)
 //
-// model.json: {"params": [[name, [d0, d1, ...], dtype, {"shared_embedding": true, "allreduce": false}?], ...]}
-// in registration (forward) order.
+// model.json: {"params": [[name, [d0, d1, ...], dtype, {"shared_embedding": true, "allreduce": false,
+// "chunk": 1}?], ...]} in registration (forward) order, chunk by chunk (model chunks after the first, as a
+// virtual pipeline rank holds them, are laid out as Megatron's DDP of each chunk: unbucketed, one group).
 #include "apps/loom/commands.h"
 #include "ddp/layout.h"
 
@@ -33,7 +34,7 @@ int cmd_layout(int argc, char ** argv) {
     bool            json = false;
     app.add_option("--params", params_path,
                    "JSON file {\"params\": [[name, [d0, ...], dtype, {\"shared_embedding\": true, "
-                   "\"allreduce\": false}?], ...]} in registration order")
+                   "\"allreduce\": false, \"chunk\": 1}?], ...]} in registration order, chunk by chunk")
         ->required();
     app.add_option("--dp", dp, "data-parallel size: dense buffers are reduced (and sharded) over it")
         ->capture_default_str();
@@ -48,6 +49,12 @@ int cmd_layout(int argc, char ** argv) {
                  "pad bucket ends to lcm(dp, 128, 65536) instead of lcm(dp, 128)");
     app.add_flag("--grad-reduce-in-fp32,--accumulate-allreduce-grads-in-fp32", options.grad_reduce_in_fp32,
                  "float32 grad buffers whatever the param dtype");
+    app.add_option("--pipeline-rank", options.pipeline_rank,
+                   "the pipeline stage these parameters are on: after the first, no buffer is cut by --bucket-size "
+                   "(Megatron's DDP on later stages)")
+        ->capture_default_str();
+    app.add_flag("--overlap-param-gather-with-optimizer-step", options.overlap_param_gather_with_optimizer_step,
+                 "no model chunk cut by --bucket-size, each chunk's buckets one group (Megatron's disable_bucketing)");
     app.add_flag("--json", json, "print one JSON object instead of the table");
 
     if (std::optional<int> status = parse_arguments(app, argc, argv)) {

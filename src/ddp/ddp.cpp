@@ -26,15 +26,19 @@ void DdpConfig::validate() const {
                "omit it for Megatron's default, max(40M, 1M x dp) elements with --overlap-grad-reduce");
 }
 
-std::optional<int64_t> effective_bucket_size(const DdpConfig & config, int64_t dp, bool first_pipeline_stage) {
-    if (!first_pipeline_stage || !config.overlap_grad_reduce) return std::nullopt;
+std::optional<int64_t> effective_bucket_size(const DdpConfig & config, int64_t dp) {
+    if (!config.overlap_grad_reduce) return std::nullopt;
     return config.bucket_size ? config.bucket_size : std::optional<int64_t>(default_bucket_size(dp));
 }
 
-std::vector<ParamSpec> param_specs(const std::vector<model::Parameter *> & params) {
+std::vector<ParamSpec> param_specs(const std::vector<model::Parameter *> & params, const std::vector<int> & chunk_of_param) {
+    LOOM_CHECK(chunk_of_param.empty() || chunk_of_param.size() == params.size(),
+               chunk_of_param.size() << " model chunks given for " << params.size() << " parameters", "");
     std::vector<ParamSpec> specs;
-    for (const model::Parameter * p : params) {
-        specs.push_back(ParamSpec{p->name, p->data.shape(), p->data.dtype(), p->shared_embedding, p->expert});
+    for (size_t i = 0; i < params.size(); ++i) {
+        const model::Parameter * p = params[i];
+        specs.push_back(ParamSpec{p->name, p->data.shape(), p->data.dtype(), p->shared_embedding, p->expert,
+                                  chunk_of_param.empty() ? 0 : chunk_of_param[i]});
     }
     return specs;
 }
@@ -43,7 +47,8 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
                                                  std::shared_ptr<comm::Communicator> dp_group, Device & device,
                                                  std::shared_ptr<comm::Communicator> expert_dp_group,
                                                  std::shared_ptr<comm::Communicator> inter_group,
-                                                 std::shared_ptr<comm::Communicator> inter_expert_group)
+                                                 std::shared_ptr<comm::Communicator> inter_expert_group,
+                                                 const DdpPlacement & placement)
     : config_(config),
       dp_group_(std::move(dp_group)),
       expert_dp_group_(expert_dp_group ? std::move(expert_dp_group) : dp_group_),
@@ -68,7 +73,7 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
                                                                     << dtype_name(p->main_grad.dtype()) << " main_grad",
                    "Loom accumulates gradients in float32");
     }
-    specs_ = param_specs(params_);
+    specs_ = param_specs(params_, placement.chunk_of_param);
     int64_t       dp = dp_group_->size();
     LayoutOptions options;
     options.dp                              = dp;
@@ -77,6 +82,8 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
     options.bucket_size                     = effective_bucket_size(config_, full_dp_);   // Megatron's: the whole dp
     options.pad_buckets_for_high_nccl_busbw = config_.pad_buckets_for_high_nccl_busbw;
     options.grad_reduce_in_fp32             = true;
+    options.pipeline_rank                   = placement.pipeline_rank;
+    options.overlap_param_gather_with_optimizer_step = placement.overlap_param_gather_with_optimizer_step;
     layout_ = compute_layout(specs_, options);
 
     // Buffers, and every parameter re-pointed at its range (values kept, padding zero), once the compute

@@ -73,13 +73,23 @@ struct DdpConfig {
     void validate() const;
 };
 
-// The bucket size the buffers use (section 1.5): without --overlap-grad-reduce or on a pipeline stage after
-// the first, none (one bucket per buffer, apart from the shared embedding's); else --ddp-bucket-size when
-// given, or Megatron's default max(40M, 1M x dp).
-std::optional<int64_t> effective_bucket_size(const DdpConfig & config, int64_t dp, bool first_pipeline_stage = true);
+// The bucket size the first model chunk of the first pipeline stage uses (section 1.5): without
+// --overlap-grad-reduce none (one bucket per buffer, apart from the shared embedding's); else
+// --ddp-bucket-size when given, or Megatron's default max(40M, 1M x dp). The layout leaves the other
+// chunks and stages unbucketed (layout.h).
+std::optional<int64_t> effective_bucket_size(const DdpConfig & config, int64_t dp);
 
-// The layout parameters of a model, in registration order.
-std::vector<ParamSpec> param_specs(const std::vector<model::Parameter *> & params);
+// Where a rank's parameters sit in the pipeline: the model chunk of each parameter (in order; empty: all in
+// chunk 0), the rank's pipeline stage, and --overlap-param-gather-with-optimizer-step (no chunk bucketed).
+struct DdpPlacement {
+    std::vector<int> chunk_of_param;
+    int64_t          pipeline_rank = 0;
+    bool             overlap_param_gather_with_optimizer_step = false;
+};
+
+// The layout parameters of a model, in registration order (chunk 0 unless `chunk_of_param` says).
+std::vector<ParamSpec> param_specs(const std::vector<model::Parameter *> & params,
+                                   const std::vector<int> & chunk_of_param = {});
 
 class DistributedDataParallel {
 public:
@@ -93,7 +103,8 @@ public:
                             std::shared_ptr<comm::Communicator> dp_group, Device & device,
                             std::shared_ptr<comm::Communicator> expert_dp_group = nullptr,
                             std::shared_ptr<comm::Communicator> inter_group = nullptr,
-                            std::shared_ptr<comm::Communicator> inter_expert_group = nullptr);
+                            std::shared_ptr<comm::Communicator> inter_expert_group = nullptr,
+                            const DdpPlacement & placement = {});
     ~DistributedDataParallel();
     DistributedDataParallel(const DistributedDataParallel &) = delete;
     DistributedDataParallel & operator=(const DistributedDataParallel &) = delete;

@@ -29,6 +29,7 @@ void validate(const std::vector<ParamSpec> & params, const LayoutOptions & optio
                "dense buffers are reduced and sharded over --dp ranks; use 1 for a single rank");
     LOOM_CHECK(options.edp >= 1, "--edp (expert data-parallel size) must be >= 1, got " << options.edp,
                "expert buffers are reduced and sharded over --edp ranks; leave it out to use --dp");
+    LOOM_CHECK(options.pipeline_rank >= 0, "--pipeline-rank must be >= 0, got " << options.pipeline_rank, "");
     LOOM_CHECK(!options.bucket_size || *options.bucket_size >= 1,
                "--ddp-bucket-size (--bucket-size) must be >= 1 element, got " << *options.bucket_size,
                "leave it out for no size limit (one bucket per buffer)");
@@ -107,10 +108,11 @@ void place_buffer(BufferLayout & buffer, const std::vector<int> & members, const
     }
 }
 
-// docs/design/ddp_and_optimizers.md 1.7 without FP8 buffers: one group per bucket, or one group of every bucket.
-void partition_buckets(Layout & layout, bool expert, bool force_single_bucket_group) {
+// docs/design/ddp_and_optimizers.md 1.7 without FP8 buffers: one group per bucket, or one group of every bucket,
+// over the buffers from `first` (one chunk's).
+void partition_buckets(Layout & layout, size_t first, bool expert, bool force_single_bucket_group) {
     std::vector<BucketRef> single;
-    for (size_t b = 0; b < layout.buffers.size(); ++b) {
+    for (size_t b = first; b < layout.buffers.size(); ++b) {
         const BufferLayout & buffer = layout.buffers[b];
         if (buffer.is_expert_parallel != expert) {
             continue;
@@ -231,39 +233,58 @@ const ParamPlace & BufferLayout::place_of(int param) const {
 
 Layout compute_layout(const std::vector<ParamSpec> & params, const LayoutOptions & options) {
     validate(params, options);
-
-    // One buffer per key, keys in order of first appearance; dense keys before expert keys.
-    std::vector<BufferKey>        keys;
-    std::vector<std::vector<int>> members;
-    for (bool expert : {false, true}) {
-        for (size_t i = 0; i < params.size(); ++i) {
-            const ParamSpec & p = params[i];
-            if (p.expert != expert) {
-                continue;
-            }
-            BufferKey key{p.param_dtype, options.grad_reduce_in_fp32 ? DType::f32 : p.param_dtype, p.expert};
-            auto      found = std::find(keys.begin(), keys.end(), key);
-            if (found == keys.end()) {
-                keys.push_back(key);
-                members.emplace_back();
-                found = keys.end() - 1;
-            }
-            members[found - keys.begin()].push_back(static_cast<int>(i));
-        }
+    int chunks = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+        LOOM_CHECK(params[i].chunk >= 0 && params[i].chunk >= chunks - 1 && params[i].chunk <= chunks,
+                   "parameter " << i << " ('" << params[i].name << "') is in model chunk " << params[i].chunk
+                                << " after chunk " << chunks - 1,
+                   "list each chunk's parameters together, chunks in order from 0");
+        chunks = std::max(chunks, params[i].chunk + 1);
     }
 
     Layout layout;
-    for (size_t b = 0; b < keys.size(); ++b) {
-        BufferLayout buffer;
-        buffer.param_dtype              = keys[b].param_dtype;
-        buffer.grad_dtype               = keys[b].grad_dtype;
-        buffer.is_expert_parallel       = keys[b].expert;
-        buffer.data_parallel_world_size = keys[b].expert ? options.edp : options.dp;
-        place_buffer(buffer, members[b], params, options);
-        layout.buffers.push_back(std::move(buffer));
+    for (int chunk = 0; chunk < chunks; ++chunk) {
+        // Megatron's DDP of this chunk: bucket_size=None on later pipeline ranks and for later chunks
+        // (disable_bucketing, which also makes one bucket group), or for every chunk with the optimizer-
+        // step overlap.
+        const bool    disable_bucketing = chunk > 0 || options.overlap_param_gather_with_optimizer_step;
+        LayoutOptions mine              = options;
+        if (options.pipeline_rank > 0 || disable_bucketing) mine.bucket_size.reset();
+        mine.force_single_bucket_group = options.force_single_bucket_group || disable_bucketing;
+
+        // One buffer per key, keys in order of first appearance; dense keys before expert keys.
+        std::vector<BufferKey>        keys;
+        std::vector<std::vector<int>> members;
+        for (bool expert : {false, true}) {
+            for (size_t i = 0; i < params.size(); ++i) {
+                const ParamSpec & p = params[i];
+                if (p.expert != expert || p.chunk != chunk) {
+                    continue;
+                }
+                BufferKey key{p.param_dtype, options.grad_reduce_in_fp32 ? DType::f32 : p.param_dtype, p.expert};
+                auto      found = std::find(keys.begin(), keys.end(), key);
+                if (found == keys.end()) {
+                    keys.push_back(key);
+                    members.emplace_back();
+                    found = keys.end() - 1;
+                }
+                members[found - keys.begin()].push_back(static_cast<int>(i));
+            }
+        }
+        const size_t first = layout.buffers.size();
+        for (size_t b = 0; b < keys.size(); ++b) {
+            BufferLayout buffer;
+            buffer.chunk                    = chunk;
+            buffer.param_dtype              = keys[b].param_dtype;
+            buffer.grad_dtype               = keys[b].grad_dtype;
+            buffer.is_expert_parallel       = keys[b].expert;
+            buffer.data_parallel_world_size = keys[b].expert ? options.edp : options.dp;
+            place_buffer(buffer, members[b], params, mine);
+            layout.buffers.push_back(std::move(buffer));
+        }
+        partition_buckets(layout, first, false, mine.force_single_bucket_group);
+        partition_buckets(layout, first, true, mine.force_single_bucket_group);
     }
-    partition_buckets(layout, false, options.force_single_bucket_group);
-    partition_buckets(layout, true, options.force_single_bucket_group);
     return layout;
 }
 
@@ -334,6 +355,7 @@ std::string layout_json(const Layout & layout, const std::vector<ParamSpec> & pa
             k["numel_unpadded"] = bucket.numel_unpadded;
             b["buckets"].push_back(std::move(k));
         }
+        b["chunk"] = buffer.chunk;   // the model chunk (virtual stage) on this rank
         out["buffers"].push_back(std::move(b));
     }
     out["bucket_groups"] = ordered_json::array();
@@ -376,7 +398,9 @@ std::string layout_table(const Layout & layout, const std::vector<ParamSpec> & p
         char                 percent[32];
         std::snprintf(percent, sizeof(percent), "%.1f%%",
                       buffer.numel > 0 ? 100.0 * static_cast<double>(padding) / static_cast<double>(buffer.numel) : 0.0);
-        os << "buffer " << b << ": params " << dtype_name(buffer.param_dtype) << ", grads "
+        const bool chunked = layout.buffers.back().chunk > 0;   // a later model chunk exists: name each buffer's
+        os << "buffer " << b << (chunked ? " (chunk " + std::to_string(buffer.chunk) + ")" : std::string())
+           << ": params " << dtype_name(buffer.param_dtype) << ", grads "
            << dtype_name(buffer.grad_dtype) << ", " << (buffer.is_expert_parallel ? "expert" : "dense") << ", "
            << (buffer.is_expert_parallel ? "edp " : "dp ") << buffer.data_parallel_world_size << " | numel "
            << buffer.numel << ", unpadded " << buffer.numel_unpadded << ", padding " << padding << " (" << percent
@@ -442,8 +466,8 @@ std::string layout_table(const Layout & layout, const std::vector<ParamSpec> & p
 
 std::vector<ParamSpec> read_param_specs(const std::string & path) {
     const char * kFileHint = "the file is one JSON object {\"params\": [[name, [d0, d1, ...], dtype, "
-                             "{\"shared_embedding\": true, \"allreduce\": false}?], ...]} listing the parameters in "
-                             "registration (forward) order";
+                             "{\"shared_embedding\": true, \"allreduce\": false, \"chunk\": 1}?], ...]} listing the "
+                             "parameters in registration (forward) order, chunk by chunk";
     const std::string text = read_input_file(path, "params file");
 
     nlohmann::json root;
@@ -501,16 +525,21 @@ std::vector<ParamSpec> read_param_specs(const std::string & path) {
                 throw_entry_error(path, i, spec.name, "the options " + options.dump() + " are not an object");
             }
             for (const auto & [key, value] : options.items()) {
-                if (key != "shared_embedding" && key != "allreduce") {
+                if (key != "shared_embedding" && key != "allreduce" && key != "chunk") {
                     throw_entry_error(path, i, spec.name,
-                                      "unknown option '" + key + "' (known: shared_embedding, allreduce)");
+                                      "unknown option '" + key + "' (known: shared_embedding, allreduce, chunk)");
                 }
-                if (!value.is_boolean()) {
+                if (key == "chunk") {
+                    if (!value.is_number_integer() || value.get<int64_t>() < 0 || value.get<int64_t>() > 1024) {
+                        throw_entry_error(path, i, spec.name, "option 'chunk' " + value.dump() + " is not an integer in [0, 1024]");
+                    }
+                } else if (!value.is_boolean()) {
                     throw_entry_error(path, i, spec.name, "option '" + key + "' is not true or false");
                 }
             }
             spec.shared_embedding = options.value("shared_embedding", false);
             spec.expert           = !options.value("allreduce", true);
+            spec.chunk            = options.value("chunk", 0);
         }
         specs.push_back(std::move(spec));
     }

@@ -4,9 +4,14 @@
 // parameter list and the options: the trainer, `loom layout` and the tests all compute it here.
 //
 // Rules (docs/design/ddp_and_optimizers.md sections 1.3-1.7 and 2.2; the section numbers below refer to that document):
-//   - one buffer per key (param dtype, grad dtype, expert), keys in order of first appearance; grad
-//     dtype is f32 with grad_reduce_in_fp32, else the param dtype; dense buffers come first in
-//     Layout::buffers, then expert buffers;
+//   - model chunks (virtual pipeline stages on this rank) lay out separately, chunk by chunk, as Megatron's
+//     one DDP per chunk does: only chunk 0 of pipeline rank 0 is cut by bucket_size; every later chunk, and
+//     every chunk of a later pipeline rank, is one bucket per buffer (Megatron's bucket_size=None), and a
+//     later chunk's buckets form one group (disable_bucketing); overlap_param_gather_with_optimizer_step
+//     does both for every chunk (section 1.5);
+//   - within a chunk, one buffer per key (param dtype, grad dtype, expert), keys in order of first
+//     appearance; grad dtype is f32 with grad_reduce_in_fp32, else the param dtype; the chunk's dense
+//     buffers come first in Layout::buffers, then its expert buffers;
 //   - parameters are placed in REVERSE registration order (bucket 0 holds the model's last layers);
 //   - without the distributed optimizer: no padding, no alignment; a bucket closes after the parameter
 //     that makes it reach bucket_size; no shared-embedding rule;
@@ -45,6 +50,7 @@ struct ParamSpec {
     DType       param_dtype      = DType::f32;
     bool        shared_embedding = false;
     bool        expert           = false;   // allreduce == false: reduced over expert data parallel
+    int         chunk            = 0;       // the model chunk (virtual stage) on this rank; chunks in order
 
     int64_t numel() const;
 };
@@ -57,6 +63,8 @@ struct LayoutOptions {
     bool                   pad_buckets_for_high_nccl_busbw = false;
     bool                   grad_reduce_in_fp32             = false;
     bool                   force_single_bucket_group       = false;
+    int64_t                pipeline_rank                   = 0;       // > 0: no bucket_size limit
+    bool                   overlap_param_gather_with_optimizer_step = false;   // every chunk unbucketed
 };
 
 // Megatron's default bucket size: max(40'000'000, 1'000'000 * dp) elements.
@@ -93,6 +101,7 @@ struct BucketLayout {
 };
 
 struct BufferLayout {
+    int                       chunk       = 0;   // the model chunk it holds
     DType                     param_dtype = DType::f32;
     DType                     grad_dtype  = DType::f32;
     bool                      is_expert_parallel = false;
@@ -111,8 +120,8 @@ struct BucketRef {
 };
 
 struct Layout {
-    std::vector<BufferLayout>           buffers;         // dense buffers first, then expert buffers
-    std::vector<std::vector<BucketRef>> bucket_groups;   // dense groups first, then expert groups
+    std::vector<BufferLayout>           buffers;         // by chunk: its dense buffers, then its expert buffers
+    std::vector<std::vector<BucketRef>> bucket_groups;   // by chunk: its dense groups, then its expert groups
 };
 
 // Validates the options (dp >= 1, bucket_size >= 1 when given; errors name the flags) and computes
@@ -139,7 +148,7 @@ std::string layout_json(const Layout & layout, const std::vector<ParamSpec> & pa
 std::string layout_table(const Layout & layout, const std::vector<ParamSpec> & params, bool with_shards);
 
 // Reads `loom layout --params FILE.json`: {"params": [[name, [shape...], dtype, {"shared_embedding":
-// true, "allreduce": false}?], ...]}; errors name the file and the entry.
+// true, "allreduce": false, "chunk": 1}?], ...]}; errors name the file and the entry.
 std::vector<ParamSpec> read_param_specs(const std::string & path);
 
 }  // namespace loom::ddp

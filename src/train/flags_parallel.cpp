@@ -84,7 +84,8 @@ const Flag<ParallelFlags> kParallelFlags[] = {
      "context-parallel ranks: each holds 2 of the sequence's 2 x CP chunks (docs/design/context_parallelism.md)"},
     {"--overlap-param-gather-with-optimizer-step", kDist, &P::overlap_param_gather_with_optimizer_step,
      "an overlap choice (the first bucket's gather with the optimizer step) under Megatron's rules: with "
-     "--use-distributed-optimizer, --overlap-param-gather and virtual pipeline stages; the result is the same"},
+     "--use-distributed-optimizer, --overlap-param-gather and virtual pipeline stages; as Megatron, every model "
+     "chunk's buffers are then one bucket each (the numbers are the same)"},
     {"--cp-comm-type", kDist, &P::cp_comm_type,
      "p2p, a2a, allgather or a2a+p2p (one, or one per layer): how context-parallel ranks exchange keys and values (a "
      "ring of K|V blocks, an all-to-all of heads, an all-gather, or an all-to-all inside groups and a ring across them)",
@@ -197,6 +198,7 @@ void resolve_parallel_sizes(const ParallelFlags & f, int64_t num_experts, const 
 
 void resolve_ddp(const ParallelFlags & f, const Given & given, TrainOptions & o) {
     if (given("--ddp-bucket-size")) o.ddp.bucket_size = f.bucket_size;
+    o.overlap_param_gather_with_optimizer_step = f.overlap_param_gather_with_optimizer_step;
     if (f.overlap_param_gather_with_optimizer_step) {   // Megatron's asserts (arguments.py)
         LOOM_CHECK(o.ddp.use_distributed_optimizer,
                    "--overlap-param-gather-with-optimizer-step only supported with distributed optimizer", "");

@@ -94,6 +94,9 @@ struct TrainOptions {
     // (tp(), pp(), dp(), ep(), etp(), vpp()), and the process groups are built from it.
     parallel::ParallelConfig parallel;
     bool           sequence_parallel      = false;   // --sequence-parallel (with tensor parallelism)
+    // --overlap-param-gather-with-optimizer-step: under Megatron's rules, and like Megatron every model chunk
+    // then lays out unbucketed (ddp/layout.h).
+    bool           overlap_param_gather_with_optimizer_step = false;
     // --cp-comm-type: one for every layer, or one per layer (context parallelism, model::ContextParallel).
     std::vector<model::CpCommType> cp_comm_types{model::CpCommType::p2p};
     // --hierarchical-context-parallel-sizes (a2a+p2p: the all-to-all's size, then the ring's); empty: none.

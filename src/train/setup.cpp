@@ -132,10 +132,18 @@ Setup setup(const TrainOptions & options, std::vector<model::GptModel *> chunks,
         // With several distributed-optimizer instances each instance's own ranks shard (intra groups) and
         // the instances all-reduce their shards (inter groups).
         const bool instances = groups.intra_dp != nullptr;
+        // Megatron's one DDP per model chunk: only chunk 0 of the first stage is cut into buckets.
+        ddp::DdpPlacement placement;
+        placement.pipeline_rank                            = groups.pp ? groups.pp->rank() : 0;
+        placement.overlap_param_gather_with_optimizer_step = options.overlap_param_gather_with_optimizer_step;
+        for (size_t c = 0; c < s.chunks.size(); ++c) {
+            placement.chunk_of_param.insert(placement.chunk_of_param.end(), s.chunks[c]->parameters().size(),
+                                            static_cast<int>(c));
+        }
         s.ddp = std::make_unique<ddp::DistributedDataParallel>(
             params, options.ddp, instances ? groups.intra_dp : grads, device,
             instances ? groups.intra_expert_dp : (groups.expert_dp ? groups.expert_dp : grads),
-            instances ? groups.inter_dp : nullptr, instances ? groups.inter_expert_dp : nullptr);
+            instances ? groups.inter_dp : nullptr, instances ? groups.inter_expert_dp : nullptr, placement);
         if (options.ddp.overlap_param_gather) {
             ddp::DistributedDataParallel * d = s.ddp.get();
             for (model::GptModel * chunk : s.chunks) {
