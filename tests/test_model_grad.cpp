@@ -343,6 +343,7 @@ struct StepResult {
     double                          loss = 0;
     std::vector<std::vector<float>> grads;
     int64_t                         peak_activations = 0;   // bytes of the "activations" pool, forward + backward
+    int64_t                         saved_activations = 0;  // bytes it holds between forward and backward
 };
 
 StepResult one_step(const model::GptConfig & c, bool training = true) {
@@ -360,7 +361,8 @@ StepResult one_step(const model::GptConfig & c, bool training = true) {
     {
         model::GptModel::Context ctx;
         ctx.training = training;
-        result.loss  = gpt.forward(ctx, batch).mean();
+        result.loss  = gpt.forward(ctx, batch).mean();   // forward() waits for the stream
+        result.saved_activations = device.allocator().pool_stats("activations").allocated - before;
         gpt.backward(ctx, 1.0, nullptr);
         device.compute_stream().synchronize();
     }
@@ -370,6 +372,43 @@ StepResult one_step(const model::GptConfig & c, bool training = true) {
 }
 
 }  // namespace
+
+// Selective recompute of moe_act (--recompute-modules moe_act): the experts' activation output is not kept
+// between forward and backward but recomputed from the saved pre-activation, so the gradients are bitwise
+// the stored run's (f32 and bf16; SwiGLU and GELU experts; grouped and one GEMM per expert) and the bytes
+// held after forward (the allocator's "activations" pool, read once forward has synchronized) fall by
+// exactly those outputs: every routed row's f features, in the parameters' dtype, in each MoE layer.
+TEST(GptModel, SelectiveRecomputeOfMoeActIsBitwiseAndHoldsLessAfterForward) {
+    for (const DType dtype : {DType::f32, DType::bf16}) {
+        for (const bool swiglu : {false, true}) {
+            for (const bool grouped : {false, true}) {
+                model::GptConfig c  = small_recompute_config();
+                c.params_dtype      = dtype;
+                c.swiglu            = swiglu;
+                c.moe.num_experts   = 4;
+                c.moe.topk          = 2;
+                c.moe.grouped_gemm  = grouped;
+                c.moe.aux_loss_coeff = 1e-2f;
+                SCOPED_TRACE(std::string(dtype_name(dtype)) + (swiglu ? " swiglu" : " gelu") + (grouped ? " grouped" : " per expert"));
+                const StepResult stored = one_step(c);
+                c.recompute_granularity = model::RecomputeGranularity::selective;
+                c.recompute_moe_act     = true;
+                const StepResult recomputed = one_step(c);
+                EXPECT_EQ(recomputed.loss, stored.loss);
+                ASSERT_EQ(recomputed.grads.size(), stored.grads.size());
+                for (size_t i = 0; i < stored.grads.size(); ++i) {
+                    ASSERT_EQ(std::memcmp(recomputed.grads[i].data(), stored.grads[i].data(), stored.grads[i].size() * sizeof(float)), 0)
+                        << "gradient " << i;
+                }
+                // Every token goes to topk experts: 4 x seq x topk routed rows of f features per layer.
+                const int64_t rows = 4 * c.seq_length * c.moe.topk, f = c.moe.expert_ffn(c);
+                const int64_t bytes = c.num_layers * rows * f * static_cast<int64_t>(dtype_size(dtype));
+                EXPECT_EQ(stored.saved_activations - recomputed.saved_activations, bytes)
+                    << stored.saved_activations << " stored, " << recomputed.saved_activations << " recomputed";
+            }
+        }
+    }
+}
 
 // Evaluation drops nothing: its loss is the dropout-free model's, bitwise; training with dropout differs.
 TEST(GptModel, DropoutOnlyWhenTraining) {

@@ -66,6 +66,10 @@ struct GptConfig {
     RecomputeGranularity recompute_granularity = RecomputeGranularity::none;
     RecomputeMethod      recompute_method      = RecomputeMethod::uniform;
     int64_t              recompute_num_layers  = 0;   // >= 1 with full
+    // Selective recompute's moe_act (--recompute-modules moe_act): the experts' activation output (fc2's
+    // input) is dropped once fc2 has run and recomputed from the saved pre-activation in backward (the same
+    // kernel on the same values: bitwise the stored one, for f32 and bf16).
+    bool                 recompute_moe_act     = false;
     MoeConfig            moe;                         // --num-experts and --moe-*: MoE MLPs (none by default)
     uint64_t          seed                    = 1234;
     // Parameter and GEMM-operand dtype: f32, or bf16 with --bf16 (main_grad and master weights stay f32).

@@ -858,10 +858,29 @@ Tensor Mlp::forward(Context & ctx, const Tensor & x) {
             ctx.pre_act = keep_for_backward(pre, config.params_dtype);
         }
     }
-    return fc2.forward(ctx.fc2_ctx, act);
+    Tensor y = fc2.forward(ctx.fc2_ctx, act);
+    if (recompute_act) ctx.fc2_ctx.x = Tensor();   // backward recomputes it
+    return y;
+}
+
+void recompute_activation(const GptConfig & config, const Tensor & pre, const Tensor & act) {
+    Ops &    ops    = pre.device().ops();
+    Stream & stream = pre.device().compute_stream();
+    if (config.swiglu) {
+        ops.swiglu_forward(stream, pre, act);
+    } else if (config.squared_relu) {
+        ops.squared_relu_forward(stream, pre, act);
+    } else {
+        ops.bias_gelu_forward(stream, pre, Tensor(), act, Tensor());   // no bias: the saved value has it
+    }
 }
 
 Tensor Mlp::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
+    if (recompute_act) {
+        Tensor act = activation(dy.device(), ctx.pre_act.size(0), ffn);
+        recompute_activation(config, in_dtype(ctx.pre_act, DType::f32), act);
+        ctx.fc2_ctx.x = in_dtype(act, config.params_dtype);
+    }
     Tensor  d_act = fc2.backward(ctx.fc2_ctx, dy, ready);
     int64_t n     = d_act.size(0);   // every position's rows, as fc1 produced them
     Tensor  pre   = in_dtype(ctx.pre_act, DType::f32);

@@ -247,9 +247,14 @@ public:
     const GptConfig & config;
     TensorParallel    tp;
     int64_t           ffn;   // this rank's hidden features: f / tp
+    bool              recompute_act = false;   // fc2's input dropped after forward, recomputed in backward
     Linear            fc1;   // h -> f / tp (2f / tp with SwiGLU: [gate | up] of this rank's features)
     Linear            fc2;   // f / tp -> h, row-parallel
 };
+
+// The MLP activation of `config` (SwiGLU, squared ReLU or GELU) of a saved pre-activation (f32, its bias
+// already added) into act: what forward computed from the same values, for activation recompute.
+void recompute_activation(const GptConfig & config, const Tensor & pre, const Tensor & act);
 
 // Expert parallelism of the MoE layers (--expert-model-parallel-size): the EP group (null: none) and this
 // rank's place in it. Rank r of P holds experts [r E / P, (r + 1) E / P) of every MoE layer; the tokens

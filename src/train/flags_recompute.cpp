@@ -11,14 +11,16 @@ using R = RecomputeFlags;
 
 const Flag<RecomputeFlags> kRecomputeFlags[] = {
     {"--recompute-granularity", "training", &R::granularity,
-     "activation recompute: full (whole layers, see --recompute-method) or selective (core_attn, which "
+     "activation recompute: full (whole layers, see --recompute-method) or selective (--recompute-modules; core_attn, which "
      "Loom's tiled attention always recomputes)"},
     {"--recompute-method", "training", &R::method,
      "full recompute: uniform (groups of --recompute-num-layers, one input kept each) or block (the first "
      "--recompute-num-layers layers of each pipeline stage)"},
     {"--recompute-num-layers", "training", &R::num_layers, "layers per group (uniform) or per stage (block)"},
     {"--recompute-activations", "training", &R::activations, "the same as --recompute-granularity selective"},
-    {"--recompute-modules", "training", &R::modules, "selective recompute's modules (Loom: core_attn)"},
+    {"--recompute-modules", "training", &R::modules,
+     "selective recompute's modules (Loom: core_attn, which its tiled attention always does, and moe_act: the "
+     "experts' activation output recomputed in backward)"},
 };
 
 }  // namespace
@@ -49,9 +51,11 @@ void resolve_recompute(const RecomputeFlags & f, const Given & given, model::Gpt
         LOOM_CHECK(!num_given, "When using recompute_granularity: selective recompute_num_layers must be None",
                    "drop --recompute-num-layers");
         for (const std::string & module : f.modules) {
-            LOOM_CHECK(module == "core_attn", "--recompute-modules " << module << " is not supported by Loom",
-                       "Loom recomputes core_attn (its tiled attention never stores the probabilities); for more, use "
-                       "--recompute-granularity full");
+            LOOM_CHECK(module == "core_attn" || module == "moe_act",
+                       "--recompute-modules " << module << " is not supported by Loom",
+                       "Loom recomputes core_attn (its tiled attention never stores the probabilities) and moe_act; "
+                       "for more, use --recompute-granularity full");
+            if (module == "moe_act") m.recompute_moe_act = true;
         }
         m.recompute_granularity = model::RecomputeGranularity::selective;
     }

@@ -72,6 +72,7 @@ Experts::Experts(const std::string & n, const GptConfig & config, const MoeConfi
     } else {
         for (int64_t e = 0; e < num_experts; ++e) {
             local.push_back(std::make_unique<Mlp>(name + "." + std::to_string(first_expert + e), expert_config, device, shard));
+            local.back()->recompute_act = config.recompute_moe_act;
         }
     }
     std::vector<Parameter *> params;
@@ -237,6 +238,7 @@ Tensor Experts::grouped_forward(Context & ctx, const Tensor & xp) {
         if (has_bias) ops.bias_add(stream, ye, expert_slice(b2, e, {h}));
         offset += c;
     }
+    if (expert_config.recompute_moe_act) ctx.act = Tensor();   // backward recomputes it from pre_act
     return y;
 }
 
@@ -248,6 +250,11 @@ Tensor Experts::grouped_backward(Context & ctx, const Tensor & dyp, const GradRe
     const DType   dtype    = expert_config.params_dtype;
     const bool    has_bias = fc1_bias.data.defined();
 
+    if (expert_config.recompute_moe_act) {   // fc2's input again, from the saved pre-activation
+        Tensor act = activation(device, R, f);
+        recompute_activation(expert_config, in_dtype(ctx.pre_act, DType::f32), act);
+        ctx.act = in_dtype(act, dtype);
+    }
     // fc2
     Tensor  dy_in = in_dtype(dyp, dtype);
     Tensor  d_act = activation(device, R, f);
