@@ -410,6 +410,47 @@ TEST(GptModel, SelectiveRecomputeOfMoeActIsBitwiseAndHoldsLessAfterForward) {
     }
 }
 
+// Selective recompute of mlp and shared_experts (--recompute-modules mlp shared_experts): the dense MLP, and
+// the MoE layers' shared experts, keep only their input between forward and backward and rerun their forward
+// just before their backward. Gradients bitwise the stored run's; the bytes held after forward fall by each
+// such MLP's pre-activation (f1 = f, or 2f with SwiGLU) and activation output (f) for every row, in the
+// parameters' dtype (the input, in the dtype fc1 reads, is held either way).
+TEST(GptModel, SelectiveRecomputeOfMlpAndSharedExpertsIsBitwiseAndHoldsLessAfterForward) {
+    for (const DType dtype : {DType::f32, DType::bf16}) {
+        for (const bool swiglu : {false, true}) {
+            for (const bool shared : {false, true}) {
+                model::GptConfig c = small_recompute_config();
+                c.params_dtype     = dtype;
+                c.swiglu           = swiglu;
+                int64_t f          = c.ffn_hidden_size;
+                if (shared) {   // MoE layers with a shared expert of 96 features
+                    c.moe.num_experts                     = 4;
+                    c.moe.topk                            = 2;
+                    c.moe.aux_loss_coeff                  = 1e-2f;
+                    c.moe.shared_expert_intermediate_size = 96;
+                    f                                     = 96;
+                    c.add_bias_linear                     = false;   // shared experts take no biases
+                }
+                SCOPED_TRACE(std::string(dtype_name(dtype)) + (swiglu ? " swiglu" : " gelu") + (shared ? " shared experts" : " dense mlp"));
+                const StepResult stored = one_step(c);
+                c.recompute_granularity = model::RecomputeGranularity::selective;
+                (shared ? c.recompute_shared_experts : c.recompute_mlp) = true;
+                const StepResult recomputed = one_step(c);
+                EXPECT_EQ(recomputed.loss, stored.loss);
+                ASSERT_EQ(recomputed.grads.size(), stored.grads.size());
+                for (size_t i = 0; i < stored.grads.size(); ++i) {
+                    ASSERT_EQ(std::memcmp(recomputed.grads[i].data(), stored.grads[i].data(), stored.grads[i].size() * sizeof(float)), 0)
+                        << "gradient " << i;
+                }
+                const int64_t rows = 4 * c.seq_length, f1 = swiglu ? 2 * f : f;
+                const int64_t bytes = c.num_layers * rows * (f1 + f) * static_cast<int64_t>(dtype_size(dtype));
+                EXPECT_EQ(stored.saved_activations - recomputed.saved_activations, bytes)
+                    << stored.saved_activations << " stored, " << recomputed.saved_activations << " recomputed";
+            }
+        }
+    }
+}
+
 // Evaluation drops nothing: its loss is the dropout-free model's, bitwise; training with dropout differs.
 TEST(GptModel, DropoutOnlyWhenTraining) {
     model::GptConfig c = small_recompute_config(), plain = c;

@@ -70,6 +70,10 @@ struct GptConfig {
     // input) is dropped once fc2 has run and recomputed from the saved pre-activation in backward (the same
     // kernel on the same values: bitwise the stored one, for f32 and bf16).
     bool                 recompute_moe_act     = false;
+    // Selective recompute's mlp and shared_experts: the dense MLP (the MoE layers' shared experts) keeps only
+    // its input between forward and backward and reruns its forward just before its backward.
+    bool                 recompute_mlp            = false;
+    bool                 recompute_shared_experts = false;
     MoeConfig            moe;                         // --num-experts and --moe-*: MoE MLPs (none by default)
     uint64_t          seed                    = 1234;
     // Parameter and GEMM-operand dtype: f32, or bf16 with --bf16 (main_grad and master weights stay f32).

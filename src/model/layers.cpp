@@ -827,6 +827,17 @@ void Mlp::parameters(std::vector<Parameter *> & out) {
 }
 
 Tensor Mlp::forward(Context & ctx, const Tensor & x) {
+    if (!recompute) return forward_kept(ctx, x);
+    // Only the input is kept, in the dtype fc1's GEMM reads (with sequence parallelism fc1 gathers these
+    // rows again): the rerun computes from the very values.
+    Tensor input = in_dtype(x, config.params_dtype);
+    Tensor y     = forward_kept(ctx, input);
+    ctx          = Context{};
+    ctx.input    = input;
+    return y;
+}
+
+Tensor Mlp::forward_kept(Context & ctx, const Tensor & x) {
     // fc1's output has every position's rows (with sequence parallelism, more than x has).
     const int64_t f = ffn;
     Ops &         ops    = x.device().ops();
@@ -876,7 +887,12 @@ void recompute_activation(const GptConfig & config, const Tensor & pre, const Te
 }
 
 Tensor Mlp::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
-    if (recompute_act) {
+    if (recompute) {   // the forward again, keeping everything this time
+        const Tensor input = ctx.input;
+        ctx                = Context{};
+        forward_kept(ctx, input);
+    }
+    if (recompute_act && !ctx.fc2_ctx.x.defined()) {
         Tensor act = activation(dy.device(), ctx.pre_act.size(0), ffn);
         recompute_activation(config, in_dtype(ctx.pre_act, DType::f32), act);
         ctx.fc2_ctx.x = in_dtype(act, config.params_dtype);

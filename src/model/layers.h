@@ -237,17 +237,26 @@ private:
 class Mlp {
 public:
     Mlp(const std::string & name, const GptConfig & config, Device & device, const TensorParallel & tp = {});
-    struct Context { Linear::Context fc1_ctx, fc2_ctx; Tensor pre_act; };   // pre_act in the parameters' dtype
+    struct Context {
+        Linear::Context fc1_ctx, fc2_ctx;
+        Tensor          pre_act;   // in the parameters' dtype
+        Tensor          input;     // with `recompute`: the input (in the parameters' dtype), all that is kept
+    };
 
     Tensor forward(Context & ctx, const Tensor & x);
     Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
     void   init(uint64_t seed, float std, float output_std);
     void   parameters(std::vector<Parameter *> & out);
 
+private:
+    Tensor forward_kept(Context & ctx, const Tensor & x);   // forward keeping what backward reads
+
+public:
     const GptConfig & config;
     TensorParallel    tp;
     int64_t           ffn;   // this rank's hidden features: f / tp
     bool              recompute_act = false;   // fc2's input dropped after forward, recomputed in backward
+    bool              recompute     = false;   // only the input kept; forward rerun before backward
     Linear            fc1;   // h -> f / tp (2f / tp with SwiGLU: [gate | up] of this rank's features)
     Linear            fc2;   // f / tp -> h, row-parallel
 };

@@ -26,7 +26,8 @@ TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & 
         moe        = std::make_unique<MoELayer>(name, c, c.moe, device, tp, ep, cp);
         moe_losses = Tensor::zeros({router_loss_count}, DType::f32, device, {MemoryKind::device, "moe-metrics"});
     } else {
-        mlp = std::make_unique<Mlp>(name, c, device, tp);
+        mlp            = std::make_unique<Mlp>(name, c, device, tp);
+        mlp->recompute = c.recompute_mlp;
     }
 }
 
