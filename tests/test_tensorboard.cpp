@@ -211,13 +211,15 @@ TEST(TensorBoardWriter, LoomTrainWritesMegatronsScalars) {
 }
 
 // A MoE run adds the router's tracked losses, as Megatron's tracker writes them (their own tags, by
-// iteration), equal to the log's.
+// iteration), equal to the log's; with --moe-per-layer-logging also each layer's (moe/<name>_layer_<i>),
+// whose mean over the two MoE layers is the logged value (to f32 rounding).
 TEST(TensorBoardWriter, MoeRunWritesTheRoutersLosses) {
     const std::string dir = fs::temp_directory_path() / ("loom_tb_moe_" + std::to_string(::getpid()));
     fs::remove_all(dir);
     const std::string log = dir + "_metrics.jsonl";
-    CliRun r = run_loom("train --mock-data --train-iters 3 --num-layers 1 --log-interval 1 --num-experts 4 "
-                        "--moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 --tensorboard-dir " + dir + " --log-file " + log);
+    CliRun r = run_loom("train --mock-data --train-iters 3 --num-layers 2 --log-interval 1 --num-experts 4 "
+                        "--moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 --moe-per-layer-logging --tensorboard-dir " +
+                        dir + " --log-file " + log);
     ASSERT_EQ(r.status, 0) << r.out;
     EXPECT_NE(r.out.find(" | load_balancing_loss: "), std::string::npos) << r.out;
     const std::vector<Event> events = read_events(only_event_file(dir));
@@ -233,6 +235,13 @@ TEST(TensorBoardWriter, MoeRunWritesTheRoutersLosses) {
             EXPECT_EQ(by_tag[tag].at(k - 1).first, k);
             EXPECT_FLOAT_EQ(by_tag[tag].at(k - 1).second, j[tag].get<float>()) << tag << ", iteration " << k;
             EXPECT_GT(j[tag].get<double>(), 0.0) << tag;
+            const std::string layer = std::string("moe/") + tag + "_layer_";
+            ASSERT_EQ(by_tag[layer + "0"].size(), 3u) << layer;
+            ASSERT_EQ(by_tag[layer + "1"].size(), 3u) << layer;
+            EXPECT_EQ(by_tag.count(layer + "2"), 0u) << "two layers";
+            const double mean = (by_tag[layer + "0"].at(k - 1).second + by_tag[layer + "1"].at(k - 1).second) / 2.0;
+            EXPECT_NEAR(mean, j[tag].get<double>(), 1e-6 * j[tag].get<double>()) << tag << ", iteration " << k;
+            EXPECT_NE(by_tag[layer + "0"].at(k - 1).second, by_tag[layer + "1"].at(k - 1).second) << "each layer its own";
         }
     }
     EXPECT_EQ(k, 4);

@@ -294,13 +294,16 @@ void GptModel::set_moe_aux_loss_scale(float scale) {
     }
 }
 
-std::array<double, 4> GptModel::take_moe_losses() {
+std::array<double, 4> GptModel::take_moe_losses(std::vector<std::array<double, 4>> * per_layer) {
     std::array<double, 4> sums{};
     for (auto & layer : layers_) {
         if (!layer->moe) continue;
         const Tensor  host   = host_readable(layer->moe_losses);
         const float * values = host.data<float>();
         for (size_t i = 0; i < sums.size(); ++i) sums[i] += values[i];
+        if (per_layer) {
+            for (size_t i = 0; i < sums.size(); ++i) per_layer->at(static_cast<size_t>(layer->index))[i] += values[i];
+        }
         device_.ops().fill_zero(device_.compute_stream(), layer->moe_losses);
     }
     return sums;

@@ -140,7 +140,9 @@ public:
     void    set_moe_aux_loss_scale(float scale);
     // The router's four logged losses (router.h's RouterLoss order) summed over this chunk's MoE layers and
     // over the training forwards since the last call, which clears them; wait for the compute stream first.
-    std::array<double, 4> take_moe_losses();
+    // With `per_layer` (one entry per layer of the whole model), each MoE layer's values are also added at
+    // its global layer index.
+    std::array<double, 4> take_moe_losses(std::vector<std::array<double, 4>> * per_layer = nullptr);
     int64_t num_moe_layers() const;
     TransformerLayer & layer(int64_t i) { return *layers_.at(static_cast<size_t>(i)); }
     void zero_grad();

@@ -84,6 +84,7 @@ struct MoeFlags {
     std::vector<float>       aux_loss_coeff{0.0f};
     float                    z_loss_coeff = 0.0f, capacity_factor = 0.0f, topk_scaling = 0.0f;
     bool                     pre_softmax = false, pad = false, grouped_gemm = false;
+    bool                     per_layer_logging = false;   // --moe-per-layer-logging
 };
 std::span<const Flag<MoeFlags>> moe_flags();
 void resolve_moe(const MoeFlags & f, const Given & given, TrainOptions & o);

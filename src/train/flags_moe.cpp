@@ -42,6 +42,8 @@ const Flag<MoeFlags> kMoeFlags[] = {
      "fp32: the router's GEMMs in f32 under --bf16 (default: the model's dtype; fp64 is not supported)"},
     {"--moe-aux-loss-coeff", kLoomGroup, &E::aux_loss_coeff, "the load-balancing loss's coefficient", kShowDefault},
     {"--moe-z-loss-coeff", kLoomGroup, &E::z_loss_coeff, "the router z-loss's coefficient (default: none)"},
+    {"--moe-per-layer-logging", kLoomGroup, &E::per_layer_logging,
+     "each layer's router losses to TensorBoard as well (moe/<name>_layer_<i>, every layer of the model)"},
     {"--moe-expert-capacity-factor", kLoomGroup, &E::capacity_factor,
      "each expert takes at most ceil(tokens x topk / experts x factor) tokens; the rest are dropped "
      "(default: none, dropless)"},
@@ -67,6 +69,7 @@ std::span<const Flag<MoeFlags>> moe_flags() { return kMoeFlags; }
 
 void resolve_moe(const MoeFlags & f, const Given & given, TrainOptions & o) {
     model::MoeConfig & moe = o.model.moe;
+    o.moe_per_layer_logging = f.per_layer_logging;   // without MoE layers there is nothing to log
     if (!given("--num-experts")) {
         for (const char * flag : {"--moe-ffn-hidden-size", "--moe-grouped-gemm", "--moe-shared-expert-intermediate-size"}) {
             LOOM_CHECK(!given(flag), flag << " without --num-experts", "add --num-experts E to make the MLPs Mixtures of Experts");

@@ -94,6 +94,7 @@ struct TrainOptions {
     // (tp(), pp(), dp(), ep(), etp(), vpp()), and the process groups are built from it.
     parallel::ParallelConfig parallel;
     bool           sequence_parallel      = false;   // --sequence-parallel (with tensor parallelism)
+    bool           moe_per_layer_logging  = false;   // --moe-per-layer-logging: per-layer router losses to TensorBoard
     // --overlap-param-gather-with-optimizer-step: under Megatron's rules, and like Megatron every model chunk
     // then lays out unbucketed (ddp/layout.h).
     bool           overlap_param_gather_with_optimizer_step = false;

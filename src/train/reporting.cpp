@@ -195,6 +195,7 @@ void TensorBoardSink::iteration(const IterationReport & r) {
         if (options_.log_world_size_to_tensorboard) both("world-size", static_cast<double>(world_size_));
         both("grad-norm", stats.grad_norm);
         for (const auto & [name, value] : stats.moe_losses) board_.add_scalar(name, value, k);   // the MoE tracker's
+        for (const auto & [tag, value] : stats.moe_layer_losses) board_.add_scalar(tag, value, k);
         if (stats.num_zeros >= 0) both("num-zeros", stats.num_zeros);
         if (stats.params_norm >= 0) both("params-norm", stats.params_norm);
         if (options_.log_memory_to_tensorboard) {

@@ -34,6 +34,9 @@ struct IterationStats {
     // MoE: Megatron's tracked router losses, each the mean over MoE layers of its per-micro-batch mean
     // (then over the log interval), by name ("load_balancing_loss", "seq_load_balancing_loss", "z_loss").
     std::vector<std::pair<std::string, double>> moe_losses;
+    // --moe-per-layer-logging: Megatron's per-layer tags ("moe/load_balancing_loss_layer_3"), each layer's
+    // per-micro-batch mean of this iteration (0 for a dense layer); TensorBoard only.
+    std::vector<std::pair<std::string, double>> moe_layer_losses;
     double  loss_scale        = 1.0;
     double  grad_norm         = 0;
     double  num_zeros         = -1;   // --log-num-zeros-in-grad (< 0: not logged)

@@ -140,14 +140,24 @@ void Trainer::follow_batch_schedule() {
     }
 }
 
-std::vector<std::pair<std::string, double>> Trainer::moe_losses() {
+void Trainer::moe_losses(IterationStats & stats) {
+    stats.moe_losses.clear();
+    stats.moe_layer_losses.clear();
     const model::MoeConfig & moe = options_.model.moe;
-    if (!moe.enabled()) return {};
-    Device &           device = model_.device();
-    std::vector<float> sums(4, 0.0f);
+    if (!moe.enabled()) return;
+    Device &      device = model_.device();
+    const int64_t L      = options_.model.num_layers;
+    // The four sums over layers, then with per-layer logging each layer's four: reduced together.
+    std::vector<std::array<double, 4>> layer_values(static_cast<size_t>(L));
+    std::vector<float>                 sums(4, 0.0f);
     for (model::GptModel * chunk : setup_.chunks) {
-        const std::array<double, 4> mine = chunk->take_moe_losses();
+        const std::array<double, 4> mine = chunk->take_moe_losses(options_.moe_per_layer_logging ? &layer_values : nullptr);
         for (size_t i = 0; i < mine.size(); ++i) sums[i] += static_cast<float>(mine[i]);
+    }
+    if (options_.moe_per_layer_logging) {
+        for (const std::array<double, 4> & v : layer_values) {
+            for (double x : v) sums.push_back(static_cast<float>(x));
+        }
     }
     if (stages_) sums = comm::all_reduce_values(*stages_, device, sums, comm::ReduceOp::sum);   // every stage's layers
     // Each rank's share of its sequences' losses: summed over the ranks holding the other rows (TP with
@@ -162,16 +172,24 @@ std::vector<std::pair<std::string, double>> Trainer::moe_losses() {
         sums = comm::all_reduce_values(*setup_.groups.dp, device, sums, comm::ReduceOp::avg);
     }
     int64_t layers = 0;
-    for (int64_t i = 0; i < options_.model.num_layers; ++i) layers += moe.is_moe_layer(i) ? 1 : 0;
-    const double per_layer_microbatch = 1.0 / (static_cast<double>(microbatches_) * static_cast<double>(layers));
-    std::vector<std::pair<std::string, double>> out;
+    for (int64_t i = 0; i < L; ++i) layers += moe.is_moe_layer(i) ? 1 : 0;
+    const double per_microbatch       = 1.0 / static_cast<double>(microbatches_);
+    const double per_layer_microbatch = per_microbatch / static_cast<double>(layers);
+    // Megatron's tracked names; per layer "moe/<name>_layer_<i>" for every layer (Megatron's tracker holds
+    // one value per layer of the model), each scaled by 1 / micro-batches as its tracker's report does.
+    auto add = [&](const std::string & name, size_t index) {
+        stats.moe_losses.emplace_back(name, sums[index] * per_layer_microbatch);
+        if (!options_.moe_per_layer_logging) return;
+        for (int64_t i = 0; i < L; ++i) {
+            stats.moe_layer_losses.emplace_back("moe/" + name + "_layer_" + std::to_string(i),
+                                                sums[4 + 4 * static_cast<size_t>(i) + index] * per_microbatch);
+        }
+    };
     if (moe.load_balancing != model::MoeLoadBalancing::none && moe.load_balancing != model::MoeLoadBalancing::sinkhorn) {
-        out.emplace_back(moe.load_balancing == model::MoeLoadBalancing::seq_aux_loss ? "seq_load_balancing_loss"
-                                                                                   : "load_balancing_loss",
-                         sums[model::router_loss_aux_logged] * per_layer_microbatch);
+        add(moe.load_balancing == model::MoeLoadBalancing::seq_aux_loss ? "seq_load_balancing_loss" : "load_balancing_loss",
+            model::router_loss_aux_logged);
     }
-    if (moe.z_loss_coeff > 0.0f) out.emplace_back("z_loss", sums[model::router_loss_z_logged] * per_layer_microbatch);
-    return out;
+    if (moe.z_loss_coeff > 0.0f) add("z_loss", model::router_loss_z_logged);
 }
 
 void BatchSource::set_consumed_samples(int64_t consumed) {
@@ -318,7 +336,7 @@ pipeline::PipelineExecutor::Result Trainer::run_schedule(IterationStats & stats)
                            d ? std::function<void(bool)>([d](bool last) { d->set_last_microbatch(last); }) : nullptr);
         sum_losses_over_context(r);
         peak_in_flight_  = std::max(peak_in_flight_, r.peak_in_flight);
-        stats.moe_losses = moe_losses();   // run() waited for the stream
+        moe_losses(stats);   // run() waited for the stream
     });
     if (drawn) {
         pipeline::Timeline timeline = pipeline::PipelineExecutor::gather_timeline(r, *stages_, executor_->options(),

@@ -118,9 +118,10 @@ private:
     void                                        follow_batch_schedule();
     std::unique_ptr<graphs::LayerGraphRunner>   layer_graphs_;   // --cuda-graph-impl transformer_engine, once captured
     int64_t                                     start_iteration_ = 0;   // the iteration this run started after
-    // The MoE router losses of the iteration just run (names as IterationStats::moe_losses), reduced
-    // over the pipeline (sum over layers) and data-parallel ranks (mean).
-    std::vector<std::pair<std::string, double>> moe_losses();
+    // The MoE router losses of the iteration just run into stats.moe_losses (and, with
+    // --moe-per-layer-logging, stats.moe_layer_losses), reduced over the pipeline (sum over layers), the
+    // ranks holding the same sequences' other rows (sum of shares) and data-parallel ranks (mean).
+    void moe_losses(IterationStats & stats);
     int                                         peak_in_flight_ = 0;
     // The learning-rate schedule and the samples it has stepped over (Megatron's OptimizerParamScheduler:
     // it steps only after a successful update).
