@@ -954,6 +954,13 @@ TEST(MegatronCommandLine, RecomputeFlagsFollowMegatronsRules) {
     EXPECT_EQ(parse_train({"--mock-data", "--recompute-granularity", "selective", "--recompute-modules", "core_attn"})
                   .model.recompute_granularity,
               model::RecomputeGranularity::selective);
+    {   // the modules Loom recomputes, each its own switch
+        const train::TrainOptions o = parse_train({"--mock-data", "--recompute-granularity", "selective", "--recompute-modules",
+                                                   "core_attn", "moe_act", "mlp"});
+        EXPECT_TRUE(o.model.recompute_moe_act);
+        EXPECT_TRUE(o.model.recompute_mlp);
+        EXPECT_FALSE(o.model.recompute_shared_experts);
+    }
     EXPECT_EQ(parse_train({"--mock-data", "--recompute-method", "uniform"}).model.recompute_granularity,
               model::RecomputeGranularity::none)
         << "a method without a granularity recomputes nothing, as in Megatron";
@@ -965,7 +972,7 @@ TEST(MegatronCommandLine, RecomputeFlagsFollowMegatronsRules) {
         {{"--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "0"}, "(--recompute-num-layers 0)"},
         {{"--recompute-granularity", "selective", "--recompute-method", "uniform"}, "recompute method is not yet supported"},
         {{"--recompute-granularity", "selective", "--recompute-num-layers", "1"}, "recompute_num_layers must be None"},
-        {{"--recompute-granularity", "selective", "--recompute-modules", "mlp"}, "--recompute-modules mlp is not supported"},
+        {{"--recompute-granularity", "selective", "--recompute-modules", "layernorm"}, "--recompute-modules layernorm is not supported"},
         {{"--hidden-dropout", "1"}, "--hidden-dropout 1 is not a probability in [0, 1)"},
         {{"--attention-dropout", "-0.1"}, "--attention-dropout -0.1 is not a probability"},
     };

@@ -211,24 +211,52 @@ Trainer::~Trainer() {
 // optimizer step, and the loss every rank logs.
 double Trainer::step(IterationStats & stats) {
     follow_batch_schedule();
-    if (scaler_) {   // every backward starts from the loss times the scale, the MoE auxiliary losses' too
-        executor_->set_loss_scale(scaler_->scale());
-        for (model::GptModel * chunk : setup_.chunks) {
-            chunk->set_moe_aux_loss_scale(scaler_->scale() / static_cast<float>(microbatches_));
-        }
-    }
+    apply_loss_scale();
     begin_iteration();
-    const int64_t                      before = consumed_;
+    const int64_t before   = consumed_;
+    const double  loss_sum = run_with_reruns(stats, before);
+    consumed_ += global_batch_;
+    timed(1, [&] {
+        ddp::finalize_grads(setup_.ddp.get(), params_,
+                            ddp::FinalizeGroups{setup_.groups.embedding.get(), setup_.groups.tp.get()}, model_.device());
+    });
+    const optim::StepResult result = optimizer_step(stats);
+    stats.iteration         = iteration_;
+    stats.consumed_samples  = consumed_;
+    stats.learning_rate     = scheduler_.schedule.lr_at_step(scheduler_.num_steps);
+    stats.global_batch_size = global_batch_;
+    stats.grad_norm         = result.grad_norm;
+    if (scaler_) {
+        scaler_->update(!result.stepped);   // Megatron's order: after the unscaled gradients were checked
+        stats.loss_scale = scaler_->scale();
+    }
+    const double loss = exchanged_loss(loss_sum / static_cast<double>(microbatches_));
+    if (scaler_ && !std::isfinite(loss)) ++nan_iterations_;
+    stats.nan_iterations     = nan_iterations_;
+    stats.skipped_iterations = skipped_iterations_;
+    return loss;
+}
+
+void Trainer::apply_loss_scale() {
+    if (!scaler_) return;
+    // Every backward starts from the loss times the scale, the MoE auxiliary losses' too.
+    executor_->set_loss_scale(scaler_->scale());
+    for (model::GptModel * chunk : setup_.chunks) {
+        chunk->set_moe_aux_loss_scale(scaler_->scale() / static_cast<float>(microbatches_));
+    }
+}
+
+double Trainer::run_with_reruns(IterationStats & stats, int64_t consumed_before) {
     pipeline::PipelineExecutor::Result r;
     double                             loss_sum = 0;
     rerun_->set_iteration(iteration_);
     for (bool again = false; rerun_->should_run_forward_backward(); again = true) {
-        if (again) restart_iteration(before);
+        if (again) restart_iteration(consumed_before);
         r        = run_schedule(stats);
         loss_sum = checked_loss_sum(r);
     }
     const RerunStateMachine::Decision decision = rerun_->should_checkpoint_and_exit();
-    if (decision.checkpoint) save_for_rerun(before);
+    if (decision.checkpoint) save_for_rerun(consumed_before);
     if (decision.exit) {
         const std::string why = decision.checkpoint && options_.save.empty()
                                     ? "Exiting now without a checkpoint (no --save). Resume the job from its last "
@@ -239,11 +267,10 @@ double Trainer::step(IterationStats & stats) {
     if (const std::string report = rerun_->take_stats_report(); !report.empty()) {
         std::fprintf(stderr, "%s\n", report.c_str());
     }
-    consumed_ += global_batch_;
-    timed(1, [&] {
-        ddp::finalize_grads(setup_.ddp.get(), params_,
-                            ddp::FinalizeGroups{setup_.groups.embedding.get(), setup_.groups.tp.get()}, model_.device());
-    });
+    return loss_sum;
+}
+
+optim::StepResult Trainer::optimizer_step(IterationStats & stats) {
     // Megatron's order: the step uses the scheduler's current lr, then the scheduler advances (after a
     // successful update only), and the log line shows the lr it advanced to.
     const optim::LrSchedule & schedule = scheduler_.schedule;
@@ -271,20 +298,7 @@ double Trainer::step(IterationStats & stats) {
     } else {
         scheduler_.num_steps += static_cast<double>(global_batch_);
     }
-    stats.iteration          = iteration_;
-    stats.consumed_samples   = consumed_;
-    stats.learning_rate      = schedule.lr_at_step(scheduler_.num_steps);
-    stats.global_batch_size  = global_batch_;
-    stats.grad_norm          = result.grad_norm;
-    if (scaler_) {
-        scaler_->update(!result.stepped);   // Megatron's order: after the unscaled gradients were checked
-        stats.loss_scale = scaler_->scale();
-    }
-    const double loss = exchanged_loss(loss_sum / static_cast<double>(microbatches_));
-    if (scaler_ && !std::isfinite(loss)) ++nan_iterations_;
-    stats.nan_iterations     = nan_iterations_;
-    stats.skipped_iterations = skipped_iterations_;
-    return loss;
+    return result;
 }
 
 void Trainer::timed(int timer, const std::function<void()> & work) {

@@ -163,6 +163,12 @@ private:
     // step()'s phases.
     void   begin_iteration();
     pipeline::PipelineExecutor::Result run_schedule(IterationStats & stats);
+    // step()'s phases: the loss scale every backward starts from; the schedule, run again while the rerun
+    // state machine asks (its checkpoint-and-exit decision taken after), returning the micro-batches' loss
+    // sum; the optimizer step at the scheduler's lr, which advances only after a successful update.
+    void              apply_loss_scale();
+    double            run_with_reruns(IterationStats & stats, int64_t consumed_before);
+    optim::StepResult optimizer_step(IterationStats & stats);
     // The sum of the micro-batches' mean losses; throws on a non-finite one (--check-for-nan-in-loss-and-grad).
     double checked_loss_sum(const pipeline::PipelineExecutor::Result & r) const;
     // Context parallelism: each rank's loss sums cover its positions; this sums them over the CP group, so
