@@ -35,6 +35,17 @@ ParamSpec param(std::string name, Shape shape, DType dtype = DType::f32, bool sh
     return p;
 }
 
+// A layout's bucket groups as (buffer, bucket) pairs.
+using Groups = std::vector<std::vector<std::pair<int, int>>>;
+Groups groups(const Layout & l) {
+    Groups g;
+    for (const auto & group : l.bucket_groups) {
+        g.emplace_back();
+        for (const BucketRef & r : group) g.back().push_back({r.buffer, r.bucket});
+    }
+    return g;
+}
+
 LayoutOptions distopt(int64_t dp, std::optional<int64_t> bucket_size = std::nullopt) {
     LayoutOptions o;
     o.dp                        = dp;
@@ -585,15 +596,6 @@ TEST(DdpLayout, BucketGroupsOnePerBucketDenseBeforeExpert) {
     EXPECT_FALSE(layout.buffers[0].is_expert_parallel);
     EXPECT_EQ(layout.buffers[1].param_dtype, DType::bf16);
     EXPECT_TRUE(layout.buffers[2].is_expert_parallel);
-    using Groups = std::vector<std::vector<std::pair<int, int>>>;
-    auto groups  = [](const Layout & l) {
-        Groups g;
-        for (const auto & group : l.bucket_groups) {
-            g.emplace_back();
-            for (const BucketRef & r : group) g.back().push_back({r.buffer, r.bucket});
-        }
-        return g;
-    };
     EXPECT_EQ(groups(layout), (Groups{{{0, 0}}, {{0, 1}}, {{1, 0}}, {{2, 0}}, {{2, 1}}}));
 
     o.force_single_bucket_group = true;
@@ -618,15 +620,6 @@ TEST(DdpLayout, LaterChunksAndStagesAreOneBucketAsMegatronsDdpPerChunk) {
     const std::vector<ParamSpec> params = {
         in_chunk(param("c0.a", {100}), 0), in_chunk(param("c0.b", {100}), 0), in_chunk(param("c0.x", {100}, DType::f32, false, true), 0),
         in_chunk(param("c1.a", {100}), 1), in_chunk(param("c1.b", {100}), 1), in_chunk(param("c1.emb", {100}, DType::f32, true), 1)};
-    using Groups = std::vector<std::vector<std::pair<int, int>>>;
-    auto groups  = [](const Layout & l) {
-        Groups g;
-        for (const auto & group : l.bucket_groups) {
-            g.emplace_back();
-            for (const BucketRef & r : group) g.back().push_back({r.buffer, r.bucket});
-        }
-        return g;
-    };
     auto chunks = [](const Layout & l) {
         std::vector<int> c;
         for (const BufferLayout & b : l.buffers) c.push_back(b.chunk);

@@ -373,6 +373,20 @@ StepResult one_step(const model::GptConfig & c, bool training = true) {
 
 }  // namespace
 
+namespace {
+
+// The same loss and every gradient bit for bit.
+void expect_bitwise(const StepResult & got, const StepResult & want) {
+    EXPECT_EQ(got.loss, want.loss);
+    ASSERT_EQ(got.grads.size(), want.grads.size());
+    for (size_t i = 0; i < want.grads.size(); ++i) {
+        ASSERT_EQ(std::memcmp(got.grads[i].data(), want.grads[i].data(), want.grads[i].size() * sizeof(float)), 0)
+            << "gradient " << i;
+    }
+}
+
+}  // namespace
+
 // Selective recompute of moe_act (--recompute-modules moe_act): the experts' activation output is not kept
 // between forward and backward but recomputed from the saved pre-activation, so the gradients are bitwise
 // the stored run's (f32 and bf16; SwiGLU and GELU experts; grouped and one GEMM per expert) and the bytes
@@ -394,12 +408,7 @@ TEST(GptModel, SelectiveRecomputeOfMoeActIsBitwiseAndHoldsLessAfterForward) {
                 c.recompute_granularity = model::RecomputeGranularity::selective;
                 c.recompute_moe_act     = true;
                 const StepResult recomputed = one_step(c);
-                EXPECT_EQ(recomputed.loss, stored.loss);
-                ASSERT_EQ(recomputed.grads.size(), stored.grads.size());
-                for (size_t i = 0; i < stored.grads.size(); ++i) {
-                    ASSERT_EQ(std::memcmp(recomputed.grads[i].data(), stored.grads[i].data(), stored.grads[i].size() * sizeof(float)), 0)
-                        << "gradient " << i;
-                }
+                expect_bitwise(recomputed, stored);
                 // Every token goes to topk experts: 4 x seq x topk routed rows of f features per layer.
                 const int64_t rows = 4 * c.seq_length * c.moe.topk, f = c.moe.expert_ffn(c);
                 const int64_t bytes = c.num_layers * rows * f * static_cast<int64_t>(dtype_size(dtype));
@@ -436,12 +445,7 @@ TEST(GptModel, SelectiveRecomputeOfMlpAndSharedExpertsIsBitwiseAndHoldsLessAfter
                 c.recompute_granularity = model::RecomputeGranularity::selective;
                 (shared ? c.recompute_shared_experts : c.recompute_mlp) = true;
                 const StepResult recomputed = one_step(c);
-                EXPECT_EQ(recomputed.loss, stored.loss);
-                ASSERT_EQ(recomputed.grads.size(), stored.grads.size());
-                for (size_t i = 0; i < stored.grads.size(); ++i) {
-                    ASSERT_EQ(std::memcmp(recomputed.grads[i].data(), stored.grads[i].data(), stored.grads[i].size() * sizeof(float)), 0)
-                        << "gradient " << i;
-                }
+                expect_bitwise(recomputed, stored);
                 const int64_t rows = 4 * c.seq_length, f1 = swiglu ? 2 * f : f;
                 const int64_t bytes = c.num_layers * rows * (f1 + f) * static_cast<int64_t>(dtype_size(dtype));
                 EXPECT_EQ(stored.saved_activations - recomputed.saved_activations, bytes)

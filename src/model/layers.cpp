@@ -468,6 +468,14 @@ Tensor ring_pass(const ContextParallel & cp, const Tensor & t, comm::Communicato
     return RingPass(cp, {t}, ring).arrive().front();
 }
 
+// `shape`'s queries against a separate K | V block: rows of 2 nkv d, K first.
+AttentionShape against_kv_block(AttentionShape shape) {
+    shape.kv_row_stride = 2 * shape.nkv * shape.d;
+    shape.k_col         = 0;
+    shape.v_col         = shape.nkv * shape.d;
+    return shape;
+}
+
 // A row block of columns for the all-to-all of heads: rank j's share is columns [base + j w, base + (j + 1) w).
 struct HeadColumns {
     int64_t base, width;
@@ -568,10 +576,7 @@ void SelfAttention::cp_forward(Context & ctx, const Tensor & q_k_v, const Tensor
         gathered = activation(dev, cp.size * n, kv_width);
         cp.group->all_gather(kv, gathered, &stream);
     }
-    AttentionShape block = shape;
-    block.kv_row_stride  = kv_width;
-    block.k_col          = 0;
-    block.v_col          = shape.nkv * shape.d;
+    AttentionShape block = against_kv_block(shape);
     Tensor part = activation(dev, n, shape.nq * shape.d), part_lse = activation(dev, shape.b * shape.nq, shape.s);
     // Step k holds rank (r - k)'s keys: its own first, then the ring's order; the next block travels while
     // this one's attention runs (double-buffered: the block in hand and the one arriving). Each block's
@@ -603,10 +608,7 @@ void SelfAttention::cp_backward(Context & ctx, const Tensor & q_k_v, const Tenso
     const int64_t n = shape.s * shape.b, kv_width = 2 * shape.nkv * shape.d;
     Tensor        kv = activation(dev, n, kv_width);
     ops.copy_columns(stream, q_k_v, shape.nq * shape.d, kv, 0, kv_width);
-    AttentionShape block = shape;
-    block.kv_row_stride  = kv_width;
-    block.k_col          = 0;
-    block.v_col          = shape.nkv * shape.d;
+    AttentionShape block = against_kv_block(shape);
     Tensor mine;   // this rank's dK | dV, summed over every rank's queries
     if (cp_comm == CpCommType::allgather) {
         // Every block's dK | dV from this rank's queries, then each block's sum over the ranks to its owner.
@@ -690,11 +692,21 @@ void SelfAttention::a2a_backward(Context & ctx, const Tensor & q_k_v, const Tens
 
 namespace {
 
-// a2a+p2p's blocks: member i of the inner group (CP rank o ci + i for outer rank o) holds its two chunks.
+// a2a+p2p's blocks: member i of the inner group (CP rank o ci + i for outer rank o) holds its two chunks;
+// this rank attends for its share of the heads (hs query heads, gs groups) of every member's rows.
 struct Hierarchy {
-    int ci, co, inner_rank, outer_rank;
-    explicit Hierarchy(const ContextParallel & cp)
-        : ci(cp.inner->size()), co(cp.outer->size()), inner_rank(cp.inner->rank()), outer_rank(cp.outer->rank()) {}
+    int                      ci, co, inner_rank, outer_rank;
+    int64_t                  n, hs, gs;
+    std::vector<HeadColumns> columns;   // [Q | K | V] of this rank's heads
+    AttentionShape           block;     // a member's queries against a member's K | V block
+    Dropout                  key;       // the probabilities' key, at this rank's first head
+    Hierarchy(const ContextParallel & cp, const AttentionShape & shape, const Dropout & dropout)
+        : ci(cp.inner->size()), co(cp.outer->size()), inner_rank(cp.inner->rank()), outer_rank(cp.outer->rank()),
+          n(shape.s * shape.b), hs(shape.nq / ci), gs(shape.nkv / ci),
+          columns{{0, hs * shape.d}, {shape.nq * shape.d, gs * shape.d}, {(shape.nq + shape.nkv) * shape.d, gs * shape.d}},
+          block(against_kv_block({shape.s, shape.b, hs, gs, shape.d, (hs + 2 * gs) * shape.d})), key(dropout) {
+        key.offset += inner_rank * hs;
+    }
     int cp_rank(int outer, int member) const { return outer * ci + member; }
 };
 
@@ -702,25 +714,18 @@ struct Hierarchy {
 
 void SelfAttention::hierarchical_forward(Context & ctx, const Tensor & q_k_v, const Tensor & out,
                                          const AttentionShape & shape, float scale, const Dropout & dropout) {
-    Device &        dev    = q_k_v.device();
-    Ops &           ops    = dev.ops();
-    Stream &        stream = dev.compute_stream();
-    const Hierarchy h(cp);
-    const int64_t   n = shape.s * shape.b, hs = shape.nq / h.ci, gs = shape.nkv / h.ci, d = shape.d;
-    const int64_t   width = (hs + 2 * gs) * d, kv_width = 2 * gs * d;
-    Dropout         key   = dropout;
-    key.offset += h.inner_rank * hs;   // this rank's first head of the tensor-parallel rank's
+    Device &       dev    = q_k_v.device();
+    Ops &          ops    = dev.ops();
+    Stream &       stream = dev.compute_stream();
+    Hierarchy      h(cp, shape, dropout);
+    AttentionShape block = h.block;
+    const int64_t  n = h.n, hs = h.hs, d = shape.d, kv_width = block.kv_row_stride;
     // The inner group's rows (member-major) of this rank's heads, and their K | V, the block that travels.
-    const std::vector<HeadColumns> columns{{0, hs * d}, {shape.nq * d, gs * d}, {(shape.nq + shape.nkv) * d, gs * d}};
-    const Tensor members = exchange_heads(*cp.inner, h.ci, q_k_v, n, columns);
+    const Tensor members = exchange_heads(*cp.inner, h.ci, q_k_v, n, h.columns);
     Tensor       kv      = activation(dev, h.ci * n, kv_width);
     ops.copy_columns(stream, members, hs * d, kv, 0, kv_width);
     Tensor out_m = activation(dev, h.ci * n, hs * d);
     Tensor part = activation(dev, n, hs * d), part_lse = activation(dev, shape.b * hs, shape.s);
-    AttentionShape block{shape.s, shape.b, hs, gs, d, width};
-    block.kv_row_stride = kv_width;
-    block.k_col         = 0;
-    block.v_col         = gs * d;
     // ctx.lse holds member i's (b, hs, s) at i b hs s: as many values as the plain lse.
     auto lse_of = [&](int i) { return ctx.lse.slice(i * shape.b * hs * shape.s, {shape.b * hs, shape.s}); };
     for (int step = 0; step < h.co; ++step) {
@@ -734,16 +739,16 @@ void SelfAttention::hierarchical_forward(Context & ctx, const Tensor & q_k_v, co
                 block.k_pos = cp.positions(shape.s, h.cp_rank(peer, j));
                 const Tensor kv_j = kv.narrow(0, j * n, n);
                 if (step == 0 && j == 0) {
-                    ops.attention_forward(stream, q_i, kv_j, out_i, lse_of(i), block, scale, key);
+                    ops.attention_forward(stream, q_i, kv_j, out_i, lse_of(i), block, scale, h.key);
                 } else {
-                    ops.attention_forward(stream, q_i, kv_j, part, part_lse, block, scale, key);
+                    ops.attention_forward(stream, q_i, kv_j, part, part_lse, block, scale, h.key);
                     ops.attention_merge(stream, out_i, lse_of(i), part, part_lse, block);
                 }
             }
         }
         if (next) kv = next->arrive().front();
     }
-    exchange_heads_back(*cp.inner, h.ci, out_m, n, {{0, hs * d}}, out);
+    exchange_heads_back(*cp.inner, h.ci, out_m, n, {h.columns.front()}, out);
 }
 
 void SelfAttention::hierarchical_backward(Context & ctx, const Tensor & q_k_v, const Tensor & out,
@@ -751,28 +756,21 @@ void SelfAttention::hierarchical_backward(Context & ctx, const Tensor & q_k_v, c
                                           float scale) {
     // The forward's head exchanges again, then the ring with each block's dK | dV travelling with it (all
     // accumulated from zero: a member's dQ and a block's dK | dV each gather several blocks' shares).
-    Device &        dev    = q_k_v.device();
-    Ops &           ops    = dev.ops();
-    Stream &        stream = dev.compute_stream();
-    const Hierarchy h(cp);
-    const int64_t   n = shape.s * shape.b, hs = shape.nq / h.ci, gs = shape.nkv / h.ci, d = shape.d;
-    const int64_t   width = (hs + 2 * gs) * d, kv_width = 2 * gs * d;
-    Dropout         key   = ctx.dropout;
-    key.offset += h.inner_rank * hs;
-    const std::vector<HeadColumns> columns{{0, hs * d}, {shape.nq * d, gs * d}, {(shape.nq + shape.nkv) * d, gs * d}};
-    const std::vector<HeadColumns> out_columns{{0, hs * d}};
-    const Tensor members = exchange_heads(*cp.inner, h.ci, q_k_v, n, columns);
+    Device &       dev    = q_k_v.device();
+    Ops &          ops    = dev.ops();
+    Stream &       stream = dev.compute_stream();
+    Hierarchy      h(cp, shape, ctx.dropout);
+    AttentionShape block = h.block;
+    const int64_t  n = h.n, hs = h.hs, d = shape.d, kv_width = block.kv_row_stride;
+    const std::vector<HeadColumns> out_columns{h.columns.front()};
+    const Tensor members = exchange_heads(*cp.inner, h.ci, q_k_v, n, h.columns);
     const Tensor out_m   = exchange_heads(*cp.inner, h.ci, out, n, out_columns);
     const Tensor dout_m  = exchange_heads(*cp.inner, h.ci, d_out, n, out_columns);
     Tensor       kv      = activation(dev, h.ci * n, kv_width);
     ops.copy_columns(stream, members, hs * d, kv, 0, kv_width);
-    Tensor dmembers = activation(dev, h.ci * n, width), dkv = activation(dev, h.ci * n, kv_width);
+    Tensor dmembers = activation(dev, h.ci * n, block.row_stride), dkv = activation(dev, h.ci * n, kv_width);
     ops.fill_zero(stream, dmembers);
     ops.fill_zero(stream, dkv);
-    AttentionShape block{shape.s, shape.b, hs, gs, d, width};
-    block.kv_row_stride = kv_width;
-    block.k_col         = 0;
-    block.v_col         = gs * d;
     auto lse_of = [&](int i) { return ctx.lse.slice(i * shape.b * hs * shape.s, {shape.b * hs, shape.s}); };
     for (int step = 0; step < h.co; ++step) {
         const int               peer = (h.outer_rank - step + h.co) % h.co;
@@ -784,14 +782,14 @@ void SelfAttention::hierarchical_backward(Context & ctx, const Tensor & q_k_v, c
                 block.k_pos = cp.positions(shape.s, h.cp_rank(peer, j));
                 ops.attention_backward(stream, members.narrow(0, i * n, n), kv.narrow(0, j * n, n),
                                        out_m.narrow(0, i * n, n), dout_m.narrow(0, i * n, n), lse_of(i),
-                                       dmembers.narrow(0, i * n, n), dkv.narrow(0, j * n, n), block, scale, key, true);
+                                       dmembers.narrow(0, i * n, n), dkv.narrow(0, j * n, n), block, scale, h.key, true);
             }
         }
         if (next) kv = next->arrive().front();
         dkv = ring_pass(cp, dkv, cp.outer.get());   // to the block's next holder, or after the last step home
     }
     ops.copy_columns(stream, dkv, 0, dmembers, hs * d, kv_width);
-    exchange_heads_back(*cp.inner, h.ci, dmembers, n, columns, d_qkv);
+    exchange_heads_back(*cp.inner, h.ci, dmembers, n, h.columns, d_qkv);
 }
 
 // ---------------------------------------------------------------------------------------------------
