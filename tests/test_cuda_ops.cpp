@@ -39,6 +39,7 @@
 
 #include <atomic>
 #include <bit>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -956,6 +957,31 @@ TEST(CudaOps, MoeRouterTopkLossesAndBackwardMatchTheCpu) {
         int64_t routed = 0;
         for (int64_t i = 0; i < c.groups * E; ++i) routed += cc.data<int32_t>()[i];
         EXPECT_EQ(routed, n * k) << what << ": every token counted k times";
+    }
+}
+
+// Sinkhorn routing (--moe-router-load-balancing-type sinkhorn): the balancing over all 96 rows of a micro-
+// batch and the selection of a rank's 32 of them (rows 32..63, as the second of three sequence-parallel
+// ranks), top-1 with sigmoid probabilities and top-2 with a softmax over all experts, as the router asks.
+// The expert choices are bitwise the CPU's and the probabilities within the router's tolerance.
+TEST(CudaOps, MoeSinkhornRoutingMatchesTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    const int64_t N = 96, n = 32, first = 32, E = 8;
+    for (const MoeRouting & routing : {MoeRouting{E, 1, true, false, 1.0f}, MoeRouting{E, 2, false, true, 1.0f}}) {
+        const int64_t     k = routing.topk;
+        const std::string what = "sinkhorn top-" + std::to_string(k);
+        Tensor logits = random_cpu({N, E}, 1800 + k, 2.0f);
+        Tensor ic = cpu_tensor({n, k}, DType::i32), pc = cpu_tensor({n, k});
+        Tensor ig = Tensor::empty({n, k}, DType::i32, gpu()), pg = Tensor::empty({n, k}, DType::f32, gpu());
+        cops().moe_sinkhorn_topk(cs(), logits, first, routing, ic, pc);
+        gops().moe_sinkhorn_topk(gs(), to_gpu(logits), first, routing, ig, pg);
+        cs().synchronize();
+        expect_bitwise(ic, to_cpu(ig), what + ": top_idx");
+        expect_close(pc, to_cpu(pg), 1e-6, what + ": probs", 1e-3);
+        // Balanced: sinkhorn spreads the 32 rows' first choices over the experts, unlike the raw top-1.
+        std::vector<int> used(E, 0);
+        for (int64_t x = 0; x < n; ++x) used[static_cast<size_t>(ic.data<int32_t>()[x * k])] = 1;
+        EXPECT_GE(std::count(used.begin(), used.end(), 1), E / 2) << what;
     }
 }
 

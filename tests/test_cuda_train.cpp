@@ -199,7 +199,12 @@ INSTANTIATE_TEST_SUITE_P(
                       // Context parallelism: the ring's K | V blocks through NCCL's all-to-all on the cp-comm
                       // stream (p2p), and the all-to-all of heads (a2a), with the block-attention kernels.
                       Layout{"cp2_p2p", "--context-parallel-size 2 --cp-comm-type p2p"},
-                      Layout{"cp2_a2a", "--context-parallel-size 2 --cp-comm-type a2a"}),
+                      Layout{"cp2_a2a", "--context-parallel-size 2 --cp-comm-type a2a"},
+                      // Sinkhorn routing on the GPU, over both CP ranks' rows gathered (Megatron's functional
+                      // tests route top-1 by sinkhorn under CP).
+                      Layout{"moe_cp2_sinkhorn", "--context-parallel-size 2",
+                             "--bf16 --num-layers 2 --num-experts 4 --moe-router-topk 1 "
+                             "--moe-router-load-balancing-type sinkhorn --disable-bias-linear "}),
     [](const ::testing::TestParamInfo<Layout> & info) { return std::string(info.param.name); });
 
 // Four ranks, PP 4 x VPP 2: the wrap-around channel from the last stage to the first carries data too.

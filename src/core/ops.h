@@ -270,13 +270,9 @@ public:
     // toward the lower expert), and their probabilities from the same rows' logits as moe_topk gives them
     // with `routing` (sigmoid for k = 1, a softmax over all E for k > 1, as the caller sets it). sinkhorn
     // alternates d0 = 1/N / (C d1 + 1e-8) and d1 = 1/E / (C^T d0 + 1e-8) over C = exp(logits), from ones,
-    // until the mean |change of d1| is at most 1e-4; the scores are d0_x C_xe d1_e. A backend without it
-    // says so in supports("moe_sinkhorn_topk").
+    // until the mean |change of d1| is at most 1e-4; the scores are d0_x C_xe d1_e.
     virtual void moe_sinkhorn_topk(Stream & s, const Tensor & logits, int64_t first, const MoeRouting & routing,
-                                   const Tensor & top_idx, const Tensor & probs) {
-        (void)s, (void)logits, (void)first, (void)routing, (void)top_idx, (void)probs;
-        throw Error("moe_sinkhorn_topk is not implemented by this backend", "", __FILE__, __LINE__);
-    }
+                                   const Tensor & top_idx, const Tensor & probs) = 0;
     // counts (G, E) i32: per aux-loss group, the tokens whose top-k of the aux scores holds each expert.
     virtual void moe_aux_counts(Stream & s, const Tensor & logits, const MoeRouting & routing, int64_t groups,
                                 const Tensor & counts) = 0;

@@ -120,8 +120,6 @@ OpSupport cuda_supports(const OpQuery & q) {
     if (op.rfind("attention", 0) == 0 && q.head_dim > kernels::kAttentionMaxHeadDim) {
         why << q.op << ": head dimension " << q.head_dim << " on CUDA (the CUDA attention takes heads of up to "
             << kernels::kAttentionMaxHeadDim << ")";
-    } else if (op == "moe_sinkhorn_topk") {
-        why << q.op << ": sinkhorn routing on CUDA (Loom's sinkhorn runs on the CPU backend only)";
     } else if (op.rfind("moe_", 0) == 0 && q.topk > kernels::kMoeMaxTopk) {
         why << q.op << ": top-" << q.topk << " routing on CUDA (the CUDA router selects up to " << kernels::kMoeMaxTopk
             << " experts per token)";
@@ -587,6 +585,19 @@ public:
         CudaStream &                  cs   = start(s, "moe_topk", {logits, top_idx, probs});
         kernels::moe_topk(cs.launch("moe_topk"), f32(logits), n, args, top_idx.data<int32_t>(), f32(probs));
         cs.launched("moe_topk", {logits, top_idx, probs});
+    }
+
+    void moe_sinkhorn_topk(Stream & s, const Tensor & logits, int64_t first, const MoeRouting & r, const Tensor & top_idx,
+                           const Tensor & probs) override {
+        const int64_t                 n    = op_checks::moe_sinkhorn_topk(logits, first, r, top_idx, probs);
+        const int64_t                 N    = logits.size(0);
+        const kernels::MoeRoutingArgs args = routing_args(r, "moe_sinkhorn_topk");
+        CudaStream &                  cs   = start(s, "moe_sinkhorn_topk", {logits, top_idx, probs});
+        cudaStream_t                  stream  = cs.launch("moe_sinkhorn_topk");
+        Tensor                        scratch = scratch_of(cs, kernels::moe_sinkhorn_scratch(N, r.experts), DType::i64);
+        kernels::moe_sinkhorn_topk(stream, f32(logits), N, first, n, args, static_cast<double *>(scratch.data_ptr()),
+                                   top_idx.data<int32_t>(), f32(probs));
+        cs.launched("moe_sinkhorn_topk", {logits, top_idx, probs, scratch});
     }
 
     void moe_aux_counts(Stream & s, const Tensor & logits, const MoeRouting & r, int64_t groups,

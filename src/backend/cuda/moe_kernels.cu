@@ -67,7 +67,8 @@ __device__ Scores aux_scores(const float * l, const MoeRoutingArgs & r) {
 }
 
 // The k largest scores in descending order, ties toward the lower index.
-__device__ void topk_desc(const Scores & score, int64_t E, int64_t k, int32_t * idx) {
+template <typename Score>
+__device__ void topk_desc(const Score & score, int64_t E, int64_t k, int32_t * idx) {
     for (int64_t j = 0; j < k; ++j) {
         int64_t best = -1;
         double  best_v = 0;
@@ -114,6 +115,57 @@ __global__ void moe_topk_kernel(const float * logits, int64_t n, MoeRoutingArgs 
         topk_desc(selection_scores(l, r), r.experts, r.topk, idx);
         double q[kMoeMaxTopk];
         topk_probs(l, idx, r, q);
+        for (int64_t j = 0; j < r.topk; ++j) probs[x * r.topk + j] = static_cast<float>(r.scaling * q[j]);
+    }
+}
+
+// Sinkhorn's scalings over all N rows (backend/cpu/moe.cpp's twin, the same double operations in the same
+// order): one block; C = exp(logits) in `c`, d0 (N) and d1 (E) from ones, alternated until the mean |change
+// of d1| is at most 1e-4 (thread 0 adds the changes in expert order, as the CPU does).
+__global__ void moe_sinkhorn_kernel(const float * logits, int64_t N, int64_t E, double * c, double * d0, double * d1,
+                                    double * change) {
+    __shared__ int done;
+    const double   eps = 1e-8, tol = 1e-4;
+    for (int64_t i = threadIdx.x; i < N * E; i += blockDim.x) c[i] = exp(static_cast<double>(logits[i]));
+    for (int64_t x = threadIdx.x; x < N; x += blockDim.x) d0[x] = 1.0;
+    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) d1[e] = 1.0;
+    __syncthreads();
+    for (;;) {
+        for (int64_t x = threadIdx.x; x < N; x += blockDim.x) {
+            double sum = 0;
+            for (int64_t e = 0; e < E; ++e) sum += d1[e] * c[x * E + e];
+            d0[x] = 1.0 / static_cast<double>(N) / (sum + eps);
+        }
+        __syncthreads();
+        for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
+            double sum = 0;
+            for (int64_t x = 0; x < N; ++x) sum += d0[x] * c[x * E + e];
+            const double next = 1.0 / static_cast<double>(E) / (sum + eps);
+            change[e]         = fabs(d1[e] - next);
+            d1[e]             = next;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            double error = 0;
+            for (int64_t e = 0; e < E; ++e) error += change[e];
+            done = error / static_cast<double>(E) <= tol;
+        }
+        __syncthreads();
+        if (done) break;
+    }
+}
+
+// Rows [first, first + n): the k experts by descending d0_x C_xe d1_e, and their probabilities from the
+// logits as moe_topk gives them.
+__global__ void moe_sinkhorn_select_kernel(const float * logits, int64_t first, int64_t n, MoeRoutingArgs r,
+                                           const double * c, const double * d0, const double * d1, int32_t * top_idx,
+                                           float * probs) {
+    LOOM_GRID_STRIDE(x, n) {
+        const int64_t row = first + x, E = r.experts;
+        int32_t *     idx = top_idx + x * r.topk;
+        topk_desc([&](int64_t e) { return d0[row] * c[row * E + e] * d1[e]; }, E, r.topk, idx);
+        double q[kMoeMaxTopk];
+        topk_probs(logits + row * E, idx, r, q);
         for (int64_t j = 0; j < r.topk; ++j) probs[x * r.topk + j] = static_cast<float>(r.scaling * q[j]);
     }
 }
@@ -380,6 +432,19 @@ __global__ void moe_weight_grad_kernel(const float * dy, const float * src, cons
 void moe_topk(cudaStream_t stream, const float * logits, int64_t n, const MoeRoutingArgs & r, int32_t * top_idx,
               float * probs) {
     if (n > 0) LOOM_LAUNCH(moe_topk_kernel, blocks_for(n), kThreads, 0, stream)(logits, n, r, top_idx, probs);
+}
+
+int64_t moe_sinkhorn_scratch(int64_t N, int64_t experts) { return N * experts + N + 2 * experts; }
+
+void moe_sinkhorn_topk(cudaStream_t stream, const float * logits, int64_t N, int64_t first, int64_t n,
+                       const MoeRoutingArgs & r, double * scratch, int32_t * top_idx, float * probs) {
+    if (N == 0) return;
+    double * c = scratch, *d0 = c + N * r.experts, *d1 = d0 + N, *change = d1 + r.experts;
+    LOOM_LAUNCH(moe_sinkhorn_kernel, 1, kThreads, 0, stream)(logits, N, r.experts, c, d0, d1, change);
+    if (n > 0) {
+        LOOM_LAUNCH(moe_sinkhorn_select_kernel, blocks_for(n), kThreads, 0, stream)(logits, first, n, r, c, d0, d1,
+                                                                                    top_idx, probs);
+    }
 }
 
 void moe_aux_counts(cudaStream_t stream, const float * logits, int64_t n, const MoeRoutingArgs & r, int64_t groups,

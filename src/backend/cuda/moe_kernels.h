@@ -34,6 +34,12 @@ struct MoeLossArgs {
 
 void moe_topk(cudaStream_t stream, const float * logits, int64_t n, const MoeRoutingArgs & r, int32_t * top_idx,
               float * probs);
+// Sinkhorn routing (core/ops.h's moe_sinkhorn_topk) over all N rows of logits, for rows [first, first + n);
+// scratch: moe_sinkhorn_scratch(N, E) doubles (C, the two scalings, the changes). The balancing runs in one
+// block, in double, with the CPU's operations in the CPU's order.
+int64_t moe_sinkhorn_scratch(int64_t N, int64_t experts);
+void    moe_sinkhorn_topk(cudaStream_t stream, const float * logits, int64_t N, int64_t first, int64_t n,
+                          const MoeRoutingArgs & r, double * scratch, int32_t * top_idx, float * probs);
 // counts (G, E) is zeroed first.
 void moe_aux_counts(cudaStream_t stream, const float * logits, int64_t n, const MoeRoutingArgs & r, int64_t groups,
                     int32_t * counts);
