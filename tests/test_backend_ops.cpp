@@ -1196,7 +1196,8 @@ TEST(OpsAttention, DropoutOnTheProbabilitiesAgainstNaiveDoubleAttention) {
 // 64 that straddle the chunks, and a rank whose first chunk sees no key of a later rank's).
 TEST(OpsAttention, ContextParallelBlocksMergeToTheWholeSequence) {
     for (const bool dropped : {false, true}) {
-        for (const auto [cp, chunk] : {std::pair<int64_t, int64_t>{2, 35}, {3, 22}}) {
+        for (const std::pair<int64_t, int64_t> sizes : {std::pair<int64_t, int64_t>{2, 35}, {3, 22}}) {
+            const int64_t cp = sizes.first, chunk = sizes.second;   // plain names: the lambdas below capture them
             SCOPED_TRACE("cp " + std::to_string(cp) + (dropped ? " with dropout" : ""));
             const int64_t b = 2, nq = 4, nkv = 2, d = 8, S = 2 * cp * chunk, local = 2 * chunk;
             const AttentionShape whole{S, b, nq, nkv, d, (nq + 2 * nkv) * d};

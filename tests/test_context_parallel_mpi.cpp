@@ -70,8 +70,8 @@ struct Layout {
     int                 cp = 2, tp = 1, pp = 1, vpp = 1, ep = 1;
     model::CpCommType   type = model::CpCommType::p2p;
     bool                llama = false, sp = false, zero1 = false, moe = false, sinkhorn = false;
-    std::vector<model::CpCommType> per_layer;   // one type per layer instead of `type`
-    std::vector<int64_t>           hierarchical;   // a2a+p2p's sizes
+    std::vector<model::CpCommType> per_layer{};      // one type per layer instead of `type`
+    std::vector<int64_t>           hierarchical{};   // a2a+p2p sizes
     static const char * type_name(model::CpCommType t) {
         return t == model::CpCommType::p2p ? "p2p" : t == model::CpCommType::a2a ? "a2a"
              : t == model::CpCommType::allgather ? "allgather" : "a2a+p2p";

@@ -31,12 +31,17 @@ namespace loom {
 // when k_pos(j) <= q_pos(i) (global positions, core/positions.h); the defaults are the query tensor's own
 // [Q | K | V] rows at the same positions, which is plain causal attention.
 struct AttentionShape {
-    int64_t s;            // query rows' sequence length
-    int64_t b;            // micro-batch size
-    int64_t nq;           // query heads
-    int64_t nkv;          // key/value heads (query groups)
-    int64_t d;            // head dimension
-    int64_t row_stride;   // elements between consecutive (s, b) rows of q and dq
+    AttentionShape() = default;
+    // The query side; the key side defaults to the queries' own [Q | K | V] rows at the same positions.
+    AttentionShape(int64_t s_, int64_t b_, int64_t nq_, int64_t nkv_, int64_t d_, int64_t row_stride_)
+        : s(s_), b(b_), nq(nq_), nkv(nkv_), d(d_), row_stride(row_stride_) {}
+
+    int64_t s          = 0;   // query rows' sequence length
+    int64_t b          = 0;   // micro-batch size
+    int64_t nq         = 0;   // query heads
+    int64_t nkv        = 0;   // key/value heads (query groups)
+    int64_t d          = 0;   // head dimension
+    int64_t row_stride = 0;   // elements between consecutive (s, b) rows of q and dq
     int64_t      s_kv          = 0;    // key rows' sequence length (0: s)
     int64_t      kv_row_stride = 0;    // elements between rows of kv and dkv (0: row_stride)
     int64_t      k_col         = -1;   // K's first column in kv (-1: nq d, after Q)
