@@ -25,7 +25,6 @@ struct SeqPositions {
     int64_t second = 0;
 
     LOOM_POSITIONS_HD constexpr int64_t operator()(int64_t i) const { return i < split ? first + i : second + (i - split); }
-    LOOM_POSITIONS_HD constexpr bool    identity() const { return first == 0 && (split == INT64_MAX || second == split); }
 };
 
 }  // namespace loom
