@@ -153,11 +153,9 @@ json tp_ranges_json(const std::vector<std::pair<int64_t, int64_t>> & ranges) {
     return r;
 }
 
-// Where optimizer slot i starts in its parameter's elements (a slot is a view of the parameter's values).
-int64_t slot_offset(optim::Optimizer & opt, int i, const model::Parameter & p) {
-    const Tensor & values = opt.state().slot(i).values;
-    LOOM_CHECK(values.shares_storage(p.data), "optimizer slot " << i << " does not view parameter " << p.name, "");
-    return values.offset() - p.data.offset();
+// Where optimizer slot i starts in its parameter's elements.
+int64_t slot_offset(optim::Optimizer & opt, int i, const model::Parameter &) {
+    return opt.slot_offsets()[static_cast<size_t>(i)];
 }
 
 // This rank's pieces: its optimizer's slots over the parameters it writes (see the top of checkpoint.h).
@@ -319,7 +317,7 @@ std::unique_ptr<SaveInProgress> begin_save(const std::string & dir, int64_t iter
                    "checkpoint of parameter " << p.name << " in " << dtype_name(dtype), "");
         const char * values_dtype = dtype == DType::f32 ? "F32" : dtype == DType::bf16 ? "BF16" : "F16";
         st->entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "values"), values_dtype, n,
-                                         snapshot(p.data.flatten().slice(piece.begin, {n}))});
+                                         snapshot(rank.optimizer->state().slot(piece.slot).values)});
         if (with_optimizer) {
             optim::HybridSlotState slot = rank.optimizer->state().slot_state(piece.slot);
             if (dtype != DType::f32) {

@@ -76,9 +76,20 @@ void Storage::release_block() noexcept {
     }
 }
 
+std::shared_ptr<Storage> Storage::unbacked(Device & device) {
+    auto storage       = std::make_shared<Storage>(device, nullptr, 0, MemoryKind::device);
+    storage->unbacked_ = true;
+    return storage;
+}
+
 Tensor::Tensor(std::shared_ptr<Storage> storage, int64_t offset, Shape shape, DType dtype)
     : storage_(std::move(storage)), offset_(offset), shape_(std::move(shape)), dtype_(dtype) {
     numel_ = shape_numel(shape_);
+}
+
+Tensor Tensor::unbacked(const Shape & shape, DType dtype, Device & device) {
+    check_shape(shape);
+    return Tensor(Storage::unbacked(device), 0, shape, dtype);
 }
 
 Tensor Tensor::empty(const Shape & shape, DType dtype, Device & device, const TensorOptions & options) {
@@ -129,6 +140,8 @@ MemoryKind Tensor::memory_kind() const {
 }
 
 void * Tensor::data_ptr() const {
+    LOOM_CHECK(!storage_ || !storage_->unbacked(), "a read of a tensor with no memory (an FSDP unit's values or "
+                                                   "gradients outside their use: ddp/ddp.h)", "");
     if (!storage_ || storage_->data() == nullptr) {
         return nullptr;
     }

@@ -54,6 +54,10 @@ public:
     void release_block() noexcept;
     bool block_released() const { return released_; }
 
+    // No memory at all (Tensor::unbacked): data() is null and a tensor's data_ptr() throws.
+    static std::shared_ptr<Storage> unbacked(Device & device);
+    bool unbacked() const { return unbacked_; }
+
 private:
     Device *    device_;
     Allocator * allocator_ = nullptr;   // null for external memory
@@ -62,6 +66,7 @@ private:
     size_t      nbytes_;
     MemoryKind  kind_;
     bool        released_ = false;
+    bool        unbacked_ = false;
 };
 
 struct TensorOptions {
@@ -75,6 +80,10 @@ public:
 
     static Tensor empty(const Shape & shape, DType dtype, Device & device, const TensorOptions & options = {});
     static Tensor zeros(const Shape & shape, DType dtype, Device & device, const TensorOptions & options = {});
+    // A shape and a dtype with no memory behind them: defined(), and data_ptr() throws. What an FSDP-sharded
+    // parameter's values or gradient are between uses (ddp/ddp.h); kernels queued earlier keep the memory
+    // they were given alive, as with any tensor.
+    static Tensor unbacked(const Shape & shape, DType dtype, Device & device);
     // A tensor over memory the caller owns and keeps alive (host memory, CPU backend).
     static Tensor from_blob(void * data, const Shape & shape, DType dtype, Device & device,
                             MemoryKind kind = MemoryKind::device);

@@ -10,8 +10,27 @@
 
 namespace loom::ddp {
 
+const char * fsdp_sharding_name(FsdpSharding sharding) {
+    switch (sharding) {
+    case FsdpSharding::no_shard: return "no_shard";
+    case FsdpSharding::optim: return "optim";
+    case FsdpSharding::optim_grads: return "optim_grads";
+    case FsdpSharding::optim_grads_params: return "optim_grads_params";
+    }
+    return "?";
+}
+
 void DdpConfig::validate() const {
-    LOOM_CHECK(!overlap_param_gather || use_distributed_optimizer,
+    LOOM_CHECK(!use_megatron_fsdp || use_distributed_optimizer == (fsdp_sharding != FsdpSharding::no_shard),
+               "--use-megatron-fsdp with --data-parallel-sharding-strategy " << fsdp_sharding_name(fsdp_sharding)
+                                                                             << (use_distributed_optimizer ? " and" : " without")
+                                                                             << " the distributed optimizer",
+               "every strategy but no_shard shards the optimizer state (the options resolve this)");
+    LOOM_CHECK(!use_megatron_fsdp || num_distributed_optimizer_instances == 1,
+               "--num-distributed-optimizer-instances " << num_distributed_optimizer_instances << " with --use-megatron-fsdp",
+               "Loom's Megatron-FSDP shards over the whole data-parallel group (no hybrid sharding, "
+               "--outer-dp-sharding-strategy); use --num-distributed-optimizer-instances 1");
+    LOOM_CHECK(!overlap_param_gather || use_distributed_optimizer || use_megatron_fsdp,
                "--overlap-param-gather needs --use-distributed-optimizer",
                "only the distributed optimizer gathers parameters; add --use-distributed-optimizer or drop "
                "--overlap-param-gather");
@@ -31,14 +50,17 @@ std::optional<int64_t> effective_bucket_size(const DdpConfig & config, int64_t d
     return config.bucket_size ? config.bucket_size : std::optional<int64_t>(default_bucket_size(dp));
 }
 
-std::vector<ParamSpec> param_specs(const std::vector<model::Parameter *> & params, const std::vector<int> & chunk_of_param) {
+std::vector<ParamSpec> param_specs(const std::vector<model::Parameter *> & params, const std::vector<int> & chunk_of_param,
+                                   const std::vector<int> & unit_of_param) {
     LOOM_CHECK(chunk_of_param.empty() || chunk_of_param.size() == params.size(),
                chunk_of_param.size() << " model chunks given for " << params.size() << " parameters", "");
+    LOOM_CHECK(unit_of_param.empty() || unit_of_param.size() == params.size(),
+               unit_of_param.size() << " FSDP units given for " << params.size() << " parameters", "");
     std::vector<ParamSpec> specs;
     for (size_t i = 0; i < params.size(); ++i) {
         const model::Parameter * p = params[i];
         specs.push_back(ParamSpec{p->name, p->data.shape(), p->data.dtype(), p->shared_embedding, p->expert,
-                                  chunk_of_param.empty() ? 0 : chunk_of_param[i]});
+                                  chunk_of_param.empty() ? 0 : chunk_of_param[i], unit_of_param.empty() ? 0 : unit_of_param[i]});
     }
     return specs;
 }
@@ -73,7 +95,9 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
                                                                     << dtype_name(p->main_grad.dtype()) << " main_grad",
                    "Loom accumulates gradients in float32");
     }
-    specs_ = param_specs(params_, placement.chunk_of_param);
+    LOOM_CHECK(!config_.use_megatron_fsdp || !placement.unit_of_param.empty(), "Megatron-FSDP without the model's units",
+               "pass the model's parameter units (GptModel::parameter_units) in the placement");
+    specs_ = param_specs(params_, placement.chunk_of_param, config_.use_megatron_fsdp ? placement.unit_of_param : std::vector<int>{});
     int64_t       dp = dp_group_->size();
     LayoutOptions options;
     options.dp                              = dp;
@@ -84,12 +108,50 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
     options.grad_reduce_in_fp32             = true;
     options.pipeline_rank                   = placement.pipeline_rank;
     options.overlap_param_gather_with_optimizer_step = placement.overlap_param_gather_with_optimizer_step;
+    options.fsdp_units                      = config_.use_megatron_fsdp;
     layout_ = compute_layout(specs_, options);
 
     // Buffers, and every parameter re-pointed at its range (values kept, padding zero), once the compute
     // stream has finished with the old tensors.
     device_.compute_stream().synchronize();
-    for (const BufferLayout & buffer : layout_.buffers) {
+    for (size_t b = 0; b < layout_.buffers.size(); ++b) {
+        const BufferLayout & buffer = layout_.buffers[b];
+        if (config_.shards_grads()) {
+            // FSDP: the rank's shards; each bucket is whole only while its unit is in use (unsharded_*).
+            comm::Communicator & group = buffer_group(static_cast<int>(b));
+            std::vector<int64_t> starts;
+            int64_t              shard_numel = 0;
+            for (const BucketLayout & bucket : buffer.buckets) {
+                starts.push_back(shard_numel);
+                shard_numel += bucket.numel / group.size();
+            }
+            shard_start_.push_back(starts);
+            grad_buffers_.push_back(Tensor::zeros({shard_numel}, DType::f32, device_, {MemoryKind::device, "grads"}));
+            param_buffers_.push_back(Tensor::zeros({config_.shards_params() ? shard_numel : buffer.numel}, buffer.param_dtype,
+                                                   device_, {MemoryKind::device, "weights"}));
+            unsharded_grads_.emplace_back(buffer.buckets.size());
+            unsharded_params_.emplace_back(buffer.buckets.size());
+            for (const BucketLayout & bucket : buffer.buckets) {
+                const int64_t shard = bucket.numel / group.size();
+                Tensor        whole = config_.shards_params()
+                                          ? Tensor::zeros({bucket.numel}, buffer.param_dtype, device_, {MemoryKind::device, "weights"})
+                                          : param_buffers_.back().slice(bucket.offset, {bucket.numel});
+                for (const ParamPlace & place : buffer.params) {
+                    if (place.bucket != bucket.id) continue;
+                    model::Parameter * p = params_[place.param];
+                    Tensor data = whole.slice(place.start - bucket.offset, p->data.shape());
+                    copy_now(data, p->data);
+                    p->data = data;
+                }
+                if (config_.shards_params()) {   // the rank's shard of the values; the whole bucket goes
+                    copy_now(param_buffers_.back().slice(starts[static_cast<size_t>(bucket.id)], {shard}),
+                             whole.narrow(0, group.rank() * shard, shard));
+                    point_at(static_cast<int>(b), bucket.id, Tensor(), /*grads=*/false);
+                }
+                point_at(static_cast<int>(b), bucket.id, Tensor(), /*grads=*/true);
+            }
+            continue;
+        }
         Tensor grads = Tensor::zeros({buffer.numel}, DType::f32, device_, {MemoryKind::device, "grads"});
         Tensor weights;
         if (config_.use_distributed_optimizer) {
@@ -154,6 +216,15 @@ Tensor DistributedDataParallel::bucket_view(const Tensor & buffer, const BucketL
 }
 
 void DistributedDataParallel::zero_grad_buffer() {
+    if (config_.shards_grads()) {   // the shards accumulate every micro-batch's reduced unit gradients
+        for (Group & group : groups_) {
+            LOOM_CHECK(!group.grads_live, "a unit's gradients were made whole and never reduced", "");
+            std::fill(group.count.begin(), group.count.end(), 0);
+        }
+        for (Tensor & grads : grad_buffers_) device_.ops().fill_zero(device_.compute_stream(), grads);
+        last_microbatch_ = true;
+        return;
+    }
     for (Group & group : groups_) wait_grad_sync(group);
     bool recorded = false;
     for (const Group & group : groups_) {
@@ -182,6 +253,20 @@ void DistributedDataParallel::zero_grad_buffer() {
 
 model::GradReadyFn DistributedDataParallel::grad_ready() {
     return [this](model::Parameter & p) {
+        if (config_.shards_grads()) {   // every micro-batch: a unit reduces once all its gradients are final
+            auto it = index_.find(&p);
+            LOOM_CHECK(it != index_.end(), "gradient-ready report for " << p.name << ", which DDP does not hold", "");
+            const int g = group_of_param_[it->second];
+            Group &   group = groups_[g];
+            int &     count = group.count[member_of_param_[it->second]];
+            LOOM_CHECK(group.grads_live && count == 0, "parameter " << p.name << " reported its gradient ready "
+                                                                    << (group.grads_live ? "twice" : "outside its unit's backward"),
+                       "Megatron-FSDP reduces each unit once per micro-batch: a layer reports each parameter once, "
+                       "after the unit's before_backward hook");
+            count = 1;
+            if (std::all_of(group.count.begin(), group.count.end(), [](int c) { return c == 1; })) reduce_unit(g);
+            return;
+        }
         if (!last_microbatch_) {
             return;   // no_sync: gradients accumulate, nothing is counted or launched
         }
@@ -208,21 +293,7 @@ void DistributedDataParallel::launch_grad_sync(Group & group) {
     for (const BucketRef & ref : group.buckets) {
         const BucketLayout & bucket = layout_.buffers[ref.buffer].buckets[ref.bucket];
         Tensor               grads  = bucket_view(grad_buffers_[ref.buffer], bucket);
-        if (config_.check_for_nan_in_grad) {
-            const Tensor host = host_readable(grads);
-            for (const ParamPlace & place : layout_.buffers[ref.buffer].params) {
-                if (place.bucket != ref.bucket) continue;
-                const float * pg = host.data<float>() + (place.start - bucket.offset);
-                for (int64_t i = 0; i < place.end - place.start; ++i) {
-                    LOOM_CHECK(std::isfinite(pg[i]),
-                               "rank " << dp_group_->global_ranks()[dp_group_->rank()] << ": gradient of "
-                                       << params_[place.param]->name << " is " << pg[i] << " at element " << i
-                                       << " before the data-parallel reduction (bucket " << ref.bucket << ")",
-                               "--check-for-nan-in-loss-and-grad stops here; lower --lr, check the data, or "
-                               "enable --clip-grad");
-                }
-            }
-        }
+        if (config_.check_for_nan_in_grad) check_finite(ref.buffer, ref.bucket, grads);
         // docs/design/ddp_and_optimizers.md 1.8: 1/dp before a sum, or edp/dp before an average over the buffer's group
         // (1 for dense ones).
         comm::Communicator & reducer = buffer_group(ref.buffer);
@@ -250,12 +321,39 @@ void DistributedDataParallel::launch_grad_sync(Group & group) {
     }
 }
 
+void DistributedDataParallel::check_finite(int buffer, int bucket_id, const Tensor & grads) const {
+    const BucketLayout & bucket = layout_.buffers[static_cast<size_t>(buffer)].buckets[static_cast<size_t>(bucket_id)];
+    const Tensor         host   = host_readable(grads);
+    for (const ParamPlace & place : layout_.buffers[static_cast<size_t>(buffer)].params) {
+        if (place.bucket != bucket_id) continue;
+        const float * pg = host.data<float>() + (place.start - bucket.offset);
+        for (int64_t i = 0; i < place.end - place.start; ++i) {
+            LOOM_CHECK(std::isfinite(pg[i]),
+                       "rank " << dp_group_->global_ranks()[dp_group_->rank()] << ": gradient of "
+                               << params_[place.param]->name << " is " << pg[i] << " at element " << i
+                               << " before the data-parallel reduction (bucket " << bucket_id << ")",
+                       "--check-for-nan-in-loss-and-grad stops here; lower --lr, check the data, or "
+                       "enable --clip-grad");
+        }
+    }
+}
+
 void DistributedDataParallel::wait_grad_sync(Group & group) {
     for (comm::WorkPtr & work : group.grad_work) work->wait();
     group.grad_work.clear();
 }
 
 void DistributedDataParallel::finish_grad_sync() {
+    if (config_.shards_grads()) {   // every unit reduced itself in every micro-batch's backward
+        for (const Group & group : groups_) {
+            for (size_t m = 0; m < group.params.size() && group.grads_live; ++m) {
+                LOOM_CHECK(group.count[m] == 1, "parameter " << params_[group.params[m]]->name
+                                                             << " never reported its gradient ready in the last backward",
+                           "every layer's backward must call the gradient-ready callback for each of its parameters");
+            }
+        }
+        return;
+    }
     for (Group & group : groups_) {
         if (!group.grad_launched) launch_grad_sync(group);
     }
@@ -282,6 +380,10 @@ void DistributedDataParallel::wait_gather(int index) {
 
 void DistributedDataParallel::start_param_sync() {
     if (!config_.use_distributed_optimizer) return;
+    if (config_.shards_params()) {   // the gathered values are stale: each unit gathers again before its use
+        for (int g = 0; g < static_cast<int>(groups_.size()); ++g) release_unit(g);
+        return;
+    }
     // The optimizer updated the shards on the compute stream: the gathers (on the comm stream) start after.
     device_.compute_stream().record(*params_updated_);
     comm_stream_->wait(*params_updated_);
@@ -315,6 +417,10 @@ void DistributedDataParallel::ensure_params_ready(const std::vector<model::Param
 }
 
 void DistributedDataParallel::finish_param_sync() {
+    if (config_.shards_params()) {
+        for (int g = static_cast<int>(groups_.size()); g-- > 0;) gather_unit(g);
+        return;
+    }
     if (!pending_gathers_) return;
     for (int g = static_cast<int>(groups_.size()); g-- > 0;) {
         if (groups_[g].gather_pending && !groups_[g].gather_dispatched) dispatch_gather(g);
@@ -326,6 +432,160 @@ void DistributedDataParallel::finish_param_sync() {
         }
     }
     pending_gathers_ = false;
+}
+
+std::vector<int> DistributedDataParallel::groups_of(const std::vector<model::Parameter *> & params) const {
+    std::vector<int> groups;
+    for (const model::Parameter * p : params) {
+        auto it = index_.find(p);
+        if (it == index_.end()) continue;
+        const int g = group_of_param_[it->second];
+        if (std::find(groups.begin(), groups.end(), g) == groups.end()) groups.push_back(g);
+    }
+    return groups;
+}
+
+void DistributedDataParallel::before_forward(const std::vector<model::Parameter *> & params) {
+    if (config_.shards_params()) {
+        for (int g : groups_of(params)) gather_unit(g);
+    } else {
+        ensure_params_ready(params);
+    }
+}
+
+void DistributedDataParallel::after_forward(const std::vector<model::Parameter *> & params) {
+    if (!config_.shards_params()) return;
+    for (int g : groups_of(params)) release_unit(g);
+}
+
+void DistributedDataParallel::before_backward(const std::vector<model::Parameter *> & params) {
+    for (int g : groups_of(params)) {
+        if (config_.shards_params()) gather_unit(g);
+        if (config_.shards_grads()) make_grads_whole(g);
+    }
+}
+
+void DistributedDataParallel::after_backward(const std::vector<model::Parameter *> & params) {
+    if (!config_.shards_params()) return;
+    for (int g : groups_of(params)) {
+        if (!groups_[g].grads_live) release_unit(g);   // reduced: this backward is done with the unit
+    }
+}
+
+void DistributedDataParallel::point_at(int buffer, int bucket, const Tensor & whole, bool grads) {
+    const BufferLayout & layout = layout_.buffers[static_cast<size_t>(buffer)];
+    const int64_t        offset = layout.buckets[static_cast<size_t>(bucket)].offset;
+    for (const ParamPlace & place : layout.params) {
+        if (place.bucket != bucket) continue;
+        model::Parameter * p      = params_[place.param];
+        Tensor &           target = grads ? p->main_grad : p->data;
+        target = whole.defined() ? whole.slice(place.start - offset, target.shape())
+                                 : Tensor::unbacked(target.shape(), target.dtype(), device_);
+    }
+    (grads ? unsharded_grads_ : unsharded_params_)[static_cast<size_t>(buffer)][static_cast<size_t>(bucket)] = whole;
+}
+
+void DistributedDataParallel::gather_unit(int g) {
+    Group & group = groups_[g];
+    if (group.gathered) return;
+    // Fresh memory may be a block that work queued earlier on the compute stream still reads (the allocator
+    // reuses blocks in host order): the communication stream writes it after that work.
+    device_.compute_stream().record(*params_updated_);
+    comm_stream_->wait(*params_updated_);
+    for (const BucketRef & ref : group.buckets) {
+        const BucketLayout & bucket = layout_.buffers[ref.buffer].buckets[ref.bucket];
+        comm::Communicator & gather = buffer_group(ref.buffer);
+        const int64_t        shard  = bucket.numel / gather.size();
+        Tensor whole = Tensor::empty({bucket.numel}, layout_.buffers[ref.buffer].param_dtype, device_,
+                                     {MemoryKind::device, kFsdpUnshardedPool});
+        group.gather_work.push_back(gather.all_gather(
+            param_buffers_[ref.buffer].slice(shard_start_[ref.buffer][ref.bucket], {shard}), whole, comm_stream_.get()));
+        point_at(ref.buffer, ref.bucket, whole, /*grads=*/false);
+    }
+    wait_gather(g);
+    group.gathered = true;
+}
+
+void DistributedDataParallel::release_unit(int g) {
+    Group & group = groups_[g];
+    if (!group.gathered) return;
+    // Work already queued that reads the values holds its own reference: the memory returns to the pool
+    // when the last of it has run.
+    for (const BucketRef & ref : group.buckets) point_at(ref.buffer, ref.bucket, Tensor(), /*grads=*/false);
+    group.gathered = false;
+}
+
+void DistributedDataParallel::make_grads_whole(int g) {
+    Group & group = groups_[g];
+    if (group.grads_live) return;
+    for (const BucketRef & ref : group.buckets) {
+        const BucketLayout & bucket = layout_.buffers[ref.buffer].buckets[ref.bucket];
+        Tensor grads = Tensor::empty({bucket.numel}, DType::f32, device_, {MemoryKind::device, kFsdpUnshardedPool});
+        device_.ops().fill_zero(device_.compute_stream(), grads);
+        point_at(ref.buffer, ref.bucket, grads, /*grads=*/true);
+    }
+    std::fill(group.count.begin(), group.count.end(), 0);
+    group.grads_live = true;
+}
+
+void DistributedDataParallel::reduce_unit(int g) {
+    Group &        group = groups_[g];
+    const bool     avg   = config_.average_in_collective;
+    Stream &       compute = device_.compute_stream();
+    compute.record(*grads_ready_);
+    comm_stream_->wait(*grads_ready_);
+    if (config_.check_for_nan_in_grad) grads_ready_->synchronize();
+    std::vector<Tensor> received;
+    for (const BucketRef & ref : group.buckets) {
+        const BucketLayout & bucket  = layout_.buffers[ref.buffer].buckets[ref.bucket];
+        const Tensor         grads   = unsharded_grads_[ref.buffer][ref.bucket];
+        comm::Communicator & reducer = buffer_group(ref.buffer);
+        const int64_t        n       = reducer.size();
+        if (config_.check_for_nan_in_grad) check_finite(ref.buffer, ref.bucket, grads);
+        // As launch_grad_sync: 1/dp before a sum, edp/dp before an average over the buffer's group.
+        const float factor = avg ? static_cast<float>(n) / static_cast<float>(full_dp_) : 1.0f / static_cast<float>(full_dp_);
+        if (factor != 1.0f) device_.ops().scale(*comm_stream_, grads, factor);
+        received.push_back(Tensor::empty({bucket.numel / n}, DType::f32, device_, {MemoryKind::device, kFsdpUnshardedPool}));
+        group.grad_work.push_back(reducer.reduce_scatter(grads, received.back(), avg ? comm::ReduceOp::avg : comm::ReduceOp::sum,
+                                                         comm_stream_.get()));
+        // This micro-batch's share joins the shard's sum, after the collective on the same stream.
+        device_.ops().add_inplace(*comm_stream_, grad_buffers_[ref.buffer].slice(shard_start_[ref.buffer][ref.bucket],
+                                                                                 {received.back().numel()}),
+                                  received.back());
+        point_at(ref.buffer, ref.bucket, Tensor(), /*grads=*/true);
+    }
+    wait_grad_sync(group);
+    // The optimizer (compute stream) and the next micro-batch's reduction read the shards after this.
+    comm_stream_->synchronize();
+    group.grads_live = false;
+}
+
+Tensor DistributedDataParallel::param_shard(int buffer, int bucket, const ShardRange & range) {
+    const int64_t n = range.gbuf_world_end - range.gbuf_world_start;
+    if (config_.shards_params()) return param_buffers_[buffer].slice(shard_start_[buffer][bucket] + range.gbuf_local_start, {n});
+    return param_buffers_[buffer].slice(range.gbuf_world_start, {n});
+}
+
+Tensor DistributedDataParallel::grad_shard(int buffer, int bucket, const ShardRange & range) {
+    const int64_t n = range.gbuf_world_end - range.gbuf_world_start;
+    if (config_.shards_grads()) return grad_buffers_[buffer].slice(shard_start_[buffer][bucket] + range.gbuf_local_start, {n});
+    return grad_buffers_[buffer].slice(range.gbuf_world_start, {n});
+}
+
+std::vector<Tensor> DistributedDataParallel::reduced_grads(const model::Parameter & p) {
+    if (!config_.shards_grads()) return {p.main_grad};
+    auto it = index_.find(&p);
+    LOOM_CHECK(it != index_.end(), "the reduced gradient of " << p.name << ", which DDP does not hold", "");
+    std::vector<Tensor> pieces;
+    for (size_t b = 0; b < layout_.buffers.size(); ++b) {
+        const std::vector<std::vector<ShardRange>> ranges = shard_ranges(layout_.buffers[b], buffer_group(static_cast<int>(b)).rank());
+        for (size_t k = 0; k < ranges.size(); ++k) {
+            for (const ShardRange & r : ranges[k]) {
+                if (r.param == it->second) pieces.push_back(grad_shard(static_cast<int>(b), static_cast<int>(k), r));
+            }
+        }
+    }
+    return pieces;
 }
 
 }  // namespace loom::ddp

@@ -55,8 +55,18 @@
 
 namespace loom::ddp {
 
+// Megatron-FSDP's --data-parallel-sharding-strategy: what each data-parallel rank keeps only its shard of.
+enum class FsdpSharding { no_shard, optim, optim_grads, optim_grads_params };
+
 struct DdpConfig {
     bool                   use_distributed_optimizer       = false;
+    // --use-megatron-fsdp: buckets are the model's units (the embedding, each layer, the final norm with the
+    // output layer), and with optim_grads each unit's gradients are reduce-scattered into the rank's shard
+    // after every micro-batch's backward, with optim_grads_params its values are also gathered before each
+    // use and given back after (the header). The distributed optimizer shards the Adam state for every
+    // strategy but no_shard.
+    bool                   use_megatron_fsdp               = false;
+    FsdpSharding           fsdp_sharding                   = FsdpSharding::optim_grads_params;
     bool                   overlap_grad_reduce             = false;
     bool                   overlap_param_gather            = false;
     std::optional<int64_t> bucket_size;                     // --ddp-bucket-size; nullopt: Megatron's default
@@ -71,7 +81,16 @@ struct DdpConfig {
     // Rejects --overlap-param-gather without the distributed optimizer or without --overlap-grad-reduce
     // and a bucket size below 1, naming the flags.
     void validate() const;
+    bool shards_grads() const { return use_megatron_fsdp && fsdp_sharding >= FsdpSharding::optim_grads; }
+    bool shards_params() const { return use_megatron_fsdp && fsdp_sharding == FsdpSharding::optim_grads_params; }
 };
+
+// The allocator pool of FSDP's whole buckets (values and gradients between their gathering and release):
+// memory that comes and goes, kept apart from the "weights" and "grads" pools of what a rank keeps.
+inline constexpr const char * kFsdpUnshardedPool = "fsdp-unsharded";
+
+// --data-parallel-sharding-strategy's names.
+const char * fsdp_sharding_name(FsdpSharding sharding);
 
 // The bucket size the first model chunk of the first pipeline stage uses (section 1.5): without
 // --overlap-grad-reduce none (one bucket per buffer, apart from the shared embedding's); else
@@ -83,13 +102,15 @@ std::optional<int64_t> effective_bucket_size(const DdpConfig & config, int64_t d
 // chunk 0), the rank's pipeline stage, and --overlap-param-gather-with-optimizer-step (no chunk bucketed).
 struct DdpPlacement {
     std::vector<int> chunk_of_param;
+    std::vector<int> unit_of_param;   // Megatron-FSDP's units (model::GptModel::parameter_units)
     int64_t          pipeline_rank = 0;
     bool             overlap_param_gather_with_optimizer_step = false;
 };
 
-// The layout parameters of a model, in registration order (chunk 0 unless `chunk_of_param` says).
+// The layout parameters of a model, in registration order (chunk 0 unless `chunk_of_param` says; unit 0
+// unless `unit_of_param` says).
 std::vector<ParamSpec> param_specs(const std::vector<model::Parameter *> & params,
-                                   const std::vector<int> & chunk_of_param = {});
+                                   const std::vector<int> & chunk_of_param = {}, const std::vector<int> & unit_of_param = {});
 
 class DistributedDataParallel {
 public:
@@ -119,8 +140,28 @@ public:
     // Pre-forward hook: the buckets holding `params` are gathered before this returns (a no-op unless
     // --overlap-param-gather left gathers pending).
     void ensure_params_ready(const std::vector<model::Parameter *> & params);
-    // Completes every pending gather (before evaluation, export or a checkpoint).
+    // Completes every pending gather (before evaluation, export or a checkpoint); with optim_grads_params
+    // every unit is gathered and stays so until its next use gives it back.
     void finish_param_sync();
+
+    // Megatron-FSDP's module hooks (model::ParamHooks; no-ops for what the strategy does not shard):
+    // before a module's forward its units' values are gathered, after it given back; before its backward
+    // they are gathered again and its units' gradient buckets made whole (zeroed); after it, the units
+    // whose gradients have all been reported ready (grad_ready: reduce-scattered at once) give their values
+    // back.
+    void before_forward(const std::vector<model::Parameter *> & params);
+    void after_forward(const std::vector<model::Parameter *> & params);
+    void before_backward(const std::vector<model::Parameter *> & params);
+    void after_backward(const std::vector<model::Parameter *> & params);
+
+    // This rank's shard of a bucket's values or gradients as the optimizer steps it (the piece `range` of
+    // bucket `bucket` of buffer `buffer`): a view of the whole buffer, or of the shard-only storage where
+    // the strategy keeps only the shard.
+    Tensor param_shard(int buffer, int bucket, const ShardRange & range);
+    Tensor grad_shard(int buffer, int bucket, const ShardRange & range);
+    // The gradient of `p` after the reduction: main_grad, or the pieces of it this rank's shards hold
+    // (possibly none) where gradients are sharded.
+    std::vector<Tensor> reduced_grads(const model::Parameter & p);
 
     const DdpConfig &                       config() const { return config_; }
     const Layout &                          layout() const { return layout_; }
@@ -145,6 +186,8 @@ private:
         bool                   gather_dispatched = false;
         bool                   gather_pending = false;    // --overlap-param-gather: not gathered yet
         std::vector<comm::WorkPtr> grad_work, gather_work;
+        bool                   gathered   = false;   // FSDP optim_grads_params: the unit's values are whole
+        bool                   grads_live = false;   // FSDP optim_grads(_params): its gradient buckets are whole
     };
 
     void launch_grad_sync(Group & group);
@@ -152,6 +195,17 @@ private:
     void dispatch_gather(int group);
     void wait_gather(int group);
     Tensor bucket_view(const Tensor & buffer, const BucketLayout & bucket) const;
+    std::vector<int> groups_of(const std::vector<model::Parameter *> & params) const;
+    // Megatron-FSDP's per-unit steps (the header).
+    // Points the values (or main_grads) of a bucket's parameters at their ranges of `whole`, or at
+    // unbacked tensors when it is undefined, and keeps `whole` as the bucket's unsharded tensor.
+    void point_at(int buffer, int bucket, const Tensor & whole, bool grads);
+    void gather_unit(int group);
+    void release_unit(int group);
+    void make_grads_whole(int group);
+    void reduce_unit(int group);
+    // --check-for-nan-in-loss-and-grad: `grads` is bucket `bucket` of `buffer`, on the host's side.
+    void check_finite(int buffer, int bucket, const Tensor & grads) const;
 
     DdpConfig                           config_;
     std::shared_ptr<comm::Communicator> dp_group_;
@@ -162,7 +216,14 @@ private:
     std::vector<model::Parameter *>     params_;
     std::vector<ParamSpec>              specs_;
     Layout                              layout_;
+    // Per buffer: the whole buffer, or this rank's shards of its buckets back to back where the strategy
+    // keeps only the shard (FSDP: the gradients with optim_grads, the values too with optim_grads_params).
     std::vector<Tensor>                 grad_buffers_, param_buffers_;
+    // FSDP, per buffer and bucket: the whole bucket while its unit is in use (undefined between uses; the
+    // main_grads or values of its parameters are views of it, or unbacked), and where the rank's shard
+    // starts in the shard storage.
+    std::vector<std::vector<Tensor>>    unsharded_grads_, unsharded_params_;
+    std::vector<std::vector<int64_t>>   shard_start_;
     std::vector<Group>                  groups_;
     std::vector<int>                    group_of_param_, member_of_param_;
     std::unordered_map<const model::Parameter *, int> index_;   // parameter -> index into params_

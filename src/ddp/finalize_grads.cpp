@@ -13,7 +13,12 @@ void finalize_grads(DistributedDataParallel * ddp, const std::vector<model::Para
     }
     if (groups.tp && groups.tp->size() > 1) {
         for (model::Parameter * p : params) {
-            if (p->sequence_parallel) groups.tp->all_reduce(p->main_grad, comm::ReduceOp::sum, &stream);
+            if (!p->sequence_parallel) continue;
+            // FSDP with sharded gradients: the TP peers' shards cover the same elements (same layout, same
+            // data-parallel rank), so the pieces sum as the whole gradients would.
+            for (const Tensor & grad : ddp ? ddp->reduced_grads(*p) : std::vector<Tensor>{p->main_grad}) {
+                groups.tp->all_reduce(grad, comm::ReduceOp::sum, &stream);
+            }
         }
     }
 }

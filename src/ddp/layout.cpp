@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <numeric>
 #include <set>
@@ -84,7 +85,8 @@ void place_buffer(BufferLayout & buffer, const std::vector<int> & members, const
         if (distopt) {
             pos = pad_param_start(pos);
         }
-        if (isolated && !open.params.empty()) {
+        const bool unit_ends = options.fsdp_units && !open.params.empty() && params[open.params.back()].unit != p.unit;
+        if ((isolated || unit_ends) && !open.params.empty()) {
             close(pos);   // the unpadded size of the bucket before includes the gap up to the aligned start
             pos = bucket_start;
         }
@@ -128,6 +130,28 @@ void partition_buckets(Layout & layout, size_t first, bool expert, bool force_si
     }
     if (!single.empty()) {
         layout.bucket_groups.push_back(std::move(single));
+    }
+}
+
+// Megatron-FSDP: one group per unit, holding the unit's bucket in every buffer of the chunk; groups in
+// placement order, so the model's last unit first.
+void unit_groups(Layout & layout, size_t first, const std::vector<ParamSpec> & params) {
+    std::vector<int> units;   // in placement order
+    for (size_t b = first; b < layout.buffers.size(); ++b) {
+        for (const ParamPlace & place : layout.buffers[b].params) {
+            const int unit = params[place.param].unit;
+            if (std::find(units.begin(), units.end(), unit) == units.end()) units.push_back(unit);
+        }
+    }
+    std::sort(units.begin(), units.end(), std::greater<>());
+    for (int unit : units) {
+        std::vector<BucketRef> group;
+        for (size_t b = first; b < layout.buffers.size(); ++b) {
+            for (const BucketLayout & bucket : layout.buffers[b].buckets) {
+                if (params[bucket.params.front()].unit == unit) group.push_back(BucketRef{static_cast<int>(b), bucket.id});
+            }
+        }
+        layout.bucket_groups.push_back(std::move(group));
     }
 }
 
@@ -249,7 +273,7 @@ Layout compute_layout(const std::vector<ParamSpec> & params, const LayoutOptions
         // step overlap.
         const bool    disable_bucketing = chunk > 0 || options.overlap_param_gather_with_optimizer_step;
         LayoutOptions mine              = options;
-        if (options.pipeline_rank > 0 || disable_bucketing) mine.bucket_size.reset();
+        if (options.pipeline_rank > 0 || disable_bucketing || options.fsdp_units) mine.bucket_size.reset();
         mine.force_single_bucket_group = options.force_single_bucket_group || disable_bucketing;
 
         // One buffer per key, keys in order of first appearance; dense keys before expert keys.
@@ -282,8 +306,12 @@ Layout compute_layout(const std::vector<ParamSpec> & params, const LayoutOptions
             place_buffer(buffer, members[b], params, mine);
             layout.buffers.push_back(std::move(buffer));
         }
-        partition_buckets(layout, first, false, mine.force_single_bucket_group);
-        partition_buckets(layout, first, true, mine.force_single_bucket_group);
+        if (options.fsdp_units) {
+            unit_groups(layout, first, params);
+        } else {
+            partition_buckets(layout, first, false, mine.force_single_bucket_group);
+            partition_buckets(layout, first, true, mine.force_single_bucket_group);
+        }
     }
     return layout;
 }

@@ -21,6 +21,8 @@
 //     a bucket of its own (the open bucket is closed before it, at its aligned start);
 //   - bucket groups: one per bucket, buffer by buffer, dense then expert; with force_single_bucket_group
 //     all buckets of the dense buffers form one group (and the expert ones another);
+//   - fsdp_units (Megatron-FSDP): a bucket closes wherever the unit changes (the distributed optimizer's
+//     padding when sharded), never by size, and a unit's buckets in every buffer form its one group;
 //   - shard ranges: bucket [off, off + S) splits into dp shards of S / dp; rank r's four ranges of each
 //     parameter it overlaps are as in section 2.2.
 //
@@ -51,6 +53,8 @@ struct ParamSpec {
     bool        shared_embedding = false;
     bool        expert           = false;   // allreduce == false: reduced over expert data parallel
     int         chunk            = 0;       // the model chunk (virtual stage) on this rank; chunks in order
+    int         unit             = 0;       // the FSDP unit (module) it belongs to: embedding 0, layer i at
+                                            // i + 1, the final norm and output layer last (fsdp_units only)
 
     int64_t numel() const;
 };
@@ -65,6 +69,9 @@ struct LayoutOptions {
     bool                   force_single_bucket_group       = false;
     int64_t                pipeline_rank                   = 0;       // > 0: no bucket_size limit
     bool                   overlap_param_gather_with_optimizer_step = false;   // every chunk unbucketed
+    // Megatron-FSDP: each unit's parameters form one bucket per buffer (bucket_size is not used), and each
+    // unit's buckets, in every buffer, one bucket group; groups in placement order (the last unit first).
+    bool                   fsdp_units = false;
 };
 
 // Megatron's default bucket size: max(40'000'000, 1'000'000 * dp) elements.

@@ -76,6 +76,48 @@ std::vector<Parameter *> GptModel::parameters() {
     return out;
 }
 
+void GptModel::call(const ParamHooks::Fn & hook, const std::vector<Parameter *> & params) {
+    if (hook) hook(params);
+}
+
+std::vector<Parameter *> GptModel::embedding_params() {
+    return wpe_.data.defined() ? std::vector<Parameter *>{&wte_, &wpe_} : std::vector<Parameter *>{&wte_};
+}
+
+std::vector<Parameter *> GptModel::layer_params(size_t i) {
+    std::vector<Parameter *> params;
+    layers_[i]->parameters(params);
+    return params;
+}
+
+std::vector<Parameter *> GptModel::output_params() {
+    std::vector<Parameter *> params;
+    final_norm_->parameters(params);
+    params.push_back(output_.data.defined() ? &output_ : &wte_);
+    return params;
+}
+
+std::vector<int> GptModel::parameter_units() {
+    std::vector<int>         units;
+    std::vector<Parameter *> params;
+    if (stage_.pre_process && wte_.data.defined()) units.push_back(0);
+    if (wpe_.data.defined()) units.push_back(0);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+        params.clear();
+        layers_[i]->parameters(params);
+        units.insert(units.end(), params.size(), static_cast<int>(i) + 1);
+    }
+    const int last = static_cast<int>(layers_.size()) + 1;
+    params.clear();
+    if (final_norm_) final_norm_->parameters(params);
+    units.insert(units.end(), params.size(), last);
+    if (output_.data.defined()) units.push_back(last);
+    if (!stage_.pre_process && wte_.data.defined()) units.push_back(last);
+    LOOM_CHECK(units.size() == parameters().size(), "FSDP units for " << units.size() << " of " << parameters().size()
+                                                                      << " parameters", "");
+    return units;
+}
+
 void GptModel::zero_grad() {
     for (Parameter * p : parameters()) device_.ops().fill_zero(device_.compute_stream(), p->main_grad);
 }
@@ -138,9 +180,7 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
                        "token id " << tokens[i] << " outside the vocabulary of " << config_.vocab_size,
                        "the dataset's vocabulary must fit the model's (--vocab-size / the tokenizer)");
         }
-        if (pre_forward_) {
-            pre_forward_(wpe_.data.defined() ? std::vector<Parameter *>{&wte_, &wpe_} : std::vector<Parameter *>{&wte_});
-        }
+        call(hooks_.before_forward, embedding_params());
         x = activation(device_, s * b, h);
         // Vocabulary-parallel: each rank embeds its tokens (zeros for the rest), rank 0 adds the positions,
         // and the sum over the group is the embedding.
@@ -156,6 +196,7 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
         }
         ctx.embedding_dropout = dropout_key(config_, tp_, dropout_batch, -1, DropoutKind::attention_output, x.size(0));
         if (ctx.embedding_dropout.enabled()) ops.dropout(stream, x, x, ctx.embedding_dropout);
+        call(hooks_.after_forward, embedding_params());
     } else {
         LOOM_CHECK(input.defined() && input.numel() == activation_rows(s, b) * h,
                    "pipeline stage input of " << (input.defined() ? input.numel() : 0) << " elements, expected "
@@ -172,11 +213,7 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
         for (int64_t i = begin; i < end; ++i) recomputed[i] = 1;
     }
     for (size_t i = 0; i < layers_.size(); ++i) {
-        if (pre_forward_) {
-            std::vector<Parameter *> params;
-            layers_[i]->parameters(params);
-            pre_forward_(params);
-        }
+        call(hooks_.before_forward, layer_params(i));
         if (group_input[i]) ctx.checkpoints[i] = x;
         if (layer_graphs_ && ctx.training && !recomputed[i]) {
             x = layer_graphs_->forward(graph_chunk_, static_cast<int64_t>(i), x, dropout_batch);
@@ -184,16 +221,12 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
             x = layers_[i]->forward(ctx.layers[i], x, s, b, dropout_batch);
         }
         if (recomputed[i]) ctx.layers[i] = TransformerLayer::Context{};
+        call(hooks_.after_forward, layer_params(i));
     }
     if (!stage_.post_process) {
         return x;
     }
-    if (pre_forward_) {
-        std::vector<Parameter *> params;
-        final_norm_->parameters(params);
-        params.push_back(output_.data.defined() ? &output_ : &wte_);
-        pre_forward_(params);
-    }
+    call(hooks_.before_forward, output_params());
     const Parameter & out_w = output_.data.defined() ? output_ : wte_;
     Tensor normed = final_norm_->forward(ctx.final_norm, x);
     if (tp_.sp()) normed = tp_.all_gather(normed);   // every position's hidden state for the vocabulary shard
@@ -214,6 +247,7 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
     for (int64_t r = 0; r < s * b; ++r) result.count += mask[(r % b) * s + r / b];
     // Context parallelism: the loss is a mean over the whole sequences' tokens (this rank's sum is a share).
     if (batch.sequence_tokens >= 0) result.count = batch.sequence_tokens;
+    call(hooks_.after_forward, output_params());
     result.sum = std::nan("");
     ctx.loss   = result;
     return Tensor();
@@ -225,6 +259,7 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
     Stream & stream = device_.compute_stream();
     Tensor   dx;
     if (stage_.post_process) {
+        call(hooks_.before_backward, output_params());
         Tensor dloss = activation(device_, s * b, 1);
         // Context parallelism: the gradients are averaged over the data- and context-parallel ranks
         // together (dp_cp), where the CP ranks' shares must add up: each starts from CP times its share
@@ -247,6 +282,7 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
         // The output weight is final here, unless the same tensor also embeds tokens on this stage.
         if (ready && (output_.data.defined() || !stage_.pre_process)) ready(out_w);
         dx = final_norm_->backward(ctx.final_norm, dx, ready);
+        call(hooks_.after_backward, output_params());
     } else {
         LOOM_CHECK(dy.defined() && dy.numel() == activation_rows(s, b) * h,
                    "pipeline stage output gradient of " << (dy.defined() ? dy.numel() : 0) << " elements, expected "
@@ -261,17 +297,23 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
             // The group's forward again from its input, keeping everything this time: the same kernels
             // on the same values (and the same dropout keys) give bitwise the same activations.
             Tensor y = ctx.checkpoints[begin];
-            for (int64_t k = begin; k < end; ++k) y = layers_[k]->forward(ctx.layers[k], y, s, b, dropout_batch);
+            for (int64_t k = begin; k < end; ++k) {
+                call(hooks_.before_backward, layer_params(static_cast<size_t>(k)));
+                y = layers_[k]->forward(ctx.layers[k], y, s, b, dropout_batch);
+            }
             ctx.checkpoints[begin] = Tensor();
         }
         const bool recomputed = std::any_of(groups.begin(), groups.end(), [i](const auto & g) { return g.first <= i && i < g.second; });
+        call(hooks_.before_backward, layer_params(static_cast<size_t>(i)));
         if (layer_graphs_ && ctx.training && !recomputed) {
             dx = layer_graphs_->backward(graph_chunk_, i, dx, ready);
         } else {
             dx = layers_[i]->backward(ctx.layers[i], dx, ready);
         }
+        call(hooks_.after_backward, layer_params(static_cast<size_t>(i)));
     }
     if (stage_.pre_process) {
+        call(hooks_.before_backward, embedding_params());
         if (ctx.embedding_dropout.enabled()) ops.dropout(stream, dx, dx, ctx.embedding_dropout);
         if (tp_.sp()) dx = tp_.all_gather(dx);   // the lookup's gradient needs every position
         ops.embedding_backward(stream, local_tokens(ctx.batch.tokens), dx, wte_.main_grad,
@@ -280,6 +322,7 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
             if (wpe_.data.defined()) ready(wpe_);
             ready(wte_);   // tied on one stage: both the output-layer and the embedding contributions are in
         }
+        call(hooks_.after_backward, embedding_params());
         dx = Tensor();
     }
     ctx.batch = MicroBatch{};

@@ -59,6 +59,12 @@ public:
     virtual Tensor backward(int chunk, int64_t layer, const Tensor & dy, const GradReadyFn & ready) = 0;
 };
 
+// Calls around each module's forward and backward, with the module's parameters (GptModel::set_param_hooks).
+struct ParamHooks {
+    using Fn = std::function<void(const std::vector<Parameter *> &)>;
+    Fn before_forward, after_forward, before_backward, after_backward;
+};
+
 class GptModel {
 public:
     // With tensor parallelism (tp.size > 1) this rank holds its shard of every split parameter (layers.h)
@@ -124,11 +130,16 @@ public:
     // Every parameter, in a fixed order (embedding first, output last).
     std::vector<Parameter *> parameters();
 
-    // Called by forward() with the parameters of each module just before the module runs (embedding,
-    // each layer, final norm with the output layer): DDP's --overlap-param-gather waits there for the
-    // buckets that hold them (Megatron's forward pre-hook).
-    using PreForwardFn = std::function<void(const std::vector<Parameter *> &)>;
-    void set_pre_forward_hook(PreForwardFn hook) { pre_forward_ = std::move(hook); }
+    // Every parameter's FSDP unit, in parameters() order: the embedding 0, layer i (local index) i + 1, the
+    // final norm and output layer num_layers() + 1 (a last stage's tied word embedding with them).
+    std::vector<int> parameter_units();
+
+    // The hooks are called with the parameters of each module (embedding, each layer, the final norm with
+    // the output layer) around its forward and its backward: DDP's --overlap-param-gather waits for the
+    // buckets that hold them before a forward (Megatron's forward pre-hook); Megatron-FSDP gathers and gives
+    // back sharded values there, and makes gradient buckets whole before a backward. A full-recompute
+    // group's modules get before_backward before their forward runs again. Unset hooks are skipped.
+    void set_param_hooks(ParamHooks hooks) { hooks_ = std::move(hooks); }
     // Training forwards and backwards run the layers through `graphs` as its chunk `chunk` (null: eager).
     void set_layer_graphs(LayerGraphs * graphs, int chunk) {
         layer_graphs_ = graphs;
@@ -173,7 +184,11 @@ private:
     // How many of this rank's vocabulary columns are real tokens (the rest is padding).
     int64_t local_valid_vocab() const;
     void    vocab_parallel_cross_entropy(Context & ctx);
-    PreForwardFn                                   pre_forward_;
+    ParamHooks                                     hooks_;
+    static void              call(const ParamHooks::Fn & hook, const std::vector<Parameter *> & params);
+    std::vector<Parameter *> embedding_params();
+    std::vector<Parameter *> layer_params(size_t i);
+    std::vector<Parameter *> output_params();
     LayerGraphs *                                  layer_graphs_ = nullptr;
     int                                            graph_chunk_  = 0;
 };

@@ -82,8 +82,13 @@ Optimizer::Optimizer(std::vector<model::Parameter *> params, const OptimizerOpti
     LOOM_CHECK(!params_.empty(), "an optimizer over no parameters", "");
 }
 
-void Optimizer::init(std::vector<HybridSlot> slots, std::vector<int> slot_params, std::vector<GradView> views) {
-    slot_params_ = std::move(slot_params);
+void Optimizer::init(std::vector<HybridSlot> slots, std::vector<int> slot_params, std::vector<int64_t> slot_offsets,
+                     std::vector<GradView> views) {
+    LOOM_CHECK(slot_params.size() == slots.size() && slot_offsets.size() == slots.size(),
+               slots.size() << " optimizer slots with " << slot_params.size() << " parameters and " << slot_offsets.size()
+                            << " offsets", "");
+    slot_params_  = std::move(slot_params);
+    slot_offsets_ = std::move(slot_offsets);
     views_       = std::move(views);
     HybridOptions offload;   // fraction 0: every slot's state in device memory, the plain step
     if (options_.offload) offload = *options_.offload;
@@ -141,7 +146,8 @@ AdamW::AdamW(std::vector<model::Parameter *> params, const OptimizerOptions & op
                                    p->no_weight_decay ? 0.0f : options.adam.weight_decay, p->embedding_or_output});
         slot_params.push_back(static_cast<int>(i));
     }
-    init(std::move(slots), std::move(slot_params), grad_views(this->params()));
+    std::vector<int64_t> offsets(slots.size(), 0);   // each slot a whole parameter
+    init(std::move(slots), std::move(slot_params), std::move(offsets), grad_views(this->params()));
 }
 
 }  // namespace loom::optim

@@ -98,12 +98,16 @@ public:
     // params() (a parameter may own several slots: one per bucket its shard range touches).
     HybridDeviceOptimizer &                 state() { return *state_; }
     const std::vector<int> &                slot_params() const { return slot_params_; }
+    // Per slot, where it starts in its parameter's (flattened) elements.
+    const std::vector<int64_t> &            slot_offsets() const { return slot_offsets_; }
     const std::vector<model::Parameter *> & params() const { return params_; }
 
 protected:
     Optimizer(std::vector<model::Parameter *> params, const OptimizerOptions & options, NormGroups groups);
-    // Builds the state over `slots` (slot_params[i]: the parameter of slot i) and the views the norm reads.
-    void         init(std::vector<HybridSlot> slots, std::vector<int> slot_params, std::vector<GradView> views);
+    // Builds the state over `slots` (slot_params[i]: the parameter of slot i, slot_offsets[i]: where the
+    // slot starts in it) and the views the norm reads.
+    void         init(std::vector<HybridSlot> slots, std::vector<int> slot_params, std::vector<int64_t> slot_offsets,
+                      std::vector<GradView> views);
     virtual void after_step() {}
 
 private:
@@ -112,6 +116,7 @@ private:
     NormGroups                             groups_;
     std::vector<GradView>                  views_;
     std::vector<int>                       slot_params_;
+    std::vector<int64_t>                   slot_offsets_;
     std::unique_ptr<HybridDeviceOptimizer> state_;
 };
 

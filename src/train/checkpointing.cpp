@@ -394,6 +394,9 @@ Resumed load_checkpoint(const TrainOptions & options, Setup & setup) {
                    "load a checkpoint of this model, or give log_all to load the tensors it has and keep the others' "
                    "initial values");
     }
+    // Loading writes whole values (and, through the optimizer's slots, the shards): FSDP's sharded units
+    // are gathered first.
+    if (setup.ddp) setup.ddp->finish_param_sync();
     checkpoint::load(index, contents, load);
     const bool listed = strict != Strictness::ignore_all && strict != Strictness::assume_ok_unexpected;
     if (listed && !unexpected.empty()) {

@@ -117,6 +117,12 @@ struct ParallelFlags {
     // (the only size Loom runs) nothing is exchanged.
     std::vector<std::string> cp_comm_type{"p2p"};
     std::vector<std::string> hierarchical_cp_sizes;
+    // Megatron-FSDP (ddp/ddp.h): --use-megatron-fsdp and its strategy and dtype choices, Megatron's defaults.
+    bool        use_megatron_fsdp     = false;
+    int64_t     megatron_fsdp_version = 1;
+    std::string data_parallel_sharding_strategy = "optim_grads_params";
+    std::string outer_dp_sharding_strategy      = "no_shard";
+    std::string fsdp_main_params_dtype = "fp32", fsdp_main_grads_dtype = "auto", fsdp_grad_comm_dtype = "auto";
 };
 std::span<const Flag<ParallelFlags>> parallel_flags();
 std::span<const Flag<TrainOptions>> parallel_option_flags();

@@ -98,6 +98,23 @@ const Flag<ParallelFlags> kParallelFlags[] = {
      "Loom runs each tensor-parallel collective beside its GEMM, the result is the same"},
     {"--tp-comm-overlap-cfg", kDist, &P::tp_comm_overlap_cfg,
      "the userbuffer settings file of --tp-comm-overlap (not read: Loom has no userbuffers)"},
+    {"--use-megatron-fsdp", kDist, &P::use_megatron_fsdp,
+     "Megatron-FSDP: buckets by module (the embedding, each layer, the output), sharded over the data-parallel ranks "
+     "as --data-parallel-sharding-strategy says (docs/design/ddp_and_optimizers.md 1.16)"},
+    {"--megatron-fsdp-version", kDist, &P::megatron_fsdp_version, "Megatron-FSDP's implementation: 1 (Loom's)",
+     kShowDefault},
+    {"--data-parallel-sharding-strategy", kDist, &P::data_parallel_sharding_strategy,
+     "no_shard, optim, optim_grads or optim_grads_params: what each data-parallel rank keeps only its shard of "
+     "under --use-megatron-fsdp (the optimizer state; and the gradients; and the weights too)", kShowDefault},
+    {"--outer-dp-sharding-strategy", kDist, &P::outer_dp_sharding_strategy,
+     "no_shard or optim: the outer group's strategy of hybrid sharding (Megatron's HSDP, with "
+     "--num-distributed-optimizer-instances > 1, which Loom's Megatron-FSDP refuses)", kShowDefault},
+    {"--megatron-fsdp-main-params-dtype", kDist, &P::fsdp_main_params_dtype,
+     "the FSDP optimizer's master weights: fp32 (Loom keeps f32 masters; auto means fp32 for an f32 model)", kShowDefault},
+    {"--megatron-fsdp-main-grads-dtype", kDist, &P::fsdp_main_grads_dtype,
+     "the FSDP gradient buffers: auto or fp32 (Loom accumulates gradients in f32)", kShowDefault},
+    {"--megatron-fsdp-grad-comm-dtype", kDist, &P::fsdp_grad_comm_dtype,
+     "the FSDP gradient reduction's dtype: auto (the gradients', f32) or fp32", kShowDefault},
     {"--ddp-bucket-size", kDist, &P::bucket_size,
      "elements per gradient bucket (default max(40M, 1M x dp) with --overlap-grad-reduce, else one bucket)"},
     {"--accumulate-allreduce-grads-in-fp32", "mixed precision", &P::grads_in_fp32,
@@ -196,6 +213,68 @@ void resolve_parallel_sizes(const ParallelFlags & f, int64_t num_experts, const 
     o.parallel = parallel::ParallelConfig::create(sizes);   // throws naming the flags
 }
 
+namespace {
+
+// argparse's choices check, with its message.
+void check_choice(const char * flag, const std::string & value, std::initializer_list<const char *> choices) {
+    std::string listed;
+    bool        known = false;
+    for (const char * c : choices) {
+        listed += (listed.empty() ? "'" : ", '") + std::string(c) + "'";
+        known = known || value == c;
+    }
+    LOOM_CHECK(known, "argument " << flag << ": invalid choice: '" << value << "' (choose from " << listed << ")", "");
+}
+
+// --use-megatron-fsdp: Megatron's choices and rules (arguments.py), then what Loom's implementation refuses.
+void resolve_fsdp(const ParallelFlags & f, TrainOptions & o) {
+    check_choice("--data-parallel-sharding-strategy", f.data_parallel_sharding_strategy,
+                 {"no_shard", "optim", "optim_grads", "optim_grads_params"});
+    check_choice("--outer-dp-sharding-strategy", f.outer_dp_sharding_strategy, {"no_shard", "optim"});
+    check_choice("--megatron-fsdp-main-params-dtype", f.fsdp_main_params_dtype, {"fp32", "bf16", "fp16", "auto"});
+    check_choice("--megatron-fsdp-main-grads-dtype", f.fsdp_main_grads_dtype, {"fp32", "bf16", "fp16", "auto"});
+    check_choice("--megatron-fsdp-grad-comm-dtype", f.fsdp_grad_comm_dtype, {"fp32", "fp16", "bf16", "auto"});
+    LOOM_CHECK(f.megatron_fsdp_version == 1 || f.megatron_fsdp_version == 2,
+               "argument --megatron-fsdp-version: invalid choice: " << f.megatron_fsdp_version << " (choose from 1, 2)", "");
+    if (!f.use_megatron_fsdp) return;   // Megatron reads the FSDP choices only with it
+    LOOM_CHECK(f.megatron_fsdp_version == 1, "--megatron-fsdp-version 2 is not supported by Loom",
+               "Loom implements Megatron-FSDP version 1 (the default), which runs with the distributed optimizer");
+    const std::string & strategy = f.data_parallel_sharding_strategy;
+    o.ddp.use_megatron_fsdp = true;
+    o.ddp.fsdp_sharding     = strategy == "no_shard" ? ddp::FsdpSharding::no_shard
+                              : strategy == "optim"  ? ddp::FsdpSharding::optim
+                              : strategy == "optim_grads" ? ddp::FsdpSharding::optim_grads
+                                                          : ddp::FsdpSharding::optim_grads_params;
+    // Megatron-FSDP version 1 runs with the distributed optimizer; with no_shard Loom's optimizer is then
+    // simply unsharded (every rank steps every element, as Megatron's no_shard does).
+    o.ddp.use_distributed_optimizer = o.ddp.fsdp_sharding != ddp::FsdpSharding::no_shard;
+    LOOM_CHECK(!(o.ddp.fsdp_sharding == ddp::FsdpSharding::optim_grads_params && o.check_weight_hash_interval > 0),
+               "check_weight_hash_across_dp_replicas_interval is not supported with optim_grads_params", "");
+    LOOM_CHECK(o.parallel.pp() == 1, "--use-megatron-fsdp with --pipeline-model-parallel-size " << o.parallel.pp()
+                                                                                               << " is not supported by Loom",
+               "Loom's Megatron-FSDP runs with tensor, context, expert and data parallelism; use "
+               "--use-distributed-optimizer (ZeRO-1) with pipeline parallelism");
+    LOOM_CHECK(o.parallel.cp() == 1, "--use-megatron-fsdp with --context-parallel-size " << o.parallel.cp()
+                                                                                        << " is not supported by Loom",
+               "use --use-distributed-optimizer (ZeRO-1) with context parallelism");
+    LOOM_CHECK(!o.ddp.shards_grads() || !o.layer_graphs,
+               "--cuda-graph-impl transformer_engine with --data-parallel-sharding-strategy " << strategy,
+               "a captured layer keeps the addresses of its weights and gradients, which sharding gives back between "
+               "uses; use --data-parallel-sharding-strategy optim or no_shard with layer graphs");
+    // The dtype choices: Loom keeps f32 masters and f32 gradients, reduced in f32.
+    LOOM_CHECK(f.fsdp_main_params_dtype == "fp32" || (f.fsdp_main_params_dtype == "auto" && !o.bf16 && !o.fp16),
+               "--megatron-fsdp-main-params-dtype " << f.fsdp_main_params_dtype << " is not supported by Loom",
+               "Loom's optimizer keeps f32 master weights; leave it at fp32");
+    LOOM_CHECK(f.fsdp_main_grads_dtype == "fp32" || f.fsdp_main_grads_dtype == "auto",
+               "--megatron-fsdp-main-grads-dtype " << f.fsdp_main_grads_dtype << " is not supported by Loom",
+               "Loom accumulates gradients in f32 (auto and fp32 both mean that)");
+    LOOM_CHECK(f.fsdp_grad_comm_dtype == "fp32" || f.fsdp_grad_comm_dtype == "auto",
+               "--megatron-fsdp-grad-comm-dtype " << f.fsdp_grad_comm_dtype << " is not supported by Loom",
+               "Loom reduces gradients in f32 (auto and fp32 both mean that)");
+}
+
+}  // namespace
+
 void resolve_ddp(const ParallelFlags & f, const Given & given, TrainOptions & o) {
     if (given("--ddp-bucket-size")) o.ddp.bucket_size = f.bucket_size;
     o.overlap_param_gather_with_optimizer_step = f.overlap_param_gather_with_optimizer_step;
@@ -223,6 +302,7 @@ void resolve_ddp(const ParallelFlags & f, const Given & given, TrainOptions & o)
                                   : type == "a2a+p2p"   ? model::CpCommType::a2a_p2p
                                                         : model::CpCommType::p2p);
     }
+    resolve_fsdp(f, o);
     o.ddp.validate();
     const int64_t instances = o.ddp.num_distributed_optimizer_instances;   // parallel_state.py's asserts
     LOOM_CHECK(o.parallel.dp() % instances == 0,

@@ -91,7 +91,6 @@ const std::map<std::string, std::string> & refusal_hints() {
         {"--fp8-format", "train in --bf16"},
         {"--moe-router-enable-expert-bias", "Loom's router has no expert bias; balance with --moe-aux-loss-coeff"},
         {"--use-torch-fsdp2", "use --use-distributed-optimizer (ZeRO-1)"},
-        {"--use-megatron-fsdp", "use --use-distributed-optimizer (ZeRO-1)"},
     };
     return hints;
 }

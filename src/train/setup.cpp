@@ -36,7 +36,7 @@ std::vector<model::PipelineStage> pipeline_stages(const TrainOptions & options, 
 }
 
 Setup::~Setup() {
-    for (model::GptModel * chunk : chunks) chunk->set_pre_forward_hook(nullptr);
+    for (model::GptModel * chunk : chunks) chunk->set_param_hooks({});
     if (ddp) {
         try {
             ddp->finish_param_sync();   // leave the model's weights whole for whoever uses it next
@@ -139,17 +139,25 @@ Setup setup(const TrainOptions & options, std::vector<model::GptModel *> chunks,
         for (size_t c = 0; c < s.chunks.size(); ++c) {
             placement.chunk_of_param.insert(placement.chunk_of_param.end(), s.chunks[c]->parameters().size(),
                                             static_cast<int>(c));
+            const std::vector<int> units = s.chunks[c]->parameter_units();
+            placement.unit_of_param.insert(placement.unit_of_param.end(), units.begin(), units.end());
         }
         s.ddp = std::make_unique<ddp::DistributedDataParallel>(
             params, options.ddp, instances ? groups.intra_dp : grads, device,
             instances ? groups.intra_expert_dp : (groups.expert_dp ? groups.expert_dp : grads),
             instances ? groups.inter_dp : nullptr, instances ? groups.inter_expert_dp : nullptr, placement);
-        if (options.ddp.overlap_param_gather) {
-            ddp::DistributedDataParallel * d = s.ddp.get();
-            for (model::GptModel * chunk : s.chunks) {
-                chunk->set_pre_forward_hook([d](const std::vector<model::Parameter *> & ps) { d->ensure_params_ready(ps); });
-            }
+        ddp::DistributedDataParallel * d = s.ddp.get();
+        using Params = std::vector<model::Parameter *>;
+        model::ParamHooks hooks;
+        if (options.ddp.overlap_param_gather || options.ddp.shards_params()) {
+            hooks.before_forward = [d](const Params & ps) { d->before_forward(ps); };
         }
+        if (options.ddp.shards_params()) {
+            hooks.after_forward  = [d](const Params & ps) { d->after_forward(ps); };
+            hooks.after_backward = [d](const Params & ps) { d->after_backward(ps); };
+        }
+        if (options.ddp.shards_grads()) hooks.before_backward = [d](const Params & ps) { d->before_backward(ps); };
+        for (model::GptModel * chunk : s.chunks) chunk->set_param_hooks(hooks);
     } else {
         LOOM_CHECK(!options.ddp.use_distributed_optimizer && !options.ddp.overlap_grad_reduce,
                    "the data-parallel options need a data-parallel group", "");

@@ -284,7 +284,10 @@ optim::StepResult Trainer::optimizer_step(IterationStats & stats) {
         if (options_.timing_log_level >= 1) model_.device().compute_stream().synchronize();   // the step itself
     });
     if (options_.log_num_zeros_in_grad) stats.num_zeros = setup_.optimizer->count_zeros();
-    if (options_.log_params_norm) stats.params_norm = setup_.optimizer->params_norm();
+    if (options_.log_params_norm) {
+        if (setup_.ddp) setup_.ddp->finish_param_sync();   // the values whole: pending or sharded gathers done
+        stats.params_norm = setup_.optimizer->params_norm();
+    }
     if (!result.stepped) {
         // Every rank computed the same norm, so every rank stops here together.
         if (options_.check_for_nan_in_loss_and_grad) {
