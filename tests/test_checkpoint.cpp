@@ -194,6 +194,14 @@ INSTANTIATE_TEST_SUITE_P(
         // Context parallelism holds whole weights on every CP rank; ZeRO-1 shards over dp x cp.
         ReshardCase{"cp2_zero1_to_1", 2, "--context-parallel-size 2 --use-distributed-optimizer", 1, ""},
         ReshardCase{"1_to_cp2_a2a", 1, "", 2, "--context-parallel-size 2 --cp-comm-type a2a"},
+        // Megatron-FSDP's shards (values, gradients and optimizer state by module) to ZeRO-1 and back, and
+        // the hybrid optimizer over FSDP shards to one rank.
+        ReshardCase{"fsdp_to_zero1", 2, "--use-megatron-fsdp", 2, "--use-distributed-optimizer"},
+        ReshardCase{"zero1_to_fsdp_optim_grads", 2, "--use-distributed-optimizer", 2,
+                    "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"},
+        ReshardCase{"fsdp_offload_to_1", 2,
+                    "--use-megatron-fsdp --use-precision-aware-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.5",
+                    1, ""},
         ReshardCase{"tp2_pp2_to_dp2_offload", 4,
                     "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --use-distributed-optimizer", 2,
                     "--use-distributed-optimizer --use-precision-aware-optimizer --optimizer-cpu-offload "
