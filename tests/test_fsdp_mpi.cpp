@@ -12,6 +12,7 @@
 // and the tiny gradients of rarely seen tokens' rows, normalised by Adam, move them by up to ~5e-5 of the
 // table's largest value over 20 iterations (ZeRO-1 as much as FSDP): f32 weights within 1e-4 there.
 #include "backend/cpu/cpu_device.h"
+#include "comm/counting_communicator.h"
 #include "ddp/ddp.h"
 #include "optim/distributed_optimizer.h"
 #include "parallel/parallel_config.h"
@@ -224,6 +225,81 @@ TEST(MegatronFsdp, BytesPerParameterFollowTheStrategysFormula) {
             }
             EXPECT_EQ(bytes(), before) << "everything is returned";
         }
+    }
+}
+
+// optim_grads_params' collectives on the data-parallel group, counted, for the 3-layer GPT (tied embedding;
+// 5 units: the embedding, 3 layers, the final norm with the output layer), 2 micro-batches per iteration;
+// one collective per bucket, and a unit's group has a bucket per buffer (the tied word embedding one of its
+// own, as the distributed optimizer places it). Each micro-batch reduce-scatters every unit once, and
+// gathers every unit before its forward and again before its backward, plus the embedding once more for the
+// output layer's forward. The step adds only the gradient norm's exchange (the values are gathered lazily,
+// at the next forward). With --overlap-param-gather the next unit's gather is already issued when a unit's
+// forward starts, and nothing is whole between iterations.
+TEST(MegatronFsdp, EachUnitIsGatheredAroundItsUsesAndReducedOncePerMicroBatch) {
+    const int64_t dp     = g_mpi->world_size();
+    Device &      device = cpu::device();
+    for (bool overlap : {false, true}) {
+        SCOPED_TRACE(overlap ? "both overlaps" : "no overlap");
+        train::TrainOptions o = small_options(DType::f32);
+        o.global_batch_size   = 2 * dp;
+        auto            source = train::make_batch_source(o, device, false, g_mpi->world_rank(), dp);
+        model::GptModel gpt(o.model, device);
+        gpt.init();
+        auto           counting = std::make_shared<comm::CountingCommunicator>(g_mpi->world());
+        ddp::DdpConfig config;
+        config.use_megatron_fsdp         = true;
+        config.use_distributed_optimizer = true;
+        config.overlap_grad_reduce = config.overlap_param_gather = overlap;
+        ddp::DdpPlacement placement;
+        placement.unit_of_param = gpt.parameter_units();
+        ddp::DistributedDataParallel ddp(gpt.parameters(), config, counting, device, nullptr, nullptr, nullptr, placement);
+        optim::DistributedOptimizer  adam(ddp, optim::OptimizerOptions{});
+        const int64_t                units = ddp.num_bucket_groups();
+        ASSERT_EQ(units, o.model.num_layers + 2);
+        // Buckets of the unit of forward module m (the groups run from the output's, 0, to the embedding's).
+        auto    buckets = [&](int64_t m) { return static_cast<int64_t>(ddp.layout().bucket_groups[units - 1 - m].size()); };
+        int64_t total   = 0;
+        for (int64_t m = 0; m < units; ++m) total += buckets(m);
+        // Gathers issued by the time each forward hook returns, in forward order.
+        std::vector<int64_t> gathered_at_forward;
+        model::ParamHooks    hooks    = ddp.param_hooks();
+        model::ParamHooks    counted  = hooks;
+        counted.before_forward = [&](const std::vector<model::Parameter *> & ps) {
+            hooks.before_forward(ps);
+            gathered_at_forward.push_back(counting->count(comm::OpKind::all_gather).calls);
+        };
+        gpt.set_param_hooks(counted);
+        model::GradReadyFn ready = ddp.grad_ready();
+        for (int iteration = 1; iteration <= 2; ++iteration) {
+            SCOPED_TRACE(iteration);
+            ddp.zero_grad_buffer();
+            for (int k = 0; k < 2; ++k) {
+                counting->reset();
+                gathered_at_forward.clear();
+                model::GptModel::Context ctx;
+                auto loss = gpt.forward(ctx, source->next());
+                // Forward: the embedding, the layers, then the output with the embedding again.
+                ASSERT_EQ(gathered_at_forward.size(), static_cast<size_t>(units));
+                int64_t before = 0;
+                for (int64_t m = 0; m + 1 < units; ++m) {
+                    before += buckets(m);
+                    EXPECT_EQ(gathered_at_forward[static_cast<size_t>(m)], before + (overlap ? buckets(m + 1) : 0))
+                        << "module " << m << (overlap ? ": its own gathers and the next unit's" : ": its own gathers");
+                }
+                gpt.backward(ctx, 1.0 / (loss.count * 2), ready);
+                EXPECT_EQ(counting->count(comm::OpKind::reduce_scatter).calls, total) << "micro-batch " << k;
+                EXPECT_EQ(counting->count(comm::OpKind::all_gather).calls, 2 * total + buckets(0)) << "micro-batch " << k;
+            }
+            ddp.finish_grad_sync();
+            device.compute_stream().synchronize();
+            EXPECT_EQ(device.allocator(MemoryKind::device).pool_stats(ddp::kFsdpUnshardedPool).allocated, 0)
+                << "every unit given back after the backward";
+            counting->reset();
+            EXPECT_TRUE(adam.step(1e-3f).stepped);
+            EXPECT_EQ(counting->count(comm::OpKind::all_gather).calls, 1) << "the gradient norm only";
+        }
+        gpt.set_param_hooks({});
     }
 }
 

@@ -352,6 +352,7 @@ void DistributedDataParallel::finish_grad_sync() {
                            "every layer's backward must call the gradient-ready callback for each of its parameters");
             }
         }
+        for (Group & group : groups_) complete_reduce(group);   // the optimizer reads the shards next
         return;
     }
     for (Group & group : groups_) {
@@ -445,12 +446,30 @@ std::vector<int> DistributedDataParallel::groups_of(const std::vector<model::Par
     return groups;
 }
 
-void DistributedDataParallel::before_forward(const std::vector<model::Parameter *> & params) {
-    if (config_.shards_params()) {
-        for (int g : groups_of(params)) gather_unit(g);
-    } else {
-        ensure_params_ready(params);
+model::ParamHooks DistributedDataParallel::param_hooks() {
+    using Params = std::vector<model::Parameter *>;
+    model::ParamHooks hooks;
+    if (config_.overlap_param_gather || config_.shards_params()) {
+        hooks.before_forward = [this](const Params & ps) { before_forward(ps); };
     }
+    if (config_.shards_params()) {
+        hooks.after_forward  = [this](const Params & ps) { after_forward(ps); };
+        hooks.after_backward = [this](const Params & ps) { after_backward(ps); };
+    }
+    if (config_.shards_grads()) hooks.before_backward = [this](const Params & ps) { before_backward(ps); };
+    return hooks;
+}
+
+void DistributedDataParallel::before_forward(const std::vector<model::Parameter *> & params) {
+    if (!config_.shards_params()) {
+        ensure_params_ready(params);
+        return;
+    }
+    const std::vector<int> groups = groups_of(params);
+    for (int g : groups) gather_unit(g);
+    // Forward runs from the model's input (the last group) down: the next unit's gather overlaps this one's
+    // compute (--overlap-param-gather).
+    if (config_.overlap_param_gather && !groups.empty()) prefetch_unit(groups.front() - 1);
 }
 
 void DistributedDataParallel::after_forward(const std::vector<model::Parameter *> & params) {
@@ -459,10 +478,13 @@ void DistributedDataParallel::after_forward(const std::vector<model::Parameter *
 }
 
 void DistributedDataParallel::before_backward(const std::vector<model::Parameter *> & params) {
-    for (int g : groups_of(params)) {
+    const std::vector<int> groups = groups_of(params);
+    for (int g : groups) {
         if (config_.shards_params()) gather_unit(g);
         if (config_.shards_grads()) make_grads_whole(g);
     }
+    // Backward runs from the output (group 0) up.
+    if (config_.shards_params() && config_.overlap_param_gather && !groups.empty()) prefetch_unit(groups.front() + 1);
 }
 
 void DistributedDataParallel::after_backward(const std::vector<model::Parameter *> & params) {
@@ -485,9 +507,9 @@ void DistributedDataParallel::point_at(int buffer, int bucket, const Tensor & wh
     (grads ? unsharded_grads_ : unsharded_params_)[static_cast<size_t>(buffer)][static_cast<size_t>(bucket)] = whole;
 }
 
-void DistributedDataParallel::gather_unit(int g) {
+void DistributedDataParallel::dispatch_unit_gather(int g) {
     Group & group = groups_[g];
-    if (group.gathered) return;
+    if (group.gathered || group.gather_dispatched) return;
     // Fresh memory may be a block that work queued earlier on the compute stream still reads (the allocator
     // reuses blocks in host order): the communication stream writes it after that work.
     device_.compute_stream().record(*params_updated_);
@@ -500,14 +522,27 @@ void DistributedDataParallel::gather_unit(int g) {
                                      {MemoryKind::device, kFsdpUnshardedPool});
         group.gather_work.push_back(gather.all_gather(
             param_buffers_[ref.buffer].slice(shard_start_[ref.buffer][ref.bucket], {shard}), whole, comm_stream_.get()));
-        point_at(ref.buffer, ref.bucket, whole, /*grads=*/false);
+        point_at(ref.buffer, ref.bucket, whole, /*grads=*/false);   // read only after gather_unit's wait
     }
+    group.gather_dispatched = true;
+}
+
+void DistributedDataParallel::gather_unit(int g) {
+    Group & group = groups_[g];
+    if (group.gathered) return;
+    dispatch_unit_gather(g);
     wait_gather(g);
-    group.gathered = true;
+    group.gather_dispatched = false;
+    group.gathered          = true;
+}
+
+void DistributedDataParallel::prefetch_unit(int g) {
+    if (g >= 0 && g < static_cast<int>(groups_.size())) dispatch_unit_gather(g);
 }
 
 void DistributedDataParallel::release_unit(int g) {
     Group & group = groups_[g];
+    if (group.gather_dispatched) gather_unit(g);   // a prefetch in flight writes the memory: let it land
     if (!group.gathered) return;
     // Work already queued that reads the values holds its own reference: the memory returns to the pool
     // when the last of it has run.
@@ -518,6 +553,7 @@ void DistributedDataParallel::release_unit(int g) {
 void DistributedDataParallel::make_grads_whole(int g) {
     Group & group = groups_[g];
     if (group.grads_live) return;
+    complete_reduce(group);   // the previous micro-batch's reduction, if still in flight
     for (const BucketRef & ref : group.buckets) {
         const BucketLayout & bucket = layout_.buffers[ref.buffer].buckets[ref.bucket];
         Tensor grads = Tensor::empty({bucket.numel}, DType::f32, device_, {MemoryKind::device, kFsdpUnshardedPool});
@@ -535,7 +571,6 @@ void DistributedDataParallel::reduce_unit(int g) {
     compute.record(*grads_ready_);
     comm_stream_->wait(*grads_ready_);
     if (config_.check_for_nan_in_grad) grads_ready_->synchronize();
-    std::vector<Tensor> received;
     for (const BucketRef & ref : group.buckets) {
         const BucketLayout & bucket  = layout_.buffers[ref.buffer].buckets[ref.bucket];
         const Tensor         grads   = unsharded_grads_[ref.buffer][ref.bucket];
@@ -545,19 +580,28 @@ void DistributedDataParallel::reduce_unit(int g) {
         // As launch_grad_sync: 1/dp before a sum, edp/dp before an average over the buffer's group.
         const float factor = avg ? static_cast<float>(n) / static_cast<float>(full_dp_) : 1.0f / static_cast<float>(full_dp_);
         if (factor != 1.0f) device_.ops().scale(*comm_stream_, grads, factor);
-        received.push_back(Tensor::empty({bucket.numel / n}, DType::f32, device_, {MemoryKind::device, kFsdpUnshardedPool}));
-        group.grad_work.push_back(reducer.reduce_scatter(grads, received.back(), avg ? comm::ReduceOp::avg : comm::ReduceOp::sum,
+        Tensor received = Tensor::empty({bucket.numel / n}, DType::f32, device_, {MemoryKind::device, kFsdpUnshardedPool});
+        group.grad_work.push_back(reducer.reduce_scatter(grads, received, avg ? comm::ReduceOp::avg : comm::ReduceOp::sum,
                                                          comm_stream_.get()));
         // This micro-batch's share joins the shard's sum, after the collective on the same stream.
         device_.ops().add_inplace(*comm_stream_, grad_buffers_[ref.buffer].slice(shard_start_[ref.buffer][ref.bucket],
-                                                                                 {received.back().numel()}),
-                                  received.back());
+                                                                                 {received.numel()}),
+                                  received);
+        // Both stay referenced until the reduction is complete (complete_reduce): their memory is not handed
+        // to other work while the communication stream may still read it.
+        group.in_flight.push_back(grads);
+        group.in_flight.push_back(received);
         point_at(ref.buffer, ref.bucket, Tensor(), /*grads=*/true);
     }
-    wait_grad_sync(group);
-    // The optimizer (compute stream) and the next micro-batch's reduction read the shards after this.
-    comm_stream_->synchronize();
     group.grads_live = false;
+    if (!config_.overlap_grad_reduce) complete_reduce(group);
+}
+
+void DistributedDataParallel::complete_reduce(Group & group) {
+    if (group.in_flight.empty()) return;
+    wait_grad_sync(group);
+    comm_stream_->synchronize();   // the shard's sum, queued after the collective, has run
+    group.in_flight.clear();
 }
 
 Tensor DistributedDataParallel::param_shard(int buffer, int bucket, const ShardRange & range) {

@@ -154,6 +154,10 @@ public:
     void before_backward(const std::vector<model::Parameter *> & params);
     void after_backward(const std::vector<model::Parameter *> & params);
 
+    // The model hooks this configuration needs (--overlap-param-gather's pre-forward wait; Megatron-FSDP's
+    // four), to install on every model chunk; empty members for the rest.
+    model::ParamHooks param_hooks();
+
     // This rank's shard of a bucket's values or gradients as the optimizer steps it (the piece `range` of
     // bucket `bucket` of buffer `buffer`): a view of the whole buffer, or of the shard-only storage where
     // the strategy keeps only the shard.
@@ -188,6 +192,7 @@ private:
         std::vector<comm::WorkPtr> grad_work, gather_work;
         bool                   gathered   = false;   // FSDP optim_grads_params: the unit's values are whole
         bool                   grads_live = false;   // FSDP optim_grads(_params): its gradient buckets are whole
+        std::vector<Tensor>    in_flight;            // FSDP: what a reduction still in flight reads and writes
     };
 
     void launch_grad_sync(Group & group);
@@ -200,7 +205,10 @@ private:
     // Points the values (or main_grads) of a bucket's parameters at their ranges of `whole`, or at
     // unbacked tensors when it is undefined, and keeps `whole` as the bucket's unsharded tensor.
     void point_at(int buffer, int bucket, const Tensor & whole, bool grads);
+    void dispatch_unit_gather(int group);
     void gather_unit(int group);
+    void prefetch_unit(int group);   // a group index out of range: nothing
+    void complete_reduce(Group & group);
     void release_unit(int group);
     void make_grads_whole(int group);
     void reduce_unit(int group);

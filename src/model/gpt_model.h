@@ -59,12 +59,6 @@ public:
     virtual Tensor backward(int chunk, int64_t layer, const Tensor & dy, const GradReadyFn & ready) = 0;
 };
 
-// Calls around each module's forward and backward, with the module's parameters (GptModel::set_param_hooks).
-struct ParamHooks {
-    using Fn = std::function<void(const std::vector<Parameter *> &)>;
-    Fn before_forward, after_forward, before_backward, after_backward;
-};
-
 class GptModel {
 public:
     // With tensor parallelism (tp.size > 1) this rank holds its shard of every split parameter (layers.h)

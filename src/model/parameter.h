@@ -58,6 +58,13 @@ struct Parameter {
 
 using GradReadyFn = std::function<void(Parameter &)>;
 
+// Calls around each module's forward and backward, with the module's parameters (GptModel::set_param_hooks;
+// DDP's are DistributedDataParallel::param_hooks).
+struct ParamHooks {
+    using Fn = std::function<void(const std::vector<Parameter *> &)>;
+    Fn before_forward, after_forward, before_backward, after_backward;
+};
+
 // Allocates data of `dtype` (filled by the caller) and a zeroed f32 main_grad.
 Parameter parameter_create(const std::string & name, const Shape & shape, DType dtype, Device & device);
 

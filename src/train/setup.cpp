@@ -146,18 +146,7 @@ Setup setup(const TrainOptions & options, std::vector<model::GptModel *> chunks,
             params, options.ddp, instances ? groups.intra_dp : grads, device,
             instances ? groups.intra_expert_dp : (groups.expert_dp ? groups.expert_dp : grads),
             instances ? groups.inter_dp : nullptr, instances ? groups.inter_expert_dp : nullptr, placement);
-        ddp::DistributedDataParallel * d = s.ddp.get();
-        using Params = std::vector<model::Parameter *>;
-        model::ParamHooks hooks;
-        if (options.ddp.overlap_param_gather || options.ddp.shards_params()) {
-            hooks.before_forward = [d](const Params & ps) { d->before_forward(ps); };
-        }
-        if (options.ddp.shards_params()) {
-            hooks.after_forward  = [d](const Params & ps) { d->after_forward(ps); };
-            hooks.after_backward = [d](const Params & ps) { d->after_backward(ps); };
-        }
-        if (options.ddp.shards_grads()) hooks.before_backward = [d](const Params & ps) { d->before_backward(ps); };
-        for (model::GptModel * chunk : s.chunks) chunk->set_param_hooks(hooks);
+        for (model::GptModel * chunk : s.chunks) chunk->set_param_hooks(s.ddp->param_hooks());
     } else {
         LOOM_CHECK(!options.ddp.use_distributed_optimizer && !options.ddp.overlap_grad_reduce,
                    "the data-parallel options need a data-parallel group", "");
