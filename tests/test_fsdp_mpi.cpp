@@ -1,8 +1,9 @@
 // Megatron-FSDP end to end, under mpirun with 2 and 4 ranks: each --data-parallel-sharding-strategy trains the
 // single-rank run's model on the same global batch (2 micro-batches per rank at DP 2, so optim_grads and
 // optim_grads_params reduce-scatter every micro-batch's unit gradients into the shards), in f32 and bf16, at
-// DP = the world, with both overlaps, and at 4 ranks as TP 2 (sequence parallel) x DP 2. Then the bytes each
-// rank keeps, from the allocator's pools, against each strategy's formula.
+// DP = the world, with both overlaps, and at 4 ranks as TP 2 (sequence parallel) x DP 2 and CP 2 x DP 2; the MoE
+// model with EP 2. Then the bytes each rank keeps, from the allocator's pools, against each strategy's formula,
+// and the collectives each unit issues per micro-batch.
 //
 // Tolerance. Sharding only regroups f32 sums (each rank's micro-batches, the reduction over ranks, and with
 // sharded gradients the shard's sum over micro-batches): in f32 each loss agrees within 1e-5 relative and
@@ -40,11 +41,19 @@ using ddp::FsdpSharding;
 constexpr FsdpSharding kStrategies[] = {FsdpSharding::no_shard, FsdpSharding::optim, FsdpSharding::optim_grads,
                                         FsdpSharding::optim_grads_params};
 
-train::TrainOptions small_options(DType dtype, bool llama = false) {
+train::TrainOptions small_options(DType dtype, bool llama = false, bool moe = false) {
     train::TrainOptions o = testing_models::small_gpt_options(3, 4, 20);
     o.lr_warmup_iters     = 3;
     o.model.params_dtype  = dtype;
     o.bf16                = dtype == DType::bf16;
+    if (moe) {   // 4 experts, top-2, both router losses, tokens exchanged by all-to-all
+        o.model.moe.num_experts    = 4;
+        o.model.moe.topk           = 2;
+        o.model.moe.aux_loss_coeff = 1e-2f;
+        o.model.moe.z_loss_coeff   = 1e-3f;
+        o.model.moe.dispatcher     = model::MoeDispatcher::alltoall;
+        o.model.add_bias_linear    = false;
+    }
     if (llama) {   // untied output layer, RMSNorm, SwiGLU: every kind of unit
         model::GptConfig l         = model::gpt_preset("llama-tiny");
         o.model.normalization      = l.normalization;
@@ -62,10 +71,13 @@ struct Layout {
     int          tp       = 1;
     bool         overlap  = false;   // --overlap-grad-reduce --overlap-param-gather
     bool         llama    = false;
+    int          cp       = 1;
+    int          ep       = 1;       // > 1: the MoE model
     std::string  name() const {
         return std::string(ddp::fsdp_sharding_name(strategy)) + " " + dtype_name(dtype) + " dp " +
-               std::to_string(g_mpi->world_size() / tp) + (tp > 1 ? " tp 2 sp" : "") + (overlap ? " both overlaps" : "") +
-               (llama ? " llama" : "");
+               std::to_string(g_mpi->world_size() / tp / cp) + (tp > 1 ? " tp 2 sp" : "") +
+               (cp > 1 ? " cp " + std::to_string(cp) : "") + (ep > 1 ? " moe ep " + std::to_string(ep) : "") +
+               (overlap ? " both overlaps" : "") + (llama ? " llama" : "");
     }
 };
 
@@ -79,10 +91,12 @@ Run parallel_run(const Layout & l) {
     parallel::ParallelSizes sizes;
     sizes.world_size = g_mpi->world_size();
     sizes.tp         = l.tp;
+    sizes.cp         = l.cp;
+    sizes.ep         = l.ep;
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi, 1);
 
-    train::TrainOptions o     = small_options(l.dtype, l.llama);
+    train::TrainOptions o     = small_options(l.dtype, l.llama, l.ep > 1);
     o.parallel                = config;
     o.sequence_parallel       = l.tp > 1;
     o.ddp.use_megatron_fsdp   = true;
@@ -90,7 +104,8 @@ Run parallel_run(const Layout & l) {
     o.ddp.use_distributed_optimizer = l.strategy != FsdpSharding::no_shard;
     o.ddp.overlap_grad_reduce       = l.overlap;
     o.ddp.overlap_param_gather      = l.overlap;
-    auto source = train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), config.dp());
+    auto source = train::context_parallel_part(train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), config.dp()),
+                                               groups.cp ? groups.cp->rank() : 0, l.cp);
     train::Setup setup = train::setup(o, groups, cpu::device());
     Run          run;
     {
@@ -106,7 +121,7 @@ Run parallel_run(const Layout & l) {
 
 void expect_follows_reference(const Layout & l) {
     SCOPED_TRACE(l.name());
-    const testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(l.dtype, l.llama));
+    const testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(l.dtype, l.llama, l.ep > 1));
     const Run                           run = parallel_run(l);
     const bool                          f32 = l.dtype == DType::f32;
     ASSERT_EQ(run.losses.size(), ref.losses.size());
@@ -116,16 +131,18 @@ void expect_follows_reference(const Layout & l) {
         worst_loss       = std::max(worst_loss, err);
         EXPECT_LT(err, f32 ? 1e-5 : 2e-3) << "iteration " << i + 1 << ": " << run.losses[i] << " vs " << ref.losses[i];
     }
-    ASSERT_EQ(run.params.size(), ref.params.size());
+    if (l.ep == 1) ASSERT_EQ(run.params.size(), ref.params.size());   // with EP, this rank's experts only
     for (const auto & [pname, mine] : run.params) {
-        const model::TpSlice &   slice    = run.slices.at(pname);
-        const std::vector<float> full     = ref.params.at(pname);
+        auto it = ref.params.find(pname);
+        ASSERT_NE(it, ref.params.end()) << pname;
+        const model::TpSlice &   slice    = run.slices.at(pname);   // a tensor-parallel part, or this rank's experts
+        const std::vector<float> full     = it->second;
         const std::vector<float> expected = slice.dim >= 0 ? model::tp_extract(slice, full.data()) : full;
         ASSERT_EQ(mine.size(), expected.size()) << pname;
         // The key part of the attention's QKV bias: zero gradient in exact arithmetic, rounding noise in
         // practice, which Adam's normalised step turns into moves of about lr either way in every layout
         // (test_context_parallel_mpi.cpp says more); left out of the f32 comparison.
-        const model::GptConfig & m        = small_options(l.dtype, l.llama).model;
+        const model::GptConfig & m        = small_options(l.dtype, l.llama, l.ep > 1).model;
         const bool               key_bias = f32 && slice.dim < 0 && pname.find(".attention.qkv.bias") != std::string::npos;
         const size_t k0 = static_cast<size_t>(m.num_attention_heads * m.head_dim()),
                      k1 = k0 + static_cast<size_t>(m.num_query_groups * m.head_dim());
@@ -167,6 +184,15 @@ TEST(MegatronFsdp, WithTensorParallelismFollowsTheSingleRankRun) {
         expect_follows_reference({.strategy = strategy, .tp = 2, .llama = true});
         expect_follows_reference({.strategy = strategy, .dtype = DType::bf16, .tp = 2});
     }
+}
+
+// CP 2 x DP 2 (gradients reduced and sharded over the data- and context-parallel ranks together), and the MoE
+// model with EP 2 (at 4 ranks the expert buffers shard over their own expert-data-parallel pair).
+TEST(MegatronFsdp, WithContextAndExpertParallelismFollowsTheSingleRankRun) {
+    const int world = g_mpi->world_size();
+    if (world == 4) expect_follows_reference({.strategy = FsdpSharding::optim_grads_params, .overlap = true, .cp = 2});
+    expect_follows_reference({.strategy = FsdpSharding::optim_grads_params, .overlap = true, .ep = 2});
+    expect_follows_reference({.strategy = FsdpSharding::optim_grads, .ep = 2});
 }
 
 // Bytes per parameter a rank keeps (the allocator's weights, grads and optimizer pools once DDP and the

@@ -119,6 +119,7 @@ struct ParallelFlags {
     std::vector<std::string> hierarchical_cp_sizes;
     // Megatron-FSDP (ddp/ddp.h): --use-megatron-fsdp and its strategy and dtype choices, Megatron's defaults.
     bool        use_megatron_fsdp     = false;
+    bool        use_torch_fsdp2       = false;   // run as Megatron-FSDP optim_grads_params, under its own rules
     int64_t     megatron_fsdp_version = 1;
     std::string data_parallel_sharding_strategy = "optim_grads_params";
     std::string outer_dp_sharding_strategy      = "no_shard";

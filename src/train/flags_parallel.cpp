@@ -101,6 +101,10 @@ const Flag<ParallelFlags> kParallelFlags[] = {
     {"--use-megatron-fsdp", kDist, &P::use_megatron_fsdp,
      "Megatron-FSDP: buckets by module (the embedding, each layer, the output), sharded over the data-parallel ranks "
      "as --data-parallel-sharding-strategy says (docs/design/ddp_and_optimizers.md 1.16)"},
+    {"--use-torch-fsdp2", kDist, &P::use_torch_fsdp2,
+     "PyTorch FSDP2 (weights, gradients and optimizer state sharded over the data-parallel ranks), under Megatron's "
+     "rules for it; Loom runs it as --use-megatron-fsdp optim_grads_params: the same sums and bytes per rank, shards "
+     "by module instead of by parameter"},
     {"--megatron-fsdp-version", kDist, &P::megatron_fsdp_version, "Megatron-FSDP's implementation: 1 (Loom's)",
      kShowDefault},
     {"--data-parallel-sharding-strategy", kDist, &P::data_parallel_sharding_strategy,
@@ -226,8 +230,22 @@ void check_choice(const char * flag, const std::string & value, std::initializer
     LOOM_CHECK(known, "argument " << flag << ": invalid choice: '" << value << "' (choose from " << listed << ")", "");
 }
 
+// --use-torch-fsdp2: Megatron's asserts (arguments.py), in its words.
+void check_torch_fsdp2(const Given & given, const TrainOptions & o) {
+    LOOM_CHECK(o.parallel.pp() == 1, "--use-torch-fsdp2 is not supported with pipeline parallelism", "");
+    LOOM_CHECK(o.parallel.ep() == 1, "--use-torch-fsdp2 is not supported with expert parallelism", "");
+    LOOM_CHECK(!o.ddp.use_distributed_optimizer, "--use-torch-fsdp2 is not supported with MCore's distributed optimizer", "");
+    LOOM_CHECK(given("--no-gradient-accumulation-fusion"),
+               "--use-torch-fsdp2 is not supported with gradient accumulation fusion",
+               "Megatron fuses gradient accumulation by default; add --no-gradient-accumulation-fusion");
+    LOOM_CHECK(o.ckpt_format == "torch_dist" || o.ckpt_format == "torch_dcp",
+               "--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp", "");
+    LOOM_CHECK(o.model.untie_embeddings_and_output_weights, "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights", "");
+    LOOM_CHECK(!o.fp16, "--use-torch-fsdp2 not supported with fp16 yet", "");
+}
+
 // --use-megatron-fsdp: Megatron's choices and rules (arguments.py), then what Loom's implementation refuses.
-void resolve_fsdp(const ParallelFlags & f, TrainOptions & o) {
+void resolve_fsdp(const ParallelFlags & f, const Given & given, TrainOptions & o) {
     check_choice("--data-parallel-sharding-strategy", f.data_parallel_sharding_strategy,
                  {"no_shard", "optim", "optim_grads", "optim_grads_params"});
     check_choice("--outer-dp-sharding-strategy", f.outer_dp_sharding_strategy, {"no_shard", "optim"});
@@ -236,10 +254,15 @@ void resolve_fsdp(const ParallelFlags & f, TrainOptions & o) {
     check_choice("--megatron-fsdp-grad-comm-dtype", f.fsdp_grad_comm_dtype, {"fp32", "fp16", "bf16", "auto"});
     LOOM_CHECK(f.megatron_fsdp_version == 1 || f.megatron_fsdp_version == 2,
                "argument --megatron-fsdp-version: invalid choice: " << f.megatron_fsdp_version << " (choose from 1, 2)", "");
-    if (!f.use_megatron_fsdp) return;   // Megatron reads the FSDP choices only with it
-    LOOM_CHECK(f.megatron_fsdp_version == 1, "--megatron-fsdp-version 2 is not supported by Loom",
+    if (f.use_torch_fsdp2) {
+        check_torch_fsdp2(given, o);
+        LOOM_CHECK(!f.use_megatron_fsdp, "--use-torch-fsdp2 and --use-megatron-fsdp together", "give one of them");
+    }
+    if (!f.use_megatron_fsdp && !f.use_torch_fsdp2) return;   // Megatron reads the FSDP choices only with one
+    LOOM_CHECK(f.megatron_fsdp_version == 1 || f.use_torch_fsdp2, "--megatron-fsdp-version 2 is not supported by Loom",
                "Loom implements Megatron-FSDP version 1 (the default), which runs with the distributed optimizer");
-    const std::string & strategy = f.data_parallel_sharding_strategy;
+    // Torch FSDP2 shards everything: Megatron-FSDP's optim_grads_params (its own strategy flag is not read).
+    const std::string & strategy = f.use_torch_fsdp2 ? std::string("optim_grads_params") : f.data_parallel_sharding_strategy;
     o.ddp.use_megatron_fsdp = true;
     o.ddp.fsdp_sharding     = strategy == "no_shard" ? ddp::FsdpSharding::no_shard
                               : strategy == "optim"  ? ddp::FsdpSharding::optim
@@ -250,13 +273,11 @@ void resolve_fsdp(const ParallelFlags & f, TrainOptions & o) {
     o.ddp.use_distributed_optimizer = o.ddp.fsdp_sharding != ddp::FsdpSharding::no_shard;
     LOOM_CHECK(!(o.ddp.fsdp_sharding == ddp::FsdpSharding::optim_grads_params && o.check_weight_hash_interval > 0),
                "check_weight_hash_across_dp_replicas_interval is not supported with optim_grads_params", "");
-    LOOM_CHECK(o.parallel.pp() == 1, "--use-megatron-fsdp with --pipeline-model-parallel-size " << o.parallel.pp()
+    const char * flag = f.use_torch_fsdp2 ? "--use-torch-fsdp2" : "--use-megatron-fsdp";
+    LOOM_CHECK(o.parallel.pp() == 1, flag << " with --pipeline-model-parallel-size " << o.parallel.pp()
                                                                                                << " is not supported by Loom",
                "Loom's Megatron-FSDP runs with tensor, context, expert and data parallelism; use "
                "--use-distributed-optimizer (ZeRO-1) with pipeline parallelism");
-    LOOM_CHECK(o.parallel.cp() == 1, "--use-megatron-fsdp with --context-parallel-size " << o.parallel.cp()
-                                                                                        << " is not supported by Loom",
-               "use --use-distributed-optimizer (ZeRO-1) with context parallelism");
     LOOM_CHECK(!o.ddp.shards_grads() || !o.layer_graphs,
                "--cuda-graph-impl transformer_engine with --data-parallel-sharding-strategy " << strategy,
                "a captured layer keeps the addresses of its weights and gradients, which sharding gives back between "
@@ -302,7 +323,7 @@ void resolve_ddp(const ParallelFlags & f, const Given & given, TrainOptions & o)
                                   : type == "a2a+p2p"   ? model::CpCommType::a2a_p2p
                                                         : model::CpCommType::p2p);
     }
-    resolve_fsdp(f, o);
+    resolve_fsdp(f, given, o);
     o.ddp.validate();
     const int64_t instances = o.ddp.num_distributed_optimizer_instances;   // parallel_state.py's asserts
     LOOM_CHECK(o.parallel.dp() % instances == 0,

@@ -90,7 +90,6 @@ const std::map<std::string, std::string> & refusal_hints() {
                               "--merge-file M) or plain ids (--tokenizer-type NullTokenizer --vocab-size N)"},
         {"--fp8-format", "train in --bf16"},
         {"--moe-router-enable-expert-bias", "Loom's router has no expert bias; balance with --moe-aux-loss-coeff"},
-        {"--use-torch-fsdp2", "use --use-distributed-optimizer (ZeRO-1)"},
     };
     return hints;
 }
