@@ -1162,6 +1162,46 @@ TEST(MegatronCommandLine, OverlapAndContextParallelExchangeFlagsFollowMegatronsA
     }
 }
 
+// Megatron-FSDP's and Torch FSDP2's flags: Megatron's choices and asserts with its messages, and Loom's own
+// refusals naming the flag (a dtype other than f32 for masters, gradients or their reduction; version 2;
+// layer graphs over sharded units). One rank: the options resolve and train (test_fsdp_mpi trains them sharded).
+TEST(MegatronCommandLine, FsdpFlagsFollowMegatronsRulesAndNameWhatLoomRefuses) {
+    const std::string run = "train --mock-data --num-layers 2 --train-iters 1 --micro-batch-size 1 ";
+    std::string       err;
+    for (const char * ok : {"--use-megatron-fsdp", "--use-megatron-fsdp --data-parallel-sharding-strategy no_shard",
+                            "--use-megatron-fsdp --bf16 --megatron-fsdp-main-params-dtype fp32 --megatron-fsdp-main-grads-dtype fp32 "
+                            "--megatron-fsdp-grad-comm-dtype fp32 --outer-dp-sharding-strategy no_shard",
+                            "--use-megatron-fsdp --data-parallel-sharding-strategy optim --cuda-graph-impl transformer_engine",
+                            "--use-torch-fsdp2 --untie-embeddings-and-output-weights --no-gradient-accumulation-fusion"}) {
+        EXPECT_EQ(run_status(run + ok, &err), 0) << ok << " -> " << err;
+    }
+    struct Case {
+        const char * args;
+        const char * names;
+    } cases[] = {
+        {"--data-parallel-sharding-strategy zero3", "argument --data-parallel-sharding-strategy: invalid choice: 'zero3'"},
+        {"--outer-dp-sharding-strategy optim_grads", "argument --outer-dp-sharding-strategy: invalid choice: 'optim_grads'"},
+        {"--use-megatron-fsdp --megatron-fsdp-main-grads-dtype bf16", "--megatron-fsdp-main-grads-dtype bf16 is not supported"},
+        {"--use-megatron-fsdp --megatron-fsdp-grad-comm-dtype bf16", "--megatron-fsdp-grad-comm-dtype bf16 is not supported"},
+        {"--use-megatron-fsdp --bf16 --megatron-fsdp-main-params-dtype auto", "--megatron-fsdp-main-params-dtype auto is not supported"},
+        {"--use-megatron-fsdp --megatron-fsdp-version 2", "--megatron-fsdp-version 2 is not supported by Loom"},
+        {"--use-megatron-fsdp --cuda-graph-impl transformer_engine",
+         "--cuda-graph-impl transformer_engine with --data-parallel-sharding-strategy optim_grads_params"},
+        {"--use-megatron-fsdp --check-weight-hash-across-dp-replicas-interval 10",
+         "check_weight_hash_across_dp_replicas_interval is not supported with optim_grads_params"},
+        {"--use-torch-fsdp2", "--use-torch-fsdp2 is not supported with gradient accumulation fusion"},
+        {"--use-torch-fsdp2 --no-gradient-accumulation-fusion", "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights"},
+        {"--use-torch-fsdp2 --no-gradient-accumulation-fusion --untie-embeddings-and-output-weights --use-distributed-optimizer",
+         "--use-torch-fsdp2 is not supported with MCore's distributed optimizer"},
+        {"--use-torch-fsdp2 --no-gradient-accumulation-fusion --untie-embeddings-and-output-weights --fp16",
+         "--use-torch-fsdp2 not supported with fp16 yet"},
+    };
+    for (const Case & c : cases) {
+        EXPECT_EQ(run_status(run + c.args, &err), 2) << c.args;
+        EXPECT_NE(err.find(c.names), std::string::npos) << c.args << " -> " << err;
+    }
+}
+
 // --fp16 and the loss scaler through `loom train`, read back from --log-file:
 //  - a constant power-of-two --loss-scale under --bf16 is exact (scaling and unscaling move exponents
 //    only): the losses are bitwise those without it;
