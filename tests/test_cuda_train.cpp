@@ -183,6 +183,9 @@ TEST_P(CudaTrainTwoRanks, FollowTheCpuThroughNccl) {
 INSTANTIATE_TEST_SUITE_P(
     Layouts, CudaTrainTwoRanks,
     ::testing::Values(Layout{"dp2_zero1_overlaps", "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"},
+                      // Megatron-FSDP: each unit's weights gathered into fresh device memory around its use,
+                      // its gradients reduce-scattered into the shards, both overlapped on the NCCL stream.
+                      Layout{"fsdp_dp2_overlaps", "--use-megatron-fsdp --overlap-grad-reduce --overlap-param-gather"},
                       Layout{"tp2_sp", "--tensor-model-parallel-size 2 --sequence-parallel"},
                       Layout{"pp2", "--pipeline-model-parallel-size 2"},
                       // Interleaved: its transfers deadlock on one NCCL communicator (the next test).
