@@ -73,11 +73,13 @@ struct Layout {
     bool         llama    = false;
     int          cp       = 1;
     int          ep       = 1;       // > 1: the MoE model
+    int          instances = 1;      // hybrid sharding: instances of dp / instances ranks
     std::string  name() const {
         return std::string(ddp::fsdp_sharding_name(strategy)) + " " + dtype_name(dtype) + " dp " +
                std::to_string(g_mpi->world_size() / tp / cp) + (tp > 1 ? " tp 2 sp" : "") +
                (cp > 1 ? " cp " + std::to_string(cp) : "") + (ep > 1 ? " moe ep " + std::to_string(ep) : "") +
-               (overlap ? " both overlaps" : "") + (llama ? " llama" : "");
+               (instances > 1 ? " " + std::to_string(instances) + " instances" : "") + (overlap ? " both overlaps" : "") +
+               (llama ? " llama" : "");
     }
 };
 
@@ -94,9 +96,10 @@ Run parallel_run(const Layout & l) {
     sizes.cp         = l.cp;
     sizes.ep         = l.ep;
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
-    parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi, 1);
+    parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi, l.instances);
 
     train::TrainOptions o     = small_options(l.dtype, l.llama, l.ep > 1);
+    o.ddp.num_distributed_optimizer_instances = l.instances;
     o.parallel                = config;
     o.sequence_parallel       = l.tp > 1;
     o.ddp.use_megatron_fsdp   = true;
@@ -186,11 +189,16 @@ TEST(MegatronFsdp, WithTensorParallelismFollowsTheSingleRankRun) {
     }
 }
 
-// CP 2 x DP 2 (gradients reduced and sharded over the data- and context-parallel ranks together), and the MoE
-// model with EP 2 (at 4 ranks the expert buffers shard over their own expert-data-parallel pair).
-TEST(MegatronFsdp, WithContextAndExpertParallelismFollowsTheSingleRankRun) {
+// CP 2 x DP 2 (gradients reduced and sharded over the data- and context-parallel ranks together), the MoE
+// model with EP 2 (at 4 ranks the expert buffers shard over their own expert-data-parallel pair), and at 4
+// ranks hybrid sharding: 2 instances of 2 ranks, each shard all-reduced over the instances.
+TEST(MegatronFsdp, WithContextAndExpertParallelismAndHybridShardingFollowsTheSingleRankRun) {
     const int world = g_mpi->world_size();
-    if (world == 4) expect_follows_reference({.strategy = FsdpSharding::optim_grads_params, .overlap = true, .cp = 2});
+    if (world == 4) {
+        expect_follows_reference({.strategy = FsdpSharding::optim_grads_params, .overlap = true, .cp = 2});
+        expect_follows_reference({.strategy = FsdpSharding::optim_grads_params, .overlap = true, .instances = 2});
+        expect_follows_reference({.strategy = FsdpSharding::optim_grads, .ep = 2, .instances = 2});
+    }
     expect_follows_reference({.strategy = FsdpSharding::optim_grads_params, .overlap = true, .ep = 2});
     expect_follows_reference({.strategy = FsdpSharding::optim_grads, .ep = 2});
 }

@@ -26,10 +26,6 @@ void DdpConfig::validate() const {
                                                                              << (use_distributed_optimizer ? " and" : " without")
                                                                              << " the distributed optimizer",
                "every strategy but no_shard shards the optimizer state (the options resolve this)");
-    LOOM_CHECK(!use_megatron_fsdp || num_distributed_optimizer_instances == 1,
-               "--num-distributed-optimizer-instances " << num_distributed_optimizer_instances << " with --use-megatron-fsdp",
-               "Loom's Megatron-FSDP shards over the whole data-parallel group (no hybrid sharding, "
-               "--outer-dp-sharding-strategy); use --num-distributed-optimizer-instances 1");
     LOOM_CHECK(!overlap_param_gather || use_distributed_optimizer || use_megatron_fsdp,
                "--overlap-param-gather needs --use-distributed-optimizer",
                "only the distributed optimizer gathers parameters; add --use-distributed-optimizer or drop "
@@ -583,6 +579,10 @@ void DistributedDataParallel::reduce_unit(int g) {
         Tensor received = Tensor::empty({bucket.numel / n}, DType::f32, device_, {MemoryKind::device, kFsdpUnshardedPool});
         group.grad_work.push_back(reducer.reduce_scatter(grads, received, avg ? comm::ReduceOp::avg : comm::ReduceOp::sum,
                                                          comm_stream_.get()));
+        // Hybrid sharding (several instances): each instance's shard, summed with the other instances'.
+        comm::Communicator * inter = layout_.buffers[ref.buffer].is_expert_parallel ? inter_expert_group_.get()
+                                                                                     : inter_group_.get();
+        if (inter) group.grad_work.push_back(inter->all_reduce(received, comm::ReduceOp::sum, comm_stream_.get()));
         // This micro-batch's share joins the shard's sum, after the collective on the same stream.
         device_.ops().add_inplace(*comm_stream_, grad_buffers_[ref.buffer].slice(shard_start_[ref.buffer][ref.bucket],
                                                                                  {received.numel()}),

@@ -112,7 +112,8 @@ const Flag<ParallelFlags> kParallelFlags[] = {
      "under --use-megatron-fsdp (the optimizer state; and the gradients; and the weights too)", kShowDefault},
     {"--outer-dp-sharding-strategy", kDist, &P::outer_dp_sharding_strategy,
      "no_shard or optim: the outer group's strategy of hybrid sharding (Megatron's HSDP, with "
-     "--num-distributed-optimizer-instances > 1, which Loom's Megatron-FSDP refuses)", kShowDefault},
+     "--num-distributed-optimizer-instances > 1: each instance shards, the instances replicate; Loom runs no_shard)",
+     kShowDefault},
     {"--megatron-fsdp-main-params-dtype", kDist, &P::fsdp_main_params_dtype,
      "the FSDP optimizer's master weights: fp32 (Loom keeps f32 masters; auto means fp32 for an f32 model)", kShowDefault},
     {"--megatron-fsdp-main-grads-dtype", kDist, &P::fsdp_main_grads_dtype,
@@ -271,6 +272,12 @@ void resolve_fsdp(const ParallelFlags & f, const Given & given, TrainOptions & o
     // Megatron-FSDP version 1 runs with the distributed optimizer; with no_shard Loom's optimizer is then
     // simply unsharded (every rank steps every element, as Megatron's no_shard does).
     o.ddp.use_distributed_optimizer = o.ddp.fsdp_sharding != ddp::FsdpSharding::no_shard;
+    // Hybrid sharding (Megatron's HSDP): with several instances each shards over its own ranks, and the
+    // outer group replicates (no_shard); sharding the optimizer over the outer group too is not Loom's.
+    LOOM_CHECK(o.ddp.num_distributed_optimizer_instances == 1 || f.outer_dp_sharding_strategy == "no_shard",
+               "--outer-dp-sharding-strategy " << f.outer_dp_sharding_strategy << " is not supported by Loom",
+               "Loom's hybrid sharding (--num-distributed-optimizer-instances > 1) replicates over the outer group: "
+               "--outer-dp-sharding-strategy no_shard");
     LOOM_CHECK(!(o.ddp.fsdp_sharding == ddp::FsdpSharding::optim_grads_params && o.check_weight_hash_interval > 0),
                "check_weight_hash_across_dp_replicas_interval is not supported with optim_grads_params", "");
     const char * flag = f.use_torch_fsdp2 ? "--use-torch-fsdp2" : "--use-megatron-fsdp";
