@@ -1,17 +1,19 @@
 // Megatron-FSDP end to end, under mpirun with 2 and 4 ranks: each --data-parallel-sharding-strategy trains the
 // single-rank run's model on the same global batch (2 micro-batches per rank at DP 2, so optim_grads and
 // optim_grads_params reduce-scatter every micro-batch's unit gradients into the shards), in f32 and bf16, at
-// DP = the world, with both overlaps, and at 4 ranks as TP 2 (sequence parallel) x DP 2 and CP 2 x DP 2; the MoE
-// model with EP 2. Then the bytes each rank keeps, from the allocator's pools, against each strategy's formula,
+// DP = the world, with both overlaps, and at 4 ranks as TP 2 (sequence parallel) x DP 2, CP 2 x DP 2, PP 2 (and
+// VPP 2) x DP 2 and 2 hybrid-sharding instances; the MoE model with EP 2. Then the bytes each rank keeps, from the allocator's pools, against each strategy's formula,
 // and the collectives each unit issues per micro-batch.
 //
 // Tolerance. Sharding only regroups f32 sums (each rank's micro-batches, the reduction over ranks, and with
 // sharded gradients the shard's sum over micro-batches): in f32 each loss agrees within 1e-5 relative and
 // each parameter tensor within 1e-5 of its largest value (but for the key part of the QKV bias, below). bf16: as test_ddp_mpi's bf16 case (a master
 // weight that crosses a rounding boundary moves its bf16 value by an ulp): losses within 2e-3, weights
-// within two bf16 ulps of max(1, |w|). With TP 2 the vocabulary-parallel embedding's sums are reordered too,
-// and the tiny gradients of rarely seen tokens' rows, normalised by Adam, move them by up to ~5e-5 of the
-// table's largest value over 20 iterations (ZeRO-1 as much as FSDP): f32 weights within 1e-4 there.
+// within two bf16 ulps of max(1, |w|). One f32 exception: the word embedding's rows of rarely seen tokens
+// get gradients near rounding level, which Adam's normalised step turns into moves of about lr either way
+// (as for the QKV bias below); with the untied Llama-style model and with TP 2 (the vocabulary-parallel
+// sums) that reaches ~5e-5 of the table's largest value over 20 iterations, ZeRO-1 as much as FSDP: the
+// table is held to 1e-4.
 #include "backend/cpu/cpu_device.h"
 #include "comm/counting_communicator.h"
 #include "ddp/ddp.h"
@@ -42,7 +44,7 @@ constexpr FsdpSharding kStrategies[] = {FsdpSharding::no_shard, FsdpSharding::op
                                         FsdpSharding::optim_grads_params};
 
 train::TrainOptions small_options(DType dtype, bool llama = false, bool moe = false) {
-    train::TrainOptions o = testing_models::small_gpt_options(3, 4, 20);
+    train::TrainOptions o = testing_models::small_gpt_options(4, 4, 20);
     o.lr_warmup_iters     = 3;
     o.model.params_dtype  = dtype;
     o.bf16                = dtype == DType::bf16;
@@ -74,9 +76,11 @@ struct Layout {
     int          cp       = 1;
     int          ep       = 1;       // > 1: the MoE model
     int          instances = 1;      // hybrid sharding: instances of dp / instances ranks
+    int          pp       = 1, vpp = 1;
     std::string  name() const {
         return std::string(ddp::fsdp_sharding_name(strategy)) + " " + dtype_name(dtype) + " dp " +
-               std::to_string(g_mpi->world_size() / tp / cp) + (tp > 1 ? " tp 2 sp" : "") +
+               std::to_string(g_mpi->world_size() / tp / cp / pp) + (tp > 1 ? " tp 2 sp" : "") +
+               (pp > 1 ? " pp " + std::to_string(pp) : "") + (vpp > 1 ? " vpp " + std::to_string(vpp) : "") +
                (cp > 1 ? " cp " + std::to_string(cp) : "") + (ep > 1 ? " moe ep " + std::to_string(ep) : "") +
                (instances > 1 ? " " + std::to_string(instances) + " instances" : "") + (overlap ? " both overlaps" : "") +
                (llama ? " llama" : "");
@@ -95,6 +99,8 @@ Run parallel_run(const Layout & l) {
     sizes.tp         = l.tp;
     sizes.cp         = l.cp;
     sizes.ep         = l.ep;
+    sizes.pp         = l.pp;
+    if (l.vpp > 1) sizes.vpp = l.vpp;
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi, l.instances);
 
@@ -134,7 +140,7 @@ void expect_follows_reference(const Layout & l) {
         worst_loss       = std::max(worst_loss, err);
         EXPECT_LT(err, f32 ? 1e-5 : 2e-3) << "iteration " << i + 1 << ": " << run.losses[i] << " vs " << ref.losses[i];
     }
-    if (l.ep == 1) ASSERT_EQ(run.params.size(), ref.params.size());   // with EP, this rank's experts only
+    if (l.ep == 1 && l.pp == 1) ASSERT_EQ(run.params.size(), ref.params.size());   // else its experts, its stages
     for (const auto & [pname, mine] : run.params) {
         auto it = ref.params.find(pname);
         ASSERT_NE(it, ref.params.end()) << pname;
@@ -158,7 +164,8 @@ void expect_follows_reference(const Layout & l) {
         }
         const double err = f32 && largest > 0 ? worst / largest : worst;
         worst_param      = std::max(worst_param, err);
-        EXPECT_LT(err, f32 ? (l.tp > 1 ? 1e-4 : 1e-5) : 0.015625) << pname;
+        const bool word_embedding = pname == "embedding.word_embeddings.weight";
+        EXPECT_LT(err, f32 ? (word_embedding ? 1e-4 : 1e-5) : 0.015625) << pname;
     }
     if (g_mpi->world_rank() == 0) {
         std::printf("[%s] worst loss error %.3g%s, worst parameter error %.3g%s\n", l.name().c_str(), worst_loss,
@@ -201,6 +208,16 @@ TEST(MegatronFsdp, WithContextAndExpertParallelismAndHybridShardingFollowsTheSin
     }
     expect_follows_reference({.strategy = FsdpSharding::optim_grads_params, .overlap = true, .ep = 2});
     expect_follows_reference({.strategy = FsdpSharding::optim_grads, .ep = 2});
+}
+
+// Pipeline stages: PP 2 x DP 2, and PP 2 with 2 virtual stages x DP 2 (units by model chunk; the last stage's
+// copy of the tied word embedding is in its output unit, alone in its bucket as on the first stage, so the
+// embedding group's sum runs over matching shard pieces).
+TEST(MegatronFsdp, WithPipelineStagesFollowsTheSingleRankRun) {
+    if (g_mpi->world_size() != 4) GTEST_SKIP() << "runs with 4 ranks";
+    expect_follows_reference({.strategy = FsdpSharding::optim_grads_params, .overlap = true, .pp = 2});
+    expect_follows_reference({.strategy = FsdpSharding::optim_grads, .pp = 2, .vpp = 2});
+    expect_follows_reference({.strategy = FsdpSharding::optim_grads_params, .dtype = DType::bf16, .pp = 2, .vpp = 2});
 }
 
 // Bytes per parameter a rank keeps (the allocator's weights, grads and optimizer pools once DDP and the
@@ -262,8 +279,8 @@ TEST(MegatronFsdp, BytesPerParameterFollowTheStrategysFormula) {
     }
 }
 
-// optim_grads_params' collectives on the data-parallel group, counted, for the 3-layer GPT (tied embedding;
-// 5 units: the embedding, 3 layers, the final norm with the output layer), 2 micro-batches per iteration;
+// optim_grads_params' collectives on the data-parallel group, counted, for the 4-layer GPT (tied embedding;
+// 6 units: the embedding, 4 layers, the final norm with the output layer), 2 micro-batches per iteration;
 // one collective per bucket, and a unit's group has a bucket per buffer (the tied word embedding one of its
 // own, as the distributed optimizer places it). Each micro-batch reduce-scatters every unit once, and
 // gathers every unit before its forward and again before its backward, plus the embedding once more for the

@@ -8,7 +8,12 @@ void finalize_grads(DistributedDataParallel * ddp, const std::vector<model::Para
     Stream & stream = device.compute_stream();
     if (groups.embedding && groups.embedding->size() > 1) {
         for (model::Parameter * p : params) {
-            if (p->shared_embedding) groups.embedding->all_reduce(p->main_grad, comm::ReduceOp::sum, &stream);
+            if (!p->shared_embedding) continue;
+            // FSDP with sharded gradients: the word embedding is alone in its bucket on both stages (the
+            // distributed optimizer's layout), so the two stages' pieces cover the same elements.
+            for (const Tensor & grad : ddp ? ddp->reduced_grads(*p) : std::vector<Tensor>{p->main_grad}) {
+                groups.embedding->all_reduce(grad, comm::ReduceOp::sum, &stream);
+            }
         }
     }
     if (groups.tp && groups.tp->size() > 1) {

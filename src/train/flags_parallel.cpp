@@ -280,11 +280,6 @@ void resolve_fsdp(const ParallelFlags & f, const Given & given, TrainOptions & o
                "--outer-dp-sharding-strategy no_shard");
     LOOM_CHECK(!(o.ddp.fsdp_sharding == ddp::FsdpSharding::optim_grads_params && o.check_weight_hash_interval > 0),
                "check_weight_hash_across_dp_replicas_interval is not supported with optim_grads_params", "");
-    const char * flag = f.use_torch_fsdp2 ? "--use-torch-fsdp2" : "--use-megatron-fsdp";
-    LOOM_CHECK(o.parallel.pp() == 1, flag << " with --pipeline-model-parallel-size " << o.parallel.pp()
-                                                                                               << " is not supported by Loom",
-               "Loom's Megatron-FSDP runs with tensor, context, expert and data parallelism; use "
-               "--use-distributed-optimizer (ZeRO-1) with pipeline parallelism");
     LOOM_CHECK(!o.ddp.shards_grads() || !o.layer_graphs,
                "--cuda-graph-impl transformer_engine with --data-parallel-sharding-strategy " << strategy,
                "a captured layer keeps the addresses of its weights and gradients, which sharding gives back between "
