@@ -77,12 +77,14 @@ struct Layout {
     int          ep       = 1;       // > 1: the MoE model
     int          instances = 1;      // hybrid sharding: instances of dp / instances ranks
     int          pp       = 1, vpp = 1;
+    float        offload  = 0;   // > 0: the hybrid optimizer steps this fraction of each rank's shards on the host
     std::string  name() const {
         return std::string(ddp::fsdp_sharding_name(strategy)) + " " + dtype_name(dtype) + " dp " +
                std::to_string(g_mpi->world_size() / tp / cp / pp) + (tp > 1 ? " tp 2 sp" : "") +
                (pp > 1 ? " pp " + std::to_string(pp) : "") + (vpp > 1 ? " vpp " + std::to_string(vpp) : "") +
                (cp > 1 ? " cp " + std::to_string(cp) : "") + (ep > 1 ? " moe ep " + std::to_string(ep) : "") +
-               (instances > 1 ? " " + std::to_string(instances) + " instances" : "") + (overlap ? " both overlaps" : "") +
+               (instances > 1 ? " " + std::to_string(instances) + " instances" : "") +
+               (offload > 0 ? " cpu offload " + std::to_string(offload).substr(0, 3) : "") + (overlap ? " both overlaps" : "") +
                (llama ? " llama" : "");
     }
 };
@@ -106,6 +108,10 @@ Run parallel_run(const Layout & l) {
 
     train::TrainOptions o     = small_options(l.dtype, l.llama, l.ep > 1);
     o.ddp.num_distributed_optimizer_instances = l.instances;
+    if (l.offload > 0) {
+        o.optimizer_cpu_offload          = true;
+        o.offload.offload_fraction       = l.offload;
+    }
     o.parallel                = config;
     o.sequence_parallel       = l.tp > 1;
     o.ddp.use_megatron_fsdp   = true;
@@ -184,6 +190,13 @@ TEST(MegatronFsdp, EachStrategyFollowsTheSingleRankRunInF32AndBf16) {
 TEST(MegatronFsdp, BothOverlapsAndTheUntiedLlamaStyleModelFollowTheSingleRankRun) {
     expect_follows_reference({.strategy = FsdpSharding::optim_grads_params, .overlap = true, .llama = true});
     expect_follows_reference({.strategy = FsdpSharding::optim_grads, .overlap = true});
+}
+
+// The hybrid optimizer over FSDP shards: half of each rank's slots (views of its shard storage) stepped on
+// the host, in bf16 (f32 masters on the host side) and f32.
+TEST(MegatronFsdp, CpuOffloadOverTheShardsFollowsTheSingleRankRun) {
+    expect_follows_reference({.strategy = FsdpSharding::optim_grads_params, .offload = 0.5});
+    expect_follows_reference({.strategy = FsdpSharding::optim_grads_params, .dtype = DType::bf16, .offload = 0.5});
 }
 
 // TP 2 x DP 2 with sequence parallelism: the norms' gradients are summed over the TP peers' shards (the
