@@ -78,13 +78,15 @@ struct Layout {
     int          instances = 1;      // hybrid sharding: instances of dp / instances ranks
     int          pp       = 1, vpp = 1;
     float        offload  = 0;   // > 0: the hybrid optimizer steps this fraction of each rank's shards on the host
+    DType        comm     = DType::f32;   // --megatron-fsdp-grad-comm-dtype
     std::string  name() const {
         return std::string(ddp::fsdp_sharding_name(strategy)) + " " + dtype_name(dtype) + " dp " +
                std::to_string(g_mpi->world_size() / tp / cp / pp) + (tp > 1 ? " tp 2 sp" : "") +
                (pp > 1 ? " pp " + std::to_string(pp) : "") + (vpp > 1 ? " vpp " + std::to_string(vpp) : "") +
                (cp > 1 ? " cp " + std::to_string(cp) : "") + (ep > 1 ? " moe ep " + std::to_string(ep) : "") +
                (instances > 1 ? " " + std::to_string(instances) + " instances" : "") +
-               (offload > 0 ? " cpu offload " + std::to_string(offload).substr(0, 3) : "") + (overlap ? " both overlaps" : "") +
+               (offload > 0 ? " cpu offload " + std::to_string(offload).substr(0, 3) : "") +
+               (comm != DType::f32 ? std::string(" gradients travel in ") + dtype_name(comm) : "") + (overlap ? " both overlaps" : "") +
                (llama ? " llama" : "");
     }
 };
@@ -108,6 +110,7 @@ Run parallel_run(const Layout & l) {
 
     train::TrainOptions o     = small_options(l.dtype, l.llama, l.ep > 1);
     o.ddp.num_distributed_optimizer_instances = l.instances;
+    o.ddp.grad_comm_dtype                     = l.comm;
     if (l.offload > 0) {
         o.optimizer_cpu_offload          = true;
         o.offload.offload_fraction       = l.offload;
@@ -138,7 +141,7 @@ void expect_follows_reference(const Layout & l) {
     SCOPED_TRACE(l.name());
     const testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(l.dtype, l.llama, l.ep > 1));
     const Run                           run = parallel_run(l);
-    const bool                          f32 = l.dtype == DType::f32;
+    const bool                          f32 = l.dtype == DType::f32 && l.comm == DType::f32;   // else bf16's bounds
     ASSERT_EQ(run.losses.size(), ref.losses.size());
     double worst_loss = 0, worst_param = 0;
     for (size_t i = 0; i < ref.losses.size(); ++i) {
@@ -221,6 +224,46 @@ TEST(MegatronFsdp, WithContextAndExpertParallelismAndHybridShardingFollowsTheSin
     }
     expect_follows_reference({.strategy = FsdpSharding::optim_grads_params, .overlap = true, .ep = 2});
     expect_follows_reference({.strategy = FsdpSharding::optim_grads, .ep = 2});
+}
+
+// --megatron-fsdp-grad-comm-dtype bf16: the gradients are rounded to bf16 for their collectives (and widened
+// after), so the f32 model follows the single-rank run within bf16's bounds, and every reduce-scatter moves
+// exactly half the bytes of the f32 run's (the counting communicator), for the sharded gradients and for the
+// distributed optimizer's buckets (optim) alike.
+TEST(MegatronFsdp, GradientsTravelInTheCommunicationDtype) {
+    expect_follows_reference({.strategy = FsdpSharding::optim_grads_params, .overlap = true, .comm = DType::bf16});
+    expect_follows_reference({.strategy = FsdpSharding::optim, .comm = DType::bf16});
+    const int64_t dp     = g_mpi->world_size();
+    Device &      device = cpu::device();
+    for (FsdpSharding strategy : {FsdpSharding::optim, FsdpSharding::optim_grads_params}) {
+        int64_t bytes[2] = {0, 0};
+        for (DType comm : {DType::f32, DType::bf16}) {
+            train::TrainOptions o = small_options(DType::f32);
+            o.global_batch_size   = dp;
+            auto            source = train::make_batch_source(o, device, false, g_mpi->world_rank(), dp);
+            model::GptModel gpt(o.model, device);
+            gpt.init();
+            auto           counting = std::make_shared<comm::CountingCommunicator>(g_mpi->world());
+            ddp::DdpConfig config;
+            config.use_megatron_fsdp         = true;
+            config.fsdp_sharding             = strategy;
+            config.use_distributed_optimizer = true;
+            config.grad_comm_dtype           = comm;
+            ddp::DdpPlacement placement;
+            placement.unit_of_param = gpt.parameter_units();
+            ddp::DistributedDataParallel ddp(gpt.parameters(), config, counting, device, nullptr, nullptr, nullptr, placement);
+            gpt.set_param_hooks(ddp.param_hooks());
+            ddp.zero_grad_buffer();
+            model::GptModel::Context ctx;
+            auto loss = gpt.forward(ctx, source->next());
+            gpt.backward(ctx, 1.0 / loss.count, ddp.grad_ready());
+            ddp.finish_grad_sync();
+            bytes[comm == DType::bf16] = counting->count(comm::OpKind::reduce_scatter).bytes;
+            gpt.set_param_hooks({});
+        }
+        EXPECT_GT(bytes[0], 0);
+        EXPECT_EQ(bytes[1] * 2, bytes[0]) << ddp::fsdp_sharding_name(strategy) << ": half the bytes in bf16";
+    }
 }
 
 // Pipeline stages: PP 2 x DP 2, and PP 2 with 2 virtual stages x DP 2 (units by model chunk; the last stage's

@@ -1163,7 +1163,7 @@ TEST(MegatronCommandLine, OverlapAndContextParallelExchangeFlagsFollowMegatronsA
 }
 
 // Megatron-FSDP's and Torch FSDP2's flags: Megatron's choices and asserts with its messages, and Loom's own
-// refusals naming the flag (a dtype other than f32 for masters, gradients or their reduction; version 2;
+// refusals naming the flag (a dtype other than f32 for masters or gradient buffers; version 2;
 // layer graphs over sharded units). One rank: the options resolve and train (test_fsdp_mpi trains them sharded).
 TEST(MegatronCommandLine, FsdpFlagsFollowMegatronsRulesAndNameWhatLoomRefuses) {
     const std::string run = "train --mock-data --num-layers 2 --train-iters 1 --micro-batch-size 1 ";
@@ -1171,6 +1171,7 @@ TEST(MegatronCommandLine, FsdpFlagsFollowMegatronsRulesAndNameWhatLoomRefuses) {
     for (const char * ok : {"--use-megatron-fsdp", "--use-megatron-fsdp --data-parallel-sharding-strategy no_shard",
                             "--use-megatron-fsdp --bf16 --megatron-fsdp-main-params-dtype fp32 --megatron-fsdp-main-grads-dtype fp32 "
                             "--megatron-fsdp-grad-comm-dtype fp32 --outer-dp-sharding-strategy no_shard",
+                            "--use-megatron-fsdp --megatron-fsdp-grad-comm-dtype bf16",
                             "--use-megatron-fsdp --data-parallel-sharding-strategy optim --cuda-graph-impl transformer_engine",
                             "--use-torch-fsdp2 --untie-embeddings-and-output-weights --no-gradient-accumulation-fusion"}) {
         EXPECT_EQ(run_status(run + ok, &err), 0) << ok << " -> " << err;
@@ -1182,7 +1183,6 @@ TEST(MegatronCommandLine, FsdpFlagsFollowMegatronsRulesAndNameWhatLoomRefuses) {
         {"--data-parallel-sharding-strategy zero3", "argument --data-parallel-sharding-strategy: invalid choice: 'zero3'"},
         {"--outer-dp-sharding-strategy optim_grads", "argument --outer-dp-sharding-strategy: invalid choice: 'optim_grads'"},
         {"--use-megatron-fsdp --megatron-fsdp-main-grads-dtype bf16", "--megatron-fsdp-main-grads-dtype bf16 is not supported"},
-        {"--use-megatron-fsdp --megatron-fsdp-grad-comm-dtype bf16", "--megatron-fsdp-grad-comm-dtype bf16 is not supported"},
         {"--use-megatron-fsdp --bf16 --megatron-fsdp-main-params-dtype auto", "--megatron-fsdp-main-params-dtype auto is not supported"},
         {"--use-megatron-fsdp --megatron-fsdp-version 2", "--megatron-fsdp-version 2 is not supported by Loom"},
         {"--use-megatron-fsdp --cuda-graph-impl transformer_engine",

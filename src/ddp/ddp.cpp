@@ -300,7 +300,7 @@ void DistributedDataParallel::launch_grad_sync(Group & group) {
         if (config_.use_distributed_optimizer) {
             int64_t shard = bucket.numel / n;
             Tensor  mine  = grads.narrow(0, reducer.rank() * shard, shard);
-            group.grad_work.push_back(reducer.reduce_scatter(grads, mine, op, comm_stream_.get()));
+            group.grad_work.push_back(reduce_scatter_grads(reducer, grads, mine, op, group.in_flight));
             // Several instances: this instance's sum of the shard, summed with the other instances' (the
             // factor above already divides by every data-parallel rank; an average in the collective
             // averaged within the instance only).
@@ -308,7 +308,7 @@ void DistributedDataParallel::launch_grad_sync(Group & group) {
                                                                                          : inter_group_.get();
             if (inter) group.grad_work.push_back(inter->all_reduce(mine, comm::ReduceOp::sum, comm_stream_.get()));
         } else {
-            group.grad_work.push_back(reducer.all_reduce(grads, op, comm_stream_.get()));
+            group.grad_work.push_back(all_reduce_grads(reducer, grads, op, group.in_flight));
         }
     }
     group.grad_launched = true;
@@ -337,6 +337,35 @@ void DistributedDataParallel::check_finite(int buffer, int bucket_id, const Tens
 void DistributedDataParallel::wait_grad_sync(Group & group) {
     for (comm::WorkPtr & work : group.grad_work) work->wait();
     group.grad_work.clear();
+    if (!group.in_flight.empty()) {   // work queued after the collectives (widening, a shard's sum) has run
+        comm_stream_->synchronize();
+        group.in_flight.clear();
+    }
+}
+
+comm::WorkPtr DistributedDataParallel::reduce_scatter_grads(comm::Communicator & group, const Tensor & grads,
+                                                            const Tensor & out, comm::ReduceOp op, std::vector<Tensor> & keep) {
+    if (config_.grad_comm_dtype == DType::f32) return group.reduce_scatter(grads, out, op, comm_stream_.get());
+    Ops &  ops    = device_.ops();
+    Tensor narrow = Tensor::empty({grads.numel()}, config_.grad_comm_dtype, device_, {MemoryKind::device, "comm"});
+    Tensor block  = Tensor::empty({out.numel()}, config_.grad_comm_dtype, device_, {MemoryKind::device, "comm"});
+    ops.convert(*comm_stream_, grads, narrow);
+    comm::WorkPtr work = group.reduce_scatter(narrow, block, op, comm_stream_.get());
+    ops.convert(*comm_stream_, block, out);
+    keep.push_back(narrow);
+    keep.push_back(block);
+    return work;
+}
+
+comm::WorkPtr DistributedDataParallel::all_reduce_grads(comm::Communicator & group, const Tensor & grads, comm::ReduceOp op,
+                                                        std::vector<Tensor> & keep) {
+    if (config_.grad_comm_dtype == DType::f32) return group.all_reduce(grads, op, comm_stream_.get());
+    Tensor narrow = Tensor::empty({grads.numel()}, config_.grad_comm_dtype, device_, {MemoryKind::device, "comm"});
+    device_.ops().convert(*comm_stream_, grads, narrow);
+    comm::WorkPtr work = group.all_reduce(narrow, op, comm_stream_.get());
+    device_.ops().convert(*comm_stream_, narrow, grads);
+    keep.push_back(narrow);
+    return work;
 }
 
 void DistributedDataParallel::finish_grad_sync() {
@@ -348,7 +377,7 @@ void DistributedDataParallel::finish_grad_sync() {
                            "every layer's backward must call the gradient-ready callback for each of its parameters");
             }
         }
-        for (Group & group : groups_) complete_reduce(group);   // the optimizer reads the shards next
+        for (Group & group : groups_) wait_grad_sync(group);   // the optimizer reads the shards next
         return;
     }
     for (Group & group : groups_) {
@@ -549,7 +578,7 @@ void DistributedDataParallel::release_unit(int g) {
 void DistributedDataParallel::make_grads_whole(int g) {
     Group & group = groups_[g];
     if (group.grads_live) return;
-    complete_reduce(group);   // the previous micro-batch's reduction, if still in flight
+    wait_grad_sync(group);   // the previous micro-batch's reduction, if still in flight
     for (const BucketRef & ref : group.buckets) {
         const BucketLayout & bucket = layout_.buffers[ref.buffer].buckets[ref.bucket];
         Tensor grads = Tensor::empty({bucket.numel}, DType::f32, device_, {MemoryKind::device, kFsdpUnshardedPool});
@@ -577,8 +606,8 @@ void DistributedDataParallel::reduce_unit(int g) {
         const float factor = avg ? static_cast<float>(n) / static_cast<float>(full_dp_) : 1.0f / static_cast<float>(full_dp_);
         if (factor != 1.0f) device_.ops().scale(*comm_stream_, grads, factor);
         Tensor received = Tensor::empty({bucket.numel / n}, DType::f32, device_, {MemoryKind::device, kFsdpUnshardedPool});
-        group.grad_work.push_back(reducer.reduce_scatter(grads, received, avg ? comm::ReduceOp::avg : comm::ReduceOp::sum,
-                                                         comm_stream_.get()));
+        group.grad_work.push_back(reduce_scatter_grads(reducer, grads, received, avg ? comm::ReduceOp::avg : comm::ReduceOp::sum,
+                                                       group.in_flight));
         // Hybrid sharding (several instances): each instance's shard, summed with the other instances'.
         comm::Communicator * inter = layout_.buffers[ref.buffer].is_expert_parallel ? inter_expert_group_.get()
                                                                                      : inter_group_.get();
@@ -587,21 +616,14 @@ void DistributedDataParallel::reduce_unit(int g) {
         device_.ops().add_inplace(*comm_stream_, grad_buffers_[ref.buffer].slice(shard_start_[ref.buffer][ref.bucket],
                                                                                  {received.numel()}),
                                   received);
-        // Both stay referenced until the reduction is complete (complete_reduce): their memory is not handed
+        // Both stay referenced until the reduction is complete (wait_grad_sync): their memory is not handed
         // to other work while the communication stream may still read it.
         group.in_flight.push_back(grads);
         group.in_flight.push_back(received);
         point_at(ref.buffer, ref.bucket, Tensor(), /*grads=*/true);
     }
     group.grads_live = false;
-    if (!config_.overlap_grad_reduce) complete_reduce(group);
-}
-
-void DistributedDataParallel::complete_reduce(Group & group) {
-    if (group.in_flight.empty()) return;
-    wait_grad_sync(group);
-    comm_stream_->synchronize();   // the shard's sum, queued after the collective, has run
-    group.in_flight.clear();
+    if (!config_.overlap_grad_reduce) wait_grad_sync(group);
 }
 
 Tensor DistributedDataParallel::param_shard(int buffer, int bucket, const ShardRange & range) {

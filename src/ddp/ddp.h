@@ -67,6 +67,10 @@ struct DdpConfig {
     // strategy but no_shard.
     bool                   use_megatron_fsdp               = false;
     FsdpSharding           fsdp_sharding                   = FsdpSharding::optim_grads_params;
+    // --megatron-fsdp-grad-comm-dtype: the dtype gradients travel in. bf16 or f16: each bucket is rounded to
+    // it on the communication stream before its collective and the result widened back to f32 after (half
+    // the bytes on the wire; gradients still accumulate in f32).
+    DType                  grad_comm_dtype                 = DType::f32;
     bool                   overlap_grad_reduce             = false;
     bool                   overlap_param_gather            = false;
     std::optional<int64_t> bucket_size;                     // --ddp-bucket-size; nullopt: Megatron's default
@@ -192,7 +196,7 @@ private:
         std::vector<comm::WorkPtr> grad_work, gather_work;
         bool                   gathered   = false;   // FSDP optim_grads_params: the unit's values are whole
         bool                   grads_live = false;   // FSDP optim_grads(_params): its gradient buckets are whole
-        std::vector<Tensor>    in_flight;            // FSDP: what a reduction still in flight reads and writes
+        std::vector<Tensor>    in_flight;            // what a reduction still in flight reads and writes
     };
 
     void launch_grad_sync(Group & group);
@@ -208,7 +212,13 @@ private:
     void dispatch_unit_gather(int group);
     void gather_unit(int group);
     void prefetch_unit(int group);   // a group index out of range: nothing
-    void complete_reduce(Group & group);
+    // The data-parallel collectives of a bucket's f32 gradients in config_.grad_comm_dtype, on the
+    // communication stream: a reduce-scatter of `grads` into `out` (the rank's block), or an all-reduce in
+    // place. Scratch in the narrower dtype goes into `keep`, to live until the work is waited for.
+    comm::WorkPtr reduce_scatter_grads(comm::Communicator & group, const Tensor & grads, const Tensor & out,
+                                       comm::ReduceOp op, std::vector<Tensor> & keep);
+    comm::WorkPtr all_reduce_grads(comm::Communicator & group, const Tensor & grads, comm::ReduceOp op,
+                                   std::vector<Tensor> & keep);
     void release_unit(int group);
     void make_grads_whole(int group);
     void reduce_unit(int group);

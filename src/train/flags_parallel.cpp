@@ -119,7 +119,8 @@ const Flag<ParallelFlags> kParallelFlags[] = {
     {"--megatron-fsdp-main-grads-dtype", kDist, &P::fsdp_main_grads_dtype,
      "the FSDP gradient buffers: auto or fp32 (Loom accumulates gradients in f32)", kShowDefault},
     {"--megatron-fsdp-grad-comm-dtype", kDist, &P::fsdp_grad_comm_dtype,
-     "the FSDP gradient reduction's dtype: auto (the gradients', f32) or fp32", kShowDefault},
+     "the dtype FSDP's gradient collectives run in: auto or fp32 (f32), bf16 or fp16 (each bucket rounded before "
+     "its collective, widened after: half the bytes; accumulation stays f32)", kShowDefault},
     {"--ddp-bucket-size", kDist, &P::bucket_size,
      "elements per gradient bucket (default max(40M, 1M x dp) with --overlap-grad-reduce, else one bucket)"},
     {"--accumulate-allreduce-grads-in-fp32", "mixed precision", &P::grads_in_fp32,
@@ -291,9 +292,10 @@ void resolve_fsdp(const ParallelFlags & f, const Given & given, TrainOptions & o
     LOOM_CHECK(f.fsdp_main_grads_dtype == "fp32" || f.fsdp_main_grads_dtype == "auto",
                "--megatron-fsdp-main-grads-dtype " << f.fsdp_main_grads_dtype << " is not supported by Loom",
                "Loom accumulates gradients in f32 (auto and fp32 both mean that)");
-    LOOM_CHECK(f.fsdp_grad_comm_dtype == "fp32" || f.fsdp_grad_comm_dtype == "auto",
-               "--megatron-fsdp-grad-comm-dtype " << f.fsdp_grad_comm_dtype << " is not supported by Loom",
-               "Loom reduces gradients in f32 (auto and fp32 both mean that)");
+    // The gradients travel in bf16 or f16 when asked (auto: the main gradients' dtype, f32).
+    o.ddp.grad_comm_dtype = f.fsdp_grad_comm_dtype == "bf16"   ? DType::bf16
+                            : f.fsdp_grad_comm_dtype == "fp16" ? DType::f16
+                                                               : DType::f32;
 }
 
 }  // namespace
