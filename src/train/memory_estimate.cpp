@@ -19,8 +19,9 @@ MemoryEstimate estimate_memory(const TrainOptions & o) {
     const double params    = (V * h * (m.untie_embeddings_and_output_weights ? 2 : 1) +
                            static_cast<double>(m.max_position_embeddings) * h + L * per_layer) / (tp * pp);
     MemoryEstimate e;
-    e.weights   = params * (o.bf16 ? 2 : 4);
-    e.grads     = params * 4;
+    // Megatron-FSDP keeps only the shards of what its strategy shards (ddp_and_optimizers.md 1.16).
+    e.weights   = params * (o.bf16 ? 2 : 4) / (o.ddp.shards_params() ? dp : 1);
+    e.grads     = params * 4 / (o.ddp.shards_grads() ? dp : 1);
     e.optimizer = params * (o.bf16 ? 12 : 8) / (o.ddp.use_distributed_optimizer ? dp : 1);
     const double in_flight = std::min(pp, static_cast<double>(std::max<int64_t>(1, o.num_microbatches())));
     e.activations = in_flight * (L / pp * s * b * h * 34 * 2 / tp + 3 * 4 * s * b * V / tp);
@@ -40,7 +41,7 @@ void check_memory(const TrainOptions & o, int64_t world_size) {
                    << machine / gib << " GiB",
                "lower --num-layers, --hidden-size, --ffn-hidden-size, --vocab-size, --seq-length or "
                "--micro-batch-size, or shard the model (--tensor-model-parallel-size, --pipeline-model-parallel-size, "
-               "--use-distributed-optimizer)");
+               "--use-distributed-optimizer, --use-megatron-fsdp)");
 }
 
 }  // namespace loom::train
