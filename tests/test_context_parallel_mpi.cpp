@@ -3,7 +3,7 @@
 // CP 2 with each --cp-comm-type (p2p, allgather; a2a on the Llama-style model: RoPE, GQA with 2 groups,
 // --qk-layernorm, SwiGLU), and CP 2 x EP 2 with MoE layers. 4 ranks: CP 4 with each type, a2a+p2p as 2 x 2,
 // one type per layer, CP 2 x TP 2 with sequence parallelism (Llama-style), CP 2 x PP 2 with 2 virtual
-// stages, and CP 2 x DP 2 with ZeRO-1 and both overlaps. Hidden and
+// stages, and CP 2 x DP 2 with ZeRO-1 and both overlaps (also as two distributed-optimizer instances). Hidden and
 // attention dropout are on (0.1): the masks are drawn by global position, so they are the single-rank run's.
 //
 // Tolerance. Context parallelism reorders sums: a query's softmax is merged from per-block partial sums
@@ -72,6 +72,7 @@ struct Layout {
     bool                llama = false, sp = false, zero1 = false, moe = false, sinkhorn = false;
     std::vector<model::CpCommType> per_layer{};      // one type per layer instead of `type`
     std::vector<int64_t>           hierarchical{};   // a2a+p2p sizes
+    int                            instances = 1;    // distributed-optimizer instances over dp x cp (with zero1)
     static const char * type_name(model::CpCommType t) {
         return t == model::CpCommType::p2p ? "p2p" : t == model::CpCommType::a2a ? "a2a"
              : t == model::CpCommType::allgather ? "allgather" : "a2a+p2p";
@@ -86,6 +87,7 @@ struct Layout {
         return std::string(llama ? "llama" : "gpt") + " cp " + std::to_string(cp) + " " + t +
                (tp > 1 ? " tp " + std::to_string(tp) : "") + (sp ? " sp" : "") + (pp > 1 ? " pp " + std::to_string(pp) : "") +
                (vpp > 1 ? " vpp " + std::to_string(vpp) : "") + (zero1 ? " zero-1, both overlaps" : "") +
+               (instances > 1 ? " " + std::to_string(instances) + " instances" : "") +
                (moe ? " moe ep " + std::to_string(ep) : "") + (sinkhorn ? " sinkhorn" : "");
     }
 };
@@ -105,7 +107,7 @@ Run parallel_run(const Layout & l) {
     sizes.ep         = l.ep;
     if (l.vpp > 1) sizes.vpp = l.vpp;
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
-    parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi, 1, l.hierarchical);
+    parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi, l.instances, l.hierarchical);
 
     train::TrainOptions o   = small_options(l.llama, l.moe, l.sinkhorn);
     o.parallel              = config;
@@ -117,6 +119,7 @@ Run parallel_run(const Layout & l) {
         o.ddp.overlap_grad_reduce       = true;
         o.ddp.overlap_param_gather      = true;
         o.ddp.bucket_size               = 20000;
+        o.ddp.num_distributed_optimizer_instances = l.instances;
     }
     auto source = train::context_parallel_part(
         train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), config.dp()), groups.cp->rank(), l.cp);
@@ -211,6 +214,9 @@ TEST(ContextParallel, ComposesWithTensorPipelineAndDataParallelism) {
     expect_follows_reference({.cp = 2, .tp = 2, .type = CpCommType::p2p, .llama = true, .sp = true});
     expect_follows_reference({.cp = 2, .pp = 2, .vpp = 2, .type = CpCommType::p2p});
     expect_follows_reference({.cp = 2, .type = CpCommType::allgather, .zero1 = true});
+    // Two distributed-optimizer instances over the dp x cp ranks (Megatron's intra_dp_cp): each shards over
+    // its pair, the pairs all-reduce their shards.
+    expect_follows_reference({.cp = 2, .type = CpCommType::p2p, .zero1 = true, .instances = 2});
 }
 
 // One micro-batch of a 4096-token sequence through a one-layer model, forward and backward, at CP 1 (each

@@ -98,9 +98,10 @@ ProcessGroups ProcessGroups::create(const ParallelConfig & config, comm::Communi
                "launch " << config.world_size() << " ranks (mpirun -np " << config.world_size()
                          << "), or change the parallel sizes");
     // Megatron's checks of the instances (parallel_state.py), before any split.
-    LOOM_CHECK(dist_opt_instances >= 1 && config.dp() % dist_opt_instances == 0,
+    LOOM_CHECK(dist_opt_instances >= 1 && config.dp() * config.cp() % dist_opt_instances == 0,
                "Data parallel size should be divisible by partial DistOpt shard factor: data-parallel size "
-                   << config.dp() << ", --num-distributed-optimizer-instances " << dist_opt_instances, "");
+                   << config.dp() << (config.cp() > 1 ? " x context-parallel size " + std::to_string(config.cp()) : "")
+                   << ", --num-distributed-optimizer-instances " << dist_opt_instances, "");
     LOOM_CHECK(config.edp() % dist_opt_instances == 0,
                "Expert data parallel size should be divisible by partial DistOpt shard factor: expert data-parallel "
                "size " << config.edp() << ", --num-distributed-optimizer-instances " << dist_opt_instances, "");
@@ -145,7 +146,9 @@ ProcessGroups ProcessGroups::create(const ParallelConfig & config, comm::Communi
         groups.cp_outer           = factory.split(outer, "cp-outer");
     }
     if (dist_opt_instances > 1) {
-        const auto [intra, inter] = instance_groups(config.dense().get_ranks("dp"), dist_opt_instances);
+        // Megatron's instances split the data- and context-parallel ranks, which reduce the gradients together.
+        const auto [intra, inter] = instance_groups(config.dense().get_ranks(config.cp() > 1 ? "dp-cp" : "dp"),
+                                                    dist_opt_instances);
         groups.intra_dp           = factory.split(intra, "intra-dp");
         groups.inter_dp           = factory.split(inter, "inter-dp");
         const auto [expert_intra, expert_inter] = instance_groups(config.expert().get_ranks("dp"), dist_opt_instances);

@@ -330,9 +330,10 @@ void resolve_ddp(const ParallelFlags & f, const Given & given, TrainOptions & o)
     resolve_fsdp(f, given, o);
     o.ddp.validate();
     const int64_t instances = o.ddp.num_distributed_optimizer_instances;   // parallel_state.py's asserts
-    LOOM_CHECK(o.parallel.dp() % instances == 0,
+    LOOM_CHECK(o.parallel.dp() * o.parallel.cp() % instances == 0,
                "Data parallel size should be divisible by partial DistOpt shard factor: data-parallel size "
-                   << o.parallel.dp() << ", --num-distributed-optimizer-instances " << instances, "");
+                   << o.parallel.dp() << (o.parallel.cp() > 1 ? " x context-parallel size " + std::to_string(o.parallel.cp()) : "")
+                   << ", --num-distributed-optimizer-instances " << instances, "");
     LOOM_CHECK(o.parallel.edp() % instances == 0,
                "Expert data parallel size should be divisible by partial DistOpt shard factor: expert data-parallel "
                "size " << o.parallel.edp() << ", --num-distributed-optimizer-instances " << instances, "");
@@ -412,10 +413,6 @@ void validate_layout(const TrainOptions & o) {
                            << tp * a2a,
                        "the all-to-all gives each context-parallel rank an equal share of each tensor-parallel rank's heads");
         }
-        LOOM_CHECK(o.ddp.num_distributed_optimizer_instances == 1,
-                   "--num-distributed-optimizer-instances " << o.ddp.num_distributed_optimizer_instances
-                       << " with --context-parallel-size " << cp << " is not supported by Loom yet",
-                   "give one distributed-optimizer instance");
     }
     if (o.parallel.pp() > 1) {
         LOOM_CHECK(o.load_hf.empty(), "--load-hf with --pipeline-model-parallel-size " << o.parallel.pp(),
