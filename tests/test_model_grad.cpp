@@ -455,6 +455,41 @@ TEST(GptModel, SelectiveRecomputeOfMlpAndSharedExpertsIsBitwiseAndHoldsLessAfter
     }
 }
 
+// Selective recompute of layernorm (--recompute-modules layernorm): the outputs of each layer's input norm
+// and pre-MLP norm, which the QKV projection and the MLP's fc1 keep for their weight gradients, are dropped
+// after forward and recomputed in backward from the norms' saved inputs. Gradients bitwise the stored run's
+// (LayerNorm and RMSNorm, f32 and bf16, with and without mlp recompute); the bytes held after forward fall by
+// exactly two norm outputs per layer (every row's h values, in the parameters' dtype). A MoE layer drops
+// only its input norm's (its pre-MLP norm's output feeds the router and the experts).
+TEST(GptModel, SelectiveRecomputeOfLayernormIsBitwiseAndHoldsLessAfterForward) {
+    for (const DType dtype : {DType::f32, DType::bf16}) {
+        for (const bool rms : {false, true}) {
+            for (const int variant : {0, 1, 2}) {   // dense; dense with mlp recompute; MoE
+                model::GptConfig c = small_recompute_config();
+                c.params_dtype     = dtype;
+                if (rms) c.normalization = model::Normalization::rmsnorm;
+                if (variant == 2) {
+                    c.moe.num_experts    = 4;
+                    c.moe.topk           = 2;
+                    c.moe.aux_loss_coeff = 1e-2f;
+                }
+                c.recompute_granularity = model::RecomputeGranularity::selective;
+                c.recompute_mlp         = variant == 1;
+                SCOPED_TRACE(std::string(dtype_name(dtype)) + (rms ? " rmsnorm" : " layernorm") +
+                             (variant == 0 ? " dense" : variant == 1 ? " dense, mlp recomputed" : " moe"));
+                const StepResult stored = one_step(c);
+                c.recompute_layernorm   = true;
+                const StepResult recomputed = one_step(c);
+                expect_bitwise(recomputed, stored);
+                const int64_t rows = 4 * c.seq_length, norms = variant == 2 ? 1 : 2;
+                const int64_t bytes = c.num_layers * norms * rows * c.hidden_size * static_cast<int64_t>(dtype_size(dtype));
+                EXPECT_EQ(stored.saved_activations - recomputed.saved_activations, bytes)
+                    << stored.saved_activations << " stored, " << recomputed.saved_activations << " recomputed";
+            }
+        }
+    }
+}
+
 // Evaluation drops nothing: its loss is the dropout-free model's, bitwise; training with dropout differs.
 TEST(GptModel, DropoutOnlyWhenTraining) {
     model::GptConfig c = small_recompute_config(), plain = c;

@@ -58,7 +58,9 @@ Run reference(bool llama) {
     return run;
 }
 
-Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, bool recompute) {
+// recompute: 0 none, 1 full (every layer), 2 selective (layernorm and mlp: the norms' outputs gathered again
+// over the TP group in backward, the MLP rerun from its input).
+Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, int recompute) {
     parallel::ParallelSizes sizes;
     sizes.world_size = g_mpi->world_size();
     sizes.tp         = tp;
@@ -72,10 +74,14 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, bool recompu
     o.ddp.overlap_grad_reduce       = distopt;
     o.ddp.bucket_size               = 20000;
     o.sequence_parallel             = sp;
-    if (recompute) {   // every layer rerun in backward, its dropout masks redrawn
+    if (recompute == 1) {   // every layer rerun in backward, its dropout masks redrawn
         o.model.recompute_granularity = model::RecomputeGranularity::full;
         o.model.recompute_method      = model::RecomputeMethod::uniform;
         o.model.recompute_num_layers  = 1;
+    } else if (recompute == 2) {
+        o.model.recompute_granularity = model::RecomputeGranularity::selective;
+        o.model.recompute_layernorm   = true;
+        o.model.recompute_mlp         = true;
     }
     auto         source = train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), config.dp());
     train::Setup setup  = train::setup(o, groups, cpu::device());
@@ -91,10 +97,10 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, bool recompu
     return run;
 }
 
-void expect_follows_reference(int tp, int pp, bool distopt, bool llama, bool sp = false, bool recompute = false) {
+void expect_follows_reference(int tp, int pp, bool distopt, bool llama, bool sp = false, int recompute = 0) {
     const std::string name = std::string(llama ? "llama" : "gpt") + " tp " + std::to_string(tp) + " pp " +
                              std::to_string(pp) + (sp ? " sequence-parallel" : "") + (distopt ? " zero-1" : "") +
-                             (recompute ? " full recompute" : "");
+                             (recompute == 1 ? " full recompute" : recompute == 2 ? " selective recompute" : "");
     SCOPED_TRACE(name);
     const Run ref = reference(llama);
     const Run run = parallel_run(tp, pp, distopt, llama, sp, recompute);
@@ -140,10 +146,11 @@ TEST(TensorParallel, SequenceParallelFollowsTheSingleRankRun) {
     if (g_mpi->world_size() == 2) {
         expect_follows_reference(2, 1, false, false, true);   // TP 2 + SP
         expect_follows_reference(2, 1, false, true, true);    // Llama-style, TP 2 + SP
-        expect_follows_reference(2, 1, false, false, true, true);   // TP 2 + SP, every layer recomputed
+        expect_follows_reference(2, 1, false, false, true, 1);   // TP 2 + SP, every layer recomputed
+        expect_follows_reference(2, 1, false, true, true, 2);    // Llama-style TP 2 + SP, layernorm and mlp recomputed
     } else if (g_mpi->world_size() == 4) {
         expect_follows_reference(2, 2, true, false, true);    // TP 2 + SP x PP 2, ZeRO-1 (DP 1)
-        expect_follows_reference(2, 2, true, false, true, true);   // the same, every layer recomputed
+        expect_follows_reference(2, 2, true, false, true, 1);   // the same, every layer recomputed
     } else {
         GTEST_SKIP() << "runs with 2 and 4 ranks";
     }

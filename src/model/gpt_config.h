@@ -74,6 +74,10 @@ struct GptConfig {
     // its input between forward and backward and reruns its forward just before its backward.
     bool                 recompute_mlp            = false;
     bool                 recompute_shared_experts = false;
+    // Selective recompute's layernorm: the outputs of each layer's input norm (and, before a dense MLP, of
+    // its pre-MLP norm) are not kept for the next module's weight gradient; backward recomputes them from
+    // the norm's saved input.
+    bool                 recompute_layernorm      = false;
     MoeConfig            moe;                         // --num-experts and --moe-*: MoE MLPs (none by default)
     uint64_t          seed                    = 1234;
     // Parameter and GEMM-operand dtype: f32, or bf16 with --bf16 (main_grad and master weights stay f32).

@@ -100,15 +100,18 @@ void Linear::parameters(std::vector<Parameter *> & out) {
     if (has_bias) out.push_back(&bias);
 }
 
-Tensor Linear::forward(Context & ctx, const Tensor & x_rows, bool add_bias) {
+Tensor Linear::input_for_backward(const Tensor & x_rows) const {
     // Sequence-parallel column linear: every rank's rows in, this rank's output features out.
-    Tensor  x = split == Split::column && tp->sp() ? tp->all_gather(x_rows) : x_rows;
-    int64_t n = x.size(0), o = weight.data.size(0);
-    DType   dtype = weight.data.dtype();
-    Tensor  x_in  = in_dtype(x, dtype);
-    Tensor  y     = activation(x.device(), n, o);
-    Ops &   ops = x.device().ops();
-    Stream & stream = x.device().compute_stream();
+    const Tensor x = split == Split::column && tp->sp() ? tp->all_gather(x_rows) : x_rows;
+    return in_dtype(x, weight.data.dtype());
+}
+
+Tensor Linear::forward(Context & ctx, const Tensor & x_rows, bool add_bias) {
+    Tensor   x_in = input_for_backward(x_rows);
+    int64_t  n = x_in.size(0), o = weight.data.size(0);
+    Tensor   y      = activation(x_in.device(), n, o);
+    Ops &    ops    = x_in.device().ops();
+    Stream & stream = x_in.device().compute_stream();
     // The bias rides in the GEMM's epilogue unless a sum over the TP group comes between them (a row linear
     // adds it once, after the reduction).
     const bool reduced    = split == Split::row && tp->size > 1;

@@ -144,6 +144,9 @@ public:
     // (Megatron's skip_bias_add); backward still produces its gradient.
     Tensor forward(Context & ctx, const Tensor & x, bool add_bias = true);
     Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
+    // What forward keeps of its input for the weight's gradient (Context::x): the rows (every rank's with a
+    // sequence-parallel column split), in the weight's dtype. A recompute sets Context::x from it.
+    Tensor input_for_backward(const Tensor & x_rows) const;
     void   init(uint64_t seed, float std);
     void   parameters(std::vector<Parameter *> & out);
 

@@ -64,6 +64,7 @@ Tensor TransformerLayer::forward(Context & ctx, const Tensor & x, int64_t s, int
     Stream &         stream = x.device().compute_stream();
     const Tensor     h1     = attention_block(ctx, x, s, b, batch);
     Tensor h2 = mlp->forward(ctx.mlp, norm2.forward(ctx.norm2, h1, &x));   // h1 = x + attn, fused into norm2
+    if (config.recompute_layernorm) (mlp->recompute ? ctx.mlp.input : ctx.mlp.fc1_ctx.x) = Tensor();   // norm2's output
     if (ctx.mlp_out.enabled()) ops.dropout(stream, h2, h2, ctx.mlp_out);
     ops.add_inplace(stream, h2, h1);   // h2 = h1 + mlp
     return h2;
@@ -78,6 +79,7 @@ Tensor TransformerLayer::attention_block(Context & ctx, const Tensor & x, int64_
     ctx.mlp_out  = dropout_key(config, tp, batch, index, DropoutKind::mlp_output, rows);
     Tensor h1 = attention.forward(ctx.attn, norm1.forward(ctx.norm1, x), s, b,
                                   dropout_key(config, tp, batch, index, DropoutKind::attention_probs, rows, attention.heads));
+    if (config.recompute_layernorm) ctx.attn.qkv_ctx.x = Tensor();   // norm1's output: recomputed in backward
     if (ctx.attn_out.enabled()) ops.dropout(stream, h1, h1, ctx.attn_out);
     return h1;
 }
@@ -130,6 +132,12 @@ Tensor TransformerLayer::forward_eager(Context & ctx, const MoeSegment & in, int
 
 Tensor TransformerLayer::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
     if (moe) return backward_graphable(ctx, backward_eager(ctx, dy, ready), ready);
+    if (config.recompute_layernorm) {   // norm2's output again, from its saved input (x + attn), as the MLP kept it
+        Norm::Context again;
+        const Tensor  y = norm2.forward(again, ctx.norm2.x);
+        (mlp->recompute ? ctx.mlp.input : ctx.mlp.fc1_ctx.x) =
+            mlp->recompute ? in_dtype(y, config.params_dtype) : mlp->fc1.input_for_backward(y);
+    }
     Tensor dh1 = norm2.backward(ctx.norm2, mlp->backward(ctx.mlp, dropped(ctx.mlp_out, dy), ready), ready);
     return attention_block_backward(ctx, dh1, dy, ready);
 }
@@ -148,6 +156,10 @@ Tensor TransformerLayer::attention_block_backward(Context & ctx, const Tensor & 
     Ops &    ops    = dy.device().ops();
     Stream & stream = dy.device().compute_stream();
     ops.add_inplace(stream, dh1, dy);
+    if (config.recompute_layernorm) {   // norm1's output again, as the QKV projection kept it
+        Norm::Context again;
+        ctx.attn.qkv_ctx.x = attention.qkv.input_for_backward(norm1.forward(again, ctx.norm1.x));
+    }
     Tensor dx = norm1.backward(ctx.norm1, attention.backward(ctx.attn, dropped(ctx.attn_out, dh1), ready), ready);
     ops.add_inplace(stream, dx, dh1);
     ctx.attn_out = ctx.mlp_out = Dropout{};

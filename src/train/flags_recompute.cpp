@@ -21,7 +21,7 @@ const Flag<RecomputeFlags> kRecomputeFlags[] = {
     {"--recompute-modules", "training", &R::modules,
      "selective recompute's modules (Loom: core_attn, which its tiled attention always does; moe_act, the "
      "experts' activation output; mlp and shared_experts, the dense MLP and the shared experts rerun from their "
-     "input)"},
+     "input; layernorm, the input norm's output and a dense MLP's pre-MLP norm's, recomputed in backward)"},
 };
 
 }  // namespace
@@ -52,10 +52,12 @@ void resolve_recompute(const RecomputeFlags & f, const Given & given, model::Gpt
         LOOM_CHECK(!num_given, "When using recompute_granularity: selective recompute_num_layers must be None",
                    "drop --recompute-num-layers");
         for (const std::string & module : f.modules) {
-            LOOM_CHECK(module == "core_attn" || module == "moe_act" || module == "mlp" || module == "shared_experts",
+            LOOM_CHECK(module == "core_attn" || module == "moe_act" || module == "mlp" || module == "shared_experts" ||
+                           module == "layernorm",
                        "--recompute-modules " << module << " is not supported by Loom",
-                       "Loom recomputes core_attn (its tiled attention never stores the probabilities), moe_act, mlp "
-                       "and shared_experts; for more, use --recompute-granularity full");
+                       "Loom recomputes core_attn (its tiled attention never stores the probabilities), moe_act, mlp, "
+                       "shared_experts and layernorm; for more, use --recompute-granularity full");
+            if (module == "layernorm") m.recompute_layernorm = true;
             if (module == "moe_act") m.recompute_moe_act = true;
             if (module == "mlp") m.recompute_mlp = true;
             if (module == "shared_experts") m.recompute_shared_experts = true;
