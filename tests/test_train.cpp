@@ -956,9 +956,10 @@ TEST(MegatronCommandLine, RecomputeFlagsFollowMegatronsRules) {
               model::RecomputeGranularity::selective);
     {   // the modules Loom recomputes, each its own switch
         const train::TrainOptions o = parse_train({"--mock-data", "--recompute-granularity", "selective", "--recompute-modules",
-                                                   "core_attn", "moe_act", "mlp"});
+                                                   "core_attn", "moe_act", "mlp", "layernorm"});
         EXPECT_TRUE(o.model.recompute_moe_act);
         EXPECT_TRUE(o.model.recompute_mlp);
+        EXPECT_TRUE(o.model.recompute_layernorm);
         EXPECT_FALSE(o.model.recompute_shared_experts);
     }
     EXPECT_EQ(parse_train({"--mock-data", "--recompute-method", "uniform"}).model.recompute_granularity,
@@ -972,7 +973,7 @@ TEST(MegatronCommandLine, RecomputeFlagsFollowMegatronsRules) {
         {{"--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "0"}, "(--recompute-num-layers 0)"},
         {{"--recompute-granularity", "selective", "--recompute-method", "uniform"}, "recompute method is not yet supported"},
         {{"--recompute-granularity", "selective", "--recompute-num-layers", "1"}, "recompute_num_layers must be None"},
-        {{"--recompute-granularity", "selective", "--recompute-modules", "layernorm"}, "--recompute-modules layernorm is not supported"},
+        {{"--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"}, "--recompute-modules mla_up_proj is not supported"},
         {{"--hidden-dropout", "1"}, "--hidden-dropout 1 is not a probability in [0, 1)"},
         {{"--attention-dropout", "-0.1"}, "--attention-dropout -0.1 is not a probability"},
     };

@@ -1,5 +1,7 @@
 #include "train/flag_table.h"
 
+#include "core/error.h"
+
 #include "train/megatron_flags.h"
 
 #include <algorithm>
@@ -210,6 +212,16 @@ std::string splice_generated(const std::string & doc, const std::string & genera
     const size_t at   = doc.find(kGeneratedMarker);
     std::string  head = at == std::string::npos ? doc + "\n" : doc.substr(0, at);
     return head + kGeneratedMarker + "\n\n" + generated;
+}
+
+void check_choice(const char * flag, const std::string & value, std::span<const char * const> choices) {
+    std::string listed;
+    bool        known = false;
+    for (const char * c : choices) {
+        listed += (listed.empty() ? "'" : ", '") + std::string(c) + "'";
+        known = known || value == c;
+    }
+    LOOM_CHECK(known, "argument " << flag << ": invalid choice: '" << value << "' (choose from " << listed << ")", "");
 }
 
 }  // namespace loom::train

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <span>
 #include <string>
@@ -114,6 +115,13 @@ template <class Owner> void append_info(std::vector<FlagInfo> & out, std::span<c
 // an empty value refused. An integer past int64's range is refused too: CLI11 would clamp it to the largest
 // value, which then runs "forever", where argparse reads it exactly. The error names the flag and the value.
 void read_numbers_as_argparse(CLI::App & app);
+
+// argparse's check of a `choices=` flag, with its message: "argument FLAG: invalid choice: 'V' (choose
+// from 'a', 'b')".
+void check_choice(const char * flag, const std::string & value, std::span<const char * const> choices);
+inline void check_choice(const char * flag, const std::string & value, std::initializer_list<const char *> choices) {
+    check_choice(flag, value, std::span<const char * const>(choices.begin(), choices.size()));
+}
 
 // Python's int() and float() of `text`, as the decimal spelling C++ reads back unchanged (no underscores,
 // no leading zeros, no surrounding whitespace); nullopt where Python raises ValueError.

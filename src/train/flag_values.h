@@ -136,6 +136,8 @@ void resolve_parallel_sizes(const ParallelFlags & f, int64_t num_experts, const 
                             TrainOptions & o);
 // --ddp-bucket-size when given, DDP's rules and the NaN flags' contradiction.
 void resolve_ddp(const ParallelFlags & f, const Given & given, TrainOptions & o);
+// --use-megatron-fsdp / --use-torch-fsdp2 and their choices into o.ddp (flags_fsdp.cpp; resolve_ddp calls it).
+void resolve_fsdp(const ParallelFlags & f, const Given & given, TrainOptions & o);
 void check_offload(const TrainOptions & o);
 // The model's split over tensor-parallel ranks and pipeline stages (after the model is resolved).
 void validate_layout(const TrainOptions & o);
