@@ -5,8 +5,10 @@
 #pragma once
 
 #include "backend/cpu/cpu_device.h"
+#include "parallel/process_groups.h"
 #include "train/data_source.h"
 #include "train/options.h"
+#include "train/setup.h"
 #include "train/trainer.h"
 
 #include <map>
@@ -59,6 +61,32 @@ inline SingleRankRun train_single_rank(train::TrainOptions o) {
         run.losses = trainer.run(nullptr).losses;
     }
     for (model::Parameter * p : gpt.parameters()) run.params[p->name] = parameter_values(*p);
+    return run;
+}
+
+// A parallel layout's run (train::setup over `groups`, each CP rank on its part of the samples): its losses
+// and this rank's final weights by name, with the part of the full tensor each holds (tp_slice: its
+// tensor-parallel shard, or its experts).
+struct LayoutRun {
+    std::vector<double>                       losses;
+    std::map<std::string, std::vector<float>> params;
+    std::map<std::string, model::TpSlice>     slices;
+};
+
+inline LayoutRun train_layout(train::TrainOptions o, const parallel::ProcessGroups & groups) {
+    const int cp     = o.parallel.cp();
+    auto      source = train::context_parallel_part(
+        train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), o.parallel.dp()), cp > 1 ? groups.cp->rank() : 0, cp);
+    train::Setup setup = train::setup(o, groups, cpu::device());
+    LayoutRun    run;
+    {
+        train::Trainer trainer(o, setup, *source);
+        run.losses = trainer.run(nullptr).losses;
+    }   // the trainer leaves the weights whole (a lazy or sharded gather finished)
+    for (model::Parameter * p : setup.parameters()) {
+        run.params[p->name] = parameter_values(*p);
+        run.slices[p->name] = p->tp_slice;
+    }
     return run;
 }
 

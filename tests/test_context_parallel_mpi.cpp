@@ -92,11 +92,7 @@ struct Layout {
     }
 };
 
-struct Run {
-    std::vector<double>                       losses;
-    std::map<std::string, std::vector<float>> params;
-    std::map<std::string, model::TpSlice>     slices;
-};
+using Run = testing_models::LayoutRun;
 
 Run parallel_run(const Layout & l) {
     parallel::ParallelSizes sizes;
@@ -121,19 +117,7 @@ Run parallel_run(const Layout & l) {
         o.ddp.bucket_size               = 20000;
         o.ddp.num_distributed_optimizer_instances = l.instances;
     }
-    auto source = train::context_parallel_part(
-        train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), config.dp()), groups.cp->rank(), l.cp);
-    train::Setup setup = train::setup(o, groups, cpu::device());
-    Run          run;
-    {
-        train::Trainer trainer(o, setup, *source);
-        run.losses = trainer.run(nullptr).losses;
-    }
-    for (model::Parameter * p : setup.parameters()) {
-        run.params[p->name] = testing_models::parameter_values(*p);
-        run.slices[p->name] = p->tp_slice;
-    }
-    return run;
+    return testing_models::train_layout(o, groups);
 }
 
 void expect_follows_reference(const Layout & l) {

@@ -91,11 +91,25 @@ struct Layout {
     }
 };
 
-struct Run {
-    std::vector<double>                       losses;
-    std::map<std::string, std::vector<float>> params;
-    std::map<std::string, model::TpSlice>     slices;
-};
+using Run = testing_models::LayoutRun;
+
+// Megatron-FSDP's config for a strategy (the distributed optimizer for all but no_shard, as the flags resolve).
+ddp::DdpConfig fsdp_config(FsdpSharding strategy) {
+    ddp::DdpConfig config;
+    config.use_megatron_fsdp         = true;
+    config.fsdp_sharding             = strategy;
+    config.use_distributed_optimizer = strategy != FsdpSharding::no_shard;
+    return config;
+}
+
+// DDP over the model's parameters with its units, on `group`.
+std::unique_ptr<ddp::DistributedDataParallel> fsdp_over(model::GptModel & gpt, const ddp::DdpConfig & config,
+                                                        std::shared_ptr<comm::Communicator> group) {
+    ddp::DdpPlacement placement;
+    placement.unit_of_param = gpt.parameter_units();
+    return std::make_unique<ddp::DistributedDataParallel>(gpt.parameters(), config, std::move(group), gpt.device(),
+                                                          nullptr, nullptr, nullptr, placement);
+}
 
 Run parallel_run(const Layout & l) {
     parallel::ParallelSizes sizes;
@@ -122,19 +136,7 @@ Run parallel_run(const Layout & l) {
     o.ddp.use_distributed_optimizer = l.strategy != FsdpSharding::no_shard;
     o.ddp.overlap_grad_reduce       = l.overlap;
     o.ddp.overlap_param_gather      = l.overlap;
-    auto source = train::context_parallel_part(train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), config.dp()),
-                                               groups.cp ? groups.cp->rank() : 0, l.cp);
-    train::Setup setup = train::setup(o, groups, cpu::device());
-    Run          run;
-    {
-        train::Trainer trainer(o, setup, *source);
-        run.losses = trainer.run(nullptr).losses;
-    }   // the trainer leaves every unit gathered
-    for (model::Parameter * p : setup.parameters()) {
-        run.params[p->name] = testing_models::parameter_values(*p);
-        run.slices[p->name] = p->tp_slice;
-    }
-    return run;
+    return testing_models::train_layout(o, groups);
 }
 
 void expect_follows_reference(const Layout & l) {
@@ -244,14 +246,10 @@ TEST(MegatronFsdp, GradientsTravelInTheCommunicationDtype) {
             model::GptModel gpt(o.model, device);
             gpt.init();
             auto           counting = std::make_shared<comm::CountingCommunicator>(g_mpi->world());
-            ddp::DdpConfig config;
-            config.use_megatron_fsdp         = true;
-            config.fsdp_sharding             = strategy;
-            config.use_distributed_optimizer = true;
-            config.grad_comm_dtype           = comm;
-            ddp::DdpPlacement placement;
-            placement.unit_of_param = gpt.parameter_units();
-            ddp::DistributedDataParallel ddp(gpt.parameters(), config, counting, device, nullptr, nullptr, nullptr, placement);
+            ddp::DdpConfig config  = fsdp_config(strategy);
+            config.grad_comm_dtype = comm;
+            auto owned = fsdp_over(gpt, config, counting);
+            ddp::DistributedDataParallel & ddp = *owned;
             gpt.set_param_hooks(ddp.param_hooks());
             ddp.zero_grad_buffer();
             model::GptModel::Context ctx;
@@ -302,14 +300,9 @@ TEST(MegatronFsdp, BytesPerParameterFollowTheStrategysFormula) {
                 model::GptModel gpt(o.model, device);
                 gpt.init();
                 const double   n = static_cast<double>(o.model.num_parameters());
-                ddp::DdpConfig config;
-                config.use_megatron_fsdp         = true;
-                config.fsdp_sharding             = strategy;
-                config.use_distributed_optimizer = strategy != FsdpSharding::no_shard;
-                ddp::DdpPlacement placement;
-                placement.unit_of_param = gpt.parameter_units();
-                ddp::DistributedDataParallel ddp(gpt.parameters(), config, g_mpi->world(), device, nullptr, nullptr,
-                                                 nullptr, placement);
+                const ddp::DdpConfig config = fsdp_config(strategy);
+                auto owned = fsdp_over(gpt, config, g_mpi->world());
+                ddp::DistributedDataParallel & ddp = *owned;
                 std::unique_ptr<optim::Optimizer> adam;
                 if (config.use_distributed_optimizer) {
                     adam = std::make_unique<optim::DistributedOptimizer>(ddp, optim::OptimizerOptions{});
@@ -354,13 +347,10 @@ TEST(MegatronFsdp, EachUnitIsGatheredAroundItsUsesAndReducedOncePerMicroBatch) {
         model::GptModel gpt(o.model, device);
         gpt.init();
         auto           counting = std::make_shared<comm::CountingCommunicator>(g_mpi->world());
-        ddp::DdpConfig config;
-        config.use_megatron_fsdp         = true;
-        config.use_distributed_optimizer = true;
+        ddp::DdpConfig config = fsdp_config(FsdpSharding::optim_grads_params);
         config.overlap_grad_reduce = config.overlap_param_gather = overlap;
-        ddp::DdpPlacement placement;
-        placement.unit_of_param = gpt.parameter_units();
-        ddp::DistributedDataParallel ddp(gpt.parameters(), config, counting, device, nullptr, nullptr, nullptr, placement);
+        auto owned = fsdp_over(gpt, config, counting);
+        ddp::DistributedDataParallel & ddp = *owned;
         optim::DistributedOptimizer  adam(ddp, optim::OptimizerOptions{});
         const int64_t                units = ddp.num_bucket_groups();
         ASSERT_EQ(units, o.model.num_layers + 2);
