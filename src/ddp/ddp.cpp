@@ -642,16 +642,18 @@ std::vector<Tensor> DistributedDataParallel::reduced_grads(const model::Paramete
     if (!config_.shards_grads()) return {p.main_grad};
     auto it = index_.find(&p);
     LOOM_CHECK(it != index_.end(), "the reduced gradient of " << p.name << ", which DDP does not hold", "");
-    std::vector<Tensor> pieces;
-    for (size_t b = 0; b < layout_.buffers.size(); ++b) {
-        const std::vector<std::vector<ShardRange>> ranges = shard_ranges(layout_.buffers[b], buffer_group(static_cast<int>(b)).rank());
-        for (size_t k = 0; k < ranges.size(); ++k) {
-            for (const ShardRange & r : ranges[k]) {
-                if (r.param == it->second) pieces.push_back(grad_shard(static_cast<int>(b), static_cast<int>(k), r));
+    if (shard_pieces_.empty()) {   // once: every parameter's pieces in this rank's shards
+        shard_pieces_.resize(params_.size());
+        for (size_t b = 0; b < layout_.buffers.size(); ++b) {
+            const auto ranges = shard_ranges(layout_.buffers[b], buffer_group(static_cast<int>(b)).rank());
+            for (size_t k = 0; k < ranges.size(); ++k) {
+                for (const ShardRange & r : ranges[k]) {
+                    shard_pieces_[static_cast<size_t>(r.param)].push_back(grad_shard(static_cast<int>(b), static_cast<int>(k), r));
+                }
             }
         }
     }
-    return pieces;
+    return shard_pieces_[static_cast<size_t>(it->second)];
 }
 
 }  // namespace loom::ddp

@@ -242,6 +242,7 @@ private:
     // starts in the shard storage.
     std::vector<std::vector<Tensor>>    unsharded_grads_, unsharded_params_;
     std::vector<std::vector<int64_t>>   shard_start_;
+    std::vector<std::vector<Tensor>>    shard_pieces_;   // per parameter, its reduced_grads (filled on first use)
     std::vector<Group>                  groups_;
     std::vector<int>                    group_of_param_, member_of_param_;
     std::unordered_map<const model::Parameter *, int> index_;   // parameter -> index into params_
