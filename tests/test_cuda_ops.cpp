@@ -932,7 +932,7 @@ TEST(CudaOps, MoeRouterTopkLossesAndBackwardMatchTheCpu) {
         Tensor        ig = Tensor::empty({n, k}, DType::i32, gpu()), pg = Tensor::empty({n, k}, DType::f32, gpu());
         cops().moe_topk(cs(), logits, c.routing, ic, pc);
         gops().moe_topk(gs(), logits_g, c.routing, ig, pg);
-        Tensor cc = cpu_tensor({c.groups, E}, DType::i32), cg = Tensor::empty({c.groups, E}, DType::i32, gpu());
+        Tensor cc = cpu_tensor({c.groups, E}), cg = Tensor::empty({c.groups, E}, DType::f32, gpu());
         cops().moe_aux_counts(cs(), logits, c.routing, c.groups, cc);
         gops().moe_aux_counts(gs(), logits_g, c.routing, c.groups, cg);
         const MoeRouterLoss loss{c.groups, 2 * n, 0.01f, 0.001f};   // as the first of two sequence-parallel ranks
@@ -955,7 +955,7 @@ TEST(CudaOps, MoeRouterTopkLossesAndBackwardMatchTheCpu) {
         expect_close(lc, to_cpu(lg), 1e-6, what + ": losses", 1e-3);
         expect_close(dc, to_cpu(dg), 1e-6, what + ": dlogits", 1e-3);
         int64_t routed = 0;
-        for (int64_t i = 0; i < c.groups * E; ++i) routed += cc.data<int32_t>()[i];
+        for (int64_t i = 0; i < c.groups * E; ++i) routed += static_cast<int64_t>(cc.data<float>()[i]);
         EXPECT_EQ(routed, n * k) << what << ": every token counted k times";
     }
 }

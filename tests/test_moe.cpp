@@ -166,7 +166,8 @@ TEST(MoeConfig, ValidationNamesMegatronsFlags) {
     config.add_bias_linear              = true;
     EXPECT_NE(message(moe).find("please set '--disable-bias-linear'"), std::string::npos);
     EXPECT_EQ(moe_load_balancing_parse("sinkhorn"), MoeLoadBalancing::sinkhorn);
-    EXPECT_THROW(moe_load_balancing_parse("global_aux_loss"), Error);
+    EXPECT_EQ(moe_load_balancing_parse("global_aux_loss"), MoeLoadBalancing::global_aux_loss);
+    EXPECT_THROW(moe_load_balancing_parse("quantile_balancing"), Error);
     config.add_bias_linear              = false;
     moe.shared_expert_intermediate_size = 0;
     moe.load_balancing                  = MoeLoadBalancing::sinkhorn;
@@ -309,6 +310,60 @@ TEST(Router, AuxLossIsTheSwitchFormulaAndTheCoefficientWhenBalanced) {
     Router::Context ctx;
     router.route(ctx, tensor_of(logits, {n, E}), b, /*training=*/false);
     EXPECT_EQ(values<float>(ctx.losses), (std::vector<float>{0, 0, 0, 0}));
+}
+
+// global_aux_loss: the counts the loss reads are the running mean of the iteration's micro-batches' counts
+// (one rank: no other ranks to sum over), so the second micro-batch's loss is the switch formula over its own
+// scores with the mean of both micro-batches' counts; reset_global_counts starts a new iteration, whose
+// first micro-batch's loss is plain aux_loss's.
+TEST(Router, GlobalAuxLossReadsTheMeanCountsOfTheIterationsMicroBatches) {
+    const int64_t n = 12, E = 4, k = 2;
+    MoeConfig     moe;
+    moe.num_experts    = E;
+    moe.topk           = k;
+    moe.aux_loss_coeff = 0.01f;
+    const std::vector<float> first = random_vector(n * E, 31, 2.0f), second = random_vector(n * E, 32, 2.0f);
+    MoeConfig global      = moe;
+    global.load_balancing = MoeLoadBalancing::global_aux_loss;
+    GptConfig       config = small_config(false, false);
+    Router          router("router", config, global, dev());
+    Router::Context a, b;
+    router.route(a, tensor_of(first, {n, E}), 1);
+    router.route(b, tensor_of(second, {n, E}), 1);
+    // Each micro-batch's own counts (aux_loss's), and its score sums.
+    auto counts_of = [&](const std::vector<float> & logits) {
+        std::vector<double> c(E, 0.0);
+        for (int64_t x = 0; x < n; ++x) {
+            auto p = softmax(&logits[x * E], E);
+            std::vector<int64_t> order = {0, 1, 2, 3};
+            std::stable_sort(order.begin(), order.end(), [&](int64_t u, int64_t v) { return p[u] > p[v]; });
+            for (int64_t j = 0; j < k; ++j) c[order[j]] += 1;
+        }
+        return c;
+    };
+    const std::vector<double> c1 = counts_of(first), c2 = counts_of(second);
+    const std::vector<float>  mean = values<float>(b.counts);
+    double                    P_dot_c = 0;
+    std::vector<double>       P(E, 0.0);
+    for (int64_t x = 0; x < n; ++x) {
+        auto p = softmax(&second[x * E], E);
+        for (int64_t e = 0; e < E; ++e) P[e] += p[e];
+    }
+    for (int64_t e = 0; e < E; ++e) {
+        EXPECT_EQ(mean[e], static_cast<float>((c1[e] + c2[e]) / 2)) << "expert " << e;
+        P_dot_c += P[e] * (c1[e] + c2[e]) / 2;
+    }
+    const double aux = E * double(moe.aux_loss_coeff) / (k * double(n) * n) * P_dot_c;
+    const std::vector<float> losses = values<float>(b.losses);
+    EXPECT_NEAR(losses[router_loss_aux], aux, 1e-6 * aux);
+    EXPECT_NEAR(losses[router_loss_aux_logged], aux / moe.aux_loss_coeff, 1e-5);
+    EXPECT_EQ(values<float>(a.losses)[router_loss_aux], route(moe, first).losses[router_loss_aux])
+        << "the first micro-batch: its own counts, as aux_loss";
+    router.reset_global_counts();
+    Router::Context again;
+    router.route(again, tensor_of(second, {n, E}), 1);
+    EXPECT_EQ(values<float>(again.losses)[router_loss_aux], route(moe, second).losses[router_loss_aux])
+        << "a new iteration starts the mean again";
 }
 
 TEST(Router, GradientsMatchFiniteDifferences) {

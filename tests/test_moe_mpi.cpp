@@ -264,6 +264,35 @@ void expect_follows_reference(const Layout & l) {
 
 }  // namespace
 
+// global_aux_loss over every rank (the TP x DP x CP group, here the world): a router's counts are the sum of
+// every rank's own counts of its rows (bitwise: whole numbers), and its T is its rows times the world.
+TEST(ExpertParallel, GlobalAuxLossSumsTheCountsOfEveryRank) {
+    const int64_t n = 16, E = 4;
+    Device &      device = cpu::device();
+    model::GptConfig config = testing_models::small_gpt_options(1, 1, 1).model;
+    model::MoeConfig moe;
+    moe.num_experts    = E;
+    moe.topk           = 2;
+    moe.aux_loss_coeff = 0.01f;
+    moe.load_balancing = model::MoeLoadBalancing::global_aux_loss;
+    model::Router router("router", config, moe, device, {}, {}, g_mpi->world());
+    Tensor logits = Tensor::empty({n, E}, DType::f32, device);
+    for (int64_t i = 0; i < n * E; ++i) {   // rank-dependent scores
+        logits.data<float>()[i] = std::sin(0.37f * static_cast<float>(i) + 1.3f * static_cast<float>(g_mpi->world_rank()));
+    }
+    model::Router::Context ctx;
+    router.route(ctx, logits, 1);
+    Tensor mine = Tensor::empty({1, E}, DType::f32, device);
+    device.ops().moe_aux_counts(device.compute_stream(), logits, MoeRouting{E, 2}, 1, mine);
+    g_mpi->world()->all_reduce(mine, comm::ReduceOp::sum, &device.compute_stream());
+    device.compute_stream().synchronize();
+    for (int64_t e = 0; e < E; ++e) EXPECT_EQ(ctx.counts.data<float>()[e], mine.data<float>()[e]) << "expert " << e;
+    float total = 0;
+    for (int64_t e = 0; e < E; ++e) total += ctx.counts.data<float>()[e];
+    EXPECT_EQ(total, static_cast<float>(n * 2 * g_mpi->world_size())) << "every rank's rows, k each";
+    EXPECT_EQ(router.loss_of(ctx, n).tokens, n * g_mpi->world_size());
+}
+
 TEST(ExpertParallel, Ep2AllgatherFollowsTheSingleRankRun) { expect_follows_reference(Layout{2, 1, false}); }
 
 TEST(ExpertParallel, Ep2AlltoallFollowsTheSingleRankRun) {

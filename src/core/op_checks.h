@@ -244,10 +244,10 @@ inline int64_t moe_logits(const Tensor & logits, const MoeRouting & r, const cha
     LOOM_CHECK(nw.second == r.experts, op << ": logits " << logits.describe() << " for " << r.experts << " experts", "");
     return nw.first;
 }
-// counts (G, E) i32 for n rows in G groups.
+// counts (G, E) f32 for n rows in G groups.
 inline void moe_counts(const Tensor & counts, int64_t n, int64_t groups, int64_t experts, const char * op) {
     LOOM_CHECK(groups >= 1 && n % groups == 0, op << ": " << n << " rows in " << groups << " groups", "");
-    expect(counts, DType::i32, groups * experts, op, "counts");
+    expect(counts, DType::f32, groups * experts, op, "counts");
 }
 inline void moe_router_loss(const MoeRouterLoss & loss, int64_t n, const char * op) {
     LOOM_CHECK(loss.tokens >= n && loss.tokens % loss.groups == 0 && loss.aux_coeff >= 0.0f && loss.z_coeff >= 0.0f,

@@ -278,11 +278,13 @@ public:
     // until the mean |change of d1| is at most 1e-4; the scores are d0_x C_xe d1_e.
     virtual void moe_sinkhorn_topk(Stream & s, const Tensor & logits, int64_t first, const MoeRouting & routing,
                                    const Tensor & top_idx, const Tensor & probs) = 0;
-    // counts (G, E) i32: per aux-loss group, the tokens whose top-k of the aux scores holds each expert.
+    // counts (G, E) f32: per aux-loss group, the tokens whose top-k of the aux scores holds each expert
+    // (whole numbers; f32 so that global_aux_loss can pass their running mean over micro-batches).
     virtual void moe_aux_counts(Stream & s, const Tensor & logits, const MoeRouting & routing, int64_t groups,
                                 const Tensor & counts) = 0;
     // losses (4) f32: aux, aux / aux_coeff, z, z / z_coeff (model/moe/router.h's RouterLoss), this rank's
-    // share; counts (G, E) i32 as moe_aux_counts gave them (summed over a sequence-parallel group).
+    // share; counts (G, E) f32 as moe_aux_counts gave them (summed over a sequence-parallel group, or
+    // global_aux_loss's mean).
     virtual void moe_router_losses(Stream & s, const Tensor & logits, const Tensor & counts, const MoeRouting & routing,
                                    const MoeRouterLoss & loss, const Tensor & losses) = 0;
     // dlogits (n, E) f32 assigned: from dprobs (n, k) and loss_scale times the aux and z gradients.

@@ -337,6 +337,12 @@ void GptModel::set_moe_aux_loss_scale(float scale) {
     }
 }
 
+void GptModel::reset_moe_global_counts() {
+    for (auto & layer : layers_) {
+        if (layer->moe) layer->moe->router.reset_global_counts();
+    }
+}
+
 std::array<double, 4> GptModel::take_moe_losses(std::vector<std::array<double, 4>> * per_layer) {
     std::array<double, 4> sums{};
     for (auto & layer : layers_) {

@@ -143,6 +143,8 @@ public:
     // MoE (--num-experts): the factor the router's aux and z losses' gradients are scaled by (Megatron's
     // MoEAuxLossAutoScaler: 1 / the number of micro-batches, as the lm loss is averaged over them).
     void    set_moe_aux_loss_scale(float scale);
+    // global_aux_loss: a new iteration's micro-batches begin (each router's running mean restarts).
+    void    reset_moe_global_counts();
     // The router's four logged losses (router.h's RouterLoss order) summed over this chunk's MoE layers and
     // over the training forwards since the last call, which clears them; wait for the compute stream first.
     // With `per_layer` (one entry per layer of the whole model), each MoE layer's values are also added at

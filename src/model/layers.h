@@ -283,6 +283,8 @@ struct ExpertParallel {
     int                                 rank = 0, size = 1;
     std::shared_ptr<comm::Communicator> tp_ep;   // ETP x EP (null while both are 1)
     int                                 tp_rank = 0, tp_size = 1;
+    // The TP x DP x CP ranks: global_aux_loss sums its routing counts over them (null: this rank alone).
+    std::shared_ptr<comm::Communicator> tp_dp_cp;
 
     int exchange_size() const { return size * tp_size; }   // the dispatcher's group: ETP x EP ranks
 };

@@ -37,7 +37,8 @@ const Flag<MoeFlags> kMoeFlags[] = {
     {"--moe-router-pre-softmax", kLoomGroup, &E::pre_softmax, "softmax over all experts before the top-k"},
     {"--moe-router-topk-scaling-factor", kLoomGroup, &E::topk_scaling, "multiplies the routing probabilities"},
     {"--moe-router-load-balancing-type", kLoomGroup, &E::load_balancing,
-     "aux_loss, seq_aux_loss, sinkhorn (S-BASE: balanced by Sinkhorn's algorithm, no aux loss) or none", kShowDefault},
+     "aux_loss, seq_aux_loss, global_aux_loss (counts over every TP x DP x CP rank, their mean over the "
+     "iteration's micro-batches), sinkhorn (S-BASE: balanced by Sinkhorn's algorithm, no aux loss) or none", kShowDefault},
     {"--moe-router-dtype", kLoomGroup, &E::router_dtype,
      "fp32: the router's GEMMs in f32 under --bf16 (default: the model's dtype; fp64 is not supported)"},
     {"--moe-aux-loss-coeff", kLoomGroup, &E::aux_loss_coeff, "the load-balancing loss's coefficient", kShowDefault},

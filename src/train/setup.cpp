@@ -77,6 +77,7 @@ Setup setup(const TrainOptions & options, const parallel::ProcessGroups & groups
         expert.tp_size = groups.expert_tp->size();
     }
     if (size_of(groups.expert_tp_ep) > 1) expert.tp_ep = groups.expert_tp_ep;
+    if (size_of(groups.tp_dp_cp) > 1) expert.tp_dp_cp = groups.tp_dp_cp;   // global_aux_loss's counts
     LOOM_CHECK(size_of(groups.cp) == options.parallel.cp(),
                "context-parallel group of " << size_of(groups.cp) << " ranks for --context-parallel-size "
                                             << options.parallel.cp(), "");

@@ -170,6 +170,13 @@ void Trainer::moe_losses(IterationStats & stats) {
     }
     if (const comm::Communicator * dp = setup_.groups.dp.get(); dp && dp->size() > 1) {
         sums = comm::all_reduce_values(*setup_.groups.dp, device, sums, comm::ReduceOp::avg);
+        // global_aux_loss is one loss of the whole batch, each rank's rows a share: Megatron sums it over
+        // the TP x DP x CP ranks instead of averaging over DP.
+        if (moe.load_balancing == model::MoeLoadBalancing::global_aux_loss) {
+            for (size_t i = 0; i < sums.size(); ++i) {
+                if (i % 4 < 2) sums[i] *= static_cast<float>(dp->size());   // aux and aux / coeff, of each set of four
+            }
+        }
     }
     int64_t layers = 0;
     for (int64_t i = 0; i < L; ++i) layers += moe.is_moe_layer(i) ? 1 : 0;
@@ -186,7 +193,9 @@ void Trainer::moe_losses(IterationStats & stats) {
         }
     };
     if (moe.load_balancing != model::MoeLoadBalancing::none && moe.load_balancing != model::MoeLoadBalancing::sinkhorn) {
-        add(moe.load_balancing == model::MoeLoadBalancing::seq_aux_loss ? "seq_load_balancing_loss" : "load_balancing_loss",
+        add(moe.load_balancing == model::MoeLoadBalancing::seq_aux_loss      ? "seq_load_balancing_loss"
+            : moe.load_balancing == model::MoeLoadBalancing::global_aux_loss ? "global_load_balancing_loss"
+                                                                             : "load_balancing_loss",
             model::router_loss_aux_logged);
     }
     if (moe.z_loss_coeff > 0.0f) add("z_loss", model::router_loss_z_logged);
@@ -329,6 +338,7 @@ void Trainer::begin_iteration() {
     } else {
         for (model::GptModel * chunk : setup_.chunks) chunk->zero_grad();
     }
+    for (model::GptModel * chunk : setup_.chunks) chunk->reset_moe_global_counts();
     if (options_.layer_graphs && !layer_graphs_ && iteration_ - 1 - start_iteration_ == options_.cuda_graph_warmup_steps) {
         // After the eager warm-up iterations, before this one (Megatron's create_cudagraphs): capture runs
         // nothing, so there is no gradient or optimizer state to undo.

@@ -390,13 +390,13 @@ public:
     void moe_aux_counts(Stream & s, const Tensor & logits, const MoeRouting & r, int64_t groups,
                         const Tensor & counts) override {
         const int64_t n = op_checks::moe_aux_counts(logits, r, groups, counts);
-        s.submit([=] { cpu::moe_aux_counts(f32(logits), n, r, groups, counts.data<int32_t>()); });
+        s.submit([=] { cpu::moe_aux_counts(f32(logits), n, r, groups, counts.data<float>()); });
     }
 
     void moe_router_losses(Stream & s, const Tensor & logits, const Tensor & counts, const MoeRouting & r,
                            const MoeRouterLoss & loss, const Tensor & losses) override {
         const int64_t n = op_checks::moe_router_losses(logits, counts, r, loss, losses);
-        s.submit([=] { cpu::moe_router_losses(f32(logits), n, counts.data<int32_t>(), r, loss, f32(losses)); });
+        s.submit([=] { cpu::moe_router_losses(f32(logits), n, counts.data<float>(), r, loss, f32(losses)); });
     }
 
     void moe_router_backward(Stream & s, const Tensor & logits, const Tensor & top_idx, const Tensor & dprobs,
@@ -404,7 +404,7 @@ public:
                              const Tensor & dlogits) override {
         const int64_t n = op_checks::moe_router_backward(logits, top_idx, dprobs, counts, r, loss, dlogits);
         s.submit([=] {
-            cpu::moe_router_backward(f32(logits), n, top_idx.data<int32_t>(), f32(dprobs), counts.data<int32_t>(), r,
+            cpu::moe_router_backward(f32(logits), n, top_idx.data<int32_t>(), f32(dprobs), counts.data<float>(), r,
                                      loss, loss_scale, f32(dlogits));
         });
     }

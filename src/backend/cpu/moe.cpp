@@ -126,7 +126,7 @@ void moe_sinkhorn_topk(const float * logits, int64_t N, int64_t first, int64_t n
     }
 }
 
-void moe_aux_counts(const float * logits, int64_t n, const MoeRouting & r, int64_t groups, int32_t * counts) {
+void moe_aux_counts(const float * logits, int64_t n, const MoeRouting & r, int64_t groups, float * counts) {
     const int64_t E = r.experts, k = r.topk;
     std::fill(counts, counts + groups * E, 0);
     std::vector<double>  p(E);
@@ -134,11 +134,11 @@ void moe_aux_counts(const float * logits, int64_t n, const MoeRouting & r, int64
     for (int64_t x = 0; x < n; ++x) {
         aux_scores(logits + x * E, E, r.sigmoid, p.data());
         topk_desc(p.data(), E, k, idx.data());
-        for (int64_t j = 0; j < k; ++j) counts[(x % groups) * E + idx[j]] += 1;
+        for (int64_t j = 0; j < k; ++j) counts[(x % groups) * E + idx[j]] += 1.0f;
     }
 }
 
-void moe_router_losses(const float * logits, int64_t n, const int32_t * counts, const MoeRouting & r,
+void moe_router_losses(const float * logits, int64_t n, const float * counts, const MoeRouting & r,
                        const MoeRouterLoss & loss, float * losses) {
     const int64_t E = r.experts, k = r.topk, G = loss.groups;
     const bool    aux = loss.aux_coeff > 0.0f, z = loss.z_coeff > 0.0f;
@@ -172,7 +172,7 @@ void moe_router_losses(const float * logits, int64_t n, const int32_t * counts, 
 }
 
 void moe_router_backward(const float * logits, int64_t n, const int32_t * top_idx, const float * dprobs,
-                         const int32_t * counts, const MoeRouting & r, const MoeRouterLoss & loss, float loss_scale,
+                         const float * counts, const MoeRouting & r, const MoeRouterLoss & loss, float loss_scale,
                          float * dlogits) {
     const int64_t E = r.experts, k = r.topk, G = loss.groups;
     const bool    aux = loss.aux_coeff > 0.0f, z = loss.z_coeff > 0.0f;
@@ -217,7 +217,7 @@ void moe_router_backward(const float * logits, int64_t n, const int32_t * top_id
                 }
             }
             if (aux) {
-                const int32_t * cg = counts + (x % G) * E;
+                const float * cg = counts + (x % G) * E;
                 if (!r.sigmoid) {
                     softmax(lx, E, s.data());
                     double dot = 0;

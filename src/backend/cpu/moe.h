@@ -13,11 +13,11 @@ namespace loom::cpu {
 void moe_topk(const float * logits, int64_t n, const MoeRouting & r, int32_t * top_idx, float * probs);
 void moe_sinkhorn_topk(const float * logits, int64_t N, int64_t first, int64_t n, const MoeRouting & r, int32_t * top_idx,
                        float * probs);
-void moe_aux_counts(const float * logits, int64_t n, const MoeRouting & r, int64_t groups, int32_t * counts);
-void moe_router_losses(const float * logits, int64_t n, const int32_t * counts, const MoeRouting & r,
+void moe_aux_counts(const float * logits, int64_t n, const MoeRouting & r, int64_t groups, float * counts);
+void moe_router_losses(const float * logits, int64_t n, const float * counts, const MoeRouting & r,
                        const MoeRouterLoss & loss, float * losses);
 void moe_router_backward(const float * logits, int64_t n, const int32_t * top_idx, const float * dprobs,
-                         const int32_t * counts, const MoeRouting & r, const MoeRouterLoss & loss, float loss_scale,
+                         const float * counts, const MoeRouting & r, const MoeRouterLoss & loss, float loss_scale,
                          float * dlogits);
 
 void moe_plan(const int32_t * expert_of, const float * probs, int64_t n, int64_t k, const MoePlanSpec & spec,

@@ -605,7 +605,7 @@ public:
         const int64_t                 n    = op_checks::moe_aux_counts(logits, r, groups, counts);
         const kernels::MoeRoutingArgs args = routing_args(r, "moe_aux_counts");
         CudaStream &                  cs   = start(s, "moe_aux_counts", {logits, counts});
-        kernels::moe_aux_counts(cs.launch("moe_aux_counts"), f32(logits), n, args, groups, counts.data<int32_t>());
+        kernels::moe_aux_counts(cs.launch("moe_aux_counts"), f32(logits), n, args, groups, counts.data<float>());
         cs.launched("moe_aux_counts", {logits, counts});
     }
 
@@ -616,7 +616,7 @@ public:
         CudaStream &                  cs   = start(s, "moe_router_losses", {logits, counts, losses});
         cudaStream_t                  stream = cs.launch("moe_router_losses");
         Tensor scratch = scratch_of(cs, kernels::moe_router_losses_scratch(n, loss.groups, r.experts), DType::i64);
-        kernels::moe_router_losses(stream, f32(logits), n, counts.data<int32_t>(), args, loss_args(loss),
+        kernels::moe_router_losses(stream, f32(logits), n, counts.data<float>(), args, loss_args(loss),
                                    static_cast<double *>(scratch.data_ptr()), f32(losses));
         cs.launched("moe_router_losses", {logits, counts, losses, scratch});
     }
@@ -629,7 +629,7 @@ public:
         const std::vector<Tensor>     held{logits, top_idx, dprobs, counts, dlogits};
         CudaStream &                  cs = start(s, "moe_router_backward", held);
         kernels::moe_router_backward(cs.launch("moe_router_backward"), f32(logits), n, top_idx.data<int32_t>(),
-                                     f32(dprobs), counts.data<int32_t>(), args, loss_args(loss), loss_scale, f32(dlogits));
+                                     f32(dprobs), counts.data<float>(), args, loss_args(loss), loss_scale, f32(dlogits));
         cs.launched("moe_router_backward", held);
     }
 

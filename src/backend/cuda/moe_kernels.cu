@@ -170,11 +170,11 @@ __global__ void moe_sinkhorn_select_kernel(const float * logits, int64_t first, 
     }
 }
 
-__global__ void moe_aux_counts_kernel(const float * logits, int64_t n, MoeRoutingArgs r, int64_t groups, int32_t * counts) {
+__global__ void moe_aux_counts_kernel(const float * logits, int64_t n, MoeRoutingArgs r, int64_t groups, float * counts) {
     LOOM_GRID_STRIDE(x, n) {
         int32_t idx[kMoeMaxTopk];
         topk_desc(aux_scores(logits + x * r.experts, r), r.experts, r.topk, idx);
-        for (int64_t j = 0; j < r.topk; ++j) atomicAdd(counts + (x % groups) * r.experts + idx[j], 1);   // integers: any order
+        for (int64_t j = 0; j < r.topk; ++j) atomicAdd(counts + (x % groups) * r.experts + idx[j], 1.0f);   // whole numbers: exact in any order
     }
 }
 
@@ -205,7 +205,7 @@ __global__ void moe_score_sums_kernel(const float * logits, int64_t n, MoeRoutin
     }
 }
 
-__global__ void moe_losses_kernel(int64_t n, MoeRoutingArgs r, MoeLossArgs loss, const int32_t * counts,
+__global__ void moe_losses_kernel(int64_t n, MoeRoutingArgs r, MoeLossArgs loss, const float * counts,
                                   const double * stats, const double * P, float * losses) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     const int64_t E = r.experts, k = r.topk, G = loss.groups;
@@ -227,7 +227,7 @@ __global__ void moe_losses_kernel(int64_t n, MoeRoutingArgs r, MoeLossArgs loss,
 
 // backend/cpu/moe.cpp's moe_router_backward, each expert's gradient summed from its terms in the CPU's order.
 __global__ void moe_router_backward_kernel(const float * logits, int64_t n, const int32_t * top_idx, const float * dprobs,
-                                           const int32_t * counts, MoeRoutingArgs r, MoeLossArgs loss, float loss_scale,
+                                           const float * counts, MoeRoutingArgs r, MoeLossArgs loss, float loss_scale,
                                            float * dlogits) {
     const int64_t E = r.experts, k = r.topk, G = loss.groups;
     const bool    aux = loss.aux_coeff > 0.0f, z = loss.z_coeff > 0.0f;
@@ -261,7 +261,7 @@ __global__ void moe_router_backward_kernel(const float * logits, int64_t n, cons
             }
         }
         // The aux part's dot product over all E.
-        const int32_t * cg      = counts + (x % G) * E;
+        const float * cg      = counts + (x % G) * E;
         double          aux_dot = 0, aux_S = 0;
         if (aux && !r.sigmoid) {
             for (int64_t e = 0; e < E; ++e) aux_dot += softmax_at(l, e, soft) * cg[e] * aux_unit;
@@ -448,14 +448,14 @@ void moe_sinkhorn_topk(cudaStream_t stream, const float * logits, int64_t N, int
 }
 
 void moe_aux_counts(cudaStream_t stream, const float * logits, int64_t n, const MoeRoutingArgs & r, int64_t groups,
-                    int32_t * counts) {
-    cudaMemsetAsync(counts, 0, static_cast<size_t>(groups * r.experts) * sizeof(int32_t), stream);
+                    float * counts) {
+    cudaMemsetAsync(counts, 0, static_cast<size_t>(groups * r.experts) * sizeof(float), stream);
     if (n > 0) LOOM_LAUNCH(moe_aux_counts_kernel, blocks_for(n), kThreads, 0, stream)(logits, n, r, groups, counts);
 }
 
 int64_t moe_router_losses_scratch(int64_t n, int64_t groups, int64_t experts) { return 4 * n + groups * experts + 1; }
 
-void moe_router_losses(cudaStream_t stream, const float * logits, int64_t n, const int32_t * counts,
+void moe_router_losses(cudaStream_t stream, const float * logits, int64_t n, const float * counts,
                        const MoeRoutingArgs & r, const MoeLossArgs & loss, double * scratch, float * losses) {
     double * stats = scratch;
     double * P     = scratch + 4 * n;
@@ -470,7 +470,7 @@ void moe_router_losses(cudaStream_t stream, const float * logits, int64_t n, con
 }
 
 void moe_router_backward(cudaStream_t stream, const float * logits, int64_t n, const int32_t * top_idx,
-                         const float * dprobs, const int32_t * counts, const MoeRoutingArgs & r, const MoeLossArgs & loss,
+                         const float * dprobs, const float * counts, const MoeRoutingArgs & r, const MoeLossArgs & loss,
                          float loss_scale, float * dlogits) {
     if (n > 0) {
         LOOM_LAUNCH(moe_router_backward_kernel, blocks_for(n), kThreads, 0, stream)(

@@ -42,13 +42,13 @@ void    moe_sinkhorn_topk(cudaStream_t stream, const float * logits, int64_t N, 
                           const MoeRoutingArgs & r, double * scratch, int32_t * top_idx, float * probs);
 // counts (G, E) is zeroed first.
 void moe_aux_counts(cudaStream_t stream, const float * logits, int64_t n, const MoeRoutingArgs & r, int64_t groups,
-                    int32_t * counts);
+                    float * counts);
 // Scratch doubles moe_router_losses needs.
 int64_t moe_router_losses_scratch(int64_t n, int64_t groups, int64_t experts);
-void    moe_router_losses(cudaStream_t stream, const float * logits, int64_t n, const int32_t * counts,
+void    moe_router_losses(cudaStream_t stream, const float * logits, int64_t n, const float * counts,
                           const MoeRoutingArgs & r, const MoeLossArgs & loss, double * scratch, float * losses);
 void    moe_router_backward(cudaStream_t stream, const float * logits, int64_t n, const int32_t * top_idx,
-                            const float * dprobs, const int32_t * counts, const MoeRoutingArgs & r,
+                            const float * dprobs, const float * counts, const MoeRoutingArgs & r,
                             const MoeLossArgs & loss, float loss_scale, float * dlogits);
 
 struct MoePlanArgs {

@@ -20,6 +20,7 @@ const char * moe_load_balancing_name(MoeLoadBalancing t) {
     case MoeLoadBalancing::seq_aux_loss: return "seq_aux_loss";
     case MoeLoadBalancing::none: return "none";
     case MoeLoadBalancing::sinkhorn: return "sinkhorn";
+    case MoeLoadBalancing::global_aux_loss: return "global_aux_loss";
     }
     return "?";
 }
@@ -31,11 +32,11 @@ MoeLoadBalancing moe_load_balancing_parse(const std::string & name) {
     if (name == "seq_aux_loss") return MoeLoadBalancing::seq_aux_loss;
     if (name == "none") return MoeLoadBalancing::none;
     if (name == "sinkhorn") return MoeLoadBalancing::sinkhorn;
-    LOOM_CHECK(name != "global_aux_loss" && name != "quantile_balancing",
-               "--moe-router-load-balancing-type " << name << " is not supported by Loom",
-               "use aux_loss, seq_aux_loss, sinkhorn or none");
+    if (name == "global_aux_loss") return MoeLoadBalancing::global_aux_loss;
+    LOOM_CHECK(name != "quantile_balancing", "--moe-router-load-balancing-type " << name << " is not supported by Loom",
+               "use aux_loss, seq_aux_loss, global_aux_loss, sinkhorn or none");
     LOOM_THROW("--moe-router-load-balancing-type " << name << " is not a load-balancing type",
-               "use aux_loss, seq_aux_loss, sinkhorn or none");
+               "use aux_loss, seq_aux_loss, global_aux_loss, sinkhorn or none");
 }
 
 void moe_config_validate(const MoeConfig & moe, const GptConfig & config) {

@@ -90,7 +90,7 @@ MoELayer::MoELayer(const std::string & name, const GptConfig & config, const Moe
     : moe(m),
       ep(expert_parallel),
       shared_config(shared_expert_config(config, m)),
-      router(name + ".router", config, m, device, tensor_parallel, context_parallel),
+      router(name + ".router", config, m, device, tensor_parallel, context_parallel, expert_parallel.tp_dp_cp),
       experts(name + ".experts", config, m, device, ep_first_expert(m, expert_parallel), m.num_experts / expert_parallel.size,
               TensorParallel{nullptr, expert_parallel.tp_rank, expert_parallel.tp_size, false}) {
     if (moe.shared_expert_intermediate_size > 0) {

@@ -10,7 +10,7 @@ namespace loom::model {
 struct GptConfig;
 
 enum class MoeScoreFunction { softmax, sigmoid };                // --moe-router-score-function
-enum class MoeLoadBalancing { aux_loss, seq_aux_loss, none, sinkhorn };   // --moe-router-load-balancing-type
+enum class MoeLoadBalancing { aux_loss, seq_aux_loss, none, sinkhorn, global_aux_loss };   // --moe-router-load-balancing-type
 enum class MoeDropPolicy { probs, position };                    // --moe-token-drop-policy
 enum class MoeDispatcher { allgather, alltoall };                // --moe-token-dispatcher-type
 

@@ -29,10 +29,12 @@ MoeRouting routing_of(const MoeConfig & moe) {
 }  // namespace
 
 Router::Router(const std::string & name, const GptConfig & config, const MoeConfig & m, Device & device,
-               const TensorParallel & tensor_parallel, const ContextParallel & context_parallel)
+               const TensorParallel & tensor_parallel, const ContextParallel & context_parallel,
+               std::shared_ptr<comm::Communicator> global_group)
     : moe(m),
       tp(tensor_parallel),
       cp(context_parallel),
+      global(std::move(global_group)),
       weight(parameter_create(name + ".weight", {m.num_experts, config.hidden_size}, config.params_dtype, device)),
       has_bias(config.add_bias_linear) {
     moe_config_validate(moe, config);
@@ -41,6 +43,9 @@ Router::Router(const std::string & name, const GptConfig & config, const MoeConf
         require_supported(device, {"moe_sinkhorn_topk", 0, m.topk}, "--moe-router-load-balancing-type sinkhorn");
     }
     tp.replicated(weight);   // every TP rank routes its own rows with the whole gate
+    if (m.load_balancing == MoeLoadBalancing::global_aux_loss) {
+        global_counts = Tensor::zeros({1, m.num_experts}, DType::f32, device, {MemoryKind::device, "moe-metrics"});
+    }
     if (has_bias) {
         bias                 = parameter_create(name + ".bias", {m.num_experts}, config.params_dtype, device);
         bias.no_weight_decay = true;
@@ -88,7 +93,7 @@ void Router::route(Context & ctx, const Tensor & logits, int64_t b, bool trainin
     ctx.logits  = logits;
     ctx.top_idx = Tensor::empty({n, k}, DType::i32, device, {MemoryKind::device, kActivationsPool});
     ctx.probs   = activation(device, n, k);
-    ctx.counts  = Tensor::empty({ctx.groups, E}, DType::i32, device, {MemoryKind::device, kActivationsPool});
+    ctx.counts  = activation(device, ctx.groups, E);
     ctx.losses  = Tensor::empty({router_loss_count}, DType::f32, device, {MemoryKind::device, kActivationsPool});
 
     const MoeRouting routing = routing_of(moe);
@@ -108,7 +113,16 @@ void Router::route(Context & ctx, const Tensor & logits, int64_t b, bool trainin
     }
     // The counts are written on the stream even without the aux loss, so a captured graph's replay clears
     // them too; sequence parallelism sums them over the whole sequence (Megatron reduces them over TP x CP).
-    if (ctx.aux) {
+    if (ctx.aux && moe.load_balancing == MoeLoadBalancing::global_aux_loss) {
+        // Summed over every TP x DP x CP rank, added to the iteration's sum, and the mean over its
+        // micro-batches so far is what the loss reads (Megatron's global_tokens_per_expert / ga_steps).
+        ops.moe_aux_counts(stream, logits, routing, 1, ctx.counts);
+        if (global) global->all_reduce(ctx.counts, comm::ReduceOp::sum, &stream);
+        ops.add_inplace(stream, global_counts, ctx.counts);
+        ++global_steps;
+        ops.copy(stream, global_counts, ctx.counts);
+        ops.scale(stream, ctx.counts, 1.0f / static_cast<float>(global_steps));
+    } else if (ctx.aux) {
         ops.moe_aux_counts(stream, logits, routing, ctx.groups, ctx.counts);
         if (comm::Communicator * group = sequence_group()) group->all_reduce(ctx.counts, comm::ReduceOp::sum, &stream);
     } else {
@@ -120,10 +134,18 @@ void Router::route(Context & ctx, const Tensor & logits, int64_t b, bool trainin
 MoeRouterLoss Router::loss_of(const Context & ctx, int64_t n) const {
     MoeRouterLoss loss;
     loss.groups    = ctx.groups;
-    loss.tokens    = n * sequence_ranks();   // the sequence's rows over the TP (and CP) ranks
+    // The sequence's rows over the TP (and CP) ranks; global_aux_loss: every TP x DP x CP rank's rows.
+    loss.tokens    = moe.load_balancing == MoeLoadBalancing::global_aux_loss ? n * (global ? global->size() : 1)
+                                                                              : n * sequence_ranks();
     loss.aux_coeff = ctx.aux ? moe.aux_loss_coeff : 0.0f;
     loss.z_coeff   = ctx.z ? moe.z_loss_coeff : 0.0f;
     return loss;
+}
+
+void Router::reset_global_counts() {
+    if (!global_counts.defined()) return;
+    global_counts.device().ops().fill_zero(global_counts.device().compute_stream(), global_counts);
+    global_steps = 0;
 }
 
 comm::Communicator * Router::sequence_group() const {

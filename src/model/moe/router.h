@@ -27,7 +27,11 @@
 //   Balanced routing (c_i = T k / E) gives aux = coeff whatever p is, as sum_i p_xi = 1.
 //   seq_aux_loss: the same per sequence (T = s tokens of sample j, the rows r with r % b == j), averaged
 //   over the b samples. Its gradient reaches the logits through p only (the counts are constants).
-//   Megatron logs aux / coeff as "load_balancing_loss" ("seq_load_balancing_loss").
+//   global_aux_loss (Megatron's global load balancing): c_i summed over every TP x DP x CP rank, then the
+//   running mean of those sums over the iteration's micro-batches so far (reset_global_counts at each
+//   iteration), with T = n times those ranks; each rank's aux is its rows' share.
+//   Megatron logs aux / coeff as "load_balancing_loss" ("seq_load_balancing_loss",
+//   "global_load_balancing_loss").
 // z-loss (ST-MoE):  z = z_coeff * mean over tokens of logsumexp(logits)^2, logged as z / z_coeff ("z_loss").
 // Under sequence parallelism T is the whole sequence's tokens (tp times this rank's), c_i is summed over the
 // TP group, and each rank's aux and z are its rows' share (Megatron divides the z coefficient by the TP x CP
@@ -64,14 +68,16 @@ public:
     // sequence parallelism each routes its block of rows, the aux loss's counts are summed over the group,
     // and this rank's losses are its share: the group's sum is the loss of the whole sequence. Context
     // parallelism (cp) splits the sequence further: the counts are summed over TP x CP (or CP alone).
+    // global: global_aux_loss's TP x DP x CP group (null: this rank alone).
     Router(const std::string & name, const GptConfig & config, const MoeConfig & moe, Device & device,
-           const TensorParallel & tp = {}, const ContextParallel & cp = {});
+           const TensorParallel & tp = {}, const ContextParallel & cp = {},
+           std::shared_ptr<comm::Communicator> global = nullptr);
     struct Context {
         Tensor  x;         // (n, h) input, in the weight's dtype
         Tensor  logits;    // (n, E) f32
         Tensor  top_idx;   // (n, k) i32: each token's experts, by descending score
         Tensor  probs;     // (n, k) f32: their routing probabilities
-        Tensor  counts;    // (G, E) i32: c_i per aux-loss group (G = 1, or b with seq_aux_loss)
+        Tensor  counts;    // (G, E) f32: c_i per aux-loss group (G = 1, or b with seq_aux_loss)
         Tensor  losses;    // (router_loss_count) f32
         int64_t groups   = 1;
         bool    aux      = false;   // aux loss computed (training, coeff > 0, a balancing type)
@@ -92,9 +98,15 @@ public:
     void init(uint64_t seed, float std);
     void parameters(std::vector<Parameter *> & out);
 
+    // global_aux_loss: the iteration's micro-batches start again (the running mean of the counts restarts).
+    void reset_global_counts();
+
     MoeConfig      moe;
     TensorParallel tp;
     ContextParallel cp;
+    std::shared_ptr<comm::Communicator> global;   // global_aux_loss's TP x DP x CP ranks
+    Tensor         global_counts;                 // (1, E) f32: their counts summed over this iteration's micro-batches
+    int64_t        global_steps = 0;              // micro-batches in that sum
     Tensor         gate_weight() const;
     // The ranks holding rows of this rank's sequences, this one included: TP x CP, TP (sequence
     // parallelism), CP, or null (this rank alone); and how many.
