@@ -77,6 +77,15 @@ constexpr NoOpFlag kNoOpFlags[] = {
     {"--straggler-minmax-count", "", "the number of ranks --log-straggler reports, which Loom does not accept"},
     {"--test-mode", nullptr,
      "Megatron's in-model self-tests of its attention; Loom checks each kernel against its twin in its own test suite"},
+    {"--fsdp-double-buffer", nullptr,
+     "a buffer-reuse choice of Megatron-FSDP's gathers and reductions; Loom's allocator reuses the same blocks by "
+     "size class in any case, and the result is the same"},
+    {"--no-gradient-reduce-div-fusion", nullptr,
+     "whether Megatron-FSDP fuses the 1/dp division into its reduction; Loom scales before the collective, and the "
+     "result is the same either way"},
+    {"--create-all-gather-group", nullptr,
+     "a second group so that all-gathers and reduce-scatters overlap; Loom's run one after the other on DDP's "
+     "stream, with the same result"},
     {"--empty-unused-memory-level", "0|1|2",
      "torch.cuda.empty_cache() between steps; Loom's allocator keeps its pools, which changes no result "
      "(its statistics report the peak either way)"},
