@@ -68,10 +68,6 @@ LayerGraphRunner::LayerGraphRunner(std::vector<model::GptModel *> chunks, const 
     graphs_.resize(static_cast<size_t>(plan_.num_graphs));
     outputs_.assign(graphs_.size(), 0);
     ready_order_.resize(graphs_.size());
-    next_forward_.assign(chunks_.size(), 0);
-    next_backward_.assign(chunks_.size(), 0);
-    forward_m_.assign(chunks_.size(), 0);
-    backward_m_.assign(chunks_.size(), 0);
 }
 
 LayerGraphRunner::~LayerGraphRunner() {
@@ -154,11 +150,10 @@ const GraphStep & LayerGraphRunner::expect_step(GraphKind kind, int chunk, int m
     return step;
 }
 
-Tensor LayerGraphRunner::forward(int chunk, int64_t layer, const Tensor & x, const model::DropoutBatch & batch) {
-    const int  mc = plan_.captured_microbatches;
-    const auto c  = static_cast<size_t>(chunk);
-    if (layer == 0) forward_m_[c] = next_forward_[c]++ % mc;
-    const GraphStep & step = expect_step(GraphKind::forward, chunk, forward_m_[c], static_cast<int>(layer));
+Tensor LayerGraphRunner::forward(int chunk, int microbatch, int64_t layer, const Tensor & x, const model::DropoutBatch & batch) {
+    const auto        c    = static_cast<size_t>(chunk);
+    const GraphStep & step = expect_step(GraphKind::forward, chunk, microbatch % plan_.captured_microbatches,
+                                         static_cast<int>(layer));
     LOOM_CHECK(x.dtype() == DType::f32 && x.numel() == rows_ * hidden_ && batch.b == b_ && batch.training,
                "a training call of layer graph " << step_label(step) << " with input " << x.describe() << " and "
                                                  << batch.b << " sequences",
@@ -193,11 +188,10 @@ Tensor LayerGraphRunner::forward(int chunk, int64_t layer, const Tensor & x, con
     return out;
 }
 
-Tensor LayerGraphRunner::backward(int chunk, int64_t layer, const Tensor & dy, const model::GradReadyFn & ready) {
-    const int  mc = plan_.captured_microbatches;
-    const auto c  = static_cast<size_t>(chunk);
-    if (layer + 1 == chunks_[c]->num_layers()) backward_m_[c] = next_backward_[c]++ % mc;
-    const GraphStep & step = expect_step(GraphKind::backward, chunk, backward_m_[c], static_cast<int>(layer));
+Tensor LayerGraphRunner::backward(int chunk, int microbatch, int64_t layer, const Tensor & dy, const model::GradReadyFn & ready) {
+    const auto        c    = static_cast<size_t>(chunk);
+    const GraphStep & step = expect_step(GraphKind::backward, chunk, microbatch % plan_.captured_microbatches,
+                                         static_cast<int>(layer));
     LOOM_CHECK(dy.dtype() == DType::f32 && dy.numel() == rows_ * hidden_,
                "layer graph " << step_label(step) << " given the output gradient " << dy.describe(),
                "graphs have static shapes: (" << rows_ << ", " << hidden_ << ") f32");

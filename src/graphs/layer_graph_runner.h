@@ -7,11 +7,12 @@
 //                                           installs itself on the chunks (GptModel::set_layer_graphs)
 //   executor.run(...)                       each training layer call of chunk c becomes a replay:
 //
-//     forward(c, l, x):  m = the chunk's next forward microbatch mod Mc (at l = 0); x and the batch's
+//     forward(c, mb, l, x): m = mb mod Mc (mb: the executor's micro-batch, which the model passes on from its
+//                        Context::microbatch: the runner counts nothing); x and the batch's
 //                        sample ids (the dropout masks' key) are copied into the static input set the
 //                        plan gives (c, m, l) unless x already is it; FWD(c, m, l) is replayed; its output
 //                        is returned (the chunk's last layer: copied out, see below)
-//     backward(c, l, dy): m = the chunk's next backward microbatch mod Mc (at l = L_c - 1); dy is copied
+//     backward(c, mb, l, dy): m = mb mod Mc; dy is copied
 //                        into the grad-output buffer every BWD graph shares; BWD(c, m, l) is replayed;
 //                        the layer's parameters are reported ready in the order its eager backward reports
 //                        them, after the replay is enqueued, so DDP's bucket reductions still overlap
@@ -88,8 +89,8 @@ public:
     int64_t           saved_bytes_per_layer() const { return saved_bytes_; }
 
     // model::LayerGraphs
-    Tensor forward(int chunk, int64_t layer, const Tensor & x, const model::DropoutBatch & batch) override;
-    Tensor backward(int chunk, int64_t layer, const Tensor & dy, const model::GradReadyFn & ready) override;
+    Tensor forward(int chunk, int microbatch, int64_t layer, const Tensor & x, const model::DropoutBatch & batch) override;
+    Tensor backward(int chunk, int microbatch, int64_t layer, const Tensor & dy, const model::GradReadyFn & ready) override;
 
 private:
     // The next step of T must be `kind` of (chunk, m, layer); throws naming both otherwise.
@@ -118,8 +119,6 @@ private:
     std::vector<std::unique_ptr<Graph>>      graphs_;           // [graph id]
     std::vector<size_t>                      outputs_;          // [graph id] the held output's index
     std::vector<std::vector<model::Parameter *>> ready_order_;  // [graph id] BWD: its eager ready reports
-    std::vector<int>                         next_forward_, next_backward_;   // [chunk] microbatches so far
-    std::vector<int>                         forward_m_, backward_m_;         // [chunk] the one in progress
     size_t                                   position_ = 0;     // the next step of T
     int64_t                                  replays_  = 0;
     int64_t                                  saved_bytes_ = 0;

@@ -216,7 +216,7 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
         call(hooks_.before_forward, layer_params(i));
         if (group_input[i]) ctx.checkpoints[i] = x;
         if (layer_graphs_ && ctx.training && !recomputed[i]) {
-            x = layer_graphs_->forward(graph_chunk_, static_cast<int64_t>(i), x, dropout_batch);
+            x = layer_graphs_->forward(graph_chunk_, ctx.microbatch, static_cast<int64_t>(i), x, dropout_batch);
         } else {
             x = layers_[i]->forward(ctx.layers[i], x, s, b, dropout_batch);
         }
@@ -306,7 +306,7 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
         const bool recomputed = std::any_of(groups.begin(), groups.end(), [i](const auto & g) { return g.first <= i && i < g.second; });
         call(hooks_.before_backward, layer_params(static_cast<size_t>(i)));
         if (layer_graphs_ && ctx.training && !recomputed) {
-            dx = layer_graphs_->backward(graph_chunk_, i, dx, ready);
+            dx = layer_graphs_->backward(graph_chunk_, ctx.microbatch, i, dx, ready);
         } else {
             dx = layers_[i]->backward(ctx.layers[i], dx, ready);
         }

@@ -49,14 +49,15 @@ struct PipelineStage {
 };
 
 // Per-layer graphs (graphs/layer_graph_runner.h) a chunk's training forward and backward run its layers
-// through instead of calling them: layer i of chunk `chunk` on input x (or output gradient dy). The
-// runner maps each call to the graph captured for it, copies the inputs into the graph's static buffers
-// and replays; evaluation and recomputed layers never reach it.
+// through instead of calling them: layer i of chunk `chunk` for micro-batch `microbatch` of the iteration
+// (the executor's, Context::microbatch) on input x (or output gradient dy). The runner maps each call to
+// the graph captured for it, copies the inputs into the graph's static buffers and replays; evaluation and
+// recomputed layers never reach it.
 class LayerGraphs {
 public:
     virtual ~LayerGraphs() = default;
-    virtual Tensor forward(int chunk, int64_t layer, const Tensor & x, const DropoutBatch & batch) = 0;
-    virtual Tensor backward(int chunk, int64_t layer, const Tensor & dy, const GradReadyFn & ready) = 0;
+    virtual Tensor forward(int chunk, int microbatch, int64_t layer, const Tensor & x, const DropoutBatch & batch) = 0;
+    virtual Tensor backward(int chunk, int microbatch, int64_t layer, const Tensor & dy, const GradReadyFn & ready) = 0;
 };
 
 class GptModel {
@@ -83,6 +84,7 @@ public:
         Tensor                                 lse;            // (s*b)
         Tensor                                 token_loss;     // (s*b)
         int64_t                                s = 0, b = 0;
+        int                                    microbatch = 0;   // its index in the iteration (the executor's)
         LossSum                                loss;           // last stage: this micro-batch's loss
         bool                                   training = true;   // false: evaluation, no dropout
         Dropout                                embedding_dropout;

@@ -168,7 +168,8 @@ PipelineExecutor::Result PipelineExecutor::execute(const P2PPlan & plan, bool fo
                 }
             }
             InFlight & slot = in_flight[{c, mb}];
-            slot.ctx.training = !forward_only;   // validation drops nothing out
+            slot.ctx.training   = !forward_only;   // validation drops nothing out
+            slot.ctx.microbatch = mb;              // the layer graphs' (chunk, micro-batch, layer)
             start           = ms_since_begin();
             Tensor out      = model.forward_stage(slot.ctx, batch, input);
             if (v == stages - 1) {
