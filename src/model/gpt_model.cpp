@@ -76,9 +76,6 @@ std::vector<Parameter *> GptModel::parameters() {
     return out;
 }
 
-void GptModel::call(const ParamHooks::Fn & hook, const std::vector<Parameter *> & params) {
-    if (hook) hook(params);
-}
 
 std::vector<Parameter *> GptModel::embedding_params() {
     return wpe_.data.defined() ? std::vector<Parameter *>{&wte_, &wpe_} : std::vector<Parameter *>{&wte_};
@@ -180,7 +177,7 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
                        "token id " << tokens[i] << " outside the vocabulary of " << config_.vocab_size,
                        "the dataset's vocabulary must fit the model's (--vocab-size / the tokenizer)");
         }
-        call(hooks_.before_forward, embedding_params());
+        call(hooks_.before_forward, [&] { return embedding_params(); });
         x = activation(device_, s * b, h);
         // Vocabulary-parallel: each rank embeds its tokens (zeros for the rest), rank 0 adds the positions,
         // and the sum over the group is the embedding.
@@ -196,7 +193,7 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
         }
         ctx.embedding_dropout = dropout_key(config_, tp_, dropout_batch, -1, DropoutKind::attention_output, x.size(0));
         if (ctx.embedding_dropout.enabled()) ops.dropout(stream, x, x, ctx.embedding_dropout);
-        call(hooks_.after_forward, embedding_params());
+        call(hooks_.after_forward, [&] { return embedding_params(); });
     } else {
         LOOM_CHECK(input.defined() && input.numel() == activation_rows(s, b) * h,
                    "pipeline stage input of " << (input.defined() ? input.numel() : 0) << " elements, expected "
@@ -213,7 +210,7 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
         for (int64_t i = begin; i < end; ++i) recomputed[i] = 1;
     }
     for (size_t i = 0; i < layers_.size(); ++i) {
-        call(hooks_.before_forward, layer_params(i));
+        call(hooks_.before_forward, [&] { return layer_params(i); });
         if (group_input[i]) ctx.checkpoints[i] = x;
         if (layer_graphs_ && ctx.training && !recomputed[i]) {
             x = layer_graphs_->forward(graph_chunk_, ctx.microbatch, static_cast<int64_t>(i), x, dropout_batch);
@@ -221,12 +218,12 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
             x = layers_[i]->forward(ctx.layers[i], x, s, b, dropout_batch);
         }
         if (recomputed[i]) ctx.layers[i] = TransformerLayer::Context{};
-        call(hooks_.after_forward, layer_params(i));
+        call(hooks_.after_forward, [&] { return layer_params(i); });
     }
     if (!stage_.post_process) {
         return x;
     }
-    call(hooks_.before_forward, output_params());
+    call(hooks_.before_forward, [&] { return output_params(); });
     const Parameter & out_w = output_.data.defined() ? output_ : wte_;
     Tensor normed = final_norm_->forward(ctx.final_norm, x);
     if (tp_.sp()) normed = tp_.all_gather(normed);   // every position's hidden state for the vocabulary shard
@@ -247,7 +244,7 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
     for (int64_t r = 0; r < s * b; ++r) result.count += mask[(r % b) * s + r / b];
     // Context parallelism: the loss is a mean over the whole sequences' tokens (this rank's sum is a share).
     if (batch.sequence_tokens >= 0) result.count = batch.sequence_tokens;
-    call(hooks_.after_forward, output_params());
+    call(hooks_.after_forward, [&] { return output_params(); });
     result.sum = std::nan("");
     ctx.loss   = result;
     return Tensor();
@@ -259,7 +256,7 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
     Stream & stream = device_.compute_stream();
     Tensor   dx;
     if (stage_.post_process) {
-        call(hooks_.before_backward, output_params());
+        call(hooks_.before_backward, [&] { return output_params(); });
         Tensor dloss = activation(device_, s * b, 1);
         // Context parallelism: the gradients are averaged over the data- and context-parallel ranks
         // together (dp_cp), where the CP ranks' shares must add up: each starts from CP times its share
@@ -282,7 +279,7 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
         // The output weight is final here, unless the same tensor also embeds tokens on this stage.
         if (ready && (output_.data.defined() || !stage_.pre_process)) ready(out_w);
         dx = final_norm_->backward(ctx.final_norm, dx, ready);
-        call(hooks_.after_backward, output_params());
+        call(hooks_.after_backward, [&] { return output_params(); });
     } else {
         LOOM_CHECK(dy.defined() && dy.numel() == activation_rows(s, b) * h,
                    "pipeline stage output gradient of " << (dy.defined() ? dy.numel() : 0) << " elements, expected "
@@ -298,22 +295,22 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
             // on the same values (and the same dropout keys) give bitwise the same activations.
             Tensor y = ctx.checkpoints[begin];
             for (int64_t k = begin; k < end; ++k) {
-                call(hooks_.before_backward, layer_params(static_cast<size_t>(k)));
+                call(hooks_.before_backward, [&] { return layer_params(static_cast<size_t>(k)); });
                 y = layers_[k]->forward(ctx.layers[k], y, s, b, dropout_batch);
             }
             ctx.checkpoints[begin] = Tensor();
         }
         const bool recomputed = std::any_of(groups.begin(), groups.end(), [i](const auto & g) { return g.first <= i && i < g.second; });
-        call(hooks_.before_backward, layer_params(static_cast<size_t>(i)));
+        call(hooks_.before_backward, [&] { return layer_params(static_cast<size_t>(i)); });
         if (layer_graphs_ && ctx.training && !recomputed) {
             dx = layer_graphs_->backward(graph_chunk_, ctx.microbatch, i, dx, ready);
         } else {
             dx = layers_[i]->backward(ctx.layers[i], dx, ready);
         }
-        call(hooks_.after_backward, layer_params(static_cast<size_t>(i)));
+        call(hooks_.after_backward, [&] { return layer_params(static_cast<size_t>(i)); });
     }
     if (stage_.pre_process) {
-        call(hooks_.before_backward, embedding_params());
+        call(hooks_.before_backward, [&] { return embedding_params(); });
         if (ctx.embedding_dropout.enabled()) ops.dropout(stream, dx, dx, ctx.embedding_dropout);
         if (tp_.sp()) dx = tp_.all_gather(dx);   // the lookup's gradient needs every position
         ops.embedding_backward(stream, local_tokens(ctx.batch.tokens), dx, wte_.main_grad,
@@ -322,7 +319,7 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
             if (wpe_.data.defined()) ready(wpe_);
             ready(wte_);   // tied on one stage: both the output-layer and the embedding contributions are in
         }
-        call(hooks_.after_backward, embedding_params());
+        call(hooks_.after_backward, [&] { return embedding_params(); });
         dx = Tensor();
     }
     ctx.batch = MicroBatch{};

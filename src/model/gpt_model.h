@@ -183,7 +183,10 @@ private:
     int64_t local_valid_vocab() const;
     void    vocab_parallel_cross_entropy(Context & ctx);
     ParamHooks                                     hooks_;
-    static void              call(const ParamHooks::Fn & hook, const std::vector<Parameter *> & params);
+    // The hook with the module's parameters, listed only when the hook is set (the hot path has none).
+    template <class Params> static void call(const ParamHooks::Fn & hook, Params && params) {
+        if (hook) hook(params());
+    }
     std::vector<Parameter *> embedding_params();
     std::vector<Parameter *> layer_params(size_t i);
     std::vector<Parameter *> output_params();
