@@ -27,9 +27,9 @@ void check_torch_fsdp2(const Given & given, const TrainOptions & o) {
     LOOM_CHECK(!o.fp16, "--use-torch-fsdp2 not supported with fp16 yet", "");
 }
 
-// --use-megatron-fsdp: Megatron's choices and rules (arguments.py), then what Loom's implementation refuses.
 }  // namespace
 
+// --use-megatron-fsdp: Megatron's choices and rules (arguments.py), then what Loom's implementation refuses.
 void resolve_fsdp(const ParallelFlags & f, const Given & given, TrainOptions & o) {
     check_choice("--data-parallel-sharding-strategy", f.data_parallel_sharding_strategy,
                  {"no_shard", "optim", "optim_grads", "optim_grads_params"});
@@ -47,7 +47,7 @@ void resolve_fsdp(const ParallelFlags & f, const Given & given, TrainOptions & o
     LOOM_CHECK(f.megatron_fsdp_version == 1 || f.use_torch_fsdp2, "--megatron-fsdp-version 2 is not supported by Loom",
                "Loom implements Megatron-FSDP version 1 (the default), which runs with the distributed optimizer");
     // Torch FSDP2 shards everything: Megatron-FSDP's optim_grads_params (its own strategy flag is not read).
-    const std::string & strategy = f.use_torch_fsdp2 ? std::string("optim_grads_params") : f.data_parallel_sharding_strategy;
+    const std::string strategy = f.use_torch_fsdp2 ? std::string("optim_grads_params") : f.data_parallel_sharding_strategy;
     o.ddp.use_megatron_fsdp = true;
     o.ddp.fsdp_sharding     = strategy == "no_shard" ? ddp::FsdpSharding::no_shard
                               : strategy == "optim"  ? ddp::FsdpSharding::optim
