@@ -7,6 +7,9 @@
 #
 #   bench/gpu_gpt2.sh [build-dir] [peak TFLOP/s, default 989: H100 SXM dense bf16]
 #
+# GPT2_ITERS (default 60) and GPT2_LOG_INTERVAL (10) size Loom's runs, TORCH_STEPS (30) PyTorch's. Loom's
+# lines print as each run ends, PyTorch's after them, each with its ratio to torch.compile's tokens/s.
+#
 # Without a GPU it says so and exits 0.
 set -euo pipefail
 build=${1:-build}
@@ -18,7 +21,7 @@ if ! nvidia-smi -L >/dev/null 2>&1; then
     exit 0
 fi
 nvidia-smi -L | head -1
-b=16; s=1024; iters=60; interval=10
+b=16; s=1024; iters=${GPT2_ITERS:-60}; interval=${GPT2_LOG_INTERVAL:-10}; torch_steps=${TORCH_STEPS:-30}
 # Dropout off, as in bench/pytorch_step.py's model: both sides run the same arithmetic.
 args=(train --device cuda --model gpt2-124m --mock-data --bf16 --micro-batch-size $b --global-batch-size $b
       --seq-length $s --train-iters $iters --log-interval $interval --log-throughput --lr-warmup-iters 5
@@ -28,21 +31,8 @@ median() {   # stdin: numbers, one per line (the first window dropped by the cal
     sort -n | awk '{v[NR]=$1} END {print (NR % 2) ? v[(NR+1)/2] : (v[NR/2] + v[NR/2+1]) / 2}'
 }
 
-torch_line=$(python3 "$here/pytorch_step.py" --device cuda --steps 30 --peak-tflops "$peak")
-echo "$torch_line"
-torch_tps=$(grep -o '[0-9]* tokens/s' <<<"$torch_line" | awk '{print $1}')
-eager_line=$(python3 "$here/pytorch_step.py" --device cuda --steps 30 --no-compile --peak-tflops "$peak")
-echo "$eager_line"
-eager_tps=$(grep -o '[0-9]* tokens/s' <<<"$eager_line" | awk '{print $1}')
-
-printf "\n%-34s %12s %8s %12s\n" run tokens/s MFU "vs compile"
-if [[ -n "$torch_tps" ]]; then
-    mfu=$(grep -o 'MFU [0-9.]*%' <<<"$torch_line" | awk '{print $2}')
-    printf "%-34s %12s %8s %12s\n" "pytorch torch.compile" "$torch_tps" "$mfu" "1.00x"
-    mfu=$(grep -o 'MFU [0-9.]*%' <<<"$eager_line" | awk '{print $2}')
-    printf "%-34s %12s %8s %12s\n" "pytorch eager" "$eager_tps" "$mfu" \
-        "$(awk -v a="$eager_tps" -v b="$torch_tps" 'BEGIN {printf "%.2fx", a / b}')"
-fi
+printf "\n%-34s %12s %8s %12s\n" run tokens/s MFU "ms/step"
+loom_tps=()
 for graphs in none transformer_engine; do   # eager, then per-layer graphs (Loom's --cuda-graph-impl)
     if ! log=$("$loom" "${args[@]}" --cuda-graph-impl $graphs 2>&1); then
         printf "%-34s failed:\n%s\n" "loom, layer graphs $graphs" "$(tail -5 <<<"$log")"
@@ -52,6 +42,22 @@ for graphs in none transformer_engine; do   # eager, then per-layer graphs (Loom
     tflops=$(grep -o 'TFLOP/s/GPU): [0-9.]*' <<<"$log" | awk '{print $NF}' | tail -n +2 | median)
     tps=$(awk -v ms="$ms" -v t=$((b * s)) 'BEGIN {printf "%.0f", t / (ms / 1000)}')
     mfu=$(awk -v t="$tflops" -v p="$peak" 'BEGIN {printf "%.1f%%", 100 * t / p}')
-    vs=${torch_tps:+$(awk -v a="$tps" -v b="$torch_tps" 'BEGIN {printf "%.2fx", a / b}')}
-    printf "%-34s %12s %8s %12s\n" "loom, layer graphs $graphs" "$tps" "$mfu" "${vs:--}"
+    printf "%-34s %12s %8s %12s\n" "loom, layer graphs $graphs" "$tps" "$mfu" "$ms"
+    loom_tps+=("loom, layer graphs $graphs=$tps")
+    grep -E 'peak|memory' <<<"$log" | tail -2
 done
+
+torch_line=$(python3 "$here/pytorch_step.py" --device cuda --steps "$torch_steps" --peak-tflops "$peak")
+echo "$torch_line"
+torch_tps=$(grep -o '[0-9]* tokens/s' <<<"$torch_line" | awk '{print $1}')
+eager_line=$(python3 "$here/pytorch_step.py" --device cuda --steps "$torch_steps" --no-compile --peak-tflops "$peak")
+echo "$eager_line"
+eager_tps=$(grep -o '[0-9]* tokens/s' <<<"$eager_line" | awk '{print $1}')
+if [[ -n "$torch_tps" ]]; then
+    printf "\n%-34s %12s %12s\n" run tokens/s "vs compile"
+    printf "%-34s %12s %12s\n" "pytorch torch.compile" "$torch_tps" "1.00x"
+    for entry in "pytorch eager=$eager_tps" "${loom_tps[@]}"; do
+        printf "%-34s %12s %12s\n" "${entry%=*}" "${entry##*=}" \
+            "$(awk -v a="${entry##*=}" -v b="$torch_tps" 'BEGIN {printf "%.2fx", a / b}')"
+    done
+fi

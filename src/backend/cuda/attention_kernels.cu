@@ -122,6 +122,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_forward_kernel(const f
                 p = __fmul_rn(p, dropout_keep_attention(row, a.k_pos(j), key.threshold) ? key.keep_scale : 0.0f);
             }
             ps[r * (T + 1) + lane] = p;
+            __syncwarp();   // every lane has read ms[r] before lane 0 replaces it (racecheck's WAR hazard)
             if (lane == 0) {
                 const float cr = exp_approx(__fsub_rn(m_old, mx));
                 corr[r]        = cr;
