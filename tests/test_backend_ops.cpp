@@ -15,7 +15,8 @@
 //                                   the f32 GEMM of the widened operands.
 //   layernorm / rmsnorm forward     y 1e-5 rel(1), mean 1e-5 rel(1), rstd 1e-5 rel; x += residual 2^-23 rel(0).
 //   layernorm / rmsnorm backward    dx 1e-5 rel(1); dgamma, dbeta 1e-5 mag (added into their old values).
-//   bias_add, add_inplace           2^-23 rel(0): one f32 addition.   bias_backward 1e-6 mag.
+//   bias_add, add_inplace           2^-23 rel(0): one f32 addition.   bias_backward 1e-6 mag; it and
+//                                   dbeta also exact against core/column_sums.h's order computed in f32.
 //   gemm_bias                       exact: the bits of gemm followed by bias_add.
 //   bias_gelu_forward               y 2e-6 rel(1) (tanh through exp_approx, |error| < 2e-7 absolute);
 //                                   x += bias 2^-23 rel(0); x_bf16 exact (the nearest bf16, ties to even).
@@ -46,6 +47,7 @@
 // LOOM_TEST_PRINT_ERRORS=1 prints every comparison's worst error next to its tolerance.
 #include "backend/cpu/cpu_device.h"
 #include "backend/cpu/gemm.h"
+#include "core/column_sums.h"
 #include "core/cpu_isa.h"
 #include "core/device.h"
 #include "core/dropout.h"
@@ -565,6 +567,33 @@ TEST(OpsNorm, LayerNormAndRmsNormForwardBackwardWithAndWithoutResidualAndBeta) {
             }
         }
     }
+}
+
+// core/column_sums.h's order, bit for bit: bias_backward and layernorm's dbeta (both add dy alone) over 165
+// rows (chunks of 64, 64 and 37) and 300 columns (more than one partial-sum width of the CPU's, split over
+// threads), against that order computed here in f32: chunk 0 into the accumulator, each later chunk summed
+// from zero and then added.
+TEST(OpsReductions, ColumnSumsAddInTheDocumentedChunkOrderBitwise) {
+    const int64_t n = 2 * kColumnSumRows + 37, h = 300;
+    Tensor        dy = random_f32({n, h}, 2101), dbias = random_f32({h}, 2102), x = random_f32({n, h}, 2103);
+    std::vector<float> want(h);
+    for (int64_t j = 0; j < h; ++j) {
+        float acc = dbias.data<float>()[j];
+        for (int64_t c0 = 0; c0 < n; c0 += kColumnSumRows) {
+            float part = c0 == 0 ? acc : 0.0f;
+            for (int64_t r = c0; r < std::min(n, c0 + kColumnSumRows); ++r) part += dy.data<float>()[r * h + j];
+            acc = c0 == 0 ? part : acc + part;
+        }
+        want[j] = acc;
+    }
+    Tensor dbeta = clone(dbias), gamma = random_f32({h}, 2104), dgamma = random_f32({h}, 2105);
+    ops().bias_backward(stream(), dy, dbias);
+    Tensor mean = empty({n}), rstd = empty({n});
+    ops().layernorm_forward(stream(), x, Tensor(), gamma, Tensor(), empty({n, h}), mean, rstd, 1e-5f);
+    ops().layernorm_backward(stream(), dy, x, gamma, mean, rstd, empty({n, h}), dgamma, dbeta);
+    synchronize();
+    EXPECT_TRUE(same_bits("bias_backward", dbias.data_ptr(), want.data(), want.size() * sizeof(float)));
+    EXPECT_TRUE(same_bits("layernorm dbeta", dbeta.data_ptr(), want.data(), want.size() * sizeof(float)));
 }
 
 // ---------------------------------------------------------------------------------------------------

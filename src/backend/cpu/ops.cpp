@@ -1,7 +1,8 @@
 #include "backend/cpu/ops.h"
 
-#include "core/dtype.h"
 #include "backend/cpu/vec_math.h"
+#include "core/column_sums.h"
+#include "core/dtype.h"
 #include "core/thread_pool.h"
 
 #include <algorithm>
@@ -20,6 +21,29 @@ constexpr int64_t kElemGrain = 4096;
 template <typename Fn>
 void over_column_chunks(int64_t h, Fn && fn) {
     parallel_for(h, 64, [&](int64_t begin, int64_t end) { fn(begin, end); });
+}
+
+// acc[j] += term(r, j) over the n rows, for the columns [c0, c1), in core/column_sums.h's order: chunk
+// 0 straight into acc, each later chunk into a partial sum from zero that is then added.
+template <class Term>
+void column_sums(float * acc, int64_t n, int64_t c0, int64_t c1, Term && term) {
+    const int64_t first = std::min(n, kColumnSumRows);
+    for (int64_t r = 0; r < first; ++r) {
+        for (int64_t j = c0; j < c1; ++j) acc[j] += term(r, j);
+    }
+    if (n <= first) return;
+    constexpr int64_t kWidth = 256;   // columns a partial sum covers at once
+    float             part[kWidth];
+    for (int64_t b0 = c0; b0 < c1; b0 += kWidth) {
+        const int64_t b1 = std::min(c1, b0 + kWidth);
+        for (int64_t r0 = first; r0 < n; r0 += kColumnSumRows) {
+            std::fill(part, part + (b1 - b0), 0.0f);
+            for (int64_t r = r0; r < std::min(n, r0 + kColumnSumRows); ++r) {
+                for (int64_t j = b0; j < b1; ++j) part[j - b0] += term(r, j);
+            }
+            for (int64_t j = b0; j < b1; ++j) acc[j] += part[j - b0];
+        }
+    }
 }
 
 }  // namespace
@@ -106,15 +130,8 @@ void layernorm_backward(const float * dy, const float * x, const float * gamma, 
         }
     });
     over_column_chunks(h, [&](int64_t c0, int64_t c1) {
-        for (int64_t r = 0; r < n; ++r) {
-            const float * dyr = dy + r * h;
-            const float * xr  = x + r * h;
-            float         m = mean[r], rs = rstd[r];
-            for (int64_t j = c0; j < c1; ++j) {
-                dgamma[j] += dyr[j] * (xr[j] - m) * rs;
-                if (dbeta) dbeta[j] += dyr[j];
-            }
-        }
+        column_sums(dgamma, n, c0, c1, [&](int64_t r, int64_t j) { return dy[r * h + j] * (x[r * h + j] - mean[r]) * rstd[r]; });
+        if (dbeta) column_sums(dbeta, n, c0, c1, [&](int64_t r, int64_t j) { return dy[r * h + j]; });
     });
 }
 
@@ -144,9 +161,7 @@ void rmsnorm_backward(const float * dy, const float * x, const float * gamma, co
         }
     });
     over_column_chunks(h, [&](int64_t c0, int64_t c1) {
-        for (int64_t r = 0; r < n; ++r) {
-            for (int64_t j = c0; j < c1; ++j) dgamma[j] += dy[r * h + j] * x[r * h + j] * rstd[r];
-        }
+        column_sums(dgamma, n, c0, c1, [&](int64_t r, int64_t j) { return dy[r * h + j] * x[r * h + j] * rstd[r]; });
     });
 }
 
@@ -160,9 +175,7 @@ void bias_add(float * y, const float * bias, int64_t n, int64_t h) {
 
 void bias_backward(const float * dy, float * dbias, int64_t n, int64_t h) {
     over_column_chunks(h, [&](int64_t c0, int64_t c1) {
-        for (int64_t r = 0; r < n; ++r) {
-            for (int64_t j = c0; j < c1; ++j) dbias[j] += dy[r * h + j];
-        }
+        column_sums(dbias, n, c0, c1, [&](int64_t r, int64_t j) { return dy[r * h + j]; });
     });
 }
 

@@ -162,6 +162,9 @@ Tensor scratch_of(CudaStream & cs, int64_t count, DType dtype) {
     return Tensor::empty({std::max<int64_t>(count, 1)}, dtype, cs.device(), TensorOptions{MemoryKind::device, kActivationsPool});
 }
 
+// The chunks' sums of a column sum (kernels::column_sum_scratch), or no tensor where one chunk needs none.
+Tensor column_sum_scratch(CudaStream & cs, int64_t floats) { return floats > 0 ? scratch_of(cs, floats, DType::f32) : Tensor(); }
+
 GemmOperands gemm_operands(DType dtype) {
     return dtype == DType::bf16 ? GemmOperands::bf16 : dtype == DType::f16 ? GemmOperands::f16 : GemmOperands::f32;
 }
@@ -224,9 +227,11 @@ public:
         int64_t n, h;
         std::tie(n, h) = op_checks::layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta);
         std::vector<Tensor> held{dy, x, gamma, mean, rstd, dx, dgamma, dbeta};
-        CudaStream &        cs = start(s, "layernorm_backward", held);
+        CudaStream &        cs      = start(s, "layernorm_backward", held);
+        Tensor              partial = column_sum_scratch(cs, 2 * kernels::column_sum_scratch(n, h));
         kernels::layernorm_backward(cs.launch("layernorm_backward"), f32(dy), f32(x), f32(gamma), f32(mean), f32(rstd),
-                                    f32(dx), f32(dgamma), f32_or_null(dbeta), n, h);
+                                    f32(dx), f32(dgamma), f32_or_null(dbeta), f32_or_null(partial), n, h);
+        held.push_back(partial);
         cs.launched("layernorm_backward", std::move(held));
     }
 
@@ -235,9 +240,11 @@ public:
         int64_t n, h;
         std::tie(n, h) = op_checks::rmsnorm_backward(dy, x, gamma, rstd, dx, dgamma);
         std::vector<Tensor> held{dy, x, gamma, rstd, dx, dgamma};
-        CudaStream &        cs = start(s, "rmsnorm_backward", held);
+        CudaStream &        cs      = start(s, "rmsnorm_backward", held);
+        Tensor              partial = column_sum_scratch(cs, kernels::column_sum_scratch(n, h));
         kernels::rmsnorm_backward(cs.launch("rmsnorm_backward"), f32(dy), f32(x), f32(gamma), f32(rstd), f32(dx),
-                                  f32(dgamma), n, h);
+                                  f32(dgamma), f32_or_null(partial), n, h);
+        held.push_back(partial);
         cs.launched("rmsnorm_backward", std::move(held));
     }
 
@@ -252,9 +259,10 @@ public:
     void bias_backward(Stream & s, const Tensor & dy, const Tensor & dbias) override {
         int64_t n, h;
         std::tie(n, h) = op_checks::bias_backward(dy, dbias);
-        CudaStream & cs = start(s, "bias_backward", {dy, dbias});
-        kernels::bias_backward(cs.launch("bias_backward"), f32(dy), f32(dbias), n, h);
-        cs.launched("bias_backward", {dy, dbias});
+        CudaStream & cs      = start(s, "bias_backward", {dy, dbias});
+        Tensor       partial = column_sum_scratch(cs, kernels::column_sum_scratch(n, h));
+        kernels::bias_backward(cs.launch("bias_backward"), f32(dy), f32(dbias), f32_or_null(partial), n, h);
+        cs.launched("bias_backward", {dy, dbias, partial});
     }
 
     void add_inplace(Stream & s, const Tensor & y, const Tensor & x) override {

@@ -1,10 +1,11 @@
 // The CUDA backend's kernels (kernels.h): simple and correct first, each the twin of a CPU kernel of
 // backend/cpu/ops.cpp. Elementwise kernels are grid-stride loops; per-row kernels take one block per row;
-// reductions over rows (parameter gradients) take one thread per column and add the rows in order, as the
-// CPU does, so they are deterministic and give the CPU's f32 sums.
+// reductions over rows (parameter gradients) add in core/column_sums.h's order, as the CPU does: one thread
+// per (column, chunk of rows), then one per column over the chunks' sums. Deterministic, the CPU's f32 sums.
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/kernel_common.cuh"
 #include "backend/cuda/launch.h"
+#include "core/column_sums.h"
 #include "core/dropout.h"
 
 #include <algorithm>
@@ -147,12 +148,35 @@ __global__ void bias_add_kernel(float * y, const float * bias, int64_t n, int64_
     LOOM_GRID_STRIDE(i, n * h) y[i] = __fadd_rn(y[i], bias[i % h]);
 }
 
-__global__ void bias_backward_kernel(const float * dy, float * dbias, int64_t n, int64_t h) {
-    LOOM_GRID_STRIDE(j, h) {
-        float acc = dbias[j];
-        for (int64_t r = 0; r < n; ++r) acc = __fadd_rn(acc, dy[r * h + j]);
-        dbias[j] = acc;
+// ---- Column sums in core/column_sums.h's order. Stage 1: thread (column j, chunk c) of a grid
+// (h / kThreads, chunks) sums its chunk's rows, chunk 0 from the accumulator, into partial[c][j]; stage 2
+// (column_total_kernel) adds the chunks' sums in order into the accumulator. One chunk: stage 1 writes the
+// accumulator itself (partial == acc) and stage 2 is not launched.
+
+__global__ void bias_backward_kernel(const float * dy, const float * dbias, float * partial, int64_t n, int64_t h,
+                                     int64_t chunks) {
+    const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+    if (j >= h) return;
+    for (int64_t c = blockIdx.y; c < chunks; c += gridDim.y) {
+        const int64_t r1  = min(n, (c + 1) * kColumnSumRows);
+        float         acc = c == 0 ? dbias[j] : 0.0f;
+        for (int64_t r = c * kColumnSumRows; r < r1; ++r) acc = __fadd_rn(acc, dy[r * h + j]);
+        partial[c * h + j] = acc;
     }
+}
+
+__global__ void column_total_kernel(const float * partial, float * acc, int64_t h, int64_t chunks) {
+    LOOM_GRID_STRIDE(j, h) {
+        float sum = partial[j];
+        for (int64_t c = 1; c < chunks; ++c) sum = __fadd_rn(sum, partial[c * h + j]);
+        acc[j] = sum;
+    }
+}
+
+// The stage-1 grid of a column sum: a thread per column (x) and chunk (y, at most CUDA's 65535, the rest by
+// stride).
+dim3 column_sum_grid(int64_t h, int64_t chunks) {
+    return dim3(static_cast<unsigned>((h + kThreads - 1) / kThreads), static_cast<unsigned>(std::min<int64_t>(chunks, 65535)));
 }
 
 // ---- Sum of squares
@@ -245,19 +269,24 @@ __global__ void norm_backward_dx_kernel(const float * dy, const float * x, const
     }
 }
 
-// dgamma[j] += sum_r dy (x - mean) rstd (mean null: dy x rstd); dbeta[j] += sum_r dy. Rows in order.
+// dgamma[j] += sum_r dy (x - mean) rstd (mean null: dy x rstd); dbeta[j] += sum_r dy (dbeta may be null):
+// stage 1 of two column sums at once, into partial_g and partial_b (core/column_sums.h's order).
 __global__ void norm_backward_params_kernel(const float * dy, const float * x, const float * mean, const float * rstd,
-                                            float * dgamma, float * dbeta, int64_t n, int64_t h) {
-    LOOM_GRID_STRIDE(j, h) {
-        float dg = dgamma[j];
-        float db = dbeta != nullptr ? dbeta[j] : 0.0f;
-        for (int64_t r = 0; r < n; ++r) {
+                                            const float * dgamma, const float * dbeta, float * partial_g,
+                                            float * partial_b, int64_t n, int64_t h, int64_t chunks) {
+    const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+    if (j >= h) return;
+    for (int64_t c = blockIdx.y; c < chunks; c += gridDim.y) {
+        const int64_t r1 = min(n, (c + 1) * kColumnSumRows);
+        float         dg = c == 0 ? dgamma[j] : 0.0f;
+        float         db = c == 0 && dbeta != nullptr ? dbeta[j] : 0.0f;
+        for (int64_t r = c * kColumnSumRows; r < r1; ++r) {
             const float d = dy[r * h + j];
             dg += mean != nullptr ? d * (x[r * h + j] - mean[r]) * rstd[r] : d * x[r * h + j] * rstd[r];
             db += d;
         }
-        dgamma[j] = dg;
-        if (dbeta != nullptr) dbeta[j] = db;
+        partial_g[c * h + j] = dg;
+        if (dbeta != nullptr) partial_b[c * h + j] = db;
     }
 }
 
@@ -537,8 +566,12 @@ void bias_add(cudaStream_t stream, float * y, const float * bias, int64_t n, int
     if (n * h > 0) LOOM_LAUNCH(bias_add_kernel, blocks_for(n * h), kThreads, 0, stream)(y, bias, n, h);
 }
 
-void bias_backward(cudaStream_t stream, const float * dy, float * dbias, int64_t n, int64_t h) {
-    if (h > 0) LOOM_LAUNCH(bias_backward_kernel, blocks_for(h), kThreads, 0, stream)(dy, dbias, n, h);
+void bias_backward(cudaStream_t stream, const float * dy, float * dbias, float * partial, int64_t n, int64_t h) {
+    if (h == 0) return;
+    const int64_t chunks = column_sum_chunks(n);
+    float *       sums   = chunks == 1 ? dbias : partial;
+    LOOM_LAUNCH(bias_backward_kernel, column_sum_grid(h, chunks), kThreads, 0, stream)(dy, dbias, sums, n, h, chunks);
+    if (chunks > 1) LOOM_LAUNCH(column_total_kernel, blocks_for(h), kThreads, 0, stream)(partial, dbias, h, chunks);
 }
 
 int64_t sum_of_squares_chunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
@@ -578,23 +611,39 @@ void rmsnorm_forward(cudaStream_t stream, float * x, const float * residual, con
     }
 }
 
+namespace {
+
+// The parameter gradients of a norm's backward: two column sums (one without beta), partial holding
+// 2 chunks h floats where there is more than one chunk.
+void norm_backward_params(cudaStream_t stream, const float * dy, const float * x, const float * mean,
+                          const float * rstd, float * dgamma, float * dbeta, float * partial, int64_t n, int64_t h) {
+    const int64_t chunks = column_sum_chunks(n);
+    float *       sums_g = chunks == 1 ? dgamma : partial;
+    float *       sums_b = chunks == 1 ? dbeta : partial + chunks * h;
+    LOOM_LAUNCH(norm_backward_params_kernel, column_sum_grid(h, chunks), kThreads, 0, stream)(
+        dy, x, mean, rstd, dgamma, dbeta, sums_g, sums_b, n, h, chunks);
+    if (chunks == 1) return;
+    LOOM_LAUNCH(column_total_kernel, blocks_for(h), kThreads, 0, stream)(sums_g, dgamma, h, chunks);
+    if (dbeta != nullptr) LOOM_LAUNCH(column_total_kernel, blocks_for(h), kThreads, 0, stream)(sums_b, dbeta, h, chunks);
+}
+
+}  // namespace
+
 void layernorm_backward(cudaStream_t stream, const float * dy, const float * x, const float * gamma,
-                        const float * mean, const float * rstd, float * dx, float * dgamma, float * dbeta, int64_t n,
-                        int64_t h) {
+                        const float * mean, const float * rstd, float * dx, float * dgamma, float * dbeta,
+                        float * partial, int64_t n, int64_t h) {
     if (n == 0 || h == 0) return;
     LOOM_LAUNCH(norm_backward_dx_kernel, static_cast<unsigned>(n), row_threads(h), 0, stream)(
         dy, x, gamma, mean, rstd, dx, h);
-    LOOM_LAUNCH(norm_backward_params_kernel, blocks_for(h), kThreads, 0, stream)(
-        dy, x, mean, rstd, dgamma, dbeta, n, h);
+    norm_backward_params(stream, dy, x, mean, rstd, dgamma, dbeta, partial, n, h);
 }
 
 void rmsnorm_backward(cudaStream_t stream, const float * dy, const float * x, const float * gamma, const float * rstd,
-                      float * dx, float * dgamma, int64_t n, int64_t h) {
+                      float * dx, float * dgamma, float * partial, int64_t n, int64_t h) {
     if (n == 0 || h == 0) return;
     LOOM_LAUNCH(norm_backward_dx_kernel, static_cast<unsigned>(n), row_threads(h), 0, stream)(
         dy, x, gamma, nullptr, rstd, dx, h);
-    LOOM_LAUNCH(norm_backward_params_kernel, blocks_for(h), kThreads, 0, stream)(
-        dy, x, nullptr, rstd, dgamma, nullptr, n, h);
+    norm_backward_params(stream, dy, x, nullptr, rstd, dgamma, nullptr, partial, n, h);
 }
 
 void bias_gelu_forward(cudaStream_t stream, float * x, const float * bias, float * y, uint16_t * x_bf16, int64_t n,

@@ -1,8 +1,8 @@
 // The CUDA backend's kernels, as plain launch functions over raw device pointers (kernels.cu). Each one
 // enqueues its kernel on `stream` and returns; argument checking, tensor lifetimes and launch-error checks
 // belong to the caller (cuda_ops.cpp). This header is read by nvcc in C++17 and by the C++20 host code,
-// so it includes no Loom header but the namespace macro (cuda_namespace.h) and core/positions.h (a plain
-// C++17 struct with host-device members).
+// so it includes no Loom header but the namespace macro (cuda_namespace.h), core/positions.h (a plain
+// C++17 struct with host-device members) and core/column_sums.h (the rows' order of column sums).
 //
 // Every kernel is the twin of a CPU kernel (backend/cpu/ops.h) and follows its contract; where the CPU
 // computes in double (norm statistics, sum of squares) so does the GPU. Reductions run in a fixed order
@@ -12,6 +12,7 @@
 #pragma once
 
 #include "backend/cuda/cuda_namespace.h"
+#include "core/column_sums.h"
 #include "core/positions.h"
 
 #include <cuda_runtime.h>
@@ -32,8 +33,11 @@ void round_to_bf16(cudaStream_t stream, float * x, uint16_t * x_bf16, int64_t n)
 void scale(cudaStream_t stream, float * x, float factor, int64_t n);
 void add_inplace(cudaStream_t stream, float * y, const float * x, int64_t n);
 void bias_add(cudaStream_t stream, float * y, const float * bias, int64_t n, int64_t h);
-// dbias[j] += dy[0, j] + dy[1, j] + ... in row order (the CPU's order: the same f32 additions).
-void bias_backward(cudaStream_t stream, const float * dy, float * dbias, int64_t n, int64_t h);
+// Scratch (floats) a column sum of n rows by h columns needs (core/column_sums.h): none for one chunk.
+inline int64_t column_sum_scratch(int64_t n, int64_t h) { return column_sum_chunks(n) > 1 ? column_sum_chunks(n) * h : 0; }
+// dbias[j] += dy[0, j] + dy[1, j] + ... in core/column_sums.h's order (the CPU's: the same f32 additions);
+// partial: column_sum_scratch(n, h) floats.
+void bias_backward(cudaStream_t stream, const float * dy, float * dbias, float * partial, int64_t n, int64_t h);
 
 // Number of doubles of scratch sum_of_squares needs for n elements: one per chunk of 2^16.
 int64_t sum_of_squares_chunks(int64_t n);
@@ -47,12 +51,13 @@ void layernorm_forward(cudaStream_t stream, float * x, const float * residual, c
                        const float * beta, float * y, float * mean, float * rstd, int64_t n, int64_t h, float eps);
 void rmsnorm_forward(cudaStream_t stream, float * x, const float * residual, const float * gamma, float * y,
                      float * rstd, int64_t n, int64_t h, float eps);
-// dx assigned; dgamma (and dbeta, may be null) added to, over rows in row order.
+// dx assigned; dgamma (and dbeta, may be null) added to, over rows in core/column_sums.h's order; partial:
+// 2 column_sum_scratch(n, h) floats.
 void layernorm_backward(cudaStream_t stream, const float * dy, const float * x, const float * gamma,
-                        const float * mean, const float * rstd, float * dx, float * dgamma, float * dbeta, int64_t n,
-                        int64_t h);
+                        const float * mean, const float * rstd, float * dx, float * dgamma, float * dbeta,
+                        float * partial, int64_t n, int64_t h);
 void rmsnorm_backward(cudaStream_t stream, const float * dy, const float * x, const float * gamma, const float * rstd,
-                      float * dx, float * dgamma, int64_t n, int64_t h);
+                      float * dx, float * dgamma, float * partial, int64_t n, int64_t h);
 
 // GELU (tanh approximation) fused with the bias; x_bf16 may be null (see core/ops.h).
 void bias_gelu_forward(cudaStream_t stream, float * x, const float * bias, float * y, uint16_t * x_bf16, int64_t n,
