@@ -78,9 +78,10 @@ struct Layout {
     int          instances = 1;      // hybrid sharding: instances of dp / instances ranks
     int          pp       = 1, vpp = 1;
     float        offload  = 0;   // > 0: the hybrid optimizer steps this fraction of each rank's shards on the host
-    DType        comm     = DType::f32;   // --megatron-fsdp-grad-comm-dtype
+    DType        comm     = DType::f32;   // --megatron-fsdp-grad-comm-dtype (or --grad-reduce-in-bf16)
+    bool         fsdp     = true;         // false: Loom's DDP (no_shard: all-reduce, optim: ZeRO-1)
     std::string  name() const {
-        return std::string(ddp::fsdp_sharding_name(strategy)) + " " + dtype_name(dtype) + " dp " +
+        return std::string(fsdp ? "" : "ddp ") + ddp::fsdp_sharding_name(strategy) + " " + dtype_name(dtype) + " dp " +
                std::to_string(g_mpi->world_size() / tp / cp / pp) + (tp > 1 ? " tp 2 sp" : "") +
                (pp > 1 ? " pp " + std::to_string(pp) : "") + (vpp > 1 ? " vpp " + std::to_string(vpp) : "") +
                (cp > 1 ? " cp " + std::to_string(cp) : "") + (ep > 1 ? " moe ep " + std::to_string(ep) : "") +
@@ -131,8 +132,8 @@ Run parallel_run(const Layout & l) {
     }
     o.parallel                = config;
     o.sequence_parallel       = l.tp > 1;
-    o.ddp.use_megatron_fsdp   = true;
-    o.ddp.fsdp_sharding       = l.strategy;
+    o.ddp.use_megatron_fsdp   = l.fsdp;
+    o.ddp.fsdp_sharding       = l.fsdp ? l.strategy : FsdpSharding::no_shard;
     o.ddp.use_distributed_optimizer = l.strategy != FsdpSharding::no_shard;
     o.ddp.overlap_grad_reduce       = l.overlap;
     o.ddp.overlap_param_gather      = l.overlap;
@@ -261,6 +262,39 @@ TEST(MegatronFsdp, GradientsTravelInTheCommunicationDtype) {
         }
         EXPECT_GT(bytes[0], 0);
         EXPECT_EQ(bytes[1] * 2, bytes[0]) << ddp::fsdp_sharding_name(strategy) << ": half the bytes in bf16";
+    }
+}
+
+// --grad-reduce-in-bf16 (ddp.grad_comm_dtype bf16 without Megatron-FSDP): DDP's all-reduce and ZeRO-1's
+// reduce-scatter run in bf16, each bucket rounded before and widened after, so the f32 model follows the
+// single-rank run within bf16's bounds and the collectives move half the f32 run's bytes.
+TEST(MegatronFsdp, GradReduceInBf16HalvesDdpsAndZeroOnesCollectives) {
+    expect_follows_reference({.strategy = FsdpSharding::no_shard, .comm = DType::bf16, .fsdp = false});
+    expect_follows_reference({.strategy = FsdpSharding::optim, .overlap = true, .comm = DType::bf16, .fsdp = false});
+    const int64_t dp     = g_mpi->world_size();
+    Device &      device = cpu::device();
+    for (bool zero1 : {false, true}) {
+        int64_t bytes[2] = {0, 0};
+        for (DType comm : {DType::f32, DType::bf16}) {
+            train::TrainOptions o = small_options(DType::f32);
+            o.global_batch_size   = dp;
+            auto            source = train::make_batch_source(o, device, false, g_mpi->world_rank(), dp);
+            model::GptModel gpt(o.model, device);
+            gpt.init();
+            auto           counting = std::make_shared<comm::CountingCommunicator>(g_mpi->world());
+            ddp::DdpConfig config;
+            config.use_distributed_optimizer = zero1;
+            config.grad_comm_dtype           = comm;
+            ddp::DistributedDataParallel ddp(gpt.parameters(), config, counting, device);
+            ddp.zero_grad_buffer();
+            model::GptModel::Context ctx;
+            auto loss = gpt.forward(ctx, source->next());
+            gpt.backward(ctx, 1.0 / loss.count, ddp.grad_ready());
+            ddp.finish_grad_sync();
+            bytes[comm == DType::bf16] = counting->count(zero1 ? comm::OpKind::reduce_scatter : comm::OpKind::all_reduce).bytes;
+        }
+        EXPECT_GT(bytes[0], 0);
+        EXPECT_EQ(bytes[1] * 2, bytes[0]) << (zero1 ? "ZeRO-1" : "DDP") << ": half the bytes in bf16";
     }
 }
 

@@ -1166,6 +1166,26 @@ TEST(MegatronCommandLine, OverlapAndContextParallelExchangeFlagsFollowMegatronsA
     }
 }
 
+// --grad-reduce-in-bf16 under Megatron's rule: read only with --bf16, where the data-parallel collectives then
+// run in bf16 (test_fsdp_mpi trains it); Megatron-FSDP's explicit --megatron-fsdp-grad-comm-dtype wins over it,
+// its auto follows it.
+TEST(MegatronCommandLine, GradReduceInBf16SetsTheGradientCommunicationDtypeWithBf16Only) {
+    const std::vector<std::string> base{"--mock-data", "--num-layers", "2"};
+    auto comm = [&](std::vector<std::string> extra) {
+        std::vector<std::string> args = base;
+        args.insert(args.end(), extra.begin(), extra.end());
+        return parse_train(args, 2).ddp.grad_comm_dtype;
+    };
+    EXPECT_EQ(comm({"--bf16"}), DType::f32);
+    EXPECT_EQ(comm({"--bf16", "--grad-reduce-in-bf16"}), DType::bf16);
+    EXPECT_EQ(comm({"--grad-reduce-in-bf16"}), DType::f32) << "without --bf16 Megatron does not read it";
+    EXPECT_EQ(comm({"--fp16", "--grad-reduce-in-bf16"}), DType::f32);
+    EXPECT_EQ(comm({"--bf16", "--grad-reduce-in-bf16", "--use-distributed-optimizer"}), DType::bf16);
+    EXPECT_EQ(comm({"--bf16", "--grad-reduce-in-bf16", "--use-megatron-fsdp"}), DType::bf16);
+    EXPECT_EQ(comm({"--bf16", "--grad-reduce-in-bf16", "--use-megatron-fsdp", "--megatron-fsdp-grad-comm-dtype", "fp32"}),
+              DType::f32);
+}
+
 // Megatron-FSDP's and Torch FSDP2's flags: Megatron's choices and asserts with its messages, and Loom's own
 // refusals naming the flag (a dtype other than f32 for masters or gradient buffers; version 2;
 // layer graphs over sharded units). One rank: the options resolve and train (test_fsdp_mpi trains them sharded).

@@ -75,10 +75,13 @@ void resolve_fsdp(const ParallelFlags & f, const Given & given, TrainOptions & o
     LOOM_CHECK(f.fsdp_main_grads_dtype == "fp32" || f.fsdp_main_grads_dtype == "auto",
                "--megatron-fsdp-main-grads-dtype " << f.fsdp_main_grads_dtype << " is not supported by Loom",
                "Loom accumulates gradients in f32 (auto and fp32 both mean that)");
-    // The gradients travel in bf16 or f16 when asked (auto: the main gradients' dtype, f32).
-    o.ddp.grad_comm_dtype = f.fsdp_grad_comm_dtype == "bf16"   ? DType::bf16
-                            : f.fsdp_grad_comm_dtype == "fp16" ? DType::f16
-                                                               : DType::f32;
+    // The gradients travel in bf16 or f16 when asked (auto: as the DDP flags say: f32, or bf16 with
+    // --grad-reduce-in-bf16 under --bf16).
+    if (f.fsdp_grad_comm_dtype != "auto") {
+        o.ddp.grad_comm_dtype = f.fsdp_grad_comm_dtype == "bf16"   ? DType::bf16
+                                : f.fsdp_grad_comm_dtype == "fp16" ? DType::f16
+                                                                   : DType::f32;
+    }
 }
 
 

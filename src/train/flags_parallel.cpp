@@ -119,12 +119,16 @@ const Flag<ParallelFlags> kParallelFlags[] = {
     {"--megatron-fsdp-main-grads-dtype", kDist, &P::fsdp_main_grads_dtype,
      "the FSDP gradient buffers: auto or fp32 (Loom accumulates gradients in f32)", kShowDefault},
     {"--megatron-fsdp-grad-comm-dtype", kDist, &P::fsdp_grad_comm_dtype,
-     "the dtype FSDP's gradient collectives run in: auto or fp32 (f32), bf16 or fp16 (each bucket rounded before "
-     "its collective, widened after: half the bytes; accumulation stays f32)", kShowDefault},
+     "the dtype FSDP's gradient collectives run in: fp32, bf16 or fp16 (each bucket rounded before its collective, "
+     "widened after: half the bytes; accumulation stays f32), or auto (bf16 with --grad-reduce-in-bf16 under "
+     "--bf16, else f32)", kShowDefault},
     {"--ddp-bucket-size", kDist, &P::bucket_size,
      "elements per gradient bucket (default max(40M, 1M x dp) with --overlap-grad-reduce, else one bucket)"},
     {"--accumulate-allreduce-grads-in-fp32", "mixed precision", &P::grads_in_fp32,
      "accumulate and reduce gradients in f32 (always on in Loom)"},
+    {"--grad-reduce-in-bf16", "mixed precision", &P::grad_reduce_in_bf16,
+     "with --bf16 (Megatron reads it only then): the data-parallel gradient collectives run in bf16, half the "
+     "bytes; Loom still accumulates the micro-batches' gradients in f32 (Megatron's buffer is bf16)"},
 };
 
 const Flag<ddp::DdpConfig> kDdpFlags[] = {
@@ -247,6 +251,10 @@ void resolve_ddp(const ParallelFlags & f, const Given & given, TrainOptions & o)
                                   : type == "a2a+p2p"   ? model::CpCommType::a2a_p2p
                                                         : model::CpCommType::p2p);
     }
+    // Megatron: with --bf16, --grad-reduce-in-bf16 turns off f32 accumulation and reduction (its gradient buffer
+    // becomes bf16). Loom reduces in bf16 (each bucket rounded before its collective, widened after) and keeps
+    // the f32 buffer, so the micro-batches' sum is not rounded to bf16 at every step.
+    if (f.grad_reduce_in_bf16 && o.bf16) o.ddp.grad_comm_dtype = DType::bf16;
     resolve_fsdp(f, given, o);
     o.ddp.validate();
     const int64_t instances = o.ddp.num_distributed_optimizer_instances;   // parallel_state.py's asserts
