@@ -27,6 +27,7 @@
 // machine, every CI run.
 #include "backend/cpu/cpu_device.h"
 #include "backend/cuda/cuda_device.h"
+#include "backend/cuda/gemm_plans.h"
 #include "core/dropout.h"
 #include "core/graph.h"
 #include "core/ops.h"
@@ -46,6 +47,12 @@
 #include <memory>
 #include <string>
 #include <vector>
+
+#ifdef LOOM_CUDA_EMU
+namespace loom_emu {
+long long emu_lt_heuristic_calls();   // the emulated cuBLASLt's count (its cublasLt.h, not on this path)
+}
+#endif
 
 using namespace loom;
 
@@ -174,6 +181,49 @@ TEST(CudaOps, GemmF32Bf16AndF16EveryTransposeWithAndWithoutAccumulateMatchesTheC
 // operands take cuBLASLt's bias epilogue; `offset` 1 puts a, the bias and c one element into their storage
 // (2- or 4-byte aligned), where cuBLASLt may have no epilogue kernel and the product plus bias_add's kernel
 // run instead; k = 0 always takes that path (c is the bias).
+// cuBLASLt's plans (descriptors, layouts and the heuristic's algorithm) are cached per shape, transposes,
+// operand type, epilogue and alignments: a GEMM whose kind was seen before, on other tensors, makes no
+// heuristic query, so a training step after warm-up makes none. On cuda-emu the emulated library's own count
+// of heuristic calls agrees with the backend's.
+TEST(CudaOps, AGemmOfAKindSeenBeforeMakesNoHeuristicQuery) {
+    SKIP_WITHOUT_CUDA();
+    const int64_t m = 72, n = 40, k = 24;   // a shape no other test uses: the cache lives as long as the process
+    auto          gemm = [&](bool bias, bool ta) {
+        Tensor a = to_gpu(random_cpu(ta ? Shape{k, m} : Shape{m, k}, 951, 1.0f, DType::bf16));
+        Tensor b = to_gpu(random_cpu({k, n}, 952, 1.0f, DType::bf16));
+        Tensor c = Tensor::empty({m, n}, DType::f32, gpu());
+        if (bias) {
+            gops().gemm_bias(gs(), a, ta, b, false, c, to_gpu(random_cpu({n}, 953)));
+        } else {
+            gops().gemm(gs(), a, ta, b, false, c);
+        }
+        gs().synchronize();
+    };
+    struct Count { int64_t lookups, queries; long long library; };
+    auto now = [] {
+        const gpu_backend::GemmPlanStats st = gpu_backend::gemm_plan_stats();
+#ifdef LOOM_CUDA_EMU
+        return Count{st.lookups, st.heuristic_queries, loom_emu::emu_lt_heuristic_calls()};
+#else
+        return Count{st.lookups, st.heuristic_queries, 0};
+#endif
+    };
+    const struct { bool bias, ta; int64_t new_queries; const char * what; } calls[] = {
+        {false, false, 1, "first of its kind"}, {false, false, 0, "again, on other tensors"},
+        {true, false, 1, "with the bias epilogue"}, {true, false, 0, "with the bias epilogue again"},
+        {false, true, 1, "a transposed operand"}, {false, false, 0, "the first kind once more"}};
+    for (const auto & call : calls) {
+        const Count before = now();
+        gemm(call.bias, call.ta);
+        const Count after = now();
+        EXPECT_EQ(after.lookups - before.lookups, 1) << call.what;
+        EXPECT_EQ(after.queries - before.queries, call.new_queries) << call.what;
+#ifdef LOOM_CUDA_EMU
+        EXPECT_EQ(after.library - before.library, call.new_queries) << call.what << ": the emulated library's count";
+#endif
+    }
+}
+
 TEST(CudaOps, GemmBiasF32Bf16AndF16MatchesTheCpusGemmThenBiasAdd) {
     SKIP_WITHOUT_CUDA();
     struct Case { int64_t m, n, k, offset; };

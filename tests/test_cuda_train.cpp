@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -115,9 +116,20 @@ TEST(CudaTrain, SizesTheKernelsCannotRunAreRefusedAtSetupNamingTheFlags) {
     EXPECT_NE(topk.out.find("--moe-router-topk"), std::string::npos) << topk.out;
 }
 
+// Also: every GEMM of the 20 iterations went through a cached cuBLASLt plan, one heuristic query per plan
+// (the run's last line), so the steps after the first asked the heuristic nothing.
 TEST(CudaTrain, OneGpuFollowsTheCpuLossCurveInBf16) {
     SKIP_WITHOUT_CUDA();
-    expect_follows_cpu(run_loom_mpi(1, kRun + kBf16 + "--device " + kDevice), "one GPU");
+    const CliRun r = run_loom_mpi(1, kRun + kBf16 + "--device " + kDevice);
+    expect_follows_cpu(r, "one GPU");
+    long long gemms = 0, plans = 0, queries = 0;
+    const size_t at = r.out.find("cuBLASLt: ");
+    ASSERT_NE(at, std::string::npos) << r.out;
+    ASSERT_EQ(std::sscanf(r.out.c_str() + at, "cuBLASLt: %lld GEMMs through %lld cached plans, %lld heuristic queries",
+                          &gemms, &plans, &queries), 3) << r.out.substr(at);
+    EXPECT_GT(plans, 0);
+    EXPECT_EQ(queries, plans);
+    EXPECT_GE(gemms, 20 * plans) << "each plan served every iteration";
 }
 
 // f32 end to end: the GPU's GEMMs sum in another order than oneDNN's, nothing else differs.

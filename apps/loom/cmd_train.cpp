@@ -54,6 +54,7 @@ void print_summary(const train::TrainSummary & s, Device & where) {
         std::printf("  %-12s peak %9.1f MiB   in use %9.1f MiB\n", pool.c_str(), p.peak_allocated / 1048576.0,
                     p.allocated / 1048576.0);
     }
+    if (const std::string work = where.work_summary(); !work.empty()) std::printf("%s\n", work.c_str());
 }
 
 // The world size mpirun launched this process into (Open MPI, or a PMI launcher), else 1.

@@ -102,6 +102,10 @@ public:
     // The stream layers compute on, named "compute": one per device, created with it. Layers enqueue their
     // kernels here and return; whoever reads a result on the host waits for it first.
     virtual Stream & compute_stream() = 0;
+
+    // One line on what the device's libraries did so far (the CUDA backend: its GEMMs and cached cuBLASLt
+    // plans), for the end of a run; empty where there is nothing to say.
+    virtual std::string work_summary() { return {}; }
 };
 
 // Test seam: LOOM_STREAM_DELAY_US=name=us[,name=us...] makes the streams of that name sleep that long

@@ -165,6 +165,12 @@ public:
         return *compute_;
     }
 
+    std::string work_summary() override {
+        const GemmPlanStats g = gemm_plan_stats();
+        return "cuBLASLt: " + std::to_string(g.lookups) + " GEMMs through " + std::to_string(g.plans) +
+               " cached plans, " + std::to_string(g.heuristic_queries) + " heuristic queries";
+    }
+
 private:
     int                     index_;
     Allocator               device_memory_;   // declared before the stream: destroyed after it

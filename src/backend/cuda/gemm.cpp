@@ -2,6 +2,7 @@
 
 #include "backend/cuda/cuda_check.h"
 
+#include <compare>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -75,14 +76,17 @@ struct LtPlan {
     cublasLtMatmulHeuristicResult_t heuristic{};
     bool                            found = false;
 
+    bool                            bias = false;      // the bias epilogue (its pointer set at each run)
+    std::mutex                      run_mutex;         // a cached plan's descriptor is shared: one run at a time
+
     LtPlan(cublasLtHandle_t handle, size_t workspace_bytes, bool trans_a, bool trans_b, int64_t m, int64_t n,
-           int64_t k, const void * a, const void * b, GemmOperands ab, const float * c, const float * bias)
-        : op_a(trans_b ? CUBLAS_OP_T : CUBLAS_OP_N), op_b(trans_a ? CUBLAS_OP_T : CUBLAS_OP_N),
+           int64_t k, const void * a, const void * b, GemmOperands ab, const float * c, const float * bias_values)
+        : bias(bias_values != nullptr), op_a(trans_b ? CUBLAS_OP_T : CUBLAS_OP_N), op_b(trans_a ? CUBLAS_OP_T : CUBLAS_OP_N),
           a_rows(trans_b ? k : n), b_rows(trans_a ? m : k), ab_type(ab == GemmOperands::bf16 ? CUDA_R_16BF : ab == GemmOperands::f16 ? CUDA_R_16F : CUDA_R_32F) {
         LOOM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.handle, CUBLAS_COMPUTE_32F, CUDA_R_32F));
         LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
         LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
-        if (bias != nullptr) {
+        if (bias) {
             // D (n, m) column-major: the bias runs along D's n rows, broadcast over its m columns, i.e. one
             // value per output feature of Loom's (m, n). Its type is D's (f32), stated rather than defaulted.
             // The heuristic reads the pointer's alignment, so it is set before the heuristic runs.
@@ -90,8 +94,8 @@ struct LtPlan {
             const int32_t            bias_type = CUDA_R_32F;
             LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
                                                              sizeof(epilogue)));
-            LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
-                                                             sizeof(bias)));
+            LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                             &bias_values, sizeof(bias_values)));
             LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                                                              &bias_type, sizeof(bias_type)));
         }
@@ -123,15 +127,60 @@ struct LtPlan {
     }
 
     void run(cublasLtHandle_t handle, cudaStream_t stream, void * workspace, size_t workspace_bytes, const void * a,
-             const void * b, float * c, bool accumulate) const {
-        const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+             const void * b, float * c, bool accumulate, const float * bias_values = nullptr) {
+        const float                 alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+        std::lock_guard<std::mutex> lock(run_mutex);
+        if (bias) {
+            LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                             &bias_values, sizeof(bias_values)));
+        }
         LOOM_CUBLAS_CHECK(cublasLtMatmul(handle, desc.handle, &alpha, b, layout_a.handle, a, layout_b.handle, &beta, c,
                                          layout_c.handle, c, layout_c.handle, &heuristic.algo, workspace,
                                          workspace_bytes, stream));
     }
 };
 
+// The plans of the run, by everything their descriptors and the heuristic's choice depend on: the shape,
+// transposes and operand type, the workspace, the epilogue, and the alignments the heuristic was told
+// (the operands' addresses change from call to call, their alignments seldom do). A step after warm-up
+// finds every plan here and asks the heuristic nothing. Kept until exit: a model's GEMM shapes are few.
+struct PlanKey {
+    int          device;
+    size_t       workspace_bytes;
+    bool         trans_a, trans_b, bias;
+    int64_t      m, n, k;
+    GemmOperands ab;
+    uint32_t     align_a, align_b, align_c, align_bias;
+    auto         operator<=>(const PlanKey &) const = default;
+};
+
+std::mutex                                   g_plans_mutex;
+std::map<PlanKey, std::unique_ptr<LtPlan>> * g_plans = new std::map<PlanKey, std::unique_ptr<LtPlan>>;   // never freed: plans outlive static destruction
+GemmPlanStats                                g_plan_stats;
+
+LtPlan & plan_for(int device_index, cublasLtHandle_t handle, size_t workspace_bytes, bool trans_a, bool trans_b,
+                  int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab, const float * c,
+                  const float * bias) {
+    const PlanKey key{device_index, workspace_bytes, trans_a, trans_b, bias != nullptr, m, n, k, ab,
+                      alignment_of(a), alignment_of(b), alignment_of(c), bias != nullptr ? alignment_of(bias) : 0u};
+    std::lock_guard<std::mutex> lock(g_plans_mutex);
+    ++g_plan_stats.lookups;
+    std::unique_ptr<LtPlan> & plan = (*g_plans)[key];
+    if (plan == nullptr) {
+        ++g_plan_stats.heuristic_queries;
+        plan = std::make_unique<LtPlan>(handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, bias);
+    }
+    return *plan;
+}
+
 }  // namespace
+
+GemmPlanStats gemm_plan_stats() {
+    std::lock_guard<std::mutex> lock(g_plans_mutex);
+    GemmPlanStats stats = g_plan_stats;
+    stats.plans         = static_cast<int64_t>(g_plans->size());
+    return stats;
+}
 
 void gemm_handles_create(int device_index, cudaStream_t stream) {
     lt_handle(device_index);
@@ -147,7 +196,7 @@ void gemm_lt(int device_index, cudaStream_t stream, void * workspace, size_t wor
         return;
     }
     cublasLtHandle_t handle = lt_handle(device_index);
-    const LtPlan     plan(handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, nullptr);
+    LtPlan &         plan   = plan_for(device_index, handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, nullptr);
     if (!plan.found) {
         // No cuBLASLt kernel for these alignments or leading dimensions: cublasGemmEx takes any.
         const float    alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
@@ -169,9 +218,9 @@ bool gemm_bias_lt(int device_index, cudaStream_t stream, void * workspace, size_
     if (m == 0 || n == 0) return true;   // nothing to add to
     if (k > 0) {
         cublasLtHandle_t handle = lt_handle(device_index);
-        const LtPlan     plan(handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, bias);
+        LtPlan &         plan   = plan_for(device_index, handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, bias);
         if (plan.found) {
-            plan.run(handle, stream, workspace, workspace_bytes, a, b, c, /*accumulate=*/false);
+            plan.run(handle, stream, workspace, workspace_bytes, a, b, c, /*accumulate=*/false, bias);
             return true;
         }
     }

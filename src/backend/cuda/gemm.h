@@ -9,10 +9,12 @@
 // alpha = 1, beta = accumulate ? 1 : 0. k = 0 gives c = 0 (or leaves it, accumulating). Operands are
 // often views into flat buffers, so their addresses are passed to cuBLASLt's heuristic as the alignment
 // it may assume; where it has no kernel (cuBLASLt wants 16-byte alignment for most), cublasGemmEx with the
-// same types and compute type runs the product instead. m, n, k must fit in int for that fallback.
+// same types and compute type runs the product instead. m, n, k must fit in int for that fallback. The plans
+// are cached (gemm_plan_stats): a shape seen before makes no heuristic query.
 #pragma once
 
 #include "backend/cuda/cuda_namespace.h"
+#include "backend/cuda/gemm_plans.h"
 
 #include <cuda_runtime.h>
 

@@ -16,6 +16,7 @@
 #include "runtime_internal.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -487,12 +488,19 @@ cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p
     }
 }
 
+namespace {
+std::atomic<long long> g_heuristic_calls{0};
+}  // namespace
+
+long long emu_lt_heuristic_calls() { return g_heuristic_calls.load(); }
+
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t lightHandle, cublasLtMatmulDesc_t operationDesc,
                                               cublasLtMatrixLayout_t Adesc, cublasLtMatrixLayout_t Bdesc,
                                               cublasLtMatrixLayout_t Cdesc, cublasLtMatrixLayout_t Ddesc,
                                               cublasLtMatmulPreference_t preference, int requestedAlgoCount,
                                               cublasLtMatmulHeuristicResult_t heuristicResultsArray[],
                                               int * returnAlgoCount) {
+    ++g_heuristic_calls;
     if (lightHandle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
     if (operationDesc == nullptr || Adesc == nullptr || Bdesc == nullptr || Cdesc == nullptr || Ddesc == nullptr ||
         preference == nullptr || requestedAlgoCount < 1 || heuristicResultsArray == nullptr ||

@@ -113,6 +113,10 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t lightHandle, cublasLtMatmulDesc_t
                               const cublasLtMatmulAlgo_t * algo, void * workspace, size_t workspaceSizeInBytes,
                               cudaStream_t stream);
 
+// Emulator control (not cuBLASLt): the cublasLtMatmulAlgoGetHeuristic calls this process has made, for
+// tests that hold a step to no heuristic query once its plans are cached.
+long long emu_lt_heuristic_calls();
+
 }  // namespace loom_emu
 
 using namespace loom_emu;
