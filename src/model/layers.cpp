@@ -434,7 +434,7 @@ class RingPass {
 public:
     // Around the ring of `ring` (the CP group, or a2a+p2p's outer group).
     RingPass(const ContextParallel & cp, std::initializer_list<Tensor> tensors, comm::Communicator * ring = nullptr)
-        : cp_(cp) {
+    {
         comm::Communicator & group = ring ? *ring : *cp.group;
         const int            rank = group.rank(), size = group.size();
         Device &             dev     = tensors.begin()->device();
@@ -444,6 +444,7 @@ public:
         if (overlapped_) {
             compute.record(*cp.streams->ready);
             on.wait(*cp.streams->ready);
+            done_ = dev.event_create();   // its own: another pass may be issued before this one arrives
         }
         for (const Tensor & t : tensors) {
             Tensor out = Tensor::empty(t.shape(), t.dtype(), dev, {MemoryKind::device, kActivationsPool});
@@ -452,24 +453,22 @@ public:
             recv[static_cast<size_t>((rank - 1 + size) % size)] = t.numel();
             group.all_to_all(t, send, out, recv, &on);
             received_.push_back(out);
+            sent_.push_back(t);
         }
-        if (overlapped_) on.record(*cp.streams->done);
+        if (overlapped_) on.record(*done_);
     }
     // The received tensors, in the order sent, once the compute stream may read them.
     std::vector<Tensor> arrive() {
-        if (overlapped_) received_.front().device().compute_stream().wait(*cp_.streams->done);
+        if (overlapped_) received_.front().device().compute_stream().wait(*done_);
         return received_;
     }
 
 private:
-    const ContextParallel & cp_;
     bool                    overlapped_ = false;
+    std::unique_ptr<Event>  done_;
     std::vector<Tensor>     received_;
+    std::vector<Tensor>     sent_;   // read by the CP stream until done_: kept from reuse while the pass lives
 };
-
-Tensor ring_pass(const ContextParallel & cp, const Tensor & t, comm::Communicator * ring = nullptr) {
-    return RingPass(cp, {t}, ring).arrive().front();
-}
 
 // `shape`'s queries against a separate K | V block: rows of 2 nkv d, K first.
 AttentionShape against_kv_block(AttentionShape shape) {
@@ -627,21 +626,25 @@ void SelfAttention::cp_backward(Context & ctx, const Tensor & q_k_v, const Tenso
         mine = activation(dev, n, kv_width);
         cp.group->reduce_scatter(dkv, mine, comm::ReduceOp::sum, &stream);
     } else {
-        // The ring again, each block travelling with its dK | dV: a block's gradient starts at its owner
-        // (assigned), gains each rank's share as it passes, and one last step takes it home. The keys and
-        // values move on while their gradients are computed; the gradients follow once done.
-        Tensor dkv = activation(dev, n, kv_width);
+        // The ring again, each block followed by its dK | dV: a block's gradient starts at its owner, gains
+        // each rank's share as it passes, and one last step takes it home. Both travel while attention
+        // runs: the keys and values of the next step, and the partial gradient of the block in hand, which
+        // this rank computes apart and adds once it has arrived.
+        std::optional<RingPass> partial;   // the sum so far of the block in hand's dK | dV, arriving
         for (int step = 0; step < cp.size; ++step) {
             const int peer = (cp.rank - step + cp.size) % cp.size;
             std::optional<RingPass> next_kv;
             if (step + 1 < cp.size) next_kv.emplace(cp, std::initializer_list<Tensor>{kv});
             block.k_pos = cp.positions(shape.s, peer);
+            Tensor dkv  = activation(dev, n, kv_width);
+            if (step > 0) ops.fill_zero(stream, dkv);   // dQ accumulates over the steps, this share starts at zero
             ops.attention_backward(stream, q_k_v, kv, out, d_out, ctx.lse, d_qkv, dkv, block, scale, ctx.dropout,
                                    step > 0);
+            if (partial) ops.add_inplace(stream, dkv, partial->arrive().front());
+            partial.emplace(cp, std::initializer_list<Tensor>{dkv});   // to the block's next holder, or home
             if (next_kv) kv = next_kv->arrive().front();
-            dkv = ring_pass(cp, dkv);   // to the next rank: the block's next holder, or after the last step its owner
         }
-        mine = dkv;
+        mine = partial->arrive().front();
     }
     ops.copy_columns(stream, mine, 0, d_qkv, shape.nq * shape.d, kv_width);
 }
@@ -771,14 +774,17 @@ void SelfAttention::hierarchical_backward(Context & ctx, const Tensor & q_k_v, c
     const Tensor dout_m  = exchange_heads(*cp.inner, h.ci, d_out, n, out_columns);
     Tensor       kv      = activation(dev, h.ci * n, kv_width);
     ops.copy_columns(stream, members, hs * d, kv, 0, kv_width);
-    Tensor dmembers = activation(dev, h.ci * n, block.row_stride), dkv = activation(dev, h.ci * n, kv_width);
+    Tensor dmembers = activation(dev, h.ci * n, block.row_stride);
     ops.fill_zero(stream, dmembers);
-    ops.fill_zero(stream, dkv);
     auto lse_of = [&](int i) { return ctx.lse.slice(i * shape.b * hs * shape.s, {shape.b * hs, shape.s}); };
+    // As cp_backward's ring: this step's share of the block's dK | dV apart, the partial sum arriving meanwhile.
+    std::optional<RingPass> partial;
     for (int step = 0; step < h.co; ++step) {
         const int               peer = (h.outer_rank - step + h.co) % h.co;
         std::optional<RingPass> next;
         if (step + 1 < h.co) next.emplace(cp, std::initializer_list<Tensor>{kv}, cp.outer.get());
+        Tensor dkv = activation(dev, h.ci * n, kv_width);
+        ops.fill_zero(stream, dkv);
         for (int i = 0; i < h.ci; ++i) {
             block.q_pos = cp.positions(shape.s, h.cp_rank(h.outer_rank, i));
             for (int j = 0; j < h.ci; ++j) {
@@ -788,10 +794,11 @@ void SelfAttention::hierarchical_backward(Context & ctx, const Tensor & q_k_v, c
                                        dmembers.narrow(0, i * n, n), dkv.narrow(0, j * n, n), block, scale, h.key, true);
             }
         }
+        if (partial) ops.add_inplace(stream, dkv, partial->arrive().front());
+        partial.emplace(cp, std::initializer_list<Tensor>{dkv}, cp.outer.get());   // to the next holder, or home
         if (next) kv = next->arrive().front();
-        dkv = ring_pass(cp, dkv, cp.outer.get());   // to the block's next holder, or after the last step home
     }
-    ops.copy_columns(stream, dkv, 0, dmembers, hs * d, kv_width);
+    ops.copy_columns(stream, partial->arrive().front(), 0, dmembers, hs * d, kv_width);
     exchange_heads_back(*cp.inner, h.ci, dmembers, n, h.columns, d_qkv);
 }
 
