@@ -54,7 +54,21 @@ void print_summary(const train::TrainSummary & s, Device & where) {
         std::printf("  %-12s peak %9.1f MiB   in use %9.1f MiB\n", pool.c_str(), p.peak_allocated / 1048576.0,
                     p.allocated / 1048576.0);
     }
-    if (const std::string work = where.work_summary(); !work.empty()) std::printf("%s\n", work.c_str());
+    if (s.work_end) {   // the backend counts its host work (CUDA)
+        const DeviceWork & w = *s.work_end;
+        std::printf("%s work: %lld GEMMs through %lld cached cuBLASLt plans (%lld heuristic queries)", where.name().c_str(),
+                    static_cast<long long>(w.gemms), static_cast<long long>(w.gemm_plans),
+                    static_cast<long long>(w.heuristic_queries));
+        if (s.iterations_after_warmup > 0) {
+            const DeviceWork & a = *s.work_warm;
+            const double       n = static_cast<double>(s.iterations_after_warmup);
+            std::printf("; per iteration after warm-up: %.2f host synchronisations, %.2f device allocations, %.2f "
+                        "heuristic queries",
+                        (w.host_syncs - a.host_syncs) / n, (w.device_allocations - a.device_allocations) / n,
+                        (w.heuristic_queries - a.heuristic_queries) / n);
+        }
+        std::printf("\n");
+    }
 }
 
 // The world size mpirun launched this process into (Open MPI, or a PMI launcher), else 1.

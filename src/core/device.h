@@ -18,6 +18,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace loom {
@@ -82,6 +83,13 @@ protected:
     Graph * capture_ = nullptr;   // backends record into it while it is set
 };
 
+// The host-side work a device's backend did (Device::work): host synchronisations (a stream's or an event's),
+// device allocations (the caching allocator drawing new memory from the driver), GEMMs, and the cuBLASLt
+// plans they went through with the heuristic queries that made them.
+struct DeviceWork {
+    int64_t host_syncs = 0, device_allocations = 0, gemms = 0, gemm_plans = 0, heuristic_queries = 0;
+};
+
 class Device {
 public:
     virtual ~Device() = default;
@@ -103,9 +111,9 @@ public:
     // kernels here and return; whoever reads a result on the host waits for it first.
     virtual Stream & compute_stream() = 0;
 
-    // One line on what the device's libraries did so far (the CUDA backend: its GEMMs and cached cuBLASLt
-    // plans), for the end of a run; empty where there is nothing to say.
-    virtual std::string work_summary() { return {}; }
+    // What the backend counted so far in this process, where it counts (the CUDA backend): for the end of a
+    // run's summary and for tests that hold a step to no host work.
+    virtual std::optional<DeviceWork> work() { return std::nullopt; }
 };
 
 // Test seam: LOOM_STREAM_DELAY_US=name=us[,name=us...] makes the streams of that name sleep that long

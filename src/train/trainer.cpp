@@ -690,12 +690,15 @@ TrainSummary Trainer::run(FILE * out) {
     const bool profiled   = options_.profile && (options_.profile_ranks.empty() ||
                                                 std::find(options_.profile_ranks.begin(), options_.profile_ranks.end(),
                                                           std::to_string(rank)) != options_.profile_ranks.end());
+    // Iterations that may still allocate, plan and capture: the first, and with layer graphs the capture's.
+    const int64_t warmup_iterations = options_.layer_graphs ? options_.cuda_graph_warmup_steps + 2 : 1;
     for (int64_t k = iteration_ + 1; k <= options_.train_iters; ++k) {
         if (profiled && k - 1 == options_.profile_step_start) Profiler::start();   // Megatron's window
         IterationStats stats;
         const double   loss = step(stats);
         if (Profiler::active() && k == options_.profile_step_end) write_profile(rank, k);
         summary.losses.push_back(loss);
+        if (static_cast<int64_t>(summary.losses.size()) == warmup_iterations) summary.work_warm = model_.device().work();
         window.add(loss, stats);
         IterationReport report;
         report.iteration       = k;
@@ -732,6 +735,10 @@ TrainSummary Trainer::run(FILE * out) {
         }
         summary.stopped_by = stop.after(k, seconds(), output_failure_.has_value());
         if (!summary.stopped_by.empty()) break;
+    }
+    if (summary.work_warm) {
+        summary.work_end                = model_.device().work();
+        summary.iterations_after_warmup = static_cast<int64_t>(summary.losses.size()) - warmup_iterations;
     }
     if (!options_.save.empty() && !summary.losses.empty() && !saved_last) save();
     finish_async_save(/*blocking=*/true);   // the run ends with its last checkpoint committed

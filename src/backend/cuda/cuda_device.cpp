@@ -8,6 +8,7 @@
 #include "backend/cuda/cuda_stream.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/work_counters.h"
 #include "core/graph.h"
 
 #include <nccl.h>
@@ -89,6 +90,7 @@ public:
         RelaxedCaptureMode relaxed;
         void *             ptr    = nullptr;
         cudaError_t        status = cudaMalloc(&ptr, bytes);
+        ++work_counters().device_allocations;
         if (status == cudaErrorMemoryAllocation) {
             cudaGetLastError();   // not sticky, but leave no error for the next launch check
             return nullptr;
@@ -165,10 +167,10 @@ public:
         return *compute_;
     }
 
-    std::string work_summary() override {
+    std::optional<DeviceWork> work() override {
         const GemmPlanStats g = gemm_plan_stats();
-        return "cuBLASLt: " + std::to_string(g.lookups) + " GEMMs through " + std::to_string(g.plans) +
-               " cached plans, " + std::to_string(g.heuristic_queries) + " heuristic queries";
+        return DeviceWork{work_counters().host_syncs.load(), work_counters().device_allocations.load(), g.lookups,
+                          g.plans, g.heuristic_queries};
     }
 
 private:

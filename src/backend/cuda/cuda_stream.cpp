@@ -1,6 +1,7 @@
 // The CUDA backend's Stream and Event (cuda_stream.h): a CUDA stream with Loom's host work, event
 // ordering, the per-stream GEMM workspace, and capture into CUDA graphs as core/graph.h's segments.
 #include "backend/cuda/cuda_stream.h"
+#include "backend/cuda/work_counters.h"
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_device.h"
@@ -34,6 +35,7 @@ bool CudaEvent::query() {
 
 void CudaEvent::synchronize() {
     check_not_capturing("a host wait on an event");
+    ++work_counters().host_syncs;
     LOOM_CUDA_CHECK(cudaEventSynchronize(event_));
 }
 
@@ -262,6 +264,7 @@ void CudaStream::wait(Event & event) {
 void CudaStream::synchronize() {
     check_not_capturing(("a synchronize of stream '" + name_ + "'").c_str());
     DeviceGuard guard(device_.index());
+    ++work_counters().host_syncs;
     LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
     std::exception_ptr error;
     {
