@@ -229,6 +229,32 @@ TEST(MegatronFsdp, WithContextAndExpertParallelismAndHybridShardingFollowsTheSin
     expect_follows_reference({.strategy = FsdpSharding::optim_grads, .ep = 2});
 }
 
+// The bytes one micro-batch's gradient sync moves in collectives of `kind` under `config` (Megatron-FSDP's
+// units when it is on, else Loom's DDP over the model's parameters), counted on the world.
+namespace {
+int64_t gradient_sync_bytes(const ddp::DdpConfig & config, comm::OpKind kind) {
+    const int64_t       dp     = g_mpi->world_size();
+    Device &            device = cpu::device();
+    train::TrainOptions o      = small_options(DType::f32);
+    o.global_batch_size        = dp;
+    auto            source     = train::make_batch_source(o, device, false, g_mpi->world_rank(), dp);
+    model::GptModel gpt(o.model, device);
+    gpt.init();
+    auto counting = std::make_shared<comm::CountingCommunicator>(g_mpi->world());
+    auto ddp      = config.use_megatron_fsdp
+                        ? fsdp_over(gpt, config, counting)
+                        : std::make_unique<ddp::DistributedDataParallel>(gpt.parameters(), config, counting, device);
+    if (config.use_megatron_fsdp) gpt.set_param_hooks(ddp->param_hooks());
+    ddp->zero_grad_buffer();
+    model::GptModel::Context ctx;
+    auto loss = gpt.forward(ctx, source->next());
+    gpt.backward(ctx, 1.0 / loss.count, ddp->grad_ready());
+    ddp->finish_grad_sync();
+    gpt.set_param_hooks({});
+    return counting->count(kind).bytes;
+}
+}  // namespace
+
 // --megatron-fsdp-grad-comm-dtype bf16: the gradients are rounded to bf16 for their collectives (and widened
 // after), so the f32 model follows the single-rank run within bf16's bounds, and every reduce-scatter moves
 // exactly half the bytes of the f32 run's (the counting communicator), for the sharded gradients and for the
@@ -236,29 +262,12 @@ TEST(MegatronFsdp, WithContextAndExpertParallelismAndHybridShardingFollowsTheSin
 TEST(MegatronFsdp, GradientsTravelInTheCommunicationDtype) {
     expect_follows_reference({.strategy = FsdpSharding::optim_grads_params, .overlap = true, .comm = DType::bf16});
     expect_follows_reference({.strategy = FsdpSharding::optim, .comm = DType::bf16});
-    const int64_t dp     = g_mpi->world_size();
-    Device &      device = cpu::device();
     for (FsdpSharding strategy : {FsdpSharding::optim, FsdpSharding::optim_grads_params}) {
         int64_t bytes[2] = {0, 0};
         for (DType comm : {DType::f32, DType::bf16}) {
-            train::TrainOptions o = small_options(DType::f32);
-            o.global_batch_size   = dp;
-            auto            source = train::make_batch_source(o, device, false, g_mpi->world_rank(), dp);
-            model::GptModel gpt(o.model, device);
-            gpt.init();
-            auto           counting = std::make_shared<comm::CountingCommunicator>(g_mpi->world());
-            ddp::DdpConfig config  = fsdp_config(strategy);
-            config.grad_comm_dtype = comm;
-            auto owned = fsdp_over(gpt, config, counting);
-            ddp::DistributedDataParallel & ddp = *owned;
-            gpt.set_param_hooks(ddp.param_hooks());
-            ddp.zero_grad_buffer();
-            model::GptModel::Context ctx;
-            auto loss = gpt.forward(ctx, source->next());
-            gpt.backward(ctx, 1.0 / loss.count, ddp.grad_ready());
-            ddp.finish_grad_sync();
-            bytes[comm == DType::bf16] = counting->count(comm::OpKind::reduce_scatter).bytes;
-            gpt.set_param_hooks({});
+            ddp::DdpConfig config      = fsdp_config(strategy);
+            config.grad_comm_dtype     = comm;
+            bytes[comm == DType::bf16] = gradient_sync_bytes(config, comm::OpKind::reduce_scatter);
         }
         EXPECT_GT(bytes[0], 0);
         EXPECT_EQ(bytes[1] * 2, bytes[0]) << ddp::fsdp_sharding_name(strategy) << ": half the bytes in bf16";
@@ -271,27 +280,13 @@ TEST(MegatronFsdp, GradientsTravelInTheCommunicationDtype) {
 TEST(MegatronFsdp, GradReduceInBf16HalvesDdpsAndZeroOnesCollectives) {
     expect_follows_reference({.strategy = FsdpSharding::no_shard, .comm = DType::bf16, .fsdp = false});
     expect_follows_reference({.strategy = FsdpSharding::optim, .overlap = true, .comm = DType::bf16, .fsdp = false});
-    const int64_t dp     = g_mpi->world_size();
-    Device &      device = cpu::device();
     for (bool zero1 : {false, true}) {
         int64_t bytes[2] = {0, 0};
         for (DType comm : {DType::f32, DType::bf16}) {
-            train::TrainOptions o = small_options(DType::f32);
-            o.global_batch_size   = dp;
-            auto            source = train::make_batch_source(o, device, false, g_mpi->world_rank(), dp);
-            model::GptModel gpt(o.model, device);
-            gpt.init();
-            auto           counting = std::make_shared<comm::CountingCommunicator>(g_mpi->world());
-            ddp::DdpConfig config;
+            ddp::DdpConfig config            = ddp::DdpConfig{};
             config.use_distributed_optimizer = zero1;
             config.grad_comm_dtype           = comm;
-            ddp::DistributedDataParallel ddp(gpt.parameters(), config, counting, device);
-            ddp.zero_grad_buffer();
-            model::GptModel::Context ctx;
-            auto loss = gpt.forward(ctx, source->next());
-            gpt.backward(ctx, 1.0 / loss.count, ddp.grad_ready());
-            ddp.finish_grad_sync();
-            bytes[comm == DType::bf16] = counting->count(zero1 ? comm::OpKind::reduce_scatter : comm::OpKind::all_reduce).bytes;
+            bytes[comm == DType::bf16] = gradient_sync_bytes(config, zero1 ? comm::OpKind::reduce_scatter : comm::OpKind::all_reduce);
         }
         EXPECT_GT(bytes[0], 0);
         EXPECT_EQ(bytes[1] * 2, bytes[0]) << (zero1 ? "ZeRO-1" : "DDP") << ": half the bytes in bf16";
