@@ -424,6 +424,7 @@ TEST(MegatronFsdp, EachUnitIsGatheredAroundItsUsesAndReducedOncePerMicroBatch) {
             counting->reset();
             EXPECT_TRUE(adam.step(1e-3f).stepped);
             EXPECT_EQ(counting->count(comm::OpKind::all_gather).calls, 1) << "the gradient norm only";
+            ddp.start_param_sync();   // the trainer's GradSync::start_gather
         }
         gpt.set_param_hooks({});
     }

@@ -71,7 +71,6 @@ LayerGraphRunner::LayerGraphRunner(std::vector<model::GptModel *> chunks, const 
 }
 
 LayerGraphRunner::~LayerGraphRunner() {
-    for (model::GptModel * chunk : chunks_) chunk->set_layer_graphs(nullptr, 0);
     try {
         device_.compute_stream().synchronize();   // replays in flight read the graphs' memory
     } catch (...) {
@@ -124,7 +123,6 @@ void LayerGraphRunner::capture() {
         graphs_[id] = std::move(graph);
     }
     captured_ = true;
-    for (size_t c = 0; c < chunks_.size(); ++c) chunks_[c]->set_layer_graphs(this, static_cast<int>(c));
 }
 
 size_t LayerGraphRunner::num_collective_nodes(const std::string & op) const {

@@ -3,12 +3,13 @@
 // docs/design/schedules_and_graphs.md sections 2 and 6).
 //
 //   runner(chunks, schedule, rank, s, b)    plans (graphs/planner.h): timeline T, static input sets, ...
-//   runner.capture()                        captures FWD(c, m, l) and BWD(c, m, l) for every step of T and
-//                                           installs itself on the chunks (GptModel::set_layer_graphs)
-//   executor.run(...)                       each training layer call of chunk c becomes a replay:
+//   runner.capture()                        captures FWD(c, m, l) and BWD(c, m, l) for every step of T
+//   executor.set_layer_graphs(&runner)      the executor's graph strategy (model::LayerRun::graph) for every
+//                                           layer outside a full-recompute group; each training layer call
+//                                           of chunk c becomes a replay:
 //
-//     forward(c, mb, l, x): m = mb mod Mc (mb: the executor's micro-batch, which the model passes on from its
-//                        Context::microbatch: the runner counts nothing); x and the batch's
+//     forward(c, mb, l, x): m = mb mod Mc (c, mb: the executor's chunk and micro-batch, which the model passes
+//                        on from its Context: the runner counts nothing); x and the batch's
 //                        sample ids (the dropout masks' key) are copied into the static input set the
 //                        plan gives (c, m, l) unless x already is it; FWD(c, m, l) is replayed; its output
 //                        is returned (the chunk's last layer: copied out, see below)
@@ -76,7 +77,7 @@ public:
     LayerGraphRunner(const LayerGraphRunner &)             = delete;
     LayerGraphRunner & operator=(const LayerGraphRunner &) = delete;
 
-    // Captures every graph in T order on the compute stream, then routes the chunks' layers here.
+    // Captures every graph in T order on the compute stream; then hand the runner to the executor.
     void capture();
 
     const GraphPlan & plan() const { return plan_; }

@@ -202,22 +202,21 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
     }
     // Full recompute: a group's first layer keeps its input, and every layer of the group drops what it
     // saved for backward as soon as its forward has run (backward_stage reruns the group).
-    const std::vector<std::pair<int64_t, int64_t>> groups = recompute_groups();
+    if (ctx.runs.empty()) ctx.runs = layer_runs(nullptr);
+    check_runs(ctx);
     ctx.checkpoints.assign(layers_.size(), Tensor());
-    std::vector<char> recomputed(layers_.size(), 0), group_input(layers_.size(), 0);
-    for (const auto & [begin, end] : groups) {
-        group_input[begin] = 1;
-        for (int64_t i = begin; i < end; ++i) recomputed[i] = 1;
-    }
+    std::vector<char> group_input(layers_.size(), 0);
+    for (const auto & group : recompute_groups()) group_input[group.first] = 1;
     for (size_t i = 0; i < layers_.size(); ++i) {
         call(hooks_.before_forward, [&] { return layer_params(i); });
+        const LayerRun run = ctx.runs[i];
         if (group_input[i]) ctx.checkpoints[i] = x;
-        if (layer_graphs_ && ctx.training && !recomputed[i]) {
-            x = layer_graphs_->forward(graph_chunk_, ctx.microbatch, static_cast<int64_t>(i), x, dropout_batch);
+        if (run == LayerRun::graph) {
+            x = ctx.graphs->forward(ctx.chunk, ctx.microbatch, static_cast<int64_t>(i), x, dropout_batch);
         } else {
             x = layers_[i]->forward(ctx.layers[i], x, s, b, dropout_batch);
         }
-        if (recomputed[i]) ctx.layers[i] = TransformerLayer::Context{};
+        if (run == LayerRun::recompute) ctx.layers[i] = TransformerLayer::Context{};
         call(hooks_.after_forward, [&] { return layer_params(i); });
     }
     if (!stage_.post_process) {
@@ -300,10 +299,9 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
             }
             ctx.checkpoints[begin] = Tensor();
         }
-        const bool recomputed = std::any_of(groups.begin(), groups.end(), [i](const auto & g) { return g.first <= i && i < g.second; });
         call(hooks_.before_backward, [&] { return layer_params(static_cast<size_t>(i)); });
-        if (layer_graphs_ && ctx.training && !recomputed) {
-            dx = layer_graphs_->backward(graph_chunk_, ctx.microbatch, i, dx, ready);
+        if (ctx.runs[static_cast<size_t>(i)] == LayerRun::graph) {
+            dx = ctx.graphs->backward(ctx.chunk, ctx.microbatch, i, dx, ready);
         } else {
             dx = layers_[i]->backward(ctx.layers[i], dx, ready);
         }
@@ -370,6 +368,28 @@ std::vector<std::pair<int64_t, int64_t>> GptModel::recompute_groups() const {
         for (int64_t i = 0; i < std::min(n, layers); ++i) groups.emplace_back(i, i + 1);
     }
     return groups;
+}
+
+std::vector<LayerRun> GptModel::layer_runs(const LayerGraphs * graphs) const {
+    std::vector<LayerRun> runs(layers_.size(), graphs ? LayerRun::graph : LayerRun::eager);
+    for (const auto & [begin, end] : recompute_groups()) {
+        for (int64_t i = begin; i < end; ++i) runs[static_cast<size_t>(i)] = LayerRun::recompute;
+    }
+    return runs;
+}
+
+void GptModel::check_runs(const Context & ctx) const {
+    LOOM_CHECK(ctx.runs.size() == layers_.size(),
+               "layer strategies for " << ctx.runs.size() << " layers on a chunk of " << layers_.size(), "");
+    const std::vector<LayerRun> expected = layer_runs(nullptr);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+        // Backward reruns recompute_groups(): the forward must have dropped exactly those layers' contexts.
+        LOOM_CHECK((ctx.runs[i] == LayerRun::recompute) == (expected[i] == LayerRun::recompute),
+                   "layer " << i << " of the chunk is " << (expected[i] == LayerRun::recompute ? "" : "not ")
+                            << "in a full-recompute group, and its strategy says otherwise", "");
+        LOOM_CHECK(ctx.runs[i] != LayerRun::graph || (ctx.graphs && ctx.training),
+                   "layer " << i << " is to replay a graph " << (ctx.training ? "without graphs" : "in an evaluation pass"), "");
+    }
 }
 
 int64_t GptModel::local_valid_vocab() const {

@@ -48,11 +48,17 @@ struct PipelineStage {
     bool    post_process = true;
 };
 
-// Per-layer graphs (graphs/layer_graph_runner.h) a chunk's training forward and backward run its layers
-// through instead of calling them: layer i of chunk `chunk` for micro-batch `microbatch` of the iteration
-// (the executor's, Context::microbatch) on input x (or output gradient dy). The runner maps each call to
-// the graph captured for it, copies the inputs into the graph's static buffers and replays; evaluation and
-// recomputed layers never reach it.
+// How a training pass runs one layer of a chunk: eagerly (the layer's forward keeps its context for its
+// backward), recomputed (full recompute: the forward drops what it saved and the backward reruns the layer's
+// group from the group's input, model/gpt_model.h recompute_groups), or as a graph replay (LayerGraphs).
+// The pipeline executor chooses, per (chunk, micro-batch), from GptModel::layer_runs, and hands the choice
+// and the graphs over in the Context; the model only carries it out.
+enum class LayerRun : uint8_t { eager, recompute, graph };
+
+// Per-layer graphs (graphs/layer_graph_runner.h), the graph strategy: layer i of chunk `chunk` for micro-batch
+// `microbatch` of the iteration (Context::chunk and Context::microbatch, the executor's) on input x (or
+// output gradient dy). The runner maps each call to the graph captured for it, copies the inputs into the
+// graph's static buffers and replays; evaluation and recomputed layers never reach it.
 class LayerGraphs {
 public:
     virtual ~LayerGraphs() = default;
@@ -84,7 +90,11 @@ public:
         Tensor                                 lse;            // (s*b)
         Tensor                                 token_loss;     // (s*b)
         int64_t                                s = 0, b = 0;
+        int                                    chunk      = 0;   // the executor's chunk index on this rank
         int                                    microbatch = 0;   // its index in the iteration (the executor's)
+        // How each layer runs (empty: layer_runs(nullptr)); the executor sets both for training passes.
+        std::vector<LayerRun>                  runs;
+        LayerGraphs *                          graphs = nullptr;   // the replays of LayerRun::graph layers
         LossSum                                loss;           // last stage: this micro-batch's loss
         bool                                   training = true;   // false: evaluation, no dropout
         Dropout                                embedding_dropout;
@@ -122,6 +132,9 @@ public:
     // The layer groups this chunk recomputes (full recompute), as [begin, end) of its local layer indices;
     // empty without. The layers outside every group keep their activations.
     std::vector<std::pair<int64_t, int64_t>> recompute_groups() const;
+    // Each layer's strategy for a training pass: recompute inside recompute_groups(), else a graph replay
+    // where `graphs` holds them (non-null), else eager.
+    std::vector<LayerRun> layer_runs(const LayerGraphs * graphs) const;
 
     // Every parameter, in a fixed order (embedding first, output last).
     std::vector<Parameter *> parameters();
@@ -136,11 +149,6 @@ public:
     // back sharded values there, and makes gradient buckets whole before a backward. A full-recompute
     // group's modules get before_backward before their forward runs again. Unset hooks are skipped.
     void set_param_hooks(ParamHooks hooks) { hooks_ = std::move(hooks); }
-    // Training forwards and backwards run the layers through `graphs` as its chunk `chunk` (null: eager).
-    void set_layer_graphs(LayerGraphs * graphs, int chunk) {
-        layer_graphs_ = graphs;
-        graph_chunk_  = chunk;
-    }
     int64_t            num_layers() const { return static_cast<int64_t>(layers_.size()); }
     // MoE (--num-experts): the factor the router's aux and z losses' gradients are scaled by (Megatron's
     // MoEAuxLossAutoScaler: 1 / the number of micro-batches, as the lm loss is averaged over them).
@@ -182,6 +190,9 @@ private:
     // How many of this rank's vocabulary columns are real tokens (the rest is padding).
     int64_t local_valid_vocab() const;
     void    vocab_parallel_cross_entropy(Context & ctx);
+    // ctx.runs is one strategy per layer, recomputes exactly recompute_groups() and replays only with graphs
+    // in a training pass.
+    void    check_runs(const Context & ctx) const;
     ParamHooks                                     hooks_;
     // The hook with the module's parameters, listed only when the hook is set (the hot path has none).
     template <class Params> static void call(const ParamHooks::Fn & hook, Params && params) {
@@ -190,8 +201,6 @@ private:
     std::vector<Parameter *> embedding_params();
     std::vector<Parameter *> layer_params(size_t i);
     std::vector<Parameter *> output_params();
-    LayerGraphs *                                  layer_graphs_ = nullptr;
-    int                                            graph_chunk_  = 0;
 };
 
 }  // namespace loom::model

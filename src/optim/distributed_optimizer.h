@@ -10,8 +10,9 @@
 //   - AdamW on each piece with its parameter's weight decay: a bf16 parameter's piece updates its f32
 //     master and writes the rounded value into the param buffer in the same pass, an f32 parameter's
 //     piece updates the param buffer in place (it is its own master);
-//   - then DDP's start_param_sync() all-gathers the updated shards (now, or lazily before each layer's
-//     forward with --overlap-param-gather), after the compute stream's update.
+//   - the step leaves the gather to its caller: DDP's start_param_sync() all-gathers the updated shards
+//     (now, or lazily before each layer's forward with --overlap-param-gather), after the compute stream's
+//     update; the trainer calls it through train/grad_sync.h.
 // The pieces are the slots of the Adam state in section 2.3's order (the default-weight-decay group, then
 // the no-decay group; in each, f32-native pieces before 16-bit ones; then buffer -> bucket -> shard-range
 // order), which decides what --optimizer-cpu-offload's fraction offloads: a prefix of this rank's local
@@ -39,8 +40,6 @@ public:
     int64_t owned_numel() const { return owned_; }
 
 private:
-    void after_step() override { ddp_.start_param_sync(); }
-
     ddp::DistributedDataParallel & ddp_;
     int64_t                        owned_ = 0;
 };

@@ -105,7 +105,6 @@ StepResult Optimizer::step(float lr, std::optional<float> decoupled_lr, float gr
     if (coeff != 1.0f) scale_grads(views_, coeff);
     state_->step(lr, &params_.front()->data.device().compute_stream(), decoupled_lr);
     result.stepped = true;
-    after_step();
     return result;
 }
 

@@ -108,7 +108,6 @@ protected:
     // slot starts in it) and the views the norm reads.
     void         init(std::vector<HybridSlot> slots, std::vector<int> slot_params, std::vector<int64_t> slot_offsets,
                       std::vector<GradView> views);
-    virtual void after_step() {}
 
 private:
     std::vector<model::Parameter *>        params_;

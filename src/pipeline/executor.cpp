@@ -25,6 +25,7 @@ PipelineExecutor::PipelineExecutor(std::vector<model::GptModel *> chunks,
         if (group_size > 0) options_.microbatch_group_size = group_size;
     }
     validate_schedule(options_);
+    set_layer_graphs(nullptr);
     ops_       = schedule_ops(options_, rank_);
     plan_      = p2p_plan(options_, rank_, ops_);
     eval_plan_ = p2p_plan(options_, rank_, evaluation_ops(num_microbatches, static_cast<int>(chunks_.size())));
@@ -86,6 +87,12 @@ void PipelineExecutor::connect_channels() {
             it->second.comm->recv(t, it->second.peer, 0)->wait();
         }
     }
+}
+
+void PipelineExecutor::set_layer_graphs(model::LayerGraphs * graphs) {
+    graphs_ = graphs;
+    runs_.clear();
+    for (const model::GptModel * chunk : chunks_) runs_.push_back(chunk->layer_runs(graphs));
 }
 
 PipelineExecutor::Result PipelineExecutor::run(const std::function<model::MicroBatch()> & next_batch,
@@ -169,7 +176,12 @@ PipelineExecutor::Result PipelineExecutor::execute(const P2PPlan & plan, bool fo
             }
             InFlight & slot = in_flight[{c, mb}];
             slot.ctx.training   = !forward_only;   // validation drops nothing out
-            slot.ctx.microbatch = mb;              // the layer graphs' (chunk, micro-batch, layer)
+            slot.ctx.chunk      = c;               // the layer graphs' (chunk, micro-batch, layer)
+            slot.ctx.microbatch = mb;
+            if (!forward_only) {
+                slot.ctx.runs   = runs_[static_cast<size_t>(c)];
+                slot.ctx.graphs = graphs_;
+            }
             start           = ms_since_begin();
             Tensor out      = model.forward_stage(slot.ctx, batch, input);
             if (v == stages - 1) {

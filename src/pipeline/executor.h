@@ -78,6 +78,10 @@ public:
     // The loss scale run()'s backward passes start from (optim/loss_scaler.h; 1 without one): each
     // micro-batch's loss gradient is multiplied by it.
     void   set_loss_scale(double scale) { loss_scale_ = scale; }
+    // The strategy run() gives each chunk's layers (model::LayerRun): with `graphs` (captured for this
+    // schedule; null: none) every layer outside a full-recompute group replays its graph, else runs eagerly.
+    // Evaluation always runs eagerly.
+    void   set_layer_graphs(model::LayerGraphs * graphs);
 
     const std::vector<ScheduleOp> & ops() const { return ops_; }
     const P2PPlan &                 plan() const { return plan_; }
@@ -112,6 +116,8 @@ private:
     int                                 rank_ = 0;
     int                                 microbatches_;
     double                              loss_scale_ = 1.0;
+    model::LayerGraphs *                graphs_     = nullptr;
+    std::vector<std::vector<model::LayerRun>> runs_;   // [chunk] each layer's strategy in run()
     ScheduleOptions                     options_;
     std::vector<ScheduleOp>             ops_;
     P2PPlan                             plan_;        // run(): the schedule's ops

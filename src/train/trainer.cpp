@@ -5,7 +5,6 @@
 #include "core/atomic_file.h"
 #include "core/fault_injection.h"
 #include "core/profiler.h"
-#include "ddp/finalize_grads.h"
 #include "model/moe/router.h"
 #include "train/progress_log.h"
 #include "train/stop_policy.h"
@@ -40,11 +39,12 @@ Trainer::Trainer(const TrainOptions & options, Setup & setup, BatchSource & data
 
 Trainer::Trainer(const TrainOptions & options, std::unique_ptr<Setup> owned, Setup * setup, BatchSource & data)
     : options_(options), own_setup_(std::move(owned)), setup_(setup ? *setup : *own_setup_),
-      model_(*setup_.chunks.at(0)), data_(data), params_(setup_.parameters()) {
+      model_(*setup_.chunks.at(0)), data_(data), params_(setup_.parameters()),
+      sync_(setup_.ddp.get(), setup_.chunks, params_,
+            ddp::FinalizeGroups{setup_.groups.embedding.get(), setup_.groups.tp.get()}, model_.device()) {
     if (setup_.groups.pp && setup_.groups.pp->size() > 1) stages_ = setup_.groups.pp.get();
     // One executor for every layout: without a pipeline group it runs forward/backward per micro-batch.
     // Its transfers go over the pipeline's channel communicators, built next to the pipeline group.
-    if (setup_.ddp) grad_ready_ = setup_.ddp->grad_ready();
     scheduler_.schedule    = options.lr_schedule();
     {
         comm::Communicator * everyone = setup_.all_ranks();
@@ -135,6 +135,7 @@ void Trainer::follow_batch_schedule() {
     global_batch_ = batch;
     microbatches_ = batch / (options_.micro_batch_size * options_.parallel.dp());
     executor_     = make_executor(microbatches_);
+    executor_->set_layer_graphs(layer_graphs_.get());
     for (model::GptModel * chunk : setup_.chunks) {
         chunk->set_moe_aux_loss_scale(1.0f / static_cast<float>(microbatches_));
     }
@@ -209,7 +210,7 @@ void BatchSource::set_consumed_samples(int64_t consumed) {
 Trainer::~Trainer() {
     // Whoever reads the model next sees it whole (a lazy parameter all-gather finished) and stepped.
     try {
-        if (setup_.ddp) setup_.ddp->finish_param_sync();
+        sync_.whole();
         model_.device().compute_stream().synchronize();
     } catch (...) {
     }
@@ -225,11 +226,10 @@ double Trainer::step(IterationStats & stats) {
     const int64_t before   = consumed_;
     const double  loss_sum = run_with_reruns(stats, before);
     consumed_ += global_batch_;
-    timed(1, [&] {
-        ddp::finalize_grads(setup_.ddp.get(), params_,
-                            ddp::FinalizeGroups{setup_.groups.embedding.get(), setup_.groups.tp.get()}, model_.device());
-    });
+    timed(1, [&] { sync_.finish(); });
     const optim::StepResult result = optimizer_step(stats);
+    if (result.stepped) sync_.start_gather();
+    optimizer_stats(stats);
     stats.iteration         = iteration_;
     stats.consumed_samples  = consumed_;
     stats.learning_rate     = scheduler_.schedule.lr_at_step(scheduler_.num_steps);
@@ -292,11 +292,6 @@ optim::StepResult Trainer::optimizer_step(IterationStats & stats) {
                                         scaler_ ? scaler_->inv_scale() : 1.0f);
         if (options_.timing_log_level >= 1) model_.device().compute_stream().synchronize();   // the step itself
     });
-    if (options_.log_num_zeros_in_grad) stats.num_zeros = setup_.optimizer->count_zeros();
-    if (options_.log_params_norm) {
-        if (setup_.ddp) setup_.ddp->finish_param_sync();   // the values whole: pending or sharded gathers done
-        stats.params_norm = setup_.optimizer->params_norm();
-    }
     if (!result.stepped) {
         // Every rank computed the same norm, so every rank stops here together.
         if (options_.check_for_nan_in_loss_and_grad) {
@@ -311,6 +306,14 @@ optim::StepResult Trainer::optimizer_step(IterationStats & stats) {
         scheduler_.num_steps += static_cast<double>(global_batch_);
     }
     return result;
+}
+
+void Trainer::optimizer_stats(IterationStats & stats) {
+    if (options_.log_num_zeros_in_grad) stats.num_zeros = setup_.optimizer->count_zeros();
+    if (options_.log_params_norm) {
+        sync_.whole();   // the values whole: pending or sharded gathers done
+        stats.params_norm = setup_.optimizer->params_norm();
+    }
 }
 
 void Trainer::timed(int timer, const std::function<void()> & work) {
@@ -333,11 +336,7 @@ void Trainer::begin_iteration() {
         v.front() += 1.0f;
         write_values_f32(params_.front()->data, v);
     }
-    if (setup_.ddp) {
-        setup_.ddp->zero_grad_buffer();
-    } else {
-        for (model::GptModel * chunk : setup_.chunks) chunk->zero_grad();
-    }
+    sync_.begin();
     for (model::GptModel * chunk : setup_.chunks) chunk->reset_moe_global_counts();
     if (options_.layer_graphs && !layer_graphs_ && iteration_ - 1 - start_iteration_ == options_.cuda_graph_warmup_steps) {
         // After the eager warm-up iterations, before this one (Megatron's create_cudagraphs): capture runs
@@ -349,18 +348,17 @@ void Trainer::begin_iteration() {
                                                                    graphs::LayerGraphScope{options_.graph_moe_router,
                                                                                            options_.graph_moe_preprocess});
         layer_graphs_->capture();
+        executor_->set_layer_graphs(layer_graphs_.get());
     }
 }
 
 pipeline::PipelineExecutor::Result Trainer::run_schedule(IterationStats & stats) {
-    ddp::DistributedDataParallel * d = setup_.ddp.get();
     // --timeline draws the last iteration as measured.
     const bool drawn = stages_ && !options_.timeline_file.empty() && iteration_ == options_.train_iters;
     pipeline::PipelineExecutor::Result r;
     timed(0, [&] {
         if (drawn) stages_->barrier()->wait();   // the stages start the drawn iteration together
-        r = executor_->run([this] { return data_.next(); }, grad_ready_,
-                           d ? std::function<void(bool)>([d](bool last) { d->set_last_microbatch(last); }) : nullptr);
+        r = executor_->run([this] { return data_.next(); }, sync_.ready(), sync_.last());
         sum_losses_over_context(r);
         peak_in_flight_  = std::max(peak_in_flight_, r.peak_in_flight);
         moe_losses(stats);   // run() waited for the stream
@@ -377,17 +375,12 @@ pipeline::PipelineExecutor::Result Trainer::run_schedule(IterationStats & stats)
 }
 
 void Trainer::restart_iteration(int64_t consumed_before) {
-    if (setup_.ddp) {
-        setup_.ddp->finish_grad_sync();   // the first run's reductions, before their buffers are zeroed
-        setup_.ddp->zero_grad_buffer();
-    } else {
-        for (model::GptModel * chunk : setup_.chunks) chunk->zero_grad();
-    }
+    sync_.restart();
     data_.set_consumed_samples(consumed_before);   // the same batch again
 }
 
 void Trainer::check_weight_hashes(int64_t iteration) {
-    if (setup_.ddp) setup_.ddp->finish_param_sync();   // every replica's gathered weights
+    sync_.whole();   // every replica's gathered weights
     model_.device().compute_stream().synchronize();     // the last step has written them (values_f32 reads
                                                         // host memory as it is)
     comm::Communicator * everyone = setup_.all_ranks();
@@ -610,7 +603,7 @@ void Trainer::save_for_rerun(int64_t consumed_before) {
     if (options_.save.empty()) {
         return;   // the exit's message says so
     }
-    if (setup_.ddp) setup_.ddp->finish_grad_sync();
+    sync_.wait_reductions();
     // Every rank's state: each holds its own failed validation (Megatron's per-rank ShardedObject).
     nlohmann::json       states   = nlohmann::json::array({rerun_->state_dict()});
     comm::Communicator * everyone = setup_.all_ranks();

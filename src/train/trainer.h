@@ -20,6 +20,7 @@
 #include "graphs/layer_graph_runner.h"
 #include "pipeline/executor.h"
 #include "train/checkpointing.h"
+#include "train/grad_sync.h"
 #include "train/options.h"
 #include "train/setup.h"
 #include "train/reporting.h"
@@ -109,7 +110,7 @@ private:
     model::GptModel &                           model_;   // the first chunk
     BatchSource &                               data_;
     std::vector<model::Parameter *>             params_;
-    model::GradReadyFn                          grad_ready_;
+    GradSync                                    sync_;   // every call into data parallelism
     comm::Communicator *                        stages_ = nullptr;   // the pipeline group, with more than one stage
     std::unique_ptr<pipeline::PipelineExecutor> executor_;   // every layout, one stage included
     std::unique_ptr<pipeline::PipelineExecutor> eval_executor_;   // --eval-global-batch-size's micro-batches
@@ -173,6 +174,8 @@ private:
     void              apply_loss_scale();
     double            run_with_reruns(IterationStats & stats, int64_t consumed_before);
     optim::StepResult optimizer_step(IterationStats & stats);
+    // --log-num-zeros-in-grad and --log-params-norm after the step (the latter once the gathers are done).
+    void              optimizer_stats(IterationStats & stats);
     // The sum of the micro-batches' mean losses; throws on a non-finite one (--check-for-nan-in-loss-and-grad).
     double checked_loss_sum(const pipeline::PipelineExecutor::Result & r) const;
     // Context parallelism: each rank's loss sums cover its positions; this sums them over the CP group, so
