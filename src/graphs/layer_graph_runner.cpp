@@ -42,11 +42,11 @@ LayerGraphRunner::LayerGraphRunner(std::vector<model::GptModel *> chunks, const 
         grad_outputs_.push_back(Tensor::zeros({rows_, hidden_}, DType::f32, device_, static_pool));
     }
     LOOM_CHECK(!scope_.moe_preprocess || scope_.moe_router, "moe_preprocess cuda graph is only supported with moe_router cuda graph.", "");
-    bool any_split = false;
+    const model::TransformerLayer * split_layer = nullptr;   // any layer captured up to its router
     for (size_t c = 0; c < chunks_.size(); ++c) {
         for (int64_t l = 0; l < chunks_[c]->num_layers(); ++l) {
             const model::TransformerLayer & layer = chunks_[c]->layer(l);
-            any_split = any_split || split(static_cast<int>(c), l);
+            if (split(static_cast<int>(c), l)) split_layer = &layer;
             LOOM_CHECK(!scope_.moe_router || layer.moe, "--cuda-graph-modules moe_router with dense layer " << layer.index,
                        "Loom captures part of a layer only for MoE layers: make every layer MoE (--moe-layer-freq 1)");
             LOOM_CHECK(!layer.moe || scope_.moe_router || (config.moe.drops() && config.moe.pad_to_capacity),
@@ -55,12 +55,12 @@ LayerGraphRunner::LayerGraphRunner(std::vector<model::GptModel *> chunks, const 
                        "and --moe-pad-expert-input-to-capacity, or capture up to the router (--cuda-graph-modules attn moe_router)");
         }
     }
-    if (any_split) {
-        segment_grad_hidden_   = Tensor::zeros({rows_, hidden_}, DType::f32, device_, static_pool);
-        segment_grad_residual_ = Tensor::zeros({rows_, hidden_}, DType::f32, device_, static_pool);
-        segment_grad_probs_    = Tensor::zeros({rows_, config.moe.topk}, DType::f32, device_, static_pool);
+    if (split_layer) {   // every split layer's head takes gradients of the same shapes
+        for (const std::vector<int64_t> & shape : split_layer->head_grad_shapes(rows_)) {
+            head_grads_.push_back(Tensor::zeros(shape, DType::f32, device_, static_pool));
+        }
     }
-    segment_outputs_.resize(static_cast<size_t>(plan_.num_graphs));
+    head_outputs_.resize(static_cast<size_t>(plan_.num_graphs));
     iota_ids_ = Tensor::empty({b_}, DType::i64, device_, static_pool);
     Tensor iota = Tensor::empty({b_}, DType::i64, device_, {host_filled_kind(device_)});
     std::iota(iota.data<int64_t>(), iota.data<int64_t>() + b_, int64_t{0});
@@ -95,11 +95,8 @@ void LayerGraphRunner::capture() {
                                             chunks_[0]->context_parallel().positions(s_)};
             const Tensor &            x = set_inputs_[step.input_set];
             if (split_layer) {
-                const model::TransformerLayer::MoeSegment out =
-                    layer.forward_graphable(*contexts[id], x, s_, b_, batch, scope_.moe_preprocess);
-                for (const Tensor * t : {&out.hidden, &out.residual, &out.top_idx, &out.probs, &out.plan_probs, &out.row_of,
-                                         &out.token_of_row, &out.tokens_per_expert}) {
-                    segment_outputs_[id].push_back(graph->hold(*t));
+                for (const Tensor & t : layer.forward_head(*contexts[id], x, s_, b_, batch, scope_.moe_preprocess)) {
+                    head_outputs_[id].push_back(graph->hold(t));
                 }
             } else {
                 outputs_[id] = graph->hold(layer.forward(*contexts[id], x, s_, b_, batch));
@@ -109,8 +106,7 @@ void LayerGraphRunner::capture() {
             std::vector<model::Parameter *> & order = ready_order_[id];
             const model::GradReadyFn record = [&order](model::Parameter & p) { order.push_back(&p); };
             if (split_layer) {
-                const model::TransformerLayer::MoeSegmentGrad grad{segment_grad_hidden_, segment_grad_probs_, segment_grad_residual_};
-                outputs_[id] = graph->hold(layer.backward_graphable(*contexts[forward_id], grad, record));
+                outputs_[id] = graph->hold(layer.backward_head(*contexts[forward_id], head_grads_, record));
             } else {
                 outputs_[id] = graph->hold(layer.backward(*contexts[forward_id], grad_outputs_[step.grad_output_buffer], record));
             }
@@ -164,20 +160,19 @@ Tensor LayerGraphRunner::forward(int chunk, int microbatch, int64_t layer, const
     const Graph & graph = *graphs_[static_cast<size_t>(step.graph_id)];
     graph.replay(stream);
     if (split(chunk, layer)) {
-        // The graphable segment's outputs, copied out before any later graph can reuse their blocks; the
-        // eager segment runs from them with this micro-batch's routing.
-        auto copy_out = [&](size_t i) {
-            const Tensor & held = graph.held(segment_outputs_[static_cast<size_t>(step.graph_id)][i]);
-            if (!held.defined()) return Tensor();
-            Tensor out = Tensor::empty(held.shape(), held.dtype(), device_, {MemoryKind::device, kActivationsPool});
-            ops.copy(stream, held, out);
-            return out;
-        };
-        const model::TransformerLayer::MoeSegment segment{copy_out(0), copy_out(1), copy_out(2), copy_out(3),
-                                                          copy_out(4), copy_out(5), copy_out(6), copy_out(7)};
+        // The head's outputs, copied out before any later graph can reuse their blocks; the tail runs
+        // eagerly from them with this micro-batch's routing.
+        std::vector<Tensor> head;
+        for (const size_t i : head_outputs_[static_cast<size_t>(step.graph_id)]) {
+            const Tensor & held = graph.held(i);
+            head.push_back(held.defined() ? Tensor::empty(held.shape(), held.dtype(), device_,
+                                                          {MemoryKind::device, kActivationsPool})
+                                          : Tensor());
+            if (held.defined()) ops.copy(stream, held, head.back());
+        }
         EagerSegment & eager = eager_[{chunk, step.microbatch, layer}];
         eager                = EagerSegment{};
-        return chunks_[c]->layer(layer).forward_eager(eager.ctx, segment, s_, b_, batch);
+        return chunks_[c]->layer(layer).forward_tail(eager.ctx, head, s_, b_, batch);
     }
     const Tensor & y = graph.held(outputs_[static_cast<size_t>(step.graph_id)]);
     if (layer + 1 < chunks_[c]->num_layers()) return y;   // copied into the next layer's input before it replays
@@ -196,16 +191,15 @@ Tensor LayerGraphRunner::backward(int chunk, int microbatch, int64_t layer, cons
     Ops &          ops         = device_.ops();
     Stream &       stream      = device_.compute_stream();
     if (split(chunk, layer)) {
-        // The eager segment's backward first (the experts' parameters report ready from it), then its
-        // gradients of the graphable outputs into the shared buffers.
+        // The tail's backward first (the experts' parameters report ready from it), then its gradients of
+        // the head's outputs into the buffers every head's BWD graph reads.
         auto it = eager_.find({chunk, step.microbatch, layer});
         LOOM_CHECK(it != eager_.end(), "the backward of " << step_label(step) << " without its forward", "");
-        const model::TransformerLayer::MoeSegmentGrad grad =
-            chunks_[c]->layer(layer).backward_eager(it->second.ctx, dy.view({rows_, hidden_}), ready);
+        const std::vector<Tensor> grads = chunks_[c]->layer(layer).backward_tail(it->second.ctx, dy.view({rows_, hidden_}), ready);
         eager_.erase(it);
-        ops.copy(stream, grad.hidden, segment_grad_hidden_);
-        ops.copy(stream, grad.probs, segment_grad_probs_);
-        ops.copy(stream, grad.residual, segment_grad_residual_);
+        LOOM_CHECK(grads.size() == head_grads_.size(), "the tail of " << step_label(step) << " gave " << grads.size()
+                                                                      << " gradients for " << head_grads_.size() << " buffers", "");
+        for (size_t i = 0; i < grads.size(); ++i) ops.copy(stream, grads[i], head_grads_[i]);
     } else {
         const Tensor & grad_output = grad_outputs_[step.grad_output_buffer];
         if (dy.data_ptr() != grad_output.data_ptr()) ops.copy(stream, dy.view({rows_, hidden_}), grad_output);

@@ -31,14 +31,15 @@
 // activations, because a point-to-point send reads them after later graphs have run.
 //
 // MoE partial capture (--cuda-graph-modules attn moe_router [moe_preprocess]; section 6.6): a MoE layer's
-// graphs cover its graphable segment only (TransformerLayer::forward_graphable: attention, norm2, the
-// router, and with moe_preprocess the dispatch plan), whose outputs are fixed-size (hidden, residual,
-// top-k ids and probabilities, the plan's tensors). After the FWD replay they are copied out, and the eager
-// segment runs outside any graph: the host reads each expert's row count once the stream has computed the
-// routing, then the dispatch, experts and combine run with the routing of this very micro-batch (a captured
-// dispatch would replay the routing of the capture). Backward runs the eager segment first; its gradients
-// of the graphable outputs go into the grad-output buffers (hidden, probabilities, residual) and the BWD
-// graph replays. The eager segment's context is kept per (chunk, micro-batch, layer) until its backward.
+// graphs cover its head only (TransformerLayer::forward_head: attention, norm2, the router, and with
+// moe_preprocess the dispatch plan), whose outputs are fixed-size; the runner holds them as a list and knows
+// nothing of what they are (the MoE layer does: MoELayer::router_outputs). After the FWD replay they are
+// copied out, and the tail runs outside any graph: the host reads each expert's row count once the stream
+// has computed the routing, then the dispatch, experts and combine run with the routing of this very
+// micro-batch (a captured dispatch would replay the routing of the capture). Backward runs the tail first;
+// its gradients of the head's outputs go into the buffers every head's BWD graph reads
+// (TransformerLayer::head_grad_shapes) and the BWD graph replays. The tail's context is kept per (chunk,
+// micro-batch, layer) until its backward.
 //
 // During capture nothing runs: parameters, main_grad and the optimizer's state are untouched, DDP's hooks
 // are not called (the backward reports go to a recorder), and a collective inside a layer (tensor
@@ -98,8 +99,7 @@ private:
     const GraphStep & expect_step(GraphKind kind, int chunk, int m, int layer);
     bool split(int chunk, int64_t layer) const;   // a MoE layer captured up to its router
 
-    // A split layer's FWD graph outputs (held indices, MoeSegment's order) and its eager segment's state.
-    static constexpr size_t kSegmentOutputs = 8;
+    // A split layer's tail: its eager context, from its forward to its backward.
     struct EagerSegment {
         model::TransformerLayer::Context ctx;
     };
@@ -111,10 +111,10 @@ private:
     std::vector<Tensor>                      set_inputs_;       // [P1 set] X (rows, h) f32
     std::vector<Tensor>                      set_sample_ids_;   // [P1 set] (b) i64
     std::vector<Tensor>                      grad_outputs_;     // [P2 buffer] dY (rows, h) f32
-    // Split layers' grad-output buffers, shared by all their BWD graphs: d hidden, d probs, d residual.
-    Tensor                                   segment_grad_hidden_, segment_grad_probs_, segment_grad_residual_;
+    // Split layers' grad-output buffers, shared by all their BWD graphs (TransformerLayer::head_grad_shapes).
+    std::vector<Tensor>                      head_grads_;
     Scope                                    scope_;
-    std::vector<std::vector<size_t>>         segment_outputs_;  // [graph id] split FWD: held indices
+    std::vector<std::vector<size_t>>         head_outputs_;     // [graph id] split FWD: the head's held outputs
     std::map<std::tuple<int, int, int64_t>, EagerSegment> eager_;   // (chunk, m, layer) in flight
     Tensor                                   iota_ids_;         // 0 .. b-1: a batch without sample ids
     std::vector<std::unique_ptr<Graph>>      graphs_;           // [graph id]

@@ -59,7 +59,7 @@ void TransformerLayer::parameters(std::vector<Parameter *> & out) {
 }
 
 Tensor TransformerLayer::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const DropoutBatch & batch) {
-    if (moe) return forward_eager(ctx, forward_graphable(ctx, x, s, b, batch, true), s, b, batch);
+    if (moe) return forward_tail(ctx, forward_head(ctx, x, s, b, batch, true), s, b, batch);
     Ops &            ops    = x.device().ops();
     Stream &         stream = x.device().compute_stream();
     const Tensor     h1     = attention_block(ctx, x, s, b, batch);
@@ -84,54 +84,39 @@ Tensor TransformerLayer::attention_block(Context & ctx, const Tensor & x, int64_
     return h1;
 }
 
-TransformerLayer::MoeSegment TransformerLayer::forward_graphable(Context & ctx, const Tensor & x, int64_t s, int64_t b,
-                                                                 const DropoutBatch & batch, bool preprocess) {
+std::vector<Tensor> TransformerLayer::forward_head(Context & ctx, const Tensor & x, int64_t s, int64_t b,
+                                                   const DropoutBatch & batch, bool with_plan) {
     LOOM_CHECK(moe, "the MoE segments of dense layer " << index, "");
-    Ops &      ops    = x.device().ops();
-    Stream &   stream = x.device().compute_stream();
-    MoeSegment out;
-    out.residual = attention_block(ctx, x, s, b, batch);
-    out.hidden   = norm2.forward(ctx.norm2, out.residual, &x);   // residual = x + attn, fused into norm2
-    ctx.moe      = std::make_shared<MoeLayerContext>();
-    moe->forward_router(*ctx.moe, out.hidden, b, batch.training, preprocess);
+    Ops &        ops      = x.device().ops();
+    Stream &     stream   = x.device().compute_stream();
+    const Tensor residual = attention_block(ctx, x, s, b, batch);
+    const Tensor hidden   = norm2.forward(ctx.norm2, residual, &x);   // residual = x + attn, fused into norm2
+    ctx.moe               = std::make_shared<MoeLayerContext>();
+    moe->forward_router(*ctx.moe, hidden, b, batch.training, with_plan);
     if (batch.training) ops.add_inplace(stream, moe_losses, ctx.moe->router.losses);
-    out.top_idx = ctx.moe->router.top_idx;
-    out.probs   = ctx.moe->router.probs;
-    if (preprocess) {
-        out.plan_probs        = ctx.moe->plan.probs;
-        out.row_of            = ctx.moe->plan.row_of;
-        out.token_of_row      = ctx.moe->plan.token_of_row;
-        out.tokens_per_expert = ctx.moe->plan.tokens_per_expert;
-    }
+    std::vector<Tensor> out{residual};
+    for (Tensor & t : moe->router_outputs(*ctx.moe, hidden)) out.push_back(std::move(t));
     return out;
 }
 
-Tensor TransformerLayer::forward_eager(Context & ctx, const MoeSegment & in, int64_t s, int64_t b, const DropoutBatch & batch) {
-    Ops &    ops    = in.hidden.device().ops();
-    Stream & stream = in.hidden.device().compute_stream();
-    ctx.mlp_out = dropout_key(config, attention.tp, batch, index, DropoutKind::mlp_output, in.hidden.size(0));
+Tensor TransformerLayer::forward_tail(Context & ctx, const std::vector<Tensor> & head, int64_t s, int64_t b,
+                                      const DropoutBatch & batch) {
+    LOOM_CHECK(!head.empty(), "the MoE tail of layer " << index << " without the head's outputs", "");
+    const Tensor & residual = head[0];
+    Ops &          ops      = residual.device().ops();
+    Stream &       stream   = residual.device().compute_stream();
+    const int64_t  rows     = s * b / (attention.tp.sp() ? attention.tp.size : 1);   // this rank's block with SP
+    LOOM_CHECK(residual.size(0) == rows, "MoE segment of " << residual.size(0) << " rows for s " << s << ", b " << b, "");
+    ctx.mlp_out = dropout_key(config, attention.tp, batch, index, DropoutKind::mlp_output, rows);
     if (!ctx.moe) ctx.moe = std::make_shared<MoeLayerContext>();
-    if (!in.plan_probs.defined()) {
-        ctx.moe->plan = dispatch_plan_create(in.top_idx, in.probs, moe->moe);
-    } else if (!ctx.moe->plan.probs.shares_storage(in.plan_probs)) {
-        // Made by the graphable segment under another context: the scalars follow from the shapes.
-        DispatchPlan plan      = dispatch_plan_shape(in.top_idx.size(0), in.top_idx.size(1), moe->moe);
-        plan.probs             = in.plan_probs;
-        plan.row_of            = in.row_of;
-        plan.token_of_row      = in.token_of_row;
-        plan.tokens_per_expert = in.tokens_per_expert;
-        ctx.moe->plan          = plan;
-    }
-    const int64_t rows = s * b / (attention.tp.sp() ? attention.tp.size : 1);   // this rank's block with SP
-    LOOM_CHECK(in.hidden.size(0) == rows, "MoE segment of " << in.hidden.size(0) << " rows for s " << s << ", b " << b, "");
-    Tensor h2 = moe->forward_experts(*ctx.moe, in.hidden);
+    Tensor h2 = moe->forward_experts_from(*ctx.moe, std::vector<Tensor>(head.begin() + 1, head.end()));
     if (ctx.mlp_out.enabled()) ops.dropout(stream, h2, h2, ctx.mlp_out);
-    ops.add_inplace(stream, h2, in.residual);   // h2 = h1 + mlp
+    ops.add_inplace(stream, h2, residual);   // h2 = h1 + mlp
     return h2;
 }
 
 Tensor TransformerLayer::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
-    if (moe) return backward_graphable(ctx, backward_eager(ctx, dy, ready), ready);
+    if (moe) return backward_head(ctx, backward_tail(ctx, dy, ready), ready);
     if (config.recompute_layernorm) {   // norm2's output again, from its saved input (x + attn), as the MLP kept it
         Norm::Context again;
         const Tensor  y = norm2.forward(again, ctx.norm2.x);
@@ -166,18 +151,25 @@ Tensor TransformerLayer::attention_block_backward(Context & ctx, const Tensor & 
     return dx;
 }
 
-TransformerLayer::MoeSegmentGrad TransformerLayer::backward_eager(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
-    MoeSegmentGrad grad;
-    moe->backward_experts(*ctx.moe, dropped(ctx.mlp_out, dy), ready, grad.hidden, grad.probs);
-    grad.residual = dy;
-    return grad;
+std::vector<Tensor> TransformerLayer::backward_tail(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
+    std::vector<Tensor> grads{dy};   // d h1: the residual path takes the gradient whole
+    for (Tensor & g : moe->backward_experts_to(*ctx.moe, dropped(ctx.mlp_out, dy), ready)) grads.push_back(std::move(g));
+    return grads;
 }
 
-Tensor TransformerLayer::backward_graphable(Context & ctx, const MoeSegmentGrad & grad, const GradReadyFn & ready) {
-    Tensor dhidden = moe->backward_router(*ctx.moe, grad.hidden, grad.probs, ready);
+Tensor TransformerLayer::backward_head(Context & ctx, const std::vector<Tensor> & grads, const GradReadyFn & ready) {
+    LOOM_CHECK(!grads.empty(), "the MoE head of layer " << index << " without gradients", "");
+    Tensor dhidden = moe->backward_router_from(*ctx.moe, std::vector<Tensor>(grads.begin() + 1, grads.end()), ready);
     ctx.moe.reset();
     Tensor dh1 = norm2.backward(ctx.norm2, dhidden, ready);
-    return attention_block_backward(ctx, dh1, grad.residual, ready);
+    return attention_block_backward(ctx, dh1, grads[0], ready);
+}
+
+std::vector<std::vector<int64_t>> TransformerLayer::head_grad_shapes(int64_t rows) const {
+    LOOM_CHECK(moe, "the MoE segments of dense layer " << index, "");
+    std::vector<std::vector<int64_t>> shapes{{rows, config.hidden_size}};
+    for (auto & shape : moe->router_grad_shapes(rows)) shapes.push_back(std::move(shape));
+    return shapes;
 }
 
 }  // namespace loom::model

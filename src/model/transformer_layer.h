@@ -32,30 +32,24 @@ public:
     void   init(uint64_t seed);
     void   parameters(std::vector<Parameter *> & out);
 
-    // A MoE layer in two segments (MoE partial graph capture, Megatron's --cuda-graph-modules attn
-    // moe_router [moe_preprocess]); forward and backward of a MoE layer are these, composed:
-    //   graphable: x -> norm1, attention, dropout, residual, norm2 -> the router (and with `preprocess` the
-    //              dispatch plan); static shapes, no host read. Returns its outputs.
-    //   eager:     those outputs -> the dispatch plan (unless made), the host's read of each expert's row
-    //              count, permutation, experts, combine, shared expert, dropout, + residual -> y.
-    // Backward runs the eager segment first (the gradients of the graphable outputs), then the graphable.
-    // The two may use different contexts (a graph's and an eager one); the eager segment's context only
-    // needs what it was given.
-    struct MoeSegment {
-        Tensor hidden;     // norm2's output (n, h): the router's and the experts' input
-        Tensor residual;   // h1 = x + attention (n, h)
-        Tensor top_idx;    // (n, k) i32
-        Tensor probs;      // (n, k) f32
-        Tensor plan_probs, row_of, token_of_row, tokens_per_expert;   // with `preprocess` (token_dispatcher.h)
-    };
-    struct MoeSegmentGrad {
-        Tensor hidden, probs, residual;   // gradients of MoeSegment's hidden, probs and residual
-    };
-    MoeSegment     forward_graphable(Context & ctx, const Tensor & x, int64_t s, int64_t b, const DropoutBatch & batch,
-                                     bool preprocess);
-    Tensor         forward_eager(Context & ctx, const MoeSegment & in, int64_t s, int64_t b, const DropoutBatch & batch);
-    MoeSegmentGrad backward_eager(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
-    Tensor         backward_graphable(Context & ctx, const MoeSegmentGrad & grad, const GradReadyFn & ready);
+    // A MoE layer in two segments, split where its MoE layer splits (MoELayer::router_outputs; MoE partial
+    // graph capture, Megatron's --cuda-graph-modules attn moe_router [moe_preprocess], captures the head).
+    // Forward and backward of a MoE layer are these, composed:
+    //   head: x -> norm1, attention, dropout, residual, norm2, the router (with `with_plan` the dispatch
+    //         plan): fixed shapes, no host read. Returns h1 = x + attention, then the MoE layer's router
+    //         outputs.
+    //   tail: the head's outputs -> the experts (the host reads each expert's row count), dropout, + h1 -> y.
+    // Backward runs the tail first, which returns the gradients of the head's outputs that have one (d h1,
+    // then the MoE layer's); backward_head takes them, in buffers of head_grad_shapes (f32) where the caller
+    // keeps them. Head and tail may use different contexts (a graph's and an eager one): the tail needs only
+    // the head's outputs.
+    std::vector<Tensor> forward_head(Context & ctx, const Tensor & x, int64_t s, int64_t b, const DropoutBatch & batch,
+                                     bool with_plan);
+    Tensor              forward_tail(Context & ctx, const std::vector<Tensor> & head, int64_t s, int64_t b,
+                                     const DropoutBatch & batch);
+    std::vector<Tensor> backward_tail(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
+    Tensor              backward_head(Context & ctx, const std::vector<Tensor> & grads, const GradReadyFn & ready);
+    std::vector<std::vector<int64_t>> head_grad_shapes(int64_t rows) const;
 
     const GptConfig & config;
     int64_t           index;   // in the whole model

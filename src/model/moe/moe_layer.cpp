@@ -133,6 +133,45 @@ Tensor MoELayer::forward_experts(Context & ctx, const Tensor & x) {
     return y;
 }
 
+std::vector<Tensor> MoELayer::router_outputs(const Context & ctx, const Tensor & x) const {
+    return {x, ctx.router.top_idx, ctx.router.probs, ctx.plan.probs, ctx.plan.row_of, ctx.plan.token_of_row,
+            ctx.plan.tokens_per_expert};
+}
+
+Tensor MoELayer::forward_experts_from(Context & ctx, const std::vector<Tensor> & outputs) {
+    LOOM_CHECK(outputs.size() == 7, "the MoE router segment's " << outputs.size() << " outputs, expected 7", "");
+    const Tensor & x = outputs[0];
+    const Tensor & top_idx = outputs[1];
+    const Tensor & probs   = outputs[2];
+    if (!outputs[3].defined()) {
+        ctx.plan = dispatch_plan_create(top_idx, probs, moe);
+    } else if (!ctx.plan.probs.shares_storage(outputs[3])) {
+        // Made by the router segment under another context: the scalars follow from the shapes.
+        DispatchPlan plan      = dispatch_plan_shape(top_idx.size(0), top_idx.size(1), moe);
+        plan.probs             = outputs[3];
+        plan.row_of            = outputs[4];
+        plan.token_of_row      = outputs[5];
+        plan.tokens_per_expert = outputs[6];
+        ctx.plan               = plan;
+    }
+    return forward_experts(ctx, x);
+}
+
+std::vector<Tensor> MoELayer::backward_experts_to(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
+    Tensor dx, dprobs;
+    backward_experts(ctx, dy, ready, dx, dprobs);
+    return {dx, dprobs};
+}
+
+Tensor MoELayer::backward_router_from(Context & ctx, const std::vector<Tensor> & grads, const GradReadyFn & ready) {
+    LOOM_CHECK(grads.size() == 2, "the MoE router segment's " << grads.size() << " gradients, expected 2", "");
+    return backward_router(ctx, grads[0], grads[1], ready);
+}
+
+std::vector<std::vector<int64_t>> MoELayer::router_grad_shapes(int64_t rows) const {
+    return {{rows, shared_config.hidden_size}, {rows, moe.topk}};
+}
+
 Tensor MoELayer::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
     Tensor dx, dprobs;
     backward_experts(ctx, dy, ready, dx, dprobs);

@@ -109,6 +109,19 @@ public:
     Tensor forward_experts(Context & ctx, const Tensor & x);
     void   backward_experts(Context & ctx, const Tensor & dy, const GradReadyFn & ready, Tensor & dx, Tensor & dprobs);
     Tensor backward_router(Context & ctx, const Tensor & dx, const Tensor & dprobs, const GradReadyFn & ready);
+
+    // The split for a caller that keeps the router segment's outputs apart from its context (a graph's held
+    // tensors, graphs/layer_graph_runner.h), as plain lists. router_outputs: x, the top-k ids and
+    // probabilities, then the plan's probs, row_of, token_of_row and tokens_per_expert (undefined without
+    // `with_plan`). forward_experts_from runs forward_experts from such a list, which another context may
+    // have made: the routing (and the plan, when made) go into ctx first. backward_experts_to returns
+    // backward_experts' (dx, dprobs); backward_router_from takes that list (in buffers of router_grad_shapes:
+    // f32, for `rows` tokens).
+    std::vector<Tensor>               router_outputs(const Context & ctx, const Tensor & x) const;
+    Tensor                            forward_experts_from(Context & ctx, const std::vector<Tensor> & outputs);
+    std::vector<Tensor>               backward_experts_to(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
+    Tensor                            backward_router_from(Context & ctx, const std::vector<Tensor> & grads, const GradReadyFn & ready);
+    std::vector<std::vector<int64_t>> router_grad_shapes(int64_t rows) const;
     // Router and experts N(0, std) (the experts' fc2 and the shared expert's fc2: output_std), biases 0.
     void   init(uint64_t seed, float std, float output_std);
     void   parameters(std::vector<Parameter *> & out);
