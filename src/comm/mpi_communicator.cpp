@@ -247,14 +247,9 @@ protected:
     }
 
     WorkPtr do_send(const Tensor & t, int peer, int tag, Stream * stream) override {
-        check_tag(tag);
-        auto         mpi_op = std::make_shared<MpiOp>();
-        mpi_op->what = "send";
-        mpi_op->peer = peer;
-        int          count  = to_int_count(t.numel(), "send");
-        MPI_Comm     comm   = comm_;
-        MPI_Datatype type   = engine_->element_type(dtype_size(t.dtype()));
-        mpi_op->post = [=](std::vector<MPI_Request> & requests) {
+        auto [mpi_op, count, type] = point_to_point("send", t, peer, tag);
+        MPI_Comm comm = comm_;
+        mpi_op->post  = [=, count = count, type = type](std::vector<MPI_Request> & requests) {
             requests.emplace_back();
             LOOM_MPI_CHECK(MPI_Isend(t.data_ptr(), count, type, peer, tag, comm, &requests.back()));
         };
@@ -262,19 +257,14 @@ protected:
     }
 
     WorkPtr do_recv(const Tensor & t, int peer, int tag, Stream * stream) override {
-        check_tag(tag);
-        auto         mpi_op = std::make_shared<MpiOp>();
-        mpi_op->what = "recv";
-        mpi_op->peer = peer;
-        int          count  = to_int_count(t.numel(), "recv");
-        MPI_Comm     comm   = comm_;
-        MPI_Datatype type   = engine_->element_type(dtype_size(t.dtype()));
-        std::string  name   = name_;
-        mpi_op->post = [=](std::vector<MPI_Request> & requests) {
+        auto [mpi_op, count, type] = point_to_point("recv", t, peer, tag);
+        MPI_Comm    comm = comm_;
+        std::string name = name_;
+        mpi_op->post     = [=, count = count, type = type](std::vector<MPI_Request> & requests) {
             requests.emplace_back();
             LOOM_MPI_CHECK(MPI_Irecv(t.data_ptr(), count, type, peer, tag, comm, &requests.back()));
         };
-        mpi_op->finish = [=](const std::vector<MPI_Status> & statuses) {
+        mpi_op->finish = [=, count = count, type = type](const std::vector<MPI_Status> & statuses) {
             int received = 0;
             MPI_Get_count(&statuses[0], type, &received);
             LOOM_CHECK(received == count,
@@ -297,6 +287,20 @@ protected:
     }
 
 private:
+    // A send's or receive's operation (tag checked) with the element count and MPI type of `t`.
+    struct PointToPoint {
+        std::shared_ptr<MpiOp> op;
+        int                    count;
+        MPI_Datatype           type;
+    };
+    PointToPoint point_to_point(const char * what, const Tensor & t, int peer, int tag) const {
+        check_tag(tag);
+        auto mpi_op  = std::make_shared<MpiOp>();
+        mpi_op->what = what;
+        mpi_op->peer = peer;
+        return {mpi_op, to_int_count(t.numel(), what), engine_->element_type(dtype_size(t.dtype()))};
+    }
+
     void check_tag(int tag) const {
         LOOM_CHECK(tag <= 32767, name_ << ": tag " << tag << " is above 32767, the largest tag MPI guarantees",
                    "use tags in [0, 32767]");

@@ -22,17 +22,14 @@
 // Dropout is linear in its input, so the backward of y = mask(x) is dx = mask(dy), with the same key.
 #pragma once
 
+#include "core/host_device.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 
 // The hash functions below run on the host and, compiled by nvcc, in CUDA kernels (backend/cuda/kernels.cu):
 // one definition, so both backends draw the same masks.
-#if defined(__CUDACC__)
-#define LOOM_HOST_DEVICE __host__ __device__
-#else
-#define LOOM_HOST_DEVICE
-#endif
 
 namespace loom {
 

@@ -59,49 +59,6 @@ DType dtype_from_name(std::string_view name) {
                "use one of float32, bfloat16, float16, int32, int64, uint8");
 }
 
-// IEEE binary16 from binary32, round to nearest even, written without branches on the data so the
-// array loop vectorises:
-//   normal results:    re-bias the exponent (127 -> 15) and round the 23-bit mantissa to 10 bits;
-//                      a carry out of the mantissa correctly bumps the exponent, up to Inf.
-//   subnormal results: add the magic constant 0.5f (2^-1) in float arithmetic, which shifts the
-//                      mantissa so the FPU performs the round-to-nearest-even for us.
-//   Inf / NaN:         exponent all ones; NaN keeps its top payload bits and is quietened.
-uint16_t f32_to_f16_bits(float value) {
-    uint32_t u    = std::bit_cast<uint32_t>(value);
-    uint32_t sign = (u >> 16) & 0x8000u;
-    uint32_t a    = u & 0x7fffffffu;
-
-    // Normal range: |x| >= 2^-14.
-    uint32_t normal = ((a - (112u << 23)) + 0xfffu + ((a >> 13) & 1u)) >> 13;
-    normal = normal > 0x7c00u ? 0x7c00u : normal;                     // overflow -> Inf
-    // Subnormal range: |x| < 2^-14. Adding 0.5f aligns 2^-24 with the float's last mantissa bit.
-    float    sub_f  = std::bit_cast<float>(a) + 0.5f;
-    uint32_t sub    = std::bit_cast<uint32_t>(sub_f) - 0x3f000000u;    // 0 .. 0x400 (0x400 = 2^-14)
-    uint32_t nan    = 0x7e00u | ((a >> 13) & 0x3ffu);
-
-    uint32_t bits = a < (113u << 23) ? sub : normal;
-    bits = a >= 0x7f800000u ? (a == 0x7f800000u ? 0x7c00u : nan) : bits;
-    return static_cast<uint16_t>(sign | bits);
-}
-
-float f16_bits_to_f32(uint16_t h) {
-    uint32_t sign     = (static_cast<uint32_t>(h) & 0x8000u) << 16;
-    uint32_t exponent = (h >> 10) & 0x1fu;
-    uint32_t mantissa = h & 0x3ffu;
-    uint32_t bits;
-    if (exponent == 0x1f) {
-        // Inf, or NaN with its payload kept and quietened (as vcvtph2ps does, so both paths agree).
-        bits = 0x7f800000u | (mantissa << 13) | (mantissa != 0 ? 0x00400000u : 0u);
-    } else if (exponent != 0) {
-        bits = ((exponent + 112u) << 23) | (mantissa << 13);          // normal: re-bias 15 -> 127
-    } else {
-        // Zero or subnormal: value = mantissa * 2^-24, exact in float.
-        float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
-        bits = std::bit_cast<uint32_t>(magnitude);
-    }
-    return std::bit_cast<float>(sign | bits);
-}
-
 void convert_f32_to_bf16(const float * src, uint16_t * dst, size_t n) {
     for (size_t i = 0; i < n; ++i) {
         dst[i] = f32_to_bf16_bits(src[i]);

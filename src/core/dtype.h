@@ -18,6 +18,8 @@
 // LOOM_NATIVE on a machine that has it), with the scalar functions as their twins.
 #pragma once
 
+#include "core/float_bits.h"
+
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -43,19 +45,7 @@ DType        dtype_from_name(std::string_view name);
 struct bf16_t { uint16_t bits; };
 struct f16_t  { uint16_t bits; };
 
-inline uint16_t f32_to_bf16_bits(float value) {
-    uint32_t u = std::bit_cast<uint32_t>(value);
-    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;   // round to nearest even
-    uint32_t quiet_nan = (u >> 16) | 0x0040u;                     // keep sign and top payload, set quiet bit
-    return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
-}
-
-inline float bf16_bits_to_f32(uint16_t bits) {
-    return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
-}
-
-uint16_t f32_to_f16_bits(float value);
-float    f16_bits_to_f32(uint16_t bits);
+// The scalar conversions (f32_to_bf16_bits, bf16_bits_to_f32, f32_to_f16_bits, f16_bits_to_f32): core/float_bits.h.
 
 // Array conversions; src and dst must not overlap.
 void convert_f32_to_bf16(const float * src, uint16_t * dst, size_t n);

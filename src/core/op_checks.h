@@ -469,18 +469,23 @@ inline std::pair<int64_t, int64_t> swiglu_backward(const Tensor & x, const Tenso
     return {n, two_f};
 }
 
-inline std::pair<int64_t, int64_t> cross_entropy_forward(const Tensor & logits, const Tensor & labels,
-                                                         const Tensor & loss, const Tensor & lse, int64_t vocab) {
+// The rows of logits the label ops read: n = b seq rows of `stride` columns, labels (b, seq).
+struct LabelDims {
+    int64_t n = 0, stride = 0, b = 0, seq = 0;
+};
+
+inline LabelDims cross_entropy_forward(const Tensor & logits, const Tensor & labels, const Tensor & loss,
+                                       const Tensor & lse, int64_t vocab) {
     const auto [n, stride] = op_checks::cross_entropy(logits, labels, lse, vocab, "cross_entropy_forward");
     expect(loss, DType::f32, n, "cross_entropy_forward", "loss");
-    return {n, stride};
+    return {n, stride, labels.size(0), labels.size(1)};
 }
 
-inline std::pair<int64_t, int64_t> cross_entropy_backward(const Tensor & logits, const Tensor & labels,
-                                                          const Tensor & lse, const Tensor & dloss, int64_t vocab) {
+inline LabelDims cross_entropy_backward(const Tensor & logits, const Tensor & labels, const Tensor & lse,
+                                        const Tensor & dloss, int64_t vocab) {
     const auto [n, stride] = op_checks::cross_entropy(logits, labels, lse, vocab, "cross_entropy_backward");
     expect(dloss, DType::f32, n, "cross_entropy_backward", "dloss");
-    return {n, stride};
+    return {n, stride, labels.size(0), labels.size(1)};
 }
 
 inline std::pair<int64_t, int64_t> row_max(const Tensor & logits, int64_t valid, const Tensor & out) {
@@ -497,11 +502,11 @@ inline std::pair<int64_t, int64_t> row_sum_exp(const Tensor & logits, const Tens
     return {n, stride};
 }
 
-inline std::pair<int64_t, int64_t> label_logit(const Tensor & logits, const Tensor & labels, const Tensor & out) {
+inline LabelDims label_logit(const Tensor & logits, const Tensor & labels, const Tensor & out) {
     const auto [n, stride] = op_checks::logits(logits, 0, "label_logit");
     op_checks::labels(labels, n, "label_logit");
     expect(out, DType::f32, n, "label_logit", "out");
-    return {n, stride};
+    return {n, stride, labels.size(0), labels.size(1)};
 }
 
 inline void convert(const Tensor & src, const Tensor & dst) {

@@ -470,6 +470,15 @@ private:
     std::vector<Tensor>     sent_;   // read by the CP stream until done_: kept from reuse while the pass lives
 };
 
+// This rank's K | V (adjacent in each [Q | K | V] row) as a tensor of its own: the block that travels.
+Tensor own_kv_block(const Tensor & q_k_v, const AttentionShape & shape) {
+    Device &      dev      = q_k_v.device();
+    const int64_t kv_width = 2 * shape.nkv * shape.d;
+    Tensor        kv       = activation(dev, shape.s * shape.b, kv_width);
+    dev.ops().copy_columns(dev.compute_stream(), q_k_v, shape.nq * shape.d, kv, 0, kv_width);
+    return kv;
+}
+
 // `shape`'s queries against a separate K | V block: rows of 2 nkv d, K first.
 AttentionShape against_kv_block(AttentionShape shape) {
     shape.kv_row_stride = 2 * shape.nkv * shape.d;
@@ -570,9 +579,7 @@ void SelfAttention::cp_forward(Context & ctx, const Tensor & q_k_v, const Tensor
     Ops &         ops    = dev.ops();
     Stream &      stream = dev.compute_stream();
     const int64_t n = shape.s * shape.b, kv_width = 2 * shape.nkv * shape.d;
-    // This rank's K | V (adjacent in each [Q | K | V] row), the block that travels.
-    Tensor kv = activation(dev, n, kv_width);
-    ops.copy_columns(stream, q_k_v, shape.nq * shape.d, kv, 0, kv_width);
+    Tensor        kv = own_kv_block(q_k_v, shape);
     Tensor gathered;
     if (cp_comm == CpCommType::allgather) {
         gathered = activation(dev, cp.size * n, kv_width);
@@ -608,8 +615,7 @@ void SelfAttention::cp_backward(Context & ctx, const Tensor & q_k_v, const Tenso
     Ops &         ops    = dev.ops();
     Stream &      stream = dev.compute_stream();
     const int64_t n = shape.s * shape.b, kv_width = 2 * shape.nkv * shape.d;
-    Tensor        kv = activation(dev, n, kv_width);
-    ops.copy_columns(stream, q_k_v, shape.nq * shape.d, kv, 0, kv_width);
+    Tensor        kv = own_kv_block(q_k_v, shape);
     AttentionShape block = against_kv_block(shape);
     Tensor mine;   // this rank's dK | dV, summed over every rank's queries
     if (cp_comm == CpCommType::allgather) {

@@ -256,23 +256,19 @@ public:
 
     void cross_entropy_forward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & loss,
                                const Tensor & lse, int64_t vocab) override {
-        int64_t n, stride;
-        std::tie(n, stride) = op_checks::cross_entropy_forward(logits, labels, loss, lse, vocab);
-        const int64_t b = labels.size(0), seq = labels.size(1);
+        const op_checks::LabelDims d = op_checks::cross_entropy_forward(logits, labels, loss, lse, vocab);
         s.submit([=] {
             check_ids(labels, vocab, "cross_entropy_forward", "label");
-            cpu::cross_entropy_forward(f32(logits), labels.data<int32_t>(), f32(loss), f32(lse), seq, b, stride, vocab);
+            cpu::cross_entropy_forward(f32(logits), labels.data<int32_t>(), f32(loss), f32(lse), d.seq, d.b, d.stride, vocab);
         });
     }
 
     void cross_entropy_backward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & lse,
                                 const Tensor & dloss, int64_t vocab) override {
-        int64_t n, stride;
-        std::tie(n, stride) = op_checks::cross_entropy_backward(logits, labels, lse, dloss, vocab);
-        const int64_t b = labels.size(0), seq = labels.size(1);
+        const op_checks::LabelDims d = op_checks::cross_entropy_backward(logits, labels, lse, dloss, vocab);
         s.submit([=] {
             check_ids(labels, vocab, "cross_entropy_backward", "label");
-            cpu::cross_entropy_backward(f32(logits), labels.data<int32_t>(), f32(lse), f32(dloss), seq, b, stride, vocab);
+            cpu::cross_entropy_backward(f32(logits), labels.data<int32_t>(), f32(lse), f32(dloss), d.seq, d.b, d.stride, vocab);
         });
     }
 
@@ -289,9 +285,8 @@ public:
     }
 
     void label_logit(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & out) override {
-        int64_t n, stride;
-        std::tie(n, stride) = op_checks::label_logit(logits, labels, out);
-        const int64_t b = labels.size(0), seq = labels.size(1);
+        const op_checks::LabelDims d = op_checks::label_logit(logits, labels, out);
+        const int64_t n = d.n, stride = d.stride, b = d.b, seq = d.seq;
         s.submit([=] {
             check_ids(labels, stride, "label_logit", "label");
             const float *   x = f32(logits);

@@ -3,6 +3,7 @@
 #include "backend/cpu/vec_math.h"
 #include "core/column_sums.h"
 #include "core/dtype.h"
+#include "core/gelu.h"
 #include "core/thread_pool.h"
 
 #include <algorithm>
@@ -179,11 +180,7 @@ void bias_backward(const float * dy, float * dbias, int64_t n, int64_t h) {
     });
 }
 
-namespace {
-constexpr float kGeluC = 0.7978845608028654f;   // sqrt(2 / pi)
-}
-
-inline float gelu(float v) { return 0.5f * v * (1.0f + tanh_approx(kGeluC * (v + 0.044715f * v * v * v))); }
+inline float gelu(float v) { return gelu_from_tanh(v, tanh_approx(gelu_tanh_arg(v))); }
 
 void gelu_forward(const float * x, float * y, int64_t count) {
     parallel_for(count, 4096, [&](int64_t begin, int64_t end) {
@@ -218,12 +215,8 @@ void bias_gelu_forward(float * x, const float * bias, float * y, uint16_t * x_bf
 void gelu_backward(const float * x, const float * dy, float * dx, int64_t count) {
     parallel_for(count, 4096, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
-            float v     = x[i];
-            float u     = kGeluC * (v + 0.044715f * v * v * v);
-            float t     = tanh_approx(u);
-            float du    = kGeluC * (1.0f + 3.0f * 0.044715f * v * v);
-            float grad  = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du;
-            dx[i]       = dy[i] * grad;
+            const float v = x[i];
+            dx[i]         = dy[i] * gelu_grad_from_tanh(v, tanh_approx(gelu_tanh_arg(v)));
         }
     });
 }

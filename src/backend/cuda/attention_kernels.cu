@@ -23,6 +23,16 @@ constexpr int kAttnTile    = 32;    // Br = Bc
 constexpr int kAttnThreads = 256;
 constexpr int kAttnPerThread = kAttnTile * kAttentionMaxHeadDim / kAttnThreads;   // (tile, d) elements a thread owns
 
+// Each of this thread's elements of a (tile, d) block in use (elems of them: kAttnTile d, or fewer) as
+// fn(k, row, column), k the thread's accumulator slot; unrolled, so the slots stay in registers.
+template <class Fn> __device__ __forceinline__ void for_tile_elements(int64_t elems, int64_t d, Fn && fn) {
+#pragma unroll
+    for (int k = 0; k < kAttnPerThread; ++k) {
+        const int64_t e = threadIdx.x + static_cast<int64_t>(k) * kAttnThreads;
+        if (e < elems) fn(k, e / d, e % d);
+    }
+}
+
 // The shared-memory row stride for head dimension d: odd.
 __host__ __device__ __forceinline__ int attn_stride(int64_t d) { return static_cast<int>(d | 1); }
 
@@ -131,27 +141,18 @@ __global__ void __launch_bounds__(kAttnThreads) attention_forward_kernel(const f
             }
         }
         __syncthreads();
-#pragma unroll
-        for (int k = 0; k < kAttnPerThread; ++k) {
-            const int64_t e = threadIdx.x + static_cast<int64_t>(k) * kAttnThreads;
-            if (e < elems) {
-                const int64_t r = e / a.d, dd = e % a.d;
-                const float * pr = ps + r * (T + 1);
-                float         v  = acc[k] * corr[r];
-                for (int c = 0; c < T; ++c) v += pr[c] * vs[c * ds + dd];
-                acc[k] = v;
-            }
-        }
+        for_tile_elements(elems, a.d, [&](int k, int64_t r, int64_t dd) {
+            const float * pr = ps + r * (T + 1);
+            float         v  = acc[k] * corr[r];
+            for (int c = 0; c < T; ++c) v += pr[c] * vs[c * ds + dd];
+            acc[k] = v;
+        });
     }
     __syncthreads();
-#pragma unroll
-    for (int k = 0; k < kAttnPerThread; ++k) {
-        const int64_t e = threadIdx.x + static_cast<int64_t>(k) * kAttnThreads;
-        if (e < elems) {
-            const int64_t r = e / a.d, dd = e % a.d, i = i0 + r;
-            if (i < a.s) out[((i * a.b + bi) * a.nq + hq) * a.d + dd] = ls[r] > 0.0f ? acc[k] * (1.0f / ls[r]) : 0.0f;
-        }
-    }
+    for_tile_elements(elems, a.d, [&](int k, int64_t r, int64_t dd) {
+        const int64_t i = i0 + r;
+        if (i < a.s) out[((i * a.b + bi) * a.nq + hq) * a.d + dd] = ls[r] > 0.0f ? acc[k] * (1.0f / ls[r]) : 0.0f;
+    });
     if (threadIdx.x < T && i0 + threadIdx.x < a.s) {   // a row that saw no key: -inf
         const float l = ls[threadIdx.x];
         lse[(bi * a.nq + hq) * a.s + i0 + threadIdx.x] = l > 0.0f ? ms[threadIdx.x] + logf(l) : -INFINITY;
@@ -241,29 +242,20 @@ __global__ void __launch_bounds__(kAttnThreads) attention_dq_kernel(const float 
         __syncthreads();
         attention_grad_tile(qs, dos, ks, vs, lses, deltas, ps, dss, i0, j0, hq, base, a, scale, key, ds);
         __syncthreads();
-#pragma unroll
-        for (int k = 0; k < kAttnPerThread; ++k) {
-            const int64_t e = threadIdx.x + static_cast<int64_t>(k) * kAttnThreads;
-            if (e < elems) {
-                const int64_t r = e / a.d, dd = e % a.d;
-                const float * dsr = dss + r * (T + 1);
-                float         v   = acc[k];
-                for (int c = 0; c < T; ++c) v += dsr[c] * ks[c * ds + dd];
-                acc[k] = v;
-            }
-        }
+        for_tile_elements(elems, a.d, [&](int k, int64_t r, int64_t dd) {
+            const float * dsr = dss + r * (T + 1);
+            float         v   = acc[k];
+            for (int c = 0; c < T; ++c) v += dsr[c] * ks[c * ds + dd];
+            acc[k] = v;
+        });
     }
-#pragma unroll
-    for (int k = 0; k < kAttnPerThread; ++k) {
-        const int64_t e = threadIdx.x + static_cast<int64_t>(k) * kAttnThreads;
-        if (e < elems) {
-            const int64_t r = e / a.d, dd = e % a.d, i = i0 + r;
-            if (i < a.s) {
-                float * at = dq + (i * a.b + bi) * a.row_stride + hq * a.d + dd;
-                *at        = accumulate ? __fadd_rn(*at, acc[k]) : acc[k];
-            }
+    for_tile_elements(elems, a.d, [&](int k, int64_t r, int64_t dd) {
+        const int64_t i = i0 + r;
+        if (i < a.s) {
+            float * at = dq + (i * a.b + bi) * a.row_stride + hq * a.d + dd;
+            *at        = accumulate ? __fadd_rn(*at, acc[k]) : acc[k];
         }
-    }
+    });
 }
 
 // dK and dV: one block per (sequence, key/value head, key tile); sums over the group's query heads, then
@@ -302,36 +294,27 @@ __global__ void __launch_bounds__(kAttnThreads) attention_dkdv_kernel(const floa
             __syncthreads();
             attention_grad_tile(qs, dos, ks, vs, lses, deltas, ps, dss, i0, j0, hq, base, a, scale, key, ds);
             __syncthreads();
-#pragma unroll
-            for (int k = 0; k < kAttnPerThread; ++k) {
-                const int64_t e = threadIdx.x + static_cast<int64_t>(k) * kAttnThreads;
-                if (e < elems) {
-                    const int64_t c = e / a.d, dd = e % a.d;
-                    float         vk = dk[k], vv = dv[k];
-                    for (int r = 0; r < T; ++r) {
-                        vv += ps[r * (T + 1) + c] * dos[r * ds + dd];
-                        vk += dss[r * (T + 1) + c] * qs[r * ds + dd];
-                    }
-                    dk[k] = vk;
-                    dv[k] = vv;
+            for_tile_elements(elems, a.d, [&](int k, int64_t c, int64_t dd) {
+                float         vk = dk[k], vv = dv[k];
+                for (int r = 0; r < T; ++r) {
+                    vv += ps[r * (T + 1) + c] * dos[r * ds + dd];
+                    vk += dss[r * (T + 1) + c] * qs[r * ds + dd];
                 }
-            }
+                dk[k] = vk;
+                dv[k] = vv;
+            });
         }
     }
-#pragma unroll
-    for (int k = 0; k < kAttnPerThread; ++k) {
-        const int64_t e = threadIdx.x + static_cast<int64_t>(k) * kAttnThreads;
-        if (e < elems) {
-            const int64_t c = e / a.d, dd = e % a.d, j = j0 + c;
-            if (j < a.s_kv) {
-                float * row = dkv + (j * a.b + bi) * a.kv_stride;
-                float * pk  = row + a.k_col + hk * a.d + dd;
-                float * pv  = row + a.v_col + hk * a.d + dd;
-                *pk         = accumulate ? __fadd_rn(*pk, dk[k]) : dk[k];
-                *pv         = accumulate ? __fadd_rn(*pv, dv[k]) : dv[k];
-            }
+    for_tile_elements(elems, a.d, [&](int k, int64_t c, int64_t dd) {
+        const int64_t j = j0 + c;
+        if (j < a.s_kv) {
+            float * row = dkv + (j * a.b + bi) * a.kv_stride;
+            float * pk  = row + a.k_col + hk * a.d + dd;
+            float * pv  = row + a.v_col + hk * a.d + dd;
+            *pk         = accumulate ? __fadd_rn(*pk, dk[k]) : dk[k];
+            *pv         = accumulate ? __fadd_rn(*pv, dv[k]) : dv[k];
         }
-    }
+    });
 }
 
 // One thread per (sequence, head, query): lse' = log(e^lse + e^part), out' = out e^(lse - lse') + part_out

@@ -80,23 +80,28 @@ private:
     cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
 };
 
-// cudaMalloc's memory; nullptr when the device is out of memory (the allocator empties its caches and
-// retries, then throws with its own message).
+// `allocate(&ptr)` (cudaMalloc or cudaHostAlloc) on device `index`, allowed during a capture; nullptr when out
+// of memory (the allocator empties its caches and retries, then throws with its own message).
+template <class Allocate> void * allocate_on(int index, Allocate && allocate) {
+    DeviceGuard        guard(index);
+    RelaxedCaptureMode relaxed;
+    void *             ptr    = nullptr;
+    const cudaError_t  status = allocate(&ptr);
+    if (status == cudaErrorMemoryAllocation) {
+        cudaGetLastError();   // not sticky, but leave no error for the next launch check
+        return nullptr;
+    }
+    LOOM_CUDA_CHECK(status);
+    return ptr;
+}
+
+// cudaMalloc's memory.
 class DeviceMemory : public RawMemory {
 public:
     explicit DeviceMemory(int index) : index_(index) {}
     void * raw_alloc(size_t bytes) override {
-        DeviceGuard        guard(index_);
-        RelaxedCaptureMode relaxed;
-        void *             ptr    = nullptr;
-        cudaError_t        status = cudaMalloc(&ptr, bytes);
         ++work_counters().device_allocations;
-        if (status == cudaErrorMemoryAllocation) {
-            cudaGetLastError();   // not sticky, but leave no error for the next launch check
-            return nullptr;
-        }
-        LOOM_CUDA_CHECK(status);
-        return ptr;
+        return allocate_on(index_, [bytes](void ** ptr) { return cudaMalloc(ptr, bytes); });
     }
     // cudaFree waits for the device; the allocator frees only cached blocks, whose last kernels completed
     // before they were cached (stream-ordered frees). Errors at exit (runtime unloaded) are ignored.
@@ -113,20 +118,12 @@ private:
     int index_;
 };
 
+// cudaHostAlloc's pinned host memory.
 class PinnedHostMemory : public RawMemory {
 public:
     explicit PinnedHostMemory(int index) : index_(index) {}
     void * raw_alloc(size_t bytes) override {
-        DeviceGuard        guard(index_);
-        RelaxedCaptureMode relaxed;
-        void *             ptr    = nullptr;
-        cudaError_t        status = cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable);
-        if (status == cudaErrorMemoryAllocation) {
-            cudaGetLastError();
-            return nullptr;
-        }
-        LOOM_CUDA_CHECK(status);
-        return ptr;
+        return allocate_on(index_, [bytes](void ** ptr) { return cudaHostAlloc(ptr, bytes, cudaHostAllocPortable); });
     }
     void raw_free(void * ptr, size_t) override {
         RelaxedCaptureMode relaxed;

@@ -363,30 +363,20 @@ public:
                            const Tensor & out, const SeqPositions & positions) override {
         const op_checks::EmbeddingDims dims = op_checks::embedding_forward(tokens, wte, wpe, out, positions);
         const int64_t                  vocab = wte.size(0);
-        std::vector<Tensor>            held{tokens, wte, wpe, out};
-        CudaStream &                   cs     = start(s, "embedding_forward", held);
-        cudaStream_t                   stream = cs.launch("embedding_forward");
-        const BadIdCheck               bad(cs, stream);
-        kernels::find_bad_id(stream, tokens.data<int32_t>(), tokens.numel(), vocab, bad.word());
-        kernels::embedding_forward(stream, tokens.data<int32_t>(), wte.data_ptr(), wpe.defined() ? wpe.data_ptr() : nullptr,
-                                   float_kind(wte.dtype()), f32(out), dims.s, dims.b, dims.h, vocab, positions);
-        bad.report(cs, stream, vocab, "embedding_forward", "token", held);
-        cs.launched("embedding_forward", std::move(held));
+        launch_with_id_check(s, "embedding_forward", {tokens, wte, wpe, out}, tokens, vocab, "token", [&](cudaStream_t stream) {
+            kernels::embedding_forward(stream, tokens.data<int32_t>(), wte.data_ptr(), wpe.defined() ? wpe.data_ptr() : nullptr,
+                                       float_kind(wte.dtype()), f32(out), dims.s, dims.b, dims.h, vocab, positions);
+        });
     }
 
     void embedding_backward(Stream & s, const Tensor & tokens, const Tensor & dout, const Tensor & dwte,
                             const Tensor & dwpe, const SeqPositions & positions) override {
         const op_checks::EmbeddingDims dims = op_checks::embedding_backward(tokens, dout, dwte, dwpe, positions);
         const int64_t                  vocab = dwte.size(0);
-        std::vector<Tensor>            held{tokens, dout, dwte, dwpe};
-        CudaStream &                   cs     = start(s, "embedding_backward", held);
-        cudaStream_t                   stream = cs.launch("embedding_backward");
-        const BadIdCheck               bad(cs, stream);
-        kernels::find_bad_id(stream, tokens.data<int32_t>(), tokens.numel(), vocab, bad.word());
-        kernels::embedding_backward(stream, tokens.data<int32_t>(), f32(dout), f32(dwte), f32_or_null(dwpe), dims.s,
-                                    dims.b, dims.h, vocab, positions);
-        bad.report(cs, stream, vocab, "embedding_backward", "token", held);
-        cs.launched("embedding_backward", std::move(held));
+        launch_with_id_check(s, "embedding_backward", {tokens, dout, dwte, dwpe}, tokens, vocab, "token", [&](cudaStream_t stream) {
+            kernels::embedding_backward(stream, tokens.data<int32_t>(), f32(dout), f32(dwte), f32_or_null(dwpe), dims.s,
+                                        dims.b, dims.h, vocab, positions);
+        });
     }
 
     void vocab_shard_ids(Stream & s, const Tensor & ids, int64_t begin, int64_t count, const Tensor & out) override {
@@ -436,34 +426,20 @@ public:
 
     void cross_entropy_forward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & loss,
                                const Tensor & lse, int64_t vocab) override {
-        int64_t n, stride;
-        std::tie(n, stride) = op_checks::cross_entropy_forward(logits, labels, loss, lse, vocab);
-        const int64_t       b = labels.size(0), seq = labels.size(1);
-        std::vector<Tensor> held{logits, labels, loss, lse};
-        CudaStream &        cs     = start(s, "cross_entropy_forward", held);
-        cudaStream_t        stream = cs.launch("cross_entropy_forward");
-        const BadIdCheck    bad(cs, stream);
-        kernels::find_bad_id(stream, labels.data<int32_t>(), labels.numel(), vocab, bad.word());
-        kernels::cross_entropy_forward(stream, f32(logits), labels.data<int32_t>(), f32(loss), f32(lse), seq, b, stride,
-                                       vocab);
-        bad.report(cs, stream, vocab, "cross_entropy_forward", "label", held);
-        cs.launched("cross_entropy_forward", std::move(held));
+        const op_checks::LabelDims d = op_checks::cross_entropy_forward(logits, labels, loss, lse, vocab);
+        launch_with_id_check(s, "cross_entropy_forward", {logits, labels, loss, lse}, labels, vocab, "label", [&](cudaStream_t stream) {
+            kernels::cross_entropy_forward(stream, f32(logits), labels.data<int32_t>(), f32(loss), f32(lse), d.seq, d.b,
+                                           d.stride, vocab);
+        });
     }
 
     void cross_entropy_backward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & lse,
                                 const Tensor & dloss, int64_t vocab) override {
-        int64_t n, stride;
-        std::tie(n, stride) = op_checks::cross_entropy_backward(logits, labels, lse, dloss, vocab);
-        const int64_t       b = labels.size(0), seq = labels.size(1);
-        std::vector<Tensor> held{logits, labels, lse, dloss};
-        CudaStream &        cs     = start(s, "cross_entropy_backward", held);
-        cudaStream_t        stream = cs.launch("cross_entropy_backward");
-        const BadIdCheck    bad(cs, stream);
-        kernels::find_bad_id(stream, labels.data<int32_t>(), labels.numel(), vocab, bad.word());
-        kernels::cross_entropy_backward(stream, f32(logits), labels.data<int32_t>(), f32(lse), f32(dloss), seq, b,
-                                        stride, vocab);
-        bad.report(cs, stream, vocab, "cross_entropy_backward", "label", held);
-        cs.launched("cross_entropy_backward", std::move(held));
+        const op_checks::LabelDims d = op_checks::cross_entropy_backward(logits, labels, lse, dloss, vocab);
+        launch_with_id_check(s, "cross_entropy_backward", {logits, labels, lse, dloss}, labels, vocab, "label", [&](cudaStream_t stream) {
+            kernels::cross_entropy_backward(stream, f32(logits), labels.data<int32_t>(), f32(lse), f32(dloss), d.seq, d.b,
+                                            d.stride, vocab);
+        });
     }
 
     void row_max(Stream & s, const Tensor & logits, int64_t valid, const Tensor & out) override {
@@ -483,17 +459,10 @@ public:
     }
 
     void label_logit(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & out) override {
-        int64_t n, stride;
-        std::tie(n, stride) = op_checks::label_logit(logits, labels, out);
-        const int64_t b = labels.size(0), seq = labels.size(1);
-        std::vector<Tensor> held{logits, labels, out};
-        CudaStream &        cs     = start(s, "label_logit", held);
-        cudaStream_t        stream = cs.launch("label_logit");
-        const BadIdCheck    bad(cs, stream);
-        kernels::find_bad_id(stream, labels.data<int32_t>(), labels.numel(), stride, bad.word());
-        kernels::label_logit(stream, f32(logits), labels.data<int32_t>(), f32(out), seq, b, stride);
-        bad.report(cs, stream, stride, "label_logit", "label", held);
-        cs.launched("label_logit", std::move(held));
+        const op_checks::LabelDims d = op_checks::label_logit(logits, labels, out);
+        launch_with_id_check(s, "label_logit", {logits, labels, out}, labels, d.stride, "label", [&](cudaStream_t stream) {
+            kernels::label_logit(stream, f32(logits), labels.data<int32_t>(), f32(out), d.seq, d.b, d.stride);
+        });
     }
 
     void lse_and_loss(Stream & s, const Tensor & max, const Tensor & sum, const Tensor & target, const Tensor & lse,
@@ -727,6 +696,21 @@ private:
         CudaStream & cs = as_cuda_stream(s, op);
         expect_on(cs, tensors, op, copy_only);
         return cs;
+    }
+
+    // An op whose kernels index by ids (tokens, labels) that must lie in [0, limit): the first id out of range
+    // is found on the device before `run_kernels(stream)` runs, and the host names it once the stream got there
+    // (op_checks::id_in_range's message, as the CPU gives it).
+    template <class Kernels>
+    static void launch_with_id_check(Stream & s, const char * op, std::vector<Tensor> held, const Tensor & ids,
+                                     int64_t limit, const char * what, Kernels && run_kernels) {
+        CudaStream &     cs     = start(s, op, held);
+        cudaStream_t     stream = cs.launch(op);
+        const BadIdCheck bad(cs, stream);
+        kernels::find_bad_id(stream, ids.data<int32_t>(), ids.numel(), limit, bad.word());
+        run_kernels(stream);
+        bad.report(cs, stream, limit, op, what, held);
+        cs.launched(op, std::move(held));
     }
 
 };

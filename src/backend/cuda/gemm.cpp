@@ -81,8 +81,10 @@ struct LtPlan {
 
     LtPlan(cublasLtHandle_t handle, size_t workspace_bytes, bool trans_a, bool trans_b, int64_t m, int64_t n,
            int64_t k, const void * a, const void * b, GemmOperands ab, const float * c, const float * bias_values)
-        : bias(bias_values != nullptr), op_a(trans_b ? CUBLAS_OP_T : CUBLAS_OP_N), op_b(trans_a ? CUBLAS_OP_T : CUBLAS_OP_N),
-          a_rows(trans_b ? k : n), b_rows(trans_a ? m : k), ab_type(ab == GemmOperands::bf16 ? CUDA_R_16BF : ab == GemmOperands::f16 ? CUDA_R_16F : CUDA_R_32F) {
+        : op_a(trans_b ? CUBLAS_OP_T : CUBLAS_OP_N), op_b(trans_a ? CUBLAS_OP_T : CUBLAS_OP_N), a_rows(trans_b ? k : n),
+          b_rows(trans_a ? m : k),
+          ab_type(ab == GemmOperands::bf16 ? CUDA_R_16BF : ab == GemmOperands::f16 ? CUDA_R_16F : CUDA_R_32F),
+          bias(bias_values != nullptr) {
         LOOM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.handle, CUBLAS_COMPUTE_32F, CUDA_R_32F));
         LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
         LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));

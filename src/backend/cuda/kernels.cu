@@ -7,6 +7,8 @@
 #include "backend/cuda/launch.h"
 #include "core/column_sums.h"
 #include "core/dropout.h"
+#include "core/float_bits.h"
+#include "core/gelu.h"
 
 #include <algorithm>
 #include <climits>
@@ -18,47 +20,7 @@ namespace {
 
 constexpr int64_t kChunk = int64_t{1} << 16;   // sum_of_squares: the CPU's chunk
 
-// ---- Bit-exact twins of core/dtype.h's conversions
-
-__device__ __forceinline__ uint16_t f32_to_bf16_bits(float value) {
-    uint32_t u         = __float_as_uint(value);
-    uint32_t rounded   = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    uint32_t quiet_nan = (u >> 16) | 0x0040u;
-    return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
-}
-
-__device__ __forceinline__ float bf16_bits_to_f32(uint16_t bits) {
-    return __uint_as_float(static_cast<uint32_t>(bits) << 16);
-}
-
-__device__ __forceinline__ uint16_t f32_to_f16_bits(float value) {
-    uint32_t u      = __float_as_uint(value);
-    uint32_t sign   = (u >> 16) & 0x8000u;
-    uint32_t a      = u & 0x7fffffffu;
-    uint32_t normal = ((a - (112u << 23)) + 0xfffu + ((a >> 13) & 1u)) >> 13;
-    normal          = normal > 0x7c00u ? 0x7c00u : normal;
-    float    sub_f  = __fadd_rn(__uint_as_float(a), 0.5f);
-    uint32_t sub    = __float_as_uint(sub_f) - 0x3f000000u;
-    uint32_t nan    = 0x7e00u | ((a >> 13) & 0x3ffu);
-    uint32_t bits   = a < (113u << 23) ? sub : normal;
-    bits            = a >= 0x7f800000u ? (a == 0x7f800000u ? 0x7c00u : nan) : bits;
-    return static_cast<uint16_t>(sign | bits);
-}
-
-__device__ __forceinline__ float f16_bits_to_f32(uint16_t h) {
-    uint32_t sign     = (static_cast<uint32_t>(h) & 0x8000u) << 16;
-    uint32_t exponent = (h >> 10) & 0x1fu;
-    uint32_t mantissa = h & 0x3ffu;
-    uint32_t bits;
-    if (exponent == 0x1f) {
-        bits = 0x7f800000u | (mantissa << 13) | (mantissa != 0 ? 0x00400000u : 0u);
-    } else if (exponent != 0) {
-        bits = ((exponent + 112u) << 23) | (mantissa << 13);
-    } else {
-        bits = __float_as_uint(__fmul_rn(static_cast<float>(mantissa), 0x1p-24f));
-    }
-    return __uint_as_float(sign | bits);
-}
+// The 16-bit conversions are core/float_bits.h's, the host's own.
 
 __device__ __forceinline__ float load_float(const void * p, Float kind, int64_t i) {
     switch (kind) {
@@ -292,9 +254,7 @@ __global__ void norm_backward_params_kernel(const float * dy, const float * x, c
 
 // ---- Activations
 
-constexpr float kGeluC = 0.7978845608028654f;   // sqrt(2 / pi)
-
-__device__ __forceinline__ float gelu(float v) { return 0.5f * v * (1.0f + tanhf(kGeluC * (v + 0.044715f * v * v * v))); }
+__device__ __forceinline__ float gelu(float v) { return gelu_from_tanh(v, tanhf(gelu_tanh_arg(v))); }
 __device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
 
 __global__ void bias_gelu_forward_kernel(float * x, const float * bias, float * y, uint16_t * x_bf16, int64_t n,
@@ -314,12 +274,8 @@ __global__ void bias_gelu_forward_kernel(float * x, const float * bias, float * 
 
 __global__ void gelu_backward_kernel(const float * x, const float * dy, float * dx, int64_t count) {
     LOOM_GRID_STRIDE(i, count) {
-        float v    = x[i];
-        float u    = kGeluC * (v + 0.044715f * v * v * v);
-        float t    = tanhf(u);
-        float du   = kGeluC * (1.0f + 3.0f * 0.044715f * v * v);
-        float grad = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du;
-        dx[i]      = dy[i] * grad;
+        const float v = x[i];
+        dx[i]         = dy[i] * gelu_grad_from_tanh(v, tanhf(gelu_tanh_arg(v)));
     }
 }
 

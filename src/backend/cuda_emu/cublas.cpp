@@ -13,6 +13,7 @@
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
+#include "half_bits.h"
 #include "runtime_internal.h"
 
 #include <algorithm>
@@ -77,53 +78,17 @@ size_t element_size(cudaDataType_t type) {
     }
 }
 
-float widen_bf16(uint16_t bits) {
-    const uint32_t word = static_cast<uint32_t>(bits) << 16;
-    float          f;
-    std::memcpy(&f, &word, sizeof(f));
-    return f;
-}
-
-// Round to nearest even, NaN kept quiet (core/dtype.h's conversion).
-uint16_t narrow_bf16(float f) {
-    uint32_t word;
-    std::memcpy(&word, &f, sizeof(word));
-    if (std::isnan(f)) return static_cast<uint16_t>((word >> 16) | 0x40);
-    word += 0x7fff + ((word >> 16) & 1);
-    return static_cast<uint16_t>(word >> 16);
-}
-
-// IEEE binary16 read exactly (this library stands in for cuBLAS and links nothing of Loom's). f16 is an
-// operand type only: C and D are f32 or bf16 here.
-float widen_f16(uint16_t bits) {
-    const uint32_t sign = static_cast<uint32_t>(bits & 0x8000) << 16;
-    const uint32_t exp  = (bits >> 10) & 0x1f, man = bits & 0x3ff;
-    float          value;
-    if (exp == 0) {
-        value = std::ldexp(static_cast<float>(man), -24);   // zero or subnormal
-    } else if (exp == 31) {
-        value = man == 0 ? INFINITY : NAN;
-    } else {
-        value = std::ldexp(static_cast<float>(man | 0x400), static_cast<int>(exp) - 25);
-    }
-    uint32_t word;
-    std::memcpy(&word, &value, sizeof(word));
-    word |= sign;
-    std::memcpy(&value, &word, sizeof(word));
-    return value;
-}
-
 float load(const void * base, cudaDataType_t type, size_t index) {
     if (type == CUDA_R_32F) return static_cast<const float *>(base)[index];
-    if (type == CUDA_R_16F) return widen_f16(static_cast<const uint16_t *>(base)[index]);
-    return widen_bf16(static_cast<const uint16_t *>(base)[index]);
+    if (type == CUDA_R_16F) return half_bits::f16_to_float(static_cast<const uint16_t *>(base)[index]);
+    return half_bits::bf16_to_float(static_cast<const uint16_t *>(base)[index]);
 }
 
 void store(void * base, cudaDataType_t type, size_t index, float value) {
     if (type == CUDA_R_32F) {
         static_cast<float *>(base)[index] = value;
     } else {
-        static_cast<uint16_t *>(base)[index] = narrow_bf16(value);
+        static_cast<uint16_t *>(base)[index] = half_bits::float_to_bf16(value);
     }
 }
 

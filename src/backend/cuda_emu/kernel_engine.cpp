@@ -264,28 +264,29 @@ class GridRunner {
 
     engine_internal::BarrierResult block_barrier(int predicate, const char * what, const char * file, int line) {
         Fiber & f  = *current_;
-        f.state     = FiberState::block_wait;
         f.predicate = predicate;
-        f.what      = what;
-        f.file      = file;
-        f.line      = line;
-        park(f);
+        wait_at(f, FiberState::block_wait, what, file, line);
         return f.barrier_result;
     }
 
     engine_internal::WarpResult warp_collective(unsigned mask, uint64_t value, int src_lane, int predicate,
                                                 const char * what, const char * file, int line) {
         Fiber & f  = *current_;
-        f.state     = FiberState::warp_wait;
         f.mask      = mask | 1u << (f.index % kWarpSize);   // the caller always takes part
         f.value     = value;
         f.src_lane  = src_lane;
         f.predicate = predicate;
-        f.what      = what;
-        f.file      = file;
-        f.line      = line;
-        park(f);
+        wait_at(f, FiberState::warp_wait, what, file, line);
         return f.warp_result;
+    }
+
+    // The fiber waits in `state` at the call `what` (file:line, for the engine's reports) until released.
+    void wait_at(Fiber & f, FiberState state, const char * what, const char * file, int line) {
+        f.state = state;
+        f.what  = what;
+        f.file  = file;
+        f.line  = line;
+        park(f);
     }
 
     unsigned warp_active_mask() const {
