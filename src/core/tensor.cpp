@@ -257,6 +257,21 @@ Tensor host_readable(const Tensor & t) {
     return pinned;
 }
 
+Tensor host_copy_async(const Tensor & t) {
+    if (!t.defined() || t.host_addressable()) return t;
+    Device & device = t.device();
+    Tensor   pinned = Tensor::empty(t.shape(), t.dtype(), device, {MemoryKind::pinned_host});
+    device.ops().copy(device.compute_stream(), t, pinned);
+    return pinned;
+}
+
+Tensor read_after_stream(const Tensor & t) {
+    if (!t.defined()) return t;
+    const Tensor host = host_copy_async(t);
+    t.device().compute_stream().synchronize();
+    return host;
+}
+
 void copy_now(const Tensor & dst, const Tensor & src) {
     LOOM_CHECK(src.dtype() == dst.dtype() && src.numel() == dst.numel(),
                "copy_now " << src.describe() << " into " << dst.describe(), "dtype and numel must match");

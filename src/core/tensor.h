@@ -148,6 +148,12 @@ private:
 //   copy_now(bucket_view, p.main_grad);            // any memory on either side, done on return
 Tensor host_readable(const Tensor & t);
 void   copy_now(const Tensor & dst, const Tensor & src);
+// The step's own reads, one synchronization for all of them: host_copy_async enqueues a copy of `t` into
+// pinned host memory on the compute stream (`t` itself where it is host-addressable) and returns it; its
+// values are there once the caller has waited for the compute stream. read_after_stream waits for the
+// compute stream, then returns `t`'s values on the host: one synchronization on every backend.
+Tensor host_copy_async(const Tensor & t);
+Tensor read_after_stream(const Tensor & t);
 // A host vector seen as a host-addressable tensor of `device` (the vector keeps the memory; nothing is
 // copied), for copy_now and the communicators' host-value helpers: pageable_host memory on a GPU, which
 // copies take and kernels refuse.

@@ -140,8 +140,7 @@ GptModel::LossSum GptModel::forward(Context & ctx, const MicroBatch & batch) {
     LOOM_CHECK(stage_.pre_process && stage_.post_process, "forward() of a pipeline stage",
                "run a stage with forward_stage()");
     forward_stage(ctx, batch, Tensor());
-    device_.compute_stream().synchronize();   // the host reads the per-token losses
-    ctx.loss.sum = masked_loss_sum(ctx.token_loss, batch.loss_mask);
+    ctx.loss.sum = masked_loss_sum(read_after_stream(ctx.token_loss), batch.loss_mask);   // the per-token losses
     return ctx.loss;
 }
 

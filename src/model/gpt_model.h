@@ -107,7 +107,8 @@ public:
     // The whole model's forward; waits for the compute stream and returns the loss.
     LossSum forward(Context & ctx, const MicroBatch & batch);
     // The sum of mask * token_loss over a micro-batch's rows (token_loss (s*b) in (s, b) order, mask (b, s)),
-    // in double, on the host: call it once the stream that computed token_loss has been waited on.
+    // in double, on the host: call it once the stream that computed token_loss has been waited on, with
+    // token_loss in host memory (host_copy_async, read_after_stream: no further synchronization).
     static double masked_loss_sum(const Tensor & token_loss, const Tensor & mask);
     // Adds gradients of (loss_scale * sum of mask * token loss) into main_grad.
     void    backward(Context & ctx, double loss_scale, const GradReadyFn & ready);

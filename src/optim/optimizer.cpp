@@ -42,8 +42,7 @@ double norm_on(Device & device, const std::vector<GradView> & views, const NormG
     for (const GradView & v : views) {
         if (v.counted) device.ops().sum_of_squares(stream, v.grad, sums.slice(2 * k++, {2}));
     }
-    stream.synchronize();
-    const Tensor  host  = host_readable(sums);
+    const Tensor  host  = read_after_stream(sums);   // the step's one read of the gradients
     const float * pairs = host.data<float>();
     double        dense = 0, expert = 0;
     k                   = 0;

@@ -186,7 +186,7 @@ PipelineExecutor::Result PipelineExecutor::execute(const P2PPlan & plan, bool fo
             Tensor out      = model.forward_stage(slot.ctx, batch, input);
             if (v == stages - 1) {
                 result.losses.push_back(slot.ctx.loss);
-                pending_losses.emplace_back(slot.ctx.token_loss, batch.loss_mask);
+                pending_losses.emplace_back(host_copy_async(slot.ctx.token_loss), batch.loss_mask);   // read after the one wait
                 slot.tokens = std::max(slot.ctx.loss.count, 1.0);
             }
             if (step.send) send(*step.send, out);   // v < stages - 1
