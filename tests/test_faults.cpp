@@ -58,6 +58,28 @@ INSTANTIATE_TEST_SUITE_P(
                       Fault{"diverge_op", "the ranks' collective operations diverged"}),
     [](const ::testing::TestParamInfo<Fault> & info) { return std::string(info.param.name); });
 
+// A pipeline stage that sends one transfer its neighbour never receives (LOOM_FAULT diverge_send on rank 0 at
+// iteration 3): over MPI the small send completes, and a later receive of the same tag would take its data.
+// The running check of the channels' transfers at the iteration's log line ends both ranks naming the
+// channel, its two ranks and their counts. Without the fault the same run trains to the end.
+TEST(PipelineTransfers, ATransferNeverReceivedIsNamedAtTheNextLogLine) {
+    const std::string run = "train --mock-data --train-iters 6 --lr-warmup-iters 1 --log-interval 1 "
+                            "--pipeline-model-parallel-size 2 --num-layers 2 --hidden-size 32 --num-attention-heads 2 "
+                            "--seq-length 16 --micro-batch-size 2 --global-batch-size 8";
+    const CliRun fine = run_loom_mpi(2, run);
+    EXPECT_EQ(fine.status, 0) << fine.out;
+    const auto   start    = std::chrono::steady_clock::now();
+    const CliRun diverged = run_loom_mpi(2, run, "LOOM_DISTRIBUTED_TIMEOUT_S=20 LOOM_FAULT=0:3:diverge_send timeout 120");
+    const double seconds  = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_EQ(diverged.status, 1) << diverged.out;
+    EXPECT_LT(seconds, 15.0) << "named by the check, not by the watchdog\n" << diverged.out;
+    EXPECT_NE(diverged.out.find("the pipeline's point-to-point transfers diverged"), std::string::npos) << diverged.out;
+    EXPECT_NE(diverged.out.find("channel 'pp-activations-0-1', rank 0 to rank 1: sent 14 transfer(s)"), std::string::npos)
+        << diverged.out;
+    EXPECT_NE(diverged.out.find("on rank 0; received 13 transfer(s)"), std::string::npos) << diverged.out;
+    EXPECT_EQ(diverged.out.find("iteration        4/"), std::string::npos) << "the job went on past the fault\n" << diverged.out;
+}
+
 // --check-weight-hash-across-dp-replicas-interval: replicas that agree print Megatron's line at every check;
 // a replica whose weights drifted (LOOM_FAULT perturb_param on rank 1 at iteration 3) ends the job at the
 // next check (iteration 4) naming the parameter and the replicas.

@@ -142,8 +142,9 @@ namespace {
 
 // Every rank's settings when some rank's differ from another's (the exchange of check_agreement); empty
 // when the digests agree.
+// (`always`: every rank's settings in any case.)
 std::vector<std::vector<Setting>> settings_if_different(Communicator & world, Device & device,
-                                                        std::span<const Setting> settings) {
+                                                        std::span<const Setting> settings, bool always = false) {
     const std::string mine = encode_settings(settings);
     std::string       head(2 * sizeof(uint64_t), '\0');
     put_u64(head, 0, digest(mine));
@@ -156,7 +157,7 @@ std::vector<std::vector<Setting>> settings_if_different(Communicator & world, De
         same            = same && get_u64(heads, at) == get_u64(heads, 0);
         most            = std::max<size_t>(most, get_u64(heads, at + sizeof(uint64_t)));
     }
-    if (same) return {};
+    if (same && !always) return {};
     // Every rank's settings, each padded to the longest (every rank computed the same `most`).
     std::string padded = mine;
     padded.resize(most, '\0');
@@ -249,6 +250,50 @@ void check_issued(Communicator & world, Device & device, std::span<Communicator 
     throw RunError(report,
                    "every member of a group must issue the same collectives in the same order with the same sizes; "
                    "this is a bug in the schedule of the ranks named (please report it with the command line)",
+                   __FILE__, __LINE__);
+}
+
+void check_transfers(Communicator & world, Device & device, std::span<Communicator * const> channels) {
+    // Each direction of each channel as both its ends name it, with what this end issued.
+    std::vector<Setting> mine;
+    for (Communicator * channel : channels) {
+        if (channel == nullptr) continue;
+        const std::vector<int> members = channel->global_ranks();
+        const int              me      = members[static_cast<size_t>(channel->rank())];
+        for (const Transfers & t : channel->transfers()) {
+            const int peer = members[static_cast<size_t>(t.peer)];
+            const int from = t.sent ? me : peer, to = t.sent ? peer : me;
+            char      hex[20];
+            std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(t.ops.digest));
+            std::string what = std::to_string(t.ops.count) + " transfer(s), digest " + hex;
+            if (t.ops.count > 0) {
+                what += ", #" + std::to_string(t.ops.count) + ": " + describe(t.ops.last[(t.ops.count - 1) % t.ops.last.size()]);
+            }
+            mine.push_back({"channel '" + channel->name() + "', rank " + std::to_string(from) + " to rank " +
+                                std::to_string(to),
+                            (t.sent ? "sent " : "received ") + what});
+        }
+    }
+    // A direction agrees when its two ends' values are the same but for the verb.
+    auto same_but_verb = [](std::vector<Setting> settings) {
+        for (Setting & s : settings) s.value = s.value.substr(s.value.find(' ') + 1);
+        return settings;
+    };
+    std::vector<std::vector<Setting>> per_rank = settings_if_different(world, device, mine, /*always=*/true);
+    std::vector<std::vector<Setting>> compared;
+    for (const std::vector<Setting> & r : per_rank) compared.push_back(same_but_verb(r));
+    if (disagreements(compared, false).empty()) return;
+    std::string report = "the pipeline's point-to-point transfers diverged (a schedule that differs between ranks):";
+    for (const std::string & line : disagreements(per_rank, false)) {
+        // Only the directions whose ends differ (the verbs always do).
+        const std::string name = line.substr(0, line.find(':'));
+        bool              differs = false;
+        for (const std::string & l : disagreements(compared, false)) differs = differs || l.substr(0, l.find(':')) == name;
+        if (differs) report += "\n    " + line;
+    }
+    throw RunError(report,
+                   "a transfer one end issued and the other did not: this is a bug in the pipeline schedule of the "
+                   "ranks named (please report it with the command line)",
                    __FILE__, __LINE__);
 }
 

@@ -55,6 +55,18 @@ std::vector<std::string> disagreements(const std::vector<std::vector<Setting>> &
 //     1 float32 (max) on rank 1
 void check_issued(Communicator & world, Device & device, std::span<Communicator * const> groups);
 
+// The same for point-to-point channels (the pipeline's): each direction's sender and receiver must have
+// issued the same transfers (Communicator::transfers: the count and a digest of each one's element count,
+// dtype and tag, in order). A transfer one end issued and the other has not matched shows at the next log
+// line instead of corrupting a later receive or hanging until the watchdog; every rank throws the same
+// RunError naming the channel, its two ranks and what each issued:
+//
+//   the pipeline's point-to-point transfers diverged (a schedule that differs between ranks):
+//     channel 'pp-activations-0-1', rank 0 to rank 1: sent 14 transfer(s), digest ..., #14: transfer of 1024
+//     float32 (tag 14) on rank 0; received 13 transfer(s), digest ..., #13: ... on rank 1
+// Collective over `world`: one exchange of every rank's records.
+void check_transfers(Communicator & world, Device & device, std::span<Communicator * const> channels);
+
 // Every rank's `mine` (any lengths), in rank order: two all-gathers over `world` (the lengths, then the bytes
 // padded to the longest).
 std::vector<std::string> all_gather_strings(Communicator & world, Device & device, const std::string & mine);

@@ -62,6 +62,9 @@ std::atomic<bool> g_flip_next_reduction{false};
 void flip_next_reduction() { g_flip_next_reduction.store(true); }
 
 std::string describe(const IssuedOp & op) {
+    if (op.kind == OpKind::send || op.kind == OpKind::recv) {
+        return "transfer of " + std::to_string(op.numel) + " " + dtype_name(op.dtype) + " (tag " + std::to_string(op.tag) + ")";
+    }
     std::string text = std::string(op_kind_name(op.kind));
     if (op.kind == OpKind::barrier) return text;
     text += op.kind == OpKind::all_to_all ? std::string(" of ") + dtype_name(op.dtype)
@@ -71,20 +74,47 @@ std::string describe(const IssuedOp & op) {
     return text;
 }
 
+namespace {
+
+// Appends `op` to `ops`: the running digest (FNV-1a over each of `fields`' 8 bytes) and the kept last ones.
+void append(IssuedOps & ops, IssuedOp op, std::initializer_list<uint64_t> fields) {
+    op.digest_before = ops.digest;
+    for (const uint64_t v : fields) {
+        for (int b = 0; b < 8; ++b) ops.digest = (ops.digest ^ ((v >> (8 * b)) & 0xff)) * 0x100000001b3ull;
+    }
+    ops.last[ops.count % ops.last.size()] = op;
+    ++ops.count;
+}
+
+}  // namespace
+
 void Communicator::note(OpKind kind, DType dtype, int64_t numel, int reduce, int root) {
     std::lock_guard<std::mutex> lock(issued_mutex_);
-    const IssuedOp              op{kind, dtype, reduce, root, numel, issued_.digest};
-    uint64_t &                  h   = issued_.digest;
-    auto                        mix = [&h](uint64_t v) {
-        for (int b = 0; b < 8; ++b) h = (h ^ ((v >> (8 * b)) & 0xff)) * 0x100000001b3ull;
-    };
-    mix(static_cast<uint64_t>(kind));
-    mix(static_cast<uint64_t>(dtype));
-    mix(static_cast<uint64_t>(reduce + 1));
-    mix(static_cast<uint64_t>(root + 1));
-    mix(static_cast<uint64_t>(numel));
-    issued_.last[issued_.count % issued_.last.size()] = op;
-    ++issued_.count;
+    append(issued_, IssuedOp{kind, dtype, reduce, root, numel},
+           {static_cast<uint64_t>(kind), static_cast<uint64_t>(dtype), static_cast<uint64_t>(reduce + 1),
+            static_cast<uint64_t>(root + 1), static_cast<uint64_t>(numel)});
+}
+
+// The digest leaves the direction out: a send and the receive that matches it add the same fields.
+void Communicator::note_transfer(int peer, bool sent, const Tensor & t, int tag) {
+    std::lock_guard<std::mutex> lock(issued_mutex_);
+    IssuedOp                    op{sent ? OpKind::send : OpKind::recv, t.dtype(), -1, -1, t.numel()};
+    op.tag = tag;
+    append(transfers_[{peer, sent}], op,
+           {static_cast<uint64_t>(t.dtype()), static_cast<uint64_t>(t.numel()), static_cast<uint64_t>(tag)});
+}
+
+std::vector<Transfers> Communicator::transfers() const {
+    std::lock_guard<std::mutex> lock(issued_mutex_);
+    std::vector<Transfers>      out;
+    for (int peer = 0; peer < size(); ++peer) {
+        if (peer == rank()) continue;
+        for (const bool sent : {true, false}) {
+            const auto it = transfers_.find({peer, sent});
+            out.push_back({peer, sent, it != transfers_.end() ? it->second : IssuedOps{}});
+        }
+    }
+    return out;
 }
 
 WorkPtr Communicator::all_reduce(const Tensor & t, ReduceOp op, Stream * stream) {
@@ -160,6 +190,7 @@ WorkPtr Communicator::send(const Tensor & t, int peer, int tag, Stream * stream)
     check_defined(t, *this, "send", "input");
     check_peer(peer, *this, "send");
     LOOM_CHECK(tag >= 0, name() << ".send: negative tag " << tag, "");
+    note_transfer(peer, true, t, tag);
     return do_send(t, peer, tag, stream);
 }
 
@@ -167,6 +198,7 @@ WorkPtr Communicator::recv(const Tensor & t, int peer, int tag, Stream * stream)
     check_defined(t, *this, "recv", "output");
     check_peer(peer, *this, "recv");
     LOOM_CHECK(tag >= 0, name() << ".recv: negative tag " << tag, "");
+    note_transfer(peer, false, t, tag);
     return do_recv(t, peer, tag, stream);
 }
 

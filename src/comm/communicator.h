@@ -34,6 +34,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -101,13 +102,25 @@ struct IssuedOp {
     int      root   = -1;   // broadcast: the root; else -1
     int64_t  numel  = 0;
     uint64_t digest_before = 0;   // the running digest of the collectives before this one
+    int      tag    = -1;   // a transfer's tag; else -1
 };
-std::string describe(const IssuedOp & op);   // "all_reduce of 1 float32 (sum)", "broadcast of 8 uint8 from rank 0"
+// "all_reduce of 1 float32 (sum)", "broadcast of 8 uint8 from rank 0"; a transfer (send or recv) as both of
+// its ends see it: "transfer of 4096 float32 (tag 6)".
+std::string describe(const IssuedOp & op);
 
 struct IssuedOps {
     uint64_t                count  = 0;
     uint64_t                digest = 0xcbf29ce484222325ull;
     std::array<IssuedOp, 16> last{};   // the last min(count, 16): collective #k (0-based) at k % 16
+};
+
+// The point-to-point transfers a communicator has issued with one peer in one direction (sent to it, or
+// received from it), as IssuedOps over each transfer's element count, dtype and tag: the sender's record of
+// what it sent must equal the receiver's record of what it received (comm/agreement.h's check_transfers).
+struct Transfers {
+    int       peer = 0;      // group rank
+    bool      sent = false;  // true: this rank sent them to `peer`; false: received them from it
+    IssuedOps ops;
 };
 
 // A test seam: the next all_reduce this process issues uses another reduction (sum <-> max) than its caller
@@ -122,6 +135,9 @@ public:
         std::lock_guard<std::mutex> lock(issued_mutex_);
         return issued_;
     }
+    // With every other member, in group-rank order: what was sent to it and what was received from it
+    // (empty records where nothing was), so both ends of every direction report one.
+    std::vector<Transfers> transfers() const;
 
     // Registers `subject`, a group of another transport over this communicator's members named `name`, for
     // the roll call; every member must open it, in the same order. Null where there is no side channel.
@@ -164,6 +180,8 @@ protected:
 private:
     mutable std::mutex issued_mutex_;
     IssuedOps          issued_;
+    std::map<std::pair<int, bool>, IssuedOps> transfers_;   // (peer, sent) -> the transfers, under issued_mutex_
+    void note_transfer(int peer, bool sent, const Tensor & t, int tag);
 };
 
 // Collectives over a few host values (losses, token counts, flags, timings, norm partials), staged through

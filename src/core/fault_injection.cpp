@@ -30,6 +30,7 @@ FaultAction inject_fault(int64_t iteration) {
     if (kind == "diverge") return FaultAction::extra_collective;
     if (kind == "diverge_op") return FaultAction::other_reduction;
     if (kind == "perturb_param") return FaultAction::perturb_param;
+    if (kind == "diverge_send") return FaultAction::extra_transfer;
     return FaultAction::none;
 }
 

@@ -6,8 +6,10 @@
 // its engine still answers the watchdog's roll call), diverge (the caller issues one collective the other
 // ranks do not: a schedule that diverged), diverge_op (the caller's next all-reduce uses another reduction:
 // a divergence that completes, found by the running check of comm/agreement.h), perturb_param (the caller
-// adds 1 to the first element of its first parameter: a replica whose weights drifted). Without LOOM_FAULT
-// it does nothing.
+// adds 1 to the first element of its first parameter: a replica whose weights drifted), diverge_send (the
+// caller sends one transfer on a pipeline channel it sends on, which its peer never receives: a pipeline
+// schedule that diverged, found by the running check of the transfers; over MPI, whose small sends complete
+// unreceived). Without LOOM_FAULT it does nothing.
 #pragma once
 
 #include <cstdint>
@@ -15,7 +17,7 @@
 namespace loom {
 
 // What the caller does for the fault (the faults that need a communicator).
-enum class FaultAction { none, extra_collective, other_reduction, perturb_param };
+enum class FaultAction { none, extra_collective, other_reduction, perturb_param, extra_transfer };
 
 // Called by the trainer at the start of each iteration.
 FaultAction inject_fault(int64_t iteration);

@@ -330,6 +330,14 @@ void Trainer::begin_iteration() {
         comm::all_reduce_values(*setup_.all_ranks(), model_.device(), {1.0f}, comm::ReduceOp::sum);
     }
     if (fault == FaultAction::other_reduction) comm::flip_next_reduction();
+    if (fault == FaultAction::extra_transfer) {   // a send its peer never receives (on the first channel it sends on)
+        for (const parallel::PipelineChannel & channel : setup_.groups.pp_channels.channels) {
+            if (channel.comm->rank() != 0) continue;
+            const Tensor one = Tensor::zeros({1}, DType::f32, model_.device());
+            channel.comm->send(one, 1, 0, &model_.device().compute_stream())->wait();
+            break;
+        }
+    }
     if (fault == FaultAction::perturb_param && !params_.empty()) {   // a replica whose weights drifted
         model_.device().compute_stream().synchronize();
         std::vector<float> v = values_f32(params_.front()->data);
@@ -513,7 +521,7 @@ double Trainer::evaluate(BatchSource & source) {
 namespace {
 
 // The running check of comm/agreement.h over every group kind of the layout (the pipeline's point-to-point
-// channels aside: their two ends issue different operations).
+// channels have their own: check_transfers).
 void check_collectives(const parallel::ProcessGroups & g, comm::Communicator & everyone, Device & device) {
     comm::Communicator * const kinds[] = {
         g.world.get(),     g.tp.get(),        g.pp.get(),        g.dp.get(),        g.cp.get(),
@@ -721,10 +729,16 @@ TrainSummary Trainer::run(FILE * out) {
         if (options_.check_weight_hash_interval > 0 && k % options_.check_weight_hash_interval == 0) {
             check_weight_hashes(k);
         }
-        // Each log line, the ranks compare the collectives each group has issued: a schedule that diverged
-        // without hanging (another size, dtype or reduction) is named here, not by its wrong numbers.
+        // Each log line, the ranks compare the collectives each group has issued, and the transfers each
+        // pipeline channel's two ends have: a schedule that diverged without hanging (another size, dtype or
+        // reduction, a transfer never received) is named here, not by its wrong numbers.
         if (everyone && everyone->size() > 1 && (k % options_.log_interval == 0 || k == options_.train_iters)) {
             check_collectives(setup_.groups, *everyone, model_.device());
+            if (options_.parallel.pp() > 1) {
+                std::vector<comm::Communicator *> channels;
+                for (const auto & channel : setup_.groups.pp_channels.channels) channels.push_back(channel.comm.get());
+                comm::check_transfers(*everyone, model_.device(), channels);
+            }
         }
         summary.stopped_by = stop.after(k, seconds(), output_failure_.has_value());
         if (!summary.stopped_by.empty()) break;
