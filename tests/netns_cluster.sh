@@ -9,6 +9,7 @@
 #   netns_cluster.sh on NAME HOST CMD...     run CMD on HOST (h0 or h1) of cluster NAME
 #   netns_cluster.sh mpirun NAME ARGS...     mpirun ARGS on h0, ranks placed 2 per host (h0 first), TCP between
 #   netns_cluster.sh partition NAME          take the link between the hosts down
+#   netns_cluster.sh slow NAME RATE          limit the link to RATE each way (tc tbf, e.g. 4mbit)
 #   netns_cluster.sh down NAME               remove the cluster (also after a partial `up`)
 #   netns_cluster.sh agent HOST CMD...       the rsh agent mpirun calls (LOOM_NETNS_CLUSTER names the cluster)
 set -euo pipefail
@@ -79,6 +80,14 @@ mpirun)
 partition)
     cluster=$2
     ip -n "$(ns "$cluster" h0)" link set "v$cluster-0" down
+    ;;
+slow)
+    # A token bucket on both ends of the link (tbf: this kernel has no netem, so no added delay or loss).
+    cluster=$2
+    rate=$3
+    for host in 0 1; do
+        ip netns exec "$(ns "$cluster" "h$host")" tc qdisc add dev "v$cluster-$host" root tbf rate "$rate" burst 16kb latency 2s
+    done
     ;;
 down)
     cluster=$2

@@ -2,6 +2,7 @@
 // MPI launching across them over TCP as over two machines, two ranks per host.
 //   - DP 2 x PP 2 across the hosts trains exactly as on one host: with Megatron's rank order the pipeline
 //     crosses the link (DP inside each host), with --use-tp-pp-dp-mapping data parallelism does.
+//   - A slow link (rate-limited) trains the same numbers.
 //   - A partition mid-run (the link taken down) ends every rank within the watchdog's timeout plus its roll
 //     call, and the surviving host's watchdog names the lost ranks (or the neighbour waiting on them).
 // Skips with a message where network namespaces cannot be made (not root, no `ip`, a container without
@@ -73,6 +74,22 @@ TEST_F(TwoHosts, DataAndPipelineParallelAcrossTheHostsTrainAsOnOneHost) {
         std::remove(tmp("two.jsonl").c_str());
         std::remove(tmp("one.jsonl").c_str());
     }
+}
+
+// A slow link (16 mbit/s each way, a token bucket: this kernel has no netem for added delay or loss) changes
+// when every transfer and reduction completes, and nothing else: the losses are one host's.
+TEST_F(TwoHosts, ASlowLinkTrainsAsOnOneHost) {
+    ASSERT_EQ(run_command(kCluster + " slow " + name_ + " 16mbit 2>&1").status, 0);
+    const std::string args = kTrain + "--train-iters 3 --log-file ";
+    const CliRun two = run_command("timeout 120 " + kCluster + " mpirun " + name_ + " -x LOOM_NUM_THREADS -np 4 " + args +
+                                   tmp("slow.jsonl") + " 2>&1");
+    ASSERT_EQ(two.status, 0) << two.out;
+    const CliRun one = run_loom_mpi(4, args.substr(std::string(LOOM_CLI_PATH).size() + 1) + tmp("fast.jsonl"));
+    ASSERT_EQ(one.status, 0) << one.out;
+    EXPECT_EQ(losses(tmp("slow.jsonl")).size(), 3u);
+    EXPECT_EQ(losses(tmp("slow.jsonl")), losses(tmp("fast.jsonl")));
+    std::remove(tmp("slow.jsonl").c_str());
+    std::remove(tmp("fast.jsonl").c_str());
 }
 
 TEST_F(TwoHosts, APartitionMidRunEndsEveryRankNamingTheLostHostsRanks) {
