@@ -148,4 +148,33 @@ TEST(TimingLog, LevelOnePrintsMegatronsTimersBlock) {
     EXPECT_NE(bad.out.find("--timing-log-level must be 0, 1 or 2"), std::string::npos) << bad.out;
 }
 
+// --timing-log-option: Megatron's other two forms of the block, each rank's time ("all", rank by rank, in
+// Megatron's layout) or the most over the ranks ("max", one number per timer). A value outside the choices is
+// refused as argparse refuses it.
+TEST(TimingLog, TimingLogOptionPrintsMaxOrEveryRank) {
+    const std::string run = "train --mock-data --train-iters 2 --num-layers 1 --log-interval 2 --timing-log-level 1 ";
+    const CliRun      all = run_loom_mpi(2, run + "--timing-log-option all");
+    ASSERT_EQ(all.status, 0) << all.out;
+    const size_t at = all.out.find("times across ranks (ms):");
+    ASSERT_NE(at, std::string::npos) << all.out;
+    double per_rank[3][2];
+    ASSERT_EQ(std::sscanf(all.out.c_str() + at,
+                          "times across ranks (ms):\n  forward-backward:\n     rank  0: %lf\n     rank  1: %lf\n"
+                          "  all-grads-sync:\n     rank  0: %lf\n     rank  1: %lf\n"
+                          "  optimizer:\n     rank  0: %lf\n     rank  1: %lf",
+                          &per_rank[0][0], &per_rank[0][1], &per_rank[1][0], &per_rank[1][1], &per_rank[2][0],
+                          &per_rank[2][1]), 6) << all.out.substr(at);
+    for (const auto & timer : per_rank) EXPECT_GE(std::min(timer[0], timer[1]), 0.0);
+    const CliRun most = run_loom_mpi(2, run + "--timing-log-option max");
+    ASSERT_EQ(most.status, 0) << most.out;
+    const std::regex max_line("\n    (forward-backward|all-grads-sync|optimizer) \\.+: [0-9]");
+    EXPECT_NE(most.out.find("max time across ranks (ms):"), std::string::npos) << most.out;
+    EXPECT_EQ(std::distance(std::sregex_iterator(most.out.begin(), most.out.end(), max_line), std::sregex_iterator()), 3)
+        << "one number per timer\n" << most.out;
+    const CliRun bad = run_loom_mpi(1, run + "--timing-log-option median");
+    EXPECT_EQ(bad.status, 2);
+    EXPECT_NE(bad.out.find("argument --timing-log-option: invalid choice: 'median' (choose from 'max', 'minmax', 'all')"),
+              std::string::npos) << bad.out;
+}
+
 }  // namespace

@@ -48,6 +48,9 @@ const Flag<TrainOptions> kLoggingFlags[] = {
     {"--timing-log-level", kLog, &O::timing_log_level,
      "0: no timers; 1 and 2: forward-backward, all-grads-sync and optimizer times, (min, max) over ranks, "
      "after each log line", kShowDefault},
+    {"--timing-log-option", kLog, &O::timing_log_option,
+     "how the timers block reports the ranks' times: max, minmax (the least and the most) or all (every rank's)",
+     kShowDefault},
     {"--log-num-zeros-in-grad", kLog, &O::log_num_zeros_in_grad, "the gradients' zero count in the log line"},
     {"--profile", "training", &O::profile,
      "a Chrome trace (chrome://tracing, ui.perfetto.dev) of every stream's work from --profile-step-start to "
@@ -108,6 +111,9 @@ void validate_logging(const Given & given, const TrainOptions & o) {
     }
     LOOM_CHECK(o.timing_log_level >= 0 && o.timing_log_level <= 2,
                "--timing-log-level must be 0, 1 or 2, got " << o.timing_log_level, "");
+    LOOM_CHECK(o.timing_log_option == "max" || o.timing_log_option == "minmax" || o.timing_log_option == "all",
+               "argument --timing-log-option: invalid choice: '" << o.timing_log_option
+                                                                 << "' (choose from 'max', 'minmax', 'all')", "");
     LOOM_CHECK(o.tensorboard_log_interval >= 1 && o.tensorboard_queue_size >= 1,
                "--tensorboard-log-interval and --tensorboard-queue-size must be >= 1", "");
     if (!o.tensorboard_dir.empty()) {

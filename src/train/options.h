@@ -191,6 +191,7 @@ struct TrainOptions {
     bool        log_loss_scale_to_tensorboard     = true;   // --no-log-loss-scale-to-tensorboard
     bool        log_world_size_to_tensorboard     = false;
     int64_t     timing_log_level      = 0;       // >= 1: Megatron's timers block after each log line
+    std::string timing_log_option     = "minmax";   // the block's form: max, minmax or all
     bool        log_params_norm       = false;   // " params norm: " in the log line (after the step)
     bool        log_num_zeros_in_grad = false;   // " num zeros: " in the log line
 

@@ -476,22 +476,41 @@ double Trainer::exchanged_loss(double loss) const {
 }
 
 std::string Trainer::timers_block(int64_t iterations) {
-    // Per iteration in ms; min and max over every rank (two all-reduces of three values).
-    std::vector<float> lo(3), hi(3);
+    // Per iteration in ms, every rank's (one all-gather of three values each), in --timing-log-option's form
+    // (Megatron's Timers: "max", "minmax" or "all").
+    std::vector<float> mine(3);
     for (int i = 0; i < 3; ++i) {
-        lo[i] = hi[i] = static_cast<float>(timer_seconds_[i] * 1000.0 / static_cast<double>(std::max<int64_t>(iterations, 1)));
+        mine[i] = static_cast<float>(timer_seconds_[i] * 1000.0 / static_cast<double>(std::max<int64_t>(iterations, 1)));
         timer_seconds_[i] = 0;
     }
-    if (comm::Communicator * everyone = setup_.all_ranks(); everyone && everyone->size() > 1) {
-        lo = comm::all_reduce_values(*everyone, model_.device(), lo, comm::ReduceOp::min);
-        hi = comm::all_reduce_values(*everyone, model_.device(), hi, comm::ReduceOp::max);
-    }
-    std::string block = "(min, max) time across ranks (ms):";
-    char        line[128];
+    comm::Communicator *     everyone = setup_.all_ranks();
+    const int                ranks    = everyone ? everyone->size() : 1;
+    const std::vector<float> all      = ranks > 1 ? comm::all_gather_values(*everyone, model_.device(), mine) : mine;
+    const std::string &      option   = options_.timing_log_option;
+    std::string block = option == "all" ? "times across ranks (ms):" : option == "max" ? "max time across ranks (ms):"
+                                                                                       : "(min, max) time across ranks (ms):";
+    char line[128];
     for (int i = 0; i < 3; ++i) {
+        if (option == "all") {
+            block += std::string("\n  ") + kTimerNames[i] + ":";
+            for (int r = 0; r < ranks; ++r) {
+                std::snprintf(line, sizeof(line), "\n     rank %2d: %.2f", r, all[static_cast<size_t>(r * 3 + i)]);
+                block += line;
+            }
+            continue;
+        }
+        float lo = all[static_cast<size_t>(i)], hi = lo;
+        for (int r = 1; r < ranks; ++r) {
+            lo = std::min(lo, all[static_cast<size_t>(r * 3 + i)]);
+            hi = std::max(hi, all[static_cast<size_t>(r * 3 + i)]);
+        }
         std::string name = std::string(kTimerNames[i]) + " ";
         name.resize(std::max<size_t>(name.size(), 48), '.');
-        std::snprintf(line, sizeof(line), "\n    %s: (%.2f, %.2f)", name.c_str(), lo[i], hi[i]);
+        if (option == "max") {
+            std::snprintf(line, sizeof(line), "\n    %s: %.2f", name.c_str(), hi);
+        } else {
+            std::snprintf(line, sizeof(line), "\n    %s: (%.2f, %.2f)", name.c_str(), lo, hi);
+        }
         block += line;
     }
     return block;

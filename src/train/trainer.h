@@ -154,7 +154,8 @@ private:
     // --timing-log-level: seconds spent in each timed part since the last log line.
     static constexpr const char *               kTimerNames[3] = {"forward-backward", "all-grads-sync", "optimizer"};
     double                                      timer_seconds_[3] = {0, 0, 0};
-    // Megatron's "(min, max) time across ranks (ms):" block for the last `iterations` (collective).
+    // Megatron's timers block for the last `iterations` in --timing-log-option's form, "(min, max) time across
+    // ranks (ms):" by default (collective).
     std::string                                 timers_block(int64_t iterations);
 
     // Where run() reports (train/reporting.h), while it runs.
