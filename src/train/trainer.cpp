@@ -710,8 +710,10 @@ TrainSummary Trainer::run(FILE * out) {
     const bool profiled   = options_.profile && (options_.profile_ranks.empty() ||
                                                 std::find(options_.profile_ranks.begin(), options_.profile_ranks.end(),
                                                           std::to_string(rank)) != options_.profile_ranks.end());
-    // Iterations that may still allocate, plan and capture: the first, and with layer graphs the capture's.
-    const int64_t warmup_iterations = options_.layer_graphs ? options_.cuda_graph_warmup_steps + 2 : 1;
+    // Iterations that may still allocate, plan and capture: the first two (the first plans every GEMM and
+    // fills the caching allocator; in the second the host, no longer waiting on first-time work, runs further
+    // ahead of the device and the activations' pool grows by a few blocks), and with layer graphs the capture's.
+    const int64_t warmup_iterations = options_.layer_graphs ? options_.cuda_graph_warmup_steps + 2 : 2;
     for (int64_t k = iteration_ + 1; k <= options_.train_iters; ++k) {
         if (profiled && k - 1 == options_.profile_step_start) Profiler::start();   // Megatron's window
         IterationStats stats;

@@ -58,7 +58,7 @@ struct TrainSummary {
     double              tflops            = 0;
     double              seconds           = 0;
     // The device's counted work (Device::work, where its backend counts) after the warm-up iterations (the
-    // first, and with layer graphs those before the capture) and at the end, and the iterations between.
+    // first two, and with layer graphs those up to the capture) and at the end, and the iterations between.
     std::optional<DeviceWork> work_warm, work_end;
     int64_t                   iterations_after_warmup = 0;
 };

@@ -65,8 +65,7 @@ class BadIdCheck {
 public:
     // On `stream`, the stream cs.launch() returned for the op.
     BadIdCheck(CudaStream & cs, cudaStream_t stream)
-        : device_(Tensor::empty({1}, DType::i64, cs.device(), TensorOptions{MemoryKind::device, kActivationsPool})),
-          host_(Tensor::empty({1}, DType::i64, cs.device(), TensorOptions{MemoryKind::pinned_host})) {
+        : device_(cs.id_check_word(MemoryKind::device)), host_(cs.id_check_word(MemoryKind::pinned_host)) {
         LOOM_CUDA_CHECK(cudaMemsetAsync(device_.data_ptr(), 0xff, sizeof(uint64_t), stream));
     }
 

@@ -333,6 +333,12 @@ void * CudaStream::gemm_workspace() {
     return workspace_.data_ptr();
 }
 
+const Tensor & CudaStream::id_check_word(MemoryKind kind) {
+    Tensor & word = kind == MemoryKind::device ? id_word_device_ : id_word_host_;
+    if (!word.defined()) word = Tensor::empty({1}, DType::i64, device_, TensorOptions{kind, "id-checks"});
+    return word;
+}
+
 CudaStream & as_cuda_stream(Stream & stream, const char * op) {
     auto * cuda_stream = dynamic_cast<CudaStream *>(&stream);
     LOOM_CHECK(cuda_stream != nullptr, op << " of the CUDA ops on stream '" << stream.name() << "' of " << stream.device().name(),

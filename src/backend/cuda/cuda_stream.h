@@ -131,6 +131,10 @@ public:
     // cuBLASLt's workspace for GEMMs on this stream (one per stream: GEMMs on two streams may overlap).
     void * gemm_workspace();
     static constexpr size_t kGemmWorkspaceBytes = size_t{32} << 20;
+    // The words of the ops that check ids on this stream (cuda_ops.cpp's BadIdCheck): one the kernels write
+    // in device memory, one the host reads in pinned memory. Reused op after op: the stream orders each op's
+    // reset and copy after the previous op's host read. Created on first use, like the workspace.
+    const Tensor & id_check_word(MemoryKind kind);
 
     // Host work's error path (called from the host function).
     void note_error(std::exception_ptr error);
@@ -160,6 +164,7 @@ private:
     std::vector<cudaEvent_t> free_events_;   // recycled for retain
     std::exception_ptr       error_;
     Tensor                   workspace_;     // (kGemmWorkspaceBytes) u8, created on first GEMM
+    Tensor                   id_word_device_, id_word_host_;   // (1) i64 each, created on first id check
 };
 
 CudaStream & as_cuda_stream(Stream & stream, const char * op);
