@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <set>
 
 namespace loom::comm {
 
@@ -282,14 +283,12 @@ void check_transfers(Communicator & world, Device & device, std::span<Communicat
     std::vector<std::vector<Setting>> per_rank = settings_if_different(world, device, mine, /*always=*/true);
     std::vector<std::vector<Setting>> compared;
     for (const std::vector<Setting> & r : per_rank) compared.push_back(same_but_verb(r));
-    if (disagreements(compared, false).empty()) return;
+    std::set<std::string> differing;   // the directions whose two ends differ
+    for (const std::string & line : disagreements(compared, false)) differing.insert(line.substr(0, line.find(':')));
+    if (differing.empty()) return;
     std::string report = "the pipeline's point-to-point transfers diverged (a schedule that differs between ranks):";
-    for (const std::string & line : disagreements(per_rank, false)) {
-        // Only the directions whose ends differ (the verbs always do).
-        const std::string name = line.substr(0, line.find(':'));
-        bool              differs = false;
-        for (const std::string & l : disagreements(compared, false)) differs = differs || l.substr(0, l.find(':')) == name;
-        if (differs) report += "\n    " + line;
+    for (const std::string & line : disagreements(per_rank, false)) {   // the verbs always differ: shown where more does
+        if (differing.count(line.substr(0, line.find(':')))) report += "\n    " + line;
     }
     throw RunError(report,
                    "a transfer one end issued and the other did not: this is a bug in the pipeline schedule of the "

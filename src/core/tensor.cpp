@@ -250,11 +250,7 @@ void Tensor::fill_zero() {
 
 Tensor host_readable(const Tensor & t) {
     if (!t.defined() || t.host_addressable()) return t;
-    Device & device = t.device();
-    Tensor   pinned = Tensor::empty(t.shape(), t.dtype(), device, {MemoryKind::pinned_host});
-    device.ops().copy(device.compute_stream(), t, pinned);
-    device.compute_stream().synchronize();
-    return pinned;
+    return read_after_stream(t);   // a pinned copy, waited for
 }
 
 Tensor host_copy_async(const Tensor & t) {
