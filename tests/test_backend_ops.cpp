@@ -1634,6 +1634,21 @@ TEST(OpsData, CopyFillZeroScale) {
     ops().scale(stream(), t, factor);
     synchronize();
     EXPECT_TRUE(exact("scale", t, ref));
+
+    // scale of 16-bit gradient buffers (--grad-reduce-in-bf16, --fp16): the f32 product of the widened value,
+    // rounded once to the tensor's dtype.
+    for (DType dtype : {DType::bf16, DType::f16}) {
+        Tensor half = random_tensor({70003}, dtype, 7301, -3.0f, 3.0f);
+        std::vector<double> expected(static_cast<size_t>(half.numel()));
+        for (int64_t i = 0; i < half.numel(); ++i) {
+            expected[static_cast<size_t>(i)] = round_to(dtype, static_cast<float>(element(half, i)) * factor);
+        }
+        ops().scale(stream(), half, factor);
+        synchronize();
+        for (int64_t i = 0; i < half.numel(); ++i) {
+            ASSERT_EQ(element(half, i), expected[static_cast<size_t>(i)]) << dtype_name(dtype) << " scale, element " << i;
+        }
+    }
 }
 
 namespace {

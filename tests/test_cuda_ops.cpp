@@ -339,6 +339,13 @@ TEST(CudaOps, BiasAddAddInplaceScaleAndBiasBackwardAreBitwiseTheCpus) {
     gops().bias_backward(gs(), xg, dbg);
     expect_bitwise(yc, to_cpu(yg), "bias_add, add_inplace, scale");
     expect_bitwise(dbc, to_cpu(dbg), "bias_backward");
+    for (DType dtype : {DType::bf16, DType::f16}) {   // 16-bit gradient buffers' scale
+        Tensor half_c = random_cpu({n, h}, 304, 3.0f, dtype), half_g = to_gpu(half_c);
+        cops().scale(cs(), half_c, 0.37f);
+        cs().synchronize();
+        gops().scale(gs(), half_g, 0.37f);
+        expect_bitwise(half_c, to_cpu(half_g), std::string("scale ") + dtype_name(dtype));
+    }
 }
 
 TEST(CudaOps, GeluAndSwigluForwardBackwardMatchTheCpu) {

@@ -238,7 +238,9 @@ TEST(DataParallel, OneCollectivePerBucketGroupPerIterationAndNoneBeforeTheLastMi
 
 // Bytes per parameter from the allocator's statistics: weights + grads + optimizer state per rank are
 // 6 + 12/d (bf16 parameters, distributed optimizer), 18 (bf16, replicated AdamW), 8 + 8/d and 16 (f32),
-// plus exactly the padding the layout implies.
+// and with 16-bit gradient buffers (--grad-reduce-in-bf16, --fp16) 4 + 16/d and 20: 2 of value and 2 of
+// gradient per element of the buffers, and per stepped element the f32 master, m, v and the optimizer's f32
+// copy of the gradient. Plus exactly the padding the layout implies.
 TEST(DataParallel, BytesPerParameterFollowMegatronsTable) {
     const int64_t d      = g_mpi->world_size();
     Device &      device = cpu::device();
@@ -248,9 +250,15 @@ TEST(DataParallel, BytesPerParameterFollowMegatronsTable) {
         return alloc.pool_stats("weights").allocated + alloc.pool_stats("grads").allocated +
                alloc.pool_stats("optimizer").allocated;
     };
-    for (DType dtype : {DType::bf16, DType::f32}) {
+    struct Case {
+        DType dtype;
+        bool  grads16;   // gradient buffers in the parameters' dtype
+    };
+    for (const auto [dtype, grads16] : {Case{DType::bf16, false}, Case{DType::f32, false}, Case{DType::bf16, true},
+                                        Case{DType::f16, true}}) {
         for (bool distopt : {true, false}) {
-            SCOPED_TRACE(std::string(dtype_name(dtype)) + (distopt ? ", distributed optimizer" : ", replicated"));
+            SCOPED_TRACE(std::string(dtype_name(dtype)) + (grads16 ? " gradients" : " f32 gradients") +
+                         (distopt ? ", distributed optimizer" : ", replicated"));
             int64_t before = bytes();
             {
                 train::TrainOptions o = small_options(d);
@@ -262,36 +270,42 @@ TEST(DataParallel, BytesPerParameterFollowMegatronsTable) {
                 const int64_t n = o.model.num_parameters();
                 ddp::DdpConfig config;
                 config.use_distributed_optimizer = distopt;
+                config.grad_reduce_in_fp32       = !grads16;
                 ddp::DistributedDataParallel ddp(gpt.parameters(), config, g_mpi->world(), device);
                 int64_t padded = 0;
-                for (const ddp::BufferLayout & b : ddp.layout().buffers) padded += b.numel;
+                for (const ddp::BufferLayout & b : ddp.layout().buffers) {
+                    padded += b.numel;
+                    EXPECT_EQ(b.grad_dtype, grads16 ? dtype : DType::f32);
+                }
                 const int64_t w = static_cast<int64_t>(dtype_size(dtype));
+                const int64_t g = grads16 ? w : 4;                          // a buffer's gradient element
+                // per stepped element: master, m, v (16-bit values), and the gradient's f32 copy
+                const int64_t state = (dtype == DType::f32 ? 8 : 12) + (grads16 ? 4 : 0);
                 int64_t       expected;
                 double        per_param;
                 if (distopt) {
                     optim::DistributedOptimizer adam(ddp, optim::OptimizerOptions{});
-                    const int64_t state = dtype == DType::bf16 ? 12 : 8;
-                    expected  = (w + 4) * padded + state * adam.owned_numel();
-                    per_param = dtype == DType::bf16 ? 6.0 + 12.0 / d : 8.0 + 8.0 / d;
+                    expected  = (w + g) * padded + state * adam.owned_numel();
+                    per_param = dtype == DType::f32 ? 8.0 + 8.0 / d : grads16 ? 4.0 + 16.0 / d : 6.0 + 12.0 / d;   // the table
                     // Owned elements: this rank's shards minus the padding inside them.
                     EXPECT_LE(adam.owned_numel(), padded / d);
                     EXPECT_EQ(bytes() - before, expected);
                     double measured = static_cast<double>(bytes() - before) / static_cast<double>(n);
                     // The only slack is padding: (w + 4) bytes per padded element plus at most
                     // state x (padded / d - n / d) for an uneven split of the shards.
-                    double slack = static_cast<double>((w + 4 + state) * (padded - n) + state * d) / static_cast<double>(n);
+                    double slack = static_cast<double>((w + g + state) * (padded - n) + state * d) / static_cast<double>(n);
                     EXPECT_NEAR(measured, per_param, slack);
                     if (g_mpi->world_rank() == 0) {
-                        std::printf("[d %lld %s distributed] %.4f bytes/param (table %.4f), padding %lld of %lld\n",
-                                    static_cast<long long>(d), dtype_name(dtype), measured, per_param,
+                        std::printf("[d %lld %s, %s gradients, distributed] %.4f bytes/param (table %.4f), padding %lld of %lld\n",
+                                    static_cast<long long>(d), dtype_name(dtype), grads16 ? dtype_name(dtype) : "f32",
+                                    measured, per_param,
                                     static_cast<long long>(padded - n), static_cast<long long>(n));
                     }
                 } else {
-                    optim::AdamW  adam(gpt.parameters(), optim::AdamWConfig{});
-                    const int64_t state = dtype == DType::bf16 ? 12 : 8;
+                    optim::AdamW adam(gpt.parameters(), optim::AdamWConfig{});
                     EXPECT_EQ(padded, n) << "no padding without the distributed optimizer";
-                    expected  = (w + 4 + state) * n;
-                    per_param = dtype == DType::bf16 ? 18.0 : 16.0;
+                    expected  = (w + g + state) * n;
+                    per_param = dtype == DType::f32 ? 16.0 : grads16 ? 20.0 : 18.0;   // the table
                     EXPECT_EQ(bytes() - before, expected);
                     EXPECT_DOUBLE_EQ(static_cast<double>(bytes() - before) / static_cast<double>(n), per_param);
                 }

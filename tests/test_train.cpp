@@ -1166,10 +1166,26 @@ TEST(MegatronCommandLine, OverlapAndContextParallelExchangeFlagsFollowMegatronsA
     }
 }
 
-// --grad-reduce-in-bf16 under Megatron's rule: read only with --bf16, where the data-parallel collectives then
-// run in bf16 (test_fsdp_mpi trains it); Megatron-FSDP's explicit --megatron-fsdp-grad-comm-dtype wins over it,
-// its auto follows it.
-TEST(MegatronCommandLine, GradReduceInBf16SetsTheGradientCommunicationDtypeWithBf16Only) {
+// --grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 under Megatron's rules: with --bf16 the
+// gradient buffers are f32 unless --grad-reduce-in-bf16 (which wins over the other flag); with --fp16 they
+// are f16 unless --accumulate-allreduce-grads-in-fp32; f32 models keep f32 (test_fsdp_mpi and test_ddp_mpi
+// train them). Megatron-FSDP keeps f32 buffers and takes --grad-reduce-in-bf16 as its collectives' dtype:
+// its explicit --megatron-fsdp-grad-comm-dtype wins over it, its auto follows it.
+TEST(MegatronCommandLine, GradReduceInBf16SetsTheGradientBuffersDtypeWithBf16Only) {
+    auto fp32_buffers = [](std::vector<std::string> extra) {
+        std::vector<std::string> args{"--mock-data", "--num-layers", "2"};
+        args.insert(args.end(), extra.begin(), extra.end());
+        return parse_train(args, 2).ddp.grad_reduce_in_fp32;
+    };
+    EXPECT_TRUE(fp32_buffers({}));
+    EXPECT_TRUE(fp32_buffers({"--grad-reduce-in-bf16"})) << "without --bf16 Megatron does not read it";
+    EXPECT_TRUE(fp32_buffers({"--bf16"}));
+    EXPECT_FALSE(fp32_buffers({"--bf16", "--grad-reduce-in-bf16"}));
+    EXPECT_FALSE(fp32_buffers({"--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"}));
+    EXPECT_FALSE(fp32_buffers({"--fp16"}));
+    EXPECT_TRUE(fp32_buffers({"--fp16", "--accumulate-allreduce-grads-in-fp32"}));
+    EXPECT_TRUE(fp32_buffers({"--bf16", "--grad-reduce-in-bf16", "--use-megatron-fsdp"}));
+
     const std::vector<std::string> base{"--mock-data", "--num-layers", "2"};
     auto comm = [&](std::vector<std::string> extra) {
         std::vector<std::string> args = base;
@@ -1229,10 +1245,14 @@ TEST(MegatronCommandLine, FsdpFlagsFollowMegatronsRulesAndNameWhatLoomRefuses) {
 // --fp16 and the loss scaler through `loom train`, read back from --log-file:
 //  - a constant power-of-two --loss-scale under --bf16 is exact (scaling and unscaling move exponents
 //    only): the losses are bitwise those without it;
-//  - --fp16 with a constant scale follows the f32 run (f16 operands: 11-bit mantissas) within 2e-2;
+//  - --fp16 with a constant scale follows the f32 run (f16 operands and f16 gradient buffers, Megatron's
+//    default without --accumulate-allreduce-grads-in-fp32: 11-bit mantissas) within 2e-2;
 //  - --fp16's dynamic scale starts at 2^32, skips each overflowing step without moving the learning-rate
-//    schedule, keeps the first overflow (hysteresis 2), halves on each later one, and once a step fits,
-//    trains; the log's loss scale and skipped count say so at every iteration.
+//    schedule, keeps the first overflow (hysteresis 2), halves on each later one (the growth window, 1000,
+//    is never reached, so the hysteresis is not restored), and once a step fits, trains; the log's loss scale
+//    and skipped count say so at every iteration. With f16 gradient buffers a step may still overflow after a
+//    fitting one (the summed gradients grow past 65504); with --accumulate-allreduce-grads-in-fp32 the same
+//    rules hold over f32 buffers.
 TEST(Training, Fp16TrainsUnderItsLossScalerAndAPowerOfTwoScaleIsExact) {
     char dir_template[] = "/tmp/loom_fp16_XXXXXX";
     const std::string dir = mkdtemp(dir_template);
@@ -1261,25 +1281,28 @@ TEST(Training, Fp16TrainsUnderItsLossScalerAndAPowerOfTwoScaleIsExact) {
     }
     EXPECT_LT(half.back()["lm loss"].get<double>(), half.front()["lm loss"].get<double>() - 0.1) << "fp16 learns";
 
-    const auto dynamic = records("--fp16", "dynamic.jsonl");
-    ASSERT_EQ(dynamic.size(), 20u);
-    double  scale = 4294967296.0;
-    int64_t chances = 2, skipped = 0, first_step = 0;
-    for (size_t k = 0; k < 20; ++k) {
-        const bool overflow = dynamic[k]["number of skipped iterations"].get<int64_t>() > skipped;
-        if (overflow) {
-            ASSERT_EQ(first_step, 0) << "no overflow after the first step at this window (1000)";
-            ++skipped;
-            if (--chances <= 0) scale /= 2;
-            EXPECT_EQ(dynamic[k]["learning rate"], dynamic[0]["learning rate"]) << "the schedule waits";
-        } else if (first_step == 0) {
-            first_step = static_cast<int64_t>(k) + 1;
+    for (const char * grads : {"", " --accumulate-allreduce-grads-in-fp32"}) {
+        SCOPED_TRACE(std::string("--fp16") + grads);
+        const auto dynamic = records(std::string("--fp16") + grads, "dynamic.jsonl");
+        ASSERT_EQ(dynamic.size(), 20u);
+        double  scale = 4294967296.0;
+        int64_t chances = 2, skipped = 0, first_step = 0;
+        for (size_t k = 0; k < 20; ++k) {
+            const bool overflow = dynamic[k]["number of skipped iterations"].get<int64_t>() > skipped;
+            if (overflow) {
+                ++skipped;
+                if (--chances <= 0) scale /= 2;
+                // The logged rate is the schedule's after the iteration (Megatron's): a skip leaves it.
+                if (k > 0) EXPECT_EQ(dynamic[k]["learning rate"], dynamic[k - 1]["learning rate"]) << "the schedule waits";
+            } else if (first_step == 0) {
+                first_step = static_cast<int64_t>(k) + 1;
+            }
+            EXPECT_EQ(dynamic[k]["loss scale"].get<double>(), scale) << "iteration " << k + 1;
         }
-        EXPECT_EQ(dynamic[k]["loss scale"].get<double>(), scale) << "iteration " << k + 1;
+        EXPECT_GE(skipped, 5) << "2^32 overflows f16 (65504) for several halvings";
+        EXPECT_GT(first_step, 0) << "a scale that fits was reached within 20 iterations";
+        EXPECT_LT(dynamic.back()["lm loss"].get<double>(), dynamic.front()["lm loss"].get<double>() - 0.05);
     }
-    EXPECT_GE(skipped, 5) << "2^32 overflows f16 (65504) for several halvings";
-    EXPECT_GT(first_step, 0) << "a scale that fits was reached within 20 iterations";
-    EXPECT_LT(dynamic.back()["lm loss"].get<double>(), dynamic.front()["lm loss"].get<double>() - 0.05);
 
     struct Case {
         const char * args;

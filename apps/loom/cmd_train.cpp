@@ -102,8 +102,9 @@ int cmd_train(int argc, char ** argv) {
     }
     const int64_t       world   = launched_world_size();
     train::TrainOptions options = parser.resolve(world);
+    // 16-bit gradients live in DDP's buffers, as do ZeRO-1's shards: one rank builds them too.
     const bool use_ddp = world > 1 || options.ddp.use_distributed_optimizer || options.ddp.overlap_grad_reduce ||
-                         options.print_layout || options.optimizer_cpu_offload;
+                         !options.ddp.grad_reduce_in_fp32 || options.print_layout || options.optimizer_cpu_offload;
     std::unique_ptr<comm::MpiContext> mpi;
     if (use_ddp) {
         mpi = std::make_unique<comm::MpiContext>();

@@ -533,6 +533,12 @@ inline void copy_columns(const Tensor & src, int64_t src_col, const Tensor & dst
                                   << " to column " << dst_col << " of " << dst.describe(), "");
 }
 
+// scale's tensor: f32, bf16 or f16.
+inline void scale(const Tensor & t) {
+    LOOM_CHECK(t.defined() && (t.dtype() == DType::f32 || dtype_is_half(t.dtype())),
+               "scale: t is " << (t.defined() ? t.describe() : std::string("missing")), "scale takes f32, bf16 or f16");
+}
+
 inline void sum_of_squares(const Tensor & x, const Tensor & out) {
     expect(x, DType::f32, -1, "sum_of_squares", "x");
     expect(out, DType::f32, 2, "sum_of_squares", "out");

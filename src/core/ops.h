@@ -260,7 +260,8 @@ public:
     virtual void copy_columns(Stream & s, const Tensor & src, int64_t src_col, const Tensor & dst, int64_t dst_col,
                               int64_t width) = 0;
     virtual void fill_zero(Stream & s, const Tensor & t) = 0;
-    virtual void scale(Stream & s, const Tensor & t, float factor) = 0;   // f32, in place
+    // In place: t = t * factor in f32, rounded back to t's dtype (f32, bf16 or f16).
+    virtual void scale(Stream & s, const Tensor & t, float factor) = 0;
     // out (2) f32 = the sum of the squares of x (f32) as a pair: out[0] is the sum rounded to f32, out[1]
     // the rest (out[0] + out[1] equals the double sum to about 1e-14). The sum is taken in double over
     // fixed chunks added in order, so its bits do not depend on the thread count.

@@ -37,6 +37,10 @@ void DdpConfig::validate() const {
     LOOM_CHECK(num_distributed_optimizer_instances == 1 || use_distributed_optimizer,
                "Partial DistOpt cannot be used without DistOpt",
                "--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer");
+    LOOM_CHECK(grad_reduce_in_fp32 || !use_megatron_fsdp,
+               "--use-megatron-fsdp with 16-bit gradient buffers (--grad-reduce-in-bf16 or --fp16 without "
+               "--accumulate-allreduce-grads-in-fp32)",
+               "Megatron-FSDP's buffers are f32 in Loom; its collectives' dtype is --megatron-fsdp-grad-comm-dtype");
     LOOM_CHECK(!bucket_size || *bucket_size >= 1, "--ddp-bucket-size must be >= 1 element, got " << *bucket_size,
                "omit it for Megatron's default, max(40M, 1M x dp) elements with --overlap-grad-reduce");
 }
@@ -87,9 +91,9 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
     // Expert parameters get buffers of their own (after the dense ones, as Megatron lays them out) and reduce
     // over the expert-data-parallel group, scaled by 1 / dp like every other gradient (the header).
     for (const model::Parameter * p : params_) {
-        LOOM_CHECK(p->main_grad.dtype() == DType::f32, "parameter " << p->name << " has a "
-                                                                    << dtype_name(p->main_grad.dtype()) << " main_grad",
-                   "Loom accumulates gradients in float32");
+        LOOM_CHECK(p->main_grad.dtype() == DType::f32 || p->main_grad.dtype() == p->data.dtype(),
+                   "parameter " << p->name << " has a " << dtype_name(p->main_grad.dtype()) << " main_grad",
+                   "gradients are float32 or the parameter's own dtype");
     }
     LOOM_CHECK(!config_.use_megatron_fsdp || !placement.unit_of_param.empty(), "Megatron-FSDP without the model's units",
                "pass the model's parameter units (GptModel::parameter_units) in the placement");
@@ -101,7 +105,7 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
     options.use_distributed_optimizer       = config_.use_distributed_optimizer;
     options.bucket_size                     = effective_bucket_size(config_, full_dp_);   // Megatron's: the whole dp
     options.pad_buckets_for_high_nccl_busbw = config_.pad_buckets_for_high_nccl_busbw;
-    options.grad_reduce_in_fp32             = true;
+    options.grad_reduce_in_fp32             = config_.grad_reduce_in_fp32;
     options.pipeline_rank                   = placement.pipeline_rank;
     options.overlap_param_gather_with_optimizer_step = placement.overlap_param_gather_with_optimizer_step;
     options.fsdp_units                      = config_.use_megatron_fsdp;
@@ -148,7 +152,7 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
             }
             continue;
         }
-        Tensor grads = Tensor::zeros({buffer.numel}, DType::f32, device_, {MemoryKind::device, "grads"});
+        Tensor grads = Tensor::zeros({buffer.numel}, buffer.grad_dtype, device_, {MemoryKind::device, "grads"});
         Tensor weights;
         if (config_.use_distributed_optimizer) {
             weights = Tensor::zeros({buffer.numel}, buffer.param_dtype, device_, {MemoryKind::device, "weights"});
@@ -156,7 +160,12 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
         for (const ParamPlace & place : buffer.params) {
             model::Parameter * p = params_[place.param];
             Tensor grad = grads.slice(place.start, p->main_grad.shape());
-            copy_now(grad, p->main_grad);
+            if (grad.dtype() == p->main_grad.dtype()) {
+                copy_now(grad, p->main_grad);
+            } else {   // a 16-bit buffer: the values rounded to it
+                device_.ops().convert(device_.compute_stream(), p->main_grad, grad);
+                device_.compute_stream().synchronize();
+            }
             p->main_grad = grad;
             if (weights.defined()) {
                 Tensor data = weights.slice(place.start, p->data.shape());
@@ -319,10 +328,10 @@ void DistributedDataParallel::launch_grad_sync(Group & group) {
 
 void DistributedDataParallel::check_finite(int buffer, int bucket_id, const Tensor & grads) const {
     const BucketLayout & bucket = layout_.buffers[static_cast<size_t>(buffer)].buckets[static_cast<size_t>(bucket_id)];
-    const Tensor         host   = host_readable(grads);
+    const std::vector<float> host = values_f32(grads);   // 16-bit buffers widened
     for (const ParamPlace & place : layout_.buffers[static_cast<size_t>(buffer)].params) {
         if (place.bucket != bucket_id) continue;
-        const float * pg = host.data<float>() + (place.start - bucket.offset);
+        const float * pg = host.data() + (place.start - bucket.offset);
         for (int64_t i = 0; i < place.end - place.start; ++i) {
             LOOM_CHECK(std::isfinite(pg[i]),
                        "rank " << dp_group_->global_ranks()[dp_group_->rank()] << ": gradient of "
@@ -345,7 +354,9 @@ void DistributedDataParallel::wait_grad_sync(Group & group) {
 
 comm::WorkPtr DistributedDataParallel::reduce_scatter_grads(comm::Communicator & group, const Tensor & grads,
                                                             const Tensor & out, comm::ReduceOp op, std::vector<Tensor> & keep) {
-    if (config_.grad_comm_dtype == DType::f32) return group.reduce_scatter(grads, out, op, comm_stream_.get());
+    if (config_.grad_comm_dtype == DType::f32 || grads.dtype() != DType::f32) {
+        return group.reduce_scatter(grads, out, op, comm_stream_.get());
+    }
     Ops &  ops    = device_.ops();
     Tensor narrow = Tensor::empty({grads.numel()}, config_.grad_comm_dtype, device_, {MemoryKind::device, "comm"});
     Tensor block  = Tensor::empty({out.numel()}, config_.grad_comm_dtype, device_, {MemoryKind::device, "comm"});
@@ -359,7 +370,9 @@ comm::WorkPtr DistributedDataParallel::reduce_scatter_grads(comm::Communicator &
 
 comm::WorkPtr DistributedDataParallel::all_reduce_grads(comm::Communicator & group, const Tensor & grads, comm::ReduceOp op,
                                                         std::vector<Tensor> & keep) {
-    if (config_.grad_comm_dtype == DType::f32) return group.all_reduce(grads, op, comm_stream_.get());
+    if (config_.grad_comm_dtype == DType::f32 || grads.dtype() != DType::f32) {
+        return group.all_reduce(grads, op, comm_stream_.get());
+    }
     Tensor narrow = Tensor::empty({grads.numel()}, config_.grad_comm_dtype, device_, {MemoryKind::device, "comm"});
     device_.ops().convert(*comm_stream_, grads, narrow);
     comm::WorkPtr work = group.all_reduce(narrow, op, comm_stream_.get());

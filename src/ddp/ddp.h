@@ -36,8 +36,12 @@
 // --check-for-nan-in-loss-and-grad a non-finite local gradient stops the run before the collective,
 // naming the rank and the parameter.
 //
-// Gradients are always accumulated and reduced in f32 (Megatron turns --accumulate-allreduce-grads-in-fp32
-// on for --bf16; Loom's layers write f32 main_grads for both dtypes). Layers report a parameter ready when
+// Gradients are accumulated and reduced in f32 (DdpConfig::grad_reduce_in_fp32, Megatron's
+// --accumulate-allreduce-grads-in-fp32, which it turns on for --bf16), or, without it, in each parameter's
+// own dtype (--grad-reduce-in-bf16 under --bf16; --fp16 by default): every buffer then holds bf16 or f16
+// gradients, half the bytes (docs/design/ddp_and_optimizers.md 1.17). Each layer still computes its
+// contribution in f32 and rounds the sum into the buffer once (model::accumulate_grads), the collectives
+// run in the buffer's dtype, and the optimizer widens its gradients to f32 before it reads them. Layers report a parameter ready when
 // they have enqueued its gradient's kernels on the device's compute stream, not when those have run: a
 // launch records an event on the compute stream, the communication stream waits on it, then scales the
 // bucket and runs its collective, so backward compute and reductions overlap. Zeroing the buffers is
@@ -71,6 +75,9 @@ struct DdpConfig {
     // it on the communication stream before its collective and the result widened back to f32 after (half
     // the bytes on the wire; gradients still accumulate in f32).
     DType                  grad_comm_dtype                 = DType::f32;
+    // Megatron's grad_reduce_in_fp32: the gradient buffers in f32; false: in their parameters' dtype (the
+    // header). Megatron-FSDP keeps f32 buffers (its own --megatron-fsdp-main-grads-dtype).
+    bool                   grad_reduce_in_fp32             = true;
     bool                   overlap_grad_reduce             = false;
     bool                   overlap_param_gather            = false;
     std::optional<int64_t> bucket_size;                     // --ddp-bucket-size; nullopt: Megatron's default
@@ -212,9 +219,10 @@ private:
     void dispatch_unit_gather(int group);
     void gather_unit(int group);
     void prefetch_unit(int group);   // a group index out of range: nothing
-    // The data-parallel collectives of a bucket's f32 gradients in config_.grad_comm_dtype, on the
-    // communication stream: a reduce-scatter of `grads` into `out` (the rank's block), or an all-reduce in
-    // place. Scratch in the narrower dtype goes into `keep`, to live until the work is waited for.
+    // The data-parallel collectives of a bucket's gradients, on the communication stream: a reduce-scatter
+    // of `grads` into `out` (the rank's block), or an all-reduce in place. f32 gradients travel in
+    // config_.grad_comm_dtype, with scratch in the narrower dtype kept in `keep` until the work is waited
+    // for; 16-bit ones in their own dtype.
     comm::WorkPtr reduce_scatter_grads(comm::Communicator & group, const Tensor & grads, const Tensor & out,
                                        comm::ReduceOp op, std::vector<Tensor> & keep);
     comm::WorkPtr all_reduce_grads(comm::Communicator & group, const Tensor & grads, comm::ReduceOp op,

@@ -80,7 +80,8 @@ struct GptConfig {
     bool                 recompute_layernorm      = false;
     MoeConfig            moe;                         // --num-experts and --moe-*: MoE MLPs (none by default)
     uint64_t          seed                    = 1234;
-    // Parameter and GEMM-operand dtype: f32, or bf16 with --bf16 (main_grad and master weights stay f32).
+    // Parameter and GEMM-operand dtype: f32, or bf16 with --bf16 (master weights stay f32; main_grad too
+    // unless DDP's buffers are 16-bit: ddp/ddp.h).
     DType             params_dtype            = DType::f32;
 
     int64_t head_dim() const { return hidden_size / num_attention_heads; }

@@ -271,7 +271,9 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
         } else {
             tp_.all_reduce(dx);
         }
-        ops.gemm(stream, dlogits, true, ctx.final_hidden, false, out_w.main_grad, /*accumulate=*/true);
+        accumulate_grads(stream, {out_w.main_grad}, [&](const std::vector<Tensor> & g) {
+            ops.gemm(stream, dlogits, true, ctx.final_hidden, false, g[0], /*accumulate=*/true);
+        });
         ctx.lse = ctx.token_loss = ctx.final_hidden = Tensor();
         dlogits = Tensor();
         // The output weight is final here, unless the same tensor also embeds tokens on this stage.
@@ -310,8 +312,10 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
         call(hooks_.before_backward, [&] { return embedding_params(); });
         if (ctx.embedding_dropout.enabled()) ops.dropout(stream, dx, dx, ctx.embedding_dropout);
         if (tp_.sp()) dx = tp_.all_gather(dx);   // the lookup's gradient needs every position
-        ops.embedding_backward(stream, local_tokens(ctx.batch.tokens), dx, wte_.main_grad,
-                               wpe_.data.defined() ? wpe_.main_grad : Tensor(), cp_.positions(s));
+        accumulate_grads(stream, {wte_.main_grad, wpe_.data.defined() ? wpe_.main_grad : Tensor()},
+                         [&](const std::vector<Tensor> & g) {
+                             ops.embedding_backward(stream, local_tokens(ctx.batch.tokens), dx, g[0], g[1], cp_.positions(s));
+                         });
         if (ready) {
             if (wpe_.data.defined()) ready(wpe_);
             ready(wte_);   // tied on one stage: both the output-layer and the embedding contributions are in

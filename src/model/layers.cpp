@@ -140,7 +140,8 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
     Ops &    ops    = dy_rows.device().ops();
     Stream & stream = dy_rows.device().compute_stream();
     if (has_bias) {   // a sequence-parallel row linear's bias sees this rank's rows: a partial sum
-        ops.bias_backward(stream, dy_rows, bias.main_grad.view({bias.main_grad.numel()}));
+        accumulate_grads(stream, {bias.main_grad.view({bias.main_grad.numel()})},
+                         [&](const std::vector<Tensor> & g) { ops.bias_backward(stream, dy_rows, g[0]); });
     }
     Tensor  dy = split == Split::row && tp->sp() ? tp->all_gather(dy_rows) : dy_rows;
     int64_t n = dy.size(0), in = weight.data.size(1);
@@ -148,7 +149,9 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
     Tensor  dy_in = in_dtype(dy, dtype);
     Tensor  dx    = activation(dy.device(), n, in);
     ops.gemm(stream, dy_in, false, weight.data, false, dx);
-    ops.gemm(stream, dy_in, true, ctx.x, false, weight.main_grad, /*accumulate=*/true);
+    accumulate_grads(stream, {weight.main_grad}, [&](const std::vector<Tensor> & g) {
+        ops.gemm(stream, dy_in, true, ctx.x, false, g[0], /*accumulate=*/true);
+    });
     if (split == Split::column) {   // each rank's output features contribute to dx
         if (tp->sp()) {
             dx = tp->reduce_scatter(dx);
@@ -229,11 +232,13 @@ Tensor Norm::backward(Context & ctx, const Tensor & dy, const GradReadyFn & read
     Tensor   w  = scale();
     Ops &    ops    = dy.device().ops();
     Stream & stream = dy.device().compute_stream();
-    if (kind == Normalization::layernorm) {
-        ops.layernorm_backward(stream, dy, ctx.x, w, ctx.mean, ctx.rstd, dx, weight.main_grad, bias.main_grad);
-    } else {
-        ops.rmsnorm_backward(stream, dy, ctx.x, w, ctx.rstd, dx, weight.main_grad);
-    }
+    accumulate_grads(stream, {weight.main_grad, bias.main_grad}, [&](const std::vector<Tensor> & g) {
+        if (kind == Normalization::layernorm) {
+            ops.layernorm_backward(stream, dy, ctx.x, w, ctx.mean, ctx.rstd, dx, g[0], g[1]);
+        } else {
+            ops.rmsnorm_backward(stream, dy, ctx.x, w, ctx.rstd, dx, g[0]);
+        }
+    });
     ctx = Context{};
     if (ready) {
         ready(weight);

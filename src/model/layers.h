@@ -10,7 +10,8 @@
 //
 // Precision. With f32 parameters everything is f32. With bf16 parameters (--bf16):
 //   - every GEMM reads bf16 operands (weights, the layer input, the output gradient) and accumulates in
-//     f32 into an f32 result; weight gradients accumulate into the f32 main_grad;
+//     f32 into an f32 result; weight gradients accumulate into main_grad (f32, or rounded into a bf16
+//     buffer with --grad-reduce-in-bf16: model::accumulate_grads);
 //   - every activation saved for backward that a GEMM or attention reads is kept in bf16 (the linear
 //     inputs, the attention's q/k/v, the MLP's pre-activation); where forward also computes from it, the
 //     f32 value is first rounded to bf16 so forward and backward see the same numbers;

@@ -1,5 +1,6 @@
 #include "model/parameter.h"
 
+#include "core/allocator.h"
 #include "core/error.h"
 #include "core/ops.h"
 
@@ -17,6 +18,26 @@ Parameter parameter_create(const std::string & name, const Shape & shape, DType 
     p.data      = Tensor::empty(shape, dtype, device, {MemoryKind::device, "weights"});
     p.main_grad = Tensor::zeros(shape, DType::f32, device, {MemoryKind::device, "grads"});
     return p;
+}
+
+void accumulate_grads(Stream & stream, const std::vector<Tensor> & main_grads,
+                      const std::function<void(const std::vector<Tensor> &)> & add) {
+    std::vector<Tensor> targets = main_grads;
+    bool                widened = false;
+    for (Tensor & t : targets) {
+        if (!t.defined() || t.dtype() == DType::f32) continue;
+        Tensor wide = Tensor::empty(t.shape(), DType::f32, t.device(), {MemoryKind::device, kActivationsPool});
+        t.device().ops().convert(stream, t, wide);
+        t       = wide;
+        widened = true;
+    }
+    add(targets);
+    if (!widened) return;
+    for (size_t i = 0; i < targets.size(); ++i) {
+        if (targets[i].defined() && targets[i].dtype() != main_grads[i].dtype()) {
+            main_grads[i].device().ops().convert(stream, targets[i], main_grads[i]);
+        }
+    }
 }
 
 namespace {

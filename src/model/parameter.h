@@ -1,4 +1,4 @@
-// Parameter: a model weight, its f32 gradient accumulator and the attributes the parallel layers need.
+// Parameter: a model weight, its gradient accumulator and the attributes the parallel layers need.
 //
 // backward() ADDS into main_grad (so microbatches accumulate) and then reports the parameter ready
 // through the GradReadyFn it was given; DDP buckets count these reports to launch their reductions.
@@ -40,7 +40,8 @@ std::vector<float> tp_extract(const TpSlice & slice, const float * full);
 struct Parameter {
     std::string name;                    // "layers.3.mlp.fc1.weight"
     Tensor      data;                    // model dtype (f32, or bf16 with --bf16)
-    Tensor      main_grad;               // f32, same shape
+    Tensor      main_grad;               // same shape: f32, or the parameter's 16-bit dtype where DDP's
+                                         // buffers follow it (--grad-reduce-in-bf16, --fp16)
     bool        no_weight_decay  = false;   // biases and norm weights (Megatron's param groups)
     bool        embedding_or_output = false;   // the word embedding and the output layer: --decoupled-lr
     bool        shared_embedding = false;   // word embedding tied to the output layer
@@ -65,7 +66,8 @@ struct ParamHooks {
     Fn before_forward, after_forward, before_backward, after_backward;
 };
 
-// Allocates data of `dtype` (filled by the caller) and a zeroed f32 main_grad.
+// Allocates data of `dtype` (filled by the caller) and a zeroed f32 main_grad (DDP may re-point it at a
+// 16-bit buffer).
 Parameter parameter_create(const std::string & name, const Shape & shape, DType dtype, Device & device);
 
 // Fills with N(0, std^2) from a stream seeded by (seed, name): every layout of the same model gets the
@@ -74,6 +76,14 @@ Parameter parameter_create(const std::string & name, const Shape & shape, DType 
 // model's weights rounded to nearest.
 void parameter_init_normal(Parameter & p, uint64_t seed, float std);
 void parameter_init_constant(Parameter & p, float value);
+
+// Adds a backward op's contributions to main_grads (undefined entries pass through): `add` receives f32
+// tensors of the same shapes to ADD into, as the ops' gradient outputs expect. An f32 main_grad is handed
+// over itself; a 16-bit one (DDP's buffer in the parameter's dtype) as an f32 copy of its values, rounded
+// back once `add` has enqueued its kernels: round(main_grad + contribution), what a GEMM accumulating into
+// a 16-bit C with f32 arithmetic computes. Every op runs on `stream`.
+void accumulate_grads(Stream & stream, const std::vector<Tensor> & main_grads,
+                      const std::function<void(const std::vector<Tensor> &)> & add);
 
 // The parameter's values as f32: `data` itself when it is f32, else a converted copy (for the small
 // vectors, biases and norm weights, that f32 kernels read).

@@ -88,6 +88,7 @@ void Optimizer::init(std::vector<HybridSlot> slots, std::vector<int> slot_params
                             << " offsets", "");
     slot_params_  = std::move(slot_params);
     slot_offsets_ = std::move(slot_offsets);
+    widen_16bit_grads(slots, views);
     views_       = std::move(views);
     HybridOptions offload;   // fraction 0: every slot's state in device memory, the plain step
     if (options_.offload) offload = *options_.offload;
@@ -95,8 +96,35 @@ void Optimizer::init(std::vector<HybridSlot> slots, std::vector<int> slot_params
                                                      offload);
 }
 
+void Optimizer::widen_16bit_grads(std::vector<HybridSlot> & slots, std::vector<GradView> & views) {
+    int64_t total = 0;
+    for (const HybridSlot & slot : slots) {
+        if (slot.grad.defined() && slot.grad.dtype() != DType::f32) total += slot.grad.numel();
+    }
+    if (total == 0) return;
+    // Both optimizers read slot i's gradient through view i.
+    LOOM_CHECK(views.size() == slots.size(), views.size() << " gradient views over " << slots.size() << " slots", "");
+    widened_storage_ = Tensor::zeros({total}, DType::f32, slots.front().grad.device(), {MemoryKind::device, "grads"});
+    int64_t at       = 0;
+    for (size_t i = 0; i < slots.size(); ++i) {
+        Tensor & grad = slots[i].grad;
+        if (!grad.defined() || grad.dtype() == DType::f32) continue;
+        LOOM_CHECK(views[i].grad.data_ptr() == grad.data_ptr() && views[i].grad.numel() == grad.numel(),
+                   "gradient view " << i << " is not its slot's gradient", "");
+        Tensor wide = widened_storage_.slice(at, {grad.numel()});
+        at += grad.numel();
+        widened_.emplace_back(grad, wide);
+        grad          = wide;
+        views[i].grad = wide;
+    }
+}
+
 StepResult Optimizer::step(float lr, std::optional<float> decoupled_lr, float grad_scale) {
     StepResult result;
+    for (const auto & [narrow, wide] : widened_) {
+        Device & device = wide.device();
+        device.ops().convert(device.compute_stream(), narrow, wide);
+    }
     if (grad_scale != 1.0f) scale_grads(views_, grad_scale);
     result.grad_norm = norm_on(params_.front()->data.device(), views_, groups_);
     if (!std::isfinite(result.grad_norm)) return result;

@@ -11,6 +11,9 @@
 //                         optim/distributed_optimizer.h), and the step ends with DDP's parameter all-gather.
 //
 // The step, on the device's compute stream (the host sees the updated values once it synchronizes it):
+//   0. 16-bit gradients (DDP's buffers in the parameters' dtype: --grad-reduce-in-bf16, --fp16) are widened
+//      into the optimizer's f32 copies, one contiguous allocation of the slots' elements in the "grads" pool
+//      (Megatron's main_grad copies: 4 bytes per stepped element); everything below reads those;
 //   1. norm = sqrt of the sum of squares of the counted gradient views: each view's sum on the stream
 //      (Ops::sum_of_squares), read by the host in view order in double, then summed over the `shard`
 //      group (ZeRO-1: every element is owned by one rank) and the `model_parallel` group (TP x PP ranks),
@@ -40,7 +43,7 @@ namespace loom::optim {
 
 // A gradient the norm reads and clipping scales.
 struct GradView {
-    Tensor grad;             // f32
+    Tensor grad;             // f32 (16-bit gradients are widened into the optimizer's copies first: step 0)
     bool   counted = true;   // adds to the norm (false: a copy another rank or stage counts)
     bool   expert  = false;  // an expert parameter's (summed over the expert groups when given)
 };
@@ -110,10 +113,16 @@ protected:
                       std::vector<GradView> views);
 
 private:
+    // Step 0's set-up: points 16-bit slot gradients (and their views) at f32 copies.
+    void widen_16bit_grads(std::vector<HybridSlot> & slots, std::vector<GradView> & views);
+
     std::vector<model::Parameter *>        params_;
     OptimizerOptions                       options_;
     NormGroups                             groups_;
     std::vector<GradView>                  views_;
+    // Step 0: each 16-bit slot gradient and its f32 copy (a piece of widened_storage_).
+    std::vector<std::pair<Tensor, Tensor>> widened_;
+    Tensor                                 widened_storage_;
     std::vector<int>                       slot_params_;
     std::vector<int64_t>                   slot_offsets_;
     std::unique_ptr<HybridDeviceOptimizer> state_;

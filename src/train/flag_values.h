@@ -108,8 +108,8 @@ struct ParallelFlags {
     int64_t expert_tensor_parallel_size = 1;   // --expert-tensor-parallel-size (default: the dense tp)
     int64_t context_parallel_size = 1;
     int64_t bucket_size           = 0;       // --ddp-bucket-size, applied when given
-    bool    grads_in_fp32         = false;   // always on in Loom
-    bool    grad_reduce_in_bf16   = false;   // --grad-reduce-in-bf16: with --bf16, the DP collectives in bf16
+    bool    grads_in_fp32         = false;   // --accumulate-allreduce-grads-in-fp32
+    bool    grad_reduce_in_bf16   = false;   // --grad-reduce-in-bf16: with --bf16, bf16 gradient buffers
     bool    overlap_param_gather_with_optimizer_step = false;   // accepted under Megatron's rules
     bool    tp_comm_overlap = false;   // --tp-comm-overlap: accepted under Megatron's rule (sequence parallelism)
     std::string tp_comm_overlap_cfg;   // --tp-comm-overlap-cfg: Transformer Engine's userbuffer settings (unread)

@@ -125,10 +125,13 @@ const Flag<ParallelFlags> kParallelFlags[] = {
     {"--ddp-bucket-size", kDist, &P::bucket_size,
      "elements per gradient bucket (default max(40M, 1M x dp) with --overlap-grad-reduce, else one bucket)"},
     {"--accumulate-allreduce-grads-in-fp32", "mixed precision", &P::grads_in_fp32,
-     "accumulate and reduce gradients in f32 (always on in Loom)"},
+     "accumulate and reduce gradients in f32: Megatron turns it on for --bf16 (unless --grad-reduce-in-bf16); "
+     "with --fp16 and without it the gradient buffers are f16"},
     {"--grad-reduce-in-bf16", "mixed precision", &P::grad_reduce_in_bf16,
-     "with --bf16 (Megatron reads it only then): the data-parallel gradient collectives run in bf16, half the "
-     "bytes; Loom still accumulates the micro-batches' gradients in f32 (Megatron's buffer is bf16)"},
+     "with --bf16 (Megatron reads it only then): the gradient buffers are bf16 and their data-parallel collectives "
+     "run in bf16 (half the bytes of each); every layer's contribution is computed in f32 and rounded into the "
+     "buffer, and the optimizer steps f32 copies of its gradients. With --use-megatron-fsdp only the collectives "
+     "are bf16"},
 };
 
 const Flag<ddp::DdpConfig> kDdpFlags[] = {
@@ -251,11 +254,14 @@ void resolve_ddp(const ParallelFlags & f, const Given & given, TrainOptions & o)
                                   : type == "a2a+p2p"   ? model::CpCommType::a2a_p2p
                                                         : model::CpCommType::p2p);
     }
-    // Megatron: with --bf16, --grad-reduce-in-bf16 turns off f32 accumulation and reduction (its gradient buffer
-    // becomes bf16). Loom reduces in bf16 (each bucket rounded before its collective, widened after) and keeps
-    // the f32 buffer, so the micro-batches' sum is not rounded to bf16 at every step.
+    // Megatron's accumulate_allreduce_grads_in_fp32: forced on for --bf16 unless --grad-reduce-in-bf16, off by
+    // default for --fp16; without it the gradient buffers (and their collectives) are in the parameters' 16-bit
+    // dtype. Megatron-FSDP keeps Loom's f32 buffers and runs only its collectives in bf16 (its
+    // --megatron-fsdp-grad-comm-dtype auto).
     if (f.grad_reduce_in_bf16 && o.bf16) o.ddp.grad_comm_dtype = DType::bf16;
     resolve_fsdp(f, given, o);
+    const bool in_fp32 = o.bf16 ? !f.grad_reduce_in_bf16 : !o.fp16 || f.grads_in_fp32;
+    if (!in_fp32 && !o.ddp.use_megatron_fsdp) o.ddp.grad_reduce_in_fp32 = false;
     o.ddp.validate();
     const int64_t instances = o.ddp.num_distributed_optimizer_instances;   // parallel_state.py's asserts
     LOOM_CHECK(o.parallel.dp() * o.parallel.cp() % instances == 0,

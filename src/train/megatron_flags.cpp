@@ -18,7 +18,7 @@ constexpr NoOpFlag kNoOpFlags[] = {
      "both name the same layer math; Loom runs its own kernels for either"},
     {"--distributed-backend", "nccl|gloo", "Loom's communicator is MPI on the CPU (NCCL on CUDA), chosen by the device"},
     {"--no-gradient-accumulation-fusion", nullptr,
-     "Loom accumulates weight gradients straight into the f32 main_grad buffer in any case"},
+     "Loom accumulates weight gradients straight into the main_grad buffer in any case"},
     {"--attention-softmax-in-fp32", nullptr, "Loom's softmax always runs in f32, also with --bf16"},
     {"--deterministic-mode", nullptr, "Loom's kernels and reductions are deterministic: every run is bitwise repeatable"},
     {"--no-masked-softmax-fusion", nullptr, "a kernel-fusion choice; the result is the same"},

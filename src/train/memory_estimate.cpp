@@ -20,9 +20,11 @@ MemoryEstimate estimate_memory(const TrainOptions & o) {
                            static_cast<double>(m.max_position_embeddings) * h + L * per_layer) / (tp * pp);
     MemoryEstimate e;
     // Megatron-FSDP keeps only the shards of what its strategy shards (ddp_and_optimizers.md 1.16).
-    e.weights   = params * (o.bf16 ? 2 : 4) / (o.ddp.shards_params() ? dp : 1);
-    e.grads     = params * 4 / (o.ddp.shards_grads() ? dp : 1);
-    e.optimizer = params * (o.bf16 ? 12 : 8) / (o.ddp.use_distributed_optimizer ? dp : 1);
+    e.weights   = params * (o.bf16 || o.fp16 ? 2 : 4) / (o.ddp.shards_params() ? dp : 1);
+    const double stepped = o.ddp.use_distributed_optimizer ? dp : 1;   // the optimizer's share
+    e.grads = o.ddp.grad_reduce_in_fp32 ? params * 4 / (o.ddp.shards_grads() ? dp : 1)
+                                        : params * 2 + params * 4 / stepped;   // 16-bit buffers, f32 copies
+    e.optimizer = params * (o.bf16 || o.fp16 ? 12 : 8) / stepped;
     const double in_flight = std::min(pp, static_cast<double>(std::max<int64_t>(1, o.num_microbatches())));
     e.activations = in_flight * (L / pp * s * b * h * 34 * 2 / tp + 3 * 4 * s * b * V / tp);
     return e;

@@ -221,8 +221,9 @@ struct TrainOptions {
 };
 
 // What one rank of a training run needs, estimated before anything is allocated (bytes, as doubles: the
-// sizes may be absurd). weights: the parameter dtype; grads: f32 main_grad; optimizer: f32 m and v, plus
-// the f32 master with --bf16, divided over data-parallel ranks with --use-distributed-optimizer;
+// sizes may be absurd). weights: the parameter dtype; grads: the main_grad buffers (f32, or 16-bit with the
+// optimizer's f32 copies: ddp/ddp.h); optimizer: f32 m and v, plus the f32 master with --bf16, divided over
+// data-parallel ranks with --use-distributed-optimizer;
 // activations: Megatron's s·b·h·34 bytes per layer (16-bit; without its 5·a·s² term, as Loom's tiled
 // attention keeps no s x s scores), doubled for f32, over TP, for the layers of one stage and as many
 // micro-batches as the first stage holds (pp), plus three f32 copies of the logits (s·b·V/tp). GPT-2 124M,

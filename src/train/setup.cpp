@@ -149,8 +149,10 @@ Setup setup(const TrainOptions & options, std::vector<model::GptModel *> chunks,
             instances ? groups.inter_dp : nullptr, instances ? groups.inter_expert_dp : nullptr, placement);
         for (model::GptModel * chunk : s.chunks) chunk->set_param_hooks(s.ddp->param_hooks());
     } else {
-        LOOM_CHECK(!options.ddp.use_distributed_optimizer && !options.ddp.overlap_grad_reduce,
-                   "the data-parallel options need a data-parallel group", "");
+        LOOM_CHECK(!options.ddp.use_distributed_optimizer && !options.ddp.overlap_grad_reduce &&
+                       options.ddp.grad_reduce_in_fp32,
+                   "the data-parallel options need a data-parallel group",
+                   "16-bit gradient buffers, ZeRO-1 and the overlaps live in DDP's buffers");
     }
     optim::OptimizerOptions optimizer{options.adam, options.clip_grad, std::nullopt};
     if (options.optimizer_cpu_offload) optimizer.offload = options.offload;

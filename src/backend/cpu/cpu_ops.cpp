@@ -354,8 +354,8 @@ public:
     }
 
     void scale(Stream & s, const Tensor & t, float factor) override {
-        expect(t, DType::f32, -1, "scale", "t");
-        s.submit([t, factor] { scale_parallel(f32(t), factor, t.numel()); });
+        op_checks::scale(t);
+        s.submit([t, factor] { scale_parallel(t.data_ptr(), t.dtype(), factor, t.numel()); });
     }
 
     void sum_of_squares(Stream & s, const Tensor & x, const Tensor & out) override {

@@ -431,9 +431,23 @@ void convert_parallel(const void * src, DType src_dtype, void * dst, DType dst_d
     });
 }
 
-void scale_parallel(float * x, float factor, int64_t n) {
+void scale_parallel(void * x, DType dtype, float factor, int64_t n) {
     parallel_for(n, 1 << 15, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) x[i] *= factor;
+        if (dtype == DType::f32) {
+            float * v = static_cast<float *>(x);
+            for (int64_t i = begin; i < end; ++i) v[i] *= factor;
+            return;
+        }
+        // 16-bit: widened a block at a time, multiplied in f32, rounded back.
+        uint16_t *         bits = static_cast<uint16_t *>(x);
+        constexpr int64_t  kBlock = 1024;
+        float              wide[kBlock];
+        for (int64_t at = begin; at < end; at += kBlock) {
+            const size_t count = static_cast<size_t>(std::min(kBlock, end - at));
+            convert(bits + at, dtype, wide, DType::f32, count);
+            for (size_t i = 0; i < count; ++i) wide[i] *= factor;
+            convert(wide, DType::f32, bits + at, dtype, count);
+        }
     });
 }
 

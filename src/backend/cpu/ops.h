@@ -95,7 +95,7 @@ void row_sum_exp(const float * logits, const float * max, int64_t n, int64_t str
 void convert_parallel(const void * src, DType src_dtype, void * dst, DType dst_dtype, int64_t n);
 
 // x *= factor, n elements, on the compute threads.
-void scale_parallel(float * x, float factor, int64_t n);
+void scale_parallel(void * x, DType dtype, float factor, int64_t n);   // x = dtype(f32(x) * factor)
 // The sum of x[i]^2 in double: partial sums over fixed chunks of 2^16 elements, added in chunk order (the
 // same bits at any thread count).
 double sum_of_squares(const float * x, int64_t n);

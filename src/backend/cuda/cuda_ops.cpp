@@ -535,9 +535,9 @@ public:
     }
 
     void scale(Stream & s, const Tensor & t, float factor) override {
-        expect(t, DType::f32, -1, "scale", "t");
+        op_checks::scale(t);
         CudaStream & cs = start(s, "scale", {t});
-        kernels::scale(cs.launch("scale"), f32(t), factor, t.numel());
+        kernels::scale(cs.launch("scale"), t.data_ptr(), float_kind(t.dtype()), factor, t.numel());
         cs.launched("scale", {t});
     }
 

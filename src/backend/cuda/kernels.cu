@@ -98,8 +98,8 @@ __global__ void round_to_bf16_kernel(float * x, uint16_t * x_bf16, int64_t n) {
     }
 }
 
-__global__ void scale_kernel(float * x, float factor, int64_t n) {
-    LOOM_GRID_STRIDE(i, n) x[i] = __fmul_rn(x[i], factor);
+__global__ void scale_kernel(void * x, Float kind, float factor, int64_t n) {
+    LOOM_GRID_STRIDE(i, n) store_float(x, kind, i, __fmul_rn(load_float(x, kind, i), factor));
 }
 
 __global__ void add_inplace_kernel(float * y, const float * x, int64_t n) {
@@ -510,8 +510,8 @@ void round_to_bf16(cudaStream_t stream, float * x, uint16_t * x_bf16, int64_t n)
     if (n > 0) LOOM_LAUNCH(round_to_bf16_kernel, blocks_for(n), kThreads, 0, stream)(x, x_bf16, n);
 }
 
-void scale(cudaStream_t stream, float * x, float factor, int64_t n) {
-    if (n > 0) LOOM_LAUNCH(scale_kernel, blocks_for(n), kThreads, 0, stream)(x, factor, n);
+void scale(cudaStream_t stream, void * x, Float kind, float factor, int64_t n) {
+    if (n > 0) LOOM_LAUNCH(scale_kernel, blocks_for(n), kThreads, 0, stream)(x, kind, factor, n);
 }
 
 void add_inplace(cudaStream_t stream, float * y, const float * x, int64_t n) {

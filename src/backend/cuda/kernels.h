@@ -30,7 +30,7 @@ void convert(cudaStream_t stream, const void * src, Float src_kind, void * dst, 
 // x rounded to bf16 in place, its bits written to x_bf16.
 void round_to_bf16(cudaStream_t stream, float * x, uint16_t * x_bf16, int64_t n);
 
-void scale(cudaStream_t stream, float * x, float factor, int64_t n);
+void scale(cudaStream_t stream, void * x, Float kind, float factor, int64_t n);   // x = kind(f32(x) * factor)
 void add_inplace(cudaStream_t stream, float * y, const float * x, int64_t n);
 void bias_add(cudaStream_t stream, float * y, const float * bias, int64_t n, int64_t h);
 // Scratch (floats) a column sum of n rows by h columns needs (core/column_sums.h): none for one chunk.

@@ -258,17 +258,19 @@ Tensor Experts::grouped_backward(Context & ctx, const Tensor & dyp, const GradRe
     // fc2
     Tensor  dy_in = in_dtype(dyp, dtype);
     Tensor  d_act = activation(device, R, f);
-    int64_t offset = 0;
-    for (int64_t e = 0; e < num_experts; ++e) {
-        const int64_t c = ctx.counts[e];
-        if (c == 0) continue;
-        if (has_bias) ops.bias_backward(stream, dyp.narrow(0, offset, c), expert_slice(fc2_bias.main_grad, e, {h}));
-        Tensor dye = dy_in.narrow(0, offset, c);
-        ops.gemm(stream, dye, false, expert_slice(fc2_weight.data, e, {h, f}), false, d_act.narrow(0, offset, c));
-        ops.gemm(stream, dye, true, ctx.act.narrow(0, offset, c), false, expert_slice(fc2_weight.main_grad, e, {h, f}),
-                 /*accumulate=*/true);
-        offset += c;
-    }
+    accumulate_grads(stream, {fc2_weight.main_grad, fc2_bias.main_grad}, [&](const std::vector<Tensor> & g) {
+        int64_t offset = 0;
+        for (int64_t e = 0; e < num_experts; ++e) {
+            const int64_t c = ctx.counts[e];
+            if (c == 0) continue;
+            if (has_bias) ops.bias_backward(stream, dyp.narrow(0, offset, c), expert_slice(g[1], e, {h}));
+            Tensor dye = dy_in.narrow(0, offset, c);
+            ops.gemm(stream, dye, false, expert_slice(fc2_weight.data, e, {h, f}), false, d_act.narrow(0, offset, c));
+            ops.gemm(stream, dye, true, ctx.act.narrow(0, offset, c), false, expert_slice(g[0], e, {h, f}),
+                     /*accumulate=*/true);
+            offset += c;
+        }
+    });
     if (ready) {
         ready(fc2_weight);
         if (has_bias) ready(fc2_bias);
@@ -286,17 +288,19 @@ Tensor Experts::grouped_backward(Context & ctx, const Tensor & dyp, const GradRe
     // fc1
     Tensor d_pre_in = in_dtype(d_pre, dtype);
     Tensor dx       = activation(device, R, h);
-    offset          = 0;
-    for (int64_t e = 0; e < num_experts; ++e) {
-        const int64_t c = ctx.counts[e];
-        if (c == 0) continue;
-        if (has_bias) ops.bias_backward(stream, d_pre.narrow(0, offset, c), expert_slice(fc1_bias.main_grad, e, {f1}));
-        Tensor de = d_pre_in.narrow(0, offset, c);
-        ops.gemm(stream, de, false, expert_slice(fc1_weight.data, e, {f1, h}), false, dx.narrow(0, offset, c));
-        ops.gemm(stream, de, true, ctx.x.narrow(0, offset, c), false, expert_slice(fc1_weight.main_grad, e, {f1, h}),
-                 /*accumulate=*/true);
-        offset += c;
-    }
+    accumulate_grads(stream, {fc1_weight.main_grad, fc1_bias.main_grad}, [&](const std::vector<Tensor> & g) {
+        int64_t offset = 0;
+        for (int64_t e = 0; e < num_experts; ++e) {
+            const int64_t c = ctx.counts[e];
+            if (c == 0) continue;
+            if (has_bias) ops.bias_backward(stream, d_pre.narrow(0, offset, c), expert_slice(g[1], e, {f1}));
+            Tensor de = d_pre_in.narrow(0, offset, c);
+            ops.gemm(stream, de, false, expert_slice(fc1_weight.data, e, {f1, h}), false, dx.narrow(0, offset, c));
+            ops.gemm(stream, de, true, ctx.x.narrow(0, offset, c), false, expert_slice(g[0], e, {f1, h}),
+                     /*accumulate=*/true);
+            offset += c;
+        }
+    });
     if (ready) {
         ready(fc1_weight);
         if (has_bias) ready(fc1_bias);

@@ -168,12 +168,17 @@ Tensor Router::backward(Context & ctx, const Tensor & dprobs, float loss_scale, 
     Tensor   dlogits = logits_backward(ctx, dprobs, loss_scale);
     Ops &    ops     = dlogits.device().ops();
     Stream & stream  = dlogits.device().compute_stream();
-    if (has_bias) ops.bias_backward(stream, dlogits, bias.main_grad);
+    if (has_bias) {
+        accumulate_grads(stream, {bias.main_grad},
+                         [&](const std::vector<Tensor> & g) { ops.bias_backward(stream, dlogits, g[0]); });
+    }
     const Tensor w     = gate_weight();
     Tensor       dl_in = in_dtype(dlogits, w.dtype());
     Tensor       dx    = activation(dlogits.device(), dlogits.size(0), weight.data.size(1));
     ops.gemm(stream, dl_in, false, w, false, dx);
-    ops.gemm(stream, dl_in, true, ctx.x, false, weight.main_grad, /*accumulate=*/true);
+    accumulate_grads(stream, {weight.main_grad}, [&](const std::vector<Tensor> & g) {
+        ops.gemm(stream, dl_in, true, ctx.x, false, g[0], /*accumulate=*/true);
+    });
     Tensor losses = ctx.losses;   // still readable for logging
     ctx           = Context();
     ctx.losses    = losses;
