@@ -53,32 +53,40 @@ std::vector<double> inputs_of(int global_rank, int64_t n, DType dtype, int salt 
 }
 
 // The reduction over members' inputs as the contract defines it: f32 accumulation for floats (exact
-// here), exact integer arithmetic for integers; avg = sum * (1 / size).
+// here) and avg = sum * (1 / size); f64 accumulation for float64 and avg = sum / size; exact integer
+// arithmetic for integers.
 std::vector<double> reduce_serial(const std::vector<int> & members, int64_t n, DType dtype, ReduceOp op,
                                   int64_t first = 0) {
     std::vector<double> out(n);
     bool floating = dtype_is_floating(dtype);
     for (int64_t i = 0; i < n; ++i) {
         float   f = 0;
+        double  d = 0;
         int64_t k = 0;
         for (size_t m = 0; m < members.size(); ++m) {
             double v = input_value(members[m], first + i, dtype);
             if (m == 0) {
                 f = static_cast<float>(v);
+                d = v;
                 k = static_cast<int64_t>(v);
                 continue;
             }
             switch (op) {
                 case ReduceOp::sum:
-                case ReduceOp::avg: f += static_cast<float>(v); k += static_cast<int64_t>(v); break;
-                case ReduceOp::max: f = std::max(f, static_cast<float>(v)); k = std::max(k, static_cast<int64_t>(v)); break;
-                case ReduceOp::min: f = std::min(f, static_cast<float>(v)); k = std::min(k, static_cast<int64_t>(v)); break;
+                case ReduceOp::avg: f += static_cast<float>(v); d += v; k += static_cast<int64_t>(v); break;
+                case ReduceOp::max:
+                    f = std::max(f, static_cast<float>(v)), d = std::max(d, v), k = std::max(k, static_cast<int64_t>(v));
+                    break;
+                case ReduceOp::min:
+                    f = std::min(f, static_cast<float>(v)), d = std::min(d, v), k = std::min(k, static_cast<int64_t>(v));
+                    break;
             }
         }
         if (op == ReduceOp::avg) {
             f *= 1.0f / static_cast<float>(members.size());
+            d /= static_cast<double>(members.size());
         }
-        out[i] = floating ? static_cast<double>(f) : static_cast<double>(k);
+        out[i] = dtype == DType::f64 ? d : floating ? static_cast<double>(f) : static_cast<double>(k);
     }
     return out;
 }

@@ -1044,6 +1044,78 @@ TEST(CudaOps, MoeSinkhornRoutingMatchesTheCpu) {
     }
 }
 
+// --moe-router-dtype fp64: the float64 GEMM (core/gemm_f64.h: each element summed in order, nothing fused) is
+// bitwise the CPU's on every device, plain and accumulating, transposed either way; convert between f64 and f32
+// is bitwise too; and the router's ops read f64 logits (full double precision here) with the f32 case's
+// tolerances, the expert choices and counts bitwise, dlogits f64.
+TEST(CudaOps, Float64GemmConvertAndRouterOpsMatchTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    auto random_f64 = [](const Shape & shape, uint64_t seed) {
+        Tensor t = cpu_tensor(shape, DType::f64);
+        Tensor a = random_cpu(shape, seed, 3.0f), b = random_cpu(shape, seed + 1, 1e-6f);
+        for (int64_t i = 0; i < t.numel(); ++i) {
+            t.data<double>()[i] = static_cast<double>(a.data<float>()[i]) + static_cast<double>(b.data<float>()[i]);
+        }
+        return t;
+    };
+    const int64_t m = 37, n = 9, k = 70;
+    for (int variant = 0; variant < 4; ++variant) {
+        const bool ta = variant & 1, tb = variant & 2;
+        Tensor     a  = random_f64(ta ? Shape{k, m} : Shape{m, k}, 1900 + variant);
+        Tensor     b  = random_f64(tb ? Shape{n, k} : Shape{k, n}, 1910 + variant);
+        Tensor     c0 = random_f64({m, n}, 1920 + variant);
+        for (bool acc : {false, true}) {
+            Tensor cc = cpu_tensor({m, n}, DType::f64);
+            std::memcpy(cc.data_ptr(), c0.data_ptr(), cc.nbytes());
+            Tensor cg = to_gpu(c0);
+            cops().gemm(cs(), a, ta, b, tb, cc, acc);
+            gops().gemm(gs(), to_gpu(a), ta, to_gpu(b), tb, cg, acc);
+            cs().synchronize();
+            expect_bitwise(cc, to_cpu(cg), "gemm f64 variant " + std::to_string(variant) + (acc ? " +=" : ""));
+        }
+    }
+    Tensor wide = random_f64({1000}, 1930), narrow_c = cpu_tensor({1000}), back_c = cpu_tensor({1000}, DType::f64);
+    Tensor narrow_g = Tensor::empty({1000}, DType::f32, gpu()), back_g = Tensor::empty({1000}, DType::f64, gpu());
+    cops().convert(cs(), wide, narrow_c);
+    cops().convert(cs(), narrow_c, back_c);
+    gops().convert(gs(), to_gpu(wide), narrow_g);
+    gops().convert(gs(), narrow_g, back_g);
+    cs().synchronize();
+    expect_bitwise(narrow_c, to_cpu(narrow_g), "convert f64 -> f32");
+    expect_bitwise(back_c, to_cpu(back_g), "convert f32 -> f64");
+
+    const int64_t    rows = 64, E = 8;
+    const MoeRouting routing{E, 2, false, false, 1.0f};
+    const MoeRouterLoss loss{1, rows, 0.01f, 0.001f};
+    Tensor logits = random_f64({rows, E}, 1940), logits_g = to_gpu(logits);
+    Tensor ic = cpu_tensor({rows, 2}, DType::i32), pc = cpu_tensor({rows, 2});
+    Tensor ig = Tensor::empty({rows, 2}, DType::i32, gpu()), pg = Tensor::empty({rows, 2}, DType::f32, gpu());
+    cops().moe_topk(cs(), logits, routing, ic, pc);
+    gops().moe_topk(gs(), logits_g, routing, ig, pg);
+    Tensor cc = cpu_tensor({1, E}), cg = Tensor::empty({1, E}, DType::f32, gpu());
+    cops().moe_aux_counts(cs(), logits, routing, 1, cc);
+    gops().moe_aux_counts(gs(), logits_g, routing, 1, cg);
+    Tensor lc = cpu_tensor({4}), lg = Tensor::empty({4}, DType::f32, gpu());
+    cops().moe_router_losses(cs(), logits, cc, routing, loss, lc);
+    gops().moe_router_losses(gs(), logits_g, cg, routing, loss, lg);
+    Tensor dprobs = random_cpu({rows, 2}, 1950);
+    Tensor dc = cpu_tensor({rows, E}, DType::f64), dg = Tensor::empty({rows, E}, DType::f64, gpu());
+    cops().moe_router_backward(cs(), logits, ic, dprobs, cc, routing, loss, 0.5f, dc);
+    gops().moe_router_backward(gs(), logits_g, ig, to_gpu(dprobs), cg, routing, loss, 0.5f, dg);
+    Tensor sc = cpu_tensor({rows, 2}, DType::i32), sp = cpu_tensor({rows, 2});
+    Tensor sg = Tensor::empty({rows, 2}, DType::i32, gpu()), spg = Tensor::empty({rows, 2}, DType::f32, gpu());
+    cops().moe_sinkhorn_topk(cs(), logits, 0, routing, sc, sp);
+    gops().moe_sinkhorn_topk(gs(), logits_g, 0, routing, sg, spg);
+    cs().synchronize();
+    expect_bitwise(ic, to_cpu(ig), "f64 logits: top_idx");
+    expect_close(pc, to_cpu(pg), 1e-6, "f64 logits: probs", 1e-3);
+    expect_bitwise(cc, to_cpu(cg), "f64 logits: aux counts");
+    expect_close(lc, to_cpu(lg), 1e-6, "f64 logits: losses", 1e-3);
+    expect_close(dc, to_cpu(dg), 1e-6, "f64 logits: dlogits", 1e-3);
+    expect_bitwise(sc, to_cpu(sg), "f64 logits: sinkhorn top_idx");
+    expect_close(sp, to_cpu(spg), 1e-6, "f64 logits: sinkhorn probs", 1e-3);
+}
+
 // Slots (n, k) routed to experts [0, E), with -1 every `minus_every` and repeated probabilities (ties).
 void random_slots(int64_t n, int64_t k, int64_t E, uint64_t seed, int64_t minus_every, Tensor & expert_of, Tensor & probs) {
     expert_of = random_ids(n, k, E, seed, minus_every);

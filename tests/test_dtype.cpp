@@ -56,6 +56,8 @@ TEST(DType, SizesAndNames) {
     EXPECT_EQ(dtype_size(DType::i32), 4u);
     EXPECT_EQ(dtype_size(DType::i64), 8u);
     EXPECT_EQ(dtype_size(DType::u8), 1u);
+    EXPECT_EQ(dtype_size(DType::f64), 8u);
+    EXPECT_EQ(dtype_from_name("fp64"), DType::f64);
     for (DType d : kAllDTypes) {
         EXPECT_EQ(dtype_from_name(dtype_name(d)), d);
     }
@@ -218,4 +220,25 @@ TEST(DType, GenericConvertGoesThroughF32AndRoundsOnce) {
     int32_t ints[2] = {1, 2};
     float   out[2];
     EXPECT_THROW(convert(ints, DType::i32, out, DType::f32, 2), Error);
+}
+
+// float64 (the router's --moe-router-dtype fp64): to f32 rounds to nearest even, from f32 or a 16-bit float
+// is exact, and to bf16 or f16 is refused (it would round twice).
+TEST(DType, Float64ConvertsToF32OnceAndWidensExactly) {
+    const double in[] = {1.0 + 0x1p-24, 1.0 + 0x1.8p-24, -3.0 + 0x1p-40, 1e300, 0x1p-149 * 0.75};
+    float        out[5];
+    convert(in, DType::f64, out, DType::f32, 5);
+    EXPECT_EQ(out[0], 1.0f) << "a tie goes to even";
+    EXPECT_EQ(out[1], 1.0f + 0x1p-23f) << "above the tie, up";
+    EXPECT_EQ(out[2], -3.0f);
+    EXPECT_EQ(out[3], INFINITY);
+    EXPECT_EQ(out[4], 0x1p-149f);
+    const uint16_t bf16_bits[] = {0x3f80, 0xc2f7, 0x7f80};   // 1, -123.5, inf
+    double         wide[3];
+    convert(bf16_bits, DType::bf16, wide, DType::f64, 3);
+    EXPECT_EQ(wide[0], 1.0);
+    EXPECT_EQ(wide[1], -123.5);
+    EXPECT_EQ(wide[2], INFINITY);
+    uint16_t narrow[1];
+    EXPECT_THROW(convert(in, DType::f64, narrow, DType::bf16, 1), Error);
 }

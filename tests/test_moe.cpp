@@ -509,7 +509,7 @@ TEST(Router, Fp32RouterDtypeComputesTheGateInF32) {
     Tensor             x  = tensor_of(xv, {n, h});
     auto logits_of = [&](bool f32) {
         MoeConfig m  = moe;
-        m.router_f32 = f32;
+        if (f32) m.router_dtype = DType::f32;
         Router router("router", config, m, dev());
         router.init(7, 1.0f);
         Router::Context ctx;
@@ -531,6 +531,108 @@ TEST(Router, Fp32RouterDtypeComputesTheGateInF32) {
     }
     EXPECT_LT(worst_f32, 1e-5) << "f32 operands";
     EXPECT_GT(worst_bf16, 1e-3) << "without the flag the input is rounded to bf16 (8 bits of mantissa)";
+}
+
+// --moe-router-dtype fp64: the gate's GEMM in f64 gives f64 logits, each the double sum of the products of
+// the f32 input and the bf16 weight widened (exact products, so the in-order sum is the reference's bits
+// whatever the compiler fuses), and the logits' gradient flows back as f64, rounded once to f32 for dx and
+// the weight's gradient: within 1e-6 of the fp32 router's (the same math; routing identical here).
+TEST(Router, Fp64RouterDtypeComputesTheGateAndItsGradientsInF64) {
+    const int64_t n = 16, h = 8, E = 4;
+    GptConfig     config = small_config(false, false);
+    config.params_dtype  = DType::bf16;
+    config.add_bias_linear = false;
+    MoeConfig moe;
+    moe.num_experts    = E;
+    moe.topk           = 2;
+    moe.aux_loss_coeff = 0.01f;
+    moe.z_loss_coeff   = 0.001f;
+    std::vector<float> xv = random_vector(n * h, 53), dpv = random_vector(n * moe.topk, 54);
+    Tensor             x = tensor_of(xv, {n, h}), dprobs = tensor_of(dpv, {n, moe.topk});
+    struct Run {
+        Router::Context     ctx;
+        std::vector<float>  w, dx, dw;
+        std::vector<int32_t> top_idx;
+    };
+    auto run = [&](DType dtype) {
+        MoeConfig m    = moe;
+        m.router_dtype = dtype;
+        Router router("router", config, m, dev());
+        router.init(7, 1.0f);
+        Run r;
+        router.forward(r.ctx, x, 1);
+        r.w       = values<float>(parameter_f32(router.weight));
+        r.top_idx = values<int32_t>(r.ctx.top_idx);
+        Router::Context kept = r.ctx;
+        Tensor          dx   = router.backward(r.ctx, dprobs, 1.0f, nullptr);
+        r.ctx                = kept;
+        r.dx                 = values<float>(dx);
+        r.dw                 = values<float>(router.weight.main_grad);
+        return r;
+    };
+    const Run f64 = run(DType::f64), f32 = run(DType::f32);
+    ASSERT_EQ(f64.ctx.logits.dtype(), DType::f64);
+    ASSERT_EQ(f64.w, f32.w);
+    const std::vector<double> logits = values<double>(f64.ctx.logits);
+    for (int64_t r = 0; r < n; ++r) {
+        for (int64_t e = 0; e < E; ++e) {
+            double exact = 0;
+            for (int64_t i = 0; i < h; ++i) exact += static_cast<double>(xv[r * h + i]) * static_cast<double>(f64.w[e * h + i]);
+            ASSERT_EQ(logits[r * E + e], exact) << "row " << r << ", expert " << e;
+        }
+    }
+    ASSERT_EQ(f64.top_idx, f32.top_idx);
+    auto close = [](const std::vector<float> & a, const std::vector<float> & b, const char * what) {
+        ASSERT_EQ(a.size(), b.size());
+        for (size_t i = 0; i < a.size(); ++i) {
+            EXPECT_NEAR(a[i], b[i], 1e-6 * std::max(1.0f, std::fabs(b[i]))) << what << " " << i;
+        }
+    };
+    close(f64.dx, f32.dx, "dx");
+    close(f64.dw, f32.dw, "weight gradient");
+}
+
+// What fp64 is for: logits closer than an f32 ulp still order the experts. 1 and 1 + 2^-30 are one f32
+// value (a tie, which goes to the lower expert), two f64 values (expert 1 wins); and f64 logits that hold
+// f32 values route, weigh and count exactly as the f32 logits do.
+TEST(Router, Fp64LogitsOrderExpertsF32CannotTellApart) {
+    const int64_t E = 4;
+    MoeConfig     moe;
+    moe.num_experts = E;
+    moe.topk        = 1;
+    moe.pre_softmax = true;
+    GptConfig config = small_config(false, false);
+    auto top1 = [&](const Tensor & logits) {
+        Router          router("router", config, moe, dev());
+        Router::Context ctx;
+        router.route(ctx, logits, 1);
+        return std::pair{values<int32_t>(ctx.top_idx), values<float>(ctx.probs)};
+    };
+    const std::vector<double> close_pair = {1.0, 1.0 + 0x1p-30, -1.0, -2.0};
+    std::vector<float>        as_f32(close_pair.begin(), close_pair.end());
+    EXPECT_EQ(top1(tensor_of(close_pair, {1, E})).first[0], 1) << "f64 logits tell 1 + 2^-30 from 1";
+    EXPECT_EQ(top1(tensor_of(as_f32, {1, E})).first[0], 0) << "in f32 they tie, and the tie goes to expert 0";
+
+    moe.topk           = 2;
+    moe.pre_softmax    = false;
+    moe.aux_loss_coeff = 0.01f;
+    moe.z_loss_coeff   = 0.001f;
+    const int64_t      n = 24;
+    std::vector<float> lv = random_vector(n * E, 55);
+    for (float & v : lv) v *= 3.0f;
+    std::vector<double> widened(lv.begin(), lv.end());
+    Router          a("router", config, moe, dev()), b("router", config, moe, dev());
+    Router::Context ca, cb;
+    a.route(ca, tensor_of(lv, {n, E}), 1);
+    b.route(cb, tensor_of(widened, {n, E}), 1);
+    EXPECT_EQ(values<int32_t>(ca.top_idx), values<int32_t>(cb.top_idx));
+    EXPECT_EQ(values<float>(ca.probs), values<float>(cb.probs));
+    EXPECT_EQ(values<float>(ca.counts), values<float>(cb.counts));
+    EXPECT_EQ(values<float>(ca.losses), values<float>(cb.losses));
+    std::vector<float> dpv = random_vector(n * moe.topk, 56);
+    const std::vector<float>  d32 = values<float>(a.logits_backward(ca, tensor_of(dpv, {n, moe.topk}), 0.5f));
+    const std::vector<double> d64 = values<double>(b.logits_backward(cb, tensor_of(dpv, {n, moe.topk}), 0.5f));
+    for (size_t i = 0; i < d32.size(); ++i) EXPECT_EQ(d32[i], static_cast<float>(d64[i])) << "dlogits " << i;
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -75,8 +75,8 @@ public:
     void TearDown() override { g_nccl.reset(); }
 };
 
-constexpr DType    kReducible[] = {DType::f32, DType::bf16, DType::f16, DType::i32, DType::i64};
-constexpr DType    kAll[]       = {DType::f32, DType::bf16, DType::f16, DType::i32, DType::i64, DType::u8};
+constexpr DType    kReducible[] = {DType::f32, DType::bf16, DType::f16, DType::i32, DType::i64, DType::f64};
+constexpr DType    kAll[]       = {DType::f32, DType::bf16, DType::f16, DType::i32, DType::i64, DType::u8, DType::f64};
 constexpr ReduceOp kOps[]       = {ReduceOp::sum, ReduceOp::avg, ReduceOp::max, ReduceOp::min};
 
 double input_value(int global_rank, int64_t i, DType dtype, int salt) {

@@ -23,6 +23,7 @@ inline Tensor tensor_of(DType dtype, const std::vector<double> & values) {
             case DType::i32:  t.data<int32_t>()[i] = static_cast<int32_t>(v); break;
             case DType::i64:  t.data<int64_t>()[i] = static_cast<int64_t>(v); break;
             case DType::u8:   t.data<uint8_t>()[i] = static_cast<uint8_t>(v); break;
+            case DType::f64:  t.data<double>()[i] = v; break;
         }
     }
     return t;

@@ -40,9 +40,10 @@ void check_defined(const Tensor & t, const Communicator & c, const char * op, co
 
 void check_reducible(const Tensor & t, ReduceOp op, const Communicator & c, const char * kind) {
     DType d = t.dtype();
-    LOOM_CHECK(d == DType::f32 || d == DType::bf16 || d == DType::f16 || d == DType::i32 || d == DType::i64,
+    LOOM_CHECK(d == DType::f32 || d == DType::bf16 || d == DType::f16 || d == DType::i32 || d == DType::i64 ||
+                   d == DType::f64,
                c.name() << "." << kind << " of a " << dtype_name(d) << " tensor",
-               "reductions support float32, bfloat16, float16, int32 and int64");
+               "reductions support float32, bfloat16, float16, float64, int32 and int64");
     LOOM_CHECK(op != ReduceOp::avg || dtype_is_floating(d),
                c.name() << "." << kind << " with op avg on a " << dtype_name(d) << " tensor",
                "average floating tensors only; reduce integers with sum and divide where needed");

@@ -33,6 +33,7 @@ MPI_Datatype reduce_type(DType dtype) {
     switch (dtype) {
         case DType::i32: return MPI_INT32_T;
         case DType::i64: return MPI_INT64_T;
+        case DType::f64: return MPI_DOUBLE;
         default:         return MPI_FLOAT;   // f32, and bf16/f16 staged as f32
     }
 }
@@ -124,12 +125,15 @@ protected:
                                           comm, &requests.back()));
         };
         mpi_op->finish = [=](const std::vector<MPI_Status> &) {
-            float * result = staged ? staging->data<float>() : (t.dtype() == DType::f32 ? t.data<float>() : nullptr);
-            if (op == ReduceOp::avg) {
+            if (op == ReduceOp::avg && t.dtype() == DType::f64) {
+                double * result = t.data<double>();
+                for (int64_t i = 0; i < t.numel(); ++i) result[i] /= static_cast<double>(size);
+            } else if (op == ReduceOp::avg) {
+                float * result = staged ? staging->data<float>() : t.data<float>();
                 scale_f32(result, t.numel(), 1.0f / static_cast<float>(size));
             }
             if (staged) {
-                convert(result, DType::f32, t.data_ptr(), t.dtype(), t.numel());
+                convert(staging->data_ptr(), DType::f32, t.data_ptr(), t.dtype(), t.numel());
                 *staging = Tensor();
             }
         };
@@ -168,6 +172,9 @@ protected:
             const Tensor & result = (staged || aliased) ? *staged_out : out;
             if (op == ReduceOp::avg && result.dtype() == DType::f32) {
                 scale_f32(result.data<float>(), result.numel(), 1.0f / static_cast<float>(size));
+            } else if (op == ReduceOp::avg && result.dtype() == DType::f64) {
+                double * values = result.data<double>();
+                for (int64_t i = 0; i < result.numel(); ++i) values[i] /= static_cast<double>(size);
             }
             if (staged) {
                 convert(result.data_ptr(), DType::f32, out.data_ptr(), out.dtype(), out.numel());

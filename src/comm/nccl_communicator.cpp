@@ -77,6 +77,7 @@ ncclDataType_t nccl_type(DType dtype) {
         case DType::i32:  return ncclInt32;
         case DType::i64:  return ncclInt64;
         case DType::u8:   return ncclUint8;
+        case DType::f64:  return ncclFloat64;
     }
     return ncclUint8;
 }

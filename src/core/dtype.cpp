@@ -20,12 +20,13 @@ size_t dtype_size(DType dtype) {
         case DType::i32:  return 4;
         case DType::i64:  return 8;
         case DType::u8:   return 1;
+        case DType::f64:  return 8;
     }
     LOOM_THROW("unknown dtype " << static_cast<int>(dtype), "");
 }
 
 bool dtype_is_floating(DType dtype) {
-    return dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16;
+    return dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16 || dtype == DType::f64;
 }
 
 const char * dtype_name(DType dtype) {
@@ -36,6 +37,7 @@ const char * dtype_name(DType dtype) {
         case DType::i32:  return "int32";
         case DType::i64:  return "int64";
         case DType::u8:   return "uint8";
+        case DType::f64:  return "float64";
     }
     return "unknown";
 }
@@ -49,6 +51,7 @@ DType dtype_from_name(std::string_view name) {
         {"int32", DType::i32}, {"i32", DType::i32},
         {"int64", DType::i64}, {"i64", DType::i64},
         {"uint8", DType::u8}, {"u8", DType::u8},
+        {"float64", DType::f64}, {"f64", DType::f64}, {"fp64", DType::f64}, {"double", DType::f64},
     };
     for (const Alias & alias : aliases) {
         if (name == alias.name) {
@@ -56,7 +59,7 @@ DType dtype_from_name(std::string_view name) {
         }
     }
     LOOM_THROW("unknown dtype '" << name << "'",
-               "use one of float32, bfloat16, float16, int32, int64, uint8");
+               "use one of float32, bfloat16, float16, int32, int64, uint8, float64");
 }
 
 void convert_f32_to_bf16(const float * src, uint16_t * dst, size_t n) {
@@ -104,12 +107,31 @@ void convert_f16_to_f32(const uint16_t * src, float * dst, size_t n) {
 
 void convert(const void * src, DType src_dtype, void * dst, DType dst_dtype, size_t n) {
     LOOM_CHECK(dtype_is_floating(src_dtype) && dtype_is_floating(dst_dtype),
-               "convert supports float32, bfloat16 and float16, got " << dtype_name(src_dtype) << " -> "
-                                                                       << dtype_name(dst_dtype),
+               "convert supports float32, bfloat16, float16 and float64, got " << dtype_name(src_dtype) << " -> "
+                                                                                << dtype_name(dst_dtype),
                "convert integer tensors element by element");
+    LOOM_CHECK(src_dtype != DType::f64 || dst_dtype == DType::f64 || dst_dtype == DType::f32,
+               "convert float64 -> " << dtype_name(dst_dtype), "convert to float32 first (that rounds twice)");
     if (n == 0) return;   // an empty tensor's data may be null, which memcpy must not be given
     if (src_dtype == dst_dtype) {
         std::memcpy(dst, src, n * dtype_size(src_dtype));
+        return;
+    }
+    if (src_dtype == DType::f64) {   // to f32: one rounding
+        auto * s = static_cast<const double *>(src);
+        auto * d = static_cast<float *>(dst);
+        for (size_t i = 0; i < n; ++i) d[i] = static_cast<float>(s[i]);
+        return;
+    }
+    if (dst_dtype == DType::f64) {   // exact: through f32, which holds every 16-bit value
+        auto *           d = static_cast<double *>(dst);
+        constexpr size_t kBlock = 1024;
+        float            tmp[kBlock];
+        for (size_t i = 0; i < n; i += kBlock) {
+            const size_t m = n - i < kBlock ? n - i : kBlock;
+            convert(static_cast<const char *>(src) + i * dtype_size(src_dtype), src_dtype, tmp, DType::f32, m);
+            for (size_t j = 0; j < m; ++j) d[i + j] = tmp[j];
+        }
         return;
     }
     if (src_dtype == DType::f32) {

@@ -28,15 +28,15 @@
 
 namespace loom {
 
-enum class DType : uint8_t { f32, bf16, f16, i32, i64, u8 };
+enum class DType : uint8_t { f32, bf16, f16, i32, i64, u8, f64 };
 
-inline constexpr DType kAllDTypes[] = {DType::f32, DType::bf16, DType::f16, DType::i32, DType::i64, DType::u8};
+inline constexpr DType kAllDTypes[] = {DType::f32, DType::bf16, DType::f16, DType::i32, DType::i64, DType::u8, DType::f64};
 
 size_t      dtype_size(DType dtype);
 bool        dtype_is_floating(DType dtype);
 // bf16 or f16: a 16-bit float parameter dtype (--bf16, --fp16), with an f32 master beside it.
 inline bool dtype_is_half(DType dtype) { return dtype == DType::bf16 || dtype == DType::f16; }
-// The name users type and files store: "float32", "bfloat16", "float16", "int32", "int64", "uint8".
+// The name users type and files store: "float32", "bfloat16", "float16", "int32", "int64", "uint8", "float64".
 const char * dtype_name(DType dtype);
 // Parses dtype_name()'s spellings and the short ones ("f32", "bf16", "fp16", ...); throws on others.
 DType        dtype_from_name(std::string_view name);
@@ -53,7 +53,9 @@ void convert_bf16_to_f32(const uint16_t * src, float * dst, size_t n);
 void convert_f32_to_f16(const float * src, uint16_t * dst, size_t n);
 void convert_f16_to_f32(const uint16_t * src, float * dst, size_t n);
 
-// Converts n elements between any two floating dtypes (f32, bf16, f16), through f32.
+// Converts n elements between any two floating dtypes (f32, bf16, f16, f64), through f32, rounding once to
+// nearest even: f64 -> f32 rounds, every widening is exact. f64 -> bf16 or f16 is refused (it would round
+// twice); go through f32 on purpose where that is meant.
 void convert(const void * src, DType src_dtype, void * dst, DType dst_dtype, size_t n);
 
 // The DType of a C++ element type, for typed access to tensors.
@@ -64,5 +66,6 @@ template <> struct dtype_of<f16_t>    { static constexpr DType value = DType::f1
 template <> struct dtype_of<int32_t>  { static constexpr DType value = DType::i32;  };
 template <> struct dtype_of<int64_t>  { static constexpr DType value = DType::i64;  };
 template <> struct dtype_of<uint8_t>  { static constexpr DType value = DType::u8;   };
+template <> struct dtype_of<double>   { static constexpr DType value = DType::f64;  };
 
 }  // namespace loom

@@ -25,25 +25,26 @@ inline std::pair<int64_t, int64_t> rows_cols(const Tensor & t, const char * op) 
     return {t.size(0), t.size(1)};
 }
 
-// c (m, n) f32 = op(a) (m, k) op(b) (k, n), a and b both f32 or both bf16.
+// c (m, n) f32 = op(a) (m, k) op(b) (k, n), a and b both f32, both bf16 or both f16; or all three f64.
 struct GemmDims {
     int64_t m, n, k;
 };
 inline GemmDims gemm(const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c) {
     LOOM_CHECK(a.dim() == 2 && b.dim() == 2, "gemm of " << a.describe() << " and " << b.describe(), "gemm takes 2-D operands");
-    LOOM_CHECK(a.dtype() == b.dtype() && (a.dtype() == DType::f32 || dtype_is_half(a.dtype())),
+    LOOM_CHECK(a.dtype() == b.dtype() && (a.dtype() == DType::f32 || dtype_is_half(a.dtype()) || a.dtype() == DType::f64),
                "gemm of " << a.describe() << " and " << b.describe(),
-               "operands are both float32, both bfloat16 or both float16");
+               "operands are both float32, both bfloat16, both float16 or both float64");
     const int64_t m = trans_a ? a.size(1) : a.size(0), k = trans_a ? a.size(0) : a.size(1);
     const int64_t kb = trans_b ? b.size(1) : b.size(0), n = trans_b ? b.size(0) : b.size(1);
     LOOM_CHECK(k == kb, "gemm: op(a) is " << m << "x" << k << ", op(b) " << kb << "x" << n, "");
-    expect(c, DType::f32, m * n, "gemm", "c");
+    expect(c, a.dtype() == DType::f64 ? DType::f64 : DType::f32, m * n, "gemm", "c");
     return {m, n, k};
 }
 
 // gemm's checks, and bias (n) f32 for c (m, n).
 inline GemmDims gemm_bias(const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c,
                           const Tensor & bias) {
+    LOOM_CHECK(a.dtype() != DType::f64, "gemm_bias of float64 operands", "gemm, then add the bias with a rank-1 gemm");
     const GemmDims dims = gemm(a, trans_a, b, trans_b, c);
     LOOM_CHECK(c.dim() == 2 && c.size(0) == dims.m, "gemm_bias: c is " << c.describe() << ", expected (" << dims.m
                                                                        << ", " << dims.n << ")", "");
@@ -240,9 +241,20 @@ inline int64_t moe_logits(const Tensor & logits, const MoeRouting & r, const cha
     LOOM_CHECK(r.experts >= 1 && r.topk >= 1 && r.topk <= r.experts,
                op << ": top-" << r.topk << " of " << r.experts << " experts", "");
     const std::pair<int64_t, int64_t> nw = rows_cols(logits, op);
-    expect(logits, DType::f32, -1, op, "logits");
+    LOOM_CHECK(logits.dtype() == DType::f32 || logits.dtype() == DType::f64,
+               op << ": logits are " << logits.describe() << ", expected float32 or float64 (--moe-router-dtype fp64)", "");
     LOOM_CHECK(nw.second == r.experts, op << ": logits " << logits.describe() << " for " << r.experts << " experts", "");
     return nw.first;
+}
+// Calls fn with the router's logits as the kernels read them: const float *, or const double * with
+// --moe-router-dtype fp64 (both backends dispatch through this).
+template <typename Fn>
+void with_logits(const Tensor & logits, Fn && fn) {
+    if (logits.dtype() == DType::f64) {
+        fn(static_cast<const double *>(logits.data_ptr()));
+    } else {
+        fn(static_cast<const float *>(logits.data_ptr()));
+    }
 }
 // counts (G, E) f32 for n rows in G groups.
 inline void moe_counts(const Tensor & counts, int64_t n, int64_t groups, int64_t experts, const char * op) {
@@ -330,7 +342,7 @@ inline int64_t moe_router_backward(const Tensor & logits, const Tensor & top_idx
     expect(dprobs, DType::f32, n * r.topk, "moe_router_backward", "dprobs");
     moe_counts(counts, n, loss.groups, r.experts, "moe_router_backward");
     moe_router_loss(loss, n, "moe_router_backward");
-    expect(dlogits, DType::f32, n * r.experts, "moe_router_backward", "dlogits");
+    expect(dlogits, logits.dtype(), n * r.experts, "moe_router_backward", "dlogits");
     return n;
 }
 inline void moe_plan_experts(const Tensor & row_of, const Tensor & tokens_per_expert, const Tensor & expert_of) {
@@ -512,6 +524,8 @@ inline LabelDims label_logit(const Tensor & logits, const Tensor & labels, const
 inline void convert(const Tensor & src, const Tensor & dst) {
     LOOM_CHECK(dtype_is_floating(src.dtype()) && dtype_is_floating(dst.dtype()) && src.numel() == dst.numel(),
                "convert " << src.describe() << " to " << dst.describe(), "");
+    LOOM_CHECK(src.dtype() != DType::f64 || dst.dtype() == DType::f64 || dst.dtype() == DType::f32,
+               "convert " << src.describe() << " to " << dst.describe(), "convert float64 to float32 first (core/dtype.h)");
 }
 
 inline void round_to_bf16(const Tensor & x, const Tensor & x_bf16) {

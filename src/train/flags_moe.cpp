@@ -40,7 +40,8 @@ const Flag<MoeFlags> kMoeFlags[] = {
      "aux_loss, seq_aux_loss, global_aux_loss (counts over every TP x DP x CP rank, their mean over the "
      "iteration's micro-batches), sinkhorn (S-BASE: balanced by Sinkhorn's algorithm, no aux loss) or none", kShowDefault},
     {"--moe-router-dtype", kLoomGroup, &E::router_dtype,
-     "fp32: the router's GEMMs in f32 under --bf16 (default: the model's dtype; fp64 is not supported)"},
+     "fp32: the router's GEMMs and logits in f32 under --bf16; fp64: in f64, every routing op reading f64 logits "
+     "(not with a router bias, --add-bias-linear). Default: the model's dtype's GEMM operands into f32 logits"},
     {"--moe-aux-loss-coeff", kLoomGroup, &E::aux_loss_coeff, "the load-balancing loss's coefficient", kShowDefault},
     {"--moe-z-loss-coeff", kLoomGroup, &E::z_loss_coeff, "the router z-loss's coefficient (default: none)"},
     {"--moe-per-layer-logging", kLoomGroup, &E::per_layer_logging,
@@ -91,9 +92,7 @@ void resolve_moe(const MoeFlags & f, const Given & given, TrainOptions & o) {
     moe.load_balancing = model::moe_load_balancing_parse(f.load_balancing[0]);
     LOOM_CHECK(!given("--moe-router-dtype") || f.router_dtype == "fp32" || f.router_dtype == "fp64",
                "argument --moe-router-dtype: invalid choice: '" << f.router_dtype << "' (choose from 'fp32', 'fp64')", "");
-    LOOM_CHECK(f.router_dtype != "fp64", "--moe-router-dtype fp64 is not supported by Loom",
-               "use fp32: Loom's router kernels compute in f32 (their scores and losses in double on the CPU)");
-    moe.router_f32 = f.router_dtype == "fp32";
+    if (given("--moe-router-dtype")) moe.router_dtype = f.router_dtype == "fp64" ? DType::f64 : DType::f32;
     moe.aux_loss_coeff = f.aux_loss_coeff[0];
     moe.z_loss_coeff   = given("--moe-z-loss-coeff") ? f.z_loss_coeff : 0.0f;
     moe.capacity_factor = given("--moe-expert-capacity-factor") ? f.capacity_factor : -1.0f;

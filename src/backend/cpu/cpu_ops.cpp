@@ -11,8 +11,9 @@
 #include "core/thread_pool.h"
 
 #include <cmath>
-#include <tuple>
 #include <cstring>
+#include <tuple>
+#include <type_traits>
 #include <utility>
 
 namespace loom::cpu {
@@ -21,11 +22,10 @@ namespace {
 
 using op_checks::expect;
 using op_checks::rows_cols;
+using op_checks::with_logits;
 
 float * f32(const Tensor & t) { return t.data<float>(); }
 float * f32_or_null(const Tensor & t) { return t.defined() ? t.data<float>() : nullptr; }
-
-
 
 // On the stream: every id is -1 or below `limit` (a token or label past the table would read or write
 // outside it). The error surfaces at the stream's next synchronize, naming the op.
@@ -43,6 +43,12 @@ public:
         const op_checks::GemmDims dims = op_checks::gemm(a, trans_a, b, trans_b, c);
         const int64_t             m = dims.m, n = dims.n, k = dims.k;   // plain variables: clang 14 captures no structured bindings
         const DType dtype = a.dtype();
+        if (dtype == DType::f64) {
+            s.submit([a, b, c, trans_a, trans_b, m, n, k, accumulate] {
+                cpu::gemm_f64(trans_a, trans_b, m, n, k, a.data<double>(), b.data<double>(), c.data<double>(), accumulate);
+            });
+            return;
+        }
         s.submit([a, b, c, trans_a, trans_b, m, n, k, dtype, accumulate] {
             cpu::gemm(trans_a, trans_b, m, n, k, a.data_ptr(), b.data_ptr(), dtype, c.data<float>(), accumulate);
         });
@@ -372,26 +378,38 @@ public:
     void moe_topk(Stream & s, const Tensor & logits, const MoeRouting & r, const Tensor & top_idx,
                   const Tensor & probs) override {
         const int64_t n = op_checks::moe_topk(logits, r, top_idx, probs);
-        s.submit([=] { cpu::moe_topk(f32(logits), n, r, top_idx.data<int32_t>(), f32(probs)); });
+        s.submit([=] {
+            with_logits(logits, [&](const auto * l) { cpu::moe_topk(l, n, r, top_idx.data<int32_t>(), f32(probs)); });
+        });
     }
 
     void moe_sinkhorn_topk(Stream & s, const Tensor & logits, int64_t first, const MoeRouting & r,
                            const Tensor & top_idx, const Tensor & probs) override {
         const int64_t n = op_checks::moe_sinkhorn_topk(logits, first, r, top_idx, probs);
         const int64_t N = logits.size(0);
-        s.submit([=] { cpu::moe_sinkhorn_topk(f32(logits), N, first, n, r, top_idx.data<int32_t>(), f32(probs)); });
+        s.submit([=] {
+            with_logits(logits, [&](const auto * l) {
+                cpu::moe_sinkhorn_topk(l, N, first, n, r, top_idx.data<int32_t>(), f32(probs));
+            });
+        });
     }
 
     void moe_aux_counts(Stream & s, const Tensor & logits, const MoeRouting & r, int64_t groups,
                         const Tensor & counts) override {
         const int64_t n = op_checks::moe_aux_counts(logits, r, groups, counts);
-        s.submit([=] { cpu::moe_aux_counts(f32(logits), n, r, groups, counts.data<float>()); });
+        s.submit([=] {
+            with_logits(logits, [&](const auto * l) { cpu::moe_aux_counts(l, n, r, groups, counts.data<float>()); });
+        });
     }
 
     void moe_router_losses(Stream & s, const Tensor & logits, const Tensor & counts, const MoeRouting & r,
                            const MoeRouterLoss & loss, const Tensor & losses) override {
         const int64_t n = op_checks::moe_router_losses(logits, counts, r, loss, losses);
-        s.submit([=] { cpu::moe_router_losses(f32(logits), n, counts.data<float>(), r, loss, f32(losses)); });
+        s.submit([=] {
+            with_logits(logits, [&](const auto * l) {
+                cpu::moe_router_losses(l, n, counts.data<float>(), r, loss, f32(losses));
+            });
+        });
     }
 
     void moe_router_backward(Stream & s, const Tensor & logits, const Tensor & top_idx, const Tensor & dprobs,
@@ -399,8 +417,11 @@ public:
                              const Tensor & dlogits) override {
         const int64_t n = op_checks::moe_router_backward(logits, top_idx, dprobs, counts, r, loss, dlogits);
         s.submit([=] {
-            cpu::moe_router_backward(f32(logits), n, top_idx.data<int32_t>(), f32(dprobs), counts.data<float>(), r,
-                                     loss, loss_scale, f32(dlogits));
+            with_logits(logits, [&](const auto * l) {
+                using T = std::remove_cvref_t<decltype(*l)>;
+                cpu::moe_router_backward(l, n, top_idx.data<int32_t>(), f32(dprobs), counts.data<float>(), r, loss,
+                                         loss_scale, static_cast<T *>(dlogits.data_ptr()));
+            });
         });
     }
 

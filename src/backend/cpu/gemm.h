@@ -31,6 +31,10 @@ bool gemm_bf16_native();
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b,
           DType ab_dtype, float * c, bool accumulate = false);
 
+// The float64 GEMM (core/gemm_f64.h): C (m, n) = op(A) op(B), or += with accumulate.
+void gemm_f64(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const double * a, const double * b,
+              double * c, bool accumulate);
+
 // Sets the OpenMP thread count to the budget and turns on FTZ/DAZ on every compute thread; idempotent.
 void init_compute_threads();
 

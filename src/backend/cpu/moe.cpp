@@ -26,7 +26,8 @@ void topk_desc(const double * v, int64_t E, int64_t k, int32_t * idx) {
 }
 
 // s = softmax(l) over E; returns logsumexp(l).
-double softmax(const float * l, int64_t E, double * s) {
+template <typename L>
+double softmax(const L * l, int64_t E, double * s) {
     double m = l[0];
     for (int64_t e = 1; e < E; ++e) m = std::max(m, static_cast<double>(l[e]));
     double sum = 0;
@@ -38,7 +39,8 @@ double softmax(const float * l, int64_t E, double * s) {
 double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
 
 // The aux loss's scores p over all E (softmax, or sigmoid normalised over E).
-void aux_scores(const float * l, int64_t E, bool use_sigmoid, double * p) {
+template <typename L>
+void aux_scores(const L * l, int64_t E, bool use_sigmoid, double * p) {
     if (!use_sigmoid) {
         softmax(l, E, p);
         return;
@@ -49,7 +51,8 @@ void aux_scores(const float * l, int64_t E, bool use_sigmoid, double * p) {
 }
 
 // The routing probabilities of one token's selected experts (before the scaling factor): q (k).
-void topk_probs(const float * l, const int32_t * idx, const MoeRouting & r, double * q, double * scratch) {
+template <typename L>
+void topk_probs(const L * l, const int32_t * idx, const MoeRouting & r, double * q, double * scratch) {
     const int64_t E = r.experts, k = r.topk;
     if (!r.sigmoid) {
         if (r.pre_softmax) {
@@ -73,13 +76,14 @@ double scaling(const MoeRouting & r) { return r.scaling > 0.0f ? r.scaling : 1.0
 
 }  // namespace
 
-void moe_topk(const float * logits, int64_t n, const MoeRouting & r, int32_t * top_idx, float * probs) {
+template <typename L>
+void moe_topk(const L * logits, int64_t n, const MoeRouting & r, int32_t * top_idx, float * probs) {
     const int64_t E = r.experts, k = r.topk;
     const double  sf = scaling(r);
     parallel_for(n, 64, [&](int64_t begin, int64_t end) {
         std::vector<double> score(E), q(k), scratch(E);
         for (int64_t x = begin; x < end; ++x) {
-            const float * lx = logits + x * E;
+            const L * lx = logits + x * E;
             // Selection scores: logits (post-softmax; softmax is monotonic), softmax, or sigmoid.
             for (int64_t e = 0; e < E; ++e) score[e] = lx[e];
             if (!r.sigmoid && r.pre_softmax) softmax(lx, E, score.data());
@@ -93,7 +97,8 @@ void moe_topk(const float * logits, int64_t n, const MoeRouting & r, int32_t * t
     });
 }
 
-void moe_sinkhorn_topk(const float * logits, int64_t N, int64_t first, int64_t n, const MoeRouting & r,
+template <typename L>
+void moe_sinkhorn_topk(const L * logits, int64_t N, int64_t first, int64_t n, const MoeRouting & r,
                        int32_t * top_idx, float * probs) {
     const int64_t E = r.experts, k = r.topk;
     // C = exp(logits) and the two scalings, in double; each sum in index order.
@@ -126,7 +131,8 @@ void moe_sinkhorn_topk(const float * logits, int64_t N, int64_t first, int64_t n
     }
 }
 
-void moe_aux_counts(const float * logits, int64_t n, const MoeRouting & r, int64_t groups, float * counts) {
+template <typename L>
+void moe_aux_counts(const L * logits, int64_t n, const MoeRouting & r, int64_t groups, float * counts) {
     const int64_t E = r.experts, k = r.topk;
     std::fill(counts, counts + groups * E, 0);
     std::vector<double>  p(E);
@@ -138,7 +144,8 @@ void moe_aux_counts(const float * logits, int64_t n, const MoeRouting & r, int64
     }
 }
 
-void moe_router_losses(const float * logits, int64_t n, const float * counts, const MoeRouting & r,
+template <typename L>
+void moe_router_losses(const L * logits, int64_t n, const float * counts, const MoeRouting & r,
                        const MoeRouterLoss & loss, float * losses) {
     const int64_t E = r.experts, k = r.topk, G = loss.groups;
     const bool    aux = loss.aux_coeff > 0.0f, z = loss.z_coeff > 0.0f;
@@ -146,7 +153,7 @@ void moe_router_losses(const float * logits, int64_t n, const float * counts, co
     std::vector<double> P(G * E, 0.0), p(E);
     double              lse_sq = 0;
     for (int64_t x = 0; x < n && (aux || z); ++x) {
-        const float * lx = logits + x * E;
+        const L * lx = logits + x * E;
         if (aux) {
             aux_scores(lx, E, r.sigmoid, p.data());
             for (int64_t e = 0; e < E; ++e) P[(x % G) * E + e] += p[e];
@@ -171,9 +178,10 @@ void moe_router_losses(const float * logits, int64_t n, const float * counts, co
     losses[3] = z ? static_cast<float>(z_loss / loss.z_coeff) : 0.0f;
 }
 
-void moe_router_backward(const float * logits, int64_t n, const int32_t * top_idx, const float * dprobs,
+template <typename L>
+void moe_router_backward(const L * logits, int64_t n, const int32_t * top_idx, const float * dprobs,
                          const float * counts, const MoeRouting & r, const MoeRouterLoss & loss, float loss_scale,
-                         float * dlogits) {
+                         L * dlogits) {
     const int64_t E = r.experts, k = r.topk, G = loss.groups;
     const bool    aux = loss.aux_coeff > 0.0f, z = loss.z_coeff > 0.0f;
     const double  sf  = scaling(r);
@@ -184,7 +192,7 @@ void moe_router_backward(const float * logits, int64_t n, const int32_t * top_id
     parallel_for(n, 64, [&](int64_t begin, int64_t end) {
         std::vector<double> d(E), s(E), ds(E), q(k), dq(k);
         for (int64_t x = begin; x < end; ++x) {
-            const float *   lx  = logits + x * E;
+            const L *       lx  = logits + x * E;
             const int32_t * idx = top_idx + x * k;
             std::fill(d.begin(), d.end(), 0.0);
             for (int64_t j = 0; j < k; ++j) dq[j] = sf * dprobs[x * k + j];
@@ -235,10 +243,22 @@ void moe_router_backward(const float * logits, int64_t n, const int32_t * top_id
                 const double lse = softmax(lx, E, s.data());
                 for (int64_t e = 0; e < E; ++e) d[e] += z_unit * lse * s[e];
             }
-            for (int64_t e = 0; e < E; ++e) dlogits[x * E + e] = static_cast<float>(d[e]);
+            for (int64_t e = 0; e < E; ++e) dlogits[x * E + e] = static_cast<L>(d[e]);
         }
     });
 }
+
+#define LOOM_ROUTER_KERNELS(T)                                                                                    \
+    template void moe_topk(const T *, int64_t, const MoeRouting &, int32_t *, float *);                          \
+    template void moe_sinkhorn_topk(const T *, int64_t, int64_t, int64_t, const MoeRouting &, int32_t *, float *); \
+    template void moe_aux_counts(const T *, int64_t, const MoeRouting &, int64_t, float *);                      \
+    template void moe_router_losses(const T *, int64_t, const float *, const MoeRouting &, const MoeRouterLoss &, \
+                                    float *);                                                                     \
+    template void moe_router_backward(const T *, int64_t, const int32_t *, const float *, const float *,          \
+                                      const MoeRouting &, const MoeRouterLoss &, float, T *);
+LOOM_ROUTER_KERNELS(float)
+LOOM_ROUTER_KERNELS(double)
+#undef LOOM_ROUTER_KERNELS
 
 void moe_plan(const int32_t * expert_of, const float * probs, int64_t n, int64_t k, const MoePlanSpec & spec,
               float * plan_probs, int32_t * row_of, int32_t * token_of_row, int64_t token_rows,

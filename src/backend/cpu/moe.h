@@ -10,15 +10,23 @@
 
 namespace loom::cpu {
 
-void moe_topk(const float * logits, int64_t n, const MoeRouting & r, int32_t * top_idx, float * probs);
-void moe_sinkhorn_topk(const float * logits, int64_t N, int64_t first, int64_t n, const MoeRouting & r, int32_t * top_idx,
+// The router's kernels read float or double logits (--moe-router-dtype fp64) and compute the same way from
+// either: a float logit widens exactly, so f32 logits held in an f64 tensor give the f32 results bit for bit.
+// dlogits are of the logits' type. Instantiated for float and double.
+template <typename T>
+void moe_topk(const T * logits, int64_t n, const MoeRouting & r, int32_t * top_idx, float * probs);
+template <typename T>
+void moe_sinkhorn_topk(const T * logits, int64_t N, int64_t first, int64_t n, const MoeRouting & r, int32_t * top_idx,
                        float * probs);
-void moe_aux_counts(const float * logits, int64_t n, const MoeRouting & r, int64_t groups, float * counts);
-void moe_router_losses(const float * logits, int64_t n, const float * counts, const MoeRouting & r,
+template <typename T>
+void moe_aux_counts(const T * logits, int64_t n, const MoeRouting & r, int64_t groups, float * counts);
+template <typename T>
+void moe_router_losses(const T * logits, int64_t n, const float * counts, const MoeRouting & r,
                        const MoeRouterLoss & loss, float * losses);
-void moe_router_backward(const float * logits, int64_t n, const int32_t * top_idx, const float * dprobs,
+template <typename T>
+void moe_router_backward(const T * logits, int64_t n, const int32_t * top_idx, const float * dprobs,
                          const float * counts, const MoeRouting & r, const MoeRouterLoss & loss, float loss_scale,
-                         float * dlogits);
+                         T * dlogits);
 
 void moe_plan(const int32_t * expert_of, const float * probs, int64_t n, int64_t k, const MoePlanSpec & spec,
               float * plan_probs, int32_t * row_of, int32_t * token_of_row, int64_t token_rows,

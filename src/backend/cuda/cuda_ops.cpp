@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <sstream>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 namespace loom::LOOM_CUDA_NS {
@@ -24,6 +25,7 @@ namespace {
 
 using op_checks::expect;
 using op_checks::rows_cols;
+using op_checks::with_logits;
 
 float *    f32(const Tensor & t) { return t.data<float>(); }
 float *    f32_or_null(const Tensor & t) { return t.defined() ? t.data<float>() : nullptr; }
@@ -45,7 +47,12 @@ void expect_on(const CudaStream & s, const std::vector<Tensor> & tensors, const 
 }
 
 kernels::Float float_kind(DType dtype) {
-    return dtype == DType::f32 ? kernels::Float::f32 : dtype == DType::bf16 ? kernels::Float::bf16 : kernels::Float::f16;
+    switch (dtype) {
+        case DType::f32: return kernels::Float::f32;
+        case DType::bf16: return kernels::Float::bf16;
+        case DType::f64: return kernels::Float::f64;
+        default: return kernels::Float::f16;
+    }
 }
 
 // Device scratch of t's dtype and element count, freed in stream order with the op's tensors.
@@ -177,6 +184,12 @@ public:
         const op_checks::GemmDims dims = op_checks::gemm(a, trans_a, b, trans_b, c);
         const int64_t             m = dims.m, n = dims.n, k = dims.k;   // plain variables: clang 14 captures no structured bindings
         CudaStream & cs     = start(s, "gemm", {a, b, c});
+        if (a.dtype() == DType::f64) {   // the router's fp64 GEMMs: a kernel of core/gemm_f64.h's arithmetic
+            kernels::gemm_f64(cs.launch("gemm"), trans_a, trans_b, m, n, k, a.data<double>(), b.data<double>(),
+                              c.data<double>(), accumulate);
+            cs.launched("gemm", {a, b, c});
+            return;
+        }
         cudaStream_t stream = cs.launch("gemm");   // refuses a capture before the workspace is allocated
         gemm_lt(cs.device_index(), stream, cs.gemm_workspace(), CudaStream::kGemmWorkspaceBytes, trans_a, trans_b, m,
                 n, k, a.data_ptr(), b.data_ptr(), gemm_operands(a.dtype()), f32(c), accumulate);
@@ -559,7 +572,8 @@ public:
         const int64_t                 n    = op_checks::moe_topk(logits, r, top_idx, probs);
         const kernels::MoeRoutingArgs args = routing_args(r, "moe_topk");
         CudaStream &                  cs   = start(s, "moe_topk", {logits, top_idx, probs});
-        kernels::moe_topk(cs.launch("moe_topk"), f32(logits), n, args, top_idx.data<int32_t>(), f32(probs));
+        cudaStream_t                  stream = cs.launch("moe_topk");
+        with_logits(logits, [&](const auto * l) { kernels::moe_topk(stream, l, n, args, top_idx.data<int32_t>(), f32(probs)); });
         cs.launched("moe_topk", {logits, top_idx, probs});
     }
 
@@ -571,8 +585,10 @@ public:
         CudaStream &                  cs   = start(s, "moe_sinkhorn_topk", {logits, top_idx, probs});
         cudaStream_t                  stream  = cs.launch("moe_sinkhorn_topk");
         Tensor                        scratch = scratch_of(cs, kernels::moe_sinkhorn_scratch(N, r.experts), DType::i64);
-        kernels::moe_sinkhorn_topk(stream, f32(logits), N, first, n, args, static_cast<double *>(scratch.data_ptr()),
-                                   top_idx.data<int32_t>(), f32(probs));
+        with_logits(logits, [&](const auto * l) {
+            kernels::moe_sinkhorn_topk(stream, l, N, first, n, args, static_cast<double *>(scratch.data_ptr()),
+                                       top_idx.data<int32_t>(), f32(probs));
+        });
         cs.launched("moe_sinkhorn_topk", {logits, top_idx, probs, scratch});
     }
 
@@ -581,7 +597,8 @@ public:
         const int64_t                 n    = op_checks::moe_aux_counts(logits, r, groups, counts);
         const kernels::MoeRoutingArgs args = routing_args(r, "moe_aux_counts");
         CudaStream &                  cs   = start(s, "moe_aux_counts", {logits, counts});
-        kernels::moe_aux_counts(cs.launch("moe_aux_counts"), f32(logits), n, args, groups, counts.data<float>());
+        cudaStream_t                  stream = cs.launch("moe_aux_counts");
+        with_logits(logits, [&](const auto * l) { kernels::moe_aux_counts(stream, l, n, args, groups, counts.data<float>()); });
         cs.launched("moe_aux_counts", {logits, counts});
     }
 
@@ -592,8 +609,10 @@ public:
         CudaStream &                  cs   = start(s, "moe_router_losses", {logits, counts, losses});
         cudaStream_t                  stream = cs.launch("moe_router_losses");
         Tensor scratch = scratch_of(cs, kernels::moe_router_losses_scratch(n, loss.groups, r.experts), DType::i64);
-        kernels::moe_router_losses(stream, f32(logits), n, counts.data<float>(), args, loss_args(loss),
-                                   static_cast<double *>(scratch.data_ptr()), f32(losses));
+        with_logits(logits, [&](const auto * l) {
+            kernels::moe_router_losses(stream, l, n, counts.data<float>(), args, loss_args(loss),
+                                       static_cast<double *>(scratch.data_ptr()), f32(losses));
+        });
         cs.launched("moe_router_losses", {logits, counts, losses, scratch});
     }
 
@@ -604,8 +623,12 @@ public:
         const kernels::MoeRoutingArgs args = routing_args(r, "moe_router_backward");
         const std::vector<Tensor>     held{logits, top_idx, dprobs, counts, dlogits};
         CudaStream &                  cs = start(s, "moe_router_backward", held);
-        kernels::moe_router_backward(cs.launch("moe_router_backward"), f32(logits), n, top_idx.data<int32_t>(),
-                                     f32(dprobs), counts.data<float>(), args, loss_args(loss), loss_scale, f32(dlogits));
+        cudaStream_t                  stream = cs.launch("moe_router_backward");
+        with_logits(logits, [&](const auto * l) {
+            using T = std::remove_cvref_t<decltype(*l)>;
+            kernels::moe_router_backward(stream, l, n, top_idx.data<int32_t>(), f32(dprobs), counts.data<float>(), args,
+                                         loss_args(loss), loss_scale, static_cast<T *>(dlogits.data_ptr()));
+        });
         cs.launched("moe_router_backward", held);
     }
 

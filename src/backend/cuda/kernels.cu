@@ -9,6 +9,7 @@
 #include "core/dropout.h"
 #include "core/float_bits.h"
 #include "core/gelu.h"
+#include "core/gemm_f64.h"
 
 #include <algorithm>
 #include <climits>
@@ -88,6 +89,31 @@ __global__ void fill_kernel(float * data, int64_t n, float value) {
 
 __global__ void convert_kernel(const void * src, Float src_kind, void * dst, Float dst_kind, int64_t n) {
     LOOM_GRID_STRIDE(i, n) store_float(dst, dst_kind, i, load_float(src, src_kind, i));
+}
+
+// To or from f64: f64 -> f32 rounds once; f32, bf16, f16 -> f64 is exact (op_checks::convert refuses the rest).
+__global__ void convert_f64_kernel(const void * src, Float src_kind, void * dst, Float dst_kind, int64_t n) {
+    LOOM_GRID_STRIDE(i, n) {
+        if (src_kind == Float::f64) {
+            const double v = static_cast<const double *>(src)[i];
+            if (dst_kind == Float::f64) {
+                static_cast<double *>(dst)[i] = v;
+            } else {
+                static_cast<float *>(dst)[i] = static_cast<float>(v);
+            }
+        } else {
+            static_cast<double *>(dst)[i] = static_cast<double>(load_float(src, src_kind, i));
+        }
+    }
+}
+
+__global__ void gemm_f64_kernel(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const double * a,
+                                const double * b, double * c, bool accumulate) {
+    LOOM_GRID_STRIDE(e, m * n) {
+        const int64_t i = e / n, j = e % n;
+        const double  product = gemm_f64_element(a, trans_a, b, trans_b, m, n, k, i, j);
+        c[e]                  = accumulate ? gemm_f64_accumulate(c[e], product) : product;
+    }
 }
 
 __global__ void round_to_bf16_kernel(float * x, uint16_t * x_bf16, int64_t n) {
@@ -503,11 +529,23 @@ void fill_f32(cudaStream_t stream, float * data, int64_t n, float value) {
 }
 
 void convert(cudaStream_t stream, const void * src, Float src_kind, void * dst, Float dst_kind, int64_t n) {
-    if (n > 0) LOOM_LAUNCH(convert_kernel, blocks_for(n), kThreads, 0, stream)(src, src_kind, dst, dst_kind, n);
+    if (n == 0) return;
+    if (src_kind == Float::f64 || dst_kind == Float::f64) {
+        LOOM_LAUNCH(convert_f64_kernel, blocks_for(n), kThreads, 0, stream)(src, src_kind, dst, dst_kind, n);
+    } else {
+        LOOM_LAUNCH(convert_kernel, blocks_for(n), kThreads, 0, stream)(src, src_kind, dst, dst_kind, n);
+    }
 }
 
 void round_to_bf16(cudaStream_t stream, float * x, uint16_t * x_bf16, int64_t n) {
     if (n > 0) LOOM_LAUNCH(round_to_bf16_kernel, blocks_for(n), kThreads, 0, stream)(x, x_bf16, n);
+}
+
+void gemm_f64(cudaStream_t stream, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const double * a,
+              const double * b, double * c, bool accumulate) {
+    if (m * n > 0) {
+        LOOM_LAUNCH(gemm_f64_kernel, blocks_for(m * n), kThreads, 0, stream)(trans_a, trans_b, m, n, k, a, b, c, accumulate);
+    }
 }
 
 void scale(cudaStream_t stream, void * x, Float kind, float factor, int64_t n) {

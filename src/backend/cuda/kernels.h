@@ -21,8 +21,9 @@
 
 namespace loom::LOOM_CUDA_NS::kernels {
 
-// The floating formats of convert(); values match core's DType numbering only by name.
-enum class Float : int { f32, bf16, f16 };
+// The floating formats of convert() (f64 there only; the other kernels take f32, bf16 or f16); values match
+// core's DType numbering only by name.
+enum class Float : int { f32, bf16, f16, f64 };
 
 void fill_f32(cudaStream_t stream, float * data, int64_t n, float value);
 // dst = src converted, bit for bit as core/dtype.h's scalar conversions (nearest even, NaN payload kept).
@@ -31,6 +32,9 @@ void convert(cudaStream_t stream, const void * src, Float src_kind, void * dst, 
 void round_to_bf16(cudaStream_t stream, float * x, uint16_t * x_bf16, int64_t n);
 
 void scale(cudaStream_t stream, void * x, Float kind, float factor, int64_t n);   // x = kind(f32(x) * factor)
+// C (m, n) = op(A) op(B) in float64 (core/gemm_f64.h's arithmetic), or += with accumulate; one thread per element.
+void gemm_f64(cudaStream_t stream, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const double * a,
+              const double * b, double * c, bool accumulate);
 void add_inplace(cudaStream_t stream, float * y, const float * x, int64_t n);
 void bias_add(cudaStream_t stream, float * y, const float * bias, int64_t n, int64_t h);
 // Scratch (floats) a column sum of n rows by h columns needs (core/column_sums.h): none for one chunk.

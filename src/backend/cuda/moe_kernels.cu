@@ -18,7 +18,8 @@ struct Softmax {
     double m, sum;
 };
 
-__device__ Softmax softmax_of(const float * l, int64_t E) {
+template <typename L>
+__device__ Softmax softmax_of(const L * l, int64_t E) {
     double m = l[0];
     for (int64_t e = 1; e < E; ++e) m = fmax(m, static_cast<double>(l[e]));
     double sum = 0;
@@ -26,19 +27,22 @@ __device__ Softmax softmax_of(const float * l, int64_t E) {
     return {m, sum};
 }
 
-__device__ __forceinline__ double softmax_at(const float * l, int64_t e, const Softmax & s) {
+template <typename L>
+__device__ __forceinline__ double softmax_at(const L * l, int64_t e, const Softmax & s) {
     return exp(l[e] - s.m) / s.sum;
 }
 
-__device__ double sigmoid_sum(const float * l, int64_t E) {
+template <typename L>
+__device__ double sigmoid_sum(const L * l, int64_t E) {
     double sum = 0;
     for (int64_t e = 0; e < E; ++e) sum += sigmoid_d(l[e]);
     return sum;
 }
 
 // A row's score of expert e: the selection score (aux = false) or the aux loss's (aux = true).
+template <typename L>
 struct Scores {
-    const float * l;
+    const L *     l;
     Softmax       soft;
     double        sig_sum;
     int           kind;   // 0 logits, 1 softmax, 2 sigmoid, 3 sigmoid normalised over E
@@ -53,14 +57,16 @@ struct Scores {
     }
 };
 
-__device__ Scores selection_scores(const float * l, const MoeRoutingArgs & r) {
-    Scores s{l, {0, 1}, 0, r.sigmoid ? 2 : r.pre_softmax ? 1 : 0};
+template <typename L>
+__device__ Scores<L> selection_scores(const L * l, const MoeRoutingArgs & r) {
+    Scores<L> s{l, {0, 1}, 0, r.sigmoid ? 2 : r.pre_softmax ? 1 : 0};
     if (s.kind == 1) s.soft = softmax_of(l, r.experts);
     return s;
 }
 
-__device__ Scores aux_scores(const float * l, const MoeRoutingArgs & r) {
-    Scores s{l, {0, 1}, 0, r.sigmoid ? 3 : 1};
+template <typename L>
+__device__ Scores<L> aux_scores(const L * l, const MoeRoutingArgs & r) {
+    Scores<L> s{l, {0, 1}, 0, r.sigmoid ? 3 : 1};
     if (s.kind == 1) s.soft = softmax_of(l, r.experts);
     if (s.kind == 3) s.sig_sum = sigmoid_sum(l, r.experts);
     return s;
@@ -87,7 +93,8 @@ __device__ void topk_desc(const Score & score, int64_t E, int64_t k, int32_t * i
 }
 
 // The selected experts' probabilities before the scaling factor.
-__device__ void topk_probs(const float * l, const int32_t * idx, const MoeRoutingArgs & r, double * q) {
+template <typename L>
+__device__ void topk_probs(const L * l, const int32_t * idx, const MoeRoutingArgs & r, double * q) {
     const int64_t k = r.topk;
     if (!r.sigmoid) {
         if (r.pre_softmax) {
@@ -108,9 +115,10 @@ __device__ void topk_probs(const float * l, const int32_t * idx, const MoeRoutin
     }
 }
 
-__global__ void moe_topk_kernel(const float * logits, int64_t n, MoeRoutingArgs r, int32_t * top_idx, float * probs) {
+template <typename L>
+__global__ void moe_topk_kernel(const L * logits, int64_t n, MoeRoutingArgs r, int32_t * top_idx, float * probs) {
     LOOM_GRID_STRIDE(x, n) {
-        const float * l = logits + x * r.experts;
+        const L *     l = logits + x * r.experts;
         int32_t *     idx = top_idx + x * r.topk;
         topk_desc(selection_scores(l, r), r.experts, r.topk, idx);
         double q[kMoeMaxTopk];
@@ -122,7 +130,8 @@ __global__ void moe_topk_kernel(const float * logits, int64_t n, MoeRoutingArgs 
 // Sinkhorn's scalings over all N rows (backend/cpu/moe.cpp's twin, the same double operations in the same
 // order): one block; C = exp(logits) in `c`, d0 (N) and d1 (E) from ones, alternated until the mean |change
 // of d1| is at most 1e-4 (thread 0 adds the changes in expert order, as the CPU does).
-__global__ void moe_sinkhorn_kernel(const float * logits, int64_t N, int64_t E, double * c, double * d0, double * d1,
+template <typename L>
+__global__ void moe_sinkhorn_kernel(const L * logits, int64_t N, int64_t E, double * c, double * d0, double * d1,
                                     double * change) {
     __shared__ int done;
     const double   eps = 1e-8, tol = 1e-4;
@@ -157,7 +166,8 @@ __global__ void moe_sinkhorn_kernel(const float * logits, int64_t N, int64_t E, 
 
 // Rows [first, first + n): the k experts by descending d0_x C_xe d1_e, and their probabilities from the
 // logits as moe_topk gives them.
-__global__ void moe_sinkhorn_select_kernel(const float * logits, int64_t first, int64_t n, MoeRoutingArgs r,
+template <typename L>
+__global__ void moe_sinkhorn_select_kernel(const L * logits, int64_t first, int64_t n, MoeRoutingArgs r,
                                            const double * c, const double * d0, const double * d1, int32_t * top_idx,
                                            float * probs) {
     LOOM_GRID_STRIDE(x, n) {
@@ -170,7 +180,8 @@ __global__ void moe_sinkhorn_select_kernel(const float * logits, int64_t first, 
     }
 }
 
-__global__ void moe_aux_counts_kernel(const float * logits, int64_t n, MoeRoutingArgs r, int64_t groups, float * counts) {
+template <typename L>
+__global__ void moe_aux_counts_kernel(const L * logits, int64_t n, MoeRoutingArgs r, int64_t groups, float * counts) {
     LOOM_GRID_STRIDE(x, n) {
         int32_t idx[kMoeMaxTopk];
         topk_desc(aux_scores(logits + x * r.experts, r), r.experts, r.topk, idx);
@@ -179,9 +190,10 @@ __global__ void moe_aux_counts_kernel(const float * logits, int64_t n, MoeRoutin
 }
 
 // Per row: the aux scores' normaliser (softmax's m and sum, or the sigmoid sum) and logsumexp.
-__global__ void moe_row_stats_kernel(const float * logits, int64_t n, MoeRoutingArgs r, double * stats) {
+template <typename L>
+__global__ void moe_row_stats_kernel(const L * logits, int64_t n, MoeRoutingArgs r, double * stats) {
     LOOM_GRID_STRIDE(x, n) {
-        const float * l = logits + x * r.experts;
+        const L *     l = logits + x * r.experts;
         const Softmax s = softmax_of(l, r.experts);
         stats[x * 4 + 0] = s.m;
         stats[x * 4 + 1] = s.sum;
@@ -191,13 +203,14 @@ __global__ void moe_row_stats_kernel(const float * logits, int64_t n, MoeRouting
 }
 
 // P[g, e]: the aux scores of expert e summed over group g's rows in token order.
-__global__ void moe_score_sums_kernel(const float * logits, int64_t n, MoeRoutingArgs r, int64_t groups,
+template <typename L>
+__global__ void moe_score_sums_kernel(const L * logits, int64_t n, MoeRoutingArgs r, int64_t groups,
                                       const double * stats, double * P) {
     LOOM_GRID_STRIDE(i, groups * r.experts) {
         const int64_t g = i / r.experts, e = i % r.experts;
         double        sum = 0;
         for (int64_t x = g; x < n; x += groups) {
-            const float * l = logits + x * r.experts;
+            const L * l = logits + x * r.experts;
             sum += r.sigmoid ? sigmoid_d(l[e]) / (stats[x * 4 + 2] + 1e-20)
                              : softmax_at(l, e, Softmax{stats[x * 4 + 0], stats[x * 4 + 1]});
         }
@@ -226,16 +239,17 @@ __global__ void moe_losses_kernel(int64_t n, MoeRoutingArgs r, MoeLossArgs loss,
 }
 
 // backend/cpu/moe.cpp's moe_router_backward, each expert's gradient summed from its terms in the CPU's order.
-__global__ void moe_router_backward_kernel(const float * logits, int64_t n, const int32_t * top_idx, const float * dprobs,
+template <typename L>
+__global__ void moe_router_backward_kernel(const L * logits, int64_t n, const int32_t * top_idx, const float * dprobs,
                                            const float * counts, MoeRoutingArgs r, MoeLossArgs loss, float loss_scale,
-                                           float * dlogits) {
+                                           L * dlogits) {
     const int64_t E = r.experts, k = r.topk, G = loss.groups;
     const bool    aux = loss.aux_coeff > 0.0f, z = loss.z_coeff > 0.0f;
     const double  T        = static_cast<double>(loss.tokens / G);
     const double  aux_unit = aux ? loss_scale * static_cast<double>(E) * loss.aux_coeff / (k * T * T) / G : 0.0;
     const double  z_unit   = z ? loss_scale * loss.z_coeff * 2.0 / static_cast<double>(loss.tokens) : 0.0;
     LOOM_GRID_STRIDE(x, n) {
-        const float *   l   = logits + x * E;
+        const L *       l   = logits + x * E;
         const int32_t * idx = top_idx + x * k;
         double          q[kMoeMaxTopk], dq[kMoeMaxTopk], term[kMoeMaxTopk];
         for (int64_t j = 0; j < k; ++j) dq[j] = r.scaling * dprobs[x * k + j];
@@ -289,7 +303,7 @@ __global__ void moe_router_backward_kernel(const float * logits, int64_t n, cons
                 d += (cg[e] * aux_unit - aux_dot) / aux_S * s * (1.0 - s);
             }
             if (z) d += z_unit * lse * softmax_at(l, e, soft);
-            dlogits[x * E + e] = static_cast<float>(d);
+            dlogits[x * E + e] = static_cast<L>(d);
         }
     }
 }
@@ -429,54 +443,72 @@ __global__ void moe_weight_grad_kernel(const float * dy, const float * src, cons
 
 }  // namespace
 
-void moe_topk(cudaStream_t stream, const float * logits, int64_t n, const MoeRoutingArgs & r, int32_t * top_idx,
+template <typename L>
+void moe_topk(cudaStream_t stream, const L * logits, int64_t n, const MoeRoutingArgs & r, int32_t * top_idx,
               float * probs) {
-    if (n > 0) LOOM_LAUNCH(moe_topk_kernel, blocks_for(n), kThreads, 0, stream)(logits, n, r, top_idx, probs);
+    if (n > 0) LOOM_LAUNCH(moe_topk_kernel<L>, blocks_for(n), kThreads, 0, stream)(logits, n, r, top_idx, probs);
 }
 
 int64_t moe_sinkhorn_scratch(int64_t N, int64_t experts) { return N * experts + N + 2 * experts; }
 
-void moe_sinkhorn_topk(cudaStream_t stream, const float * logits, int64_t N, int64_t first, int64_t n,
+template <typename L>
+void moe_sinkhorn_topk(cudaStream_t stream, const L * logits, int64_t N, int64_t first, int64_t n,
                        const MoeRoutingArgs & r, double * scratch, int32_t * top_idx, float * probs) {
     if (N == 0) return;
     double * c = scratch, *d0 = c + N * r.experts, *d1 = d0 + N, *change = d1 + r.experts;
-    LOOM_LAUNCH(moe_sinkhorn_kernel, 1, kThreads, 0, stream)(logits, N, r.experts, c, d0, d1, change);
+    LOOM_LAUNCH(moe_sinkhorn_kernel<L>, 1, kThreads, 0, stream)(logits, N, r.experts, c, d0, d1, change);
     if (n > 0) {
-        LOOM_LAUNCH(moe_sinkhorn_select_kernel, blocks_for(n), kThreads, 0, stream)(logits, first, n, r, c, d0, d1,
+        LOOM_LAUNCH(moe_sinkhorn_select_kernel<L>, blocks_for(n), kThreads, 0, stream)(logits, first, n, r, c, d0, d1,
                                                                                     top_idx, probs);
     }
 }
 
-void moe_aux_counts(cudaStream_t stream, const float * logits, int64_t n, const MoeRoutingArgs & r, int64_t groups,
+template <typename L>
+void moe_aux_counts(cudaStream_t stream, const L * logits, int64_t n, const MoeRoutingArgs & r, int64_t groups,
                     float * counts) {
     cudaMemsetAsync(counts, 0, static_cast<size_t>(groups * r.experts) * sizeof(float), stream);
-    if (n > 0) LOOM_LAUNCH(moe_aux_counts_kernel, blocks_for(n), kThreads, 0, stream)(logits, n, r, groups, counts);
+    if (n > 0) LOOM_LAUNCH(moe_aux_counts_kernel<L>, blocks_for(n), kThreads, 0, stream)(logits, n, r, groups, counts);
 }
 
 int64_t moe_router_losses_scratch(int64_t n, int64_t groups, int64_t experts) { return 4 * n + groups * experts + 1; }
 
-void moe_router_losses(cudaStream_t stream, const float * logits, int64_t n, const float * counts,
+template <typename L>
+void moe_router_losses(cudaStream_t stream, const L * logits, int64_t n, const float * counts,
                        const MoeRoutingArgs & r, const MoeLossArgs & loss, double * scratch, float * losses) {
     double * stats = scratch;
     double * P     = scratch + 4 * n;
     if (n > 0 && (loss.aux_coeff > 0.0f || loss.z_coeff > 0.0f)) {
-        LOOM_LAUNCH(moe_row_stats_kernel, blocks_for(n), kThreads, 0, stream)(logits, n, r, stats);
+        LOOM_LAUNCH(moe_row_stats_kernel<L>, blocks_for(n), kThreads, 0, stream)(logits, n, r, stats);
         if (loss.aux_coeff > 0.0f) {
-            LOOM_LAUNCH(moe_score_sums_kernel, blocks_for(loss.groups * r.experts), kThreads, 0, stream)(
+            LOOM_LAUNCH(moe_score_sums_kernel<L>, blocks_for(loss.groups * r.experts), kThreads, 0, stream)(
                 logits, n, r, loss.groups, stats, P);
         }
     }
     LOOM_LAUNCH(moe_losses_kernel, 1, 1, 0, stream)(n, r, loss, counts, stats, P, losses);
 }
 
-void moe_router_backward(cudaStream_t stream, const float * logits, int64_t n, const int32_t * top_idx,
+template <typename L>
+void moe_router_backward(cudaStream_t stream, const L * logits, int64_t n, const int32_t * top_idx,
                          const float * dprobs, const float * counts, const MoeRoutingArgs & r, const MoeLossArgs & loss,
-                         float loss_scale, float * dlogits) {
+                         float loss_scale, L * dlogits) {
     if (n > 0) {
-        LOOM_LAUNCH(moe_router_backward_kernel, blocks_for(n), kThreads, 0, stream)(
+        LOOM_LAUNCH(moe_router_backward_kernel<L>, blocks_for(n), kThreads, 0, stream)(
             logits, n, top_idx, dprobs, counts, r, loss, loss_scale, dlogits);
     }
 }
+
+#define LOOM_ROUTER_KERNELS(T)                                                                                     \
+    template void moe_topk(cudaStream_t, const T *, int64_t, const MoeRoutingArgs &, int32_t *, float *);         \
+    template void moe_sinkhorn_topk(cudaStream_t, const T *, int64_t, int64_t, int64_t, const MoeRoutingArgs &,   \
+                                    double *, int32_t *, float *);                                                \
+    template void moe_aux_counts(cudaStream_t, const T *, int64_t, const MoeRoutingArgs &, int64_t, float *);     \
+    template void moe_router_losses(cudaStream_t, const T *, int64_t, const float *, const MoeRoutingArgs &,      \
+                                    const MoeLossArgs &, double *, float *);                                      \
+    template void moe_router_backward(cudaStream_t, const T *, int64_t, const int32_t *, const float *,           \
+                                      const float *, const MoeRoutingArgs &, const MoeLossArgs &, float, T *);
+LOOM_ROUTER_KERNELS(float)
+LOOM_ROUTER_KERNELS(double)
+#undef LOOM_ROUTER_KERNELS
 
 int64_t moe_plan_scratch(int64_t slots, int64_t experts) { return experts + 2 * slots + 1; }
 

@@ -32,24 +32,31 @@ struct MoeLossArgs {
     float   z_coeff;     // 0: off
 };
 
-void moe_topk(cudaStream_t stream, const float * logits, int64_t n, const MoeRoutingArgs & r, int32_t * top_idx,
+// The router's kernels read float or double logits (--moe-router-dtype fp64; dlogits of the same type),
+// instantiated for both.
+template <typename T>
+void moe_topk(cudaStream_t stream, const T * logits, int64_t n, const MoeRoutingArgs & r, int32_t * top_idx,
               float * probs);
 // Sinkhorn routing (core/ops.h's moe_sinkhorn_topk) over all N rows of logits, for rows [first, first + n);
 // scratch: moe_sinkhorn_scratch(N, E) doubles (C, the two scalings, the changes). The balancing runs in one
 // block, in double, with the CPU's operations in the CPU's order.
 int64_t moe_sinkhorn_scratch(int64_t N, int64_t experts);
-void    moe_sinkhorn_topk(cudaStream_t stream, const float * logits, int64_t N, int64_t first, int64_t n,
+template <typename T>
+void    moe_sinkhorn_topk(cudaStream_t stream, const T * logits, int64_t N, int64_t first, int64_t n,
                           const MoeRoutingArgs & r, double * scratch, int32_t * top_idx, float * probs);
 // counts (G, E) is zeroed first.
-void moe_aux_counts(cudaStream_t stream, const float * logits, int64_t n, const MoeRoutingArgs & r, int64_t groups,
+template <typename T>
+void moe_aux_counts(cudaStream_t stream, const T * logits, int64_t n, const MoeRoutingArgs & r, int64_t groups,
                     float * counts);
 // Scratch doubles moe_router_losses needs.
 int64_t moe_router_losses_scratch(int64_t n, int64_t groups, int64_t experts);
-void    moe_router_losses(cudaStream_t stream, const float * logits, int64_t n, const float * counts,
+template <typename T>
+void    moe_router_losses(cudaStream_t stream, const T * logits, int64_t n, const float * counts,
                           const MoeRoutingArgs & r, const MoeLossArgs & loss, double * scratch, float * losses);
-void    moe_router_backward(cudaStream_t stream, const float * logits, int64_t n, const int32_t * top_idx,
+template <typename T>
+void    moe_router_backward(cudaStream_t stream, const T * logits, int64_t n, const int32_t * top_idx,
                             const float * dprobs, const float * counts, const MoeRoutingArgs & r,
-                            const MoeLossArgs & loss, float loss_scale, float * dlogits);
+                            const MoeLossArgs & loss, float loss_scale, T * dlogits);
 
 struct MoePlanArgs {
     int64_t first;

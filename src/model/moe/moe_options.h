@@ -2,7 +2,10 @@
 // GptConfig can hold one; moe_config.h has the validation and the capacity.
 #pragma once
 
+#include "core/dtype.h"
+
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace loom::model {
@@ -30,7 +33,9 @@ struct MoeConfig {
     bool             grouped_gemm         = false;   // --moe-grouped-gemm
     int64_t          shared_expert_intermediate_size = 0;   // --moe-shared-expert-intermediate-size (0: none)
     MoeDispatcher    dispatcher           = MoeDispatcher::allgather;   // --moe-token-dispatcher-type
-    bool             router_f32           = false;   // --moe-router-dtype fp32: the gate's GEMMs in f32
+    // --moe-router-dtype: the gate's GEMMs and the logits in f32 or f64 (nullopt: the model's dtype's GEMM
+    // operands into f32 logits).
+    std::optional<DType> router_dtype;
 
     // --moe-layer-freq: which layers are MoE. An integer N: layers 0, N, 2N, ... (Megatron's default 1: all);
     // a list: one 0/1 entry per layer of the whole model.

@@ -64,15 +64,20 @@ void Router::parameters(std::vector<Parameter *> & out) {
     if (has_bias) out.push_back(&bias);
 }
 
-// The gate's weight as its GEMMs read it: the parameter, or with --moe-router-dtype fp32 its values in f32.
-Tensor Router::gate_weight() const { return moe.router_f32 ? parameter_f32(weight) : weight.data; }
+// The gate's weight as its GEMMs read it: the parameter, or with --moe-router-dtype its values in f32 or f64.
+Tensor Router::gate_weight() const {
+    if (!moe.router_dtype) return weight.data;
+    const Tensor f32 = parameter_f32(weight);
+    return *moe.router_dtype == DType::f64 ? in_dtype(f32, DType::f64) : f32;
+}
 
 void Router::forward(Context & ctx, const Tensor & x, int64_t b, bool training) {
     Ops &    ops    = x.device().ops();
     Stream & stream = x.device().compute_stream();
     const Tensor w  = gate_weight();
     ctx.x           = in_dtype(x, w.dtype());
-    Tensor logits   = activation(x.device(), x.size(0), moe.num_experts);
+    Tensor logits   = Tensor::empty({x.size(0), moe.num_experts}, w.dtype() == DType::f64 ? DType::f64 : DType::f32,
+                                    x.device(), {MemoryKind::device, kActivationsPool});
     ops.gemm(stream, ctx.x, false, w, true, logits);
     if (has_bias) ops.bias_add(stream, logits, parameter_f32(bias));
     route(ctx, logits, b, training);
@@ -80,8 +85,8 @@ void Router::forward(Context & ctx, const Tensor & x, int64_t b, bool training) 
 
 void Router::route(Context & ctx, const Tensor & logits, int64_t b, bool training) {
     const int64_t n = logits.size(0), E = moe.num_experts, k = moe.topk;
-    LOOM_CHECK(logits.dim() == 2 && logits.size(1) == E && logits.dtype() == DType::f32,
-               "router logits " << logits.describe() << ", expected (n, " << E << ") float32", "");
+    LOOM_CHECK(logits.dim() == 2 && logits.size(1) == E && (logits.dtype() == DType::f32 || logits.dtype() == DType::f64),
+               "router logits " << logits.describe() << ", expected (n, " << E << ") float32 or float64", "");
     Device & device = logits.device();
     Ops &    ops    = device.ops();
     Stream & stream = device.compute_stream();
@@ -104,7 +109,7 @@ void Router::route(Context & ctx, const Tensor & logits, int64_t b, bool trainin
         comm::Communicator * group = sequence_group();
         Tensor               all   = logits;
         if (group) {
-            all = activation(device, n * group->size(), E);
+            all = Tensor::empty({n * group->size(), E}, logits.dtype(), device, {MemoryKind::device, kActivationsPool});
             group->all_gather(logits, all, &stream);
         }
         ops.moe_sinkhorn_topk(stream, all, group ? group->rank() * n : 0, routing, ctx.top_idx, ctx.probs);
@@ -158,7 +163,8 @@ int Router::sequence_ranks() const { return (tp.sp() ? tp.size : 1) * cp.size; }
 Tensor Router::logits_backward(Context & ctx, const Tensor & dprobs, float loss_scale) {
     const int64_t n = ctx.logits.size(0);
     Device &      device  = dprobs.device();
-    Tensor        dlogits = activation(device, n, moe.num_experts);
+    Tensor        dlogits = Tensor::empty({n, moe.num_experts}, ctx.logits.dtype(), device,
+                                          {MemoryKind::device, kActivationsPool});
     device.ops().moe_router_backward(device.compute_stream(), ctx.logits, ctx.top_idx, dprobs, ctx.counts,
                                      routing_of(moe), loss_of(ctx, n), loss_scale, dlogits);
     return dlogits;
@@ -174,11 +180,23 @@ Tensor Router::backward(Context & ctx, const Tensor & dprobs, float loss_scale, 
     }
     const Tensor w     = gate_weight();
     Tensor       dl_in = in_dtype(dlogits, w.dtype());
-    Tensor       dx    = activation(dlogits.device(), dlogits.size(0), weight.data.size(1));
-    ops.gemm(stream, dl_in, false, w, false, dx);
-    accumulate_grads(stream, {weight.main_grad}, [&](const std::vector<Tensor> & g) {
-        ops.gemm(stream, dl_in, true, ctx.x, false, g[0], /*accumulate=*/true);
-    });
+    Tensor       dx;
+    if (w.dtype() == DType::f64) {   // f64 products, each gradient rounded to f32 once
+        const int64_t n = dlogits.size(0), h = weight.data.size(1), E = moe.num_experts;
+        Tensor dx64 = Tensor::empty({n, h}, DType::f64, dlogits.device(), {MemoryKind::device, kActivationsPool});
+        Tensor dw64 = Tensor::empty({E, h}, DType::f64, dlogits.device(), {MemoryKind::device, kActivationsPool});
+        ops.gemm(stream, dl_in, false, w, false, dx64);
+        ops.gemm(stream, dl_in, true, ctx.x, false, dw64);
+        dx               = in_dtype(dx64, DType::f32);
+        const Tensor dw = in_dtype(dw64, DType::f32);
+        accumulate_grads(stream, {weight.main_grad}, [&](const std::vector<Tensor> & g) { ops.add_inplace(stream, g[0], dw); });
+    } else {
+        dx = activation(dlogits.device(), dlogits.size(0), weight.data.size(1));
+        ops.gemm(stream, dl_in, false, w, false, dx);
+        accumulate_grads(stream, {weight.main_grad}, [&](const std::vector<Tensor> & g) {
+            ops.gemm(stream, dl_in, true, ctx.x, false, g[0], /*accumulate=*/true);
+        });
+    }
     Tensor losses = ctx.losses;   // still readable for logging
     ctx           = Context();
     ctx.losses    = losses;

@@ -19,6 +19,11 @@
 //                                      in eval the top-k of those scores. No aux loss.
 // --moe-router-dtype fp32: the gate's GEMMs (forward and both of backward) read f32 operands, the bf16
 // weight's values widened and the gradient of the logits unrounded (without it, bf16 operands under --bf16).
+// --moe-router-dtype fp64 (Megatron's for reinforcement learning, where training and inference must route
+// alike): the input and the weight widened to f64, the GEMMs in f64 (core/gemm_f64.h), f64 logits, and every
+// routing op reading them as f64 (scores, probabilities and losses are double in any case); the logits'
+// gradient is f64, the input's and the weight's are rounded to f32 once. A router bias (--add-bias-linear)
+// is refused with it.
 //
 // Auxiliary load-balancing loss (Megatron's switch_load_balancing_loss_func), only while training:
 //   p (n, E)  = softmax(logits) over all E (sigmoid: g / (sum over E of g + 1e-20))
@@ -73,8 +78,8 @@ public:
            const TensorParallel & tp = {}, const ContextParallel & cp = {},
            std::shared_ptr<comm::Communicator> global = nullptr);
     struct Context {
-        Tensor  x;         // (n, h) input, in the weight's dtype
-        Tensor  logits;    // (n, E) f32
+        Tensor  x;         // (n, h) input, in the gate's GEMM dtype
+        Tensor  logits;    // (n, E) f32, or f64 with --moe-router-dtype fp64
         Tensor  top_idx;   // (n, k) i32: each token's experts, by descending score
         Tensor  probs;     // (n, k) f32: their routing probabilities
         Tensor  counts;    // (G, E) f32: c_i per aux-loss group (G = 1, or b with seq_aux_loss)
@@ -92,7 +97,7 @@ public:
     // dprobs (n, k): the objective's gradient w.r.t. ctx.probs. Adds the gate's gradient (from dprobs and
     // loss_scale times the aux and z gradients) into main_grad, reports it ready, returns dx (n, h).
     Tensor backward(Context & ctx, const Tensor & dprobs, float loss_scale, const GradReadyFn & ready);
-    // The gradient w.r.t. the logits alone (backward without the gate's GEMMs), (n, E) f32.
+    // The gradient w.r.t. the logits alone (backward without the gate's GEMMs), (n, E) of the logits' dtype.
     Tensor logits_backward(Context & ctx, const Tensor & dprobs, float loss_scale);
 
     void init(uint64_t seed, float std);
