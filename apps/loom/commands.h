@@ -36,6 +36,7 @@ int cmd_eval(int argc, char ** argv);
 int cmd_export_hf(int argc, char ** argv);
 int cmd_schedule(int argc, char ** argv);
 int cmd_checkpoint(int argc, char ** argv);
+int cmd_plan(int argc, char ** argv);
 // `loom help flags [--update FILE]`: the flag reference of docs/megatron_flags.md, printed or written into FILE.
 int cmd_help_flags(int argc, char ** argv);
 

@@ -7,6 +7,7 @@
 //   loom layout    print DDP's param-and-grad buffers, buckets and shard ranges for a parameter list
 //   loom export-hf write a model as a Hugging Face GPT-2 folder
 //   loom schedule  print or draw the pipeline-parallel schedule of every rank (1F1B, interleaved)
+//   loom plan      the memory each rank of a run holds, by pool, planned on the meta device
 //   loom checkpoint info   what a checkpoint of `loom train --save` holds
 //   loom help [command]    the list of commands, or a command's options (as `loom <command> --help`)
 //   loom help flags [--update FILE]   the flag reference of docs/megatron_flags.md, from the flag tables
@@ -44,6 +45,7 @@ const Command kCommands[] = {
     {"layout", loom::app::cmd_layout, "print DDP's param-and-grad buffers, buckets and distributed-optimizer shards"},
     {"export-hf", loom::app::cmd_export_hf, "write a GPT-2-shaped model as a Hugging Face config.json + model.safetensors"},
     {"checkpoint", loom::app::cmd_checkpoint, "`checkpoint info DIR [--verify]`: what a checkpoint of `loom train --save` holds"},
+    {"plan", loom::app::cmd_plan, "the memory each rank of a run holds, by pool, from the allocator's books (no memory or work needed)"},
     {"schedule", loom::app::cmd_schedule, "print or draw (--svg) the pipeline schedule of every rank: warm-up, order, peak in flight"},
 };
 

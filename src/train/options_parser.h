@@ -45,6 +45,8 @@ public:
     std::vector<comm::Setting> settings(const TrainOptions & resolved) const;
     // `loom export-hf` builds a model and reads no data: no data source is required.
     void         data_optional() { data_optional_ = true; }
+    // `loom plan` runs nothing here: the model need not fit this machine's memory.
+    void         plan_only() { plan_only_ = true; }
     // True when --vocab-size, --load-hf or --use-checkpoint-args fixed the vocabulary (otherwise the
     // dataset's is used).
     bool vocab_given() const {
@@ -57,6 +59,7 @@ private:
     FlagValues               values_;
     std::vector<std::string> noop_values_;   // values of the flags accepted without effect (megatron_flags.h)
     bool                     data_optional_ = false;
+    bool                     plan_only_     = false;
 };
 
 }  // namespace loom::train

@@ -53,7 +53,7 @@ std::vector<model::Parameter *> Setup::parameters() const {
     return params;
 }
 
-Setup setup(const TrainOptions & options, const parallel::ProcessGroups & groups, Device & device) {
+Setup setup(const TrainOptions & options, const parallel::ProcessGroups & groups, Device & device, bool init_values) {
     check_pipeline_group(options, groups);
     LOOM_CHECK(size_of(groups.tp) == options.parallel.tp(),
                "tensor-parallel group of " << size_of(groups.tp) << " ranks for --tensor-model-parallel-size "
@@ -101,10 +101,10 @@ Setup setup(const TrainOptions & options, const parallel::ProcessGroups & groups
     std::vector<model::GptModel *>                chunks;
     for (const model::PipelineStage & part : pipeline_stages(options, groups.pp ? groups.pp->rank() : 0)) {
         owned.push_back(std::make_unique<model::GptModel>(options.model, device, part, tensor, expert, context));
-        owned.back()->init();
+        if (init_values) owned.back()->init();
         chunks.push_back(owned.back().get());
     }
-    if (!options.load_hf.empty()) {
+    if (!options.load_hf.empty() && init_values) {
         // options.resolve() refused --load-hf with TP or PP, and checked the shape against config.json.
         model::load_hf_gpt2(*chunks.front(), options.load_hf);
     }

@@ -56,8 +56,10 @@ public:
 };
 
 // Builds this rank's chunks (initialised from --seed, then --load-hf if given) and everything over them.
-// Checks the groups against the options first (no collective has run with a wrong size).
-Setup setup(const TrainOptions & options, const parallel::ProcessGroups & groups, Device & device);
+// Checks the groups against the options first (no collective has run with a wrong size). Without
+// `init_values` the chunks' values are left as allocated (a plan on the meta device: plan/memory_plan.h).
+Setup setup(const TrainOptions & options, const parallel::ProcessGroups & groups, Device & device,
+            bool init_values = true);
 // The same over chunks the caller built and owns (tests that inspect a model they made).
 Setup setup(const TrainOptions & options, std::vector<model::GptModel *> chunks,
             const parallel::ProcessGroups & groups);
