@@ -6,7 +6,8 @@
 // Each planned rank is set up as `loom train` would set it up (its stage's model chunks, DDP's buffers, the
 // optimizer's state) on the meta device, which allocates by the same code without memory or work
 // (plan/memory_plan.h); the numbers are the allocator's, pool by pool, as `loom train`'s summary names them.
-// Planned so far: the model's values, gradients and optimizer state (what a rank holds between iterations).
+// Planned: what a rank holds between iterations (values, gradients, optimizer state) and, for models without
+// MoE layers, the peak of one iteration of its schedule (activations and every other pool).
 #include "apps/loom/commands.h"
 
 #include "core/error.h"
@@ -68,7 +69,7 @@ int cmd_plan(int argc, char ** argv) {
     std::vector<plan::RankMemory> plans;
     for (int rank : ranks) plans.push_back(plan::plan_rank_memory(options, static_cast<int>(world), rank));
     const plan::RankMemory & most = *std::max_element(plans.begin(), plans.end(), [](const auto & a, const auto & b) {
-        return a.device_total() < b.device_total();
+        return a.device_peak_total() < b.device_peak_total();
     });
     if (json) {
         nlohmann::json out;
@@ -76,10 +77,18 @@ int cmd_plan(int argc, char ** argv) {
         out["rank"]         = most.rank;
         out["memory_bytes"] = most.device;
         out["memory_bytes_total"] = most.device_total();
+        if (most.iteration_planned) {
+            out["activations_peak_bytes"] = most.activations_peak;
+            out["peak_bytes"]             = most.device_peak_total();
+        }
         nlohmann::json per_rank = nlohmann::json::array();
         for (const plan::RankMemory & p : plans) {
             per_rank.push_back({{"rank", p.rank}, {"memory_bytes", p.device}, {"pinned_bytes", p.pinned},
                                 {"memory_bytes_total", p.device_total()}, {"setup_peak_bytes", p.device_peak}});
+            if (p.iteration_planned) {
+                per_rank.back()["activations_peak_bytes"] = p.activations_peak;
+                per_rank.back()["iteration_peak_bytes"]   = p.iteration_peak;
+            }
         }
         out["ranks"] = per_rank;
         std::printf("%s\n", out.dump(2).c_str());
@@ -98,16 +107,24 @@ int cmd_plan(int argc, char ** argv) {
     }
     std::printf("%6s", "rank");
     for (const std::string & pool : pools) std::printf(" %12s", pool.c_str());
-    std::printf(" %12s\n", "total");
+    std::printf(" %12s %12s %12s\n", "held", "activations", "peak");
     for (const plan::RankMemory & p : plans) {
         std::printf("%6d", p.rank);
         for (const std::string & pool : pools) {
             auto it = p.device.find(pool);
             std::printf(" %12.1f", it == p.device.end() ? 0.0 : mib(it->second));
         }
-        std::printf(" %12.1f\n", mib(p.device_total()));
+        std::printf(" %12.1f", mib(p.device_total()));
+        if (p.iteration_planned) {
+            std::printf(" %12.1f %12.1f\n", mib(p.activations_peak), mib(p.device_peak_total()));
+        } else {
+            std::printf(" %12s %12s\n", "-", "-");
+        }
     }
-    std::printf("most loaded: rank %d, %.1f MiB\n", most.rank, mib(most.device_total()));
+    std::printf("held: between iterations; activations: their pool's peak in one iteration; peak: held plus the "
+                "iteration's peak above it%s\n",
+                options.model.moe.enabled() ? " (not planned for MoE layers, which route by the data)" : "");
+    std::printf("most loaded: rank %d, %.1f MiB\n", most.rank, mib(most.device_peak_total()));
     return 0;
 }
 

@@ -123,7 +123,7 @@ PipelineExecutor::Result PipelineExecutor::execute(const P2PPlan & plan, bool fo
     auto data_key = [](const Transfer & t) { return DataKey{static_cast<int>(t.kind), t.consumer, t.microbatch}; };
     std::map<std::pair<int, int>, InFlight>         in_flight;   // (chunk, micro-batch)
     std::map<int, model::MicroBatch>                batches;     // micro-batch -> its data, until chunk 0's backward
-    std::vector<std::pair<comm::WorkPtr, Tensor>>   sends;       // kept alive until sent
+    std::vector<std::pair<comm::WorkPtr, Tensor>>   sends;       // kept alive until sent, and no longer
     std::map<DataKey, std::pair<comm::WorkPtr, Tensor>> posted;  // receives posted ahead of their op
     std::vector<std::pair<Tensor, Tensor>>          pending_losses;   // (token_loss, mask), read after the stream
     Stream &                                        stream = device.compute_stream();
@@ -146,7 +146,11 @@ PipelineExecutor::Result PipelineExecutor::execute(const P2PPlan & plan, bool fo
         return buffer.view({rows, h});
     };
     auto send = [&](const Transfer & t, const Tensor & data) {
-        // Posted once the stream has computed `data`; the stream goes on without waiting for it.
+        // Posted once the stream has computed `data`; the stream goes on without waiting for it. The sends
+        // that have completed give their tensors back: a stage's outputs would otherwise pile up for the
+        // whole iteration, one per micro-batch (what `loom plan` showed: the first stage's peak grew with the
+        // number of micro-batches).
+        std::erase_if(sends, [](const std::pair<comm::WorkPtr, Tensor> & s) { return s.first->test(); });
         const Link & l = link(t.channel);
         sends.emplace_back(l.comm->send(data, l.peer, tag(t), &stream), data);
     };

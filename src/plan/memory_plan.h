@@ -21,12 +21,25 @@ struct RankMemory {
     std::map<std::string, int64_t> pinned;   // pinned host memory by pool (the offloaded optimizer's staging)
     int64_t                        device_peak = 0;   // the most set-up held at once (before DDP re-points the
                                                       // model's first gradients at its buffers)
+    // One iteration, planned unless the model has MoE layers (they route by the data, which the meta device
+    // does not compute: its logits read back as zeros).
+    bool                           iteration_planned = false;
+    int64_t                        activations_peak = 0;   // the "activations" pool's peak over one iteration
+    int64_t                        iteration_peak   = 0;   // the most every pool held at once in that iteration,
+                                                           // above what set-up and the data source hold
 
     int64_t device_total() const;
+    // The most the device holds at once: device_total() plus the iteration's peak above it (device_total()
+    // alone where the iteration is not planned).
+    int64_t device_peak_total() const { return device_total() + (iteration_planned ? iteration_peak : 0); }
 };
 
-// The memory rank `rank` of `world_size` ranks holds once `options` are set up (options resolved for that
-// world size, train::TrainOptionParser::plan_only).
+// `options` for the one iteration a plan runs: no checkpoint saved or loaded, no evaluation, no log line.
+train::TrainOptions one_iteration(const train::TrainOptions & options);
+
+// The memory rank `rank` of `world_size` ranks holds once `options` are set up, and at the peak of one
+// iteration (the Trainer's, run on the meta device). `options` are resolved for that world size
+// (train::TrainOptionParser::plan_only).
 RankMemory plan_rank_memory(const train::TrainOptions & options, int world_size, int rank);
 
 }  // namespace loom::plan
