@@ -1046,7 +1046,7 @@ TEST(CudaOps, MoeSinkhornRoutingMatchesTheCpu) {
 
 // --moe-router-dtype fp64: the float64 GEMM (core/gemm_f64.h: each element summed in order, nothing fused) is
 // bitwise the CPU's on every device, plain and accumulating, transposed either way; convert between f64 and f32
-// is bitwise too; and the router's ops read f64 logits (full double precision here) with the f32 case's
+// and the f64 bias add and column sums are bitwise too; and the router's ops read f64 logits (full double precision here) with the f32 case's
 // tolerances, the expert choices and counts bitwise, dlogits f64.
 TEST(CudaOps, Float64GemmConvertAndRouterOpsMatchTheCpu) {
     SKIP_WITHOUT_CUDA();
@@ -1083,6 +1083,18 @@ TEST(CudaOps, Float64GemmConvertAndRouterOpsMatchTheCpu) {
     cs().synchronize();
     expect_bitwise(narrow_c, to_cpu(narrow_g), "convert f64 -> f32");
     expect_bitwise(back_c, to_cpu(back_g), "convert f32 -> f64");
+    Tensor y = random_f64({129, 7}, 1931), bias = random_f64({7}, 1932), db0 = random_f64({7}, 1933);
+    Tensor yc = cpu_tensor({129, 7}, DType::f64), dbc = cpu_tensor({7}, DType::f64);
+    std::memcpy(yc.data_ptr(), y.data_ptr(), y.nbytes());
+    std::memcpy(dbc.data_ptr(), db0.data_ptr(), db0.nbytes());
+    Tensor yg = to_gpu(y), dbg = to_gpu(db0);
+    cops().bias_add(cs(), yc, bias);
+    cops().bias_backward(cs(), y, dbc);
+    gops().bias_add(gs(), yg, to_gpu(bias));
+    gops().bias_backward(gs(), to_gpu(y), dbg);
+    cs().synchronize();
+    expect_bitwise(yc, to_cpu(yg), "bias_add f64");
+    expect_bitwise(dbc, to_cpu(dbg), "bias_backward f64");
 
     const int64_t    rows = 64, E = 8;
     const MoeRouting routing{E, 2, false, false, 1.0f};

@@ -535,13 +535,14 @@ TEST(Router, Fp32RouterDtypeComputesTheGateInF32) {
 
 // --moe-router-dtype fp64: the gate's GEMM in f64 gives f64 logits, each the double sum of the products of
 // the f32 input and the bf16 weight widened (exact products, so the in-order sum is the reference's bits
-// whatever the compiler fuses), and the logits' gradient flows back as f64, rounded once to f32 for dx and
-// the weight's gradient: within 1e-6 of the fp32 router's (the same math; routing identical here).
+// whatever the compiler fuses) plus the bias, and the logits' gradient flows back as f64, rounded once to f32
+// for dx, the weight's and the bias's gradients: within 1e-6 of the fp32 router's (the same math; routing
+// identical here).
 TEST(Router, Fp64RouterDtypeComputesTheGateAndItsGradientsInF64) {
     const int64_t n = 16, h = 8, E = 4;
     GptConfig     config = small_config(false, false);
     config.params_dtype  = DType::bf16;
-    config.add_bias_linear = false;
+    config.add_bias_linear = true;
     MoeConfig moe;
     moe.num_experts    = E;
     moe.topk           = 2;
@@ -551,7 +552,7 @@ TEST(Router, Fp64RouterDtypeComputesTheGateAndItsGradientsInF64) {
     Tensor             x = tensor_of(xv, {n, h}), dprobs = tensor_of(dpv, {n, moe.topk});
     struct Run {
         Router::Context     ctx;
-        std::vector<float>  w, dx, dw;
+        std::vector<float>  w, b, dx, dw, db;
         std::vector<int32_t> top_idx;
     };
     auto run = [&](DType dtype) {
@@ -562,12 +563,14 @@ TEST(Router, Fp64RouterDtypeComputesTheGateAndItsGradientsInF64) {
         Run r;
         router.forward(r.ctx, x, 1);
         r.w       = values<float>(parameter_f32(router.weight));
+        r.b       = values<float>(parameter_f32(router.bias));
         r.top_idx = values<int32_t>(r.ctx.top_idx);
         Router::Context kept = r.ctx;
         Tensor          dx   = router.backward(r.ctx, dprobs, 1.0f, nullptr);
         r.ctx                = kept;
         r.dx                 = values<float>(dx);
         r.dw                 = values<float>(router.weight.main_grad);
+        r.db                 = values<float>(router.bias.main_grad);
         return r;
     };
     const Run f64 = run(DType::f64), f32 = run(DType::f32);
@@ -578,7 +581,7 @@ TEST(Router, Fp64RouterDtypeComputesTheGateAndItsGradientsInF64) {
         for (int64_t e = 0; e < E; ++e) {
             double exact = 0;
             for (int64_t i = 0; i < h; ++i) exact += static_cast<double>(xv[r * h + i]) * static_cast<double>(f64.w[e * h + i]);
-            ASSERT_EQ(logits[r * E + e], exact) << "row " << r << ", expert " << e;
+            ASSERT_EQ(logits[r * E + e], exact + static_cast<double>(f64.b[e])) << "row " << r << ", expert " << e;
         }
     }
     ASSERT_EQ(f64.top_idx, f32.top_idx);
@@ -590,6 +593,7 @@ TEST(Router, Fp64RouterDtypeComputesTheGateAndItsGradientsInF64) {
     };
     close(f64.dx, f32.dx, "dx");
     close(f64.dw, f32.dw, "weight gradient");
+    close(f64.db, f32.db, "bias gradient");
 }
 
 // What fp64 is for: logits closer than an f32 ulp still order the experts. 1 and 1 + 2^-30 are one f32

@@ -846,8 +846,6 @@ TEST(MegatronCommandLine, MoeFlagsFollowMegatronsRules) {
         {{"--num-experts", "4", "--moe-router-load-balancing-type", "global_aux_loss", "--moe-expert-capacity-factor", "1",
           "--moe-pad-expert-input-to-capacity", "--cuda-graph-impl", "transformer_engine"},
          "--cuda-graph-impl transformer_engine with --moe-router-load-balancing-type global_aux_loss"},
-        {{"--num-experts", "4", "--moe-router-dtype", "fp64"},
-         "--moe-router-dtype fp64 with a router bias (--add-bias-linear) is not supported by Loom"},
         {{"--num-experts", "4", "--moe-router-dtype", "bf16"}, "argument --moe-router-dtype: invalid choice: 'bf16'"},
         {{"--num-experts", "4", "--moe-token-dispatcher-type", "flex"}, "--moe-token-dispatcher-type flex is not supported by Loom"},
         {{"--num-experts", "4", "--moe-layer-freq", "[1,0]"}, "Invalid length of moe_layer_pattern: 2, expected 4"},

@@ -418,17 +418,21 @@ inline std::pair<int64_t, int64_t> rmsnorm_backward(const Tensor & dy, const Ten
     return {n, h};
 }
 
+// y (n, h) and bias (h): both f32, or both f64 (the fp64 router's logits).
 inline std::pair<int64_t, int64_t> bias_add(const Tensor & y, const Tensor & bias) {
     const auto [n, h] = rows_cols(y, "bias_add");
-    expect(y, DType::f32, -1, "bias_add", "y");
-    expect(bias, DType::f32, h, "bias_add", "bias");
+    const DType dtype = y.dtype() == DType::f64 ? DType::f64 : DType::f32;
+    expect(y, dtype, -1, "bias_add", "y");
+    expect(bias, dtype, h, "bias_add", "bias");
     return {n, h};
 }
 
+// dy (n, h) and dbias (h): both f32, or both f64.
 inline std::pair<int64_t, int64_t> bias_backward(const Tensor & dy, const Tensor & dbias) {
     const auto [n, h] = rows_cols(dy, "bias_backward");
-    expect(dy, DType::f32, -1, "bias_backward", "dy");
-    expect(dbias, DType::f32, h, "bias_backward", "dbias");
+    const DType dtype = dy.dtype() == DType::f64 ? DType::f64 : DType::f32;
+    expect(dy, dtype, -1, "bias_backward", "dy");
+    expect(dbias, dtype, h, "bias_backward", "dbias");
     return {n, h};
 }
 

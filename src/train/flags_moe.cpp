@@ -40,8 +40,8 @@ const Flag<MoeFlags> kMoeFlags[] = {
      "aux_loss, seq_aux_loss, global_aux_loss (counts over every TP x DP x CP rank, their mean over the "
      "iteration's micro-batches), sinkhorn (S-BASE: balanced by Sinkhorn's algorithm, no aux loss) or none", kShowDefault},
     {"--moe-router-dtype", kLoomGroup, &E::router_dtype,
-     "fp32: the router's GEMMs and logits in f32 under --bf16; fp64: in f64, every routing op reading f64 logits "
-     "(not with a router bias, --add-bias-linear). Default: the model's dtype's GEMM operands into f32 logits"},
+     "fp32: the router's GEMMs and logits in f32 under --bf16; fp64: in f64, every routing op reading f64 logits. "
+     "Default: the model's dtype's GEMM operands into f32 logits"},
     {"--moe-aux-loss-coeff", kLoomGroup, &E::aux_loss_coeff, "the load-balancing loss's coefficient", kShowDefault},
     {"--moe-z-loss-coeff", kLoomGroup, &E::z_loss_coeff, "the router z-loss's coefficient (default: none)"},
     {"--moe-per-layer-logging", kLoomGroup, &E::per_layer_logging,

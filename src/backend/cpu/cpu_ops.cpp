@@ -116,12 +116,20 @@ public:
     void bias_add(Stream & s, const Tensor & y, const Tensor & bias) override {
         int64_t n, h;
         std::tie(n, h) = op_checks::bias_add(y, bias);
+        if (y.dtype() == DType::f64) {
+            s.submit([=] { cpu::bias_add_f64(y.data<double>(), bias.data<double>(), n, h); });
+            return;
+        }
         s.submit([=] { cpu::bias_add(f32(y), f32(bias), n, h); });
     }
 
     void bias_backward(Stream & s, const Tensor & dy, const Tensor & dbias) override {
         int64_t n, h;
         std::tie(n, h) = op_checks::bias_backward(dy, dbias);
+        if (dy.dtype() == DType::f64) {
+            s.submit([=] { cpu::bias_backward_f64(dy.data<double>(), dbias.data<double>(), n, h); });
+            return;
+        }
         s.submit([=] { cpu::bias_backward(f32(dy), f32(dbias), n, h); });
     }
 

@@ -34,6 +34,9 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const voi
 // The float64 GEMM (core/gemm_f64.h): C (m, n) = op(A) op(B), or += with accumulate.
 void gemm_f64(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const double * a, const double * b,
               double * c, bool accumulate);
+// The fp64 router's bias: y (n, h) += bias; dbias += the column sums of dy (core/gemm_f64.h's order).
+void bias_add_f64(double * y, const double * bias, int64_t n, int64_t h);
+void bias_backward_f64(const double * dy, double * dbias, int64_t n, int64_t h);
 
 // Sets the OpenMP thread count to the budget and turns on FTZ/DAZ on every compute thread; idempotent.
 void init_compute_threads();

@@ -19,4 +19,14 @@ void gemm_f64(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const
     });
 }
 
+void bias_add_f64(double * y, const double * bias, int64_t n, int64_t h) {
+    for (int64_t r = 0; r < n; ++r) {
+        for (int64_t c = 0; c < h; ++c) y[r * h + c] = gemm_f64_accumulate(y[r * h + c], bias[c]);
+    }
+}
+
+void bias_backward_f64(const double * dy, double * dbias, int64_t n, int64_t h) {
+    for (int64_t c = 0; c < h; ++c) dbias[c] = column_sum_f64(dy, n, h, c, dbias[c]);
+}
+
 }  // namespace loom::cpu

@@ -264,13 +264,23 @@ public:
         int64_t n, h;
         std::tie(n, h) = op_checks::bias_add(y, bias);
         CudaStream & cs = start(s, "bias_add", {y, bias});
-        kernels::bias_add(cs.launch("bias_add"), f32(y), f32(bias), n, h);
+        if (y.dtype() == DType::f64) {
+            kernels::bias_add_f64(cs.launch("bias_add"), y.data<double>(), bias.data<double>(), n, h);
+        } else {
+            kernels::bias_add(cs.launch("bias_add"), f32(y), f32(bias), n, h);
+        }
         cs.launched("bias_add", {y, bias});
     }
 
     void bias_backward(Stream & s, const Tensor & dy, const Tensor & dbias) override {
         int64_t n, h;
         std::tie(n, h) = op_checks::bias_backward(dy, dbias);
+        if (dy.dtype() == DType::f64) {
+            CudaStream & cs = start(s, "bias_backward", {dy, dbias});
+            kernels::bias_backward_f64(cs.launch("bias_backward"), dy.data<double>(), dbias.data<double>(), n, h);
+            cs.launched("bias_backward", {dy, dbias});
+            return;
+        }
         CudaStream & cs      = start(s, "bias_backward", {dy, dbias});
         Tensor       partial = column_sum_scratch(cs, kernels::column_sum_scratch(n, h));
         kernels::bias_backward(cs.launch("bias_backward"), f32(dy), f32(dbias), f32_or_null(partial), n, h);

@@ -107,6 +107,14 @@ __global__ void convert_f64_kernel(const void * src, Float src_kind, void * dst,
     }
 }
 
+__global__ void bias_add_f64_kernel(double * y, const double * bias, int64_t n, int64_t h) {
+    LOOM_GRID_STRIDE(i, n * h) y[i] = gemm_f64_accumulate(y[i], bias[i % h]);
+}
+
+__global__ void bias_backward_f64_kernel(const double * dy, double * dbias, int64_t n, int64_t h) {
+    LOOM_GRID_STRIDE(c, h) dbias[c] = column_sum_f64(dy, n, h, c, dbias[c]);
+}
+
 __global__ void gemm_f64_kernel(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const double * a,
                                 const double * b, double * c, bool accumulate) {
     LOOM_GRID_STRIDE(e, m * n) {
@@ -546,6 +554,14 @@ void gemm_f64(cudaStream_t stream, bool trans_a, bool trans_b, int64_t m, int64_
     if (m * n > 0) {
         LOOM_LAUNCH(gemm_f64_kernel, blocks_for(m * n), kThreads, 0, stream)(trans_a, trans_b, m, n, k, a, b, c, accumulate);
     }
+}
+
+void bias_add_f64(cudaStream_t stream, double * y, const double * bias, int64_t n, int64_t h) {
+    if (n * h > 0) LOOM_LAUNCH(bias_add_f64_kernel, blocks_for(n * h), kThreads, 0, stream)(y, bias, n, h);
+}
+
+void bias_backward_f64(cudaStream_t stream, const double * dy, double * dbias, int64_t n, int64_t h) {
+    if (h > 0) LOOM_LAUNCH(bias_backward_f64_kernel, blocks_for(h), kThreads, 0, stream)(dy, dbias, n, h);
 }
 
 void scale(cudaStream_t stream, void * x, Float kind, float factor, int64_t n) {

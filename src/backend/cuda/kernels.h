@@ -35,6 +35,9 @@ void scale(cudaStream_t stream, void * x, Float kind, float factor, int64_t n); 
 // C (m, n) = op(A) op(B) in float64 (core/gemm_f64.h's arithmetic), or += with accumulate; one thread per element.
 void gemm_f64(cudaStream_t stream, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const double * a,
               const double * b, double * c, bool accumulate);
+// The fp64 router's bias (core/gemm_f64.h): y (n, h) += bias; dbias += the column sums of dy, one thread per column.
+void bias_add_f64(cudaStream_t stream, double * y, const double * bias, int64_t n, int64_t h);
+void bias_backward_f64(cudaStream_t stream, const double * dy, double * dbias, int64_t n, int64_t h);
 void add_inplace(cudaStream_t stream, float * y, const float * x, int64_t n);
 void bias_add(cudaStream_t stream, float * y, const float * bias, int64_t n, int64_t h);
 // Scratch (floats) a column sum of n rows by h columns needs (core/column_sums.h): none for one chunk.

@@ -43,9 +43,6 @@ void moe_config_validate(const MoeConfig & moe, const GptConfig & config) {
     LOOM_CHECK(moe.num_experts >= 1, "--num-experts must be >= 1, got " << moe.num_experts, "");
     LOOM_CHECK(moe.topk >= 1 && moe.topk <= moe.num_experts,
                "--moe-router-topk " << moe.topk << " must be between 1 and --num-experts " << moe.num_experts, "");
-    LOOM_CHECK(moe.router_dtype != DType::f64 || !config.add_bias_linear,
-               "--moe-router-dtype fp64 with a router bias (--add-bias-linear) is not supported by Loom",
-               "add --disable-bias-linear, or use --moe-router-dtype fp32");
     LOOM_CHECK(!moe.router_dtype || *moe.router_dtype == DType::f32 || *moe.router_dtype == DType::f64,
                "--moe-router-dtype " << dtype_name(*moe.router_dtype), "fp32 or fp64");
     // Megatron's own message: a softmax over one selected logit is 1 whatever the logit, so the router

@@ -79,7 +79,7 @@ void Router::forward(Context & ctx, const Tensor & x, int64_t b, bool training) 
     Tensor logits   = Tensor::empty({x.size(0), moe.num_experts}, w.dtype() == DType::f64 ? DType::f64 : DType::f32,
                                     x.device(), {MemoryKind::device, kActivationsPool});
     ops.gemm(stream, ctx.x, false, w, true, logits);
-    if (has_bias) ops.bias_add(stream, logits, parameter_f32(bias));
+    if (has_bias) ops.bias_add(stream, logits, in_dtype(parameter_f32(bias), logits.dtype()));
     route(ctx, logits, b, training);
 }
 
@@ -174,7 +174,14 @@ Tensor Router::backward(Context & ctx, const Tensor & dprobs, float loss_scale, 
     Tensor   dlogits = logits_backward(ctx, dprobs, loss_scale);
     Ops &    ops     = dlogits.device().ops();
     Stream & stream  = dlogits.device().compute_stream();
-    if (has_bias) {
+    if (has_bias && dlogits.dtype() == DType::f64) {   // summed in f64, rounded to f32 once
+        Tensor db64 = Tensor::empty({moe.num_experts}, DType::f64, dlogits.device(), {MemoryKind::device, kActivationsPool});
+        ops.fill_zero(stream, db64);
+        ops.bias_backward(stream, dlogits, db64);
+        const Tensor db = in_dtype(db64, DType::f32);
+        accumulate_grads(stream, {bias.main_grad.view({moe.num_experts})},
+                         [&](const std::vector<Tensor> & g) { ops.add_inplace(stream, g[0], db); });
+    } else if (has_bias) {
         accumulate_grads(stream, {bias.main_grad},
                          [&](const std::vector<Tensor> & g) { ops.bias_backward(stream, dlogits, g[0]); });
     }

@@ -22,8 +22,7 @@
 // --moe-router-dtype fp64 (Megatron's for reinforcement learning, where training and inference must route
 // alike): the input and the weight widened to f64, the GEMMs in f64 (core/gemm_f64.h), f64 logits, and every
 // routing op reading them as f64 (scores, probabilities and losses are double in any case); the logits'
-// gradient is f64, the input's and the weight's are rounded to f32 once. A router bias (--add-bias-linear)
-// is refused with it.
+// gradient is f64, the input's, the weight's and the bias's are rounded to f32 once.
 //
 // Auxiliary load-balancing loss (Megatron's switch_load_balancing_loss_func), only while training:
 //   p (n, E)  = softmax(logits) over all E (sigmoid: g / (sum over E of g + 1e-20))
