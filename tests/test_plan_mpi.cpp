@@ -1,6 +1,7 @@
-// `loom plan`'s memory against the real run, under mpirun with 1, 2 and 4 ranks: for a grid of layouts at
-// this world size (DP with and without the distributed optimizer, bf16 and f16 gradient buffers, TP with
-// sequence parallelism, PP with virtual stages, CP, EP with the MoE model, Megatron-FSDP), every rank sets up
+// `loom plan`'s memory against the real run, under mpirun with 1, 2 and 4 ranks: for a grid of 39 layouts
+// (DP with and without the distributed optimizer and its instances, bf16 and f16 gradient buffers, recompute
+// full and selective, TP with and without sequence parallelism, PP with virtual stages, CP, EP with the MoE
+// model, Megatron-FSDP's three sharding strategies, and their combinations at 4 ranks), every rank sets up
 // on the CPU as `loom train` does and compares the bytes its allocator holds per pool, "weights", "grads" and
 // "optimizer", with plan::plan_rank_memory's for the same rank, built on the meta device. Equal, to the
 // byte: the plan allocates by the same code. Not in the grid: an offloaded optimizer, whose host state a GPU
@@ -127,7 +128,13 @@ TEST(Plan, OneRankHoldsWhatItsPlanSays) {
     if (g_mpi->world_size() != 1) GTEST_SKIP() << "runs with 1 rank";
     for (const char * flags : {"", "--bf16", "--bf16 --grad-reduce-in-bf16", "--fp16 --loss-scale 1024",
                                "--bf16 --use-distributed-optimizer --overlap-grad-reduce",
-                               "--untie-embeddings-and-output-weights --swiglu --normalization RMSNorm --disable-bias-linear"}) {
+                               "--untie-embeddings-and-output-weights --swiglu --normalization RMSNorm --disable-bias-linear",
+                               "--recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
+                               "--bf16 --recompute-granularity full --recompute-method block --recompute-num-layers 3",
+                               "--recompute-granularity selective",
+                               "--group-query-attention --num-query-groups 2 --position-embedding-type rope",
+                               "--micro-batch-size 2 --global-batch-size 8 --bf16",
+                               "--num-experts 4 --disable-bias-linear --moe-router-topk 2"}) {
         expect_plan_is_the_run(flags);
     }
 }
@@ -139,7 +146,15 @@ TEST(Plan, TwoRanksHoldWhatTheirPlansSay) {
                                "--tensor-model-parallel-size 2 --sequence-parallel",
                                "--pipeline-model-parallel-size 2", "--context-parallel-size 2",
                                "--num-experts 4 --expert-model-parallel-size 2 --disable-bias-linear --use-distributed-optimizer",
-                               "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --no-gradient-accumulation-fusion"}) {
+                               "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --no-gradient-accumulation-fusion",
+                               "--tensor-model-parallel-size 2",
+                               "--bf16 --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --overlap-grad-reduce",
+                               "--pipeline-model-parallel-size 2 --bf16 --recompute-granularity full --recompute-method block --recompute-num-layers 2",
+                               "--context-parallel-size 2 --bf16 --use-distributed-optimizer",
+                               "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --no-gradient-accumulation-fusion",
+                               "--use-megatron-fsdp --data-parallel-sharding-strategy optim --no-gradient-accumulation-fusion --bf16",
+                               "--fp16 --loss-scale 1024 --use-distributed-optimizer",
+                               "--num-experts 4 --disable-bias-linear --use-distributed-optimizer"}) {
         expect_plan_is_the_run(flags);
     }
 }
@@ -149,7 +164,14 @@ TEST(Plan, FourRanksHoldWhatTheirPlansSay) {
     for (const char * flags : {"--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --bf16",
                                "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 4 --use-distributed-optimizer",
                                "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2",
-                               "--num-experts 4 --expert-model-parallel-size 2 --disable-bias-linear --bf16 --use-distributed-optimizer"}) {
+                               "--num-experts 4 --expert-model-parallel-size 2 --disable-bias-linear --bf16 --use-distributed-optimizer",
+                               "--use-distributed-optimizer --num-distributed-optimizer-instances 2",
+                               "--pipeline-model-parallel-size 4",
+                               "--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel",
+                               "--pipeline-model-parallel-size 2 --context-parallel-size 2 --bf16",
+                               "--num-experts 4 --expert-model-parallel-size 4 --disable-bias-linear",
+                               "--tensor-model-parallel-size 4 --sequence-parallel --bf16 --grad-reduce-in-bf16",
+                               "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --no-gradient-accumulation-fusion --tensor-model-parallel-size 2"}) {
         expect_plan_is_the_run(flags);
     }
 }
