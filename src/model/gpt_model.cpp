@@ -271,7 +271,7 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
         } else {
             tp_.all_reduce(dx);
         }
-        accumulate_grads(stream, {out_w.main_grad}, [&](const std::vector<Tensor> & g) {
+        accumulate_grads(stream, {out_w.main_grad}, [&](std::span<const Tensor> g) {
             ops.gemm(stream, dlogits, true, ctx.final_hidden, false, g[0], /*accumulate=*/true);
         });
         ctx.lse = ctx.token_loss = ctx.final_hidden = Tensor();
@@ -313,7 +313,7 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
         if (ctx.embedding_dropout.enabled()) ops.dropout(stream, dx, dx, ctx.embedding_dropout);
         if (tp_.sp()) dx = tp_.all_gather(dx);   // the lookup's gradient needs every position
         accumulate_grads(stream, {wte_.main_grad, wpe_.data.defined() ? wpe_.main_grad : Tensor()},
-                         [&](const std::vector<Tensor> & g) {
+                         [&](std::span<const Tensor> g) {
                              ops.embedding_backward(stream, local_tokens(ctx.batch.tokens), dx, g[0], g[1], cp_.positions(s));
                          });
         if (ready) {

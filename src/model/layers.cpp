@@ -141,7 +141,7 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
     Stream & stream = dy_rows.device().compute_stream();
     if (has_bias) {   // a sequence-parallel row linear's bias sees this rank's rows: a partial sum
         accumulate_grads(stream, {bias.main_grad.view({bias.main_grad.numel()})},
-                         [&](const std::vector<Tensor> & g) { ops.bias_backward(stream, dy_rows, g[0]); });
+                         [&](std::span<const Tensor> g) { ops.bias_backward(stream, dy_rows, g[0]); });
     }
     Tensor  dy = split == Split::row && tp->sp() ? tp->all_gather(dy_rows) : dy_rows;
     int64_t n = dy.size(0), in = weight.data.size(1);
@@ -149,7 +149,7 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
     Tensor  dy_in = in_dtype(dy, dtype);
     Tensor  dx    = activation(dy.device(), n, in);
     ops.gemm(stream, dy_in, false, weight.data, false, dx);
-    accumulate_grads(stream, {weight.main_grad}, [&](const std::vector<Tensor> & g) {
+    accumulate_grads(stream, {weight.main_grad}, [&](std::span<const Tensor> g) {
         ops.gemm(stream, dy_in, true, ctx.x, false, g[0], /*accumulate=*/true);
     });
     if (split == Split::column) {   // each rank's output features contribute to dx
@@ -232,7 +232,7 @@ Tensor Norm::backward(Context & ctx, const Tensor & dy, const GradReadyFn & read
     Tensor   w  = scale();
     Ops &    ops    = dy.device().ops();
     Stream & stream = dy.device().compute_stream();
-    accumulate_grads(stream, {weight.main_grad, bias.main_grad}, [&](const std::vector<Tensor> & g) {
+    accumulate_grads(stream, {weight.main_grad, bias.main_grad}, [&](std::span<const Tensor> g) {
         if (kind == Normalization::layernorm) {
             ops.layernorm_backward(stream, dy, ctx.x, w, ctx.mean, ctx.rstd, dx, g[0], g[1]);
         } else {

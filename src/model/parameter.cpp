@@ -20,22 +20,28 @@ Parameter parameter_create(const std::string & name, const Shape & shape, DType 
     return p;
 }
 
-void accumulate_grads(Stream & stream, const std::vector<Tensor> & main_grads,
-                      const std::function<void(const std::vector<Tensor> &)> & add) {
-    std::vector<Tensor> targets = main_grads;
-    bool                widened = false;
-    for (Tensor & t : targets) {
-        if (!t.defined() || t.dtype() == DType::f32) continue;
-        Tensor wide = Tensor::empty(t.shape(), DType::f32, t.device(), {MemoryKind::device, kActivationsPool});
-        t.device().ops().convert(stream, t, wide);
-        t       = wide;
-        widened = true;
+bool any_16bit_grads(std::span<const Tensor> main_grads) {
+    for (const Tensor & t : main_grads) {
+        if (t.defined() && t.dtype() != DType::f32) return true;
     }
-    add(targets);
-    if (!widened) return;
-    for (size_t i = 0; i < targets.size(); ++i) {
-        if (targets[i].defined() && targets[i].dtype() != main_grads[i].dtype()) {
-            main_grads[i].device().ops().convert(stream, targets[i], main_grads[i]);
+    return false;
+}
+
+std::vector<Tensor> widen_grads(Stream & stream, std::span<const Tensor> main_grads) {
+    std::vector<Tensor> wide(main_grads.begin(), main_grads.end());
+    for (Tensor & t : wide) {
+        if (!t.defined() || t.dtype() == DType::f32) continue;
+        Tensor f32 = Tensor::empty(t.shape(), DType::f32, t.device(), {MemoryKind::device, kActivationsPool});
+        t.device().ops().convert(stream, t, f32);
+        t = f32;
+    }
+    return wide;
+}
+
+void narrow_grads(Stream & stream, std::span<const Tensor> wide, std::span<const Tensor> main_grads) {
+    for (size_t i = 0; i < wide.size(); ++i) {
+        if (wide[i].defined() && wide[i].dtype() != main_grads[i].dtype()) {
+            main_grads[i].device().ops().convert(stream, wide[i], main_grads[i]);
         }
     }
 }

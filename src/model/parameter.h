@@ -9,6 +9,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -81,9 +83,23 @@ void parameter_init_constant(Parameter & p, float value);
 // tensors of the same shapes to ADD into, as the ops' gradient outputs expect. An f32 main_grad is handed
 // over itself; a 16-bit one (DDP's buffer in the parameter's dtype) as an f32 copy of its values, rounded
 // back once `add` has enqueued its kernels: round(main_grad + contribution), what a GEMM accumulating into
-// a 16-bit C with f32 arithmetic computes. Every op runs on `stream`.
-void accumulate_grads(Stream & stream, const std::vector<Tensor> & main_grads,
-                      const std::function<void(const std::vector<Tensor> &)> & add);
+// a 16-bit C with f32 arithmetic computes. Every op runs on `stream`. With f32 gradients (the usual case,
+// once per weight-gradient op) nothing is allocated on the host.
+bool                any_16bit_grads(std::span<const Tensor> main_grads);
+std::vector<Tensor> widen_grads(Stream & stream, std::span<const Tensor> main_grads);
+void                narrow_grads(Stream & stream, std::span<const Tensor> wide, std::span<const Tensor> main_grads);
+
+template <typename Add>
+void accumulate_grads(Stream & stream, std::initializer_list<Tensor> main_grads, Add && add) {
+    const std::span<const Tensor> grads(main_grads.begin(), main_grads.size());
+    if (!any_16bit_grads(grads)) {
+        add(grads);
+        return;
+    }
+    const std::vector<Tensor> wide = widen_grads(stream, grads);
+    add(std::span<const Tensor>(wide));
+    narrow_grads(stream, wide, grads);
+}
 
 // The parameter's values as f32: `data` itself when it is f32, else a converted copy (for the small
 // vectors, biases and norm weights, that f32 kernels read).

@@ -258,7 +258,7 @@ Tensor Experts::grouped_backward(Context & ctx, const Tensor & dyp, const GradRe
     // fc2
     Tensor  dy_in = in_dtype(dyp, dtype);
     Tensor  d_act = activation(device, R, f);
-    accumulate_grads(stream, {fc2_weight.main_grad, fc2_bias.main_grad}, [&](const std::vector<Tensor> & g) {
+    accumulate_grads(stream, {fc2_weight.main_grad, fc2_bias.main_grad}, [&](std::span<const Tensor> g) {
         int64_t offset = 0;
         for (int64_t e = 0; e < num_experts; ++e) {
             const int64_t c = ctx.counts[e];
@@ -288,7 +288,7 @@ Tensor Experts::grouped_backward(Context & ctx, const Tensor & dyp, const GradRe
     // fc1
     Tensor d_pre_in = in_dtype(d_pre, dtype);
     Tensor dx       = activation(device, R, h);
-    accumulate_grads(stream, {fc1_weight.main_grad, fc1_bias.main_grad}, [&](const std::vector<Tensor> & g) {
+    accumulate_grads(stream, {fc1_weight.main_grad, fc1_bias.main_grad}, [&](std::span<const Tensor> g) {
         int64_t offset = 0;
         for (int64_t e = 0; e < num_experts; ++e) {
             const int64_t c = ctx.counts[e];

@@ -180,10 +180,10 @@ Tensor Router::backward(Context & ctx, const Tensor & dprobs, float loss_scale, 
         ops.bias_backward(stream, dlogits, db64);
         const Tensor db = in_dtype(db64, DType::f32);
         accumulate_grads(stream, {bias.main_grad.view({moe.num_experts})},
-                         [&](const std::vector<Tensor> & g) { ops.add_inplace(stream, g[0], db); });
+                         [&](std::span<const Tensor> g) { ops.add_inplace(stream, g[0], db); });
     } else if (has_bias) {
         accumulate_grads(stream, {bias.main_grad},
-                         [&](const std::vector<Tensor> & g) { ops.bias_backward(stream, dlogits, g[0]); });
+                         [&](std::span<const Tensor> g) { ops.bias_backward(stream, dlogits, g[0]); });
     }
     const Tensor w     = gate_weight();
     Tensor       dl_in = in_dtype(dlogits, w.dtype());
@@ -196,11 +196,11 @@ Tensor Router::backward(Context & ctx, const Tensor & dprobs, float loss_scale, 
         ops.gemm(stream, dl_in, true, ctx.x, false, dw64);
         dx               = in_dtype(dx64, DType::f32);
         const Tensor dw = in_dtype(dw64, DType::f32);
-        accumulate_grads(stream, {weight.main_grad}, [&](const std::vector<Tensor> & g) { ops.add_inplace(stream, g[0], dw); });
+        accumulate_grads(stream, {weight.main_grad}, [&](std::span<const Tensor> g) { ops.add_inplace(stream, g[0], dw); });
     } else {
         dx = activation(dlogits.device(), dlogits.size(0), weight.data.size(1));
         ops.gemm(stream, dl_in, false, w, false, dx);
-        accumulate_grads(stream, {weight.main_grad}, [&](const std::vector<Tensor> & g) {
+        accumulate_grads(stream, {weight.main_grad}, [&](std::span<const Tensor> g) {
             ops.gemm(stream, dl_in, true, ctx.x, false, g[0], /*accumulate=*/true);
         });
     }
