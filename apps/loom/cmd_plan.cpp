@@ -1,23 +1,28 @@
-// loom plan: the memory each rank of a training run will hold, before a cluster is spent on finding out.
+// loom plan: the memory each rank of a training run will hold, and how long its step will take, before a
+// cluster is spent on finding out.
 //
 //   loom plan [loom train's flags] --nodes 4 --gpus-per-node 8           every rank's bytes by pool, the most loaded
 //   loom plan [...] --ranks 0,7 --json                                   chosen ranks, as JSON
+//   loom plan [...] --gpu h100-80gb --timeline plan.svg                  and the step time, TFLOP/s, MFU, timeline
 //
 // Each planned rank is set up as `loom train` would set it up (its stage's model chunks, DDP's buffers, the
 // optimizer's state) on the meta device, which allocates by the same code without memory or work
 // (plan/memory_plan.h); the numbers are the allocator's, pool by pool, as `loom train`'s summary names them.
 // Planned: what a rank holds between iterations (values, gradients, optimizer state) and, for models without
-// MoE layers, the peak of one iteration of its schedule (activations and every other pool).
+// MoE layers, the peak of one iteration of its schedule (activations and every other pool). With --gpu, the
+// same iteration on the meta device keeps modelled time (plan/cost_model.h, plan/step_plan.h).
 #include "apps/loom/commands.h"
 
 #include "core/error.h"
 #include "plan/memory_plan.h"
+#include "plan/step_plan.h"
 #include "train/options_parser.h"
 
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <sstream>
 
 namespace loom::app {
@@ -45,6 +50,13 @@ std::vector<int> ranks_of(const std::string & text, int world) {
 
 double mib(int64_t bytes) { return static_cast<double>(bytes) / 1048576.0; }
 
+// The ops that take the slowest stage's time, longest first.
+std::vector<std::pair<std::string, plan::OpTotal>> longest_ops(const std::map<std::string, plan::OpTotal> & totals) {
+    std::vector<std::pair<std::string, plan::OpTotal>> ops(totals.begin(), totals.end());
+    std::sort(ops.begin(), ops.end(), [](const auto & a, const auto & b) { return a.second.seconds > b.second.seconds; });
+    return ops;
+}
+
 }  // namespace
 
 int cmd_plan(int argc, char ** argv) {
@@ -54,10 +66,16 @@ int cmd_plan(int argc, char ** argv) {
     int64_t     nodes = 1, gpus_per_node = 1;
     std::string ranks_text = "all";
     bool        json       = false;
+    std::string gpu;
+    double      nvlink_gbps = 0, network_gbps = 0;
     app.add_option("--nodes", nodes, "nodes in the planned job (default 1)");
     app.add_option("--gpus-per-node", gpus_per_node, "devices per node: world size = nodes x gpus-per-node (default 1)");
     app.add_option("--ranks", ranks_text, "the ranks to plan: all (default) or a comma-separated list");
     app.add_flag("--json", json, "print the plan as JSON");
+    app.add_option("--gpu", gpu, "time the step on this GPU: h100-80gb, h200, a100-80gb or b200 (default: memory only)");
+    app.add_option("--nvlink-gbps", nvlink_gbps, "NVLink bandwidth per GPU, one direction, GB/s (default: the GPU's)");
+    app.add_option("--network-gbps", network_gbps, "network bandwidth per GPU, one direction, GB/s (default: the GPU's)");
+
     if (std::optional<int> status = parse_arguments(app, argc, argv)) return *status;
     LOOM_CHECK(nodes >= 1 && gpus_per_node >= 1, "--nodes " << nodes << " --gpus-per-node " << gpus_per_node,
                "both are at least 1");
@@ -65,6 +83,22 @@ int cmd_plan(int argc, char ** argv) {
     LOOM_CHECK(world <= 1 << 20, "a plan of " << world << " ranks", "plan at most 2^20 ranks");
     const train::TrainOptions options = parser.resolve(world);
     const std::vector<int>    ranks   = ranks_of(ranks_text, static_cast<int>(world));
+    const std::string &       timeline_file = options.timeline_file;   // loom train's --timeline: here, the plan's
+
+    LOOM_CHECK(nvlink_gbps >= 0 && network_gbps >= 0, "--nvlink-gbps " << nvlink_gbps << " --network-gbps " << network_gbps,
+               "bandwidths are positive (0: the GPU's default)");
+    LOOM_CHECK(!gpu.empty() || (nvlink_gbps == 0 && network_gbps == 0 && timeline_file.empty()),
+               "--nvlink-gbps, --network-gbps and --timeline time the step", "add --gpu");
+    std::optional<plan::StepPlan> step;
+    std::optional<plan::CostModel> costs;
+    if (!gpu.empty()) {
+        plan::GpuSpec spec = plan::gpu_spec(gpu);
+        if (nvlink_gbps > 0) spec.nvlink_bytes_per_s = nvlink_gbps * 1e9;
+        if (network_gbps > 0) spec.network_bytes_per_s = network_gbps * 1e9;
+        costs.emplace(spec, static_cast<int>(gpus_per_node), options.model.params_dtype);
+        step = plan::plan_step(options, static_cast<int>(world), *costs);
+        if (!timeline_file.empty()) pipeline::write_file_atomically(timeline_file, pipeline::timeline_svg(step->timeline));
+    }
 
     std::vector<plan::RankMemory> plans;
     for (int rank : ranks) plans.push_back(plan::plan_rank_memory(options, static_cast<int>(world), rank));
@@ -91,6 +125,26 @@ int cmd_plan(int argc, char ** argv) {
             }
         }
         out["ranks"] = per_rank;
+        if (step) {
+            out["gpu"]              = gpu;
+            out["step_seconds"]     = step->step_s;
+            out["tflops_per_gpu"]   = step->tflops_per_gpu;
+            out["mfu"]              = step->mfu;
+            out["model_flops"]      = step->model_flops;
+            out["bubble_fraction"]  = step->timeline.bubble_fraction();
+            out["slowest_stage"]    = step->slowest_stage;
+            out["fits"]             = most.device_peak_total() <= costs->gpu().memory_bytes;
+            nlohmann::json stages = nlohmann::json::array();
+            for (const plan::RankMemory & s : step->stages) {
+                nlohmann::json ops = nlohmann::json::object();
+                for (const auto & [name, t] : s.time->totals) {
+                    ops[name] = {{"calls", t.calls}, {"flops", t.flops}, {"bytes", t.bytes}, {"seconds", t.seconds}};
+                }
+                stages.push_back({{"rank", s.rank}, {"alone_seconds", s.time->iteration_s}, {"head_seconds", s.time->head_s},
+                                  {"tail_seconds", s.time->tail_s}, {"transfer_seconds", s.time->transfer_s}, {"ops", ops}});
+            }
+            out["stages"] = stages;
+        }
         std::printf("%s\n", out.dump(2).c_str());
         return 0;
     }
@@ -125,6 +179,29 @@ int cmd_plan(int argc, char ** argv) {
                 "iteration's peak above it%s\n",
                 options.model.moe.enabled() ? " (not planned for MoE layers, which route by the data)" : "");
     std::printf("most loaded: rank %d, %.1f MiB\n", most.rank, mib(most.device_peak_total()));
+    if (!step) return 0;
+    const plan::GpuSpec & g = costs->gpu();
+    std::printf("\non %lld x %s (%.0f TFLOP/s, %.2f TB/s, NVLink %.0f GB/s, network %.0f GB/s per GPU):\n",
+                static_cast<long long>(world), g.name.c_str(), costs->tensor_core_flops() / 1e12, g.hbm_bytes_per_s / 1e12,
+                g.nvlink_bytes_per_s / 1e9, g.network_bytes_per_s / 1e9);
+    if (most.device_peak_total() > g.memory_bytes) {
+        std::printf("  does NOT fit: rank %d peaks at %.1f GiB of %.1f GiB\n", most.rank,
+                    static_cast<double>(most.device_peak_total()) / 1073741824.0, static_cast<double>(g.memory_bytes) / 1073741824.0);
+    }
+    std::printf("  step %.3f s, %.1f TFLOP/s per GPU, MFU %.1f%% (Megatron's count: %.3g FLOPs per step)\n", step->step_s,
+                step->tflops_per_gpu, 100 * step->mfu, step->model_flops);
+    std::printf("  pipeline bubble %.1f%%; slowest stage %d (rank %d)\n", 100 * step->timeline.bubble_fraction(),
+                step->slowest_stage, step->stages[static_cast<size_t>(step->slowest_stage)].rank);
+    const plan::RankTime & t = *step->stages[static_cast<size_t>(step->slowest_stage)].time;
+    std::printf("  its iteration alone %.3f s: before the schedule %.4f s, after it %.4f s (exposed reductions, "
+                "optimizer, gathers)\n", t.iteration_s, t.head_s, t.tail_s);
+    std::printf("  %-24s %8s %12s %12s %10s\n", "op (its streams' time)", "calls", "TFLOP", "GB", "seconds");
+    int shown = 0;
+    for (const auto & [name, v] : longest_ops(t.totals)) {
+        if (++shown > 12) break;
+        std::printf("  %-24s %8lld %12.2f %12.2f %10.4f\n", name.c_str(), static_cast<long long>(v.calls), v.flops / 1e12,
+                    v.bytes / 1e9, v.seconds);
+    }
     return 0;
 }
 

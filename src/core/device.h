@@ -59,6 +59,9 @@ public:
     virtual void synchronize() = 0;
     // True when everything submitted so far has run.
     virtual bool query() = 0;
+    // On the meta device with a time model (plan/meta_device.h): the modelled time, in seconds, at which
+    // work submitted now would start on this stream. No value on a real device.
+    virtual std::optional<double> modelled_seconds() const { return std::nullopt; }
 
     // Graph capture (core/graph.h): until end_capture(), work, event records and event waits submitted to
     // this stream are recorded into `graph` instead of run, and the calling thread's device allocations

@@ -62,14 +62,31 @@ int64_t GptConfig::num_parameters() const {
     return total;
 }
 
-double GptConfig::training_flops_per_token() const {
-    double h = static_cast<double>(hidden_size), f = static_cast<double>(ffn_hidden_size);
-    double kv = static_cast<double>(num_query_groups * head_dim()), s = static_cast<double>(seq_length);
-    double V = static_cast<double>(padded_vocab_size());
-    double attention = 2 * h * (h + 2 * kv) + 2 * h * h + 2 * 2 * s * h / 2;
-    double mlp       = 2 * h * f * (swiglu ? 3 : 2);
-    double forward   = static_cast<double>(num_layers) * (attention + mlp) + 2 * h * V;
-    return 3 * forward;
+double GptConfig::layers_forward_flops_per_token() const {
+    const double h = static_cast<double>(hidden_size), s = static_cast<double>(seq_length);
+    const double q = static_cast<double>(num_attention_heads * head_dim());
+    const double kv = static_cast<double>(num_query_groups * head_dim());
+    const double gated = swiglu ? 3 : 2;   // SwiGLU's first GEMM is twice as wide
+    // QKV and the projection, then the scores and the weighted values over s keys, halved for the mask.
+    const double attention = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 2 * s * q / 2;
+    double       total     = 0;
+    for (int64_t layer = 0; layer < num_layers; ++layer) {
+        double mlp = 2 * h * static_cast<double>(ffn_hidden_size) * gated;
+        if (moe.is_moe_layer(layer)) {
+            mlp = 2 * h * static_cast<double>(moe.expert_ffn(*this) * moe.topk) * gated +
+                  2 * h * static_cast<double>(moe.shared_expert_intermediate_size) * gated;
+        }
+        total += attention + mlp;
+    }
+    return total;
+}
+
+double GptConfig::output_forward_flops_per_token(int64_t tp) const {
+    return 2 * static_cast<double>(hidden_size) * static_cast<double>(padded_vocab_size(tp));
+}
+
+double GptConfig::training_flops_per_token(int64_t tp) const {
+    return 3 * (layers_forward_flops_per_token() + output_forward_flops_per_token(tp));
 }
 
 GptConfig gpt_preset(const std::string & name) {

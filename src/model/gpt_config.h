@@ -93,9 +93,12 @@ struct GptConfig {
     // Parameters of the model (with the padded vocabulary).
     int64_t num_parameters() const;
     // Training FLOPs per token (forward + backward = 3 x forward, 2 per multiply-add), counted from the
-    // GEMMs as Megatron does: QKV, attention scores and values (halved for the causal mask), projection,
-    // MLP (SwiGLU's first GEMM x 2 wide), output layer.
-    double training_flops_per_token() const;
+    // GEMMs as Megatron's num_floating_point_operations does: QKV, attention scores and values (halved for
+    // the causal mask), projection, MLP (SwiGLU's first GEMM x 2 wide; an MoE layer's top-k experts and its
+    // shared experts), output layer (its vocabulary padded for `tp` ranks, as Megatron pads it).
+    double training_flops_per_token(int64_t tp = 1) const;
+    double layers_forward_flops_per_token() const;              // the transformer layers' forward share of it
+    double output_forward_flops_per_token(int64_t tp = 1) const;   // the output layer's forward: 2 h V
 };
 
 // "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b", "gpt-tiny" (the default small model), "llama-tiny".

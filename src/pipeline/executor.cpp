@@ -157,7 +157,10 @@ PipelineExecutor::Result PipelineExecutor::execute(const P2PPlan & plan, bool fo
 
     Result     result;
     const auto begin          = std::chrono::steady_clock::now();
-    auto       ms_since_begin = [&begin] {
+    // On the meta device the ops' times are its modelled clock's (plan/meta_device.h), not the host's.
+    result.modelled_begin_s = stream.modelled_seconds();
+    auto ms_since_begin     = [&] {
+        if (result.modelled_begin_s) return (*stream.modelled_seconds() - *result.modelled_begin_s) * 1e3;
         return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
     };
     for (const OpTransfers & step : plan.ops) {

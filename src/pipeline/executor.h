@@ -44,6 +44,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace loom::pipeline {
@@ -64,6 +65,8 @@ public:
         int    peak_in_flight    = 0;   // activation contexts held at once
         std::vector<TimelineOp> ops;     // when each op computed: ms since run() began (a wait for its input
                                          // is not part of the op, so it shows as a gap)
+        std::optional<double> modelled_begin_s;   // on the meta device: its modelled clock when run() began
+                                                  // (the ops' times are then that clock's, since then)
     };
 
     // One iteration: next_batch() yields this rank's micro-batches in order (each is used by every chunk);

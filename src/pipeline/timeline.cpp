@@ -101,17 +101,24 @@ double Timeline::bubble_fraction() const {
 }
 
 Timeline simulate_timeline(const ScheduleOptions & o, double forward_time, double backward_time) {
-    validate_schedule(o);
     LOOM_CHECK(forward_time > 0.0 && backward_time > 0.0,
                "op durations must be positive, got forward " << forward_time << ", backward " << backward_time, "");
+    Timeline t = simulate_timeline(o, [&](int, size_t, const ScheduleOp & op) { return op.forward ? forward_time : backward_time; });
+    t.unit_time     = true;
+    t.forward_time  = forward_time;
+    t.backward_time = backward_time;
+    return t;
+}
+
+Timeline simulate_timeline(const ScheduleOptions & o, const OpDuration & duration, double transfer_time) {
+    validate_schedule(o);
     const int pp     = o.pp;
     const int m      = o.num_microbatches;
     const int stages = pp * num_model_chunks(o);
 
     Timeline t;
-    t.options       = o;
-    t.forward_time  = forward_time;
-    t.backward_time = backward_time;
+    t.options   = o;
+    t.unit_time = false;
     std::vector<std::vector<ScheduleOp>> ops(pp);
     size_t                               num_ops = 0;
     for (int r = 0; r < pp; ++r) {
@@ -139,7 +146,7 @@ Timeline simulate_timeline(const ScheduleOptions & o, double forward_time, doubl
                     if (s > 0) {
                         const double input = forward_end[index - m];
                         if (input < 0.0) break;
-                        ready = std::max(ready, input);
+                        ready = std::max(ready, input + (pp > 1 ? transfer_time : 0.0));
                     }
                 } else {
                     const double own = forward_end[index];
@@ -148,10 +155,10 @@ Timeline simulate_timeline(const ScheduleOptions & o, double forward_time, doubl
                     if (s + 1 < stages) {
                         const double grad = backward_end[index + m];
                         if (grad < 0.0) break;
-                        ready = std::max(ready, grad);
+                        ready = std::max(ready, grad + (pp > 1 ? transfer_time : 0.0));
                     }
                 }
-                const double end = ready + (op.forward ? forward_time : backward_time);
+                const double end = ready + duration(r, next[r], op);
                 (op.forward ? forward_end : backward_end)[index] = end;
                 rank_free[r] = end;
                 t.ranks[r].push_back({op, ready, end});

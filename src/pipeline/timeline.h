@@ -18,6 +18,7 @@
 
 #include "pipeline/schedule.h"
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,11 @@ struct Timeline {
 };
 
 Timeline simulate_timeline(const ScheduleOptions & options, double forward_time = 1.0, double backward_time = 2.0);
+// The same with each op's own duration: duration(rank, k, op) for the k-th op of rank's order (a planned or
+// measured stage's), and `transfer_time` on every edge between two stages (an activation or a gradient
+// crossing to the next rank; with one stage there is none).
+using OpDuration = std::function<double(int rank, size_t k, const ScheduleOp & op)>;
+Timeline simulate_timeline(const ScheduleOptions & options, const OpDuration & duration, double transfer_time = 0.0);
 
 // One line per rank with its ops in order ("rank 0  W 10  peak 11 | F0.0 F0.1 ..."), after a header
 // naming the schedule, the total time and the bubble fraction.

@@ -29,6 +29,7 @@ train::TrainOptions one_iteration(const train::TrainOptions & options) {
     once.save.clear();
     once.load.clear();
     once.tensorboard_dir.clear();
+    once.timeline_file.clear();
     once.eval_interval = 0;
     once.eval_iters    = 0;
     return once;
@@ -40,16 +41,17 @@ int64_t RankMemory::device_total() const {
     return total;
 }
 
-RankMemory plan_rank_memory(const train::TrainOptions & options, int world_size, int rank) {
+RankMemory plan_rank_memory(const train::TrainOptions & options, int world_size, int rank, const CostModel * costs) {
     LOOM_CHECK(rank >= 0 && rank < world_size, "rank " << rank << " of a plan for " << world_size << " ranks", "");
-    MetaDevice              device;
-    MetaCommunicatorFactory factory(world_size, rank);
+    MetaDevice              device(costs);
+    MetaCommunicatorFactory factory(world_size, rank, &device.clock());
     RankMemory              plan;
     plan.rank = rank;
     {
         const parallel::ProcessGroups groups = parallel::ProcessGroups::create(
             options.parallel, factory, options.ddp.num_distributed_optimizer_instances, options.hierarchical_cp_sizes);
-        train::Setup setup = train::setup(options, groups, device, /*init_values=*/false);
+        plan.pipeline_ranks = groups.pp ? groups.pp->global_ranks() : std::vector<int>{rank};
+        train::Setup setup  = train::setup(options, groups, device, /*init_values=*/false);
         plan.device      = pools_of(device.allocator(MemoryKind::device));
         plan.pinned      = pools_of(device.allocator(MemoryKind::pinned_host));
         plan.device_peak = device.allocator(MemoryKind::device).stats().peak_allocated;
@@ -65,7 +67,27 @@ RankMemory plan_rank_memory(const train::TrainOptions & options, int world_size,
         memory.reset_peak();
         {
             train::Trainer trainer(once, setup, *data);
+            MetaClock &    clock = device.clock();
+            const double   start = std::max(clock.host, clock.horizon);
+            clock.totals.clear();
             trainer.run(nullptr);
+            if (costs) {
+                const pipeline::PipelineExecutor::Result & schedule = trainer.last_schedule();
+                RankTime                                   time;
+                time.schedule    = trainer.schedule();
+                time.ops         = schedule.ops;
+                time.totals      = clock.totals;
+                const double end = std::max(clock.host, clock.horizon);
+                const double begin = schedule.modelled_begin_s.value_or(start);
+                const double last  = schedule.ops.empty() ? 0.0 : schedule.ops.back().end / 1e3;
+                time.head_s      = begin - start;
+                time.tail_s      = end - (begin + last);
+                time.iteration_s = end - start;
+                if (auto recv = time.totals.find("recv"); recv != time.totals.end() && recv->second.calls > 0) {
+                    time.transfer_s = recv->second.seconds / static_cast<double>(recv->second.calls);
+                }
+                plan.time = std::move(time);
+            }
         }
         plan.activations_peak = memory.pool_stats(kActivationsPool).peak_allocated;
         plan.iteration_peak   = memory.stats().peak_allocated - states;

@@ -6,17 +6,37 @@
 // device reserves address space it never touches.
 #pragma once
 
+#include "pipeline/timeline.h"
+#include "plan/cost_model.h"
+#include "plan/meta_device.h"
 #include "train/options.h"
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace loom::plan {
 
+// One rank's iteration on the meta device with a CostModel: its schedule's ops at their modelled times, and
+// what it does before and after them. Alone, as if its pipeline neighbours were never late (plan_step puts
+// the stages together).
+struct RankTime {
+    pipeline::ScheduleOptions          schedule;
+    std::vector<pipeline::TimelineOp>  ops;              // in schedule order, ms since the schedule began
+    double                             head_s     = 0;   // from the iteration's start to the schedule's
+    double                             tail_s     = 0;   // from its last op's end to the iteration's last work:
+                                                         // exposed gradient reduction, optimizer, gathers
+    double                             transfer_s = 0;   // one stage output (or its gradient) to a neighbour
+    double                             iteration_s = 0;  // head, schedule and tail, alone
+    std::map<std::string, OpTotal>     totals;           // the iteration's ops and collectives by name
+};
+
 struct RankMemory {
     int                            rank = 0;
+    std::vector<int>               pipeline_ranks;   // its pipeline group's members in stage order (itself alone
+                                                     // without pipelining)
     std::map<std::string, int64_t> device;   // pool -> bytes held after set-up ("weights", "grads", "optimizer", ...)
     std::map<std::string, int64_t> pinned;   // pinned host memory by pool (the offloaded optimizer's staging)
     int64_t                        device_peak = 0;   // the most set-up held at once (before DDP re-points the
@@ -27,6 +47,7 @@ struct RankMemory {
     int64_t                        activations_peak = 0;   // the "activations" pool's peak over one iteration
     int64_t                        iteration_peak   = 0;   // the most every pool held at once in that iteration,
                                                            // above what set-up and the data source hold
+    std::optional<RankTime>        time;   // with a CostModel, where the iteration is planned
 
     int64_t device_total() const;
     // The most the device holds at once: device_total() plus the iteration's peak above it (device_total()
@@ -40,6 +61,8 @@ train::TrainOptions one_iteration(const train::TrainOptions & options);
 // The memory rank `rank` of `world_size` ranks holds once `options` are set up, and at the peak of one
 // iteration (the Trainer's, run on the meta device). `options` are resolved for that world size
 // (train::TrainOptionParser::plan_only).
-RankMemory plan_rank_memory(const train::TrainOptions & options, int world_size, int rank);
+// With `costs`, the iteration also keeps modelled time (RankMemory::time).
+RankMemory plan_rank_memory(const train::TrainOptions & options, int world_size, int rank,
+                            const CostModel * costs = nullptr);
 
 }  // namespace loom::plan

@@ -23,93 +23,242 @@ public:
 
 class MetaEvent final : public Event {
 public:
+    explicit MetaEvent(MetaClock & clock) : clock_(clock) {}
     bool query() override { return true; }
-    void synchronize() override {}
+    void synchronize() override { clock_.wait_until(time); }
+
+    double time = 0;   // when the work before its record ends
+
+private:
+    MetaClock & clock_;
 };
 
-// Drops its work: nothing runs, and the tensors the work held are given back at once.
+// Drops its work: nothing runs, and the tensors the work held are given back at once. Its clock is when the
+// work issued on it so far ends.
 class MetaStream final : public Stream {
 public:
-    MetaStream(Device & device, std::string name) : device_(device), name_(std::move(name)) {}
+    MetaStream(Device & device, MetaClock & clock, std::string name) : device_(device), clock_(clock), name_(std::move(name)) {}
     Device &            device() override { return device_; }
     const std::string & name() const override { return name_; }
     void                submit(std::function<void()>, const char *) override {}
-    void                record(Event &) override {}
-    void                wait(Event &) override {}
-    void                synchronize() override {}
+    void                record(Event & event) override { static_cast<MetaEvent &>(event).time = std::max(time, clock_.host); }
+    void                wait(Event & event) override { time = std::max(time, static_cast<MetaEvent &>(event).time); }
+    void                synchronize() override { clock_.wait_until(time); }
     bool                query() override { return true; }
+    std::optional<double> modelled_seconds() const override {
+        if (!clock_.costs) return std::nullopt;
+        return std::max(time, clock_.host);
+    }
+
+    double time = 0;
 
 private:
     Device &    device_;
+    MetaClock & clock_;
     std::string name_;
 };
 
-// Every kernel, doing nothing (the signatures are core/ops.h's).
+// An op's cost from its tensors: FLOPs on tensor cores (GEMMs and attention) and bytes of memory traffic.
+double bytes_of(std::initializer_list<const Tensor *> tensors) {
+    double total = 0;
+    for (const Tensor * t : tensors) {
+        if (t->defined()) total += static_cast<double>(t->nbytes());
+    }
+    return total;
+}
+
+// The (query, key) pairs the causal mask keeps: for each query, the keys at positions up to its own. Each
+// side's positions are two runs (core/positions.h: rows before `split` from `first`, the rest from
+// `second`).
+double causal_pairs(const AttentionShape & shape) {
+    const int64_t keys  = shape.keys();
+    const int64_t k1    = std::min(keys, shape.k_pos.split);
+    const int64_t k2    = keys - k1;
+    double        pairs = 0;
+    for (int64_t i = 0; i < shape.s; ++i) {
+        const int64_t p = shape.q_pos(i);
+        pairs += static_cast<double>(std::clamp<int64_t>(p - shape.k_pos.first + 1, 0, k1));
+        pairs += static_cast<double>(std::clamp<int64_t>(p - shape.k_pos.second + 1, 0, k2));
+    }
+    return pairs * static_cast<double>(shape.b);
+}
+
+// Every kernel, doing nothing but advancing its stream's clock by its modelled cost (the signatures are
+// core/ops.h's).
 class MetaOps final : public Ops {
 public:
-    void gemm(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c, bool accumulate) override {}
-    void gemm_bias(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c, const Tensor & bias) override {}
-    void layernorm_forward(Stream & s, const Tensor & x, const Tensor & residual, const Tensor & gamma, const Tensor & beta, const Tensor & y, const Tensor & mean, const Tensor & rstd, float eps) override {}
-    void rmsnorm_forward(Stream & s, const Tensor & x, const Tensor & residual, const Tensor & gamma, const Tensor & y, const Tensor & rstd, float eps) override {}
-    void layernorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma, const Tensor & mean, const Tensor & rstd, const Tensor & dx, const Tensor & dgamma, const Tensor & dbeta) override {}
-    void rmsnorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma, const Tensor & rstd, const Tensor & dx, const Tensor & dgamma) override {}
-    void bias_add(Stream & s, const Tensor & y, const Tensor & bias) override {}
-    void bias_backward(Stream & s, const Tensor & dy, const Tensor & dbias) override {}
-    void add_inplace(Stream & s, const Tensor & y, const Tensor & x) override {}
-    void bias_gelu_forward(Stream & s, const Tensor & x, const Tensor & bias, const Tensor & y, const Tensor & x_bf16) override {}
-    void gelu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override {}
-    void swiglu_forward(Stream & s, const Tensor & x, const Tensor & y) override {}
-    void swiglu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override {}
-    void squared_relu_forward(Stream & s, const Tensor & x, const Tensor & y) override {}
-    void squared_relu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override {}
-    void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base, bool inverse, int64_t rotary_dim, bool interleaved, const SeqPositions & positions) override {}
-    void dropout(Stream & s, const Tensor & x, const Tensor & y, const Dropout & key) override {}
-    void embedding_forward(Stream & s, const Tensor & tokens, const Tensor & wte, const Tensor & wpe, const Tensor & out, const SeqPositions & positions) override {}
-    void embedding_backward(Stream & s, const Tensor & tokens, const Tensor & dout, const Tensor & dwte, const Tensor & dwpe, const SeqPositions & positions) override {}
-    void vocab_shard_ids(Stream & s, const Tensor & ids, int64_t begin, int64_t count, const Tensor & out) override {}
-    void attention_forward(Stream & s, const Tensor & q, const Tensor & kv, const Tensor & out, const Tensor & lse, const AttentionShape & shape, float scale, const Dropout & dropout) override {}
-    void attention_backward(Stream & s, const Tensor & q, const Tensor & kv, const Tensor & out, const Tensor & dout, const Tensor & lse, const Tensor & dq, const Tensor & dkv, const AttentionShape & shape, float scale, const Dropout & dropout, bool accumulate) override {}
-    void attention_merge(Stream & s, const Tensor & out, const Tensor & lse, const Tensor & part_out, const Tensor & part_lse, const AttentionShape & shape) override {}
-    void cross_entropy_forward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & loss, const Tensor & lse, int64_t vocab) override {}
-    void cross_entropy_backward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & lse, const Tensor & dloss, int64_t vocab) override {}
-    void row_max(Stream & s, const Tensor & logits, int64_t valid, const Tensor & out) override {}
-    void row_sum_exp(Stream & s, const Tensor & logits, const Tensor & max, int64_t valid, const Tensor & out) override {}
-    void label_logit(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & out) override {}
-    void lse_and_loss(Stream & s, const Tensor & max, const Tensor & sum, const Tensor & target, const Tensor & lse, const Tensor & loss) override {}
-    void loss_grad(Stream & s, const Tensor & mask, double scale, const Tensor & dloss) override {}
-    void convert(Stream & s, const Tensor & src, const Tensor & dst) override {}
-    void round_to_bf16(Stream & s, const Tensor & x, const Tensor & x_bf16) override {}
-    void copy(Stream & s, const Tensor & src, const Tensor & dst) override {}
-    void copy_columns(Stream & s, const Tensor & src, int64_t src_col, const Tensor & dst, int64_t dst_col, int64_t width) override {}
-    void fill_zero(Stream & s, const Tensor & t) override {}
-    void scale(Stream & s, const Tensor & t, float factor) override {}
-    void sum_of_squares(Stream & s, const Tensor & x, const Tensor & out) override {}
-    void moe_topk(Stream & s, const Tensor & logits, const MoeRouting & routing, const Tensor & top_idx, const Tensor & probs) override {}
-    void moe_sinkhorn_topk(Stream & s, const Tensor & logits, int64_t first, const MoeRouting & routing, const Tensor & top_idx, const Tensor & probs) override {}
-    void moe_aux_counts(Stream & s, const Tensor & logits, const MoeRouting & routing, int64_t groups, const Tensor & counts) override {}
-    void moe_router_losses(Stream & s, const Tensor & logits, const Tensor & counts, const MoeRouting & routing, const MoeRouterLoss & loss, const Tensor & losses) override {}
-    void moe_router_backward(Stream & s, const Tensor & logits, const Tensor & top_idx, const Tensor & dprobs, const Tensor & counts, const MoeRouting & routing, const MoeRouterLoss & loss, float loss_scale, const Tensor & dlogits) override {}
-    void moe_plan(Stream & s, const Tensor & expert_of, const Tensor & probs, const MoePlanSpec & spec, const Tensor & plan_probs, const Tensor & row_of, const Tensor & token_of_row, const Tensor & tokens_per_expert) override {}
-    void moe_plan_experts(Stream & s, const Tensor & row_of, const Tensor & tokens_per_expert, const Tensor & expert_of) override {}
-    void moe_gather_rows(Stream & s, const Tensor & x, const Tensor & index, const Tensor & out) override {}
-    void moe_combine(Stream & s, const Tensor & src, const Tensor & row_of, const Tensor & weights, const Tensor & dst) override {}
-    void moe_combine_backward(Stream & s, const Tensor & dy, const Tensor & src, const Tensor & weights, const Tensor & row_of, const Tensor & token_of_row, const Tensor & dsrc, const Tensor & dweights) override {}
-    void adamw(Stream & s, const Tensor & master, const Tensor & grad, const Tensor & m, const Tensor & v, const Tensor & out, const AdamStep & step) override {}
+    explicit MetaOps(MetaClock & clock) : clock_(clock) {}
+
+    void gemm(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c, bool accumulate) override {
+        matmul(s, "gemm", a, b, c, bytes_of({&a, &b, &c}) + (accumulate ? static_cast<double>(c.nbytes()) : 0.0));
+    }
+    void gemm_bias(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c, const Tensor & bias) override {
+        matmul(s, "gemm", a, b, c, bytes_of({&a, &b, &c, &bias}));
+    }
+    void layernorm_forward(Stream & s, const Tensor & x, const Tensor & residual, const Tensor & gamma, const Tensor & beta, const Tensor & y, const Tensor & mean, const Tensor & rstd, float eps) override {
+        memory(s, "layernorm_forward", bytes_of({&x, &residual, &gamma, &beta, &y, &mean, &rstd}) + (residual.defined() ? x.nbytes() : 0));
+    }
+    void rmsnorm_forward(Stream & s, const Tensor & x, const Tensor & residual, const Tensor & gamma, const Tensor & y, const Tensor & rstd, float eps) override {
+        memory(s, "rmsnorm_forward", bytes_of({&x, &residual, &gamma, &y, &rstd}) + (residual.defined() ? x.nbytes() : 0));
+    }
+    void layernorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma, const Tensor & mean, const Tensor & rstd, const Tensor & dx, const Tensor & dgamma, const Tensor & dbeta) override {
+        memory(s, "layernorm_backward", bytes_of({&dy, &x, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta, &dgamma, &dbeta}));
+    }
+    void rmsnorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma, const Tensor & rstd, const Tensor & dx, const Tensor & dgamma) override {
+        memory(s, "rmsnorm_backward", bytes_of({&dy, &x, &gamma, &rstd, &dx, &dgamma, &dgamma}));
+    }
+    void bias_add(Stream & s, const Tensor & y, const Tensor & bias) override { memory(s, "bias_add", bytes_of({&y, &y, &bias})); }
+    void bias_backward(Stream & s, const Tensor & dy, const Tensor & dbias) override { memory(s, "bias_backward", bytes_of({&dy, &dbias, &dbias})); }
+    void add_inplace(Stream & s, const Tensor & y, const Tensor & x) override { memory(s, "add_inplace", bytes_of({&y, &y, &x})); }
+    void bias_gelu_forward(Stream & s, const Tensor & x, const Tensor & bias, const Tensor & y, const Tensor & x_bf16) override {
+        memory(s, "bias_gelu_forward", bytes_of({&x, &bias, &y, &x_bf16}) + (bias.defined() ? x.nbytes() : 0));
+    }
+    void gelu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override { memory(s, "gelu_backward", bytes_of({&x, &dy, &dx})); }
+    void swiglu_forward(Stream & s, const Tensor & x, const Tensor & y) override { memory(s, "swiglu_forward", bytes_of({&x, &y})); }
+    void swiglu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override { memory(s, "swiglu_backward", bytes_of({&x, &dy, &dx})); }
+    void squared_relu_forward(Stream & s, const Tensor & x, const Tensor & y) override { memory(s, "squared_relu_forward", bytes_of({&x, &y})); }
+    void squared_relu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override { memory(s, "squared_relu_backward", bytes_of({&x, &dy, &dx})); }
+    void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base, bool inverse, int64_t rotary_dim, bool interleaved, const SeqPositions & positions) override {
+        memory(s, "rope", 2.0 * static_cast<double>(seq * batch * heads * d * static_cast<int64_t>(dtype_size(x.dtype()))));
+    }
+    void dropout(Stream & s, const Tensor & x, const Tensor & y, const Dropout & key) override { memory(s, "dropout", bytes_of({&x, &y})); }
+    void embedding_forward(Stream & s, const Tensor & tokens, const Tensor & wte, const Tensor & wpe, const Tensor & out, const SeqPositions & positions) override {
+        memory(s, "embedding_forward", bytes_of({&tokens, &out, &out}) + (wpe.defined() ? out.nbytes() : 0));
+    }
+    void embedding_backward(Stream & s, const Tensor & tokens, const Tensor & dout, const Tensor & dwte, const Tensor & dwpe, const SeqPositions & positions) override {
+        memory(s, "embedding_backward", bytes_of({&tokens, &dout, &dout, &dout}) + (dwpe.defined() ? 2 * dout.nbytes() : 0));
+    }
+    void vocab_shard_ids(Stream & s, const Tensor & ids, int64_t begin, int64_t count, const Tensor & out) override { memory(s, "vocab_shard_ids", bytes_of({&ids, &out})); }
+    void attention_forward(Stream & s, const Tensor & q, const Tensor & kv, const Tensor & out, const Tensor & lse, const AttentionShape & shape, float scale, const Dropout & dropout) override {
+        attention(s, "attention_forward", 1.0, shape, bytes_of({&q, &out, &lse}) + (kv.shares_storage(q) ? 0 : kv.nbytes()));
+    }
+    void attention_backward(Stream & s, const Tensor & q, const Tensor & kv, const Tensor & out, const Tensor & dout, const Tensor & lse, const Tensor & dq, const Tensor & dkv, const AttentionShape & shape, float scale, const Dropout & dropout, bool accumulate) override {
+        const double kv_bytes = kv.shares_storage(q) ? 0 : 2.0 * static_cast<double>(kv.nbytes());
+        attention(s, "attention_backward", 2.5, shape, bytes_of({&q, &out, &dout, &lse, &dq}) + kv_bytes);
+    }
+    void attention_merge(Stream & s, const Tensor & out, const Tensor & lse, const Tensor & part_out, const Tensor & part_lse, const AttentionShape & shape) override {
+        memory(s, "attention_merge", bytes_of({&out, &out, &lse, &lse, &part_out, &part_lse}));
+    }
+    void cross_entropy_forward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & loss, const Tensor & lse, int64_t vocab) override {
+        memory(s, "cross_entropy_forward", bytes_of({&logits, &labels, &loss, &lse}));
+    }
+    void cross_entropy_backward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & lse, const Tensor & dloss, int64_t vocab) override {
+        memory(s, "cross_entropy_backward", bytes_of({&logits, &logits, &labels, &lse, &dloss}));
+    }
+    void row_max(Stream & s, const Tensor & logits, int64_t valid, const Tensor & out) override { memory(s, "row_max", bytes_of({&logits, &out})); }
+    void row_sum_exp(Stream & s, const Tensor & logits, const Tensor & max, int64_t valid, const Tensor & out) override { memory(s, "row_sum_exp", bytes_of({&logits, &max, &out})); }
+    void label_logit(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & out) override { memory(s, "label_logit", bytes_of({&labels, &out})); }
+    void lse_and_loss(Stream & s, const Tensor & max, const Tensor & sum, const Tensor & target, const Tensor & lse, const Tensor & loss) override {
+        memory(s, "lse_and_loss", bytes_of({&max, &sum, &target, &lse, &loss}));
+    }
+    void loss_grad(Stream & s, const Tensor & mask, double scale, const Tensor & dloss) override { memory(s, "loss_grad", bytes_of({&mask, &dloss})); }
+    void convert(Stream & s, const Tensor & src, const Tensor & dst) override { memory(s, "convert", bytes_of({&src, &dst})); }
+    void round_to_bf16(Stream & s, const Tensor & x, const Tensor & x_bf16) override { memory(s, "round_to_bf16", bytes_of({&x, &x, &x_bf16})); }
+    void copy(Stream & s, const Tensor & src, const Tensor & dst) override {
+        if (src.memory_kind() != MemoryKind::device || dst.memory_kind() != MemoryKind::device) {
+            run(s, "host_copy", 0, static_cast<double>(src.nbytes()), clock_.costs ? clock_.costs->host_copy_seconds(static_cast<double>(src.nbytes())) : 0);
+        } else {
+            memory(s, "copy", bytes_of({&src, &dst}));
+        }
+    }
+    void copy_columns(Stream & s, const Tensor & src, int64_t src_col, const Tensor & dst, int64_t dst_col, int64_t width) override {
+        memory(s, "copy_columns", 2.0 * static_cast<double>(src.size(0) * width * static_cast<int64_t>(dtype_size(src.dtype()))));
+    }
+    void fill_zero(Stream & s, const Tensor & t) override { memory(s, "fill_zero", bytes_of({&t})); }
+    void scale(Stream & s, const Tensor & t, float factor) override { memory(s, "scale", bytes_of({&t, &t})); }
+    void sum_of_squares(Stream & s, const Tensor & x, const Tensor & out) override { memory(s, "sum_of_squares", bytes_of({&x})); }
+    void moe_topk(Stream & s, const Tensor & logits, const MoeRouting & routing, const Tensor & top_idx, const Tensor & probs) override {
+        memory(s, "moe_topk", bytes_of({&logits, &top_idx, &probs}));
+    }
+    void moe_sinkhorn_topk(Stream & s, const Tensor & logits, int64_t first, const MoeRouting & routing, const Tensor & top_idx, const Tensor & probs) override {
+        memory(s, "moe_sinkhorn_topk", bytes_of({&logits, &logits, &top_idx, &probs}));
+    }
+    void moe_aux_counts(Stream & s, const Tensor & logits, const MoeRouting & routing, int64_t groups, const Tensor & counts) override {
+        memory(s, "moe_aux_counts", bytes_of({&logits, &counts}));
+    }
+    void moe_router_losses(Stream & s, const Tensor & logits, const Tensor & counts, const MoeRouting & routing, const MoeRouterLoss & loss, const Tensor & losses) override {
+        memory(s, "moe_router_losses", bytes_of({&logits, &counts, &losses}));
+    }
+    void moe_router_backward(Stream & s, const Tensor & logits, const Tensor & top_idx, const Tensor & dprobs, const Tensor & counts, const MoeRouting & routing, const MoeRouterLoss & loss, float loss_scale, const Tensor & dlogits) override {
+        memory(s, "moe_router_backward", bytes_of({&logits, &top_idx, &dprobs, &counts, &dlogits}));
+    }
+    void moe_plan(Stream & s, const Tensor & expert_of, const Tensor & probs, const MoePlanSpec & spec, const Tensor & plan_probs, const Tensor & row_of, const Tensor & token_of_row, const Tensor & tokens_per_expert) override {
+        memory(s, "moe_plan", bytes_of({&expert_of, &probs, &plan_probs, &row_of, &token_of_row, &tokens_per_expert}));
+    }
+    void moe_plan_experts(Stream & s, const Tensor & row_of, const Tensor & tokens_per_expert, const Tensor & expert_of) override {
+        memory(s, "moe_plan_experts", bytes_of({&row_of, &tokens_per_expert, &expert_of}));
+    }
+    void moe_gather_rows(Stream & s, const Tensor & x, const Tensor & index, const Tensor & out) override { memory(s, "moe_gather_rows", bytes_of({&index, &out, &out})); }
+    void moe_combine(Stream & s, const Tensor & src, const Tensor & row_of, const Tensor & weights, const Tensor & dst) override {
+        memory(s, "moe_combine", bytes_of({&src, &row_of, &weights, &dst}));
+    }
+    void moe_combine_backward(Stream & s, const Tensor & dy, const Tensor & src, const Tensor & weights, const Tensor & row_of, const Tensor & token_of_row, const Tensor & dsrc, const Tensor & dweights) override {
+        memory(s, "moe_combine_backward", bytes_of({&dy, &src, &weights, &row_of, &token_of_row, &dsrc, &dweights}));
+    }
+    void adamw(Stream & s, const Tensor & master, const Tensor & grad, const Tensor & m, const Tensor & v, const Tensor & out, const AdamStep & step) override {
+        memory(s, "adamw", bytes_of({&master, &master, &grad, &m, &m, &v, &v, &out}));
+    }
+
+private:
+    void run(Stream & s, const char * op, double flops, double bytes, double seconds) {
+        if (clock_.costs) clock_.run(static_cast<MetaStream &>(s).time, op, flops, bytes, seconds);
+    }
+    void memory(Stream & s, const char * op, double bytes) {
+        run(s, op, 0, bytes, clock_.costs ? clock_.costs->memory_seconds(bytes) : 0);
+    }
+    // c (m, n) = op(a) (m, k) op(b) (k, n): 2 m n k FLOPs.
+    void matmul(Stream & s, const char * op, const Tensor & a, const Tensor & b, const Tensor & c, double bytes) {
+        const int64_t m     = c.dim() >= 2 ? c.numel() / c.size(-1) : 1;
+        const double  flops = 2.0 * static_cast<double>(c.numel()) * static_cast<double>(a.numel() / std::max<int64_t>(m, 1));
+        run(s, op, flops, bytes, clock_.costs ? clock_.costs->kernel_seconds(flops, bytes, clock_.costs->efficiency().gemm) : 0);
+    }
+    // 4 b a d per kept (query, key) pair in the forward (the scores and the weighted values, 2 FLOPs per
+    // multiply-add), `factor` times that for the backward.
+    void attention(Stream & s, const char * op, double factor, const AttentionShape & shape, double bytes) {
+        if (!clock_.costs) return;
+        const double flops = factor * 4.0 * static_cast<double>(shape.nq * shape.d) * causal_pairs(shape);
+        run(s, op, flops, bytes, clock_.costs->kernel_seconds(flops, bytes, clock_.costs->efficiency().attention));
+    }
+
+    MetaClock & clock_;
 };
 
-class DoneWork final : public comm::Work {
+// Complete when the host asks; a wait moves the host's clock up to the work's modelled end.
+class MetaWork final : public comm::Work {
 public:
-    void wait() override {}
+    MetaWork(MetaClock * clock, double end) : clock_(clock), end_(end) {}
+    void wait() override {
+        if (clock_) clock_->wait_until(end_);
+    }
     bool test() override { return true; }
+
+private:
+    MetaClock * clock_;
+    double      end_;
 };
 
 }  // namespace
 
-MetaDevice::MetaDevice()
+double MetaClock::run(double & stream, const char * op, double flops, double bytes, double seconds, bool holds_stream) {
+    const double start = std::max(stream, host);
+    const double end   = start + seconds;
+    if (holds_stream) stream = end;
+    horizon      = std::max(horizon, end);
+    OpTotal & t  = totals[op];
+    t.calls += 1;
+    t.flops += flops;
+    t.bytes += bytes;
+    t.seconds += seconds;
+    return end;
+}
+
+MetaDevice::MetaDevice(const CostModel * costs)
     : device_memory_(std::make_unique<Allocator>(std::make_unique<ReservedMemory>(), MemoryKind::device, "meta")),
       pinned_memory_(std::make_unique<Allocator>(std::make_unique<ReservedMemory>(), MemoryKind::pinned_host, "meta-pinned")),
-      ops_(std::make_unique<MetaOps>()),
-      compute_(std::make_unique<MetaStream>(*this, "compute")) {}
+      ops_(std::make_unique<MetaOps>(clock_)),
+      compute_(std::make_unique<MetaStream>(*this, clock_, "compute")) {
+    clock_.costs = costs;
+}
 
 MetaDevice::~MetaDevice() = default;
 
@@ -118,27 +267,63 @@ Allocator & MetaDevice::allocator(MemoryKind kind) {
     return kind == MemoryKind::device ? *device_memory_ : *pinned_memory_;
 }
 
-std::unique_ptr<Stream> MetaDevice::stream_create(const std::string & name) { return std::make_unique<MetaStream>(*this, name); }
-std::unique_ptr<Event>  MetaDevice::event_create() { return std::make_unique<MetaEvent>(); }
+std::unique_ptr<Stream> MetaDevice::stream_create(const std::string & name) { return std::make_unique<MetaStream>(*this, clock_, name); }
+std::unique_ptr<Event>  MetaDevice::event_create() { return std::make_unique<MetaEvent>(clock_); }
 Ops &                   MetaDevice::ops() { return *ops_; }
 Stream &                MetaDevice::compute_stream() { return *compute_; }
 
-MetaCommunicator::MetaCommunicator(std::vector<int> global_ranks, int rank, std::string name)
-    : global_ranks_(std::move(global_ranks)), rank_(rank), name_(std::move(name)) {}
+MetaCommunicator::MetaCommunicator(std::vector<int> global_ranks, int rank, std::string name, MetaClock * clock)
+    : global_ranks_(std::move(global_ranks)), rank_(rank), name_(std::move(name)), clock_(clock) {}
 
-comm::WorkPtr MetaCommunicator::done() { return std::make_shared<DoneWork>(); }
+comm::WorkPtr MetaCommunicator::modelled(const char * op, CollectiveKind kind, double bytes, const std::vector<int> & ranks,
+                                         Stream * stream, bool holds_stream) {
+    if (!clock_ || !clock_->costs) return std::make_shared<MetaWork>(nullptr, 0.0);
+    const double seconds = clock_->costs->collective_seconds(kind, bytes, ranks);
+    double       host    = clock_->host;   // without a stream the data is ready now, and nothing waits for it
+    double &     start   = stream ? static_cast<MetaStream &>(*stream).time : host;
+    return std::make_shared<MetaWork>(clock_, clock_->run(start, op, 0, bytes, seconds, holds_stream));
+}
+
+comm::WorkPtr MetaCommunicator::do_all_reduce(const Tensor & t, comm::ReduceOp, Stream * s) {
+    return modelled("all_reduce", CollectiveKind::all_reduce, static_cast<double>(t.nbytes()), global_ranks_, s);
+}
+comm::WorkPtr MetaCommunicator::do_reduce_scatter(const Tensor & in, const Tensor &, comm::ReduceOp, Stream * s) {
+    return modelled("reduce_scatter", CollectiveKind::reduce_scatter, static_cast<double>(in.nbytes()), global_ranks_, s);
+}
+comm::WorkPtr MetaCommunicator::do_all_gather(const Tensor &, const Tensor & out, Stream * s) {
+    return modelled("all_gather", CollectiveKind::all_gather, static_cast<double>(out.nbytes()), global_ranks_, s);
+}
+comm::WorkPtr MetaCommunicator::do_broadcast(const Tensor & t, int, Stream * s) {
+    return modelled("broadcast", CollectiveKind::broadcast, static_cast<double>(t.nbytes()), global_ranks_, s);
+}
+comm::WorkPtr MetaCommunicator::do_all_to_all(const Tensor & in, std::span<const int64_t>, const Tensor &,
+                                              std::span<const int64_t>, Stream * s) {
+    return modelled("all_to_all", CollectiveKind::all_to_all, static_cast<double>(in.nbytes()), global_ranks_, s);
+}
+// A send does not hold its stream (comm/communicator.h); its receiver's wait is what takes the time.
+comm::WorkPtr MetaCommunicator::do_send(const Tensor & t, int peer, int, Stream * s) {
+    return modelled("send", CollectiveKind::point_to_point, static_cast<double>(t.nbytes()),
+                    {global_ranks_[static_cast<size_t>(rank_)], global_ranks_[static_cast<size_t>(peer)]}, s, false);
+}
+comm::WorkPtr MetaCommunicator::do_recv(const Tensor & t, int peer, int, Stream * s) {
+    return modelled("recv", CollectiveKind::point_to_point, static_cast<double>(t.nbytes()),
+                    {global_ranks_[static_cast<size_t>(peer)], global_ranks_[static_cast<size_t>(rank_)]}, s);
+}
+comm::WorkPtr MetaCommunicator::do_barrier(Stream * s) {
+    return modelled("barrier", CollectiveKind::all_reduce, 0, global_ranks_, s);
+}
 
 std::shared_ptr<comm::Communicator> MetaCommunicatorFactory::world() {
     std::vector<int> all(static_cast<size_t>(world_size_));
     for (int r = 0; r < world_size_; ++r) all[static_cast<size_t>(r)] = r;
-    return std::make_shared<MetaCommunicator>(all, rank_, "world");
+    return std::make_shared<MetaCommunicator>(all, rank_, "world", clock_);
 }
 
 std::shared_ptr<comm::Communicator> MetaCommunicatorFactory::split(const std::vector<std::vector<int>> & groups,
                                                                    const std::string & name) {
     for (const std::vector<int> & group : groups) {
         for (size_t i = 0; i < group.size(); ++i) {
-            if (group[i] == rank_) return std::make_shared<MetaCommunicator>(group, static_cast<int>(i), name);
+            if (group[i] == rank_) return std::make_shared<MetaCommunicator>(group, static_cast<int>(i), name, clock_);
         }
     }
     return nullptr;

@@ -369,6 +369,7 @@ pipeline::PipelineExecutor::Result Trainer::run_schedule(IterationStats & stats)
         r = executor_->run([this] { return data_.next(); }, sync_.ready(), sync_.last());
         sum_losses_over_context(r);
         peak_in_flight_  = std::max(peak_in_flight_, r.peak_in_flight);
+        last_schedule_   = r;
         moe_losses(stats);   // run() waited for the stream
     });
     if (drawn) {
@@ -563,7 +564,7 @@ void Trainer::log_progress_of_save(int64_t iteration) {
     if (!options_.log_progress || (everyone && everyone->rank() != 0)) return;
     const int    world = everyone ? everyone->size() : 1;
     const double per_sample =
-        model_.config().training_flops_per_token() * static_cast<double>(model_.config().seq_length);
+        model_.config().training_flops_per_token(options_.parallel.tp()) * static_cast<double>(model_.config().seq_length);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - job_start_).count();
     append_progress(options_.save, world,
@@ -698,7 +699,7 @@ TrainSummary Trainer::run(FILE * out) {
         append_progress(options_.save, everyone ? everyone->size() : 1, "Starting job");
     }
     // Per rank, as Megatron's "throughput per GPU".
-    const double flops_per_sample = model_.config().training_flops_per_token() *
+    const double flops_per_sample = model_.config().training_flops_per_token(options_.parallel.tp()) *
                                     static_cast<double>(model_.config().seq_length) /
                                     static_cast<double>(options_.parallel.world_size());
     const int64_t consumed_at_start = consumed_;

@@ -78,6 +78,9 @@ public:
     optim::Optimizer &             optimizer() { return *setup_.optimizer; }
     // The most activation contexts the pipeline executor held at once (0 without pipelining).
     int peak_in_flight() const { return peak_in_flight_; }
+    // The last iteration's schedule as the executor ran it: its ops' times (loom plan reads them).
+    const pipeline::PipelineExecutor::Result & last_schedule() const { return last_schedule_; }
+    const pipeline::ScheduleOptions &          schedule() const { return executor_->options(); }
     // The layer graphs (--cuda-graph-impl transformer_engine) once captured; null before and without.
     const graphs::LayerGraphRunner * layer_graphs() const { return layer_graphs_.get(); }
 
@@ -128,6 +131,7 @@ private:
     // ranks holding the same sequences' other rows (sum of shares) and data-parallel ranks (mean).
     void moe_losses(IterationStats & stats);
     int                                         peak_in_flight_ = 0;
+    pipeline::PipelineExecutor::Result          last_schedule_;
     // The learning-rate schedule and the samples it has stepped over (Megatron's OptimizerParamScheduler:
     // it steps only after a successful update).
     SchedulerState                              scheduler_;

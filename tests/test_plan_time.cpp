@@ -1,0 +1,224 @@
+// `loom plan`'s time model: the cost of collectives (NCCL's ring with nccl-tests' bus bandwidth), the meta
+// device's modelled clocks (streams, events, host waits), the schedule simulated with planned op durations,
+// and whole step plans: the FLOPs the meta device counts from the real GEMMs and attention calls against
+// Megatron's formula, the pipeline bubble against the 1F1B formula, links across nodes against NVLink.
+#include "core/ops.h"
+#include "pipeline/timeline.h"
+#include "plan/cost_model.h"
+#include "plan/meta_device.h"
+#include "plan/step_plan.h"
+#include "train/megatron_flags.h"
+#include "train/options_parser.h"
+
+#include <gtest/gtest.h>
+
+#include <CLI/CLI.hpp>
+
+#include <cmath>
+
+using namespace loom;
+
+namespace {
+
+plan::CostModel h100(int gpus_per_node = 8, DType math = DType::bf16) {
+    return plan::CostModel(plan::gpu_spec("h100-80gb"), gpus_per_node, math);
+}
+
+train::TrainOptions parse_plan(const std::vector<std::string> & flags, int64_t world_size) {
+    CLI::App                 app{"test", "loom plan"};
+    train::TrainOptionParser parser(app);
+    parser.plan_only();
+    std::vector<std::string> args{"plan", "--mock-data", "--num-layers", "4", "--hidden-size", "256",
+                                  "--num-attention-heads", "8", "--seq-length", "512", "--max-position-embeddings",
+                                  "512", "--micro-batch-size", "2", "--vocab-size", "8000", "--bf16"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    std::vector<const char *> argv;
+    for (const std::string & a : args) argv.push_back(a.c_str());
+    train::check_option_values(app, static_cast<int>(argv.size()), argv.data());
+    app.parse(static_cast<int>(argv.size()), argv.data());
+    return parser.resolve(world_size);
+}
+
+// The model FLOPs of the tensor-core ops of one stage's iteration: the attention backward's as Megatron
+// counts them, twice the forward's (the kernel's 2.5 times include recomputing the scores).
+double tensor_core_flops(const plan::RankTime & time) {
+    double flops = 0;
+    for (const char * op : {"gemm", "attention_forward", "attention_backward"}) {
+        const double model_share = std::string(op) == "attention_backward" ? 2.0 / 2.5 : 1.0;
+        if (auto it = time.totals.find(op); it != time.totals.end()) flops += model_share * it->second.flops;
+    }
+    return flops;
+}
+
+}  // namespace
+
+TEST(CostModel, RingCollectivesMoveNcclTestsBusBandwidth) {
+    const plan::CostModel costs = h100();
+    const double          bw    = 450e9 * costs.efficiency().nvlink;
+    const double          step  = costs.efficiency().nvlink_step_s;
+    const std::vector<int> node{0, 1, 2, 3, 4, 5, 6, 7};
+    // 2 (n - 1) / n of the bytes cross each link for an all-reduce, (n - 1) / n for the others.
+    EXPECT_NEAR(costs.collective_seconds(plan::CollectiveKind::all_reduce, 1e9, node), 14 * step + 1.75e9 / bw, 1e-12);
+    EXPECT_NEAR(costs.collective_seconds(plan::CollectiveKind::reduce_scatter, 1e9, node), 7 * step + 0.875e9 / bw, 1e-12);
+    EXPECT_NEAR(costs.collective_seconds(plan::CollectiveKind::all_gather, 1e9, node), 7 * step + 0.875e9 / bw, 1e-12);
+    // A group with a rank on another node goes over the network, at the NIC's bandwidth.
+    const std::vector<int> two_nodes{0, 8};
+    EXPECT_FALSE(costs.within_one_node(two_nodes));
+    EXPECT_NEAR(costs.collective_seconds(plan::CollectiveKind::all_reduce, 1e9, two_nodes),
+                2 * costs.efficiency().network_step_s + 1e9 / (50e9 * costs.efficiency().network), 1e-12);
+    EXPECT_EQ(costs.collective_seconds(plan::CollectiveKind::all_reduce, 1e9, {3}), 0.0);   // a group of one
+    try {
+        plan::gpu_spec("v100");
+        FAIL() << "an unknown GPU was accepted";
+    } catch (const Error & e) {
+        EXPECT_NE(std::string(e.what()).find("--gpu v100"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("h100-80gb"), std::string::npos) << e.what();
+    }
+}
+
+TEST(MetaClock, StreamsEventsAndHostWaitsOrderTheModelledTime) {
+    const plan::CostModel costs = h100();
+    plan::MetaDevice      device(&costs);
+    Stream &              compute = device.compute_stream();
+    const int64_t         n       = 4096;
+    Tensor a = Tensor::empty({n, n}, DType::bf16, device), b = Tensor::empty({n, n}, DType::bf16, device);
+    Tensor c = Tensor::empty({n, n}, DType::f32, device);
+    const double flops = 2.0 * n * n * n, bytes = 2.0 * n * n * 2 + 4.0 * n * n;
+    const double gemm  = costs.kernel_seconds(flops, bytes, costs.efficiency().gemm);
+    EXPECT_NEAR(gemm, 2e-6 + flops / (989.4e12 * 0.70), 1e-9);   // compute-bound at 70% of the dense peak
+    device.ops().gemm(compute, a, false, b, false, c);
+    device.ops().gemm(compute, a, false, b, false, c);
+    EXPECT_NEAR(*compute.modelled_seconds(), 2 * gemm, 1e-12);
+    EXPECT_EQ(device.clock().host, 0.0);   // enqueued, not waited for
+    // A second stream runs beside it until it waits for an event recorded after the GEMMs.
+    std::unique_ptr<Stream> side = device.stream_create("side");
+    device.ops().fill_zero(*side, c);
+    const double zero = costs.memory_seconds(static_cast<double>(c.nbytes()));
+    EXPECT_NEAR(*side->modelled_seconds(), zero, 1e-12);
+    std::unique_ptr<Event> done = device.event_create();
+    compute.record(*done);
+    side->wait(*done);
+    device.ops().fill_zero(*side, c);
+    EXPECT_NEAR(*side->modelled_seconds(), 2 * gemm + zero, 1e-12);
+    // The host waits for the side stream; work it enqueues afterwards starts no earlier.
+    side->synchronize();
+    EXPECT_NEAR(device.clock().host, 2 * gemm + zero, 1e-12);
+    device.ops().fill_zero(compute, c);
+    EXPECT_NEAR(*compute.modelled_seconds(), 2 * gemm + 2 * zero, 1e-12);
+    EXPECT_EQ(device.clock().totals.at("gemm").calls, 2);
+    EXPECT_NEAR(device.clock().totals.at("gemm").flops, 2 * flops, 1.0);
+    // A collective without a stream starts at the host's time; waiting for it moves the host to its end.
+    plan::MetaCommunicatorFactory factory(8, 0, &device.clock());
+    std::shared_ptr<comm::Communicator> world = factory.world();
+    const double                        host  = device.clock().host;
+    world->all_reduce(c, comm::ReduceOp::sum)->wait();
+    EXPECT_NEAR(device.clock().host,
+                host + costs.collective_seconds(plan::CollectiveKind::all_reduce, static_cast<double>(c.nbytes()), world->global_ranks()),
+                1e-12);
+}
+
+TEST(Timeline, PlannedDurationsGiveTheOneFOneBMakespan) {
+    pipeline::ScheduleOptions o;
+    o.pp               = 4;
+    o.num_microbatches = 8;
+    const double f = 1.5, b = 3.25, t = 0.5;
+    // Equal durations through the function: the unit-time simulation's ops, at the same times.
+    const pipeline::Timeline unit = pipeline::simulate_timeline(o, f, b);
+    const pipeline::Timeline same = pipeline::simulate_timeline(o, [&](int, size_t, const pipeline::ScheduleOp & op) {
+        return op.forward ? f : b;
+    });
+    ASSERT_EQ(unit.ranks.size(), same.ranks.size());
+    for (size_t r = 0; r < unit.ranks.size(); ++r) {
+        ASSERT_EQ(unit.ranks[r].size(), same.ranks[r].size());
+        for (size_t k = 0; k < unit.ranks[r].size(); ++k) EXPECT_EQ(unit.ranks[r][k].end, same.ranks[r][k].end);
+    }
+    // 1F1B over uniform stages ends after (M + PP - 1)(f + b). With transfers, the first stage's backward of
+    // micro-batch m waits for m's round trip through the second stage: between its forward of m and its
+    // backward of m it runs one backward and one forward (f + b), while the round trip takes f + b + 2t.
+    // So every micro-batch exposes 2t there: (M + PP - 1)(f + b) + 2 M t.
+    EXPECT_DOUBLE_EQ(unit.total_time(), (8 + 4 - 1) * (f + b));
+    // With PP 2 the first stage runs one backward and one forward (f + b) between its forward of micro-batch
+    // m + 1 and its backward of m + 1, while that round trip through the second stage takes f + b + 2t:
+    // each pair of micro-batches exposes 2t, t per micro-batch: (M + 1)(f + b) + M t.
+    o.pp = 2;
+    auto sent = [&] {
+        return pipeline::simulate_timeline(o, [&](int, size_t, const pipeline::ScheduleOp & op) { return op.forward ? f : b; }, t);
+    };
+    EXPECT_DOUBLE_EQ(sent().total_time(), (8 + 1) * (f + b) + 8 * t);
+    // Deeper pipelines expose at least the fill and the drain, 2 (PP - 1) t, at most every micro-batch's
+    // round trip, 2 M t.
+    o.pp               = 4;
+    const double extra = sent().total_time() - unit.total_time();
+    EXPECT_GE(extra, 2 * (4 - 1) * t);
+    EXPECT_LE(extra, 2 * 8 * t);
+    // A slower last stage holds everyone: its 8 forwards and backwards plus the others' share of one.
+    const pipeline::Timeline slow = pipeline::simulate_timeline(o, [&](int rank, size_t, const pipeline::ScheduleOp & op) {
+        return (op.forward ? f : b) * (rank == 3 ? 2.0 : 1.0);
+    });
+    EXPECT_DOUBLE_EQ(slow.total_time(), 3 * f + 8 * 2 * (f + b) + 3 * b);
+}
+
+TEST(StepPlan, TheGemmsAndAttentionTheMetaDeviceTimesAreMegatronsFlops) {
+    // One rank: the FLOPs counted from the real op calls equal Megatron's formula, to the causal mask's
+    // diagonal (the kernels keep s (s + 1) / 2 pairs of a sequence, the formula s^2 / 2).
+    const plan::CostModel costs = h100();
+    for (const std::vector<std::string> & flags :
+         {std::vector<std::string>{"--global-batch-size", "4"},
+          std::vector<std::string>{"--global-batch-size", "4", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
+                                   "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--disable-bias-linear"},
+          std::vector<std::string>{"--global-batch-size", "4", "--recompute-granularity", "full", "--recompute-method",
+                                   "uniform", "--recompute-num-layers", "1"}}) {
+        std::string joined;
+        for (const std::string & f : flags) joined += f + " ";
+        SCOPED_TRACE(joined);
+        const train::TrainOptions options = parse_plan(flags, 1);
+        const plan::StepPlan      step    = plan::plan_step(options, 1, costs);
+        const double              counted = tensor_core_flops(*step.stages[0].time);
+        EXPECT_NEAR(counted / step.model_flops, 1.0, 0.001);
+        EXPECT_GT(counted, step.model_flops);   // the diagonal
+    }
+    // TP 2 and PP 2 split them: the stages' FLOPs times the tensor-parallel size are the model's.
+    const train::TrainOptions options = parse_plan({"--global-batch-size", "8", "--tensor-model-parallel-size", "2",
+                                                    "--sequence-parallel", "--pipeline-model-parallel-size", "2"}, 4);
+    const plan::StepPlan      step    = plan::plan_step(options, 4, costs);
+    ASSERT_EQ(step.stages.size(), 2u);
+    EXPECT_EQ(step.stages[1].rank, 2);   // rank 0's pipeline group: tp 2 ranks apart
+    const double counted = 2 * (tensor_core_flops(*step.stages[0].time) + tensor_core_flops(*step.stages[1].time));
+    EXPECT_NEAR(counted / step.model_flops, 1.0, 0.001);
+}
+
+TEST(StepPlan, ThePipelineBubbleIsTheSchedulesAndTheNetworkIsSlowerThanNvlink) {
+    const plan::CostModel costs = h100();
+    // PP 4 with 8 micro-batches: 1F1B idles (PP - 1) / (M + PP - 1) of the time, near enough with the first
+    // stage's embedding and the last one's loss.
+    const train::TrainOptions pp4 = parse_plan({"--num-layers", "8", "--hidden-size", "1024", "--vocab-size", "1000",
+                                                "--global-batch-size", "16", "--pipeline-model-parallel-size", "4"}, 4);
+    const plan::StepPlan piped = plan::plan_step(pp4, 4, costs);
+    EXPECT_NEAR(piped.timeline.bubble_fraction(), 3.0 / 11.0, 0.05);
+    EXPECT_GT(piped.step_s, 0.0);
+    EXPECT_LT(piped.mfu, costs.efficiency().gemm);
+    // The same TP 2 layout with both ranks in one node, then on two nodes.
+    const train::TrainOptions tp2 = parse_plan({"--global-batch-size", "4", "--tensor-model-parallel-size", "2",
+                                                "--sequence-parallel"}, 2);
+    const plan::CostModel     one_node(plan::gpu_spec("h100-80gb"), 2, DType::bf16);
+    const plan::CostModel     two_nodes(plan::gpu_spec("h100-80gb"), 1, DType::bf16);
+    const plan::StepPlan      near = plan::plan_step(tp2, 2, one_node);
+    const plan::StepPlan      far  = plan::plan_step(tp2, 2, two_nodes);
+    const auto &              near_ops = near.stages[0].time->totals;
+    const auto &              far_ops  = far.stages[0].time->totals;
+    ASSERT_TRUE(near_ops.count("all_gather") && near_ops.count("reduce_scatter"));
+    EXPECT_EQ(near_ops.at("all_gather").bytes, far_ops.at("all_gather").bytes);
+    // The network's 42.5 GB/s against NVLink's 360: the same bytes, eight times the time, less latency.
+    EXPECT_GT(far_ops.at("all_gather").seconds, 4 * near_ops.at("all_gather").seconds);
+    EXPECT_GT(far.step_s, near.step_s);
+}
+
+TEST(StepPlan, MoeModelsAreRefusedByName) {
+    const train::TrainOptions options = parse_plan({"--global-batch-size", "4", "--num-experts", "4"}, 1);
+    try {
+        plan::plan_step(options, 1, h100());
+        FAIL() << "an MoE model was timed";
+    } catch (const Error & e) {
+        EXPECT_NE(std::string(e.what()).find("MoE"), std::string::npos) << e.what();
+    }
+}
