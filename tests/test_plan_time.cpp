@@ -5,6 +5,7 @@
 #include "core/ops.h"
 #include "pipeline/timeline.h"
 #include "plan/cost_model.h"
+#include "plan/layout_search.h"
 #include "plan/meta_device.h"
 #include "plan/step_plan.h"
 #include "train/megatron_flags.h"
@@ -14,7 +15,10 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 
 using namespace loom;
 
@@ -24,19 +28,26 @@ plan::CostModel h100(int gpus_per_node = 8, DType math = DType::bf16) {
     return plan::CostModel(plan::gpu_spec("h100-80gb"), gpus_per_node, math);
 }
 
-train::TrainOptions parse_plan(const std::vector<std::string> & flags, int64_t world_size) {
+train::TrainOptions parse_flags(const std::vector<std::string> & flags, int64_t world_size) {
     CLI::App                 app{"test", "loom plan"};
     train::TrainOptionParser parser(app);
     parser.plan_only();
-    std::vector<std::string> args{"plan", "--mock-data", "--num-layers", "4", "--hidden-size", "256",
-                                  "--num-attention-heads", "8", "--seq-length", "512", "--max-position-embeddings",
-                                  "512", "--micro-batch-size", "2", "--vocab-size", "8000", "--bf16"};
+    std::vector<std::string> args{"plan"};
     args.insert(args.end(), flags.begin(), flags.end());
     std::vector<const char *> argv;
     for (const std::string & a : args) argv.push_back(a.c_str());
     train::check_option_values(app, static_cast<int>(argv.size()), argv.data());
     app.parse(static_cast<int>(argv.size()), argv.data());
     return parser.resolve(world_size);
+}
+
+// A small model's flags, then `flags`.
+train::TrainOptions parse_plan(const std::vector<std::string> & flags, int64_t world_size) {
+    std::vector<std::string> args{"--mock-data", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+                                  "--seq-length", "512", "--max-position-embeddings", "512", "--micro-batch-size", "2",
+                                  "--vocab-size", "8000", "--bf16"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    return parse_flags(args, world_size);
 }
 
 // The model FLOPs of the tensor-core ops of one stage's iteration: the attention backward's as Megatron
@@ -221,4 +232,113 @@ TEST(StepPlan, MoeModelsAreRefusedByName) {
     } catch (const Error & e) {
         EXPECT_NE(std::string(e.what()).find("MoE"), std::string::npos) << e.what();
     }
+}
+
+TEST(MetaOps, AttentionCountsTheCausalPairsOfEveryPositionRun) {
+    // The closed form over each side's two runs of positions against counting every (query, key) pair:
+    // whole sequences, a context-parallel rank's two chunks (its queries and the keys of another rank), and
+    // runs that start past each other.
+    const plan::CostModel costs = h100();
+    plan::MetaDevice      device(&costs);
+    const int64_t         b = 2, nq = 4, nkv = 2, d = 8;
+    auto pairs = [&](const AttentionShape & shape) {
+        double count = 0;
+        for (int64_t i = 0; i < shape.s; ++i) {
+            for (int64_t j = 0; j < shape.keys(); ++j) count += shape.k_pos(j) <= shape.q_pos(i) ? 1 : 0;
+        }
+        return count * static_cast<double>(b);
+    };
+    struct Case {
+        int64_t      s, s_kv;
+        SeqPositions q, k;
+    };
+    for (const Case & c : {Case{64, 64, {}, {}},
+                           Case{32, 32, {0, 16, 112}, {0, 16, 112}},     // CP 4, rank 0: chunks 0 and 7 of 8
+                           Case{32, 32, {48, 16, 64}, {0, 16, 112}},     // rank 3's queries, rank 0's keys
+                           Case{32, 32, {0, 16, 112}, {48, 16, 64}},     // rank 0's queries, rank 3's keys
+                           Case{17, 40, {100, 5, 7}, {3, 30, 90}}}) {   // uneven runs, in any order
+        AttentionShape shape(c.s, b, nq, nkv, d, (nq + 2 * nkv) * d);
+        shape.s_kv  = c.s_kv;
+        shape.q_pos = c.q;
+        shape.k_pos = c.k;
+        Tensor q    = Tensor::empty({c.s * b, (nq + 2 * nkv) * d}, DType::bf16, device);
+        Tensor kv   = Tensor::empty({c.s_kv * b, (nq + 2 * nkv) * d}, DType::bf16, device);
+        Tensor out  = Tensor::empty({c.s * b, nq * d}, DType::f32, device);
+        Tensor lse  = Tensor::empty({b, nq, c.s}, DType::f32, device);
+        device.clock().totals.clear();
+        device.ops().attention_forward(device.compute_stream(), q, kv, out, lse, shape, 1.0f);
+        EXPECT_DOUBLE_EQ(device.clock().totals.at("attention_forward").flops, 4.0 * nq * d * pairs(shape))
+            << "s " << c.s << ", queries from " << c.q.first << "/" << c.q.second << ", keys from " << c.k.first << "/"
+            << c.k.second;
+    }
+}
+
+TEST(StepPlan, SampledMicroBatchesGiveTheWholePlansStepAndPeaks) {
+    // 32 micro-batches through PP 4 (1F1B, and interleaved with 2 chunks): the stages run 8 and the rest are
+    // simulated with their durations. The same peaks, to the byte, and the same step.
+    const plan::CostModel costs = h100();
+    for (const std::vector<std::string> & extra :
+         {std::vector<std::string>{}, std::vector<std::string>{"--num-virtual-stages-per-pipeline-rank", "2"}}) {
+        std::vector<std::string> flags{"--num-layers", "8", "--global-batch-size", "64", "--pipeline-model-parallel-size", "4"};
+        flags.insert(flags.end(), extra.begin(), extra.end());
+        const train::TrainOptions options = parse_plan(flags, 4);
+        const plan::StepPlan      whole   = plan::plan_step(options, 4, costs);
+        const plan::StepPlan      sampled = plan::plan_step(options, 4, costs, /*sampled=*/true);
+        ASSERT_EQ(whole.stages.size(), sampled.stages.size());
+        for (size_t stage = 0; stage < whole.stages.size(); ++stage) {
+            EXPECT_EQ(whole.stages[stage].device_peak_total(), sampled.stages[stage].device_peak_total()) << "stage " << stage;
+            EXPECT_EQ(whole.stages[stage].activations_peak, sampled.stages[stage].activations_peak) << "stage " << stage;
+        }
+        EXPECT_NEAR(sampled.step_s / whole.step_s, 1.0, 1e-9) << extra.size();
+        EXPECT_NEAR(sampled.timeline.bubble_fraction(), whole.timeline.bubble_fraction(), 1e-9);
+    }
+}
+
+TEST(LayoutSearch, RanksTheLayoutsThatFitAndSaysWhyTheOthersDoNot) {
+    // A 3.4B Llama-style model on 8 GPUs of 24 GiB: the unsharded families cannot hold its states, some fit
+    // only with recompute, and the rest are ranked by their planned step.
+    plan::GpuSpec small = plan::gpu_spec("h100-80gb");
+    small.memory_bytes  = int64_t{24} << 30;
+    const plan::CostModel costs(small, 8, DType::bf16);
+    const std::vector<std::string> model{"--mock-data", "--num-layers", "16", "--hidden-size", "4096",
+                                         "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
+                                         "--ffn-hidden-size", "14336", "--swiglu", "--normalization", "RMSNorm",
+                                         "--position-embedding-type", "rope", "--disable-bias-linear",
+                                         "--untie-embeddings-and-output-weights", "--seq-length", "4096",
+                                         "--max-position-embeddings", "4096", "--vocab-size", "32000", "--bf16",
+                                         "--global-batch-size", "16"};
+    auto options_for = [&](const plan::Layout & layout) {
+        std::vector<std::string> flags = model;
+        for (const std::string & f : layout.flags()) flags.push_back(f);
+        return parse_flags(flags, 8);
+    };
+    const auto               began  = std::chrono::steady_clock::now();
+    const plan::SearchResult result = plan::search_layouts(options_for(plan::Layout{}), 8, costs, options_for);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+    ASSERT_FALSE(result.fitting.empty());
+    for (size_t i = 0; i < result.fitting.size(); ++i) {
+        EXPECT_LE(result.fitting[i].peak_bytes, costs.usable_memory_bytes()) << result.fitting[i].layout.describe(8);
+        if (i > 0) EXPECT_LE(result.fitting[i - 1].step_s, result.fitting[i].step_s);
+    }
+    bool unsharded = false;
+    for (const plan::RejectedFamily & r : result.rejected) {
+        EXPECT_NE(r.why.find("GiB"), std::string::npos) << r.family << ": " << r.why;
+        if (r.family == "TP 1, PP 1, CP 1") {
+            unsharded = true;
+            EXPECT_NE(r.why.find("alone take"), std::string::npos) << r.why;
+        }
+    }
+    EXPECT_TRUE(unsharded);
+    auto recomputes = [](const plan::Candidate & c) { return c.layout.full_recompute; };
+    EXPECT_TRUE(std::any_of(result.fitting.begin(), result.fitting.end(), recomputes));
+    EXPECT_FALSE(std::all_of(result.fitting.begin(), result.fitting.end(), recomputes));
+    // The fastest layout, planned whole (every micro-batch run), gives the search's figures.
+    const plan::Candidate & best  = result.fitting.front();
+    const plan::StepPlan    whole = plan::plan_step(options_for(best.layout), 8, costs);
+    int64_t                 peak  = 0;
+    for (const plan::RankMemory & stage : whole.stages) peak = std::max(peak, stage.device_peak_total());
+    EXPECT_EQ(peak, best.peak_bytes);
+    EXPECT_NEAR(whole.step_s / best.step_s, 1.0, 1e-9);
+    std::printf("search: %d layouts planned in %.2f s, %zu fit, best %s at %.3f s\n", result.planned, seconds,
+                result.fitting.size(), best.layout.describe(8).c_str(), best.step_s);
 }

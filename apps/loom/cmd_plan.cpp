@@ -14,6 +14,7 @@
 #include "apps/loom/commands.h"
 
 #include "core/error.h"
+#include "plan/layout_search.h"
 #include "plan/memory_plan.h"
 #include "plan/step_plan.h"
 #include "train/options_parser.h"
@@ -21,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <optional>
 #include <sstream>
@@ -57,38 +59,126 @@ std::vector<std::pair<std::string, plan::OpTotal>> longest_ops(const std::map<st
     return ops;
 }
 
+// The command's flags: loom train's, and the plan's own.
+struct PlanCommand {
+    CLI::App                 app{"Plan a training run: the memory each rank holds, by pool, from the allocator's books; "
+                                 "with --gpu, its step time; with --search, the layouts that fit, fastest first.",
+                                 "loom plan"};
+    train::TrainOptionParser parser{app};
+    int64_t                  nodes = 1, gpus_per_node = 1;
+    std::string              ranks_text = "all";
+    bool                     json = false, search = false;
+    std::string              gpu;
+    double                   nvlink_gbps = 0, network_gbps = 0;
+    int64_t                  top = 10;
+
+    PlanCommand() {
+        parser.plan_only();
+        app.add_option("--nodes", nodes, "nodes in the planned job (default 1)");
+        app.add_option("--gpus-per-node", gpus_per_node, "devices per node: world size = nodes x gpus-per-node (default 1)");
+        app.add_option("--ranks", ranks_text, "the ranks to plan: all (default) or a comma-separated list");
+        app.add_flag("--json", json, "print the plan as JSON");
+        app.add_option("--gpu", gpu, "time the step on this GPU: h100-80gb, h200, a100-80gb or b200 (default: memory only)");
+        app.add_option("--nvlink-gbps", nvlink_gbps, "NVLink bandwidth per GPU, one direction, GB/s (default: the GPU's)");
+        app.add_option("--network-gbps", network_gbps, "network bandwidth per GPU, one direction, GB/s (default: the GPU's)");
+        app.add_flag("--search", search, "with --gpu: plan every layout (TP, PP, VPP, CP, micro-batch, recompute) and "
+                                         "rank those that fit by step time");
+        app.add_option("--top", top, "with --search: how many layouts to print (default 10)");
+    }
+};
+
+// `loom plan --search`: the layouts of the user's model, batch and cluster, each parsed from the user's flags
+// with the layout's added, as `loom plan` would parse them.
+int search(const PlanCommand & command, const train::TrainOptions & base, int argc, char ** argv) {
+    for (int i = 1; i < argc; ++i) {
+        const std::string arg = argv[i];
+        for (const std::string & flag : plan::searched_flags()) {
+            LOOM_CHECK(arg != flag && arg.rfind(flag + "=", 0) != 0, "--search chooses " << flag << " itself",
+                       "leave " << flag << " out, or plan that layout without --search");
+        }
+    }
+    const int       world = static_cast<int>(command.nodes * command.gpus_per_node);
+    plan::GpuSpec   spec  = plan::gpu_spec(command.gpu);
+    if (command.nvlink_gbps > 0) spec.nvlink_bytes_per_s = command.nvlink_gbps * 1e9;
+    if (command.network_gbps > 0) spec.network_bytes_per_s = command.network_gbps * 1e9;
+    const plan::CostModel costs(spec, static_cast<int>(command.gpus_per_node), base.model.params_dtype);
+    auto options_for = [&](const plan::Layout & layout) {
+        PlanCommand               again;
+        std::vector<std::string>  args(argv, argv + argc);
+        for (const std::string & f : layout.flags()) args.push_back(f);
+        std::vector<const char *> raw;
+        for (const std::string & a : args) raw.push_back(a.c_str());
+        train::check_option_values(again.app, static_cast<int>(raw.size()), raw.data());
+        try {
+            again.app.parse(static_cast<int>(raw.size()), raw.data());
+        } catch (const CLI::ParseError & e) {
+            LOOM_THROW("the layout's flags do not parse: " << e.what(), "");
+        }
+        return again.parser.resolve(world);
+    };
+    const auto                began  = std::chrono::steady_clock::now();
+    const plan::SearchResult  result = plan::search_layouts(base, world, costs, options_for);
+    const double              took   = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+    const size_t              shown  = std::min(result.fitting.size(), static_cast<size_t>(std::max<int64_t>(command.top, 0)));
+    if (command.json) {
+        nlohmann::json out;
+        out["world_size"] = world;
+        out["gpu"]        = command.gpu;
+        out["planned"]    = result.planned;
+        out["seconds"]    = took;
+        nlohmann::json fitting = nlohmann::json::array();
+        for (size_t i = 0; i < shown; ++i) {
+            const plan::Candidate & c = result.fitting[i];
+            fitting.push_back({{"layout", c.layout.describe(world)}, {"flags", c.layout.flags()}, {"step_seconds", c.step_s},
+                               {"tflops_per_gpu", c.tflops_per_gpu}, {"mfu", c.mfu}, {"bubble_fraction", c.bubble},
+                               {"peak_bytes", c.peak_bytes}});
+        }
+        out["fitting"]  = fitting;
+        nlohmann::json rejected = nlohmann::json::array();
+        for (const plan::RejectedFamily & r : result.rejected) rejected.push_back({{"family", r.family}, {"why", r.why}});
+        out["rejected"] = rejected;
+        std::printf("%s\n", out.dump(2).c_str());
+        return 0;
+    }
+    std::printf("loom plan --search: %s on %d x %s, global batch %lld x %lld tokens; %d layouts planned in %.1f s\n",
+                base.model_preset.c_str(), world, command.gpu.c_str(), static_cast<long long>(base.global_batch_size),
+                static_cast<long long>(base.model.seq_length), result.planned, took);
+    std::printf("%zu fit in %.1f GiB (95%% of the GPU's memory), fastest first:\n", result.fitting.size(),
+                static_cast<double>(costs.usable_memory_bytes()) / 1073741824.0);
+    std::printf("  %-62s %9s %8s %6s %7s %9s\n", "layout", "step s", "TFLOP/s", "MFU", "bubble", "peak GiB");
+    for (size_t i = 0; i < shown; ++i) {
+        const plan::Candidate & c = result.fitting[i];
+        std::printf("  %-62s %9.3f %8.1f %5.1f%% %6.1f%% %9.1f\n", c.layout.describe(world).c_str(), c.step_s,
+                    c.tflops_per_gpu, 100 * c.mfu, 100 * c.bubble, static_cast<double>(c.peak_bytes) / 1073741824.0);
+    }
+    if (!result.rejected.empty()) std::printf("families that do not fit:\n");
+    for (const plan::RejectedFamily & r : result.rejected) std::printf("  %-20s %s\n", r.family.c_str(), r.why.c_str());
+    return 0;
+}
+
 }  // namespace
 
 int cmd_plan(int argc, char ** argv) {
-    CLI::App app{"Plan a training run: the memory each rank holds, by pool, from the allocator's books.", "loom plan"};
-    train::TrainOptionParser parser(app);
-    parser.plan_only();
-    int64_t     nodes = 1, gpus_per_node = 1;
-    std::string ranks_text = "all";
-    bool        json       = false;
-    std::string gpu;
-    double      nvlink_gbps = 0, network_gbps = 0;
-    app.add_option("--nodes", nodes, "nodes in the planned job (default 1)");
-    app.add_option("--gpus-per-node", gpus_per_node, "devices per node: world size = nodes x gpus-per-node (default 1)");
-    app.add_option("--ranks", ranks_text, "the ranks to plan: all (default) or a comma-separated list");
-    app.add_flag("--json", json, "print the plan as JSON");
-    app.add_option("--gpu", gpu, "time the step on this GPU: h100-80gb, h200, a100-80gb or b200 (default: memory only)");
-    app.add_option("--nvlink-gbps", nvlink_gbps, "NVLink bandwidth per GPU, one direction, GB/s (default: the GPU's)");
-    app.add_option("--network-gbps", network_gbps, "network bandwidth per GPU, one direction, GB/s (default: the GPU's)");
-
-    if (std::optional<int> status = parse_arguments(app, argc, argv)) return *status;
+    PlanCommand command;
+    if (std::optional<int> status = parse_arguments(command.app, argc, argv)) return *status;
+    const int64_t nodes = command.nodes, gpus_per_node = command.gpus_per_node;
+    const std::string & gpu = command.gpu;
+    const double nvlink_gbps = command.nvlink_gbps, network_gbps = command.network_gbps;
+    const bool json = command.json;
     LOOM_CHECK(nodes >= 1 && gpus_per_node >= 1, "--nodes " << nodes << " --gpus-per-node " << gpus_per_node,
                "both are at least 1");
     const int64_t world = nodes * gpus_per_node;
     LOOM_CHECK(world <= 1 << 20, "a plan of " << world << " ranks", "plan at most 2^20 ranks");
-    const train::TrainOptions options = parser.resolve(world);
-    const std::vector<int>    ranks   = ranks_of(ranks_text, static_cast<int>(world));
+    // A search reads the model and the batch from them, whatever layout the flags would give (it sets its own).
+    const train::TrainOptions options = command.parser.resolve(command.search ? 1 : world);
     const std::string &       timeline_file = options.timeline_file;   // loom train's --timeline: here, the plan's
 
     LOOM_CHECK(nvlink_gbps >= 0 && network_gbps >= 0, "--nvlink-gbps " << nvlink_gbps << " --network-gbps " << network_gbps,
                "bandwidths are positive (0: the GPU's default)");
-    LOOM_CHECK(!gpu.empty() || (nvlink_gbps == 0 && network_gbps == 0 && timeline_file.empty()),
-               "--nvlink-gbps, --network-gbps and --timeline time the step", "add --gpu");
+    LOOM_CHECK(!gpu.empty() || (nvlink_gbps == 0 && network_gbps == 0 && timeline_file.empty() && !command.search),
+               "--nvlink-gbps, --network-gbps, --timeline and --search time the step", "add --gpu");
+    if (command.search) return search(command, options, argc, argv);
+    const std::vector<int> ranks = ranks_of(command.ranks_text, static_cast<int>(world));
     std::optional<plan::StepPlan> step;
     std::optional<plan::CostModel> costs;
     if (!gpu.empty()) {
@@ -133,7 +223,7 @@ int cmd_plan(int argc, char ** argv) {
             out["model_flops"]      = step->model_flops;
             out["bubble_fraction"]  = step->timeline.bubble_fraction();
             out["slowest_stage"]    = step->slowest_stage;
-            out["fits"]             = most.device_peak_total() <= costs->gpu().memory_bytes;
+            out["fits"]             = most.device_peak_total() <= costs->usable_memory_bytes();
             nlohmann::json stages = nlohmann::json::array();
             for (const plan::RankMemory & s : step->stages) {
                 nlohmann::json ops = nlohmann::json::object();
@@ -184,9 +274,10 @@ int cmd_plan(int argc, char ** argv) {
     std::printf("\non %lld x %s (%.0f TFLOP/s, %.2f TB/s, NVLink %.0f GB/s, network %.0f GB/s per GPU):\n",
                 static_cast<long long>(world), g.name.c_str(), costs->tensor_core_flops() / 1e12, g.hbm_bytes_per_s / 1e12,
                 g.nvlink_bytes_per_s / 1e9, g.network_bytes_per_s / 1e9);
-    if (most.device_peak_total() > g.memory_bytes) {
-        std::printf("  does NOT fit: rank %d peaks at %.1f GiB of %.1f GiB\n", most.rank,
-                    static_cast<double>(most.device_peak_total()) / 1073741824.0, static_cast<double>(g.memory_bytes) / 1073741824.0);
+    if (most.device_peak_total() > costs->usable_memory_bytes()) {
+        std::printf("  does NOT fit: rank %d peaks at %.1f GiB of the %.1f GiB usable (95%% of the GPU's)\n", most.rank,
+                    static_cast<double>(most.device_peak_total()) / 1073741824.0,
+                    static_cast<double>(costs->usable_memory_bytes()) / 1073741824.0);
     }
     std::printf("  step %.3f s, %.1f TFLOP/s per GPU, MFU %.1f%% (Megatron's count: %.3g FLOPs per step)\n", step->step_s,
                 step->tflops_per_gpu, 100 * step->mfu, step->model_flops);

@@ -3,6 +3,7 @@
 #include "core/error.h"
 #include "core/input_file.h"
 
+#include <algorithm>
 #include <fstream>
 #include <iterator>
 #include <random>
@@ -104,14 +105,15 @@ Batch Loader::next_microbatch() {
     batch.loss_mask = Tensor::empty({b, s}, DType::f32, device_, {host, "data"});
     batch.sample_ids = Tensor::empty({b}, DType::i64, device_, {MemoryKind::pinned_host, "data"});
     std::vector<int32_t> window(s + 1);
+    int32_t * tokens = batch.tokens.data<int32_t>();
+    int32_t * labels = batch.labels.data<int32_t>();
+    float *   mask   = batch.loss_mask.data<float>();
     for (int64_t j = 0; j < b; ++j) {
         batch.sample_ids.data<int64_t>()[j] = consumed_ + dp_rank_ * micro_batch_size_ + j;
         dataset_.sample(sample_index(j), window);
-        for (int64_t i = 0; i < s; ++i) {
-            batch.tokens.data<int32_t>()[j * s + i]  = window[i];
-            batch.labels.data<int32_t>()[j * s + i]  = window[i + 1];
-            batch.loss_mask.data<float>()[j * s + i] = 1.0f;
-        }
+        std::copy(window.begin(), window.end() - 1, tokens + j * s);
+        std::copy(window.begin() + 1, window.end(), labels + j * s);
+        std::fill(mask + j * s, mask + (j + 1) * s, 1.0f);
     }
     consumed_ += b * dp_size_;
     return batch;

@@ -115,9 +115,31 @@ GptConfig gpt_preset(const std::string & name) {
         c.add_bias_linear = false;
         c.untie_embeddings_and_output_weights = true;
         c.num_query_groups = 2;
+    } else if (name == "gpt3-175b") {   // Brown et al. (2020), Table 2.1
+        gpt2(96, 12288, 96);
+        c.seq_length = c.max_position_embeddings = 2048;
+    } else if (name == "llama3-8b" || name == "llama3-70b" || name == "llama3-405b") {
+        // The Llama 3 Herd of Models (Dubey et al., 2024), Table 3: 8 key/value heads, RoPE base 500 000,
+        // a 128K vocabulary; sequences of 8192.
+        const bool small = name == "llama3-8b", large = name == "llama3-405b";
+        c.num_layers              = small ? 32 : large ? 126 : 80;
+        c.hidden_size             = small ? 4096 : large ? 16384 : 8192;
+        c.ffn_hidden_size         = small ? 14336 : large ? 53248 : 28672;
+        c.num_attention_heads     = small ? 32 : large ? 128 : 64;
+        c.num_query_groups        = 8;
+        c.seq_length              = 8192;
+        c.max_position_embeddings = 8192;
+        c.vocab_size              = 128256;
+        c.normalization           = Normalization::rmsnorm;
+        c.swiglu                  = true;
+        c.position_embedding      = PositionEmbedding::rope;
+        c.rotary_base             = 500000.0f;
+        c.add_bias_linear         = false;
+        c.untie_embeddings_and_output_weights = true;
     } else {
         LOOM_THROW("unknown model preset '" << name << "'",
-                   "presets: gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b, gpt-tiny, llama-tiny");
+                   "presets: gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b, gpt3-175b, llama3-8b, llama3-70b, llama3-405b, "
+                   "gpt-tiny, llama-tiny");
     }
     return c;
 }

@@ -71,6 +71,9 @@ public:
     int                  gpus_per_node() const { return gpus_per_node_; }
 
     double tensor_core_flops() const;   // the peak GEMMs and attention run at
+    // The memory a plan may fill: 95% of the GPU's, the rest for the CUDA context, NCCL's buffers and the
+    // allocator's fragmentation (assumed).
+    int64_t usable_memory_bytes() const { return static_cast<int64_t>(0.95 * static_cast<double>(gpu_.memory_bytes)); }
     // Seconds of one kernel: compute-bound work at `flops` on tensor cores at `efficiency`, memory-bound at
     // `bytes` of HBM traffic, whichever is longer, plus the launch.
     double kernel_seconds(double flops, double bytes, double efficiency) const;

@@ -1,6 +1,7 @@
 #include "plan/memory_plan.h"
 
 #include "core/error.h"
+#include "data/token_dataset.h"
 #include "parallel/process_groups.h"
 #include "plan/meta_device.h"
 #include "train/data_source.h"
@@ -10,6 +11,21 @@
 namespace loom::plan {
 
 namespace {
+
+// Samples of the right length and no content (token 0): a plan's micro-batches have the run's shapes, and
+// the meta device reads no values, so neither the flags' data files nor a synthetic chain are needed.
+class ShapeOnlyDataset final : public data::TokenDataset {
+public:
+    ShapeOnlyDataset(int64_t vocab, int64_t seq) : vocab_(vocab), seq_(seq) {}
+    int64_t     num_samples() const override { return int64_t{1} << 40; }
+    int64_t     vocab_size() const override { return vocab_; }
+    int64_t     seq_length() const override { return seq_; }
+    std::string describe() const override { return "shapes only (loom plan)"; }
+    void        sample(int64_t, std::span<int32_t> out) const override { std::fill(out.begin(), out.end(), 0); }
+
+private:
+    int64_t vocab_, seq_;
+};
 
 std::map<std::string, int64_t> pools_of(const Allocator & allocator) {
     std::map<std::string, int64_t> bytes;
@@ -41,7 +57,8 @@ int64_t RankMemory::device_total() const {
     return total;
 }
 
-RankMemory plan_rank_memory(const train::TrainOptions & options, int world_size, int rank, const CostModel * costs) {
+RankMemory plan_rank_memory(const train::TrainOptions & options, int world_size, int rank, const CostModel * costs,
+                            bool iteration) {
     LOOM_CHECK(rank >= 0 && rank < world_size, "rank " << rank << " of a plan for " << world_size << " ranks", "");
     MetaDevice              device(costs);
     MetaCommunicatorFactory factory(world_size, rank, &device.clock());
@@ -56,11 +73,12 @@ RankMemory plan_rank_memory(const train::TrainOptions & options, int world_size,
         plan.pinned      = pools_of(device.allocator(MemoryKind::pinned_host));
         plan.device_peak = device.allocator(MemoryKind::device).stats().peak_allocated;
         // One iteration of the schedule, for the activations' peak.
-        if (options.model.moe.enabled()) return plan;
+        if (!iteration || options.model.moe.enabled()) return plan;
         plan.iteration_planned   = true;
         train::TrainOptions once = one_iteration(options);
         std::unique_ptr<train::BatchSource> data = train::context_parallel_part(
-            train::make_batch_source(once, device, true, groups.dp ? groups.dp->rank() : 0, once.parallel.dp()),
+            train::loader_source(std::make_unique<ShapeOnlyDataset>(once.model.vocab_size, once.model.seq_length),
+                                 once.micro_batch_size, groups.dp ? groups.dp->rank() : 0, once.parallel.dp(), device),
             groups.cp ? groups.cp->rank() : 0, once.parallel.cp());
         Allocator &   memory = device.allocator(MemoryKind::device);
         const int64_t states = memory.stats().allocated;

@@ -61,8 +61,9 @@ train::TrainOptions one_iteration(const train::TrainOptions & options);
 // The memory rank `rank` of `world_size` ranks holds once `options` are set up, and at the peak of one
 // iteration (the Trainer's, run on the meta device). `options` are resolved for that world size
 // (train::TrainOptionParser::plan_only).
-// With `costs`, the iteration also keeps modelled time (RankMemory::time).
+// With `costs`, the iteration also keeps modelled time (RankMemory::time). Without `iteration`, only set-up
+// is planned (what the rank holds between iterations): a layout search's first, cheap cut.
 RankMemory plan_rank_memory(const train::TrainOptions & options, int world_size, int rank,
-                            const CostModel * costs = nullptr);
+                            const CostModel * costs = nullptr, bool iteration = true);
 
 }  // namespace loom::plan

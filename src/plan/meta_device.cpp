@@ -9,16 +9,46 @@ namespace loom::plan {
 
 namespace {
 
-// Address space, reserved and never written: MAP_NORESERVE pages cost nothing until touched.
+// Address space, reserved and never written: MAP_NORESERVE pages cost nothing until touched. Blocks come
+// from one arena reserved at the first allocation (one mmap, one munmap: a layout search sets up hundreds
+// of ranks, and a system call per block took most of its time); past the arena, or where the system
+// refuses so large a reservation, each block is reserved by itself.
 class ReservedMemory final : public RawMemory {
 public:
+    explicit ReservedMemory(size_t arena_bytes) : arena_bytes_(arena_bytes) {}
+    ~ReservedMemory() override {
+        if (arena_ != nullptr) ::munmap(arena_, arena_bytes_);
+    }
     void * raw_alloc(size_t bytes) override {
+        constexpr size_t kPage = 4096;
+        const size_t     size  = (bytes + kPage - 1) / kPage * kPage;
+        if (arena_ == nullptr && !arena_refused_) {
+            void * p = ::mmap(nullptr, arena_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+            if (p == MAP_FAILED) arena_refused_ = true;
+            else arena_ = static_cast<char *>(p);
+        }
+        if (arena_ != nullptr && used_ + size <= arena_bytes_) {
+            void * p = arena_ + used_;
+            used_ += size;
+            return p;
+        }
         void * p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         LOOM_CHECK(p != MAP_FAILED, "the meta device could not reserve " << bytes << " bytes of address space",
                    "plan a smaller model or layout per rank (the plan holds one rank's address space)");
         return p;
     }
-    void raw_free(void * ptr, size_t bytes) override { ::munmap(ptr, bytes); }
+    // The arena's blocks go back with it (the caching allocator reuses freed blocks itself).
+    void raw_free(void * ptr, size_t bytes) override {
+        const char * p = static_cast<const char *>(ptr);
+        if (arena_ != nullptr && p >= arena_ && p < arena_ + arena_bytes_) return;
+        ::munmap(ptr, bytes);
+    }
+
+private:
+    size_t arena_bytes_;
+    char * arena_         = nullptr;
+    size_t used_          = 0;
+    bool   arena_refused_ = false;
 };
 
 class MetaEvent final : public Event {
@@ -67,18 +97,32 @@ double bytes_of(std::initializer_list<const Tensor *> tensors) {
     return total;
 }
 
+// sum over p in [lo, hi] of clamp(p - a + 1, 0, len): the keys at positions a, ..., a + len - 1 that a query at
+// position p sees.
+double visible_keys(int64_t lo, int64_t hi, int64_t a, int64_t len) {
+    if (len <= 0 || hi < lo) return 0;
+    double        total = 0;
+    const int64_t ramp_lo = std::max(lo, a), ramp_hi = std::min(hi, a + len - 2);   // 1 .. len - 1 keys
+    if (ramp_lo <= ramp_hi) {
+        const double n = static_cast<double>(ramp_hi - ramp_lo + 1);
+        total += n * (static_cast<double>(ramp_lo - a + 1) + static_cast<double>(ramp_hi - a + 1)) / 2;
+    }
+    const int64_t full_lo = std::max(lo, a + len - 1);   // all len keys
+    if (full_lo <= hi) total += static_cast<double>(hi - full_lo + 1) * static_cast<double>(len);
+    return total;
+}
+
 // The (query, key) pairs the causal mask keeps: for each query, the keys at positions up to its own. Each
 // side's positions are two runs (core/positions.h: rows before `split` from `first`, the rest from
 // `second`).
 double causal_pairs(const AttentionShape & shape) {
-    const int64_t keys  = shape.keys();
-    const int64_t k1    = std::min(keys, shape.k_pos.split);
-    const int64_t k2    = keys - k1;
+    const int64_t keys = shape.keys(), k1 = std::min(keys, shape.k_pos.split), k2 = keys - k1;
+    const int64_t q1 = std::min(shape.s, shape.q_pos.split), q2 = shape.s - q1;
     double        pairs = 0;
-    for (int64_t i = 0; i < shape.s; ++i) {
-        const int64_t p = shape.q_pos(i);
-        pairs += static_cast<double>(std::clamp<int64_t>(p - shape.k_pos.first + 1, 0, k1));
-        pairs += static_cast<double>(std::clamp<int64_t>(p - shape.k_pos.second + 1, 0, k2));
+    for (const auto & [first, count] : {std::pair{shape.q_pos.first, q1}, std::pair{shape.q_pos.second, q2}}) {
+        if (count <= 0) continue;
+        pairs += visible_keys(first, first + count - 1, shape.k_pos.first, k1);
+        pairs += visible_keys(first, first + count - 1, shape.k_pos.second, k2);
     }
     return pairs * static_cast<double>(shape.b);
 }
@@ -253,8 +297,8 @@ double MetaClock::run(double & stream, const char * op, double flops, double byt
 }
 
 MetaDevice::MetaDevice(const CostModel * costs)
-    : device_memory_(std::make_unique<Allocator>(std::make_unique<ReservedMemory>(), MemoryKind::device, "meta")),
-      pinned_memory_(std::make_unique<Allocator>(std::make_unique<ReservedMemory>(), MemoryKind::pinned_host, "meta-pinned")),
+    : device_memory_(std::make_unique<Allocator>(std::make_unique<ReservedMemory>(size_t{1} << 45), MemoryKind::device, "meta")),
+      pinned_memory_(std::make_unique<Allocator>(std::make_unique<ReservedMemory>(size_t{1} << 42), MemoryKind::pinned_host, "meta-pinned")),
       ops_(std::make_unique<MetaOps>(clock_)),
       compute_(std::make_unique<MetaStream>(*this, clock_, "compute")) {
     clock_.costs = costs;

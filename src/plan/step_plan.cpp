@@ -3,6 +3,8 @@
 #include "core/error.h"
 
 #include <algorithm>
+#include <map>
+#include <tuple>
 
 namespace loom::plan {
 
@@ -23,28 +25,50 @@ double megatron_flops(const train::TrainOptions & options) {
     return flops;
 }
 
-StepPlan plan_step(const train::TrainOptions & options, int world_size, const CostModel & costs) {
+StepPlan plan_step(const train::TrainOptions & options, int world_size, const CostModel & costs, bool sampled) {
     LOOM_CHECK(!options.model.moe.enabled(), "loom plan cannot time a model with MoE layers yet",
                "their tokens go to the experts the router picks from the data, which the plan does not compute; "
                "plan the memory without --gpu");
+    const int64_t microbatches = options.global_batch_size / (options.micro_batch_size * options.parallel.dp());
+    train::TrainOptions planned = options;
+    int64_t             run     = microbatches;   // M', the micro-batches the stages run
+    if (sampled && options.batch_schedule.empty()) {
+        run                       = std::min<int64_t>(microbatches, 2 * options.parallel.pp());
+        planned.global_batch_size = run * options.micro_batch_size * options.parallel.dp();
+    }
     StepPlan plan;
-    plan.stages.push_back(plan_rank_memory(options, world_size, 0, &costs));
+    plan.stages.push_back(plan_rank_memory(planned, world_size, 0, &costs));
     const std::vector<int> ranks = plan.stages.front().pipeline_ranks;
     for (size_t stage = 1; stage < ranks.size(); ++stage) {
-        plan.stages.push_back(plan_rank_memory(options, world_size, ranks[stage], &costs));
+        plan.stages.push_back(plan_rank_memory(planned, world_size, ranks[stage], &costs));
     }
     double transfer_s = 0;
-    for (const RankMemory & stage : plan.stages) {
-        LOOM_CHECK(stage.time.has_value(), "rank " << stage.rank << "'s iteration was not timed", "");
-        transfer_s = std::max(transfer_s, stage.time->transfer_s);
+    // Each stage's op durations by (forward, chunk, micro-batch run), in ms.
+    std::vector<std::map<std::tuple<bool, int, int>, double>> durations(plan.stages.size());
+    for (size_t stage = 0; stage < plan.stages.size(); ++stage) {
+        const RankMemory & s = plan.stages[stage];
+        LOOM_CHECK(s.time.has_value(), "rank " << s.rank << "'s iteration was not timed", "");
+        transfer_s = std::max(transfer_s, s.time->transfer_s);
+        for (const pipeline::TimelineOp & op : s.time->ops) {
+            durations[stage][{op.op.forward, op.op.chunk, op.op.microbatch}] = op.end - op.start;
+        }
     }
-    const pipeline::ScheduleOptions & schedule = plan.stages.front().time->schedule;
+    // Micro-batch m of the whole schedule is timed by micro-batch `ran(m)` of the run.
+    const int64_t head = run / 2, tail = run - head;
+    auto          ran  = [&](int m) -> int {
+        if (m < head) return m;
+        if (m >= microbatches - tail) return static_cast<int>(m - (microbatches - run));
+        return static_cast<int>(head - 1);
+    };
+    pipeline::ScheduleOptions schedule = plan.stages.front().time->schedule;
+    schedule.num_microbatches          = static_cast<int>(microbatches);
     plan.timeline = pipeline::simulate_timeline(
         schedule,
-        [&](int rank, size_t k, const pipeline::ScheduleOp &) {
-            const std::vector<pipeline::TimelineOp> & ops = plan.stages[static_cast<size_t>(rank)].time->ops;
-            LOOM_CHECK(k < ops.size(), "stage " << rank << " ran " << ops.size() << " ops, the schedule has more", "");
-            return ops[k].end - ops[k].start;
+        [&](int rank, size_t, const pipeline::ScheduleOp & op) {
+            const auto & d  = durations[static_cast<size_t>(rank)];
+            auto         it = d.find({op.forward, op.chunk, ran(op.microbatch)});
+            LOOM_CHECK(it != d.end(), "stage " << rank << " did not run " << pipeline::op_label(op), "");
+            return it->second;
         },
         transfer_s * 1e3);
     for (size_t stage = 0; stage < plan.stages.size(); ++stage) {

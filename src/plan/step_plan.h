@@ -39,6 +39,12 @@ double megatron_flops(const train::TrainOptions & options);
 
 // Throws naming the reason where the iteration cannot be timed (MoE layers: the meta device computes no
 // routing).
-StepPlan plan_step(const train::TrainOptions & options, int world_size, const CostModel & costs);
+//
+// With `sampled`, the stages run only M' = min(M, 2 PP) micro-batches on the meta device, enough for the
+// schedule's steady state and its peak in flight (at most PP for 1F1B and under 2 PP interleaved: the same
+// memory peaks), and the schedule of all M micro-batches is simulated with their durations: the first
+// M'/2 micro-batches' ops time the first ones, the last M' - M'/2 the last, and the middle ones repeat the
+// steady state's. A layout search plans that way; test_plan_time holds it to the whole plan.
+StepPlan plan_step(const train::TrainOptions & options, int world_size, const CostModel & costs, bool sampled = false);
 
 }  // namespace loom::plan

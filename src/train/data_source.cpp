@@ -124,7 +124,12 @@ std::unique_ptr<BatchSource> make_batch_source(TrainOptions & options, Device & 
                "--vocab-size " << options.model.vocab_size << " is smaller than the dataset's vocabulary "
                                << dataset->vocab_size() << " (" << dataset->describe() << ")",
                "drop --vocab-size to take the dataset's");
-    return std::make_unique<LoaderSource>(std::move(dataset), options.micro_batch_size, dp_rank, dp_size, device);
+    return loader_source(std::move(dataset), options.micro_batch_size, dp_rank, dp_size, device);
+}
+
+std::unique_ptr<BatchSource> loader_source(std::unique_ptr<data::TokenDataset> dataset, int64_t micro_batch_size,
+                                           int64_t dp_rank, int64_t dp_size, Device & device) {
+    return std::make_unique<LoaderSource>(std::move(dataset), micro_batch_size, dp_rank, dp_size, device);
 }
 
 }  // namespace loom::train

@@ -21,6 +21,11 @@ std::unique_ptr<BatchSource> make_batch_source(TrainOptions & options, Device & 
                                                int64_t dp_rank = 0, int64_t dp_size = 1,
                                                data::Split split = data::Split::train, int64_t num_samples = 0);
 
+// A loader over `dataset` for data-parallel rank dp_rank of dp_size: what make_batch_source builds over the
+// flags' dataset (loom plan's over a dataset of the right shapes and no content).
+std::unique_ptr<BatchSource> loader_source(std::unique_ptr<data::TokenDataset> dataset, int64_t micro_batch_size,
+                                           int64_t dp_rank, int64_t dp_size, Device & device);
+
 // Context parallelism (model::ContextParallel): each micro-batch of `source` cut to this CP rank's two
 // chunks of every sequence, with the whole sequences' loss-mask sum (MicroBatch::sequence_tokens). Every CP
 // rank of a data-parallel rank reads the same samples. size 1 returns `source`.
