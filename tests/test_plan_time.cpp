@@ -11,7 +11,10 @@
 #include "train/megatron_flags.h"
 #include "train/options_parser.h"
 
+#include "loom_cli_runner.h"
+
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <CLI/CLI.hpp>
 
@@ -19,6 +22,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <regex>
 
 using namespace loom;
 
@@ -341,4 +345,48 @@ TEST(LayoutSearch, RanksTheLayoutsThatFitAndSaysWhyTheOthersDoNot) {
     EXPECT_NEAR(whole.step_s / best.step_s, 1.0, 1e-9);
     std::printf("search: %d layouts planned in %.2f s, %zu fit, best %s at %.3f s\n", result.planned, seconds,
                 result.fitting.size(), best.layout.describe(8).c_str(), best.step_s);
+}
+
+TEST(LoomPlanCli, TimesTheStepAsJsonAndRefusesWhatItCannotHonour) {
+    const std::string model = "--mock-data --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 512 "
+                              "--max-position-embeddings 512 --micro-batch-size 2 --global-batch-size 8 --vocab-size 8000 --bf16";
+    CliRun plan = run_loom("plan " + model + " --gpu h100-80gb --json", "2>/dev/null");
+    ASSERT_EQ(plan.status, 0) << plan.out;
+    const auto json = nlohmann::json::parse(plan.out);
+    EXPECT_GT(json.at("step_seconds").get<double>(), 0.0);
+    EXPECT_GT(json.at("mfu").get<double>(), 0.0);
+    EXPECT_LT(json.at("mfu").get<double>(), 0.7);
+    EXPECT_TRUE(json.at("fits").get<bool>());
+    EXPECT_TRUE(json.at("stages").at(0).at("ops").contains("gemm"));
+    // A flag the search sets itself, a timing flag without a GPU, a GPU it does not know: refused by name.
+    const std::string sizes = "--mock-data --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 512 "
+                              "--max-position-embeddings 512 --global-batch-size 8 --vocab-size 8000 --bf16";
+    CliRun chosen = run_loom("plan " + sizes + " --gpu h100-80gb --search --tensor-model-parallel-size 2");
+    EXPECT_EQ(chosen.status, 2);
+    EXPECT_NE(chosen.out.find("--search chooses --tensor-model-parallel-size"), std::string::npos) << chosen.out;
+    CliRun no_gpu = run_loom("plan " + sizes + " --search");
+    EXPECT_EQ(no_gpu.status, 2);
+    EXPECT_NE(no_gpu.out.find("add --gpu"), std::string::npos) << no_gpu.out;
+    CliRun unknown = run_loom("plan " + model + " --gpu v100");
+    EXPECT_EQ(unknown.status, 2);
+    EXPECT_NE(unknown.out.find("--gpu v100"), std::string::npos) << unknown.out;
+}
+
+TEST(LoomTrainCli, PrintsItsPlanBesideTheAllocatorsFigures) {
+    // Streams inline, as a GPU's stream-ordered allocator frees: the held pools equal their plan and the
+    // activations' peak is within 3% of it (docs/plan.md).
+    CliRun run = run_command("LOOM_SYNC_STREAMS=1 " + std::string(LOOM_CLI_PATH) +
+                             " train --mock-data --train-iters 2 --log-interval 1 2>&1");
+    ASSERT_EQ(run.status, 0) << run.out;
+    for (const char * pool : {"weights", "grads", "optimizer"}) {
+        const std::regex line(std::string("  ") + pool + " +peak +[0-9.]+ MiB +in use +([0-9.]+) MiB +planned +([0-9.]+) MiB");
+        std::smatch      m;
+        ASSERT_TRUE(std::regex_search(run.out, m, line)) << pool << "\n" << run.out;
+        EXPECT_EQ(m[1].str(), m[2].str()) << pool;
+    }
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(run.out, m, std::regex("  activations +peak +([0-9.]+) MiB .* planned peak +([0-9.]+) MiB")))
+        << run.out;
+    EXPECT_NEAR(std::stod(m[1].str()) / std::stod(m[2].str()), 1.0, 0.03);
+    EXPECT_NE(run.out.find("loom plan predicted for this rank"), std::string::npos);
 }

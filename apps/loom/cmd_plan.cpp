@@ -89,7 +89,7 @@ struct PlanCommand {
 
 // `loom plan --search`: the layouts of the user's model, batch and cluster, each parsed from the user's flags
 // with the layout's added, as `loom plan` would parse them.
-int search(const PlanCommand & command, const train::TrainOptions & base, int argc, char ** argv) {
+void refuse_searched_flags(int argc, char ** argv) {
     for (int i = 1; i < argc; ++i) {
         const std::string arg = argv[i];
         for (const std::string & flag : plan::searched_flags()) {
@@ -97,6 +97,9 @@ int search(const PlanCommand & command, const train::TrainOptions & base, int ar
                        "leave " << flag << " out, or plan that layout without --search");
         }
     }
+}
+
+int search(const PlanCommand & command, const train::TrainOptions & base, int argc, char ** argv) {
     const int       world = static_cast<int>(command.nodes * command.gpus_per_node);
     plan::GpuSpec   spec  = plan::gpu_spec(command.gpu);
     if (command.nvlink_gbps > 0) spec.nvlink_bytes_per_s = command.nvlink_gbps * 1e9;
@@ -169,6 +172,7 @@ int cmd_plan(int argc, char ** argv) {
                "both are at least 1");
     const int64_t world = nodes * gpus_per_node;
     LOOM_CHECK(world <= 1 << 20, "a plan of " << world << " ranks", "plan at most 2^20 ranks");
+    if (command.search) refuse_searched_flags(argc, argv);
     // A search reads the model and the batch from them, whatever layout the flags would give (it sets its own).
     const train::TrainOptions options = command.parser.resolve(command.search ? 1 : world);
     const std::string &       timeline_file = options.timeline_file;   // loom train's --timeline: here, the plan's

@@ -23,6 +23,7 @@
 #include "data/gpt_dataset.h"
 #include "ddp/layout.h"
 #include "parallel/process_groups.h"
+#include "plan/memory_plan.h"
 #include "train/data_source.h"
 #include "train/setup.h"
 #include "train/trainer.h"
@@ -31,12 +32,13 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 
 namespace loom::app {
 
 namespace {
 
-void print_summary(const train::TrainSummary & s, Device & where) {
+void print_summary(const train::TrainSummary & s, Device & where, const std::optional<plan::RankMemory> & planned) {
     if (s.losses.empty()) {
         std::printf("\ntraining summary: no iterations to run (the checkpoint is at --train-iters already)\n");
         return;
@@ -51,8 +53,18 @@ void print_summary(const train::TrainSummary & s, Device & where) {
                 device.stats().peak_allocated / 1048576.0, device.stats().peak_reserved / 1048576.0);
     for (const std::string & pool : device.pool_names()) {
         AllocatorStats p = device.pool_stats(pool);
-        std::printf("  %-12s peak %9.1f MiB   in use %9.1f MiB\n", pool.c_str(), p.peak_allocated / 1048576.0,
+        std::printf("  %-12s peak %9.1f MiB   in use %9.1f MiB", pool.c_str(), p.peak_allocated / 1048576.0,
                     p.allocated / 1048576.0);
+        if (planned && planned->device.count(pool)) std::printf("   planned %9.1f MiB", planned->device.at(pool) / 1048576.0);
+        if (planned && planned->iteration_planned && pool == kActivationsPool) {
+            std::printf("   planned peak %9.1f MiB", planned->activations_peak / 1048576.0);
+        }
+        std::printf("\n");
+    }
+    if (planned && planned->iteration_planned) {   // loom plan's figures for this rank (docs/plan.md)
+        std::printf("loom plan predicted for this rank: %.1f MiB held between iterations, %.1f MiB at an iteration's "
+                    "peak (the data and evaluation not counted)\n",
+                    planned->device_total() / 1048576.0, planned->device_peak_total() / 1048576.0);
     }
     if (s.work_end) {   // the backend counts its host work (CUDA)
         const DeviceWork & w = *s.work_end;
@@ -206,6 +218,16 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
         };
         comm::check_agreement(*mpi->world(), cpu::device(), read, "the ranks read different data");
     }
+    // What `loom plan` predicts for this run's rank 0 (the same set-up and one iteration on the meta device),
+    // set beside the allocator's figures in the summary.
+    std::optional<plan::RankMemory> planned;
+    if (out) {
+        try {
+            planned = plan::plan_rank_memory(options, mpi ? mpi->world_size() : 1, 0);
+        } catch (const Error & e) {
+            std::printf("loom train: no plan of this run's memory: %s\n", e.message().c_str());
+        }
+    }
     train::Setup setup = train::setup(options, groups, device);
     if (out) std::printf("loom train: %s on %s, %lld parameters, %lld layers, hidden %lld, heads %lld, seq %lld, vocab %lld (padded %lld)\n",
                 options.model_preset.c_str(), device.name().c_str(), static_cast<long long>(options.model.num_parameters()),
@@ -245,7 +267,7 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
         trainer.set_test(test.get());
         summary = trainer.run(out);
     }
-    if (out) print_summary(summary, device);
+    if (out) print_summary(summary, device, planned);
     return 0;
 }
 
