@@ -226,6 +226,8 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
             planned = plan::plan_rank_memory(options, mpi ? mpi->world_size() : 1, 0);
         } catch (const Error & e) {
             std::printf("loom train: no plan of this run's memory: %s\n", e.message().c_str());
+        } catch (const std::exception & e) {   // the plan is advice: it never stops the run
+            std::printf("loom train: no plan of this run's memory: %s\n", e.what());
         }
     }
     train::Setup setup = train::setup(options, groups, device);
