@@ -8,8 +8,8 @@
 // Each planned rank is set up as `loom train` would set it up (its stage's model chunks, DDP's buffers, the
 // optimizer's state) on the meta device, which allocates by the same code without memory or work
 // (plan/memory_plan.h); the numbers are the allocator's, pool by pool, as `loom train`'s summary names them.
-// Planned: what a rank holds between iterations (values, gradients, optimizer state) and, for models without
-// MoE layers, the peak of one iteration of its schedule (activations and every other pool). With --gpu, the
+// Planned: what a rank holds between iterations (values, gradients, optimizer state) and the peak of one
+// iteration of its schedule (activations and every other pool; MoE layers routed round-robin, balanced). With --gpu, the
 // same iteration on the meta device keeps modelled time (plan/cost_model.h, plan/step_plan.h).
 #include "apps/loom/commands.h"
 
@@ -271,7 +271,7 @@ int cmd_plan(int argc, char ** argv) {
     }
     std::printf("held: between iterations; activations: their pool's peak in one iteration; peak: held plus the "
                 "iteration's peak above it%s\n",
-                options.model.moe.enabled() ? " (not planned for MoE layers, which route by the data)" : "");
+                options.model.moe.enabled() ? " (MoE layers routed round-robin: balanced)" : "");
     std::printf("most loaded: rank %d, %.1f MiB\n", most.rank, mib(most.device_peak_total()));
     if (!step) return 0;
     const plan::GpuSpec & g = costs->gpu();

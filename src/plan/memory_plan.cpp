@@ -46,6 +46,11 @@ train::TrainOptions one_iteration(const train::TrainOptions & options) {
     once.load.clear();
     once.tensorboard_dir.clear();
     once.timeline_file.clear();
+    // The meta device's values mean nothing: a loss or norm it reads back must neither stop nor repeat the
+    // iteration.
+    once.rerun_mode                     = "disabled";
+    once.error_injection_rate           = 0;
+    once.check_for_nan_in_loss_and_grad = false;
     once.eval_interval = 0;
     once.eval_iters    = 0;
     return once;
@@ -73,7 +78,7 @@ RankMemory plan_rank_memory(const train::TrainOptions & options, int world_size,
         plan.pinned      = pools_of(device.allocator(MemoryKind::pinned_host));
         plan.device_peak = device.allocator(MemoryKind::device).stats().peak_allocated;
         // One iteration of the schedule, for the activations' peak.
-        if (!iteration || options.model.moe.enabled()) return plan;
+        if (!iteration) return plan;
         plan.iteration_planned   = true;
         train::TrainOptions once = one_iteration(options);
         std::unique_ptr<train::BatchSource> data = train::context_parallel_part(

@@ -41,8 +41,9 @@ struct RankMemory {
     std::map<std::string, int64_t> pinned;   // pinned host memory by pool (the offloaded optimizer's staging)
     int64_t                        device_peak = 0;   // the most set-up held at once (before DDP re-points the
                                                       // model's first gradients at its buffers)
-    // One iteration, planned unless the model has MoE layers (they route by the data, which the meta device
-    // does not compute: its logits read back as zeros).
+    // One iteration (not planned with `iteration` false). MoE layers route round-robin on the meta device
+    // (balanced: plan/meta_device.h), the load a working balancer aims for; a real run's routing follows its
+    // data, so its expert inputs differ unless they are padded to capacity.
     bool                           iteration_planned = false;
     int64_t                        activations_peak = 0;   // the "activations" pool's peak over one iteration
     int64_t                        iteration_peak   = 0;   // the most every pool held at once in that iteration,

@@ -1,7 +1,10 @@
 #include "plan/meta_device.h"
 
+#include "backend/cpu/moe.h"
 #include "core/error.h"
 #include "core/ops.h"
+
+#include <cstring>
 
 #include <sys/mman.h>
 
@@ -127,8 +130,29 @@ double causal_pairs(const AttentionShape & shape) {
     return pairs * static_cast<double>(shape.b);
 }
 
+bool is_index(const Tensor & t) { return t.defined() && (t.dtype() == DType::i32 || t.dtype() == DType::i64); }
+
+// Balanced routing: slot j of token t (t counted from `first`) goes to expert ((first + t) k + j) mod E, so
+// every expert receives the same share of the slots (k consecutive experts per token: all different while
+// k <= E). The plan's stand-in for a router whose load balancing works.
+// Each slot's probability 1 / k (a dispatch plan that drops by probability sorts them).
+void route_round_robin(const Tensor & top_idx, const Tensor & probs, int64_t first, int64_t experts) {
+    int32_t *     idx = top_idx.data<int32_t>();
+    float *       p   = probs.data<float>();
+    const int64_t n = top_idx.size(0), k = top_idx.size(1);
+    for (int64_t t = 0; t < n; ++t) {
+        for (int64_t j = 0; j < k; ++j) {
+            idx[t * k + j] = static_cast<int32_t>(((first + t) * k + j) % experts);
+            p[t * k + j]   = 1.0f / static_cast<float>(k);
+        }
+    }
+}
+
 // Every kernel, doing nothing but advancing its stream's clock by its modelled cost (the signatures are
-// core/ops.h's).
+// core/ops.h's). Except with index data: the host reads MoE routing counts to size the experts' inputs, so
+// the routers route round-robin (balanced), the dispatch plans are computed from that (by the CPU's
+// kernels, over the meta device's memory, which is the host's), and integer tensors are copied and zeroed
+// for real. Those tensors are a few bytes per token; activations and weights are never touched.
 class MetaOps final : public Ops {
 public:
     explicit MetaOps(MetaClock & clock) : clock_(clock) {}
@@ -199,6 +223,12 @@ public:
     void convert(Stream & s, const Tensor & src, const Tensor & dst) override { memory(s, "convert", bytes_of({&src, &dst})); }
     void round_to_bf16(Stream & s, const Tensor & x, const Tensor & x_bf16) override { memory(s, "round_to_bf16", bytes_of({&x, &x, &x_bf16})); }
     void copy(Stream & s, const Tensor & src, const Tensor & dst) override {
+        if (is_index(src)) {
+            std::memcpy(dst.data_ptr(), src.data_ptr(), src.nbytes());
+        } else if (dst.host_addressable() && dst.nbytes() <= (size_t{1} << 16)) {
+            std::memset(dst.data_ptr(), 0, dst.nbytes());   // a value the host reads (a loss, a norm): zero, never
+                                                            // the bytes a reused block held before
+        }
         if (src.memory_kind() != MemoryKind::device || dst.memory_kind() != MemoryKind::device) {
             run(s, "host_copy", 0, static_cast<double>(src.nbytes()), clock_.costs ? clock_.costs->host_copy_seconds(static_cast<double>(src.nbytes())) : 0);
         } else {
@@ -208,13 +238,18 @@ public:
     void copy_columns(Stream & s, const Tensor & src, int64_t src_col, const Tensor & dst, int64_t dst_col, int64_t width) override {
         memory(s, "copy_columns", 2.0 * static_cast<double>(src.size(0) * width * static_cast<int64_t>(dtype_size(src.dtype()))));
     }
-    void fill_zero(Stream & s, const Tensor & t) override { memory(s, "fill_zero", bytes_of({&t})); }
+    void fill_zero(Stream & s, const Tensor & t) override {
+        if (is_index(t)) std::memset(t.data_ptr(), 0, t.nbytes());
+        memory(s, "fill_zero", bytes_of({&t}));
+    }
     void scale(Stream & s, const Tensor & t, float factor) override { memory(s, "scale", bytes_of({&t, &t})); }
     void sum_of_squares(Stream & s, const Tensor & x, const Tensor & out) override { memory(s, "sum_of_squares", bytes_of({&x})); }
     void moe_topk(Stream & s, const Tensor & logits, const MoeRouting & routing, const Tensor & top_idx, const Tensor & probs) override {
+        route_round_robin(top_idx, probs, 0, routing.experts);
         memory(s, "moe_topk", bytes_of({&logits, &top_idx, &probs}));
     }
     void moe_sinkhorn_topk(Stream & s, const Tensor & logits, int64_t first, const MoeRouting & routing, const Tensor & top_idx, const Tensor & probs) override {
+        route_round_robin(top_idx, probs, first, routing.experts);
         memory(s, "moe_sinkhorn_topk", bytes_of({&logits, &logits, &top_idx, &probs}));
     }
     void moe_aux_counts(Stream & s, const Tensor & logits, const MoeRouting & routing, int64_t groups, const Tensor & counts) override {
@@ -227,9 +262,14 @@ public:
         memory(s, "moe_router_backward", bytes_of({&logits, &top_idx, &dprobs, &counts, &dlogits}));
     }
     void moe_plan(Stream & s, const Tensor & expert_of, const Tensor & probs, const MoePlanSpec & spec, const Tensor & plan_probs, const Tensor & row_of, const Tensor & token_of_row, const Tensor & tokens_per_expert) override {
+        cpu::moe_plan(expert_of.data<int32_t>(), probs.data<float>(), expert_of.size(0), expert_of.size(1), spec,
+                      plan_probs.data<float>(), row_of.data<int32_t>(), token_of_row.data<int32_t>(), token_of_row.numel(),
+                      tokens_per_expert.data<int64_t>());
         memory(s, "moe_plan", bytes_of({&expert_of, &probs, &plan_probs, &row_of, &token_of_row, &tokens_per_expert}));
     }
     void moe_plan_experts(Stream & s, const Tensor & row_of, const Tensor & tokens_per_expert, const Tensor & expert_of) override {
+        cpu::moe_plan_experts(row_of.data<int32_t>(), row_of.numel(), tokens_per_expert.data<int64_t>(),
+                              tokens_per_expert.numel(), expert_of.data<int32_t>());
         memory(s, "moe_plan_experts", bytes_of({&row_of, &tokens_per_expert, &expert_of}));
     }
     void moe_gather_rows(Stream & s, const Tensor & x, const Tensor & index, const Tensor & out) override { memory(s, "moe_gather_rows", bytes_of({&index, &out, &out})); }
@@ -328,20 +368,57 @@ comm::WorkPtr MetaCommunicator::modelled(const char * op, CollectiveKind kind, d
     return std::make_shared<MetaWork>(clock_, clock_->run(start, op, 0, bytes, seconds, holds_stream));
 }
 
-comm::WorkPtr MetaCommunicator::do_all_reduce(const Tensor & t, comm::ReduceOp, Stream * s) {
+// Index data (routing counts, expert ids) crosses a meta communicator as it would between ranks that all
+// hold what this one holds: the plan's ranks are symmetric (balanced routing on every one). Floating-point
+// values are never moved: the plan reads none.
+namespace {
+
+template <typename T> void scale_integers(const Tensor & t, int64_t factor) {
+    T * v = static_cast<T *>(t.data_ptr());
+    for (int64_t i = 0; i < t.numel(); ++i) v[i] = static_cast<T>(v[i] * factor);
+}
+
+void multiply(const Tensor & t, int64_t factor) {
+    if (t.dtype() == DType::i32) scale_integers<int32_t>(t, factor);
+    else scale_integers<int64_t>(t, factor);
+}
+
+}  // namespace
+
+comm::WorkPtr MetaCommunicator::do_all_reduce(const Tensor & t, comm::ReduceOp op, Stream * s) {
+    if (is_index(t) && op == comm::ReduceOp::sum) multiply(t, size());
     return modelled("all_reduce", CollectiveKind::all_reduce, static_cast<double>(t.nbytes()), global_ranks_, s);
 }
-comm::WorkPtr MetaCommunicator::do_reduce_scatter(const Tensor & in, const Tensor &, comm::ReduceOp, Stream * s) {
+comm::WorkPtr MetaCommunicator::do_reduce_scatter(const Tensor & in, const Tensor & out, comm::ReduceOp op, Stream * s) {
+    if (is_index(in)) {
+        std::memcpy(out.data_ptr(), static_cast<const char *>(in.data_ptr()) + rank_ * out.nbytes(), out.nbytes());
+        if (op == comm::ReduceOp::sum) multiply(out, size());
+    }
     return modelled("reduce_scatter", CollectiveKind::reduce_scatter, static_cast<double>(in.nbytes()), global_ranks_, s);
 }
-comm::WorkPtr MetaCommunicator::do_all_gather(const Tensor &, const Tensor & out, Stream * s) {
+comm::WorkPtr MetaCommunicator::do_all_gather(const Tensor & in, const Tensor & out, Stream * s) {
+    if (is_index(in)) {
+        for (int p = 0; p < size(); ++p) std::memcpy(static_cast<char *>(out.data_ptr()) + p * in.nbytes(), in.data_ptr(), in.nbytes());
+    }
     return modelled("all_gather", CollectiveKind::all_gather, static_cast<double>(out.nbytes()), global_ranks_, s);
 }
 comm::WorkPtr MetaCommunicator::do_broadcast(const Tensor & t, int, Stream * s) {
     return modelled("broadcast", CollectiveKind::broadcast, static_cast<double>(t.nbytes()), global_ranks_, s);
 }
-comm::WorkPtr MetaCommunicator::do_all_to_all(const Tensor & in, std::span<const int64_t>, const Tensor &,
-                                              std::span<const int64_t>, Stream * s) {
+comm::WorkPtr MetaCommunicator::do_all_to_all(const Tensor & in, std::span<const int64_t> send_counts, const Tensor & out,
+                                              std::span<const int64_t> recv_counts, Stream * s) {
+    if (is_index(in)) {   // every peer sends this rank what this rank sends itself
+        const size_t  unit = dtype_size(in.dtype());
+        int64_t       mine = 0, at = 0;
+        for (int p = 0; p < rank_; ++p) mine += send_counts[static_cast<size_t>(p)];
+        const int64_t own = send_counts[static_cast<size_t>(rank_)];
+        for (int p = 0; p < size(); ++p) {
+            const int64_t n = std::min(own, recv_counts[static_cast<size_t>(p)]);
+            std::memcpy(static_cast<char *>(out.data_ptr()) + at * unit, static_cast<const char *>(in.data_ptr()) + mine * unit,
+                        static_cast<size_t>(n) * unit);
+            at += recv_counts[static_cast<size_t>(p)];
+        }
+    }
     return modelled("all_to_all", CollectiveKind::all_to_all, static_cast<double>(in.nbytes()), global_ranks_, s);
 }
 // A send does not hold its stream (comm/communicator.h); its receiver's wait is what takes the time.

@@ -26,9 +26,6 @@ double megatron_flops(const train::TrainOptions & options) {
 }
 
 StepPlan plan_step(const train::TrainOptions & options, int world_size, const CostModel & costs, bool sampled) {
-    LOOM_CHECK(!options.model.moe.enabled(), "loom plan cannot time a model with MoE layers yet",
-               "their tokens go to the experts the router picks from the data, which the plan does not compute; "
-               "plan the memory without --gpu");
     const int64_t microbatches = options.global_batch_size / (options.micro_batch_size * options.parallel.dp());
     train::TrainOptions planned = options;
     int64_t             run     = microbatches;   // M', the micro-batches the stages run

@@ -37,8 +37,7 @@ struct StepPlan {
 // Megatron's FLOPs for one global batch of `options` (with the recomputed forward under full recompute).
 double megatron_flops(const train::TrainOptions & options);
 
-// Throws naming the reason where the iteration cannot be timed (MoE layers: the meta device computes no
-// routing).
+// MoE layers are timed with balanced routing (plan/meta_device.h).
 //
 // With `sampled`, the stages run only M' = min(M, 2 PP) micro-batches on the meta device, enough for the
 // schedule's steady state and its peak in flight (at most PP for 1F1B and under 2 PP interleaved: the same
