@@ -1,8 +1,9 @@
-// `loom plan`'s memory against the real run, under mpirun with 1, 2 and 4 ranks: for a grid of 41 layouts
+// `loom plan`'s memory against the real run, under mpirun with 1, 2 and 4 ranks: for a grid of 42 layouts
 // (DP with and without the distributed optimizer and its instances, bf16 and f16 gradient buffers, recompute
 // full and selective, TP with and without sequence parallelism, PP with virtual stages, CP, EP with the MoE
-// model (dropless, and padded to capacity, whose iteration is compared too), Megatron-FSDP's three sharding
-// strategies, and their combinations at 4 ranks), every rank sets up
+// model (dropless, and padded to capacity, whose iteration is compared too), per-layer graphs (the pools
+// captured after a warm-up iteration, then replayed), Megatron-FSDP's three sharding strategies, and their
+// combinations at 4 ranks), every rank sets up
 // on the CPU as `loom train` does and compares the bytes its allocator holds per pool, "weights", "grads" and
 // "optimizer", with plan::plan_rank_memory's for the same rank, built on the meta device. Equal, to the
 // byte: the plan allocates by the same code. Not in the grid: an offloaded optimizer, whose host state a GPU
@@ -139,7 +140,8 @@ TEST(Plan, OneRankHoldsWhatItsPlanSays) {
                                "--micro-batch-size 2 --global-batch-size 8 --bf16",
                                "--num-experts 4 --disable-bias-linear --moe-router-topk 2",
                                "--num-experts 4 --disable-bias-linear --moe-router-topk 2 --moe-expert-capacity-factor 1.0 "
-                               "--moe-pad-expert-input-to-capacity"}) {
+                               "--moe-pad-expert-input-to-capacity",
+                               "--cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 1"}) {
         expect_plan_is_the_run(flags);
     }
 }

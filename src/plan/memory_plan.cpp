@@ -40,7 +40,9 @@ std::map<std::string, int64_t> pools_of(const Allocator & allocator) {
 
 train::TrainOptions one_iteration(const train::TrainOptions & options) {
     train::TrainOptions once = options;
-    once.train_iters         = 1;
+    // With layer graphs, the eager warm-up iterations and the first that replays the graphs captured
+    // before it: the graphs' pools are allocated then, and held after.
+    once.train_iters         = options.layer_graphs ? options.cuda_graph_warmup_steps + 1 : 1;
     once.log_interval        = 1000000;
     once.save.clear();
     once.load.clear();
@@ -81,6 +83,12 @@ RankMemory plan_rank_memory(const train::TrainOptions & options, int world_size,
         if (!iteration) return plan;
         plan.iteration_planned   = true;
         train::TrainOptions once = one_iteration(options);
+        // A timed plan runs eagerly: the meta device's graphs record nothing to replay, so a replayed layer
+        // would cost nothing (graphs save launches, which the roofline charges per kernel either way).
+        if (costs) {
+            once.layer_graphs = false;
+            once.train_iters  = 1;
+        }
         std::unique_ptr<train::BatchSource> data = train::context_parallel_part(
             train::loader_source(std::make_unique<ShapeOnlyDataset>(once.model.vocab_size, once.model.seq_length),
                                  once.micro_batch_size, groups.dp ? groups.dp->rank() : 0, once.parallel.dp(), device),

@@ -57,6 +57,8 @@ struct RankMemory {
 };
 
 // `options` for the one iteration a plan runs: no checkpoint saved or loaded, no evaluation, no log line.
+// With layer graphs (--cuda-graph-impl transformer_engine), the warm-up iterations before it too: the peaks
+// are then those of the first iteration that replays the graphs, with their pools held.
 train::TrainOptions one_iteration(const train::TrainOptions & options);
 
 // The memory rank `rank` of `world_size` ranks holds once `options` are set up, and at the peak of one
