@@ -369,7 +369,7 @@ pipeline::PipelineExecutor::Result Trainer::run_schedule(IterationStats & stats)
         r = executor_->run([this] { return data_.next(); }, sync_.ready(), sync_.last());
         sum_losses_over_context(r);
         peak_in_flight_  = std::max(peak_in_flight_, r.peak_in_flight);
-        last_schedule_   = r;
+        if (r.modelled_begin_s) last_schedule_ = r;   // the meta device's: loom plan reads it
         moe_losses(stats);   // run() waited for the stream
     });
     if (drawn) {

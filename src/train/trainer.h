@@ -78,7 +78,8 @@ public:
     optim::Optimizer &             optimizer() { return *setup_.optimizer; }
     // The most activation contexts the pipeline executor held at once (0 without pipelining).
     int peak_in_flight() const { return peak_in_flight_; }
-    // The last iteration's schedule as the executor ran it: its ops' times (loom plan reads them).
+    // On the meta device (plan/meta_device.h), the last iteration's schedule as the executor ran it: its ops'
+    // modelled times, which loom plan reads. Empty on a real device (no copy per iteration there).
     const pipeline::PipelineExecutor::Result & last_schedule() const { return last_schedule_; }
     const pipeline::ScheduleOptions &          schedule() const { return executor_->options(); }
     // The layer graphs (--cuda-graph-impl transformer_engine) once captured; null before and without.
