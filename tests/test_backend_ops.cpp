@@ -1819,7 +1819,9 @@ TEST(OpsArgumentErrors, Gemm) {
     expect_error_here("i32 operands", [&] {
         ops().gemm(stream(), empty({4, 8}, DType::i32), false, empty({8, 5}, DType::i32), false, c);
     });
-    expect_error_here("bf16 c", [&] { ops().gemm(stream(), a, false, b, false, empty({4, 5}, DType::bf16)); });
+    expect_error_here("f16 c", [&] { ops().gemm(stream(), a, false, b, false, empty({4, 5}, DType::f16)); });
+    expect_error_here("bf16 c with accumulate",
+                      [&] { ops().gemm(stream(), a, false, b, false, empty({4, 5}, DType::bf16), /*accumulate=*/true); });
     expect_error_here("1-D a", [&] { ops().gemm(stream(), empty({32}), false, b, false, c); });
     expect_error_here("gemm_bias: bias size", [&] { ops().gemm_bias(stream(), a, false, b, false, c, empty({4})); });
     expect_error_here("gemm_bias: bf16 bias",
@@ -1870,7 +1872,7 @@ TEST(OpsArgumentErrors, Elementwise) {
     });
     expect_error_here("rope rows", [&] { ops().rope(stream(), empty({6, 20}), 4, 2, 2, 8, 10000.0f, false); });
     expect_error_here("rope dtype", [&] {
-        ops().rope(stream(), empty({6, 20}, DType::bf16), 3, 2, 2, 8, 10000.0f, false);
+        ops().rope(stream(), empty({6, 20}, DType::f16), 3, 2, 2, 8, 10000.0f, false);
     });
 }
 
@@ -1979,15 +1981,16 @@ TEST(OpsArgumentChecks, DtypesAndShapesAreCheckedOnTheCallingThread) {
     const int64_t n = 6, h = 8;
     Tensor        x = random_f32({n, h}, 9000), g = random_f32({h}, 9001), dx = empty({n, h}), rstd = empty({n}),
            mean      = empty({n});
-    Tensor bf16_rows = empty({n, h}, DType::bf16);
-    expect_error_here("layernorm_backward: bf16 dy", [&] {
+    // Activations are f32 or bf16, all of one dtype in a call: bf16 among f32 ones, and f16, are refused.
+    Tensor bf16_rows = empty({n, h}, DType::bf16), f16_rows = empty({n, h}, DType::f16);
+    expect_error_here("layernorm_backward: bf16 dy, f32 x", [&] {
         ops().layernorm_backward(stream(), bf16_rows, x, g, mean, rstd, dx, empty({h}), empty({h}));
     });
-    expect_error_here("rmsnorm_backward: bf16 dy",
+    expect_error_here("rmsnorm_backward: bf16 dy, f32 x",
                       [&] { ops().rmsnorm_backward(stream(), bf16_rows, x, g, rstd, dx, empty({h})); });
-    expect_error_here("bias_add: bf16 y", [&] { ops().bias_add(stream(), bf16_rows, g); });
-    expect_error_here("bias_backward: bf16 dy", [&] { ops().bias_backward(stream(), bf16_rows, empty({h})); });
-    expect_error_here("swiglu_backward: bf16 x", [&] {
+    expect_error_here("bias_add: f16 y", [&] { ops().bias_add(stream(), f16_rows, g); });
+    expect_error_here("bias_backward: f16 dy", [&] { ops().bias_backward(stream(), f16_rows, empty({h})); });
+    expect_error_here("swiglu_backward: bf16 x, f32 dy", [&] {
         ops().swiglu_backward(stream(), bf16_rows, empty({n, h / 2}), dx);
     });
     expect_error_here("swiglu_forward: odd width", [&] {
@@ -2006,14 +2009,14 @@ TEST(OpsArgumentChecks, DtypesAndShapesAreCheckedOnTheCallingThread) {
         ops().embedding_backward(stream(), tokens, dout, empty({8, 4}), wpe_buffer.slice(0, {2, 4}));
     });
 
-    Tensor labels = int_tensor({2, 3}, {0, 1, 2, 3, 4, 5}), logits16 = empty({6, 10}, DType::bf16), r = empty({6});
-    expect_error_here("cross_entropy_forward: bf16 logits",
+    Tensor labels = int_tensor({2, 3}, {0, 1, 2, 3, 4, 5}), logits16 = empty({6, 10}, DType::f16), r = empty({6});
+    expect_error_here("cross_entropy_forward: f16 logits",
                       [&] { ops().cross_entropy_forward(stream(), logits16, labels, r, empty({6}), 10); });
-    expect_error_here("cross_entropy_backward: bf16 logits",
+    expect_error_here("cross_entropy_backward: f16 logits",
                       [&] { ops().cross_entropy_backward(stream(), logits16, labels, r, r, 10); });
-    expect_error_here("row_max: bf16 logits", [&] { ops().row_max(stream(), logits16, 10, r); });
-    expect_error_here("row_sum_exp: bf16 logits", [&] { ops().row_sum_exp(stream(), logits16, r, 10, empty({6})); });
-    expect_error_here("label_logit: bf16 logits", [&] { ops().label_logit(stream(), logits16, labels, r); });
+    expect_error_here("row_max: f16 logits", [&] { ops().row_max(stream(), logits16, 10, r); });
+    expect_error_here("row_sum_exp: f16 logits", [&] { ops().row_sum_exp(stream(), logits16, r, 10, empty({6})); });
+    expect_error_here("label_logit: f16 logits", [&] { ops().label_logit(stream(), logits16, labels, r); });
     Tensor logit_buffer = Tensor::zeros({7 * 10}, DType::f32, dev());
     expect_error_here("row_max: valid 11 > stride 10", [&] {
         ops().row_max(stream(), logit_buffer.slice(0, {6, 10}), 11, r);

@@ -937,11 +937,16 @@ TEST(CudaOps, AttentionArgumentErrorsAreTheCpus) {
         o.attention_forward(s, t(d, {n, 15}), t(d, {n, 8}), t(d, {16}), a, 0.5f);
     });
     // A wrong dtype's text names the tensor's device: the rest is the CPU's.
-    const std::string bf16_text = error_of([&] {
+    const std::string f16_text = error_of([&] {
+        gops().attention_forward(gs(), t(gpu(), {n, 16}, DType::f16), t(gpu(), {n, 8}), t(gpu(), {16}), a, 0.5f);
+    });
+    EXPECT_NE(f16_text.find("attention_forward: q is"), std::string::npos) << f16_text;
+    EXPECT_NE(f16_text.find("expected float32 or bfloat16"), std::string::npos) << f16_text;
+    const std::string mixed_text = error_of([&] {
         gops().attention_forward(gs(), t(gpu(), {n, 16}, DType::bf16), t(gpu(), {n, 8}), t(gpu(), {16}), a, 0.5f);
     });
-    EXPECT_NE(bf16_text.find("attention_forward: q is"), std::string::npos) << bf16_text;
-    EXPECT_NE(bf16_text.find("expected float32"), std::string::npos) << bf16_text;
+    EXPECT_NE(mixed_text.find("attention_forward: out is float32"), std::string::npos) << mixed_text;
+    EXPECT_NE(mixed_text.find("expected bfloat16"), std::string::npos) << mixed_text;
     both("bad groups", [&](Ops & o, Stream & s, Device & d) {
         o.attention_forward(s, t(d, {n, 16}), t(d, {n, 8}), t(d, {16}), AttentionShape{4, 2, 3, 2, 4, 16}, 0.5f);
     });

@@ -183,8 +183,11 @@ void expect_follows_reference(const Layout & l) {
         const bool word_embedding = pname == "embedding.word_embeddings.weight";
         // bf16 gradient buffers against the f32-gradient run: a gradient near zero may round to the other
         // side of a bf16 boundary, which Adam's normalised step turns into a move of up to a few lr either way;
-        // over the schedule's 20 steps (peak 6e-4) that stays under two more ulps.
-        EXPECT_LT(err, f32 ? (word_embedding ? 1e-4 : 1e-5) : l.grads16 ? 0.03125 : 0.015625) << pname;
+        // over the schedule's 20 steps (peak 6e-4) that stays under two more ulps. Tensor parallelism in bf16
+        // does the same to the activations: each rank's partial sums are rounded to bf16 before the group
+        // adds them (Megatron's bf16 all-reduce and reduce-scatter), where one rank rounds the whole sum once.
+        const bool rounded_twice = l.grads16 || (l.dtype == DType::bf16 && l.tp > 1);
+        EXPECT_LT(err, f32 ? (word_embedding ? 1e-4 : 1e-5) : rounded_twice ? 0.03125 : 0.015625) << pname;
     }
     if (g_mpi->world_rank() == 0) {
         std::printf("[%s] worst loss error %.3g%s, worst parameter error %.3g%s\n", l.name().c_str(), worst_loss,

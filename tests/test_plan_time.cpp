@@ -223,8 +223,9 @@ TEST(StepPlan, ThePipelineBubbleIsTheSchedulesAndTheNetworkIsSlowerThanNvlink) {
     const auto &              far_ops  = far.stages[0].time->totals;
     ASSERT_TRUE(near_ops.count("all_gather") && near_ops.count("reduce_scatter"));
     EXPECT_EQ(near_ops.at("all_gather").bytes, far_ops.at("all_gather").bytes);
-    // The network's 42.5 GB/s against NVLink's 360: the same bytes, eight times the time, less latency.
-    EXPECT_GT(far_ops.at("all_gather").seconds, 4 * near_ops.at("all_gather").seconds);
+    // The network's 42.5 GB/s against NVLink's 360: the same bytes, eight times the time less the ring's
+    // per-step latency, which weighs on these small (bf16) gathers.
+    EXPECT_GT(far_ops.at("all_gather").seconds, 3 * near_ops.at("all_gather").seconds);
     EXPECT_GT(far.step_s, near.step_s);
 }
 

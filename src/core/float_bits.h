@@ -79,4 +79,18 @@ LOOM_HOST_DEVICE inline float f16_bits_to_f32(uint16_t h) {
     return bits_to_float(sign | bits);
 }
 
+// The activations' storage types, for kernels templated over them (f32, or bf16 with --bf16): a kernel
+// reads each element as f32 with to_f32, computes in f32 and stores with from_f32<T>, which rounds to
+// nearest even. For float both are the identity, so an f32 instantiation has the f32 kernel's bits.
+struct Bf16 {
+    uint16_t bits;
+};
+
+LOOM_HOST_DEVICE inline float to_f32(float value) { return value; }
+LOOM_HOST_DEVICE inline float to_f32(Bf16 value) { return bf16_bits_to_f32(value.bits); }
+
+template <class T> LOOM_HOST_DEVICE inline T from_f32(float value);
+template <> LOOM_HOST_DEVICE inline float from_f32<float>(float value) { return value; }
+template <> LOOM_HOST_DEVICE inline Bf16 from_f32<Bf16>(float value) { return Bf16{f32_to_bf16_bits(value)}; }
+
 }  // namespace loom

@@ -19,17 +19,28 @@ inline void expect(const Tensor & t, DType dtype, int64_t numel, const char * op
                op << ": " << what << " has " << t.numel() << " elements, expected " << numel, "");
 }
 
+// An activation's storage dtype: f32, or bf16 (--bf16 runs; the kernels compute in f32 and round each stored
+// result once). The other activations of the call must have the same one.
+inline DType activations(const Tensor & t, const char * op, const char * what) {
+    LOOM_CHECK(t.defined(), op << ": " << what << " is missing", "");
+    LOOM_CHECK(t.dtype() == DType::f32 || t.dtype() == DType::bf16,
+               op << ": " << what << " is " << t.describe() << ", expected float32 or bfloat16", "");
+    return t.dtype();
+}
+
 // Rows and width of a 2-D (or flattened (n, w)) activation.
 inline std::pair<int64_t, int64_t> rows_cols(const Tensor & t, const char * op) {
     LOOM_CHECK(t.dim() == 2, op << ": expected a 2-D (rows, width) tensor, got " << t.describe(), "");
     return {t.size(0), t.size(1)};
 }
 
-// c (m, n) f32 = op(a) (m, k) op(b) (k, n), a and b both f32, both bf16 or both f16; or all three f64.
+// c (m, n) = op(a) (m, k) op(b) (k, n), a and b both f32, both bf16 or both f16, c f32 (or bf16 without
+// accumulate); or all three f64.
 struct GemmDims {
     int64_t m, n, k;
 };
-inline GemmDims gemm(const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c) {
+inline GemmDims gemm(const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c,
+                     bool accumulate = false) {
     LOOM_CHECK(a.dim() == 2 && b.dim() == 2, "gemm of " << a.describe() << " and " << b.describe(), "gemm takes 2-D operands");
     LOOM_CHECK(a.dtype() == b.dtype() && (a.dtype() == DType::f32 || dtype_is_half(a.dtype()) || a.dtype() == DType::f64),
                "gemm of " << a.describe() << " and " << b.describe(),
@@ -37,7 +48,9 @@ inline GemmDims gemm(const Tensor & a, bool trans_a, const Tensor & b, bool tran
     const int64_t m = trans_a ? a.size(1) : a.size(0), k = trans_a ? a.size(0) : a.size(1);
     const int64_t kb = trans_b ? b.size(1) : b.size(0), n = trans_b ? b.size(0) : b.size(1);
     LOOM_CHECK(k == kb, "gemm: op(a) is " << m << "x" << k << ", op(b) " << kb << "x" << n, "");
-    expect(c, a.dtype() == DType::f64 ? DType::f64 : DType::f32, m * n, "gemm", "c");
+    const bool into_bf16 = c.defined() && c.dtype() == DType::bf16 && a.dtype() != DType::f64;
+    LOOM_CHECK(!(into_bf16 && accumulate), "gemm: accumulating into " << c.describe(), "accumulate into float32");
+    expect(c, a.dtype() == DType::f64 ? DType::f64 : into_bf16 ? DType::bf16 : DType::f32, m * n, "gemm", "c");
     return {m, n, k};
 }
 
@@ -55,10 +68,11 @@ inline GemmDims gemm_bias(const Tensor & a, bool trans_a, const Tensor & b, bool
 // A norm's forward operands over n rows of width h (the residual optional).
 inline void norm(const Tensor & x, const Tensor & residual, const Tensor & gamma, const Tensor & y, const Tensor & rstd,
                  int64_t n, int64_t h, const char * op) {
-    expect(x, DType::f32, n * h, op, "x");
-    if (residual.defined()) expect(residual, DType::f32, n * h, op, "residual");
+    const DType act = activations(x, op, "x");
+    expect(x, act, n * h, op, "x");
+    if (residual.defined()) expect(residual, act, n * h, op, "residual");
     expect(gamma, DType::f32, h, op, "gamma");
-    expect(y, DType::f32, n * h, op, "y");
+    expect(y, act, n * h, op, "y");
     expect(rstd, DType::f32, n, op, "rstd");
 }
 
@@ -76,7 +90,7 @@ inline void id_in_range(int64_t value, int64_t position, int64_t limit, const ch
 inline std::pair<int64_t, int64_t> rope(const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d,
                                         int64_t rotary_dim = 0) {
     const std::pair<int64_t, int64_t> nw = rows_cols(x, "rope");
-    expect(x, DType::f32, -1, "rope", "x");
+    activations(x, "rope", "x");
     LOOM_CHECK(nw.first == seq * batch && heads * d <= nw.second && d % 2 == 0,
                "rope over " << heads << " heads of " << d << " in rows of " << x.describe(), "");
     LOOM_CHECK(rotary_dim >= 0 && rotary_dim <= d && rotary_dim % 2 == 0,
@@ -94,9 +108,10 @@ inline void dropout_key(const Dropout & key, const char * op) {
     }
 }
 
-// ---- Causal attention (core/ops.h): q (and dq) f32 rows of shape.row_stride holding Q first; kv (and dkv)
-// f32 rows of kv_stride() holding K at k_column() and V at v_column(); out (and dout) f32 (s b, nq d); lse
-// f32 (b, nq, s); the dropout key with a sample id per sequence.
+// ---- Causal attention (core/ops.h): q (and dq) rows of shape.row_stride holding Q first; kv (and dkv) rows
+// of kv_stride() holding K at k_column() and V at v_column(); out (and dout) (s b, nq d), all of one
+// activations dtype (f32 or bf16; attention_merge f32); lse f32 (b, nq, s); the dropout key with a sample id
+// per sequence.
 inline void attention_shape(const AttentionShape & a, const char * op) {
     LOOM_CHECK(a.s > 0 && a.b > 0 && a.d > 0 && a.nkv > 0 && a.nq % a.nkv == 0 && a.row_stride >= a.nq * a.d,
                op << ": " << a.nq << " query heads over " << a.nkv << " key/value heads of " << a.d
@@ -117,9 +132,10 @@ inline void attention_forward(const Tensor & q, const Tensor & kv, const Tensor 
                               const AttentionShape & a, const Dropout & key) {
     attention_shape(a, "attention_forward");
     const int64_t n = a.s * a.b;
-    expect(q, DType::f32, n * a.row_stride, "attention_forward", "q");
-    expect(kv, DType::f32, a.keys() * a.b * a.kv_stride(), "attention_forward", "kv");
-    expect(out, DType::f32, n * a.nq * a.d, "attention_forward", "out");
+    const DType act = activations(q, "attention_forward", "q");
+    expect(q, act, n * a.row_stride, "attention_forward", "q");
+    expect(kv, act, a.keys() * a.b * a.kv_stride(), "attention_forward", "kv");
+    expect(out, act, n * a.nq * a.d, "attention_forward", "out");
     expect(lse, DType::f32, n * a.nq, "attention_forward", "lse");
     attention_key(a, key, "attention_forward");
 }
@@ -128,12 +144,13 @@ inline void attention_backward(const Tensor & q, const Tensor & kv, const Tensor
                                const Dropout & key) {
     attention_shape(a, "attention_backward");
     const int64_t n = a.s * a.b;
-    expect(q, DType::f32, n * a.row_stride, "attention_backward", "q");
-    expect(dq, DType::f32, n * a.row_stride, "attention_backward", "dq");
-    expect(kv, DType::f32, a.keys() * a.b * a.kv_stride(), "attention_backward", "kv");
-    expect(dkv, DType::f32, a.keys() * a.b * a.kv_stride(), "attention_backward", "dkv");
-    expect(out, DType::f32, n * a.nq * a.d, "attention_backward", "out");
-    expect(dout, DType::f32, n * a.nq * a.d, "attention_backward", "dout");
+    const DType act = activations(q, "attention_backward", "q");
+    expect(q, act, n * a.row_stride, "attention_backward", "q");
+    expect(dq, act, n * a.row_stride, "attention_backward", "dq");
+    expect(kv, act, a.keys() * a.b * a.kv_stride(), "attention_backward", "kv");
+    expect(dkv, act, a.keys() * a.b * a.kv_stride(), "attention_backward", "dkv");
+    expect(out, act, n * a.nq * a.d, "attention_backward", "out");
+    expect(dout, act, n * a.nq * a.d, "attention_backward", "dout");
     expect(lse, DType::f32, n * a.nq, "attention_backward", "lse");
     attention_key(a, key, "attention_backward");
 }
@@ -151,8 +168,7 @@ inline void attention_merge(const Tensor & out, const Tensor & lse, const Tensor
 // Hidden dropout of x (n, w) into y; returns (n, w).
 inline std::pair<int64_t, int64_t> dropout(const Tensor & x, const Tensor & y, const Dropout & key) {
     const std::pair<int64_t, int64_t> nw = rows_cols(x, "dropout");
-    expect(x, DType::f32, -1, "dropout", "x");
-    expect(y, DType::f32, nw.first * nw.second, "dropout", "y");
+    expect(y, activations(x, "dropout", "x"), nw.first * nw.second, "dropout", "y");
     dropout_key(key, "dropout");
     LOOM_CHECK(key.offset >= 0 && key.batch >= 1, "dropout: rows from " << key.offset << " in columns of " << key.batch, "");
     return nw;
@@ -169,7 +185,7 @@ inline EmbeddingDims embedding_forward(const Tensor & tokens, const Tensor & wte
     LOOM_CHECK(wte.defined() && wte.dim() == 2 && (wte.dtype() == DType::f32 || wte.dtype() == DType::bf16),
                "embedding table " << wte.describe(), "");
     const int64_t b = tokens.size(0), seq = tokens.size(1), h = wte.size(1);
-    expect(out, DType::f32, seq * b * h, "embedding_forward", "out");
+    expect(out, activations(out, "embedding_forward", "out"), seq * b * h, "embedding_forward", "out");
     if (wpe.defined()) {
         expect(wpe, wte.dtype(), -1, "embedding_forward", "wpe");
         LOOM_CHECK(wpe.dim() == 2 && (seq == 0 || wpe.size(0) > positions(seq - 1)) && wpe.size(1) == h,
@@ -185,7 +201,7 @@ inline EmbeddingDims embedding_backward(const Tensor & tokens, const Tensor & do
     expect(dwte, DType::f32, -1, "embedding_backward", "dwte");
     LOOM_CHECK(dwte.dim() == 2, "embedding_backward: dwte " << dwte.describe(), "");
     const int64_t b = tokens.size(0), seq = tokens.size(1), h = dwte.size(1);
-    expect(dout, DType::f32, seq * b * h, "embedding_backward", "dout");
+    expect(dout, activations(dout, "embedding_backward", "dout"), seq * b * h, "embedding_backward", "dout");
     if (dwpe.defined()) {
         expect(dwpe, DType::f32, -1, "embedding_backward", "dwpe");
         LOOM_CHECK(dwpe.dim() == 2 && (seq == 0 || dwpe.size(0) > positions(seq - 1)) && dwpe.size(1) == h,
@@ -200,10 +216,10 @@ inline void vocab_shard_ids(const Tensor & ids, const Tensor & out) {
     expect(out, DType::i32, ids.numel(), "vocab_shard_ids", "out");
 }
 
-// Logits (n, stride) f32 whose first `valid` columns are read; returns (n, stride).
+// Logits (n, stride) f32 or bf16 whose first `valid` columns are read; returns (n, stride).
 inline std::pair<int64_t, int64_t> logits(const Tensor & logits, int64_t valid, const char * op) {
+    activations(logits, op, "logits");
     const std::pair<int64_t, int64_t> ns = rows_cols(logits, op);
-    expect(logits, DType::f32, -1, op, "logits");
     LOOM_CHECK(valid >= 0 && valid <= ns.second, op << ": " << valid << " columns of " << logits.describe(), "");
     return ns;
 }
@@ -402,7 +418,8 @@ inline std::pair<int64_t, int64_t> layernorm_backward(const Tensor & dy, const T
                                                       const Tensor & mean, const Tensor & rstd, const Tensor & dx,
                                                       const Tensor & dgamma, const Tensor & dbeta) {
     const auto [n, h] = rows_cols(dy, "layernorm_backward");
-    for (const Tensor * t : {&dy, &x, &dx}) expect(*t, DType::f32, n * h, "layernorm_backward", "dy/x/dx");
+    const DType act = activations(x, "layernorm_backward", "x");
+    for (const Tensor * t : {&dy, &x, &dx}) expect(*t, act, n * h, "layernorm_backward", "dy/x/dx");
     for (const Tensor * t : {&gamma, &dgamma}) expect(*t, DType::f32, h, "layernorm_backward", "gamma/dgamma");
     if (dbeta.defined()) expect(dbeta, DType::f32, h, "layernorm_backward", "dbeta");   // optional, as beta
     for (const Tensor * t : {&mean, &rstd}) expect(*t, DType::f32, n, "layernorm_backward", "statistics");
@@ -412,76 +429,79 @@ inline std::pair<int64_t, int64_t> layernorm_backward(const Tensor & dy, const T
 inline std::pair<int64_t, int64_t> rmsnorm_backward(const Tensor & dy, const Tensor & x, const Tensor & gamma,
                                                     const Tensor & rstd, const Tensor & dx, const Tensor & dgamma) {
     const auto [n, h] = rows_cols(dy, "rmsnorm_backward");
-    for (const Tensor * t : {&dy, &x, &dx}) expect(*t, DType::f32, n * h, "rmsnorm_backward", "dy/x/dx");
+    const DType act = activations(x, "rmsnorm_backward", "x");
+    for (const Tensor * t : {&dy, &x, &dx}) expect(*t, act, n * h, "rmsnorm_backward", "dy/x/dx");
     for (const Tensor * t : {&gamma, &dgamma}) expect(*t, DType::f32, h, "rmsnorm_backward", "gamma/dgamma");
     expect(rstd, DType::f32, n, "rmsnorm_backward", "rstd");
     return {n, h};
 }
 
-// y (n, h) and bias (h): both f32, or both f64 (the fp64 router's logits).
+// y (n, h) f32 or bf16 and bias (h) f32, or both f64 (the fp64 router's logits).
 inline std::pair<int64_t, int64_t> bias_add(const Tensor & y, const Tensor & bias) {
     const auto [n, h] = rows_cols(y, "bias_add");
-    const DType dtype = y.dtype() == DType::f64 ? DType::f64 : DType::f32;
-    expect(y, dtype, -1, "bias_add", "y");
-    expect(bias, dtype, h, "bias_add", "bias");
+    const bool f64 = y.dtype() == DType::f64;
+    if (!f64) activations(y, "bias_add", "y");
+    expect(bias, f64 ? DType::f64 : DType::f32, h, "bias_add", "bias");
     return {n, h};
 }
 
-// dy (n, h) and dbias (h): both f32, or both f64.
+// dy (n, h) f32 or bf16 and dbias (h) f32, or both f64.
 inline std::pair<int64_t, int64_t> bias_backward(const Tensor & dy, const Tensor & dbias) {
     const auto [n, h] = rows_cols(dy, "bias_backward");
-    const DType dtype = dy.dtype() == DType::f64 ? DType::f64 : DType::f32;
-    expect(dy, dtype, -1, "bias_backward", "dy");
-    expect(dbias, dtype, h, "bias_backward", "dbias");
+    const bool f64 = dy.dtype() == DType::f64;
+    if (!f64) activations(dy, "bias_backward", "dy");
+    expect(dbias, f64 ? DType::f64 : DType::f32, h, "bias_backward", "dbias");
     return {n, h};
 }
 
 inline void add_inplace(const Tensor & y, const Tensor & x) {
-    expect(y, DType::f32, -1, "add_inplace", "y");
-    expect(x, DType::f32, y.numel(), "add_inplace", "x");
+    expect(x, activations(y, "add_inplace", "y"), y.numel(), "add_inplace", "x");
 }
 
 inline std::pair<int64_t, int64_t> bias_gelu_forward(const Tensor & x, const Tensor & bias, const Tensor & y,
                                                      const Tensor & x_bf16) {
     const auto [n, f] = rows_cols(x, "bias_gelu_forward");
-    expect(x, DType::f32, -1, "bias_gelu_forward", "x");
-    expect(y, DType::f32, n * f, "bias_gelu_forward", "y");
+    const DType act = activations(x, "bias_gelu_forward", "x");
+    expect(y, act, n * f, "bias_gelu_forward", "y");
     if (bias.defined()) expect(bias, DType::f32, f, "bias_gelu_forward", "bias");
-    if (x_bf16.defined()) expect(x_bf16, DType::bf16, n * f, "bias_gelu_forward", "x_bf16");
+    if (x_bf16.defined()) {
+        LOOM_CHECK(act == DType::f32, "bias_gelu_forward: a bf16 copy of the bf16 x " << x.describe(),
+                   "x_bf16 is for float32 x; bf16 x holds the rounded values itself");
+        expect(x_bf16, DType::bf16, n * f, "bias_gelu_forward", "x_bf16");
+    }
     return {n, f};
 }
 
 inline void gelu_backward(const Tensor & x, const Tensor & dy, const Tensor & dx) {
-    expect(x, DType::f32, -1, "gelu_backward", "x");
-    expect(dy, DType::f32, x.numel(), "gelu_backward", "dy");
-    expect(dx, DType::f32, x.numel(), "gelu_backward", "dx");
+    const DType act = activations(x, "gelu_backward", "x");
+    expect(dy, act, x.numel(), "gelu_backward", "dy");
+    expect(dx, act, x.numel(), "gelu_backward", "dx");
 }
 
 inline void squared_relu_forward(const Tensor & x, const Tensor & y) {
-    expect(x, DType::f32, -1, "squared_relu_forward", "x");
-    expect(y, DType::f32, x.numel(), "squared_relu_forward", "y");
+    expect(y, activations(x, "squared_relu_forward", "x"), x.numel(), "squared_relu_forward", "y");
 }
 
 inline void squared_relu_backward(const Tensor & x, const Tensor & dy, const Tensor & dx) {
-    expect(x, DType::f32, -1, "squared_relu_backward", "x");
-    expect(dy, DType::f32, x.numel(), "squared_relu_backward", "dy");
-    expect(dx, DType::f32, x.numel(), "squared_relu_backward", "dx");
+    const DType act = activations(x, "squared_relu_backward", "x");
+    expect(dy, act, x.numel(), "squared_relu_backward", "dy");
+    expect(dx, act, x.numel(), "squared_relu_backward", "dx");
 }
 
 inline std::pair<int64_t, int64_t> swiglu_forward(const Tensor & x, const Tensor & y) {
     const auto [n, two_f] = rows_cols(x, "swiglu_forward");
-    expect(x, DType::f32, -1, "swiglu_forward", "x");
+    const DType act = activations(x, "swiglu_forward", "x");
     LOOM_CHECK(two_f % 2 == 0, "swiglu_forward: x " << x.describe() << " has an odd width", "x is [gate | up]");
-    expect(y, DType::f32, n * (two_f / 2), "swiglu_forward", "y");
+    expect(y, act, n * (two_f / 2), "swiglu_forward", "y");
     return {n, two_f};
 }
 
 inline std::pair<int64_t, int64_t> swiglu_backward(const Tensor & x, const Tensor & dy, const Tensor & dx) {
     const auto [n, two_f] = rows_cols(x, "swiglu_backward");
-    expect(x, DType::f32, -1, "swiglu_backward", "x");
+    const DType act = activations(x, "swiglu_backward", "x");
     LOOM_CHECK(two_f % 2 == 0, "swiglu_backward: x " << x.describe() << " has an odd width", "x is [gate | up]");
-    expect(dy, DType::f32, n * (two_f / 2), "swiglu_backward", "dy");
-    expect(dx, DType::f32, n * two_f, "swiglu_backward", "dx");
+    expect(dy, act, n * (two_f / 2), "swiglu_backward", "dy");
+    expect(dx, act, n * two_f, "swiglu_backward", "dx");
     return {n, two_f};
 }
 

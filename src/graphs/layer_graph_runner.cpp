@@ -33,13 +33,14 @@ LayerGraphRunner::LayerGraphRunner(std::vector<model::GptModel *> chunks, const 
                chunks_.size() << " model chunks for a schedule of " << plan_.num_chunks << " per rank", "");
     rows_   = chunks_[0]->activation_rows(s_, b_);
     hidden_ = config.hidden_size;
+    act_    = config.activations_dtype();
     const TensorOptions static_pool{MemoryKind::device, kGraphStaticPool};
     for (int set = 0; set < plan_.num_input_sets(); ++set) {
-        set_inputs_.push_back(Tensor::zeros({rows_, hidden_}, DType::f32, device_, static_pool));
+        set_inputs_.push_back(Tensor::zeros({rows_, hidden_}, act_, device_, static_pool));
         set_sample_ids_.push_back(Tensor::zeros({b_}, DType::i64, device_, static_pool));
     }
     for (int buffer = 0; buffer < plan_.num_grad_output_buffers(); ++buffer) {
-        grad_outputs_.push_back(Tensor::zeros({rows_, hidden_}, DType::f32, device_, static_pool));
+        grad_outputs_.push_back(Tensor::zeros({rows_, hidden_}, act_, device_, static_pool));
     }
     LOOM_CHECK(!scope_.moe_preprocess || scope_.moe_router, "moe_preprocess cuda graph is only supported with moe_router cuda graph.", "");
     const model::TransformerLayer * split_layer = nullptr;   // any layer captured up to its router
@@ -57,7 +58,8 @@ LayerGraphRunner::LayerGraphRunner(std::vector<model::GptModel *> chunks, const 
     }
     if (split_layer) {   // every split layer's head takes gradients of the same shapes
         for (const std::vector<int64_t> & shape : split_layer->head_grad_shapes(rows_)) {
-            head_grads_.push_back(Tensor::zeros(shape, DType::f32, device_, static_pool));
+            // The residual's gradient in the activations' dtype, the MoE layer's (f32) after it.
+            head_grads_.push_back(Tensor::zeros(shape, head_grads_.empty() ? act_ : DType::f32, device_, static_pool));
         }
     }
     head_outputs_.resize(static_cast<size_t>(plan_.num_graphs));
@@ -148,10 +150,11 @@ Tensor LayerGraphRunner::forward(int chunk, int microbatch, int64_t layer, const
     const auto        c    = static_cast<size_t>(chunk);
     const GraphStep & step = expect_step(GraphKind::forward, chunk, microbatch % plan_.captured_microbatches,
                                          static_cast<int>(layer));
-    LOOM_CHECK(x.dtype() == DType::f32 && x.numel() == rows_ * hidden_ && batch.b == b_ && batch.training,
+    LOOM_CHECK(x.dtype() == act_ && x.numel() == rows_ * hidden_ && batch.b == b_ && batch.training,
                "a training call of layer graph " << step_label(step) << " with input " << x.describe() << " and "
                                                  << batch.b << " sequences",
-               "graphs have static shapes: (" << rows_ << ", " << hidden_ << ") f32 and --micro-batch-size " << b_);
+               "graphs have static shapes: (" << rows_ << ", " << hidden_ << ") " << dtype_name(act_)
+                                              << " and --micro-batch-size " << b_);
     Ops &          ops    = device_.ops();
     Stream &       stream = device_.compute_stream();
     const Tensor & input  = set_inputs_[step.input_set];
@@ -176,7 +179,7 @@ Tensor LayerGraphRunner::forward(int chunk, int microbatch, int64_t layer, const
     }
     const Tensor & y = graph.held(outputs_[static_cast<size_t>(step.graph_id)]);
     if (layer + 1 < chunks_[c]->num_layers()) return y;   // copied into the next layer's input before it replays
-    Tensor out = model::activation(device_, rows_, hidden_);
+    Tensor out = model::activation(device_, rows_, hidden_, act_);
     ops.copy(stream, y, out);
     return out;
 }
@@ -185,9 +188,9 @@ Tensor LayerGraphRunner::backward(int chunk, int microbatch, int64_t layer, cons
     const auto        c    = static_cast<size_t>(chunk);
     const GraphStep & step = expect_step(GraphKind::backward, chunk, microbatch % plan_.captured_microbatches,
                                          static_cast<int>(layer));
-    LOOM_CHECK(dy.dtype() == DType::f32 && dy.numel() == rows_ * hidden_,
+    LOOM_CHECK(dy.dtype() == act_ && dy.numel() == rows_ * hidden_,
                "layer graph " << step_label(step) << " given the output gradient " << dy.describe(),
-               "graphs have static shapes: (" << rows_ << ", " << hidden_ << ") f32");
+               "graphs have static shapes: (" << rows_ << ", " << hidden_ << ") " << dtype_name(act_));
     Ops &          ops         = device_.ops();
     Stream &       stream      = device_.compute_stream();
     if (split(chunk, layer)) {
@@ -211,7 +214,7 @@ Tensor LayerGraphRunner::backward(int chunk, int microbatch, int64_t layer, cons
     }
     const Tensor & dx = graph.held(outputs_[static_cast<size_t>(step.graph_id)]);
     if (layer > 0) return dx;   // copied into the shared grad-output buffer before the next backward replays
-    Tensor out = model::activation(device_, rows_, hidden_);
+    Tensor out = model::activation(device_, rows_, hidden_, act_);
     ops.copy(stream, dx, out);
     return out;
 }

@@ -108,6 +108,7 @@ private:
     std::vector<model::GptModel *>           chunks_;
     GraphPlan                                plan_;
     int64_t                                  s_, b_, rows_, hidden_;
+    DType                                    act_ = DType::f32;   // the activations' dtype (GptConfig)
     std::vector<Tensor>                      set_inputs_;       // [P1 set] X (rows, h) f32
     std::vector<Tensor>                      set_sample_ids_;   // [P1 set] (b) i64
     std::vector<Tensor>                      grad_outputs_;     // [P2 buffer] dY (rows, h) f32

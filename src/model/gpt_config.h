@@ -83,6 +83,10 @@ struct GptConfig {
     // Parameter and GEMM-operand dtype: f32, or bf16 with --bf16 (master weights stay f32; main_grad too
     // unless DDP's buffers are 16-bit: ddp/ddp.h).
     DType             params_dtype            = DType::f32;
+    // The hidden states, attention and MLP tensors and logits between and inside the layers: bf16 with
+    // --bf16 (as Megatron), else f32 (an f16 model's stay f32). Statistics, losses and gradients' main_grad
+    // are f32 whatever it is.
+    DType activations_dtype() const { return params_dtype == DType::bf16 ? DType::bf16 : DType::f32; }
 
     int64_t head_dim() const { return hidden_size / num_attention_heads; }
     // The elements of each head RoPE turns: Megatron's int(kv_channels * rotary_percent).

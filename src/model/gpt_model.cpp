@@ -177,7 +177,7 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
                        "the dataset's vocabulary must fit the model's (--vocab-size / the tokenizer)");
         }
         call(hooks_.before_forward, [&] { return embedding_params(); });
-        x = activation(device_, s * b, h);
+        x = activation(device_, s * b, h, config_.activations_dtype());
         // Vocabulary-parallel: each rank embeds its tokens (zeros for the rest), rank 0 adds the positions,
         // and the sum over the group is the embedding.
         const bool pos = wpe_.data.defined() && tp_.rank == 0;
@@ -226,7 +226,7 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
     Tensor normed = final_norm_->forward(ctx.final_norm, x);
     if (tp_.sp()) normed = tp_.all_gather(normed);   // every position's hidden state for the vocabulary shard
     ctx.final_hidden = in_dtype(normed, out_w.data.dtype());
-    ctx.logits     = activation(device_, s * b, vocab_local_);
+    ctx.logits     = activation(device_, s * b, vocab_local_, config_.activations_dtype());
     ctx.lse        = activation(device_, s * b, 1);
     ctx.token_loss = activation(device_, s * b, 1);
     ops.gemm(stream, ctx.final_hidden, false, out_w.data, true, ctx.logits);
@@ -264,7 +264,7 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
         Parameter & out_w   = output_.data.defined() ? output_ : wte_;
         Tensor      dlogits = in_dtype(ctx.logits, out_w.data.dtype());
         ctx.logits          = Tensor();
-        dx                  = activation(device_, s * b, h);
+        dx                  = activation(device_, s * b, h, config_.activations_dtype());
         ops.gemm(stream, dlogits, false, out_w.data, false, dx);
         if (tp_.sp()) {   // every vocabulary shard contributes to the hidden state's gradient
             dx = tp_.reduce_scatter(dx);

@@ -9,8 +9,8 @@
 
 namespace loom::model {
 
-Tensor activation(Device & device, int64_t rows, int64_t cols) {
-    return Tensor::empty({rows, cols}, DType::f32, device, {MemoryKind::device, kActivationsPool});
+Tensor activation(Device & device, int64_t rows, int64_t cols, DType dtype) {
+    return Tensor::empty({rows, cols}, dtype, device, {MemoryKind::device, kActivationsPool});
 }
 
 Tensor in_dtype(const Tensor & x, DType dtype) {
@@ -23,7 +23,7 @@ Tensor in_dtype(const Tensor & x, DType dtype) {
 }
 
 Tensor keep_for_backward(Tensor & x, DType dtype) {
-    if (dtype == DType::f32) {
+    if (dtype == DType::f32 || x.dtype() == dtype) {
         return x;
     }
     LOOM_CHECK(dtype_is_half(dtype) && x.dtype() == DType::f32,
@@ -106,10 +106,10 @@ Tensor Linear::input_for_backward(const Tensor & x_rows) const {
     return in_dtype(x, weight.data.dtype());
 }
 
-Tensor Linear::forward(Context & ctx, const Tensor & x_rows, bool add_bias) {
+Tensor Linear::forward(Context & ctx, const Tensor & x_rows, bool add_bias, std::optional<DType> out) {
     Tensor   x_in = input_for_backward(x_rows);
     int64_t  n = x_in.size(0), o = weight.data.size(0);
-    Tensor   y      = activation(x_in.device(), n, o);
+    Tensor   y      = activation(x_in.device(), n, o, out.value_or(x_rows.dtype()));
     Ops &    ops    = x_in.device().ops();
     Stream & stream = x_in.device().compute_stream();
     // The bias rides in the GEMM's epilogue unless a sum over the TP group comes between them (a row linear
@@ -147,7 +147,7 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
     int64_t n = dy.size(0), in = weight.data.size(1);
     DType   dtype = weight.data.dtype();
     Tensor  dy_in = in_dtype(dy, dtype);
-    Tensor  dx    = activation(dy.device(), n, in);
+    Tensor  dx    = activation(dy.device(), n, in, dy.dtype());
     ops.gemm(stream, dy_in, false, weight.data, false, dx);
     accumulate_grads(stream, {weight.main_grad}, [&](std::span<const Tensor> g) {
         ops.gemm(stream, dy_in, true, ctx.x, false, g[0], /*accumulate=*/true);
@@ -211,7 +211,7 @@ void Norm::parameters(std::vector<Parameter *> & out) {
 
 Tensor Norm::forward(Context & ctx, const Tensor & x, const Tensor * residual) {
     int64_t  n = x.size(0), h = x.size(1);
-    Tensor   y = activation(x.device(), n, h);
+    Tensor   y = activation(x.device(), n, h, x.dtype());
     Tensor   w = scale();
     Ops &    ops    = x.device().ops();
     Stream & stream = x.device().compute_stream();
@@ -228,7 +228,7 @@ Tensor Norm::forward(Context & ctx, const Tensor & x, const Tensor * residual) {
 
 Tensor Norm::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
     int64_t  n = dy.size(0), h = dy.size(1);
-    Tensor   dx = activation(dy.device(), n, h);
+    Tensor   dx = activation(dy.device(), n, h, dy.dtype());
     Tensor   w  = scale();
     Ops &    ops    = dy.device().ops();
     Stream & stream = dy.device().compute_stream();
@@ -316,7 +316,7 @@ void head_norm_forward(Norm & norm, Norm::Context & ctx, const Tensor & qkv, int
     Ops &    ops    = qkv.device().ops();
     Stream & stream = qkv.device().compute_stream();
     const int64_t n = qkv.size(0);
-    Tensor heads = activation(qkv.device(), n, count * d);
+    Tensor heads = activation(qkv.device(), n, count * d, qkv.dtype());
     ops.copy_columns(stream, qkv, col, heads, 0, count * d);
     Tensor y = norm.forward(ctx, heads.view({n * count, d}));
     ops.copy_columns(stream, y.view({n, count * d}), 0, qkv, col, count * d);
@@ -328,7 +328,7 @@ void head_norm_backward(Norm & norm, Norm::Context & ctx, const Tensor & dqkv, i
     Ops &    ops    = dqkv.device().ops();
     Stream & stream = dqkv.device().compute_stream();
     const int64_t n = dqkv.size(0);
-    Tensor dy = activation(dqkv.device(), n, count * d);
+    Tensor dy = activation(dqkv.device(), n, count * d, dqkv.dtype());
     ops.copy_columns(stream, dqkv, col, dy, 0, count * d);
     Tensor dx = norm.backward(ctx, dy.view({n * count, d}), ready);
     ops.copy_columns(stream, dx.view({n, count * d}), 0, dqkv, col, count * d);
@@ -384,12 +384,15 @@ Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_
                  config.rotary_interleaved, shape.q_pos);
     }
     ctx.qkv    = keep_for_backward(q_k_v, config.params_dtype);
-    Tensor out = activation(x.device(), s * b, shape.nq * shape.d);
+    Tensor out = activation(x.device(), s * b, shape.nq * shape.d, q_k_v.dtype());
     ctx.lse    = activation(x.device(), b * shape.nq, s);
     float scale = 1.0f / std::sqrt(static_cast<float>(shape.d));
     if (cp.enabled()) {
-        // The forward reads q_k_v as computed (f32); backward reads ctx.qkv, the same values (rounded first).
-        cp_forward(ctx, q_k_v, out, shape, scale, dropout);
+        // The forward reads q_k_v as computed; backward reads ctx.qkv, the same values (rounded first). The
+        // blocks are merged in f32 (attention_merge): bf16 activations are widened around the exchanges.
+        const Tensor out32 = in_dtype(out, DType::f32);
+        cp_forward(ctx, in_dtype(q_k_v, DType::f32), out32, shape, scale, dropout);
+        if (out32.data_ptr() != out.data_ptr()) ops.convert(stream, out32, out);
     } else {
         ops.attention_forward(stream, q_k_v, out, ctx.lse, shape, scale, dropout);
     }
@@ -400,13 +403,17 @@ Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReady
     AttentionShape shape  = attention_shape(config, heads, groups, ctx.s, ctx.b, cp);
     Ops &          ops    = dy.device().ops();
     Stream &       stream = dy.device().compute_stream();
-    Tensor out   = in_dtype(ctx.proj_ctx.x, DType::f32);   // before proj.backward releases it
+    const DType act = dy.dtype();
+    Tensor out   = in_dtype(ctx.proj_ctx.x, act);   // before proj.backward releases it
     Tensor d_out = proj.backward(ctx.proj_ctx, dy, ready);
-    Tensor q_k_v = in_dtype(ctx.qkv, DType::f32);
-    Tensor d_qkv = activation(dy.device(), ctx.s * ctx.b, shape.row_stride);
+    Tensor q_k_v = in_dtype(ctx.qkv, act);
+    Tensor d_qkv = activation(dy.device(), ctx.s * ctx.b, shape.row_stride, act);
     float  scale = 1.0f / std::sqrt(static_cast<float>(shape.d));
-    if (cp.enabled()) {
-        cp_backward(ctx, q_k_v, out, d_out, d_qkv, shape, scale);
+    if (cp.enabled()) {   // in f32, as the forward
+        const Tensor d_qkv32 = in_dtype(d_qkv, DType::f32);
+        cp_backward(ctx, in_dtype(q_k_v, DType::f32), in_dtype(out, DType::f32), in_dtype(d_out, DType::f32), d_qkv32,
+                    shape, scale);
+        if (d_qkv32.data_ptr() != d_qkv.data_ptr()) ops.convert(stream, d_qkv32, d_qkv);
     } else {
         ops.attention_backward(stream, q_k_v, out, d_out, ctx.lse, d_qkv, shape, scale, ctx.dropout);
     }
@@ -846,46 +853,49 @@ void Mlp::parameters(std::vector<Parameter *> & out) {
 }
 
 Tensor Mlp::forward(Context & ctx, const Tensor & x) {
-    if (!recompute) return forward_kept(ctx, x);
+    if (!recompute) return forward_kept(ctx, x, x.dtype());
     // Only the input is kept, in the dtype fc1's GEMM reads (with sequence parallelism fc1 gathers these
     // rows again): the rerun computes from the very values.
-    Tensor input = in_dtype(x, config.params_dtype);
-    Tensor y     = forward_kept(ctx, input);
-    ctx          = Context{};
-    ctx.input    = input;
+    Tensor input    = in_dtype(x, config.params_dtype);
+    Tensor y        = forward_kept(ctx, input, x.dtype());
+    ctx             = Context{};
+    ctx.input       = input;
+    ctx.activations = x.dtype();
     return y;
 }
 
-Tensor Mlp::forward_kept(Context & ctx, const Tensor & x) {
+Tensor Mlp::forward_kept(Context & ctx, const Tensor & x, DType activations) {
     // fc1's output has every position's rows (with sequence parallelism, more than x has).
     const int64_t f = ffn;
     Ops &         ops    = x.device().ops();
     Stream &      stream = x.device().compute_stream();
     Tensor        act;
     if (config.swiglu) {
-        Tensor pre  = fc1.forward(ctx.fc1_ctx, x);
-        act         = activation(x.device(), pre.size(0), f);
+        Tensor pre  = fc1.forward(ctx.fc1_ctx, x, true, activations);
+        act         = activation(x.device(), pre.size(0), f, pre.dtype());
         ctx.pre_act = keep_for_backward(pre, config.params_dtype);
         ops.swiglu_forward(stream, pre, act);
     } else if (config.squared_relu) {
-        Tensor pre  = fc1.forward(ctx.fc1_ctx, x);
-        act         = activation(x.device(), pre.size(0), f);
+        Tensor pre  = fc1.forward(ctx.fc1_ctx, x, true, activations);
+        act         = activation(x.device(), pre.size(0), f, pre.dtype());
         ctx.pre_act = keep_for_backward(pre, config.params_dtype);
         ops.squared_relu_forward(stream, pre, act);
     } else {
-        // Bias, rounding to the saved dtype and GELU in one pass over the (n, f) pre-activation. The bias stays
-        // out of fc1's GEMM epilogue: that pass runs anyway, so moving it saves nothing, and cuBLASLt's
-        // GELU_AUX_BIAS epilogue would apply GELU to the unrounded f32 value (the bf16 model's gelu reads the
-        // bf16-rounded pre-activation it saves for backward), with its own GELU formula.
-        Tensor pre  = fc1.forward(ctx.fc1_ctx, x, /*add_bias=*/false);
-        act         = activation(x.device(), pre.size(0), f);
+        // Bias and GELU in one pass over the (n, f) pre-activation, which keeps the biased value (stored in
+        // the activations' dtype, the value gelu reads and backward reads). The bias stays out of fc1's GEMM
+        // epilogue: that pass runs anyway, so moving it saves nothing, and cuBLASLt's GELU_AUX_BIAS epilogue
+        // has its own GELU formula.
+        Tensor pre  = fc1.forward(ctx.fc1_ctx, x, /*add_bias=*/false, activations);
+        act         = activation(x.device(), pre.size(0), f, pre.dtype());
         Tensor bias = fc1.has_bias ? parameter_f32(fc1.bias) : Tensor();
-        if (config.params_dtype == DType::bf16) {
+        if (pre.dtype() == DType::f32 && config.params_dtype == DType::bf16) {
+            // f32 activations of a bf16 model (a MoE layer's experts): the op writes the rounded biased value
+            // to the bf16 copy backward keeps, and gelu reads that rounded value too.
             ctx.pre_act = Tensor::empty(pre.shape(), DType::bf16, x.device(), {MemoryKind::device, kActivationsPool});
             ops.bias_gelu_forward(stream, pre, bias, act, ctx.pre_act);
-        } else {   // f32 keeps pre itself; f16 a rounded copy of the biased pre-activation
+        } else {
             ops.bias_gelu_forward(stream, pre, bias, act, Tensor());
-            ctx.pre_act = keep_for_backward(pre, config.params_dtype);
+            ctx.pre_act = keep_for_backward(pre, config.params_dtype);   // pre itself, or (f16) a rounded copy
         }
     }
     Tensor y = fc2.forward(ctx.fc2_ctx, act);
@@ -907,19 +917,20 @@ void recompute_activation(const GptConfig & config, const Tensor & pre, const Te
 
 Tensor Mlp::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
     if (recompute) {   // the forward again, keeping everything this time
-        const Tensor input = ctx.input;
-        ctx                = Context{};
-        forward_kept(ctx, input);
+        const Tensor input       = ctx.input;
+        const DType  activations = ctx.activations;
+        ctx                      = Context{};
+        forward_kept(ctx, input, activations);
     }
     if (recompute_act && !ctx.fc2_ctx.x.defined()) {
-        Tensor act = activation(dy.device(), ctx.pre_act.size(0), ffn);
-        recompute_activation(config, in_dtype(ctx.pre_act, DType::f32), act);
+        Tensor act = activation(dy.device(), ctx.pre_act.size(0), ffn, dy.dtype());
+        recompute_activation(config, in_dtype(ctx.pre_act, dy.dtype()), act);
         ctx.fc2_ctx.x = in_dtype(act, config.params_dtype);
     }
     Tensor  d_act = fc2.backward(ctx.fc2_ctx, dy, ready);
     int64_t n     = d_act.size(0);   // every position's rows, as fc1 produced them
-    Tensor  pre   = in_dtype(ctx.pre_act, DType::f32);
-    Tensor  d_pre = activation(dy.device(), n, pre.size(1));
+    Tensor  pre   = in_dtype(ctx.pre_act, dy.dtype());
+    Tensor  d_pre = activation(dy.device(), n, pre.size(1), dy.dtype());
     Ops &   ops   = dy.device().ops();
     if (config.swiglu) {
         ops.swiglu_backward(dy.device().compute_stream(), pre, d_act, d_pre);

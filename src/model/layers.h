@@ -27,18 +27,21 @@
 #include "model/parameter.h"
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace loom::model {
 
 // Refuses, naming `flags`, a size the device's backend cannot run (Ops::supports), before anything is built.
 void require_supported(Device & device, const OpQuery & query, const char * flags);
-// Allocates an f32 activation (rows, cols) from the "activations" pool.
-Tensor activation(Device & device, int64_t rows, int64_t cols);
+// Allocates an activation (rows, cols) of `dtype` (f32 unless given: statistics, losses, MoE's routing)
+// from the "activations" pool.
+Tensor activation(Device & device, int64_t rows, int64_t cols, DType dtype = DType::f32);
 // x in `dtype`: x itself when it already has it, else a converted copy from the "activations" pool.
 Tensor in_dtype(const Tensor & x, DType dtype);
-// What backward keeps of an f32 activation x in the parameters' `dtype`: x itself for f32; for bf16, x is
-// rounded to bf16 in place and its bf16 twin returned.
+// What backward keeps of an activation x in the parameters' `dtype`: x itself when it has that dtype (f32,
+// or bf16 activations); for an f32 x and bf16, x is rounded to bf16 in place and its bf16 twin returned;
+// for f16, a rounded copy.
 Tensor keep_for_backward(Tensor & x, DType dtype);
 
 // Tensor parallelism of the layers: the TP group (null: none) and this rank's place in it. Column-parallel
@@ -142,8 +145,9 @@ public:
     struct Context { Tensor x; };   // the input, in the weight's dtype
 
     // add_bias = false leaves the bias to the caller, to fuse it into the next elementwise kernel
-    // (Megatron's skip_bias_add); backward still produces its gradient.
-    Tensor forward(Context & ctx, const Tensor & x, bool add_bias = true);
+    // (Megatron's skip_bias_add); backward still produces its gradient. The output is in `out` (the
+    // activations' dtype), by default x's.
+    Tensor forward(Context & ctx, const Tensor & x, bool add_bias = true, std::optional<DType> out = std::nullopt);
     Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
     // What forward keeps of its input for the weight's gradient (Context::x): the rows (every rank's with a
     // sequence-parallel column split), in the weight's dtype. A recompute sets Context::x from it.
@@ -245,6 +249,7 @@ public:
         Linear::Context fc1_ctx, fc2_ctx;
         Tensor          pre_act;   // in the parameters' dtype
         Tensor          input;     // with `recompute`: the input (in the parameters' dtype), all that is kept
+        DType           activations = DType::f32;   // the dtype of the input given and of the output
     };
 
     Tensor forward(Context & ctx, const Tensor & x);
@@ -253,7 +258,8 @@ public:
     void   parameters(std::vector<Parameter *> & out);
 
 private:
-    Tensor forward_kept(Context & ctx, const Tensor & x);   // forward keeping what backward reads
+    // Forward keeping what backward reads; the output and intermediates in `activations`.
+    Tensor forward_kept(Context & ctx, const Tensor & x, DType activations);
 
 public:
     const GptConfig & config;

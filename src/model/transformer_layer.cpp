@@ -90,7 +90,9 @@ std::vector<Tensor> TransformerLayer::forward_head(Context & ctx, const Tensor &
     Ops &        ops      = x.device().ops();
     Stream &     stream   = x.device().compute_stream();
     const Tensor residual = attention_block(ctx, x, s, b, batch);
-    const Tensor hidden   = norm2.forward(ctx.norm2, residual, &x);   // residual = x + attn, fused into norm2
+    // residual = x + attn, fused into norm2. The MoE layer runs in f32: bf16 activations are widened into it
+    // and its output rounded back (forward_tail), its gradients likewise.
+    const Tensor hidden   = in_dtype(norm2.forward(ctx.norm2, residual, &x), DType::f32);
     ctx.moe               = std::make_shared<MoeLayerContext>();
     moe->forward_router(*ctx.moe, hidden, b, batch.training, with_plan);
     if (batch.training) ops.add_inplace(stream, moe_losses, ctx.moe->router.losses);
@@ -109,7 +111,8 @@ Tensor TransformerLayer::forward_tail(Context & ctx, const std::vector<Tensor> &
     LOOM_CHECK(residual.size(0) == rows, "MoE segment of " << residual.size(0) << " rows for s " << s << ", b " << b, "");
     ctx.mlp_out = dropout_key(config, attention.tp, batch, index, DropoutKind::mlp_output, rows);
     if (!ctx.moe) ctx.moe = std::make_shared<MoeLayerContext>();
-    Tensor h2 = moe->forward_experts_from(*ctx.moe, std::vector<Tensor>(head.begin() + 1, head.end()));
+    Tensor h2 = in_dtype(moe->forward_experts_from(*ctx.moe, std::vector<Tensor>(head.begin() + 1, head.end())),
+                         residual.dtype());
     if (ctx.mlp_out.enabled()) ops.dropout(stream, h2, h2, ctx.mlp_out);
     ops.add_inplace(stream, h2, residual);   // h2 = h1 + mlp
     return h2;
@@ -131,7 +134,7 @@ Tensor TransformerLayer::backward(Context & ctx, const Tensor & dy, const GradRe
 // takes the gradient whole).
 Tensor TransformerLayer::dropped(const Dropout & key, const Tensor & g) const {
     if (!key.enabled()) return g;
-    Tensor out = activation(g.device(), g.size(0), g.size(1));
+    Tensor out = activation(g.device(), g.size(0), g.size(1), g.dtype());
     g.device().ops().dropout(g.device().compute_stream(), g, out, key);
     return out;
 }
@@ -153,13 +156,16 @@ Tensor TransformerLayer::attention_block_backward(Context & ctx, const Tensor & 
 
 std::vector<Tensor> TransformerLayer::backward_tail(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
     std::vector<Tensor> grads{dy};   // d h1: the residual path takes the gradient whole
-    for (Tensor & g : moe->backward_experts_to(*ctx.moe, dropped(ctx.mlp_out, dy), ready)) grads.push_back(std::move(g));
+    for (Tensor & g : moe->backward_experts_to(*ctx.moe, in_dtype(dropped(ctx.mlp_out, dy), DType::f32), ready)) {
+        grads.push_back(std::move(g));
+    }
     return grads;
 }
 
 Tensor TransformerLayer::backward_head(Context & ctx, const std::vector<Tensor> & grads, const GradReadyFn & ready) {
     LOOM_CHECK(!grads.empty(), "the MoE head of layer " << index << " without gradients", "");
-    Tensor dhidden = moe->backward_router_from(*ctx.moe, std::vector<Tensor>(grads.begin() + 1, grads.end()), ready);
+    Tensor dhidden = in_dtype(moe->backward_router_from(*ctx.moe, std::vector<Tensor>(grads.begin() + 1, grads.end()), ready),
+                              grads[0].dtype());
     ctx.moe.reset();
     Tensor dh1 = norm2.backward(ctx.norm2, dhidden, ready);
     return attention_block_backward(ctx, dh1, grads[0], ready);

@@ -112,6 +112,7 @@ PipelineExecutor::Result PipelineExecutor::execute(const P2PPlan & plan, bool fo
     const int     pp = options_.pp;
     const int     chunks = static_cast<int>(chunks_.size()), stages = pp * chunks;
     const int64_t h      = chunks_[0]->config().hidden_size;
+    const DType   act    = chunks_[0]->config().activations_dtype();   // what the stages send each other
     Device &      device = chunks_[0]->device();
     auto          virtual_stage = [&](int chunk) { return chunk * pp + rank_; };
 
@@ -129,7 +130,7 @@ PipelineExecutor::Result PipelineExecutor::execute(const P2PPlan & plan, bool fo
     Stream &                                        stream = device.compute_stream();
     // Receives are posted in the plan's order, which is their channel's order on both sides.
     auto post = [&](const Transfer & t, int64_t numel) {
-        Tensor buffer = Tensor::empty({numel}, DType::f32, device, {MemoryKind::device, "activations"});
+        Tensor buffer = Tensor::empty({numel}, act, device, {MemoryKind::device, "activations"});
         const Link & l = link(t.channel);
         posted[data_key(t)] = {l.comm->recv(buffer, l.peer, tag(t)), buffer};
     };

@@ -21,19 +21,21 @@ struct Layout {
     int64_t row(int64_t si, int64_t bi) const { return (si * b + bi) * stride; }
 };
 
-// dst (rows, d) <- rows of src at row offsets (contiguous copy of a strided block).
-void gather(const float * src, const Layout & L, int64_t bi, int64_t s0, int64_t rows, int64_t col, float * dst) {
+// dst (rows, d) f32 <- rows of src at row offsets (contiguous copy of a strided block).
+template <class T>
+void gather(const T * src, const Layout & L, int64_t bi, int64_t s0, int64_t rows, int64_t col, float * dst) {
     for (int64_t r = 0; r < rows; ++r) {
-        const float * p = src + L.row(s0 + r, bi) + col;
-        std::copy(p, p + L.d, dst + r * L.d);
+        const T * p = src + L.row(s0 + r, bi) + col;
+        for (int64_t dd = 0; dd < L.d; ++dd) dst[r * L.d + dd] = to_f32(p[dd]);
     }
 }
 
-// dst (d, cols) <- transpose of a strided (cols, d) block.
-void gather_t(const float * src, const Layout & L, int64_t bi, int64_t s0, int64_t cols, int64_t col, float * dst) {
+// dst (d, cols) f32 <- transpose of a strided (cols, d) block.
+template <class T>
+void gather_t(const T * src, const Layout & L, int64_t bi, int64_t s0, int64_t cols, int64_t col, float * dst) {
     for (int64_t c = 0; c < cols; ++c) {
-        const float * p = src + L.row(s0 + c, bi) + col;
-        for (int64_t dd = 0; dd < L.d; ++dd) dst[dd * kBlock + c] = p[dd];
+        const T * p = src + L.row(s0 + c, bi) + col;
+        for (int64_t dd = 0; dd < L.d; ++dd) dst[dd * kBlock + c] = to_f32(p[dd]);
     }
 }
 
@@ -79,8 +81,9 @@ uint64_t sample_base(const AttentionDropout & dropout, int64_t bi) {
 
 }  // namespace
 
-void attention_forward(const float * qkv_q, const float * kv, float * out, float * lse, const AttentionShape & a,
-                       float scale, const AttentionDropout & dropout) {
+template <class T>
+void attention_forward(const T * qkv_q, const T * kv, T * out, float * lse, const AttentionShape & a, float scale,
+                       const AttentionDropout & dropout) {
     const Layout  Q{a.b, a.row_stride, a.d}, K{a.b, a.kv_stride(), a.d};
     const int64_t group = a.nq / a.nkv, s_kv = a.keys(), k_col = a.k_column(), v_col = a.v_column();
     const bool    dropped = dropout.p > 0.0f;
@@ -131,15 +134,15 @@ void attention_forward(const float * qkv_q, const float * kv, float * out, float
                     }
                 }
                 for (int64_t r = 0; r < rows; ++r) {
-                    float * o   = out + ((i0 + r) * a.b + bi) * a.nq * a.d + hq * a.d;
+                    T *     o   = out + ((i0 + r) * a.b + bi) * a.nq * a.d + hq * a.d;
                     float * ls  = lse + (bi * a.nq + hq) * a.s + i0 + r;
                     if (l[r] == 0.0f) {   // no visible key in this call
-                        std::fill(o, o + a.d, 0.0f);
+                        std::fill(o, o + a.d, from_f32<T>(0.0f));
                         *ls = -std::numeric_limits<float>::infinity();
                         continue;
                     }
                     float   inv = 1.0f / l[r];
-                    for (int64_t dd = 0; dd < a.d; ++dd) o[dd] = acc[r * a.d + dd] * inv;
+                    for (int64_t dd = 0; dd < a.d; ++dd) o[dd] = from_f32<T>(acc[r * a.d + dd] * inv);
                     *ls = m[r] + std::log(l[r]);
                 }
             }
@@ -147,9 +150,10 @@ void attention_forward(const float * qkv_q, const float * kv, float * out, float
     });
 }
 
-void attention_backward(const float * qkv_q, const float * kv, const float * out, const float * dout, const float * lse,
-                        float * dq_out, float * dkv, const AttentionShape & a, float scale,
-                        const AttentionDropout & dropout, bool accumulate) {
+template <class T>
+void attention_backward(const T * qkv_q, const T * kv, const T * out, const T * dout, const float * lse, T * dq_out,
+                        T * dkv, const AttentionShape & a, float scale, const AttentionDropout & dropout,
+                        bool accumulate) {
     const Layout  Q{a.b, a.row_stride, a.d}, K{a.b, a.kv_stride(), a.d};
     const int64_t group = a.nq / a.nkv, s_kv = a.keys(), k_col = a.k_column(), v_col = a.v_column();
     const bool    dropped = dropout.p > 0.0f;
@@ -162,27 +166,31 @@ void attention_backward(const float * qkv_q, const float * kv, const float * out
         std::vector<float> q(kBlock * d), k(kBlock * d), kt(d * kBlock), vt(d * kBlock), dob(kBlock * d),
             p(kBlock * kBlock), dp(kBlock * kBlock), dq(kBlock * d), dk(kBlock * d), dv(kBlock * d),
             delta(a.s), lse_h(a.s), z(kBlock);
+        // The sums over key blocks (dQ of one query head) and over the group's query heads (dK, dV of the
+        // key/value head) in f32, stored once: T rounds each result once.
+        std::vector<float> dq_sum(a.s * d), dk_sum(s_kv * d), dv_sum(s_kv * d);
         for (int64_t task = begin; task < end; ++task) {
             int64_t  bi = task / a.nkv, hk = task % a.nkv;
             uint64_t base = dropped ? sample_base(dropout, bi) : 0;
-            if (!accumulate) {   // zero this sequence's dQ of the group's query heads and its dK, dV
-                for (int64_t si = 0; si < a.s; ++si) {
-                    float * row = dq_out + Q.row(si, bi);
-                    std::fill(row + hk * group * d, row + (hk + 1) * group * d, 0.0f);
-                }
-                for (int64_t sj = 0; sj < s_kv; ++sj) {
-                    float * row = dkv + K.row(sj, bi);
-                    std::fill(row + k_col + hk * d, row + k_col + (hk + 1) * d, 0.0f);
-                    std::fill(row + v_col + hk * d, row + v_col + (hk + 1) * d, 0.0f);
-                }
+            if (accumulate) {
+                gather(dkv, K, bi, 0, s_kv, k_col + hk * d, dk_sum.data());
+                gather(dkv, K, bi, 0, s_kv, v_col + hk * d, dv_sum.data());
+            } else {
+                std::fill(dk_sum.begin(), dk_sum.end(), 0.0f);
+                std::fill(dv_sum.begin(), dv_sum.end(), 0.0f);
             }
             for (int64_t g = 0; g < group; ++g) {
                 int64_t hq = hk * group + g;
+                if (accumulate) {
+                    gather(dq_out, Q, bi, 0, a.s, hq * d, dq_sum.data());
+                } else {
+                    std::fill(dq_sum.begin(), dq_sum.end(), 0.0f);
+                }
                 for (int64_t si = 0; si < a.s; ++si) {
-                    const float * o  = out + O.row(si, bi) + hq * d;
-                    const float * dO = dout + O.row(si, bi) + hq * d;
-                    float         sum = 0;
-                    for (int64_t dd = 0; dd < d; ++dd) sum += o[dd] * dO[dd];
+                    const T * o  = out + O.row(si, bi) + hq * d;
+                    const T * dO = dout + O.row(si, bi) + hq * d;
+                    float     sum = 0;
+                    for (int64_t dd = 0; dd < d; ++dd) sum += to_f32(o[dd]) * to_f32(dO[dd]);
                     delta[si] = sum;
                     lse_h[si] = lse[(bi * a.nq + hq) * a.s + si];
                 }
@@ -239,18 +247,30 @@ void attention_backward(const float * qkv_q, const float * kv, const float * out
                             }
                         }
                         for (int64_t r = 0; r < rows; ++r) {
-                            float * dst = dq_out + Q.row(i0 + r, bi) + hq * d;
+                            float * dst = dq_sum.data() + (i0 + r) * d;
                             for (int64_t dd = 0; dd < d; ++dd) dst[dd] += dq[r * d + dd];
                         }
                     }
                     for (int64_t c = 0; c < cols; ++c) {
-                        float * dkr = dkv + K.row(j0 + c, bi) + k_col + hk * d;
-                        float * dvr = dkv + K.row(j0 + c, bi) + v_col + hk * d;
+                        float * dkr = dk_sum.data() + (j0 + c) * d;
+                        float * dvr = dv_sum.data() + (j0 + c) * d;
                         for (int64_t dd = 0; dd < d; ++dd) {
                             dkr[dd] += dk[c * d + dd];
                             dvr[dd] += dv[c * d + dd];
                         }
                     }
+                }
+                for (int64_t si = 0; si < a.s; ++si) {
+                    T * dst = dq_out + Q.row(si, bi) + hq * d;
+                    for (int64_t dd = 0; dd < d; ++dd) dst[dd] = from_f32<T>(dq_sum[si * d + dd]);
+                }
+            }
+            for (int64_t sj = 0; sj < s_kv; ++sj) {
+                T * dkr = dkv + K.row(sj, bi) + k_col + hk * d;
+                T * dvr = dkv + K.row(sj, bi) + v_col + hk * d;
+                for (int64_t dd = 0; dd < d; ++dd) {
+                    dkr[dd] = from_f32<T>(dk_sum[sj * d + dd]);
+                    dvr[dd] = from_f32<T>(dv_sum[sj * d + dd]);
                 }
             }
         }
@@ -278,5 +298,14 @@ void attention_merge(float * out, float * lse, const float * part_out, const flo
         }
     });
 }
+
+template void attention_forward(const float *, const float *, float *, float *, const AttentionShape &, float,
+                                const AttentionDropout &);
+template void attention_forward(const Bf16 *, const Bf16 *, Bf16 *, float *, const AttentionShape &, float,
+                                const AttentionDropout &);
+template void attention_backward(const float *, const float *, const float *, const float *, const float *, float *,
+                                 float *, const AttentionShape &, float, const AttentionDropout &, bool);
+template void attention_backward(const Bf16 *, const Bf16 *, const Bf16 *, const Bf16 *, const float *, Bf16 *, Bf16 *,
+                                 const AttentionShape &, float, const AttentionDropout &, bool);
 
 }  // namespace loom::cpu

@@ -20,6 +20,7 @@
 // without races. Memory: O(Br x Bc) scratch per thread.
 #pragma once
 
+#include "core/float_bits.h"
 #include "core/ops.h"
 
 #include <cstdint>
@@ -39,13 +40,17 @@ struct AttentionDropout {
 };
 
 // out (s, b, nq * d); lse (b, nq, s). A query with no visible key: out 0, lse -inf.
-void attention_forward(const float * q, const float * kv, float * out, float * lse, const AttentionShape & shape,
-                       float scale, const AttentionDropout & dropout = {});
+// q, kv, out (and dout, dq, dkv) are float or Bf16 (core/float_bits.h): read as f32, computed in f32, each
+// output stored once; lse is f32.
+template <class T>
+void attention_forward(const T * q, const T * kv, T * out, float * lse, const AttentionShape & shape, float scale,
+                       const AttentionDropout & dropout = {});
 // dq has the layout of q, dkv of kv (they may be the same rows); their Q, K and V columns are assigned, or
 // added to with accumulate. out and lse are the queries' final ones (every key block merged).
-void attention_backward(const float * q, const float * kv, const float * out, const float * dout, const float * lse,
-                        float * dq, float * dkv, const AttentionShape & shape, float scale,
-                        const AttentionDropout & dropout = {}, bool accumulate = false);
+template <class T>
+void attention_backward(const T * q, const T * kv, const T * out, const T * dout, const float * lse, T * dq, T * dkv,
+                        const AttentionShape & shape, float scale, const AttentionDropout & dropout = {},
+                        bool accumulate = false);
 // (out, lse) merged with (part_out, part_lse) in place (core/ops.h's attention_merge).
 void attention_merge(float * out, float * lse, const float * part_out, const float * part_lse, int64_t s, int64_t b,
                      int64_t nq, int64_t d);

@@ -27,6 +27,19 @@ using op_checks::with_logits;
 float * f32(const Tensor & t) { return t.data<float>(); }
 float * f32_or_null(const Tensor & t) { return t.defined() ? t.data<float>() : nullptr; }
 
+// Calls fn with a null T * for the activations' storage type of t (op_checks has checked it is f32 or bf16):
+// float, or Bf16 (core/float_bits.h).
+template <class Fn>
+void with_activations(const Tensor & t, Fn && fn) {
+    if (t.dtype() == DType::bf16) {
+        fn(static_cast<Bf16 *>(nullptr));
+    } else {
+        fn(static_cast<float *>(nullptr));
+    }
+}
+
+template <class T> T * act(const Tensor & t) { return static_cast<T *>(t.data_ptr()); }
+
 // On the stream: every id is -1 or below `limit` (a token or label past the table would read or write
 // outside it). The error surfaces at the stream's next synchronize, naming the op.
 void check_ids(const Tensor & ids, int64_t limit, const char * op, const char * what) {
@@ -40,7 +53,7 @@ class CpuOps final : public Ops {
 public:
     void gemm(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c,
               bool accumulate) override {
-        const op_checks::GemmDims dims = op_checks::gemm(a, trans_a, b, trans_b, c);
+        const op_checks::GemmDims dims = op_checks::gemm(a, trans_a, b, trans_b, c, accumulate);
         const int64_t             m = dims.m, n = dims.n, k = dims.k;   // plain variables: clang 14 captures no structured bindings
         const DType dtype = a.dtype();
         if (dtype == DType::f64) {
@@ -49,8 +62,9 @@ public:
             });
             return;
         }
-        s.submit([a, b, c, trans_a, trans_b, m, n, k, dtype, accumulate] {
-            cpu::gemm(trans_a, trans_b, m, n, k, a.data_ptr(), b.data_ptr(), dtype, c.data<float>(), accumulate);
+        const DType c_dtype = c.dtype();
+        s.submit([a, b, c, trans_a, trans_b, m, n, k, dtype, c_dtype, accumulate] {
+            cpu::gemm(trans_a, trans_b, m, n, k, a.data_ptr(), b.data_ptr(), dtype, c.data_ptr(), c_dtype, accumulate);
         });
     }
 
@@ -62,6 +76,12 @@ public:
         const int64_t             m = dims.m, n = dims.n, k = dims.k;
         const DType dtype = a.dtype();
         s.submit([a, b, c, bias, trans_a, trans_b, m, n, k, dtype] {
+            if (c.dtype() == DType::bf16) {
+                // The bias joins the f32 accumulator before the one rounding to bf16 (as cuBLASLt's epilogue).
+                cpu::gemm_bias_bf16(trans_a, trans_b, m, n, k, a.data_ptr(), b.data_ptr(), dtype, c.data_ptr(),
+                                    bias.data<float>());
+                return;
+            }
             cpu::gemm(trans_a, trans_b, m, n, k, a.data_ptr(), b.data_ptr(), dtype, c.data<float>());
             cpu::bias_add(c.data<float>(), bias.data<float>(), m, n);
         });
@@ -73,12 +93,15 @@ public:
         int64_t n, h;
         std::tie(n, h) = op_checks::layernorm_forward(x, residual, gamma, beta, y, mean, rstd);
         s.submit([=] {
-            if (residual.defined()) {
-                add_layernorm_forward(f32(x), f32(residual), f32(gamma), f32_or_null(beta), f32(y), f32(mean),
-                                      f32(rstd), n, h, eps);
-            } else {
-                cpu::layernorm_forward(f32(x), f32(gamma), f32_or_null(beta), f32(y), f32(mean), f32(rstd), n, h, eps);
-            }
+            with_activations(x, [&]<class T>(T *) {
+                if (residual.defined()) {
+                    add_layernorm_forward(act<T>(x), act<T>(residual), f32(gamma), f32_or_null(beta), act<T>(y),
+                                          f32(mean), f32(rstd), n, h, eps);
+                } else {
+                    cpu::layernorm_forward(act<T>(x), f32(gamma), f32_or_null(beta), act<T>(y), f32(mean), f32(rstd), n,
+                                           h, eps);
+                }
+            });
         });
     }
 
@@ -87,11 +110,13 @@ public:
         int64_t n, h;
         std::tie(n, h) = op_checks::rmsnorm_forward(x, residual, gamma, y, rstd);
         s.submit([=] {
-            if (residual.defined()) {
-                add_rmsnorm_forward(f32(x), f32(residual), f32(gamma), f32(y), f32(rstd), n, h, eps);
-            } else {
-                cpu::rmsnorm_forward(f32(x), f32(gamma), f32(y), f32(rstd), n, h, eps);
-            }
+            with_activations(x, [&]<class T>(T *) {
+                if (residual.defined()) {
+                    add_rmsnorm_forward(act<T>(x), act<T>(residual), f32(gamma), act<T>(y), f32(rstd), n, h, eps);
+                } else {
+                    cpu::rmsnorm_forward(act<T>(x), f32(gamma), act<T>(y), f32(rstd), n, h, eps);
+                }
+            });
         });
     }
 
@@ -101,8 +126,10 @@ public:
         int64_t n, h;
         std::tie(n, h) = op_checks::layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta);
         s.submit([=] {
-            cpu::layernorm_backward(f32(dy), f32(x), f32(gamma), f32(mean), f32(rstd), f32(dx), f32(dgamma),
-                                    f32_or_null(dbeta), n, h);
+            with_activations(x, [&]<class T>(T *) {
+                cpu::layernorm_backward(act<T>(dy), act<T>(x), f32(gamma), f32(mean), f32(rstd), act<T>(dx), f32(dgamma),
+                                        f32_or_null(dbeta), n, h);
+            });
         });
     }
 
@@ -110,7 +137,11 @@ public:
                           const Tensor & dx, const Tensor & dgamma) override {
         int64_t n, h;
         std::tie(n, h) = op_checks::rmsnorm_backward(dy, x, gamma, rstd, dx, dgamma);
-        s.submit([=] { cpu::rmsnorm_backward(f32(dy), f32(x), f32(gamma), f32(rstd), f32(dx), f32(dgamma), n, h); });
+        s.submit([=] {
+            with_activations(x, [&]<class T>(T *) {
+                cpu::rmsnorm_backward(act<T>(dy), act<T>(x), f32(gamma), f32(rstd), act<T>(dx), f32(dgamma), n, h);
+            });
+        });
     }
 
     void bias_add(Stream & s, const Tensor & y, const Tensor & bias) override {
@@ -120,7 +151,7 @@ public:
             s.submit([=] { cpu::bias_add_f64(y.data<double>(), bias.data<double>(), n, h); });
             return;
         }
-        s.submit([=] { cpu::bias_add(f32(y), f32(bias), n, h); });
+        s.submit([=] { with_activations(y, [&]<class T>(T *) { cpu::bias_add(act<T>(y), f32(bias), n, h); }); });
     }
 
     void bias_backward(Stream & s, const Tensor & dy, const Tensor & dbias) override {
@@ -130,12 +161,12 @@ public:
             s.submit([=] { cpu::bias_backward_f64(dy.data<double>(), dbias.data<double>(), n, h); });
             return;
         }
-        s.submit([=] { cpu::bias_backward(f32(dy), f32(dbias), n, h); });
+        s.submit([=] { with_activations(dy, [&]<class T>(T *) { cpu::bias_backward(act<T>(dy), f32(dbias), n, h); }); });
     }
 
     void add_inplace(Stream & s, const Tensor & y, const Tensor & x) override {
         op_checks::add_inplace(y, x);
-        s.submit([=] { cpu::add_inplace(f32(y), f32(x), y.numel()); });
+        s.submit([=] { with_activations(y, [&]<class T>(T *) { cpu::add_inplace(act<T>(y), act<T>(x), y.numel()); }); });
     }
 
     void bias_gelu_forward(Stream & s, const Tensor & x, const Tensor & bias, const Tensor & y,
@@ -143,43 +174,55 @@ public:
         int64_t n, f;
         std::tie(n, f) = op_checks::bias_gelu_forward(x, bias, y, x_bf16);
         s.submit([=] {
-            cpu::bias_gelu_forward(f32(x), f32_or_null(bias), f32(y),
-                                   x_bf16.defined() ? static_cast<uint16_t *>(x_bf16.data_ptr()) : nullptr, n, f);
+            with_activations(x, [&]<class T>(T *) {
+                cpu::bias_gelu_forward(act<T>(x), f32_or_null(bias), act<T>(y),
+                                       x_bf16.defined() ? static_cast<uint16_t *>(x_bf16.data_ptr()) : nullptr, n, f);
+            });
         });
     }
 
     void gelu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override {
         op_checks::gelu_backward(x, dy, dx);
-        s.submit([=] { cpu::gelu_backward(f32(x), f32(dy), f32(dx), x.numel()); });
+        s.submit([=] {
+            with_activations(x, [&]<class T>(T *) { cpu::gelu_backward(act<T>(x), act<T>(dy), act<T>(dx), x.numel()); });
+        });
     }
 
     void squared_relu_forward(Stream & s, const Tensor & x, const Tensor & y) override {
         op_checks::squared_relu_forward(x, y);
-        s.submit([=] { cpu::squared_relu_forward(f32(x), f32(y), x.numel()); });
+        s.submit([=] { with_activations(x, [&]<class T>(T *) { cpu::squared_relu_forward(act<T>(x), act<T>(y), x.numel()); }); });
     }
 
     void squared_relu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override {
         op_checks::squared_relu_backward(x, dy, dx);
-        s.submit([=] { cpu::squared_relu_backward(f32(x), f32(dy), f32(dx), x.numel()); });
+        s.submit([=] {
+            with_activations(x, [&]<class T>(T *) {
+                cpu::squared_relu_backward(act<T>(x), act<T>(dy), act<T>(dx), x.numel());
+            });
+        });
     }
 
     void swiglu_forward(Stream & s, const Tensor & x, const Tensor & y) override {
         int64_t n, two_f;
         std::tie(n, two_f) = op_checks::swiglu_forward(x, y);
-        s.submit([=] { cpu::swiglu_forward(f32(x), f32(y), n, two_f / 2); });
+        s.submit([=] { with_activations(x, [&]<class T>(T *) { cpu::swiglu_forward(act<T>(x), act<T>(y), n, two_f / 2); }); });
     }
 
     void swiglu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override {
         int64_t n, two_f;
         std::tie(n, two_f) = op_checks::swiglu_backward(x, dy, dx);
-        s.submit([=] { cpu::swiglu_backward(f32(x), f32(dy), f32(dx), n, two_f / 2); });
+        s.submit([=] {
+            with_activations(x, [&]<class T>(T *) { cpu::swiglu_backward(act<T>(x), act<T>(dy), act<T>(dx), n, two_f / 2); });
+        });
     }
 
     void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base,
               bool inverse, int64_t rotary_dim, bool interleaved, const SeqPositions & positions) override {
         const int64_t stride = op_checks::rope(x, seq, batch, heads, d, rotary_dim).second;
         s.submit([=] {
-            rope_apply(f32(x), stride, seq, batch, heads, d, base, inverse, rotary_dim, interleaved, positions);
+            with_activations(x, [&]<class T>(T *) {
+                rope_apply(act<T>(x), stride, seq, batch, heads, d, base, inverse, rotary_dim, interleaved, positions);
+            });
         });
     }
 
@@ -190,13 +233,15 @@ public:
         s.submit([=] {
             check_ids(tokens, wte.size(0), "embedding_forward", "token");
             const int32_t * ids = tokens.data<int32_t>();
-            if (wte.dtype() == DType::f32) {
-                cpu::embedding_forward(ids, f32(wte), f32_or_null(wpe), f32(out), seq, b, h, positions);
-            } else {
-                cpu::embedding_forward(ids, static_cast<const uint16_t *>(wte.data_ptr()),
-                                       wpe.defined() ? static_cast<const uint16_t *>(wpe.data_ptr()) : nullptr, f32(out),
-                                       seq, b, h, positions);
-            }
+            with_activations(out, [&]<class T>(T *) {
+                if (wte.dtype() == DType::f32) {
+                    cpu::embedding_forward(ids, f32(wte), f32_or_null(wpe), act<T>(out), seq, b, h, positions);
+                } else {
+                    cpu::embedding_forward(ids, static_cast<const uint16_t *>(wte.data_ptr()),
+                                           wpe.defined() ? static_cast<const uint16_t *>(wpe.data_ptr()) : nullptr,
+                                           act<T>(out), seq, b, h, positions);
+                }
+            });
         });
     }
 
@@ -207,8 +252,10 @@ public:
         const int64_t vocab = dwte.size(0);
         s.submit([=] {
             check_ids(tokens, vocab, "embedding_backward", "token");
-            cpu::embedding_backward(tokens.data<int32_t>(), f32(dout), f32(dwte), f32_or_null(dwpe), seq, b, h, vocab,
-                                    positions);
+            with_activations(dout, [&]<class T>(T *) {
+                cpu::embedding_backward(tokens.data<int32_t>(), act<T>(dout), f32(dwte), f32_or_null(dwpe), seq, b, h,
+                                        vocab, positions);
+            });
         });
     }
 
@@ -230,18 +277,21 @@ public:
             const uint32_t  threshold  = dropout_threshold(key.p);
             const float     keep_scale = 1.0f / (1.0f - key.p);
             const int64_t * ids        = key.sample_ids.defined() ? key.sample_ids.data<int64_t>() : nullptr;
-            const float *   in         = f32(x);
-            float *         out        = f32(y);
-            parallel_for(n, 16, [&](int64_t begin, int64_t end) {
-                for (int64_t r = begin; r < end; ++r) {
-                    const int64_t  g = key.offset + r, position = key.positions(g / key.batch), column = g % key.batch;
-                    const uint64_t base = dropout_base(key.seed, key.site, ids ? ids[column] : column);
-                    const float *  xr = in + r * w;
-                    float *        yr = out + r * w;
-                    for (int64_t c = 0; c < w; ++c) {
-                        yr[c] = dropout_keep_hidden(base, position, c, threshold) ? xr[c] * keep_scale : 0.0f;
+            with_activations(x, [&]<class T>(T *) {
+                const T * in  = act<T>(x);
+                T *       out = act<T>(y);
+                parallel_for(n, 16, [&](int64_t begin, int64_t end) {
+                    for (int64_t r = begin; r < end; ++r) {
+                        const int64_t g = key.offset + r, position = key.positions(g / key.batch), column = g % key.batch;
+                        const uint64_t base = dropout_base(key.seed, key.site, ids ? ids[column] : column);
+                        const T *      xr   = in + r * w;
+                        T *            yr   = out + r * w;
+                        for (int64_t c = 0; c < w; ++c) {
+                            yr[c] = from_f32<T>(dropout_keep_hidden(base, position, c, threshold) ? to_f32(xr[c]) * keep_scale
+                                                                                                   : 0.0f);
+                        }
                     }
-                }
+                });
             });
         });
     }
@@ -249,7 +299,11 @@ public:
     void attention_forward(Stream & s, const Tensor & q, const Tensor & kv, const Tensor & out, const Tensor & lse,
                            const AttentionShape & shape, float scale, const Dropout & dropout) override {
         op_checks::attention_forward(q, kv, out, lse, shape, dropout);
-        s.submit([=] { cpu::attention_forward(f32(q), f32(kv), f32(out), f32(lse), shape, scale, attention_dropout(dropout)); });
+        s.submit([=] {
+            with_activations(q, [&]<class T>(T *) {
+                cpu::attention_forward(act<T>(q), act<T>(kv), act<T>(out), f32(lse), shape, scale, attention_dropout(dropout));
+            });
+        });
     }
 
     void attention_backward(Stream & s, const Tensor & q, const Tensor & kv, const Tensor & out, const Tensor & dout,
@@ -257,8 +311,10 @@ public:
                             float scale, const Dropout & dropout, bool accumulate) override {
         op_checks::attention_backward(q, kv, out, dout, lse, dq, dkv, shape, dropout);
         s.submit([=] {
-            cpu::attention_backward(f32(q), f32(kv), f32(out), f32(dout), f32(lse), f32(dq), f32(dkv), shape, scale,
-                                    attention_dropout(dropout), accumulate);
+            with_activations(q, [&]<class T>(T *) {
+                cpu::attention_backward(act<T>(q), act<T>(kv), act<T>(out), act<T>(dout), f32(lse), act<T>(dq), act<T>(dkv),
+                                        shape, scale, attention_dropout(dropout), accumulate);
+            });
         });
     }
 
@@ -273,7 +329,10 @@ public:
         const op_checks::LabelDims d = op_checks::cross_entropy_forward(logits, labels, loss, lse, vocab);
         s.submit([=] {
             check_ids(labels, vocab, "cross_entropy_forward", "label");
-            cpu::cross_entropy_forward(f32(logits), labels.data<int32_t>(), f32(loss), f32(lse), d.seq, d.b, d.stride, vocab);
+            with_activations(logits, [&]<class T>(T *) {
+                cpu::cross_entropy_forward(act<T>(logits), labels.data<int32_t>(), f32(loss), f32(lse), d.seq, d.b, d.stride,
+                                           vocab);
+            });
         });
     }
 
@@ -282,20 +341,29 @@ public:
         const op_checks::LabelDims d = op_checks::cross_entropy_backward(logits, labels, lse, dloss, vocab);
         s.submit([=] {
             check_ids(labels, vocab, "cross_entropy_backward", "label");
-            cpu::cross_entropy_backward(f32(logits), labels.data<int32_t>(), f32(lse), f32(dloss), d.seq, d.b, d.stride, vocab);
+            with_activations(logits, [&]<class T>(T *) {
+                cpu::cross_entropy_backward(act<T>(logits), labels.data<int32_t>(), f32(lse), f32(dloss), d.seq, d.b,
+                                            d.stride, vocab);
+            });
         });
     }
 
     void row_max(Stream & s, const Tensor & logits, int64_t valid, const Tensor & out) override {
         int64_t n, stride;
         std::tie(n, stride) = op_checks::row_max(logits, valid, out);
-        s.submit([=] { cpu::row_max(f32(logits), n, stride, valid, f32(out)); });
+        s.submit([=] {
+            with_activations(logits, [&]<class T>(T *) { cpu::row_max(act<T>(logits), n, stride, valid, f32(out)); });
+        });
     }
 
     void row_sum_exp(Stream & s, const Tensor & logits, const Tensor & max, int64_t valid, const Tensor & out) override {
         int64_t n, stride;
         std::tie(n, stride) = op_checks::row_sum_exp(logits, max, valid, out);
-        s.submit([=] { cpu::row_sum_exp(f32(logits), f32(max), n, stride, valid, f32(out)); });
+        s.submit([=] {
+            with_activations(logits, [&]<class T>(T *) {
+                cpu::row_sum_exp(act<T>(logits), f32(max), n, stride, valid, f32(out));
+            });
+        });
     }
 
     void label_logit(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & out) override {
@@ -303,13 +371,15 @@ public:
         const int64_t n = d.n, stride = d.stride, b = d.b, seq = d.seq;
         s.submit([=] {
             check_ids(labels, stride, "label_logit", "label");
-            const float *   x = f32(logits);
             const int32_t * l = labels.data<int32_t>();
             float *         o = f32(out);
-            for (int64_t r = 0; r < n; ++r) {
-                int32_t label = l[(r % b) * seq + r / b];
-                o[r]          = label >= 0 ? x[r * stride + label] : 0.0f;
-            }
+            with_activations(logits, [&]<class T>(T *) {
+                const T * x = act<T>(logits);
+                for (int64_t r = 0; r < n; ++r) {
+                    int32_t label = l[(r % b) * seq + r / b];
+                    o[r]          = label >= 0 ? to_f32(x[r * stride + label]) : 0.0f;
+                }
+            });
         });
     }
 

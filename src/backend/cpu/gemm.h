@@ -6,7 +6,7 @@
 //   op(A) = A    with A stored (M, K) row-major      op(A) = A^T  with A stored (K, M)  (trans_a)
 //   op(B) = B    with B stored (K, N) row-major      op(B) = B^T  with B stored (N, K)  (trans_b)
 //
-// A and B are f32 or bf16 (both the same); C is always f32 and the products accumulate in f32 (AMX or
+// A and B are f32 or bf16 (both the same); C is f32 (or bf16, rounded once) and the products accumulate in f32 (AMX or
 // AVX-512 bf16 dot products where the CPU has them). Where oneDNN has no bf16 matmul (a CPU without
 // AVX-512, or LOOM_MAX_CPU_ISA below avx512), bf16 operands are widened to f32 in per-thread scratch and
 // the f32 GEMM runs: their values are bf16-exact, so the products and the f32 accumulation are the same
@@ -30,6 +30,13 @@ bool gemm_bf16_native();
 
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b,
           DType ab_dtype, float * c, bool accumulate = false);
+// The same into C of c_dtype: f32, or bf16 (no accumulate), whose elements are the f32 accumulators rounded
+// once to nearest even (blocks of rows go through a bounded f32 scratch).
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b,
+          DType ab_dtype, void * c, DType c_dtype, bool accumulate);
+// C (m, n) bf16 = op(A) op(B) + bias (n) f32, the bias added to the f32 accumulator before the one rounding.
+void gemm_bias_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b,
+                    DType ab_dtype, void * c, const float * bias);
 
 // The float64 GEMM (core/gemm_f64.h): C (m, n) = op(A) op(B), or += with accumulate.
 void gemm_f64(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const double * a, const double * b,

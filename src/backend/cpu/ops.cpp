@@ -51,41 +51,46 @@ void column_sums(float * acc, int64_t n, int64_t c0, int64_t c1, Term && term) {
 
 namespace {
 
-void layernorm_row(const float * xr, const float * gamma, const float * beta, float * yr, float * mean, float * rstd,
+template <class T>
+void layernorm_row(const T * xr, const float * gamma, const float * beta, T * yr, float * mean, float * rstd,
                    int64_t h, float eps) {
     double sum = 0;
-    for (int64_t j = 0; j < h; ++j) sum += xr[j];
+    for (int64_t j = 0; j < h; ++j) sum += to_f32(xr[j]);
     float  m   = static_cast<float>(sum / h);
     double var = 0;
     for (int64_t j = 0; j < h; ++j) {
-        float c = xr[j] - m;
+        float c = to_f32(xr[j]) - m;
         var += static_cast<double>(c) * c;
     }
     float rs = 1.0f / std::sqrt(static_cast<float>(var / h) + eps);
     for (int64_t j = 0; j < h; ++j) {
-        float v = (xr[j] - m) * rs * gamma[j];
-        yr[j]   = beta ? v + beta[j] : v;
+        float v = (to_f32(xr[j]) - m) * rs * gamma[j];
+        yr[j]   = from_f32<T>(beta ? v + beta[j] : v);
     }
     *mean = m;
     *rstd = rs;
 }
 
-void rmsnorm_row(const float * xr, const float * gamma, float * yr, float * rstd, int64_t h, float eps) {
+template <class T>
+void rmsnorm_row(const T * xr, const float * gamma, T * yr, float * rstd, int64_t h, float eps) {
     double ss = 0;
-    for (int64_t j = 0; j < h; ++j) ss += static_cast<double>(xr[j]) * xr[j];
+    for (int64_t j = 0; j < h; ++j) {
+        const float v = to_f32(xr[j]);
+        ss += static_cast<double>(v) * v;
+    }
     float rs = 1.0f / std::sqrt(static_cast<float>(ss / h) + eps);
-    for (int64_t j = 0; j < h; ++j) yr[j] = xr[j] * rs * gamma[j];
+    for (int64_t j = 0; j < h; ++j) yr[j] = from_f32<T>(to_f32(xr[j]) * rs * gamma[j]);
     *rstd = rs;
 }
 
-// Adds the residual row into x's row, then normalises it while it is in cache.
-template <typename Norm>
-void add_then_norm(float * x, const float * residual, int64_t n, int64_t h, Norm && norm_row) {
+// Adds the residual row into x's row (rounded to T), then normalises it while it is in cache.
+template <class T, typename Norm>
+void add_then_norm(T * x, const T * residual, int64_t n, int64_t h, Norm && norm_row) {
     parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-            float *       xr = x + r * h;
-            const float * rr = residual + r * h;
-            for (int64_t j = 0; j < h; ++j) xr[j] += rr[j];
+            T *       xr = x + r * h;
+            const T * rr = residual + r * h;
+            for (int64_t j = 0; j < h; ++j) xr[j] = from_f32<T>(to_f32(xr[j]) + to_f32(rr[j]));
             norm_row(r, xr);
         }
     });
@@ -93,90 +98,103 @@ void add_then_norm(float * x, const float * residual, int64_t n, int64_t h, Norm
 
 }  // namespace
 
-void layernorm_forward(const float * x, const float * gamma, const float * beta, float * y, float * mean,
-                       float * rstd, int64_t n, int64_t h, float eps) {
+template <class T>
+void layernorm_forward(const T * x, const float * gamma, const float * beta, T * y, float * mean, float * rstd,
+                       int64_t n, int64_t h, float eps) {
     parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) layernorm_row(x + r * h, gamma, beta, y + r * h, mean + r, rstd + r, h, eps);
     });
 }
 
-void add_layernorm_forward(float * x, const float * residual, const float * gamma, const float * beta, float * y,
-                           float * mean, float * rstd, int64_t n, int64_t h, float eps) {
-    add_then_norm(x, residual, n, h, [&](int64_t r, const float * xr) {
+template <class T>
+void add_layernorm_forward(T * x, const T * residual, const float * gamma, const float * beta, T * y, float * mean,
+                           float * rstd, int64_t n, int64_t h, float eps) {
+    add_then_norm(x, residual, n, h, [&](int64_t r, const T * xr) {
         layernorm_row(xr, gamma, beta, y + r * h, mean + r, rstd + r, h, eps);
     });
 }
 
-void layernorm_backward(const float * dy, const float * x, const float * gamma, const float * mean,
-                        const float * rstd, float * dx, float * dgamma, float * dbeta, int64_t n, int64_t h) {
+template <class T>
+void layernorm_backward(const T * dy, const T * x, const float * gamma, const float * mean, const float * rstd, T * dx,
+                        float * dgamma, float * dbeta, int64_t n, int64_t h) {
     // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma, xhat = (x - mean) * rstd.
     parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-            const float * dyr = dy + r * h;
-            const float * xr  = x + r * h;
-            float *       dxr = dx + r * h;
-            float         m = mean[r], rs = rstd[r];
-            double        sum_g = 0, sum_gx = 0;
+            const T * dyr = dy + r * h;
+            const T * xr  = x + r * h;
+            T *       dxr = dx + r * h;
+            float     m = mean[r], rs = rstd[r];
+            double    sum_g = 0, sum_gx = 0;
             for (int64_t j = 0; j < h; ++j) {
-                float g    = dyr[j] * gamma[j];
-                float xhat = (xr[j] - m) * rs;
+                float g    = to_f32(dyr[j]) * gamma[j];
+                float xhat = (to_f32(xr[j]) - m) * rs;
                 sum_g += g;
                 sum_gx += static_cast<double>(g) * xhat;
             }
             float mg = static_cast<float>(sum_g / h), mgx = static_cast<float>(sum_gx / h);
             for (int64_t j = 0; j < h; ++j) {
-                float xhat = (xr[j] - m) * rs;
-                dxr[j]     = rs * (dyr[j] * gamma[j] - mg - xhat * mgx);
+                float xhat = (to_f32(xr[j]) - m) * rs;
+                dxr[j]     = from_f32<T>(rs * (to_f32(dyr[j]) * gamma[j] - mg - xhat * mgx));
             }
         }
     });
     over_column_chunks(h, [&](int64_t c0, int64_t c1) {
-        column_sums(dgamma, n, c0, c1, [&](int64_t r, int64_t j) { return dy[r * h + j] * (x[r * h + j] - mean[r]) * rstd[r]; });
-        if (dbeta) column_sums(dbeta, n, c0, c1, [&](int64_t r, int64_t j) { return dy[r * h + j]; });
+        column_sums(dgamma, n, c0, c1, [&](int64_t r, int64_t j) {
+            return to_f32(dy[r * h + j]) * (to_f32(x[r * h + j]) - mean[r]) * rstd[r];
+        });
+        if (dbeta) column_sums(dbeta, n, c0, c1, [&](int64_t r, int64_t j) { return to_f32(dy[r * h + j]); });
     });
 }
 
-void rmsnorm_forward(const float * x, const float * gamma, float * y, float * rstd, int64_t n, int64_t h, float eps) {
+template <class T>
+void rmsnorm_forward(const T * x, const float * gamma, T * y, float * rstd, int64_t n, int64_t h, float eps) {
     parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) rmsnorm_row(x + r * h, gamma, y + r * h, rstd + r, h, eps);
     });
 }
 
-void add_rmsnorm_forward(float * x, const float * residual, const float * gamma, float * y, float * rstd, int64_t n,
-                         int64_t h, float eps) {
-    add_then_norm(x, residual, n, h, [&](int64_t r, const float * xr) { rmsnorm_row(xr, gamma, y + r * h, rstd + r, h, eps); });
+template <class T>
+void add_rmsnorm_forward(T * x, const T * residual, const float * gamma, T * y, float * rstd, int64_t n, int64_t h,
+                         float eps) {
+    add_then_norm(x, residual, n, h, [&](int64_t r, const T * xr) { rmsnorm_row(xr, gamma, y + r * h, rstd + r, h, eps); });
 }
 
-void rmsnorm_backward(const float * dy, const float * x, const float * gamma, const float * rstd, float * dx,
-                      float * dgamma, int64_t n, int64_t h) {
+template <class T>
+void rmsnorm_backward(const T * dy, const T * x, const float * gamma, const float * rstd, T * dx, float * dgamma,
+                      int64_t n, int64_t h) {
     // dx = rstd * (g - xhat * mean(g * xhat)), g = dy * gamma, xhat = x * rstd.
     parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-            const float * dyr = dy + r * h;
-            const float * xr  = x + r * h;
-            float         rs  = rstd[r];
-            double        sum_gx = 0;
-            for (int64_t j = 0; j < h; ++j) sum_gx += static_cast<double>(dyr[j] * gamma[j]) * (xr[j] * rs);
+            const T * dyr = dy + r * h;
+            const T * xr  = x + r * h;
+            float     rs  = rstd[r];
+            double    sum_gx = 0;
+            for (int64_t j = 0; j < h; ++j) sum_gx += static_cast<double>(to_f32(dyr[j]) * gamma[j]) * (to_f32(xr[j]) * rs);
             float mgx = static_cast<float>(sum_gx / h);
-            for (int64_t j = 0; j < h; ++j) dx[r * h + j] = rs * (dyr[j] * gamma[j] - xr[j] * rs * mgx);
+            for (int64_t j = 0; j < h; ++j) {
+                dx[r * h + j] = from_f32<T>(rs * (to_f32(dyr[j]) * gamma[j] - to_f32(xr[j]) * rs * mgx));
+            }
         }
     });
     over_column_chunks(h, [&](int64_t c0, int64_t c1) {
-        column_sums(dgamma, n, c0, c1, [&](int64_t r, int64_t j) { return dy[r * h + j] * x[r * h + j] * rstd[r]; });
+        column_sums(dgamma, n, c0, c1,
+                    [&](int64_t r, int64_t j) { return to_f32(dy[r * h + j]) * to_f32(x[r * h + j]) * rstd[r]; });
     });
 }
 
-void bias_add(float * y, const float * bias, int64_t n, int64_t h) {
+template <class T>
+void bias_add(T * y, const float * bias, int64_t n, int64_t h) {
     parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-            for (int64_t j = 0; j < h; ++j) y[r * h + j] += bias[j];
+            for (int64_t j = 0; j < h; ++j) y[r * h + j] = from_f32<T>(to_f32(y[r * h + j]) + bias[j]);
         }
     });
 }
 
-void bias_backward(const float * dy, float * dbias, int64_t n, int64_t h) {
+template <class T>
+void bias_backward(const T * dy, float * dbias, int64_t n, int64_t h) {
     over_column_chunks(h, [&](int64_t c0, int64_t c1) {
-        column_sums(dbias, n, c0, c1, [&](int64_t r, int64_t j) { return dy[r * h + j]; });
+        column_sums(dbias, n, c0, c1, [&](int64_t r, int64_t j) { return to_f32(dy[r * h + j]); });
     });
 }
 
@@ -188,88 +206,100 @@ void gelu_forward(const float * x, float * y, int64_t count) {
     });
 }
 
-void bias_gelu_forward(float * x, const float * bias, float * y, uint16_t * x_bf16, int64_t n, int64_t f) {
+template <class T>
+void bias_gelu_forward(T * x, const float * bias, T * y, uint16_t * x_bf16, int64_t n, int64_t f) {
     parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-            float * xr = x + r * f;
-            float * yr = y + r * f;
+            T * xr = x + r * f;
+            T * yr = y + r * f;
             if (x_bf16) {
                 uint16_t * br = x_bf16 + r * f;
                 for (int64_t j = 0; j < f; ++j) {
-                    float    v    = bias ? xr[j] + bias[j] : xr[j];
+                    float    v    = bias ? to_f32(xr[j]) + bias[j] : to_f32(xr[j]);
                     uint16_t bits = f32_to_bf16_bits(v);
                     br[j]         = bits;
-                    yr[j]         = gelu(bf16_bits_to_f32(bits));
+                    yr[j]         = from_f32<T>(gelu(bf16_bits_to_f32(bits)));
                 }
             } else {
                 for (int64_t j = 0; j < f; ++j) {
-                    float v = bias ? xr[j] + bias[j] : xr[j];
-                    xr[j]   = v;
-                    yr[j]   = gelu(v);
+                    // The biased value is stored first: gelu reads what backward will read.
+                    const T v = from_f32<T>(bias ? to_f32(xr[j]) + bias[j] : to_f32(xr[j]));
+                    xr[j]     = v;
+                    yr[j]     = from_f32<T>(gelu(to_f32(v)));
                 }
             }
         }
     });
 }
 
-void gelu_backward(const float * x, const float * dy, float * dx, int64_t count) {
+template <class T>
+void gelu_backward(const T * x, const T * dy, T * dx, int64_t count) {
     parallel_for(count, 4096, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
-            const float v = x[i];
-            dx[i]         = dy[i] * gelu_grad_from_tanh(v, tanh_approx(gelu_tanh_arg(v)));
+            const float v = to_f32(x[i]);
+            dx[i]         = from_f32<T>(to_f32(dy[i]) * gelu_grad_from_tanh(v, tanh_approx(gelu_tanh_arg(v))));
         }
     });
 }
 
-void squared_relu_forward(const float * x, float * y, int64_t count) {
+template <class T>
+void squared_relu_forward(const T * x, T * y, int64_t count) {
     parallel_for(count, kElemGrain, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
-            const float r = x[i] > 0.0f ? x[i] : 0.0f;
-            y[i]          = r * r;
+            const float v = to_f32(x[i]);
+            const float r = v > 0.0f ? v : 0.0f;
+            y[i]          = from_f32<T>(r * r);
         }
     });
 }
 
-void squared_relu_backward(const float * x, const float * dy, float * dx, int64_t count) {
+template <class T>
+void squared_relu_backward(const T * x, const T * dy, T * dx, int64_t count) {
     parallel_for(count, kElemGrain, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) dx[i] = x[i] > 0.0f ? dy[i] * (2.0f * x[i]) : 0.0f;
+        for (int64_t i = begin; i < end; ++i) {
+            const float v = to_f32(x[i]);
+            dx[i]         = from_f32<T>(v > 0.0f ? to_f32(dy[i]) * (2.0f * v) : 0.0f);
+        }
     });
 }
 
-void swiglu_forward(const float * x, float * y, int64_t n, int64_t f) {
+template <class T>
+void swiglu_forward(const T * x, T * y, int64_t n, int64_t f) {
     parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-            const float * gate = x + r * 2 * f;
-            const float * up   = gate + f;
+            const T * gate = x + r * 2 * f;
+            const T * up   = gate + f;
             for (int64_t j = 0; j < f; ++j) {
-                float g      = gate[j];
-                y[r * f + j] = g * sigmoid_approx(g) * up[j];
+                float g      = to_f32(gate[j]);
+                y[r * f + j] = from_f32<T>(g * sigmoid_approx(g) * to_f32(up[j]));
             }
         }
     });
 }
 
-void swiglu_backward(const float * x, const float * dy, float * dx, int64_t n, int64_t f) {
+template <class T>
+void swiglu_backward(const T * x, const T * dy, T * dx, int64_t n, int64_t f) {
     parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-            const float * gate  = x + r * 2 * f;
-            const float * up    = gate + f;
-            float *       dgate = dx + r * 2 * f;
-            float *       dup   = dgate + f;
+            const T * gate  = x + r * 2 * f;
+            const T * up    = gate + f;
+            T *       dgate = dx + r * 2 * f;
+            T *       dup   = dgate + f;
             for (int64_t j = 0; j < f; ++j) {
-                float g   = gate[j];
+                float g   = to_f32(gate[j]);
                 float sig = sigmoid_approx(g);
-                float d   = dy[r * f + j];
-                dup[j]    = d * g * sig;
-                dgate[j]  = d * up[j] * sig * (1.0f + g * (1.0f - sig));
+                float d   = to_f32(dy[r * f + j]);
+                dup[j]    = from_f32<T>(d * g * sig);
+                dgate[j]  = from_f32<T>(d * to_f32(up[j]) * sig * (1.0f + g * (1.0f - sig)));
             }
         }
     });
 }
 
-void add_inplace(float * y, const float * x, int64_t count) {
+template <class T>
+void add_inplace(T * y, const T * x, int64_t count) {
     parallel_for(count, 4096, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) y[i] += x[i];
+        for (int64_t i = begin; i < end; ++i) y[i] = from_f32<T>(to_f32(y[i]) + to_f32(x[i]));
     });
 }
 
@@ -278,22 +308,20 @@ namespace {
 inline float load_f32(const float * p, int64_t j) { return p[j]; }
 inline float load_f32(const uint16_t * p, int64_t j) { return bf16_bits_to_f32(p[j]); }
 
-template <typename W>
-void embedding_forward_impl(const int32_t * tokens, const W * wte, const W * wpe, float * out, int64_t s, int64_t b,
+template <typename W, class T>
+void embedding_forward_impl(const int32_t * tokens, const W * wte, const W * wpe, T * out, int64_t s, int64_t b,
                             int64_t h, const SeqPositions & positions) {
     parallel_for(s * b, kRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-            int64_t   si    = r / b, bi = r % b;
-            int32_t   token = tokens[bi * s + si];
-            float *   o     = out + r * h;
-            if (token < 0) {   // another tensor-parallel rank's part of the vocabulary
-                for (int64_t j = 0; j < h; ++j) o[j] = 0.0f;
-            } else {
-                const W * row = wte + static_cast<int64_t>(token) * h;
-                for (int64_t j = 0; j < h; ++j) o[j] = load_f32(row, j);
-            }
-            if (wpe) {
-                for (int64_t j = 0; j < h; ++j) o[j] += load_f32(wpe + positions(si) * h, j);
+            int64_t si    = r / b, bi = r % b;
+            int32_t token = tokens[bi * s + si];
+            T *     o     = out + r * h;
+            // Summed in f32, stored once.
+            const W * row = token >= 0 ? wte + static_cast<int64_t>(token) * h : nullptr;   // < 0: another TP rank's
+            for (int64_t j = 0; j < h; ++j) {
+                float v = row ? load_f32(row, j) : 0.0f;
+                if (wpe) v += load_f32(wpe + positions(si) * h, j);
+                o[j] = from_f32<T>(v);
             }
         }
     });
@@ -301,38 +329,42 @@ void embedding_forward_impl(const int32_t * tokens, const W * wte, const W * wpe
 
 }  // namespace
 
-void embedding_forward(const int32_t * tokens, const float * wte, const float * wpe, float * out, int64_t s,
-                       int64_t b, int64_t h, const SeqPositions & positions) {
+template <class T>
+void embedding_forward(const int32_t * tokens, const float * wte, const float * wpe, T * out, int64_t s, int64_t b,
+                       int64_t h, const SeqPositions & positions) {
     embedding_forward_impl(tokens, wte, wpe, out, s, b, h, positions);
 }
 
-void embedding_forward(const int32_t * tokens, const uint16_t * wte_bf16, const uint16_t * wpe_bf16, float * out,
+template <class T>
+void embedding_forward(const int32_t * tokens, const uint16_t * wte_bf16, const uint16_t * wpe_bf16, T * out,
                        int64_t s, int64_t b, int64_t h, const SeqPositions & positions) {
     embedding_forward_impl(tokens, wte_bf16, wpe_bf16, out, s, b, h, positions);
 }
 
-void embedding_backward(const int32_t * tokens, const float * dout, float * dwte, float * dwpe, int64_t s,
-                        int64_t b, int64_t h, int64_t vocab, const SeqPositions & positions) {
+template <class T>
+void embedding_backward(const int32_t * tokens, const T * dout, float * dwte, float * dwpe, int64_t s, int64_t b,
+                        int64_t h, int64_t vocab, const SeqPositions & positions) {
     // Column chunks: each thread owns a slice of h for every token row, so repeated tokens never race.
     over_column_chunks(h, [&](int64_t c0, int64_t c1) {
         for (int64_t r = 0; r < s * b; ++r) {
-            int64_t       si = r / b, bi = r % b;
-            int32_t       t  = tokens[bi * s + si];
-            const float * d  = dout + r * h;
+            int64_t   si = r / b, bi = r % b;
+            int32_t   t  = tokens[bi * s + si];
+            const T * d  = dout + r * h;
             if (t >= 0) {
                 float * w = dwte + static_cast<int64_t>(t) * h;
-                for (int64_t j = c0; j < c1; ++j) w[j] += d[j];
+                for (int64_t j = c0; j < c1; ++j) w[j] += to_f32(d[j]);
             }
             if (dwpe) {
-                for (int64_t j = c0; j < c1; ++j) dwpe[positions(si) * h + j] += d[j];
+                for (int64_t j = c0; j < c1; ++j) dwpe[positions(si) * h + j] += to_f32(d[j]);
             }
         }
     });
     (void)vocab;
 }
 
-void rope_apply(float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d, float base,
-                bool inverse, int64_t rotary_dim, bool interleaved, const SeqPositions & positions) {
+template <class T>
+void rope_apply(T * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d, float base, bool inverse,
+                int64_t rotary_dim, bool interleaved, const SeqPositions & positions) {
     const int64_t r    = rotary_dim > 0 ? rotary_dim : d;
     const int64_t half = r / 2;
     // Element j of pair i: (i, i + half), or interleaved (2i, 2i + 1).
@@ -350,15 +382,15 @@ void rope_apply(float * x, int64_t row_stride, int64_t s, int64_t b, int64_t hea
                 sn[i]       = inverse ? -std::sin(angle) : std::sin(angle);
             }
             for (int64_t bi = 0; bi < b; ++bi) {
-                float * row = x + (si * b + bi) * row_stride;
+                T * row = x + (si * b + bi) * row_stride;
                 for (int64_t hd = 0; hd < heads; ++hd) {
-                    float * v = row + hd * d;
+                    T * v = row + hd * d;
                     for (int64_t i = 0; i < half; ++i) {
-                        float * p1 = v + i * first;
-                        float * p2 = p1 + second;
-                        float   x1 = *p1, x2 = *p2;
-                        *p1        = x1 * cs[i] - x2 * sn[i];
-                        *p2        = x2 * cs[i] + x1 * sn[i];
+                        T *   p1 = v + i * first;
+                        T *   p2 = p1 + second;
+                        float x1 = to_f32(*p1), x2 = to_f32(*p2);
+                        *p1      = from_f32<T>(x1 * cs[i] - x2 * sn[i]);
+                        *p2      = from_f32<T>(x2 * cs[i] + x1 * sn[i]);
                     }
                 }
             }
@@ -366,8 +398,9 @@ void rope_apply(float * x, int64_t row_stride, int64_t s, int64_t b, int64_t hea
     });
 }
 
-void cross_entropy_forward(const float * logits, const int32_t * labels, float * loss, float * lse, int64_t s,
-                           int64_t b, int64_t stride, int64_t vocab) {
+template <class T>
+void cross_entropy_forward(const T * logits, const int32_t * labels, float * loss, float * lse, int64_t s, int64_t b,
+                           int64_t stride, int64_t vocab) {
     // The one-rank case of the vocabulary-parallel pieces: row max, then the row's sum of exponentials.
     const int64_t      n = s * b;
     std::vector<float> max(static_cast<size_t>(n)), sum(static_cast<size_t>(n));
@@ -377,51 +410,98 @@ void cross_entropy_forward(const float * logits, const int32_t * labels, float *
         int64_t si = r / b, bi = r % b;
         lse[r]     = max[r] + static_cast<float>(std::log(static_cast<double>(sum[r])));
         const int32_t label = labels[bi * s + si];   // -1: on another rank's shard, a target logit of 0
-        loss[r]    = lse[r] - (label >= 0 ? logits[r * stride + label] : 0.0f);
+        loss[r]    = lse[r] - (label >= 0 ? to_f32(logits[r * stride + label]) : 0.0f);
     }
 }
 
-void cross_entropy_backward(float * logits, const int32_t * labels, const float * lse, const float * dloss,
-                            int64_t s, int64_t b, int64_t stride, int64_t vocab) {
+template <class T>
+void cross_entropy_backward(T * logits, const int32_t * labels, const float * lse, const float * dloss, int64_t s,
+                            int64_t b, int64_t stride, int64_t vocab) {
     parallel_for(s * b, 4, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-            float * row = logits + r * stride;
+            T *     row = logits + r * stride;
             float   l = lse[r], g = dloss[r];
-            for (int64_t v = 0; v < vocab; ++v) row[v] = exp_approx(row[v] - l) * g;
-            std::fill(row + vocab, row + stride, 0.0f);
             int64_t si = r / b, bi = r % b;
-            if (labels[bi * s + si] >= 0) row[labels[bi * s + si]] -= g;
+            const int32_t label = labels[bi * s + si];
+            // The one-hot term is taken from the f32 value, before the store rounds it.
+            for (int64_t v = 0; v < vocab; ++v) {
+                const float p = exp_approx(to_f32(row[v]) - l) * g;
+                row[v]        = from_f32<T>(v == label ? p - g : p);
+            }
+            std::fill(row + vocab, row + stride, from_f32<T>(0.0f));
         }
     });
 }
 
-void row_max(const float * logits, int64_t n, int64_t stride, int64_t valid, float * out) {
+template <class T>
+void row_max(const T * logits, int64_t n, int64_t stride, int64_t valid, float * out) {
     parallel_for(n, 16, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-            const float * row = logits + r * stride;
-            float         mx  = -INFINITY;
-            for (int64_t v = 0; v < valid; ++v) mx = std::max(mx, row[v]);
+            const T * row = logits + r * stride;
+            float     mx  = -INFINITY;
+            for (int64_t v = 0; v < valid; ++v) mx = std::max(mx, to_f32(row[v]));
             out[r] = mx;
         }
     });
 }
 
-void row_sum_exp(const float * logits, const float * max, int64_t n, int64_t stride, int64_t valid, float * out) {
+template <class T>
+void row_sum_exp(const T * logits, const float * max, int64_t n, int64_t stride, int64_t valid, float * out) {
     parallel_for(n, 4, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-            const float * row = logits + r * stride;
-            float         part[16] = {};
-            int64_t       v        = 0;
+            const T * row      = logits + r * stride;
+            float     part[16] = {};
+            int64_t   v        = 0;
             for (; v + 16 <= valid; v += 16) {
-                for (int k = 0; k < 16; ++k) part[k] += exp_approx(row[v + k] - max[r]);
+                for (int k = 0; k < 16; ++k) part[k] += exp_approx(to_f32(row[v + k]) - max[r]);
             }
-            for (; v < valid; ++v) part[v % 16] += exp_approx(row[v] - max[r]);
+            for (; v < valid; ++v) part[v % 16] += exp_approx(to_f32(row[v]) - max[r]);
             double sum = 0;
             for (float p : part) sum += p;
             out[r] = static_cast<float>(sum);
         }
     });
 }
+
+// Every kernel above for both storage types.
+#define LOOM_ACTIVATION_KERNELS(T)                                                                                    \
+    template void layernorm_forward(const T *, const float *, const float *, T *, float *, float *, int64_t, int64_t, \
+                                    float);                                                                           \
+    template void add_layernorm_forward(T *, const T *, const float *, const float *, T *, float *, float *, int64_t,  \
+                                        int64_t, float);                                                              \
+    template void layernorm_backward(const T *, const T *, const float *, const float *, const float *, T *, float *, \
+                                     float *, int64_t, int64_t);                                                      \
+    template void rmsnorm_forward(const T *, const float *, T *, float *, int64_t, int64_t, float);                  \
+    template void add_rmsnorm_forward(T *, const T *, const float *, T *, float *, int64_t, int64_t, float);         \
+    template void rmsnorm_backward(const T *, const T *, const float *, const float *, T *, float *, int64_t, int64_t); \
+    template void bias_add(T *, const float *, int64_t, int64_t);                                                     \
+    template void bias_backward(const T *, float *, int64_t, int64_t);                                                \
+    template void bias_gelu_forward(T *, const float *, T *, uint16_t *, int64_t, int64_t);                           \
+    template void gelu_backward(const T *, const T *, T *, int64_t);                                                  \
+    template void squared_relu_forward(const T *, T *, int64_t);                                                      \
+    template void squared_relu_backward(const T *, const T *, T *, int64_t);                                          \
+    template void swiglu_forward(const T *, T *, int64_t, int64_t);                                                   \
+    template void swiglu_backward(const T *, const T *, T *, int64_t, int64_t);                                       \
+    template void add_inplace(T *, const T *, int64_t);                                                               \
+    template void embedding_forward(const int32_t *, const float *, const float *, T *, int64_t, int64_t, int64_t,    \
+                                    const SeqPositions &);                                                            \
+    template void embedding_forward(const int32_t *, const uint16_t *, const uint16_t *, T *, int64_t, int64_t,       \
+                                    int64_t, const SeqPositions &);                                                   \
+    template void embedding_backward(const int32_t *, const T *, float *, float *, int64_t, int64_t, int64_t, int64_t, \
+                                     const SeqPositions &);                                                           \
+    template void rope_apply(T *, int64_t, int64_t, int64_t, int64_t, int64_t, float, bool, int64_t, bool,            \
+                             const SeqPositions &);                                                                   \
+    template void cross_entropy_forward(const T *, const int32_t *, float *, float *, int64_t, int64_t, int64_t,      \
+                                        int64_t);                                                                     \
+    template void cross_entropy_backward(T *, const int32_t *, const float *, const float *, int64_t, int64_t,        \
+                                         int64_t, int64_t);                                                           \
+    template void row_max(const T *, int64_t, int64_t, int64_t, float *);                                            \
+    template void row_sum_exp(const T *, const float *, int64_t, int64_t, int64_t, float *);
+
+LOOM_ACTIVATION_KERNELS(float)
+LOOM_ACTIVATION_KERNELS(Bf16)
+#undef LOOM_ACTIVATION_KERNELS
+
 
 void convert_parallel(const void * src, DType src_dtype, void * dst, DType dst_dtype, int64_t n) {
     size_t in = dtype_size(src_dtype), out = dtype_size(dst_dtype);

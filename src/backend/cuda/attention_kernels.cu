@@ -4,6 +4,7 @@
 #include "backend/cuda/kernel_common.cuh"
 #include "backend/cuda/launch.h"
 #include "core/dropout.h"
+#include "core/float_bits.h"
 
 #include <cmath>
 
@@ -37,12 +38,13 @@ template <class Fn> __device__ __forceinline__ void for_tile_elements(int64_t el
 __host__ __device__ __forceinline__ int attn_stride(int64_t d) { return static_cast<int>(d | 1); }
 
 // dst (kAttnTile, stride ds) <- d columns from `col` of rows row0 .. of one sequence bi; rows past `rows`
-// are 0.
-__device__ void attn_load(float * dst, const float * src, int64_t row0, int64_t rows, int64_t bi, int64_t col,
+// are 0. The source's elements E (float or Bf16, core/float_bits.h) are read as f32: the tiles are f32.
+template <class E>
+__device__ void attn_load(float * dst, const E * src, int64_t row0, int64_t rows, int64_t bi, int64_t col,
                           int64_t stride, const AttentionDims & a, int ds) {
     for (int64_t e = threadIdx.x; e < kAttnTile * a.d; e += blockDim.x) {
         const int64_t r = e / a.d, dd = e % a.d, i = row0 + r;
-        dst[r * ds + dd] = i < rows ? src[(i * a.b + bi) * stride + col + dd] : 0.0f;
+        dst[r * ds + dd] = i < rows ? to_f32(src[(i * a.b + bi) * stride + col + dd]) : 0.0f;
     }
 }
 
@@ -75,9 +77,9 @@ __device__ __forceinline__ uint64_t attn_base(const AttentionKey & key, int64_t 
 }
 
 // One block per (sequence, query head, query tile), the last tiles (most keys) first.
-__global__ void __launch_bounds__(kAttnThreads) attention_forward_kernel(const float * q, const float * kv, float * out,
-                                                                        float * lse, AttentionDims a, float scale,
-                                                                        AttentionKey key) {
+template <class E>
+__global__ void __launch_bounds__(kAttnThreads) attention_forward_kernel(const E * q, const E * kv, E * out, float * lse,
+                                                                        AttentionDims a, float scale, AttentionKey key) {
     LOOM_DYNAMIC_SHARED(float, smem);
     constexpr int T = kAttnTile;
     const int     ds = attn_stride(a.d);
@@ -151,7 +153,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_forward_kernel(const f
     __syncthreads();
     for_tile_elements(elems, a.d, [&](int k, int64_t r, int64_t dd) {
         const int64_t i = i0 + r;
-        if (i < a.s) out[((i * a.b + bi) * a.nq + hq) * a.d + dd] = ls[r] > 0.0f ? acc[k] * (1.0f / ls[r]) : 0.0f;
+        if (i < a.s) out[((i * a.b + bi) * a.nq + hq) * a.d + dd] = from_f32<E>(ls[r] > 0.0f ? acc[k] * (1.0f / ls[r]) : 0.0f);
     });
     if (threadIdx.x < T && i0 + threadIdx.x < a.s) {   // a row that saw no key: -inf
         const float l = ls[threadIdx.x];
@@ -160,11 +162,14 @@ __global__ void __launch_bounds__(kAttnThreads) attention_forward_kernel(const f
 }
 
 // delta[(bi, hq, i)] = sum_dd out * dout over query row i's head hq, in dd order (the CPU's).
-__global__ void attention_delta_kernel(const float * out, const float * dout, float * delta, AttentionDims a) {
+template <class E>
+__global__ void attention_delta_kernel(const E * out, const E * dout, float * delta, AttentionDims a) {
     LOOM_GRID_STRIDE(t, a.b * a.nq * a.s) {
         const int64_t i = t % a.s, bh = t / a.s, bi = bh / a.nq, hq = bh % a.nq;
         const int64_t at = ((i * a.b + bi) * a.nq + hq) * a.d;
-        delta[t]         = attn_dot(out + at, dout + at, a.d);
+        float         sum = 0.0f;
+        for (int64_t dd = 0; dd < a.d; ++dd) sum += to_f32(out[at + dd]) * to_f32(dout[at + dd]);
+        delta[t] = sum;
     }
 }
 
@@ -211,10 +216,11 @@ __device__ void attn_load_rows(float * lses, float * deltas, const float * lse, 
 
 // dQ: one block per (sequence, query head, query tile); dQ = sum over key tiles of dS K, assigned (added with
 // accumulate).
-__global__ void __launch_bounds__(kAttnThreads) attention_dq_kernel(const float * q, const float * kv,
-                                                                   const float * dout, const float * lse,
-                                                                   const float * delta, float * dq, AttentionDims a,
-                                                                   float scale, AttentionKey key, bool accumulate) {
+template <class E>
+__global__ void __launch_bounds__(kAttnThreads) attention_dq_kernel(const E * q, const E * kv, const E * dout,
+                                                                   const float * lse, const float * delta, E * dq,
+                                                                   AttentionDims a, float scale, AttentionKey key,
+                                                                   bool accumulate) {
     LOOM_DYNAMIC_SHARED(float, smem);
     constexpr int T = kAttnTile;
     const int     ds = attn_stride(a.d);
@@ -252,18 +258,19 @@ __global__ void __launch_bounds__(kAttnThreads) attention_dq_kernel(const float 
     for_tile_elements(elems, a.d, [&](int k, int64_t r, int64_t dd) {
         const int64_t i = i0 + r;
         if (i < a.s) {
-            float * at = dq + (i * a.b + bi) * a.row_stride + hq * a.d + dd;
-            *at        = accumulate ? __fadd_rn(*at, acc[k]) : acc[k];
+            E * at = dq + (i * a.b + bi) * a.row_stride + hq * a.d + dd;
+            *at    = from_f32<E>(accumulate ? __fadd_rn(to_f32(*at), acc[k]) : acc[k]);
         }
     });
 }
 
 // dK and dV: one block per (sequence, key/value head, key tile); sums over the group's query heads, then
 // over the query tiles that see the key tile, in that order; assigned (added with accumulate).
-__global__ void __launch_bounds__(kAttnThreads) attention_dkdv_kernel(const float * q, const float * kv,
-                                                                     const float * dout, const float * lse,
-                                                                     const float * delta, float * dkv, AttentionDims a,
-                                                                     float scale, AttentionKey key, bool accumulate) {
+template <class E>
+__global__ void __launch_bounds__(kAttnThreads) attention_dkdv_kernel(const E * q, const E * kv, const E * dout,
+                                                                     const float * lse, const float * delta, E * dkv,
+                                                                     AttentionDims a, float scale, AttentionKey key,
+                                                                     bool accumulate) {
     LOOM_DYNAMIC_SHARED(float, smem);
     constexpr int T = kAttnTile;
     const int     ds = attn_stride(a.d);
@@ -308,11 +315,11 @@ __global__ void __launch_bounds__(kAttnThreads) attention_dkdv_kernel(const floa
     for_tile_elements(elems, a.d, [&](int k, int64_t c, int64_t dd) {
         const int64_t j = j0 + c;
         if (j < a.s_kv) {
-            float * row = dkv + (j * a.b + bi) * a.kv_stride;
-            float * pk  = row + a.k_col + hk * a.d + dd;
-            float * pv  = row + a.v_col + hk * a.d + dd;
-            *pk         = accumulate ? __fadd_rn(*pk, dk[k]) : dk[k];
-            *pv         = accumulate ? __fadd_rn(*pv, dv[k]) : dv[k];
+            E * row = dkv + (j * a.b + bi) * a.kv_stride;
+            E * pk  = row + a.k_col + hk * a.d + dd;
+            E * pv  = row + a.v_col + hk * a.d + dd;
+            *pk     = from_f32<E>(accumulate ? __fadd_rn(to_f32(*pk), dk[k]) : dk[k]);
+            *pv     = from_f32<E>(accumulate ? __fadd_rn(to_f32(*pv), dv[k]) : dv[k]);
         }
     });
 }
@@ -352,32 +359,34 @@ cudaError_t allow_smem(Kernel kernel, size_t bytes) {
 
 }  // namespace
 
-cudaError_t attention_forward(cudaStream_t stream, const float * q, const float * kv, float * out, float * lse,
+template <class E>
+cudaError_t attention_forward(cudaStream_t stream, const E * q, const E * kv, E * out, float * lse,
                               const AttentionDims & a, float scale, const AttentionKey & key) {
     const int64_t tiles  = (a.s + kAttnTile - 1) / kAttnTile;
     const int64_t blocks = tiles * a.b * a.nq;
     if (blocks == 0) return cudaSuccess;
     const size_t smem = attention_forward_smem(a.d);
-    cudaError_t  err  = allow_smem(attention_forward_kernel, smem);
+    cudaError_t  err  = allow_smem(attention_forward_kernel<E>, smem);
     if (err != cudaSuccess) return err;
-    LOOM_LAUNCH(attention_forward_kernel, static_cast<unsigned>(blocks), kAttnThreads, smem, stream)(
+    LOOM_LAUNCH(attention_forward_kernel<E>, static_cast<unsigned>(blocks), kAttnThreads, smem, stream)(
         q, kv, out, lse, a, scale, key);
     return cudaGetLastError();
 }
 
-cudaError_t attention_backward(cudaStream_t stream, const float * q, const float * kv, const float * out,
-                               const float * dout, const float * lse, float * delta, float * dq, float * dkv,
-                               const AttentionDims & a, float scale, const AttentionKey & key, bool accumulate) {
+template <class E>
+cudaError_t attention_backward(cudaStream_t stream, const E * q, const E * kv, const E * out, const E * dout,
+                               const float * lse, float * delta, E * dq, E * dkv, const AttentionDims & a, float scale,
+                               const AttentionKey & key, bool accumulate) {
     const int64_t tiles = (a.s + kAttnTile - 1) / kAttnTile, key_tiles = (a.s_kv + kAttnTile - 1) / kAttnTile;
     if (tiles * a.b * a.nq == 0 || key_tiles == 0) return cudaSuccess;
     const size_t smem = attention_backward_smem(a.d);
-    cudaError_t  err  = allow_smem(attention_dq_kernel, smem);
-    if (err == cudaSuccess) err = allow_smem(attention_dkdv_kernel, smem);
+    cudaError_t  err  = allow_smem(attention_dq_kernel<E>, smem);
+    if (err == cudaSuccess) err = allow_smem(attention_dkdv_kernel<E>, smem);
     if (err != cudaSuccess) return err;
-    LOOM_LAUNCH(attention_delta_kernel, blocks_for(a.b * a.nq * a.s), kThreads, 0, stream)(out, dout, delta, a);
-    LOOM_LAUNCH(attention_dq_kernel, static_cast<unsigned>(tiles * a.b * a.nq), kAttnThreads, smem, stream)(
+    LOOM_LAUNCH(attention_delta_kernel<E>, blocks_for(a.b * a.nq * a.s), kThreads, 0, stream)(out, dout, delta, a);
+    LOOM_LAUNCH(attention_dq_kernel<E>, static_cast<unsigned>(tiles * a.b * a.nq), kAttnThreads, smem, stream)(
         q, kv, dout, lse, delta, dq, a, scale, key, accumulate);
-    LOOM_LAUNCH(attention_dkdv_kernel, static_cast<unsigned>(key_tiles * a.b * a.nkv), kAttnThreads, smem, stream)(
+    LOOM_LAUNCH(attention_dkdv_kernel<E>, static_cast<unsigned>(key_tiles * a.b * a.nkv), kAttnThreads, smem, stream)(
         q, kv, dout, lse, delta, dkv, a, scale, key, accumulate);
     return cudaGetLastError();
 }
@@ -389,5 +398,16 @@ cudaError_t attention_merge(cudaStream_t stream, float * out, float * lse, const
                                                                                     nq, d);
     return cudaGetLastError();
 }
+
+template cudaError_t attention_forward(cudaStream_t, const float *, const float *, float *, float *,
+                                      const AttentionDims &, float, const AttentionKey &);
+template cudaError_t attention_forward(cudaStream_t, const Bf16 *, const Bf16 *, Bf16 *, float *, const AttentionDims &,
+                                      float, const AttentionKey &);
+template cudaError_t attention_backward(cudaStream_t, const float *, const float *, const float *, const float *,
+                                       const float *, float *, float *, float *, const AttentionDims &, float,
+                                       const AttentionKey &, bool);
+template cudaError_t attention_backward(cudaStream_t, const Bf16 *, const Bf16 *, const Bf16 *, const Bf16 *,
+                                       const float *, float *, Bf16 *, Bf16 *, const AttentionDims &, float,
+                                       const AttentionKey &, bool);
 
 }  // namespace loom::LOOM_CUDA_NS::kernels

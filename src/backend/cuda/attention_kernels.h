@@ -3,6 +3,7 @@
 #pragma once
 
 #include "backend/cuda/cuda_namespace.h"
+#include "core/float_bits.h"
 #include "core/positions.h"
 
 #include <cuda_runtime.h>
@@ -35,13 +36,17 @@ struct AttentionKey {
     float           keep_scale;
 };
 // Each returns the launch's error (a shared-memory attribute refused, a bad launch).
-cudaError_t attention_forward(cudaStream_t stream, const float * q, const float * kv, float * out, float * lse,
+// q, kv, out (and dout, dq, dkv) are E: float or Bf16 (core/float_bits.h), read into f32 tiles and each result
+// stored once; lse and delta are f32.
+template <class E>
+cudaError_t attention_forward(cudaStream_t stream, const E * q, const E * kv, E * out, float * lse,
                               const AttentionDims & a, float scale, const AttentionKey & key);
 // delta: scratch of b * nq * s floats (rowsum(dO * O), computed first). dq's Q columns (q's layout) and
 // dkv's K and V columns (kv's) are assigned, or added to with accumulate (their other columns untouched).
-cudaError_t attention_backward(cudaStream_t stream, const float * q, const float * kv, const float * out,
-                               const float * dout, const float * lse, float * delta, float * dq, float * dkv,
-                               const AttentionDims & a, float scale, const AttentionKey & key, bool accumulate);
+template <class E>
+cudaError_t attention_backward(cudaStream_t stream, const E * q, const E * kv, const E * out, const E * dout,
+                               const float * lse, float * delta, E * dq, E * dkv, const AttentionDims & a, float scale,
+                               const AttentionKey & key, bool accumulate);
 // (out, lse) merged in place with (part_out, part_lse) (core/ops.h's attention_merge): out (s b, nq d), lse
 // (b, nq, s).
 cudaError_t attention_merge(cudaStream_t stream, float * out, float * lse, const float * part_out,

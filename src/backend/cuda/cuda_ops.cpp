@@ -31,6 +31,19 @@ float *    f32(const Tensor & t) { return t.data<float>(); }
 float *    f32_or_null(const Tensor & t) { return t.defined() ? t.data<float>() : nullptr; }
 uint16_t * bits16(const Tensor & t) { return static_cast<uint16_t *>(t.data_ptr()); }
 
+// Calls fn with a null T * for the activations' storage type of t (op_checks has checked it is f32 or bf16):
+// float, or Bf16 (core/float_bits.h), the kernels' template argument.
+template <class Fn>
+void with_activations(const Tensor & t, Fn && fn) {
+    if (t.dtype() == DType::bf16) {
+        fn(static_cast<Bf16 *>(nullptr));
+    } else {
+        fn(static_cast<float *>(nullptr));
+    }
+}
+template <class T> T * act(const Tensor & t) { return static_cast<T *>(t.data_ptr()); }
+template <class T> T * act_or_null(const Tensor & t) { return t.defined() ? static_cast<T *>(t.data_ptr()) : nullptr; }
+
 // Every tensor an op touches lives on the stream's CUDA device: device or pinned host memory for a kernel;
 // a copy (`copy_only`: cudaMemcpy*Async, which stages pageable memory itself) may also take pageable host
 // memory, which no kernel can address.
@@ -181,7 +194,7 @@ public:
 
     void gemm(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c,
               bool accumulate) override {
-        const op_checks::GemmDims dims = op_checks::gemm(a, trans_a, b, trans_b, c);
+        const op_checks::GemmDims dims = op_checks::gemm(a, trans_a, b, trans_b, c, accumulate);
         const int64_t             m = dims.m, n = dims.n, k = dims.k;   // plain variables: clang 14 captures no structured bindings
         CudaStream & cs     = start(s, "gemm", {a, b, c});
         if (a.dtype() == DType::f64) {   // the router's fp64 GEMMs: a kernel of core/gemm_f64.h's arithmetic
@@ -192,7 +205,7 @@ public:
         }
         cudaStream_t stream = cs.launch("gemm");   // refuses a capture before the workspace is allocated
         gemm_lt(cs.device_index(), stream, cs.gemm_workspace(), CudaStream::kGemmWorkspaceBytes, trans_a, trans_b, m,
-                n, k, a.data_ptr(), b.data_ptr(), gemm_operands(a.dtype()), f32(c), accumulate);
+                n, k, a.data_ptr(), b.data_ptr(), gemm_operands(a.dtype()), c.data_ptr(), c.dtype() == DType::bf16, accumulate);
         cs.launched("gemm", {a, b, c});
     }
 
@@ -204,8 +217,9 @@ public:
         CudaStream & cs     = start(s, "gemm_bias", {a, b, c, bias});
         cudaStream_t stream = cs.launch("gemm_bias");
         if (!gemm_bias_lt(cs.device_index(), stream, cs.gemm_workspace(), CudaStream::kGemmWorkspaceBytes, trans_a,
-                          trans_b, m, n, k, a.data_ptr(), b.data_ptr(), gemm_operands(a.dtype()), f32(bias), f32(c))) {
-            kernels::bias_add(stream, f32(c), f32(bias), m, n);
+                          trans_b, m, n, k, a.data_ptr(), b.data_ptr(), gemm_operands(a.dtype()), f32(bias), c.data_ptr(),
+                          c.dtype() == DType::bf16)) {
+            with_activations(c, [&]<class T>(T *) { kernels::bias_add(stream, act<T>(c), f32(bias), m, n); });
         }
         cs.launched("gemm_bias", {a, b, c, bias});
     }
@@ -217,8 +231,11 @@ public:
         std::tie(n, h) = op_checks::layernorm_forward(x, residual, gamma, beta, y, mean, rstd);
         std::vector<Tensor> held{x, residual, gamma, beta, y, mean, rstd};
         CudaStream &        cs = start(s, "layernorm_forward", held);
-        kernels::layernorm_forward(cs.launch("layernorm_forward"), f32(x), f32_or_null(residual), f32(gamma),
-                                   f32_or_null(beta), f32(y), f32(mean), f32(rstd), n, h, eps);
+        cudaStream_t        stream = cs.launch("layernorm_forward");
+        with_activations(x, [&]<class T>(T *) {
+            kernels::layernorm_forward(stream, act<T>(x), act_or_null<T>(residual), f32(gamma), f32_or_null(beta), act<T>(y),
+                                       f32(mean), f32(rstd), n, h, eps);
+        });
         cs.launched("layernorm_forward", std::move(held));
     }
 
@@ -228,8 +245,10 @@ public:
         std::tie(n, h) = op_checks::rmsnorm_forward(x, residual, gamma, y, rstd);
         std::vector<Tensor> held{x, residual, gamma, y, rstd};
         CudaStream &        cs = start(s, "rmsnorm_forward", held);
-        kernels::rmsnorm_forward(cs.launch("rmsnorm_forward"), f32(x), f32_or_null(residual), f32(gamma), f32(y),
-                                 f32(rstd), n, h, eps);
+        cudaStream_t        stream = cs.launch("rmsnorm_forward");
+        with_activations(x, [&]<class T>(T *) {
+            kernels::rmsnorm_forward(stream, act<T>(x), act_or_null<T>(residual), f32(gamma), act<T>(y), f32(rstd), n, h, eps);
+        });
         cs.launched("rmsnorm_forward", std::move(held));
     }
 
@@ -241,8 +260,11 @@ public:
         std::vector<Tensor> held{dy, x, gamma, mean, rstd, dx, dgamma, dbeta};
         CudaStream &        cs      = start(s, "layernorm_backward", held);
         Tensor              partial = column_sum_scratch(cs, 2 * kernels::column_sum_scratch(n, h));
-        kernels::layernorm_backward(cs.launch("layernorm_backward"), f32(dy), f32(x), f32(gamma), f32(mean), f32(rstd),
-                                    f32(dx), f32(dgamma), f32_or_null(dbeta), f32_or_null(partial), n, h);
+        cudaStream_t        stream  = cs.launch("layernorm_backward");
+        with_activations(x, [&]<class T>(T *) {
+            kernels::layernorm_backward(stream, act<T>(dy), act<T>(x), f32(gamma), f32(mean), f32(rstd), act<T>(dx),
+                                        f32(dgamma), f32_or_null(dbeta), f32_or_null(partial), n, h);
+        });
         held.push_back(partial);
         cs.launched("layernorm_backward", std::move(held));
     }
@@ -254,8 +276,11 @@ public:
         std::vector<Tensor> held{dy, x, gamma, rstd, dx, dgamma};
         CudaStream &        cs      = start(s, "rmsnorm_backward", held);
         Tensor              partial = column_sum_scratch(cs, kernels::column_sum_scratch(n, h));
-        kernels::rmsnorm_backward(cs.launch("rmsnorm_backward"), f32(dy), f32(x), f32(gamma), f32(rstd), f32(dx),
-                                  f32(dgamma), f32_or_null(partial), n, h);
+        cudaStream_t        stream  = cs.launch("rmsnorm_backward");
+        with_activations(x, [&]<class T>(T *) {
+            kernels::rmsnorm_backward(stream, act<T>(dy), act<T>(x), f32(gamma), f32(rstd), act<T>(dx), f32(dgamma),
+                                      f32_or_null(partial), n, h);
+        });
         held.push_back(partial);
         cs.launched("rmsnorm_backward", std::move(held));
     }
@@ -267,7 +292,8 @@ public:
         if (y.dtype() == DType::f64) {
             kernels::bias_add_f64(cs.launch("bias_add"), y.data<double>(), bias.data<double>(), n, h);
         } else {
-            kernels::bias_add(cs.launch("bias_add"), f32(y), f32(bias), n, h);
+            cudaStream_t stream = cs.launch("bias_add");
+            with_activations(y, [&]<class T>(T *) { kernels::bias_add(stream, act<T>(y), f32(bias), n, h); });
         }
         cs.launched("bias_add", {y, bias});
     }
@@ -283,14 +309,18 @@ public:
         }
         CudaStream & cs      = start(s, "bias_backward", {dy, dbias});
         Tensor       partial = column_sum_scratch(cs, kernels::column_sum_scratch(n, h));
-        kernels::bias_backward(cs.launch("bias_backward"), f32(dy), f32(dbias), f32_or_null(partial), n, h);
+        cudaStream_t stream  = cs.launch("bias_backward");
+        with_activations(dy, [&]<class T>(T *) {
+            kernels::bias_backward(stream, act<T>(dy), f32(dbias), f32_or_null(partial), n, h);
+        });
         cs.launched("bias_backward", {dy, dbias, partial});
     }
 
     void add_inplace(Stream & s, const Tensor & y, const Tensor & x) override {
         op_checks::add_inplace(y, x);
         CudaStream & cs = start(s, "add_inplace", {y, x});
-        kernels::add_inplace(cs.launch("add_inplace"), f32(y), f32(x), y.numel());
+        cudaStream_t stream = cs.launch("add_inplace");
+        with_activations(y, [&]<class T>(T *) { kernels::add_inplace(stream, act<T>(y), act<T>(x), y.numel()); });
         cs.launched("add_inplace", {y, x});
     }
 
@@ -300,29 +330,37 @@ public:
         std::tie(n, f) = op_checks::bias_gelu_forward(x, bias, y, x_bf16);
         std::vector<Tensor> held{x, bias, y, x_bf16};
         CudaStream &        cs = start(s, "bias_gelu_forward", held);
-        kernels::bias_gelu_forward(cs.launch("bias_gelu_forward"), f32(x), f32_or_null(bias), f32(y),
-                                   x_bf16.defined() ? bits16(x_bf16) : nullptr, n, f);
+        cudaStream_t        stream = cs.launch("bias_gelu_forward");
+        with_activations(x, [&]<class T>(T *) {
+            kernels::bias_gelu_forward(stream, act<T>(x), f32_or_null(bias), act<T>(y),
+                                       x_bf16.defined() ? bits16(x_bf16) : nullptr, n, f);
+        });
         cs.launched("bias_gelu_forward", std::move(held));
     }
 
     void gelu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override {
         op_checks::gelu_backward(x, dy, dx);
         CudaStream & cs = start(s, "gelu_backward", {x, dy, dx});
-        kernels::gelu_backward(cs.launch("gelu_backward"), f32(x), f32(dy), f32(dx), x.numel());
+        cudaStream_t stream = cs.launch("gelu_backward");
+        with_activations(x, [&]<class T>(T *) { kernels::gelu_backward(stream, act<T>(x), act<T>(dy), act<T>(dx), x.numel()); });
         cs.launched("gelu_backward", {x, dy, dx});
     }
 
     void squared_relu_forward(Stream & s, const Tensor & x, const Tensor & y) override {
         op_checks::squared_relu_forward(x, y);
         CudaStream & cs = start(s, "squared_relu_forward", {x, y});
-        kernels::squared_relu_forward(cs.launch("squared_relu_forward"), f32(x), f32(y), x.numel());
+        cudaStream_t stream = cs.launch("squared_relu_forward");
+        with_activations(x, [&]<class T>(T *) { kernels::squared_relu_forward(stream, act<T>(x), act<T>(y), x.numel()); });
         cs.launched("squared_relu_forward", {x, y});
     }
 
     void squared_relu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override {
         op_checks::squared_relu_backward(x, dy, dx);
         CudaStream & cs = start(s, "squared_relu_backward", {x, dy, dx});
-        kernels::squared_relu_backward(cs.launch("squared_relu_backward"), f32(x), f32(dy), f32(dx), x.numel());
+        cudaStream_t stream = cs.launch("squared_relu_backward");
+        with_activations(x, [&]<class T>(T *) {
+            kernels::squared_relu_backward(stream, act<T>(x), act<T>(dy), act<T>(dx), x.numel());
+        });
         cs.launched("squared_relu_backward", {x, dy, dx});
     }
 
@@ -330,7 +368,8 @@ public:
         int64_t n, two_f;
         std::tie(n, two_f) = op_checks::swiglu_forward(x, y);
         CudaStream & cs = start(s, "swiglu_forward", {x, y});
-        kernels::swiglu_forward(cs.launch("swiglu_forward"), f32(x), f32(y), n, two_f / 2);
+        cudaStream_t stream = cs.launch("swiglu_forward");
+        with_activations(x, [&]<class T>(T *) { kernels::swiglu_forward(stream, act<T>(x), act<T>(y), n, two_f / 2); });
         cs.launched("swiglu_forward", {x, y});
     }
 
@@ -338,7 +377,10 @@ public:
         int64_t n, two_f;
         std::tie(n, two_f) = op_checks::swiglu_backward(x, dy, dx);
         CudaStream & cs = start(s, "swiglu_backward", {x, dy, dx});
-        kernels::swiglu_backward(cs.launch("swiglu_backward"), f32(x), f32(dy), f32(dx), n, two_f / 2);
+        cudaStream_t stream = cs.launch("swiglu_backward");
+        with_activations(x, [&]<class T>(T *) {
+            kernels::swiglu_backward(stream, act<T>(x), act<T>(dy), act<T>(dx), n, two_f / 2);
+        });
         cs.launched("swiglu_backward", {x, dy, dx});
     }
 
@@ -358,7 +400,9 @@ public:
         Tensor       inv_freq = scratch_like(cs, host);
         cudaStream_t stream   = cs.launch("rope");
         LOOM_CUDA_CHECK(cudaMemcpyAsync(inv_freq.data_ptr(), host.data_ptr(), host.nbytes(), cudaMemcpyDefault, stream));
-        kernels::rope(stream, f32(x), stride, seq, batch, heads, d, r, interleaved, f32(inv_freq), inverse, positions);
+        with_activations(x, [&]<class T>(T *) {
+            kernels::rope(stream, act<T>(x), stride, seq, batch, heads, d, r, interleaved, f32(inv_freq), inverse, positions);
+        });
         cs.launched("rope", {x, host, inv_freq});
     }
 
@@ -377,7 +421,7 @@ public:
         CudaStream &        cs     = start(s, "dropout", held);
         cudaStream_t        stream = cs.launch("dropout");
         k.sample_ids               = device_sample_ids(cs, stream, key, held);
-        kernels::dropout(stream, f32(x), f32(y), n, w, k);
+        with_activations(x, [&]<class T>(T *) { kernels::dropout(stream, act<T>(x), act<T>(y), n, w, k); });
         cs.launched("dropout", std::move(held));
     }
 
@@ -386,8 +430,10 @@ public:
         const op_checks::EmbeddingDims dims = op_checks::embedding_forward(tokens, wte, wpe, out, positions);
         const int64_t                  vocab = wte.size(0);
         launch_with_id_check(s, "embedding_forward", {tokens, wte, wpe, out}, tokens, vocab, "token", [&](cudaStream_t stream) {
-            kernels::embedding_forward(stream, tokens.data<int32_t>(), wte.data_ptr(), wpe.defined() ? wpe.data_ptr() : nullptr,
-                                       float_kind(wte.dtype()), f32(out), dims.s, dims.b, dims.h, vocab, positions);
+            with_activations(out, [&]<class T>(T *) {
+                kernels::embedding_forward(stream, tokens.data<int32_t>(), wte.data_ptr(), wpe.defined() ? wpe.data_ptr() : nullptr,
+                                           float_kind(wte.dtype()), act<T>(out), dims.s, dims.b, dims.h, vocab, positions);
+            });
         });
     }
 
@@ -396,8 +442,10 @@ public:
         const op_checks::EmbeddingDims dims = op_checks::embedding_backward(tokens, dout, dwte, dwpe, positions);
         const int64_t                  vocab = dwte.size(0);
         launch_with_id_check(s, "embedding_backward", {tokens, dout, dwte, dwpe}, tokens, vocab, "token", [&](cudaStream_t stream) {
-            kernels::embedding_backward(stream, tokens.data<int32_t>(), f32(dout), f32(dwte), f32_or_null(dwpe), dims.s,
-                                        dims.b, dims.h, vocab, positions);
+            with_activations(dout, [&]<class T>(T *) {
+                kernels::embedding_backward(stream, tokens.data<int32_t>(), act<T>(dout), f32(dwte), f32_or_null(dwpe), dims.s,
+                                            dims.b, dims.h, vocab, positions);
+            });
         });
     }
 
@@ -417,8 +465,10 @@ public:
         CudaStream &        cs     = start(s, "attention_forward", held);
         cudaStream_t        stream = cs.launch("attention_forward");
         const kernels::AttentionKey key = attention_key(cs, stream, dropout, held);
-        LOOM_CUDA_CHECK(kernels::attention_forward(stream, f32(q), f32(kv), f32(out), f32(lse), attention_dims(shape),
-                                                   scale, key));
+        with_activations(q, [&]<class T>(T *) {
+            LOOM_CUDA_CHECK(kernels::attention_forward(stream, act<T>(q), act<T>(kv), act<T>(out), f32(lse),
+                                                       attention_dims(shape), scale, key));
+        });
         cs.launched("attention_forward", std::move(held));
     }
     void attention_backward(Stream & s, const Tensor & q, const Tensor & kv, const Tensor & out, const Tensor & dout,
@@ -431,8 +481,11 @@ public:
         Tensor              delta  = scratch_like(cs, lse);   // rowsum(dO * O), (b, nq, s) as lse
         cudaStream_t        stream = cs.launch("attention_backward");
         const kernels::AttentionKey key = attention_key(cs, stream, dropout, held);
-        LOOM_CUDA_CHECK(kernels::attention_backward(stream, f32(q), f32(kv), f32(out), f32(dout), f32(lse), f32(delta),
-                                                    f32(dq), f32(dkv), attention_dims(shape), scale, key, accumulate));
+        with_activations(q, [&]<class T>(T *) {
+            LOOM_CUDA_CHECK(kernels::attention_backward(stream, act<T>(q), act<T>(kv), act<T>(out), act<T>(dout), f32(lse),
+                                                        f32(delta), act<T>(dq), act<T>(dkv), attention_dims(shape), scale, key,
+                                                        accumulate));
+        });
         held.push_back(delta);
         cs.launched("attention_backward", std::move(held));
     }
@@ -450,8 +503,10 @@ public:
                                const Tensor & lse, int64_t vocab) override {
         const op_checks::LabelDims d = op_checks::cross_entropy_forward(logits, labels, loss, lse, vocab);
         launch_with_id_check(s, "cross_entropy_forward", {logits, labels, loss, lse}, labels, vocab, "label", [&](cudaStream_t stream) {
-            kernels::cross_entropy_forward(stream, f32(logits), labels.data<int32_t>(), f32(loss), f32(lse), d.seq, d.b,
-                                           d.stride, vocab);
+            with_activations(logits, [&]<class T>(T *) {
+                kernels::cross_entropy_forward(stream, act<T>(logits), labels.data<int32_t>(), f32(loss), f32(lse), d.seq, d.b,
+                                               d.stride, vocab);
+            });
         });
     }
 
@@ -459,8 +514,10 @@ public:
                                 const Tensor & dloss, int64_t vocab) override {
         const op_checks::LabelDims d = op_checks::cross_entropy_backward(logits, labels, lse, dloss, vocab);
         launch_with_id_check(s, "cross_entropy_backward", {logits, labels, lse, dloss}, labels, vocab, "label", [&](cudaStream_t stream) {
-            kernels::cross_entropy_backward(stream, f32(logits), labels.data<int32_t>(), f32(lse), f32(dloss), d.seq, d.b,
-                                            d.stride, vocab);
+            with_activations(logits, [&]<class T>(T *) {
+                kernels::cross_entropy_backward(stream, act<T>(logits), labels.data<int32_t>(), f32(lse), f32(dloss), d.seq,
+                                                d.b, d.stride, vocab);
+            });
         });
     }
 
@@ -468,7 +525,8 @@ public:
         int64_t n, stride;
         std::tie(n, stride) = op_checks::row_max(logits, valid, out);
         CudaStream & cs = start(s, "row_max", {logits, out});
-        kernels::row_max(cs.launch("row_max"), f32(logits), n, stride, valid, f32(out));
+        cudaStream_t stream = cs.launch("row_max");
+        with_activations(logits, [&]<class T>(T *) { kernels::row_max(stream, act<T>(logits), n, stride, valid, f32(out)); });
         cs.launched("row_max", {logits, out});
     }
 
@@ -476,14 +534,19 @@ public:
         int64_t n, stride;
         std::tie(n, stride) = op_checks::row_sum_exp(logits, max, valid, out);
         CudaStream & cs = start(s, "row_sum_exp", {logits, max, out});
-        kernels::row_sum_exp(cs.launch("row_sum_exp"), f32(logits), f32(max), n, stride, valid, f32(out));
+        cudaStream_t stream = cs.launch("row_sum_exp");
+        with_activations(logits, [&]<class T>(T *) {
+            kernels::row_sum_exp(stream, act<T>(logits), f32(max), n, stride, valid, f32(out));
+        });
         cs.launched("row_sum_exp", {logits, max, out});
     }
 
     void label_logit(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & out) override {
         const op_checks::LabelDims d = op_checks::label_logit(logits, labels, out);
         launch_with_id_check(s, "label_logit", {logits, labels, out}, labels, d.stride, "label", [&](cudaStream_t stream) {
-            kernels::label_logit(stream, f32(logits), labels.data<int32_t>(), f32(out), d.seq, d.b, d.stride);
+            with_activations(logits, [&]<class T>(T *) {
+                kernels::label_logit(stream, act<T>(logits), labels.data<int32_t>(), f32(out), d.seq, d.b, d.stride);
+            });
         });
     }
 

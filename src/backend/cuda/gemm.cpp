@@ -73,6 +73,7 @@ struct LtPlan {
     cublasOperation_t               op_a, op_b;        // cuBLASLt's A is Loom's b, its B Loom's a
     uint64_t                        a_rows, b_rows;    // their leading dimensions
     cudaDataType_t                  ab_type;
+    cudaDataType_t                  c_type;            // C and D: f32, or bf16 (the accumulator rounded once)
     cublasLtMatmulHeuristicResult_t heuristic{};
     bool                            found = false;
 
@@ -80,17 +81,19 @@ struct LtPlan {
     std::mutex                      run_mutex;         // a cached plan's descriptor is shared: one run at a time
 
     LtPlan(cublasLtHandle_t handle, size_t workspace_bytes, bool trans_a, bool trans_b, int64_t m, int64_t n,
-           int64_t k, const void * a, const void * b, GemmOperands ab, const float * c, const float * bias_values)
+           int64_t k, const void * a, const void * b, GemmOperands ab, const void * c, bool c_bf16,
+           const float * bias_values)
         : op_a(trans_b ? CUBLAS_OP_T : CUBLAS_OP_N), op_b(trans_a ? CUBLAS_OP_T : CUBLAS_OP_N), a_rows(trans_b ? k : n),
           b_rows(trans_a ? m : k),
           ab_type(ab == GemmOperands::bf16 ? CUDA_R_16BF : ab == GemmOperands::f16 ? CUDA_R_16F : CUDA_R_32F),
-          bias(bias_values != nullptr) {
+          c_type(c_bf16 ? CUDA_R_16BF : CUDA_R_32F), bias(bias_values != nullptr) {
         LOOM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.handle, CUBLAS_COMPUTE_32F, CUDA_R_32F));
         LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
         LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
         if (bias) {
             // D (n, m) column-major: the bias runs along D's n rows, broadcast over its m columns, i.e. one
-            // value per output feature of Loom's (m, n). Its type is D's (f32), stated rather than defaulted.
+            // value per output feature of Loom's (m, n). Its type is f32 (added to the f32 accumulator), stated
+            // rather than defaulted.
             // The heuristic reads the pointer's alignment, so it is set before the heuristic runs.
             const cublasLtEpilogue_t epilogue  = CUBLASLT_EPILOGUE_BIAS;
             const int32_t            bias_type = CUDA_R_32F;
@@ -105,7 +108,7 @@ struct LtPlan {
         const uint64_t a_cols = trans_b ? n : k, b_cols = trans_a ? k : m;
         LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout_a.handle, ab_type, a_rows, a_cols, static_cast<int64_t>(a_rows)));
         LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout_b.handle, ab_type, b_rows, b_cols, static_cast<int64_t>(b_rows)));
-        LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout_c.handle, CUDA_R_32F, n, m, n));
+        LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout_c.handle, c_type, n, m, n));
 
         LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference.handle));
         LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference.handle, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -129,7 +132,7 @@ struct LtPlan {
     }
 
     void run(cublasLtHandle_t handle, cudaStream_t stream, void * workspace, size_t workspace_bytes, const void * a,
-             const void * b, float * c, bool accumulate, const float * bias_values = nullptr) {
+             const void * b, void * c, bool accumulate, const float * bias_values = nullptr) {
         const float                 alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
         std::lock_guard<std::mutex> lock(run_mutex);
         if (bias) {
@@ -149,7 +152,7 @@ struct LtPlan {
 struct PlanKey {
     int          device;
     size_t       workspace_bytes;
-    bool         trans_a, trans_b, bias;
+    bool         trans_a, trans_b, bias, c_bf16;
     int64_t      m, n, k;
     GemmOperands ab;
     uint32_t     align_a, align_b, align_c, align_bias;
@@ -161,16 +164,16 @@ std::map<PlanKey, std::unique_ptr<LtPlan>> * g_plans = new std::map<PlanKey, std
 GemmPlanStats                                g_plan_stats;
 
 LtPlan & plan_for(int device_index, cublasLtHandle_t handle, size_t workspace_bytes, bool trans_a, bool trans_b,
-                  int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab, const float * c,
-                  const float * bias) {
-    const PlanKey key{device_index, workspace_bytes, trans_a, trans_b, bias != nullptr, m, n, k, ab,
+                  int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab, const void * c,
+                  bool c_bf16, const float * bias) {
+    const PlanKey key{device_index, workspace_bytes, trans_a, trans_b, bias != nullptr, c_bf16, m, n, k, ab,
                       alignment_of(a), alignment_of(b), alignment_of(c), bias != nullptr ? alignment_of(bias) : 0u};
     std::lock_guard<std::mutex> lock(g_plans_mutex);
     ++g_plan_stats.lookups;
     std::unique_ptr<LtPlan> & plan = (*g_plans)[key];
     if (plan == nullptr) {
         ++g_plan_stats.heuristic_queries;
-        plan = std::make_unique<LtPlan>(handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, bias);
+        plan = std::make_unique<LtPlan>(handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, c_bf16, bias);
     }
     return *plan;
 }
@@ -190,15 +193,17 @@ void gemm_handles_create(int device_index, cudaStream_t stream) {
 }
 
 void gemm_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,
-             bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab, float * c,
-             bool accumulate) {
+             bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab, void * c,
+             bool c_bf16, bool accumulate) {
     if (m == 0 || n == 0) return;
     if (k == 0) {
-        if (!accumulate) LOOM_CUDA_CHECK(cudaMemsetAsync(c, 0, static_cast<size_t>(m * n) * sizeof(float), stream));
+        const size_t elem = c_bf16 ? 2 : sizeof(float);
+        if (!accumulate) LOOM_CUDA_CHECK(cudaMemsetAsync(c, 0, static_cast<size_t>(m * n) * elem, stream));
         return;
     }
     cublasLtHandle_t handle = lt_handle(device_index);
-    LtPlan &         plan   = plan_for(device_index, handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, nullptr);
+    LtPlan &         plan   = plan_for(device_index, handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, c_bf16,
+                                       nullptr);
     if (!plan.found) {
         // No cuBLASLt kernel for these alignments or leading dimensions: cublasGemmEx takes any.
         const float    alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
@@ -207,7 +212,7 @@ void gemm_lt(int device_index, cudaStream_t stream, void * workspace, size_t wor
         LOOM_CUBLAS_CHECK(cublasSetWorkspace(blas, workspace, workspace_bytes));
         LOOM_CUBLAS_CHECK(cublasGemmEx(blas, plan.op_a, plan.op_b, static_cast<int>(n), static_cast<int>(m),
                                        static_cast<int>(k), &alpha, b, plan.ab_type, static_cast<int>(plan.a_rows), a,
-                                       plan.ab_type, static_cast<int>(plan.b_rows), &beta, c, CUDA_R_32F,
+                                       plan.ab_type, static_cast<int>(plan.b_rows), &beta, c, plan.c_type,
                                        static_cast<int>(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         return;
     }
@@ -216,17 +221,18 @@ void gemm_lt(int device_index, cudaStream_t stream, void * workspace, size_t wor
 
 bool gemm_bias_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,
                   bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab,
-                  const float * bias, float * c) {
+                  const float * bias, void * c, bool c_bf16) {
     if (m == 0 || n == 0) return true;   // nothing to add to
     if (k > 0) {
         cublasLtHandle_t handle = lt_handle(device_index);
-        LtPlan &         plan   = plan_for(device_index, handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, bias);
+        LtPlan &         plan   = plan_for(device_index, handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c,
+                                           c_bf16, bias);
         if (plan.found) {
             plan.run(handle, stream, workspace, workspace_bytes, a, b, c, /*accumulate=*/false, bias);
             return true;
         }
     }
-    gemm_lt(device_index, stream, workspace, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, false);
+    gemm_lt(device_index, stream, workspace, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, c_bf16, false);
     return false;
 }
 

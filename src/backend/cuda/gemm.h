@@ -32,8 +32,8 @@ void gemm_handles_create(int device_index, cudaStream_t stream);
 enum class GemmOperands { f32, bf16, f16 };
 
 void gemm_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,
-             bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab, float * c,
-             bool accumulate);
+             bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab, void * c,
+             bool c_bf16, bool accumulate);
 
 // c (m, n) = op(a) op(b) + bias (n, f32, one value per column of c) through cuBLASLt's bias epilogue
 // (CUBLASLT_EPILOGUE_BIAS: the bias is added to the f32 result before the store, bias of D's type, f32).
@@ -42,6 +42,6 @@ void gemm_lt(int device_index, cudaStream_t stream, void * workspace, size_t wor
 // adds the bias.
 bool gemm_bias_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,
                   bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab,
-                  const float * bias, float * c);
+                  const float * bias, void * c, bool c_bf16);
 
 }  // namespace loom::LOOM_CUDA_NS

@@ -136,12 +136,17 @@ __global__ void scale_kernel(void * x, Float kind, float factor, int64_t n) {
     LOOM_GRID_STRIDE(i, n) store_float(x, kind, i, __fmul_rn(load_float(x, kind, i), factor));
 }
 
-__global__ void add_inplace_kernel(float * y, const float * x, int64_t n) {
-    LOOM_GRID_STRIDE(i, n) y[i] = __fadd_rn(y[i], x[i]);
+// Kernels over activations take them as T, float or Bf16 (core/float_bits.h): each element is read as f32
+// (to_f32), the arithmetic is f32 and each result is stored once (from_f32<T>, round to nearest even).
+
+template <class T>
+__global__ void add_inplace_kernel(T * y, const T * x, int64_t n) {
+    LOOM_GRID_STRIDE(i, n) y[i] = from_f32<T>(__fadd_rn(to_f32(y[i]), to_f32(x[i])));
 }
 
-__global__ void bias_add_kernel(float * y, const float * bias, int64_t n, int64_t h) {
-    LOOM_GRID_STRIDE(i, n * h) y[i] = __fadd_rn(y[i], bias[i % h]);
+template <class T>
+__global__ void bias_add_kernel(T * y, const float * bias, int64_t n, int64_t h) {
+    LOOM_GRID_STRIDE(i, n * h) y[i] = from_f32<T>(__fadd_rn(to_f32(y[i]), bias[i % h]));
 }
 
 // ---- Column sums in core/column_sums.h's order. Stage 1: thread (column j, chunk c) of a grid
@@ -149,14 +154,15 @@ __global__ void bias_add_kernel(float * y, const float * bias, int64_t n, int64_
 // (column_total_kernel) adds the chunks' sums in order into the accumulator. One chunk: stage 1 writes the
 // accumulator itself (partial == acc) and stage 2 is not launched.
 
-__global__ void bias_backward_kernel(const float * dy, const float * dbias, float * partial, int64_t n, int64_t h,
+template <class T>
+__global__ void bias_backward_kernel(const T * dy, const float * dbias, float * partial, int64_t n, int64_t h,
                                      int64_t chunks) {
     const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
     if (j >= h) return;
     for (int64_t c = blockIdx.y; c < chunks; c += gridDim.y) {
         const int64_t r1  = min(n, (c + 1) * kColumnSumRows);
         float         acc = c == 0 ? dbias[j] : 0.0f;
-        for (int64_t r = c * kColumnSumRows; r < r1; ++r) acc = __fadd_rn(acc, dy[r * h + j]);
+        for (int64_t r = c * kColumnSumRows; r < r1; ++r) acc = __fadd_rn(acc, to_f32(dy[r * h + j]));
         partial[c * h + j] = acc;
     }
 }
@@ -197,38 +203,40 @@ __global__ void sum_of_squares_total_kernel(const double * partial, int64_t chun
 
 // ---- Norms
 
-__global__ void layernorm_forward_kernel(float * x, const float * residual, const float * gamma, const float * beta,
-                                         float * y, float * mean, float * rstd, int64_t h, float eps, bool rms) {
+template <class T>
+__global__ void layernorm_forward_kernel(T * x, const T * residual, const float * gamma, const float * beta, T * y,
+                                         float * mean, float * rstd, int64_t h, float eps, bool rms) {
     const int64_t r  = blockIdx.x;
-    float *       xr = x + r * h;
-    float *       yr = y + r * h;
+    T *           xr = x + r * h;
+    T *           yr = y + r * h;
     double        sum = 0;
     for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {   // each thread reads back only what it wrote
-        float v = xr[j];
+        float v = to_f32(xr[j]);
         if (residual != nullptr) {
-            v     = __fadd_rn(v, residual[r * h + j]);
-            xr[j] = v;
+            const T stored = from_f32<T>(__fadd_rn(v, to_f32(residual[r * h + j])));
+            xr[j]          = stored;
+            v              = to_f32(stored);   // the norm reads the sum as stored
         }
         sum += rms ? static_cast<double>(v) * v : static_cast<double>(v);
     }
     sum = block_sum(sum);
     if (rms) {
         const float rs = 1.0f / sqrtf(static_cast<float>(sum / h) + eps);
-        for (int64_t j = threadIdx.x; j < h; j += blockDim.x) yr[j] = xr[j] * rs * gamma[j];
+        for (int64_t j = threadIdx.x; j < h; j += blockDim.x) yr[j] = from_f32<T>(to_f32(xr[j]) * rs * gamma[j]);
         if (threadIdx.x == 0) rstd[r] = rs;
         return;
     }
     const float m   = static_cast<float>(sum / h);
     double      var = 0;
     for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
-        float c = xr[j] - m;
+        float c = to_f32(xr[j]) - m;
         var += static_cast<double>(c) * c;
     }
     var            = block_sum(var);
     const float rs = 1.0f / sqrtf(static_cast<float>(var / h) + eps);
     for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
-        float v = (xr[j] - m) * rs * gamma[j];
-        yr[j]   = beta != nullptr ? v + beta[j] : v;
+        float v = (to_f32(xr[j]) - m) * rs * gamma[j];
+        yr[j]   = from_f32<T>(beta != nullptr ? v + beta[j] : v);
     }
     if (threadIdx.x == 0) {
         mean[r] = m;
@@ -238,17 +246,18 @@ __global__ void layernorm_forward_kernel(float * x, const float * residual, cons
 
 // dx of one row per block. LayerNorm: dx = rstd (g - mean(g) - xhat mean(g xhat)); RMSNorm (mean null):
 // dx = rstd (g - xhat mean(g xhat)); g = dy gamma.
-__global__ void norm_backward_dx_kernel(const float * dy, const float * x, const float * gamma, const float * mean,
-                                        const float * rstd, float * dx, int64_t h) {
+template <class T>
+__global__ void norm_backward_dx_kernel(const T * dy, const T * x, const float * gamma, const float * mean,
+                                        const float * rstd, T * dx, int64_t h) {
     const int64_t r   = blockIdx.x;
-    const float * dyr = dy + r * h;
-    const float * xr  = x + r * h;
+    const T *     dyr = dy + r * h;
+    const T *     xr  = x + r * h;
     const float   m   = mean != nullptr ? mean[r] : 0.0f;
     const float   rs  = rstd[r];
     double        sum_g = 0, sum_gx = 0;
     for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
-        float g    = dyr[j] * gamma[j];
-        float xhat = mean != nullptr ? (xr[j] - m) * rs : xr[j] * rs;
+        float g    = to_f32(dyr[j]) * gamma[j];
+        float xhat = mean != nullptr ? (to_f32(xr[j]) - m) * rs : to_f32(xr[j]) * rs;
         sum_g += g;
         sum_gx += static_cast<double>(g) * xhat;
     }
@@ -257,17 +266,18 @@ __global__ void norm_backward_dx_kernel(const float * dy, const float * x, const
     const float mg = static_cast<float>(sum_g / h), mgx = static_cast<float>(sum_gx / h);
     for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
         if (mean != nullptr) {
-            float xhat       = (xr[j] - m) * rs;
-            dx[r * h + j]    = rs * (dyr[j] * gamma[j] - mg - xhat * mgx);
+            float xhat       = (to_f32(xr[j]) - m) * rs;
+            dx[r * h + j]    = from_f32<T>(rs * (to_f32(dyr[j]) * gamma[j] - mg - xhat * mgx));
         } else {
-            dx[r * h + j]    = rs * (dyr[j] * gamma[j] - xr[j] * rs * mgx);
+            dx[r * h + j]    = from_f32<T>(rs * (to_f32(dyr[j]) * gamma[j] - to_f32(xr[j]) * rs * mgx));
         }
     }
 }
 
 // dgamma[j] += sum_r dy (x - mean) rstd (mean null: dy x rstd); dbeta[j] += sum_r dy (dbeta may be null):
 // stage 1 of two column sums at once, into partial_g and partial_b (core/column_sums.h's order).
-__global__ void norm_backward_params_kernel(const float * dy, const float * x, const float * mean, const float * rstd,
+template <class T>
+__global__ void norm_backward_params_kernel(const T * dy, const T * x, const float * mean, const float * rstd,
                                             const float * dgamma, const float * dbeta, float * partial_g,
                                             float * partial_b, int64_t n, int64_t h, int64_t chunks) {
     const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -277,8 +287,8 @@ __global__ void norm_backward_params_kernel(const float * dy, const float * x, c
         float         dg = c == 0 ? dgamma[j] : 0.0f;
         float         db = c == 0 && dbeta != nullptr ? dbeta[j] : 0.0f;
         for (int64_t r = c * kColumnSumRows; r < r1; ++r) {
-            const float d = dy[r * h + j];
-            dg += mean != nullptr ? d * (x[r * h + j] - mean[r]) * rstd[r] : d * x[r * h + j] * rstd[r];
+            const float d = to_f32(dy[r * h + j]), xv = to_f32(x[r * h + j]);
+            dg += mean != nullptr ? d * (xv - mean[r]) * rstd[r] : d * xv * rstd[r];
             db += d;
         }
         partial_g[c * h + j] = dg;
@@ -291,56 +301,66 @@ __global__ void norm_backward_params_kernel(const float * dy, const float * x, c
 __device__ __forceinline__ float gelu(float v) { return gelu_from_tanh(v, tanhf(gelu_tanh_arg(v))); }
 __device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
 
-__global__ void bias_gelu_forward_kernel(float * x, const float * bias, float * y, uint16_t * x_bf16, int64_t n,
-                                         int64_t f) {
+template <class T>
+__global__ void bias_gelu_forward_kernel(T * x, const float * bias, T * y, uint16_t * x_bf16, int64_t n, int64_t f) {
     LOOM_GRID_STRIDE(i, n * f) {
-        float v = bias != nullptr ? x[i] + bias[i % f] : x[i];
+        float v = bias != nullptr ? to_f32(x[i]) + bias[i % f] : to_f32(x[i]);
         if (x_bf16 != nullptr) {
             uint16_t bits = f32_to_bf16_bits(v);
             x_bf16[i]     = bits;
-            y[i]          = gelu(bf16_bits_to_f32(bits));
+            y[i]          = from_f32<T>(gelu(bf16_bits_to_f32(bits)));
         } else {
-            x[i] = v;
-            y[i] = gelu(v);
+            const T stored = from_f32<T>(v);   // gelu reads the biased value as stored
+            x[i]           = stored;
+            y[i]           = from_f32<T>(gelu(to_f32(stored)));
         }
     }
 }
 
-__global__ void gelu_backward_kernel(const float * x, const float * dy, float * dx, int64_t count) {
+template <class T>
+__global__ void gelu_backward_kernel(const T * x, const T * dy, T * dx, int64_t count) {
     LOOM_GRID_STRIDE(i, count) {
-        const float v = x[i];
-        dx[i]         = dy[i] * gelu_grad_from_tanh(v, tanhf(gelu_tanh_arg(v)));
+        const float v = to_f32(x[i]);
+        dx[i]         = from_f32<T>(to_f32(dy[i]) * gelu_grad_from_tanh(v, tanhf(gelu_tanh_arg(v))));
     }
 }
 
-__global__ void squared_relu_forward_kernel(const float * x, float * y, int64_t count) {
+template <class T>
+__global__ void squared_relu_forward_kernel(const T * x, T * y, int64_t count) {
     LOOM_GRID_STRIDE(i, count) {
-        const float r = x[i] > 0.0f ? x[i] : 0.0f;
-        y[i]          = r * r;
+        const float v = to_f32(x[i]);
+        const float r = v > 0.0f ? v : 0.0f;
+        y[i]          = from_f32<T>(r * r);
     }
 }
 
-__global__ void squared_relu_backward_kernel(const float * x, const float * dy, float * dx, int64_t count) {
-    LOOM_GRID_STRIDE(i, count) { dx[i] = x[i] > 0.0f ? dy[i] * (2.0f * x[i]) : 0.0f; }
+template <class T>
+__global__ void squared_relu_backward_kernel(const T * x, const T * dy, T * dx, int64_t count) {
+    LOOM_GRID_STRIDE(i, count) {
+        const float v = to_f32(x[i]);
+        dx[i]         = from_f32<T>(v > 0.0f ? to_f32(dy[i]) * (2.0f * v) : 0.0f);
+    }
 }
 
-__global__ void swiglu_forward_kernel(const float * x, float * y, int64_t n, int64_t f) {
+template <class T>
+__global__ void swiglu_forward_kernel(const T * x, T * y, int64_t n, int64_t f) {
     LOOM_GRID_STRIDE(i, n * f) {
         const int64_t r = i / f, j = i % f;
-        const float   g = x[r * 2 * f + j];
-        y[i]            = g * sigmoid(g) * x[r * 2 * f + f + j];
+        const float   g = to_f32(x[r * 2 * f + j]);
+        y[i]            = from_f32<T>(g * sigmoid(g) * to_f32(x[r * 2 * f + f + j]));
     }
 }
 
-__global__ void swiglu_backward_kernel(const float * x, const float * dy, float * dx, int64_t n, int64_t f) {
+template <class T>
+__global__ void swiglu_backward_kernel(const T * x, const T * dy, T * dx, int64_t n, int64_t f) {
     LOOM_GRID_STRIDE(i, n * f) {
         const int64_t r = i / f, j = i % f;
-        const float   g   = x[r * 2 * f + j];
-        const float   up  = x[r * 2 * f + f + j];
+        const float   g   = to_f32(x[r * 2 * f + j]);
+        const float   up  = to_f32(x[r * 2 * f + f + j]);
         const float   sig = sigmoid(g);
-        const float   d   = dy[i];
-        dx[r * 2 * f + f + j] = d * g * sig;
-        dx[r * 2 * f + j]     = d * up * sig * (1.0f + g * (1.0f - sig));
+        const float   d   = to_f32(dy[i]);
+        dx[r * 2 * f + f + j] = from_f32<T>(d * g * sig);
+        dx[r * 2 * f + j]     = from_f32<T>(d * up * sig * (1.0f + g * (1.0f - sig)));
     }
 }
 
@@ -375,7 +395,8 @@ __global__ void find_bad_id_kernel(const int32_t * ids, int64_t n, int64_t limit
 }
 
 // One thread per rotated pair (row, head, i < r / 2), as backend/cpu/ops.cpp's rope_apply.
-__global__ void rope_kernel(float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d, int64_t r,
+template <class T>
+__global__ void rope_kernel(T * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d, int64_t r,
                             bool interleaved, const float * inv_freq, bool inverse, SeqPositions positions) {
     const int64_t half = r / 2;
     LOOM_GRID_STRIDE(e, s * b * heads * half) {
@@ -383,41 +404,43 @@ __global__ void rope_kernel(float * x, int64_t row_stride, int64_t s, int64_t b,
         const float   angle = __fmul_rn(static_cast<float>(positions(si)), inv_freq[i]);
         const float   c     = cosf(angle);
         const float   sn    = inverse ? -sinf(angle) : sinf(angle);
-        float *       p1    = x + row * row_stride + hd * d + (interleaved ? 2 * i : i);
-        float *       p2    = p1 + (interleaved ? 1 : half);
-        const float   x1 = *p1, x2 = *p2;
-        *p1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sn));
-        *p2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, sn));
+        T *           p1    = x + row * row_stride + hd * d + (interleaved ? 2 * i : i);
+        T *           p2    = p1 + (interleaved ? 1 : half);
+        const float   x1 = to_f32(*p1), x2 = to_f32(*p2);
+        *p1 = from_f32<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sn)));
+        *p2 = from_f32<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, sn)));
     }
 }
 
-__global__ void dropout_kernel(const float * x, float * y, int64_t n, int64_t w, DropoutKey key) {
+template <class T>
+__global__ void dropout_kernel(const T * x, T * y, int64_t n, int64_t w, DropoutKey key) {
     LOOM_GRID_STRIDE(i, n * w) {
         const int64_t  r = i / w, c = i % w;
         const int64_t  g = key.offset + r, position = key.positions(g / key.batch), column = g % key.batch;
         const uint64_t base = dropout_base(key.seed, key.site, key.sample_ids != nullptr ? key.sample_ids[column] : column);
-        y[i] = dropout_keep_hidden(base, position, c, key.threshold) ? __fmul_rn(x[i], key.keep_scale) : 0.0f;
+        y[i] = from_f32<T>(dropout_keep_hidden(base, position, c, key.threshold) ? __fmul_rn(to_f32(x[i]), key.keep_scale) : 0.0f);
     }
 }
 
 __device__ __forceinline__ float load_table(const float * p, int64_t i) { return p[i]; }
 __device__ __forceinline__ float load_table(const uint16_t * p, int64_t i) { return bf16_bits_to_f32(p[i]); }
 
-template <typename W>
-__global__ void embedding_forward_kernel(const int32_t * tokens, const W * wte, const W * wpe, float * out, int64_t s,
+template <typename W, class T>
+__global__ void embedding_forward_kernel(const int32_t * tokens, const W * wte, const W * wpe, T * out, int64_t s,
                                          int64_t b, int64_t h, int64_t vocab, SeqPositions positions) {
     LOOM_GRID_STRIDE(i, s * b * h) {
         const int64_t r = i / h, j = i % h, si = r / b, bi = r % b;
         const int32_t token = tokens[bi * s + si];
         float         v     = token >= 0 && token < vocab ? load_table(wte, static_cast<int64_t>(token) * h + j) : 0.0f;
         if (wpe != nullptr) v = __fadd_rn(v, load_table(wpe, positions(si) * h + j));
-        out[i] = v;
+        out[i] = from_f32<T>(v);
     }
 }
 
 // dwte: thread (column j, bucket k) adds, in row order, the rows whose token t has t % buckets == k. Every
 // dwte element therefore has one owner adding its rows in the CPU's order: no atomics, the CPU's bits.
-__global__ void embedding_backward_wte_kernel(const int32_t * tokens, const float * dout, float * dwte, int64_t s,
+template <class T>
+__global__ void embedding_backward_wte_kernel(const int32_t * tokens, const T * dout, float * dwte, int64_t s,
                                               int64_t b, int64_t h, int64_t vocab, int64_t buckets) {
     const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
     if (j >= h) return;
@@ -427,19 +450,20 @@ __global__ void embedding_backward_wte_kernel(const int32_t * tokens, const floa
             const int32_t t = tokens[bi * s + si];   // the same for the whole block: a broadcast read
             if (t < 0 || t >= vocab || t % buckets != bucket) continue;
             float * w = dwte + static_cast<int64_t>(t) * h + j;
-            *w        = __fadd_rn(*w, dout[(si * b + bi) * h + j]);
+            *w        = __fadd_rn(*w, to_f32(dout[(si * b + bi) * h + j]));
         }
     }
 }
 
 // dwpe[positions(si), j] += dout[si * b + bi, j] for bi in order.
-__global__ void embedding_backward_wpe_kernel(const float * dout, float * dwpe, int64_t s, int64_t b, int64_t h,
+template <class T>
+__global__ void embedding_backward_wpe_kernel(const T * dout, float * dwpe, int64_t s, int64_t b, int64_t h,
                                               SeqPositions positions) {
     LOOM_GRID_STRIDE(i, s * h) {
         const int64_t si = i / h, j = i % h;
         float *       w   = dwpe + positions(si) * h + j;
         float         acc = *w;
-        for (int64_t bi = 0; bi < b; ++bi) acc = __fadd_rn(acc, dout[(si * b + bi) * h + j]);
+        for (int64_t bi = 0; bi < b; ++bi) acc = __fadd_rn(acc, to_f32(dout[(si * b + bi) * h + j]));
         *w = acc;
     }
 }
@@ -453,26 +477,31 @@ __global__ void vocab_shard_ids_kernel(const int32_t * ids, int64_t n, int64_t b
 
 // ---- Cross-entropy, one block per row
 
-__device__ float row_first_max(const float * row, int64_t valid) {
+template <class T>
+__device__ float row_first_max(const T * row, int64_t valid) {
     MaxAt m{-INFINITY, LLONG_MAX};
     for (int64_t v = threadIdx.x; v < valid; v += blockDim.x) {
-        if (m.v < row[v]) m = MaxAt{row[v], v};
+        const float value = to_f32(row[v]);
+        if (m.v < value) m = MaxAt{value, v};
     }
     return block_first_max(m).v;
 }
 
-__device__ float row_sum_exp_of(const float * row, float mx, int64_t valid) {
+template <class T>
+__device__ float row_sum_exp_of(const T * row, float mx, int64_t valid) {
     double sum = 0;
-    for (int64_t v = threadIdx.x; v < valid; v += blockDim.x) sum += static_cast<double>(exp_approx(__fsub_rn(row[v], mx)));
+    for (int64_t v = threadIdx.x; v < valid; v += blockDim.x) sum += static_cast<double>(exp_approx(__fsub_rn(to_f32(row[v]), mx)));
     return static_cast<float>(block_sum(sum));
 }
 
-__global__ void row_max_kernel(const float * logits, int64_t stride, int64_t valid, float * out) {
+template <class T>
+__global__ void row_max_kernel(const T * logits, int64_t stride, int64_t valid, float * out) {
     const float mx = row_first_max(logits + blockIdx.x * stride, valid);
     if (threadIdx.x == 0) out[blockIdx.x] = mx;
 }
 
-__global__ void row_sum_exp_kernel(const float * logits, const float * max, int64_t stride, int64_t valid, float * out) {
+template <class T>
+__global__ void row_sum_exp_kernel(const T * logits, const float * max, int64_t stride, int64_t valid, float * out) {
     const float sum = row_sum_exp_of(logits + blockIdx.x * stride, max[blockIdx.x], valid);
     if (threadIdx.x == 0) out[blockIdx.x] = sum;
 }
@@ -482,38 +511,41 @@ __device__ __forceinline__ int32_t row_label(const int32_t * labels, int64_t r, 
     return label >= 0 && label < limit ? label : -1;
 }
 
-__global__ void cross_entropy_forward_kernel(const float * logits, const int32_t * labels, float * loss, float * lse,
+template <class T>
+__global__ void cross_entropy_forward_kernel(const T * logits, const int32_t * labels, float * loss, float * lse,
                                              int64_t s, int64_t b, int64_t stride, int64_t vocab) {
     const int64_t r   = blockIdx.x;
-    const float * row = logits + r * stride;
+    const T *     row = logits + r * stride;
     const float   mx  = row_first_max(row, vocab);
     const float   sum = row_sum_exp_of(row, mx, vocab);
     if (threadIdx.x == 0) {
         const float   l     = __fadd_rn(mx, static_cast<float>(log(static_cast<double>(sum))));
         const int32_t label = row_label(labels, r, s, b, vocab);
         lse[r]              = l;
-        loss[r]             = __fsub_rn(l, label >= 0 ? row[label] : 0.0f);
+        loss[r]             = __fsub_rn(l, label >= 0 ? to_f32(row[label]) : 0.0f);
     }
 }
 
-__global__ void cross_entropy_backward_kernel(float * logits, const int32_t * labels, const float * lse,
+template <class T>
+__global__ void cross_entropy_backward_kernel(T * logits, const int32_t * labels, const float * lse,
                                               const float * dloss, int64_t s, int64_t b, int64_t stride, int64_t vocab) {
     const int64_t r     = blockIdx.x;
-    float *       row   = logits + r * stride;
+    T *           row   = logits + r * stride;
     const float   l     = lse[r], g = dloss[r];
     const int32_t label = row_label(labels, r, s, b, vocab);
     for (int64_t v = threadIdx.x; v < stride; v += blockDim.x) {
-        float value = v < vocab ? __fmul_rn(exp_approx(__fsub_rn(row[v], l)), g) : 0.0f;
+        float value = v < vocab ? __fmul_rn(exp_approx(__fsub_rn(to_f32(row[v]), l)), g) : 0.0f;
         if (v == label) value = __fsub_rn(value, g);
-        row[v] = value;
+        row[v] = from_f32<T>(value);
     }
 }
 
-__global__ void label_logit_kernel(const float * logits, const int32_t * labels, float * out, int64_t s, int64_t b,
+template <class T>
+__global__ void label_logit_kernel(const T * logits, const int32_t * labels, float * out, int64_t s, int64_t b,
                                    int64_t stride) {
     LOOM_GRID_STRIDE(r, s * b) {
         const int32_t label = row_label(labels, r, s, b, stride);
-        out[r]              = label >= 0 ? logits[r * stride + label] : 0.0f;
+        out[r]              = label >= 0 ? to_f32(logits[r * stride + label]) : 0.0f;
     }
 }
 
@@ -568,19 +600,22 @@ void scale(cudaStream_t stream, void * x, Float kind, float factor, int64_t n) {
     if (n > 0) LOOM_LAUNCH(scale_kernel, blocks_for(n), kThreads, 0, stream)(x, kind, factor, n);
 }
 
-void add_inplace(cudaStream_t stream, float * y, const float * x, int64_t n) {
-    if (n > 0) LOOM_LAUNCH(add_inplace_kernel, blocks_for(n), kThreads, 0, stream)(y, x, n);
+template <class T>
+void add_inplace(cudaStream_t stream, T * y, const T * x, int64_t n) {
+    if (n > 0) LOOM_LAUNCH(add_inplace_kernel<T>, blocks_for(n), kThreads, 0, stream)(y, x, n);
 }
 
-void bias_add(cudaStream_t stream, float * y, const float * bias, int64_t n, int64_t h) {
-    if (n * h > 0) LOOM_LAUNCH(bias_add_kernel, blocks_for(n * h), kThreads, 0, stream)(y, bias, n, h);
+template <class T>
+void bias_add(cudaStream_t stream, T * y, const float * bias, int64_t n, int64_t h) {
+    if (n * h > 0) LOOM_LAUNCH(bias_add_kernel<T>, blocks_for(n * h), kThreads, 0, stream)(y, bias, n, h);
 }
 
-void bias_backward(cudaStream_t stream, const float * dy, float * dbias, float * partial, int64_t n, int64_t h) {
+template <class T>
+void bias_backward(cudaStream_t stream, const T * dy, float * dbias, float * partial, int64_t n, int64_t h) {
     if (h == 0) return;
     const int64_t chunks = column_sum_chunks(n);
     float *       sums   = chunks == 1 ? dbias : partial;
-    LOOM_LAUNCH(bias_backward_kernel, column_sum_grid(h, chunks), kThreads, 0, stream)(dy, dbias, sums, n, h, chunks);
+    LOOM_LAUNCH(bias_backward_kernel<T>, column_sum_grid(h, chunks), kThreads, 0, stream)(dy, dbias, sums, n, h, chunks);
     if (chunks > 1) LOOM_LAUNCH(column_total_kernel, blocks_for(h), kThreads, 0, stream)(partial, dbias, h, chunks);
 }
 
@@ -605,18 +640,20 @@ unsigned row_threads(int64_t h) {
 
 }  // namespace
 
-void layernorm_forward(cudaStream_t stream, float * x, const float * residual, const float * gamma,
-                       const float * beta, float * y, float * mean, float * rstd, int64_t n, int64_t h, float eps) {
+template <class T>
+void layernorm_forward(cudaStream_t stream, T * x, const T * residual, const float * gamma, const float * beta, T * y,
+                       float * mean, float * rstd, int64_t n, int64_t h, float eps) {
     if (n > 0) {
-        LOOM_LAUNCH(layernorm_forward_kernel, static_cast<unsigned>(n), row_threads(h), 0, stream)(
+        LOOM_LAUNCH(layernorm_forward_kernel<T>, static_cast<unsigned>(n), row_threads(h), 0, stream)(
             x, residual, gamma, beta, y, mean, rstd, h, eps, false);
     }
 }
 
-void rmsnorm_forward(cudaStream_t stream, float * x, const float * residual, const float * gamma, float * y,
-                     float * rstd, int64_t n, int64_t h, float eps) {
+template <class T>
+void rmsnorm_forward(cudaStream_t stream, T * x, const T * residual, const float * gamma, T * y, float * rstd, int64_t n,
+                     int64_t h, float eps) {
     if (n > 0) {
-        LOOM_LAUNCH(layernorm_forward_kernel, static_cast<unsigned>(n), row_threads(h), 0, stream)(
+        LOOM_LAUNCH(layernorm_forward_kernel<T>, static_cast<unsigned>(n), row_threads(h), 0, stream)(
             x, residual, gamma, nullptr, y, nullptr, rstd, h, eps, true);
     }
 }
@@ -625,12 +662,13 @@ namespace {
 
 // The parameter gradients of a norm's backward: two column sums (one without beta), partial holding
 // 2 chunks h floats where there is more than one chunk.
-void norm_backward_params(cudaStream_t stream, const float * dy, const float * x, const float * mean,
-                          const float * rstd, float * dgamma, float * dbeta, float * partial, int64_t n, int64_t h) {
+template <class T>
+void norm_backward_params(cudaStream_t stream, const T * dy, const T * x, const float * mean, const float * rstd,
+                          float * dgamma, float * dbeta, float * partial, int64_t n, int64_t h) {
     const int64_t chunks = column_sum_chunks(n);
     float *       sums_g = chunks == 1 ? dgamma : partial;
     float *       sums_b = chunks == 1 ? dbeta : partial + chunks * h;
-    LOOM_LAUNCH(norm_backward_params_kernel, column_sum_grid(h, chunks), kThreads, 0, stream)(
+    LOOM_LAUNCH(norm_backward_params_kernel<T>, column_sum_grid(h, chunks), kThreads, 0, stream)(
         dy, x, mean, rstd, dgamma, dbeta, sums_g, sums_b, n, h, chunks);
     if (chunks == 1) return;
     LOOM_LAUNCH(column_total_kernel, blocks_for(h), kThreads, 0, stream)(sums_g, dgamma, h, chunks);
@@ -639,48 +677,54 @@ void norm_backward_params(cudaStream_t stream, const float * dy, const float * x
 
 }  // namespace
 
-void layernorm_backward(cudaStream_t stream, const float * dy, const float * x, const float * gamma,
-                        const float * mean, const float * rstd, float * dx, float * dgamma, float * dbeta,
-                        float * partial, int64_t n, int64_t h) {
+template <class T>
+void layernorm_backward(cudaStream_t stream, const T * dy, const T * x, const float * gamma, const float * mean,
+                        const float * rstd, T * dx, float * dgamma, float * dbeta, float * partial, int64_t n, int64_t h) {
     if (n == 0 || h == 0) return;
-    LOOM_LAUNCH(norm_backward_dx_kernel, static_cast<unsigned>(n), row_threads(h), 0, stream)(
+    LOOM_LAUNCH(norm_backward_dx_kernel<T>, static_cast<unsigned>(n), row_threads(h), 0, stream)(
         dy, x, gamma, mean, rstd, dx, h);
     norm_backward_params(stream, dy, x, mean, rstd, dgamma, dbeta, partial, n, h);
 }
 
-void rmsnorm_backward(cudaStream_t stream, const float * dy, const float * x, const float * gamma, const float * rstd,
-                      float * dx, float * dgamma, float * partial, int64_t n, int64_t h) {
+template <class T>
+void rmsnorm_backward(cudaStream_t stream, const T * dy, const T * x, const float * gamma, const float * rstd, T * dx,
+                      float * dgamma, float * partial, int64_t n, int64_t h) {
     if (n == 0 || h == 0) return;
-    LOOM_LAUNCH(norm_backward_dx_kernel, static_cast<unsigned>(n), row_threads(h), 0, stream)(
+    LOOM_LAUNCH(norm_backward_dx_kernel<T>, static_cast<unsigned>(n), row_threads(h), 0, stream)(
         dy, x, gamma, nullptr, rstd, dx, h);
     norm_backward_params(stream, dy, x, nullptr, rstd, dgamma, nullptr, partial, n, h);
 }
 
-void bias_gelu_forward(cudaStream_t stream, float * x, const float * bias, float * y, uint16_t * x_bf16, int64_t n,
-                       int64_t f) {
+template <class T>
+void bias_gelu_forward(cudaStream_t stream, T * x, const float * bias, T * y, uint16_t * x_bf16, int64_t n, int64_t f) {
     if (n * f > 0) {
-        LOOM_LAUNCH(bias_gelu_forward_kernel, blocks_for(n * f), kThreads, 0, stream)(x, bias, y, x_bf16, n, f);
+        LOOM_LAUNCH(bias_gelu_forward_kernel<T>, blocks_for(n * f), kThreads, 0, stream)(x, bias, y, x_bf16, n, f);
     }
 }
 
-void gelu_backward(cudaStream_t stream, const float * x, const float * dy, float * dx, int64_t count) {
-    if (count > 0) LOOM_LAUNCH(gelu_backward_kernel, blocks_for(count), kThreads, 0, stream)(x, dy, dx, count);
+template <class T>
+void gelu_backward(cudaStream_t stream, const T * x, const T * dy, T * dx, int64_t count) {
+    if (count > 0) LOOM_LAUNCH(gelu_backward_kernel<T>, blocks_for(count), kThreads, 0, stream)(x, dy, dx, count);
 }
 
-void squared_relu_forward(cudaStream_t stream, const float * x, float * y, int64_t count) {
-    if (count > 0) LOOM_LAUNCH(squared_relu_forward_kernel, blocks_for(count), kThreads, 0, stream)(x, y, count);
+template <class T>
+void squared_relu_forward(cudaStream_t stream, const T * x, T * y, int64_t count) {
+    if (count > 0) LOOM_LAUNCH(squared_relu_forward_kernel<T>, blocks_for(count), kThreads, 0, stream)(x, y, count);
 }
 
-void squared_relu_backward(cudaStream_t stream, const float * x, const float * dy, float * dx, int64_t count) {
-    if (count > 0) LOOM_LAUNCH(squared_relu_backward_kernel, blocks_for(count), kThreads, 0, stream)(x, dy, dx, count);
+template <class T>
+void squared_relu_backward(cudaStream_t stream, const T * x, const T * dy, T * dx, int64_t count) {
+    if (count > 0) LOOM_LAUNCH(squared_relu_backward_kernel<T>, blocks_for(count), kThreads, 0, stream)(x, dy, dx, count);
 }
 
-void swiglu_forward(cudaStream_t stream, const float * x, float * y, int64_t n, int64_t f) {
-    if (n * f > 0) LOOM_LAUNCH(swiglu_forward_kernel, blocks_for(n * f), kThreads, 0, stream)(x, y, n, f);
+template <class T>
+void swiglu_forward(cudaStream_t stream, const T * x, T * y, int64_t n, int64_t f) {
+    if (n * f > 0) LOOM_LAUNCH(swiglu_forward_kernel<T>, blocks_for(n * f), kThreads, 0, stream)(x, y, n, f);
 }
 
-void swiglu_backward(cudaStream_t stream, const float * x, const float * dy, float * dx, int64_t n, int64_t f) {
-    if (n * f > 0) LOOM_LAUNCH(swiglu_backward_kernel, blocks_for(n * f), kThreads, 0, stream)(x, dy, dx, n, f);
+template <class T>
+void swiglu_backward(cudaStream_t stream, const T * x, const T * dy, T * dx, int64_t n, int64_t f) {
+    if (n * f > 0) LOOM_LAUNCH(swiglu_backward_kernel<T>, blocks_for(n * f), kThreads, 0, stream)(x, dy, dx, n, f);
 }
 
 void adamw(cudaStream_t stream, float * p, const float * g, float * m, float * v, void * out, AdamOut out_kind,
@@ -692,46 +736,50 @@ void find_bad_id(cudaStream_t stream, const int32_t * ids, int64_t n, int64_t li
     if (n > 0) LOOM_LAUNCH(find_bad_id_kernel, blocks_for(n), kThreads, 0, stream)(ids, n, limit, first_bad);
 }
 
-void rope(cudaStream_t stream, float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d,
-          int64_t r, bool interleaved, const float * inv_freq, bool inverse, SeqPositions positions) {
+template <class T>
+void rope(cudaStream_t stream, T * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d, int64_t r,
+          bool interleaved, const float * inv_freq, bool inverse, SeqPositions positions) {
     const int64_t pairs = s * b * heads * (r / 2);
     if (pairs > 0) {
-        LOOM_LAUNCH(rope_kernel, blocks_for(pairs), kThreads, 0, stream)(
+        LOOM_LAUNCH(rope_kernel<T>, blocks_for(pairs), kThreads, 0, stream)(
             x, row_stride, s, b, heads, d, r, interleaved, inv_freq, inverse, positions);
     }
 }
 
-void dropout(cudaStream_t stream, const float * x, float * y, int64_t n, int64_t w, const DropoutKey & key) {
-    if (n * w > 0) LOOM_LAUNCH(dropout_kernel, blocks_for(n * w), kThreads, 0, stream)(x, y, n, w, key);
+template <class T>
+void dropout(cudaStream_t stream, const T * x, T * y, int64_t n, int64_t w, const DropoutKey & key) {
+    if (n * w > 0) LOOM_LAUNCH(dropout_kernel<T>, blocks_for(n * w), kThreads, 0, stream)(x, y, n, w, key);
 }
 
+template <class T>
 void embedding_forward(cudaStream_t stream, const int32_t * tokens, const void * wte, const void * wpe, Float kind,
-                       float * out, int64_t s, int64_t b, int64_t h, int64_t vocab, SeqPositions positions) {
+                       T * out, int64_t s, int64_t b, int64_t h, int64_t vocab, SeqPositions positions) {
     const int64_t count = s * b * h;
     if (count == 0) return;
     if (kind == Float::f32) {
-        LOOM_LAUNCH(embedding_forward_kernel<float>, blocks_for(count), kThreads, 0, stream)(
+        LOOM_LAUNCH((embedding_forward_kernel<float, T>), blocks_for(count), kThreads, 0, stream)(
             tokens, static_cast<const float *>(wte), static_cast<const float *>(wpe), out, s, b, h, vocab, positions);
     } else {
-        LOOM_LAUNCH(embedding_forward_kernel<uint16_t>, blocks_for(count), kThreads, 0, stream)(
+        LOOM_LAUNCH((embedding_forward_kernel<uint16_t, T>), blocks_for(count), kThreads, 0, stream)(
             tokens, static_cast<const uint16_t *>(wte), static_cast<const uint16_t *>(wpe), out, s, b, h, vocab,
             positions);
     }
 }
 
-void embedding_backward(cudaStream_t stream, const int32_t * tokens, const float * dout, float * dwte, float * dwpe,
-                        int64_t s, int64_t b, int64_t h, int64_t vocab, SeqPositions positions) {
+template <class T>
+void embedding_backward(cudaStream_t stream, const int32_t * tokens, const T * dout, float * dwte, float * dwpe, int64_t s,
+                        int64_t b, int64_t h, int64_t vocab, SeqPositions positions) {
     if (s * b == 0 || h == 0) return;
     if (vocab > 0) {
         // Buckets of the vocabulary so that about 2^17 threads share the work (any count gives the same bits).
         constexpr int64_t kTargetThreads = int64_t{1} << 17;
         const int64_t     buckets = std::max<int64_t>(1, std::min<int64_t>({vocab, 65535, kTargetThreads / h}));
         const dim3        grid(static_cast<unsigned>((h + kThreads - 1) / kThreads), static_cast<unsigned>(buckets));
-        LOOM_LAUNCH(embedding_backward_wte_kernel, grid, kThreads, 0, stream)(
+        LOOM_LAUNCH(embedding_backward_wte_kernel<T>, grid, kThreads, 0, stream)(
             tokens, dout, dwte, s, b, h, vocab, buckets);
     }
     if (dwpe != nullptr) {
-        LOOM_LAUNCH(embedding_backward_wpe_kernel, blocks_for(s * h), kThreads, 0, stream)(dout, dwpe, s, b, h, positions);
+        LOOM_LAUNCH(embedding_backward_wpe_kernel<T>, blocks_for(s * h), kThreads, 0, stream)(dout, dwpe, s, b, h, positions);
     }
 }
 
@@ -739,37 +787,42 @@ void vocab_shard_ids(cudaStream_t stream, const int32_t * ids, int64_t n, int64_
     if (n > 0) LOOM_LAUNCH(vocab_shard_ids_kernel, blocks_for(n), kThreads, 0, stream)(ids, n, begin, count, out);
 }
 
-void row_max(cudaStream_t stream, const float * logits, int64_t n, int64_t stride, int64_t valid, float * out) {
-    if (n > 0) LOOM_LAUNCH(row_max_kernel, static_cast<unsigned>(n), kThreads, 0, stream)(logits, stride, valid, out);
+template <class T>
+void row_max(cudaStream_t stream, const T * logits, int64_t n, int64_t stride, int64_t valid, float * out) {
+    if (n > 0) LOOM_LAUNCH(row_max_kernel<T>, static_cast<unsigned>(n), kThreads, 0, stream)(logits, stride, valid, out);
 }
 
-void row_sum_exp(cudaStream_t stream, const float * logits, const float * max, int64_t n, int64_t stride,
-                 int64_t valid, float * out) {
+template <class T>
+void row_sum_exp(cudaStream_t stream, const T * logits, const float * max, int64_t n, int64_t stride, int64_t valid,
+                 float * out) {
     if (n > 0) {
-        LOOM_LAUNCH(row_sum_exp_kernel, static_cast<unsigned>(n), kThreads, 0, stream)(logits, max, stride, valid, out);
+        LOOM_LAUNCH(row_sum_exp_kernel<T>, static_cast<unsigned>(n), kThreads, 0, stream)(logits, max, stride, valid, out);
     }
 }
 
-void cross_entropy_forward(cudaStream_t stream, const float * logits, const int32_t * labels, float * loss,
-                           float * lse, int64_t s, int64_t b, int64_t stride, int64_t vocab) {
+template <class T>
+void cross_entropy_forward(cudaStream_t stream, const T * logits, const int32_t * labels, float * loss, float * lse,
+                           int64_t s, int64_t b, int64_t stride, int64_t vocab) {
     if (s * b > 0) {
-        LOOM_LAUNCH(cross_entropy_forward_kernel, static_cast<unsigned>(s * b), kThreads, 0, stream)(
+        LOOM_LAUNCH(cross_entropy_forward_kernel<T>, static_cast<unsigned>(s * b), kThreads, 0, stream)(
             logits, labels, loss, lse, s, b, stride, vocab);
     }
 }
 
-void cross_entropy_backward(cudaStream_t stream, float * logits, const int32_t * labels, const float * lse,
+template <class T>
+void cross_entropy_backward(cudaStream_t stream, T * logits, const int32_t * labels, const float * lse,
                             const float * dloss, int64_t s, int64_t b, int64_t stride, int64_t vocab) {
     if (s * b > 0) {
-        LOOM_LAUNCH(cross_entropy_backward_kernel, static_cast<unsigned>(s * b), kThreads, 0, stream)(
+        LOOM_LAUNCH(cross_entropy_backward_kernel<T>, static_cast<unsigned>(s * b), kThreads, 0, stream)(
             logits, labels, lse, dloss, s, b, stride, vocab);
     }
 }
 
-void label_logit(cudaStream_t stream, const float * logits, const int32_t * labels, float * out, int64_t s, int64_t b,
+template <class T>
+void label_logit(cudaStream_t stream, const T * logits, const int32_t * labels, float * out, int64_t s, int64_t b,
                  int64_t stride) {
     if (s * b > 0) {
-        LOOM_LAUNCH(label_logit_kernel, blocks_for(s * b), kThreads, 0, stream)(logits, labels, out, s, b, stride);
+        LOOM_LAUNCH(label_logit_kernel<T>, blocks_for(s * b), kThreads, 0, stream)(logits, labels, out, s, b, stride);
     }
 }
 
@@ -781,5 +834,42 @@ void lse_and_loss(cudaStream_t stream, const float * max, const float * sum, con
 void loss_grad(cudaStream_t stream, const float * mask, double scale, float * dloss, int64_t s, int64_t b) {
     if (s * b > 0) LOOM_LAUNCH(loss_grad_kernel, blocks_for(s * b), kThreads, 0, stream)(mask, scale, dloss, s, b);
 }
+
+// Every activations kernel for both storage types.
+#define LOOM_ACTIVATION_KERNELS(T)                                                                                   \
+    template void add_inplace(cudaStream_t, T *, const T *, int64_t);                                               \
+    template void bias_add(cudaStream_t, T *, const float *, int64_t, int64_t);                                      \
+    template void bias_backward(cudaStream_t, const T *, float *, float *, int64_t, int64_t);                        \
+    template void layernorm_forward(cudaStream_t, T *, const T *, const float *, const float *, T *, float *, float *, \
+                                    int64_t, int64_t, float);                                                        \
+    template void rmsnorm_forward(cudaStream_t, T *, const T *, const float *, T *, float *, int64_t, int64_t, float); \
+    template void layernorm_backward(cudaStream_t, const T *, const T *, const float *, const float *, const float *, \
+                                     T *, float *, float *, float *, int64_t, int64_t);                              \
+    template void rmsnorm_backward(cudaStream_t, const T *, const T *, const float *, const float *, T *, float *,    \
+                                   float *, int64_t, int64_t);                                                       \
+    template void bias_gelu_forward(cudaStream_t, T *, const float *, T *, uint16_t *, int64_t, int64_t);            \
+    template void gelu_backward(cudaStream_t, const T *, const T *, T *, int64_t);                                   \
+    template void squared_relu_forward(cudaStream_t, const T *, T *, int64_t);                                       \
+    template void squared_relu_backward(cudaStream_t, const T *, const T *, T *, int64_t);                           \
+    template void swiglu_forward(cudaStream_t, const T *, T *, int64_t, int64_t);                                    \
+    template void swiglu_backward(cudaStream_t, const T *, const T *, T *, int64_t, int64_t);                        \
+    template void rope(cudaStream_t, T *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, const float *, \
+                       bool, SeqPositions);                                                                          \
+    template void dropout(cudaStream_t, const T *, T *, int64_t, int64_t, const DropoutKey &);                       \
+    template void embedding_forward(cudaStream_t, const int32_t *, const void *, const void *, Float, T *, int64_t,  \
+                                    int64_t, int64_t, int64_t, SeqPositions);                                        \
+    template void embedding_backward(cudaStream_t, const int32_t *, const T *, float *, float *, int64_t, int64_t,   \
+                                     int64_t, int64_t, SeqPositions);                                                \
+    template void row_max(cudaStream_t, const T *, int64_t, int64_t, int64_t, float *);                              \
+    template void row_sum_exp(cudaStream_t, const T *, const float *, int64_t, int64_t, int64_t, float *);            \
+    template void cross_entropy_forward(cudaStream_t, const T *, const int32_t *, float *, float *, int64_t, int64_t, \
+                                        int64_t, int64_t);                                                           \
+    template void cross_entropy_backward(cudaStream_t, T *, const int32_t *, const float *, const float *, int64_t,  \
+                                         int64_t, int64_t, int64_t);                                                 \
+    template void label_logit(cudaStream_t, const T *, const int32_t *, float *, int64_t, int64_t, int64_t);
+
+LOOM_ACTIVATION_KERNELS(float)
+LOOM_ACTIVATION_KERNELS(Bf16)
+#undef LOOM_ACTIVATION_KERNELS
 
 }  // namespace loom::LOOM_CUDA_NS::kernels

@@ -13,6 +13,7 @@
 
 #include "backend/cuda/cuda_namespace.h"
 #include "core/column_sums.h"
+#include "core/float_bits.h"
 #include "core/positions.h"
 
 #include <cuda_runtime.h>
@@ -38,13 +39,14 @@ void gemm_f64(cudaStream_t stream, bool trans_a, bool trans_b, int64_t m, int64_
 // The fp64 router's bias (core/gemm_f64.h): y (n, h) += bias; dbias += the column sums of dy, one thread per column.
 void bias_add_f64(cudaStream_t stream, double * y, const double * bias, int64_t n, int64_t h);
 void bias_backward_f64(cudaStream_t stream, const double * dy, double * dbias, int64_t n, int64_t h);
-void add_inplace(cudaStream_t stream, float * y, const float * x, int64_t n);
-void bias_add(cudaStream_t stream, float * y, const float * bias, int64_t n, int64_t h);
+// Ops over activations take them as T: float, or Bf16 (core/float_bits.h), computed in f32 and stored once.
+template <class T> void add_inplace(cudaStream_t stream, T * y, const T * x, int64_t n);
+template <class T> void bias_add(cudaStream_t stream, T * y, const float * bias, int64_t n, int64_t h);
 // Scratch (floats) a column sum of n rows by h columns needs (core/column_sums.h): none for one chunk.
 inline int64_t column_sum_scratch(int64_t n, int64_t h) { return column_sum_chunks(n) > 1 ? column_sum_chunks(n) * h : 0; }
 // dbias[j] += dy[0, j] + dy[1, j] + ... in core/column_sums.h's order (the CPU's: the same f32 additions);
 // partial: column_sum_scratch(n, h) floats.
-void bias_backward(cudaStream_t stream, const float * dy, float * dbias, float * partial, int64_t n, int64_t h);
+template <class T> void bias_backward(cudaStream_t stream, const T * dy, float * dbias, float * partial, int64_t n, int64_t h);
 
 // Number of doubles of scratch sum_of_squares needs for n elements: one per chunk of 2^16.
 int64_t sum_of_squares_chunks(int64_t n);
@@ -54,26 +56,29 @@ void sum_of_squares(cudaStream_t stream, const float * x, int64_t n, double * pa
 
 // Norms, one block per row, row statistics in double as the CPU's. residual may be null (else x += residual
 // first, written back); beta may be null; mean is null for RMSNorm.
-void layernorm_forward(cudaStream_t stream, float * x, const float * residual, const float * gamma,
-                       const float * beta, float * y, float * mean, float * rstd, int64_t n, int64_t h, float eps);
-void rmsnorm_forward(cudaStream_t stream, float * x, const float * residual, const float * gamma, float * y,
-                     float * rstd, int64_t n, int64_t h, float eps);
+template <class T>
+void layernorm_forward(cudaStream_t stream, T * x, const T * residual, const float * gamma, const float * beta, T * y,
+                       float * mean, float * rstd, int64_t n, int64_t h, float eps);
+template <class T>
+void rmsnorm_forward(cudaStream_t stream, T * x, const T * residual, const float * gamma, T * y, float * rstd, int64_t n,
+                     int64_t h, float eps);
 // dx assigned; dgamma (and dbeta, may be null) added to, over rows in core/column_sums.h's order; partial:
 // 2 column_sum_scratch(n, h) floats.
-void layernorm_backward(cudaStream_t stream, const float * dy, const float * x, const float * gamma,
-                        const float * mean, const float * rstd, float * dx, float * dgamma, float * dbeta,
-                        float * partial, int64_t n, int64_t h);
-void rmsnorm_backward(cudaStream_t stream, const float * dy, const float * x, const float * gamma, const float * rstd,
-                      float * dx, float * dgamma, float * partial, int64_t n, int64_t h);
+template <class T>
+void layernorm_backward(cudaStream_t stream, const T * dy, const T * x, const float * gamma, const float * mean,
+                        const float * rstd, T * dx, float * dgamma, float * dbeta, float * partial, int64_t n, int64_t h);
+template <class T>
+void rmsnorm_backward(cudaStream_t stream, const T * dy, const T * x, const float * gamma, const float * rstd, T * dx,
+                      float * dgamma, float * partial, int64_t n, int64_t h);
 
 // GELU (tanh approximation) fused with the bias; x_bf16 may be null (see core/ops.h).
-void bias_gelu_forward(cudaStream_t stream, float * x, const float * bias, float * y, uint16_t * x_bf16, int64_t n,
-                       int64_t f);
-void gelu_backward(cudaStream_t stream, const float * x, const float * dy, float * dx, int64_t count);
-void swiglu_forward(cudaStream_t stream, const float * x, float * y, int64_t n, int64_t f);
-void swiglu_backward(cudaStream_t stream, const float * x, const float * dy, float * dx, int64_t n, int64_t f);
-void squared_relu_forward(cudaStream_t stream, const float * x, float * y, int64_t count);
-void squared_relu_backward(cudaStream_t stream, const float * x, const float * dy, float * dx, int64_t count);
+template <class T>
+void bias_gelu_forward(cudaStream_t stream, T * x, const float * bias, T * y, uint16_t * x_bf16, int64_t n, int64_t f);
+template <class T> void gelu_backward(cudaStream_t stream, const T * x, const T * dy, T * dx, int64_t count);
+template <class T> void swiglu_forward(cudaStream_t stream, const T * x, T * y, int64_t n, int64_t f);
+template <class T> void swiglu_backward(cudaStream_t stream, const T * x, const T * dy, T * dx, int64_t n, int64_t f);
+template <class T> void squared_relu_forward(cudaStream_t stream, const T * x, T * y, int64_t count);
+template <class T> void squared_relu_backward(cudaStream_t stream, const T * x, const T * dy, T * dx, int64_t count);
 
 // AdamW, the scalars of core/host_adam.h computed on the host exactly as there; the element update uses
 // the same IEEE operations in the same order (explicit fma, no contraction), so it gives the host's bits.
@@ -101,8 +106,9 @@ void find_bad_id(cudaStream_t stream, const int32_t * ids, int64_t n, int64_t li
 // elements): the first r elements of each head, in pairs (i, i + r/2) or interleaved (2i, 2i + 1), as
 // backend/cpu/ops.h's rope_apply. inv_freq (r / 2, device memory) is the CPU's table, computed on the host.
 // Row si turns by its global position positions(si).
-void rope(cudaStream_t stream, float * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d,
-          int64_t r, bool interleaved, const float * inv_freq, bool inverse, SeqPositions positions);
+template <class T>
+void rope(cudaStream_t stream, T * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d, int64_t r,
+          bool interleaved, const float * inv_freq, bool inverse, SeqPositions positions);
 
 // Hidden dropout of x (n, w) into y (may be x): core/dropout.h's hash, bit for bit. sample_ids (batch, in
 // device memory) may be null (column c is sample c); keep_scale = 1 / (1 - p) in f32 as the CPU computes it.
@@ -116,33 +122,40 @@ struct DropoutKey {
     float           keep_scale;
     SeqPositions    positions;   // local position -> global position
 };
-void dropout(cudaStream_t stream, const float * x, float * y, int64_t n, int64_t w, const DropoutKey & key);
+template <class T> void dropout(cudaStream_t stream, const T * x, T * y, int64_t n, int64_t w, const DropoutKey & key);
 
 // out (s * b, h) = wte[tokens[bi, si]] (0 for -1) + wpe[positions(si)] (wpe may be null), tables f32 or
 // bf16 (both the same; Float::f16 is not a table format).
+template <class T>
 void embedding_forward(cudaStream_t stream, const int32_t * tokens, const void * wte, const void * wpe, Float kind,
-                       float * out, int64_t s, int64_t b, int64_t h, int64_t vocab, SeqPositions positions);
+                       T * out, int64_t s, int64_t b, int64_t h, int64_t vocab, SeqPositions positions);
 // dwte[token] += dout rows and dwpe[positions(si)] += dout rows (dwpe may be null), each element's additions
 // in row order as the CPU's, with no atomics: the same bits as the CPU.
-void embedding_backward(cudaStream_t stream, const int32_t * tokens, const float * dout, float * dwte, float * dwpe,
-                        int64_t s, int64_t b, int64_t h, int64_t vocab, SeqPositions positions);
+template <class T>
+void embedding_backward(cudaStream_t stream, const int32_t * tokens, const T * dout, float * dwte, float * dwpe, int64_t s,
+                        int64_t b, int64_t h, int64_t vocab, SeqPositions positions);
 // out[i] = ids[i] - begin where begin <= ids[i] < begin + count, else -1.
 void vocab_shard_ids(cudaStream_t stream, const int32_t * ids, int64_t n, int64_t begin, int64_t count, int32_t * out);
 
 // One block per row of logits (n, stride): max over the first `valid` columns (the CPU's value bit for bit:
 // the first maximum in column order), and the sum of exp(x - max) (exp as the CPU's exp_approx, summed in
 // double over a fixed tree, rounded to f32).
-void row_max(cudaStream_t stream, const float * logits, int64_t n, int64_t stride, int64_t valid, float * out);
-void row_sum_exp(cudaStream_t stream, const float * logits, const float * max, int64_t n, int64_t stride,
-                 int64_t valid, float * out);
+template <class T>
+void row_max(cudaStream_t stream, const T * logits, int64_t n, int64_t stride, int64_t valid, float * out);
+template <class T>
+void row_sum_exp(cudaStream_t stream, const T * logits, const float * max, int64_t n, int64_t stride, int64_t valid,
+                 float * out);
 // labels (b, s) read in (s, b) row order. Forward: lse[r] = max + log(sum) (log in double), loss[r] = lse -
 // the label's logit (0 for -1). Backward in place: (exp(x - lse) - onehot) * dloss[r], 0 on the padding.
-void cross_entropy_forward(cudaStream_t stream, const float * logits, const int32_t * labels, float * loss,
-                           float * lse, int64_t s, int64_t b, int64_t stride, int64_t vocab);
-void cross_entropy_backward(cudaStream_t stream, float * logits, const int32_t * labels, const float * lse,
+template <class T>
+void cross_entropy_forward(cudaStream_t stream, const T * logits, const int32_t * labels, float * loss, float * lse,
+                           int64_t s, int64_t b, int64_t stride, int64_t vocab);
+template <class T>
+void cross_entropy_backward(cudaStream_t stream, T * logits, const int32_t * labels, const float * lse,
                             const float * dloss, int64_t s, int64_t b, int64_t stride, int64_t vocab);
 // out[r] = logits[r, label] (0 for -1), labels (b, s) in (s, b) row order; labels >= stride read as -1.
-void label_logit(cudaStream_t stream, const float * logits, const int32_t * labels, float * out, int64_t s, int64_t b,
+template <class T>
+void label_logit(cudaStream_t stream, const T * logits, const int32_t * labels, float * out, int64_t s, int64_t b,
                  int64_t stride);
 // lse = max + logf(sum), loss = lse - target.
 void lse_and_loss(cudaStream_t stream, const float * max, const float * sum, const float * target, float * lse,
