@@ -40,6 +40,9 @@
 //   adamw (5 steps)                 p: |p - p_ref| <= k (2^-21 |p_ref| + 2^-20 lr) after k steps (host_adam.h's
 //                                   bound); m 1e-6 mag, v 1e-6 rel; out: bf16 = the nearest bf16 of p, f32 = p
 //                                   bitwise; master the same bits with bf16, f32 and no out.
+//   bf16 activations                exact: each op on bf16 tensors gives the nearest bf16 of what it gives in
+//                                   f32 from the same values; its f32 outputs (statistics, losses, parameter
+//                                   gradients) the same bits.
 //   argument errors                 a wrong shape or dtype throws loom::Error on the calling thread and
 //                                   enqueues nothing (the stream then synchronizes cleanly).
 //   ids past the table              a token or label id >= the vocabulary is a loom::Error at the stream's
@@ -1799,6 +1802,259 @@ TEST(OpsAdamW, FiveStepsAgainstDoubleReferenceWithBf16F32AndNoOutput) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// ---- bf16 activations. Each op given bf16 activations computes what its f32 kernel computes from the same
+// values and rounds each stored result once (nearest, ties to even): its bf16 outputs are exactly the
+// rounded f32 outputs of the op on the widened inputs, and its f32 outputs (statistics, losses, parameter
+// gradients) the same bits. Exact, for every op below (the references are the backend's own f32 ops, each
+// checked against double above).
+
+namespace {
+
+// Random bf16 activations and the same values in f32.
+struct Bf16Pair {
+    Tensor f, h;
+};
+Bf16Pair bf16_pair(const Shape & shape, uint64_t seed, float lo = -1.0f, float hi = 1.0f) {
+    Bf16Pair p{empty(shape), random_tensor(shape, DType::bf16, seed, lo, hi)};
+    convert(p.h.data_ptr(), DType::bf16, p.f.data_ptr(), DType::f32, static_cast<size_t>(p.h.numel()));
+    return p;
+}
+Bf16Pair outputs(const Shape & shape) { return {empty(shape), empty(shape, DType::bf16)}; }
+Bf16Pair copy_of(const Bf16Pair & p) { return {clone(p.f), clone(p.h)}; }
+
+// The nearest bf16 of an f32 value, ties to even (NaN is not expected here).
+uint16_t nearest_bf16(float v) {
+    const uint32_t u = std::bit_cast<uint32_t>(v);
+    return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// got (bf16) holds the nearest bf16 of each element of want (f32).
+void expect_rounded(const std::string & what, const Tensor & want, const Tensor & got) {
+    synchronize();
+    ASSERT_EQ(want.numel(), got.numel()) << what;
+    ASSERT_EQ(got.dtype(), DType::bf16) << what;
+    const float *    w   = want.data<float>();
+    const uint16_t * g   = static_cast<const uint16_t *>(got.data_ptr());
+    int64_t          bad = 0, first = -1;
+    for (int64_t i = 0; i < want.numel(); ++i) {
+        if (g[i] != nearest_bf16(w[i]) && bad++ == 0) first = i;
+    }
+    EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << want.numel() << " differ, the first at " << first << " ("
+                      << (first >= 0 ? bf16_value(g[first]) : 0.0) << " for " << (first >= 0 ? w[first] : 0.0f) << ")";
+}
+void expect_rounded(const std::string & what, const Bf16Pair & p) { expect_rounded(what, p.f, p.h); }
+
+void expect_same_f32(const std::string & what, const Tensor & want, const Tensor & got) {
+    synchronize();
+    EXPECT_TRUE(same_bits(what, want.data_ptr(), got.data_ptr(), want.nbytes())) << what;
+}
+
+}  // namespace
+
+TEST(OpsBf16Activations, GemmAndGemmBiasRoundTheF32AccumulatorOnce) {
+    for (bool ta : {false, true}) {
+        const int64_t m = 37, n = 29, k = 70;
+        Bf16Pair a = bf16_pair(ta ? Shape{k, m} : Shape{m, k}, 1), b = bf16_pair({n, k}, 2);
+        Tensor   bias = random_f32({n}, 3);
+        Tensor   c32 = empty({m, n}), c16 = empty({m, n}, DType::bf16);
+        // Both read bf16 operands; only the output's dtype differs.
+        ops().gemm(stream(), a.h, ta, b.h, true, c32);
+        ops().gemm(stream(), a.h, ta, b.h, true, c16);
+        expect_rounded(std::string("gemm") + (ta ? " trans_a" : ""), c32, c16);
+        ops().gemm_bias(stream(), a.h, ta, b.h, true, c32, bias);
+        ops().gemm_bias(stream(), a.h, ta, b.h, true, c16, bias);
+        expect_rounded(std::string("gemm_bias") + (ta ? " trans_a" : ""), c32, c16);
+    }
+}
+
+TEST(OpsBf16Activations, NormsForwardBackwardWithAndWithoutResidual) {
+    const int64_t n = 19, h = 72;
+    Tensor        gamma = random_f32({h}, 10, 0.5f, 1.5f), beta = random_f32({h}, 11);
+    for (bool rms : {false, true}) {
+        const std::string name = rms ? "rmsnorm" : "layernorm";
+        Bf16Pair x = bf16_pair({n, h}, 12), r = bf16_pair({n, h}, 13), y = outputs({n, h});
+        Tensor   mean32 = empty({n}), rstd32 = empty({n}), mean16 = empty({n}), rstd16 = empty({n});
+        auto forward = [&](const Tensor & xx, const Tensor & res, const Tensor & yy, const Tensor & mean, const Tensor & rstd) {
+            if (rms) {
+                ops().rmsnorm_forward(stream(), xx, res, gamma, yy, rstd, 1e-5f);
+            } else {
+                ops().layernorm_forward(stream(), xx, res, gamma, beta, yy, mean, rstd, 1e-5f);
+            }
+        };
+        forward(x.f, Tensor(), y.f, mean32, rstd32);
+        forward(x.h, Tensor(), y.h, mean16, rstd16);
+        expect_rounded(name + " y", y);
+        expect_same_f32(name + " rstd", rstd32, rstd16);
+        if (!rms) expect_same_f32(name + " mean", mean32, mean16);
+
+        // With a residual: x += r is stored rounded, and the norm reads the stored sum.
+        Bf16Pair xs = copy_of(x);
+        ops().add_inplace(stream(), xs.f, r.f);
+        Tensor sum16 = empty({n, h}, DType::bf16);
+        ops().convert(stream(), xs.f, sum16);                       // round(x + r)
+        ops().convert(stream(), sum16, xs.f);                       // ... read as f32
+        forward(xs.f, Tensor(), y.f, mean32, rstd32);
+        Bf16Pair xr = copy_of(x);
+        forward(xr.h, r.h, y.h, mean16, rstd16);
+        expect_same_f32(name + " x + residual", sum16.view({n * h}), xr.h.view({n * h}));
+        expect_rounded(name + " y with residual", y);
+        expect_same_f32(name + " rstd with residual", rstd32, rstd16);
+
+        Bf16Pair dy = bf16_pair({n, h}, 14), dx = outputs({n, h});
+        Tensor   dg32 = random_f32({h}, 15), db32 = random_f32({h}, 16), dg16 = clone(dg32), db16 = clone(db32);
+        forward(x.f, Tensor(), y.f, mean32, rstd32);
+        if (rms) {
+            ops().rmsnorm_backward(stream(), dy.f, x.f, gamma, rstd32, dx.f, dg32);
+            ops().rmsnorm_backward(stream(), dy.h, x.h, gamma, rstd32, dx.h, dg16);
+        } else {
+            ops().layernorm_backward(stream(), dy.f, x.f, gamma, mean32, rstd32, dx.f, dg32, db32);
+            ops().layernorm_backward(stream(), dy.h, x.h, gamma, mean32, rstd32, dx.h, dg16, db16);
+            expect_same_f32(name + " dbeta", db32, db16);
+        }
+        expect_rounded(name + " dx", dx);
+        expect_same_f32(name + " dgamma", dg32, dg16);
+    }
+}
+
+TEST(OpsBf16Activations, ElementwiseOps) {
+    const int64_t n = 23, f = 40;
+    Tensor        bias = random_f32({f}, 20);
+    // bias_add, add_inplace, bias_backward
+    Bf16Pair y = bf16_pair({n, f}, 21), x = bf16_pair({n, f}, 22);
+    ops().bias_add(stream(), y.f, bias);
+    ops().bias_add(stream(), y.h, bias);
+    expect_rounded("bias_add", y);
+    Bf16Pair y2 = bf16_pair({n, f}, 21);
+    ops().add_inplace(stream(), y2.f, x.f);
+    ops().add_inplace(stream(), y2.h, x.h);
+    expect_rounded("add_inplace", y2);
+    Tensor db32 = random_f32({f}, 23), db16 = clone(db32);
+    ops().bias_backward(stream(), x.f, db32);
+    ops().bias_backward(stream(), x.h, db16);
+    expect_same_f32("bias_backward", db32, db16);
+    // bias + GELU: the biased value is stored rounded, and gelu reads it.
+    Bf16Pair pre = bf16_pair({n, f}, 24, -4.0f, 4.0f), act = outputs({n, f});
+    ops().bias_gelu_forward(stream(), pre.h, bias, act.h, Tensor());
+    Tensor biased = clone(pre.f);
+    ops().bias_add(stream(), biased, bias);
+    Tensor biased16 = empty({n, f}, DType::bf16);
+    ops().convert(stream(), biased, biased16);
+    expect_rounded("bias_gelu_forward x", biased, pre.h);
+    ops().convert(stream(), biased16, biased);
+    ops().bias_gelu_forward(stream(), biased, Tensor(), act.f, Tensor());
+    expect_rounded("bias_gelu_forward y", act);
+    Bf16Pair dy = bf16_pair({n, f}, 25), dx = outputs({n, f});
+    Bf16Pair g  = bf16_pair({n, f}, 26, -4.0f, 4.0f);
+    ops().gelu_backward(stream(), g.f, dy.f, dx.f);
+    ops().gelu_backward(stream(), g.h, dy.h, dx.h);
+    expect_rounded("gelu_backward", dx);
+    ops().squared_relu_forward(stream(), g.f, dx.f);
+    ops().squared_relu_forward(stream(), g.h, dx.h);
+    expect_rounded("squared_relu_forward", dx);
+    ops().squared_relu_backward(stream(), g.f, dy.f, dx.f);
+    ops().squared_relu_backward(stream(), g.h, dy.h, dx.h);
+    expect_rounded("squared_relu_backward", dx);
+    // SwiGLU on [gate | up] (n, f) -> (n, f / 2).
+    Bf16Pair half_out = outputs({n, f / 2}), half_dy = bf16_pair({n, f / 2}, 27);
+    ops().swiglu_forward(stream(), g.f, half_out.f);
+    ops().swiglu_forward(stream(), g.h, half_out.h);
+    expect_rounded("swiglu_forward", half_out);
+    ops().swiglu_backward(stream(), g.f, half_dy.f, dx.f);
+    ops().swiglu_backward(stream(), g.h, half_dy.h, dx.h);
+    expect_rounded("swiglu_backward", dx);
+    // Rope in place (partial, on 3 of 4 heads of 8), and dropout.
+    const int64_t s = 6, b = 2;
+    Bf16Pair      q = bf16_pair({s * b, 32}, 28);
+    ops().rope(stream(), q.f, s, b, 3, 8, 10000.0f, false, 4);
+    ops().rope(stream(), q.h, s, b, 3, 8, 10000.0f, false, 4);
+    expect_rounded("rope", q);
+    Dropout key;
+    key.p     = 0.25f;
+    key.seed  = 99;
+    key.site  = dropout_site(1, DropoutKind::mlp_output);
+    key.batch = b;
+    Bf16Pair d = bf16_pair({s * b, 32}, 29), dout = outputs({s * b, 32});
+    ops().dropout(stream(), d.f, dout.f, key);
+    ops().dropout(stream(), d.h, dout.h, key);
+    expect_rounded("dropout", dout);
+}
+
+TEST(OpsBf16Activations, EmbeddingForwardAndBackward) {
+    const int64_t b = 2, s = 5, h = 12, vocab = 9;
+    Tensor        tokens = int_tensor({b, s}, {0, 3, 8, 3, 1, 2, 2, 7, 0, 5});
+    for (DType table : {DType::f32, DType::bf16}) {
+        Tensor   wte = random_tensor({vocab, h}, table, 30), wpe = random_tensor({s, h}, table, 31);
+        Bf16Pair out = outputs({s * b, h});
+        ops().embedding_forward(stream(), tokens, wte, wpe, out.f);
+        ops().embedding_forward(stream(), tokens, wte, wpe, out.h);
+        expect_rounded(std::string("embedding_forward, ") + dtype_name(table) + " tables", out);
+    }
+    Bf16Pair dout = bf16_pair({s * b, h}, 32);
+    Tensor   dwte32 = random_f32({vocab, h}, 33), dwpe32 = random_f32({s, h}, 34);
+    Tensor   dwte16 = clone(dwte32), dwpe16 = clone(dwpe32);
+    ops().embedding_backward(stream(), tokens, dout.f, dwte32, dwpe32);
+    ops().embedding_backward(stream(), tokens, dout.h, dwte16, dwpe16);
+    expect_same_f32("embedding_backward dwte", dwte32, dwte16);
+    expect_same_f32("embedding_backward dwpe", dwpe32, dwpe16);
+}
+
+TEST(OpsBf16Activations, AttentionForwardBackwardGqaAndABlockOfKeys) {
+    const AttentionShape a{37, 2, 4, 2, 8, (4 + 2 * 2) * 8};
+    const int64_t        n = a.s * a.b;
+    Bf16Pair             qkv = bf16_pair({n, a.row_stride}, 40), out = outputs({n, a.nq * a.d});
+    Tensor               lse32 = empty({a.b * a.nq, a.s}), lse16 = empty({a.b * a.nq, a.s});
+    const float          scale = 1.0f / std::sqrt(8.0f);
+    ops().attention_forward(stream(), qkv.f, out.f, lse32, a, scale);
+    ops().attention_forward(stream(), qkv.h, out.h, lse16, a, scale);
+    expect_rounded("attention out", out);
+    expect_same_f32("attention lse", lse32, lse16);
+    // Backward from the bf16 run's out (both read the same values).
+    Tensor out_values = empty({n, a.nq * a.d});
+    ops().convert(stream(), out.h, out_values);
+    Bf16Pair dout = bf16_pair({n, a.nq * a.d}, 41), dqkv = outputs({n, a.row_stride});
+    ops().attention_backward(stream(), qkv.f, out_values, dout.f, lse32, dqkv.f, a, scale);
+    ops().attention_backward(stream(), qkv.h, out.h, dout.h, lse32, dqkv.h, a, scale);
+    expect_rounded("attention dqkv", dqkv);
+    // Queries against another block of keys, accumulating into the gradients already there.
+    AttentionShape block = a;
+    block.kv_row_stride  = 2 * a.nkv * a.d;
+    block.k_col          = 0;
+    block.v_col          = a.nkv * a.d;
+    block.k_pos          = SeqPositions{};
+    Bf16Pair kv = bf16_pair({n, block.kv_row_stride}, 42), dkv = bf16_pair({n, block.kv_row_stride}, 43);
+    Bf16Pair dq = bf16_pair({n, a.row_stride}, 44);
+    ops().attention_backward(stream(), qkv.f, kv.f, out_values, dout.f, lse32, dq.f, dkv.f, block, scale, {}, true);
+    ops().attention_backward(stream(), qkv.h, kv.h, out.h, dout.h, lse32, dq.h, dkv.h, block, scale, {}, true);
+    expect_rounded("attention dq, accumulated", dq);
+    expect_rounded("attention dkv, accumulated", dkv);
+}
+
+TEST(OpsBf16Activations, CrossEntropyAndTheVocabularyParallelPieces) {
+    const int64_t b = 2, s = 3, n = b * s, stride = 24, vocab = 21;
+    Tensor        labels = int_tensor({b, s}, {0, 20, 5, -1, 7, 13});
+    Bf16Pair      logits = bf16_pair({n, stride}, 50, -6.0f, 6.0f);
+    Tensor        loss32 = empty({n}), lse32 = empty({n}), loss16 = empty({n}), lse16 = empty({n});
+    ops().cross_entropy_forward(stream(), logits.f, labels, loss32, lse32, vocab);
+    ops().cross_entropy_forward(stream(), logits.h, labels, loss16, lse16, vocab);
+    expect_same_f32("cross_entropy_forward loss", loss32, loss16);
+    expect_same_f32("cross_entropy_forward lse", lse32, lse16);
+    Tensor r32 = empty({n}), r16 = empty({n});
+    ops().row_max(stream(), logits.f, vocab, r32);
+    ops().row_max(stream(), logits.h, vocab, r16);
+    expect_same_f32("row_max", r32, r16);
+    Tensor e32 = empty({n}), e16 = empty({n});
+    ops().row_sum_exp(stream(), logits.f, r32, vocab, e32);
+    ops().row_sum_exp(stream(), logits.h, r32, vocab, e16);
+    expect_same_f32("row_sum_exp", e32, e16);
+    ops().label_logit(stream(), logits.f, labels, r32);
+    ops().label_logit(stream(), logits.h, labels, r16);
+    expect_same_f32("label_logit", r32, r16);
+    Tensor dloss = random_f32({n}, 51, 0.5f, 1.0f);
+    ops().cross_entropy_backward(stream(), logits.f, labels, lse32, dloss, vocab);
+    ops().cross_entropy_backward(stream(), logits.h, labels, lse32, dloss, vocab);
+    expect_rounded("cross_entropy_backward", logits);
+}
+
 // Argument errors: thrown on the calling thread, before anything is enqueued.
 
 namespace {

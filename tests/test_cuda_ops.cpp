@@ -17,6 +17,7 @@
 //                       host compiler may fuse), its padding exactly 0
 //   2e-5 x max(1, |ref|)    attention out and lse, 5e-5 its dqkv (f32 dot products and sums in tiles of 32 keys
 //                       and warp trees); a second backward is bitwise the first (no atomics)
+// The same ops on bf16 activations: bitwise where the f32 kernels are, else their tolerance plus one bf16 rounding.
 // Out-of-range tokens and labels give the CPU's error text at the next synchronize.
 // It also checks the CUDA device's allocators (pools, statistics, stream-ordered frees), stream and event
 // ordering across two streams, host work via submit, and Loom graph capture into CUDA graphs (replays bitwise
@@ -964,6 +965,139 @@ TEST(CudaOps, AttentionArgumentErrorsAreTheCpus) {
         gops().attention_forward(gs(), t(gpu(), {2, 3 * 264}), t(gpu(), {2, 264}), t(gpu(), {2}), wide, 0.1f);
     });
     EXPECT_NE(text.find("head dimension 264 on CUDA"), std::string::npos) << text;
+}
+
+// ---------------------------------------------------------------------------------------------- bf16 activations
+// The ops on bf16 activations (--bf16): each reads f32, computes as its f32 kernel and rounds each stored result
+// once. Where the f32 kernels give the CPU's bits, so do these; elsewhere the f32 tolerance above plus one bf16
+// rounding (2^-8 relative) of a value the two sides computed a few ulp apart.
+
+namespace {
+
+// Runs `op` on CPU copies of `tensors` and on GPU copies, and returns both sets, read back.
+std::pair<std::vector<Tensor>, std::vector<Tensor>> on_both(
+    const std::vector<Tensor> & tensors, const std::function<void(Ops &, Stream &, std::vector<Tensor> &)> & op) {
+    std::vector<Tensor> c, g;
+    for (const Tensor & t : tensors) {
+        c.push_back(clone_cpu(t));
+        g.push_back(to_gpu(t));
+    }
+    op(cops(), cs(), c);
+    op(gops(), gs(), g);
+    cs().synchronize();
+    gs().synchronize();
+    for (Tensor & t : g) t = to_cpu(t);
+    return {c, g};
+}
+
+}  // namespace
+
+TEST(CudaOps, Bf16ActivationsMatchTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    constexpr double kBf16 = 0x1p-8;
+    const int64_t    n = 24, h = 64;
+    auto bf = [](const Shape & shape, uint64_t seed, float scale = 1.0f) { return random_cpu(shape, seed, scale, DType::bf16); };
+    auto f32 = [](const Shape & shape, uint64_t seed, float scale = 1.0f) { return random_cpu(shape, seed, scale); };
+    // GEMM into bf16, with and without the bias epilogue.
+    {
+        auto [c, g] = on_both({bf({n, h}, 1), bf({48, h}, 2), cpu_tensor({n, 48}, DType::bf16), f32({48}, 3)},
+                              [](Ops & o, Stream & s, std::vector<Tensor> & t) { o.gemm(s, t[0], false, t[1], true, t[2]); });
+        expect_close(c[2], g[2], 1e-3 + kBf16, "gemm into bf16");
+        auto [cb, gb] = on_both({bf({n, h}, 1), bf({48, h}, 2), cpu_tensor({n, 48}, DType::bf16), f32({48}, 3)},
+                                [](Ops & o, Stream & s, std::vector<Tensor> & t) { o.gemm_bias(s, t[0], false, t[1], true, t[2], t[3]); });
+        expect_close(cb[2], gb[2], 1e-3 + kBf16, "gemm_bias into bf16");
+    }
+    // Norms: residual add (bitwise), y and dx (tolerance), dgamma and dbeta.
+    {
+        auto [c, g] = on_both({bf({n, h}, 4), bf({n, h}, 5), f32({h}, 6), f32({h}, 7), cpu_tensor({n, h}, DType::bf16),
+                               cpu_tensor({n}), cpu_tensor({n})},
+                              [](Ops & o, Stream & s, std::vector<Tensor> & t) {
+                                  o.layernorm_forward(s, t[0], t[1], t[2], t[3], t[4], t[5], t[6], 1e-5f);
+                              });
+        expect_bitwise(c[0], g[0], "layernorm x += residual in bf16");
+        expect_close(c[4], g[4], 1e-5 + kBf16, "layernorm y in bf16");
+        auto [cb, gb] = on_both({bf({n, h}, 8), c[0], f32({h}, 6), c[5], c[6], cpu_tensor({n, h}, DType::bf16),
+                                 cpu_tensor({h}), cpu_tensor({h})},
+                                [](Ops & o, Stream & s, std::vector<Tensor> & t) {
+                                    o.fill_zero(s, t[6]);
+                                    o.fill_zero(s, t[7]);
+                                    o.layernorm_backward(s, t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7]);
+                                });
+        expect_close(cb[5], gb[5], 1e-5 + kBf16, "layernorm dx in bf16");
+        expect_close(cb[6], gb[6], 1e-5, "layernorm dgamma from bf16");
+        expect_bitwise(cb[7], gb[7], "layernorm dbeta from bf16");
+    }
+    // Elementwise: bias_add, add_inplace, dropout and bias_backward bitwise; GELU, SwiGLU, rope within tolerance.
+    {
+        Dropout key;
+        key.p     = 0.2f;
+        key.seed  = 5;
+        key.batch = 2;
+        auto [c, g] = on_both({bf({n, h}, 9), bf({n, h}, 10), f32({h}, 11), cpu_tensor({n, h}, DType::bf16), cpu_tensor({h})},
+                              [&](Ops & o, Stream & s, std::vector<Tensor> & t) {
+                                  o.bias_add(s, t[0], t[2]);
+                                  o.add_inplace(s, t[0], t[1]);
+                                  o.dropout(s, t[0], t[3], key);
+                                  o.fill_zero(s, t[4]);
+                                  o.bias_backward(s, t[3], t[4]);
+                              });
+        expect_bitwise(c[0], g[0], "bias_add, add_inplace in bf16");
+        expect_bitwise(c[3], g[3], "dropout in bf16");
+        expect_bitwise(c[4], g[4], "bias_backward from bf16");
+        auto [ca, ga] = on_both({bf({n, h}, 12, 3.0f), f32({h}, 13), cpu_tensor({n, h}, DType::bf16), bf({n, h}, 14),
+                                 cpu_tensor({n, h}, DType::bf16), cpu_tensor({n, h / 2}, DType::bf16), bf({n, h / 2}, 15)},
+                                [](Ops & o, Stream & s, std::vector<Tensor> & t) {
+                                    o.swiglu_forward(s, t[0], t[5]);
+                                    o.swiglu_backward(s, t[0], t[6], t[4]);
+                                    o.bias_gelu_forward(s, t[0], t[1], t[2], Tensor());
+                                    o.rope(s, t[3], 12, 2, 4, 16, 10000.0f, false);
+                                });
+        expect_close(ca[5], ga[5], 1e-5 + kBf16, "swiglu_forward in bf16");
+        expect_close(ca[4], ga[4], 1e-5 + kBf16, "swiglu_backward in bf16");
+        expect_bitwise(ca[0], ga[0], "bias_gelu_forward's biased x in bf16");
+        expect_close(ca[2], ga[2], 1e-5 + kBf16, "bias_gelu_forward y in bf16");
+        expect_close(ca[3], ga[3], 1e-5 + kBf16, "rope in bf16");
+    }
+    // Embedding forward (bitwise) and backward (bitwise), cross-entropy.
+    {
+        Tensor tokens = cpu_tensor({2, 12}, DType::i32);
+        for (int64_t i = 0; i < tokens.numel(); ++i) tokens.data<int32_t>()[i] = static_cast<int32_t>((i * 7) % 40);
+        auto [c, g] = on_both({tokens, bf({40, h}, 16), bf({12, h}, 17), cpu_tensor({n, h}, DType::bf16), bf({n, h}, 18),
+                               cpu_tensor({40, h}), cpu_tensor({12, h})},
+                              [](Ops & o, Stream & s, std::vector<Tensor> & t) {
+                                  o.embedding_forward(s, t[0], t[1], t[2], t[3]);
+                                  o.fill_zero(s, t[5]);
+                                  o.fill_zero(s, t[6]);
+                                  o.embedding_backward(s, t[0], t[4], t[5], t[6]);
+                              });
+        expect_bitwise(c[3], g[3], "embedding_forward into bf16");
+        expect_bitwise(c[5], g[5], "embedding_backward dwte from bf16");
+        expect_bitwise(c[6], g[6], "embedding_backward dwpe from bf16");
+        Tensor labels = cpu_tensor({2, 12}, DType::i32);
+        for (int64_t i = 0; i < labels.numel(); ++i) labels.data<int32_t>()[i] = static_cast<int32_t>((i * 5) % 37);
+        auto [cl, gl] = on_both({bf({n, 40}, 19, 4.0f), labels, cpu_tensor({n}), cpu_tensor({n}), f32({n}, 20)},
+                                [](Ops & o, Stream & s, std::vector<Tensor> & t) {
+                                    o.cross_entropy_forward(s, t[0], t[1], t[2], t[3], 37);
+                                    o.cross_entropy_backward(s, t[0], t[1], t[3], t[4], 37);
+                                });
+        expect_close(cl[2], gl[2], 1e-5, "cross_entropy_forward loss from bf16");
+        expect_close(cl[0], gl[0], 1e-5 + kBf16, "cross_entropy_backward in bf16", 0.01);
+    }
+    // Attention, GQA, forward and backward.
+    {
+        const AttentionShape a{40, 2, 4, 2, 16, (4 + 2 * 2) * 16};
+        const int64_t        rows = a.s * a.b;
+        auto [c, g] = on_both({bf({rows, a.row_stride}, 21), cpu_tensor({rows, a.nq * a.d}, DType::bf16),
+                               cpu_tensor({a.b * a.nq, a.s}), bf({rows, a.nq * a.d}, 22),
+                               cpu_tensor({rows, a.row_stride}, DType::bf16)},
+                              [&](Ops & o, Stream & s, std::vector<Tensor> & t) {
+                                  o.attention_forward(s, t[0], t[1], t[2], a, 0.25f);
+                                  o.attention_backward(s, t[0], t[1], t[3], t[2], t[4], a, 0.25f);
+                              });
+        expect_close(c[1], g[1], 2e-5 + kBf16, "attention out in bf16");
+        expect_close(c[2], g[2], 2e-5, "attention lse from bf16");
+        expect_close(c[4], g[4], 5e-5 + kBf16, "attention dqkv in bf16");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------- Mixture of Experts
