@@ -7,7 +7,9 @@
 // freed in stream order whatever the caller drops.
 //
 // Conventions (as the CPU kernels, backend/cpu/ops.h): activations are (n, width) row-major with rows in
-// Megatron's (s, b) order, n = s * b; "forward" ops assign their outputs; "backward" ops assign the input
+// Megatron's (s, b) order, n = s * b, and f32 or bf16 (--bf16), one dtype for all of a call's activations:
+// the kernels read them as f32, compute in f32 and round each stored result once; statistics, losses and
+// parameter gradients are f32 whatever the activations are (op_checks::activations). "forward" ops assign their outputs; "backward" ops assign the input
 // gradient and ADD into parameter gradients (main_grad), so micro-batches accumulate. An optional tensor
 // argument is passed as an undefined Tensor().
 //
@@ -137,13 +139,14 @@ public:
     // ---- GEMM
     // c (m, n) = op(a) op(b), or += with accumulate. op(a) is (m, k): a stored (m, k), or (k, m) with
     // trans_a; op(b) is (k, n): b stored (k, n), or (n, k) with trans_b. a and b are f32 or bf16 (the same),
-    // c is f32 and the products accumulate in f32.
+    // c is f32, or bf16 without accumulate (the f32 accumulator rounded once); the products accumulate in f32.
     virtual void gemm(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c,
                       bool accumulate = false) = 0;
     // c (m, n) = op(a) op(b) + bias, bias (n) f32 added to every row: a linear layer's forward with its bias
     // in the GEMM's epilogue where the backend has one. Its contract is gemm followed by bias_add (the CPU
     // runs exactly those two steps, so the bits are theirs); a backend may instead add the bias to the f32
-    // accumulator before the store (cuBLASLt's bias epilogue). No accumulate: a bias is added once.
+    // accumulator before the store (cuBLASLt's bias epilogue). Into a bf16 c, the bias always joins the f32
+    // accumulator before the one rounding. No accumulate: a bias is added once.
     virtual void gemm_bias(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b,
                            const Tensor & c, const Tensor & bias) = 0;
 
@@ -161,7 +164,7 @@ public:
     virtual void rmsnorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma,
                                   const Tensor & rstd, const Tensor & dx, const Tensor & dgamma) = 0;
 
-    // ---- Elementwise (f32)
+    // ---- Elementwise (activations f32 or bf16; biases f32)
     virtual void bias_add(Stream & s, const Tensor & y, const Tensor & bias) = 0;          // y[r, :] += bias
     virtual void bias_backward(Stream & s, const Tensor & dy, const Tensor & dbias) = 0;   // dbias += sum_r dy
     virtual void add_inplace(Stream & s, const Tensor & y, const Tensor & x) = 0;          // y += x
@@ -187,7 +190,7 @@ public:
     virtual void dropout(Stream & s, const Tensor & x, const Tensor & y, const Dropout & key) = 0;
 
     // ---- Embedding. tokens (b, s) i32 (-1: another tensor-parallel rank's row: embeds to zero, adds no
-    // gradient); wte (V, h) and wpe (P, h, optional) f32 or bf16; out (s * b, h) f32. Position si of the
+    // gradient); wte (V, h) and wpe (P, h, optional) f32 or bf16; out (s * b, h) f32 or bf16. Position si of the
     // tokens reads wpe row positions(si).
     virtual void embedding_forward(Stream & s, const Tensor & tokens, const Tensor & wte, const Tensor & wpe,
                                    const Tensor & out, const SeqPositions & positions = {}) = 0;
@@ -197,8 +200,8 @@ public:
     // out[i] = ids[i] - begin where begin <= ids[i] < begin + count, else -1 (a vocabulary shard's rows).
     virtual void vocab_shard_ids(Stream & s, const Tensor & ids, int64_t begin, int64_t count, const Tensor & out) = 0;
 
-    // ---- Attention (f32), tiled: no s x s matrix. Queries from q's rows, keys and values from kv's
-    // (AttentionShape); out (s b, nq d) and lse (b, nq, s) assigned. A query that sees no key of the call
+    // ---- Attention (q, kv, out and their gradients f32 or bf16; lse f32; attention_merge f32), tiled: no s x s
+    // matrix. Queries from q's rows, keys and values from kv's (AttentionShape); out (s b, nq d) and lse (b, nq, s) assigned. A query that sees no key of the call
     // gets out 0 and lse -inf (attention_merge then takes the other blocks'). With `dropout` enabled the
     // probabilities are dropped out (after the softmax, before the values) with its mask, drawn by global
     // query and key positions; backward redraws the same mask.
@@ -230,8 +233,9 @@ public:
         attention_backward(s, qkv, qkv, out, dout, lse, dqkv, dqkv, shape, scale, dropout, false);
     }
 
-    // ---- Cross-entropy over logits (n, stride) whose first `vocab` columns are real tokens; labels (b, s)
-    // i32 read in (s, b) row order (-1: the label is on another rank's shard). Forward: loss[r], lse[r].
+    // ---- Cross-entropy over logits (n, stride), f32 or bf16, whose first `vocab` columns are real tokens;
+    // labels (b, s) i32 read in (s, b) row order (-1: the label is on another rank's shard). Forward: loss[r],
+    // lse[r] (f32).
     // Backward in place: logits become (softmax - onehot) * dloss[r], exactly 0 on the padding.
     virtual void cross_entropy_forward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & loss,
                                        const Tensor & lse, int64_t vocab) = 0;
