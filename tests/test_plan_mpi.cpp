@@ -1,9 +1,10 @@
-// `loom plan`'s memory against the real run, under mpirun with 1, 2 and 4 ranks: for a grid of 42 layouts
+// `loom plan`'s memory against the real run, under mpirun with 1, 2 and 4 ranks: for a grid of 50 layouts
 // (DP with and without the distributed optimizer and its instances, bf16 and f16 gradient buffers, recompute
 // full and selective, TP with and without sequence parallelism, PP with virtual stages, CP, EP with the MoE
 // model (dropless, and padded to capacity, whose iteration is compared too), per-layer graphs (the pools
 // captured after a warm-up iteration, then replayed), Megatron-FSDP's three sharding strategies, and their
-// combinations at 4 ranks), every rank sets up
+// combinations at 4 ranks; bf16 activations through Llama's layers, a shared expert, PP with virtual stages,
+// TP, EP's all-to-all and CP's), every rank sets up
 // on the CPU as `loom train` does and compares the bytes its allocator holds per pool, "weights", "grads" and
 // "optimizer", with plan::plan_rank_memory's for the same rank, built on the meta device. Equal, to the
 // byte: the plan allocates by the same code. Not in the grid: an offloaded optimizer, whose host state a GPU
@@ -141,7 +142,14 @@ TEST(Plan, OneRankHoldsWhatItsPlanSays) {
                                "--num-experts 4 --disable-bias-linear --moe-router-topk 2",
                                "--num-experts 4 --disable-bias-linear --moe-router-topk 2 --moe-expert-capacity-factor 1.0 "
                                "--moe-pad-expert-input-to-capacity",
-                               "--cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 1"}) {
+                               "--cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 1",
+                               // bf16 activations through the Llama-style layers, selective recompute and a
+                               // MoE layer with a shared expert (its f32 island)
+                               "--bf16 --swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope "
+                               "--group-query-attention --num-query-groups 2",
+                               "--bf16 --recompute-granularity selective --squared-relu",
+                               "--bf16 --num-experts 4 --disable-bias-linear --moe-router-topk 2 "
+                               "--moe-shared-expert-intermediate-size 64"}) {
         expect_plan_is_the_run(flags);
     }
 }
@@ -163,7 +171,11 @@ TEST(Plan, TwoRanksHoldWhatTheirPlansSay) {
                                "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --no-gradient-accumulation-fusion",
                                "--use-megatron-fsdp --data-parallel-sharding-strategy optim --no-gradient-accumulation-fusion --bf16",
                                "--fp16 --loss-scale 1024 --use-distributed-optimizer",
-                               "--num-experts 4 --disable-bias-linear --use-distributed-optimizer"}) {
+                               "--num-experts 4 --disable-bias-linear --use-distributed-optimizer",
+                               "--bf16 --pipeline-model-parallel-size 2",
+                               "--bf16 --tensor-model-parallel-size 2",
+                               "--bf16 --num-experts 4 --expert-model-parallel-size 2 --disable-bias-linear "
+                               "--moe-token-dispatcher-type alltoall"}) {
         expect_plan_is_the_run(flags);
     }
 }
@@ -180,7 +192,10 @@ TEST(Plan, FourRanksHoldWhatTheirPlansSay) {
                                "--pipeline-model-parallel-size 2 --context-parallel-size 2 --bf16",
                                "--num-experts 4 --expert-model-parallel-size 4 --disable-bias-linear",
                                "--tensor-model-parallel-size 4 --sequence-parallel --bf16 --grad-reduce-in-bf16",
-                               "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --no-gradient-accumulation-fusion --tensor-model-parallel-size 2"}) {
+                               "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --no-gradient-accumulation-fusion --tensor-model-parallel-size 2",
+                               "--bf16 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 4 "
+                               "--tensor-model-parallel-size 2 --sequence-parallel",
+                               "--bf16 --context-parallel-size 4 --cp-comm-type a2a"}) {
         expect_plan_is_the_run(flags);
     }
 }
