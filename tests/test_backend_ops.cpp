@@ -1913,6 +1913,28 @@ TEST(OpsBf16Activations, NormsForwardBackwardWithAndWithoutResidual) {
         }
         expect_rounded(name + " dx", dx);
         expect_same_f32(name + " dgamma", dg32, dg16);
+
+        // A residual path's gradient added in the same pass: in f32 the backward and then add_inplace within
+        // one rounding of the terms (the compiler may fuse dx's last product with the addition); in bf16 the
+        // f32 sum rounded once.
+        Bf16Pair dres = bf16_pair({n, h}, 17), fused = outputs({n, h});
+        Tensor   two_steps = clone(dx.f), dg = empty({h}), db = empty({h});
+        ops().add_inplace(stream(), two_steps, dres.f);
+        if (rms) {
+            ops().rmsnorm_backward(stream(), dy.f, x.f, gamma, rstd32, fused.f, dg, dres.f);
+            ops().rmsnorm_backward(stream(), dy.h, x.h, gamma, rstd32, fused.h, dg, dres.h);
+        } else {
+            ops().layernorm_backward(stream(), dy.f, x.f, gamma, mean32, rstd32, fused.f, dg, db, dres.f);
+            ops().layernorm_backward(stream(), dy.h, x.h, gamma, mean32, rstd32, fused.h, dg, db, dres.h);
+        }
+        synchronize();
+        int64_t far = 0;
+        for (int64_t i = 0; i < n * h; ++i) {
+            const double a = dx.f.data<float>()[i], r = dres.f.data<float>()[i];
+            far += std::fabs(fused.f.data<float>()[i] - two_steps.data<float>()[i]) > 0x1p-22 * (std::fabs(a) + std::fabs(r));
+        }
+        EXPECT_EQ(far, 0) << name << " dx + dresidual in f32";
+        expect_rounded(name + " dx + dresidual in bf16", fused);
     }
 }
 

@@ -1017,13 +1017,13 @@ TEST(CudaOps, Bf16ActivationsMatchTheCpu) {
         expect_bitwise(c[0], g[0], "layernorm x += residual in bf16");
         expect_close(c[4], g[4], 1e-5 + kBf16, "layernorm y in bf16");
         auto [cb, gb] = on_both({bf({n, h}, 8), c[0], f32({h}, 6), c[5], c[6], cpu_tensor({n, h}, DType::bf16),
-                                 cpu_tensor({h}), cpu_tensor({h})},
+                                 cpu_tensor({h}), cpu_tensor({h}), bf({n, h}, 23)},
                                 [](Ops & o, Stream & s, std::vector<Tensor> & t) {
                                     o.fill_zero(s, t[6]);
                                     o.fill_zero(s, t[7]);
-                                    o.layernorm_backward(s, t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7]);
+                                    o.layernorm_backward(s, t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8]);
                                 });
-        expect_close(cb[5], gb[5], 1e-5 + kBf16, "layernorm dx in bf16");
+        expect_close(cb[5], gb[5], 1e-5 + kBf16, "layernorm dx + dresidual in bf16");
         expect_close(cb[6], gb[6], 1e-5, "layernorm dgamma from bf16");
         expect_bitwise(cb[7], gb[7], "layernorm dbeta from bf16");
     }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "core/error.h"
+#include "core/float_bits.h"
 #include "core/ops.h"
 #include "core/tensor.h"
 
@@ -27,6 +28,19 @@ inline DType activations(const Tensor & t, const char * op, const char * what) {
                op << ": " << what << " is " << t.describe() << ", expected float32 or bfloat16", "");
     return t.dtype();
 }
+
+// Calls fn with a null T * for the storage type of activations of `dtype` as activations() checked it:
+// float, or Bf16 (core/float_bits.h), the kernels' template argument (both backends dispatch through this).
+template <class Fn>
+void with_activations(const Tensor & t, Fn && fn) {
+    if (t.dtype() == DType::bf16) {
+        fn(static_cast<Bf16 *>(nullptr));
+    } else {
+        fn(static_cast<float *>(nullptr));
+    }
+}
+template <class T> T * act(const Tensor & t) { return static_cast<T *>(t.data_ptr()); }
+template <class T> T * act_or_null(const Tensor & t) { return t.defined() ? static_cast<T *>(t.data_ptr()) : nullptr; }
 
 // Rows and width of a 2-D (or flattened (n, w)) activation.
 inline std::pair<int64_t, int64_t> rows_cols(const Tensor & t, const char * op) {
@@ -416,10 +430,12 @@ inline std::pair<int64_t, int64_t> rmsnorm_forward(const Tensor & x, const Tenso
 
 inline std::pair<int64_t, int64_t> layernorm_backward(const Tensor & dy, const Tensor & x, const Tensor & gamma,
                                                       const Tensor & mean, const Tensor & rstd, const Tensor & dx,
-                                                      const Tensor & dgamma, const Tensor & dbeta) {
+                                                      const Tensor & dgamma, const Tensor & dbeta,
+                                                      const Tensor & dresidual = Tensor()) {
     const auto [n, h] = rows_cols(dy, "layernorm_backward");
     const DType act = activations(x, "layernorm_backward", "x");
     for (const Tensor * t : {&dy, &x, &dx}) expect(*t, act, n * h, "layernorm_backward", "dy/x/dx");
+    if (dresidual.defined()) expect(dresidual, act, n * h, "layernorm_backward", "dresidual");
     for (const Tensor * t : {&gamma, &dgamma}) expect(*t, DType::f32, h, "layernorm_backward", "gamma/dgamma");
     if (dbeta.defined()) expect(dbeta, DType::f32, h, "layernorm_backward", "dbeta");   // optional, as beta
     for (const Tensor * t : {&mean, &rstd}) expect(*t, DType::f32, n, "layernorm_backward", "statistics");
@@ -427,10 +443,12 @@ inline std::pair<int64_t, int64_t> layernorm_backward(const Tensor & dy, const T
 }
 
 inline std::pair<int64_t, int64_t> rmsnorm_backward(const Tensor & dy, const Tensor & x, const Tensor & gamma,
-                                                    const Tensor & rstd, const Tensor & dx, const Tensor & dgamma) {
+                                                    const Tensor & rstd, const Tensor & dx, const Tensor & dgamma,
+                                                    const Tensor & dresidual = Tensor()) {
     const auto [n, h] = rows_cols(dy, "rmsnorm_backward");
     const DType act = activations(x, "rmsnorm_backward", "x");
     for (const Tensor * t : {&dy, &x, &dx}) expect(*t, act, n * h, "rmsnorm_backward", "dy/x/dx");
+    if (dresidual.defined()) expect(dresidual, act, n * h, "rmsnorm_backward", "dresidual");
     for (const Tensor * t : {&gamma, &dgamma}) expect(*t, DType::f32, h, "rmsnorm_backward", "gamma/dgamma");
     expect(rstd, DType::f32, n, "rmsnorm_backward", "rstd");
     return {n, h};

@@ -157,12 +157,14 @@ public:
                                    float eps) = 0;
     virtual void rmsnorm_forward(Stream & s, const Tensor & x, const Tensor & residual, const Tensor & gamma,
                                  const Tensor & y, const Tensor & rstd, float eps) = 0;
-    // dx assigned; dgamma, dbeta (main_grads) added to.
+    // dx assigned; dgamma, dbeta (main_grads) added to. With `dresidual` defined (n, h), dx also takes it: the
+    // gradient of a residual path around the norm, added in f32 before dx is stored (one pass, one rounding).
     virtual void layernorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma,
                                     const Tensor & mean, const Tensor & rstd, const Tensor & dx, const Tensor & dgamma,
-                                    const Tensor & dbeta) = 0;
+                                    const Tensor & dbeta, const Tensor & dresidual = Tensor()) = 0;
     virtual void rmsnorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma,
-                                  const Tensor & rstd, const Tensor & dx, const Tensor & dgamma) = 0;
+                                  const Tensor & rstd, const Tensor & dx, const Tensor & dgamma,
+                                  const Tensor & dresidual = Tensor()) = 0;
 
     // ---- Elementwise (activations f32 or bf16; biases f32)
     virtual void bias_add(Stream & s, const Tensor & y, const Tensor & bias) = 0;          // y[r, :] += bias

@@ -226,7 +226,7 @@ Tensor Norm::forward(Context & ctx, const Tensor & x, const Tensor * residual) {
     return y;
 }
 
-Tensor Norm::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
+Tensor Norm::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready, const Tensor & dresidual) {
     int64_t  n = dy.size(0), h = dy.size(1);
     Tensor   dx = activation(dy.device(), n, h, dy.dtype());
     Tensor   w  = scale();
@@ -234,9 +234,9 @@ Tensor Norm::backward(Context & ctx, const Tensor & dy, const GradReadyFn & read
     Stream & stream = dy.device().compute_stream();
     accumulate_grads(stream, {weight.main_grad, bias.main_grad}, [&](std::span<const Tensor> g) {
         if (kind == Normalization::layernorm) {
-            ops.layernorm_backward(stream, dy, ctx.x, w, ctx.mean, ctx.rstd, dx, g[0], g[1]);
+            ops.layernorm_backward(stream, dy, ctx.x, w, ctx.mean, ctx.rstd, dx, g[0], g[1], dresidual);
         } else {
-            ops.rmsnorm_backward(stream, dy, ctx.x, w, ctx.rstd, dx, g[0]);
+            ops.rmsnorm_backward(stream, dy, ctx.x, w, ctx.rstd, dx, g[0], dresidual);
         }
     });
     ctx = Context{};

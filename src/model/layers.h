@@ -171,7 +171,8 @@ public:
     // With a residual, x += residual first, in the same pass over each row (the fused residual + norm of
     // a pre-norm block); x then holds the sum, which the caller keeps as the residual stream.
     Tensor forward(Context & ctx, const Tensor & x, const Tensor * residual = nullptr);
-    Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
+    // With `dresidual`, dx also takes it in the same pass: the gradient of the residual path around the norm.
+    Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready, const Tensor & dresidual = Tensor());
     void   init();
     void   parameters(std::vector<Parameter *> & out);
     // --apply-layernorm-1p (Megatron's zero-centred gamma): the weight starts at 0 and the kernels scale by

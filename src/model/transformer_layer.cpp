@@ -126,8 +126,9 @@ Tensor TransformerLayer::backward(Context & ctx, const Tensor & dy, const GradRe
         (mlp->recompute ? ctx.mlp.input : ctx.mlp.fc1_ctx.x) =
             mlp->recompute ? in_dtype(y, config.params_dtype) : mlp->fc1.input_for_backward(y);
     }
-    Tensor dh1 = norm2.backward(ctx.norm2, mlp->backward(ctx.mlp, dropped(ctx.mlp_out, dy), ready), ready);
-    return attention_block_backward(ctx, dh1, dy, ready);
+    // d h1 = dy (the residual path) + norm2'(mlp'(...)), in norm2's backward pass.
+    Tensor dh1 = norm2.backward(ctx.norm2, mlp->backward(ctx.mlp, dropped(ctx.mlp_out, dy), ready), ready, dy);
+    return attention_block_backward(ctx, dh1, ready);
 }
 
 // A copy of g with the dropout `key`'s mask applied, or g itself without dropout (the residual path
@@ -139,17 +140,13 @@ Tensor TransformerLayer::dropped(const Dropout & key, const Tensor & g) const {
     return out;
 }
 
-// d h1 = dy + norm2'(...) (dh1 holds the norm2 part); dx = d h1 + norm1'(attn'(drop(d h1))).
-Tensor TransformerLayer::attention_block_backward(Context & ctx, const Tensor & dh1, const Tensor & dy, const GradReadyFn & ready) {
-    Ops &    ops    = dy.device().ops();
-    Stream & stream = dy.device().compute_stream();
-    ops.add_inplace(stream, dh1, dy);
+// dx = d h1 + norm1'(attn'(drop(d h1))), the residual path's d h1 added in norm1's backward pass.
+Tensor TransformerLayer::attention_block_backward(Context & ctx, const Tensor & dh1, const GradReadyFn & ready) {
     if (config.recompute_layernorm) {   // norm1's output again, as the QKV projection kept it
         Norm::Context again;
         ctx.attn.qkv_ctx.x = attention.qkv.input_for_backward(norm1.forward(again, ctx.norm1.x));
     }
-    Tensor dx = norm1.backward(ctx.norm1, attention.backward(ctx.attn, dropped(ctx.attn_out, dh1), ready), ready);
-    ops.add_inplace(stream, dx, dh1);
+    Tensor dx = norm1.backward(ctx.norm1, attention.backward(ctx.attn, dropped(ctx.attn_out, dh1), ready), ready, dh1);
     ctx.attn_out = ctx.mlp_out = Dropout{};
     return dx;
 }
@@ -167,8 +164,8 @@ Tensor TransformerLayer::backward_head(Context & ctx, const std::vector<Tensor> 
     Tensor dhidden = in_dtype(moe->backward_router_from(*ctx.moe, std::vector<Tensor>(grads.begin() + 1, grads.end()), ready),
                               grads[0].dtype());
     ctx.moe.reset();
-    Tensor dh1 = norm2.backward(ctx.norm2, dhidden, ready);
-    return attention_block_backward(ctx, dh1, grads[0], ready);
+    Tensor dh1 = norm2.backward(ctx.norm2, dhidden, ready, grads[0]);
+    return attention_block_backward(ctx, dh1, ready);
 }
 
 std::vector<std::vector<int64_t>> TransformerLayer::head_grad_shapes(int64_t rows) const {

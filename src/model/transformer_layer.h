@@ -65,8 +65,8 @@ public:
 private:
     // norm1, attention and its dropout: h1 (before the residual); sets ctx's hidden-dropout keys.
     Tensor attention_block(Context & ctx, const Tensor & x, int64_t s, int64_t b, const DropoutBatch & batch);
-    // dh1 += dy, then attention's and norm1's backward: dx.
-    Tensor attention_block_backward(Context & ctx, const Tensor & dh1, const Tensor & dy, const GradReadyFn & ready);
+    // attention's and norm1's backward from d h1, which norm1's pass also adds to dx (the residual path): dx.
+    Tensor attention_block_backward(Context & ctx, const Tensor & dh1, const GradReadyFn & ready);
     Tensor dropped(const Dropout & key, const Tensor & g) const;
 };
 

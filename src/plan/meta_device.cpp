@@ -169,11 +169,11 @@ public:
     void rmsnorm_forward(Stream & s, const Tensor & x, const Tensor & residual, const Tensor & gamma, const Tensor & y, const Tensor & rstd, float eps) override {
         memory(s, "rmsnorm_forward", bytes_of({&x, &residual, &gamma, &y, &rstd}) + (residual.defined() ? x.nbytes() : 0));
     }
-    void layernorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma, const Tensor & mean, const Tensor & rstd, const Tensor & dx, const Tensor & dgamma, const Tensor & dbeta) override {
-        memory(s, "layernorm_backward", bytes_of({&dy, &x, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta, &dgamma, &dbeta}));
+    void layernorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma, const Tensor & mean, const Tensor & rstd, const Tensor & dx, const Tensor & dgamma, const Tensor & dbeta, const Tensor & dresidual) override {
+        memory(s, "layernorm_backward", bytes_of({&dy, &x, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta, &dgamma, &dbeta, &dresidual}));
     }
-    void rmsnorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma, const Tensor & rstd, const Tensor & dx, const Tensor & dgamma) override {
-        memory(s, "rmsnorm_backward", bytes_of({&dy, &x, &gamma, &rstd, &dx, &dgamma, &dgamma}));
+    void rmsnorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma, const Tensor & rstd, const Tensor & dx, const Tensor & dgamma, const Tensor & dresidual) override {
+        memory(s, "rmsnorm_backward", bytes_of({&dy, &x, &gamma, &rstd, &dx, &dgamma, &dgamma, &dresidual}));
     }
     void bias_add(Stream & s, const Tensor & y, const Tensor & bias) override { memory(s, "bias_add", bytes_of({&y, &y, &bias})); }
     void bias_backward(Stream & s, const Tensor & dy, const Tensor & dbias) override { memory(s, "bias_backward", bytes_of({&dy, &dbias, &dbias})); }

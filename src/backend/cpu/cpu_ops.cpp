@@ -22,23 +22,13 @@ namespace {
 
 using op_checks::expect;
 using op_checks::rows_cols;
+using op_checks::act;
+using op_checks::act_or_null;
+using op_checks::with_activations;
 using op_checks::with_logits;
 
 float * f32(const Tensor & t) { return t.data<float>(); }
 float * f32_or_null(const Tensor & t) { return t.defined() ? t.data<float>() : nullptr; }
-
-// Calls fn with a null T * for the activations' storage type of t (op_checks has checked it is f32 or bf16):
-// float, or Bf16 (core/float_bits.h).
-template <class Fn>
-void with_activations(const Tensor & t, Fn && fn) {
-    if (t.dtype() == DType::bf16) {
-        fn(static_cast<Bf16 *>(nullptr));
-    } else {
-        fn(static_cast<float *>(nullptr));
-    }
-}
-
-template <class T> T * act(const Tensor & t) { return static_cast<T *>(t.data_ptr()); }
 
 // On the stream: every id is -1 or below `limit` (a token or label past the table would read or write
 // outside it). The error surfaces at the stream's next synchronize, naming the op.
@@ -121,25 +111,26 @@ public:
     }
 
     void layernorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma, const Tensor & mean,
-                            const Tensor & rstd, const Tensor & dx, const Tensor & dgamma,
-                            const Tensor & dbeta) override {
+                            const Tensor & rstd, const Tensor & dx, const Tensor & dgamma, const Tensor & dbeta,
+                            const Tensor & dresidual) override {
         int64_t n, h;
-        std::tie(n, h) = op_checks::layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta);
+        std::tie(n, h) = op_checks::layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, dresidual);
         s.submit([=] {
             with_activations(x, [&]<class T>(T *) {
                 cpu::layernorm_backward(act<T>(dy), act<T>(x), f32(gamma), f32(mean), f32(rstd), act<T>(dx), f32(dgamma),
-                                        f32_or_null(dbeta), n, h);
+                                        f32_or_null(dbeta), n, h, act_or_null<T>(dresidual));
             });
         });
     }
 
     void rmsnorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma, const Tensor & rstd,
-                          const Tensor & dx, const Tensor & dgamma) override {
+                          const Tensor & dx, const Tensor & dgamma, const Tensor & dresidual) override {
         int64_t n, h;
-        std::tie(n, h) = op_checks::rmsnorm_backward(dy, x, gamma, rstd, dx, dgamma);
+        std::tie(n, h) = op_checks::rmsnorm_backward(dy, x, gamma, rstd, dx, dgamma, dresidual);
         s.submit([=] {
             with_activations(x, [&]<class T>(T *) {
-                cpu::rmsnorm_backward(act<T>(dy), act<T>(x), f32(gamma), f32(rstd), act<T>(dx), f32(dgamma), n, h);
+                cpu::rmsnorm_backward(act<T>(dy), act<T>(x), f32(gamma), f32(rstd), act<T>(dx), f32(dgamma), n, h,
+                                      act_or_null<T>(dresidual));
             });
         });
     }

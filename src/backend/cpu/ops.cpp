@@ -116,7 +116,7 @@ void add_layernorm_forward(T * x, const T * residual, const float * gamma, const
 
 template <class T>
 void layernorm_backward(const T * dy, const T * x, const float * gamma, const float * mean, const float * rstd, T * dx,
-                        float * dgamma, float * dbeta, int64_t n, int64_t h) {
+                        float * dgamma, float * dbeta, int64_t n, int64_t h, const T * dres) {
     // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma, xhat = (x - mean) * rstd.
     parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
@@ -134,7 +134,8 @@ void layernorm_backward(const T * dy, const T * x, const float * gamma, const fl
             float mg = static_cast<float>(sum_g / h), mgx = static_cast<float>(sum_gx / h);
             for (int64_t j = 0; j < h; ++j) {
                 float xhat = (to_f32(xr[j]) - m) * rs;
-                dxr[j]     = from_f32<T>(rs * (to_f32(dyr[j]) * gamma[j] - mg - xhat * mgx));
+                float v    = rs * (to_f32(dyr[j]) * gamma[j] - mg - xhat * mgx);
+                dxr[j]     = from_f32<T>(dres ? v + to_f32(dres[r * h + j]) : v);
             }
         }
     });
@@ -161,7 +162,7 @@ void add_rmsnorm_forward(T * x, const T * residual, const float * gamma, T * y, 
 
 template <class T>
 void rmsnorm_backward(const T * dy, const T * x, const float * gamma, const float * rstd, T * dx, float * dgamma,
-                      int64_t n, int64_t h) {
+                      int64_t n, int64_t h, const T * dres) {
     // dx = rstd * (g - xhat * mean(g * xhat)), g = dy * gamma, xhat = x * rstd.
     parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
@@ -172,7 +173,8 @@ void rmsnorm_backward(const T * dy, const T * x, const float * gamma, const floa
             for (int64_t j = 0; j < h; ++j) sum_gx += static_cast<double>(to_f32(dyr[j]) * gamma[j]) * (to_f32(xr[j]) * rs);
             float mgx = static_cast<float>(sum_gx / h);
             for (int64_t j = 0; j < h; ++j) {
-                dx[r * h + j] = from_f32<T>(rs * (to_f32(dyr[j]) * gamma[j] - to_f32(xr[j]) * rs * mgx));
+                const float v = rs * (to_f32(dyr[j]) * gamma[j] - to_f32(xr[j]) * rs * mgx);
+                dx[r * h + j] = from_f32<T>(dres ? v + to_f32(dres[r * h + j]) : v);
             }
         }
     });
@@ -470,10 +472,11 @@ void row_sum_exp(const T * logits, const float * max, int64_t n, int64_t stride,
     template void add_layernorm_forward(T *, const T *, const float *, const float *, T *, float *, float *, int64_t,  \
                                         int64_t, float);                                                              \
     template void layernorm_backward(const T *, const T *, const float *, const float *, const float *, T *, float *, \
-                                     float *, int64_t, int64_t);                                                      \
+                                     float *, int64_t, int64_t, const T *);                                           \
     template void rmsnorm_forward(const T *, const float *, T *, float *, int64_t, int64_t, float);                  \
     template void add_rmsnorm_forward(T *, const T *, const float *, T *, float *, int64_t, int64_t, float);         \
-    template void rmsnorm_backward(const T *, const T *, const float *, const float *, T *, float *, int64_t, int64_t); \
+    template void rmsnorm_backward(const T *, const T *, const float *, const float *, T *, float *, int64_t, int64_t,  \
+                                   const T *);                                                                       \
     template void bias_add(T *, const float *, int64_t, int64_t);                                                     \
     template void bias_backward(const T *, float *, int64_t, int64_t);                                                \
     template void bias_gelu_forward(T *, const float *, T *, uint16_t *, int64_t, int64_t);                           \

@@ -26,9 +26,10 @@ namespace loom::cpu {
 template <class T>
 void layernorm_forward(const T * x, const float * gamma, const float * beta, T * y, float * mean, float * rstd,
                        int64_t n, int64_t h, float eps);
+// dx also takes dres (n, h) where given: dx = norm's dx + dres, one rounding (a residual path's gradient).
 template <class T>
 void layernorm_backward(const T * dy, const T * x, const float * gamma, const float * mean, const float * rstd, T * dx,
-                        float * dgamma, float * dbeta, int64_t n, int64_t h);
+                        float * dgamma, float * dbeta, int64_t n, int64_t h, const T * dres = nullptr);
 
 // Fused residual + LayerNorm, one pass per row: x += residual (rounded to T), then the LayerNorm of the sum
 // into y.
@@ -45,7 +46,7 @@ void add_rmsnorm_forward(T * x, const T * residual, const float * gamma, T * y, 
                          float eps);
 template <class T>
 void rmsnorm_backward(const T * dy, const T * x, const float * gamma, const float * rstd, T * dx, float * dgamma,
-                      int64_t n, int64_t h);
+                      int64_t n, int64_t h, const T * dres = nullptr);
 
 // y[r, :] += bias; dbias += sum over rows of dy.
 template <class T> void bias_add(T * y, const float * bias, int64_t n, int64_t h);

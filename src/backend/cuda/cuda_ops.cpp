@@ -25,24 +25,14 @@ namespace {
 
 using op_checks::expect;
 using op_checks::rows_cols;
+using op_checks::act;
+using op_checks::act_or_null;
+using op_checks::with_activations;
 using op_checks::with_logits;
 
 float *    f32(const Tensor & t) { return t.data<float>(); }
 float *    f32_or_null(const Tensor & t) { return t.defined() ? t.data<float>() : nullptr; }
 uint16_t * bits16(const Tensor & t) { return static_cast<uint16_t *>(t.data_ptr()); }
-
-// Calls fn with a null T * for the activations' storage type of t (op_checks has checked it is f32 or bf16):
-// float, or Bf16 (core/float_bits.h), the kernels' template argument.
-template <class Fn>
-void with_activations(const Tensor & t, Fn && fn) {
-    if (t.dtype() == DType::bf16) {
-        fn(static_cast<Bf16 *>(nullptr));
-    } else {
-        fn(static_cast<float *>(nullptr));
-    }
-}
-template <class T> T * act(const Tensor & t) { return static_cast<T *>(t.data_ptr()); }
-template <class T> T * act_or_null(const Tensor & t) { return t.defined() ? static_cast<T *>(t.data_ptr()) : nullptr; }
 
 // Every tensor an op touches lives on the stream's CUDA device: device or pinned host memory for a kernel;
 // a copy (`copy_only`: cudaMemcpy*Async, which stages pageable memory itself) may also take pageable host
@@ -253,33 +243,34 @@ public:
     }
 
     void layernorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma, const Tensor & mean,
-                            const Tensor & rstd, const Tensor & dx, const Tensor & dgamma,
-                            const Tensor & dbeta) override {
+                            const Tensor & rstd, const Tensor & dx, const Tensor & dgamma, const Tensor & dbeta,
+                            const Tensor & dresidual) override {
         int64_t n, h;
-        std::tie(n, h) = op_checks::layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta);
-        std::vector<Tensor> held{dy, x, gamma, mean, rstd, dx, dgamma, dbeta};
+        std::tie(n, h) = op_checks::layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, dresidual);
+        std::vector<Tensor> held{dy, x, gamma, mean, rstd, dx, dgamma, dbeta, dresidual};
         CudaStream &        cs      = start(s, "layernorm_backward", held);
         Tensor              partial = column_sum_scratch(cs, 2 * kernels::column_sum_scratch(n, h));
         cudaStream_t        stream  = cs.launch("layernorm_backward");
         with_activations(x, [&]<class T>(T *) {
             kernels::layernorm_backward(stream, act<T>(dy), act<T>(x), f32(gamma), f32(mean), f32(rstd), act<T>(dx),
-                                        f32(dgamma), f32_or_null(dbeta), f32_or_null(partial), n, h);
+                                        f32(dgamma), f32_or_null(dbeta), f32_or_null(partial), n, h,
+                                        act_or_null<T>(dresidual));
         });
         held.push_back(partial);
         cs.launched("layernorm_backward", std::move(held));
     }
 
     void rmsnorm_backward(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & gamma, const Tensor & rstd,
-                          const Tensor & dx, const Tensor & dgamma) override {
+                          const Tensor & dx, const Tensor & dgamma, const Tensor & dresidual) override {
         int64_t n, h;
-        std::tie(n, h) = op_checks::rmsnorm_backward(dy, x, gamma, rstd, dx, dgamma);
-        std::vector<Tensor> held{dy, x, gamma, rstd, dx, dgamma};
+        std::tie(n, h) = op_checks::rmsnorm_backward(dy, x, gamma, rstd, dx, dgamma, dresidual);
+        std::vector<Tensor> held{dy, x, gamma, rstd, dx, dgamma, dresidual};
         CudaStream &        cs      = start(s, "rmsnorm_backward", held);
         Tensor              partial = column_sum_scratch(cs, kernels::column_sum_scratch(n, h));
         cudaStream_t        stream  = cs.launch("rmsnorm_backward");
         with_activations(x, [&]<class T>(T *) {
             kernels::rmsnorm_backward(stream, act<T>(dy), act<T>(x), f32(gamma), f32(rstd), act<T>(dx), f32(dgamma),
-                                      f32_or_null(partial), n, h);
+                                      f32_or_null(partial), n, h, act_or_null<T>(dresidual));
         });
         held.push_back(partial);
         cs.launched("rmsnorm_backward", std::move(held));

@@ -248,7 +248,7 @@ __global__ void layernorm_forward_kernel(T * x, const T * residual, const float 
 // dx = rstd (g - xhat mean(g xhat)); g = dy gamma.
 template <class T>
 __global__ void norm_backward_dx_kernel(const T * dy, const T * x, const float * gamma, const float * mean,
-                                        const float * rstd, T * dx, int64_t h) {
+                                        const float * rstd, T * dx, const T * dres, int64_t h) {
     const int64_t r   = blockIdx.x;
     const T *     dyr = dy + r * h;
     const T *     xr  = x + r * h;
@@ -265,12 +265,14 @@ __global__ void norm_backward_dx_kernel(const T * dy, const T * x, const float *
     if (mean != nullptr) sum_g = block_sum(sum_g);
     const float mg = static_cast<float>(sum_g / h), mgx = static_cast<float>(sum_gx / h);
     for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
+        float v;
         if (mean != nullptr) {
-            float xhat       = (to_f32(xr[j]) - m) * rs;
-            dx[r * h + j]    = from_f32<T>(rs * (to_f32(dyr[j]) * gamma[j] - mg - xhat * mgx));
+            float xhat = (to_f32(xr[j]) - m) * rs;
+            v          = rs * (to_f32(dyr[j]) * gamma[j] - mg - xhat * mgx);
         } else {
-            dx[r * h + j]    = from_f32<T>(rs * (to_f32(dyr[j]) * gamma[j] - to_f32(xr[j]) * rs * mgx));
+            v = rs * (to_f32(dyr[j]) * gamma[j] - to_f32(xr[j]) * rs * mgx);
         }
+        dx[r * h + j] = from_f32<T>(dres != nullptr ? __fadd_rn(v, to_f32(dres[r * h + j])) : v);
     }
 }
 
@@ -679,19 +681,20 @@ void norm_backward_params(cudaStream_t stream, const T * dy, const T * x, const 
 
 template <class T>
 void layernorm_backward(cudaStream_t stream, const T * dy, const T * x, const float * gamma, const float * mean,
-                        const float * rstd, T * dx, float * dgamma, float * dbeta, float * partial, int64_t n, int64_t h) {
+                        const float * rstd, T * dx, float * dgamma, float * dbeta, float * partial, int64_t n, int64_t h,
+                        const T * dres) {
     if (n == 0 || h == 0) return;
     LOOM_LAUNCH(norm_backward_dx_kernel<T>, static_cast<unsigned>(n), row_threads(h), 0, stream)(
-        dy, x, gamma, mean, rstd, dx, h);
+        dy, x, gamma, mean, rstd, dx, dres, h);
     norm_backward_params(stream, dy, x, mean, rstd, dgamma, dbeta, partial, n, h);
 }
 
 template <class T>
 void rmsnorm_backward(cudaStream_t stream, const T * dy, const T * x, const float * gamma, const float * rstd, T * dx,
-                      float * dgamma, float * partial, int64_t n, int64_t h) {
+                      float * dgamma, float * partial, int64_t n, int64_t h, const T * dres) {
     if (n == 0 || h == 0) return;
     LOOM_LAUNCH(norm_backward_dx_kernel<T>, static_cast<unsigned>(n), row_threads(h), 0, stream)(
-        dy, x, gamma, nullptr, rstd, dx, h);
+        dy, x, gamma, nullptr, rstd, dx, dres, h);
     norm_backward_params(stream, dy, x, nullptr, rstd, dgamma, nullptr, partial, n, h);
 }
 
@@ -844,9 +847,9 @@ void loss_grad(cudaStream_t stream, const float * mask, double scale, float * dl
                                     int64_t, int64_t, float);                                                        \
     template void rmsnorm_forward(cudaStream_t, T *, const T *, const float *, T *, float *, int64_t, int64_t, float); \
     template void layernorm_backward(cudaStream_t, const T *, const T *, const float *, const float *, const float *, \
-                                     T *, float *, float *, float *, int64_t, int64_t);                              \
+                                     T *, float *, float *, float *, int64_t, int64_t, const T *);                   \
     template void rmsnorm_backward(cudaStream_t, const T *, const T *, const float *, const float *, T *, float *,    \
-                                   float *, int64_t, int64_t);                                                       \
+                                   float *, int64_t, int64_t, const T *);                                            \
     template void bias_gelu_forward(cudaStream_t, T *, const float *, T *, uint16_t *, int64_t, int64_t);            \
     template void gelu_backward(cudaStream_t, const T *, const T *, T *, int64_t);                                   \
     template void squared_relu_forward(cudaStream_t, const T *, T *, int64_t);                                       \

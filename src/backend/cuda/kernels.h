@@ -64,12 +64,14 @@ void rmsnorm_forward(cudaStream_t stream, T * x, const T * residual, const float
                      int64_t h, float eps);
 // dx assigned; dgamma (and dbeta, may be null) added to, over rows in core/column_sums.h's order; partial:
 // 2 column_sum_scratch(n, h) floats.
+// dres (optional): a residual path's gradient, added to dx before it is stored.
 template <class T>
 void layernorm_backward(cudaStream_t stream, const T * dy, const T * x, const float * gamma, const float * mean,
-                        const float * rstd, T * dx, float * dgamma, float * dbeta, float * partial, int64_t n, int64_t h);
+                        const float * rstd, T * dx, float * dgamma, float * dbeta, float * partial, int64_t n, int64_t h,
+                        const T * dres = nullptr);
 template <class T>
 void rmsnorm_backward(cudaStream_t stream, const T * dy, const T * x, const float * gamma, const float * rstd, T * dx,
-                      float * dgamma, float * partial, int64_t n, int64_t h);
+                      float * dgamma, float * partial, int64_t n, int64_t h, const T * dres = nullptr);
 
 // GELU (tanh approximation) fused with the bias; x_bf16 may be null (see core/ops.h).
 template <class T>
