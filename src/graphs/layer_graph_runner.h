@@ -109,9 +109,9 @@ private:
     GraphPlan                                plan_;
     int64_t                                  s_, b_, rows_, hidden_;
     DType                                    act_ = DType::f32;   // the activations' dtype (GptConfig)
-    std::vector<Tensor>                      set_inputs_;       // [P1 set] X (rows, h) f32
+    std::vector<Tensor>                      set_inputs_;       // [P1 set] X (rows, h) in act_
     std::vector<Tensor>                      set_sample_ids_;   // [P1 set] (b) i64
-    std::vector<Tensor>                      grad_outputs_;     // [P2 buffer] dY (rows, h) f32
+    std::vector<Tensor>                      grad_outputs_;     // [P2 buffer] dY (rows, h) in act_
     // Split layers' grad-output buffers, shared by all their BWD graphs (TransformerLayer::head_grad_shapes).
     std::vector<Tensor>                      head_grads_;
     Scope                                    scope_;

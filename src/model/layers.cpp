@@ -22,6 +22,10 @@ Tensor in_dtype(const Tensor & x, DType dtype) {
     return out;
 }
 
+Tensor f32_output_for(const Tensor & t) {
+    return t.dtype() == DType::f32 ? t : Tensor::empty(t.shape(), DType::f32, t.device(), {MemoryKind::device, kActivationsPool});
+}
+
 Tensor keep_for_backward(Tensor & x, DType dtype) {
     if (dtype == DType::f32 || x.dtype() == dtype) {
         return x;
@@ -390,7 +394,7 @@ Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_
     if (cp.enabled()) {
         // The forward reads q_k_v as computed; backward reads ctx.qkv, the same values (rounded first). The
         // blocks are merged in f32 (attention_merge): bf16 activations are widened around the exchanges.
-        const Tensor out32 = in_dtype(out, DType::f32);
+        const Tensor out32 = f32_output_for(out);
         cp_forward(ctx, in_dtype(q_k_v, DType::f32), out32, shape, scale, dropout);
         if (out32.data_ptr() != out.data_ptr()) ops.convert(stream, out32, out);
     } else {
@@ -410,7 +414,7 @@ Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReady
     Tensor d_qkv = activation(dy.device(), ctx.s * ctx.b, shape.row_stride, act);
     float  scale = 1.0f / std::sqrt(static_cast<float>(shape.d));
     if (cp.enabled()) {   // in f32, as the forward
-        const Tensor d_qkv32 = in_dtype(d_qkv, DType::f32);
+        const Tensor d_qkv32 = f32_output_for(d_qkv);
         cp_backward(ctx, in_dtype(q_k_v, DType::f32), in_dtype(out, DType::f32), in_dtype(d_out, DType::f32), d_qkv32,
                     shape, scale);
         if (d_qkv32.data_ptr() != d_qkv.data_ptr()) ops.convert(stream, d_qkv32, d_qkv);

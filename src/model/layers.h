@@ -39,6 +39,9 @@ void require_supported(Device & device, const OpQuery & query, const char * flag
 Tensor activation(Device & device, int64_t rows, int64_t cols, DType dtype = DType::f32);
 // x in `dtype`: x itself when it already has it, else a converted copy from the "activations" pool.
 Tensor in_dtype(const Tensor & x, DType dtype);
+// Where an f32 op writes what belongs in t: t itself when it is f32, else an f32 tensor of its shape from the
+// "activations" pool (the caller converts it into t).
+Tensor f32_output_for(const Tensor & t);
 // What backward keeps of an activation x in the parameters' `dtype`: x itself when it has that dtype (f32,
 // or bf16 activations); for an f32 x and bf16, x is rounded to bf16 in place and its bf16 twin returned;
 // for f16, a rounded copy.
