@@ -272,6 +272,91 @@ TEST(CudaOps, GemmBiasF32Bf16AndF16MatchesTheCpusGemmThenBiasAdd) {
     }
 }
 
+// gemm_bias_gelu and gemm_gelu_backward against their contract on the CPU: gemm, then bias_gelu_forward or
+// gelu_backward. Aligned operands with n a multiple of 8 take cuBLASLt's GELU_AUX(_BIAS) and DGELU epilogues
+// (on cuda-emu the test holds that they ran, by gemm_plan_stats' counts); n = 53 (the auxiliary matrix's
+// leading dimension is not a multiple of 8), operands one element into their storage, or k = 0 fall back to
+// the product and the activation's kernel. Per element, with G = sum_k |a_ik b_kj| (+ |bias_j|), the GEMM's
+// tol (1e-5 f32, 1e-3 bf16) and gelu' <= 1.13:
+//   pre  tol G, and for bf16 also 2^-8 (|pre| + G): the CPU rounds the product, then the sum with the bias;
+//        the epilogue rounds the sum once
+//   y    1.13 x pre's bound + 1e-5 max(1, |y|), and for bf16 also 2^-8 |y|: the epilogue's GELU reads the f32
+//        sum where the CPU reads the stored pre
+//   dx   1.13 tol G + 1e-5 max(1, |dx|); for bf16 also 2^-8 (|dx| + 1.13 G): the CPU rounds the product before
+//        gelu' multiplies it
+TEST(CudaOps, GeluEpiloguesMatchTheCpusGemmThenGelu) {
+    SKIP_WITHOUT_CUDA();
+    struct Case { int64_t m, n, k, offset; bool fused; };
+    uint64_t seed = 1700;
+    for (DType dtype : {DType::f32, DType::bf16}) {
+        const double tol = dtype == DType::f32 ? 1e-5 : 1e-3, r = dtype == DType::bf16 ? 1.0 / 256 : 0.0;
+        for (Case sz : {Case{64, 96, 48, 0, true}, Case{37, 53, 40, 0, false}, Case{64, 96, 48, 1, false},
+                        Case{6, 8, 0, 0, false}}) {
+            for (int variant = 0; variant < 4; ++variant) {
+                const bool        with_bias = variant & 1, trans = variant & 2;   // trans: a and b transposed
+                const int64_t     m = sz.m, n = sz.n, k = sz.k, o = sz.offset;
+                const std::string what = std::string(dtype_name(dtype)) + " m " + std::to_string(m) + " n " +
+                                         std::to_string(n) + " k " + std::to_string(k) + " offset " + std::to_string(o) +
+                                         (with_bias ? " bias" : "") + (trans ? " ta tb" : "");
+                Tensor a_store = random_cpu({m * k + o + 1}, ++seed, 1.0f, dtype);
+                Tensor a       = a_store.slice(o, trans ? Shape{k, m} : Shape{m, k});
+                Tensor b_store = random_cpu({n * k + 1}, ++seed, 1.0f, dtype);
+                Tensor b       = b_store.slice(0, trans ? Shape{n, k} : Shape{k, n});
+                Tensor bias_store = random_cpu({n + o}, ++seed);
+                Tensor bias       = with_bias ? bias_store.slice(o, Shape{n}) : Tensor();
+                Tensor pre_store  = random_cpu({m * n + o}, ++seed, 2.0f, dtype);   // backward's input
+                Tensor pre_in     = pre_store.slice(o, Shape{m, n});
+
+                // The CPU: the contract's two steps.
+                Tensor pre_c = cpu_tensor({m, n}, dtype), y_c = cpu_tensor({m, n}, dtype), dx_c = cpu_tensor({m, n}, dtype);
+                cops().gemm_bias_gelu(cs(), a, trans, b, trans, pre_c, y_c, bias);
+                cops().gemm_gelu_backward(cs(), a, trans, b, trans, pre_in, dx_c);
+                cs().synchronize();
+
+                // The device, its outputs `o` elements into their storage as the inputs.
+                const gpu_backend::GemmPlanStats before = gpu_backend::gemm_plan_stats();
+                Tensor a_g = to_gpu(a_store).slice(o, a.shape()), b_g = to_gpu(b_store).slice(0, b.shape());
+                Tensor bias_g = with_bias ? to_gpu(bias_store).slice(o, Shape{n}) : Tensor();
+                Tensor pre_g  = Tensor::empty({m * n + o}, dtype, gpu()).slice(o, Shape{m, n});
+                Tensor y_g    = Tensor::empty({m * n + o}, dtype, gpu()).slice(o, Shape{m, n});
+                Tensor dx_g   = Tensor::empty({m * n + o}, dtype, gpu()).slice(o, Shape{m, n});
+                gops().gemm_bias_gelu(gs(), a_g, trans, b_g, trans, pre_g, y_g, bias_g);
+                gops().gemm_gelu_backward(gs(), a_g, trans, b_g, trans, to_gpu(pre_store).slice(o, Shape{m, n}), dx_g);
+                gs().synchronize();
+                const gpu_backend::GemmPlanStats after = gpu_backend::gemm_plan_stats();
+#ifdef LOOM_CUDA_EMU
+                EXPECT_EQ(after.gelu_epilogues - before.gelu_epilogues, sz.fused ? 1 : 0) << what << ": GELU_AUX ran";
+                EXPECT_EQ(after.dgelu_epilogues - before.dgelu_epilogues, sz.fused ? 1 : 0) << what << ": DGELU ran";
+#else
+                (void)before, (void)after;   // cuBLASLt's kernels for the epilogues vary by GPU and version
+#endif
+                std::vector<double> av = values(a), bv = values(b), biasv = with_bias ? values(bias) : std::vector<double>(n, 0.0);
+                std::vector<double> pre_ref = values(pre_c), y_ref = values(y_c), dx_ref = values(dx_c);
+                std::vector<double> pre_got = values(to_cpu(pre_g)), y_got = values(to_cpu(y_g)), dx_got = values(to_cpu(dx_g));
+                for (int64_t i = 0; i < m; ++i) {
+                    for (int64_t j = 0; j < n; ++j) {
+                        double g = 0;
+                        for (int64_t p = 0; p < k; ++p) {
+                            g += std::fabs((trans ? av[p * m + i] : av[i * k + p]) * (trans ? bv[j * k + p] : bv[p * n + j]));
+                        }
+                        const size_t e   = static_cast<size_t>(i * n + j);
+                        const double gb  = g + std::fabs(biasv[j]);
+                        const std::string at = what + " at (" + std::to_string(i) + ", " + std::to_string(j) + ")";
+                        const double pre_bound = tol * gb + r * (std::fabs(pre_ref[e]) + g) + 1e-30;
+                        ASSERT_LE(std::fabs(pre_got[e] - pre_ref[e]), pre_bound) << "pre, " << at;
+                        ASSERT_LE(std::fabs(y_got[e] - y_ref[e]), 1.13 * pre_bound + 1e-5 * std::max(1.0, std::fabs(y_ref[e])) +
+                                                                     r * std::fabs(y_ref[e]))
+                            << "y, " << at;
+                        ASSERT_LE(std::fabs(dx_got[e] - dx_ref[e]), 1.13 * tol * g + 1e-5 * std::max(1.0, std::fabs(dx_ref[e])) +
+                                                                       r * (std::fabs(dx_ref[e]) + 1.13 * g))
+                            << "dx, " << at;
+                    }
+                }
+            }
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------- Norms
 
 TEST(CudaOps, LayerNormAndRmsNormForwardBackwardMatchTheCpu) {

@@ -79,6 +79,29 @@ inline GemmDims gemm_bias(const Tensor & a, bool trans_a, const Tensor & b, bool
     return dims;
 }
 
+// gemm_bias_gelu: pre and y (m, n) of one activations dtype, the bias (n) f32 when given.
+inline GemmDims gemm_bias_gelu(const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & pre,
+                               const Tensor & y, const Tensor & bias) {
+    LOOM_CHECK(a.dtype() != DType::f64, "gemm_bias_gelu of float64 operands", "float32, bfloat16 or float16 operands");
+    const GemmDims dims = gemm(a, trans_a, b, trans_b, pre);
+    LOOM_CHECK(pre.dim() == 2 && pre.size(0) == dims.m, "gemm_bias_gelu: pre is " << pre.describe() << ", expected ("
+                                                                                  << dims.m << ", " << dims.n << ")", "");
+    expect(y, pre.dtype(), dims.m * dims.n, "gemm_bias_gelu", "y");
+    if (bias.defined()) expect(bias, DType::f32, dims.n, "gemm_bias_gelu", "bias");
+    return dims;
+}
+
+// gemm_gelu_backward: pre and dx (m, n) of one activations dtype.
+inline GemmDims gemm_gelu_backward(const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & pre,
+                                   const Tensor & dx) {
+    LOOM_CHECK(a.dtype() != DType::f64, "gemm_gelu_backward of float64 operands", "float32, bfloat16 or float16 operands");
+    const GemmDims dims = gemm(a, trans_a, b, trans_b, dx);
+    LOOM_CHECK(dx.dim() == 2 && dx.size(0) == dims.m, "gemm_gelu_backward: dx is " << dx.describe() << ", expected ("
+                                                                                   << dims.m << ", " << dims.n << ")", "");
+    expect(pre, dx.dtype(), dims.m * dims.n, "gemm_gelu_backward", "pre");
+    return dims;
+}
+
 // A norm's forward operands over n rows of width h (the residual optional).
 inline void norm(const Tensor & x, const Tensor & residual, const Tensor & gamma, const Tensor & y, const Tensor & rstd,
                  int64_t n, int64_t h, const char * op) {

@@ -149,6 +149,24 @@ public:
     // accumulator before the one rounding. No accumulate: a bias is added once.
     virtual void gemm_bias(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b,
                            const Tensor & c, const Tensor & bias) = 0;
+    // An MLP's first linear with its bias and GELU: pre (m, n) = op(a) op(b) + bias (bias optional), kept for
+    // backward, and y = gelu(pre); pre and y in the activations' dtype. Its contract is gemm into pre followed
+    // by bias_gelu_forward(pre, bias, y) (what this default runs, so the CPU keeps those bits); a backend may
+    // run both in the GEMM's epilogue (cuBLASLt's GELU_AUX_BIAS), where gelu reads the f32 sum, not the stored
+    // pre, and uses the library's own tanh.
+    virtual void gemm_bias_gelu(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b,
+                                const Tensor & pre, const Tensor & y, const Tensor & bias) {
+        gemm(s, a, trans_a, b, trans_b, pre);
+        bias_gelu_forward(s, pre, bias, y, Tensor());
+    }
+    // The backward of gelu after a GEMM: dx (m, n) = (op(a) op(b)) * gelu'(pre), pre and dx in the activations'
+    // dtype. Its contract is gemm into dx followed by gelu_backward(pre, dx, dx) (this default); a backend may
+    // apply gelu' in the GEMM's epilogue (cuBLASLt's DGELU) to the f32 product, rounding once.
+    virtual void gemm_gelu_backward(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b,
+                                    const Tensor & pre, const Tensor & dx) {
+        gemm(s, a, trans_a, b, trans_b, dx);
+        gelu_backward(s, pre, dx, dx);
+    }
 
     // ---- Norms, per row of x (n, h); statistics (n) are f32 and saved for backward.
     // With `residual` defined, x += residual first in the same pass (x then holds the sum).

@@ -140,7 +140,20 @@ Tensor Linear::forward(Context & ctx, const Tensor & x_rows, bool add_bias, std:
     return y;
 }
 
-Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn & ready) {
+Tensor Linear::forward_gelu(Context & ctx, const Tensor & x_rows, DType out, Tensor & pre) {
+    LOOM_CHECK(!(split == Split::row && tp->size > 1), "Linear::forward_gelu of " << weight.name,
+               "a row-parallel linear sums its output first: forward, then bias_gelu_forward");
+    Tensor        x_in = input_for_backward(x_rows);
+    const int64_t n = x_in.size(0), o = weight.data.size(0);
+    pre      = activation(x_in.device(), n, o, out);
+    Tensor y = activation(x_in.device(), n, o, out);
+    x_in.device().ops().gemm_bias_gelu(x_in.device().compute_stream(), x_in, false, weight.data, true, pre, y,
+                                       has_bias ? parameter_f32(bias) : Tensor());
+    ctx.x = x_in;
+    return y;
+}
+
+Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn & ready, const Tensor & gelu_input) {
     Ops &    ops    = dy_rows.device().ops();
     Stream & stream = dy_rows.device().compute_stream();
     if (has_bias) {   // a sequence-parallel row linear's bias sees this rank's rows: a partial sum
@@ -152,7 +165,13 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
     DType   dtype = weight.data.dtype();
     Tensor  dy_in = in_dtype(dy, dtype);
     Tensor  dx    = activation(dy.device(), n, in, dy.dtype());
-    ops.gemm(stream, dy_in, false, weight.data, false, dx);
+    // GELU's gradient rides in the product's epilogue unless a sum over the TP group comes between them.
+    const bool summed = split == Split::column && tp->size > 1;
+    if (gelu_input.defined() && !summed) {
+        ops.gemm_gelu_backward(stream, dy_in, false, weight.data, false, gelu_input, dx);
+    } else {
+        ops.gemm(stream, dy_in, false, weight.data, false, dx);
+    }
     accumulate_grads(stream, {weight.main_grad}, [&](std::span<const Tensor> g) {
         ops.gemm(stream, dy_in, true, ctx.x, false, g[0], /*accumulate=*/true);
     });
@@ -163,6 +182,7 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
             tp->all_reduce(dx);
         }
     }
+    if (gelu_input.defined() && summed) ops.gelu_backward(stream, gelu_input, dx, dx);
     ctx.x = Tensor();
     if (ready) {
         ready(weight);
@@ -884,11 +904,16 @@ Tensor Mlp::forward_kept(Context & ctx, const Tensor & x, DType activations) {
         act         = activation(x.device(), pre.size(0), f, pre.dtype());
         ctx.pre_act = keep_for_backward(pre, config.params_dtype);
         ops.squared_relu_forward(stream, pre, act);
+    } else if (activations == config.params_dtype) {
+        // fc1's product, its bias and GELU in one GEMM epilogue where the backend has one; the biased
+        // pre-activation is kept for backward in the activations' dtype.
+        Tensor pre;
+        act         = fc1.forward_gelu(ctx.fc1_ctx, x, activations, pre);
+        ctx.pre_act = pre;
     } else {
-        // Bias and GELU in one pass over the (n, f) pre-activation, which keeps the biased value (stored in
-        // the activations' dtype, the value gelu reads and backward reads). The bias stays out of fc1's GEMM
-        // epilogue: that pass runs anyway, so moving it saves nothing, and cuBLASLt's GELU_AUX_BIAS epilogue
-        // has its own GELU formula.
+        // Another dtype for the activations than the weights' (a bf16 MoE layer's f32 insides, an f16 model):
+        // bias and GELU in one pass over the (n, f) pre-activation, which keeps the biased value (rounded to
+        // the weights' dtype for backward).
         Tensor pre  = fc1.forward(ctx.fc1_ctx, x, /*add_bias=*/false, activations);
         act         = activation(x.device(), pre.size(0), f, pre.dtype());
         Tensor bias = fc1.has_bias ? parameter_f32(fc1.bias) : Tensor();
@@ -931,17 +956,21 @@ Tensor Mlp::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready
         recompute_activation(config, in_dtype(ctx.pre_act, dy.dtype()), act);
         ctx.fc2_ctx.x = in_dtype(act, config.params_dtype);
     }
-    Tensor  d_act = fc2.backward(ctx.fc2_ctx, dy, ready);
-    int64_t n     = d_act.size(0);   // every position's rows, as fc1 produced them
-    Tensor  pre   = in_dtype(ctx.pre_act, dy.dtype());
-    Tensor  d_pre = activation(dy.device(), n, pre.size(1), dy.dtype());
-    Ops &   ops   = dy.device().ops();
-    if (config.swiglu) {
-        ops.swiglu_backward(dy.device().compute_stream(), pre, d_act, d_pre);
-    } else if (config.squared_relu) {
-        ops.squared_relu_backward(dy.device().compute_stream(), pre, d_act, d_pre);
+    Tensor d_pre;
+    if (config.swiglu || config.squared_relu) {
+        Tensor  d_act = fc2.backward(ctx.fc2_ctx, dy, ready);
+        int64_t n     = d_act.size(0);   // every position's rows, as fc1 produced them
+        Tensor  pre   = in_dtype(ctx.pre_act, dy.dtype());
+        d_pre         = activation(dy.device(), n, pre.size(1), dy.dtype());
+        Ops &   ops   = dy.device().ops();
+        if (config.swiglu) {
+            ops.swiglu_backward(dy.device().compute_stream(), pre, d_act, d_pre);
+        } else {
+            ops.squared_relu_backward(dy.device().compute_stream(), pre, d_act, d_pre);
+        }
     } else {
-        ops.gelu_backward(dy.device().compute_stream(), pre, d_act, d_pre);
+        // GELU's gradient in fc2's dx product.
+        d_pre = fc2.backward(ctx.fc2_ctx, dy, ready, in_dtype(ctx.pre_act, dy.dtype()));
     }
     ctx.pre_act = Tensor();
     return fc1.backward(ctx.fc1_ctx, d_pre, ready);

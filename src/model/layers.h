@@ -151,7 +151,14 @@ public:
     // (Megatron's skip_bias_add); backward still produces its gradient. The output is in `out` (the
     // activations' dtype), by default x's.
     Tensor forward(Context & ctx, const Tensor & x, bool add_bias = true, std::optional<DType> out = std::nullopt);
-    Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
+    // forward followed by the bias and GELU (Megatron's bias_gelu fusion), in one GEMM epilogue where the backend
+    // has one (Ops::gemm_bias_gelu): returns gelu(x W^T + b) in `out`, and sets `pre` to x W^T + b, which GELU's
+    // backward reads. Not for a split that sums its output over the TP group (the sum comes before the bias).
+    Tensor forward_gelu(Context & ctx, const Tensor & x, DType out, Tensor & pre);
+    // With `gelu_input` defined, the layer's input was gelu(gelu_input) and the result is the gradient with
+    // respect to gelu_input: dx * gelu'(gelu_input), in the GEMM's epilogue where no TP sum comes between them
+    // (Ops::gemm_gelu_backward).
+    Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready, const Tensor & gelu_input = Tensor());
     // What forward keeps of its input for the weight's gradient (Context::x): the rows (every rank's with a
     // sequence-parallel column split), in the weight's dtype. A recompute sets Context::x from it.
     Tensor input_for_backward(const Tensor & x_rows) const;

@@ -163,6 +163,13 @@ public:
     void gemm_bias(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & c, const Tensor & bias) override {
         matmul(s, "gemm", a, b, c, bytes_of({&a, &b, &c, &bias}));
     }
+    // The GPU's epilogues: one product that also stores pre (GELU_AUX_BIAS) or reads it (DGELU).
+    void gemm_bias_gelu(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & pre, const Tensor & y, const Tensor & bias) override {
+        matmul(s, "gemm", a, b, y, bytes_of({&a, &b, &pre, &y, &bias}));
+    }
+    void gemm_gelu_backward(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & pre, const Tensor & dx) override {
+        matmul(s, "gemm", a, b, dx, bytes_of({&a, &b, &pre, &dx}));
+    }
     void layernorm_forward(Stream & s, const Tensor & x, const Tensor & residual, const Tensor & gamma, const Tensor & beta, const Tensor & y, const Tensor & mean, const Tensor & rstd, float eps) override {
         memory(s, "layernorm_forward", bytes_of({&x, &residual, &gamma, &beta, &y, &mean, &rstd}) + (residual.defined() ? x.nbytes() : 0));
     }

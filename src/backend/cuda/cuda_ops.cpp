@@ -214,6 +214,47 @@ public:
         cs.launched("gemm_bias", {a, b, c, bias});
     }
 
+    // cuBLASLt's GELU_AUX(_BIAS) epilogue where it has a kernel; else the product and bias_gelu_forward's kernel.
+    void gemm_bias_gelu(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & pre,
+                        const Tensor & y, const Tensor & bias) override {
+        const op_checks::GemmDims dims = op_checks::gemm_bias_gelu(a, trans_a, b, trans_b, pre, y, bias);
+        const int64_t             m = dims.m, n = dims.n, k = dims.k;
+        std::vector<Tensor>       held{a, b, pre, y, bias};
+        CudaStream &              cs     = start(s, "gemm_bias_gelu", held);
+        cudaStream_t              stream = cs.launch("gemm_bias_gelu");
+        const bool                c_bf16 = y.dtype() == DType::bf16;
+        if (!gemm_gelu_lt(cs.device_index(), stream, cs.gemm_workspace(), CudaStream::kGemmWorkspaceBytes, trans_a,
+                          trans_b, m, n, k, a.data_ptr(), b.data_ptr(), gemm_operands(a.dtype()), f32_or_null(bias),
+                          pre.data_ptr(), y.data_ptr(), c_bf16)) {
+            gemm_lt(cs.device_index(), stream, cs.gemm_workspace(), CudaStream::kGemmWorkspaceBytes, trans_a, trans_b, m,
+                    n, k, a.data_ptr(), b.data_ptr(), gemm_operands(a.dtype()), pre.data_ptr(), c_bf16, false);
+            with_activations(pre, [&]<class T>(T *) {
+                kernels::bias_gelu_forward(stream, act<T>(pre), f32_or_null(bias), act<T>(y), nullptr, m, n);
+            });
+        }
+        cs.launched("gemm_bias_gelu", std::move(held));
+    }
+
+    // cuBLASLt's DGELU epilogue where it has a kernel; else the product and gelu_backward's kernel in place.
+    void gemm_gelu_backward(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b,
+                            const Tensor & pre, const Tensor & dx) override {
+        const op_checks::GemmDims dims = op_checks::gemm_gelu_backward(a, trans_a, b, trans_b, pre, dx);
+        const int64_t             m = dims.m, n = dims.n, k = dims.k;
+        CudaStream &              cs     = start(s, "gemm_gelu_backward", {a, b, pre, dx});
+        cudaStream_t              stream = cs.launch("gemm_gelu_backward");
+        const bool                c_bf16 = dx.dtype() == DType::bf16;
+        if (!gemm_dgelu_lt(cs.device_index(), stream, cs.gemm_workspace(), CudaStream::kGemmWorkspaceBytes, trans_a,
+                           trans_b, m, n, k, a.data_ptr(), b.data_ptr(), gemm_operands(a.dtype()), pre.data_ptr(),
+                           dx.data_ptr(), c_bf16)) {
+            gemm_lt(cs.device_index(), stream, cs.gemm_workspace(), CudaStream::kGemmWorkspaceBytes, trans_a, trans_b, m,
+                    n, k, a.data_ptr(), b.data_ptr(), gemm_operands(a.dtype()), dx.data_ptr(), c_bf16, false);
+            with_activations(dx, [&]<class T>(T *) {
+                kernels::gelu_backward(stream, act<T>(pre), act<T>(dx), act<T>(dx), dx.numel());
+            });
+        }
+        cs.launched("gemm_gelu_backward", {a, b, pre, dx});
+    }
+
     void layernorm_forward(Stream & s, const Tensor & x, const Tensor & residual, const Tensor & gamma,
                            const Tensor & beta, const Tensor & y, const Tensor & mean, const Tensor & rstd,
                            float eps) override {

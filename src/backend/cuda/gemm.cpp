@@ -63,9 +63,26 @@ struct Preference {
     ~Preference() { if (handle) cublasLtMatmulPreferenceDestroy(handle); }
 };
 
-// One call's cuBLASLt plan: the descriptors of c (m, n) = op(a) op(b), with the bias epilogue when `bias`
-// is given, and the heuristic's algorithm for them. `found` is false where cuBLASLt has no kernel for the
-// operands' alignments or leading dimensions (or for the epilogue); any other failure throws.
+// The epilogues this file runs (cuBLASLt's names without the prefix).
+enum class Epilogue { none, bias, gelu_aux, gelu_aux_bias, dgelu };
+
+bool has_bias(Epilogue e) { return e == Epilogue::bias || e == Epilogue::gelu_aux_bias; }
+bool has_aux(Epilogue e) { return e == Epilogue::gelu_aux || e == Epilogue::gelu_aux_bias || e == Epilogue::dgelu; }
+
+cublasLtEpilogue_t lt_epilogue(Epilogue e) {
+    switch (e) {
+        case Epilogue::none: return CUBLASLT_EPILOGUE_DEFAULT;
+        case Epilogue::bias: return CUBLASLT_EPILOGUE_BIAS;
+        case Epilogue::gelu_aux: return CUBLASLT_EPILOGUE_GELU_AUX;
+        case Epilogue::gelu_aux_bias: return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+        case Epilogue::dgelu: return CUBLASLT_EPILOGUE_DGELU;
+    }
+    return CUBLASLT_EPILOGUE_DEFAULT;
+}
+
+// One call's cuBLASLt plan: the descriptors of c (m, n) = op(a) op(b) with its epilogue, and the heuristic's
+// algorithm for them. `found` is false where cuBLASLt has no kernel for the operands' alignments or leading
+// dimensions (or for the epilogue); any other failure throws.
 struct LtPlan {
     MatmulDesc                      desc;
     Layout                          layout_a, layout_b, layout_c;
@@ -77,32 +94,41 @@ struct LtPlan {
     cublasLtMatmulHeuristicResult_t heuristic{};
     bool                            found = false;
 
-    bool                            bias = false;      // the bias epilogue (its pointer set at each run)
+    Epilogue                        epilogue;          // its pointers (bias, aux) set at each run
     std::mutex                      run_mutex;         // a cached plan's descriptor is shared: one run at a time
 
     LtPlan(cublasLtHandle_t handle, size_t workspace_bytes, bool trans_a, bool trans_b, int64_t m, int64_t n,
-           int64_t k, const void * a, const void * b, GemmOperands ab, const void * c, bool c_bf16,
-           const float * bias_values)
+           int64_t k, const void * a, const void * b, GemmOperands ab, const void * c, bool c_bf16, Epilogue epilogue_,
+           const float * bias_values, const void * aux)
         : op_a(trans_b ? CUBLAS_OP_T : CUBLAS_OP_N), op_b(trans_a ? CUBLAS_OP_T : CUBLAS_OP_N), a_rows(trans_b ? k : n),
           b_rows(trans_a ? m : k),
           ab_type(ab == GemmOperands::bf16 ? CUDA_R_16BF : ab == GemmOperands::f16 ? CUDA_R_16F : CUDA_R_32F),
-          c_type(c_bf16 ? CUDA_R_16BF : CUDA_R_32F), bias(bias_values != nullptr) {
+          c_type(c_bf16 ? CUDA_R_16BF : CUDA_R_32F), epilogue(epilogue_) {
         LOOM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.handle, CUBLAS_COMPUTE_32F, CUDA_R_32F));
         LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
         LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
-        if (bias) {
+        if (epilogue != Epilogue::none) {
+            const cublasLtEpilogue_t lt = lt_epilogue(epilogue);
+            LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_EPILOGUE, &lt, sizeof(lt)));
+        }
+        // The heuristic reads the pointers' alignments, so they are set before it runs.
+        if (has_bias(epilogue)) {
             // D (n, m) column-major: the bias runs along D's n rows, broadcast over its m columns, i.e. one
             // value per output feature of Loom's (m, n). Its type is f32 (added to the f32 accumulator), stated
             // rather than defaulted.
-            // The heuristic reads the pointer's alignment, so it is set before the heuristic runs.
-            const cublasLtEpilogue_t epilogue  = CUBLASLT_EPILOGUE_BIAS;
-            const int32_t            bias_type = CUDA_R_32F;
-            LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
-                                                             sizeof(epilogue)));
+            const int32_t bias_type = CUDA_R_32F;
             LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                              &bias_values, sizeof(bias_values)));
             LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                                                              &bias_type, sizeof(bias_type)));
+        }
+        if (has_aux(epilogue)) {
+            // GELU's input, laid out as D (n rows of Loom's features, ld n), of D's type (cuBLASLt's default).
+            const int64_t aux_ld = n;
+            LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux,
+                                                             sizeof(aux)));
+            LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld,
+                                                             sizeof(aux_ld)));
         }
 
         const uint64_t a_cols = trans_b ? n : k, b_cols = trans_a ? k : m;
@@ -132,12 +158,16 @@ struct LtPlan {
     }
 
     void run(cublasLtHandle_t handle, cudaStream_t stream, void * workspace, size_t workspace_bytes, const void * a,
-             const void * b, void * c, bool accumulate, const float * bias_values = nullptr) {
+             const void * b, void * c, bool accumulate, const float * bias_values = nullptr, const void * aux = nullptr) {
         const float                 alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
         std::lock_guard<std::mutex> lock(run_mutex);
-        if (bias) {
+        if (has_bias(epilogue)) {
             LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                              &bias_values, sizeof(bias_values)));
+        }
+        if (has_aux(epilogue)) {
+            LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux,
+                                                             sizeof(aux)));
         }
         LOOM_CUBLAS_CHECK(cublasLtMatmul(handle, desc.handle, &alpha, b, layout_a.handle, a, layout_b.handle, &beta, c,
                                          layout_c.handle, c, layout_c.handle, &heuristic.algo, workspace,
@@ -152,10 +182,11 @@ struct LtPlan {
 struct PlanKey {
     int          device;
     size_t       workspace_bytes;
-    bool         trans_a, trans_b, bias, c_bf16;
+    bool         trans_a, trans_b, c_bf16;
+    Epilogue     epilogue;
     int64_t      m, n, k;
     GemmOperands ab;
-    uint32_t     align_a, align_b, align_c, align_bias;
+    uint32_t     align_a, align_b, align_c, align_bias, align_aux;
     auto         operator<=>(const PlanKey &) const = default;
 };
 
@@ -165,15 +196,18 @@ GemmPlanStats                                g_plan_stats;
 
 LtPlan & plan_for(int device_index, cublasLtHandle_t handle, size_t workspace_bytes, bool trans_a, bool trans_b,
                   int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab, const void * c,
-                  bool c_bf16, const float * bias) {
-    const PlanKey key{device_index, workspace_bytes, trans_a, trans_b, bias != nullptr, c_bf16, m, n, k, ab,
-                      alignment_of(a), alignment_of(b), alignment_of(c), bias != nullptr ? alignment_of(bias) : 0u};
+                  bool c_bf16, Epilogue epilogue = Epilogue::none, const float * bias = nullptr,
+                  const void * aux = nullptr) {
+    const PlanKey key{device_index, workspace_bytes, trans_a, trans_b, c_bf16, epilogue, m, n, k, ab,
+                      alignment_of(a), alignment_of(b), alignment_of(c), has_bias(epilogue) ? alignment_of(bias) : 0u,
+                      has_aux(epilogue) ? alignment_of(aux) : 0u};
     std::lock_guard<std::mutex> lock(g_plans_mutex);
     ++g_plan_stats.lookups;
     std::unique_ptr<LtPlan> & plan = (*g_plans)[key];
     if (plan == nullptr) {
         ++g_plan_stats.heuristic_queries;
-        plan = std::make_unique<LtPlan>(handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, c_bf16, bias);
+        plan = std::make_unique<LtPlan>(handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, c_bf16, epilogue,
+                                        bias, aux);
     }
     return *plan;
 }
@@ -202,8 +236,7 @@ void gemm_lt(int device_index, cudaStream_t stream, void * workspace, size_t wor
         return;
     }
     cublasLtHandle_t handle = lt_handle(device_index);
-    LtPlan &         plan   = plan_for(device_index, handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, c_bf16,
-                                       nullptr);
+    LtPlan &         plan   = plan_for(device_index, handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, c_bf16);
     if (!plan.found) {
         // No cuBLASLt kernel for these alignments or leading dimensions: cublasGemmEx takes any.
         const float    alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
@@ -226,7 +259,7 @@ bool gemm_bias_lt(int device_index, cudaStream_t stream, void * workspace, size_
     if (k > 0) {
         cublasLtHandle_t handle = lt_handle(device_index);
         LtPlan &         plan   = plan_for(device_index, handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c,
-                                           c_bf16, bias);
+                                           c_bf16, Epilogue::bias, bias);
         if (plan.found) {
             plan.run(handle, stream, workspace, workspace_bytes, a, b, c, /*accumulate=*/false, bias);
             return true;
@@ -234,6 +267,37 @@ bool gemm_bias_lt(int device_index, cudaStream_t stream, void * workspace, size_
     }
     gemm_lt(device_index, stream, workspace, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, c_bf16, false);
     return false;
+}
+
+bool gemm_gelu_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,
+                  bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab,
+                  const float * bias, void * pre, void * c, bool c_bf16) {
+    if (m == 0 || n == 0) return true;
+    if (k == 0) return false;
+    const Epilogue   epilogue = bias != nullptr ? Epilogue::gelu_aux_bias : Epilogue::gelu_aux;
+    cublasLtHandle_t handle   = lt_handle(device_index);
+    LtPlan & plan = plan_for(device_index, handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, c_bf16, epilogue,
+                             bias, pre);
+    if (!plan.found) return false;
+    plan.run(handle, stream, workspace, workspace_bytes, a, b, c, /*accumulate=*/false, bias, pre);
+    std::lock_guard<std::mutex> lock(g_plans_mutex);
+    ++g_plan_stats.gelu_epilogues;
+    return true;
+}
+
+bool gemm_dgelu_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,
+                   bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab,
+                   const void * pre, void * c, bool c_bf16) {
+    if (m == 0 || n == 0) return true;
+    if (k == 0) return false;
+    cublasLtHandle_t handle = lt_handle(device_index);
+    LtPlan & plan = plan_for(device_index, handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, c_bf16,
+                             Epilogue::dgelu, nullptr, pre);
+    if (!plan.found) return false;
+    plan.run(handle, stream, workspace, workspace_bytes, a, b, c, /*accumulate=*/false, nullptr, pre);
+    std::lock_guard<std::mutex> lock(g_plans_mutex);
+    ++g_plan_stats.dgelu_epilogues;
+    return true;
 }
 
 }  // namespace loom::LOOM_CUDA_NS

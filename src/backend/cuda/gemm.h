@@ -44,4 +44,19 @@ bool gemm_bias_lt(int device_index, cudaStream_t stream, void * workspace, size_
                   bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab,
                   const float * bias, void * c, bool c_bf16);
 
+// c (m, n) = gelu(op(a) op(b) + bias) with the sum before GELU stored to `pre` (m, n, c's type, the epilogue's
+// auxiliary output): CUBLASLT_EPILOGUE_GELU_AUX_BIAS, or GELU_AUX without a bias (bias null). GELU is
+// cuBLASLt's tanh approximation of the f32 sum. Returns false, having run nothing, where cuBLASLt has no
+// kernel with the epilogue (k = 0, alignments, or pre's leading dimension n not a multiple of 8): the caller
+// runs the product and the activation's kernel.
+bool gemm_gelu_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,
+                  bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab,
+                  const float * bias, void * pre, void * c, bool c_bf16);
+
+// c (m, n) = (op(a) op(b)) * gelu'(pre), pre (m, n) of c's type read by the epilogue (CUBLASLT_EPILOGUE_DGELU).
+// Returns false, having run nothing, where cuBLASLt has no kernel for it (as gemm_gelu_lt).
+bool gemm_dgelu_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,
+                   bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab,
+                   const void * pre, void * c, bool c_bf16);
+
 }  // namespace loom::LOOM_CUDA_NS

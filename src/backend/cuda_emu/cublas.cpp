@@ -10,6 +10,11 @@
 //     illegal address would be.
 // Arithmetic: op(A) op(B) accumulated in f32 in k order (one multiply and one add per step, never fused),
 // bf16 inputs widened exactly; then D = alpha * acc + beta * C (C not read when beta is 0) + bias.
+// The GELU epilogues: GELU_AUX(_BIAS) stores that sum to the auxiliary matrix (rounded to its type) and D =
+// gelu(sum) of the f32 sum; DGELU gives D = sum * gelu'(aux). GELU is the tanh approximation,
+// 0.5 v (1 + tanh(sqrt(2/pi) (v + 0.044715 v^3))), in f32 with std::tanh. As cuBLASLt, the auxiliary matrix
+// takes D's type and layout with its own leading dimension, a multiple of 8 elements no less than D's rows,
+// and a 16-byte aligned pointer; other epilogues are not emulated (no algorithm).
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
@@ -50,6 +55,9 @@ struct LtMatmulDesc {
     cublasLtEpilogue_t  epilogue = CUBLASLT_EPILOGUE_DEFAULT;
     const void *        bias     = nullptr;
     int32_t             bias_type = -1;   // -1: D's type (cuBLASLt's default)
+    const void *        aux      = nullptr;   // the GELU epilogues' auxiliary matrix
+    int64_t             aux_ld   = 0;
+    int32_t             aux_type = -1;        // -1: D's type
 };
 
 struct LtMatrixLayout {
@@ -117,8 +125,18 @@ struct Product {
     size_t         ldd;
     const void *   bias;   // m values (one per row of D) or null
     cudaDataType_t bias_type;
+    enum class Gelu { none, forward, backward } gelu = Gelu::none;   // GELU_AUX(_BIAS), DGELU
+    const void *   aux;    // written by forward (through a const_cast: the descriptor holds one pointer type)
+    cudaDataType_t aux_type;
+    size_t         aux_ld;
     const char *   name;
 };
+
+float gelu(float v) { return 0.5f * v * (1.0f + std::tanh(0.7978845608f * (v + 0.044715f * v * v * v))); }
+float gelu_grad(float v) {
+    const float t = std::tanh(0.7978845608f * (v + 0.044715f * v * v * v));
+    return 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * 0.7978845608f * (1.0f + 3.0f * 0.044715f * v * v);
+}
 
 void check_accessible(const Product & p, const void * ptr, size_t bytes, const char * what) {
     if (!device_accessible(ptr, bytes)) {
@@ -139,6 +157,10 @@ void run_product(const Product & p) {
         check_accessible(p, p.c, n == 0 ? 0 : ((n - 1) * p.ldc + m) * element_size(p.c_type), "input C");
     }
     if (p.bias != nullptr) check_accessible(p, p.bias, m * element_size(p.bias_type), "the bias");
+    if (p.gelu != Product::Gelu::none) {
+        check_accessible(p, p.aux, n == 0 ? 0 : ((n - 1) * p.aux_ld + m) * element_size(p.aux_type),
+                         "the epilogue's auxiliary matrix");
+    }
 
     // op(A) as a contiguous column-major (m, k) f32 matrix, op(B) as n contiguous columns of k.
     std::vector<float> a(m * k), b(n * k);
@@ -187,6 +209,12 @@ void run_product(const Product & p) {
                     float v = p.alpha * acc[jj * kRowBlock + i];
                     if (p.beta != 0.0f) v = v + p.beta * load(p.c, p.c_type, j * p.ldc + i0 + i);
                     if (p.bias != nullptr) v = v + load(p.bias, p.bias_type, i0 + i);
+                    if (p.gelu == Product::Gelu::forward) {
+                        store(const_cast<void *>(p.aux), p.aux_type, j * p.aux_ld + i0 + i, v);
+                        v = gelu(v);
+                    } else if (p.gelu == Product::Gelu::backward) {
+                        v = v * gelu_grad(load(p.aux, p.aux_type, j * p.aux_ld + i0 + i));
+                    }
                     store(p.d, p.d_type, j * p.ldd + i0 + i, v);
                 }
             }
@@ -236,6 +264,27 @@ cublasStatus_t lt_shape(const LtMatmulDesc & desc, const LtMatrixLayout & A, con
     *n = bn;
     *k = ak;
     return CUBLAS_STATUS_SUCCESS;
+}
+
+bool has_bias(cublasLtEpilogue_t e) { return e == CUBLASLT_EPILOGUE_BIAS || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS; }
+bool has_aux(cublasLtEpilogue_t e) {
+    return e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS || e == CUBLASLT_EPILOGUE_DGELU;
+}
+bool epilogue_emulated(cublasLtEpilogue_t e) { return e == CUBLASLT_EPILOGUE_DEFAULT || has_bias(e) || has_aux(e); }
+
+// What the epilogue needs beyond the product: a bias of f32 or D's type; an auxiliary matrix of D's type whose
+// leading dimension is a multiple of 8 elements covering D's rows.
+bool epilogue_operands_valid(const LtMatmulDesc & desc, const LtMatrixLayout & D) {
+    if (has_bias(desc.epilogue)) {
+        const int32_t bias_type = desc.bias_type < 0 ? D.type : desc.bias_type;
+        if (desc.bias == nullptr || (bias_type != CUDA_R_32F && bias_type != D.type)) return false;
+    }
+    if (has_aux(desc.epilogue)) {
+        const int32_t aux_type = desc.aux_type < 0 ? D.type : desc.aux_type;
+        if (desc.aux == nullptr || aux_type != D.type) return false;
+        if (desc.aux_ld < static_cast<int64_t>(D.rows) || desc.aux_ld % 8 != 0) return false;
+    }
+    return true;
 }
 
 template <typename T>
@@ -409,6 +458,9 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t matmulDesc, c
         case CUBLASLT_MATMUL_DESC_EPILOGUE: return read_attribute(&matmulDesc->epilogue, buf, sizeInBytes);
         case CUBLASLT_MATMUL_DESC_BIAS_POINTER: return read_attribute(&matmulDesc->bias, buf, sizeInBytes);
         case CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE: return read_attribute(&matmulDesc->bias_type, buf, sizeInBytes);
+        case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER: return read_attribute(&matmulDesc->aux, buf, sizeInBytes);
+        case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD: return read_attribute(&matmulDesc->aux_ld, buf, sizeInBytes);
+        case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE: return read_attribute(&matmulDesc->aux_type, buf, sizeInBytes);
         case CUBLASLT_MATMUL_DESC_COMPUTE_TYPE: return read_attribute(&matmulDesc->compute, buf, sizeInBytes);
         case CUBLASLT_MATMUL_DESC_SCALE_TYPE: return read_attribute(&matmulDesc->scale, buf, sizeInBytes);
         default: return CUBLAS_STATUS_INVALID_VALUE;
@@ -483,9 +535,7 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t lightHandle, cubl
         !types_supported(Adesc->type, Bdesc->type, Cdesc->type, Ddesc->type)) {
         return CUBLAS_STATUS_NOT_SUPPORTED;
     }
-    if (desc.epilogue != CUBLASLT_EPILOGUE_DEFAULT && desc.epilogue != CUBLASLT_EPILOGUE_BIAS) {
-        return CUBLAS_STATUS_NOT_SUPPORTED;
-    }
+    if (!epilogue_emulated(desc.epilogue) || !epilogue_operands_valid(desc, *Ddesc)) return CUBLAS_STATUS_NOT_SUPPORTED;
     // The kernels' vector loads: every operand 16-byte aligned, every column starting 16-byte aligned.
     const LtMatrixLayout * layouts[4] = {Adesc, Bdesc, Cdesc, Ddesc};
     for (int i = 0; i < 4; ++i) {
@@ -494,13 +544,8 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t lightHandle, cubl
             return CUBLAS_STATUS_NOT_SUPPORTED;
         }
     }
-    if (desc.epilogue == CUBLASLT_EPILOGUE_BIAS) {
-        const int32_t bias_type = desc.bias_type < 0 ? Ddesc->type : desc.bias_type;
-        if (desc.bias == nullptr || (bias_type != CUDA_R_32F && bias_type != Ddesc->type)) {
-            return CUBLAS_STATUS_NOT_SUPPORTED;
-        }
-        if (alignment_of(desc.bias) < kKernelAlignment) return CUBLAS_STATUS_NOT_SUPPORTED;
-    }
+    if (has_bias(desc.epilogue) && alignment_of(desc.bias) < kKernelAlignment) return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (has_aux(desc.epilogue) && alignment_of(desc.aux) < kKernelAlignment) return CUBLAS_STATUS_NOT_SUPPORTED;
     cublasLtMatmulHeuristicResult_t & r = heuristicResultsArray[0];
     r                                   = cublasLtMatmulHeuristicResult_t{};
     r.algo.data[0]                      = kAlgoMagic;
@@ -531,10 +576,11 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t lightHandle, cublasLtMatmulDesc_t
         return s;
     }
     if (!scalar_compute(desc.compute) || desc.scale != CUDA_R_32F ||
-        !types_supported(Adesc->type, Bdesc->type, Cdesc->type, Ddesc->type) ||
-        (desc.epilogue != CUBLASLT_EPILOGUE_DEFAULT && desc.epilogue != CUBLASLT_EPILOGUE_BIAS)) {
+        !types_supported(Adesc->type, Bdesc->type, Cdesc->type, Ddesc->type) || !epilogue_emulated(desc.epilogue)) {
         return CUBLAS_STATUS_NOT_SUPPORTED;
     }
+    if (!epilogue_operands_valid(desc, *Ddesc)) return CUBLAS_STATUS_INVALID_VALUE;
+    if (has_aux(desc.epilogue) && alignment_of(desc.aux) < kKernelAlignment) return CUBLAS_STATUS_INVALID_VALUE;
     if (C != D && Cdesc->ld != Ddesc->ld) return CUBLAS_STATUS_NOT_SUPPORTED;   // in-place needs one layout
     // An algorithm chose its kernel for the alignments the preference declared: pointers (and columns) less
     // aligned than that are a misaligned access on a GPU.
@@ -560,10 +606,15 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t lightHandle, cublasLtMatmulDesc_t
     p.b     = Operand{B, Bdesc->type, Bdesc->rows, Bdesc->cols, static_cast<size_t>(Bdesc->ld)};
     p.c = C, p.c_type = Cdesc->type, p.ldc = static_cast<size_t>(Cdesc->ld);
     p.d = D, p.d_type = Ddesc->type, p.ldd = static_cast<size_t>(Ddesc->ld);
-    if (desc.epilogue == CUBLASLT_EPILOGUE_BIAS) {
-        if (desc.bias == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
+    if (has_bias(desc.epilogue)) {
         p.bias      = desc.bias;
         p.bias_type = static_cast<cudaDataType_t>(desc.bias_type < 0 ? Ddesc->type : desc.bias_type);
+    }
+    if (has_aux(desc.epilogue)) {
+        p.gelu     = desc.epilogue == CUBLASLT_EPILOGUE_DGELU ? Product::Gelu::backward : Product::Gelu::forward;
+        p.aux      = desc.aux;
+        p.aux_type = Ddesc->type;
+        p.aux_ld   = static_cast<size_t>(desc.aux_ld);
     }
     p.name = "cublasLtMatmul";
     return launch_product(stream, p);
