@@ -6,7 +6,8 @@
 //   1e-5 x max(1, |ref|) norms forward and backward, GELU/SwiGLU (tanh/exp differ by a few ulp)
 //   exact (bitwise)     bias_backward, dbeta (f32 sums over rows in core/column_sums.h's order on both)
 //   1e-5 / 1e-3 x sum |a_ik b_kj|   GEMM with f32 / bf16 operands (f32 accumulation in another order);
-//                       gemm_bias the same with |bias_j| among the terms
+//                       gemm_bias the same with |bias_j| among the terms; the GELU and bias-gradient epilogues
+//                       (gemm_bias_gelu, gemm_gelu_backward, gemm_weight_grad) with the bounds beside their tests
 //   1e-12 relative      sum_of_squares (double partial sums, tree-reduced on the GPU)
 //   exact (bitwise)     dropout (core/dropout.h's hash: the same masks, x * (1 / (1 - p)) the same product),
 //                       embedding_forward (f32 and bf16 tables), embedding_backward (each element's f32
@@ -351,6 +352,58 @@ TEST(CudaOps, GeluEpiloguesMatchTheCpusGemmThenGelu) {
                                                                        r * (std::fabs(dx_ref[e]) + 1.13 * g))
                             << "dx, " << at;
                     }
+                }
+            }
+        }
+    }
+}
+
+// gemm_weight_grad against its contract on the CPU: bias_backward(dy, dbias), then dw += dy^T x. Aligned
+// operands take cuBLASLt's BGRADB epilogue (on cuda-emu the test holds that it ran), whose bias gradient is
+// added to dbias; dy one element into its storage, or no rows, falls back to bias_backward's kernel and the
+// product. Per element: dw within the GEMM's tol (1e-5 f32, 1e-3 bf16) x (|dw0| + sum_r |dy_ri x_rj|); dbias
+// within 1e-5 x (|dbias0| + sum_r |dy_ri|) (f32 sums of the same values in another order).
+TEST(CudaOps, WeightGradWithTheBiasGradientInTheEpilogueMatchesTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    struct Case { int64_t rows, o, in, offset; bool fused; };
+    uint64_t seed = 1800;
+    for (DType dtype : {DType::f32, DType::bf16}) {
+        const double tol = dtype == DType::f32 ? 1e-5 : 1e-3;
+        for (Case sz : {Case{64, 96, 48, 0, true}, Case{37, 40, 24, 0, true}, Case{64, 96, 48, 1, false},
+                        Case{0, 8, 16, 0, false}}) {
+            const int64_t     rows = sz.rows, o = sz.o, in = sz.in, off = sz.offset;
+            const std::string what = std::string(dtype_name(dtype)) + " rows " + std::to_string(rows) + " o " +
+                                     std::to_string(o) + " in " + std::to_string(in) + " offset " + std::to_string(off);
+            Tensor dy_store = random_cpu({rows * o + off + 1}, ++seed, 1.0f, dtype);
+            Tensor dy       = dy_store.slice(off, Shape{rows, o});
+            Tensor x        = random_cpu({rows, in}, ++seed, 1.0f, dtype);
+            Tensor dw0 = random_cpu({o, in}, ++seed), dbias0 = random_cpu({o}, ++seed);
+            Tensor dw_c = clone_cpu(dw0), dbias_c = clone_cpu(dbias0);
+            cops().gemm_weight_grad(cs(), dy, x, dw_c, dbias_c);
+            cs().synchronize();
+
+            const gpu_backend::GemmPlanStats before = gpu_backend::gemm_plan_stats();
+            Tensor dw_g = to_gpu(dw0), dbias_g = to_gpu(dbias0);
+            gops().gemm_weight_grad(gs(), to_gpu(dy_store).slice(off, Shape{rows, o}), to_gpu(x), dw_g, dbias_g);
+            gs().synchronize();
+            const gpu_backend::GemmPlanStats after = gpu_backend::gemm_plan_stats();
+#ifdef LOOM_CUDA_EMU
+            EXPECT_EQ(after.bgrad_epilogues - before.bgrad_epilogues, sz.fused ? 1 : 0) << what << ": BGRADB ran";
+#else
+            (void)before, (void)after;
+#endif
+            std::vector<double> dyv = values(dy), xv = values(x), dw0v = values(dw0), db0v = values(dbias0);
+            std::vector<double> dw_ref = values(dw_c), dw_got = values(to_cpu(dw_g));
+            std::vector<double> db_ref = values(dbias_c), db_got = values(to_cpu(dbias_g));
+            for (int64_t i = 0; i < o; ++i) {
+                double mag = std::fabs(db0v[i]);
+                for (int64_t r = 0; r < rows; ++r) mag += std::fabs(dyv[r * o + i]);
+                ASSERT_LE(std::fabs(db_got[i] - db_ref[i]), 1e-5 * mag) << what << ": dbias at " << i;
+                for (int64_t j = 0; j < in; ++j) {
+                    double g = std::fabs(dw0v[i * in + j]);
+                    for (int64_t r = 0; r < rows; ++r) g += std::fabs(dyv[r * o + i] * xv[r * in + j]);
+                    ASSERT_LE(std::fabs(dw_got[i * in + j] - dw_ref[i * in + j]), tol * g) << what << ": dw at (" << i
+                                                                                           << ", " << j << ")";
                 }
             }
         }

@@ -91,6 +91,16 @@ inline GemmDims gemm_bias_gelu(const Tensor & a, bool trans_a, const Tensor & b,
     return dims;
 }
 
+// gemm_weight_grad: dw (o, in) += dy (n, o)^T x (n, in); dbias (o) f32.
+inline GemmDims gemm_weight_grad(const Tensor & dy, const Tensor & x, const Tensor & dw, const Tensor & dbias) {
+    LOOM_CHECK(dy.dtype() != DType::f64, "gemm_weight_grad of float64 operands", "float32, bfloat16 or float16 operands");
+    const GemmDims dims = gemm(dy, true, x, false, dw, /*accumulate=*/true);
+    LOOM_CHECK(dw.dim() == 2 && dw.size(0) == dims.m, "gemm_weight_grad: dw is " << dw.describe() << ", expected ("
+                                                                                << dims.m << ", " << dims.n << ")", "");
+    expect(dbias, DType::f32, dims.m, "gemm_weight_grad", "dbias");
+    return dims;
+}
+
 // gemm_gelu_backward: pre and dx (m, n) of one activations dtype.
 inline GemmDims gemm_gelu_backward(const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & pre,
                                    const Tensor & dx) {

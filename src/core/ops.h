@@ -167,6 +167,15 @@ public:
         gemm(s, a, trans_a, b, trans_b, dx);
         gelu_backward(s, pre, dx, dx);
     }
+    // A linear layer's parameter gradients from its output gradient dy (n, o) and input x (n, in), both of the
+    // GEMM operands' dtype: dw (o, in, f32) += dy^T x and dbias (o, f32) += sum_r dy. Its contract is
+    // bias_backward(dy, dbias) then gemm(dy^T, x) accumulating into dw (this default); a backend may sum the
+    // bias gradient in the GEMM's epilogue (cuBLASLt's BGRADB, over the product's k dimension, in its order).
+    virtual void gemm_weight_grad(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & dw,
+                                  const Tensor & dbias) {
+        bias_backward(s, dy, dbias);
+        gemm(s, dy, true, x, false, dw, /*accumulate=*/true);
+    }
 
     // ---- Norms, per row of x (n, h); statistics (n) are f32 and saved for backward.
     // With `residual` defined, x += residual first in the same pass (x then holds the sum).

@@ -154,15 +154,20 @@ Tensor Linear::forward_gelu(Context & ctx, const Tensor & x_rows, DType out, Ten
 }
 
 Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn & ready, const Tensor & gelu_input) {
-    Ops &    ops    = dy_rows.device().ops();
-    Stream & stream = dy_rows.device().compute_stream();
-    if (has_bias) {   // a sequence-parallel row linear's bias sees this rank's rows: a partial sum
+    Ops &         ops    = dy_rows.device().ops();
+    Stream &      stream = dy_rows.device().compute_stream();
+    const bool    gathered = split == Split::row && tp->sp();
+    const DType   dtype    = weight.data.dtype();
+    // The bias gradient sums dy's rows in the weight gradient's GEMM (its epilogue, where the backend has one)
+    // when that GEMM reads the very rows: not after a sequence-parallel gather (the bias sees this rank's rows,
+    // a partial sum), nor from a copy in the weights' dtype.
+    const bool    bias_in_gemm = has_bias && !gathered && dy_rows.dtype() == dtype;
+    if (has_bias && !bias_in_gemm) {
         accumulate_grads(stream, {bias.main_grad.view({bias.main_grad.numel()})},
                          [&](std::span<const Tensor> g) { ops.bias_backward(stream, dy_rows, g[0]); });
     }
-    Tensor  dy = split == Split::row && tp->sp() ? tp->all_gather(dy_rows) : dy_rows;
+    Tensor  dy = gathered ? tp->all_gather(dy_rows) : dy_rows;
     int64_t n = dy.size(0), in = weight.data.size(1);
-    DType   dtype = weight.data.dtype();
     Tensor  dy_in = in_dtype(dy, dtype);
     Tensor  dx    = activation(dy.device(), n, in, dy.dtype());
     // GELU's gradient rides in the product's epilogue unless a sum over the TP group comes between them.
@@ -172,9 +177,14 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
     } else {
         ops.gemm(stream, dy_in, false, weight.data, false, dx);
     }
-    accumulate_grads(stream, {weight.main_grad}, [&](std::span<const Tensor> g) {
-        ops.gemm(stream, dy_in, true, ctx.x, false, g[0], /*accumulate=*/true);
-    });
+    if (bias_in_gemm) {
+        accumulate_grads(stream, {weight.main_grad, bias.main_grad.view({bias.main_grad.numel()})},
+                         [&](std::span<const Tensor> g) { ops.gemm_weight_grad(stream, dy_in, ctx.x, g[0], g[1]); });
+    } else {
+        accumulate_grads(stream, {weight.main_grad}, [&](std::span<const Tensor> g) {
+            ops.gemm(stream, dy_in, true, ctx.x, false, g[0], /*accumulate=*/true);
+        });
+    }
     if (split == Split::column) {   // each rank's output features contribute to dx
         if (tp->sp()) {
             dx = tp->reduce_scatter(dx);

@@ -170,6 +170,11 @@ public:
     void gemm_gelu_backward(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b, const Tensor & pre, const Tensor & dx) override {
         matmul(s, "gemm", a, b, dx, bytes_of({&a, &b, &pre, &dx}));
     }
+    // BGRADB: the product, its bias gradient written to a scratch vector, and that vector added (one small op).
+    void gemm_weight_grad(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & dw, const Tensor & dbias) override {
+        matmul(s, "gemm", dy, x, dw, bytes_of({&dy, &x, &dw, &dw, &dbias}));
+        memory(s, "add_inplace", bytes_of({&dbias, &dbias, &dbias}));
+    }
     void layernorm_forward(Stream & s, const Tensor & x, const Tensor & residual, const Tensor & gamma, const Tensor & beta, const Tensor & y, const Tensor & mean, const Tensor & rstd, float eps) override {
         memory(s, "layernorm_forward", bytes_of({&x, &residual, &gamma, &beta, &y, &mean, &rstd}) + (residual.defined() ? x.nbytes() : 0));
     }

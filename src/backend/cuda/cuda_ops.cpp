@@ -235,6 +235,28 @@ public:
         cs.launched("gemm_bias_gelu", std::move(held));
     }
 
+    // cuBLASLt's BGRADB epilogue where it has a kernel: the bias gradient, written to a scratch vector, is added
+    // to dbias; else bias_backward's kernel and the product.
+    void gemm_weight_grad(Stream & s, const Tensor & dy, const Tensor & x, const Tensor & dw, const Tensor & dbias) override {
+        const op_checks::GemmDims dims = op_checks::gemm_weight_grad(dy, x, dw, dbias);
+        const int64_t             m = dims.m, n = dims.n, k = dims.k;
+        CudaStream &              cs      = start(s, "gemm_weight_grad", {dy, x, dw, dbias});
+        Tensor                    scratch = scratch_of(cs, std::max<int64_t>(m, 1), DType::f32);
+        Tensor                    partial = column_sum_scratch(cs, kernels::column_sum_scratch(k, m));
+        cudaStream_t              stream  = cs.launch("gemm_weight_grad");
+        if (gemm_bgradb_lt(cs.device_index(), stream, cs.gemm_workspace(), CudaStream::kGemmWorkspaceBytes, true, false,
+                           m, n, k, dy.data_ptr(), x.data_ptr(), gemm_operands(dy.dtype()), f32(dw), true, f32(scratch))) {
+            kernels::add_inplace(stream, f32(dbias), f32(scratch), m);
+        } else {
+            with_activations(dy, [&]<class T>(T *) {
+                kernels::bias_backward(stream, act<T>(dy), f32(dbias), f32_or_null(partial), k, m);
+            });
+            gemm_lt(cs.device_index(), stream, cs.gemm_workspace(), CudaStream::kGemmWorkspaceBytes, true, false, m, n,
+                    k, dy.data_ptr(), x.data_ptr(), gemm_operands(dy.dtype()), dw.data_ptr(), false, true);
+        }
+        cs.launched("gemm_weight_grad", {dy, x, dw, dbias, scratch, partial});
+    }
+
     // cuBLASLt's DGELU epilogue where it has a kernel; else the product and gelu_backward's kernel in place.
     void gemm_gelu_backward(Stream & s, const Tensor & a, bool trans_a, const Tensor & b, bool trans_b,
                             const Tensor & pre, const Tensor & dx) override {

@@ -64,9 +64,10 @@ struct Preference {
 };
 
 // The epilogues this file runs (cuBLASLt's names without the prefix).
-enum class Epilogue { none, bias, gelu_aux, gelu_aux_bias, dgelu };
+enum class Epilogue { none, bias, gelu_aux, gelu_aux_bias, dgelu, bgradb };
 
-bool has_bias(Epilogue e) { return e == Epilogue::bias || e == Epilogue::gelu_aux_bias; }
+// The bias pointer: the bias added, or (BGRADB) the bias gradient written.
+bool has_bias(Epilogue e) { return e == Epilogue::bias || e == Epilogue::gelu_aux_bias || e == Epilogue::bgradb; }
 bool has_aux(Epilogue e) { return e == Epilogue::gelu_aux || e == Epilogue::gelu_aux_bias || e == Epilogue::dgelu; }
 
 cublasLtEpilogue_t lt_epilogue(Epilogue e) {
@@ -76,6 +77,7 @@ cublasLtEpilogue_t lt_epilogue(Epilogue e) {
         case Epilogue::gelu_aux: return CUBLASLT_EPILOGUE_GELU_AUX;
         case Epilogue::gelu_aux_bias: return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
         case Epilogue::dgelu: return CUBLASLT_EPILOGUE_DGELU;
+        case Epilogue::bgradb: return CUBLASLT_EPILOGUE_BGRADB;
     }
     return CUBLASLT_EPILOGUE_DEFAULT;
 }
@@ -115,7 +117,8 @@ struct LtPlan {
         if (has_bias(epilogue)) {
             // D (n, m) column-major: the bias runs along D's n rows, broadcast over its m columns, i.e. one
             // value per output feature of Loom's (m, n). Its type is f32 (added to the f32 accumulator), stated
-            // rather than defaulted.
+            // rather than defaulted. BGRADB's gradient runs along D's m columns instead: one value per row of
+            // Loom's c, the sum over k of cuBLASLt's B (Loom's a), f32 as D.
             const int32_t bias_type = CUDA_R_32F;
             LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                              &bias_values, sizeof(bias_values)));
@@ -297,6 +300,20 @@ bool gemm_dgelu_lt(int device_index, cudaStream_t stream, void * workspace, size
     plan.run(handle, stream, workspace, workspace_bytes, a, b, c, /*accumulate=*/false, nullptr, pre);
     std::lock_guard<std::mutex> lock(g_plans_mutex);
     ++g_plan_stats.dgelu_epilogues;
+    return true;
+}
+
+bool gemm_bgradb_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,
+                    bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab,
+                    float * c, bool accumulate, float * bias_grad) {
+    if (m == 0 || n == 0 || k == 0) return false;
+    cublasLtHandle_t handle = lt_handle(device_index);
+    LtPlan & plan = plan_for(device_index, handle, workspace_bytes, trans_a, trans_b, m, n, k, a, b, ab, c, false,
+                             Epilogue::bgradb, bias_grad);
+    if (!plan.found) return false;
+    plan.run(handle, stream, workspace, workspace_bytes, a, b, c, accumulate, bias_grad);
+    std::lock_guard<std::mutex> lock(g_plans_mutex);
+    ++g_plan_stats.bgrad_epilogues;
     return true;
 }
 

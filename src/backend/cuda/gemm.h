@@ -53,6 +53,13 @@ bool gemm_gelu_lt(int device_index, cudaStream_t stream, void * workspace, size_
                   bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab,
                   const float * bias, void * pre, void * c, bool c_bf16);
 
+// c (m, n) = op(a) op(b) (+= with accumulate; c f32) and bias_grad (m, f32) = the sums over k of op(a)'s rows,
+// written, in cuBLASLt's order (CUBLASLT_EPILOGUE_BGRADB: cuBLASLt's B is Loom's a). Returns false, having run
+// nothing, where cuBLASLt has no kernel for it (k = 0, alignments).
+bool gemm_bgradb_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,
+                    bool trans_b, int64_t m, int64_t n, int64_t k, const void * a, const void * b, GemmOperands ab,
+                    float * c, bool accumulate, float * bias_grad);
+
 // c (m, n) = (op(a) op(b)) * gelu'(pre), pre (m, n) of c's type read by the epilogue (CUBLASLT_EPILOGUE_DGELU).
 // Returns false, having run nothing, where cuBLASLt has no kernel for it (as gemm_gelu_lt).
 bool gemm_dgelu_lt(int device_index, cudaStream_t stream, void * workspace, size_t workspace_bytes, bool trans_a,

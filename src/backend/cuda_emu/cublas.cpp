@@ -14,7 +14,8 @@
 // gelu(sum) of the f32 sum; DGELU gives D = sum * gelu'(aux). GELU is the tanh approximation,
 // 0.5 v (1 + tanh(sqrt(2/pi) (v + 0.044715 v^3))), in f32 with std::tanh. As cuBLASLt, the auxiliary matrix
 // takes D's type and layout with its own leading dimension, a multiple of 8 elements no less than D's rows,
-// and a 16-byte aligned pointer; other epilogues are not emulated (no algorithm).
+// and a 16-byte aligned pointer. BGRADB writes the bias gradient, op(B)'s sums over k (one per column of D,
+// in k order in f32), to the bias pointer (f32 or D's type). Other epilogues are not emulated (no algorithm).
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
@@ -125,6 +126,7 @@ struct Product {
     size_t         ldd;
     const void *   bias;   // m values (one per row of D) or null
     cudaDataType_t bias_type;
+    void *         bias_grad;   // BGRADB's output: n values (one per column of D), of bias_type
     enum class Gelu { none, forward, backward } gelu = Gelu::none;   // GELU_AUX(_BIAS), DGELU
     const void *   aux;    // written by forward (through a const_cast: the descriptor holds one pointer type)
     cudaDataType_t aux_type;
@@ -157,6 +159,7 @@ void run_product(const Product & p) {
         check_accessible(p, p.c, n == 0 ? 0 : ((n - 1) * p.ldc + m) * element_size(p.c_type), "input C");
     }
     if (p.bias != nullptr) check_accessible(p, p.bias, m * element_size(p.bias_type), "the bias");
+    if (p.bias_grad != nullptr) check_accessible(p, p.bias_grad, n * element_size(p.bias_type), "the bias gradient");
     if (p.gelu != Product::Gelu::none) {
         check_accessible(p, p.aux, n == 0 ? 0 : ((n - 1) * p.aux_ld + m) * element_size(p.aux_type),
                          "the epilogue's auxiliary matrix");
@@ -182,6 +185,14 @@ void run_product(const Product & p) {
             } else {
                 b[col * k + row] = v;
             }
+        }
+    }
+
+    if (p.bias_grad != nullptr) {
+        for (size_t j = 0; j < n; ++j) {
+            float sum = 0.0f;
+            for (size_t q = 0; q < k; ++q) sum = sum + b[j * k + q];
+            store(p.bias_grad, p.bias_type, j, sum);
         }
     }
 
@@ -266,7 +277,10 @@ cublasStatus_t lt_shape(const LtMatmulDesc & desc, const LtMatrixLayout & A, con
     return CUBLAS_STATUS_SUCCESS;
 }
 
-bool has_bias(cublasLtEpilogue_t e) { return e == CUBLASLT_EPILOGUE_BIAS || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS; }
+// The bias pointer: read (BIAS, GELU_AUX_BIAS) or written (BGRADB).
+bool has_bias(cublasLtEpilogue_t e) {
+    return e == CUBLASLT_EPILOGUE_BIAS || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS || e == CUBLASLT_EPILOGUE_BGRADB;
+}
 bool has_aux(cublasLtEpilogue_t e) {
     return e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS || e == CUBLASLT_EPILOGUE_DGELU;
 }
@@ -581,6 +595,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t lightHandle, cublasLtMatmulDesc_t
     }
     if (!epilogue_operands_valid(desc, *Ddesc)) return CUBLAS_STATUS_INVALID_VALUE;
     if (has_aux(desc.epilogue) && alignment_of(desc.aux) < kKernelAlignment) return CUBLAS_STATUS_INVALID_VALUE;
+    if (has_bias(desc.epilogue) && alignment_of(desc.bias) < kKernelAlignment) return CUBLAS_STATUS_INVALID_VALUE;
     if (C != D && Cdesc->ld != Ddesc->ld) return CUBLAS_STATUS_NOT_SUPPORTED;   // in-place needs one layout
     // An algorithm chose its kernel for the alignments the preference declared: pointers (and columns) less
     // aligned than that are a misaligned access on a GPU.
@@ -607,8 +622,12 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t lightHandle, cublasLtMatmulDesc_t
     p.c = C, p.c_type = Cdesc->type, p.ldc = static_cast<size_t>(Cdesc->ld);
     p.d = D, p.d_type = Ddesc->type, p.ldd = static_cast<size_t>(Ddesc->ld);
     if (has_bias(desc.epilogue)) {
-        p.bias      = desc.bias;
         p.bias_type = static_cast<cudaDataType_t>(desc.bias_type < 0 ? Ddesc->type : desc.bias_type);
+        if (desc.epilogue == CUBLASLT_EPILOGUE_BGRADB) {
+            p.bias_grad = const_cast<void *>(desc.bias);   // the descriptor holds one pointer type for both uses
+        } else {
+            p.bias = desc.bias;
+        }
     }
     if (has_aux(desc.epilogue)) {
         p.gelu     = desc.epilogue == CUBLASLT_EPILOGUE_DGELU ? Product::Gelu::backward : Product::Gelu::forward;

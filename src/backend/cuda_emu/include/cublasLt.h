@@ -62,6 +62,8 @@ enum cublasLtEpilogue_t : int {
     CUBLASLT_EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4,
     CUBLASLT_EPILOGUE_DGELU         = 64 | 128,
     CUBLASLT_EPILOGUE_DGELU_BGRAD   = 64 | 128 | 16,
+    CUBLASLT_EPILOGUE_BGRADA        = 256,
+    CUBLASLT_EPILOGUE_BGRADB        = 512,
 };
 
 enum cublasLtMatrixLayoutAttribute_t : int {
