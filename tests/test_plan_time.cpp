@@ -5,6 +5,7 @@
 #include "core/ops.h"
 #include "pipeline/timeline.h"
 #include "plan/cost_model.h"
+#include "plan/cpu_calibration.h"
 #include "plan/layout_search.h"
 #include "plan/meta_device.h"
 #include "plan/step_plan.h"
@@ -89,6 +90,16 @@ TEST(CostModel, RingCollectivesMoveNcclTestsBusBandwidth) {
         EXPECT_NE(std::string(e.what()).find("--gpu v100"), std::string::npos) << e.what();
         EXPECT_NE(std::string(e.what()).find("h100-80gb"), std::string::npos) << e.what();
     }
+}
+
+// `loom train` on a GPU plans its step on the GPU its device names: only the parts the table describes.
+TEST(CostModel, CudaProductNamesMapToThePlansGpus) {
+    const std::pair<const char *, const char *> names[] = {
+        {"NVIDIA H100 80GB HBM3", "h100-80gb"}, {"NVIDIA H200", "h200"},           {"NVIDIA A100-SXM4-80GB", "a100-80gb"},
+        {"NVIDIA B200", "b200"},                {"NVIDIA H100 PCIe", ""},          {"NVIDIA H100 NVL", ""},
+        {"NVIDIA H200 NVL", ""},                {"NVIDIA A100 80GB PCIe", ""},     {"NVIDIA A100-SXM4-40GB", ""},
+        {"Loom emulated device 0", ""},         {"", ""}};
+    for (const auto & [product, gpu] : names) EXPECT_EQ(plan::gpu_for_product(product), gpu) << product;
 }
 
 TEST(MetaClock, StreamsEventsAndHostWaitsOrderTheModelledTime) {
@@ -384,6 +395,33 @@ TEST(LoomPlanCli, TimesTheStepAsJsonAndRefusesWhatItCannotHonour) {
     CliRun unknown = run_loom("plan " + model + " --gpu v100");
     EXPECT_EQ(unknown.status, 2);
     EXPECT_NE(unknown.out.find("--gpu v100"), std::string::npos) << unknown.out;
+    EXPECT_NE(unknown.out.find("or cpu (this machine)"), std::string::npos) << unknown.out;
+}
+
+// --gpu cpu: this machine's rates, measured by Loom's kernels, plan a step here. The rates are whatever the
+// machine gives (not asserted beyond being rates); the plan built on them times every op of the iteration.
+TEST(LoomPlanCli, GpuCpuMeasuresThisMachineAndTimesTheStepOnIt) {
+    const plan::CpuCalibration c = plan::calibrate_cpu();
+    EXPECT_EQ(c.spec.name, "cpu");
+    for (double rate : {c.spec.tensor_16bit_flops, c.spec.tf32_flops, c.spec.hbm_bytes_per_s}) {
+        EXPECT_TRUE(std::isfinite(rate) && rate > 0) << rate;
+    }
+    EXPECT_GT(c.efficiency.attention, 0.0);
+    EXPECT_LE(c.efficiency.attention, 1.0);
+    EXPECT_GT(c.efficiency.launch_s, 0.0);
+    EXPECT_GT(c.spec.memory_bytes, int64_t{1} << 30);
+    std::printf("this machine: bf16 GEMM %.1f GFLOP/s, f32 GEMM %.1f GFLOP/s, memory %.1f GB/s, attention at %.2f of "
+                "the bf16 GEMM's rate, %.1f us per op; measured in %.3f s\n",
+                c.spec.tensor_16bit_flops / 1e9, c.spec.tf32_flops / 1e9, c.spec.hbm_bytes_per_s / 1e9,
+                c.efficiency.attention, c.efficiency.launch_s * 1e6, c.seconds);
+    CliRun plan = run_loom("plan --mock-data --num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 128 "
+                           "--max-position-embeddings 128 --micro-batch-size 2 --vocab-size 512 --gpu cpu --json",
+                           "2>/dev/null");
+    ASSERT_EQ(plan.status, 0) << plan.out;
+    const auto json = nlohmann::json::parse(plan.out);
+    EXPECT_EQ(json.at("gpu").get<std::string>(), "cpu");
+    EXPECT_GT(json.at("step_seconds").get<double>(), 0.0);
+    EXPECT_TRUE(json.at("stages").at(0).at("ops").contains("attention_forward"));
 }
 
 TEST(LoomTrainCli, PrintsItsPlanBesideTheAllocatorsFigures) {
@@ -403,4 +441,14 @@ TEST(LoomTrainCli, PrintsItsPlanBesideTheAllocatorsFigures) {
         << run.out;
     EXPECT_NEAR(std::stod(m[1].str()) / std::stod(m[2].str()), 1.0, 0.03);
     EXPECT_NE(run.out.find("loom plan predicted for this rank"), std::string::npos);
+    // On the CPU the plan also times the step on this machine: printed at the start, and at the end beside the
+    // measured median (their ratio is a benchmark's business: bench/plan_vs_cpu.sh).
+    ASSERT_TRUE(std::regex_search(run.out, m, std::regex("loom plan predicts for rank 0: a step of ([0-9.]+) s on this machine")))
+        << run.out;
+    const std::string predicted = m[1].str();
+    ASSERT_TRUE(std::regex_search(run.out, m, std::regex("step time: measured ([0-9.]+) s .* loom plan predicted ([0-9.]+) s")))
+        << run.out;
+    EXPECT_GT(std::stod(m[1].str()), 0.0);
+    EXPECT_EQ(m[2].str(), predicted);
+    EXPECT_GT(std::stod(predicted), 0.0);
 }

@@ -14,6 +14,7 @@
 #include "apps/loom/commands.h"
 
 #include "core/error.h"
+#include "plan/cpu_calibration.h"
 #include "plan/layout_search.h"
 #include "plan/memory_plan.h"
 #include "plan/step_plan.h"
@@ -78,7 +79,7 @@ struct PlanCommand {
         app.add_option("--gpus-per-node", gpus_per_node, "devices per node: world size = nodes x gpus-per-node (default 1)");
         app.add_option("--ranks", ranks_text, "the ranks to plan: all (default) or a comma-separated list");
         app.add_flag("--json", json, "print the plan as JSON");
-        app.add_option("--gpu", gpu, "time the step on this GPU: h100-80gb, h200, a100-80gb or b200 (default: memory only)");
+        app.add_option("--gpu", gpu, "time the step on this GPU: h100-80gb, h200, a100-80gb or b200, or cpu (this machine, its rates measured first) (default: memory only)");
         app.add_option("--nvlink-gbps", nvlink_gbps, "NVLink bandwidth per GPU, one direction, GB/s (default: the GPU's)");
         app.add_option("--network-gbps", network_gbps, "network bandwidth per GPU, one direction, GB/s (default: the GPU's)");
         app.add_flag("--search", search, "with --gpu: plan every layout (TP, PP, VPP, CP, micro-batch, recompute) and "
@@ -101,10 +102,11 @@ void refuse_searched_flags(int argc, char ** argv) {
 
 int search(const PlanCommand & command, const train::TrainOptions & base, int argc, char ** argv) {
     const int       world = static_cast<int>(command.nodes * command.gpus_per_node);
-    plan::GpuSpec   spec  = plan::gpu_spec(command.gpu);
-    if (command.nvlink_gbps > 0) spec.nvlink_bytes_per_s = command.nvlink_gbps * 1e9;
-    if (command.network_gbps > 0) spec.network_bytes_per_s = command.network_gbps * 1e9;
-    const plan::CostModel costs(spec, static_cast<int>(command.gpus_per_node), base.model.params_dtype);
+    plan::PlannedDevice device = plan::planned_device(command.gpu);
+    if (command.nvlink_gbps > 0) device.spec.nvlink_bytes_per_s = command.nvlink_gbps * 1e9;
+    if (command.network_gbps > 0) device.spec.network_bytes_per_s = command.network_gbps * 1e9;
+    const plan::CostModel costs(device.spec, static_cast<int>(command.gpus_per_node), base.model.params_dtype,
+                                device.efficiency);
     auto options_for = [&](const plan::Layout & layout) {
         PlanCommand               again;
         std::vector<std::string>  args(argv, argv + argc);
@@ -186,10 +188,10 @@ int cmd_plan(int argc, char ** argv) {
     std::optional<plan::StepPlan> step;
     std::optional<plan::CostModel> costs;
     if (!gpu.empty()) {
-        plan::GpuSpec spec = plan::gpu_spec(gpu);
-        if (nvlink_gbps > 0) spec.nvlink_bytes_per_s = nvlink_gbps * 1e9;
-        if (network_gbps > 0) spec.network_bytes_per_s = network_gbps * 1e9;
-        costs.emplace(spec, static_cast<int>(gpus_per_node), options.model.params_dtype);
+        plan::PlannedDevice device = plan::planned_device(gpu);
+        if (nvlink_gbps > 0) device.spec.nvlink_bytes_per_s = nvlink_gbps * 1e9;
+        if (network_gbps > 0) device.spec.network_bytes_per_s = network_gbps * 1e9;
+        costs.emplace(device.spec, static_cast<int>(gpus_per_node), options.model.params_dtype, device.efficiency);
         step = plan::plan_step(options, static_cast<int>(world), *costs);
         if (!timeline_file.empty()) pipeline::write_file_atomically(timeline_file, pipeline::timeline_svg(step->timeline));
     }
@@ -275,7 +277,7 @@ int cmd_plan(int argc, char ** argv) {
     std::printf("most loaded: rank %d, %.1f MiB\n", most.rank, mib(most.device_peak_total()));
     if (!step) return 0;
     const plan::GpuSpec & g = costs->gpu();
-    std::printf("\non %lld x %s (%.0f TFLOP/s, %.2f TB/s, NVLink %.0f GB/s, network %.0f GB/s per GPU):\n",
+    std::printf("\non %lld x %s (%.3g TFLOP/s, %.3g TB/s, NVLink %.0f GB/s, network %.0f GB/s per GPU):\n",
                 static_cast<long long>(world), g.name.c_str(), costs->tensor_core_flops() / 1e12, g.hbm_bytes_per_s / 1e12,
                 g.nvlink_bytes_per_s / 1e9, g.network_bytes_per_s / 1e9);
     if (most.device_peak_total() > costs->usable_memory_bytes()) {

@@ -23,13 +23,16 @@
 #include "data/gpt_dataset.h"
 #include "ddp/layout.h"
 #include "parallel/process_groups.h"
+#include "plan/cpu_calibration.h"
 #include "plan/memory_plan.h"
+#include "plan/step_plan.h"
 #include "train/data_source.h"
 #include "train/setup.h"
 #include "train/trainer.h"
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
@@ -38,7 +41,23 @@ namespace loom::app {
 
 namespace {
 
-void print_summary(const train::TrainSummary & s, Device & where, const std::optional<plan::RankMemory> & planned) {
+// What `loom plan` predicts for this run's rank 0: its memory, and on the CPU its step (`loom plan --gpu cpu`:
+// this machine's rates, measured before the run).
+struct Planned {
+    plan::RankMemory      memory;
+    std::optional<double> step_s;
+};
+
+// The median of the steps after the warm-up iterations (the first two), or of all where there are no more.
+double median_step(std::vector<double> steps) {
+    if (steps.size() > 2) steps.erase(steps.begin(), steps.begin() + 2);
+    std::sort(steps.begin(), steps.end());
+    return steps.empty() ? 0.0 : steps[steps.size() / 2];
+}
+
+void print_summary(const train::TrainSummary & s, Device & where, const std::optional<Planned> & plan_of_run) {
+    const std::optional<plan::RankMemory> planned = plan_of_run ? std::optional<plan::RankMemory>(plan_of_run->memory)
+                                                                : std::nullopt;
     if (s.losses.empty()) {
         std::printf("\ntraining summary: no iterations to run (the checkpoint is at --train-iters already)\n");
         return;
@@ -65,6 +84,12 @@ void print_summary(const train::TrainSummary & s, Device & where, const std::opt
         std::printf("loom plan predicted for this rank: %.1f MiB held between iterations, %.1f MiB at an iteration's "
                     "peak (the data and evaluation not counted)\n",
                     planned->device_total() / 1048576.0, planned->device_peak_total() / 1048576.0);
+    }
+    if (plan_of_run && plan_of_run->step_s) {
+        std::printf("step time: measured %.4f s (the median of %zu iterations' steps after the first two), loom plan "
+                    "predicted %.4f s (x%.2f)\n",
+                    median_step(s.step_seconds), s.step_seconds.size() > 2 ? s.step_seconds.size() - 2 : s.step_seconds.size(),
+                    *plan_of_run->step_s, median_step(s.step_seconds) / *plan_of_run->step_s);
     }
     if (s.work_end) {   // the backend counts its host work (CUDA)
         const DeviceWork & w = *s.work_end;
@@ -219,11 +244,37 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
         comm::check_agreement(*mpi->world(), cpu::device(), read, "the ranks read different data");
     }
     // What `loom plan` predicts for this run's rank 0 (the same set-up and one iteration on the meta device),
-    // set beside the allocator's figures in the summary.
-    std::optional<plan::RankMemory> planned;
+    // set beside the allocator's figures in the summary; on the CPU with its step time on this machine.
+    std::optional<Planned> planned;
     if (out) {
         try {
-            planned = plan::plan_rank_memory(options, mpi ? mpi->world_size() : 1, 0);
+            const int world_size = mpi ? mpi->world_size() : 1;
+            // The step is planned on this machine's CPU, or on a GPU of the plan's table; the ranks of this
+            // launch share a node (mpirun's local size).
+            const std::string gpu = device.type() == DeviceType::cpu ? "cpu" : plan::gpu_for_product(device.product_name());
+            if (!gpu.empty()) {
+                const plan::PlannedDevice here = plan::planned_device(gpu);
+                int64_t per_node = world_size;
+                if (const char * local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) per_node = std::max(1L, std::atol(local));
+                const plan::CostModel costs(here.spec, static_cast<int>(per_node), options.model.params_dtype,
+                                            here.efficiency);
+                const plan::StepPlan  step = plan::plan_step(options, world_size, costs);
+                planned = Planned{step.stages.front(), step.step_s};
+                if (gpu == "cpu") {
+                    std::printf("loom plan predicts for rank 0: a step of %.4f s on this machine (loom plan --gpu cpu: "
+                                "%.3g GFLOP/s GEMMs, %.3g GB/s memory, measured now), %.1f MiB held, %.1f MiB at the "
+                                "iteration's peak\n",
+                                step.step_s, costs.tensor_core_flops() / 1e9, here.spec.hbm_bytes_per_s / 1e9,
+                                planned->memory.device_total() / 1048576.0, planned->memory.device_peak_total() / 1048576.0);
+                } else {
+                    std::printf("loom plan predicts for rank 0: a step of %.4f s on this %s (loom plan --gpu %s), %.1f MiB "
+                                "held, %.1f MiB at the iteration's peak\n",
+                                step.step_s, device.product_name().c_str(), gpu.c_str(),
+                                planned->memory.device_total() / 1048576.0, planned->memory.device_peak_total() / 1048576.0);
+                }
+            } else {
+                planned = Planned{plan::plan_rank_memory(options, world_size, 0), std::nullopt};
+            }
         } catch (const Error & e) {
             std::printf("loom train: no plan of this run's memory: %s\n", e.message().c_str());
         } catch (const std::exception & e) {   // the plan is advice: it never stops the run

@@ -103,6 +103,9 @@ public:
     // What name() calls the device: its type's name, or a backend's own ("cuda-emu" for the emulated GPU,
     // whose type is cuda: it runs the CUDA backend).
     virtual const char * kind_name() const { return device_type_name(type()); }
+    // The hardware's own name where the backend knows it (CUDA: cudaDeviceProp::name, "NVIDIA H100 80GB
+    // HBM3"), else empty.
+    virtual std::string product_name() const { return {}; }
 
     virtual Allocator & allocator(MemoryKind kind = MemoryKind::device) = 0;
     virtual std::unique_ptr<Stream> stream_create(const std::string & name) = 0;

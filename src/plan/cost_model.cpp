@@ -48,7 +48,17 @@ const GpuSpec & gpu_spec(const std::string & name) {
     }
     std::ostringstream choices;
     for (const std::string & n : gpu_names()) choices << (choices.tellp() > 0 ? ", " : "") << n;
-    LOOM_THROW("--gpu " << name << " is not a GPU loom plan knows", "choose one of " << choices.str());
+    LOOM_THROW("--gpu " << name << " is not a GPU loom plan knows", "choose one of " << choices.str() << ", or cpu (this machine)");
+}
+
+std::string gpu_for_product(const std::string & product) {
+    auto has = [&](const char * part) { return product.find(part) != std::string::npos; };
+    if (has("PCIe") || has("NVL")) return {};
+    if (has("H100") && has("80GB")) return "h100-80gb";
+    if (has("H200")) return "h200";
+    if (has("A100") && has("80GB")) return "a100-80gb";
+    if (has("B200")) return "b200";
+    return {};
 }
 
 CostModel::CostModel(GpuSpec gpu, int gpus_per_node, DType math, Efficiencies efficiency)

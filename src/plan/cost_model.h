@@ -57,6 +57,10 @@ struct Efficiencies {
 // --gpu's names: h100-80gb, h200, a100-80gb, b200. Throws naming the value and the choices otherwise.
 const GpuSpec &          gpu_spec(const std::string & name);
 std::vector<std::string> gpu_names();
+// The --gpu name of a CUDA device by its product name (cudaDeviceProp::name): the SXM parts of the table,
+// "NVIDIA H100 80GB HBM3" -> h100-80gb, "NVIDIA H200" -> h200, "NVIDIA A100-SXM4-80GB" -> a100-80gb,
+// "NVIDIA B200" -> b200. Empty for anything else (PCIe and NVL variants have other clocks and memory).
+std::string gpu_for_product(const std::string & product);
 
 enum class CollectiveKind { all_reduce, reduce_scatter, all_gather, all_to_all, broadcast, point_to_point };
 

@@ -718,7 +718,9 @@ TrainSummary Trainer::run(FILE * out) {
     for (int64_t k = iteration_ + 1; k <= options_.train_iters; ++k) {
         if (profiled && k - 1 == options_.profile_step_start) Profiler::start();   // Megatron's window
         IterationStats stats;
-        const double   loss = step(stats);
+        const auto     step_start = std::chrono::steady_clock::now();
+        const double   loss       = step(stats);
+        summary.step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count());
         if (Profiler::active() && k == options_.profile_step_end) write_profile(rank, k);
         summary.losses.push_back(loss);
         if (static_cast<int64_t>(summary.losses.size()) == warmup_iterations) summary.work_warm = model_.device().work();

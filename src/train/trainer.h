@@ -57,6 +57,7 @@ struct TrainSummary {
     double              tokens_per_second = 0;
     double              tflops            = 0;
     double              seconds           = 0;
+    std::vector<double> step_seconds;   // each iteration's step (forward, backward, optimizer), host wall time
     // The device's counted work (Device::work, where its backend counts) after the warm-up iterations (the
     // first two, and with layer graphs those up to the capture) and at the end, and the iterations between.
     std::optional<DeviceWork> work_warm, work_end;

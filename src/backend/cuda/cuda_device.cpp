@@ -146,6 +146,10 @@ public:
     DeviceType   type() const override { return DeviceType::cuda; }
     int          index() const override { return index_; }
     const char * kind_name() const override { return LOOM_CUDA_DEVICE_KIND; }
+    std::string  product_name() const override {
+        cudaDeviceProp prop{};
+        return cudaGetDeviceProperties(&prop, index_) == cudaSuccess ? std::string(prop.name) : std::string();
+    }
 
     Allocator & allocator(MemoryKind kind) override {
         return kind == MemoryKind::device ? device_memory_ : pinned_memory_;
