@@ -173,6 +173,18 @@ void gemm_into_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
     const int64_t             block = std::clamp<int64_t>(kScratchBytes / (n * 4), 1, m);
     thread_local std::vector<float> part;
     part.resize(static_cast<size_t>(block * n));
+    // 16-bit operands this CPU multiplies as f32 are widened once here, not once per block of rows (B whole
+    // each time: for a vocabulary's logits, a dozen times over).
+    if (ab_dtype == DType::f16 || (ab_dtype == DType::bf16 && !gemm_bf16_native())) {
+        thread_local std::vector<float> wide_a, wide_b;
+        wide_a.resize(static_cast<size_t>(m * k));
+        wide_b.resize(static_cast<size_t>(k * n));
+        convert_parallel(a, ab_dtype, wide_a.data(), DType::f32, m * k);
+        convert_parallel(b, ab_dtype, wide_b.data(), DType::f32, k * n);
+        a        = wide_a.data();
+        b        = wide_b.data();
+        ab_dtype = DType::f32;
+    }
     const size_t   elem  = dtype_size(ab_dtype);
     const int64_t  a_ld  = trans_a ? m : k;
     uint16_t *     out   = static_cast<uint16_t *>(c);
