@@ -87,6 +87,6 @@ within = 0
 for source, name, predicted, published, j in rows:
     ratio = predicted / published
     within += abs(ratio - 1) <= 0.15
-    print(f"{source:10s} {name:34s} {predicted:10.1f} {published:10.1f} {ratio:6.2f} {j['bubble_fraction']:7.1%} "
+    print(f"{source:10s} {name:34s} {predicted:10.2f} {published:10.2f} {ratio:6.2f} {j['bubble_fraction']:7.1%} "
           f"{j['peak_bytes'] / 2**30:9.1f}")
 print(f"within 15% of the published figure: {within} of {len(rows)}")

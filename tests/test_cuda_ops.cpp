@@ -2,7 +2,8 @@
 // when a test compares it with its CPU twin). Every op runs on the same random inputs on cpu:0 and cuda:0 and the
 // results are compared element-wise with the tolerance stated next to each test:
 //   exact (bitwise)     copy, copy_columns, fill_zero, convert, round_to_bf16, scale, add_inplace, bias_add,
-//                       AdamW (the same IEEE operations in the same order, explicit fma on both sides)
+//                       AdamW and multi-tensor AdamW (the same IEEE operations in the same order, explicit fma
+//                       on both sides)
 //   1e-5 x max(1, |ref|) norms forward and backward, GELU/SwiGLU (tanh/exp differ by a few ulp)
 //   exact (bitwise)     bias_backward, dbeta (f32 sums over rows in core/column_sums.h's order on both)
 //   1e-5 / 1e-3 x sum |a_ik b_kj|   GEMM with f32 / bf16 operands (f32 accumulation in another order);
@@ -609,6 +610,25 @@ TEST(CudaOps, SumOfSquaresHiPlusLoIsTheCpusDoubleSum) {
     EXPECT_EQ(got.data<float>()[0], static_cast<float>(gpu_sum)) << "out[0] is the sum rounded to f32";
 }
 
+// sum_of_squares_multi: 70 tensors (two launches' worth of 64), empty ones and ones of several chunks among
+// them: every pair is bitwise the single-tensor op's on the device (the same chunks, trees and order), so the
+// gradient norm keeps its bits.
+TEST(CudaOps, SumOfSquaresMultiGivesEachTensorsPairBitwise) {
+    SKIP_WITHOUT_CUDA();
+    std::vector<Tensor> xs;
+    for (int t = 0; t < 70; ++t) {
+        const int64_t n = t % 17 == 5 ? 0 : t == 7 ? 2 * (int64_t{1} << 16) + 77 : (t * 7919) % 20011 + 1;
+        xs.push_back(to_gpu(random_cpu({std::max<int64_t>(n, 1)}, 2400 + t, 1.5f)).slice(0, {n}));
+    }
+    Tensor multi = Tensor::empty({2 * 70}, DType::f32, gpu()), single = Tensor::empty({2 * 70}, DType::f32, gpu());
+    gops().sum_of_squares_multi(gs(), xs, multi);
+    for (size_t t = 0; t < xs.size(); ++t) gops().sum_of_squares(gs(), xs[t], single.slice(static_cast<int64_t>(2 * t), {2}));
+    expect_bitwise(to_cpu(single), to_cpu(multi), "sum_of_squares_multi against sum_of_squares, tensor by tensor");
+    const Tensor pairs = to_cpu(multi);
+    EXPECT_EQ(pairs.data<float>()[2 * 5], 0.0f) << "an empty tensor's sum";
+    EXPECT_GT(pairs.data<float>()[2 * 7], 0.0f);
+}
+
 TEST(CudaOps, AdamWFiveStepsGiveTheCpusBitsWithBf16F32AndNoOutput) {
     SKIP_WITHOUT_CUDA();
     const int64_t n = 100003;
@@ -631,6 +651,51 @@ TEST(CudaOps, AdamWFiveStepsGiveTheCpusBitsWithBf16F32AndNoOutput) {
         expect_bitwise(mc, to_cpu(mg), "adamw " + what + ": m");
         expect_bitwise(vc, to_cpu(vg), "adamw " + what + ": v");
         if (kind) expect_bitwise(oc, to_cpu(og), "adamw " + what + ": out");
+    }
+}
+
+// adamw_multi: 30 tensors (two launches of up to 24), of sizes from 0 to a few thousand, each with its own
+// learning rate, weight decay and output (none, bf16, f32), two steps: every tensor's master, m, v and output
+// bitwise what the CPU's adamw gives tensor by tensor (the multi-tensor kernel shares the per-element code).
+TEST(CudaOps, AdamWMultiGivesTheCpusBitsTensorByTensor) {
+    SKIP_WITHOUT_CUDA();
+    struct One { Tensor p, m, v, out, pg, mg, vg, og; AdamStep a; };
+    std::vector<One> all;
+    for (int t = 0; t < 30; ++t) {
+        const int64_t n   = t == 3 ? 0 : (t * 977) % 4099 + 1;
+        const DType   out = t % 3 == 1 ? DType::bf16 : DType::f32;
+        One           o;
+        o.p = random_cpu({n}, 2000 + t);
+        o.m = random_cpu({n}, 2100 + t, 0.1f);
+        o.v = random_cpu({n}, 2200 + t, 0.01f);
+        for (int64_t i = 0; i < n; ++i) o.v.data<float>()[i] = std::fabs(o.v.data<float>()[i]);
+        o.pg  = to_gpu(o.p);
+        o.mg  = to_gpu(o.m);
+        o.vg  = to_gpu(o.v);
+        o.out = t % 3 == 0 ? Tensor() : cpu_tensor({n}, out);
+        o.og  = t % 3 == 0 ? Tensor() : Tensor::empty({n}, out, gpu());
+        o.a   = AdamStep{1e-3f * static_cast<float>(1 + t % 4), 0.9f, 0.95f, 1e-8f, t % 2 ? 0.0f : 0.1f, 0};
+        all.push_back(std::move(o));
+    }
+    for (int64_t step = 1; step <= 2; ++step) {
+        std::vector<AdamwTensors> entries;
+        for (size_t t = 0; t < all.size(); ++t) {
+            One &  o = all[t];
+            Tensor g = random_cpu({o.p.numel()}, 2300 + 31 * step + static_cast<uint64_t>(t), 0.5f);
+            o.a.step = step;
+            cops().adamw(cs(), o.p, g, o.m, o.v, o.out, o.a);
+            entries.push_back({o.pg, to_gpu(g), o.mg, o.vg, o.og, o.a});
+        }
+        gops().adamw_multi(gs(), entries);
+    }
+    cs().synchronize();
+    for (size_t t = 0; t < all.size(); ++t) {
+        const One &       o    = all[t];
+        const std::string what = "adamw_multi tensor " + std::to_string(t);
+        expect_bitwise(o.p, to_cpu(o.pg), what + ": master");
+        expect_bitwise(o.m, to_cpu(o.mg), what + ": m");
+        expect_bitwise(o.v, to_cpu(o.vg), what + ": v");
+        if (o.out.defined()) expect_bitwise(o.out, to_cpu(o.og), what + ": out");
     }
 }
 

@@ -21,6 +21,7 @@
 #include "core/tensor.h"
 
 #include <cstdint>
+#include <span>
 #include <string>
 
 namespace loom {
@@ -80,6 +81,12 @@ struct AdamStep {
     float   eps;
     float   weight_decay;
     int64_t step;
+};
+
+// One tensor's AdamW in a multi-tensor step (Ops::adamw_multi): adamw's arguments.
+struct AdamwTensors {
+    Tensor   master, grad, m, v, out;
+    AdamStep step;
 };
 
 // ---- Mixture of Experts (model/moe/router.h and model/moe/token_dispatcher.h give the math and layouts)
@@ -299,6 +306,11 @@ public:
     // the rest (out[0] + out[1] equals the double sum to about 1e-14). The sum is taken in double over
     // fixed chunks added in order, so its bits do not depend on the thread count.
     virtual void sum_of_squares(Stream & s, const Tensor & x, const Tensor & out) = 0;
+    // sum_of_squares of each xs[i] into out[2 i .. 2 i + 1] (out: 2 xs.size() f32). Its contract is that loop
+    // (this default); a backend may run many tensors in one launch, each pair with sum_of_squares' bits.
+    virtual void sum_of_squares_multi(Stream & s, std::span<const Tensor> xs, const Tensor & out) {
+        for (size_t i = 0; i < xs.size(); ++i) sum_of_squares(s, xs[i], out.slice(static_cast<int64_t>(2 * i), {2}));
+    }
 
     // ---- Mixture of Experts. Router: logits (n, E) f32; top_idx (n, k) i32; probs (n, k) f32.
     // Each token's k experts by descending score (ties toward the lower expert) and their probabilities.
@@ -351,6 +363,12 @@ public:
     // `out` defined (n elements, bf16 or f32), the updated master is also written there in out's dtype.
     virtual void adamw(Stream & s, const Tensor & master, const Tensor & grad, const Tensor & m, const Tensor & v,
                        const Tensor & out, const AdamStep & step) = 0;
+    // adamw on each entry, in order (the entries' tensors are disjoint). Its contract is that loop (this
+    // default); a backend may run many entries in one launch, each element's arithmetic unchanged (the bits
+    // of adamw).
+    virtual void adamw_multi(Stream & s, std::span<const AdamwTensors> entries) {
+        for (const AdamwTensors & e : entries) adamw(s, e.master, e.grad, e.m, e.v, e.out, e.step);
+    }
 };
 
 }  // namespace loom

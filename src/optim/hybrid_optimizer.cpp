@@ -218,21 +218,29 @@ void HybridDeviceOptimizer::step(float lr, Stream * current, std::optional<float
     }
 
     // 3. The device part, on the caller's stream: after whatever produced or cast the gradients (hazard a).
+    // One multi-tensor AdamW over the slots (a few launches on a GPU), then the f16 values' rounding passes.
+    std::vector<AdamwTensors> device_part;
+    std::vector<size_t>       rounded;   // f16 values: the master steps, then a rounding pass writes them
     for (size_t i = 0; i < slots_.size(); ++i) {
         const SlotInfo & s = slots_[i];
         if (s.offloaded || !has_grad[i]) continue;
         const int64_t n = s.slot.values.numel();
         if (s.master >= 0 && s.slot.values.dtype() == DType::bf16) {   // the f32 master steps, the values get it rounded
-            ops.adamw(cur, dev_master_.slice(s.master, {n}), s.slot.grad, dev_m_.slice(s.state, {n}),
-                      dev_v_.slice(s.state, {n}), s.slot.values, args(s.slot));
-        } else if (s.master >= 0) {   // f16 values: the master steps, then a rounding pass writes them
-            ops.adamw(cur, dev_master_.slice(s.master, {n}), s.slot.grad, dev_m_.slice(s.state, {n}),
-                      dev_v_.slice(s.state, {n}), Tensor(), args(s.slot));
-            ops.convert(cur, dev_master_.slice(s.master, {n}), s.slot.values);
+            device_part.push_back({dev_master_.slice(s.master, {n}), s.slot.grad, dev_m_.slice(s.state, {n}),
+                                   dev_v_.slice(s.state, {n}), s.slot.values, args(s.slot)});
+        } else if (s.master >= 0) {
+            device_part.push_back({dev_master_.slice(s.master, {n}), s.slot.grad, dev_m_.slice(s.state, {n}),
+                                   dev_v_.slice(s.state, {n}), Tensor(), args(s.slot)});
+            rounded.push_back(i);
         } else {               // f32 values are their own master
-            ops.adamw(cur, s.slot.values, s.slot.grad, dev_m_.slice(s.state, {n}), dev_v_.slice(s.state, {n}), Tensor(),
-                      args(s.slot));
+            device_part.push_back({s.slot.values, s.slot.grad, dev_m_.slice(s.state, {n}), dev_v_.slice(s.state, {n}),
+                                   Tensor(), args(s.slot)});
         }
+    }
+    ops.adamw_multi(cur, device_part);
+    for (size_t i : rounded) {
+        const SlotInfo & s = slots_[i];
+        ops.convert(cur, dev_master_.slice(s.master, {s.slot.values.numel()}), s.slot.values);
     }
 
     // 4. Host groups in order: wait for the gradients, step, copy the values back on h2d.

@@ -37,15 +37,16 @@ double norm_on(Device & device, const std::vector<GradView> & views, const NormG
     // count, and no reduction of partial sums on the device.
     int64_t counted = 0;
     for (const GradView & v : views) counted += v.counted ? 1 : 0;
-    Tensor  sums = Tensor::zeros({2 * std::max<int64_t>(counted, 1)}, DType::f32, device);
-    int64_t k    = 0;
+    Tensor              sums = Tensor::zeros({2 * std::max<int64_t>(counted, 1)}, DType::f32, device);
+    std::vector<Tensor> grads;
     for (const GradView & v : views) {
-        if (v.counted) device.ops().sum_of_squares(stream, v.grad, sums.slice(2 * k++, {2}));
+        if (v.counted) grads.push_back(v.grad);
     }
+    device.ops().sum_of_squares_multi(stream, grads, sums.slice(0, {2 * counted}));
     const Tensor  host  = read_after_stream(sums);   // the step's one read of the gradients
     const float * pairs = host.data<float>();
     double        dense = 0, expert = 0;
-    k                   = 0;
+    int64_t       k     = 0;
     for (const GradView & v : views) {
         if (!v.counted) continue;
         const double sq = static_cast<double>(pairs[2 * k]) + static_cast<double>(pairs[2 * k + 1]);

@@ -256,6 +256,14 @@ public:
     }
     void scale(Stream & s, const Tensor & t, float factor) override { memory(s, "scale", bytes_of({&t, &t})); }
     void sum_of_squares(Stream & s, const Tensor & x, const Tensor & out) override { memory(s, "sum_of_squares", bytes_of({&x})); }
+    // The CUDA backend's launches: 64 tensors each (kernels::kSquaresMultiTensors).
+    void sum_of_squares_multi(Stream & s, std::span<const Tensor> xs, const Tensor & out) override {
+        for (size_t first = 0; first < xs.size(); first += 64) {
+            double bytes = 0;
+            for (size_t t = first; t < std::min(xs.size(), first + 64); ++t) bytes += bytes_of({&xs[t]});
+            memory(s, "sum_of_squares", bytes);
+        }
+    }
     void moe_topk(Stream & s, const Tensor & logits, const MoeRouting & routing, const Tensor & top_idx, const Tensor & probs) override {
         route_round_robin(top_idx, probs, 0, routing.experts);
         memory(s, "moe_topk", bytes_of({&logits, &top_idx, &probs}));
@@ -293,6 +301,17 @@ public:
     }
     void adamw(Stream & s, const Tensor & master, const Tensor & grad, const Tensor & m, const Tensor & v, const Tensor & out, const AdamStep & step) override {
         memory(s, "adamw", bytes_of({&master, &master, &grad, &m, &m, &v, &v, &out}));
+    }
+    // The CUDA backend's launches: 24 tensors each (kernels::kAdamMultiTensors).
+    void adamw_multi(Stream & s, std::span<const AdamwTensors> entries) override {
+        for (size_t first = 0; first < entries.size(); first += 24) {
+            double bytes = 0;
+            for (size_t t = first; t < std::min(entries.size(), first + 24); ++t) {
+                const AdamwTensors & e = entries[t];
+                bytes += bytes_of({&e.master, &e.master, &e.grad, &e.m, &e.m, &e.v, &e.v, &e.out});
+            }
+            memory(s, "adamw", bytes);
+        }
     }
 
 private:

@@ -178,6 +178,25 @@ GemmOperands gemm_operands(DType dtype) {
     return dtype == DType::bf16 ? GemmOperands::bf16 : dtype == DType::f16 ? GemmOperands::f16 : GemmOperands::f32;
 }
 
+// The scalars of core's adam_scalars, the host kernel's own.
+kernels::AdamCoeffs adam_coeffs(const AdamStep & a) {
+    const AdamScalars   sc = adam_scalars(a.lr, a.beta1, a.beta2, a.weight_decay, a.step);
+    kernels::AdamCoeffs c;
+    c.beta1           = a.beta1;
+    c.beta2           = a.beta2;
+    c.one_minus_beta1 = sc.one_minus_beta1;
+    c.one_minus_beta2 = sc.one_minus_beta2;
+    c.step_size       = sc.step_size;
+    c.bc2_sqrt        = sc.bc2_sqrt;
+    c.eps             = a.eps;
+    c.decay           = sc.decay;
+    return c;
+}
+
+kernels::AdamOut adam_out(const Tensor & out) {
+    return !out.defined() ? kernels::AdamOut::none : out.dtype() == DType::bf16 ? kernels::AdamOut::bf16 : kernels::AdamOut::f32;
+}
+
 class CudaOps final : public Ops {
 public:
     OpSupport supports(const OpQuery & query) const override { return cuda_supports(query); }
@@ -693,6 +712,36 @@ public:
         cs.launched("sum_of_squares", {x, out, partial});
     }
 
+    // kernels::kSquaresMultiTensors tensors per pair of launches: GPT-2's 148 gradients in 6 launches, not 296.
+    void sum_of_squares_multi(Stream & s, std::span<const Tensor> xs, const Tensor & out) override {
+        LOOM_CHECK(out.dtype() == DType::f32 && out.numel() == 2 * static_cast<int64_t>(xs.size()),
+                   "sum_of_squares_multi: out is " << out.describe() << " for " << xs.size() << " tensors",
+                   "out holds a (hi, lo) f32 pair per tensor");
+        for (size_t first = 0; first < xs.size(); first += kernels::kSquaresMultiTensors) {
+            const size_t          count = std::min<size_t>(kernels::kSquaresMultiTensors, xs.size() - first);
+            const Tensor          pairs = out.slice(static_cast<int64_t>(2 * first), {static_cast<int64_t>(2 * count)});
+            kernels::SquaresMulti args;
+            std::vector<Tensor>   held{pairs};
+            args.chunk_begin[0] = 0;
+            for (size_t t = 0; t < count; ++t) {
+                const Tensor & x = xs[first + t];
+                op_checks::sum_of_squares(x, pairs.slice(static_cast<int64_t>(2 * t), {2}));
+                args.x[t]               = f32(x);
+                args.n[t]               = x.numel();
+                args.chunk_begin[t + 1] = args.chunk_begin[t] + kernels::sum_of_squares_chunks(x.numel());
+                held.push_back(x);
+            }
+            args.count          = static_cast<int>(count);
+            CudaStream &  cs     = start(s, "sum_of_squares_multi", held);
+            Tensor        partial = Tensor::empty({std::max<int64_t>(args.chunk_begin[count], 1)}, DType::i64, cs.device(),
+                                                  TensorOptions{MemoryKind::device, kActivationsPool});
+            kernels::sum_of_squares_multi(cs.launch("sum_of_squares_multi"), args,
+                                          static_cast<double *>(partial.data_ptr()), f32(pairs));
+            held.push_back(partial);
+            cs.launched("sum_of_squares_multi", std::move(held));
+        }
+    }
+
     // ---- Mixture of Experts (moe_kernels.h)
     void moe_topk(Stream & s, const Tensor & logits, const MoeRouting & r, const Tensor & top_idx,
                   const Tensor & probs) override {
@@ -817,26 +866,36 @@ public:
 
     void adamw(Stream & s, const Tensor & master, const Tensor & grad, const Tensor & m, const Tensor & v,
                const Tensor & out, const AdamStep & a) override {
-        const int64_t n = op_checks::adamw(master, grad, m, v, out, a);
-        // The scalars of core's adam_scalars, the host kernel's own.
-        const AdamScalars   sc = adam_scalars(a.lr, a.beta1, a.beta2, a.weight_decay, a.step);
-        kernels::AdamCoeffs c;
-        c.beta1           = a.beta1;
-        c.beta2           = a.beta2;
-        c.one_minus_beta1 = sc.one_minus_beta1;
-        c.one_minus_beta2 = sc.one_minus_beta2;
-        c.step_size       = sc.step_size;
-        c.bc2_sqrt        = sc.bc2_sqrt;
-        c.eps             = a.eps;
-        c.decay           = sc.decay;
-        const kernels::AdamOut kind = !out.defined()              ? kernels::AdamOut::none
-                                      : out.dtype() == DType::bf16 ? kernels::AdamOut::bf16
-                                                                   : kernels::AdamOut::f32;
-        std::vector<Tensor> held{master, grad, m, v, out};
-        CudaStream &        cs = start(s, "adamw", held);
+        const int64_t             n = op_checks::adamw(master, grad, m, v, out, a);
+        const kernels::AdamCoeffs c = adam_coeffs(a);
+        std::vector<Tensor>       held{master, grad, m, v, out};
+        CudaStream &              cs = start(s, "adamw", held);
         kernels::adamw(cs.launch("adamw"), f32(master), f32(grad), f32(m), f32(v), out.defined() ? out.data_ptr() : nullptr,
-                       kind, n, c);
+                       adam_out(out), n, c);
         cs.launched("adamw", std::move(held));
+    }
+
+    // kernels::kAdamMultiTensors entries per launch: GPT-2's 148 tensors in 7 launches, not 148.
+    void adamw_multi(Stream & s, std::span<const AdamwTensors> entries) override {
+        for (size_t first = 0; first < entries.size(); first += kernels::kAdamMultiTensors) {
+            const size_t        count = std::min<size_t>(kernels::kAdamMultiTensors, entries.size() - first);
+            kernels::AdamMulti  args;
+            std::vector<Tensor> held;
+            args.begin[0] = 0;
+            for (size_t t = 0; t < count; ++t) {
+                const AdamwTensors & e = entries[first + t];
+                const int64_t        n = op_checks::adamw(e.master, e.grad, e.m, e.v, e.out, e.step);
+                args.entries[t] = kernels::AdamMultiEntry{f32(e.master), f32(e.grad), f32(e.m), f32(e.v),
+                                                          e.out.defined() ? e.out.data_ptr() : nullptr, adam_out(e.out),
+                                                          adam_coeffs(e.step)};
+                args.begin[t + 1] = args.begin[t] + n;
+                held.insert(held.end(), {e.master, e.grad, e.m, e.v, e.out});
+            }
+            args.count      = static_cast<int>(count);
+            CudaStream & cs = start(s, "adamw_multi", held);
+            kernels::adamw_multi(cs.launch("adamw_multi"), args);
+            cs.launched("adamw_multi", std::move(held));
+        }
     }
 
 private:

@@ -183,22 +183,53 @@ dim3 column_sum_grid(int64_t h, int64_t chunks) {
 
 // ---- Sum of squares
 
-__global__ void sum_of_squares_chunks_kernel(const float * x, int64_t n, double * partial) {
-    const int64_t begin = blockIdx.x * kChunk;
+// One chunk's sum of squares, by the calling block: the single-tensor and multi-tensor kernels share it.
+__device__ inline double chunk_sum_of_squares(const float * x, int64_t n, int64_t chunk) {
+    const int64_t begin = chunk * kChunk;
     const int64_t end   = min(n, begin + kChunk);
     double        s     = 0;
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) s += static_cast<double>(x[i]) * x[i];
-    s = block_sum(s);
-    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+    return block_sum(s);
 }
 
-__global__ void sum_of_squares_total_kernel(const double * partial, int64_t chunks, float * out) {
-    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+// The partials of one tensor added in chunk order, written as the (hi, lo) pair.
+__device__ inline void chunks_total(const double * partial, int64_t chunks, float * out) {
     double total = 0;
     for (int64_t c = 0; c < chunks; ++c) total += partial[c];
     const float hi = static_cast<float>(total);
     out[0]         = hi;
     out[1]         = static_cast<float>(total - static_cast<double>(hi));
+}
+
+__global__ void sum_of_squares_chunks_kernel(const float * x, int64_t n, double * partial) {
+    const double s = chunk_sum_of_squares(x, n, blockIdx.x);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+__global__ void sum_of_squares_total_kernel(const double * partial, int64_t chunks, float * out) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    chunks_total(partial, chunks, out);
+}
+
+__global__ void sum_of_squares_multi_chunks_kernel(SquaresMulti tensors, double * partial) {
+    const int64_t c  = blockIdx.x;
+    int           lo = 0, hi = tensors.count - 1;   // the last tensor whose chunks start at or before c
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (tensors.chunk_begin[mid] <= c) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    const double s = chunk_sum_of_squares(tensors.x[lo], tensors.n[lo], c - tensors.chunk_begin[lo]);
+    if (threadIdx.x == 0) partial[c] = s;
+}
+
+__global__ void sum_of_squares_multi_total_kernel(SquaresMulti tensors, const double * partial, float * out) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= tensors.count) return;
+    chunks_total(partial + tensors.chunk_begin[t], tensors.chunk_begin[t + 1] - tensors.chunk_begin[t], out + 2 * t);
 }
 
 // ---- Norms
@@ -368,19 +399,39 @@ __global__ void swiglu_backward_kernel(const T * x, const T * dy, T * dx, int64_
 
 // ---- AdamW: core/host_adam.cpp's adam_element, operation for operation.
 
+// One element's AdamW: the single-tensor and the multi-tensor kernels share it, so their bits are one.
+__device__ inline void adam_element(float * p, const float * g, float * m, float * v, void * out, AdamOut out_kind,
+                                    int64_t i, const AdamCoeffs & c) {
+    const float gi = g[i];
+    const float mi = __fmaf_rn(c.beta1, m[i], __fmul_rn(c.one_minus_beta1, gi));
+    const float vi = __fmaf_rn(c.beta2, v[i], __fmul_rn(__fmul_rn(c.one_minus_beta2, gi), gi));
+    const float q  = __fdiv_rn(__fmul_rn(c.step_size, mi), __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), c.bc2_sqrt), c.eps));
+    const float pi = __fmaf_rn(p[i], c.decay, -q);
+    m[i]           = mi;
+    v[i]           = vi;
+    p[i]           = pi;
+    if (out_kind == AdamOut::bf16) static_cast<uint16_t *>(out)[i] = f32_to_bf16_bits(pi);
+    if (out_kind == AdamOut::f32) static_cast<float *>(out)[i] = pi;
+}
+
 __global__ void adamw_kernel(float * p, const float * g, float * m, float * v, void * out, AdamOut out_kind,
                              int64_t n, AdamCoeffs c) {
-    LOOM_GRID_STRIDE(i, n) {
-        const float gi = g[i];
-        const float mi = __fmaf_rn(c.beta1, m[i], __fmul_rn(c.one_minus_beta1, gi));
-        const float vi = __fmaf_rn(c.beta2, v[i], __fmul_rn(__fmul_rn(c.one_minus_beta2, gi), gi));
-        const float q  = __fdiv_rn(__fmul_rn(c.step_size, mi), __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), c.bc2_sqrt), c.eps));
-        const float pi = __fmaf_rn(p[i], c.decay, -q);
-        m[i]           = mi;
-        v[i]           = vi;
-        p[i]           = pi;
-        if (out_kind == AdamOut::bf16) static_cast<uint16_t *>(out)[i] = f32_to_bf16_bits(pi);
-        if (out_kind == AdamOut::f32) static_cast<float *>(out)[i] = pi;
+    LOOM_GRID_STRIDE(i, n) adam_element(p, g, m, v, out, out_kind, i, c);
+}
+
+__global__ void adamw_multi_kernel(AdamMulti tensors) {
+    LOOM_GRID_STRIDE(i, tensors.begin[tensors.count]) {
+        int lo = 0, hi = tensors.count - 1;   // the last tensor whose range starts at or before i
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (tensors.begin[mid] <= i) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        const AdamMultiEntry & e = tensors.entries[lo];
+        adam_element(e.p, e.g, e.m, e.v, e.out, e.out_kind, i - tensors.begin[lo], e.c);
     }
 }
 
@@ -631,6 +682,15 @@ void sum_of_squares(cudaStream_t stream, const float * x, int64_t n, double * pa
     LOOM_LAUNCH(sum_of_squares_total_kernel, 1, 32, 0, stream)(partial, chunks, out);
 }
 
+void sum_of_squares_multi(cudaStream_t stream, const SquaresMulti & tensors, double * partial, float * out) {
+    if (tensors.count == 0) return;
+    const int64_t chunks = tensors.chunk_begin[tensors.count];
+    if (chunks > 0) {
+        LOOM_LAUNCH(sum_of_squares_multi_chunks_kernel, static_cast<unsigned>(chunks), kThreads, 0, stream)(tensors, partial);
+    }
+    LOOM_LAUNCH(sum_of_squares_multi_total_kernel, 1, kSquaresMultiTensors, 0, stream)(tensors, partial, out);
+}
+
 namespace {
 
 // Threads for a kernel that reduces one row of h per block: a whole number of warps, at most kThreads. A
@@ -733,6 +793,11 @@ void swiglu_backward(cudaStream_t stream, const T * x, const T * dy, T * dx, int
 void adamw(cudaStream_t stream, float * p, const float * g, float * m, float * v, void * out, AdamOut out_kind,
            int64_t n, const AdamCoeffs & c) {
     if (n > 0) LOOM_LAUNCH(adamw_kernel, blocks_for(n), kThreads, 0, stream)(p, g, m, v, out, out_kind, n, c);
+}
+
+void adamw_multi(cudaStream_t stream, const AdamMulti & tensors) {
+    const int64_t total = tensors.begin[tensors.count];
+    if (total > 0) LOOM_LAUNCH(adamw_multi_kernel, blocks_for(total), kThreads, 0, stream)(tensors);
 }
 
 void find_bad_id(cudaStream_t stream, const int32_t * ids, int64_t n, int64_t limit, unsigned long long * first_bad) {

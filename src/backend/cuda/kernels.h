@@ -53,6 +53,17 @@ int64_t sum_of_squares_chunks(int64_t n);
 // out[0] = the double sum of x^2 rounded to f32, out[1] = the rest. Partial sums per chunk of 2^16 elements
 // (a block each, tree-reduced in double), then added in chunk order by one thread.
 void sum_of_squares(cudaStream_t stream, const float * x, int64_t n, double * partial, float * out);
+// sum_of_squares of up to kSquaresMultiTensors tensors in two launches, passed by value: block c of the first
+// sums chunk c - chunk_begin[t] of the tensor t whose chunks hold it (the single kernel's chunk and tree),
+// thread t of the second adds tensor t's partials in order into out[2 t], out[2 t + 1].
+constexpr int kSquaresMultiTensors = 64;
+struct SquaresMulti {
+    const float * x[kSquaresMultiTensors];
+    int64_t       n[kSquaresMultiTensors];
+    int64_t       chunk_begin[kSquaresMultiTensors + 1];   // chunk_begin[count]: every tensor's chunks
+    int           count = 0;
+};
+void sum_of_squares_multi(cudaStream_t stream, const SquaresMulti & tensors, double * partial, float * out);
 
 // Norms, one block per row, row statistics in double as the CPU's. residual may be null (else x += residual
 // first, written back); beta may be null; mean is null for RMSNorm.
@@ -95,6 +106,25 @@ struct AdamCoeffs {
 enum class AdamOut : int { none, f32, bf16 };
 void adamw(cudaStream_t stream, float * p, const float * g, float * m, float * v, void * out, AdamOut out_kind,
            int64_t n, const AdamCoeffs & c);
+// Up to kAdamMultiTensors tensors' AdamW in one launch, passed by value (about 2.5 KB of the 4 KB a kernel's
+// parameters may take): thread i steps element i - begin[t] of the tensor t whose range holds it, with
+// adamw's arithmetic and that tensor's coefficients.
+constexpr int kAdamMultiTensors = 24;
+struct AdamMultiEntry {
+    float *       p;
+    const float * g;
+    float *       m;
+    float *       v;
+    void *        out;
+    AdamOut       out_kind;
+    AdamCoeffs    c;
+};
+struct AdamMulti {
+    AdamMultiEntry entries[kAdamMultiTensors];
+    int64_t        begin[kAdamMultiTensors + 1];   // begin[t]: the first element of tensor t; begin[count]: the total
+    int            count = 0;
+};
+void adamw_multi(cudaStream_t stream, const AdamMulti & tensors);
 
 // ---- Ids, rotary embedding, dropout, embedding, cross-entropy (twins of backend/cpu/ops.cpp and of the
 // inline kernels of backend/cpu/cpu_ops.cpp). Ids (tokens, labels) outside [-1, limit) are read as -1 by
