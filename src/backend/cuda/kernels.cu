@@ -211,17 +211,24 @@ __global__ void sum_of_squares_total_kernel(const double * partial, int64_t chun
     chunks_total(partial, chunks, out);
 }
 
-__global__ void sum_of_squares_multi_chunks_kernel(SquaresMulti tensors, double * partial) {
-    const int64_t c  = blockIdx.x;
-    int           lo = 0, hi = tensors.count - 1;   // the last tensor whose chunks start at or before c
+// The last of `count` ranges, starting at begin[0] <= begin[1] <= ..., that starts at or before i: the range
+// holding i (an empty range shares its start with the next, which wins).
+__device__ inline int range_of(const int64_t * begin, int count, int64_t i) {
+    int lo = 0, hi = count - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) / 2;
-        if (tensors.chunk_begin[mid] <= c) {
+        if (begin[mid] <= i) {
             lo = mid;
         } else {
             hi = mid - 1;
         }
     }
+    return lo;
+}
+
+__global__ void sum_of_squares_multi_chunks_kernel(SquaresMulti tensors, double * partial) {
+    const int64_t c  = blockIdx.x;
+    const int     lo = range_of(tensors.chunk_begin, tensors.count, c);
     const double s = chunk_sum_of_squares(tensors.x[lo], tensors.n[lo], c - tensors.chunk_begin[lo]);
     if (threadIdx.x == 0) partial[c] = s;
 }
@@ -421,16 +428,8 @@ __global__ void adamw_kernel(float * p, const float * g, float * m, float * v, v
 
 __global__ void adamw_multi_kernel(AdamMulti tensors) {
     LOOM_GRID_STRIDE(i, tensors.begin[tensors.count]) {
-        int lo = 0, hi = tensors.count - 1;   // the last tensor whose range starts at or before i
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            if (tensors.begin[mid] <= i) {
-                lo = mid;
-            } else {
-                hi = mid - 1;
-            }
-        }
-        const AdamMultiEntry & e = tensors.entries[lo];
+        const int              lo = range_of(tensors.begin, tensors.count, i);
+        const AdamMultiEntry & e  = tensors.entries[lo];
         adam_element(e.p, e.g, e.m, e.v, e.out, e.out_kind, i - tensors.begin[lo], e.c);
     }
 }
