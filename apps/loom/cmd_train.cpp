@@ -41,8 +41,8 @@ namespace loom::app {
 
 namespace {
 
-// What `loom plan` predicts for this run's rank 0: its memory, and on the CPU its step (`loom plan --gpu cpu`:
-// this machine's rates, measured before the run).
+// What `loom plan` predicts for this run's rank 0: its memory, and its step on this machine's CPU (`loom plan
+// --gpu cpu`: the rates measured before the run) or on a GPU of the plan's table (by the device's name).
 struct Planned {
     plan::RankMemory      memory;
     std::optional<double> step_s;
@@ -244,7 +244,7 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
         comm::check_agreement(*mpi->world(), cpu::device(), read, "the ranks read different data");
     }
     // What `loom plan` predicts for this run's rank 0 (the same set-up and one iteration on the meta device),
-    // set beside the allocator's figures in the summary; on the CPU with its step time on this machine.
+    // set beside the allocator's figures in the summary, with its step where the plan knows the device.
     std::optional<Planned> planned;
     if (out) {
         try {
