@@ -699,6 +699,84 @@ TEST(CudaOps, AdamWMultiGivesTheCpusBitsTensorByTensor) {
     }
 }
 
+// The step decided on the device (optim::Optimizer::step_gated): grad_norm_gate's clip factor, go flag and
+// norm, on both backends, bitwise what the host computes from the same (hi, lo) pairs in double (the dense
+// pairs, then the experts', added; the norm's square root; max_norm / (norm + 1e-6) below 1); a NaN
+// gradient pair or an infinite loss pair closes the gate. adamw_multi_gated then obeys it: a closed gate
+// changes nothing, an open one scales each gradient by the factor (Ops::scale's bits) and steps as adamw.
+TEST(CudaOps, TheGradNormGateDecidesTheStepAsTheHostWould) {
+    SKIP_WITHOUT_CUDA();
+    const GradNormGate layout{5, 3, 2, 0.0f};
+    struct Case { float max_norm; int bad; };   // bad: 0 none, 1 a NaN gradient pair, 2 an infinite loss pair
+    for (const Case c : {Case{0.5f, 0}, Case{1e6f, 0}, Case{0.0f, 0}, Case{0.5f, 1}, Case{0.5f, 2}}) {
+        const std::string what = "max_norm " + std::to_string(c.max_norm) + ", case " + std::to_string(c.bad);
+        Tensor pairs = random_cpu({20}, 4100, 3.0f);
+        for (int64_t k = 0; k < 20; k += 2) {   // (hi, lo): a sum of squares and its small remainder
+            pairs.data<float>()[k] = std::fabs(pairs.data<float>()[k]);
+            pairs.data<float>()[k + 1] *= 1e-7f;
+        }
+        if (c.bad == 1) pairs.data<float>()[6] = NAN;
+        if (c.bad == 2) pairs.data<float>()[18] = INFINITY;
+        GradNormGate g = layout;
+        g.max_norm     = c.max_norm;
+        // The host's arithmetic, written out.
+        double dense = 0, expert = 0;
+        for (int k = 0; k < 5; ++k) dense += double(pairs.data<float>()[2 * k]) + double(pairs.data<float>()[2 * k + 1]);
+        for (int k = 5; k < 8; ++k) expert += double(pairs.data<float>()[2 * k]) + double(pairs.data<float>()[2 * k + 1]);
+        const double norm  = std::sqrt(dense + expert);
+        const double ratio = c.max_norm / (norm + 1e-6);
+        const float  coeff = c.max_norm > 0 && std::isfinite(norm) && ratio < 1.0 ? static_cast<float>(ratio) : 1.0f;
+        const bool   go    = c.bad == 0;
+        Tensor gate_c = cpu_tensor({2}), norm_c = cpu_tensor({1}, DType::f64);
+        Tensor gate_g = Tensor::zeros({2}, DType::f32, gpu()), norm_g = Tensor::zeros({1}, DType::f64, gpu());
+        cops().grad_norm_gate(cs(), pairs, g, gate_c, norm_c);
+        gops().grad_norm_gate(gs(), to_gpu(pairs), g, gate_g, norm_g);
+        cs().synchronize();
+        Tensor gate_back = to_cpu(gate_g), norm_back = to_cpu(norm_g);
+        for (const Tensor * gate : {&gate_c, &gate_back}) {
+            EXPECT_EQ(gate->data<float>()[1], go ? 1.0f : 0.0f) << what;
+            if (go) EXPECT_EQ(std::memcmp(gate->data<float>(), &coeff, sizeof(float)), 0) << what << ": " << gate->data<float>()[0];
+        }
+        if (c.bad != 1) {
+            EXPECT_EQ(std::memcmp(norm_c.data<double>(), &norm, sizeof(double)), 0) << what;
+            EXPECT_EQ(std::memcmp(norm_back.data<double>(), &norm, sizeof(double)), 0) << what;
+        }
+        if (c.max_norm == 0.5f && go) EXPECT_LT(coeff, 1.0f) << "the case clips";
+
+        // Three tensors (one in a second dtype of output) stepped through the gate the GPU computed.
+        std::vector<AdamwTensors> host, device;
+        std::vector<Tensor>       p0;
+        for (int t = 0; t < 3; ++t) {
+            const int64_t n = 1000 + 333 * t;
+            Tensor p = random_cpu({n}, 4200 + t), m = random_cpu({n}, 4210 + t, 0.1f), v = random_cpu({n}, 4220 + t, 0.01f);
+            for (int64_t i = 0; i < n; ++i) v.data<float>()[i] = std::fabs(v.data<float>()[i]);
+            Tensor grad = random_cpu({n}, 4230 + t, 0.5f);
+            Tensor out  = t == 1 ? cpu_tensor({n}, DType::bf16) : Tensor();
+            const AdamStep a{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3};
+            device.push_back({to_gpu(p), to_gpu(grad), to_gpu(m), to_gpu(v), t == 1 ? Tensor::zeros({n}, DType::bf16, gpu()) : Tensor(), a});
+            p0.push_back(clone_cpu(p));
+            host.push_back({p, grad, m, v, out, a});
+        }
+        gops().adamw_multi_gated(gs(), device, gate_g);
+        if (go) {
+            for (const AdamwTensors & e : host) {
+                cops().scale(cs(), e.grad, coeff);
+                cops().adamw(cs(), e.master, e.grad, e.m, e.v, e.out, e.step);
+            }
+        }
+        cs().synchronize();
+        for (size_t t = 0; t < host.size(); ++t) {
+            const std::string tensor = what + ", tensor " + std::to_string(t);
+            expect_bitwise(host[t].master, to_cpu(device[t].master), tensor + ": master");
+            expect_bitwise(host[t].grad, to_cpu(device[t].grad), tensor + ": grad");
+            expect_bitwise(host[t].m, to_cpu(device[t].m), tensor + ": m");
+            expect_bitwise(host[t].v, to_cpu(device[t].v), tensor + ": v");
+            if (go && host[t].out.defined()) expect_bitwise(host[t].out, to_cpu(device[t].out), tensor + ": out");
+            if (!go) expect_bitwise(p0[t], to_cpu(device[t].master), tensor + ": untouched");
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------- Rotary embedding, dropout
 
 TEST(CudaOps, PartialInterleavedRopeMatchesTheCpu) {

@@ -358,6 +358,33 @@ TEST(LoomTrain, ANanLossEndsTheRunWithExitOneUnlessTheCheckIsOff) {
     EXPECT_NE(skipped.out.find("number of nan iterations:   3 |"), std::string::npos) << skipped.out;
 }
 
+// Logging every 4th iteration, iteration 2's loss is read while iteration 3's forward and backward are
+// already enqueued (the step decided on the device: trainer.h's deferrable_). The NaN is found one
+// iteration late, yet the run does what the synchronous one does: iteration 2 reruns in place (iteration 3
+// dropped, the gate having left iteration 2's step undone), exits 16 and saves byte for byte the same
+// checkpoint; with --rerun-mode disabled the message names iteration 2.
+TEST(LoomTrain, ANanLossReadAnIterationLateEndsTheRunAsOneReadAtOnce) {
+    char              dir_template[] = "/tmp/loom_late_nan_XXXXXX";
+    const std::string dir            = mkdtemp(dir_template);
+    const std::string diverging      = "train --mock-data --train-iters 4 --lr 1e30 --lr-warmup-iters 0 ";
+    std::string       err;
+    EXPECT_EQ(run_status(diverging + "--log-interval 1 --save " + dir + "/at_once", &err), 16) << err;
+    EXPECT_EQ(run_status(diverging + "--log-interval 4 --save " + dir + "/late", &err), 16) << err;
+    EXPECT_NE(err.find("iteration #2: First rerun: unexpected result is reproducible within the tolerance (nan = nan)"),
+              std::string::npos) << err;
+    for (const char * file : {"index.json", "rank_00000.safetensors"}) {
+        auto bytes = [&](const std::string & run) {
+            std::ifstream in(dir + "/" + run + "/iter_0000001/" + file, std::ios::binary);
+            return std::string(std::istreambuf_iterator<char>(in), {});
+        };
+        EXPECT_FALSE(bytes("late").empty()) << file;
+        EXPECT_EQ(bytes("at_once"), bytes("late")) << file << " differs";
+    }
+    EXPECT_EQ(run_status(diverging + "--log-interval 4 --rerun-mode disabled", &err), 1) << err;
+    EXPECT_NE(err.find("in micro-batch 0 of iteration 2"), std::string::npos) << err;
+    std::filesystem::remove_all(dir);
+}
+
 // The rerun state machine by itself (train/rerun.h), on one rank: each of Megatron's diagnoses and exit
 // statuses, and its state through a checkpoint.
 namespace {

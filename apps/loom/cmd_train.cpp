@@ -99,10 +99,10 @@ void print_summary(const train::TrainSummary & s, Device & where, const std::opt
         if (s.iterations_after_warmup > 0) {
             const DeviceWork & a = *s.work_warm;
             const double       n = static_cast<double>(s.iterations_after_warmup);
-            std::printf("; per iteration after warm-up: %.2f host synchronisations, %.2f device allocations, %.2f "
-                        "heuristic queries",
-                        (w.host_syncs - a.host_syncs) / n, (w.device_allocations - a.device_allocations) / n,
-                        (w.heuristic_queries - a.heuristic_queries) / n);
+            std::printf("; per iteration after warm-up: %.2f host synchronisations, %.2f late reads, %.2f device "
+                        "allocations, %.2f heuristic queries",
+                        (w.host_syncs - a.host_syncs) / n, (w.late_reads - a.late_reads) / n,
+                        (w.device_allocations - a.device_allocations) / n, (w.heuristic_queries - a.heuristic_queries) / n);
         }
         std::printf("\n");
     }

@@ -91,6 +91,7 @@ protected:
 // plans they went through with the heuristic queries that made them.
 struct DeviceWork {
     int64_t host_syncs = 0, device_allocations = 0, gemms = 0, gemm_plans = 0, heuristic_queries = 0;
+    int64_t late_reads = 0;   // waits for an event with more work enqueued behind it (not host_syncs)
 };
 
 class Device {

@@ -648,4 +648,13 @@ inline int64_t adamw(const Tensor & master, const Tensor & grad, const Tensor & 
     return n;
 }
 
+// grad_norm_gate's tensors: 2 (dense + expert + losses) f32 pairs, a 2-f32 gate and a 1-f64 norm.
+inline void grad_norm_gate(const Tensor & pairs, const GradNormGate & g, const Tensor & gate, const Tensor & norm) {
+    LOOM_CHECK(g.dense >= 0 && g.expert >= 0 && g.losses >= 0,
+               "grad_norm_gate: " << g.dense << " dense, " << g.expert << " expert and " << g.losses << " loss pairs", "");
+    expect(pairs, DType::f32, 2 * (g.dense + g.expert + g.losses), "grad_norm_gate", "pairs");
+    expect(gate, DType::f32, 2, "grad_norm_gate", "gate");
+    expect(norm, DType::f64, 1, "grad_norm_gate", "norm");
+}
+
 }  // namespace loom::op_checks

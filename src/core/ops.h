@@ -17,6 +17,7 @@
 // op against a double-precision host reference at every dispatch level, and a later backend joins it.
 #pragma once
 
+#include "core/grad_norm_gate.h"
 #include "core/positions.h"
 #include "core/tensor.h"
 
@@ -369,6 +370,14 @@ public:
     virtual void adamw_multi(Stream & s, std::span<const AdamwTensors> entries) {
         for (const AdamwTensors & e : entries) adamw(s, e.master, e.grad, e.m, e.v, e.out, e.step);
     }
+    // The gradient norm's decision on the stream (core/grad_norm_gate.h's grad_norm_verdict of `pairs`, f32,
+    // laid out as `g` says): gate (f32, 2) <- {clip factor, 1 if the optimizer steps else 0}, norm (f64, 1)
+    // <- the norm. No host reads anything: adamw_multi_gated reads the gate.
+    virtual void grad_norm_gate(Stream & s, const Tensor & pairs, const GradNormGate & g, const Tensor & gate,
+                                const Tensor & norm) = 0;
+    // adamw_multi decided on the device: where gate[1] (f32) is 0 nothing is written; else each entry's grad
+    // is first multiplied in place by gate[0] (the clip factor; the same bits as Ops::scale), then adamw_multi.
+    virtual void adamw_multi_gated(Stream & s, std::span<const AdamwTensors> entries, const Tensor & gate) = 0;
 };
 
 }  // namespace loom

@@ -2,6 +2,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/grad_norm_gate.h"
 #include "core/host_adam.h"
 #include "core/thread_pool.h"
 
@@ -40,10 +41,6 @@ double group_sum(double value, comm::Communicator & group, Device & device) {
     return total;
 }
 
-float clip_coefficient(double norm, float max_norm) {
-    if (max_norm <= 0 || !std::isfinite(norm)) return 1.0f;
-    double coeff = max_norm / (norm + 1e-6);
-    return coeff < 1.0 ? static_cast<float>(coeff) : 1.0f;
-}
+float clip_coefficient(double norm, float max_norm) { return clip_factor(norm, max_norm); }
 
 }  // namespace loom::optim

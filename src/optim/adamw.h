@@ -39,8 +39,8 @@ void adamw_update(float * p, const float * g, float * m, float * v, int64_t n, f
 // value travels as an f32 pair (hi, lo) with hi + lo = value to ~1e-14, and every rank adds the gathered
 // pairs in rank order. `device` holds the small exchange tensors.
 double group_sum(double value, comm::Communicator & group, Device & device);
-// The factor gradients are scaled by: min(1, max_norm / (norm + 1e-6)), and 1 when clipping is off
-// (max_norm <= 0) or the norm is not finite.
+// The factor gradients are scaled by: core/grad_norm_gate.h's clip_factor (the one definition the device's
+// gate shares): min(1, max_norm / (norm + 1e-6)), and 1 when clipping is off or the norm is not finite.
 float  clip_coefficient(double norm, float max_norm);
 
 }  // namespace loom::optim

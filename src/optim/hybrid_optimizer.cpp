@@ -180,7 +180,9 @@ HybridSlotState HybridDeviceOptimizer::slot_state(int slot) const {
     return r;
 }
 
-void HybridDeviceOptimizer::step(float lr, Stream * current, std::optional<float> decoupled_lr) {
+void HybridDeviceOptimizer::step(float lr, Stream * current, std::optional<float> decoupled_lr, const Tensor & gate) {
+    LOOM_CHECK(!gate.defined() || groups_.empty(), "a step gated on the device with " << num_offloaded()
+                                                       << " slots offloaded to the host", "");
     ++step_;   // the one step counter (hazard d)
     const bool    overlap = options_.overlap_d2h_h2d;
     Ops &         ops     = device_.ops();
@@ -237,7 +239,11 @@ void HybridDeviceOptimizer::step(float lr, Stream * current, std::optional<float
                                    Tensor(), args(s.slot)});
         }
     }
-    ops.adamw_multi(cur, device_part);
+    if (gate.defined()) {
+        ops.adamw_multi_gated(cur, device_part, gate);
+    } else {
+        ops.adamw_multi(cur, device_part);
+    }
     for (size_t i : rounded) {
         const SlotInfo & s = slots_[i];
         ops.convert(cur, dev_master_.slice(s.master, {s.slot.values.numel()}), s.slot.values);

@@ -106,7 +106,13 @@ public:
     // One step with lr (weight decay from each slot). With `current`, the work is ordered on it and
     // anything submitted to it afterwards sees the updated values; without, the host sees them on return.
     // decoupled_lr: the lr of the slots marked decoupled_lr (default: lr).
-    void step(float lr, Stream * current = nullptr, std::optional<float> decoupled_lr = std::nullopt);
+    // gate: Ops::grad_norm_gate's (f32 {clip factor, go}) on the device, read by the update itself; the
+    // counter counts the step, and the caller calls skipped() once it learns the gate was closed. Only
+    // without offloaded slots (their host step would have to wait for the gate).
+    void step(float lr, Stream * current = nullptr, std::optional<float> decoupled_lr = std::nullopt,
+              const Tensor & gate = Tensor());
+    // A gated step the device skipped: the counter goes back, as if step() had not been called.
+    void skipped() { --step_; }
 
     // The gradient slot i reads from the next step on (undefined: none).
     void set_grad(int slot, Tensor grad);

@@ -136,6 +136,54 @@ StepResult Optimizer::step(float lr, std::optional<float> decoupled_lr, float gr
     return result;
 }
 
+bool Optimizer::gated_step_supported() const {
+    return !groups_.shard && !groups_.model_parallel && !groups_.expert_shard && !groups_.expert_model_parallel &&
+           state_->num_offloaded() == 0;
+}
+
+GatedStep Optimizer::step_gated(float lr, std::optional<float> decoupled_lr, std::span<const Tensor> losses) {
+    LOOM_CHECK(gated_step_supported(), "a step decided on the device over norm groups or offloaded slots", "");
+    Device & device = params_.front()->data.device();
+    Stream & stream = device.compute_stream();
+    Ops &    ops    = device.ops();
+    for (const auto & [narrow, wide] : widened_) ops.convert(stream, narrow, wide);
+    // The pairs in the order core/grad_norm_gate.h sums them: dense views, expert views, then the losses.
+    std::vector<Tensor> xs;
+    GradNormGate        g;
+    for (const bool expert : {false, true}) {
+        for (const GradView & v : views_) {
+            if (!v.counted || v.expert != expert) continue;
+            xs.push_back(v.grad);
+            ++(expert ? g.expert : g.dense);
+        }
+    }
+    xs.insert(xs.end(), losses.begin(), losses.end());
+    g.losses   = static_cast<int64_t>(losses.size());
+    g.max_norm = options_.clip_grad;
+    if (!gate_.defined()) {
+        gate_      = Tensor::zeros({2}, DType::f32, device);
+        norm_      = Tensor::zeros({1}, DType::f64, device);
+        host_gate_ = Tensor::zeros({2}, DType::f32, device, {MemoryKind::pinned_host});
+        host_norm_ = Tensor::zeros({1}, DType::f64, device, {MemoryKind::pinned_host});
+    }
+    const int64_t n     = static_cast<int64_t>(xs.size());
+    const Tensor  pairs = Tensor::empty({2 * std::max<int64_t>(n, 1)}, DType::f32, device).slice(0, {2 * n});
+    ops.sum_of_squares_multi(stream, xs, pairs);
+    ops.grad_norm_gate(stream, pairs, g, gate_, norm_);
+    state_->step(lr, &stream, decoupled_lr, gate_);
+    ops.copy(stream, gate_, host_gate_);
+    ops.copy(stream, norm_, host_norm_);
+    return GatedStep{host_gate_, host_norm_};
+}
+
+StepResult Optimizer::finish_gated(const GatedStep & step) {
+    StepResult result;
+    result.grad_norm = step.norm.data<double>()[0];
+    result.stepped   = step.gate.data<float>()[1] != 0.0f;
+    if (!result.stepped) state_->skipped();
+    return result;
+}
+
 double Optimizer::count_zeros() const {
     Device & device = params_.front()->data.device();
     device.compute_stream().synchronize();

@@ -37,6 +37,7 @@
 
 #include <memory>
 #include <optional>
+#include <span>
 #include <vector>
 
 namespace loom::optim {
@@ -77,6 +78,11 @@ struct StepResult {
     bool   stepped   = false;  // false: non-finite norm, parameters unchanged
 };
 
+// A step decided on the device (Optimizer::step_gated): what the host reads once the stream has passed it.
+struct GatedStep {
+    Tensor gate, norm;   // pinned copies of Ops::grad_norm_gate's outputs: {clip factor, go}, {norm}
+};
+
 class Optimizer {
 public:
     virtual ~Optimizer() = default;
@@ -87,6 +93,17 @@ public:
     // grad_scale != 1 first multiplies every gradient by it (the loss scaler's 1 / scale: Megatron's
     // unscale of the main gradients), so the norm, the non-finite check and the clip see true gradients.
     StepResult step(float lr, std::optional<float> decoupled_lr = std::nullopt, float grad_scale = 1.0f);
+    // The same step with no host read: the norm (no group to sum over), the skip and the clip factor are
+    // decided on the stream (Ops::grad_norm_gate, core/grad_norm_gate.h's arithmetic, the host's to the bit)
+    // and the update obeys them (Ops::adamw_multi_gated). `losses` (f32 tensors) join the decision: a
+    // non-finite element skips the step as a non-finite norm does. The step counter counts the step until
+    // finish_gated says otherwise. Only where gated_step_supported().
+    GatedStep  step_gated(float lr, std::optional<float> decoupled_lr, std::span<const Tensor> losses);
+    // The result of a gated step, once the compute stream has passed it (the caller waited); a step the
+    // device skipped is taken back from the step counter.
+    StepResult finish_gated(const GatedStep & step);
+    // No norm group (one rank) and no slot offloaded to the host.
+    bool       gated_step_supported() const;
     // --log-num-zeros-in-grad: zero elements of the gradients the norm counts, over the same groups (read on
     // the host: the CPU backend's memory).
     double count_zeros() const;
@@ -126,6 +143,8 @@ private:
     std::vector<int>                       slot_params_;
     std::vector<int64_t>                   slot_offsets_;
     std::unique_ptr<HybridDeviceOptimizer> state_;
+    Tensor                                 gate_, norm_;             // step_gated's, on the device
+    Tensor                                 host_gate_, host_norm_;   // their pinned copies (GatedStep)
 };
 
 // AdamW over whole parameters.

@@ -97,8 +97,17 @@ void PipelineExecutor::set_layer_graphs(model::LayerGraphs * graphs) {
 
 PipelineExecutor::Result PipelineExecutor::run(const std::function<model::MicroBatch()> & next_batch,
                                                const model::GradReadyFn &                 ready,
-                                               const std::function<void(bool)> &          set_last_microbatch) {
-    return execute(plan_, false, next_batch, ready, set_last_microbatch);
+                                               const std::function<void(bool)> &          set_last_microbatch,
+                                               bool                                       wait) {
+    return execute(plan_, false, next_batch, ready, set_last_microbatch, wait);
+}
+
+void PipelineExecutor::read_losses(Result & result) {
+    for (size_t k = 0; k < result.pending_losses.size(); ++k) {
+        const auto & [losses, mask] = result.pending_losses[k];
+        result.losses[k].sum = model::GptModel::masked_loss_sum(losses, mask);
+    }
+    result.pending_losses.clear();
 }
 
 PipelineExecutor::Result PipelineExecutor::evaluate(const std::function<model::MicroBatch()> & next_batch) {
@@ -108,7 +117,8 @@ PipelineExecutor::Result PipelineExecutor::evaluate(const std::function<model::M
 PipelineExecutor::Result PipelineExecutor::execute(const P2PPlan & plan, bool forward_only,
                                                    const std::function<model::MicroBatch()> & next_batch,
                                                    const model::GradReadyFn &                 ready,
-                                                   const std::function<void(bool)> &          set_last_microbatch) {
+                                                   const std::function<void(bool)> &          set_last_microbatch,
+                                                   bool                                       wait) {
     const int     pp = options_.pp;
     const int     chunks = static_cast<int>(chunks_.size()), stages = pp * chunks;
     const int64_t h      = chunks_[0]->config().hidden_size;
@@ -195,6 +205,7 @@ PipelineExecutor::Result PipelineExecutor::execute(const P2PPlan & plan, bool fo
             if (v == stages - 1) {
                 result.losses.push_back(slot.ctx.loss);
                 pending_losses.emplace_back(host_copy_async(slot.ctx.token_loss), batch.loss_mask);   // read after the one wait
+                if (!wait) result.token_losses.push_back(slot.ctx.token_loss);
                 slot.tokens = std::max(slot.ctx.loss.count, 1.0);
             }
             if (step.send) send(*step.send, out);   // v < stages - 1
@@ -221,10 +232,12 @@ PipelineExecutor::Result PipelineExecutor::execute(const P2PPlan & plan, bool fo
         }
         result.ops.push_back(TimelineOp{op, start, ms_since_begin()});
     }
-    // The iteration's work is enqueued; wait for it, then read the losses it computed.
-    stream.synchronize();
-    for (size_t k = 0; k < pending_losses.size(); ++k) {
-        result.losses[k].sum = model::GptModel::masked_loss_sum(pending_losses[k].first, pending_losses[k].second);
+    // The iteration's work is enqueued; wait for it, then read the losses it computed (or leave that to the
+    // caller's read_losses).
+    result.pending_losses = std::move(pending_losses);
+    if (wait) {
+        stream.synchronize();
+        read_losses(result);
     }
     for (auto & [work, tensor] : sends) work->wait();
     LOOM_CHECK(in_flight.empty() && posted.empty(), "pipeline iteration ended with "

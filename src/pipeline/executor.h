@@ -67,14 +67,21 @@ public:
                                          // is not part of the op, so it shows as a gap)
         std::optional<double> modelled_begin_s;   // on the meta device: its modelled clock when run() began
                                                   // (the ops' times are then that clock's, since then)
+        // run() without waiting: each micro-batch's per-token losses (f32, on the device) and, per loss,
+        // (their pinned copy, the mask); the sums in `losses` are filled by read_losses().
+        std::vector<Tensor>                    token_losses;
+        std::vector<std::pair<Tensor, Tensor>> pending_losses;
     };
 
     // One iteration: next_batch() yields this rank's micro-batches in order (each is used by every chunk);
     // each micro-batch's loss is scaled by 1 / (its tokens x M) as the single-rank trainer does;
     // set_last_microbatch(true) runs before each chunk's last backward (DDP's no_sync), false before the
     // others.
+    // wait = false returns once the iteration is enqueued, its loss sums left to read_losses().
     Result run(const std::function<model::MicroBatch()> & next_batch, const model::GradReadyFn & ready,
-               const std::function<void(bool)> & set_last_microbatch);
+               const std::function<void(bool)> & set_last_microbatch, bool wait = true);
+    // Fills the loss sums of a run() that did not wait, once the compute stream has passed it.
+    static void read_losses(Result & result);
     // Forward only (validation): every micro-batch through every chunk in order, each activation context
     // released when its forward ends; the losses as run() gives them, no gradients.
     Result evaluate(const std::function<model::MicroBatch()> & next_batch);
@@ -127,7 +134,8 @@ private:
     P2PPlan                             eval_plan_;   // evaluate(): (chunk 0, m), (chunk 1, m), ... for each m
 
     Result execute(const P2PPlan & plan, bool forward_only, const std::function<model::MicroBatch()> & next_batch,
-                   const model::GradReadyFn & ready, const std::function<void(bool)> & set_last_microbatch);
+                   const model::GradReadyFn & ready, const std::function<void(bool)> & set_last_microbatch,
+                   bool wait = true);
 };
 
 }  // namespace loom::pipeline

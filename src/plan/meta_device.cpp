@@ -313,6 +313,14 @@ public:
             memory(s, "adamw", bytes);
         }
     }
+    void grad_norm_gate(Stream & s, const Tensor & pairs, const GradNormGate &, const Tensor & gate,
+                        const Tensor & norm) override {
+        memory(s, "grad_norm_gate", bytes_of({&pairs, &gate, &norm}));
+    }
+    // Priced as the step it usually is (the gate open); a clipped step also writes the gradients back.
+    void adamw_multi_gated(Stream & s, std::span<const AdamwTensors> entries, const Tensor &) override {
+        adamw_multi(s, entries);
+    }
 
 private:
     void run(Stream & s, const char * op, double flops, double bytes, double seconds) {

@@ -119,6 +119,16 @@ Trainer::Trainer(const TrainOptions & options, std::unique_ptr<Setup> owned, Set
     if (!options_.batch_schedule.empty() || options_.eval_num_microbatches() != microbatches_) {
         eval_executor_ = make_executor(options_.eval_num_microbatches());
     }
+    comm::Communicator * everyone = setup_.all_ranks();
+    const RerunMode      rerun    = rerun_->mode();
+    gated_ = (!everyone || everyone->size() == 1) && (!setup_.groups.dp || setup_.groups.dp->size() == 1) && !scaler_ &&
+             rerun != RerunMode::report_stats && options_.error_injection_rate == 0 && !options_.model.moe.enabled() &&
+             setup_.optimizer->gated_step_supported();
+    deferrable_ = gated_ && !options_.log_num_zeros_in_grad && !options_.log_params_norm &&
+                  options_.timing_log_level == 0 && options_.batch_schedule.empty();
+    if (gated_) {
+        for (std::unique_ptr<Event> & event : events_) event = model_.device().event_create();
+    }
 }
 
 std::unique_ptr<pipeline::PipelineExecutor> Trainer::make_executor(int64_t microbatches) const {
@@ -220,6 +230,11 @@ Trainer::~Trainer() {
 // warm-up is over), the pipeline schedule's forward and backward passes, the gradients' final reduction, the
 // optimizer step, and the loss every rank logs.
 double Trainer::step(IterationStats & stats) {
+    if (gated_) {
+        Enqueued e = enqueue_forward_backward();
+        enqueue_step(e);
+        return resolve(e, stats);
+    }
     follow_batch_schedule();
     apply_loss_scale();
     begin_iteration();
@@ -246,6 +261,81 @@ double Trainer::step(IterationStats & stats) {
     return loss;
 }
 
+Trainer::Enqueued Trainer::enqueue_forward_backward() {
+    follow_batch_schedule();
+    begin_iteration();
+    Enqueued e;
+    e.iteration       = iteration_;
+    e.consumed_before = consumed_;
+    e.global_batch    = global_batch_;
+    IterationStats none;   // MoE's losses: none on this path
+    e.schedule = run_schedule(none, /*wait=*/false);
+    consumed_ += global_batch_;
+    return e;
+}
+
+bool Trainer::validates_losses(int64_t iteration) const {
+    // The machine validates from the run's second iteration on (RerunStateMachine::validate_result).
+    return options_.check_for_nan_in_loss_and_grad && rerun_->mode() == RerunMode::validate_results &&
+           iteration > start_iteration_ + 1;
+}
+
+void Trainer::enqueue_step(Enqueued & e) {
+    timed(1, [&] { sync_.finish(); });
+    const optim::LrSchedule & schedule = scheduler_.schedule;   // as optimizer_step: the current lr
+    const double              at       = scheduler_.num_steps;
+    std::vector<Tensor>       losses;   // a validated loss that is not finite must leave the step undone
+    if (validates_losses(e.iteration)) {
+        for (size_t k = 0; k < e.schedule.losses.size(); ++k) {
+            if (e.schedule.losses[k].count > 0) losses.push_back(e.schedule.token_losses[k]);   // else its mean is 0
+        }
+    }
+    timed(2, [&] {
+        e.step = setup_.optimizer->step_gated(schedule.lr_at_step(at),
+                                              schedule.decoupled_max_lr
+                                                  ? std::optional<float>(schedule.decoupled_lr_at_step(at))
+                                                  : std::nullopt,
+                                              losses);
+    });
+    sync_.start_gather();   // a step the device skipped gathers the same values again
+    e.done = events_[e.iteration % 2].get();
+    model_.device().compute_stream().record(*e.done);
+}
+
+double Trainer::resolve(Enqueued & e, IterationStats & stats) {
+    e.done->synchronize();
+    pipeline::PipelineExecutor::read_losses(e.schedule);
+    // The rerun machine sees the run that was enqueued, as run_with_reruns shows it each run.
+    rerun_->set_iteration(e.iteration);
+    rerun_->should_run_forward_backward();
+    double loss_sum = checked_loss_sum(e.schedule, e.iteration);
+    if (rerun_->should_run_forward_backward()) {   // a failed validation: the iteration runs again in place
+        LOOM_CHECK(!setup_.optimizer->finish_gated(e.step).stepped,
+                   "iteration " << e.iteration << " is to run again, but its step was applied", "");
+        iteration_ = e.iteration;   // the next iteration, if enqueued, is dropped: its gradients are zeroed
+        consumed_  = e.consumed_before + e.global_batch;
+        do {
+            restart_iteration(e.consumed_before);
+            loss_sum = checked_loss_sum(run_schedule(stats), e.iteration);
+        } while (rerun_->should_run_forward_backward());
+        rerun_decision(e.consumed_before);
+        LOOM_THROW("the rerun of iteration " << e.iteration << " (loss " << loss_sum << ") ended without the rerun "
+                                             << "state machine's exit", "");
+    }
+    rerun_decision(e.consumed_before);
+    const optim::StepResult result = setup_.optimizer->finish_gated(e.step);
+    account_step(result, e.iteration, e.global_batch);
+    optimizer_stats(stats);
+    stats.iteration          = e.iteration;
+    stats.consumed_samples   = e.consumed_before + e.global_batch;
+    stats.learning_rate      = scheduler_.schedule.lr_at_step(scheduler_.num_steps);
+    stats.global_batch_size  = e.global_batch;
+    stats.grad_norm          = result.grad_norm;
+    stats.nan_iterations     = nan_iterations_;
+    stats.skipped_iterations = skipped_iterations_;
+    return exchanged_loss(loss_sum / static_cast<double>(microbatches_));
+}
+
 void Trainer::apply_loss_scale() {
     if (!scaler_) return;
     // Every backward starts from the loss times the scale, the MoE auxiliary losses' too.
@@ -262,8 +352,13 @@ double Trainer::run_with_reruns(IterationStats & stats, int64_t consumed_before)
     for (bool again = false; rerun_->should_run_forward_backward(); again = true) {
         if (again) restart_iteration(consumed_before);
         r        = run_schedule(stats);
-        loss_sum = checked_loss_sum(r);
+        loss_sum = checked_loss_sum(r, iteration_);
     }
+    rerun_decision(consumed_before);
+    return loss_sum;
+}
+
+void Trainer::rerun_decision(int64_t consumed_before) {
     const RerunStateMachine::Decision decision = rerun_->should_checkpoint_and_exit();
     if (decision.checkpoint) save_for_rerun(consumed_before);
     if (decision.exit) {
@@ -276,7 +371,6 @@ double Trainer::run_with_reruns(IterationStats & stats, int64_t consumed_before)
     if (const std::string report = rerun_->take_stats_report(); !report.empty()) {
         std::fprintf(stderr, "%s\n", report.c_str());
     }
-    return loss_sum;
 }
 
 optim::StepResult Trainer::optimizer_step(IterationStats & stats) {
@@ -292,10 +386,15 @@ optim::StepResult Trainer::optimizer_step(IterationStats & stats) {
                                         scaler_ ? scaler_->inv_scale() : 1.0f);
         if (options_.timing_log_level >= 1) model_.device().compute_stream().synchronize();   // the step itself
     });
+    account_step(result, iteration_, global_batch_);
+    return result;
+}
+
+void Trainer::account_step(const optim::StepResult & result, int64_t iteration, int64_t global_batch) {
     if (!result.stepped) {
         // Every rank computed the same norm, so every rank stops here together.
         if (options_.check_for_nan_in_loss_and_grad) {
-            throw RunError(detail::concat("the gradient norm is ", result.grad_norm, " at iteration ", iteration_),
+            throw RunError(detail::concat("the gradient norm is ", result.grad_norm, " at iteration ", iteration),
                            "lower --lr or enable --clip-grad; --no-check-for-nan-in-loss-and-grad skips such "
                            "iterations instead",
                            __FILE__, __LINE__);
@@ -303,9 +402,8 @@ optim::StepResult Trainer::optimizer_step(IterationStats & stats) {
         ++skipped_iterations_;
         if (!scaler_) ++nan_iterations_;   // with a scaler an overflow is a skipped step; a NaN loss is counted below
     } else {
-        scheduler_.num_steps += static_cast<double>(global_batch_);
+        scheduler_.num_steps += static_cast<double>(global_batch);
     }
-    return result;
 }
 
 void Trainer::optimizer_stats(IterationStats & stats) {
@@ -360,16 +458,17 @@ void Trainer::begin_iteration() {
     }
 }
 
-pipeline::PipelineExecutor::Result Trainer::run_schedule(IterationStats & stats) {
+pipeline::PipelineExecutor::Result Trainer::run_schedule(IterationStats & stats, bool wait) {
     // --timeline draws the last iteration as measured.
     const bool drawn = stages_ && !options_.timeline_file.empty() && iteration_ == options_.train_iters;
     pipeline::PipelineExecutor::Result r;
     timed(0, [&] {
         if (drawn) stages_->barrier()->wait();   // the stages start the drawn iteration together
-        r = executor_->run([this] { return data_.next(); }, sync_.ready(), sync_.last());
-        sum_losses_over_context(r);
+        r = executor_->run([this] { return data_.next(); }, sync_.ready(), sync_.last(), wait);
         peak_in_flight_  = std::max(peak_in_flight_, r.peak_in_flight);
         if (r.modelled_begin_s) last_schedule_ = r;   // the meta device's: loom plan reads it
+        if (!wait) return;   // the gated path: one rank and no MoE layer, nothing below to do
+        sum_losses_over_context(r);
         moe_losses(stats);   // run() waited for the stream
     });
     if (drawn) {
@@ -436,7 +535,7 @@ void Trainer::check_weight_hashes(int64_t iteration) {
     report_message(">>> Weight hashes match after " + std::to_string(iteration) + " iterations...");
 }
 
-double Trainer::checked_loss_sum(const pipeline::PipelineExecutor::Result & r) const {
+double Trainer::checked_loss_sum(const pipeline::PipelineExecutor::Result & r, int64_t iteration) const {
     double total = 0;   // the micro-batches' mean losses (last stage)
     const bool validated = options_.check_for_nan_in_loss_and_grad && rerun_->mode() != RerunMode::disabled;
     for (size_t k = 0; k < r.losses.size(); ++k) {
@@ -446,7 +545,7 @@ double Trainer::checked_loss_sum(const pipeline::PipelineExecutor::Result & r) c
             rerun_->validate_result(loss, std::isinf(loss), "found Inf in local forward loss calculation");
         } else if (options_.check_for_nan_in_loss_and_grad && !std::isfinite(r.losses[k].sum)) {
             throw RunError(detail::concat("lm loss is ", r.losses[k].sum, " in micro-batch ", k, " of iteration ",
-                                          iteration_),
+                                          iteration),
                            "lower --lr, check the data, or give --no-check-for-nan-in-loss-and-grad to skip such "
                            "iterations",
                            __FILE__, __LINE__);
@@ -713,17 +812,14 @@ TrainSummary Trainer::run(FILE * out) {
                                                           std::to_string(rank)) != options_.profile_ranks.end());
     // Iterations that may still allocate, plan and capture: the first two (the first plans every GEMM and
     // fills the caching allocator; in the second the host, no longer waiting on first-time work, runs further
-    // ahead of the device and the activations' pool grows by a few blocks), and with layer graphs the capture's.
-    const int64_t warmup_iterations = options_.layer_graphs ? options_.cuda_graph_warmup_steps + 2 : 2;
-    for (int64_t k = iteration_ + 1; k <= options_.train_iters; ++k) {
-        if (profiled && k - 1 == options_.profile_step_start) Profiler::start();   // Megatron's window
-        IterationStats stats;
-        const auto     step_start = std::chrono::steady_clock::now();
-        const double   loss       = step(stats);
-        summary.step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count());
+    // ahead of the device and the activations' pool grows by a few blocks), a third where iterations are read
+    // late (the first that is enqueued behind an unread one holds two iterations' blocks), and with layer
+    // graphs the capture's.
+    const int64_t warmup_iterations = (options_.layer_graphs ? options_.cuda_graph_warmup_steps + 2 : 2) + (deferrable_ ? 1 : 0);
+    // What follows an iteration once its values are read: its report, evaluation, save and checks.
+    auto after = [&](int64_t k, double loss, IterationStats & stats) {
         if (Profiler::active() && k == options_.profile_step_end) write_profile(rank, k);
         summary.losses.push_back(loss);
-        if (static_cast<int64_t>(summary.losses.size()) == warmup_iterations) summary.work_warm = model_.device().work();
         window.add(loss, stats);
         IterationReport report;
         report.iteration       = k;
@@ -764,9 +860,55 @@ TrainSummary Trainer::run(FILE * out) {
                 comm::check_transfers(*everyone, model_.device(), channels);
             }
         }
-        summary.stopped_by = stop.after(k, seconds(), output_failure_.has_value());
+    };
+    // An iteration whose values the host reads while the next one is enqueued (deferrable_): none of the
+    // above but its report and counts falls on it.
+    auto read_now = [&](int64_t k) {
+        const auto every = [k](int64_t interval) { return interval > 0 && k % interval == 0; };
+        return !deferrable_ || k == summary.first_iteration || k == options_.train_iters || every(options_.log_interval) ||
+               (valid_ && every(options_.eval_interval)) || (!options_.save.empty() && every(options_.save_interval)) ||
+               every(options_.check_weight_hash_interval) || every(options_.exit_interval) ||
+               (profiled && k == options_.profile_step_end);
+    };
+    std::optional<Enqueued> pending;   // the gated path's iteration whose values are not read yet
+    for (int64_t k = iteration_ + 1; k <= options_.train_iters; ++k) {
+        if (profiled && k - 1 == options_.profile_step_start) Profiler::start();   // Megatron's window
+        if (k == summary.first_iteration + warmup_iterations) summary.work_warm = model_.device().work();
+        IterationStats stats;
+        const auto     step_start = std::chrono::steady_clock::now();
+        double         loss       = 0;
+        bool           read       = true;    // this iteration's values are read now
+        bool           stop_asked = false;   // the stop policy has seen this iteration
+        if (!gated_) {
+            loss = step(stats);
+        } else {
+            Enqueued e = enqueue_forward_backward();
+            if (pending) {   // the previous iteration, read while this one's forward and backward are queued
+                IterationStats previous;
+                const double   previous_loss = resolve(*pending, previous);
+                const int64_t  previous_k    = pending->iteration;
+                pending.reset();
+                after(previous_k, previous_loss, previous);
+            }
+            enqueue_step(e);
+            read = read_now(k);
+            if (!read) {   // a stop (signal, time) is asked now: the run ends with this iteration read
+                summary.stopped_by = stop.after(k, seconds(), false);
+                stop_asked         = true;
+                read               = !summary.stopped_by.empty();
+            }
+            if (read) {
+                loss = resolve(e, stats);
+            } else {
+                pending = std::move(e);
+            }
+        }
+        summary.step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count());
+        if (read) after(k, loss, stats);
+        if (!stop_asked) summary.stopped_by = stop.after(k, seconds(), output_failure_.has_value());
         if (!summary.stopped_by.empty()) break;
     }
+    LOOM_CHECK(!pending, "the run ended with iteration " << pending->iteration << " unread", "");
     if (summary.work_warm) {
         summary.work_end                = model_.device().work();
         summary.iterations_after_warmup = static_cast<int64_t>(summary.losses.size()) - warmup_iterations;

@@ -174,7 +174,7 @@ private:
 
     // step()'s phases.
     void   begin_iteration();
-    pipeline::PipelineExecutor::Result run_schedule(IterationStats & stats);
+    pipeline::PipelineExecutor::Result run_schedule(IterationStats & stats, bool wait = true);
     // step()'s phases: the loss scale every backward starts from; the schedule, run again while the rerun
     // state machine asks (its checkpoint-and-exit decision taken after), returning the micro-batches' loss
     // sum; the optimizer step at the scheduler's lr, which advances only after a successful update.
@@ -184,7 +184,7 @@ private:
     // --log-num-zeros-in-grad and --log-params-norm after the step (the latter once the gathers are done).
     void              optimizer_stats(IterationStats & stats);
     // The sum of the micro-batches' mean losses; throws on a non-finite one (--check-for-nan-in-loss-and-grad).
-    double checked_loss_sum(const pipeline::PipelineExecutor::Result & r) const;
+    double checked_loss_sum(const pipeline::PipelineExecutor::Result & r, int64_t iteration) const;
     // Context parallelism: each rank's loss sums cover its positions; this sums them over the CP group, so
     // every CP rank holds its micro-batches' whole losses (the counts are the whole sequences' already).
     void sum_losses_over_context(pipeline::PipelineExecutor::Result & r) const;
@@ -201,6 +201,39 @@ private:
 
     // Saves a checkpoint of the current iteration (--save) and reports Megatron's lines.
     void save();
+
+    // ---- The step decided on the device (optim::Optimizer::step_gated, docs/gpu.md's host work)
+    // gated_: one rank, no loss scaler, no rerun that repeats a finite result (report_stats, injected
+    // errors), no MoE layer (its losses and token counts are read per iteration) and an optimizer whose norm
+    // needs no group. The host then waits for an iteration once, after its step is enqueued.
+    bool gated_ = false;
+    // deferrable_: gated_, and nothing else read on the host per iteration (--log-num-zeros-in-grad,
+    // --log-params-norm, --timing-log-level, a batch-size schedule): run() reads such an iteration's values
+    // while the next one is enqueued behind it, unless the iteration logs, evaluates, saves, checks
+    // weights, profiles or ends the run.
+    bool deferrable_ = false;
+    // An iteration enqueued on the gated path: its forward and backward, then its step.
+    struct Enqueued {
+        int64_t                            iteration = 0, consumed_before = 0, global_batch = 0;
+        pipeline::PipelineExecutor::Result schedule;   // the losses' pinned copies, not yet read
+        optim::GatedStep                   step;
+        Event *                            done = nullptr;   // recorded after the step (events_)
+    };
+    std::unique_ptr<Event> events_[2];   // alternate iterations' `done`: one may be read while the next is enqueued
+    Enqueued enqueue_forward_backward();
+    void     enqueue_step(Enqueued & e);
+    // Waits for `e` (a late read when the next iteration is enqueued behind it), reads its losses and step,
+    // and brings the host's state (rerun machine, schedule, counts) to the device's decision; returns the
+    // lm loss. A failed validation reruns `e`'s iteration in place (its step did not happen: the gate held
+    // its losses), which ends the run as Megatron's machine decides.
+    double   resolve(Enqueued & e, IterationStats & stats);
+    // Whether the loss of `iteration` is validated (the rerun machine's NaN and Inf checks), so it joins the
+    // device's decision.
+    bool     validates_losses(int64_t iteration) const;
+    // The rerun machine's checkpoint-and-exit decision for the iteration that started after consumed_before.
+    void     rerun_decision(int64_t consumed_before);
+    // After the optimizer's result: the schedule advances, or the skip is counted (or ends the run).
+    void     account_step(const optim::StepResult & result, int64_t iteration, int64_t global_batch);
 };
 
 }  // namespace loom::train

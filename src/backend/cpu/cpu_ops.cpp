@@ -548,6 +548,34 @@ public:
         });
     }
 
+    void grad_norm_gate(Stream & s, const Tensor & pairs, const GradNormGate & g, const Tensor & gate,
+                        const Tensor & norm) override {
+        op_checks::grad_norm_gate(pairs, g, gate, norm);
+        s.submit([=] {
+            const GradNormVerdict v = grad_norm_verdict(pairs.data<float>(), g);
+            gate.data<float>()[0]   = v.coeff;
+            gate.data<float>()[1]   = v.go ? 1.0f : 0.0f;
+            norm.data<double>()[0]  = v.norm;
+        });
+    }
+
+    // One task: the gate is read when the stream reaches it, after what computed it.
+    void adamw_multi_gated(Stream & s, std::span<const AdamwTensors> entries, const Tensor & gate) override {
+        expect(gate, DType::f32, 2, "adamw_multi_gated", "gate");
+        for (const AdamwTensors & e : entries) op_checks::adamw(e.master, e.grad, e.m, e.v, e.out, e.step);
+        s.submit([list = std::vector<AdamwTensors>(entries.begin(), entries.end()), gate] {
+            const float coeff = gate.data<float>()[0];
+            if (gate.data<float>()[1] == 0.0f) return;
+            for (const AdamwTensors & e : list) {
+                const AdamStep & a = e.step;
+                if (coeff != 1.0f) scale_parallel(e.grad.data_ptr(), DType::f32, coeff, e.grad.numel());
+                host_adam_step(f32(e.master), f32(e.grad), f32(e.m), f32(e.v), e.master.numel(), a.lr, a.beta1, a.beta2,
+                               a.eps, a.weight_decay, a.step,
+                               e.out.defined() ? HostAdamOut{e.out.data_ptr(), e.out.dtype()} : HostAdamOut{});
+            }
+        });
+    }
+
 private:
     // Read on the stream, where the sample ids are ready.
     static AttentionDropout attention_dropout(const Dropout & key) {

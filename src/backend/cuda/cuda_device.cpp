@@ -171,7 +171,7 @@ public:
     std::optional<DeviceWork> work() override {
         const GemmPlanStats g = gemm_plan_stats();
         return DeviceWork{work_counters().host_syncs.load(), work_counters().device_allocations.load(), g.lookups,
-                          g.plans, g.heuristic_queries};
+                          g.plans, g.heuristic_queries, work_counters().late_reads.load()};
     }
 
 private:

@@ -876,7 +876,24 @@ public:
     }
 
     // kernels::kAdamMultiTensors entries per launch: GPT-2's 148 tensors in 7 launches, not 148.
-    void adamw_multi(Stream & s, std::span<const AdamwTensors> entries) override {
+    void adamw_multi(Stream & s, std::span<const AdamwTensors> entries) override { adamw_launches(s, entries, Tensor()); }
+
+    void adamw_multi_gated(Stream & s, std::span<const AdamwTensors> entries, const Tensor & gate) override {
+        expect(gate, DType::f32, 2, "adamw_multi_gated", "gate");
+        adamw_launches(s, entries, gate);
+    }
+
+    void grad_norm_gate(Stream & s, const Tensor & pairs, const GradNormGate & g, const Tensor & gate,
+                        const Tensor & norm) override {
+        op_checks::grad_norm_gate(pairs, g, gate, norm);
+        CudaStream & cs = start(s, "grad_norm_gate", {pairs, gate, norm});
+        kernels::grad_norm_gate(cs.launch("grad_norm_gate"), f32(pairs), g, f32(gate), static_cast<double *>(norm.data_ptr()));
+        cs.launched("grad_norm_gate", {pairs, gate, norm});
+    }
+
+private:
+    // adamw_multi's launches, each reading `gate` when it is defined.
+    void adamw_launches(Stream & s, std::span<const AdamwTensors> entries, const Tensor & gate) {
         for (size_t first = 0; first < entries.size(); first += kernels::kAdamMultiTensors) {
             const size_t        count = std::min<size_t>(kernels::kAdamMultiTensors, entries.size() - first);
             kernels::AdamMulti  args;
@@ -892,13 +909,16 @@ public:
                 held.insert(held.end(), {e.master, e.grad, e.m, e.v, e.out});
             }
             args.count      = static_cast<int>(count);
+            if (gate.defined()) {
+                args.gate = f32(gate);
+                held.push_back(gate);
+            }
             CudaStream & cs = start(s, "adamw_multi", held);
             kernels::adamw_multi(cs.launch("adamw_multi"), args);
             cs.launched("adamw_multi", std::move(held));
         }
     }
 
-private:
     // The CUDA stream of `s`, after checking that every tensor lives on its device.
     static CudaStream & start(Stream & s, const char * op, const std::vector<Tensor> & tensors, bool copy_only = false) {
         CudaStream & cs = as_cuda_stream(s, op);

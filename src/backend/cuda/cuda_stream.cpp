@@ -35,7 +35,9 @@ bool CudaEvent::query() {
 
 void CudaEvent::synchronize() {
     check_not_capturing("a host wait on an event");
-    ++work_counters().host_syncs;
+    // With work enqueued behind the record the device keeps busy while the host waits: a late read.
+    const bool behind = enqueued_ && enqueued_->load() > recorded_at_;
+    ++(behind ? work_counters().late_reads : work_counters().host_syncs);
     LOOM_CUDA_CHECK(cudaEventSynchronize(event_));
 }
 
@@ -206,6 +208,7 @@ void CudaStream::note_error(std::exception_ptr error) {
 
 void CudaStream::submit(std::function<void()> work, const char * name) {
     DeviceGuard guard(device_.index());
+    ++*enqueued_;
     if (Profiler::active() && !captured_into()) {   // --profile: the host work's span (kernels are not timed)
         work = [inner = std::move(work), name, this] {
             const auto begin = std::chrono::steady_clock::now();
@@ -239,7 +242,7 @@ void CudaStream::record(Event & event) {
     unsigned long long capture = 0;
     captured_into(&capture);   // inside a capture the record is an edge of the CUDA graph (a fork point)
     LOOM_CUDA_CHECK(cudaEventRecord(e.native(), stream_));
-    e.note_record(capture, name_);
+    e.note_record(capture, name_, enqueued_, enqueued_->load());
 }
 
 void CudaStream::wait(Event & event) {
@@ -283,6 +286,7 @@ bool CudaStream::query() {
 }
 
 cudaStream_t CudaStream::launch(const char *) {
+    ++*enqueued_;
     LOOM_CUDA_CHECK(cudaSetDevice(device_.index()));
     return stream_;
 }

@@ -57,7 +57,9 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <deque>
+#include <memory>
 #include <exception>
 #include <mutex>
 #include <vector>
@@ -90,9 +92,14 @@ public:
     // stream that made it: what a wait during a capture decides on (see above).
     unsigned long long  capture_id() const { return capture_id_; }
     const std::string & recorded_by() const { return recorded_by_; }
-    void                note_record(unsigned long long capture_id, const std::string & stream) {
+    // `enqueued` is the recording stream's count of work (CudaStream::enqueued) and `at` its value at the
+    // record: a wait with work enqueued after the record is a late read, not a host synchronisation.
+    void note_record(unsigned long long capture_id, const std::string & stream,
+                     std::shared_ptr<const std::atomic<uint64_t>> enqueued, uint64_t at) {
         capture_id_  = capture_id;
         recorded_by_ = stream;
+        enqueued_    = std::move(enqueued);
+        recorded_at_ = at;
     }
 
 private:
@@ -100,6 +107,8 @@ private:
     int                device_index_;
     unsigned long long capture_id_ = 0;
     std::string        recorded_by_;
+    std::shared_ptr<const std::atomic<uint64_t>> enqueued_;
+    uint64_t                                     recorded_at_ = 0;
 };
 
 class CudaStream : public Stream {
@@ -165,6 +174,8 @@ private:
     std::exception_ptr       error_;
     Tensor                   workspace_;     // (kGemmWorkspaceBytes) u8, created on first GEMM
     Tensor                   id_word_device_, id_word_host_;   // (1) i64 each, created on first id check
+    // Ops launched and host work submitted so far: what tells a late read from a host synchronisation.
+    std::shared_ptr<std::atomic<uint64_t>> enqueued_ = std::make_shared<std::atomic<uint64_t>>(0);
 };
 
 CudaStream & as_cuda_stream(Stream & stream, const char * op);

@@ -10,6 +10,7 @@
 #include "core/float_bits.h"
 #include "core/gelu.h"
 #include "core/gemm_f64.h"
+#include "core/grad_norm_gate.h"
 
 #include <algorithm>
 #include <climits>
@@ -427,11 +428,25 @@ __global__ void adamw_kernel(float * p, const float * g, float * m, float * v, v
 }
 
 __global__ void adamw_multi_kernel(AdamMulti tensors) {
+    float coeff = 1.0f;
+    if (tensors.gate != nullptr) {
+        if (tensors.gate[1] == 0.0f) return;   // the step was skipped: nothing is written
+        coeff = tensors.gate[0];
+    }
     LOOM_GRID_STRIDE(i, tensors.begin[tensors.count]) {
         const int              lo = range_of(tensors.begin, tensors.count, i);
         const AdamMultiEntry & e  = tensors.entries[lo];
-        adam_element(e.p, e.g, e.m, e.v, e.out, e.out_kind, i - tensors.begin[lo], e.c);
+        const int64_t          j  = i - tensors.begin[lo];
+        if (coeff != 1.0f) e.g[j] = __fmul_rn(e.g[j], coeff);   // Ops::scale's product, kept as the clip's is
+        adam_element(e.p, e.g, e.m, e.v, e.out, e.out_kind, j, e.c);
     }
+}
+
+__global__ void grad_norm_gate_kernel(const float * pairs, GradNormGate g, float * gate, double * norm) {
+    const GradNormVerdict v = grad_norm_verdict(pairs, g);
+    gate[0]                 = v.coeff;
+    gate[1]                 = v.go ? 1.0f : 0.0f;
+    norm[0]                 = v.norm;
 }
 
 
@@ -797,6 +812,10 @@ void adamw(cudaStream_t stream, float * p, const float * g, float * m, float * v
 void adamw_multi(cudaStream_t stream, const AdamMulti & tensors) {
     const int64_t total = tensors.begin[tensors.count];
     if (total > 0) LOOM_LAUNCH(adamw_multi_kernel, blocks_for(total), kThreads, 0, stream)(tensors);
+}
+
+void grad_norm_gate(cudaStream_t stream, const float * pairs, const GradNormGate & g, float * gate, double * norm) {
+    LOOM_LAUNCH(grad_norm_gate_kernel, 1, 1, 0, stream)(pairs, g, gate, norm);
 }
 
 void find_bad_id(cudaStream_t stream, const int32_t * ids, int64_t n, int64_t limit, unsigned long long * first_bad) {

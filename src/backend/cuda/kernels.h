@@ -14,6 +14,7 @@
 #include "backend/cuda/cuda_namespace.h"
 #include "core/column_sums.h"
 #include "core/float_bits.h"
+#include "core/grad_norm_gate.h"
 #include "core/positions.h"
 
 #include <cuda_runtime.h>
@@ -112,7 +113,7 @@ void adamw(cudaStream_t stream, float * p, const float * g, float * m, float * v
 constexpr int kAdamMultiTensors = 24;
 struct AdamMultiEntry {
     float *       p;
-    const float * g;
+    float *       g;   // written only by a gated step that clips
     float *       m;
     float *       v;
     void *        out;
@@ -123,8 +124,13 @@ struct AdamMulti {
     AdamMultiEntry entries[kAdamMultiTensors];
     int64_t        begin[kAdamMultiTensors + 1];   // begin[t]: the first element of tensor t; begin[count]: the total
     int            count = 0;
+    // Ops::adamw_multi_gated's gate (f32 {clip factor, go}) in device memory, or nullptr: every thread reads
+    // it; go 0 writes nothing, a factor other than 1 scales each gradient in place before its update.
+    const float *  gate  = nullptr;
 };
 void adamw_multi(cudaStream_t stream, const AdamMulti & tensors);
+// core/grad_norm_gate.h's verdict of `pairs` on one thread: gate <- {clip factor, go}, norm <- the norm.
+void grad_norm_gate(cudaStream_t stream, const float * pairs, const GradNormGate & g, float * gate, double * norm);
 
 // ---- Ids, rotary embedding, dropout, embedding, cross-entropy (twins of backend/cpu/ops.cpp and of the
 // inline kernels of backend/cpu/cpu_ops.cpp). Ids (tokens, labels) outside [-1, limit) are read as -1 by

@@ -10,7 +10,9 @@
 namespace loom::LOOM_CUDA_NS {
 
 struct WorkCounters {
-    std::atomic<int64_t> host_syncs{0}, device_allocations{0};
+    // late_reads: host waits on an event with more work enqueued behind it on its stream (the device stays
+    // busy); host_syncs: every other wait, which leaves the device idle until the host enqueues again.
+    std::atomic<int64_t> host_syncs{0}, late_reads{0}, device_allocations{0};
 };
 
 inline WorkCounters & work_counters() {
