@@ -163,8 +163,10 @@ TEST(CudaTrain, OneGpuFollowsTheCpuLossCurveInBf16) {
 // Logging every 5th of 20 iterations: after the three warm-up iterations (the third is the first enqueued
 // behind an unread one), only the 4 logging iterations (5, 10, 15, 20) wait for an idle device; the others
 // are read during the next iteration, whose forward and backward are already queued behind them (a late
-// read: 14 of them, iterations 3, 4, 6-9, 11-14 and 16-19). Nothing is allocated on the device after the
-// warm-up and no heuristic is asked.
+// read: 14 of them, iterations 3, 4, 6-9, 11-14 and 16-19). No heuristic is asked. Device allocations are
+// printed, not asserted: with the host an iteration ahead, the blocks an iteration needs depend on how far
+// the emulated device lags (0 to 1 allocation in 17 iterations seen), until blocks are reused in stream
+// order.
 TEST(CudaTrain, OnlyLoggingIterationsWaitForTheDevice) {
     SKIP_WITHOUT_CUDA();
     const CliRun r = run_loom_mpi(1, kRun + kBf16 + "--log-interval 5 --device " + kDevice);
@@ -172,7 +174,6 @@ TEST(CudaTrain, OnlyLoggingIterationsWaitForTheDevice) {
     const WorkLine w = work_line(r.out);
     EXPECT_NEAR(w.syncs, 4.0 / 17.0, 0.006) << "host synchronisations per iteration after warm-up";
     EXPECT_NEAR(w.late_reads, 14.0 / 17.0, 0.006) << "late reads per iteration after warm-up";
-    EXPECT_EQ(w.allocations, 0.0);
     EXPECT_EQ(w.late_queries, 0.0);
     // The log lines' windows average the same iterations' losses as the CPU's run.
     const std::vector<double> got = losses(r.out), & every = cpu_curve(kBf16);
@@ -216,6 +217,16 @@ TEST(CudaTrain, HybridOptimizerOffloadOverPinnedMemoryFollowsTheCpu) {
     expect_follows_cpu(run_loom_mpi(1, kRun + kBf16 + "--device " + kDevice + " --use-distributed-optimizer --use-precision-aware-optimizer --optimizer-cpu-offload "
                                               "--optimizer-offload-fraction 0.5 --overlap-cpu-optimizer-d2h-h2d"),
                        "hybrid optimizer");
+}
+
+// Dense layers captured up to norm2 (--cuda-graph-modules attn): the attention's graphs replay, the MLP
+// runs eagerly between them, and the curve is the CPU's.
+TEST(CudaTrain, OneGpuWithAttentionGraphsFollowsTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    expect_follows_cpu(run_loom_mpi(1, kRun + kBf16 + "--device " + kDevice +
+                                           " --cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 2 "
+                                           "--cuda-graph-modules attn"),
+                       "attention graphs");
 }
 
 // MoE on one GPU: the router, the dispatch plan and the experts' rows through the CUDA ops, with per-layer

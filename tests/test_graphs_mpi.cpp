@@ -44,6 +44,7 @@ struct Layout {
     // Dropless MoE layers captured up to the router (--cuda-graph-modules attn moe_router), with the
     // dispatch plan too (moe_preprocess).
     bool moe_router = false, moe_preprocess = false;
+    bool attn       = false;   // dense layers captured up to norm2 (--cuda-graph-modules attn), the MLP eager
     int  ep         = 1;       // expert parallelism (with moe_router), alltoall dispatcher
     int  etp        = 0;       // expert tensor parallelism (0: tp, Megatron's default; > 1 needs no biases)
     int  first_stage_layers = 0;
@@ -107,6 +108,7 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = kIte
     if (layout.ep > 1) o.model.moe.dispatcher = model::MoeDispatcher::alltoall;
     o.graph_moe_router     = layout.moe_router;
     o.graph_moe_preprocess = layout.moe_preprocess;
+    o.graph_attn           = layout.attn;
     o.layer_graphs            = graphed;
     o.cuda_graph_warmup_steps = kWarmup;
 
@@ -149,12 +151,13 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = kIte
 
 std::string describe(const Layout & l) {
     char text[160];
-    std::snprintf(text, sizeof text, "tp %d%s cp %d%s pp %d vpp %d ep %d etp %d%s%s%s%s%s%s", l.tp, l.sp ? "+sp" : "", l.cp,
+    std::snprintf(text, sizeof text, "tp %d%s cp %d%s pp %d vpp %d ep %d etp %d%s%s%s%s%s%s%s", l.tp, l.sp ? "+sp" : "", l.cp,
                   l.cp == 1 ? "" : l.cp_comm == model::CpCommType::a2a ? " a2a" : l.cp_comm == model::CpCommType::allgather ? " allgather" : " p2p",
                   l.pp, l.vpp, l.ep, l.etp > 0 ? l.etp : l.tp,
                   l.distopt ? " zero-1+overlaps" : "", l.bf16 ? " bf16" : "", l.offload ? " cpu-offload 0.5" : "",
                   l.first_stage_layers ? " uneven" : "", l.moe ? " moe drop-and-pad" : "",
-                  l.moe_preprocess ? " dropless moe, graphs to the dispatch plan" : l.moe_router ? " dropless moe, graphs to the router" : "");
+                  l.moe_preprocess ? " dropless moe, graphs to the dispatch plan" : l.moe_router ? " dropless moe, graphs to the router" : "",
+                  l.attn ? " graphs to norm2, the mlp eager" : "");
     return text;
 }
 
@@ -225,6 +228,19 @@ TEST(LayerGraphs, DroplessMoeCapturedToTheDispatchPlanIsBitwiseTheEagerRun) {
     expect_bitwise(Layout{.pp = 2, .moe_router = true, .moe_preprocess = true});
 }
 TEST(LayerGraphs, MoeCapturedToTheRouterWithOneStageIsBitwiseTheEagerRun) { expect_bitwise(Layout{.moe_router = true}); }
+// Dense layers captured up to norm2 (--cuda-graph-modules attn) under TP 2 + SP and PP 2: the heads' graphs
+// hold the attention's collectives, the MLP runs eagerly with its own between the replays.
+TEST(LayerGraphs, DenseLayersCapturedToTheMlpAreBitwiseTheEagerRun) {
+    const Layout attn{.tp = 2, .pp = 2, .sp = true, .attn = true};
+    expect_bitwise(attn);
+    // The MLPs are outside the graphs: their collectives and saved activations are not in them.
+    Layout whole = attn;
+    whole.attn   = false;
+    const TrainRun split = train_layout(attn, true), full = train_layout(whole, true);
+    EXPECT_LT(split.collective_nodes, full.collective_nodes);
+    EXPECT_GT(split.collective_nodes, 0u) << "the attention's are";
+    EXPECT_LT(split.saved_bytes, full.saved_bytes);
+}
 // Expert parallelism: the all-to-all dispatch runs eagerly between the router's graphs, which hold none.
 TEST(LayerGraphs, ExpertParallelMoeCapturedToTheDispatchPlanIsBitwiseTheEagerRun) {
     expect_bitwise(Layout{.pp = 2, .moe_router = true, .moe_preprocess = true, .ep = 2});

@@ -474,8 +474,11 @@ TEST(HybridTrainer, LossCurveAndParametersBitwiseTheNonOffloadedRunForEveryFract
                 EXPECT_EQ(run.pinned_optimizer_bytes, 16 * offloaded);
                 // The peaks of the whole allocators during training move by the same bytes (the
                 // optimizer state lives through the run; every other allocation is the same).
+                // The reference (and fraction 0) decides its step on the device (Optimizer::step_gated),
+                // whose gate and norm keep 8 + 8 bytes of pinned copies; an offloaded step decides on the host.
+                const int64_t gate_copies = offloaded > 0 ? 16 : 0;
                 EXPECT_EQ(ref.device_peak - run.device_peak, per_element * offloaded);
-                EXPECT_EQ(run.pinned_peak - ref.pinned_peak, 16 * offloaded);
+                EXPECT_EQ(run.pinned_peak - ref.pinned_peak, 16 * offloaded - gate_copies);
                 if (fraction == 0.0f) {
                     EXPECT_EQ(offloaded, 0);
                 }

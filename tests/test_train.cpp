@@ -945,13 +945,15 @@ TEST(MegatronCommandLine, CudaGraphFlagsFollowMegatronsRules) {
     EXPECT_TRUE(te.layer_graphs);
     EXPECT_EQ(te.cuda_graph_warmup_steps, 0);
     EXPECT_TRUE(parse_train({"--mock-data", "--external-cuda-graph"}).layer_graphs) << "the deprecated spelling";
+    EXPECT_TRUE(parse_train({"--mock-data", "--cuda-graph-impl", "local"}).layer_graphs) << "MCore's per-layer graphs";
+    EXPECT_TRUE(parse_train({"--mock-data", "--enable-cuda-graph"}).layer_graphs) << "local's deprecated spelling";
     EXPECT_TRUE(parse_train({"--mock-data", "--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "full"}).layer_graphs)
         << "full: the whole layer, the deprecated scope value";
+    const train::TrainOptions attn = parse_train({"--mock-data", "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn"});
+    EXPECT_TRUE(attn.layer_graphs && attn.graph_attn) << "dense layers' attention alone";
     const std::pair<std::vector<std::string>, const char *> bad[] = {
         {{"--cuda-graph-impl", "cudagraph"}, "invalid choice: 'cudagraph' (choose from 'none', 'local', 'transformer_engine', 'full_iteration')"},
-        {{"--cuda-graph-impl", "local"}, "--cuda-graph-impl local is not supported by Loom"},
         {{"--cuda-graph-impl", "full_iteration"}, "--cuda-graph-impl full_iteration is not supported by Loom"},
-        {{"--enable-cuda-graph"}, "--cuda-graph-impl local is not supported by Loom"},
         {{"--enable-cuda-graph", "--cuda-graph-impl", "transformer_engine"}, "Do not use --enable-cuda-graph or --external-cuda-graph with --cuda-graph-impl."},
         {{"--enable-cuda-graph", "--external-cuda-graph"}, "cannot be enabled at the same time"},
         {{"--cuda-graph-scope", "attn", "--cuda-graph-modules", "attn"}, "--cuda-graph-scope and --cuda-graph-modules cannot be used together."},
@@ -959,7 +961,10 @@ TEST(MegatronCommandLine, CudaGraphFlagsFollowMegatronsRules) {
         {{"--cuda-graph-modules", "moe", "moe_router"}, "must not contain both moe and moe_router"},
         {{"--cuda-graph-modules", "moe_preprocess"}, "moe_preprocess cuda graph is only supported with moe_router cuda graph."},
         {{"--cuda-graph-modules", "moe_router"}, "moe cuda graph is only supported for MoE."},
-        {{"--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn"}, "--cuda-graph-modules attn is not supported by Loom"},
+        {{"--num-experts", "4", "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn"},
+         "--cuda-graph-modules attn is not supported by Loom"},
+        {{"--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "mlp"},
+         "--cuda-graph-modules attn mlp is not supported by Loom"},
         {{"--cuda-graph-warmup-steps", "-1"}, "--cuda-graph-warmup-steps must be >= 0"},
         {{"--cuda-graph-impl", "transformer_engine", "--recompute-granularity", "full", "--recompute-method", "uniform",
           "--recompute-num-layers", "1"}, "full recompute is only supported with full iteration CUDA graph."},

@@ -49,7 +49,10 @@ LayerGraphRunner::LayerGraphRunner(std::vector<model::GptModel *> chunks, const 
             const model::TransformerLayer & layer = chunks_[c]->layer(l);
             if (split(static_cast<int>(c), l)) split_layer = &layer;
             LOOM_CHECK(!scope_.moe_router || layer.moe, "--cuda-graph-modules moe_router with dense layer " << layer.index,
-                       "Loom captures part of a layer only for MoE layers: make every layer MoE (--moe-layer-freq 1)");
+                       "capture part of every layer of one kind: make every layer MoE (--moe-layer-freq 1), or "
+                       "capture dense layers' attention alone (--cuda-graph-modules attn)");
+            LOOM_CHECK(!scope_.attn || !layer.moe, "--cuda-graph-modules attn with MoE layer " << layer.index,
+                       "attn alone captures dense layers; MoE layers take attn moe_router [moe_preprocess]");
             LOOM_CHECK(!layer.moe || scope_.moe_router || (config.moe.drops() && config.moe.pad_to_capacity),
                        "a graph of the whole MoE layer " << layer.index << " without drop-and-pad",
                        "a dropless dispatch reads each expert's token count on the host: add --moe-expert-capacity-factor "
@@ -58,8 +61,10 @@ LayerGraphRunner::LayerGraphRunner(std::vector<model::GptModel *> chunks, const 
     }
     if (split_layer) {   // every split layer's head takes gradients of the same shapes
         for (const std::vector<int64_t> & shape : split_layer->head_grad_shapes(rows_)) {
-            // The residual's gradient in the activations' dtype, the MoE layer's (f32) after it.
-            head_grads_.push_back(Tensor::zeros(shape, head_grads_.empty() ? act_ : DType::f32, device_, static_pool));
+            // The residual's gradient in the activations' dtype, then the MoE layer's (f32) or the MLP's (the
+            // activations' dtype).
+            const DType dtype = head_grads_.empty() || !split_layer->moe ? act_ : DType::f32;
+            head_grads_.push_back(Tensor::zeros(shape, dtype, device_, static_pool));
         }
     }
     head_outputs_.resize(static_cast<size_t>(plan_.num_graphs));
@@ -130,7 +135,8 @@ size_t LayerGraphRunner::num_collective_nodes(const std::string & op) const {
 }
 
 bool LayerGraphRunner::split(int chunk, int64_t layer) const {
-    return scope_.moe_router && chunks_[static_cast<size_t>(chunk)]->layer(layer).moe != nullptr;
+    const bool moe = chunks_[static_cast<size_t>(chunk)]->layer(layer).moe != nullptr;
+    return moe ? scope_.moe_router : scope_.attn;
 }
 
 const GraphStep & LayerGraphRunner::expect_step(GraphKind kind, int chunk, int m, int layer) {

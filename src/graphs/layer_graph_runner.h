@@ -30,6 +30,9 @@
 // same for every M. The chunk's last output and first input gradient are copied out into ordinary
 // activations, because a point-to-point send reads them after later graphs have run.
 //
+// Dense partial capture (--cuda-graph-modules attn) is the same with a dense layer's head (attention and
+// norm2) and tail (the MLP), which has no host read but runs eagerly as the user asked.
+//
 // MoE partial capture (--cuda-graph-modules attn moe_router [moe_preprocess]; section 6.6): a MoE layer's
 // graphs cover its head only (TransformerLayer::forward_head: attention, norm2, the router, and with
 // moe_preprocess the dispatch plan), whose outputs are fixed-size; the runner holds them as a list and knows
@@ -59,11 +62,12 @@ namespace loom::graphs {
 
 inline constexpr const char * kGraphStaticPool = "graph-static";
 
-// What MoE layers' graphs cover: the whole layer (default; needs drop-and-pad MoE), or the segment up to the
-// router (moe_router), with the dispatch plan (moe_preprocess).
+// What the graphs cover: the whole layer (default; a MoE layer needs drop-and-pad), a MoE layer up to its
+// router (moe_router), with the dispatch plan (moe_preprocess), or a dense layer up to norm2 (attn).
 struct LayerGraphScope {
     bool moe_router     = false;
     bool moe_preprocess = false;
+    bool attn           = false;   // dense layers captured up to norm2 (attn): the MLP runs eagerly
 };
 
 class LayerGraphRunner : public model::LayerGraphs {

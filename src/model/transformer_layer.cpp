@@ -86,10 +86,13 @@ Tensor TransformerLayer::attention_block(Context & ctx, const Tensor & x, int64_
 
 std::vector<Tensor> TransformerLayer::forward_head(Context & ctx, const Tensor & x, int64_t s, int64_t b,
                                                    const DropoutBatch & batch, bool with_plan) {
-    LOOM_CHECK(moe, "the MoE segments of dense layer " << index, "");
     Ops &        ops      = x.device().ops();
     Stream &     stream   = x.device().compute_stream();
     const Tensor residual = attention_block(ctx, x, s, b, batch);
+    if (!moe) {   // residual = x + attn, fused into norm2, whose output the MLP (the tail) takes
+        const Tensor normed = norm2.forward(ctx.norm2, residual, &x);
+        return {residual, normed};
+    }
     // residual = x + attn, fused into norm2. The MoE layer runs in f32: bf16 activations are widened into it
     // and its output rounded back (forward_tail), its gradients likewise.
     const Tensor hidden   = in_dtype(norm2.forward(ctx.norm2, residual, &x), DType::f32);
@@ -110,9 +113,15 @@ Tensor TransformerLayer::forward_tail(Context & ctx, const std::vector<Tensor> &
     const int64_t  rows     = s * b / (attention.tp.sp() ? attention.tp.size : 1);   // this rank's block with SP
     LOOM_CHECK(residual.size(0) == rows, "MoE segment of " << residual.size(0) << " rows for s " << s << ", b " << b, "");
     ctx.mlp_out = dropout_key(config, attention.tp, batch, index, DropoutKind::mlp_output, rows);
-    if (!ctx.moe) ctx.moe = std::make_shared<MoeLayerContext>();
-    Tensor h2 = in_dtype(moe->forward_experts_from(*ctx.moe, std::vector<Tensor>(head.begin() + 1, head.end())),
-                         residual.dtype());
+    Tensor h2;
+    if (moe) {
+        if (!ctx.moe) ctx.moe = std::make_shared<MoeLayerContext>();
+        h2 = in_dtype(moe->forward_experts_from(*ctx.moe, std::vector<Tensor>(head.begin() + 1, head.end())),
+                      residual.dtype());
+    } else {   // the MLP keeps norm2's output as its input (the head's norm2 context is not the tail's)
+        LOOM_CHECK(head.size() == 2, "the MLP tail of layer " << index << " given " << head.size() << " head outputs", "");
+        h2 = mlp->forward(ctx.mlp, head[1]);
+    }
     if (ctx.mlp_out.enabled()) ops.dropout(stream, h2, h2, ctx.mlp_out);
     ops.add_inplace(stream, h2, residual);   // h2 = h1 + mlp
     return h2;
@@ -153,6 +162,10 @@ Tensor TransformerLayer::attention_block_backward(Context & ctx, const Tensor & 
 
 std::vector<Tensor> TransformerLayer::backward_tail(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
     std::vector<Tensor> grads{dy};   // d h1: the residual path takes the gradient whole
+    if (!moe) {
+        grads.push_back(mlp->backward(ctx.mlp, dropped(ctx.mlp_out, dy), ready));   // d norm2's output
+        return grads;
+    }
     for (Tensor & g : moe->backward_experts_to(*ctx.moe, in_dtype(dropped(ctx.mlp_out, dy), DType::f32), ready)) {
         grads.push_back(std::move(g));
     }
@@ -160,7 +173,11 @@ std::vector<Tensor> TransformerLayer::backward_tail(Context & ctx, const Tensor 
 }
 
 Tensor TransformerLayer::backward_head(Context & ctx, const std::vector<Tensor> & grads, const GradReadyFn & ready) {
-    LOOM_CHECK(!grads.empty(), "the MoE head of layer " << index << " without gradients", "");
+    LOOM_CHECK(grads.size() >= (moe ? 1u : 2u), "the head of layer " << index << " given " << grads.size() << " gradients", "");
+    if (!moe) {   // as backward(): d h1 = dy + norm2'(d norm2's output)
+        Tensor dh1 = norm2.backward(ctx.norm2, grads[1], ready, grads[0]);
+        return attention_block_backward(ctx, dh1, ready);
+    }
     Tensor dhidden = in_dtype(moe->backward_router_from(*ctx.moe, std::vector<Tensor>(grads.begin() + 1, grads.end()), ready),
                               grads[0].dtype());
     ctx.moe.reset();
@@ -169,9 +186,9 @@ Tensor TransformerLayer::backward_head(Context & ctx, const std::vector<Tensor> 
 }
 
 std::vector<std::vector<int64_t>> TransformerLayer::head_grad_shapes(int64_t rows) const {
-    LOOM_CHECK(moe, "the MoE segments of dense layer " << index, "");
     std::vector<std::vector<int64_t>> shapes{{rows, config.hidden_size}};
-    for (auto & shape : moe->router_grad_shapes(rows)) shapes.push_back(std::move(shape));
+    if (!moe) shapes.push_back({rows, config.hidden_size});   // norm2's output
+    for (auto & shape : moe ? moe->router_grad_shapes(rows) : std::vector<std::vector<int64_t>>{}) shapes.push_back(std::move(shape));
     return shapes;
 }
 

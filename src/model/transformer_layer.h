@@ -32,17 +32,21 @@ public:
     void   init(uint64_t seed);
     void   parameters(std::vector<Parameter *> & out);
 
-    // A MoE layer in two segments, split where its MoE layer splits (MoELayer::router_outputs; MoE partial
-    // graph capture, Megatron's --cuda-graph-modules attn moe_router [moe_preprocess], captures the head).
-    // Forward and backward of a MoE layer are these, composed:
+    // A layer in two segments (partial graph capture captures the head: Megatron's --cuda-graph-modules attn
+    // moe_router [moe_preprocess] for MoE layers, attn for dense ones). A MoE layer splits where its MoE
+    // layer splits (MoELayer::router_outputs), and its forward and backward are these, composed:
     //   head: x -> norm1, attention, dropout, residual, norm2, the router (with `with_plan` the dispatch
     //         plan): fixed shapes, no host read. Returns h1 = x + attention, then the MoE layer's router
     //         outputs.
     //   tail: the head's outputs -> the experts (the host reads each expert's row count), dropout, + h1 -> y.
+    // A dense layer's head ends at norm2 and returns {h1, norm2's output}; its tail is the MLP, dropout and
+    // + h1: the operations of forward() and backward() in their order, so the bits are theirs (norm2's
+    // output is kept by the MLP where --recompute-modules layernorm would recompute it).
     // Backward runs the tail first, which returns the gradients of the head's outputs that have one (d h1,
-    // then the MoE layer's); backward_head takes them, in buffers of head_grad_shapes (f32) where the caller
-    // keeps them. Head and tail may use different contexts (a graph's and an eager one): the tail needs only
-    // the head's outputs.
+    // then the MoE layer's or the MLP's); backward_head takes them, in buffers of head_grad_shapes (the
+    // activations' dtype for d h1 and a dense layer's, f32 for a MoE layer's) where the caller keeps them.
+    // Head and tail may use different contexts (a graph's and an eager one): the tail needs only the head's
+    // outputs.
     std::vector<Tensor> forward_head(Context & ctx, const Tensor & x, int64_t s, int64_t b, const DropoutBatch & batch,
                                      bool with_plan);
     Tensor              forward_tail(Context & ctx, const std::vector<Tensor> & head, int64_t s, int64_t b,

@@ -28,6 +28,9 @@
 //   3. clip: when clip_grad > 0 and norm > clip_grad, every view is scaled by clip_grad / (norm + 1e-6);
 //   4. AdamW with lr on every slot (weight decay per slot: 0 for biases and norms);
 //   5. the subclass's after-step (the distributed optimizer's parameter all-gather).
+// step_gated runs steps 0-4 with no host read: with no norm group (one rank) the norm, the skip and the
+// clip factor are decided on the stream (Ops::grad_norm_gate, core/grad_norm_gate.h) and the update obeys
+// them (Ops::adamw_multi_gated); the host reads the norm and the decision afterwards (finish_gated).
 #pragma once
 
 #include "comm/communicator.h"

@@ -15,14 +15,15 @@ using G = GraphFlags;
 
 const Flag<GraphFlags> kGraphFlags[] = {
     {"--cuda-graph-impl", "transformer configuration", &G::impl,
-     "none, or transformer_engine: capture every transformer layer's forward and backward per "
-     "micro-batch as graphs after --cuda-graph-warmup-steps eager iterations, and replay them "
-     "(local and full_iteration are Megatron's other implementations, not Loom's)", kShowDefault},
+     "none, transformer_engine or local: capture every transformer layer's forward and backward per "
+     "micro-batch as graphs after --cuda-graph-warmup-steps eager iterations, and replay them (both "
+     "names select Loom's per-layer graphs; full_iteration is refused)", kShowDefault},
     {"--cuda-graph-modules", "inference", &G::modules,
-     "what each layer graph covers: nothing given (or full) is the whole layer, which is all Loom "
-     "captures; attn, mlp, moe, moe_router, moe_preprocess, mamba are refused"},
+     "what each layer graph covers: nothing given (or full) is the whole layer; attn alone is a dense "
+     "layer's attention and norm2 (the MLP runs eagerly); attn moe_router [moe_preprocess] is every MoE "
+     "layer up to its router; attn moe is whole drop-and-pad MoE layers; other sets are refused"},
     {"--cuda-graph-scope", "inference", &G::scope, "deprecated spelling of --cuda-graph-modules"},
-    {"--enable-cuda-graph", "transformer configuration", &G::enable, "deprecated: --cuda-graph-impl local (not Loom's)"},
+    {"--enable-cuda-graph", "transformer configuration", &G::enable, "deprecated: --cuda-graph-impl local"},
     {"--external-cuda-graph", "transformer configuration", &G::external,
      "deprecated: --cuda-graph-impl transformer_engine"},
 };
@@ -53,9 +54,11 @@ void resolve_cuda_graphs(const GraphFlags & f, const MoeFlags & moe_flags, Train
                "argument --cuda-graph-impl: invalid choice: '" << impl
                                                               << "' (choose from 'none', 'local', 'transformer_engine', 'full_iteration')",
                "");
-    LOOM_CHECK(impl == "none" || impl == "transformer_engine",
+    // Megatron's two per-layer implementations (MCore's own, local, and Transformer Engine's) capture the
+    // same thing, each layer's forward and backward over --cuda-graph-modules: both select Loom's.
+    LOOM_CHECK(impl == "none" || impl == "transformer_engine" || impl == "local",
                "--cuda-graph-impl " << impl << " is not supported by Loom",
-               "Loom captures per-layer graphs: --cuda-graph-impl transformer_engine");
+               "Loom captures per-layer graphs: --cuda-graph-impl transformer_engine or local");
     LOOM_CHECK(f.scope.empty() || f.modules.empty(),
                "--cuda-graph-scope and --cuda-graph-modules cannot be used together.", "--cuda-graph-scope is deprecated");
     std::vector<std::string> modules = f.scope.empty() ? f.modules : f.scope;
@@ -96,17 +99,20 @@ void resolve_cuda_graphs(const GraphFlags & f, const MoeFlags & moe_flags, Train
     const bool whole   = named.empty() || (named == Modules{"attn", "moe"} && every_layer_moe);
     const bool partial = (named == Modules{"attn", "moe_router"} || named == Modules{"attn", "moe_preprocess", "moe_router"}) &&
                          every_layer_moe;
+    const bool attn_only = named == Modules{"attn"} && !moe.enabled();   // dense layers up to norm2, the MLP eager
     if (impl != "none") {
         std::string given;
         for (const std::string & m : named) given += (given.empty() ? "" : " ") + m;
-        LOOM_CHECK(whole || partial, "--cuda-graph-modules " << given << " is not supported by Loom",
-                   "Loom captures whole layers (no --cuda-graph-modules, or attn moe of drop-and-pad MoE layers), or, "
-                   "with every layer MoE, each layer up to its router: attn moe_router [moe_preprocess]");
+        LOOM_CHECK(whole || partial || attn_only, "--cuda-graph-modules " << given << " is not supported by Loom",
+                   "Loom captures whole layers (no --cuda-graph-modules, or attn moe of drop-and-pad MoE layers), "
+                   "dense layers' attention alone (attn, without MoE layers), or, with every layer MoE, each layer "
+                   "up to its router: attn moe_router [moe_preprocess]");
     }
     o.graph_moe_router     = partial;
     o.graph_moe_preprocess = partial && has("moe_preprocess");
+    o.graph_attn           = attn_only;
     LOOM_CHECK(o.cuda_graph_warmup_steps >= 0, "--cuda-graph-warmup-steps must be >= 0, got " << o.cuda_graph_warmup_steps, "");
-    o.layer_graphs = impl == "transformer_engine";
+    o.layer_graphs = impl == "transformer_engine" || impl == "local";
     if (o.layer_graphs) {
         LOOM_CHECK(!o.model.moe.enabled() || o.model.moe.pad_to_capacity || o.graph_moe_router,
                    "--cuda-graph-impl transformer_engine with dropless MoE layers",

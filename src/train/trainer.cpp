@@ -452,7 +452,8 @@ void Trainer::begin_iteration() {
                                                                    options_.model.seq_length / options_.parallel.cp(),
                                                                    options_.micro_batch_size,
                                                                    graphs::LayerGraphScope{options_.graph_moe_router,
-                                                                                           options_.graph_moe_preprocess});
+                                                                                           options_.graph_moe_preprocess,
+                                                                                           options_.graph_attn});
         layer_graphs_->capture();
         executor_->set_layer_graphs(layer_graphs_.get());
     }

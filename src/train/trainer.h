@@ -14,6 +14,10 @@
 // (--use-distributed-optimizer). The logged loss is the mean over the data-parallel ranks.
 // --optimizer-cpu-offload steps part of the optimizer on the host (optim/hybrid_optimizer.h), for the
 // whole parameters of AdamW or the shard pieces of the distributed optimizer.
+//
+// On one rank the step is decided on the device and the host reads an iteration's losses and norm after its
+// step is enqueued; an iteration that does not log is read while the next one's forward and backward are
+// already queued behind it (gated_ and deferrable_ below, docs/gpu.md's host work).
 #pragma once
 
 #include "comm/communicator.h"
