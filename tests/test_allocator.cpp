@@ -109,6 +109,31 @@ TEST(Allocator, FreedBlocksAreReusedWithinTheirSizeClassAndPool) {
     EXPECT_GT(alloc.pool_stats(kDefaultPool).reserved, 0);
 }
 
+// While a graph is captured into its pool, a block of that pool the host frees stays allocated until the
+// capture ends (a real backend's captured work holds it; the meta device's records nothing, and its plan
+// must see the same pool), so no later allocation of the same capture reuses it. Once the capture has ended
+// the pool's blocks are freed at once.
+TEST(Allocator, ACaptureReusesNoBlockOfItsPoolFreedDuringIt) {
+    int64_t   raw = 0;
+    Allocator alloc(std::make_unique<CountingMemory>(&raw), MemoryKind::device, "test");
+    alloc.begin_capture("g", "graphs");
+    Block first = alloc.allocate(5000, kActivationsPool);   // captured: the graph's pool
+    ASSERT_EQ(alloc.pool_stats("graphs").allocated, 5000);
+    void * ptr = first.ptr;
+    alloc.deallocate(first);
+    EXPECT_EQ(alloc.pool_stats("graphs").allocated, 5000) << "held until the capture ends";
+    Block second = alloc.allocate(5000, kActivationsPool);
+    EXPECT_NE(second.ptr, ptr) << "the same capture does not reuse it";
+    EXPECT_EQ(alloc.pool_stats("graphs").peak_allocated, 10000);
+    alloc.end_capture();
+    EXPECT_EQ(alloc.pool_stats("graphs").allocated, 5000) << "freed when the capture ended";
+    Block third = alloc.allocate(5000, "graphs");
+    EXPECT_EQ(third.ptr, ptr) << "a later allocation reuses it";
+    alloc.deallocate(second);
+    alloc.deallocate(third);
+    EXPECT_EQ(alloc.pool_stats("graphs").allocated, 0);
+}
+
 TEST(Allocator, PoolsKeepSeparateStatistics) {
     int64_t   raw = 0;
     Allocator alloc(std::make_unique<CountingMemory>(&raw), MemoryKind::device, "test");

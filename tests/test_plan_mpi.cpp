@@ -1,4 +1,4 @@
-// `loom plan`'s memory against the real run, under mpirun with 1, 2 and 4 ranks: for a grid of 50 layouts
+// `loom plan`'s memory against the real run, under mpirun with 1, 2 and 4 ranks: for a grid of 52 layouts
 // (DP with and without the distributed optimizer and its instances, bf16 and f16 gradient buffers, recompute
 // full and selective, TP with and without sequence parallelism, PP with virtual stages, CP, EP with the MoE
 // model (dropless, and padded to capacity, whose iteration is compared too), per-layer graphs (the pools
@@ -143,6 +143,7 @@ TEST(Plan, OneRankHoldsWhatItsPlanSays) {
                                "--num-experts 4 --disable-bias-linear --moe-router-topk 2 --moe-expert-capacity-factor 1.0 "
                                "--moe-pad-expert-input-to-capacity",
                                "--cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 1",
+                               "--bf16 --cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 1",
                                // bf16 activations through the Llama-style layers, selective recompute and a
                                // MoE layer with a shared expert (its f32 island)
                                "--bf16 --swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope "
@@ -173,6 +174,7 @@ TEST(Plan, TwoRanksHoldWhatTheirPlansSay) {
                                "--fp16 --loss-scale 1024 --use-distributed-optimizer",
                                "--num-experts 4 --disable-bias-linear --use-distributed-optimizer",
                                "--bf16 --pipeline-model-parallel-size 2",
+                               "--bf16 --pipeline-model-parallel-size 2 --cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 1",
                                "--bf16 --tensor-model-parallel-size 2",
                                "--bf16 --num-experts 4 --expert-model-parallel-size 2 --disable-bias-linear "
                                "--moe-token-dispatcher-type alltoall"}) {

@@ -121,6 +121,21 @@ void Allocator::deallocate(const Block & block) noexcept {
         std::fprintf(stderr, "loom: deallocate of a block that allocator '%s' did not hand out\n", name_.c_str());
         std::abort();
     }
+    if (capture_ && pools_[block.pool].name == capture_->pool) {
+        // A block of the pool being captured into stays allocated until the capture ends: a backend's
+        // captured work holds every block it touches (CUDA's launched(), the CPU's recorded closures), so
+        // a block the host drops mid-capture is reused only by later captures. Backends whose captures
+        // record nothing (the meta device of loom plan) get the same pool this way.
+        try {
+            capture_->deferred.push_back(block);
+            return;
+        } catch (...) {   // no memory to defer it: free it now (only the pool's reuse changes)
+        }
+    }
+    deallocate_locked(block);
+}
+
+void Allocator::deallocate_locked(const Block & block) noexcept {
     Pool & pool = pools_[block.pool];
     if (block.ptr != nullptr) {
         try {
@@ -210,11 +225,13 @@ void Allocator::begin_capture(const std::string & graph, const std::string & poo
     LOOM_CHECK(!capture_, "capture of graph '" << graph << "' begun while graph '" << capture_->graph
                                                 << "' is being captured (allocator '" << name_ << "')",
                "end one capture before beginning the next");
-    capture_ = std::make_unique<Capture>(Capture{graph, pool, std::this_thread::get_id()});
+    capture_ = std::make_unique<Capture>(Capture{graph, pool, std::this_thread::get_id(), {}});
 }
 
 void Allocator::end_capture() {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (!capture_) return;
+    for (const Block & block : capture_->deferred) deallocate_locked(block);
     capture_.reset();
 }
 

@@ -128,9 +128,11 @@ private:
     std::vector<Pool>          pools_;
     AllocatorStats             total_;
     struct Capture {
-        std::string     graph, pool;
-        std::thread::id thread;
+        std::string        graph, pool;
+        std::thread::id    thread;
+        std::vector<Block> deferred;   // the pool's blocks freed during the capture, freed at its end
     };
+    void deallocate_locked(const Block & block) noexcept;
     std::unique_ptr<Capture>   capture_;        // the capture in progress, if any
     std::map<std::string, int> graph_claims_;   // pool -> live graphs
 };
