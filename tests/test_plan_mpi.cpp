@@ -1,14 +1,15 @@
-// `loom plan`'s memory against the real run, under mpirun with 1, 2 and 4 ranks: for a grid of 52 layouts
+// `loom plan`'s memory against the real run, under mpirun with 1, 2 and 4 ranks: for a grid of 54 layouts
 // (DP with and without the distributed optimizer and its instances, bf16 and f16 gradient buffers, recompute
 // full and selective, TP with and without sequence parallelism, PP with virtual stages, CP, EP with the MoE
 // model (dropless, and padded to capacity, whose iteration is compared too), per-layer graphs (the pools
-// captured after a warm-up iteration, then replayed), Megatron-FSDP's three sharding strategies, and their
-// combinations at 4 ranks; bf16 activations through Llama's layers, a shared expert, PP with virtual stages,
-// TP, EP's all-to-all and CP's), every rank sets up
-// on the CPU as `loom train` does and compares the bytes its allocator holds per pool, "weights", "grads" and
-// "optimizer", with plan::plan_rank_memory's for the same rank, built on the meta device. Equal, to the
-// byte: the plan allocates by the same code. Not in the grid: an offloaded optimizer, whose host state a GPU
-// run keeps in pageable memory and the CPU in its device pools (the plan follows the GPU).
+// captured after a warm-up iteration, then replayed; f32, bf16, and bf16 with PP 2), Megatron-FSDP's three
+// sharding strategies, half the optimizer offloaded to the host, and their combinations at 4 ranks; bf16
+// activations through Llama's layers, a shared expert, PP with virtual stages, TP, EP's all-to-all and
+// CP's), every rank sets up on the CPU as `loom train` does and compares the bytes its allocator holds per
+// pool, "weights", "grads" and "optimizer", and its pinned host allocator's pools (the offloaded optimizer's
+// state, pinned by default as Megatron pins it), with plan::plan_rank_memory's for the same rank, built on
+// the meta device. Equal, to the byte: the plan allocates by the same code. (With --no-pin-cpu-params the
+// host state is ordinary pageable memory, which no allocator counts.)
 #include "backend/cpu/cpu_device.h"
 #include "parallel/process_groups.h"
 #include "plan/memory_plan.h"
@@ -62,9 +63,12 @@ void expect_plan_is_the_run(const std::string & flags) {
 
     Device &    device    = cpu::device();
     Allocator & allocator = device.allocator(MemoryKind::device);
+    Allocator & pinned    = device.allocator(MemoryKind::pinned_host);
     device.compute_stream().synchronize();
     const std::map<std::string, int64_t> before = held(allocator);
-    std::map<std::string, int64_t>       real;
+    std::map<std::string, int64_t>       real, real_pinned;
+    std::map<std::string, int64_t>       pinned_before;
+    for (const std::string & pool : pinned.pool_names()) pinned_before[pool] = pinned.pool_stats(pool).allocated;
     int64_t                              activations = 0, states = 0, iteration = 0, staging = 0;
     {
         const parallel::ProcessGroups groups = parallel::ProcessGroups::create(
@@ -72,6 +76,10 @@ void expect_plan_is_the_run(const std::string & flags) {
         train::Setup setup = train::setup(options, groups, device);
         device.compute_stream().synchronize();
         for (const auto & [pool, bytes] : held(allocator)) real[pool] = bytes - before.at(pool);
+        for (const std::string & pool : pinned.pool_names()) {   // the offloaded optimizer's host state
+            const int64_t bytes = pinned.pool_stats(pool).allocated - pinned_before[pool];
+            if (bytes != 0) real_pinned[pool] = bytes;
+        }
         // One iteration, as the plan runs it.
         train::TrainOptions                 once = plan::one_iteration(options);
         std::unique_ptr<train::BatchSource> data = train::context_parallel_part(
@@ -94,6 +102,12 @@ void expect_plan_is_the_run(const std::string & flags) {
         auto it = planned.device.find(pool);
         EXPECT_EQ(it == planned.device.end() ? 0 : it->second, real[pool]) << "rank " << rank << ", pool " << pool;
     }
+    std::map<std::string, int64_t> planned_pinned;
+    for (const auto & [pool, bytes] : planned.pinned) {
+        if (bytes != 0) planned_pinned[pool] = bytes;
+    }
+    EXPECT_EQ(planned_pinned, real_pinned) << "rank " << rank << ": pinned host memory by pool";
+    if (options.optimizer_cpu_offload) EXPECT_GT(real_pinned["optimizer"], 0) << "the offloaded state is pinned";
     EXPECT_GT(real["weights"], 0);
     // The iteration: the same allocations in the same order, with the CPU's streams inline (LOOM_SYNC_STREAMS,
     // set for this test: memory freed in stream order, as a GPU's stream-ordered allocator frees it). What
@@ -144,6 +158,9 @@ TEST(Plan, OneRankHoldsWhatItsPlanSays) {
                                "--moe-pad-expert-input-to-capacity",
                                "--cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 1",
                                "--bf16 --cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 1",
+                               // half the optimizer state on the host (pinned, Megatron's default)
+                               "--use-distributed-optimizer --use-precision-aware-optimizer --optimizer-cpu-offload "
+                               "--optimizer-offload-fraction 0.5",
                                // bf16 activations through the Llama-style layers, selective recompute and a
                                // MoE layer with a shared expert (its f32 island)
                                "--bf16 --swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope "
@@ -175,6 +192,8 @@ TEST(Plan, TwoRanksHoldWhatTheirPlansSay) {
                                "--num-experts 4 --disable-bias-linear --use-distributed-optimizer",
                                "--bf16 --pipeline-model-parallel-size 2",
                                "--bf16 --pipeline-model-parallel-size 2 --cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 1",
+                               "--bf16 --use-distributed-optimizer --use-precision-aware-optimizer --optimizer-cpu-offload "
+                               "--optimizer-offload-fraction 0.5 --overlap-cpu-optimizer-d2h-h2d",
                                "--bf16 --tensor-model-parallel-size 2",
                                "--bf16 --num-experts 4 --expert-model-parallel-size 2 --disable-bias-linear "
                                "--moe-token-dispatcher-type alltoall"}) {
