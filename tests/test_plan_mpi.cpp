@@ -1,7 +1,7 @@
-// `loom plan`'s memory against the real run, under mpirun with 1, 2 and 4 ranks: for a grid of 54 layouts
+// `loom plan`'s memory against the real run, under mpirun with 1, 2 and 4 ranks: for a grid of 55 layouts
 // (DP with and without the distributed optimizer and its instances, bf16 and f16 gradient buffers, recompute
 // full and selective, TP with and without sequence parallelism, PP with virtual stages, CP, EP with the MoE
-// model (dropless, and padded to capacity, whose iteration is compared too), per-layer graphs (the pools
+// model (dropless, and padded to capacity, whose iteration is compared too; ETP 1 x EP 2 under TP 2 + SP), per-layer graphs (the pools
 // captured after a warm-up iteration, then replayed; f32, bf16, and bf16 with PP 2), Megatron-FSDP's three
 // sharding strategies, half the optimizer offloaded to the host, and their combinations at 4 ranks; bf16
 // activations through Llama's layers, a shared expert, PP with virtual stages, TP, EP's all-to-all and
@@ -216,7 +216,11 @@ TEST(Plan, FourRanksHoldWhatTheirPlansSay) {
                                "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --no-gradient-accumulation-fusion --tensor-model-parallel-size 2",
                                "--bf16 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 4 "
                                "--tensor-model-parallel-size 2 --sequence-parallel",
-                               "--bf16 --context-parallel-size 4 --cp-comm-type a2a"}) {
+                               "--bf16 --context-parallel-size 4 --cp-comm-type a2a",
+                               // MoE parallel folding: TP 2 + SP for attention, the experts ETP 1 x EP 2
+                               "--tensor-model-parallel-size 2 --sequence-parallel --num-experts 4 --expert-model-parallel-size 2 "
+                               "--expert-tensor-parallel-size 1 --disable-bias-linear --moe-expert-capacity-factor 1.0 "
+                               "--moe-pad-expert-input-to-capacity --moe-token-dispatcher-type alltoall"}) {
         expect_plan_is_the_run(flags);
     }
 }
