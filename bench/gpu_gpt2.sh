@@ -45,6 +45,7 @@ for graphs in none transformer_engine; do   # eager, then per-layer graphs (Loom
     printf "%-34s %12s %8s %12s\n" "loom, layer graphs $graphs" "$tps" "$mfu" "$ms"
     loom_tps+=("loom, layer graphs $graphs=$tps")
     grep -E 'peak|memory' <<<"$log" | tail -2
+    grep ' work: ' <<<"$log" || true   # host synchronisations and late reads per iteration
 done
 
 torch_line=$(python3 "$here/pytorch_step.py" --device cuda --steps "$torch_steps" --peak-tflops "$peak")
