@@ -1409,8 +1409,8 @@ TEST(CudaOps, MoeRouterTopkLossesAndBackwardMatchTheCpu) {
         Tensor        logits_g = to_gpu(logits);
         Tensor        ic = cpu_tensor({n, k}, DType::i32), pc = cpu_tensor({n, k});
         Tensor        ig = Tensor::empty({n, k}, DType::i32, gpu()), pg = Tensor::empty({n, k}, DType::f32, gpu());
-        cops().moe_topk(cs(), logits, c.routing, ic, pc);
-        gops().moe_topk(gs(), logits_g, c.routing, ig, pg);
+        cops().moe_topk(cs(), logits, c.routing, Tensor(), ic, pc);
+        gops().moe_topk(gs(), logits_g, c.routing, Tensor(), ig, pg);
         Tensor cc = cpu_tensor({c.groups, E}), cg = Tensor::empty({c.groups, E}, DType::f32, gpu());
         cops().moe_aux_counts(cs(), logits, c.routing, c.groups, cc);
         gops().moe_aux_counts(gs(), logits_g, c.routing, c.groups, cg);
@@ -1522,8 +1522,8 @@ TEST(CudaOps, Float64GemmConvertAndRouterOpsMatchTheCpu) {
     Tensor logits = random_f64({rows, E}, 1940), logits_g = to_gpu(logits);
     Tensor ic = cpu_tensor({rows, 2}, DType::i32), pc = cpu_tensor({rows, 2});
     Tensor ig = Tensor::empty({rows, 2}, DType::i32, gpu()), pg = Tensor::empty({rows, 2}, DType::f32, gpu());
-    cops().moe_topk(cs(), logits, routing, ic, pc);
-    gops().moe_topk(gs(), logits_g, routing, ig, pg);
+    cops().moe_topk(cs(), logits, routing, Tensor(), ic, pc);
+    gops().moe_topk(gs(), logits_g, routing, Tensor(), ig, pg);
     Tensor cc = cpu_tensor({1, E}), cg = Tensor::empty({1, E}, DType::f32, gpu());
     cops().moe_aux_counts(cs(), logits, routing, 1, cc);
     gops().moe_aux_counts(gs(), logits_g, routing, 1, cg);
@@ -1649,7 +1649,7 @@ TEST(CudaOps, MoeRouterRefusesMoreExpertsPerTokenThanItsArrayHolds) {
     const MoeRouting r{80, 70, false, false, 1.0f};
     Tensor logits = Tensor::empty({4, 80}, DType::f32, gpu());
     Tensor idx = Tensor::empty({4, 70}, DType::i32, gpu()), probs = Tensor::empty({4, 70}, DType::f32, gpu());
-    EXPECT_NE(error_of([&] { gops().moe_topk(gs(), logits, r, idx, probs); }).find("moe_topk: top-70 routing on CUDA"),
+    EXPECT_NE(error_of([&] { gops().moe_topk(gs(), logits, r, Tensor(), idx, probs); }).find("moe_topk: top-70 routing on CUDA"),
               std::string::npos);
 }
 

@@ -329,6 +329,17 @@ inline void moe_router_loss(const MoeRouterLoss & loss, int64_t n, const char * 
                op << ": " << loss.tokens << " tokens in " << loss.groups << " groups (aux " << loss.aux_coeff
                   << ", z " << loss.z_coeff << ") for " << n << " rows", "");
 }
+inline void moe_count_tokens(const Tensor & tokens_per_expert, const Tensor & load) {
+    expect(tokens_per_expert, DType::i64, -1, "moe_count_tokens", "tokens_per_expert");
+    expect(load, DType::f32, tokens_per_expert.numel(), "moe_count_tokens", "load");
+}
+// Returns (rows, experts).
+inline std::pair<int64_t, int64_t> moe_expert_bias_update(const Tensor & load, const Tensor & bias) {
+    const std::pair<int64_t, int64_t> re = rows_cols(load, "moe_expert_bias_update");
+    expect(load, DType::f32, -1, "moe_expert_bias_update", "load");
+    expect(bias, DType::f32, load.numel(), "moe_expert_bias_update", "bias");
+    return re;
+}
 // The plan's slots (n, k): expert_of i32 and probs f32; the outputs' sizes; returns (n, k).
 inline std::pair<int64_t, int64_t> moe_plan(const Tensor & expert_of, const Tensor & probs, const MoePlanSpec & spec,
                                             const Tensor & plan_probs, const Tensor & row_of,
@@ -367,8 +378,19 @@ inline int64_t moe_slots(const Tensor & row_of, const Tensor & weights, int64_t 
 }
 
 // Each MoE op's operands (core/ops.h); each returns the sizes its kernels take.
-inline int64_t moe_topk(const Tensor & logits, const MoeRouting & r, const Tensor & top_idx, const Tensor & probs) {
+inline int64_t moe_topk(const Tensor & logits, const MoeRouting & r, const Tensor & expert_bias, const Tensor & top_idx,
+                        const Tensor & probs) {
     const int64_t n = moe_logits(logits, r, "moe_topk");
+    if (r.group_topk > 0) {
+        LOOM_CHECK(r.num_groups >= 1 && r.num_groups <= kMoeMaxGroups && r.experts % r.num_groups == 0 &&
+                       r.group_topk <= r.num_groups && r.topk <= r.group_topk * (r.experts / r.num_groups),
+                   "moe_topk: top-" << r.topk << " of the experts of " << r.group_topk << " of " << r.num_groups
+                                    << " groups of " << r.experts << " experts", "");
+    }
+    if (expert_bias.defined()) {
+        LOOM_CHECK(r.sigmoid, "moe_topk: an expert bias with softmax scores", "aux-loss-free routing is sigmoid's");
+        expect(expert_bias, DType::f32, r.experts, "moe_topk", "expert_bias");
+    }
     expect(top_idx, DType::i32, n * r.topk, "moe_topk", "top_idx");
     expect(probs, DType::f32, n * r.topk, "moe_topk", "probs");
     return n;

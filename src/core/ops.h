@@ -99,7 +99,14 @@ struct MoeRouting {
     bool    sigmoid     = false;   // --moe-router-score-function sigmoid (else softmax)
     bool    pre_softmax = false;   // softmax over all E before the top-k (softmax only)
     float   scaling     = 1.0f;    // --moe-router-topk-scaling-factor (1 when unset)
+    // Group-limited routing (--moe-router-num-groups G, --moe-router-group-topk g; 0: off): the experts fall
+    // into G groups of E / G in index order; a token keeps the g groups whose k / g largest selection scores
+    // sum highest (ties toward the lower group), and selects its k experts among theirs. G <= kMoeMaxGroups.
+    int64_t num_groups  = 0;
+    int64_t group_topk  = 0;
 };
+
+inline constexpr int64_t kMoeMaxGroups = 64;
 
 // The load-balancing aux loss and the z-loss of a router (either coefficient 0: that loss is off).
 struct MoeRouterLoss {
@@ -315,8 +322,10 @@ public:
 
     // ---- Mixture of Experts. Router: logits (n, E) f32; top_idx (n, k) i32; probs (n, k) f32.
     // Each token's k experts by descending score (ties toward the lower expert) and their probabilities.
-    virtual void moe_topk(Stream & s, const Tensor & logits, const MoeRouting & routing, const Tensor & top_idx,
-                          const Tensor & probs) = 0;
+    // expert_bias (E) f32, or no tensor: aux-loss-free balancing (sigmoid only), selecting by sigmoid(logit) +
+    // bias while the probabilities stay the unbiased scores'.
+    virtual void moe_topk(Stream & s, const Tensor & logits, const MoeRouting & routing, const Tensor & expert_bias,
+                          const Tensor & top_idx, const Tensor & probs) = 0;
     // Megatron's sinkhorn routing while training (--moe-router-load-balancing-type sinkhorn): the k experts
     // of rows [first, first + n) of logits (N, E) f32 by descending sinkhorn(logits) over all N rows (ties
     // toward the lower expert), and their probabilities from the same rows' logits as moe_topk gives them
@@ -338,6 +347,11 @@ public:
     virtual void moe_router_backward(Stream & s, const Tensor & logits, const Tensor & top_idx, const Tensor & dprobs,
                                      const Tensor & counts, const MoeRouting & routing, const MoeRouterLoss & loss,
                                      float loss_scale, const Tensor & dlogits) = 0;
+    // Aux-loss-free balancing's bookkeeping. load (E) f32 += tokens_per_expert (E) i64 (a dispatch plan's).
+    virtual void moe_count_tokens(Stream & s, const Tensor & tokens_per_expert, const Tensor & load) = 0;
+    // For every row r of load and bias (R, E) f32: bias[r, e] += rate * sign(mean over e of load[r] - load[r, e])
+    // (sign 0 at 0; the mean in double), then load = 0. Megatron's get_updated_expert_bias.
+    virtual void moe_expert_bias_update(Stream & s, const Tensor & load, const Tensor & bias, float rate) = 0;
     // Dispatch plan for expert_of (n, k) i32 and probs (n, k) f32: plan_probs (n, k) f32 (0 where no row),
     // row_of (n, k) i32 (-1: no row), token_of_row (rows_max) i32 (-1: padding or unused), tokens_per_expert
     // (experts) i64.

@@ -44,6 +44,18 @@ GptModel::GptModel(const GptConfig & config, Device & device, const PipelineStag
     for (int64_t i = stage_.first_layer; i < stage_.first_layer + stage_.num_layers; ++i) {
         layers_.push_back(std::make_unique<TransformerLayer>(i, config_, device, tp_, ep_, cp_));
     }
+    if (config_.moe.expert_bias && num_moe_layers() > 0) {   // one tensor each, for one collective and one update
+        const int64_t E = config_.moe.num_experts, rows = num_moe_layers();
+        moe_expert_bias_ = Tensor::zeros({rows, E}, DType::f32, device, {MemoryKind::device, "moe-expert-bias"});
+        moe_expert_load_ = Tensor::zeros({rows, E}, DType::f32, device, {MemoryKind::device, "moe-expert-bias"});
+        int64_t row = 0;
+        for (auto & layer : layers_) {
+            if (!layer->moe) continue;
+            layer->moe->router.expert_bias = moe_expert_bias_.narrow(0, row, 1).view({E});
+            layer->moe->router.expert_load = moe_expert_load_.narrow(0, row, 1).view({E});
+            ++row;
+        }
+    }
     if (stage_.post_process) {
         final_norm_ = std::make_unique<Norm>("final_norm", config_.hidden_size, config_.normalization,
                                              config_.norm_epsilon, dtype, device, tp_);
@@ -333,6 +345,13 @@ void GptModel::set_moe_aux_loss_scale(float scale) {
     for (auto & layer : layers_) {
         if (layer->moe) layer->moe->aux_loss_backward_scale = scale * static_cast<float>(cp_.size);
     }
+}
+
+void GptModel::update_moe_expert_bias() {
+    if (!moe_expert_load_.defined()) return;
+    Stream & stream = device_.compute_stream();
+    if (ep_.tp_dp_cp) ep_.tp_dp_cp->all_reduce(moe_expert_load_, comm::ReduceOp::sum, &stream);
+    device_.ops().moe_expert_bias_update(stream, moe_expert_load_, moe_expert_bias_, config_.moe.bias_update_rate);
 }
 
 void GptModel::reset_moe_global_counts() {

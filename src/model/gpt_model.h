@@ -156,6 +156,13 @@ public:
     void    set_moe_aux_loss_scale(float scale);
     // global_aux_loss: a new iteration's micro-batches begin (each router's running mean restarts).
     void    reset_moe_global_counts();
+    // --moe-router-enable-expert-bias, once per training iteration after its last backward (Megatron's
+    // _update_router_expert_bias in finalize_model_grads): every MoE layer's token counts summed over the
+    // TP x DP x CP ranks in one all-reduce, each expert bias moved by the update rate toward balance, the
+    // counts cleared. Nothing without the flag.
+    void    update_moe_expert_bias();
+    // (MoE layers of this chunk, E) f32: the routers' expert biases (undefined without the flag).
+    Tensor  moe_expert_bias() const { return moe_expert_bias_; }
     // The router's four logged losses (router.h's RouterLoss order) summed over this chunk's MoE layers and
     // over the training forwards since the last call, which clears them; wait for the compute stream first.
     // With `per_layer` (one entry per layer of the whole model), each MoE layer's values are also added at
@@ -182,6 +189,7 @@ private:
     TensorParallel                                 tp_;
     ExpertParallel                                 ep_;
     ContextParallel                                cp_;
+    Tensor                                         moe_expert_bias_, moe_expert_load_;   // (MoE layers, E): routers' rows
     int64_t                                        vocab_local_ = 0;   // V / tp rows on this rank
     int64_t                                        vocab_begin_ = 0;   // the first of them
 

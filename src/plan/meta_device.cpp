@@ -264,9 +264,16 @@ public:
             memory(s, "sum_of_squares", bytes);
         }
     }
-    void moe_topk(Stream & s, const Tensor & logits, const MoeRouting & routing, const Tensor & top_idx, const Tensor & probs) override {
+    void moe_topk(Stream & s, const Tensor & logits, const MoeRouting & routing, const Tensor & expert_bias,
+                  const Tensor & top_idx, const Tensor & probs) override {
         route_round_robin(top_idx, probs, 0, routing.experts);
-        memory(s, "moe_topk", bytes_of({&logits, &top_idx, &probs}));
+        memory(s, "moe_topk", bytes_of({&logits, &expert_bias, &top_idx, &probs}));
+    }
+    void moe_count_tokens(Stream & s, const Tensor & tokens_per_expert, const Tensor & load) override {
+        memory(s, "moe_count_tokens", bytes_of({&tokens_per_expert, &load, &load}));
+    }
+    void moe_expert_bias_update(Stream & s, const Tensor & load, const Tensor & bias, float) override {
+        memory(s, "moe_expert_bias_update", bytes_of({&load, &bias, &load, &bias}));
     }
     void moe_sinkhorn_topk(Stream & s, const Tensor & logits, int64_t first, const MoeRouting & routing, const Tensor & top_idx, const Tensor & probs) override {
         route_round_robin(top_idx, probs, first, routing.experts);

@@ -83,7 +83,9 @@ struct MoeFlags {
     std::vector<std::string> load_balancing{"aux_loss"};
     std::vector<float>       aux_loss_coeff{0.0f};
     float                    z_loss_coeff = 0.0f, capacity_factor = 0.0f, topk_scaling = 0.0f;
-    bool                     pre_softmax = false, pad = false, grouped_gemm = false;
+    int64_t                  num_groups = 0, group_topk = 0;   // 0: None
+    float                    bias_update_rate = 1e-3f;
+    bool                     pre_softmax = false, pad = false, grouped_gemm = false, expert_bias = false;
     bool                     per_layer_logging = false;   // --moe-per-layer-logging
 };
 std::span<const Flag<MoeFlags>> moe_flags();

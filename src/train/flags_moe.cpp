@@ -36,6 +36,18 @@ const Flag<MoeFlags> kMoeFlags[] = {
     {"--moe-router-score-function", kLoomGroup, &E::score_function, "softmax or sigmoid", kShowDefault},
     {"--moe-router-pre-softmax", kLoomGroup, &E::pre_softmax, "softmax over all experts before the top-k"},
     {"--moe-router-topk-scaling-factor", kLoomGroup, &E::topk_scaling, "multiplies the routing probabilities"},
+    {"--moe-router-num-groups", kLoomGroup, &E::num_groups,
+     "group-limited routing: the experts in this many groups of consecutive experts (DeepSeek's device- or "
+     "node-limited routing)"},
+    {"--moe-router-group-topk", kLoomGroup, &E::group_topk,
+     "group-limited routing: each token keeps the groups whose top (topk / group-topk) scores sum highest, and "
+     "selects its experts among theirs"},
+    {"--moe-router-enable-expert-bias", kLoomGroup, &E::expert_bias,
+     "aux-loss-free balancing (sigmoid scores): each expert's bias joins its score for the selection only, and "
+     "after each iteration moves by the update rate toward the experts that got fewer than the mean tokens over "
+     "the TP x DP x CP ranks"},
+    {"--moe-router-bias-update-rate", kLoomGroup, &E::bias_update_rate, "the expert bias's step per iteration",
+     kShowDefault},
     {"--moe-router-load-balancing-type", kLoomGroup, &E::load_balancing,
      "aux_loss, seq_aux_loss, global_aux_loss (counts over every TP x DP x CP rank, their mean over the "
      "iteration's micro-batches), sinkhorn (S-BASE: balanced by Sinkhorn's algorithm, no aux loss) or none", kShowDefault},
@@ -86,6 +98,10 @@ void resolve_moe(const MoeFlags & f, const Given & given, TrainOptions & o) {
     moe.score_function      = f.score_function == "sigmoid" ? model::MoeScoreFunction::sigmoid : model::MoeScoreFunction::softmax;
     moe.pre_softmax         = f.pre_softmax;
     moe.topk_scaling_factor = given("--moe-router-topk-scaling-factor") ? f.topk_scaling : 0.0f;
+    moe.num_groups          = f.num_groups;
+    moe.group_topk          = f.group_topk;
+    moe.expert_bias         = f.expert_bias;
+    moe.bias_update_rate    = f.bias_update_rate;
     LOOM_CHECK(f.load_balancing.size() == 1 && f.aux_loss_coeff.size() == 1,
                "--moe-router-load-balancing-type and --moe-aux-loss-coeff with several values (combined balancing losses) "
                "are not supported by Loom", "give one type and one coefficient");
@@ -125,6 +141,10 @@ void resolve_moe(const MoeFlags & f, const Given & given, TrainOptions & o) {
         moe.layer_freq = n;
     }
     model::moe_config_validate(moe, o.model);
+    LOOM_CHECK(!moe.expert_bias || (o.save.empty() && o.load.empty()),
+               "--moe-router-enable-expert-bias with --save or --load: Loom's checkpoints do not hold the expert bias "
+               "yet, and a resumed run would restart it from zero",
+               "train without --save/--load, or balance with --moe-aux-loss-coeff");
     // Megatron raises this in MoELayer.forward while training; Loom refuses before any rank starts.
     LOOM_CHECK(o.parallel.tp() == 1 || o.sequence_parallel,
                "During training, performance may degrade if MoE and tensor parallelism are enabled without also enabling "

@@ -98,7 +98,6 @@ const std::map<std::string, std::string> & refusal_hints() {
         {"--tokenizer-model", "Loom reads GPT-2 BPE files (--tokenizer-type GPT2BPETokenizer --vocab-file V "
                               "--merge-file M) or plain ids (--tokenizer-type NullTokenizer --vocab-size N)"},
         {"--fp8-format", "train in --bf16"},
-        {"--moe-router-enable-expert-bias", "Loom's router has no expert bias; balance with --moe-aux-loss-coeff"},
     };
     return hints;
 }

@@ -469,6 +469,7 @@ pipeline::PipelineExecutor::Result Trainer::run_schedule(IterationStats & stats,
         peak_in_flight_  = std::max(peak_in_flight_, r.peak_in_flight);
         if (r.modelled_begin_s) last_schedule_ = r;   // the meta device's: loom plan reads it
         if (!wait) return;   // the gated path: one rank and no MoE layer, nothing below to do
+        for (model::GptModel * chunk : setup_.chunks) chunk->update_moe_expert_bias();
         sum_losses_over_context(r);
         moe_losses(stats);   // run() waited for the stream
     });

@@ -444,12 +444,24 @@ public:
     }
 
     // ---- Mixture of Experts (backend/cpu/moe.h)
-    void moe_topk(Stream & s, const Tensor & logits, const MoeRouting & r, const Tensor & top_idx,
-                  const Tensor & probs) override {
-        const int64_t n = op_checks::moe_topk(logits, r, top_idx, probs);
+    void moe_topk(Stream & s, const Tensor & logits, const MoeRouting & r, const Tensor & expert_bias,
+                  const Tensor & top_idx, const Tensor & probs) override {
+        const int64_t n = op_checks::moe_topk(logits, r, expert_bias, top_idx, probs);
         s.submit([=] {
-            with_logits(logits, [&](const auto * l) { cpu::moe_topk(l, n, r, top_idx.data<int32_t>(), f32(probs)); });
+            with_logits(logits, [&](const auto * l) {
+                cpu::moe_topk(l, n, r, f32_or_null(expert_bias), top_idx.data<int32_t>(), f32(probs));
+            });
         });
+    }
+
+    void moe_count_tokens(Stream & s, const Tensor & tokens_per_expert, const Tensor & load) override {
+        op_checks::moe_count_tokens(tokens_per_expert, load);
+        s.submit([=] { cpu::moe_count_tokens(tokens_per_expert.data<int64_t>(), load.numel(), f32(load)); });
+    }
+
+    void moe_expert_bias_update(Stream & s, const Tensor & load, const Tensor & bias, float rate) override {
+        const auto [rows, experts] = op_checks::moe_expert_bias_update(load, bias);
+        s.submit([=] { cpu::moe_expert_bias_update(f32(load), f32(bias), rows, experts, rate); });
     }
 
     void moe_sinkhorn_topk(Stream & s, const Tensor & logits, int64_t first, const MoeRouting & r,

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace loom::cpu {
@@ -74,22 +75,45 @@ void topk_probs(const L * l, const int32_t * idx, const MoeRouting & r, double *
 
 double scaling(const MoeRouting & r) { return r.scaling > 0.0f ? r.scaling : 1.0; }
 
+// Group-limited routing: every expert outside the g groups whose k / g largest scores sum highest drops out
+// (its score becomes -inf). Each group's sum adds its largest scores in descending order.
+void limit_to_groups(double * score, const MoeRouting & r) {
+    const int64_t G = r.num_groups, per = r.experts / G, m = r.topk / r.group_topk;
+    double        group_score[kMoeMaxGroups];
+    int32_t       best[kMoeMaxGroups];
+    std::vector<int32_t> idx(static_cast<size_t>(std::max<int64_t>(m, 1)));
+    for (int64_t g = 0; g < G; ++g) {
+        topk_desc(score + g * per, per, std::min(m, per), idx.data());
+        double sum = 0;
+        for (int64_t j = 0; j < std::min(m, per); ++j) sum += score[g * per + idx[j]];
+        group_score[g] = sum;
+    }
+    topk_desc(group_score, G, r.group_topk, best);
+    for (int64_t g = 0; g < G; ++g) {
+        bool kept = false;
+        for (int64_t j = 0; j < r.group_topk; ++j) kept |= best[j] == g;
+        if (kept) continue;
+        for (int64_t e = g * per; e < (g + 1) * per; ++e) score[e] = -std::numeric_limits<double>::infinity();
+    }
+}
+
 }  // namespace
 
 template <typename L>
-void moe_topk(const L * logits, int64_t n, const MoeRouting & r, int32_t * top_idx, float * probs) {
+void moe_topk(const L * logits, int64_t n, const MoeRouting & r, const float * bias, int32_t * top_idx, float * probs) {
     const int64_t E = r.experts, k = r.topk;
     const double  sf = scaling(r);
     parallel_for(n, 64, [&](int64_t begin, int64_t end) {
         std::vector<double> score(E), q(k), scratch(E);
         for (int64_t x = begin; x < end; ++x) {
             const L * lx = logits + x * E;
-            // Selection scores: logits (post-softmax; softmax is monotonic), softmax, or sigmoid.
+            // Selection scores: logits (post-softmax; softmax is monotonic), softmax, or sigmoid (+ the bias).
             for (int64_t e = 0; e < E; ++e) score[e] = lx[e];
             if (!r.sigmoid && r.pre_softmax) softmax(lx, E, score.data());
             if (r.sigmoid) {
-                for (int64_t e = 0; e < E; ++e) score[e] = sigmoid(lx[e]);
+                for (int64_t e = 0; e < E; ++e) score[e] = sigmoid(lx[e]) + (bias ? static_cast<double>(bias[e]) : 0.0);
             }
+            if (r.group_topk > 0) limit_to_groups(score.data(), r);
             topk_desc(score.data(), E, k, top_idx + x * k);
             topk_probs(lx, top_idx + x * k, r, q.data(), scratch.data());
             for (int64_t j = 0; j < k; ++j) probs[x * k + j] = static_cast<float>(sf * q[j]);
@@ -249,7 +273,7 @@ void moe_router_backward(const L * logits, int64_t n, const int32_t * top_idx, c
 }
 
 #define LOOM_ROUTER_KERNELS(T)                                                                                    \
-    template void moe_topk(const T *, int64_t, const MoeRouting &, int32_t *, float *);                          \
+    template void moe_topk(const T *, int64_t, const MoeRouting &, const float *, int32_t *, float *);                          \
     template void moe_sinkhorn_topk(const T *, int64_t, int64_t, int64_t, const MoeRouting &, int32_t *, float *); \
     template void moe_aux_counts(const T *, int64_t, const MoeRouting &, int64_t, float *);                      \
     template void moe_router_losses(const T *, int64_t, const float *, const MoeRouting &, const MoeRouterLoss &, \
@@ -304,6 +328,24 @@ void moe_plan_experts(const int32_t * row_of, int64_t slots, const int64_t * tok
     for (int64_t a = 0; a < slots; ++a) {
         expert_of[a] = row_of[a] < 0 ? -1
                                      : static_cast<int32_t>(std::upper_bound(end.begin(), end.end(), row_of[a]) - end.begin());
+    }
+}
+
+void moe_count_tokens(const int64_t * tokens_per_expert, int64_t experts, float * load) {
+    for (int64_t e = 0; e < experts; ++e) load[e] += static_cast<float>(tokens_per_expert[e]);
+}
+
+void moe_expert_bias_update(float * load, float * bias, int64_t rows, int64_t experts, float rate) {
+    for (int64_t r = 0; r < rows; ++r) {
+        float * l = load + r * experts;
+        double  sum = 0;
+        for (int64_t e = 0; e < experts; ++e) sum += l[e];
+        const double mean = sum / static_cast<double>(experts);
+        for (int64_t e = 0; e < experts; ++e) {
+            const double offset = mean - static_cast<double>(l[e]);
+            bias[r * experts + e] += offset > 0 ? rate : offset < 0 ? -rate : 0.0f;
+            l[e] = 0.0f;
+        }
     }
 }
 

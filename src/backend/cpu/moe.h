@@ -14,7 +14,8 @@ namespace loom::cpu {
 // either: a float logit widens exactly, so f32 logits held in an f64 tensor give the f32 results bit for bit.
 // dlogits are of the logits' type. Instantiated for float and double.
 template <typename T>
-void moe_topk(const T * logits, int64_t n, const MoeRouting & r, int32_t * top_idx, float * probs);
+void moe_topk(const T * logits, int64_t n, const MoeRouting & r, const float * expert_bias, int32_t * top_idx,
+              float * probs);
 template <typename T>
 void moe_sinkhorn_topk(const T * logits, int64_t N, int64_t first, int64_t n, const MoeRouting & r, int32_t * top_idx,
                        float * probs);
@@ -39,5 +40,9 @@ void moe_combine(const float * src, const int32_t * row_of, const float * weight
 void moe_combine_backward(const float * dy, const float * src, int64_t rows, const float * weights,
                           const int32_t * row_of, const int32_t * token_of_row, int64_t n, int64_t k, int64_t h,
                           float * dsrc, float * dweights);
+
+// load (E) += tokens_per_expert; and core/ops.h's moe_expert_bias_update over (rows, E).
+void moe_count_tokens(const int64_t * tokens_per_expert, int64_t experts, float * load);
+void moe_expert_bias_update(float * load, float * bias, int64_t rows, int64_t experts, float rate);
 
 }  // namespace loom::cpu

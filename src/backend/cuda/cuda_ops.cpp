@@ -161,7 +161,8 @@ kernels::AttentionKey attention_key(CudaStream & cs, cudaStream_t stream, const 
 // A router's arguments as the kernels take them.
 kernels::MoeRoutingArgs routing_args(const MoeRouting & r, const char * op) {
     require({op, 0, r.topk});
-    return {r.experts, r.topk, r.sigmoid, r.pre_softmax, r.scaling > 0.0f ? static_cast<double>(r.scaling) : 1.0};
+    return {r.experts, r.topk, r.sigmoid, r.pre_softmax, r.scaling > 0.0f ? static_cast<double>(r.scaling) : 1.0,
+            r.num_groups, r.group_topk};
 }
 
 kernels::MoeLossArgs loss_args(const MoeRouterLoss & l) { return {l.groups, l.tokens, l.aux_coeff, l.z_coeff}; }
@@ -743,14 +744,31 @@ public:
     }
 
     // ---- Mixture of Experts (moe_kernels.h)
-    void moe_topk(Stream & s, const Tensor & logits, const MoeRouting & r, const Tensor & top_idx,
-                  const Tensor & probs) override {
-        const int64_t                 n    = op_checks::moe_topk(logits, r, top_idx, probs);
+    void moe_topk(Stream & s, const Tensor & logits, const MoeRouting & r, const Tensor & expert_bias,
+                  const Tensor & top_idx, const Tensor & probs) override {
+        const int64_t                 n    = op_checks::moe_topk(logits, r, expert_bias, top_idx, probs);
         const kernels::MoeRoutingArgs args = routing_args(r, "moe_topk");
-        CudaStream &                  cs   = start(s, "moe_topk", {logits, top_idx, probs});
+        CudaStream &                  cs   = start(s, "moe_topk", {logits, expert_bias, top_idx, probs});
         cudaStream_t                  stream = cs.launch("moe_topk");
-        with_logits(logits, [&](const auto * l) { kernels::moe_topk(stream, l, n, args, top_idx.data<int32_t>(), f32(probs)); });
-        cs.launched("moe_topk", {logits, top_idx, probs});
+        const float *                 bias   = expert_bias.defined() ? f32(expert_bias) : nullptr;
+        with_logits(logits, [&](const auto * l) {
+            kernels::moe_topk(stream, l, n, args, bias, top_idx.data<int32_t>(), f32(probs));
+        });
+        cs.launched("moe_topk", {logits, expert_bias, top_idx, probs});
+    }
+
+    void moe_count_tokens(Stream & s, const Tensor & tokens_per_expert, const Tensor & load) override {
+        op_checks::moe_count_tokens(tokens_per_expert, load);
+        CudaStream & cs = start(s, "moe_count_tokens", {tokens_per_expert, load});
+        kernels::moe_count_tokens(cs.launch("moe_count_tokens"), tokens_per_expert.data<int64_t>(), load.numel(), f32(load));
+        cs.launched("moe_count_tokens", {tokens_per_expert, load});
+    }
+
+    void moe_expert_bias_update(Stream & s, const Tensor & load, const Tensor & bias, float rate) override {
+        const auto [rows, experts] = op_checks::moe_expert_bias_update(load, bias);
+        CudaStream & cs = start(s, "moe_expert_bias_update", {load, bias});
+        kernels::moe_expert_bias_update(cs.launch("moe_expert_bias_update"), f32(load), f32(bias), rows, experts, rate);
+        cs.launched("moe_expert_bias_update", {load, bias});
     }
 
     void moe_sinkhorn_topk(Stream & s, const Tensor & logits, int64_t first, const MoeRouting & r, const Tensor & top_idx,

@@ -115,12 +115,52 @@ __device__ void topk_probs(const L * l, const int32_t * idx, const MoeRoutingArg
     }
 }
 
+// A row's selection score with the expert bias added (sigmoid) and the experts of the groups left out by
+// group-limited routing at -inf (backend/cpu/moe.cpp's limit_to_groups).
 template <typename L>
-__global__ void moe_topk_kernel(const L * logits, int64_t n, MoeRoutingArgs r, int32_t * top_idx, float * probs) {
+struct Selection {
+    Scores<L>     base;
+    const float * bias;
+    uint64_t      kept;   // bit g: group g kept
+    int64_t       per;    // experts per group
+
+    __device__ double operator()(int64_t e) const {
+        if (!((kept >> (e / per)) & 1u)) return -INFINITY;
+        const double v = base(e);
+        return bias ? v + static_cast<double>(bias[e]) : v;
+    }
+};
+
+template <typename L>
+__device__ Selection<L> selection_of(const L * l, const MoeRoutingArgs & r, const float * bias) {
+    Selection<L> s{selection_scores(l, r), bias, ~uint64_t{0}, r.experts};
+    if (r.group_topk == 0) return s;
+    const int64_t G = r.num_groups, per = r.experts / G, m = r.topk / r.group_topk;
+    double        group_score[kMoeMaxGroups];
+    int32_t       idx[kMoeMaxTopk];
+    for (int64_t g = 0; g < G; ++g) {
+        const Selection<L> all{s.base, bias, ~uint64_t{0}, r.experts};
+        auto               in_group = [&](int64_t e) { return all(g * per + e); };
+        topk_desc(in_group, per, m, idx);
+        double sum = 0;
+        for (int64_t j = 0; j < m; ++j) sum += in_group(idx[j]);
+        group_score[g] = sum;
+    }
+    int32_t best[kMoeMaxGroups];
+    topk_desc([&](int64_t g) { return group_score[g]; }, G, r.group_topk, best);
+    s.kept = 0;
+    for (int64_t j = 0; j < r.group_topk; ++j) s.kept |= uint64_t{1} << best[j];
+    s.per = per;
+    return s;
+}
+
+template <typename L>
+__global__ void moe_topk_kernel(const L * logits, int64_t n, MoeRoutingArgs r, const float * bias, int32_t * top_idx,
+                                float * probs) {
     LOOM_GRID_STRIDE(x, n) {
         const L *     l = logits + x * r.experts;
         int32_t *     idx = top_idx + x * r.topk;
-        topk_desc(selection_scores(l, r), r.experts, r.topk, idx);
+        topk_desc(selection_of(l, r, bias), r.experts, r.topk, idx);
         double q[kMoeMaxTopk];
         topk_probs(l, idx, r, q);
         for (int64_t j = 0; j < r.topk; ++j) probs[x * r.topk + j] = static_cast<float>(r.scaling * q[j]);
@@ -441,12 +481,43 @@ __global__ void moe_weight_grad_kernel(const float * dy, const float * src, cons
     }
 }
 
+__global__ void moe_count_tokens_kernel(const int64_t * tokens_per_expert, int64_t experts, float * load) {
+    LOOM_GRID_STRIDE(e, experts) { load[e] += static_cast<float>(tokens_per_expert[e]); }
+}
+
+// One thread per row, the row's sum in expert order (the CPU's).
+__global__ void moe_expert_bias_update_kernel(float * load, float * bias, int64_t rows, int64_t experts, float rate) {
+    LOOM_GRID_STRIDE(r, rows) {
+        float * l   = load + r * experts;
+        double  sum = 0;
+        for (int64_t e = 0; e < experts; ++e) sum += l[e];
+        const double mean = sum / static_cast<double>(experts);
+        for (int64_t e = 0; e < experts; ++e) {
+            const double offset = mean - static_cast<double>(l[e]);
+            bias[r * experts + e] += offset > 0 ? rate : offset < 0 ? -rate : 0.0f;
+            l[e] = 0.0f;
+        }
+    }
+}
+
 }  // namespace
 
 template <typename L>
-void moe_topk(cudaStream_t stream, const L * logits, int64_t n, const MoeRoutingArgs & r, int32_t * top_idx,
-              float * probs) {
-    if (n > 0) LOOM_LAUNCH(moe_topk_kernel<L>, blocks_for(n), kThreads, 0, stream)(logits, n, r, top_idx, probs);
+void moe_topk(cudaStream_t stream, const L * logits, int64_t n, const MoeRoutingArgs & r, const float * expert_bias,
+              int32_t * top_idx, float * probs) {
+    if (n > 0) {
+        LOOM_LAUNCH(moe_topk_kernel<L>, blocks_for(n), kThreads, 0, stream)(logits, n, r, expert_bias, top_idx, probs);
+    }
+}
+
+void moe_count_tokens(cudaStream_t stream, const int64_t * tokens_per_expert, int64_t experts, float * load) {
+    if (experts > 0) {
+        LOOM_LAUNCH(moe_count_tokens_kernel, blocks_for(experts), kThreads, 0, stream)(tokens_per_expert, experts, load);
+    }
+}
+
+void moe_expert_bias_update(cudaStream_t stream, float * load, float * bias, int64_t rows, int64_t experts, float rate) {
+    if (rows > 0) LOOM_LAUNCH(moe_expert_bias_update_kernel, blocks_for(rows), kThreads, 0, stream)(load, bias, rows, experts, rate);
 }
 
 int64_t moe_sinkhorn_scratch(int64_t N, int64_t experts) { return N * experts + N + 2 * experts; }
@@ -498,7 +569,8 @@ void moe_router_backward(cudaStream_t stream, const L * logits, int64_t n, const
 }
 
 #define LOOM_ROUTER_KERNELS(T)                                                                                     \
-    template void moe_topk(cudaStream_t, const T *, int64_t, const MoeRoutingArgs &, int32_t *, float *);         \
+    template void moe_topk(cudaStream_t, const T *, int64_t, const MoeRoutingArgs &, const float *, int32_t *,     \
+                           float *);                                                                              \
     template void moe_sinkhorn_topk(cudaStream_t, const T *, int64_t, int64_t, int64_t, const MoeRoutingArgs &,   \
                                     double *, int32_t *, float *);                                                \
     template void moe_aux_counts(cudaStream_t, const T *, int64_t, const MoeRoutingArgs &, int64_t, float *);     \

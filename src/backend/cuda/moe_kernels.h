@@ -17,12 +17,17 @@ namespace loom::LOOM_CUDA_NS::kernels {
 // Most experts a router selects per token on CUDA (a per-thread array).
 inline constexpr int64_t kMoeMaxTopk = 64;
 
+// Most groups of group-limited routing (core/ops.h's kMoeMaxGroups): a kept-group bit mask per token.
+inline constexpr int64_t kMoeMaxGroups = 64;
+
 struct MoeRoutingArgs {
     int64_t experts;
     int64_t topk;
     bool    sigmoid;
     bool    pre_softmax;
     double  scaling;
+    int64_t num_groups;   // group-limited routing (group_topk 0: off)
+    int64_t group_topk;
 };
 
 struct MoeLossArgs {
@@ -34,9 +39,13 @@ struct MoeLossArgs {
 
 // The router's kernels read float or double logits (--moe-router-dtype fp64; dlogits of the same type),
 // instantiated for both.
+// expert_bias (E) or null: added to the sigmoid scores for the selection only.
 template <typename T>
-void moe_topk(cudaStream_t stream, const T * logits, int64_t n, const MoeRoutingArgs & r, int32_t * top_idx,
-              float * probs);
+void moe_topk(cudaStream_t stream, const T * logits, int64_t n, const MoeRoutingArgs & r, const float * expert_bias,
+              int32_t * top_idx, float * probs);
+// load (E) += tokens_per_expert (E); core/ops.h's moe_expert_bias_update over (rows, E).
+void moe_count_tokens(cudaStream_t stream, const int64_t * tokens_per_expert, int64_t experts, float * load);
+void moe_expert_bias_update(cudaStream_t stream, float * load, float * bias, int64_t rows, int64_t experts, float rate);
 // Sinkhorn routing (core/ops.h's moe_sinkhorn_topk) over all N rows of logits, for rows [first, first + n);
 // scratch: moe_sinkhorn_scratch(N, E) doubles (C, the two scalings, the changes). The balancing runs in one
 // block, in double, with the CPU's operations in the CPU's order.

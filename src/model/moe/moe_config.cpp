@@ -1,6 +1,7 @@
 #include "model/moe/moe_config.h"
 
 #include "core/error.h"
+#include "core/ops.h"
 
 #include <cmath>
 
@@ -59,6 +60,34 @@ void moe_config_validate(const MoeConfig & moe, const GptConfig & config) {
     LOOM_CHECK(moe.z_loss_coeff >= 0.0f, "--moe-z-loss-coeff must be >= 0, got " << moe.z_loss_coeff, "");
     LOOM_CHECK(moe.topk_scaling_factor >= 0.0f,
                "--moe-router-topk-scaling-factor must be > 0, got " << moe.topk_scaling_factor, "");
+    // Megatron's messages (TransformerConfig), then the bounds of Loom's router: a token must find its k experts
+    // among its groups', and the kept groups are a 64-bit mask.
+    if (moe.group_topk > 0) {
+        LOOM_CHECK(moe.num_groups > 0, "When using group limited routing, moe_router_num_groups must be specified.",
+                   "give --moe-router-num-groups with --moe-router-group-topk");
+        LOOM_CHECK(moe.num_experts % moe.num_groups == 0,
+                   "num_moe_experts (" << moe.num_experts << ") should be divisible by moe_router_num_groups ("
+                                       << moe.num_groups << ").", "");
+        LOOM_CHECK(moe.group_topk <= moe.num_groups,
+                   "moe_router_group_topk (" << moe.group_topk << ") should be smaller than moe_router_num_groups ("
+                                             << moe.num_groups << ").", "");
+        LOOM_CHECK(moe.num_groups <= kMoeMaxGroups,
+                   "--moe-router-num-groups " << moe.num_groups << " is more than Loom's router takes (" << kMoeMaxGroups << ")", "");
+        LOOM_CHECK(moe.topk <= moe.group_topk * (moe.num_experts / moe.num_groups),
+                   "--moe-router-topk " << moe.topk << " is more than the " << moe.group_topk * (moe.num_experts / moe.num_groups)
+                                        << " experts of --moe-router-group-topk " << moe.group_topk << " groups of "
+                                        << moe.num_experts / moe.num_groups,
+                   "a token selects its experts among its groups' only");
+    }
+    LOOM_CHECK(moe.num_groups >= 0 && moe.group_topk >= 0,
+               "--moe-router-num-groups and --moe-router-group-topk must be >= 1 (" << moe.num_groups << ", "
+                                                                                     << moe.group_topk << ")", "");
+    LOOM_CHECK(!moe.expert_bias || moe.score_function == MoeScoreFunction::sigmoid,
+               "Expert bias for aux-loss-free routing only supports 'sigmoid' and 'sqrtsoftplus' score functions. Please "
+               "set --moe-router-score-function to 'sigmoid' or 'sqrtsoftplus', or unset --moe-router-enable-expert-bias.",
+               "Loom's router has the sigmoid of the two");
+    LOOM_CHECK(std::isfinite(moe.bias_update_rate),
+               "--moe-router-bias-update-rate must be finite, got " << moe.bias_update_rate, "");
     LOOM_CHECK(!moe.pad_to_capacity || moe.drops(),
                "moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity",
                "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor");

@@ -181,6 +181,9 @@ Tensor MoELayer::backward(Context & ctx, const Tensor & dy, const GradReadyFn & 
 void MoELayer::backward_experts(Context & ctx, const Tensor & dy, const GradReadyFn & ready, Tensor & dx, Tensor & dprobs) {
     Ops &    ops    = dy.device().ops();
     Stream & stream = dy.device().compute_stream();
+    // Aux-loss-free balancing counts this micro-batch's routing here: a backward runs once per training
+    // micro-batch, a forward also when recomputed or evaluating.
+    if (router.expert_load.defined()) ops.moe_count_tokens(stream, ctx.plan.tokens_per_expert, router.expert_load);
     dx = ep.exchange_size() == 1                    ? local_backward(ctx, dy, dprobs, ready)
          : moe.dispatcher == MoeDispatcher::alltoall ? alltoall_backward(ctx, dy, dprobs, ready)
                                                      : allgather_backward(ctx, dy, dprobs, ready);

@@ -23,6 +23,10 @@ struct MoeConfig {
     MoeScoreFunction score_function       = MoeScoreFunction::softmax;
     bool             pre_softmax          = false;   // --moe-router-pre-softmax
     float            topk_scaling_factor  = 0.0f;    // --moe-router-topk-scaling-factor (0: none)
+    int64_t          num_groups           = 0;       // --moe-router-num-groups (0: None)
+    int64_t          group_topk           = 0;       // --moe-router-group-topk (0: None, no group-limited routing)
+    bool             expert_bias          = false;   // --moe-router-enable-expert-bias (aux-loss-free balancing)
+    float            bias_update_rate     = 1e-3f;   // --moe-router-bias-update-rate
     MoeLoadBalancing load_balancing       = MoeLoadBalancing::aux_loss;
     float            aux_loss_coeff       = 0.0f;    // --moe-aux-loss-coeff
     float            z_loss_coeff         = 0.0f;    // --moe-z-loss-coeff (0: none)

@@ -23,6 +23,8 @@ MoeRouting routing_of(const MoeConfig & moe) {
     r.sigmoid     = moe.score_function == MoeScoreFunction::sigmoid;
     r.pre_softmax = moe.pre_softmax;
     r.scaling     = moe.topk_scaling_factor > 0.0f ? moe.topk_scaling_factor : 1.0f;
+    r.num_groups  = moe.num_groups;
+    r.group_topk  = moe.group_topk;
     return r;
 }
 
@@ -45,6 +47,10 @@ Router::Router(const std::string & name, const GptConfig & config, const MoeConf
     tp.replicated(weight);   // every TP rank routes its own rows with the whole gate
     if (m.load_balancing == MoeLoadBalancing::global_aux_loss) {
         global_counts = Tensor::zeros({1, m.num_experts}, DType::f32, device, {MemoryKind::device, "moe-metrics"});
+    }
+    if (m.expert_bias) {   // replaced by views of the model's (layers, E) tensors (GptModel), zero either way
+        expert_bias = Tensor::zeros({m.num_experts}, DType::f32, device, {MemoryKind::device, "moe-expert-bias"});
+        expert_load = Tensor::zeros({m.num_experts}, DType::f32, device, {MemoryKind::device, "moe-expert-bias"});
     }
     if (has_bias) {
         bias                 = parameter_create(name + ".bias", {m.num_experts}, config.params_dtype, device);
@@ -114,7 +120,7 @@ void Router::route(Context & ctx, const Tensor & logits, int64_t b, bool trainin
         }
         ops.moe_sinkhorn_topk(stream, all, group ? group->rank() * n : 0, routing, ctx.top_idx, ctx.probs);
     } else {
-        ops.moe_topk(stream, logits, routing, ctx.top_idx, ctx.probs);
+        ops.moe_topk(stream, logits, routing, expert_bias, ctx.top_idx, ctx.probs);
     }
     // The counts are written on the stream even without the aux loss, so a captured graph's replay clears
     // them too; sequence parallelism sums them over the whole sequence (Megatron reduces them over TP x CP).

@@ -11,6 +11,12 @@
 //   sigmoid:                           g = sigmoid(logits), the k largest g,
 //                                      probs = sf * g / (sum of the k g + 1e-20) when k > 1, else sf * g
 //
+//   with --moe-router-enable-expert-bias (sigmoid): the selection's scores are g + expert_bias, the
+//                                      probabilities g's as above (DeepSeek-V3's aux-loss-free balancing)
+//   with --moe-router-num-groups G --moe-router-group-topk gk: before the top-k, every expert outside the gk
+//                                      groups (of E / G consecutive experts) whose k / gk largest selection
+//                                      scores sum highest drops out (ties toward the lower group)
+//
 //   sinkhorn (--moe-router-load-balancing-type sinkhorn, Megatron's S-BASE routing): while training the
 //                                      k largest of sinkhorn(logits) over the micro-batch's rows (under
 //                                      sequence parallelism the TP group's rows, all-gathered: the same
@@ -104,6 +110,14 @@ public:
 
     // global_aux_loss: the iteration's micro-batches start again (the running mean of the counts restarts).
     void reset_global_counts();
+
+    // Aux-loss-free balancing (--moe-router-enable-expert-bias; undefined without it), Megatron's TopKRouter
+    // buffers: the bias added to the sigmoid scores for the selection, and the tokens each expert received
+    // (after capacity dropping) over this iteration's training micro-batches, counted by the MoE layer's
+    // backward (once per micro-batch, so a recomputed forward does not count twice; evaluation never counts).
+    // GptModel::update_moe_expert_bias sums the counts over TP x DP x CP and moves the bias.
+    Tensor expert_bias;   // (E) f32, replicated over TP x DP x CP
+    Tensor expert_load;   // (E) f32
 
     MoeConfig      moe;
     TensorParallel tp;
