@@ -49,6 +49,7 @@ inline std::vector<float> parameter_values(const model::Parameter & p) {
 struct SingleRankRun {
     std::vector<double>                       losses;
     std::map<std::string, std::vector<float>> params;
+    std::vector<float>                        moe_expert_bias;   // (MoE layers, E), --moe-router-enable-expert-bias
 };
 
 inline SingleRankRun train_single_rank(train::TrainOptions o) {
@@ -61,6 +62,11 @@ inline SingleRankRun train_single_rank(train::TrainOptions o) {
         run.losses = trainer.run(nullptr).losses;
     }
     for (model::Parameter * p : gpt.parameters()) run.params[p->name] = parameter_values(*p);
+    if (gpt.moe_expert_bias().defined()) {
+        cpu::device().compute_stream().synchronize();
+        const Tensor bias = gpt.moe_expert_bias();
+        run.moe_expert_bias.assign(bias.data<float>(), bias.data<float>() + bias.numel());
+    }
     return run;
 }
 

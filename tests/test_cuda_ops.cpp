@@ -48,6 +48,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -1391,6 +1392,7 @@ struct RouterCase {
     const char * name;
     MoeRouting   routing;
     int64_t      groups;
+    bool         expert_bias = false;   // a random bias in [-0.5, 0.5) added to the selection's scores
 };
 
 TEST(CudaOps, MoeRouterTopkLossesAndBackwardMatchTheCpu) {
@@ -1401,6 +1403,8 @@ TEST(CudaOps, MoeRouterTopkLossesAndBackwardMatchTheCpu) {
         {"pre-softmax top-1, seq aux over 4 samples", {E, 1, false, true, 1.0f}, 4},
         {"sigmoid top-3 scaled 2.5", {E, 3, true, false, 2.5f}, 2},
         {"sigmoid top-1", {E, 1, true, false, 1.0f}, 1},
+        {"sigmoid top-4, expert bias, group-limited (top-2 of 4 groups)", {E, 4, true, false, 1.0f, 4, 2}, 1, true},
+        {"softmax top-2, group-limited (top-1 of 2 groups)", {E, 2, false, false, 1.0f, 2, 1}, 1},
     };
     for (const RouterCase & c : cases) {
         const int64_t k      = c.routing.topk;
@@ -1409,8 +1413,9 @@ TEST(CudaOps, MoeRouterTopkLossesAndBackwardMatchTheCpu) {
         Tensor        logits_g = to_gpu(logits);
         Tensor        ic = cpu_tensor({n, k}, DType::i32), pc = cpu_tensor({n, k});
         Tensor        ig = Tensor::empty({n, k}, DType::i32, gpu()), pg = Tensor::empty({n, k}, DType::f32, gpu());
-        cops().moe_topk(cs(), logits, c.routing, Tensor(), ic, pc);
-        gops().moe_topk(gs(), logits_g, c.routing, Tensor(), ig, pg);
+        Tensor        bias = c.expert_bias ? random_cpu({E}, 1720, 0.5f) : Tensor();
+        cops().moe_topk(cs(), logits, c.routing, bias, ic, pc);
+        gops().moe_topk(gs(), logits_g, c.routing, bias.defined() ? to_gpu(bias) : Tensor(), ig, pg);
         Tensor cc = cpu_tensor({c.groups, E}), cg = Tensor::empty({c.groups, E}, DType::f32, gpu());
         cops().moe_aux_counts(cs(), logits, c.routing, c.groups, cc);
         gops().moe_aux_counts(gs(), logits_g, c.routing, c.groups, cg);
@@ -1425,9 +1430,19 @@ TEST(CudaOps, MoeRouterTopkLossesAndBackwardMatchTheCpu) {
         cs().synchronize();
         const std::string what = c.name;
         expect_bitwise(ic, to_cpu(ig), what + ": top_idx");
-        EXPECT_EQ(ic.data<int32_t>()[5 * k], 2) << what << ": ties go to the lower expert";
-        if (k > 1) {
-            EXPECT_EQ(ic.data<int32_t>()[5 * k + 1], 6) << what;
+        if (!c.expert_bias && c.routing.group_topk == 0) {
+            EXPECT_EQ(ic.data<int32_t>()[5 * k], 2) << what << ": ties go to the lower expert";
+            if (k > 1) {
+                EXPECT_EQ(ic.data<int32_t>()[5 * k + 1], 6) << what;
+            }
+        }
+        if (c.routing.group_topk > 0) {   // every token's experts lie in group_topk groups
+            const int64_t per = E / c.routing.num_groups;
+            for (int64_t x = 0; x < n; ++x) {
+                std::set<int32_t> groups;
+                for (int64_t j = 0; j < k; ++j) groups.insert(ic.data<int32_t>()[x * k + j] / static_cast<int32_t>(per));
+                EXPECT_LE(static_cast<int64_t>(groups.size()), c.routing.group_topk) << what << ": token " << x;
+            }
         }
         expect_close(pc, to_cpu(pg), 1e-6, what + ": probs", 1e-3);
         expect_bitwise(cc, to_cpu(cg), what + ": aux counts");
@@ -1437,6 +1452,24 @@ TEST(CudaOps, MoeRouterTopkLossesAndBackwardMatchTheCpu) {
         for (int64_t i = 0; i < c.groups * E; ++i) routed += static_cast<int64_t>(cc.data<float>()[i]);
         EXPECT_EQ(routed, n * k) << what << ": every token counted k times";
     }
+}
+
+// Aux-loss-free balancing's bookkeeping: counting a plan's tokens and moving the biases, bitwise the CPU's.
+TEST(CudaOps, MoeExpertBiasCountsAndUpdatesMatchTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    const int64_t rows = 3, E = 8;
+    Tensor        counts = cpu_tensor({E}, DType::i64);
+    for (int64_t e = 0; e < E; ++e) counts.data<int64_t>()[e] = (e * 7) % 5;
+    Tensor load = random_cpu({rows, E}, 1730, 4.0f), bias = random_cpu({rows, E}, 1731, 0.1f);
+    for (int64_t i = 0; i < rows * E; ++i) load.data<float>()[i] = std::round(std::fabs(load.data<float>()[i]));
+    Tensor load_g = to_gpu(load), bias_g = to_gpu(bias);
+    cops().moe_count_tokens(cs(), counts, load.narrow(0, 1, 1).view({E}));
+    gops().moe_count_tokens(gs(), to_gpu(counts), load_g.narrow(0, 1, 1).view({E}));
+    cops().moe_expert_bias_update(cs(), load, bias, 1e-3f);
+    gops().moe_expert_bias_update(gs(), load_g, bias_g, 1e-3f);
+    cs().synchronize();
+    expect_bitwise(bias, to_cpu(bias_g), "expert bias");
+    expect_bitwise(load, to_cpu(load_g), "loads (cleared)");
 }
 
 // Sinkhorn routing (--moe-router-load-balancing-type sinkhorn): the balancing over all 96 rows of a micro-

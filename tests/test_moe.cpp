@@ -250,6 +250,70 @@ TEST(Router, ProbabilitiesFollowTheScoreFunction) {
     EXPECT_NEAR(r.probs[0], 2.5 * g2, 1e-6);
 }
 
+// Group-limited routing, hand-worked. E = 8 in 4 groups of 2, k = 4, 2 groups kept (by the sum of each
+// group's k / 2 = 2 largest logits):
+//   row 0: logits 5 -5 | 3 3.5 | 1 0.5 | 4.5 -9: sums 0, 6.5, 1.5, -4.5 keep groups 1 and 2, so experts
+//          3, 2, 4, 5 (without groups: 0, 6, 3, 2); post-softmax over their logits 3.5 3 1 0.5
+//   row 1: all equal: every sum ties, the lower groups 0 and 1 stay, experts 0 1 2 3
+TEST(Router, GroupLimitedRoutingSelectsAmongTheBestGroupsExperts) {
+    const std::vector<float> logits = {5, -5, 3, 3.5f, 1, 0.5f, 4.5f, -9,  0, 0, 0, 0, 0, 0, 0, 0};
+    MoeConfig                moe;
+    moe.num_experts = 8;
+    moe.topk        = 4;
+    RouterRun plain = route(moe, logits);
+    EXPECT_EQ(std::vector<int32_t>(plain.top_idx.begin(), plain.top_idx.begin() + 4), (std::vector<int32_t>{0, 6, 3, 2}));
+    moe.num_groups  = 4;
+    moe.group_topk  = 2;
+    RouterRun r     = route(moe, logits);
+    EXPECT_EQ(r.top_idx, (std::vector<int32_t>{3, 2, 4, 5, 0, 1, 2, 3}));
+    const double e[] = {std::exp(0.0), std::exp(-0.5), std::exp(-2.5), std::exp(-3.0)};
+    for (int j = 0; j < 4; ++j) EXPECT_NEAR(r.probs[j], e[j] / (e[0] + e[1] + e[2] + e[3]), 1e-7) << "slot " << j;
+    // Megatron's rules, by name; and Loom's: the k experts must fit in the kept groups.
+    moe.num_groups = 3;
+    EXPECT_THROW(moe_config_validate(moe, small_config(false, false)), Error);
+    moe.num_groups = 4;
+    moe.group_topk = 1;
+    EXPECT_THROW(moe_config_validate(moe, small_config(false, false)), Error);   // 4 experts from one group of 2
+}
+
+// Aux-loss-free balancing: the bias joins the sigmoid scores for the selection only. Logits 2 1 0 -1 give
+// g = 0.881 0.731 0.5 0.269; a bias of 3 on expert 3 selects it first, and the probabilities are still
+// g's, normalised over the two selected: g3 / (g3 + g0), g0 / (g3 + g0).
+TEST(Router, ExpertBiasSteersTheSelectionButNotTheProbabilities) {
+    MoeConfig moe;
+    moe.num_experts    = 4;
+    moe.topk           = 2;
+    moe.score_function = MoeScoreFunction::sigmoid;
+    moe.expert_bias    = true;
+    Router          router("router", small_config(false, false), moe, dev());
+    const float     bias[] = {0, 0, 0, 3};
+    std::memcpy(router.expert_bias.data_ptr(), bias, sizeof(bias));
+    Router::Context ctx;
+    router.route(ctx, tensor_of(std::vector<float>{2, 1, 0, -1}, {1, 4}), 1);
+    EXPECT_EQ(values<int32_t>(ctx.top_idx), (std::vector<int32_t>{3, 0}));
+    const double g0 = 1 / (1 + std::exp(-2.0)), g3 = 1 / (1 + std::exp(1.0));
+    const std::vector<float> probs = values<float>(ctx.probs);
+    EXPECT_NEAR(probs[0], g3 / (g3 + g0), 1e-7);
+    EXPECT_NEAR(probs[1], g0 / (g3 + g0), 1e-7);
+    moe.score_function = MoeScoreFunction::softmax;   // Megatron's rule
+    EXPECT_THROW(moe_config_validate(moe, small_config(false, false)), Error);
+}
+
+// Megatron's get_updated_expert_bias by hand: loads 3 1 0 4 (mean 2) move the biases by -r +r +r -r; a
+// balanced row does not move; the loads are cleared. Counting adds a dispatch plan's i64 counts.
+TEST(Router, ExpertBiasMovesByTheRateTowardTheUnderloadedExperts) {
+    Tensor load = tensor_of(std::vector<float>{3, 1, 0, 4, 2, 2, 2, 2}, {2, 4});
+    Tensor bias = tensor_of(std::vector<float>{0, 0, 0, 0, 0.25f, 0, 0, 0}, {2, 4});
+    dev().ops().moe_count_tokens(dev().compute_stream(), tensor_of(std::vector<int64_t>{1, 0, 0, 1}, {4}), load.narrow(0, 1, 1).view({4}));
+    dev().ops().moe_expert_bias_update(dev().compute_stream(), load, bias, 0.5f);
+    // Row 1 became 3 2 2 3 (mean 2.5): -r +r +r -r.
+    EXPECT_EQ(values<float>(bias), (std::vector<float>{-0.5f, 0.5f, 0.5f, -0.5f, -0.25f, 0.5f, 0.5f, -0.5f}));
+    EXPECT_EQ(values<float>(load), std::vector<float>(8, 0.0f));
+    Tensor even = tensor_of(std::vector<float>{2, 2, 2, 2}, {1, 4}), still = tensor_of(std::vector<float>{1, 2, 3, 4}, {1, 4});
+    dev().ops().moe_expert_bias_update(dev().compute_stream(), even, still, 0.5f);
+    EXPECT_EQ(values<float>(still), (std::vector<float>{1, 2, 3, 4})) << "sign(0) is 0";
+}
+
 TEST(Router, AuxLossIsTheSwitchFormulaAndTheCoefficientWhenBalanced) {
     const int64_t n = 12, E = 4, k = 2;
     MoeConfig     moe;
@@ -857,11 +921,21 @@ TEST(MoELayer, GradientsMatchFiniteDifferences) {
         m.shared_expert_intermediate_size = 6;
         cases.push_back({"squared relu grouped shared", false, false, true, m, true});
     }
+    {
+        MoeConfig m;   // DeepSeek-V3's router: sigmoid top-2 with an expert bias, in 2 groups of 2 (group top-1)
+        m.num_experts = 4, m.topk = 2, m.score_function = MoeScoreFunction::sigmoid, m.aux_loss_coeff = 0.5f;
+        m.expert_bias = true, m.num_groups = 2, m.group_topk = 1;
+        cases.push_back({"sigmoid k2 expert bias, group-limited", false, false, false, m});
+    }
     for (const Case & c : cases) {
         GptConfig config = small_config(c.swiglu, c.bias);
         config.squared_relu = c.squared_relu;
         MoELayer  layer("mlp", config, c.moe, dev());
         layer.init(9, 0.5f, 0.5f);
+        if (c.moe.expert_bias) {   // a bias that changes the selection (it selects; the probabilities ignore it)
+            const float bias[] = {0.3f, -0.2f, 0.1f, -0.4f};
+            std::memcpy(layer.router.expert_bias.data_ptr(), bias, sizeof(bias));
+        }
         std::vector<Parameter *> params;
         layer.parameters(params);
         scale_parameters({&layer.router.weight}, 2.0f);   // logits of order 1
@@ -878,6 +952,9 @@ TEST(MoELayer, GradientsMatchFiniteDifferences) {
             Probe         probe{dot(wv, y) + loss[router_loss_aux] + loss[router_loss_z], values<int32_t>(ctx.router.top_idx)};
             auto          rows = values<int32_t>(ctx.plan.row_of);
             probe.routing.insert(probe.routing.end(), rows.begin(), rows.end());
+            // The aux loss's counts come from the unbiased top-k: with an expert bias they can change where
+            // the routing does not.
+            for (float count : values<float>(ctx.router.counts)) probe.routing.push_back(static_cast<int32_t>(count));
             return probe;
         };
         LayerRun run = run_layer(layer, xv, wv, s, b);

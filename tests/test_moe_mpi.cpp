@@ -47,7 +47,7 @@ namespace {
 comm::MpiContext * g_mpi = nullptr;
 
 train::TrainOptions moe_options(model::MoeDispatcher dispatcher = model::MoeDispatcher::allgather, bool grouped = false,
-                                bool bias = true, bool sinkhorn = false) {
+                                bool bias = true, bool sinkhorn = false, bool expert_bias = false) {
     train::TrainOptions o   = testing_models::small_gpt_options(2, 8, 20);
     o.model.add_bias_linear = bias;
     model::MoeConfig &  moe = o.model.moe;
@@ -60,6 +60,18 @@ train::TrainOptions moe_options(model::MoeDispatcher dispatcher = model::MoeDisp
         moe.load_balancing = model::MoeLoadBalancing::sinkhorn;
         moe.topk           = 1;
         moe.aux_loss_coeff = 0.0f;
+    }
+    if (expert_bias) {   // DeepSeek-V3's router: sigmoid scores, aux-loss-free bias, group-limited routing
+        moe.score_function   = model::MoeScoreFunction::sigmoid;
+        moe.expert_bias      = true;
+        moe.bias_update_rate = 1e-2f;
+        moe.num_groups       = 2;
+        moe.group_topk       = 1;
+        // Each update moves a bias by +-rate (0 only where the loads are exactly even): after an odd number of
+        // them none is 0 (the two groups' loads swap places nearly every iteration, so after an even number
+        // most are).
+        o.train_iters    = 19;
+        o.lr_decay_iters = 19;
     }
     o.clip_grad             = 1.0f;
     o.log_interval          = 1;   // every iteration's grad norm in the --log-file
@@ -93,6 +105,7 @@ struct Layout {
     int  tp = 1, etp = 1;   // --tensor-model-parallel-size (with --sequence-parallel), --expert-tensor-parallel-size
     bool bias = true;       // --add-bias-linear (ETP > 1 needs --disable-bias-linear)
     bool sinkhorn = false;  // --moe-router-load-balancing-type sinkhorn --moe-router-topk 1
+    bool expert_bias = false;   // sigmoid, --moe-router-enable-expert-bias, 2 groups (group top-1)
 };
 
 std::string describe(const Layout & l) {
@@ -100,7 +113,7 @@ std::string describe(const Layout & l) {
            (l.dispatcher == model::MoeDispatcher::alltoall ? " alltoall" : " allgather") + (l.grouped ? " grouped" : "") +
            (l.distopt ? " zero-1 + overlaps" : "") + (l.offload ? " cpu-offload 0.5" : "") +
            (l.tp > 1 ? " tp " + std::to_string(l.tp) + " + sp" : "") + (l.etp > 1 ? " etp " + std::to_string(l.etp) : "") + (l.bias ? "" : " no bias") +
-           (l.sinkhorn ? " sinkhorn top-1" : "");
+           (l.sinkhorn ? " sinkhorn top-1" : "") + (l.expert_bias ? " expert bias + groups" : "");
 }
 
 struct Reference {
@@ -108,19 +121,19 @@ struct Reference {
     std::vector<double>           grad_norms, balancing;   // balancing: the logged load_balancing_loss
 };
 
-const Reference & reference(bool grouped, bool bias, bool sinkhorn) {
+const Reference & reference(bool grouped, bool bias, bool sinkhorn, bool expert_bias) {
     // The dispatcher does not matter on one rank: both permute the same tokens.
-    static std::map<std::tuple<bool, bool, bool>, Reference> runs;
-    auto it = runs.find({grouped, bias, sinkhorn});
+    static std::map<std::tuple<bool, bool, bool, bool>, Reference> runs;
+    auto it = runs.find({grouped, bias, sinkhorn, expert_bias});
     if (it == runs.end()) {
-        train::TrainOptions o = moe_options(model::MoeDispatcher::allgather, grouped, bias, sinkhorn);
+        train::TrainOptions o = moe_options(model::MoeDispatcher::allgather, grouped, bias, sinkhorn, expert_bias);
         o.log_file = log_path(std::string(grouped ? "reference_grouped" : "reference") + (bias ? "" : "_no_bias") +
-                              (sinkhorn ? "_sinkhorn" : ""));
+                              (sinkhorn ? "_sinkhorn" : "") + (expert_bias ? "_expert_bias" : ""));
         Reference ref;
         ref.run        = testing_models::train_single_rank(o);
         ref.grad_norms = grad_norms(o.log_file);
         ref.balancing  = logged(o.log_file, "load_balancing_loss");
-        it             = runs.emplace(std::tuple{grouped, bias, sinkhorn}, std::move(ref)).first;
+        it             = runs.emplace(std::tuple{grouped, bias, sinkhorn, expert_bias}, std::move(ref)).first;
     }
     return it->second;
 }
@@ -172,7 +185,7 @@ void expect_follows_reference(const Layout & l) {
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi);
 
-    train::TrainOptions o             = moe_options(l.dispatcher, l.grouped, l.bias, l.sinkhorn);
+    train::TrainOptions o             = moe_options(l.dispatcher, l.grouped, l.bias, l.sinkhorn, l.expert_bias);
     o.parallel                        = config;
     o.sequence_parallel               = l.tp > 1;
     o.ddp.use_distributed_optimizer   = l.distopt;
@@ -193,8 +206,19 @@ void expect_follows_reference(const Layout & l) {
         train::Trainer trainer(o, setup, *source);
         losses = trainer.run(nullptr).losses;
     }
-    const Reference &                     reference_run = reference(l.grouped, l.bias, l.sinkhorn);
+    const Reference &                     reference_run = reference(l.grouped, l.bias, l.sinkhorn, l.expert_bias);
     const testing_models::SingleRankRun & ref           = reference_run.run;
+    if (l.expert_bias) {
+        // Every rank's biases (each TP x DP x CP rank routes its own rows) are the single rank's, bitwise: the
+        // counts are whole numbers and every update the same step. And they moved.
+        ASSERT_EQ(setup.chunks.size(), 1u);
+        cpu::device().compute_stream().synchronize();
+        const Tensor       bias = setup.chunks[0]->moe_expert_bias();
+        std::vector<float> mine(bias.data<float>(), bias.data<float>() + bias.numel());
+        EXPECT_EQ(mine, ref.moe_expert_bias);
+        ASSERT_EQ(ref.moe_expert_bias.size(), 8u) << "2 MoE layers of 4 experts";
+        for (float v : ref.moe_expert_bias) EXPECT_NE(v, 0.0f) << "after an odd number of updates, each moved";
+    }
     ASSERT_EQ(losses.size(), ref.losses.size());
     double worst_loss = 0, worst_param = 0;
     for (size_t i = 0; i < losses.size(); ++i) {
@@ -376,6 +400,15 @@ TEST(ExpertParallel, SinkhornWithEp2FollowsTheSingleRankRun) {
     l.ep         = 2;
     l.dispatcher = model::MoeDispatcher::alltoall;
     l.sinkhorn   = true;
+    expect_follows_reference(l);
+}
+
+// Aux-loss-free balancing and group-limited routing (DeepSeek-V3's router) with every rank routing its own
+// rows: the token counts are summed over TP x DP (the world here) before each bias update.
+TEST(ExpertParallel, ExpertBiasWithEp2AndTp2SpFollowsTheSingleRankRun) {
+    if (g_mpi->world_size() != 4) GTEST_SKIP() << "needs 4 ranks (tp 2 x dp 2; etp 1 x ep 2 x edp 2)";
+    Layout l      = tp2_sp(model::MoeDispatcher::alltoall, 1);
+    l.expert_bias = true;
     expect_follows_reference(l);
 }
 
