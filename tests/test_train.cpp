@@ -669,9 +669,9 @@ TEST(MegatronCommandLine, NothingIsSilentlyMisread) {
     EXPECT_EQ(run_status("train --mock-data --text-file /etc/hostname", &err), 2);
     EXPECT_NE(err.find("are exclusive (2 given)"), std::string::npos) << err;
     // Unknown flags: one per line, with their values, in the order given, a hint where Loom has one.
-    EXPECT_EQ(run_status("train --mock-data --foo 3 --no-such-switch --moe-router-enable-expert-bias", &err), 2);
-    EXPECT_NE(err.find("3 flags are not supported by Loom:\n  --foo 3\n  --no-such-switch\n  --moe-router-enable-expert-bias  "
-                       "(Loom's router has no expert bias"),
+    EXPECT_EQ(run_status("train --mock-data --foo 3 --no-such-switch --fp8-format hybrid", &err), 2);
+    EXPECT_NE(err.find("3 flags are not supported by Loom:\n  --foo 3\n  --no-such-switch\n  --fp8-format hybrid  "
+                       "(train in --bf16"),
               std::string::npos)
         << err;
     // --train-iters alone runs: warmup 0 (Megatron's default) cannot exceed the decay.
@@ -879,7 +879,27 @@ TEST(MegatronCommandLine, MoeFlagsFollowMegatronsRules) {
     EXPECT_TRUE(c.model.moe.grouped_gemm);
     EXPECT_EQ(c.model.moe.expert_ffn(c.model), 96);
     EXPECT_EQ(c.model.moe.z_loss_coeff, 1e-3f);
+    EXPECT_FALSE(d.model.moe.expert_bias);
+    EXPECT_EQ(d.model.moe.bias_update_rate, 1e-3f) << "Megatron's default";
+    EXPECT_EQ(d.model.moe.group_topk, 0) << "None: no group-limited routing";
+    const train::TrainOptions v3 = parse_train({"--mock-data", "--num-experts", "8", "--moe-router-score-function", "sigmoid",
+                                                "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
+                                                "--moe-router-num-groups", "4", "--moe-router-group-topk", "2"});
+    EXPECT_TRUE(v3.model.moe.expert_bias);
+    EXPECT_EQ(v3.model.moe.bias_update_rate, 1e-2f);
+    EXPECT_EQ(v3.model.moe.num_groups, 4);
+    EXPECT_EQ(v3.model.moe.group_topk, 2);
     const std::pair<std::vector<std::string>, const char *> bad[] = {
+        {{"--num-experts", "4", "--moe-router-enable-expert-bias"},
+         "Expert bias for aux-loss-free routing only supports 'sigmoid' and 'sqrtsoftplus' score functions."},
+        {{"--num-experts", "4", "--moe-router-group-topk", "2"},
+         "When using group limited routing, moe_router_num_groups must be specified."},
+        {{"--num-experts", "6", "--moe-router-num-groups", "4", "--moe-router-group-topk", "2"},
+         "num_moe_experts (6) should be divisible by moe_router_num_groups (4)."},
+        {{"--num-experts", "8", "--moe-router-num-groups", "4", "--moe-router-group-topk", "1", "--moe-router-topk", "3"},
+         "--moe-router-topk 3 is more than the 2 experts of --moe-router-group-topk 1 groups of 2"},
+        {{"--num-experts", "4", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--save", "/tmp/x"},
+         "--moe-router-enable-expert-bias with --save or --load"},
         {{"--num-experts", "4", "--moe-router-topk", "1"}, "Please use --moe-router-pre-softmax when topk is 1."},
         {{"--num-experts", "4", "--moe-pad-expert-input-to-capacity"}, "moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity"},
         {{"--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0.01"},
