@@ -251,6 +251,11 @@ void expect_follows_reference(const Layout & l) {
             for (size_t i = 0; i < v.size(); ++i) worst_loaded = std::max(worst_loaded, static_cast<double>(std::fabs(v[i] - r[i])));
         }
         EXPECT_LT(worst_loaded, 5e-5) << "the checkpoint loaded into one rank";
+        if (l.expert_bias) {   // saved once (by TP x DP x CP rank 0 of the stage), loaded whole
+            const Tensor bias = gpt.moe_expert_bias();
+            EXPECT_EQ(std::vector<float>(bias.data<float>(), bias.data<float>() + bias.numel()), ref.moe_expert_bias)
+                << "the expert biases through the checkpoint";
+        }
     }
     // Each MoE layer of this rank's stage holds E / ep experts (one grouped tensor of them), each its ETP
     // rank's share of the features.

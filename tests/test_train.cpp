@@ -898,8 +898,6 @@ TEST(MegatronCommandLine, MoeFlagsFollowMegatronsRules) {
          "num_moe_experts (6) should be divisible by moe_router_num_groups (4)."},
         {{"--num-experts", "8", "--moe-router-num-groups", "4", "--moe-router-group-topk", "1", "--moe-router-topk", "3"},
          "--moe-router-topk 3 is more than the 2 experts of --moe-router-group-topk 1 groups of 2"},
-        {{"--num-experts", "4", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--save", "/tmp/x"},
-         "--moe-router-enable-expert-bias with --save or --load"},
         {{"--num-experts", "4", "--moe-router-topk", "1"}, "Please use --moe-router-pre-softmax when topk is 1."},
         {{"--num-experts", "4", "--moe-pad-expert-input-to-capacity"}, "moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity"},
         {{"--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0.01"},

@@ -339,6 +339,14 @@ std::unique_ptr<SaveInProgress> begin_save(const std::string & dir, int64_t iter
         if (slice.dim >= 1 && slice.outer.second >= 0) piece_json["tp_outer"] = {slice.outer.first, slice.outer.second};
         t["pieces"].push_back(piece_json);
     }
+    for (const Buffer & b : rank.writes_buffers ? rank.buffers : std::vector<Buffer>{}) {
+        LOOM_CHECK(b.data.dtype() == DType::f32, "checkpoint of buffer " << b.name << " in " << dtype_name(b.data.dtype()), "");
+        st->entries.push_back(WriteEntry{entry_name(b.name, 0, "values"), "F32", b.data.numel(), snapshot(b.data)});
+        st->tensors[b.name] = {{"shape", b.data.shape()}, {"dtype", "F32"},
+                               {"pieces", json::array({{{"file", rank_file(my_rank, "safetensors")}, {"tp_dim", -1},
+                                                        {"tp_ranges", json::array()}, {"local_shape", b.data.shape()},
+                                                        {"range", {0, b.data.numel()}}}})}};
+    }
     SaveInProgress::State * raw = st.get();
     if (background) {
         raw->writer = std::thread([raw] { raw->write(); });
@@ -711,13 +719,16 @@ std::vector<std::string> absent_tensors(const Index & index, const RankContents 
     for (const model::Parameter * p : rank.params) {
         if (!index.tensors.count(p->name) && seen.insert(p->name).second) absent.push_back(p->name);
     }
+    for (const Buffer & b : rank.buffers) {
+        if (!index.tensors.count(b.name) && seen.insert(b.name).second) absent.push_back(b.name);
+    }
     return absent;
 }
 
 LoadReport load(const Index & index, const RankContents & rank, const LoadOptions & options) {
     LoadReport report;
-    if (rank.params.empty()) return report;
-    rank.params.front()->data.device().compute_stream().synchronize();
+    if (rank.params.empty() && rank.buffers.empty()) return report;
+    (rank.params.empty() ? rank.buffers.front().data : rank.params.front()->data).device().compute_stream().synchronize();
     FileCache  files(index);
     const bool with_optimizer = options.optimizer && index.has_optimizer && rank.optimizer;
     std::map<const model::Parameter *, std::vector<int>> slots_of;
@@ -772,6 +783,23 @@ LoadReport load(const Index & index, const RankContents & rank, const LoadOption
             rank.optimizer->state().load_slot_state(i, std::span(values).subspan(begin, n), std::span(m).subspan(begin, n),
                                                     std::span(v).subspan(begin, n));
         }
+    }
+    for (const Buffer & b : rank.buffers) {
+        auto it = index.tensors.find(b.name);
+        LOOM_CHECK(it != index.tensors.end() || options.allow_absent,
+                   "checkpoint '" << index.path() << "' has no tensor " << b.name,
+                   "the checkpoint is of another model; give the model flags it was saved with, or --use-checkpoint-args");
+        if (it == index.tensors.end()) {   // kept as it is
+            report.absent.push_back(b.name);
+            continue;
+        }
+        LOOM_CHECK(it->second.shape == b.data.shape(), "tensor " << b.name << " of '" << index.path() << "' has shape "
+                                                                << shape_string(it->second.shape) << ", this model's is "
+                                                                << shape_string(b.data.shape()),
+                   "the checkpoint is of another model; give the model flags it was saved with, or --use-checkpoint-args");
+        report.read.insert(b.name);
+        assemble(index, b.name, it->second, "values", files, full, scratch);
+        write_values_f32(b.data, full);
     }
     if (rank.optimizer) rank.optimizer->state().set_steps(with_optimizer ? index.optimizer_step : 0);
     return report;

@@ -73,9 +73,19 @@ inline constexpr int          kFormatVersion = 1;
 // "iter_0000010", as Megatron names the folders (seven digits).
 std::string iteration_folder(int64_t iteration);
 
+// State of the model that is not a parameter (no gradient, no optimizer slot): the MoE routers' expert
+// biases (model/moe/router.h). f32, saved whole ("<name>:0:values", one piece) by one rank of the ranks that
+// hold the same copy (RankContents::writes_buffers), loaded whole by every rank that holds it.
+struct Buffer {
+    std::string name;   // "layers.3.mlp.router.expert_bias"
+    Tensor      data;
+};
+
 // What one rank contributes to a checkpoint, or receives from one.
 struct RankContents {
     std::vector<model::Parameter *> params;               // every parameter this rank holds
+    std::vector<Buffer>             buffers;              // and every buffer
+    bool                            writes_buffers = true;   // false: another rank holding the same ones writes them
     optim::Optimizer *              optimizer = nullptr;  // its slots are the pieces (null: load values only)
     bool                            writes    = true;     // false: a replica whose pieces another rank writes
     bool                            writes_experts = true;   // the same for expert parameters (Parameter::expert)
@@ -192,7 +202,7 @@ struct LoadReport {
     std::set<std::string>    read;
 };
 
-// The parameters of `rank` the index does not list, each once, in the rank's order.
+// The parameters and buffers of `rank` the index does not list, each once, in the rank's order.
 std::vector<std::string> absent_tensors(const Index & index, const RankContents & rank);
 
 // Loads the checkpoint into this rank's parameters and optimizer (see the top of this file).

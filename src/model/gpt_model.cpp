@@ -347,6 +347,16 @@ void GptModel::set_moe_aux_loss_scale(float scale) {
     }
 }
 
+std::vector<std::pair<std::string, Tensor>> GptModel::buffers() const {
+    std::vector<std::pair<std::string, Tensor>> out;
+    for (const auto & layer : layers_) {
+        if (!layer->moe || !layer->moe->router.expert_bias.defined()) continue;
+        const std::string & weight = layer->moe->router.weight.name;   // "<layer>.mlp.router.weight"
+        out.emplace_back(weight.substr(0, weight.rfind('.')) + ".expert_bias", layer->moe->router.expert_bias);
+    }
+    return out;
+}
+
 void GptModel::update_moe_expert_bias() {
     if (!moe_expert_load_.defined()) return;
     Stream & stream = device_.compute_stream();

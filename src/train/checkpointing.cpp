@@ -57,6 +57,11 @@ checkpoint::RankContents rank_contents(const TrainOptions & options, Setup & set
     const auto & edp            = setup.groups.expert_dp ? setup.groups.expert_dp : grads;
     const bool   first_expert   = !setup.groups.inter_expert_dp || setup.groups.inter_expert_dp->rank() == 0;
     rank.writes_experts = options.ddp.use_distributed_optimizer ? first_expert : !edp || edp->rank() == 0;
+    // Buffers (the routers' expert biases) are the same on every TP x DP x CP rank of a stage.
+    for (model::GptModel * chunk : setup.chunks) {
+        for (auto & [name, tensor] : chunk->buffers()) rank.buffers.push_back({name, tensor});
+    }
+    rank.writes_buffers = !setup.groups.tp_dp_cp || setup.groups.tp_dp_cp->rank() == 0;
     return rank;
 }
 
@@ -381,6 +386,9 @@ Resumed load_checkpoint(const TrainOptions & options, Setup & setup) {
         for (const model::Parameter * p : contents.params) {
             if (index.tensors.count(p->name)) read.insert(p->name);
         }
+        for (const checkpoint::Buffer & b : contents.buffers) {
+            if (index.tensors.count(b.name)) read.insert(b.name);
+        }
         missing = unused_tensors(index, read, contents.world, setup.chunks.at(0)->device());
     }
     const int rank = contents.world ? contents.world->rank() : 0;
@@ -436,6 +444,7 @@ checkpoint::Index index_to_read(const TrainOptions & o, const char * command) {
 void load_weights(const checkpoint::Index & index, model::GptModel & model) {
     checkpoint::RankContents contents;
     contents.params = model.parameters();
+    for (auto & [name, tensor] : model.buffers()) contents.buffers.push_back({name, tensor});
     checkpoint::LoadOptions load;
     load.optimizer  = false;
     load.vocab_size = model.config().vocab_size;

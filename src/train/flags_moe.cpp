@@ -141,10 +141,6 @@ void resolve_moe(const MoeFlags & f, const Given & given, TrainOptions & o) {
         moe.layer_freq = n;
     }
     model::moe_config_validate(moe, o.model);
-    LOOM_CHECK(!moe.expert_bias || (o.save.empty() && o.load.empty()),
-               "--moe-router-enable-expert-bias with --save or --load: Loom's checkpoints do not hold the expert bias "
-               "yet, and a resumed run would restart it from zero",
-               "train without --save/--load, or balance with --moe-aux-loss-coeff");
     // Megatron raises this in MoELayer.forward while training; Loom refuses before any rank starts.
     LOOM_CHECK(o.parallel.tp() == 1 || o.sequence_parallel,
                "During training, performance may degrade if MoE and tensor parallelism are enabled without also enabling "
