@@ -17,6 +17,8 @@
 //   "<name>:<begin>:master"       the f32 master weights (only for 16-bit values; F32 values are the master)
 //   "<name>:<begin>:exp_avg"      Adam's m, f32
 //   "<name>:<begin>:exp_avg_sq"   Adam's v, f32
+// A buffer (RankContents::buffers: state without an optimizer slot, such as a MoE router's expert bias) is
+// one F32 piece "<name>:0:values" covering it, written by one of the ranks that hold the same copy.
 // Pieces are the optimizer's slots (optim/optimizer.h): whole parameters for AdamW, the ZeRO-1 shard pieces
 // for the distributed optimizer, so every element is written once, by the rank that steps it. Left out:
 // the last stage's copy of the tied word embedding (`shared`), a TP-replicated parameter on TP ranks other
