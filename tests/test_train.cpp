@@ -846,6 +846,16 @@ TEST(MegatronCommandLine, HelpGroupsFlagsAsArgumentsPyDoes) {
 
 // --num-experts and --moe-*: Megatron's defaults (top-2, softmax after the top-k, aux_loss with coefficient
 // 0, dropless, every layer MoE), --moe-layer-freq as an integer or a list expression, and its checks.
+// The legacy switch sets RoPE over whatever --position-embedding-type says (Megatron's validate_args).
+TEST(MegatronCommandLine, UseRotaryPositionEmbeddingsMeansRope) {
+    EXPECT_EQ(parse_train({"--mock-data", "--use-rotary-position-embeddings"}).model.position_embedding,
+              model::PositionEmbedding::rope);
+    EXPECT_EQ(parse_train({"--mock-data", "--position-embedding-type", "learned_absolute", "--use-rotary-position-embeddings"})
+                  .model.position_embedding,
+              model::PositionEmbedding::rope);
+    EXPECT_EQ(parse_train({"--mock-data"}).model.position_embedding, model::PositionEmbedding::learned_absolute);
+}
+
 TEST(MegatronCommandLine, MoeFlagsFollowMegatronsRules) {
     EXPECT_FALSE(parse_train({"--mock-data"}).model.moe.enabled());
     const train::TrainOptions d = parse_train({"--mock-data", "--num-experts", "8"});

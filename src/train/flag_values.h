@@ -47,6 +47,7 @@ struct ModelFlags {
     int64_t     seq_length = 0, max_pos = 0, vocab_size = 0, vocab_divisible = 0;
     bool        gqa = false, swiglu = false, squared_relu = false, disable_bias = false, untie = false, qk_layernorm = false;
     bool        no_position_embedding = false;   // --no-position-embedding (deprecated upstream; only with rope)
+    bool        use_rotary = false;              // --use-rotary-position-embeddings (deprecated upstream: rope)
     bool        apply_wd_to_qk_layernorm = false;
     bool        apply_layernorm_1p = false;
     std::string normalization, position_embedding;

@@ -66,6 +66,8 @@ const Flag<ModelFlags> kModelFlags[] = {
     {"--position-embedding-type", kSize, &M::position_embedding, "learned_absolute, rope or none", kPlain,
      {"position_embedding_type", [](const TrainOptions & o) -> json { return position_name(o.model.position_embedding); },
       true}},
+    {"--use-rotary-position-embeddings", kSize, &M::use_rotary,
+     "deprecated upstream: --position-embedding-type rope (it overrides that flag, as Megatron's legacy rule does)"},
     {"--no-position-embedding", kSize, &M::no_position_embedding,
      "deprecated upstream: accepted with --position-embedding-type rope (where it has no effect), refused otherwise"},
     {"--disable-bias-linear", kSize, &M::disable_bias, "no biases in linear layers", kPlain,
@@ -153,6 +155,7 @@ void resolve_model_shape(const ModelFlags & f, const Given & given, TrainOptions
         else LOOM_THROW("--position-embedding-type '" << f.position_embedding << "' is not supported",
                         "use learned_absolute, rope or none");
     }
+    if (f.use_rotary) m.position_embedding = model::PositionEmbedding::rope;   // Megatron's legacy RoPE argument
     // Megatron's rule (arguments.py): the deprecated switch only rides along with RoPE.
     LOOM_CHECK(!f.no_position_embedding || m.position_embedding == model::PositionEmbedding::rope,
                "--no-position-embedding is deprecated, use --position-embedding-type",
