@@ -460,8 +460,8 @@ public:
     }
 
     void moe_expert_bias_update(Stream & s, const Tensor & load, const Tensor & bias, float rate) override {
-        const auto [rows, experts] = op_checks::moe_expert_bias_update(load, bias);
-        s.submit([=] { cpu::moe_expert_bias_update(f32(load), f32(bias), rows, experts, rate); });
+        const std::pair<int64_t, int64_t> re = op_checks::moe_expert_bias_update(load, bias);
+        s.submit([=] { cpu::moe_expert_bias_update(f32(load), f32(bias), re.first, re.second, rate); });
     }
 
     void moe_sinkhorn_topk(Stream & s, const Tensor & logits, int64_t first, const MoeRouting & r,
