@@ -546,6 +546,156 @@ TEST(GptModel, QkLayernormGradientsMatchFiniteDifferences) {
     check_model_gradients(l);
 }
 
+namespace {
+
+// Multi-latent attention at small sizes: 4 heads of q_nope / k_nope 6, RoPE'd part 4, values 5, latents
+// of rank 12 (queries) and 8 (keys and values).
+model::GptConfig mla_grad_config(bool q_latent, bool latent_norms) {
+    model::GptConfig c       = llama_style_grad_config();
+    c.num_query_groups       = c.num_attention_heads;
+    c.multi_latent_attention = true;
+    c.q_lora_rank            = q_latent ? 12 : 0;
+    c.kv_lora_rank           = 8;
+    c.qk_head_dim            = 6;
+    c.qk_pos_emb_head_dim    = 4;
+    c.v_head_dim             = 5;
+    c.qk_layernorm           = latent_norms;
+    return c;
+}
+
+}  // namespace
+
+// MLA's every projection, the latents' norms, the shared k_pe (its gradient summed over the heads), the
+// padded values and the interleaved RoPE of the pe parts: central differences.
+TEST(GptModel, MultiLatentAttentionGradientsMatchFiniteDifferences) {
+    for (const bool q_latent : {true, false}) {
+        SCOPED_TRACE(q_latent ? "query latent, latent norms" : "queries from x, no norms");
+        check_model_gradients(mla_grad_config(q_latent, q_latent));
+    }
+}
+
+// One MLA layer against Megatron's MLASelfAttention written out in double with its own layout: each head
+// [nope | pe], the pe parts de-interleaved and turned by halves (rotate_half), keys' k_pe shared, values of
+// dv (no padding), causal softmax at 1 / sqrt(dn + dr). Loom's layout (pe first, pairs turned in place,
+// values padded) must give the same output: 1e-5 relative to the output's largest value.
+TEST(MultiLatentAttention, MatchesMegatronsFormulationWrittenOut) {
+    model::GptConfig c = mla_grad_config(true, true);
+    c.seq_length       = 9;
+    const int64_t s = c.seq_length, b = 2, n = s * b, h = c.hidden_size, a = c.num_attention_heads;
+    const int64_t dn = c.qk_head_dim, dr = c.qk_pos_emb_head_dim, dv = c.v_head_dim, dqk = dn + dr;
+    const int64_t rq = c.q_lora_rank, rkv = c.kv_lora_rank;
+    Device &             device = cpu::device();
+    model::SelfAttention attn("attention", c, device);
+    attn.init(7, 0.3f, 0.3f);
+    std::vector<model::Parameter *> params;
+    attn.parameters(params);
+    for (model::Parameter * p : params) {   // norms away from 1, so that their weights count
+        if (p->data.dim() == 1) {
+            for (int64_t i = 0; i < p->numel(); ++i) p->data.data<float>()[i] = 1.0f + 0.1f * static_cast<float>(i % 5);
+        }
+    }
+    const std::vector<float> xv = random_vector(n * h, 71);
+    Tensor                   x  = Tensor::empty({n, h}, DType::f32, device);
+    std::memcpy(x.data<float>(), xv.data(), xv.size() * sizeof(float));
+    model::SelfAttention::Context ctx;
+    Tensor y = attn.forward(ctx, x, s, b);
+    device.compute_stream().synchronize();
+
+    auto weight = [&](const model::Linear & l) { return l.weight.data.data<float>(); };
+    // out[r][o] = sum_i in[r][i] w[o][i]
+    auto linear = [](const std::vector<double> & in, int64_t rows, int64_t width, const float * w, int64_t out_width) {
+        std::vector<double> out(static_cast<size_t>(rows * out_width), 0.0);
+        for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t o = 0; o < out_width; ++o) {
+                double sum = 0;
+                for (int64_t i = 0; i < width; ++i) sum += in[r * width + i] * w[o * width + i];
+                out[r * out_width + o] = sum;
+            }
+        }
+        return out;
+    };
+    auto rmsnorm = [&](std::vector<double> v, int64_t rows, int64_t width, const float * gamma) {
+        for (int64_t r = 0; r < rows; ++r) {
+            double ms = 0;
+            for (int64_t i = 0; i < width; ++i) ms += v[r * width + i] * v[r * width + i];
+            const double rstd = 1.0 / std::sqrt(ms / static_cast<double>(width) + c.norm_epsilon);
+            for (int64_t i = 0; i < width; ++i) v[r * width + i] *= rstd * gamma[i];
+        }
+        return v;
+    };
+    // Megatron's apply_rotary_pos_emb with mla_rotary_interleaved: [t0::2 | t1::2], then t cos + rotate_half(t) sin
+    // with the angles of pair i = position x base^(-2i / dr), repeated over both halves.
+    auto mla_rope = [&](const double * t, int64_t position, double * out) {
+        std::vector<double> d(static_cast<size_t>(dr));
+        for (int64_t i = 0; i < dr / 2; ++i) {
+            d[i]          = t[2 * i];
+            d[i + dr / 2] = t[2 * i + 1];
+        }
+        for (int64_t i = 0; i < dr; ++i) {
+            const int64_t k     = i % (dr / 2);
+            const double  angle = static_cast<double>(position) * std::pow(static_cast<double>(c.rotary_base), -2.0 * k / dr);
+            const double  rot   = i < dr / 2 ? -d[i + dr / 2] : d[i - dr / 2];
+            out[i]              = d[i] * std::cos(angle) + rot * std::sin(angle);
+        }
+    };
+    const std::vector<double> xd(xv.begin(), xv.end());
+    const model::SelfAttention::Latent & m = *attn.mla;
+    const std::vector<double> q = linear(rmsnorm(linear(xd, n, h, weight(*m.q_down), rq), n, rq, m.q_norm->weight.data.data<float>()),
+                                         n, rq, weight(*m.q_up), a * dqk);
+    const std::vector<double> ckv = linear(xd, n, h, weight(*m.kv_down), rkv + dr);
+    std::vector<double>       latent(static_cast<size_t>(n * rkv));
+    for (int64_t r = 0; r < n; ++r) {
+        for (int64_t i = 0; i < rkv; ++i) latent[r * rkv + i] = ckv[r * (rkv + dr) + i];
+    }
+    const std::vector<double> kv = linear(rmsnorm(latent, n, rkv, m.kv_norm->weight.data.data<float>()), n, rkv,
+                                          weight(*m.kv_up), a * (dn + dv));
+    // Rows are (position, sample) pairs: r = position * b + sample.
+    std::vector<double> query(static_cast<size_t>(n * a * dqk)), key(static_cast<size_t>(n * a * dqk));
+    for (int64_t r = 0; r < n; ++r) {
+        std::vector<double> k_pe(static_cast<size_t>(dr));
+        mla_rope(&ckv[r * (rkv + dr) + rkv], r / b, k_pe.data());
+        for (int64_t hd = 0; hd < a; ++hd) {
+            double * qo = &query[(r * a + hd) * dqk];
+            double * ko = &key[(r * a + hd) * dqk];
+            for (int64_t i = 0; i < dn; ++i) {
+                qo[i] = q[r * a * dqk + hd * dqk + i];
+                ko[i] = kv[r * a * (dn + dv) + hd * (dn + dv) + i];
+            }
+            mla_rope(&q[r * a * dqk + hd * dqk + dn], r / b, qo + dn);
+            for (int64_t i = 0; i < dr; ++i) ko[dn + i] = k_pe[i];
+        }
+    }
+    std::vector<double> out(static_cast<size_t>(n * a * dv), 0.0);
+    const double        scale = 1.0 / std::sqrt(static_cast<double>(dqk));
+    for (int64_t bi = 0; bi < b; ++bi) {
+        for (int64_t hd = 0; hd < a; ++hd) {
+            for (int64_t i = 0; i < s; ++i) {
+                const int64_t       ri = i * b + bi;
+                std::vector<double> score(static_cast<size_t>(i + 1));
+                double              top = -1e300, sum = 0;
+                for (int64_t j = 0; j <= i; ++j) {
+                    double dotp = 0;
+                    for (int64_t k = 0; k < dqk; ++k) dotp += query[(ri * a + hd) * dqk + k] * key[((j * b + bi) * a + hd) * dqk + k];
+                    score[j] = dotp * scale;
+                    top      = std::max(top, score[j]);
+                }
+                for (int64_t j = 0; j <= i; ++j) sum += (score[j] = std::exp(score[j] - top));
+                for (int64_t j = 0; j <= i; ++j) {
+                    for (int64_t k = 0; k < dv; ++k) {
+                        out[(ri * a + hd) * dv + k] += score[j] / sum * kv[(j * b + bi) * a * (dn + dv) + hd * (dn + dv) + dn + k];
+                    }
+                }
+            }
+        }
+    }
+    const std::vector<double> expected = linear(out, n, a * dv, weight(attn.proj), h);
+    double largest = 0, worst = 0;
+    for (double v : expected) largest = std::max(largest, std::fabs(v));
+    for (int64_t i = 0; i < n * h; ++i) worst = std::max(worst, std::fabs(y.data<float>()[i] - expected[i]));
+    EXPECT_GT(largest, 0.1) << "the output carries signal";
+    EXPECT_LT(worst, 1e-5 * largest) << "largest |y| " << largest;
+}
+
 // --rotary-percent 0.5 (RoPE turns the first half of each head) and --rotary-interleaved (pairs 2i, 2i+1):
 // the backward's inverse rotation is the forward's, whichever elements it turns.
 TEST(GptModel, PartialAndInterleavedRopeGradientsMatchFiniteDifferences) {
@@ -617,6 +767,13 @@ TEST(GptModel, ParameterCountMatchesTheConfigFormula) {
     // Hugging Face counts 124,439,808 with V = 50257; padding V to 50304 (a multiple of 128) adds
     // 47 x 768 = 36,096.
     EXPECT_EQ(c.num_parameters(), 124439808 + 47 * 768);
+    for (const bool q_latent : {false, true}) {   // MLA: every projection and latent norm counted
+        model::GptConfig mla = mla_grad_config(q_latent, q_latent);
+        model::GptModel  gpt(mla, cpu::device());
+        int64_t          total = 0;
+        for (auto * p : gpt.parameters()) total += p->numel();
+        EXPECT_EQ(total, mla.num_parameters()) << "MLA" << (q_latent ? " with a query latent" : "");
+    }
     for (const bool qk : {false, true}) {
         for (const char * preset : {"gpt-tiny", "llama-tiny"}) {
             model::GptConfig tiny = model::gpt_preset(preset);

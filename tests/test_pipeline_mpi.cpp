@@ -194,6 +194,61 @@ TEST(PipelineParallel, EmbeddingAndLossCountedAsLayersFollowTheSingleRankRun) {
     EXPECT_EQ(layers, stage == 0 || stage == 3 ? 1u : 2u) << "stage " << stage << ": [] + [3], [0] + [4], [1] + [5], [2] + []";
 }
 
+// DeepSeek-V3's layers over two stages (x DP 2 on 4 ranks): multi-latent attention with a query latent and
+// the latents' norms, MoE with sigmoid routing, the expert bias and group-limited routing. Losses and weights
+// follow the single rank within 5e-5, and each stage's routers' expert biases are the single rank's bitwise.
+TEST(PipelineParallel, DeepSeekStyleLayersOverTwoStagesFollowTheSingleRankRun) {
+    if (g_mpi->world_size() % 2 != 0) GTEST_SKIP() << "needs an even number of ranks";
+    train::TrainOptions o            = testing_models::small_gpt_options(4, 8, 7);
+    o.model.normalization            = model::Normalization::rmsnorm;
+    o.model.position_embedding       = model::PositionEmbedding::rope;
+    o.model.add_bias_linear          = false;
+    o.model.multi_latent_attention   = true;
+    o.model.q_lora_rank              = 24;
+    o.model.kv_lora_rank             = 16;
+    o.model.qk_head_dim              = 12;
+    o.model.qk_pos_emb_head_dim      = 8;
+    o.model.v_head_dim               = 12;
+    o.model.qk_layernorm             = true;
+    model::MoeConfig & moe           = o.model.moe;
+    moe.num_experts                  = 4;
+    moe.topk                         = 2;
+    moe.score_function               = model::MoeScoreFunction::sigmoid;
+    moe.expert_bias                  = true;
+    moe.bias_update_rate             = 1e-2f;
+    moe.num_groups                   = 2;
+    moe.group_topk                   = 1;
+    moe.aux_loss_coeff               = 1e-3f;
+    const testing_models::SingleRankRun ref = testing_models::train_single_rank(o);
+    parallel::ParallelSizes sizes;
+    sizes.world_size = g_mpi->world_size();
+    sizes.pp         = 2;
+    o.parallel       = parallel::ParallelConfig::create(sizes);
+    parallel::ProcessGroups groups = parallel::ProcessGroups::create(o.parallel, *g_mpi);
+    auto                    source = train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), o.parallel.dp());
+    train::Setup            setup  = train::setup(o, groups, cpu::device());
+    std::vector<double>     losses;
+    {
+        train::Trainer trainer(o, setup, *source);
+        losses = trainer.run(nullptr).losses;
+    }
+    ASSERT_EQ(losses.size(), ref.losses.size());
+    for (size_t i = 0; i < losses.size(); ++i) EXPECT_NEAR(losses[i], ref.losses[i], 5e-5) << "iteration " << i + 1;
+    for (model::Parameter * p : setup.parameters()) {
+        const std::vector<float> v = parameter_values(*p), & r = ref.params.at(p->name);
+        for (size_t i = 0; i < v.size(); ++i) ASSERT_NEAR(v[i], r[i], 5e-5) << p->name;
+    }
+    cpu::device().compute_stream().synchronize();
+    int compared = 0;
+    for (auto & [name, bias] : setup.chunks.at(0)->buffers()) {   // "layers.<i>.mlp.router.expert_bias"
+        const size_t layer = std::stoul(name.substr(7));
+        const float * mine = bias.data<float>(), * want = ref.moe_expert_bias.data() + layer * 4;
+        EXPECT_EQ(std::vector<float>(mine, mine + 4), std::vector<float>(want, want + 4)) << name;
+        ++compared;
+    }
+    EXPECT_EQ(compared, 2) << "each stage holds two MoE layers' routers";
+}
+
 TEST(PipelineParallel, InterleavedTwoStagesTwoVirtualStagesFollowTheSingleRankRun) {
     if (g_mpi->world_size() % 2 != 0) GTEST_SKIP() << "needs an even number of ranks";
     expect_follows_reference(2, false, 2);

@@ -846,6 +846,45 @@ TEST(MegatronCommandLine, HelpGroupsFlagsAsArgumentsPyDoes) {
 
 // --num-experts and --moe-*: Megatron's defaults (top-2, softmax after the top-k, aux_loss with coefficient
 // 0, dropless, every layer MoE), --moe-layer-freq as an integer or a list expression, and its checks.
+// --multi-latent-attention: Megatron's defaults (q_lora_rank None, kv_lora_rank 32, heads 128 + 64, values
+// 128), the sizes given, and each refusal by name: YaRN's scaling, the MLA sizes without MLA, the layouts
+// Loom's MLA does not run yet.
+TEST(MegatronCommandLine, MultiLatentAttentionFlagsFollowMegatronsRules) {
+    const train::TrainOptions d = parse_train({"--mock-data", "--multi-latent-attention"});
+    EXPECT_TRUE(d.model.multi_latent_attention);
+    EXPECT_EQ(d.model.q_lora_rank, 0);
+    EXPECT_EQ(d.model.kv_lora_rank, 32);
+    EXPECT_EQ(d.model.qk_head_dim, 128);
+    EXPECT_EQ(d.model.qk_pos_emb_head_dim, 64);
+    EXPECT_EQ(d.model.v_head_dim, 128);
+    const train::TrainOptions p = parse_train({"--mock-data", "--multi-latent-attention", "--q-lora-rank", "48", "--kv-lora-rank",
+                                               "16", "--qk-head-dim", "32", "--qk-pos-emb-head-dim", "16", "--v-head-dim", "32",
+                                               "--qk-layernorm", "--kv-channels", "128", "--rotary-scaling-factor", "1.0",
+                                               "--mscale", "1.0", "--mscale-all-dim", "1.0"});
+    EXPECT_EQ(p.model.q_lora_rank, 48);
+    EXPECT_EQ(p.model.kv_lora_rank, 16);
+    EXPECT_EQ(p.model.mla_qk_dim(), 48);
+    EXPECT_FALSE(parse_train({"--mock-data"}).model.multi_latent_attention);
+    const std::pair<std::vector<std::string>, const char *> bad[] = {
+        {{"--multi-latent-attention", "--rotary-scaling-factor", "40"},
+         "--rotary-scaling-factor 40 (YaRN's context extension) is not supported by Loom"},
+        {{"--q-lora-rank", "16"}, "--q-lora-rank without --multi-latent-attention"},
+        {{"--rope-type", "yarn"}, "--rope-type yarn without --multi-latent-attention"},
+        {{"--multi-latent-attention", "--v-head-dim", "256"}, "--v-head-dim 256 is wider than a query head"},
+        {{"--multi-latent-attention", "--qk-pos-emb-head-dim", "7"}, "--qk-pos-emb-head-dim 7 is odd"},
+        {{"--multi-latent-attention", "--tensor-model-parallel-size", "2"},
+         "--multi-latent-attention with --tensor-model-parallel-size 2"},
+        {{"--multi-latent-attention", "--group-query-attention", "--num-query-groups", "2"},
+         "--group-query-attention with --multi-latent-attention"},
+    };
+    for (const auto & [flags, message] : bad) {
+        std::vector<std::string> args{"--mock-data"};
+        args.insert(args.end(), flags.begin(), flags.end());
+        const std::string text = error_of([&] { parse_train(args, 2); });
+        EXPECT_NE(text.find(message), std::string::npos) << text;
+    }
+}
+
 // The legacy switch sets RoPE over whatever --position-embedding-type says (Megatron's validate_args).
 TEST(MegatronCommandLine, UseRotaryPositionEmbeddingsMeansRope) {
     EXPECT_EQ(parse_train({"--mock-data", "--use-rotary-position-embeddings"}).model.position_embedding,

@@ -33,6 +33,16 @@ void GptConfig::validate() const {
                "the query groups must divide the heads");
     LOOM_CHECK(position_embedding != PositionEmbedding::rope || head_dim() % 2 == 0,
                "--position-embedding-type rope needs an even head dimension, got " << head_dim(), "");
+    if (multi_latent_attention) {
+        LOOM_CHECK(q_lora_rank >= 0 && kv_lora_rank >= 1 && qk_head_dim >= 1 && v_head_dim >= 1 &&
+                       qk_pos_emb_head_dim >= 2 && qk_pos_emb_head_dim % 2 == 0 && v_head_dim <= mla_qk_dim(),
+                   "multi-latent attention sizes: --q-lora-rank " << q_lora_rank << ", --kv-lora-rank " << kv_lora_rank
+                       << ", --qk-head-dim " << qk_head_dim << ", --qk-pos-emb-head-dim " << qk_pos_emb_head_dim
+                       << ", --v-head-dim " << v_head_dim,
+                   "ranks and widths >= 1, an even RoPE part, values no wider than a query head");
+        LOOM_CHECK(num_query_groups == num_attention_heads, "--group-query-attention with --multi-latent-attention", "");
+        LOOM_CHECK(!recompute_layernorm, "--recompute-modules layernorm with --multi-latent-attention", "");
+    }
     LOOM_CHECK(!(swiglu && squared_relu), "--squared-relu and --swiglu are both given",
                "choose one MLP activation (Megatron asserts the same)");
     LOOM_CHECK(seq_length >= 1, "--seq-length must be >= 1", "");
@@ -55,6 +65,13 @@ int64_t GptConfig::num_parameters() const {
     int64_t fc1  = swiglu ? 2 * f : f;
     int64_t mlp  = h * fc1 + bias * fc1 + f * h + bias * h;
     int64_t qk_norm = qk_layernorm ? 2 * (normalization == Normalization::layernorm ? 2 * d : d) : 0;
+    if (multi_latent_attention) {   // no biases but the projection's; the latents' norms with --qk-layernorm
+        const int64_t a = num_attention_heads, per_norm = normalization == Normalization::layernorm ? 2 : 1;
+        const int64_t q = q_lora_rank > 0 ? h * q_lora_rank + q_lora_rank * a * mla_qk_dim() : h * a * mla_qk_dim();
+        const int64_t kv = h * (kv_lora_rank + qk_pos_emb_head_dim) + kv_lora_rank * a * (qk_head_dim + v_head_dim);
+        attn    = q + kv + a * v_head_dim * h + bias * h;
+        qk_norm = qk_layernorm ? per_norm * ((q_lora_rank > 0 ? q_lora_rank : 0) + kv_lora_rank) : 0;
+    }
     int64_t per_layer = 2 * norm + attn + mlp + qk_norm;
     int64_t total = V * h + num_layers * per_layer + norm;
     if (position_embedding == PositionEmbedding::learned_absolute) total += max_position_embeddings * h;
@@ -68,7 +85,15 @@ double GptConfig::layers_forward_flops_per_token() const {
     const double kv = static_cast<double>(num_query_groups * head_dim());
     const double gated = swiglu ? 3 : 2;   // SwiGLU's first GEMM is twice as wide
     // QKV and the projection, then the scores and the weighted values over s keys, halved for the mask.
-    const double attention = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 2 * s * q / 2;
+    double attention = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 2 * s * q / 2;
+    if (multi_latent_attention) {   // Megatron's MLA count: the latents' GEMMs (and norms), the projection, the core
+        const double a = static_cast<double>(num_attention_heads), dqk = static_cast<double>(mla_qk_dim());
+        const double dn = static_cast<double>(qk_head_dim), dr = static_cast<double>(qk_pos_emb_head_dim);
+        const double dv = static_cast<double>(v_head_dim), rq = static_cast<double>(q_lora_rank);
+        const double rkv = static_cast<double>(kv_lora_rank);
+        const double q_term = q_lora_rank > 0 ? rq * (h + a * dqk + 1) : h * a * dqk;
+        attention = 2 * (q_term + rkv * (h + a * (dn + dv) + 1) + h * dr + a * dv * h) + s * a * (dqk + dv);
+    }
     double       total     = 0;
     for (int64_t layer = 0; layer < num_layers; ++layer) {
         double mlp = 2 * h * static_cast<double>(ffn_hidden_size) * gated;

@@ -58,6 +58,15 @@ struct GptConfig {
     float             rotary_base             = 10000.0f;
     float             rotary_percent          = 1.0f;    // --rotary-percent: the share of each head RoPE turns
     bool              rotary_interleaved      = false;   // --rotary-interleaved: pairs (2i, 2i + 1)
+    // --multi-latent-attention (DeepSeek-V2/V3's MLA, Megatron's MLASelfAttention): Q, K and V come from
+    // low-rank latents of the input (layers.h's SelfAttention gives the math); every head has its own
+    // q_nope, q_pe, k_nope and v, and one k_pe is shared by all. q_lora_rank 0: Q straight from the input.
+    bool              multi_latent_attention  = false;
+    int64_t           q_lora_rank             = 0;     // --q-lora-rank (0: None)
+    int64_t           kv_lora_rank            = 32;    // --kv-lora-rank
+    int64_t           qk_head_dim             = 128;   // --qk-head-dim: q_nope and k_nope per head
+    int64_t           qk_pos_emb_head_dim     = 64;    // --qk-pos-emb-head-dim: q_pe and k_pe (RoPE'd)
+    int64_t           v_head_dim              = 128;   // --v-head-dim
     // Dropout probabilities (Megatron's --hidden-dropout on the embedding and on each attention and MLP
     // output before its residual add; --attention-dropout on the attention probabilities). The library
     // default is none; `loom train` takes Megatron's 0.1 and 0.1. Masks: core/dropout.h.
@@ -89,6 +98,8 @@ struct GptConfig {
     DType activations_dtype() const { return params_dtype == DType::bf16 ? DType::bf16 : DType::f32; }
 
     int64_t head_dim() const { return hidden_size / num_attention_heads; }
+    // MLA: each query and key head's width (q_nope or k_nope, then the RoPE'd part).
+    int64_t mla_qk_dim() const { return qk_head_dim + qk_pos_emb_head_dim; }
     // The elements of each head RoPE turns: Megatron's int(kv_channels * rotary_percent).
     int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(head_dim()) * rotary_percent); }
     int64_t padded_vocab_size(int64_t tp = 1) const;

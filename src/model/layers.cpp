@@ -294,10 +294,47 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
                              const ContextParallel & context, int64_t layer)
     : config(c), tp(t), cp(context), cp_comm(context.comm_type(layer)), heads(c.num_attention_heads / t.size),
       groups(c.num_query_groups / t.size),
-      qkv(name + ".qkv", c.hidden_size, (heads + 2 * groups) * c.head_dim(), c.add_bias_linear, c.params_dtype, device,
+      qkv(name + ".qkv", c.hidden_size, c.multi_latent_attention ? 0 : (heads + 2 * groups) * c.head_dim(),
+          c.add_bias_linear && !c.multi_latent_attention, c.params_dtype, device,
           t.size > 1 ? Linear::Split::column : Linear::Split::none, &tp),
-      proj(name + ".proj", heads * c.head_dim(), c.hidden_size, c.add_bias_linear, c.params_dtype, device,
-           t.size > 1 ? Linear::Split::row : Linear::Split::none, &tp) {
+      proj(name + ".proj", heads * (c.multi_latent_attention ? c.v_head_dim : c.head_dim()), c.hidden_size,
+           c.add_bias_linear, c.params_dtype, device, t.size > 1 ? Linear::Split::row : Linear::Split::none, &tp) {
+    if (c.multi_latent_attention) {
+        // Loom's MLA runs on one tensor-parallel rank and one context-parallel rank (train/flags_model.cpp
+        // refuses the rest by name).
+        LOOM_CHECK(t.size == 1 && !context.enabled(), "multi-latent attention under tensor or context parallelism",
+                   "--multi-latent-attention runs with --tensor-model-parallel-size 1 and --context-parallel-size 1");
+        require_supported(device, {"attention_forward", c.mla_qk_dim(), 0}, "--qk-head-dim + --qk-pos-emb-head-dim");
+        const int64_t h = c.hidden_size, a = heads, dqk = c.mla_qk_dim();
+        const int64_t rkv = c.kv_lora_rank, dr = c.qk_pos_emb_head_dim;
+        auto linear = [&](const char * which, int64_t in, int64_t out) {
+            return std::make_unique<Linear>(name + which, in, out, false, c.params_dtype, device);
+        };
+        auto norm = [&](const char * which, int64_t width) {
+            auto n = std::make_unique<Norm>(name + which, width, c.normalization, c.norm_epsilon, c.params_dtype, device);
+            n->set_one_plus(c.apply_layernorm_1p);
+            return n;
+        };
+        mla = std::make_unique<Latent>();
+        if (c.q_lora_rank > 0) {
+            mla->q_down = linear(".q_down", h, c.q_lora_rank);
+            if (c.qk_layernorm) {
+                mla->q_norm = norm(".q_norm", c.q_lora_rank);
+                // Megatron's param groups decay a "q_layernorm" with --apply-wd-to-qk-layernorm (its
+                // "kv_layernorm" matches neither that nor "k_layernorm": never).
+                std::vector<Parameter *> params;
+                mla->q_norm->parameters(params);
+                for (Parameter * p : params) p->no_weight_decay = !c.apply_wd_to_qk_layernorm;
+            }
+            mla->q_up = linear(".q_up", c.q_lora_rank, a * dqk);
+        } else {
+            mla->q = linear(".q", h, a * dqk);
+        }
+        mla->kv_down = linear(".kv_down", h, rkv + dr);
+        if (c.qk_layernorm) mla->kv_norm = norm(".kv_norm", rkv);
+        mla->kv_up = linear(".kv_up", rkv, a * (c.qk_head_dim + c.v_head_dim));
+        return;
+    }
     require_supported(device, {"attention_forward", c.head_dim(), 0}, "--hidden-size / --num-attention-heads");
     LOOM_CHECK(c.num_attention_heads % t.size == 0 && c.num_query_groups % t.size == 0,
                "--num-attention-heads " << c.num_attention_heads << " and --num-query-groups " << c.num_query_groups
@@ -371,6 +408,16 @@ void head_norm_backward(Norm & norm, Norm::Context & ctx, const Tensor & dqkv, i
 }  // namespace
 
 void SelfAttention::init(uint64_t seed, float std, float output_std) {
+    if (mla) {   // Megatron's: every projection with the init method, the output one scaled, norms at one
+        for (Linear * l : {mla->q.get(), mla->q_down.get(), mla->q_up.get(), mla->kv_down.get(), mla->kv_up.get()}) {
+            if (l) l->init(seed, std);
+        }
+        for (Norm * n : {mla->q_norm.get(), mla->kv_norm.get()}) {
+            if (n) n->init();
+        }
+        proj.init(seed, output_std);
+        return;
+    }
     qkv.init(seed, std);
     proj.init(seed, output_std);
     if (q_norm) {
@@ -380,6 +427,17 @@ void SelfAttention::init(uint64_t seed, float std, float output_std) {
 }
 
 void SelfAttention::parameters(std::vector<Parameter *> & out) {
+    if (mla) {   // in forward order
+        if (mla->q) mla->q->parameters(out);
+        if (mla->q_down) mla->q_down->parameters(out);
+        if (mla->q_norm) mla->q_norm->parameters(out);
+        if (mla->q_up) mla->q_up->parameters(out);
+        mla->kv_down->parameters(out);
+        if (mla->kv_norm) mla->kv_norm->parameters(out);
+        mla->kv_up->parameters(out);
+        proj.parameters(out);
+        return;
+    }
     qkv.parameters(out);
     if (q_norm) {
         q_norm->parameters(out);
@@ -400,7 +458,119 @@ AttentionShape attention_shape(const GptConfig & c, int64_t heads, int64_t group
 
 }  // namespace
 
+namespace {
+
+// MLA's attention operands: a query and a key/value head per head, each of dn + dr (V padded), rows of
+// [Q heads | K heads | V heads].
+AttentionShape mla_shape(const GptConfig & c, int64_t heads, int64_t s, int64_t b, const ContextParallel & cp) {
+    const int64_t  dqk = c.mla_qk_dim();
+    AttentionShape shape{s, b, heads, heads, dqk, 3 * heads * dqk};
+    shape.q_pos = shape.k_pos = cp.positions(s);
+    return shape;
+}
+
+}  // namespace
+
+Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const Dropout & dropout) {
+    const AttentionShape shape = mla_shape(config, heads, s, b, cp);
+    Ops &          ops    = x.device().ops();
+    Stream &       stream = x.device().compute_stream();
+    const int64_t  a = heads, dn = config.qk_head_dim, dr = config.qk_pos_emb_head_dim, dv = config.v_head_dim;
+    const int64_t  dqk = dn + dr, rkv = config.kv_lora_rank, n = x.size(0);
+    Context::Latent & c = ctx.latent;
+    ctx.s       = s;
+    ctx.b       = b;
+    ctx.dropout = dropout;
+    Tensor q;
+    if (mla->q) {
+        q = mla->q->forward(c.q, x);
+    } else {
+        Tensor latent = mla->q_down->forward(c.q_down, x);
+        if (mla->q_norm) latent = mla->q_norm->forward(c.q_norm, latent);
+        q = mla->q_up->forward(c.q_up, latent);
+    }
+    const Tensor ckv    = mla->kv_down->forward(c.kv_down, x);   // (n, rkv + dr): [c | k_pe]
+    Tensor       latent = activation(x.device(), n, rkv, ckv.dtype());
+    ops.copy_columns(stream, ckv, 0, latent, 0, rkv);
+    if (mla->kv_norm) latent = mla->kv_norm->forward(c.kv_norm, latent);
+    const Tensor kv = mla->kv_up->forward(c.kv_up, latent);       // (n, a (dn + dv))
+    Tensor q_k_v = activation(x.device(), n, shape.row_stride, q.dtype());
+    ops.fill_zero(stream, q_k_v);   // V's padding
+    for (int64_t h = 0; h < a; ++h) {
+        ops.copy_columns(stream, q, h * dqk + dn, q_k_v, h * dqk, dr);                     // q_pe
+        ops.copy_columns(stream, q, h * dqk, q_k_v, h * dqk + dr, dn);                     // q_nope
+        ops.copy_columns(stream, ckv, rkv, q_k_v, (a + h) * dqk, dr);                      // k_pe, every head's
+        ops.copy_columns(stream, kv, h * (dn + dv), q_k_v, (a + h) * dqk + dr, dn);        // k_nope
+        ops.copy_columns(stream, kv, h * (dn + dv) + dn, q_k_v, (2 * a + h) * dqk, dv);    // v
+    }
+    ops.rope(stream, q_k_v, s, b, 2 * a, dqk, config.rotary_base, false, dr, /*interleaved=*/true, shape.q_pos);
+    ctx.qkv    = keep_for_backward(q_k_v, config.params_dtype);
+    Tensor out = activation(x.device(), n, a * dqk, q_k_v.dtype());
+    ctx.lse    = activation(x.device(), b * a, s);
+    ops.attention_forward(stream, q_k_v, out, ctx.lse, shape, 1.0f / std::sqrt(static_cast<float>(dqk)), dropout);
+    Tensor out_v = activation(x.device(), n, a * dv, out.dtype());
+    for (int64_t h = 0; h < a; ++h) ops.copy_columns(stream, out, h * dqk, out_v, h * dv, dv);
+    return proj.forward(ctx.proj_ctx, out_v);
+}
+
+Tensor SelfAttention::mla_backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
+    const AttentionShape shape = mla_shape(config, heads, ctx.s, ctx.b, cp);
+    Ops &          ops    = dy.device().ops();
+    Stream &       stream = dy.device().compute_stream();
+    Device &       device = dy.device();
+    const int64_t  a = heads, dn = config.qk_head_dim, dr = config.qk_pos_emb_head_dim, dv = config.v_head_dim;
+    const int64_t  dqk = dn + dr, rkv = config.kv_lora_rank, n = dy.size(0);
+    const DType    act = dy.dtype();
+    Context::Latent & c = ctx.latent;
+    // The attention's output and its gradient, padded back to dn + dr per head (the padding columns of the
+    // output are exactly 0: V's are).
+    const Tensor out_v   = in_dtype(ctx.proj_ctx.x, act);   // before proj.backward releases it
+    const Tensor d_out_v = proj.backward(ctx.proj_ctx, dy, ready);
+    Tensor       out = activation(device, n, a * dqk, act), d_out = activation(device, n, a * dqk, act);
+    ops.fill_zero(stream, out);
+    ops.fill_zero(stream, d_out);
+    for (int64_t h = 0; h < a; ++h) {
+        ops.copy_columns(stream, out_v, h * dv, out, h * dqk, dv);
+        ops.copy_columns(stream, d_out_v, h * dv, d_out, h * dqk, dv);
+    }
+    const Tensor q_k_v = in_dtype(ctx.qkv, act);
+    Tensor       d_qkv = activation(device, n, shape.row_stride, act);
+    ops.attention_backward(stream, q_k_v, out, d_out, ctx.lse, d_qkv, shape, 1.0f / std::sqrt(static_cast<float>(dqk)),
+                           ctx.dropout);
+    ops.rope(stream, d_qkv, ctx.s, ctx.b, 2 * a, dqk, config.rotary_base, true, dr, /*interleaved=*/true, shape.q_pos);
+    ctx.qkv = ctx.lse = Tensor();
+    ctx.dropout       = Dropout{};
+    // Back to the projections' layouts; k_pe's gradient sums every head's.
+    Tensor dq = activation(device, n, a * dqk, act), dkv = activation(device, n, a * (dn + dv), act);
+    Tensor dckv = activation(device, n, rkv + dr, act), dk_pe = activation(device, n, dr, act);
+    Tensor head_pe = activation(device, n, dr, act);
+    for (int64_t h = 0; h < a; ++h) {
+        ops.copy_columns(stream, d_qkv, h * dqk, dq, h * dqk + dn, dr);
+        ops.copy_columns(stream, d_qkv, h * dqk + dr, dq, h * dqk, dn);
+        ops.copy_columns(stream, d_qkv, (a + h) * dqk + dr, dkv, h * (dn + dv), dn);
+        ops.copy_columns(stream, d_qkv, (2 * a + h) * dqk, dkv, h * (dn + dv) + dn, dv);
+        ops.copy_columns(stream, d_qkv, (a + h) * dqk, h == 0 ? dk_pe : head_pe, 0, dr);
+        if (h > 0) ops.add_inplace(stream, dk_pe, head_pe);
+    }
+    Tensor dlatent = mla->kv_up->backward(c.kv_up, dkv, ready);
+    if (mla->kv_norm) dlatent = mla->kv_norm->backward(c.kv_norm, dlatent, ready);
+    ops.copy_columns(stream, dlatent, 0, dckv, 0, rkv);
+    ops.copy_columns(stream, dk_pe, 0, dckv, rkv, dr);
+    Tensor dx = mla->kv_down->backward(c.kv_down, dckv, ready);
+    Tensor dx_q;
+    if (mla->q) {
+        dx_q = mla->q->backward(c.q, dq, ready);
+    } else {
+        Tensor dq_latent = mla->q_up->backward(c.q_up, dq, ready);
+        if (mla->q_norm) dq_latent = mla->q_norm->backward(c.q_norm, dq_latent, ready);
+        dx_q = mla->q_down->backward(c.q_down, dq_latent, ready);
+    }
+    ops.add_inplace(stream, dx, dx_q);
+    return dx;
+}
+
 Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const Dropout & dropout) {
+    if (mla) return mla_forward(ctx, x, s, b, dropout);
     AttentionShape shape  = attention_shape(config, heads, groups, s, b, cp);
     Ops &          ops    = x.device().ops();
     Stream &       stream = x.device().compute_stream();
@@ -434,6 +604,7 @@ Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_
 }
 
 Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
+    if (mla) return mla_backward(ctx, dy, ready);
     AttentionShape shape  = attention_shape(config, heads, groups, ctx.s, ctx.b, cp);
     Ops &          ops    = dy.device().ops();
     Stream &       stream = dy.device().compute_stream();

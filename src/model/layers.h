@@ -200,6 +200,19 @@ private:
     Tensor ones_;           // (h) f32 ones, with one_plus_
 };
 
+// Multi-latent attention (--multi-latent-attention; DeepSeek-V2/V3, Megatron's MLASelfAttention), with a
+// heads, dn = --qk-head-dim, dr = --qk-pos-emb-head-dim, dv = --v-head-dim, rq / rkv the latent ranks:
+//   q      = W_q x, or with --q-lora-rank W_q_up norm(W_q_down x)        (n, a (dn + dr)), heads [q_nope | q_pe]
+//   [c | k_pe] = W_kv_down x                                              (n, rkv + dr)
+//   kv     = W_kv_up norm(c)                                              (n, a (dn + dv)), heads [k_nope | v]
+//   (the two norms only with --qk-layernorm, of --normalization, as Megatron's MLA layer specs)
+//   head h attends with Q_h = [rope(q_pe_h) | q_nope_h], K_h = [rope(k_pe) | k_nope_h] (one k_pe for every
+//   head), V_h = [v_h | 0] padded to dn + dr, scale 1 / sqrt(dn + dr); its output's first dv columns go to
+//   the output projection (a dv -> h).
+// Megatron's MLA RoPE de-interleaves each pe part and turns pairs (i, i + dr/2); turning the pairs (2i, 2i + 1)
+// in place, as here, gives the same values in another order, the same for Q and K, so the same scores; the
+// pe parts stand first in each head for the same reason (Ops::rope turns the leading dr of a head). Under
+// Megatron's YaRN with --rotary-scaling-factor 1 (its default), YaRN is this RoPE.
 class SelfAttention {
 public:
     // `layer`: the model's layer index (its --cp-comm-type).
@@ -212,6 +225,10 @@ public:
         int64_t         s = 0, b = 0;
         Dropout         dropout;   // of the probabilities
         Norm::Context   q_norm, k_norm;   // --qk-layernorm: inputs (n a, d), (n g, d) and statistics
+        struct Latent {   // MLA's: qkv is (n, 3 a (dn + dr)), proj_ctx.x the (n, a dv) outputs
+            Linear::Context q, q_down, q_up, kv_down, kv_up;
+            Norm::Context   q_norm, kv_norm;
+        } latent;
     };
 
     // `dropout`: the probabilities' key (off when not enabled).
@@ -231,8 +248,21 @@ public:
     // q_layernorm / k_layernorm, of the model's --normalization), applied before RoPE. Under TP each rank
     // sees its own heads, so their gradients are summed over the group.
     std::unique_ptr<Norm> q_norm, k_norm;
+    // --multi-latent-attention: these instead of qkv (which then has no rows and no parameter).
+    struct Latent {
+        std::unique_ptr<Linear> q;         // h -> a (dn + dr), without --q-lora-rank
+        std::unique_ptr<Linear> q_down;    // h -> rq
+        std::unique_ptr<Norm>   q_norm;    // over rq (--qk-layernorm)
+        std::unique_ptr<Linear> q_up;      // rq -> a (dn + dr)
+        std::unique_ptr<Linear> kv_down;   // h -> rkv + dr
+        std::unique_ptr<Norm>   kv_norm;   // over rkv (--qk-layernorm)
+        std::unique_ptr<Linear> kv_up;     // rkv -> a (dn + dv)
+    };
+    std::unique_ptr<Latent> mla;
 
 private:
+    Tensor mla_forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const Dropout & dropout);
+    Tensor mla_backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
     // Attention over the whole sequence from this rank's rows (context parallelism, by cp_comm): out and
     // ctx.lse of this rank's queries; backward assigns d_qkv's Q, K and V columns.
     void cp_forward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const AttentionShape & shape, float scale,

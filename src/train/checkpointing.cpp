@@ -24,7 +24,10 @@ namespace {
 const std::map<std::string, json> & later_args() {
     static const std::map<std::string, json> defaults = {{"moe_layer_freq", 1},       {"moe_grouped_gemm", false},
                                                          {"rotary_percent", 1.0},     {"rotary_interleaved", false},
-                                                         {"apply_layernorm_1p", false}, {"squared_relu", false}};
+                                                         {"apply_layernorm_1p", false}, {"squared_relu", false},
+                                                         {"multi_latent_attention", false}, {"q_lora_rank", nullptr},
+                                                         {"kv_lora_rank", nullptr},   {"qk_head_dim", nullptr},
+                                                         {"qk_pos_emb_head_dim", nullptr}, {"v_head_dim", nullptr}};
     return defaults;
 }
 
@@ -309,6 +312,16 @@ void apply_checkpoint_args(model::GptConfig & m, const checkpoint::Index & index
     m.rotary_interleaved                  = flag("rotary_interleaved", saved_or_dense(a, "rotary_interleaved"));
     m.apply_layernorm_1p                  = flag("apply_layernorm_1p", saved_or_dense(a, "apply_layernorm_1p"));
     m.init_method_std                     = real("init_method_std", at("init_method_std"));
+    // Multi-latent attention's shape (the sizes are null in a model without it).
+    m.multi_latent_attention = flag("multi_latent_attention", saved_or_dense(a, "multi_latent_attention"));
+    if (m.multi_latent_attention) {
+        const json q             = saved_or_dense(a, "q_lora_rank");
+        m.q_lora_rank            = q.is_null() ? 0 : integer("q_lora_rank", q);
+        m.kv_lora_rank           = integer("kv_lora_rank", at("kv_lora_rank"));
+        m.qk_head_dim            = integer("qk_head_dim", at("qk_head_dim"));
+        m.qk_pos_emb_head_dim    = integer("qk_pos_emb_head_dim", at("qk_pos_emb_head_dim"));
+        m.v_head_dim             = integer("v_head_dim", at("v_head_dim"));
+    }
     // The MoE shape (the router's other settings are training choices, given as flags).
     if (const json experts = saved_or_dense(a, "num_experts"); !experts.is_null()) {
         m.moe.num_experts = integer("num_experts", experts);

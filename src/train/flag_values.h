@@ -54,6 +54,11 @@ struct ModelFlags {
     float       init_std = 0, norm_epsilon = 0, rotary_percent = 1.0f;
     bool        rotary_interleaved = false;
     int64_t     rotary_base = 0, kv_channels = 0;
+    // Multi-latent attention (Megatron's defaults; q_lora_rank 0: None) and its RoPE's type and YaRN scaling.
+    bool        mla = false;
+    int64_t     q_lora_rank = 0, kv_lora_rank = 32, qk_head_dim = 128, qk_pos_emb_head_dim = 64, v_head_dim = 128;
+    std::string rope_type;   // "": None (MLA: yarn)
+    float       rotary_scaling_factor = 1.0f, mscale = 1.0f, mscale_all_dim = 0.0f;
     uint64_t    seed = 0;
     float       hidden_dropout = 0.1f, attention_dropout = 0.1f;   // Megatron's defaults
 };

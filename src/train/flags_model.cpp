@@ -28,6 +28,9 @@ const char * position_name(model::PositionEmbedding p) {
 
 constexpr const char * kSize = "network size";
 
+// An MLA size as the checkpoint's args hold it: null in a model without MLA.
+json mla_size(const TrainOptions & o, int64_t value) { return o.model.multi_latent_attention ? json(value) : json(nullptr); }
+
 const Flag<TrainOptions> kModelOptionFlags[] = {
     {"--model", kLoomGroup, &TrainOptions::model_preset,
      "model preset: gpt-tiny, llama-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b, gpt3-175b, llama3-8b, llama3-70b, llama3-405b", kShowDefault,
@@ -95,7 +98,29 @@ const Flag<ModelFlags> kModelFlags[] = {
     {"--rotary-interleaved", kSize, &M::rotary_interleaved,
      "RoPE turns the pairs (2i, 2i + 1) rather than the halves (i, i + d/2)", kPlain,
      {"rotary_interleaved", [](const TrainOptions & o) -> json { return o.model.rotary_interleaved; }, true}},
-    {"--kv-channels", kSize, &M::kv_channels, "head dimension (only hidden / heads in Loom)"},
+    {"--kv-channels", kSize, &M::kv_channels, "head dimension (only hidden / heads in Loom; unused with MLA)"},
+    {"--multi-latent-attention", kSize, &M::mla,
+     "multi-latent attention (DeepSeek-V2/V3): Q, K and V from low-rank latents, a shared RoPE'd key part", kPlain,
+     {"multi_latent_attention", [](const TrainOptions & o) -> json { return o.model.multi_latent_attention; }, true}},
+    {"--q-lora-rank", kSize, &M::q_lora_rank, "MLA: the query latent's rank (default: none, Q straight from x)", kPlain,
+     {"q_lora_rank", [](const TrainOptions & o) -> json {
+          return o.model.multi_latent_attention && o.model.q_lora_rank > 0 ? json(o.model.q_lora_rank) : json(nullptr);
+      }, true}},
+    {"--kv-lora-rank", kSize, &M::kv_lora_rank, "MLA: the key/value latent's rank", kShowDefault,
+     {"kv_lora_rank", [](const TrainOptions & o) -> json { return mla_size(o, o.model.kv_lora_rank); }, true}},
+    {"--qk-head-dim", kSize, &M::qk_head_dim, "MLA: each query and key head's part without RoPE", kShowDefault,
+     {"qk_head_dim", [](const TrainOptions & o) -> json { return mla_size(o, o.model.qk_head_dim); }, true}},
+    {"--qk-pos-emb-head-dim", kSize, &M::qk_pos_emb_head_dim, "MLA: each query and key head's RoPE'd part",
+     kShowDefault, {"qk_pos_emb_head_dim", [](const TrainOptions & o) -> json { return mla_size(o, o.model.qk_pos_emb_head_dim); }, true}},
+    {"--v-head-dim", kSize, &M::v_head_dim, "MLA: each value head's width", kShowDefault,
+     {"v_head_dim", [](const TrainOptions & o) -> json { return mla_size(o, o.model.v_head_dim); }, true}},
+    {"--rope-type", kSize, &M::rope_type,
+     "rope or yarn (MLA's default): Loom's YaRN is RoPE, so only --rotary-scaling-factor 1 (no scaling)"},
+    {"--rotary-scaling-factor", kSize, &M::rotary_scaling_factor, "YaRN's context scaling (1: none, all Loom takes)",
+     kShowDefault},
+    {"--mscale", kSize, &M::mscale, "YaRN's mscale (no effect at --rotary-scaling-factor 1)", kShowDefault},
+    {"--mscale-all-dim", kSize, &M::mscale_all_dim, "YaRN's mscale_all_dim (no effect at --rotary-scaling-factor 1)",
+     kShowDefault},
     {"--seed", "initialization", &M::seed, "random seed (initialisation and data order)", kPlain,
      {"seed", [](const TrainOptions & o) -> json { return o.model.seed; }}},
     {"--hidden-dropout", "regularization", &M::hidden_dropout,
@@ -171,6 +196,60 @@ void resolve_model_shape(const ModelFlags & f, const Given & given, TrainOptions
     m.attention_dropout = f.attention_dropout;
 }
 
+namespace {
+
+// --multi-latent-attention and its sizes, and the RoPE type: Megatron's rules, then what Loom's MLA runs.
+void check_mla_flags(const ModelFlags & f, const Given & given, TrainOptions & o) {
+    model::GptConfig & m = o.model;
+    LOOM_CHECK(f.rope_type.empty() || f.rope_type == "rope" || f.rope_type == "yarn",
+               "argument --rope-type: invalid choice: '" << f.rope_type << "' (choose from 'rope', 'yarn')", "");
+    // Megatron's YaRN (MLA's default RoPE) at scaling factor 1 turns by RoPE's frequencies (its ramp mixes
+    // two equal tables) with a concentration factor of 1 and an unchanged softmax scale: Loom's RoPE.
+    const bool yarn = f.rope_type == "yarn" || (f.mla && f.rope_type.empty());
+    LOOM_CHECK(!yarn || f.rotary_scaling_factor == 1.0f,
+               "--rotary-scaling-factor " << f.rotary_scaling_factor << " (YaRN's context extension) is not supported by Loom",
+               "give --rotary-scaling-factor 1 (then YaRN is plain RoPE), or --rope-type rope");
+    LOOM_CHECK(f.mla || f.rope_type != "yarn", "--rope-type yarn without --multi-latent-attention is not supported by Loom",
+               "Megatron reads --rope-type only in MLA; give --position-embedding-type rope");
+    if (!f.mla) {
+        for (const char * flag : {"--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim"}) {
+            LOOM_CHECK(!given(flag), flag << " without --multi-latent-attention", "add --multi-latent-attention");
+        }
+        return;
+    }
+    LOOM_CHECK(!given("--q-lora-rank") || f.q_lora_rank >= 1, "--q-lora-rank must be >= 1, got " << f.q_lora_rank, "");
+    const struct { const char * flag; int64_t value; } sizes[] = {
+        {"--kv-lora-rank", f.kv_lora_rank}, {"--qk-head-dim", f.qk_head_dim},
+        {"--qk-pos-emb-head-dim", f.qk_pos_emb_head_dim}, {"--v-head-dim", f.v_head_dim}};
+    for (const auto & size : sizes) {
+        LOOM_CHECK(size.value >= 1 && size.value <= (int64_t(1) << 20), size.flag << " must be between 1 and 2^20, got " << size.value, "");
+    }
+    LOOM_CHECK(f.qk_pos_emb_head_dim % 2 == 0, "--qk-pos-emb-head-dim " << f.qk_pos_emb_head_dim << " is odd",
+               "RoPE turns its elements in pairs");
+    LOOM_CHECK(f.v_head_dim <= f.qk_head_dim + f.qk_pos_emb_head_dim,
+               "--v-head-dim " << f.v_head_dim << " is wider than a query head (--qk-head-dim + --qk-pos-emb-head-dim = "
+                               << f.qk_head_dim + f.qk_pos_emb_head_dim << ")",
+               "Loom pads each value head to the query heads' width");
+    LOOM_CHECK(m.num_query_groups == m.num_attention_heads, "--group-query-attention with --multi-latent-attention",
+               "MLA has a key and value per head (Megatron asserts the same)");
+    LOOM_CHECK(o.parallel.tp() == 1 && o.parallel.cp() == 1,
+               "--multi-latent-attention with --tensor-model-parallel-size " << o.parallel.tp() << " and --context-parallel-size "
+                                                                       << o.parallel.cp() << " is not supported by Loom yet",
+               "Loom's MLA runs on one tensor- and one context-parallel rank (pipeline, data and expert parallelism work)");
+    LOOM_CHECK(!m.recompute_layernorm, "--recompute-modules layernorm with --multi-latent-attention is not supported by Loom",
+               "drop layernorm from --recompute-modules");
+    LOOM_CHECK(f.rotary_percent == 1.0f, "--rotary-percent " << f.rotary_percent << " with --multi-latent-attention",
+               "MLA turns the whole --qk-pos-emb-head-dim");
+    m.multi_latent_attention = true;
+    m.q_lora_rank            = given("--q-lora-rank") ? f.q_lora_rank : 0;
+    m.kv_lora_rank           = f.kv_lora_rank;
+    m.qk_head_dim            = f.qk_head_dim;
+    m.qk_pos_emb_head_dim    = f.qk_pos_emb_head_dim;
+    m.v_head_dim             = f.v_head_dim;
+}
+
+}  // namespace
+
 void check_model_flags(const ModelFlags & f, const Given & given, TrainOptions & o) {
     model::GptConfig & m = o.model;
     if (given("--norm-epsilon")) {
@@ -190,7 +269,8 @@ void check_model_flags(const ModelFlags & f, const Given & given, TrainOptions &
                "--rotary-percent " << f.rotary_percent << " turns " << m.rotary_dim() << " of each head's "
                                    << m.head_dim() << " elements, which RoPE cannot pair",
                "choose a share that leaves an even number of at least 2");
-    LOOM_CHECK(!given("--kv-channels") || f.kv_channels == m.head_dim(),
+    check_mla_flags(f, given, o);
+    LOOM_CHECK(!given("--kv-channels") || m.multi_latent_attention || f.kv_channels == m.head_dim(),
                "--kv-channels " << f.kv_channels << " is not supported by Loom: its heads are hidden / heads = "
                                 << m.head_dim() << " wide",
                "drop --kv-channels, or choose --hidden-size and --num-attention-heads so that it is their quotient");
