@@ -28,9 +28,21 @@ namespace {
 
 comm::MpiContext * g_mpi = nullptr;
 
-train::TrainOptions small_options(bool llama) {
+// mla: the Llama-style model with DeepSeek's multi-latent attention (a query latent, the latents' norms).
+train::TrainOptions small_options(bool llama, bool mla = false) {
     train::TrainOptions o = testing_models::small_gpt_options(4, 8, 10);
     o.lr_warmup_iters     = 3;
+    if (mla) {
+        o = small_options(true);
+        o.model.num_query_groups       = o.model.num_attention_heads;
+        o.model.multi_latent_attention = true;
+        o.model.q_lora_rank            = 24;
+        o.model.kv_lora_rank           = 16;
+        o.model.qk_head_dim            = 12;
+        o.model.qk_pos_emb_head_dim    = 8;
+        o.model.v_head_dim             = 12;
+        return o;
+    }
     if (llama) {
         model::GptConfig l      = model::gpt_preset("llama-tiny");
         o.model.normalization   = l.normalization;
@@ -50,8 +62,8 @@ struct Run {
     std::map<std::string, model::TpSlice>     slices;
 };
 
-Run reference(bool llama) {
-    testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(llama));
+Run reference(bool llama, bool mla = false) {
+    testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(llama, mla));
     Run                           run;
     run.losses = ref.losses;
     run.params = ref.params;
@@ -60,7 +72,7 @@ Run reference(bool llama) {
 
 // recompute: 0 none, 1 full (every layer), 2 selective (layernorm and mlp: the norms' outputs gathered again
 // over the TP group in backward, the MLP rerun from its input).
-Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, int recompute) {
+Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, int recompute, bool mla = false) {
     parallel::ParallelSizes sizes;
     sizes.world_size = g_mpi->world_size();
     sizes.tp         = tp;
@@ -68,7 +80,7 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, int recomput
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi);
 
-    train::TrainOptions o           = small_options(llama);
+    train::TrainOptions o           = small_options(llama, mla);
     o.parallel                      = config;
     o.ddp.use_distributed_optimizer = distopt;
     o.ddp.overlap_grad_reduce       = distopt;
@@ -97,13 +109,13 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, int recomput
     return run;
 }
 
-void expect_follows_reference(int tp, int pp, bool distopt, bool llama, bool sp = false, int recompute = 0) {
-    const std::string name = std::string(llama ? "llama" : "gpt") + " tp " + std::to_string(tp) + " pp " +
+void expect_follows_reference(int tp, int pp, bool distopt, bool llama, bool sp = false, int recompute = 0, bool mla = false) {
+    const std::string name = std::string(mla ? "mla" : llama ? "llama" : "gpt") + " tp " + std::to_string(tp) + " pp " +
                              std::to_string(pp) + (sp ? " sequence-parallel" : "") + (distopt ? " zero-1" : "") +
                              (recompute == 1 ? " full recompute" : recompute == 2 ? " selective recompute" : "");
     SCOPED_TRACE(name);
-    const Run ref = reference(llama);
-    const Run run = parallel_run(tp, pp, distopt, llama, sp, recompute);
+    const Run ref = reference(llama, mla);
+    const Run run = parallel_run(tp, pp, distopt, llama, sp, recompute, mla);
     ASSERT_EQ(run.losses.size(), ref.losses.size());
     double worst_loss = 0, worst_param = 0;
     for (size_t i = 0; i < ref.losses.size(); ++i) {
@@ -151,6 +163,20 @@ TEST(TensorParallel, SequenceParallelFollowsTheSingleRankRun) {
     } else if (g_mpi->world_size() == 4) {
         expect_follows_reference(2, 2, true, false, true);    // TP 2 + SP x PP 2, ZeRO-1 (DP 1)
         expect_follows_reference(2, 2, true, false, true, 1);   // the same, every layer recomputed
+    } else {
+        GTEST_SKIP() << "runs with 2 and 4 ranks";
+    }
+}
+
+// Multi-latent attention split by heads (the up projections and Q by rows, the output projection by
+// columns), its down projections and latent norms whole on every rank: TP 2 with and without sequence
+// parallelism (k_pe gathered and its gradient reduce-scattered), and TP 2 + SP x PP 2 with ZeRO-1.
+TEST(TensorParallel, MultiLatentAttentionFollowsTheSingleRankRun) {
+    if (g_mpi->world_size() == 2) {
+        expect_follows_reference(2, 1, false, true, false, 0, true);
+        expect_follows_reference(2, 1, false, true, true, 0, true);
+    } else if (g_mpi->world_size() == 4) {
+        expect_follows_reference(2, 2, true, true, true, 0, true);
     } else {
         GTEST_SKIP() << "runs with 2 and 4 ranks";
     }

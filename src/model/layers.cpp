@@ -300,24 +300,36 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
       proj(name + ".proj", heads * (c.multi_latent_attention ? c.v_head_dim : c.head_dim()), c.hidden_size,
            c.add_bias_linear, c.params_dtype, device, t.size > 1 ? Linear::Split::row : Linear::Split::none, &tp) {
     if (c.multi_latent_attention) {
-        // Loom's MLA runs on one tensor-parallel rank and one context-parallel rank (train/flags_model.cpp
-        // refuses the rest by name).
-        LOOM_CHECK(t.size == 1 && !context.enabled(), "multi-latent attention under tensor or context parallelism",
-                   "--multi-latent-attention runs with --tensor-model-parallel-size 1 and --context-parallel-size 1");
+        // Megatron's MLA under tensor parallelism: the down projections and the latents' norms are whole on
+        // every rank (each rank's rows with sequence parallelism, their gradients then summed over the
+        // group), the up projections and Q split by heads, the output projection by its input.
+        LOOM_CHECK(!context.enabled(), "multi-latent attention under context parallelism",
+                   "--multi-latent-attention runs with --context-parallel-size 1");
+        LOOM_CHECK(c.num_attention_heads % t.size == 0, "--num-attention-heads " << c.num_attention_heads
+                                                        << " must be divisible by --tensor-model-parallel-size " << t.size, "");
         require_supported(device, {"attention_forward", c.mla_qk_dim(), 0}, "--qk-head-dim + --qk-pos-emb-head-dim");
-        const int64_t h = c.hidden_size, a = heads, dqk = c.mla_qk_dim();
-        const int64_t rkv = c.kv_lora_rank, dr = c.qk_pos_emb_head_dim;
-        auto linear = [&](const char * which, int64_t in, int64_t out) {
-            return std::make_unique<Linear>(name + which, in, out, false, c.params_dtype, device);
+        const int64_t h = c.hidden_size, a = c.num_attention_heads, dqk = c.mla_qk_dim();
+        const int64_t rkv = c.kv_lora_rank, dr = c.qk_pos_emb_head_dim, dkv = c.qk_head_dim + c.v_head_dim;
+        auto whole = [&](const char * which, int64_t in, int64_t out) {
+            auto l = std::make_unique<Linear>(name + which, in, out, false, c.params_dtype, device);
+            tp.replicated(l->weight);
+            return l;
+        };
+        // This rank's heads' rows (`width` each) of the full (a width, in) weight.
+        auto by_heads = [&](const char * which, int64_t in, int64_t width) {
+            auto l = std::make_unique<Linear>(name + which, in, heads * width, false, c.params_dtype, device,
+                                              t.size > 1 ? Linear::Split::column : Linear::Split::none, &tp);
+            if (t.size > 1) set_tp_slice(l->weight, 0, {{t.rank * heads * width, (t.rank + 1) * heads * width}}, {a * width, in});
+            return l;
         };
         auto norm = [&](const char * which, int64_t width) {
-            auto n = std::make_unique<Norm>(name + which, width, c.normalization, c.norm_epsilon, c.params_dtype, device);
+            auto n = std::make_unique<Norm>(name + which, width, c.normalization, c.norm_epsilon, c.params_dtype, device, tp);
             n->set_one_plus(c.apply_layernorm_1p);
             return n;
         };
         mla = std::make_unique<Latent>();
         if (c.q_lora_rank > 0) {
-            mla->q_down = linear(".q_down", h, c.q_lora_rank);
+            mla->q_down = whole(".q_down", h, c.q_lora_rank);
             if (c.qk_layernorm) {
                 mla->q_norm = norm(".q_norm", c.q_lora_rank);
                 // Megatron's param groups decay a "q_layernorm" with --apply-wd-to-qk-layernorm (its
@@ -326,13 +338,17 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
                 mla->q_norm->parameters(params);
                 for (Parameter * p : params) p->no_weight_decay = !c.apply_wd_to_qk_layernorm;
             }
-            mla->q_up = linear(".q_up", c.q_lora_rank, a * dqk);
+            mla->q_up = by_heads(".q_up", c.q_lora_rank, dqk);
         } else {
-            mla->q = linear(".q", h, a * dqk);
+            mla->q = by_heads(".q", h, dqk);
         }
-        mla->kv_down = linear(".kv_down", h, rkv + dr);
+        mla->kv_down = whole(".kv_down", h, rkv + dr);
         if (c.qk_layernorm) mla->kv_norm = norm(".kv_norm", rkv);
-        mla->kv_up = linear(".kv_up", rkv, a * (c.qk_head_dim + c.v_head_dim));
+        mla->kv_up = by_heads(".kv_up", rkv, dkv);
+        if (t.size > 1) {
+            set_tp_slice(proj.weight, 1, {{t.rank * heads * c.v_head_dim, (t.rank + 1) * heads * c.v_head_dim}},
+                         {h, a * c.v_head_dim});
+        }
         return;
     }
     require_supported(device, {"attention_forward", c.head_dim(), 0}, "--hidden-size / --num-attention-heads");
@@ -476,7 +492,7 @@ Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, in
     Ops &          ops    = x.device().ops();
     Stream &       stream = x.device().compute_stream();
     const int64_t  a = heads, dn = config.qk_head_dim, dr = config.qk_pos_emb_head_dim, dv = config.v_head_dim;
-    const int64_t  dqk = dn + dr, rkv = config.kv_lora_rank, n = x.size(0);
+    const int64_t  dqk = dn + dr, rkv = config.kv_lora_rank, n = s * b;   // every row (gathered under SP)
     Context::Latent & c = ctx.latent;
     ctx.s       = s;
     ctx.b       = b;
@@ -489,9 +505,14 @@ Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, in
         if (mla->q_norm) latent = mla->q_norm->forward(c.q_norm, latent);
         q = mla->q_up->forward(c.q_up, latent);
     }
-    const Tensor ckv    = mla->kv_down->forward(c.kv_down, x);   // (n, rkv + dr): [c | k_pe]
-    Tensor       latent = activation(x.device(), n, rkv, ckv.dtype());
+    // This rank's rows (a block of them with sequence parallelism) down to [c | k_pe]; k_pe then for every row.
+    const Tensor ckv    = mla->kv_down->forward(c.kv_down, x);   // (rows, rkv + dr)
+    const int64_t rows  = x.size(0);
+    Tensor       latent = activation(x.device(), rows, rkv, ckv.dtype());
     ops.copy_columns(stream, ckv, 0, latent, 0, rkv);
+    Tensor k_pe = activation(x.device(), rows, dr, ckv.dtype());
+    ops.copy_columns(stream, ckv, rkv, k_pe, 0, dr);
+    if (tp.sp()) k_pe = tp.all_gather(k_pe);
     if (mla->kv_norm) latent = mla->kv_norm->forward(c.kv_norm, latent);
     const Tensor kv = mla->kv_up->forward(c.kv_up, latent);       // (n, a (dn + dv))
     Tensor q_k_v = activation(x.device(), n, shape.row_stride, q.dtype());
@@ -499,7 +520,7 @@ Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, in
     for (int64_t h = 0; h < a; ++h) {
         ops.copy_columns(stream, q, h * dqk + dn, q_k_v, h * dqk, dr);                     // q_pe
         ops.copy_columns(stream, q, h * dqk, q_k_v, h * dqk + dr, dn);                     // q_nope
-        ops.copy_columns(stream, ckv, rkv, q_k_v, (a + h) * dqk, dr);                      // k_pe, every head's
+        ops.copy_columns(stream, k_pe, 0, q_k_v, (a + h) * dqk, dr);                       // k_pe, every head's
         ops.copy_columns(stream, kv, h * (dn + dv), q_k_v, (a + h) * dqk + dr, dn);        // k_nope
         ops.copy_columns(stream, kv, h * (dn + dv) + dn, q_k_v, (2 * a + h) * dqk, dv);    // v
     }
@@ -519,7 +540,7 @@ Tensor SelfAttention::mla_backward(Context & ctx, const Tensor & dy, const GradR
     Stream &       stream = dy.device().compute_stream();
     Device &       device = dy.device();
     const int64_t  a = heads, dn = config.qk_head_dim, dr = config.qk_pos_emb_head_dim, dv = config.v_head_dim;
-    const int64_t  dqk = dn + dr, rkv = config.kv_lora_rank, n = dy.size(0);
+    const int64_t  dqk = dn + dr, rkv = config.kv_lora_rank, n = ctx.s * ctx.b;
     const DType    act = dy.dtype();
     Context::Latent & c = ctx.latent;
     // The attention's output and its gradient, padded back to dn + dr per head (the padding columns of the
@@ -542,7 +563,7 @@ Tensor SelfAttention::mla_backward(Context & ctx, const Tensor & dy, const GradR
     ctx.dropout       = Dropout{};
     // Back to the projections' layouts; k_pe's gradient sums every head's.
     Tensor dq = activation(device, n, a * dqk, act), dkv = activation(device, n, a * (dn + dv), act);
-    Tensor dckv = activation(device, n, rkv + dr, act), dk_pe = activation(device, n, dr, act);
+    Tensor dckv, dk_pe = activation(device, n, dr, act);
     Tensor head_pe = activation(device, n, dr, act);
     for (int64_t h = 0; h < a; ++h) {
         ops.copy_columns(stream, d_qkv, h * dqk, dq, h * dqk + dn, dr);
@@ -552,8 +573,15 @@ Tensor SelfAttention::mla_backward(Context & ctx, const Tensor & dy, const GradR
         ops.copy_columns(stream, d_qkv, (a + h) * dqk, h == 0 ? dk_pe : head_pe, 0, dr);
         if (h > 0) ops.add_inplace(stream, dk_pe, head_pe);
     }
-    Tensor dlatent = mla->kv_up->backward(c.kv_up, dkv, ready);
+    // This rank's heads' share of k_pe's gradient: summed over the group (and cut to this rank's rows with SP).
+    if (tp.sp()) {
+        dk_pe = tp.reduce_scatter(dk_pe);
+    } else {
+        tp.all_reduce(dk_pe);
+    }
+    Tensor dlatent = mla->kv_up->backward(c.kv_up, dkv, ready);   // this rank's rows
     if (mla->kv_norm) dlatent = mla->kv_norm->backward(c.kv_norm, dlatent, ready);
+    dckv = activation(device, dlatent.size(0), rkv + dr, act);
     ops.copy_columns(stream, dlatent, 0, dckv, 0, rkv);
     ops.copy_columns(stream, dk_pe, 0, dckv, rkv, dr);
     Tensor dx = mla->kv_down->backward(c.kv_down, dckv, ready);

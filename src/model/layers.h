@@ -213,6 +213,9 @@ private:
 // in place, as here, gives the same values in another order, the same for Q and K, so the same scores; the
 // pe parts stand first in each head for the same reason (Ops::rope turns the leading dr of a head). Under
 // Megatron's YaRN with --rotary-scaling-factor 1 (its default), YaRN is this RoPE.
+// Tensor parallelism splits the heads (W_q / W_q_up and W_kv_up by rows, the output projection by columns);
+// W_q_down, W_kv_down and the norms are whole on every rank, applied to its rows (a block of them under
+// sequence parallelism, k_pe then gathered over the group for every head's keys).
 class SelfAttention {
 public:
     // `layer`: the model's layer index (its --cp-comm-type).
