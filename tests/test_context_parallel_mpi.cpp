@@ -37,9 +37,21 @@ namespace {
 
 comm::MpiContext * g_mpi = nullptr;
 
-train::TrainOptions small_options(bool llama, bool moe = false, bool sinkhorn = false) {
+// mla: the Llama-style model with multi-latent attention (a query latent and the latents' norms).
+train::TrainOptions small_options(bool llama, bool moe = false, bool sinkhorn = false, bool mla = false) {
     train::TrainOptions o = testing_models::small_gpt_options(4, 4, 20);
     o.lr_warmup_iters     = 3;
+    if (mla) {
+        o = small_options(true, moe, sinkhorn);
+        o.model.num_query_groups       = o.model.num_attention_heads;
+        o.model.multi_latent_attention = true;
+        o.model.q_lora_rank            = 24;
+        o.model.kv_lora_rank           = 16;
+        o.model.qk_head_dim            = 12;
+        o.model.qk_pos_emb_head_dim    = 8;
+        o.model.v_head_dim             = 12;
+        return o;
+    }
     if (moe) {   // 4 experts, top-2, both router losses, tokens exchanged by all-to-all (no expert biases)
         o.model.moe.num_experts    = 4;
         o.model.moe.topk           = 2;
@@ -69,7 +81,7 @@ train::TrainOptions small_options(bool llama, bool moe = false, bool sinkhorn = 
 struct Layout {
     int                 cp = 2, tp = 1, pp = 1, vpp = 1, ep = 1;
     model::CpCommType   type = model::CpCommType::p2p;
-    bool                llama = false, sp = false, zero1 = false, moe = false, sinkhorn = false;
+    bool                llama = false, sp = false, zero1 = false, moe = false, sinkhorn = false, mla = false;
     std::vector<model::CpCommType> per_layer{};      // one type per layer instead of `type`
     std::vector<int64_t>           hierarchical{};   // a2a+p2p sizes
     int                            instances = 1;    // distributed-optimizer instances over dp x cp (with zero1)
@@ -84,7 +96,7 @@ struct Layout {
             for (model::CpCommType each : per_layer) t += std::string(" ") + type_name(each);
         }
         if (!hierarchical.empty()) t += " (" + std::to_string(hierarchical[0]) + " x " + std::to_string(hierarchical[1]) + ")";
-        return std::string(llama ? "llama" : "gpt") + " cp " + std::to_string(cp) + " " + t +
+        return std::string(mla ? "mla" : llama ? "llama" : "gpt") + " cp " + std::to_string(cp) + " " + t +
                (tp > 1 ? " tp " + std::to_string(tp) : "") + (sp ? " sp" : "") + (pp > 1 ? " pp " + std::to_string(pp) : "") +
                (vpp > 1 ? " vpp " + std::to_string(vpp) : "") + (zero1 ? " zero-1, both overlaps" : "") +
                (instances > 1 ? " " + std::to_string(instances) + " instances" : "") +
@@ -105,7 +117,7 @@ Run parallel_run(const Layout & l) {
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi, l.instances, l.hierarchical);
 
-    train::TrainOptions o   = small_options(l.llama, l.moe, l.sinkhorn);
+    train::TrainOptions o   = small_options(l.llama, l.moe, l.sinkhorn, l.mla);
     o.parallel              = config;
     o.cp_comm_types         = l.per_layer.empty() ? std::vector<model::CpCommType>{l.type} : l.per_layer;
     o.hierarchical_cp_sizes = l.hierarchical;
@@ -122,7 +134,7 @@ Run parallel_run(const Layout & l) {
 
 void expect_follows_reference(const Layout & l) {
     SCOPED_TRACE(l.name());
-    const testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(l.llama, l.moe, l.sinkhorn));
+    const testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(l.llama, l.moe, l.sinkhorn, l.mla));
     const Run                           run = parallel_run(l);
     ASSERT_EQ(run.losses.size(), ref.losses.size());
     double worst_loss = 0, worst_param = 0;
@@ -143,7 +155,7 @@ void expect_follows_reference(const Layout & l) {
         }
         const std::vector<float> expected = slice.dim >= 0 ? model::tp_extract(slice, full.data()) : full;
         ASSERT_EQ(shard.size(), expected.size()) << pname;
-        const model::GptConfig & m = small_options(l.llama, l.moe, l.sinkhorn).model;
+        const model::GptConfig & m = small_options(l.llama, l.moe, l.sinkhorn, l.mla).model;
         const bool   key_bias = pname.find(".attention.qkv.bias") != std::string::npos;
         const size_t k0 = static_cast<size_t>(m.num_attention_heads * m.head_dim()),
                      k1 = k0 + static_cast<size_t>(m.num_query_groups * m.head_dim());
@@ -182,6 +194,19 @@ TEST(ContextParallel, MoeWithExpertParallelismFollowsTheSingleRankRun) {
     if (g_mpi->world_size() != 2) GTEST_SKIP() << "runs with 2 ranks";
     expect_follows_reference({.cp = 2, .ep = 2, .type = CpCommType::p2p, .moe = true});
     expect_follows_reference({.cp = 2, .type = CpCommType::p2p, .moe = true, .sinkhorn = true});
+}
+
+// Multi-latent attention's rows through the standard exchanges: the ring and the heads' all-to-all at CP 2,
+// and CP 2 x TP 2 + SP (k_pe gathered over TP inside each CP chunk).
+TEST(ContextParallel, MultiLatentAttentionFollowsTheSingleRankRun) {
+    if (g_mpi->world_size() == 2) {
+        expect_follows_reference({.cp = 2, .type = CpCommType::p2p, .mla = true});
+        expect_follows_reference({.cp = 2, .type = CpCommType::a2a, .mla = true});
+    } else if (g_mpi->world_size() == 4) {
+        expect_follows_reference({.cp = 2, .tp = 2, .type = CpCommType::p2p, .sp = true, .mla = true});
+    } else {
+        GTEST_SKIP() << "runs with 2 and 4 ranks";
+    }
 }
 
 // a2a+p2p: CP 4 as an all-to-all of heads inside pairs and a ring across them; and one type per layer.

@@ -847,8 +847,7 @@ TEST(MegatronCommandLine, HelpGroupsFlagsAsArgumentsPyDoes) {
 // --num-experts and --moe-*: Megatron's defaults (top-2, softmax after the top-k, aux_loss with coefficient
 // 0, dropless, every layer MoE), --moe-layer-freq as an integer or a list expression, and its checks.
 // --multi-latent-attention: Megatron's defaults (q_lora_rank None, kv_lora_rank 32, heads 128 + 64, values
-// 128), the sizes given, and each refusal by name: YaRN's scaling, the MLA sizes without MLA, the layouts
-// Loom's MLA does not run yet.
+// 128), the sizes given, and each refusal by name: YaRN's scaling, the MLA sizes without MLA, GQA.
 TEST(MegatronCommandLine, MultiLatentAttentionFlagsFollowMegatronsRules) {
     const train::TrainOptions d = parse_train({"--mock-data", "--multi-latent-attention"});
     EXPECT_TRUE(d.model.multi_latent_attention);
@@ -872,8 +871,6 @@ TEST(MegatronCommandLine, MultiLatentAttentionFlagsFollowMegatronsRules) {
         {{"--rope-type", "yarn"}, "--rope-type yarn without --multi-latent-attention"},
         {{"--multi-latent-attention", "--v-head-dim", "256"}, "--v-head-dim 256 is wider than a query head"},
         {{"--multi-latent-attention", "--qk-pos-emb-head-dim", "7"}, "--qk-pos-emb-head-dim 7 is odd"},
-        {{"--multi-latent-attention", "--context-parallel-size", "2"},
-         "--multi-latent-attention with --context-parallel-size 2 is not supported by Loom yet"},
         {{"--multi-latent-attention", "--group-query-attention", "--num-query-groups", "2"},
          "--group-query-attention with --multi-latent-attention"},
     };

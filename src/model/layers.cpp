@@ -299,12 +299,25 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
           t.size > 1 ? Linear::Split::column : Linear::Split::none, &tp),
       proj(name + ".proj", heads * (c.multi_latent_attention ? c.v_head_dim : c.head_dim()), c.hidden_size,
            c.add_bias_linear, c.params_dtype, device, t.size > 1 ? Linear::Split::row : Linear::Split::none, &tp) {
+    if (cp.enabled() && cp_comm == CpCommType::a2a) {   // Megatron's check for the all-to-all of heads
+        LOOM_CHECK(heads % cp.size == 0 && groups % cp.size == 0,
+                   "--cp-comm-type a2a needs each tensor-parallel rank's " << heads << " attention heads and " << groups
+                       << " query groups divisible by --context-parallel-size " << cp.size,
+                   "give --cp-comm-type p2p or allgather, or heads (and query groups) divisible by TP x CP");
+    }
+    if (cp.enabled() && cp_comm == CpCommType::a2a_p2p) {
+        LOOM_CHECK(cp.inner && cp.outer, "--cp-comm-type a2a+p2p without its inner and outer groups",
+                   "give --hierarchical-context-parallel-sizes");
+        const int inner = cp.inner->size();
+        LOOM_CHECK(heads % inner == 0 && groups % inner == 0,
+                   "--cp-comm-type a2a+p2p needs each tensor-parallel rank's " << heads << " attention heads and " << groups
+                       << " query groups divisible by the all-to-all's size " << inner,
+                   "choose --hierarchical-context-parallel-sizes whose first size divides the heads");
+    }
     if (c.multi_latent_attention) {
         // Megatron's MLA under tensor parallelism: the down projections and the latents' norms are whole on
         // every rank (each rank's rows with sequence parallelism, their gradients then summed over the
         // group), the up projections and Q split by heads, the output projection by its input.
-        LOOM_CHECK(!context.enabled(), "multi-latent attention under context parallelism",
-                   "--multi-latent-attention runs with --context-parallel-size 1");
         LOOM_CHECK(c.num_attention_heads % t.size == 0, "--num-attention-heads " << c.num_attention_heads
                                                         << " must be divisible by --tensor-model-parallel-size " << t.size, "");
         require_supported(device, {"attention_forward", c.mla_qk_dim(), 0}, "--qk-head-dim + --qk-pos-emb-head-dim");
@@ -355,21 +368,6 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
     LOOM_CHECK(c.num_attention_heads % t.size == 0 && c.num_query_groups % t.size == 0,
                "--num-attention-heads " << c.num_attention_heads << " and --num-query-groups " << c.num_query_groups
                                         << " must be divisible by --tensor-model-parallel-size " << t.size, "");
-    if (cp.enabled() && cp_comm == CpCommType::a2a) {   // Megatron's check for the all-to-all of heads
-        LOOM_CHECK(heads % cp.size == 0 && groups % cp.size == 0,
-                   "--cp-comm-type a2a needs each tensor-parallel rank's " << heads << " attention heads and " << groups
-                       << " query groups divisible by --context-parallel-size " << cp.size,
-                   "give --cp-comm-type p2p or allgather, or heads (and query groups) divisible by TP x CP");
-    }
-    if (cp.enabled() && cp_comm == CpCommType::a2a_p2p) {
-        LOOM_CHECK(cp.inner && cp.outer, "--cp-comm-type a2a+p2p without its inner and outer groups",
-                   "give --hierarchical-context-parallel-sizes");
-        const int inner = cp.inner->size();
-        LOOM_CHECK(heads % inner == 0 && groups % inner == 0,
-                   "--cp-comm-type a2a+p2p needs each tensor-parallel rank's " << heads << " attention heads and " << groups
-                       << " query groups divisible by the all-to-all's size " << inner,
-                   "choose --hierarchical-context-parallel-sizes whose first size divides the heads");
-    }
     if (t.size > 1) {
         // This rank's heads' Q rows, then its groups' K rows, then their V rows, of the full [Q | K | V].
         const int64_t d = c.head_dim(), a = c.num_attention_heads, g = c.num_query_groups;
@@ -528,7 +526,14 @@ Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, in
     ctx.qkv    = keep_for_backward(q_k_v, config.params_dtype);
     Tensor out = activation(x.device(), n, a * dqk, q_k_v.dtype());
     ctx.lse    = activation(x.device(), b * a, s);
-    ops.attention_forward(stream, q_k_v, out, ctx.lse, shape, 1.0f / std::sqrt(static_cast<float>(dqk)), dropout);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(dqk));
+    if (cp.enabled()) {   // the whole sequence's keys, by --cp-comm-type (as the standard attention, in f32)
+        const Tensor out32 = f32_output_for(out);
+        cp_forward(ctx, in_dtype(q_k_v, DType::f32), out32, shape, scale, dropout);
+        if (out32.data_ptr() != out.data_ptr()) ops.convert(stream, out32, out);
+    } else {
+        ops.attention_forward(stream, q_k_v, out, ctx.lse, shape, scale, dropout);
+    }
     Tensor out_v = activation(x.device(), n, a * dv, out.dtype());
     for (int64_t h = 0; h < a; ++h) ops.copy_columns(stream, out, h * dqk, out_v, h * dv, dv);
     return proj.forward(ctx.proj_ctx, out_v);
@@ -556,8 +561,15 @@ Tensor SelfAttention::mla_backward(Context & ctx, const Tensor & dy, const GradR
     }
     const Tensor q_k_v = in_dtype(ctx.qkv, act);
     Tensor       d_qkv = activation(device, n, shape.row_stride, act);
-    ops.attention_backward(stream, q_k_v, out, d_out, ctx.lse, d_qkv, shape, 1.0f / std::sqrt(static_cast<float>(dqk)),
-                           ctx.dropout);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(dqk));
+    if (cp.enabled()) {
+        const Tensor d_qkv32 = f32_output_for(d_qkv);
+        cp_backward(ctx, in_dtype(q_k_v, DType::f32), in_dtype(out, DType::f32), in_dtype(d_out, DType::f32), d_qkv32,
+                    shape, scale);
+        if (d_qkv32.data_ptr() != d_qkv.data_ptr()) ops.convert(stream, d_qkv32, d_qkv);
+    } else {
+        ops.attention_backward(stream, q_k_v, out, d_out, ctx.lse, d_qkv, shape, scale, ctx.dropout);
+    }
     ops.rope(stream, d_qkv, ctx.s, ctx.b, 2 * a, dqk, config.rotary_base, true, dr, /*interleaved=*/true, shape.q_pos);
     ctx.qkv = ctx.lse = Tensor();
     ctx.dropout       = Dropout{};
