@@ -772,6 +772,48 @@ TEST(OpsElementwise, PartialAndInterleavedRopeAgainstReference) {
     }
 }
 
+// YaRN (core/rope.h), from Megatron's YarnRotaryEmbedding written out in double: r 16, base 10000, factor 40
+// over an original context of 64 positions (so that the ramp falls inside the 8 pairs: pairs up to `low`
+// keep RoPE's frequencies, those from `high` divide them by 40, those between blend), the cos and sin
+// scaled by mscale(40, 0.9) / mscale(40, 0.7). The backward turns back with the same amplitude (the
+// transpose): backward(forward(x)) = amplitude^2 x.
+TEST(OpsElementwise, YarnRopeAgainstMegatronsFormula) {
+    const int64_t seq = 11, batch = 2, heads = 2, r = 16, d = 16, stride = heads * d;
+    const double  base = 10000.0, factor = 40.0, pi = 3.14159265358979323846;
+    RopeScaling   yarn;
+    yarn.factor                 = static_cast<float>(factor);
+    yarn.original_max_positions = 64;
+    auto mscale    = [&](double m) { return 0.1 * m * std::log(factor) + 1.0; };
+    yarn.amplitude = static_cast<float>(mscale(0.9) / mscale(0.7));
+    auto dim_of    = [&](double rotations) { return r * std::log(64.0 / (rotations * 2 * pi)) / (2 * std::log(base)); };
+    const double low = std::max(std::floor(dim_of(32.0)), 0.0), high = std::min(std::ceil(dim_of(1.0)), double(r - 1));
+    ASSERT_LT(low, high);
+    ASSERT_GT(high, low + 1) << "some pairs blend";
+    Tensor              x  = random_f32({seq * batch, stride}, 3500);
+    std::vector<double> xv = values(x), fwd = xv, twice = xv;
+    for (int64_t row = 0; row < seq * batch; ++row) {
+        const double p = static_cast<double>(row / batch);
+        for (int64_t hd = 0; hd < heads; ++hd) {
+            for (int64_t i = 0; i < r / 2; ++i) {
+                const double extra = std::pow(base, -2.0 * i / r), inter = extra / factor;
+                const double keep  = 1.0 - std::clamp((i - low) / (high - low), 0.0, 1.0);
+                const double angle = p * (inter * (1 - keep) + extra * keep), a = yarn.amplitude;
+                const size_t u = static_cast<size_t>(row * stride + hd * d + i), v = u + static_cast<size_t>(r / 2);
+                fwd[u]   = a * (xv[u] * std::cos(angle) - xv[v] * std::sin(angle));
+                fwd[v]   = a * (xv[v] * std::cos(angle) + xv[u] * std::sin(angle));
+                twice[u] = a * a * xv[u];
+                twice[v] = a * a * xv[v];
+            }
+        }
+    }
+    ops().rope(stream(), x, seq, batch, heads, d, static_cast<float>(base), false, r, false, {}, yarn);
+    synchronize();
+    EXPECT_TRUE(close("yarn rope forward", x, fwd, kRopeTol, 1.0));
+    ops().rope(stream(), x, seq, batch, heads, d, static_cast<float>(base), true, r, false, {}, yarn);
+    synchronize();
+    EXPECT_TRUE(close("yarn rope backward(forward(x))", x, twice, kRopeTol, 1.0));
+}
+
 TEST(OpsElementwise, RopeForwardAgainstReferenceAndInverse) {
     const int64_t       seq = 41, batch = 2, heads = 3, d = 16, stride = 5 * d + 3;   // K, V and padding after
     const double        base = 10000.0;

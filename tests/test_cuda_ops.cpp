@@ -780,16 +780,25 @@ TEST(CudaOps, TheGradNormGateDecidesTheStepAsTheHostWould) {
 
 // ---------------------------------------------------------------------------------------------- Rotary embedding, dropout
 
+// Partial and interleaved, then the same with YaRN's frequencies and amplitude (MLA's RoPE: factor 40 over
+// an original context of 64, amplitude 1.1).
 TEST(CudaOps, PartialInterleavedRopeMatchesTheCpu) {
     SKIP_WITHOUT_CUDA();
     const int64_t seq = 11, b = 2, heads = 3, d = 32, stride = heads * d + 7;
-    for (bool inverse : {false, true}) {
-        Tensor x  = random_cpu({seq * b, stride}, 1100 + inverse, 2.0f);
-        Tensor xc = clone_cpu(x), xg = to_gpu(x);
-        cops().rope(cs(), xc, seq, b, heads, d, 10000.0f, inverse, 16, true);
-        gops().rope(gs(), xg, seq, b, heads, d, 10000.0f, inverse, 16, true);
-        cs().synchronize();
-        expect_close(xc, to_cpu(xg), 1e-5, inverse ? "partial interleaved rope inverse" : "partial interleaved rope");
+    RopeScaling   yarn;
+    yarn.factor                 = 40.0f;
+    yarn.original_max_positions = 64;
+    yarn.amplitude              = 1.1f;
+    for (const bool scaled : {false, true}) {
+        for (bool inverse : {false, true}) {
+            Tensor x  = random_cpu({seq * b, stride}, 1100 + inverse, 2.0f);
+            Tensor xc = clone_cpu(x), xg = to_gpu(x);
+            cops().rope(cs(), xc, seq, b, heads, d, 10000.0f, inverse, 16, true, {}, scaled ? yarn : RopeScaling{});
+            gops().rope(gs(), xg, seq, b, heads, d, 10000.0f, inverse, 16, true, {}, scaled ? yarn : RopeScaling{});
+            cs().synchronize();
+            expect_close(xc, to_cpu(xg), 1e-5, std::string(scaled ? "yarn " : "") +
+                                                   (inverse ? "partial interleaved rope inverse" : "partial interleaved rope"));
+        }
     }
 }
 

@@ -16,6 +16,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -563,6 +564,16 @@ model::GptConfig mla_grad_config(bool q_latent, bool latent_norms) {
     return c;
 }
 
+// YaRN over an original context of 4096 with dr = 4: pair 0 keeps RoPE's frequency, pair 1 blends it with
+// it / 40.
+model::GptConfig yarn_mla_config() {
+    model::GptConfig c      = mla_grad_config(true, true);
+    c.rotary_scaling_factor = 40.0f;
+    c.mscale                = 1.0f;
+    c.mscale_all_dim        = 0.8f;
+    return c;
+}
+
 }  // namespace
 
 // MLA's every projection, the latents' norms, the shared k_pe (its gradient summed over the heads), the
@@ -572,14 +583,17 @@ TEST(GptModel, MultiLatentAttentionGradientsMatchFiniteDifferences) {
         SCOPED_TRACE(q_latent ? "query latent, latent norms" : "queries from x, no norms");
         check_model_gradients(mla_grad_config(q_latent, q_latent));
     }
+    SCOPED_TRACE("YaRN, factor 40 (RoPE's backward the transpose of a scaled rotation)");
+    check_model_gradients(yarn_mla_config());
 }
 
 // One MLA layer against Megatron's MLASelfAttention written out in double with its own layout: each head
 // [nope | pe], the pe parts de-interleaved and turned by halves (rotate_half), keys' k_pe shared, values of
 // dv (no padding), causal softmax at 1 / sqrt(dn + dr). Loom's layout (pe first, pairs turned in place,
 // values padded) must give the same output: 1e-5 relative to the output's largest value.
-TEST(MultiLatentAttention, MatchesMegatronsFormulationWrittenOut) {
-    model::GptConfig c = mla_grad_config(true, true);
+namespace {
+
+void expect_mla_matches_megatron(model::GptConfig c) {
     c.seq_length       = 9;
     const int64_t s = c.seq_length, b = 2, n = s * b, h = c.hidden_size, a = c.num_attention_heads;
     const int64_t dn = c.qk_head_dim, dr = c.qk_pos_emb_head_dim, dv = c.v_head_dim, dqk = dn + dr;
@@ -623,8 +637,21 @@ TEST(MultiLatentAttention, MatchesMegatronsFormulationWrittenOut) {
         }
         return v;
     };
-    // Megatron's apply_rotary_pos_emb with mla_rotary_interleaved: [t0::2 | t1::2], then t cos + rotate_half(t) sin
-    // with the angles of pair i = position x base^(-2i / dr), repeated over both halves.
+    // Megatron's MLA RoPE: YarnRotaryEmbedding's frequencies (or RotaryEmbedding's with --rope-type rope) and
+    // concentration factor, its softmax scale mscale(f, mscale_all_dim)^2 / sqrt(dqk) with either.
+    const double f = c.rotary_scaling_factor, base = c.rotary_base, pi = 3.14159265358979323846;
+    auto mscale = [&](double m) { return f <= 1 ? 1.0 : 0.1 * m * std::log(f) + 1.0; };
+    auto dim_of = [&](double rotations) { return dr * std::log(4096.0 / (rotations * 2 * pi)) / (2 * std::log(base)); };
+    double low = std::max(std::floor(dim_of(32.0)), 0.0), high = std::min(std::ceil(dim_of(1.0)), double(dr - 1));
+    if (low == high) high += 0.001;
+    std::vector<double> inv_freq(static_cast<size_t>(dr / 2));
+    for (int64_t k = 0; k < dr / 2; ++k) {
+        const double extra = std::pow(base, -2.0 * k / dr), keep = 1.0 - std::clamp((k - low) / (high - low), 0.0, 1.0);
+        inv_freq[k]        = c.mla_yarn ? extra / f * (1 - keep) + extra * keep : extra;
+    }
+    const double amplitude = c.mla_yarn ? mscale(c.mscale) / mscale(c.mscale_all_dim) : 1.0;
+    // apply_rotary_pos_emb with mla_rotary_interleaved: [t0::2 | t1::2], then (t cos + rotate_half(t) sin) times
+    // the amplitude, pair k's angle repeated over both halves.
     auto mla_rope = [&](const double * t, int64_t position, double * out) {
         std::vector<double> d(static_cast<size_t>(dr));
         for (int64_t i = 0; i < dr / 2; ++i) {
@@ -632,10 +659,9 @@ TEST(MultiLatentAttention, MatchesMegatronsFormulationWrittenOut) {
             d[i + dr / 2] = t[2 * i + 1];
         }
         for (int64_t i = 0; i < dr; ++i) {
-            const int64_t k     = i % (dr / 2);
-            const double  angle = static_cast<double>(position) * std::pow(static_cast<double>(c.rotary_base), -2.0 * k / dr);
-            const double  rot   = i < dr / 2 ? -d[i + dr / 2] : d[i - dr / 2];
-            out[i]              = d[i] * std::cos(angle) + rot * std::sin(angle);
+            const double angle = static_cast<double>(position) * inv_freq[i % (dr / 2)];
+            const double rot   = i < dr / 2 ? -d[i + dr / 2] : d[i - dr / 2];
+            out[i]             = amplitude * (d[i] * std::cos(angle) + rot * std::sin(angle));
         }
     };
     const std::vector<double> xd(xv.begin(), xv.end());
@@ -666,7 +692,7 @@ TEST(MultiLatentAttention, MatchesMegatronsFormulationWrittenOut) {
         }
     }
     std::vector<double> out(static_cast<size_t>(n * a * dv), 0.0);
-    const double        scale = 1.0 / std::sqrt(static_cast<double>(dqk));
+    const double        scale = mscale(c.mscale_all_dim) * mscale(c.mscale_all_dim) / std::sqrt(static_cast<double>(dqk));
     for (int64_t bi = 0; bi < b; ++bi) {
         for (int64_t hd = 0; hd < a; ++hd) {
             for (int64_t i = 0; i < s; ++i) {
@@ -694,6 +720,25 @@ TEST(MultiLatentAttention, MatchesMegatronsFormulationWrittenOut) {
     for (int64_t i = 0; i < n * h; ++i) worst = std::max(worst, std::fabs(y.data<float>()[i] - expected[i]));
     EXPECT_GT(largest, 0.1) << "the output carries signal";
     EXPECT_LT(worst, 1e-5 * largest) << "largest |y| " << largest;
+}
+
+}  // namespace
+
+TEST(MultiLatentAttention, MatchesMegatronsFormulationWrittenOut) {
+    {
+        SCOPED_TRACE("YaRN at factor 1 (Megatron's defaults): RoPE");
+        expect_mla_matches_megatron(mla_grad_config(true, true));
+    }
+    {
+        SCOPED_TRACE("YaRN, factor 40: its frequencies, an amplitude of mscale(40, 1) / mscale(40, 0.8), a larger softmax scale");
+        expect_mla_matches_megatron(yarn_mla_config());
+    }
+    {
+        SCOPED_TRACE("--rope-type rope with factor 40: RoPE's frequencies, still the larger softmax scale");
+        model::GptConfig c = yarn_mla_config();
+        c.mla_yarn         = false;
+        expect_mla_matches_megatron(c);
+    }
 }
 
 // --rotary-percent 0.5 (RoPE turns the first half of each head) and --rotary-interleaved (pairs 2i, 2i+1):

@@ -847,7 +847,8 @@ TEST(MegatronCommandLine, HelpGroupsFlagsAsArgumentsPyDoes) {
 // --num-experts and --moe-*: Megatron's defaults (top-2, softmax after the top-k, aux_loss with coefficient
 // 0, dropless, every layer MoE), --moe-layer-freq as an integer or a list expression, and its checks.
 // --multi-latent-attention: Megatron's defaults (q_lora_rank None, kv_lora_rank 32, heads 128 + 64, values
-// 128), the sizes given, and each refusal by name: YaRN's scaling, the MLA sizes without MLA, GQA.
+// 128), YaRN's scaling, the sizes given, and each refusal by name: a scaling factor <= 0, the MLA sizes
+// without MLA, GQA.
 TEST(MegatronCommandLine, MultiLatentAttentionFlagsFollowMegatronsRules) {
     const train::TrainOptions d = parse_train({"--mock-data", "--multi-latent-attention"});
     EXPECT_TRUE(d.model.multi_latent_attention);
@@ -863,10 +864,15 @@ TEST(MegatronCommandLine, MultiLatentAttentionFlagsFollowMegatronsRules) {
     EXPECT_EQ(p.model.q_lora_rank, 48);
     EXPECT_EQ(p.model.kv_lora_rank, 16);
     EXPECT_EQ(p.model.mla_qk_dim(), 48);
+    EXPECT_TRUE(p.model.mla_yarn) << "MLA takes YaRN by default";
+    const train::TrainOptions y = parse_train({"--mock-data", "--multi-latent-attention", "--rotary-scaling-factor", "40",
+                                               "--mscale", "1.0", "--mscale-all-dim", "1.0"});
+    EXPECT_EQ(y.model.rotary_scaling_factor, 40.0f);
+    EXPECT_EQ(y.model.mscale_all_dim, 1.0f);
+    EXPECT_FALSE(parse_train({"--mock-data", "--multi-latent-attention", "--rope-type", "rope"}).model.mla_yarn);
     EXPECT_FALSE(parse_train({"--mock-data"}).model.multi_latent_attention);
     const std::pair<std::vector<std::string>, const char *> bad[] = {
-        {{"--multi-latent-attention", "--rotary-scaling-factor", "40"},
-         "--rotary-scaling-factor 40 (YaRN's context extension) is not supported by Loom"},
+        {{"--multi-latent-attention", "--rotary-scaling-factor", "0"}, "--rotary-scaling-factor must be a finite number > 0"},
         {{"--q-lora-rank", "16"}, "--q-lora-rank without --multi-latent-attention"},
         {{"--rope-type", "yarn"}, "--rope-type yarn without --multi-latent-attention"},
         {{"--multi-latent-attention", "--v-head-dim", "256"}, "--v-head-dim 256 is wider than a query head"},

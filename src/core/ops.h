@@ -19,6 +19,7 @@
 
 #include "core/grad_norm_gate.h"
 #include "core/positions.h"
+#include "core/rope.h"
 #include "core/tensor.h"
 
 #include <cstdint>
@@ -226,10 +227,12 @@ public:
     // Rotary embedding, in place, on the first `heads` heads of dimension d of every (s, b) row of x: the
     // first rotary_dim elements of each head turn (0: all d; --rotary-percent), in pairs (i, i + rotary_dim/2)
     // or, interleaved (--rotary-interleaved), (2i, 2i + 1), pair i by the angle p * base^(-2i / rotary_dim)
-    // for the row's global position p = positions(si).
+    // for the row's global position p = positions(si). With `scaling`, YaRN's frequencies (core/rope.h's
+    // rope_inv_freq) and cos and sin times its amplitude. `inverse` applies the transpose (the backward):
+    // the opposite angle, the same amplitude (the inverse rotation when the amplitude is 1).
     virtual void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base,
                       bool inverse, int64_t rotary_dim = 0, bool interleaved = false,
-                      const SeqPositions & positions = {}) = 0;
+                      const SeqPositions & positions = {}, const RopeScaling & scaling = {}) = 0;
     // y = x * mask / (1 - p) with the mask of `key` (y may be x). Its own backward: dx = dropout(dy), same key.
     virtual void dropout(Stream & s, const Tensor & x, const Tensor & y, const Dropout & key) = 0;
 

@@ -67,6 +67,12 @@ struct GptConfig {
     int64_t           qk_head_dim             = 128;   // --qk-head-dim: q_nope and k_nope per head
     int64_t           qk_pos_emb_head_dim     = 64;    // --qk-pos-emb-head-dim: q_pe and k_pe (RoPE'd)
     int64_t           v_head_dim              = 128;   // --v-head-dim
+    // MLA's RoPE: YaRN (--rope-type yarn, MLA's default; core/rope.h) or plain (--rope-type rope). The softmax
+    // scale is multiplied by yarn_mscale(factor, mscale_all_dim)^2 with either, as Megatron's.
+    bool              mla_yarn                = true;
+    float             rotary_scaling_factor   = 1.0f;  // --rotary-scaling-factor
+    float             mscale                  = 1.0f;  // --mscale
+    float             mscale_all_dim          = 0.0f;  // --mscale-all-dim
     // Dropout probabilities (Megatron's --hidden-dropout on the embedding and on each attention and MLP
     // output before its residual add; --attention-dropout on the attention probabilities). The library
     // default is none; `loom train` takes Megatron's 0.1 and 0.1. Masks: core/dropout.h.

@@ -474,6 +474,21 @@ AttentionShape attention_shape(const GptConfig & c, int64_t heads, int64_t group
 
 namespace {
 
+// MLA's RoPE (YaRN's frequencies and amplitude, or plain RoPE's) and softmax scale (core/rope.h).
+RopeScaling mla_rope(const GptConfig & c) {
+    RopeScaling y;
+    if (!c.mla_yarn) return y;
+    y.factor    = c.rotary_scaling_factor;
+    y.amplitude = static_cast<float>(yarn_mscale(c.rotary_scaling_factor, c.mscale) /
+                                     yarn_mscale(c.rotary_scaling_factor, c.mscale_all_dim));
+    return y;
+}
+
+float mla_softmax_scale(const GptConfig & c) {
+    const double m = yarn_mscale(c.rotary_scaling_factor, c.mscale_all_dim);
+    return static_cast<float>(m * m / std::sqrt(static_cast<double>(c.mla_qk_dim())));
+}
+
 // MLA's attention operands: a query and a key/value head per head, each of dn + dr (V padded), rows of
 // [Q heads | K heads | V heads].
 AttentionShape mla_shape(const GptConfig & c, int64_t heads, int64_t s, int64_t b, const ContextParallel & cp) {
@@ -522,11 +537,12 @@ Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, in
         ops.copy_columns(stream, kv, h * (dn + dv), q_k_v, (a + h) * dqk + dr, dn);        // k_nope
         ops.copy_columns(stream, kv, h * (dn + dv) + dn, q_k_v, (2 * a + h) * dqk, dv);    // v
     }
-    ops.rope(stream, q_k_v, s, b, 2 * a, dqk, config.rotary_base, false, dr, /*interleaved=*/true, shape.q_pos);
+    ops.rope(stream, q_k_v, s, b, 2 * a, dqk, config.rotary_base, false, dr, /*interleaved=*/true, shape.q_pos,
+             mla_rope(config));
     ctx.qkv    = keep_for_backward(q_k_v, config.params_dtype);
     Tensor out = activation(x.device(), n, a * dqk, q_k_v.dtype());
     ctx.lse    = activation(x.device(), b * a, s);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(dqk));
+    const float scale = mla_softmax_scale(config);
     if (cp.enabled()) {   // the whole sequence's keys, by --cp-comm-type (as the standard attention, in f32)
         const Tensor out32 = f32_output_for(out);
         cp_forward(ctx, in_dtype(q_k_v, DType::f32), out32, shape, scale, dropout);
@@ -561,7 +577,7 @@ Tensor SelfAttention::mla_backward(Context & ctx, const Tensor & dy, const GradR
     }
     const Tensor q_k_v = in_dtype(ctx.qkv, act);
     Tensor       d_qkv = activation(device, n, shape.row_stride, act);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(dqk));
+    const float scale = mla_softmax_scale(config);
     if (cp.enabled()) {
         const Tensor d_qkv32 = f32_output_for(d_qkv);
         cp_backward(ctx, in_dtype(q_k_v, DType::f32), in_dtype(out, DType::f32), in_dtype(d_out, DType::f32), d_qkv32,
@@ -570,7 +586,8 @@ Tensor SelfAttention::mla_backward(Context & ctx, const Tensor & dy, const GradR
     } else {
         ops.attention_backward(stream, q_k_v, out, d_out, ctx.lse, d_qkv, shape, scale, ctx.dropout);
     }
-    ops.rope(stream, d_qkv, ctx.s, ctx.b, 2 * a, dqk, config.rotary_base, true, dr, /*interleaved=*/true, shape.q_pos);
+    ops.rope(stream, d_qkv, ctx.s, ctx.b, 2 * a, dqk, config.rotary_base, true, dr, /*interleaved=*/true, shape.q_pos,
+             mla_rope(config));
     ctx.qkv = ctx.lse = Tensor();
     ctx.dropout       = Dropout{};
     // Back to the projections' layouts; k_pe's gradient sums every head's.

@@ -212,7 +212,8 @@ private:
 // Megatron's MLA RoPE de-interleaves each pe part and turns pairs (i, i + dr/2); turning the pairs (2i, 2i + 1)
 // in place, as here, gives the same values in another order, the same for Q and K, so the same scores; the
 // pe parts stand first in each head for the same reason (Ops::rope turns the leading dr of a head). Under
-// Megatron's YaRN with --rotary-scaling-factor 1 (its default), YaRN is this RoPE.
+// Megatron's YaRN (MLA's default RoPE, core/rope.h) the frequencies are YaRN's and cos and sin scaled by its
+// concentration factor, and the softmax scale is yarn_mscale(factor, mscale_all_dim)^2 / sqrt(dn + dr).
 // Tensor parallelism splits the heads (W_q / W_q_up and W_kv_up by rows, the output projection by columns);
 // W_q_down, W_kv_down and the norms are whole on every rank, applied to its rows (a block of them under
 // sequence parallelism, k_pe then gathered over the group for every head's keys).

@@ -198,7 +198,8 @@ public:
     void swiglu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override { memory(s, "swiglu_backward", bytes_of({&x, &dy, &dx})); }
     void squared_relu_forward(Stream & s, const Tensor & x, const Tensor & y) override { memory(s, "squared_relu_forward", bytes_of({&x, &y})); }
     void squared_relu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override { memory(s, "squared_relu_backward", bytes_of({&x, &dy, &dx})); }
-    void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base, bool inverse, int64_t rotary_dim, bool interleaved, const SeqPositions & positions) override {
+    void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base, bool inverse,
+              int64_t rotary_dim, bool interleaved, const SeqPositions & positions, const RopeScaling & scaling) override {
         memory(s, "rope", 2.0 * static_cast<double>(seq * batch * heads * d * static_cast<int64_t>(dtype_size(x.dtype()))));
     }
     void dropout(Stream & s, const Tensor & x, const Tensor & y, const Dropout & key) override { memory(s, "dropout", bytes_of({&x, &y})); }

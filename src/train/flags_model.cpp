@@ -1,6 +1,7 @@
 // The model's shape: Megatron's network-size flags over Loom's --model preset, and the args a checkpoint
 // records of it (the ones that decide the parameters must agree on --load).
 #include "core/error.h"
+#include "core/rope.h"
 #include "model/gpt_config.h"
 #include "train/flag_values.h"
 #include "train/options.h"
@@ -114,13 +115,12 @@ const Flag<ModelFlags> kModelFlags[] = {
      kShowDefault, {"qk_pos_emb_head_dim", [](const TrainOptions & o) -> json { return mla_size(o, o.model.qk_pos_emb_head_dim); }, true}},
     {"--v-head-dim", kSize, &M::v_head_dim, "MLA: each value head's width", kShowDefault,
      {"v_head_dim", [](const TrainOptions & o) -> json { return mla_size(o, o.model.v_head_dim); }, true}},
-    {"--rope-type", kSize, &M::rope_type,
-     "rope or yarn (MLA's default): Loom's YaRN is RoPE, so only --rotary-scaling-factor 1 (no scaling)"},
-    {"--rotary-scaling-factor", kSize, &M::rotary_scaling_factor, "YaRN's context scaling (1: none, all Loom takes)",
-     kShowDefault},
-    {"--mscale", kSize, &M::mscale, "YaRN's mscale (no effect at --rotary-scaling-factor 1)", kShowDefault},
-    {"--mscale-all-dim", kSize, &M::mscale_all_dim, "YaRN's mscale_all_dim (no effect at --rotary-scaling-factor 1)",
-     kShowDefault},
+    {"--rope-type", kSize, &M::rope_type, "MLA's RoPE: rope, or yarn (its default)"},
+    {"--rotary-scaling-factor", kSize, &M::rotary_scaling_factor,
+     "MLA: YaRN's context scaling factor (1: plain RoPE's frequencies)", kShowDefault},
+    {"--mscale", kSize, &M::mscale, "MLA: YaRN's mscale (cos and sin scaled by mscale / mscale_all_dim's)", kShowDefault},
+    {"--mscale-all-dim", kSize, &M::mscale_all_dim,
+     "MLA: YaRN's mscale_all_dim (also squared into the softmax scale, with either RoPE type)", kShowDefault},
     {"--seed", "initialization", &M::seed, "random seed (initialisation and data order)", kPlain,
      {"seed", [](const TrainOptions & o) -> json { return o.model.seed; }}},
     {"--hidden-dropout", "regularization", &M::hidden_dropout,
@@ -203,14 +203,12 @@ void check_mla_flags(const ModelFlags & f, const Given & given, TrainOptions & o
     model::GptConfig & m = o.model;
     LOOM_CHECK(f.rope_type.empty() || f.rope_type == "rope" || f.rope_type == "yarn",
                "argument --rope-type: invalid choice: '" << f.rope_type << "' (choose from 'rope', 'yarn')", "");
-    // Megatron's YaRN (MLA's default RoPE) at scaling factor 1 turns by RoPE's frequencies (its ramp mixes
-    // two equal tables) with a concentration factor of 1 and an unchanged softmax scale: Loom's RoPE.
-    const bool yarn = f.rope_type == "yarn" || (f.mla && f.rope_type.empty());
-    LOOM_CHECK(!yarn || f.rotary_scaling_factor == 1.0f,
-               "--rotary-scaling-factor " << f.rotary_scaling_factor << " (YaRN's context extension) is not supported by Loom",
-               "give --rotary-scaling-factor 1 (then YaRN is plain RoPE), or --rope-type rope");
     LOOM_CHECK(f.mla || f.rope_type != "yarn", "--rope-type yarn without --multi-latent-attention is not supported by Loom",
                "Megatron reads --rope-type only in MLA; give --position-embedding-type rope");
+    LOOM_CHECK(std::isfinite(f.rotary_scaling_factor) && f.rotary_scaling_factor > 0.0f,
+               "--rotary-scaling-factor must be a finite number > 0, got " << f.rotary_scaling_factor, "");
+    LOOM_CHECK(std::isfinite(f.mscale) && std::isfinite(f.mscale_all_dim),
+               "--mscale " << f.mscale << " and --mscale-all-dim " << f.mscale_all_dim << " must be finite", "");
     if (!f.mla) {
         for (const char * flag : {"--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim"}) {
             LOOM_CHECK(!given(flag), flag << " without --multi-latent-attention", "add --multi-latent-attention");
@@ -242,6 +240,14 @@ void check_mla_flags(const ModelFlags & f, const Given & given, TrainOptions & o
     m.qk_head_dim            = f.qk_head_dim;
     m.qk_pos_emb_head_dim    = f.qk_pos_emb_head_dim;
     m.v_head_dim             = f.v_head_dim;
+    m.mla_yarn               = f.rope_type != "rope";   // Megatron: MLA takes YaRN unless told otherwise
+    m.rotary_scaling_factor  = f.rotary_scaling_factor;
+    m.mscale                 = f.mscale;
+    m.mscale_all_dim         = f.mscale_all_dim;
+    const double concentration = yarn_mscale(m.rotary_scaling_factor, m.mscale_all_dim);
+    LOOM_CHECK(concentration > 0.0 && (!m.mla_yarn || yarn_mscale(m.rotary_scaling_factor, m.mscale) > 0.0),
+               "--mscale " << f.mscale << " / --mscale-all-dim " << f.mscale_all_dim << " at --rotary-scaling-factor "
+                           << f.rotary_scaling_factor << " give YaRN a scale <= 0", "");
 }
 
 }  // namespace

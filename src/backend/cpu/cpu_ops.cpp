@@ -208,11 +208,13 @@ public:
     }
 
     void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base,
-              bool inverse, int64_t rotary_dim, bool interleaved, const SeqPositions & positions) override {
+              bool inverse, int64_t rotary_dim, bool interleaved, const SeqPositions & positions,
+              const RopeScaling & scaling) override {
         const int64_t stride = op_checks::rope(x, seq, batch, heads, d, rotary_dim).second;
         s.submit([=] {
             with_activations(x, [&]<class T>(T *) {
-                rope_apply(act<T>(x), stride, seq, batch, heads, d, base, inverse, rotary_dim, interleaved, positions);
+                rope_apply(act<T>(x), stride, seq, batch, heads, d, base, inverse, rotary_dim, interleaved, positions,
+                           scaling);
             });
         });
     }

@@ -366,22 +366,20 @@ void embedding_backward(const int32_t * tokens, const T * dout, float * dwte, fl
 
 template <class T>
 void rope_apply(T * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d, float base, bool inverse,
-                int64_t rotary_dim, bool interleaved, const SeqPositions & positions) {
+                int64_t rotary_dim, bool interleaved, const SeqPositions & positions, const RopeScaling & scaling) {
     const int64_t r    = rotary_dim > 0 ? rotary_dim : d;
     const int64_t half = r / 2;
     // Element j of pair i: (i, i + half), or interleaved (2i, 2i + 1).
     const int64_t first = interleaved ? 2 : 1, second = interleaved ? 1 : half;
-    std::vector<float> inv_freq(half);
-    for (int64_t i = 0; i < half; ++i) {
-        inv_freq[i] = std::pow(base, -2.0f * static_cast<float>(i) / static_cast<float>(r));
-    }
+    const std::vector<float> inv_freq = rope_inv_freq(base, r, scaling);
+    const float              amp      = scaling.amplitude;
     parallel_for(s, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> cs(half), sn(half);
         for (int64_t si = begin; si < end; ++si) {
             for (int64_t i = 0; i < half; ++i) {
                 float angle = static_cast<float>(positions(si)) * inv_freq[i];
-                cs[i]       = std::cos(angle);
-                sn[i]       = inverse ? -std::sin(angle) : std::sin(angle);
+                cs[i]       = std::cos(angle) * amp;
+                sn[i]       = (inverse ? -std::sin(angle) : std::sin(angle)) * amp;
             }
             for (int64_t bi = 0; bi < b; ++bi) {
                 T * row = x + (si * b + bi) * row_stride;
@@ -493,7 +491,7 @@ void row_sum_exp(const T * logits, const float * max, int64_t n, int64_t stride,
     template void embedding_backward(const int32_t *, const T *, float *, float *, int64_t, int64_t, int64_t, int64_t, \
                                      const SeqPositions &);                                                           \
     template void rope_apply(T *, int64_t, int64_t, int64_t, int64_t, int64_t, float, bool, int64_t, bool,            \
-                             const SeqPositions &);                                                                   \
+                             const SeqPositions &, const RopeScaling &);                                              \
     template void cross_entropy_forward(const T *, const int32_t *, float *, float *, int64_t, int64_t, int64_t,      \
                                         int64_t);                                                                     \
     template void cross_entropy_backward(T *, const int32_t *, const float *, const float *, int64_t, int64_t,        \

@@ -89,9 +89,11 @@ void embedding_backward(const int32_t * tokens, const T * dout, float * dwte, fl
 // rotation). The first r = rotary_dim elements of each head turn (0: r = d), the rest pass; pair i is
 // (i, i + r/2) (non-interleaved halves, Megatron's default) or (2i, 2i + 1) (interleaved), and turns by
 // positions(si) * base^(-2i / r).
+// With `scaling`: YaRN's frequencies and amplitude (core/rope.h); inverse is then the transpose.
 template <class T>
 void rope_apply(T * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d, float base, bool inverse,
-                int64_t rotary_dim = 0, bool interleaved = false, const SeqPositions & positions = {});
+                int64_t rotary_dim = 0, bool interleaved = false, const SeqPositions & positions = {},
+                const RopeScaling & scaling = {});
 
 // Cross-entropy over logits (n, stride) with labels (b, s) read in (s, b) row order; only the first
 // `vocab` columns are real tokens, the rest (vocabulary padding) are outside the softmax. Forward:

@@ -459,7 +459,8 @@ public:
     }
 
     void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base,
-              bool inverse, int64_t rotary_dim, bool interleaved, const SeqPositions & positions) override {
+              bool inverse, int64_t rotary_dim, bool interleaved, const SeqPositions & positions,
+              const RopeScaling & scaling) override {
         const int64_t stride = op_checks::rope(x, seq, batch, heads, d, rotary_dim).second;
         const int64_t r      = rotary_dim > 0 ? rotary_dim : d;
         // The frequencies as backend/cpu/ops.cpp's rope_apply computes them (host std::pow: the same bits),
@@ -468,14 +469,14 @@ public:
         const int64_t half = r / 2;
         Tensor        host = Tensor::empty({std::max<int64_t>(half, 1)}, DType::f32, cs.device(),
                                            TensorOptions{MemoryKind::pinned_host});
-        for (int64_t i = 0; i < half; ++i) {
-            host.data<float>()[i] = std::pow(base, -2.0f * static_cast<float>(i) / static_cast<float>(r));
-        }
+        const std::vector<float> frequencies = rope_inv_freq(base, r, scaling);
+        std::copy(frequencies.begin(), frequencies.end(), host.data<float>());
         Tensor       inv_freq = scratch_like(cs, host);
         cudaStream_t stream   = cs.launch("rope");
         LOOM_CUDA_CHECK(cudaMemcpyAsync(inv_freq.data_ptr(), host.data_ptr(), host.nbytes(), cudaMemcpyDefault, stream));
         with_activations(x, [&]<class T>(T *) {
-            kernels::rope(stream, act<T>(x), stride, seq, batch, heads, d, r, interleaved, f32(inv_freq), inverse, positions);
+            kernels::rope(stream, act<T>(x), stride, seq, batch, heads, d, r, interleaved, f32(inv_freq), inverse, positions,
+                          scaling.amplitude);
         });
         cs.launched("rope", {x, host, inv_freq});
     }

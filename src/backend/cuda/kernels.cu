@@ -464,13 +464,14 @@ __global__ void find_bad_id_kernel(const int32_t * ids, int64_t n, int64_t limit
 // One thread per rotated pair (row, head, i < r / 2), as backend/cpu/ops.cpp's rope_apply.
 template <class T>
 __global__ void rope_kernel(T * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d, int64_t r,
-                            bool interleaved, const float * inv_freq, bool inverse, SeqPositions positions) {
+                            bool interleaved, const float * inv_freq, bool inverse, SeqPositions positions,
+                            float amplitude) {
     const int64_t half = r / 2;
     LOOM_GRID_STRIDE(e, s * b * heads * half) {
         const int64_t i = e % half, t = e / half, hd = t % heads, row = t / heads, si = row / b;
         const float   angle = __fmul_rn(static_cast<float>(positions(si)), inv_freq[i]);
-        const float   c     = cosf(angle);
-        const float   sn    = inverse ? -sinf(angle) : sinf(angle);
+        const float   c     = __fmul_rn(cosf(angle), amplitude);
+        const float   sn    = __fmul_rn(inverse ? -sinf(angle) : sinf(angle), amplitude);
         T *           p1    = x + row * row_stride + hd * d + (interleaved ? 2 * i : i);
         T *           p2    = p1 + (interleaved ? 1 : half);
         const float   x1 = to_f32(*p1), x2 = to_f32(*p2);
@@ -824,11 +825,11 @@ void find_bad_id(cudaStream_t stream, const int32_t * ids, int64_t n, int64_t li
 
 template <class T>
 void rope(cudaStream_t stream, T * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d, int64_t r,
-          bool interleaved, const float * inv_freq, bool inverse, SeqPositions positions) {
+          bool interleaved, const float * inv_freq, bool inverse, SeqPositions positions, float amplitude) {
     const int64_t pairs = s * b * heads * (r / 2);
     if (pairs > 0) {
         LOOM_LAUNCH(rope_kernel<T>, blocks_for(pairs), kThreads, 0, stream)(
-            x, row_stride, s, b, heads, d, r, interleaved, inv_freq, inverse, positions);
+            x, row_stride, s, b, heads, d, r, interleaved, inv_freq, inverse, positions, amplitude);
     }
 }
 
@@ -940,7 +941,7 @@ void loss_grad(cudaStream_t stream, const float * mask, double scale, float * dl
     template void swiglu_forward(cudaStream_t, const T *, T *, int64_t, int64_t);                                    \
     template void swiglu_backward(cudaStream_t, const T *, const T *, T *, int64_t, int64_t);                        \
     template void rope(cudaStream_t, T *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, const float *, \
-                       bool, SeqPositions);                                                                          \
+                       bool, SeqPositions, float);                                                                   \
     template void dropout(cudaStream_t, const T *, T *, int64_t, int64_t, const DropoutKey &);                       \
     template void embedding_forward(cudaStream_t, const int32_t *, const void *, const void *, Float, T *, int64_t,  \
                                     int64_t, int64_t, int64_t, SeqPositions);                                        \

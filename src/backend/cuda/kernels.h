@@ -146,7 +146,7 @@ void find_bad_id(cudaStream_t stream, const int32_t * ids, int64_t n, int64_t li
 // Row si turns by its global position positions(si).
 template <class T>
 void rope(cudaStream_t stream, T * x, int64_t row_stride, int64_t s, int64_t b, int64_t heads, int64_t d, int64_t r,
-          bool interleaved, const float * inv_freq, bool inverse, SeqPositions positions);
+          bool interleaved, const float * inv_freq, bool inverse, SeqPositions positions, float amplitude);
 
 // Hidden dropout of x (n, w) into y (may be x): core/dropout.h's hash, bit for bit. sample_ids (batch, in
 // device memory) may be null (column c is sample c); keep_scale = 1 / (1 - p) in f32 as the CPU computes it.
