@@ -369,6 +369,23 @@ TEST(LoomTrain, ANanLossEndsTheRunWithExitOneUnlessTheCheckIsOff) {
     EXPECT_NE(skipped.out.find("number of nan iterations:   3 |"), std::string::npos) << skipped.out;
 }
 
+// --logging-level (and MEGATRON_LOGGING_LEVEL), Python's levels as Megatron's loggers take them: at 40 the
+// rerun machine's errors show and its warnings do not; at 50 neither. The exit status is the same.
+TEST(LoomTrain, LoggingLevelFiltersTheRerunMachinesMessagesAsMegatronsLoggers) {
+    const std::string diverging = "train --mock-data --train-iters 4 --lr 1e30 --lr-warmup-iters 0 --log-interval 1 " +
+                                  std::string(kSmallModel);
+    std::string err;
+    EXPECT_EQ(run_status(diverging + " --logging-level 40", &err), 16) << err;
+    EXPECT_NE(err.find("ERROR: rank 0"), std::string::npos) << err;
+    EXPECT_NE(err.find("First rerun: unexpected result is reproducible within the tolerance"), std::string::npos) << err;
+    EXPECT_EQ(err.find("Need to rerun step to check reproducibility"), std::string::npos) << "a warning, below 40\n" << err;
+    ::setenv("MEGATRON_LOGGING_LEVEL", "50", 1);
+    EXPECT_EQ(run_status(diverging, &err), 16) << err;
+    ::unsetenv("MEGATRON_LOGGING_LEVEL");
+    EXPECT_EQ(err.find("rank 0, node"), std::string::npos) << "nothing at 50\n" << err;
+    EXPECT_NE(err.find("Exiting now without a checkpoint"), std::string::npos) << "the exit still says why\n" << err;
+}
+
 // Logging every 4th iteration, iteration 2's loss is read while iteration 3's forward and backward are
 // already enqueued (the step decided on the device: trainer.h's deferrable_). The NaN is found one
 // iteration late, yet the run does what the synchronous one does: iteration 2 reruns in place (iteration 3
@@ -951,6 +968,8 @@ TEST(MegatronCommandLine, MoeFlagsFollowMegatronsRules) {
         {{"--num-experts", "8", "--moe-router-num-groups", "4", "--moe-router-group-topk", "1", "--moe-router-topk", "3"},
          "--moe-router-topk 3 is more than the 2 experts of --moe-router-group-topk 1 groups of 2"},
         {{"--num-experts", "4", "--moe-router-topk", "1"}, "Please use --moe-router-pre-softmax when topk is 1."},
+        {{"--num-experts", "4", "--delay-wgrad-compute"},
+         "overlap_moe_expert_parallel_comm must be enabled when enabling delay_wgrad_compute"},
         {{"--num-experts", "4", "--moe-pad-expert-input-to-capacity"}, "moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity"},
         {{"--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0.01"},
          "Sinkhorn routing does not support aux loss."},

@@ -39,6 +39,16 @@ std::string format(const std::string & message, const std::string & hint, const 
 int  process_rank() { return rank_slot().load(); }
 void set_process_rank(int rank) { rank_slot().store(rank); }
 
+namespace {
+std::atomic<int> & logging_threshold() {
+    static std::atomic<int> level{kLogInfo};
+    return level;
+}
+}  // namespace
+
+void set_logging_level(int level) { logging_threshold().store(level); }
+bool logging_enabled(int level) { return level >= logging_threshold().load(); }
+
 Error::Error(std::string message, std::string hint, const char * file, int line)
     : std::runtime_error(format(message, hint, file, line, process_rank())),
       message_(std::move(message)),

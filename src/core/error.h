@@ -22,6 +22,13 @@ namespace loom {
 int  process_rank();
 void set_process_rank(int rank);
 
+// Python's logging levels, which Megatron's --logging-level (and MEGATRON_LOGGING_LEVEL) set for its
+// loggers: the messages Loom prints where Megatron logs through `logging` (the rerun state machine's)
+// show when their level is at least the threshold (20, INFO, by default).
+inline constexpr int kLogInfo = 20, kLogWarning = 30, kLogError = 40;
+void set_logging_level(int level);
+bool logging_enabled(int level);
+
 class Error : public std::runtime_error {
 public:
     Error(std::string message, std::string hint, const char * file, int line);

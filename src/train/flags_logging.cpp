@@ -4,6 +4,8 @@
 #include "train/flag_values.h"
 #include "train/options.h"
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 
@@ -24,6 +26,9 @@ const Flag<TrainOptions> kLoggingFlags[] = {
     {"--timeline", kLoomGroup, &O::timeline_file,
      "write the last iteration's measured pipeline timeline (one row per stage) as an SVG"},
     {"--log-interval", kLog, &O::log_interval, "iterations between log lines", kShowDefault},
+    {"--logging-level", kLog, &O::logging_level,
+     "Python's logging level of the messages Megatron logs (the rerun state machine's warnings, 30, and errors, "
+     "40); default MEGATRON_LOGGING_LEVEL, else 20"},
     {"--log-file", kLoomGroup, &O::log_file, "write the logged metrics as JSON lines to this file"},
     {"--log-throughput", kLog, &O::log_throughput, "add the achieved TFLOP/s to the log line"},
     {"--wandb-project", kLog, &O::wandb_project,
@@ -94,6 +99,16 @@ void check_output_path(const std::string & path, const char * flag) {
 std::span<const Flag<TrainOptions>> logging_flags() { return kLoggingFlags; }
 
 void validate_logging(const Given & given, const TrainOptions & o) {
+    // Megatron's order: the flag, then MEGATRON_LOGGING_LEVEL (an int), then the default.
+    if (given("--logging-level")) {
+        set_logging_level(static_cast<int>(std::clamp<int64_t>(o.logging_level, -1000000, 1000000)));
+    } else if (const char * env = std::getenv("MEGATRON_LOGGING_LEVEL")) {
+        char *          end   = nullptr;
+        const long long level = std::strtoll(env, &end, 10);
+        LOOM_CHECK(end != env && *end == '\0' && level > -1000000 && level < 1000000,
+                   "MEGATRON_LOGGING_LEVEL='" << env << "' is not an integer", "Python's logging levels: 10, 20, 30, 40, 50");
+        set_logging_level(static_cast<int>(level));
+    }
     if (!o.wandb_project.empty() && process_rank() <= 0) {
         std::fprintf(stderr, "WARNING: --wandb-project %s: Loom has no Weights & Biases client; the logged scalars go "
                              "to TensorBoard (--tensorboard-dir) and to --log-file%s\n",

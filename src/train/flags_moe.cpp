@@ -83,6 +83,10 @@ std::span<const Flag<MoeFlags>> moe_flags() { return kMoeFlags; }
 
 void resolve_moe(const MoeFlags & f, const Given & given, TrainOptions & o) {
     model::MoeConfig & moe = o.model.moe;
+    // Megatron's TransformerConfig check of an overlap choice Loom accepts without effect.
+    LOOM_CHECK(!given("--delay-wgrad-compute") || given("--overlap-moe-expert-parallel-comm"),
+               "overlap_moe_expert_parallel_comm must be enabled when enabling delay_wgrad_compute",
+               "add --overlap-moe-expert-parallel-comm, or drop --delay-wgrad-compute");
     o.moe_per_layer_logging = f.per_layer_logging;   // without MoE layers there is nothing to log
     if (!given("--num-experts")) {
         for (const char * flag : {"--moe-ffn-hidden-size", "--moe-grouped-gemm", "--moe-shared-expert-intermediate-size"}) {

@@ -68,6 +68,9 @@ constexpr NoOpFlag kNoOpFlags[] = {
      "a communication-overlap choice of the pipeline's warm-up and flush; the transfers and the result are the same"},
     {"--overlap-moe-expert-parallel-comm", nullptr,
      "a communication-overlap choice of the expert-parallel all-to-alls; the tokens moved and the result are the same"},
+    {"--delay-wgrad-compute", nullptr,
+     "when the weight gradients are computed within the backward (to overlap the expert-parallel all-to-alls, "
+     "with --overlap-moe-expert-parallel-comm, as Megatron requires); the gradients are the same"},
     {"--defer-embedding-wgrad-compute", nullptr,
      "when the embedding's weight gradient is computed within the step; the gradient is the same"},
     {"--wgrad-deferral-limit", "", "how many micro-batches --defer-embedding-wgrad-compute defers; no effect on the result"},

@@ -133,6 +133,7 @@ struct TrainOptions {
     int64_t        check_weight_hash_interval = 0;
     bool           print_layout = false;   // print DDP's buffer layout on rank 0
     std::string    device = "auto";        // --device: auto (cuda when built with it and a GPU is visible), cpu, cuda
+    int64_t        logging_level = -1;         // --logging-level (-1: None; then MEGATRON_LOGGING_LEVEL)
     std::string    timeline_file;          // --timeline: the last iteration's measured pipeline timeline (SVG)
 
     // Data.

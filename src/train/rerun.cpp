@@ -88,9 +88,10 @@ RerunStateMachine::RerunStateMachine(RerunOptions options, int rank, std::string
     : options_(options), rank_(rank), device_(device), node_(std::move(node)), draws_(seed),
       reduce_any_(std::move(reduce_any)) {}
 
-void RerunStateMachine::log(const std::string & line) const {
-    std::fprintf(stderr, "WARNING: rank %d, node %s, device %d, iteration #%lld: %s\n", rank_, node_.c_str(), device_,
-                 static_cast<long long>(iteration_), line.c_str());
+void RerunStateMachine::log(const std::string & line, int level) const {
+    if (!logging_enabled(level)) return;
+    std::fprintf(stderr, "%s: rank %d, node %s, device %d, iteration #%lld: %s\n", level >= kLogError ? "ERROR" : "WARNING",
+                 rank_, node_.c_str(), device_, static_cast<long long>(iteration_), line.c_str());
     std::fflush(stderr);
 }
 
@@ -205,7 +206,8 @@ void RerunStateMachine::validate_result(double result, bool rejected, const std:
             initial_result_  = result;
             rerun_requested_ = true;
             log("Unexpected result " + number(result) + " on rank " + std::to_string(rank_) + " invocation #" +
-                std::to_string(call.sequence) + " (message='" + message + "')");
+                    std::to_string(call.sequence) + " (message='" + message + "')",
+                kLogError);
         }
         return;
     }
@@ -214,28 +216,31 @@ void RerunStateMachine::validate_result(double result, bool rejected, const std:
         const double difference = compare(initial_result_, result);
         if (difference > 0.0) {
             log("First rerun: unexpected result is not reproducible within the tolerance (" + number(result) +
-                " != " + number(initial_result_) + ")!");
-            log("Possible transient error!");
+                    " != " + number(initial_result_) + ")!",
+                kLogError);
+            log("Possible transient error!", kLogError);
         } else {
             checkpoint_requested_ = true;
             suspicious_node_      = node_;
             suspicious_device_    = device_;
             log("First rerun: unexpected result is reproducible within the tolerance (" + number(result) + " = " +
-                number(initial_result_) + "). Need to rerun on a different GPU to verify correctness.");
+                    number(initial_result_) + "). Need to rerun on a different GPU to verify correctness.",
+                kLogError);
         }
     } else if (state_ == RerunState::rerunning_from_checkpoint) {
         if (node_ == suspicious_node_ && device_ == suspicious_device_) {
             log("Got rescheduled on the same GPU. Need to resume again from the same checkpoint (node: " +
-                suspicious_node_ + ", gpu: " + std::to_string(suspicious_device_) + ")");
+                    suspicious_node_ + ", gpu: " + std::to_string(suspicious_device_) + ")",
+                kLogError);
             restart_again_requested_ = true;
         } else if (compare(initial_result_, result) > 0.0) {
             log("Second rerun: unexpected result is not reproducible on a different GPU, therefore was likely "
                 "incorrect (" + number(result) + " != " + number(initial_result_) + ")");
-            log("Possible persistent error!");
+            log("Possible persistent error!", kLogError);
         } else {
             log("Second rerun: unexpected result is reproducible on a different GPU, therefore it was likely "
                 "correct (" + number(result) + " = " + number(initial_result_) + ")");
-            log("Correct result (but possible Application error) (" + message + ")!");
+            log("Correct result (but possible Application error) (" + message + ")!", kLogError);
         }
     }
 }

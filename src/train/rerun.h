@@ -118,7 +118,8 @@ private:
     Call   call_of(const std::string & message);
     bool   maybe_inject();
     double compare(double initial, double result);
-    void   log(const std::string & line) const;
+    // Megatron logs each line at a level (its logger.warning or .error): shown by --logging-level.
+    void log(const std::string & line, int level = kLogWarning) const;
 
     RerunOptions                   options_;
     int                            rank_ = 0, device_ = 0;
