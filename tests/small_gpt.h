@@ -38,6 +38,18 @@ inline train::TrainOptions small_gpt_options(int64_t layers, int64_t global_batc
     return o;
 }
 
+// DeepSeek's multi-latent attention at toy size (a query latent of 24, a key/value latent of 16, heads of
+// 12 + 8, values of 12), a key and value per head.
+inline void use_multi_latent_attention(train::TrainOptions & o) {
+    o.model.num_query_groups       = o.model.num_attention_heads;
+    o.model.multi_latent_attention = true;
+    o.model.q_lora_rank            = 24;
+    o.model.kv_lora_rank           = 16;
+    o.model.qk_head_dim            = 12;
+    o.model.qk_pos_emb_head_dim    = 8;
+    o.model.v_head_dim             = 12;
+}
+
 // A parameter's values as f32.
 inline std::vector<float> parameter_values(const model::Parameter & p) {
     std::vector<float> v(static_cast<size_t>(p.numel()));

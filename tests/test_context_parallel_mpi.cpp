@@ -43,13 +43,7 @@ train::TrainOptions small_options(bool llama, bool moe = false, bool sinkhorn = 
     o.lr_warmup_iters     = 3;
     if (mla) {
         o = small_options(true, moe, sinkhorn);
-        o.model.num_query_groups       = o.model.num_attention_heads;
-        o.model.multi_latent_attention = true;
-        o.model.q_lora_rank            = 24;
-        o.model.kv_lora_rank           = 16;
-        o.model.qk_head_dim            = 12;
-        o.model.qk_pos_emb_head_dim    = 8;
-        o.model.v_head_dim             = 12;
+        testing_models::use_multi_latent_attention(o);
         return o;
     }
     if (moe) {   // 4 experts, top-2, both router losses, tokens exchanged by all-to-all (no expert biases)

@@ -203,13 +203,8 @@ TEST(PipelineParallel, DeepSeekStyleLayersOverTwoStagesFollowTheSingleRankRun) {
     o.model.normalization            = model::Normalization::rmsnorm;
     o.model.position_embedding       = model::PositionEmbedding::rope;
     o.model.add_bias_linear          = false;
-    o.model.multi_latent_attention   = true;
-    o.model.q_lora_rank              = 24;
-    o.model.kv_lora_rank             = 16;
-    o.model.qk_head_dim              = 12;
-    o.model.qk_pos_emb_head_dim      = 8;
-    o.model.v_head_dim               = 12;
     o.model.qk_layernorm             = true;
+    testing_models::use_multi_latent_attention(o);
     model::MoeConfig & moe           = o.model.moe;
     moe.num_experts                  = 4;
     moe.topk                         = 2;

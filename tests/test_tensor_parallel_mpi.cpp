@@ -34,13 +34,7 @@ train::TrainOptions small_options(bool llama, bool mla = false) {
     o.lr_warmup_iters     = 3;
     if (mla) {
         o = small_options(true);
-        o.model.num_query_groups       = o.model.num_attention_heads;
-        o.model.multi_latent_attention = true;
-        o.model.q_lora_rank            = 24;
-        o.model.kv_lora_rank           = 16;
-        o.model.qk_head_dim            = 12;
-        o.model.qk_pos_emb_head_dim    = 8;
-        o.model.v_head_dim             = 12;
+        testing_models::use_multi_latent_attention(o);
         return o;
     }
     if (llama) {

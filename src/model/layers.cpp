@@ -500,6 +500,33 @@ AttentionShape mla_shape(const GptConfig & c, int64_t heads, int64_t s, int64_t 
 
 }  // namespace
 
+void SelfAttention::attend(Context & ctx, const Tensor & q_k_v, const Tensor & out, const AttentionShape & shape,
+                           float scale, const Dropout & dropout) {
+    if (!cp.enabled()) {
+        q_k_v.device().ops().attention_forward(q_k_v.device().compute_stream(), q_k_v, out, ctx.lse, shape, scale, dropout);
+        return;
+    }
+    // The forward reads q_k_v as computed; backward reads ctx.qkv, the same values (rounded first). The
+    // blocks are merged in f32 (attention_merge): bf16 activations are widened around the exchanges.
+    const Tensor out32 = f32_output_for(out);
+    cp_forward(ctx, in_dtype(q_k_v, DType::f32), out32, shape, scale, dropout);
+    if (out32.data_ptr() != out.data_ptr()) q_k_v.device().ops().convert(q_k_v.device().compute_stream(), out32, out);
+}
+
+void SelfAttention::attend_backward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const Tensor & d_out,
+                                    const Tensor & d_qkv, const AttentionShape & shape, float scale) {
+    Ops &    ops    = q_k_v.device().ops();
+    Stream & stream = q_k_v.device().compute_stream();
+    if (!cp.enabled()) {
+        ops.attention_backward(stream, q_k_v, out, d_out, ctx.lse, d_qkv, shape, scale, ctx.dropout);
+        return;
+    }
+    const Tensor d_qkv32 = f32_output_for(d_qkv);   // in f32, as the forward
+    cp_backward(ctx, in_dtype(q_k_v, DType::f32), in_dtype(out, DType::f32), in_dtype(d_out, DType::f32), d_qkv32,
+                shape, scale);
+    if (d_qkv32.data_ptr() != d_qkv.data_ptr()) ops.convert(stream, d_qkv32, d_qkv);
+}
+
 Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const Dropout & dropout) {
     const AttentionShape shape = mla_shape(config, heads, s, b, cp);
     Ops &          ops    = x.device().ops();
@@ -542,14 +569,7 @@ Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, in
     ctx.qkv    = keep_for_backward(q_k_v, config.params_dtype);
     Tensor out = activation(x.device(), n, a * dqk, q_k_v.dtype());
     ctx.lse    = activation(x.device(), b * a, s);
-    const float scale = mla_softmax_scale(config);
-    if (cp.enabled()) {   // the whole sequence's keys, by --cp-comm-type (as the standard attention, in f32)
-        const Tensor out32 = f32_output_for(out);
-        cp_forward(ctx, in_dtype(q_k_v, DType::f32), out32, shape, scale, dropout);
-        if (out32.data_ptr() != out.data_ptr()) ops.convert(stream, out32, out);
-    } else {
-        ops.attention_forward(stream, q_k_v, out, ctx.lse, shape, scale, dropout);
-    }
+    attend(ctx, q_k_v, out, shape, mla_softmax_scale(config), dropout);
     Tensor out_v = activation(x.device(), n, a * dv, out.dtype());
     for (int64_t h = 0; h < a; ++h) ops.copy_columns(stream, out, h * dqk, out_v, h * dv, dv);
     return proj.forward(ctx.proj_ctx, out_v);
@@ -577,15 +597,7 @@ Tensor SelfAttention::mla_backward(Context & ctx, const Tensor & dy, const GradR
     }
     const Tensor q_k_v = in_dtype(ctx.qkv, act);
     Tensor       d_qkv = activation(device, n, shape.row_stride, act);
-    const float scale = mla_softmax_scale(config);
-    if (cp.enabled()) {
-        const Tensor d_qkv32 = f32_output_for(d_qkv);
-        cp_backward(ctx, in_dtype(q_k_v, DType::f32), in_dtype(out, DType::f32), in_dtype(d_out, DType::f32), d_qkv32,
-                    shape, scale);
-        if (d_qkv32.data_ptr() != d_qkv.data_ptr()) ops.convert(stream, d_qkv32, d_qkv);
-    } else {
-        ops.attention_backward(stream, q_k_v, out, d_out, ctx.lse, d_qkv, shape, scale, ctx.dropout);
-    }
+    attend_backward(ctx, q_k_v, out, d_out, d_qkv, shape, mla_softmax_scale(config));
     ops.rope(stream, d_qkv, ctx.s, ctx.b, 2 * a, dqk, config.rotary_base, true, dr, /*interleaved=*/true, shape.q_pos,
              mla_rope(config));
     ctx.qkv = ctx.lse = Tensor();
@@ -647,16 +659,7 @@ Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_
     ctx.qkv    = keep_for_backward(q_k_v, config.params_dtype);
     Tensor out = activation(x.device(), s * b, shape.nq * shape.d, q_k_v.dtype());
     ctx.lse    = activation(x.device(), b * shape.nq, s);
-    float scale = 1.0f / std::sqrt(static_cast<float>(shape.d));
-    if (cp.enabled()) {
-        // The forward reads q_k_v as computed; backward reads ctx.qkv, the same values (rounded first). The
-        // blocks are merged in f32 (attention_merge): bf16 activations are widened around the exchanges.
-        const Tensor out32 = f32_output_for(out);
-        cp_forward(ctx, in_dtype(q_k_v, DType::f32), out32, shape, scale, dropout);
-        if (out32.data_ptr() != out.data_ptr()) ops.convert(stream, out32, out);
-    } else {
-        ops.attention_forward(stream, q_k_v, out, ctx.lse, shape, scale, dropout);
-    }
+    attend(ctx, q_k_v, out, shape, 1.0f / std::sqrt(static_cast<float>(shape.d)), dropout);
     return proj.forward(ctx.proj_ctx, out);   // keeps `out` (in the parameters' dtype) for both backwards
 }
 
@@ -670,15 +673,7 @@ Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReady
     Tensor d_out = proj.backward(ctx.proj_ctx, dy, ready);
     Tensor q_k_v = in_dtype(ctx.qkv, act);
     Tensor d_qkv = activation(dy.device(), ctx.s * ctx.b, shape.row_stride, act);
-    float  scale = 1.0f / std::sqrt(static_cast<float>(shape.d));
-    if (cp.enabled()) {   // in f32, as the forward
-        const Tensor d_qkv32 = f32_output_for(d_qkv);
-        cp_backward(ctx, in_dtype(q_k_v, DType::f32), in_dtype(out, DType::f32), in_dtype(d_out, DType::f32), d_qkv32,
-                    shape, scale);
-        if (d_qkv32.data_ptr() != d_qkv.data_ptr()) ops.convert(stream, d_qkv32, d_qkv);
-    } else {
-        ops.attention_backward(stream, q_k_v, out, d_out, ctx.lse, d_qkv, shape, scale, ctx.dropout);
-    }
+    attend_backward(ctx, q_k_v, out, d_out, d_qkv, shape, 1.0f / std::sqrt(static_cast<float>(shape.d)));
     if (config.position_embedding == PositionEmbedding::rope) {
         ops.rope(stream, d_qkv, ctx.s, ctx.b, shape.nq + shape.nkv, shape.d, config.rotary_base, true,
                  config.rotary_dim(), config.rotary_interleaved, shape.q_pos);

@@ -265,6 +265,12 @@ public:
     std::unique_ptr<Latent> mla;
 
 private:
+    // The attention of packed [Q | K | V] rows into out (and ctx.lse), through the context-parallel exchanges
+    // when there are several CP ranks; and its backward into d_qkv.
+    void   attend(Context & ctx, const Tensor & q_k_v, const Tensor & out, const AttentionShape & shape, float scale,
+                  const Dropout & dropout);
+    void   attend_backward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const Tensor & d_out,
+                           const Tensor & d_qkv, const AttentionShape & shape, float scale);
     Tensor mla_forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const Dropout & dropout);
     Tensor mla_backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
     // Attention over the whole sequence from this rank's rows (context parallelism, by cp_comm): out and
