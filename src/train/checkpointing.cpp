@@ -321,6 +321,11 @@ void apply_checkpoint_args(model::GptConfig & m, const checkpoint::Index & index
         m.qk_head_dim            = integer("qk_head_dim", at("qk_head_dim"));
         m.qk_pos_emb_head_dim    = integer("qk_pos_emb_head_dim", at("qk_pos_emb_head_dim"));
         m.v_head_dim             = integer("v_head_dim", at("v_head_dim"));
+        // Its RoPE (saved with the sizes; Megatron's defaults when absent).
+        m.mla_yarn              = a.value("rope_type", json("yarn")) != json("rope");
+        m.rotary_scaling_factor = real("rotary_scaling_factor", a.value("rotary_scaling_factor", json(1.0)));
+        m.mscale                = real("mscale", a.value("mscale", json(1.0)));
+        m.mscale_all_dim        = real("mscale_all_dim", a.value("mscale_all_dim", json(0.0)));
     }
     // The MoE shape (the router's other settings are training choices, given as flags).
     if (const json experts = saved_or_dense(a, "num_experts"); !experts.is_null()) {

@@ -120,7 +120,9 @@ void Router::route(Context & ctx, const Tensor & logits, int64_t b, bool trainin
         }
         ops.moe_sinkhorn_topk(stream, all, group ? group->rank() * n : 0, routing, ctx.top_idx, ctx.probs);
     } else {
-        ops.moe_topk(stream, logits, routing, expert_bias, ctx.top_idx, ctx.probs);
+        // Sinkhorn's scores select without the expert bias (Megatron's sinkhorn routing ignores it), in eval too.
+        const bool biased = moe.load_balancing != MoeLoadBalancing::sinkhorn;
+        ops.moe_topk(stream, logits, routing, biased ? expert_bias : Tensor(), ctx.top_idx, ctx.probs);
     }
     // The counts are written on the stream even without the aux loss, so a captured graph's replay clears
     // them too; sequence parallelism sums them over the whole sequence (Megatron reduces them over TP x CP).
