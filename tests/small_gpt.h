@@ -94,7 +94,8 @@ struct LayoutRun {
 inline LayoutRun train_layout(train::TrainOptions o, const parallel::ProcessGroups & groups) {
     const int cp     = o.parallel.cp();
     auto      source = train::context_parallel_part(
-        train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), o.parallel.dp()), cp > 1 ? groups.cp->rank() : 0, cp);
+        train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), o.parallel.dp()), cp > 1 ? groups.cp->rank() : 0, cp,
+        o.model.mtp_num_layers);
     train::Setup setup = train::setup(o, groups, cpu::device());
     LayoutRun    run;
     {

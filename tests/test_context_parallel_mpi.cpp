@@ -37,13 +37,18 @@ namespace {
 
 comm::MpiContext * g_mpi = nullptr;
 
-// mla: the Llama-style model with multi-latent attention (a query latent and the latents' norms).
+// mla: DeepSeek-style, the Llama-style model with multi-latent attention (a query latent and the latents'
+// norms) and two MTP depths (each depth's tokens ahead cut from the whole sequences before the CP chunks),
+// without attention dropout (as Megatron's DeepSeek configurations train): with it, a few embedding
+// elements' gradients are near 1e-8, where Adam turns rounding into whole steps.
 train::TrainOptions small_options(bool llama, bool moe = false, bool sinkhorn = false, bool mla = false) {
     train::TrainOptions o = testing_models::small_gpt_options(4, 4, 20);
     o.lr_warmup_iters     = 3;
     if (mla) {
         o = small_options(true, moe, sinkhorn);
         testing_models::use_multi_latent_attention(o);
+        o.model.mtp_num_layers    = 2;
+        o.model.attention_dropout = 0.0f;
         return o;
     }
     if (moe) {   // 4 experts, top-2, both router losses, tokens exchanged by all-to-all (no expert biases)
@@ -191,8 +196,9 @@ TEST(ContextParallel, MoeWithExpertParallelismFollowsTheSingleRankRun) {
 }
 
 // Multi-latent attention's rows through the standard exchanges: the ring and the heads' all-to-all at CP 2,
-// and CP 2 x TP 2 + SP (k_pe gathered over TP inside each CP chunk).
-TEST(ContextParallel, MultiLatentAttentionFollowsTheSingleRankRun) {
+// and CP 2 x TP 2 + SP (k_pe gathered over TP inside each CP chunk). The MTP depths' losses are means over
+// the whole sequences' tokens (each rank's sum a share), so the gradients are the single rank's.
+TEST(ContextParallel, MultiLatentAttentionAndMtpFollowTheSingleRankRun) {
     if (g_mpi->world_size() == 2) {
         expect_follows_reference({.cp = 2, .type = CpCommType::p2p, .mla = true});
         expect_follows_reference({.cp = 2, .type = CpCommType::a2a, .mla = true});

@@ -125,7 +125,7 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = kIte
         const auto begin = std::chrono::steady_clock::now();
         for (int i = 0; i < iterations; ++i) {
             run.losses.push_back(trainer.step(stats));
-            if (!stats.moe_losses.empty()) run.balancing.push_back(stats.moe_losses[0].second);
+            if (!stats.tracked_losses.empty()) run.balancing.push_back(stats.tracked_losses[0].second);
             if (const graphs::LayerGraphRunner * runner = trainer.layer_graphs();
                 runner != nullptr && run.pool_allocs_at_capture < 0) {
                 run.pool_allocs_at_capture = allocator.pool_stats(kGraphPool).num_allocs;

@@ -263,13 +263,20 @@ void check_model_gradients(model::GptConfig config) {
         }
     }
     model::MicroBatch batch = make_batch(2, config.seq_length, config.vocab_size, 12, device);
+    // What backward differentiates: the main loss's sum, and with MTP each depth's masked mean (of its own
+    // tokens) weighted by the main tokens x scale / D (gpt_model.h).
     auto loss = [&] {
-        model::GptModel::Context ctx;
-        return gpt.forward(ctx, batch).sum;
+        model::GptModel::Context            ctx;
+        const model::GptModel::LossSum      main  = gpt.forward(ctx, batch);
+        const std::vector<double>           depth = gpt.take_mtp_losses();
+        double                              total = main.sum;
+        for (double l : depth) total += main.count * config.mtp_loss_scaling_factor / static_cast<double>(depth.size()) * l;
+        return total;
     };
     gpt.zero_grad();
     model::GptModel::Context ctx;
     gpt.forward(ctx, batch);
+    gpt.take_mtp_losses();
     std::vector<std::string> ready;
     gpt.backward(ctx, 1.0, [&](model::Parameter & p) { ready.push_back(p.name); });
     cpu::device().compute_stream().synchronize();   // backward is stream work: wait before reading main_grad
@@ -575,6 +582,59 @@ model::GptConfig yarn_mla_config() {
 }
 
 }  // namespace
+
+// Multi-token prediction: each depth's norms, eh_proj and layer, the shared embedding's lookups of the tokens
+// ahead and the shared output layer, and the chain from depth to depth into the final norm's output. Untied
+// with two depths, then tied (the output layer is the embedding) with one and another loss weight.
+TEST(GptModel, MultiTokenPredictionGradientsMatchFiniteDifferences) {
+    model::GptConfig c = llama_style_grad_config();
+    c.seq_length       = 20;
+    c.mtp_num_layers   = 2;
+    {
+        SCOPED_TRACE("untied, 2 depths");
+        check_model_gradients(c);
+    }
+    c.untie_embeddings_and_output_weights = false;
+    c.mtp_num_layers                      = 1;
+    c.mtp_loss_scaling_factor             = 0.7f;
+    SCOPED_TRACE("tied, 1 depth");
+    check_model_gradients(c);
+}
+
+// The planes worked by hand (b 1, s 5, D 2): depth k's token, label and mask are those k + 1 ahead, 0 past
+// the end; and with every eh_proj zero each depth's layer sees zeros, so its output (RMSNorm of 0) is 0, its
+// logits are 0 and its loss is ln(vocab) exactly, whatever the tokens.
+TEST(GptModel, MultiTokenPredictionTargetsRollAndAZeroProjectionScoresLnVocab) {
+    Device &          device = cpu::device();
+    model::MicroBatch batch  = make_batch(1, 5, 50, 3, device);
+    const int32_t     tokens[] = {11, 12, 13, 14, 15}, labels[] = {12, 13, 14, 15, 16};
+    const float       mask[]   = {1, 1, 0, 1, 1};
+    std::memcpy(batch.tokens.data<int32_t>(), tokens, sizeof(tokens));
+    std::memcpy(batch.labels.data<int32_t>(), labels, sizeof(labels));
+    std::memcpy(batch.loss_mask.data<float>(), mask, sizeof(mask));
+    const model::MicroBatch planes = model::add_mtp_targets(batch, 2);
+    const std::vector<int32_t> want_tokens = {12, 13, 14, 15, 0, 13, 14, 15, 0, 0};
+    const std::vector<int32_t> want_labels = {13, 14, 15, 16, 0, 14, 15, 16, 0, 0};
+    const std::vector<float>   want_mask   = {1, 0, 1, 1, 0, 0, 1, 1, 0, 0};
+    EXPECT_EQ(std::vector<int32_t>(planes.mtp_tokens.data<int32_t>(), planes.mtp_tokens.data<int32_t>() + 10), want_tokens);
+    EXPECT_EQ(std::vector<int32_t>(planes.mtp_labels.data<int32_t>(), planes.mtp_labels.data<int32_t>() + 10), want_labels);
+    EXPECT_EQ(std::vector<float>(planes.mtp_mask.data<float>(), planes.mtp_mask.data<float>() + 10), want_mask);
+    EXPECT_EQ(planes.mtp_sequence_tokens, (std::vector<double>{3.0, 2.0}));
+
+    model::GptConfig c = llama_style_grad_config();
+    c.mtp_num_layers   = 2;
+    model::GptModel gpt(c, device);
+    gpt.init();
+    for (model::Parameter * p : gpt.parameters()) {
+        if (p->name.find("eh_proj") != std::string::npos) std::memset(p->data.data<float>(), 0, p->numel() * sizeof(float));
+    }
+    model::GptModel::Context ctx;
+    gpt.forward(ctx, make_batch(2, c.seq_length, c.vocab_size, 5, device));
+    const std::vector<double> losses = gpt.take_mtp_losses();
+    ASSERT_EQ(losses.size(), 2u);
+    for (double l : losses) EXPECT_NEAR(l, std::log(static_cast<double>(c.vocab_size)), 1e-6);
+    EXPECT_TRUE(gpt.take_mtp_losses() == std::vector<double>(2, 0.0)) << "taking them clears them";
+}
 
 // MLA's every projection, the latents' norms, the shared k_pe (its gradient summed over the heads), the
 // padded values and the interleaved RoPE of the pe parts: central differences.

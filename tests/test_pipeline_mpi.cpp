@@ -195,15 +195,19 @@ TEST(PipelineParallel, EmbeddingAndLossCountedAsLayersFollowTheSingleRankRun) {
 }
 
 // DeepSeek-V3's layers over two stages (x DP 2 on 4 ranks): multi-latent attention with a query latent and
-// the latents' norms, MoE with sigmoid routing, the expert bias and group-limited routing. Losses and weights
-// follow the single rank within 5e-5, and each stage's routers' expert biases are the single rank's bitwise.
-TEST(PipelineParallel, DeepSeekStyleLayersOverTwoStagesFollowTheSingleRankRun) {
+// the latents' norms, MoE with sigmoid routing, the expert bias and group-limited routing, and one MTP depth
+// on the last stage with untied embeddings (the last stage's copy of the word embedding summed with the
+// first's over the embedding group). Losses and weights follow the single rank within 5e-5, and each stage's
+// routers' expert biases (the MTP layer's router among the last stage's) are the single rank's bitwise.
+TEST(PipelineParallel, DeepSeekStyleLayersAndMtpOverTwoStagesFollowTheSingleRankRun) {
     if (g_mpi->world_size() % 2 != 0) GTEST_SKIP() << "needs an even number of ranks";
     train::TrainOptions o            = testing_models::small_gpt_options(4, 8, 7);
     o.model.normalization            = model::Normalization::rmsnorm;
     o.model.position_embedding       = model::PositionEmbedding::rope;
     o.model.add_bias_linear          = false;
     o.model.qk_layernorm             = true;
+    o.model.untie_embeddings_and_output_weights = true;
+    o.model.mtp_num_layers           = 1;
     testing_models::use_multi_latent_attention(o);
     model::MoeConfig & moe           = o.model.moe;
     moe.num_experts                  = 4;
@@ -235,13 +239,15 @@ TEST(PipelineParallel, DeepSeekStyleLayersOverTwoStagesFollowTheSingleRankRun) {
     }
     cpu::device().compute_stream().synchronize();
     int compared = 0;
-    for (auto & [name, bias] : setup.chunks.at(0)->buffers()) {   // "layers.<i>.mlp.router.expert_bias"
-        const size_t layer = std::stoul(name.substr(7));
+    // "layers.<i>.mlp.router.expert_bias", then "mtp.layers.0.transformer_layer.mlp.router.expert_bias" (the
+    // single rank's row after the decoder's four)
+    for (auto & [name, bias] : setup.chunks.at(0)->buffers()) {
+        const size_t  layer = name.rfind("mtp.", 0) == 0 ? 4 : std::stoul(name.substr(7));
         const float * mine = bias.data<float>(), * want = ref.moe_expert_bias.data() + layer * 4;
         EXPECT_EQ(std::vector<float>(mine, mine + 4), std::vector<float>(want, want + 4)) << name;
         ++compared;
     }
-    EXPECT_EQ(compared, 2) << "each stage holds two MoE layers' routers";
+    EXPECT_EQ(compared, groups.pp->rank() == 0 ? 2 : 3) << "two MoE layers' routers on each stage, and MTP's on the last";
 }
 
 TEST(PipelineParallel, InterleavedTwoStagesTwoVirtualStagesFollowTheSingleRankRun) {

@@ -230,7 +230,7 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
     }
     // Context parallelism: each CP rank trains on its two chunks of the same samples.
     const int cp_rank = groups.cp ? groups.cp->rank() : 0, cp_size = options.parallel.cp();
-    data = train::context_parallel_part(std::move(data), cp_rank, cp_size);
+    data = train::context_parallel_part(std::move(data), cp_rank, cp_size, options.model.mtp_num_layers);
     if (valid) valid = train::context_parallel_part(std::move(valid), cp_rank, cp_size);
     if (test) test = train::context_parallel_part(std::move(test), cp_rank, cp_size);
     if (mpi && mpi->world_size() > 1) {

@@ -43,6 +43,10 @@ void GptConfig::validate() const {
         LOOM_CHECK(num_query_groups == num_attention_heads, "--group-query-attention with --multi-latent-attention", "");
         LOOM_CHECK(!recompute_layernorm, "--recompute-modules layernorm with --multi-latent-attention", "");
     }
+    LOOM_CHECK(mtp_num_layers >= 0 && mtp_num_layers <= 64, "--mtp-num-layers must be between 1 and 64, got " << mtp_num_layers, "");
+    LOOM_CHECK(mtp_num_layers == 0 || position_embedding != PositionEmbedding::learned_absolute,
+               "--mtp-num-layers with --position-embedding-type learned_absolute is not supported by Loom",
+               "use --position-embedding-type rope or none");
     LOOM_CHECK(!(swiglu && squared_relu), "--squared-relu and --swiglu are both given",
                "choose one MLP activation (Megatron asserts the same)");
     LOOM_CHECK(seq_length >= 1, "--seq-length must be >= 1", "");
@@ -74,6 +78,7 @@ int64_t GptConfig::num_parameters() const {
     }
     int64_t per_layer = 2 * norm + attn + mlp + qk_norm;
     int64_t total = V * h + num_layers * per_layer + norm;
+    total += mtp_num_layers * (per_layer + 3 * norm + 2 * h * h);   // each depth: a layer, three norms, eh_proj
     if (position_embedding == PositionEmbedding::learned_absolute) total += max_position_embeddings * h;
     if (untie_embeddings_and_output_weights) total += V * h;
     return total;
@@ -94,10 +99,12 @@ double GptConfig::layers_forward_flops_per_token() const {
         const double q_term = q_lora_rank > 0 ? rq * (h + a * dqk + 1) : h * a * dqk;
         attention = 2 * (q_term + rkv * (h + a * (dn + dv) + 1) + h * dr + a * dv * h) + s * a * (dqk + dv);
     }
-    double       total     = 0;
-    for (int64_t layer = 0; layer < num_layers; ++layer) {
+    // The MTP depths' layers (of the last layer's kind) and, per depth, its three norms and eh_proj (Megatron's
+    // count: 3h + 2h^2 multiply-adds).
+    double total = static_cast<double>(mtp_num_layers) * 2 * (3 * h + 2 * h * h);
+    for (int64_t layer = 0; layer < num_layers + mtp_num_layers; ++layer) {
         double mlp = 2 * h * static_cast<double>(ffn_hidden_size) * gated;
-        if (moe.is_moe_layer(layer)) {
+        if (is_moe_layer(layer)) {
             mlp = 2 * h * static_cast<double>(moe.expert_ffn(*this) * moe.topk) * gated +
                   2 * h * static_cast<double>(moe.shared_expert_intermediate_size) * gated;
         }
@@ -107,7 +114,9 @@ double GptConfig::layers_forward_flops_per_token() const {
 }
 
 double GptConfig::output_forward_flops_per_token(int64_t tp) const {
-    return 2 * static_cast<double>(hidden_size) * static_cast<double>(padded_vocab_size(tp));
+    // The MTP depths' logits use the same output layer, each once more.
+    return 2 * static_cast<double>(hidden_size) * static_cast<double>(padded_vocab_size(tp)) *
+           static_cast<double>(1 + mtp_num_layers);
 }
 
 double GptConfig::training_flops_per_token(int64_t tp) const {

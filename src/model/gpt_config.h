@@ -10,6 +10,7 @@
 #include "core/dtype.h"
 #include "model/moe/moe_options.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -73,6 +74,11 @@ struct GptConfig {
     float             rotary_scaling_factor   = 1.0f;  // --rotary-scaling-factor
     float             mscale                  = 1.0f;  // --mscale
     float             mscale_all_dim          = 0.0f;  // --mscale-all-dim
+    // --mtp-num-layers (DeepSeek-V3's multi-token prediction, Megatron's MultiTokenPredictionBlock): depth k
+    // (0-based) predicts the token k + 2 positions ahead from the depth before's output (the final norm's for
+    // k = 0) and the embedding of the token k + 1 ahead (gpt_model.h gives the math). 0: none (Megatron's None).
+    int64_t           mtp_num_layers          = 0;
+    float             mtp_loss_scaling_factor = 0.1f;  // --mtp-loss-scaling-factor: the depths' losses' weight, in all
     // Dropout probabilities (Megatron's --hidden-dropout on the embedding and on each attention and MLP
     // output before its residual add; --attention-dropout on the attention probabilities). The library
     // default is none; `loom train` takes Megatron's 0.1 and 0.1. Masks: core/dropout.h.
@@ -104,6 +110,9 @@ struct GptConfig {
     DType activations_dtype() const { return params_dtype == DType::bf16 ? DType::bf16 : DType::f32; }
 
     int64_t head_dim() const { return hidden_size / num_attention_heads; }
+    // Whether layer `index` has a Mixture of Experts: the pattern's for the decoder's layers; an MTP depth's
+    // layer (index num_layers + k) is of the last decoder layer's kind, as Megatron builds it.
+    bool    is_moe_layer(int64_t index) const { return moe.is_moe_layer(std::min(index, num_layers - 1)); }
     // MLA: each query and key head's width (q_nope or k_nope, then the RoPE'd part).
     int64_t mla_qk_dim() const { return qk_head_dim + qk_pos_emb_head_dim; }
     // The elements of each head RoPE turns: Megatron's int(kv_channels * rotary_percent).

@@ -28,9 +28,11 @@ GptModel::GptModel(const GptConfig & config, Device & device, const PipelineStag
     auto vocab_parallel = [&](Parameter & p) {
         if (tp_.size > 1) set_tp_slice(p, 0, {{vocab_begin_, vocab_begin_ + vocab_local_}}, {vocab_, config_.hidden_size});
     };
-    if (stage_.pre_process || (stage_.post_process && tied)) {
+    // MTP embeds tokens on the last stage: it holds the word embedding whether or not the output layer is it.
+    const bool mtp = stage_.post_process && config_.mtp_num_layers > 0;
+    if (stage_.pre_process || (stage_.post_process && (tied || mtp))) {
         wte_ = parameter_create("embedding.word_embeddings.weight", {vocab_local_, config_.hidden_size}, dtype, device);
-        wte_.shared_embedding = tied;
+        wte_.shared_embedding = tied || config_.mtp_num_layers > 0;
         wte_.embedding_or_output = true;
         wte_.shared           = !stage_.pre_process;
         vocab_parallel(wte_);
@@ -44,12 +46,32 @@ GptModel::GptModel(const GptConfig & config, Device & device, const PipelineStag
     for (int64_t i = stage_.first_layer; i < stage_.first_layer + stage_.num_layers; ++i) {
         layers_.push_back(std::make_unique<TransformerLayer>(i, config_, device, tp_, ep_, cp_));
     }
+    for (int64_t k = 0; mtp && k < config_.mtp_num_layers; ++k) {
+        const std::string name = "mtp.layers." + std::to_string(k);
+        const int64_t     h    = config_.hidden_size;
+        MtpDepth          depth;
+        auto norm = [&](const char * part) {
+            auto n = std::make_unique<Norm>(name + "." + part, h, config_.normalization, config_.norm_epsilon, dtype, device, tp_);
+            n->set_one_plus(config_.apply_layernorm_1p);
+            return n;
+        };
+        depth.enorm      = norm("enorm");
+        depth.hnorm      = norm("hnorm");
+        depth.final_norm = norm("final_layernorm");
+        // Megatron's eh_proj is column-parallel with its output gathered: the whole (h, 2h) map on every
+        // rank. Loom keeps it whole (replicated); under sequence parallelism each rank maps its own rows.
+        depth.eh_proj = std::make_unique<Linear>(name + ".eh_proj", 2 * h, h, false, dtype, device, Linear::Split::none, &tp_);
+        tp_.replicated(depth.eh_proj->weight);
+        depth.layer = std::make_unique<TransformerLayer>(config_.num_layers + k, config_, device, tp_, ep_, cp_,
+                                                         name + ".transformer_layer");
+        mtp_.push_back(std::move(depth));
+    }
     if (config_.moe.expert_bias && num_moe_layers() > 0) {   // one tensor each, for one collective and one update
         const int64_t E = config_.moe.num_experts, rows = num_moe_layers();
         moe_expert_bias_ = Tensor::zeros({rows, E}, DType::f32, device, {MemoryKind::device, "moe-expert-bias"});
         moe_expert_load_ = Tensor::zeros({rows, E}, DType::f32, device, {MemoryKind::device, "moe-expert-bias"});
         int64_t row = 0;
-        for (auto & layer : layers_) {
+        for (TransformerLayer * layer : all_layers()) {
             if (!layer->moe) continue;
             layer->moe->router.expert_bias = moe_expert_bias_.narrow(0, row, 1).view({E});
             layer->moe->router.expert_load = moe_expert_load_.narrow(0, row, 1).view({E});
@@ -74,6 +96,13 @@ void GptModel::init() {
     if (wpe_.data.defined()) parameter_init_normal(wpe_, seed, config_.init_method_std);
     for (auto & layer : layers_) layer->init(seed);
     if (final_norm_) final_norm_->init();
+    for (MtpDepth & depth : mtp_) {   // Megatron's init_method for eh_proj, its layer's as a decoder layer's
+        depth.enorm->init();
+        depth.hnorm->init();
+        depth.eh_proj->init(seed, config_.init_method_std);
+        depth.layer->init(seed);
+        depth.final_norm->init();
+    }
     if (output_.data.defined()) parameter_init_normal(output_, seed, config_.init_method_std);
 }
 
@@ -83,8 +112,26 @@ std::vector<Parameter *> GptModel::parameters() {
     if (wpe_.data.defined()) out.push_back(&wpe_);
     for (auto & layer : layers_) layer->parameters(out);
     if (final_norm_) final_norm_->parameters(out);
+    mtp_parameters(out);
     if (output_.data.defined()) out.push_back(&output_);
-    if (!stage_.pre_process && wte_.data.defined()) out.push_back(&wte_);   // the last stage's tied copy
+    if (!stage_.pre_process && wte_.data.defined()) out.push_back(&wte_);   // the last stage's copy (tied or MTP)
+    return out;
+}
+
+void GptModel::mtp_parameters(std::vector<Parameter *> & out) {
+    for (MtpDepth & depth : mtp_) {
+        depth.enorm->parameters(out);
+        depth.hnorm->parameters(out);
+        depth.eh_proj->parameters(out);
+        depth.layer->parameters(out);
+        depth.final_norm->parameters(out);
+    }
+}
+
+std::vector<TransformerLayer *> GptModel::all_layers() const {
+    std::vector<TransformerLayer *> out;
+    for (const auto & layer : layers_) out.push_back(layer.get());
+    for (const MtpDepth & depth : mtp_) out.push_back(depth.layer.get());
     return out;
 }
 
@@ -102,7 +149,9 @@ std::vector<Parameter *> GptModel::layer_params(size_t i) {
 std::vector<Parameter *> GptModel::output_params() {
     std::vector<Parameter *> params;
     final_norm_->parameters(params);
+    mtp_parameters(params);
     params.push_back(output_.data.defined() ? &output_ : &wte_);
+    if (!mtp_.empty() && output_.data.defined()) params.push_back(&wte_);   // the depths embed tokens
     return params;
 }
 
@@ -119,6 +168,7 @@ std::vector<int> GptModel::parameter_units() {
     const int last = static_cast<int>(layers_.size()) + 1;
     params.clear();
     if (final_norm_) final_norm_->parameters(params);
+    mtp_parameters(params);
     units.insert(units.end(), params.size(), last);
     if (output_.data.defined()) units.push_back(last);
     if (!stage_.pre_process && wte_.data.defined()) units.push_back(last);
@@ -171,6 +221,17 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
     ctx.batch = MicroBatch{stage_.pre_process ? device_resident(batch.tokens, stream) : Tensor(),
                            stage_.post_process ? device_resident(batch.labels, stream) : Tensor(),
                            stage_.post_process ? device_resident(batch.loss_mask, stream) : Tensor(), batch.sample_ids};
+    const bool mtp = !mtp_.empty() && ctx.training;
+    if (mtp) {
+        LOOM_CHECK(batch.mtp_tokens.defined() || !cp_.enabled(), "a context-parallel micro-batch without its MTP planes",
+                   "cut the whole sequences' planes (add_mtp_targets) before their CP chunks");
+        const MicroBatch planes = batch.mtp_tokens.defined() ? batch : add_mtp_targets(batch, config_.mtp_num_layers);
+        ctx.batch.mtp_tokens          = device_resident(planes.mtp_tokens, stream);
+        ctx.batch.mtp_labels          = device_resident(planes.mtp_labels, stream);
+        ctx.batch.mtp_mask            = device_resident(planes.mtp_mask, stream);
+        ctx.batch.mtp_sequence_tokens = planes.mtp_sequence_tokens;
+        ctx.mtp_host_mask             = planes.mtp_mask;
+    }
     ctx.layers.resize(layers_.size());
     const SeqPositions positions = cp_.positions(s);
     const DropoutBatch dropout_batch{batch.sample_ids, b, ctx.training, positions};
@@ -235,18 +296,13 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
     }
     call(hooks_.before_forward, [&] { return output_params(); });
     const Parameter & out_w = output_.data.defined() ? output_ : wte_;
-    Tensor normed = final_norm_->forward(ctx.final_norm, x);
-    if (tp_.sp()) normed = tp_.all_gather(normed);   // every position's hidden state for the vocabulary shard
-    ctx.final_hidden = in_dtype(normed, out_w.data.dtype());
+    const Tensor normed_rows = final_norm_->forward(ctx.final_norm, x);
+    // every position's hidden state for the vocabulary shard
+    ctx.final_hidden = in_dtype(tp_.sp() ? tp_.all_gather(normed_rows) : normed_rows, out_w.data.dtype());
     ctx.logits     = activation(device_, s * b, vocab_local_, config_.activations_dtype());
-    ctx.lse        = activation(device_, s * b, 1);
-    ctx.token_loss = activation(device_, s * b, 1);
     ops.gemm(stream, ctx.final_hidden, false, out_w.data, true, ctx.logits);
-    if (tp_.size == 1) {
-        ops.cross_entropy_forward(stream, ctx.logits, ctx.batch.labels, ctx.token_loss, ctx.lse, config_.vocab_size);
-    } else {
-        vocab_parallel_cross_entropy(ctx);
-    }
+    cross_entropy(ctx.logits, ctx.batch.labels, ctx.lse, ctx.token_loss);
+    if (mtp) mtp_forward(ctx, batch, normed_rows, dropout_batch);
     // The token count comes from the mask, which the host holds; the loss itself is read once the stream
     // has computed ctx.token_loss (masked_loss_sum, after a synchronization: forward() or the executor).
     LossSum       result;
@@ -267,6 +323,8 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
     Tensor   dx;
     if (stage_.post_process) {
         call(hooks_.before_backward, [&] { return output_params(); });
+        Tensor dmtp;   // the MTP depths' gradient of the final norm's output, first (the output weight's last)
+        if (!ctx.mtp.empty()) dmtp = mtp_backward(ctx, loss_scale, ready);
         Tensor dloss = activation(device_, s * b, 1);
         // Context parallelism: the gradients are averaged over the data- and context-parallel ranks
         // together (dp_cp), where the CP ranks' shares must add up: each starts from CP times its share
@@ -288,6 +346,7 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
         });
         ctx.lse = ctx.token_loss = ctx.final_hidden = Tensor();
         dlogits = Tensor();
+        if (dmtp.defined()) ops.add_inplace(stream, dx, dmtp);
         // The output weight is final here, unless the same tensor also embeds tokens on this stage.
         if (ready && (output_.data.defined() || !stage_.pre_process)) ready(out_w);
         dx = final_norm_->backward(ctx.final_norm, dx, ready);
@@ -342,14 +401,14 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
 void GptModel::set_moe_aux_loss_scale(float scale) {
     // Context parallelism: each CP rank's router losses are its share, and the gradients are averaged over
     // dp x cp; as with the language-model loss, each share's gradient starts CP times larger.
-    for (auto & layer : layers_) {
+    for (TransformerLayer * layer : all_layers()) {
         if (layer->moe) layer->moe->aux_loss_backward_scale = scale * static_cast<float>(cp_.size);
     }
 }
 
 std::vector<std::pair<std::string, Tensor>> GptModel::buffers() const {
     std::vector<std::pair<std::string, Tensor>> out;
-    for (const auto & layer : layers_) {
+    for (const TransformerLayer * layer : all_layers()) {
         if (!layer->moe || !layer->moe->router.expert_bias.defined()) continue;
         const std::string & weight = layer->moe->router.weight.name;   // "<layer>.mlp.router.weight"
         out.emplace_back(weight.substr(0, weight.rfind('.')) + ".expert_bias", layer->moe->router.expert_bias);
@@ -365,14 +424,14 @@ void GptModel::update_moe_expert_bias() {
 }
 
 void GptModel::reset_moe_global_counts() {
-    for (auto & layer : layers_) {
+    for (TransformerLayer * layer : all_layers()) {
         if (layer->moe) layer->moe->router.reset_global_counts();
     }
 }
 
 std::array<double, 4> GptModel::take_moe_losses(std::vector<std::array<double, 4>> * per_layer) {
     std::array<double, 4> sums{};
-    for (auto & layer : layers_) {
+    for (TransformerLayer * layer : all_layers()) {
         if (!layer->moe) continue;
         const Tensor  host   = host_readable(layer->moe_losses);
         const float * values = host.data<float>();
@@ -386,7 +445,8 @@ std::array<double, 4> GptModel::take_moe_losses(std::vector<std::array<double, 4
 }
 
 int64_t GptModel::num_moe_layers() const {
-    return std::count_if(layers_.begin(), layers_.end(), [](const auto & layer) { return layer->moe != nullptr; });
+    const std::vector<TransformerLayer *> layers = all_layers();
+    return std::count_if(layers.begin(), layers.end(), [](const TransformerLayer * layer) { return layer->moe != nullptr; });
 }
 
 std::vector<std::pair<int64_t, int64_t>> GptModel::recompute_groups() const {
@@ -428,22 +488,183 @@ int64_t GptModel::local_valid_vocab() const {
     return std::clamp<int64_t>(config_.vocab_size - vocab_begin_, 0, vocab_local_);
 }
 
-void GptModel::vocab_parallel_cross_entropy(Context & ctx) {
-    // loss = log(sum over all ranks' columns of exp(logit - max)) + max - logit[label], with the max, the
-    // sum and the label's logit each combined over the group: the full logits are never gathered.
-    const int64_t n = ctx.s * ctx.b, valid = local_valid_vocab();
+void GptModel::cross_entropy(const Tensor & logits, const Tensor & labels, Tensor & lse, Tensor & token_loss) {
+    const int64_t n      = logits.size(0);
     Ops &         ops    = device_.ops();
     Stream &      stream = device_.compute_stream();
+    lse        = activation(device_, n, 1);
+    token_loss = activation(device_, n, 1);
+    if (tp_.size == 1) {
+        ops.cross_entropy_forward(stream, logits, labels, token_loss, lse, config_.vocab_size);
+        return;
+    }
+    // Vocabulary-parallel: loss = log(sum over all ranks' columns of exp(logit - max)) + max - logit[label],
+    // with the max, the sum and the label's logit each combined over the group: the full logits are never
+    // gathered.
+    const int64_t valid  = local_valid_vocab();
     Tensor        max    = activation(device_, n, 1);
     Tensor        sum    = activation(device_, n, 1);
     Tensor        target = activation(device_, n, 1);
-    ops.row_max(stream, ctx.logits, valid, max);
+    ops.row_max(stream, logits, valid, max);
     tp_.group->all_reduce(max, comm::ReduceOp::max, &stream);
-    ops.row_sum_exp(stream, ctx.logits, max, valid, sum);
+    ops.row_sum_exp(stream, logits, max, valid, sum);
     tp_.all_reduce(sum);
-    ops.label_logit(stream, ctx.logits, local_tokens(ctx.batch.labels), target);
+    ops.label_logit(stream, logits, local_tokens(labels), target);
     tp_.all_reduce(target);
-    ops.lse_and_loss(stream, max, sum, target, ctx.lse, ctx.token_loss);
+    ops.lse_and_loss(stream, max, sum, target, lse, token_loss);
+}
+
+MicroBatch add_mtp_targets(MicroBatch batch, int64_t depths) {
+    if (depths == 0) return batch;
+    const int64_t b = batch.tokens.size(0), s = batch.tokens.size(1);
+    LOOM_CHECK(batch.labels.defined() && batch.loss_mask.defined() && batch.labels.size(1) == s,
+               "MTP planes of a micro-batch without its labels and mask", "");
+    const MemoryKind kind = batch.tokens.memory_kind();
+    batch.mtp_tokens = Tensor::zeros({depths, b, s}, DType::i32, batch.tokens.device(), {kind});
+    batch.mtp_labels = Tensor::zeros({depths, b, s}, DType::i32, batch.tokens.device(), {kind});
+    batch.mtp_mask   = Tensor::zeros({depths, b, s}, DType::f32, batch.tokens.device(), {kind});
+    batch.mtp_sequence_tokens.assign(static_cast<size_t>(depths), 0.0);
+    const int32_t * tokens = batch.tokens.data<int32_t>();
+    const int32_t * labels = batch.labels.data<int32_t>();
+    const float *   mask   = batch.loss_mask.data<float>();
+    for (int64_t k = 0; k < depths; ++k) {
+        int32_t * t = batch.mtp_tokens.data<int32_t>() + k * b * s;
+        int32_t * l = batch.mtp_labels.data<int32_t>() + k * b * s;
+        float *   m = batch.mtp_mask.data<float>() + k * b * s;
+        for (int64_t r = 0; r < b; ++r) {
+            for (int64_t i = 0; i + k + 1 < s; ++i) {
+                t[r * s + i] = tokens[r * s + i + k + 1];
+                l[r * s + i] = labels[r * s + i + k + 1];
+                m[r * s + i] = mask[r * s + i + k + 1];
+                batch.mtp_sequence_tokens[static_cast<size_t>(k)] += m[r * s + i];
+            }
+        }
+    }
+    return batch;
+}
+
+namespace {
+// Plane k of a (D, b, s) tensor, as (b, s).
+Tensor plane(const Tensor & planes, int64_t k) {
+    return planes.narrow(0, k, 1).view({planes.size(1), planes.size(2)});
+}
+}  // namespace
+
+void GptModel::mtp_forward(Context & ctx, const MicroBatch & batch, const Tensor & h0, const DropoutBatch & dropout_batch) {
+    const int64_t     s = ctx.s, b = ctx.b, h = config_.hidden_size, rows = h0.size(0);
+    const int64_t     depths = static_cast<int64_t>(mtp_.size());
+    const DType       act    = config_.activations_dtype();
+    Ops &             ops    = device_.ops();
+    Stream &          stream = device_.compute_stream();
+    const Parameter & out_w  = output_.data.defined() ? output_ : wte_;
+    const bool        wide   = wte_.data.dtype() == DType::f16;
+    ctx.mtp.assign(static_cast<size_t>(depths), Context::MtpDepth{});
+    Tensor prev = h0;
+    for (int64_t k = 0; k < depths; ++k) {
+        Context::MtpDepth & c     = ctx.mtp[static_cast<size_t>(k)];
+        MtpDepth &          depth = mtp_[static_cast<size_t>(k)];
+        c.tokens = local_tokens(plane(ctx.batch.mtp_tokens, k));
+        c.labels = plane(ctx.batch.mtp_labels, k);
+        c.mask   = plane(ctx.batch.mtp_mask, k);
+        // The embedding of the token k + 1 ahead (Megatron's embedding module: no positions with RoPE, its
+        // dropout); a dropout site of its own, past every layer's.
+        Tensor e = activation(device_, s * b, h, act);
+        ops.embedding_forward(stream, c.tokens, wide ? parameter_f32(wte_) : wte_.data, Tensor(), e, cp_.positions(s));
+        if (tp_.sp()) {
+            e = tp_.reduce_scatter(e);
+        } else {
+            tp_.all_reduce(e);
+        }
+        c.embedding_dropout = dropout_key(config_, tp_, dropout_batch, config_.num_layers + depths + k,
+                                          DropoutKind::attention_output, rows);
+        if (c.embedding_dropout.enabled()) ops.dropout(stream, e, e, c.embedding_dropout);
+        const Tensor a   = depth.enorm->forward(c.enorm, e);
+        const Tensor hn  = depth.hnorm->forward(c.hnorm, prev);
+        Tensor       cat = activation(device_, rows, 2 * h, act);
+        ops.copy_columns(stream, a, 0, cat, 0, h);
+        ops.copy_columns(stream, hn, 0, cat, h, h);
+        const Tensor p   = depth.eh_proj->forward(c.eh_proj, cat);
+        const Tensor y   = depth.layer->forward(c.layer, p, s, b, dropout_batch);
+        prev             = depth.final_norm->forward(c.final_norm, y);
+        c.final_hidden   = in_dtype(tp_.sp() ? tp_.all_gather(prev) : prev, out_w.data.dtype());
+        c.logits         = activation(device_, s * b, vocab_local_, act);
+        ops.gemm(stream, c.final_hidden, false, out_w.data, true, c.logits);
+        cross_entropy(c.logits, c.labels, c.lse, c.token_loss);
+        // Its token count: the whole sequences' under context parallelism, as the main loss's.
+        const Tensor mask = plane(ctx.mtp_host_mask, k);
+        if (cp_.enabled()) {
+            c.loss.count = batch.mtp_sequence_tokens.at(static_cast<size_t>(k));
+        } else {
+            const float * m = mask.data<float>();
+            for (int64_t i = 0; i < b * s; ++i) c.loss.count += m[i];
+        }
+        pending_mtp_.push_back(PendingMtpLoss{c.token_loss, mask, c.loss.count, static_cast<size_t>(k)});
+    }
+}
+
+Tensor GptModel::mtp_backward(Context & ctx, double loss_scale, const GradReadyFn & ready) {
+    const int64_t s = ctx.s, b = ctx.b, h = config_.hidden_size;
+    const int64_t depths = static_cast<int64_t>(ctx.mtp.size());
+    Ops &         ops    = device_.ops();
+    Stream &      stream = device_.compute_stream();
+    Parameter &   out_w  = output_.data.defined() ? output_ : wte_;
+    const DType   act    = config_.activations_dtype();
+    // Each token of depth k weighs scale / D / (its tokens) per micro-batch where the main loss's weigh
+    // 1 / (main tokens): loss_scale (the main token's factor) times main tokens / depth tokens (Megatron's
+    // MTPLossAutoScaler with the main loss's scale, and the same ratio under --calculate-per-token-loss).
+    const double main_tokens = std::max(ctx.loss.count, 1.0);
+    Tensor       dnext;   // the gradient of depth k's output from depth k + 1
+    for (int64_t k = depths - 1; k >= 0; --k) {
+        Context::MtpDepth & c     = ctx.mtp[static_cast<size_t>(k)];
+        MtpDepth &          depth = mtp_[static_cast<size_t>(k)];
+        const double factor = loss_scale * main_tokens / std::max(c.loss.count, 1.0) *
+                              static_cast<double>(config_.mtp_loss_scaling_factor) / static_cast<double>(depths);
+        Tensor dloss = activation(device_, s * b, 1);
+        ops.loss_grad(stream, c.mask, factor * cp_.size, dloss);
+        ops.cross_entropy_backward(stream, c.logits, local_tokens(c.labels), c.lse, dloss, local_valid_vocab());
+        Tensor dlogits = in_dtype(c.logits, out_w.data.dtype());
+        c.logits       = Tensor();
+        Tensor dout    = activation(device_, s * b, h, act);
+        ops.gemm(stream, dlogits, false, out_w.data, false, dout);
+        if (tp_.sp()) {
+            dout = tp_.reduce_scatter(dout);
+        } else {
+            tp_.all_reduce(dout);
+        }
+        accumulate_grads(stream, {out_w.main_grad}, [&](std::span<const Tensor> g) {
+            ops.gemm(stream, dlogits, true, c.final_hidden, false, g[0], /*accumulate=*/true);
+        });
+        if (dnext.defined()) ops.add_inplace(stream, dout, dnext);
+        const Tensor dy   = depth.final_norm->backward(c.final_norm, dout, ready);
+        const Tensor dp   = depth.layer->backward(c.layer, dy, ready);
+        const Tensor dcat = depth.eh_proj->backward(c.eh_proj, dp, ready);
+        const int64_t rows = dcat.size(0);
+        Tensor da = activation(device_, rows, h, act), dh = activation(device_, rows, h, act);
+        ops.copy_columns(stream, dcat, 0, da, 0, h);
+        ops.copy_columns(stream, dcat, h, dh, 0, h);
+        dnext     = depth.hnorm->backward(c.hnorm, dh, ready);
+        Tensor de = depth.enorm->backward(c.enorm, da, ready);
+        if (c.embedding_dropout.enabled()) ops.dropout(stream, de, de, c.embedding_dropout);
+        if (tp_.sp()) de = tp_.all_gather(de);
+        accumulate_grads(stream, {wte_.main_grad, Tensor()}, [&](std::span<const Tensor> g) {
+            ops.embedding_backward(stream, c.tokens, de, g[0], g[1], cp_.positions(s));
+        });
+        c = Context::MtpDepth{};
+    }
+    ctx.mtp.clear();
+    // The word embedding's copy on a later stage is final here (on the first stage its own backward ends it;
+    // a tied one is the output weight, reported by the caller).
+    if (ready && !stage_.pre_process && output_.data.defined()) ready(wte_);
+    return dnext;
+}
+
+std::vector<double> GptModel::take_mtp_losses() {
+    std::vector<double> sums(mtp_.size(), 0.0);
+    for (const PendingMtpLoss & p : pending_mtp_) {
+        sums[p.depth] += masked_loss_sum(host_readable(p.token_loss), p.mask) / std::max(p.count, 1.0);
+    }
+    pending_mtp_.clear();
+    return sums;
 }
 
 }  // namespace loom::model

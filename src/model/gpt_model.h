@@ -3,6 +3,15 @@
 //   tokens (b, s) --wte (V, h) [+ wpe (P, h)]--> x (s*b, h) --layers--> --norm--> --W_out^T--> logits (s*b, V)
 //   loss = sum over tokens of mask * CE(logits, labels) / sum(mask)         ("lm loss")
 //
+// Multi-token prediction (--mtp-num-layers D, DeepSeek-V3's MTP as Megatron's MultiTokenPredictionBlock): on
+// the last stage, from h_0 = the final norm's output, depth k = 0 .. D-1 computes
+//   e_k     = embedding(token k + 1 ahead)                         (the shared word embedding, its dropout)
+//   h_{k+1} = final_norm_k(layer_k(eh_proj_k [enorm_k(e_k) | hnorm_k(h_k)]))     eh_proj_k (h, 2h), no bias
+//   mtp loss_k = sum over tokens of mask_{k+1} * CE(h_{k+1} W_out^T, label k + 1 ahead) / sum(mask_{k+1})
+// (the token, label and mask k + 1 ahead: MicroBatch's MTP planes), and the training loss is
+// lm loss + mtp_loss_scaling_factor / D * sum_k mtp loss_k. layer_k is a transformer layer of the last
+// decoder layer's kind. Evaluation leaves the depths out: they change no reported loss.
+//
 // The output layer reuses the word embedding (tied, GPT-2) unless the config unties them (Llama); the
 // tied weight then gets both gradient contributions before it is reported ready. backward() takes the
 // factor each token's loss is scaled by (1 / (sum(mask) * num_microbatches) for Megatron's averaging
@@ -33,7 +42,16 @@ struct MicroBatch {
     // (model::ContextParallel); sequence_tokens is then the whole sequences' loss_mask sum, which every
     // rank's loss is a share of. -1: the sum of loss_mask itself.
     double sequence_tokens = -1;
+    // Multi-token prediction (--mtp-num-layers D; add_mtp_targets): depth k's input token and its label and
+    // mask are those k + 1 positions ahead, (D, b, s) each, 0 past the sequence's end (Megatron's roll_tensor).
+    // With context parallelism they hold this rank's chunks of the whole sequences' rolls, and
+    // mtp_sequence_tokens[k] is the whole sequences' mask sum of depth k (else the planes' own sums).
+    Tensor              mtp_tokens, mtp_labels, mtp_mask;
+    std::vector<double> mtp_sequence_tokens;
 };
+
+// `batch` (whole sequences, in host memory) with its MTP planes for `depths` depths (none for 0).
+MicroBatch add_mtp_targets(MicroBatch batch, int64_t depths);
 
 // The part of the model one pipeline stage holds: layers [first_layer, first_layer + num_layers) (global
 // indices, so parameter names and initial values are those of the whole model), the embedding on the
@@ -99,6 +117,20 @@ public:
         bool                                   training = true;   // false: evaluation, no dropout
         Dropout                                embedding_dropout;
         std::vector<Tensor>                    checkpoints;    // full recompute: each group's input, at its first layer
+        // MTP (training passes of the last stage): each depth's contexts, the rows its loss reads, and its
+        // token count (count; sum is not read here: take_mtp_losses).
+        struct MtpDepth {
+            Norm::Context             enorm, hnorm, final_norm;
+            Linear::Context           eh_proj;
+            TransformerLayer::Context layer;
+            Dropout                   embedding_dropout;
+            Tensor                    tokens;          // (b, s) the inputs as this rank's vocabulary rows
+            Tensor                    labels, mask;    // (b, s) device
+            Tensor                    final_hidden, logits, lse, token_loss;
+            LossSum                   loss;
+        };
+        std::vector<MtpDepth>                  mtp;
+        Tensor                                 mtp_host_mask;   // (D, b, s): the planes' masks on the host
     };
 
     // Initialises every parameter from config.seed (Megatron's scheme).
@@ -172,6 +204,10 @@ public:
     // its global layer index.
     std::array<double, 4> take_moe_losses(std::vector<std::array<double, 4>> * per_layer = nullptr);
     int64_t num_moe_layers() const;
+    // --mtp-num-layers: each depth's loss, the masked mean cross-entropy of each training micro-batch (over
+    // the whole sequences' tokens: a context-parallel rank's is its share) summed over the forwards since the
+    // last call, which clears them; wait for the compute stream first. Empty off the last stage.
+    std::vector<double> take_mtp_losses();
     TransformerLayer & layer(int64_t i) { return *layers_.at(static_cast<size_t>(i)); }
     void zero_grad();
 
@@ -193,6 +229,16 @@ private:
     ExpertParallel                                 ep_;
     ContextParallel                                cp_;
     Tensor                                         moe_expert_bias_, moe_expert_load_;   // (MoE layers, E): routers' rows
+    // The MTP depths (last stage only): mtp.layers.<k>.{enorm, hnorm, eh_proj, transformer_layer, final_layernorm}.
+    struct MtpDepth {
+        std::unique_ptr<Norm>             enorm, hnorm, final_norm;
+        std::unique_ptr<Linear>           eh_proj;
+        std::unique_ptr<TransformerLayer> layer;
+    };
+    std::vector<MtpDepth>                          mtp_;
+    // Training forwards' depth losses not read yet: (token_loss, the mask plane (b, s) on the host, count).
+    struct PendingMtpLoss { Tensor token_loss, mask; double count; size_t depth; };
+    std::vector<PendingMtpLoss>                    pending_mtp_;
     int64_t                                        vocab_local_ = 0;   // V / tp rows on this rank
     int64_t                                        vocab_begin_ = 0;   // the first of them
 
@@ -201,7 +247,13 @@ private:
     Tensor  local_tokens(const Tensor & tokens) const;
     // How many of this rank's vocabulary columns are real tokens (the rest is padding).
     int64_t local_valid_vocab() const;
-    void    vocab_parallel_cross_entropy(Context & ctx);
+    // Per-token cross-entropy of logits (s*b, V / tp) against labels (b, s): token_loss and lse, (s*b) each.
+    void    cross_entropy(const Tensor & logits, const Tensor & labels, Tensor & lse, Tensor & token_loss);
+    // The decoder's layers, then the MTP depths' (MoE bookkeeping spans both).
+    std::vector<TransformerLayer *> all_layers() const;
+    void    mtp_forward(Context & ctx, const MicroBatch & batch, const Tensor & h, const DropoutBatch & dropout_batch);
+    // Returns the gradient of h (the final norm's output rows) from the depths.
+    Tensor  mtp_backward(Context & ctx, double loss_scale, const GradReadyFn & ready);
     // ctx.runs is one strategy per layer, recomputes exactly recompute_groups() and replays only with graphs
     // in a training pass.
     void    check_runs(const Context & ctx) const;
@@ -213,6 +265,7 @@ private:
     std::vector<Parameter *> embedding_params();
     std::vector<Parameter *> layer_params(size_t i);
     std::vector<Parameter *> output_params();
+    void                     mtp_parameters(std::vector<Parameter *> & out);
 };
 
 }  // namespace loom::model

@@ -10,19 +10,28 @@ namespace loom::model {
 // ---------------------------------------------------------------------------------------------------
 // TransformerLayer
 
+namespace {
+std::string layer_prefix(int64_t index, const std::string & prefix) {
+    return prefix.empty() ? "layers." + std::to_string(index) : prefix;
+}
+}  // namespace
+
 TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & device, const TensorParallel & tp,
-                                   const ExpertParallel & ep, const ContextParallel & cp)
+                                   const ExpertParallel & ep, const ContextParallel & cp, const std::string & prefix)
     : config(c),
       index(index),
-      norm1("layers." + std::to_string(index) + ".norm1", c.hidden_size, c.normalization, c.norm_epsilon,
-            c.params_dtype, device, tp),
-      attention("layers." + std::to_string(index) + ".attention", c, device, tp, cp, index),
-      norm2("layers." + std::to_string(index) + ".norm2", c.hidden_size, c.normalization, c.norm_epsilon,
-            c.params_dtype, device, tp) {
+      norm1(layer_prefix(index, prefix) + ".norm1", c.hidden_size, c.normalization, c.norm_epsilon, c.params_dtype,
+            device, tp),
+      // An MTP depth's attention takes the CP exchange of the decoder layer with its depth's number (Megatron
+      // numbers MTP layers from 1, and a per-layer --cp-comm-type list is read by layer number).
+      attention(layer_prefix(index, prefix) + ".attention", c, device, tp, cp,
+                index < c.num_layers ? index : index - c.num_layers),
+      norm2(layer_prefix(index, prefix) + ".norm2", c.hidden_size, c.normalization, c.norm_epsilon, c.params_dtype,
+            device, tp) {
     norm1.set_one_plus(c.apply_layernorm_1p);
     norm2.set_one_plus(c.apply_layernorm_1p);
-    const std::string name = "layers." + std::to_string(index) + ".mlp";
-    if (c.moe.is_moe_layer(index)) {
+    const std::string name = layer_prefix(index, prefix) + ".mlp";
+    if (c.is_moe_layer(index)) {
         moe        = std::make_unique<MoELayer>(name, c, c.moe, device, tp, ep, cp);
         moe_losses = Tensor::zeros({router_loss_count}, DType::f32, device, {MemoryKind::device, "moe-metrics"});
     } else {

@@ -16,8 +16,11 @@ namespace loom::model {
 // Experts (model/moe/moe_layer.h) where config.moe says this layer is one (--num-experts, --moe-layer-freq).
 class TransformerLayer {
 public:
+    // `index` orders the layer in the model (dropout keys, MoE or dense: GptConfig::is_moe_layer); its
+    // parameters are named "<prefix>.norm1.weight", ..., the prefix "layers.<index>" unless given (an MTP
+    // depth's layer, index num_layers + k: "mtp.layers.<k>.transformer_layer").
     TransformerLayer(int64_t index, const GptConfig & config, Device & device, const TensorParallel & tp = {},
-                     const ExpertParallel & ep = {}, const ContextParallel & cp = {});
+                     const ExpertParallel & ep = {}, const ContextParallel & cp = {}, const std::string & prefix = "");
     ~TransformerLayer();
     struct Context {
         Norm::Context                    norm1, norm2;

@@ -92,7 +92,7 @@ RankMemory plan_rank_memory(const train::TrainOptions & options, int world_size,
         std::unique_ptr<train::BatchSource> data = train::context_parallel_part(
             train::loader_source(std::make_unique<ShapeOnlyDataset>(once.model.vocab_size, once.model.seq_length),
                                  once.micro_batch_size, groups.dp ? groups.dp->rank() : 0, once.parallel.dp(), device),
-            groups.cp ? groups.cp->rank() : 0, once.parallel.cp());
+            groups.cp ? groups.cp->rank() : 0, once.parallel.cp(), once.model.mtp_num_layers);
         Allocator &   memory = device.allocator(MemoryKind::device);
         const int64_t states = memory.stats().allocated;
         memory.reset_peak();

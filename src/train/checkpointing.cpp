@@ -27,7 +27,8 @@ const std::map<std::string, json> & later_args() {
                                                          {"apply_layernorm_1p", false}, {"squared_relu", false},
                                                          {"multi_latent_attention", false}, {"q_lora_rank", nullptr},
                                                          {"kv_lora_rank", nullptr},   {"qk_head_dim", nullptr},
-                                                         {"qk_pos_emb_head_dim", nullptr}, {"v_head_dim", nullptr}};
+                                                         {"qk_pos_emb_head_dim", nullptr}, {"v_head_dim", nullptr},
+                                                         {"mtp_num_layers", nullptr}};
     return defaults;
 }
 
@@ -326,6 +327,11 @@ void apply_checkpoint_args(model::GptConfig & m, const checkpoint::Index & index
         m.rotary_scaling_factor = real("rotary_scaling_factor", a.value("rotary_scaling_factor", json(1.0)));
         m.mscale                = real("mscale", a.value("mscale", json(1.0)));
         m.mscale_all_dim        = real("mscale_all_dim", a.value("mscale_all_dim", json(0.0)));
+    }
+    // Multi-token prediction's depths (null: none) and the weight of their losses.
+    if (const json depths = saved_or_dense(a, "mtp_num_layers"); !depths.is_null()) {
+        m.mtp_num_layers          = integer("mtp_num_layers", depths);
+        m.mtp_loss_scaling_factor = real("mtp_loss_scaling_factor", a.value("mtp_loss_scaling_factor", json(0.1)));
     }
     // The MoE shape (the router's other settings are training choices, given as flags).
     if (const json experts = saved_or_dense(a, "num_experts"); !experts.is_null()) {

@@ -32,11 +32,11 @@ private:
 // This rank's chunks r and 2 CP - 1 - r of each sequence (model::ContextParallel), in position order.
 class ContextParallelSource : public BatchSource {
 public:
-    ContextParallelSource(std::unique_ptr<BatchSource> source, int rank, int size)
-        : source_(std::move(source)), rank_(rank), size_(size) {}
+    ContextParallelSource(std::unique_ptr<BatchSource> source, int rank, int size, int64_t mtp_depths)
+        : source_(std::move(source)), rank_(rank), size_(size), mtp_depths_(mtp_depths) {}
 
     model::MicroBatch next() override {
-        model::MicroBatch whole = source_->next();
+        model::MicroBatch whole = model::add_mtp_targets(source_->next(), mtp_depths_);
         const int64_t     b = whole.tokens.size(0), s = whole.tokens.size(1), chunk = s / (2 * size_);
         LOOM_CHECK(s % (2 * size_) == 0, "a sequence of " << s << " tokens for --context-parallel-size " << size_,
                    "the sequence length must be a multiple of 2 x --context-parallel-size");
@@ -45,6 +45,15 @@ public:
         const float * mask = whole.loss_mask.data<float>();
         mine.sequence_tokens = 0;
         for (int64_t i = 0; i < b * s; ++i) mine.sequence_tokens += mask[i];
+        if (mtp_depths_ > 0) {   // (D, b, s) planes as (D b, s) rows
+            auto planes = [&](const Tensor & t) {
+                return part(t.view({mtp_depths_ * b, s}), chunk).view({mtp_depths_, b, 2 * chunk});
+            };
+            mine.mtp_tokens          = planes(whole.mtp_tokens);
+            mine.mtp_labels          = planes(whole.mtp_labels);
+            mine.mtp_mask            = planes(whole.mtp_mask);
+            mine.mtp_sequence_tokens = whole.mtp_sequence_tokens;
+        }
         return mine;
     }
     std::string describe() const override { return source_->describe(); }
@@ -69,13 +78,15 @@ private:
 
     std::unique_ptr<BatchSource> source_;
     int                          rank_, size_;
+    int64_t                      mtp_depths_;
 };
 
 }  // namespace
 
-std::unique_ptr<BatchSource> context_parallel_part(std::unique_ptr<BatchSource> source, int rank, int size) {
+std::unique_ptr<BatchSource> context_parallel_part(std::unique_ptr<BatchSource> source, int rank, int size,
+                                                   int64_t mtp_depths) {
     if (size <= 1) return source;
-    return std::make_unique<ContextParallelSource>(std::move(source), rank, size);
+    return std::make_unique<ContextParallelSource>(std::move(source), rank, size, mtp_depths);
 }
 
 std::unique_ptr<BatchSource> make_batch_source(TrainOptions & options, Device & device, bool vocab_given,

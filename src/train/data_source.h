@@ -29,6 +29,9 @@ std::unique_ptr<BatchSource> loader_source(std::unique_ptr<data::TokenDataset> d
 // Context parallelism (model::ContextParallel): each micro-batch of `source` cut to this CP rank's two
 // chunks of every sequence, with the whole sequences' loss-mask sum (MicroBatch::sequence_tokens). Every CP
 // rank of a data-parallel rank reads the same samples. size 1 returns `source`.
-std::unique_ptr<BatchSource> context_parallel_part(std::unique_ptr<BatchSource> source, int rank, int size);
+// With mtp_depths (--mtp-num-layers), each micro-batch's MTP planes are cut from the whole sequences first
+// (model::add_mtp_targets), so a depth's token k + 1 ahead may come from another rank's chunk.
+std::unique_ptr<BatchSource> context_parallel_part(std::unique_ptr<BatchSource> source, int rank, int size,
+                                                   int64_t mtp_depths = 0);
 
 }  // namespace loom::train

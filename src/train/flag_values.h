@@ -59,6 +59,8 @@ struct ModelFlags {
     int64_t     q_lora_rank = 0, kv_lora_rank = 32, qk_head_dim = 128, qk_pos_emb_head_dim = 64, v_head_dim = 128;
     std::string rope_type;   // "": None (MLA: yarn)
     float       rotary_scaling_factor = 1.0f, mscale = 1.0f, mscale_all_dim = 0.0f;
+    int64_t     mtp_num_layers = 0;              // 0: None
+    float       mtp_loss_scaling_factor = 0.1f;
     uint64_t    seed = 0;
     float       hidden_dropout = 0.1f, attention_dropout = 0.1f;   // Megatron's defaults
 };

@@ -127,6 +127,14 @@ const Flag<ModelFlags> kModelFlags[] = {
     {"--mscale-all-dim", kSize, &M::mscale_all_dim,
      "MLA: YaRN's mscale_all_dim (also squared into the softmax scale, with either RoPE type)", kShowDefault,
      {"mscale_all_dim", [](const TrainOptions & o) -> json { return o.model.mscale_all_dim; }}},
+    {"--mtp-num-layers", kSize, &M::mtp_num_layers,
+     "multi-token prediction depths (DeepSeek-V3): each a projection and a transformer layer on the last stage", kPlain,
+     {"mtp_num_layers", [](const TrainOptions & o) -> json {
+          return o.model.mtp_num_layers > 0 ? json(o.model.mtp_num_layers) : json(nullptr);
+      }, true}},
+    {"--mtp-loss-scaling-factor", kSize, &M::mtp_loss_scaling_factor,
+     "the MTP depths' losses' weight in the training loss, shared out equally between them", kShowDefault,
+     {"mtp_loss_scaling_factor", [](const TrainOptions & o) -> json { return o.model.mtp_loss_scaling_factor; }}},
     {"--seed", "initialization", &M::seed, "random seed (initialisation and data order)", kPlain,
      {"seed", [](const TrainOptions & o) -> json { return o.model.seed; }}},
     {"--hidden-dropout", "regularization", &M::hidden_dropout,
@@ -278,6 +286,18 @@ void check_model_flags(const ModelFlags & f, const Given & given, TrainOptions &
                                    << m.head_dim() << " elements, which RoPE cannot pair",
                "choose a share that leaves an even number of at least 2");
     check_mla_flags(f, given, o);
+    // Multi-token prediction: Megatron's position-embedding rule, then Loom's.
+    if (given("--mtp-num-layers")) {
+        LOOM_CHECK(f.mtp_num_layers >= 1 && f.mtp_num_layers <= 64,
+                   "--mtp-num-layers must be between 1 and 64, got " << f.mtp_num_layers, "");
+        LOOM_CHECK(m.position_embedding != model::PositionEmbedding::learned_absolute,
+                   "--mtp-num-layers with --position-embedding-type learned_absolute is not supported by Loom",
+                   "use --position-embedding-type rope or none");
+        m.mtp_num_layers = f.mtp_num_layers;
+    }
+    LOOM_CHECK(std::isfinite(f.mtp_loss_scaling_factor),
+               "--mtp-loss-scaling-factor must be finite, got " << f.mtp_loss_scaling_factor, "");
+    m.mtp_loss_scaling_factor = f.mtp_loss_scaling_factor;
     LOOM_CHECK(!given("--kv-channels") || m.multi_latent_attention || f.kv_channels == m.head_dim(),
                "--kv-channels " << f.kv_channels << " is not supported by Loom: its heads are hidden / heads = "
                                 << m.head_dim() << " wide",

@@ -52,7 +52,7 @@ std::string megatron_log_line(const IterationStats & s, int64_t train_iters, boo
     n += std::snprintf(buffer + n, sizeof(buffer) - n, " learning rate: %.6E | global batch size: %5lld | lm loss: %.6E |",
                        s.learning_rate, static_cast<long long>(s.global_batch_size), s.lm_loss);
     // The MoE losses follow lm loss, as the other keys of Megatron's total_loss_dict do.
-    for (const auto & [name, value] : s.moe_losses) {
+    for (const auto & [name, value] : s.tracked_losses) {
         n += std::snprintf(buffer + n, sizeof(buffer) - n, " %s: %.6E |", name.c_str(), value);
     }
     n += std::snprintf(buffer + n, sizeof(buffer) - n, " loss scale: %.1f | grad norm: %.3f |", s.loss_scale, s.grad_norm);
@@ -72,7 +72,7 @@ std::string metrics_json(const IterationStats & s) {
     j["learning rate"]               = s.learning_rate;
     j["global batch size"]           = s.global_batch_size;
     j["lm loss"]                     = s.lm_loss;
-    for (const auto & [name, value] : s.moe_losses) j[name] = value;
+    for (const auto & [name, value] : s.tracked_losses) j[name] = value;
     j["loss scale"]                  = s.loss_scale;
     j["grad norm"]                   = s.grad_norm;
     if (s.num_zeros >= 0) j["num zeros"] = s.num_zeros;
@@ -95,9 +95,9 @@ std::string megatron_validation_lines(const std::string & where, double loss) {
 void LogWindow::add(double loss, const IterationStats & stats) {
     loss_ += loss;
     if (moe_.empty()) {
-        moe_ = stats.moe_losses;
+        moe_ = stats.tracked_losses;
     } else {
-        for (size_t i = 0; i < moe_.size(); ++i) moe_[i].second += stats.moe_losses[i].second;
+        for (size_t i = 0; i < moe_.size(); ++i) moe_[i].second += stats.tracked_losses[i].second;
     }
     ++iterations_;
 }
@@ -107,8 +107,8 @@ IterationStats LogWindow::close(IterationStats last, double now_seconds, double 
     last.elapsed_ms  = (now_seconds - start_) * 1000.0 / n;
     last.tflops      = flops_per_iteration / (last.elapsed_ms / 1000.0) / 1e12;
     last.lm_loss     = loss_ / n;
-    last.moe_losses  = moe_;
-    for (auto & entry : last.moe_losses) entry.second /= n;
+    last.tracked_losses  = moe_;
+    for (auto & entry : last.tracked_losses) entry.second /= n;
     start_      = now_seconds;
     loss_       = 0;
     iterations_ = 0;
@@ -194,7 +194,7 @@ void TensorBoardSink::iteration(const IterationReport & r) {
         if (options_.log_loss_scale_to_tensorboard) both("loss-scale", stats.loss_scale);
         if (options_.log_world_size_to_tensorboard) both("world-size", static_cast<double>(world_size_));
         both("grad-norm", stats.grad_norm);
-        for (const auto & [name, value] : stats.moe_losses) board_.add_scalar(name, value, k);   // the MoE tracker's
+        for (const auto & [name, value] : stats.tracked_losses) board_.add_scalar(name, value, k);   // the MoE tracker's
         for (const auto & [tag, value] : stats.moe_layer_losses) board_.add_scalar(tag, value, k);
         if (stats.num_zeros >= 0) both("num-zeros", stats.num_zeros);
         if (stats.params_norm >= 0) both("params-norm", stats.params_norm);

@@ -31,9 +31,11 @@ struct IterationStats {
     double  learning_rate     = 0;
     int64_t global_batch_size = 0;
     double  lm_loss           = 0;   // mean over the log interval
-    // MoE: Megatron's tracked router losses, each the mean over MoE layers of its per-micro-batch mean
-    // (then over the log interval), by name ("load_balancing_loss", "seq_load_balancing_loss", "z_loss").
-    std::vector<std::pair<std::string, double>> moe_losses;
+    // The other keys of Megatron's total_loss_dict, in its order, each a mean over the log interval:
+    //  - MoE: the tracked router losses, each the mean over MoE layers of its per-micro-batch mean, by name
+    //    ("load_balancing_loss", "seq_load_balancing_loss", "z_loss");
+    //  - MTP: "mtp_<k> loss", depth k's per-micro-batch mean cross-entropy, averaged over micro-batches.
+    std::vector<std::pair<std::string, double>> tracked_losses;
     // --moe-per-layer-logging: Megatron's per-layer tags ("moe/load_balancing_loss_layer_3"), each layer's
     // per-micro-batch mean of this iteration (0 for a dense layer); TensorBoard only.
     std::vector<std::pair<std::string, double>> moe_layer_losses;

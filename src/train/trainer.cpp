@@ -123,7 +123,7 @@ Trainer::Trainer(const TrainOptions & options, std::unique_ptr<Setup> owned, Set
     const RerunMode      rerun    = rerun_->mode();
     gated_ = (!everyone || everyone->size() == 1) && (!setup_.groups.dp || setup_.groups.dp->size() == 1) && !scaler_ &&
              rerun != RerunMode::report_stats && options_.error_injection_rate == 0 && !options_.model.moe.enabled() &&
-             setup_.optimizer->gated_step_supported();
+             options_.model.mtp_num_layers == 0 && setup_.optimizer->gated_step_supported();
     deferrable_ = gated_ && !options_.log_num_zeros_in_grad && !options_.log_params_norm &&
                   options_.timing_log_level == 0 && options_.batch_schedule.empty();
     if (gated_) {
@@ -152,12 +152,13 @@ void Trainer::follow_batch_schedule() {
 }
 
 void Trainer::moe_losses(IterationStats & stats) {
-    stats.moe_losses.clear();
+    stats.tracked_losses.clear();
     stats.moe_layer_losses.clear();
     const model::MoeConfig & moe = options_.model.moe;
     if (!moe.enabled()) return;
     Device &      device = model_.device();
-    const int64_t L      = options_.model.num_layers;
+    // Megatron's tracker counts the MTP depths' layers as layers after the decoder's.
+    const int64_t L      = options_.model.num_layers + options_.model.mtp_num_layers;
     // The four sums over layers, then with per-layer logging each layer's four: reduced together.
     std::vector<std::array<double, 4>> layer_values(static_cast<size_t>(L));
     std::vector<float>                 sums(4, 0.0f);
@@ -190,13 +191,13 @@ void Trainer::moe_losses(IterationStats & stats) {
         }
     }
     int64_t layers = 0;
-    for (int64_t i = 0; i < L; ++i) layers += moe.is_moe_layer(i) ? 1 : 0;
+    for (int64_t i = 0; i < L; ++i) layers += options_.model.is_moe_layer(i) ? 1 : 0;
     const double per_microbatch       = 1.0 / static_cast<double>(microbatches_);
     const double per_layer_microbatch = per_microbatch / static_cast<double>(layers);
     // Megatron's tracked names; per layer "moe/<name>_layer_<i>" for every layer (Megatron's tracker holds
     // one value per layer of the model), each scaled by 1 / micro-batches as its tracker's report does.
     auto add = [&](const std::string & name, size_t index) {
-        stats.moe_losses.emplace_back(name, sums[index] * per_layer_microbatch);
+        stats.tracked_losses.emplace_back(name, sums[index] * per_layer_microbatch);
         if (!options_.moe_per_layer_logging) return;
         for (int64_t i = 0; i < L; ++i) {
             stats.moe_layer_losses.emplace_back("moe/" + name + "_layer_" + std::to_string(i),
@@ -210,6 +211,30 @@ void Trainer::moe_losses(IterationStats & stats) {
             model::router_loss_aux_logged);
     }
     if (moe.z_loss_coeff > 0.0f) add("z_loss", model::router_loss_z_logged);
+}
+
+void Trainer::mtp_losses(IterationStats & stats) {
+    const int64_t depths = options_.model.mtp_num_layers;
+    if (depths == 0) return;
+    std::vector<float> sums(static_cast<size_t>(depths), 0.0f);
+    for (model::GptModel * chunk : setup_.chunks) {
+        const std::vector<double> mine = chunk->take_mtp_losses();
+        for (size_t k = 0; k < mine.size(); ++k) sums[k] += static_cast<float>(mine[k]);
+    }
+    Device & device = model_.device();
+    if (stages_) sums = comm::all_reduce_values(*stages_, device, sums, comm::ReduceOp::sum);   // the last stage's
+    // Each CP rank's sums are its share of the whole sequences' (over their token counts); every TP rank has
+    // every row's loss (the vocabulary-parallel cross-entropy), so TP adds nothing.
+    if (setup_.groups.cp && setup_.groups.cp->size() > 1) {
+        sums = comm::all_reduce_values(*setup_.groups.cp, device, sums, comm::ReduceOp::sum);
+    }
+    if (const comm::Communicator * dp = setup_.groups.dp.get(); dp && dp->size() > 1) {
+        sums = comm::all_reduce_values(*setup_.groups.dp, device, sums, comm::ReduceOp::avg);
+    }
+    for (int64_t k = 0; k < depths; ++k) {
+        stats.tracked_losses.emplace_back("mtp_" + std::to_string(k + 1) + " loss",
+                                          sums[static_cast<size_t>(k)] / static_cast<double>(microbatches_));
+    }
 }
 
 void BatchSource::set_consumed_samples(int64_t consumed) {
@@ -468,10 +493,11 @@ pipeline::PipelineExecutor::Result Trainer::run_schedule(IterationStats & stats,
         r = executor_->run([this] { return data_.next(); }, sync_.ready(), sync_.last(), wait);
         peak_in_flight_  = std::max(peak_in_flight_, r.peak_in_flight);
         if (r.modelled_begin_s) last_schedule_ = r;   // the meta device's: loom plan reads it
-        if (!wait) return;   // the gated path: one rank and no MoE layer, nothing below to do
+        if (!wait) return;   // the gated path: one rank, no MoE layer and no MTP, nothing below to do
         for (model::GptModel * chunk : setup_.chunks) chunk->update_moe_expert_bias();
         sum_losses_over_context(r);
         moe_losses(stats);   // run() waited for the stream
+        mtp_losses(stats);
     });
     if (drawn) {
         pipeline::Timeline timeline = pipeline::PipelineExecutor::gather_timeline(r, *stages_, executor_->options(),

@@ -132,10 +132,14 @@ private:
     void                                        follow_batch_schedule();
     std::unique_ptr<graphs::LayerGraphRunner>   layer_graphs_;   // --cuda-graph-impl transformer_engine, once captured
     int64_t                                     start_iteration_ = 0;   // the iteration this run started after
-    // The MoE router losses of the iteration just run into stats.moe_losses (and, with
+    // The MoE router losses of the iteration just run into stats.tracked_losses (and, with
     // --moe-per-layer-logging, stats.moe_layer_losses), reduced over the pipeline (sum over layers), the
     // ranks holding the same sequences' other rows (sum of shares) and data-parallel ranks (mean).
     void moe_losses(IterationStats & stats);
+    // --mtp-num-layers: each depth's loss of the iteration just run, appended to stats.tracked_losses as
+    // "mtp_<k> loss": per micro-batch the masked mean cross-entropy over the whole sequences, averaged over
+    // micro-batches and data-parallel ranks (Megatron's MTPLossLoggingHelper).
+    void mtp_losses(IterationStats & stats);
     int                                         peak_in_flight_ = 0;
     pipeline::PipelineExecutor::Result          last_schedule_;
     // The learning-rate schedule and the samples it has stepped over (Megatron's OptimizerParamScheduler:
