@@ -144,9 +144,11 @@ INSTANTIATE_TEST_SUITE_P(
         ResumeCase{"pp2_vpp2", 2, "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
                                   "--global-batch-size 16"},
         ResumeCase{"tp2_sp", 2, "--tensor-model-parallel-size 2 --sequence-parallel"},
-        // DeepSeek-V3's router: the expert biases (moved every iteration) come back from the checkpoint.
-        ResumeCase{"tp2_sp_moe_expert_bias", 2,
+        // DeepSeek-V3's router and an MTP depth: the expert biases (moved every iteration; the MTP layer's
+        // router's among them) and the depth's weights come back from the checkpoint.
+        ResumeCase{"tp2_sp_moe_expert_bias_mtp", 2,
                    "--tensor-model-parallel-size 2 --sequence-parallel --num-experts 4 --disable-bias-linear "
+                   "--position-embedding-type rope --mtp-num-layers 1 "
                    "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-2 "
                    "--moe-router-num-groups 2 --moe-router-group-topk 1"},
         ResumeCase{"offload_half", 1, "--use-precision-aware-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.5"},

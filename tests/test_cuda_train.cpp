@@ -244,8 +244,8 @@ TEST(CudaTrain, OneGpuMoeWithLayerGraphsFollowsTheCpu) {
 }
 
 // DeepSeek-V3's layer at toy size on one GPU: multi-latent attention (a query latent, the latents' norms),
-// MoE with sigmoid routing, the aux-loss-free expert bias and group-limited routing. The CUDA ops' curve is
-// the CPU's.
+// MoE with sigmoid routing, the aux-loss-free expert bias and group-limited routing, and one MTP depth. The
+// CUDA ops' curve is the CPU's.
 TEST(CudaTrain, OneGpuDeepSeekStyleLayersFollowTheCpu) {
     SKIP_WITHOUT_CUDA();
     const std::string model = "--bf16 --num-layers 2 --normalization RMSNorm --swiglu --disable-bias-linear "
@@ -253,8 +253,8 @@ TEST(CudaTrain, OneGpuDeepSeekStyleLayersFollowTheCpu) {
                               "--qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 16 --qk-layernorm --num-experts 4 "
                               "--moe-router-topk 2 --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
                               "--moe-router-bias-update-rate 1e-2 --moe-router-num-groups 2 --moe-router-group-topk 1 "
-                              "--moe-aux-loss-coeff 0.001 ";
-    expect_follows_cpu(run_loom_mpi(1, kRun + model + "--device " + kDevice), "MLA + MoE expert bias", model);
+                              "--moe-aux-loss-coeff 0.001 --mtp-num-layers 1 ";
+    expect_follows_cpu(run_loom_mpi(1, kRun + model + "--device " + kDevice), "MLA + MoE expert bias + MTP", model);
 }
 
 struct Layout {

@@ -95,8 +95,10 @@ Expected expected() {
 
 model::MicroBatch micro_batch(const Expected & e) {
     Device &          device = cpu::device();
-    model::MicroBatch mb{Tensor::empty({e.b, e.s}, DType::i32, device), Tensor::empty({e.b, e.s}, DType::i32, device),
-                         Tensor::empty({e.b, e.s}, DType::f32, device), Tensor()};
+    model::MicroBatch mb;
+    mb.tokens    = Tensor::empty({e.b, e.s}, DType::i32, device);
+    mb.labels    = Tensor::empty({e.b, e.s}, DType::i32, device);
+    mb.loss_mask = Tensor::empty({e.b, e.s}, DType::f32, device);
     std::memcpy(mb.tokens.data_ptr(), e.tokens.data(), e.tokens.size() * sizeof(int32_t));
     std::memcpy(mb.labels.data_ptr(), e.labels.data(), e.labels.size() * sizeof(int32_t));
     for (int64_t i = 0; i < e.b * e.s; ++i) mb.loss_mask.data<float>()[i] = 1.0f;

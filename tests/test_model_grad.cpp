@@ -332,15 +332,16 @@ TEST(GptModel, DropoutGradientsMatchFiniteDifferences) {
 
 namespace {
 
+// Two layers over 96 positions: two attention blocks (64 + 32), every recomputed module twice.
 model::GptConfig small_recompute_config() {
     model::GptConfig c;
-    c.num_layers = 4;
+    c.num_layers = 2;
     c.hidden_size = 64;
     c.ffn_hidden_size = 256;
     c.num_attention_heads = 4;
     c.num_query_groups = 4;
-    c.seq_length = 128;
-    c.max_position_embeddings = 128;
+    c.seq_length = 96;
+    c.max_position_embeddings = 96;
     c.vocab_size = 64;
     c.hidden_dropout    = 0.1f;
     c.attention_dropout = 0.1f;
@@ -499,6 +500,49 @@ TEST(GptModel, SelectiveRecomputeOfLayernormIsBitwiseAndHoldsLessAfterForward) {
 }
 
 // Evaluation drops nothing: its loss is the dropout-free model's, bitwise; training with dropout differs.
+// Multi-latent attention under selective recompute (f32 and bf16; with and without the query latent):
+//  - layernorm: the input norm's output, which the first projections (q or q_down, and kv_down) keep, is
+//    dropped after forward and set again from the recomputed norm; the bytes held after forward fall by one
+//    norm output per layer (the projections share it) and by the pre-MLP norm's;
+//  - mla_up_proj: the packed [Q | K | V] rows are rebuilt in backward from the latents the up projections
+//    keep, and every row's k_pe is kept instead: the bytes fall by the rows' (n x 3 a (dn + dr)) less k_pe's
+//    (n x dr).
+// Gradients bitwise the stored run's in every case.
+TEST(GptModel, SelectiveRecomputeOfMlaIsBitwiseAndHoldsLessAfterForward) {
+    for (const DType dtype : {DType::f32, DType::bf16}) {
+        for (const bool q_latent : {true, false}) {
+            model::GptConfig c       = small_recompute_config();
+            c.params_dtype           = dtype;
+            c.normalization          = model::Normalization::rmsnorm;
+            c.position_embedding     = model::PositionEmbedding::rope;
+            c.add_bias_linear        = false;
+            c.multi_latent_attention = true;
+            c.q_lora_rank            = q_latent ? 24 : 0;
+            c.kv_lora_rank           = 16;
+            c.qk_head_dim            = 12;
+            c.qk_pos_emb_head_dim    = 8;
+            c.v_head_dim             = 12;
+            c.qk_layernorm           = q_latent;
+            c.recompute_granularity  = model::RecomputeGranularity::selective;
+            SCOPED_TRACE(std::string(dtype_name(dtype)) + (q_latent ? " query latent" : " queries from x"));
+            const StepResult stored = one_step(c);
+            const int64_t    rows = 4 * c.seq_length, size = static_cast<int64_t>(dtype_size(dtype));
+            c.recompute_layernorm   = true;
+            const StepResult norms = one_step(c);
+            expect_bitwise(norms, stored);
+            EXPECT_EQ(stored.saved_activations - norms.saved_activations, c.num_layers * 2 * rows * c.hidden_size * size)
+                << "layernorm: " << stored.saved_activations << " stored, " << norms.saved_activations << " recomputed";
+            c.recompute_layernorm   = false;
+            c.recompute_mla_up_proj = true;
+            const StepResult up = one_step(c);
+            expect_bitwise(up, stored);
+            const int64_t a = c.num_attention_heads, dqk = c.mla_qk_dim(), dr = c.qk_pos_emb_head_dim;
+            EXPECT_EQ(stored.saved_activations - up.saved_activations, c.num_layers * rows * (3 * a * dqk - dr) * size)
+                << "mla_up_proj: " << stored.saved_activations << " stored, " << up.saved_activations << " recomputed";
+        }
+    }
+}
+
 TEST(GptModel, DropoutOnlyWhenTraining) {
     model::GptConfig c = small_recompute_config(), plain = c;
     plain.hidden_dropout = plain.attention_dropout = 0.0f;
@@ -516,7 +560,8 @@ TEST(GptModel, DropoutOnlyWhenTraining) {
 // (LOOM_SYNC_STREAMS=1, the ctest entry test_model_grad_sync_streams), where a block is free once its last
 // user drops it, as with a GPU's stream-ordered caching allocator.
 TEST(GptModel, FullRecomputeIsBitwiseAndLowersTheActivationPeak) {
-    const model::GptConfig stored = small_recompute_config();
+    model::GptConfig stored = small_recompute_config();
+    stored.num_layers       = 4;
     const StepResult       base   = one_step(stored);
     struct Variant { model::RecomputeMethod method; int64_t layers; const char * name; };
     const Variant variants[] = {{model::RecomputeMethod::uniform, 1, "uniform 1"},

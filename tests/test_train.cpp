@@ -157,9 +157,11 @@ TEST(Training, TwentyIterationLossCurveMatchesGolden) {
 // --apply-layernorm-1p stores each norm's scale as 1 + weight with the weight starting at 0: the first
 // iteration is bitwise the standard model's (1 + 0 is 1), and training follows its curve (Adam moves the
 // weight as it moved the scale; the two differ only in rounding, 1 + w against the scale itself): within
-// 1e-4 over 20 iterations.
+// 1e-4 over 10 iterations.
 TEST(Training, ZeroCentredNormsFollowTheStandardModel) {
     train::TrainOptions o = golden_options();
+    o.train_iters         = 10;
+    o.lr_decay_iters      = 10;
     const std::vector<double> standard = train_losses(o);
     o.model.apply_layernorm_1p = true;
     const std::vector<double> centred = train_losses(o);
@@ -905,6 +907,35 @@ TEST(MegatronCommandLine, MultiLatentAttentionFlagsFollowMegatronsRules) {
     }
 }
 
+// --mtp-num-layers: Megatron's None and 0.1 by default, the depths and the weight when given; refused by
+// name: a count outside 1 .. 64, learned absolute positions (Loom's limit: the depths' shifted position ids),
+// a non-finite weight. The FLOP count adds each depth's layer (of the last layer's kind), its norms and
+// eh_proj, and one more pass of the output layer, as Megatron's num_floating_point_operations does.
+TEST(MegatronCommandLine, MtpFlagsFollowMegatronsRules) {
+    const train::TrainOptions d = parse_train({"--mock-data", "--position-embedding-type", "rope"});
+    EXPECT_EQ(d.model.mtp_num_layers, 0);
+    EXPECT_FLOAT_EQ(d.model.mtp_loss_scaling_factor, 0.1f);
+    const train::TrainOptions m = parse_train({"--mock-data", "--position-embedding-type", "rope", "--mtp-num-layers", "2",
+                                               "--mtp-loss-scaling-factor", "0.3"});
+    EXPECT_EQ(m.model.mtp_num_layers, 2);
+    EXPECT_FLOAT_EQ(m.model.mtp_loss_scaling_factor, 0.3f);
+    const double h = static_cast<double>(m.model.hidden_size), V = static_cast<double>(m.model.padded_vocab_size());
+    EXPECT_NEAR(m.model.layers_forward_flops_per_token() - d.model.layers_forward_flops_per_token(),
+                2 * (d.model.layers_forward_flops_per_token() / d.model.num_layers + 2 * (3 * h + 2 * h * h)), 1e-6);
+    EXPECT_DOUBLE_EQ(m.model.output_forward_flops_per_token(), 3 * 2 * h * V);
+    const std::pair<std::vector<std::string>, const char *> bad[] = {
+        {{"--mtp-num-layers", "2"}, "--mtp-num-layers with --position-embedding-type learned_absolute"},
+        {{"--position-embedding-type", "rope", "--mtp-num-layers", "0"}, "--mtp-num-layers must be between 1 and 64"},
+        {{"--position-embedding-type", "rope", "--mtp-loss-scaling-factor", "nan"}, "--mtp-loss-scaling-factor must be finite"},
+    };
+    for (const auto & [flags, message] : bad) {
+        std::vector<std::string> args{"--mock-data"};
+        args.insert(args.end(), flags.begin(), flags.end());
+        const std::string text = error_of([&] { parse_train(args, 2); });
+        EXPECT_NE(text.find(message), std::string::npos) << text;
+    }
+}
+
 // The legacy switch sets RoPE over whatever --position-embedding-type says (Megatron's validate_args).
 TEST(MegatronCommandLine, UseRotaryPositionEmbeddingsMeansRope) {
     EXPECT_EQ(parse_train({"--mock-data", "--use-rotary-position-embeddings"}).model.position_embedding,
@@ -1100,6 +1131,10 @@ TEST(MegatronCommandLine, RecomputeFlagsFollowMegatronsRules) {
         EXPECT_TRUE(o.model.recompute_mlp);
         EXPECT_TRUE(o.model.recompute_layernorm);
         EXPECT_FALSE(o.model.recompute_shared_experts);
+        EXPECT_FALSE(o.model.recompute_mla_up_proj);
+        EXPECT_TRUE(parse_train({"--mock-data", "--multi-latent-attention", "--recompute-granularity", "selective",
+                                 "--recompute-modules", "layernorm", "mla_up_proj"})
+                        .model.recompute_mla_up_proj);
     }
     EXPECT_EQ(parse_train({"--mock-data", "--recompute-method", "uniform"}).model.recompute_granularity,
               model::RecomputeGranularity::none)
@@ -1112,7 +1147,9 @@ TEST(MegatronCommandLine, RecomputeFlagsFollowMegatronsRules) {
         {{"--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "0"}, "(--recompute-num-layers 0)"},
         {{"--recompute-granularity", "selective", "--recompute-method", "uniform"}, "recompute method is not yet supported"},
         {{"--recompute-granularity", "selective", "--recompute-num-layers", "1"}, "recompute_num_layers must be None"},
-        {{"--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"}, "--recompute-modules mla_up_proj is not supported"},
+        {{"--recompute-granularity", "selective", "--recompute-modules", "moe"}, "--recompute-modules moe is not supported"},
+        {{"--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"},
+         "mla_up_proj in recompute_modules is only supported with multi_latent_attention."},
         {{"--hidden-dropout", "1"}, "--hidden-dropout 1 is not a probability in [0, 1)"},
         {{"--attention-dropout", "-0.1"}, "--attention-dropout -0.1 is not a probability"},
     };

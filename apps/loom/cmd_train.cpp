@@ -246,7 +246,8 @@ static int train_on_this_rank(train::TrainOptions & options, bool vocab_given, c
     // What `loom plan` predicts for this run's rank 0 (the same set-up and one iteration on the meta device),
     // set beside the allocator's figures in the summary, with its step where the plan knows the device.
     std::optional<Planned> planned;
-    if (out) {
+    const char *           run_plan = std::getenv("LOOM_RUN_PLAN");   // "0": skip it (README, environment variables)
+    if (out && !(run_plan && std::string(run_plan) == "0")) {
         try {
             const int world_size = mpi ? mpi->world_size() : 1;
             // The step is planned on this machine's CPU, or on a GPU of the plan's table; the ranks of this

@@ -41,12 +41,13 @@ void GptConfig::validate() const {
                        << ", --v-head-dim " << v_head_dim,
                    "ranks and widths >= 1, an even RoPE part, values no wider than a query head");
         LOOM_CHECK(num_query_groups == num_attention_heads, "--group-query-attention with --multi-latent-attention", "");
-        LOOM_CHECK(!recompute_layernorm, "--recompute-modules layernorm with --multi-latent-attention", "");
     }
     LOOM_CHECK(mtp_num_layers >= 0 && mtp_num_layers <= 64, "--mtp-num-layers must be between 1 and 64, got " << mtp_num_layers, "");
     LOOM_CHECK(mtp_num_layers == 0 || position_embedding != PositionEmbedding::learned_absolute,
                "--mtp-num-layers with --position-embedding-type learned_absolute is not supported by Loom",
                "use --position-embedding-type rope or none");
+    LOOM_CHECK(!recompute_mla_up_proj || multi_latent_attention,
+               "mla_up_proj in recompute_modules is only supported with multi_latent_attention.", "");
     LOOM_CHECK(!(swiglu && squared_relu), "--squared-relu and --swiglu are both given",
                "choose one MLP activation (Megatron asserts the same)");
     LOOM_CHECK(seq_length >= 1, "--seq-length must be >= 1", "");

@@ -99,6 +99,9 @@ struct GptConfig {
     // its pre-MLP norm) are not kept for the next module's weight gradient; backward recomputes them from
     // the norm's saved input.
     bool                 recompute_layernorm      = false;
+    // Selective recompute's mla_up_proj: MLA's packed [Q | K | V] rows (the up projections' outputs and the
+    // RoPE'd parts) are not kept; backward builds them again from the latents the up projections keep.
+    bool                 recompute_mla_up_proj    = false;
     MoeConfig            moe;                         // --num-experts and --moe-*: MoE MLPs (none by default)
     uint64_t          seed                    = 1234;
     // Parameter and GEMM-operand dtype: f32, or bf16 with --bf16 (master weights stay f32; main_grad too

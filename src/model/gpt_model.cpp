@@ -218,9 +218,11 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
     ctx.b     = b;
     // The host reads `batch` (token checks, the mask's count); kernels read ctx.batch, the same tensors in
     // device memory (a loader's pinned batch is copied there once).
-    ctx.batch = MicroBatch{stage_.pre_process ? device_resident(batch.tokens, stream) : Tensor(),
-                           stage_.post_process ? device_resident(batch.labels, stream) : Tensor(),
-                           stage_.post_process ? device_resident(batch.loss_mask, stream) : Tensor(), batch.sample_ids};
+    ctx.batch            = MicroBatch{};
+    ctx.batch.tokens     = stage_.pre_process ? device_resident(batch.tokens, stream) : Tensor();
+    ctx.batch.labels     = stage_.post_process ? device_resident(batch.labels, stream) : Tensor();
+    ctx.batch.loss_mask  = stage_.post_process ? device_resident(batch.loss_mask, stream) : Tensor();
+    ctx.batch.sample_ids = batch.sample_ids;
     const bool mtp = !mtp_.empty() && ctx.training;
     if (mtp) {
         LOOM_CHECK(batch.mtp_tokens.defined() || !cp_.enabled(), "a context-parallel micro-batch without its MTP planes",

@@ -140,6 +140,14 @@ Tensor Linear::forward(Context & ctx, const Tensor & x_rows, bool add_bias, std:
     return y;
 }
 
+Tensor Linear::recompute(const Context & ctx, DType out) const {
+    LOOM_CHECK(!has_bias && !(split == Split::row && tp->size > 1) && ctx.x.defined(),
+               "recomputing " << weight.name << "'s output", "only a kept input, without a bias or a TP sum, gives it again");
+    Tensor y = activation(ctx.x.device(), ctx.x.size(0), weight.data.size(0), out);
+    ctx.x.device().ops().gemm(ctx.x.device().compute_stream(), ctx.x, false, weight.data, true, y);
+    return y;
+}
+
 Tensor Linear::forward_gelu(Context & ctx, const Tensor & x_rows, DType out, Tensor & pre) {
     LOOM_CHECK(!(split == Split::row && tp->size > 1), "Linear::forward_gelu of " << weight.name,
                "a row-parallel linear sums its output first: forward, then bias_gelu_forward");
@@ -527,6 +535,47 @@ void SelfAttention::attend_backward(Context & ctx, const Tensor & q_k_v, const T
     if (d_qkv32.data_ptr() != d_qkv.data_ptr()) ops.convert(stream, d_qkv32, d_qkv);
 }
 
+Tensor SelfAttention::mla_packed_rows(const Tensor & q, const Tensor & kv, const Tensor & k_pe, int64_t s, int64_t b) const {
+    const AttentionShape shape  = mla_shape(config, heads, s, b, cp);
+    Ops &                ops    = q.device().ops();
+    Stream &             stream = q.device().compute_stream();
+    const int64_t a = heads, dn = config.qk_head_dim, dr = config.qk_pos_emb_head_dim, dv = config.v_head_dim, dqk = dn + dr;
+    Tensor q_k_v = activation(q.device(), s * b, shape.row_stride, q.dtype());
+    ops.fill_zero(stream, q_k_v);   // V's padding
+    for (int64_t h = 0; h < a; ++h) {
+        ops.copy_columns(stream, q, h * dqk + dn, q_k_v, h * dqk, dr);                     // q_pe
+        ops.copy_columns(stream, q, h * dqk, q_k_v, h * dqk + dr, dn);                     // q_nope
+        ops.copy_columns(stream, k_pe, 0, q_k_v, (a + h) * dqk, dr);                       // k_pe, every head's
+        ops.copy_columns(stream, kv, h * (dn + dv), q_k_v, (a + h) * dqk + dr, dn);        // k_nope
+        ops.copy_columns(stream, kv, h * (dn + dv) + dn, q_k_v, (2 * a + h) * dqk, dv);    // v
+    }
+    ops.rope(stream, q_k_v, s, b, 2 * a, dqk, config.rotary_base, false, dr, /*interleaved=*/true, shape.q_pos,
+             mla_rope(config));
+    return q_k_v;
+}
+
+void SelfAttention::release_input(Context & ctx) const {
+    if (!mla) {
+        ctx.qkv_ctx.x = Tensor();
+        return;
+    }
+    (mla->q ? ctx.latent.q : ctx.latent.q_down).x = Tensor();
+    ctx.latent.kv_down.x = Tensor();
+}
+
+void SelfAttention::restore_input(Context & ctx, const Tensor & x_rows) const {
+    if (!mla) {
+        ctx.qkv_ctx.x = qkv.input_for_backward(x_rows);
+        return;
+    }
+    if (mla->q) {
+        ctx.latent.q.x = mla->q->input_for_backward(x_rows);
+    } else {
+        ctx.latent.q_down.x = mla->q_down->input_for_backward(x_rows);
+    }
+    ctx.latent.kv_down.x = mla->kv_down->input_for_backward(x_rows);
+}
+
 Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const Dropout & dropout) {
     const AttentionShape shape = mla_shape(config, heads, s, b, cp);
     Ops &          ops    = x.device().ops();
@@ -555,21 +604,15 @@ Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, in
     if (tp.sp()) k_pe = tp.all_gather(k_pe);
     if (mla->kv_norm) latent = mla->kv_norm->forward(c.kv_norm, latent);
     const Tensor kv = mla->kv_up->forward(c.kv_up, latent);       // (n, a (dn + dv))
-    Tensor q_k_v = activation(x.device(), n, shape.row_stride, q.dtype());
-    ops.fill_zero(stream, q_k_v);   // V's padding
-    for (int64_t h = 0; h < a; ++h) {
-        ops.copy_columns(stream, q, h * dqk + dn, q_k_v, h * dqk, dr);                     // q_pe
-        ops.copy_columns(stream, q, h * dqk, q_k_v, h * dqk + dr, dn);                     // q_nope
-        ops.copy_columns(stream, k_pe, 0, q_k_v, (a + h) * dqk, dr);                       // k_pe, every head's
-        ops.copy_columns(stream, kv, h * (dn + dv), q_k_v, (a + h) * dqk + dr, dn);        // k_nope
-        ops.copy_columns(stream, kv, h * (dn + dv) + dn, q_k_v, (2 * a + h) * dqk, dv);    // v
-    }
-    ops.rope(stream, q_k_v, s, b, 2 * a, dqk, config.rotary_base, false, dr, /*interleaved=*/true, shape.q_pos,
-             mla_rope(config));
+    Tensor q_k_v = mla_packed_rows(q, kv, k_pe, s, b);
     ctx.qkv    = keep_for_backward(q_k_v, config.params_dtype);
     Tensor out = activation(x.device(), n, a * dqk, q_k_v.dtype());
     ctx.lse    = activation(x.device(), b * a, s);
     attend(ctx, q_k_v, out, shape, mla_softmax_scale(config), dropout);
+    if (config.recompute_mla_up_proj) {   // backward builds the rows again from the latents and k_pe
+        ctx.qkv = Tensor();
+        c.k_pe  = k_pe;
+    }
     Tensor out_v = activation(x.device(), n, a * dv, out.dtype());
     for (int64_t h = 0; h < a; ++h) ops.copy_columns(stream, out, h * dqk, out_v, h * dv, dv);
     return proj.forward(ctx.proj_ctx, out_v);
@@ -594,6 +637,12 @@ Tensor SelfAttention::mla_backward(Context & ctx, const Tensor & dy, const GradR
     for (int64_t h = 0; h < a; ++h) {
         ops.copy_columns(stream, out_v, h * dv, out, h * dqk, dv);
         ops.copy_columns(stream, d_out_v, h * dv, d_out, h * dqk, dv);
+    }
+    if (!ctx.qkv.defined()) {   // --recompute-modules mla_up_proj: the up projections and RoPE again
+        const Tensor q  = mla->q ? mla->q->recompute(c.q, act) : mla->q_up->recompute(c.q_up, act);
+        Tensor       rows = mla_packed_rows(q, mla->kv_up->recompute(c.kv_up, act), c.k_pe, ctx.s, ctx.b);
+        ctx.qkv = keep_for_backward(rows, config.params_dtype);   // rounded as forward kept them
+        c.k_pe  = Tensor();
     }
     const Tensor q_k_v = in_dtype(ctx.qkv, act);
     Tensor       d_qkv = activation(device, n, shape.row_stride, act);

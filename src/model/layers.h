@@ -155,6 +155,9 @@ public:
     // has one (Ops::gemm_bias_gelu): returns gelu(x W^T + b) in `out`, and sets `pre` to x W^T + b, which GELU's
     // backward reads. Not for a split that sums its output over the TP group (the sum comes before the bias).
     Tensor forward_gelu(Context & ctx, const Tensor & x, DType out, Tensor & pre);
+    // forward's output again from the input it kept (ctx.x), in `out`: the same GEMM on the same values, so
+    // the same bits. For a layer without a bias whose output needs no sum over the TP group.
+    Tensor recompute(const Context & ctx, DType out) const;
     // With `gelu_input` defined, the layer's input was gelu(gelu_input) and the result is the gradient with
     // respect to gelu_input: dx * gelu'(gelu_input), in the GEMM's epilogue where no TP sum comes between them
     // (Ops::gemm_gelu_backward).
@@ -232,12 +235,18 @@ public:
         struct Latent {   // MLA's: qkv is (n, 3 a (dn + dr)), proj_ctx.x the (n, a dv) outputs
             Linear::Context q, q_down, q_up, kv_down, kv_up;
             Norm::Context   q_norm, kv_norm;
+            Tensor          k_pe;   // (n, dr), every row's: kept instead of qkv with --recompute-modules mla_up_proj
         } latent;
     };
 
     // `dropout`: the probabilities' key (off when not enabled).
     Tensor forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const Dropout & dropout = {});
     Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
+    // --recompute-modules layernorm: the input the first projections keep for their weights' gradients (the
+    // norm's output: QKV's, or MLA's q / q_down and kv_down) dropped after forward, and set again from the
+    // recomputed rows before backward (each projection's input_for_backward of them: the same bits).
+    void   release_input(Context & ctx) const;
+    void   restore_input(Context & ctx, const Tensor & x_rows) const;
     void   init(uint64_t seed, float std, float output_std);
     void   parameters(std::vector<Parameter *> & out);
 
@@ -272,6 +281,8 @@ private:
     void   attend_backward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const Tensor & d_out,
                            const Tensor & d_qkv, const AttentionShape & shape, float scale);
     Tensor mla_forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const Dropout & dropout);
+    // MLA's packed [Q | K | V] rows from q (n, a (dn + dr)), kv (n, a (dn + dv)) and k_pe (n, dr), RoPE'd.
+    Tensor mla_packed_rows(const Tensor & q, const Tensor & kv, const Tensor & k_pe, int64_t s, int64_t b) const;
     Tensor mla_backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
     // Attention over the whole sequence from this rank's rows (context parallelism, by cp_comm): out and
     // ctx.lse of this rank's queries; backward assigns d_qkv's Q, K and V columns.

@@ -88,7 +88,7 @@ Tensor TransformerLayer::attention_block(Context & ctx, const Tensor & x, int64_
     ctx.mlp_out  = dropout_key(config, tp, batch, index, DropoutKind::mlp_output, rows);
     Tensor h1 = attention.forward(ctx.attn, norm1.forward(ctx.norm1, x), s, b,
                                   dropout_key(config, tp, batch, index, DropoutKind::attention_probs, rows, attention.heads));
-    if (config.recompute_layernorm) ctx.attn.qkv_ctx.x = Tensor();   // norm1's output: recomputed in backward
+    if (config.recompute_layernorm) attention.release_input(ctx.attn);   // norm1's output: recomputed in backward
     if (ctx.attn_out.enabled()) ops.dropout(stream, h1, h1, ctx.attn_out);
     return h1;
 }
@@ -162,7 +162,7 @@ Tensor TransformerLayer::dropped(const Dropout & key, const Tensor & g) const {
 Tensor TransformerLayer::attention_block_backward(Context & ctx, const Tensor & dh1, const GradReadyFn & ready) {
     if (config.recompute_layernorm) {   // norm1's output again, as the QKV projection kept it
         Norm::Context again;
-        ctx.attn.qkv_ctx.x = attention.qkv.input_for_backward(norm1.forward(again, ctx.norm1.x));
+        attention.restore_input(ctx.attn, norm1.forward(again, ctx.norm1.x));
     }
     Tensor dx = norm1.backward(ctx.norm1, attention.backward(ctx.attn, dropped(ctx.attn_out, dh1), ready), ready, dh1);
     ctx.attn_out = ctx.mlp_out = Dropout{};

@@ -18,7 +18,12 @@ public:
 
     model::MicroBatch next() override {
         data::Batch b = loader_.next();
-        return model::MicroBatch{b.tokens, b.labels, b.loss_mask, b.sample_ids};
+        model::MicroBatch batch;
+        batch.tokens     = b.tokens;
+        batch.labels     = b.labels;
+        batch.loss_mask  = b.loss_mask;
+        batch.sample_ids = b.sample_ids;
+        return batch;
     }
     std::string describe() const override { return dataset_->describe(); }
     std::string identity() const override { return dataset_->identity(); }
@@ -40,8 +45,11 @@ public:
         const int64_t     b = whole.tokens.size(0), s = whole.tokens.size(1), chunk = s / (2 * size_);
         LOOM_CHECK(s % (2 * size_) == 0, "a sequence of " << s << " tokens for --context-parallel-size " << size_,
                    "the sequence length must be a multiple of 2 x --context-parallel-size");
-        model::MicroBatch mine{part(whole.tokens, chunk), part(whole.labels, chunk), part(whole.loss_mask, chunk),
-                               whole.sample_ids};
+        model::MicroBatch mine;
+        mine.tokens     = part(whole.tokens, chunk);
+        mine.labels     = part(whole.labels, chunk);
+        mine.loss_mask  = part(whole.loss_mask, chunk);
+        mine.sample_ids = whole.sample_ids;
         const float * mask = whole.loss_mask.data<float>();
         mine.sequence_tokens = 0;
         for (int64_t i = 0; i < b * s; ++i) mine.sequence_tokens += mask[i];

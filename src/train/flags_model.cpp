@@ -244,8 +244,6 @@ void check_mla_flags(const ModelFlags & f, const Given & given, TrainOptions & o
                "Loom pads each value head to the query heads' width");
     LOOM_CHECK(m.num_query_groups == m.num_attention_heads, "--group-query-attention with --multi-latent-attention",
                "MLA has a key and value per head (Megatron asserts the same)");
-    LOOM_CHECK(!m.recompute_layernorm, "--recompute-modules layernorm with --multi-latent-attention is not supported by Loom",
-               "drop layernorm from --recompute-modules");
     LOOM_CHECK(f.rotary_percent == 1.0f, "--rotary-percent " << f.rotary_percent << " with --multi-latent-attention",
                "MLA turns the whole --qk-pos-emb-head-dim");
     m.multi_latent_attention = true;

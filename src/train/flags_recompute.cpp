@@ -21,7 +21,8 @@ const Flag<RecomputeFlags> kRecomputeFlags[] = {
     {"--recompute-modules", "training", &R::modules,
      "selective recompute's modules (Loom: core_attn, which its tiled attention always does; moe_act, the "
      "experts' activation output; mlp and shared_experts, the dense MLP and the shared experts rerun from their "
-     "input; layernorm, the input norm's output and a dense MLP's pre-MLP norm's, recomputed in backward)"},
+     "input; layernorm, the input norm's output and a dense MLP's pre-MLP norm's, recomputed in backward; "
+     "mla_up_proj, MLA's up projections and RoPE'd rows rebuilt from the latents)"},
 };
 
 }  // namespace
@@ -53,10 +54,11 @@ void resolve_recompute(const RecomputeFlags & f, const Given & given, model::Gpt
                    "drop --recompute-num-layers");
         for (const std::string & module : f.modules) {
             LOOM_CHECK(module == "core_attn" || module == "moe_act" || module == "mlp" || module == "shared_experts" ||
-                           module == "layernorm",
+                           module == "layernorm" || module == "mla_up_proj",
                        "--recompute-modules " << module << " is not supported by Loom",
                        "Loom recomputes core_attn (its tiled attention never stores the probabilities), moe_act, mlp, "
-                       "shared_experts and layernorm; for more, use --recompute-granularity full");
+                       "shared_experts, layernorm and mla_up_proj; for more, use --recompute-granularity full");
+            if (module == "mla_up_proj") m.recompute_mla_up_proj = true;
             if (module == "layernorm") m.recompute_layernorm = true;
             if (module == "moe_act") m.recompute_moe_act = true;
             if (module == "mlp") m.recompute_mlp = true;
