@@ -235,8 +235,11 @@ def argv(loom, flags, world=1):
     for flag, value in flags:
         words.append(flag)
         if value is not None:   # nargs flags (--rampup-batch-size 16 8 300) take each word
-            words += value.split() if flag in ("--rampup-batch-size", "--cp-comm-type",
-                                               "--hierarchical-context-parallel-sizes") else [value]
+            if re.match(r"^\[[^]]+\]$", value):   # a YAML list, "[a b c]": the harness passes its words
+                words += value[1:-1].split()
+            else:
+                words += value.split() if flag in ("--rampup-batch-size", "--cp-comm-type",
+                                                   "--hierarchical-context-parallel-sizes") else [value]
     return words
 
 
