@@ -529,6 +529,48 @@ TEST(LayerAssignment, EmbeddingAndLossCountedAsLayers) {
     EXPECT_THROW(assign_layers(o), Error) << "not with uneven ends";
 }
 
+// --pipeline-model-parallel-layout: the header's example unrolled and split (PP 2, so 4 virtual stages per
+// rank), and Megatron's rules and Loom's, each naming what is wrong.
+TEST(LayerAssignment, CustomLayoutFollowsItsStages) {
+    const std::vector<std::string> stages = parse_pipeline_layout("Et*3|(tt|)*6tmL");
+    EXPECT_EQ(stages, (std::vector<std::string>{"Ettt", "tt", "tt", "tt", "tt", "tt", "tt", "tmL"}));
+    EXPECT_EQ(parse_pipeline_layout("E,t|t,L"), (std::vector<std::string>{"Et", "tL"})) << "commas are cosmetic";
+    LayerSplitOptions o;
+    o.num_layers     = 16;
+    o.pp             = 2;
+    o.layout         = stages;
+    o.mtp_num_layers = 1;
+    const LayerAssignment a = assign_layers(o);
+    ASSERT_EQ(a.num_chunks, 4);
+    const LayerRange expected[2][4] = {{{0, 3}, {5, 7}, {9, 11}, {13, 15}}, {{3, 5}, {7, 9}, {11, 13}, {15, 16}}};
+    for (int r = 0; r < 2; ++r) {
+        for (int c = 0; c < 4; ++c) EXPECT_EQ(a.at(r, c), expected[r][c]) << r << " " << c;
+    }
+    EXPECT_EQ(resolve_virtual_stages(o), std::optional<int>(4));
+    const std::pair<std::string, const char *> bad[] = {
+        {"t*8|Et*8mL", "The first layer must be embedding"},
+        {"Et*8|t*7mL", "Number of decoder layers 15 must match num_layers 16"},
+        {"Et*8|t*8L", "Number of mtp layers in layout must match mtp_num_layers"},
+        {"Et*8m|t*8L", "decoder layers must be placed before MTP layers"},
+        {"Et*8|t*8|mL|", "puts the loss before the last stage, which Loom does not support"},
+        {"Et*8|t*4|t*4m|L", "puts an MTP layer before the last stage, which Loom does not support"},
+        {"Et*8|t*8mLt", "The last layer must be loss"},
+        {"Et*8|t*8mx", "invalid layer character 'x'"},
+        {"Et*8|t*7|tmL", "must be divisible by pipeline_model_parallel_size (3 stages"},
+    };
+    for (const auto & [layout, message] : bad) {
+        LayerSplitOptions b = o;
+        const std::string e = error_of([&] {
+            b.layout = parse_pipeline_layout(layout);
+            assign_layers(b);
+        });
+        EXPECT_TRUE(contains(e, message)) << layout << ": " << e;
+    }
+    LayerSplitOptions uneven = o;
+    uneven.first_stage_layers = 4;
+    EXPECT_TRUE(contains(error_of([&] { assign_layers(uneven); }), "cannot be set with other pipeline layout arguments"));
+}
+
 TEST(LayerAssignment, EvenAndUnevenEnds) {
     LayerSplitOptions even;
     even.num_layers = 12;

@@ -209,7 +209,8 @@ def shrink(flags, work, layout=False):
         elif flag == "--num-layers":
             keep = layout and any(f in given for f in LAYOUT if "pipeline" in f or "virtual" in f)
             value = value if keep or "--moe-layer-freq" in given or not value.isdigit() or int(value) <= 8 else "8"
-            if layout and value.isdigit() and int(value) % pp:   # whole layers per stage
+            # whole layers per stage (a custom layout says where each layer goes, and counts them)
+            if layout and value.isdigit() and int(value) % pp and "--pipeline-model-parallel-layout" not in given:
                 value = str((int(value) + pp - 1) // pp * pp)
         elif flag == "--step-batch-size-schedule":   # tokens: a batch for the first samples, then twice it
             value = "0:%d %d:%d" % (unit, 64 * unit, 2 * unit) if layout else "0:1 128:2"

@@ -2,13 +2,67 @@
 
 #include "core/error.h"
 
+#include <algorithm>
+#include <regex>
+
 namespace loom::pipeline {
 
 bool operator==(const LayerRange & a, const LayerRange & b) { return a.begin == b.begin && a.end == b.end; }
 
+std::vector<std::string> parse_pipeline_layout(const std::string & text) {
+    std::string unrolled;
+    for (char c : text) {
+        if (c != ',') unrolled += c;   // purely cosmetic commas
+    }
+    // "(ab|cd)*2" -> "ab|cdab|cd", then "x*3" -> "xxx" (Megatron's two patterns, in its order).
+    for (const std::regex & pattern : {std::regex(R"(\(([^)]+)\)\*(\d+))"), std::regex(R"((.)\*(\d+))")}) {
+        std::string out;
+        std::smatch m;
+        std::string rest = unrolled;
+        while (std::regex_search(rest, m, pattern)) {
+            const long n = std::stol(m[2].str());
+            LOOM_CHECK(n >= 0 && n <= 100000, "--pipeline-model-parallel-layout '" << text << "' repeats " << m[0].str()
+                                                  << " " << n << " times", "");
+            out += m.prefix().str();
+            for (long i = 0; i < n; ++i) out += m[1].str();
+            rest = m.suffix().str();
+        }
+        unrolled = out + rest;
+    }
+    std::vector<std::string> stages(1);
+    for (char c : unrolled) {
+        if (c == '|') {
+            stages.emplace_back();
+            continue;
+        }
+        LOOM_CHECK(c == 'E' || c == 'L' || c == 't' || c == 'm',
+                   "--pipeline-model-parallel-layout '" << text << "': invalid layer character '" << c << "'",
+                   "known layer characters: E (embedding), t (decoder layer), m (MTP layer), L (loss)");
+        stages.back() += c;
+    }
+    return stages;
+}
+
 std::optional<int> resolve_virtual_stages(const LayerSplitOptions & o) {
     LOOM_CHECK(o.num_layers >= 1, "--num-layers must be >= 1, got " << o.num_layers, "");
     LOOM_CHECK(o.pp >= 1, "--pipeline-model-parallel-size must be >= 1, got " << o.pp, "");
+    if (!o.layout.empty()) {   // Megatron's arguments.py and TransformerConfig checks
+        LOOM_CHECK(!o.num_layers_per_virtual_stage && (!o.vpp || *o.vpp == static_cast<int>(o.layout.size()) / o.pp),
+                   "No more than one of the following arguments can be set at the same time: "
+                   "--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank, "
+                   "--pipeline-model-parallel-layout",
+                   "the layout's stages give the virtual stages");
+        LOOM_CHECK(!o.first_stage_layers && !o.last_stage_layers && !o.account_for_embedding && !o.account_for_loss,
+                   "pipeline_model_parallel_layout cannot be set with other pipeline layout arguments "
+                   "(--decoder-first/last-pipeline-num-layers, --account-for-embedding/loss-in-pipeline-split)",
+                   "");
+        LOOM_CHECK(o.layout.size() % static_cast<size_t>(o.pp) == 0,
+                   "The length of pipeline_model_parallel_layout must be divisible by pipeline_model_parallel_size ("
+                       << o.layout.size() << " stages, --pipeline-model-parallel-size " << o.pp << ")",
+                   "");
+        const int v = static_cast<int>(o.layout.size()) / o.pp;
+        return v > 1 ? std::optional<int>(v) : std::nullopt;
+    }
     LOOM_CHECK(!(o.vpp && o.num_layers_per_virtual_stage),
                "only one of --num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage "
                "can be set",
@@ -42,12 +96,56 @@ std::optional<int> resolve_virtual_stages(const LayerSplitOptions & o) {
     return vpp;
 }
 
+namespace {
+
+// The layout's stages as chunks: Megatron's validate_layer_layout, then what Loom's stages hold.
+LayerAssignment layout_assignment(const LayerSplitOptions & o, int v) {
+    const std::vector<std::string> & stages = o.layout;
+    std::string flat;
+    for (const std::string & stage : stages) flat += stage;
+    auto count = [](const std::string & x, char c) { return static_cast<int>(std::count(x.begin(), x.end(), c)); };
+    LOOM_CHECK(!flat.empty() && flat.front() == 'E', "The first layer must be embedding (--pipeline-model-parallel-layout)", "");
+    LOOM_CHECK(flat.back() == 'L', "The last layer must be loss (--pipeline-model-parallel-layout)", "");
+    LOOM_CHECK(count(flat, 'E') == 1, "Embedding must be specified exactly once (--pipeline-model-parallel-layout)", "");
+    LOOM_CHECK(count(flat, 'L') == 1, "Loss must be specified exactly once (--pipeline-model-parallel-layout)", "");
+    LOOM_CHECK(count(flat, 't') == o.num_layers, "Number of decoder layers " << count(flat, 't')
+                                                     << " must match num_layers " << o.num_layers
+                                                     << " (--pipeline-model-parallel-layout)", "");
+    LOOM_CHECK(count(flat, 'm') == o.mtp_num_layers,
+               "Number of mtp layers in layout must match mtp_num_layers (" << count(flat, 'm') << " in "
+                   "--pipeline-model-parallel-layout, --mtp-num-layers " << o.mtp_num_layers << ")", "");
+    const size_t first_m = flat.find('m');
+    LOOM_CHECK(first_m == std::string::npos || flat.find('t', first_m) == std::string::npos,
+               "decoder layers must be placed before MTP layers (--pipeline-model-parallel-layout)", "");
+    LOOM_CHECK(count(stages.front(), 'E') == 1, "--pipeline-model-parallel-layout puts the embedding after an empty stage",
+               "Loom embeds on the first virtual stage: start the layout with E");
+    LOOM_CHECK(count(stages.back(), 'L') == 1 && count(stages.back(), 'm') == o.mtp_num_layers,
+               "--pipeline-model-parallel-layout puts " << (count(stages.back(), 'L') == 0 ? "the loss" : "an MTP layer")
+                   << " before the last stage, which Loom does not support",
+               "Loom computes the MTP depths and the loss on the last virtual stage: end the layout with "
+                   << std::string(static_cast<size_t>(o.mtp_num_layers), 'm') << "L");
+    LayerAssignment a;
+    a.pp         = o.pp;
+    a.num_chunks = v;
+    a.ranges.assign(o.pp, std::vector<LayerRange>(v));
+    int next = 0;
+    for (size_t i = 0; i < stages.size(); ++i) {   // model order: chunk c of every rank, then chunk c + 1
+        const int size = count(stages[i], 't');
+        a.ranges[i % static_cast<size_t>(o.pp)][i / static_cast<size_t>(o.pp)] = {next, next + size};
+        next += size;
+    }
+    return a;
+}
+
+}  // namespace
+
 LayerAssignment assign_layers(const LayerSplitOptions & o) {
     const std::optional<int> vpp = resolve_virtual_stages(o);
     const int                v   = vpp.value_or(1);
     const int                pp  = o.pp;
     const int                l   = o.num_layers;
     std::vector<int>         per_rank(pp);   // n_r, over all of rank r's chunks
+    if (!o.layout.empty()) return layout_assignment(o, v);
 
     if (o.account_for_embedding || o.account_for_loss) {   // Megatron's transformer_config.py checks
         LOOM_CHECK(!o.first_stage_layers && !o.last_stage_layers,

@@ -23,12 +23,21 @@
 // L 6, PP 4, V 2, E and S: rank 0 chunk 0 = [] and chunk 1 = [3], rank 1 [0] and [4], rank 2 [1] and [5],
 // rank 3 [2] and [].
 //
+// A custom layout (--pipeline-model-parallel-layout, Megatron's PipelineParallelLayerLayout): the virtual stages
+// in model order, separated by '|', each a string of E (the embedding), t (a decoder layer), m (an MTP depth)
+// and L (the loss); "(ab|)*n" and "x*n" repeat, commas are cosmetic. Its stage count divided by PP is V.
+// Each stage holds its t's, in order; Loom keeps E in the first stage and L and every m in the last (the
+// stages that embed and compute the loss), where Megatron also lets an MTP depth stand on a rank of its own.
+// "Et*3|(tt|)*6tmL" with PP 2: rank 0 chunks [0, 3) [5, 7) [9, 11) [13, 15), rank 1 [3, 5) [7, 9) [11, 13)
+// [15, 16) and the MTP depth.
+//
 // Worked example (docs/design/schedules_and_graphs.md 1.7): L 32, PP 4, V 2: rank 0 chunk 0 = layers 0-3,
 // chunk 1 = 16-19; rank 1 4-7 and 20-23; rank 2 8-11 and 24-27; rank 3 12-15 and 28-31.
 // Uneven: L 10, PP 4, F 1, X 3: rank 0 [0], rank 1 [1, 2, 3], rank 2 [4, 5, 6], rank 3 [7, 8, 9].
 #pragma once
 
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace loom::pipeline {
@@ -42,7 +51,13 @@ struct LayerSplitOptions {
     std::optional<int> last_stage_layers;                 // --decoder-last-pipeline-num-layers
     bool               account_for_embedding = false;     // --account-for-embedding-in-pipeline-split
     bool               account_for_loss      = false;     // --account-for-loss-in-pipeline-split
+    std::vector<std::string> layout;                      // --pipeline-model-parallel-layout, parsed (empty: none)
+    int                mtp_num_layers = 0;                // --mtp-num-layers (the layout's m's)
 };
+
+// --pipeline-model-parallel-layout's stages, unrolled (Megatron's parse_str_to_list); throws naming the flag
+// on a character other than E, L, t, m.
+std::vector<std::string> parse_pipeline_layout(const std::string & text);
 
 struct LayerRange {
     int begin;   // first global layer, 0-based

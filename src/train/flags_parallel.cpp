@@ -39,6 +39,9 @@ const Flag<TrainOptions> kParallelOptionFlags[] = {
      "count the embedding as a layer when splitting layers over pipeline stages (the first chunk holds one fewer)"},
     {"--account-for-loss-in-pipeline-split", kDist, &O::account_for_loss_in_pipeline_split,
      "count the loss as a layer when splitting layers over pipeline stages (the last chunk holds one fewer)"},
+    {"--pipeline-model-parallel-layout", kDist, &O::pipeline_layout,
+     "the layers of each virtual pipeline stage, in model order: E embedding, t decoder layer, m MTP layer, L loss, "
+     "'|' between stages, (...)*n and x*n repeats (\"Et*3|(tt|)*6tmL\"); the stage count / PP is the virtual stages"},
     {"--use-tp-pp-dp-mapping", kDist, &O::use_tp_pp_dp_mapping,
      "order the ranks tp-cp-ep-pp-dp (pipeline stages of one data-parallel replica adjacent) instead of "
      "tp-cp-ep-dp-pp"},
@@ -222,6 +225,19 @@ void resolve_parallel_sizes(const ParallelFlags & f, int64_t num_experts, const 
     if (given("--num-virtual-stages-per-pipeline-rank")) {
         sizes.vpp = size(f.virtual_pipeline_size, "--num-virtual-stages-per-pipeline-rank");
     }
+    if (!o.pipeline_layout.empty()) {   // the layout's stages give the virtual stages (Megatron's arguments.py)
+        const size_t stages = pipeline::parse_pipeline_layout(o.pipeline_layout).size();
+        LOOM_CHECK(!given("--num-virtual-stages-per-pipeline-rank") && o.layers_per_virtual_stage == 0,
+                   "No more than one of the following arguments can be set at the same time: "
+                   "--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank, "
+                   "--pipeline-model-parallel-layout",
+                   "the layout's stages give the virtual stages");
+        LOOM_CHECK(stages % static_cast<size_t>(sizes.pp) == 0,
+                   "The length of pipeline_model_parallel_layout must be divisible by pipeline_model_parallel_size ("
+                       << stages << " stages, --pipeline-model-parallel-size " << sizes.pp << ")",
+                   "");
+        if (stages / static_cast<size_t>(sizes.pp) > 1) sizes.vpp = static_cast<int>(stages / static_cast<size_t>(sizes.pp));
+    }
     if (o.use_tp_pp_dp_mapping) sizes.order = "tp-cp-ep-pp-dp";   // Megatron's initialize.py
     o.parallel = parallel::ParallelConfig::create(sizes);   // throws naming the flags
 }
@@ -342,6 +358,7 @@ void validate_layout(const TrainOptions & o) {
                        "the all-to-all gives each context-parallel rank an equal share of each tensor-parallel rank's heads");
         }
     }
+    if (!o.pipeline_layout.empty()) pipeline::assign_layers(o.layer_split());   // validates it; throws naming the flag
     if (o.parallel.pp() > 1) {
         LOOM_CHECK(o.load_hf.empty(), "--load-hf with --pipeline-model-parallel-size " << o.parallel.pp(),
                    "loading Hugging Face weights into pipeline stages is not supported yet; train from --seed");
@@ -375,6 +392,8 @@ pipeline::LayerSplitOptions TrainOptions::layer_split() const {
     if (last_stage_layers > 0) split.last_stage_layers = static_cast<int>(last_stage_layers);
     split.account_for_embedding = account_for_embedding_in_pipeline_split;
     split.account_for_loss      = account_for_loss_in_pipeline_split;
+    if (!pipeline_layout.empty()) split.layout = pipeline::parse_pipeline_layout(pipeline_layout);
+    split.mtp_num_layers        = static_cast<int>(model.mtp_num_layers);
     return split;
 }
 

@@ -108,6 +108,7 @@ struct TrainOptions {
     int64_t        last_stage_layers        = 0;   // --decoder-last-pipeline-num-layers (0: even split)
     bool           account_for_embedding_in_pipeline_split = false;   // the embedding counts as a layer
     bool           account_for_loss_in_pipeline_split      = false;   // the loss counts as a layer
+    std::string    pipeline_layout;   // --pipeline-model-parallel-layout ("": none; pipeline/layer_assignment.h)
 
     // How the layers split over pipeline stages and virtual stages (pipeline/layer_assignment.h).
     pipeline::LayerSplitOptions layer_split() const;
