@@ -171,10 +171,59 @@ GptConfig gpt_preset(const std::string & name) {
         c.rotary_base             = 500000.0f;
         c.add_bias_linear         = false;
         c.untie_embeddings_and_output_weights = true;
+    } else if (name == "deepseek-v3" || name == "deepseek-v3-tiny") {
+        // DeepSeek-V3 (DeepSeek-AI, 2024, the technical report's section 4.2 and its released config): MLA with
+        // YaRN (factor 40), the first 3 of 61 layers dense, then 256 routed experts (top 8 of the 4 best of 8
+        // groups, sigmoid scores scaled by 2.5, aux-loss-free expert bias) and one shared expert of 2048, one MTP
+        // depth; RMSNorm, SwiGLU, no biases, untied, a 129 280-token vocabulary, sequences of 4096. The tiny one
+        // keeps every feature at toy size (4 layers, the first dense; 8 experts in 4 groups) for CPU runs.
+        const bool tiny = name == "deepseek-v3-tiny";
+        c.num_layers              = tiny ? 4 : 61;
+        c.hidden_size             = tiny ? 128 : 7168;
+        c.ffn_hidden_size         = tiny ? 256 : 18432;
+        c.num_attention_heads     = tiny ? 4 : 128;
+        c.num_query_groups        = c.num_attention_heads;
+        c.seq_length              = tiny ? 128 : 4096;
+        c.max_position_embeddings = c.seq_length;
+        c.vocab_size              = tiny ? 512 : 129280;
+        c.normalization           = Normalization::rmsnorm;
+        c.norm_epsilon            = 1e-6f;
+        c.swiglu                  = true;
+        c.position_embedding      = PositionEmbedding::rope;
+        c.add_bias_linear         = false;
+        c.untie_embeddings_and_output_weights = true;
+        c.qk_layernorm            = true;   // MLA's latent norms
+        c.multi_latent_attention  = true;
+        c.q_lora_rank             = tiny ? 32 : 1536;
+        c.kv_lora_rank            = tiny ? 16 : 512;
+        c.qk_head_dim             = tiny ? 16 : 128;
+        c.qk_pos_emb_head_dim     = tiny ? 8 : 64;
+        c.v_head_dim              = tiny ? 16 : 128;
+        c.mla_yarn                = true;
+        c.rotary_scaling_factor   = 40.0f;
+        c.mscale                  = 1.0f;
+        c.mscale_all_dim          = 1.0f;
+        c.mtp_num_layers          = 1;
+        MoeConfig & m             = c.moe;
+        m.num_experts             = tiny ? 8 : 256;
+        m.topk                    = tiny ? 2 : 8;
+        m.ffn_hidden_size         = tiny ? 64 : 2048;
+        m.shared_expert_intermediate_size = tiny ? 64 : 2048;
+        m.score_function          = MoeScoreFunction::sigmoid;
+        m.topk_scaling_factor     = 2.5f;
+        m.num_groups              = tiny ? 4 : 8;
+        m.group_topk              = tiny ? 2 : 4;
+        m.expert_bias             = true;
+        m.bias_update_rate        = 1e-3f;
+        m.aux_loss_coeff          = 1e-4f;   // the sequence-wise balance loss's small weight
+        m.load_balancing          = MoeLoadBalancing::seq_aux_loss;
+        m.grouped_gemm            = true;
+        m.layer_pattern.assign(static_cast<size_t>(c.num_layers), 1);
+        for (int64_t i = 0; i < (tiny ? 1 : 3); ++i) m.layer_pattern[static_cast<size_t>(i)] = 0;
     } else {
         LOOM_THROW("unknown model preset '" << name << "'",
                    "presets: gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b, gpt3-175b, llama3-8b, llama3-70b, llama3-405b, "
-                   "gpt-tiny, llama-tiny");
+                   "deepseek-v3, gpt-tiny, llama-tiny, deepseek-v3-tiny");
     }
     return c;
 }

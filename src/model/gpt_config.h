@@ -134,6 +134,8 @@ struct GptConfig {
     double output_forward_flops_per_token(int64_t tp = 1) const;   // the output layer's forward: 2 h V
 };
 
+// "deepseek-v3" (MLA, MoE with the expert bias and group-limited routing, MTP) and "deepseek-v3-tiny" (the same
+// features at toy size),
 // "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b", "gpt3-175b", "llama3-8b", "llama3-70b", "llama3-405b" (for
 // loom plan: far beyond one machine), "gpt-tiny" (the default small model), "llama-tiny".
 GptConfig gpt_preset(const std::string & name);

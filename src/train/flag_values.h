@@ -141,8 +141,8 @@ std::span<const Flag<TrainOptions>> parallel_option_flags();
 std::span<const Flag<ddp::DdpConfig>> ddp_flags();
 std::span<const Flag<optim::HybridOptions>> offload_flags();
 // The sizes against `world_size`, validated once (parallel/parallel_config.h): TrainOptions::parallel, the
-// data-parallel size and the experts' tensor-parallel size (before the model is resolved). `num_experts`:
-// --num-experts' value, which expert parallelism must divide.
+// data-parallel size and the experts' tensor-parallel size (before the model is resolved). `num_experts`: the
+// MoE layers' experts (--num-experts', or the --model preset's; 0: none), which expert parallelism must divide.
 void resolve_parallel_sizes(const ParallelFlags & f, int64_t num_experts, const Given & given, int64_t world_size,
                             TrainOptions & o);
 // --ddp-bucket-size when given, DDP's rules and the NaN flags' contradiction.

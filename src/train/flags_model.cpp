@@ -34,7 +34,8 @@ json mla_size(const TrainOptions & o, int64_t value) { return o.model.multi_late
 
 const Flag<TrainOptions> kModelOptionFlags[] = {
     {"--model", kLoomGroup, &TrainOptions::model_preset,
-     "model preset: gpt-tiny, llama-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b, gpt3-175b, llama3-8b, llama3-70b, llama3-405b", kShowDefault,
+     "model preset: gpt-tiny, llama-tiny, deepseek-v3-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b, gpt3-175b, llama3-8b, "
+     "llama3-70b, llama3-405b, deepseek-v3", kShowDefault,
      {"model", [](const TrainOptions & o) -> json { return o.model_preset; }}},
     {"--load-hf", kLoomGroup, &TrainOptions::load_hf,
      "Hugging Face GPT-2 folder (config.json + model.safetensors): its shape and weights"},

@@ -207,7 +207,7 @@ void resolve_parallel_sizes(const ParallelFlags & f, int64_t num_experts, const 
     // Megatron's argument checks of expert parallelism (validate_args) come before the world's decomposition.
     LOOM_CHECK(f.expert_parallel_size >= 1, "--expert-model-parallel-size must be >= 1, got " << f.expert_parallel_size,
                "parallel sizes are positive integers");
-    LOOM_CHECK(f.expert_parallel_size == 1 || given("--num-experts"), "num_experts must be non None to use expert model parallelism", "");
+    LOOM_CHECK(f.expert_parallel_size == 1 || num_experts > 0, "num_experts must be non None to use expert model parallelism", "");
     LOOM_CHECK(num_experts % f.expert_parallel_size == 0, "Number of experts should be a multiple of expert model parallel_size.", "");
     auto size = [](int64_t value, const char * flag) {   // ParallelConfig's sizes are ints
         LOOM_CHECK(value <= std::numeric_limits<int>::max(), flag << " " << value << " is larger than any world size",

@@ -108,7 +108,9 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
                "docs/megatron_flags.md lists the Megatron flags Loom accepts; `loom train --help` groups them");
     const Given  given(app_);
     TrainOptions o = values_.options;
-    resolve_parallel_sizes(values_.parallel, values_.moe.num_experts, given, world_size, o);
+    // The experts: the flag's, or a preset's (deepseek-v3) without it.
+    const int64_t experts = given("--num-experts") ? values_.moe.num_experts : model::gpt_preset(o.model_preset).moe.num_experts;
+    resolve_parallel_sizes(values_.parallel, experts, given, world_size, o);
     check_dropout(values_.model);
 
     o.model = model::gpt_preset(o.model_preset);
