@@ -558,13 +558,14 @@ TEST(LayerAssignment, CustomLayoutFollowsItsStages) {
         {"Et*8|t*8mx", "invalid layer character 'x'"},
         {"Et*8|t*7|tmL", "must be divisible by pipeline_model_parallel_size (3 stages"},
     };
-    for (const auto & [layout, message] : bad) {
-        LayerSplitOptions b = o;
-        const std::string e = error_of([&] {
+    for (const auto & entry : bad) {   // (no structured binding: clang 14 cannot capture one)
+        const std::string & layout = entry.first;
+        LayerSplitOptions   b      = o;
+        const std::string   e      = error_of([&] {
             b.layout = parse_pipeline_layout(layout);
             assign_layers(b);
         });
-        EXPECT_TRUE(contains(e, message)) << layout << ": " << e;
+        EXPECT_TRUE(contains(e, entry.second)) << layout << ": " << e;
     }
     LayerSplitOptions uneven = o;
     uneven.first_stage_layers = 4;
