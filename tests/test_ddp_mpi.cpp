@@ -185,7 +185,7 @@ void expect_one_collective_per_group(bool distopt) {
     config.overlap_grad_reduce       = true;
     config.bucket_size               = 20000;
     ddp::DistributedDataParallel ddp(gpt.parameters(), config, counting, device);
-    optim::OptimizerOptions          clipped{optim::AdamWConfig{}, 1.0f, std::nullopt};
+    optim::OptimizerOptions          clipped{optim::AdamWConfig{}, 1.0f, std::nullopt, std::nullopt, {}};
     std::unique_ptr<optim::Optimizer> adam;
     if (distopt) {
         adam = std::make_unique<optim::DistributedOptimizer>(ddp, clipped);

@@ -376,6 +376,7 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
     LOOM_CHECK(c.num_attention_heads % t.size == 0 && c.num_query_groups % t.size == 0,
                "--num-attention-heads " << c.num_attention_heads << " and --num-query-groups " << c.num_query_groups
                                         << " must be divisible by --tensor-model-parallel-size " << t.size, "");
+    qkv.weight.fused_rows = {heads * c.head_dim(), groups * c.head_dim(), groups * c.head_dim()};
     if (t.size > 1) {
         // This rank's heads' Q rows, then its groups' K rows, then their V rows, of the full [Q | K | V].
         const int64_t d = c.head_dim(), a = c.num_attention_heads, g = c.num_query_groups;

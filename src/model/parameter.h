@@ -55,6 +55,8 @@ struct Parameter {
     bool        sequence_parallel = false;  // replicated across TP but fed this rank's sequence rows only: its
                                             // gradient is summed over the TP group before the step
     bool        expert = false;             // MoE expert weight (reduced over expert-data-parallel)
+    std::vector<int64_t> fused_rows;        // a fused weight's row blocks, this rank's rows of each (QKV: Q, K,
+                                            // V), which Muon orthogonalizes apart (optim/muon.h); empty: one block
 
     int64_t numel() const { return data.numel(); }
 };

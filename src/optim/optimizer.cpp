@@ -93,8 +93,50 @@ void Optimizer::init(std::vector<HybridSlot> slots, std::vector<int> slot_params
     views_       = std::move(views);
     HybridOptions offload;   // fraction 0: every slot's state in device memory, the plain step
     if (options_.offload) offload = *options_.offload;
+    // Muon's slots: their gradients are Muon's, so the Adam step leaves them alone (an undefined gradient).
+    std::vector<Tensor> muon_grads(slots.size());
+    if (options_.muon) {
+        LOOM_CHECK(offload.offload_fraction == 0.0f, "--optimizer muon with --optimizer-offload-fraction "
+                                                         << offload.offload_fraction,
+                   "the host step is AdamW's; train Muon without --optimizer-cpu-offload");
+        for (size_t i = 0; i < slots.size(); ++i) {
+            if (!muon_steps(*params_[static_cast<size_t>(slot_params_[i])])) continue;
+            muon_grads[i] = slots[i].grad;
+            slots[i].grad = Tensor();
+        }
+    }
     state_ = std::make_unique<HybridDeviceOptimizer>(params_.front()->data.device(), std::move(slots), options_.adam,
                                                      offload);
+    if (!options_.muon) return;
+    // Every Muon parameter in parameter order (the same on every rank of its groups, which each matrix's
+    // collectives need), with the pieces of it this rank steps.
+    std::vector<MuonUpdate::Matrix> matrices;
+    std::vector<int>                matrix_of(params_.size(), -1);
+    for (size_t i = 0; i < params_.size(); ++i) {
+        const model::Parameter * p = params_[i];
+        if (!muon_steps(*p)) continue;
+        MuonUpdate::Matrix m;
+        m.param  = p;
+        m.shard  = p->expert ? groups_.expert_shard : groups_.shard;
+        m.gather = p->expert ? options_.muon_groups.expert_tp : options_.muon_groups.tp;
+        matrix_of[i] = static_cast<int>(matrices.size());
+        matrices.push_back(std::move(m));
+    }
+    for (int i = 0; i < state_->num_slots(); ++i) {
+        const int m = matrix_of[static_cast<size_t>(slot_params_[static_cast<size_t>(i)])];
+        if (m < 0) continue;
+        const HybridSlotState st    = state_->slot_state(i);
+        const HybridSlot &    slot  = state_->slot(i);
+        MuonUpdate::Piece     piece;
+        piece.master       = st.master;
+        piece.momentum     = st.exp_avg;
+        piece.grad         = muon_grads[static_cast<size_t>(i)];
+        piece.values       = slot.values.dtype() == DType::f32 ? Tensor() : slot.values;
+        piece.offset       = slot_offsets_[static_cast<size_t>(i)];
+        piece.weight_decay = slot.weight_decay;
+        matrices[static_cast<size_t>(m)].pieces.push_back(piece);
+    }
+    muon_ = std::make_unique<MuonUpdate>(*options_.muon, std::move(matrices));
 }
 
 void Optimizer::widen_16bit_grads(std::vector<HybridSlot> & slots, std::vector<GradView> & views) {
@@ -132,13 +174,14 @@ StepResult Optimizer::step(float lr, std::optional<float> decoupled_lr, float gr
     const float coeff = clip_coefficient(result.grad_norm, options_.clip_grad);
     if (coeff != 1.0f) scale_grads(views_, coeff);
     state_->step(lr, &params_.front()->data.device().compute_stream(), decoupled_lr);
+    if (muon_) muon_->step(lr);
     result.stepped = true;
     return result;
 }
 
 bool Optimizer::gated_step_supported() const {
     return !groups_.shard && !groups_.model_parallel && !groups_.expert_shard && !groups_.expert_model_parallel &&
-           state_->num_offloaded() == 0;
+           state_->num_offloaded() == 0 && !muon_;
 }
 
 GatedStep Optimizer::step_gated(float lr, std::optional<float> decoupled_lr, std::span<const Tensor> losses) {

@@ -28,6 +28,8 @@
 //   3. clip: when clip_grad > 0 and norm > clip_grad, every view is scaled by clip_grad / (norm + 1e-6);
 //   4. AdamW with lr on every slot (weight decay per slot: 0 for biases and norms);
 //   5. the subclass's after-step (the distributed optimizer's parameter all-gather).
+// With --optimizer muon the weight matrices' slots step with Muon instead of AdamW in step 4 (optim/muon.h):
+// their exp_avg holds the momentum and their exp_avg_sq stays zero.
 // step_gated runs steps 0-4 with no host read: with no norm group (one rank) the norm, the skip and the
 // clip factor are decided on the stream (Ops::grad_norm_gate, core/grad_norm_gate.h) and the update obeys
 // them (Ops::adamw_multi_gated); the host reads the norm and the decision afterwards (finish_gated).
@@ -37,6 +39,7 @@
 #include "model/parameter.h"
 #include "optim/adamw.h"
 #include "optim/hybrid_optimizer.h"
+#include "optim/muon.h"
 
 #include <memory>
 #include <optional>
@@ -74,6 +77,8 @@ struct OptimizerOptions {
     AdamWConfig                  adam;
     float                        clip_grad = 0.0f;   // --clip-grad (0: off)
     std::optional<HybridOptions> offload;            // --optimizer-cpu-offload
+    std::optional<MuonConfig>    muon;               // --optimizer muon: Muon steps the weight matrices
+    MuonGroups                   muon_groups;        // the TP groups Muon gathers their shards over
 };
 
 struct StepResult {
@@ -105,8 +110,10 @@ public:
     // The result of a gated step, once the compute stream has passed it (the caller waited); a step the
     // device skipped is taken back from the step counter.
     StepResult finish_gated(const GatedStep & step);
-    // No norm group (one rank) and no slot offloaded to the host.
+    // No norm group (one rank), no slot offloaded to the host, and AdamW alone.
     bool       gated_step_supported() const;
+    // --optimizer muon's part of the step (null: AdamW steps every slot).
+    const MuonUpdate * muon() const { return muon_.get(); }
     // --log-num-zeros-in-grad: zero elements of the gradients the norm counts, over the same groups (read on
     // the host: the CPU backend's memory).
     double count_zeros() const;
@@ -146,6 +153,7 @@ private:
     std::vector<int>                       slot_params_;
     std::vector<int64_t>                   slot_offsets_;
     std::unique_ptr<HybridDeviceOptimizer> state_;
+    std::unique_ptr<MuonUpdate>            muon_;                    // --optimizer muon: the matrices' update
     Tensor                                 gate_, norm_;             // step_gated's, on the device
     Tensor                                 host_gate_, host_norm_;   // their pinned copies (GatedStep)
 };
@@ -158,7 +166,7 @@ public:
     AdamW(std::vector<model::Parameter *> params, const OptimizerOptions & options,
           comm::Communicator * model_parallel = nullptr, comm::Communicator * expert_model_parallel = nullptr);
     AdamW(std::vector<model::Parameter *> params, const AdamWConfig & config)
-        : AdamW(std::move(params), OptimizerOptions{config, 0.0f, std::nullopt}) {}
+        : AdamW(std::move(params), OptimizerOptions{config, 0.0f, std::nullopt, std::nullopt, {}}) {}
 };
 
 }  // namespace loom::optim

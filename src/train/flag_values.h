@@ -156,11 +156,28 @@ void validate_layout(const TrainOptions & o);
 // Batch, iterations, learning rate and Adam (flags_optim.cpp).
 struct OptimFlags {
     float decoupled_lr = 0.0f, decoupled_min_lr = 0.0f;   // applied when given
+    // --optimizer and Muon's flags (Megatron's defaults), resolved into TrainOptions::muon.
+    std::string optimizer              = "adam";
+    float       muon_momentum          = 0.9f;
+    bool        muon_split_qkv         = true;
+    bool        muon_nesterov          = false;
+    std::string muon_scale_mode        = "spectral";
+    std::string muon_fp32_matmul_prec  = "medium";
+    std::string muon_coefficient_type  = "quintic";
+    int64_t     muon_num_ns_steps      = 5;
+    std::string muon_tp_mode           = "duplicated";
+    bool        muon_use_syrk          = false;
+    float       muon_extra_scale_factor = 1.0f;
+    std::string muon_scalar_optimizer  = "adam";
+    bool        use_layer_wise_param_layout = true;
 };
 std::span<const Flag<OptimFlags>> optim_flags();
 std::span<const Flag<TrainOptions>> schedule_flags();
 std::span<const Flag<optim::AdamWConfig>> adam_flags();
 void resolve_decoupled_lr(const OptimFlags & f, const Given & given, TrainOptions & o);
+// --optimizer adam or muon (dist_muon: muon with --use-distributed-optimizer), Muon's flags into
+// TrainOptions::muon, and what Muon cannot run with refused by name (after resolve_ddp).
+void resolve_optimizer(const OptimFlags & f, TrainOptions & o);
 // The global batch (default micro x dp) and its divisibility.
 void resolve_batch(const Given & given, TrainOptions & o);
 // Megatron's schedule rules; sample-based training sets train_iters, unset decay lengths the run's.

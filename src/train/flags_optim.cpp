@@ -35,6 +35,33 @@ const Flag<OptimFlags> kOptimFlags[] = {
     {"--decoupled-lr", kLr, &OptimFlags::decoupled_lr,
      "the word embedding's and output layer's learning rate, on the same schedule (default: --lr)"},
     {"--decoupled-min-lr", kLr, &OptimFlags::decoupled_min_lr, "their minimum learning rate (default: --min-lr)"},
+    {"--optimizer", "training", &OptimFlags::optimizer,
+     "adam, or muon (the weight matrices; AdamW the rest); dist_muon is muon with --use-distributed-optimizer",
+     kShowDefault, {"optimizer", [](const O & o) -> json { return o.optimizer; }}},
+    {"--muon-momentum", kReg, &OptimFlags::muon_momentum, "Muon's momentum factor", kShowDefault},
+    {"--muon-no-split-qkv", kReg, &OptimFlags::muon_split_qkv,
+     "orthogonalize a QKV weight whole, not its Q, K and V blocks apart", kNegated},
+    {"--muon-nesterov", kReg, &OptimFlags::muon_nesterov, "Nesterov momentum in Muon's update"},
+    {"--muon-scale-mode", kReg, &OptimFlags::muon_scale_mode,
+     "spectral (sqrt of the larger side), unit_rms_norm (sqrt rows/cols) or shape_scaling (sqrt max(1, rows/cols))",
+     kShowDefault},
+    {"--muon-fp32-matmul-prec", kReg, &OptimFlags::muon_fp32_matmul_prec,
+     "Newton-Schulz matmuls: medium (bf16 operands and results, f32 accumulation) or high (f32)", kShowDefault},
+    {"--muon-coefficient-type", kReg, &OptimFlags::muon_coefficient_type,
+     "Newton-Schulz coefficients: quintic, simple, polar_express, cans or aol", kShowDefault},
+    {"--muon-num-ns-steps", kReg, &OptimFlags::muon_num_ns_steps, "Newton-Schulz steps", kShowDefault},
+    {"--muon-tp-mode", kReg, &OptimFlags::muon_tp_mode,
+     "duplicated or distributed (the whole matrix, the same update at any TP), or blockwise (each TP shard apart)",
+     kShowDefault},
+    {"--muon-use-syrk", kReg, &OptimFlags::muon_use_syrk,
+     "a kernel choice for the Gram matrix X X^T; Loom's GEMM computes the same product"},
+    {"--muon-extra-scale-factor", kReg, &OptimFlags::muon_extra_scale_factor, "a factor on Muon's update",
+     kShowDefault},
+    {"--muon-scalar-optimizer", kReg, &OptimFlags::muon_scalar_optimizer,
+     "the optimizer of the parameters Muon leaves out (embeddings, biases, norms): adam", kShowDefault},
+    {"--no-use-layer-wise-param-layout", "mixed precision", &OptimFlags::use_layer_wise_param_layout,
+     "Megatron's buffer layout choice for distributed Muon; Loom's ZeRO-1 Muon has one layout, and the update is "
+     "the same", kNegated},
 };
 
 const Flag<TrainOptions> kScheduleFlags[] = {
@@ -209,6 +236,47 @@ void resolve_decoupled_lr(const OptimFlags & f, const Given & given, TrainOption
         LOOM_CHECK(std::isfinite(value) && value >= 0.0f, flag << " must be a finite number >= 0, got " << value, "");
         *target = value;
     }
+}
+
+void resolve_optimizer(const OptimFlags & f, TrainOptions & o) {
+    o.optimizer = f.optimizer;
+    if (o.optimizer == "dist_muon") {   // deprecated upstream for --optimizer muon --use-distributed-optimizer
+        o.optimizer                     = "muon";
+        o.ddp.use_distributed_optimizer = true;
+    }
+    LOOM_CHECK(o.optimizer == "adam" || o.optimizer == "muon",
+               "--optimizer " << f.optimizer << " is not one Loom runs",
+               "give adam or muon (sgd, lion, soap and adaptive_muon are Megatron's, not Loom's)");
+    if (o.optimizer == "adam") return;   // Megatron reads the --muon-* flags only for Muon; so does Loom
+    LOOM_CHECK(!o.fp16, "emerging optimizer with fp16 is not supported.", "train Muon with --bf16 or in f32");
+    LOOM_CHECK(!o.ddp.use_megatron_fsdp, "Emerging optimizer does not support Megatron-FSDP for now.",
+               "drop --use-megatron-fsdp, or train with --optimizer adam");
+    LOOM_CHECK(!o.optimizer_cpu_offload, "--optimizer muon with --optimizer-cpu-offload",
+               "the host step is AdamW's; train Muon without the offload");
+    LOOM_CHECK(f.muon_scalar_optimizer == "adam",
+               "--muon-scalar-optimizer " << f.muon_scalar_optimizer << " is not one Loom runs",
+               "give adam (lion is Megatron's, not Loom's)");
+    LOOM_CHECK(f.muon_fp32_matmul_prec == "medium" || f.muon_fp32_matmul_prec == "high",
+               "--muon-fp32-matmul-prec " << f.muon_fp32_matmul_prec << " is not one Loom runs",
+               "give medium (bf16 Newton-Schulz matmuls, Megatron's default) or high (f32)");
+    LOOM_CHECK(std::isfinite(f.muon_momentum) && f.muon_momentum >= 0.0f && f.muon_momentum < 1.0f,
+               "--muon-momentum must lie in [0, 1), got " << f.muon_momentum, "");
+    LOOM_CHECK(std::isfinite(f.muon_extra_scale_factor),
+               "--muon-extra-scale-factor must be a finite number, got " << f.muon_extra_scale_factor, "");
+    LOOM_CHECK(f.muon_num_ns_steps >= 1 && f.muon_num_ns_steps <= 100,
+               "--muon-num-ns-steps must lie in [1, 100], got " << f.muon_num_ns_steps, "");
+    optim::MuonConfig m;
+    m.momentum           = f.muon_momentum;
+    m.nesterov           = f.muon_nesterov;
+    m.split_qkv          = f.muon_split_qkv;
+    m.scale_mode         = optim::muon_scale_mode_from_name(f.muon_scale_mode);
+    m.extra_scale_factor = f.muon_extra_scale_factor;
+    m.num_ns_steps       = static_cast<int>(f.muon_num_ns_steps);
+    m.coefficient_type   = f.muon_coefficient_type;
+    m.bf16_matmul        = f.muon_fp32_matmul_prec == "medium";
+    m.tp_mode            = optim::muon_tp_mode_from_name(f.muon_tp_mode);
+    (void)optim::muon_coefficients(m.coefficient_type, m.num_ns_steps);   // an unknown type, named
+    o.muon = m;
 }
 
 void resolve_batch(const Given & given, TrainOptions & o) {

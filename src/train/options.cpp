@@ -128,6 +128,7 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
 
     resolve_batch(given, o);
     resolve_ddp(values_.parallel, given, o);
+    resolve_optimizer(values_.optim, o);
     resolve_schedule(given, o);
     validate_hyperparameters(o);
     validate_logging(given, o);

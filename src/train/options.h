@@ -12,6 +12,7 @@
 #include "optim/lr_schedule.h"
 #include "pipeline/layer_assignment.h"
 #include "optim/hybrid_optimizer.h"
+#include "optim/muon.h"
 #include "parallel/parallel_config.h"
 
 #include <cstdint>
@@ -50,6 +51,8 @@ struct TrainOptions {
     // Optimizer and schedule.
     optim::AdamWConfig adam{2e-3f};
     float              min_lr           = 0.0f;       // Megatron's defaults: no warmup, linear decay to 0
+    std::string                     optimizer = "adam";   // --optimizer: adam or muon
+    std::optional<optim::MuonConfig> muon;                // --optimizer muon
     std::optional<float> decoupled_lr, decoupled_min_lr;   // the embedding's and output layer's (None: --lr, --min-lr)
     int64_t            lr_warmup_iters  = 0;
     std::string        lr_decay_style   = "linear";

@@ -154,8 +154,11 @@ Setup setup(const TrainOptions & options, std::vector<model::GptModel *> chunks,
                    "the data-parallel options need a data-parallel group",
                    "16-bit gradient buffers, ZeRO-1 and the overlaps live in DDP's buffers");
     }
-    optim::OptimizerOptions optimizer{options.adam, options.clip_grad, std::nullopt};
+    optim::OptimizerOptions optimizer{options.adam, options.clip_grad, std::nullopt, std::nullopt, {}};
     if (options.optimizer_cpu_offload) optimizer.offload = options.offload;
+    optimizer.muon = options.muon;   // the weight matrices' shards gather over TP (ETP for experts)
+    optimizer.muon_groups = {size_of(groups.tp) > 1 ? groups.tp.get() : nullptr,
+                             size_of(groups.expert_tp) > 1 ? groups.expert_tp.get() : nullptr};
     // The norm sums over the model-parallel ranks: TP x PP (tp_pp), or the stages alone.
     comm::Communicator * model_parallel = size_of(groups.tp_pp) > 1 ? groups.tp_pp.get()
                                           : size_of(groups.pp) > 1  ? groups.pp.get()
