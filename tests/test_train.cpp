@@ -1079,6 +1079,8 @@ TEST(MegatronCommandLine, MoeFlagsFollowMegatronsRules) {
     const std::pair<std::vector<std::string>, const char *> bad_tp[] = {
         {{"--num-experts", "4", "--tensor-model-parallel-size", "2"},
          "performance may degrade if MoE and tensor parallelism are enabled without also enabling sequence parallelism"},
+        {{"--model", "deepseek-v3-tiny", "--tensor-model-parallel-size", "2"},   // a preset's experts too
+         "performance may degrade if MoE and tensor parallelism are enabled without also enabling sequence parallelism"},
         {{"--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"},
          "biases in the experts with --expert-tensor-parallel-size 2 are not supported by Loom"},
         {{"--num-experts", "4", "--expert-tensor-parallel-size", "2", "--disable-bias-linear", "--moe-ffn-hidden-size", "33"},

@@ -81,6 +81,19 @@ const Flag<MoeFlags> kMoeFlags[] = {
 
 std::span<const Flag<MoeFlags>> moe_flags() { return kMoeFlags; }
 
+namespace {
+
+// Megatron raises this in MoELayer.forward while training; Loom refuses before any rank starts.
+void check_moe_sequence_parallel(const TrainOptions & o) {
+    LOOM_CHECK(o.parallel.tp() == 1 || o.sequence_parallel,
+               "During training, performance may degrade if MoE and tensor parallelism are enabled without also enabling "
+               "sequence parallelism.",
+               "add --sequence-parallel to the experts (--num-experts, or a preset's) with --tensor-model-parallel-size "
+                   << o.parallel.tp());
+}
+
+}  // namespace
+
 void resolve_moe(const MoeFlags & f, const Given & given, TrainOptions & o) {
     model::MoeConfig & moe = o.model.moe;
     // Megatron's TransformerConfig check of an overlap choice Loom accepts without effect.
@@ -92,6 +105,7 @@ void resolve_moe(const MoeFlags & f, const Given & given, TrainOptions & o) {
         for (const char * flag : {"--moe-ffn-hidden-size", "--moe-grouped-gemm", "--moe-shared-expert-intermediate-size"}) {
             LOOM_CHECK(!given(flag), flag << " without --num-experts", "add --num-experts E to make the MLPs Mixtures of Experts");
         }
+        if (moe.enabled()) check_moe_sequence_parallel(o);   // a preset's experts (deepseek-v3)
         return;
     }
     LOOM_CHECK(f.num_experts >= 1, "--num-experts must be >= 1, got " << f.num_experts, "");
@@ -145,11 +159,7 @@ void resolve_moe(const MoeFlags & f, const Given & given, TrainOptions & o) {
         moe.layer_freq = n;
     }
     model::moe_config_validate(moe, o.model);
-    // Megatron raises this in MoELayer.forward while training; Loom refuses before any rank starts.
-    LOOM_CHECK(o.parallel.tp() == 1 || o.sequence_parallel,
-               "During training, performance may degrade if MoE and tensor parallelism are enabled without also enabling "
-               "sequence parallelism.",
-               "add --sequence-parallel to --num-experts with --tensor-model-parallel-size " << o.parallel.tp());
+    check_moe_sequence_parallel(o);
     const int64_t etp = o.parallel.etp();
     LOOM_CHECK(moe.expert_ffn(o.model) % etp == 0,
                "the experts' hidden size " << moe.expert_ffn(o.model) << " (--moe-ffn-hidden-size, or --ffn-hidden-size) "
