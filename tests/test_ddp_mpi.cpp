@@ -31,9 +31,10 @@ namespace {
 
 comm::MpiContext * g_mpi = nullptr;
 
-train::TrainOptions small_options(int64_t dp) {
+train::TrainOptions small_options(int64_t dp, bool muon = false) {
     train::TrainOptions o = testing_models::small_gpt_options(2, 8, 20);
     o.lr_warmup_iters     = 5;
+    if (muon) o.muon.emplace().bf16_matmul = false;   // Muon on the weight matrices, Newton-Schulz in f32
     parallel::ParallelSizes sizes;
     sizes.world_size = static_cast<int>(dp);
     o.parallel       = parallel::ParallelConfig::create(sizes);
@@ -63,28 +64,30 @@ TrainRun train_model(train::TrainOptions o, std::shared_ptr<comm::Communicator> 
     return run;
 }
 
-const TrainRun & reference() {
-    static TrainRun run = train_model(small_options(1), nullptr);
-    return run;
+const TrainRun & reference(bool muon = false) {
+    static TrainRun adam = train_model(small_options(1), nullptr);
+    static TrainRun with_muon = train_model(small_options(1, true), nullptr);
+    return muon ? with_muon : adam;
 }
 
 struct Config {
     const char * name;
     bool         distopt, overlap_grad, overlap_param;
     bool         average_in_collective = false;
+    bool         muon                  = false;
 };
 
 void expect_matches_reference(const Config & c) {
     SCOPED_TRACE(c.name);
     int64_t             dp = g_mpi->world_size();
-    train::TrainOptions o  = small_options(dp);
+    train::TrainOptions o  = small_options(dp, c.muon);
     o.ddp.use_distributed_optimizer = c.distopt;
     o.ddp.overlap_grad_reduce       = c.overlap_grad;
     o.ddp.overlap_param_gather      = c.overlap_param;
     o.ddp.average_in_collective     = c.average_in_collective;
     o.ddp.bucket_size               = 20000;   // several buckets (with overlap; one bucket without)
     TrainRun         run = train_model(o, g_mpi->world());
-    const TrainRun & ref = reference();
+    const TrainRun & ref = reference(c.muon);
     ASSERT_EQ(run.losses.size(), ref.losses.size());
     double worst_loss = 0, worst_param = 0;
     for (size_t i = 0; i < ref.losses.size(); ++i) {
@@ -126,6 +129,13 @@ TEST(DataParallel, DistributedOptimizerWithOverlappedReduceMatchesOneRank) {
 
 TEST(DataParallel, DistributedOptimizerWithBothOverlapsMatchesOneRank) {
     expect_matches_reference({"distributed optimizer, overlap-grad-reduce, overlap-param-gather", true, true, true});
+}
+
+// Muon: replicated (each rank orthogonalizes the all-reduced momentum) and with ZeRO-1 (each rank's momentum
+// pieces of a matrix summed over DP, the whole matrix orthogonalized, the owned pieces updated).
+TEST(DataParallel, MuonMatchesOneRank) {
+    expect_matches_reference({"muon", false, false, false, false, true});
+    expect_matches_reference({"muon zero-1", true, true, false, false, true});
 }
 
 TEST(DataParallel, AverageInCollectiveMatchesOneRank) {

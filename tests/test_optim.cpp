@@ -255,3 +255,241 @@ TEST(LossScaler, FollowsMegatronsDynamicGradScaler) {
     bad = defaults, bad.constant = -1.0f;
     refused(bad, "--loss-scale");
 }
+
+// ---- Muon (optim/muon.h)
+
+namespace {
+
+using Matrix = std::vector<double>;   // row-major
+
+// A random orthogonal n x n matrix: Gram-Schmidt (twice, for double's sake) on Gaussian columns.
+Matrix random_orthogonal(int64_t n, std::mt19937 & rng) {
+    std::normal_distribution<double> normal;
+    Matrix                           q(static_cast<size_t>(n * n));
+    for (double & v : q) v = normal(rng);
+    for (int64_t j = 0; j < n; ++j) {
+        for (int pass = 0; pass < 2; ++pass) {
+            for (int64_t k = 0; k < j; ++k) {
+                double dot = 0;
+                for (int64_t i = 0; i < n; ++i) dot += q[i * n + j] * q[i * n + k];
+                for (int64_t i = 0; i < n; ++i) q[i * n + j] -= dot * q[i * n + k];
+            }
+        }
+        double norm = 0;
+        for (int64_t i = 0; i < n; ++i) norm += q[i * n + j] * q[i * n + j];
+        for (int64_t i = 0; i < n; ++i) q[i * n + j] /= std::sqrt(norm);
+    }
+    return q;
+}
+
+// The quintic set's map of one normalised singular value over five steps: NS(U S V^T) = U f(S / |S|_F) V^T,
+// since every step is an odd polynomial of X applied as a X + (b X X^T + c (X X^T)^2) X.
+double quintic_map(double s) {
+    for (const auto & abc : optim::muon_coefficients("quintic", 5)) s = abc[0] * s + abc[1] * s * s * s + abc[2] * std::pow(s, 5);
+    return s;
+}
+
+}  // namespace
+
+// NS of X = U diag(s) V^T (U, V random orthogonal, s spread over [0.05, 1] before the normalisation) against
+// U diag(f(s / |s|)) V^T computed here in double, for a wide and a tall matrix (the tall one runs on X^T X):
+// f32 within 1e-5 of it, bf16 (Megatron's default precision) within 1e-2. The orthogonalisation error bound:
+// over normalised singular values in [0.01, 1] five quintic steps land in [0.9777, 1.0318] (computed below on
+// a grid), so |O O^T - I| (the smaller side's Gram matrix) is at most 1.0318^2 - 1 = 0.065 elementwise, which
+// both precisions keep.
+TEST(Muon, NewtonSchulzMapsEachSingularValueWithinTheStatedBound) {
+    double lo = 2, hi = 0;
+    for (int i = 0; i <= 4000; ++i) {
+        const double f = quintic_map(0.01 * std::pow(100.0, i / 4000.0));
+        lo             = std::min(lo, f);
+        hi             = std::max(hi, f);
+    }
+    EXPECT_GT(lo, 0.977);
+    EXPECT_LT(hi, 1.032);
+
+    Device &     device = cpu::device();
+    std::mt19937 rng(7);
+    for (const auto & shape : {std::pair<int64_t, int64_t>{24, 40}, {40, 24}}) {
+        const int64_t r = shape.first, c = shape.second, k = std::min(r, c);
+        const Matrix  u = random_orthogonal(r, rng), v = random_orthogonal(c, rng);
+        std::vector<double> s(static_cast<size_t>(k));
+        double              norm = 0;
+        for (int64_t i = 0; i < k; ++i) norm += (s[i] = std::pow(0.05, static_cast<double>(i) / (k - 1))) * s[i];
+        norm = std::sqrt(norm);
+        Tensor x = Tensor::empty({r, c}, DType::f32, device);
+        Matrix expected(static_cast<size_t>(r * c));
+        for (int64_t i = 0; i < r; ++i) {
+            for (int64_t j = 0; j < c; ++j) {
+                double xv = 0, ev = 0;
+                for (int64_t l = 0; l < k; ++l) {
+                    xv += u[i * r + l] * s[l] * v[j * c + l];
+                    ev += u[i * r + l] * quintic_map(s[l] / norm) * v[j * c + l];
+                }
+                x.data<float>()[i * c + j] = static_cast<float>(3.0 * xv);   // NS ignores the scale
+                expected[i * c + j]        = ev;
+            }
+        }
+        for (const bool bf16 : {false, true}) {
+            optim::MuonConfig config;
+            config.bf16_matmul = bf16;
+            Tensor out         = Tensor::empty({r, c}, DType::f32, device);
+            optim::newton_schulz(x, out, config);
+            device.compute_stream().synchronize();
+            const float * o     = out.data<float>();
+            double        worst = 0, gram = 0;
+            for (int64_t i = 0; i < r * c; ++i) worst = std::max(worst, std::fabs(o[i] - expected[i]));
+            for (int64_t a = 0; a < k; ++a) {   // O O^T (wide) or O^T O (tall)
+                for (int64_t b = 0; b < k; ++b) {
+                    double dot = 0;
+                    for (int64_t l = 0; l < std::max(r, c); ++l) {
+                        dot += r <= c ? double(o[a * c + l]) * o[b * c + l] : double(o[l * c + a]) * o[l * c + b];
+                    }
+                    gram = std::max(gram, std::fabs(dot - (a == b ? 1.0 : 0.0)));
+                }
+            }
+            SCOPED_TRACE(std::to_string(r) + " x " + std::to_string(c) + (bf16 ? " bf16" : " f32"));
+            EXPECT_LT(worst, bf16 ? 1e-2 : 1e-5);
+            EXPECT_LT(gram, 0.065);
+            std::printf("[NS %lld x %lld %s] worst |O - U f(S) V^T| %.3g, worst |Gram - I| %.3g\n",
+                        static_cast<long long>(r), static_cast<long long>(c), bf16 ? "bf16" : "f32", worst, gram);
+        }
+    }
+}
+
+// The sets cycle (quintic) or repeat their last triple (polar_express); the scale modes; names refused.
+TEST(Muon, CoefficientSchedulesScaleModesAndRefusals) {
+    const auto q = optim::muon_coefficients("quintic", 7);
+    EXPECT_EQ(q[5], q[0]);
+    EXPECT_EQ(q[6], q[1]);
+    const auto p = optim::muon_coefficients("polar_express", 10);
+    EXPECT_EQ(p[9], p[7]);
+    EXPECT_NE(p[7], p[6]);
+    EXPECT_FLOAT_EQ(optim::muon_scale_factor(16, 64, optim::MuonScaleMode::spectral), 8.0f);
+    EXPECT_FLOAT_EQ(optim::muon_scale_factor(64, 16, optim::MuonScaleMode::unit_rms_norm), 2.0f);
+    EXPECT_FLOAT_EQ(optim::muon_scale_factor(16, 64, optim::MuonScaleMode::shape_scaling), 1.0f);
+    EXPECT_FLOAT_EQ(optim::muon_scale_factor(64, 16, optim::MuonScaleMode::shape_scaling), 2.0f);
+    for (const auto & bad : {std::pair<std::string, int>{"cubic7", 5}, {"quintic", 0}}) {
+        try {
+            (void)optim::muon_coefficients(bad.first, bad.second);
+            ADD_FAILURE() << bad.first << " " << bad.second << " was taken";
+        } catch (const Error & e) {
+            EXPECT_NE(std::string(e.what()).find(bad.first == "cubic7" ? "--muon-coefficient-type 'cubic7'" : "--muon-num-ns-steps"),
+                      std::string::npos) << e.what();
+        }
+    }
+}
+
+namespace {
+
+// Newton-Schulz in double with the quintic set, written out here as the published iteration.
+Matrix ns_reference(const Matrix & m, int64_t r, int64_t c) {
+    const bool    tall = r > c;
+    const int64_t k = tall ? c : r, n = tall ? r : c;   // X is k x n
+    Matrix        x(static_cast<size_t>(k * n));
+    double        norm = 0;
+    for (double v : m) norm += v * v;
+    for (int64_t i = 0; i < r; ++i) {
+        for (int64_t j = 0; j < c; ++j) (tall ? x[j * n + i] : x[i * n + j]) = m[i * c + j] / std::sqrt(norm);
+    }
+    for (const auto & abc : optim::muon_coefficients("quintic", 5)) {
+        Matrix a(static_cast<size_t>(k * k), 0), b(static_cast<size_t>(k * k), 0), next(x.size(), 0);
+        for (int64_t i = 0; i < k; ++i)
+            for (int64_t j = 0; j < k; ++j)
+                for (int64_t l = 0; l < n; ++l) a[i * k + j] += x[i * n + l] * x[j * n + l];
+        for (int64_t i = 0; i < k; ++i) {
+            for (int64_t j = 0; j < k; ++j) {
+                double aa = 0;
+                for (int64_t l = 0; l < k; ++l) aa += a[i * k + l] * a[l * k + j];
+                b[i * k + j] = abc[1] * a[i * k + j] + abc[2] * aa;
+            }
+        }
+        for (int64_t i = 0; i < k; ++i) {
+            for (int64_t j = 0; j < n; ++j) {
+                double bx = 0;
+                for (int64_t l = 0; l < k; ++l) bx += b[i * k + l] * x[l * n + j];
+                next[i * n + j] = abc[0] * x[i * n + j] + bx;
+            }
+        }
+        x = next;
+    }
+    Matrix out(m.size());
+    for (int64_t i = 0; i < r; ++i)
+        for (int64_t j = 0; j < c; ++j) out[i * c + j] = tall ? x[j * n + i] : x[i * n + j];
+    return out;
+}
+
+}  // namespace
+
+// An optimizer with Muon over a weight matrix and a bias: two steps against the update rule in double
+// (decoupled weight decay, momentum (1 - b) G then b M + (1 - b) G, the spectral scale sqrt(max(rows, cols))
+// and --muon-extra-scale-factor), the bias bitwise what AdamW alone makes of it; and a QKV weight's Q, K and V
+// blocks orthogonalized apart (fused_rows).
+TEST(Muon, StepsWeightMatricesByTheRuleAndTheRestWithAdamW) {
+    Device &         device = cpu::device();
+    const int64_t    r = 6, c = 10;
+    model::Parameter w    = model::parameter_create("w", {r, c}, DType::f32, device);
+    model::Parameter bias = model::parameter_create("b", {r}, DType::f32, device);
+    model::Parameter ref  = model::parameter_create("ref", {r}, DType::f32, device);
+    bias.no_weight_decay = ref.no_weight_decay = true;
+    model::parameter_init_normal(w, 3, 0.5f);
+    model::parameter_init_constant(bias, 0.25f);
+    model::parameter_init_constant(ref, 0.25f);
+    optim::OptimizerOptions options;
+    options.adam.weight_decay = 0.1f;
+    options.muon.emplace();
+    options.muon->bf16_matmul        = false;
+    options.muon->extra_scale_factor = 0.2f;
+    optim::AdamW opt({&w, &bias}, options);
+    optim::AdamW plain({&ref}, optim::OptimizerOptions{});
+    ASSERT_NE(opt.muon(), nullptr);
+    EXPECT_EQ(opt.muon()->num_matrices(), 1) << "the bias is AdamW's";
+
+    const double lr = 0.01, wd = 0.1, beta = 0.9, scale = std::sqrt(10.0) * 0.2;
+    Matrix       wd_ref(static_cast<size_t>(r * c)), mom(static_cast<size_t>(r * c), 0);
+    for (int64_t i = 0; i < r * c; ++i) wd_ref[i] = w.data.data<float>()[i];
+    for (int step = 1; step <= 2; ++step) {
+        for (int64_t i = 0; i < r * c; ++i) {
+            const float g              = static_cast<float>(std::sin(0.7 * i + step));
+            w.main_grad.data<float>()[i] = g;
+            mom[i]                     = beta * mom[i] + (1 - beta) * g;
+        }
+        for (int64_t i = 0; i < r; ++i) bias.main_grad.data<float>()[i] = ref.main_grad.data<float>()[i] = 0.1f * i - 0.2f;
+        EXPECT_TRUE(opt.step(static_cast<float>(lr)).stepped);
+        plain.step(static_cast<float>(lr));
+        const Matrix o = ns_reference(mom, r, c);
+        for (int64_t i = 0; i < r * c; ++i) wd_ref[i] = wd_ref[i] * (1 - lr * wd) - lr * scale * o[i];
+    }
+    device.compute_stream().synchronize();
+    double worst = 0;
+    for (int64_t i = 0; i < r * c; ++i) worst = std::max(worst, std::fabs(w.data.data<float>()[i] - wd_ref[i]));
+    EXPECT_LT(worst, 1e-6);
+    for (int64_t i = 0; i < r; ++i) EXPECT_EQ(bias.data.data<float>()[i], ref.data.data<float>()[i]) << i;
+
+    // A fused [Q | K | V] weight (4 + 2 + 2 rows): each block is NS'd and scaled by its own shape.
+    model::Parameter qkv = model::parameter_create("qkv", {8, c}, DType::f32, device);
+    model::parameter_init_normal(qkv, 5, 0.5f);
+    qkv.fused_rows = {4, 2, 2};
+    Matrix before(static_cast<size_t>(8 * c)), grad(before.size());
+    for (int64_t i = 0; i < 8 * c; ++i) {
+        before[i] = qkv.data.data<float>()[i];
+        qkv.main_grad.data<float>()[i] = static_cast<float>(grad[i] = std::cos(1.3 * i));
+    }
+    optim::OptimizerOptions no_decay = options;
+    no_decay.adam.weight_decay       = 0.0f;
+    optim::AdamW fused({&qkv}, no_decay);
+    fused.step(static_cast<float>(lr));
+    device.compute_stream().synchronize();
+    double  worst_fused = 0;
+    int64_t row         = 0;
+    for (int64_t block : {4, 2, 2}) {
+        Matrix m(grad.begin() + row * c, grad.begin() + (row + block) * c);
+        for (double & v : m) v *= 1 - beta;
+        const Matrix o = ns_reference(m, block, c);
+        for (int64_t i = 0; i < block * c; ++i) {
+            const double want = before[row * c + i] - lr * std::sqrt(10.0) * 0.2 * o[i];
+            worst_fused       = std::max(worst_fused, std::fabs(qkv.data.data<float>()[row * c + i] - want));
+        }
+        row += block;
+    }
+    EXPECT_LT(worst_fused, 1e-6);
+}

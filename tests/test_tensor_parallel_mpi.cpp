@@ -32,9 +32,14 @@ comm::MpiContext * g_mpi = nullptr;
 // and one MTP depth, without attention dropout (as Megatron's DeepSeek configurations train): with it, a few
 // embedding elements' gradients come out near 1e-8 (four orders below the mean), where Adam turns the TP
 // run's rounding into whole steps and no tolerance on the weights can hold.
-train::TrainOptions small_options(bool llama, bool mla = false) {
+train::TrainOptions small_options(bool llama, bool mla = false, bool muon = false) {
     train::TrainOptions o = testing_models::small_gpt_options(4, 8, 10);
     o.lr_warmup_iters     = 3;
+    if (muon) {   // Muon on the weight matrices, its Newton-Schulz in f32 (bf16's rounding would hide nothing)
+        o = small_options(llama, mla);
+        o.muon.emplace().bf16_matmul = false;
+        return o;
+    }
     if (mla) {
         o = small_options(true);
         testing_models::use_multi_latent_attention(o);
@@ -61,8 +66,8 @@ struct Run {
     std::map<std::string, model::TpSlice>     slices;
 };
 
-Run reference(bool llama, bool mla = false) {
-    testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(llama, mla));
+Run reference(bool llama, bool mla = false, bool muon = false) {
+    testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(llama, mla, muon));
     Run                           run;
     run.losses = ref.losses;
     run.params = ref.params;
@@ -71,7 +76,7 @@ Run reference(bool llama, bool mla = false) {
 
 // recompute: 0 none, 1 full (every layer), 2 selective (layernorm and mlp: the norms' outputs gathered again
 // over the TP group in backward, the MLP rerun from its input).
-Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, int recompute, bool mla = false) {
+Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, int recompute, bool mla = false, bool muon = false) {
     parallel::ParallelSizes sizes;
     sizes.world_size = g_mpi->world_size();
     sizes.tp         = tp;
@@ -79,7 +84,7 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, int recomput
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi);
 
-    train::TrainOptions o           = small_options(llama, mla);
+    train::TrainOptions o           = small_options(llama, mla, muon);
     o.parallel                      = config;
     o.ddp.use_distributed_optimizer = distopt;
     o.ddp.overlap_grad_reduce       = distopt;
@@ -108,13 +113,14 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, int recomput
     return run;
 }
 
-void expect_follows_reference(int tp, int pp, bool distopt, bool llama, bool sp = false, int recompute = 0, bool mla = false) {
-    const std::string name = std::string(mla ? "mla" : llama ? "llama" : "gpt") + " tp " + std::to_string(tp) + " pp " +
+void expect_follows_reference(int tp, int pp, bool distopt, bool llama, bool sp = false, int recompute = 0, bool mla = false,
+                              bool muon = false) {
+    const std::string name = std::string(mla ? "mla" : llama ? "llama" : "gpt") + (muon ? " muon" : "") + " tp " + std::to_string(tp) + " pp " +
                              std::to_string(pp) + (sp ? " sequence-parallel" : "") + (distopt ? " zero-1" : "") +
                              (recompute == 1 ? " full recompute" : recompute == 2 ? " selective recompute" : "");
     SCOPED_TRACE(name);
-    const Run ref = reference(llama, mla);
-    const Run run = parallel_run(tp, pp, distopt, llama, sp, recompute, mla);
+    const Run ref = reference(llama, mla, muon);
+    const Run run = parallel_run(tp, pp, distopt, llama, sp, recompute, mla, muon);
     ASSERT_EQ(run.losses.size(), ref.losses.size());
     double worst_loss = 0, worst_param = 0;
     for (size_t i = 0; i < ref.losses.size(); ++i) {
@@ -178,6 +184,22 @@ TEST(TensorParallel, MultiLatentAttentionAndMtpFollowTheSingleRankRun) {
         expect_follows_reference(2, 1, false, true, true, 0, true);
     } else if (g_mpi->world_size() == 4) {
         expect_follows_reference(2, 2, true, true, true, 0, true);
+    } else {
+        GTEST_SKIP() << "runs with 2 and 4 ranks";
+    }
+}
+
+// Muon (optim/muon.h) orthogonalizes each whole matrix: the TP shards of the column-parallel QKV (its Q, K and
+// V blocks apart, GQA's two groups split over the ranks) and fc1, the row-parallel projections' column shards,
+// are gathered first, so every layout takes the single rank's update. TP 2 + SP; TP 2 + SP x DP 2 with ZeRO-1
+// (each matrix's momentum pieces summed over DP before the gather); the DeepSeek-style model's MLA
+// projections and MTP depth under TP 2 + SP x PP 2.
+TEST(TensorParallel, MuonFollowsTheSingleRankRun) {
+    if (g_mpi->world_size() == 2) {
+        expect_follows_reference(2, 1, false, true, true, 0, false, true);
+    } else if (g_mpi->world_size() == 4) {
+        expect_follows_reference(2, 1, true, true, true, 0, false, true);
+        expect_follows_reference(2, 2, true, true, true, 0, true, true);
     } else {
         GTEST_SKIP() << "runs with 2 and 4 ranks";
     }
