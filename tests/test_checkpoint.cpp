@@ -135,6 +135,20 @@ TEST_P(ResumeIsBitwise, LossesAndFinalStateMatchTheUninterruptedRun) {
     }
 }
 
+// Adam's moments are not Muon's momentum: loading one optimizer's state into the other is refused naming
+// both, and --no-load-optim starts the new one's state from the checkpoint's weights.
+TEST(Checkpoint, AnotherOptimizersStateIsRefused) {
+    TempDir           tmp;
+    const std::string run = "train --mock-data --train-iters 4 --log-interval 1 " + kModel;
+    ASSERT_EQ(run_on(1, run + " --save " + (tmp / "a") + " --save-interval 4").status, 0);
+    const CliRun refused = run_on(1, run + " --load " + (tmp / "a") + " --optimizer muon --train-iters 6 --override-opt_param-scheduler");
+    EXPECT_NE(refused.status, 0);
+    EXPECT_NE(refused.out.find("--optimizer muon: checkpoint"), std::string::npos) << refused.out;
+    EXPECT_NE(refused.out.find("holds the state of --optimizer adam"), std::string::npos) << refused.out;
+    const CliRun fresh = run_on(1, run + " --load " + (tmp / "a") + " --optimizer muon --train-iters 6 --no-load-optim");
+    EXPECT_EQ(fresh.status, 0) << fresh.out;
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Layouts, ResumeIsBitwise,
     ::testing::Values(
@@ -151,6 +165,8 @@ INSTANTIATE_TEST_SUITE_P(
                    "--position-embedding-type rope --mtp-num-layers 1 "
                    "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-2 "
                    "--moe-router-num-groups 2 --moe-router-group-topk 1"},
+        // Muon's momentum (the matrices' exp_avg) sharded by ZeRO-1 over DP 2, bf16 with its masters.
+        ResumeCase{"dp2_zero1_muon_bf16", 2, "--optimizer muon --use-distributed-optimizer --bf16"},
         ResumeCase{"offload_half", 1, "--use-precision-aware-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.5"},
         // The dynamic loss scale halves and doubles within the run (a window of 3): the resume must bring
         // back its trackers as well as its scale to continue bitwise.

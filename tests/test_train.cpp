@@ -969,6 +969,62 @@ TEST(MegatronCommandLine, MtpFlagsFollowMegatronsRules) {
     }
 }
 
+// --optimizer and Muon's flags: Megatron's defaults, dist_muon as muon with the distributed optimizer, each
+// choice Loom runs, and what it does not refused by name.
+TEST(MegatronCommandLine, MuonFlagsFollowMegatronsRules) {
+    const train::TrainOptions adam = parse_train({"--mock-data"});
+    EXPECT_EQ(adam.optimizer, "adam");
+    EXPECT_FALSE(adam.muon.has_value());
+    const train::TrainOptions d = parse_train({"--mock-data", "--optimizer", "muon"});
+    ASSERT_TRUE(d.muon.has_value());
+    EXPECT_FLOAT_EQ(d.muon->momentum, 0.9f);
+    EXPECT_TRUE(d.muon->split_qkv);
+    EXPECT_FALSE(d.muon->nesterov);
+    EXPECT_EQ(d.muon->scale_mode, optim::MuonScaleMode::spectral);
+    EXPECT_FLOAT_EQ(d.muon->extra_scale_factor, 1.0f);
+    EXPECT_EQ(d.muon->num_ns_steps, 5);
+    EXPECT_EQ(d.muon->coefficient_type, "quintic");
+    EXPECT_TRUE(d.muon->bf16_matmul) << "medium: Megatron's default";
+    EXPECT_EQ(d.muon->tp_mode, optim::MuonTpMode::duplicated);
+    const train::TrainOptions m = parse_train({"--mock-data", "--optimizer", "dist_muon", "--muon-momentum", "0.95",
+                                               "--muon-no-split-qkv", "--muon-nesterov", "--muon-scale-mode", "unit_rms_norm",
+                                               "--muon-fp32-matmul-prec", "high", "--muon-coefficient-type", "polar_express",
+                                               "--muon-num-ns-steps", "8", "--muon-tp-mode", "blockwise", "--muon-use-syrk",
+                                               "--muon-extra-scale-factor", "0.2", "--no-use-layer-wise-param-layout"},
+                                              2);
+    EXPECT_EQ(m.optimizer, "muon");
+    EXPECT_TRUE(m.ddp.use_distributed_optimizer) << "dist_muon";
+    EXPECT_FLOAT_EQ(m.muon->momentum, 0.95f);
+    EXPECT_FALSE(m.muon->split_qkv);
+    EXPECT_TRUE(m.muon->nesterov);
+    EXPECT_EQ(m.muon->scale_mode, optim::MuonScaleMode::unit_rms_norm);
+    EXPECT_FALSE(m.muon->bf16_matmul);
+    EXPECT_EQ(m.muon->coefficient_type, "polar_express");
+    EXPECT_EQ(m.muon->num_ns_steps, 8);
+    EXPECT_EQ(m.muon->tp_mode, optim::MuonTpMode::blockwise);
+    EXPECT_FLOAT_EQ(m.muon->extra_scale_factor, 0.2f);
+    const std::pair<std::vector<std::string>, const char *> bad[] = {
+        {{"--optimizer", "sgd"}, "--optimizer sgd is not one Loom runs"},
+        {{"--optimizer", "muon", "--fp16"}, "emerging optimizer with fp16 is not supported"},
+        {{"--optimizer", "muon", "--use-megatron-fsdp", "--use-distributed-optimizer"}, "does not support Megatron-FSDP"},
+        {{"--optimizer", "muon", "--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--use-distributed-optimizer"},
+         "--optimizer muon with --optimizer-cpu-offload"},
+        {{"--optimizer", "muon", "--muon-scalar-optimizer", "lion"}, "--muon-scalar-optimizer lion is not one Loom runs"},
+        {{"--optimizer", "muon", "--muon-fp32-matmul-prec", "low"}, "--muon-fp32-matmul-prec low is not one Loom runs"},
+        {{"--optimizer", "muon", "--muon-coefficient-type", "cubic5"}, "--muon-coefficient-type 'cubic5' is not one Loom takes"},
+        {{"--optimizer", "muon", "--muon-num-ns-steps", "0"}, "--muon-num-ns-steps must lie in [1, 100]"},
+        {{"--optimizer", "muon", "--muon-momentum", "1"}, "--muon-momentum must lie in [0, 1)"},
+        {{"--optimizer", "muon", "--muon-tp-mode", "sharded"}, "--muon-tp-mode 'sharded' is not a mode"},
+        {{"--optimizer", "muon", "--muon-scale-mode", "rms"}, "--muon-scale-mode 'rms' is not a scale mode"},
+    };
+    for (const auto & [flags, message] : bad) {
+        std::vector<std::string> args{"--mock-data"};
+        args.insert(args.end(), flags.begin(), flags.end());
+        const std::string text = error_of([&] { parse_train(args, 2); });
+        EXPECT_NE(text.find(message), std::string::npos) << text;
+    }
+}
+
 // The legacy switch sets RoPE over whatever --position-embedding-type says (Megatron's validate_args).
 TEST(MegatronCommandLine, UseRotaryPositionEmbeddingsMeansRope) {
     EXPECT_EQ(parse_train({"--mock-data", "--use-rotary-position-embeddings"}).model.position_embedding,
