@@ -324,8 +324,11 @@ std::unique_ptr<SaveInProgress> begin_save(const std::string & dir, int64_t iter
                 st->entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "master"), "F32", n, snapshot(slot.master)});
             }
             st->entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "exp_avg"), "F32", n, snapshot(slot.exp_avg)});
-            st->entries.push_back(
-                WriteEntry{entry_name(p.name, piece.begin, "exp_avg_sq"), "F32", n, snapshot(slot.exp_avg_sq)});
+            // A Muon matrix has no second moment: zeros keep every tensor's entries alike (and load as none).
+            const Tensor v = slot.exp_avg_sq.defined() ? snapshot(slot.exp_avg_sq)
+                                                       : Tensor::zeros({n}, DType::f32, slot.exp_avg.device(),
+                                                                       {MemoryKind::pinned_host, "checkpoint"});
+            st->entries.push_back(WriteEntry{entry_name(p.name, piece.begin, "exp_avg_sq"), "F32", n, v});
         }
         const model::TpSlice & slice = p.tp_slice;
         json &                 t     = st->tensors[p.name];

@@ -40,18 +40,25 @@ HybridDeviceOptimizer::HybridDeviceOptimizer(Device & device, std::vector<Hybrid
     }
     std::vector<bool> offload = hybrid_offload_split(numels, options_.offload_fraction);
 
-    int64_t dev_numel = 0, dev_master = 0, host_numel = 0;
+    int64_t dev_numel = 0, dev_v = 0, dev_master = 0, host_numel = 0;
     for (size_t i = 0; i < slots.size(); ++i) {
         SlotInfo info;
         info.slot      = std::move(slots[i]);
         info.offloaded = offload[i];
         int64_t n      = info.slot.values.numel();
+        LOOM_CHECK(!info.offloaded || !info.slot.momentum_only,
+                   "hybrid optimizer slot " << i << " is a Muon matrix's, offloaded to the host", "the host step is AdamW's");
         if (info.offloaded) {
-            info.state = host_numel;
+            info.state   = host_numel;
+            info.v_state = host_numel;
             host_numel += n;
         } else {
             info.state = dev_numel;
             dev_numel += n;
+            if (!info.slot.momentum_only) {
+                info.v_state = dev_v;
+                dev_v += n;
+            }
             if (dtype_is_half(info.slot.values.dtype())) {
                 info.master = dev_master;
                 dev_master += n;
@@ -62,7 +69,7 @@ HybridDeviceOptimizer::HybridDeviceOptimizer(Device & device, std::vector<Hybrid
 
     TensorOptions dev_options{MemoryKind::device, "optimizer"};
     dev_m_ = Tensor::zeros({dev_numel}, DType::f32, device_, dev_options);
-    dev_v_ = Tensor::zeros({dev_numel}, DType::f32, device_, dev_options);
+    dev_v_ = Tensor::zeros({dev_v}, DType::f32, device_, dev_options);
     if (dev_master > 0) dev_master_ = Tensor::empty({dev_master}, DType::f32, device_, dev_options);
 
     auto host_array = [&](HostArray & a, bool pinned) {
@@ -175,7 +182,7 @@ HybridSlotState HybridDeviceOptimizer::slot_state(int slot) const {
     } else {
         r.master     = s.master >= 0 ? dev_master_.slice(s.master, {r.numel}) : s.slot.values;
         r.exp_avg    = dev_m_.slice(s.state, {r.numel});
-        r.exp_avg_sq = dev_v_.slice(s.state, {r.numel});
+        if (s.v_state >= 0) r.exp_avg_sq = dev_v_.slice(s.v_state, {r.numel});
     }
     return r;
 }
@@ -225,17 +232,17 @@ void HybridDeviceOptimizer::step(float lr, Stream * current, std::optional<float
     std::vector<size_t>       rounded;   // f16 values: the master steps, then a rounding pass writes them
     for (size_t i = 0; i < slots_.size(); ++i) {
         const SlotInfo & s = slots_[i];
-        if (s.offloaded || !has_grad[i]) continue;
+        if (s.offloaded || !has_grad[i] || s.slot.momentum_only) continue;   // a Muon matrix steps in Muon
         const int64_t n = s.slot.values.numel();
         if (s.master >= 0 && s.slot.values.dtype() == DType::bf16) {   // the f32 master steps, the values get it rounded
             device_part.push_back({dev_master_.slice(s.master, {n}), s.slot.grad, dev_m_.slice(s.state, {n}),
-                                   dev_v_.slice(s.state, {n}), s.slot.values, args(s.slot)});
+                                   dev_v_.slice(s.v_state, {n}), s.slot.values, args(s.slot)});
         } else if (s.master >= 0) {
             device_part.push_back({dev_master_.slice(s.master, {n}), s.slot.grad, dev_m_.slice(s.state, {n}),
-                                   dev_v_.slice(s.state, {n}), Tensor(), args(s.slot)});
+                                   dev_v_.slice(s.v_state, {n}), Tensor(), args(s.slot)});
             rounded.push_back(i);
         } else {               // f32 values are their own master
-            device_part.push_back({s.slot.values, s.slot.grad, dev_m_.slice(s.state, {n}), dev_v_.slice(s.state, {n}),
+            device_part.push_back({s.slot.values, s.slot.grad, dev_m_.slice(s.state, {n}), dev_v_.slice(s.v_state, {n}),
                                    Tensor(), args(s.slot)});
         }
     }
@@ -286,7 +293,7 @@ HybridStateDict HybridDeviceOptimizer::state_dict() const {
         HybridSlotStateDict slot;
         slot.master     = values_f32(st.master);
         slot.exp_avg    = values_f32(st.exp_avg);
-        slot.exp_avg_sq = values_f32(st.exp_avg_sq);
+        if (st.exp_avg_sq.defined()) slot.exp_avg_sq = values_f32(st.exp_avg_sq);
         state.slots.push_back(std::move(slot));
     }
     return state;
@@ -300,7 +307,7 @@ void HybridDeviceOptimizer::load_state_dict(const HybridStateDict & state) {
         const HybridSlotStateDict & slot  = state.slots[static_cast<size_t>(i)];
         const int64_t               numel = slots_[static_cast<size_t>(i)].slot.values.numel();
         LOOM_CHECK(static_cast<int64_t>(slot.master.size()) == numel && slot.exp_avg.size() == slot.master.size() &&
-                       slot.exp_avg_sq.size() == slot.master.size(),
+                       (slot.exp_avg_sq.size() == slot.master.size() || slots_[static_cast<size_t>(i)].v_state < 0),
                    "optimizer state of slot " << i << " holds " << slot.master.size() << " elements, the slot " << numel,
                    "load the state into an optimizer over the same parameters");
         load_slot_state(i, slot.master, slot.exp_avg, slot.exp_avg_sq);
@@ -313,11 +320,11 @@ void HybridDeviceOptimizer::load_slot_state(int slot, std::span<const float> mas
     synchronize();
     HybridSlotState st = slot_state(slot);
     LOOM_CHECK(static_cast<int64_t>(master.size()) == st.numel && exp_avg.size() == master.size() &&
-                   exp_avg_sq.size() == master.size(),
+                   (exp_avg_sq.size() == master.size() || !st.exp_avg_sq.defined()),
                "optimizer state of slot " << slot << " holds " << master.size() << " elements, the slot " << st.numel,
                "load the state into an optimizer over the same parameters");
     write_values_f32(st.exp_avg, exp_avg);
-    write_values_f32(st.exp_avg_sq, exp_avg_sq);
+    if (st.exp_avg_sq.defined()) write_values_f32(st.exp_avg_sq, exp_avg_sq);   // a Muon matrix has none
     write_values_f32(st.master, master);
     const Tensor & values = slots_[static_cast<size_t>(slot)].slot.values;
     if (!st.master.shares_storage(values)) {   // else the values are the master

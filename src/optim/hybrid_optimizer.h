@@ -68,6 +68,7 @@ struct HybridSlot {
     Tensor grad;                // (n) f32, device memory; undefined: no gradient (not updated)
     float  weight_decay = 0.0f;
     bool   decoupled_lr = false;   // steps with the embedding's and output layer's lr (--decoupled-lr)
+    bool   momentum_only = false;  // a Muon matrix's (optim/muon.h): m alone, no v; stepped by Muon, never here
 };
 
 // Which slots are offloaded, by section 3.2's rule. Throws when fraction is outside [0, 1].
@@ -80,7 +81,7 @@ struct HybridSlotState {
     int64_t numel     = 0;
     Tensor  master;       // the f32 master: host copy, device copy (bf16 values), or the values (device f32)
     Tensor  exp_avg;      // m
-    Tensor  exp_avg_sq;   // v
+    Tensor  exp_avg_sq;   // v (undefined for a momentum_only slot)
 };
 
 // The wrapper's one state for the whole model, whichever side each slot's state lives on: per slot its
@@ -164,6 +165,7 @@ private:
         bool       offloaded = false;
         int64_t    state     = 0;    // offset into the m/v (and host master/grad) arrays of its side
         int64_t    master    = -1;   // device side, bf16 values: offset into dev_master_
+        int64_t    v_state   = -1;   // offset into the v array of its side (-1: momentum_only, none)
     };
 
     Device &                             device_;

@@ -101,8 +101,9 @@ void Optimizer::init(std::vector<HybridSlot> slots, std::vector<int> slot_params
                    "the host step is AdamW's; train Muon without --optimizer-cpu-offload");
         for (size_t i = 0; i < slots.size(); ++i) {
             if (!muon_steps(*params_[static_cast<size_t>(slot_params_[i])])) continue;
-            muon_grads[i] = slots[i].grad;
-            slots[i].grad = Tensor();
+            muon_grads[i]          = slots[i].grad;
+            slots[i].grad          = Tensor();
+            slots[i].momentum_only = true;
         }
     }
     state_ = std::make_unique<HybridDeviceOptimizer>(params_.front()->data.device(), std::move(slots), options_.adam,
