@@ -257,6 +257,13 @@ TEST(CudaTrain, OneGpuDeepSeekStyleLayersFollowTheCpu) {
     expect_follows_cpu(run_loom_mpi(1, kRun + model + "--device " + kDevice), "MLA + MoE expert bias + MTP", model);
 }
 
+// Muon: the matrices' Newton-Schulz (bf16 GEMMs, Megatron's default precision) through cuBLASLt, the rest AdamW.
+TEST(CudaTrain, OneGpuMuonFollowsTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    const std::string model = "--bf16 --num-layers 2 --optimizer muon ";
+    expect_follows_cpu(run_loom_mpi(1, kRun + model + "--device " + kDevice), "Muon", model);
+}
+
 struct Layout {
     const char * name;
     const char * flags;
@@ -278,6 +285,10 @@ INSTANTIATE_TEST_SUITE_P(
                       // its gradients reduce-scattered into the shards, both overlapped on the NCCL stream.
                       Layout{"fsdp_dp2_overlaps", "--use-megatron-fsdp --overlap-grad-reduce --overlap-param-gather"},
                       Layout{"tp2_sp", "--tensor-model-parallel-size 2 --sequence-parallel"},
+                      // Muon's whole matrices: the TP shards all-gathered over NCCL, ZeRO-1's pieces summed.
+                      Layout{"tp2_sp_muon", "--tensor-model-parallel-size 2 --sequence-parallel",
+                             "--bf16 --num-layers 2 --optimizer muon "},
+                      Layout{"dp2_zero1_muon", "--use-distributed-optimizer", "--bf16 --num-layers 2 --optimizer muon "},
                       Layout{"pp2", "--pipeline-model-parallel-size 2"},
                       // Interleaved: its transfers deadlock on one NCCL communicator (the next test).
                       Layout{"pp2_vpp2", "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2",
