@@ -37,7 +37,7 @@ static void gpt2_124m_step(benchmark::State & state, DType dtype, float dropout 
     model::GptModel gpt(config, device);
     gpt.init();
     auto               params = gpt.parameters();
-    optim::AdamW       adam(params, optim::OptimizerOptions{optim::AdamWConfig{}, 1.0f, std::nullopt, std::nullopt, {}});
+    optim::AdamW       adam(params, optim::OptimizerOptions{optim::AdamWConfig{}, 1.0f, std::nullopt, std::nullopt, {}, 1.0});
     model::MicroBatch  batch;
     batch.tokens    = Tensor::empty({b, s}, DType::i32, device);
     batch.labels    = Tensor::empty({b, s}, DType::i32, device);

@@ -24,6 +24,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 
 using namespace loom;
 
@@ -31,10 +32,16 @@ namespace {
 
 comm::MpiContext * g_mpi = nullptr;
 
-train::TrainOptions small_options(int64_t dp, bool muon = false) {
+train::TrainOptions small_options(int64_t dp, bool muon = false, bool mup = false) {
     train::TrainOptions o = testing_models::small_gpt_options(2, 8, 20);
     o.lr_warmup_iters     = 5;
     if (muon) o.muon.emplace().bf16_matmul = false;   // Muon on the weight matrices, Newton-Schulz in f32
+    if (mup) {   // µP at width multiplier 2: the hidden matrices' own lr and eps (as --use-mup resolves them)
+        o.model.use_mup              = true;
+        o.model.mup_base_hidden_size = o.model.hidden_size / 2;
+        o.model.mup_output_mult      = 0.5f;
+        o.model.softmax_scale        = 1.0f / static_cast<float>(o.model.head_dim());
+    }
     parallel::ParallelSizes sizes;
     sizes.world_size = static_cast<int>(dp);
     o.parallel       = parallel::ParallelConfig::create(sizes);
@@ -64,10 +71,11 @@ TrainRun train_model(train::TrainOptions o, std::shared_ptr<comm::Communicator> 
     return run;
 }
 
-const TrainRun & reference(bool muon = false) {
-    static TrainRun adam = train_model(small_options(1), nullptr);
-    static TrainRun with_muon = train_model(small_options(1, true), nullptr);
-    return muon ? with_muon : adam;
+const TrainRun & reference(bool muon = false, bool mup = false) {
+    static std::map<std::pair<bool, bool>, TrainRun> runs;
+    auto it = runs.find({muon, mup});
+    if (it == runs.end()) it = runs.emplace(std::pair{muon, mup}, train_model(small_options(1, muon, mup), nullptr)).first;
+    return it->second;
 }
 
 struct Config {
@@ -75,19 +83,20 @@ struct Config {
     bool         distopt, overlap_grad, overlap_param;
     bool         average_in_collective = false;
     bool         muon                  = false;
+    bool         mup                   = false;
 };
 
 void expect_matches_reference(const Config & c) {
     SCOPED_TRACE(c.name);
     int64_t             dp = g_mpi->world_size();
-    train::TrainOptions o  = small_options(dp, c.muon);
+    train::TrainOptions o  = small_options(dp, c.muon, c.mup);
     o.ddp.use_distributed_optimizer = c.distopt;
     o.ddp.overlap_grad_reduce       = c.overlap_grad;
     o.ddp.overlap_param_gather      = c.overlap_param;
     o.ddp.average_in_collective     = c.average_in_collective;
     o.ddp.bucket_size               = 20000;   // several buckets (with overlap; one bucket without)
     TrainRun         run = train_model(o, g_mpi->world());
-    const TrainRun & ref = reference(c.muon);
+    const TrainRun & ref = reference(c.muon, c.mup);
     ASSERT_EQ(run.losses.size(), ref.losses.size());
     double worst_loss = 0, worst_param = 0;
     for (size_t i = 0; i < ref.losses.size(); ++i) {
@@ -136,6 +145,11 @@ TEST(DataParallel, DistributedOptimizerWithBothOverlapsMatchesOneRank) {
 TEST(DataParallel, MuonMatchesOneRank) {
     expect_matches_reference({"muon", false, false, false, false, true});
     expect_matches_reference({"muon zero-1", true, true, false, false, true});
+}
+
+// µP's groups (optim/optimizer.h): each ZeRO-1 piece of a hidden matrix steps with the hidden lr and eps.
+TEST(DataParallel, MupDistributedOptimizerMatchesOneRank) {
+    expect_matches_reference({"mup zero-1", true, true, false, false, false, true});
 }
 
 TEST(DataParallel, AverageInCollectiveMatchesOneRank) {
@@ -195,7 +209,7 @@ void expect_one_collective_per_group(bool distopt) {
     config.overlap_grad_reduce       = true;
     config.bucket_size               = 20000;
     ddp::DistributedDataParallel ddp(gpt.parameters(), config, counting, device);
-    optim::OptimizerOptions          clipped{optim::AdamWConfig{}, 1.0f, std::nullopt, std::nullopt, {}};
+    optim::OptimizerOptions          clipped{optim::AdamWConfig{}, 1.0f, std::nullopt, std::nullopt, {}, 1.0};
     std::unique_ptr<optim::Optimizer> adam;
     if (distopt) {
         adam = std::make_unique<optim::DistributedOptimizer>(ddp, clipped);

@@ -646,6 +646,46 @@ TEST(GptModel, MultiTokenPredictionGradientsMatchFiniteDifferences) {
     check_model_gradients(c);
 }
 
+// µP's multipliers in the gradient: the embedding's output times 1.7 (the MTP depth's embedding too), the
+// logits times 0.6 (its own, and the depth's), attention scores by 1 / d^0.8; the finite differences see the
+// same function.
+TEST(GptModel, MupMultipliersGradientsMatchFiniteDifferences) {
+    model::GptConfig c   = llama_style_grad_config();
+    c.seq_length         = 20;
+    c.mtp_num_layers     = 1;
+    c.use_mup            = true;
+    c.mup_base_hidden_size = c.hidden_size / 2;
+    c.mup_embedding_mult = 1.7f;
+    c.mup_output_mult    = 0.6f;
+    c.softmax_scale      = static_cast<float>(1.0 / std::pow(static_cast<double>(c.head_dim()), 0.8));
+    check_model_gradients(c);
+}
+
+// µP's init: with the width multiplier 4 every hidden weight is the multiplier-1 model's draw over 2 (the
+// same seeded draws times std / sqrt(4)), the residual writers' too; the embeddings and the output layer
+// are drawn unscaled.
+TEST(GptModel, MupInitScalesHiddenWeightsByOneOverTheRootOfTheWidthMultiplier) {
+    model::GptConfig plain = llama_style_grad_config();
+    model::GptConfig mup   = plain;
+    mup.use_mup            = true;
+    mup.mup_base_hidden_size = plain.hidden_size / 4;
+    model::GptModel a(plain, cpu::device()), b(mup, cpu::device());
+    a.init();
+    b.init();
+    const std::vector<model::Parameter *> pa = a.parameters(), pb = b.parameters();
+    ASSERT_EQ(pa.size(), pb.size());
+    int hidden = 0;
+    for (size_t k = 0; k < pa.size(); ++k) {
+        const bool  scaled = !pa[k]->embedding_class && pa[k]->data.dim() >= 2;
+        const float factor = scaled ? 0.5f : 1.0f;
+        hidden += scaled ? 1 : 0;
+        const float * x = pa[k]->data.data<float>();
+        const float * y = pb[k]->data.data<float>();
+        for (int64_t i = 0; i < pa[k]->numel(); ++i) ASSERT_EQ(y[i], x[i] * factor) << pa[k]->name << " " << i;
+    }
+    EXPECT_GT(hidden, 4);
+}
+
 // The planes worked by hand (b 1, s 5, D 2): depth k's token, label and mask are those k + 1 ahead, 0 past
 // the end; and with every eh_proj zero each depth's layer sees zeros, so its output (RMSNorm of 0) is 0, its
 // logits are 0 and its loss is ln(vocab) exactly, whatever the tokens.

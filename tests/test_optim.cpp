@@ -493,3 +493,41 @@ TEST(Muon, StepsWeightMatricesByTheRuleAndTheRestWithAdamW) {
     }
     EXPECT_LT(worst_fused, 1e-6);
 }
+
+// µP's optimizer groups (Megatron's get_mup_config_overrides for Adam): with width multiplier 4 a hidden
+// matrix steps with the hidden lr and eps / 4; an embedding-class matrix and a bias with the base lr and eps.
+// Each against the scalar AdamW update with those arguments.
+TEST(Mup, HiddenMatricesStepWithTheirOwnLrAndEps) {
+    Device &         device = cpu::device();
+    model::Parameter w      = model::parameter_create("w", {3, 4}, DType::f32, device);
+    model::Parameter e      = model::parameter_create("e", {3, 4}, DType::f32, device);
+    model::Parameter b      = model::parameter_create("b", {4}, DType::f32, device);
+    e.embedding_class = true;
+    b.no_weight_decay = true;
+    for (model::Parameter * p : {&w, &e, &b}) {
+        for (int64_t i = 0; i < p->numel(); ++i) {
+            p->data.data<float>()[i]      = 0.1f * static_cast<float>(i) - 0.3f;
+            p->main_grad.data<float>()[i] = 1e-7f * static_cast<float>(i + 1);   // small: eps matters
+        }
+    }
+    optim::OptimizerOptions options;
+    options.mup_width_mult = 4.0;
+    optim::AdamW opt({&w, &e, &b}, options);
+    const float lr = 1e-2f, hidden_lr = 2.5e-3f;
+    opt.step(lr, std::nullopt, 1.0f, hidden_lr);
+    device.compute_stream().synchronize();
+    const optim::AdamWConfig c;
+    for (const auto & entry : {std::pair{&w, true}, std::pair{&e, false}, std::pair{&b, false}}) {
+        model::Parameter * p = entry.first;
+        std::vector<float> ref(static_cast<size_t>(p->numel())), g(ref.size()), m(ref.size(), 0), v(ref.size(), 0);
+        for (size_t i = 0; i < ref.size(); ++i) {
+            ref[i] = 0.1f * static_cast<float>(i) - 0.3f;
+            g[i]   = 1e-7f * static_cast<float>(i + 1);
+        }
+        optim::adamw_update(ref.data(), g.data(), m.data(), v.data(), p->numel(), entry.second ? hidden_lr : lr, c.beta1,
+                            c.beta2, entry.second ? c.eps * 0.25f : c.eps, p->no_weight_decay ? 0.0f : c.weight_decay, 1);
+        for (size_t i = 0; i < ref.size(); ++i) EXPECT_NEAR(p->data.data<float>()[i], ref[i], 1e-7f) << p->name << " " << i;
+    }
+    // The hidden step differs from the base one: the test sees the groups.
+    EXPECT_GT(std::fabs(w.data.data<float>()[5] - e.data.data<float>()[5]), 1e-4f);
+}

@@ -969,6 +969,45 @@ TEST(MegatronCommandLine, MtpFlagsFollowMegatronsRules) {
     }
 }
 
+// µP's flags (TransformerConfig's, as Megatron's argument factory makes them): the width multiplier, the
+// attention scale 1 / d (or sqrt(base head dim) / d^power), the logits' 1 / m unless given, and the hidden
+// matrices' lr group on the schedule; without --use-mup the --mup-* values do nothing, as in Megatron.
+TEST(MegatronCommandLine, MupFlagsFollowMegatronsRules) {
+    const train::TrainOptions off = parse_train({"--mock-data", "--mup-output-mult", "3"});
+    EXPECT_FALSE(off.model.use_mup);
+    EXPECT_FLOAT_EQ(off.model.mup_output_mult, 1.0f);
+    EXPECT_FLOAT_EQ(off.model.softmax_scale, 0.0f);
+    EXPECT_FALSE(off.lr_schedule().hidden_lr_at_step(0).has_value());
+    const train::TrainOptions m = parse_train({"--mock-data", "--hidden-size", "128", "--num-attention-heads", "4",
+                                               "--use-mup", "--mup-base-hidden-size", "32", "--lr", "1e-3", "--min-lr", "1e-4",
+                                               "--lr-decay-style", "constant"});
+    EXPECT_TRUE(m.model.use_mup);
+    EXPECT_DOUBLE_EQ(m.model.mup_width_mult(), 4.0);
+    EXPECT_FLOAT_EQ(m.model.softmax_scale, 1.0f / 32.0f) << "1 / kv_channels";
+    EXPECT_FLOAT_EQ(m.model.mup_output_mult, 0.25f);
+    EXPECT_FLOAT_EQ(m.model.hidden_init_std(), 0.01f);
+    EXPECT_FLOAT_EQ(*m.lr_schedule().hidden_lr_at_step(1e9), 2.5e-4f);
+    const train::TrainOptions h = parse_train({"--mock-data", "--hidden-size", "128", "--num-attention-heads", "4",
+                                               "--use-mup", "--mup-base-head-dim", "16", "--mup-attn-scale-power", "0.5",
+                                               "--mup-output-mult", "0.5", "--mup-embedding-mult", "10"});
+    EXPECT_DOUBLE_EQ(h.model.mup_width_mult(), 1.0) << "the base defaults to --hidden-size";
+    EXPECT_FLOAT_EQ(h.model.softmax_scale, 4.0f / std::sqrt(32.0f));
+    EXPECT_FLOAT_EQ(h.model.mup_output_mult, 0.5f) << "given: kept";
+    EXPECT_FLOAT_EQ(h.model.mup_embedding_mult, 10.0f);
+    EXPECT_FLOAT_EQ(parse_train({"--mock-data", "--use-mup", "--softmax-scale", "0.3"}).model.softmax_scale, 0.3f);
+    const std::pair<std::vector<std::string>, const char *> bad[] = {
+        {{"--use-mup", "--mup-base-hidden-size", "0"}, "--mup-base-hidden-size must be positive."},
+        {{"--softmax-scale", "-1"}, "--softmax-scale must be a finite number > 0"},
+        {{"--use-mup", "--mup-base-head-dim", "0"}, "--mup-base-head-dim must be a finite number > 0"},
+    };
+    for (const auto & [flags, message] : bad) {
+        std::vector<std::string> args{"--mock-data"};
+        args.insert(args.end(), flags.begin(), flags.end());
+        const std::string text = error_of([&] { parse_train(args, 1); });
+        EXPECT_NE(text.find(message), std::string::npos) << text;
+    }
+}
+
 // --optimizer and Muon's flags: Megatron's defaults, dist_muon as muon with the distributed optimizer, each
 // choice Loom runs, and what it does not refused by name.
 TEST(MegatronCommandLine, MuonFlagsFollowMegatronsRules) {

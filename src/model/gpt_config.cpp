@@ -1,8 +1,21 @@
 #include "model/gpt_config.h"
 
+#include <cmath>
+
 #include "core/error.h"
 
 namespace loom::model {
+
+float GptConfig::hidden_init_std() const {
+    if (!use_mup) return init_method_std;
+    return static_cast<float>(init_method_std / std::sqrt(mup_width_mult()));
+}
+
+float GptConfig::residual_init_std() const {
+    const float plain = init_method_std / std::sqrt(2.0f * static_cast<float>(num_layers));   // Megatron's scaled init
+    if (!use_mup) return plain;
+    return static_cast<float>(init_method_std / (std::sqrt(2.0 * static_cast<double>(num_layers)) * std::sqrt(mup_width_mult())));
+}
 
 int64_t GptConfig::padded_vocab_size(int64_t tp) const {
     int64_t multiple = make_vocab_size_divisible_by * tp;

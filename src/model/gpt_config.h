@@ -55,6 +55,16 @@ struct GptConfig {
     bool              add_bias_linear         = true;
     bool              untie_embeddings_and_output_weights = false;
     float             init_method_std         = 0.02f;
+    // µP (--use-mup, Megatron's MuP; docs/mup.md): width multiplier m = hidden / --mup-base-hidden-size. Hidden
+    // weights start at std / sqrt(m) (the residual writers at std / (sqrt(2 L) sqrt(m))), the embeddings and an
+    // untied output layer at std; attention scores scale by softmax_scale; the embedding's output by
+    // mup_embedding_mult and the logits by mup_output_mult (1 / m unless given); the optimizer steps hidden
+    // matrices with lr / m and eps / m (optim/optimizer.h).
+    bool              use_mup                 = false;
+    int64_t           mup_base_hidden_size    = 0;      // 0: hidden_size (m = 1)
+    float             mup_embedding_mult      = 1.0f;
+    float             mup_output_mult         = 1.0f;   // resolved: 1 / m when --mup-output-mult is left at 1
+    float             softmax_scale           = 0.0f;   // 0: 1 / sqrt(head dim) (µP: base / kv_channels^power)
     float             norm_epsilon            = 1e-5f;
     float             rotary_base             = 10000.0f;
     float             rotary_percent          = 1.0f;    // --rotary-percent: the share of each head RoPE turns
@@ -113,6 +123,12 @@ struct GptConfig {
     DType activations_dtype() const { return params_dtype == DType::bf16 ? DType::bf16 : DType::f32; }
 
     int64_t head_dim() const { return hidden_size / num_attention_heads; }
+    // µP's width multiplier hidden / base (1 without µP) and the init std of hidden weights and residual writers.
+    double            mup_width_mult() const {
+        return use_mup && mup_base_hidden_size > 0 ? static_cast<double>(hidden_size) / static_cast<double>(mup_base_hidden_size) : 1.0;
+    }
+    float             hidden_init_std() const;
+    float             residual_init_std() const;
     // Whether layer `index` has a Mixture of Experts: the pattern's for the decoder's layers; an MTP depth's
     // layer (index num_layers + k) is of the last decoder layer's kind, as Megatron builds it.
     bool    is_moe_layer(int64_t index) const { return moe.is_moe_layer(std::min(index, num_layers - 1)); }

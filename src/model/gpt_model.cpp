@@ -34,6 +34,7 @@ GptModel::GptModel(const GptConfig & config, Device & device, const PipelineStag
         wte_ = parameter_create("embedding.word_embeddings.weight", {vocab_local_, config_.hidden_size}, dtype, device);
         wte_.shared_embedding = tied || config_.mtp_num_layers > 0;
         wte_.embedding_or_output = true;
+        wte_.embedding_class     = true;
         wte_.shared           = !stage_.pre_process;
         vocab_parallel(wte_);
     }
@@ -42,6 +43,7 @@ GptModel::GptModel(const GptConfig & config, Device & device, const PipelineStag
                                 {config_.max_position_embeddings, config_.hidden_size}, dtype, device);
         tp_.replicated(wpe_);
         wpe_.sequence_parallel = false;   // its gradient comes from every position's (all-gathered) rows
+        wpe_.embedding_class   = true;
     }
     for (int64_t i = stage_.first_layer; i < stage_.first_layer + stage_.num_layers; ++i) {
         layers_.push_back(std::make_unique<TransformerLayer>(i, config_, device, tp_, ep_, cp_));
@@ -85,6 +87,7 @@ GptModel::GptModel(const GptConfig & config, Device & device, const PipelineStag
         if (!tied) {
             output_ = parameter_create("output_layer.weight", {vocab_local_, config_.hidden_size}, dtype, device);
             output_.embedding_or_output = true;
+            output_.embedding_class     = true;
             vocab_parallel(output_);
         }
     }
@@ -99,7 +102,7 @@ void GptModel::init() {
     for (MtpDepth & depth : mtp_) {   // Megatron's init_method for eh_proj, its layer's as a decoder layer's
         depth.enorm->init();
         depth.hnorm->init();
-        depth.eh_proj->init(seed, config_.init_method_std);
+        depth.eh_proj->init(seed, config_.hidden_init_std());
         depth.layer->init(seed);
         depth.final_norm->init();
     }
@@ -265,6 +268,7 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
         } else {
             tp_.all_reduce(x);
         }
+        scale_by(x, config_.mup_embedding_mult);   // µP's embedding multiplier
         ctx.embedding_dropout = dropout_key(config_, tp_, dropout_batch, -1, DropoutKind::attention_output, x.size(0));
         if (ctx.embedding_dropout.enabled()) ops.dropout(stream, x, x, ctx.embedding_dropout);
         call(hooks_.after_forward, [&] { return embedding_params(); });
@@ -303,6 +307,7 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
     ctx.final_hidden = in_dtype(tp_.sp() ? tp_.all_gather(normed_rows) : normed_rows, out_w.data.dtype());
     ctx.logits     = activation(device_, s * b, vocab_local_, config_.activations_dtype());
     ops.gemm(stream, ctx.final_hidden, false, out_w.data, true, ctx.logits);
+    scale_by(ctx.logits, config_.mup_output_mult);   // µP's output multiplier
     cross_entropy(ctx.logits, ctx.batch.labels, ctx.lse, ctx.token_loss);
     if (mtp) mtp_forward(ctx, batch, normed_rows, dropout_batch);
     // The token count comes from the mask, which the host holds; the loss itself is read once the stream
@@ -333,6 +338,7 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
         // (Megatron's loss * context_parallel_size).
         ops.loss_grad(stream, ctx.batch.loss_mask, loss_scale * cp_.size, dloss);
         ops.cross_entropy_backward(stream, ctx.logits, local_tokens(ctx.batch.labels), ctx.lse, dloss, local_valid_vocab());
+        scale_by(ctx.logits, config_.mup_output_mult);
         Parameter & out_w   = output_.data.defined() ? output_ : wte_;
         Tensor      dlogits = in_dtype(ctx.logits, out_w.data.dtype());
         ctx.logits          = Tensor();
@@ -384,6 +390,7 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
     if (stage_.pre_process) {
         call(hooks_.before_backward, [&] { return embedding_params(); });
         if (ctx.embedding_dropout.enabled()) ops.dropout(stream, dx, dx, ctx.embedding_dropout);
+        scale_by(dx, config_.mup_embedding_mult);
         if (tp_.sp()) dx = tp_.all_gather(dx);   // the lookup's gradient needs every position
         accumulate_grads(stream, {wte_.main_grad, wpe_.data.defined() ? wpe_.main_grad : Tensor()},
                          [&](std::span<const Tensor> g) {
@@ -490,6 +497,10 @@ int64_t GptModel::local_valid_vocab() const {
     return std::clamp<int64_t>(config_.vocab_size - vocab_begin_, 0, vocab_local_);
 }
 
+void GptModel::scale_by(const Tensor & t, float factor) {
+    if (factor != 1.0f) device_.ops().scale(device_.compute_stream(), t, factor);
+}
+
 void GptModel::cross_entropy(const Tensor & logits, const Tensor & labels, Tensor & lse, Tensor & token_loss) {
     const int64_t n      = logits.size(0);
     Ops &         ops    = device_.ops();
@@ -577,6 +588,7 @@ void GptModel::mtp_forward(Context & ctx, const MicroBatch & batch, const Tensor
         } else {
             tp_.all_reduce(e);
         }
+        scale_by(e, config_.mup_embedding_mult);
         c.embedding_dropout = dropout_key(config_, tp_, dropout_batch, config_.num_layers + depths + k,
                                           DropoutKind::attention_output, rows);
         if (c.embedding_dropout.enabled()) ops.dropout(stream, e, e, c.embedding_dropout);
@@ -591,6 +603,7 @@ void GptModel::mtp_forward(Context & ctx, const MicroBatch & batch, const Tensor
         c.final_hidden   = in_dtype(tp_.sp() ? tp_.all_gather(prev) : prev, out_w.data.dtype());
         c.logits         = activation(device_, s * b, vocab_local_, act);
         ops.gemm(stream, c.final_hidden, false, out_w.data, true, c.logits);
+        scale_by(c.logits, config_.mup_output_mult);
         cross_entropy(c.logits, c.labels, c.lse, c.token_loss);
         // Its token count: the whole sequences' under context parallelism, as the main loss's.
         const Tensor mask = plane(ctx.mtp_host_mask, k);
@@ -624,6 +637,7 @@ Tensor GptModel::mtp_backward(Context & ctx, double loss_scale, const GradReadyF
         Tensor dloss = activation(device_, s * b, 1);
         ops.loss_grad(stream, c.mask, factor * cp_.size, dloss);
         ops.cross_entropy_backward(stream, c.logits, local_tokens(c.labels), c.lse, dloss, local_valid_vocab());
+        scale_by(c.logits, config_.mup_output_mult);
         Tensor dlogits = in_dtype(c.logits, out_w.data.dtype());
         c.logits       = Tensor();
         Tensor dout    = activation(device_, s * b, h, act);
@@ -647,6 +661,7 @@ Tensor GptModel::mtp_backward(Context & ctx, double loss_scale, const GradReadyF
         dnext     = depth.hnorm->backward(c.hnorm, dh, ready);
         Tensor de = depth.enorm->backward(c.enorm, da, ready);
         if (c.embedding_dropout.enabled()) ops.dropout(stream, de, de, c.embedding_dropout);
+        scale_by(de, config_.mup_embedding_mult);
         if (tp_.sp()) de = tp_.all_gather(de);
         accumulate_grads(stream, {wte_.main_grad, Tensor()}, [&](std::span<const Tensor> g) {
             ops.embedding_backward(stream, c.tokens, de, g[0], g[1], cp_.positions(s));

@@ -247,6 +247,8 @@ private:
     Tensor  local_tokens(const Tensor & tokens) const;
     // How many of this rank's vocabulary columns are real tokens (the rest is padding).
     int64_t local_valid_vocab() const;
+    // t *= factor on the compute stream (nothing when factor is 1): µP's embedding and output multipliers.
+    void    scale_by(const Tensor & t, float factor);
     // Per-token cross-entropy of logits (s*b, V / tp) against labels (b, s): token_loss and lse, (s*b) each.
     void    cross_entropy(const Tensor & logits, const Tensor & labels, Tensor & lse, Tensor & token_loss);
     // The decoder's layers, then the MTP depths' (MoE bookkeeping spans both).

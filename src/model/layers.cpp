@@ -709,7 +709,7 @@ Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_
     ctx.qkv    = keep_for_backward(q_k_v, config.params_dtype);
     Tensor out = activation(x.device(), s * b, shape.nq * shape.d, q_k_v.dtype());
     ctx.lse    = activation(x.device(), b * shape.nq, s);
-    attend(ctx, q_k_v, out, shape, 1.0f / std::sqrt(static_cast<float>(shape.d)), dropout);
+    attend(ctx, q_k_v, out, shape, config.softmax_scale > 0.0f ? config.softmax_scale : 1.0f / std::sqrt(static_cast<float>(shape.d)), dropout);
     return proj.forward(ctx.proj_ctx, out);   // keeps `out` (in the parameters' dtype) for both backwards
 }
 
@@ -723,7 +723,7 @@ Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReady
     Tensor d_out = proj.backward(ctx.proj_ctx, dy, ready);
     Tensor q_k_v = in_dtype(ctx.qkv, act);
     Tensor d_qkv = activation(dy.device(), ctx.s * ctx.b, shape.row_stride, act);
-    attend_backward(ctx, q_k_v, out, d_out, d_qkv, shape, 1.0f / std::sqrt(static_cast<float>(shape.d)));
+    attend_backward(ctx, q_k_v, out, d_out, d_qkv, shape, config.softmax_scale > 0.0f ? config.softmax_scale : 1.0f / std::sqrt(static_cast<float>(shape.d)));
     if (config.position_embedding == PositionEmbedding::rope) {
         ops.rope(stream, d_qkv, ctx.s, ctx.b, shape.nq + shape.nkv, shape.d, config.rotary_base, true,
                  config.rotary_dim(), config.rotary_interleaved, shape.q_pos);

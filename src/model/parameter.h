@@ -46,6 +46,7 @@ struct Parameter {
                                          // buffers follow it (--grad-reduce-in-bf16, --fp16)
     bool        no_weight_decay  = false;   // biases and norm weights (Megatron's param groups)
     bool        embedding_or_output = false;   // the word embedding and the output layer: --decoupled-lr
+    bool        embedding_class  = false;   // those and the position embedding: µP steps them unscaled
     bool        shared_embedding = false;   // word embedding tied to the output layer
     bool        shared = false;             // a copy another pipeline stage also holds (the last stage's tied
                                             // word embedding): counted once, on its owner, in the grad norm

@@ -44,8 +44,9 @@ TransformerLayer::~TransformerLayer() = default;
 
 void TransformerLayer::init(uint64_t seed) {
     // Megatron's init: N(0, std) for inputs, std / sqrt(2 L) for the layers that write the residual.
-    float std        = config.init_method_std;
-    float output_std = std / std::sqrt(2.0f * static_cast<float>(config.num_layers));
+    // µP: both over sqrt(width multiplier) (GptConfig::hidden_init_std).
+    float std        = config.hidden_init_std();
+    float output_std = config.residual_init_std();
     norm1.init();
     attention.init(seed, std, output_std);
     norm2.init();

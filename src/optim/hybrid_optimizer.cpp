@@ -187,7 +187,8 @@ HybridSlotState HybridDeviceOptimizer::slot_state(int slot) const {
     return r;
 }
 
-void HybridDeviceOptimizer::step(float lr, Stream * current, std::optional<float> decoupled_lr, const Tensor & gate) {
+void HybridDeviceOptimizer::step(float lr, Stream * current, std::optional<float> decoupled_lr, const Tensor & gate,
+                                 std::optional<float> hidden_lr) {
     LOOM_CHECK(!gate.defined() || groups_.empty(), "a step gated on the device with " << num_offloaded()
                                                        << " slots offloaded to the host", "");
     ++step_;   // the one step counter (hazard d)
@@ -200,9 +201,13 @@ void HybridDeviceOptimizer::step(float lr, Stream * current, std::optional<float
     Stream &      d2h     = overlap && d2h_ ? *d2h_ : cur;
     Stream &      h2d     = overlap && h2d_ ? *h2d_ : cur;
     const AdamWConfig c   = config_;
-    auto slot_lr = [&](const HybridSlot & slot) { return slot.decoupled_lr && decoupled_lr ? *decoupled_lr : lr; };
+    auto slot_lr = [&](const HybridSlot & slot) {
+        if (slot.mup_hidden && hidden_lr) return *hidden_lr;
+        return slot.decoupled_lr && decoupled_lr ? *decoupled_lr : lr;
+    };
+    auto slot_eps = [&](const HybridSlot & slot) { return slot.eps_scale == 1.0f ? c.eps : c.eps * slot.eps_scale; };
     auto args    = [&](const HybridSlot & slot) {
-        return AdamStep{slot_lr(slot), c.beta1, c.beta2, c.eps, slot.weight_decay, step_};
+        return AdamStep{slot_lr(slot), c.beta1, c.beta2, slot_eps(slot), slot.weight_decay, step_};
     };
 
     // Which slots have a gradient this step, decided once (hazard c: the others are not touched).
@@ -264,7 +269,7 @@ void HybridDeviceOptimizer::step(float lr, Stream * current, std::optional<float
             SlotInfo &    s = slots_[static_cast<size_t>(i)];
             const int64_t n = s.slot.values.numel();
             host_adam_step(host_master_.data() + s.state, host_grad_.data() + s.state, host_m_.data() + s.state,
-                           host_v_.data() + s.state, n, slot_lr(s.slot), c.beta1, c.beta2, c.eps, s.slot.weight_decay,
+                           host_v_.data() + s.state, n, slot_lr(s.slot), c.beta1, c.beta2, slot_eps(s.slot), s.slot.weight_decay,
                            step_);
             ops.convert(h2d, kernel_readable(h2d, host_master_.slice(s.state, n)), s.slot.values);
         }

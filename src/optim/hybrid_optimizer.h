@@ -69,6 +69,8 @@ struct HybridSlot {
     float  weight_decay = 0.0f;
     bool   decoupled_lr = false;   // steps with the embedding's and output layer's lr (--decoupled-lr)
     bool   momentum_only = false;  // a Muon matrix's (optim/muon.h): m alone, no v; stepped by Muon, never here
+    bool   mup_hidden    = false;  // a µP hidden matrix: steps with hidden_lr when given
+    float  eps_scale     = 1.0f;   // Adam's eps times this (µP: 1 / width multiplier for hidden matrices)
 };
 
 // Which slots are offloaded, by section 3.2's rule. Throws when fraction is outside [0, 1].
@@ -110,8 +112,9 @@ public:
     // gate: Ops::grad_norm_gate's (f32 {clip factor, go}) on the device, read by the update itself; the
     // counter counts the step, and the caller calls skipped() once it learns the gate was closed. Only
     // without offloaded slots (their host step would have to wait for the gate).
+    // hidden_lr: the lr of the slots marked mup_hidden (default: lr).
     void step(float lr, Stream * current = nullptr, std::optional<float> decoupled_lr = std::nullopt,
-              const Tensor & gate = Tensor());
+              const Tensor & gate = Tensor(), std::optional<float> hidden_lr = std::nullopt);
     // A gated step the device skipped: the counter goes back, as if step() had not been called.
     void skipped() { --step_; }
 

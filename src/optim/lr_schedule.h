@@ -41,6 +41,9 @@ struct LrSchedule {
     // --decoupled-lr / --decoupled-min-lr: the embedding's and output layer's own maximum and minimum (the
     // minimum defaults to min_lr), on the same schedule (Megatron's param-group max_lr / min_lr overrides).
     std::optional<float> decoupled_max_lr, decoupled_min_lr;
+    // µP (--use-mup): the hidden matrices' maximum and minimum are max_lr and min_lr times this (1 / width
+    // multiplier), on the same schedule (Megatron's MuP param-group overrides). Unset: no such group.
+    std::optional<double> mup_hidden_scale;
 
     // The lr after `iteration` iterations of samples_per_iteration samples each.
     float lr_at(int64_t iteration) const { return lr_at_step(steps_after(iteration)); }
@@ -50,6 +53,11 @@ struct LrSchedule {
     // The embedding's and output layer's lr: lr_at_step's without --decoupled-lr.
     float decoupled_lr_at_step(double n) const {
         return decoupled_max_lr ? lr_at_step(n, *decoupled_max_lr, decoupled_min_lr.value_or(min_lr)) : lr_at_step(n);
+    }
+    // µP's hidden matrices' lr (nullopt without µP).
+    std::optional<float> hidden_lr_at_step(double n) const {
+        if (!mup_hidden_scale) return std::nullopt;
+        return lr_at_step(n, static_cast<float>(max_lr * *mup_hidden_scale), static_cast<float>(min_lr * *mup_hidden_scale));
     }
     float  lr_at_step(double n, float max, float min) const;
     double steps_after(int64_t iteration) const {

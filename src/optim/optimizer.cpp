@@ -93,6 +93,15 @@ void Optimizer::init(std::vector<HybridSlot> slots, std::vector<int> slot_params
     views_       = std::move(views);
     HybridOptions offload;   // fraction 0: every slot's state in device memory, the plain step
     if (options_.offload) offload = *options_.offload;
+    // µP's hidden matrices: their own lr and eps / m (Muon's matrices take Muon's rule instead).
+    if (options_.mup_width_mult != 1.0) {
+        for (size_t i = 0; i < slots.size(); ++i) {
+            const model::Parameter & p = *params_[static_cast<size_t>(slot_params_[i])];
+            if (p.embedding_class || p.data.dim() < 2 || (options_.muon && muon_steps(p))) continue;
+            slots[i].mup_hidden = true;
+            slots[i].eps_scale  = static_cast<float>(1.0 / options_.mup_width_mult);
+        }
+    }
     // Muon's slots: their gradients are Muon's, so the Adam step leaves them alone (an undefined gradient).
     std::vector<Tensor> muon_grads(slots.size());
     if (options_.muon) {
@@ -163,7 +172,7 @@ void Optimizer::widen_16bit_grads(std::vector<HybridSlot> & slots, std::vector<G
     }
 }
 
-StepResult Optimizer::step(float lr, std::optional<float> decoupled_lr, float grad_scale) {
+StepResult Optimizer::step(float lr, std::optional<float> decoupled_lr, float grad_scale, std::optional<float> hidden_lr) {
     StepResult result;
     for (const auto & [narrow, wide] : widened_) {
         Device & device = wide.device();
@@ -174,7 +183,7 @@ StepResult Optimizer::step(float lr, std::optional<float> decoupled_lr, float gr
     if (!std::isfinite(result.grad_norm)) return result;
     const float coeff = clip_coefficient(result.grad_norm, options_.clip_grad);
     if (coeff != 1.0f) scale_grads(views_, coeff);
-    state_->step(lr, &params_.front()->data.device().compute_stream(), decoupled_lr);
+    state_->step(lr, &params_.front()->data.device().compute_stream(), decoupled_lr, Tensor(), hidden_lr);
     if (muon_) muon_->step(lr);
     result.stepped = true;
     return result;
@@ -185,7 +194,8 @@ bool Optimizer::gated_step_supported() const {
            state_->num_offloaded() == 0 && !muon_;
 }
 
-GatedStep Optimizer::step_gated(float lr, std::optional<float> decoupled_lr, std::span<const Tensor> losses) {
+GatedStep Optimizer::step_gated(float lr, std::optional<float> decoupled_lr, std::span<const Tensor> losses,
+                                std::optional<float> hidden_lr) {
     LOOM_CHECK(gated_step_supported(), "a step decided on the device over norm groups or offloaded slots", "");
     Device & device = params_.front()->data.device();
     Stream & stream = device.compute_stream();
@@ -214,7 +224,7 @@ GatedStep Optimizer::step_gated(float lr, std::optional<float> decoupled_lr, std
     const Tensor  pairs = Tensor::empty({2 * std::max<int64_t>(n, 1)}, DType::f32, device).slice(0, {2 * n});
     ops.sum_of_squares_multi(stream, xs, pairs);
     ops.grad_norm_gate(stream, pairs, g, gate_, norm_);
-    state_->step(lr, &stream, decoupled_lr, gate_);
+    state_->step(lr, &stream, decoupled_lr, gate_, hidden_lr);
     ops.copy(stream, gate_, host_gate_);
     ops.copy(stream, norm_, host_norm_);
     return GatedStep{host_gate_, host_norm_};

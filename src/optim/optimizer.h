@@ -79,6 +79,9 @@ struct OptimizerOptions {
     std::optional<HybridOptions> offload;            // --optimizer-cpu-offload
     std::optional<MuonConfig>    muon;               // --optimizer muon: Muon steps the weight matrices
     MuonGroups                   muon_groups;        // the TP groups Muon gathers their shards over
+    // µP's width multiplier m (1: off): hidden matrices (not the embeddings or the output layer, not Muon's)
+    // step with step()'s hidden_lr and eps / m (Megatron's get_mup_config_overrides for Adam).
+    double                       mup_width_mult = 1.0;
 };
 
 struct StepResult {
@@ -100,13 +103,16 @@ public:
     // Steps 1-5 above; the embedding and output layer step with decoupled_lr when given (--decoupled-lr).
     // grad_scale != 1 first multiplies every gradient by it (the loss scaler's 1 / scale: Megatron's
     // unscale of the main gradients), so the norm, the non-finite check and the clip see true gradients.
-    StepResult step(float lr, std::optional<float> decoupled_lr = std::nullopt, float grad_scale = 1.0f);
+    // hidden_lr: µP's hidden matrices' lr (with OptimizerOptions::mup_width_mult; default lr).
+    StepResult step(float lr, std::optional<float> decoupled_lr = std::nullopt, float grad_scale = 1.0f,
+                    std::optional<float> hidden_lr = std::nullopt);
     // The same step with no host read: the norm (no group to sum over), the skip and the clip factor are
     // decided on the stream (Ops::grad_norm_gate, core/grad_norm_gate.h's arithmetic, the host's to the bit)
     // and the update obeys them (Ops::adamw_multi_gated). `losses` (f32 tensors) join the decision: a
     // non-finite element skips the step as a non-finite norm does. The step counter counts the step until
     // finish_gated says otherwise. Only where gated_step_supported().
-    GatedStep  step_gated(float lr, std::optional<float> decoupled_lr, std::span<const Tensor> losses);
+    GatedStep  step_gated(float lr, std::optional<float> decoupled_lr, std::span<const Tensor> losses,
+                          std::optional<float> hidden_lr = std::nullopt);
     // The result of a gated step, once the compute stream has passed it (the caller waited); a step the
     // device skipped is taken back from the step counter.
     StepResult finish_gated(const GatedStep & step);
@@ -166,7 +172,7 @@ public:
     AdamW(std::vector<model::Parameter *> params, const OptimizerOptions & options,
           comm::Communicator * model_parallel = nullptr, comm::Communicator * expert_model_parallel = nullptr);
     AdamW(std::vector<model::Parameter *> params, const AdamWConfig & config)
-        : AdamW(std::move(params), OptimizerOptions{config, 0.0f, std::nullopt, std::nullopt, {}}) {}
+        : AdamW(std::move(params), OptimizerOptions{config, 0.0f, std::nullopt, std::nullopt, {}, 1.0}) {}
 };
 
 }  // namespace loom::optim

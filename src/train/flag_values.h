@@ -52,6 +52,11 @@ struct ModelFlags {
     bool        apply_layernorm_1p = false;
     std::string normalization, position_embedding;
     float       init_std = 0, norm_epsilon = 0, rotary_percent = 1.0f;
+    // µP and the attention scale (TransformerConfig's fields; 0: None).
+    bool        use_mup = false;
+    int64_t     mup_base_hidden_size = 0;
+    float       mup_embedding_mult = 1.0f, mup_output_mult = 1.0f, mup_base_head_dim = 0.0f, mup_attn_scale_power = 1.0f;
+    float       softmax_scale = 0.0f;
     bool        rotary_interleaved = false;
     int64_t     rotary_base = 0, kv_channels = 0;
     // Multi-latent attention (Megatron's defaults; q_lora_rank 0: None) and its RoPE's type and YaRN scaling.

@@ -90,6 +90,25 @@ const Flag<ModelFlags> kModelFlags[] = {
       [](const TrainOptions & o) -> json { return o.model.untie_embeddings_and_output_weights; }, true}},
     {"--init-method-std", "initialization", &M::init_std, "std of the normal initialisation", kPlain,
      {"init_method_std", [](const TrainOptions & o) -> json { return o.model.init_method_std; }}},
+    {"--use-mup", "transformer configuration", &M::use_mup,
+     "µP: hidden weights' init std, lr and Adam eps over the width multiplier, attention scores by 1 / d, logits by 1 / "
+     "the multiplier (docs/mup.md)", kPlain, {"use_mup", [](const TrainOptions & o) -> json { return o.model.use_mup; }}},
+    {"--mup-base-hidden-size", "transformer configuration", &M::mup_base_hidden_size,
+     "µP's base width: the multiplier is --hidden-size over it (default: --hidden-size)", kPlain,
+     {"mup_base_hidden_size", [](const TrainOptions & o) -> json { return o.model.mup_base_hidden_size; }}},
+    {"--mup-embedding-mult", "transformer configuration", &M::mup_embedding_mult,
+     "µP: a factor on the embedding's output", kShowDefault},
+    {"--mup-output-mult", "transformer configuration", &M::mup_output_mult,
+     "µP: a factor on the logits (left at 1: 1 / the width multiplier)", kShowDefault},
+    {"--mup-base-head-dim", "transformer configuration", &M::mup_base_head_dim,
+     "µP: attention scores scale by sqrt(this) / kv_channels^power (default: 1 / kv_channels^power)"},
+    {"--mup-attn-scale-power", "transformer configuration", &M::mup_attn_scale_power,
+     "µP: the power of kv_channels the attention scores are divided by (0.5: the standard scale)", kShowDefault},
+    {"--softmax-scale", "transformer configuration", &M::softmax_scale,
+     "the attention scores' scale (default 1 / sqrt(kv_channels); MLA keeps its own)", kPlain,
+     {"softmax_scale", [](const TrainOptions & o) -> json {
+          return o.model.softmax_scale > 0 ? json(o.model.softmax_scale) : json(nullptr);
+      }}},
     {"--norm-epsilon", kSize, &M::norm_epsilon, "epsilon of LayerNorm / RMSNorm (default 1e-5)", kPlain,
      {"norm_epsilon", [](const TrainOptions & o) -> json { return o.model.norm_epsilon; }, true}},
     {"--rotary-base", kSize, &M::rotary_base, "base of the rotary embeddings' frequencies (default 10000)", kPlain,
@@ -148,6 +167,36 @@ const Flag<ModelFlags> kModelFlags[] = {
 
 std::span<const Flag<TrainOptions>> model_option_flags() { return kModelOptionFlags; }
 std::span<const Flag<ModelFlags>> model_flags() { return kModelFlags; }
+
+namespace {
+
+// --softmax-scale and µP (Megatron's TransformerConfig.__post_init__), after the model's shape.
+void resolve_mup(const ModelFlags & f, const Given & given, model::GptConfig & m) {
+    if (given("--softmax-scale")) {
+        LOOM_CHECK(std::isfinite(f.softmax_scale) && f.softmax_scale > 0,
+                   "--softmax-scale must be a finite number > 0, got " << f.softmax_scale, "");
+        m.softmax_scale = f.softmax_scale;
+    }
+    m.use_mup = f.use_mup;
+    if (!m.use_mup) return;   // Megatron reads the --mup-* values only with --use-mup
+    m.mup_base_hidden_size = given("--mup-base-hidden-size") ? f.mup_base_hidden_size : m.hidden_size;
+    LOOM_CHECK(m.mup_base_hidden_size > 0, "--mup-base-hidden-size must be positive.", "");
+    for (auto [flag, value] : {std::pair{"--mup-embedding-mult", f.mup_embedding_mult}, {"--mup-output-mult", f.mup_output_mult},
+                               {"--mup-attn-scale-power", f.mup_attn_scale_power}}) {
+        LOOM_CHECK(std::isfinite(value), flag << " must be a finite number, got " << value, "");
+    }
+    LOOM_CHECK(!given("--mup-base-head-dim") || (std::isfinite(f.mup_base_head_dim) && f.mup_base_head_dim > 0),
+               "--mup-base-head-dim must be a finite number > 0, got " << f.mup_base_head_dim, "");
+    const double width = m.mup_width_mult();
+    if (!given("--softmax-scale")) {   // 1 / d instead of 1 / sqrt(d)
+        const double base = given("--mup-base-head-dim") ? std::sqrt(static_cast<double>(f.mup_base_head_dim)) : 1.0;
+        m.softmax_scale   = static_cast<float>(base / std::pow(static_cast<double>(m.head_dim()), f.mup_attn_scale_power));
+    }
+    m.mup_embedding_mult = f.mup_embedding_mult;
+    m.mup_output_mult    = f.mup_output_mult == 1.0f && width != 1.0 ? static_cast<float>(1.0 / width) : f.mup_output_mult;
+}
+
+}  // namespace
 
 void resolve_model_shape(const ModelFlags & f, const Given & given, TrainOptions & o) {
     model::GptConfig & m = o.model;
@@ -267,6 +316,7 @@ void check_mla_flags(const ModelFlags & f, const Given & given, TrainOptions & o
 
 void check_model_flags(const ModelFlags & f, const Given & given, TrainOptions & o) {
     model::GptConfig & m = o.model;
+    resolve_mup(f, given, m);
     if (given("--norm-epsilon")) {
         LOOM_CHECK(std::isfinite(f.norm_epsilon) && f.norm_epsilon > 0,
                    "--norm-epsilon must be a finite number > 0, got " << f.norm_epsilon, "Megatron's default is 1e-5");

@@ -460,6 +460,7 @@ optim::LrSchedule TrainOptions::lr_schedule() const {
     if (lr_warmup_fraction >= 0) s.warmup_steps = lr_warmup_fraction * s.decay_steps;
     s.decoupled_max_lr = decoupled_lr;
     s.decoupled_min_lr = decoupled_min_lr;
+    if (model.mup_width_mult() != 1.0) s.mup_hidden_scale = 1.0 / model.mup_width_mult();
     return s;
 }
 

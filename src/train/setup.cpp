@@ -154,8 +154,9 @@ Setup setup(const TrainOptions & options, std::vector<model::GptModel *> chunks,
                    "the data-parallel options need a data-parallel group",
                    "16-bit gradient buffers, ZeRO-1 and the overlaps live in DDP's buffers");
     }
-    optim::OptimizerOptions optimizer{options.adam, options.clip_grad, std::nullopt, std::nullopt, {}};
+    optim::OptimizerOptions optimizer{options.adam, options.clip_grad, std::nullopt, std::nullopt, {}, 1.0};
     if (options.optimizer_cpu_offload) optimizer.offload = options.offload;
+    optimizer.mup_width_mult = options.model.mup_width_mult();
     optimizer.muon = options.muon;   // the weight matrices' shards gather over TP (ETP for experts)
     optimizer.muon_groups = {size_of(groups.tp) > 1 ? groups.tp.get() : nullptr,
                              size_of(groups.expert_tp) > 1 ? groups.expert_tp.get() : nullptr};

@@ -305,6 +305,22 @@ bool Trainer::validates_losses(int64_t iteration) const {
            iteration > start_iteration_ + 1;
 }
 
+namespace {
+
+// The lrs a step at `at` samples uses: the base, --decoupled-lr's (the embedding's and output layer's) and
+// µP's hidden matrices'.
+struct StepLrs {
+    float                lr;
+    std::optional<float> decoupled, hidden;
+};
+StepLrs step_lrs(const optim::LrSchedule & schedule, double at) {
+    return {schedule.lr_at_step(at),
+            schedule.decoupled_max_lr ? std::optional<float>(schedule.decoupled_lr_at_step(at)) : std::nullopt,
+            schedule.hidden_lr_at_step(at)};
+}
+
+}  // namespace
+
 void Trainer::enqueue_step(Enqueued & e) {
     timed(1, [&] { sync_.finish(); });
     const optim::LrSchedule & schedule = scheduler_.schedule;   // as optimizer_step: the current lr
@@ -316,11 +332,8 @@ void Trainer::enqueue_step(Enqueued & e) {
         }
     }
     timed(2, [&] {
-        e.step = setup_.optimizer->step_gated(schedule.lr_at_step(at),
-                                              schedule.decoupled_max_lr
-                                                  ? std::optional<float>(schedule.decoupled_lr_at_step(at))
-                                                  : std::nullopt,
-                                              losses);
+        const StepLrs lrs = step_lrs(schedule, at);
+        e.step            = setup_.optimizer->step_gated(lrs.lr, lrs.decoupled, losses, lrs.hidden);
     });
     sync_.start_gather();   // a step the device skipped gathers the same values again
     e.done = events_[e.iteration % 2].get();
@@ -403,12 +416,10 @@ optim::StepResult Trainer::optimizer_step(IterationStats & stats) {
     // successful update only), and the log line shows the lr it advanced to.
     const optim::LrSchedule & schedule = scheduler_.schedule;
     const double              at       = scheduler_.num_steps;
-    const float               lr       = schedule.lr_at_step(at);
+    const StepLrs             lrs      = step_lrs(schedule, at);
     optim::StepResult result;
     timed(2, [&] {
-        result = setup_.optimizer->step(lr, schedule.decoupled_max_lr ? std::optional<float>(schedule.decoupled_lr_at_step(at))
-                                                                      : std::nullopt,
-                                        scaler_ ? scaler_->inv_scale() : 1.0f);
+        result = setup_.optimizer->step(lrs.lr, lrs.decoupled, scaler_ ? scaler_->inv_scale() : 1.0f, lrs.hidden);
         if (options_.timing_log_level >= 1) model_.device().compute_stream().synchronize();   // the step itself
     });
     account_step(result, iteration_, global_batch_);
