@@ -264,6 +264,15 @@ TEST(CudaTrain, OneGpuMuonFollowsTheCpu) {
     expect_follows_cpu(run_loom_mpi(1, kRun + model + "--device " + kDevice), "Muon", model);
 }
 
+// --fine-grained-activation-offloading: the modules' inputs through pinned host memory between forward and
+// backward (copies on the compute stream), the CPU's curve.
+TEST(CudaTrain, OneGpuActivationOffloadingFollowsTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    const std::string model = "--bf16 --num-layers 2 --fine-grained-activation-offloading --offload-modules attn_norm "
+                              "qkv_linear core_attn attn_proj mlp_norm --min-offloaded-tensor-size 0 ";
+    expect_follows_cpu(run_loom_mpi(1, kRun + model + "--device " + kDevice), "activation offloading", model);
+}
+
 struct Layout {
     const char * name;
     const char * flags;

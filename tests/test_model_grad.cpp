@@ -355,7 +355,7 @@ struct StepResult {
     int64_t                         saved_activations = 0;  // bytes it holds between forward and backward
 };
 
-StepResult one_step(const model::GptConfig & c, bool training = true) {
+StepResult one_step(const model::GptConfig & c, bool training = true, int64_t * offloaded = nullptr) {
     Device &        device = cpu::device();
     model::GptModel gpt(c, device);
     gpt.init();
@@ -372,6 +372,7 @@ StepResult one_step(const model::GptConfig & c, bool training = true) {
         ctx.training = training;
         result.loss  = gpt.forward(ctx, batch).mean();   // forward() waits for the stream
         result.saved_activations = device.allocator().pool_stats("activations").allocated - before;
+        if (offloaded) *offloaded = device.allocator(MemoryKind::pinned_host).pool_stats("offloaded activations").allocated;
         gpt.backward(ctx, 1.0, nullptr);
         device.compute_stream().synchronize();
     }
@@ -585,6 +586,48 @@ TEST(GptModel, FullRecomputeIsBitwiseAndLowersTheActivationPeak) {
         // Four layers stored hold about 4 layers' activations at the peak; recompute holds the checkpoints
         // plus at most one group's: at least 25% less in each variant.
         EXPECT_LT(r.peak_activations, base.peak_activations * 3 / 4) << v.name;
+    }
+}
+
+// --fine-grained-activation-offloading: every module Megatron names offloaded (min size 0), in a dense
+// Llama-style model, with MLA, and with grouped SwiGLU experts: the loss and every gradient bit for bit the
+// run without, the bytes held in the activations pool after forward lower by exactly the bytes in pinned host
+// memory, which is empty again once backward has brought them back.
+TEST(GptModel, FineGrainedActivationOffloadingIsBitwiseAndHoldsLessAfterForward) {
+    struct Variant { const char * name; bool mla, moe; };
+    for (const Variant & v : {Variant{"dense", false, false}, Variant{"mla", true, false}, Variant{"moe", false, true}}) {
+        SCOPED_TRACE(v.name);
+        model::GptConfig c = small_recompute_config();
+        c.normalization    = model::Normalization::rmsnorm;
+        c.swiglu           = true;
+        c.position_embedding = model::PositionEmbedding::rope;
+        c.add_bias_linear  = false;
+        if (v.mla) {
+            c.multi_latent_attention = true;
+            c.q_lora_rank            = 24;
+            c.kv_lora_rank           = 16;
+            c.qk_head_dim            = 16;
+            c.qk_pos_emb_head_dim    = 8;
+            c.v_head_dim             = 16;
+        }
+        if (v.moe) {
+            c.moe.num_experts  = 4;
+            c.moe.topk         = 2;
+            c.moe.grouped_gemm = true;
+        }
+        const StepResult base = one_step(c);
+        c.offload_modules = model::offload_attn_norm | model::offload_qkv_linear | model::offload_core_attn |
+                            model::offload_attn_proj | model::offload_mlp_norm | model::offload_expert_fc1 |
+                            model::offload_moe_act;
+        c.min_offloaded_tensor_size = 0;
+        int64_t          offloaded  = -1;
+        const StepResult r          = one_step(c, true, &offloaded);
+        expect_bitwise(r, base);
+        EXPECT_GT(offloaded, 0);
+        EXPECT_EQ(base.saved_activations - r.saved_activations, offloaded) << "held after forward: moved, not copied";
+        EXPECT_EQ(cpu::device().allocator(MemoryKind::pinned_host).pool_stats("offloaded activations").allocated, 0);
+        std::printf("[offload %s] after forward: %.1f KiB in the activations pool, %.1f KiB without; %.1f KiB on the host\n",
+                    v.name, r.saved_activations / 1024.0, base.saved_activations / 1024.0, offloaded / 1024.0);
     }
 }
 

@@ -969,6 +969,37 @@ TEST(MegatronCommandLine, MtpFlagsFollowMegatronsRules) {
     }
 }
 
+// --fine-grained-activation-offloading: the module names into GptConfig's bits, Megatron's checks in its
+// words, and the knobs Loom does not take refused by name.
+TEST(MegatronCommandLine, ActivationOffloadingFlagsFollowMegatronsRules) {
+    const train::TrainOptions off = parse_train({"--mock-data", "--offload-modules", "core_attn"});
+    EXPECT_EQ(off.model.offload_modules, 0u) << "the module list alone does nothing, as in Megatron";
+    const train::TrainOptions on = parse_train({"--mock-data", "--fine-grained-activation-offloading", "--offload-modules",
+                                                "core_attn", "attn_proj", "mlp_norm", "--min-offloaded-tensor-size", "4096"});
+    EXPECT_EQ(on.model.offload_modules, model::offload_core_attn | model::offload_attn_proj | model::offload_mlp_norm);
+    EXPECT_EQ(on.model.min_offloaded_tensor_size, 4096);
+    EXPECT_EQ(parse_train({"--mock-data", "--fine-grained-activation-offloading", "--offload-modules", "attn_norm"})
+                  .model.min_offloaded_tensor_size,
+              1 << 20);
+    const std::pair<std::vector<std::string>, const char *> bad[] = {
+        {{"--fine-grained-activation-offloading"}, "--fine-grained-activation-offloading without --offload-modules"},
+        {{"--fine-grained-activation-offloading", "--offload-modules", "attn"}, "Invalid choices for offload_modules"},
+        {{"--fine-grained-activation-offloading", "--offload-modules", "attn_proj"},
+         "attn_proj cannot be set to offload_modules alone without core_attn"},
+        {{"--fine-grained-activation-offloading", "--offload-modules", "gdp_qkv"}, "--offload-modules gdp_qkv is not supported by Loom"},
+        {{"--fine-grained-activation-offloading", "--offload-modules", "mlp_norm", "--activation-offload-fraction", "0.5"},
+         "--activation-offload-fraction 0.5 is not supported by Loom"},
+        {{"--fine-grained-activation-offloading", "--offload-modules", "mlp_norm", "--cuda-graph-impl", "transformer_engine"},
+         "--fine-grained-activation-offloading with --cuda-graph-impl is not supported by Loom"},
+    };
+    for (const auto & [flags, message] : bad) {
+        std::vector<std::string> args{"--mock-data"};
+        args.insert(args.end(), flags.begin(), flags.end());
+        const std::string text = error_of([&] { parse_train(args, 1); });
+        EXPECT_NE(text.find(message), std::string::npos) << text;
+    }
+}
+
 // µP's flags (TransformerConfig's, as Megatron's argument factory makes them): the width multiplier, the
 // attention scale 1 / d (or sqrt(base head dim) / d^power), the logits' 1 / m unless given, and the hidden
 // matrices' lr group on the schedule; without --use-mup the --mup-* values do nothing, as in Megatron.

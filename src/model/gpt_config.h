@@ -16,6 +16,19 @@
 
 namespace loom::model {
 
+// --offload-modules (Megatron's names), bits of GptConfig::offload_modules: the input of the pre-attention norm,
+// of the QKV projection (MLA: the down projections), the attention core's Q, K and V, the output projection's
+// input (the attention output), the pre-MLP norm's input, the experts' fc1 input and their activation's input.
+enum OffloadModule : uint32_t {
+    offload_attn_norm  = 1u << 0,
+    offload_qkv_linear = 1u << 1,
+    offload_core_attn  = 1u << 2,
+    offload_attn_proj  = 1u << 3,
+    offload_mlp_norm   = 1u << 4,
+    offload_expert_fc1 = 1u << 5,
+    offload_moe_act    = 1u << 6,
+};
+
 // How the ranks of a context-parallel group exchange keys and values (--cp-comm-type): p2p passes each
 // rank's K | V around a ring, one block per step, merging the partial attentions by log-sum-exp; allgather
 // gathers every rank's K | V first; a2a swaps the sequence split for a head split (all-to-all), runs whole-
@@ -112,6 +125,11 @@ struct GptConfig {
     // Selective recompute's mla_up_proj: MLA's packed [Q | K | V] rows (the up projections' outputs and the
     // RoPE'd parts) are not kept; backward builds them again from the latents the up projections keep.
     bool                 recompute_mla_up_proj    = false;
+    // --fine-grained-activation-offloading --offload-modules: the inputs of these modules that backward reads
+    // move to pinned host memory when the layer's forward ends and come back when its backward starts (the
+    // same values: a memory choice). Tensors under min_offloaded_tensor_size elements stay.
+    uint32_t             offload_modules           = 0;         // OffloadModule bits
+    int64_t              min_offloaded_tensor_size = 1 << 20;   // --min-offloaded-tensor-size
     MoeConfig            moe;                         // --num-experts and --moe-*: MoE MLPs (none by default)
     uint64_t          seed                    = 1234;
     // Parameter and GEMM-operand dtype: f32, or bf16 with --bf16 (master weights stay f32; main_grad too

@@ -1,5 +1,7 @@
 #include "model/transformer_layer.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "core/ops.h"
 
@@ -68,8 +70,76 @@ void TransformerLayer::parameters(std::vector<Parameter *> & out) {
     }
 }
 
+namespace {
+
+// The fields of a layer's context that --offload-modules names (undefined ones included: the caller skips them).
+std::vector<Tensor *> offload_fields(TransformerLayer::Context & ctx, uint32_t modules) {
+    std::vector<Tensor *> f;
+    SelfAttention::Context & a = ctx.attn;
+    if (modules & offload_attn_norm) f.push_back(&ctx.norm1.x);
+    if (modules & offload_qkv_linear) {
+        for (Tensor * t : {&a.qkv_ctx.x, &a.latent.q.x, &a.latent.q_down.x, &a.latent.kv_down.x}) f.push_back(t);
+    }
+    if (modules & offload_core_attn) f.push_back(&a.qkv);
+    if (modules & offload_attn_proj) f.push_back(&a.proj_ctx.x);
+    if (modules & offload_mlp_norm) f.push_back(&ctx.norm2.x);
+    if (ctx.moe) {
+        Experts::Context & e = ctx.moe->experts;
+        if (modules & offload_expert_fc1) {
+            f.push_back(&e.x);
+            for (Mlp::Context & m : e.mlp) f.push_back(&m.fc1_ctx.x);
+        }
+        if (modules & offload_moe_act) {
+            f.push_back(&e.pre_act);
+            for (Mlp::Context & m : e.mlp) f.push_back(&m.pre_act);
+        }
+    }
+    return f;
+}
+
+// Moves every field's tensor (those of `from` memory, of at least `min` elements) into new memory of `to`,
+// one copy per tensor however many fields share it; returns the bytes moved.
+int64_t move_fields(const std::vector<Tensor *> & fields, bool from_host, TensorOptions to, int64_t min) {
+    int64_t                                 bytes = 0;
+    std::vector<std::pair<void *, Tensor>> moved;   // the old tensor's address -> its new home
+    for (Tensor * field : fields) {
+        if (!field->defined() || field->numel() < min) continue;
+        const bool on_host = field->memory_kind() == MemoryKind::pinned_host;
+        if (on_host != from_host) continue;
+        void * key = field->data_ptr();
+        auto   it  = std::find_if(moved.begin(), moved.end(), [&](const auto & m) { return m.first == key; });
+        if (it == moved.end()) {
+            Device & device = field->device();
+            Tensor   copy   = Tensor::empty(field->shape(), field->dtype(), device, to);
+            device.ops().copy(device.compute_stream(), *field, copy);
+            bytes += static_cast<int64_t>(field->nbytes());
+            moved.emplace_back(key, copy);
+            it = moved.end() - 1;
+        }
+        *field = it->second;
+    }
+    return bytes;
+}
+
+}  // namespace
+
+int64_t TransformerLayer::offload_activations(Context & ctx) const {
+    if (config.offload_modules == 0) return 0;
+    return move_fields(offload_fields(ctx, config.offload_modules), false, {MemoryKind::pinned_host, "offloaded activations"},
+                       config.min_offloaded_tensor_size);
+}
+
+int64_t TransformerLayer::reload_activations(Context & ctx) const {
+    if (config.offload_modules == 0) return 0;
+    return move_fields(offload_fields(ctx, config.offload_modules), true, {MemoryKind::device, kActivationsPool}, 0);
+}
+
 Tensor TransformerLayer::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const DropoutBatch & batch) {
-    if (moe) return forward_tail(ctx, forward_head(ctx, x, s, b, batch, true), s, b, batch);
+    if (moe) {
+        Tensor y = forward_tail(ctx, forward_head(ctx, x, s, b, batch, true), s, b, batch);
+        offload_activations(ctx);
+        return y;
+    }
     Ops &            ops    = x.device().ops();
     Stream &         stream = x.device().compute_stream();
     const Tensor     h1     = attention_block(ctx, x, s, b, batch);
@@ -77,6 +147,7 @@ Tensor TransformerLayer::forward(Context & ctx, const Tensor & x, int64_t s, int
     if (config.recompute_layernorm) (mlp->recompute ? ctx.mlp.input : ctx.mlp.fc1_ctx.x) = Tensor();   // norm2's output
     if (ctx.mlp_out.enabled()) ops.dropout(stream, h2, h2, ctx.mlp_out);
     ops.add_inplace(stream, h2, h1);   // h2 = h1 + mlp
+    offload_activations(ctx);
     return h2;
 }
 
@@ -138,6 +209,7 @@ Tensor TransformerLayer::forward_tail(Context & ctx, const std::vector<Tensor> &
 }
 
 Tensor TransformerLayer::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
+    reload_activations(ctx);
     if (moe) return backward_head(ctx, backward_tail(ctx, dy, ready), ready);
     if (config.recompute_layernorm) {   // norm2's output again, from its saved input (x + attn), as the MLP kept it
         Norm::Context again;

@@ -32,6 +32,11 @@ public:
 
     Tensor forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const DropoutBatch & batch = {});
     Tensor backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
+    // --fine-grained-activation-offloading: the selected modules' saved inputs (config.offload_modules) to
+    // pinned host memory, and back to device memory (the activations pool); forward and backward call them.
+    // A tensor two fields share moves once and both fields follow it. Bytes moved out (offload) or in.
+    int64_t offload_activations(Context & ctx) const;
+    int64_t reload_activations(Context & ctx) const;
     void   init(uint64_t seed);
     void   parameters(std::vector<Parameter *> & out);
 

@@ -83,6 +83,11 @@ struct RecomputeFlags {
     int64_t                  num_layers  = 0;
     bool                     activations = false;
     std::vector<std::string> modules;
+    // --fine-grained-activation-offloading and its TransformerConfig fields (Megatron's defaults).
+    bool                     offloading = false, delay_offload_until_cuda_graph = false;
+    std::vector<std::string> offload_modules;
+    int64_t                  min_offloaded_tensor_size = 1 << 20, delta_offload_bytes = 0;
+    float                    activation_offload_fraction = 1.0f;
 };
 std::span<const Flag<RecomputeFlags>> recompute_flags();
 void resolve_recompute(const RecomputeFlags & f, const Given & given, model::GptConfig & m);

@@ -122,6 +122,9 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     apply_tokenizer(o, given("--vocab-size"));
     resolve_moe(values_.moe, given, o);
     resolve_cuda_graphs(values_.graphs, values_.moe, o);
+    LOOM_CHECK(o.model.offload_modules == 0 || !o.layer_graphs,
+               "--fine-grained-activation-offloading with --cuda-graph-impl is not supported by Loom",
+               "Loom offloads the inputs of layers run eagerly: drop one of them");
     validate_checkpoint_flags(o, given);
     apply_checkpoint_shape(o);
     if (hf) check_hf_shape(*hf, values_.model, given, o);
