@@ -611,6 +611,29 @@ TEST(CudaOps, SumOfSquaresHiPlusLoIsTheCpusDoubleSum) {
     EXPECT_EQ(got.data<float>()[0], static_cast<float>(gpu_sum)) << "out[0] is the sum rounded to f32";
 }
 
+// scale_by_inverse_norm divides by the norm read from sum_of_squares' pair on the device: bitwise the CPU's
+// for the same pair (f32 inv formed in double on both), and eps taking over for a zero tensor.
+TEST(CudaOps, ScaleByInverseNormIsBitwiseTheCpus) {
+    SKIP_WITHOUT_CUDA();
+    Tensor x = random_cpu({37, 41}, 710, 3.0f), sums = cpu_tensor({2});
+    cops().sum_of_squares(cs(), x, sums);
+    Tensor xc = clone_cpu(x);
+    cops().scale_by_inverse_norm(cs(), xc, sums, 1e-15);
+    cs().synchronize();
+    Tensor xg = to_gpu(x);
+    gops().scale_by_inverse_norm(gs(), xg, to_gpu(sums), 1e-15);
+    expect_bitwise(xc, to_cpu(xg), "scale_by_inverse_norm");
+    double norm = 0;
+    for (int64_t i = 0; i < xc.numel(); ++i) norm += double(xc.data<float>()[i]) * xc.data<float>()[i];
+    EXPECT_NEAR(std::sqrt(norm), 1.0, 1e-6) << "unit Frobenius norm";
+    Tensor zero = cpu_tensor({4}), zsums = cpu_tensor({2});
+    zero.fill_zero();
+    zsums.fill_zero();
+    Tensor zg = to_gpu(zero);
+    gops().scale_by_inverse_norm(gs(), zg, to_gpu(zsums), 1e-15);
+    expect_bitwise(zero, to_cpu(zg), "a zero tensor stays zero (eps)");
+}
+
 // sum_of_squares_multi: 70 tensors (two launches' worth of 64), empty ones and ones of several chunks among
 // them: every pair is bitwise the single-tensor op's on the device (the same chunks, trees and order), so the
 // gradient norm keeps its bits.

@@ -23,6 +23,7 @@
 #include <map>
 #include <filesystem>
 #include <set>
+#include <span>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -607,6 +608,16 @@ train::TrainOptions parse_train(const std::vector<std::string> & args, int64_t w
     return parser.resolve(world_size);
 }
 
+// Each flag list of `bad` (after --mock-data) is refused on `world` ranks with an error holding its message.
+void expect_refused(std::span<const std::pair<std::vector<std::string>, const char *>> bad, int64_t world) {
+    for (const auto & entry : bad) {
+        std::vector<std::string> args{"--mock-data"};
+        args.insert(args.end(), entry.first.begin(), entry.first.end());
+        const std::string text = error_of([&] { parse_train(args, world); });
+        EXPECT_NE(text.find(entry.second), std::string::npos) << text;
+    }
+}
+
 }  // namespace
 
 // Megatron's defaults (megatron/training/config/training_config.py, transformer_config.py and arguments.py
@@ -932,12 +943,7 @@ TEST(MegatronCommandLine, MultiLatentAttentionFlagsFollowMegatronsRules) {
         {{"--multi-latent-attention", "--group-query-attention", "--num-query-groups", "2"},
          "--group-query-attention with --multi-latent-attention"},
     };
-    for (const auto & [flags, message] : bad) {
-        std::vector<std::string> args{"--mock-data"};
-        args.insert(args.end(), flags.begin(), flags.end());
-        const std::string text = error_of([&] { parse_train(args, 2); });
-        EXPECT_NE(text.find(message), std::string::npos) << text;
-    }
+    expect_refused(bad, 2);
 }
 
 // --mtp-num-layers: Megatron's None and 0.1 by default, the depths and the weight when given; refused by
@@ -961,12 +967,7 @@ TEST(MegatronCommandLine, MtpFlagsFollowMegatronsRules) {
         {{"--position-embedding-type", "rope", "--mtp-num-layers", "0"}, "--mtp-num-layers must be between 1 and 64"},
         {{"--position-embedding-type", "rope", "--mtp-loss-scaling-factor", "nan"}, "--mtp-loss-scaling-factor must be finite"},
     };
-    for (const auto & [flags, message] : bad) {
-        std::vector<std::string> args{"--mock-data"};
-        args.insert(args.end(), flags.begin(), flags.end());
-        const std::string text = error_of([&] { parse_train(args, 2); });
-        EXPECT_NE(text.find(message), std::string::npos) << text;
-    }
+    expect_refused(bad, 2);
 }
 
 // --fine-grained-activation-offloading: the module names into GptConfig's bits, Megatron's checks in its
@@ -992,12 +993,7 @@ TEST(MegatronCommandLine, ActivationOffloadingFlagsFollowMegatronsRules) {
         {{"--fine-grained-activation-offloading", "--offload-modules", "mlp_norm", "--cuda-graph-impl", "transformer_engine"},
          "--fine-grained-activation-offloading with --cuda-graph-impl is not supported by Loom"},
     };
-    for (const auto & [flags, message] : bad) {
-        std::vector<std::string> args{"--mock-data"};
-        args.insert(args.end(), flags.begin(), flags.end());
-        const std::string text = error_of([&] { parse_train(args, 1); });
-        EXPECT_NE(text.find(message), std::string::npos) << text;
-    }
+    expect_refused(bad, 1);
 }
 
 // µP's flags (TransformerConfig's, as Megatron's argument factory makes them): the width multiplier, the
@@ -1031,12 +1027,7 @@ TEST(MegatronCommandLine, MupFlagsFollowMegatronsRules) {
         {{"--softmax-scale", "-1"}, "--softmax-scale must be a finite number > 0"},
         {{"--use-mup", "--mup-base-head-dim", "0"}, "--mup-base-head-dim must be a finite number > 0"},
     };
-    for (const auto & [flags, message] : bad) {
-        std::vector<std::string> args{"--mock-data"};
-        args.insert(args.end(), flags.begin(), flags.end());
-        const std::string text = error_of([&] { parse_train(args, 1); });
-        EXPECT_NE(text.find(message), std::string::npos) << text;
-    }
+    expect_refused(bad, 1);
 }
 
 // --optimizer and Muon's flags: Megatron's defaults, dist_muon as muon with the distributed optimizer, each
@@ -1087,12 +1078,7 @@ TEST(MegatronCommandLine, MuonFlagsFollowMegatronsRules) {
         {{"--optimizer", "muon", "--muon-tp-mode", "sharded"}, "--muon-tp-mode 'sharded' is not a mode"},
         {{"--optimizer", "muon", "--muon-scale-mode", "rms"}, "--muon-scale-mode 'rms' is not a scale mode"},
     };
-    for (const auto & [flags, message] : bad) {
-        std::vector<std::string> args{"--mock-data"};
-        args.insert(args.end(), flags.begin(), flags.end());
-        const std::string text = error_of([&] { parse_train(args, 2); });
-        EXPECT_NE(text.find(message), std::string::npos) << text;
-    }
+    expect_refused(bad, 2);
 }
 
 // The legacy switch sets RoPE over whatever --position-embedding-type says (Megatron's validate_args).

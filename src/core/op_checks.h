@@ -650,6 +650,13 @@ inline void scale(const Tensor & t) {
                "scale: t is " << (t.defined() ? t.describe() : std::string("missing")), "scale takes f32, bf16 or f16");
 }
 
+inline void scale_by_inverse_norm(const Tensor & t, const Tensor & sums) {
+    LOOM_CHECK(t.defined() && t.dtype() == DType::f32 && sums.defined() && sums.dtype() == DType::f32 && sums.numel() == 2,
+               "scale_by_inverse_norm: t " << (t.defined() ? t.describe() : std::string("missing")) << ", sums "
+                                           << (sums.defined() ? sums.describe() : std::string("missing")),
+               "t is f32 and sums sum_of_squares' (2) f32 pair");
+}
+
 inline void sum_of_squares(const Tensor & x, const Tensor & out) {
     expect(x, DType::f32, -1, "sum_of_squares", "x");
     expect(out, DType::f32, 2, "sum_of_squares", "out");

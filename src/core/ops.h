@@ -317,6 +317,10 @@ public:
     // the rest (out[0] + out[1] equals the double sum to about 1e-14). The sum is taken in double over
     // fixed chunks added in order, so its bits do not depend on the thread count.
     virtual void sum_of_squares(Stream & s, const Tensor & x, const Tensor & out) = 0;
+    // In place: t (f32) = t * inv in f32, where inv = float(1 / max(sqrt(double(sums[0]) + sums[1]), eps)) is
+    // read on the device from sum_of_squares' pair: a tensor divided by its norm with no host read (Muon's
+    // Newton-Schulz, optim/muon.h).
+    virtual void scale_by_inverse_norm(Stream & s, const Tensor & t, const Tensor & sums, double eps) = 0;
     // sum_of_squares of each xs[i] into out[2 i .. 2 i + 1] (out: 2 xs.size() f32). Its contract is that loop
     // (this default); a backend may run many tensors in one launch, each pair with sum_of_squares' bits.
     virtual void sum_of_squares_multi(Stream & s, std::span<const Tensor> xs, const Tensor & out) {

@@ -121,14 +121,11 @@ void newton_schulz(const Tensor & x, const Tensor & out, const MuonConfig & conf
     const bool    wide = rows <= cols;
     const int64_t k    = wide ? rows : cols;
 
+    // X = x / max(|x|_F, 1e-15), the norm read on the device (no host synchronisation).
     Tensor sums = Tensor::empty({2}, DType::f32, device);
     ops.sum_of_squares(s, x, sums);
-    const Tensor  host = read_after_stream(sums);
-    const double  norm = std::sqrt(static_cast<double>(host.data<float>()[0]) + static_cast<double>(host.data<float>()[1]));
-    const float   inv  = static_cast<float>(1.0 / std::max(norm, 1e-15));
-
     ops.copy(s, x, out);
-    ops.scale(s, out, inv);
+    ops.scale_by_inverse_norm(s, out, sums, 1e-15);
     const DType wd = config.bf16_matmul ? DType::bf16 : DType::f32;   // the iteration's dtype
     Tensor      X  = out;
     if (config.bf16_matmul) {

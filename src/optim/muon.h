@@ -73,8 +73,8 @@ MuonScaleMode                           muon_scale_mode_from_name(const std::str
 MuonTpMode                              muon_tp_mode_from_name(const std::string & name);
 float                                   muon_scale_factor(int64_t rows, int64_t cols, MuonScaleMode mode);
 
-// out (rows, cols) f32 = NS(x) for x (rows, cols) f32, on the device's compute stream (x is not changed).
-// The host reads |x|_F once (the normalisation's one host read).
+// out (rows, cols) f32 = NS(x) for x (rows, cols) f32, on the device's compute stream (x is not changed),
+// with no host read (the norm divides on the device: Ops::scale_by_inverse_norm).
 void newton_schulz(const Tensor & x, const Tensor & out, const MuonConfig & config);
 
 // The groups a matrix's shards are gathered over (null: not split, or one rank).

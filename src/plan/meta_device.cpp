@@ -256,6 +256,9 @@ public:
         memory(s, "fill_zero", bytes_of({&t}));
     }
     void scale(Stream & s, const Tensor & t, float factor) override { memory(s, "scale", bytes_of({&t, &t})); }
+    void scale_by_inverse_norm(Stream & s, const Tensor & t, const Tensor &, double) override {
+        memory(s, "scale_by_inverse_norm", bytes_of({&t, &t}));
+    }
     void sum_of_squares(Stream & s, const Tensor & x, const Tensor & out) override { memory(s, "sum_of_squares", bytes_of({&x})); }
     // The CUDA backend's launches: 64 tensors each (kernels::kSquaresMultiTensors).
     void sum_of_squares_multi(Stream & s, std::span<const Tensor> xs, const Tensor & out) override {

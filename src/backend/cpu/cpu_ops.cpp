@@ -435,6 +435,14 @@ public:
         s.submit([t, factor] { scale_parallel(t.data_ptr(), t.dtype(), factor, t.numel()); });
     }
 
+    void scale_by_inverse_norm(Stream & s, const Tensor & t, const Tensor & sums, double eps) override {
+        op_checks::scale_by_inverse_norm(t, sums);
+        s.submit([t, sums, eps] {
+            const double norm = std::sqrt(static_cast<double>(f32(sums)[0]) + static_cast<double>(f32(sums)[1]));
+            scale_parallel(t.data_ptr(), t.dtype(), static_cast<float>(1.0 / std::max(norm, eps)), t.numel());
+        });
+    }
+
     void sum_of_squares(Stream & s, const Tensor & x, const Tensor & out) override {
         op_checks::sum_of_squares(x, out);
         s.submit([x, out] {

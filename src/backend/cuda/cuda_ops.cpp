@@ -702,6 +702,14 @@ public:
         cs.launched("scale", {t});
     }
 
+    void scale_by_inverse_norm(Stream & s, const Tensor & t, const Tensor & sums, double eps) override {
+        op_checks::scale_by_inverse_norm(t, sums);
+        CudaStream & cs = start(s, "scale_by_inverse_norm", {t, sums});
+        kernels::scale_by_inverse_norm(cs.launch("scale_by_inverse_norm"), t.data<float>(), sums.data<float>(), eps,
+                                       t.numel());
+        cs.launched("scale_by_inverse_norm", {t, sums});
+    }
+
     void sum_of_squares(Stream & s, const Tensor & x, const Tensor & out) override {
         op_checks::sum_of_squares(x, out);
         CudaStream &  cs     = start(s, "sum_of_squares", {x, out});

@@ -137,6 +137,13 @@ __global__ void scale_kernel(void * x, Float kind, float factor, int64_t n) {
     LOOM_GRID_STRIDE(i, n) store_float(x, kind, i, __fmul_rn(load_float(x, kind, i), factor));
 }
 
+// Every thread forms the same inv from the pair (double arithmetic, as the CPU's).
+__global__ void scale_by_inverse_norm_kernel(float * x, const float * sums, double eps, int64_t n) {
+    const double norm = sqrt(static_cast<double>(sums[0]) + static_cast<double>(sums[1]));
+    const float  inv  = static_cast<float>(1.0 / (norm > eps ? norm : eps));
+    LOOM_GRID_STRIDE(i, n) x[i] = __fmul_rn(x[i], inv);
+}
+
 // Kernels over activations take them as T, float or Bf16 (core/float_bits.h): each element is read as f32
 // (to_f32), the arithmetic is f32 and each result is stored once (from_f32<T>, round to nearest even).
 
@@ -666,6 +673,10 @@ void bias_backward_f64(cudaStream_t stream, const double * dy, double * dbias, i
 
 void scale(cudaStream_t stream, void * x, Float kind, float factor, int64_t n) {
     if (n > 0) LOOM_LAUNCH(scale_kernel, blocks_for(n), kThreads, 0, stream)(x, kind, factor, n);
+}
+
+void scale_by_inverse_norm(cudaStream_t stream, float * x, const float * sums, double eps, int64_t n) {
+    if (n > 0) LOOM_LAUNCH(scale_by_inverse_norm_kernel, blocks_for(n), kThreads, 0, stream)(x, sums, eps, n);
 }
 
 template <class T>

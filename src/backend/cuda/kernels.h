@@ -34,6 +34,8 @@ void convert(cudaStream_t stream, const void * src, Float src_kind, void * dst, 
 void round_to_bf16(cudaStream_t stream, float * x, uint16_t * x_bf16, int64_t n);
 
 void scale(cudaStream_t stream, void * x, Float kind, float factor, int64_t n);   // x = kind(f32(x) * factor)
+// x *= float(1 / max(sqrt(double(sums[0]) + sums[1]), eps)) (Ops::scale_by_inverse_norm).
+void scale_by_inverse_norm(cudaStream_t stream, float * x, const float * sums, double eps, int64_t n);
 // C (m, n) = op(A) op(B) in float64 (core/gemm_f64.h's arithmetic), or += with accumulate; one thread per element.
 void gemm_f64(cudaStream_t stream, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const double * a,
               const double * b, double * c, bool accumulate);
