@@ -611,6 +611,41 @@ TEST(CudaOps, SumOfSquaresHiPlusLoIsTheCpusDoubleSum) {
     EXPECT_EQ(got.data<float>()[0], static_cast<float>(gpu_sum)) << "out[0] is the sum rounded to f32";
 }
 
+// fp8_quantize (tensorwise current scaling) and scale_by_product: the CPU's on the hand-worked case of
+// core/fp8.h (x = (1, -3.5, 0.3, 2): s = 128, q = (128, -448, 40, 256)), then bitwise the CPU's on a tensor of
+// several amax chunks, f32 and bf16 inputs, both formats.
+TEST(CudaOps, Fp8QuantizeAndScaleByProductAreBitwiseTheCpus) {
+    SKIP_WITHOUT_CUDA();
+    Tensor hand = cpu_tensor({4}), q = cpu_tensor({4}, DType::bf16), inv = cpu_tensor({1});
+    const float xs[] = {1.0f, -3.5f, 0.3f, 2.0f}, want[] = {128.0f, -448.0f, 40.0f, 256.0f};
+    std::copy(xs, xs + 4, hand.data<float>());
+    cops().fp8_quantize(cs(), hand, Fp8Format::e4m3, q, inv);
+    cs().synchronize();
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(bf16_bits_to_f32(static_cast<uint16_t *>(q.data_ptr())[i]), want[i]) << i;
+    EXPECT_EQ(inv.data<float>()[0], 1.0f / 128.0f);
+    const int64_t n = 2 * (int64_t{1} << 16) + 777;   // three amax chunks, the last partial
+    for (const DType dtype : {DType::f32, DType::bf16}) {
+        for (const Fp8Format format : {Fp8Format::e4m3, Fp8Format::e5m2}) {
+            Tensor x  = random_cpu({n}, 720, 5.0f, dtype);
+            Tensor qc = cpu_tensor({n}, DType::bf16), ic = cpu_tensor({1});
+            Tensor qg = Tensor::empty({n}, DType::bf16, gpu()), ig = Tensor::empty({1}, DType::f32, gpu());
+            cops().fp8_quantize(cs(), x, format, qc, ic);
+            cs().synchronize();
+            gops().fp8_quantize(gs(), to_gpu(x), format, qg, ig);
+            expect_bitwise(qc, to_cpu(qg), "fp8_quantize values");
+            expect_bitwise(ic, to_cpu(ig), "fp8_quantize scale_inv");
+        }
+    }
+    Tensor t = random_cpu({300}, 721), a = cpu_tensor({1}), b = cpu_tensor({1});
+    a.data<float>()[0] = 0.37f;
+    b.data<float>()[0] = 1.0f / 448.0f;
+    Tensor tc = clone_cpu(t), tg = to_gpu(t);
+    cops().scale_by_product(cs(), tc, a, b);
+    cs().synchronize();
+    gops().scale_by_product(gs(), tg, to_gpu(a), to_gpu(b));
+    expect_bitwise(tc, to_cpu(tg), "scale_by_product");
+}
+
 // scale_by_inverse_norm divides by the norm read from sum_of_squares' pair on the device: bitwise the CPU's
 // for the same pair (f32 inv formed in double on both), and eps taking over for a zero tensor.
 TEST(CudaOps, ScaleByInverseNormIsBitwiseTheCpus) {

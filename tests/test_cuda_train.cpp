@@ -264,6 +264,14 @@ TEST(CudaTrain, OneGpuMuonFollowsTheCpu) {
     expect_follows_cpu(run_loom_mpi(1, kRun + model + "--device " + kDevice), "Muon", model);
 }
 
+// --fp8-format hybrid --fp8-recipe tensorwise: every linear layer's GEMMs on FP8 casts (e4m3 forward, e5m2
+// gradients), the casts' amax, scale and rounding in CUDA kernels; the CPU's curve.
+TEST(CudaTrain, OneGpuFp8FollowsTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    const std::string model = "--bf16 --num-layers 2 --fp8-format hybrid --fp8-recipe tensorwise ";
+    expect_follows_cpu(run_loom_mpi(1, kRun + model + "--device " + kDevice), "FP8", model);
+}
+
 // --fine-grained-activation-offloading: the modules' inputs through pinned host memory between forward and
 // backward (copies on the compute stream), the CPU's curve.
 TEST(CudaTrain, OneGpuActivationOffloadingFollowsTheCpu) {

@@ -970,6 +970,42 @@ TEST(MegatronCommandLine, MtpFlagsFollowMegatronsRules) {
     expect_refused(bad, 2);
 }
 
+// --fp8-format: Megatron's choices and checks, the recipe Loom trains with (tensorwise), the first and last
+// layers in bf16, and what Loom's FP8 does not take refused by name.
+TEST(MegatronCommandLine, Fp8FlagsFollowMegatronsRules) {
+    EXPECT_FALSE(parse_train({"--mock-data", "--bf16"}).model.fp8);
+    const train::TrainOptions h = parse_train({"--mock-data", "--bf16", "--num-layers", "6", "--fp8-format", "hybrid",
+                                               "--fp8-recipe", "tensorwise", "--fp8-amax-history-len", "16"});
+    EXPECT_TRUE(h.model.fp8);
+    EXPECT_EQ(h.model.fp8_forward, Fp8Format::e4m3);
+    EXPECT_EQ(h.model.fp8_backward, Fp8Format::e5m2);
+    EXPECT_TRUE(h.model.fp8_layer(0) && h.model.fp8_layer(5));
+    EXPECT_FALSE(h.model.fp8_layer(6)) << "an MTP depth's layer stays bf16";
+    const train::TrainOptions e = parse_train({"--mock-data", "--bf16", "--num-layers", "6", "--fp8-format", "e4m3",
+                                               "--fp8-recipe", "tensorwise", "--first-last-layers-bf16",
+                                               "--num-layers-at-end-in-bf16", "2"});
+    EXPECT_EQ(e.model.fp8_backward, Fp8Format::e4m3);
+    EXPECT_FALSE(e.model.fp8_layer(0));
+    EXPECT_TRUE(e.model.fp8_layer(1) && e.model.fp8_layer(3));
+    EXPECT_FALSE(e.model.fp8_layer(4));
+    const std::pair<std::vector<std::string>, const char *> bad[] = {
+        {{"--bf16", "--fp8-format", "e5m2"}, "argument --fp8-format: invalid choice: 'e5m2'"},
+        {{"--bf16", "--fp8-format", "hybrid"}, "--fp8-recipe delayed is not supported by Loom"},
+        {{"--bf16", "--fp8-format", "hybrid", "--first-last-layers-bf16"},
+         "Delayed scaling does not support first / last layer in BF16."},
+        {{"--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"}, "--fp8-recipe mxfp8 is not supported by Loom"},
+        {{"--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather", "--use-distributed-optimizer"},
+         "--fp8-param-gather is not supported by Loom"},
+        {{"--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"}, "--fp8-format without --bf16"},
+        {{"--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--num-experts", "4"},
+         "--fp8-format with MoE layers is not supported by Loom"},
+        {{"--bf16", "--num-layers", "4", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--first-last-layers-bf16",
+          "--num-layers-at-start-in-bf16", "5"},
+         "num_layers_at_start_in_bf16 (5) must be between 0 and number of layers per pipeline stage (4)."},
+    };
+    expect_refused(bad, 2);
+}
+
 // --fine-grained-activation-offloading: the module names into GptConfig's bits, Megatron's checks in its
 // words, and the knobs Loom does not take refused by name.
 TEST(MegatronCommandLine, ActivationOffloadingFlagsFollowMegatronsRules) {

@@ -650,6 +650,21 @@ inline void scale(const Tensor & t) {
                "scale: t is " << (t.defined() ? t.describe() : std::string("missing")), "scale takes f32, bf16 or f16");
 }
 
+inline void fp8_quantize(const Tensor & x, const Tensor & q, const Tensor & scale_inv) {
+    LOOM_CHECK(x.defined() && (x.dtype() == DType::f32 || x.dtype() == DType::bf16) && q.defined() &&
+                   q.dtype() == DType::bf16 && q.numel() == x.numel() && scale_inv.defined() &&
+                   scale_inv.dtype() == DType::f32 && scale_inv.numel() == 1,
+               "fp8_quantize: x " << (x.defined() ? x.describe() : std::string("missing")) << ", q "
+                                  << (q.defined() ? q.describe() : std::string("missing")),
+               "x is f32 or bf16, q bf16 of its numel, scale_inv one f32");
+}
+
+inline void scale_by_product(const Tensor & t, const Tensor & a, const Tensor & b) {
+    LOOM_CHECK(t.defined() && t.dtype() == DType::f32 && a.defined() && a.dtype() == DType::f32 && a.numel() == 1 &&
+                   b.defined() && b.dtype() == DType::f32 && b.numel() == 1,
+               "scale_by_product: t " << (t.defined() ? t.describe() : std::string("missing")), "f32 t and two f32 scalars");
+}
+
 inline void scale_by_inverse_norm(const Tensor & t, const Tensor & sums) {
     LOOM_CHECK(t.defined() && t.dtype() == DType::f32 && sums.defined() && sums.dtype() == DType::f32 && sums.numel() == 2,
                "scale_by_inverse_norm: t " << (t.defined() ? t.describe() : std::string("missing")) << ", sums "

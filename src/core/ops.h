@@ -20,6 +20,7 @@
 #include "core/grad_norm_gate.h"
 #include "core/positions.h"
 #include "core/rope.h"
+#include "core/fp8.h"
 #include "core/tensor.h"
 
 #include <cstdint>
@@ -321,6 +322,14 @@ public:
     // read on the device from sum_of_squares' pair: a tensor divided by its norm with no host read (Muon's
     // Newton-Schulz, optim/muon.h).
     virtual void scale_by_inverse_norm(Stream & s, const Tensor & t, const Tensor & sums, double eps) = 0;
+
+    // ---- FP8 (core/fp8.h), tensorwise current scaling
+    // amax = the largest |x| (compared as bit patterns: deterministic, a NaN the largest), s =
+    // fp8_scale_from_amax(amax, format), q = the FP8 values of x * s (each exact in bf16), scale_inv[0] = 1 / s.
+    // x is f32 or bf16, q bf16 of x's numel, scale_inv (1) f32: all on the device, no host read.
+    virtual void fp8_quantize(Stream & s, const Tensor & x, Fp8Format format, const Tensor & q, const Tensor & scale_inv) = 0;
+    // In place: t (f32) *= a[0] * b[0] (the product in f32): a GEMM of quantized operands scaled back.
+    virtual void scale_by_product(Stream & s, const Tensor & t, const Tensor & a, const Tensor & b) = 0;
     // sum_of_squares of each xs[i] into out[2 i .. 2 i + 1] (out: 2 xs.size() f32). Its contract is that loop
     // (this default); a backend may run many tensors in one launch, each pair with sum_of_squares' bits.
     virtual void sum_of_squares_multi(Stream & s, std::span<const Tensor> xs, const Tensor & out) {

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "core/dtype.h"
+#include "core/fp8.h"
 #include "model/moe/moe_options.h"
 
 #include <algorithm>
@@ -129,6 +130,18 @@ struct GptConfig {
     // move to pinned host memory when the layer's forward ends and come back when its backward starts (the
     // same values: a memory choice). Tensors under min_offloaded_tensor_size elements stay.
     uint32_t             offload_modules           = 0;         // OffloadModule bits
+    // FP8 GEMMs (--fp8-format, --fp8-recipe tensorwise; docs/fp8.md): the decoder layers' linear layers (not
+    // the first fp8_bf16_first and last fp8_bf16_last of them: --first-last-layers-bf16) cast both operands of
+    // every GEMM to FP8 with their own current scale; forward tensors in fp8_forward, gradients in fp8_backward.
+    bool                 fp8                       = false;
+    Fp8Format            fp8_forward               = Fp8Format::e4m3;
+    Fp8Format            fp8_backward              = Fp8Format::e4m3;
+    int64_t              fp8_bf16_first            = 0;
+    int64_t              fp8_bf16_last             = 0;
+    // Whether layer `index` (of the decoder; an MTP depth's index past them counts as the last) runs FP8.
+    bool                 fp8_layer(int64_t index) const {
+        return fp8 && index >= fp8_bf16_first && index < num_layers - fp8_bf16_last;
+    }
     int64_t              min_offloaded_tensor_size = 1 << 20;   // --min-offloaded-tensor-size
     MoeConfig            moe;                         // --num-experts and --moe-*: MoE MLPs (none by default)
     uint64_t          seed                    = 1234;

@@ -110,6 +110,20 @@ Tensor Linear::input_for_backward(const Tensor & x_rows) const {
     return in_dtype(x, weight.data.dtype());
 }
 
+void Linear::fp8_product(const Tensor & a, Fp8Format fa, bool trans_a, const Tensor & b, Fp8Format fb, bool trans_b,
+                         const Tensor & c) const {
+    Device &            device = a.device();
+    Ops &               ops    = device.ops();
+    Stream &            stream = device.compute_stream();
+    const TensorOptions pool{MemoryKind::device, kActivationsPool};
+    const Tensor qa = Tensor::empty(a.shape(), DType::bf16, device, pool), sa = Tensor::empty({1}, DType::f32, device, pool);
+    const Tensor qb = Tensor::empty(b.shape(), DType::bf16, device, pool), sb = Tensor::empty({1}, DType::f32, device, pool);
+    ops.fp8_quantize(stream, a, fa, qa, sa);
+    ops.fp8_quantize(stream, b, fb, qb, sb);
+    ops.gemm(stream, qa, trans_a, qb, trans_b, c);
+    ops.scale_by_product(stream, c, sa, sb);
+}
+
 Tensor Linear::forward(Context & ctx, const Tensor & x_rows, bool add_bias, std::optional<DType> out) {
     Tensor   x_in = input_for_backward(x_rows);
     int64_t  n = x_in.size(0), o = weight.data.size(0);
@@ -120,7 +134,12 @@ Tensor Linear::forward(Context & ctx, const Tensor & x_rows, bool add_bias, std:
     // adds it once, after the reduction).
     const bool reduced    = split == Split::row && tp->size > 1;
     const bool fused_bias = has_bias && add_bias && !reduced;
-    if (fused_bias) {
+    if (fp8) {   // f32 product, the bias added to it, then rounded once into y
+        const Tensor y32 = activation(x_in.device(), n, o, DType::f32);
+        fp8_product(x_in, fp8->forward, false, weight.data, fp8->forward, true, y32);
+        if (fused_bias) ops.bias_add(stream, y32, parameter_f32(bias));
+        ops.convert(stream, y32, y);
+    } else if (fused_bias) {
         ops.gemm_bias(stream, x_in, false, weight.data, true, y, parameter_f32(bias));
     } else {
         ops.gemm(stream, x_in, false, weight.data, true, y);
@@ -144,6 +163,12 @@ Tensor Linear::recompute(const Context & ctx, DType out) const {
     LOOM_CHECK(!has_bias && !(split == Split::row && tp->size > 1) && ctx.x.defined(),
                "recomputing " << weight.name << "'s output", "only a kept input, without a bias or a TP sum, gives it again");
     Tensor y = activation(ctx.x.device(), ctx.x.size(0), weight.data.size(0), out);
+    if (fp8) {
+        const Tensor y32 = activation(ctx.x.device(), ctx.x.size(0), weight.data.size(0), DType::f32);
+        fp8_product(ctx.x, fp8->forward, false, weight.data, fp8->forward, true, y32);
+        ctx.x.device().ops().convert(ctx.x.device().compute_stream(), y32, y);
+        return y;
+    }
     ctx.x.device().ops().gemm(ctx.x.device().compute_stream(), ctx.x, false, weight.data, true, y);
     return y;
 }
@@ -155,6 +180,15 @@ Tensor Linear::forward_gelu(Context & ctx, const Tensor & x_rows, DType out, Ten
     const int64_t n = x_in.size(0), o = weight.data.size(0);
     pre      = activation(x_in.device(), n, o, out);
     Tensor y = activation(x_in.device(), n, o, out);
+    if (fp8) {   // gemm_bias_gelu's contract with the FP8 product: pre, then bias and GELU
+        const Tensor y32 = activation(x_in.device(), n, o, DType::f32);
+        fp8_product(x_in, fp8->forward, false, weight.data, fp8->forward, true, y32);
+        Ops & ops = x_in.device().ops();
+        ops.convert(x_in.device().compute_stream(), y32, pre);
+        ops.bias_gelu_forward(x_in.device().compute_stream(), pre, has_bias ? parameter_f32(bias) : Tensor(), y, Tensor());
+        ctx.x = x_in;
+        return y;
+    }
     x_in.device().ops().gemm_bias_gelu(x_in.device().compute_stream(), x_in, false, weight.data, true, pre, y,
                                        has_bias ? parameter_f32(bias) : Tensor());
     ctx.x = x_in;
@@ -169,7 +203,7 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
     // The bias gradient sums dy's rows in the weight gradient's GEMM (its epilogue, where the backend has one)
     // when that GEMM reads the very rows: not after a sequence-parallel gather (the bias sees this rank's rows,
     // a partial sum), nor from a copy in the weights' dtype.
-    const bool    bias_in_gemm = has_bias && !gathered && dy_rows.dtype() == dtype;
+    const bool    bias_in_gemm = has_bias && !gathered && dy_rows.dtype() == dtype && !fp8;
     if (has_bias && !bias_in_gemm) {
         accumulate_grads(stream, {bias.main_grad.view({bias.main_grad.numel()})},
                          [&](std::span<const Tensor> g) { ops.bias_backward(stream, dy_rows, g[0]); });
@@ -180,12 +214,21 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
     Tensor  dx    = activation(dy.device(), n, in, dy.dtype());
     // GELU's gradient rides in the product's epilogue unless a sum over the TP group comes between them.
     const bool summed = split == Split::column && tp->size > 1;
-    if (gelu_input.defined() && !summed) {
+    if (fp8) {   // dx = fp8(dy) fp8(W), then gemm_gelu_backward's contract
+        const Tensor dx32 = activation(dy.device(), n, in, DType::f32);
+        fp8_product(dy_in, fp8->backward, false, weight.data, fp8->forward, false, dx32);
+        ops.convert(stream, dx32, dx);
+        if (gelu_input.defined() && !summed) ops.gelu_backward(stream, gelu_input, dx, dx);
+    } else if (gelu_input.defined() && !summed) {
         ops.gemm_gelu_backward(stream, dy_in, false, weight.data, false, gelu_input, dx);
     } else {
         ops.gemm(stream, dy_in, false, weight.data, false, dx);
     }
-    if (bias_in_gemm) {
+    if (fp8) {   // dW += fp8(dy)^T fp8(x) / (s_dy s_x)
+        const Tensor dw32 = activation(dy.device(), weight.data.size(0), in, DType::f32);
+        fp8_product(dy_in, fp8->backward, true, ctx.x, fp8->forward, false, dw32);
+        accumulate_grads(stream, {weight.main_grad}, [&](std::span<const Tensor> g) { ops.add_inplace(stream, g[0], dw32.view(g[0].shape())); });
+    } else if (bias_in_gemm) {
         accumulate_grads(stream, {weight.main_grad, bias.main_grad.view({bias.main_grad.numel()})},
                          [&](std::span<const Tensor> g) { ops.gemm_weight_grad(stream, dy_in, ctx.x, g[0], g[1]); });
     } else {

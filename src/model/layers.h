@@ -173,6 +173,19 @@ public:
     bool                     has_bias;
     Split                    split = Split::none;
     const TensorParallel *   tp    = nullptr;
+    // FP8 GEMMs (--fp8-format with --fp8-recipe tensorwise; unset: the weights' dtype): each GEMM's two
+    // operands cast to FP8 by their own current scale (Ops::fp8_quantize), multiplied with f32 accumulation and
+    // scaled back (Ops::scale_by_product): forward x and W in `forward`, backward's dy in `backward` (hybrid:
+    // e5m2). The bias and the kept input are not cast; backward casts x and W again (the same values).
+    struct Fp8 {
+        Fp8Format forward = Fp8Format::e4m3, backward = Fp8Format::e4m3;
+    };
+    std::optional<Fp8>       fp8;
+
+private:
+    // c (f32) = op(fp8(a)) op(fp8(b)) / (s_a s_b).
+    void fp8_product(const Tensor & a, Fp8Format fa, bool trans_a, const Tensor & b, Fp8Format fb, bool trans_b,
+                     const Tensor & c) const;
 };
 
 class Norm {

@@ -40,6 +40,21 @@ TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & 
         mlp            = std::make_unique<Mlp>(name, c, device, tp);
         mlp->recompute = c.recompute_mlp;
     }
+    if (c.fp8_layer(index)) {   // every linear layer of the attention and the dense MLP
+        const Linear::Fp8 fp8{c.fp8_forward, c.fp8_backward};
+        std::vector<Linear *> linears{&attention.qkv, &attention.proj};
+        if (attention.mla) {
+            for (auto * l : {&attention.mla->q, &attention.mla->q_down, &attention.mla->q_up, &attention.mla->kv_down,
+                             &attention.mla->kv_up}) {
+                if (*l) linears.push_back(l->get());
+            }
+        }
+        if (mlp) {
+            linears.push_back(&mlp->fc1);
+            linears.push_back(&mlp->fc2);
+        }
+        for (Linear * l : linears) l->fp8 = fp8;
+    }
 }
 
 TransformerLayer::~TransformerLayer() = default;

@@ -256,6 +256,12 @@ public:
         memory(s, "fill_zero", bytes_of({&t}));
     }
     void scale(Stream & s, const Tensor & t, float factor) override { memory(s, "scale", bytes_of({&t, &t})); }
+    void fp8_quantize(Stream & s, const Tensor & x, Fp8Format, const Tensor & q, const Tensor &) override {
+        memory(s, "fp8_quantize", bytes_of({&x, &x, &q}));
+    }
+    void scale_by_product(Stream & s, const Tensor & t, const Tensor &, const Tensor &) override {
+        memory(s, "scale_by_product", bytes_of({&t, &t}));
+    }
     void scale_by_inverse_norm(Stream & s, const Tensor & t, const Tensor &, double) override {
         memory(s, "scale_by_inverse_norm", bytes_of({&t, &t}));
     }

@@ -104,6 +104,28 @@ const Flag<ModelFlags> kModelFlags[] = {
      "µP: attention scores scale by sqrt(this) / kv_channels^power (default: 1 / kv_channels^power)"},
     {"--mup-attn-scale-power", "transformer configuration", &M::mup_attn_scale_power,
      "µP: the power of kv_channels the attention scores are divided by (0.5: the standard scale)", kShowDefault},
+    {"--fp8-format", "transformer configuration", &M::fp8_format,
+     "FP8 GEMMs in the decoder layers' linear layers: e4m3 (every operand) or hybrid (e5m2 gradients); docs/fp8.md",
+     kPlain, {"fp8", [](const TrainOptions & o) -> json {
+          return o.model.fp8 ? json(o.model.fp8_backward == Fp8Format::e5m2 ? "hybrid" : "e4m3") : json(nullptr);
+      }}},
+    {"--fp8-recipe", "transformer configuration", &M::fp8_recipe,
+     "the FP8 scaling: tensorwise (each GEMM operand's current amax; the one Loom trains with), delayed, mxfp8, "
+     "blockwise", kShowDefault},
+    {"--fp8-margin", "transformer configuration", &M::fp8_margin, "delayed scaling's margin (no effect with tensorwise)",
+     kShowDefault},
+    {"--fp8-amax-history-len", "transformer configuration", &M::fp8_amax_history_len,
+     "delayed scaling's amax history (no effect with tensorwise)", kShowDefault},
+    {"--fp8-amax-compute-algo", "transformer configuration", &M::fp8_amax_compute_algo,
+     "delayed scaling's amax from its history: most_recent or max (no effect with tensorwise)", kShowDefault},
+    {"--fp8-param-gather", "mixed precision", &M::fp8_param_gather,
+     "FP8 weights as the compute parameters, gathered in FP8 (Loom: refused; it casts the bf16 weights)"},
+    {"--first-last-layers-bf16", "transformer configuration", &M::first_last_layers_bf16,
+     "with FP8: the first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 layers in bf16"},
+    {"--num-layers-at-start-in-bf16", "transformer configuration", &M::fp8_bf16_first,
+     "with --first-last-layers-bf16: the decoder layers at the start kept in bf16", kShowDefault},
+    {"--num-layers-at-end-in-bf16", "transformer configuration", &M::fp8_bf16_last,
+     "with --first-last-layers-bf16: the decoder layers at the end kept in bf16", kShowDefault},
     {"--softmax-scale", "transformer configuration", &M::softmax_scale,
      "the attention scores' scale (default 1 / sqrt(kv_channels); MLA keeps its own)", kPlain,
      {"softmax_scale", [](const TrainOptions & o) -> json {
@@ -169,6 +191,43 @@ std::span<const Flag<TrainOptions>> model_option_flags() { return kModelOptionFl
 std::span<const Flag<ModelFlags>> model_flags() { return kModelFlags; }
 
 namespace {
+
+// --fp8-format and its recipe (Megatron's TransformerConfig checks, then what Loom's FP8 takes).
+void resolve_fp8(const ModelFlags & f, TrainOptions & o) {
+    model::GptConfig & m = o.model;
+    if (f.fp8_format.empty()) {
+        LOOM_CHECK(!f.fp8_param_gather, "--fp8-param-gather without --fp8-format", "");
+        return;
+    }
+    LOOM_CHECK(f.fp8_format == "e4m3" || f.fp8_format == "hybrid",
+               "argument --fp8-format: invalid choice: '" << f.fp8_format << "' (choose from 'e4m3', 'hybrid')", "");
+    const std::string & r = f.fp8_recipe;
+    LOOM_CHECK(r == "tensorwise" || r == "delayed" || r == "mxfp8" || r == "blockwise" || r == "custom",
+               "argument --fp8-recipe: invalid choice: '" << r << "' (choose from 'tensorwise', 'delayed', 'mxfp8', "
+                                                                 "'blockwise', 'custom')", "");
+    LOOM_CHECK(f.fp8_amax_compute_algo == "most_recent" || f.fp8_amax_compute_algo == "max",
+               "argument --fp8-amax-compute-algo: invalid choice: '" << f.fp8_amax_compute_algo
+                                                                     << "' (choose from 'most_recent', 'max')", "");
+    LOOM_CHECK(!(f.first_last_layers_bf16 && r == "delayed"), "Delayed scaling does not support first / last layer in BF16.", "");
+    LOOM_CHECK(r == "tensorwise", "--fp8-recipe " << r << " is not supported by Loom",
+               "Loom trains FP8 with --fp8-recipe tensorwise (each GEMM operand scaled by its own amax)");
+    LOOM_CHECK(!f.fp8_param_gather, "--fp8-param-gather is not supported by Loom",
+               "Loom keeps bf16 weights and casts them at each GEMM; drop the flag");
+    LOOM_CHECK(o.bf16, "--fp8-format without --bf16", "Loom's FP8 GEMMs take bf16 weights and activations: add --bf16");
+    m.fp8          = true;
+    m.fp8_forward  = Fp8Format::e4m3;
+    m.fp8_backward = f.fp8_format == "hybrid" ? Fp8Format::e5m2 : Fp8Format::e4m3;
+    if (f.first_last_layers_bf16) {
+        const int64_t per_stage = m.num_layers / std::max<int64_t>(1, o.parallel.pp());
+        for (auto [name, value] : {std::pair{"num_layers_at_start_in_bf16", f.fp8_bf16_first},
+                                   {"num_layers_at_end_in_bf16", f.fp8_bf16_last}}) {
+            LOOM_CHECK(value >= 0 && value <= per_stage, name << " (" << value << ") must be between 0 and number of layers per "
+                                                                   "pipeline stage (" << per_stage << ").", "");
+        }
+        m.fp8_bf16_first = f.fp8_bf16_first;
+        m.fp8_bf16_last  = f.fp8_bf16_last;
+    }
+}
 
 // --softmax-scale and µP (Megatron's TransformerConfig.__post_init__), after the model's shape.
 void resolve_mup(const ModelFlags & f, const Given & given, model::GptConfig & m) {
@@ -317,6 +376,7 @@ void check_mla_flags(const ModelFlags & f, const Given & given, TrainOptions & o
 void check_model_flags(const ModelFlags & f, const Given & given, TrainOptions & o) {
     model::GptConfig & m = o.model;
     resolve_mup(f, given, m);
+    resolve_fp8(f, o);
     if (given("--norm-epsilon")) {
         LOOM_CHECK(std::isfinite(f.norm_epsilon) && f.norm_epsilon > 0,
                    "--norm-epsilon must be a finite number > 0, got " << f.norm_epsilon, "Megatron's default is 1e-5");

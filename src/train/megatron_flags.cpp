@@ -100,7 +100,6 @@ const std::map<std::string, std::string> & refusal_hints() {
     static const std::map<std::string, std::string> hints = {
         {"--tokenizer-model", "Loom reads GPT-2 BPE files (--tokenizer-type GPT2BPETokenizer --vocab-file V "
                               "--merge-file M) or plain ids (--tokenizer-type NullTokenizer --vocab-size N)"},
-        {"--fp8-format", "train in --bf16"},
     };
     return hints;
 }

@@ -443,6 +443,31 @@ public:
         });
     }
 
+    void fp8_quantize(Stream & s, const Tensor & x, Fp8Format format, const Tensor & q, const Tensor & scale_inv) override {
+        op_checks::fp8_quantize(x, q, scale_inv);
+        s.submit([x, format, q, scale_inv] {
+            const int64_t n = x.numel();
+            std::vector<float> wide;
+            const float * v = x.dtype() == DType::f32 ? x.data<float>() : nullptr;
+            if (!v) {
+                wide.resize(static_cast<size_t>(n));
+                loom::convert(x.data_ptr(), x.dtype(), wide.data(), DType::f32, n);
+                v = wide.data();
+            }
+            uint32_t amax = 0;
+            for (int64_t i = 0; i < n; ++i) amax = std::max(amax, float_to_bits(v[i]) & 0x7FFFFFFFu);
+            const float scale = fp8_scale_from_amax(bits_to_float(amax), format);
+            uint16_t *  out   = static_cast<uint16_t *>(q.data_ptr());
+            for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16_bits(fp8_round(v[i] * scale, format));
+            f32(scale_inv)[0] = 1.0f / scale;
+        });
+    }
+
+    void scale_by_product(Stream & s, const Tensor & t, const Tensor & a, const Tensor & b) override {
+        op_checks::scale_by_product(t, a, b);
+        s.submit([t, a, b] { scale_parallel(t.data_ptr(), t.dtype(), f32(a)[0] * f32(b)[0], t.numel()); });
+    }
+
     void sum_of_squares(Stream & s, const Tensor & x, const Tensor & out) override {
         op_checks::sum_of_squares(x, out);
         s.submit([x, out] {

@@ -702,6 +702,26 @@ public:
         cs.launched("scale", {t});
     }
 
+    void fp8_quantize(Stream & s, const Tensor & x, Fp8Format format, const Tensor & q, const Tensor & scale_inv) override {
+        op_checks::fp8_quantize(x, q, scale_inv);
+        CudaStream & cs = start(s, "fp8_quantize", {x, q, scale_inv});
+        // Scratch: each chunk's largest |x| and the scale, freed in stream order with the op's tensors.
+        Tensor partial = Tensor::empty({std::max<int64_t>(kernels::fp8_quantize_chunks(x.numel()), 1)}, DType::f64,
+                                       cs.device(), TensorOptions{MemoryKind::device, kActivationsPool});
+        Tensor scale = Tensor::empty({1}, DType::f32, cs.device(), TensorOptions{MemoryKind::device, kActivationsPool});
+        kernels::fp8_quantize(cs.launch("fp8_quantize"), x.data_ptr(), float_kind(x.dtype()), x.numel(), format,
+                              static_cast<uint16_t *>(q.data_ptr()), f32(scale_inv), static_cast<double *>(partial.data_ptr()),
+                              f32(scale));
+        cs.launched("fp8_quantize", {x, q, scale_inv, partial, scale});
+    }
+
+    void scale_by_product(Stream & s, const Tensor & t, const Tensor & a, const Tensor & b) override {
+        op_checks::scale_by_product(t, a, b);
+        CudaStream & cs = start(s, "scale_by_product", {t, a, b});
+        kernels::scale_by_product(cs.launch("scale_by_product"), f32(t), f32(a), f32(b), t.numel());
+        cs.launched("scale_by_product", {t, a, b});
+    }
+
     void scale_by_inverse_norm(Stream & s, const Tensor & t, const Tensor & sums, double eps) override {
         op_checks::scale_by_inverse_norm(t, sums);
         CudaStream & cs = start(s, "scale_by_inverse_norm", {t, sums});

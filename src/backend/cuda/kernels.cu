@@ -137,6 +137,56 @@ __global__ void scale_kernel(void * x, Float kind, float factor, int64_t n) {
     LOOM_GRID_STRIDE(i, n) store_float(x, kind, i, __fmul_rn(load_float(x, kind, i), factor));
 }
 
+// ---- FP8 (core/fp8.h): tensorwise current scaling in three launches: each chunk's largest |x| bit pattern
+// (held as a double: exact), the scale from their maximum, then the cast.
+__device__ inline double block_max(double v) {
+    __shared__ double warp_max[32];
+    __shared__ double total;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int offset = 16; offset > 0; offset /= 2) v = fmax(v, __shfl_down_sync(0xffffffffu, v, offset));
+    if (lane == 0) warp_max[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        const int warps = (blockDim.x + 31) / 32;
+        v = lane < warps ? warp_max[lane] : 0.0;
+        for (int offset = 16; offset > 0; offset /= 2) v = fmax(v, __shfl_down_sync(0xffffffffu, v, offset));
+        if (lane == 0) total = v;
+    }
+    __syncthreads();
+    double result = total;
+    __syncthreads();
+    return result;
+}
+
+__global__ void amax_bits_chunks_kernel(const void * x, Float kind, int64_t n, double * partial) {
+    const int64_t begin = blockIdx.x * kChunk, end = min(n, begin + kChunk);
+    double        m     = 0;
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+        m = fmax(m, static_cast<double>(float_to_bits(load_float(x, kind, i)) & 0x7FFFFFFFu));
+    }
+    m = block_max(m);
+    if (threadIdx.x == 0) partial[blockIdx.x] = m;
+}
+
+__global__ void fp8_scale_kernel(const double * partial, int64_t chunks, Fp8Format format, float * scale, float * scale_inv) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    double m = 0;
+    for (int64_t c = 0; c < chunks; ++c) m = fmax(m, partial[c]);
+    const float s = fp8_scale_from_amax(bits_to_float(static_cast<uint32_t>(m)), format);
+    scale[0]      = s;
+    scale_inv[0]  = __fdiv_rn(1.0f, s);
+}
+
+__global__ void fp8_cast_kernel(const void * x, Float kind, int64_t n, const float * scale, Fp8Format format, uint16_t * q) {
+    const float s = scale[0];
+    LOOM_GRID_STRIDE(i, n) q[i] = f32_to_bf16_bits(fp8_round(__fmul_rn(load_float(x, kind, i), s), format));
+}
+
+__global__ void scale_by_product_kernel(float * t, const float * a, const float * b, int64_t n) {
+    const float p = __fmul_rn(a[0], b[0]);
+    LOOM_GRID_STRIDE(i, n) t[i] = __fmul_rn(t[i], p);
+}
+
 // Every thread forms the same inv from the pair (double arithmetic, as the CPU's).
 __global__ void scale_by_inverse_norm_kernel(float * x, const float * sums, double eps, int64_t n) {
     const double norm = sqrt(static_cast<double>(sums[0]) + static_cast<double>(sums[1]));
@@ -673,6 +723,20 @@ void bias_backward_f64(cudaStream_t stream, const double * dy, double * dbias, i
 
 void scale(cudaStream_t stream, void * x, Float kind, float factor, int64_t n) {
     if (n > 0) LOOM_LAUNCH(scale_kernel, blocks_for(n), kThreads, 0, stream)(x, kind, factor, n);
+}
+
+int64_t fp8_quantize_chunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
+
+void fp8_quantize(cudaStream_t stream, const void * x, Float kind, int64_t n, Fp8Format format, uint16_t * q,
+                  float * scale_inv, double * partial, float * scale) {
+    const int64_t chunks = fp8_quantize_chunks(n);
+    if (chunks > 0) LOOM_LAUNCH(amax_bits_chunks_kernel, static_cast<unsigned>(chunks), kThreads, 0, stream)(x, kind, n, partial);
+    LOOM_LAUNCH(fp8_scale_kernel, 1, 1, 0, stream)(partial, chunks, format, scale, scale_inv);
+    if (n > 0) LOOM_LAUNCH(fp8_cast_kernel, blocks_for(n), kThreads, 0, stream)(x, kind, n, scale, format, q);
+}
+
+void scale_by_product(cudaStream_t stream, float * t, const float * a, const float * b, int64_t n) {
+    if (n > 0) LOOM_LAUNCH(scale_by_product_kernel, blocks_for(n), kThreads, 0, stream)(t, a, b, n);
 }
 
 void scale_by_inverse_norm(cudaStream_t stream, float * x, const float * sums, double eps, int64_t n) {

@@ -14,6 +14,7 @@
 #include "backend/cuda/cuda_namespace.h"
 #include "core/column_sums.h"
 #include "core/float_bits.h"
+#include "core/fp8.h"
 #include "core/grad_norm_gate.h"
 #include "core/positions.h"
 
@@ -34,6 +35,12 @@ void convert(cudaStream_t stream, const void * src, Float src_kind, void * dst, 
 void round_to_bf16(cudaStream_t stream, float * x, uint16_t * x_bf16, int64_t n);
 
 void scale(cudaStream_t stream, void * x, Float kind, float factor, int64_t n);   // x = kind(f32(x) * factor)
+// Ops::fp8_quantize: partial holds fp8_quantize_chunks(n) doubles and scale one float of scratch.
+int64_t fp8_quantize_chunks(int64_t n);
+void    fp8_quantize(cudaStream_t stream, const void * x, Float kind, int64_t n, Fp8Format format, uint16_t * q,
+                     float * scale_inv, double * partial, float * scale);
+// t *= a[0] * b[0] (Ops::scale_by_product).
+void scale_by_product(cudaStream_t stream, float * t, const float * a, const float * b, int64_t n);
 // x *= float(1 / max(sqrt(double(sums[0]) + sums[1]), eps)) (Ops::scale_by_inverse_norm).
 void scale_by_inverse_norm(cudaStream_t stream, float * x, const float * sums, double eps, int64_t n);
 // C (m, n) = op(A) op(B) in float64 (core/gemm_f64.h's arithmetic), or += with accumulate; one thread per element.
