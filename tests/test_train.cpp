@@ -1070,7 +1070,7 @@ TEST(MegatronCommandLine, MupFlagsFollowMegatronsRules) {
 // choice Loom runs, and what it does not refused by name.
 TEST(MegatronCommandLine, MuonFlagsFollowMegatronsRules) {
     const train::TrainOptions adam = parse_train({"--mock-data"});
-    EXPECT_EQ(adam.optimizer, "adam");
+    EXPECT_STREQ(adam.optimizer(), "adam");
     EXPECT_FALSE(adam.muon.has_value());
     const train::TrainOptions d = parse_train({"--mock-data", "--optimizer", "muon"});
     ASSERT_TRUE(d.muon.has_value());
@@ -1089,7 +1089,7 @@ TEST(MegatronCommandLine, MuonFlagsFollowMegatronsRules) {
                                                "--muon-num-ns-steps", "8", "--muon-tp-mode", "blockwise", "--muon-use-syrk",
                                                "--muon-extra-scale-factor", "0.2", "--no-use-layer-wise-param-layout"},
                                               2);
-    EXPECT_EQ(m.optimizer, "muon");
+    EXPECT_STREQ(m.optimizer(), "muon");
     EXPECT_TRUE(m.ddp.use_distributed_optimizer) << "dist_muon";
     EXPECT_FLOAT_EQ(m.muon->momentum, 0.95f);
     EXPECT_FALSE(m.muon->split_qkv);

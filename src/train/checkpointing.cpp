@@ -401,9 +401,9 @@ Resumed load_checkpoint(const TrainOptions & options, Setup & setup) {
     if (load.optimizer && index.has_optimizer) {   // Adam's moments are not Muon's momentum (a checkpoint before the arg: adam)
         const json &      args  = saved_args(index);
         const std::string saved = args.contains("optimizer") ? args["optimizer"].get<std::string>() : "adam";
-        LOOM_CHECK(saved == options.optimizer, "--optimizer " << options.optimizer << ": checkpoint '" << index.path()
+        LOOM_CHECK(saved == options.optimizer(), "--optimizer " << options.optimizer() << ": checkpoint '" << index.path()
                                                               << "' holds the state of --optimizer " << saved,
-                   "give --optimizer " << saved << ", or --no-load-optim to start " << options.optimizer
+                   "give --optimizer " << saved << ", or --no-load-optim to start " << options.optimizer()
                                        << "'s state afresh from the checkpoint's weights");
     }
     const checkpoint::RankContents contents = rank_contents(options, setup);

@@ -37,7 +37,7 @@ const Flag<OptimFlags> kOptimFlags[] = {
     {"--decoupled-min-lr", kLr, &OptimFlags::decoupled_min_lr, "their minimum learning rate (default: --min-lr)"},
     {"--optimizer", "training", &OptimFlags::optimizer,
      "adam, or muon (the weight matrices; AdamW the rest); dist_muon is muon with --use-distributed-optimizer",
-     kShowDefault, {"optimizer", [](const O & o) -> json { return o.optimizer; }}},
+     kShowDefault, {"optimizer", [](const O & o) -> json { return o.optimizer(); }}},
     {"--muon-momentum", kReg, &OptimFlags::muon_momentum, "Muon's momentum factor", kShowDefault},
     {"--muon-no-split-qkv", kReg, &OptimFlags::muon_split_qkv,
      "orthogonalize a QKV weight whole, not its Q, K and V blocks apart", kNegated},
@@ -239,15 +239,14 @@ void resolve_decoupled_lr(const OptimFlags & f, const Given & given, TrainOption
 }
 
 void resolve_optimizer(const OptimFlags & f, TrainOptions & o) {
-    o.optimizer = f.optimizer;
-    if (o.optimizer == "dist_muon") {   // deprecated upstream for --optimizer muon --use-distributed-optimizer
-        o.optimizer                     = "muon";
+    std::string name = f.optimizer;
+    if (name == "dist_muon") {   // deprecated upstream for --optimizer muon --use-distributed-optimizer
+        name                            = "muon";
         o.ddp.use_distributed_optimizer = true;
     }
-    LOOM_CHECK(o.optimizer == "adam" || o.optimizer == "muon",
-               "--optimizer " << f.optimizer << " is not one Loom runs",
+    LOOM_CHECK(name == "adam" || name == "muon", "--optimizer " << f.optimizer << " is not one Loom runs",
                "give adam or muon (sgd, lion, soap and adaptive_muon are Megatron's, not Loom's)");
-    if (o.optimizer == "adam") return;   // Megatron reads the --muon-* flags only for Muon; so does Loom
+    if (name == "adam") return;   // Megatron reads the --muon-* flags only for Muon; so does Loom
     LOOM_CHECK(!o.fp16, "emerging optimizer with fp16 is not supported.", "train Muon with --bf16 or in f32");
     LOOM_CHECK(!o.ddp.use_megatron_fsdp, "Emerging optimizer does not support Megatron-FSDP for now.",
                "drop --use-megatron-fsdp, or train with --optimizer adam");

@@ -51,8 +51,9 @@ struct TrainOptions {
     // Optimizer and schedule.
     optim::AdamWConfig adam{2e-3f};
     float              min_lr           = 0.0f;       // Megatron's defaults: no warmup, linear decay to 0
-    std::string                     optimizer = "adam";   // --optimizer: adam or muon
-    std::optional<optim::MuonConfig> muon;                // --optimizer muon
+    std::optional<optim::MuonConfig> muon;                // --optimizer muon (unset: adam)
+    // --optimizer as Megatron names the one resolved: "muon" or "adam" (the checkpoint's arg).
+    const char * optimizer() const { return muon ? "muon" : "adam"; }
     std::optional<float> decoupled_lr, decoupled_min_lr;   // the embedding's and output layer's (None: --lr, --min-lr)
     int64_t            lr_warmup_iters  = 0;
     std::string        lr_decay_style   = "linear";
