@@ -8,9 +8,10 @@
 // collective whose mask's live lanes are all there. When nothing can be released while threads still wait,
 // the block is stuck (a divergent barrier) and the grid fails with a message naming the kernel.
 //
-// A fiber's stack comes from a per-OS-thread pool and goes back to it as soon as the fiber returns, so a
-// kernel without barriers runs every thread of the grid on one stack, at the cost of two context switches
-// per thread. The switch is a few lines of x86-64 assembly (callee-saved registers, MXCSR and the x87
+// A fiber's stack comes from a per-OS-thread pool and goes back to it as soon as the fiber returns. A thread
+// that returns without having waited hands its stack straight to the next thread of the round when that one
+// has not started yet, which then runs on it with no switch: a kernel without barriers runs all the threads
+// of a block on one stack, with two context switches per block rather than per thread, in the same order. The switch is a few lines of x86-64 assembly (callee-saved registers, MXCSR and the x87
 // control word): no system call, unlike swapcontext, which saves the signal mask.
 #include "loom_emu/device.h"
 
@@ -320,8 +321,8 @@ class GridRunner {
         live_ = threads_;
         for (;;) {
             if (shuffled_) shuffle_runnable();
-            for (unsigned i : runnable_) {
-                resume(fibers_[i]);
+            for (at_ = 0; at_ < runnable_.size(); ++at_) {   // a chain of fresh threads moves at_ on
+                resume(fibers_[runnable_[at_]]);
                 if (error_) fail_thread();
             }
             if (live_ == 0) break;
@@ -352,10 +353,21 @@ class GridRunner {
 #if defined(LOOM_EMU_ASAN)
         __sanitizer_finish_switch_fiber(scheduler_fake_stack_, nullptr, nullptr);
 #endif
-        if (f.state == FiberState::done) {
-            tl_stacks.release(f.stack);
-            f.stack = Stack{};
+        Fiber & last = *current_;   // f, or the last thread of the chain f started
+        if (last.state == FiberState::done) {
+            tl_stacks.release(last.stack);
+            last.stack = Stack{};
         }
+    }
+
+    // The thread a returning one hands its stack to: the round's next, when it has not started and no thread
+    // has thrown; else null, and the returning thread switches back to the scheduler.
+    Fiber * next_fresh() {
+        if (error_ || at_ + 1 >= runnable_.size()) return nullptr;
+        Fiber & next = fibers_[runnable_[at_ + 1]];
+        if (next.state != FiberState::fresh) return nullptr;
+        ++at_;
+        return &next;
     }
 
     // The frame loom_emu_switch_context pops for a fiber's first switch: saved FP control, r15, r14, r13 (the
@@ -375,23 +387,34 @@ class GridRunner {
         return frame;
     }
 
-    // A fiber's life: the kernel, then back to the scheduler for good. Exceptions stop here: the unwinder
-    // never crosses a switch; the scheduler rethrows (fail_thread).
+    // A fiber's life: the kernel, then the kernel of each fresh thread it hands its stack to (next_fresh), then
+    // back to the scheduler for good. Exceptions stop here: the unwinder never crosses a switch; the scheduler
+    // rethrows (fail_thread).
     static void fiber_entry(Fiber * f) {
         GridRunner * self = tl_runner;
 #if defined(LOOM_EMU_ASAN)
         __sanitizer_finish_switch_fiber(nullptr, &self->scheduler_stack_bottom_, &self->scheduler_stack_bytes_);
 #endif
-        try {
-            self->thread_main_(self->closure_);
-        } catch (...) {
-            if (!self->error_) {
-                self->error_        = std::current_exception();
-                self->error_thread_ = f->thread.thread_idx;
+        for (;;) {
+            try {
+                self->thread_main_(self->closure_);
+            } catch (...) {
+                if (!self->error_) {
+                    self->error_        = std::current_exception();
+                    self->error_thread_ = f->thread.thread_idx;
+                }
             }
+            f->state = FiberState::done;
+            --self->live_;
+            Fiber * next = self->next_fresh();
+            if (next == nullptr) break;
+            next->stack                = f->stack;   // this stack, with no frame of f's left on it
+            f->stack                   = Stack{};
+            next->state                = FiberState::runnable;
+            self->current_             = next;
+            engine_internal::tl_thread = &next->thread;
+            f                          = next;
         }
-        f->state = FiberState::done;
-        --self->live_;
 #if defined(LOOM_EMU_ASAN)
         __sanitizer_start_switch_fiber(nullptr, self->scheduler_stack_bottom_, self->scheduler_stack_bytes_);
 #endif
@@ -555,6 +578,7 @@ class GridRunner {
     unsigned                      threads_ = 0;
     std::vector<Fiber>            fibers_;
     std::vector<unsigned>         runnable_;
+    size_t                        at_ = 0;   // the round's place in runnable_
     unsigned                      live_ = 0;
     Fiber *                       current_ = nullptr;
     engine_internal::BlockState   block_{};
