@@ -265,10 +265,12 @@ TEST(CudaTrain, OneGpuMuonFollowsTheCpu) {
 }
 
 // --fp8-format hybrid --fp8-recipe tensorwise: every linear layer's GEMMs on FP8 casts (e4m3 forward, e5m2
-// gradients), the casts' amax, scale and rounding in CUDA kernels; the CPU's curve.
+// gradients), the casts' amax, scale and rounding in CUDA kernels; the CPU's curve. Layer 0 is MoE (each
+// grouped expert's GEMMs cast by their own scales), layer 1 dense.
 TEST(CudaTrain, OneGpuFp8FollowsTheCpu) {
     SKIP_WITHOUT_CUDA();
-    const std::string model = "--bf16 --num-layers 2 --fp8-format hybrid --fp8-recipe tensorwise ";
+    const std::string model = "--bf16 --num-layers 2 --fp8-format hybrid --fp8-recipe tensorwise --num-experts 4 "
+                              "--moe-router-topk 2 --moe-layer-freq 2 --moe-grouped-gemm ";
     expect_follows_cpu(run_loom_mpi(1, kRun + model + "--device " + kDevice), "FP8", model);
 }
 

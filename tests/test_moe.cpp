@@ -7,6 +7,7 @@
 // expert (or drops another one) is skipped and counted; each check asserts that most probes ran.
 #include "backend/cpu/cpu_device.h"
 #include "core/device.h"
+#include "core/float_bits.h"
 #include "core/ops.h"
 #include "model/moe/moe_layer.h"
 
@@ -111,7 +112,11 @@ void randomise_biases(std::vector<Parameter *> params, uint64_t seed) {
     for (Parameter * p : params) {
         if (p->name.find(".bias") == std::string::npos) continue;
         auto v = random_vector(p->numel(), seed++, 0.5f);
-        std::memcpy(p->data.data<float>(), v.data(), v.size() * sizeof(float));
+        if (p->data.dtype() == DType::bf16) {   // the nearest bf16 values
+            for (size_t i = 0; i < v.size(); ++i) static_cast<uint16_t *>(p->data.data_ptr())[i] = f32_to_bf16_bits(v[i]);
+        } else {
+            std::memcpy(p->data.data<float>(), v.data(), v.size() * sizeof(float));
+        }
     }
 }
 
@@ -827,12 +832,15 @@ TEST(Experts, GroupedGemmIsBitwiseTheSequentialLoop) {
     const int64_t s = 5, b = 2, E = 6;
     // SwiGLU / GELU x no bias / biases; 2 and 3 padded to a capacity below the busiest expert's load;
     // 4 and 5 with bf16 parameters (GEMM operands and saved activations in bf16); 6 and 7 squared ReLU
-    // (--squared-relu), 6 with biases, 7 in bf16.
-    for (int variant = 0; variant < 8; ++variant) {
-        GptConfig config = small_config(/*swiglu=*/variant % 2 == 0 && variant < 6,
-                                        /*bias=*/variant == 1 || variant == 2 || variant == 6);
-        if (variant == 4 || variant == 5 || variant == 7) config.params_dtype = DType::bf16;
-        config.squared_relu = variant >= 6;
+    // (--squared-relu), 6 with biases, 7 in bf16; 8 (SwiGLU) and 9 (GELU, biases) with FP8 GEMMs (--fp8-format
+    // hybrid: each expert's rows and weight cast by their own scales, docs/fp8.md), where the loop's experts are
+    // MLPs of FP8 Linears (the cast rule test_model_grad checks).
+    for (int variant = 0; variant < 10; ++variant) {
+        const bool fp8 = variant >= 8;
+        GptConfig config = small_config(/*swiglu=*/(variant % 2 == 0 && variant < 6) || variant == 8,
+                                        /*bias=*/variant == 1 || variant == 2 || variant == 6 || variant == 9);
+        if (variant == 4 || variant == 5 || variant == 7 || fp8) config.params_dtype = DType::bf16;
+        config.squared_relu = variant == 6 || variant == 7;
         MoeConfig moe;
         moe.num_experts = E;   // 10 tokens x 2 over 6 experts: some may get none
         moe.topk        = 2;
@@ -845,6 +853,12 @@ TEST(Experts, GroupedGemmIsBitwiseTheSequentialLoop) {
         MoELayer grouped("mlp", config, moe, dev());
         loop.init(3, 0.5f, 0.3f);
         grouped.init(3, 0.5f, 0.3f);
+        if (fp8) {
+            const model::Linear::Fp8 formats{Fp8Format::e4m3, Fp8Format::e5m2};
+            loop.set_fp8(formats);
+            grouped.set_fp8(formats);
+            ASSERT_TRUE(loop.experts.local[0]->fc1.fp8 && grouped.experts.fp8);
+        }
         // The same seed gives the same values in both layouts (the grouped slices draw under the loop's names).
         const int64_t f1 = config.swiglu ? 2 * config.ffn_hidden_size : config.ffn_hidden_size;
         const size_t  bytes = f1 * config.hidden_size * dtype_size(config.params_dtype);
@@ -858,19 +872,28 @@ TEST(Experts, GroupedGemmIsBitwiseTheSequentialLoop) {
             grouped.parameters(gp);
             randomise_biases(lp, 7);
             // The same bias values in the grouped layout: expert e's row e.
+            const size_t bias_bytes = dtype_size(loop.experts.local[0]->fc1.bias.data.dtype());   // the params' dtype
             for (int64_t e = 0; e < E; ++e) {
-                std::memcpy(grouped.experts.fc1_bias.data.data<float>() + e * f1,
-                            loop.experts.local[e]->fc1.bias.data.data_ptr(), f1 * sizeof(float));
-                std::memcpy(grouped.experts.fc2_bias.data.data<float>() + e * config.hidden_size,
-                            loop.experts.local[e]->fc2.bias.data.data_ptr(), config.hidden_size * sizeof(float));
+                std::memcpy(static_cast<char *>(grouped.experts.fc1_bias.data.data_ptr()) + e * f1 * bias_bytes,
+                            loop.experts.local[e]->fc1.bias.data.data_ptr(), f1 * bias_bytes);
+                std::memcpy(static_cast<char *>(grouped.experts.fc2_bias.data.data_ptr()) + e * config.hidden_size * bias_bytes,
+                            loop.experts.local[e]->fc2.bias.data.data_ptr(), config.hidden_size * bias_bytes);
             }
-            std::memcpy(grouped.router.bias.data.data_ptr(), loop.router.bias.data.data_ptr(), E * sizeof(float));
+            std::memcpy(grouped.router.bias.data.data_ptr(), loop.router.bias.data.data_ptr(),
+                        E * dtype_size(loop.router.bias.data.dtype()));
         }
         auto     xv = random_vector(s * b * config.hidden_size, 51);
         auto     wv = random_vector(s * b * config.hidden_size, 52);
         LayerRun a  = run_layer(loop, xv, wv, s, b);
         LayerRun g  = run_layer(grouped, xv, wv, s, b);
         const std::string what = "variant " + std::to_string(variant);
+        if (fp8) {
+            grouped.experts.fp8.reset();   // the same layer without the casts
+            const LayerRun plain = run_layer(grouped, xv, wv, s, b);
+            EXPECT_NE(plain.y, g.y) << what << ": the FP8 casts change the output";
+            const size_t fc1_weight = config.add_bias_linear ? 2 : 1;   // after the router's parameters
+            EXPECT_NE(plain.grads[fc1_weight], g.grads[fc1_weight]) << what << ": and the experts' weight gradients";
+        }
         EXPECT_EQ(0, std::memcmp(a.y.data(), g.y.data(), a.y.size() * sizeof(float))) << what << ": y";
         EXPECT_EQ(0, std::memcmp(a.dx.data(), g.dx.data(), a.dx.size() * sizeof(float))) << what << ": dx";
         // Gradients: the router's, then each expert's against its slice of the grouped tensors.

@@ -971,7 +971,7 @@ TEST(MegatronCommandLine, MtpFlagsFollowMegatronsRules) {
 }
 
 // --fp8-format: Megatron's choices and checks, the recipe Loom trains with (tensorwise), the first and last
-// layers in bf16, and what Loom's FP8 does not take refused by name.
+// layers in bf16, MoE layers, and what Loom's FP8 does not take refused by name.
 TEST(MegatronCommandLine, Fp8FlagsFollowMegatronsRules) {
     EXPECT_FALSE(parse_train({"--mock-data", "--bf16"}).model.fp8);
     const train::TrainOptions h = parse_train({"--mock-data", "--bf16", "--num-layers", "6", "--fp8-format", "hybrid",
@@ -988,6 +988,10 @@ TEST(MegatronCommandLine, Fp8FlagsFollowMegatronsRules) {
     EXPECT_FALSE(e.model.fp8_layer(0));
     EXPECT_TRUE(e.model.fp8_layer(1) && e.model.fp8_layer(3));
     EXPECT_FALSE(e.model.fp8_layer(4));
+    EXPECT_TRUE(parse_train({"--mock-data", "--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--num-experts",
+                             "4", "--moe-grouped-gemm"})
+                    .model.fp8)
+        << "the experts' GEMMs take FP8 too";
     const std::pair<std::vector<std::string>, const char *> bad[] = {
         {{"--bf16", "--fp8-format", "e5m2"}, "argument --fp8-format: invalid choice: 'e5m2'"},
         {{"--bf16", "--fp8-format", "hybrid"}, "--fp8-recipe delayed is not supported by Loom"},
@@ -997,8 +1001,6 @@ TEST(MegatronCommandLine, Fp8FlagsFollowMegatronsRules) {
         {{"--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather", "--use-distributed-optimizer"},
          "--fp8-param-gather is not supported by Loom"},
         {{"--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"}, "--fp8-format without --bf16"},
-        {{"--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--num-experts", "4"},
-         "--fp8-format with MoE layers is not supported by Loom"},
         {{"--bf16", "--num-layers", "4", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--first-last-layers-bf16",
           "--num-layers-at-start-in-bf16", "5"},
          "num_layers_at_start_in_bf16 (5) must be between 0 and number of layers per pipeline stage (4)."},

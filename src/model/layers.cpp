@@ -110,8 +110,7 @@ Tensor Linear::input_for_backward(const Tensor & x_rows) const {
     return in_dtype(x, weight.data.dtype());
 }
 
-void Linear::fp8_product(const Tensor & a, Fp8Format fa, bool trans_a, const Tensor & b, Fp8Format fb, bool trans_b,
-                         const Tensor & c) const {
+void fp8_product(const Tensor & a, Fp8Format fa, bool trans_a, const Tensor & b, Fp8Format fb, bool trans_b, const Tensor & c) {
     Device &            device = a.device();
     Ops &               ops    = device.ops();
     Stream &            stream = device.compute_stream();

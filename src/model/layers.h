@@ -182,11 +182,12 @@ public:
     };
     std::optional<Fp8>       fp8;
 
-private:
-    // c (f32) = op(fp8(a)) op(fp8(b)) / (s_a s_b).
-    void fp8_product(const Tensor & a, Fp8Format fa, bool trans_a, const Tensor & b, Fp8Format fb, bool trans_b,
-                     const Tensor & c) const;
 };
+
+// c (f32) = op(fp8(a)) op(fp8(b)) / (s_a s_b): each operand cast to FP8 (format fa, fb) by its own current scale
+// (Ops::fp8_quantize), the product with f32 accumulation, scaled back (Ops::scale_by_product). The GEMMs of an
+// FP8 Linear and of each FP8 expert.
+void fp8_product(const Tensor & a, Fp8Format fa, bool trans_a, const Tensor & b, Fp8Format fb, bool trans_b, const Tensor & c);
 
 class Norm {
 public:

@@ -40,7 +40,7 @@ TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & 
         mlp            = std::make_unique<Mlp>(name, c, device, tp);
         mlp->recompute = c.recompute_mlp;
     }
-    if (c.fp8_layer(index)) {   // every linear layer of the attention and the dense MLP
+    if (c.fp8_layer(index)) {   // every linear layer of the attention, the dense MLP and the experts
         const Linear::Fp8 fp8{c.fp8_forward, c.fp8_backward};
         std::vector<Linear *> linears{&attention.qkv, &attention.proj};
         if (attention.mla) {
@@ -54,6 +54,7 @@ TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & 
             linears.push_back(&mlp->fc2);
         }
         for (Linear * l : linears) l->fp8 = fp8;
+        if (moe) moe->set_fp8(fp8);
     }
 }
 

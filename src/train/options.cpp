@@ -121,8 +121,6 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     check_model_flags(values_.model, given, o);
     apply_tokenizer(o, given("--vocab-size"));
     resolve_moe(values_.moe, given, o);
-    LOOM_CHECK(!o.model.fp8 || !o.model.moe.enabled(), "--fp8-format with MoE layers is not supported by Loom",
-               "Loom's FP8 GEMMs cover the attention and dense MLPs' linear layers, not the experts' grouped GEMMs");
     resolve_cuda_graphs(values_.graphs, values_.moe, o);
     LOOM_CHECK(o.model.offload_modules == 0 || !o.layer_graphs,
                "--fine-grained-activation-offloading with --cuda-graph-impl is not supported by Loom",

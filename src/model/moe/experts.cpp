@@ -171,6 +171,34 @@ Tensor Experts::backward(Context & ctx, const Tensor & dyp, const GradReadyFn & 
     return dxp;
 }
 
+void Experts::set_fp8(const Linear::Fp8 & formats) {
+    fp8 = formats;
+    for (const std::unique_ptr<Mlp> & mlp : local) {
+        mlp->fc1.fp8 = formats;
+        mlp->fc2.fp8 = formats;
+    }
+}
+
+void Experts::gemm(const Tensor & a, Pass pass, bool trans_a, const Tensor & w, bool trans_w, const Tensor & c) const {
+    if (fp8) {
+        fp8_product(a, pass == Pass::forward ? fp8->forward : fp8->backward, trans_a, w, fp8->forward, trans_w, c);
+    } else {
+        a.device().ops().gemm(a.device().compute_stream(), a, trans_a, w, trans_w, c);
+    }
+}
+
+void Experts::weight_grad(const Tensor & dy, const Tensor & x, const Tensor & g) const {
+    Device & device = dy.device();
+    Stream & stream = device.compute_stream();
+    if (!fp8) {
+        device.ops().gemm(stream, dy, true, x, false, g, /*accumulate=*/true);
+        return;
+    }
+    const Tensor g32 = activation(device, g.size(0), g.size(1), DType::f32);
+    fp8_product(dy, fp8->backward, true, x, fp8->forward, false, g32);
+    device.ops().add_inplace(stream, g, g32);
+}
+
 // The grouped path does, expert by expert, what Mlp and Linear do (the same kernels on the same shapes),
 // except that every expert reads a slice of one weight and the row-wise activation runs once.
 Tensor Experts::grouped_forward(Context & ctx, const Tensor & xp) {
@@ -190,8 +218,8 @@ Tensor Experts::grouped_forward(Context & ctx, const Tensor & xp) {
     for (int64_t e = 0; e < num_experts; ++e) {
         const int64_t c = ctx.counts[e];
         if (c == 0) continue;
-        ops.gemm(stream, ctx.x.narrow(0, offset, c), false, expert_slice(fc1_weight.data, e, {f1, h}), true,
-                 pre.narrow(0, offset, c));
+        gemm(ctx.x.narrow(0, offset, c), Pass::forward, false, expert_slice(fc1_weight.data, e, {f1, h}), true,
+             pre.narrow(0, offset, c));
         offset += c;
     }
     if (expert_config.swiglu || expert_config.squared_relu) {   // the bias, then the activation
@@ -234,7 +262,7 @@ Tensor Experts::grouped_forward(Context & ctx, const Tensor & xp) {
         const int64_t c = ctx.counts[e];
         if (c == 0) continue;
         Tensor ye = y.narrow(0, offset, c);
-        ops.gemm(stream, ctx.act.narrow(0, offset, c), false, expert_slice(fc2_weight.data, e, {h, f}), true, ye);
+        gemm(ctx.act.narrow(0, offset, c), Pass::forward, false, expert_slice(fc2_weight.data, e, {h, f}), true, ye);
         if (has_bias) ops.bias_add(stream, ye, expert_slice(b2, e, {h}));
         offset += c;
     }
@@ -265,9 +293,8 @@ Tensor Experts::grouped_backward(Context & ctx, const Tensor & dyp, const GradRe
             if (c == 0) continue;
             if (has_bias) ops.bias_backward(stream, dyp.narrow(0, offset, c), expert_slice(g[1], e, {h}));
             Tensor dye = dy_in.narrow(0, offset, c);
-            ops.gemm(stream, dye, false, expert_slice(fc2_weight.data, e, {h, f}), false, d_act.narrow(0, offset, c));
-            ops.gemm(stream, dye, true, ctx.act.narrow(0, offset, c), false, expert_slice(g[0], e, {h, f}),
-                     /*accumulate=*/true);
+            gemm(dye, Pass::backward, false, expert_slice(fc2_weight.data, e, {h, f}), false, d_act.narrow(0, offset, c));
+            weight_grad(dye, ctx.act.narrow(0, offset, c), expert_slice(g[0], e, {h, f}));
             offset += c;
         }
     });
@@ -295,9 +322,8 @@ Tensor Experts::grouped_backward(Context & ctx, const Tensor & dyp, const GradRe
             if (c == 0) continue;
             if (has_bias) ops.bias_backward(stream, d_pre.narrow(0, offset, c), expert_slice(g[1], e, {f1}));
             Tensor de = d_pre_in.narrow(0, offset, c);
-            ops.gemm(stream, de, false, expert_slice(fc1_weight.data, e, {f1, h}), false, dx.narrow(0, offset, c));
-            ops.gemm(stream, de, true, ctx.x.narrow(0, offset, c), false, expert_slice(g[0], e, {f1, h}),
-                     /*accumulate=*/true);
+            gemm(de, Pass::backward, false, expert_slice(fc1_weight.data, e, {f1, h}), false, dx.narrow(0, offset, c));
+            weight_grad(de, ctx.x.narrow(0, offset, c), expert_slice(g[0], e, {f1, h}));
             offset += c;
         }
     });

@@ -59,6 +59,10 @@ public:
     // sequential names, so both layouts start from the same values.
     void init(uint64_t seed, float std, float output_std);
     void parameters(std::vector<Parameter *> & out);
+    // FP8 GEMMs (--fp8-format, tensorwise): each expert's fc1 and fc2, forward and backward, with its own rows'
+    // and its own weight's scales, as Transformer Engine's grouped linear quantizes each GEMM of the group
+    // apart (the sequential experts' Linears; the grouped loop calls fp8_product per expert).
+    void set_fp8(const Linear::Fp8 & formats);
 
     GptConfig                         expert_config;   // the model's, with ffn_hidden_size = f
     int64_t                           num_experts;      // L, the local experts
@@ -69,10 +73,16 @@ public:
     std::string                       name;
     std::vector<std::unique_ptr<Mlp>> local;            // sequential
     Parameter fc1_weight, fc1_bias, fc2_weight, fc2_bias;   // grouped: (L, F1, h), (L, F1), (L, h, f), (L, h)
+    std::optional<Linear::Fp8>        fp8;
 
 private:
     // fc1's rows held by ETP rank r of an expert with F features: its block of them ([gate | up]'s with SwiGLU).
     std::vector<std::pair<int64_t, int64_t>> etp_rows(int64_t F, int64_t r) const;
+    enum class Pass { forward, backward };   // what `a` of gemm is: a forward input, or a gradient
+    // c (f32) = op(a) op(w): a GEMM, or with fp8 the FP8 product (a in the pass's format, w in forward's).
+    void gemm(const Tensor & a, Pass pass, bool trans_a, const Tensor & w, bool trans_w, const Tensor & c) const;
+    // g += dy^T x, as gemm (dy in backward's format, x in forward's).
+    void weight_grad(const Tensor & dy, const Tensor & x, const Tensor & g) const;
     Tensor grouped_forward(Context & ctx, const Tensor & xp);
     Tensor grouped_backward(Context & ctx, const Tensor & dyp, const GradReadyFn & ready);
 };

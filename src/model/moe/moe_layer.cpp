@@ -107,6 +107,14 @@ void MoELayer::init(uint64_t seed, float std, float output_std) {
     if (shared_expert) shared_expert->init(seed, std, output_std);
 }
 
+void MoELayer::set_fp8(const Linear::Fp8 & formats) {
+    experts.set_fp8(formats);
+    if (shared_expert) {
+        shared_expert->fc1.fp8 = formats;
+        shared_expert->fc2.fp8 = formats;
+    }
+}
+
 void MoELayer::parameters(std::vector<Parameter *> & out) {
     router.parameters(out);
     experts.parameters(out);

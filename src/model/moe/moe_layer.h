@@ -125,6 +125,9 @@ public:
     // Router and experts N(0, std) (the experts' fc2 and the shared expert's fc2: output_std), biases 0.
     void   init(uint64_t seed, float std, float output_std);
     void   parameters(std::vector<Parameter *> & out);
+    // FP8 GEMMs in the experts (Experts::set_fp8) and the shared expert's linear layers; the router stays in
+    // its own dtype, as Megatron's.
+    void   set_fp8(const Linear::Fp8 & formats);
 
     float                   aux_loss_backward_scale = 1.0f;
     MoeConfig               moe;
