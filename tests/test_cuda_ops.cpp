@@ -964,7 +964,8 @@ TEST(CudaOps, EmbeddingForwardIsBitwiseTheCpusForF32AndBf16Tables) {
 }
 
 // Each dwte / dwpe element adds its rows in the CPU's row order: the same f32 sums, bit for bit. A small
-// vocabulary repeats tokens many times; a large one spreads them over many buckets of the CUDA kernel.
+// vocabulary repeats tokens many times (long runs after the CUDA path's sort by token); a large one makes
+// runs of one row. 148 rows sort as 256 keys (the padding's sort last), and every 7th id is -1 (no row).
 TEST(CudaOps, EmbeddingBackwardAddsInTheCpusOrderBitwise) {
     SKIP_WITHOUT_CUDA();
     const int64_t b = 4, seq = 37, positions = 40;

@@ -206,8 +206,13 @@ public:
     void embedding_forward(Stream & s, const Tensor & tokens, const Tensor & wte, const Tensor & wpe, const Tensor & out, const SeqPositions & positions) override {
         memory(s, "embedding_forward", bytes_of({&tokens, &out, &out}) + (wpe.defined() ? out.nbytes() : 0));
     }
+    // dwte on the GPU: the rows' 8-byte keys sorted by token (a bitonic sort of n = the next power of two of
+    // the rows: log2(n) (log2(n) + 1) / 2 passes, each reading and writing every key), then the runs' adds.
     void embedding_backward(Stream & s, const Tensor & tokens, const Tensor & dout, const Tensor & dwte, const Tensor & dwpe, const SeqPositions & positions) override {
-        memory(s, "embedding_backward", bytes_of({&tokens, &dout, &dout, &dout}) + (dwpe.defined() ? 2 * dout.nbytes() : 0));
+        int64_t keys = 1, levels = 0;
+        while (keys < tokens.numel()) keys *= 2, ++levels;
+        const double sort = 16.0 * static_cast<double>(keys) * static_cast<double>(levels * (levels + 1) / 2 + 1);
+        memory(s, "embedding_backward", bytes_of({&tokens, &dout, &dout, &dout}) + sort + (dwpe.defined() ? 2 * dout.nbytes() : 0));
     }
     void vocab_shard_ids(Stream & s, const Tensor & ids, int64_t begin, int64_t count, const Tensor & out) override { memory(s, "vocab_shard_ids", bytes_of({&ids, &out})); }
     void attention_forward(Stream & s, const Tensor & q, const Tensor & kv, const Tensor & out, const Tensor & lse, const AttentionShape & shape, float scale, const Dropout & dropout) override {

@@ -516,10 +516,12 @@ public:
                             const Tensor & dwpe, const SeqPositions & positions) override {
         const op_checks::EmbeddingDims dims = op_checks::embedding_backward(tokens, dout, dwte, dwpe, positions);
         const int64_t                  vocab = dwte.size(0);
-        launch_with_id_check(s, "embedding_backward", {tokens, dout, dwte, dwpe}, tokens, vocab, "token", [&](cudaStream_t stream) {
+        const Tensor keys = Tensor::empty({kernels::embedding_backward_keys(dims.s * dims.b)}, DType::i64, dwte.device(),
+                                          TensorOptions{MemoryKind::device, kActivationsPool});
+        launch_with_id_check(s, "embedding_backward", {tokens, dout, dwte, dwpe, keys}, tokens, vocab, "token", [&](cudaStream_t stream) {
             with_activations(dout, [&]<class T>(T *) {
                 kernels::embedding_backward(stream, tokens.data<int32_t>(), act<T>(dout), f32(dwte), f32_or_null(dwpe), dims.s,
-                                            dims.b, dims.h, vocab, positions);
+                                            dims.b, dims.h, vocab, positions, static_cast<uint64_t *>(keys.data_ptr()));
             });
         });
     }

@@ -562,21 +562,50 @@ __global__ void embedding_forward_kernel(const int32_t * tokens, const W * wte, 
     }
 }
 
-// dwte: thread (column j, bucket k) adds, in row order, the rows whose token t has t % buckets == k. Every
-// dwte element therefore has one owner adding its rows in the CPU's order: no atomics, the CPU's bits.
-template <class T>
-__global__ void embedding_backward_wte_kernel(const int32_t * tokens, const T * dout, float * dwte, int64_t s,
-                                              int64_t b, int64_t h, int64_t vocab, int64_t buckets) {
-    const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-    if (j >= h) return;
-    const int64_t bucket = blockIdx.y;
-    for (int64_t si = 0; si < s; ++si) {
-        for (int64_t bi = 0; bi < b; ++bi) {
-            const int32_t t = tokens[bi * s + si];   // the same for the whole block: a broadcast read
-            if (t < 0 || t >= vocab || t % buckets != bucket) continue;
-            float * w = dwte + static_cast<int64_t>(t) * h + j;
-            *w        = __fadd_rn(*w, to_f32(dout[(si * b + bi) * h + j]));
+// dwte without a scan of every token per thread: the rows sorted by (token, row), then one thread per run of
+// a token and column adds the run's rows in row order, the CPU's order: no atomics, the CPU's bits.
+//
+// Row r = si * b + bi (dout's row) gets the key token << 32 | r, or all ones (sorted last, never a run) for
+// a token outside [0, vocab); keys are unique, so the sort's order is the one order of the keys.
+__global__ void embedding_row_keys_kernel(const int32_t * tokens, uint64_t * keys, int64_t s, int64_t b, int64_t vocab,
+                                          int64_t n_keys) {
+    LOOM_GRID_STRIDE(r, n_keys) {
+        uint64_t key = ~uint64_t{0};
+        if (r < s * b) {
+            const int32_t t = tokens[(r % b) * s + r / b];
+            if (t >= 0 && t < vocab) key = static_cast<uint64_t>(t) << 32 | static_cast<uint64_t>(r);
         }
+        keys[r] = key;
+    }
+}
+
+// One compare-exchange pass of a bitonic sort (ascending) of n (a power of two) keys: merge size k, distance j.
+__global__ void bitonic_pass_kernel(uint64_t * keys, int64_t n, int64_t j, int64_t k) {
+    LOOM_GRID_STRIDE(i, n) {
+        const int64_t partner = i ^ j;
+        if (partner <= i) continue;
+        const uint64_t a = keys[i], c = keys[partner];
+        if ((a > c) == ((i & k) == 0)) {
+            keys[i]       = c;
+            keys[partner] = a;
+        }
+    }
+}
+
+// Thread (sorted place p, column j): where a token's run starts at p, dwte[token, j] += its rows in order.
+template <class T>
+__global__ void embedding_backward_runs_kernel(const uint64_t * keys, const T * dout, float * dwte, int64_t n_keys,
+                                               int64_t h) {
+    LOOM_GRID_STRIDE(i, n_keys * h) {
+        const int64_t  p = i / h, j = i % h;
+        const uint64_t token = keys[p] >> 32;
+        if (keys[p] == ~uint64_t{0} || (p > 0 && keys[p - 1] >> 32 == token)) continue;
+        float * w   = dwte + static_cast<int64_t>(token) * h + j;
+        float   acc = *w;
+        for (int64_t q = p; q < n_keys && keys[q] >> 32 == token; ++q) {   // the all-ones key ends every run
+            acc = __fadd_rn(acc, to_f32(dout[static_cast<int64_t>(keys[q] & 0xffffffffu) * h + j]));
+        }
+        *w = acc;
     }
 }
 
@@ -928,17 +957,25 @@ void embedding_forward(cudaStream_t stream, const int32_t * tokens, const void *
     }
 }
 
+int64_t embedding_backward_keys(int64_t rows) {
+    int64_t n = 1;
+    while (n < rows) n *= 2;
+    return n;
+}
+
 template <class T>
 void embedding_backward(cudaStream_t stream, const int32_t * tokens, const T * dout, float * dwte, float * dwpe, int64_t s,
-                        int64_t b, int64_t h, int64_t vocab, SeqPositions positions) {
+                        int64_t b, int64_t h, int64_t vocab, SeqPositions positions, uint64_t * keys) {
     if (s * b == 0 || h == 0) return;
     if (vocab > 0) {
-        // Buckets of the vocabulary so that about 2^17 threads share the work (any count gives the same bits).
-        constexpr int64_t kTargetThreads = int64_t{1} << 17;
-        const int64_t     buckets = std::max<int64_t>(1, std::min<int64_t>({vocab, 65535, kTargetThreads / h}));
-        const dim3        grid(static_cast<unsigned>((h + kThreads - 1) / kThreads), static_cast<unsigned>(buckets));
-        LOOM_LAUNCH(embedding_backward_wte_kernel<T>, grid, kThreads, 0, stream)(
-            tokens, dout, dwte, s, b, h, vocab, buckets);
+        const int64_t n = embedding_backward_keys(s * b);
+        LOOM_LAUNCH(embedding_row_keys_kernel, blocks_for(n), kThreads, 0, stream)(tokens, keys, s, b, vocab, n);
+        for (int64_t k = 2; k <= n; k *= 2) {
+            for (int64_t j = k / 2; j > 0; j /= 2) {
+                LOOM_LAUNCH(bitonic_pass_kernel, blocks_for(n), kThreads, 0, stream)(keys, n, j, k);
+            }
+        }
+        LOOM_LAUNCH(embedding_backward_runs_kernel<T>, blocks_for(n * h), kThreads, 0, stream)(keys, dout, dwte, n, h);
     }
     if (dwpe != nullptr) {
         LOOM_LAUNCH(embedding_backward_wpe_kernel<T>, blocks_for(s * h), kThreads, 0, stream)(dout, dwpe, s, b, h, positions);
@@ -1021,7 +1058,7 @@ void loss_grad(cudaStream_t stream, const float * mask, double scale, float * dl
     template void embedding_forward(cudaStream_t, const int32_t *, const void *, const void *, Float, T *, int64_t,  \
                                     int64_t, int64_t, int64_t, SeqPositions);                                        \
     template void embedding_backward(cudaStream_t, const int32_t *, const T *, float *, float *, int64_t, int64_t,   \
-                                     int64_t, int64_t, SeqPositions);                                                \
+                                     int64_t, int64_t, SeqPositions, uint64_t *);                                    \
     template void row_max(cudaStream_t, const T *, int64_t, int64_t, int64_t, float *);                              \
     template void row_sum_exp(cudaStream_t, const T *, const float *, int64_t, int64_t, int64_t, float *);            \
     template void cross_entropy_forward(cudaStream_t, const T *, const int32_t *, float *, float *, int64_t, int64_t, \

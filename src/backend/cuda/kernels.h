@@ -177,10 +177,13 @@ template <class T>
 void embedding_forward(cudaStream_t stream, const int32_t * tokens, const void * wte, const void * wpe, Float kind,
                        T * out, int64_t s, int64_t b, int64_t h, int64_t vocab, SeqPositions positions);
 // dwte[token] += dout rows and dwpe[positions(si)] += dout rows (dwpe may be null), each element's additions
-// in row order as the CPU's, with no atomics: the same bits as the CPU.
+// in row order as the CPU's, with no atomics: the same bits as the CPU. dwte's: the rows sorted by token
+// (a bitonic sort of embedding_backward_keys(s * b) keys in `keys`, device scratch), then a thread per token
+// and column adds that token's rows, so no thread reads every token.
+int64_t embedding_backward_keys(int64_t rows);   // the next power of two
 template <class T>
 void embedding_backward(cudaStream_t stream, const int32_t * tokens, const T * dout, float * dwte, float * dwpe, int64_t s,
-                        int64_t b, int64_t h, int64_t vocab, SeqPositions positions);
+                        int64_t b, int64_t h, int64_t vocab, SeqPositions positions, uint64_t * keys);
 // out[i] = ids[i] - begin where begin <= ids[i] < begin + count, else -1.
 void vocab_shard_ids(cudaStream_t stream, const int32_t * ids, int64_t n, int64_t begin, int64_t count, int32_t * out);
 
