@@ -22,6 +22,7 @@
 //                                   x += bias 2^-23 rel(0); x_bf16 exact (the nearest bf16, ties to even).
 //   gelu_backward                   1e-5 rel(1) on x in [-5, 5] (tanh's error times up to |x| du ~ 17).
 //   swiglu forward / backward       2e-6 rel(1) (sigmoid through exp_approx).
+//   glu forward / backward          2e-6 rel(1), as swiglu; the clamps' edges exact (0 past them).
 //   rope                            1e-5 rel(1) against the double rotation (f32 angles up to 40 rad);
 //                                   inverse(forward(x)) = x within 1e-5 rel(1); other columns untouched.
 //   embedding_forward               2^-23 rel(0) (a lookup plus at most one f32 addition);
@@ -716,6 +717,61 @@ TEST(OpsElementwise, SwigluForwardBackward) {
     synchronize();
     EXPECT_TRUE(close("swiglu y", y, ref_y, kActivationTol, 1.0));
     EXPECT_TRUE(close("swiglu dx", dx, ref_dx, kActivationTol, 1.0));
+}
+
+// Quick-GEGLU (gpt-oss: clamp 7, offset 1) and SwiGLU with a clamp against the formula in double: a = min(gate,
+// c), b = clamp(linear, -c, c), y = a sigmoid(k a) (b + offset); the gradient passes where the clamp let the
+// value through, the bounds included. The double formula's derivative is checked by central differences
+// first (away from the clamps' edges), so the test does not rest on the hand-derived slope alone.
+TEST(OpsElementwise, GluQuickGegluAndClampForwardBackward) {
+    const int64_t n = kRows, f = 72;
+    for (const GluSpec glu : {GluSpec{GluSpec::Gate::quick_gelu, 7.0f, 1.0f}, GluSpec{GluSpec::Gate::quick_gelu, 0.0f, 0.5f},
+                              GluSpec{GluSpec::Gate::silu, 2.0f, 0.0f}}) {
+        const std::string what = std::string(glu.gate == GluSpec::Gate::quick_gelu ? "quick_geglu" : "swiglu") +
+                                 " clamp " + std::to_string(glu.clamp) + " offset " + std::to_string(glu.linear_offset);
+        const double k = glu.gate == GluSpec::Gate::quick_gelu ? 1.702 : 1.0, c = glu.clamp, off = glu.linear_offset;
+        Tensor x = random_f32({n, 2 * f}, 3211, -10.0f, 10.0f), y = empty({n, f});
+        for (int64_t r = 0; r < 4 && c > 0; ++r) {   // the clamps' bounds themselves: the gradient passes there
+            x.data<float>()[r * 2 * f] = static_cast<float>(c);
+            x.data<float>()[r * 2 * f + f] = static_cast<float>(r % 2 == 0 ? c : -c);
+        }
+        Tensor dy = random_f32({n, f}, 3212), dx = empty({n, 2 * f});
+        auto   value = [&](double a, double b) {
+            if (c > 0) a = std::min(a, c), b = std::clamp(b, -c, c);
+            return a * sigmoid_ref(k * a) * (b + off);
+        };
+        std::vector<double> xv = values(x), dv = values(dy), ref_y(static_cast<size_t>(n * f)), ref_dx(xv.size());
+        double              worst_fd = 0;
+        for (int64_t r = 0; r < n; ++r) {
+            for (int64_t j = 0; j < f; ++j) {
+                const double a0 = xv[r * 2 * f + j], b0 = xv[r * 2 * f + f + j], d = dv[r * f + j];
+                const bool   pass_a = c == 0 || a0 <= c, pass_b = c == 0 || (b0 >= -c && b0 <= c);
+                const double a = c > 0 ? std::min(a0, c) : a0, b = c > 0 ? std::clamp(b0, -c, c) : b0, s = sigmoid_ref(k * a);
+                ref_y[r * f + j]          = value(a0, b0);
+                ref_dx[r * 2 * f + j]     = pass_a ? d * (b + off) * s * (1.0 + k * a * (1.0 - s)) : 0.0;
+                ref_dx[r * 2 * f + f + j] = pass_b ? d * a * s : 0.0;
+                const double h = 1e-6;   // central differences, where both sides stay on one side of a bound
+                if (c == 0 || (std::fabs(a0 - c) > 1e-3 && std::fabs(std::fabs(b0) - c) > 1e-3)) {
+                    const double fa = d * (value(a0 + h, b0) - value(a0 - h, b0)) / (2 * h);
+                    const double fb = d * (value(a0, b0 + h) - value(a0, b0 - h)) / (2 * h);
+                    worst_fd = std::max({worst_fd, std::fabs(fa - ref_dx[r * 2 * f + j]) / (1.0 + std::fabs(fa)),
+                                         std::fabs(fb - ref_dx[r * 2 * f + f + j]) / (1.0 + std::fabs(fb))});
+                }
+            }
+        }
+        EXPECT_LT(worst_fd, 1e-6) << what << ": the double formula's derivative";
+        ops().glu_forward(stream(), x, y, glu);
+        ops().glu_backward(stream(), x, dy, dx, glu);
+        synchronize();
+        EXPECT_TRUE(close(what + " y", y, ref_y, kActivationTol, 1.0));
+        EXPECT_TRUE(close(what + " dx", dx, ref_dx, kActivationTol, 1.0));
+        if (c > 0) {   // past the bounds exactly 0; at them, the gradient
+            size_t zeros = 0;
+            for (size_t i = 0; i < ref_dx.size(); ++i) zeros += ref_dx[i] == 0.0 && dx.data<float>()[i] == 0.0f;
+            EXPECT_GT(zeros, static_cast<size_t>(n)) << what << ": the clamped values pass no gradient";
+            EXPECT_NE(dx.data<float>()[0], 0.0f) << what << ": a gate at c passes it";
+        }
+    }
 }
 
 TEST(OpsElementwise, SquaredReluForwardBackward) {

@@ -522,6 +522,18 @@ TEST(CudaOps, GeluAndSwigluForwardBackwardMatchTheCpu) {
     cs().synchronize();
     expect_close(yc, to_cpu(yg), 1e-5, "swiglu_forward");
     expect_close(dxs, to_cpu(dxsg), 1e-5, "swiglu_backward");
+    // The gated variants (gpt-oss's quick-GEGLU with its clamp 7 and offset 1; SwiGLU clamped): the same
+    // formula as the CPU's, the clamps' bounds in reach of the values (x up to 4 in magnitude).
+    for (const GluSpec glu : {GluSpec{GluSpec::Gate::quick_gelu, 2.5f, 1.0f}, GluSpec{GluSpec::Gate::silu, 1.5f, 0.0f}}) {
+        cops().glu_forward(cs(), xs, yc, glu);
+        cops().glu_backward(cs(), xs, dys, dxs, glu);
+        gops().glu_forward(gs(), xsg, yg, glu);
+        gops().glu_backward(gs(), xsg, to_gpu(dys), dxsg, glu);
+        cs().synchronize();
+        const std::string what = glu.gate == GluSpec::Gate::quick_gelu ? "quick_geglu" : "clamped swiglu";
+        expect_close(yc, to_cpu(yg), 1e-5, what + " forward");
+        expect_close(dxs, to_cpu(dxsg), 1e-5, what + " backward");
+    }
 
     // Squared ReLU: one rounding each way on both devices, so the results are bitwise the CPU's.
     Tensor xr = random_cpu({n, f}, 440, 3.0f), dyr = random_cpu({n, f}, 441);

@@ -976,6 +976,17 @@ TEST(GptModel, SquaredReluGradientsMatchFiniteDifferences) {
     check_model_gradients(c);
 }
 
+// --quick-geglu with gpt-oss's --glu-linear-offset 1: the GPT-2-style model's MLPs gated, quick_gelu(gate)
+// (linear + 1); a clamp of 1000 (no value reaches it: the clamp's edges are the op test's).
+TEST(GptModel, QuickGegluGradientsMatchFiniteDifferences) {
+    model::GptConfig c  = gpt2_style_grad_config();
+    c.swiglu            = true;
+    c.quick_geglu       = true;
+    c.glu_linear_offset = 1.0f;
+    c.activation_clamp  = 1000.0f;
+    check_model_gradients(c);
+}
+
 TEST(GptModel, GradientsAccumulateAcrossMicrobatches) {
     model::GptConfig c;
     c.num_layers = 1;

@@ -917,7 +917,7 @@ TEST(Experts, GroupedGemmIsBitwiseTheSequentialLoop) {
 
 TEST(MoELayer, GradientsMatchFiniteDifferences) {
     const int64_t s = 4, b = 2;
-    struct Case { const char * name; bool swiglu, bias, grouped; MoeConfig moe; bool squared_relu = false; };
+    struct Case { const char * name; bool swiglu, bias, grouped; MoeConfig moe; bool squared_relu = false, quick_geglu = false; };
     std::vector<Case> cases;
     {
         MoeConfig m;   // GELU with biases, post-softmax top-2, aux and z losses, no dropping
@@ -943,6 +943,11 @@ TEST(MoELayer, GradientsMatchFiniteDifferences) {
         cases.push_back({"squared relu grouped bias", false, true, true, m, true});
         m.shared_expert_intermediate_size = 6;
         cases.push_back({"squared relu grouped shared", false, false, true, m, true});
+        // gpt-oss's activation: quick-GEGLU with the linear half's offset 1, grouped beside a shared expert, then
+        // grouped with biases (the clamp, at 50, holds no value of these; its edges are the op test's).
+        cases.push_back({"quick geglu grouped shared", true, false, true, m, false, true});
+        m.shared_expert_intermediate_size = 0;
+        cases.push_back({"quick geglu grouped bias", true, true, true, m, false, true});
     }
     {
         MoeConfig m;   // DeepSeek-V3's router: sigmoid top-2 with an expert bias, in 2 groups of 2 (group top-1)
@@ -953,6 +958,7 @@ TEST(MoELayer, GradientsMatchFiniteDifferences) {
     for (const Case & c : cases) {
         GptConfig config = small_config(c.swiglu, c.bias);
         config.squared_relu = c.squared_relu;
+        if (c.quick_geglu) config.quick_geglu = true, config.glu_linear_offset = 1.0f, config.activation_clamp = 50.0f;
         MoELayer  layer("mlp", config, c.moe, dev());
         layer.init(9, 0.5f, 0.5f);
         if (c.moe.expert_bias) {   // a bias that changes the selection (it selects; the probabilities ignore it)
@@ -982,6 +988,11 @@ TEST(MoELayer, GradientsMatchFiniteDifferences) {
         };
         LayerRun run = run_layer(layer, xv, wv, s, b);
         EXPECT_EQ(run.ready.size(), params.size()) << c.name << ": every parameter is reported ready once";
+        if (c.quick_geglu) {   // the experts run quick-GEGLU: SwiGLU in their place gives another output
+            layer.experts.expert_config.quick_geglu = false;
+            EXPECT_NE(run_layer(layer, xv, wv, s, b).y, run.y) << c.name;
+            layer.experts.expert_config.quick_geglu = true;
+        }
         EXPECT_GT(run.losses[router_loss_aux], 0.0f);
         check_gradient(std::string(c.name) + ": dx", x.data<float>(), s * b * h, run.dx.data(), objective, 64);
         for (size_t i = 0; i < params.size(); ++i) {

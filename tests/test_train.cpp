@@ -1008,6 +1008,34 @@ TEST(MegatronCommandLine, Fp8FlagsFollowMegatronsRules) {
     expect_refused(bad, 2);
 }
 
+// --quick-geglu, --glu-linear-offset and --activation-func-clamp-value (gpt-oss's MLP): a gated MLP at 4h by
+// default (not --swiglu's 8h/3), the spec the ops get, Megatron's checks for a clamped SwiGLU in its words.
+TEST(MegatronCommandLine, QuickGegluFlagsFollowMegatronsRules) {
+    const train::TrainOptions q = parse_train({"--mock-data", "--hidden-size", "96", "--quick-geglu", "--glu-linear-offset",
+                                               "1.0", "--activation-func-clamp-value", "7.0"});
+    EXPECT_TRUE(q.model.swiglu && q.model.quick_geglu) << "gated: fc1 is [gate | linear]";
+    EXPECT_EQ(q.model.ffn_hidden_size, 4 * 96);
+    ASSERT_TRUE(q.model.glu_spec());
+    EXPECT_EQ(q.model.glu_spec()->gate, GluSpec::Gate::quick_gelu);
+    EXPECT_EQ(q.model.glu_spec()->clamp, 7.0f);
+    EXPECT_EQ(q.model.glu_spec()->linear_offset, 1.0f);
+    EXPECT_FALSE(parse_train({"--mock-data", "--swiglu"}).model.glu_spec()) << "plain SwiGLU keeps its own ops";
+    const train::TrainOptions s = parse_train({"--mock-data", "--swiglu", "--num-experts", "4", "--activation-func-clamp-value", "5"});
+    ASSERT_TRUE(s.model.glu_spec());
+    EXPECT_EQ(s.model.glu_spec()->gate, GluSpec::Gate::silu);
+    EXPECT_FALSE(parse_train({"--mock-data", "--glu-linear-offset", "1"}).model.glu_spec()) << "GELU: no gated half to offset";
+    const std::pair<std::vector<std::string>, const char *> bad[] = {
+        {{"--quick-geglu", "--swiglu"}, "--quick-geglu with --swiglu"},
+        {{"--quick-geglu", "--activation-func-clamp-value", "0"}, "--activation-func-clamp-value must be a finite number > 0"},
+        {{"--swiglu", "--activation-func-clamp-value", "5"}, "activation_func_clamp_value for SwiGLU is only supported with MoE."},
+        {{"--swiglu", "--num-experts", "4", "--activation-func-clamp-value", "-1"},
+         "activation_func_clamp_value for SwiGLU must be finite and greater than zero."},
+        {{"--swiglu", "--num-experts", "4", "--activation-func-clamp-value", "5", "--glu-linear-offset", "1"},
+         "glu_linear_offset must be zero when activation_func_clamp_value is set for SwiGLU."},
+    };
+    expect_refused(bad, 1);
+}
+
 // --fine-grained-activation-offloading: the module names into GptConfig's bits, Megatron's checks in its
 // words, and the knobs Loom does not take refused by name.
 TEST(MegatronCommandLine, ActivationOffloadingFlagsFollowMegatronsRules) {

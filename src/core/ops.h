@@ -18,6 +18,7 @@
 #pragma once
 
 #include "core/grad_norm_gate.h"
+#include "core/glu.h"
 #include "core/positions.h"
 #include "core/rope.h"
 #include "core/fp8.h"
@@ -222,6 +223,11 @@ public:
     // SwiGLU on x (n, 2f) = [gate | up] -> y (n, f) = silu(gate) * up.
     virtual void swiglu_forward(Stream & s, const Tensor & x, const Tensor & y) = 0;
     virtual void swiglu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) = 0;
+    // A gated linear unit on x (n, 2f) = [gate | linear] with GluSpec's activation, clamp and offset (gpt-oss's
+    // quick-GEGLU; SwiGLU with a clamp): a = gate, b = linear, clamped to a <= c and -c <= b <= c when c > 0,
+    // y = act(a) (b + offset). Backward passes the gradient where the clamp let the value through (c included).
+    virtual void glu_forward(Stream & s, const Tensor & x, const Tensor & y, const GluSpec & glu) = 0;
+    virtual void glu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx, const GluSpec & glu) = 0;
     // Squared ReLU (--squared-relu), elementwise: y = max(x, 0)^2; dx = dy * 2 max(x, 0).
     virtual void squared_relu_forward(Stream & s, const Tensor & x, const Tensor & y) = 0;
     virtual void squared_relu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) = 0;

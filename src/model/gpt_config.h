@@ -9,10 +9,12 @@
 
 #include "core/dtype.h"
 #include "core/fp8.h"
+#include "core/glu.h"
 #include "model/moe/moe_options.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace loom::model {
@@ -60,7 +62,10 @@ struct GptConfig {
     int64_t           vocab_size              = 512;    // before padding
     int64_t           make_vocab_size_divisible_by = 128;
     Normalization     normalization           = Normalization::layernorm;
-    bool              swiglu                  = false;
+    bool              swiglu                  = false;  // a gated MLP: fc1 is [gate | linear], 2f wide (SwiGLU, or quick_geglu's)
+    bool              quick_geglu             = false;  // --quick-geglu (with swiglu set): quick_gelu(gate) (linear + offset)
+    float             glu_linear_offset       = 0.0f;   // --glu-linear-offset
+    float             activation_clamp        = 0.0f;   // --activation-func-clamp-value (0: none): gate <= c, |linear| <= c
     bool              squared_relu            = false;  // --squared-relu: the MLPs' activation is max(x, 0)^2
     bool              qk_layernorm            = false;  // --qk-layernorm: each query and key head normalised (over d)
     bool              apply_wd_to_qk_layernorm = false; // --apply-wd-to-qk-layernorm: their parameters decay
@@ -139,6 +144,11 @@ struct GptConfig {
     int64_t              fp8_bf16_first            = 0;
     int64_t              fp8_bf16_last             = 0;
     // Whether layer `index` (of the decoder; an MTP depth's index past them counts as the last) runs FP8.
+    // The gated MLP's activation when it is not plain SwiGLU (quick-GEGLU, or a clamp): Ops::glu_forward's spec.
+    std::optional<GluSpec> glu_spec() const {
+        if (!swiglu || (!quick_geglu && activation_clamp == 0.0f && glu_linear_offset == 0.0f)) return std::nullopt;
+        return GluSpec{quick_geglu ? GluSpec::Gate::quick_gelu : GluSpec::Gate::silu, activation_clamp, glu_linear_offset};
+    }
     bool                 fp8_layer(int64_t index) const {
         return fp8 && index >= fp8_bf16_first && index < num_layers - fp8_bf16_last;
     }

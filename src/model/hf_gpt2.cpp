@@ -150,7 +150,7 @@ void check_gpt2_architecture(const GptConfig & c, const std::string & action) {
     const std::string what = "cannot " + action + " Hugging Face GPT-2 weights: ";
     const char *      hint = "GPT-2 is LayerNorm, GELU, learned positions, biases and a tied output layer; drop the flag";
     LOOM_CHECK(c.normalization == Normalization::layernorm, what << "the model has --normalization RMSNorm", hint);
-    LOOM_CHECK(!c.swiglu, what << "the model has --swiglu", hint);
+    LOOM_CHECK(!c.swiglu, what << "the model has --" << (c.quick_geglu ? "quick-geglu" : "swiglu"), hint);
     LOOM_CHECK(!c.squared_relu, what << "the model has --squared-relu", hint);
     LOOM_CHECK(!c.qk_layernorm, what << "the model has --qk-layernorm", hint);
     LOOM_CHECK(!c.moe.enabled(), what << "the model has --num-experts " << c.moe.num_experts << " (GPT-2 has no experts)", hint);

@@ -1223,7 +1223,7 @@ Tensor Mlp::forward_kept(Context & ctx, const Tensor & x, DType activations) {
         Tensor pre  = fc1.forward(ctx.fc1_ctx, x, true, activations);
         act         = activation(x.device(), pre.size(0), f, pre.dtype());
         ctx.pre_act = keep_for_backward(pre, config.params_dtype);
-        ops.swiglu_forward(stream, pre, act);
+        gated_forward(config, stream, pre, act);
     } else if (config.squared_relu) {
         Tensor pre  = fc1.forward(ctx.fc1_ctx, x, true, activations);
         act         = activation(x.device(), pre.size(0), f, pre.dtype());
@@ -1257,11 +1257,27 @@ Tensor Mlp::forward_kept(Context & ctx, const Tensor & x, DType activations) {
     return y;
 }
 
+void gated_forward(const GptConfig & config, Stream & stream, const Tensor & pre, const Tensor & act) {
+    if (const std::optional<GluSpec> glu = config.glu_spec()) {
+        pre.device().ops().glu_forward(stream, pre, act, *glu);
+    } else {
+        pre.device().ops().swiglu_forward(stream, pre, act);
+    }
+}
+
+void gated_backward(const GptConfig & config, Stream & stream, const Tensor & pre, const Tensor & d_act, const Tensor & d_pre) {
+    if (const std::optional<GluSpec> glu = config.glu_spec()) {
+        pre.device().ops().glu_backward(stream, pre, d_act, d_pre, *glu);
+    } else {
+        pre.device().ops().swiglu_backward(stream, pre, d_act, d_pre);
+    }
+}
+
 void recompute_activation(const GptConfig & config, const Tensor & pre, const Tensor & act) {
     Ops &    ops    = pre.device().ops();
     Stream & stream = pre.device().compute_stream();
     if (config.swiglu) {
-        ops.swiglu_forward(stream, pre, act);
+        gated_forward(config, stream, pre, act);
     } else if (config.squared_relu) {
         ops.squared_relu_forward(stream, pre, act);
     } else {
@@ -1289,7 +1305,7 @@ Tensor Mlp::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready
         d_pre         = activation(dy.device(), n, pre.size(1), dy.dtype());
         Ops &   ops   = dy.device().ops();
         if (config.swiglu) {
-            ops.swiglu_backward(dy.device().compute_stream(), pre, d_act, d_pre);
+            gated_backward(config, dy.device().compute_stream(), pre, d_act, d_pre);
         } else {
             ops.squared_relu_backward(dy.device().compute_stream(), pre, d_act, d_pre);
         }

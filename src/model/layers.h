@@ -347,7 +347,12 @@ public:
     Linear            fc2;   // f / tp -> h, row-parallel
 };
 
-// The MLP activation of `config` (SwiGLU, squared ReLU or GELU) of a saved pre-activation (f32, its bias
+// A gated MLP's activation of pre (n, 2f) = [gate | linear] into act (n, f), and its backward: SwiGLU's ops,
+// or Ops::glu_forward / glu_backward with config.glu_spec() (quick-GEGLU, a clamp, an offset).
+void gated_forward(const GptConfig & config, Stream & stream, const Tensor & pre, const Tensor & act);
+void gated_backward(const GptConfig & config, Stream & stream, const Tensor & pre, const Tensor & d_act, const Tensor & d_pre);
+
+// The MLP activation of `config` (gated, squared ReLU or GELU) of a saved pre-activation (f32, its bias
 // already added) into act: what forward computed from the same values, for activation recompute.
 void recompute_activation(const GptConfig & config, const Tensor & pre, const Tensor & act);
 

@@ -196,6 +196,8 @@ public:
     void gelu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override { memory(s, "gelu_backward", bytes_of({&x, &dy, &dx})); }
     void swiglu_forward(Stream & s, const Tensor & x, const Tensor & y) override { memory(s, "swiglu_forward", bytes_of({&x, &y})); }
     void swiglu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override { memory(s, "swiglu_backward", bytes_of({&x, &dy, &dx})); }
+    void glu_forward(Stream & s, const Tensor & x, const Tensor & y, const GluSpec &) override { memory(s, "glu_forward", bytes_of({&x, &y})); }
+    void glu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx, const GluSpec &) override { memory(s, "glu_backward", bytes_of({&x, &dy, &dx})); }
     void squared_relu_forward(Stream & s, const Tensor & x, const Tensor & y) override { memory(s, "squared_relu_forward", bytes_of({&x, &y})); }
     void squared_relu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override { memory(s, "squared_relu_backward", bytes_of({&x, &dy, &dx})); }
     void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base, bool inverse,

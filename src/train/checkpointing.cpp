@@ -28,7 +28,9 @@ const std::map<std::string, json> & later_args() {
                                                          {"multi_latent_attention", false}, {"q_lora_rank", nullptr},
                                                          {"kv_lora_rank", nullptr},   {"qk_head_dim", nullptr},
                                                          {"qk_pos_emb_head_dim", nullptr}, {"v_head_dim", nullptr},
-                                                         {"mtp_num_layers", nullptr}};
+                                                         {"mtp_num_layers", nullptr}, {"quick_geglu", false},
+                                                         {"glu_linear_offset", 0.0},
+                                                         {"activation_func_clamp_value", nullptr}};
     return defaults;
 }
 
@@ -299,6 +301,11 @@ void apply_checkpoint_args(model::GptConfig & m, const checkpoint::Index & index
     m.normalization = at("normalization") == "RMSNorm" ? model::Normalization::rmsnorm : model::Normalization::layernorm;
     m.swiglu        = flag("swiglu", at("swiglu"));
     m.squared_relu  = flag("squared_relu", saved_or_dense(a, "squared_relu"));
+    m.quick_geglu   = flag("quick_geglu", saved_or_dense(a, "quick_geglu"));
+    m.glu_linear_offset = real("glu_linear_offset", saved_or_dense(a, "glu_linear_offset"));
+    if (const json clamp = saved_or_dense(a, "activation_func_clamp_value"); !clamp.is_null()) {
+        m.activation_clamp = real("activation_func_clamp_value", clamp);
+    }
     m.qk_layernorm  = flag("qk_layernorm", a.value("qk_layernorm", json(false)));   // absent before the flag
     const json & position = at("position_embedding_type");
     if (!position.is_string()) bad("position_embedding_type", position);

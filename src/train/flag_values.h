@@ -57,6 +57,10 @@ struct ModelFlags {
     int64_t     mup_base_hidden_size = 0;
     float       mup_embedding_mult = 1.0f, mup_output_mult = 1.0f, mup_base_head_dim = 0.0f, mup_attn_scale_power = 1.0f;
     float       softmax_scale = 0.0f;
+    // The gated MLP's quick-GEGLU, offset and clamp (TransformerConfig's glu_linear_offset and
+    // activation_func_clamp_value; the clamp's None: not given).
+    bool        quick_geglu = false;
+    float       glu_linear_offset = 0.0f, activation_clamp = 0.0f;
     // FP8 (TransformerConfig's fields; "": --fp8-format None).
     std::string fp8_format, fp8_recipe = "delayed", fp8_amax_compute_algo = "most_recent";
     int64_t     fp8_margin = 0, fp8_amax_history_len = 1, fp8_bf16_first = 1, fp8_bf16_last = 1;

@@ -66,6 +66,17 @@ const Flag<ModelFlags> kModelFlags[] = {
      {"normalization", [](const TrainOptions & o) -> json { return normalization_name(o.model.normalization); }, true}},
     {"--swiglu", kSize, &M::swiglu, "SwiGLU MLP", kPlain,
      {"swiglu", [](const TrainOptions & o) -> json { return o.model.swiglu; }, true}},
+    {"--quick-geglu", kSize, &M::quick_geglu,
+     "gated MLP with quick-GELU: x sigmoid(1.702 x) of the gate times the linear half (gpt-oss)", kPlain,
+     {"quick_geglu", [](const TrainOptions & o) -> json { return o.model.quick_geglu; }, true}},
+    {"--glu-linear-offset", "transformer configuration", &M::glu_linear_offset,
+     "added to a gated MLP's linear half before the product (gpt-oss: 1)", kShowDefault,
+     {"glu_linear_offset", [](const TrainOptions & o) -> json { return o.model.glu_linear_offset; }, true}},
+    {"--activation-func-clamp-value", "transformer configuration", &M::activation_clamp,
+     "a gated MLP's gate clamped to <= c and its linear half to [-c, c] before the activation (gpt-oss: 7)", kPlain,
+     {"activation_func_clamp_value", [](const TrainOptions & o) -> json {
+          return o.model.activation_clamp > 0 ? json(o.model.activation_clamp) : json(nullptr);
+      }, true}},
     {"--squared-relu", kSize, &M::squared_relu, "squared ReLU MLP activation, max(x, 0)^2 (instead of GELU)", kPlain,
      {"squared_relu", [](const TrainOptions & o) -> json { return o.model.squared_relu; }, true}},
     {"--position-embedding-type", kSize, &M::position_embedding, "learned_absolute, rope or none", kPlain,
@@ -229,6 +240,26 @@ void resolve_fp8(const ModelFlags & f, TrainOptions & o) {
     }
 }
 
+// --glu-linear-offset and --activation-func-clamp-value (TransformerConfig's checks). Both act on gated MLPs
+// only (--swiglu, --quick-geglu), as Megatron's glu(); with SwiGLU the clamp needs MoE and no offset.
+void resolve_glu(const ModelFlags & f, const Given & given, model::GptConfig & m) {
+    if (given("--glu-linear-offset")) {
+        LOOM_CHECK(std::isfinite(f.glu_linear_offset), "--glu-linear-offset must be finite, got " << f.glu_linear_offset, "");
+        m.glu_linear_offset = f.glu_linear_offset;
+    }
+    if (!given("--activation-func-clamp-value")) return;
+    LOOM_CHECK(std::isfinite(f.activation_clamp) && f.activation_clamp > 0,
+               (m.swiglu && !m.quick_geglu ? "activation_func_clamp_value for SwiGLU must be finite and greater than zero."
+                                           : "--activation-func-clamp-value must be a finite number > 0"),
+               "got " << f.activation_clamp << (m.swiglu && !m.quick_geglu ? "" : " (Loom's limit: a clamp to [-c, c] needs c > 0)"));
+    if (m.swiglu && !m.quick_geglu) {
+        LOOM_CHECK(m.moe.num_experts > 0 || given("--num-experts"), "activation_func_clamp_value for SwiGLU is only supported with MoE.", "");
+        LOOM_CHECK(m.glu_linear_offset == 0.0f,
+                   "glu_linear_offset must be zero when activation_func_clamp_value is set for SwiGLU.", "");
+    }
+    m.activation_clamp = f.activation_clamp;
+}
+
 // --softmax-scale and µP (Megatron's TransformerConfig.__post_init__), after the model's shape.
 void resolve_mup(const ModelFlags & f, const Given & given, model::GptConfig & m) {
     if (given("--softmax-scale")) {
@@ -295,6 +326,12 @@ void resolve_model_shape(const ModelFlags & f, const Given & given, TrainOptions
     // multiple of 64 (the same parameter count as a 4h GELU MLP, roughly).
     if (!given("--ffn-hidden-size") && (given("--hidden-size") || f.swiglu)) {
         m.ffn_hidden_size = m.swiglu ? (4 * m.hidden_size * 2 / 3) / 64 * 64 : 4 * m.hidden_size;
+    }
+    if (f.quick_geglu) {   // gated, at the width Megatron gives it without --swiglu (4h unless given)
+        LOOM_CHECK(!f.swiglu && !f.squared_relu, "--quick-geglu with --" << (f.swiglu ? "swiglu" : "squared-relu"),
+                   "choose one MLP activation (Megatron asserts the same)");
+        m.swiglu      = true;
+        m.quick_geglu = true;
     }
     if (given("--position-embedding-type")) {
         if (f.position_embedding == "learned_absolute") m.position_embedding = model::PositionEmbedding::learned_absolute;
@@ -376,6 +413,7 @@ void check_mla_flags(const ModelFlags & f, const Given & given, TrainOptions & o
 void check_model_flags(const ModelFlags & f, const Given & given, TrainOptions & o) {
     model::GptConfig & m = o.model;
     resolve_mup(f, given, m);
+    resolve_glu(f, given, m);
     resolve_fp8(f, o);
     if (given("--norm-epsilon")) {
         LOOM_CHECK(std::isfinite(f.norm_epsilon) && f.norm_epsilon > 0,

@@ -206,6 +206,20 @@ public:
             with_activations(x, [&]<class T>(T *) { cpu::swiglu_backward(act<T>(x), act<T>(dy), act<T>(dx), n, two_f / 2); });
         });
     }
+    void glu_forward(Stream & s, const Tensor & x, const Tensor & y, const GluSpec & glu) override {
+        int64_t n, two_f;
+        std::tie(n, two_f) = op_checks::swiglu_forward(x, y);
+        s.submit([=] { with_activations(x, [&]<class T>(T *) { cpu::glu_forward(act<T>(x), act<T>(y), n, two_f / 2, glu); }); });
+    }
+
+    void glu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx, const GluSpec & glu) override {
+        int64_t n, two_f;
+        std::tie(n, two_f) = op_checks::swiglu_backward(x, dy, dx);
+        s.submit([=] {
+            with_activations(x, [&]<class T>(T *) { cpu::glu_backward(act<T>(x), act<T>(dy), act<T>(dx), n, two_f / 2, glu); });
+        });
+    }
+
 
     void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base,
               bool inverse, int64_t rotary_dim, bool interleaved, const SeqPositions & positions,

@@ -279,6 +279,58 @@ void swiglu_forward(const T * x, T * y, int64_t n, int64_t f) {
     });
 }
 
+// The gate's activation: s = sigmoid(k a) with k = 1 (silu) or 1.702 (quick_gelu), each product rounded to
+// f32 on its own (the CUDA kernels' order). Forward: act = a s, y = act (b + offset). Backward: d act / d a =
+// s (1 + k a (1 - s)).
+namespace {
+
+inline float glu_gate_scale(const GluSpec & glu) { return glu.gate == GluSpec::Gate::quick_gelu ? 1.702f : 1.0f; }
+
+}  // namespace
+
+template <class T>
+void glu_forward(const T * x, T * y, int64_t n, int64_t f, const GluSpec & glu) {
+    const float k = glu_gate_scale(glu), c = glu.clamp, offset = glu.linear_offset;
+    parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            const T * gate = x + r * 2 * f;
+            const T * lin  = gate + f;
+            for (int64_t j = 0; j < f; ++j) {
+                float a = to_f32(gate[j]), b = to_f32(lin[j]);
+                if (c > 0.0f) {
+                    a = std::min(a, c);
+                    b = std::min(std::max(b, -c), c);
+                }
+                const float act = a * sigmoid_approx(k * a);
+                y[r * f + j]    = from_f32<T>(act * (b + offset));
+            }
+        }
+    });
+}
+
+template <class T>
+void glu_backward(const T * x, const T * dy, T * dx, int64_t n, int64_t f, const GluSpec & glu) {
+    const float k = glu_gate_scale(glu), c = glu.clamp, offset = glu.linear_offset;
+    parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            const T * gate  = x + r * 2 * f;
+            const T * lin   = gate + f;
+            T *       dgate = dx + r * 2 * f;
+            T *       dlin  = dgate + f;
+            for (int64_t j = 0; j < f; ++j) {
+                const float a0 = to_f32(gate[j]), b0 = to_f32(lin[j]);
+                const bool  clamped = c > 0.0f;
+                const bool  pass_a = !clamped || a0 <= c, pass_b = !clamped || (b0 >= -c && b0 <= c);
+                const float a = clamped ? std::min(a0, c) : a0, b = clamped ? std::min(std::max(b0, -c), c) : b0;
+                const float s = sigmoid_approx(k * a);
+                const float d = to_f32(dy[r * f + j]);
+                dlin[j]       = from_f32<T>(pass_b ? d * (a * s) : 0.0f);
+                dgate[j]      = from_f32<T>(pass_a ? d * (b + offset) * (s * (1.0f + k * a * (1.0f - s))) : 0.0f);
+            }
+        }
+    });
+}
+
 template <class T>
 void swiglu_backward(const T * x, const T * dy, T * dx, int64_t n, int64_t f) {
     parallel_for(n, kRowGrain, [&](int64_t begin, int64_t end) {
@@ -483,6 +535,8 @@ void row_sum_exp(const T * logits, const float * max, int64_t n, int64_t stride,
     template void squared_relu_backward(const T *, const T *, T *, int64_t);                                          \
     template void swiglu_forward(const T *, T *, int64_t, int64_t);                                                   \
     template void swiglu_backward(const T *, const T *, T *, int64_t, int64_t);                                       \
+    template void glu_forward(const T *, T *, int64_t, int64_t, const GluSpec &);                                     \
+    template void glu_backward(const T *, const T *, T *, int64_t, int64_t, const GluSpec &);                         \
     template void add_inplace(T *, const T *, int64_t);                                                               \
     template void embedding_forward(const int32_t *, const float *, const float *, T *, int64_t, int64_t, int64_t,    \
                                     const SeqPositions &);                                                            \

@@ -9,6 +9,7 @@
 // Legend: n rows (= s * b), h hidden, f ffn hidden, V vocab, d head dim.
 #pragma once
 
+#include "core/glu.h"
 #include "core/positions.h"
 
 #include "core/dtype.h"
@@ -63,6 +64,8 @@ template <class T> void bias_gelu_forward(T * x, const float * bias, T * y, uint
 // SwiGLU on (n, 2f) input [gate | up] -> (n, f): y = silu(gate) * up.
 template <class T> void swiglu_forward(const T * x, T * y, int64_t n, int64_t f);
 template <class T> void swiglu_backward(const T * x, const T * dy, T * dx, int64_t n, int64_t f);
+template <class T> void glu_forward(const T * x, T * y, int64_t n, int64_t f, const GluSpec & glu);
+template <class T> void glu_backward(const T * x, const T * dy, T * dx, int64_t n, int64_t f, const GluSpec & glu);
 
 // Squared ReLU, elementwise: y = max(x, 0)^2, dx = dy * 2 max(x, 0).
 template <class T> void squared_relu_forward(const T * x, T * y, int64_t count);

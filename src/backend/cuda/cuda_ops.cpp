@@ -457,6 +457,26 @@ public:
         });
         cs.launched("swiglu_backward", {x, dy, dx});
     }
+    void glu_forward(Stream & s, const Tensor & x, const Tensor & y, const GluSpec & glu) override {
+        int64_t n, two_f;
+        std::tie(n, two_f) = op_checks::swiglu_forward(x, y);
+        CudaStream & cs = start(s, "glu_forward", {x, y});
+        cudaStream_t stream = cs.launch("glu_forward");
+        with_activations(x, [&]<class T>(T *) { kernels::glu_forward(stream, act<T>(x), act<T>(y), n, two_f / 2, glu); });
+        cs.launched("glu_forward", {x, y});
+    }
+
+    void glu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx, const GluSpec & glu) override {
+        int64_t n, two_f;
+        std::tie(n, two_f) = op_checks::swiglu_backward(x, dy, dx);
+        CudaStream & cs = start(s, "glu_backward", {x, dy, dx});
+        cudaStream_t stream = cs.launch("glu_backward");
+        with_activations(x, [&]<class T>(T *) {
+            kernels::glu_backward(stream, act<T>(x), act<T>(dy), act<T>(dx), n, two_f / 2, glu);
+        });
+        cs.launched("glu_backward", {x, dy, dx});
+    }
+
 
     void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base,
               bool inverse, int64_t rotary_dim, bool interleaved, const SeqPositions & positions,

@@ -462,6 +462,41 @@ __global__ void swiglu_backward_kernel(const T * x, const T * dy, T * dx, int64_
     }
 }
 
+// std::min and std::max as the CPU's code calls them (the second argument when it compares less or greater;
+// a NaN first argument is kept).
+__device__ __forceinline__ float host_min(float a, float b) { return b < a ? b : a; }
+__device__ __forceinline__ float host_max(float a, float b) { return a < b ? b : a; }
+
+template <class T>
+__global__ void glu_forward_kernel(const T * x, T * y, int64_t n, int64_t f, float k, float c, float offset) {
+    LOOM_GRID_STRIDE(i, n * f) {
+        const int64_t r = i / f, j = i % f;
+        float         a = to_f32(x[r * 2 * f + j]), b = to_f32(x[r * 2 * f + f + j]);
+        if (c > 0.0f) {
+            a = host_min(a, c);
+            b = host_min(host_max(b, -c), c);
+        }
+        const float act = __fmul_rn(a, sigmoid(__fmul_rn(k, a)));
+        y[i]            = from_f32<T>(__fmul_rn(act, __fadd_rn(b, offset)));
+    }
+}
+
+template <class T>
+__global__ void glu_backward_kernel(const T * x, const T * dy, T * dx, int64_t n, int64_t f, float k, float c, float offset) {
+    LOOM_GRID_STRIDE(i, n * f) {
+        const int64_t r = i / f, j = i % f;
+        const float   a0 = to_f32(x[r * 2 * f + j]), b0 = to_f32(x[r * 2 * f + f + j]);
+        const bool    clamped = c > 0.0f;
+        const bool    pass_a = !clamped || a0 <= c, pass_b = !clamped || (b0 >= -c && b0 <= c);
+        const float   a = clamped ? host_min(a0, c) : a0, b = clamped ? host_min(host_max(b0, -c), c) : b0;
+        const float   s = sigmoid(__fmul_rn(k, a));
+        const float   d = to_f32(dy[i]);
+        const float   slope = __fmul_rn(s, __fadd_rn(1.0f, __fmul_rn(__fmul_rn(k, a), __fadd_rn(1.0f, -s))));
+        dx[r * 2 * f + f + j] = from_f32<T>(pass_b ? __fmul_rn(d, __fmul_rn(a, s)) : 0.0f);
+        dx[r * 2 * f + j]     = from_f32<T>(pass_a ? __fmul_rn(__fmul_rn(d, __fadd_rn(b, offset)), slope) : 0.0f);
+    }
+}
+
 // ---- AdamW: core/host_adam.cpp's adam_element, operation for operation.
 
 // One element's AdamW: the single-tensor and the multi-tensor kernels share it, so their bits are one.
@@ -905,6 +940,20 @@ void swiglu_forward(cudaStream_t stream, const T * x, T * y, int64_t n, int64_t 
 }
 
 template <class T>
+void glu_forward(cudaStream_t stream, const T * x, T * y, int64_t n, int64_t f, GluSpec glu) {
+    const float k = glu.gate == GluSpec::Gate::quick_gelu ? 1.702f : 1.0f;
+    if (n * f > 0) LOOM_LAUNCH(glu_forward_kernel<T>, blocks_for(n * f), kThreads, 0, stream)(x, y, n, f, k, glu.clamp, glu.linear_offset);
+}
+
+template <class T>
+void glu_backward(cudaStream_t stream, const T * x, const T * dy, T * dx, int64_t n, int64_t f, GluSpec glu) {
+    const float k = glu.gate == GluSpec::Gate::quick_gelu ? 1.702f : 1.0f;
+    if (n * f > 0) {
+        LOOM_LAUNCH(glu_backward_kernel<T>, blocks_for(n * f), kThreads, 0, stream)(x, dy, dx, n, f, k, glu.clamp, glu.linear_offset);
+    }
+}
+
+template <class T>
 void swiglu_backward(cudaStream_t stream, const T * x, const T * dy, T * dx, int64_t n, int64_t f) {
     if (n * f > 0) LOOM_LAUNCH(swiglu_backward_kernel<T>, blocks_for(n * f), kThreads, 0, stream)(x, dy, dx, n, f);
 }
@@ -1052,6 +1101,8 @@ void loss_grad(cudaStream_t stream, const float * mask, double scale, float * dl
     template void squared_relu_backward(cudaStream_t, const T *, const T *, T *, int64_t);                           \
     template void swiglu_forward(cudaStream_t, const T *, T *, int64_t, int64_t);                                    \
     template void swiglu_backward(cudaStream_t, const T *, const T *, T *, int64_t, int64_t);                        \
+    template void glu_forward(cudaStream_t, const T *, T *, int64_t, int64_t, GluSpec);                              \
+    template void glu_backward(cudaStream_t, const T *, const T *, T *, int64_t, int64_t, GluSpec);                  \
     template void rope(cudaStream_t, T *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, const float *, \
                        bool, SeqPositions, float);                                                                   \
     template void dropout(cudaStream_t, const T *, T *, int64_t, int64_t, const DropoutKey &);                       \

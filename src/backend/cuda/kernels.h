@@ -15,6 +15,7 @@
 #include "core/column_sums.h"
 #include "core/float_bits.h"
 #include "core/fp8.h"
+#include "core/glu.h"
 #include "core/grad_norm_gate.h"
 #include "core/positions.h"
 
@@ -100,6 +101,9 @@ void bias_gelu_forward(cudaStream_t stream, T * x, const float * bias, T * y, ui
 template <class T> void gelu_backward(cudaStream_t stream, const T * x, const T * dy, T * dx, int64_t count);
 template <class T> void swiglu_forward(cudaStream_t stream, const T * x, T * y, int64_t n, int64_t f);
 template <class T> void swiglu_backward(cudaStream_t stream, const T * x, const T * dy, T * dx, int64_t n, int64_t f);
+// Ops::glu_forward / glu_backward: backend/cpu/ops.cpp's glu_forward and glu_backward, operation for operation.
+template <class T> void glu_forward(cudaStream_t stream, const T * x, T * y, int64_t n, int64_t f, GluSpec glu);
+template <class T> void glu_backward(cudaStream_t stream, const T * x, const T * dy, T * dx, int64_t n, int64_t f, GluSpec glu);
 template <class T> void squared_relu_forward(cudaStream_t stream, const T * x, T * y, int64_t count);
 template <class T> void squared_relu_backward(cudaStream_t stream, const T * x, const T * dy, T * dx, int64_t count);
 

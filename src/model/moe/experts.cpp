@@ -233,7 +233,7 @@ Tensor Experts::grouped_forward(Context & ctx, const Tensor & xp) {
         }
         ctx.pre_act = keep_for_backward(pre, dtype);
         if (expert_config.swiglu) {
-            ops.swiglu_forward(stream, pre, act);
+            gated_forward(expert_config, stream, pre, act);
         } else {
             ops.squared_relu_forward(stream, pre, act);
         }
@@ -306,7 +306,7 @@ Tensor Experts::grouped_backward(Context & ctx, const Tensor & dyp, const GradRe
     Tensor pre   = in_dtype(ctx.pre_act, DType::f32);
     Tensor d_pre = activation(device, R, f1);
     if (expert_config.swiglu) {
-        ops.swiglu_backward(stream, pre, d_act, d_pre);
+        gated_backward(expert_config, stream, pre, d_act, d_pre);
     } else if (expert_config.squared_relu) {
         ops.squared_relu_backward(stream, pre, d_act, d_pre);
     } else {
