@@ -1143,7 +1143,8 @@ double attention_dropout_factor(const Dropout & key, int64_t bi, int64_t hq, int
     return dropout_keep_attention(row, j, dropout_threshold(key.p)) ? 1.0 / (1.0 - static_cast<double>(key.p)) : 0.0;
 }
 
-// Naive causal softmax attention in double: the s x s probabilities of each (sequence, query head).
+// Naive causal softmax attention in double: the s x s probabilities of each (sequence, query head); with a
+// window w, query i sees keys max(0, i - w) .. i.
 // With dout given, also its gradient dqkv (assigned on the Q, K, V columns, 0 elsewhere). With dropout,
 // O = (z P) V and dS = P (z dP - rowsum(dO O)).
 void attention_reference(const std::vector<double> & qkv, const AttentionShape & a, double scale,
@@ -1159,20 +1160,21 @@ void attention_reference(const std::vector<double> & qkv, const AttentionShape &
         for (int64_t hq = 0; hq < a.nq; ++hq) {
             const int64_t hk = hq / group;
             for (int64_t i = 0; i < a.s; ++i) {
+                const int64_t j0 = a.window >= 0 ? std::max<int64_t>(0, i - a.window) : 0;   // the first key seen
                 double mx = -std::numeric_limits<double>::infinity();
-                for (int64_t j = 0; j <= i; ++j) {
+                for (int64_t j = j0; j <= i; ++j) {
                     double dot = 0;
                     for (int64_t dd = 0; dd < a.d; ++dd) dot += qkv[ix.q(i, bi, hq, dd)] * qkv[ix.k(j, bi, hk, dd)];
                     p[j] = scale * dot;
                     mx   = std::max(mx, p[j]);
                 }
                 double sum = 0;
-                for (int64_t j = 0; j <= i; ++j) sum += (p[j] = std::exp(p[j] - mx));
-                for (int64_t j = 0; j <= i; ++j) p[j] /= sum;
+                for (int64_t j = j0; j <= i; ++j) sum += (p[j] = std::exp(p[j] - mx));
+                for (int64_t j = j0; j <= i; ++j) p[j] /= sum;
                 lse[static_cast<size_t>((bi * a.nq + hq) * a.s + i)] = mx + std::log(sum);
                 std::vector<double> z(static_cast<size_t>(i + 1));
-                for (int64_t j = 0; j <= i; ++j) z[j] = attention_dropout_factor(dropout, bi, hq, i, j);
-                for (int64_t j = 0; j <= i; ++j) {
+                for (int64_t j = j0; j <= i; ++j) z[j] = attention_dropout_factor(dropout, bi, hq, i, j);
+                for (int64_t j = j0; j <= i; ++j) {
                     for (int64_t dd = 0; dd < a.d; ++dd) out[ix.o(i, bi, hq, dd)] += z[j] * p[j] * qkv[ix.v(j, bi, hk, dd)];
                 }
                 if (!dqkv) continue;
@@ -1180,7 +1182,7 @@ void attention_reference(const std::vector<double> & qkv, const AttentionShape &
                 // dK_j += scale dS_ij Q_i.
                 double delta = 0;
                 for (int64_t dd = 0; dd < a.d; ++dd) delta += (*dout)[ix.o(i, bi, hq, dd)] * out[ix.o(i, bi, hq, dd)];
-                for (int64_t j = 0; j <= i; ++j) {
+                for (int64_t j = j0; j <= i; ++j) {
                     double dp = 0;
                     for (int64_t dd = 0; dd < a.d; ++dd) dp += (*dout)[ix.o(i, bi, hq, dd)] * qkv[ix.v(j, bi, hk, dd)];
                     const double ds = p[j] * (z[j] * dp - delta);
@@ -1206,13 +1208,17 @@ double attention_loss(const std::vector<double> & qkv, const AttentionShape & a,
 
 }  // namespace
 
-static void attention_against_reference(const Dropout & dropout) {
+static void attention_against_reference(const Dropout & dropout, int64_t window = -1) {
     // (s, b, nq, nkv, d, row_stride): GQA with two query blocks of 64; multi-head with padded rows; one
-    // key/value head for four query heads.
-    const AttentionShape shapes[] = {{70, 2, 4, 2, 8, 8 * 8 + 3}, {5, 3, 2, 2, 4, 6 * 4 + 1}, {9, 1, 4, 1, 16, 6 * 16}};
-    int                  variant  = 0;
-    for (const AttentionShape & a : shapes) {
-        SCOPED_TRACE("attention shape " + std::to_string(variant) + (dropout.enabled() ? " with dropout" : ""));
+    // key/value head for four query heads. With a window, also three blocks of 64, where the last block's
+    // queries see no key of the first.
+    std::vector<AttentionShape> shapes = {{70, 2, 4, 2, 8, 8 * 8 + 3}, {5, 3, 2, 2, 4, 6 * 4 + 1}, {9, 1, 4, 1, 16, 6 * 16}};
+    if (window >= 0) shapes.push_back({150, 1, 2, 1, 8, 4 * 8});
+    int variant = 0;
+    for (AttentionShape a : shapes) {
+        a.window = window;
+        SCOPED_TRACE("attention shape " + std::to_string(variant) + (dropout.enabled() ? " with dropout" : "") +
+                     (window >= 0 ? ", window " + std::to_string(window) : ""));
         const int64_t       n = a.s * a.b, width = (a.nq + 2 * a.nkv) * a.d;
         const float         scale = 1.0f / std::sqrt(static_cast<float>(a.d));
         Tensor              qkv   = random_f32({n, a.row_stride}, 5000 + 10 * variant, -2.0f, 2.0f);
@@ -1314,6 +1320,18 @@ TEST(OpsAttention, DropoutOnTheProbabilitiesAgainstNaiveDoubleAttention) {
     key.batch  = 3;
     key.offset = 3;
     attention_against_reference(key);
+}
+
+// A sliding window (--window-size w,0): query i sees keys i - w .. i, the bound included; 1 (itself and the
+// one before), 3 (inside a block) and 20 (across blocks, a whole block skipped), with and without dropout.
+// (Window 0 leaves each query its own key alone: dQ and dK are 0 but for rounding, nothing to compare.)
+TEST(OpsAttention, SlidingWindowAgainstNaiveDoubleAttention) {
+    Dropout key;
+    key.p    = 0.3f;
+    key.seed = 99;
+    key.site = dropout_site(1, DropoutKind::attention_probs);
+    for (const int64_t window : {1, 3, 20}) attention_against_reference(Dropout{}, window);
+    attention_against_reference(key, 20);
 }
 
 // Context parallelism's blocks (core/positions.h): the sequence in 2 CP chunks, rank r holding chunks r and

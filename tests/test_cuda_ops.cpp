@@ -1235,6 +1235,20 @@ TEST(CudaOps, AttentionWithDropoutMatchesTheCpuMasks) {
     }
 }
 
+// Sliding windows (--window-size w,0): 1, 20 (tiles of 32 keys wholly before a query tile's window are
+// skipped) and 40, with and without dropout, on the shapes past one tile.
+TEST(CudaOps, AttentionSlidingWindowMatchesTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    uint64_t seed = 4500;
+    for (const int64_t window : {1, 20, 40}) {
+        for (AttentionShape a : {kAttentionShapes[3], kAttentionShapes[5]}) {
+            a.window = window;
+            attention_matches_the_cpu({a, false, false}, seed += 10, 2e-5, 5e-5);
+            attention_matches_the_cpu({a, true, true}, seed += 10, 2e-5, 5e-5);
+        }
+    }
+}
+
 // Context parallelism's blocks: CP 2 with chunks of 35 rows, each rank's queries (Q alone) against its own
 // keys and values and then the other rank's (K | V rows, global positions: rank 0's first chunk sees none of
 // rank 1's keys, which leaves lse -inf there before the merge), merged; backward per block from the merged

@@ -54,6 +54,9 @@ struct AttentionShape {
     int64_t      k_col         = -1;   // K's first column in kv (-1: nq d, after Q)
     int64_t      v_col         = -1;   // V's first column in kv (-1: (nq + nkv) d)
     SeqPositions q_pos, k_pos;
+    // A sliding window (--window-size L,0): query position p sees keys at p - window .. p; -1: every earlier
+    // key (causal only).
+    int64_t      window = -1;
 
     int64_t keys() const { return s_kv > 0 ? s_kv : s; }
     int64_t kv_stride() const { return kv_row_stride > 0 ? kv_row_stride : row_stride; }

@@ -39,11 +39,18 @@ void gather_t(const T * src, const Layout & L, int64_t bi, int64_t s0, int64_t c
     }
 }
 
-// The keys j0 .. j0 + count of a block that query position qp sees: a prefix, positions increasing.
-int64_t visible(const SeqPositions & k_pos, int64_t j0, int64_t cols, int64_t qp) {
-    int64_t n = 0;
-    while (n < cols && k_pos(j0 + n) <= qp) ++n;
-    return n;
+// The keys of a block j0 .. j0 + cols that query position qp sees, [lo, hi) of the block: causal, keys at
+// positions <= qp, and with a window w >= 0 also >= qp - w (positions increase along the keys).
+struct Visible {
+    int64_t lo = 0, hi = 0;
+};
+Visible visible(const SeqPositions & k_pos, int64_t j0, int64_t cols, int64_t qp, int64_t window) {
+    Visible v;
+    while (v.hi < cols && k_pos(j0 + v.hi) <= qp) ++v.hi;
+    if (window >= 0) {
+        while (v.lo < v.hi && k_pos(j0 + v.lo) < qp - window) ++v.lo;
+    }
+    return v;
 }
 
 // S (rows, cols) = scale * A (rows, d) . Bt (d, cols), with Bt's row stride kBlock.
@@ -103,28 +110,30 @@ void attention_forward(const T * qkv_q, const T * kv, T * out, float * lse, cons
                 const int64_t last = a.q_pos(i0 + rows - 1);   // the block's last query position
                 for (int64_t j0 = 0; j0 < s_kv && a.k_pos(j0) <= last; j0 += kBlock) {
                     int64_t cols = std::min(kBlock, s_kv - j0);
+                    if (a.window >= 0 && a.k_pos(j0 + cols - 1) < a.q_pos(i0) - a.window) continue;   // before every window
                     gather_t(kv, K, bi, j0, cols, k_col + hk * a.d, kt.data());
                     gather(kv, K, bi, j0, cols, v_col + hk * a.d, v.data());
                     scores(q.data(), kt.data(), rows, cols, a.d, scale, s.data());
                     for (int64_t r = 0; r < rows; ++r) {
                         const int64_t qp    = a.q_pos(i0 + r);
                         float *       sr    = s.data() + r * kBlock;
-                        int64_t       limit = visible(a.k_pos, j0, cols, qp);   // causal: keys <= query
-                        if (limit == 0) continue;
+                        const Visible vis   = visible(a.k_pos, j0, cols, qp, a.window);   // causal, windowed
+                        const int64_t lo = vis.lo, limit = vis.hi;
+                        if (lo == limit) continue;
                         float   mx    = m[r];
-                        for (int64_t c = 0; c < limit; ++c) mx = std::max(mx, sr[c]);
+                        for (int64_t c = lo; c < limit; ++c) mx = std::max(mx, sr[c]);
                         float correction = exp_approx(m[r] - mx);
-                        for (int64_t c = 0; c < limit; ++c) sr[c] = exp_approx(sr[c] - mx);
+                        for (int64_t c = lo; c < limit; ++c) sr[c] = exp_approx(sr[c] - mx);
                         float sum = 0;
-                        for (int64_t c = 0; c < limit; ++c) sum += sr[c];
+                        for (int64_t c = lo; c < limit; ++c) sum += sr[c];
                         float * ar = acc.data() + r * a.d;
                         for (int64_t dd = 0; dd < a.d; ++dd) ar[dd] *= correction;
                         if (dropped) {   // l sums the undropped probabilities; O takes the dropped ones
                             mask.draw(dropout_attention_row(base, dropout.head_offset + hq, qp), a.k_pos, j0, limit,
                                       z.data());
-                            for (int64_t c = 0; c < limit; ++c) sr[c] *= z[c];
+                            for (int64_t c = lo; c < limit; ++c) sr[c] *= z[c];
                         }
-                        for (int64_t c = 0; c < limit; ++c) {
+                        for (int64_t c = lo; c < limit; ++c) {
                             float         p  = sr[c];
                             const float * vr = v.data() + c * a.d;
                             for (int64_t dd = 0; dd < a.d; ++dd) ar[dd] += p * vr[dd];
@@ -205,6 +214,7 @@ void attention_backward(const T * qkv_q, const T * kv, const T * out, const T * 
                     for (int64_t i0 = 0; i0 < a.s; i0 += kBlock) {
                         int64_t rows = std::min(kBlock, a.s - i0);
                         if (a.q_pos(i0 + rows - 1) < first_key) continue;   // no query of the block sees a key
+                        if (a.window >= 0 && a.q_pos(i0) - a.window > a.k_pos(j0 + cols - 1)) continue;   // past the window
                         gather(qkv_q, Q, bi, i0, rows, hq * d, q.data());
                         gather(dout, O, bi, i0, rows, hq * d, dob.data());
                         scores(q.data(), kt.data(), rows, cols, d, scale, p.data());
@@ -214,19 +224,20 @@ void attention_backward(const T * qkv_q, const T * kv, const T * out, const T * 
                             float *       pr    = p.data() + r * kBlock;
                             float *       dpr   = dp.data() + r * kBlock;
                             const int64_t qp    = a.q_pos(i0 + r);
-                            int64_t       limit = visible(a.k_pos, j0, cols, qp);
+                            const Visible vis   = visible(a.k_pos, j0, cols, qp, a.window);
+                            const int64_t lo = vis.lo, limit = vis.hi;
                             float   li = lse_h[i0 + r], di = delta[i0 + r];
                             if (dropped) {   // pr becomes z P (for dV), dS takes z dP
                                 mask.draw(dropout_attention_row(base, dropout.head_offset + hq, qp), a.k_pos, j0, cols,
                                           z.data());
                                 for (int64_t c = 0; c < cols; ++c) {
-                                    float pv = c < limit ? exp_approx(pr[c] - li) : 0.0f;
+                                    float pv = c >= lo && c < limit ? exp_approx(pr[c] - li) : 0.0f;
                                     pr[c]    = pv * z[c];
                                     dpr[c]   = pv * (z[c] * dpr[c] - di) * scale;
                                 }
                             } else {
                                 for (int64_t c = 0; c < cols; ++c) {
-                                    float pv = c < limit ? exp_approx(pr[c] - li) : 0.0f;
+                                    float pv = c >= lo && c < limit ? exp_approx(pr[c] - li) : 0.0f;
                                     pr[c]    = pv;
                                     dpr[c]   = pv * (dpr[c] - di) * scale;   // dS, scaled
                                 }
@@ -234,7 +245,7 @@ void attention_backward(const T * qkv_q, const T * kv, const T * out, const T * 
                             const float * dor = dob.data() + r * d;
                             const float * qr  = q.data() + r * d;
                             float *       dqr = dq.data() + r * d;
-                            for (int64_t c = 0; c < limit; ++c) {
+                            for (int64_t c = lo; c < limit; ++c) {
                                 float pv = pr[c], ds = dpr[c];
                                 float *       dvc = dv.data() + c * d;
                                 float *       dkc = dk.data() + c * d;

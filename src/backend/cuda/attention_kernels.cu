@@ -48,9 +48,14 @@ __device__ void attn_load(float * dst, const E * src, int64_t row0, int64_t rows
     }
 }
 
-// Whether query row i sees key row j (both in range).
+// Whether query row i sees key row j (both in range): causal, and within the window when there is one.
 __device__ __forceinline__ bool attn_visible(const AttentionDims & a, int64_t i, int64_t j) {
-    return i < a.s && j < a.s_kv && a.k_pos(j) <= a.q_pos(i);
+    return i < a.s && j < a.s_kv && a.k_pos(j) <= a.q_pos(i) && (a.window < 0 || a.k_pos(j) >= a.q_pos(i) - a.window);
+}
+// Whether no key of the tile from j0 falls in row i's window (keys' positions increase along the tile).
+__device__ __forceinline__ bool attn_before_window(const AttentionDims & a, int64_t i, int64_t j0) {
+    const int64_t last_key = (j0 + kAttnTile < a.s_kv ? j0 + kAttnTile : a.s_kv) - 1;
+    return a.window >= 0 && a.k_pos(last_key) < a.q_pos(i) - a.window;
 }
 // The last query position of the tile from row i0.
 __device__ __forceinline__ int64_t attn_last_query(const AttentionDims & a, int64_t i0) {
@@ -105,6 +110,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_forward_kernel(const E
     const int64_t last  = attn_last_query(a, i0);
 
     for (int64_t j0 = 0; j0 < a.s_kv && a.k_pos(j0) <= last; j0 += T) {
+        if (attn_before_window(a, i0, j0)) continue;   // the tile's first query (and so every one) is past these keys
         __syncthreads();   // the previous tile's K, V and P are no longer read
         attn_load(ks, kv, j0, a.s_kv, bi, a.k_col + hk * a.d, a.kv_stride, a, ds);
         attn_load(vs, kv, j0, a.s_kv, bi, a.v_col + hk * a.d, a.kv_stride, a, ds);
@@ -118,7 +124,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_forward_kernel(const E
         // The online softmax, a warp per row: lane c holds key j0 + c.
         for (int r = warp; r < T; r += kAttnThreads / 32) {
             const int64_t i = i0 + r, j = j0 + lane;
-            if (i >= a.s || a.k_pos(j0) > a.q_pos(i)) {   // no key of this tile is visible to row i (or no row i)
+            if (i >= a.s || a.k_pos(j0) > a.q_pos(i) || attn_before_window(a, i, j0)) {   // no key of this tile for row i
                 ps[r * (T + 1) + lane] = 0.0f;
                 if (lane == 0) corr[r] = 1.0f;
                 continue;
@@ -242,6 +248,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_dq_kernel(const E * q,
     const int64_t last = attn_last_query(a, i0);
 
     for (int64_t j0 = 0; j0 < a.s_kv && a.k_pos(j0) <= last; j0 += T) {
+        if (attn_before_window(a, i0, j0)) continue;   // the tile's first query (and so every one) is past these keys
         __syncthreads();
         attn_load(ks, kv, j0, a.s_kv, bi, a.k_col + hk * a.d, a.kv_stride, a, ds);
         attn_load(vs, kv, j0, a.s_kv, bi, a.v_col + hk * a.d, a.kv_stride, a, ds);
@@ -294,6 +301,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_dkdv_kernel(const E * 
         for (int64_t qt = 0; qt < tiles; ++qt) {
             const int64_t i0 = qt * T;
             if (attn_last_query(a, i0) < first_key) continue;   // no query of the tile sees a key of this one
+            if (attn_before_window(a, i0, j0)) continue;        // nor, past its window, its first query
             __syncthreads();
             attn_load(qs, q, i0, a.s, bi, hq * a.d, a.row_stride, a, ds);
             attn_load(dos, dout, i0, a.s, bi, hq * a.d, a.nq * a.d, a, ds);

@@ -118,7 +118,7 @@ const int64_t * device_sample_ids(CudaStream & cs, cudaStream_t stream, const Dr
 
 kernels::AttentionDims attention_dims(const AttentionShape & a) {
     return {a.s,    a.b,           a.nq,         a.nkv,        a.d,     a.row_stride,
-            a.keys(), a.kv_stride(), a.k_column(), a.v_column(), a.q_pos, a.k_pos};
+            a.keys(), a.kv_stride(), a.k_column(), a.v_column(), a.q_pos, a.k_pos, a.window};
 }
 
 // The limits of the CUDA kernels (Ops::supports): attention keeps a (32, d) block per 256 threads in
