@@ -84,6 +84,7 @@ struct Layout {
     std::vector<model::CpCommType> per_layer{};      // one type per layer instead of `type`
     std::vector<int64_t>           hierarchical{};   // a2a+p2p sizes
     int                            instances = 1;    // distributed-optimizer instances over dp x cp (with zero1)
+    int64_t                        window = -1;      // --window-size window,0 on every other layer (skip freq 2)
     static const char * type_name(model::CpCommType t) {
         return t == model::CpCommType::p2p ? "p2p" : t == model::CpCommType::a2a ? "a2a"
              : t == model::CpCommType::allgather ? "allgather" : "a2a+p2p";
@@ -99,11 +100,20 @@ struct Layout {
                (tp > 1 ? " tp " + std::to_string(tp) : "") + (sp ? " sp" : "") + (pp > 1 ? " pp " + std::to_string(pp) : "") +
                (vpp > 1 ? " vpp " + std::to_string(vpp) : "") + (zero1 ? " zero-1, both overlaps" : "") +
                (instances > 1 ? " " + std::to_string(instances) + " instances" : "") +
-               (moe ? " moe ep " + std::to_string(ep) : "") + (sinkhorn ? " sinkhorn" : "");
+               (moe ? " moe ep " + std::to_string(ep) : "") + (sinkhorn ? " sinkhorn" : "") +
+               (window >= 0 ? " window " + std::to_string(window) : "");
     }
 };
 
 using Run = testing_models::LayoutRun;
+
+// The model a layout trains, the same on one rank.
+train::TrainOptions options_of(const Layout & l) {
+    train::TrainOptions o = small_options(l.llama, l.moe, l.sinkhorn, l.mla);
+    o.model.window_size      = l.window;
+    o.model.window_skip_freq = 2;
+    return o;
+}
 
 Run parallel_run(const Layout & l) {
     parallel::ParallelSizes sizes;
@@ -116,7 +126,7 @@ Run parallel_run(const Layout & l) {
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi, l.instances, l.hierarchical);
 
-    train::TrainOptions o   = small_options(l.llama, l.moe, l.sinkhorn, l.mla);
+    train::TrainOptions o   = options_of(l);
     o.parallel              = config;
     o.cp_comm_types         = l.per_layer.empty() ? std::vector<model::CpCommType>{l.type} : l.per_layer;
     o.hierarchical_cp_sizes = l.hierarchical;
@@ -133,7 +143,7 @@ Run parallel_run(const Layout & l) {
 
 void expect_follows_reference(const Layout & l) {
     SCOPED_TRACE(l.name());
-    const testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(l.llama, l.moe, l.sinkhorn, l.mla));
+    const testing_models::SingleRankRun ref = testing_models::train_single_rank(options_of(l));
     const Run                           run = parallel_run(l);
     ASSERT_EQ(run.losses.size(), ref.losses.size());
     double worst_loss = 0, worst_param = 0;
@@ -185,6 +195,10 @@ TEST(ContextParallel, EachCommTypeFollowsTheSingleRankRun) {
     expect_follows_reference({.cp = cp, .type = CpCommType::allgather});
     // a2a splits the heads over CP: the Llama-style model's 2 query groups take CP 2, the GPT's 4 CP 4.
     expect_follows_reference({.cp = cp, .type = CpCommType::a2a, .llama = cp == 2});
+    // A sliding window of 5 keys on layers 1 and 3 (--window-size 5,0 --window-attn-skip-freq 2), across the
+    // chunks' edges: the ring's blocks and the heads' all-to-all mask by global positions.
+    expect_follows_reference({.cp = cp, .type = CpCommType::p2p, .window = 5});
+    expect_follows_reference({.cp = cp, .type = CpCommType::a2a, .llama = cp == 2, .window = 5});
 }
 
 // MoE layers: the router's balancing counts summed over the CP ranks (its losses are each rank's share), the

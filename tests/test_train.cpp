@@ -1036,6 +1036,40 @@ TEST(MegatronCommandLine, QuickGegluFlagsFollowMegatronsRules) {
     expect_refused(bad, 1);
 }
 
+// --window-size (tuple_type: "L,R" or "(L,R)") and --window-attn-skip-freq (an integer or a list expression)
+// by Megatron's is_layer_window_attention (1-based layer numbers); (-1, 0) is causal attention; a right side,
+// and a window under MTP, refused by name.
+TEST(MegatronCommandLine, WindowAttentionFlagsFollowMegatronsRules) {
+    const train::TrainOptions all = parse_train({"--mock-data", "--num-layers", "4", "--window-size", "(127,0)"});
+    for (int64_t i = 0; i < 4; ++i) EXPECT_EQ(all.model.attention_window(i), 127) << "layer " << i;
+    const train::TrainOptions freq = parse_train({"--mock-data", "--num-layers", "4", "--window-size", "127,0",
+                                                  "--window-attn-skip-freq", "2"});
+    EXPECT_EQ(freq.model.attention_window(0), 127) << "layer number 1: 1 % 2 != 0";
+    EXPECT_EQ(freq.model.attention_window(1), -1) << "layer number 2: full attention";
+    EXPECT_EQ(freq.model.attention_window(2), 127);
+    EXPECT_EQ(freq.model.attention_window(3), -1);
+    const train::TrainOptions list = parse_train({"--mock-data", "--num-layers", "4", "--window-size", "8,0",
+                                                  "--window-attn-skip-freq", "[0]*1+[1]*3"});
+    EXPECT_EQ(list.model.attention_window(0), -1);
+    EXPECT_EQ(list.model.attention_window(3), 8);
+    EXPECT_EQ(parse_train({"--mock-data", "--window-size", "(-1,0)"}).model.attention_window(0), -1)
+        << "causal (argparse reads -1,0 as a flag: Megatron's users write (-1,0))";
+    EXPECT_EQ(parse_train({"--mock-data", "--window-attn-skip-freq", "2"}).model.attention_window(0), -1)
+        << "no window without --window-size";
+    const std::pair<std::vector<std::string>, const char *> bad[] = {
+        {{"--window-size", "127"}, "--window-size '127' is not a pair (left, right)"},
+        {{"--window-size", "a,0"}, "argument --window-size: invalid tuple_type value: 'a,0'"},
+        {{"--window-size", "127,4"}, "--window-size with a right side of 4 is not supported by Loom"},
+        {{"--window-size", "(-2,0)"}, "--window-size's left side must be >= -1"},
+        {{"--num-layers", "4", "--window-size", "8,0", "--window-attn-skip-freq", "[1,0]"},
+         "--window-attn-skip-freq '[1,0]' gives 2 layers, the model has 4"},
+        {{"--window-size", "8,0", "--window-attn-skip-freq", "0"}, "neither an integer >= 1 nor a list expression"},
+        {{"--position-embedding-type", "rope", "--window-size", "8,0", "--mtp-num-layers", "1"},
+         "--window-size with --mtp-num-layers is not supported by Loom"},
+    };
+    expect_refused(bad, 1);
+}
+
 // --fine-grained-activation-offloading: the module names into GptConfig's bits, Megatron's checks in its
 // words, and the knobs Loom does not take refused by name.
 TEST(MegatronCommandLine, ActivationOffloadingFlagsFollowMegatronsRules) {

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace loom::model {
 
@@ -144,6 +145,18 @@ struct GptConfig {
     int64_t              fp8_bf16_first            = 0;
     int64_t              fp8_bf16_last             = 0;
     // Whether layer `index` (of the decoder; an MTP depth's index past them counts as the last) runs FP8.
+    // Sliding-window attention (--window-size L,0): the layers it applies to see keys p - L .. p, the rest
+    // every earlier key. Which layers (Megatron's is_layer_window_attention, by 1-based layer number n): every
+    // one without --window-attn-skip-freq; with an integer N those with n % N != 0; with a list, entry n - 1.
+    int64_t              window_size       = -1;   // L; -1: no window
+    int64_t              window_skip_freq  = 0;    // N; 0: not given
+    std::vector<int>     window_layers;            // the list form (1: windowed), one entry per decoder layer
+    int64_t attention_window(int64_t index) const {   // index: the decoder layer, from 0
+        if (window_size < 0) return -1;
+        if (!window_layers.empty()) return window_layers[static_cast<size_t>(index)] != 0 ? window_size : -1;
+        if (window_skip_freq > 0) return (index + 1) % window_skip_freq != 0 ? window_size : -1;
+        return window_size;
+    }
     // The gated MLP's activation when it is not plain SwiGLU (quick-GEGLU, or a clamp): Ops::glu_forward's spec.
     std::optional<GluSpec> glu_spec() const {
         if (!swiglu || (!quick_geglu && activation_clamp == 0.0f && glu_linear_offset == 0.0f)) return std::nullopt;

@@ -514,10 +514,11 @@ void SelfAttention::parameters(std::vector<Parameter *> & out) {
 namespace {
 
 AttentionShape attention_shape(const GptConfig & c, int64_t heads, int64_t groups, int64_t s, int64_t b,
-                               const ContextParallel & cp) {
+                               const ContextParallel & cp, int64_t window) {
     int64_t        d = c.head_dim();
     AttentionShape shape{s, b, heads, groups, d, (heads + 2 * groups) * d};
     shape.q_pos = shape.k_pos = cp.positions(s);
+    shape.window = window;
     return shape;
 }
 
@@ -542,10 +543,12 @@ float mla_softmax_scale(const GptConfig & c) {
 
 // MLA's attention operands: a query and a key/value head per head, each of dn + dr (V padded), rows of
 // [Q heads | K heads | V heads].
-AttentionShape mla_shape(const GptConfig & c, int64_t heads, int64_t s, int64_t b, const ContextParallel & cp) {
+AttentionShape mla_shape(const GptConfig & c, int64_t heads, int64_t s, int64_t b, const ContextParallel & cp,
+                         int64_t window) {
     const int64_t  dqk = c.mla_qk_dim();
     AttentionShape shape{s, b, heads, heads, dqk, 3 * heads * dqk};
     shape.q_pos = shape.k_pos = cp.positions(s);
+    shape.window = window;
     return shape;
 }
 
@@ -579,7 +582,7 @@ void SelfAttention::attend_backward(Context & ctx, const Tensor & q_k_v, const T
 }
 
 Tensor SelfAttention::mla_packed_rows(const Tensor & q, const Tensor & kv, const Tensor & k_pe, int64_t s, int64_t b) const {
-    const AttentionShape shape  = mla_shape(config, heads, s, b, cp);
+    const AttentionShape shape  = mla_shape(config, heads, s, b, cp, window);
     Ops &                ops    = q.device().ops();
     Stream &             stream = q.device().compute_stream();
     const int64_t a = heads, dn = config.qk_head_dim, dr = config.qk_pos_emb_head_dim, dv = config.v_head_dim, dqk = dn + dr;
@@ -620,7 +623,7 @@ void SelfAttention::restore_input(Context & ctx, const Tensor & x_rows) const {
 }
 
 Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const Dropout & dropout) {
-    const AttentionShape shape = mla_shape(config, heads, s, b, cp);
+    const AttentionShape shape = mla_shape(config, heads, s, b, cp, window);
     Ops &          ops    = x.device().ops();
     Stream &       stream = x.device().compute_stream();
     const int64_t  a = heads, dn = config.qk_head_dim, dr = config.qk_pos_emb_head_dim, dv = config.v_head_dim;
@@ -662,7 +665,7 @@ Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, in
 }
 
 Tensor SelfAttention::mla_backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
-    const AttentionShape shape = mla_shape(config, heads, ctx.s, ctx.b, cp);
+    const AttentionShape shape = mla_shape(config, heads, ctx.s, ctx.b, cp, window);
     Ops &          ops    = dy.device().ops();
     Stream &       stream = dy.device().compute_stream();
     Device &       device = dy.device();
@@ -732,7 +735,7 @@ Tensor SelfAttention::mla_backward(Context & ctx, const Tensor & dy, const GradR
 
 Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const Dropout & dropout) {
     if (mla) return mla_forward(ctx, x, s, b, dropout);
-    AttentionShape shape  = attention_shape(config, heads, groups, s, b, cp);
+    AttentionShape shape  = attention_shape(config, heads, groups, s, b, cp, window);
     Ops &          ops    = x.device().ops();
     Stream &       stream = x.device().compute_stream();
     ctx.s       = s;
@@ -757,7 +760,7 @@ Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_
 
 Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
     if (mla) return mla_backward(ctx, dy, ready);
-    AttentionShape shape  = attention_shape(config, heads, groups, ctx.s, ctx.b, cp);
+    AttentionShape shape  = attention_shape(config, heads, groups, ctx.s, ctx.b, cp, window);
     Ops &          ops    = dy.device().ops();
     Stream &       stream = dy.device().compute_stream();
     const DType act = dy.dtype();
@@ -1027,8 +1030,10 @@ std::vector<HeadColumns> out_head_columns(const AttentionShape & a, int cp) { re
 
 // The whole sequence's attention of this rank's share of the heads.
 AttentionShape whole_shape(const AttentionShape & a, int cp) {
-    const int64_t hs = a.nq / cp, gs = a.nkv / cp;
-    return {a.s * cp, a.b, hs, gs, a.d, (hs + 2 * gs) * a.d};
+    const int64_t  hs = a.nq / cp, gs = a.nkv / cp;
+    AttentionShape whole{a.s * cp, a.b, hs, gs, a.d, (hs + 2 * gs) * a.d};
+    whole.window = a.window;   // the whole sequence in order: its positions are its rows
+    return whole;
 }
 
 }  // namespace

@@ -286,6 +286,7 @@ public:
         std::unique_ptr<Linear> kv_up;     // rkv -> a (dn + dv)
     };
     std::unique_ptr<Latent> mla;
+    int64_t                 window = -1;   // GptConfig::attention_window of this layer
 
 private:
     // The attention of packed [Q | K | V] rows into out (and ctx.lse), through the context-parallel exchanges

@@ -32,6 +32,7 @@ TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & 
             device, tp) {
     norm1.set_one_plus(c.apply_layernorm_1p);
     norm2.set_one_plus(c.apply_layernorm_1p);
+    if (index < c.num_layers) attention.window = c.attention_window(index);   // (MTP with a window is refused)
     const std::string name = layer_prefix(index, prefix) + ".mlp";
     if (c.is_moe_layer(index)) {
         moe        = std::make_unique<MoELayer>(name, c, c.moe, device, tp, ep, cp);

@@ -30,7 +30,8 @@ const std::map<std::string, json> & later_args() {
                                                          {"qk_pos_emb_head_dim", nullptr}, {"v_head_dim", nullptr},
                                                          {"mtp_num_layers", nullptr}, {"quick_geglu", false},
                                                          {"glu_linear_offset", 0.0},
-                                                         {"activation_func_clamp_value", nullptr}};
+                                                         {"activation_func_clamp_value", nullptr},
+                                                         {"window_size", nullptr}, {"window_attn_skip_freq", nullptr}};
     return defaults;
 }
 
@@ -305,6 +306,17 @@ void apply_checkpoint_args(model::GptConfig & m, const checkpoint::Index & index
     m.glu_linear_offset = real("glu_linear_offset", saved_or_dense(a, "glu_linear_offset"));
     if (const json clamp = saved_or_dense(a, "activation_func_clamp_value"); !clamp.is_null()) {
         m.activation_clamp = real("activation_func_clamp_value", clamp);
+    }
+    if (const json window = saved_or_dense(a, "window_size"); !window.is_null()) {   // [L, 0]
+        if (!window.is_array() || window.size() != 2) bad("window_size", window);
+        m.window_size = integer("window_size", window[0]);
+        const json freq = saved_or_dense(a, "window_attn_skip_freq");
+        if (freq.is_array()) {
+            m.window_layers.clear();
+            for (const json & v : freq) m.window_layers.push_back(static_cast<int>(integer("window_attn_skip_freq", v)));
+        } else if (!freq.is_null()) {
+            m.window_skip_freq = integer("window_attn_skip_freq", freq);
+        }
     }
     m.qk_layernorm  = flag("qk_layernorm", a.value("qk_layernorm", json(false)));   // absent before the flag
     const json & position = at("position_embedding_type");

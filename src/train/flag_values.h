@@ -60,6 +60,7 @@ struct ModelFlags {
     // The gated MLP's quick-GEGLU, offset and clamp (TransformerConfig's glu_linear_offset and
     // activation_func_clamp_value; the clamp's None: not given).
     bool        quick_geglu = false;
+    std::string window_size, window_skip_freq;   // --window-size "L,R" (tuple_type), --window-attn-skip-freq
     float       glu_linear_offset = 0.0f, activation_clamp = 0.0f;
     // FP8 (TransformerConfig's fields; "": --fp8-format None).
     std::string fp8_format, fp8_recipe = "delayed", fp8_amax_compute_algo = "most_recent";

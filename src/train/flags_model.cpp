@@ -4,9 +4,13 @@
 #include "core/rope.h"
 #include "model/gpt_config.h"
 #include "train/flag_values.h"
+#include "train/layer_pattern.h"
 #include "train/options.h"
 
+#include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
 
 namespace loom::train {
 
@@ -69,6 +73,19 @@ const Flag<ModelFlags> kModelFlags[] = {
     {"--quick-geglu", kSize, &M::quick_geglu,
      "gated MLP with quick-GELU: x sigmoid(1.702 x) of the gate times the linear half (gpt-oss)", kPlain,
      {"quick_geglu", [](const TrainOptions & o) -> json { return o.model.quick_geglu; }, true}},
+    {"--window-size", kSize, &M::window_size,
+     "sliding-window attention \"L,R\": each query sees the L keys before it and itself (R must be 0: causal); "
+     "(-1, 0) is plain causal attention", kPlain,
+     {"window_size", [](const TrainOptions & o) -> json {
+          return o.model.window_size >= 0 ? json::array({o.model.window_size, 0}) : json(nullptr);
+      }, true}},
+    {"--window-attn-skip-freq", kSize, &M::window_skip_freq,
+     "which layers take the window: an integer N (layer n windowed when n % N != 0), or a list expression of 1 "
+     "(window) and 0 (full), one per layer", kPlain,
+     {"window_attn_skip_freq", [](const TrainOptions & o) -> json {
+          if (!o.model.window_layers.empty()) return json(o.model.window_layers);
+          return o.model.window_skip_freq > 0 ? json(o.model.window_skip_freq) : json(nullptr);
+      }, true}},
     {"--glu-linear-offset", "transformer configuration", &M::glu_linear_offset,
      "added to a gated MLP's linear half before the product (gpt-oss: 1)", kShowDefault,
      {"glu_linear_offset", [](const TrainOptions & o) -> json { return o.model.glu_linear_offset; }, true}},
@@ -238,6 +255,52 @@ void resolve_fp8(const ModelFlags & f, TrainOptions & o) {
         m.fp8_bf16_first = f.fp8_bf16_first;
         m.fp8_bf16_last  = f.fp8_bf16_last;
     }
+}
+
+// --window-size (Megatron's tuple_type: "L,R" or "(L,R)") and --window-attn-skip-freq (moe_freq_type: an
+// integer or a list expression), by Megatron's is_layer_window_attention. Loom's limits, refused by name: a
+// right window (keys after the query), a left one below -1, and a window under MTP.
+void resolve_window(const ModelFlags & f, const Given & given, model::GptConfig & m) {
+    if (!given("--window-size")) return;   // Megatron reads the skip frequency only with a window
+    std::string text = f.window_size;
+    text.erase(std::remove_if(text.begin(), text.end(), [](char c) { return c == '(' || c == ')'; }), text.end());
+    std::vector<int64_t> sides;
+    for (size_t at = 0; at <= text.size();) {
+        const size_t comma = std::min(text.find(',', at), text.size());
+        const std::string part = text.substr(at, comma - at);
+        char *            end  = nullptr;
+        errno                  = 0;
+        const long long   v    = std::strtoll(part.c_str(), &end, 10);
+        LOOM_CHECK(!part.empty() && *end == '\0' && errno == 0,
+                   "argument --window-size: invalid tuple_type value: '" << f.window_size << "'", "");
+        sides.push_back(v);
+        at = comma + 1;
+    }
+    LOOM_CHECK(sides.size() == 2, "--window-size '" << f.window_size << "' is not a pair (left, right)",
+               "give the window as L,0");
+    LOOM_CHECK(sides[1] == 0, "--window-size with a right side of " << sides[1] << " is not supported by Loom",
+               "Loom's GPT attention is causal: give L,0");
+    LOOM_CHECK(sides[0] >= -1, "--window-size's left side must be >= -1 (-1: unlimited), got " << sides[0], "");
+    if (sides[0] < 0) return;   // (-1, 0): causal attention, no window
+    LOOM_CHECK(m.mtp_num_layers == 0, "--window-size with --mtp-num-layers is not supported by Loom",
+               "Loom's MTP depths take no window: drop one of them");
+    m.window_size = sides[0];
+    if (!given("--window-attn-skip-freq")) return;
+    const std::string & freq = f.window_skip_freq;
+    if (freq.find('[') != std::string::npos) {
+        m.window_layers = parse_layer_pattern(freq);
+        LOOM_CHECK(static_cast<int64_t>(m.window_layers.size()) == m.num_layers,
+                   "--window-attn-skip-freq '" << freq << "' gives " << m.window_layers.size() << " layers, the model has "
+                                                << m.num_layers, "");
+        for (int v : m.window_layers) LOOM_CHECK(v == 0 || v == 1, "--window-attn-skip-freq '" << freq << "': entries are 0 or 1", "");
+        return;
+    }
+    char * end = nullptr;
+    errno      = 0;
+    const long long n = std::strtoll(freq.c_str(), &end, 10);
+    LOOM_CHECK(end != freq.c_str() && *end == '\0' && errno == 0 && n >= 1,
+               "--window-attn-skip-freq '" << freq << "' is neither an integer >= 1 nor a list expression", "");
+    m.window_skip_freq = n;
 }
 
 // --glu-linear-offset and --activation-func-clamp-value (TransformerConfig's checks). Both act on gated MLPs
@@ -445,6 +508,7 @@ void check_model_flags(const ModelFlags & f, const Given & given, TrainOptions &
     LOOM_CHECK(std::isfinite(f.mtp_loss_scaling_factor),
                "--mtp-loss-scaling-factor must be finite, got " << f.mtp_loss_scaling_factor, "");
     m.mtp_loss_scaling_factor = f.mtp_loss_scaling_factor;
+    resolve_window(f, given, m);   // after MTP's depths
     LOOM_CHECK(!given("--kv-channels") || m.multi_latent_attention || f.kv_channels == m.head_dim(),
                "--kv-channels " << f.kv_channels << " is not supported by Loom: its heads are hidden / heads = "
                                 << m.head_dim() << " wide",
