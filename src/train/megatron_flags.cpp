@@ -27,6 +27,9 @@ constexpr NoOpFlag kNoOpFlags[] = {
     {"--no-bias-dropout-fusion", nullptr, "a kernel-fusion choice; the result is the same"},
     {"--no-rope-fusion", nullptr, "a kernel-fusion choice; the result is the same"},
     {"--no-persist-layer-norm", nullptr, "a kernel choice; the result is the same"},
+    {"--te-rng-tracker", nullptr,
+     "Loom's dropout masks are a hash of (seed, site, sample, position), with no generator state: graph capture "
+     "needs no other tracker"},
     {"--use-flash-attn", nullptr, "Loom's attention is always tiled (flash-style) and never forms the full matrix"},
     {"--attention-backend", "auto|flash|fused|unfused|local",
      "every backend computes exact softmax attention, as Loom's tiled kernel does"},
