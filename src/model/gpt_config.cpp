@@ -63,6 +63,8 @@ void GptConfig::validate() const {
                "mla_up_proj in recompute_modules is only supported with multi_latent_attention.", "");
     LOOM_CHECK(!(swiglu && squared_relu), "--squared-relu and --swiglu are both given",
                "choose one MLP activation (Megatron asserts the same)");
+    LOOM_CHECK(!quick_geglu || swiglu, "quick_geglu without a gated MLP (GptConfig::swiglu)",
+               "--quick-geglu sets both; a config built by hand must too");
     LOOM_CHECK(seq_length >= 1, "--seq-length must be >= 1", "");
     LOOM_CHECK(position_embedding != PositionEmbedding::learned_absolute || seq_length <= max_position_embeddings,
                "--seq-length " << seq_length << " exceeds --max-position-embeddings " << max_position_embeddings,
