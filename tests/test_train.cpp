@@ -992,15 +992,31 @@ TEST(MegatronCommandLine, Fp8FlagsFollowMegatronsRules) {
                              "4", "--moe-grouped-gemm"})
                     .model.fp8)
         << "the experts' GEMMs take FP8 too";
+    EXPECT_TRUE(parse_train({"--mock-data", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"}).model.fp8)
+        << "an f32 model's GEMMs take FP8 too (Megatron's deepseek_proxy_fsdp tests run so)";
+    const train::TrainOptions g = parse_train({"--mock-data", "--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
+                                               "--fp8-param-gather", "--use-distributed-optimizer"});
+    EXPECT_TRUE(g.model.fp8_param_gather);
+    EXPECT_TRUE(parse_train({"--mock-data", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--fp8-param-gather",
+                             "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"})
+                    .model.fp8_param_gather)
+        << "Megatron-FSDP shards the optimizer: its shards encode the codes";
     const std::pair<std::vector<std::string>, const char *> bad[] = {
         {{"--bf16", "--fp8-format", "e5m2"}, "argument --fp8-format: invalid choice: 'e5m2'"},
         {{"--bf16", "--fp8-format", "hybrid"}, "--fp8-recipe delayed is not supported by Loom"},
         {{"--bf16", "--fp8-format", "hybrid", "--first-last-layers-bf16"},
          "Delayed scaling does not support first / last layer in BF16."},
         {{"--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"}, "--fp8-recipe mxfp8 is not supported by Loom"},
-        {{"--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather", "--use-distributed-optimizer"},
-         "--fp8-param-gather is not supported by Loom"},
-        {{"--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"}, "--fp8-format without --bf16"},
+        {{"--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather"},
+         "--fp8-param-gather only supported with distributed optimizer"},
+        {{"--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather", "--use-distributed-optimizer",
+          "--optimizer-cpu-offload", "--use-precision-aware-optimizer"},
+         "When `--fp8-param-gather` is enabled, the optimizer cpu offload must be used in conjunction with `--fp8-recipe delayed`."},
+        {{"--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather", "--use-distributed-optimizer",
+          "--optimizer", "muon"},
+         "--optimizer muon with --fp8-param-gather is not supported by Loom"},
+        {{"--fp8-param-gather"}, "--fp8-param-gather without --fp8-format"},
+        {{"--fp16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"}, "--fp8-format with --fp16 is not supported by Loom"},
         {{"--bf16", "--num-layers", "4", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--first-last-layers-bf16",
           "--num-layers-at-start-in-bf16", "5"},
          "num_layers_at_start_in_bf16 (5) must be between 0 and number of layers per pipeline stage (4)."},

@@ -312,7 +312,8 @@ std::unique_ptr<SaveInProgress> begin_save(const std::string & dir, int64_t iter
     for (const RankPiece & piece : rank_pieces(rank)) {
         model::Parameter & p     = *piece.param;
         const int64_t      n     = piece.end - piece.begin;
-        const DType        dtype = p.data.dtype();
+        // FP8 codes (--fp8-param-gather) save their f32 main values, what the optimizer's slot holds.
+        const DType        dtype = p.fp8_codes() ? DType::f32 : p.data.dtype();
         LOOM_CHECK(dtype == DType::f32 || dtype_is_half(dtype),
                    "checkpoint of parameter " << p.name << " in " << dtype_name(dtype), "");
         const char * values_dtype = dtype == DType::f32 ? "F32" : dtype == DType::bf16 ? "BF16" : "F16";
@@ -770,7 +771,7 @@ LoadReport load(const Index & index, const RankContents & rank, const LoadOption
         report.read.insert(p->name);
         // Values from the f32 master when there is one (see the top of checkpoint.h).
         part(*p, t, index.has_optimizer && t.dtype != "F32" ? "master" : "values", values);
-        write_values_f32(p->data, values);
+        model::parameter_write_f32(*p, values);
         auto slots = slots_of.find(p);
         if (slots == slots_of.end()) continue;
         if (with_optimizer) {

@@ -659,6 +659,29 @@ inline void fp8_quantize(const Tensor & x, const Tensor & q, const Tensor & scal
                "x is f32 or bf16, q bf16 of its numel, scale_inv one f32");
 }
 
+inline void fp8_amax(const Tensor & x, const Tensor & amax) {
+    LOOM_CHECK(x.defined() && (x.dtype() == DType::f32 || x.dtype() == DType::bf16) && amax.defined() &&
+                   amax.dtype() == DType::f32 && amax.numel() == 1,
+               "fp8_amax: x " << (x.defined() ? x.describe() : std::string("missing")), "x is f32 or bf16, amax one f32");
+}
+
+inline void fp8_encode(const Tensor & x, const Tensor & amax, const Tensor & codes, const Tensor & scale_inv) {
+    LOOM_CHECK(x.defined() && x.dtype() == DType::f32 && codes.defined() && codes.dtype() == DType::u8 &&
+                   codes.numel() == x.numel() && amax.defined() && amax.dtype() == DType::f32 && amax.numel() == 1 &&
+                   scale_inv.defined() && scale_inv.dtype() == DType::f32 && scale_inv.numel() == 1,
+               "fp8_encode: x " << (x.defined() ? x.describe() : std::string("missing")) << ", codes "
+                                << (codes.defined() ? codes.describe() : std::string("missing")),
+               "x f32, codes u8 of its numel, amax and scale_inv one f32 each");
+}
+
+inline void fp8_decode(const Tensor & codes, const Tensor & q) {
+    LOOM_CHECK(codes.defined() && codes.dtype() == DType::u8 && q.defined() && q.dtype() == DType::bf16 &&
+                   q.numel() == codes.numel(),
+               "fp8_decode: codes " << (codes.defined() ? codes.describe() : std::string("missing")) << ", q "
+                                    << (q.defined() ? q.describe() : std::string("missing")),
+               "codes u8, q bf16 of their numel");
+}
+
 inline void scale_by_product(const Tensor & t, const Tensor & a, const Tensor & b) {
     LOOM_CHECK(t.defined() && t.dtype() == DType::f32 && a.defined() && a.dtype() == DType::f32 && a.numel() == 1 &&
                    b.defined() && b.dtype() == DType::f32 && b.numel() == 1,

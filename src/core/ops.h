@@ -337,6 +337,16 @@ public:
     // fp8_scale_from_amax(amax, format), q = the FP8 values of x * s (each exact in bf16), scale_inv[0] = 1 / s.
     // x is f32 or bf16, q bf16 of x's numel, scale_inv (1) f32: all on the device, no host read.
     virtual void fp8_quantize(Stream & s, const Tensor & x, Fp8Format format, const Tensor & q, const Tensor & scale_inv) = 0;
+    // --fp8-param-gather's weights, kept as FP8 codes (ddp/ddp.h): amax (1) f32 = the larger of amax[0] and the
+    // largest |x| (x f32 or bf16), compared as bit patterns as fp8_quantize does; several calls fold a tensor's
+    // pieces into one amax.
+    virtual void fp8_amax(Stream & s, const Tensor & x, const Tensor & amax) = 0;
+    // codes (u8) = the FP8 codes of x * s, s = fp8_scale_from_amax(amax[0], format) (x f32 of codes' numel), and
+    // scale_inv[0] = 1 / s: fp8_quantize with the amax given, its codes kept instead of their values.
+    virtual void fp8_encode(Stream & s, const Tensor & x, Fp8Format format, const Tensor & amax, const Tensor & codes,
+                            const Tensor & scale_inv) = 0;
+    // q (bf16) = the values of FP8 codes (each exact in bf16): a GEMM operand as fp8_quantize's q.
+    virtual void fp8_decode(Stream & s, const Tensor & codes, Fp8Format format, const Tensor & q) = 0;
     // In place: t (f32) *= a[0] * b[0] (the product in f32): a GEMM of quantized operands scaled back.
     virtual void scale_by_product(Stream & s, const Tensor & t, const Tensor & a, const Tensor & b) = 0;
     // sum_of_squares of each xs[i] into out[2 i .. 2 i + 1] (out: 2 xs.size() f32). Its contract is that loop

@@ -59,8 +59,9 @@ std::vector<ParamSpec> param_specs(const std::vector<model::Parameter *> & param
     std::vector<ParamSpec> specs;
     for (size_t i = 0; i < params.size(); ++i) {
         const model::Parameter * p = params[i];
-        specs.push_back(ParamSpec{p->name, p->data.shape(), p->data.dtype(), p->shared_embedding, p->expert,
-                                  chunk_of_param.empty() ? 0 : chunk_of_param[i], unit_of_param.empty() ? 0 : unit_of_param[i]});
+        specs.push_back(ParamSpec{p->name, p->data.shape(), p->compute_dtype(), p->shared_embedding, p->expert,
+                                  chunk_of_param.empty() ? 0 : chunk_of_param[i], unit_of_param.empty() ? 0 : unit_of_param[i],
+                                  p->fp8_blocks > 0});
     }
     return specs;
 }
@@ -91,6 +92,13 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
     // Expert parameters get buffers of their own (after the dense ones, as Megatron lays them out) and reduce
     // over the expert-data-parallel group, scaled by 1 / dp like every other gradient (the header).
     for (const model::Parameter * p : params_) {
+        LOOM_CHECK(p->fp8_blocks == 0 || config_.use_distributed_optimizer,
+                   "--fp8-param-gather only supported with distributed optimizer, torch fsdp2, megatron fsdp, or inference mode",
+                   "the FP8 codes of " << p->name << " are encoded from the distributed optimizer's shards: add "
+                                       "--use-distributed-optimizer");
+        LOOM_CHECK(p->fp8_blocks == 0 || (!p->fp8_codes() && p->numel() % p->fp8_blocks == 0),
+                   "parameter " << p->name << " marked for FP8 codes in " << p->fp8_blocks << " blocks",
+                   "a layer marks an unconverted weight whose rows split evenly into the blocks");
         LOOM_CHECK(p->main_grad.dtype() == DType::f32 || p->main_grad.dtype() == p->data.dtype(),
                    "parameter " << p->name << " has a " << dtype_name(p->main_grad.dtype()) << " main_grad",
                    "gradients are float32 or the parameter's own dtype");
@@ -114,6 +122,15 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
     // Buffers, and every parameter re-pointed at its range (values kept, padding zero), once the compute
     // stream has finished with the old tensors.
     device_.compute_stream().synchronize();
+    main_buffers_.resize(layout_.buffers.size());
+    main_start_.resize(layout_.buffers.size());
+    fp8_pieces_.resize(layout_.buffers.size());
+    fp8_amax_.resize(layout_.buffers.size());
+    fp8_blocks_.resize(layout_.buffers.size());
+    for (size_t b = 0; b < layout_.buffers.size(); ++b) {
+        const BufferLayout & buffer = layout_.buffers[b];
+        if (buffer.param_dtype == DType::u8) init_fp8_buffer(static_cast<int>(b));
+    }
     for (size_t b = 0; b < layout_.buffers.size(); ++b) {
         const BufferLayout & buffer = layout_.buffers[b];
         if (config_.shards_grads()) {
@@ -140,7 +157,7 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
                     if (place.bucket != bucket.id) continue;
                     model::Parameter * p = params_[place.param];
                     Tensor data = whole.slice(place.start - bucket.offset, p->data.shape());
-                    copy_now(data, p->data);
+                    if (data.dtype() == p->data.dtype()) copy_now(data, p->data);   // FP8 codes: encoded below
                     p->data = data;
                 }
                 if (config_.shards_params()) {   // the rank's shard of the values; the whole bucket goes
@@ -169,7 +186,7 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
             p->main_grad = grad;
             if (weights.defined()) {
                 Tensor data = weights.slice(place.start, p->data.shape());
-                copy_now(data, p->data);
+                if (data.dtype() == p->data.dtype()) copy_now(data, p->data);   // FP8 codes: encoded below
                 p->data = data;
             }
         }
@@ -197,6 +214,106 @@ DistributedDataParallel::DistributedDataParallel(std::vector<model::Parameter *>
     comm_stream_ = device_.stream_create("ddp-comm");
     grads_ready_ = device_.event_create();
     params_updated_ = device_.event_create();
+    if (has_fp8_codes_) {   // the first codes, from the initial values; FSDP's sharded units gather on use
+        encode_fp8_params();
+        if (!config_.shards_params()) {
+            device_.compute_stream().record(*params_updated_);
+            comm_stream_->wait(*params_updated_);
+            for (int g = static_cast<int>(groups_.size()); g-- > 0;) dispatch_gather(g);
+            for (int g = static_cast<int>(groups_.size()); g-- > 0;) {
+                wait_gather(g);
+                groups_[g].gather_dispatched = false;
+            }
+        }
+    }
+}
+
+void DistributedDataParallel::init_fp8_buffer(int b) {
+    // Called before any parameter is re-pointed: their data still hold the initial values, whole.
+    const BufferLayout & buffer = layout_.buffers[static_cast<size_t>(b)];
+    comm::Communicator & group  = buffer_group(b);
+    Ops &                ops    = device_.ops();
+    Stream &             stream = device_.compute_stream();
+    int64_t              numel  = 0;
+    for (const BucketLayout & bucket : buffer.buckets) {
+        main_start_[b].push_back(numel);
+        numel += bucket.numel / group.size();
+    }
+    // The main values are the f32 master the optimizer steps (as a 16-bit weight's master): its pool.
+    main_buffers_[b] = Tensor::zeros({numel}, DType::f32, device_, {MemoryKind::device, "optimizer"});
+    const std::vector<std::vector<ShardRange>> ranges = shard_ranges(buffer, group.rank());
+    for (size_t k = 0; k < ranges.size(); ++k) {
+        for (const ShardRange & r : ranges[k]) {
+            model::Parameter * p = params_[r.param];
+            const int64_t      n = r.param_end - r.param_start;
+            Tensor main = main_buffers_[b].slice(main_start_[b][k] + r.gbuf_local_start, {n});
+            ops.convert(stream, p->data.flatten().slice(r.param_start, {n}), main);
+            fp8_pieces_[b].push_back(Fp8Piece{r.param, static_cast<int>(k), r, main, Tensor()});
+        }
+    }
+    int64_t slots = 0;
+    for (const ParamPlace & place : buffer.params) {
+        model::Parameter * p = params_[place.param];
+        p->fp8_model_dtype   = p->data.dtype();
+        p->fp8_scale_inv     = Tensor::zeros({p->fp8_blocks}, DType::f32, device_, {MemoryKind::device, "weights"});
+        fp8_blocks_[b].emplace_back(place.param, slots);
+        slots += p->fp8_blocks;
+    }
+    fp8_amax_[b]   = Tensor::zeros({slots}, DType::f32, device_, {MemoryKind::device, "weights"});
+    has_fp8_codes_ = true;
+    stream.synchronize();
+}
+
+Tensor DistributedDataParallel::codes_shard(int buffer, int bucket, const ShardRange & range) {
+    const int64_t n = range.gbuf_world_end - range.gbuf_world_start;
+    if (config_.shards_params()) return param_buffers_[buffer].slice(shard_start_[buffer][bucket] + range.gbuf_local_start, {n});
+    return param_buffers_[buffer].slice(range.gbuf_world_start, {n});
+}
+
+void DistributedDataParallel::encode_fp8_params() {
+    if (!has_fp8_codes_) return;
+    Ops &    ops    = device_.ops();
+    Stream & stream = device_.compute_stream();
+    for (size_t b = 0; b < layout_.buffers.size(); ++b) {
+        if (!main_buffers_[b].defined()) continue;
+        std::unordered_map<int, int64_t> first_slot(fp8_blocks_[b].begin(), fp8_blocks_[b].end());
+        // Each block's piece of a shard piece: [lo, hi) of the parameter's elements, and the block.
+        auto blocks_of = [&](const Fp8Piece & piece, auto && fn) {
+            const model::Parameter & p     = *params_[piece.param];
+            const int64_t            block = p.numel() / p.fp8_blocks;
+            for (int64_t k = piece.range.param_start / block; k * block < piece.range.param_end; ++k) {
+                const int64_t lo = std::max(piece.range.param_start, k * block);
+                const int64_t hi = std::min(piece.range.param_end, (k + 1) * block);
+                fn(p, k, lo - piece.range.param_start, hi - lo);
+            }
+        };
+        const Tensor & amax = fp8_amax_[b];
+        ops.fill_zero(stream, amax);
+        for (const Fp8Piece & piece : fp8_pieces_[b]) {
+            const int64_t slot = first_slot.at(piece.param);
+            blocks_of(piece, [&](const model::Parameter &, int64_t k, int64_t at, int64_t n) {
+                ops.fp8_amax(stream, piece.main.slice(at, {n}), amax.slice(slot + k, {1}));
+            });
+        }
+        // Every rank's pieces: the amax of each whole block (Megatron's amax all-reduce over the
+        // data-parallel group before it casts its shards).
+        buffer_group(static_cast<int>(b)).all_reduce(amax, comm::ReduceOp::max, &stream)->wait();
+        for (const auto & [param, slot] : fp8_blocks_[b]) {   // every block's 1 / s, owned here or not
+            const model::Parameter & p = *params_[param];
+            for (int64_t k = 0; k < p.fp8_blocks; ++k) {
+                ops.fp8_encode(stream, Tensor::empty({0}, DType::f32, device_), p.fp8_format, amax.slice(slot + k, {1}),
+                               Tensor::empty({0}, DType::u8, device_), p.fp8_scale_inv.slice(k, {1}));
+            }
+        }
+        for (Fp8Piece & piece : fp8_pieces_[b]) {
+            if (!piece.codes.defined()) piece.codes = codes_shard(static_cast<int>(b), piece.bucket, piece.range);
+            const int64_t slot = first_slot.at(piece.param);
+            blocks_of(piece, [&](const model::Parameter & p, int64_t k, int64_t at, int64_t n) {
+                ops.fp8_encode(stream, piece.main.slice(at, {n}), p.fp8_format, amax.slice(slot + k, {1}),
+                               piece.codes.slice(at, {n}), p.fp8_scale_inv.slice(k, {1}));
+            });
+        }
+    }
 }
 
 DistributedDataParallel::~DistributedDataParallel() {
@@ -419,6 +536,7 @@ void DistributedDataParallel::wait_gather(int index) {
 
 void DistributedDataParallel::start_param_sync() {
     if (!config_.use_distributed_optimizer) return;
+    encode_fp8_params();   // --fp8-param-gather: the codes of the updated shards, then their gather
     if (config_.shards_params()) {   // the gathered values are stale: each unit gathers again before its use
         for (int g = 0; g < static_cast<int>(groups_.size()); ++g) release_unit(g);
         return;
@@ -641,8 +759,8 @@ void DistributedDataParallel::reduce_unit(int g) {
 
 Tensor DistributedDataParallel::param_shard(int buffer, int bucket, const ShardRange & range) {
     const int64_t n = range.gbuf_world_end - range.gbuf_world_start;
-    if (config_.shards_params()) return param_buffers_[buffer].slice(shard_start_[buffer][bucket] + range.gbuf_local_start, {n});
-    return param_buffers_[buffer].slice(range.gbuf_world_start, {n});
+    if (main_buffers_[buffer].defined()) return main_buffers_[buffer].slice(main_start_[buffer][bucket] + range.gbuf_local_start, {n});
+    return codes_shard(buffer, bucket, range);
 }
 
 Tensor DistributedDataParallel::grad_shard(int buffer, int bucket, const ShardRange & range) {

@@ -171,8 +171,12 @@ public:
 
     // This rank's shard of a bucket's values or gradients as the optimizer steps it (the piece `range` of
     // bucket `bucket` of buffer `buffer`): a view of the whole buffer, or of the shard-only storage where
-    // the strategy keeps only the shard.
+    // the strategy keeps only the shard. In a buffer of FP8 codes, the values are the f32 main copy.
     Tensor param_shard(int buffer, int bucket, const ShardRange & range);
+    // --fp8-param-gather: re-encodes the FP8 codes of this rank's shards from their f32 main values, each
+    // weight block by its amax over the data-parallel group (one max all-reduce per buffer), and sets every
+    // block's scale_inv. start_param_sync() runs it first; a no-op without FP8 codes.
+    void   encode_fp8_params();
     Tensor grad_shard(int buffer, int bucket, const ShardRange & range);
     // The gradient of `p` after the reduction: main_grad, or the pieces of it this rank's shards hold
     // (possibly none) where gradients are sharded.
@@ -245,6 +249,24 @@ private:
     // Per buffer: the whole buffer, or this rank's shards of its buckets back to back where the strategy
     // keeps only the shard (FSDP: the gradients with optim_grads, the values too with optim_grads_params).
     std::vector<Tensor>                 grad_buffers_, param_buffers_;
+    // --fp8-param-gather, per buffer of codes (empty for the others): the f32 main values of this rank's
+    // shards back to back (bucket k's at main_start_[b][k]), what the optimizer steps; the pieces the rank
+    // owns; one amax per weight block of the buffer.
+    struct Fp8Piece {
+        int        param = 0, bucket = 0;
+        ShardRange range;
+        Tensor     main, codes;   // the piece's f32 main values and its codes in the u8 buffer
+    };
+    std::vector<Tensor>                 main_buffers_;
+    std::vector<std::vector<int64_t>>   main_start_;
+    std::vector<std::vector<Fp8Piece>>  fp8_pieces_;
+    std::vector<Tensor>                 fp8_amax_;
+    std::vector<std::vector<std::pair<int, int64_t>>> fp8_blocks_;   // per buffer: (param, its first amax slot)
+    bool                                has_fp8_codes_ = false;
+    // Sets up buffer b of FP8 codes: its main storage and pieces from the parameters' initial values.
+    void                                init_fp8_buffer(int b);
+    // The values buffer's shard of `range` (for FP8 codes: where the codes of the rank's piece live).
+    Tensor                              codes_shard(int buffer, int bucket, const ShardRange & range);
     // FSDP, per buffer and bucket: the whole bucket while its unit is in use (undefined between uses; the
     // main_grads or values of its parameters are views of it, or unbacked), and where the rank's shard
     // starts in the shard storage.

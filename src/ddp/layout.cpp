@@ -285,7 +285,8 @@ Layout compute_layout(const std::vector<ParamSpec> & params, const LayoutOptions
                 if (p.expert != expert || p.chunk != chunk) {
                     continue;
                 }
-                BufferKey key{p.param_dtype, options.grad_reduce_in_fp32 ? DType::f32 : p.param_dtype, p.expert};
+                BufferKey key{p.fp8_codes ? DType::u8 : p.param_dtype, options.grad_reduce_in_fp32 ? DType::f32 : p.param_dtype,
+                              p.expert};
                 auto      found = std::find(keys.begin(), keys.end(), key);
                 if (found == keys.end()) {
                     keys.push_back(key);

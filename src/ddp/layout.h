@@ -55,6 +55,8 @@ struct ParamSpec {
     int         chunk            = 0;       // the model chunk (virtual stage) on this rank; chunks in order
     int         unit             = 0;       // the FSDP unit (module) it belongs to: embedding 0, layer i at
                                             // i + 1, the final norm and output layer last (fsdp_units only)
+    bool        fp8_codes        = false;   // --fp8-param-gather: its values travel as FP8 codes (a u8
+                                            // buffer; param_dtype stays the dtype its gradients take)
 
     int64_t numel() const;
 };

@@ -144,6 +144,9 @@ struct GptConfig {
     Fp8Format            fp8_backward              = Fp8Format::e4m3;
     int64_t              fp8_bf16_first            = 0;
     int64_t              fp8_bf16_last             = 0;
+    // --fp8-param-gather: those layers' weights kept as FP8 codes by the distributed optimizer's buffers
+    // (Parameter::fp8_blocks; ddp/ddp.h).
+    bool                 fp8_param_gather          = false;
     // Whether layer `index` (of the decoder; an MTP depth's index past them counts as the last) runs FP8.
     // Sliding-window attention (--window-size L,0): the layers it applies to see keys p - L .. p, the rest
     // every earlier key. Which layers (Megatron's is_layer_window_attention, by 1-based layer number n): every

@@ -107,18 +107,34 @@ void Linear::parameters(std::vector<Parameter *> & out) {
 Tensor Linear::input_for_backward(const Tensor & x_rows) const {
     // Sequence-parallel column linear: every rank's rows in, this rank's output features out.
     const Tensor x = split == Split::column && tp->sp() ? tp->all_gather(x_rows) : x_rows;
-    return in_dtype(x, weight.data.dtype());
+    return in_dtype(x, weight.compute_dtype());
 }
 
-void fp8_product(const Tensor & a, Fp8Format fa, bool trans_a, const Tensor & b, Fp8Format fb, bool trans_b, const Tensor & c) {
+void Linear::set_fp8(const Fp8 & formats) {
+    fp8 = formats;
+    if (formats.param_codes) {
+        weight.fp8_blocks = 1;
+        weight.fp8_format = formats.forward;
+    }
+}
+
+void fp8_product(const Tensor & a, Fp8Format fa, bool trans_a, const Tensor & b, Fp8Format fb, bool trans_b, const Tensor & c,
+                 const Tensor & b_scale_inv) {
     Device &            device = a.device();
     Ops &               ops    = device.ops();
     Stream &            stream = device.compute_stream();
     const TensorOptions pool{MemoryKind::device, kActivationsPool};
     const Tensor qa = Tensor::empty(a.shape(), DType::bf16, device, pool), sa = Tensor::empty({1}, DType::f32, device, pool);
-    const Tensor qb = Tensor::empty(b.shape(), DType::bf16, device, pool), sb = Tensor::empty({1}, DType::f32, device, pool);
+    const Tensor qb = Tensor::empty(b.shape(), DType::bf16, device, pool);
     ops.fp8_quantize(stream, a, fa, qa, sa);
-    ops.fp8_quantize(stream, b, fb, qb, sb);
+    Tensor sb = b_scale_inv;
+    if (b.dtype() == DType::u8) {
+        LOOM_CHECK(sb.defined() && sb.numel() == 1, "FP8 codes without their scale", "");
+        ops.fp8_decode(stream, b, fb, qb);
+    } else {
+        sb = Tensor::empty({1}, DType::f32, device, pool);
+        ops.fp8_quantize(stream, b, fb, qb, sb);
+    }
     ops.gemm(stream, qa, trans_a, qb, trans_b, c);
     ops.scale_by_product(stream, c, sa, sb);
 }
@@ -135,7 +151,7 @@ Tensor Linear::forward(Context & ctx, const Tensor & x_rows, bool add_bias, std:
     const bool fused_bias = has_bias && add_bias && !reduced;
     if (fp8) {   // f32 product, the bias added to it, then rounded once into y
         const Tensor y32 = activation(x_in.device(), n, o, DType::f32);
-        fp8_product(x_in, fp8->forward, false, weight.data, fp8->forward, true, y32);
+        fp8_product(x_in, fp8->forward, false, weight.data, fp8->forward, true, y32, weight.fp8_scale_inv);
         if (fused_bias) ops.bias_add(stream, y32, parameter_f32(bias));
         ops.convert(stream, y32, y);
     } else if (fused_bias) {
@@ -164,7 +180,7 @@ Tensor Linear::recompute(const Context & ctx, DType out) const {
     Tensor y = activation(ctx.x.device(), ctx.x.size(0), weight.data.size(0), out);
     if (fp8) {
         const Tensor y32 = activation(ctx.x.device(), ctx.x.size(0), weight.data.size(0), DType::f32);
-        fp8_product(ctx.x, fp8->forward, false, weight.data, fp8->forward, true, y32);
+        fp8_product(ctx.x, fp8->forward, false, weight.data, fp8->forward, true, y32, weight.fp8_scale_inv);
         ctx.x.device().ops().convert(ctx.x.device().compute_stream(), y32, y);
         return y;
     }
@@ -181,7 +197,7 @@ Tensor Linear::forward_gelu(Context & ctx, const Tensor & x_rows, DType out, Ten
     Tensor y = activation(x_in.device(), n, o, out);
     if (fp8) {   // gemm_bias_gelu's contract with the FP8 product: pre, then bias and GELU
         const Tensor y32 = activation(x_in.device(), n, o, DType::f32);
-        fp8_product(x_in, fp8->forward, false, weight.data, fp8->forward, true, y32);
+        fp8_product(x_in, fp8->forward, false, weight.data, fp8->forward, true, y32, weight.fp8_scale_inv);
         Ops & ops = x_in.device().ops();
         ops.convert(x_in.device().compute_stream(), y32, pre);
         ops.bias_gelu_forward(x_in.device().compute_stream(), pre, has_bias ? parameter_f32(bias) : Tensor(), y, Tensor());
@@ -198,7 +214,7 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
     Ops &         ops    = dy_rows.device().ops();
     Stream &      stream = dy_rows.device().compute_stream();
     const bool    gathered = split == Split::row && tp->sp();
-    const DType   dtype    = weight.data.dtype();
+    const DType   dtype    = weight.compute_dtype();
     // The bias gradient sums dy's rows in the weight gradient's GEMM (its epilogue, where the backend has one)
     // when that GEMM reads the very rows: not after a sequence-parallel gather (the bias sees this rank's rows,
     // a partial sum), nor from a copy in the weights' dtype.
@@ -215,7 +231,7 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
     const bool summed = split == Split::column && tp->size > 1;
     if (fp8) {   // dx = fp8(dy) fp8(W), then gemm_gelu_backward's contract
         const Tensor dx32 = activation(dy.device(), n, in, DType::f32);
-        fp8_product(dy_in, fp8->backward, false, weight.data, fp8->forward, false, dx32);
+        fp8_product(dy_in, fp8->backward, false, weight.data, fp8->forward, false, dx32, weight.fp8_scale_inv);
         ops.convert(stream, dx32, dx);
         if (gelu_input.defined() && !summed) ops.gelu_backward(stream, gelu_input, dx, dx);
     } else if (gelu_input.defined() && !summed) {

@@ -177,17 +177,23 @@ public:
     // operands cast to FP8 by their own current scale (Ops::fp8_quantize), multiplied with f32 accumulation and
     // scaled back (Ops::scale_by_product): forward x and W in `forward`, backward's dy in `backward` (hybrid:
     // e5m2). The bias and the kept input are not cast; backward casts x and W again (the same values).
+    // With param_codes (--fp8-param-gather) the weight is kept as FP8 codes in `forward` with its scale
+    // (Parameter::fp8_blocks), and the GEMMs read those instead of casting it.
     struct Fp8 {
         Fp8Format forward = Fp8Format::e4m3, backward = Fp8Format::e4m3;
+        bool      param_codes = false;
     };
     std::optional<Fp8>       fp8;
+    void                     set_fp8(const Fp8 & formats);
 
 };
 
 // c (f32) = op(fp8(a)) op(fp8(b)) / (s_a s_b): each operand cast to FP8 (format fa, fb) by its own current scale
 // (Ops::fp8_quantize), the product with f32 accumulation, scaled back (Ops::scale_by_product). The GEMMs of an
-// FP8 Linear and of each FP8 expert.
-void fp8_product(const Tensor & a, Fp8Format fa, bool trans_a, const Tensor & b, Fp8Format fb, bool trans_b, const Tensor & c);
+// FP8 Linear and of each FP8 expert. A u8 b is a weight's FP8 codes (--fp8-param-gather) with 1 / s_b in
+// b_scale_inv: decoded (Ops::fp8_decode), not cast.
+void fp8_product(const Tensor & a, Fp8Format fa, bool trans_a, const Tensor & b, Fp8Format fb, bool trans_b, const Tensor & c,
+                 const Tensor & b_scale_inv = Tensor());
 
 class Norm {
 public:

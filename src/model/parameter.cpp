@@ -5,6 +5,7 @@
 #include "core/ops.h"
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -131,10 +132,49 @@ Tensor parameter_f32(const Parameter & p) {
     if (p.data.dtype() == DType::f32) {
         return p.data;
     }
-    Device & device = p.data.device();
-    Tensor   out    = Tensor::empty(p.data.shape(), DType::f32, device, {MemoryKind::device, "activations"});
-    device.ops().convert(device.compute_stream(), p.data, out);
+    Device &            device = p.data.device();
+    Ops &               ops    = device.ops();
+    Stream &            stream = device.compute_stream();
+    const TensorOptions pool{MemoryKind::device, "activations"};
+    Tensor              out = Tensor::empty(p.data.shape(), DType::f32, device, pool);
+    if (!p.fp8_codes()) {
+        ops.convert(stream, p.data, out);
+        return out;
+    }
+    // FP8 codes: each block's values times its scale_inv (the product in f32, as the GEMMs scale theirs back).
+    const Tensor values = Tensor::empty({p.numel()}, DType::bf16, device, pool);
+    const Tensor flat   = out.view({p.numel()});
+    ops.fp8_decode(stream, p.data.view({p.numel()}), p.fp8_format, values);
+    ops.convert(stream, values, flat);
+    const Tensor  one   = Tensor::empty({1}, DType::f32, device, pool);
+    write_values_f32(one, std::vector<float>{1.0f});
+    const int64_t block = p.numel() / p.fp8_blocks;
+    for (int64_t b = 0; b < p.fp8_blocks; ++b) {
+        ops.scale_by_product(stream, flat.slice(b * block, {block}), p.fp8_scale_inv.slice(b, {1}), one);
+    }
     return out;
+}
+
+void parameter_write_f32(Parameter & p, std::span<const float> values) {
+    LOOM_CHECK(static_cast<int64_t>(values.size()) == p.numel(), values.size() << " values for " << p.name, "");
+    if (!p.fp8_codes()) {
+        write_values_f32(p.data, values);
+        return;
+    }
+    const int64_t        block = p.numel() / p.fp8_blocks;
+    std::vector<uint8_t> codes(values.size());
+    std::vector<float>   scale_inv(static_cast<size_t>(p.fp8_blocks));
+    for (int64_t k = 0; k < p.fp8_blocks; ++k) {
+        uint32_t amax = 0;
+        for (int64_t i = k * block; i < (k + 1) * block; ++i) amax = std::max(amax, float_to_bits(values[i]) & 0x7FFFFFFFu);
+        const float scale = fp8_scale_from_amax(bits_to_float(amax), p.fp8_format);
+        for (int64_t i = k * block; i < (k + 1) * block; ++i) codes[i] = fp8_from_f32(values[i] * scale, p.fp8_format);
+        scale_inv[k] = 1.0f / scale;
+    }
+    Tensor host = Tensor::empty(p.data.shape(), DType::u8, p.data.device(), {MemoryKind::pinned_host});
+    std::memcpy(host.data_ptr(), codes.data(), codes.size());
+    copy_now(p.data, host);
+    write_values_f32(p.fp8_scale_inv, scale_inv);
 }
 
 }  // namespace loom::model

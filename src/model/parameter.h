@@ -5,6 +5,7 @@
 // data and main_grad are Tensors so the DDP buffers can later re-point them at views of one flat buffer.
 #pragma once
 
+#include "core/fp8.h"
 #include "core/tensor.h"
 
 #include <cstdint>
@@ -58,6 +59,17 @@ struct Parameter {
     bool        expert = false;             // MoE expert weight (reduced over expert-data-parallel)
     std::vector<int64_t> fused_rows;        // a fused weight's row blocks, this rank's rows of each (QKV: Q, K,
                                             // V), which Muon orthogonalizes apart (optim/muon.h); empty: one block
+    // --fp8-param-gather: an FP8 GEMM weight the model keeps as FP8 codes. The layer marks it (fp8_blocks > 0)
+    // and DDP re-points data at its u8 buffer (ddp/ddp.h): fp8_blocks equal runs of dim 0 (a grouped expert
+    // tensor: one per expert, else 1), block b's values the codes times fp8_scale_inv[b] (f32, device), in
+    // fp8_format. The optimizer steps an f32 main copy; data is re-encoded from it after every step.
+    int64_t              fp8_blocks = 0;
+    Fp8Format            fp8_format = Fp8Format::e4m3;
+    Tensor               fp8_scale_inv;
+    DType                fp8_model_dtype = DType::bf16;   // the model's dtype, which its codes replaced
+    bool                 fp8_codes() const { return data.defined() && data.dtype() == DType::u8; }
+    // The dtype the layer computes in: the weights' dtype (the model's when they are FP8 codes).
+    DType                compute_dtype() const { return fp8_codes() ? fp8_model_dtype : data.dtype(); }
 
     int64_t numel() const { return data.numel(); }
 };
@@ -105,7 +117,10 @@ void accumulate_grads(Stream & stream, std::initializer_list<Tensor> main_grads,
 }
 
 // The parameter's values as f32: `data` itself when it is f32, else a converted copy (for the small
-// vectors, biases and norm weights, that f32 kernels read).
+// vectors, biases and norm weights, that f32 kernels read). FP8 codes give their values times their scales.
 Tensor parameter_f32(const Parameter & p);
+// Writes this rank's whole values (its numel, f32, from the host): rounded to its dtype, or, for FP8 codes,
+// encoded block by block by each block's own amax, as DistributedDataParallel::encode_fp8_params does.
+void   parameter_write_f32(Parameter & p, std::span<const float> values);
 
 }  // namespace loom::model

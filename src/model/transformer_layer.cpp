@@ -42,7 +42,7 @@ TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & 
         mlp->recompute = c.recompute_mlp;
     }
     if (c.fp8_layer(index)) {   // every linear layer of the attention, the dense MLP and the experts
-        const Linear::Fp8 fp8{c.fp8_forward, c.fp8_backward};
+        const Linear::Fp8 fp8{c.fp8_forward, c.fp8_backward, c.fp8_param_gather};
         std::vector<Linear *> linears{&attention.qkv, &attention.proj};
         if (attention.mla) {
             for (auto * l : {&attention.mla->q, &attention.mla->q_down, &attention.mla->q_up, &attention.mla->kv_down,
@@ -54,7 +54,7 @@ TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & 
             linears.push_back(&mlp->fc1);
             linears.push_back(&mlp->fc2);
         }
-        for (Linear * l : linears) l->fp8 = fp8;
+        for (Linear * l : linears) l->set_fp8(fp8);
         if (moe) moe->set_fp8(fp8);
     }
 }

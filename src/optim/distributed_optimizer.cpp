@@ -21,9 +21,9 @@ DistributedOptimizer::DistributedOptimizer(ddp::DistributedDataParallel & ddp, c
     const ddp::Layout & layout = ddp_.layout();
     for (size_t b = 0; b < layout.buffers.size(); ++b) {
         const ddp::BufferLayout & buffer = layout.buffers[b];
-        LOOM_CHECK(buffer.param_dtype == DType::f32 || dtype_is_half(buffer.param_dtype),
+        LOOM_CHECK(buffer.param_dtype == DType::f32 || dtype_is_half(buffer.param_dtype) || buffer.param_dtype == DType::u8,
                    "distributed optimizer over " << dtype_name(buffer.param_dtype) << " parameters",
-                   "parameters are float32, bfloat16 or float16");
+                   "parameters are float32, bfloat16 or float16, or FP8 codes (u8) with f32 main values");
         const std::vector<std::vector<ddp::ShardRange>> ranges = ddp::shard_ranges(buffer, ddp_.buffer_group(static_cast<int>(b)).rank());
         for (size_t k = 0; k < ranges.size(); ++k) {
             for (const ddp::ShardRange & r : ranges[k]) {

@@ -266,6 +266,13 @@ public:
     void fp8_quantize(Stream & s, const Tensor & x, Fp8Format, const Tensor & q, const Tensor &) override {
         memory(s, "fp8_quantize", bytes_of({&x, &x, &q}));
     }
+    void fp8_amax(Stream & s, const Tensor & x, const Tensor &) override { memory(s, "fp8_amax", bytes_of({&x})); }
+    void fp8_encode(Stream & s, const Tensor & x, Fp8Format, const Tensor &, const Tensor & codes, const Tensor &) override {
+        memory(s, "fp8_encode", bytes_of({&x, &codes}));
+    }
+    void fp8_decode(Stream & s, const Tensor & codes, Fp8Format, const Tensor & q) override {
+        memory(s, "fp8_decode", bytes_of({&codes, &q}));
+    }
     void scale_by_product(Stream & s, const Tensor & t, const Tensor &, const Tensor &) override {
         memory(s, "scale_by_product", bytes_of({&t, &t}));
     }

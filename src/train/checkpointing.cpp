@@ -457,6 +457,8 @@ Resumed load_checkpoint(const TrainOptions & options, Setup & setup) {
     // are gathered first.
     if (setup.ddp) setup.ddp->finish_param_sync();
     checkpoint::load(index, contents, load);
+    // FP8 codes (--fp8-param-gather): the shards' codes again from the loaded main values.
+    if (setup.ddp) setup.ddp->encode_fp8_params();
     const bool listed = strict != Strictness::ignore_all && strict != Strictness::assume_ok_unexpected;
     if (listed && !unexpected.empty()) {
         std::fprintf(stderr, "WARNING: rank %d: --dist-ckpt-strictness %s: %zu tensor(s) of the model are not in '%s' "

@@ -239,10 +239,10 @@ void resolve_fp8(const ModelFlags & f, TrainOptions & o) {
     LOOM_CHECK(!(f.first_last_layers_bf16 && r == "delayed"), "Delayed scaling does not support first / last layer in BF16.", "");
     LOOM_CHECK(r == "tensorwise", "--fp8-recipe " << r << " is not supported by Loom",
                "Loom trains FP8 with --fp8-recipe tensorwise (each GEMM operand scaled by its own amax)");
-    LOOM_CHECK(!f.fp8_param_gather, "--fp8-param-gather is not supported by Loom",
-               "Loom keeps bf16 weights and casts them at each GEMM; drop the flag");
-    LOOM_CHECK(o.bf16, "--fp8-format without --bf16", "Loom's FP8 GEMMs take bf16 weights and activations: add --bf16");
+    LOOM_CHECK(!o.fp16, "--fp8-format with --fp16 is not supported by Loom",
+               "Loom's FP8 GEMMs take bf16 or f32 weights and activations: use --bf16, or neither");
     m.fp8          = true;
+    m.fp8_param_gather = f.fp8_param_gather;   // its optimizer's conditions: check_fp8_param_gather
     m.fp8_forward  = Fp8Format::e4m3;
     m.fp8_backward = f.fp8_format == "hybrid" ? Fp8Format::e5m2 : Fp8Format::e4m3;
     if (f.first_last_layers_bf16) {

@@ -99,6 +99,24 @@ TrainOptionParser::TrainOptionParser(CLI::App & app) : app_(app) {
     group_like_megatron(app);
 }
 
+namespace {
+
+// --fp8-param-gather: the FP8 codes are encoded from the distributed optimizer's f32 shards (ddp/ddp.h).
+void check_fp8_param_gather(const TrainOptions & o) {
+    if (!o.model.fp8_param_gather) return;
+    LOOM_CHECK(o.ddp.use_distributed_optimizer,
+               "--fp8-param-gather only supported with distributed optimizer, torch fsdp2, megatron fsdp, or inference mode",
+               "add --use-distributed-optimizer, or --use-megatron-fsdp with a sharding strategy other than no_shard");
+    LOOM_CHECK(!o.optimizer_cpu_offload,
+               "When `--fp8-param-gather` is enabled, the optimizer cpu offload must be used in conjunction with "
+               "`--fp8-recipe delayed`.",
+               "Loom trains FP8 with --fp8-recipe tensorwise: drop --optimizer-cpu-offload or --fp8-param-gather");
+    LOOM_CHECK(!o.muon, "--optimizer muon with --fp8-param-gather is not supported by Loom",
+               "Muon orthogonalizes 16-bit or f32 weights in Loom: drop --fp8-param-gather");
+}
+
+}  // namespace
+
 // The order of the steps is the flags' order of precedence: the preset (or --load-hf's shape), the model
 // flags given, the tokenizer's vocabulary, MoE and graphs over the model, --use-checkpoint-args over all of
 // them; then the checks that need the resolved model.
@@ -132,6 +150,7 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     resolve_batch(given, o);
     resolve_ddp(values_.parallel, given, o);
     resolve_optimizer(values_.optim, o);
+    check_fp8_param_gather(o);
     resolve_schedule(given, o);
     validate_hyperparameters(o);
     validate_logging(given, o);

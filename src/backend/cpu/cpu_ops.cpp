@@ -477,6 +477,42 @@ public:
         });
     }
 
+    void fp8_amax(Stream & s, const Tensor & x, const Tensor & amax) override {
+        op_checks::fp8_amax(x, amax);
+        s.submit([x, amax] {
+            const int64_t n    = x.numel();
+            uint32_t      bits = float_to_bits(f32(amax)[0]) & 0x7FFFFFFFu;
+            if (x.dtype() == DType::f32) {
+                for (int64_t i = 0; i < n; ++i) bits = std::max(bits, float_to_bits(x.data<float>()[i]) & 0x7FFFFFFFu);
+            } else {   // bf16: the f32 bits are its 16 bits shifted up
+                const uint16_t * v = static_cast<const uint16_t *>(x.data_ptr());
+                for (int64_t i = 0; i < n; ++i) bits = std::max(bits, (static_cast<uint32_t>(v[i]) << 16) & 0x7FFFFFFFu);
+            }
+            f32(amax)[0] = bits_to_float(bits);
+        });
+    }
+
+    void fp8_encode(Stream & s, const Tensor & x, Fp8Format format, const Tensor & amax, const Tensor & codes,
+                    const Tensor & scale_inv) override {
+        op_checks::fp8_encode(x, amax, codes, scale_inv);
+        s.submit([x, format, amax, codes, scale_inv] {
+            const float   scale = fp8_scale_from_amax(f32(amax)[0], format);
+            const float * v     = x.data<float>();
+            uint8_t *     out   = static_cast<uint8_t *>(codes.data_ptr());
+            for (int64_t i = 0; i < x.numel(); ++i) out[i] = fp8_from_f32(v[i] * scale, format);
+            f32(scale_inv)[0] = 1.0f / scale;
+        });
+    }
+
+    void fp8_decode(Stream & s, const Tensor & codes, Fp8Format format, const Tensor & q) override {
+        op_checks::fp8_decode(codes, q);
+        s.submit([codes, format, q] {
+            const uint8_t * in  = static_cast<const uint8_t *>(codes.data_ptr());
+            uint16_t *      out = static_cast<uint16_t *>(q.data_ptr());
+            for (int64_t i = 0; i < codes.numel(); ++i) out[i] = f32_to_bf16_bits(f32_from_fp8(in[i], format));
+        });
+    }
+
     void scale_by_product(Stream & s, const Tensor & t, const Tensor & a, const Tensor & b) override {
         op_checks::scale_by_product(t, a, b);
         s.submit([t, a, b] { scale_parallel(t.data_ptr(), t.dtype(), f32(a)[0] * f32(b)[0], t.numel()); });

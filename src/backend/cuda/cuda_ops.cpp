@@ -737,6 +737,33 @@ public:
         cs.launched("fp8_quantize", {x, q, scale_inv, partial, scale});
     }
 
+    void fp8_amax(Stream & s, const Tensor & x, const Tensor & amax) override {
+        op_checks::fp8_amax(x, amax);
+        CudaStream & cs = start(s, "fp8_amax", {x, amax});
+        Tensor partial = Tensor::empty({std::max<int64_t>(kernels::fp8_quantize_chunks(x.numel()), 1)}, DType::f64,
+                                       cs.device(), TensorOptions{MemoryKind::device, kActivationsPool});
+        kernels::fp8_amax(cs.launch("fp8_amax"), x.data_ptr(), float_kind(x.dtype()), x.numel(),
+                          static_cast<double *>(partial.data_ptr()), f32(amax));
+        cs.launched("fp8_amax", {x, amax, partial});
+    }
+
+    void fp8_encode(Stream & s, const Tensor & x, Fp8Format format, const Tensor & amax, const Tensor & codes,
+                    const Tensor & scale_inv) override {
+        op_checks::fp8_encode(x, amax, codes, scale_inv);
+        CudaStream & cs = start(s, "fp8_encode", {x, amax, codes, scale_inv});
+        kernels::fp8_encode(cs.launch("fp8_encode"), f32(x), x.numel(), format, f32(amax),
+                            static_cast<uint8_t *>(codes.data_ptr()), f32(scale_inv));
+        cs.launched("fp8_encode", {x, amax, codes, scale_inv});
+    }
+
+    void fp8_decode(Stream & s, const Tensor & codes, Fp8Format format, const Tensor & q) override {
+        op_checks::fp8_decode(codes, q);
+        CudaStream & cs = start(s, "fp8_decode", {codes, q});
+        kernels::fp8_decode(cs.launch("fp8_decode"), static_cast<const uint8_t *>(codes.data_ptr()), codes.numel(), format,
+                            static_cast<uint16_t *>(q.data_ptr()));
+        cs.launched("fp8_decode", {codes, q});
+    }
+
     void scale_by_product(Stream & s, const Tensor & t, const Tensor & a, const Tensor & b) override {
         op_checks::scale_by_product(t, a, b);
         CudaStream & cs = start(s, "scale_by_product", {t, a, b});

@@ -182,6 +182,25 @@ __global__ void fp8_cast_kernel(const void * x, Float kind, int64_t n, const flo
     LOOM_GRID_STRIDE(i, n) q[i] = f32_to_bf16_bits(fp8_round(__fmul_rn(load_float(x, kind, i), s), format));
 }
 
+__global__ void fp8_amax_fold_kernel(const double * partial, int64_t chunks, float * amax) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    double m = static_cast<double>(float_to_bits(amax[0]) & 0x7FFFFFFFu);
+    for (int64_t c = 0; c < chunks; ++c) m = fmax(m, partial[c]);
+    amax[0] = bits_to_float(static_cast<uint32_t>(m));
+}
+
+// Every thread forms s from amax itself; the first also writes 1 / s.
+__global__ void fp8_encode_kernel(const float * x, int64_t n, Fp8Format format, const float * amax, uint8_t * codes,
+                                  float * scale_inv) {
+    const float s = fp8_scale_from_amax(amax[0], format);
+    if (blockIdx.x == 0 && threadIdx.x == 0) scale_inv[0] = __fdiv_rn(1.0f, s);
+    LOOM_GRID_STRIDE(i, n) codes[i] = fp8_from_f32(__fmul_rn(x[i], s), format);
+}
+
+__global__ void fp8_decode_kernel(const uint8_t * codes, int64_t n, Fp8Format format, uint16_t * q) {
+    LOOM_GRID_STRIDE(i, n) q[i] = f32_to_bf16_bits(f32_from_fp8(codes[i], format));
+}
+
 __global__ void scale_by_product_kernel(float * t, const float * a, const float * b, int64_t n) {
     const float p = __fmul_rn(a[0], b[0]);
     LOOM_GRID_STRIDE(i, n) t[i] = __fmul_rn(t[i], p);
@@ -797,6 +816,22 @@ void fp8_quantize(cudaStream_t stream, const void * x, Float kind, int64_t n, Fp
     if (chunks > 0) LOOM_LAUNCH(amax_bits_chunks_kernel, static_cast<unsigned>(chunks), kThreads, 0, stream)(x, kind, n, partial);
     LOOM_LAUNCH(fp8_scale_kernel, 1, 1, 0, stream)(partial, chunks, format, scale, scale_inv);
     if (n > 0) LOOM_LAUNCH(fp8_cast_kernel, blocks_for(n), kThreads, 0, stream)(x, kind, n, scale, format, q);
+}
+
+void fp8_amax(cudaStream_t stream, const void * x, Float kind, int64_t n, double * partial, float * amax) {
+    const int64_t chunks = fp8_quantize_chunks(n);
+    if (chunks == 0) return;
+    LOOM_LAUNCH(amax_bits_chunks_kernel, static_cast<unsigned>(chunks), kThreads, 0, stream)(x, kind, n, partial);
+    LOOM_LAUNCH(fp8_amax_fold_kernel, 1, 1, 0, stream)(partial, chunks, amax);
+}
+
+void fp8_encode(cudaStream_t stream, const float * x, int64_t n, Fp8Format format, const float * amax, uint8_t * codes,
+                float * scale_inv) {
+    LOOM_LAUNCH(fp8_encode_kernel, std::max(blocks_for(n), 1), kThreads, 0, stream)(x, n, format, amax, codes, scale_inv);
+}
+
+void fp8_decode(cudaStream_t stream, const uint8_t * codes, int64_t n, Fp8Format format, uint16_t * q) {
+    if (n > 0) LOOM_LAUNCH(fp8_decode_kernel, blocks_for(n), kThreads, 0, stream)(codes, n, format, q);
 }
 
 void scale_by_product(cudaStream_t stream, float * t, const float * a, const float * b, int64_t n) {

@@ -40,6 +40,11 @@ void scale(cudaStream_t stream, void * x, Float kind, float factor, int64_t n); 
 int64_t fp8_quantize_chunks(int64_t n);
 void    fp8_quantize(cudaStream_t stream, const void * x, Float kind, int64_t n, Fp8Format format, uint16_t * q,
                      float * scale_inv, double * partial, float * scale);
+// Ops::fp8_amax (partial: fp8_quantize_chunks(n) doubles of scratch), fp8_encode and fp8_decode.
+void    fp8_amax(cudaStream_t stream, const void * x, Float kind, int64_t n, double * partial, float * amax);
+void    fp8_encode(cudaStream_t stream, const float * x, int64_t n, Fp8Format format, const float * amax, uint8_t * codes,
+                   float * scale_inv);
+void    fp8_decode(cudaStream_t stream, const uint8_t * codes, int64_t n, Fp8Format format, uint16_t * q);
 // t *= a[0] * b[0] (Ops::scale_by_product).
 void scale_by_product(cudaStream_t stream, float * t, const float * a, const float * b, int64_t n);
 // x *= float(1 / max(sqrt(double(sums[0]) + sums[1]), eps)) (Ops::scale_by_inverse_norm).

@@ -174,14 +174,25 @@ Tensor Experts::backward(Context & ctx, const Tensor & dyp, const GradReadyFn & 
 void Experts::set_fp8(const Linear::Fp8 & formats) {
     fp8 = formats;
     for (const std::unique_ptr<Mlp> & mlp : local) {
-        mlp->fc1.fp8 = formats;
-        mlp->fc2.fp8 = formats;
+        mlp->fc1.set_fp8(formats);
+        mlp->fc2.set_fp8(formats);
+    }
+    if (grouped && formats.param_codes) {   // one scale per expert, as each expert's own weight has
+        for (Parameter * w : {&fc1_weight, &fc2_weight}) {
+            w->fp8_blocks = num_experts;
+            w->fp8_format = formats.forward;
+        }
     }
 }
 
-void Experts::gemm(const Tensor & a, Pass pass, bool trans_a, const Tensor & w, bool trans_w, const Tensor & c) const {
+Tensor Experts::scale_inv(const Parameter & w, int64_t e) {
+    return w.fp8_codes() ? w.fp8_scale_inv.slice(e, {1}) : Tensor();
+}
+
+void Experts::gemm(const Tensor & a, Pass pass, bool trans_a, const Tensor & w, bool trans_w, const Tensor & c,
+                   const Tensor & w_scale_inv) const {
     if (fp8) {
-        fp8_product(a, pass == Pass::forward ? fp8->forward : fp8->backward, trans_a, w, fp8->forward, trans_w, c);
+        fp8_product(a, pass == Pass::forward ? fp8->forward : fp8->backward, trans_a, w, fp8->forward, trans_w, c, w_scale_inv);
     } else {
         a.device().ops().gemm(a.device().compute_stream(), a, trans_a, w, trans_w, c);
     }
@@ -219,7 +230,7 @@ Tensor Experts::grouped_forward(Context & ctx, const Tensor & xp) {
         const int64_t c = ctx.counts[e];
         if (c == 0) continue;
         gemm(ctx.x.narrow(0, offset, c), Pass::forward, false, expert_slice(fc1_weight.data, e, {f1, h}), true,
-             pre.narrow(0, offset, c));
+             pre.narrow(0, offset, c), scale_inv(fc1_weight, e));
         offset += c;
     }
     if (expert_config.swiglu || expert_config.squared_relu) {   // the bias, then the activation
@@ -262,7 +273,7 @@ Tensor Experts::grouped_forward(Context & ctx, const Tensor & xp) {
         const int64_t c = ctx.counts[e];
         if (c == 0) continue;
         Tensor ye = y.narrow(0, offset, c);
-        gemm(ctx.act.narrow(0, offset, c), Pass::forward, false, expert_slice(fc2_weight.data, e, {h, f}), true, ye);
+        gemm(ctx.act.narrow(0, offset, c), Pass::forward, false, expert_slice(fc2_weight.data, e, {h, f}), true, ye, scale_inv(fc2_weight, e));
         if (has_bias) ops.bias_add(stream, ye, expert_slice(b2, e, {h}));
         offset += c;
     }
@@ -293,7 +304,7 @@ Tensor Experts::grouped_backward(Context & ctx, const Tensor & dyp, const GradRe
             if (c == 0) continue;
             if (has_bias) ops.bias_backward(stream, dyp.narrow(0, offset, c), expert_slice(g[1], e, {h}));
             Tensor dye = dy_in.narrow(0, offset, c);
-            gemm(dye, Pass::backward, false, expert_slice(fc2_weight.data, e, {h, f}), false, d_act.narrow(0, offset, c));
+            gemm(dye, Pass::backward, false, expert_slice(fc2_weight.data, e, {h, f}), false, d_act.narrow(0, offset, c), scale_inv(fc2_weight, e));
             weight_grad(dye, ctx.act.narrow(0, offset, c), expert_slice(g[0], e, {h, f}));
             offset += c;
         }
@@ -322,7 +333,7 @@ Tensor Experts::grouped_backward(Context & ctx, const Tensor & dyp, const GradRe
             if (c == 0) continue;
             if (has_bias) ops.bias_backward(stream, d_pre.narrow(0, offset, c), expert_slice(g[1], e, {f1}));
             Tensor de = d_pre_in.narrow(0, offset, c);
-            gemm(de, Pass::backward, false, expert_slice(fc1_weight.data, e, {f1, h}), false, dx.narrow(0, offset, c));
+            gemm(de, Pass::backward, false, expert_slice(fc1_weight.data, e, {f1, h}), false, dx.narrow(0, offset, c), scale_inv(fc1_weight, e));
             weight_grad(de, ctx.x.narrow(0, offset, c), expert_slice(g[0], e, {f1, h}));
             offset += c;
         }

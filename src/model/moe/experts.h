@@ -80,7 +80,10 @@ private:
     std::vector<std::pair<int64_t, int64_t>> etp_rows(int64_t F, int64_t r) const;
     enum class Pass { forward, backward };   // what `a` of gemm is: a forward input, or a gradient
     // c (f32) = op(a) op(w): a GEMM, or with fp8 the FP8 product (a in the pass's format, w in forward's).
-    void gemm(const Tensor & a, Pass pass, bool trans_a, const Tensor & w, bool trans_w, const Tensor & c) const;
+    void gemm(const Tensor & a, Pass pass, bool trans_a, const Tensor & w, bool trans_w, const Tensor & c,
+              const Tensor & w_scale_inv) const;
+    // Expert e's 1 / s when `w` holds FP8 codes (--fp8-param-gather), else undefined.
+    static Tensor scale_inv(const Parameter & w, int64_t e);
     // g += dy^T x, as gemm (dy in backward's format, x in forward's).
     void weight_grad(const Tensor & dy, const Tensor & x, const Tensor & g) const;
     Tensor grouped_forward(Context & ctx, const Tensor & xp);

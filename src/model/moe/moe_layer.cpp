@@ -110,8 +110,8 @@ void MoELayer::init(uint64_t seed, float std, float output_std) {
 void MoELayer::set_fp8(const Linear::Fp8 & formats) {
     experts.set_fp8(formats);
     if (shared_expert) {
-        shared_expert->fc1.fp8 = formats;
-        shared_expert->fc2.fp8 = formats;
+        shared_expert->fc1.set_fp8(formats);
+        shared_expert->fc2.set_fp8(formats);
     }
 }
 
