@@ -52,6 +52,11 @@ inline void use_multi_latent_attention(train::TrainOptions & o) {
 
 // A parameter's values as f32.
 inline std::vector<float> parameter_values(const model::Parameter & p) {
+    if (p.fp8_codes()) {   // FP8 codes (--fp8-param-gather): their values times their scales
+        const Tensor values = model::parameter_f32(p);
+        p.data.device().compute_stream().synchronize();
+        return values_f32(values);
+    }
     std::vector<float> v(static_cast<size_t>(p.numel()));
     convert(p.data.data_ptr(), p.data.dtype(), v.data(), DType::f32, v.size());
     return v;
@@ -64,13 +69,14 @@ struct SingleRankRun {
     std::vector<float>                        moe_expert_bias;   // (MoE layers, E), --moe-router-enable-expert-bias
 };
 
-inline SingleRankRun train_single_rank(train::TrainOptions o) {
+// `self`: a group of this rank alone, for the options that live in DDP's buffers (ZeRO-1 on one rank).
+inline SingleRankRun train_single_rank(train::TrainOptions o, std::shared_ptr<comm::Communicator> self = nullptr) {
     auto            source = train::make_batch_source(o, cpu::device(), false);
     model::GptModel gpt(o.model, cpu::device());
     gpt.init();
     SingleRankRun run;
     {
-        train::Trainer trainer(o, gpt, *source);
+        train::Trainer trainer(o, gpt, *source, std::move(self));
         run.losses = trainer.run(nullptr).losses;
     }
     for (model::Parameter * p : gpt.parameters()) run.params[p->name] = parameter_values(*p);

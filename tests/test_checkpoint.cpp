@@ -172,6 +172,11 @@ INSTANTIATE_TEST_SUITE_P(
         // back its trackers as well as its scale to continue bitwise.
         ResumeCase{"dp2_zero1_fp16_dynamic_scale", 2,
                    "--use-distributed-optimizer --fp16 --initial-loss-scale 262144 --loss-scale-window 3"},
+        // FP8 codes under Megatron-FSDP (each unit gathered from the shards' codes): the f32 main values come
+        // back as the weights' values and every shard is encoded again before a unit is gathered.
+        ResumeCase{"dp2_fsdp_fp8_codes_moe", 2,
+                   "--use-megatron-fsdp --overlap-grad-reduce --overlap-param-gather --bf16 --fp8-format hybrid "
+                   "--fp8-recipe tensorwise --fp8-param-gather --num-experts 4 --moe-grouped-gemm --disable-bias-linear"},
         ResumeCase{"dp2_zero1_offload_half_bf16", 2,
                    "--use-distributed-optimizer --use-precision-aware-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.5 "
                    "--overlap-cpu-optimizer-d2h-h2d --bf16"}),

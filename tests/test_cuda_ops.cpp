@@ -658,6 +658,76 @@ TEST(CudaOps, Fp8QuantizeAndScaleByProductAreBitwiseTheCpus) {
     expect_bitwise(tc, to_cpu(tg), "scale_by_product");
 }
 
+// --fp8-param-gather's ops. On the CPU: fp8_decode gives every code's value (core/fp8.h's, which test_fp8 holds to
+// the formats' definition); fp8_amax folds pieces into one amax; fp8_encode with that amax on the hand-worked
+// case (x = (1, -3.5, 0.3, 2): s = 128, values (128, -448, 40, 256)); and encode then decode is fp8_quantize's q
+// to the bit. Then the CUDA kernels bitwise the CPU's over several amax chunks, both formats.
+TEST(CudaOps, Fp8CodesEncodeDecodeAndAmaxAreBitwiseTheCpus) {
+    SKIP_WITHOUT_CUDA();
+    for (const Fp8Format format : {Fp8Format::e4m3, Fp8Format::e5m2}) {
+        Tensor codes = cpu_tensor({256}, DType::u8), values = cpu_tensor({256}, DType::bf16);
+        for (int c = 0; c < 256; ++c) static_cast<uint8_t *>(codes.data_ptr())[c] = static_cast<uint8_t>(c);
+        cops().fp8_decode(cs(), codes, format, values);
+        cs().synchronize();
+        for (int c = 0; c < 256; ++c) {
+            const float want = f32_from_fp8(static_cast<uint8_t>(c), format);
+            const float got  = bf16_bits_to_f32(static_cast<uint16_t *>(values.data_ptr())[c]);
+            if (std::isnan(want)) {
+                EXPECT_TRUE(std::isnan(got)) << c;
+            } else {
+                EXPECT_EQ(got, want) << "code " << c;
+            }
+        }
+        Tensor values_g = Tensor::empty({256}, DType::bf16, gpu());
+        gops().fp8_decode(gs(), to_gpu(codes), format, values_g);
+        expect_bitwise(values, to_cpu(values_g), "fp8_decode of every code");
+    }
+    Tensor hand = cpu_tensor({4}), amax = cpu_tensor({1}), codes = cpu_tensor({4}, DType::u8), inv = cpu_tensor({1});
+    const float xs[] = {1.0f, -3.5f, 0.3f, 2.0f}, want[] = {128.0f, -448.0f, 40.0f, 256.0f};
+    std::copy(xs, xs + 4, hand.data<float>());
+    amax.data<float>()[0] = 0.5f;   // a previous piece's
+    cops().fp8_amax(cs(), hand.slice(2, {2}), amax);
+    cs().synchronize();
+    EXPECT_EQ(amax.data<float>()[0], 2.0f);
+    cops().fp8_amax(cs(), hand.slice(0, {2}), amax);
+    cops().fp8_encode(cs(), hand, Fp8Format::e4m3, amax, codes, inv);
+    cs().synchronize();
+    EXPECT_EQ(amax.data<float>()[0], 3.5f);
+    for (int i = 0; i < 4; ++i) {
+        EXPECT_EQ(f32_from_fp8(static_cast<uint8_t *>(codes.data_ptr())[i], Fp8Format::e4m3), want[i]) << i;
+    }
+    EXPECT_EQ(inv.data<float>()[0], 1.0f / 128.0f);
+    const int64_t n = 2 * (int64_t{1} << 16) + 777;   // three amax chunks, the last partial
+    for (const Fp8Format format : {Fp8Format::e4m3, Fp8Format::e5m2}) {
+        Tensor x  = random_cpu({n}, 730, 5.0f);
+        Tensor q  = cpu_tensor({n}, DType::bf16), qi = cpu_tensor({1});
+        Tensor ac = cpu_tensor({1}), cc = cpu_tensor({n}, DType::u8), ic = cpu_tensor({1}), dc = cpu_tensor({n}, DType::bf16);
+        ac.data<float>()[0] = 0.0f;
+        cops().fp8_quantize(cs(), x, format, q, qi);
+        cops().fp8_amax(cs(), x, ac);
+        cops().fp8_encode(cs(), x, format, ac, cc, ic);
+        cops().fp8_decode(cs(), cc, format, dc);
+        cs().synchronize();
+        expect_bitwise(q, dc, "encode then decode against fp8_quantize's values");
+        expect_bitwise(qi, ic, "encode's scale_inv against fp8_quantize's");
+        Tensor ag = to_gpu(cpu_tensor({1})), cg = Tensor::empty({n}, DType::u8, gpu()), ig = Tensor::empty({1}, DType::f32, gpu());
+        gops().fill_zero(gs(), ag);
+        const Tensor xg = to_gpu(x);
+        gops().fp8_amax(gs(), xg, ag);
+        gops().fp8_encode(gs(), xg, format, ag, cg, ig);
+        expect_bitwise(ac, to_cpu(ag), "fp8_amax");
+        expect_bitwise(cc, to_cpu(cg), "fp8_encode codes");
+        expect_bitwise(ic, to_cpu(ig), "fp8_encode scale_inv");
+        Tensor xb = random_cpu({n}, 731, 5.0f, DType::bf16), ab = cpu_tensor({1}), abg = to_gpu(cpu_tensor({1}));
+        ab.data<float>()[0] = 0.0f;
+        gops().fill_zero(gs(), abg);
+        cops().fp8_amax(cs(), xb, ab);
+        cs().synchronize();
+        gops().fp8_amax(gs(), to_gpu(xb), abg);
+        expect_bitwise(ab, to_cpu(abg), "fp8_amax of bf16");
+    }
+}
+
 // scale_by_inverse_norm divides by the norm read from sum_of_squares' pair on the device: bitwise the CPU's
 // for the same pair (f32 inv formed in double on both), and eps taking over for a zero tensor.
 TEST(CudaOps, ScaleByInverseNormIsBitwiseTheCpus) {

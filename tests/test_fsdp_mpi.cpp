@@ -14,7 +14,9 @@
 // get gradients near rounding level, which Adam's normalised step turns into moves of about lr either way
 // (as for the QKV bias below); with the untied Llama-style model and with TP 2 (the vocabulary-parallel
 // sums) that reaches ~5e-5 of the table's largest value over 20 iterations, ZeRO-1 as much as FSDP: the
-// table is held to 1e-4.
+// table is held to 1e-4. FP8 GEMMs (--fp8-param-gather's runs) are held to the bf16 bounds in f32 as well: an FP8
+// weight moves by one FP8 step (an eighth of its value) when its f32 master crosses a rounding boundary, which
+// the order of the f32 sums decides, and the activations follow (at DP 2: losses within 1.1e-4 relative).
 #include "backend/cpu/cpu_device.h"
 #include "comm/counting_communicator.h"
 #include "ddp/ddp.h"
@@ -44,11 +46,18 @@ using ddp::FsdpSharding;
 constexpr FsdpSharding kStrategies[] = {FsdpSharding::no_shard, FsdpSharding::optim, FsdpSharding::optim_grads,
                                         FsdpSharding::optim_grads_params};
 
-train::TrainOptions small_options(DType dtype, bool llama = false, bool moe = false) {
+train::TrainOptions small_options(DType dtype, bool llama = false, bool moe = false, bool fp8_codes = false) {
     train::TrainOptions o = testing_models::small_gpt_options(4, 4, 20);
     o.lr_warmup_iters     = 3;
     o.model.params_dtype  = dtype;
     o.bf16                = dtype == DType::bf16;
+    if (fp8_codes) {   // hybrid FP8 GEMMs, the weights kept as FP8 codes (the single-rank run: ZeRO-1 on one rank)
+        o.model.fp8                   = true;
+        o.model.fp8_forward           = Fp8Format::e4m3;
+        o.model.fp8_backward          = Fp8Format::e5m2;
+        o.model.fp8_param_gather      = true;
+        o.ddp.use_distributed_optimizer = true;
+    }
     if (moe) {   // 4 experts, top-2, both router losses, tokens exchanged by all-to-all
         o.model.moe.num_experts    = 4;
         o.model.moe.topk           = 2;
@@ -82,6 +91,7 @@ struct Layout {
     DType        comm     = DType::f32;   // --megatron-fsdp-grad-comm-dtype
     bool         fsdp     = true;         // false: Loom's DDP (no_shard: all-reduce, optim: ZeRO-1)
     bool         grads16  = false;        // gradient buffers in the parameters' dtype (--grad-reduce-in-bf16)
+    bool         fp8_codes = false;       // --fp8-param-gather (hybrid FP8 GEMMs)
     std::string  name() const {
         return std::string(fsdp ? "" : "ddp ") + ddp::fsdp_sharding_name(strategy) + " " + dtype_name(dtype) + " dp " +
                std::to_string(g_mpi->world_size() / tp / cp / pp) + (tp > 1 ? " tp 2 sp" : "") +
@@ -91,7 +101,7 @@ struct Layout {
                (offload > 0 ? " cpu offload " + std::to_string(offload).substr(0, 3) : "") +
                (comm != DType::f32 ? std::string(" gradients travel in ") + dtype_name(comm) : "") +
                (grads16 ? std::string(" ") + dtype_name(dtype) + " gradient buffers" : "") + (overlap ? " both overlaps" : "") +
-               (llama ? " llama" : "");
+               (llama ? " llama" : "") + (fp8_codes ? " fp8 codes" : "");
     }
 };
 
@@ -126,7 +136,7 @@ Run parallel_run(const Layout & l) {
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi, l.instances);
 
-    train::TrainOptions o     = small_options(l.dtype, l.llama, l.ep > 1);
+    train::TrainOptions o     = small_options(l.dtype, l.llama, l.ep > 1, l.fp8_codes);
     o.ddp.num_distributed_optimizer_instances = l.instances;
     o.ddp.grad_comm_dtype                     = l.comm;
     o.ddp.grad_reduce_in_fp32                 = !l.grads16;
@@ -144,11 +154,20 @@ Run parallel_run(const Layout & l) {
     return testing_models::train_layout(o, groups);
 }
 
+// Each rank alone (the single-rank run of ZeRO-1, which FP8 codes need).
+std::shared_ptr<comm::Communicator> self_group() {
+    std::vector<std::vector<int>> alone;
+    for (int r = 0; r < g_mpi->world_size(); ++r) alone.push_back({r});
+    return g_mpi->split(alone, "self");
+}
+
 void expect_follows_reference(const Layout & l) {
     SCOPED_TRACE(l.name());
-    const testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(l.dtype, l.llama, l.ep > 1));
+    const testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(l.dtype, l.llama, l.ep > 1, l.fp8_codes),
+                                                                                l.fp8_codes ? self_group() : nullptr);
     const Run                           run = parallel_run(l);
-    const bool                          f32 = l.dtype == DType::f32 && l.comm == DType::f32 && !l.grads16;   // else bf16's bounds
+    // else bf16's bounds; FP8 GEMMs too (the header)
+    const bool f32 = l.dtype == DType::f32 && l.comm == DType::f32 && !l.grads16 && !l.fp8_codes;
     ASSERT_EQ(run.losses.size(), ref.losses.size());
     double worst_loss = 0, worst_param = 0;
     for (size_t i = 0; i < ref.losses.size(); ++i) {
@@ -167,7 +186,7 @@ void expect_follows_reference(const Layout & l) {
         // The key part of the attention's QKV bias: zero gradient in exact arithmetic, rounding noise in
         // practice, which Adam's normalised step turns into moves of about lr either way in every layout
         // (test_context_parallel_mpi.cpp says more); left out of the f32 comparison.
-        const model::GptConfig & m        = small_options(l.dtype, l.llama, l.ep > 1).model;
+        const model::GptConfig & m        = small_options(l.dtype, l.llama, l.ep > 1, l.fp8_codes).model;
         const bool               key_bias = f32 && slice.dim < 0 && pname.find(".attention.qkv.bias") != std::string::npos;
         const size_t k0 = static_cast<size_t>(m.num_attention_heads * m.head_dim()),
                      k1 = k0 + static_cast<size_t>(m.num_query_groups * m.head_dim());
@@ -237,6 +256,28 @@ TEST(MegatronFsdp, WithContextAndExpertParallelismAndHybridShardingFollowsTheSin
     }
     expect_follows_reference({.strategy = FsdpSharding::optim_grads_params, .overlap = true, .ep = 2});
     expect_follows_reference({.strategy = FsdpSharding::optim_grads, .ep = 2});
+}
+
+// --fp8-param-gather: the weights of the FP8 GEMMs travel and are kept as FP8 codes, encoded after each step
+// from the f32 main shards with each weight's amax over every rank's shard; ZeRO-1 and FSDP's optim_grads_params
+// (the codes gathered per unit) follow the single-rank run with codes within the bounds above. The codes are
+// the rounding that the cast path applies to the weights at every GEMM, taken from the main values: the first
+// iteration's loss, from the initial values, is the cast path's to the bit.
+TEST(MegatronFsdp, Fp8ParamCodesFollowTheSingleRankRun) {
+    for (DType dtype : {DType::bf16, DType::f32}) {
+        expect_follows_reference({.strategy = FsdpSharding::optim, .dtype = dtype, .fsdp = false, .fp8_codes = true});
+        expect_follows_reference({.strategy = FsdpSharding::optim_grads_params, .dtype = dtype, .overlap = true, .fp8_codes = true});
+    }
+    for (bool moe : {false, true}) {   // grouped experts: one scale per expert, as the cast path's
+        train::TrainOptions codes = small_options(DType::bf16, false, moe, true);
+        codes.train_iters         = 1;
+        codes.model.moe.grouped_gemm = moe;
+        train::TrainOptions cast  = codes;
+        cast.model.fp8_param_gather = false;
+        EXPECT_EQ(testing_models::train_single_rank(codes, self_group()).losses.at(0),
+                  testing_models::train_single_rank(cast, self_group()).losses.at(0))
+            << (moe ? "MoE" : "dense");
+    }
 }
 
 // The bytes one micro-batch's gradient sync moves in collectives of `kind` under `config` (Megatron-FSDP's

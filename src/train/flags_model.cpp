@@ -147,7 +147,8 @@ const Flag<ModelFlags> kModelFlags[] = {
     {"--fp8-amax-compute-algo", "transformer configuration", &M::fp8_amax_compute_algo,
      "delayed scaling's amax from its history: most_recent or max (no effect with tensorwise)", kShowDefault},
     {"--fp8-param-gather", "mixed precision", &M::fp8_param_gather,
-     "FP8 weights as the compute parameters, gathered in FP8 (Loom: refused; it casts the bf16 weights)"},
+     "the FP8 GEMMs' weights kept and gathered as FP8 codes, encoded from the distributed optimizer's f32 shards "
+     "(docs/fp8.md)"},
     {"--first-last-layers-bf16", "transformer configuration", &M::first_last_layers_bf16,
      "with FP8: the first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 layers in bf16"},
     {"--num-layers-at-start-in-bf16", "transformer configuration", &M::fp8_bf16_first,
