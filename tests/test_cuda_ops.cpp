@@ -728,6 +728,33 @@ TEST(CudaOps, Fp8CodesEncodeDecodeAndAmaxAreBitwiseTheCpus) {
     }
 }
 
+// --fp8-recipe blockwise's cast: on the CPU the hand-worked case (e4m3, blocks of 1 x 2 over a 2 x 3 tensor: the
+// blocks' power-of-two scales 128, 1024, 4 and 64; 400 ties between 384 and 416 and takes the even 384), then the
+// CUDA kernels bitwise the CPU's for the three block shapes the GEMMs use, on shapes that leave partial blocks.
+TEST(CudaOps, Fp8QuantizeBlocksIsTheBlockRuleAndBitwiseTheCpus) {
+    SKIP_WITHOUT_CUDA();
+    Tensor      hand = cpu_tensor({2, 3}), q = cpu_tensor({2, 3}, DType::bf16);
+    const float xs[] = {1.0f, -3.5f, 0.3f, 100.0f, 0.01f, 7.0f};
+    const float want[] = {1.0f, -3.5f, 0.3125f, 96.0f, 0.009765625f, 7.0f};
+    std::copy(xs, xs + 6, hand.data<float>());
+    cops().fp8_quantize_blocks(cs(), hand, Fp8Format::e4m3, 1, 2, q);
+    cs().synchronize();
+    for (int i = 0; i < 6; ++i) EXPECT_EQ(bf16_bits_to_f32(static_cast<uint16_t *>(q.data_ptr())[i]), want[i]) << i;
+    const std::pair<int64_t, int64_t> shapes[] = {{1, 128}, {128, 1}, {128, 128}};
+    for (const auto & [br, bc] : shapes) {
+        for (const DType dtype : {DType::f32, DType::bf16}) {
+            for (const Fp8Format format : {Fp8Format::e4m3, Fp8Format::e5m2}) {
+                Tensor x  = random_cpu({300, 200}, 740, 5.0f, dtype);
+                Tensor qc = cpu_tensor({300, 200}, DType::bf16), qg = Tensor::empty({300, 200}, DType::bf16, gpu());
+                cops().fp8_quantize_blocks(cs(), x, format, br, bc, qc);
+                cs().synchronize();
+                gops().fp8_quantize_blocks(gs(), to_gpu(x), format, br, bc, qg);
+                expect_bitwise(qc, to_cpu(qg), "fp8_quantize_blocks " + std::to_string(br) + " x " + std::to_string(bc));
+            }
+        }
+    }
+}
+
 // scale_by_inverse_norm divides by the norm read from sum_of_squares' pair on the device: bitwise the CPU's
 // for the same pair (f32 inv formed in double on both), and eps taking over for a zero tensor.
 TEST(CudaOps, ScaleByInverseNormIsBitwiseTheCpus) {

@@ -44,6 +44,7 @@ struct Layout {
     // Dropless MoE layers captured up to the router (--cuda-graph-modules attn moe_router), with the
     // dispatch plan too (moe_preprocess).
     bool moe_router = false, moe_preprocess = false;
+    bool mixed      = false;   // with moe_router: layer 0 dense, captured whole (attn mlp moe_router)
     bool attn       = false;   // dense layers captured up to norm2 (--cuda-graph-modules attn), the MLP eager
     int  ep         = 1;       // expert parallelism (with moe_router), alltoall dispatcher
     int  etp        = 0;       // expert tensor parallelism (0: tp, Megatron's default; > 1 needs no biases)
@@ -100,6 +101,7 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = kIte
         o.model.moe.aux_loss_coeff = 1e-2f;
         o.model.moe.z_loss_coeff   = 1e-3f;
     }
+    if (layout.mixed) o.model.moe.layer_pattern = {0, 1, 1, 1};
     if (layout.moe) {
         o.model.moe.capacity_factor = 1.0f;
         o.model.moe.pad_to_capacity = true;
@@ -157,7 +159,7 @@ std::string describe(const Layout & l) {
                   l.distopt ? " zero-1+overlaps" : "", l.bf16 ? " bf16" : "", l.offload ? " cpu-offload 0.5" : "",
                   l.first_stage_layers ? " uneven" : "", l.moe ? " moe drop-and-pad" : "",
                   l.moe_preprocess ? " dropless moe, graphs to the dispatch plan" : l.moe_router ? " dropless moe, graphs to the router" : "",
-                  l.attn ? " graphs to norm2, the mlp eager" : "");
+                  l.attn ? " graphs to norm2, the mlp eager" : l.mixed ? ", layer 0 dense and whole" : "");
     return text;
 }
 
@@ -228,6 +230,11 @@ TEST(LayerGraphs, DroplessMoeCapturedToTheDispatchPlanIsBitwiseTheEagerRun) {
     expect_bitwise(Layout{.pp = 2, .moe_router = true, .moe_preprocess = true});
 }
 TEST(LayerGraphs, MoeCapturedToTheRouterWithOneStageIsBitwiseTheEagerRun) { expect_bitwise(Layout{.moe_router = true}); }
+// Megatron's scoped graphs of a model whose first layer is dense (--cuda-graph-modules attn mlp moe_router
+// moe_preprocess): that layer captured whole, the MoE layers up to the dispatch plan, over two stages.
+TEST(LayerGraphs, DenseLayersWholeBesideMoeLayersCapturedToTheRouterAreBitwiseTheEagerRun) {
+    expect_bitwise(Layout{.pp = 2, .moe_router = true, .moe_preprocess = true, .mixed = true});
+}
 // Dense layers captured up to norm2 (--cuda-graph-modules attn) under TP 2 + SP and PP 2: the heads' graphs
 // hold the attention's collectives, the MLP runs eagerly with its own between the replays.
 TEST(LayerGraphs, DenseLayersCapturedToTheMlpAreBitwiseTheEagerRun) {

@@ -1161,3 +1161,98 @@ TEST(Linear, Fp8GemmsFollowTheCastRuleForwardAndBackward) {
     EXPECT_LT(worst_dx, 1.0 / 128);
     EXPECT_LT(worst_dw, 1e-5);
 }
+
+// --fp8-recipe blockwise: the same layer with power-of-two scales per block, against the rule in double: x in
+// 1 x 128 blocks along its features for forward, dy in 1 x 128 along its features for dx, both in 128 x 1 along
+// the tokens for dW (the reduction of each GEMM), W in 128 x 128. Shapes that leave partial blocks on every
+// side (300 features, 160 outputs, 200 tokens). Bounds as the tensorwise case (dW's of its largest element); a
+// reference that casts dW's operands along the features instead (the forward's blocks) is off by far more and
+// fails.
+TEST(Linear, Fp8BlockwiseGemmsFollowTheBlockRule) {
+    Device &      device = cpu::device();
+    const int64_t n = 200, in = 300, out = 160;
+    model::Linear lin("fp8b", in, out, true, DType::bf16, device);
+    lin.init(6, 0.3f);
+    lin.fp8 = model::Linear::Fp8{Fp8Format::e4m3, Fp8Format::e5m2, false, true};
+    std::mt19937                    rng(4);
+    std::normal_distribution<float> normal;
+    // Token rows of two magnitudes 2^14 apart, x large where dy is small: blocks along the features give each row
+    // its own scale, blocks along the tokens cast the small rows of x near the bottom of e4m3's range.
+    auto values = [&](int64_t rows, int64_t cols, float scale, int large_rows, Tensor & t) {
+        t = Tensor::empty({rows, cols}, DType::bf16, device);
+        std::vector<double> v(static_cast<size_t>(rows * cols));
+        for (int64_t i = 0; i < rows * cols; ++i) {
+            const float value = scale * normal(rng) * ((i / cols) % 2 == large_rows ? 16384.0f : 1.0f);
+            static_cast<uint16_t *>(t.data_ptr())[i] = f32_to_bf16_bits(value);
+            v[static_cast<size_t>(i)]                = bf16_bits_to_f32(f32_to_bf16_bits(value));
+        }
+        return v;
+    };
+    Tensor    x, dy;
+    const std::vector<double> vx = values(n, in, 1.0f, 1, x), vdy = values(n, out, 1e-3f, 0, dy);
+    std::vector<double>       vw(static_cast<size_t>(out * in));
+    for (int64_t i = 0; i < out * in; ++i) vw[i] = bf16_bits_to_f32(static_cast<uint16_t *>(lin.weight.data.data_ptr())[i]);
+    // Each block's values cast by s = the power of two at or below fmax / amax, and divided by it again.
+    auto blocks = [](const std::vector<double> & v, int64_t rows, int64_t cols, int64_t br, int64_t bc, Fp8Format f) {
+        std::vector<double> q(v.size());
+        for (int64_t r0 = 0; r0 < rows; r0 += br) {
+            for (int64_t c0 = 0; c0 < cols; c0 += bc) {
+                float amax = 0;
+                for (int64_t r = r0; r < std::min(rows, r0 + br); ++r) {
+                    for (int64_t c = c0; c < std::min(cols, c0 + bc); ++c) amax = std::max(amax, static_cast<float>(std::fabs(v[r * cols + c])));
+                }
+                const float s = fp8_scale_from_amax(amax, f, true);
+                for (int64_t r = r0; r < std::min(rows, r0 + br); ++r) {
+                    for (int64_t c = c0; c < std::min(cols, c0 + bc); ++c) {
+                        q[r * cols + c] = static_cast<double>(fp8_round(static_cast<float>(v[r * cols + c]) * s, f)) / s;
+                    }
+                }
+            }
+        }
+        return q;
+    };
+    const auto qx  = blocks(vx, n, in, 1, 128, Fp8Format::e4m3), qw = blocks(vw, out, in, 128, 128, Fp8Format::e4m3);
+    const auto qdy = blocks(vdy, n, out, 1, 128, Fp8Format::e5m2);
+    const auto cx = blocks(vx, n, in, 128, 1, Fp8Format::e4m3), cdy = blocks(vdy, n, out, 128, 1, Fp8Format::e5m2);
+    model::Linear::Context ctx;
+    const Tensor y  = lin.forward(ctx, x);
+    const Tensor dx = lin.backward(ctx, dy, nullptr);
+    device.compute_stream().synchronize();
+    double worst_y = 0, worst_dx = 0, worst_dw = 0, worst_wrong = 0, largest_dw = 0;
+    for (int64_t r = 0; r < n; ++r) {
+        for (int64_t j = 0; j < out; ++j) {
+            double acc = 0;
+            for (int64_t k = 0; k < in; ++k) acc += qx[r * in + k] * qw[j * in + k];
+            const double got = bf16_bits_to_f32(static_cast<uint16_t *>(y.data_ptr())[r * out + j]);
+            worst_y = std::max(worst_y, std::fabs(got - acc) / std::max(std::fabs(acc), 1e-3));
+        }
+        for (int64_t k = 0; k < in; ++k) {
+            double acc = 0;
+            for (int64_t j = 0; j < out; ++j) acc += qdy[r * out + j] * qw[j * in + k];
+            const double got = bf16_bits_to_f32(static_cast<uint16_t *>(dx.data_ptr())[r * in + k]);
+            worst_dx = std::max(worst_dx, std::fabs(got - acc) / std::max(std::fabs(acc), 1e-6));
+        }
+    }
+    for (int64_t j = 0; j < out; ++j) {
+        for (int64_t k = 0; k < in; ++k) {
+            double acc = 0, wrong = 0;
+            for (int64_t r = 0; r < n; ++r) {
+                acc += cdy[r * out + j] * cx[r * in + k];
+                wrong += qdy[r * out + j] * qx[r * in + k];
+            }
+            const double got = lin.weight.main_grad.data<float>()[j * in + k];
+            worst_dw    = std::max(worst_dw, std::fabs(got - acc));
+            worst_wrong = std::max(worst_wrong, std::fabs(got - wrong));
+            largest_dw  = std::max(largest_dw, std::fabs(acc));
+        }
+    }
+    worst_dw /= largest_dw;   // of the gradient's largest element: sums of 200 terms of both signs
+    worst_wrong /= largest_dw;
+    std::printf("[fp8 blockwise linear] worst relative error: y %.3g, dx %.3g, dW %.3g of its largest (against feature "
+                "blocks: %.3g)\n",
+                worst_y, worst_dx, worst_dw, worst_wrong);
+    EXPECT_LT(worst_y, 1.0 / 128);
+    EXPECT_LT(worst_dx, 1.0 / 128);
+    EXPECT_LT(worst_dw, 1e-5);
+    EXPECT_GT(worst_wrong, 1e-3) << "the weight gradient's blocks run along the tokens";
+}

@@ -992,6 +992,9 @@ TEST(MegatronCommandLine, Fp8FlagsFollowMegatronsRules) {
                              "4", "--moe-grouped-gemm"})
                     .model.fp8)
         << "the experts' GEMMs take FP8 too";
+    const train::TrainOptions b = parse_train({"--mock-data", "--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "blockwise",
+                                               "--first-last-layers-bf16"});
+    EXPECT_TRUE(b.model.fp8 && b.model.fp8_blockwise) << "blockwise takes the first and last layers in bf16, unlike delayed";
     EXPECT_TRUE(parse_train({"--mock-data", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"}).model.fp8)
         << "an f32 model's GEMMs take FP8 too (Megatron's deepseek_proxy_fsdp tests run so)";
     const train::TrainOptions g = parse_train({"--mock-data", "--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
@@ -1016,6 +1019,8 @@ TEST(MegatronCommandLine, Fp8FlagsFollowMegatronsRules) {
           "--optimizer", "muon"},
          "--optimizer muon with --fp8-param-gather is not supported by Loom"},
         {{"--fp8-param-gather"}, "--fp8-param-gather without --fp8-format"},
+        {{"--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--fp8-param-gather", "--use-distributed-optimizer"},
+         "--fp8-param-gather with --fp8-recipe blockwise is not supported by Loom"},
         {{"--fp16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"}, "--fp8-format with --fp16 is not supported by Loom"},
         {{"--bf16", "--num-layers", "4", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--first-last-layers-bf16",
           "--num-layers-at-start-in-bf16", "5"},
@@ -1327,6 +1332,11 @@ TEST(MegatronCommandLine, MoeFlagsFollowMegatronsRules) {
     const train::TrainOptions router = parse_train({"--mock-data", "--num-experts", "4", "--cuda-graph-impl", "transformer_engine",
                                                     "--cuda-graph-modules", "attn", "moe_router", "moe_preprocess"});
     EXPECT_TRUE(router.layer_graphs && router.graph_moe_router && router.graph_moe_preprocess);
+    // Beside dense layers (mlp named for them, captured whole): Megatron's scoped graphs of a mixed model.
+    const train::TrainOptions mixed = parse_train({"--mock-data", "--num-experts", "4", "--num-layers", "2", "--moe-layer-freq",
+                                                   "2", "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules",
+                                                   "attn", "mlp", "moe_router", "moe_preprocess"});
+    EXPECT_TRUE(mixed.layer_graphs && mixed.graph_moe_router && mixed.graph_moe_preprocess && !mixed.graph_attn);
     const train::TrainOptions whole = parse_train({"--mock-data", "--num-experts", "4", "--moe-expert-capacity-factor", "1",
                                                    "--moe-pad-expert-input-to-capacity", "--cuda-graph-impl", "transformer_engine",
                                                    "--cuda-graph-modules", "attn", "moe"});

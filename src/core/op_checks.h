@@ -682,6 +682,15 @@ inline void fp8_decode(const Tensor & codes, const Tensor & q) {
                "codes u8, q bf16 of their numel");
 }
 
+inline void fp8_quantize_blocks(const Tensor & x, int64_t block_rows, int64_t block_cols, const Tensor & q) {
+    LOOM_CHECK(x.defined() && (x.dtype() == DType::f32 || x.dtype() == DType::bf16) && x.dim() == 2 && q.defined() &&
+                   q.dtype() == DType::bf16 && q.shape() == x.shape() && block_rows >= 1 && block_cols >= 1,
+               "fp8_quantize_blocks: x " << (x.defined() ? x.describe() : std::string("missing")) << ", q "
+                                         << (q.defined() ? q.describe() : std::string("missing")) << ", blocks "
+                                         << block_rows << " x " << block_cols,
+               "x 2-D f32 or bf16, q bf16 of its shape, blocks of at least 1 x 1");
+}
+
 inline void scale_by_product(const Tensor & t, const Tensor & a, const Tensor & b) {
     LOOM_CHECK(t.defined() && t.dtype() == DType::f32 && a.defined() && a.dtype() == DType::f32 && a.numel() == 1 &&
                    b.defined() && b.dtype() == DType::f32 && b.numel() == 1,

@@ -347,6 +347,12 @@ public:
                             const Tensor & scale_inv) = 0;
     // q (bf16) = the values of FP8 codes (each exact in bf16): a GEMM operand as fp8_quantize's q.
     virtual void fp8_decode(Stream & s, const Tensor & codes, Fp8Format format, const Tensor & q) = 0;
+    // --fp8-recipe blockwise: x (rows, cols; f32 or bf16) in blocks of block_rows x block_cols (the last ones
+    // partial), each cast by its own power-of-two scale s = fp8_scale_from_amax(block amax, format, pow2) and
+    // scaled back: q (bf16, x's shape) = fp8_round(x s) / s, exact in bf16. A GEMM of such operands with f32
+    // accumulation is the block-scaled FP8 GEMM (each product of two FP8 values is exact in f32).
+    virtual void fp8_quantize_blocks(Stream & s, const Tensor & x, Fp8Format format, int64_t block_rows, int64_t block_cols,
+                                     const Tensor & q) = 0;
     // In place: t (f32) *= a[0] * b[0] (the product in f32): a GEMM of quantized operands scaled back.
     virtual void scale_by_product(Stream & s, const Tensor & t, const Tensor & a, const Tensor & b) = 0;
     // sum_of_squares of each xs[i] into out[2 i .. 2 i + 1] (out: 2 xs.size() f32). Its contract is that loop

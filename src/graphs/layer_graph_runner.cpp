@@ -48,9 +48,7 @@ LayerGraphRunner::LayerGraphRunner(std::vector<model::GptModel *> chunks, const 
         for (int64_t l = 0; l < chunks_[c]->num_layers(); ++l) {
             const model::TransformerLayer & layer = chunks_[c]->layer(l);
             if (split(static_cast<int>(c), l)) split_layer = &layer;
-            LOOM_CHECK(!scope_.moe_router || layer.moe, "--cuda-graph-modules moe_router with dense layer " << layer.index,
-                       "capture part of every layer of one kind: make every layer MoE (--moe-layer-freq 1), or "
-                       "capture dense layers' attention alone (--cuda-graph-modules attn)");
+            // With moe_router, dense layers are captured whole (--cuda-graph-modules attn mlp moe_router).
             LOOM_CHECK(!scope_.attn || !layer.moe, "--cuda-graph-modules attn with MoE layer " << layer.index,
                        "attn alone captures dense layers; MoE layers take attn moe_router [moe_preprocess]");
             LOOM_CHECK(!layer.moe || scope_.moe_router || (config.moe.drops() && config.moe.pad_to_capacity),

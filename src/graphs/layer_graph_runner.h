@@ -65,7 +65,7 @@ inline constexpr const char * kGraphStaticPool = "graph-static";
 // What the graphs cover: the whole layer (default; a MoE layer needs drop-and-pad), a MoE layer up to its
 // router (moe_router), with the dispatch plan (moe_preprocess), or a dense layer up to norm2 (attn).
 struct LayerGraphScope {
-    bool moe_router     = false;
+    bool moe_router     = false;   // MoE layers captured up to their router; dense layers beside them whole
     bool moe_preprocess = false;
     bool attn           = false;   // dense layers captured up to norm2 (attn): the MLP runs eagerly
 };

@@ -147,6 +147,9 @@ struct GptConfig {
     // --fp8-param-gather: those layers' weights kept as FP8 codes by the distributed optimizer's buffers
     // (Parameter::fp8_blocks; ddp/ddp.h).
     bool                 fp8_param_gather          = false;
+    // --fp8-recipe blockwise: the casts in blocks (1 x 128 activations and gradients, 128 x 128 weights) with
+    // power-of-two scales (model::Fp8Cast) instead of one current scale per tensor.
+    bool                 fp8_blockwise             = false;
     // Whether layer `index` (of the decoder; an MTP depth's index past them counts as the last) runs FP8.
     // Sliding-window attention (--window-size L,0): the layers it applies to see keys p - L .. p, the rest
     // every earlier key. Which layers (Megatron's is_layer_window_attention, by 1-based layer number n): every

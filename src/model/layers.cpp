@@ -119,11 +119,23 @@ void Linear::set_fp8(const Fp8 & formats) {
 }
 
 void fp8_product(const Tensor & a, Fp8Format fa, bool trans_a, const Tensor & b, Fp8Format fb, bool trans_b, const Tensor & c,
-                 const Tensor & b_scale_inv) {
+                 const Tensor & b_scale_inv, Fp8Cast cast) {
     Device &            device = a.device();
     Ops &               ops    = device.ops();
     Stream &            stream = device.compute_stream();
     const TensorOptions pool{MemoryKind::device, kActivationsPool};
+    if (cast.blockwise) {   // blocks along the reduction: a's columns (its rows when transposed), b's rows (columns)
+        LOOM_CHECK(b.dtype() != DType::u8, "blockwise FP8 of FP8 codes", "--fp8-param-gather keeps tensorwise codes");
+        const Tensor qa = Tensor::empty(a.shape(), DType::bf16, device, pool), qb = Tensor::empty(b.shape(), DType::bf16, device, pool);
+        ops.fp8_quantize_blocks(stream, a, fa, trans_a ? 128 : 1, trans_a ? 1 : 128, qa);
+        if (cast.b_weight) {
+            ops.fp8_quantize_blocks(stream, b, fb, 128, 128, qb);
+        } else {
+            ops.fp8_quantize_blocks(stream, b, fb, trans_b ? 1 : 128, trans_b ? 128 : 1, qb);
+        }
+        ops.gemm(stream, qa, trans_a, qb, trans_b, c);
+        return;
+    }
     const Tensor qa = Tensor::empty(a.shape(), DType::bf16, device, pool), sa = Tensor::empty({1}, DType::f32, device, pool);
     const Tensor qb = Tensor::empty(b.shape(), DType::bf16, device, pool);
     ops.fp8_quantize(stream, a, fa, qa, sa);
@@ -151,7 +163,8 @@ Tensor Linear::forward(Context & ctx, const Tensor & x_rows, bool add_bias, std:
     const bool fused_bias = has_bias && add_bias && !reduced;
     if (fp8) {   // f32 product, the bias added to it, then rounded once into y
         const Tensor y32 = activation(x_in.device(), n, o, DType::f32);
-        fp8_product(x_in, fp8->forward, false, weight.data, fp8->forward, true, y32, weight.fp8_scale_inv);
+        fp8_product(x_in, fp8->forward, false, weight.data, fp8->forward, true, y32, weight.fp8_scale_inv,
+                    Fp8Cast{fp8->blockwise, true});
         if (fused_bias) ops.bias_add(stream, y32, parameter_f32(bias));
         ops.convert(stream, y32, y);
     } else if (fused_bias) {
@@ -180,7 +193,8 @@ Tensor Linear::recompute(const Context & ctx, DType out) const {
     Tensor y = activation(ctx.x.device(), ctx.x.size(0), weight.data.size(0), out);
     if (fp8) {
         const Tensor y32 = activation(ctx.x.device(), ctx.x.size(0), weight.data.size(0), DType::f32);
-        fp8_product(ctx.x, fp8->forward, false, weight.data, fp8->forward, true, y32, weight.fp8_scale_inv);
+        fp8_product(ctx.x, fp8->forward, false, weight.data, fp8->forward, true, y32, weight.fp8_scale_inv,
+                    Fp8Cast{fp8->blockwise, true});
         ctx.x.device().ops().convert(ctx.x.device().compute_stream(), y32, y);
         return y;
     }
@@ -197,7 +211,8 @@ Tensor Linear::forward_gelu(Context & ctx, const Tensor & x_rows, DType out, Ten
     Tensor y = activation(x_in.device(), n, o, out);
     if (fp8) {   // gemm_bias_gelu's contract with the FP8 product: pre, then bias and GELU
         const Tensor y32 = activation(x_in.device(), n, o, DType::f32);
-        fp8_product(x_in, fp8->forward, false, weight.data, fp8->forward, true, y32, weight.fp8_scale_inv);
+        fp8_product(x_in, fp8->forward, false, weight.data, fp8->forward, true, y32, weight.fp8_scale_inv,
+                    Fp8Cast{fp8->blockwise, true});
         Ops & ops = x_in.device().ops();
         ops.convert(x_in.device().compute_stream(), y32, pre);
         ops.bias_gelu_forward(x_in.device().compute_stream(), pre, has_bias ? parameter_f32(bias) : Tensor(), y, Tensor());
@@ -231,7 +246,8 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
     const bool summed = split == Split::column && tp->size > 1;
     if (fp8) {   // dx = fp8(dy) fp8(W), then gemm_gelu_backward's contract
         const Tensor dx32 = activation(dy.device(), n, in, DType::f32);
-        fp8_product(dy_in, fp8->backward, false, weight.data, fp8->forward, false, dx32, weight.fp8_scale_inv);
+        fp8_product(dy_in, fp8->backward, false, weight.data, fp8->forward, false, dx32, weight.fp8_scale_inv,
+                    Fp8Cast{fp8->blockwise, true});
         ops.convert(stream, dx32, dx);
         if (gelu_input.defined() && !summed) ops.gelu_backward(stream, gelu_input, dx, dx);
     } else if (gelu_input.defined() && !summed) {
@@ -241,7 +257,7 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
     }
     if (fp8) {   // dW += fp8(dy)^T fp8(x) / (s_dy s_x)
         const Tensor dw32 = activation(dy.device(), weight.data.size(0), in, DType::f32);
-        fp8_product(dy_in, fp8->backward, true, ctx.x, fp8->forward, false, dw32);
+        fp8_product(dy_in, fp8->backward, true, ctx.x, fp8->forward, false, dw32, Tensor(), Fp8Cast{fp8->blockwise, false});
         accumulate_grads(stream, {weight.main_grad}, [&](std::span<const Tensor> g) { ops.add_inplace(stream, g[0], dw32.view(g[0].shape())); });
     } else if (bias_in_gemm) {
         accumulate_grads(stream, {weight.main_grad, bias.main_grad.view({bias.main_grad.numel()})},

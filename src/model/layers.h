@@ -178,22 +178,33 @@ public:
     // scaled back (Ops::scale_by_product): forward x and W in `forward`, backward's dy in `backward` (hybrid:
     // e5m2). The bias and the kept input are not cast; backward casts x and W again (the same values).
     // With param_codes (--fp8-param-gather) the weight is kept as FP8 codes in `forward` with its scale
-    // (Parameter::fp8_blocks), and the GEMMs read those instead of casting it.
+    // (Parameter::fp8_blocks), and the GEMMs read those instead of casting it. With blockwise (--fp8-recipe
+    // blockwise) every operand is cast in blocks instead (fp8_product).
     struct Fp8 {
         Fp8Format forward = Fp8Format::e4m3, backward = Fp8Format::e4m3;
         bool      param_codes = false;
+        bool      blockwise   = false;
     };
     std::optional<Fp8>       fp8;
     void                     set_fp8(const Fp8 & formats);
 
 };
 
+// How fp8_product casts its operands (--fp8-recipe): tensorwise, one current scale per operand; or blockwise,
+// power-of-two scales per block as Transformer Engine's Float8BlockScaling: an activation or a gradient in 1 x 128
+// blocks along the GEMM's reduction (rows of 128 of a transposed operand), a weight (b_weight) in 128 x 128.
+struct Fp8Cast {
+    bool blockwise = false;
+    bool b_weight  = false;
+};
+
 // c (f32) = op(fp8(a)) op(fp8(b)) / (s_a s_b): each operand cast to FP8 (format fa, fb) by its own current scale
 // (Ops::fp8_quantize), the product with f32 accumulation, scaled back (Ops::scale_by_product). The GEMMs of an
 // FP8 Linear and of each FP8 expert. A u8 b is a weight's FP8 codes (--fp8-param-gather) with 1 / s_b in
-// b_scale_inv: decoded (Ops::fp8_decode), not cast.
+// b_scale_inv: decoded (Ops::fp8_decode), not cast. Blockwise, each operand is cast and scaled back block by
+// block (Ops::fp8_quantize_blocks) before the product.
 void fp8_product(const Tensor & a, Fp8Format fa, bool trans_a, const Tensor & b, Fp8Format fb, bool trans_b, const Tensor & c,
-                 const Tensor & b_scale_inv = Tensor());
+                 const Tensor & b_scale_inv = Tensor(), Fp8Cast cast = {});
 
 class Norm {
 public:

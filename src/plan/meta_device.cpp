@@ -266,6 +266,9 @@ public:
     void fp8_quantize(Stream & s, const Tensor & x, Fp8Format, const Tensor & q, const Tensor &) override {
         memory(s, "fp8_quantize", bytes_of({&x, &x, &q}));
     }
+    void fp8_quantize_blocks(Stream & s, const Tensor & x, Fp8Format, int64_t, int64_t, const Tensor & q) override {
+        memory(s, "fp8_quantize_blocks", bytes_of({&x, &x, &q}));
+    }
     void fp8_amax(Stream & s, const Tensor & x, const Tensor &) override { memory(s, "fp8_amax", bytes_of({&x})); }
     void fp8_encode(Stream & s, const Tensor & x, Fp8Format, const Tensor &, const Tensor & codes, const Tensor &) override {
         memory(s, "fp8_encode", bytes_of({&x, &codes}));

@@ -97,16 +97,20 @@ void resolve_cuda_graphs(const GraphFlags & f, const MoeFlags & moe_flags, Train
     std::sort(named.begin(), named.end());
     using Modules = std::vector<std::string>;
     const bool whole   = named.empty() || (named == Modules{"attn", "moe"} && every_layer_moe);
-    const bool partial = (named == Modules{"attn", "moe_router"} || named == Modules{"attn", "moe_preprocess", "moe_router"}) &&
-                         every_layer_moe;
+    // Up to the router: every layer MoE, or MoE layers beside dense ones captured whole (mlp named too).
+    const bool partial = ((named == Modules{"attn", "moe_router"} || named == Modules{"attn", "moe_preprocess", "moe_router"}) &&
+                          every_layer_moe) ||
+                         ((named == Modules{"attn", "mlp", "moe_router"} || named == Modules{"attn", "mlp", "moe_preprocess", "moe_router"}) &&
+                          moe.enabled() && !every_layer_moe);
     const bool attn_only = named == Modules{"attn"} && !moe.enabled();   // dense layers up to norm2, the MLP eager
     if (impl != "none") {
         std::string given;
         for (const std::string & m : named) given += (given.empty() ? "" : " ") + m;
         LOOM_CHECK(whole || partial || attn_only, "--cuda-graph-modules " << given << " is not supported by Loom",
                    "Loom captures whole layers (no --cuda-graph-modules, or attn moe of drop-and-pad MoE layers), "
-                   "dense layers' attention alone (attn, without MoE layers), or, with every layer MoE, each layer "
-                   "up to its router: attn moe_router [moe_preprocess]");
+                   "dense layers' attention alone (attn, without MoE layers), or MoE layers up to their router: attn "
+                   "moe_router [moe_preprocess] with every layer MoE, attn mlp moe_router [moe_preprocess] beside "
+                   "dense layers (captured whole)");
     }
     o.graph_moe_router     = partial;
     o.graph_moe_preprocess = partial && has("moe_preprocess");

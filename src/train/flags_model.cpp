@@ -138,8 +138,8 @@ const Flag<ModelFlags> kModelFlags[] = {
           return o.model.fp8 ? json(o.model.fp8_backward == Fp8Format::e5m2 ? "hybrid" : "e4m3") : json(nullptr);
       }}},
     {"--fp8-recipe", "transformer configuration", &M::fp8_recipe,
-     "the FP8 scaling: tensorwise (each GEMM operand's current amax; the one Loom trains with), delayed, mxfp8, "
-     "blockwise", kShowDefault},
+     "the FP8 scaling: tensorwise (each GEMM operand's current amax) or blockwise (power-of-two scales per 1 x 128 "
+     "block of activations and gradients, 128 x 128 of weights), which Loom trains with; delayed, mxfp8", kShowDefault},
     {"--fp8-margin", "transformer configuration", &M::fp8_margin, "delayed scaling's margin (no effect with tensorwise)",
      kShowDefault},
     {"--fp8-amax-history-len", "transformer configuration", &M::fp8_amax_history_len,
@@ -238,12 +238,16 @@ void resolve_fp8(const ModelFlags & f, TrainOptions & o) {
                "argument --fp8-amax-compute-algo: invalid choice: '" << f.fp8_amax_compute_algo
                                                                      << "' (choose from 'most_recent', 'max')", "");
     LOOM_CHECK(!(f.first_last_layers_bf16 && r == "delayed"), "Delayed scaling does not support first / last layer in BF16.", "");
-    LOOM_CHECK(r == "tensorwise", "--fp8-recipe " << r << " is not supported by Loom",
-               "Loom trains FP8 with --fp8-recipe tensorwise (each GEMM operand scaled by its own amax)");
+    LOOM_CHECK(r == "tensorwise" || r == "blockwise", "--fp8-recipe " << r << " is not supported by Loom",
+               "Loom trains FP8 with --fp8-recipe tensorwise (each GEMM operand scaled by its own amax) or blockwise "
+               "(scaled by blocks)");
+    LOOM_CHECK(!(f.fp8_param_gather && r == "blockwise"), "--fp8-param-gather with --fp8-recipe blockwise is not supported by Loom",
+               "Loom keeps FP8 codes with one scale per weight (tensorwise): drop one of them");
     LOOM_CHECK(!o.fp16, "--fp8-format with --fp16 is not supported by Loom",
                "Loom's FP8 GEMMs take bf16 or f32 weights and activations: use --bf16, or neither");
     m.fp8          = true;
     m.fp8_param_gather = f.fp8_param_gather;   // its optimizer's conditions: check_fp8_param_gather
+    m.fp8_blockwise    = r == "blockwise";
     m.fp8_forward  = Fp8Format::e4m3;
     m.fp8_backward = f.fp8_format == "hybrid" ? Fp8Format::e5m2 : Fp8Format::e4m3;
     if (f.first_last_layers_bf16) {

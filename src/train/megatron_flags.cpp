@@ -62,6 +62,9 @@ constexpr NoOpFlag kNoOpFlags[] = {
                                              "in any case; the result is the same"},
     {"--cross-entropy-fusion-impl", "native|te", "both compute the same vocabulary-parallel cross-entropy as Loom's"},
     {"--moe-permute-fusion", nullptr, "a kernel-fusion choice for the token permutation; the tokens moved are the same"},
+    {"--moe-router-fusion", nullptr,
+     "a kernel-fusion choice for the router's scores, top-k and auxiliary losses; the routing and the losses are the "
+     "same"},
     {"--manual-gc-interval", "", "Python's garbage collector; Loom has none"},
     {"--verify-integrity", nullptr,
      "Loom's index holds every checkpoint file's CRC-32C, written on each save and checked on each load, with or "

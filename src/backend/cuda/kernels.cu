@@ -182,6 +182,30 @@ __global__ void fp8_cast_kernel(const void * x, Float kind, int64_t n, const flo
     LOOM_GRID_STRIDE(i, n) q[i] = f32_to_bf16_bits(fp8_round(__fmul_rn(load_float(x, kind, i), s), format));
 }
 
+// One CUDA block per quantization block: its amax, then its power-of-two scale.
+__global__ void fp8_block_scale_kernel(const void * x, Float kind, int64_t rows, int64_t cols, Fp8Format format,
+                                       int64_t br, int64_t bc, float * scale) {
+    const int64_t per_row = (cols + bc - 1) / bc;
+    const int64_t r0 = (blockIdx.x / per_row) * br, c0 = (blockIdx.x % per_row) * bc;
+    const int64_t h = min(br, rows - r0), w = min(bc, cols - c0);
+    double        m = 0;
+    for (int64_t i = threadIdx.x; i < h * w; i += blockDim.x) {
+        m = fmax(m, static_cast<double>(float_to_bits(load_float(x, kind, (r0 + i / w) * cols + c0 + i % w)) & 0x7FFFFFFFu));
+    }
+    m = block_max(m);
+    if (threadIdx.x == 0) scale[blockIdx.x] = fp8_scale_from_amax(bits_to_float(static_cast<uint32_t>(m)), format, true);
+}
+
+__global__ void fp8_block_cast_kernel(const void * x, Float kind, int64_t rows, int64_t cols, Fp8Format format, int64_t br,
+                                      int64_t bc, const float * scale, uint16_t * q) {
+    const int64_t per_row = (cols + bc - 1) / bc;
+    LOOM_GRID_STRIDE(i, rows * cols) {
+        const int64_t r = i / cols, c = i % cols;
+        const float   s = scale[(r / br) * per_row + c / bc];
+        q[i] = f32_to_bf16_bits(__fdiv_rn(fp8_round(__fmul_rn(load_float(x, kind, i), s), format), s));
+    }
+}
+
 __global__ void fp8_amax_fold_kernel(const double * partial, int64_t chunks, float * amax) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     double m = static_cast<double>(float_to_bits(amax[0]) & 0x7FFFFFFFu);
@@ -816,6 +840,17 @@ void fp8_quantize(cudaStream_t stream, const void * x, Float kind, int64_t n, Fp
     if (chunks > 0) LOOM_LAUNCH(amax_bits_chunks_kernel, static_cast<unsigned>(chunks), kThreads, 0, stream)(x, kind, n, partial);
     LOOM_LAUNCH(fp8_scale_kernel, 1, 1, 0, stream)(partial, chunks, format, scale, scale_inv);
     if (n > 0) LOOM_LAUNCH(fp8_cast_kernel, blocks_for(n), kThreads, 0, stream)(x, kind, n, scale, format, q);
+}
+
+void fp8_quantize_blocks(cudaStream_t stream, const void * x, Float kind, int64_t rows, int64_t cols, Fp8Format format,
+                         int64_t block_rows, int64_t block_cols, float * scale, uint16_t * q) {
+    if (rows * cols == 0) return;
+    const int64_t  blocks  = ((rows + block_rows - 1) / block_rows) * ((cols + block_cols - 1) / block_cols);
+    const unsigned threads = static_cast<unsigned>(std::clamp<int64_t>((block_rows * block_cols + 31) / 32 * 32, 32, kThreads));
+    LOOM_LAUNCH(fp8_block_scale_kernel, static_cast<unsigned>(blocks), threads, 0, stream)(x, kind, rows, cols, format, block_rows,
+                                                                                           block_cols, scale);
+    LOOM_LAUNCH(fp8_block_cast_kernel, blocks_for(rows * cols), kThreads, 0, stream)(x, kind, rows, cols, format, block_rows,
+                                                                                     block_cols, scale, q);
 }
 
 void fp8_amax(cudaStream_t stream, const void * x, Float kind, int64_t n, double * partial, float * amax) {

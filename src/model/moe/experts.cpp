@@ -192,7 +192,8 @@ Tensor Experts::scale_inv(const Parameter & w, int64_t e) {
 void Experts::gemm(const Tensor & a, Pass pass, bool trans_a, const Tensor & w, bool trans_w, const Tensor & c,
                    const Tensor & w_scale_inv) const {
     if (fp8) {
-        fp8_product(a, pass == Pass::forward ? fp8->forward : fp8->backward, trans_a, w, fp8->forward, trans_w, c, w_scale_inv);
+        fp8_product(a, pass == Pass::forward ? fp8->forward : fp8->backward, trans_a, w, fp8->forward, trans_w, c, w_scale_inv,
+                    Fp8Cast{fp8->blockwise, true});
     } else {
         a.device().ops().gemm(a.device().compute_stream(), a, trans_a, w, trans_w, c);
     }
@@ -206,7 +207,7 @@ void Experts::weight_grad(const Tensor & dy, const Tensor & x, const Tensor & g)
         return;
     }
     const Tensor g32 = activation(device, g.size(0), g.size(1), DType::f32);
-    fp8_product(dy, fp8->backward, true, x, fp8->forward, false, g32);
+    fp8_product(dy, fp8->backward, true, x, fp8->forward, false, g32, Tensor(), Fp8Cast{fp8->blockwise, false});
     device.ops().add_inplace(stream, g, g32);
 }
 
