@@ -623,7 +623,7 @@ TEST(CudaOps, SumOfSquaresHiPlusLoIsTheCpusDoubleSum) {
     EXPECT_EQ(got.data<float>()[0], static_cast<float>(gpu_sum)) << "out[0] is the sum rounded to f32";
 }
 
-// fp8_quantize (tensorwise current scaling) and scale_by_product: the CPU's on the hand-worked case of
+// fp8_quantize (tensorwise current scaling), scale_by_product and scale_by_reciprocal: the CPU's on the hand-worked case of
 // core/fp8.h (x = (1, -3.5, 0.3, 2): s = 128, q = (128, -448, 40, 256)), then bitwise the CPU's on a tensor of
 // several amax chunks, f32 and bf16 inputs, both formats.
 TEST(CudaOps, Fp8QuantizeAndScaleByProductAreBitwiseTheCpus) {
@@ -656,6 +656,15 @@ TEST(CudaOps, Fp8QuantizeAndScaleByProductAreBitwiseTheCpus) {
     cs().synchronize();
     gops().scale_by_product(gs(), tg, to_gpu(a), to_gpu(b));
     expect_bitwise(tc, to_cpu(tg), "scale_by_product");
+    // scale_by_reciprocal: scale's bits with the factor 1 / d read on the device (a running mean's divide by 3).
+    Tensor d = cpu_tensor({1}), rc = clone_cpu(t), rs = clone_cpu(t), rg = to_gpu(t);
+    d.data<float>()[0] = 3.0f;
+    cops().scale_by_reciprocal(cs(), rc, d);
+    cops().scale(cs(), rs, 1.0f / 3.0f);
+    cs().synchronize();
+    expect_bitwise(rs, rc, "scale_by_reciprocal against scale by 1 / 3");
+    gops().scale_by_reciprocal(gs(), rg, to_gpu(d));
+    expect_bitwise(rc, to_cpu(rg), "scale_by_reciprocal");
 }
 
 // --fp8-param-gather's ops. On the CPU: fp8_decode gives every code's value (core/fp8.h's, which test_fp8 holds to

@@ -45,6 +45,7 @@ struct Layout {
     // dispatch plan too (moe_preprocess).
     bool moe_router = false, moe_preprocess = false;
     bool mixed      = false;   // with moe_router: layer 0 dense, captured whole (attn mlp moe_router)
+    bool global_aux = false;   // global_aux_loss: the counts' running mean over the micro-batches, on the stream
     bool attn       = false;   // dense layers captured up to norm2 (--cuda-graph-modules attn), the MLP eager
     int  ep         = 1;       // expert parallelism (with moe_router), alltoall dispatcher
     int  etp        = 0;       // expert tensor parallelism (0: tp, Megatron's default; > 1 needs no biases)
@@ -102,6 +103,7 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = kIte
         o.model.moe.z_loss_coeff   = 1e-3f;
     }
     if (layout.mixed) o.model.moe.layer_pattern = {0, 1, 1, 1};
+    if (layout.global_aux) o.model.moe.load_balancing = model::MoeLoadBalancing::global_aux_loss;
     if (layout.moe) {
         o.model.moe.capacity_factor = 1.0f;
         o.model.moe.pad_to_capacity = true;
@@ -159,7 +161,7 @@ std::string describe(const Layout & l) {
                   l.distopt ? " zero-1+overlaps" : "", l.bf16 ? " bf16" : "", l.offload ? " cpu-offload 0.5" : "",
                   l.first_stage_layers ? " uneven" : "", l.moe ? " moe drop-and-pad" : "",
                   l.moe_preprocess ? " dropless moe, graphs to the dispatch plan" : l.moe_router ? " dropless moe, graphs to the router" : "",
-                  l.attn ? " graphs to norm2, the mlp eager" : l.mixed ? ", layer 0 dense and whole" : "");
+                  l.attn ? " graphs to norm2, the mlp eager" : l.mixed ? ", layer 0 dense and whole, global aux loss" : "");
     return text;
 }
 
@@ -188,9 +190,12 @@ void expect_bitwise(const Layout & layout) {
         // parallelism no communication at all).
         EXPECT_NE(std::adjacent_find(eager.balancing.begin(), eager.balancing.end(), std::not_equal_to<>()), eager.balancing.end());
         EXPECT_EQ(graph.all_to_all_nodes, 0u);
-        if (layout.tp == 1) {
+        // global_aux_loss sums the counts over the data-parallel ranks too, in the router's graphs.
+        const bool summed_over_dp = layout.global_aux && g_mpi->world_size() / layout.pp > 1;
+        if (layout.tp == 1 && !summed_over_dp) {
             EXPECT_EQ(graph.collective_nodes, 0u);
         }
+        if (summed_over_dp) EXPECT_GT(graph.collective_nodes, 0u);
     }
     if (layout.tp > 1) {
         EXPECT_GT(graph.collective_nodes, 0u) << "tensor parallelism's collectives are in the graphs";
@@ -231,9 +236,10 @@ TEST(LayerGraphs, DroplessMoeCapturedToTheDispatchPlanIsBitwiseTheEagerRun) {
 }
 TEST(LayerGraphs, MoeCapturedToTheRouterWithOneStageIsBitwiseTheEagerRun) { expect_bitwise(Layout{.moe_router = true}); }
 // Megatron's scoped graphs of a model whose first layer is dense (--cuda-graph-modules attn mlp moe_router
-// moe_preprocess): that layer captured whole, the MoE layers up to the dispatch plan, over two stages.
+// moe_preprocess): that layer captured whole, the MoE layers up to the dispatch plan, over two stages; with
+// global_aux_loss, whose running mean over the micro-batches counts them on the stream, in the router's graphs.
 TEST(LayerGraphs, DenseLayersWholeBesideMoeLayersCapturedToTheRouterAreBitwiseTheEagerRun) {
-    expect_bitwise(Layout{.pp = 2, .moe_router = true, .moe_preprocess = true, .mixed = true});
+    expect_bitwise(Layout{.pp = 2, .moe_router = true, .moe_preprocess = true, .mixed = true, .global_aux = true});
 }
 // Dense layers captured up to norm2 (--cuda-graph-modules attn) under TP 2 + SP and PP 2: the heads' graphs
 // hold the attention's collectives, the MLP runs eagerly with its own between the replays.

@@ -691,6 +691,11 @@ inline void fp8_quantize_blocks(const Tensor & x, int64_t block_rows, int64_t bl
                "x 2-D f32 or bf16, q bf16 of its shape, blocks of at least 1 x 1");
 }
 
+inline void scale_by_reciprocal(const Tensor & t, const Tensor & d) {
+    LOOM_CHECK(t.defined() && t.dtype() == DType::f32 && d.defined() && d.dtype() == DType::f32 && d.numel() == 1,
+               "scale_by_reciprocal: t " << (t.defined() ? t.describe() : std::string("missing")), "f32 t and one f32 d");
+}
+
 inline void scale_by_product(const Tensor & t, const Tensor & a, const Tensor & b) {
     LOOM_CHECK(t.defined() && t.dtype() == DType::f32 && a.defined() && a.dtype() == DType::f32 && a.numel() == 1 &&
                    b.defined() && b.dtype() == DType::f32 && b.numel() == 1,

@@ -353,6 +353,9 @@ public:
     // accumulation is the block-scaled FP8 GEMM (each product of two FP8 values is exact in f32).
     virtual void fp8_quantize_blocks(Stream & s, const Tensor & x, Fp8Format format, int64_t block_rows, int64_t block_cols,
                                      const Tensor & q) = 0;
+    // In place: t (f32) *= 1 / d[0] (the reciprocal rounded to f32, then the product: scale's arithmetic with a
+    // factor the stream holds, as a running mean over replayed graphs needs).
+    virtual void scale_by_reciprocal(Stream & s, const Tensor & t, const Tensor & d) = 0;
     // In place: t (f32) *= a[0] * b[0] (the product in f32): a GEMM of quantized operands scaled back.
     virtual void scale_by_product(Stream & s, const Tensor & t, const Tensor & a, const Tensor & b) = 0;
     // sum_of_squares of each xs[i] into out[2 i .. 2 i + 1] (out: 2 xs.size() f32). Its contract is that loop

@@ -269,6 +269,9 @@ public:
     void fp8_quantize_blocks(Stream & s, const Tensor & x, Fp8Format, int64_t, int64_t, const Tensor & q) override {
         memory(s, "fp8_quantize_blocks", bytes_of({&x, &x, &q}));
     }
+    void scale_by_reciprocal(Stream & s, const Tensor & t, const Tensor &) override {
+        memory(s, "scale_by_reciprocal", bytes_of({&t, &t}));
+    }
     void fp8_amax(Stream & s, const Tensor & x, const Tensor &) override { memory(s, "fp8_amax", bytes_of({&x})); }
     void fp8_encode(Stream & s, const Tensor & x, Fp8Format, const Tensor &, const Tensor & codes, const Tensor &) override {
         memory(s, "fp8_encode", bytes_of({&x, &codes}));

@@ -123,10 +123,6 @@ void resolve_cuda_graphs(const GraphFlags & f, const MoeFlags & moe_flags, Train
                    "a dropless dispatch reads each expert's token count on the host, which no graph can; add "
                    "--moe-expert-capacity-factor and --moe-pad-expert-input-to-capacity (Megatron's rule for graphing "
                    "whole MoE layers), or capture each layer up to its router: --cuda-graph-modules attn moe_router");
-        LOOM_CHECK(!o.model.moe.enabled() || o.model.moe.load_balancing != model::MoeLoadBalancing::global_aux_loss,
-                   "--cuda-graph-impl transformer_engine with --moe-router-load-balancing-type global_aux_loss",
-                   "its routing counts are a running mean over each iteration's micro-batches, which a replayed router "
-                   "graph cannot follow; use aux_loss or seq_aux_loss with layer graphs");
         LOOM_CHECK(o.model.recompute_granularity != model::RecomputeGranularity::full,
                    "full recompute is only supported with full iteration CUDA graph.",
                    "drop --recompute-granularity full, or --cuda-graph-impl");

@@ -539,6 +539,11 @@ public:
         });
     }
 
+    void scale_by_reciprocal(Stream & s, const Tensor & t, const Tensor & d) override {
+        op_checks::scale_by_reciprocal(t, d);
+        s.submit([t, d] { scale_parallel(t.data_ptr(), t.dtype(), 1.0f / f32(d)[0], t.numel()); });
+    }
+
     void scale_by_product(Stream & s, const Tensor & t, const Tensor & a, const Tensor & b) override {
         op_checks::scale_by_product(t, a, b);
         s.submit([t, a, b] { scale_parallel(t.data_ptr(), t.dtype(), f32(a)[0] * f32(b)[0], t.numel()); });

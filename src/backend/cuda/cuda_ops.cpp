@@ -776,6 +776,13 @@ public:
         cs.launched("fp8_decode", {codes, q});
     }
 
+    void scale_by_reciprocal(Stream & s, const Tensor & t, const Tensor & d) override {
+        op_checks::scale_by_reciprocal(t, d);
+        CudaStream & cs = start(s, "scale_by_reciprocal", {t, d});
+        kernels::scale_by_reciprocal(cs.launch("scale_by_reciprocal"), f32(t), f32(d), t.numel());
+        cs.launched("scale_by_reciprocal", {t, d});
+    }
+
     void scale_by_product(Stream & s, const Tensor & t, const Tensor & a, const Tensor & b) override {
         op_checks::scale_by_product(t, a, b);
         CudaStream & cs = start(s, "scale_by_product", {t, a, b});

@@ -225,6 +225,11 @@ __global__ void fp8_decode_kernel(const uint8_t * codes, int64_t n, Fp8Format fo
     LOOM_GRID_STRIDE(i, n) q[i] = f32_to_bf16_bits(f32_from_fp8(codes[i], format));
 }
 
+__global__ void scale_by_reciprocal_kernel(float * t, const float * d, int64_t n) {
+    const float f = __fdiv_rn(1.0f, d[0]);
+    LOOM_GRID_STRIDE(i, n) t[i] = __fmul_rn(t[i], f);
+}
+
 __global__ void scale_by_product_kernel(float * t, const float * a, const float * b, int64_t n) {
     const float p = __fmul_rn(a[0], b[0]);
     LOOM_GRID_STRIDE(i, n) t[i] = __fmul_rn(t[i], p);
@@ -867,6 +872,10 @@ void fp8_encode(cudaStream_t stream, const float * x, int64_t n, Fp8Format forma
 
 void fp8_decode(cudaStream_t stream, const uint8_t * codes, int64_t n, Fp8Format format, uint16_t * q) {
     if (n > 0) LOOM_LAUNCH(fp8_decode_kernel, blocks_for(n), kThreads, 0, stream)(codes, n, format, q);
+}
+
+void scale_by_reciprocal(cudaStream_t stream, float * t, const float * d, int64_t n) {
+    if (n > 0) LOOM_LAUNCH(scale_by_reciprocal_kernel, blocks_for(n), kThreads, 0, stream)(t, d, n);
 }
 
 void scale_by_product(cudaStream_t stream, float * t, const float * a, const float * b, int64_t n) {

@@ -48,6 +48,8 @@ void    fp8_amax(cudaStream_t stream, const void * x, Float kind, int64_t n, dou
 void    fp8_encode(cudaStream_t stream, const float * x, int64_t n, Fp8Format format, const float * amax, uint8_t * codes,
                    float * scale_inv);
 void    fp8_decode(cudaStream_t stream, const uint8_t * codes, int64_t n, Fp8Format format, uint16_t * q);
+// t *= 1 / d[0] (Ops::scale_by_reciprocal).
+void scale_by_reciprocal(cudaStream_t stream, float * t, const float * d, int64_t n);
 // t *= a[0] * b[0] (Ops::scale_by_product).
 void scale_by_product(cudaStream_t stream, float * t, const float * a, const float * b, int64_t n);
 // x *= float(1 / max(sqrt(double(sums[0]) + sums[1]), eps)) (Ops::scale_by_inverse_norm).

@@ -47,6 +47,9 @@ Router::Router(const std::string & name, const GptConfig & config, const MoeConf
     tp.replicated(weight);   // every TP rank routes its own rows with the whole gate
     if (m.load_balancing == MoeLoadBalancing::global_aux_loss) {
         global_counts = Tensor::zeros({1, m.num_experts}, DType::f32, device, {MemoryKind::device, "moe-metrics"});
+        global_steps  = Tensor::zeros({1}, DType::f32, device, {MemoryKind::device, "moe-metrics"});
+        one_          = Tensor::empty({1}, DType::f32, device, {MemoryKind::device, "moe-metrics"});
+        write_values_f32(one_, std::vector<float>{1.0f});
     }
     if (m.expert_bias) {   // replaced by views of the model's (layers, E) tensors (GptModel), zero either way
         expert_bias = Tensor::zeros({m.num_experts}, DType::f32, device, {MemoryKind::device, "moe-expert-bias"});
@@ -131,10 +134,11 @@ void Router::route(Context & ctx, const Tensor & logits, int64_t b, bool trainin
         // micro-batches so far is what the loss reads (Megatron's global_tokens_per_expert / ga_steps).
         ops.moe_aux_counts(stream, logits, routing, 1, ctx.counts);
         if (global) global->all_reduce(ctx.counts, comm::ReduceOp::sum, &stream);
+        // The micro-batch count is kept on the stream, so that a replayed graph of the router counts too.
         ops.add_inplace(stream, global_counts, ctx.counts);
-        ++global_steps;
+        ops.add_inplace(stream, global_steps, one_);
         ops.copy(stream, global_counts, ctx.counts);
-        ops.scale(stream, ctx.counts, 1.0f / static_cast<float>(global_steps));
+        ops.scale_by_reciprocal(stream, ctx.counts, global_steps);
     } else if (ctx.aux) {
         ops.moe_aux_counts(stream, logits, routing, ctx.groups, ctx.counts);
         if (comm::Communicator * group = sequence_group()) group->all_reduce(ctx.counts, comm::ReduceOp::sum, &stream);
@@ -158,7 +162,7 @@ MoeRouterLoss Router::loss_of(const Context & ctx, int64_t n) const {
 void Router::reset_global_counts() {
     if (!global_counts.defined()) return;
     global_counts.device().ops().fill_zero(global_counts.device().compute_stream(), global_counts);
-    global_steps = 0;
+    global_counts.device().ops().fill_zero(global_counts.device().compute_stream(), global_steps);
 }
 
 comm::Communicator * Router::sequence_group() const {

@@ -124,7 +124,8 @@ public:
     ContextParallel cp;
     std::shared_ptr<comm::Communicator> global;   // global_aux_loss's TP x DP x CP ranks
     Tensor         global_counts;                 // (1, E) f32: their counts summed over this iteration's micro-batches
-    int64_t        global_steps = 0;              // micro-batches in that sum
+    Tensor         global_steps;                  // (1) f32: micro-batches in that sum, counted on the stream
+    Tensor         one_;                          // (1) f32: 1, global_steps' increment
     Tensor         gate_weight() const;
     // The ranks holding rows of this rank's sequences, this one included: TP x CP, TP (sequence
     // parallelism), CP, or null (this rank alone); and how many.
