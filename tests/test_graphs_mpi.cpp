@@ -46,6 +46,7 @@ struct Layout {
     bool moe_router = false, moe_preprocess = false;
     bool mixed      = false;   // with moe_router: layer 0 dense, captured whole (attn mlp moe_router)
     bool global_aux = false;   // global_aux_loss: the counts' running mean over the micro-batches, on the stream
+    bool moe_layers = false;   // dropless MoE layers (4 experts, top-2) whatever the scope
     bool attn       = false;   // dense layers captured up to norm2 (--cuda-graph-modules attn), the MLP eager
     int  ep         = 1;       // expert parallelism (with moe_router), alltoall dispatcher
     int  etp        = 0;       // expert tensor parallelism (0: tp, Megatron's default; > 1 needs no biases)
@@ -96,7 +97,7 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = kIte
     o.bf16                          = layout.bf16;
     o.optimizer_cpu_offload         = layout.offload;
     if (layout.offload) o.offload.offload_fraction = 0.5;
-    if (layout.moe || layout.moe_router) {
+    if (layout.moe || layout.moe_router || layout.moe_layers) {
         o.model.moe.num_experts    = 4;
         o.model.moe.topk           = 2;
         o.model.moe.aux_loss_coeff = 1e-2f;
@@ -108,7 +109,7 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = kIte
         o.model.moe.capacity_factor = 1.0f;
         o.model.moe.pad_to_capacity = true;
     }
-    if (config.etp() > 1 && (layout.moe || layout.moe_router)) o.model.add_bias_linear = false;
+    if (config.etp() > 1 && (layout.moe || layout.moe_router || layout.moe_layers)) o.model.add_bias_linear = false;
     if (layout.ep > 1) o.model.moe.dispatcher = model::MoeDispatcher::alltoall;
     o.graph_moe_router     = layout.moe_router;
     o.graph_moe_preprocess = layout.moe_preprocess;
@@ -161,7 +162,8 @@ std::string describe(const Layout & l) {
                   l.distopt ? " zero-1+overlaps" : "", l.bf16 ? " bf16" : "", l.offload ? " cpu-offload 0.5" : "",
                   l.first_stage_layers ? " uneven" : "", l.moe ? " moe drop-and-pad" : "",
                   l.moe_preprocess ? " dropless moe, graphs to the dispatch plan" : l.moe_router ? " dropless moe, graphs to the router" : "",
-                  l.attn ? " graphs to norm2, the mlp eager" : l.mixed ? ", layer 0 dense and whole, global aux loss" : "");
+                  l.attn ? (l.moe_layers ? " graphs to norm2, the mlp and moe layers eager" : " graphs to norm2, the mlp eager")
+                         : l.mixed ? ", layer 0 dense and whole, global aux loss" : "");
     return text;
 }
 
@@ -254,6 +256,13 @@ TEST(LayerGraphs, DenseLayersCapturedToTheMlpAreBitwiseTheEagerRun) {
     EXPECT_GT(split.collective_nodes, 0u) << "the attention's are";
     EXPECT_LT(split.saved_bytes, full.saved_bytes);
 }
+// --cuda-graph-modules attn on a model with dense and dropless MoE layers (Megatron's attn_cudagraph test):
+// every layer captured up to norm2, the MLP and the whole MoE layer (router, dispatch, experts) eager, under
+// EP 2 with the all-to-all dispatcher.
+TEST(LayerGraphs, AttentionCapturedBeforeMlpAndMoeLayersIsBitwiseTheEagerRun) {
+    expect_bitwise(Layout{.mixed = true, .global_aux = true, .moe_layers = true, .attn = true, .ep = 2});
+}
+
 // Expert parallelism: the all-to-all dispatch runs eagerly between the router's graphs, which hold none.
 TEST(LayerGraphs, ExpertParallelMoeCapturedToTheDispatchPlanIsBitwiseTheEagerRun) {
     expect_bitwise(Layout{.pp = 2, .moe_router = true, .moe_preprocess = true, .ep = 2});

@@ -1357,6 +1357,10 @@ TEST(MegatronCommandLine, CudaGraphFlagsFollowMegatronsRules) {
         << "full: the whole layer, the deprecated scope value";
     const train::TrainOptions attn = parse_train({"--mock-data", "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn"});
     EXPECT_TRUE(attn.layer_graphs && attn.graph_attn) << "dense layers' attention alone";
+    // attn on MoE layers: captured up to norm2, the whole MoE layer eager (Megatron's attn_cudagraph test).
+    const train::TrainOptions moe_attn = parse_train({"--mock-data", "--num-experts", "4", "--cuda-graph-impl", "transformer_engine",
+                                                      "--cuda-graph-modules", "attn"});
+    EXPECT_TRUE(moe_attn.layer_graphs && moe_attn.graph_attn && !moe_attn.graph_moe_router);
     const std::pair<std::vector<std::string>, const char *> bad[] = {
         {{"--cuda-graph-impl", "cudagraph"}, "invalid choice: 'cudagraph' (choose from 'none', 'local', 'transformer_engine', 'full_iteration')"},
         {{"--cuda-graph-impl", "full_iteration"}, "--cuda-graph-impl full_iteration is not supported by Loom"},
@@ -1367,8 +1371,6 @@ TEST(MegatronCommandLine, CudaGraphFlagsFollowMegatronsRules) {
         {{"--cuda-graph-modules", "moe", "moe_router"}, "must not contain both moe and moe_router"},
         {{"--cuda-graph-modules", "moe_preprocess"}, "moe_preprocess cuda graph is only supported with moe_router cuda graph."},
         {{"--cuda-graph-modules", "moe_router"}, "moe cuda graph is only supported for MoE."},
-        {{"--num-experts", "4", "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn"},
-         "--cuda-graph-modules attn is not supported by Loom"},
         {{"--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "mlp"},
          "--cuda-graph-modules attn mlp is not supported by Loom"},
         {{"--cuda-graph-warmup-steps", "-1"}, "--cuda-graph-warmup-steps must be >= 0"},

@@ -48,20 +48,20 @@ LayerGraphRunner::LayerGraphRunner(std::vector<model::GptModel *> chunks, const 
         for (int64_t l = 0; l < chunks_[c]->num_layers(); ++l) {
             const model::TransformerLayer & layer = chunks_[c]->layer(l);
             if (split(static_cast<int>(c), l)) split_layer = &layer;
-            // With moe_router, dense layers are captured whole (--cuda-graph-modules attn mlp moe_router).
-            LOOM_CHECK(!scope_.attn || !layer.moe, "--cuda-graph-modules attn with MoE layer " << layer.index,
-                       "attn alone captures dense layers; MoE layers take attn moe_router [moe_preprocess]");
-            LOOM_CHECK(!layer.moe || scope_.moe_router || (config.moe.drops() && config.moe.pad_to_capacity),
+            // With moe_router, dense layers are captured whole (--cuda-graph-modules attn mlp moe_router); with
+            // attn, MoE layers up to norm2 as dense ones.
+            LOOM_CHECK(!layer.moe || scope_.moe_router || scope_.attn || (config.moe.drops() && config.moe.pad_to_capacity),
                        "a graph of the whole MoE layer " << layer.index << " without drop-and-pad",
                        "a dropless dispatch reads each expert's token count on the host: add --moe-expert-capacity-factor "
                        "and --moe-pad-expert-input-to-capacity, or capture up to the router (--cuda-graph-modules attn moe_router)");
         }
     }
     if (split_layer) {   // every split layer's head takes gradients of the same shapes
-        for (const std::vector<int64_t> & shape : split_layer->head_grad_shapes(rows_)) {
-            // The residual's gradient in the activations' dtype, then the MoE layer's (f32) or the MLP's (the
+        const bool at_norm2 = !split_layer->moe || scope_.attn;
+        for (const std::vector<int64_t> & shape : split_layer->head_grad_shapes(rows_, at_norm2)) {
+            // The residual's gradient in the activations' dtype, then the router's (f32) or norm2's output's (the
             // activations' dtype).
-            const DType dtype = head_grads_.empty() || !split_layer->moe ? act_ : DType::f32;
+            const DType dtype = head_grads_.empty() || at_norm2 ? act_ : DType::f32;
             head_grads_.push_back(Tensor::zeros(shape, dtype, device_, static_pool));
         }
     }
@@ -100,7 +100,7 @@ void LayerGraphRunner::capture() {
                                             chunks_[0]->context_parallel().positions(s_)};
             const Tensor &            x = set_inputs_[step.input_set];
             if (split_layer) {
-                for (const Tensor & t : layer.forward_head(*contexts[id], x, s_, b_, batch, scope_.moe_preprocess)) {
+                for (const Tensor & t : layer.forward_head(*contexts[id], x, s_, b_, batch, scope_.moe_preprocess, scope_.attn)) {
                     head_outputs_[id].push_back(graph->hold(t));
                 }
             } else {
@@ -111,7 +111,7 @@ void LayerGraphRunner::capture() {
             std::vector<model::Parameter *> & order = ready_order_[id];
             const model::GradReadyFn record = [&order](model::Parameter & p) { order.push_back(&p); };
             if (split_layer) {
-                outputs_[id] = graph->hold(layer.backward_head(*contexts[forward_id], head_grads_, record));
+                outputs_[id] = graph->hold(layer.backward_head(*contexts[forward_id], head_grads_, record, scope_.attn));
             } else {
                 outputs_[id] = graph->hold(layer.backward(*contexts[forward_id], grad_outputs_[step.grad_output_buffer], record));
             }
@@ -134,7 +134,7 @@ size_t LayerGraphRunner::num_collective_nodes(const std::string & op) const {
 
 bool LayerGraphRunner::split(int chunk, int64_t layer) const {
     const bool moe = chunks_[static_cast<size_t>(chunk)]->layer(layer).moe != nullptr;
-    return moe ? scope_.moe_router : scope_.attn;
+    return moe ? scope_.moe_router || scope_.attn : scope_.attn;
 }
 
 const GraphStep & LayerGraphRunner::expect_step(GraphKind kind, int chunk, int m, int layer) {
@@ -179,7 +179,7 @@ Tensor LayerGraphRunner::forward(int chunk, int microbatch, int64_t layer, const
         }
         EagerSegment & eager = eager_[{chunk, step.microbatch, layer}];
         eager                = EagerSegment{};
-        return chunks_[c]->layer(layer).forward_tail(eager.ctx, head, s_, b_, batch);
+        return chunks_[c]->layer(layer).forward_tail(eager.ctx, head, s_, b_, batch, scope_.attn);
     }
     const Tensor & y = graph.held(outputs_[static_cast<size_t>(step.graph_id)]);
     if (layer + 1 < chunks_[c]->num_layers()) return y;   // copied into the next layer's input before it replays
@@ -202,7 +202,8 @@ Tensor LayerGraphRunner::backward(int chunk, int microbatch, int64_t layer, cons
         // the head's outputs into the buffers every head's BWD graph reads.
         auto it = eager_.find({chunk, step.microbatch, layer});
         LOOM_CHECK(it != eager_.end(), "the backward of " << step_label(step) << " without its forward", "");
-        const std::vector<Tensor> grads = chunks_[c]->layer(layer).backward_tail(it->second.ctx, dy.view({rows_, hidden_}), ready);
+        const std::vector<Tensor> grads =
+            chunks_[c]->layer(layer).backward_tail(it->second.ctx, dy.view({rows_, hidden_}), ready, scope_.attn);
         eager_.erase(it);
         LOOM_CHECK(grads.size() == head_grads_.size(), "the tail of " << step_label(step) << " gave " << grads.size()
                                                                       << " gradients for " << head_grads_.size() << " buffers", "");

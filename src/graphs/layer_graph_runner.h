@@ -67,7 +67,7 @@ inline constexpr const char * kGraphStaticPool = "graph-static";
 struct LayerGraphScope {
     bool moe_router     = false;   // MoE layers captured up to their router; dense layers beside them whole
     bool moe_preprocess = false;
-    bool attn           = false;   // dense layers captured up to norm2 (attn): the MLP runs eagerly
+    bool attn           = false;   // every layer captured up to norm2 (attn): the MLP or MoE layer runs eagerly
 };
 
 class LayerGraphRunner : public model::LayerGraphs {

@@ -183,27 +183,30 @@ Tensor TransformerLayer::attention_block(Context & ctx, const Tensor & x, int64_
 }
 
 std::vector<Tensor> TransformerLayer::forward_head(Context & ctx, const Tensor & x, int64_t s, int64_t b,
-                                                   const DropoutBatch & batch, bool with_plan) {
-    Ops &        ops      = x.device().ops();
-    Stream &     stream   = x.device().compute_stream();
+                                                   const DropoutBatch & batch, bool with_plan, bool at_norm2) {
     const Tensor residual = attention_block(ctx, x, s, b, batch);
-    if (!moe) {   // residual = x + attn, fused into norm2, whose output the MLP (the tail) takes
+    if (!moe || at_norm2) {   // residual = x + attn, fused into norm2, whose output the tail takes
         const Tensor normed = norm2.forward(ctx.norm2, residual, &x);
         return {residual, normed};
     }
     // residual = x + attn, fused into norm2. The MoE layer runs in f32: bf16 activations are widened into it
     // and its output rounded back (forward_tail), its gradients likewise.
-    const Tensor hidden   = in_dtype(norm2.forward(ctx.norm2, residual, &x), DType::f32);
-    ctx.moe               = std::make_shared<MoeLayerContext>();
-    moe->forward_router(*ctx.moe, hidden, b, batch.training, with_plan);
-    if (batch.training) ops.add_inplace(stream, moe_losses, ctx.moe->router.losses);
     std::vector<Tensor> out{residual};
-    for (Tensor & t : moe->router_outputs(*ctx.moe, hidden)) out.push_back(std::move(t));
+    for (Tensor & t : forward_router(ctx, norm2.forward(ctx.norm2, residual, &x), b, batch, with_plan)) out.push_back(std::move(t));
     return out;
 }
 
+std::vector<Tensor> TransformerLayer::forward_router(Context & ctx, const Tensor & normed, int64_t b, const DropoutBatch & batch,
+                                                     bool with_plan) {
+    const Tensor hidden = in_dtype(normed, DType::f32);
+    ctx.moe             = std::make_shared<MoeLayerContext>();
+    moe->forward_router(*ctx.moe, hidden, b, batch.training, with_plan);
+    if (batch.training) hidden.device().ops().add_inplace(hidden.device().compute_stream(), moe_losses, ctx.moe->router.losses);
+    return moe->router_outputs(*ctx.moe, hidden);
+}
+
 Tensor TransformerLayer::forward_tail(Context & ctx, const std::vector<Tensor> & head, int64_t s, int64_t b,
-                                      const DropoutBatch & batch) {
+                                      const DropoutBatch & batch, bool at_norm2) {
     LOOM_CHECK(!head.empty(), "the MoE tail of layer " << index << " without the head's outputs", "");
     const Tensor & residual = head[0];
     Ops &          ops      = residual.device().ops();
@@ -212,7 +215,10 @@ Tensor TransformerLayer::forward_tail(Context & ctx, const std::vector<Tensor> &
     LOOM_CHECK(residual.size(0) == rows, "MoE segment of " << residual.size(0) << " rows for s " << s << ", b " << b, "");
     ctx.mlp_out = dropout_key(config, attention.tp, batch, index, DropoutKind::mlp_output, rows);
     Tensor h2;
-    if (moe) {
+    if (moe && at_norm2) {   // the router too, from norm2's output
+        LOOM_CHECK(head.size() == 2, "the MoE tail of layer " << index << " given " << head.size() << " head outputs", "");
+        h2 = in_dtype(moe->forward_experts_from(*ctx.moe, forward_router(ctx, head[1], b, batch, true)), residual.dtype());
+    } else if (moe) {
         if (!ctx.moe) ctx.moe = std::make_shared<MoeLayerContext>();
         h2 = in_dtype(moe->forward_experts_from(*ctx.moe, std::vector<Tensor>(head.begin() + 1, head.end())),
                       residual.dtype());
@@ -259,21 +265,25 @@ Tensor TransformerLayer::attention_block_backward(Context & ctx, const Tensor & 
     return dx;
 }
 
-std::vector<Tensor> TransformerLayer::backward_tail(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
+std::vector<Tensor> TransformerLayer::backward_tail(Context & ctx, const Tensor & dy, const GradReadyFn & ready, bool at_norm2) {
     std::vector<Tensor> grads{dy};   // d h1: the residual path takes the gradient whole
     if (!moe) {
         grads.push_back(mlp->backward(ctx.mlp, dropped(ctx.mlp_out, dy), ready));   // d norm2's output
         return grads;
     }
-    for (Tensor & g : moe->backward_experts_to(*ctx.moe, in_dtype(dropped(ctx.mlp_out, dy), DType::f32), ready)) {
-        grads.push_back(std::move(g));
+    std::vector<Tensor> router_grads = moe->backward_experts_to(*ctx.moe, in_dtype(dropped(ctx.mlp_out, dy), DType::f32), ready);
+    if (at_norm2) {   // through the router too: d norm2's output, in the activations' dtype as backward_head rounds it
+        grads.push_back(in_dtype(moe->backward_router_from(*ctx.moe, router_grads, ready), dy.dtype()));
+        ctx.moe.reset();
+        return grads;
     }
+    for (Tensor & g : router_grads) grads.push_back(std::move(g));
     return grads;
 }
 
-Tensor TransformerLayer::backward_head(Context & ctx, const std::vector<Tensor> & grads, const GradReadyFn & ready) {
-    LOOM_CHECK(grads.size() >= (moe ? 1u : 2u), "the head of layer " << index << " given " << grads.size() << " gradients", "");
-    if (!moe) {   // as backward(): d h1 = dy + norm2'(d norm2's output)
+Tensor TransformerLayer::backward_head(Context & ctx, const std::vector<Tensor> & grads, const GradReadyFn & ready, bool at_norm2) {
+    LOOM_CHECK(grads.size() >= (moe && !at_norm2 ? 1u : 2u), "the head of layer " << index << " given " << grads.size() << " gradients", "");
+    if (!moe || at_norm2) {   // as backward(): d h1 = dy + norm2'(d norm2's output)
         Tensor dh1 = norm2.backward(ctx.norm2, grads[1], ready, grads[0]);
         return attention_block_backward(ctx, dh1, ready);
     }
@@ -284,9 +294,9 @@ Tensor TransformerLayer::backward_head(Context & ctx, const std::vector<Tensor> 
     return attention_block_backward(ctx, dh1, ready);
 }
 
-std::vector<std::vector<int64_t>> TransformerLayer::head_grad_shapes(int64_t rows) const {
+std::vector<std::vector<int64_t>> TransformerLayer::head_grad_shapes(int64_t rows, bool at_norm2) const {
     std::vector<std::vector<int64_t>> shapes{{rows, config.hidden_size}};
-    if (!moe) shapes.push_back({rows, config.hidden_size});   // norm2's output
+    if (!moe || at_norm2) return {{rows, config.hidden_size}, {rows, config.hidden_size}};   // and norm2's output
     for (auto & shape : moe ? moe->router_grad_shapes(rows) : std::vector<std::vector<int64_t>>{}) shapes.push_back(std::move(shape));
     return shapes;
 }

@@ -54,14 +54,24 @@ public:
     // then the MoE layer's or the MLP's); backward_head takes them, in buffers of head_grad_shapes (the
     // activations' dtype for d h1 and a dense layer's, f32 for a MoE layer's) where the caller keeps them.
     // Head and tail may use different contexts (a graph's and an eager one): the tail needs only the head's
-    // outputs.
+    // outputs. With at_norm2 (--cuda-graph-modules attn) a MoE layer splits as a dense one: the head ends at
+    // norm2, {h1, norm2's output}, and the tail is the whole MoE layer (router, experts), the same operations
+    // in the same order as forward() and backward().
     std::vector<Tensor> forward_head(Context & ctx, const Tensor & x, int64_t s, int64_t b, const DropoutBatch & batch,
-                                     bool with_plan);
+                                     bool with_plan, bool at_norm2 = false);
     Tensor              forward_tail(Context & ctx, const std::vector<Tensor> & head, int64_t s, int64_t b,
-                                     const DropoutBatch & batch);
-    std::vector<Tensor> backward_tail(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
-    Tensor              backward_head(Context & ctx, const std::vector<Tensor> & grads, const GradReadyFn & ready);
-    std::vector<std::vector<int64_t>> head_grad_shapes(int64_t rows) const;
+                                     const DropoutBatch & batch, bool at_norm2 = false);
+    std::vector<Tensor> backward_tail(Context & ctx, const Tensor & dy, const GradReadyFn & ready, bool at_norm2 = false);
+    Tensor              backward_head(Context & ctx, const std::vector<Tensor> & grads, const GradReadyFn & ready,
+                                      bool at_norm2 = false);
+    std::vector<std::vector<int64_t>> head_grad_shapes(int64_t rows, bool at_norm2 = false) const;
+
+private:
+    // norm2's output widened into the MoE layer, its router run (the dispatch plan too with with_plan) and its
+    // losses added: the router's outputs.
+    std::vector<Tensor> forward_router(Context & ctx, const Tensor & normed, int64_t b, const DropoutBatch & batch, bool with_plan);
+
+public:
 
     const GptConfig & config;
     int64_t           index;   // in the whole model

@@ -19,9 +19,10 @@ const Flag<GraphFlags> kGraphFlags[] = {
      "micro-batch as graphs after --cuda-graph-warmup-steps eager iterations, and replay them (both "
      "names select Loom's per-layer graphs; full_iteration is refused)", kShowDefault},
     {"--cuda-graph-modules", "inference", &G::modules,
-     "what each layer graph covers: nothing given (or full) is the whole layer; attn alone is a dense "
-     "layer's attention and norm2 (the MLP runs eagerly); attn moe_router [moe_preprocess] is every MoE "
-     "layer up to its router; attn moe is whole drop-and-pad MoE layers; other sets are refused"},
+     "what each layer graph covers: nothing given (or full) is the whole layer; attn alone is a "
+     "layer's attention and norm2 (the MLP or MoE layer runs eagerly); attn moe_router [moe_preprocess] is every MoE "
+     "layer up to its router (attn mlp moe_router [moe_preprocess] beside dense layers, those whole); attn moe is "
+     "whole drop-and-pad MoE layers; other sets are refused"},
     {"--cuda-graph-scope", "inference", &G::scope, "deprecated spelling of --cuda-graph-modules"},
     {"--enable-cuda-graph", "transformer configuration", &G::enable, "deprecated: --cuda-graph-impl local"},
     {"--external-cuda-graph", "transformer configuration", &G::external,
@@ -102,13 +103,13 @@ void resolve_cuda_graphs(const GraphFlags & f, const MoeFlags & moe_flags, Train
                           every_layer_moe) ||
                          ((named == Modules{"attn", "mlp", "moe_router"} || named == Modules{"attn", "mlp", "moe_preprocess", "moe_router"}) &&
                           moe.enabled() && !every_layer_moe);
-    const bool attn_only = named == Modules{"attn"} && !moe.enabled();   // dense layers up to norm2, the MLP eager
+    const bool attn_only = named == Modules{"attn"};   // every layer up to norm2, the MLP or the MoE layer eager
     if (impl != "none") {
         std::string given;
         for (const std::string & m : named) given += (given.empty() ? "" : " ") + m;
         LOOM_CHECK(whole || partial || attn_only, "--cuda-graph-modules " << given << " is not supported by Loom",
                    "Loom captures whole layers (no --cuda-graph-modules, or attn moe of drop-and-pad MoE layers), "
-                   "dense layers' attention alone (attn, without MoE layers), or MoE layers up to their router: attn "
+                   "every layer's attention alone (attn), or MoE layers up to their router: attn "
                    "moe_router [moe_preprocess] with every layer MoE, attn mlp moe_router [moe_preprocess] beside "
                    "dense layers (captured whole)");
     }
@@ -118,7 +119,7 @@ void resolve_cuda_graphs(const GraphFlags & f, const MoeFlags & moe_flags, Train
     LOOM_CHECK(o.cuda_graph_warmup_steps >= 0, "--cuda-graph-warmup-steps must be >= 0, got " << o.cuda_graph_warmup_steps, "");
     o.layer_graphs = impl == "transformer_engine" || impl == "local";
     if (o.layer_graphs) {
-        LOOM_CHECK(!o.model.moe.enabled() || o.model.moe.pad_to_capacity || o.graph_moe_router,
+        LOOM_CHECK(!o.model.moe.enabled() || o.model.moe.pad_to_capacity || o.graph_moe_router || o.graph_attn,
                    "--cuda-graph-impl transformer_engine with dropless MoE layers",
                    "a dropless dispatch reads each expert's token count on the host, which no graph can; add "
                    "--moe-expert-capacity-factor and --moe-pad-expert-input-to-capacity (Megatron's rule for graphing "

@@ -131,7 +131,7 @@ struct TrainOptions {
     // --cuda-graph-modules attn moe_router [moe_preprocess]: MoE layers captured up to their router (and
     // their dispatch plan); the rest runs eagerly (graphs/layer_graph_runner.h).
     bool           graph_moe_router = false, graph_moe_preprocess = false;
-    bool           graph_attn = false;   // --cuda-graph-modules attn on dense layers: the MLP outside the graphs
+    bool           graph_attn = false;   // --cuda-graph-modules attn: the MLP or MoE layer outside the graphs
     int64_t        distributed_timeout_minutes = 10;   // the MPI watchdog (comm/mpi_communicator.h)
     // --check-weight-hash-across-dp-replicas-interval: every this many iterations the data-parallel replicas
     // compare a digest of each parameter (0: never).
