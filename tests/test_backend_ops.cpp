@@ -1146,10 +1146,13 @@ double attention_dropout_factor(const Dropout & key, int64_t bi, int64_t hq, int
 // Naive causal softmax attention in double: the s x s probabilities of each (sequence, query head); with a
 // window w, query i sees keys max(0, i - w) .. i.
 // With dout given, also its gradient dqkv (assigned on the Q, K, V columns, 0 elsewhere). With dropout,
-// O = (z P) V and dS = P (z dP - rowsum(dO O)).
+// O = (z P) V and dS = P (z dP - rowsum(dO O)). With sink logits (nq), each head's joins every query's
+// softmax with a zero value; its gradient dsink (assigned) is -sum P_sink rowsum(dO O).
 void attention_reference(const std::vector<double> & qkv, const AttentionShape & a, double scale,
                          std::vector<double> & out, std::vector<double> & lse, const std::vector<double> * dout,
-                         std::vector<double> * dqkv, const Dropout & dropout = {}) {
+                         std::vector<double> * dqkv, const Dropout & dropout = {},
+                         const std::vector<double> * sink = nullptr, std::vector<double> * dsink = nullptr) {
+    if (dsink) dsink->assign(static_cast<size_t>(a.nq), 0.0);
     const AttentionIndex ix{a};
     const int64_t        group = a.nq / a.nkv;
     out.assign(static_cast<size_t>(a.s * a.b * a.nq * a.d), 0.0);
@@ -1168,10 +1171,12 @@ void attention_reference(const std::vector<double> & qkv, const AttentionShape &
                     p[j] = scale * dot;
                     mx   = std::max(mx, p[j]);
                 }
-                double sum = 0;
+                if (sink) mx = std::max(mx, (*sink)[static_cast<size_t>(hq)]);
+                double sum = sink ? std::exp((*sink)[static_cast<size_t>(hq)] - mx) : 0.0;
                 for (int64_t j = j0; j <= i; ++j) sum += (p[j] = std::exp(p[j] - mx));
                 for (int64_t j = j0; j <= i; ++j) p[j] /= sum;
                 lse[static_cast<size_t>((bi * a.nq + hq) * a.s + i)] = mx + std::log(sum);
+                const double p_sink = sink ? std::exp((*sink)[static_cast<size_t>(hq)] - mx) / sum : 0.0;
                 std::vector<double> z(static_cast<size_t>(i + 1));
                 for (int64_t j = j0; j <= i; ++j) z[j] = attention_dropout_factor(dropout, bi, hq, i, j);
                 for (int64_t j = j0; j <= i; ++j) {
@@ -1182,6 +1187,7 @@ void attention_reference(const std::vector<double> & qkv, const AttentionShape &
                 // dK_j += scale dS_ij Q_i.
                 double delta = 0;
                 for (int64_t dd = 0; dd < a.d; ++dd) delta += (*dout)[ix.o(i, bi, hq, dd)] * out[ix.o(i, bi, hq, dd)];
+                if (dsink) (*dsink)[static_cast<size_t>(hq)] -= p_sink * delta;
                 for (int64_t j = j0; j <= i; ++j) {
                     double dp = 0;
                     for (int64_t dd = 0; dd < a.d; ++dd) dp += (*dout)[ix.o(i, bi, hq, dd)] * qkv[ix.v(j, bi, hk, dd)];
@@ -1198,9 +1204,10 @@ void attention_reference(const std::vector<double> & qkv, const AttentionShape &
 }
 
 double attention_loss(const std::vector<double> & qkv, const AttentionShape & a, double scale,
-                      const std::vector<double> & dout, const Dropout & dropout = {}) {
+                      const std::vector<double> & dout, const Dropout & dropout = {},
+                      const std::vector<double> * sink = nullptr) {
     std::vector<double> out, lse;
-    attention_reference(qkv, a, scale, out, lse, nullptr, nullptr, dropout);
+    attention_reference(qkv, a, scale, out, lse, nullptr, nullptr, dropout, sink);
     double loss = 0;
     for (size_t i = 0; i < out.size(); ++i) loss += dout[i] * out[i];
     return loss;
@@ -1208,7 +1215,10 @@ double attention_loss(const std::vector<double> & qkv, const AttentionShape & a,
 
 }  // namespace
 
-static void attention_against_reference(const Dropout & dropout, int64_t window = -1) {
+// With `sinks`, each query head's sink logit (in [-1, 3): from a small to a large share of the softmax) joins
+// the softmax through Ops::attention_sink_forward after the kernel, and its gradient is added to dsink's
+// values by attention_sink_backward.
+static void attention_against_reference(const Dropout & dropout, int64_t window = -1, bool sinks = false) {
     // (s, b, nq, nkv, d, row_stride): GQA with two query blocks of 64; multi-head with padded rows; one
     // key/value head for four query heads. With a window, also three blocks of 64, where the last block's
     // queries see no key of the first.
@@ -1218,7 +1228,7 @@ static void attention_against_reference(const Dropout & dropout, int64_t window 
     for (AttentionShape a : shapes) {
         a.window = window;
         SCOPED_TRACE("attention shape " + std::to_string(variant) + (dropout.enabled() ? " with dropout" : "") +
-                     (window >= 0 ? ", window " + std::to_string(window) : ""));
+                     (window >= 0 ? ", window " + std::to_string(window) : "") + (sinks ? ", sinks" : ""));
         const int64_t       n = a.s * a.b, width = (a.nq + 2 * a.nkv) * a.d;
         const float         scale = 1.0f / std::sqrt(static_cast<float>(a.d));
         Tensor              qkv   = random_f32({n, a.row_stride}, 5000 + 10 * variant, -2.0f, 2.0f);
@@ -1226,7 +1236,23 @@ static void attention_against_reference(const Dropout & dropout, int64_t window 
         Tensor              dout = random_f32({n, a.nq * a.d}, 5001 + 10 * variant);
         Tensor              dqkv = random_f32({n, a.row_stride}, 5002, 7.0f, 8.0f);   // assigned, not added to
         std::vector<double> ref_out, ref_lse, ref_dqkv, q = values(qkv), dov = values(dout);
-        attention_reference(q, a, scale, ref_out, ref_lse, &dov, &ref_dqkv, dropout);
+        const Tensor        sink = random_f32({a.nq}, 5004 + 10 * variant, -1.0f, 3.0f);
+        const Tensor        dsink = random_f32({a.nq}, 5005 + 10 * variant);   // added to
+        const std::vector<double> sink_v = values(sink), dsink_before = values(dsink);
+        std::vector<double>       ref_dsink;
+        attention_reference(q, a, scale, ref_out, ref_lse, &dov, &ref_dqkv, dropout, sinks ? &sink_v : nullptr,
+                            sinks ? &ref_dsink : nullptr);
+        if (sinks) {   // the sink's reference gradient against central differences too
+            for (int64_t h = 0; h < a.nq; ++h) {
+                const double        hh = 1e-5;
+                std::vector<double> sp = sink_v, sm = sink_v;
+                sp[static_cast<size_t>(h)] += hh;
+                sm[static_cast<size_t>(h)] -= hh;
+                const double fd = (attention_loss(q, a, scale, dov, dropout, &sp) - attention_loss(q, a, scale, dov, dropout, &sm)) /
+                                  (2 * hh);
+                EXPECT_NEAR(ref_dsink[static_cast<size_t>(h)], fd, 1e-6 * std::max(std::fabs(fd), 1e-3)) << "reference dsink " << h;
+            }
+        }
 
         // The reference gradient against central differences of the reference forward, at a few elements.
         Rng pick(5003 + variant);
@@ -1236,13 +1262,21 @@ static void attention_against_reference(const Dropout & dropout, int64_t window 
             std::vector<double> qp = q, qm = q;
             qp[i] += hh;
             qm[i] -= hh;
-            const double fd = (attention_loss(qp, a, scale, dov, dropout) - attention_loss(qm, a, scale, dov, dropout)) / (2 * hh);
+            const std::vector<double> * sv = sinks ? &sink_v : nullptr;
+            const double fd = (attention_loss(qp, a, scale, dov, dropout, sv) - attention_loss(qm, a, scale, dov, dropout, sv)) / (2 * hh);
             EXPECT_NEAR(ref_dqkv[i], fd, 1e-6 * std::max(std::fabs(fd), 1e-3)) << "reference gradient, element " << i;
         }
 
         ops().attention_forward(stream(), qkv, out, lse, a, scale, dropout);
+        if (sinks) ops().attention_sink_forward(stream(), out, lse, sink, a);
         ops().attention_backward(stream(), qkv, out, dout, lse, dqkv, a, scale, dropout);
+        if (sinks) ops().attention_sink_backward(stream(), out, dout, lse, sink, dsink, a);
         synchronize();
+        if (sinks) {
+            std::vector<double> want(ref_dsink.size());
+            for (size_t h = 0; h < want.size(); ++h) want[h] = dsink_before[h] + ref_dsink[h];
+            EXPECT_TRUE(close_to_max(name("attention dsink", variant), dsink.data<float>(), want, kAttentionBwTol));
+        }
         EXPECT_TRUE(close_to_max(name("attention out", variant), out.data<float>(), ref_out, kAttentionTol));
         EXPECT_TRUE(close(name("attention lse", variant), lse, ref_lse, kAttentionTol, 1.0));
         // dQ, dK, dV separately (each against its own largest value); padding columns are not outputs.
@@ -1332,6 +1366,18 @@ TEST(OpsAttention, SlidingWindowAgainstNaiveDoubleAttention) {
     key.site = dropout_site(1, DropoutKind::attention_probs);
     for (const int64_t window : {1, 3, 20}) attention_against_reference(Dropout{}, window);
     attention_against_reference(key, 20);
+}
+
+// Attention sinks (--softmax-type learnable / off-by-one): the kernel's (out, lse) then the sink's merge, and
+// the kernel's backward from that final pair plus the sink's gradient, against the naive softmax with the
+// sink as one more logit; with dropout and with a window too.
+TEST(OpsAttention, SinksAgainstNaiveDoubleAttention) {
+    Dropout key;
+    key.p    = 0.3f;
+    key.seed = 7;
+    key.site = dropout_site(3, DropoutKind::attention_probs);
+    attention_against_reference(Dropout{}, -1, true);
+    attention_against_reference(key, 20, true);
 }
 
 // Context parallelism's blocks (core/positions.h): the sequence in 2 CP chunks, rank r holding chunks r and

@@ -85,6 +85,7 @@ struct Layout {
     std::vector<int64_t>           hierarchical{};   // a2a+p2p sizes
     int                            instances = 1;    // distributed-optimizer instances over dp x cp (with zero1)
     int64_t                        window = -1;      // --window-size window,0 on every other layer (skip freq 2)
+    bool                           sinks  = false;   // --softmax-type learnable
     static const char * type_name(model::CpCommType t) {
         return t == model::CpCommType::p2p ? "p2p" : t == model::CpCommType::a2a ? "a2a"
              : t == model::CpCommType::allgather ? "allgather" : "a2a+p2p";
@@ -101,7 +102,7 @@ struct Layout {
                (vpp > 1 ? " vpp " + std::to_string(vpp) : "") + (zero1 ? " zero-1, both overlaps" : "") +
                (instances > 1 ? " " + std::to_string(instances) + " instances" : "") +
                (moe ? " moe ep " + std::to_string(ep) : "") + (sinkhorn ? " sinkhorn" : "") +
-               (window >= 0 ? " window " + std::to_string(window) : "");
+               (window >= 0 ? " window " + std::to_string(window) : "") + (sinks ? " sinks" : "");
     }
 };
 
@@ -112,6 +113,7 @@ train::TrainOptions options_of(const Layout & l) {
     train::TrainOptions o = small_options(l.llama, l.moe, l.sinkhorn, l.mla);
     o.model.window_size      = l.window;
     o.model.window_skip_freq = 2;
+    if (l.sinks) o.model.softmax_type = model::SoftmaxType::learnable;
     return o;
 }
 
@@ -197,13 +199,16 @@ TEST(ContextParallel, EachCommTypeFollowsTheSingleRankRun) {
     expect_follows_reference({.cp = cp, .type = CpCommType::a2a, .llama = cp == 2});
 }
 
-TEST(ContextParallel, SlidingWindowAcrossTheChunksFollowsTheSingleRankRun) {
+TEST(ContextParallel, SlidingWindowAndSinksAcrossTheChunksFollowTheSingleRankRun) {
     const int cp = g_mpi->world_size();
     if (cp != 2 && cp != 4) GTEST_SKIP() << "runs with 2 and 4 ranks";
     // A sliding window of 5 keys on layers 1 and 3 (--window-size 5,0 --window-attn-skip-freq 2), across the
-    // chunks' edges: the ring's blocks and the heads' all-to-all mask by global positions.
-    expect_follows_reference({.cp = cp, .type = CpCommType::p2p, .window = 5});
-    expect_follows_reference({.cp = cp, .type = CpCommType::a2a, .llama = cp == 2, .window = 5});
+    // chunks' edges: the ring's blocks and the heads' all-to-all mask by global positions. With gpt-oss's
+    // learnable sinks: the ring merges every block before the sink joins, and each rank's sink gradient is
+    // its queries' share (summed over DP x CP); the all-to-all's rank holds its share of the heads' sinks
+    // over the whole sequence.
+    expect_follows_reference({.cp = cp, .type = CpCommType::p2p, .window = 5, .sinks = true});
+    expect_follows_reference({.cp = cp, .type = CpCommType::a2a, .llama = cp == 2, .window = 5, .sinks = true});
 }
 
 // MoE layers: the router's balancing counts summed over the CP ranks (its losses are each rank's share), the

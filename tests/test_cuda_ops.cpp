@@ -1356,6 +1356,43 @@ TEST(CudaOps, AttentionSlidingWindowMatchesTheCpu) {
     }
 }
 
+// Attention sinks: the sink's merge into (out, lse) and its gradient, on f32 and bf16 outputs, with fewer
+// (b, i) entries per head than the backward's 256 lanes, a few more, and several per lane. Tolerances,
+// element-wise against max(1, |cpu|): out and lse 2e-6 in f32 (one exp, log and product each; the device's
+// expf and logf against the host's), a bf16 out 4e-3 (its rounding, where the factors differ in the last
+// bit); dsink 1e-5 (the same lanes and order, each delta's products possibly fused). Run twice, the
+// gradient's bits repeat.
+TEST(CudaOps, AttentionSinksMatchTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    uint64_t seed = 4700;
+    for (const AttentionShape & a : {AttentionShape{33, 3, 2, 1, 5, 4 * 5}, AttentionShape{129, 2, 6, 3, 16, 12 * 16},
+                                     AttentionShape{700, 2, 4, 2, 8, 8 * 8}}) {
+        for (const DType dtype : {DType::f32, DType::bf16}) {
+            const std::string what = "sinks s " + std::to_string(a.s) + " b " + std::to_string(a.b) + " " + dtype_name(dtype);
+            const int64_t     n = a.s * a.b;
+            const Tensor out = random_cpu({n, a.nq * a.d}, seed += 10, 1.0f, dtype), dout = random_cpu({n, a.nq * a.d}, seed + 1, 1.0f, dtype);
+            const Tensor lse = random_cpu({a.b * a.nq * a.s}, seed + 2, 3.0f), sink = random_cpu({a.nq}, seed + 3, 3.0f);
+            const Tensor dsink = random_cpu({a.nq}, seed + 4);
+            Tensor out_c = clone_cpu(out), lse_c = clone_cpu(lse), dsink_c = clone_cpu(dsink);
+            cops().attention_sink_forward(cs(), out_c, lse_c, sink, a);
+            cops().attention_sink_backward(cs(), out_c, dout, lse_c, sink, dsink_c, a);
+            cs().synchronize();
+            Tensor out_g = to_gpu(out), lse_g = to_gpu(lse), dsink_g = to_gpu(dsink), sink_g = to_gpu(sink);
+            gops().attention_sink_forward(gs(), out_g, lse_g, sink_g, a);
+            expect_close(out_c, to_cpu(out_g), dtype == DType::f32 ? 2e-6 : 4e-3, what + ": out");
+            expect_close(lse_c, to_cpu(lse_g), 2e-6, what + ": lse");
+            // The backward from the CPU's final pair (the same inputs as the CPU's backward).
+            const Tensor out_cg = to_gpu(out_c), lse_cg = to_gpu(lse_c), dout_g = to_gpu(dout);
+            gops().attention_sink_backward(gs(), out_cg, dout_g, lse_cg, sink_g, dsink_g, a);
+            const Tensor first = to_cpu(dsink_g);
+            expect_close(dsink_c, first, 1e-5, what + ": dsink");
+            Tensor again = to_gpu(dsink);
+            gops().attention_sink_backward(gs(), out_cg, dout_g, lse_cg, sink_g, again, a);
+            expect_bitwise(first, to_cpu(again), what + ": dsink run twice");
+        }
+    }
+}
+
 // Context parallelism's blocks: CP 2 with chunks of 35 rows, each rank's queries (Q alone) against its own
 // keys and values and then the other rank's (K | V rows, global positions: rank 0's first chunk sees none of
 // rank 1's keys, which leaves lse -inf there before the merge), merged; backward per block from the merged

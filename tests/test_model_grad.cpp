@@ -987,6 +987,19 @@ TEST(GptModel, QuickGegluGradientsMatchFiniteDifferences) {
     check_model_gradients(c);
 }
 
+// gpt-oss's attention: learnable sinks (each layer's softmax_offset, one logit per head) with a sliding window of
+// 20 on the first layer (--window-attn-skip-freq 2), on the Llama-style model (GQA, RoPE); and off-by-one's
+// fixed zero logit, which has no parameter.
+TEST(GptModel, AttentionSinksGradientsMatchFiniteDifferences) {
+    model::GptConfig c = llama_style_grad_config();
+    c.softmax_type     = model::SoftmaxType::learnable;
+    c.window_size      = 20;
+    c.window_skip_freq = 2;
+    check_model_gradients(c);
+    c.softmax_type = model::SoftmaxType::off_by_one;
+    check_model_gradients(c);
+}
+
 TEST(GptModel, GradientsAccumulateAcrossMicrobatches) {
     model::GptConfig c;
     c.num_layers = 1;

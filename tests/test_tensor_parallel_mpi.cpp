@@ -32,7 +32,12 @@ comm::MpiContext * g_mpi = nullptr;
 // and one MTP depth, without attention dropout (as Megatron's DeepSeek configurations train): with it, a few
 // embedding elements' gradients come out near 1e-8 (four orders below the mean), where Adam turns the TP
 // run's rounding into whole steps and no tolerance on the weights can hold.
-train::TrainOptions small_options(bool llama, bool mla = false, bool muon = false) {
+train::TrainOptions small_options(bool llama, bool mla = false, bool muon = false, bool sinks = false) {
+    if (sinks) {   // gpt-oss's learnable attention sinks: each rank holds its heads' logits
+        train::TrainOptions o = small_options(llama, mla, muon);
+        o.model.softmax_type  = model::SoftmaxType::learnable;
+        return o;
+    }
     train::TrainOptions o = testing_models::small_gpt_options(4, 8, 10);
     o.lr_warmup_iters     = 3;
     if (muon) {   // Muon on the weight matrices, its Newton-Schulz in f32 (bf16's rounding would hide nothing)
@@ -66,8 +71,8 @@ struct Run {
     std::map<std::string, model::TpSlice>     slices;
 };
 
-Run reference(bool llama, bool mla = false, bool muon = false) {
-    testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(llama, mla, muon));
+Run reference(bool llama, bool mla = false, bool muon = false, bool sinks = false) {
+    testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(llama, mla, muon, sinks));
     Run                           run;
     run.losses = ref.losses;
     run.params = ref.params;
@@ -76,7 +81,8 @@ Run reference(bool llama, bool mla = false, bool muon = false) {
 
 // recompute: 0 none, 1 full (every layer), 2 selective (layernorm and mlp: the norms' outputs gathered again
 // over the TP group in backward, the MLP rerun from its input).
-Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, int recompute, bool mla = false, bool muon = false) {
+Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, int recompute, bool mla = false, bool muon = false,
+                 bool sinks = false) {
     parallel::ParallelSizes sizes;
     sizes.world_size = g_mpi->world_size();
     sizes.tp         = tp;
@@ -84,7 +90,7 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, int recomput
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi);
 
-    train::TrainOptions o           = small_options(llama, mla, muon);
+    train::TrainOptions o           = small_options(llama, mla, muon, sinks);
     o.parallel                      = config;
     o.ddp.use_distributed_optimizer = distopt;
     o.ddp.overlap_grad_reduce       = distopt;
@@ -114,13 +120,14 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, int recomput
 }
 
 void expect_follows_reference(int tp, int pp, bool distopt, bool llama, bool sp = false, int recompute = 0, bool mla = false,
-                              bool muon = false) {
-    const std::string name = std::string(mla ? "mla" : llama ? "llama" : "gpt") + (muon ? " muon" : "") + " tp " + std::to_string(tp) + " pp " +
+                              bool muon = false, bool sinks = false) {
+    const std::string name = std::string(mla ? "mla" : llama ? "llama" : "gpt") + (muon ? " muon" : "") + (sinks ? " sinks" : "") +
+                             " tp " + std::to_string(tp) + " pp " +
                              std::to_string(pp) + (sp ? " sequence-parallel" : "") + (distopt ? " zero-1" : "") +
                              (recompute == 1 ? " full recompute" : recompute == 2 ? " selective recompute" : "");
     SCOPED_TRACE(name);
-    const Run ref = reference(llama, mla, muon);
-    const Run run = parallel_run(tp, pp, distopt, llama, sp, recompute, mla, muon);
+    const Run ref = reference(llama, mla, muon, sinks);
+    const Run run = parallel_run(tp, pp, distopt, llama, sp, recompute, mla, muon, sinks);
     ASSERT_EQ(run.losses.size(), ref.losses.size());
     double worst_loss = 0, worst_param = 0;
     for (size_t i = 0; i < ref.losses.size(); ++i) {
@@ -162,7 +169,8 @@ TEST(TensorParallel, TwoRanksFollowTheSingleRankRun) {
 TEST(TensorParallel, SequenceParallelFollowsTheSingleRankRun) {
     if (g_mpi->world_size() == 2) {
         expect_follows_reference(2, 1, false, false, true);   // TP 2 + SP
-        expect_follows_reference(2, 1, false, true, true);    // Llama-style, TP 2 + SP
+        // Llama-style, TP 2 + SP, with learnable attention sinks (split by heads as the heads are)
+        expect_follows_reference(2, 1, false, true, true, 0, false, false, true);
         expect_follows_reference(2, 1, false, false, true, 1);   // TP 2 + SP, every layer recomputed
         expect_follows_reference(2, 1, false, true, true, 2);    // Llama-style TP 2 + SP, layernorm and mlp recomputed
     } else if (g_mpi->world_size() == 4) {

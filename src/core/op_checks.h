@@ -212,6 +212,19 @@ inline void attention_merge(const Tensor & out, const Tensor & lse, const Tensor
     expect(part_lse, DType::f32, n * a.nq, "attention_merge", "part_lse");
 }
 
+inline void attention_sink(const Tensor & out, const Tensor * dout, const Tensor & lse, const Tensor & sink,
+                           const Tensor * dsink, const AttentionShape & a, const char * op) {
+    const int64_t n = a.s * a.b;
+    LOOM_CHECK(n > 0 && a.nq > 0 && a.d > 0, op << ": " << a.s << " x " << a.b << " queries of " << a.nq << " heads of " << a.d,
+               "");
+    const DType act = activations(out, op, "out");
+    expect(out, act, n * a.nq * a.d, op, "out");
+    if (dout) expect(*dout, act, n * a.nq * a.d, op, "dout");
+    expect(lse, DType::f32, n * a.nq, op, "lse");
+    expect(sink, DType::f32, a.nq, op, "sink");
+    if (dsink) expect(*dsink, DType::f32, a.nq, op, "dsink");
+}
+
 // Hidden dropout of x (n, w) into y; returns (n, w).
 inline std::pair<int64_t, int64_t> dropout(const Tensor & x, const Tensor & y, const Dropout & key) {
     const std::pair<int64_t, int64_t> nw = rows_cols(x, "dropout");

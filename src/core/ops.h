@@ -114,6 +114,9 @@ struct MoeRouting {
 
 inline constexpr int64_t kMoeMaxGroups = 64;
 
+// The lanes of Ops::attention_sink_backward's sums (a CUDA block's threads).
+inline constexpr int64_t kSinkLanes = 256;
+
 // The load-balancing aux loss and the z-loss of a router (either coefficient 0: that loss is off).
 struct MoeRouterLoss {
     int64_t groups    = 1;      // G: 1, or the micro-batch size with seq_aux_loss (row r is in group r % G)
@@ -278,6 +281,18 @@ public:
     // -inf (it saw no key of that block) keeps its out and lse.
     virtual void attention_merge(Stream & s, const Tensor & out, const Tensor & lse, const Tensor & part_out,
                                  const Tensor & part_lse, const AttentionShape & shape) = 0;
+
+    // Attention sinks (--softmax-type learnable or off-by-one): one logit per query head, sink (nq) f32, joins
+    // every query's softmax with a zero value. On the final (out, lse) of shape's queries (every key block
+    // merged), in place: lse' = log(e^lse + e^sink[h]), out *= e^(lse - lse') (out f32 or bf16, lse f32).
+    virtual void attention_sink_forward(Stream & s, const Tensor & out, const Tensor & lse, const Tensor & sink,
+                                        const AttentionShape & shape) = 0;
+    // With that final out and lse', attention_backward gives the queries', keys' and values' gradients as they
+    // are. This adds the sink's into dsink (nq) f32: dsink[h] += -sum over (b, i) of e^(sink[h] - lse'[b, h, i])
+    // rowsum(dout * out)[i, b, h], the terms summed in kSinkLanes strided lanes (lane k: entries k, k + lanes,
+    // ... in (b, i) order), then the lanes in order, on every backend.
+    virtual void attention_sink_backward(Stream & s, const Tensor & out, const Tensor & dout, const Tensor & lse,
+                                         const Tensor & sink, const Tensor & dsink, const AttentionShape & shape) = 0;
 
     // The plain causal attention of [Q | K | V] rows: q and kv are the same tensor.
     void attention_forward(Stream & s, const Tensor & qkv, const Tensor & out, const Tensor & lse,

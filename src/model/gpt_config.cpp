@@ -92,7 +92,8 @@ int64_t GptConfig::num_parameters() const {
         attn    = q + kv + a * v_head_dim * h + bias * h;
         qk_norm = qk_layernorm ? per_norm * ((q_lora_rank > 0 ? q_lora_rank : 0) + kv_lora_rank) : 0;
     }
-    int64_t per_layer = 2 * norm + attn + mlp + qk_norm;
+    const int64_t sinks = softmax_type == SoftmaxType::learnable ? num_attention_heads : 0;   // softmax_offset
+    int64_t per_layer = 2 * norm + attn + mlp + qk_norm + sinks;
     int64_t total = V * h + num_layers * per_layer + norm;
     total += mtp_num_layers * (per_layer + 3 * norm + 2 * h * h);   // each depth: a layer, three norms, eh_proj
     if (position_embedding == PositionEmbedding::learned_absolute) total += max_position_embeddings * h;
@@ -235,10 +236,42 @@ GptConfig gpt_preset(const std::string & name) {
         m.grouped_gemm            = true;
         m.layer_pattern.assign(static_cast<size_t>(c.num_layers), 1);
         for (int64_t i = 0; i < (tiny ? 1 : 3); ++i) m.layer_pattern[static_cast<size_t>(i)] = 0;
+    } else if (name == "gpt-oss-tiny") {
+        // gpt-oss's layers (OpenAI's gpt-oss-20b model card; Megatron's gpt-oss example) at toy size: attention
+        // sinks, a sliding window of 16 keys on the odd layers (the model's 128 shrunk), grouped-query attention,
+        // 4 experts (top 2) of quick-GEGLU with offset 1 and clamp 7, biases, RMSNorm, RoPE, untied. Its head
+        // dimension is hidden / heads: Loom has no other (the real model's 64 x 64 heads over 2880 are not it).
+        c.num_layers              = 4;
+        c.hidden_size             = 128;
+        c.ffn_hidden_size         = 128;
+        c.num_attention_heads     = 8;
+        c.num_query_groups        = 2;
+        c.seq_length              = 128;
+        c.max_position_embeddings = c.seq_length;
+        c.vocab_size              = 512;
+        c.normalization           = Normalization::rmsnorm;
+        c.swiglu                  = true;
+        c.quick_geglu             = true;
+        c.glu_linear_offset       = 1.0f;
+        c.activation_clamp        = 7.0f;
+        c.position_embedding      = PositionEmbedding::rope;
+        c.rotary_base             = 150000.0f;
+        c.untie_embeddings_and_output_weights = true;
+        c.softmax_type            = SoftmaxType::learnable;
+        c.window_size             = 15;   // Megatron's (L, 0): L earlier keys and the query's own
+        c.window_skip_freq        = 2;
+        MoeConfig & m             = c.moe;
+        m.num_experts             = 4;
+        m.topk                    = 2;
+        m.ffn_hidden_size         = 128;
+        m.aux_loss_coeff          = 1e-3f;
+        m.z_loss_coeff            = 1e-3f;
+        m.grouped_gemm            = true;
+        m.layer_pattern.assign(static_cast<size_t>(c.num_layers), 1);
     } else {
         LOOM_THROW("unknown model preset '" << name << "'",
                    "presets: gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b, gpt3-175b, llama3-8b, llama3-70b, llama3-405b, "
-                   "deepseek-v3, gpt-tiny, llama-tiny, deepseek-v3-tiny");
+                   "deepseek-v3, gpt-tiny, llama-tiny, deepseek-v3-tiny, gpt-oss-tiny");
     }
     return c;
 }

@@ -41,6 +41,10 @@ enum OffloadModule : uint32_t {
 enum class CpCommType { p2p, a2a, allgather, a2a_p2p };
 
 
+// The attention softmax (--softmax-type): vanilla; off_by_one, a logit of 0 beside every query's scores (a key
+// whose value is zero); learnable, one trained logit per head in its place (gpt-oss's attention sinks, each
+// layer's softmax_offset parameter).
+enum class SoftmaxType { vanilla, off_by_one, learnable };
 enum class Normalization { layernorm, rmsnorm };
 enum class PositionEmbedding { learned_absolute, rope, none };
 // Activation recompute (Megatron's --recompute-granularity / --recompute-method / --recompute-num-layers).
@@ -157,6 +161,7 @@ struct GptConfig {
     int64_t              window_size       = -1;   // L; -1: no window
     int64_t              window_skip_freq  = 0;    // N; 0: not given
     std::vector<int>     window_layers;            // the list form (1: windowed), one entry per decoder layer
+    SoftmaxType          softmax_type      = SoftmaxType::vanilla;   // attention sinks: every layer's
     int64_t attention_window(int64_t index) const {   // index: the decoder layer, from 0
         if (window_size < 0) return -1;
         if (!window_layers.empty()) return window_layers[static_cast<size_t>(index)] != 0 ? window_size : -1;
@@ -213,7 +218,8 @@ struct GptConfig {
 // "deepseek-v3" (MLA, MoE with the expert bias and group-limited routing, MTP) and "deepseek-v3-tiny" (the same
 // features at toy size),
 // "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b", "gpt3-175b", "llama3-8b", "llama3-70b", "llama3-405b" (for
-// loom plan: far beyond one machine), "gpt-tiny" (the default small model), "llama-tiny".
+// loom plan: far beyond one machine), "gpt-tiny" (the default small model), "llama-tiny", "gpt-oss-tiny" (gpt-oss's
+// attention sinks, sliding windows and quick-GEGLU experts at toy size).
 GptConfig gpt_preset(const std::string & name);
 
 }  // namespace loom::model

@@ -153,6 +153,9 @@ void check_gpt2_architecture(const GptConfig & c, const std::string & action) {
     LOOM_CHECK(!c.swiglu, what << "the model has --" << (c.quick_geglu ? "quick-geglu" : "swiglu"), hint);
     LOOM_CHECK(!c.squared_relu, what << "the model has --squared-relu", hint);
     LOOM_CHECK(!c.qk_layernorm, what << "the model has --qk-layernorm", hint);
+    LOOM_CHECK(c.softmax_type == SoftmaxType::vanilla,
+               what << "the model has --softmax-type " << (c.softmax_type == SoftmaxType::learnable ? "learnable" : "off-by-one"),
+               hint);
     LOOM_CHECK(!c.moe.enabled(), what << "the model has --num-experts " << c.moe.num_experts << " (GPT-2 has no experts)", hint);
     LOOM_CHECK(c.position_embedding == PositionEmbedding::learned_absolute,
                what << "the model has --position-embedding-type "

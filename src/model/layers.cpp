@@ -396,6 +396,22 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
                        << " query groups divisible by the all-to-all's size " << inner,
                    "choose --hierarchical-context-parallel-sizes whose first size divides the heads");
     }
+    if (c.softmax_type != SoftmaxType::vanilla) {
+        LOOM_CHECK(!cp.enabled() || cp_comm != CpCommType::a2a_p2p,
+                   "--softmax-type " << (c.softmax_type == SoftmaxType::learnable ? "learnable" : "off-by-one")
+                                     << " with --cp-comm-type a2a+p2p is not supported by Loom",
+                   "give --cp-comm-type p2p, allgather or a2a, which Loom runs with attention sinks");
+        if (c.softmax_type == SoftmaxType::learnable) {
+            // Megatron's DotProductAttention.softmax_offset: one logit per head, this rank's heads under TP; a
+            // vector, so no weight decay (Megatron's param groups).
+            softmax_offset = parameter_create(name + ".softmax_offset", {heads}, c.params_dtype, device);
+            softmax_offset->no_weight_decay = true;
+            if (t.size > 1) set_tp_slice(*softmax_offset, 0, {{t.rank * heads, (t.rank + 1) * heads}}, {c.num_attention_heads});
+        } else {
+            zero_offset = Tensor::empty({heads}, DType::f32, device);
+            write_values_f32(zero_offset, std::vector<float>(static_cast<size_t>(heads), 0.0f));
+        }
+    }
     if (c.multi_latent_attention) {
         // Megatron's MLA under tensor parallelism: the down projections and the latents' norms are whole on
         // every rank (each rank's rows with sequence parallelism, their gradients then summed over the
@@ -513,8 +529,10 @@ void SelfAttention::init(uint64_t seed, float std, float output_std) {
             if (n) n->init();
         }
         proj.init(seed, output_std);
+        if (softmax_offset) parameter_init_normal(*softmax_offset, seed, std);
         return;
     }
+    if (softmax_offset) parameter_init_normal(*softmax_offset, seed, std);   // Megatron's init_method
     qkv.init(seed, std);
     proj.init(seed, output_std);
     if (q_norm) {
@@ -532,6 +550,7 @@ void SelfAttention::parameters(std::vector<Parameter *> & out) {
         mla->kv_down->parameters(out);
         if (mla->kv_norm) mla->kv_norm->parameters(out);
         mla->kv_up->parameters(out);
+        if (softmax_offset) out.push_back(&*softmax_offset);
         proj.parameters(out);
         return;
     }
@@ -540,6 +559,7 @@ void SelfAttention::parameters(std::vector<Parameter *> & out) {
         q_norm->parameters(out);
         k_norm->parameters(out);
     }
+    if (softmax_offset) out.push_back(&*softmax_offset);
     proj.parameters(out);
 }
 
@@ -586,10 +606,29 @@ AttentionShape mla_shape(const GptConfig & c, int64_t heads, int64_t s, int64_t 
 
 }  // namespace
 
+void SelfAttention::sink_forward(const Tensor & out, const Tensor & lse, const AttentionShape & shape, int64_t first) const {
+    if (!softmax_offset && !zero_offset.defined()) return;
+    const Tensor logits = softmax_offset ? parameter_f32(*softmax_offset) : zero_offset;
+    out.device().ops().attention_sink_forward(out.device().compute_stream(), out, lse, logits.narrow(0, first, shape.nq), shape);
+}
+
+void SelfAttention::sink_backward(const Tensor & out, const Tensor & d_out, const Tensor & lse, const AttentionShape & shape,
+                                  int64_t first) {
+    if (!softmax_offset) return;   // off-by-one's zeros take no gradient
+    Ops &        ops    = out.device().ops();
+    Stream &     stream = out.device().compute_stream();
+    const Tensor logits = parameter_f32(*softmax_offset);
+    accumulate_grads(stream, {softmax_offset->main_grad}, [&](std::span<const Tensor> g) {
+        ops.attention_sink_backward(stream, out, d_out, lse, logits.narrow(0, first, shape.nq),
+                                    g[0].narrow(0, first, shape.nq), shape);
+    });
+}
+
 void SelfAttention::attend(Context & ctx, const Tensor & q_k_v, const Tensor & out, const AttentionShape & shape,
                            float scale, const Dropout & dropout) {
     if (!cp.enabled()) {
         q_k_v.device().ops().attention_forward(q_k_v.device().compute_stream(), q_k_v, out, ctx.lse, shape, scale, dropout);
+        sink_forward(out, ctx.lse, shape, 0);
         return;
     }
     // The forward reads q_k_v as computed; backward reads ctx.qkv, the same values (rounded first). The
@@ -605,7 +644,12 @@ void SelfAttention::attend_backward(Context & ctx, const Tensor & q_k_v, const T
     Stream & stream = q_k_v.device().compute_stream();
     if (!cp.enabled()) {
         ops.attention_backward(stream, q_k_v, out, d_out, ctx.lse, d_qkv, shape, scale, ctx.dropout);
+        sink_backward(out, d_out, ctx.lse, shape, 0);
         return;
+    }
+    // The ring's and the gather's lse is this rank's queries' over every head (a2a's: its own heads, there).
+    if (cp_comm == CpCommType::p2p || cp_comm == CpCommType::allgather) {
+        sink_backward(in_dtype(out, DType::f32), in_dtype(d_out, DType::f32), ctx.lse, shape, 0);
     }
     const Tensor d_qkv32 = f32_output_for(d_qkv);   // in f32, as the forward
     cp_backward(ctx, in_dtype(q_k_v, DType::f32), in_dtype(out, DType::f32), in_dtype(d_out, DType::f32), d_qkv32,
@@ -725,6 +769,7 @@ Tensor SelfAttention::mla_backward(Context & ctx, const Tensor & dy, const GradR
     const Tensor q_k_v = in_dtype(ctx.qkv, act);
     Tensor       d_qkv = activation(device, n, shape.row_stride, act);
     attend_backward(ctx, q_k_v, out, d_out, d_qkv, shape, mla_softmax_scale(config));
+    if (softmax_offset && ready) ready(*softmax_offset);
     ops.rope(stream, d_qkv, ctx.s, ctx.b, 2 * a, dqk, config.rotary_base, true, dr, /*interleaved=*/true, shape.q_pos,
              mla_rope(config));
     ctx.qkv = ctx.lse = Tensor();
@@ -801,6 +846,7 @@ Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReady
     Tensor q_k_v = in_dtype(ctx.qkv, act);
     Tensor d_qkv = activation(dy.device(), ctx.s * ctx.b, shape.row_stride, act);
     attend_backward(ctx, q_k_v, out, d_out, d_qkv, shape, config.softmax_scale > 0.0f ? config.softmax_scale : 1.0f / std::sqrt(static_cast<float>(shape.d)));
+    if (softmax_offset && ready) ready(*softmax_offset);
     if (config.position_embedding == PositionEmbedding::rope) {
         ops.rope(stream, d_qkv, ctx.s, ctx.b, shape.nq + shape.nkv, shape.d, config.rotary_base, true,
                  config.rotary_dim(), config.rotary_interleaved, shape.q_pos);
@@ -1001,6 +1047,7 @@ void SelfAttention::cp_forward(Context & ctx, const Tensor & q_k_v, const Tensor
         }
         if (next) kv = next->arrive().front();
     }
+    sink_forward(out, ctx.lse, shape, 0);   // once every block is merged
 }
 
 void SelfAttention::cp_backward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const Tensor & d_out,
@@ -1079,6 +1126,7 @@ void SelfAttention::a2a_forward(Context & ctx, const Tensor & q_k_v, const Tenso
     const Tensor qkv_whole = heads_to_sequence(cp, q_k_v, shape.s, shape.b, qkv_head_columns(shape, cp.size));
     Tensor       out_whole = activation(dev, whole.s * whole.b, whole.nq * whole.d);
     dev.ops().attention_forward(dev.compute_stream(), qkv_whole, out_whole, ctx.lse, whole, scale, key);
+    sink_forward(out_whole, ctx.lse, whole, cp.rank * whole.nq);
     sequence_to_heads(cp, out_whole, shape.s, shape.b, out_head_columns(shape, cp.size), out);
 }
 
@@ -1097,6 +1145,7 @@ void SelfAttention::a2a_backward(Context & ctx, const Tensor & q_k_v, const Tens
     Tensor       dqkv_whole = activation(dev, whole.s * whole.b, whole.row_stride);
     dev.ops().attention_backward(dev.compute_stream(), qkv_whole, out_whole, dout_whole, ctx.lse, dqkv_whole, whole,
                                  scale, key);
+    sink_backward(out_whole, dout_whole, ctx.lse, whole, cp.rank * whole.nq);
     sequence_to_heads(cp, dqkv_whole, shape.s, shape.b, qkv_columns, d_qkv);
 }
 

@@ -304,6 +304,10 @@ public:
     };
     std::unique_ptr<Latent> mla;
     int64_t                 window = -1;   // GptConfig::attention_window of this layer
+    // Attention sinks (GptConfig::softmax_type): learnable, this rank's heads' logits (a parameter, split by
+    // heads under TP as the heads are); off-by-one, zeros (zero_offset). Neither: no sink.
+    std::optional<Parameter> softmax_offset;
+    Tensor                   zero_offset;
 
 private:
     // The attention of packed [Q | K | V] rows into out (and ctx.lse), through the context-parallel exchanges
@@ -312,6 +316,11 @@ private:
                   const Dropout & dropout);
     void   attend_backward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const Tensor & d_out,
                            const Tensor & d_qkv, const AttentionShape & shape, float scale);
+    // The sink of heads [first, first + shape.nq) of this rank's on the final (out, lse) of shape's queries, and
+    // its gradient added to softmax_offset's (Ops::attention_sink_forward / _backward). No-ops without sinks.
+    void   sink_forward(const Tensor & out, const Tensor & lse, const AttentionShape & shape, int64_t first) const;
+    void   sink_backward(const Tensor & out, const Tensor & d_out, const Tensor & lse, const AttentionShape & shape,
+                         int64_t first);
     Tensor mla_forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const Dropout & dropout);
     // MLA's packed [Q | K | V] rows from q (n, a (dn + dr)), kv (n, a (dn + dv)) and k_pe (n, dr), RoPE'd.
     Tensor mla_packed_rows(const Tensor & q, const Tensor & kv, const Tensor & k_pe, int64_t s, int64_t b) const;

@@ -227,6 +227,12 @@ public:
     void attention_merge(Stream & s, const Tensor & out, const Tensor & lse, const Tensor & part_out, const Tensor & part_lse, const AttentionShape & shape) override {
         memory(s, "attention_merge", bytes_of({&out, &out, &lse, &lse, &part_out, &part_lse}));
     }
+    void attention_sink_forward(Stream & s, const Tensor & out, const Tensor & lse, const Tensor & sink, const AttentionShape & shape) override {
+        memory(s, "attention_sink_forward", bytes_of({&out, &out, &lse, &lse, &sink}));
+    }
+    void attention_sink_backward(Stream & s, const Tensor & out, const Tensor & dout, const Tensor & lse, const Tensor & sink, const Tensor & dsink, const AttentionShape & shape) override {
+        memory(s, "attention_sink_backward", bytes_of({&out, &dout, &lse, &sink, &dsink}));
+    }
     void cross_entropy_forward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & loss, const Tensor & lse, int64_t vocab) override {
         memory(s, "cross_entropy_forward", bytes_of({&logits, &labels, &loss, &lse}));
     }

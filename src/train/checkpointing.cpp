@@ -31,7 +31,8 @@ const std::map<std::string, json> & later_args() {
                                                          {"mtp_num_layers", nullptr}, {"quick_geglu", false},
                                                          {"glu_linear_offset", 0.0},
                                                          {"activation_func_clamp_value", nullptr},
-                                                         {"window_size", nullptr}, {"window_attn_skip_freq", nullptr}};
+                                                         {"window_size", nullptr}, {"window_attn_skip_freq", nullptr},
+                                                         {"softmax_type", "vanilla"}};
     return defaults;
 }
 
@@ -317,6 +318,13 @@ void apply_checkpoint_args(model::GptConfig & m, const checkpoint::Index & index
         } else if (!freq.is_null()) {
             m.window_skip_freq = integer("window_attn_skip_freq", freq);
         }
+    }
+    if (const json softmax = saved_or_dense(a, "softmax_type"); softmax == "off-by-one") {
+        m.softmax_type = model::SoftmaxType::off_by_one;
+    } else if (softmax == "learnable") {
+        m.softmax_type = model::SoftmaxType::learnable;
+    } else if (softmax != "vanilla") {
+        bad("softmax_type", softmax);
     }
     m.qk_layernorm  = flag("qk_layernorm", a.value("qk_layernorm", json(false)));   // absent before the flag
     const json & position = at("position_embedding_type");

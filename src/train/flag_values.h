@@ -61,6 +61,7 @@ struct ModelFlags {
     // activation_func_clamp_value; the clamp's None: not given).
     bool        quick_geglu = false;
     std::string window_size, window_skip_freq;   // --window-size "L,R" (tuple_type), --window-attn-skip-freq
+    std::string softmax_type = "vanilla";         // --softmax-type (TransformerConfig's Literal)
     float       glu_linear_offset = 0.0f, activation_clamp = 0.0f;
     // FP8 (TransformerConfig's fields; "": --fp8-format None).
     std::string fp8_format, fp8_recipe = "delayed", fp8_amax_compute_algo = "most_recent";

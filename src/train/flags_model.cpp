@@ -23,6 +23,14 @@ const char * normalization_name(model::Normalization n) {
     return n == model::Normalization::rmsnorm ? "RMSNorm" : "LayerNorm";
 }
 
+const char * softmax_type_name(model::SoftmaxType t) {
+    switch (t) {
+        case model::SoftmaxType::off_by_one: return "off-by-one";
+        case model::SoftmaxType::learnable: return "learnable";
+        default: return "vanilla";
+    }
+}
+
 const char * position_name(model::PositionEmbedding p) {
     switch (p) {
         case model::PositionEmbedding::rope: return "rope";
@@ -38,7 +46,7 @@ json mla_size(const TrainOptions & o, int64_t value) { return o.model.multi_late
 
 const Flag<TrainOptions> kModelOptionFlags[] = {
     {"--model", kLoomGroup, &TrainOptions::model_preset,
-     "model preset: gpt-tiny, llama-tiny, deepseek-v3-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b, gpt3-175b, llama3-8b, "
+     "model preset: gpt-tiny, llama-tiny, deepseek-v3-tiny, gpt-oss-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b, gpt3-175b, llama3-8b, "
      "llama3-70b, llama3-405b, deepseek-v3", kShowDefault,
      {"model", [](const TrainOptions & o) -> json { return o.model_preset; }}},
     {"--load-hf", kLoomGroup, &TrainOptions::load_hf,
@@ -86,6 +94,10 @@ const Flag<ModelFlags> kModelFlags[] = {
           if (!o.model.window_layers.empty()) return json(o.model.window_layers);
           return o.model.window_skip_freq > 0 ? json(o.model.window_skip_freq) : json(nullptr);
       }, true}},
+    {"--softmax-type", "transformer configuration", &M::softmax_type,
+     "the attention softmax: vanilla; off-by-one (a logit of 0 beside every query's scores); learnable (one trained "
+     "logit per head, gpt-oss's attention sinks)", kShowDefault,
+     {"softmax_type", [](const TrainOptions & o) -> json { return softmax_type_name(o.model.softmax_type); }, true}},
     {"--glu-linear-offset", "transformer configuration", &M::glu_linear_offset,
      "added to a gated MLP's linear half before the product (gpt-oss: 1)", kShowDefault,
      {"glu_linear_offset", [](const TrainOptions & o) -> json { return o.model.glu_linear_offset; }, true}},
@@ -394,6 +406,14 @@ void resolve_model_shape(const ModelFlags & f, const Given & given, TrainOptions
     // multiple of 64 (the same parameter count as a 4h GELU MLP, roughly).
     if (!given("--ffn-hidden-size") && (given("--hidden-size") || f.swiglu)) {
         m.ffn_hidden_size = m.swiglu ? (4 * m.hidden_size * 2 / 3) / 64 * 64 : 4 * m.hidden_size;
+    }
+    if (given("--softmax-type")) {   // else the preset's
+        LOOM_CHECK(f.softmax_type == "vanilla" || f.softmax_type == "off-by-one" || f.softmax_type == "learnable",
+                   "argument --softmax-type: invalid choice: '" << f.softmax_type
+                                                                << "' (choose from 'vanilla', 'off-by-one', 'learnable')", "");
+        m.softmax_type = f.softmax_type == "learnable"    ? model::SoftmaxType::learnable
+                         : f.softmax_type == "off-by-one" ? model::SoftmaxType::off_by_one
+                                                          : model::SoftmaxType::vanilla;
     }
     if (f.quick_geglu) {   // gated, at the width Megatron gives it without --swiglu (4h unless given)
         LOOM_CHECK(!f.swiglu && !f.squared_relu, "--quick-geglu with --" << (f.swiglu ? "swiglu" : "squared-relu"),

@@ -62,6 +62,10 @@ constexpr NoOpFlag kNoOpFlags[] = {
                                              "in any case; the result is the same"},
     {"--cross-entropy-fusion-impl", "native|te", "both compute the same vocabulary-parallel cross-entropy as Loom's"},
     {"--moe-permute-fusion", nullptr, "a kernel-fusion choice for the token permutation; the tokens moved are the same"},
+    {"--enable-gpt-oss", nullptr,
+     "ModelOpt's switch to YaRN RoPE with gpt-oss's values, read only where a ModelOpt checkpoint or a distillation "
+     "builds the model; pretraining from scratch never reads it, in Megatron or in Loom (give the gpt-oss layers' own "
+     "flags, as Megatron's gpt-oss example does)"},
     {"--moe-router-fusion", nullptr,
      "a kernel-fusion choice for the router's scores, top-k and auxiliary losses; the routing and the losses are the "
      "same"},

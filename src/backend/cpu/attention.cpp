@@ -310,6 +310,56 @@ void attention_merge(float * out, float * lse, const float * part_out, const flo
     });
 }
 
+template <class T>
+void attention_sink_forward(T * out, float * lse, const float * sink, int64_t s, int64_t b, int64_t nq, int64_t d) {
+    parallel_for(b * nq, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t bi = task / nq, hq = task % nq;
+            const float   sl = sink[hq];
+            for (int64_t i = 0; i < s; ++i) {
+                float &     l  = lse[task * s + i];
+                const float mx = std::max(l, sl);
+                const float nl = mx + std::log(std::exp(l - mx) + std::exp(sl - mx));
+                const float w  = std::exp(l - nl);
+                T *         o  = out + ((i * b + bi) * nq + hq) * d;
+                for (int64_t dd = 0; dd < d; ++dd) o[dd] = from_f32<T>(to_f32(o[dd]) * w);
+                l = nl;
+            }
+        }
+    });
+}
+
+template <class T>
+void attention_sink_backward(const T * out, const T * dout, const float * lse, const float * sink, float * dsink, int64_t s,
+                             int64_t b, int64_t nq, int64_t d) {
+    parallel_for(nq, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t hq = begin; hq < end; ++hq) {
+            float lanes[kSinkLanes];
+            for (int64_t k = 0; k < kSinkLanes; ++k) {
+                float sum = 0.0f;
+                for (int64_t e = k; e < b * s; e += kSinkLanes) {
+                    const int64_t bi = e / s, i = e % s;
+                    const int64_t at = ((i * b + bi) * nq + hq) * d;
+                    float         delta = 0.0f;
+                    for (int64_t dd = 0; dd < d; ++dd) delta += to_f32(out[at + dd]) * to_f32(dout[at + dd]);
+                    sum += std::exp(sink[hq] - lse[(bi * nq + hq) * s + i]) * delta;
+                }
+                lanes[k] = sum;
+            }
+            float total = 0.0f;
+            for (int64_t k = 0; k < kSinkLanes; ++k) total += lanes[k];
+            dsink[hq] -= total;
+        }
+    });
+}
+
+template void attention_sink_forward(float *, float *, const float *, int64_t, int64_t, int64_t, int64_t);
+template void attention_sink_forward(Bf16 *, float *, const float *, int64_t, int64_t, int64_t, int64_t);
+template void attention_sink_backward(const float *, const float *, const float *, const float *, float *, int64_t, int64_t,
+                                      int64_t, int64_t);
+template void attention_sink_backward(const Bf16 *, const Bf16 *, const float *, const float *, float *, int64_t, int64_t,
+                                      int64_t, int64_t);
+
 template void attention_forward(const float *, const float *, float *, float *, const AttentionShape &, float,
                                 const AttentionDropout &);
 template void attention_forward(const Bf16 *, const Bf16 *, Bf16 *, float *, const AttentionShape &, float,

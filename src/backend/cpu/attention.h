@@ -55,4 +55,11 @@ void attention_backward(const T * q, const T * kv, const T * out, const T * dout
 void attention_merge(float * out, float * lse, const float * part_out, const float * part_lse, int64_t s, int64_t b,
                      int64_t nq, int64_t d);
 
+// Attention sinks on the final (out, lse) (core/ops.h's attention_sink_forward / attention_sink_backward).
+template <class T>
+void attention_sink_forward(T * out, float * lse, const float * sink, int64_t s, int64_t b, int64_t nq, int64_t d);
+template <class T>
+void attention_sink_backward(const T * out, const T * dout, const float * lse, const float * sink, float * dsink, int64_t s,
+                             int64_t b, int64_t nq, int64_t d);
+
 }  // namespace loom::cpu

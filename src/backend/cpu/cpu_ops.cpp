@@ -331,6 +331,27 @@ public:
         s.submit([=] { cpu::attention_merge(f32(out), f32(lse), f32(part_out), f32(part_lse), shape.s, shape.b, shape.nq, shape.d); });
     }
 
+    void attention_sink_forward(Stream & s, const Tensor & out, const Tensor & lse, const Tensor & sink,
+                                const AttentionShape & shape) override {
+        op_checks::attention_sink(out, nullptr, lse, sink, nullptr, shape, "attention_sink_forward");
+        s.submit([=] {
+            with_activations(out, [&]<class T>(T *) {
+                cpu::attention_sink_forward(act<T>(out), f32(lse), f32(sink), shape.s, shape.b, shape.nq, shape.d);
+            });
+        });
+    }
+
+    void attention_sink_backward(Stream & s, const Tensor & out, const Tensor & dout, const Tensor & lse, const Tensor & sink,
+                                 const Tensor & dsink, const AttentionShape & shape) override {
+        op_checks::attention_sink(out, &dout, lse, sink, &dsink, shape, "attention_sink_backward");
+        s.submit([=] {
+            with_activations(out, [&]<class T>(T *) {
+                cpu::attention_sink_backward(act<T>(out), act<T>(dout), f32(lse), f32(sink), f32(dsink), shape.s, shape.b,
+                                             shape.nq, shape.d);
+            });
+        });
+    }
+
     void cross_entropy_forward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & loss,
                                const Tensor & lse, int64_t vocab) override {
         const op_checks::LabelDims d = op_checks::cross_entropy_forward(logits, labels, loss, lse, vocab);

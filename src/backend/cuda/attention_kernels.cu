@@ -350,6 +350,46 @@ __global__ void attention_merge_kernel(float * out, float * lse, const float * p
     }
 }
 
+// One thread per (sequence, head, query): the sink joins the query's softmax (lse' = log(e^lse + e^sink)), its
+// output scaled by e^(lse - lse').
+template <class E>
+__global__ void attention_sink_forward_kernel(E * out, float * lse, const float * sink, int64_t s, int64_t b, int64_t nq,
+                                              int64_t d) {
+    LOOM_GRID_STRIDE(t, b * nq * s) {
+        const int64_t i = t % s, bh = t / s, bi = bh / nq, hq = bh % nq;
+        const float   l = lse[t], sl = sink[hq], mx = fmaxf(l, sl);
+        const float   nl = mx + logf(expf(l - mx) + expf(sl - mx));
+        const float   w  = expf(l - nl);
+        E *           o  = out + ((i * b + bi) * nq + hq) * d;
+        for (int64_t dd = 0; dd < d; ++dd) o[dd] = from_f32<E>(to_f32(o[dd]) * w);
+        lse[t] = nl;
+    }
+}
+
+// One block of kSinkLanes threads per head: thread k sums the entries k, k + kSinkLanes, ... of (b, i) order,
+// thread 0 the lanes in order (the CPU's sums).
+template <class E>
+__global__ void attention_sink_backward_kernel(const E * out, const E * dout, const float * lse, const float * sink,
+                                               float * dsink, int64_t s, int64_t b, int64_t nq, int64_t d) {
+    __shared__ float lanes[kSinkLanes];
+    const int64_t    hq = blockIdx.x;
+    float            sum = 0.0f;
+    for (int64_t e = threadIdx.x; e < b * s; e += kSinkLanes) {
+        const int64_t bi = e / s, i = e % s;
+        const int64_t at = ((i * b + bi) * nq + hq) * d;
+        float         delta = 0.0f;
+        for (int64_t dd = 0; dd < d; ++dd) delta += to_f32(out[at + dd]) * to_f32(dout[at + dd]);
+        sum += expf(sink[hq] - lse[(bi * nq + hq) * s + i]) * delta;
+    }
+    lanes[threadIdx.x] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float total = 0.0f;
+        for (int64_t k = 0; k < kSinkLanes; ++k) total += lanes[k];
+        dsink[hq] -= total;
+    }
+}
+
 // Dynamic shared memory of the forward and of the backward kernels, in bytes.
 size_t attention_forward_smem(int64_t d) {
     return sizeof(float) * (3 * kAttnTile * attn_stride(d) + kAttnTile * (kAttnTile + 1) + 3 * kAttnTile);
@@ -406,6 +446,30 @@ cudaError_t attention_merge(cudaStream_t stream, float * out, float * lse, const
                                                                                     nq, d);
     return cudaGetLastError();
 }
+
+template <class E>
+cudaError_t attention_sink_forward(cudaStream_t stream, E * out, float * lse, const float * sink, int64_t s, int64_t b,
+                                   int64_t nq, int64_t d) {
+    if (s * b * nq == 0) return cudaSuccess;
+    LOOM_LAUNCH(attention_sink_forward_kernel<E>, blocks_for(b * nq * s), kThreads, 0, stream)(out, lse, sink, s, b, nq, d);
+    return cudaGetLastError();
+}
+
+template <class E>
+cudaError_t attention_sink_backward(cudaStream_t stream, const E * out, const E * dout, const float * lse, const float * sink,
+                                    float * dsink, int64_t s, int64_t b, int64_t nq, int64_t d) {
+    if (nq == 0) return cudaSuccess;
+    LOOM_LAUNCH(attention_sink_backward_kernel<E>, static_cast<unsigned>(nq), static_cast<unsigned>(kSinkLanes), 0, stream)(
+        out, dout, lse, sink, dsink, s, b, nq, d);
+    return cudaGetLastError();
+}
+
+template cudaError_t attention_sink_forward(cudaStream_t, float *, float *, const float *, int64_t, int64_t, int64_t, int64_t);
+template cudaError_t attention_sink_forward(cudaStream_t, Bf16 *, float *, const float *, int64_t, int64_t, int64_t, int64_t);
+template cudaError_t attention_sink_backward(cudaStream_t, const float *, const float *, const float *, const float *, float *,
+                                             int64_t, int64_t, int64_t, int64_t);
+template cudaError_t attention_sink_backward(cudaStream_t, const Bf16 *, const Bf16 *, const float *, const float *, float *,
+                                             int64_t, int64_t, int64_t, int64_t);
 
 template cudaError_t attention_forward(cudaStream_t, const float *, const float *, float *, float *,
                                       const AttentionDims &, float, const AttentionKey &);

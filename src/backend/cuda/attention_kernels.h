@@ -53,4 +53,15 @@ cudaError_t attention_backward(cudaStream_t stream, const E * q, const E * kv, c
 cudaError_t attention_merge(cudaStream_t stream, float * out, float * lse, const float * part_out,
                             const float * part_lse, int64_t s, int64_t b, int64_t nq, int64_t d);
 
+// Attention sinks (core/ops.h's attention_sink_forward and attention_sink_backward): sink and dsink (nq) f32;
+// out and dout E. The backward is one block of kSinkLanes threads per head, thread k summing the lane k of the
+// CPU's order, thread 0 the lanes in order.
+constexpr int64_t kSinkLanes = 256;
+template <class E>
+cudaError_t attention_sink_forward(cudaStream_t stream, E * out, float * lse, const float * sink, int64_t s, int64_t b,
+                                   int64_t nq, int64_t d);
+template <class E>
+cudaError_t attention_sink_backward(cudaStream_t stream, const E * out, const E * dout, const float * lse, const float * sink,
+                                    float * dsink, int64_t s, int64_t b, int64_t nq, int64_t d);
+
 }  // namespace loom::LOOM_CUDA_NS::kernels

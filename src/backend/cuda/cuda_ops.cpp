@@ -596,6 +596,32 @@ public:
         cs.launched("attention_merge", std::move(held));
     }
 
+    void attention_sink_forward(Stream & s, const Tensor & out, const Tensor & lse, const Tensor & sink,
+                                const AttentionShape & shape) override {
+        op_checks::attention_sink(out, nullptr, lse, sink, nullptr, shape, "attention_sink_forward");
+        std::vector<Tensor> held{out, lse, sink};
+        CudaStream &        cs     = start(s, "attention_sink_forward", held);
+        cudaStream_t        stream = cs.launch("attention_sink_forward");
+        with_activations(out, [&]<class T>(T *) {
+            LOOM_CUDA_CHECK(kernels::attention_sink_forward(stream, act<T>(out), f32(lse), f32(sink), shape.s, shape.b,
+                                                            shape.nq, shape.d));
+        });
+        cs.launched("attention_sink_forward", std::move(held));
+    }
+    void attention_sink_backward(Stream & s, const Tensor & out, const Tensor & dout, const Tensor & lse, const Tensor & sink,
+                                 const Tensor & dsink, const AttentionShape & shape) override {
+        static_assert(kernels::kSinkLanes == loom::kSinkLanes, "the CPU's lanes and the CUDA block's threads");
+        op_checks::attention_sink(out, &dout, lse, sink, &dsink, shape, "attention_sink_backward");
+        std::vector<Tensor> held{out, dout, lse, sink, dsink};
+        CudaStream &        cs     = start(s, "attention_sink_backward", held);
+        cudaStream_t        stream = cs.launch("attention_sink_backward");
+        with_activations(out, [&]<class T>(T *) {
+            LOOM_CUDA_CHECK(kernels::attention_sink_backward(stream, act<T>(out), act<T>(dout), f32(lse), f32(sink),
+                                                             f32(dsink), shape.s, shape.b, shape.nq, shape.d));
+        });
+        cs.launched("attention_sink_backward", std::move(held));
+    }
+
     void cross_entropy_forward(Stream & s, const Tensor & logits, const Tensor & labels, const Tensor & loss,
                                const Tensor & lse, int64_t vocab) override {
         const op_checks::LabelDims d = op_checks::cross_entropy_forward(logits, labels, loss, lse, vocab);
