@@ -321,9 +321,11 @@ INSTANTIATE_TEST_SUITE_P(
                       // Interleaved: its transfers deadlock on one NCCL communicator (the next test).
                       Layout{"pp2_vpp2", "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2",
                              "--bf16 --num-layers 4 "},
-                      // Per-layer graphs with the TP collectives as replayable nodes between CUDA segments.
-                      Layout{"tp2_sp_layer_graphs", "--tensor-model-parallel-size 2 --sequence-parallel "
-                                                    "--cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 2"},
+                      // Per-layer graphs with the TP collectives as replayable nodes between CUDA segments; the
+                      // attention's learnable sinks inside them.
+                      Layout{"tp2_sp_layer_graphs_sinks", "--tensor-model-parallel-size 2 --sequence-parallel "
+                                                          "--cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 2",
+                             "--bf16 --num-layers 2 --softmax-type learnable "},
                       // Expert parallelism: the tokens exchanged by all-to-all, and gathered from every rank.
                       Layout{"moe_ep2_alltoall", "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
                              LOOM_MOE_MODEL},
@@ -332,7 +334,9 @@ INSTANTIATE_TEST_SUITE_P(
                       // Context parallelism: the ring's K | V blocks through NCCL's all-to-all on the cp-comm
                       // stream (p2p), and the all-to-all of heads (a2a), with the block-attention kernels.
                       Layout{"cp2_p2p", "--context-parallel-size 2 --cp-comm-type p2p"},
-                      Layout{"cp2_a2a", "--context-parallel-size 2 --cp-comm-type a2a"},
+                      // a2a with gpt-oss's attention: each rank's heads' sinks over the whole sequence, a window.
+                      Layout{"cp2_a2a_sinks_window", "--context-parallel-size 2 --cp-comm-type a2a",
+                             "--bf16 --num-layers 2 --softmax-type learnable --window-size 5,0 --window-attn-skip-freq 2 "},
                       // Sinkhorn routing on the GPU, over both CP ranks' rows gathered (Megatron's functional
                       // tests route top-1 by sinkhorn under CP).
                       Layout{"moe_cp2_sinkhorn", "--context-parallel-size 2",

@@ -171,6 +171,45 @@ TEST(Training, ZeroCentredNormsFollowTheStandardModel) {
     for (size_t i = 0; i < standard.size(); ++i) EXPECT_NEAR(centred[i], standard[i], 1e-4) << "iteration " << i + 1;
 }
 
+// --model gpt-oss-tiny: attention sinks, sliding windows on the odd layers and quick-GEGLU experts with offset and
+// clamp train on the synthetic data: over 20 iterations the loss falls by more than 1 nat, and every layer's
+// sinks moved from their initial values.
+TEST(Training, GptOssTinyPresetTrainsToAFallingLoss) {
+    train::TrainOptions o = golden_options();
+    o.model               = model::gpt_preset("gpt-oss-tiny");
+    o.model.seq_length    = o.model.max_position_embeddings = 64;
+    o.micro_batch_size    = 4;
+    o.global_batch_size   = 8;
+    o.train_iters         = o.lr_decay_iters = 20;
+    o.lr_warmup_iters     = 2;
+    o.adam.lr             = 5e-3f;
+    auto            source = train::make_batch_source(o, cpu::device(), false);
+    model::GptModel gpt(o.model, cpu::device());
+    gpt.init();
+    std::map<std::string, std::vector<float>> sinks;
+    for (model::Parameter * p : gpt.parameters()) {
+        if (p->name.ends_with(".softmax_offset")) sinks[p->name] = testing_models::parameter_values(*p);
+    }
+    ASSERT_EQ(sinks.size(), 4u) << "one softmax_offset per layer";
+    std::vector<double> losses;
+    {
+        train::Trainer trainer(o, gpt, *source);
+        losses = trainer.run(nullptr).losses;
+    }
+    ASSERT_EQ(losses.size(), 20u);
+    std::printf("gpt-oss-tiny: lm loss %.4f -> %.4f over 20 iterations\n", losses.front(), losses.back());
+    EXPECT_NEAR(losses.front(), std::log(512.0), 0.2);
+    EXPECT_LT(losses.back(), losses.front() - 1.0);
+    cpu::device().compute_stream().synchronize();
+    for (model::Parameter * p : gpt.parameters()) {
+        if (!sinks.contains(p->name)) continue;
+        const std::vector<float> now = testing_models::parameter_values(*p);
+        double                   moved = 0;
+        for (size_t i = 0; i < now.size(); ++i) moved = std::max(moved, static_cast<double>(std::fabs(now[i] - sinks[p->name][i])));
+        EXPECT_GT(moved, 1e-3) << p->name;
+    }
+}
+
 // --model deepseek-v3-tiny: every DeepSeek-V3 feature at toy size (MLA with YaRN, a dense first layer then MoE
 // with the expert bias and group-limited routing, one MTP depth) trains on the synthetic data: over 16
 // iterations the loss falls by more than 1 nat (from about ln 512 = 6.24; 6.24 -> 4.68 here), and the expert
@@ -1053,6 +1092,23 @@ TEST(MegatronCommandLine, QuickGegluFlagsFollowMegatronsRules) {
          "activation_func_clamp_value for SwiGLU must be finite and greater than zero."},
         {{"--swiglu", "--num-experts", "4", "--activation-func-clamp-value", "5", "--glu-linear-offset", "1"},
          "glu_linear_offset must be zero when activation_func_clamp_value is set for SwiGLU."},
+    };
+    expect_refused(bad, 1);
+}
+
+// --softmax-type (TransformerConfig's Literal, default vanilla) and --enable-gpt-oss, which pretraining never
+// reads: a preset's softmax kept unless the flag is given.
+TEST(MegatronCommandLine, SoftmaxTypeAndEnableGptOssFollowMegatronsRules) {
+    EXPECT_EQ(parse_train({"--mock-data"}).model.softmax_type, model::SoftmaxType::vanilla);
+    EXPECT_EQ(parse_train({"--mock-data", "--softmax-type", "learnable"}).model.softmax_type, model::SoftmaxType::learnable);
+    EXPECT_EQ(parse_train({"--mock-data", "--softmax-type", "off-by-one"}).model.softmax_type, model::SoftmaxType::off_by_one);
+    EXPECT_EQ(parse_train({"--mock-data", "--model", "gpt-oss-tiny"}).model.softmax_type, model::SoftmaxType::learnable);
+    EXPECT_EQ(parse_train({"--mock-data", "--model", "gpt-oss-tiny", "--softmax-type", "vanilla"}).model.softmax_type,
+              model::SoftmaxType::vanilla);
+    const train::TrainOptions oss = parse_train({"--mock-data", "--model", "gpt-oss-tiny", "--enable-gpt-oss"});
+    EXPECT_EQ(oss.model.position_embedding, model::PositionEmbedding::rope) << "RoPE as given, not ModelOpt's YaRN";
+    const std::pair<std::vector<std::string>, const char *> bad[] = {
+        {{"--softmax-type", "sink"}, "argument --softmax-type: invalid choice: 'sink' (choose from 'vanilla', 'off-by-one', 'learnable')"},
     };
     expect_refused(bad, 1);
 }
