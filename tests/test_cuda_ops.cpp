@@ -55,6 +55,7 @@
 #ifdef LOOM_CUDA_EMU
 namespace loom_emu {
 long long emu_lt_heuristic_calls();   // the emulated cuBLASLt's count (its cublasLt.h, not on this path)
+long long emu_lt_reduced_precision_queries();   // of those, the ones whose preference allowed 16-bit split-K sums
 }
 #endif
 
@@ -203,13 +204,14 @@ TEST(CudaOps, AGemmOfAKindSeenBeforeMakesNoHeuristicQuery) {
         }
         gs().synchronize();
     };
-    struct Count { int64_t lookups, queries; long long library; };
+    struct Count { int64_t lookups, queries; long long library, reduced; };
     auto now = [] {
         const gpu_backend::GemmPlanStats st = gpu_backend::gemm_plan_stats();
 #ifdef LOOM_CUDA_EMU
-        return Count{st.lookups, st.heuristic_queries, loom_emu::emu_lt_heuristic_calls()};
+        return Count{st.lookups, st.heuristic_queries, loom_emu::emu_lt_heuristic_calls(),
+                     loom_emu::emu_lt_reduced_precision_queries()};
 #else
-        return Count{st.lookups, st.heuristic_queries, 0};
+        return Count{st.lookups, st.heuristic_queries, 0, 0};
 #endif
     };
     const struct { bool bias, ta; int64_t new_queries; const char * what; } calls[] = {
@@ -224,6 +226,8 @@ TEST(CudaOps, AGemmOfAKindSeenBeforeMakesNoHeuristicQuery) {
         EXPECT_EQ(after.queries - before.queries, call.new_queries) << call.what;
 #ifdef LOOM_CUDA_EMU
         EXPECT_EQ(after.library - before.library, call.new_queries) << call.what << ": the emulated library's count";
+        // Every plan restricts split-K sums to f32 (--disable-bf16-reduced-precision-matmul, always on).
+        EXPECT_EQ(after.reduced - before.reduced, 0) << call.what << ": a plan allowed split-K sums in the output type";
 #endif
     }
 }

@@ -66,6 +66,12 @@ constexpr NoOpFlag kNoOpFlags[] = {
      "ModelOpt's switch to YaRN RoPE with gpt-oss's values, read only where a ModelOpt checkpoint or a distillation "
      "builds the model; pretraining from scratch never reads it, in Megatron or in Loom (give the gpt-oss layers' own "
      "flags, as Megatron's gpt-oss example does)"},
+    {"--export-force-local-attention", nullptr,
+     "ModelOpt's export layer spec (local attention instead of Transformer Engine's), read only where a ModelOpt "
+     "checkpoint or a distillation builds the model; Loom's attention is one kernel for either"},
+    {"--disable-bf16-reduced-precision-matmul", nullptr,
+     "Loom's bf16 GEMMs always sum in f32, their split-K partial sums included (cuBLASLt's reduction scheme held to "
+     "f32 on CUDA)"},
     {"--moe-router-fusion", nullptr,
      "a kernel-fusion choice for the router's scores, top-k and auxiliary losses; the routing and the losses are the "
      "same"},

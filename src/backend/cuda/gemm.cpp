@@ -142,6 +142,11 @@ struct LtPlan {
         LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference.handle));
         LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference.handle, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                                &workspace_bytes, sizeof(workspace_bytes)));
+        // Split-K partial sums reduced in f32 only, never in a 16-bit output's type (in place or in the
+        // workspace): what Megatron's --disable-bf16-reduced-precision-matmul asks of PyTorch, always.
+        const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+        LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference.handle, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                                               &reduction, sizeof(reduction)));
         const uint32_t align_a = alignment_of(b), align_b = alignment_of(a), align_c = alignment_of(c);
         LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference.handle, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
                                                                &align_a, sizeof(align_a)));

@@ -71,6 +71,7 @@ struct LtMatrixLayout {
 struct LtMatmulPreference {
     size_t   max_workspace = 0;
     uint32_t align[4]      = {256, 256, 256, 256};   // A, B, C, D: cuBLASLt assumes 256 unless told
+    uint32_t reduction_mask = CUBLASLT_REDUCTION_SCHEME_MASK;   // every scheme unless told
 };
 
 namespace {
@@ -511,6 +512,7 @@ cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p
     switch (attr) {
         case CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES:
             return read_attribute(&pref->max_workspace, buf, sizeInBytes);
+        case CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK: return read_attribute(&pref->reduction_mask, buf, sizeInBytes);
         case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES: return read_attribute(&pref->align[0], buf, sizeInBytes);
         case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES: return read_attribute(&pref->align[1], buf, sizeInBytes);
         case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES: return read_attribute(&pref->align[2], buf, sizeInBytes);
@@ -521,9 +523,11 @@ cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p
 
 namespace {
 std::atomic<long long> g_heuristic_calls{0};
+std::atomic<long long> g_reduced_precision_queries{0};   // preferences that allow a split-K sum in the output type
 }  // namespace
 
 long long emu_lt_heuristic_calls() { return g_heuristic_calls.load(); }
+long long emu_lt_reduced_precision_queries() { return g_reduced_precision_queries.load(); }
 
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t lightHandle, cublasLtMatmulDesc_t operationDesc,
                                               cublasLtMatrixLayout_t Adesc, cublasLtMatrixLayout_t Bdesc,
@@ -532,6 +536,10 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t lightHandle, cubl
                                               cublasLtMatmulHeuristicResult_t heuristicResultsArray[],
                                               int * returnAlgoCount) {
     ++g_heuristic_calls;
+    if (preference != nullptr &&
+        (preference->reduction_mask & (CUBLASLT_REDUCTION_SCHEME_INPLACE | CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE)) != 0) {
+        ++g_reduced_precision_queries;
+    }
     if (lightHandle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
     if (operationDesc == nullptr || Adesc == nullptr || Bdesc == nullptr || Cdesc == nullptr || Ddesc == nullptr ||
         preference == nullptr || requestedAlgoCount < 1 || heuristicResultsArray == nullptr ||
