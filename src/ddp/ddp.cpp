@@ -241,6 +241,16 @@ void DistributedDataParallel::init_fp8_buffer(int b) {
     }
     // The main values are the f32 master the optimizer steps (as a 16-bit weight's master): its pool.
     main_buffers_[b] = Tensor::zeros({numel}, DType::f32, device_, {MemoryKind::device, "optimizer"});
+    int64_t                          slots = 0;
+    std::unordered_map<int, int64_t> first_slot;
+    for (const ParamPlace & place : buffer.params) {
+        model::Parameter * p = params_[place.param];
+        p->fp8_model_dtype   = p->data.dtype();
+        p->fp8_scale_inv     = Tensor::zeros({p->fp8_blocks}, DType::f32, device_, {MemoryKind::device, "weights"});
+        fp8_blocks_[b].emplace_back(place.param, slots);
+        first_slot[place.param] = slots;
+        slots += p->fp8_blocks;
+    }
     const std::vector<std::vector<ShardRange>> ranges = shard_ranges(buffer, group.rank());
     for (size_t k = 0; k < ranges.size(); ++k) {
         for (const ShardRange & r : ranges[k]) {
@@ -248,18 +258,12 @@ void DistributedDataParallel::init_fp8_buffer(int b) {
             const int64_t      n = r.param_end - r.param_start;
             Tensor main = main_buffers_[b].slice(main_start_[b][k] + r.gbuf_local_start, {n});
             ops.convert(stream, p->data.flatten().slice(r.param_start, {n}), main);
-            fp8_pieces_[b].push_back(Fp8Piece{r.param, static_cast<int>(k), r, main, Tensor()});
+            fp8_pieces_[b].push_back(Fp8Piece{r.param, static_cast<int>(k), r, main, Tensor(), first_slot.at(r.param)});
         }
     }
-    int64_t slots = 0;
-    for (const ParamPlace & place : buffer.params) {
-        model::Parameter * p = params_[place.param];
-        p->fp8_model_dtype   = p->data.dtype();
-        p->fp8_scale_inv     = Tensor::zeros({p->fp8_blocks}, DType::f32, device_, {MemoryKind::device, "weights"});
-        fp8_blocks_[b].emplace_back(place.param, slots);
-        slots += p->fp8_blocks;
-    }
     fp8_amax_[b]   = Tensor::zeros({slots}, DType::f32, device_, {MemoryKind::device, "weights"});
+    fp8_no_values_ = Tensor::empty({0}, DType::f32, device_);
+    fp8_no_codes_  = Tensor::empty({0}, DType::u8, device_);
     has_fp8_codes_ = true;
     stream.synchronize();
 }
@@ -276,7 +280,6 @@ void DistributedDataParallel::encode_fp8_params() {
     Stream & stream = device_.compute_stream();
     for (size_t b = 0; b < layout_.buffers.size(); ++b) {
         if (!main_buffers_[b].defined()) continue;
-        std::unordered_map<int, int64_t> first_slot(fp8_blocks_[b].begin(), fp8_blocks_[b].end());
         // Each block's piece of a shard piece: [lo, hi) of the parameter's elements, and the block.
         auto blocks_of = [&](const Fp8Piece & piece, auto && fn) {
             const model::Parameter & p     = *params_[piece.param];
@@ -290,9 +293,8 @@ void DistributedDataParallel::encode_fp8_params() {
         const Tensor & amax = fp8_amax_[b];
         ops.fill_zero(stream, amax);
         for (const Fp8Piece & piece : fp8_pieces_[b]) {
-            const int64_t slot = first_slot.at(piece.param);
             blocks_of(piece, [&](const model::Parameter &, int64_t k, int64_t at, int64_t n) {
-                ops.fp8_amax(stream, piece.main.slice(at, {n}), amax.slice(slot + k, {1}));
+                ops.fp8_amax(stream, piece.main.slice(at, {n}), amax.slice(piece.amax_slot + k, {1}));
             });
         }
         // Every rank's pieces: the amax of each whole block (Megatron's amax all-reduce over the
@@ -301,15 +303,14 @@ void DistributedDataParallel::encode_fp8_params() {
         for (const auto & [param, slot] : fp8_blocks_[b]) {   // every block's 1 / s, owned here or not
             const model::Parameter & p = *params_[param];
             for (int64_t k = 0; k < p.fp8_blocks; ++k) {
-                ops.fp8_encode(stream, Tensor::empty({0}, DType::f32, device_), p.fp8_format, amax.slice(slot + k, {1}),
-                               Tensor::empty({0}, DType::u8, device_), p.fp8_scale_inv.slice(k, {1}));
+                ops.fp8_encode(stream, fp8_no_values_, p.fp8_format, amax.slice(slot + k, {1}), fp8_no_codes_,
+                               p.fp8_scale_inv.slice(k, {1}));
             }
         }
         for (Fp8Piece & piece : fp8_pieces_[b]) {
             if (!piece.codes.defined()) piece.codes = codes_shard(static_cast<int>(b), piece.bucket, piece.range);
-            const int64_t slot = first_slot.at(piece.param);
             blocks_of(piece, [&](const model::Parameter & p, int64_t k, int64_t at, int64_t n) {
-                ops.fp8_encode(stream, piece.main.slice(at, {n}), p.fp8_format, amax.slice(slot + k, {1}),
+                ops.fp8_encode(stream, piece.main.slice(at, {n}), p.fp8_format, amax.slice(piece.amax_slot + k, {1}),
                                piece.codes.slice(at, {n}), p.fp8_scale_inv.slice(k, {1}));
             });
         }

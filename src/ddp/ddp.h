@@ -255,8 +255,10 @@ private:
     struct Fp8Piece {
         int        param = 0, bucket = 0;
         ShardRange range;
-        Tensor     main, codes;   // the piece's f32 main values and its codes in the u8 buffer
+        Tensor     main, codes;     // the piece's f32 main values and its codes in the u8 buffer
+        int64_t    amax_slot = 0;   // its parameter's first block's slot in fp8_amax_
     };
+    Tensor                              fp8_no_values_, fp8_no_codes_;   // empty: fp8_encode of a scale alone
     std::vector<Tensor>                 main_buffers_;
     std::vector<std::vector<int64_t>>   main_start_;
     std::vector<std::vector<Fp8Piece>>  fp8_pieces_;
