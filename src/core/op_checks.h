@@ -695,6 +695,21 @@ inline void fp8_decode(const Tensor & codes, const Tensor & q) {
                "codes u8, q bf16 of their numel");
 }
 
+inline void fp8_quantize_scaled(const Tensor & x, const Tensor & scale, const Tensor & q, const Tensor & scale_inv) {
+    fp8_quantize(x, q, scale_inv);
+    LOOM_CHECK(scale.defined() && scale.dtype() == DType::f32 && scale.numel() == 1,
+               "fp8_quantize_scaled: scale " << (scale.defined() ? scale.describe() : std::string("missing")), "one f32 scale");
+}
+
+// history (len, n) f32, scale (n) f32.
+inline void fp8_delayed_update(const Tensor & history, const Tensor & scale) {
+    LOOM_CHECK(history.defined() && history.dtype() == DType::f32 && history.dim() == 2 && history.size(0) >= 1 &&
+                   scale.defined() && scale.dtype() == DType::f32 && scale.numel() == history.size(1),
+               "fp8_delayed_update: history " << (history.defined() ? history.describe() : std::string("missing")) << ", scale "
+                                              << (scale.defined() ? scale.describe() : std::string("missing")),
+               "history (len, n) f32 and scale (n) f32");
+}
+
 inline void fp8_quantize_blocks(const Tensor & x, int64_t block_rows, int64_t block_cols, const Tensor & q) {
     LOOM_CHECK(x.defined() && (x.dtype() == DType::f32 || x.dtype() == DType::bf16) && x.dim() == 2 && q.defined() &&
                    q.dtype() == DType::bf16 && q.shape() == x.shape() && block_rows >= 1 && block_cols >= 1,

@@ -362,6 +362,16 @@ public:
                             const Tensor & scale_inv) = 0;
     // q (bf16) = the values of FP8 codes (each exact in bf16): a GEMM operand as fp8_quantize's q.
     virtual void fp8_decode(Stream & s, const Tensor & codes, Fp8Format format, const Tensor & q) = 0;
+    // --fp8-recipe delayed: q = the FP8 values of x * s with the s given (scale[0], f32: an earlier amax's,
+    // model/fp8_delayed.h; values past the format's largest saturate), scale_inv[0] = 1 / s.
+    virtual void fp8_quantize_scaled(Stream & s, const Tensor & x, Fp8Format format, const Tensor & scale, const Tensor & q,
+                                     const Tensor & scale_inv) = 0;
+    // Delayed scaling's update of n operands (Transformer Engine's amax history and scale update): history (len, n)
+    // f32 row 0 holds each operand's amax since the last update. For each operand: amax = the largest of its
+    // column (max_algo) or row 0 (most_recent); scale[j] = fp8_delayed_scale(amax, scale[j], format, margin);
+    // then the column rolled one row up (row 0 to row len - 1) and row 0 cleared.
+    virtual void fp8_delayed_update(Stream & s, const Tensor & history, const Tensor & scale, Fp8Format format,
+                                    int margin, bool max_algo) = 0;
     // --fp8-recipe blockwise: x (rows, cols; f32 or bf16) in blocks of block_rows x block_cols (the last ones
     // partial), each cast by its own power-of-two scale s = fp8_scale_from_amax(block amax, format, pow2) and
     // scaled back: q (bf16, x's shape) = fp8_round(x s) / s, exact in bf16. A GEMM of such operands with f32

@@ -154,6 +154,12 @@ struct GptConfig {
     // --fp8-recipe blockwise: the casts in blocks (1 x 128 activations and gradients, 128 x 128 weights) with
     // power-of-two scales (model::Fp8Cast) instead of one current scale per tensor.
     bool                 fp8_blockwise             = false;
+    // --fp8-recipe delayed (model/fp8_delayed.h): each operand's scale from its amax history of fp8_amax_history_len
+    // casts, its largest (fp8_amax_max) or most recent, over 2^fp8_margin.
+    bool                 fp8_delayed               = false;
+    int64_t              fp8_amax_history_len      = 1;
+    bool                 fp8_amax_max              = false;
+    int                  fp8_margin                = 0;
     // Whether layer `index` (of the decoder; an MTP depth's index past them counts as the last) runs FP8.
     // Sliding-window attention (--window-size L,0): the layers it applies to see keys p - L .. p, the rest
     // every earlier key. Which layers (Megatron's is_layer_window_attention, by 1-based layer number n): every

@@ -417,6 +417,17 @@ void GptModel::set_moe_aux_loss_scale(float scale) {
 
 std::vector<std::pair<std::string, Tensor>> GptModel::buffers() const {
     std::vector<std::pair<std::string, Tensor>> out;
+    for (const TransformerLayer * layer : all_layers()) {   // delayed FP8's state, as Transformer Engine's extra state
+        if (!layer->fp8_delayed.forward) continue;
+        const std::string & norm = layer->norm1.weight.name;   // "<layer>.norm1.weight"
+        const std::string   at   = norm.substr(0, norm.rfind(".norm1.weight"));
+        for (const auto & [which, meta] : {std::pair{"forward", layer->fp8_delayed.forward.get()},
+                                           std::pair{"backward", layer->fp8_delayed.backward.get()}}) {
+            if (!meta->allocated()) continue;
+            out.emplace_back(at + ".fp8_" + which + "_amax_history", meta->history());
+            out.emplace_back(at + ".fp8_" + which + "_scale", meta->scale());
+        }
+    }
     for (const TransformerLayer * layer : all_layers()) {
         if (!layer->moe || !layer->moe->router.expert_bias.defined()) continue;
         const std::string & weight = layer->moe->router.weight.name;   // "<layer>.mlp.router.weight"

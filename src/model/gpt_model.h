@@ -195,8 +195,9 @@ public:
     void    update_moe_expert_bias();
     // (MoE layers of this chunk, E) f32: the routers' expert biases (undefined without the flag).
     Tensor  moe_expert_bias() const { return moe_expert_bias_; }
-    // The state a checkpoint holds beside the parameters, by name: each MoE router's expert bias (E) f32,
-    // "layers.<i>.mlp.router.expert_bias" (Megatron's buffer), replicated over TP x DP x CP.
+    // The state a checkpoint holds beside the parameters, by name, each replicated over TP x DP x CP: each MoE
+    // router's expert bias (E) f32, "layers.<i>.mlp.router.expert_bias" (Megatron's buffer); with delayed FP8,
+    // each layer's "<layer>.fp8_{forward,backward}_{amax_history,scale}" (model/fp8_delayed.h).
     std::vector<std::pair<std::string, Tensor>> buffers() const;
     // The router's four logged losses (router.h's RouterLoss order) summed over this chunk's MoE layers and
     // over the training forwards since the last call, which clears them; wait for the compute stream first.

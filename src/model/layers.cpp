@@ -118,8 +118,31 @@ void Linear::set_fp8(const Fp8 & formats) {
     }
 }
 
+void Linear::set_fp8_delayed(Fp8DelayedMetas & metas, int64_t forward_slot, int64_t backward_slot) {
+    fp8_forward_meta  = metas.forward.get();
+    fp8_backward_meta = metas.backward.get();
+    fp8_x_slot        = forward_slot >= 0 ? forward_slot : fp8_forward_meta->add(2);
+    fp8_dy_slot       = backward_slot >= 0 ? backward_slot : fp8_backward_meta->add();
+}
+
+namespace {
+
+// An FP8 operand cast: by its own current scale, or (delayed) by the scale given, its amax folded where asked.
+void fp8_cast(const Tensor & x, Fp8Format format, const Tensor & q, const Tensor & scale_inv, const Fp8Delayed::Operand * d) {
+    Ops &    ops    = x.device().ops();
+    Stream & stream = x.device().compute_stream();
+    if (!d) {
+        ops.fp8_quantize(stream, x, format, q, scale_inv);
+        return;
+    }
+    if (d->amax.defined()) ops.fp8_amax(stream, x, d->amax);
+    ops.fp8_quantize_scaled(stream, x, format, d->scale, q, scale_inv);
+}
+
+}  // namespace
+
 void fp8_product(const Tensor & a, Fp8Format fa, bool trans_a, const Tensor & b, Fp8Format fb, bool trans_b, const Tensor & c,
-                 const Tensor & b_scale_inv, Fp8Cast cast) {
+                 const Tensor & b_scale_inv, Fp8Cast cast, const Fp8Delayed::Operand * da, const Fp8Delayed::Operand * db) {
     Device &            device = a.device();
     Ops &               ops    = device.ops();
     Stream &            stream = device.compute_stream();
@@ -138,17 +161,31 @@ void fp8_product(const Tensor & a, Fp8Format fa, bool trans_a, const Tensor & b,
     }
     const Tensor qa = Tensor::empty(a.shape(), DType::bf16, device, pool), sa = Tensor::empty({1}, DType::f32, device, pool);
     const Tensor qb = Tensor::empty(b.shape(), DType::bf16, device, pool);
-    ops.fp8_quantize(stream, a, fa, qa, sa);
+    fp8_cast(a, fa, qa, sa, da);
     Tensor sb = b_scale_inv;
-    if (b.dtype() == DType::u8) {
+    if (b.dtype() == DType::u8) {   // codes keep their own (current) scale, with delayed scaling too
         LOOM_CHECK(sb.defined() && sb.numel() == 1, "FP8 codes without their scale", "");
         ops.fp8_decode(stream, b, fb, qb);
     } else {
         sb = Tensor::empty({1}, DType::f32, device, pool);
-        ops.fp8_quantize(stream, b, fb, qb, sb);
+        fp8_cast(b, fb, qb, sb, db);
     }
     ops.gemm(stream, qa, trans_a, qb, trans_b, c);
     ops.scale_by_product(stream, c, sa, sb);
+}
+
+void Linear::fp8_forward_product(Context & ctx, const Tensor & x_in, const Tensor & y32) const {
+    if (!fp8_forward_meta) {
+        fp8_product(x_in, fp8->forward, false, weight.data, fp8->forward, true, y32, weight.fp8_scale_inv,
+                    Fp8Cast{fp8->blockwise, true});
+        return;
+    }
+    // Delayed: the slots' scales now, kept for backward; both amaxes recorded.
+    ctx.fp8_scales                 = fp8_forward_meta->snapshot(fp8_x_slot, 2);
+    const Fp8Delayed::Operand d_x  = fp8_forward_meta->operand(fp8_x_slot);
+    const Fp8Delayed::Operand d_w  = fp8_forward_meta->operand(fp8_x_slot + 1);
+    fp8_product(x_in, fp8->forward, false, weight.data, fp8->forward, true, y32, weight.fp8_scale_inv,
+                Fp8Cast{fp8->blockwise, true}, &d_x, &d_w);
 }
 
 Tensor Linear::forward(Context & ctx, const Tensor & x_rows, bool add_bias, std::optional<DType> out) {
@@ -163,8 +200,7 @@ Tensor Linear::forward(Context & ctx, const Tensor & x_rows, bool add_bias, std:
     const bool fused_bias = has_bias && add_bias && !reduced;
     if (fp8) {   // f32 product, the bias added to it, then rounded once into y
         const Tensor y32 = activation(x_in.device(), n, o, DType::f32);
-        fp8_product(x_in, fp8->forward, false, weight.data, fp8->forward, true, y32, weight.fp8_scale_inv,
-                    Fp8Cast{fp8->blockwise, true});
+        fp8_forward_product(ctx, x_in, y32);
         if (fused_bias) ops.bias_add(stream, y32, parameter_f32(bias));
         ops.convert(stream, y32, y);
     } else if (fused_bias) {
@@ -191,10 +227,13 @@ Tensor Linear::recompute(const Context & ctx, DType out) const {
     LOOM_CHECK(!has_bias && !(split == Split::row && tp->size > 1) && ctx.x.defined(),
                "recomputing " << weight.name << "'s output", "only a kept input, without a bias or a TP sum, gives it again");
     Tensor y = activation(ctx.x.device(), ctx.x.size(0), weight.data.size(0), out);
-    if (fp8) {
+    if (fp8) {   // delayed: with the scales the forward used, recording nothing
         const Tensor y32 = activation(ctx.x.device(), ctx.x.size(0), weight.data.size(0), DType::f32);
+        const Fp8Delayed::Operand dx{ctx.fp8_scales.defined() ? ctx.fp8_scales.slice(0, {1}) : Tensor(), Tensor()};
+        const Fp8Delayed::Operand dw{ctx.fp8_scales.defined() ? ctx.fp8_scales.slice(1, {1}) : Tensor(), Tensor()};
+        const bool                delayed = ctx.fp8_scales.defined();
         fp8_product(ctx.x, fp8->forward, false, weight.data, fp8->forward, true, y32, weight.fp8_scale_inv,
-                    Fp8Cast{fp8->blockwise, true});
+                    Fp8Cast{fp8->blockwise, true}, delayed ? &dx : nullptr, delayed ? &dw : nullptr);
         ctx.x.device().ops().convert(ctx.x.device().compute_stream(), y32, y);
         return y;
     }
@@ -211,8 +250,7 @@ Tensor Linear::forward_gelu(Context & ctx, const Tensor & x_rows, DType out, Ten
     Tensor y = activation(x_in.device(), n, o, out);
     if (fp8) {   // gemm_bias_gelu's contract with the FP8 product: pre, then bias and GELU
         const Tensor y32 = activation(x_in.device(), n, o, DType::f32);
-        fp8_product(x_in, fp8->forward, false, weight.data, fp8->forward, true, y32, weight.fp8_scale_inv,
-                    Fp8Cast{fp8->blockwise, true});
+        fp8_forward_product(ctx, x_in, y32);
         Ops & ops = x_in.device().ops();
         ops.convert(x_in.device().compute_stream(), y32, pre);
         ops.bias_gelu_forward(x_in.device().compute_stream(), pre, has_bias ? parameter_f32(bias) : Tensor(), y, Tensor());
@@ -244,10 +282,16 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
     Tensor  dx    = activation(dy.device(), n, in, dy.dtype());
     // GELU's gradient rides in the product's epilogue unless a sum over the TP group comes between them.
     const bool summed = split == Split::column && tp->size > 1;
+    // Delayed scaling: dy cast by its slot's scale (its amax recorded once, here), x and W by their forward's.
+    const bool                delayed = fp8 && fp8_backward_meta != nullptr;
+    const Fp8Delayed::Operand d_dy    = delayed ? fp8_backward_meta->operand(fp8_dy_slot) : Fp8Delayed::Operand{};
+    const Fp8Delayed::Operand d_dy_again{d_dy.scale, Tensor()};
+    const Fp8Delayed::Operand d_x{delayed ? ctx.fp8_scales.slice(0, {1}) : Tensor(), Tensor()};
+    const Fp8Delayed::Operand d_w{delayed ? ctx.fp8_scales.slice(1, {1}) : Tensor(), Tensor()};
     if (fp8) {   // dx = fp8(dy) fp8(W), then gemm_gelu_backward's contract
         const Tensor dx32 = activation(dy.device(), n, in, DType::f32);
         fp8_product(dy_in, fp8->backward, false, weight.data, fp8->forward, false, dx32, weight.fp8_scale_inv,
-                    Fp8Cast{fp8->blockwise, true});
+                    Fp8Cast{fp8->blockwise, true}, delayed ? &d_dy : nullptr, delayed ? &d_w : nullptr);
         ops.convert(stream, dx32, dx);
         if (gelu_input.defined() && !summed) ops.gelu_backward(stream, gelu_input, dx, dx);
     } else if (gelu_input.defined() && !summed) {
@@ -257,7 +301,8 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
     }
     if (fp8) {   // dW += fp8(dy)^T fp8(x) / (s_dy s_x)
         const Tensor dw32 = activation(dy.device(), weight.data.size(0), in, DType::f32);
-        fp8_product(dy_in, fp8->backward, true, ctx.x, fp8->forward, false, dw32, Tensor(), Fp8Cast{fp8->blockwise, false});
+        fp8_product(dy_in, fp8->backward, true, ctx.x, fp8->forward, false, dw32, Tensor(), Fp8Cast{fp8->blockwise, false},
+                    delayed ? &d_dy_again : nullptr, delayed ? &d_x : nullptr);
         accumulate_grads(stream, {weight.main_grad}, [&](std::span<const Tensor> g) { ops.add_inplace(stream, g[0], dw32.view(g[0].shape())); });
     } else if (bias_in_gemm) {
         accumulate_grads(stream, {weight.main_grad, bias.main_grad.view({bias.main_grad.numel()})},
@@ -275,7 +320,8 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
         }
     }
     if (gelu_input.defined() && summed) ops.gelu_backward(stream, gelu_input, dx, dx);
-    ctx.x = Tensor();
+    ctx.x          = Tensor();
+    ctx.fp8_scales = Tensor();
     if (ready) {
         ready(weight);
         if (has_bias) ready(bias);

@@ -23,6 +23,7 @@
 #include "comm/communicator.h"
 #include "core/dropout.h"
 #include "core/ops.h"
+#include "model/fp8_delayed.h"
 #include "model/gpt_config.h"
 #include "model/parameter.h"
 
@@ -145,7 +146,10 @@ public:
     // column-parallel bias's tp_slice; a row-parallel bias is replicated.
     Linear(const std::string & name, int64_t in, int64_t out, bool bias, DType dtype, Device & device,
            Split split = Split::none, const TensorParallel * tp = nullptr);
-    struct Context { Tensor x; };   // the input, in the weight's dtype
+    struct Context {
+        Tensor x;            // the input, in the weight's dtype
+        Tensor fp8_scales;   // --fp8-recipe delayed: the scales forward cast x and W with (2 f32), for backward
+    };
 
     // add_bias = false leaves the bias to the caller, to fuse it into the next elementwise kernel
     // (Megatron's skip_bias_add); backward still produces its gradient. The output is in `out` (the
@@ -187,6 +191,14 @@ public:
     };
     std::optional<Fp8>       fp8;
     void                     set_fp8(const Fp8 & formats);
+    // --fp8-recipe delayed (model/fp8_delayed.h): x and W take two slots of the forward's set, dy one of the
+    // backward's. Given slots (expert layers keep theirs by global expert), or new ones.
+    void                     set_fp8_delayed(Fp8DelayedMetas & metas, int64_t forward_slot = -1, int64_t backward_slot = -1);
+    // The forward's FP8 product y32 = fp8(x) fp8(W)^T: current scales, or (delayed) the slots', kept in ctx.
+    void                     fp8_forward_product(Context & ctx, const Tensor & x_in, const Tensor & y32) const;
+    Fp8Delayed *             fp8_forward_meta  = nullptr;
+    Fp8Delayed *             fp8_backward_meta = nullptr;
+    int64_t                  fp8_x_slot = -1, fp8_dy_slot = -1;   // W's is fp8_x_slot + 1
 
 };
 
@@ -203,8 +215,11 @@ struct Fp8Cast {
 // FP8 Linear and of each FP8 expert. A u8 b is a weight's FP8 codes (--fp8-param-gather) with 1 / s_b in
 // b_scale_inv: decoded (Ops::fp8_decode), not cast. Blockwise, each operand is cast and scaled back block by
 // block (Ops::fp8_quantize_blocks) before the product.
+// With delayed scaling, da and db give an operand's scale and where its amax goes (Ops::fp8_quantize_scaled,
+// Ops::fp8_amax) instead of its own current scale.
 void fp8_product(const Tensor & a, Fp8Format fa, bool trans_a, const Tensor & b, Fp8Format fb, bool trans_b, const Tensor & c,
-                 const Tensor & b_scale_inv = Tensor(), Fp8Cast cast = {});
+                 const Tensor & b_scale_inv = Tensor(), Fp8Cast cast = {}, const Fp8Delayed::Operand * da = nullptr,
+                 const Fp8Delayed::Operand * db = nullptr);
 
 class Norm {
 public:

@@ -56,6 +56,15 @@ TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & 
         }
         for (Linear * l : linears) l->set_fp8(fp8);
         if (moe) moe->set_fp8(fp8);
+        if (c.fp8_delayed) {
+            fp8_delayed.forward  = std::make_unique<Fp8Delayed>(c.fp8_forward, c.fp8_amax_history_len, c.fp8_amax_max, c.fp8_margin);
+            fp8_delayed.backward = std::make_unique<Fp8Delayed>(c.fp8_backward, c.fp8_amax_history_len, c.fp8_amax_max, c.fp8_margin);
+            for (Linear * l : linears) l->set_fp8_delayed(fp8_delayed);
+            if (moe) moe->set_fp8_delayed(fp8_delayed);
+            fp8_delayed.forward->allocate(device);
+            fp8_delayed.backward->allocate(device);
+            fp8_group = ep.tp_dp_cp;
+        }
     }
 }
 
@@ -152,6 +161,17 @@ int64_t TransformerLayer::reload_activations(Context & ctx) const {
 }
 
 Tensor TransformerLayer::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const DropoutBatch & batch) {
+    // Delayed FP8: the scales move once the layer's training forward has cast everything (an evaluation's
+    // forward casts by them, recording nothing, and leaves them be).
+    if (!fp8_delayed.forward) return forward_layer(ctx, x, s, b, batch);
+    fp8_delayed.forward->set_recording(batch.training);
+    Tensor y = forward_layer(ctx, x, s, b, batch);
+    fp8_delayed.forward->set_recording(true);
+    if (batch.training) fp8_delayed.forward->update(fp8_group.get());
+    return y;
+}
+
+Tensor TransformerLayer::forward_layer(Context & ctx, const Tensor & x, int64_t s, int64_t b, const DropoutBatch & batch) {
     if (moe) {
         Tensor y = forward_tail(ctx, forward_head(ctx, x, s, b, batch, true), s, b, batch);
         offload_activations(ctx);
@@ -232,6 +252,12 @@ Tensor TransformerLayer::forward_tail(Context & ctx, const std::vector<Tensor> &
 }
 
 Tensor TransformerLayer::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
+    Tensor dx = backward_layer(ctx, dy, ready);
+    if (fp8_delayed.backward) fp8_delayed.backward->update(fp8_group.get());   // after every cast of the layer's dy
+    return dx;
+}
+
+Tensor TransformerLayer::backward_layer(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
     reload_activations(ctx);
     if (moe) return backward_head(ctx, backward_tail(ctx, dy, ready), ready);
     if (config.recompute_layernorm) {   // norm2's output again, from its saved input (x + attn), as the MLP kept it

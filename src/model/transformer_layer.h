@@ -83,8 +83,15 @@ public:
     // MoE layers: the router's logged losses (router.h's four entries) summed over this layer's training
     // forwards since the trainer last read and cleared them (Megatron's MoE metrics tracker).
     Tensor            moe_losses;
+    // --fp8-recipe delayed: this layer's GEMM operands' amax histories and scales (model/fp8_delayed.h), updated
+    // after each training forward and backward of the layer, reduced over fp8_group (the stage's TP x DP x CP).
+    Fp8DelayedMetas                     fp8_delayed;
+    std::shared_ptr<comm::Communicator> fp8_group;
 
 private:
+    // forward and backward without delayed FP8's updates.
+    Tensor forward_layer(Context & ctx, const Tensor & x, int64_t s, int64_t b, const DropoutBatch & batch);
+    Tensor backward_layer(Context & ctx, const Tensor & dy, const GradReadyFn & ready);
     // norm1, attention and its dropout: h1 (before the residual); sets ctx's hidden-dropout keys.
     Tensor attention_block(Context & ctx, const Tensor & x, int64_t s, int64_t b, const DropoutBatch & batch);
     // attention's and norm1's backward from d h1, which norm1's pass also adds to dx (the residual path): dx.

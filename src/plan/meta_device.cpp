@@ -279,6 +279,12 @@ public:
         memory(s, "scale_by_reciprocal", bytes_of({&t, &t}));
     }
     void fp8_amax(Stream & s, const Tensor & x, const Tensor &) override { memory(s, "fp8_amax", bytes_of({&x})); }
+    void fp8_quantize_scaled(Stream & s, const Tensor & x, Fp8Format, const Tensor &, const Tensor & q, const Tensor &) override {
+        memory(s, "fp8_quantize_scaled", bytes_of({&x, &q}));
+    }
+    void fp8_delayed_update(Stream & s, const Tensor & history, const Tensor & scale, Fp8Format, int, bool) override {
+        memory(s, "fp8_delayed_update", bytes_of({&history, &history, &scale}));
+    }
     void fp8_encode(Stream & s, const Tensor & x, Fp8Format, const Tensor &, const Tensor & codes, const Tensor &) override {
         memory(s, "fp8_encode", bytes_of({&x, &codes}));
     }

@@ -150,14 +150,15 @@ const Flag<ModelFlags> kModelFlags[] = {
           return o.model.fp8 ? json(o.model.fp8_backward == Fp8Format::e5m2 ? "hybrid" : "e4m3") : json(nullptr);
       }}},
     {"--fp8-recipe", "transformer configuration", &M::fp8_recipe,
-     "the FP8 scaling: tensorwise (each GEMM operand's current amax) or blockwise (power-of-two scales per 1 x 128 "
-     "block of activations and gradients, 128 x 128 of weights), which Loom trains with; delayed, mxfp8", kShowDefault},
-    {"--fp8-margin", "transformer configuration", &M::fp8_margin, "delayed scaling's margin (no effect with tensorwise)",
+     "the FP8 scaling: delayed (each GEMM operand's scale from its earlier casts' amax history), tensorwise (its "
+     "current amax) or blockwise (power-of-two scales per 1 x 128 block of activations and gradients, 128 x 128 of "
+     "weights), which Loom trains with; mxfp8 (docs/fp8.md)", kShowDefault},
+    {"--fp8-margin", "transformer configuration", &M::fp8_margin, "delayed scaling's margin: its scales over 2^margin",
      kShowDefault},
     {"--fp8-amax-history-len", "transformer configuration", &M::fp8_amax_history_len,
-     "delayed scaling's amax history (no effect with tensorwise)", kShowDefault},
+     "delayed scaling's amax history: the casts each scale is formed from", kShowDefault},
     {"--fp8-amax-compute-algo", "transformer configuration", &M::fp8_amax_compute_algo,
-     "delayed scaling's amax from its history: most_recent or max (no effect with tensorwise)", kShowDefault},
+     "delayed scaling's amax from its history: most_recent or max", kShowDefault},
     {"--fp8-param-gather", "mixed precision", &M::fp8_param_gather,
      "the FP8 GEMMs' weights kept and gathered as FP8 codes, encoded from the distributed optimizer's f32 shards "
      "(docs/fp8.md)"},
@@ -250,9 +251,12 @@ void resolve_fp8(const ModelFlags & f, TrainOptions & o) {
                "argument --fp8-amax-compute-algo: invalid choice: '" << f.fp8_amax_compute_algo
                                                                      << "' (choose from 'most_recent', 'max')", "");
     LOOM_CHECK(!(f.first_last_layers_bf16 && r == "delayed"), "Delayed scaling does not support first / last layer in BF16.", "");
-    LOOM_CHECK(r == "tensorwise" || r == "blockwise", "--fp8-recipe " << r << " is not supported by Loom",
-               "Loom trains FP8 with --fp8-recipe tensorwise (each GEMM operand scaled by its own amax) or blockwise "
-               "(scaled by blocks)");
+    LOOM_CHECK(r == "tensorwise" || r == "blockwise" || r == "delayed", "--fp8-recipe " << r << " is not supported by Loom",
+               "Loom trains FP8 with --fp8-recipe delayed (amax histories), tensorwise (each GEMM operand scaled by its "
+               "own amax) or blockwise (scaled by blocks)");
+    LOOM_CHECK(f.fp8_amax_history_len >= 1, "--fp8-amax-history-len must be at least 1, got " << f.fp8_amax_history_len, "");
+    LOOM_CHECK(f.fp8_margin >= 0 && f.fp8_margin <= 126, "--fp8-margin must be between 0 and 126, got " << f.fp8_margin,
+               "the scale is divided by 2^margin");
     LOOM_CHECK(!(f.fp8_param_gather && r == "blockwise"), "--fp8-param-gather with --fp8-recipe blockwise is not supported by Loom",
                "Loom keeps FP8 codes with one scale per weight (tensorwise): drop one of them");
     LOOM_CHECK(!o.fp16, "--fp8-format with --fp16 is not supported by Loom",
@@ -260,6 +264,10 @@ void resolve_fp8(const ModelFlags & f, TrainOptions & o) {
     m.fp8          = true;
     m.fp8_param_gather = f.fp8_param_gather;   // its optimizer's conditions: check_fp8_param_gather
     m.fp8_blockwise    = r == "blockwise";
+    m.fp8_delayed      = r == "delayed";
+    m.fp8_amax_history_len = f.fp8_amax_history_len;
+    m.fp8_amax_max         = f.fp8_amax_compute_algo == "max";
+    m.fp8_margin           = static_cast<int>(f.fp8_margin);
     m.fp8_forward  = Fp8Format::e4m3;
     m.fp8_backward = f.fp8_format == "hybrid" ? Fp8Format::e5m2 : Fp8Format::e4m3;
     if (f.first_last_layers_bf16) {

@@ -107,12 +107,26 @@ void check_fp8_param_gather(const TrainOptions & o) {
     LOOM_CHECK(o.ddp.use_distributed_optimizer,
                "--fp8-param-gather only supported with distributed optimizer, torch fsdp2, megatron fsdp, or inference mode",
                "add --use-distributed-optimizer, or --use-megatron-fsdp with a sharding strategy other than no_shard");
-    LOOM_CHECK(!o.optimizer_cpu_offload,
+    LOOM_CHECK(!o.optimizer_cpu_offload || o.model.fp8_delayed,
                "When `--fp8-param-gather` is enabled, the optimizer cpu offload must be used in conjunction with "
-               "`--fp8-recipe delayed`.",
-               "Loom trains FP8 with --fp8-recipe tensorwise: drop --optimizer-cpu-offload or --fp8-param-gather");
+               "`--fp8-recipe delayed`.", "");
+    LOOM_CHECK(!o.optimizer_cpu_offload, "--fp8-param-gather with --optimizer-cpu-offload is not supported by Loom",
+               "Loom's hybrid optimizer steps 16-bit or f32 weights: drop one of them");
     LOOM_CHECK(!o.muon, "--optimizer muon with --fp8-param-gather is not supported by Loom",
                "Muon orthogonalizes 16-bit or f32 weights in Loom: drop --fp8-param-gather");
+}
+
+// --fp8-recipe delayed: a layer's amax histories move after its training forward and backward, once each per
+// micro-batch; what would cast a layer's operands a second time in a pass is refused (Loom's limits).
+void check_fp8_delayed(const TrainOptions & o) {
+    if (!o.model.fp8_delayed) return;
+    const char * hint = "give --fp8-recipe tensorwise, or drop the other flag";
+    LOOM_CHECK(!o.layer_graphs, "--fp8-recipe delayed with layer graphs (--cuda-graph-impl) is not supported by Loom", hint);
+    LOOM_CHECK(o.model.recompute_granularity != model::RecomputeGranularity::full,
+               "--fp8-recipe delayed with --recompute-granularity full is not supported by Loom", hint);
+    LOOM_CHECK(!o.model.recompute_mlp && !o.model.recompute_shared_experts,
+               "--fp8-recipe delayed with --recompute-modules " << (o.model.recompute_mlp ? "mlp" : "shared_experts")
+                                                                << " is not supported by Loom", hint);
 }
 
 }  // namespace
@@ -151,6 +165,7 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     resolve_ddp(values_.parallel, given, o);
     resolve_optimizer(values_.optim, o);
     check_fp8_param_gather(o);
+    check_fp8_delayed(o);
     resolve_schedule(given, o);
     validate_hyperparameters(o);
     validate_logging(given, o);

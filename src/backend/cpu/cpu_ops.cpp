@@ -498,6 +498,42 @@ public:
         });
     }
 
+    void fp8_quantize_scaled(Stream & s, const Tensor & x, Fp8Format format, const Tensor & scale, const Tensor & q,
+                             const Tensor & scale_inv) override {
+        op_checks::fp8_quantize_scaled(x, scale, q, scale_inv);
+        s.submit([x, format, scale, q, scale_inv] {
+            const int64_t      n = x.numel();
+            std::vector<float> wide(static_cast<size_t>(n));
+            loom::convert(x.data_ptr(), x.dtype(), wide.data(), DType::f32, n);
+            const float s_ = f32(scale)[0];
+            uint16_t *  out = static_cast<uint16_t *>(q.data_ptr());
+            for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16_bits(fp8_round(wide[i] * s_, format));
+            f32(scale_inv)[0] = 1.0f / s_;
+        });
+    }
+
+    void fp8_delayed_update(Stream & s, const Tensor & history, const Tensor & scale, Fp8Format format, int margin,
+                            bool max_algo) override {
+        op_checks::fp8_delayed_update(history, scale);
+        s.submit([history, scale, format, margin, max_algo] {
+            const int64_t len = history.size(0), n = history.size(1);
+            float *       h   = f32(history);
+            for (int64_t j = 0; j < n; ++j) {
+                float amax = h[j];
+                if (max_algo) {
+                    for (int64_t r = 1; r < len; ++r) {   // a NaN never replaces (nor is replaced): as the CUDA kernel
+                        if (h[r * n + j] > amax) amax = h[r * n + j];
+                    }
+                }
+                f32(scale)[j]   = fp8_delayed_scale(amax, f32(scale)[j], format, margin);
+                const float now = h[j];
+                for (int64_t r = 0; r + 1 < len; ++r) h[r * n + j] = h[(r + 1) * n + j];
+                h[(len - 1) * n + j] = now;
+                h[j]                 = 0.0f;
+            }
+        });
+    }
+
     void fp8_quantize_blocks(Stream & s, const Tensor & x, Fp8Format format, int64_t block_rows, int64_t block_cols,
                              const Tensor & q) override {
         op_checks::fp8_quantize_blocks(x, block_rows, block_cols, q);

@@ -775,6 +775,24 @@ public:
         cs.launched("fp8_quantize_blocks", {x, q, scale});
     }
 
+    void fp8_quantize_scaled(Stream & s, const Tensor & x, Fp8Format format, const Tensor & scale, const Tensor & q,
+                             const Tensor & scale_inv) override {
+        op_checks::fp8_quantize_scaled(x, scale, q, scale_inv);
+        CudaStream & cs = start(s, "fp8_quantize_scaled", {x, scale, q, scale_inv});
+        kernels::fp8_quantize_scaled(cs.launch("fp8_quantize_scaled"), x.data_ptr(), float_kind(x.dtype()), x.numel(), format,
+                                     f32(scale), static_cast<uint16_t *>(q.data_ptr()), f32(scale_inv));
+        cs.launched("fp8_quantize_scaled", {x, scale, q, scale_inv});
+    }
+
+    void fp8_delayed_update(Stream & s, const Tensor & history, const Tensor & scale, Fp8Format format, int margin,
+                            bool max_algo) override {
+        op_checks::fp8_delayed_update(history, scale);
+        CudaStream & cs = start(s, "fp8_delayed_update", {history, scale});
+        kernels::fp8_delayed_update(cs.launch("fp8_delayed_update"), f32(history), f32(scale), history.size(0),
+                                    history.size(1), format, margin, max_algo);
+        cs.launched("fp8_delayed_update", {history, scale});
+    }
+
     void fp8_amax(Stream & s, const Tensor & x, const Tensor & amax) override {
         op_checks::fp8_amax(x, amax);
         CudaStream & cs = start(s, "fp8_amax", {x, amax});

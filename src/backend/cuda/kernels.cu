@@ -221,6 +221,28 @@ __global__ void fp8_encode_kernel(const float * x, int64_t n, Fp8Format format, 
     LOOM_GRID_STRIDE(i, n) codes[i] = fp8_from_f32(__fmul_rn(x[i], s), format);
 }
 
+__global__ void fp8_scale_inv_kernel(const float * scale, float * scale_inv) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) scale_inv[0] = __fdiv_rn(1.0f, scale[0]);
+}
+
+// One thread per operand (column of the history), as the CPU's loop.
+__global__ void fp8_delayed_update_kernel(float * h, float * scale, int64_t len, int64_t n, Fp8Format format, int margin,
+                                          bool max_algo) {
+    LOOM_GRID_STRIDE(j, n) {
+        float amax = h[j];
+        if (max_algo) {
+            for (int64_t r = 1; r < len; ++r) {
+                if (h[r * n + j] > amax) amax = h[r * n + j];
+            }
+        }
+        scale[j]        = fp8_delayed_scale(amax, scale[j], format, margin);
+        const float now = h[j];
+        for (int64_t r = 0; r + 1 < len; ++r) h[r * n + j] = h[(r + 1) * n + j];
+        h[(len - 1) * n + j] = now;
+        h[j]                 = 0.0f;
+    }
+}
+
 __global__ void fp8_decode_kernel(const uint8_t * codes, int64_t n, Fp8Format format, uint16_t * q) {
     LOOM_GRID_STRIDE(i, n) q[i] = f32_to_bf16_bits(f32_from_fp8(codes[i], format));
 }
@@ -868,6 +890,17 @@ void fp8_amax(cudaStream_t stream, const void * x, Float kind, int64_t n, double
 void fp8_encode(cudaStream_t stream, const float * x, int64_t n, Fp8Format format, const float * amax, uint8_t * codes,
                 float * scale_inv) {
     LOOM_LAUNCH(fp8_encode_kernel, std::max(blocks_for(n), 1), kThreads, 0, stream)(x, n, format, amax, codes, scale_inv);
+}
+
+void fp8_quantize_scaled(cudaStream_t stream, const void * x, Float kind, int64_t n, Fp8Format format, const float * scale,
+                         uint16_t * q, float * scale_inv) {
+    LOOM_LAUNCH(fp8_scale_inv_kernel, 1, 1, 0, stream)(scale, scale_inv);
+    if (n > 0) LOOM_LAUNCH(fp8_cast_kernel, blocks_for(n), kThreads, 0, stream)(x, kind, n, scale, format, q);
+}
+
+void fp8_delayed_update(cudaStream_t stream, float * history, float * scale, int64_t len, int64_t n, Fp8Format format,
+                        int margin, bool max_algo) {
+    if (n > 0) LOOM_LAUNCH(fp8_delayed_update_kernel, blocks_for(n), kThreads, 0, stream)(history, scale, len, n, format, margin, max_algo);
 }
 
 void fp8_decode(cudaStream_t stream, const uint8_t * codes, int64_t n, Fp8Format format, uint16_t * q) {

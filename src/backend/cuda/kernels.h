@@ -48,6 +48,11 @@ void    fp8_amax(cudaStream_t stream, const void * x, Float kind, int64_t n, dou
 void    fp8_encode(cudaStream_t stream, const float * x, int64_t n, Fp8Format format, const float * amax, uint8_t * codes,
                    float * scale_inv);
 void    fp8_decode(cudaStream_t stream, const uint8_t * codes, int64_t n, Fp8Format format, uint16_t * q);
+// Ops::fp8_quantize_scaled and Ops::fp8_delayed_update (history: len rows of n).
+void    fp8_quantize_scaled(cudaStream_t stream, const void * x, Float kind, int64_t n, Fp8Format format, const float * scale,
+                            uint16_t * q, float * scale_inv);
+void    fp8_delayed_update(cudaStream_t stream, float * history, float * scale, int64_t len, int64_t n, Fp8Format format,
+                           int margin, bool max_algo);
 // t *= 1 / d[0] (Ops::scale_by_reciprocal).
 void scale_by_reciprocal(cudaStream_t stream, float * t, const float * d, int64_t n);
 // t *= a[0] * b[0] (Ops::scale_by_product).

@@ -185,21 +185,47 @@ void Experts::set_fp8(const Linear::Fp8 & formats) {
     }
 }
 
+void Experts::set_fp8_delayed(Fp8DelayedMetas & metas) {
+    const int64_t total = expert_config.moe.num_experts;
+    fp8_forward_meta    = metas.forward.get();
+    fp8_backward_meta   = metas.backward.get();
+    fp8_forward_base    = fp8_forward_meta->add(4 * total);
+    fp8_backward_base   = fp8_backward_meta->add(2 * total);
+    for (size_t e = 0; e < local.size(); ++e) {
+        const int64_t g = first_expert + static_cast<int64_t>(e);
+        local[e]->fc1.set_fp8_delayed(metas, fp8_forward_base + 4 * g, fp8_backward_base + 2 * g);
+        local[e]->fc2.set_fp8_delayed(metas, fp8_forward_base + 4 * g + 2, fp8_backward_base + 2 * g + 1);
+    }
+}
+
+Fp8Delayed::Operand Experts::delayed_forward(int64_t e, int k) const {
+    return fp8_forward_meta->operand(fp8_forward_base + 4 * (first_expert + e) + k);
+}
+
+Fp8Delayed::Operand Experts::delayed_kept(const Context & ctx, int64_t e, int k) const {
+    return Fp8Delayed::Operand{ctx.fp8_scales.slice(4 * e + k, {1}), Tensor()};
+}
+
+Fp8Delayed::Operand Experts::delayed_backward(int64_t e, int k, bool record) const {
+    return fp8_backward_meta->operand(fp8_backward_base + 2 * (first_expert + e) + k, record);
+}
+
 Tensor Experts::scale_inv(const Parameter & w, int64_t e) {
     return w.fp8_codes() ? w.fp8_scale_inv.slice(e, {1}) : Tensor();
 }
 
 void Experts::gemm(const Tensor & a, Pass pass, bool trans_a, const Tensor & w, bool trans_w, const Tensor & c,
-                   const Tensor & w_scale_inv) const {
+                   const Tensor & w_scale_inv, const Fp8Delayed::Operand * da, const Fp8Delayed::Operand * dw) const {
     if (fp8) {
         fp8_product(a, pass == Pass::forward ? fp8->forward : fp8->backward, trans_a, w, fp8->forward, trans_w, c, w_scale_inv,
-                    Fp8Cast{fp8->blockwise, true});
+                    Fp8Cast{fp8->blockwise, true}, da, dw);
     } else {
         a.device().ops().gemm(a.device().compute_stream(), a, trans_a, w, trans_w, c);
     }
 }
 
-void Experts::weight_grad(const Tensor & dy, const Tensor & x, const Tensor & g) const {
+void Experts::weight_grad(const Tensor & dy, const Tensor & x, const Tensor & g, const Fp8Delayed::Operand * ddy,
+                          const Fp8Delayed::Operand * dx) const {
     Device & device = dy.device();
     Stream & stream = device.compute_stream();
     if (!fp8) {
@@ -207,7 +233,7 @@ void Experts::weight_grad(const Tensor & dy, const Tensor & x, const Tensor & g)
         return;
     }
     const Tensor g32 = activation(device, g.size(0), g.size(1), DType::f32);
-    fp8_product(dy, fp8->backward, true, x, fp8->forward, false, g32, Tensor(), Fp8Cast{fp8->blockwise, false});
+    fp8_product(dy, fp8->backward, true, x, fp8->forward, false, g32, Tensor(), Fp8Cast{fp8->blockwise, false}, ddy, dx);
     device.ops().add_inplace(stream, g, g32);
 }
 
@@ -226,12 +252,16 @@ Tensor Experts::grouped_forward(Context & ctx, const Tensor & xp) {
     ctx.x      = in_dtype(xp, dtype);
     Tensor pre = activation(device, R, f1);
     Tensor act = activation(device, R, f);
+    const bool delayed = fp8 && fp8_forward_meta != nullptr;
+    if (delayed) ctx.fp8_scales = fp8_forward_meta->snapshot(fp8_forward_base + 4 * first_expert, 4 * num_experts);
     int64_t offset = 0;
     for (int64_t e = 0; e < num_experts; ++e) {
         const int64_t c = ctx.counts[e];
         if (c == 0) continue;
+        const Fp8Delayed::Operand dx = delayed ? delayed_forward(e, 0) : Fp8Delayed::Operand{};
+        const Fp8Delayed::Operand dw = delayed ? delayed_forward(e, 1) : Fp8Delayed::Operand{};
         gemm(ctx.x.narrow(0, offset, c), Pass::forward, false, expert_slice(fc1_weight.data, e, {f1, h}), true,
-             pre.narrow(0, offset, c), scale_inv(fc1_weight, e));
+             pre.narrow(0, offset, c), scale_inv(fc1_weight, e), delayed ? &dx : nullptr, delayed ? &dw : nullptr);
         offset += c;
     }
     if (expert_config.swiglu || expert_config.squared_relu) {   // the bias, then the activation
@@ -273,8 +303,11 @@ Tensor Experts::grouped_forward(Context & ctx, const Tensor & xp) {
     for (int64_t e = 0; e < num_experts; ++e) {
         const int64_t c = ctx.counts[e];
         if (c == 0) continue;
-        Tensor ye = y.narrow(0, offset, c);
-        gemm(ctx.act.narrow(0, offset, c), Pass::forward, false, expert_slice(fc2_weight.data, e, {h, f}), true, ye, scale_inv(fc2_weight, e));
+        Tensor                    ye = y.narrow(0, offset, c);
+        const Fp8Delayed::Operand dx = delayed ? delayed_forward(e, 2) : Fp8Delayed::Operand{};
+        const Fp8Delayed::Operand dw = delayed ? delayed_forward(e, 3) : Fp8Delayed::Operand{};
+        gemm(ctx.act.narrow(0, offset, c), Pass::forward, false, expert_slice(fc2_weight.data, e, {h, f}), true, ye,
+             scale_inv(fc2_weight, e), delayed ? &dx : nullptr, delayed ? &dw : nullptr);
         if (has_bias) ops.bias_add(stream, ye, expert_slice(b2, e, {h}));
         offset += c;
     }
@@ -295,6 +328,17 @@ Tensor Experts::grouped_backward(Context & ctx, const Tensor & dyp, const GradRe
         recompute_activation(expert_config, in_dtype(ctx.pre_act, DType::f32), act);
         ctx.act = in_dtype(act, dtype);
     }
+    const bool delayed = fp8 && fp8_backward_meta != nullptr;
+    // Delayed FP8: dy by its slot (recorded in the dgrad, cast again for the wgrad), x and W by the forward's scales.
+    auto backward_gemms = [&](int64_t e, int fc, const Tensor & d, const Tensor & w, const Tensor & w_scale_inv,
+                              const Tensor & out, const Tensor & x, const Tensor & g) {
+        const Fp8Delayed::Operand d_dy    = delayed ? delayed_backward(e, fc, true) : Fp8Delayed::Operand{};
+        const Fp8Delayed::Operand d_again = delayed ? delayed_backward(e, fc, false) : Fp8Delayed::Operand{};
+        const Fp8Delayed::Operand d_x     = delayed ? delayed_kept(ctx, e, 2 * fc) : Fp8Delayed::Operand{};
+        const Fp8Delayed::Operand d_w     = delayed ? delayed_kept(ctx, e, 2 * fc + 1) : Fp8Delayed::Operand{};
+        gemm(d, Pass::backward, false, w, false, out, w_scale_inv, delayed ? &d_dy : nullptr, delayed ? &d_w : nullptr);
+        weight_grad(d, x, g, delayed ? &d_again : nullptr, delayed ? &d_x : nullptr);
+    };
     // fc2
     Tensor  dy_in = in_dtype(dyp, dtype);
     Tensor  d_act = activation(device, R, f);
@@ -304,9 +348,8 @@ Tensor Experts::grouped_backward(Context & ctx, const Tensor & dyp, const GradRe
             const int64_t c = ctx.counts[e];
             if (c == 0) continue;
             if (has_bias) ops.bias_backward(stream, dyp.narrow(0, offset, c), expert_slice(g[1], e, {h}));
-            Tensor dye = dy_in.narrow(0, offset, c);
-            gemm(dye, Pass::backward, false, expert_slice(fc2_weight.data, e, {h, f}), false, d_act.narrow(0, offset, c), scale_inv(fc2_weight, e));
-            weight_grad(dye, ctx.act.narrow(0, offset, c), expert_slice(g[0], e, {h, f}));
+            backward_gemms(e, 1, dy_in.narrow(0, offset, c), expert_slice(fc2_weight.data, e, {h, f}), scale_inv(fc2_weight, e),
+                           d_act.narrow(0, offset, c), ctx.act.narrow(0, offset, c), expert_slice(g[0], e, {h, f}));
             offset += c;
         }
     });
@@ -333,9 +376,9 @@ Tensor Experts::grouped_backward(Context & ctx, const Tensor & dyp, const GradRe
             const int64_t c = ctx.counts[e];
             if (c == 0) continue;
             if (has_bias) ops.bias_backward(stream, d_pre.narrow(0, offset, c), expert_slice(g[1], e, {f1}));
-            Tensor de = d_pre_in.narrow(0, offset, c);
-            gemm(de, Pass::backward, false, expert_slice(fc1_weight.data, e, {f1, h}), false, dx.narrow(0, offset, c), scale_inv(fc1_weight, e));
-            weight_grad(de, ctx.x.narrow(0, offset, c), expert_slice(g[0], e, {f1, h}));
+            backward_gemms(e, 0, d_pre_in.narrow(0, offset, c), expert_slice(fc1_weight.data, e, {f1, h}),
+                           scale_inv(fc1_weight, e), dx.narrow(0, offset, c), ctx.x.narrow(0, offset, c),
+                           expert_slice(g[0], e, {f1, h}));
             offset += c;
         }
     });

@@ -50,6 +50,7 @@ public:
         std::vector<Mlp::Context> mlp;      // sequential: one per expert
         Tensor                   x, act;    // grouped: fc1 and fc2 inputs (R, h), (R, f), in the weights' dtype
         Tensor                   pre_act;   // grouped: (R, F1) in the weights' dtype
+        Tensor                   fp8_scales;   // grouped, delayed FP8: the local experts' forward scales (4 L)
     };
 
     // xp (R, h) f32 with R = the sum of counts -> (R, h) f32.
@@ -63,6 +64,12 @@ public:
     // and its own weight's scales, as Transformer Engine's grouped linear quantizes each GEMM of the group
     // apart (the sequential experts' Linears; the grouped loop calls fp8_product per expert).
     void set_fp8(const Linear::Fp8 & formats);
+    // --fp8-recipe delayed: slots for every global expert (forward: fc1's x and W, fc2's x and W; backward: fc1's
+    // and fc2's dy), the same on every rank whatever its experts, so the histories reduce over the stage's ranks
+    // and checkpoint as one state. The sequential experts' Linears take their expert's slots.
+    void set_fp8_delayed(Fp8DelayedMetas & metas);
+    Fp8Delayed * fp8_forward_meta = nullptr, * fp8_backward_meta = nullptr;
+    int64_t      fp8_forward_base = 0, fp8_backward_base = 0;   // global expert 0's first slots
 
     GptConfig                         expert_config;   // the model's, with ffn_hidden_size = f
     int64_t                           num_experts;      // L, the local experts
@@ -81,11 +88,18 @@ private:
     enum class Pass { forward, backward };   // what `a` of gemm is: a forward input, or a gradient
     // c (f32) = op(a) op(w): a GEMM, or with fp8 the FP8 product (a in the pass's format, w in forward's).
     void gemm(const Tensor & a, Pass pass, bool trans_a, const Tensor & w, bool trans_w, const Tensor & c,
-              const Tensor & w_scale_inv) const;
+              const Tensor & w_scale_inv, const Fp8Delayed::Operand * da = nullptr,
+              const Fp8Delayed::Operand * dw = nullptr) const;
     // Expert e's 1 / s when `w` holds FP8 codes (--fp8-param-gather), else undefined.
     static Tensor scale_inv(const Parameter & w, int64_t e);
     // g += dy^T x, as gemm (dy in backward's format, x in forward's).
-    void weight_grad(const Tensor & dy, const Tensor & x, const Tensor & g) const;
+    void weight_grad(const Tensor & dy, const Tensor & x, const Tensor & g, const Fp8Delayed::Operand * ddy = nullptr,
+                     const Fp8Delayed::Operand * dx = nullptr) const;
+    // Delayed FP8 operands of local expert e: forward slot k (0 fc1 x, 1 fc1 W, 2 fc2 x, 3 fc2 W), recorded; the
+    // forward's scale k from ctx (not recorded); backward slot k (0 fc1 dy, 1 fc2 dy), recorded or not.
+    Fp8Delayed::Operand delayed_forward(int64_t e, int k) const;
+    Fp8Delayed::Operand delayed_kept(const Context & ctx, int64_t e, int k) const;
+    Fp8Delayed::Operand delayed_backward(int64_t e, int k, bool record) const;
     Tensor grouped_forward(Context & ctx, const Tensor & xp);
     Tensor grouped_backward(Context & ctx, const Tensor & dyp, const GradReadyFn & ready);
 };

@@ -115,6 +115,14 @@ void MoELayer::set_fp8(const Linear::Fp8 & formats) {
     }
 }
 
+void MoELayer::set_fp8_delayed(Fp8DelayedMetas & metas) {
+    experts.set_fp8_delayed(metas);
+    if (shared_expert) {
+        shared_expert->fc1.set_fp8_delayed(metas);
+        shared_expert->fc2.set_fp8_delayed(metas);
+    }
+}
+
 void MoELayer::parameters(std::vector<Parameter *> & out) {
     router.parameters(out);
     experts.parameters(out);

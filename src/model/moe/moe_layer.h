@@ -128,6 +128,7 @@ public:
     // FP8 GEMMs in the experts (Experts::set_fp8) and the shared expert's linear layers; the router stays in
     // its own dtype, as Megatron's.
     void   set_fp8(const Linear::Fp8 & formats);
+    void   set_fp8_delayed(Fp8DelayedMetas & metas);   // --fp8-recipe delayed: the same GEMMs' slots
 
     float                   aux_loss_backward_scale = 1.0f;
     MoeConfig               moe;
