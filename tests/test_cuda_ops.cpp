@@ -675,6 +675,72 @@ TEST(CudaOps, Fp8QuantizeAndScaleByProductAreBitwiseTheCpus) {
 // the formats' definition); fp8_amax folds pieces into one amax; fp8_encode with that amax on the hand-worked
 // case (x = (1, -3.5, 0.3, 2): s = 128, values (128, -448, 40, 256)); and encode then decode is fp8_quantize's q
 // to the bit. Then the CUDA kernels bitwise the CPU's over several amax chunks, both formats.
+// --fp8-recipe delayed's two ops. The update by hand: a history of 3 rows over 5 operands (row 0 the newest
+// amaxes), margin 1, e4m3. Operand 0's column (2, 4, 1): max 4, s = 448 / 4 / 2 = 56; most_recent 2, s = 112.
+// Operand 1's row 0 is 0: max takes the rows below (8: s 28); most_recent keeps the
+// previous scale. A NaN amax keeps the scale under either algo, as torch.max's NaN does in Transformer
+// Engine (the NaN never replaces nor is replaced). Operand 3: all zeros, its scale kept; operand 4: Inf
+// at row 1, kept. After it, each column moved up a row with the old row 0 at the bottom, and row 0 cleared.
+// Then the scaled cast (saturating past 448) and both ops on the device, bitwise the CPU's.
+TEST(CudaOps, Fp8DelayedScalingOpsFollowTheRecipeAndAreBitwiseTheCpus) {
+    SKIP_WITHOUT_CUDA();
+    const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+    const std::vector<float> history = {2, 0, nan, 0, 1,     // row 0
+                                        4, 8, 8, 0, inf,     // row 1
+                                        1, 3, 1, 0, 2};      // row 2
+    const std::vector<float> before = {5, 6, 7, 9, 10};
+    for (const bool max_algo : {true, false}) {
+        const std::string what = max_algo ? "max" : "most_recent";
+        Tensor h = cpu_tensor({3, 5}), sc = cpu_tensor({5});
+        write_values_f32(h, history);
+        write_values_f32(sc, before);
+        Tensor hg = to_gpu(h), sg = to_gpu(sc);
+        cops().fp8_delayed_update(cs(), h, sc, Fp8Format::e4m3, 1, max_algo);
+        cs().synchronize();
+        gops().fp8_delayed_update(gs(), hg, sg, Fp8Format::e4m3, 1, max_algo);
+        const std::vector<float> want_max = {56, 28, 7, 9, 10}, want_recent = {112, 6, 7, 9, 224};
+        const std::vector<float> & want = max_algo ? want_max : want_recent;
+        for (int j = 0; j < 5; ++j) EXPECT_EQ(sc.data<float>()[j], want[static_cast<size_t>(j)]) << what << ": scale " << j;
+        const float * got = h.data<float>();
+        for (int j = 0; j < 5; ++j) {
+            EXPECT_EQ(got[j], 0.0f) << what << ": row 0 cleared, operand " << j;
+            EXPECT_EQ(float_to_bits(got[5 + j]), float_to_bits(history[static_cast<size_t>(10 + j)])) << what << ": row 1 <- row 2";
+            EXPECT_EQ(float_to_bits(got[10 + j]), float_to_bits(history[static_cast<size_t>(j)])) << what << ": row 2 <- row 0";
+        }
+        expect_bitwise(h, to_cpu(hg), what + ": history on the device");
+        expect_bitwise(sc, to_cpu(sg), what + ": scales on the device");
+    }
+    // A history of one row: its amax is that row's, then cleared.
+    Tensor one = cpu_tensor({1, 2}), s1 = cpu_tensor({2});
+    write_values_f32(one, std::vector<float>{7, 0});
+    write_values_f32(s1, std::vector<float>{1, 3});
+    cops().fp8_delayed_update(cs(), one, s1, Fp8Format::e5m2, 0, false);
+    cs().synchronize();
+    EXPECT_EQ(s1.data<float>()[0], 57344.0f / 7.0f);
+    EXPECT_EQ(s1.data<float>()[1], 3.0f);
+    EXPECT_EQ(one.data<float>()[0], 0.0f);
+    // The cast by a given scale: 1.5 x 256 = 384 (exact in e4m3), 2 x 256 = 512 saturates to 448, -0.3 x 256 =
+    // -76.8 -> -80 (steps of 8 in [64, 128)); q holds the FP8 values, scale_inv 1 / 256.
+    for (const DType dtype : {DType::f32, DType::bf16}) {
+        Tensor x = cpu_tensor({3}, DType::f32);
+        write_values_f32(x, std::vector<float>{1.5f, 2.0f, -0.3f});
+        if (dtype == DType::bf16) x = random_cpu({333}, 4801, 3.0f, DType::bf16);
+        Tensor scale = cpu_tensor({1}), q = cpu_tensor({x.numel()}, DType::bf16), inv = cpu_tensor({1});
+        write_values_f32(scale, std::vector<float>{256.0f});
+        cops().fp8_quantize_scaled(cs(), x, Fp8Format::e4m3, scale, q, inv);
+        cs().synchronize();
+        if (dtype == DType::f32) {
+            const std::vector<double> got = values(q);
+            EXPECT_EQ(got, (std::vector<double>{384.0, 448.0, -80.0}));
+            EXPECT_EQ(inv.data<float>()[0], 1.0f / 256.0f);
+        }
+        Tensor qg = Tensor::empty({x.numel()}, DType::bf16, gpu()), ig = Tensor::empty({1}, DType::f32, gpu());
+        gops().fp8_quantize_scaled(gs(), to_gpu(x), Fp8Format::e4m3, to_gpu(scale), qg, ig);
+        expect_bitwise(q, to_cpu(qg), std::string("scaled cast ") + dtype_name(dtype));
+        expect_bitwise(inv, to_cpu(ig), std::string("scale_inv ") + dtype_name(dtype));
+    }
+}
+
 TEST(CudaOps, Fp8CodesEncodeDecodeAndAmaxAreBitwiseTheCpus) {
     SKIP_WITHOUT_CUDA();
     for (const Fp8Format format : {Fp8Format::e4m3, Fp8Format::e5m2}) {

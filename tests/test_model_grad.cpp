@@ -1175,6 +1175,110 @@ TEST(Linear, Fp8GemmsFollowTheCastRuleForwardAndBackward) {
     EXPECT_LT(worst_dw, 1e-5);
 }
 
+// --fp8-recipe delayed: the same layer over three micro-batches whose inputs differ in size (x at 2, 8 and 0.5,
+// dy at 1e-3, 4e-3 and 2e-3), with histories of 2 casts, algo max and margin 1, as Transformer Engine's
+// DelayedScaling. Step k casts by the scale the update after step k - 1 formed (the first by 1): s = 448 / 2 /
+// max(amax_(k-1), amax_(k-2)) for x and W (e4m3), 57344 / 2 / ... for dy (e5m2); backward casts x and W again by
+// their forward's scales. Each output against the rule in double with those scales (bounds as the tensorwise
+// case), the scales bitwise, and the history after the last update: row 0 cleared, row 1 the last amax.
+TEST(Linear, Fp8DelayedScalingCastsByTheAmaxHistory) {
+    Device &      device = cpu::device();
+    const int64_t n = 24, in = 40, out = 16;
+    model::Linear lin("fp8d", in, out, false, DType::bf16, device);
+    lin.init(7, 0.3f);
+    lin.fp8 = model::Linear::Fp8{Fp8Format::e4m3, Fp8Format::e5m2};
+    model::Fp8DelayedMetas metas;
+    metas.forward  = std::make_unique<model::Fp8Delayed>(Fp8Format::e4m3, 2, true, 1);
+    metas.backward = std::make_unique<model::Fp8Delayed>(Fp8Format::e5m2, 2, true, 1);
+    lin.set_fp8_delayed(metas);
+    metas.forward->allocate(device);
+    metas.backward->allocate(device);
+    std::mt19937                    rng(5);
+    std::normal_distribution<float> normal;
+    auto bf16_tensor = [&](int64_t rows, int64_t cols, float scale) {
+        Tensor t = Tensor::empty({rows, cols}, DType::bf16, device);
+        for (int64_t i = 0; i < rows * cols; ++i) static_cast<uint16_t *>(t.data_ptr())[i] = f32_to_bf16_bits(scale * normal(rng));
+        return t;
+    };
+    auto value = [](const Tensor & t, int64_t i) { return bf16_bits_to_f32(static_cast<const uint16_t *>(t.data_ptr())[i]); };
+    auto amax_of = [&](const Tensor & t) {
+        float a = 0;
+        for (int64_t i = 0; i < t.numel(); ++i) a = std::max(a, std::fabs(value(t, i)));
+        return a;
+    };
+    auto cast = [&](const Tensor & t, Fp8Format f, float s, std::vector<double> & q) {
+        q.resize(static_cast<size_t>(t.numel()));
+        for (int64_t i = 0; i < t.numel(); ++i) q[i] = fp8_round(value(t, i) * s, f);
+        return static_cast<double>(1.0f / s);
+    };
+    const float w_amax = amax_of(lin.weight.data);
+    float       sx = 1, sw = 1, sdy = 1, prev_x = 0, prev_dy = 0, prev_w = 0;
+    std::vector<double> dw_want(static_cast<size_t>(out * in), 0.0);
+    double worst_y = 0, worst_dx = 0;
+    const float x_sizes[] = {2.0f, 8.0f, 0.5f}, dy_sizes[] = {1e-3f, 4e-3f, 2e-3f};
+    float       last_x = 0, last_dy = 0;
+    for (int k = 0; k < 3; ++k) {
+        const Tensor x = bf16_tensor(n, in, x_sizes[k]), dy = bf16_tensor(n, out, dy_sizes[k]);
+        std::vector<double> qx, qw, qdy;
+        const double ix = cast(x, Fp8Format::e4m3, sx, qx), iw = cast(lin.weight.data, Fp8Format::e4m3, sw, qw);
+        const double idy = cast(dy, Fp8Format::e5m2, sdy, qdy);
+        model::Linear::Context ctx;
+        const Tensor y = lin.forward(ctx, x);
+        metas.forward->update(nullptr);
+        const Tensor dx = lin.backward(ctx, dy, nullptr);
+        metas.backward->update(nullptr);
+        device.compute_stream().synchronize();
+        for (int64_t r = 0; r < n; ++r) {
+            for (int64_t j = 0; j < out; ++j) {
+                double acc = 0;
+                for (int64_t c = 0; c < in; ++c) acc += qx[r * in + c] * qw[j * in + c];
+                const double want = acc * ix * iw;
+                worst_y = std::max(worst_y, std::fabs(value(y, r * out + j) - want) / std::max(std::fabs(want), 1e-3));
+            }
+            for (int64_t c = 0; c < in; ++c) {
+                double acc = 0;
+                for (int64_t j = 0; j < out; ++j) acc += qdy[r * out + j] * qw[j * in + c];
+                const double want = acc * idy * iw;
+                worst_dx = std::max(worst_dx, std::fabs(value(dx, r * in + c) - want) / std::max(std::fabs(want), 1e-6));
+            }
+        }
+        for (int64_t j = 0; j < out; ++j) {
+            for (int64_t c = 0; c < in; ++c) {
+                double acc = 0;
+                for (int64_t r = 0; r < n; ++r) acc += qdy[r * out + j] * qx[r * in + c];
+                dw_want[static_cast<size_t>(j * in + c)] += acc * idy * ix;
+            }
+        }
+        // The update after this step: the history holds this step's amax and the one before (max of two).
+        const float ax = amax_of(x), ady = amax_of(dy);
+        sx      = fp8_delayed_scale(std::max(ax, prev_x), sx, Fp8Format::e4m3, 1);
+        sw      = fp8_delayed_scale(std::max(w_amax, prev_w), sw, Fp8Format::e4m3, 1);
+        sdy     = fp8_delayed_scale(std::max(ady, prev_dy), sdy, Fp8Format::e5m2, 1);
+        prev_x  = ax;
+        prev_w  = w_amax;
+        prev_dy = ady;
+        last_x  = ax;
+        last_dy = ady;
+    }
+    double worst_dw = 0, largest_dw = 0;
+    for (double v : dw_want) largest_dw = std::max(largest_dw, std::fabs(v));
+    for (int64_t i = 0; i < out * in; ++i) {
+        worst_dw = std::max(worst_dw, std::fabs(lin.weight.main_grad.data<float>()[i] - dw_want[static_cast<size_t>(i)]) / largest_dw);
+    }
+    std::printf("[fp8 delayed linear] worst relative error: y %.3g, dx %.3g, dW %.3g of its largest\n", worst_y, worst_dx, worst_dw);
+    EXPECT_LT(worst_y, 1.0 / 128);
+    EXPECT_LT(worst_dx, 1.0 / 128);
+    EXPECT_LT(worst_dw, 1e-5);
+    EXPECT_EQ(metas.forward->scale().data<float>()[0], sx) << "x's scale after three updates";
+    EXPECT_EQ(metas.forward->scale().data<float>()[1], sw) << "W's";
+    EXPECT_EQ(metas.backward->scale().data<float>()[0], sdy) << "dy's";
+    EXPECT_NE(sx, fp8_delayed_scale(last_x, 1.0f, Fp8Format::e4m3, 1)) << "the test's steps must tell max from most_recent";
+    const float * hx = metas.forward->history().data<float>();   // (2, 2): row 0 then row 1
+    EXPECT_EQ(hx[0], 0.0f) << "row 0 cleared by the update";
+    EXPECT_EQ(hx[2], last_x) << "row 1: the last step's amax";
+    EXPECT_EQ(metas.backward->history().data<float>()[1], last_dy);
+}
+
 // --fp8-recipe blockwise: the same layer with power-of-two scales per block, against the rule in double: x in
 // 1 x 128 blocks along its features for forward, dy in 1 x 128 along its features for dx, both in 128 x 1 along
 // the tokens for dW (the reduction of each GEMM), W in 128 x 128. Shapes that leave partial blocks on every
