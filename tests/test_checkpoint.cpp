@@ -122,8 +122,9 @@ TEST_P(ResumeIsBitwise, LossesAndFinalStateMatchTheUninterruptedRun) {
     EXPECT_EQ(scaled, ia.metadata.contains("grad_scaler"));
     ASSERT_EQ(ia.tensors.size(), ib.tensors.size());
     for (const auto & [name, t] : ia.tensors) {
-        // A buffer (the routers' expert biases) has values only.
-        const bool               buffer = name.size() > 12 && name.compare(name.size() - 12, 12, ".expert_bias") == 0;
+        // A buffer (the routers' expert biases, delayed FP8's histories and scales) has values only.
+        const bool buffer = (name.size() > 12 && name.compare(name.size() - 12, 12, ".expert_bias") == 0) ||
+                            name.find(".fp8_") != std::string::npos;
         std::vector<std::string> kinds  = {"values"};
         if (!buffer) kinds.insert(kinds.end(), {"exp_avg", "exp_avg_sq"});
         if (t.dtype != "F32") kinds.push_back("master");
@@ -147,6 +148,21 @@ TEST(Checkpoint, AnotherOptimizersStateIsRefused) {
     EXPECT_NE(refused.out.find("holds the state of --optimizer adam"), std::string::npos) << refused.out;
     const CliRun fresh = run_on(1, run + " --load " + (tmp / "a") + " --optimizer muon --train-iters 6 --no-load-optim");
     EXPECT_EQ(fresh.status, 0) << fresh.out;
+}
+
+// A checkpoint without delayed FP8's state (saved with tensorwise scaling) loads into a delayed run, whose
+// histories and scales start afresh, and says so; the other way round, the state is left unread.
+TEST(Checkpoint, DelayedFp8StateStartsAfreshWhereTheCheckpointHasNone) {
+    TempDir           tmp;
+    const std::string run = "train --mock-data --log-interval 1 " + kModel + "--fp8-format hybrid ";
+    ASSERT_EQ(run_on(1, run + "--fp8-recipe tensorwise --train-iters 2 --save " + (tmp / "a") + " --save-interval 2").status, 0);
+    const CliRun delayed = run_on(1, run + "--fp8-recipe delayed --train-iters 3 --override-opt_param-scheduler --load " + (tmp / "a") +
+                                         " --save " + (tmp / "b") + " --save-interval 3");
+    ASSERT_EQ(delayed.status, 0) << delayed.out;
+    EXPECT_NE(delayed.out.find("holds no delayed FP8 state"), std::string::npos) << delayed.out;
+    EXPECT_EQ(checkpoint::read_index(tmp / "b/iter_0000003").tensors.count("layers.0.fp8_forward_scale"), 1u);
+    const CliRun back = run_on(1, run + "--fp8-recipe tensorwise --train-iters 4 --override-opt_param-scheduler --load " + (tmp / "b"));
+    EXPECT_EQ(back.status, 0) << back.out;
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -178,10 +194,39 @@ INSTANTIATE_TEST_SUITE_P(
         ResumeCase{"dp2_fsdp_fp8_codes_moe", 2,
                    "--use-megatron-fsdp --overlap-grad-reduce --overlap-param-gather --bf16 --fp8-format hybrid "
                    "--fp8-recipe tensorwise --fp8-param-gather --num-experts 4 --moe-grouped-gemm --disable-bias-linear"},
+        // Delayed FP8 with the experts split over EP 2: every layer's amax histories and scales (one per global
+        // expert, reduced over the ranks) come back, and the casts after the resume use them.
+        ResumeCase{"dp2_ep2_fp8_delayed_moe", 2,
+                   "--expert-model-parallel-size 2 --bf16 --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4 "
+                   "--fp8-amax-compute-algo max --num-experts 4 --moe-grouped-gemm --disable-bias-linear"},
         ResumeCase{"dp2_zero1_offload_half_bf16", 2,
                    "--use-distributed-optimizer --use-precision-aware-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.5 "
                    "--overlap-cpu-optimizer-d2h-h2d --bf16"}),
     [](const ::testing::TestParamInfo<ResumeCase> & info) { return std::string(info.param.name); });
+
+// Delayed FP8 scaling under TP 2 + SP against one rank, the same micro-batches: each layer's amaxes are reduced
+// over the TP ranks (a split weight's shards, a split gradient's columns), so both form the same scales. The
+// first two iterations agree within 1e-6 relative: the first casts by 1 everywhere, the second by the first's
+// amaxes, which a rank's shard alone would not give. Later ones within 2e-3 (f32: a sum's order moves a value
+// across an FP8 rounding boundary now and then, and training carries it on).
+TEST(Fp8DelayedScaling, TensorParallelRunFollowsTheSingleRank) {
+    TempDir           tmp;
+    const std::string run = kRun + "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4 --fp8-amax-compute-algo max "
+                                   "--position-embedding-type rope --disable-bias-linear ";
+    ASSERT_EQ(run_on(1, run + "--log-file " + (tmp / "one.jsonl")).status, 0);
+    const CliRun tp = run_on(2, run + "--tensor-model-parallel-size 2 --sequence-parallel --log-file " + (tmp / "tp.jsonl"));
+    ASSERT_EQ(tp.status, 0) << tp.out;
+    const std::map<int64_t, double> one = losses(tmp / "one.jsonl"), two = losses(tmp / "tp.jsonl");
+    ASSERT_EQ(one.size(), 20u);
+    ASSERT_EQ(two.size(), 20u);
+    double worst = 0;
+    for (int64_t k = 1; k <= 20; ++k) {
+        const double rel = std::fabs(two.at(k) - one.at(k)) / one.at(k);
+        worst            = std::max(worst, rel);
+        EXPECT_LT(rel, k <= 2 ? 1e-6 : 2e-3) << "iteration " << k;
+    }
+    std::printf("[fp8 delayed, tp 2 + sp] worst relative loss error %.3g\n", worst);
+}
 
 // Saved under one layout at iteration 10 and resumed under another: iterations 11-20 match the run that
 // never changed layout within 1e-5 relative (f32; the sums only regroup).

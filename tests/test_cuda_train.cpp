@@ -278,6 +278,15 @@ TEST(CudaTrain, OneGpuFp8FollowsTheCpu) {
     expect_follows_cpu(run_loom_mpi(1, kRun + model + "--device " + kDevice), "FP8", model);
 }
 
+// --fp8-recipe delayed: the casts by each operand's scale from its amax history (4 casts, max), the updates after
+// every layer's forward and backward of each micro-batch, on the device; the CPU's curve. Grouped experts.
+TEST(CudaTrain, OneGpuFp8DelayedScalingFollowsTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    const std::string model = "--bf16 --num-layers 2 --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4 "
+                              "--fp8-amax-compute-algo max --num-experts 4 --moe-router-topk 2 --moe-layer-freq 2 --moe-grouped-gemm ";
+    expect_follows_cpu(run_loom_mpi(1, kRun + model + "--device " + kDevice), "FP8 delayed", model);
+}
+
 // --fine-grained-activation-offloading: the modules' inputs through pinned host memory between forward and
 // backward (copies on the compute stream), the CPU's curve.
 TEST(CudaTrain, OneGpuActivationOffloadingFollowsTheCpu) {

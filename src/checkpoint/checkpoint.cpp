@@ -724,7 +724,7 @@ std::vector<std::string> absent_tensors(const Index & index, const RankContents 
         if (!index.tensors.count(p->name) && seen.insert(p->name).second) absent.push_back(p->name);
     }
     for (const Buffer & b : rank.buffers) {
-        if (!index.tensors.count(b.name) && seen.insert(b.name).second) absent.push_back(b.name);
+        if (!b.optional && !index.tensors.count(b.name) && seen.insert(b.name).second) absent.push_back(b.name);
     }
     return absent;
 }
@@ -790,6 +790,10 @@ LoadReport load(const Index & index, const RankContents & rank, const LoadOption
     }
     for (const Buffer & b : rank.buffers) {
         auto it = index.tensors.find(b.name);
+        if (it == index.tensors.end() && b.optional) {
+            report.fresh.push_back(b.name);
+            continue;
+        }
         LOOM_CHECK(it != index.tensors.end() || options.allow_absent,
                    "checkpoint '" << index.path() << "' has no tensor " << b.name,
                    "the checkpoint is of another model; give the model flags it was saved with, or --use-checkpoint-args");

@@ -81,6 +81,9 @@ std::string iteration_folder(int64_t iteration);
 struct Buffer {
     std::string name;   // "layers.3.mlp.router.expert_bias"
     Tensor      data;
+    // State a checkpoint of another configuration lacks as a matter of course (delayed FP8's histories and
+    // scales): absent, it keeps its initial values and is listed in LoadReport::fresh, never refused.
+    bool        optional = false;
 };
 
 // What one rank contributes to a checkpoint, or receives from one.
@@ -201,6 +204,7 @@ struct LoadOptions {
 // keys: asked for, not there), and the names of the checkpoint's tensors this rank read.
 struct LoadReport {
     std::vector<std::string> absent;
+    std::vector<std::string> fresh;   // optional buffers the checkpoint lacks, kept at their initial values
     std::set<std::string>    read;
 };
 

@@ -19,6 +19,10 @@ using json = nlohmann::json;
 
 namespace {
 
+// Delayed FP8's histories and scales (GptModel::buffers): a checkpoint saved without that recipe lacks them,
+// and a run that loads it starts them afresh, as a new run would.
+bool is_fp8_state(const std::string & name) { return name.find(".fp8_") != std::string::npos; }
+
 // The args a checkpoint written before Loom had them lacks, each with the value that model had: a dense
 // model's MoE args, RoPE over whole heads in halves.
 const std::map<std::string, json> & later_args() {
@@ -65,9 +69,9 @@ checkpoint::RankContents rank_contents(const TrainOptions & options, Setup & set
     const auto & edp            = setup.groups.expert_dp ? setup.groups.expert_dp : grads;
     const bool   first_expert   = !setup.groups.inter_expert_dp || setup.groups.inter_expert_dp->rank() == 0;
     rank.writes_experts = options.ddp.use_distributed_optimizer ? first_expert : !edp || edp->rank() == 0;
-    // Buffers (the routers' expert biases) are the same on every TP x DP x CP rank of a stage.
+    // Buffers (the routers' expert biases, delayed FP8's state) are the same on every TP x DP x CP rank of a stage.
     for (model::GptModel * chunk : setup.chunks) {
-        for (auto & [name, tensor] : chunk->buffers()) rank.buffers.push_back({name, tensor});
+        for (auto & [name, tensor] : chunk->buffers()) rank.buffers.push_back({name, tensor, is_fp8_state(name)});
     }
     rank.writes_buffers = !setup.groups.tp_dp_cp || setup.groups.tp_dp_cp->rank() == 0;
     return rank;
@@ -464,7 +468,11 @@ Resumed load_checkpoint(const TrainOptions & options, Setup & setup) {
     // Loading writes whole values (and, through the optimizer's slots, the shards): FSDP's sharded units
     // are gathered first.
     if (setup.ddp) setup.ddp->finish_param_sync();
-    checkpoint::load(index, contents, load);
+    const checkpoint::LoadReport report = checkpoint::load(index, contents, load);
+    if (!report.fresh.empty()) {
+        resumed.notes.push_back("note: '" + index.path() + "' holds no delayed FP8 state (" + std::to_string(report.fresh.size()) +
+                                " histories and scales): they start afresh, each scale at 1");
+    }
     // FP8 codes (--fp8-param-gather): the shards' codes again from the loaded main values.
     if (setup.ddp) setup.ddp->encode_fp8_params();
     const bool listed = strict != Strictness::ignore_all && strict != Strictness::assume_ok_unexpected;
@@ -505,7 +513,7 @@ checkpoint::Index index_to_read(const TrainOptions & o, const char * command) {
 void load_weights(const checkpoint::Index & index, model::GptModel & model) {
     checkpoint::RankContents contents;
     contents.params = model.parameters();
-    for (auto & [name, tensor] : model.buffers()) contents.buffers.push_back({name, tensor});
+    for (auto & [name, tensor] : model.buffers()) contents.buffers.push_back({name, tensor, is_fp8_state(name)});
     checkpoint::LoadOptions load;
     load.optimizer  = false;
     load.vocab_size = model.config().vocab_size;
