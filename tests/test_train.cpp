@@ -1009,8 +1009,8 @@ TEST(MegatronCommandLine, MtpFlagsFollowMegatronsRules) {
     expect_refused(bad, 2);
 }
 
-// --fp8-format: Megatron's choices and checks, the recipe Loom trains with (tensorwise), the first and last
-// layers in bf16, MoE layers, and what Loom's FP8 does not take refused by name.
+// --fp8-format: Megatron's choices and checks, the recipes Loom trains with (delayed, tensorwise, blockwise), the
+// first and last layers in bf16, MoE layers, and what Loom's FP8 does not take refused by name.
 TEST(MegatronCommandLine, Fp8FlagsFollowMegatronsRules) {
     EXPECT_FALSE(parse_train({"--mock-data", "--bf16"}).model.fp8);
     const train::TrainOptions h = parse_train({"--mock-data", "--bf16", "--num-layers", "6", "--fp8-format", "hybrid",
@@ -1043,9 +1043,33 @@ TEST(MegatronCommandLine, Fp8FlagsFollowMegatronsRules) {
                              "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"})
                     .model.fp8_param_gather)
         << "Megatron-FSDP shards the optimizer: its shards encode the codes";
+    // Megatron's default recipe, delayed, with its history, algo and margin; and with --fp8-param-gather (the
+    // weights' codes keep their current scales).
+    const train::TrainOptions d = parse_train({"--mock-data", "--bf16", "--fp8-format", "hybrid"});
+    EXPECT_TRUE(d.model.fp8 && d.model.fp8_delayed) << "--fp8-recipe delayed is Megatron's default";
+    EXPECT_EQ(d.model.fp8_amax_history_len, 1);
+    EXPECT_FALSE(d.model.fp8_amax_max) << "most_recent by default";
+    const train::TrainOptions dm = parse_train({"--mock-data", "--fp8-format", "e4m3", "--fp8-amax-history-len", "1024",
+                                                "--fp8-amax-compute-algo", "max", "--fp8-margin", "2", "--fp8-param-gather",
+                                                "--use-distributed-optimizer"});
+    EXPECT_EQ(dm.model.fp8_amax_history_len, 1024);
+    EXPECT_TRUE(dm.model.fp8_amax_max);
+    EXPECT_EQ(dm.model.fp8_margin, 2);
+    EXPECT_TRUE(dm.model.fp8_param_gather);
     const std::pair<std::vector<std::string>, const char *> bad[] = {
         {{"--bf16", "--fp8-format", "e5m2"}, "argument --fp8-format: invalid choice: 'e5m2'"},
-        {{"--bf16", "--fp8-format", "hybrid"}, "--fp8-recipe delayed is not supported by Loom"},
+        {{"--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "0"}, "--fp8-amax-history-len must be at least 1"},
+        {{"--bf16", "--fp8-format", "hybrid", "--fp8-margin", "-1"}, "--fp8-margin must be between 0 and 126"},
+        {{"--bf16", "--fp8-format", "hybrid", "--cuda-graph-impl", "transformer_engine"},
+         "--fp8-recipe delayed with layer graphs (--cuda-graph-impl) is not supported by Loom"},
+        {{"--bf16", "--fp8-format", "hybrid", "--recompute-granularity", "full", "--recompute-method", "uniform",
+          "--recompute-num-layers", "1"},
+         "--fp8-recipe delayed with --recompute-granularity full is not supported by Loom"},
+        {{"--bf16", "--fp8-format", "hybrid", "--recompute-granularity", "selective", "--recompute-modules", "mlp"},
+         "--fp8-recipe delayed with --recompute-modules mlp is not supported by Loom"},
+        {{"--bf16", "--fp8-format", "hybrid", "--fp8-param-gather", "--use-distributed-optimizer", "--optimizer-cpu-offload",
+          "--use-precision-aware-optimizer"},
+         "--fp8-param-gather with --optimizer-cpu-offload is not supported by Loom"},
         {{"--bf16", "--fp8-format", "hybrid", "--first-last-layers-bf16"},
          "Delayed scaling does not support first / last layer in BF16."},
         {{"--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"}, "--fp8-recipe mxfp8 is not supported by Loom"},
