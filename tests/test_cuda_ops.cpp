@@ -816,21 +816,35 @@ TEST(CudaOps, Fp8QuantizeBlocksIsTheBlockRuleAndBitwiseTheCpus) {
     const float xs[] = {1.0f, -3.5f, 0.3f, 100.0f, 0.01f, 7.0f};
     const float want[] = {1.0f, -3.5f, 0.3125f, 96.0f, 0.009765625f, 7.0f};
     std::copy(xs, xs + 6, hand.data<float>());
-    cops().fp8_quantize_blocks(cs(), hand, Fp8Format::e4m3, 1, 2, q);
+    cops().fp8_quantize_blocks(cs(), hand, Fp8Format::e4m3, 1, 2, q, false);
     cs().synchronize();
     for (int i = 0; i < 6; ++i) EXPECT_EQ(bf16_bits_to_f32(static_cast<uint16_t *>(q.data_ptr())[i]), want[i]) << i;
-    // Each block shape once in each format, f32 and bf16 inputs alternating.
-    const std::pair<int64_t, int64_t> shapes[] = {{1, 128}, {128, 1}, {128, 128}};
-    int                               round    = 0;
-    for (const auto & [br, bc] : shapes) {
+    // MXFP8's rule on blocks of 1 x 3, which here gives the values above: the first row's amax 3.5 makes 3.5 / 448 =
+    // 2^-7, so x 128 (0.3 -> 38.4 -> 40 -> 0.3125); the second's 100 / 448 rounds up to 2^-2, so x 4 (400 ties to
+    // 384 -> 96, 0.04 -> 0.0390625 -> 0.009765625, 28 -> 7).
+    cops().fp8_quantize_blocks(cs(), hand, Fp8Format::e4m3, 1, 3, q, true);
+    cs().synchronize();
+    for (int i = 0; i < 6; ++i) EXPECT_EQ(bf16_bits_to_f32(static_cast<uint16_t *>(q.data_ptr())[i]), want[i]) << "mx " << i;
+    // Just past the format's largest: 449 / 448 rounds up to 2^1, so x 1/2: 224.5 -> 224 -> 448, no saturation.
+    Tensor edge = cpu_tensor({1, 2}), qe = cpu_tensor({1, 2}, DType::bf16);
+    write_values_f32(edge, std::vector<float>{449.0f, 1.0f});
+    cops().fp8_quantize_blocks(cs(), edge, Fp8Format::e4m3, 1, 2, qe, true);
+    cs().synchronize();
+    EXPECT_EQ(bf16_bits_to_f32(static_cast<uint16_t *>(qe.data_ptr())[0]), 448.0f) << "449 / 2 = 224.5 -> 224, times 2";
+    // Each block shape once in each format, f32 and bf16 inputs alternating; MXFP8's two shapes.
+    const std::tuple<int64_t, int64_t, bool> shapes[] = {{1, 128, false}, {128, 1, false}, {128, 128, false},
+                                                         {1, 32, true},   {32, 1, true}};
+    int                                      round    = 0;
+    for (const auto & [br, bc, mx] : shapes) {
         for (const Fp8Format format : {Fp8Format::e4m3, Fp8Format::e5m2}) {
             const DType dtype = round++ % 2 == 0 ? DType::f32 : DType::bf16;
             Tensor      x     = random_cpu({260, 200}, 740, 5.0f, dtype);
             Tensor      qc = cpu_tensor({260, 200}, DType::bf16), qg = Tensor::empty({260, 200}, DType::bf16, gpu());
-            cops().fp8_quantize_blocks(cs(), x, format, br, bc, qc);
+            cops().fp8_quantize_blocks(cs(), x, format, br, bc, qc, mx);
             cs().synchronize();
-            gops().fp8_quantize_blocks(gs(), to_gpu(x), format, br, bc, qg);
-            expect_bitwise(qc, to_cpu(qg), "fp8_quantize_blocks " + std::to_string(br) + " x " + std::to_string(bc));
+            gops().fp8_quantize_blocks(gs(), to_gpu(x), format, br, bc, qg, mx);
+            expect_bitwise(qc, to_cpu(qg), std::string(mx ? "mxfp8 " : "fp8_quantize_blocks ") + std::to_string(br) + " x " +
+                                               std::to_string(bc));
         }
     }
 }

@@ -153,12 +153,17 @@ TEST(Fp8, ScalingRecipesFollowTheirRules) {
     EXPECT_EQ(fp8_delayed_scale(1.0f, 9.0f, Fp8Format::e4m3, 1), 224.0f);
     EXPECT_EQ(fp8_delayed_scale(0.0f, 9.0f, Fp8Format::e4m3, 1), 9.0f);
     EXPECT_EQ(fp8_delayed_scale(std::numeric_limits<float>::infinity(), 9.0f, Fp8Format::e4m3, 0), 9.0f);
-    // MXFP8: a block with amax 3.5 (2^1 <= 3.5 < 2^2) shares 2^(1 - 8) in e4m3: 3.5 / 2^-7 = 448, the top;
-    // amax 1000 (2^9) shares 2^1 and 1000 / 2 = 500 saturates to 448; in e5m2, 2^(1 - 15); amax 0: 2^-127.
-    EXPECT_EQ(mxfp8_shared_exponent(3.5f, Fp8Format::e4m3), -7);
-    EXPECT_EQ(fp8_round(3.5f / std::ldexp(1.0f, -7), Fp8Format::e4m3), 448.0f);
-    EXPECT_EQ(mxfp8_shared_exponent(1000.0f, Fp8Format::e4m3), 1);
-    EXPECT_EQ(fp8_round(1000.0f / 2.0f, Fp8Format::e4m3), 448.0f);
-    EXPECT_EQ(mxfp8_shared_exponent(3.5f, Fp8Format::e5m2), -14);
-    EXPECT_EQ(mxfp8_shared_exponent(0.0f, Fp8Format::e4m3), -127);
+    // MXFP8 (Transformer Engine's rule): amax / 448 rounded up to a power of two. 3.5 / 448 = 2^-7 exactly: code
+    // 120, the block's largest lands on 448. 1000 / 448 = 2.23: up to 2^2 (code 129), 1000 / 4 = 250 -> 256 in
+    // e4m3 (steps of 16 in [128, 256)), no saturation. In e5m2, 3.5 / 57344 = 2^-14 (code 113).
+    // amax 0: code 0; NaN: 255 (a NaN scale). Just above a power of two, 448 x (1 + 2^-20) rounds up to 2^1.
+    EXPECT_EQ(mxfp8_scale_code(3.5f, Fp8Format::e4m3), 120u);
+    EXPECT_EQ(mxfp8_block_scale(3.5f, Fp8Format::e4m3), 128.0f);
+    EXPECT_EQ(fp8_round(3.5f * 128.0f, Fp8Format::e4m3), 448.0f);
+    EXPECT_EQ(mxfp8_scale_code(1000.0f, Fp8Format::e4m3), 129u);
+    EXPECT_EQ(fp8_round(1000.0f * mxfp8_block_scale(1000.0f, Fp8Format::e4m3), Fp8Format::e4m3), 256.0f);
+    EXPECT_EQ(mxfp8_scale_code(3.5f, Fp8Format::e5m2), 113u);
+    EXPECT_EQ(mxfp8_scale_code(0.0f, Fp8Format::e4m3), 0u);
+    EXPECT_TRUE(std::isnan(mxfp8_block_scale(std::numeric_limits<float>::quiet_NaN(), Fp8Format::e4m3)));
+    EXPECT_EQ(mxfp8_scale_code(448.0f * (1.0f + std::ldexp(1.0f, -20)), Fp8Format::e4m3), 128u);
 }

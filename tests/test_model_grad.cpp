@@ -1285,21 +1285,26 @@ TEST(Linear, Fp8DelayedScalingCastsByTheAmaxHistory) {
 // side (300 features, 160 outputs, 200 tokens). Bounds as the tensorwise case (dW's of its largest element); a
 // reference that casts dW's operands along the features instead (the forward's blocks) is off by far more and
 // fails.
-TEST(Linear, Fp8BlockwiseGemmsFollowTheBlockRule) {
+static void block_scaled_linear_follows_the_rule(bool mx) {
     Device &      device = cpu::device();
     const int64_t n = 200, in = 300, out = 160;
     model::Linear lin("fp8b", in, out, true, DType::bf16, device);
     lin.init(6, 0.3f);
-    lin.fp8 = model::Linear::Fp8{Fp8Format::e4m3, Fp8Format::e5m2, false, true};
+    lin.fp8 = model::Linear::Fp8{Fp8Format::e4m3, Fp8Format::e5m2, false, !mx, mx};
+    const int64_t kb = mx ? 32 : 128;   // MXFP8: 32 along the reduction, the weight too (no 2-D blocks)
     std::mt19937                    rng(4);
     std::normal_distribution<float> normal;
     // Token rows of two magnitudes 2^14 apart, x large where dy is small: blocks along the features give each row
     // its own scale, blocks along the tokens cast the small rows of x near the bottom of e4m3's range.
-    auto values = [&](int64_t rows, int64_t cols, float scale, int large_rows, Tensor & t) {
+    auto values = [&, mx](int64_t rows, int64_t cols, float scale, int large_rows, Tensor & t) {
         t = Tensor::empty({rows, cols}, DType::bf16, device);
         std::vector<double> v(static_cast<size_t>(rows * cols));
         for (int64_t i = 0; i < rows * cols; ++i) {
-            const float value = scale * normal(rng) * ((i / cols) % 2 == large_rows ? 16384.0f : 1.0f);
+            // MXFP8: the magnitudes alternate by runs of 32 rows (one in four large for x, three in four for dy), so
+            // its token blocks of 32 each hold one magnitude where blockwise's 128 would hold both.
+            const int64_t r     = i / cols;
+            const bool    large = mx ? ((r / 32) % 4 == 0) == (large_rows == 1) : r % 2 == large_rows;
+            const float   value = scale * normal(rng) * (large ? 16384.0f : 1.0f);
             static_cast<uint16_t *>(t.data_ptr())[i] = f32_to_bf16_bits(value);
             v[static_cast<size_t>(i)]                = bf16_bits_to_f32(f32_to_bf16_bits(value));
         }
@@ -1309,8 +1314,9 @@ TEST(Linear, Fp8BlockwiseGemmsFollowTheBlockRule) {
     const std::vector<double> vx = values(n, in, 1.0f, 1, x), vdy = values(n, out, 1e-3f, 0, dy);
     std::vector<double>       vw(static_cast<size_t>(out * in));
     for (int64_t i = 0; i < out * in; ++i) vw[i] = bf16_bits_to_f32(static_cast<uint16_t *>(lin.weight.data.data_ptr())[i]);
-    // Each block's values cast by s = the power of two at or below fmax / amax, and divided by it again.
-    auto blocks = [](const std::vector<double> & v, int64_t rows, int64_t cols, int64_t br, int64_t bc, Fp8Format f) {
+    // Each block's values cast by s = the power of two at or below fmax / amax (MXFP8: the reciprocal of amax / fmax
+    // rounded up to a power of two), and divided by it again.
+    auto blocks = [mx](const std::vector<double> & v, int64_t rows, int64_t cols, int64_t br, int64_t bc, Fp8Format f) {
         std::vector<double> q(v.size());
         for (int64_t r0 = 0; r0 < rows; r0 += br) {
             for (int64_t c0 = 0; c0 < cols; c0 += bc) {
@@ -1318,7 +1324,7 @@ TEST(Linear, Fp8BlockwiseGemmsFollowTheBlockRule) {
                 for (int64_t r = r0; r < std::min(rows, r0 + br); ++r) {
                     for (int64_t c = c0; c < std::min(cols, c0 + bc); ++c) amax = std::max(amax, static_cast<float>(std::fabs(v[r * cols + c])));
                 }
-                const float s = fp8_scale_from_amax(amax, f, true);
+                const float s = mx ? mxfp8_block_scale(amax, f) : fp8_scale_from_amax(amax, f, true);
                 for (int64_t r = r0; r < std::min(rows, r0 + br); ++r) {
                     for (int64_t c = c0; c < std::min(cols, c0 + bc); ++c) {
                         q[r * cols + c] = static_cast<double>(fp8_round(static_cast<float>(v[r * cols + c]) * s, f)) / s;
@@ -1328,48 +1334,92 @@ TEST(Linear, Fp8BlockwiseGemmsFollowTheBlockRule) {
         }
         return q;
     };
-    const auto qx  = blocks(vx, n, in, 1, 128, Fp8Format::e4m3), qw = blocks(vw, out, in, 128, 128, Fp8Format::e4m3);
-    const auto qdy = blocks(vdy, n, out, 1, 128, Fp8Format::e5m2);
-    const auto cx = blocks(vx, n, in, 128, 1, Fp8Format::e4m3), cdy = blocks(vdy, n, out, 128, 1, Fp8Format::e5m2);
+    const auto qx  = blocks(vx, n, in, 1, kb, Fp8Format::e4m3);
+    const auto qw  = mx ? blocks(vw, out, in, 1, kb, Fp8Format::e4m3) : blocks(vw, out, in, 128, 128, Fp8Format::e4m3);
+    const auto cw  = mx ? blocks(vw, out, in, kb, 1, Fp8Format::e4m3) : qw;   // dgrad's W: along its rows (out)
+    const auto qdy = blocks(vdy, n, out, 1, kb, Fp8Format::e5m2);
+    const auto cx = blocks(vx, n, in, kb, 1, Fp8Format::e4m3), cdy = blocks(vdy, n, out, kb, 1, Fp8Format::e5m2);
     model::Linear::Context ctx;
     const Tensor y  = lin.forward(ctx, x);
     const Tensor dx = lin.backward(ctx, dy, nullptr);
     device.compute_stream().synchronize();
-    double worst_y = 0, worst_dx = 0, worst_dw = 0, worst_wrong = 0, largest_dw = 0;
+    // The other recipe's forward blocks (blockwise's for MXFP8, MXFP8's for blockwise), to show the test tells them apart.
+    const int64_t other_kb = mx ? 128 : 32;
+    auto other_blocks = [&](const std::vector<double> & v, int64_t rows, int64_t cols, int64_t br, int64_t bc,
+                            Fp8Format f = Fp8Format::e4m3) {
+        std::vector<double> q(v.size());
+        for (int64_t r0 = 0; r0 < rows; r0 += br) {
+            for (int64_t c0 = 0; c0 < cols; c0 += bc) {
+                float amax = 0;
+                for (int64_t r = r0; r < std::min(rows, r0 + br); ++r) {
+                    for (int64_t c = c0; c < std::min(cols, c0 + bc); ++c) amax = std::max(amax, static_cast<float>(std::fabs(v[r * cols + c])));
+                }
+                const float sc = !mx ? mxfp8_block_scale(amax, f) : fp8_scale_from_amax(amax, f, true);
+                for (int64_t r = r0; r < std::min(rows, r0 + br); ++r) {
+                    for (int64_t c = c0; c < std::min(cols, c0 + bc); ++c) {
+                        q[r * cols + c] = static_cast<double>(fp8_round(static_cast<float>(v[r * cols + c]) * sc, f)) / sc;
+                    }
+                }
+            }
+        }
+        return q;
+    };
+    const auto ox = other_blocks(vx, n, in, 1, other_kb);
+    const auto ow = mx ? other_blocks(vw, out, in, 128, 128) : other_blocks(vw, out, in, 1, other_kb);
+    const auto ocx = other_blocks(vx, n, in, other_kb, 1), ocdy = other_blocks(vdy, n, out, other_kb, 1, Fp8Format::e5m2);
+    double     worst_other_dw = 0;
+    double worst_y = 0, worst_dx = 0, worst_dw = 0, worst_wrong = 0, largest_dw = 0, worst_other_y = 0;
     for (int64_t r = 0; r < n; ++r) {
         for (int64_t j = 0; j < out; ++j) {
-            double acc = 0;
-            for (int64_t k = 0; k < in; ++k) acc += qx[r * in + k] * qw[j * in + k];
+            double acc = 0, other = 0;
+            for (int64_t k = 0; k < in; ++k) {
+                acc += qx[r * in + k] * qw[j * in + k];
+                other += ox[r * in + k] * ow[j * in + k];
+            }
             const double got = bf16_bits_to_f32(static_cast<uint16_t *>(y.data_ptr())[r * out + j]);
             worst_y = std::max(worst_y, std::fabs(got - acc) / std::max(std::fabs(acc), 1e-3));
+            worst_other_y = std::max(worst_other_y, std::fabs(got - other) / std::max(std::fabs(other), 1e-3));
         }
         for (int64_t k = 0; k < in; ++k) {
             double acc = 0;
-            for (int64_t j = 0; j < out; ++j) acc += qdy[r * out + j] * qw[j * in + k];
+            for (int64_t j = 0; j < out; ++j) acc += qdy[r * out + j] * cw[j * in + k];
             const double got = bf16_bits_to_f32(static_cast<uint16_t *>(dx.data_ptr())[r * in + k]);
             worst_dx = std::max(worst_dx, std::fabs(got - acc) / std::max(std::fabs(acc), 1e-6));
         }
     }
     for (int64_t j = 0; j < out; ++j) {
         for (int64_t k = 0; k < in; ++k) {
-            double acc = 0, wrong = 0;
+            double acc = 0, wrong = 0, other = 0;
             for (int64_t r = 0; r < n; ++r) {
                 acc += cdy[r * out + j] * cx[r * in + k];
                 wrong += qdy[r * out + j] * qx[r * in + k];
+                other += ocdy[r * out + j] * ocx[r * in + k];
             }
             const double got = lin.weight.main_grad.data<float>()[j * in + k];
-            worst_dw    = std::max(worst_dw, std::fabs(got - acc));
-            worst_wrong = std::max(worst_wrong, std::fabs(got - wrong));
+            worst_dw       = std::max(worst_dw, std::fabs(got - acc));
+            worst_wrong    = std::max(worst_wrong, std::fabs(got - wrong));
+            worst_other_dw = std::max(worst_other_dw, std::fabs(got - other));
             largest_dw  = std::max(largest_dw, std::fabs(acc));
         }
     }
     worst_dw /= largest_dw;   // of the gradient's largest element: sums of 200 terms of both signs
     worst_wrong /= largest_dw;
-    std::printf("[fp8 blockwise linear] worst relative error: y %.3g, dx %.3g, dW %.3g of its largest (against feature "
-                "blocks: %.3g)\n",
-                worst_y, worst_dx, worst_dw, worst_wrong);
+    worst_other_dw /= largest_dw;
+    std::printf("[%s linear] worst relative error: y %.3g, dx %.3g, dW %.3g of its largest (against feature blocks: %.3g; "
+                "against the other recipe's blocks: y %.3g, dW %.3g)\n",
+                mx ? "mxfp8" : "fp8 blockwise", worst_y, worst_dx, worst_dw, worst_wrong, worst_other_y, worst_other_dw);
     EXPECT_LT(worst_y, 1.0 / 128);
     EXPECT_LT(worst_dx, 1.0 / 128);
     EXPECT_LT(worst_dw, 1e-5);
-    EXPECT_GT(worst_wrong, 1e-3) << "the weight gradient's blocks run along the tokens";
+    // The checks can tell the rules apart: blocks along the features (the rows' two magnitudes alternate), and the
+    // other recipe's token blocks and scales (MXFP8's runs of 32 rows of one magnitude).
+    if (!mx) EXPECT_GT(worst_wrong, 1e-3) << "the weight gradient's blocks run along the tokens";
+    EXPECT_GT(worst_other_dw, 1e-3) << "the other recipe's blocks give another weight gradient";
 }
+
+TEST(Linear, Fp8BlockwiseGemmsFollowTheBlockRule) { block_scaled_linear_follows_the_rule(false); }
+
+// --fp8-recipe mxfp8: the same layer and bounds with MXFP8's blocks of 32 along each GEMM's reduction (the weight's
+// along its rows for forward, its columns for dgrad) and E8M0 scales. The rows' magnitudes alternate by runs of
+// 32: a reference with blockwise's 128-row blocks is off by 6.1e-2 of dW's largest and fails.
+TEST(Linear, Mxfp8GemmsFollowTheBlockRule) { block_scaled_linear_follows_the_rule(true); }

@@ -1034,6 +1034,8 @@ TEST(MegatronCommandLine, Fp8FlagsFollowMegatronsRules) {
     const train::TrainOptions b = parse_train({"--mock-data", "--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "blockwise",
                                                "--first-last-layers-bf16"});
     EXPECT_TRUE(b.model.fp8 && b.model.fp8_blockwise) << "blockwise takes the first and last layers in bf16, unlike delayed";
+    const train::TrainOptions mx = parse_train({"--mock-data", "--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"});
+    EXPECT_TRUE(mx.model.fp8 && mx.model.fp8_mx && !mx.model.fp8_blockwise && !mx.model.fp8_delayed);
     EXPECT_TRUE(parse_train({"--mock-data", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"}).model.fp8)
         << "an f32 model's GEMMs take FP8 too (Megatron's deepseek_proxy_fsdp tests run so)";
     const train::TrainOptions g = parse_train({"--mock-data", "--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
@@ -1072,7 +1074,9 @@ TEST(MegatronCommandLine, Fp8FlagsFollowMegatronsRules) {
          "--fp8-param-gather with --optimizer-cpu-offload is not supported by Loom"},
         {{"--bf16", "--fp8-format", "hybrid", "--first-last-layers-bf16"},
          "Delayed scaling does not support first / last layer in BF16."},
-        {{"--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"}, "--fp8-recipe mxfp8 is not supported by Loom"},
+        {{"--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "custom"}, "--fp8-recipe custom is not supported by Loom"},
+        {{"--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8", "--fp8-param-gather", "--use-distributed-optimizer"},
+         "--fp8-param-gather with --fp8-recipe mxfp8 is not supported by Loom"},
         {{"--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather"},
          "--fp8-param-gather only supported with distributed optimizer"},
         {{"--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather", "--use-distributed-optimizer",

@@ -21,10 +21,9 @@
 //                                 2^margin, and the previous s is kept when that amax is 0 or not finite
 //   blockwise                     one s per block of 1 x 128 (activations, gradients) or 128 x 128 (weights),
 //                                 each the tensorwise rule over its block, power-of-two scales by default
-//   mxfp8                         blocks of 32 along a row, each sharing an E8M0 scale 2^k, k = floor(log2(amax))
-//                                 - emax (emax = 8 for e4m3, 15 for e5m2: the element format's largest normal
-//                                 exponent), so the block's largest element lands in the top binade; the
-//                                 elements are x / 2^k cast with saturation (OCP MX v1.0, section 6.3)
+//   mxfp8                         blocks of 32 along a GEMM's reduction, each sharing an E8M0 scale: amax / fmax
+//                                 rounded up to a power of two (Transformer Engine's MXFP8 rule), so the block's
+//                                 largest element lands at or below fmax; the elements are divided by it and cast
 #pragma once
 
 #include "core/float_bits.h"
@@ -124,12 +123,25 @@ LOOM_HOST_DEVICE inline float fp8_delayed_scale(float amax, float previous, Fp8F
     return fp8_spec(f).max_value / amax / ldexpf(1.0f, margin);
 }
 
-// MXFP8's shared exponent k of a block whose amax is given: floor(log2(amax)) - emax, clamped to E8M0's
-// [-127, 127]; amax 0 gives -127 (E8M0 code 0). The block's scale is 2^k (E8M0 code k + 127).
-LOOM_HOST_DEVICE inline int mxfp8_shared_exponent(float amax, Fp8Format f) {
-    if (!(amax > 0.0f)) return -127;
-    int k = ilogbf(amax) - fp8_spec(f).emax;
-    return k < -127 ? -127 : (k > 127 ? 127 : k);
+// MXFP8's scale of a block (Transformer Engine's MXFP8BlockScaling; OCP MX's E8M0 scale type): q = amax times
+// the f32 reciprocal of the format's largest, rounded up to a power of two as its E8M0 code, the biased
+// exponent (2^(code - 127)): q's own exponent field, plus one where q has mantissa bits (not past code 254,
+// nor for a subnormal q of at most 2^-127). An amax of 0 gives code 0 (2^-127); a NaN or infinite amax, 255.
+// The block's largest element divided by the scale then lands at or below the format's largest: no saturation.
+LOOM_HOST_DEVICE inline uint32_t mxfp8_scale_code(float amax, Fp8Format f) {
+    const float q = amax * (1.0f / fp8_spec(f).max_value);
+    if (!(q == q)) return 255;
+    const uint32_t bits = float_to_bits(q) & 0x7FFFFFFFu;
+    uint32_t       code = bits >> 23;
+    const uint32_t mant = bits & 0x7FFFFFu;
+    if (mant > 0 && code != 0xFEu && code != 0xFFu && !(code == 0 && mant <= 0x400000u)) ++code;
+    return code;
+}
+
+// The factor a block's elements are multiplied by before the cast: 1 / 2^(code - 127) (NaN for code 255).
+LOOM_HOST_DEVICE inline float mxfp8_block_scale(float amax, Fp8Format f) {
+    const uint32_t code = mxfp8_scale_code(amax, f);
+    return code == 255 ? bits_to_float(0x7FC00000u) : ldexpf(1.0f, 127 - static_cast<int>(code));
 }
 
 }  // namespace loom

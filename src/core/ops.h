@@ -375,9 +375,10 @@ public:
     // --fp8-recipe blockwise: x (rows, cols; f32 or bf16) in blocks of block_rows x block_cols (the last ones
     // partial), each cast by its own power-of-two scale s = fp8_scale_from_amax(block amax, format, pow2) and
     // scaled back: q (bf16, x's shape) = fp8_round(x s) / s, exact in bf16. A GEMM of such operands with f32
-    // accumulation is the block-scaled FP8 GEMM (each product of two FP8 values is exact in f32).
+    // accumulation is the block-scaled FP8 GEMM (each product of two FP8 values is exact in f32). With `mx`
+    // (--fp8-recipe mxfp8) s is MXFP8's E8M0 rule instead, mxfp8_block_scale(block amax, format).
     virtual void fp8_quantize_blocks(Stream & s, const Tensor & x, Fp8Format format, int64_t block_rows, int64_t block_cols,
-                                     const Tensor & q) = 0;
+                                     const Tensor & q, bool mx) = 0;
     // In place: t (f32) *= 1 / d[0] (the reciprocal rounded to f32, then the product: scale's arithmetic with a
     // factor the stream holds, as a running mean over replayed graphs needs).
     virtual void scale_by_reciprocal(Stream & s, const Tensor & t, const Tensor & d) = 0;

@@ -157,6 +157,8 @@ struct GptConfig {
     // --fp8-recipe delayed (model/fp8_delayed.h): each operand's scale from its amax history of fp8_amax_history_len
     // casts, its largest (fp8_amax_max) or most recent, over 2^fp8_margin.
     bool                 fp8_delayed               = false;
+    // --fp8-recipe mxfp8: blocks of 32 along each GEMM's reduction with E8M0 scales (model::Fp8Cast::mx).
+    bool                 fp8_mx                    = false;
     int64_t              fp8_amax_history_len      = 1;
     bool                 fp8_amax_max              = false;
     int                  fp8_margin                = 0;

@@ -147,14 +147,15 @@ void fp8_product(const Tensor & a, Fp8Format fa, bool trans_a, const Tensor & b,
     Ops &               ops    = device.ops();
     Stream &            stream = device.compute_stream();
     const TensorOptions pool{MemoryKind::device, kActivationsPool};
-    if (cast.blockwise) {   // blocks along the reduction: a's columns (its rows when transposed), b's rows (columns)
-        LOOM_CHECK(b.dtype() != DType::u8, "blockwise FP8 of FP8 codes", "--fp8-param-gather keeps tensorwise codes");
-        const Tensor qa = Tensor::empty(a.shape(), DType::bf16, device, pool), qb = Tensor::empty(b.shape(), DType::bf16, device, pool);
-        ops.fp8_quantize_blocks(stream, a, fa, trans_a ? 128 : 1, trans_a ? 1 : 128, qa);
-        if (cast.b_weight) {
-            ops.fp8_quantize_blocks(stream, b, fb, 128, 128, qb);
+    if (cast.blockwise || cast.mx) {   // blocks along the reduction: a's columns (its rows when transposed), b's rows (columns)
+        LOOM_CHECK(b.dtype() != DType::u8, "block-scaled FP8 of FP8 codes", "--fp8-param-gather keeps tensorwise codes");
+        const Tensor  qa = Tensor::empty(a.shape(), DType::bf16, device, pool), qb = Tensor::empty(b.shape(), DType::bf16, device, pool);
+        const int64_t k  = cast.mx ? 32 : 128;   // MXFP8: 32 elements along the reduction, weights too
+        ops.fp8_quantize_blocks(stream, a, fa, trans_a ? k : 1, trans_a ? 1 : k, qa, cast.mx);
+        if (cast.b_weight && !cast.mx) {
+            ops.fp8_quantize_blocks(stream, b, fb, 128, 128, qb, false);
         } else {
-            ops.fp8_quantize_blocks(stream, b, fb, trans_b ? 1 : 128, trans_b ? 128 : 1, qb);
+            ops.fp8_quantize_blocks(stream, b, fb, trans_b ? 1 : k, trans_b ? k : 1, qb, cast.mx);
         }
         ops.gemm(stream, qa, trans_a, qb, trans_b, c);
         return;
@@ -177,7 +178,7 @@ void fp8_product(const Tensor & a, Fp8Format fa, bool trans_a, const Tensor & b,
 void Linear::fp8_forward_product(Context & ctx, const Tensor & x_in, const Tensor & y32) const {
     if (!fp8_forward_meta) {
         fp8_product(x_in, fp8->forward, false, weight.data, fp8->forward, true, y32, weight.fp8_scale_inv,
-                    Fp8Cast{fp8->blockwise, true});
+                    Fp8Cast{fp8->blockwise, true, fp8->mxfp8});
         return;
     }
     // Delayed: the slots' scales now, kept for backward; both amaxes recorded.
@@ -185,7 +186,7 @@ void Linear::fp8_forward_product(Context & ctx, const Tensor & x_in, const Tenso
     const Fp8Delayed::Operand d_x  = fp8_forward_meta->operand(fp8_x_slot);
     const Fp8Delayed::Operand d_w  = fp8_forward_meta->operand(fp8_x_slot + 1);
     fp8_product(x_in, fp8->forward, false, weight.data, fp8->forward, true, y32, weight.fp8_scale_inv,
-                Fp8Cast{fp8->blockwise, true}, &d_x, &d_w);
+                Fp8Cast{fp8->blockwise, true, fp8->mxfp8}, &d_x, &d_w);
 }
 
 Tensor Linear::forward(Context & ctx, const Tensor & x_rows, bool add_bias, std::optional<DType> out) {
@@ -233,7 +234,7 @@ Tensor Linear::recompute(const Context & ctx, DType out) const {
         const Fp8Delayed::Operand dw{ctx.fp8_scales.defined() ? ctx.fp8_scales.slice(1, {1}) : Tensor(), Tensor()};
         const bool                delayed = ctx.fp8_scales.defined();
         fp8_product(ctx.x, fp8->forward, false, weight.data, fp8->forward, true, y32, weight.fp8_scale_inv,
-                    Fp8Cast{fp8->blockwise, true}, delayed ? &dx : nullptr, delayed ? &dw : nullptr);
+                    Fp8Cast{fp8->blockwise, true, fp8->mxfp8}, delayed ? &dx : nullptr, delayed ? &dw : nullptr);
         ctx.x.device().ops().convert(ctx.x.device().compute_stream(), y32, y);
         return y;
     }
@@ -291,7 +292,7 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
     if (fp8) {   // dx = fp8(dy) fp8(W), then gemm_gelu_backward's contract
         const Tensor dx32 = activation(dy.device(), n, in, DType::f32);
         fp8_product(dy_in, fp8->backward, false, weight.data, fp8->forward, false, dx32, weight.fp8_scale_inv,
-                    Fp8Cast{fp8->blockwise, true}, delayed ? &d_dy : nullptr, delayed ? &d_w : nullptr);
+                    Fp8Cast{fp8->blockwise, true, fp8->mxfp8}, delayed ? &d_dy : nullptr, delayed ? &d_w : nullptr);
         ops.convert(stream, dx32, dx);
         if (gelu_input.defined() && !summed) ops.gelu_backward(stream, gelu_input, dx, dx);
     } else if (gelu_input.defined() && !summed) {
@@ -301,7 +302,7 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
     }
     if (fp8) {   // dW += fp8(dy)^T fp8(x) / (s_dy s_x)
         const Tensor dw32 = activation(dy.device(), weight.data.size(0), in, DType::f32);
-        fp8_product(dy_in, fp8->backward, true, ctx.x, fp8->forward, false, dw32, Tensor(), Fp8Cast{fp8->blockwise, false},
+        fp8_product(dy_in, fp8->backward, true, ctx.x, fp8->forward, false, dw32, Tensor(), Fp8Cast{fp8->blockwise, false, fp8->mxfp8},
                     delayed ? &d_dy_again : nullptr, delayed ? &d_x : nullptr);
         accumulate_grads(stream, {weight.main_grad}, [&](std::span<const Tensor> g) { ops.add_inplace(stream, g[0], dw32.view(g[0].shape())); });
     } else if (bias_in_gemm) {

@@ -188,6 +188,7 @@ public:
         Fp8Format forward = Fp8Format::e4m3, backward = Fp8Format::e4m3;
         bool      param_codes = false;
         bool      blockwise   = false;
+        bool      mxfp8       = false;
     };
     std::optional<Fp8>       fp8;
     void                     set_fp8(const Fp8 & formats);
@@ -208,6 +209,9 @@ public:
 struct Fp8Cast {
     bool blockwise = false;
     bool b_weight  = false;
+    // --fp8-recipe mxfp8 (Transformer Engine's MXFP8BlockScaling): every operand, weights included, in blocks of
+    // 32 along the GEMM's reduction (1 x 32, or 32 x 1 transposed) with E8M0 scales (mxfp8_block_scale).
+    bool mx        = false;
 };
 
 // c (f32) = op(fp8(a)) op(fp8(b)) / (s_a s_b): each operand cast to FP8 (format fa, fb) by its own current scale

@@ -42,7 +42,7 @@ TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & 
         mlp->recompute = c.recompute_mlp;
     }
     if (c.fp8_layer(index)) {   // every linear layer of the attention, the dense MLP and the experts
-        const Linear::Fp8 fp8{c.fp8_forward, c.fp8_backward, c.fp8_param_gather, c.fp8_blockwise};
+        const Linear::Fp8 fp8{c.fp8_forward, c.fp8_backward, c.fp8_param_gather, c.fp8_blockwise, c.fp8_mx};
         std::vector<Linear *> linears{&attention.qkv, &attention.proj};
         if (attention.mla) {
             for (auto * l : {&attention.mla->q, &attention.mla->q_down, &attention.mla->q_up, &attention.mla->kv_down,

@@ -272,7 +272,7 @@ public:
     void fp8_quantize(Stream & s, const Tensor & x, Fp8Format, const Tensor & q, const Tensor &) override {
         memory(s, "fp8_quantize", bytes_of({&x, &x, &q}));
     }
-    void fp8_quantize_blocks(Stream & s, const Tensor & x, Fp8Format, int64_t, int64_t, const Tensor & q) override {
+    void fp8_quantize_blocks(Stream & s, const Tensor & x, Fp8Format, int64_t, int64_t, const Tensor & q, bool) override {
         memory(s, "fp8_quantize_blocks", bytes_of({&x, &x, &q}));
     }
     void scale_by_reciprocal(Stream & s, const Tensor & t, const Tensor &) override {

@@ -151,8 +151,8 @@ const Flag<ModelFlags> kModelFlags[] = {
       }}},
     {"--fp8-recipe", "transformer configuration", &M::fp8_recipe,
      "the FP8 scaling: delayed (each GEMM operand's scale from its earlier casts' amax history), tensorwise (its "
-     "current amax) or blockwise (power-of-two scales per 1 x 128 block of activations and gradients, 128 x 128 of "
-     "weights), which Loom trains with; mxfp8 (docs/fp8.md)", kShowDefault},
+     "current amax), blockwise (power-of-two scales per 1 x 128 block of activations and gradients, 128 x 128 of "
+     "weights) or mxfp8 (E8M0 scales per 32 elements along each GEMM's reduction); docs/fp8.md", kShowDefault},
     {"--fp8-margin", "transformer configuration", &M::fp8_margin, "delayed scaling's margin: its scales over 2^margin",
      kShowDefault},
     {"--fp8-amax-history-len", "transformer configuration", &M::fp8_amax_history_len,
@@ -251,13 +251,14 @@ void resolve_fp8(const ModelFlags & f, TrainOptions & o) {
                "argument --fp8-amax-compute-algo: invalid choice: '" << f.fp8_amax_compute_algo
                                                                      << "' (choose from 'most_recent', 'max')", "");
     LOOM_CHECK(!(f.first_last_layers_bf16 && r == "delayed"), "Delayed scaling does not support first / last layer in BF16.", "");
-    LOOM_CHECK(r == "tensorwise" || r == "blockwise" || r == "delayed", "--fp8-recipe " << r << " is not supported by Loom",
+    LOOM_CHECK(r != "custom", "--fp8-recipe custom is not supported by Loom",
                "Loom trains FP8 with --fp8-recipe delayed (amax histories), tensorwise (each GEMM operand scaled by its "
-               "own amax) or blockwise (scaled by blocks)");
+               "own amax), blockwise (by blocks of 128) or mxfp8 (by blocks of 32 with E8M0 scales)");
     LOOM_CHECK(f.fp8_amax_history_len >= 1, "--fp8-amax-history-len must be at least 1, got " << f.fp8_amax_history_len, "");
     LOOM_CHECK(f.fp8_margin >= 0 && f.fp8_margin <= 126, "--fp8-margin must be between 0 and 126, got " << f.fp8_margin,
                "the scale is divided by 2^margin");
-    LOOM_CHECK(!(f.fp8_param_gather && r == "blockwise"), "--fp8-param-gather with --fp8-recipe blockwise is not supported by Loom",
+    LOOM_CHECK(!(f.fp8_param_gather && (r == "blockwise" || r == "mxfp8")),
+               "--fp8-param-gather with --fp8-recipe " << r << " is not supported by Loom",
                "Loom keeps FP8 codes with one scale per weight (tensorwise): drop one of them");
     LOOM_CHECK(!o.fp16, "--fp8-format with --fp16 is not supported by Loom",
                "Loom's FP8 GEMMs take bf16 or f32 weights and activations: use --bf16, or neither");
@@ -265,6 +266,7 @@ void resolve_fp8(const ModelFlags & f, TrainOptions & o) {
     m.fp8_param_gather = f.fp8_param_gather;   // its optimizer's conditions: check_fp8_param_gather
     m.fp8_blockwise    = r == "blockwise";
     m.fp8_delayed      = r == "delayed";
+    m.fp8_mx           = r == "mxfp8";
     m.fp8_amax_history_len = f.fp8_amax_history_len;
     m.fp8_amax_max         = f.fp8_amax_compute_algo == "max";
     m.fp8_margin           = static_cast<int>(f.fp8_margin);

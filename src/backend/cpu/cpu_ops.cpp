@@ -535,9 +535,9 @@ public:
     }
 
     void fp8_quantize_blocks(Stream & s, const Tensor & x, Fp8Format format, int64_t block_rows, int64_t block_cols,
-                             const Tensor & q) override {
+                             const Tensor & q, bool mx) override {
         op_checks::fp8_quantize_blocks(x, block_rows, block_cols, q);
-        s.submit([x, format, block_rows, block_cols, q] {
+        s.submit([x, format, block_rows, block_cols, q, mx] {
             const int64_t      rows = x.size(0), cols = x.size(1);
             std::vector<float> wide(static_cast<size_t>(x.numel()));
             loom::convert(x.data_ptr(), x.dtype(), wide.data(), DType::f32, x.numel());
@@ -549,7 +549,8 @@ public:
                     for (int64_t r = r0; r < r1; ++r) {
                         for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, float_to_bits(wide[r * cols + c]) & 0x7FFFFFFFu);
                     }
-                    const float scale = fp8_scale_from_amax(bits_to_float(amax), format, /*pow2=*/true);
+                    const float scale = mx ? mxfp8_block_scale(bits_to_float(amax), format)
+                                           : fp8_scale_from_amax(bits_to_float(amax), format, /*pow2=*/true);
                     for (int64_t r = r0; r < r1; ++r) {
                         for (int64_t c = c0; c < c1; ++c) {
                             out[r * cols + c] = f32_to_bf16_bits(fp8_round(wide[r * cols + c] * scale, format) / scale);

@@ -764,14 +764,14 @@ public:
     }
 
     void fp8_quantize_blocks(Stream & s, const Tensor & x, Fp8Format format, int64_t block_rows, int64_t block_cols,
-                             const Tensor & q) override {
+                             const Tensor & q, bool mx) override {
         op_checks::fp8_quantize_blocks(x, block_rows, block_cols, q);
         CudaStream &  cs     = start(s, "fp8_quantize_blocks", {x, q});
         const int64_t blocks = ((x.size(0) + block_rows - 1) / block_rows) * ((x.size(1) + block_cols - 1) / block_cols);
         Tensor        scale  = Tensor::empty({std::max<int64_t>(blocks, 1)}, DType::f32, cs.device(),
                                              TensorOptions{MemoryKind::device, kActivationsPool});
         kernels::fp8_quantize_blocks(cs.launch("fp8_quantize_blocks"), x.data_ptr(), float_kind(x.dtype()), x.size(0), x.size(1),
-                                     format, block_rows, block_cols, f32(scale), static_cast<uint16_t *>(q.data_ptr()));
+                                     format, block_rows, block_cols, f32(scale), static_cast<uint16_t *>(q.data_ptr()), mx);
         cs.launched("fp8_quantize_blocks", {x, q, scale});
     }
 

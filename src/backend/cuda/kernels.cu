@@ -184,7 +184,7 @@ __global__ void fp8_cast_kernel(const void * x, Float kind, int64_t n, const flo
 
 // One CUDA block per quantization block: its amax, then its power-of-two scale.
 __global__ void fp8_block_scale_kernel(const void * x, Float kind, int64_t rows, int64_t cols, Fp8Format format,
-                                       int64_t br, int64_t bc, float * scale) {
+                                       int64_t br, int64_t bc, float * scale, bool mx) {
     const int64_t per_row = (cols + bc - 1) / bc;
     const int64_t r0 = (blockIdx.x / per_row) * br, c0 = (blockIdx.x % per_row) * bc;
     const int64_t h = min(br, rows - r0), w = min(bc, cols - c0);
@@ -193,7 +193,10 @@ __global__ void fp8_block_scale_kernel(const void * x, Float kind, int64_t rows,
         m = fmax(m, static_cast<double>(float_to_bits(load_float(x, kind, (r0 + i / w) * cols + c0 + i % w)) & 0x7FFFFFFFu));
     }
     m = block_max(m);
-    if (threadIdx.x == 0) scale[blockIdx.x] = fp8_scale_from_amax(bits_to_float(static_cast<uint32_t>(m)), format, true);
+    if (threadIdx.x == 0) {
+        const float amax  = bits_to_float(static_cast<uint32_t>(m));
+        scale[blockIdx.x] = mx ? mxfp8_block_scale(amax, format) : fp8_scale_from_amax(amax, format, true);
+    }
 }
 
 __global__ void fp8_block_cast_kernel(const void * x, Float kind, int64_t rows, int64_t cols, Fp8Format format, int64_t br,
@@ -870,12 +873,12 @@ void fp8_quantize(cudaStream_t stream, const void * x, Float kind, int64_t n, Fp
 }
 
 void fp8_quantize_blocks(cudaStream_t stream, const void * x, Float kind, int64_t rows, int64_t cols, Fp8Format format,
-                         int64_t block_rows, int64_t block_cols, float * scale, uint16_t * q) {
+                         int64_t block_rows, int64_t block_cols, float * scale, uint16_t * q, bool mx) {
     if (rows * cols == 0) return;
     const int64_t  blocks  = ((rows + block_rows - 1) / block_rows) * ((cols + block_cols - 1) / block_cols);
     const unsigned threads = static_cast<unsigned>(std::clamp<int64_t>((block_rows * block_cols + 31) / 32 * 32, 32, kThreads));
     LOOM_LAUNCH(fp8_block_scale_kernel, static_cast<unsigned>(blocks), threads, 0, stream)(x, kind, rows, cols, format, block_rows,
-                                                                                           block_cols, scale);
+                                                                                           block_cols, scale, mx);
     LOOM_LAUNCH(fp8_block_cast_kernel, blocks_for(rows * cols), kThreads, 0, stream)(x, kind, rows, cols, format, block_rows,
                                                                                      block_cols, scale, q);
 }

@@ -42,7 +42,7 @@ void    fp8_quantize(cudaStream_t stream, const void * x, Float kind, int64_t n,
                      float * scale_inv, double * partial, float * scale);
 // Ops::fp8_quantize_blocks: scale holds one float per block of scratch.
 void    fp8_quantize_blocks(cudaStream_t stream, const void * x, Float kind, int64_t rows, int64_t cols, Fp8Format format,
-                            int64_t block_rows, int64_t block_cols, float * scale, uint16_t * q);
+                            int64_t block_rows, int64_t block_cols, float * scale, uint16_t * q, bool mx);
 // Ops::fp8_amax (partial: fp8_quantize_chunks(n) doubles of scratch), fp8_encode and fp8_decode.
 void    fp8_amax(cudaStream_t stream, const void * x, Float kind, int64_t n, double * partial, float * amax);
 void    fp8_encode(cudaStream_t stream, const float * x, int64_t n, Fp8Format format, const float * amax, uint8_t * codes,

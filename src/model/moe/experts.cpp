@@ -218,7 +218,7 @@ void Experts::gemm(const Tensor & a, Pass pass, bool trans_a, const Tensor & w, 
                    const Tensor & w_scale_inv, const Fp8Delayed::Operand * da, const Fp8Delayed::Operand * dw) const {
     if (fp8) {
         fp8_product(a, pass == Pass::forward ? fp8->forward : fp8->backward, trans_a, w, fp8->forward, trans_w, c, w_scale_inv,
-                    Fp8Cast{fp8->blockwise, true}, da, dw);
+                    Fp8Cast{fp8->blockwise, true, fp8->mxfp8}, da, dw);
     } else {
         a.device().ops().gemm(a.device().compute_stream(), a, trans_a, w, trans_w, c);
     }
@@ -233,7 +233,7 @@ void Experts::weight_grad(const Tensor & dy, const Tensor & x, const Tensor & g,
         return;
     }
     const Tensor g32 = activation(device, g.size(0), g.size(1), DType::f32);
-    fp8_product(dy, fp8->backward, true, x, fp8->forward, false, g32, Tensor(), Fp8Cast{fp8->blockwise, false}, ddy, dx);
+    fp8_product(dy, fp8->backward, true, x, fp8->forward, false, g32, Tensor(), Fp8Cast{fp8->blockwise, false, fp8->mxfp8}, ddy, dx);
     device.ops().add_inplace(stream, g, g32);
 }
 
