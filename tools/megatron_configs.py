@@ -90,6 +90,15 @@ def script_cases(src):
             assign = re.match(r'^(?:export )?([A-Z_0-9]+)=("?)([^"()$ ]*|\$\{\1:-([^}]*)\})\2$', line)
             if assign:
                 env[assign.group(1)] = assign.group(4) if assign.group(4) is not None else assign.group(3)
+            # NAME=${OTHER} (another variable's value) and NAME=$((A*B)) (integer arithmetic of variables).
+            alias = re.match(r'^(?:export )?([A-Z_0-9]+)=\$\{?([A-Z_0-9]+)\}?$', line)
+            if alias and alias.group(2) in env:
+                env[alias.group(1)] = env[alias.group(2)]
+            arith = re.match(r'^(?:export )?([A-Z_0-9]+)=\$\(\((.*)\)\)$', line)
+            if arith:
+                expr = re.sub(r"\$\{?([A-Z_0-9]+)\}?", lambda m: env.get(m.group(1), "x"), arith.group(2))
+                if re.fullmatch(r"[0-9+*\- ]+", expr):
+                    env[arith.group(1)] = str(eval(expr))
             if re.match(r"^[A-Z_]+=\(", line):
                 inside, skip = True, line.startswith("DISTRIBUTED_ARGS")
                 line = line.split("(", 1)[1]
