@@ -675,6 +675,47 @@ TEST(CudaOps, Fp8QuantizeAndScaleByProductAreBitwiseTheCpus) {
 // the formats' definition); fp8_amax folds pieces into one amax; fp8_encode with that amax on the hand-worked
 // case (x = (1, -3.5, 0.3, 2): s = 128, values (128, -448, 40, 256)); and encode then decode is fp8_quantize's q
 // to the bit. Then the CUDA kernels bitwise the CPU's over several amax chunks, both formats.
+// The shared expert's gate (--moe-shared-expert-gate). By hand: logit 0 gives 1/2, ln 3 gives 3/4; a row (2, -4)
+// with logit 0 becomes (1, -2); its backward from dy = (1, 1) and m = (2, -4): dm = (0.5, 0.5), dlogit = (2 - 4)
+// x 1/4 = -0.5. Then rows of 37 columns on both devices: the same f32 operations in the same order, exp
+// against the device's expf, within 1e-6; dm may be dy itself.
+TEST(CudaOps, SharedExpertGateMatchesTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    Tensor y = cpu_tensor({2, 2}), logits = cpu_tensor({2});
+    write_values_f32(y, std::vector<float>{2.0f, -4.0f, 4.0f, 8.0f});
+    write_values_f32(logits, std::vector<float>{0.0f, std::log(3.0f)});
+    Tensor m = clone_cpu(y);
+    cops().sigmoid_gate_forward(cs(), y, logits);
+    cs().synchronize();
+    EXPECT_EQ(y.data<float>()[0], 1.0f);
+    EXPECT_EQ(y.data<float>()[1], -2.0f);
+    EXPECT_NEAR(y.data<float>()[2], 3.0f, 1e-6);
+    Tensor dy = cpu_tensor({2, 2}), dm = cpu_tensor({2, 2}), dl = cpu_tensor({2});
+    write_values_f32(dy, std::vector<float>{1.0f, 1.0f, 0.0f, 0.0f});
+    cops().sigmoid_gate_backward(cs(), dy, m, logits, dm, dl);
+    cs().synchronize();
+    EXPECT_EQ(dm.data<float>()[0], 0.5f);
+    EXPECT_EQ(dl.data<float>()[0], -0.5f);
+    EXPECT_EQ(dl.data<float>()[1], 0.0f);
+    for (const bool in_place : {false, true}) {
+        const Tensor ym = random_cpu({70, 37}, 4901, 3.0f), lg = random_cpu({70}, 4902, 4.0f), g = random_cpu({70, 37}, 4903);
+        Tensor yc = clone_cpu(ym), yg = to_gpu(ym);
+        cops().sigmoid_gate_forward(cs(), yc, lg);
+        gops().sigmoid_gate_forward(gs(), yg, to_gpu(lg));
+        Tensor dmc = in_place ? clone_cpu(g) : cpu_tensor({70, 37}), dlc = cpu_tensor({70});
+        Tensor dyg = to_gpu(g), dmg = in_place ? dyg : Tensor::empty({70, 37}, DType::f32, gpu());
+        Tensor dlg = Tensor::empty({70}, DType::f32, gpu());
+        const Tensor dyc = in_place ? dmc : g;
+        cops().sigmoid_gate_backward(cs(), dyc, ym, lg, dmc, dlc);
+        cs().synchronize();
+        gops().sigmoid_gate_backward(gs(), dyg, to_gpu(ym), to_gpu(lg), dmg, dlg);
+        const std::string what = in_place ? "in place" : "apart";
+        expect_close(yc, to_cpu(yg), 1e-6, what + ": y");
+        expect_close(dmc, to_cpu(dmg), 1e-6, what + ": dm");
+        expect_close(dlc, to_cpu(dlg), 1e-5, what + ": dlogits");
+    }
+}
+
 // --fp8-recipe delayed's two ops. The update by hand: a history of 3 rows over 5 operands (row 0 the newest
 // amaxes), margin 1, e4m3. Operand 0's column (2, 4, 1): max 4, s = 448 / 4 / 2 = 56; most_recent 2, s = 112.
 // Operand 1's row 0 is 0: max takes the rows below (8: s 28); most_recent keeps the

@@ -950,6 +950,12 @@ TEST(MoELayer, GradientsMatchFiniteDifferences) {
         cases.push_back({"quick geglu grouped bias", true, true, true, m, false, true});
     }
     {
+        MoeConfig m;   // Qwen3-Next's shared expert gate: SwiGLU grouped beside a gated shared expert
+        m.num_experts = 4, m.topk = 2, m.aux_loss_coeff = 0.5f, m.grouped_gemm = true;
+        m.shared_expert_intermediate_size = 6, m.shared_expert_gate = true;
+        cases.push_back({"swiglu grouped gated shared", true, false, true, m});
+    }
+    {
         MoeConfig m;   // DeepSeek-V3's router: sigmoid top-2 with an expert bias, in 2 groups of 2 (group top-1)
         m.num_experts = 4, m.topk = 2, m.score_function = MoeScoreFunction::sigmoid, m.aux_loss_coeff = 0.5f;
         m.expert_bias = true, m.num_groups = 2, m.group_topk = 1;

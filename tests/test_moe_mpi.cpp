@@ -67,6 +67,10 @@ train::TrainOptions moe_options(model::MoeDispatcher dispatcher = model::MoeDisp
         moe.bias_update_rate = 1e-2f;
         moe.num_groups       = 2;
         moe.group_topk       = 1;
+        // Beside a shared expert with Qwen3-Next's gate: its weight whole on every TP rank, fed the rank's rows
+        // (sequence parallelism), its gradient summed over TP.
+        moe.shared_expert_intermediate_size = 8;
+        moe.shared_expert_gate              = true;
         // Each update moves a bias by +-rate (0 only where the loads are exactly even): after an odd number of
         // them none is 0 (the two groups' loads swap places nearly every iteration, so after an even number
         // most are).
@@ -409,7 +413,8 @@ TEST(ExpertParallel, SinkhornWithEp2FollowsTheSingleRankRun) {
 }
 
 // Aux-loss-free balancing and group-limited routing (DeepSeek-V3's router) with every rank routing its own
-// rows: the token counts are summed over TP x DP (the world here) before each bias update.
+// rows: the token counts are summed over TP x DP (the world here) before each bias update. A gated shared expert
+// (--moe-shared-expert-gate) beside the routed ones.
 TEST(ExpertParallel, ExpertBiasWithEp2AndTp2SpFollowsTheSingleRankRun) {
     if (g_mpi->world_size() != 4) GTEST_SKIP() << "needs 4 ranks (tp 2 x dp 2; etp 1 x ep 2 x edp 2)";
     Layout l      = tp2_sp(model::MoeDispatcher::alltoall, 1);

@@ -701,6 +701,15 @@ inline void fp8_quantize_scaled(const Tensor & x, const Tensor & scale, const Te
                "fp8_quantize_scaled: scale " << (scale.defined() ? scale.describe() : std::string("missing")), "one f32 scale");
 }
 
+// The shared expert's gate: y, dy, m, dm (n, h) f32; logits, dlogits (n) f32.
+inline void sigmoid_gate(const Tensor & y, const Tensor & logits, const char * op) {
+    LOOM_CHECK(y.defined() && y.dtype() == DType::f32 && y.dim() == 2 && logits.defined() && logits.dtype() == DType::f32 &&
+                   logits.numel() == y.size(0),
+               op << ": y " << (y.defined() ? y.describe() : std::string("missing")) << ", logits "
+                  << (logits.defined() ? logits.describe() : std::string("missing")),
+               "y (n, h) f32 and one f32 logit per row");
+}
+
 // history (len, n) f32, scale (n) f32.
 inline void fp8_delayed_update(const Tensor & history, const Tensor & scale) {
     LOOM_CHECK(history.defined() && history.dtype() == DType::f32 && history.dim() == 2 && history.size(0) >= 1 &&

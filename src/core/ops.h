@@ -419,6 +419,12 @@ public:
                                      float loss_scale, const Tensor & dlogits) = 0;
     // Aux-loss-free balancing's bookkeeping. load (E) f32 += tokens_per_expert (E) i64 (a dispatch plan's).
     virtual void moe_count_tokens(Stream & s, const Tensor & tokens_per_expert, const Tensor & load) = 0;
+    // A shared expert's gate (--moe-shared-expert-gate), f32: y (n, h) row r times sigmoid(logits[r]), in place
+    // (sigmoid(v) = 1 / (1 + e^-v) in f32). Backward from dy and the ungated m (both (n, h)): dm = dy sigmoid(logit)
+    // (dm may be dy), dlogits[r] = (sum over j of dy m, in j order) s (1 - s).
+    virtual void sigmoid_gate_forward(Stream & s, const Tensor & y, const Tensor & logits) = 0;
+    virtual void sigmoid_gate_backward(Stream & s, const Tensor & dy, const Tensor & m, const Tensor & logits, const Tensor & dm,
+                                       const Tensor & dlogits) = 0;
     // For every row r of load and bias (R, E) f32: bias[r, e] += rate * sign(mean over e of load[r] - load[r, e])
     // (sign 0 at 0; the mean in double), then load = 0. Megatron's get_updated_expert_bias.
     virtual void moe_expert_bias_update(Stream & s, const Tensor & load, const Tensor & bias, float rate) = 0;

@@ -279,6 +279,13 @@ public:
         memory(s, "scale_by_reciprocal", bytes_of({&t, &t}));
     }
     void fp8_amax(Stream & s, const Tensor & x, const Tensor &) override { memory(s, "fp8_amax", bytes_of({&x})); }
+    void sigmoid_gate_forward(Stream & s, const Tensor & y, const Tensor & logits) override {
+        memory(s, "sigmoid_gate_forward", bytes_of({&y, &y, &logits}));
+    }
+    void sigmoid_gate_backward(Stream & s, const Tensor & dy, const Tensor & m, const Tensor & logits, const Tensor & dm,
+                               const Tensor & dlogits) override {
+        memory(s, "sigmoid_gate_backward", bytes_of({&dy, &m, &logits, &dm, &dlogits}));
+    }
     void fp8_quantize_scaled(Stream & s, const Tensor & x, Fp8Format, const Tensor &, const Tensor & q, const Tensor &) override {
         memory(s, "fp8_quantize_scaled", bytes_of({&x, &q}));
     }

@@ -36,7 +36,7 @@ const std::map<std::string, json> & later_args() {
                                                          {"glu_linear_offset", 0.0},
                                                          {"activation_func_clamp_value", nullptr},
                                                          {"window_size", nullptr}, {"window_attn_skip_freq", nullptr},
-                                                         {"softmax_type", "vanilla"}};
+                                                         {"softmax_type", "vanilla"}, {"moe_shared_expert_gate", false}};
     return defaults;
 }
 
@@ -381,6 +381,7 @@ void apply_checkpoint_args(model::GptConfig & m, const checkpoint::Index & index
         m.moe.ffn_hidden_size = integer("moe_ffn_hidden_size", saved_or_dense(a, "moe_ffn_hidden_size"));
         const json shared     = saved_or_dense(a, "moe_shared_expert_intermediate_size");
         m.moe.shared_expert_intermediate_size = shared.is_null() ? 0 : integer("moe_shared_expert_intermediate_size", shared);
+        m.moe.shared_expert_gate = flag("moe_shared_expert_gate", saved_or_dense(a, "moe_shared_expert_gate"));
         m.moe.grouped_gemm = flag("moe_grouped_gemm", saved_or_dense(a, "moe_grouped_gemm"));
     }
 }

@@ -105,6 +105,7 @@ void resolve_recompute(const RecomputeFlags & f, const Given & given, model::Gpt
 // --num-experts and --moe-* (flags_moe.cpp), resolved into model.moe.
 struct MoeFlags {
     int64_t                  num_experts = 0, topk = 2, ffn = 0, shared_ffn = 0;
+    bool                     shared_gate = false;   // --moe-shared-expert-gate
     std::string              layer_freq = "1", score_function = "softmax", drop_policy = "probs";
     std::string              dispatcher = "allgather";
     std::string              router_dtype;   // --moe-router-dtype ("": None, the model's dtype)

@@ -71,6 +71,10 @@ const Flag<MoeFlags> kMoeFlags[] = {
           const int64_t shared = o.model.moe.shared_expert_intermediate_size;
           return shared > 0 ? json(shared) : json(nullptr);
       }, true}},
+    {"--moe-shared-expert-gate", kLoomGroup, &E::shared_gate,
+     "the shared expert's output scaled by sigmoid(x w) of its input (Qwen3-Next; no effect without a shared expert, "
+     "as in Megatron)", kPlain,
+     {"moe_shared_expert_gate", [](const TrainOptions & o) -> json { return o.model.moe.shared_expert_gate; }, true}},
     {"--moe-token-dispatcher-type", kLoomGroup, &E::dispatcher,
      "how tokens reach the expert-parallel ranks' experts: allgather (gather every rank's tokens, reduce-scatter "
      "the outputs) or alltoall (send each token to its experts' ranks); with --expert-model-parallel-size 1 "
@@ -139,6 +143,7 @@ void resolve_moe(const MoeFlags & f, const Given & given, TrainOptions & o) {
     moe.ffn_hidden_size = f.ffn;
     moe.grouped_gemm    = f.grouped_gemm;
     moe.shared_expert_intermediate_size = f.shared_ffn;
+    moe.shared_expert_gate              = f.shared_gate && f.shared_ffn > 0;   // Megatron's MoE layer reads it with one
     LOOM_CHECK(f.dispatcher == "allgather" || f.dispatcher == "alltoall" || f.dispatcher == "flex",
                "argument --moe-token-dispatcher-type: invalid choice: '" << f.dispatcher
                                                                          << "' (choose from 'allgather', 'alltoall', 'flex')", "");

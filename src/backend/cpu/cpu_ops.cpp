@@ -498,6 +498,42 @@ public:
         });
     }
 
+    void sigmoid_gate_forward(Stream & s, const Tensor & y, const Tensor & logits) override {
+        op_checks::sigmoid_gate(y, logits, "sigmoid_gate_forward");
+        s.submit([y, logits] {
+            const int64_t n = y.size(0), h = y.size(1);
+            parallel_for(n, 16, [&](int64_t begin, int64_t end) {
+                for (int64_t r = begin; r < end; ++r) {
+                    const float g = 1.0f / (1.0f + std::exp(-f32(logits)[r]));
+                    float *     row = f32(y) + r * h;
+                    for (int64_t j = 0; j < h; ++j) row[j] *= g;
+                }
+            });
+        });
+    }
+
+    void sigmoid_gate_backward(Stream & s, const Tensor & dy, const Tensor & m, const Tensor & logits, const Tensor & dm,
+                               const Tensor & dlogits) override {
+        op_checks::sigmoid_gate(dy, logits, "sigmoid_gate_backward");
+        op_checks::sigmoid_gate(m, logits, "sigmoid_gate_backward");
+        op_checks::sigmoid_gate(dm, dlogits, "sigmoid_gate_backward");
+        s.submit([dy, m, logits, dm, dlogits] {
+            const int64_t n = dy.size(0), h = dy.size(1);
+            parallel_for(n, 16, [&](int64_t begin, int64_t end) {
+                for (int64_t r = begin; r < end; ++r) {
+                    const float   g  = 1.0f / (1.0f + std::exp(-f32(logits)[r]));
+                    const float * d  = f32(dy) + r * h;
+                    const float * mv = f32(m) + r * h;
+                    float         sum = 0.0f;
+                    for (int64_t j = 0; j < h; ++j) sum += d[j] * mv[j];
+                    f32(dlogits)[r] = sum * (g * (1.0f - g));
+                    float * out = f32(dm) + r * h;
+                    for (int64_t j = 0; j < h; ++j) out[j] = d[j] * g;
+                }
+            });
+        });
+    }
+
     void fp8_quantize_scaled(Stream & s, const Tensor & x, Fp8Format format, const Tensor & scale, const Tensor & q,
                              const Tensor & scale_inv) override {
         op_checks::fp8_quantize_scaled(x, scale, q, scale_inv);

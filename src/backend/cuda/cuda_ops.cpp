@@ -775,6 +775,24 @@ public:
         cs.launched("fp8_quantize_blocks", {x, q, scale});
     }
 
+    void sigmoid_gate_forward(Stream & s, const Tensor & y, const Tensor & logits) override {
+        op_checks::sigmoid_gate(y, logits, "sigmoid_gate_forward");
+        CudaStream & cs = start(s, "sigmoid_gate_forward", {y, logits});
+        kernels::sigmoid_gate_forward(cs.launch("sigmoid_gate_forward"), f32(y), f32(logits), y.size(0), y.size(1));
+        cs.launched("sigmoid_gate_forward", {y, logits});
+    }
+
+    void sigmoid_gate_backward(Stream & s, const Tensor & dy, const Tensor & m, const Tensor & logits, const Tensor & dm,
+                               const Tensor & dlogits) override {
+        op_checks::sigmoid_gate(dy, logits, "sigmoid_gate_backward");
+        op_checks::sigmoid_gate(m, logits, "sigmoid_gate_backward");
+        op_checks::sigmoid_gate(dm, dlogits, "sigmoid_gate_backward");
+        CudaStream & cs = start(s, "sigmoid_gate_backward", {dy, m, logits, dm, dlogits});
+        kernels::sigmoid_gate_backward(cs.launch("sigmoid_gate_backward"), f32(dy), f32(m), f32(logits), f32(dm), f32(dlogits),
+                                       dy.size(0), dy.size(1));
+        cs.launched("sigmoid_gate_backward", {dy, m, logits, dm, dlogits});
+    }
+
     void fp8_quantize_scaled(Stream & s, const Tensor & x, Fp8Format format, const Tensor & scale, const Tensor & q,
                              const Tensor & scale_inv) override {
         op_checks::fp8_quantize_scaled(x, scale, q, scale_inv);

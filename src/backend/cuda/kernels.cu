@@ -224,6 +224,25 @@ __global__ void fp8_encode_kernel(const float * x, int64_t n, Fp8Format format, 
     LOOM_GRID_STRIDE(i, n) codes[i] = fp8_from_f32(__fmul_rn(x[i], s), format);
 }
 
+// One thread per row, as the CPU's loops (its sum in j order).
+__global__ void sigmoid_gate_forward_kernel(float * y, const float * logits, int64_t n, int64_t h) {
+    LOOM_GRID_STRIDE(r, n) {
+        const float g = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-logits[r])));
+        for (int64_t j = 0; j < h; ++j) y[r * h + j] = __fmul_rn(y[r * h + j], g);
+    }
+}
+
+__global__ void sigmoid_gate_backward_kernel(const float * dy, const float * m, const float * logits, float * dm,
+                                             float * dlogits, int64_t n, int64_t h) {
+    LOOM_GRID_STRIDE(r, n) {
+        const float g   = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-logits[r])));
+        float       sum = 0.0f;
+        for (int64_t j = 0; j < h; ++j) sum = __fadd_rn(sum, __fmul_rn(dy[r * h + j], m[r * h + j]));
+        dlogits[r] = __fmul_rn(sum, __fmul_rn(g, __fsub_rn(1.0f, g)));
+        for (int64_t j = 0; j < h; ++j) dm[r * h + j] = __fmul_rn(dy[r * h + j], g);
+    }
+}
+
 __global__ void fp8_scale_inv_kernel(const float * scale, float * scale_inv) {
     if (threadIdx.x == 0 && blockIdx.x == 0) scale_inv[0] = __fdiv_rn(1.0f, scale[0]);
 }
@@ -893,6 +912,15 @@ void fp8_amax(cudaStream_t stream, const void * x, Float kind, int64_t n, double
 void fp8_encode(cudaStream_t stream, const float * x, int64_t n, Fp8Format format, const float * amax, uint8_t * codes,
                 float * scale_inv) {
     LOOM_LAUNCH(fp8_encode_kernel, std::max(blocks_for(n), 1), kThreads, 0, stream)(x, n, format, amax, codes, scale_inv);
+}
+
+void sigmoid_gate_forward(cudaStream_t stream, float * y, const float * logits, int64_t n, int64_t h) {
+    if (n > 0) LOOM_LAUNCH(sigmoid_gate_forward_kernel, blocks_for(n), kThreads, 0, stream)(y, logits, n, h);
+}
+
+void sigmoid_gate_backward(cudaStream_t stream, const float * dy, const float * m, const float * logits, float * dm,
+                           float * dlogits, int64_t n, int64_t h) {
+    if (n > 0) LOOM_LAUNCH(sigmoid_gate_backward_kernel, blocks_for(n), kThreads, 0, stream)(dy, m, logits, dm, dlogits, n, h);
 }
 
 void fp8_quantize_scaled(cudaStream_t stream, const void * x, Float kind, int64_t n, Fp8Format format, const float * scale,

@@ -48,6 +48,10 @@ void    fp8_amax(cudaStream_t stream, const void * x, Float kind, int64_t n, dou
 void    fp8_encode(cudaStream_t stream, const float * x, int64_t n, Fp8Format format, const float * amax, uint8_t * codes,
                    float * scale_inv);
 void    fp8_decode(cudaStream_t stream, const uint8_t * codes, int64_t n, Fp8Format format, uint16_t * q);
+// Ops::sigmoid_gate_forward and _backward: y, dy, m, dm (n, h); logits, dlogits (n).
+void    sigmoid_gate_forward(cudaStream_t stream, float * y, const float * logits, int64_t n, int64_t h);
+void    sigmoid_gate_backward(cudaStream_t stream, const float * dy, const float * m, const float * logits, float * dm,
+                              float * dlogits, int64_t n, int64_t h);
 // Ops::fp8_quantize_scaled and Ops::fp8_delayed_update (history: len rows of n).
 void    fp8_quantize_scaled(cudaStream_t stream, const void * x, Float kind, int64_t n, Fp8Format format, const float * scale,
                             uint16_t * q, float * scale_inv);

@@ -96,6 +96,10 @@ MoELayer::MoELayer(const std::string & name, const GptConfig & config, const Moe
     if (moe.shared_expert_intermediate_size > 0) {
         shared_expert            = std::make_unique<Mlp>(name + ".shared_experts", shared_config, device, tensor_parallel);
         shared_expert->recompute = config.recompute_shared_experts;
+        if (moe.shared_expert_gate) {
+            shared_gate = parameter_create(name + ".shared_experts.gate_weight", {1, config.hidden_size}, config.params_dtype, device);
+            tensor_parallel.replicated(*shared_gate);
+        }
     }
 }
 
@@ -105,6 +109,7 @@ void MoELayer::init(uint64_t seed, float std, float output_std) {
     router.init(seed, std);
     experts.init(seed, std, output_std);
     if (shared_expert) shared_expert->init(seed, std, output_std);
+    if (shared_gate) parameter_init_normal(*shared_gate, seed, std);   // Megatron's init_method
 }
 
 void MoELayer::set_fp8(const Linear::Fp8 & formats) {
@@ -127,6 +132,7 @@ void MoELayer::parameters(std::vector<Parameter *> & out) {
     router.parameters(out);
     experts.parameters(out);
     if (shared_expert) shared_expert->parameters(out);
+    if (shared_gate) out.push_back(&*shared_gate);
 }
 
 Tensor MoELayer::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, bool training) {
@@ -145,7 +151,24 @@ Tensor MoELayer::forward_experts(Context & ctx, const Tensor & x) {
     Tensor y = ep.exchange_size() == 1                    ? local_forward(ctx, x)
                : moe.dispatcher == MoeDispatcher::alltoall ? alltoall_forward(ctx, x)
                                                            : allgather_forward(ctx, x);
-    if (shared_expert) x.device().ops().add_inplace(x.device().compute_stream(), y, shared_expert->forward(ctx.shared, x));
+    if (!shared_expert) return y;
+    Ops &        ops    = x.device().ops();
+    Stream &     stream = x.device().compute_stream();
+    const Tensor m      = shared_expert->forward(ctx.shared, x);
+    if (!shared_gate) {
+        ops.add_inplace(stream, y, m);
+        return y;
+    }
+    // y += m sigmoid(x w): the logits one GEMM (n, h) x (h, 1), then the rows scaled.
+    const int64_t n = x.size(0);
+    ctx.shared_x      = x;
+    ctx.shared_m      = m;
+    ctx.shared_logits = activation(x.device(), n, 1, DType::f32);
+    ops.gemm(stream, x, false, parameter_f32(*shared_gate), true, ctx.shared_logits);
+    const Tensor gated = activation(x.device(), n, x.size(1), DType::f32);
+    ops.copy(stream, m, gated);
+    ops.sigmoid_gate_forward(stream, gated, ctx.shared_logits.view({n}));
+    ops.add_inplace(stream, y, gated);
     return y;
 }
 
@@ -203,7 +226,19 @@ void MoELayer::backward_experts(Context & ctx, const Tensor & dy, const GradRead
     dx = ep.exchange_size() == 1                    ? local_backward(ctx, dy, dprobs, ready)
          : moe.dispatcher == MoeDispatcher::alltoall ? alltoall_backward(ctx, dy, dprobs, ready)
                                                      : allgather_backward(ctx, dy, dprobs, ready);
-    if (shared_expert) ops.add_inplace(stream, dx, shared_expert->backward(ctx.shared, dy, ready));
+    if (shared_expert && !shared_gate) ops.add_inplace(stream, dx, shared_expert->backward(ctx.shared, dy, ready));
+    if (shared_gate) {   // dm = dy s, d logits = rowsum(dy m) s (1 - s); dx += dlogits w, dw += dlogits^T x
+        const int64_t n = dy.size(0);
+        const Tensor  dm = activation(dy.device(), n, dy.size(1), DType::f32), dlogits = activation(dy.device(), n, 1, DType::f32);
+        ops.sigmoid_gate_backward(stream, dy, ctx.shared_m, ctx.shared_logits.view({n}), dm, dlogits.view({n}));
+        ops.add_inplace(stream, dx, shared_expert->backward(ctx.shared, dm, ready));
+        ops.gemm(stream, dlogits, false, parameter_f32(*shared_gate), false, dx, /*accumulate=*/true);
+        accumulate_grads(stream, {shared_gate->main_grad}, [&](std::span<const Tensor> g) {
+            ops.gemm(stream, dlogits, true, ctx.shared_x, false, g[0], /*accumulate=*/true);
+        });
+        if (ready) ready(*shared_gate);
+        ctx.shared_x = ctx.shared_m = ctx.shared_logits = Tensor();
+    }
     ctx.plan     = DispatchPlan();
     ctx.gathered = DispatchPlan();
     ctx.yp       = Tensor();

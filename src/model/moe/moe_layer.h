@@ -75,6 +75,7 @@ struct MoeLayerContext {
     Experts::Context experts;
     Mlp::Context     shared;
     Tensor           yp;         // (R, h) the experts' outputs, for the probabilities' gradient
+    Tensor           shared_x, shared_m, shared_logits;   // --moe-shared-expert-gate: its input, ungated output, logits
     int64_t          rows = 0;   // R
     // Expert parallelism:
     std::vector<int64_t> send_rows, recv_rows;   // alltoall: rows to each EP rank, from each exchange rank
@@ -137,6 +138,9 @@ public:
     Router                  router;
     Experts                 experts;
     std::unique_ptr<Mlp>    shared_expert;   // with --moe-shared-expert-intermediate-size
+    // --moe-shared-expert-gate (Qwen3-Next; Megatron's SharedExpertMLP.gate_weight, (1, h)): the shared expert's
+    // output scaled row by row by sigmoid(x w), x its input. Whole on every TP rank, fed its own rows under SP.
+    std::optional<Parameter> shared_gate;
 
 private:
     // The routed experts' part of the output (and its backward) by dispatcher.

@@ -36,6 +36,7 @@ struct MoeConfig {
     int64_t          ffn_hidden_size      = 0;       // --moe-ffn-hidden-size (0: --ffn-hidden-size)
     bool             grouped_gemm         = false;   // --moe-grouped-gemm
     int64_t          shared_expert_intermediate_size = 0;   // --moe-shared-expert-intermediate-size (0: none)
+    bool             shared_expert_gate = false;   // --moe-shared-expert-gate: the shared expert's output times sigmoid(x w)
     MoeDispatcher    dispatcher           = MoeDispatcher::allgather;   // --moe-token-dispatcher-type
     // --moe-router-dtype: the gate's GEMMs and the logits in f32 or f64 (nullopt: the model's dtype's GEMM
     // operands into f32 logits).
