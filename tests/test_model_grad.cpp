@@ -1107,6 +1107,14 @@ TEST(FusedKernels, ResidualPlusNormEqualsAddThenNorm) {
     EXPECT_EQ(s1, s2);
 }
 
+// A (rows, cols) bf16 CPU tensor of N(0, scale^2) draws, each rounded once.
+static Tensor bf16_normal(std::mt19937 & rng, int64_t rows, int64_t cols, float scale) {
+    std::normal_distribution<float> normal;
+    Tensor                          t = Tensor::empty({rows, cols}, DType::bf16, cpu::device());
+    for (int64_t i = 0; i < rows * cols; ++i) static_cast<uint16_t *>(t.data_ptr())[i] = f32_to_bf16_bits(scale * normal(rng));
+    return t;
+}
+
 // FP8 GEMMs in a linear layer (--fp8-format, tensorwise): forward, the input's gradient and the weight's
 // against the rule written out here in double with core/fp8.h's casts: each operand cast to FP8 by its own
 // scale fmax / amax, the exact products summed and divided by both scales. Forward and dx are rounded once
@@ -1119,13 +1127,8 @@ TEST(Linear, Fp8GemmsFollowTheCastRuleForwardAndBackward) {
     lin.init(5, 0.3f);
     for (int64_t j = 0; j < out; ++j) static_cast<uint16_t *>(lin.bias.data.data_ptr())[j] = f32_to_bf16_bits(0.01f * static_cast<float>(j));
     lin.fp8 = model::Linear::Fp8{Fp8Format::e4m3, Fp8Format::e5m2};
-    std::mt19937                     rng(3);
-    std::normal_distribution<float>  normal;
-    auto bf16_tensor = [&](int64_t rows, int64_t cols, float scale) {
-        Tensor t = Tensor::empty({rows, cols}, DType::bf16, device);
-        for (int64_t i = 0; i < rows * cols; ++i) static_cast<uint16_t *>(t.data_ptr())[i] = f32_to_bf16_bits(scale * normal(rng));
-        return t;
-    };
+    std::mt19937 rng(3);
+    auto         bf16_tensor = [&](int64_t rows, int64_t cols, float scale) { return bf16_normal(rng, rows, cols, scale); };
     const Tensor x = bf16_tensor(n, in, 2.0f), dy = bf16_tensor(n, out, 1e-3f);
     // The cast of a tensor: its values times s = fmax / amax, each to the nearest FP8 value; and 1 / s.
     auto cast = [](const Tensor & t, Fp8Format f, std::vector<double> & q) {
@@ -1193,13 +1196,8 @@ TEST(Linear, Fp8DelayedScalingCastsByTheAmaxHistory) {
     lin.set_fp8_delayed(metas);
     metas.forward->allocate(device);
     metas.backward->allocate(device);
-    std::mt19937                    rng(5);
-    std::normal_distribution<float> normal;
-    auto bf16_tensor = [&](int64_t rows, int64_t cols, float scale) {
-        Tensor t = Tensor::empty({rows, cols}, DType::bf16, device);
-        for (int64_t i = 0; i < rows * cols; ++i) static_cast<uint16_t *>(t.data_ptr())[i] = f32_to_bf16_bits(scale * normal(rng));
-        return t;
-    };
+    std::mt19937 rng(5);
+    auto         bf16_tensor = [&](int64_t rows, int64_t cols, float scale) { return bf16_normal(rng, rows, cols, scale); };
     auto value = [](const Tensor & t, int64_t i) { return bf16_bits_to_f32(static_cast<const uint16_t *>(t.data_ptr())[i]); };
     auto amax_of = [&](const Tensor & t) {
         float a = 0;
@@ -1316,7 +1314,8 @@ static void block_scaled_linear_follows_the_rule(bool mx) {
     for (int64_t i = 0; i < out * in; ++i) vw[i] = bf16_bits_to_f32(static_cast<uint16_t *>(lin.weight.data.data_ptr())[i]);
     // Each block's values cast by s = the power of two at or below fmax / amax (MXFP8: the reciprocal of amax / fmax
     // rounded up to a power of two), and divided by it again.
-    auto blocks = [mx](const std::vector<double> & v, int64_t rows, int64_t cols, int64_t br, int64_t bc, Fp8Format f) {
+    auto cast_blocks = [](const std::vector<double> & v, int64_t rows, int64_t cols, int64_t br, int64_t bc, Fp8Format f,
+                          bool mx_rule) {
         std::vector<double> q(v.size());
         for (int64_t r0 = 0; r0 < rows; r0 += br) {
             for (int64_t c0 = 0; c0 < cols; c0 += bc) {
@@ -1324,7 +1323,7 @@ static void block_scaled_linear_follows_the_rule(bool mx) {
                 for (int64_t r = r0; r < std::min(rows, r0 + br); ++r) {
                     for (int64_t c = c0; c < std::min(cols, c0 + bc); ++c) amax = std::max(amax, static_cast<float>(std::fabs(v[r * cols + c])));
                 }
-                const float s = mx ? mxfp8_block_scale(amax, f) : fp8_scale_from_amax(amax, f, true);
+                const float s = mx_rule ? mxfp8_block_scale(amax, f) : fp8_scale_from_amax(amax, f, true);
                 for (int64_t r = r0; r < std::min(rows, r0 + br); ++r) {
                     for (int64_t c = c0; c < std::min(cols, c0 + bc); ++c) {
                         q[r * cols + c] = static_cast<double>(fp8_round(static_cast<float>(v[r * cols + c]) * s, f)) / s;
@@ -1333,6 +1332,9 @@ static void block_scaled_linear_follows_the_rule(bool mx) {
             }
         }
         return q;
+    };
+    auto blocks = [&](const std::vector<double> & v, int64_t rows, int64_t cols, int64_t br, int64_t bc, Fp8Format f) {
+        return cast_blocks(v, rows, cols, br, bc, f, mx);
     };
     const auto qx  = blocks(vx, n, in, 1, kb, Fp8Format::e4m3);
     const auto qw  = mx ? blocks(vw, out, in, 1, kb, Fp8Format::e4m3) : blocks(vw, out, in, 128, 128, Fp8Format::e4m3);
@@ -1346,24 +1348,7 @@ static void block_scaled_linear_follows_the_rule(bool mx) {
     // The other recipe's forward blocks (blockwise's for MXFP8, MXFP8's for blockwise), to show the test tells them apart.
     const int64_t other_kb = mx ? 128 : 32;
     auto other_blocks = [&](const std::vector<double> & v, int64_t rows, int64_t cols, int64_t br, int64_t bc,
-                            Fp8Format f = Fp8Format::e4m3) {
-        std::vector<double> q(v.size());
-        for (int64_t r0 = 0; r0 < rows; r0 += br) {
-            for (int64_t c0 = 0; c0 < cols; c0 += bc) {
-                float amax = 0;
-                for (int64_t r = r0; r < std::min(rows, r0 + br); ++r) {
-                    for (int64_t c = c0; c < std::min(cols, c0 + bc); ++c) amax = std::max(amax, static_cast<float>(std::fabs(v[r * cols + c])));
-                }
-                const float sc = !mx ? mxfp8_block_scale(amax, f) : fp8_scale_from_amax(amax, f, true);
-                for (int64_t r = r0; r < std::min(rows, r0 + br); ++r) {
-                    for (int64_t c = c0; c < std::min(cols, c0 + bc); ++c) {
-                        q[r * cols + c] = static_cast<double>(fp8_round(static_cast<float>(v[r * cols + c]) * sc, f)) / sc;
-                    }
-                }
-            }
-        }
-        return q;
-    };
+                            Fp8Format f = Fp8Format::e4m3) { return cast_blocks(v, rows, cols, br, bc, f, !mx); };
     const auto ox = other_blocks(vx, n, in, 1, other_kb);
     const auto ow = mx ? other_blocks(vw, out, in, 128, 128) : other_blocks(vw, out, in, 1, other_kb);
     const auto ocx = other_blocks(vx, n, in, other_kb, 1), ocdy = other_blocks(vdy, n, out, other_kb, 1, Fp8Format::e5m2);
@@ -1413,7 +1398,9 @@ static void block_scaled_linear_follows_the_rule(bool mx) {
     EXPECT_LT(worst_dw, 1e-5);
     // The checks can tell the rules apart: blocks along the features (the rows' two magnitudes alternate), and the
     // other recipe's token blocks and scales (MXFP8's runs of 32 rows of one magnitude).
-    if (!mx) EXPECT_GT(worst_wrong, 1e-3) << "the weight gradient's blocks run along the tokens";
+    if (!mx) {
+        EXPECT_GT(worst_wrong, 1e-3) << "the weight gradient's blocks run along the tokens";
+    }
     EXPECT_GT(worst_other_dw, 1e-3) << "the other recipe's blocks give another weight gradient";
 }
 

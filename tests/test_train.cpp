@@ -171,20 +171,26 @@ TEST(Training, ZeroCentredNormsFollowTheStandardModel) {
     for (size_t i = 0; i < standard.size(); ++i) EXPECT_NEAR(centred[i], standard[i], 1e-4) << "iteration " << i + 1;
 }
 
+// A preset at sequence length 64 on the golden run's data, with the batch, iterations and learning rate given.
+static train::TrainOptions preset_options(const char * preset, int64_t micro, int64_t global, int64_t iters, float lr) {
+    train::TrainOptions o = golden_options();
+    o.model               = model::gpt_preset(preset);
+    o.model.seq_length    = o.model.max_position_embeddings = 64;
+    o.micro_batch_size    = micro;
+    o.global_batch_size   = global;
+    o.train_iters         = o.lr_decay_iters = iters;
+    o.lr_warmup_iters     = 2;
+    o.adam.lr             = lr;
+    return o;
+}
+
 // --model gpt-oss-tiny: attention sinks, sliding windows on the odd layers and quick-GEGLU experts with offset and
 // clamp train on the synthetic data: over 20 iterations the loss falls by more than 1 nat, and every layer's
 // sinks moved from their initial values.
 TEST(Training, GptOssTinyPresetTrainsToAFallingLoss) {
-    train::TrainOptions o = golden_options();
-    o.model               = model::gpt_preset("gpt-oss-tiny");
-    o.model.seq_length    = o.model.max_position_embeddings = 64;
-    o.micro_batch_size    = 4;
-    o.global_batch_size   = 8;
-    o.train_iters         = o.lr_decay_iters = 20;
-    o.lr_warmup_iters     = 2;
-    o.adam.lr             = 5e-3f;
-    auto            source = train::make_batch_source(o, cpu::device(), false);
-    model::GptModel gpt(o.model, cpu::device());
+    train::TrainOptions o      = preset_options("gpt-oss-tiny", 4, 8, 20, 5e-3f);
+    auto                source = train::make_batch_source(o, cpu::device(), false);
+    model::GptModel     gpt(o.model, cpu::device());
     gpt.init();
     std::map<std::string, std::vector<float>> sinks;
     for (model::Parameter * p : gpt.parameters()) {
@@ -215,14 +221,7 @@ TEST(Training, GptOssTinyPresetTrainsToAFallingLoss) {
 // iterations the loss falls by more than 1 nat (from about ln 512 = 6.24; 6.24 -> 4.68 here), and the expert
 // biases moved.
 TEST(Training, DeepSeekV3TinyPresetTrainsToAFallingLoss) {
-    train::TrainOptions o = golden_options();
-    o.model               = model::gpt_preset("deepseek-v3-tiny");
-    o.model.seq_length    = o.model.max_position_embeddings = 64;
-    o.micro_batch_size    = 2;
-    o.global_batch_size   = 4;
-    o.train_iters         = o.lr_decay_iters = 16;
-    o.lr_warmup_iters     = 2;
-    o.adam.lr             = 3e-3f;
+    train::TrainOptions o = preset_options("deepseek-v3-tiny", 2, 4, 16, 3e-3f);
     auto            source = train::make_batch_source(o, cpu::device(), false);
     model::GptModel gpt(o.model, cpu::device());
     gpt.init();
