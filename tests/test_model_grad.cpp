@@ -1058,6 +1058,23 @@ TEST(GptModel, ParameterCountMatchesTheConfigFormula) {
             EXPECT_EQ(total, tiny.num_parameters()) << preset << (qk ? " --qk-layernorm" : "");
         }
     }
+    // MoE layers (their experts, biases, shared expert and gate), MLA with MTP, attention sinks.
+    model::GptConfig gated = model::gpt_preset("llama-tiny");
+    gated.moe.num_experts                     = 4;
+    gated.moe.layer_pattern                   = {0, 1, 1, 1};
+    gated.moe.shared_expert_intermediate_size = 64;
+    gated.moe.shared_expert_gate              = true;
+    model::GptConfig biased                   = model::gpt_preset("gpt-tiny");
+    biased.moe.num_experts                    = 4;
+    for (const auto & [name, c] : {std::pair{"deepseek-v3-tiny", model::gpt_preset("deepseek-v3-tiny")},
+                                   std::pair{"gpt-oss-tiny", model::gpt_preset("gpt-oss-tiny")},
+                                   std::pair{"llama-tiny, 3 MoE layers, gated shared expert", gated},
+                                   std::pair{"gpt-tiny, MoE with biases", biased}}) {
+        model::GptModel gpt(c, cpu::device());
+        int64_t         total = 0;
+        for (auto * p : gpt.parameters()) total += p->numel();
+        EXPECT_EQ(total, c.num_parameters()) << name;
+    }
 }
 
 // vec_math.h's claims: exp within 3e-7 relative on [-87, 88] (against double exp), tanh within 2e-7

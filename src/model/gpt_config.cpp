@@ -93,9 +93,20 @@ int64_t GptConfig::num_parameters() const {
         qk_norm = qk_layernorm ? per_norm * ((q_lora_rank > 0 ? q_lora_rank : 0) + kv_lora_rank) : 0;
     }
     const int64_t sinks = softmax_type == SoftmaxType::learnable ? num_attention_heads : 0;   // softmax_offset
-    int64_t per_layer = 2 * norm + attn + mlp + qk_norm + sinks;
-    int64_t total = V * h + num_layers * per_layer + norm;
-    total += mtp_num_layers * (per_layer + 3 * norm + 2 * h * h);   // each depth: a layer, three norms, eh_proj
+    // An MoE layer's MLP: the router (E, h) and its bias (E) with the model's biases (Megatron's router.bias), E
+    // experts (with biases, as the dense MLP), the shared expert (no biases: Megatron's) and its gate (1, h).
+    int64_t moe_mlp = 0;
+    if (moe.enabled()) {
+        const int64_t fe = moe.expert_ffn(*this), fe1 = swiglu ? 2 * fe : fe, fs = moe.shared_expert_intermediate_size;
+        moe_mlp = moe.num_experts * (h + bias) + moe.num_experts * (h * fe1 + bias * fe1 + fe * h + bias * h);
+        if (fs > 0) moe_mlp += h * (swiglu ? 2 * fs : fs) + fs * h + (moe.shared_expert_gate ? h : 0);
+    }
+    auto per_layer_of = [&](int64_t index) {   // an MTP depth's layer is of the last layer's kind
+        return 2 * norm + attn + (is_moe_layer(index) ? moe_mlp : mlp) + qk_norm + sinks;
+    };
+    int64_t total = V * h + norm;
+    for (int64_t i = 0; i < num_layers; ++i) total += per_layer_of(i);
+    total += mtp_num_layers * (per_layer_of(num_layers) + 3 * norm + 2 * h * h);   // each depth: a layer, three norms, eh_proj
     if (position_embedding == PositionEmbedding::learned_absolute) total += max_position_embeddings * h;
     if (untie_embeddings_and_output_weights) total += V * h;
     return total;
