@@ -1,5 +1,6 @@
-// `loom train --device cuda` against `--device cpu` (label gpu): the same model, data and seed trained for 20
-// iterations on the GPU follows the CPU run's loss curve, on one GPU in bf16 and in f32, with the hybrid
+// `loom train --device cuda` against `--device cpu` (label gpu): the same model, data and seed trained on the
+// GPU follows the CPU run's loss curve (20 iterations; 10 for the features and layouts), on one GPU in bf16,
+// f32 and fp16, with the hybrid
 // optimizer offloading half the state over pinned memory, and on two ranks sharing one GPU through NCCL
 // (each rank claims its own host with NCCL_HOSTID, as tests/test_nccl_mpi.cpp does): DP 2 with ZeRO-1 and
 // both overlaps, TP 2 + SP (also with layer graphs), PP 2, PP 2 x VPP 2, MoE with EP 2 (both dispatchers);
@@ -35,9 +36,14 @@ const std::string kRun = "train --mock-data --train-iters 20 --log-interval 1 --
                          "--num-attention-heads 4 --seq-length 32 --micro-batch-size 2 --global-batch-size 4 "
                          "--lr 1e-3 --lr-warmup-iters 2 ";
 const std::string kBf16 = "--bf16 --num-layers 2 ";
+// The feature and layout runs: 10 iterations (a wrong kernel or a missing exchange shows from the first; the
+// emulated device takes 0.2 s an iteration at this size). The curves' own tests and fp16's, whose dynamic
+// scale skips its first ten steps, keep 20.
+const std::string kShort = "--train-iters 10 ";
+const std::string kBf16Short = kBf16 + kShort;
 // MoE layers (the router's aux and z losses on), dropless, and dropping and padding to a capacity.
 #define LOOM_MOE_MODEL "--bf16 --num-layers 2 --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001 "
-const std::string kMoe        = LOOM_MOE_MODEL;
+const std::string kMoe        = LOOM_MOE_MODEL + kShort;
 const std::string kMoeDropPad = kMoe + "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity ";
 
 // The lm loss of every logged iteration, in order.
@@ -220,19 +226,19 @@ TEST(CudaTrain, OneGpuFollowsTheCpuLossCurveInFp16UnderADynamicLossScale) {
 
 TEST(CudaTrain, HybridOptimizerOffloadOverPinnedMemoryFollowsTheCpu) {
     SKIP_WITHOUT_CUDA();
-    expect_follows_cpu(run_loom_mpi(1, kRun + kBf16 + "--device " + kDevice + " --use-distributed-optimizer --use-precision-aware-optimizer --optimizer-cpu-offload "
+    expect_follows_cpu(run_loom_mpi(1, kRun + kBf16Short + "--device " + kDevice + " --use-distributed-optimizer --use-precision-aware-optimizer --optimizer-cpu-offload "
                                               "--optimizer-offload-fraction 0.5 --overlap-cpu-optimizer-d2h-h2d"),
-                       "hybrid optimizer");
+                       "hybrid optimizer", kBf16Short);
 }
 
 // Dense layers captured up to norm2 (--cuda-graph-modules attn): the attention's graphs replay, the MLP
 // runs eagerly between them, and the curve is the CPU's.
 TEST(CudaTrain, OneGpuWithAttentionGraphsFollowsTheCpu) {
     SKIP_WITHOUT_CUDA();
-    expect_follows_cpu(run_loom_mpi(1, kRun + kBf16 + "--device " + kDevice +
+    expect_follows_cpu(run_loom_mpi(1, kRun + kBf16Short + "--device " + kDevice +
                                            " --cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 2 "
                                            "--cuda-graph-modules attn"),
-                       "attention graphs");
+                       "attention graphs", kBf16Short);
 }
 
 // MoE on one GPU: the router, the dispatch plan and the experts' rows through the CUDA ops, with per-layer
@@ -257,14 +263,14 @@ TEST(CudaTrain, OneGpuDeepSeekStyleLayersFollowTheCpu) {
                               "--qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 16 --qk-layernorm --num-experts 4 "
                               "--moe-router-topk 2 --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
                               "--moe-router-bias-update-rate 1e-2 --moe-router-num-groups 2 --moe-router-group-topk 1 "
-                              "--moe-aux-loss-coeff 0.001 --mtp-num-layers 1 ";
+                              "--moe-aux-loss-coeff 0.001 --mtp-num-layers 1 " + kShort;
     expect_follows_cpu(run_loom_mpi(1, kRun + model + "--device " + kDevice), "MLA + MoE expert bias + MTP", model);
 }
 
 // Muon: the matrices' Newton-Schulz (bf16 GEMMs, Megatron's default precision) through cuBLASLt, the rest AdamW.
 TEST(CudaTrain, OneGpuMuonFollowsTheCpu) {
     SKIP_WITHOUT_CUDA();
-    const std::string model = "--bf16 --num-layers 2 --optimizer muon ";
+    const std::string model = "--bf16 --num-layers 2 --optimizer muon " + kShort;
     expect_follows_cpu(run_loom_mpi(1, kRun + model + "--device " + kDevice), "Muon", model);
 }
 
@@ -274,7 +280,7 @@ TEST(CudaTrain, OneGpuMuonFollowsTheCpu) {
 TEST(CudaTrain, OneGpuFp8FollowsTheCpu) {
     SKIP_WITHOUT_CUDA();
     const std::string model = "--bf16 --num-layers 2 --fp8-format hybrid --fp8-recipe tensorwise --num-experts 4 "
-                              "--moe-router-topk 2 --moe-layer-freq 2 --moe-grouped-gemm ";
+                              "--moe-router-topk 2 --moe-layer-freq 2 --moe-grouped-gemm " + kShort;
     expect_follows_cpu(run_loom_mpi(1, kRun + model + "--device " + kDevice), "FP8", model);
 }
 
@@ -283,7 +289,7 @@ TEST(CudaTrain, OneGpuFp8FollowsTheCpu) {
 TEST(CudaTrain, OneGpuFp8DelayedScalingFollowsTheCpu) {
     SKIP_WITHOUT_CUDA();
     const std::string model = "--bf16 --num-layers 2 --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4 "
-                              "--fp8-amax-compute-algo max --num-experts 4 --moe-router-topk 2 --moe-layer-freq 2 --moe-grouped-gemm ";
+                              "--fp8-amax-compute-algo max --num-experts 4 --moe-router-topk 2 --moe-layer-freq 2 --moe-grouped-gemm " + kShort;
     expect_follows_cpu(run_loom_mpi(1, kRun + model + "--device " + kDevice), "FP8 delayed", model);
 }
 
@@ -292,14 +298,14 @@ TEST(CudaTrain, OneGpuFp8DelayedScalingFollowsTheCpu) {
 TEST(CudaTrain, OneGpuActivationOffloadingFollowsTheCpu) {
     SKIP_WITHOUT_CUDA();
     const std::string model = "--bf16 --num-layers 2 --fine-grained-activation-offloading --offload-modules attn_norm "
-                              "qkv_linear core_attn attn_proj mlp_norm --min-offloaded-tensor-size 0 ";
+                              "qkv_linear core_attn attn_proj mlp_norm --min-offloaded-tensor-size 0 " + kShort;
     expect_follows_cpu(run_loom_mpi(1, kRun + model + "--device " + kDevice), "activation offloading", model);
 }
 
 struct Layout {
     const char * name;
     const char * flags;
-    const char * model = "--bf16 --num-layers 2 ";
+    const char * model = "--bf16 --num-layers 2 ";   // the run's kShort added
 };
 
 class CudaTrainTwoRanks : public ::testing::TestWithParam<Layout> {};
@@ -307,7 +313,8 @@ class CudaTrainTwoRanks : public ::testing::TestWithParam<Layout> {};
 TEST_P(CudaTrainTwoRanks, FollowTheCpuThroughNccl) {
     SKIP_WITHOUT_CUDA();
     const Layout & l = GetParam();
-    expect_follows_cpu(run_on_gpus(2, kRun + l.model + l.flags), l.name, l.model);
+    const std::string model = l.model + kShort;
+    expect_follows_cpu(run_on_gpus(2, kRun + model + l.flags), l.name, model);
 }
 
 INSTANTIATE_TEST_SUITE_P(
