@@ -2163,6 +2163,56 @@ TEST(OpsBf16Activations, ElementwiseOps) {
     expect_rounded("dropout", dout);
 }
 
+// --attention-output-gate's op (Ops::output_gate_forward / _backward). By hand: x = (2, -4) with gates 0 and ln 3
+// (sigmoids 1/2 and 3/4) in columns 3 and 4 of a row of 6: y = (1, -3); from dy = (1, 1), dx = (1/2, 3/4) and
+// dgate = dy x s (1 - s) = (1/2, -3/4). Then 23 rows of 40 gates at column 37 of rows of 90, against a double
+// reference (2e-6 of each value's scale; f32 rounds each product once or twice), with dx in dy's place; and in
+// bf16 every result is the f32 op's on the same values, rounded once.
+TEST(OpsOutputGate, HandValuesDoubleReferenceAndBf16Rounding) {
+    Tensor x = empty({1, 2}), src = empty({1, 6}), y = empty({1, 2}), dy = empty({1, 2}), dx = empty({1, 2}), dg = empty({1, 2});
+    const float hand_x[] = {2.0f, -4.0f}, hand_src[] = {9.0f, 9.0f, 9.0f, 0.0f, std::log(3.0f), 9.0f}, ones[] = {1.0f, 1.0f};
+    std::copy(hand_x, hand_x + 2, x.data<float>());
+    std::copy(hand_src, hand_src + 6, src.data<float>());
+    std::copy(ones, ones + 2, dy.data<float>());
+    ops().output_gate_forward(stream(), x, src, 3, y);
+    ops().output_gate_backward(stream(), x, src, 3, dy, dx, dg);
+    synchronize();
+    EXPECT_EQ(y.data<float>()[0], 1.0f);
+    EXPECT_NEAR(y.data<float>()[1], -3.0f, 1e-6);
+    EXPECT_EQ(dx.data<float>()[0], 0.5f);
+    EXPECT_NEAR(dx.data<float>()[1], 0.75f, 1e-7);
+    EXPECT_EQ(dg.data<float>()[0], 0.5f);
+    EXPECT_NEAR(dg.data<float>()[1], -0.75f, 1e-6);
+
+    const int64_t n = 23, w = 40, stride = 90, col = 37;
+    const Tensor  xs = random_f32({n, w}, 4701, -3.0f, 3.0f), s = random_f32({n, stride}, 4702, -6.0f, 6.0f);
+    const Tensor  g  = random_f32({n, w}, 4703);
+    Tensor        ys = empty({n, w}), dxs = clone(g), dgs = empty({n, w});
+    ops().output_gate_forward(stream(), xs, s, col, ys);
+    ops().output_gate_backward(stream(), xs, s, col, dxs, dxs, dgs);   // dx in place of dy
+    synchronize();
+    for (int64_t r = 0; r < n; ++r) {
+        for (int64_t j = 0; j < w; ++j) {
+            const int64_t i = r * w + j;
+            const double  sg = sigmoid_ref(element(s, r * stride + col + j)), xv = element(xs, i), d = element(g, i);
+            EXPECT_NEAR(element(ys, i), xv * sg, 2e-6 * std::fabs(xv)) << "y " << i;
+            EXPECT_NEAR(element(dxs, i), d * sg, 2e-6 * std::fabs(d)) << "dx " << i;
+            EXPECT_NEAR(element(dgs, i), d * xv * sg * (1 - sg), 2e-6 * std::fabs(d * xv)) << "dgate " << i;
+        }
+    }
+    Bf16Pair xb = bf16_pair({n, w}, 4704, -3.0f, 3.0f), sb = bf16_pair({n, stride}, 4705, -6.0f, 6.0f);
+    Bf16Pair dyb = bf16_pair({n, w}, 4706), yb = outputs({n, w}), dxb = outputs({n, w}), dgb = outputs({n, w});
+    ops().output_gate_forward(stream(), xb.f, sb.f, col, yb.f);
+    ops().output_gate_forward(stream(), xb.h, sb.h, col, yb.h);
+    expect_rounded("output_gate_forward", yb);
+    ops().output_gate_backward(stream(), xb.f, sb.f, col, dyb.f, dxb.f, dgb.f);
+    ops().output_gate_backward(stream(), xb.h, sb.h, col, dyb.h, dxb.h, dgb.h);
+    expect_rounded("output_gate_backward dx", dxb);
+    expect_rounded("output_gate_backward dgate", dgb);
+    // The gate columns must lie inside src's rows.
+    EXPECT_THROW(ops().output_gate_forward(stream(), xs, s, stride - w + 1, ys), Error);
+}
+
 TEST(OpsBf16Activations, EmbeddingForwardAndBackward) {
     const int64_t b = 2, s = 5, h = 12, vocab = 9;
     Tensor        tokens = int_tensor({b, s}, {0, 3, 8, 3, 1, 2, 2, 7, 0, 5});

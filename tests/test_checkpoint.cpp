@@ -173,8 +173,10 @@ INSTANTIATE_TEST_SUITE_P(
                    "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 100000"},
         ResumeCase{"pp2_vpp2", 2, "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
                                   "--global-batch-size 16"},
-        // With learnable attention sinks: each TP rank's heads' softmax_offset and its Adam state come back.
-        ResumeCase{"tp2_sp_sinks", 2, "--tensor-model-parallel-size 2 --sequence-parallel --softmax-type learnable"},
+        // With learnable attention sinks and the output gate: each TP rank's heads' softmax_offset and gate rows of
+        // QKV, and their Adam state, come back.
+        ResumeCase{"tp2_sp_sinks_gate", 2,
+                   "--tensor-model-parallel-size 2 --sequence-parallel --softmax-type learnable --attention-output-gate"},
         // DeepSeek-V3's router and an MTP depth: the expert biases (moved every iteration; the MTP layer's
         // router's among them) and the depth's weights come back from the checkpoint.
         ResumeCase{"tp2_sp_moe_expert_bias_mtp", 2,

@@ -50,6 +50,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #ifdef LOOM_CUDA_EMU
@@ -713,6 +714,34 @@ TEST(CudaOps, SharedExpertGateMatchesTheCpu) {
         expect_close(yc, to_cpu(yg), 1e-6, what + ": y");
         expect_close(dmc, to_cpu(dmg), 1e-6, what + ": dm");
         expect_close(dlc, to_cpu(dlg), 1e-5, what + ": dlogits");
+    }
+}
+
+// --attention-output-gate's op on the device: 70 rows of 37 gates at column 11 of rows of 60, in f32 and bf16,
+// against the CPU's (the same f32 operations in the same order, exp against the device's expf): within 1e-6 in
+// f32, one bf16 step (4e-3) in bf16 where an f32 result's last bit may round either way; on cuda-emu, whose expf
+// is the host's, the same bits. dx may be dy.
+TEST(CudaOps, AttentionOutputGateMatchesTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    const bool emu = std::string(gpu().kind_name()) == "cuda-emu";
+    for (const DType dtype : {DType::f32, DType::bf16}) {
+        const std::string what = dtype == DType::f32 ? "f32" : "bf16";
+        const double      tol  = dtype == DType::f32 ? 1e-6 : 4e-3;
+        const Tensor x = random_cpu({70, 37}, 4911, 3.0f, dtype), src = random_cpu({70, 60}, 4912, 6.0f, dtype);
+        const Tensor dy = random_cpu({70, 37}, 4913, 1.0f, dtype);
+        Tensor yc = cpu_tensor({70, 37}, dtype), dxc = clone_cpu(dy), dgc = cpu_tensor({70, 37}, dtype);
+        cops().output_gate_forward(cs(), x, src, 11, yc);
+        cops().output_gate_backward(cs(), x, src, 11, dxc, dxc, dgc);
+        cs().synchronize();
+        const Tensor xg = to_gpu(x), sg = to_gpu(src);
+        Tensor       yg = Tensor::empty({70, 37}, dtype, gpu()), dxg = to_gpu(dy), dgg = Tensor::empty({70, 37}, dtype, gpu());
+        gops().output_gate_forward(gs(), xg, sg, 11, yg);
+        gops().output_gate_backward(gs(), xg, sg, 11, dxg, dxg, dgg);
+        for (auto [cpu, dev, name] : {std::tuple{&yc, &yg, "y"}, {&dxc, &dxg, "dx"}, {&dgc, &dgg, "dgate"}}) {
+            const Tensor got = to_cpu(*dev);
+            expect_close(*cpu, got, tol, what + ": " + name);
+            if (emu) expect_bitwise(*cpu, got, what + ": " + name);
+        }
     }
 }
 

@@ -338,10 +338,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{"pp2_vpp2", "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2",
                              "--bf16 --num-layers 4 "},
                       // Per-layer graphs with the TP collectives as replayable nodes between CUDA segments; the
-                      // attention's learnable sinks inside them.
-                      Layout{"tp2_sp_layer_graphs_sinks", "--tensor-model-parallel-size 2 --sequence-parallel "
-                                                          "--cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 2",
-                             "--bf16 --num-layers 2 --softmax-type learnable "},
+                      // attention's learnable sinks and its output gate inside them.
+                      Layout{"tp2_sp_layer_graphs_sinks_gate", "--tensor-model-parallel-size 2 --sequence-parallel "
+                                                               "--cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 2",
+                             "--bf16 --num-layers 2 --softmax-type learnable --attention-output-gate "},
                       // Expert parallelism: the tokens exchanged by all-to-all, and gathered from every rank.
                       Layout{"moe_ep2_alltoall", "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
                              LOOM_MOE_MODEL},

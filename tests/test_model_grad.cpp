@@ -1000,6 +1000,18 @@ TEST(GptModel, AttentionSinksGradientsMatchFiniteDifferences) {
     check_model_gradients(c);
 }
 
+// Qwen3-Next's gated attention (--attention-output-gate): the QKV projection's gate columns and the output's
+// sigmoid, on the Llama-style model (GQA, RoPE, Q and K norms) and on the GPT-2-style one (QKV with biases).
+TEST(GptModel, AttentionOutputGateGradientsMatchFiniteDifferences) {
+    model::GptConfig l      = llama_style_grad_config();
+    l.attention_output_gate = true;
+    l.qk_layernorm          = true;
+    check_model_gradients(l);
+    model::GptConfig c      = gpt2_style_grad_config();
+    c.attention_output_gate = true;
+    check_model_gradients(c);
+}
+
 TEST(GptModel, GradientsAccumulateAcrossMicrobatches) {
     model::GptConfig c;
     c.num_layers = 1;
@@ -1048,14 +1060,15 @@ TEST(GptModel, ParameterCountMatchesTheConfigFormula) {
         for (auto * p : gpt.parameters()) total += p->numel();
         EXPECT_EQ(total, mla.num_parameters()) << "MLA" << (q_latent ? " with a query latent" : "");
     }
-    for (const bool qk : {false, true}) {
+    for (const bool qk : {false, true}) {   // with --qk-layernorm, and with the attention's output gate
         for (const char * preset : {"gpt-tiny", "llama-tiny"}) {
-            model::GptConfig tiny = model::gpt_preset(preset);
-            tiny.qk_layernorm     = qk;
+            model::GptConfig tiny      = model::gpt_preset(preset);
+            tiny.qk_layernorm          = qk;
+            tiny.attention_output_gate = qk;
             model::GptModel gpt(tiny, cpu::device());
             int64_t         total = 0;
             for (auto * p : gpt.parameters()) total += p->numel();
-            EXPECT_EQ(total, tiny.num_parameters()) << preset << (qk ? " --qk-layernorm" : "");
+            EXPECT_EQ(total, tiny.num_parameters()) << preset << (qk ? " --qk-layernorm --attention-output-gate" : "");
         }
     }
     // MoE layers (their experts, biases, shared expert and gate), MLA with MTP, attention sinks.

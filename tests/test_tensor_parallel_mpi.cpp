@@ -33,9 +33,11 @@ comm::MpiContext * g_mpi = nullptr;
 // embedding elements' gradients come out near 1e-8 (four orders below the mean), where Adam turns the TP
 // run's rounding into whole steps and no tolerance on the weights can hold.
 train::TrainOptions small_options(bool llama, bool mla = false, bool muon = false, bool sinks = false) {
-    if (sinks) {   // gpt-oss's learnable attention sinks: each rank holds its heads' logits
-        train::TrainOptions o = small_options(llama, mla, muon);
-        o.model.softmax_type  = model::SoftmaxType::learnable;
+    if (sinks) {   // gpt-oss's learnable attention sinks (each rank holds its heads' logits), and Qwen3-Next's output
+                   // gate (each rank its heads' gate rows of QKV)
+        train::TrainOptions o         = small_options(llama, mla, muon);
+        o.model.softmax_type          = model::SoftmaxType::learnable;
+        o.model.attention_output_gate = true;
         return o;
     }
     train::TrainOptions o = testing_models::small_gpt_options(4, 8, 10);
@@ -121,7 +123,7 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, int recomput
 
 void expect_follows_reference(int tp, int pp, bool distopt, bool llama, bool sp = false, int recompute = 0, bool mla = false,
                               bool muon = false, bool sinks = false) {
-    const std::string name = std::string(mla ? "mla" : llama ? "llama" : "gpt") + (muon ? " muon" : "") + (sinks ? " sinks" : "") +
+    const std::string name = std::string(mla ? "mla" : llama ? "llama" : "gpt") + (muon ? " muon" : "") + (sinks ? " sinks+gate" : "") +
                              " tp " + std::to_string(tp) + " pp " +
                              std::to_string(pp) + (sp ? " sequence-parallel" : "") + (distopt ? " zero-1" : "") +
                              (recompute == 1 ? " full recompute" : recompute == 2 ? " selective recompute" : "");
@@ -169,7 +171,7 @@ TEST(TensorParallel, TwoRanksFollowTheSingleRankRun) {
 TEST(TensorParallel, SequenceParallelFollowsTheSingleRankRun) {
     if (g_mpi->world_size() == 2) {
         expect_follows_reference(2, 1, false, false, true);   // TP 2 + SP
-        // Llama-style, TP 2 + SP, with learnable attention sinks (split by heads as the heads are)
+        // Llama-style, TP 2 + SP, with learnable attention sinks and the output gate (split by heads as the heads are)
         expect_follows_reference(2, 1, false, true, true, 0, false, false, true);
         expect_follows_reference(2, 1, false, false, true, 1);   // TP 2 + SP, every layer recomputed
         expect_follows_reference(2, 1, false, true, true, 2);    // Llama-style TP 2 + SP, layernorm and mlp recomputed

@@ -1140,6 +1140,24 @@ TEST(MegatronCommandLine, SoftmaxTypeAndEnableGptOssFollowMegatronsRules) {
     expect_refused(bad, 1);
 }
 
+// --attention-output-gate (TransformerConfig's switch, default off): the gate rows join QKV (h more columns of
+// parameters, and their FLOPs as Megatron counts them); with multi-latent attention refused with Megatron's message;
+// a value after the switch is not its value.
+TEST(MegatronCommandLine, AttentionOutputGateFollowsMegatronsRules) {
+    const train::TrainOptions plain = parse_train({"--mock-data"}), gated = parse_train({"--mock-data", "--attention-output-gate"});
+    EXPECT_FALSE(plain.model.attention_output_gate);
+    EXPECT_TRUE(gated.model.attention_output_gate);
+    const int64_t h = plain.model.hidden_size, L = plain.model.num_layers, bias = plain.model.add_bias_linear ? 1 : 0;
+    EXPECT_EQ(gated.model.num_parameters() - plain.model.num_parameters(), L * (h * h + bias * h));
+    EXPECT_DOUBLE_EQ(gated.model.layers_forward_flops_per_token() - plain.model.layers_forward_flops_per_token(),
+                     static_cast<double>(L) * 2 * h * h);
+    const std::pair<std::vector<std::string>, const char *> bad[] = {
+        {{"--attention-output-gate", "--multi-latent-attention"}, "Output gate is not supported for MLA yet."},
+        {{"--attention-output-gate", "true"}, "true"},
+    };
+    expect_refused(bad, 1);
+}
+
 // --window-size (tuple_type: "L,R" or "(L,R)") and --window-attn-skip-freq (an integer or a list expression)
 // by Megatron's is_layer_window_attention (1-based layer numbers); (-1, 0) is causal attention; a right side,
 // and a window under MTP, refused by name.

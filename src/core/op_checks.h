@@ -8,6 +8,8 @@
 #include "core/tensor.h"
 
 #include <cstdint>
+#include <initializer_list>
+#include <tuple>
 #include <utility>
 
 namespace loom::op_checks {
@@ -709,6 +711,23 @@ inline void sigmoid_gate(const Tensor & y, const Tensor & logits, const char * o
                   << (logits.defined() ? logits.describe() : std::string("missing")),
                "y (n, h) f32 and one f32 logit per row");
 }
+
+// x (n, w) and each of `same` like it; src (n, >= gate_col + w) of x's dtype. Returns (n, w, src's row stride).
+inline std::tuple<int64_t, int64_t, int64_t> output_gate(const Tensor & x, const Tensor & src, int64_t gate_col,
+                                                         std::initializer_list<const Tensor *> same, const char * op) {
+    const DType act = activations(x, op, "x");
+    LOOM_CHECK(x.dim() == 2, op << ": x is " << x.describe() << ", expected (n, w)", "");
+    for (const Tensor * t : same) {
+        expect(*t, act, x.numel(), op, "an operand");
+        LOOM_CHECK(t->dim() == 2 && t->size(0) == x.size(0), op << ": " << t->describe() << " beside x " << x.describe(), "");
+    }
+    expect(src, act, -1, op, "src");
+    LOOM_CHECK(src.dim() == 2 && src.size(0) == x.size(0) && gate_col >= 0 && gate_col + x.size(1) <= src.size(1),
+               op << ": gate columns [" << gate_col << ", " << gate_col + x.size(1) << ") of src " << src.describe()
+                  << " for x " << x.describe(), "");
+    return {x.size(0), x.size(1), src.size(1)};
+}
+
 
 // history (len, n) f32, scale (n) f32.
 inline void fp8_delayed_update(const Tensor & history, const Tensor & scale) {

@@ -425,6 +425,13 @@ public:
     virtual void sigmoid_gate_forward(Stream & s, const Tensor & y, const Tensor & logits) = 0;
     virtual void sigmoid_gate_backward(Stream & s, const Tensor & dy, const Tensor & m, const Tensor & logits, const Tensor & dm,
                                        const Tensor & dlogits) = 0;
+    // The attention's output gate (--attention-output-gate, Qwen3-Next; Megatron's _apply_output_gate): y (n, w) =
+    // x * sigmoid(g) elementwise, in f32 and rounded to y's dtype, where g is columns [gate_col, gate_col + w) of
+    // src's rows (the QKV projection's gate columns). x, y, src in the activations' dtype (f32 or bf16). Backward,
+    // each in f32 and rounded: dx = dy sigmoid(g) (dx may be dy) and dgate (n, w) = (dy x) (sigmoid(g) (1 - sigmoid(g))).
+    virtual void output_gate_forward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & y) = 0;
+    virtual void output_gate_backward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & dy,
+                                      const Tensor & dx, const Tensor & dgate) = 0;
     // For every row r of load and bias (R, E) f32: bias[r, e] += rate * sign(mean over e of load[r] - load[r, e])
     // (sign 0 at 0; the mean in double), then load = 0. Megatron's get_updated_expert_bias.
     virtual void moe_expert_bias_update(Stream & s, const Tensor & load, const Tensor & bias, float rate) = 0;

@@ -54,6 +54,8 @@ void GptConfig::validate() const {
                        << ", --v-head-dim " << v_head_dim,
                    "ranks and widths >= 1, an even RoPE part, values no wider than a query head");
         LOOM_CHECK(num_query_groups == num_attention_heads, "--group-query-attention with --multi-latent-attention", "");
+        LOOM_CHECK(!attention_output_gate, "Output gate is not supported for MLA yet.",
+                   "--attention-output-gate with --multi-latent-attention (Megatron's MLA refuses it too)");
     }
     LOOM_CHECK(mtp_num_layers >= 0 && mtp_num_layers <= 64, "--mtp-num-layers must be between 1 and 64, got " << mtp_num_layers, "");
     LOOM_CHECK(mtp_num_layers == 0 || position_embedding != PositionEmbedding::learned_absolute,
@@ -82,6 +84,7 @@ int64_t GptConfig::num_parameters() const {
     int64_t bias = add_bias_linear ? 1 : 0;
     int64_t norm = normalization == Normalization::layernorm ? 2 * h : h;
     int64_t attn = h * (h + 2 * kv) + bias * (h + 2 * kv) + h * h + bias * h;
+    if (attention_output_gate) attn += h * h + bias * h;   // the gate's columns of the QKV projection
     int64_t fc1  = swiglu ? 2 * f : f;
     int64_t mlp  = h * fc1 + bias * fc1 + f * h + bias * h;
     int64_t qk_norm = qk_layernorm ? 2 * (normalization == Normalization::layernorm ? 2 * d : d) : 0;
@@ -119,6 +122,7 @@ double GptConfig::layers_forward_flops_per_token() const {
     const double gated = swiglu ? 3 : 2;   // SwiGLU's first GEMM is twice as wide
     // QKV and the projection, then the scores and the weighted values over s keys, halved for the mask.
     double attention = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 2 * s * q / 2;
+    if (attention_output_gate) attention += 2 * h * q;   // the gate's columns of QKV (Megatron counts them too)
     if (multi_latent_attention) {   // Megatron's MLA count: the latents' GEMMs (and norms), the projection, the core
         const double a = static_cast<double>(num_attention_heads), dqk = static_cast<double>(mla_qk_dim());
         const double dn = static_cast<double>(qk_head_dim), dr = static_cast<double>(qk_pos_emb_head_dim);

@@ -170,6 +170,9 @@ struct GptConfig {
     int64_t              window_skip_freq  = 0;    // N; 0: not given
     std::vector<int>     window_layers;            // the list form (1: windowed), one entry per decoder layer
     SoftmaxType          softmax_type      = SoftmaxType::vanilla;   // attention sinks: every layer's
+    // --attention-output-gate (Qwen3-Next): the QKV projection also gives a gate per query column, and the
+    // attention's output is multiplied by its sigmoid before the output projection.
+    bool                 attention_output_gate = false;
     int64_t attention_window(int64_t index) const {   // index: the decoder layer, from 0
         if (window_size < 0) return -1;
         if (!window_layers.empty()) return window_layers[static_cast<size_t>(index)] != 0 ? window_size : -1;

@@ -153,6 +153,7 @@ void check_gpt2_architecture(const GptConfig & c, const std::string & action) {
     LOOM_CHECK(!c.swiglu, what << "the model has --" << (c.quick_geglu ? "quick-geglu" : "swiglu"), hint);
     LOOM_CHECK(!c.squared_relu, what << "the model has --squared-relu", hint);
     LOOM_CHECK(!c.qk_layernorm, what << "the model has --qk-layernorm", hint);
+    LOOM_CHECK(!c.attention_output_gate, what << "the model has --attention-output-gate", hint);
     LOOM_CHECK(c.softmax_type == SoftmaxType::vanilla,
                what << "the model has --softmax-type " << (c.softmax_type == SoftmaxType::learnable ? "learnable" : "off-by-one"),
                hint);

@@ -423,7 +423,8 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
                              const ContextParallel & context, int64_t layer)
     : config(c), tp(t), cp(context), cp_comm(context.comm_type(layer)), heads(c.num_attention_heads / t.size),
       groups(c.num_query_groups / t.size),
-      qkv(name + ".qkv", c.hidden_size, c.multi_latent_attention ? 0 : (heads + 2 * groups) * c.head_dim(),
+      qkv(name + ".qkv", c.hidden_size,
+          c.multi_latent_attention ? 0 : (heads + 2 * groups + (c.attention_output_gate ? heads : 0)) * c.head_dim(),
           c.add_bias_linear && !c.multi_latent_attention, c.params_dtype, device,
           t.size > 1 ? Linear::Split::column : Linear::Split::none, &tp),
       proj(name + ".proj", heads * (c.multi_latent_attention ? c.v_head_dim : c.head_dim()), c.hidden_size,
@@ -443,6 +444,9 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
                        << " query groups divisible by the all-to-all's size " << inner,
                    "choose --hierarchical-context-parallel-sizes whose first size divides the heads");
     }
+    LOOM_CHECK(!c.attention_output_gate || !cp.enabled(),
+               "--attention-output-gate with --context-parallel-size " << cp.size << " is not supported by Loom",
+               "train the gated attention without context parallelism");
     if (c.softmax_type != SoftmaxType::vanilla) {
         LOOM_CHECK(!cp.enabled() || cp_comm != CpCommType::a2a_p2p,
                    "--softmax-type " << (c.softmax_type == SoftmaxType::learnable ? "learnable" : "off-by-one")
@@ -514,14 +518,18 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
                "--num-attention-heads " << c.num_attention_heads << " and --num-query-groups " << c.num_query_groups
                                         << " must be divisible by --tensor-model-parallel-size " << t.size, "");
     qkv.weight.fused_rows = {heads * c.head_dim(), groups * c.head_dim(), groups * c.head_dim()};
+    if (c.attention_output_gate) qkv.weight.fused_rows.push_back(heads * c.head_dim());   // G: a block of its own for Muon
     if (t.size > 1) {
-        // This rank's heads' Q rows, then its groups' K rows, then their V rows, of the full [Q | K | V].
+        // This rank's heads' Q rows, then its groups' K rows, then their V rows (then its heads' gate rows) of the
+        // full [Q | K | V | G].
         const int64_t d = c.head_dim(), a = c.num_attention_heads, g = c.num_query_groups;
         std::vector<std::pair<int64_t, int64_t>> rows{{t.rank * heads * d, (t.rank + 1) * heads * d},
                                                       {a * d + t.rank * groups * d, a * d + (t.rank + 1) * groups * d},
                                                       {(a + g) * d + t.rank * groups * d, (a + g) * d + (t.rank + 1) * groups * d}};
-        set_tp_slice(qkv.weight, 0, rows, {(a + 2 * g) * d, c.hidden_size});
-        if (qkv.has_bias) set_tp_slice(qkv.bias, 0, rows, {(a + 2 * g) * d});
+        const int64_t full = (a + 2 * g + (c.attention_output_gate ? a : 0)) * d;
+        if (c.attention_output_gate) rows.push_back({(a + 2 * g) * d + t.rank * heads * d, (a + 2 * g) * d + (t.rank + 1) * heads * d});
+        set_tp_slice(qkv.weight, 0, rows, {full, c.hidden_size});
+        if (qkv.has_bias) set_tp_slice(qkv.bias, 0, rows, {full});
         set_tp_slice(proj.weight, 1, {{t.rank * heads * d, (t.rank + 1) * heads * d}}, {c.hidden_size, a * d});
     }
     if (c.qk_layernorm) {
@@ -615,7 +623,8 @@ namespace {
 AttentionShape attention_shape(const GptConfig & c, int64_t heads, int64_t groups, int64_t s, int64_t b,
                                const ContextParallel & cp, int64_t window) {
     int64_t        d = c.head_dim();
-    AttentionShape shape{s, b, heads, groups, d, (heads + 2 * groups) * d};
+    // QKV's rows hold [Q | K | V] of this rank's heads and groups, then with --attention-output-gate its heads' gates.
+    AttentionShape shape{s, b, heads, groups, d, (heads + 2 * groups + (c.attention_output_gate ? heads : 0)) * d};
     shape.q_pos = shape.k_pos = cp.positions(s);
     shape.window = window;
     return shape;
@@ -879,6 +888,12 @@ Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_
     Tensor out = activation(x.device(), s * b, shape.nq * shape.d, q_k_v.dtype());
     ctx.lse    = activation(x.device(), b * shape.nq, s);
     attend(ctx, q_k_v, out, shape, config.softmax_scale > 0.0f ? config.softmax_scale : 1.0f / std::sqrt(static_cast<float>(shape.d)), dropout);
+    if (config.attention_output_gate) {   // out * sigmoid(G), G the gate columns after [Q | K | V]
+        Tensor gated = activation(x.device(), s * b, shape.nq * shape.d, out.dtype());
+        ops.output_gate_forward(stream, out, q_k_v, (shape.nq + 2 * shape.nkv) * shape.d, gated);
+        ctx.ungated = keep_for_backward(out, config.params_dtype);
+        out         = gated;
+    }
     return proj.forward(ctx.proj_ctx, out);   // keeps `out` (in the parameters' dtype) for both backwards
 }
 
@@ -888,11 +903,21 @@ Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReady
     Ops &          ops    = dy.device().ops();
     Stream &       stream = dy.device().compute_stream();
     const DType act = dy.dtype();
-    Tensor out   = in_dtype(ctx.proj_ctx.x, act);   // before proj.backward releases it
+    // The attention's output (before the gate, with one), read before proj.backward releases it.
+    Tensor out   = in_dtype(config.attention_output_gate ? ctx.ungated : ctx.proj_ctx.x, act);
     Tensor d_out = proj.backward(ctx.proj_ctx, dy, ready);
     Tensor q_k_v = in_dtype(ctx.qkv, act);
     Tensor d_qkv = activation(dy.device(), ctx.s * ctx.b, shape.row_stride, act);
+    Tensor d_gate;
+    const int64_t gate_col = (shape.nq + 2 * shape.nkv) * shape.d;
+    if (config.attention_output_gate) {   // d_out becomes the ungated output's gradient, in place
+        d_gate = activation(dy.device(), ctx.s * ctx.b, shape.nq * shape.d, act);
+        ops.output_gate_backward(stream, out, q_k_v, gate_col, d_out, d_out, d_gate);
+        ctx.ungated = Tensor();
+    }
     attend_backward(ctx, q_k_v, out, d_out, d_qkv, shape, config.softmax_scale > 0.0f ? config.softmax_scale : 1.0f / std::sqrt(static_cast<float>(shape.d)));
+    // After the attention's backward, which may write whole rows of d_qkv (context parallelism's f32 copy).
+    if (d_gate.defined()) ops.copy_columns(stream, d_gate, 0, d_qkv, gate_col, shape.nq * shape.d);
     if (softmax_offset && ready) ready(*softmax_offset);
     if (config.position_embedding == PositionEmbedding::rope) {
         ops.rope(stream, d_qkv, ctx.s, ctx.b, shape.nq + shape.nkv, shape.d, config.rotary_base, true,

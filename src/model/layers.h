@@ -279,6 +279,7 @@ public:
         Linear::Context qkv_ctx, proj_ctx;   // proj_ctx.x is the attention output (n, a d)
         Tensor          qkv;   // (n, (a + 2g) d) after RoPE, in the parameters' dtype
         Tensor          lse;   // (b, a, s)
+        Tensor          ungated;   // --attention-output-gate: the attention's output before the gate (n, a d)
         int64_t         s = 0, b = 0;
         Dropout         dropout;   // of the probabilities
         Norm::Context   q_norm, k_norm;   // --qk-layernorm: inputs (n a, d), (n g, d) and statistics
@@ -305,7 +306,8 @@ public:
     ContextParallel   cp;
     CpCommType        cp_comm = CpCommType::p2p;
     int64_t           heads, groups;   // this rank's: a / tp, g / tp
-    Linear            qkv;    // h -> (a + 2g) d / tp, rows [Q | K | V] of this rank's heads and groups
+    Linear            qkv;    // h -> (a + 2g) d / tp, rows [Q | K | V] of this rank's heads and groups (then [G],
+                              // their a d / tp gates, with --attention-output-gate)
     Linear            proj;   // a d / tp -> h, row-parallel
     // --qk-layernorm: one norm over d shared by every query head, one by every key head (Megatron's
     // q_layernorm / k_layernorm, of the model's --normalization), applied before RoPE. Under TP each rank

@@ -106,7 +106,10 @@ std::vector<Tensor *> offload_fields(TransformerLayer::Context & ctx, uint32_t m
     if (modules & offload_qkv_linear) {
         for (Tensor * t : {&a.qkv_ctx.x, &a.latent.q.x, &a.latent.q_down.x, &a.latent.kv_down.x}) f.push_back(t);
     }
-    if (modules & offload_core_attn) f.push_back(&a.qkv);
+    if (modules & offload_core_attn) {   // its inputs, and with an output gate its output (the gate's backward reads it)
+        f.push_back(&a.qkv);
+        f.push_back(&a.ungated);
+    }
     if (modules & offload_attn_proj) f.push_back(&a.proj_ctx.x);
     if (modules & offload_mlp_norm) f.push_back(&ctx.norm2.x);
     if (ctx.moe) {

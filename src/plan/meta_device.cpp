@@ -200,6 +200,9 @@ public:
     void glu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx, const GluSpec &) override { memory(s, "glu_backward", bytes_of({&x, &dy, &dx})); }
     void squared_relu_forward(Stream & s, const Tensor & x, const Tensor & y) override { memory(s, "squared_relu_forward", bytes_of({&x, &y})); }
     void squared_relu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override { memory(s, "squared_relu_backward", bytes_of({&x, &dy, &dx})); }
+    // The gate's columns of src are read (and written) once: x's bytes of them.
+    void output_gate_forward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & y) override { memory(s, "output_gate_forward", 3 * bytes_of({&x})); }
+    void output_gate_backward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & dy, const Tensor & dx, const Tensor & dgate) override { memory(s, "output_gate_backward", 5 * bytes_of({&x})); }
     void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base, bool inverse,
               int64_t rotary_dim, bool interleaved, const SeqPositions & positions, const RopeScaling & scaling) override {
         memory(s, "rope", 2.0 * static_cast<double>(seq * batch * heads * d * static_cast<int64_t>(dtype_size(x.dtype()))));

@@ -36,7 +36,8 @@ const std::map<std::string, json> & later_args() {
                                                          {"glu_linear_offset", 0.0},
                                                          {"activation_func_clamp_value", nullptr},
                                                          {"window_size", nullptr}, {"window_attn_skip_freq", nullptr},
-                                                         {"softmax_type", "vanilla"}, {"moe_shared_expert_gate", false}};
+                                                         {"softmax_type", "vanilla"}, {"moe_shared_expert_gate", false},
+                                                         {"attention_output_gate", false}};
     return defaults;
 }
 
@@ -331,6 +332,7 @@ void apply_checkpoint_args(model::GptConfig & m, const checkpoint::Index & index
         bad("softmax_type", softmax);
     }
     m.qk_layernorm  = flag("qk_layernorm", a.value("qk_layernorm", json(false)));   // absent before the flag
+    m.attention_output_gate = flag("attention_output_gate", saved_or_dense(a, "attention_output_gate"));
     const json & position = at("position_embedding_type");
     if (!position.is_string()) bad("position_embedding_type", position);
     m.position_embedding = position == "rope"   ? model::PositionEmbedding::rope

@@ -60,6 +60,7 @@ struct ModelFlags {
     // The gated MLP's quick-GEGLU, offset and clamp (TransformerConfig's glu_linear_offset and
     // activation_func_clamp_value; the clamp's None: not given).
     bool        quick_geglu = false;
+    bool        attention_output_gate = false;   // --attention-output-gate (TransformerConfig's)
     std::string window_size, window_skip_freq;   // --window-size "L,R" (tuple_type), --window-attn-skip-freq
     std::string softmax_type = "vanilla";         // --softmax-type (TransformerConfig's Literal)
     float       glu_linear_offset = 0.0f, activation_clamp = 0.0f;

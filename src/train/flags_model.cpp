@@ -98,6 +98,10 @@ const Flag<ModelFlags> kModelFlags[] = {
      "the attention softmax: vanilla; off-by-one (a logit of 0 beside every query's scores); learnable (one trained "
      "logit per head, gpt-oss's attention sinks)", kShowDefault,
      {"softmax_type", [](const TrainOptions & o) -> json { return softmax_type_name(o.model.softmax_type); }, true}},
+    {"--attention-output-gate", "transformer configuration", &M::attention_output_gate,
+     "gate the attention's output: QKV also projects one gate per query column, and the output is multiplied by its "
+     "sigmoid before the output projection (Qwen3-Next)", kPlain,
+     {"attention_output_gate", [](const TrainOptions & o) -> json { return o.model.attention_output_gate; }, true}},
     {"--glu-linear-offset", "transformer configuration", &M::glu_linear_offset,
      "added to a gated MLP's linear half before the product (gpt-oss: 1)", kShowDefault,
      {"glu_linear_offset", [](const TrainOptions & o) -> json { return o.model.glu_linear_offset; }, true}},
@@ -425,6 +429,7 @@ void resolve_model_shape(const ModelFlags & f, const Given & given, TrainOptions
                          : f.softmax_type == "off-by-one" ? model::SoftmaxType::off_by_one
                                                           : model::SoftmaxType::vanilla;
     }
+    if (f.attention_output_gate) m.attention_output_gate = true;
     if (f.quick_geglu) {   // gated, at the width Megatron gives it without --swiglu (4h unless given)
         LOOM_CHECK(!f.swiglu && !f.squared_relu, "--quick-geglu with --" << (f.swiglu ? "swiglu" : "squared-relu"),
                    "choose one MLP activation (Megatron asserts the same)");

@@ -498,6 +498,28 @@ public:
         });
     }
 
+    void output_gate_forward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & y) override {
+        int64_t n, w, stride;
+        std::tie(n, w, stride) = op_checks::output_gate(x, src, gate_col, {&y}, "output_gate_forward");
+        s.submit([=] {
+            with_activations(x, [&]<class T>(T *) {
+                cpu::output_gate_forward(act<T>(x), act<T>(src) + gate_col, stride, act<T>(y), n, w);
+            });
+        });
+    }
+
+    void output_gate_backward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & dy,
+                              const Tensor & dx, const Tensor & dgate) override {
+        int64_t n, w, stride;
+        std::tie(n, w, stride) = op_checks::output_gate(x, src, gate_col, {&dy, &dx, &dgate}, "output_gate_backward");
+        s.submit([=] {
+            with_activations(x, [&]<class T>(T *) {
+                cpu::output_gate_backward(act<T>(x), act<T>(src) + gate_col, stride, act<T>(dy), act<T>(dx),
+                                          act<T>(dgate), n, w);
+            });
+        });
+    }
+
     void sigmoid_gate_forward(Stream & s, const Tensor & y, const Tensor & logits) override {
         op_checks::sigmoid_gate(y, logits, "sigmoid_gate_forward");
         s.submit([y, logits] {

@@ -69,6 +69,10 @@ template <class T> void glu_backward(const T * x, const T * dy, T * dx, int64_t 
 
 // Squared ReLU, elementwise: y = max(x, 0)^2, dx = dy * 2 max(x, 0).
 template <class T> void squared_relu_forward(const T * x, T * y, int64_t count);
+// Ops::output_gate_forward / _backward: x, y, dy, dx, dgate (n, w); the gate of row r at gate + r * stride.
+template <class T> void output_gate_forward(const T * x, const T * gate, int64_t stride, T * y, int64_t n, int64_t w);
+template <class T>
+void output_gate_backward(const T * x, const T * gate, int64_t stride, const T * dy, T * dx, T * dgate, int64_t n, int64_t w);
 template <class T> void squared_relu_backward(const T * x, const T * dy, T * dx, int64_t count);
 
 // y += x (residual), count elements.

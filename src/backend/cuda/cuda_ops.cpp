@@ -420,6 +420,30 @@ public:
         cs.launched("gelu_backward", {x, dy, dx});
     }
 
+    void output_gate_forward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & y) override {
+        int64_t n, w, stride;
+        std::tie(n, w, stride) = op_checks::output_gate(x, src, gate_col, {&y}, "output_gate_forward");
+        CudaStream & cs     = start(s, "output_gate_forward", {x, src, y});
+        cudaStream_t stream = cs.launch("output_gate_forward");
+        with_activations(x, [&]<class T>(T *) {
+            kernels::output_gate_forward(stream, act<T>(x), act<T>(src) + gate_col, stride, act<T>(y), n, w);
+        });
+        cs.launched("output_gate_forward", {x, src, y});
+    }
+
+    void output_gate_backward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & dy,
+                              const Tensor & dx, const Tensor & dgate) override {
+        int64_t n, w, stride;
+        std::tie(n, w, stride) = op_checks::output_gate(x, src, gate_col, {&dy, &dx, &dgate}, "output_gate_backward");
+        CudaStream & cs     = start(s, "output_gate_backward", {x, src, dy, dx, dgate});
+        cudaStream_t stream = cs.launch("output_gate_backward");
+        with_activations(x, [&]<class T>(T *) {
+            kernels::output_gate_backward(stream, act<T>(x), act<T>(src) + gate_col, stride, act<T>(dy), act<T>(dx),
+                                          act<T>(dgate), n, w);
+        });
+        cs.launched("output_gate_backward", {x, src, dy, dx, dgate});
+    }
+
     void squared_relu_forward(Stream & s, const Tensor & x, const Tensor & y) override {
         op_checks::squared_relu_forward(x, y);
         CudaStream & cs = start(s, "squared_relu_forward", {x, y});

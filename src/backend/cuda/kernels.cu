@@ -515,6 +515,28 @@ __global__ void gelu_backward_kernel(const T * x, const T * dy, T * dx, int64_t 
     }
 }
 
+// sigmoid in f32 as the CPU's output gate forms it.
+__device__ inline float gate_sigmoid(float v) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-v))); }
+
+template <class T>
+__global__ void output_gate_forward_kernel(const T * x, const T * gate, int64_t stride, T * y, int64_t n, int64_t w) {
+    LOOM_GRID_STRIDE(i, n * w) {
+        const int64_t r = i / w, j = i % w;
+        y[i] = from_f32<T>(__fmul_rn(to_f32(x[i]), gate_sigmoid(to_f32(gate[r * stride + j]))));
+    }
+}
+
+template <class T>
+__global__ void output_gate_backward_kernel(const T * x, const T * gate, int64_t stride, const T * dy, T * dx, T * dgate,
+                                            int64_t n, int64_t w) {
+    LOOM_GRID_STRIDE(i, n * w) {
+        const int64_t r = i / w, j = i % w;
+        const float   s = gate_sigmoid(to_f32(gate[r * stride + j])), d = to_f32(dy[i]);
+        dgate[i]              = from_f32<T>(__fmul_rn(__fmul_rn(d, to_f32(x[i])), __fmul_rn(s, __fsub_rn(1.0f, s))));
+        dx[i]                 = from_f32<T>(__fmul_rn(d, s));
+    }
+}
+
 template <class T>
 __global__ void squared_relu_forward_kernel(const T * x, T * y, int64_t count) {
     LOOM_GRID_STRIDE(i, count) {
@@ -1068,6 +1090,19 @@ void gelu_backward(cudaStream_t stream, const T * x, const T * dy, T * dx, int64
 }
 
 template <class T>
+void output_gate_forward(cudaStream_t stream, const T * x, const T * gate, int64_t stride, T * y, int64_t n, int64_t w) {
+    if (n * w > 0) LOOM_LAUNCH(output_gate_forward_kernel<T>, blocks_for(n * w), kThreads, 0, stream)(x, gate, stride, y, n, w);
+}
+
+template <class T>
+void output_gate_backward(cudaStream_t stream, const T * x, const T * gate, int64_t stride, const T * dy, T * dx, T * dgate,
+                          int64_t n, int64_t w) {
+    if (n * w > 0) {
+        LOOM_LAUNCH(output_gate_backward_kernel<T>, blocks_for(n * w), kThreads, 0, stream)(x, gate, stride, dy, dx, dgate, n, w);
+    }
+}
+
+template <class T>
 void squared_relu_forward(cudaStream_t stream, const T * x, T * y, int64_t count) {
     if (count > 0) LOOM_LAUNCH(squared_relu_forward_kernel<T>, blocks_for(count), kThreads, 0, stream)(x, y, count);
 }
@@ -1241,6 +1276,9 @@ void loss_grad(cudaStream_t stream, const float * mask, double scale, float * dl
     template void bias_gelu_forward(cudaStream_t, T *, const float *, T *, uint16_t *, int64_t, int64_t);            \
     template void gelu_backward(cudaStream_t, const T *, const T *, T *, int64_t);                                   \
     template void squared_relu_forward(cudaStream_t, const T *, T *, int64_t);                                       \
+    template void output_gate_forward(cudaStream_t, const T *, const T *, int64_t, T *, int64_t, int64_t);           \
+    template void output_gate_backward(cudaStream_t, const T *, const T *, int64_t, const T *, T *, T *, int64_t,    \
+                                       int64_t);                                                                     \
     template void squared_relu_backward(cudaStream_t, const T *, const T *, T *, int64_t);                           \
     template void swiglu_forward(cudaStream_t, const T *, T *, int64_t, int64_t);                                    \
     template void swiglu_backward(cudaStream_t, const T *, const T *, T *, int64_t, int64_t);                        \

@@ -124,6 +124,12 @@ template <class T> void swiglu_backward(cudaStream_t stream, const T * x, const 
 template <class T> void glu_forward(cudaStream_t stream, const T * x, T * y, int64_t n, int64_t f, GluSpec glu);
 template <class T> void glu_backward(cudaStream_t stream, const T * x, const T * dy, T * dx, int64_t n, int64_t f, GluSpec glu);
 template <class T> void squared_relu_forward(cudaStream_t stream, const T * x, T * y, int64_t count);
+// Ops::output_gate_forward / _backward: x, y, dy, dx, dgate (n, w); the gate of row r at gate + r * stride.
+template <class T>
+void output_gate_forward(cudaStream_t stream, const T * x, const T * gate, int64_t stride, T * y, int64_t n, int64_t w);
+template <class T>
+void output_gate_backward(cudaStream_t stream, const T * x, const T * gate, int64_t stride, const T * dy, T * dx, T * dgate,
+                          int64_t n, int64_t w);
 template <class T> void squared_relu_backward(cudaStream_t stream, const T * x, const T * dy, T * dx, int64_t count);
 
 // AdamW, the scalars of core/host_adam.h computed on the host exactly as there; the element update uses
