@@ -444,9 +444,10 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
                        << " query groups divisible by the all-to-all's size " << inner,
                    "choose --hierarchical-context-parallel-sizes whose first size divides the heads");
     }
-    LOOM_CHECK(!c.attention_output_gate || !cp.enabled(),
-               "--attention-output-gate with --context-parallel-size " << cp.size << " is not supported by Loom",
-               "train the gated attention without context parallelism");
+    LOOM_CHECK(!c.attention_output_gate || !cp.enabled() || cp_comm == CpCommType::p2p || cp_comm == CpCommType::allgather,
+               "--attention-output-gate with --cp-comm-type " << (cp_comm == CpCommType::a2a ? "a2a" : "a2a+p2p")
+                                                              << " is not supported by Loom",
+               "give --cp-comm-type p2p or allgather, which Loom runs with the output gate");
     if (c.softmax_type != SoftmaxType::vanilla) {
         LOOM_CHECK(!cp.enabled() || cp_comm != CpCommType::a2a_p2p,
                    "--softmax-type " << (c.softmax_type == SoftmaxType::learnable ? "learnable" : "off-by-one")
