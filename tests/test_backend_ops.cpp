@@ -2213,6 +2213,127 @@ TEST(OpsOutputGate, HandValuesDoubleReferenceAndBf16Rounding) {
     EXPECT_THROW(ops().output_gate_forward(stream(), xs, s, stride - w + 1, ys), Error);
 }
 
+namespace {
+
+// The gated delta rule's operands: q and v uniform in [-1, 1), each key scaled to unit length (the layer's L2
+// norm does that), log decays g in [-1, 0) and write strengths beta in (0, 1).
+struct DeltaRuleCase {
+    DeltaRuleShape      d;
+    std::vector<double> q, k, v, g, beta;   // rows (t, bi), heads within
+};
+
+DeltaRuleCase delta_rule_case(const DeltaRuleShape & d, uint64_t seed) {
+    DeltaRuleCase c{d, {}, {}, {}, {}, {}};
+    Rng           rng(seed);
+    const int64_t n = d.s * d.b;
+    for (int64_t i = 0; i < n * d.heads * d.dk; ++i) c.q.push_back(rng.uniform(-1.0f, 1.0f));
+    for (int64_t i = 0; i < n * d.heads * d.dk; ++i) c.k.push_back(rng.uniform(-1.0f, 1.0f));
+    for (int64_t row = 0; row < n * d.heads; ++row) {
+        double norm = 0;
+        for (int64_t i = 0; i < d.dk; ++i) norm += c.k[static_cast<size_t>(row * d.dk + i)] * c.k[static_cast<size_t>(row * d.dk + i)];
+        for (int64_t i = 0; i < d.dk; ++i) {
+            c.k[static_cast<size_t>(row * d.dk + i)] = static_cast<float>(c.k[static_cast<size_t>(row * d.dk + i)] / std::sqrt(norm));
+        }
+    }
+    for (int64_t i = 0; i < n * d.heads * d.dv; ++i) c.v.push_back(rng.uniform(-1.0f, 1.0f));
+    for (int64_t i = 0; i < n * d.heads; ++i) c.g.push_back(rng.uniform(-1.0f, 0.0f));
+    for (int64_t i = 0; i < n * d.heads; ++i) c.beta.push_back(rng.uniform(0.05f, 0.95f));
+    return c;
+}
+
+// The rule as Flash Linear Attention's naive recurrent reference states it, in double: o (rows (t, bi), heads).
+std::vector<double> delta_rule_reference(const DeltaRuleCase & c) {
+    const DeltaRuleShape & d = c.d;
+    std::vector<double>    o(static_cast<size_t>(d.s * d.b * d.heads * d.dv));
+    for (int64_t bi = 0; bi < d.b; ++bi) {
+        for (int64_t h = 0; h < d.heads; ++h) {
+            std::vector<double> S(static_cast<size_t>(d.dk * d.dv), 0.0);
+            for (int64_t t = 0; t < d.s; ++t) {
+                const size_t r = static_cast<size_t>((t * d.b + bi) * d.heads + h);
+                const double decay = std::exp(c.g[r]);
+                for (double & e : S) e *= decay;
+                for (int64_t j = 0; j < d.dv; ++j) {
+                    double w = 0;
+                    for (int64_t i = 0; i < d.dk; ++i) w += S[static_cast<size_t>(i * d.dv + j)] * c.k[r * d.dk + i];
+                    const double u = c.beta[r] * (c.v[r * d.dv + j] - w);
+                    for (int64_t i = 0; i < d.dk; ++i) S[static_cast<size_t>(i * d.dv + j)] += c.k[r * d.dk + i] * u;
+                }
+                for (int64_t j = 0; j < d.dv; ++j) {
+                    double acc = 0;
+                    for (int64_t i = 0; i < d.dk; ++i) acc += S[static_cast<size_t>(i * d.dv + j)] * d.scale * c.q[r * d.dk + i];
+                    o[r * d.dv + j] = acc;
+                }
+            }
+        }
+    }
+    return o;
+}
+
+Tensor f32_of(const std::vector<double> & v) {
+    Tensor t = empty({static_cast<int64_t>(v.size())});
+    for (size_t i = 0; i < v.size(); ++i) t.data<float>()[i] = static_cast<float>(v[i]);
+    return t;
+}
+
+}  // namespace
+
+// Qwen3-Next's gated delta rule (Ops::gated_delta_rule_forward / _backward), on the CPU. The forward against the
+// naive recurrence in double, within 1e-5 of the output's largest; the backward against central differences
+// (step 1e-3) of the double reference's sum of o times fixed random weights, within 2e-4 of each operand's
+// largest gradient. Two shapes: keys wider than values over 37 steps (three chunks of 16, the last short), and
+// the reverse over 16 (exactly one chunk).
+TEST(OpsDeltaRule, ForwardAgainstTheRecurrenceAndBackwardAgainstFiniteDifferences) {
+    for (const DeltaRuleShape d : {DeltaRuleShape{37, 2, 2, 6, 4, 0.4f}, DeltaRuleShape{16, 1, 3, 3, 5, 0.577f}}) {
+        SCOPED_TRACE("s " + std::to_string(d.s) + ", dk " + std::to_string(d.dk) + ", dv " + std::to_string(d.dv));
+        DeltaRuleCase c = delta_rule_case(d, 4801 + static_cast<uint64_t>(d.s));
+        // The operands as f32 values, and the reference on those same values.
+        for (std::vector<double> * v : {&c.q, &c.k, &c.v, &c.g, &c.beta}) {
+            for (double & e : *v) e = static_cast<float>(e);
+        }
+        const std::vector<double> want = delta_rule_reference(c);
+        const int64_t n = d.s * d.b;
+        Tensor q = f32_of(c.q).view({n, d.heads * d.dk}), k = f32_of(c.k).view({n, d.heads * d.dk});
+        Tensor v = f32_of(c.v).view({n, d.heads * d.dv}), g = f32_of(c.g).view({n, d.heads}), beta = f32_of(c.beta).view({n, d.heads});
+        Tensor o = empty({n, d.heads * d.dv}), ws = empty({delta_rule_workspace_elements(d)});
+        ops().gated_delta_rule_forward(stream(), q, k, v, g, beta, o, ws, d);
+        synchronize();
+        double largest = 0;
+        for (double e : want) largest = std::max(largest, std::fabs(e));
+        for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(o.data<float>()[i], want[i], 1e-5 * largest) << "o " << i;
+
+        Rng                 rng(4809);
+        std::vector<double> weights(want.size());
+        for (double & w : weights) w = rng.uniform(-1.0f, 1.0f);
+        Tensor dout = f32_of(weights).view({n, d.heads * d.dv});
+        Tensor dq = empty(q.shape()), dk = empty(k.shape()), dv = empty(v.shape()), dg = empty(g.shape()), db = empty(beta.shape());
+        ops().gated_delta_rule_backward(stream(), q, k, v, g, beta, dout, dq, dk, dv, dg, db, ws, d);
+        synchronize();
+        auto loss = [&](const DeltaRuleCase & x) {
+            const std::vector<double> out = delta_rule_reference(x);
+            double                    sum = 0;
+            for (size_t i = 0; i < out.size(); ++i) sum += out[i] * weights[i];
+            return sum;
+        };
+        const std::pair<std::vector<double> DeltaRuleCase::*, const Tensor *> operands[] = {
+            {&DeltaRuleCase::q, &dq}, {&DeltaRuleCase::k, &dk}, {&DeltaRuleCase::v, &dv}, {&DeltaRuleCase::g, &dg},
+            {&DeltaRuleCase::beta, &db}};
+        const char * names[] = {"dq", "dk", "dv", "dg", "dbeta"};
+        for (size_t which = 0; which < 5; ++which) {
+            auto [member, grad] = operands[which];
+            std::vector<double> fd((c.*member).size());
+            double              scale = 0;
+            for (size_t i = 0; i < fd.size(); ++i) {
+                DeltaRuleCase up = c, down = c;
+                (up.*member)[i] += 1e-3;
+                (down.*member)[i] -= 1e-3;
+                fd[i] = (loss(up) - loss(down)) / 2e-3;
+                scale = std::max(scale, std::fabs(fd[i]));
+            }
+            for (size_t i = 0; i < fd.size(); ++i) EXPECT_NEAR(grad->data<float>()[i], fd[i], 2e-4 * scale) << names[which] << " " << i;
+        }
+    }
+}
+
 TEST(OpsBf16Activations, EmbeddingForwardAndBackward) {
     const int64_t b = 2, s = 5, h = 12, vocab = 9;
     Tensor        tokens = int_tensor({b, s}, {0, 3, 8, 3, 1, 2, 2, 7, 0, 5});

@@ -729,6 +729,24 @@ inline std::tuple<int64_t, int64_t, int64_t> output_gate(const Tensor & x, const
 }
 
 
+// The gated delta rule's operands: f32, of DeltaRuleShape's sizes.
+inline void delta_rule(const DeltaRuleShape & d, std::initializer_list<const Tensor *> keys,
+                       std::initializer_list<const Tensor *> values, std::initializer_list<const Tensor *> gates,
+                       const Tensor & workspace, const char * op) {
+    LOOM_CHECK(d.s >= 1 && d.b >= 1 && d.heads >= 1 && d.dk >= 1 && d.dv >= 1 && d.dk <= kDeltaRuleMaxDim &&
+                   d.dv <= kDeltaRuleMaxDim,
+               op << ": " << d.s << " steps of " << d.b << " sequences, " << d.heads << " heads, keys of " << d.dk
+                  << " and values of " << d.dv, "widths at most " << kDeltaRuleMaxDim);
+    const int64_t n = d.s * d.b;
+    for (const Tensor * t : keys) expect(*t, DType::f32, n * d.heads * d.dk, op, "a query or key operand");
+    for (const Tensor * t : values) expect(*t, DType::f32, n * d.heads * d.dv, op, "a value operand");
+    for (const Tensor * t : gates) expect(*t, DType::f32, n * d.heads, op, "a gate operand (g or beta)");
+    expect(workspace, DType::f32, -1, op, "workspace");
+    LOOM_CHECK(workspace.numel() >= delta_rule_workspace_elements(d),
+               op << ": workspace of " << workspace.numel() << " elements, " << delta_rule_workspace_elements(d) << " needed",
+               "size it with delta_rule_workspace_elements");
+}
+
 // history (len, n) f32, scale (n) f32.
 inline void fp8_delayed_update(const Tensor & history, const Tensor & scale) {
     LOOM_CHECK(history.defined() && history.dtype() == DType::f32 && history.dim() == 2 && history.size(0) >= 1 &&

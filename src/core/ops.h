@@ -117,6 +117,22 @@ inline constexpr int64_t kMoeMaxGroups = 64;
 // The lanes of Ops::attention_sink_backward's sums (a CUDA block's threads).
 inline constexpr int64_t kSinkLanes = 256;
 
+// The gated delta rule's operands (Ops::gated_delta_rule_forward): b sequences of s steps, H heads, keys of dk
+// and values of dv; rows (t, bi) as the activations' (row t b + bi).
+struct DeltaRuleShape {
+    int64_t s = 0, b = 0, heads = 0, dk = 0, dv = 0;
+    float   scale = 1.0f;   // the queries' (FLA's default: dk^-1/2)
+};
+// The backward keeps the state every kDeltaRuleChunk steps and recomputes each chunk's states from it.
+inline constexpr int64_t kDeltaRuleChunk = 16;
+inline constexpr int64_t kDeltaRuleMaxDim = 256;   // dk and dv at most (a CUDA block's threads)
+// The f32 elements of the workspace both passes take: per (sequence, head), the chunks' states, a chunk's
+// states and one more state (dk x dv each).
+inline int64_t delta_rule_workspace_elements(const DeltaRuleShape & d) {
+    const int64_t chunks = (d.s + kDeltaRuleChunk - 1) / kDeltaRuleChunk;
+    return d.b * d.heads * (chunks + kDeltaRuleChunk + 1) * d.dk * d.dv;
+}
+
 // The load-balancing aux loss and the z-loss of a router (either coefficient 0: that loss is off).
 struct MoeRouterLoss {
     int64_t groups    = 1;      // G: 1, or the micro-batch size with seq_aux_loss (row r is in group r % G)
@@ -425,6 +441,21 @@ public:
     virtual void sigmoid_gate_forward(Stream & s, const Tensor & y, const Tensor & logits) = 0;
     virtual void sigmoid_gate_backward(Stream & s, const Tensor & dy, const Tensor & m, const Tensor & logits, const Tensor & dm,
                                        const Tensor & dlogits) = 0;
+    // The gated delta rule (Qwen3-Next's gated delta-net; the recurrent form of Flash Linear Attention's
+    // chunk_gated_delta_rule), f32. For each sequence and head, from the state S = 0 (dk x dv), step t:
+    //   S~ = e^(g_t) S;   u_t = beta_t (v_t - S~^T k_t);   S = S~ + k_t u_t^T;   o_t = S^T (scale q_t)
+    // q, k (n, H dk), v and o (n, H dv), g (log decays) and beta (n, H), with n = s b. Every sum runs in index
+    // order in f32 on every backend (each CUDA thread owns a column or a row of S), so the backends agree to the
+    // bit where their exp does. workspace: delta_rule_workspace_elements f32.
+    virtual void gated_delta_rule_forward(Stream & s, const Tensor & q, const Tensor & k, const Tensor & v, const Tensor & g,
+                                          const Tensor & beta, const Tensor & o, const Tensor & workspace,
+                                          const DeltaRuleShape & shape) = 0;
+    // Backward from dout (like o): dq, dk, dv, dg and dbeta (like their operands) assigned. The states come back
+    // from the inputs: the forward's again, kept every kDeltaRuleChunk steps, each chunk's recomputed in reverse.
+    virtual void gated_delta_rule_backward(Stream & s, const Tensor & q, const Tensor & k, const Tensor & v, const Tensor & g,
+                                           const Tensor & beta, const Tensor & dout, const Tensor & dq, const Tensor & dk,
+                                           const Tensor & dv, const Tensor & dg, const Tensor & dbeta,
+                                           const Tensor & workspace, const DeltaRuleShape & shape) = 0;
     // The attention's output gate (--attention-output-gate, Qwen3-Next; Megatron's _apply_output_gate): y (n, w) =
     // x * sigmoid(g) elementwise, in f32 and rounded to y's dtype, where g is columns [gate_col, gate_col + w) of
     // src's rows (the QKV projection's gate columns). x, y, src in the activations' dtype (f32 or bf16). Backward,

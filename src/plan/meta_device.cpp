@@ -200,6 +200,12 @@ public:
     void glu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx, const GluSpec &) override { memory(s, "glu_backward", bytes_of({&x, &dy, &dx})); }
     void squared_relu_forward(Stream & s, const Tensor & x, const Tensor & y) override { memory(s, "squared_relu_forward", bytes_of({&x, &y})); }
     void squared_relu_backward(Stream & s, const Tensor & x, const Tensor & dy, const Tensor & dx) override { memory(s, "squared_relu_backward", bytes_of({&x, &dy, &dx})); }
+    void gated_delta_rule_forward(Stream & s, const Tensor & q, const Tensor & k, const Tensor & v, const Tensor & g, const Tensor & beta, const Tensor & o, const Tensor & workspace, const DeltaRuleShape & shape) override {
+        memory(s, "gated_delta_rule_forward", bytes_of({&q, &k, &v, &g, &beta, &o}));
+    }
+    void gated_delta_rule_backward(Stream & s, const Tensor & q, const Tensor & k, const Tensor & v, const Tensor & g, const Tensor & beta, const Tensor & dout, const Tensor & dq, const Tensor & dk, const Tensor & dv, const Tensor & dg, const Tensor & dbeta, const Tensor & workspace, const DeltaRuleShape & shape) override {
+        memory(s, "gated_delta_rule_backward", 2 * bytes_of({&q, &k, &v, &g, &beta, &dout}));
+    }
     // The gate's columns of src are read (and written) once: x's bytes of them.
     void output_gate_forward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & y) override { memory(s, "output_gate_forward", 3 * bytes_of({&x})); }
     void output_gate_backward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & dy, const Tensor & dx, const Tensor & dgate) override { memory(s, "output_gate_backward", 5 * bytes_of({&x})); }

@@ -498,6 +498,25 @@ public:
         });
     }
 
+    void gated_delta_rule_forward(Stream & s, const Tensor & q, const Tensor & k, const Tensor & v, const Tensor & g,
+                                  const Tensor & beta, const Tensor & o, const Tensor & workspace,
+                                  const DeltaRuleShape & shape) override {
+        op_checks::delta_rule(shape, {&q, &k}, {&v, &o}, {&g, &beta}, workspace, "gated_delta_rule_forward");
+        s.submit([=] { cpu::gated_delta_rule_forward(f32(q), f32(k), f32(v), f32(g), f32(beta), f32(o), f32(workspace), shape); });
+    }
+
+    void gated_delta_rule_backward(Stream & s, const Tensor & q, const Tensor & k, const Tensor & v, const Tensor & g,
+                                   const Tensor & beta, const Tensor & dout, const Tensor & dq, const Tensor & dk,
+                                   const Tensor & dv, const Tensor & dg, const Tensor & dbeta, const Tensor & workspace,
+                                   const DeltaRuleShape & shape) override {
+        op_checks::delta_rule(shape, {&q, &k, &dq, &dk}, {&v, &dout, &dv}, {&g, &beta, &dg, &dbeta}, workspace,
+                              "gated_delta_rule_backward");
+        s.submit([=] {
+            cpu::gated_delta_rule_backward(f32(q), f32(k), f32(v), f32(g), f32(beta), f32(dout), f32(dq), f32(dk), f32(dv),
+                                           f32(dg), f32(dbeta), f32(workspace), shape);
+        });
+    }
+
     void output_gate_forward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & y) override {
         int64_t n, w, stride;
         std::tie(n, w, stride) = op_checks::output_gate(x, src, gate_col, {&y}, "output_gate_forward");

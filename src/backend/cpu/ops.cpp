@@ -244,7 +244,7 @@ void gelu_backward(const T * x, const T * dy, T * dx, int64_t count) {
     });
 }
 
-// sigmoid(v) in f32, as the CUDA kernels form it (no contraction: the backend compiles with -ffp-contract=off).
+// sigmoid(v) in f32, as the CUDA kernels form it. The output gate's products have no sum to contract into an FMA.
 inline float sigmoid_f32(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 
 template <class T>

@@ -14,6 +14,7 @@
 
 #include "core/dtype.h"
 #include "core/float_bits.h"
+#include "core/ops.h"
 
 #include <cstdint>
 
@@ -69,6 +70,12 @@ template <class T> void glu_backward(const T * x, const T * dy, T * dx, int64_t 
 
 // Squared ReLU, elementwise: y = max(x, 0)^2, dx = dy * 2 max(x, 0).
 template <class T> void squared_relu_forward(const T * x, T * y, int64_t count);
+// Ops::gated_delta_rule_forward / _backward (backend/cpu/delta_rule.cpp).
+void gated_delta_rule_forward(const float * q, const float * k, const float * v, const float * g, const float * beta,
+                              float * o, float * workspace, const DeltaRuleShape & d);
+void gated_delta_rule_backward(const float * q, const float * k, const float * v, const float * g, const float * beta,
+                               const float * dout, float * dq, float * dk, float * dv, float * dg, float * dbeta,
+                               float * workspace, const DeltaRuleShape & d);
 // Ops::output_gate_forward / _backward: x, y, dy, dx, dgate (n, w); the gate of row r at gate + r * stride.
 template <class T> void output_gate_forward(const T * x, const T * gate, int64_t stride, T * y, int64_t n, int64_t w);
 template <class T>

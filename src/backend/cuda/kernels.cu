@@ -515,6 +515,154 @@ __global__ void gelu_backward_kernel(const T * x, const T * dy, T * dx, int64_t 
     }
 }
 
+// ---- The gated delta rule (Ops::gated_delta_rule_forward / _backward; backend/cpu/delta_rule.cpp runs the same
+// loops in the same order). Thread j owns column j of the state S (dk x dv, row-major in the block's workspace
+// region), thread i row i in the backward's row phase; thread 0 sums the partials. Products and sums rounded
+// one by one (no contraction).
+
+constexpr int kDeltaRuleMax = 256;
+
+// One step of the rule on column j of S: decays it, forms u_j and adds k u_j; returns the column's output
+// sum over qh (when qh is given).
+__device__ inline float delta_rule_column(float * S, int64_t j, const float * ks, const float * qh, float decay, float beta,
+                                          float v, int64_t dk, int64_t dv) {
+    float w = 0.0f;
+    for (int64_t i = 0; i < dk; ++i) {
+        const float decayed = __fmul_rn(decay, S[i * dv + j]);
+        S[i * dv + j]       = decayed;
+        w                   = __fadd_rn(w, __fmul_rn(decayed, ks[i]));
+    }
+    const float u   = __fmul_rn(beta, __fsub_rn(v, w));
+    float       acc = 0.0f;
+    for (int64_t i = 0; i < dk; ++i) {
+        const float next = __fadd_rn(S[i * dv + j], __fmul_rn(ks[i], u));
+        S[i * dv + j]    = next;
+        if (qh) acc = __fadd_rn(acc, __fmul_rn(next, qh[i]));
+    }
+    return acc;
+}
+
+__global__ void delta_rule_forward_kernel(const float * q, const float * k, const float * v, const float * g,
+                                          const float * beta, float * o, float * workspace, DeltaRuleDims d) {
+    __shared__ float qh[kDeltaRuleMax], ks[kDeltaRuleMax];
+    const int64_t    p = blockIdx.x, bi = p / d.heads, h = p % d.heads, j = threadIdx.x;
+    float *          S = workspace + p * d.region;
+    if (j < d.dv) {
+        for (int64_t i = 0; i < d.dk; ++i) S[i * d.dv + j] = 0.0f;
+    }
+    for (int64_t t = 0; t < d.s; ++t) {
+        const int64_t r = (t * d.b + bi) * d.heads + h;
+        if (j < d.dk) {
+            qh[j] = __fmul_rn(d.scale, q[r * d.dk + j]);
+            ks[j] = k[r * d.dk + j];
+        }
+        __syncthreads();
+        if (j < d.dv) o[r * d.dv + j] = delta_rule_column(S, j, ks, qh, expf(g[r]), beta[r], v[r * d.dv + j], d.dk, d.dv);
+        __syncthreads();
+    }
+}
+
+__global__ void delta_rule_backward_kernel(const float * q, const float * k, const float * v, const float * g,
+                                           const float * beta, const float * dout, float * dq, float * dk, float * dv,
+                                           float * dg, float * dbeta, float * workspace, DeltaRuleDims d) {
+    __shared__ float qh[kDeltaRuleMax], ks[kDeltaRuleMax], dos[kDeltaRuleMax], u[kDeltaRuleMax], rs[kDeltaRuleMax];
+    __shared__ float dw[kDeltaRuleMax], pb[kDeltaRuleMax], rp[kDeltaRuleMax];
+    const int64_t    p = blockIdx.x, bi = p / d.heads, h = p % d.heads, x = threadIdx.x;
+    const int64_t    K = d.dk, V = d.dv, KV = K * V, chunks = (d.s + d.chunk - 1) / d.chunk;
+    float *          kept = workspace + p * d.region;
+    float *          prev = kept + chunks * KV;
+    float *          dS   = prev + d.chunk * KV;
+    // The forward again (dS as the running state), keeping the state before every chunk.
+    if (x < V) {
+        for (int64_t i = 0; i < K; ++i) dS[i * V + x] = 0.0f;
+    }
+    for (int64_t t = 0; t < d.s; ++t) {
+        const int64_t r = (t * d.b + bi) * d.heads + h;
+        if (x < K) ks[x] = k[r * K + x];
+        __syncthreads();
+        if (x < V) {
+            if (t % d.chunk == 0) {
+                for (int64_t i = 0; i < K; ++i) kept[t / d.chunk * KV + i * V + x] = dS[i * V + x];
+            }
+            delta_rule_column(dS, x, ks, nullptr, expf(g[r]), beta[r], v[r * V + x], K, V);
+        }
+        __syncthreads();
+    }
+    if (x < V) {
+        for (int64_t i = 0; i < K; ++i) dS[i * V + x] = 0.0f;
+    }
+    for (int64_t c = chunks - 1; c >= 0; --c) {
+        const int64_t t0 = c * d.chunk, t1 = t0 + d.chunk < d.s ? t0 + d.chunk : d.s;
+        if (x < V) {
+            for (int64_t i = 0; i < K; ++i) prev[i * V + x] = kept[c * KV + i * V + x];
+        }
+        for (int64_t t = t0; t + 1 < t1; ++t) {   // the chunk's states before each of its steps
+            const int64_t r = (t * d.b + bi) * d.heads + h;
+            if (x < K) ks[x] = k[r * K + x];
+            __syncthreads();
+            if (x < V) {
+                float * next = prev + (t - t0 + 1) * KV;
+                for (int64_t i = 0; i < K; ++i) next[i * V + x] = prev[(t - t0) * KV + i * V + x];
+                delta_rule_column(next, x, ks, nullptr, expf(g[r]), beta[r], v[r * V + x], K, V);
+            }
+            __syncthreads();
+        }
+        for (int64_t t = t1 - 1; t >= t0; --t) {
+            const int64_t r     = (t * d.b + bi) * d.heads + h;
+            const float   decay = expf(g[r]), bt = beta[r];
+            const float * Sp    = prev + (t - t0) * KV;
+            if (x < K) {
+                qh[x] = __fmul_rn(d.scale, q[r * K + x]);
+                ks[x] = k[r * K + x];
+            }
+            if (x < V) dos[x] = dout[r * V + x];
+            __syncthreads();
+            if (x < V) {   // column x
+                float w = 0.0f;
+                for (int64_t i = 0; i < K; ++i) w = __fadd_rn(w, __fmul_rn(__fmul_rn(decay, Sp[i * V + x]), ks[i]));
+                rs[x]    = __fsub_rn(v[r * V + x], w);
+                u[x]     = __fmul_rn(bt, rs[x]);
+                float du = 0.0f;
+                for (int64_t i = 0; i < K; ++i) {
+                    dS[i * V + x] = __fadd_rn(dS[i * V + x], __fmul_rn(qh[i], dos[x]));
+                    du            = __fadd_rn(du, __fmul_rn(dS[i * V + x], ks[i]));
+                }
+                dw[x]         = -__fmul_rn(bt, du);
+                dv[r * V + x] = __fmul_rn(bt, du);
+                pb[x]         = __fmul_rn(du, rs[x]);
+            }
+            __syncthreads();
+            if (x < K) {   // row x
+                float a = 0.0f, b1 = 0.0f, b2 = 0.0f, part = 0.0f;
+                for (int64_t j = 0; j < V; ++j) {
+                    const float decayed = __fmul_rn(decay, Sp[x * V + j]);
+                    a    = __fadd_rn(a, __fmul_rn(__fadd_rn(decayed, __fmul_rn(ks[x], u[j])), dos[j]));
+                    b1   = __fadd_rn(b1, __fmul_rn(dS[x * V + j], u[j]));
+                    b2   = __fadd_rn(b2, __fmul_rn(decayed, dw[j]));
+                    part = __fadd_rn(part, __fmul_rn(decayed, __fadd_rn(dS[x * V + j], __fmul_rn(ks[x], dw[j]))));
+                }
+                dq[r * K + x] = __fmul_rn(d.scale, a);
+                dk[r * K + x] = __fadd_rn(b1, b2);
+                rp[x]         = part;
+            }
+            __syncthreads();
+            if (x == 0) {
+                float sb = 0.0f, sg = 0.0f;
+                for (int64_t j = 0; j < V; ++j) sb = __fadd_rn(sb, pb[j]);
+                for (int64_t i = 0; i < K; ++i) sg = __fadd_rn(sg, rp[i]);
+                dbeta[r] = sb;
+                dg[r]    = sg;
+            }
+            if (x < V) {   // dS of the state before step t
+                for (int64_t i = 0; i < K; ++i) {
+                    dS[i * V + x] = __fmul_rn(decay, __fadd_rn(dS[i * V + x], __fmul_rn(ks[i], dw[x])));
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
 // sigmoid in f32 as the CPU's output gate forms it.
 __device__ inline float gate_sigmoid(float v) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-v))); }
 
@@ -1087,6 +1235,26 @@ void bias_gelu_forward(cudaStream_t stream, T * x, const float * bias, T * y, ui
 template <class T>
 void gelu_backward(cudaStream_t stream, const T * x, const T * dy, T * dx, int64_t count) {
     if (count > 0) LOOM_LAUNCH(gelu_backward_kernel<T>, blocks_for(count), kThreads, 0, stream)(x, dy, dx, count);
+}
+
+namespace {
+int delta_rule_threads(const DeltaRuleDims & d) {
+    const int64_t widest = d.dk > d.dv ? d.dk : d.dv;
+    return static_cast<int>((widest + 31) / 32 * 32);
+}
+}  // namespace
+
+void gated_delta_rule_forward(cudaStream_t stream, const float * q, const float * k, const float * v, const float * g,
+                              const float * beta, float * o, float * workspace, DeltaRuleDims d) {
+    LOOM_LAUNCH(delta_rule_forward_kernel, static_cast<unsigned>(d.b * d.heads), delta_rule_threads(d), 0, stream)(
+        q, k, v, g, beta, o, workspace, d);
+}
+
+void gated_delta_rule_backward(cudaStream_t stream, const float * q, const float * k, const float * v, const float * g,
+                               const float * beta, const float * dout, float * dq, float * dk, float * dv, float * dg,
+                               float * dbeta, float * workspace, DeltaRuleDims d) {
+    LOOM_LAUNCH(delta_rule_backward_kernel, static_cast<unsigned>(d.b * d.heads), delta_rule_threads(d), 0, stream)(
+        q, k, v, g, beta, dout, dq, dk, dv, dg, dbeta, workspace, d);
 }
 
 template <class T>

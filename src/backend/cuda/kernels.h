@@ -124,6 +124,18 @@ template <class T> void swiglu_backward(cudaStream_t stream, const T * x, const 
 template <class T> void glu_forward(cudaStream_t stream, const T * x, T * y, int64_t n, int64_t f, GluSpec glu);
 template <class T> void glu_backward(cudaStream_t stream, const T * x, const T * dy, T * dx, int64_t n, int64_t f, GluSpec glu);
 template <class T> void squared_relu_forward(cudaStream_t stream, const T * x, T * y, int64_t count);
+// Ops::gated_delta_rule_forward / _backward, f32: a block per (sequence, head), whose workspace region is
+// `region` floats from workspace + block * region (core/ops.h's delta_rule_workspace_elements), states kept every
+// `chunk` steps. dk, dv <= 256.
+struct DeltaRuleDims {
+    int64_t s, b, heads, dk, dv, chunk, region;
+    float   scale;
+};
+void gated_delta_rule_forward(cudaStream_t stream, const float * q, const float * k, const float * v, const float * g,
+                              const float * beta, float * o, float * workspace, DeltaRuleDims d);
+void gated_delta_rule_backward(cudaStream_t stream, const float * q, const float * k, const float * v, const float * g,
+                               const float * beta, const float * dout, float * dq, float * dk, float * dv, float * dg,
+                               float * dbeta, float * workspace, DeltaRuleDims d);
 // Ops::output_gate_forward / _backward: x, y, dy, dx, dgate (n, w); the gate of row r at gate + r * stride.
 template <class T>
 void output_gate_forward(cudaStream_t stream, const T * x, const T * gate, int64_t stride, T * y, int64_t n, int64_t w);

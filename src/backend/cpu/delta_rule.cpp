@@ -1,0 +1,159 @@
+// Ops::gated_delta_rule_forward / _backward on the host (core/ops.h states the rule). Each (sequence, head) is
+// one task; within it the loops run in the order of the CUDA kernels (backend/cuda/kernels.cu): a column j of
+// the state S is one thread's (its sums over the key index i, in order), a row i another's (its sums over j),
+// and the two scalar sums (dbeta, dg) are thread 0's over the others' partials. Compiled without contraction
+// (src/CMakeLists.txt), as the emulated device's kernels are, so the two give the same bits.
+#include "backend/cpu/ops.h"
+#include "core/thread_pool.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace loom::cpu {
+
+namespace {
+
+// One (sequence bi, head h)'s view of the operands at step t.
+struct Step {
+    const float * q;
+    const float * k;
+    const float * v;
+    float         decay;   // e^g
+    float         beta;
+};
+
+struct Operands {
+    const float *          q, *k, *v, *g, *beta;
+    const DeltaRuleShape & d;
+    Step at(int64_t t, int64_t bi, int64_t h) const {
+        const int64_t r = (t * d.b + bi) * d.heads + h;
+        return {q + r * d.dk, k + r * d.dk, v + r * d.dv, std::exp(g[r]), beta[r]};
+    }
+};
+
+// One step of the rule on S (dk x dv, row-major) in place; o (dv) the output when given, from qh = scale q.
+void step(float * S, const Step & x, const float * qh, float * o, int64_t dk, int64_t dv) {
+    for (int64_t j = 0; j < dv; ++j) {
+        float w = 0.0f;
+        for (int64_t i = 0; i < dk; ++i) {
+            const float decayed = x.decay * S[i * dv + j];
+            S[i * dv + j]       = decayed;
+            w += decayed * x.k[i];
+        }
+        const float u   = x.beta * (x.v[j] - w);
+        float       acc = 0.0f;
+        for (int64_t i = 0; i < dk; ++i) {
+            const float next = S[i * dv + j] + x.k[i] * u;
+            S[i * dv + j]    = next;
+            if (o) acc += next * qh[i];
+        }
+        if (o) o[j] = acc;
+    }
+}
+
+int64_t chunks_of(const DeltaRuleShape & d) { return (d.s + kDeltaRuleChunk - 1) / kDeltaRuleChunk; }
+int64_t region_of(const DeltaRuleShape & d) { return (chunks_of(d) + kDeltaRuleChunk + 1) * d.dk * d.dv; }
+
+}  // namespace
+
+void gated_delta_rule_forward(const float * q, const float * k, const float * v, const float * g, const float * beta,
+                              float * o, float * workspace, const DeltaRuleShape & d) {
+    const Operands x{q, k, v, g, beta, d};
+    parallel_for(d.b * d.heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> qh(static_cast<size_t>(d.dk));
+        for (int64_t p = begin; p < end; ++p) {
+            const int64_t bi = p / d.heads, h = p % d.heads;
+            float *       S  = workspace + p * region_of(d);
+            std::fill(S, S + d.dk * d.dv, 0.0f);
+            for (int64_t t = 0; t < d.s; ++t) {
+                const Step at = x.at(t, bi, h);
+                for (int64_t i = 0; i < d.dk; ++i) qh[static_cast<size_t>(i)] = d.scale * at.q[i];
+                step(S, at, qh.data(), o + ((t * d.b + bi) * d.heads + h) * d.dv, d.dk, d.dv);
+            }
+        }
+    });
+}
+
+void gated_delta_rule_backward(const float * q, const float * k, const float * v, const float * g, const float * beta,
+                               const float * dout, float * dq, float * dk, float * dv, float * dg, float * dbeta,
+                               float * workspace, const DeltaRuleShape & d) {
+    const Operands x{q, k, v, g, beta, d};
+    const int64_t  K = d.dk, V = d.dv, KV = K * V, chunks = chunks_of(d);
+    parallel_for(d.b * d.heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> qh(static_cast<size_t>(K)), u(static_cast<size_t>(V)), r(static_cast<size_t>(V));
+        std::vector<float> dw(static_cast<size_t>(V)), pb(static_cast<size_t>(V)), rp(static_cast<size_t>(K));
+        for (int64_t p = begin; p < end; ++p) {
+            const int64_t bi = p / d.heads, h = p % d.heads;
+            float *       kept = workspace + p * region_of(d);   // each chunk's first state
+            float *       prev = kept + chunks * KV;              // a chunk's states before each of its steps
+            float *       dS   = prev + kDeltaRuleChunk * KV;
+            // The forward again, keeping the state before every chunk (dS serves as the running state).
+            std::fill(dS, dS + KV, 0.0f);
+            for (int64_t t = 0; t < d.s; ++t) {
+                if (t % kDeltaRuleChunk == 0) std::memcpy(kept + t / kDeltaRuleChunk * KV, dS, sizeof(float) * KV);
+                step(dS, x.at(t, bi, h), nullptr, nullptr, K, V);
+            }
+            std::fill(dS, dS + KV, 0.0f);
+            for (int64_t c = chunks - 1; c >= 0; --c) {
+                const int64_t t0 = c * kDeltaRuleChunk, t1 = std::min(d.s, t0 + kDeltaRuleChunk);
+                std::memcpy(prev, kept + c * KV, sizeof(float) * KV);
+                for (int64_t t = t0; t + 1 < t1; ++t) {
+                    float * next = prev + (t - t0 + 1) * KV;
+                    std::memcpy(next, prev + (t - t0) * KV, sizeof(float) * KV);
+                    step(next, x.at(t, bi, h), nullptr, nullptr, K, V);
+                }
+                for (int64_t t = t1 - 1; t >= t0; --t) {
+                    const Step    at  = x.at(t, bi, h);
+                    const float * Sp  = prev + (t - t0) * KV;   // the state before step t
+                    const int64_t row = (t * d.b + bi) * d.heads + h;
+                    const float * dO  = dout + row * V;
+                    for (int64_t i = 0; i < K; ++i) qh[static_cast<size_t>(i)] = d.scale * at.q[i];
+                    // Columns (a thread per j): u, the output's term of dS, du and what it gives.
+                    for (int64_t j = 0; j < V; ++j) {
+                        float w = 0.0f;
+                        for (int64_t i = 0; i < K; ++i) w += (at.decay * Sp[i * V + j]) * at.k[i];
+                        r[static_cast<size_t>(j)] = at.v[j] - w;
+                        u[static_cast<size_t>(j)] = at.beta * r[static_cast<size_t>(j)];
+                        float du = 0.0f;
+                        for (int64_t i = 0; i < K; ++i) {
+                            dS[i * V + j] = dS[i * V + j] + qh[static_cast<size_t>(i)] * dO[j];
+                            du += dS[i * V + j] * at.k[i];
+                        }
+                        dw[static_cast<size_t>(j)] = -(at.beta * du);
+                        dv[row * V + j]            = at.beta * du;
+                        pb[static_cast<size_t>(j)] = du * r[static_cast<size_t>(j)];
+                    }
+                    // Rows (a thread per i): dq, dk and the row's share of dg.
+                    for (int64_t i = 0; i < K; ++i) {
+                        float a = 0.0f, b1 = 0.0f, b2 = 0.0f, part = 0.0f;
+                        for (int64_t j = 0; j < V; ++j) {
+                            const float decayed = at.decay * Sp[i * V + j];
+                            a += (decayed + at.k[i] * u[static_cast<size_t>(j)]) * dO[j];
+                            b1 += dS[i * V + j] * u[static_cast<size_t>(j)];
+                            b2 += decayed * dw[static_cast<size_t>(j)];
+                            part += decayed * (dS[i * V + j] + at.k[i] * dw[static_cast<size_t>(j)]);
+                        }
+                        dq[row * K + i]            = d.scale * a;
+                        dk[row * K + i]            = b1 + b2;
+                        rp[static_cast<size_t>(i)] = part;
+                    }
+                    float sb = 0.0f, sg = 0.0f;
+                    for (int64_t j = 0; j < V; ++j) sb += pb[static_cast<size_t>(j)];
+                    for (int64_t i = 0; i < K; ++i) sg += rp[static_cast<size_t>(i)];
+                    dbeta[row] = sb;
+                    dg[row]    = sg;
+                    // dS of the state before step t: e^g (dS + k dw^T).
+                    for (int64_t j = 0; j < V; ++j) {
+                        for (int64_t i = 0; i < K; ++i) {
+                            dS[i * V + j] = at.decay * (dS[i * V + j] + at.k[i] * dw[static_cast<size_t>(j)]);
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+}  // namespace loom::cpu
