@@ -747,6 +747,17 @@ inline void delta_rule(const DeltaRuleShape & d, std::initializer_list<const Ten
                "size it with delta_rule_workspace_elements");
 }
 
+inline void delta_rule_forward(const Tensor & q, const Tensor & k, const Tensor & v, const Tensor & g, const Tensor & beta,
+                               const Tensor & o, const Tensor & workspace, const DeltaRuleShape & d) {
+    delta_rule(d, {&q, &k}, {&v, &o}, {&g, &beta}, workspace, "gated_delta_rule_forward");
+}
+
+inline void delta_rule_backward(const Tensor & q, const Tensor & k, const Tensor & v, const Tensor & g, const Tensor & beta,
+                                const Tensor & dout, const Tensor & dq, const Tensor & dk, const Tensor & dv,
+                                const Tensor & dg, const Tensor & dbeta, const Tensor & workspace, const DeltaRuleShape & d) {
+    delta_rule(d, {&q, &k, &dq, &dk}, {&v, &dout, &dv}, {&g, &beta, &dg, &dbeta}, workspace, "gated_delta_rule_backward");
+}
+
 // history (len, n) f32, scale (n) f32.
 inline void fp8_delayed_update(const Tensor & history, const Tensor & scale) {
     LOOM_CHECK(history.defined() && history.dtype() == DType::f32 && history.dim() == 2 && history.size(0) >= 1 &&

@@ -501,7 +501,7 @@ public:
     void gated_delta_rule_forward(Stream & s, const Tensor & q, const Tensor & k, const Tensor & v, const Tensor & g,
                                   const Tensor & beta, const Tensor & o, const Tensor & workspace,
                                   const DeltaRuleShape & shape) override {
-        op_checks::delta_rule(shape, {&q, &k}, {&v, &o}, {&g, &beta}, workspace, "gated_delta_rule_forward");
+        op_checks::delta_rule_forward(q, k, v, g, beta, o, workspace, shape);
         s.submit([=] { cpu::gated_delta_rule_forward(f32(q), f32(k), f32(v), f32(g), f32(beta), f32(o), f32(workspace), shape); });
     }
 
@@ -509,8 +509,7 @@ public:
                                    const Tensor & beta, const Tensor & dout, const Tensor & dq, const Tensor & dk,
                                    const Tensor & dv, const Tensor & dg, const Tensor & dbeta, const Tensor & workspace,
                                    const DeltaRuleShape & shape) override {
-        op_checks::delta_rule(shape, {&q, &k, &dq, &dk}, {&v, &dout, &dv}, {&g, &beta, &dg, &dbeta}, workspace,
-                              "gated_delta_rule_backward");
+        op_checks::delta_rule_backward(q, k, v, g, beta, dout, dq, dk, dv, dg, dbeta, workspace, shape);
         s.submit([=] {
             cpu::gated_delta_rule_backward(f32(q), f32(k), f32(v), f32(g), f32(beta), f32(dout), f32(dq), f32(dk), f32(dv),
                                            f32(dg), f32(dbeta), f32(workspace), shape);
