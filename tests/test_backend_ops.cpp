@@ -2334,6 +2334,69 @@ TEST(OpsDeltaRule, ForwardAgainstTheRecurrenceAndBackwardAgainstFiniteDifference
     }
 }
 
+// The gated delta-net's short convolution (Ops::causal_conv_silu_forward / _backward): 2 sequences of 9 steps, 5
+// channels, kernel 4 (Megatron's --linear-conv-kernel-dim default). The forward against the definition in double
+// (within 1e-6 of the output's largest), the step-0 edge by hand (only the last tap reads a step); dx and dw
+// against central differences (step 1e-3) of the double loss sum(y r), within 1e-4 of their largest; dw adds to
+// what it held.
+TEST(OpsDeltaRule, CausalConvSiluAgainstItsDefinitionAndFiniteDifferences) {
+    const int64_t s = 9, b = 2, C = 5, K = 4, n = s * b;
+    Tensor        x = random_f32({n, C}, 4831, -2.0f, 2.0f), w = random_f32({C, K}, 4832), r = random_f32({n, C}, 4833);
+    auto reference = [&](const std::vector<double> & xv, const std::vector<double> & wv) {
+        std::vector<double> y(static_cast<size_t>(n * C));
+        for (int64_t t = 0; t < s; ++t) {
+            for (int64_t bi = 0; bi < b; ++bi) {
+                for (int64_t c = 0; c < C; ++c) {
+                    double pre = 0;
+                    for (int64_t j = 0; j < K; ++j) {
+                        const int64_t at = t - K + 1 + j;
+                        if (at >= 0) pre += wv[static_cast<size_t>(c * K + j)] * xv[static_cast<size_t>((at * b + bi) * C + c)];
+                    }
+                    y[static_cast<size_t>((t * b + bi) * C + c)] = pre / (1 + std::exp(-pre));
+                }
+            }
+        }
+        return y;
+    };
+    const std::vector<double> xv = values(x), wv = values(w), rv = values(r);
+    Tensor y = empty({n, C});
+    ops().causal_conv_silu_forward(stream(), x, w, y, s, b);
+    synchronize();
+    const std::vector<double> want = reference(xv, wv);
+    double largest = 0;
+    for (double e : want) largest = std::max(largest, std::fabs(e));
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(element(y, static_cast<int64_t>(i)), want[i], 1e-6 * largest) << "y " << i;
+    const double pre0 = wv[K - 1] * xv[0];   // step 0, sequence 0, channel 0: the last tap only
+    EXPECT_NEAR(element(y, 0), pre0 / (1 + std::exp(-pre0)), 1e-6);
+
+    Tensor dx = empty({n, C}), dw = empty({C, K});
+    std::fill(dw.data<float>(), dw.data<float>() + C * K, 0.5f);   // dw adds to what it holds
+    ops().causal_conv_silu_backward(stream(), x, w, r, dx, dw, s, b);
+    synchronize();
+    auto loss = [&](const std::vector<double> & xs, const std::vector<double> & ws) {
+        const std::vector<double> out = reference(xs, ws);
+        double                    sum = 0;
+        for (size_t i = 0; i < out.size(); ++i) sum += out[i] * rv[i];
+        return sum;
+    };
+    for (const bool weights : {false, true}) {
+        const std::vector<double> & base = weights ? wv : xv;
+        std::vector<double>         fd(base.size());
+        double                      scale = 0;
+        for (size_t i = 0; i < base.size(); ++i) {
+            std::vector<double> up = base, down = base;
+            up[i] += 1e-3;
+            down[i] -= 1e-3;
+            fd[i] = ((weights ? loss(xv, up) : loss(up, wv)) - (weights ? loss(xv, down) : loss(down, wv))) / 2e-3;
+            scale = std::max(scale, std::fabs(fd[i]));
+        }
+        for (size_t i = 0; i < fd.size(); ++i) {
+            const double got = weights ? element(dw, static_cast<int64_t>(i)) - 0.5 : element(dx, static_cast<int64_t>(i));
+            EXPECT_NEAR(got, fd[i], 1e-4 * scale) << (weights ? "dw " : "dx ") << i;
+        }
+    }
+}
+
 TEST(OpsBf16Activations, EmbeddingForwardAndBackward) {
     const int64_t b = 2, s = 5, h = 12, vocab = 9;
     Tensor        tokens = int_tensor({b, s}, {0, 3, 8, 3, 1, 2, 2, 7, 0, 5});

@@ -758,6 +758,27 @@ inline void delta_rule_backward(const Tensor & q, const Tensor & k, const Tensor
     delta_rule(d, {&q, &k, &dq, &dk}, {&v, &dout, &dv}, {&g, &beta, &dg, &dbeta}, workspace, "gated_delta_rule_backward");
 }
 
+// x (s b, C) f32 and each of `like_x` as x; w (C, K) f32. Returns (C, K).
+inline std::pair<int64_t, int64_t> causal_conv(const Tensor & x, const Tensor & w, std::initializer_list<const Tensor *> like_x,
+                                               int64_t seq, int64_t batch, const char * op) {
+    expect(x, DType::f32, -1, op, "x");
+    expect(w, DType::f32, -1, op, "w");
+    LOOM_CHECK(seq >= 1 && batch >= 1 && x.dim() == 2 && x.size(0) == seq * batch && w.dim() == 2 && w.size(0) == x.size(1) &&
+                   w.size(1) >= 1,
+               op << ": x " << x.describe() << ", w " << w.describe() << " for " << seq << " steps of " << batch << " sequences",
+               "x (s b, C), w (C, K)");
+    for (const Tensor * t : like_x) {
+        expect(*t, DType::f32, x.numel(), op, "an operand like x");
+    }
+    return {w.size(0), w.size(1)};
+}
+
+inline std::pair<int64_t, int64_t> causal_conv_backward(const Tensor & x, const Tensor & w, const Tensor & dy, const Tensor & dx,
+                                                        const Tensor & dw, int64_t seq, int64_t batch) {
+    expect(dw, DType::f32, w.numel(), "causal_conv_silu_backward", "dw");
+    return causal_conv(x, w, {&dy, &dx}, seq, batch, "causal_conv_silu_backward");
+}
+
 // history (len, n) f32, scale (n) f32.
 inline void fp8_delayed_update(const Tensor & history, const Tensor & scale) {
     LOOM_CHECK(history.defined() && history.dtype() == DType::f32 && history.dim() == 2 && history.size(0) >= 1 &&

@@ -456,6 +456,15 @@ public:
                                            const Tensor & beta, const Tensor & dout, const Tensor & dq, const Tensor & dk,
                                            const Tensor & dv, const Tensor & dg, const Tensor & dbeta,
                                            const Tensor & workspace, const DeltaRuleShape & shape) = 0;
+    // The gated delta-net's short convolution (Megatron's causal_conv1d with SiLU, no bias), f32: depthwise and
+    // causal over each sequence's steps. For channel c at step t, with x before step 0 taken as 0:
+    //   pre = sum over j < K of w[c, j] x[t - K + 1 + j, c] (j in order);   y = pre / (1 + e^-pre)
+    // x, y (n, C) with rows (t, bi) as the activations'; w (C, K). Backward from dy: dx assigned, and dw +=
+    // the sum over the rows, in row order, of dpre x; pre is recomputed, not kept.
+    virtual void causal_conv_silu_forward(Stream & s, const Tensor & x, const Tensor & w, const Tensor & y, int64_t seq,
+                                          int64_t batch) = 0;
+    virtual void causal_conv_silu_backward(Stream & s, const Tensor & x, const Tensor & w, const Tensor & dy, const Tensor & dx,
+                                           const Tensor & dw, int64_t seq, int64_t batch) = 0;
     // The attention's output gate (--attention-output-gate, Qwen3-Next; Megatron's _apply_output_gate): y (n, w) =
     // x * sigmoid(g) elementwise, in f32 and rounded to y's dtype, where g is columns [gate_col, gate_col + w) of
     // src's rows (the QKV projection's gate columns). x, y, src in the activations' dtype (f32 or bf16). Backward,

@@ -206,6 +206,12 @@ public:
     void gated_delta_rule_backward(Stream & s, const Tensor & q, const Tensor & k, const Tensor & v, const Tensor & g, const Tensor & beta, const Tensor & dout, const Tensor & dq, const Tensor & dk, const Tensor & dv, const Tensor & dg, const Tensor & dbeta, const Tensor & workspace, const DeltaRuleShape & shape) override {
         memory(s, "gated_delta_rule_backward", 2 * bytes_of({&q, &k, &v, &g, &beta, &dout}));
     }
+    void causal_conv_silu_forward(Stream & s, const Tensor & x, const Tensor & w, const Tensor & y, int64_t seq, int64_t batch) override {
+        memory(s, "causal_conv_silu_forward", bytes_of({&x, &w, &y}));
+    }
+    void causal_conv_silu_backward(Stream & s, const Tensor & x, const Tensor & w, const Tensor & dy, const Tensor & dx, const Tensor & dw, int64_t seq, int64_t batch) override {
+        memory(s, "causal_conv_silu_backward", 2 * bytes_of({&x, &dy}) + bytes_of({&dx, &w, &dw}));
+    }
     // The gate's columns of src are read (and written) once: x's bytes of them.
     void output_gate_forward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & y) override { memory(s, "output_gate_forward", 3 * bytes_of({&x})); }
     void output_gate_backward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & dy, const Tensor & dx, const Tensor & dgate) override { memory(s, "output_gate_backward", 5 * bytes_of({&x})); }

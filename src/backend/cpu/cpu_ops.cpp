@@ -516,6 +516,20 @@ public:
         });
     }
 
+    void causal_conv_silu_forward(Stream & s, const Tensor & x, const Tensor & w, const Tensor & y, int64_t seq,
+                                  int64_t batch) override {
+        int64_t C, K;
+        std::tie(C, K) = op_checks::causal_conv(x, w, {&y}, seq, batch, "causal_conv_silu_forward");
+        s.submit([=] { cpu::causal_conv_silu_forward(f32(x), f32(w), f32(y), seq, batch, C, K); });
+    }
+
+    void causal_conv_silu_backward(Stream & s, const Tensor & x, const Tensor & w, const Tensor & dy, const Tensor & dx,
+                                   const Tensor & dw, int64_t seq, int64_t batch) override {
+        int64_t C, K;
+        std::tie(C, K) = op_checks::causal_conv_backward(x, w, dy, dx, dw, seq, batch);
+        s.submit([=] { cpu::causal_conv_silu_backward(f32(x), f32(w), f32(dy), f32(dx), f32(dw), seq, batch, C, K); });
+    }
+
     void output_gate_forward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & y) override {
         int64_t n, w, stride;
         std::tie(n, w, stride) = op_checks::output_gate(x, src, gate_col, {&y}, "output_gate_forward");

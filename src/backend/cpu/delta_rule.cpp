@@ -156,4 +156,70 @@ void gated_delta_rule_backward(const float * q, const float * k, const float * v
     });
 }
 
+namespace {
+
+// pre of channel c at step t of sequence bi: the taps in order (x before step 0 is 0).
+float conv_pre(const float * x, const float * w, int64_t t, int64_t bi, int64_t c, int64_t b, int64_t C, int64_t K) {
+    float pre = 0.0f;
+    for (int64_t j = 0; j < K; ++j) {
+        const int64_t at = t - K + 1 + j;
+        if (at >= 0) pre += w[c * K + j] * x[(at * b + bi) * C + c];
+    }
+    return pre;
+}
+
+// silu'(pre) = s (1 + pre (1 - s)), s = sigmoid(pre).
+float silu_grad(float pre) {
+    const float s = 1.0f / (1.0f + std::exp(-pre));
+    return s * (1.0f + pre * (1.0f - s));
+}
+
+}  // namespace
+
+void causal_conv_silu_forward(const float * x, const float * w, float * y, int64_t s, int64_t b, int64_t C, int64_t K) {
+    parallel_for(s * b, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            for (int64_t c = 0; c < C; ++c) {
+                const float pre = conv_pre(x, w, r / b, r % b, c, b, C, K);
+                y[r * C + c]    = pre / (1.0f + std::exp(-pre));
+            }
+        }
+    });
+}
+
+void causal_conv_silu_backward(const float * x, const float * w, const float * dy, float * dx, float * dw, int64_t s,
+                               int64_t b, int64_t C, int64_t K) {
+    // dx (a thread per element on the device): the taps that read x[t', c], j in order.
+    parallel_for(s * b, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            const int64_t t = r / b, bi = r % b;
+            for (int64_t c = 0; c < C; ++c) {
+                float acc = 0.0f;
+                for (int64_t j = 0; j < K; ++j) {
+                    const int64_t out = t + K - 1 - j;   // the step whose tap j reads step t
+                    if (out >= s) continue;
+                    const int64_t ro   = out * b + bi;
+                    const float   dpre = dy[ro * C + c] * silu_grad(conv_pre(x, w, out, bi, c, b, C, K));
+                    acc += w[c * K + j] * dpre;
+                }
+                dx[r * C + c] = acc;
+            }
+        }
+    });
+    // dw (a thread per weight on the device): the rows in order.
+    parallel_for(C * K, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t e = begin; e < end; ++e) {
+            const int64_t c = e / K, j = e % K;
+            float         acc = 0.0f;
+            for (int64_t r = 0; r < s * b; ++r) {
+                const int64_t t = r / b, bi = r % b, at = t - K + 1 + j;
+                if (at < 0) continue;
+                const float dpre = dy[r * C + c] * silu_grad(conv_pre(x, w, t, bi, c, b, C, K));
+                acc += dpre * x[(at * b + bi) * C + c];
+            }
+            dw[e] += acc;
+        }
+    });
+}
+
 }  // namespace loom::cpu

@@ -76,6 +76,10 @@ void gated_delta_rule_forward(const float * q, const float * k, const float * v,
 void gated_delta_rule_backward(const float * q, const float * k, const float * v, const float * g, const float * beta,
                                const float * dout, float * dq, float * dk, float * dv, float * dg, float * dbeta,
                                float * workspace, const DeltaRuleShape & d);
+// Ops::causal_conv_silu_forward / _backward (backend/cpu/delta_rule.cpp): x, y, dy, dx (s b, C); w, dw (C, K).
+void causal_conv_silu_forward(const float * x, const float * w, float * y, int64_t s, int64_t b, int64_t C, int64_t K);
+void causal_conv_silu_backward(const float * x, const float * w, const float * dy, float * dx, float * dw, int64_t s,
+                               int64_t b, int64_t C, int64_t K);
 // Ops::output_gate_forward / _backward: x, y, dy, dx, dgate (n, w); the gate of row r at gate + r * stride.
 template <class T> void output_gate_forward(const T * x, const T * gate, int64_t stride, T * y, int64_t n, int64_t w);
 template <class T>

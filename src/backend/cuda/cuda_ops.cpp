@@ -420,6 +420,25 @@ public:
         cs.launched("gelu_backward", {x, dy, dx});
     }
 
+    void causal_conv_silu_forward(Stream & s, const Tensor & x, const Tensor & w, const Tensor & y, int64_t seq,
+                                  int64_t batch) override {
+        int64_t C, K;
+        std::tie(C, K) = op_checks::causal_conv(x, w, {&y}, seq, batch, "causal_conv_silu_forward");
+        CudaStream & cs = start(s, "causal_conv_silu_forward", {x, w, y});
+        kernels::causal_conv_silu_forward(cs.launch("causal_conv_silu_forward"), f32(x), f32(w), f32(y), seq, batch, C, K);
+        cs.launched("causal_conv_silu_forward", {x, w, y});
+    }
+
+    void causal_conv_silu_backward(Stream & s, const Tensor & x, const Tensor & w, const Tensor & dy, const Tensor & dx,
+                                   const Tensor & dw, int64_t seq, int64_t batch) override {
+        int64_t C, K;
+        std::tie(C, K) = op_checks::causal_conv_backward(x, w, dy, dx, dw, seq, batch);
+        CudaStream & cs = start(s, "causal_conv_silu_backward", {x, w, dy, dx, dw});
+        kernels::causal_conv_silu_backward(cs.launch("causal_conv_silu_backward"), f32(x), f32(w), f32(dy), f32(dx), f32(dw),
+                                           seq, batch, C, K);
+        cs.launched("causal_conv_silu_backward", {x, w, dy, dx, dw});
+    }
+
     static kernels::DeltaRuleDims delta_rule_dims(const DeltaRuleShape & d) {
         const int64_t chunks = (d.s + kDeltaRuleChunk - 1) / kDeltaRuleChunk;
         return {d.s, d.b, d.heads, d.dk, d.dv, kDeltaRuleChunk, (chunks + kDeltaRuleChunk + 1) * d.dk * d.dv, d.scale};

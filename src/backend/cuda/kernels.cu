@@ -663,6 +663,62 @@ __global__ void delta_rule_backward_kernel(const float * q, const float * k, con
     }
 }
 
+// ---- The short convolution (Ops::causal_conv_silu_forward / _backward), as backend/cpu/delta_rule.cpp forms it.
+
+__device__ inline float conv_pre(const float * x, const float * w, int64_t t, int64_t bi, int64_t c, int64_t b, int64_t C,
+                                 int64_t K) {
+    float pre = 0.0f;
+    for (int64_t j = 0; j < K; ++j) {
+        const int64_t at = t - K + 1 + j;
+        if (at >= 0) pre = __fadd_rn(pre, __fmul_rn(w[c * K + j], x[(at * b + bi) * C + c]));
+    }
+    return pre;
+}
+
+__device__ inline float silu_grad(float pre) {
+    const float s = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-pre)));
+    return __fmul_rn(s, __fadd_rn(1.0f, __fmul_rn(pre, __fsub_rn(1.0f, s))));
+}
+
+__global__ void causal_conv_forward_kernel(const float * x, const float * w, float * y, int64_t s, int64_t b, int64_t C,
+                                           int64_t K) {
+    LOOM_GRID_STRIDE(i, s * b * C) {
+        const int64_t r = i / C, c = i % C;
+        const float   pre = conv_pre(x, w, r / b, r % b, c, b, C, K);
+        y[i]              = __fdiv_rn(pre, __fadd_rn(1.0f, expf(-pre)));
+    }
+}
+
+__global__ void causal_conv_dx_kernel(const float * x, const float * w, const float * dy, float * dx, int64_t s, int64_t b,
+                                      int64_t C, int64_t K) {
+    LOOM_GRID_STRIDE(i, s * b * C) {
+        const int64_t r = i / C, c = i % C, t = r / b, bi = r % b;
+        float         acc = 0.0f;
+        for (int64_t j = 0; j < K; ++j) {
+            const int64_t out = t + K - 1 - j;
+            if (out >= s) continue;
+            const float dpre = __fmul_rn(dy[(out * b + bi) * C + c], silu_grad(conv_pre(x, w, out, bi, c, b, C, K)));
+            acc              = __fadd_rn(acc, __fmul_rn(w[c * K + j], dpre));
+        }
+        dx[i] = acc;
+    }
+}
+
+__global__ void causal_conv_dw_kernel(const float * x, const float * w, const float * dy, float * dw, int64_t s, int64_t b,
+                                      int64_t C, int64_t K) {
+    LOOM_GRID_STRIDE(e, C * K) {
+        const int64_t c = e / K, j = e % K;
+        float         acc = 0.0f;
+        for (int64_t r = 0; r < s * b; ++r) {
+            const int64_t t = r / b, bi = r % b, at = t - K + 1 + j;
+            if (at < 0) continue;
+            const float dpre = __fmul_rn(dy[r * C + c], silu_grad(conv_pre(x, w, t, bi, c, b, C, K)));
+            acc              = __fadd_rn(acc, __fmul_rn(dpre, x[(at * b + bi) * C + c]));
+        }
+        dw[e] = __fadd_rn(dw[e], acc);
+    }
+}
+
 // sigmoid in f32 as the CPU's output gate forms it.
 __device__ inline float gate_sigmoid(float v) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-v))); }
 
@@ -1235,6 +1291,17 @@ void bias_gelu_forward(cudaStream_t stream, T * x, const float * bias, T * y, ui
 template <class T>
 void gelu_backward(cudaStream_t stream, const T * x, const T * dy, T * dx, int64_t count) {
     if (count > 0) LOOM_LAUNCH(gelu_backward_kernel<T>, blocks_for(count), kThreads, 0, stream)(x, dy, dx, count);
+}
+
+void causal_conv_silu_forward(cudaStream_t stream, const float * x, const float * w, float * y, int64_t s, int64_t b,
+                              int64_t C, int64_t K) {
+    LOOM_LAUNCH(causal_conv_forward_kernel, blocks_for(s * b * C), kThreads, 0, stream)(x, w, y, s, b, C, K);
+}
+
+void causal_conv_silu_backward(cudaStream_t stream, const float * x, const float * w, const float * dy, float * dx,
+                               float * dw, int64_t s, int64_t b, int64_t C, int64_t K) {
+    LOOM_LAUNCH(causal_conv_dx_kernel, blocks_for(s * b * C), kThreads, 0, stream)(x, w, dy, dx, s, b, C, K);
+    LOOM_LAUNCH(causal_conv_dw_kernel, blocks_for(C * K), kThreads, 0, stream)(x, w, dy, dw, s, b, C, K);
 }
 
 namespace {

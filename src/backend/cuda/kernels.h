@@ -136,6 +136,11 @@ void gated_delta_rule_forward(cudaStream_t stream, const float * q, const float 
 void gated_delta_rule_backward(cudaStream_t stream, const float * q, const float * k, const float * v, const float * g,
                                const float * beta, const float * dout, float * dq, float * dk, float * dv, float * dg,
                                float * dbeta, float * workspace, DeltaRuleDims d);
+// Ops::causal_conv_silu_forward / _backward: x, y, dy, dx (s b, C); w, dw (C, K).
+void causal_conv_silu_forward(cudaStream_t stream, const float * x, const float * w, float * y, int64_t s, int64_t b,
+                              int64_t C, int64_t K);
+void causal_conv_silu_backward(cudaStream_t stream, const float * x, const float * w, const float * dy, float * dx,
+                               float * dw, int64_t s, int64_t b, int64_t C, int64_t K);
 // Ops::output_gate_forward / _backward: x, y, dy, dx, dgate (n, w); the gate of row r at gate + r * stride.
 template <class T>
 void output_gate_forward(cudaStream_t stream, const T * x, const T * gate, int64_t stride, T * y, int64_t n, int64_t w);
