@@ -1,6 +1,6 @@
 // Per-layer graphs in training (--cuda-graph-impl transformer_engine, graphs/layer_graph_runner.h), under
 // mpirun with 4 ranks and the stream-delay seam on: after 3 eager iterations every transformer layer's
-// forward and backward is captured per micro-batch and replayed, and 10 iterations must be BITWISE the
+// forward and backward is captured per micro-batch and replayed, and 7 iterations must be BITWISE the
 // eager run of the same layout (losses and every final weight): a replay runs the very kernels on the very
 // values, so any difference is a bug (a stale input, a buffer reused too early, a collective replayed out
 // of order). Layouts: PP 1 (DP 4), PP 2 x DP 2, PP 4, PP 2 x VPP 2, DP 2 with ZeRO-1 and
@@ -69,9 +69,10 @@ struct TrainRun {
     double                                    seconds     = 0;
 };
 
-// Each layout trains 10 iterations: 3 eager, then 7 that replay every layer's graphs. A replay that reads a
-// stale input or a reused buffer differs at its first iteration, bitwise.
-constexpr int kIterations = 10, kWarmup = 3;
+// Each layout trains 7 iterations: 3 eager, then 4 that replay every layer's graphs (each graph replayed on
+// buffers its earlier replays used too). A replay that reads a stale input or a reused buffer differs at its
+// first iteration, bitwise.
+constexpr int kIterations = 7, kWarmup = 3;
 
 TrainRun train_layout(const Layout & layout, bool graphed, int iterations = kIterations) {
     parallel::ParallelSizes sizes;
