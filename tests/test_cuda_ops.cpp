@@ -717,13 +717,38 @@ TEST(CudaOps, SharedExpertGateMatchesTheCpu) {
     }
 }
 
+namespace {
+
+// Each device result within tol of the CPU's (relative to the larger of 1 and the value, or with `of_largest`
+// to the CPU tensor's largest magnitude); on cuda-emu, whose kernels are the same code compiled for the host
+// (with the host's expf), the same bits.
+struct CpuAndDevice {
+    const Tensor * cpu;
+    const Tensor * dev;
+    const char *   name;
+};
+void expect_each_matches_cpu(std::initializer_list<CpuAndDevice> results, double tol, const std::string & what, bool of_largest) {
+    const bool emu = std::string(gpu().kind_name()) == "cuda-emu";
+    for (const CpuAndDevice & r : results) {
+        const Tensor got   = to_cpu(*r.dev);
+        double       floor = 1.0;
+        if (of_largest) {
+            floor = 0;
+            for (double e : values(*r.cpu)) floor = std::max(floor, std::fabs(e));
+        }
+        expect_close(*r.cpu, got, tol, what + ": " + r.name, floor);
+        if (emu) expect_bitwise(*r.cpu, got, what + ": " + r.name);
+    }
+}
+
+}  // namespace
+
 // The gated delta rule on the device against the CPU: the same loops in the same order (a thread per column of the
 // state, then per row), so on cuda-emu the same bits; on a GPU, whose expf differs in the last bit, within 1e-5 of
 // each output's largest. Keys of 40 and values of 24 (threads past one warp, neither a multiple of the other) over
 // 37 steps (three chunks, the last short), 3 heads of 2 sequences; and 64 x 64 over 20 steps.
 TEST(CudaOps, GatedDeltaRuleMatchesTheCpu) {
     SKIP_WITHOUT_CUDA();
-    const bool emu = std::string(gpu().kind_name()) == "cuda-emu";
     for (const DeltaRuleShape d : {DeltaRuleShape{37, 2, 3, 40, 24, 0.158f}, DeltaRuleShape{20, 1, 2, 64, 64, 0.125f}}) {
         const std::string what = "dk " + std::to_string(d.dk) + ", dv " + std::to_string(d.dv);
         const int64_t     n = d.s * d.b, H = d.heads;
@@ -747,14 +772,9 @@ TEST(CudaOps, GatedDeltaRuleMatchesTheCpu) {
         Tensor dvg = on_gpu({n, H * d.dv}), dgg = on_gpu({n, H}), dbg = on_gpu({n, H});
         gops().gated_delta_rule_forward(gs(), qg, kg, vg, gg, bg, og, wsg, d);
         gops().gated_delta_rule_backward(gs(), qg, kg, vg, gg, bg, dog, dqg, dkg, dvg, dgg, dbg, wsg, d);
-        for (auto [cpu, dev, name] : {std::tuple{&oc, &og, "o"}, {&dqc, &dqg, "dq"}, {&dkc, &dkg, "dk"}, {&dvc, &dvg, "dv"},
-                                      {&dgc, &dgg, "dg"}, {&dbc, &dbg, "dbeta"}}) {
-            const Tensor got = to_cpu(*dev);
-            double       largest = 0;
-            for (double e : values(*cpu)) largest = std::max(largest, std::fabs(e));
-            expect_close(*cpu, got, 1e-5, what + ": " + name, largest);
-            if (emu) expect_bitwise(*cpu, got, what + ": " + name);
-        }
+        expect_each_matches_cpu({{&oc, &og, "o"}, {&dqc, &dqg, "dq"}, {&dkc, &dkg, "dk"}, {&dvc, &dvg, "dv"},
+                                 {&dgc, &dgg, "dg"}, {&dbc, &dbg, "dbeta"}},
+                                1e-5, what, true);
     }
 }
 
@@ -762,7 +782,6 @@ TEST(CudaOps, GatedDeltaRuleMatchesTheCpu) {
 // GPU): 3 sequences of 40 steps, 70 channels, kernels of 4 and 2; dw adds to what it holds.
 TEST(CudaOps, CausalConvSiluMatchesTheCpu) {
     SKIP_WITHOUT_CUDA();
-    const bool emu = std::string(gpu().kind_name()) == "cuda-emu";
     for (const int64_t K : {4, 2}) {
         const int64_t s = 40, b = 3, C = 70, n = s * b;
         const Tensor  x = random_cpu({n, C}, 4931, 2.0f), w = random_cpu({C, K}, 4932, 1.0f), dy = random_cpu({n, C}, 4933, 1.0f);
@@ -775,14 +794,7 @@ TEST(CudaOps, CausalConvSiluMatchesTheCpu) {
         Tensor yg = Tensor::empty({n, C}, DType::f32, gpu()), dxg = Tensor::empty({n, C}, DType::f32, gpu()), dwg = to_gpu(dw0);
         gops().causal_conv_silu_forward(gs(), xg, wg, yg, s, b);
         gops().causal_conv_silu_backward(gs(), xg, wg, to_gpu(dy), dxg, dwg, s, b);
-        const std::string what = "kernel " + std::to_string(K);
-        for (auto [cpu, dev, name] : {std::tuple{&yc, &yg, "y"}, {&dxc, &dxg, "dx"}, {&dwc, &dwg, "dw"}}) {
-            const Tensor got = to_cpu(*dev);
-            double       largest = 0;
-            for (double e : values(*cpu)) largest = std::max(largest, std::fabs(e));
-            expect_close(*cpu, got, 1e-5, what + ": " + name, largest);
-            if (emu) expect_bitwise(*cpu, got, what + ": " + name);
-        }
+        expect_each_matches_cpu({{&yc, &yg, "y"}, {&dxc, &dxg, "dx"}, {&dwc, &dwg, "dw"}}, 1e-5, "kernel " + std::to_string(K), true);
     }
 }
 
@@ -792,7 +804,6 @@ TEST(CudaOps, CausalConvSiluMatchesTheCpu) {
 // is the host's, the same bits. dx may be dy.
 TEST(CudaOps, AttentionOutputGateMatchesTheCpu) {
     SKIP_WITHOUT_CUDA();
-    const bool emu = std::string(gpu().kind_name()) == "cuda-emu";
     for (const DType dtype : {DType::f32, DType::bf16}) {
         const std::string what = dtype == DType::f32 ? "f32" : "bf16";
         const double      tol  = dtype == DType::f32 ? 1e-6 : 4e-3;
@@ -806,11 +817,7 @@ TEST(CudaOps, AttentionOutputGateMatchesTheCpu) {
         Tensor       yg = Tensor::empty({70, 37}, dtype, gpu()), dxg = to_gpu(dy), dgg = Tensor::empty({70, 37}, dtype, gpu());
         gops().output_gate_forward(gs(), xg, sg, 11, yg);
         gops().output_gate_backward(gs(), xg, sg, 11, dxg, dxg, dgg);
-        for (auto [cpu, dev, name] : {std::tuple{&yc, &yg, "y"}, {&dxc, &dxg, "dx"}, {&dgc, &dgg, "dgate"}}) {
-            const Tensor got = to_cpu(*dev);
-            expect_close(*cpu, got, tol, what + ": " + name);
-            if (emu) expect_bitwise(*cpu, got, what + ": " + name);
-        }
+        expect_each_matches_cpu({{&yc, &yg, "y"}, {&dxc, &dxg, "dx"}, {&dgc, &dgg, "dgate"}}, tol, what, false);
     }
 }
 
