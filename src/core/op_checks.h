@@ -728,7 +728,6 @@ inline std::tuple<int64_t, int64_t, int64_t> output_gate(const Tensor & x, const
     return {x.size(0), x.size(1), src.size(1)};
 }
 
-
 // The gated delta rule's operands: f32, of DeltaRuleShape's sizes.
 inline void delta_rule(const DeltaRuleShape & d, std::initializer_list<const Tensor *> keys,
                        std::initializer_list<const Tensor *> values, std::initializer_list<const Tensor *> gates,

@@ -631,6 +631,9 @@ AttentionShape attention_shape(const GptConfig & c, int64_t heads, int64_t group
     return shape;
 }
 
+// --attention-output-gate: the first gate column of QKV's rows, after [Q | K | V].
+int64_t gate_column(const AttentionShape & shape) { return (shape.nq + 2 * shape.nkv) * shape.d; }
+
 }  // namespace
 
 namespace {
@@ -891,7 +894,7 @@ Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_
     attend(ctx, q_k_v, out, shape, config.softmax_scale > 0.0f ? config.softmax_scale : 1.0f / std::sqrt(static_cast<float>(shape.d)), dropout);
     if (config.attention_output_gate) {   // out * sigmoid(G), G the gate columns after [Q | K | V]
         Tensor gated = activation(x.device(), s * b, shape.nq * shape.d, out.dtype());
-        ops.output_gate_forward(stream, out, q_k_v, (shape.nq + 2 * shape.nkv) * shape.d, gated);
+        ops.output_gate_forward(stream, out, q_k_v, gate_column(shape), gated);
         ctx.ungated = keep_for_backward(out, config.params_dtype);
         out         = gated;
     }
@@ -910,15 +913,14 @@ Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReady
     Tensor q_k_v = in_dtype(ctx.qkv, act);
     Tensor d_qkv = activation(dy.device(), ctx.s * ctx.b, shape.row_stride, act);
     Tensor d_gate;
-    const int64_t gate_col = (shape.nq + 2 * shape.nkv) * shape.d;
     if (config.attention_output_gate) {   // d_out becomes the ungated output's gradient, in place
         d_gate = activation(dy.device(), ctx.s * ctx.b, shape.nq * shape.d, act);
-        ops.output_gate_backward(stream, out, q_k_v, gate_col, d_out, d_out, d_gate);
+        ops.output_gate_backward(stream, out, q_k_v, gate_column(shape), d_out, d_out, d_gate);
         ctx.ungated = Tensor();
     }
     attend_backward(ctx, q_k_v, out, d_out, d_qkv, shape, config.softmax_scale > 0.0f ? config.softmax_scale : 1.0f / std::sqrt(static_cast<float>(shape.d)));
     // After the attention's backward, which may write whole rows of d_qkv (context parallelism's f32 copy).
-    if (d_gate.defined()) ops.copy_columns(stream, d_gate, 0, d_qkv, gate_col, shape.nq * shape.d);
+    if (d_gate.defined()) ops.copy_columns(stream, d_gate, 0, d_qkv, gate_column(shape), shape.nq * shape.d);
     if (softmax_offset && ready) ready(*softmax_offset);
     if (config.position_embedding == PositionEmbedding::rope) {
         ops.rope(stream, d_qkv, ctx.s, ctx.b, shape.nq + shape.nkv, shape.d, config.rotary_base, true,

@@ -558,7 +558,7 @@ public:
             const int64_t n = y.size(0), h = y.size(1);
             parallel_for(n, 16, [&](int64_t begin, int64_t end) {
                 for (int64_t r = begin; r < end; ++r) {
-                    const float g = 1.0f / (1.0f + std::exp(-f32(logits)[r]));
+                    const float g = cpu::sigmoid_f32(f32(logits)[r]);
                     float *     row = f32(y) + r * h;
                     for (int64_t j = 0; j < h; ++j) row[j] *= g;
                 }
@@ -575,7 +575,7 @@ public:
             const int64_t n = dy.size(0), h = dy.size(1);
             parallel_for(n, 16, [&](int64_t begin, int64_t end) {
                 for (int64_t r = begin; r < end; ++r) {
-                    const float   g  = 1.0f / (1.0f + std::exp(-f32(logits)[r]));
+                    const float   g  = cpu::sigmoid_f32(f32(logits)[r]);
                     const float * d  = f32(dy) + r * h;
                     const float * mv = f32(m) + r * h;
                     float         sum = 0.0f;

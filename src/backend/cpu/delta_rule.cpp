@@ -170,7 +170,7 @@ float conv_pre(const float * x, const float * w, int64_t t, int64_t bi, int64_t 
 
 // silu'(pre) = s (1 + pre (1 - s)), s = sigmoid(pre).
 float silu_grad(float pre) {
-    const float s = 1.0f / (1.0f + std::exp(-pre));
+    const float s = sigmoid_f32(pre);
     return s * (1.0f + pre * (1.0f - s));
 }
 

@@ -244,9 +244,7 @@ void gelu_backward(const T * x, const T * dy, T * dx, int64_t count) {
     });
 }
 
-// sigmoid(v) in f32, as the CUDA kernels form it. The output gate's products have no sum to contract into an FMA.
-inline float sigmoid_f32(float v) { return 1.0f / (1.0f + std::exp(-v)); }
-
+// The output gate's products have no sum to contract into an FMA: the CUDA kernels' bits.
 template <class T>
 void output_gate_forward(const T * x, const T * gate, int64_t stride, T * y, int64_t n, int64_t w) {
     parallel_for(n, 16, [&](int64_t begin, int64_t end) {

@@ -16,6 +16,7 @@
 #include "core/float_bits.h"
 #include "core/ops.h"
 
+#include <cmath>
 #include <cstdint>
 
 namespace loom::cpu {
@@ -70,6 +71,10 @@ template <class T> void glu_backward(const T * x, const T * dy, T * dx, int64_t 
 
 // Squared ReLU, elementwise: y = max(x, 0)^2, dx = dy * 2 max(x, 0).
 template <class T> void squared_relu_forward(const T * x, T * y, int64_t count);
+// sigmoid(v) = 1 / (1 + e^-v) in f32, as the CUDA kernels form it (kernels.cu's sigmoid_rn): the shared expert's
+// gate, the attention's output gate and SiLU's gradient in the short convolution.
+inline float sigmoid_f32(float v) { return 1.0f / (1.0f + std::exp(-v)); }
+
 // Ops::gated_delta_rule_forward / _backward (backend/cpu/delta_rule.cpp).
 void gated_delta_rule_forward(const float * q, const float * k, const float * v, const float * g, const float * beta,
                               float * o, float * workspace, const DeltaRuleShape & d);

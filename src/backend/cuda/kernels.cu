@@ -225,9 +225,12 @@ __global__ void fp8_encode_kernel(const float * x, int64_t n, Fp8Format format, 
 }
 
 // One thread per row, as the CPU's loops (its sum in j order).
+// sigmoid_rn(v) = 1 / (1 + e^-v) in f32, each operation rounded once: the CPU's sigmoid_f32 (backend/cpu/ops.h).
+__device__ inline float sigmoid_rn(float v) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-v))); }
+
 __global__ void sigmoid_gate_forward_kernel(float * y, const float * logits, int64_t n, int64_t h) {
     LOOM_GRID_STRIDE(r, n) {
-        const float g = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-logits[r])));
+        const float g = sigmoid_rn(logits[r]);
         for (int64_t j = 0; j < h; ++j) y[r * h + j] = __fmul_rn(y[r * h + j], g);
     }
 }
@@ -235,7 +238,7 @@ __global__ void sigmoid_gate_forward_kernel(float * y, const float * logits, int
 __global__ void sigmoid_gate_backward_kernel(const float * dy, const float * m, const float * logits, float * dm,
                                              float * dlogits, int64_t n, int64_t h) {
     LOOM_GRID_STRIDE(r, n) {
-        const float g   = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-logits[r])));
+        const float g   = sigmoid_rn(logits[r]);
         float       sum = 0.0f;
         for (int64_t j = 0; j < h; ++j) sum = __fadd_rn(sum, __fmul_rn(dy[r * h + j], m[r * h + j]));
         dlogits[r] = __fmul_rn(sum, __fmul_rn(g, __fsub_rn(1.0f, g)));
@@ -489,7 +492,6 @@ __global__ void norm_backward_params_kernel(const T * dy, const T * x, const flo
 // ---- Activations
 
 __device__ __forceinline__ float gelu(float v) { return gelu_from_tanh(v, tanhf(gelu_tanh_arg(v))); }
-__device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
 
 template <class T>
 __global__ void bias_gelu_forward_kernel(T * x, const float * bias, T * y, uint16_t * x_bf16, int64_t n, int64_t f) {
@@ -676,7 +678,7 @@ __device__ inline float conv_pre(const float * x, const float * w, int64_t t, in
 }
 
 __device__ inline float silu_grad(float pre) {
-    const float s = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-pre)));
+    const float s = sigmoid_rn(pre);
     return __fmul_rn(s, __fadd_rn(1.0f, __fmul_rn(pre, __fsub_rn(1.0f, s))));
 }
 
@@ -719,14 +721,11 @@ __global__ void causal_conv_dw_kernel(const float * x, const float * w, const fl
     }
 }
 
-// sigmoid in f32 as the CPU's output gate forms it.
-__device__ inline float gate_sigmoid(float v) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-v))); }
-
 template <class T>
 __global__ void output_gate_forward_kernel(const T * x, const T * gate, int64_t stride, T * y, int64_t n, int64_t w) {
     LOOM_GRID_STRIDE(i, n * w) {
         const int64_t r = i / w, j = i % w;
-        y[i] = from_f32<T>(__fmul_rn(to_f32(x[i]), gate_sigmoid(to_f32(gate[r * stride + j]))));
+        y[i] = from_f32<T>(__fmul_rn(to_f32(x[i]), sigmoid_rn(to_f32(gate[r * stride + j]))));
     }
 }
 
@@ -735,7 +734,7 @@ __global__ void output_gate_backward_kernel(const T * x, const T * gate, int64_t
                                             int64_t n, int64_t w) {
     LOOM_GRID_STRIDE(i, n * w) {
         const int64_t r = i / w, j = i % w;
-        const float   s = gate_sigmoid(to_f32(gate[r * stride + j])), d = to_f32(dy[i]);
+        const float   s = sigmoid_rn(to_f32(gate[r * stride + j])), d = to_f32(dy[i]);
         dgate[i]              = from_f32<T>(__fmul_rn(__fmul_rn(d, to_f32(x[i])), __fmul_rn(s, __fsub_rn(1.0f, s))));
         dx[i]                 = from_f32<T>(__fmul_rn(d, s));
     }
@@ -763,7 +762,7 @@ __global__ void swiglu_forward_kernel(const T * x, T * y, int64_t n, int64_t f) 
     LOOM_GRID_STRIDE(i, n * f) {
         const int64_t r = i / f, j = i % f;
         const float   g = to_f32(x[r * 2 * f + j]);
-        y[i]            = from_f32<T>(g * sigmoid(g) * to_f32(x[r * 2 * f + f + j]));
+        y[i]            = from_f32<T>(g * sigmoid_rn(g) * to_f32(x[r * 2 * f + f + j]));
     }
 }
 
@@ -773,7 +772,7 @@ __global__ void swiglu_backward_kernel(const T * x, const T * dy, T * dx, int64_
         const int64_t r = i / f, j = i % f;
         const float   g   = to_f32(x[r * 2 * f + j]);
         const float   up  = to_f32(x[r * 2 * f + f + j]);
-        const float   sig = sigmoid(g);
+        const float   sig = sigmoid_rn(g);
         const float   d   = to_f32(dy[i]);
         dx[r * 2 * f + f + j] = from_f32<T>(d * g * sig);
         dx[r * 2 * f + j]     = from_f32<T>(d * up * sig * (1.0f + g * (1.0f - sig)));
@@ -794,7 +793,7 @@ __global__ void glu_forward_kernel(const T * x, T * y, int64_t n, int64_t f, flo
             a = host_min(a, c);
             b = host_min(host_max(b, -c), c);
         }
-        const float act = __fmul_rn(a, sigmoid(__fmul_rn(k, a)));
+        const float act = __fmul_rn(a, sigmoid_rn(__fmul_rn(k, a)));
         y[i]            = from_f32<T>(__fmul_rn(act, __fadd_rn(b, offset)));
     }
 }
@@ -807,7 +806,7 @@ __global__ void glu_backward_kernel(const T * x, const T * dy, T * dx, int64_t n
         const bool    clamped = c > 0.0f;
         const bool    pass_a = !clamped || a0 <= c, pass_b = !clamped || (b0 >= -c && b0 <= c);
         const float   a = clamped ? host_min(a0, c) : a0, b = clamped ? host_min(host_max(b0, -c), c) : b0;
-        const float   s = sigmoid(__fmul_rn(k, a));
+        const float   s = sigmoid_rn(__fmul_rn(k, a));
         const float   d = to_f32(dy[i]);
         const float   slope = __fmul_rn(s, __fadd_rn(1.0f, __fmul_rn(__fmul_rn(k, a), __fadd_rn(1.0f, -s))));
         dx[r * 2 * f + f + j] = from_f32<T>(pass_b ? __fmul_rn(d, __fmul_rn(a, s)) : 0.0f);
