@@ -2163,54 +2163,69 @@ TEST(OpsBf16Activations, ElementwiseOps) {
     expect_rounded("dropout", dout);
 }
 
-// --attention-output-gate's op (Ops::output_gate_forward / _backward). By hand: x = (2, -4) with gates 0 and ln 3
-// (sigmoids 1/2 and 3/4) in columns 3 and 4 of a row of 6: y = (1, -3); from dy = (1, 1), dx = (1/2, 3/4) and
-// dgate = dy x s (1 - s) = (1/2, -3/4). Then 23 rows of 40 gates at column 37 of rows of 90, against a double
-// reference (2e-6 of each value's scale; f32 rounds each product once or twice), with dx in dy's place; and in
-// bf16 every result is the f32 op's on the same values, rounded once.
+// The output gate's op (Ops::output_gate_forward / _backward), with both activations. By hand: x = (2, -4) with gates
+// 0 and ln 3 (sigmoids 1/2 and 3/4) in columns 3 and 4 of a row of 6. Sigmoid (--attention-output-gate): y = (1, -3);
+// from dy = (1, 1), dx = (1/2, 3/4) and dgate = dy x s (1 - s) = (1/2, -3/4). SiLU (the gated delta-net's gated
+// norm), silu(g) = g s: y = (0, -3 ln 3), dx = (0, 3/4 ln 3) and dgate = dy x s (1 + g (1 - s)) = (1, -3 (1 + ln 3 / 4)).
+// Then 23 rows of 40 gates at column 37 of rows of 90, against a double reference (2e-6 of each value's scale; f32
+// rounds each product once or twice), with dx in dy's place; and in bf16 every result is the f32 op's on the same
+// values, rounded once.
 TEST(OpsOutputGate, HandValuesDoubleReferenceAndBf16Rounding) {
-    Tensor x = empty({1, 2}), src = empty({1, 6}), y = empty({1, 2}), dy = empty({1, 2}), dx = empty({1, 2}), dg = empty({1, 2});
-    const float hand_x[] = {2.0f, -4.0f}, hand_src[] = {9.0f, 9.0f, 9.0f, 0.0f, std::log(3.0f), 9.0f}, ones[] = {1.0f, 1.0f};
-    std::copy(hand_x, hand_x + 2, x.data<float>());
-    std::copy(hand_src, hand_src + 6, src.data<float>());
-    std::copy(ones, ones + 2, dy.data<float>());
-    ops().output_gate_forward(stream(), x, src, 3, y);
-    ops().output_gate_backward(stream(), x, src, 3, dy, dx, dg);
-    synchronize();
-    EXPECT_EQ(y.data<float>()[0], 1.0f);
-    EXPECT_NEAR(y.data<float>()[1], -3.0f, 1e-6);
-    EXPECT_EQ(dx.data<float>()[0], 0.5f);
-    EXPECT_NEAR(dx.data<float>()[1], 0.75f, 1e-7);
-    EXPECT_EQ(dg.data<float>()[0], 0.5f);
-    EXPECT_NEAR(dg.data<float>()[1], -0.75f, 1e-6);
-
-    const int64_t n = 23, w = 40, stride = 90, col = 37;
-    const Tensor  xs = random_f32({n, w}, 4701, -3.0f, 3.0f), s = random_f32({n, stride}, 4702, -6.0f, 6.0f);
-    const Tensor  g  = random_f32({n, w}, 4703);
-    Tensor        ys = empty({n, w}), dxs = clone(g), dgs = empty({n, w});
-    ops().output_gate_forward(stream(), xs, s, col, ys);
-    ops().output_gate_backward(stream(), xs, s, col, dxs, dxs, dgs);   // dx in place of dy
-    synchronize();
-    for (int64_t r = 0; r < n; ++r) {
-        for (int64_t j = 0; j < w; ++j) {
-            const int64_t i = r * w + j;
-            const double  sg = sigmoid_ref(element(s, r * stride + col + j)), xv = element(xs, i), d = element(g, i);
-            EXPECT_NEAR(element(ys, i), xv * sg, 2e-6 * std::fabs(xv)) << "y " << i;
-            EXPECT_NEAR(element(dxs, i), d * sg, 2e-6 * std::fabs(d)) << "dx " << i;
-            EXPECT_NEAR(element(dgs, i), d * xv * sg * (1 - sg), 2e-6 * std::fabs(d * xv)) << "dgate " << i;
+    const double ln3 = std::log(3.0);
+    struct Hand {
+        GateActivation act;
+        double         y[2], dx[2], dg[2];
+    };
+    const Hand hands[] = {{GateActivation::sigmoid, {1, -3}, {0.5, 0.75}, {0.5, -0.75}},
+                          {GateActivation::silu, {0, -3 * ln3}, {0, 0.75 * ln3}, {1, -3 * (1 + ln3 / 4)}}};
+    for (const Hand & hand : hands) {
+        const GateActivation act = hand.act;
+        const std::string    name = act == GateActivation::silu ? "silu" : "sigmoid";
+        Tensor x = empty({1, 2}), src = empty({1, 6}), y = empty({1, 2}), dy = empty({1, 2}), dx = empty({1, 2}), dg = empty({1, 2});
+        const float hand_x[] = {2.0f, -4.0f}, hand_src[] = {9.0f, 9.0f, 9.0f, 0.0f, std::log(3.0f), 9.0f}, ones[] = {1.0f, 1.0f};
+        std::copy(hand_x, hand_x + 2, x.data<float>());
+        std::copy(hand_src, hand_src + 6, src.data<float>());
+        std::copy(ones, ones + 2, dy.data<float>());
+        ops().output_gate_forward(stream(), x, src, 3, y, act);
+        ops().output_gate_backward(stream(), x, src, 3, dy, dx, dg, act);
+        synchronize();
+        for (int j = 0; j < 2; ++j) {
+            EXPECT_NEAR(y.data<float>()[j], hand.y[j], 1e-6) << name << " y " << j;
+            EXPECT_NEAR(dx.data<float>()[j], hand.dx[j], 1e-6) << name << " dx " << j;
+            EXPECT_NEAR(dg.data<float>()[j], hand.dg[j], 2e-6) << name << " dgate " << j;
         }
+
+        const int64_t n = 23, w = 40, stride = 90, col = 37;
+        const Tensor  xs = random_f32({n, w}, 4701, -3.0f, 3.0f), s = random_f32({n, stride}, 4702, -6.0f, 6.0f);
+        const Tensor  g  = random_f32({n, w}, 4703);
+        Tensor        ys = empty({n, w}), dxs = clone(g), dgs = empty({n, w});
+        ops().output_gate_forward(stream(), xs, s, col, ys, act);
+        ops().output_gate_backward(stream(), xs, s, col, dxs, dxs, dgs, act);   // dx in place of dy
+        synchronize();
+        for (int64_t r = 0; r < n; ++r) {
+            for (int64_t j = 0; j < w; ++j) {
+                const int64_t i = r * w + j;
+                const double  gv = element(s, r * stride + col + j), sg = sigmoid_ref(gv), xv = element(xs, i), d = element(g, i);
+                const double  a     = act == GateActivation::silu ? gv * sg : sg;
+                const double  slope = act == GateActivation::silu ? sg * (1 + gv * (1 - sg)) : sg * (1 - sg);
+                EXPECT_NEAR(element(ys, i), xv * a, 2e-6 * std::fabs(xv) * std::max(1.0, std::fabs(gv))) << name << " y " << i;
+                EXPECT_NEAR(element(dxs, i), d * a, 2e-6 * std::fabs(d) * std::max(1.0, std::fabs(gv))) << name << " dx " << i;
+                EXPECT_NEAR(element(dgs, i), d * xv * slope, 2e-6 * std::fabs(d * xv) * std::max(1.0, std::fabs(gv)))
+                    << name << " dgate " << i;
+            }
+        }
+        Bf16Pair xb = bf16_pair({n, w}, 4704, -3.0f, 3.0f), sb = bf16_pair({n, stride}, 4705, -6.0f, 6.0f);
+        Bf16Pair dyb = bf16_pair({n, w}, 4706), yb = outputs({n, w}), dxb = outputs({n, w}), dgb = outputs({n, w});
+        ops().output_gate_forward(stream(), xb.f, sb.f, col, yb.f, act);
+        ops().output_gate_forward(stream(), xb.h, sb.h, col, yb.h, act);
+        expect_rounded("output_gate_forward " + name, yb);
+        ops().output_gate_backward(stream(), xb.f, sb.f, col, dyb.f, dxb.f, dgb.f, act);
+        ops().output_gate_backward(stream(), xb.h, sb.h, col, dyb.h, dxb.h, dgb.h, act);
+        expect_rounded("output_gate_backward dx " + name, dxb);
+        expect_rounded("output_gate_backward dgate " + name, dgb);
+        // The gate columns must lie inside src's rows.
+        EXPECT_THROW(ops().output_gate_forward(stream(), xs, s, stride - w + 1, ys, act), Error);
     }
-    Bf16Pair xb = bf16_pair({n, w}, 4704, -3.0f, 3.0f), sb = bf16_pair({n, stride}, 4705, -6.0f, 6.0f);
-    Bf16Pair dyb = bf16_pair({n, w}, 4706), yb = outputs({n, w}), dxb = outputs({n, w}), dgb = outputs({n, w});
-    ops().output_gate_forward(stream(), xb.f, sb.f, col, yb.f);
-    ops().output_gate_forward(stream(), xb.h, sb.h, col, yb.h);
-    expect_rounded("output_gate_forward", yb);
-    ops().output_gate_backward(stream(), xb.f, sb.f, col, dyb.f, dxb.f, dgb.f);
-    ops().output_gate_backward(stream(), xb.h, sb.h, col, dyb.h, dxb.h, dgb.h);
-    expect_rounded("output_gate_backward dx", dxb);
-    expect_rounded("output_gate_backward dgate", dgb);
-    // The gate columns must lie inside src's rows.
-    EXPECT_THROW(ops().output_gate_forward(stream(), xs, s, stride - w + 1, ys), Error);
 }
 
 namespace {
@@ -2395,6 +2410,144 @@ TEST(OpsDeltaRule, CausalConvSiluAgainstItsDefinitionAndFiniteDifferences) {
             EXPECT_NEAR(got, fd[i], 1e-4 * scale) << (weights ? "dw " : "dx ") << i;
         }
     }
+}
+
+// The L2 norm of the gated delta-net's queries and keys (Ops::l2norm_forward / _backward): row 0 by hand, (3, 4)
+// scaled by 1 / sqrt(25 + eps); 13 rows of 7 against a double reference (1e-6 relative) and the backward against
+// central differences (step 1e-3) of the double reference, within 1e-4 of the largest gradient.
+TEST(OpsDeltaRule, L2NormAgainstItsDefinitionAndFiniteDifferences) {
+    const int64_t rows = 13, d = 7;
+    const float   eps  = 1e-6f;
+    Tensor        x = random_f32({rows, d}, 4841, -2.0f, 2.0f), r = random_f32({rows, d}, 4842);
+    float *       x0 = x.data<float>();
+    std::fill(x0, x0 + d, 0.0f);
+    x0[0] = 3.0f;
+    x0[1] = 4.0f;
+    auto reference = [&](const std::vector<double> & xv) {
+        std::vector<double> y(xv.size());
+        for (int64_t i = 0; i < rows; ++i) {
+            double ss = 0;
+            for (int64_t j = 0; j < d; ++j) ss += xv[static_cast<size_t>(i * d + j)] * xv[static_cast<size_t>(i * d + j)];
+            for (int64_t j = 0; j < d; ++j) y[static_cast<size_t>(i * d + j)] = xv[static_cast<size_t>(i * d + j)] / std::sqrt(ss + eps);
+        }
+        return y;
+    };
+    const std::vector<double> xv = values(x), rv = values(r), want = reference(xv);
+    Tensor y = empty({rows, d}), rstd = empty({rows}), dx = empty({rows, d});
+    ops().l2norm_forward(stream(), x, y, rstd, eps);
+    ops().l2norm_backward(stream(), r, y, rstd, dx);
+    synchronize();
+    EXPECT_NEAR(element(y, 0), 0.6, 1e-6);
+    EXPECT_NEAR(element(y, 1), 0.8, 1e-6);
+    EXPECT_NEAR(element(rstd, 0), 1 / std::sqrt(25 + 1e-6), 1e-8);
+    for (size_t i = 0; i < want.size(); ++i) {
+        EXPECT_NEAR(element(y, static_cast<int64_t>(i)), want[i], 1e-6 * std::max(1e-3, std::fabs(want[i]))) << "y " << i;
+    }
+    std::vector<double> fd(xv.size());
+    double              scale = 0;
+    for (size_t i = 0; i < xv.size(); ++i) {
+        std::vector<double> up = xv, down = xv;
+        up[i] += 1e-3;
+        down[i] -= 1e-3;
+        const std::vector<double> yu = reference(up), yd = reference(down);
+        double                    diff = 0;
+        for (size_t j = 0; j < yu.size(); ++j) diff += (yu[j] - yd[j]) * rv[j];
+        fd[i] = diff / 2e-3;
+        scale = std::max(scale, std::fabs(fd[i]));
+    }
+    for (size_t i = 0; i < fd.size(); ++i) EXPECT_NEAR(element(dx, static_cast<int64_t>(i)), fd[i], 1e-4 * scale) << "dx " << i;
+}
+
+// The gated delta-net's gates (Ops::gdn_gates_forward / _backward): beta = sigmoid(b), g = -e^A_log softplus(a +
+// dt_bias), with softplus linear above 20. Row 0 by hand (b = 0: beta 1/2; a + dt_bias = 0 and A_log = ln 2: g =
+// -2 ln 2; head 1 above the threshold: g = -(a + dt_bias) e^A_log). 11 rows of 3 heads at column 5 of rows of 14,
+// against a double reference (2e-6 relative); the gradients of b, a, A_log and dt_bias against central differences
+// of the double reference (step 1e-3, within 1e-4 of each one's largest), the parameters' added to what they held;
+// in bf16 the per-row results are the f32 op's on the same values (dsrc rounded once) and the sums the same bits.
+TEST(OpsDeltaRule, GatesAgainstTheirDefinitionAndFiniteDifferences) {
+    const int64_t n = 11, H = 3, stride = 14, col = 5;
+    Tensor src = random_f32({n, stride}, 4851, -4.0f, 4.0f), a_log = random_f32({H}, 4852, 0.0f, 2.7f);
+    Tensor dt_bias = random_f32({H}, 4853, 0.5f, 1.5f);
+    float * row0 = src.data<float>();
+    row0[col]           = 0.0f;                               // b of head 0
+    row0[col + H]       = -dt_bias.data<float>()[0];          // a + dt_bias = 0 for head 0
+    a_log.data<float>()[0] = std::log(2.0f);
+    row0[col + H + 1]   = 30.0f;                               // head 1 past softplus's threshold
+    const Tensor dg_in = random_f32({n, H}, 4854), dbeta_in = random_f32({n, H}, 4855);
+    auto forward = [&](const std::vector<double> & sv, const std::vector<double> & al, const std::vector<double> & dt) {
+        std::vector<double> g(static_cast<size_t>(n * H)), beta(g.size());
+        for (int64_t r = 0; r < n; ++r) {
+            for (int64_t h = 0; h < H; ++h) {
+                const double b = sv[static_cast<size_t>(r * stride + col + h)], x = sv[static_cast<size_t>(r * stride + col + H + h)] + dt[static_cast<size_t>(h)];
+                beta[static_cast<size_t>(r * H + h)] = 1 / (1 + std::exp(-b));
+                g[static_cast<size_t>(r * H + h)]    = -std::exp(al[static_cast<size_t>(h)]) * (x > 20 ? x : std::log1p(std::exp(x)));
+            }
+        }
+        return std::pair{g, beta};
+    };
+    const std::vector<double> sv = values(src), al = values(a_log), dt = values(dt_bias), dgv = values(dg_in), dbv = values(dbeta_in);
+    Tensor g = empty({n, H}), beta = empty({n, H}), dsrc = empty({n, 2 * H}), da_log = empty({H}), ddt = empty({H});
+    std::fill(da_log.data<float>(), da_log.data<float>() + H, 0.25f);   // the parameters' gradients add
+    std::fill(ddt.data<float>(), ddt.data<float>() + H, -0.5f);
+    ops().gdn_gates_forward(stream(), src, col, a_log, dt_bias, g, beta);
+    ops().gdn_gates_backward(stream(), src, col, a_log, dt_bias, dg_in, dbeta_in, dsrc, da_log, ddt);
+    synchronize();
+    EXPECT_EQ(element(beta, 0), 0.5);
+    EXPECT_NEAR(element(g, 0), -2 * std::log(2.0), 1e-6);
+    EXPECT_NEAR(element(g, 1), -(30.0 + dt[1]) * std::exp(al[1]), 1e-5 * (30.0 + dt[1]) * std::exp(al[1]));
+    const auto [want_g, want_beta] = forward(sv, al, dt);
+    for (size_t i = 0; i < want_g.size(); ++i) {
+        EXPECT_NEAR(element(g, static_cast<int64_t>(i)), want_g[i], 2e-6 * std::fabs(want_g[i])) << "g " << i;
+        EXPECT_NEAR(element(beta, static_cast<int64_t>(i)), want_beta[i], 2e-6 * want_beta[i]) << "beta " << i;
+    }
+    auto loss = [&](const std::vector<double> & s2, const std::vector<double> & al2, const std::vector<double> & dt2) {
+        const auto [gg, bb] = forward(s2, al2, dt2);
+        double sum = 0;
+        for (size_t i = 0; i < gg.size(); ++i) sum += gg[i] * dgv[i] + bb[i] * dbv[i];
+        return sum;
+    };
+    auto central = [&](int which, size_t i) {   // 0: src, 1: A_log, 2: dt_bias
+        std::vector<double> s2 = sv, a2 = al, d2 = dt, s3 = sv, a3 = al, d3 = dt;
+        std::vector<double> & up = which == 0 ? s2 : which == 1 ? a2 : d2;
+        std::vector<double> & dn = which == 0 ? s3 : which == 1 ? a3 : d3;
+        up[i] += 1e-3;
+        dn[i] -= 1e-3;
+        return (loss(s2, a2, d2) - loss(s3, a3, d3)) / 2e-3;
+    };
+    std::vector<double> fd_src;
+    double              scale_src = 0;
+    for (int64_t r = 0; r < n; ++r) {
+        for (int64_t j = 0; j < 2 * H; ++j) {
+            fd_src.push_back(central(0, static_cast<size_t>(r * stride + col + j)));
+            scale_src = std::max(scale_src, std::fabs(fd_src.back()));
+        }
+    }
+    for (size_t i = 0; i < fd_src.size(); ++i) EXPECT_NEAR(element(dsrc, static_cast<int64_t>(i)), fd_src[i], 1e-4 * scale_src) << "dsrc " << i;
+    for (const int which : {1, 2}) {
+        std::vector<double> fd(static_cast<size_t>(H));
+        double              scale = 0;
+        for (int64_t h = 0; h < H; ++h) scale = std::max(scale, std::fabs(fd[static_cast<size_t>(h)] = central(which, static_cast<size_t>(h))));
+        for (int64_t h = 0; h < H; ++h) {
+            const double got = which == 1 ? element(da_log, h) - 0.25 : element(ddt, h) + 0.5;
+            EXPECT_NEAR(got, fd[static_cast<size_t>(h)], 1e-4 * scale) << (which == 1 ? "da_log " : "ddt_bias ") << h;
+        }
+    }
+    // bf16 src: the per-row results from the same values; dsrc rounded once; the sums the same bits.
+    Bf16Pair sb = bf16_pair({n, stride}, 4856, -4.0f, 4.0f), db = outputs({n, 2 * H});
+    Tensor   g32 = empty({n, H}), b32 = empty({n, H}), g16 = empty({n, H}), b16 = empty({n, H});
+    Tensor   al32 = Tensor::zeros({H}, DType::f32, dev()), dt32 = Tensor::zeros({H}, DType::f32, dev());
+    Tensor   al16 = Tensor::zeros({H}, DType::f32, dev()), dt16 = Tensor::zeros({H}, DType::f32, dev());
+    ops().gdn_gates_forward(stream(), sb.f, col, a_log, dt_bias, g32, b32);
+    ops().gdn_gates_forward(stream(), sb.h, col, a_log, dt_bias, g16, b16);
+    ops().gdn_gates_backward(stream(), sb.f, col, a_log, dt_bias, dg_in, dbeta_in, db.f, al32, dt32);
+    ops().gdn_gates_backward(stream(), sb.h, col, a_log, dt_bias, dg_in, dbeta_in, db.h, al16, dt16);
+    expect_rounded("gdn_gates_backward dsrc", db);
+    expect_same_f32("gdn_gates_forward g", g32, g16);
+    expect_same_f32("gdn_gates_forward beta", b32, b16);
+    expect_same_f32("gdn_gates_backward da_log", al32, al16);
+    expect_same_f32("gdn_gates_backward ddt_bias", dt32, dt16);
+    // The gate columns must lie inside src's rows.
+    EXPECT_THROW(ops().gdn_gates_forward(stream(), src, stride - 2 * H + 1, a_log, dt_bias, g, beta), Error);
 }
 
 TEST(OpsBf16Activations, EmbeddingForwardAndBackward) {

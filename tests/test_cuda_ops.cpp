@@ -798,26 +798,68 @@ TEST(CudaOps, CausalConvSiluMatchesTheCpu) {
     }
 }
 
-// --attention-output-gate's op on the device: 70 rows of 37 gates at column 11 of rows of 60, in f32 and bf16,
-// against the CPU's (the same f32 operations in the same order, exp against the device's expf): within 1e-6 in
-// f32, one bf16 step (4e-3) in bf16 where an f32 result's last bit may round either way; on cuda-emu, whose expf
-// is the host's, the same bits. dx may be dy.
-TEST(CudaOps, AttentionOutputGateMatchesTheCpu) {
+// The gated delta-net's L2 norm and gates on the device, bitwise the CPU's on cuda-emu (within 1e-5 of each output's
+// largest on a GPU, whose expf and log1pf may differ in a last bit): 300 rows of 64 for the norm; 70 rows of 5 heads at
+// column 9 of rows of 30 for the gates, in f32 and bf16, with the parameters' gradients added to what they held.
+TEST(CudaOps, DeltaNetNormAndGatesMatchTheCpu) {
     SKIP_WITHOUT_CUDA();
+    const Tensor x = random_cpu({300, 64}, 4921, 2.0f), dy = random_cpu({300, 64}, 4922);
+    Tensor yc = cpu_tensor({300, 64}), rc = cpu_tensor({300}), dxc = cpu_tensor({300, 64});
+    cops().l2norm_forward(cs(), x, yc, rc, 1e-6f);
+    cops().l2norm_backward(cs(), dy, yc, rc, dxc);
+    cs().synchronize();
+    Tensor yg = Tensor::empty({300, 64}, DType::f32, gpu()), rg = Tensor::empty({300}, DType::f32, gpu());
+    Tensor dxg = Tensor::empty({300, 64}, DType::f32, gpu());
+    gops().l2norm_forward(gs(), to_gpu(x), yg, rg, 1e-6f);
+    gops().l2norm_backward(gs(), to_gpu(dy), yg, rg, dxg);
+    expect_each_matches_cpu({{&yc, &yg, "y"}, {&rc, &rg, "rstd"}, {&dxc, &dxg, "dx"}}, 1e-5, "l2norm", true);
+
+    const int64_t n = 70, H = 5, col = 9;
+    const Tensor a_log = random_cpu({H}, 4923), dt_bias = random_cpu({H}, 4924);
+    const Tensor dg = random_cpu({n, H}, 4925), dbeta = random_cpu({n, H}, 4926);
     for (const DType dtype : {DType::f32, DType::bf16}) {
-        const std::string what = dtype == DType::f32 ? "f32" : "bf16";
-        const double      tol  = dtype == DType::f32 ? 1e-6 : 4e-3;
-        const Tensor x = random_cpu({70, 37}, 4911, 3.0f, dtype), src = random_cpu({70, 60}, 4912, 6.0f, dtype);
-        const Tensor dy = random_cpu({70, 37}, 4913, 1.0f, dtype);
-        Tensor yc = cpu_tensor({70, 37}, dtype), dxc = clone_cpu(dy), dgc = cpu_tensor({70, 37}, dtype);
-        cops().output_gate_forward(cs(), x, src, 11, yc);
-        cops().output_gate_backward(cs(), x, src, 11, dxc, dxc, dgc);
+        const std::string what = std::string("gates ") + (dtype == DType::f32 ? "f32" : "bf16");
+        const Tensor src = random_cpu({n, 30}, 4927, 6.0f, dtype);
+        Tensor gc = cpu_tensor({n, H}), bc = cpu_tensor({n, H}), dsc = cpu_tensor({n, 2 * H}, dtype);
+        Tensor alc = random_cpu({H}, 4928), dtc = random_cpu({H}, 4929);
+        const Tensor alg = to_gpu(alc), dtg = to_gpu(dtc);   // before the CPU adds into them
+        cops().gdn_gates_forward(cs(), src, col, a_log, dt_bias, gc, bc);
+        cops().gdn_gates_backward(cs(), src, col, a_log, dt_bias, dg, dbeta, dsc, alc, dtc);
         cs().synchronize();
-        const Tensor xg = to_gpu(x), sg = to_gpu(src);
-        Tensor       yg = Tensor::empty({70, 37}, dtype, gpu()), dxg = to_gpu(dy), dgg = Tensor::empty({70, 37}, dtype, gpu());
-        gops().output_gate_forward(gs(), xg, sg, 11, yg);
-        gops().output_gate_backward(gs(), xg, sg, 11, dxg, dxg, dgg);
-        expect_each_matches_cpu({{&yc, &yg, "y"}, {&dxc, &dxg, "dx"}, {&dgc, &dgg, "dgate"}}, tol, what, false);
+        const Tensor sg = to_gpu(src), ag = to_gpu(a_log), tg = to_gpu(dt_bias);
+        Tensor gg = Tensor::empty({n, H}, DType::f32, gpu()), bg = Tensor::empty({n, H}, DType::f32, gpu());
+        Tensor dsg = Tensor::empty({n, 2 * H}, dtype, gpu());
+        gops().gdn_gates_forward(gs(), sg, col, ag, tg, gg, bg);
+        gops().gdn_gates_backward(gs(), sg, col, ag, tg, to_gpu(dg), to_gpu(dbeta), dsg, alg, dtg);
+        expect_each_matches_cpu({{&gc, &gg, "g"}, {&bc, &bg, "beta"}, {&dsc, &dsg, "dsrc"}, {&alc, &alg, "da_log"},
+                                 {&dtc, &dtg, "ddt_bias"}},
+                                dtype == DType::f32 ? 1e-5 : 4e-3, what, true);
+    }
+}
+
+// The output gate's op on the device, with both activations (sigmoid: --attention-output-gate; SiLU: the gated
+// delta-net's gated norm): 70 rows of 37 gates at column 11 of rows of 60, in f32 and bf16, against the CPU's (the
+// same f32 operations in the same order, exp against the device's expf): within 1e-6 in f32 (2e-5 with SiLU's
+// larger values), one bf16 step (4e-3) in bf16 where an f32 result's last bit may round either way; on cuda-emu,
+// whose expf is the host's, the same bits. dx may be dy.
+TEST(CudaOps, OutputGateMatchesTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    for (const GateActivation act : {GateActivation::sigmoid, GateActivation::silu}) {
+        for (const DType dtype : {DType::f32, DType::bf16}) {
+            const std::string what = std::string(act == GateActivation::silu ? "silu " : "sigmoid ") + (dtype == DType::f32 ? "f32" : "bf16");
+            const double tol = dtype == DType::f32 ? (act == GateActivation::silu ? 2e-5 : 1e-6) : 4e-3;
+            const Tensor x = random_cpu({70, 37}, 4911, 3.0f, dtype), src = random_cpu({70, 60}, 4912, 6.0f, dtype);
+            const Tensor dy = random_cpu({70, 37}, 4913, 1.0f, dtype);
+            Tensor yc = cpu_tensor({70, 37}, dtype), dxc = clone_cpu(dy), dgc = cpu_tensor({70, 37}, dtype);
+            cops().output_gate_forward(cs(), x, src, 11, yc, act);
+            cops().output_gate_backward(cs(), x, src, 11, dxc, dxc, dgc, act);
+            cs().synchronize();
+            const Tensor xg = to_gpu(x), sg = to_gpu(src);
+            Tensor yg = Tensor::empty({70, 37}, dtype, gpu()), dxg = to_gpu(dy), dgg = Tensor::empty({70, 37}, dtype, gpu());
+            gops().output_gate_forward(gs(), xg, sg, 11, yg, act);
+            gops().output_gate_backward(gs(), xg, sg, 11, dxg, dxg, dgg, act);
+            expect_each_matches_cpu({{&yc, &yg, "y"}, {&dxc, &dxg, "dx"}, {&dgc, &dgg, "dgate"}}, tol, what, false);
+        }
     }
 }
 

@@ -1,4 +1,5 @@
-// The gated linear unit's variants beyond plain SwiGLU (Ops::glu_forward, GptConfig::glu_spec).
+// The gated linear unit's variants beyond plain SwiGLU (Ops::glu_forward, GptConfig::glu_spec), and the output
+// gates' activations (Ops::output_gate_forward).
 #pragma once
 
 #include <cstdint>
@@ -14,5 +15,9 @@ struct GluSpec {
     float clamp         = 0.0f;
     float linear_offset = 0.0f;
 };
+
+// Ops::output_gate_forward's activation of the gate: sigmoid (the attention's output gate) or SiLU (the gated
+// delta-net's gated norm).
+enum class GateActivation : uint8_t { sigmoid, silu };
 
 }  // namespace loom

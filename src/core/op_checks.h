@@ -728,6 +728,46 @@ inline std::tuple<int64_t, int64_t, int64_t> output_gate(const Tensor & x, const
     return {x.size(0), x.size(1), src.size(1)};
 }
 
+// x (rows, d) f32 and each of `like_x` as x; rstd (rows) f32. Returns (rows, d).
+inline std::pair<int64_t, int64_t> l2norm(const Tensor & x, std::initializer_list<const Tensor *> like_x, const Tensor & rstd,
+                                          const char * op) {
+    expect(x, DType::f32, -1, op, "x");
+    LOOM_CHECK(x.dim() == 2 && x.size(1) >= 1, op << ": x is " << x.describe() << ", expected (rows, d)", "");
+    for (const Tensor * t : like_x) {
+        expect(*t, DType::f32, x.numel(), op, "an operand like x");
+    }
+    expect(rstd, DType::f32, x.size(0), op, "rstd");
+    return {x.size(0), x.size(1)};
+}
+
+// src (n, >= col + 2 H) in the activations' dtype; a_log, dt_bias (H) f32; g, beta and dg, dbeta (n, H) f32; dsrc
+// (n, 2 H) of src's dtype; da_log, ddt_bias (H) f32. Returns (n, H, src's row stride).
+inline std::tuple<int64_t, int64_t, int64_t> gdn_gates(const Tensor & src, int64_t col, const Tensor & a_log,
+                                                       const Tensor & dt_bias, std::initializer_list<const Tensor *> per_row,
+                                                       const char * op) {
+    activations(src, op, "src");
+    expect(a_log, DType::f32, -1, op, "a_log");
+    const int64_t H = a_log.numel();
+    expect(dt_bias, DType::f32, H, op, "dt_bias");
+    LOOM_CHECK(src.dim() == 2 && H >= 1 && col >= 0 && col + 2 * H <= src.size(1),
+               op << ": columns [" << col << ", " << col + 2 * H << ") of src " << src.describe() << " for " << H << " heads", "");
+    const int64_t n = src.size(0);
+    for (const Tensor * t : per_row) expect(*t, DType::f32, n * H, op, "a per-head operand (g, beta or their gradients)");
+    return {n, H, src.size(1)};
+}
+
+inline std::tuple<int64_t, int64_t, int64_t> gdn_gates_backward(const Tensor & src, int64_t col, const Tensor & a_log,
+                                                                const Tensor & dt_bias, const Tensor & dg,
+                                                                const Tensor & dbeta, const Tensor & dsrc,
+                                                                const Tensor & da_log, const Tensor & ddt_bias) {
+    const char * op = "gdn_gates_backward";
+    const auto   dims = gdn_gates(src, col, a_log, dt_bias, {&dg, &dbeta}, op);
+    expect(dsrc, src.dtype(), std::get<0>(dims) * 2 * std::get<1>(dims), op, "dsrc");
+    expect(da_log, DType::f32, std::get<1>(dims), op, "da_log");
+    expect(ddt_bias, DType::f32, std::get<1>(dims), op, "ddt_bias");
+    return dims;
+}
+
 // The gated delta rule's operands: f32, of DeltaRuleShape's sizes.
 inline void delta_rule(const DeltaRuleShape & d, std::initializer_list<const Tensor *> keys,
                        std::initializer_list<const Tensor *> values, std::initializer_list<const Tensor *> gates,

@@ -465,13 +465,31 @@ public:
                                           int64_t batch) = 0;
     virtual void causal_conv_silu_backward(Stream & s, const Tensor & x, const Tensor & w, const Tensor & dy, const Tensor & dx,
                                            const Tensor & dw, int64_t seq, int64_t batch) = 0;
-    // The attention's output gate (--attention-output-gate, Qwen3-Next; Megatron's _apply_output_gate): y (n, w) =
-    // x * sigmoid(g) elementwise, in f32 and rounded to y's dtype, where g is columns [gate_col, gate_col + w) of
-    // src's rows (the QKV projection's gate columns). x, y, src in the activations' dtype (f32 or bf16). Backward,
-    // each in f32 and rounded: dx = dy sigmoid(g) (dx may be dy) and dgate (n, w) = (dy x) (sigmoid(g) (1 - sigmoid(g))).
-    virtual void output_gate_forward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & y) = 0;
+    // An output gate: y (n, w) = x * act(g) elementwise, in f32 and rounded to y's dtype, where g is columns
+    // [gate_col, gate_col + w) of src's rows. x, y, src in the activations' dtype (f32 or bf16). act is sigmoid (the
+    // attention's --attention-output-gate, Megatron's _apply_output_gate; g the QKV projection's gate columns) or
+    // SiLU, g sigmoid(g) (the gated delta-net's gated norm; g its input projection's z columns). Backward, each in
+    // f32 and rounded: dx = dy act(g) (dx may be dy) and dgate (n, w) = (dy x) act'(g), with sigmoid' = s (1 - s)
+    // and SiLU' = s (1 + g (1 - s)), s = sigmoid(g).
+    virtual void output_gate_forward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & y,
+                                     GateActivation act) = 0;
     virtual void output_gate_backward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & dy,
-                                      const Tensor & dx, const Tensor & dgate) = 0;
+                                      const Tensor & dx, const Tensor & dgate, GateActivation act) = 0;
+    // The L2 norm of each row of x (rows, d), f32 (the gated delta-net's queries and keys, FLA's l2norm):
+    //   rstd = 1 / sqrt(sum of x_i^2 in i order + eps),   y = x rstd
+    // rstd (rows) f32 is kept for backward: dx = rstd (dy - y (sum of dy_i y_i in i order)).
+    virtual void l2norm_forward(Stream & s, const Tensor & x, const Tensor & y, const Tensor & rstd, float eps) = 0;
+    virtual void l2norm_backward(Stream & s, const Tensor & dy, const Tensor & y, const Tensor & rstd, const Tensor & dx) = 0;
+    // The gated delta-net's per-head gates (Megatron's GatedDeltaNet._compute_gates), f32, from src's columns
+    // [col, col + H) (b) and [col + H, col + 2 H) (a) of each row (the input projection's, in the activations' dtype):
+    //   beta = sigmoid(b),   g = -e^(A_log) softplus(a + dt_bias)       (softplus(x) = x above 20, as torch's)
+    // a_log, dt_bias (H) f32; g, beta (n, H) f32. Backward from dg and dbeta: dsrc (n, 2 H) in src's dtype assigned
+    // ([db | da]), and the sums over the rows, in row order, of da (into ddt_bias) and of dg g (into da_log) added.
+    virtual void gdn_gates_forward(Stream & s, const Tensor & src, int64_t col, const Tensor & a_log, const Tensor & dt_bias,
+                                   const Tensor & g, const Tensor & beta) = 0;
+    virtual void gdn_gates_backward(Stream & s, const Tensor & src, int64_t col, const Tensor & a_log, const Tensor & dt_bias,
+                                    const Tensor & dg, const Tensor & dbeta, const Tensor & dsrc, const Tensor & da_log,
+                                    const Tensor & ddt_bias) = 0;
     // For every row r of load and bias (R, E) f32: bias[r, e] += rate * sign(mean over e of load[r] - load[r, e])
     // (sign 0 at 0; the mean in double), then load = 0. Megatron's get_updated_expert_bias.
     virtual void moe_expert_bias_update(Stream & s, const Tensor & load, const Tensor & bias, float rate) = 0;

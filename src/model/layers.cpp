@@ -894,7 +894,7 @@ Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_
     attend(ctx, q_k_v, out, shape, config.softmax_scale > 0.0f ? config.softmax_scale : 1.0f / std::sqrt(static_cast<float>(shape.d)), dropout);
     if (config.attention_output_gate) {   // out * sigmoid(G), G the gate columns after [Q | K | V]
         Tensor gated = activation(x.device(), s * b, shape.nq * shape.d, out.dtype());
-        ops.output_gate_forward(stream, out, q_k_v, gate_column(shape), gated);
+        ops.output_gate_forward(stream, out, q_k_v, gate_column(shape), gated, GateActivation::sigmoid);
         ctx.ungated = keep_for_backward(out, config.params_dtype);
         out         = gated;
     }
@@ -915,7 +915,7 @@ Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReady
     Tensor d_gate;
     if (config.attention_output_gate) {   // d_out becomes the ungated output's gradient, in place
         d_gate = activation(dy.device(), ctx.s * ctx.b, shape.nq * shape.d, act);
-        ops.output_gate_backward(stream, out, q_k_v, gate_column(shape), d_out, d_out, d_gate);
+        ops.output_gate_backward(stream, out, q_k_v, gate_column(shape), d_out, d_out, d_gate, GateActivation::sigmoid);
         ctx.ungated = Tensor();
     }
     attend_backward(ctx, q_k_v, out, d_out, d_qkv, shape, config.softmax_scale > 0.0f ? config.softmax_scale : 1.0f / std::sqrt(static_cast<float>(shape.d)));

@@ -213,8 +213,13 @@ public:
         memory(s, "causal_conv_silu_backward", 2 * bytes_of({&x, &dy}) + bytes_of({&dx, &w, &dw}));
     }
     // The gate's columns of src are read (and written) once: x's bytes of them.
-    void output_gate_forward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & y) override { memory(s, "output_gate_forward", 3 * bytes_of({&x})); }
-    void output_gate_backward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & dy, const Tensor & dx, const Tensor & dgate) override { memory(s, "output_gate_backward", 5 * bytes_of({&x})); }
+    void output_gate_forward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & y, GateActivation) override { memory(s, "output_gate_forward", 3 * bytes_of({&x})); }
+    void output_gate_backward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & dy, const Tensor & dx, const Tensor & dgate, GateActivation) override { memory(s, "output_gate_backward", 5 * bytes_of({&x})); }
+    void l2norm_forward(Stream & s, const Tensor & x, const Tensor & y, const Tensor & rstd, float) override { memory(s, "l2norm_forward", bytes_of({&x, &y, &rstd})); }
+    void l2norm_backward(Stream & s, const Tensor & dy, const Tensor & y, const Tensor & rstd, const Tensor & dx) override { memory(s, "l2norm_backward", bytes_of({&dy, &y, &rstd, &dx})); }
+    // The gate columns of src are read once: about the bytes of g and beta (and of dsrc).
+    void gdn_gates_forward(Stream & s, const Tensor & src, int64_t, const Tensor &, const Tensor &, const Tensor & g, const Tensor & beta) override { memory(s, "gdn_gates_forward", 2 * bytes_of({&g, &beta})); }
+    void gdn_gates_backward(Stream & s, const Tensor & src, int64_t, const Tensor &, const Tensor &, const Tensor & dg, const Tensor & dbeta, const Tensor & dsrc, const Tensor &, const Tensor &) override { memory(s, "gdn_gates_backward", 2 * bytes_of({&dg, &dbeta, &dsrc})); }
     void rope(Stream & s, const Tensor & x, int64_t seq, int64_t batch, int64_t heads, int64_t d, float base, bool inverse,
               int64_t rotary_dim, bool interleaved, const SeqPositions & positions, const RopeScaling & scaling) override {
         memory(s, "rope", 2.0 * static_cast<double>(seq * batch * heads * d * static_cast<int64_t>(dtype_size(x.dtype()))));

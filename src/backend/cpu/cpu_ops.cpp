@@ -530,24 +530,61 @@ public:
         s.submit([=] { cpu::causal_conv_silu_backward(f32(x), f32(w), f32(dy), f32(dx), f32(dw), seq, batch, C, K); });
     }
 
-    void output_gate_forward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & y) override {
+    void output_gate_forward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & y,
+                             GateActivation activation) override {
         int64_t n, w, stride;
         std::tie(n, w, stride) = op_checks::output_gate(x, src, gate_col, {&y}, "output_gate_forward");
         s.submit([=] {
             with_activations(x, [&]<class T>(T *) {
-                cpu::output_gate_forward(act<T>(x), act<T>(src) + gate_col, stride, act<T>(y), n, w);
+                cpu::output_gate_forward(act<T>(x), act<T>(src) + gate_col, stride, act<T>(y), n, w, activation);
             });
         });
     }
 
     void output_gate_backward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & dy,
-                              const Tensor & dx, const Tensor & dgate) override {
+                              const Tensor & dx, const Tensor & dgate, GateActivation activation) override {
         int64_t n, w, stride;
         std::tie(n, w, stride) = op_checks::output_gate(x, src, gate_col, {&dy, &dx, &dgate}, "output_gate_backward");
         s.submit([=] {
             with_activations(x, [&]<class T>(T *) {
                 cpu::output_gate_backward(act<T>(x), act<T>(src) + gate_col, stride, act<T>(dy), act<T>(dx),
-                                          act<T>(dgate), n, w);
+                                          act<T>(dgate), n, w, activation);
+            });
+        });
+    }
+
+    void l2norm_forward(Stream & s, const Tensor & x, const Tensor & y, const Tensor & rstd, float eps) override {
+        int64_t rows, d;
+        std::tie(rows, d) = op_checks::l2norm(x, {&y}, rstd, "l2norm_forward");
+        s.submit([=] { cpu::l2norm_forward(f32(x), f32(y), f32(rstd), rows, d, eps); });
+    }
+
+    void l2norm_backward(Stream & s, const Tensor & dy, const Tensor & y, const Tensor & rstd, const Tensor & dx) override {
+        int64_t rows, d;
+        std::tie(rows, d) = op_checks::l2norm(dy, {&y, &dx}, rstd, "l2norm_backward");
+        s.submit([=] { cpu::l2norm_backward(f32(dy), f32(y), f32(rstd), f32(dx), rows, d); });
+    }
+
+    void gdn_gates_forward(Stream & s, const Tensor & src, int64_t col, const Tensor & a_log, const Tensor & dt_bias,
+                           const Tensor & g, const Tensor & beta) override {
+        int64_t n, H, stride;
+        std::tie(n, H, stride) = op_checks::gdn_gates(src, col, a_log, dt_bias, {&g, &beta}, "gdn_gates_forward");
+        s.submit([=] {
+            with_activations(src, [&]<class T>(T *) {
+                cpu::gdn_gates_forward(act<T>(src) + col, stride, f32(a_log), f32(dt_bias), f32(g), f32(beta), n, H);
+            });
+        });
+    }
+
+    void gdn_gates_backward(Stream & s, const Tensor & src, int64_t col, const Tensor & a_log, const Tensor & dt_bias,
+                            const Tensor & dg, const Tensor & dbeta, const Tensor & dsrc, const Tensor & da_log,
+                            const Tensor & ddt_bias) override {
+        int64_t n, H, stride;
+        std::tie(n, H, stride) = op_checks::gdn_gates_backward(src, col, a_log, dt_bias, dg, dbeta, dsrc, da_log, ddt_bias);
+        s.submit([=] {
+            with_activations(src, [&]<class T>(T *) {
+                cpu::gdn_gates_backward(act<T>(src) + col, stride, f32(a_log), f32(dt_bias), f32(dg), f32(dbeta), act<T>(dsrc),
+                                        f32(da_log), f32(ddt_bias), n, H);
             });
         });
     }

@@ -1,8 +1,12 @@
-// Ops::gated_delta_rule_forward / _backward on the host (core/ops.h states the rule). Each (sequence, head) is
-// one task; within it the loops run in the order of the CUDA kernels (backend/cuda/kernels.cu): a column j of
-// the state S is one thread's (its sums over the key index i, in order), a row i another's (its sums over j),
-// and the two scalar sums (dbeta, dg) are thread 0's over the others' partials. Compiled without contraction
-// (src/CMakeLists.txt), as the emulated device's kernels are, so the two give the same bits.
+// The gated delta-net's host kernels (core/ops.h states each): the delta rule (Ops::gated_delta_rule_forward /
+// _backward), its short convolution, the L2 norm of its queries and keys, its per-head gates, and the output gates
+// (sigmoid and SiLU). Each loop runs in the order of the CUDA kernels (backend/cuda/kernels.cu), and the file is
+// compiled without contraction (src/CMakeLists.txt), as the emulated device's kernels are, so the two give the
+// same bits.
+//
+// The delta rule: each (sequence, head) is one task; within it a column j of the state S is one thread's (its sums
+// over the key index i, in order), a row i another's (its sums over j), and the two scalar sums (dbeta, dg) are
+// thread 0's over the others' partials.
 #include "backend/cpu/ops.h"
 #include "core/thread_pool.h"
 
@@ -174,6 +178,17 @@ float silu_grad(float pre) {
     return s * (1.0f + pre * (1.0f - s));
 }
 
+// torch's softplus (beta 1, threshold 20): x above 20, else log(1 + e^x).
+float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+
+float gate_act(float g, GateActivation act) { return act == GateActivation::silu ? g * sigmoid_f32(g) : sigmoid_f32(g); }
+
+float gate_act_grad(float g, GateActivation act) {
+    if (act == GateActivation::silu) return silu_grad(g);
+    const float s = sigmoid_f32(g);
+    return s * (1.0f - s);
+}
+
 }  // namespace
 
 void causal_conv_silu_forward(const float * x, const float * w, float * y, int64_t s, int64_t b, int64_t C, int64_t K) {
@@ -221,5 +236,113 @@ void causal_conv_silu_backward(const float * x, const float * w, const float * d
         }
     });
 }
+
+template <class T>
+void output_gate_forward(const T * x, const T * gate, int64_t stride, T * y, int64_t n, int64_t w, GateActivation act) {
+    parallel_for(n, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            for (int64_t j = 0; j < w; ++j) {
+                y[r * w + j] = from_f32<T>(to_f32(x[r * w + j]) * gate_act(to_f32(gate[r * stride + j]), act));
+            }
+        }
+    });
+}
+
+template <class T>
+void output_gate_backward(const T * x, const T * gate, int64_t stride, const T * dy, T * dx, T * dgate, int64_t n, int64_t w,
+                          GateActivation act) {
+    parallel_for(n, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            for (int64_t j = 0; j < w; ++j) {
+                const float g = to_f32(gate[r * stride + j]), d = to_f32(dy[r * w + j]);
+                dgate[r * w + j] = from_f32<T>(d * to_f32(x[r * w + j]) * gate_act_grad(g, act));
+                dx[r * w + j]    = from_f32<T>(d * gate_act(g, act));
+            }
+        }
+    });
+}
+
+void l2norm_forward(const float * x, float * y, float * rstd, int64_t rows, int64_t d, float eps) {
+    parallel_for(rows, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            const float * xr = x + r * d;
+            float         ss = 0.0f;
+            for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
+            const float inv = 1.0f / std::sqrt(ss + eps);
+            rstd[r]         = inv;
+            for (int64_t i = 0; i < d; ++i) y[r * d + i] = xr[i] * inv;
+        }
+    });
+}
+
+void l2norm_backward(const float * dy, const float * y, const float * rstd, float * dx, int64_t rows, int64_t d) {
+    parallel_for(rows, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            const float * dyr = dy + r * d;
+            const float * yr  = y + r * d;
+            float         dot = 0.0f;
+            for (int64_t i = 0; i < d; ++i) dot += dyr[i] * yr[i];
+            for (int64_t i = 0; i < d; ++i) dx[r * d + i] = rstd[r] * (dyr[i] - yr[i] * dot);
+        }
+    });
+}
+
+template <class T>
+void gdn_gates_forward(const T * src, int64_t stride, const float * a_log, const float * dt_bias, float * g, float * beta,
+                       int64_t n, int64_t H) {
+    parallel_for(n, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            for (int64_t h = 0; h < H; ++h) {
+                beta[r * H + h] = sigmoid_f32(to_f32(src[r * stride + h]));
+                g[r * H + h]    = -std::exp(a_log[h]) * softplus(to_f32(src[r * stride + H + h]) + dt_bias[h]);
+            }
+        }
+    });
+}
+
+template <class T>
+void gdn_gates_backward(const T * src, int64_t stride, const float * a_log, const float * dt_bias, const float * dg,
+                        const float * dbeta, T * dsrc, float * da_log, float * ddt_bias, int64_t n, int64_t H) {
+    // da = dg (-e^A_log) softplus'(x), softplus'(x) = sigmoid(x) (1 above the threshold); dg g's sum into da_log.
+    auto da_of = [&](int64_t r, int64_t h) {
+        const float x     = to_f32(src[r * stride + H + h]) + dt_bias[h];
+        const float slope = x > 20.0f ? 1.0f : sigmoid_f32(x);
+        return dg[r * H + h] * -std::exp(a_log[h]) * slope;
+    };
+    parallel_for(n, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            for (int64_t h = 0; h < H; ++h) {
+                const float s         = sigmoid_f32(to_f32(src[r * stride + h]));
+                dsrc[r * 2 * H + h]     = from_f32<T>(dbeta[r * H + h] * (s * (1.0f - s)));
+                dsrc[r * 2 * H + H + h] = from_f32<T>(da_of(r, h));
+            }
+        }
+    });
+    // A thread per head on the device: the rows in order.
+    parallel_for(H, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t h = begin; h < end; ++h) {
+            float sum_da = 0.0f, sum_dg_g = 0.0f;
+            for (int64_t r = 0; r < n; ++r) {
+                const float x = to_f32(src[r * stride + H + h]) + dt_bias[h];
+                sum_da += da_of(r, h);
+                sum_dg_g += dg[r * H + h] * (-std::exp(a_log[h]) * softplus(x));
+            }
+            ddt_bias[h] += sum_da;
+            da_log[h] += sum_dg_g;
+        }
+    });
+}
+
+#define LOOM_GATE_KERNELS(T)                                                                                            \
+    template void output_gate_forward(const T *, const T *, int64_t, T *, int64_t, int64_t, GateActivation);           \
+    template void output_gate_backward(const T *, const T *, int64_t, const T *, T *, T *, int64_t, int64_t,           \
+                                       GateActivation);                                                                 \
+    template void gdn_gates_forward(const T *, int64_t, const float *, const float *, float *, float *, int64_t,       \
+                                    int64_t);                                                                           \
+    template void gdn_gates_backward(const T *, int64_t, const float *, const float *, const float *, const float *,   \
+                                     T *, float *, float *, int64_t, int64_t);
+LOOM_GATE_KERNELS(float)
+LOOM_GATE_KERNELS(Bf16)
+#undef LOOM_GATE_KERNELS
 
 }  // namespace loom::cpu

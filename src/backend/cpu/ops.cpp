@@ -244,31 +244,6 @@ void gelu_backward(const T * x, const T * dy, T * dx, int64_t count) {
     });
 }
 
-// The output gate's products have no sum to contract into an FMA: the CUDA kernels' bits.
-template <class T>
-void output_gate_forward(const T * x, const T * gate, int64_t stride, T * y, int64_t n, int64_t w) {
-    parallel_for(n, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-            for (int64_t j = 0; j < w; ++j) {
-                y[r * w + j] = from_f32<T>(to_f32(x[r * w + j]) * sigmoid_f32(to_f32(gate[r * stride + j])));
-            }
-        }
-    });
-}
-
-template <class T>
-void output_gate_backward(const T * x, const T * gate, int64_t stride, const T * dy, T * dx, T * dgate, int64_t n, int64_t w) {
-    parallel_for(n, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-            for (int64_t j = 0; j < w; ++j) {
-                const float s = sigmoid_f32(to_f32(gate[r * stride + j])), d = to_f32(dy[r * w + j]);
-                dgate[r * w + j]      = from_f32<T>(d * to_f32(x[r * w + j]) * (s * (1.0f - s)));
-                dx[r * w + j]         = from_f32<T>(d * s);
-            }
-        }
-    });
-}
-
 template <class T>
 void squared_relu_forward(const T * x, T * y, int64_t count) {
     parallel_for(count, kElemGrain, [&](int64_t begin, int64_t end) {
@@ -557,8 +532,6 @@ void row_sum_exp(const T * logits, const float * max, int64_t n, int64_t stride,
     template void bias_gelu_forward(T *, const float *, T *, uint16_t *, int64_t, int64_t);                           \
     template void gelu_backward(const T *, const T *, T *, int64_t);                                                  \
     template void squared_relu_forward(const T *, T *, int64_t);                                                      \
-    template void output_gate_forward(const T *, const T *, int64_t, T *, int64_t, int64_t);                          \
-    template void output_gate_backward(const T *, const T *, int64_t, const T *, T *, T *, int64_t, int64_t);         \
     template void squared_relu_backward(const T *, const T *, T *, int64_t);                                          \
     template void swiglu_forward(const T *, T *, int64_t, int64_t);                                                   \
     template void swiglu_backward(const T *, const T *, T *, int64_t, int64_t);                                       \

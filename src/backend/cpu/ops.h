@@ -85,10 +85,24 @@ void gated_delta_rule_backward(const float * q, const float * k, const float * v
 void causal_conv_silu_forward(const float * x, const float * w, float * y, int64_t s, int64_t b, int64_t C, int64_t K);
 void causal_conv_silu_backward(const float * x, const float * w, const float * dy, float * dx, float * dw, int64_t s,
                                int64_t b, int64_t C, int64_t K);
-// Ops::output_gate_forward / _backward: x, y, dy, dx, dgate (n, w); the gate of row r at gate + r * stride.
-template <class T> void output_gate_forward(const T * x, const T * gate, int64_t stride, T * y, int64_t n, int64_t w);
+// Ops::output_gate_forward / _backward (backend/cpu/delta_rule.cpp): x, y, dy, dx, dgate (n, w); the gate of row r
+// at gate + r * stride.
 template <class T>
-void output_gate_backward(const T * x, const T * gate, int64_t stride, const T * dy, T * dx, T * dgate, int64_t n, int64_t w);
+void output_gate_forward(const T * x, const T * gate, int64_t stride, T * y, int64_t n, int64_t w, GateActivation act);
+template <class T>
+void output_gate_backward(const T * x, const T * gate, int64_t stride, const T * dy, T * dx, T * dgate, int64_t n, int64_t w,
+                          GateActivation act);
+// Ops::l2norm_forward / _backward (backend/cpu/delta_rule.cpp): x, y, dy, dx (rows, d); rstd (rows).
+void l2norm_forward(const float * x, float * y, float * rstd, int64_t rows, int64_t d, float eps);
+void l2norm_backward(const float * dy, const float * y, const float * rstd, float * dx, int64_t rows, int64_t d);
+// Ops::gdn_gates_forward / _backward (backend/cpu/delta_rule.cpp): src's b of row r at src + r * stride, its a H
+// further; g, beta, dg, dbeta (n, H); dsrc (n, 2 H).
+template <class T>
+void gdn_gates_forward(const T * src, int64_t stride, const float * a_log, const float * dt_bias, float * g, float * beta,
+                       int64_t n, int64_t H);
+template <class T>
+void gdn_gates_backward(const T * src, int64_t stride, const float * a_log, const float * dt_bias, const float * dg,
+                        const float * dbeta, T * dsrc, float * da_log, float * ddt_bias, int64_t n, int64_t H);
 template <class T> void squared_relu_backward(const T * x, const T * dy, T * dx, int64_t count);
 
 // y += x (residual), count elements.

@@ -466,28 +466,71 @@ public:
         cs.launched("gated_delta_rule_backward", {q, k, v, g, beta, dout, dq, dk, dv, dg, dbeta, workspace});
     }
 
-    void output_gate_forward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & y) override {
+    void output_gate_forward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & y,
+                             GateActivation activation) override {
         int64_t n, w, stride;
         std::tie(n, w, stride) = op_checks::output_gate(x, src, gate_col, {&y}, "output_gate_forward");
         CudaStream & cs     = start(s, "output_gate_forward", {x, src, y});
         cudaStream_t stream = cs.launch("output_gate_forward");
         with_activations(x, [&]<class T>(T *) {
-            kernels::output_gate_forward(stream, act<T>(x), act<T>(src) + gate_col, stride, act<T>(y), n, w);
+            kernels::output_gate_forward(stream, act<T>(x), act<T>(src) + gate_col, stride, act<T>(y), n, w, activation);
         });
         cs.launched("output_gate_forward", {x, src, y});
     }
 
     void output_gate_backward(Stream & s, const Tensor & x, const Tensor & src, int64_t gate_col, const Tensor & dy,
-                              const Tensor & dx, const Tensor & dgate) override {
+                              const Tensor & dx, const Tensor & dgate, GateActivation activation) override {
         int64_t n, w, stride;
         std::tie(n, w, stride) = op_checks::output_gate(x, src, gate_col, {&dy, &dx, &dgate}, "output_gate_backward");
         CudaStream & cs     = start(s, "output_gate_backward", {x, src, dy, dx, dgate});
         cudaStream_t stream = cs.launch("output_gate_backward");
         with_activations(x, [&]<class T>(T *) {
             kernels::output_gate_backward(stream, act<T>(x), act<T>(src) + gate_col, stride, act<T>(dy), act<T>(dx),
-                                          act<T>(dgate), n, w);
+                                          act<T>(dgate), n, w, activation);
         });
         cs.launched("output_gate_backward", {x, src, dy, dx, dgate});
+    }
+
+    void l2norm_forward(Stream & s, const Tensor & x, const Tensor & y, const Tensor & rstd, float eps) override {
+        int64_t rows, d;
+        std::tie(rows, d) = op_checks::l2norm(x, {&y}, rstd, "l2norm_forward");
+        CudaStream & cs = start(s, "l2norm_forward", {x, y, rstd});
+        kernels::l2norm_forward(cs.launch("l2norm_forward"), f32(x), f32(y), f32(rstd), rows, d, eps);
+        cs.launched("l2norm_forward", {x, y, rstd});
+    }
+
+    void l2norm_backward(Stream & s, const Tensor & dy, const Tensor & y, const Tensor & rstd, const Tensor & dx) override {
+        int64_t rows, d;
+        std::tie(rows, d) = op_checks::l2norm(dy, {&y, &dx}, rstd, "l2norm_backward");
+        CudaStream & cs = start(s, "l2norm_backward", {dy, y, rstd, dx});
+        kernels::l2norm_backward(cs.launch("l2norm_backward"), f32(dy), f32(y), f32(rstd), f32(dx), rows, d);
+        cs.launched("l2norm_backward", {dy, y, rstd, dx});
+    }
+
+    void gdn_gates_forward(Stream & s, const Tensor & src, int64_t col, const Tensor & a_log, const Tensor & dt_bias,
+                           const Tensor & g, const Tensor & beta) override {
+        int64_t n, H, stride;
+        std::tie(n, H, stride) = op_checks::gdn_gates(src, col, a_log, dt_bias, {&g, &beta}, "gdn_gates_forward");
+        CudaStream & cs     = start(s, "gdn_gates_forward", {src, a_log, dt_bias, g, beta});
+        cudaStream_t stream = cs.launch("gdn_gates_forward");
+        with_activations(src, [&]<class T>(T *) {
+            kernels::gdn_gates_forward(stream, act<T>(src) + col, stride, f32(a_log), f32(dt_bias), f32(g), f32(beta), n, H);
+        });
+        cs.launched("gdn_gates_forward", {src, a_log, dt_bias, g, beta});
+    }
+
+    void gdn_gates_backward(Stream & s, const Tensor & src, int64_t col, const Tensor & a_log, const Tensor & dt_bias,
+                            const Tensor & dg, const Tensor & dbeta, const Tensor & dsrc, const Tensor & da_log,
+                            const Tensor & ddt_bias) override {
+        int64_t n, H, stride;
+        std::tie(n, H, stride) = op_checks::gdn_gates_backward(src, col, a_log, dt_bias, dg, dbeta, dsrc, da_log, ddt_bias);
+        CudaStream & cs     = start(s, "gdn_gates_backward", {src, a_log, dt_bias, dg, dbeta, dsrc, da_log, ddt_bias});
+        cudaStream_t stream = cs.launch("gdn_gates_backward");
+        with_activations(src, [&]<class T>(T *) {
+            kernels::gdn_gates_backward(stream, act<T>(src) + col, stride, f32(a_log), f32(dt_bias), f32(dg), f32(dbeta),
+                                        act<T>(dsrc), f32(da_log), f32(ddt_bias), n, H);
+        });
+        cs.launched("gdn_gates_backward", {src, a_log, dt_bias, dg, dbeta, dsrc, da_log, ddt_bias});
     }
 
     void squared_relu_forward(Stream & s, const Tensor & x, const Tensor & y) override {

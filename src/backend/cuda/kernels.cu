@@ -721,22 +721,106 @@ __global__ void causal_conv_dw_kernel(const float * x, const float * w, const fl
     }
 }
 
+__device__ inline float gate_act(float g, GateActivation act) {
+    return act == GateActivation::silu ? __fmul_rn(g, sigmoid_rn(g)) : sigmoid_rn(g);
+}
+
+__device__ inline float gate_act_grad(float g, GateActivation act) {
+    if (act == GateActivation::silu) return silu_grad(g);
+    const float s = sigmoid_rn(g);
+    return __fmul_rn(s, __fsub_rn(1.0f, s));
+}
+
 template <class T>
-__global__ void output_gate_forward_kernel(const T * x, const T * gate, int64_t stride, T * y, int64_t n, int64_t w) {
+__global__ void output_gate_forward_kernel(const T * x, const T * gate, int64_t stride, T * y, int64_t n, int64_t w,
+                                           GateActivation act) {
     LOOM_GRID_STRIDE(i, n * w) {
         const int64_t r = i / w, j = i % w;
-        y[i] = from_f32<T>(__fmul_rn(to_f32(x[i]), sigmoid_rn(to_f32(gate[r * stride + j]))));
+        y[i] = from_f32<T>(__fmul_rn(to_f32(x[i]), gate_act(to_f32(gate[r * stride + j]), act)));
     }
 }
 
 template <class T>
 __global__ void output_gate_backward_kernel(const T * x, const T * gate, int64_t stride, const T * dy, T * dx, T * dgate,
-                                            int64_t n, int64_t w) {
+                                            int64_t n, int64_t w, GateActivation act) {
     LOOM_GRID_STRIDE(i, n * w) {
         const int64_t r = i / w, j = i % w;
-        const float   s = sigmoid_rn(to_f32(gate[r * stride + j])), d = to_f32(dy[i]);
-        dgate[i]              = from_f32<T>(__fmul_rn(__fmul_rn(d, to_f32(x[i])), __fmul_rn(s, __fsub_rn(1.0f, s))));
-        dx[i]                 = from_f32<T>(__fmul_rn(d, s));
+        const float   g = to_f32(gate[r * stride + j]), d = to_f32(dy[i]);
+        dgate[i]        = from_f32<T>(__fmul_rn(__fmul_rn(d, to_f32(x[i])), gate_act_grad(g, act)));
+        dx[i]           = from_f32<T>(__fmul_rn(d, gate_act(g, act)));
+    }
+}
+
+// ---- The L2 norm (Ops::l2norm_forward / _backward): a thread per row, its sums in index order.
+
+__global__ void l2norm_forward_kernel(const float * x, float * y, float * rstd, int64_t rows, int64_t d, float eps) {
+    LOOM_GRID_STRIDE(r, rows) {
+        const float * xr = x + r * d;
+        float         ss = 0.0f;
+        for (int64_t i = 0; i < d; ++i) ss = __fadd_rn(ss, __fmul_rn(xr[i], xr[i]));
+        const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ss, eps)));
+        rstd[r]         = inv;
+        for (int64_t i = 0; i < d; ++i) y[r * d + i] = __fmul_rn(xr[i], inv);
+    }
+}
+
+__global__ void l2norm_backward_kernel(const float * dy, const float * y, const float * rstd, float * dx, int64_t rows,
+                                       int64_t d) {
+    LOOM_GRID_STRIDE(r, rows) {
+        const float * dyr = dy + r * d;
+        const float * yr  = y + r * d;
+        float         dot = 0.0f;
+        for (int64_t i = 0; i < d; ++i) dot = __fadd_rn(dot, __fmul_rn(dyr[i], yr[i]));
+        for (int64_t i = 0; i < d; ++i) dx[r * d + i] = __fmul_rn(rstd[r], __fsub_rn(dyr[i], __fmul_rn(yr[i], dot)));
+    }
+}
+
+// ---- The gated delta-net's gates (Ops::gdn_gates_forward / _backward), as backend/cpu/delta_rule.cpp forms them.
+
+__device__ inline float softplus_rn(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+template <class T>
+__global__ void gdn_gates_forward_kernel(const T * src, int64_t stride, const float * a_log, const float * dt_bias, float * g,
+                                         float * beta, int64_t n, int64_t H) {
+    LOOM_GRID_STRIDE(i, n * H) {
+        const int64_t r = i / H, h = i % H;
+        beta[i] = sigmoid_rn(to_f32(src[r * stride + h]));
+        g[i]    = __fmul_rn(-expf(a_log[h]), softplus_rn(__fadd_rn(to_f32(src[r * stride + H + h]), dt_bias[h])));
+    }
+}
+
+template <class T>
+__device__ inline float gdn_da(const T * src, int64_t stride, const float * a_log, const float * dt_bias, const float * dg,
+                               int64_t r, int64_t h, int64_t H) {
+    const float x     = __fadd_rn(to_f32(src[r * stride + H + h]), dt_bias[h]);
+    const float slope = x > 20.0f ? 1.0f : sigmoid_rn(x);
+    return __fmul_rn(__fmul_rn(dg[r * H + h], -expf(a_log[h])), slope);
+}
+
+template <class T>
+__global__ void gdn_gates_dsrc_kernel(const T * src, int64_t stride, const float * a_log, const float * dt_bias,
+                                      const float * dg, const float * dbeta, T * dsrc, int64_t n, int64_t H) {
+    LOOM_GRID_STRIDE(i, n * H) {
+        const int64_t r = i / H, h = i % H;
+        const float   s = sigmoid_rn(to_f32(src[r * stride + h]));
+        dsrc[r * 2 * H + h]     = from_f32<T>(__fmul_rn(dbeta[i], __fmul_rn(s, __fsub_rn(1.0f, s))));
+        dsrc[r * 2 * H + H + h] = from_f32<T>(gdn_da(src, stride, a_log, dt_bias, dg, r, h, H));
+    }
+}
+
+// A thread per head walks the rows in order.
+template <class T>
+__global__ void gdn_gates_params_kernel(const T * src, int64_t stride, const float * a_log, const float * dt_bias,
+                                        const float * dg, float * da_log, float * ddt_bias, int64_t n, int64_t H) {
+    LOOM_GRID_STRIDE(h, H) {
+        float sum_da = 0.0f, sum_dg_g = 0.0f;
+        for (int64_t r = 0; r < n; ++r) {
+            const float x = __fadd_rn(to_f32(src[r * stride + H + h]), dt_bias[h]);
+            sum_da        = __fadd_rn(sum_da, gdn_da(src, stride, a_log, dt_bias, dg, r, h, H));
+            sum_dg_g      = __fadd_rn(sum_dg_g, __fmul_rn(dg[r * H + h], __fmul_rn(-expf(a_log[h]), softplus_rn(x))));
+        }
+        ddt_bias[h] = __fadd_rn(ddt_bias[h], sum_da);
+        da_log[h]   = __fadd_rn(da_log[h], sum_dg_g);
     }
 }
 
@@ -1324,16 +1408,49 @@ void gated_delta_rule_backward(cudaStream_t stream, const float * q, const float
 }
 
 template <class T>
-void output_gate_forward(cudaStream_t stream, const T * x, const T * gate, int64_t stride, T * y, int64_t n, int64_t w) {
-    if (n * w > 0) LOOM_LAUNCH(output_gate_forward_kernel<T>, blocks_for(n * w), kThreads, 0, stream)(x, gate, stride, y, n, w);
+void output_gate_forward(cudaStream_t stream, const T * x, const T * gate, int64_t stride, T * y, int64_t n, int64_t w,
+                         GateActivation act) {
+    if (n * w > 0) {
+        LOOM_LAUNCH(output_gate_forward_kernel<T>, blocks_for(n * w), kThreads, 0, stream)(x, gate, stride, y, n, w, act);
+    }
 }
 
 template <class T>
 void output_gate_backward(cudaStream_t stream, const T * x, const T * gate, int64_t stride, const T * dy, T * dx, T * dgate,
-                          int64_t n, int64_t w) {
+                          int64_t n, int64_t w, GateActivation act) {
     if (n * w > 0) {
-        LOOM_LAUNCH(output_gate_backward_kernel<T>, blocks_for(n * w), kThreads, 0, stream)(x, gate, stride, dy, dx, dgate, n, w);
+        LOOM_LAUNCH(output_gate_backward_kernel<T>, blocks_for(n * w), kThreads, 0, stream)(x, gate, stride, dy, dx, dgate, n,
+                                                                                             w, act);
     }
+}
+
+void l2norm_forward(cudaStream_t stream, const float * x, float * y, float * rstd, int64_t rows, int64_t d, float eps) {
+    if (rows > 0) LOOM_LAUNCH(l2norm_forward_kernel, blocks_for(rows), kThreads, 0, stream)(x, y, rstd, rows, d, eps);
+}
+
+void l2norm_backward(cudaStream_t stream, const float * dy, const float * y, const float * rstd, float * dx, int64_t rows,
+                     int64_t d) {
+    if (rows > 0) LOOM_LAUNCH(l2norm_backward_kernel, blocks_for(rows), kThreads, 0, stream)(dy, y, rstd, dx, rows, d);
+}
+
+template <class T>
+void gdn_gates_forward(cudaStream_t stream, const T * src, int64_t stride, const float * a_log, const float * dt_bias,
+                       float * g, float * beta, int64_t n, int64_t H) {
+    if (n * H > 0) {
+        LOOM_LAUNCH(gdn_gates_forward_kernel<T>, blocks_for(n * H), kThreads, 0, stream)(src, stride, a_log, dt_bias, g, beta,
+                                                                                          n, H);
+    }
+}
+
+template <class T>
+void gdn_gates_backward(cudaStream_t stream, const T * src, int64_t stride, const float * a_log, const float * dt_bias,
+                        const float * dg, const float * dbeta, T * dsrc, float * da_log, float * ddt_bias, int64_t n,
+                        int64_t H) {
+    if (n * H == 0) return;
+    LOOM_LAUNCH(gdn_gates_dsrc_kernel<T>, blocks_for(n * H), kThreads, 0, stream)(src, stride, a_log, dt_bias, dg, dbeta,
+                                                                                   dsrc, n, H);
+    LOOM_LAUNCH(gdn_gates_params_kernel<T>, blocks_for(H), kThreads, 0, stream)(src, stride, a_log, dt_bias, dg, da_log,
+                                                                                 ddt_bias, n, H);
 }
 
 template <class T>
@@ -1510,9 +1627,14 @@ void loss_grad(cudaStream_t stream, const float * mask, double scale, float * dl
     template void bias_gelu_forward(cudaStream_t, T *, const float *, T *, uint16_t *, int64_t, int64_t);            \
     template void gelu_backward(cudaStream_t, const T *, const T *, T *, int64_t);                                   \
     template void squared_relu_forward(cudaStream_t, const T *, T *, int64_t);                                       \
-    template void output_gate_forward(cudaStream_t, const T *, const T *, int64_t, T *, int64_t, int64_t);           \
+    template void output_gate_forward(cudaStream_t, const T *, const T *, int64_t, T *, int64_t, int64_t,            \
+                                      GateActivation);                                                               \
     template void output_gate_backward(cudaStream_t, const T *, const T *, int64_t, const T *, T *, T *, int64_t,    \
-                                       int64_t);                                                                     \
+                                       int64_t, GateActivation);                                                     \
+    template void gdn_gates_forward(cudaStream_t, const T *, int64_t, const float *, const float *, float *, float *, \
+                                    int64_t, int64_t);                                                               \
+    template void gdn_gates_backward(cudaStream_t, const T *, int64_t, const float *, const float *, const float *,  \
+                                     const float *, T *, float *, float *, int64_t, int64_t);                        \
     template void squared_relu_backward(cudaStream_t, const T *, const T *, T *, int64_t);                           \
     template void swiglu_forward(cudaStream_t, const T *, T *, int64_t, int64_t);                                    \
     template void swiglu_backward(cudaStream_t, const T *, const T *, T *, int64_t, int64_t);                        \

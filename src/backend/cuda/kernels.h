@@ -143,10 +143,24 @@ void causal_conv_silu_backward(cudaStream_t stream, const float * x, const float
                                float * dw, int64_t s, int64_t b, int64_t C, int64_t K);
 // Ops::output_gate_forward / _backward: x, y, dy, dx, dgate (n, w); the gate of row r at gate + r * stride.
 template <class T>
-void output_gate_forward(cudaStream_t stream, const T * x, const T * gate, int64_t stride, T * y, int64_t n, int64_t w);
+void output_gate_forward(cudaStream_t stream, const T * x, const T * gate, int64_t stride, T * y, int64_t n, int64_t w,
+                         GateActivation act);
 template <class T>
 void output_gate_backward(cudaStream_t stream, const T * x, const T * gate, int64_t stride, const T * dy, T * dx, T * dgate,
-                          int64_t n, int64_t w);
+                          int64_t n, int64_t w, GateActivation act);
+// Ops::l2norm_forward / _backward, f32: x, y, dy, dx (rows, d); rstd (rows).
+void l2norm_forward(cudaStream_t stream, const float * x, float * y, float * rstd, int64_t rows, int64_t d, float eps);
+void l2norm_backward(cudaStream_t stream, const float * dy, const float * y, const float * rstd, float * dx, int64_t rows,
+                     int64_t d);
+// Ops::gdn_gates_forward / _backward: src's b of row r at src + r * stride, its a H further; g, beta, dg, dbeta (n, H);
+// dsrc (n, 2 H); a_log, dt_bias, da_log, ddt_bias (H).
+template <class T>
+void gdn_gates_forward(cudaStream_t stream, const T * src, int64_t stride, const float * a_log, const float * dt_bias,
+                       float * g, float * beta, int64_t n, int64_t H);
+template <class T>
+void gdn_gates_backward(cudaStream_t stream, const T * src, int64_t stride, const float * a_log, const float * dt_bias,
+                        const float * dg, const float * dbeta, T * dsrc, float * da_log, float * ddt_bias, int64_t n,
+                        int64_t H);
 template <class T> void squared_relu_backward(cudaStream_t stream, const T * x, const T * dy, T * dx, int64_t count);
 
 // AdamW, the scalars of core/host_adam.h computed on the host exactly as there; the element update uses
