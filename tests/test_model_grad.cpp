@@ -10,6 +10,7 @@
 #include "backend/cpu/ops.h"
 #include "backend/cpu/vec_math.h"
 #include "core/device.h"
+#include "model/gated_delta_net.h"
 #include "model/gpt_model.h"
 
 #include "random_values.h"
@@ -268,17 +269,20 @@ model::MicroBatch make_batch(int64_t b, int64_t s, int64_t vocab, uint64_t seed,
     return batch;
 }
 
-void check_model_gradients(model::GptConfig config) {
+// weight_scale: the matrices' init scaled up so every path carries signal at f32 precision (10; less where the
+// layers turn too far from linear over the differences' step); `adjust` sets other starting values after it.
+void check_model_gradients(model::GptConfig config, float weight_scale = 10.0f,
+                           const std::function<void(model::GptModel &)> & adjust = {}) {
     Device &        device = cpu::device();
     model::GptModel gpt(config, device);
     gpt.init();
-    // Larger weights than the 0.02 init so every path carries signal at f32 precision.
     for (model::Parameter * p : gpt.parameters()) {
         if (p->data.dim() == 2) {
             float * w = p->data.data<float>();
-            for (int64_t i = 0; i < p->numel(); ++i) w[i] *= 10.0f;
+            for (int64_t i = 0; i < p->numel(); ++i) w[i] *= weight_scale;
         }
     }
+    if (adjust) adjust(gpt);
     model::MicroBatch batch = make_batch(2, config.seq_length, config.vocab_size, 12, device);
     // What backward differentiates: the main loss's sum, and with MTP each depth's masked mean (of its own
     // tokens) weighted by the main tokens x scale / D (gpt_model.h).
@@ -1010,6 +1014,155 @@ TEST(GptModel, AttentionOutputGateGradientsMatchFiniteDifferences) {
     model::GptConfig c      = gpt2_style_grad_config();
     c.attention_output_gate = true;
     check_model_gradients(c);
+}
+
+// Qwen3-Next's gated delta-net (--experimental-attention-variant gated_delta_net) on the first of the two layers
+// (--linear-attention-freq 2), the second softmax attention: every parameter of the input projection, the
+// convolution, A_log, dt_bias, the gated norm and the output projection. On the Llama-style model with two value heads
+// per key head and zero-centred norms over 70 positions (five of the delta rule's chunks, the last short), and on
+// the GPT-2-style one (a LayerNorm, so the gated norm has a bias) with one value head per key head.
+TEST(GptModel, GatedDeltaNetGradientsMatchFiniteDifferences) {
+    auto gdn = [](model::GptConfig c, int64_t key_heads, int64_t value_heads) {
+        c.gated_delta_net        = true;
+        c.linear_attention_freq  = 2;
+        c.linear_key_head_dim    = 8;
+        c.linear_value_head_dim  = 6;
+        c.linear_num_key_heads   = key_heads;
+        c.linear_num_value_heads = value_heads;
+        return c;
+    };
+    // The matrices' init times 3 (times 10 the delta rule's decays bend the loss too far over the step of 1e-2),
+    // and decays of e^-0.03 to e^-0.3 per step (A = 0.05 .. 0.3, softplus(a + dt_bias) about 0.13 .. 1) so the state
+    // carries over many steps and A_log's and dt_bias's gradients are far above f32's noise.
+    auto slow_decay = [](model::GptModel & gpt) {
+        for (model::Parameter * p : gpt.parameters()) {
+            const bool a_log = p->name.ends_with(".A_log"), dt_bias = p->name.ends_with(".dt_bias");
+            if (!a_log && !dt_bias) continue;
+            std::vector<float> v(static_cast<size_t>(p->numel()));
+            for (size_t i = 0; i < v.size(); ++i) {
+                v[i] = a_log ? std::log(0.05f + 0.25f * static_cast<float>(i) / static_cast<float>(v.size())) : -2.0f + 0.5f * static_cast<float>(i);
+            }
+            std::copy(v.begin(), v.end(), p->data.data<float>());
+        }
+    };
+    model::GptConfig l      = gdn(llama_style_grad_config(), 2, 4);
+    l.apply_layernorm_1p    = true;
+    l.attention_output_gate = true;
+    check_model_gradients(l, 3.0f, slow_decay);
+    check_model_gradients(gdn(gpt2_style_grad_config(), 2, 2), 3.0f, slow_decay);
+}
+
+// The gated delta-net layer against Megatron's GatedDeltaNet.forward written out in double: the input projection's
+// columns [q | k | v | z | b | a], the causal depthwise convolution with SiLU over [q | k | v], the L2 norms of each q
+// and k head (eps 1e-6 inside the root), each key head repeated over its value heads (repeat_interleave), beta =
+// sigmoid(b), g = -e^A_log softplus(a + dt_bias), the delta rule's recurrence from a zero state (scale dk^-1/2), the
+// zero-centred RMSNorm over each head's dv times silu(z), and the output projection. Two sequences of 21 steps,
+// three key heads of 5 over six value heads of 4, four taps; within 1e-5 of the output's largest.
+TEST(GatedDeltaNet, MatchesMegatronsFormulationWrittenOut) {
+    model::GptConfig c       = llama_style_grad_config();
+    c.gated_delta_net        = true;
+    c.linear_attention_freq  = 1;
+    c.linear_key_head_dim    = 5;
+    c.linear_value_head_dim  = 4;
+    c.linear_num_key_heads   = 3;
+    c.linear_num_value_heads = 6;
+    c.apply_layernorm_1p     = true;
+    const int64_t s = 21, b = 2, n = s * b, h = c.hidden_size, nk = 3, nv = 6, dk = 5, dv = 4, K = 4, rep = nv / nk;
+    const int64_t C = 2 * nk * dk + nv * dv, W = C + nv * dv + 2 * nv;
+    Device &             device = cpu::device();
+    model::GatedDeltaNet gdn("gdn", c, device);
+    gdn.init(11, 0.3f, 0.3f);
+    for (int64_t i = 0; i < nv; ++i) {   // decays that carry the state (A = 0.1 .. 0.35), norms away from 1
+        gdn.a_log.data.data<float>()[i]   = std::log(0.1f + 0.05f * static_cast<float>(i));
+        gdn.dt_bias.data.data<float>()[i] = -1.0f + 0.3f * static_cast<float>(i);
+    }
+    for (int64_t i = 0; i < dv; ++i) gdn.out_norm.weight.data.data<float>()[i] = 0.1f * static_cast<float>(i) - 0.15f;
+    const std::vector<float> xv = random_vector(n * h, 73);
+    Tensor                   x  = Tensor::empty({n, h}, DType::f32, device);
+    std::memcpy(x.data<float>(), xv.data(), xv.size() * sizeof(float));
+    model::GatedDeltaNet::Context ctx;
+    const Tensor y = gdn.forward(ctx, x, s, b);
+    device.compute_stream().synchronize();
+
+    auto at = [](const std::vector<double> & v, int64_t r, int64_t width, int64_t col) { return v[static_cast<size_t>(r * width + col)]; };
+    auto linear = [](const std::vector<double> & in, int64_t rows, int64_t width, const float * w, int64_t out_width) {
+        std::vector<double> out(static_cast<size_t>(rows * out_width), 0.0);
+        for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t o = 0; o < out_width; ++o) {
+                double sum = 0;
+                for (int64_t i = 0; i < width; ++i) sum += in[static_cast<size_t>(r * width + i)] * w[o * width + i];
+                out[static_cast<size_t>(r * out_width + o)] = sum;
+            }
+        }
+        return out;
+    };
+    auto sigmoid = [](double v) { return 1 / (1 + std::exp(-v)); };
+    const std::vector<double> P = linear(std::vector<double>(xv.begin(), xv.end()), n, h, gdn.in_proj.weight.data.data<float>(), W);
+    const float *             taps = gdn.conv.data.data<float>();
+    std::vector<double>       conv(static_cast<size_t>(n * C));   // rows (t, bi) as the activations'
+    for (int64_t t = 0; t < s; ++t) {
+        for (int64_t bi = 0; bi < b; ++bi) {
+            for (int64_t ch = 0; ch < C; ++ch) {
+                double pre = 0;
+                for (int64_t j = 0; j < K; ++j) {
+                    if (t - K + 1 + j >= 0) pre += taps[ch * K + j] * at(P, (t - K + 1 + j) * b + bi, W, ch);
+                }
+                conv[static_cast<size_t>((t * b + bi) * C + ch)] = pre * sigmoid(pre);
+            }
+        }
+    }
+    auto unit = [&](int64_t r, int64_t col) {   // an L2-normed head of dk at column col of conv's row r
+        std::vector<double> v(static_cast<size_t>(dk));
+        double              ss = 0;
+        for (int64_t i = 0; i < dk; ++i) ss += at(conv, r, C, col + i) * at(conv, r, C, col + i);
+        for (int64_t i = 0; i < dk; ++i) v[static_cast<size_t>(i)] = at(conv, r, C, col + i) / std::sqrt(ss + 1e-6);
+        return v;
+    };
+    std::vector<double> out(static_cast<size_t>(n * nv * dv));
+    for (int64_t bi = 0; bi < b; ++bi) {
+        for (int64_t hv = 0; hv < nv; ++hv) {
+            const int64_t       hk = hv / rep;
+            std::vector<double> S(static_cast<size_t>(dk * dv), 0.0);
+            for (int64_t t = 0; t < s; ++t) {
+                const int64_t             r = t * b + bi;
+                const std::vector<double> q = unit(r, hk * dk), k = unit(r, nk * dk + hk * dk);
+                const double beta  = sigmoid(at(P, r, W, C + nv * dv + hv));
+                const double a     = at(P, r, W, C + nv * dv + nv + hv) + gdn.dt_bias.data.data<float>()[hv];
+                const double g     = -std::exp(gdn.a_log.data.data<float>()[hv]) * std::log1p(std::exp(a));
+                for (double & e : S) e *= std::exp(g);
+                for (int64_t j = 0; j < dv; ++j) {
+                    double sk = 0;
+                    for (int64_t i = 0; i < dk; ++i) sk += S[static_cast<size_t>(i * dv + j)] * k[static_cast<size_t>(i)];
+                    const double u = beta * (at(conv, r, C, 2 * nk * dk + hv * dv + j) - sk);
+                    for (int64_t i = 0; i < dk; ++i) S[static_cast<size_t>(i * dv + j)] += k[static_cast<size_t>(i)] * u;
+                }
+                for (int64_t j = 0; j < dv; ++j) {
+                    double o = 0;
+                    for (int64_t i = 0; i < dk; ++i) o += S[static_cast<size_t>(i * dv + j)] * q[static_cast<size_t>(i)] / std::sqrt(double(dk));
+                    out[static_cast<size_t>(r * nv * dv + hv * dv + j)] = o;
+                }
+            }
+        }
+    }
+    std::vector<double> gated(out.size());
+    for (int64_t r = 0; r < n; ++r) {
+        for (int64_t hv = 0; hv < nv; ++hv) {
+            double ms = 0;
+            for (int64_t j = 0; j < dv; ++j) ms += at(out, r, nv * dv, hv * dv + j) * at(out, r, nv * dv, hv * dv + j);
+            const double rstd = 1 / std::sqrt(ms / double(dv) + c.norm_epsilon);
+            for (int64_t j = 0; j < dv; ++j) {
+                const double z = at(P, r, W, C + hv * dv + j);
+                gated[static_cast<size_t>(r * nv * dv + hv * dv + j)] =
+                    at(out, r, nv * dv, hv * dv + j) * rstd * (1 + gdn.out_norm.weight.data.data<float>()[j]) * z * sigmoid(z);
+            }
+        }
+    }
+    const std::vector<double> expected = linear(gated, n, nv * dv, gdn.out_proj.weight.data.data<float>(), h);
+    double largest = 0, worst = 0;
+    for (double v : expected) largest = std::max(largest, std::fabs(v));
+    for (int64_t i = 0; i < n * h; ++i) worst = std::max(worst, std::fabs(y.data<float>()[i] - expected[static_cast<size_t>(i)]));
+    EXPECT_GT(largest, 0.1) << "the output carries signal";
+    EXPECT_LT(worst, 1e-5 * largest) << "largest |y| " << largest;
 }
 
 TEST(GptModel, GradientsAccumulateAcrossMicrobatches) {

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/ops.h"
 
 namespace loom::model {
 
@@ -57,6 +58,34 @@ void GptConfig::validate() const {
         LOOM_CHECK(!attention_output_gate, "Output gate is not supported for MLA yet.",
                    "--attention-output-gate with --multi-latent-attention (Megatron's MLA refuses it too)");
     }
+    if (gated_delta_net) {   // TransformerConfig's checks, then Loom's kernels' widths
+        LOOM_CHECK(linear_attention_freq > 0 || !linear_attention_layers.empty(),
+                   "linear_attention_freq must be set for linear gdn.", "give --linear-attention-freq");
+        LOOM_CHECK(linear_attention_layers.empty() || static_cast<int64_t>(linear_attention_layers.size()) == num_layers,
+                   "Invalid length of linear_attention_pattern: " << linear_attention_layers.size() << ", expected "
+                                                                 << num_layers, "give --linear-attention-freq one entry per layer");
+        LOOM_CHECK(linear_conv_kernel_dim >= 1 && linear_key_head_dim >= 1 && linear_value_head_dim >= 1 &&
+                       linear_num_key_heads >= 1 && linear_num_value_heads >= 1,
+                   "gated delta-net sizes: --linear-conv-kernel-dim " << linear_conv_kernel_dim << ", --linear-key-head-dim "
+                       << linear_key_head_dim << ", --linear-value-head-dim " << linear_value_head_dim
+                       << ", --linear-num-key-heads " << linear_num_key_heads << ", --linear-num-value-heads "
+                       << linear_num_value_heads, "each must be >= 1");
+        LOOM_CHECK(linear_num_value_heads % linear_num_key_heads == 0,
+                   "linear_num_value_heads (" << linear_num_value_heads << ") must be a multiple of linear_num_key_heads ("
+                                              << linear_num_key_heads << ").", "");
+        LOOM_CHECK(linear_key_head_dim <= kDeltaRuleMaxDim && linear_value_head_dim <= kDeltaRuleMaxDim,
+                   "--linear-key-head-dim " << linear_key_head_dim << " and --linear-value-head-dim " << linear_value_head_dim
+                                            << ": Loom's delta rule takes heads up to " << kDeltaRuleMaxDim << " wide",
+                   "Qwen3-Next's are 128");
+        // Loom's limits, refused by name until each is built and tested with the gated delta-net.
+        LOOM_CHECK(mtp_num_layers == 0, "--experimental-attention-variant gated_delta_net with --mtp-num-layers is not supported by Loom",
+                   "drop one of them");
+        LOOM_CHECK(!fp8, "--experimental-attention-variant gated_delta_net with --fp8-format is not supported by Loom",
+                   "train the gated delta-net in bf16");
+        LOOM_CHECK(offload_modules == 0,
+                   "--experimental-attention-variant gated_delta_net with --offload-modules is not supported by Loom",
+                   "drop --fine-grained-activation-offloading");
+    }
     LOOM_CHECK(mtp_num_layers >= 0 && mtp_num_layers <= 64, "--mtp-num-layers must be between 1 and 64, got " << mtp_num_layers, "");
     LOOM_CHECK(mtp_num_layers == 0 || position_embedding != PositionEmbedding::learned_absolute,
                "--mtp-num-layers with --position-embedding-type learned_absolute is not supported by Loom",
@@ -104,8 +133,16 @@ int64_t GptConfig::num_parameters() const {
         moe_mlp = moe.num_experts * (h + bias) + moe.num_experts * (h * fe1 + bias * fe1 + fe * h + bias * h);
         if (fs > 0) moe_mlp += h * (swiglu ? 2 * fs : fs) + fs * h + (moe.shared_expert_gate ? h : 0);
     }
+    // A gated delta-net layer's attention: the input projection [q | k | v | z | b | a] and the output projection
+    // (no biases: Megatron's), the convolution over q, k and v, A_log and dt_bias per value head, the gated norm
+    // over dv.
+    const int64_t qk = linear_key_head_dim * linear_num_key_heads, v = linear_value_head_dim * linear_num_value_heads;
+    const int64_t linear_attn = h * (2 * qk + 2 * v + 2 * linear_num_value_heads) + (2 * qk + v) * linear_conv_kernel_dim +
+                                2 * linear_num_value_heads +
+                                (normalization == Normalization::layernorm ? 2 : 1) * linear_value_head_dim + v * h;
     auto per_layer_of = [&](int64_t index) {   // an MTP depth's layer is of the last layer's kind
-        return 2 * norm + attn + (is_moe_layer(index) ? moe_mlp : mlp) + qk_norm + sinks;
+        const int64_t attention = is_linear_attention_layer(index) ? linear_attn : attn + qk_norm + sinks;
+        return 2 * norm + attention + (is_moe_layer(index) ? moe_mlp : mlp);
     };
     int64_t total = V * h + norm;
     for (int64_t i = 0; i < num_layers; ++i) total += per_layer_of(i);
@@ -131,6 +168,13 @@ double GptConfig::layers_forward_flops_per_token() const {
         const double q_term = q_lora_rank > 0 ? rq * (h + a * dqk + 1) : h * a * dqk;
         attention = 2 * (q_term + rkv * (h + a * (dn + dv) + 1) + h * dr + a * dv * h) + s * a * (dqk + dv);
     }
+    // A gated delta-net layer (Megatron's count): the two projections, the convolution, and the delta rule's four
+    // products of dv x dv per value head.
+    const double qk = static_cast<double>(linear_key_head_dim * linear_num_key_heads);
+    const double nv = static_cast<double>(linear_num_value_heads), dv = static_cast<double>(linear_value_head_dim);
+    const double linear_attention = 2 * (h * (2 * qk + 2 * nv * dv + 2 * nv) +
+                                         static_cast<double>(linear_conv_kernel_dim) * (2 * qk + nv * dv) + nv * dv * dv * 4 +
+                                         h * nv * dv);
     // The MTP depths' layers (of the last layer's kind) and, per depth, its three norms and eh_proj (Megatron's
     // count: 3h + 2h^2 multiply-adds).
     double total = static_cast<double>(mtp_num_layers) * 2 * (3 * h + 2 * h * h);
@@ -140,7 +184,7 @@ double GptConfig::layers_forward_flops_per_token() const {
             mlp = 2 * h * static_cast<double>(moe.expert_ffn(*this) * moe.topk) * gated +
                   2 * h * static_cast<double>(moe.shared_expert_intermediate_size) * gated;
         }
-        total += attention + mlp;
+        total += (is_linear_attention_layer(layer) ? linear_attention : attention) + mlp;
     }
     return total;
 }

@@ -173,6 +173,24 @@ struct GptConfig {
     // --attention-output-gate (Qwen3-Next): the QKV projection also gives a gate per query column, and the
     // attention's output is multiplied by its sigmoid before the output projection.
     bool                 attention_output_gate = false;
+    // --experimental-attention-variant gated_delta_net (Qwen3-Next's gated delta-net, model/gated_delta_net.h): the
+    // layers the pattern marks run the gated delta-net's linear attention in place of softmax attention. The pattern
+    // (--linear-attention-freq, Megatron's get_linear_attention_pattern): with an integer N, layer i (from 0) is
+    // linear unless (i + 1) % N == 0; with a list, entry i (1: linear).
+    bool                 gated_delta_net        = false;
+    int64_t              linear_attention_freq  = 0;   // N; 0 with the list form
+    std::vector<int>     linear_attention_layers;      // the list form, one entry per decoder layer
+    int64_t              linear_conv_kernel_dim = 4;   // --linear-conv-kernel-dim: the short convolution's taps
+    int64_t              linear_key_head_dim    = 128;   // --linear-key-head-dim: dk of its queries and keys
+    int64_t              linear_value_head_dim  = 128;   // --linear-value-head-dim: dv of its values and gates
+    int64_t              linear_num_key_heads   = 16;    // --linear-num-key-heads
+    int64_t              linear_num_value_heads = 32;    // --linear-num-value-heads (a multiple of the key heads)
+    // Whether decoder layer `index` (from 0) is a gated delta-net layer.
+    bool is_linear_attention_layer(int64_t index) const {
+        if (!gated_delta_net || index >= num_layers) return false;
+        if (!linear_attention_layers.empty()) return linear_attention_layers[static_cast<size_t>(index)] != 0;
+        return linear_attention_freq > 0 && (index + 1) % linear_attention_freq != 0;
+    }
     int64_t attention_window(int64_t index) const {   // index: the decoder layer, from 0
         if (window_size < 0) return -1;
         if (!window_layers.empty()) return window_layers[static_cast<size_t>(index)] != 0 ? window_size : -1;

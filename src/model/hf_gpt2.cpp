@@ -154,6 +154,7 @@ void check_gpt2_architecture(const GptConfig & c, const std::string & action) {
     LOOM_CHECK(!c.squared_relu, what << "the model has --squared-relu", hint);
     LOOM_CHECK(!c.qk_layernorm, what << "the model has --qk-layernorm", hint);
     LOOM_CHECK(!c.attention_output_gate, what << "the model has --attention-output-gate", hint);
+    LOOM_CHECK(!c.gated_delta_net, what << "the model has --experimental-attention-variant gated_delta_net", hint);
     LOOM_CHECK(c.softmax_type == SoftmaxType::vanilla,
                what << "the model has --softmax-type " << (c.softmax_type == SoftmaxType::learnable ? "learnable" : "off-by-one"),
                hint);

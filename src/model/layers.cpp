@@ -3,6 +3,7 @@
 #include "core/error.h"
 #include "core/graph.h"
 #include "core/ops.h"
+#include "model/gated_delta_net.h"
 
 #include <cmath>
 #include <optional>
@@ -424,11 +425,22 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
     : config(c), tp(t), cp(context), cp_comm(context.comm_type(layer)), heads(c.num_attention_heads / t.size),
       groups(c.num_query_groups / t.size),
       qkv(name + ".qkv", c.hidden_size,
-          c.multi_latent_attention ? 0 : (heads + 2 * groups + (c.attention_output_gate ? heads : 0)) * c.head_dim(),
+          c.multi_latent_attention || c.is_linear_attention_layer(layer)
+              ? 0
+              : (heads + 2 * groups + (c.attention_output_gate ? heads : 0)) * c.head_dim(),
           c.add_bias_linear && !c.multi_latent_attention, c.params_dtype, device,
           t.size > 1 ? Linear::Split::column : Linear::Split::none, &tp),
-      proj(name + ".proj", heads * (c.multi_latent_attention ? c.v_head_dim : c.head_dim()), c.hidden_size,
-           c.add_bias_linear, c.params_dtype, device, t.size > 1 ? Linear::Split::row : Linear::Split::none, &tp) {
+      proj(name + ".proj",
+           c.is_linear_attention_layer(layer) ? 0 : heads * (c.multi_latent_attention ? c.v_head_dim : c.head_dim()),
+           c.hidden_size, c.add_bias_linear, c.params_dtype, device, t.size > 1 ? Linear::Split::row : Linear::Split::none,
+           &tp) {
+    if (c.is_linear_attention_layer(layer)) {
+        LOOM_CHECK(!cp.enabled(), "--experimental-attention-variant gated_delta_net with --context-parallel-size "
+                                      << cp.size << " is not supported by Loom",
+                   "train the gated delta-net without context parallelism");
+        gdn = std::make_unique<GatedDeltaNet>(name, c, device, t);
+        return;
+    }
     if (cp.enabled() && cp_comm == CpCommType::a2a) {   // Megatron's check for the all-to-all of heads
         LOOM_CHECK(heads % cp.size == 0 && groups % cp.size == 0,
                    "--cp-comm-type a2a needs each tensor-parallel rank's " << heads << " attention heads and " << groups
@@ -576,7 +588,13 @@ void head_norm_backward(Norm & norm, Norm::Context & ctx, const Tensor & dqkv, i
 
 }  // namespace
 
+SelfAttention::~SelfAttention() = default;
+
 void SelfAttention::init(uint64_t seed, float std, float output_std) {
+    if (gdn) {
+        gdn->init(seed, std, output_std);
+        return;
+    }
     if (mla) {   // Megatron's: every projection with the init method, the output one scaled, norms at one
         for (Linear * l : {mla->q.get(), mla->q_down.get(), mla->q_up.get(), mla->kv_down.get(), mla->kv_up.get()}) {
             if (l) l->init(seed, std);
@@ -598,6 +616,10 @@ void SelfAttention::init(uint64_t seed, float std, float output_std) {
 }
 
 void SelfAttention::parameters(std::vector<Parameter *> & out) {
+    if (gdn) {
+        gdn->parameters(out);
+        return;
+    }
     if (mla) {   // in forward order
         if (mla->q) mla->q->parameters(out);
         if (mla->q_down) mla->q_down->parameters(out);
@@ -737,6 +759,10 @@ Tensor SelfAttention::mla_packed_rows(const Tensor & q, const Tensor & kv, const
 }
 
 void SelfAttention::release_input(Context & ctx) const {
+    if (gdn) {
+        gdn->release_input(*ctx.linear);
+        return;
+    }
     if (!mla) {
         ctx.qkv_ctx.x = Tensor();
         return;
@@ -746,6 +772,10 @@ void SelfAttention::release_input(Context & ctx) const {
 }
 
 void SelfAttention::restore_input(Context & ctx, const Tensor & x_rows) const {
+    if (gdn) {
+        gdn->restore_input(*ctx.linear, x_rows);
+        return;
+    }
     if (!mla) {
         ctx.qkv_ctx.x = qkv.input_for_backward(x_rows);
         return;
@@ -871,6 +901,10 @@ Tensor SelfAttention::mla_backward(Context & ctx, const Tensor & dy, const GradR
 }
 
 Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_t b, const Dropout & dropout) {
+    if (gdn) {
+        if (!ctx.linear) ctx.linear = std::make_shared<GatedDeltaNetContext>();
+        return gdn->forward(*ctx.linear, x, s, b);
+    }
     if (mla) return mla_forward(ctx, x, s, b, dropout);
     AttentionShape shape  = attention_shape(config, heads, groups, s, b, cp, window);
     Ops &          ops    = x.device().ops();
@@ -902,6 +936,7 @@ Tensor SelfAttention::forward(Context & ctx, const Tensor & x, int64_t s, int64_
 }
 
 Tensor SelfAttention::backward(Context & ctx, const Tensor & dy, const GradReadyFn & ready) {
+    if (gdn) return gdn->backward(*ctx.linear, dy, ready);
     if (mla) return mla_backward(ctx, dy, ready);
     AttentionShape shape  = attention_shape(config, heads, groups, ctx.s, ctx.b, cp, window);
     Ops &          ops    = dy.device().ops();

@@ -253,6 +253,9 @@ private:
     Tensor ones_;           // (h) f32 ones, with one_plus_
 };
 
+class GatedDeltaNet;          // model/gated_delta_net.h
+struct GatedDeltaNetContext;
+
 // Multi-latent attention (--multi-latent-attention; DeepSeek-V2/V3, Megatron's MLASelfAttention), with a
 // heads, dn = --qk-head-dim, dr = --qk-pos-emb-head-dim, dv = --v-head-dim, rq / rkv the latent ranks:
 //   q      = W_q x, or with --q-lora-rank W_q_up norm(W_q_down x)        (n, a (dn + dr)), heads [q_nope | q_pe]
@@ -270,11 +273,15 @@ private:
 // Tensor parallelism splits the heads (W_q / W_q_up and W_kv_up by rows, the output projection by columns);
 // W_q_down, W_kv_down and the norms are whole on every rank, applied to its rows (a block of them under
 // sequence parallelism, k_pe then gathered over the group for every head's keys).
+//
+// On the layers GptConfig::is_linear_attention_layer marks, the gated delta-net (model/gated_delta_net.h) runs in
+// place of all of this: forward, backward, init and parameters are its own (qkv and proj then have no parameter).
 class SelfAttention {
 public:
-    // `layer`: the model's layer index (its --cp-comm-type).
+    // `layer`: the model's layer index (its --cp-comm-type, and whether it is a gated delta-net layer).
     SelfAttention(const std::string & name, const GptConfig & config, Device & device, const TensorParallel & tp = {},
                   const ContextParallel & cp = {}, int64_t layer = 0);
+    ~SelfAttention();
     struct Context {
         Linear::Context qkv_ctx, proj_ctx;   // proj_ctx.x is the attention output (n, a d)
         Tensor          qkv;   // (n, (a + 2g) d) after RoPE, in the parameters' dtype
@@ -288,6 +295,7 @@ public:
             Norm::Context   q_norm, kv_norm;
             Tensor          k_pe;   // (n, dr), every row's: kept instead of qkv with --recompute-modules mla_up_proj
         } latent;
+        std::shared_ptr<GatedDeltaNetContext> linear;   // a gated delta-net layer's
     };
 
     // `dropout`: the probabilities' key (off when not enabled).
@@ -324,6 +332,7 @@ public:
         std::unique_ptr<Linear> kv_up;     // rkv -> a (dn + dv)
     };
     std::unique_ptr<Latent> mla;
+    std::unique_ptr<GatedDeltaNet> gdn;   // a gated delta-net layer's (--experimental-attention-variant)
     int64_t                 window = -1;   // GptConfig::attention_window of this layer
     // Attention sinks (GptConfig::softmax_type): learnable, this rank's heads' logits (a parameter, split by
     // heads under TP as the heads are); off-by-one, zeros (zero_offset). Neither: no sink.

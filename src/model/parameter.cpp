@@ -59,28 +59,53 @@ uint64_t fnv1a(const std::string & s) {
 
 }  // namespace
 
-void parameter_init_normal(Parameter & p, uint64_t seed, float std) {
+namespace {
+
+// Fills p with draw(rng, values) over the full tensor's values, from a stream seeded by (seed, name), keeping this
+// rank's tp_slice.
+template <class Draw>
+void init_from_stream(Parameter & p, uint64_t seed, Draw && draw) {
     std::mt19937_64    rng(seed * 0x9e3779b97f4a7c15ull ^ fnv1a(p.name));
     const bool         sharded = p.tp_slice.dim >= 0;
     int64_t            full    = 1;
     for (int64_t d : p.tp_slice.full_shape) full *= d;
     std::vector<float> w(static_cast<size_t>(sharded ? full : p.numel()));
-    // Box-Muller on 53-bit uniforms: identical on every platform (std::normal_distribution is not).
-    constexpr double kTwoPi = 6.283185307179586;
-    for (int64_t i = 0; i < static_cast<int64_t>(w.size()); i += 2) {
-        double u1 = (static_cast<double>(rng() >> 11) + 1.0) * 0x1p-53;
-        double u2 = static_cast<double>(rng() >> 11) * 0x1p-53;
-        double r  = std::sqrt(-2.0 * std::log(u1));
-        w[i]      = static_cast<float>(std * r * std::cos(kTwoPi * u2));
-        if (i + 1 < static_cast<int64_t>(w.size())) {
-            w[i + 1] = static_cast<float>(std * r * std::sin(kTwoPi * u2));
-        }
-    }
+    draw(rng, w);
     if (sharded) w = tp_extract(p.tp_slice, w.data());
     LOOM_CHECK(static_cast<int64_t>(w.size()) == p.numel(), "tensor-parallel slice of " << p.name << " holds "
                                                                                          << w.size() << " elements, the parameter "
                                                                                          << p.numel(), "");
     write_values_f32(p.data, w);
+}
+
+// A 53-bit uniform in [0, 1): identical on every platform (std's distributions are not).
+double uniform01(std::mt19937_64 & rng) { return static_cast<double>(rng() >> 11) * 0x1p-53; }
+
+}  // namespace
+
+void parameter_init_normal(Parameter & p, uint64_t seed, float std) {
+    init_from_stream(p, seed, [&](std::mt19937_64 & rng, std::vector<float> & w) {
+        // Box-Muller on 53-bit uniforms.
+        constexpr double kTwoPi = 6.283185307179586;
+        for (int64_t i = 0; i < static_cast<int64_t>(w.size()); i += 2) {
+            double u1 = (static_cast<double>(rng() >> 11) + 1.0) * 0x1p-53;
+            double u2 = uniform01(rng);
+            double r  = std::sqrt(-2.0 * std::log(u1));
+            w[i]      = static_cast<float>(std * r * std::cos(kTwoPi * u2));
+            if (i + 1 < static_cast<int64_t>(w.size())) {
+                w[i + 1] = static_cast<float>(std * r * std::sin(kTwoPi * u2));
+            }
+        }
+    });
+}
+
+void parameter_init_uniform(Parameter & p, uint64_t seed, double lo, double hi, double (*map)(double)) {
+    init_from_stream(p, seed, [&](std::mt19937_64 & rng, std::vector<float> & w) {
+        for (float & e : w) {
+            const double u = lo + (hi - lo) * uniform01(rng);
+            e              = static_cast<float>(map ? map(u) : u);
+        }
+    });
 }
 
 void tp_slice_runs(const TpSlice & slice, const std::function<void(int64_t, int64_t, int64_t)> & fn) {

@@ -92,6 +92,9 @@ Parameter parameter_create(const std::string & name, const Shape & shape, DType 
 // tp_slice). The f32 draws are rounded once to the parameter's dtype, so a bf16 model starts from the f32
 // model's weights rounded to nearest.
 void parameter_init_normal(Parameter & p, uint64_t seed, float std);
+// Fills with U(lo, hi) draws from the same kind of stream, each passed through `map` when given (the gated delta-net's
+// A_log: log of U(1, 16)).
+void parameter_init_uniform(Parameter & p, uint64_t seed, double lo, double hi, double (*map)(double) = nullptr);
 void parameter_init_constant(Parameter & p, float value);
 
 // Adds a backward op's contributions to main_grads (undefined entries pass through): `add` receives f32
