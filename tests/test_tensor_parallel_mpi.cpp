@@ -32,7 +32,19 @@ comm::MpiContext * g_mpi = nullptr;
 // and one MTP depth, without attention dropout (as Megatron's DeepSeek configurations train): with it, a few
 // embedding elements' gradients come out near 1e-8 (four orders below the mean), where Adam turns the TP
 // run's rounding into whole steps and no tolerance on the weights can hold.
-train::TrainOptions small_options(bool llama, bool mla = false, bool muon = false, bool sinks = false) {
+train::TrainOptions small_options(bool llama, bool mla = false, bool muon = false, bool sinks = false, bool gdn = false) {
+    if (gdn) {   // Qwen3-Next's layers: the gated delta-net on layers 0 and 2 (split by heads: two key heads, four value
+                 // heads), the gated attention (and sinks) on 1 and 3, zero-centred norms
+        train::TrainOptions o            = small_options(llama, mla, muon, true);
+        o.model.gated_delta_net          = true;
+        o.model.linear_attention_freq    = 2;
+        o.model.linear_key_head_dim      = 8;
+        o.model.linear_value_head_dim    = 8;
+        o.model.linear_num_key_heads     = 2;
+        o.model.linear_num_value_heads   = 4;
+        o.model.apply_layernorm_1p       = true;
+        return o;
+    }
     if (sinks) {   // gpt-oss's learnable attention sinks (each rank holds its heads' logits), and Qwen3-Next's output
                    // gate (each rank its heads' gate rows of QKV)
         train::TrainOptions o         = small_options(llama, mla, muon);
@@ -73,8 +85,8 @@ struct Run {
     std::map<std::string, model::TpSlice>     slices;
 };
 
-Run reference(bool llama, bool mla = false, bool muon = false, bool sinks = false) {
-    testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(llama, mla, muon, sinks));
+Run reference(bool llama, bool mla = false, bool muon = false, bool sinks = false, bool gdn = false) {
+    testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(llama, mla, muon, sinks, gdn));
     Run                           run;
     run.losses = ref.losses;
     run.params = ref.params;
@@ -84,7 +96,7 @@ Run reference(bool llama, bool mla = false, bool muon = false, bool sinks = fals
 // recompute: 0 none, 1 full (every layer), 2 selective (layernorm and mlp: the norms' outputs gathered again
 // over the TP group in backward, the MLP rerun from its input).
 Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, int recompute, bool mla = false, bool muon = false,
-                 bool sinks = false) {
+                 bool sinks = false, bool gdn = false) {
     parallel::ParallelSizes sizes;
     sizes.world_size = g_mpi->world_size();
     sizes.tp         = tp;
@@ -92,7 +104,7 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, int recomput
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi);
 
-    train::TrainOptions o           = small_options(llama, mla, muon, sinks);
+    train::TrainOptions o           = small_options(llama, mla, muon, sinks, gdn);
     o.parallel                      = config;
     o.ddp.use_distributed_optimizer = distopt;
     o.ddp.overlap_grad_reduce       = distopt;
@@ -122,14 +134,15 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, int recomput
 }
 
 void expect_follows_reference(int tp, int pp, bool distopt, bool llama, bool sp = false, int recompute = 0, bool mla = false,
-                              bool muon = false, bool sinks = false) {
+                              bool muon = false, bool sinks = false, bool gdn = false) {
     const std::string name = std::string(mla ? "mla" : llama ? "llama" : "gpt") + (muon ? " muon" : "") + (sinks ? " sinks+gate" : "") +
+                             (gdn ? " gated delta-net" : "") +
                              " tp " + std::to_string(tp) + " pp " +
                              std::to_string(pp) + (sp ? " sequence-parallel" : "") + (distopt ? " zero-1" : "") +
                              (recompute == 1 ? " full recompute" : recompute == 2 ? " selective recompute" : "");
     SCOPED_TRACE(name);
-    const Run ref = reference(llama, mla, muon, sinks);
-    const Run run = parallel_run(tp, pp, distopt, llama, sp, recompute, mla, muon, sinks);
+    const Run ref = reference(llama, mla, muon, sinks, gdn);
+    const Run run = parallel_run(tp, pp, distopt, llama, sp, recompute, mla, muon, sinks, gdn);
     ASSERT_EQ(run.losses.size(), ref.losses.size());
     double worst_loss = 0, worst_param = 0;
     for (size_t i = 0; i < ref.losses.size(); ++i) {
@@ -213,6 +226,16 @@ TEST(TensorParallel, MuonFollowsTheSingleRankRun) {
     } else {
         GTEST_SKIP() << "runs with 2 and 4 ranks";
     }
+}
+
+// Qwen3-Next's gated delta-net split by heads (each of the input projection's six blocks by rows, the convolution's
+// channels, A_log and dt_bias by value heads, the output projection by columns), its gated norm whole on every rank
+// (its gradient summed over the group), beside gated softmax attention: TP 2 + SP, with --recompute-modules
+// layernorm and mlp (the input projection's input set again from the recomputed norm's gathered rows).
+TEST(TensorParallel, GatedDeltaNetFollowsTheSingleRankRun) {
+    if (g_mpi->world_size() != 2) GTEST_SKIP() << "runs with 2 ranks";
+    expect_follows_reference(2, 1, false, true, true, 0, false, false, false, true);
+    expect_follows_reference(2, 1, false, true, true, 2, false, false, false, true);
 }
 
 TEST(TensorParallel, TpTimesDpAndTpTimesPpFollowTheSingleRankRun) {

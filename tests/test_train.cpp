@@ -1184,7 +1184,7 @@ TEST(MegatronCommandLine, WindowAttentionFlagsFollowMegatronsRules) {
         {{"--window-size", "127,4"}, "--window-size with a right side of 4 is not supported by Loom"},
         {{"--window-size", "(-2,0)"}, "--window-size's left side must be >= -1"},
         {{"--num-layers", "4", "--window-size", "8,0", "--window-attn-skip-freq", "[1,0]"},
-         "--window-attn-skip-freq '[1,0]' gives 2 layers, the model has 4"},
+         "Invalid length of window_attn_skip_freq: 2, expected 4 (--window-attn-skip-freq '[1,0]')"},
         {{"--window-size", "8,0", "--window-attn-skip-freq", "0"}, "neither an integer >= 1 nor a list expression"},
         {{"--position-embedding-type", "rope", "--window-size", "8,0", "--mtp-num-layers", "1"},
          "--window-size with --mtp-num-layers is not supported by Loom"},

@@ -37,7 +37,14 @@ const std::map<std::string, json> & later_args() {
                                                          {"activation_func_clamp_value", nullptr},
                                                          {"window_size", nullptr}, {"window_attn_skip_freq", nullptr},
                                                          {"softmax_type", "vanilla"}, {"moe_shared_expert_gate", false},
-                                                         {"attention_output_gate", false}};
+                                                         {"attention_output_gate", false},
+                                                         {"experimental_attention_variant", nullptr},
+                                                         {"linear_attention_freq", nullptr},
+                                                         {"linear_conv_kernel_dim", nullptr},
+                                                         {"linear_key_head_dim", nullptr},
+                                                         {"linear_value_head_dim", nullptr},
+                                                         {"linear_num_key_heads", nullptr},
+                                                         {"linear_num_value_heads", nullptr}};
     return defaults;
 }
 
@@ -360,6 +367,24 @@ void apply_checkpoint_args(model::GptConfig & m, const checkpoint::Index & index
         m.rotary_scaling_factor = real("rotary_scaling_factor", a.value("rotary_scaling_factor", json(1.0)));
         m.mscale                = real("mscale", a.value("mscale", json(1.0)));
         m.mscale_all_dim        = real("mscale_all_dim", a.value("mscale_all_dim", json(0.0)));
+    }
+    // The gated delta-net's pattern and sizes (null in a model without it).
+    if (const json variant = saved_or_dense(a, "experimental_attention_variant"); !variant.is_null()) {
+        if (variant != "gdn" && variant != "gated_delta_net") bad("experimental_attention_variant", variant);
+        m.gated_delta_net = true;
+        const json freq   = saved_or_dense(a, "linear_attention_freq");
+        m.linear_attention_layers.clear();
+        if (freq.is_array()) {
+            for (const json & v : freq) m.linear_attention_layers.push_back(static_cast<int>(integer("linear_attention_freq", v)));
+            m.linear_attention_freq = 0;
+        } else {
+            m.linear_attention_freq = integer("linear_attention_freq", freq);
+        }
+        m.linear_conv_kernel_dim = integer("linear_conv_kernel_dim", at("linear_conv_kernel_dim"));
+        m.linear_key_head_dim    = integer("linear_key_head_dim", at("linear_key_head_dim"));
+        m.linear_value_head_dim  = integer("linear_value_head_dim", at("linear_value_head_dim"));
+        m.linear_num_key_heads   = integer("linear_num_key_heads", at("linear_num_key_heads"));
+        m.linear_num_value_heads = integer("linear_num_value_heads", at("linear_num_value_heads"));
     }
     // Multi-token prediction's depths (null: none) and the weight of their losses.
     if (const json depths = saved_or_dense(a, "mtp_num_layers"); !depths.is_null()) {

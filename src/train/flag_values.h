@@ -61,6 +61,11 @@ struct ModelFlags {
     // activation_func_clamp_value; the clamp's None: not given).
     bool        quick_geglu = false;
     bool        attention_output_gate = false;   // --attention-output-gate (TransformerConfig's)
+    // The gated delta-net (TransformerConfig's experimental_attention_variant and linear_* fields, Megatron's
+    // defaults; "": None).
+    std::string attention_variant, linear_attention_freq;
+    int64_t     linear_conv_kernel_dim = 4, linear_key_head_dim = 128, linear_value_head_dim = 128;
+    int64_t     linear_num_key_heads = 16, linear_num_value_heads = 32;
     std::string window_size, window_skip_freq;   // --window-size "L,R" (tuple_type), --window-attn-skip-freq
     std::string softmax_type = "vanilla";         // --softmax-type (TransformerConfig's Literal)
     float       glu_linear_offset = 0.0f, activation_clamp = 0.0f;

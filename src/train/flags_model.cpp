@@ -43,6 +43,10 @@ constexpr const char * kSize = "network size";
 
 // An MLA size as the checkpoint's args hold it: null in a model without MLA.
 json mla_size(const TrainOptions & o, int64_t value) { return o.model.multi_latent_attention ? json(value) : json(nullptr); }
+// A gated delta-net size as the checkpoint's args hold it: null in a model without one.
+json gdn_size(const TrainOptions & o, int64_t value) { return o.model.gated_delta_net ? json(value) : json(nullptr); }
+
+constexpr const char * kTransformer = "transformer configuration";
 
 const Flag<TrainOptions> kModelOptionFlags[] = {
     {"--model", kLoomGroup, &TrainOptions::model_preset,
@@ -94,18 +98,42 @@ const Flag<ModelFlags> kModelFlags[] = {
           if (!o.model.window_layers.empty()) return json(o.model.window_layers);
           return o.model.window_skip_freq > 0 ? json(o.model.window_skip_freq) : json(nullptr);
       }, true}},
-    {"--softmax-type", "transformer configuration", &M::softmax_type,
+    {"--softmax-type", kTransformer, &M::softmax_type,
      "the attention softmax: vanilla; off-by-one (a logit of 0 beside every query's scores); learnable (one trained "
      "logit per head, gpt-oss's attention sinks)", kShowDefault,
      {"softmax_type", [](const TrainOptions & o) -> json { return softmax_type_name(o.model.softmax_type); }, true}},
-    {"--attention-output-gate", "transformer configuration", &M::attention_output_gate,
+    {"--attention-output-gate", kTransformer, &M::attention_output_gate,
      "gate the attention's output: QKV also projects one gate per query column, and the output is multiplied by its "
      "sigmoid before the output projection (Qwen3-Next)", kPlain,
      {"attention_output_gate", [](const TrainOptions & o) -> json { return o.model.attention_output_gate; }, true}},
-    {"--glu-linear-offset", "transformer configuration", &M::glu_linear_offset,
+    {"--experimental-attention-variant", kTransformer, &M::attention_variant,
+     "gated_delta_net (or gdn): Qwen3-Next's gated delta-net linear attention on the layers --linear-attention-freq "
+     "marks (gdn2 and dsa are refused)", kPlain,
+     {"experimental_attention_variant", [](const TrainOptions & o) -> json {
+          return o.model.gated_delta_net ? json("gdn") : json(nullptr);
+      }, true}},
+    {"--linear-attention-freq", "experimental_attention_variant", &M::linear_attention_freq,
+     "which layers run the gated delta-net: an integer N (layer i, from 0, unless (i + 1) % N == 0), or a list "
+     "expression of 1 (linear) and 0 (softmax attention), one per layer", kPlain,
+     {"linear_attention_freq", [](const TrainOptions & o) -> json {
+          if (!o.model.linear_attention_layers.empty()) return json(o.model.linear_attention_layers);
+          return o.model.gated_delta_net ? json(o.model.linear_attention_freq) : json(nullptr);
+      }, true}},
+    {"--linear-conv-kernel-dim", kTransformer, &M::linear_conv_kernel_dim, "the gated delta-net's convolution taps",
+     kShowDefault, {"linear_conv_kernel_dim", [](const TrainOptions & o) -> json { return gdn_size(o, o.model.linear_conv_kernel_dim); }, true}},
+    {"--linear-key-head-dim", kTransformer, &M::linear_key_head_dim, "the gated delta-net's query and key head width",
+     kShowDefault, {"linear_key_head_dim", [](const TrainOptions & o) -> json { return gdn_size(o, o.model.linear_key_head_dim); }, true}},
+    {"--linear-value-head-dim", kTransformer, &M::linear_value_head_dim, "the gated delta-net's value and gate head width",
+     kShowDefault, {"linear_value_head_dim", [](const TrainOptions & o) -> json { return gdn_size(o, o.model.linear_value_head_dim); }, true}},
+    {"--linear-num-key-heads", kTransformer, &M::linear_num_key_heads, "the gated delta-net's query and key heads",
+     kShowDefault, {"linear_num_key_heads", [](const TrainOptions & o) -> json { return gdn_size(o, o.model.linear_num_key_heads); }, true}},
+    {"--linear-num-value-heads", kTransformer, &M::linear_num_value_heads,
+     "the gated delta-net's value and gate heads (a multiple of its key heads)", kShowDefault,
+     {"linear_num_value_heads", [](const TrainOptions & o) -> json { return gdn_size(o, o.model.linear_num_value_heads); }, true}},
+    {"--glu-linear-offset", kTransformer, &M::glu_linear_offset,
      "added to a gated MLP's linear half before the product (gpt-oss: 1)", kShowDefault,
      {"glu_linear_offset", [](const TrainOptions & o) -> json { return o.model.glu_linear_offset; }, true}},
-    {"--activation-func-clamp-value", "transformer configuration", &M::activation_clamp,
+    {"--activation-func-clamp-value", kTransformer, &M::activation_clamp,
      "a gated MLP's gate clamped to <= c and its linear half to [-c, c] before the activation (gpt-oss: 7)", kPlain,
      {"activation_func_clamp_value", [](const TrainOptions & o) -> json {
           return o.model.activation_clamp > 0 ? json(o.model.activation_clamp) : json(nullptr);
@@ -134,45 +162,45 @@ const Flag<ModelFlags> kModelFlags[] = {
       [](const TrainOptions & o) -> json { return o.model.untie_embeddings_and_output_weights; }, true}},
     {"--init-method-std", "initialization", &M::init_std, "std of the normal initialisation", kPlain,
      {"init_method_std", [](const TrainOptions & o) -> json { return o.model.init_method_std; }}},
-    {"--use-mup", "transformer configuration", &M::use_mup,
+    {"--use-mup", kTransformer, &M::use_mup,
      "µP: hidden weights' init std, lr and Adam eps over the width multiplier, attention scores by 1 / d, logits by 1 / "
      "the multiplier (docs/mup.md)", kPlain, {"use_mup", [](const TrainOptions & o) -> json { return o.model.use_mup; }}},
-    {"--mup-base-hidden-size", "transformer configuration", &M::mup_base_hidden_size,
+    {"--mup-base-hidden-size", kTransformer, &M::mup_base_hidden_size,
      "µP's base width: the multiplier is --hidden-size over it (default: --hidden-size)", kPlain,
      {"mup_base_hidden_size", [](const TrainOptions & o) -> json { return o.model.mup_base_hidden_size; }}},
-    {"--mup-embedding-mult", "transformer configuration", &M::mup_embedding_mult,
+    {"--mup-embedding-mult", kTransformer, &M::mup_embedding_mult,
      "µP: a factor on the embedding's output", kShowDefault},
-    {"--mup-output-mult", "transformer configuration", &M::mup_output_mult,
+    {"--mup-output-mult", kTransformer, &M::mup_output_mult,
      "µP: a factor on the logits (left at 1: 1 / the width multiplier)", kShowDefault},
-    {"--mup-base-head-dim", "transformer configuration", &M::mup_base_head_dim,
+    {"--mup-base-head-dim", kTransformer, &M::mup_base_head_dim,
      "µP: attention scores scale by sqrt(this) / kv_channels^power (default: 1 / kv_channels^power)"},
-    {"--mup-attn-scale-power", "transformer configuration", &M::mup_attn_scale_power,
+    {"--mup-attn-scale-power", kTransformer, &M::mup_attn_scale_power,
      "µP: the power of kv_channels the attention scores are divided by (0.5: the standard scale)", kShowDefault},
-    {"--fp8-format", "transformer configuration", &M::fp8_format,
+    {"--fp8-format", kTransformer, &M::fp8_format,
      "FP8 GEMMs in the decoder layers' linear layers: e4m3 (every operand) or hybrid (e5m2 gradients); docs/fp8.md",
      kPlain, {"fp8", [](const TrainOptions & o) -> json {
           return o.model.fp8 ? json(o.model.fp8_backward == Fp8Format::e5m2 ? "hybrid" : "e4m3") : json(nullptr);
       }}},
-    {"--fp8-recipe", "transformer configuration", &M::fp8_recipe,
+    {"--fp8-recipe", kTransformer, &M::fp8_recipe,
      "the FP8 scaling: delayed (each GEMM operand's scale from its earlier casts' amax history), tensorwise (its "
      "current amax), blockwise (power-of-two scales per 1 x 128 block of activations and gradients, 128 x 128 of "
      "weights) or mxfp8 (E8M0 scales per 32 elements along each GEMM's reduction); docs/fp8.md", kShowDefault},
-    {"--fp8-margin", "transformer configuration", &M::fp8_margin, "delayed scaling's margin: its scales over 2^margin",
+    {"--fp8-margin", kTransformer, &M::fp8_margin, "delayed scaling's margin: its scales over 2^margin",
      kShowDefault},
-    {"--fp8-amax-history-len", "transformer configuration", &M::fp8_amax_history_len,
+    {"--fp8-amax-history-len", kTransformer, &M::fp8_amax_history_len,
      "delayed scaling's amax history: the casts each scale is formed from", kShowDefault},
-    {"--fp8-amax-compute-algo", "transformer configuration", &M::fp8_amax_compute_algo,
+    {"--fp8-amax-compute-algo", kTransformer, &M::fp8_amax_compute_algo,
      "delayed scaling's amax from its history: most_recent or max", kShowDefault},
     {"--fp8-param-gather", "mixed precision", &M::fp8_param_gather,
      "the FP8 GEMMs' weights kept and gathered as FP8 codes, encoded from the distributed optimizer's f32 shards "
      "(docs/fp8.md)"},
-    {"--first-last-layers-bf16", "transformer configuration", &M::first_last_layers_bf16,
+    {"--first-last-layers-bf16", kTransformer, &M::first_last_layers_bf16,
      "with FP8: the first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 layers in bf16"},
-    {"--num-layers-at-start-in-bf16", "transformer configuration", &M::fp8_bf16_first,
+    {"--num-layers-at-start-in-bf16", kTransformer, &M::fp8_bf16_first,
      "with --first-last-layers-bf16: the decoder layers at the start kept in bf16", kShowDefault},
-    {"--num-layers-at-end-in-bf16", "transformer configuration", &M::fp8_bf16_last,
+    {"--num-layers-at-end-in-bf16", kTransformer, &M::fp8_bf16_last,
      "with --first-last-layers-bf16: the decoder layers at the end kept in bf16", kShowDefault},
-    {"--softmax-scale", "transformer configuration", &M::softmax_scale,
+    {"--softmax-scale", kTransformer, &M::softmax_scale,
      "the attention scores' scale (default 1 / sqrt(kv_channels); MLA keeps its own)", kPlain,
      {"softmax_scale", [](const TrainOptions & o) -> json {
           return o.model.softmax_scale > 0 ? json(o.model.softmax_scale) : json(nullptr);
@@ -317,21 +345,10 @@ void resolve_window(const ModelFlags & f, const Given & given, model::GptConfig 
                "Loom's MTP depths take no window: drop one of them");
     m.window_size = sides[0];
     if (!given("--window-attn-skip-freq")) return;
-    const std::string & freq = f.window_skip_freq;
-    if (freq.find('[') != std::string::npos) {
-        m.window_layers = parse_layer_pattern(freq);
-        LOOM_CHECK(static_cast<int64_t>(m.window_layers.size()) == m.num_layers,
-                   "--window-attn-skip-freq '" << freq << "' gives " << m.window_layers.size() << " layers, the model has "
-                                                << m.num_layers, "");
-        for (int v : m.window_layers) LOOM_CHECK(v == 0 || v == 1, "--window-attn-skip-freq '" << freq << "': entries are 0 or 1", "");
-        return;
-    }
-    char * end = nullptr;
-    errno      = 0;
-    const long long n = std::strtoll(freq.c_str(), &end, 10);
-    LOOM_CHECK(end != freq.c_str() && *end == '\0' && errno == 0 && n >= 1,
-               "--window-attn-skip-freq '" << freq << "' is neither an integer >= 1 nor a list expression", "");
-    m.window_skip_freq = n;
+    const LayerFrequency freq = parse_layer_frequency(f.window_skip_freq, "--window-attn-skip-freq", "window_attn_skip_freq",
+                                                      m.num_layers);
+    m.window_layers    = freq.layers;
+    m.window_skip_freq = freq.every;
 }
 
 // --glu-linear-offset and --activation-func-clamp-value (TransformerConfig's checks). Both act on gated MLPs
@@ -511,6 +528,38 @@ void check_mla_flags(const ModelFlags & f, const Given & given, TrainOptions & o
                            << f.rotary_scaling_factor << " give YaRN a scale <= 0", "");
 }
 
+// --experimental-attention-variant and the gated delta-net's sizes: TransformerConfig's choices and checks (its
+// validation in GptConfig::validate), the sizes refused without the variant as MLA's are without MLA.
+void resolve_linear_attention(const ModelFlags & f, const Given & given, model::GptConfig & m) {
+    const char * sizes[] = {"--linear-attention-freq", "--linear-conv-kernel-dim", "--linear-key-head-dim",
+                            "--linear-value-head-dim", "--linear-num-key-heads", "--linear-num-value-heads"};
+    if (!given("--experimental-attention-variant")) {
+        for (const char * flag : sizes) {
+            LOOM_CHECK(!given(flag), flag << " without --experimental-attention-variant",
+                       "add --experimental-attention-variant gated_delta_net");
+        }
+        return;
+    }
+    const std::string & v = f.attention_variant;
+    LOOM_CHECK(v == "gdn" || v == "gdn2" || v == "dsa" || v == "gated_delta_net",
+               "argument --experimental-attention-variant: invalid choice: '" << v
+                                                                            << "' (choose from 'gdn', 'gdn2', 'dsa', 'gated_delta_net')", "");
+    LOOM_CHECK(v != "gdn2" && v != "dsa", "--experimental-attention-variant " << v << " is not supported by Loom",
+               "Loom runs gated_delta_net (gdn)");
+    LOOM_CHECK(given("--linear-attention-freq"), "linear_attention_freq must be set for linear gdn.",
+               "give --linear-attention-freq");
+    const LayerFrequency freq = parse_layer_frequency(f.linear_attention_freq, "--linear-attention-freq",
+                                                      "linear_attention_pattern", m.num_layers);
+    m.gated_delta_net         = true;
+    m.linear_attention_freq   = freq.every;
+    m.linear_attention_layers = freq.layers;
+    m.linear_conv_kernel_dim  = f.linear_conv_kernel_dim;
+    m.linear_key_head_dim     = f.linear_key_head_dim;
+    m.linear_value_head_dim   = f.linear_value_head_dim;
+    m.linear_num_key_heads    = f.linear_num_key_heads;
+    m.linear_num_value_heads  = f.linear_num_value_heads;
+}
+
 }  // namespace
 
 void check_model_flags(const ModelFlags & f, const Given & given, TrainOptions & o) {
@@ -549,6 +598,7 @@ void check_model_flags(const ModelFlags & f, const Given & given, TrainOptions &
                "--mtp-loss-scaling-factor must be finite, got " << f.mtp_loss_scaling_factor, "");
     m.mtp_loss_scaling_factor = f.mtp_loss_scaling_factor;
     resolve_window(f, given, m);   // after MTP's depths
+    resolve_linear_attention(f, given, m);
     LOOM_CHECK(!given("--kv-channels") || m.multi_latent_attention || f.kv_channels == m.head_dim(),
                "--kv-channels " << f.kv_channels << " is not supported by Loom: its heads are hidden / heads = "
                                 << m.head_dim() << " wide",

@@ -6,7 +6,6 @@
 #include "train/layer_pattern.h"
 #include "train/options.h"
 
-#include <cerrno>
 #include <cstdlib>
 
 namespace loom::train {
@@ -149,20 +148,9 @@ void resolve_moe(const MoeFlags & f, const Given & given, TrainOptions & o) {
                                                                          << "' (choose from 'allgather', 'alltoall', 'flex')", "");
     LOOM_CHECK(f.dispatcher != "flex", "--moe-token-dispatcher-type flex is not supported by Loom", "use allgather or alltoall");
     moe.dispatcher = f.dispatcher == "alltoall" ? model::MoeDispatcher::alltoall : model::MoeDispatcher::allgather;
-    if (f.layer_freq.find('[') != std::string::npos) {
-        moe.layer_pattern = parse_layer_pattern(f.layer_freq);
-        LOOM_CHECK(static_cast<int64_t>(moe.layer_pattern.size()) == o.model.num_layers,
-                   "Invalid length of moe_layer_pattern: " << moe.layer_pattern.size() << ", expected " << o.model.num_layers
-                                                           << ", current moe layer pattern: " << f.layer_freq, "");
-        for (int v : moe.layer_pattern) LOOM_CHECK(v == 0 || v == 1, "--moe-layer-freq '" << f.layer_freq << "': entries are 0 or 1", "");
-    } else {
-        char * end = nullptr;
-        errno      = 0;
-        const long long n = std::strtoll(f.layer_freq.c_str(), &end, 10);
-        LOOM_CHECK(end != f.layer_freq.c_str() && *end == '\0' && errno == 0 && n >= 1,
-                   "--moe-layer-freq '" << f.layer_freq << "' is neither an integer >= 1 nor a list expression", "");
-        moe.layer_freq = n;
-    }
+    const LayerFrequency freq = parse_layer_frequency(f.layer_freq, "--moe-layer-freq", "moe_layer_pattern", o.model.num_layers);
+    moe.layer_pattern         = freq.layers;
+    if (freq.every > 0) moe.layer_freq = freq.every;
     model::moe_config_validate(moe, o.model);
     check_moe_sequence_parallel(o);
     const int64_t etp = o.parallel.etp();
