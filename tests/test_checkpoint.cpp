@@ -174,9 +174,12 @@ INSTANTIATE_TEST_SUITE_P(
         ResumeCase{"pp2_vpp2", 2, "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
                                   "--global-batch-size 16"},
         // With learnable attention sinks and the output gate: each TP rank's heads' softmax_offset and gate rows of
-        // QKV, and their Adam state, come back.
-        ResumeCase{"tp2_sp_sinks_gate", 2,
-                   "--tensor-model-parallel-size 2 --sequence-parallel --softmax-type learnable --attention-output-gate"},
+        // QKV, and their Adam state, come back; and on every other layer the gated delta-net's (its input projection's
+        // six blocks, taps, A_log and dt_bias by heads, the gated norm whole).
+        ResumeCase{"tp2_sp_sinks_gate_gdn", 2,
+                   "--tensor-model-parallel-size 2 --sequence-parallel --softmax-type learnable --attention-output-gate "
+                   "--experimental-attention-variant gated_delta_net --linear-attention-freq 2 --linear-num-key-heads 2 "
+                   "--linear-num-value-heads 4 --linear-key-head-dim 16 --linear-value-head-dim 16"},
         // DeepSeek-V3's router and an MTP depth: the expert biases (moved every iteration; the MTP layer's
         // router's among them) and the depth's weights come back from the checkpoint.
         ResumeCase{"tp2_sp_moe_expert_bias_mtp", 2,

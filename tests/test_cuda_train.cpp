@@ -338,10 +338,14 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{"pp2_vpp2", "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2",
                              "--bf16 --num-layers 4 "},
                       // Per-layer graphs with the TP collectives as replayable nodes between CUDA segments; the
-                      // attention's learnable sinks and its output gate inside them.
-                      Layout{"tp2_sp_layer_graphs_sinks_gate", "--tensor-model-parallel-size 2 --sequence-parallel "
-                                                               "--cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 2",
-                             "--bf16 --num-layers 2 --softmax-type learnable --attention-output-gate "},
+                      // attention's learnable sinks and its output gate inside them, and on the first layer the
+                      // gated delta-net (Qwen3-Next's: its convolution, norms, gates and delta rule) instead.
+                      Layout{"tp2_sp_layer_graphs_sinks_gate_gdn", "--tensor-model-parallel-size 2 --sequence-parallel "
+                                                                   "--cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 2",
+                             "--bf16 --num-layers 2 --softmax-type learnable --attention-output-gate "
+                             "--experimental-attention-variant gated_delta_net --linear-attention-freq 2 "
+                             "--linear-num-key-heads 2 --linear-num-value-heads 4 --linear-key-head-dim 32 "
+                             "--linear-value-head-dim 32 "},
                       // Expert parallelism: the tokens exchanged by all-to-all, and gathered from every rank.
                       Layout{"moe_ep2_alltoall", "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
                              LOOM_MOE_MODEL},

@@ -1232,8 +1232,17 @@ TEST(GptModel, ParameterCountMatchesTheConfigFormula) {
     gated.moe.shared_expert_gate              = true;
     model::GptConfig biased                   = model::gpt_preset("gpt-tiny");
     biased.moe.num_experts                    = 4;
+    model::GptConfig gdn_layers               = model::gpt_preset("gpt-tiny");
+    gdn_layers.gated_delta_net                = true;
+    gdn_layers.linear_attention_layers        = {1, 0, 1, 0};
+    gdn_layers.linear_num_key_heads           = 2;
+    gdn_layers.linear_num_value_heads         = 4;
+    gdn_layers.linear_key_head_dim            = 16;
+    gdn_layers.linear_value_head_dim          = 24;
     for (const auto & [name, c] : {std::pair{"deepseek-v3-tiny", model::gpt_preset("deepseek-v3-tiny")},
                                    std::pair{"gpt-oss-tiny", model::gpt_preset("gpt-oss-tiny")},
+                                   std::pair{"qwen3-next-tiny", model::gpt_preset("qwen3-next-tiny")},
+                                   std::pair{"gpt-tiny, gated delta-net on layers 0 and 2 (a LayerNorm: its bias)", gdn_layers},
                                    std::pair{"llama-tiny, 3 MoE layers, gated shared expert", gated},
                                    std::pair{"gpt-tiny, MoE with biases", biased}}) {
         model::GptModel gpt(c, cpu::device());

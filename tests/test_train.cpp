@@ -184,6 +184,38 @@ static train::TrainOptions preset_options(const char * preset, int64_t micro, in
     return o;
 }
 
+// --model qwen3-next-tiny: the gated delta-net on three layers of four, gated attention on the fourth, a gated shared
+// expert beside 8 experts, trains on the synthetic data: over 20 iterations the loss falls by more than 1 nat, and
+// every gated delta-net layer's decay parameters (A_log, dt_bias) moved from their initial values.
+TEST(Training, Qwen3NextTinyPresetTrainsToAFallingLoss) {
+    train::TrainOptions o      = preset_options("qwen3-next-tiny", 4, 8, 20, 5e-3f);
+    auto                source = train::make_batch_source(o, cpu::device(), false);
+    model::GptModel     gpt(o.model, cpu::device());
+    gpt.init();
+    std::map<std::string, std::vector<float>> decays;
+    for (model::Parameter * p : gpt.parameters()) {
+        if (p->name.ends_with(".A_log") || p->name.ends_with(".dt_bias")) decays[p->name] = testing_models::parameter_values(*p);
+    }
+    ASSERT_EQ(decays.size(), 6u) << "A_log and dt_bias on each of the three gated delta-net layers";
+    std::vector<double> losses;
+    {
+        train::Trainer trainer(o, gpt, *source);
+        losses = trainer.run(nullptr).losses;
+    }
+    ASSERT_EQ(losses.size(), 20u);
+    std::printf("qwen3-next-tiny: lm loss %.4f -> %.4f over 20 iterations\n", losses.front(), losses.back());
+    EXPECT_NEAR(losses.front(), std::log(512.0), 0.2);
+    EXPECT_LT(losses.back(), losses.front() - 1.0);
+    cpu::device().compute_stream().synchronize();
+    for (model::Parameter * p : gpt.parameters()) {
+        if (!decays.contains(p->name)) continue;
+        const std::vector<float> now = testing_models::parameter_values(*p);
+        double                   moved = 0;
+        for (size_t i = 0; i < now.size(); ++i) moved = std::max(moved, static_cast<double>(std::fabs(now[i] - decays[p->name][i])));
+        EXPECT_GT(moved, 1e-3) << p->name;
+    }
+}
+
 // --model gpt-oss-tiny: attention sinks, sliding windows on the odd layers and quick-GEGLU experts with offset and
 // clamp train on the synthetic data: over 20 iterations the loss falls by more than 1 nat, and every layer's
 // sinks moved from their initial values.
@@ -1156,6 +1188,81 @@ TEST(MegatronCommandLine, AttentionOutputGateFollowsMegatronsRules) {
         {{"--attention-output-gate", "true"}, "true"},
     };
     expect_refused(bad, 1);
+}
+
+// --experimental-attention-variant gated_delta_net (Megatron's deprecated spelling of gdn, which its Qwen3-Next tests
+// use) with --linear-attention-freq: Megatron's gdn functional test's pattern (6 layers, every third softmax
+// attention) and a list; the sizes' defaults (TransformerConfig's 4, 128, 128, 16, 32); parameters and FLOPs as
+// Megatron's gdn_layer_flops counts them; the recorded args; and the refusals, Megatron's and Loom's.
+TEST(MegatronCommandLine, GatedDeltaNetFollowsMegatronsRules) {
+    const train::TrainOptions every_third =
+        parse_train({"--mock-data", "--num-layers", "6", "--experimental-attention-variant", "gated_delta_net",
+                     "--linear-attention-freq", "3"});
+    const model::GptConfig & g = every_third.model;
+    EXPECT_TRUE(g.gated_delta_net);
+    for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(g.is_linear_attention_layer(i), (i + 1) % 3 != 0) << "layer " << i;
+    EXPECT_EQ(g.linear_conv_kernel_dim, 4);
+    EXPECT_EQ(g.linear_key_head_dim, 128);
+    EXPECT_EQ(g.linear_value_head_dim, 128);
+    EXPECT_EQ(g.linear_num_key_heads, 16);
+    EXPECT_EQ(g.linear_num_value_heads, 32);
+    const train::TrainOptions list =
+        parse_train({"--mock-data", "--num-layers", "4", "--experimental-attention-variant", "gdn", "--linear-attention-freq",
+                     "([0]+[1]*2)+[0]", "--linear-key-head-dim", "16", "--linear-value-head-dim", "8",
+                     "--linear-num-key-heads", "2", "--linear-num-value-heads", "4", "--linear-conv-kernel-dim", "3"});
+    const model::GptConfig & l = list.model;
+    EXPECT_EQ(l.linear_attention_layers, (std::vector<int>{0, 1, 1, 0}));
+    const model::GptConfig plain = parse_train({"--mock-data", "--num-layers", "4"}).model;
+    // Two of four layers swap softmax attention for the gated delta-net: in_proj h (2 qk + 2 v + 2 nv), the taps
+    // (2 qk + v) K, A_log and dt_bias, the norm over dv (a LayerNorm here: weight and bias), out_proj v h.
+    const int64_t h = l.hidden_size, qk = 2 * 16, v = 4 * 8, nv = 4, bias = plain.add_bias_linear ? 1 : 0;
+    const int64_t gdn_params = h * (2 * qk + 2 * v + 2 * nv) + (2 * qk + v) * 3 + 2 * nv + 2 * 8 + v * h;
+    const int64_t softmax_params = h * 3 * h + bias * 3 * h + h * h + bias * h;
+    EXPECT_EQ(l.num_parameters() - plain.num_parameters(), 2 * (gdn_params - softmax_params));
+    const double s = static_cast<double>(l.seq_length), hd = static_cast<double>(h);
+    const double gdn_flops = 2 * (hd * (2 * qk + 2 * v + 2 * nv) + 3 * (2 * qk + v) + nv * 8 * 8 * 4 + hd * v);
+    const double softmax_flops = 2 * hd * 3 * hd + 2 * hd * hd + 2 * 2 * s * hd / 2;
+    EXPECT_DOUBLE_EQ(l.layers_forward_flops_per_token() - plain.layers_forward_flops_per_token(), 2 * (gdn_flops - softmax_flops));
+    nlohmann::json args;   // what a checkpoint records of the model
+    for (const train::FlagInfo & f : train::train_flags()) {
+        if (f.arg.key) args[f.arg.key] = f.arg.value(list);
+    }
+    EXPECT_EQ(args.at("experimental_attention_variant"), "gdn");
+    EXPECT_EQ(args.at("linear_attention_freq"), nlohmann::json::array({0, 1, 1, 0}));
+    EXPECT_EQ(args.at("linear_num_value_heads"), 4);
+    for (const train::FlagInfo & f : train::train_flags()) {   // a model without it records null
+        if (f.arg.key && std::string(f.arg.key).starts_with("linear_")) EXPECT_TRUE(f.arg.value(parse_train({"--mock-data"})).is_null()) << f.arg.key;
+    }
+    const std::pair<std::vector<std::string>, const char *> bad[] = {
+        {{"--experimental-attention-variant", "mamba"},
+         "argument --experimental-attention-variant: invalid choice: 'mamba' (choose from 'gdn', 'gdn2', 'dsa', 'gated_delta_net')"},
+        {{"--experimental-attention-variant", "gdn2", "--linear-attention-freq", "2"},
+         "--experimental-attention-variant gdn2 is not supported by Loom"},
+        {{"--experimental-attention-variant", "dsa"}, "--experimental-attention-variant dsa is not supported by Loom"},
+        {{"--experimental-attention-variant", "gated_delta_net"}, "linear_attention_freq must be set for linear gdn."},
+        {{"--linear-attention-freq", "2"}, "--linear-attention-freq without --experimental-attention-variant"},
+        {{"--linear-num-key-heads", "2"}, "--linear-num-key-heads without --experimental-attention-variant"},
+        {{"--num-layers", "4", "--experimental-attention-variant", "gdn", "--linear-attention-freq", "[1,0]"},
+         "Invalid length of linear_attention_pattern: 2, expected 4 (--linear-attention-freq '[1,0]')"},
+        {{"--experimental-attention-variant", "gdn", "--linear-attention-freq", "0"},
+         "--linear-attention-freq '0' is neither an integer >= 1 nor a list expression"},
+        {{"--experimental-attention-variant", "gdn", "--linear-attention-freq", "2", "--linear-num-key-heads", "3",
+          "--linear-num-value-heads", "4"},
+         "linear_num_value_heads (4) must be a multiple of linear_num_key_heads (3)."},
+        {{"--experimental-attention-variant", "gdn", "--linear-attention-freq", "2", "--linear-key-head-dim", "512"},
+         "Loom's delta rule takes heads up to 256 wide"},
+        {{"--experimental-attention-variant", "gdn", "--linear-attention-freq", "2", "--bf16", "--fp8-format", "e4m3"},
+         "--experimental-attention-variant gated_delta_net with --fp8-format is not supported by Loom"},
+    };
+    expect_refused(bad, 1);
+    const std::pair<std::vector<std::string>, const char *> split[] = {
+        {{"--experimental-attention-variant", "gdn", "--linear-attention-freq", "2", "--tensor-model-parallel-size", "2",
+          "--linear-num-key-heads", "1", "--linear-num-value-heads", "2"},
+         "--linear-num-key-heads 1 and --linear-num-value-heads 2 must be multiples of --tensor-model-parallel-size x"},
+        {{"--experimental-attention-variant", "gdn", "--linear-attention-freq", "2", "--context-parallel-size", "2"},
+         "--experimental-attention-variant gated_delta_net with --context-parallel-size 2 is not supported by Loom"},
+    };
+    expect_refused(split, 2);
 }
 
 // --window-size (tuple_type: "L,R" or "(L,R)") and --window-attn-skip-freq (an integer or a list expression)

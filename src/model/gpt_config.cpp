@@ -327,10 +327,49 @@ GptConfig gpt_preset(const std::string & name) {
         m.z_loss_coeff            = 1e-3f;
         m.grouped_gemm            = true;
         m.layer_pattern.assign(static_cast<size_t>(c.num_layers), 1);
+    } else if (name == "qwen3-next-tiny") {
+        // Qwen3-Next's layers (Qwen3-Next-80B-A3B's config; Megatron's gdn functional tests) at toy size: the gated
+        // delta-net on three layers of four (--linear-attention-freq 4) with two key heads over four value heads,
+        // gated attention with GQA, Q and K norms and RoPE over a quarter of each head on the fourth, zero-centred
+        // RMSNorms, 8 experts (top 2) and a gated shared expert on every layer, no biases, untied.
+        c.num_layers              = 4;
+        c.hidden_size             = 128;
+        c.ffn_hidden_size         = 128;
+        c.num_attention_heads     = 8;
+        c.num_query_groups        = 2;
+        c.seq_length              = 128;
+        c.max_position_embeddings = c.seq_length;
+        c.vocab_size              = 512;
+        c.normalization           = Normalization::rmsnorm;
+        c.apply_layernorm_1p      = true;
+        c.swiglu                  = true;
+        c.position_embedding      = PositionEmbedding::rope;
+        c.rotary_percent          = 0.25f;
+        c.rotary_base             = 10000000.0f;
+        c.qk_layernorm            = true;
+        c.add_bias_linear         = false;
+        c.untie_embeddings_and_output_weights = true;
+        c.attention_output_gate   = true;
+        c.gated_delta_net         = true;
+        c.linear_attention_freq   = 4;
+        c.linear_conv_kernel_dim  = 4;
+        c.linear_key_head_dim     = 32;
+        c.linear_value_head_dim   = 32;
+        c.linear_num_key_heads    = 2;
+        c.linear_num_value_heads  = 4;
+        MoeConfig & m             = c.moe;
+        m.num_experts             = 8;
+        m.topk                    = 2;
+        m.ffn_hidden_size         = 64;
+        m.shared_expert_intermediate_size = 64;
+        m.shared_expert_gate      = true;
+        m.aux_loss_coeff          = 1e-3f;
+        m.grouped_gemm            = true;
+        m.layer_pattern.assign(static_cast<size_t>(c.num_layers), 1);
     } else {
         LOOM_THROW("unknown model preset '" << name << "'",
                    "presets: gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b, gpt3-175b, llama3-8b, llama3-70b, llama3-405b, "
-                   "deepseek-v3, gpt-tiny, llama-tiny, deepseek-v3-tiny, gpt-oss-tiny");
+                   "deepseek-v3, gpt-tiny, llama-tiny, deepseek-v3-tiny, gpt-oss-tiny, qwen3-next-tiny");
     }
     return c;
 }

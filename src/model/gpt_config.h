@@ -248,7 +248,8 @@ struct GptConfig {
 // features at toy size),
 // "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b", "gpt3-175b", "llama3-8b", "llama3-70b", "llama3-405b" (for
 // loom plan: far beyond one machine), "gpt-tiny" (the default small model), "llama-tiny", "gpt-oss-tiny" (gpt-oss's
-// attention sinks, sliding windows and quick-GEGLU experts at toy size).
+// attention sinks, sliding windows and quick-GEGLU experts at toy size), "qwen3-next-tiny" (Qwen3-Next's gated
+// delta-net and gated attention with a gated shared expert, at toy size).
 GptConfig gpt_preset(const std::string & name);
 
 }  // namespace loom::model

@@ -50,7 +50,7 @@ constexpr const char * kTransformer = "transformer configuration";
 
 const Flag<TrainOptions> kModelOptionFlags[] = {
     {"--model", kLoomGroup, &TrainOptions::model_preset,
-     "model preset: gpt-tiny, llama-tiny, deepseek-v3-tiny, gpt-oss-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b, gpt3-175b, llama3-8b, "
+     "model preset: gpt-tiny, llama-tiny, deepseek-v3-tiny, gpt-oss-tiny, qwen3-next-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b, gpt3-175b, llama3-8b, "
      "llama3-70b, llama3-405b, deepseek-v3", kShowDefault,
      {"model", [](const TrainOptions & o) -> json { return o.model_preset; }}},
     {"--load-hf", kLoomGroup, &TrainOptions::load_hf,
