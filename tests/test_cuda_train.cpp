@@ -41,6 +41,11 @@ const std::string kBf16 = "--bf16 --num-layers 2 ";
 // scale skips its first ten steps, keep 20.
 const std::string kShort = "--train-iters 10 ";
 const std::string kBf16Short = kBf16 + kShort;
+// Qwen3-Next's gated delta-net on the first of two layers: 2 key heads of 32 over 8 value heads of 16 (its input
+// projection 2 x 64 + 2 x 128 + 2 x 8 = 400 wide, a multiple of 16 as FP8 needs).
+const std::string kGatedDeltaNet = "--experimental-attention-variant gated_delta_net --linear-attention-freq 2 "
+                                   "--linear-num-key-heads 2 --linear-num-value-heads 8 --linear-key-head-dim 32 "
+                                   "--linear-value-head-dim 16 ";
 // MoE layers (the router's aux and z losses on), dropless, and dropping and padding to a capacity.
 #define LOOM_MOE_MODEL "--bf16 --num-layers 2 --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001 "
 const std::string kMoe        = LOOM_MOE_MODEL + kShort;
@@ -276,11 +281,11 @@ TEST(CudaTrain, OneGpuMuonFollowsTheCpu) {
 
 // --fp8-format hybrid --fp8-recipe tensorwise: every linear layer's GEMMs on FP8 casts (e4m3 forward, e5m2
 // gradients), the casts' amax, scale and rounding in CUDA kernels; the CPU's curve. Layer 0 is MoE (each
-// grouped expert's GEMMs cast by their own scales), layer 1 dense.
+// grouped expert's GEMMs cast by their own scales) with the gated delta-net's projections, layer 1 dense.
 TEST(CudaTrain, OneGpuFp8FollowsTheCpu) {
     SKIP_WITHOUT_CUDA();
     const std::string model = "--bf16 --num-layers 2 --fp8-format hybrid --fp8-recipe tensorwise --num-experts 4 "
-                              "--moe-router-topk 2 --moe-layer-freq 2 --moe-grouped-gemm " + kShort;
+                              "--moe-router-topk 2 --moe-layer-freq 2 --moe-grouped-gemm " + kGatedDeltaNet + kShort;
     expect_follows_cpu(run_loom_mpi(1, kRun + model + "--device " + kDevice), "FP8", model);
 }
 
@@ -294,11 +299,11 @@ TEST(CudaTrain, OneGpuFp8DelayedScalingFollowsTheCpu) {
 }
 
 // --fine-grained-activation-offloading: the modules' inputs through pinned host memory between forward and
-// backward (copies on the compute stream), the CPU's curve.
+// backward (copies on the compute stream), the CPU's curve; the gated delta-net's (layer 0) with the attention's.
 TEST(CudaTrain, OneGpuActivationOffloadingFollowsTheCpu) {
     SKIP_WITHOUT_CUDA();
     const std::string model = "--bf16 --num-layers 2 --fine-grained-activation-offloading --offload-modules attn_norm "
-                              "qkv_linear core_attn attn_proj mlp_norm --min-offloaded-tensor-size 0 " + kShort;
+                              "qkv_linear core_attn attn_proj mlp_norm --min-offloaded-tensor-size 0 " + kGatedDeltaNet + kShort;
     expect_follows_cpu(run_loom_mpi(1, kRun + model + "--device " + kDevice), "activation offloading", model);
 }
 

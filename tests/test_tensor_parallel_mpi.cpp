@@ -231,11 +231,17 @@ TEST(TensorParallel, MuonFollowsTheSingleRankRun) {
 // Qwen3-Next's gated delta-net split by heads (each of the input projection's six blocks by rows, the convolution's
 // channels, A_log and dt_bias by value heads, the output projection by columns), its gated norm whole on every rank
 // (its gradient summed over the group), beside gated softmax attention: TP 2 + SP, with --recompute-modules
-// layernorm and mlp (the input projection's input set again from the recomputed norm's gathered rows).
+// layernorm and mlp (the input projection's input set again from the recomputed norm's gathered rows); and TP 2 + SP
+// x PP 2 with ZeRO-1.
 TEST(TensorParallel, GatedDeltaNetFollowsTheSingleRankRun) {
-    if (g_mpi->world_size() != 2) GTEST_SKIP() << "runs with 2 ranks";
-    expect_follows_reference(2, 1, false, true, true, 0, false, false, false, true);
-    expect_follows_reference(2, 1, false, true, true, 2, false, false, false, true);
+    if (g_mpi->world_size() == 2) {
+        expect_follows_reference(2, 1, false, true, true, 0, false, false, false, true);
+        expect_follows_reference(2, 1, false, true, true, 2, false, false, false, true);
+    } else if (g_mpi->world_size() == 4) {   // TP 2 + SP x PP 2 with ZeRO-1: a gated delta-net layer on each stage
+        expect_follows_reference(2, 2, true, true, true, 0, false, false, false, true);
+    } else {
+        GTEST_SKIP() << "runs with 2 and 4 ranks";
+    }
 }
 
 TEST(TensorParallel, TpTimesDpAndTpTimesPpFollowTheSingleRankRun) {

@@ -1251,8 +1251,10 @@ TEST(MegatronCommandLine, GatedDeltaNetFollowsMegatronsRules) {
          "linear_num_value_heads (4) must be a multiple of linear_num_key_heads (3)."},
         {{"--experimental-attention-variant", "gdn", "--linear-attention-freq", "2", "--linear-key-head-dim", "512"},
          "Loom's delta rule takes heads up to 256 wide"},
-        {{"--experimental-attention-variant", "gdn", "--linear-attention-freq", "2", "--bf16", "--fp8-format", "e4m3"},
-         "--experimental-attention-variant gated_delta_net with --fp8-format is not supported by Loom"},
+        {{"--experimental-attention-variant", "gdn", "--linear-attention-freq", "2", "--linear-num-key-heads", "2",
+          "--linear-num-value-heads", "4", "--linear-key-head-dim", "16", "--linear-value-head-dim", "8", "--bf16",
+          "--fp8-format", "e4m3"},
+         "For FP8, the innermost dimension of the GDN layer input projection output tensor must be a multiple of 16."},
     };
     expect_refused(bad, 1);
     const std::pair<std::vector<std::string>, const char *> split[] = {

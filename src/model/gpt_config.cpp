@@ -77,14 +77,16 @@ void GptConfig::validate() const {
                    "--linear-key-head-dim " << linear_key_head_dim << " and --linear-value-head-dim " << linear_value_head_dim
                                             << ": Loom's delta rule takes heads up to " << kDeltaRuleMaxDim << " wide",
                    "Qwen3-Next's are 128");
-        // Loom's limits, refused by name until each is built and tested with the gated delta-net.
+        const int64_t in_proj = 2 * linear_key_head_dim * linear_num_key_heads +
+                                2 * linear_value_head_dim * linear_num_value_heads + 2 * linear_num_value_heads;
+        const int64_t align = fp8_mx ? 32 : 16;   // Megatron's get_fp8_align_size
+        LOOM_CHECK(!fp8 || in_proj % align == 0,
+                   "For FP8, the innermost dimension of the GDN layer input projection output tensor must be a multiple of "
+                       << align << ".",
+                   "the input projection's " << in_proj << " outputs: 2 key dims + 2 value dims + 2 value heads");
+        // Loom's limit, refused by name until it is built and tested with the gated delta-net.
         LOOM_CHECK(mtp_num_layers == 0, "--experimental-attention-variant gated_delta_net with --mtp-num-layers is not supported by Loom",
                    "drop one of them");
-        LOOM_CHECK(!fp8, "--experimental-attention-variant gated_delta_net with --fp8-format is not supported by Loom",
-                   "train the gated delta-net in bf16");
-        LOOM_CHECK(offload_modules == 0,
-                   "--experimental-attention-variant gated_delta_net with --offload-modules is not supported by Loom",
-                   "drop --fine-grained-activation-offloading");
     }
     LOOM_CHECK(mtp_num_layers >= 0 && mtp_num_layers <= 64, "--mtp-num-layers must be between 1 and 64, got " << mtp_num_layers, "");
     LOOM_CHECK(mtp_num_layers == 0 || position_embedding != PositionEmbedding::learned_absolute,

@@ -4,6 +4,7 @@
 
 #include "core/error.h"
 #include "core/ops.h"
+#include "model/gated_delta_net.h"
 
 #include <cmath>
 
@@ -43,7 +44,12 @@ TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & 
     }
     if (c.fp8_layer(index)) {   // every linear layer of the attention, the dense MLP and the experts
         const Linear::Fp8 fp8{c.fp8_forward, c.fp8_backward, c.fp8_param_gather, c.fp8_blockwise, c.fp8_mx};
-        std::vector<Linear *> linears{&attention.qkv, &attention.proj};
+        std::vector<Linear *> linears;
+        if (attention.gdn) {
+            linears = {&attention.gdn->in_proj, &attention.gdn->out_proj};
+        } else {
+            linears = {&attention.qkv, &attention.proj};
+        }
         if (attention.mla) {
             for (auto * l : {&attention.mla->q, &attention.mla->q_down, &attention.mla->q_up, &attention.mla->kv_down,
                              &attention.mla->kv_up}) {
@@ -111,6 +117,15 @@ std::vector<Tensor *> offload_fields(TransformerLayer::Context & ctx, uint32_t m
         f.push_back(&a.ungated);
     }
     if (modules & offload_attn_proj) f.push_back(&a.proj_ctx.x);
+    if (a.linear) {   // a gated delta-net layer's: its input projection's input; its core's input (the projection)
+                      // and what its gated norm's backward reads; its output projection's input
+        GatedDeltaNetContext & g = *a.linear;
+        if (modules & offload_qkv_linear) f.push_back(&g.in_ctx.x);
+        if (modules & offload_core_attn) {
+            for (Tensor * t : {&g.projected, &g.norm.x, &g.normed}) f.push_back(t);
+        }
+        if (modules & offload_attn_proj) f.push_back(&g.out_ctx.x);
+    }
     if (modules & offload_mlp_norm) f.push_back(&ctx.norm2.x);
     if (ctx.moe) {
         Experts::Context & e = ctx.moe->experts;
