@@ -2292,6 +2292,25 @@ Tensor f32_of(const std::vector<double> & v) {
 
 }  // namespace
 
+// The central differences (step 1e-3) of `loss` in each element of `at`, and their largest magnitude: what the
+// delta-net ops' gradients are held to.
+struct Differences {
+    std::vector<double> d;
+    double              largest = 0;
+};
+Differences central_differences(const std::vector<double> & at, const std::function<double(const std::vector<double> &)> & loss) {
+    Differences out;
+    out.d.resize(at.size());
+    for (size_t i = 0; i < at.size(); ++i) {
+        std::vector<double> up = at, down = at;
+        up[i] += 1e-3;
+        down[i] -= 1e-3;
+        out.d[i]    = (loss(up) - loss(down)) / 2e-3;
+        out.largest = std::max(out.largest, std::fabs(out.d[i]));
+    }
+    return out;
+}
+
 // Qwen3-Next's gated delta rule (Ops::gated_delta_rule_forward / _backward), on the CPU. The forward against the
 // naive recurrence in double, within 1e-5 of the output's largest; the backward against central differences
 // (step 1e-3) of the double reference's sum of o times fixed random weights, within 2e-4 of each operand's
@@ -2334,17 +2353,16 @@ TEST(OpsDeltaRule, ForwardAgainstTheRecurrenceAndBackwardAgainstFiniteDifference
             {&DeltaRuleCase::beta, &db}};
         const char * names[] = {"dq", "dk", "dv", "dg", "dbeta"};
         for (size_t which = 0; which < 5; ++which) {
-            auto [member, grad] = operands[which];
-            std::vector<double> fd((c.*member).size());
-            double              scale = 0;
-            for (size_t i = 0; i < fd.size(); ++i) {
-                DeltaRuleCase up = c, down = c;
-                (up.*member)[i] += 1e-3;
-                (down.*member)[i] -= 1e-3;
-                fd[i] = (loss(up) - loss(down)) / 2e-3;
-                scale = std::max(scale, std::fabs(fd[i]));
+            std::vector<double> DeltaRuleCase::* member = operands[which].first;
+            const Tensor *                       grad   = operands[which].second;
+            const Differences fd = central_differences(c.*member, [&](const std::vector<double> & values) {
+                DeltaRuleCase x = c;
+                x.*member       = values;
+                return loss(x);
+            });
+            for (size_t i = 0; i < fd.d.size(); ++i) {
+                EXPECT_NEAR(grad->data<float>()[i], fd.d[i], 2e-4 * fd.largest) << names[which] << " " << i;
             }
-            for (size_t i = 0; i < fd.size(); ++i) EXPECT_NEAR(grad->data<float>()[i], fd[i], 2e-4 * scale) << names[which] << " " << i;
         }
     }
 }
@@ -2395,19 +2413,12 @@ TEST(OpsDeltaRule, CausalConvSiluAgainstItsDefinitionAndFiniteDifferences) {
         return sum;
     };
     for (const bool weights : {false, true}) {
-        const std::vector<double> & base = weights ? wv : xv;
-        std::vector<double>         fd(base.size());
-        double                      scale = 0;
-        for (size_t i = 0; i < base.size(); ++i) {
-            std::vector<double> up = base, down = base;
-            up[i] += 1e-3;
-            down[i] -= 1e-3;
-            fd[i] = ((weights ? loss(xv, up) : loss(up, wv)) - (weights ? loss(xv, down) : loss(down, wv))) / 2e-3;
-            scale = std::max(scale, std::fabs(fd[i]));
-        }
-        for (size_t i = 0; i < fd.size(); ++i) {
+        const Differences fd = central_differences(weights ? wv : xv, [&](const std::vector<double> & at) {
+            return weights ? loss(xv, at) : loss(at, wv);
+        });
+        for (size_t i = 0; i < fd.d.size(); ++i) {
             const double got = weights ? element(dw, static_cast<int64_t>(i)) - 0.5 : element(dx, static_cast<int64_t>(i));
-            EXPECT_NEAR(got, fd[i], 1e-4 * scale) << (weights ? "dw " : "dx ") << i;
+            EXPECT_NEAR(got, fd.d[i], 1e-4 * fd.largest) << (weights ? "dw " : "dx ") << i;
         }
     }
 }
@@ -2443,19 +2454,13 @@ TEST(OpsDeltaRule, L2NormAgainstItsDefinitionAndFiniteDifferences) {
     for (size_t i = 0; i < want.size(); ++i) {
         EXPECT_NEAR(element(y, static_cast<int64_t>(i)), want[i], 1e-6 * std::max(1e-3, std::fabs(want[i]))) << "y " << i;
     }
-    std::vector<double> fd(xv.size());
-    double              scale = 0;
-    for (size_t i = 0; i < xv.size(); ++i) {
-        std::vector<double> up = xv, down = xv;
-        up[i] += 1e-3;
-        down[i] -= 1e-3;
-        const std::vector<double> yu = reference(up), yd = reference(down);
-        double                    diff = 0;
-        for (size_t j = 0; j < yu.size(); ++j) diff += (yu[j] - yd[j]) * rv[j];
-        fd[i] = diff / 2e-3;
-        scale = std::max(scale, std::fabs(fd[i]));
-    }
-    for (size_t i = 0; i < fd.size(); ++i) EXPECT_NEAR(element(dx, static_cast<int64_t>(i)), fd[i], 1e-4 * scale) << "dx " << i;
+    const Differences fd = central_differences(xv, [&](const std::vector<double> & at) {
+        const std::vector<double> y_at = reference(at);
+        double                    sum  = 0;
+        for (size_t j = 0; j < y_at.size(); ++j) sum += y_at[j] * rv[j];
+        return sum;
+    });
+    for (size_t i = 0; i < fd.d.size(); ++i) EXPECT_NEAR(element(dx, static_cast<int64_t>(i)), fd.d[i], 1e-4 * fd.largest) << "dx " << i;
 }
 
 // The gated delta-net's gates (Ops::gdn_gates_forward / _backward): beta = sigmoid(b), g = -e^A_log softplus(a +
@@ -2506,31 +2511,19 @@ TEST(OpsDeltaRule, GatesAgainstTheirDefinitionAndFiniteDifferences) {
         for (size_t i = 0; i < gg.size(); ++i) sum += gg[i] * dgv[i] + bb[i] * dbv[i];
         return sum;
     };
-    auto central = [&](int which, size_t i) {   // 0: src, 1: A_log, 2: dt_bias
-        std::vector<double> s2 = sv, a2 = al, d2 = dt, s3 = sv, a3 = al, d3 = dt;
-        std::vector<double> & up = which == 0 ? s2 : which == 1 ? a2 : d2;
-        std::vector<double> & dn = which == 0 ? s3 : which == 1 ? a3 : d3;
-        up[i] += 1e-3;
-        dn[i] -= 1e-3;
-        return (loss(s2, a2, d2) - loss(s3, a3, d3)) / 2e-3;
-    };
-    std::vector<double> fd_src;
-    double              scale_src = 0;
+    // src's differences over every column; those of the gate columns, row by row, are dsrc's.
+    const Differences fd_src = central_differences(sv, [&](const std::vector<double> & at) { return loss(at, al, dt); });
     for (int64_t r = 0; r < n; ++r) {
         for (int64_t j = 0; j < 2 * H; ++j) {
-            fd_src.push_back(central(0, static_cast<size_t>(r * stride + col + j)));
-            scale_src = std::max(scale_src, std::fabs(fd_src.back()));
+            EXPECT_NEAR(element(dsrc, r * 2 * H + j), fd_src.d[static_cast<size_t>(r * stride + col + j)], 1e-4 * fd_src.largest)
+                << "dsrc " << r << ", " << j;
         }
     }
-    for (size_t i = 0; i < fd_src.size(); ++i) EXPECT_NEAR(element(dsrc, static_cast<int64_t>(i)), fd_src[i], 1e-4 * scale_src) << "dsrc " << i;
-    for (const int which : {1, 2}) {
-        std::vector<double> fd(static_cast<size_t>(H));
-        double              scale = 0;
-        for (int64_t h = 0; h < H; ++h) scale = std::max(scale, std::fabs(fd[static_cast<size_t>(h)] = central(which, static_cast<size_t>(h))));
-        for (int64_t h = 0; h < H; ++h) {
-            const double got = which == 1 ? element(da_log, h) - 0.25 : element(ddt, h) + 0.5;
-            EXPECT_NEAR(got, fd[static_cast<size_t>(h)], 1e-4 * scale) << (which == 1 ? "da_log " : "ddt_bias ") << h;
-        }
+    const Differences fd_a_log = central_differences(al, [&](const std::vector<double> & at) { return loss(sv, at, dt); });
+    const Differences fd_dt    = central_differences(dt, [&](const std::vector<double> & at) { return loss(sv, al, at); });
+    for (int64_t h = 0; h < H; ++h) {
+        EXPECT_NEAR(element(da_log, h) - 0.25, fd_a_log.d[static_cast<size_t>(h)], 1e-4 * fd_a_log.largest) << "da_log " << h;
+        EXPECT_NEAR(element(ddt, h) + 0.5, fd_dt.d[static_cast<size_t>(h)], 1e-4 * fd_dt.largest) << "ddt_bias " << h;
     }
     // bf16 src: the per-row results from the same values; dsrc rounded once; the sums the same bits.
     Bf16Pair sb = bf16_pair({n, stride}, 4856, -4.0f, 4.0f), db = outputs({n, 2 * H});

@@ -203,6 +203,19 @@ double GptConfig::training_flops_per_token(int64_t tp) const {
 
 GptConfig gpt_preset(const std::string & name) {
     GptConfig c;
+    // The toy models' shape (gpt-oss-tiny, qwen3-next-tiny): 4 layers of hidden 128, 8 heads in 2 query groups,
+    // sequence 128, vocabulary 512, RMSNorm.
+    auto toy_shape = [&] {
+        c.num_layers              = 4;
+        c.hidden_size             = 128;
+        c.ffn_hidden_size         = 128;
+        c.num_attention_heads     = 8;
+        c.num_query_groups        = 2;
+        c.seq_length              = 128;
+        c.max_position_embeddings = c.seq_length;
+        c.vocab_size              = 512;
+        c.normalization           = Normalization::rmsnorm;
+    };
     auto gpt2 = [&](int64_t layers, int64_t hidden, int64_t heads) {
         c.num_layers = layers;
         c.hidden_size = hidden;
@@ -302,15 +315,7 @@ GptConfig gpt_preset(const std::string & name) {
         // sinks, a sliding window of 16 keys on the odd layers (the model's 128 shrunk), grouped-query attention,
         // 4 experts (top 2) of quick-GEGLU with offset 1 and clamp 7, biases, RMSNorm, RoPE, untied. Its head
         // dimension is hidden / heads: Loom has no other (the real model's 64 x 64 heads over 2880 are not it).
-        c.num_layers              = 4;
-        c.hidden_size             = 128;
-        c.ffn_hidden_size         = 128;
-        c.num_attention_heads     = 8;
-        c.num_query_groups        = 2;
-        c.seq_length              = 128;
-        c.max_position_embeddings = c.seq_length;
-        c.vocab_size              = 512;
-        c.normalization           = Normalization::rmsnorm;
+        toy_shape();
         c.swiglu                  = true;
         c.quick_geglu             = true;
         c.glu_linear_offset       = 1.0f;
@@ -334,15 +339,7 @@ GptConfig gpt_preset(const std::string & name) {
         // delta-net on three layers of four (--linear-attention-freq 4) with two key heads over four value heads,
         // gated attention with GQA, Q and K norms and RoPE over a quarter of each head on the fourth, zero-centred
         // RMSNorms, 8 experts (top 2) and a gated shared expert on every layer, no biases, untied.
-        c.num_layers              = 4;
-        c.hidden_size             = 128;
-        c.ffn_hidden_size         = 128;
-        c.num_attention_heads     = 8;
-        c.num_query_groups        = 2;
-        c.seq_length              = 128;
-        c.max_position_embeddings = c.seq_length;
-        c.vocab_size              = 512;
-        c.normalization           = Normalization::rmsnorm;
+        toy_shape();
         c.apply_layernorm_1p      = true;
         c.swiglu                  = true;
         c.position_embedding      = PositionEmbedding::rope;
