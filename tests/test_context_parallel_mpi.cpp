@@ -87,6 +87,7 @@ struct Layout {
     int64_t                        window = -1;      // --window-size window,0 on every other layer (skip freq 2)
     bool                           sinks  = false;   // --softmax-type learnable
     bool                           gate   = false;   // --attention-output-gate
+    bool                           gdn    = false;   // the gated delta-net on layers 0 and 2
     static const char * type_name(model::CpCommType t) {
         return t == model::CpCommType::p2p ? "p2p" : t == model::CpCommType::a2a ? "a2a"
              : t == model::CpCommType::allgather ? "allgather" : "a2a+p2p";
@@ -104,7 +105,7 @@ struct Layout {
                (instances > 1 ? " " + std::to_string(instances) + " instances" : "") +
                (moe ? " moe ep " + std::to_string(ep) : "") + (sinkhorn ? " sinkhorn" : "") +
                (window >= 0 ? " window " + std::to_string(window) : "") + (sinks ? " sinks" : "") +
-               (gate ? " output gate" : "");
+               (gate ? " output gate" : "") + (gdn ? " gated delta-net" : "");
     }
 };
 
@@ -117,6 +118,14 @@ train::TrainOptions options_of(const Layout & l) {
     o.model.window_skip_freq = 2;
     if (l.sinks) o.model.softmax_type = model::SoftmaxType::learnable;
     o.model.attention_output_gate = l.gate;
+    if (l.gdn) {   // 4 key heads over 8 value heads: TP x CP up to 4 splits them
+        o.model.gated_delta_net        = true;
+        o.model.linear_attention_freq  = 2;
+        o.model.linear_key_head_dim    = 8;
+        o.model.linear_value_head_dim  = 8;
+        o.model.linear_num_key_heads   = 4;
+        o.model.linear_num_value_heads = 8;
+    }
     return o;
 }
 
@@ -226,6 +235,21 @@ TEST(ContextParallel, AttentionOutputGateFollowsTheSingleRankRun) {
     if (g_mpi->world_size() != 2) GTEST_SKIP() << "runs with 2 ranks";
     expect_follows_reference({.cp = 2, .type = CpCommType::p2p, .gate = true});
     expect_follows_reference({.cp = 2, .type = CpCommType::allgather, .gate = true});
+}
+
+// Qwen3-Next's gated delta-net under CP, by Megatron's all-to-alls: each rank's rows of every head go to the whole
+// sequence (in position order, from both chunks of every rank) of its share of the heads, the recurrence runs there,
+// and the gated output comes back to the rows; each rank's share of the taps, A_log and dt_bias takes its
+// gradient, summed over CP with the rest. Beside gated softmax attention (p2p) on layers 1 and 3, on the Llama-style
+// model: CP 2, and CP 2 x TP 2 with sequence parallelism (each CP rank a quarter of the heads).
+TEST(ContextParallel, GatedDeltaNetFollowsTheSingleRankRun) {
+    if (g_mpi->world_size() == 2) {
+        expect_follows_reference({.cp = 2, .type = CpCommType::p2p, .llama = true, .gdn = true});
+    } else if (g_mpi->world_size() == 4) {
+        expect_follows_reference({.cp = 2, .tp = 2, .type = CpCommType::p2p, .llama = true, .sp = true, .gdn = true});
+    } else {
+        GTEST_SKIP() << "runs with 2 and 4 ranks";
+    }
 }
 
 // MoE layers: the router's balancing counts summed over the CP ranks (its losses are each rank's share), the

@@ -357,8 +357,12 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{"moe_ep2_allgather", "--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather",
                              LOOM_MOE_MODEL},
                       // Context parallelism: the ring's K | V blocks through NCCL's all-to-all on the cp-comm
-                      // stream (p2p), and the all-to-all of heads (a2a), with the block-attention kernels.
-                      Layout{"cp2_p2p", "--context-parallel-size 2 --cp-comm-type p2p"},
+                      // stream (p2p), and the all-to-all of heads (a2a), with the block-attention kernels; with the
+                      // gated delta-net's all-to-alls of heads on the first layer.
+                      Layout{"cp2_p2p_gdn", "--context-parallel-size 2 --cp-comm-type p2p",
+                             "--bf16 --num-layers 2 --experimental-attention-variant gated_delta_net --linear-attention-freq 2 "
+                             "--linear-num-key-heads 2 --linear-num-value-heads 4 --linear-key-head-dim 32 "
+                             "--linear-value-head-dim 32 "},
                       // a2a with gpt-oss's attention: each rank's heads' sinks over the whole sequence, a window.
                       Layout{"cp2_a2a_sinks_window", "--context-parallel-size 2 --cp-comm-type a2a",
                              "--bf16 --num-layers 2 --softmax-type learnable --window-size 5,0 --window-attn-skip-freq 2 "},

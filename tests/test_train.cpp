@@ -1243,8 +1243,9 @@ TEST(MegatronCommandLine, GatedDeltaNetFollowsMegatronsRules) {
         {{"--experimental-attention-variant", "gdn", "--linear-attention-freq", "2", "--tensor-model-parallel-size", "2",
           "--linear-num-key-heads", "1", "--linear-num-value-heads", "2"},
          "--linear-num-key-heads 1 and --linear-num-value-heads 2 must be multiples of --tensor-model-parallel-size x"},
-        {{"--experimental-attention-variant", "gdn", "--linear-attention-freq", "2", "--context-parallel-size", "2"},
-         "--experimental-attention-variant gated_delta_net with --context-parallel-size 2 is not supported by Loom"},
+        {{"--experimental-attention-variant", "gdn", "--linear-attention-freq", "2", "--context-parallel-size", "2",
+          "--linear-num-key-heads", "1", "--linear-num-value-heads", "2"},
+         "must be multiples of --tensor-model-parallel-size x --context-parallel-size = 2"},
     };
     expect_refused(split, 2);
 }

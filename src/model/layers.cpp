@@ -435,10 +435,7 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
            c.hidden_size, c.add_bias_linear, c.params_dtype, device, t.size > 1 ? Linear::Split::row : Linear::Split::none,
            &tp) {
     if (c.is_linear_attention_layer(layer)) {
-        LOOM_CHECK(!cp.enabled(), "--experimental-attention-variant gated_delta_net with --context-parallel-size "
-                                      << cp.size << " is not supported by Loom",
-                   "train the gated delta-net without context parallelism");
-        gdn = std::make_unique<GatedDeltaNet>(name, c, device, t);
+        gdn = std::make_unique<GatedDeltaNet>(name, c, device, t, context);
         return;
     }
     if (cp.enabled() && cp_comm == CpCommType::a2a) {   // Megatron's check for the all-to-all of heads
@@ -1039,11 +1036,6 @@ AttentionShape against_kv_block(AttentionShape shape) {
     return shape;
 }
 
-// A row block of columns for the all-to-all of heads: rank j's share is columns [base + j w, base + (j + 1) w).
-struct HeadColumns {
-    int64_t base, width;
-};
-
 // The all-to-all of heads over `group` (of `size` ranks): this rank's rows (n = s b) of every head ->
 // every member's rows of this rank's share of the heads, member-major ((size n, width): block i is member
 // i's rows). Block j of the exchange carries this rank's rows of member j's heads.
@@ -1089,9 +1081,8 @@ void exchange_heads_back(comm::Communicator & group, int size, const Tensor & me
     }
 }
 
-// The a2a exchange's two directions over the whole CP group, with the rows in position order: local rows
-// (every head) of each rank <-> the whole sequence's rows (S b, S = CP s) of this rank's share of the heads.
-// A rank's rows are its two chunks (ContextParallel).
+}  // namespace
+
 Tensor heads_to_sequence(const ContextParallel & cp, const Tensor & local, int64_t s, int64_t b,
                          const std::vector<HeadColumns> & columns) {
     Device &      dev = local.device();
@@ -1120,8 +1111,6 @@ void sequence_to_heads(const ContextParallel & cp, const Tensor & whole, int64_t
     }
     exchange_heads_back(*cp.group, cp.size, members, n, columns, local);
 }
-
-}  // namespace
 
 void SelfAttention::cp_forward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const AttentionShape & shape,
                                float scale, const Dropout & dropout) {

@@ -118,6 +118,20 @@ struct ContextParallel {
     }
 };
 
+// A row block of columns for the all-to-all of heads: CP rank j's share is columns [base + j w, base + (j + 1) w).
+struct HeadColumns {
+    int64_t base, width;
+};
+
+// The all-to-all of heads over the whole CP group (--cp-comm-type a2a, and the gated delta-net under CP), with the
+// rows in position order: this rank's local rows (s b, every head, f32) <-> the whole sequence's rows (S b, S = CP s)
+// of this rank's share of the heads, the `columns` blocks' shares side by side. A rank's rows are its two chunks.
+// sequence_to_heads writes this rank's rows into the blocks' columns of `local` (f32).
+Tensor heads_to_sequence(const ContextParallel & cp, const Tensor & local, int64_t s, int64_t b,
+                         const std::vector<HeadColumns> & columns);
+void   sequence_to_heads(const ContextParallel & cp, const Tensor & whole, int64_t s, int64_t b,
+                         const std::vector<HeadColumns> & columns, const Tensor & local);
+
 // What a micro-batch's dropout masks are drawn from (core/dropout.h): the global sample index of each of
 // its b columns (i64, host-readable; undefined: 0 .. b-1), whether it trains (evaluation drops nothing),
 // and its rows' global positions (context parallelism).

@@ -335,15 +335,12 @@ void validate_layout(const TrainOptions & o) {
         LOOM_CHECK(o.load_hf.empty(), "--load-hf with --tensor-model-parallel-size " << tp,
                    "loading Hugging Face weights into tensor-parallel shards is not supported yet; train from --seed");
     }
-    if (m.gated_delta_net) {   // TransformerConfig's check (its heads split over TP x CP), then Loom's limit
+    if (m.gated_delta_net) {   // TransformerConfig's check: its heads split over TP x CP
         const int64_t tp_cp = o.parallel.tp() * o.parallel.cp();
         LOOM_CHECK(m.linear_num_key_heads % tp_cp == 0 && m.linear_num_value_heads % tp_cp == 0,
                    "--linear-num-key-heads " << m.linear_num_key_heads << " and --linear-num-value-heads "
                                              << m.linear_num_value_heads << " must be multiples of --tensor-model-parallel-size x "
                                              << "--context-parallel-size = " << tp_cp, "");
-        LOOM_CHECK(o.parallel.cp() == 1, "--experimental-attention-variant gated_delta_net with --context-parallel-size "
-                                             << o.parallel.cp() << " is not supported by Loom",
-                   "train the gated delta-net without context parallelism");
     }
     if (o.parallel.cp() > 1) {   // Megatron's checks (arguments.py, TransformerConfig), then Loom's limits
         const int64_t cp = o.parallel.cp(), tp = o.parallel.tp();
