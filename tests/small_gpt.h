@@ -50,6 +50,16 @@ inline void use_multi_latent_attention(train::TrainOptions & o) {
     o.model.v_head_dim             = 12;
 }
 
+// Qwen3-Next's gated delta-net on layers 0, 2, ... (--linear-attention-freq 2), with key and value heads of 8.
+inline void use_gated_delta_net(train::TrainOptions & o, int64_t key_heads, int64_t value_heads) {
+    o.model.gated_delta_net        = true;
+    o.model.linear_attention_freq  = 2;
+    o.model.linear_key_head_dim    = 8;
+    o.model.linear_value_head_dim  = 8;
+    o.model.linear_num_key_heads   = key_heads;
+    o.model.linear_num_value_heads = value_heads;
+}
+
 // A parameter's values as f32.
 inline std::vector<float> parameter_values(const model::Parameter & p) {
     if (p.fp8_codes()) {   // FP8 codes (--fp8-param-gather): their values times their scales

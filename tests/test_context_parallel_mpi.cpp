@@ -118,14 +118,7 @@ train::TrainOptions options_of(const Layout & l) {
     o.model.window_skip_freq = 2;
     if (l.sinks) o.model.softmax_type = model::SoftmaxType::learnable;
     o.model.attention_output_gate = l.gate;
-    if (l.gdn) {   // 4 key heads over 8 value heads: TP x CP up to 4 splits them
-        o.model.gated_delta_net        = true;
-        o.model.linear_attention_freq  = 2;
-        o.model.linear_key_head_dim    = 8;
-        o.model.linear_value_head_dim  = 8;
-        o.model.linear_num_key_heads   = 4;
-        o.model.linear_num_value_heads = 8;
-    }
+    if (l.gdn) testing_models::use_gated_delta_net(o, 4, 8);   // TP x CP up to 4 splits its heads
     return o;
 }
 

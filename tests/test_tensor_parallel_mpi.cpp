@@ -35,14 +35,9 @@ comm::MpiContext * g_mpi = nullptr;
 train::TrainOptions small_options(bool llama, bool mla = false, bool muon = false, bool sinks = false, bool gdn = false) {
     if (gdn) {   // Qwen3-Next's layers: the gated delta-net on layers 0 and 2 (split by heads: two key heads, four value
                  // heads), the gated attention (and sinks) on 1 and 3, zero-centred norms
-        train::TrainOptions o            = small_options(llama, mla, muon, true);
-        o.model.gated_delta_net          = true;
-        o.model.linear_attention_freq    = 2;
-        o.model.linear_key_head_dim      = 8;
-        o.model.linear_value_head_dim    = 8;
-        o.model.linear_num_key_heads     = 2;
-        o.model.linear_num_value_heads   = 4;
-        o.model.apply_layernorm_1p       = true;
+        train::TrainOptions o      = small_options(llama, mla, muon, true);
+        testing_models::use_gated_delta_net(o, 2, 4);
+        o.model.apply_layernorm_1p = true;
         return o;
     }
     if (sinks) {   // gpt-oss's learnable attention sinks (each rank holds its heads' logits), and Qwen3-Next's output
