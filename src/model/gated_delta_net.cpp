@@ -146,9 +146,14 @@ GatedDeltaNet::Operands GatedDeltaNet::operands(const Core & c, const Tensor & p
     const Tensor normed = o.qk.view({n, 2 * kw});
     o.q = activation(device, n, vh * dk);
     o.k = activation(device, n, vh * dk);
-    for (int64_t j = 0; j < vh; ++j) {
-        ops.copy_columns(stream, normed, (j / r) * dk, o.q, j * dk, dk);
-        ops.copy_columns(stream, normed, kw + (j / r) * dk, o.k, j * dk, dk);
+    if (r == 1) {   // one value head per key head: each block in one copy
+        ops.copy_columns(stream, normed, 0, o.q, 0, kw);
+        ops.copy_columns(stream, normed, kw, o.k, 0, kw);
+    } else {
+        for (int64_t j = 0; j < vh; ++j) {
+            ops.copy_columns(stream, normed, (j / r) * dk, o.q, j * dk, dk);
+            ops.copy_columns(stream, normed, kw + (j / r) * dk, o.k, j * dk, dk);
+        }
     }
     o.v = activation(device, n, vh * dv);
     ops.copy_columns(stream, conv_out, 2 * kw, o.v, 0, vh * dv);
@@ -236,12 +241,12 @@ Tensor GatedDeltaNet::backward(Context & ctx, const Tensor & dy, const GradReady
     const Tensor d_normed_qk = activation(device, rows, 2 * kw);
     const Tensor head        = r > 1 ? activation(device, rows, dk) : Tensor();
     const Tensor sum         = r > 1 ? activation(device, rows, dk) : Tensor();
-    for (int64_t i = 0; i < kh; ++i) {
+    if (r == 1) {
+        ops.copy_columns(stream, dq, 0, d_normed_qk, 0, kw);
+        ops.copy_columns(stream, dk_, 0, d_normed_qk, kw, kw);
+    }
+    for (int64_t i = 0; r > 1 && i < kh; ++i) {
         for (const auto & [grad, col] : {std::pair{dq, i * dk}, std::pair{dk_, kw + i * dk}}) {
-            if (r == 1) {
-                ops.copy_columns(stream, grad, i * dk, d_normed_qk, col, dk);
-                continue;
-            }
             ops.copy_columns(stream, grad, i * r * dk, sum, 0, dk);
             for (int64_t m = 1; m < r; ++m) {
                 ops.copy_columns(stream, grad, (i * r + m) * dk, head, 0, dk);
