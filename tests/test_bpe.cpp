@@ -3,8 +3,11 @@
 // fixture vocabulary in tests/fixtures/bpe for every test string, the training sample and random strings
 // over every character class; decode(encode(s)) == s byte for byte, invalid UTF-8 included; malformed
 // vocab/merges files throw naming the file and line; `loom data` with BPE writes encode(text) + EOD per
-// document, and refuses half a tokenizer with exit status 2. Ids are compared exactly.
+// document, and refuses half a tokenizer with exit status 2. Ids are compared exactly. FIM samples
+// (data/fim.h) are checked at the end of the file.
 #include "core/error.h"
+#include "data/blended_dataset.h"
+#include "data/fim.h"
 #include "data/gpt2_bpe.h"
 #include "data/indexed_dataset.h"
 #include "data/preprocess.h"
@@ -16,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -364,4 +368,279 @@ TEST(Gpt2Bpe, LoomTrainTakesTheVocabularyFromTheTokenizer) {
     r = run_loom(base + " --tokenizer-type NullTokenizer --vocab-size 557");
     EXPECT_EQ(r.status, 0) << r.out;
     EXPECT_NE(r.out.find("vocab 557 (padded 640)"), std::string::npos) << r.out;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Fill-in-the-middle samples (data/fim.h): the layouts, Megatron's treatment of empty documents, the
+// rates, and the draws' dependence on (seed, sample) alone. Ids are compared exactly; the rates' counts
+// within 4.5 standard deviations.
+
+namespace {
+
+// The fixture vocabulary plus the FIM sentinels and a file separator (557..561).
+std::string write_fim_vocab() {
+    nlohmann::json vocab = nlohmann::json::parse(read_text(kVocab));
+    vocab["<fim_prefix>"] = 557;
+    vocab["<fim_middle>"] = 558;
+    vocab["<fim_suffix>"] = 559;
+    vocab["<fim_pad>"]    = 560;
+    vocab["<file_sep>"]   = 561;
+    const std::string path = temp_path("fim_vocab.json");
+    write_text(path, vocab.dump());
+    return path;
+}
+
+struct FimFixture {
+    std::shared_ptr<Gpt2BpeTokenizer> tok = std::make_shared<Gpt2BpeTokenizer>(write_fim_vocab(), kMerges);
+    FimTransform make(double rate, double spm_rate, FimOptions o = {}) const {
+        o.rate     = rate;
+        o.spm_rate = spm_rate;
+        return FimTransform(tok, o, 1234);
+    }
+};
+
+constexpr int32_t kP = 557, kM = 558, kS = 559, kPad = 560, kSep = 561;
+
+// The text of one transformed document's ids (nothing after it) read in the order `spm` says: its
+// prefix + middle + suffix, decoded. Fails the test on another layout. (A PSM document with an empty prefix
+// reads <P> <S> too, and gives the same text either way.)
+std::string read_layout(Gpt2BpeTokenizer & tok, std::span<const int32_t> ids, bool spm) {
+    auto at = [&](int32_t id) { return std::find(ids.begin(), ids.end(), id) - ids.begin(); };
+    auto text = [&](std::ptrdiff_t from, std::ptrdiff_t to) {
+        return tok.decode(std::vector<int32_t>(ids.begin() + from, ids.begin() + to));
+    };
+    const std::ptrdiff_t n = static_cast<std::ptrdiff_t>(ids.size()), p = at(kP), s = at(kS), m = at(kM);
+    EXPECT_EQ(p, 0);
+    EXPECT_TRUE(s < m && m < n) << "a sentinel is missing or out of order";
+    if (spm) {   // <P> <S> suffix <M> prefix middle: prefix and middle are one run of text
+        EXPECT_EQ(s, 1);
+        return text(m + 1, n) + text(2, m);
+    }
+    return text(1, s) + text(m + 1, n) + text(s + 1, m);   // <P> prefix <S> suffix <M> middle
+}
+
+}  // namespace
+
+TEST(Fim, Utf8DecodingReplacesEachMaximalSubpartAsPythonDoes) {
+    struct Case {
+        std::string    bytes;
+        std::u32string text;   // b.decode('utf-8', 'replace')
+    } cases[] = {
+        {"a\xC3\xA9" "b", U"a\u00E9b"},
+        {"\xF0\x9F\x98\x80", U"\U0001F600"},
+        {"\xF0\x9F\x98", U"\uFFFD"},                  // a truncated sequence is one subpart
+        {"\xF0\x9F\x98" "x", U"\uFFFDx"},
+        {"\xE0\x80\xAF", U"\uFFFD\uFFFD\uFFFD"},      // overlong: E0 takes A0..BF next
+        {"\xED\xA0\x80", U"\uFFFD\uFFFD\uFFFD"},      // a surrogate
+        {"\xF4\x90\x80\x80", U"\uFFFD\uFFFD\uFFFD\uFFFD"},   // above U+10FFFF
+        {"\xC0\xAF", U"\uFFFD\uFFFD"},
+        {"\xE2\x82" "\xE2\x82\xAC", U"\uFFFD\u20AC"},
+        {"\xFF\x80", U"\uFFFD\uFFFD"},
+    };
+    for (const Case & c : cases) {
+        EXPECT_EQ(decode_utf8_lossy(c.bytes), c.text) << testing::PrintToString(c.bytes);
+    }
+    for (const std::string & d : kDocuments) EXPECT_EQ(encode_utf8(decode_utf8_lossy(d)), d);
+}
+
+TEST(Fim, EachDocumentBecomesPrefixSuffixMiddleAroundItsSentinels) {
+    FimFixture   f;
+    Gpt2BpeTokenizer & tok = *f.tok;
+    const std::vector<int32_t> doc   = tok.encode(kDocuments[1]);   // multi-byte characters, emoji, runs of spaces
+    const std::vector<int32_t> tail  = tok.encode(kDocuments[0] + " " + kDocuments[2] + " " + kDocuments[0]);
+    std::vector<int32_t>       input = doc;
+    input.push_back(tok.eod());
+    input.insert(input.end(), tail.begin(), tail.end());
+    for (double spm : {1.0, 0.0}) {
+        const FimTransform fim = f.make(1.0, spm);
+        for (int64_t i = 0; i < 40; ++i) {
+            std::vector<int32_t> out = input;
+            fim.apply(i, out);
+            ASSERT_EQ(out.size(), input.size());
+            const auto eod = std::find(out.begin(), out.end(), tok.eod());
+            ASSERT_NE(eod, out.end()) << "sample " << i;
+            const std::span<const int32_t> first(out.data(), static_cast<size_t>(eod - out.begin()));
+            EXPECT_EQ(read_layout(tok, first, spm == 1.0), kDocuments[1]) << "sample " << i;
+            // The document after the end-of-document id is transformed on its own: it starts with <P>.
+            ASSERT_LT(eod + 1, out.end());
+            EXPECT_EQ(*(eod + 1), kP);
+        }
+    }
+}
+
+TEST(Fim, EmptyDocumentsAreDroppedWithTheirEndAndTheSampleIsPaddedAsMegatrons) {
+    FimFixture           f;
+    const int32_t        e = f.tok->eod(), a = f.tok->encode("a")[0], b = f.tok->encode("b")[0], c = f.tok->encode("c")[0];
+    const FimTransform   keep = f.make(0.0, 0.5);
+    std::vector<int32_t> s    = {e, a, b, e, e, c, e};
+    keep.apply(0, s);
+    // The leading end and the second of two adjacent ends go; the empty document after the last end is kept
+    // (as nothing); the sample is padded back to its length.
+    EXPECT_EQ(s, (std::vector<int32_t>{a, b, e, c, e, kPad, kPad}));
+
+    // At rate 1 an empty last document still becomes its three sentinels (both orders read P S M); "a"
+    // becomes four ids, the sentinels and "a" in one of the three parts.
+    const FimTransform all = f.make(1.0, 0.5);
+    for (int64_t i = 0; i < 8; ++i) {
+        s = {a, e, e, e, e, e, e, e};
+        all.apply(i, s);
+        EXPECT_EQ(std::vector<int32_t>(s.begin() + 4, s.end()), (std::vector<int32_t>{e, kP, kS, kM})) << "sample " << i;
+        EXPECT_EQ(s[0], kP);
+        EXPECT_EQ(std::count(s.begin(), s.begin() + 4, a), 1);
+    }
+}
+
+TEST(Fim, RatesAreTheShareOfDocumentsTransformedAndInSpmOrder) {
+    FimFixture                 f;
+    const std::vector<int32_t> doc = f.tok->encode(kDocuments[0]);
+    const FimTransform         fim = f.make(0.5, 0.25);
+    const int                  n   = 2000;
+    int                        transformed = 0, spm = 0;   // spm: documents that start <P> <S>
+    for (int64_t i = 0; i < n; ++i) {
+        std::vector<int32_t> out = doc;
+        fim.apply(i, out);
+        if (out == doc) continue;
+        ASSERT_EQ(out[0], kP) << "sample " << i;
+        ++transformed;
+        spm += out[1] == kS;
+    }
+    // Binomial counts: 1000 +- 4.5 x 22.4 transformed. <P> <S> starts every SPM document and the PSM ones
+    // whose prefix is empty, the smaller of two draws from [0, L] being 0: 1 - (L / (L + 1))^2.
+    EXPECT_NEAR(transformed, 1000, 101);
+    const double length = static_cast<double>(decode_utf8_lossy(kDocuments[0]).size());
+    const double q      = 0.25 + 0.75 * (1 - std::pow(length / (length + 1), 2));
+    EXPECT_NEAR(spm, transformed * q, 4.5 * std::sqrt(transformed * q * (1 - q)));
+}
+
+TEST(Fim, ASamplesDrawsDependOnTheSeedAndItsIndexAlone) {
+    FimFixture                 f;
+    const std::vector<int32_t> doc = f.tok->encode(kDocuments[2]);
+    const FimTransform         fim = f.make(1.0, 0.5);
+    std::vector<std::vector<int32_t>> first;
+    for (int64_t i = 0; i < 20; ++i) {
+        first.push_back(doc);
+        fim.apply(i, first.back());
+    }
+    // In any order, on another transform of the same seed: the same samples; another seed: other cuts.
+    const FimTransform again = f.make(1.0, 0.5);
+    int                distinct = 0;
+    for (int64_t i = 19; i >= 0; --i) {
+        std::vector<int32_t> out = doc;
+        again.apply(i, out);
+        EXPECT_EQ(out, first[static_cast<size_t>(i)]) << "sample " << i;
+        distinct += i > 0 && first[static_cast<size_t>(i)] != first[static_cast<size_t>(i - 1)];
+    }
+    EXPECT_GE(distinct, 15);
+    FimOptions o;
+    o.rate = 1.0;
+    const FimTransform other(f.tok, o, 4321);
+    int                differ = 0;
+    for (int64_t i = 0; i < 20; ++i) {
+        std::vector<int32_t> out = doc;
+        other.apply(i, out);
+        differ += out != first[static_cast<size_t>(i)];
+    }
+    EXPECT_GE(differ, 15);
+}
+
+TEST(Fim, SplitTokenCutsFragmentsAndNoPrefixKeepsDocuments) {
+    FimFixture f;
+    Gpt2BpeTokenizer & tok = *f.tok;
+    FimOptions o;
+    o.split_sample  = "<file_sep>";
+    o.fragment_rate = 1.0;
+    const FimTransform split = f.make(1.0, 0.0, o);
+    EXPECT_EQ(split.ids().split, kSep);
+    const std::vector<int32_t> first = tok.encode(kDocuments[0]), second = tok.encode(kDocuments[2]);
+    std::vector<int32_t>       input = first;
+    input.push_back(kSep);
+    input.insert(input.end(), second.begin(), second.end());
+    std::vector<int32_t> out = input;
+    split.apply(7, out);
+    const auto sep = std::find(out.begin(), out.end(), kSep);
+    ASSERT_NE(sep, out.end());
+    EXPECT_EQ(read_layout(tok, std::span<const int32_t>(out.data(), static_cast<size_t>(sep - out.begin())), false),
+              kDocuments[0]);
+    EXPECT_EQ(*(sep + 1), kP);
+
+    // --fim-no-prefix: a document whose text starts with it stays as it is; others are transformed.
+    FimOptions np;
+    np.no_prefix = "The quick";
+    const FimTransform keep = f.make(1.0, 0.5, np);
+    for (int64_t i = 0; i < 5; ++i) {
+        out = first;
+        keep.apply(i, out);
+        EXPECT_EQ(out, first);
+        out = second;
+        keep.apply(i, out);
+        EXPECT_EQ(out[0], kP);
+    }
+}
+
+TEST(Fim, TokensAVocabularyLacksStandForEndOfTextAndBadOptionsAreRefused) {
+    auto               tok = std::make_shared<Gpt2BpeTokenizer>(kVocab, kMerges);
+    const FimTransform fim(tok, FimOptions{}, 1);
+    const FimTransform::Ids & ids = fim.ids();
+    for (int32_t id : {ids.prefix, ids.middle, ids.suffix, ids.pad, ids.eod}) EXPECT_EQ(id, tok->eod());
+    FimOptions split;
+    split.split_sample = "x";
+    std::string message = error_of([&] { FimTransform(tok, split, 1); });
+    EXPECT_NE(message.find("--fim-split-sample needs --fim-fragment-rate"), std::string::npos) << message;
+    FimOptions rate;
+    rate.rate = 1.5;
+    message   = error_of([&] { FimTransform(tok, rate, 1); });
+    EXPECT_NE(message.find("--fim-rate must be a probability in [0, 1], got 1.5"), std::string::npos) << message;
+}
+
+// The GPT dataset hands every sample through the transform; `loom train --fim-data` trains on it, and
+// refuses what Megatron refuses and what Loom's FIM cannot read, naming the flag.
+TEST(Fim, GptDatasetSamplesAreTransformedAndLoomTrainRefusesWhatItCannotRead) {
+    const std::string jsonl  = write_jsonl("fim.jsonl");
+    const std::string prefix = temp_path("fim");
+    const std::string vocab  = write_fim_vocab();
+    const std::string files  = " --vocab-file " + vocab + " --merge-file " + kMerges;
+    ASSERT_EQ(run_loom("data --input " + jsonl + " --output-prefix " + prefix + files).status, 0);
+
+    FimFixture              f;
+    GptDatasetOptions       plain;
+    plain.seq_length = 24;
+    plain.seed       = 1234;
+    GptDatasetOptions with = plain;
+    FimOptions        all;
+    all.rate = 1.0;
+    with.fim = std::make_shared<const FimTransform>(f.tok, all, 1234);
+    const Blend blend{{prefix + "_text_document"}, {}};
+    auto        raw = open_blended_split(blend, "100,0,0", Split::train, 6, plain);
+    auto        fim = open_blended_split(blend, "100,0,0", Split::train, 6, with);
+    EXPECT_NE(fim->identity().find("with FIM (rate 1, SPM rate 0.5"), std::string::npos) << fim->identity();
+    for (int64_t i = 0; i < raw->num_samples(); ++i) {
+        std::vector<int32_t> want(25), got(25);
+        raw->sample(i, want);
+        with.fim->apply(i, want);
+        fim->sample(i, got);
+        EXPECT_EQ(got, want) << "sample " << i;
+    }
+
+    const std::string base = "train --data-path " + prefix + "_text_document --split 100,0,0 --seq-length 16 "
+                             "--num-layers 1 --train-iters 3 --log-interval 1 --fim-data";
+    CliRun r = run_loom(base + files);
+    ASSERT_EQ(r.status, 0) << r.out;
+    // The files alone fix the vocabulary at the tokenizer's, sentinels included (the data reaches 556 only).
+    EXPECT_NE(r.out.find("vocab 562 (padded 640)"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("FIM (rate 0.5, SPM rate 0.5, ids prefix 557 middle 558 suffix 559 pad 560"),
+              std::string::npos) << r.out;
+    struct Case {
+        std::string args, names;
+    } cases[] = {
+        {"train --mock-data --fim-data --num-layers 1 --train-iters 1", "Mock dataset is not supported with FIM dataset."},
+        {base + " --fim-rate 0" + files, "--fim-rate should be specified."},
+        {base + " --fim-spm-rate 1.5" + files, "--fim-spm-rate must be a probability in [0, 1], got 1.5"},
+        {base + " --fim-split-sample '<file_sep>'" + files, "--fim-split-sample needs --fim-fragment-rate"},
+        {base + " --tokenizer-type NullTokenizer --vocab-size 600", "--fim-data needs the GPT-2 BPE tokenizer"},
+    };
+    for (const Case & c : cases) {
+        CliRun bad = run_loom(c.args);
+        EXPECT_EQ(bad.status, 2) << c.args << " -> " << bad.out;
+        EXPECT_NE(bad.out.find(c.names), std::string::npos) << c.args << " -> " << bad.out;
+    }
 }

@@ -903,7 +903,8 @@ TEST(MegatronCommandLine, ImplementationFlagsAreAcceptedOrRefusedByValue) {
                              "--expert-tensor-parallel-size", "1", "--use-tp-pp-dp-mapping"});
     EXPECT_NO_THROW(parse_train(args));
     std::string err;
-    for (const char * bad : {"--transformer-impl te", "--distributed-backend mpi", "--attention-backend math"}) {
+    for (const char * bad : {"--transformer-impl te", "--distributed-backend mpi", "--attention-backend math",
+                             "--tiktoken-pattern v3"}) {
         EXPECT_EQ(run_status(std::string("train --mock-data ") + bad, &err), 2) << bad;
         EXPECT_NE(err.find(std::string(bad) + " is not supported by Loom"), std::string::npos) << err;
     }

@@ -4,7 +4,8 @@
 Reads every training case of a Megatron-LM checkout's functional tests
 (tests/functional_tests/test_cases/{gpt,moe}/*/model_config.yaml with MODEL_ARGS) and the training example
 scripts (examples/{gpt3,llama,mixtral,gptoss}/*.sh), shrinks each one mechanically to a tiny model on one
-rank (every parallel size 1, hidden 64, 4 heads, 64 tokens, 4 experts, --mock-data, 4 iterations), runs
+rank (every parallel size 1, hidden 64, 4 heads, 64 tokens, 4 experts, --mock-data, 4 iterations; a dataset of
+the repository's BPE fixture text where the configuration reads text, --fim-data), runs
 `loom train` on it, and prints a line per configuration and a table of the flags that stop them.
 
 Where a run is refused, the flag named in the message is taken out and the run tried again (up to 12 times),
@@ -23,6 +24,7 @@ the pipeline.
 
 import argparse
 import collections
+import json
 import math
 import os
 import re
@@ -179,8 +181,26 @@ def layout_of(given):
     return world, world // dense, pp
 
 
-def shrink(flags, work, layout=False):
-    """The tiny command line for a configuration's flags: one rank, or (layout) its own layout."""
+BPE_FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "bpe")
+
+
+def text_dataset(loom, work):
+    """A Megatron dataset of the BPE fixture's lines (four times over), for configurations that read text
+    (--fim-data): its prefix."""
+    with open(os.path.join(BPE_FIXTURE, "sample.txt")) as f:
+        lines = [l.strip() for l in f if l.strip()]
+    with open(work + "/text.jsonl", "w") as f:
+        for line in lines * 4:
+            f.write(json.dumps({"text": line}) + "\n")
+    subprocess.run([loom, "data", "--input", work + "/text.jsonl", "--output-prefix", work + "/text",
+                    "--vocab-file", BPE_FIXTURE + "/vocab.json", "--merge-file", BPE_FIXTURE + "/merges.txt"],
+                   check=True, capture_output=True)
+    return work + "/text_text_document"
+
+
+def shrink(flags, work, layout=False, text=None):
+    """The tiny command line for a configuration's flags: one rank, or (layout) its own layout; `text`: the
+    prefix of a text dataset to read instead of --mock-data."""
     given = dict(flags)
     world, dp, pp = layout_of(given) if layout else (1, 1, 1)
     # A global batch every layout splits into whole micro-batches, a multiple of pp (and of the interleaved
@@ -228,8 +248,12 @@ def shrink(flags, work, layout=False):
         elif flag == "--eval-global-batch-size":
             value = str(2 * unit) if layout else "2"
         out.append((flag, value))
-    out += [("--mock-data", None), ("--tokenizer-type", "NullTokenizer"), ("--vocab-size", "512"),
-            ("--seq-length", "64"), ("--max-position-embeddings", "64"), ("--micro-batch-size", "1"),
+    if text:
+        out += [("--data-path", text), ("--split", "90,5,5"), ("--vocab-file", BPE_FIXTURE + "/vocab.json"),
+                ("--merge-file", BPE_FIXTURE + "/merges.txt")]
+    else:
+        out += [("--mock-data", None), ("--tokenizer-type", "NullTokenizer"), ("--vocab-size", "512")]
+    out += [("--seq-length", "64"), ("--max-position-embeddings", "64"), ("--micro-batch-size", "1"),
             ("--train-iters", "4"), ("--eval-interval", "2"), ("--eval-iters", "1"),
             ("--log-interval", "1"), ("--save", work + "/ckpt"), ("--save-interval", "2"),
             ("--tensorboard-dir", work + "/tb")]
@@ -286,7 +310,8 @@ def main():
             continue
         work = tempfile.mkdtemp(prefix="loom_megatron_")
         try:
-            current = shrink(flags, work, a.layout)
+            text = text_dataset(a.loom, work) if "--fim-data" in dict(flags) else None
+            current = shrink(flags, work, a.layout, text)
             world = layout_of(dict(flags))[0] if a.layout else 1
             found = []
             for attempt in range(12):
@@ -309,7 +334,7 @@ def main():
             blockers.update(set(found))
             print("%-4s %s%s" % ("ok" if not found else "no", name, "" if not found else "  <- " + "; ".join(found)))
             if a.verbose and found:
-                print("     " + " ".join(shlex.quote(w) for w in argv(a.loom, shrink(flags, work, a.layout), world)))
+                print("     " + " ".join(shlex.quote(w) for w in argv(a.loom, shrink(flags, work, a.layout, text), world)))
         finally:
             shutil.rmtree(work, ignore_errors=True)
     print("\n%d of %d configurations train%s" % (trained, len(cases), " (%d skipped: worlds above --max-world)" % skipped

@@ -259,7 +259,9 @@ std::unique_ptr<TokenDataset> open_blended_split(const Blend & blend, const std:
         auto          data  = std::make_shared<const IndexedDataset>(prefix);
         DocumentRange range = split ? split_documents(*split, data->num_sequences())[static_cast<size_t>(which)]
                                     : DocumentRange{0, data->num_sequences()};
-        return std::make_unique<GptDataset>(data, range, o.seq_length, samples, o.seed, o.vocab_size, name, o.cache);
+        auto dataset = std::make_unique<GptDataset>(data, range, o.seq_length, samples, o.seed, o.vocab_size, name, o.cache);
+        dataset->set_fim(o.fim);
+        return dataset;
     };
     // One prefix: its GPT dataset, no blending layer (per split, also with a weight).
     if (k == 1 && (blend.weights.empty() || !split)) return open_one(blend.prefixes.front(), num_samples);

@@ -124,6 +124,7 @@ struct GptDatasetOptions {
     int64_t           vocab_size = 0;        // 0: each dataset's largest id + 1
     double            mid_level_dataset_surplus = 0.005;
     IndexCacheOptions cache;                 // --data-cache-path
+    std::shared_ptr<const FimTransform> fim;  // --fim-data: every GPT dataset's samples transformed (data/fim.h)
 };
 
 // The `which` split of `blend`, N = num_samples (> 0) samples, as the builder makes it (see the top of

@@ -2,6 +2,7 @@
 
 #include "core/crc32c.h"
 #include "core/error.h"
+#include "data/fim.h"
 
 #include <nlohmann/json.hpp>
 
@@ -345,12 +346,14 @@ std::string GptDataset::identity() const {
        << range_.end << ") of " << data_->num_sequences() << ", " << index_.tokens_per_epoch << " tokens/epoch, "
        << index_.num_epochs << " epoch" << (index_.num_epochs > 1 ? "s" : "") << ", " << num_samples()
        << " samples, vocab " << vocab_size_ << ", seed " << seed_ << ")";
+    if (fim_) os << " with " << fim_->describe();
     return os.str();
 }
 
 void GptDataset::sample(int64_t index, std::span<int32_t> out) const {
     LOOM_CHECK(index >= 0 && index < num_samples(), "sample " << index << " outside [0, " << num_samples() << ")", "");
     sample_unshuffled(index_.shuffle_index[static_cast<size_t>(index)], out);
+    if (fim_) fim_->apply(index, out);
 }
 
 void GptDataset::sample_unshuffled(int64_t index, std::span<int32_t> out) const {

@@ -55,6 +55,8 @@
 
 namespace loom::data {
 
+class FimTransform;
+
 enum class Split { train = 0, valid = 1, test = 2 };
 const char * split_name(Split split);   // "train", "valid", "test"
 
@@ -136,8 +138,10 @@ public:
     int64_t     seq_length() const override { return seq_length_; }
     std::string describe() const override { return identity() + cache_note_; }
     std::string identity() const override;
-    // Sample shuffle_index[index].
+    // Sample shuffle_index[index]; with a FIM transform, transformed (data/fim.h).
     void sample(int64_t index, std::span<int32_t> out) const override;
+    // --fim-data: every sample() goes through `fim` (null: none); identity() names it.
+    void set_fim(std::shared_ptr<const FimTransform> fim) { fim_ = std::move(fim); }
     // Sample `index` of the sample index, before shuffling (what the tests walk in order).
     void sample_unshuffled(int64_t index, std::span<int32_t> out) const;
 
@@ -160,6 +164,7 @@ private:
     GptSampleIndex                        index_;
     std::string                           description_, cache_note_;   // cache_note_: where the indices came from
     bool                                  loaded_from_cache_ = false;
+    std::shared_ptr<const FimTransform>   fim_;
 };
 
 // --data-path PREFIX --split S: the `which` split of the dataset at `prefix`.

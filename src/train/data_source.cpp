@@ -2,9 +2,11 @@
 
 #include "core/error.h"
 #include "data/blended_dataset.h"
+#include "data/fim.h"
 #include "data/gpt_dataset.h"
 #include "data/llmc_shard.h"
 
+#include <cmath>
 #include <cstring>
 
 namespace loom::train {
@@ -89,6 +91,23 @@ private:
     int64_t                      mtp_depths_;
 };
 
+// --fim-data's transform (validated by validate_fim), over its own copy of the tokenizer.
+std::shared_ptr<const data::FimTransform> fim_transform(const TrainOptions & o) {
+    data::FimOptions fim;
+    fim.rate     = o.fim_rate;
+    fim.spm_rate = o.fim_spm_rate;
+    fim.split_sample = o.fim_split_sample;
+    if (!std::isnan(o.fim_fragment_rate)) fim.fragment_rate = o.fim_fragment_rate;
+    if (!o.fim_no_prefix.empty()) fim.no_prefix = o.fim_no_prefix;
+    fim.prefix_token = o.fim_prefix_token;
+    fim.middle_token = o.fim_middle_token;
+    fim.suffix_token = o.fim_suffix_token;
+    fim.pad_token    = o.fim_pad_token;
+    fim.eod_token    = o.fim_eod_token;
+    return std::make_shared<const data::FimTransform>(std::make_shared<data::Gpt2BpeTokenizer>(o.vocab_file, o.merge_file),
+                                                      std::move(fim), o.model.seed);
+}
+
 }  // namespace
 
 std::unique_ptr<BatchSource> context_parallel_part(std::unique_ptr<BatchSource> source, int rank, int size,
@@ -123,6 +142,7 @@ std::unique_ptr<BatchSource> make_batch_source(TrainOptions & options, Device & 
         gpt.vocab_size                = vocab_given ? options.model.vocab_size : 0;
         gpt.mid_level_dataset_surplus = options.mid_level_dataset_surplus;
         gpt.cache                     = data::IndexCacheOptions{options.data_cache_path, dp_rank == 0};
+        if (options.fim_data) gpt.fim = fim_transform(options);
         dataset = data::open_blended_split(data::parse_blend(words, flag),
                                            per_split ? std::nullopt : std::optional<std::string>(options.split), split,
                                            num_samples, gpt);

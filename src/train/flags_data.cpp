@@ -48,9 +48,51 @@ const Flag<TrainOptions> kDataFlags[] = {
      "train on Loom's synthetic dataset (a random sparse Markov chain over --vocab-size tokens, "
      "default 512, with a known entropy floor)"},
     {"--split", kData, &O::split, "train,valid,test weights over documents", kShowDefault},
+    {"--fim-data", kData, &O::fim_data,
+     "fill-in-the-middle samples (Megatron's GPTFIMDataset; docs/fim.md): each document of a sample cut at two "
+     "random characters and reordered prefix-suffix-middle with sentinel tokens; needs --data-path and the GPT-2 "
+     "tokenizer"},
+    {"--fim-rate", kData, &O::fim_rate, "with --fim-data, the probability that a document is transformed", kShowDefault},
+    {"--fim-spm-rate", kData, &O::fim_spm_rate,
+     "with --fim-data, the probability that a transformed document takes the suffix-prefix-middle order", kShowDefault},
+    {"--fim-split-sample", kData, &O::fim_split_sample,
+     "with --fim-data, a token at which each document is cut into fragments transformed on their own"},
+    {"--fim-fragment-rate", kData, &O::fim_fragment_rate,
+     "with --fim-split-sample, the probability that a fragment is transformed"},
+    {"--fim-no-prefix", kData, &O::fim_no_prefix, "with --fim-data, text that keeps a document starting with it as it is"},
+    {"--fim-prefix-token", kData, &O::fim_prefix_token, "the FIM prefix sentinel, as the vocabulary spells it", kShowDefault},
+    {"--fim-middle-token", kData, &O::fim_middle_token, "the FIM middle sentinel", kShowDefault},
+    {"--fim-suffix-token", kData, &O::fim_suffix_token, "the FIM suffix sentinel", kShowDefault},
+    {"--fim-pad-token", kData, &O::fim_pad_token, "the token a FIM sample is padded with", kShowDefault},
+    {"--fim-eod-token", kData, &O::fim_eod_token, "the end-of-document token FIM cuts samples at", kShowDefault},
     {"--text-file", kLoomGroup, &O::text_file, "a plain text file, tokenised by bytes"},
     {"--llmc-shard", kLoomGroup, &O::llmc_shard, "an llm.c token shard"},
 };
+
+// Megatron's asserts (validate_args) in its words, then what Loom's FIM needs (data/fim.h).
+void validate_fim(const Given & given, const TrainOptions & o) {
+    LOOM_CHECK(!o.mock_data, "Mock dataset is not supported with FIM dataset.",
+               "FIM rewrites text: give --data-path with the tokenizer's --vocab-file and --merge-file");
+    LOOM_CHECK(o.fim_rate != 0, "--fim-rate should be specified.", "Megatron refuses a rate of 0; drop --fim-data instead");
+    LOOM_CHECK(o.fim_spm_rate != 0, "--fim-spm-rate should be specified.",
+               "Megatron refuses an SPM rate of 0 (every transformed document in PSM order)");
+    auto probability = [](double p, const char * flag) {
+        LOOM_CHECK(std::isfinite(p) && p >= 0 && p <= 1, flag << " must be a probability in [0, 1], got " << p, "");
+    };
+    probability(o.fim_rate, "--fim-rate");
+    probability(o.fim_spm_rate, "--fim-spm-rate");
+    if (given("--fim-fragment-rate")) probability(o.fim_fragment_rate, "--fim-fragment-rate");
+    LOOM_CHECK(o.fim_split_sample.empty() || given("--fim-fragment-rate"), "--fim-split-sample needs --fim-fragment-rate",
+               "the probability that each fragment between the split tokens is transformed");
+    LOOM_CHECK(!given("--fim-no-prefix") || !o.fim_no_prefix.empty(),
+               "--fim-no-prefix '' would keep every document as it is", "give the text that marks documents to keep");
+    LOOM_CHECK(o.text_file.empty() && o.llmc_shard.empty(),
+               "--fim-data reads Megatron datasets, not --text-file or --llmc-shard", "give --data-path");
+    LOOM_CHECK((o.tokenizer_type.empty() || o.tokenizer_type == "GPT2BPETokenizer") && !o.vocab_file.empty() &&
+                   !o.merge_file.empty(),
+               "--fim-data needs the GPT-2 BPE tokenizer (--vocab-file and --merge-file)",
+               "FIM decodes each document to text and encodes its pieces again with the dataset's tokenizer");
+}
 
 }  // namespace
 
@@ -80,6 +122,7 @@ void validate_data(const Given & given, const TrainOptions & o, bool data_option
                    "--data-cache-path '" << o.data_cache_path << "' exists and is not a folder",
                    "give a folder (Loom creates it when it does not exist)");
     }
+    if (o.fim_data) validate_fim(given, o);
     LOOM_CHECK(sources == 1 || data_optional, "no data: give --data-path PREFIX (a Megatron .bin/.idx dataset), or --mock-data",
                "as Megatron, Loom needs a data source; --mock-data trains on Loom's synthetic dataset, and "
                "--text-file / --llmc-shard read a text file or an llm.c shard");

@@ -34,6 +34,9 @@ constexpr NoOpFlag kNoOpFlags[] = {
     {"--attention-backend", "auto|flash|fused|unfused|local",
      "every backend computes exact softmax attention, as Loom's tiled kernel does"},
     {"--no-async-tensor-model-parallel-allreduce", nullptr, "a communication-overlap choice; the result is the same"},
+    {"--tiktoken-pattern", "v1|v2",
+     "the pre-tokenizer pattern of --tokenizer-type TikTokenizer, which Loom refuses; Megatron's other tokenizers "
+     "ignore it, as Loom does"},
     {"--num-workers", "", "Loom's loader reads memory-mapped samples on the training thread; there are no workers"},
     {"--no-mmap-bin-files", nullptr, "Loom maps the .bin; the tokens read are the same"},
     {"--no-create-attention-mask-in-dataloader", nullptr,

@@ -16,6 +16,7 @@
 #include "parallel/parallel_config.h"
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -159,6 +160,14 @@ struct TrainOptions {
     // --tokenizer-type GPT2BPETokenizer (with --vocab-file, --merge-file) or NullTokenizer (with --vocab-size):
     // the vocabulary size comes from the tokenizer, padded as Megatron pads it; the data's ids must fit it.
     std::string tokenizer_type, vocab_file, merge_file;
+    // --fim-data: fill-in-the-middle samples (data/fim.h), with Megatron's defaults; an empty string and a NaN
+    // rate stand for Megatron's None.
+    bool        fim_data = false;
+    double      fim_rate = 0.5, fim_spm_rate = 0.5;
+    double      fim_fragment_rate = std::numeric_limits<double>::quiet_NaN();
+    std::string fim_split_sample, fim_no_prefix;
+    std::string fim_prefix_token = "<fim_prefix>", fim_middle_token = "<fim_middle>", fim_suffix_token = "<fim_suffix>",
+                fim_pad_token = "<fim_pad>", fim_eod_token = "<|endoftext|>";
 
     // Checkpoints (train/checkpointing.h): Megatron's flags and defaults.
     std::string save;                       // --save DIR

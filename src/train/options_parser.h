@@ -47,11 +47,12 @@ public:
     void         data_optional() { data_optional_ = true; }
     // `loom plan` runs nothing here: the model need not fit this machine's memory.
     void         plan_only() { plan_only_ = true; }
-    // True when --vocab-size, --load-hf or --use-checkpoint-args fixed the vocabulary (otherwise the
-    // dataset's is used).
+    // True when --vocab-size, --load-hf, --use-checkpoint-args or a tokenizer (its type, or GPT-2's files
+    // alone) fixed the vocabulary (otherwise the dataset's is used).
     bool vocab_given() const {
         const TrainOptions & o = values_.options;
-        return app_.count("--vocab-size") > 0 || !o.load_hf.empty() || o.use_checkpoint_args || !o.tokenizer_type.empty();
+        return app_.count("--vocab-size") > 0 || !o.load_hf.empty() || o.use_checkpoint_args || !o.tokenizer_type.empty() ||
+               !o.vocab_file.empty() || !o.merge_file.empty();
     }
 
 private:
