@@ -246,6 +246,22 @@ TEST(CudaTrain, OneGpuWithAttentionGraphsFollowsTheCpu) {
                        "attention graphs", kBf16Short);
 }
 
+// The whole forward-backward as one CUDA graph (--cuda-graph-impl full_iteration), captured after two eager
+// iterations: its curve is the eager run's on this device, digit for digit, and the CPU's; replays allocate
+// nothing and ask the heuristic nothing.
+TEST(CudaTrain, OneGpuFullIterationGraphIsTheEagerRun) {
+    SKIP_WITHOUT_CUDA();
+    const std::string run   = kRun + kBf16Short + "--device " + kDevice;
+    const CliRun      eager = run_loom_mpi(1, run);
+    const CliRun      graph = run_loom_mpi(1, run + " --cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2");
+    expect_follows_cpu(graph, "full-iteration graph", kBf16Short);
+    ASSERT_EQ(eager.status, 0) << eager.out;
+    EXPECT_EQ(losses(graph.out), losses(eager.out));
+    const WorkLine w = work_line(graph.out);
+    EXPECT_EQ(w.allocations, 0.0) << "device allocations per iteration after warm-up";
+    EXPECT_EQ(w.late_queries, 0.0);
+}
+
 // MoE on one GPU: the router, the dispatch plan and the experts' rows through the CUDA ops, with per-layer
 // graphs captured up to the router (the host reads the expert counts outside the graph; the experts run
 // eagerly), and whole layers captured when dropping and padding fixes every expert's rows.
@@ -351,6 +367,10 @@ INSTANTIATE_TEST_SUITE_P(
                              "--experimental-attention-variant gated_delta_net --linear-attention-freq 2 "
                              "--linear-num-key-heads 2 --linear-num-value-heads 4 --linear-key-head-dim 32 "
                              "--linear-value-head-dim 32 "},
+                      // The whole forward-backward as one graph, the TP collectives replayable nodes in it, ZeRO-1's
+                      // reductions after each replay.
+                      Layout{"tp2_sp_full_iteration", "--tensor-model-parallel-size 2 --sequence-parallel "
+                                                      "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2"},
                       // Expert parallelism: the tokens exchanged by all-to-all, and gathered from every rank.
                       Layout{"moe_ep2_alltoall", "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
                              LOOM_MOE_MODEL},

@@ -5,7 +5,9 @@
 // values, so any difference is a bug (a stale input, a buffer reused too early, a collective replayed out
 // of order). Layouts: PP 1 (DP 4), PP 2 x DP 2, PP 4, PP 2 x VPP 2, DP 2 with ZeRO-1 and
 // --overlap-param-gather, TP 2 + SP, CP 2 x PP 2 (p2p) and CP 2 x DP 2 (a2a), --bf16, uneven stages,
-// --optimizer-cpu-offload.
+// --optimizer-cpu-offload. The full-iteration graph (--cuda-graph-impl full_iteration) the same way: DP 4
+// with ZeRO-1 and both overlaps, TP 2 + SP x DP 2 in bf16, CP 2 (a2a) x DP 2 with full recompute, and the
+// optimizer offloaded.
 //
 // Memory, from the allocator's statistics of the "graphs" pool: its peak is the same for M = 8 and M = 16
 // (the static input sets and the live saved activations depend on the pipeline depth, not on M); the
@@ -52,6 +54,8 @@ struct Layout {
     int  etp        = 0;       // expert tensor parallelism (0: tp, Megatron's default; > 1 needs no biases)
     int  first_stage_layers = 0;
     int  global_batch       = 8;
+    bool full_iteration     = false;   // --cuda-graph-impl full_iteration: the whole iteration, one graph
+    bool recompute          = false;   // full recompute (uniform, 1 layer)
 };
 
 struct TrainRun {
@@ -115,8 +119,14 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = kIte
     o.graph_moe_router     = layout.moe_router;
     o.graph_moe_preprocess = layout.moe_preprocess;
     o.graph_attn           = layout.attn;
-    o.layer_graphs            = graphed;
+    o.layer_graphs            = graphed && !layout.full_iteration;
+    o.full_iteration_graph    = graphed && layout.full_iteration;
     o.cuda_graph_warmup_steps = kWarmup;
+    if (layout.recompute) {
+        o.model.recompute_granularity = model::RecomputeGranularity::full;
+        o.model.recompute_method      = model::RecomputeMethod::uniform;
+        o.model.recompute_num_layers  = 1;
+    }
 
     Allocator & allocator = cpu::device().allocator();
     auto source = train::context_parallel_part(
@@ -143,12 +153,19 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = kIte
                 run.all_to_all_nodes       = runner->num_collective_nodes("all_to_all");
                 run.saved_bytes            = runner->saved_bytes_per_layer();
             }
+            if (const graphs::FullIterationGraph * full = trainer.full_iteration_graph();
+                full != nullptr && full->captured() && run.pool_allocs_at_capture < 0) {
+                run.pool_allocs_at_capture = allocator.pool_stats(kGraphPool).num_allocs;
+                run.graphs                 = 1;
+                run.collective_nodes       = full->graph().num_replayable_nodes();
+            }
         }
         cpu::device().compute_stream().synchronize();
         run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
         run.pool_allocs_after_capture = allocator.pool_stats(kGraphPool).num_allocs;
         run.pool                      = allocator.pool_stats(kGraphPool);
         if (trainer.layer_graphs()) run.replays = trainer.layer_graphs()->num_replays();
+        if (trainer.full_iteration_graph()) run.replays = trainer.full_iteration_graph()->num_replays();
         run.microbatches = o.num_microbatches();
     }
     for (model::Parameter * p : setup.parameters()) run.params[p->name] = testing_models::parameter_values(*p);
@@ -157,14 +174,16 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = kIte
 
 std::string describe(const Layout & l) {
     char text[160];
-    std::snprintf(text, sizeof text, "tp %d%s cp %d%s pp %d vpp %d ep %d etp %d%s%s%s%s%s%s%s", l.tp, l.sp ? "+sp" : "", l.cp,
+    std::snprintf(text, sizeof text, "%stp %d%s cp %d%s pp %d vpp %d ep %d etp %d%s%s%s%s%s%s%s%s",
+                  l.full_iteration ? "full iteration: " : "", l.tp, l.sp ? "+sp" : "", l.cp,
                   l.cp == 1 ? "" : l.cp_comm == model::CpCommType::a2a ? " a2a" : l.cp_comm == model::CpCommType::allgather ? " allgather" : " p2p",
                   l.pp, l.vpp, l.ep, l.etp > 0 ? l.etp : l.tp,
                   l.distopt ? " zero-1+overlaps" : "", l.bf16 ? " bf16" : "", l.offload ? " cpu-offload 0.5" : "",
                   l.first_stage_layers ? " uneven" : "", l.moe ? " moe drop-and-pad" : "",
                   l.moe_preprocess ? " dropless moe, graphs to the dispatch plan" : l.moe_router ? " dropless moe, graphs to the router" : "",
                   l.attn ? (l.moe_layers ? " graphs to norm2, the mlp and moe layers eager" : " graphs to norm2, the mlp eager")
-                         : l.mixed ? ", layer 0 dense and whole, global aux loss" : "");
+                         : l.mixed ? ", layer 0 dense and whole, global aux loss" : "",
+                  l.recompute ? " full recompute" : "");
     return text;
 }
 
@@ -204,8 +223,12 @@ void expect_bitwise(const Layout & layout) {
         EXPECT_GT(graph.collective_nodes, 0u) << "tensor parallelism's collectives are in the graphs";
     }
     EXPECT_GT(graph.graphs, 0) << "graphs were captured";
-    EXPECT_EQ(graph.replays, (kIterations - kWarmup) * 2 * graph.microbatches * graph.layers)
-        << "every layer call of the iterations after the warm-up replayed a graph";
+    if (layout.full_iteration) {
+        EXPECT_EQ(graph.replays, kIterations - kWarmup) << "every iteration after the warm-up replayed the graph";
+    } else {
+        EXPECT_EQ(graph.replays, (kIterations - kWarmup) * 2 * graph.microbatches * graph.layers)
+            << "every layer call of the iterations after the warm-up replayed a graph";
+    }
     EXPECT_EQ(graph.pool_allocs_after_capture, graph.pool_allocs_at_capture)
         << "replays allocate nothing in the graph pool";
     if (g_mpi->world_rank() == 0) {
@@ -277,6 +300,21 @@ TEST(LayerGraphs, ExpertTensorParallelMoeWithSequenceParallelCapturedToTheRouter
 // PP 2 x DP 2: M = 8 and 16 per data-parallel rank (global batch 16 and 32); the pool's peak must not grow
 // with M, and the first stage (P_0 = 2 micro-batches in flight) must hold exactly L more layer contexts
 // at its peak than the last (P_1 = 1).
+// --cuda-graph-impl full_iteration (graphs/full_iteration_graph.h): one graph of the whole forward-backward,
+// DDP's reductions reported after each replay, the collectives of TP, SP and CP replayed inside it.
+TEST(FullIterationGraph, DataParallelFourWithZeroOneAndBothOverlapsIsBitwiseTheEagerRun) {
+    expect_bitwise(Layout{.distopt = true, .full_iteration = true});
+}
+TEST(FullIterationGraph, TensorParallelWithSequenceParallelTimesDataParallelIsBitwiseTheEagerRun) {
+    expect_bitwise(Layout{.tp = 2, .sp = true, .bf16 = true, .full_iteration = true});
+}
+TEST(FullIterationGraph, ContextParallelWithFullRecomputeIsBitwiseTheEagerRun) {
+    expect_bitwise(Layout{.cp = 2, .cp_comm = model::CpCommType::a2a, .full_iteration = true, .recompute = true});
+}
+TEST(FullIterationGraph, OptimizerCpuOffloadIsBitwiseTheEagerRun) {
+    expect_bitwise(Layout{.offload = true, .full_iteration = true});
+}
+
 TEST(LayerGraphs, GraphPoolPeakIsSetByThePipelineDepthNotTheMicroBatches) {
     if (g_mpi->world_size() != 4) GTEST_SKIP() << "runs with 4 ranks";
     const TrainRun m8 = train_layout(Layout{.pp = 2, .global_batch = 16}, true, 5);   // M = 8

@@ -1555,9 +1555,19 @@ TEST(MegatronCommandLine, CudaGraphFlagsFollowMegatronsRules) {
     const train::TrainOptions moe_attn = parse_train({"--mock-data", "--num-experts", "4", "--cuda-graph-impl", "transformer_engine",
                                                       "--cuda-graph-modules", "attn"});
     EXPECT_TRUE(moe_attn.layer_graphs && moe_attn.graph_attn && !moe_attn.graph_moe_router);
+    // One graph of the whole forward-backward, full recompute allowed (Megatron's rule), "full" as no modules.
+    const train::TrainOptions full = parse_train({"--mock-data", "--cuda-graph-impl", "full_iteration", "--cuda-graph-modules",
+                                                  "full", "--recompute-granularity", "full", "--recompute-method", "uniform",
+                                                  "--recompute-num-layers", "1"});
+    EXPECT_TRUE(full.full_iteration_graph && !full.layer_graphs);
     const std::pair<std::vector<std::string>, const char *> bad[] = {
         {{"--cuda-graph-impl", "cudagraph"}, "invalid choice: 'cudagraph' (choose from 'none', 'local', 'transformer_engine', 'full_iteration')"},
-        {{"--cuda-graph-impl", "full_iteration"}, "--cuda-graph-impl full_iteration is not supported by Loom"},
+        {{"--cuda-graph-impl", "full_iteration", "--cuda-graph-modules", "attn"},
+         "cuda_graph_modules must be empty when cuda_graph_impl=\"full_iteration\"."},
+        {{"--cuda-graph-impl", "full_iteration", "--num-experts", "4"}, "--cuda-graph-impl full_iteration with MoE layers is not supported by Loom"},
+        {{"--cuda-graph-impl", "full_iteration", "--mtp-num-layers", "1", "--position-embedding-type", "rope"}, "--cuda-graph-impl full_iteration with --mtp-num-layers"},
+        {{"--cuda-graph-impl", "full_iteration", "--fp16"}, "--cuda-graph-impl full_iteration with --fp16's dynamic loss scale"},
+        {{"--cuda-graph-impl", "full_iteration", "--use-megatron-fsdp"}, "--cuda-graph-impl full_iteration with --use-megatron-fsdp"},
         {{"--enable-cuda-graph", "--cuda-graph-impl", "transformer_engine"}, "Do not use --enable-cuda-graph or --external-cuda-graph with --cuda-graph-impl."},
         {{"--enable-cuda-graph", "--external-cuda-graph"}, "cannot be enabled at the same time"},
         {{"--cuda-graph-scope", "attn", "--cuda-graph-modules", "attn"}, "--cuda-graph-scope and --cuda-graph-modules cannot be used together."},

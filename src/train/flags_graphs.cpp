@@ -17,7 +17,8 @@ const Flag<GraphFlags> kGraphFlags[] = {
     {"--cuda-graph-impl", "transformer configuration", &G::impl,
      "none, transformer_engine or local: capture every transformer layer's forward and backward per "
      "micro-batch as graphs after --cuda-graph-warmup-steps eager iterations, and replay them (both "
-     "names select Loom's per-layer graphs; full_iteration is refused)", kShowDefault},
+     "names select Loom's per-layer graphs); full_iteration: capture each iteration's forward and backward "
+     "passes, every micro-batch, as one graph", kShowDefault},
     {"--cuda-graph-modules", "inference", &G::modules,
      "what each layer graph covers: nothing given (or full) is the whole layer; attn alone is a "
      "layer's attention and norm2 (the MLP or MoE layer runs eagerly); attn moe_router [moe_preprocess] is every MoE "
@@ -39,6 +40,34 @@ const Flag<TrainOptions> kGraphOptionFlags[] = {
 std::span<const Flag<GraphFlags>> graph_flags() { return kGraphFlags; }
 std::span<const Flag<TrainOptions>> graph_option_flags() { return kGraphOptionFlags; }
 
+namespace {
+
+// --cuda-graph-impl full_iteration (graphs/full_iteration_graph.h): Megatron's rule on the modules, then what
+// Loom's capture of one stage's iteration cannot hold, by name.
+void resolve_full_iteration(const std::vector<std::string> & modules, TrainOptions & o) {
+    const bool named = std::any_of(modules.begin(), modules.end(), [](const std::string & m) { return m != "full"; });
+    LOOM_CHECK(!named, "cuda_graph_modules must be empty when cuda_graph_impl=\"full_iteration\".",
+               "the full-iteration graph holds every layer whole: drop --cuda-graph-modules");
+    auto refuse = [](bool bad, const std::string & what, const std::string & why) {
+        LOOM_CHECK(!bad, "--cuda-graph-impl full_iteration with " << what << " is not supported by Loom", why);
+    };
+    refuse(o.parallel.pp() > 1, "--pipeline-model-parallel-size " + std::to_string(o.parallel.pp()),
+           "Loom captures one pipeline stage's iteration (the stages' transfers are waited for on the host); use "
+           "per-layer graphs, --cuda-graph-impl transformer_engine");
+    refuse(o.model.moe.enabled(), "MoE layers",
+           "the dispatch reads each expert's token count on the host; capture layers up to their router instead: "
+           "--cuda-graph-impl transformer_engine --cuda-graph-modules attn moe_router");
+    refuse(o.model.mtp_num_layers > 0, "--mtp-num-layers", "the MTP planes are cut from each batch on the host");
+    refuse(o.fp16 && o.loss_scale == 0, "--fp16's dynamic loss scale",
+           "the scale is baked into the captured loss gradients: give a constant --loss-scale");
+    refuse(o.model.offload_modules != 0, "--fine-grained-activation-offloading",
+           "the offloads are waited for on the host during the passes");
+    LOOM_CHECK(o.cuda_graph_warmup_steps >= 0, "--cuda-graph-warmup-steps must be >= 0, got " << o.cuda_graph_warmup_steps, "");
+    o.full_iteration_graph = true;
+}
+
+}  // namespace
+
 void resolve_cuda_graphs(const GraphFlags & f, const MoeFlags & moe_flags, TrainOptions & o) {
     std::string impl = f.impl;
     if (f.enable || f.external) {
@@ -57,9 +86,6 @@ void resolve_cuda_graphs(const GraphFlags & f, const MoeFlags & moe_flags, Train
                "");
     // Megatron's two per-layer implementations (MCore's own, local, and Transformer Engine's) capture the
     // same thing, each layer's forward and backward over --cuda-graph-modules: both select Loom's.
-    LOOM_CHECK(impl == "none" || impl == "transformer_engine" || impl == "local",
-               "--cuda-graph-impl " << impl << " is not supported by Loom",
-               "Loom captures per-layer graphs: --cuda-graph-impl transformer_engine or local");
     LOOM_CHECK(f.scope.empty() || f.modules.empty(),
                "--cuda-graph-scope and --cuda-graph-modules cannot be used together.", "--cuda-graph-scope is deprecated");
     std::vector<std::string> modules = f.scope.empty() ? f.modules : f.scope;
@@ -74,6 +100,10 @@ void resolve_cuda_graphs(const GraphFlags & f, const MoeFlags & moe_flags, Train
                                                                         "'moe_preprocess', 'mamba')", "");
     }
     auto has = [&](const char * m) { return std::find(modules.begin(), modules.end(), m) != modules.end(); };
+    if (impl == "full_iteration") {
+        resolve_full_iteration(modules, o);
+        return;
+    }
     LOOM_CHECK(!(has("moe") && has("moe_router")), "cuda_graph_modules must not contain both moe and moe_router.", "");
     LOOM_CHECK(!has("moe_preprocess") || has("moe_router"),
                "moe_preprocess cuda graph is only supported with moe_router cuda graph.", "");

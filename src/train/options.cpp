@@ -163,6 +163,9 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
 
     resolve_batch(given, o);
     resolve_ddp(values_.parallel, given, o);
+    LOOM_CHECK(!o.full_iteration_graph || !o.ddp.use_megatron_fsdp,
+               "--cuda-graph-impl full_iteration with --use-megatron-fsdp is not supported by Loom",
+               "Megatron-FSDP's gathers are issued from hooks on the host during the passes: drop one of them");
     resolve_optimizer(values_.optim, o);
     check_fp8_param_gather(o);
     check_fp8_delayed(o);

@@ -133,6 +133,9 @@ struct TrainOptions {
     // their dispatch plan); the rest runs eagerly (graphs/layer_graph_runner.h).
     bool           graph_moe_router = false, graph_moe_preprocess = false;
     bool           graph_attn = false;   // --cuda-graph-modules attn: the MLP or MoE layer outside the graphs
+    // --cuda-graph-impl full_iteration: each iteration's forward and backward passes one graph, captured after the
+    // warm-up (graphs/full_iteration_graph.h).
+    bool           full_iteration_graph = false;
     int64_t        distributed_timeout_minutes = 10;   // the MPI watchdog (comm/mpi_communicator.h)
     // --check-weight-hash-across-dp-replicas-interval: every this many iterations the data-parallel replicas
     // compare a digest of each parameter (0: never).

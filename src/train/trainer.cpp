@@ -111,7 +111,7 @@ Trainer::Trainer(const TrainOptions & options, std::unique_ptr<Setup> owned, Set
                    (options_.rampup_batch_size.empty() ? "--step-batch-size-schedule" : "--rampup-batch-size")
                        << ": give batches that are multiples of " << per_step);
     }
-    LOOM_CHECK(options_.batch_schedule.empty() || !options_.layer_graphs,
+    LOOM_CHECK(options_.batch_schedule.empty() || (!options_.layer_graphs && !options_.full_iteration_graph),
                "--step-batch-size-schedule and --rampup-batch-size change the number of micro-batches, which the layer "
                "graphs of --cuda-graph-impl are captured for",
                "train with a constant --global-batch-size, or without --cuda-graph-impl");
@@ -123,7 +123,7 @@ Trainer::Trainer(const TrainOptions & options, std::unique_ptr<Setup> owned, Set
     const RerunMode      rerun    = rerun_->mode();
     gated_ = (!everyone || everyone->size() == 1) && (!setup_.groups.dp || setup_.groups.dp->size() == 1) && !scaler_ &&
              rerun != RerunMode::report_stats && options_.error_injection_rate == 0 && !options_.model.moe.enabled() &&
-             options_.model.mtp_num_layers == 0 && setup_.optimizer->gated_step_supported();
+             options_.model.mtp_num_layers == 0 && setup_.optimizer->gated_step_supported() && !options_.full_iteration_graph;
     deferrable_ = gated_ && !options_.log_num_zeros_in_grad && !options_.log_params_norm &&
                   options_.timing_log_level == 0 && options_.batch_schedule.empty();
     if (gated_) {
@@ -493,6 +493,9 @@ void Trainer::begin_iteration() {
         layer_graphs_->capture();
         executor_->set_layer_graphs(layer_graphs_.get());
     }
+    if (options_.full_iteration_graph && !full_iteration_ && iteration_ - 1 - start_iteration_ == options_.cuda_graph_warmup_steps) {
+        full_iteration_ = std::make_unique<graphs::FullIterationGraph>(*executor_, model_);
+    }
 }
 
 pipeline::PipelineExecutor::Result Trainer::run_schedule(IterationStats & stats, bool wait) {
@@ -501,7 +504,17 @@ pipeline::PipelineExecutor::Result Trainer::run_schedule(IterationStats & stats,
     pipeline::PipelineExecutor::Result r;
     timed(0, [&] {
         if (drawn) stages_->barrier()->wait();   // the stages start the drawn iteration together
-        r = executor_->run([this] { return data_.next(); }, sync_.ready(), sync_.last(), wait);
+        if (full_iteration_) {   // wait: the full-iteration path is never gated
+            std::vector<model::MicroBatch> batches;
+            for (int64_t k = 0; k < microbatches_; ++k) batches.push_back(data_.next());
+            // --overlap-param-gather's gathers are issued from the forward hooks, which a replay does not call:
+            // the weights are gathered whole before the graph runs.
+            sync_.whole();
+            if (!full_iteration_->captured()) full_iteration_->capture(batches);
+            r = full_iteration_->replay(batches, sync_.ready(), sync_.last());
+        } else {
+            r = executor_->run([this] { return data_.next(); }, sync_.ready(), sync_.last(), wait);
+        }
         peak_in_flight_  = std::max(peak_in_flight_, r.peak_in_flight);
         if (r.modelled_begin_s) last_schedule_ = r;   // the meta device's: loom plan reads it
         if (!wait) return;   // the gated path: one rank, no MoE layer and no MTP, nothing below to do
@@ -854,7 +867,8 @@ TrainSummary Trainer::run(FILE * out) {
     // ahead of the device and the activations' pool grows by a few blocks), a third where iterations are read
     // late (the first that is enqueued behind an unread one holds two iterations' blocks), and with layer
     // graphs the capture's.
-    const int64_t warmup_iterations = (options_.layer_graphs ? options_.cuda_graph_warmup_steps + 2 : 2) + (deferrable_ ? 1 : 0);
+    const bool    graphs            = options_.layer_graphs || options_.full_iteration_graph;
+    const int64_t warmup_iterations = (graphs ? options_.cuda_graph_warmup_steps + 2 : 2) + (deferrable_ ? 1 : 0);
     // What follows an iteration once its values are read: its report, evaluation, save and checks.
     auto after = [&](int64_t k, double loss, IterationStats & stats) {
         if (Profiler::active() && k == options_.profile_step_end) write_profile(rank, k);

@@ -21,6 +21,7 @@
 #pragma once
 
 #include "comm/communicator.h"
+#include "graphs/full_iteration_graph.h"
 #include "graphs/layer_graph_runner.h"
 #include "pipeline/executor.h"
 #include "train/checkpointing.h"
@@ -89,6 +90,7 @@ public:
     const pipeline::ScheduleOptions &          schedule() const { return executor_->options(); }
     // The layer graphs (--cuda-graph-impl transformer_engine) once captured; null before and without.
     const graphs::LayerGraphRunner * layer_graphs() const { return layer_graphs_.get(); }
+    const graphs::FullIterationGraph * full_iteration_graph() const { return full_iteration_.get(); }
 
     // Runs the iterations after the loaded one (none: 0) up to options.train_iters, saving and stopping as
     // --save-interval, --exit-interval, --exit-duration-in-mins and --exit-signal-handler say; log lines go
@@ -131,6 +133,8 @@ private:
     // Sets the batch of the iteration that starts after consumed_ samples.
     void                                        follow_batch_schedule();
     std::unique_ptr<graphs::LayerGraphRunner>   layer_graphs_;   // --cuda-graph-impl transformer_engine, once captured
+    // --cuda-graph-impl full_iteration: made after the warm-up, captured by the next run_schedule.
+    std::unique_ptr<graphs::FullIterationGraph> full_iteration_;
     int64_t                                     start_iteration_ = 0;   // the iteration this run started after
     // The MoE router losses of the iteration just run into stats.tracked_losses (and, with
     // --moe-per-layer-logging, stats.moe_layer_losses), reduced over the pipeline (sum over layers), the
