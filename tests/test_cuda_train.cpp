@@ -262,6 +262,14 @@ TEST(CudaTrain, OneGpuFullIterationGraphIsTheEagerRun) {
     EXPECT_EQ(w.late_queries, 0.0);
 }
 
+// --cross-entropy-loss-fusion on the GPU: the classifier's chunks of 5 positions (the label columns copied per
+// chunk, the loss and its gradient in the forward) follow the CPU's fused run.
+TEST(CudaTrain, OneGpuFusedClassifierFollowsTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    const std::string fused = kBf16Short + "--cross-entropy-loss-fusion --cross-entropy-chunk-positions 5 ";
+    expect_follows_cpu(run_loom_mpi(1, kRun + fused + "--device " + kDevice), "fused classifier", fused);
+}
+
 // MoE on one GPU: the router, the dispatch plan and the experts' rows through the CUDA ops, with per-layer
 // graphs captured up to the router (the host reads the expert counts outside the graph; the experts run
 // eagerly), and whole layers captured when dropping and padding fixes every expert's rows.

@@ -32,7 +32,20 @@ comm::MpiContext * g_mpi = nullptr;
 // and one MTP depth, without attention dropout (as Megatron's DeepSeek configurations train): with it, a few
 // embedding elements' gradients come out near 1e-8 (four orders below the mean), where Adam turns the TP
 // run's rounding into whole steps and no tolerance on the weights can hold.
-train::TrainOptions small_options(bool llama, bool mla = false, bool muon = false, bool sinks = false, bool gdn = false) {
+// --cross-entropy-loss-fusion in every run of a test that sets it (the reference's and the layout's): chunks of 5
+// of the 32 positions, the last one short.
+bool g_fused_classifier = false;
+
+train::TrainOptions small_options(bool llama, bool mla = false, bool muon = false, bool sinks = false, bool gdn = false);
+
+train::TrainOptions options_of(bool llama, bool mla, bool muon, bool sinks, bool gdn) {
+    train::TrainOptions o = small_options(llama, mla, muon, sinks, gdn);
+    o.model.classifier_fusion          = g_fused_classifier;
+    o.model.classifier_chunk_positions = g_fused_classifier ? 5 : 0;
+    return o;
+}
+
+train::TrainOptions small_options(bool llama, bool mla, bool muon, bool sinks, bool gdn) {
     if (gdn) {   // Qwen3-Next's layers: the gated delta-net on layers 0 and 2 (split by heads: two key heads, four value
                  // heads), the gated attention (and sinks) on 1 and 3, zero-centred norms
         train::TrainOptions o      = small_options(llama, mla, muon, true);
@@ -81,7 +94,7 @@ struct Run {
 };
 
 Run reference(bool llama, bool mla = false, bool muon = false, bool sinks = false, bool gdn = false) {
-    testing_models::SingleRankRun ref = testing_models::train_single_rank(small_options(llama, mla, muon, sinks, gdn));
+    testing_models::SingleRankRun ref = testing_models::train_single_rank(options_of(llama, mla, muon, sinks, gdn));
     Run                           run;
     run.losses = ref.losses;
     run.params = ref.params;
@@ -99,7 +112,7 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, int recomput
     parallel::ParallelConfig config = parallel::ParallelConfig::create(sizes);
     parallel::ProcessGroups  groups = parallel::ProcessGroups::create(config, *g_mpi);
 
-    train::TrainOptions o           = small_options(llama, mla, muon, sinks, gdn);
+    train::TrainOptions o           = options_of(llama, mla, muon, sinks, gdn);
     o.parallel                      = config;
     o.ddp.use_distributed_optimizer = distopt;
     o.ddp.overlap_grad_reduce       = distopt;
@@ -130,7 +143,8 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, int recomput
 
 void expect_follows_reference(int tp, int pp, bool distopt, bool llama, bool sp = false, int recompute = 0, bool mla = false,
                               bool muon = false, bool sinks = false, bool gdn = false) {
-    const std::string name = std::string(mla ? "mla" : llama ? "llama" : "gpt") + (muon ? " muon" : "") + (sinks ? " sinks+gate" : "") +
+    const std::string name = std::string(mla ? "mla" : llama ? "llama" : "gpt") + (g_fused_classifier ? " fused classifier" : "") +
+                             (muon ? " muon" : "") + (sinks ? " sinks+gate" : "") +
                              (gdn ? " gated delta-net" : "") +
                              " tp " + std::to_string(tp) + " pp " +
                              std::to_string(pp) + (sp ? " sequence-parallel" : "") + (distopt ? " zero-1" : "") +
@@ -189,6 +203,21 @@ TEST(TensorParallel, SequenceParallelFollowsTheSingleRankRun) {
     } else {
         GTEST_SKIP() << "runs with 2 and 4 ranks";
     }
+}
+
+// --cross-entropy-loss-fusion: the output layer, the loss and its gradient in 7 chunks of positions in the
+// forward, each chunk's vocabulary-parallel loss summed over TP (its max, sum and label logit), against the
+// single rank's fused run: TP 2 + SP, and with MLA and an MTP depth (whose own logits stay unfused) TP 2 + SP x
+// PP 2 with ZeRO-1 on 4 ranks.
+TEST(TensorParallel, FusedClassifierFollowsTheSingleRankRun) {
+    g_fused_classifier = true;
+    if (g_mpi->world_size() == 2) {
+        expect_follows_reference(2, 1, false, false, true);
+    } else if (g_mpi->world_size() == 4) {
+        expect_follows_reference(2, 2, true, true, true, 0, true);
+    }
+    g_fused_classifier = false;
+    if (g_mpi->world_size() != 2 && g_mpi->world_size() != 4) GTEST_SKIP() << "runs with 2 and 4 ranks";
 }
 
 // Multi-latent attention split by heads (the up projections and Q by rows, the output projection by

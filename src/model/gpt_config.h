@@ -88,6 +88,12 @@ struct GptConfig {
     int64_t           mup_base_hidden_size    = 0;      // 0: hidden_size (m = 1)
     float             mup_embedding_mult      = 1.0f;
     float             mup_output_mult         = 1.0f;   // resolved: 1 / m when --mup-output-mult is left at 1
+    // --cross-entropy-loss-fusion: in a training pass the output layer, the loss and the logits' gradient run
+    // together in the forward, chunk by chunk of positions (GptModel::fused_classifier), so the whole logits
+    // never exist. classifier_chunk_positions: positions per chunk (0: the most whose logits fit
+    // kClassifierChunkBytes).
+    bool              classifier_fusion          = false;   // kClassifierChunkBytes: gpt_model.h
+    int64_t           classifier_chunk_positions = 0;
     float             softmax_scale           = 0.0f;   // 0: 1 / sqrt(head dim) (µP: base / kv_channels^power)
     float             norm_epsilon            = 1e-5f;
     float             rotary_base             = 10000.0f;

@@ -301,15 +301,10 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
         return x;
     }
     call(hooks_.before_forward, [&] { return output_params(); });
-    const Parameter & out_w = output_.data.defined() ? output_ : wte_;
+    Parameter &  out_w       = output_.data.defined() ? output_ : wte_;
     const Tensor normed_rows = final_norm_->forward(ctx.final_norm, x);
     // every position's hidden state for the vocabulary shard
     ctx.final_hidden = in_dtype(tp_.sp() ? tp_.all_gather(normed_rows) : normed_rows, out_w.data.dtype());
-    ctx.logits     = activation(device_, s * b, vocab_local_, config_.activations_dtype());
-    ops.gemm(stream, ctx.final_hidden, false, out_w.data, true, ctx.logits);
-    scale_by(ctx.logits, config_.mup_output_mult);   // µP's output multiplier
-    cross_entropy(ctx.logits, ctx.batch.labels, ctx.lse, ctx.token_loss);
-    if (mtp) mtp_forward(ctx, batch, normed_rows, dropout_batch);
     // The token count comes from the mask, which the host holds; the loss itself is read once the stream
     // has computed ctx.token_loss (masked_loss_sum, after a synchronization: forward() or the executor).
     LossSum       result;
@@ -317,6 +312,19 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
     for (int64_t r = 0; r < s * b; ++r) result.count += mask[(r % b) * s + r / b];
     // Context parallelism: the loss is a mean over the whole sequences' tokens (this rank's sum is a share).
     if (batch.sequence_tokens >= 0) result.count = batch.sequence_tokens;
+    // Fused in a training pass whose scale is known, unless Megatron-FSDP shards the gradients (its buffers
+    // are only there during the backward).
+    if (config_.classifier_fusion && ctx.training && ctx.microbatches > 0 && !hooks_.before_backward) {
+        // The executor's scale, as it computes it for backward_stage.
+        ctx.classifier_scale = ctx.loss_scale / (std::max(result.count, 1.0) * static_cast<double>(ctx.microbatches));
+        fused_classifier(ctx, out_w);
+    } else {
+        ctx.logits = activation(device_, s * b, vocab_local_, config_.activations_dtype());
+        ops.gemm(stream, ctx.final_hidden, false, out_w.data, true, ctx.logits);
+        scale_by(ctx.logits, config_.mup_output_mult);   // µP's output multiplier
+        cross_entropy(ctx.logits, ctx.batch.labels, ctx.lse, ctx.token_loss);
+    }
+    if (mtp) mtp_forward(ctx, batch, normed_rows, dropout_batch);
     call(hooks_.after_forward, [&] { return output_params(); });
     result.sum = std::nan("");
     ctx.loss   = result;
@@ -332,26 +340,37 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
         call(hooks_.before_backward, [&] { return output_params(); });
         Tensor dmtp;   // the MTP depths' gradient of the final norm's output, first (the output weight's last)
         if (!ctx.mtp.empty()) dmtp = mtp_backward(ctx, loss_scale, ready);
-        Tensor dloss = activation(device_, s * b, 1);
-        // Context parallelism: the gradients are averaged over the data- and context-parallel ranks
-        // together (dp_cp), where the CP ranks' shares must add up: each starts from CP times its share
-        // (Megatron's loss * context_parallel_size).
-        ops.loss_grad(stream, ctx.batch.loss_mask, loss_scale * cp_.size, dloss);
-        ops.cross_entropy_backward(stream, ctx.logits, local_tokens(ctx.batch.labels), ctx.lse, dloss, local_valid_vocab());
-        scale_by(ctx.logits, config_.mup_output_mult);
-        Parameter & out_w   = output_.data.defined() ? output_ : wte_;
-        Tensor      dlogits = in_dtype(ctx.logits, out_w.data.dtype());
-        ctx.logits          = Tensor();
-        dx                  = activation(device_, s * b, h, config_.activations_dtype());
-        ops.gemm(stream, dlogits, false, out_w.data, false, dx);
+        Parameter & out_w = output_.data.defined() ? output_ : wte_;
+        Tensor      dlogits;
+        if (ctx.classifier_dx.defined()) {   // the fused classifier's forward computed both gradients
+            LOOM_CHECK(loss_scale == ctx.classifier_scale, "the fused classifier computed its gradients with loss scale "
+                                                               << ctx.classifier_scale << ", the backward has " << loss_scale,
+                       "the executor gives a training forward the scale its backward will have");
+            dx                = ctx.classifier_dx;
+            ctx.classifier_dx = Tensor();
+        } else {
+            Tensor dloss = activation(device_, s * b, 1);
+            // Context parallelism: the gradients are averaged over the data- and context-parallel ranks
+            // together (dp_cp), where the CP ranks' shares must add up: each starts from CP times its share
+            // (Megatron's loss * context_parallel_size).
+            ops.loss_grad(stream, ctx.batch.loss_mask, loss_scale * cp_.size, dloss);
+            ops.cross_entropy_backward(stream, ctx.logits, local_tokens(ctx.batch.labels), ctx.lse, dloss, local_valid_vocab());
+            scale_by(ctx.logits, config_.mup_output_mult);
+            dlogits    = in_dtype(ctx.logits, out_w.data.dtype());
+            ctx.logits = Tensor();
+            dx         = activation(device_, s * b, h, config_.activations_dtype());
+            ops.gemm(stream, dlogits, false, out_w.data, false, dx);
+        }
         if (tp_.sp()) {   // every vocabulary shard contributes to the hidden state's gradient
             dx = tp_.reduce_scatter(dx);
         } else {
             tp_.all_reduce(dx);
         }
-        accumulate_grads(stream, {out_w.main_grad}, [&](std::span<const Tensor> g) {
-            ops.gemm(stream, dlogits, true, ctx.final_hidden, false, g[0], /*accumulate=*/true);
-        });
+        if (dlogits.defined()) {
+            accumulate_grads(stream, {out_w.main_grad}, [&](std::span<const Tensor> g) {
+                ops.gemm(stream, dlogits, true, ctx.final_hidden, false, g[0], /*accumulate=*/true);
+            });
+        }
         ctx.lse = ctx.token_loss = ctx.final_hidden = Tensor();
         dlogits = Tensor();
         if (dmtp.defined()) ops.add_inplace(stream, dx, dmtp);
@@ -510,6 +529,52 @@ int64_t GptModel::local_valid_vocab() const {
 
 void GptModel::scale_by(const Tensor & t, float factor) {
     if (factor != 1.0f) device_.ops().scale(device_.compute_stream(), t, factor);
+}
+
+// Per chunk of positions [p0, p0 + pc) (rows [p0 b, (p0 + pc) b) of the (s b) rows): its logits (rows x V / tp),
+// their loss and lse, their gradient in place (dloss = mask x scale x cp, then µP's multiplier), and that
+// gradient times W (the chunk's rows of ctx.classifier_dx) and times the chunk's hidden states (into W's
+// main_grad). Only one chunk's logits are alive at a time. With one chunk every number is the unfused path's.
+void GptModel::fused_classifier(Context & ctx, Parameter & out_w) {
+    const int64_t s = ctx.s, b = ctx.b, n = s * b;
+    Ops &         ops    = device_.ops();
+    Stream &      stream = device_.compute_stream();
+    const DType   act    = config_.activations_dtype();
+    const int64_t chunk  = classifier_chunk_positions(s, b);
+    Tensor        dloss  = activation(device_, n, 1);
+    ops.loss_grad(stream, ctx.batch.loss_mask, ctx.classifier_scale * cp_.size, dloss);
+    ctx.lse           = activation(device_, n, 1);
+    ctx.token_loss    = activation(device_, n, 1);
+    ctx.classifier_dx = activation(device_, n, config_.hidden_size, act);
+    for (int64_t p0 = 0; p0 < s; p0 += chunk) {
+        const int64_t pc = std::min(chunk, s - p0), r0 = p0 * b, rows = pc * b;
+        const Tensor  hidden = ctx.final_hidden.narrow(0, r0, rows);
+        Tensor        labels = ctx.batch.labels;   // (b, pc): the chunk's columns
+        if (pc < s) {
+            labels = Tensor::empty({b, pc}, DType::i32, device_, {MemoryKind::device, kActivationsPool});
+            ops.copy_columns(stream, ctx.batch.labels, p0, labels, 0, pc);
+        }
+        Tensor logits = activation(device_, rows, vocab_local_, act);
+        ops.gemm(stream, hidden, false, out_w.data, true, logits);
+        scale_by(logits, config_.mup_output_mult);   // µP's output multiplier
+        Tensor lse, loss;
+        cross_entropy(logits, labels, lse, loss);
+        ops.copy(stream, lse, ctx.lse.narrow(0, r0, rows));
+        ops.copy(stream, loss, ctx.token_loss.narrow(0, r0, rows));
+        ops.cross_entropy_backward(stream, logits, local_tokens(labels), lse, dloss.narrow(0, r0, rows), local_valid_vocab());
+        scale_by(logits, config_.mup_output_mult);
+        const Tensor dlogits = in_dtype(logits, out_w.data.dtype());
+        ops.gemm(stream, dlogits, false, out_w.data, false, ctx.classifier_dx.narrow(0, r0, rows));
+        accumulate_grads(stream, {out_w.main_grad}, [&](std::span<const Tensor> g) {
+            ops.gemm(stream, dlogits, true, hidden, false, g[0], /*accumulate=*/true);
+        });
+    }
+}
+
+int64_t GptModel::classifier_chunk_positions(int64_t s, int64_t b) const {
+    if (config_.classifier_chunk_positions > 0) return std::min(config_.classifier_chunk_positions, s);
+    const int64_t row_bytes = vocab_local_ * static_cast<int64_t>(dtype_size(config_.activations_dtype()));
+    return std::clamp<int64_t>(kClassifierChunkBytes / std::max<int64_t>(row_bytes * b, 1), 1, s);
 }
 
 void GptModel::cross_entropy(const Tensor & logits, const Tensor & labels, Tensor & lse, Tensor & token_loss) {

@@ -84,6 +84,9 @@ public:
     virtual Tensor backward(int chunk, int microbatch, int64_t layer, const Tensor & dy, const GradReadyFn & ready) = 0;
 };
 
+// The fused classifier's logits per chunk at most (GptConfig::classifier_chunk_positions 0): 64 MiB.
+inline constexpr int64_t kClassifierChunkBytes = int64_t{64} << 20;
+
 class GptModel {
 public:
     // With tensor parallelism (tp.size > 1) this rank holds its shard of every split parameter (layers.h)
@@ -114,6 +117,14 @@ public:
         std::vector<LayerRun>                  runs;
         LayerGraphs *                          graphs = nullptr;   // the replays of LayerRun::graph layers
         LossSum                                loss;           // last stage: this micro-batch's loss
+        // The fused classifier (GptConfig::classifier_fusion): the executor's loss scale and micro-batch count,
+        // given before a training forward (0: not given, the classifier runs unfused); the forward computes the
+        // output layer's gradients with the scale backward_stage will be given, loss_scale / (tokens x
+        // microbatches), and keeps the hidden states' gradient for it.
+        double                                 loss_scale   = 0;
+        int64_t                                microbatches = 0;
+        double                                 classifier_scale = 0;
+        Tensor                                 classifier_dx;   // (s*b, h): the output layer's input gradient
         bool                                   training = true;   // false: evaluation, no dropout
         Dropout                                embedding_dropout;
         std::vector<Tensor>                    checkpoints;    // full recompute: each group's input, at its first layer
@@ -252,6 +263,10 @@ private:
     void    scale_by(const Tensor & t, float factor);
     // Per-token cross-entropy of logits (s*b, V / tp) against labels (b, s): token_loss and lse, (s*b) each.
     void    cross_entropy(const Tensor & logits, const Tensor & labels, Tensor & lse, Tensor & token_loss);
+    // The fused classifier's forward (GptConfig::classifier_fusion), from ctx.final_hidden: ctx.lse,
+    // ctx.token_loss and ctx.classifier_dx, and `out_w`'s gradient accumulated into its main_grad.
+    void    fused_classifier(Context & ctx, Parameter & out_w);
+    int64_t classifier_chunk_positions(int64_t s, int64_t b) const;
     // The decoder's layers, then the MTP depths' (MoE bookkeeping spans both).
     std::vector<TransformerLayer *> all_layers() const;
     void    mtp_forward(Context & ctx, const MicroBatch & batch, const Tensor & h, const DropoutBatch & dropout_batch);

@@ -197,8 +197,10 @@ PipelineExecutor::Result PipelineExecutor::execute(const P2PPlan & plan, bool fo
             slot.ctx.chunk      = c;               // the layer graphs' (chunk, micro-batch, layer)
             slot.ctx.microbatch = mb;
             if (!forward_only) {
-                slot.ctx.runs   = runs_[static_cast<size_t>(c)];
-                slot.ctx.graphs = graphs_;
+                slot.ctx.runs         = runs_[static_cast<size_t>(c)];
+                slot.ctx.graphs       = graphs_;
+                slot.ctx.loss_scale   = loss_scale_;     // the fused classifier's gradients, in the forward
+                slot.ctx.microbatches = microbatches_;
             }
             start           = ms_since_begin();
             Tensor out      = model.forward_stage(slot.ctx, batch, input);

@@ -61,6 +61,9 @@ struct ModelFlags {
     // activation_func_clamp_value; the clamp's None: not given).
     bool        quick_geglu = false;
     bool        attention_output_gate = false;   // --attention-output-gate (TransformerConfig's)
+    bool        cross_entropy_loss_fusion = false;         // --cross-entropy-loss-fusion (ModelParallelConfig's)
+    std::string cross_entropy_fusion_impl = "native";      // --cross-entropy-fusion-impl
+    int64_t     cross_entropy_chunk_positions = 0;         // Loom's: positions per fused chunk (0: by bytes)
     // The gated delta-net (TransformerConfig's experimental_attention_variant and linear_* fields, Megatron's
     // defaults; "": None).
     std::string attention_variant, linear_attention_freq;

@@ -102,6 +102,15 @@ const Flag<ModelFlags> kModelFlags[] = {
      "the attention softmax: vanilla; off-by-one (a logit of 0 beside every query's scores); learnable (one trained "
      "logit per head, gpt-oss's attention sinks)", kShowDefault,
      {"softmax_type", [](const TrainOptions & o) -> json { return softmax_type_name(o.model.softmax_type); }, true}},
+    {"--cross-entropy-loss-fusion", kTransformer, &M::cross_entropy_loss_fusion,
+     "in training passes, the output layer, the loss and the logits' gradient computed together in the forward, "
+     "chunk by chunk of positions, so the whole logits never exist (docs/fused_classifier.md)"},
+    {"--cross-entropy-fusion-impl", kTransformer, &M::cross_entropy_fusion_impl,
+     "native (Loom's fused classifier) or te (refused, as Megatron refuses it with --cross-entropy-loss-fusion)",
+     kShowDefault},
+    {"--cross-entropy-chunk-positions", kLoomGroup, &M::cross_entropy_chunk_positions,
+     "with --cross-entropy-loss-fusion, the positions each chunk of logits covers (0: the most whose logits fit "
+     "64 MiB)", kShowDefault},
     {"--attention-output-gate", kTransformer, &M::attention_output_gate,
      "gate the attention's output: QKV also projects one gate per query column, and the output is multiplied by its "
      "sigmoid before the output projection (Qwen3-Next)", kPlain,
@@ -447,6 +456,17 @@ void resolve_model_shape(const ModelFlags & f, const Given & given, TrainOptions
                                                           : model::SoftmaxType::vanilla;
     }
     if (f.attention_output_gate) m.attention_output_gate = true;
+    // Megatron's choices and its assert (validate_args), then Loom's chunk.
+    LOOM_CHECK(f.cross_entropy_fusion_impl == "native" || f.cross_entropy_fusion_impl == "te",
+               "argument --cross-entropy-fusion-impl: invalid choice: '" << f.cross_entropy_fusion_impl
+                                                                       << "' (choose from 'native', 'te')", "");
+    LOOM_CHECK(!(f.cross_entropy_loss_fusion && f.cross_entropy_fusion_impl == "te"),
+               "Transformer Engine cross entropy loss fusion is disabled due to stability issues. Use "
+               "--cross-entropy-fusion-impl native, or omit --cross-entropy-loss-fusion.", "");
+    LOOM_CHECK(f.cross_entropy_chunk_positions >= 0,
+               "--cross-entropy-chunk-positions must be >= 0, got " << f.cross_entropy_chunk_positions, "0 sizes the chunks by bytes");
+    m.classifier_fusion          = f.cross_entropy_loss_fusion;
+    m.classifier_chunk_positions = f.cross_entropy_chunk_positions;
     if (f.quick_geglu) {   // gated, at the width Megatron gives it without --swiglu (4h unless given)
         LOOM_CHECK(!f.swiglu && !f.squared_relu, "--quick-geglu with --" << (f.swiglu ? "swiglu" : "squared-relu"),
                    "choose one MLP activation (Megatron asserts the same)");

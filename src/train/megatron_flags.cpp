@@ -61,9 +61,6 @@ constexpr NoOpFlag kNoOpFlags[] = {
      "Loom's save is parallel by construction: each element is written once, by the rank that steps it; the "
      "checkpoint is the same either way"},
     {"--ckpt-fully-parallel-save", nullptr, "deprecated upstream, where it has no effect either"},
-    {"--cross-entropy-loss-fusion", nullptr, "a kernel-fusion choice: Loom's loss is one fused softmax cross-entropy "
-                                             "in any case; the result is the same"},
-    {"--cross-entropy-fusion-impl", "native|te", "both compute the same vocabulary-parallel cross-entropy as Loom's"},
     {"--moe-permute-fusion", nullptr, "a kernel-fusion choice for the token permutation; the tokens moved are the same"},
     {"--enable-gpt-oss", nullptr,
      "ModelOpt's switch to YaRN RoPE with gpt-oss's values, read only where a ModelOpt checkpoint or a distillation "
