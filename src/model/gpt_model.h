@@ -84,8 +84,10 @@ public:
     virtual Tensor backward(int chunk, int microbatch, int64_t layer, const Tensor & dy, const GradReadyFn & ready) = 0;
 };
 
-// The fused classifier's logits per chunk at most (GptConfig::classifier_chunk_positions 0): 64 MiB.
-inline constexpr int64_t kClassifierChunkBytes = int64_t{64} << 20;
+// The fused classifier's logits per chunk at most (GptConfig::classifier_chunk_positions 0): 256
+// MiB, enough rows that each chunk's weight-gradient GEMM, which reads and writes the whole output weight's
+// main_grad, is bound by its arithmetic rather than by those bytes on a GPU.
+inline constexpr int64_t kClassifierChunkBytes = int64_t{256} << 20;
 
 class GptModel {
 public:

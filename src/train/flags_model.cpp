@@ -110,7 +110,7 @@ const Flag<ModelFlags> kModelFlags[] = {
      kShowDefault},
     {"--cross-entropy-chunk-positions", kLoomGroup, &M::cross_entropy_chunk_positions,
      "with --cross-entropy-loss-fusion, the positions each chunk of logits covers (0: the most whose logits fit "
-     "64 MiB)", kShowDefault},
+     "256 MiB)", kShowDefault},
     {"--attention-output-gate", kTransformer, &M::attention_output_gate,
      "gate the attention's output: QKV also projects one gate per query column, and the output is multiplied by its "
      "sigmoid before the output projection (Qwen3-Next)", kPlain,
