@@ -60,14 +60,8 @@ std::vector<std::string> pieces_of(std::string_view text) {
 
 // The UTF-8 symbol of a byte, as vocab.json spells it.
 std::string byte_symbol(uint8_t byte) {
-    uint32_t    cp = gpt2_byte_to_unicode(byte);
     std::string s;
-    if (cp < 0x80) {
-        s += static_cast<char>(cp);
-    } else {
-        s += static_cast<char>(0xC0 | cp >> 6);
-        s += static_cast<char>(0x80 | (cp & 0x3F));
-    }
+    append_utf8(s, gpt2_byte_to_unicode(byte));
     return s;
 }
 

@@ -106,19 +106,6 @@ constexpr std::array<int16_t, kByteSymbolEnd> kUnicodeToByte = [] {
     return table;
 }();
 
-void append_utf8(std::string & out, uint32_t cp) {
-    if (cp < 0x80) {
-        out += static_cast<char>(cp);
-    } else if (cp < 0x800) {
-        out += static_cast<char>(0xC0 | cp >> 6);
-        out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else {   // bytes_to_unicode symbols and the error messages need no more
-        out += static_cast<char>(0xE0 | cp >> 12);
-        out += static_cast<char>(0x80 | (cp >> 6 & 0x3F));
-        out += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-}
-
 // The bytes a vocabulary symbol stands for: each character through the inverse of bytes_to_unicode. A
 // symbol with a character outside the table (an added special token) stands for its own UTF-8 text.
 std::string symbol_bytes(const std::string & symbol) {
@@ -136,6 +123,27 @@ constexpr int64_t kMaxTokenId     = (int64_t{1} << 24) - 1;   // far above any r
 constexpr size_t  kMaxCachedWords = size_t{1} << 18;           // the word cache is cleared when it holds more
 
 }  // namespace
+
+// ---------------------------------------------------------------------------------------------------
+// UTF-8
+
+void append_utf8(std::string & out, uint32_t cp) {
+    if (cp < 0x80) {
+        out += static_cast<char>(cp);
+    } else if (cp < 0x800) {
+        out += static_cast<char>(0xC0 | cp >> 6);
+        out += static_cast<char>(0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+        out += static_cast<char>(0xE0 | cp >> 12);
+        out += static_cast<char>(0x80 | (cp >> 6 & 0x3F));
+        out += static_cast<char>(0x80 | (cp & 0x3F));
+    } else {
+        out += static_cast<char>(0xF0 | cp >> 18);
+        out += static_cast<char>(0x80 | (cp >> 12 & 0x3F));
+        out += static_cast<char>(0x80 | (cp >> 6 & 0x3F));
+        out += static_cast<char>(0x80 | (cp & 0x3F));
+    }
+}
 
 // ---------------------------------------------------------------------------------------------------
 // Pre-tokenisation

@@ -57,6 +57,9 @@ std::vector<std::string_view> gpt2_pretokenize(std::string_view text);
 // The code point bytes_to_unicode() maps a byte to (0x21 -> 0x21, 0x20 -> 0x120 "Ġ", 0x00 -> 0x100 "Ā").
 uint32_t gpt2_byte_to_unicode(uint8_t byte);
 
+// Appends code point `cp` (at most U+10FFFF) to `out` as UTF-8.
+void append_utf8(std::string & out, uint32_t cp);
+
 class Gpt2BpeTokenizer {
 public:
     // Reads and checks both files (see the top of this file).

@@ -2,7 +2,6 @@
 
 #include "core/error.h"
 
-#include <numeric>
 
 namespace loom::graphs {
 
@@ -11,13 +10,6 @@ namespace {
 // A static tensor like `t`, in memory the host fills and the device's kernels or copies read.
 Tensor static_like(const Tensor & t, Device & device) {
     return t.defined() ? Tensor::zeros(t.shape(), t.dtype(), device, {host_filled_kind(device)}) : Tensor();
-}
-
-// The token count forward_stage scales a micro-batch's loss by.
-double loss_tokens(const model::MicroBatch & batch) {
-    if (batch.sequence_tokens >= 0) return batch.sequence_tokens;
-    const float * mask = batch.loss_mask.data<float>();
-    return std::accumulate(mask, mask + batch.loss_mask.numel(), 0.0);
 }
 
 }  // namespace
@@ -40,7 +32,6 @@ FullIterationGraph::~FullIterationGraph() {
 void FullIterationGraph::copy_in(const std::vector<model::MicroBatch> & batches) {
     LOOM_CHECK(batches.size() == inputs_.size(), "a full-iteration graph of " << inputs_.size() << " micro-batches given "
                                                                               << batches.size(), "");
-    const int64_t vocab = model_.config().vocab_size;
     for (size_t k = 0; k < batches.size(); ++k) {
         const model::MicroBatch & from = batches[k];
         model::MicroBatch &       to   = inputs_[k];
@@ -49,12 +40,8 @@ void FullIterationGraph::copy_in(const std::vector<model::MicroBatch> & batches)
                    "micro-batch " << k << " of shape " << from.tokens.describe() << " for a full-iteration graph captured with "
                                   << to.tokens.describe(),
                    "a graph replays static shapes: every micro-batch must have the captured one's");
-        const int32_t * tokens = from.tokens.data<int32_t>();
-        for (int64_t i = 0; i < from.tokens.numel(); ++i) {
-            LOOM_CHECK(tokens[i] >= 0 && tokens[i] < vocab, "token id " << tokens[i] << " outside the vocabulary of " << vocab,
-                       "the dataset's vocabulary must fit the model's (--vocab-size / the tokenizer)");
-        }
-        const double tokens_now = loss_tokens(from);
+        model_.check_token_ids(from.tokens);
+        const double tokens_now = model::GptModel::loss_tokens(from);
         LOOM_CHECK(!captured() || tokens_now == captured_.losses.at(k).count,
                    "micro-batch " << k << " has " << tokens_now << " tokens in its loss, the full-iteration graph was "
                                   << "captured with " << captured_.losses.at(k).count,

@@ -191,6 +191,24 @@ Tensor GptModel::local_tokens(const Tensor & tokens) const {
     return local;
 }
 
+double GptModel::loss_tokens(const MicroBatch & batch) {
+    // Context parallelism: the loss is a mean over the whole sequences' tokens (this rank's sum is a share).
+    if (batch.sequence_tokens >= 0) return batch.sequence_tokens;
+    const float * mask = batch.loss_mask.data<float>();
+    double        count = 0;
+    for (int64_t i = 0; i < batch.loss_mask.numel(); ++i) count += mask[i];   // 0s and 1s: exact in any order
+    return count;
+}
+
+void GptModel::check_token_ids(const Tensor & tokens) const {
+    const int32_t * ids = tokens.data<int32_t>();
+    for (int64_t i = 0; i < tokens.numel(); ++i) {
+        LOOM_CHECK(ids[i] >= 0 && ids[i] < config_.vocab_size,
+                   "token id " << ids[i] << " outside the vocabulary of " << config_.vocab_size,
+                   "the dataset's vocabulary must fit the model's (--vocab-size / the tokenizer)");
+    }
+}
+
 double GptModel::masked_loss_sum(const Tensor & token_loss, const Tensor & mask) {
     const int64_t b = mask.size(0), s = mask.size(1);
     const Tensor  losses = host_readable(token_loss);
@@ -248,12 +266,7 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
                                                      << config_.seq_length, "");
         LOOM_CHECK(!cp_.enabled() || s % 2 == 0, "a context-parallel micro-batch of " << s << " positions",
                    "each rank holds two chunks of the same length");
-        const int32_t * tokens = batch.tokens.data<int32_t>();
-        for (int64_t i = 0; i < b * s; ++i) {
-            LOOM_CHECK(tokens[i] >= 0 && tokens[i] < config_.vocab_size,
-                       "token id " << tokens[i] << " outside the vocabulary of " << config_.vocab_size,
-                       "the dataset's vocabulary must fit the model's (--vocab-size / the tokenizer)");
-        }
+        check_token_ids(batch.tokens);
         call(hooks_.before_forward, [&] { return embedding_params(); });
         x = activation(device_, s * b, h, config_.activations_dtype());
         // Vocabulary-parallel: each rank embeds its tokens (zeros for the rest), rank 0 adds the positions,
@@ -307,11 +320,8 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
     ctx.final_hidden = in_dtype(tp_.sp() ? tp_.all_gather(normed_rows) : normed_rows, out_w.data.dtype());
     // The token count comes from the mask, which the host holds; the loss itself is read once the stream
     // has computed ctx.token_loss (masked_loss_sum, after a synchronization: forward() or the executor).
-    LossSum       result;
-    const float * mask = batch.loss_mask.data<float>();
-    for (int64_t r = 0; r < s * b; ++r) result.count += mask[(r % b) * s + r / b];
-    // Context parallelism: the loss is a mean over the whole sequences' tokens (this rank's sum is a share).
-    if (batch.sequence_tokens >= 0) result.count = batch.sequence_tokens;
+    LossSum result;
+    result.count = loss_tokens(batch);
     // Fused in a training pass whose scale is known, unless Megatron-FSDP shards the gradients (its buffers
     // are only there during the backward).
     if (config_.classifier_fusion && ctx.training && ctx.microbatches > 0 && !hooks_.before_backward) {

@@ -155,6 +155,11 @@ public:
     // in double, on the host: call it once the stream that computed token_loss has been waited on, with
     // token_loss in host memory (host_copy_async, read_after_stream: no further synchronization).
     static double masked_loss_sum(const Tensor & token_loss, const Tensor & mask);
+    // The token count a micro-batch's loss is a mean over (its loss mask's sum, or with context parallelism
+    // the whole sequences'), which scales its loss gradient.
+    static double loss_tokens(const MicroBatch & batch);
+    // Throws naming the id when a token of `tokens` (host memory) is outside the vocabulary.
+    void          check_token_ids(const Tensor & tokens) const;
     // Adds gradients of (loss_scale * sum of mask * token loss) into main_grad.
     void    backward(Context & ctx, double loss_scale, const GradReadyFn & ready);
 
