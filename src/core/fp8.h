@@ -64,9 +64,11 @@ LOOM_HOST_DEVICE inline float f32_from_fp8(uint8_t code, Fp8Format f) {
     } else if (f == Fp8Format::e5m2 && bexp == 31) {
         v = bits_to_float(0x7F800000u);   // Inf
     } else if (bexp == 0) {
-        v = ldexpf(static_cast<float>(mant), 1 - s.bias - mb);   // subnormal: mant x 2^(1 - bias - M)
+        // Subnormal: mant x 2^(1 - bias - M), the power of two built from its bits (exact, no library call).
+        v = static_cast<float>(mant) * bits_to_float(static_cast<uint32_t>(127 + 1 - s.bias - mb) << 23);
     } else {
-        v = ldexpf(static_cast<float>(mant + (1 << mb)), bexp - s.bias - mb);
+        // Normal: f32's exponent field bexp - bias + 127, the mantissa's M bits at the top of f32's 23.
+        v = bits_to_float((static_cast<uint32_t>(bexp - s.bias + 127) << 23) | (static_cast<uint32_t>(mant) << (23 - mb)));
     }
     return neg ? -v : v;
 }
