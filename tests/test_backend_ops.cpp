@@ -2902,3 +2902,120 @@ TEST(CrossEntropy, ForwardWithAnotherRanksLabelTakesATargetOfZero) {
     EXPECT_TRUE(close("cross_entropy lse", lse, ref_lse, kCrossEntropyTol, 1.0));
     EXPECT_TRUE(close("cross_entropy loss with a -1 label", loss, ref_loss, kCrossEntropyTol, 1.0));
 }
+
+// DeepSeek Sparse Attention's indexer ops (core/ops.h) against their definitions in double: 2 sequences of 11, 3
+// heads of 8 (the scores with and without the ReLU, and their gradients from random dscores), the target of packed
+// rows of 2 heads of 6 (f32 and bf16 rows; each row of it sums to the heads' count) and the KL loss with its
+// gradient. Within 1e-5 of each tensor's largest value (f32 sums of at most 11 x 3 x 8 terms); the masked
+// entries exactly -inf (scores) and 0 (target, dscores).
+TEST(OpsDsa, IndexerScoresTargetAndLossFollowTheirDefinitions) {
+    const int64_t s = 11, b = 2, n = s * b, H = 3, d = 8;
+    const Tensor  q = random_f32({n, H * d}, 9301), k = random_f32({n, d}, 9302), w = random_f32({n, H}, 9303);
+    const Tensor  dscores = random_f32({b, s, s}, 9304);
+    const std::vector<double> qv = values(q), kv = values(k), wv = values(w), gv = values(dscores);
+    auto z = [&](int64_t bi, int64_t i, int64_t h, int64_t j) {
+        double dot = 0;
+        for (int64_t x = 0; x < d; ++x) dot += qv[((i * b + bi) * H + h) * d + x] * kv[(j * b + bi) * d + x];
+        return dot;
+    };
+    for (const bool relu : {true, false}) {
+        const std::string what = relu ? " with relu" : " without relu";
+        Tensor scores = empty({b, s, s}), dq = empty({n, H * d}), dk = empty({n, d}), dw = empty({n, H});
+        ops().dsa_index_scores(stream(), q, k, w, s, b, relu, scores);
+        ops().dsa_index_scores_backward(stream(), q, k, w, dscores, s, b, relu, dq, dk, dw);
+        synchronize();
+        std::vector<double> ref(static_cast<size_t>(b * s * s), 0.0), rdq(static_cast<size_t>(n * H * d), 0.0);
+        std::vector<double> rdk(static_cast<size_t>(n * d), 0.0), rdw(static_cast<size_t>(n * H), 0.0);
+        for (int64_t bi = 0; bi < b; ++bi) {
+            for (int64_t i = 0; i < s; ++i) {
+                const int64_t ri = i * b + bi;
+                for (int64_t j = 0; j <= i; ++j) {
+                    const double g = gv[(bi * s + i) * s + j];
+                    for (int64_t h = 0; h < H; ++h) {
+                        const double zz = z(bi, i, h, j), act = relu ? std::max(zz, 0.0) : zz;
+                        ref[(bi * s + i) * s + j] += wv[ri * H + h] * act;
+                        rdw[ri * H + h] += g * act;
+                        const double dz = (!relu || zz > 0) ? g * wv[ri * H + h] : 0.0;
+                        for (int64_t x = 0; x < d; ++x) {
+                            rdq[(ri * H + h) * d + x] += dz * kv[(j * b + bi) * d + x];
+                            rdk[(j * b + bi) * d + x] += dz * qv[(ri * H + h) * d + x];
+                        }
+                    }
+                }
+            }
+        }
+        std::vector<double> causal = ref;
+        for (int64_t bi = 0; bi < b; ++bi) {
+            for (int64_t i = 0; i < s; ++i) {
+                for (int64_t j = i + 1; j < s; ++j) {
+                    EXPECT_EQ(scores.data<float>()[(bi * s + i) * s + j], -std::numeric_limits<float>::infinity());
+                    causal[(bi * s + i) * s + j] = 0.0;
+                }
+            }
+        }
+        std::vector<float> got = floats(scores);
+        for (size_t e = 0; e < got.size(); ++e) {
+            if (std::isinf(got[e])) got[e] = 0.0f;
+        }
+        EXPECT_TRUE(close_to_max("scores" + what, got.data(), causal, 1e-5));
+        EXPECT_TRUE(close_to_max("dq" + what, dq.data<float>(), rdq, 1e-5));
+        EXPECT_TRUE(close_to_max("dk" + what, dk.data<float>(), rdk, 1e-5));
+        EXPECT_TRUE(close_to_max("dw" + what, dw.data<float>(), rdw, 1e-5));
+    }
+
+    const int64_t heads = 2, hd = 6, stride = 3 * heads * hd;
+    const float   scale = 0.4f;
+    for (const DType dtype : {DType::f32, DType::bf16}) {
+        const std::string what = dtype == DType::f32 ? " (f32 rows)" : " (bf16 rows)";
+        const Tensor rows = random_tensor({n, stride}, dtype, 9305, -2.0f, 2.0f);
+        const std::vector<double> rv = values(rows);
+        Tensor target = empty({b, s, s});
+        ops().dsa_attention_target(stream(), rows, AttentionShape(s, b, heads, heads, hd, stride), scale, target);
+        synchronize();
+        std::vector<double> ref(static_cast<size_t>(b * s * s), 0.0);
+        for (int64_t bi = 0; bi < b; ++bi) {
+            for (int64_t i = 0; i < s; ++i) {
+                for (int64_t h = 0; h < heads; ++h) {
+                    std::vector<double> logit(static_cast<size_t>(i + 1));
+                    double              mx = -1e300, sum = 0;
+                    for (int64_t j = 0; j <= i; ++j) {
+                        double dot = 0;
+                        for (int64_t x = 0; x < hd; ++x) {
+                            dot += rv[(i * b + bi) * stride + h * hd + x] * rv[(j * b + bi) * stride + heads * hd + h * hd + x];
+                        }
+                        logit[j] = scale * dot;
+                        mx       = std::max(mx, logit[j]);
+                    }
+                    for (int64_t j = 0; j <= i; ++j) sum += std::exp(logit[j] - mx);
+                    for (int64_t j = 0; j <= i; ++j) ref[(bi * s + i) * s + j] += std::exp(logit[j] - mx) / sum;
+                }
+            }
+        }
+        EXPECT_TRUE(close_to_max("target" + what, target.data<float>(), ref, 1e-5));
+    }
+
+    // The loss from a target of positive weights (rows summing to anything) and scores of either sign.
+    const Tensor scores = random_f32({b, s, s}, 9306, -3.0f, 3.0f), target = random_f32({b, s, s}, 9307, 0.0f, 2.0f);
+    const float  weight = 0.3f;
+    Tensor       kl = empty({n}), grad = empty({b, s, s});
+    ops().dsa_indexer_loss(stream(), scores, target, weight, kl, grad);
+    synchronize();
+    const std::vector<double> sv = values(scores), tv = values(target);
+    std::vector<double>       rkl(static_cast<size_t>(n), 0.0), rgrad(static_cast<size_t>(b * s * s), 0.0);
+    for (int64_t row = 0; row < n; ++row) {
+        const int64_t i = row % s;
+        double        total = 0, mx = -1e300, sum = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+            total += tv[row * s + j];
+            mx = std::max(mx, sv[row * s + j]);
+        }
+        for (int64_t j = 0; j <= i; ++j) sum += std::exp(sv[row * s + j] - mx);
+        for (int64_t j = 0; j <= i; ++j) {
+            const double T = tv[row * s + j] / total, log_p = sv[row * s + j] - mx - std::log(sum);
+            rkl[row] += weight * T * (std::log(std::max(T, 1e-10)) - log_p);
+            rgrad[row * s + j] = weight * (std::exp(log_p) - T);
+        }
+    }
+    EXPECT_TRUE(close_to_max("kl", kl.data<float>(), rkl, 1e-5));
+    EXPECT_TRUE(close_to_max("dscores", grad.data<float>(), rgrad, 1e-5));
+}

@@ -837,6 +837,62 @@ TEST(CudaOps, DeltaNetNormAndGatesMatchTheCpu) {
     }
 }
 
+// DeepSeek Sparse Attention's indexer ops on the device: the scores (with and without the ReLU) and their gradients,
+// 2 sequences of 13 with 3 heads of 8; the target of packed rows of 2 heads of 6 in f32 and bf16; the KL loss and its
+// gradient. The same f32 operations in the CPU's order, so bitwise on cuda-emu (whose expf and logf are the host's);
+// within 1e-5 of each output's largest on a GPU. The masked scores are -inf there too (compared bitwise).
+TEST(CudaOps, DsaIndexerOpsMatchTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    const int64_t s = 13, b = 2, n = s * b, H = 3, d = 8;
+    const Tensor  q = random_cpu({n, H * d}, 5101), k = random_cpu({n, d}, 5102), w = random_cpu({n, H}, 5103);
+    const Tensor  dscores = random_cpu({b, s, s}, 5104);
+    for (const bool relu : {true, false}) {
+        const std::string what = relu ? "dsa scores with relu" : "dsa scores without relu";
+        Tensor sc = cpu_tensor({b, s, s}), dqc = cpu_tensor({n, H * d}), dkc = cpu_tensor({n, d}), dwc = cpu_tensor({n, H});
+        cops().dsa_index_scores(cs(), q, k, w, s, b, relu, sc);
+        cops().dsa_index_scores_backward(cs(), q, k, w, dscores, s, b, relu, dqc, dkc, dwc);
+        cs().synchronize();
+        Tensor sg = Tensor::empty({b, s, s}, DType::f32, gpu()), dqg = Tensor::empty({n, H * d}, DType::f32, gpu());
+        Tensor dkg = Tensor::empty({n, d}, DType::f32, gpu()), dwg = Tensor::empty({n, H}, DType::f32, gpu());
+        const Tensor qg = to_gpu(q), kg = to_gpu(k), wg = to_gpu(w);
+        gops().dsa_index_scores(gs(), qg, kg, wg, s, b, relu, sg);
+        gops().dsa_index_scores_backward(gs(), qg, kg, wg, to_gpu(dscores), s, b, relu, dqg, dkg, dwg);
+        gs().synchronize();
+        const Tensor back = to_cpu(sg);   // the -inf entries: bitwise on every device
+        for (int64_t e = 0; e < b * s * s; ++e) {
+            if (e % s > e / s % s) EXPECT_EQ(back.data<float>()[e], -std::numeric_limits<float>::infinity()) << what << " " << e;
+        }
+        Tensor finite_c = clone_cpu(sc), finite_g = clone_cpu(back);
+        for (Tensor * t : {&finite_c, &finite_g}) {
+            for (int64_t e = 0; e < t->numel(); ++e) {
+                if (std::isinf(t->data<float>()[e])) t->data<float>()[e] = 0.0f;
+            }
+        }
+        expect_each_matches_cpu({{&finite_c, &finite_g, "scores"}, {&dqc, &dqg, "dq"}, {&dkc, &dkg, "dk"}, {&dwc, &dwg, "dw"}},
+                                1e-5, what, true);
+    }
+    const int64_t heads = 2, hd = 6, stride = 3 * heads * hd;
+    for (const DType dtype : {DType::f32, DType::bf16}) {
+        const std::string what = dtype == DType::f32 ? "dsa target f32" : "dsa target bf16";
+        const Tensor rows = random_cpu({n, stride}, 5105, 2.0f, dtype);
+        const AttentionShape shape(s, b, heads, heads, hd, stride);
+        Tensor tc = cpu_tensor({b, s, s}), tg = Tensor::empty({b, s, s}, DType::f32, gpu());
+        cops().dsa_attention_target(cs(), rows, shape, 0.4f, tc);
+        cs().synchronize();
+        gops().dsa_attention_target(gs(), to_gpu(rows), shape, 0.4f, tg);
+        expect_each_matches_cpu({{&tc, &tg, "target"}}, 1e-5, what, true);
+    }
+    const Tensor scores = random_cpu({b, s, s}, 5106, 3.0f), target = random_cpu({b, s, s}, 5107);
+    Tensor       positive = clone_cpu(target);   // a target's entries are probabilities' sums: >= 0
+    for (int64_t e = 0; e < positive.numel(); ++e) positive.data<float>()[e] = std::fabs(positive.data<float>()[e]);
+    Tensor klc = cpu_tensor({n}), gc = cpu_tensor({b, s, s});
+    cops().dsa_indexer_loss(cs(), scores, positive, 0.3f, klc, gc);
+    cs().synchronize();
+    Tensor klg = Tensor::empty({n}, DType::f32, gpu()), gg = Tensor::empty({b, s, s}, DType::f32, gpu());
+    gops().dsa_indexer_loss(gs(), to_gpu(scores), to_gpu(positive), 0.3f, klg, gg);
+    expect_each_matches_cpu({{&klc, &klg, "kl"}, {&gc, &gg, "dscores"}}, 1e-5, "dsa loss", true);
+}
+
 // The output gate's op on the device, with both activations (sigmoid: --attention-output-gate; SiLU: the gated
 // delta-net's gated norm): 70 rows of 37 gates at column 11 of rows of 60, in f32 and bf16, against the CPU's (the
 // same f32 operations in the same order, exp against the device's expf): within 1e-6 in f32 (2e-5 with SiLU's

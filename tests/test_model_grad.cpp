@@ -10,6 +10,7 @@
 #include "backend/cpu/ops.h"
 #include "backend/cpu/vec_math.h"
 #include "core/device.h"
+#include "model/dsa_indexer.h"
 #include "model/gated_delta_net.h"
 #include "model/gpt_model.h"
 
@@ -18,6 +19,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -1163,6 +1165,227 @@ TEST(GatedDeltaNet, MatchesMegatronsFormulationWrittenOut) {
     for (int64_t i = 0; i < n * h; ++i) worst = std::max(worst, std::fabs(y.data<float>()[i] - expected[static_cast<size_t>(i)]));
     EXPECT_GT(largest, 0.1) << "the output carries signal";
     EXPECT_LT(worst, 1e-5 * largest) << "largest |y| " << largest;
+}
+
+// DeepSeek Sparse Attention: the indexer's weights against finite differences of its loss alone, every other weight
+// against the language-model loss alone (the indexer's inputs and target are detached: its loss sends nothing into
+// the main model), over two MLA layers with a query latent. Three indexer heads of 8 (wider than MLA's RoPE part of
+// 4) with the top-k every key; the default (Hadamard rotation, ReLU scores, RoPE in halves), then neither rotation nor
+// ReLU and interleaved RoPE. A loss coefficient of 50 so its gradients carry signal at f32.
+namespace {
+
+model::GptConfig dsa_grad_config(bool defaults) {
+    model::GptConfig c              = mla_grad_config(true, true);
+    c.add_bias_linear               = false;
+    c.dsa                           = true;
+    c.dsa_indexer_n_heads           = 3;
+    c.dsa_indexer_head_dim          = 8;
+    c.dsa_indexer_topk              = c.seq_length;
+    c.dsa_indexer_loss_coeff        = 50.0f;
+    c.dsa_indexer_rotate_activation = defaults;
+    c.dsa_indexer_scoring_relu      = defaults;
+    c.dsa_indexer_rope_interleaved  = !defaults;
+    return c;
+}
+
+}  // namespace
+
+TEST(GptModel, DsaIndexerGradientsMatchFiniteDifferencesOfItsLossAlone) {
+    for (const bool defaults : {true, false}) {
+        SCOPED_TRACE(defaults ? "rotation, ReLU, RoPE in halves" : "no rotation, no ReLU, interleaved RoPE");
+        const model::GptConfig config = dsa_grad_config(defaults);
+        Device &               device = cpu::device();
+        model::GptModel        gpt(config, device);
+        gpt.init();
+        for (model::Parameter * p : gpt.parameters()) {
+            if (p->data.dim() != 2) continue;
+            for (int64_t i = 0; i < p->numel(); ++i) p->data.data<float>()[i] *= 10.0f;
+        }
+        model::MicroBatch batch = make_batch(2, config.seq_length, config.vocab_size, 12, device);
+        double            indexer_loss = 0.0;
+        auto              main_loss    = [&] {
+            model::GptModel::Context ctx;
+            const double             sum = gpt.forward(ctx, batch).sum;
+            indexer_loss                  = gpt.take_dsa_losses();
+            return sum;
+        };
+        auto dsa_loss = [&] {
+            main_loss();
+            return indexer_loss;
+        };
+        gpt.zero_grad();
+        model::GptModel::Context ctx;
+        gpt.forward(ctx, batch);
+        EXPECT_GT(gpt.take_dsa_losses(), 1e-3) << "the indexer's loss carries signal";
+        std::vector<std::string> ready;
+        gpt.backward(ctx, 1.0, [&](model::Parameter & p) { ready.push_back(p.name); });
+        device.compute_stream().synchronize();
+        const std::vector<model::Parameter *> params = gpt.parameters();
+        EXPECT_EQ(ready.size(), params.size()) << "every parameter is reported ready exactly once";
+        int indexer_tensors = 0;
+        for (model::Parameter * p : params) {
+            const bool indexer = p->name.find(".indexer.") != std::string::npos;
+            indexer_tensors += indexer ? 1 : 0;
+            std::vector<float> grad(p->main_grad.data<float>(), p->main_grad.data<float>() + p->numel());
+            // The indexer's: a step of 1e-3, across which fewer of the scores' ReLUs change sides.
+            check_gradient(p->name, p->data.data<float>(), p->numel(), grad.data(),
+                           indexer ? std::function<double()>(dsa_loss) : std::function<double()>(main_loss), kModelProbes,
+                           indexer ? 1e-3f : 1e-2f, 5e-3);
+        }
+        EXPECT_EQ(indexer_tensors, 2 * 5) << "wq_b, wk, the key norm's weight and bias and weights_proj of each layer";
+    }
+}
+
+// One DSA layer's indexer loss against its definition written out in double from the layer's weights and input
+// (Megatron's DSAIndexer and compute_dsa_indexer_loss): q = RoPE(W_qb qr) and k = RoPE(LayerNorm(W_k x)) per
+// head, RoPE over the first 4 elements in halves (rotate_half), each rotated by Hadamard's matrix over 8 / sqrt(8),
+// w = W_w x / sqrt(3 x 8), the scores, the main attention's causal probabilities summed over the heads (from the
+// layer's own MLA rows, which MultiLatentAttention.MatchesMegatronsFormulationWrittenOut checks) and normalised,
+// and the mean over rows of KL(target || softmax(scores)) times the coefficient. Within 1e-5 relative.
+TEST(DsaIndexer, LossMatchesMegatronsFormulationWrittenOut) {
+    model::GptConfig c = dsa_grad_config(true);
+    c.seq_length       = 9;
+    c.dsa_indexer_topk = 9;
+    const int64_t s = c.seq_length, b = 2, n = s * b, h = c.hidden_size, a = c.num_attention_heads;
+    const int64_t H = c.dsa_indexer_n_heads, d = c.dsa_indexer_head_dim, dr = c.qk_pos_emb_head_dim, rq = c.q_lora_rank;
+    const int64_t dqk = c.qk_head_dim + dr;
+    Device &             device = cpu::device();
+    model::SelfAttention attn("attention", c, device);
+    attn.init(7, 0.3f, 0.3f);
+    const std::vector<float> xv = random_vector(n * h, 71);
+    Tensor                   x  = Tensor::empty({n, h}, DType::f32, device);
+    std::memcpy(x.data<float>(), xv.data(), xv.size() * sizeof(float));
+    model::SelfAttention::Context ctx;
+    ctx.training = true;
+    attn.forward(ctx, x, s, b);
+    device.compute_stream().synchronize();
+    const double got = attn.indexer->loss.data<float>()[0];
+
+    auto linear = [](const std::vector<double> & in, int64_t rows, int64_t width, const model::Linear & l, int64_t out_width) {
+        const float *       w = l.weight.data.data<float>();
+        std::vector<double> out(static_cast<size_t>(rows * out_width), 0.0);
+        for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t o = 0; o < out_width; ++o) {
+                for (int64_t i = 0; i < width; ++i) out[r * out_width + o] += in[r * width + i] * w[o * width + i];
+            }
+        }
+        return out;
+    };
+    const std::vector<double> xd(xv.begin(), xv.end());
+    // qr: the query latent after its RMSNorm (Megatron's q_layernorm with --qk-layernorm).
+    std::vector<double> qr = linear(xd, n, h, *attn.mla->q_down, rq);
+    for (int64_t r = 0; r < n; ++r) {
+        double ms = 0;
+        for (int64_t i = 0; i < rq; ++i) ms += qr[r * rq + i] * qr[r * rq + i];
+        const double rstd = 1.0 / std::sqrt(ms / static_cast<double>(rq) + c.norm_epsilon);
+        for (int64_t i = 0; i < rq; ++i) qr[r * rq + i] *= rstd * attn.mla->q_norm->weight.data.data<float>()[i];
+    }
+    const model::DsaIndexer & ix = *attn.indexer;
+    std::vector<double>       q = linear(qr, n, rq, ix.wq_b, H * d), k = linear(xd, n, h, ix.wk, d);
+    const std::vector<double> w = linear(xd, n, h, ix.weights_proj, H);
+    for (int64_t r = 0; r < n; ++r) {   // k's LayerNorm (eps 1e-5, its weight 1 and bias 0 at init)
+        double mean = 0, var = 0;
+        for (int64_t i = 0; i < d; ++i) mean += k[r * d + i] / static_cast<double>(d);
+        for (int64_t i = 0; i < d; ++i) var += (k[r * d + i] - mean) * (k[r * d + i] - mean) / static_cast<double>(d);
+        for (int64_t i = 0; i < d; ++i) k[r * d + i] = (k[r * d + i] - mean) / std::sqrt(var + c.norm_epsilon);
+    }
+    // rotate_half RoPE on the first dr elements at position r / b, base 10000 (YaRN at factor 1), then Hadamard.
+    auto turn = [&](double * t, int64_t position) {
+        std::vector<double> pe(t, t + dr);
+        for (int64_t i = 0; i < dr; ++i) {
+            const double angle = static_cast<double>(position) * std::pow(10000.0, -2.0 * static_cast<double>(i % (dr / 2)) / dr);
+            const double rot   = i < dr / 2 ? -pe[i + dr / 2] : pe[i - dr / 2];
+            t[i]               = pe[i] * std::cos(angle) + rot * std::sin(angle);
+        }
+        std::vector<double> v(t, t + d);
+        for (int64_t o = 0; o < d; ++o) {
+            double sum = 0;
+            for (int64_t i = 0; i < d; ++i) sum += ((std::popcount(static_cast<unsigned>(o & i)) % 2) ? -v[i] : v[i]);
+            t[o] = sum / std::sqrt(static_cast<double>(d));
+        }
+    };
+    for (int64_t r = 0; r < n; ++r) {
+        for (int64_t hd = 0; hd < H; ++hd) turn(&q[(r * H + hd) * d], r / b);
+        turn(&k[r * d], r / b);
+    }
+    // The main attention's rows: [Q | K | V] of a heads of dqk each, Loom's layout, f32.
+    const float * rows   = ctx.qkv.data<float>();
+    const int64_t stride = 3 * a * dqk;
+    const double  scale  = 1.0 / std::sqrt(static_cast<double>(dqk));
+    double        want   = 0;
+    for (int64_t bi = 0; bi < b; ++bi) {
+        for (int64_t i = 0; i < s; ++i) {
+            const int64_t       ri = i * b + bi;
+            std::vector<double> target(static_cast<size_t>(i + 1), 0.0), score(static_cast<size_t>(i + 1), 0.0);
+            for (int64_t hd = 0; hd < a; ++hd) {
+                std::vector<double> logit(static_cast<size_t>(i + 1));
+                double              top = -1e300, sum = 0;
+                for (int64_t j = 0; j <= i; ++j) {
+                    double dot = 0;
+                    for (int64_t x2 = 0; x2 < dqk; ++x2) dot += rows[ri * stride + hd * dqk + x2] * rows[(j * b + bi) * stride + (a + hd) * dqk + x2];
+                    logit[j] = scale * dot;
+                    top      = std::max(top, logit[j]);
+                }
+                for (int64_t j = 0; j <= i; ++j) sum += std::exp(logit[j] - top);
+                for (int64_t j = 0; j <= i; ++j) target[j] += std::exp(logit[j] - top) / sum;
+            }
+            double total = 0, top = -1e300, sum = 0;
+            for (int64_t j = 0; j <= i; ++j) {
+                total += target[j];
+                for (int64_t hd = 0; hd < H; ++hd) {
+                    double dot = 0;
+                    for (int64_t x2 = 0; x2 < d; ++x2) dot += q[(ri * H + hd) * d + x2] * k[(j * b + bi) * d + x2];
+                    score[j] += w[ri * H + hd] / std::sqrt(static_cast<double>(H * d)) * std::max(dot, 0.0);
+                }
+                top = std::max(top, score[j]);
+            }
+            for (int64_t j = 0; j <= i; ++j) sum += std::exp(score[j] - top);
+            for (int64_t j = 0; j <= i; ++j) {
+                const double T = target[j] / total;
+                want += T * (std::log(T) - (score[j] - top - std::log(sum)));
+            }
+        }
+    }
+    want *= c.dsa_indexer_loss_coeff / static_cast<double>(n);
+    EXPECT_GT(want, 1e-3) << "the loss carries signal";
+    EXPECT_NEAR(got, want, 1e-5 * want);
+}
+
+// The indexer learns from its loss alone: on one DSA layer with fixed main weights (so a fixed target), twenty plain
+// gradient steps on the indexer's weights take its KL to under half of where it started, every step lower.
+TEST(DsaIndexer, GradientStepsOnItsWeightsAloneLowerItsLoss) {
+    model::GptConfig c = dsa_grad_config(true);
+    c.seq_length       = 16;
+    c.dsa_indexer_topk = 16;
+    c.dsa_indexer_loss_coeff = 1.0f;
+    const int64_t s = c.seq_length, b = 2, n = s * b, h = c.hidden_size;
+    Device &             device = cpu::device();
+    model::SelfAttention attn("attention", c, device);
+    attn.init(7, 0.3f, 0.3f);
+    std::vector<model::Parameter *> indexer;
+    attn.indexer->parameters(indexer);
+    const std::vector<float> xv = random_vector(n * h, 72);
+    Tensor                   x  = Tensor::empty({n, h}, DType::f32, device);
+    std::memcpy(x.data<float>(), xv.data(), xv.size() * sizeof(float));
+    const Tensor        dy = Tensor::zeros({n, h}, DType::f32, device);
+    std::vector<double> losses;
+    for (int step = 0; step < 20; ++step) {
+        for (model::Parameter * p : indexer) std::memset(p->main_grad.data_ptr(), 0, static_cast<size_t>(p->main_grad.nbytes()));
+        model::SelfAttention::Context ctx;
+        ctx.training = true;
+        attn.forward(ctx, x, s, b);
+        attn.backward(ctx, dy, [](model::Parameter &) {});
+        device.compute_stream().synchronize();
+        losses.push_back(attn.indexer->loss.data<float>()[0]);
+        attn.indexer->loss.data<float>()[0] = 0.0f;
+        for (model::Parameter * p : indexer) {
+            for (int64_t i = 0; i < p->numel(); ++i) p->data.data<float>()[i] -= 2.0f * p->main_grad.data<float>()[i];
+        }
+    }
+    std::printf("dsa indexer alone: KL %.5f -> %.5f over 20 steps\n", losses.front(), losses.back());
+    EXPECT_GT(losses.front(), 1e-2) << "the untrained indexer is far from the attention";
+    for (size_t i = 1; i < losses.size(); ++i) EXPECT_LT(losses[i], losses[i - 1]) << "step " << i;
+    EXPECT_LT(losses.back(), 0.5 * losses.front());
 }
 
 TEST(GptModel, GradientsAccumulateAcrossMicrobatches) {

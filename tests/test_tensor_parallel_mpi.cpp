@@ -35,6 +35,10 @@ comm::MpiContext * g_mpi = nullptr;
 // --cross-entropy-loss-fusion in every run of a test that sets it (the reference's and the layout's): chunks of 5
 // of the 32 positions, the last one short.
 bool g_fused_classifier = false;
+// DeepSeek Sparse Attention on the DeepSeek-style model's MLA layers (without its MTP depth, which Loom refuses with
+// DSA): an indexer of 2 heads of 16 with the top-k every key and a loss coefficient of 1, in every run of a test that
+// sets it.
+bool g_dsa = false;
 
 train::TrainOptions small_options(bool llama, bool mla = false, bool muon = false, bool sinks = false, bool gdn = false);
 
@@ -42,6 +46,14 @@ train::TrainOptions options_of(bool llama, bool mla, bool muon, bool sinks, bool
     train::TrainOptions o = small_options(llama, mla, muon, sinks, gdn);
     o.model.classifier_fusion          = g_fused_classifier;
     o.model.classifier_chunk_positions = g_fused_classifier ? 5 : 0;
+    if (g_dsa) {
+        o.model.mtp_num_layers         = 0;
+        o.model.dsa                    = true;
+        o.model.dsa_indexer_n_heads    = 2;
+        o.model.dsa_indexer_head_dim   = 16;
+        o.model.dsa_indexer_topk       = o.model.seq_length;
+        o.model.dsa_indexer_loss_coeff = 1.0f;
+    }
     return o;
 }
 
@@ -144,6 +156,7 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, int recomput
 void expect_follows_reference(int tp, int pp, bool distopt, bool llama, bool sp = false, int recompute = 0, bool mla = false,
                               bool muon = false, bool sinks = false, bool gdn = false) {
     const std::string name = std::string(mla ? "mla" : llama ? "llama" : "gpt") + (g_fused_classifier ? " fused classifier" : "") +
+                             (g_dsa ? " dsa" : "") +
                              (muon ? " muon" : "") + (sinks ? " sinks+gate" : "") +
                              (gdn ? " gated delta-net" : "") +
                              " tp " + std::to_string(tp) + " pp " +
@@ -234,6 +247,20 @@ TEST(TensorParallel, MultiLatentAttentionAndMtpFollowTheSingleRankRun) {
     } else {
         GTEST_SKIP() << "runs with 2 and 4 ranks";
     }
+}
+
+// DeepSeek Sparse Attention's indexer, whole on every rank: its inputs (the attention's input and the query latent)
+// gathered under SP, the main attention's head-summed probabilities summed over the group, so its loss and its weights'
+// gradients are the single rank's on every rank. TP 2 + SP, and TP 2 + SP x PP 2 with ZeRO-1.
+TEST(TensorParallel, DsaIndexerFollowsTheSingleRankRun) {
+    g_dsa = true;
+    if (g_mpi->world_size() == 2) {
+        expect_follows_reference(2, 1, false, true, true, 0, true);
+    } else if (g_mpi->world_size() == 4) {
+        expect_follows_reference(2, 2, true, true, true, 0, true);
+    }
+    g_dsa = false;
+    if (g_mpi->world_size() != 2 && g_mpi->world_size() != 4) GTEST_SKIP() << "runs with 2 and 4 ranks";
 }
 
 // Muon (optim/muon.h) orthogonalizes each whole matrix: the TP shards of the column-parallel QKV (its Q, K and

@@ -1253,7 +1253,7 @@ TEST(MegatronCommandLine, GatedDeltaNetFollowsMegatronsRules) {
          "argument --experimental-attention-variant: invalid choice: 'mamba' (choose from 'gdn', 'gdn2', 'dsa', 'gated_delta_net')"},
         {{"--experimental-attention-variant", "gdn2", "--linear-attention-freq", "2"},
          "--experimental-attention-variant gdn2 is not supported by Loom"},
-        {{"--experimental-attention-variant", "dsa"}, "--experimental-attention-variant dsa is not supported by Loom"},
+        {{"--experimental-attention-variant", "dsa"}, "Currently only MLA supports sparse attention."},
         {{"--experimental-attention-variant", "gated_delta_net"}, "linear_attention_freq must be set for linear gdn."},
         {{"--linear-attention-freq", "2"}, "--linear-attention-freq without --experimental-attention-variant"},
         {{"--linear-num-key-heads", "2"}, "--linear-num-key-heads without --experimental-attention-variant"},
@@ -1281,6 +1281,132 @@ TEST(MegatronCommandLine, GatedDeltaNetFollowsMegatronsRules) {
          "must be multiples of --tensor-model-parallel-size x --context-parallel-size = 2"},
     };
     expect_refused(split, 2);
+}
+
+// --experimental-attention-variant dsa with Megatron's gpt3_mcore_te_tp2_pp2_dsa flags (its sizes shrunk, the top-k
+// above the sequence as there): the indexer's sizes, the defaults of the flags it leaves out (TransformerConfig's:
+// the Hadamard rotation and the ReLU on, RoPE in halves), the parameters it adds per layer, the recorded args; and
+// the refusals, Megatron's and Loom's.
+TEST(MegatronCommandLine, DsaFollowsMegatronsRules) {
+    const std::vector<std::string> mla = {"--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
+                                          "4", "--seq-length", "64", "--max-position-embeddings", "64",
+                                          "--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16",
+                                          "--qk-head-dim", "12", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12",
+                                          "--disable-bias-linear"};
+    std::vector<std::string> dsa = mla;
+    for (const char * a : {"--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "4", "--dsa-indexer-head-dim",
+                           "16", "--dsa-indexer-topk", "2048", "--dsa-indexer-loss-coeff", "0.01"}) {
+        dsa.push_back(a);
+    }
+    const train::TrainOptions o = parse_train(dsa);
+    const model::GptConfig &  m = o.model;
+    EXPECT_TRUE(m.dsa);
+    EXPECT_EQ(m.dsa_indexer_n_heads, 4);
+    EXPECT_EQ(m.dsa_indexer_head_dim, 16);
+    EXPECT_EQ(m.dsa_indexer_topk, 2048);
+    EXPECT_FLOAT_EQ(m.dsa_indexer_loss_coeff, 0.01f);
+    EXPECT_TRUE(m.dsa_indexer_rotate_activation);
+    EXPECT_TRUE(m.dsa_indexer_scoring_relu);
+    EXPECT_FALSE(m.dsa_indexer_rope_interleaved);
+    EXPECT_EQ(m.dsa_indexer_k_norm_epsilon, 0.0f) << "the norm's epsilon: --norm-epsilon's";
+    // Per layer: wq_b 24 x (4 x 16), wk 64 x 16, the key norm's weight and bias, weights_proj 64 x 4.
+    EXPECT_EQ(m.num_parameters() - parse_train(mla).model.num_parameters(), 2 * (24 * 64 + 64 * 16 + 2 * 16 + 64 * 4));
+    nlohmann::json args;
+    for (const train::FlagInfo & f : train::train_flags()) {
+        if (f.arg.key) args[f.arg.key] = f.arg.value(o);
+    }
+    EXPECT_EQ(args.at("experimental_attention_variant"), "dsa");
+    EXPECT_EQ(args.at("dsa_indexer_n_heads"), 4);
+    EXPECT_EQ(args.at("dsa_indexer_head_dim"), 16);
+    const train::TrainOptions off = parse_train(
+        [&] {
+            std::vector<std::string> v = dsa;
+            for (const char * a : {"--no-dsa-indexer-rotate-activation", "--disable-dsa-indexer-scoring-relu",
+                                   "--dsa-indexer-rope-interleaved", "--dsa-indexer-k-norm-epsilon", "1e-6"}) {
+                v.push_back(a);
+            }
+            return v;
+        }());
+    EXPECT_FALSE(off.model.dsa_indexer_rotate_activation);
+    EXPECT_FALSE(off.model.dsa_indexer_scoring_relu);
+    EXPECT_TRUE(off.model.dsa_indexer_rope_interleaved);
+    EXPECT_FLOAT_EQ(off.model.dsa_indexer_k_norm_epsilon, 1e-6f);
+
+    auto with = [&](const std::vector<std::string> & base, std::initializer_list<const char *> more) {
+        std::vector<std::string> v(base.begin() + 1, base.end());   // expect_refused adds --mock-data
+        v.insert(v.end(), more.begin(), more.end());
+        return v;
+    };
+    std::vector<std::string> with_bias = dsa;
+    with_bias.erase(std::find(with_bias.begin(), with_bias.end(), "--disable-bias-linear"));
+    std::vector<std::string> no_q_latent = dsa;
+    no_q_latent.erase(std::find(no_q_latent.begin(), no_q_latent.end(), "--q-lora-rank"), std::find(no_q_latent.begin(), no_q_latent.end(), "--q-lora-rank") + 2);
+    const std::pair<std::vector<std::string>, const char *> bad[] = {
+        {{"--dsa-indexer-n-heads", "4"}, "--dsa-indexer-n-heads without --experimental-attention-variant dsa"},
+        {with(mla, {"--dsa-indexer-topk", "64"}), "--dsa-indexer-topk without --experimental-attention-variant dsa"},
+        {with(with_bias, {}), "DSA uses AbsorbedMLASelfAttention, which requires add_bias_linear=False"},
+        {with(no_q_latent, {}), "--experimental-attention-variant dsa needs --q-lora-rank"},
+        {with(mla, {"--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "4", "--dsa-indexer-topk", "64"}),
+         "needs --dsa-indexer-n-heads, --dsa-indexer-head-dim and --dsa-indexer-topk >= 1"},
+        {with(dsa, {"--dsa-indexer-topk", "32"}), "--dsa-indexer-topk 32 below --seq-length 64"},
+        {with(dsa, {"--dsa-indexer-head-dim", "4"}), "--dsa-indexer-head-dim 4 is narrower than its RoPE part"},
+        {with(dsa, {"--dsa-indexer-topk-freq", "0"}), "dsa_indexer_topk_freq must be >= 1"},
+        {with(dsa, {"--dsa-indexer-topk-freq", "2"}), "--dsa-indexer-topk-freq 2 (layers sharing a top-k) is not supported by Loom"},
+        {with(dsa, {"--dsa-kernel-backend", "tilelang"}), "--dsa-kernel-backend tilelang is not supported by Loom"},
+        {with(dsa, {"--dsa-kernel-backend", "triton"}), "argument --dsa-kernel-backend: invalid choice: 'triton'"},
+        {with(dsa, {"--dsa-indexer-loss-coeff", "-1"}), "--dsa-indexer-loss-coeff must be >= 0"},
+        {with(dsa, {"--dsa-indexer-k-norm-epsilon", "0"}), "--dsa-indexer-k-norm-epsilon must be a finite number > 0"},
+        {with(dsa, {"--linear-attention-freq", "2"}), "--linear-attention-freq with --experimental-attention-variant dsa"},
+        {with(dsa, {"--mtp-num-layers", "1", "--position-embedding-type", "rope"}),
+         "--experimental-attention-variant dsa with --mtp-num-layers is not supported by Loom"},
+        {with(dsa, {"--cuda-graph-impl", "transformer_engine"}),
+         "--experimental-attention-variant dsa with --cuda-graph-impl is not supported by Loom"},
+        {with(dsa, {"--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"}),
+         "--experimental-attention-variant dsa with --recompute-granularity full is not supported by Loom"},
+    };
+    expect_refused(bad, 1);
+    const std::pair<std::vector<std::string>, const char *> split[] = {
+        {with(dsa, {"--tensor-model-parallel-size", "2"}),
+         "--experimental-attention-variant dsa with --tensor-model-parallel-size 2 needs --sequence-parallel"},
+        {with(dsa, {"--context-parallel-size", "2"}),
+         "--experimental-attention-variant dsa with --context-parallel-size 2 is not supported by Loom"},
+    };
+    expect_refused(split, 2);
+}
+
+// A DSA model trains, its indexer detached from the main model: over 30 iterations (weights drawn at std 0.2, so the
+// attention is far from uniform and the indexer's first KL near 1) the lm loss falls and so does the indexer's loss,
+// logged as Megatron logs it ("indexer loss", coefficient included); and a run without the loss (no coefficient:
+// nothing logged, the indexer untrained) prints bitwise the same lm losses. Without clipping: the gradients' global
+// norm counts the indexer's too (Megatron's does), so a clipped step of the main weights would see them.
+TEST(Training, DsaIndexerLossFallsAndIsLogged) {
+    const std::string model = "train --mock-data --train-iters 30 --log-interval 10 --lr 3e-3 --lr-warmup-iters 2 "
+                              "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+                              "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 "
+                              "--multi-latent-attention --q-lora-rank 24 --kv-lora-rank 16 --qk-head-dim 12 "
+                              "--qk-pos-emb-head-dim 8 --v-head-dim 12 --disable-bias-linear --init-method-std 0.2 "
+                              "--experimental-attention-variant dsa --dsa-indexer-n-heads 4 --dsa-indexer-head-dim 16 "
+                              "--dsa-indexer-topk 2048 --attention-dropout 0 --clip-grad 0";
+    const CliRun run = run_loom(model + " --dsa-indexer-loss-coeff 1.0"), untrained = run_loom(model);
+    ASSERT_EQ(run.status, 0) << run.out;
+    ASSERT_EQ(untrained.status, 0) << untrained.out;
+    auto values = [](const std::string & out, const std::string & key) {
+        std::vector<std::string> found;
+        for (size_t at = out.find(key); at != std::string::npos; at = out.find(key, at + 1)) {
+            found.push_back(out.substr(at + key.size(), out.find(' ', at + key.size()) - at - key.size()));
+        }
+        return found;
+    };
+    const std::vector<std::string> lm = values(run.out, "lm loss: "), indexer = values(run.out, "indexer loss: ");
+    ASSERT_EQ(lm.size(), 3u) << run.out;
+    ASSERT_EQ(indexer.size(), 3u) << run.out;
+    EXPECT_EQ(values(untrained.out, "lm loss: "), lm) << "the indexer's loss reaches no weight of the main model";
+    EXPECT_TRUE(values(untrained.out, "indexer loss: ").empty()) << untrained.out;
+    const double first = std::stod(indexer.front()), last = std::stod(indexer.back());
+    std::printf("dsa: lm loss %s -> %s, indexer loss %.4f -> %.4f\n", lm.front().c_str(), lm.back().c_str(), first, last);
+    EXPECT_LT(std::stod(lm.back()), std::stod(lm.front()));
+    EXPECT_GT(first, 0.1);
+    EXPECT_LT(last, 0.8 * first) << "the indexer learns the attention's distribution";
 }
 
 // --window-size (tuple_type: "L,R" or "(L,R)") and --window-attn-skip-freq (an integer or a list expression)

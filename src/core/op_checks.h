@@ -883,4 +883,46 @@ inline void grad_norm_gate(const Tensor & pairs, const GradNormGate & g, const T
     expect(norm, DType::f64, 1, "grad_norm_gate", "norm");
 }
 
+// Ops::dsa_index_scores / _backward: q (n, H d), k (n, d), w (n, H) and their gradients f32, n = s b; scores
+// and dscores (b, s, s) f32. Returns H and d.
+inline std::pair<int64_t, int64_t> dsa_index(const Tensor & q, const Tensor & k, const Tensor & w, const Tensor & scores,
+                                             int64_t seq, int64_t batch, const char * op) {
+    LOOM_CHECK(seq >= 1 && batch >= 1, op << ": sequence " << seq << " and batch " << batch << " must be >= 1", "");
+    const int64_t n = seq * batch;
+    LOOM_CHECK(k.defined() && k.dim() == 2 && k.size(0) == n, op << ": k must be (" << n << ", d), got " << k.describe(), "");
+    LOOM_CHECK(w.defined() && w.dim() == 2 && w.size(0) == n, op << ": w must be (" << n << ", H), got " << w.describe(), "");
+    const int64_t d = k.size(1), H = w.size(1);
+    expect(q, DType::f32, n * H * d, op, "q");
+    expect(k, DType::f32, n * d, op, "k");
+    expect(w, DType::f32, n * H, op, "w");
+    expect(scores, DType::f32, batch * seq * seq, op, "the scores");
+    return {H, d};
+}
+
+// Ops::dsa_attention_target: packed rows of nq = nkv heads, one sequence (no context parallelism, no window).
+inline void dsa_attention_target(const Tensor & q_k_v, const AttentionShape & shape, const Tensor & target) {
+    const char * op = "dsa_attention_target";
+    activations(q_k_v, op, "q_k_v");
+    LOOM_CHECK(shape.nq == shape.nkv && shape.keys() == shape.s && shape.window < 0 && shape.s >= 1 && shape.b >= 1,
+               op << ": heads " << shape.nq << " / " << shape.nkv << ", keys " << shape.keys() << " of " << shape.s
+                  << " queries, window " << shape.window,
+               "the indexer's target is one sequence's causal attention, a key head per query head");
+    LOOM_CHECK(q_k_v.numel() >= shape.s * shape.b * shape.row_stride, op << ": q_k_v " << q_k_v.describe()
+                                                                         << " is smaller than its shape's rows", "");
+    expect(target, DType::f32, shape.b * shape.s * shape.s, op, "the target");
+}
+
+// Ops::dsa_indexer_loss: scores, target, dscores (b, s, s) f32, kl (b s) f32. Returns s.
+inline int64_t dsa_indexer_loss(const Tensor & scores, const Tensor & target, const Tensor & kl, const Tensor & dscores) {
+    const char * op = "dsa_indexer_loss";
+    LOOM_CHECK(scores.defined() && scores.dim() == 3 && scores.size(1) == scores.size(2),
+               op << ": the scores must be (b, s, s), got " << scores.describe(), "");
+    const int64_t b = scores.size(0), s = scores.size(1);
+    expect(scores, DType::f32, b * s * s, op, "the scores");
+    expect(target, DType::f32, b * s * s, op, "the target");
+    expect(dscores, DType::f32, b * s * s, op, "dscores");
+    expect(kl, DType::f32, b * s, op, "kl");
+    return s;
+}
+
 }  // namespace loom::op_checks

@@ -490,6 +490,31 @@ public:
     virtual void gdn_gates_backward(Stream & s, const Tensor & src, int64_t col, const Tensor & a_log, const Tensor & dt_bias,
                                     const Tensor & dg, const Tensor & dbeta, const Tensor & dsrc, const Tensor & da_log,
                                     const Tensor & ddt_bias) = 0;
+    // DeepSeek Sparse Attention's indexer (model/dsa_indexer.h), f32, over one micro-batch's rows (row i b + bi is
+    // position i of sequence bi, as the activations'). q (n, H d), k (n, d), w (n, H); scores (b, s, s):
+    //   z[i, h, j] = q[r_i, h] . k[r_j] (d order),  scores[bi, i, j] = sum over h in order of w[r_i, h] relu(z)
+    // for keys j <= i (without `relu`, z itself), -inf for j > i.
+    virtual void dsa_index_scores(Stream & s, const Tensor & q, const Tensor & k, const Tensor & w, int64_t seq,
+                                  int64_t batch, bool relu, const Tensor & scores) = 0;
+    // Backward from dscores (b, s, s), read for j <= i only: dq, dk, dw (like q, k, w) assigned,
+    //   dw[r_i, h] = sum over j <= i of dscores relu(z),   dz = dscores w[r_i, h] relu'(z)   (relu' 1 for z > 0)
+    //   dq[r_i, h] = sum over j <= i of dz k[r_j],          dk[r_j] = sum over i >= j, then h, of dz q[r_i, h]
+    // every sum in index order.
+    virtual void dsa_index_scores_backward(Stream & s, const Tensor & q, const Tensor & k, const Tensor & w,
+                                           const Tensor & dscores, int64_t seq, int64_t batch, bool relu,
+                                           const Tensor & dq, const Tensor & dk, const Tensor & dw) = 0;
+    // The indexer's target: the causal attention probabilities of packed [Q | K | V] rows (shape's nq = nkv
+    // heads of d; one sequence, no window), summed over the heads: for keys j <= i,
+    //   target[bi, i, j] = sum over h in order of softmax over j' <= i of (scale q_h(i) . k_h(j'))
+    // (f32, the exponentials' sum in key order), 0 for j > i.
+    virtual void dsa_attention_target(Stream & s, const Tensor & q_k_v, const AttentionShape & shape, float scale,
+                                      const Tensor & target) = 0;
+    // The indexer's KL loss and its gradient, per row (bi, i) over keys j <= i: with T = target / max(sum of
+    // target, 1e-10) and p = softmax(scores) (f32, sums in key order),
+    //   kl[bi s + i] = weight * sum over j of T (log max(T, 1e-10) - log p),   dscores = weight (p - T)
+    // (dscores 0 for j > i). scores, target, dscores (b, s, s); kl (b s) f32.
+    virtual void dsa_indexer_loss(Stream & s, const Tensor & scores, const Tensor & target, float weight,
+                                  const Tensor & kl, const Tensor & dscores) = 0;
     // For every row r of load and bias (R, E) f32: bias[r, e] += rate * sign(mean over e of load[r] - load[r, e])
     // (sign 0 at 0; the mean in double), then load = 0. Megatron's get_updated_expert_bias.
     virtual void moe_expert_bias_update(Stream & s, const Tensor & load, const Tensor & bias, float rate) = 0;

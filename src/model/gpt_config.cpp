@@ -58,6 +58,34 @@ void GptConfig::validate() const {
         LOOM_CHECK(!attention_output_gate, "Output gate is not supported for MLA yet.",
                    "--attention-output-gate with --multi-latent-attention (Megatron's MLA refuses it too)");
     }
+    if (dsa) {   // Megatron's requirements (its DSA spec and AbsorbedMLASelfAttention), then Loom's limits
+        LOOM_CHECK(multi_latent_attention, "Currently only MLA supports sparse attention.",
+                   "--experimental-attention-variant dsa needs --multi-latent-attention");
+        LOOM_CHECK(!add_bias_linear, "DSA uses AbsorbedMLASelfAttention, which requires add_bias_linear=False",
+                   "give --disable-bias-linear");
+        LOOM_CHECK(q_lora_rank > 0, "--experimental-attention-variant dsa needs --q-lora-rank",
+                   "the indexer's queries come from the query latent");
+        LOOM_CHECK(dsa_indexer_n_heads >= 1 && dsa_indexer_head_dim >= 1 && dsa_indexer_topk >= 1,
+                   "--experimental-attention-variant dsa needs --dsa-indexer-n-heads, --dsa-indexer-head-dim and "
+                   "--dsa-indexer-topk >= 1, got " << dsa_indexer_n_heads << ", " << dsa_indexer_head_dim << " and "
+                                                   << dsa_indexer_topk, "");
+        LOOM_CHECK(dsa_indexer_head_dim >= qk_pos_emb_head_dim,
+                   "--dsa-indexer-head-dim " << dsa_indexer_head_dim << " is narrower than its RoPE part, --qk-pos-emb-head-dim "
+                                             << qk_pos_emb_head_dim, "");
+        LOOM_CHECK(std::isfinite(dsa_indexer_loss_coeff) && dsa_indexer_loss_coeff >= 0.0f,
+                   "--dsa-indexer-loss-coeff must be >= 0, got " << dsa_indexer_loss_coeff, "");
+        LOOM_CHECK(dsa_indexer_topk >= seq_length,
+                   "--dsa-indexer-topk " << dsa_indexer_topk << " below --seq-length " << seq_length
+                                         << ": the top-k sparse attention is not supported by Loom yet",
+                   "give --dsa-indexer-topk >= --seq-length: every causal key is then in each query's top k, and the "
+                   "attention is MLA's own while the indexer trains");
+        LOOM_CHECK(mtp_num_layers == 0, "--experimental-attention-variant dsa with --mtp-num-layers is not supported by Loom",
+                   "drop one of them");
+        LOOM_CHECK(!fp8, "--experimental-attention-variant dsa with --fp8-format is not supported by Loom", "drop one of them");
+        LOOM_CHECK(recompute_granularity != RecomputeGranularity::full,
+                   "--experimental-attention-variant dsa with --recompute-granularity full is not supported by Loom",
+                   "use --recompute-granularity selective");
+    }
     if (gated_delta_net) {   // TransformerConfig's checks, then Loom's kernels' widths
         LOOM_CHECK(linear_attention_freq > 0 || !linear_attention_layers.empty(),
                    "linear_attention_freq must be set for linear gdn.", "give --linear-attention-freq");
@@ -125,6 +153,10 @@ int64_t GptConfig::num_parameters() const {
         const int64_t kv = h * (kv_lora_rank + qk_pos_emb_head_dim) + kv_lora_rank * a * (qk_head_dim + v_head_dim);
         attn    = q + kv + a * v_head_dim * h + bias * h;
         qk_norm = qk_layernorm ? per_norm * ((q_lora_rank > 0 ? q_lora_rank : 0) + kv_lora_rank) : 0;
+        if (dsa) {   // the indexer: wq_b, wk, its key LayerNorm (weight and bias) and weights_proj
+            const int64_t ni = dsa_indexer_n_heads, di = dsa_indexer_head_dim;
+            attn += q_lora_rank * ni * di + h * di + 2 * di + h * ni;
+        }
     }
     const int64_t sinks = softmax_type == SoftmaxType::learnable ? num_attention_heads : 0;   // softmax_offset
     // An MoE layer's MLP: the router (E, h) and its bias (E) with the model's biases (Megatron's router.bias), E

@@ -191,6 +191,19 @@ struct GptConfig {
     int64_t              linear_value_head_dim  = 128;   // --linear-value-head-dim: dv of its values and gates
     int64_t              linear_num_key_heads   = 16;    // --linear-num-key-heads
     int64_t              linear_num_value_heads = 32;    // --linear-num-value-heads (a multiple of the key heads)
+    // --experimental-attention-variant dsa (DeepSeek Sparse Attention, model/dsa_indexer.h): every MLA layer has
+    // an indexer (--dsa-indexer-n-heads heads of --dsa-indexer-head-dim) that picks each query's top
+    // --dsa-indexer-topk keys and learns from its KL loss against the main attention (--dsa-indexer-loss-coeff; 0:
+    // Megatron's None, no loss).
+    bool                 dsa                           = false;
+    int64_t              dsa_indexer_n_heads           = 0;
+    int64_t              dsa_indexer_head_dim          = 0;
+    int64_t              dsa_indexer_topk              = 0;
+    float                dsa_indexer_loss_coeff        = 0.0f;
+    bool                 dsa_indexer_rope_interleaved  = false;   // its RoPE's pairs (2i, 2i + 1)
+    bool                 dsa_indexer_rotate_activation = true;    // the Hadamard rotation of q and k
+    bool                 dsa_indexer_scoring_relu      = true;    // relu(q . k) in the scores (else q . k)
+    float                dsa_indexer_k_norm_epsilon    = 0.0f;    // 0: norm_epsilon
     // Whether decoder layer `index` (from 0) is a gated delta-net layer.
     bool is_linear_attention_layer(int64_t index) const {
         if (!gated_delta_net || index >= num_layers) return false;

@@ -1,6 +1,7 @@
 #include "model/gpt_model.h"
 
 #include "core/ops.h"
+#include "model/dsa_indexer.h"
 #include "model/moe/moe_layer.h"
 
 #include <algorithm>
@@ -436,12 +437,24 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
     return dx;
 }
 
-void GptModel::set_moe_aux_loss_scale(float scale) {
+void GptModel::set_aux_loss_scale(float scale) {
     // Context parallelism: each CP rank's router losses are its share, and the gradients are averaged over
     // dp x cp; as with the language-model loss, each share's gradient starts CP times larger.
     for (TransformerLayer * layer : all_layers()) {
         if (layer->moe) layer->moe->aux_loss_backward_scale = scale * static_cast<float>(cp_.size);
+        if (layer->attention.indexer) layer->attention.indexer->loss_backward_scale = scale * static_cast<float>(cp_.size);
     }
+}
+
+double GptModel::take_dsa_losses() {
+    double sum = 0.0;
+    for (TransformerLayer * layer : all_layers()) {
+        DsaIndexer * indexer = layer->attention.indexer.get();
+        if (!indexer) continue;
+        sum += host_readable(indexer->loss).data<float>()[0];
+        device_.ops().fill_zero(device_.compute_stream(), indexer->loss);
+    }
+    return sum;
 }
 
 std::vector<std::pair<std::string, Tensor>> GptModel::buffers() const {

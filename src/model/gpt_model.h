@@ -201,9 +201,10 @@ public:
     // group's modules get before_backward before their forward runs again. Unset hooks are skipped.
     void set_param_hooks(ParamHooks hooks) { hooks_ = std::move(hooks); }
     int64_t            num_layers() const { return static_cast<int64_t>(layers_.size()); }
-    // MoE (--num-experts): the factor the router's aux and z losses' gradients are scaled by (Megatron's
-    // MoEAuxLossAutoScaler: 1 / the number of micro-batches, as the lm loss is averaged over them).
-    void    set_moe_aux_loss_scale(float scale);
+    // The factor the auxiliary losses' gradients are scaled by: the MoE routers' aux and z losses (Megatron's
+    // MoEAuxLossAutoScaler) and the DSA indexers' KL loss (its DSAIndexerLossAutoScaler), both the loss scale /
+    // the number of micro-batches, as the lm loss is averaged over them.
+    void    set_aux_loss_scale(float scale);
     // global_aux_loss: a new iteration's micro-batches begin (each router's running mean restarts).
     void    reset_moe_global_counts();
     // --moe-router-enable-expert-bias, once per training iteration after its last backward (Megatron's
@@ -227,6 +228,10 @@ public:
     // the whole sequences' tokens: a context-parallel rank's is its share) summed over the forwards since the
     // last call, which clears them; wait for the compute stream first. Empty off the last stage.
     std::vector<double> take_mtp_losses();
+    // --experimental-attention-variant dsa: the indexers' KL losses (each times its coefficient) summed over this
+    // chunk's layers and the training forwards since the last call, which clears them; wait for the compute
+    // stream first.
+    double take_dsa_losses();
     TransformerLayer & layer(int64_t i) { return *layers_.at(static_cast<size_t>(i)); }
     void zero_grad();
 

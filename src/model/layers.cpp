@@ -3,6 +3,7 @@
 #include "core/error.h"
 #include "core/graph.h"
 #include "core/ops.h"
+#include "model/dsa_indexer.h"
 #include "model/gated_delta_net.h"
 
 #include <cmath>
@@ -414,6 +415,15 @@ Tensor Norm::backward(Context & ctx, const Tensor & dy, const GradReadyFn & read
 // ---------------------------------------------------------------------------------------------------
 // SelfAttention
 
+RopeScaling mla_rope(const GptConfig & c) {
+    RopeScaling y;
+    if (!c.mla_yarn) return y;
+    y.factor    = c.rotary_scaling_factor;
+    y.amplitude = static_cast<float>(yarn_mscale(c.rotary_scaling_factor, c.mscale) /
+                                     yarn_mscale(c.rotary_scaling_factor, c.mscale_all_dim));
+    return y;
+}
+
 void require_supported(Device & device, const OpQuery & query, const char * flags) {
     const OpSupport support = device.ops().supports(query);
     LOOM_CHECK(support.ok, support.why << ": " << flags << " ask for more than " << device.name() << " runs",
@@ -517,6 +527,11 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
         mla->kv_down = whole(".kv_down", h, rkv + dr);
         if (c.qk_layernorm) mla->kv_norm = norm(".kv_norm", rkv);
         mla->kv_up = by_heads(".kv_up", rkv, dkv);
+        if (c.dsa) {
+            LOOM_CHECK(!cp.enabled(), "--experimental-attention-variant dsa with --context-parallel-size "
+                                          << cp.size << " is not supported by Loom", "train DSA without context parallelism");
+            indexer = std::make_unique<DsaIndexer>(name + ".indexer", c, device, tp);
+        }
         if (t.size > 1) {
             set_tp_slice(proj.weight, 1, {{t.rank * heads * c.v_head_dim, (t.rank + 1) * heads * c.v_head_dim}},
                          {h, a * c.v_head_dim});
@@ -599,6 +614,7 @@ void SelfAttention::init(uint64_t seed, float std, float output_std) {
         for (Norm * n : {mla->q_norm.get(), mla->kv_norm.get()}) {
             if (n) n->init();
         }
+        if (indexer) indexer->init(seed, std);
         proj.init(seed, output_std);
         if (softmax_offset) parameter_init_normal(*softmax_offset, seed, std);
         return;
@@ -625,6 +641,7 @@ void SelfAttention::parameters(std::vector<Parameter *> & out) {
         mla->kv_down->parameters(out);
         if (mla->kv_norm) mla->kv_norm->parameters(out);
         mla->kv_up->parameters(out);
+        if (indexer) indexer->parameters(out);
         if (softmax_offset) out.push_back(&*softmax_offset);
         proj.parameters(out);
         return;
@@ -658,14 +675,6 @@ int64_t gate_column(const AttentionShape & shape) { return (shape.nq + 2 * shape
 namespace {
 
 // MLA's RoPE (YaRN's frequencies and amplitude, or plain RoPE's) and softmax scale (core/rope.h).
-RopeScaling mla_rope(const GptConfig & c) {
-    RopeScaling y;
-    if (!c.mla_yarn) return y;
-    y.factor    = c.rotary_scaling_factor;
-    y.amplitude = static_cast<float>(yarn_mscale(c.rotary_scaling_factor, c.mscale) /
-                                     yarn_mscale(c.rotary_scaling_factor, c.mscale_all_dim));
-    return y;
-}
 
 float mla_softmax_scale(const GptConfig & c) {
     const double m = yarn_mscale(c.rotary_scaling_factor, c.mscale_all_dim);
@@ -795,13 +804,13 @@ Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, in
     ctx.s       = s;
     ctx.b       = b;
     ctx.dropout = dropout;
-    Tensor q;
+    Tensor q, q_latent;
     if (mla->q) {
         q = mla->q->forward(c.q, x);
     } else {
-        Tensor latent = mla->q_down->forward(c.q_down, x);
-        if (mla->q_norm) latent = mla->q_norm->forward(c.q_norm, latent);
-        q = mla->q_up->forward(c.q_up, latent);
+        q_latent = mla->q_down->forward(c.q_down, x);
+        if (mla->q_norm) q_latent = mla->q_norm->forward(c.q_norm, q_latent);
+        q = mla->q_up->forward(c.q_up, q_latent);
     }
     // This rank's rows (a block of them with sequence parallelism) down to [c | k_pe]; k_pe then for every row.
     const Tensor ckv    = mla->kv_down->forward(c.kv_down, x);   // (rows, rkv + dr)
@@ -818,6 +827,12 @@ Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, in
     Tensor out = activation(x.device(), n, a * dqk, q_k_v.dtype());
     ctx.lse    = activation(x.device(), b * a, s);
     attend(ctx, q_k_v, out, shape, mla_softmax_scale(config), dropout);
+    ctx.indexer.reset();
+    if (indexer && ctx.training && config.dsa_indexer_loss_coeff > 0.0f) {   // every row of x and the q latent
+        ctx.indexer = std::make_shared<DsaIndexerContext>();
+        indexer->forward(*ctx.indexer, tp.sp() ? tp.all_gather(x) : x, tp.sp() ? tp.all_gather(q_latent) : q_latent,
+                         q_k_v, shape, mla_softmax_scale(config));
+    }
     if (config.recompute_mla_up_proj) {   // backward builds the rows again from the latents and k_pe
         ctx.qkv = Tensor();
         c.k_pe  = k_pe;
@@ -894,6 +909,14 @@ Tensor SelfAttention::mla_backward(Context & ctx, const Tensor & dy, const GradR
         dx_q = mla->q_down->backward(c.q_down, dq_latent, ready);
     }
     ops.add_inplace(stream, dx, dx_q);
+    if (indexer) {   // its loss's gradients, which reach its own weights only
+        if (ctx.indexer) {
+            indexer->backward(*ctx.indexer, ready);
+        } else {
+            indexer->skip_backward(ready);
+        }
+        ctx.indexer.reset();
+    }
     return dx;
 }
 

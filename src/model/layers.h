@@ -35,6 +35,9 @@ namespace loom::model {
 
 // Refuses, naming `flags`, a size the device's backend cannot run (Ops::supports), before anything is built.
 void require_supported(Device & device, const OpQuery & query, const char * flags);
+// Multi-latent attention's RoPE (core/rope.h): YaRN's scaling with --rope-type yarn (MLA's default), else none.
+// The DSA indexer's RoPE takes the same.
+RopeScaling mla_rope(const GptConfig & c);
 // Allocates an activation (rows, cols) of `dtype` (f32 unless given: statistics, losses, MoE's routing)
 // from the "activations" pool.
 Tensor activation(Device & device, int64_t rows, int64_t cols, DType dtype = DType::f32);
@@ -269,6 +272,8 @@ private:
 
 class GatedDeltaNet;          // model/gated_delta_net.h
 struct GatedDeltaNetContext;
+class DsaIndexer;             // model/dsa_indexer.h
+struct DsaIndexerContext;
 
 // Multi-latent attention (--multi-latent-attention; DeepSeek-V2/V3, Megatron's MLASelfAttention), with a
 // heads, dn = --qk-head-dim, dr = --qk-pos-emb-head-dim, dv = --v-head-dim, rq / rkv the latent ranks:
@@ -310,6 +315,8 @@ public:
             Tensor          k_pe;   // (n, dr), every row's: kept instead of qkv with --recompute-modules mla_up_proj
         } latent;
         std::shared_ptr<GatedDeltaNetContext> linear;   // a gated delta-net layer's
+        std::shared_ptr<DsaIndexerContext>    indexer;  // a DSA layer's, when its loss ran in forward
+        bool training = false;   // a training forward (the DSA indexer's loss runs in those only)
     };
 
     // `dropout`: the probabilities' key (off when not enabled).
@@ -346,6 +353,8 @@ public:
         std::unique_ptr<Linear> kv_up;     // rkv -> a (dn + dv)
     };
     std::unique_ptr<Latent> mla;
+    // --experimental-attention-variant dsa (model/dsa_indexer.h): MLA's layers score their keys with an indexer.
+    std::unique_ptr<DsaIndexer> indexer;
     std::unique_ptr<GatedDeltaNet> gdn;   // a gated delta-net layer's (--experimental-attention-variant)
     int64_t                 window = -1;   // GptConfig::attention_window of this layer
     // Attention sinks (GptConfig::softmax_type): learnable, this rank's heads' logits (a parameter, split by

@@ -206,6 +206,22 @@ public:
     void gated_delta_rule_backward(Stream & s, const Tensor & q, const Tensor & k, const Tensor & v, const Tensor & g, const Tensor & beta, const Tensor & dout, const Tensor & dq, const Tensor & dk, const Tensor & dv, const Tensor & dg, const Tensor & dbeta, const Tensor & workspace, const DeltaRuleShape & shape) override {
         memory(s, "gated_delta_rule_backward", 2 * bytes_of({&q, &k, &v, &g, &beta, &dout}));
     }
+    // The indexer's ops: 2 H d FLOPs per causal (query, key) pair for the scores, twice that for their gradients
+    // (each recomputes the products), 2 nq d for the target's logits (computed three times by the CUDA kernel).
+    void dsa_index_scores(Stream & s, const Tensor & q, const Tensor & k, const Tensor & w, int64_t seq, int64_t batch, bool, const Tensor & scores) override {
+        dsa(s, "dsa_index_scores", 2.0 * static_cast<double>(q.numel() / std::max<int64_t>(seq * batch, 1)), seq, batch,
+            bytes_of({&q, &k, &w, &scores}));
+    }
+    void dsa_index_scores_backward(Stream & s, const Tensor & q, const Tensor & k, const Tensor & w, const Tensor & dscores, int64_t seq, int64_t batch, bool, const Tensor & dq, const Tensor & dk, const Tensor & dw) override {
+        dsa(s, "dsa_index_scores_backward", 8.0 * static_cast<double>(q.numel() / std::max<int64_t>(seq * batch, 1)), seq, batch,
+            bytes_of({&q, &k, &w, &dscores, &dq, &dk, &dw}));
+    }
+    void dsa_attention_target(Stream & s, const Tensor & q_k_v, const AttentionShape & shape, float, const Tensor & target) override {
+        dsa(s, "dsa_attention_target", 6.0 * static_cast<double>(shape.nq * shape.d), shape.s, shape.b, bytes_of({&q_k_v, &target}));
+    }
+    void dsa_indexer_loss(Stream & s, const Tensor & scores, const Tensor & target, float, const Tensor & kl, const Tensor & dscores) override {
+        memory(s, "dsa_indexer_loss", bytes_of({&scores, &target, &kl, &dscores}));
+    }
     void causal_conv_silu_forward(Stream & s, const Tensor & x, const Tensor & w, const Tensor & y, int64_t seq, int64_t batch) override {
         memory(s, "causal_conv_silu_forward", bytes_of({&x, &w, &y}));
     }
@@ -411,6 +427,13 @@ private:
         const double  flops = 2.0 * static_cast<double>(c.numel()) * static_cast<double>(a.numel() / std::max<int64_t>(m, 1));
         run(s, op, flops, bytes, clock_.costs ? clock_.costs->kernel_seconds(flops, bytes, clock_.costs->efficiency().gemm) : 0);
     }
+    // `per_pair` FLOPs for each causal (query, key) pair of `batch` sequences of `seq`.
+    void dsa(Stream & s, const char * op, double per_pair, int64_t seq, int64_t batch, double bytes) {
+        const double pairs = static_cast<double>(batch) * static_cast<double>(seq) * static_cast<double>(seq + 1) / 2.0;
+        const double flops = per_pair * pairs;
+        run(s, op, flops, bytes, clock_.costs ? clock_.costs->kernel_seconds(flops, bytes, clock_.costs->efficiency().attention) : 0);
+    }
+
     // 4 b a d per kept (query, key) pair in the forward (the scores and the weighted values, 2 FLOPs per
     // multiply-add), `factor` times that for the backward.
     void attention(Stream & s, const char * op, double factor, const AttentionShape & shape, double bytes) {

@@ -44,7 +44,9 @@ const std::map<std::string, json> & later_args() {
                                                          {"linear_key_head_dim", nullptr},
                                                          {"linear_value_head_dim", nullptr},
                                                          {"linear_num_key_heads", nullptr},
-                                                         {"linear_num_value_heads", nullptr}};
+                                                         {"linear_num_value_heads", nullptr},
+                                                         {"dsa_indexer_n_heads", nullptr},
+                                                         {"dsa_indexer_head_dim", nullptr}};
     return defaults;
 }
 
@@ -369,7 +371,13 @@ void apply_checkpoint_args(model::GptConfig & m, const checkpoint::Index & index
         m.mscale_all_dim        = real("mscale_all_dim", a.value("mscale_all_dim", json(0.0)));
     }
     // The gated delta-net's pattern and sizes (null in a model without it).
-    if (const json variant = saved_or_dense(a, "experimental_attention_variant"); !variant.is_null()) {
+    if (const json variant = saved_or_dense(a, "experimental_attention_variant"); variant == "dsa") {
+        // DSA's indexer (its sizes; the top-k and the loss's weight are training choices, given as flags).
+        m.dsa                  = true;
+        m.dsa_indexer_n_heads  = integer("dsa_indexer_n_heads", at("dsa_indexer_n_heads"));
+        m.dsa_indexer_head_dim = integer("dsa_indexer_head_dim", at("dsa_indexer_head_dim"));
+        m.dsa_indexer_topk     = integer("dsa_indexer_topk", a.value("dsa_indexer_topk", json(m.seq_length)));
+    } else if (!variant.is_null()) {
         if (variant != "gdn" && variant != "gated_delta_net") bad("experimental_attention_variant", variant);
         m.gated_delta_net = true;
         const json freq   = saved_or_dense(a, "linear_attention_freq");

@@ -69,6 +69,13 @@ struct ModelFlags {
     std::string attention_variant, linear_attention_freq;
     int64_t     linear_conv_kernel_dim = 4, linear_key_head_dim = 128, linear_value_head_dim = 128;
     int64_t     linear_num_key_heads = 16, linear_num_value_heads = 32;
+    // DeepSeek Sparse Attention (TransformerConfig's dsa_* fields, Megatron's defaults; 0: None).
+    int64_t     dsa_indexer_n_heads = 0, dsa_indexer_head_dim = 0, dsa_indexer_topk = 0;
+    int64_t     dsa_indexer_topk_freq = 1, dsa_indexer_skip_topk_offset = 0;
+    float       dsa_indexer_loss_coeff = 0.0f, dsa_indexer_k_norm_epsilon = 0.0f;
+    bool        dsa_indexer_use_sparse_loss = false, dsa_indexer_rope_interleaved = false, dsa_indexer_k_norm_fp32 = false;
+    bool        dsa_indexer_rotate_activation = true, dsa_indexer_scoring_relu = true;
+    std::string dsa_kernel_backend = "none";
     std::string window_size, window_skip_freq;   // --window-size "L,R" (tuple_type), --window-attn-skip-freq
     std::string softmax_type = "vanilla";         // --softmax-type (TransformerConfig's Literal)
     float       glu_linear_offset = 0.0f, activation_clamp = 0.0f;

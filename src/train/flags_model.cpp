@@ -45,6 +45,7 @@ constexpr const char * kSize = "network size";
 json mla_size(const TrainOptions & o, int64_t value) { return o.model.multi_latent_attention ? json(value) : json(nullptr); }
 // A gated delta-net size as the checkpoint's args hold it: null in a model without one.
 json gdn_size(const TrainOptions & o, int64_t value) { return o.model.gated_delta_net ? json(value) : json(nullptr); }
+json dsa_value(const TrainOptions & o, int64_t value) { return o.model.dsa ? json(value) : json(nullptr); }
 
 constexpr const char * kTransformer = "transformer configuration";
 
@@ -117,10 +118,44 @@ const Flag<ModelFlags> kModelFlags[] = {
      {"attention_output_gate", [](const TrainOptions & o) -> json { return o.model.attention_output_gate; }, true}},
     {"--experimental-attention-variant", kTransformer, &M::attention_variant,
      "gated_delta_net (or gdn): Qwen3-Next's gated delta-net linear attention on the layers --linear-attention-freq "
-     "marks (gdn2 and dsa are refused)", kPlain,
+     "marks; dsa: DeepSeek Sparse Attention's indexer on every MLA layer (gdn2 is refused)", kPlain,
      {"experimental_attention_variant", [](const TrainOptions & o) -> json {
-          return o.model.gated_delta_net ? json("gdn") : json(nullptr);
+          return o.model.gated_delta_net ? json("gdn") : o.model.dsa ? json("dsa") : json(nullptr);
       }, true}},
+    {"--dsa-indexer-n-heads", kTransformer, &M::dsa_indexer_n_heads, "the DSA indexer's heads", kPlain,
+     {"dsa_indexer_n_heads", [](const TrainOptions & o) -> json { return dsa_value(o, o.model.dsa_indexer_n_heads); }, true}},
+    {"--dsa-indexer-head-dim", kTransformer, &M::dsa_indexer_head_dim, "the DSA indexer's head width", kPlain,
+     {"dsa_indexer_head_dim", [](const TrainOptions & o) -> json { return dsa_value(o, o.model.dsa_indexer_head_dim); }, true}},
+    {"--dsa-indexer-topk", kTransformer, &M::dsa_indexer_topk,
+     "the keys each query attends to, the indexer's highest-scoring (Loom: at least --seq-length)", kPlain,
+     {"dsa_indexer_topk", [](const TrainOptions & o) -> json { return dsa_value(o, o.model.dsa_indexer_topk); }, false}},
+    {"--dsa-indexer-topk-freq", kTransformer, &M::dsa_indexer_topk_freq,
+     "layers sharing one indexer's top-k (Loom: 1, every layer its own)", kShowDefault},
+    {"--dsa-indexer-skip-topk-offset", kTransformer, &M::dsa_indexer_skip_topk_offset,
+     "the first layers that compute their own top-k before --dsa-indexer-topk-freq shares them", kShowDefault},
+    {"--dsa-indexer-loss-coeff", kTransformer, &M::dsa_indexer_loss_coeff,
+     "the weight of the indexer's KL loss against the main attention (not given or 0: no loss, the indexer untrained)",
+     kPlain, {"dsa_indexer_loss_coeff", [](const TrainOptions & o) -> json {
+          return o.model.dsa && o.model.dsa_indexer_loss_coeff > 0 ? json(o.model.dsa_indexer_loss_coeff) : json(nullptr);
+      }, false}},
+    {"--dsa-indexer-use-sparse-loss", kTransformer, &M::dsa_indexer_use_sparse_loss,
+     "the KL loss over each query's top-k keys only (with the top-k every causal key, as Loom's, the dense loss)"},
+    {"--dsa-kernel-backend", kTransformer, &M::dsa_kernel_backend, "none (Loom's kernels; tilelang and cudnn are refused)",
+     kShowDefault},
+    {"--dsa-indexer-rope-interleaved", kTransformer, &M::dsa_indexer_rope_interleaved,
+     "the indexer's RoPE turns pairs (2i, 2i + 1) instead of (i, i + r/2)"},
+    {"--no-dsa-indexer-rotate-activation", kTransformer, &M::dsa_indexer_rotate_activation,
+     "no Hadamard rotation of the indexer's queries and keys", kNegated},
+    {"--disable-dsa-indexer-rotate-activation", kTransformer, &M::dsa_indexer_rotate_activation,
+     "the same as --no-dsa-indexer-rotate-activation", kNegated},
+    {"--no-dsa-indexer-scoring-relu", kTransformer, &M::dsa_indexer_scoring_relu,
+     "the indexer's scores sum w q.k instead of w relu(q.k)", kNegated},
+    {"--disable-dsa-indexer-scoring-relu", kTransformer, &M::dsa_indexer_scoring_relu,
+     "the same as --no-dsa-indexer-scoring-relu", kNegated},
+    {"--dsa-indexer-k-norm-epsilon", kTransformer, &M::dsa_indexer_k_norm_epsilon,
+     "the epsilon of the indexer's key LayerNorm (not given: --norm-epsilon)"},
+    {"--dsa-indexer-k-norm-fp32", kTransformer, &M::dsa_indexer_k_norm_fp32,
+     "the indexer's key LayerNorm in f32 (Loom's norms compute in f32 and round their output once: always so)"},
     {"--linear-attention-freq", "experimental_attention_variant", &M::linear_attention_freq,
      "which layers run the gated delta-net: an integer N (layer i, from 0, unless (i + 1) % N == 0), or a list "
      "expression of 1 (linear) and 0 (softmax attention), one per layer", kPlain,
@@ -548,11 +583,52 @@ void check_mla_flags(const ModelFlags & f, const Given & given, TrainOptions & o
                            << f.rotary_scaling_factor << " give YaRN a scale <= 0", "");
 }
 
+// --experimental-attention-variant dsa's flags: TransformerConfig's checks of them, Loom's limits (sizes and the
+// model's requirements are GptConfig::validate's).
+void resolve_dsa(const ModelFlags & f, const Given & given, model::GptConfig & m) {
+    LOOM_CHECK(f.dsa_indexer_topk_freq >= 1, "dsa_indexer_topk_freq must be >= 1, got " << f.dsa_indexer_topk_freq, "");
+    LOOM_CHECK(f.dsa_indexer_skip_topk_offset >= 0,
+               "dsa_indexer_skip_topk_offset must be >= 0, got " << f.dsa_indexer_skip_topk_offset, "");
+    LOOM_CHECK(f.dsa_indexer_topk_freq == 1,
+               "--dsa-indexer-topk-freq " << f.dsa_indexer_topk_freq << " (layers sharing a top-k) is not supported by Loom",
+               "give --dsa-indexer-topk-freq 1: every layer's indexer picks its own keys");
+    const std::string & backend = f.dsa_kernel_backend;
+    LOOM_CHECK(backend == "none" || backend == "tilelang" || backend == "cudnn",
+               "argument --dsa-kernel-backend: invalid choice: '" << backend << "' (choose from 'none', 'tilelang', 'cudnn')", "");
+    LOOM_CHECK(backend == "none", "--dsa-kernel-backend " << backend << " is not supported by Loom",
+               "give --dsa-kernel-backend none: Loom runs DSA with its own kernels on every device");
+    LOOM_CHECK(!given("--dsa-indexer-k-norm-epsilon") ||
+                   (std::isfinite(f.dsa_indexer_k_norm_epsilon) && f.dsa_indexer_k_norm_epsilon > 0.0f),
+               "--dsa-indexer-k-norm-epsilon must be a finite number > 0, got " << f.dsa_indexer_k_norm_epsilon, "");
+    m.dsa                           = true;
+    m.dsa_indexer_n_heads           = f.dsa_indexer_n_heads;
+    m.dsa_indexer_head_dim          = f.dsa_indexer_head_dim;
+    m.dsa_indexer_topk              = f.dsa_indexer_topk;
+    m.dsa_indexer_loss_coeff        = f.dsa_indexer_loss_coeff;
+    m.dsa_indexer_rope_interleaved  = f.dsa_indexer_rope_interleaved;
+    m.dsa_indexer_rotate_activation = f.dsa_indexer_rotate_activation;
+    m.dsa_indexer_scoring_relu      = f.dsa_indexer_scoring_relu;
+    m.dsa_indexer_k_norm_epsilon    = f.dsa_indexer_k_norm_epsilon;
+}
+
 // --experimental-attention-variant and the gated delta-net's sizes: TransformerConfig's choices and checks (its
 // validation in GptConfig::validate), the sizes refused without the variant as MLA's are without MLA.
 void resolve_linear_attention(const ModelFlags & f, const Given & given, model::GptConfig & m) {
     const char * sizes[] = {"--linear-attention-freq", "--linear-conv-kernel-dim", "--linear-key-head-dim",
                             "--linear-value-head-dim", "--linear-num-key-heads", "--linear-num-value-heads"};
+    const char * dsa_flags[] = {"--dsa-indexer-n-heads", "--dsa-indexer-head-dim", "--dsa-indexer-topk",
+                                "--dsa-indexer-topk-freq", "--dsa-indexer-skip-topk-offset", "--dsa-indexer-loss-coeff",
+                                "--dsa-indexer-use-sparse-loss", "--dsa-kernel-backend", "--dsa-indexer-rope-interleaved",
+                                "--no-dsa-indexer-rotate-activation", "--disable-dsa-indexer-rotate-activation",
+                                "--no-dsa-indexer-scoring-relu", "--disable-dsa-indexer-scoring-relu",
+                                "--dsa-indexer-k-norm-epsilon", "--dsa-indexer-k-norm-fp32"};
+    const std::string & v = f.attention_variant;
+    if (!given("--experimental-attention-variant") || v != "dsa") {   // what only DSA reads
+        for (const char * flag : dsa_flags) {
+            LOOM_CHECK(!given(flag), flag << " without --experimental-attention-variant dsa",
+                       "add --experimental-attention-variant dsa");
+        }
+    }
     if (!given("--experimental-attention-variant")) {
         for (const char * flag : sizes) {
             LOOM_CHECK(!given(flag), flag << " without --experimental-attention-variant",
@@ -560,12 +636,19 @@ void resolve_linear_attention(const ModelFlags & f, const Given & given, model::
         }
         return;
     }
-    const std::string & v = f.attention_variant;
     LOOM_CHECK(v == "gdn" || v == "gdn2" || v == "dsa" || v == "gated_delta_net",
                "argument --experimental-attention-variant: invalid choice: '" << v
                                                                             << "' (choose from 'gdn', 'gdn2', 'dsa', 'gated_delta_net')", "");
-    LOOM_CHECK(v != "gdn2" && v != "dsa", "--experimental-attention-variant " << v << " is not supported by Loom",
-               "Loom runs gated_delta_net (gdn)");
+    LOOM_CHECK(v != "gdn2", "--experimental-attention-variant gdn2 is not supported by Loom",
+               "Loom runs gated_delta_net (gdn) and dsa");
+    if (v == "dsa") {
+        for (const char * flag : sizes) {
+            LOOM_CHECK(!given(flag), flag << " with --experimental-attention-variant dsa",
+                       "the gated delta-net's flags apply to --experimental-attention-variant gated_delta_net");
+        }
+        resolve_dsa(f, given, m);
+        return;
+    }
     LOOM_CHECK(given("--linear-attention-freq"), "linear_attention_freq must be set for linear gdn.",
                "give --linear-attention-freq");
     const LayerFrequency freq = parse_layer_frequency(f.linear_attention_freq, "--linear-attention-freq",

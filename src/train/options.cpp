@@ -157,6 +157,16 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
     LOOM_CHECK(o.model.offload_modules == 0 || !o.layer_graphs,
                "--fine-grained-activation-offloading with --cuda-graph-impl is not supported by Loom",
                "Loom offloads the inputs of layers run eagerly: drop one of them");
+    LOOM_CHECK(!o.model.dsa || o.parallel.tp() == 1 || o.sequence_parallel,
+               "--experimental-attention-variant dsa with --tensor-model-parallel-size " << o.parallel.tp()
+                   << " needs --sequence-parallel (Megatron's AbsorbedMLASelfAttention requires it)",
+               "add --sequence-parallel");
+    LOOM_CHECK(!o.model.dsa || o.parallel.cp() == 1,
+               "--experimental-attention-variant dsa with --context-parallel-size " << o.parallel.cp()
+                   << " is not supported by Loom", "train DSA without context parallelism");
+    LOOM_CHECK(!o.model.dsa || (!o.layer_graphs && !o.full_iteration_graph),
+               "--experimental-attention-variant dsa with --cuda-graph-impl is not supported by Loom",
+               "the indexer's loss is added on the host's side of each training forward: drop --cuda-graph-impl");
     validate_checkpoint_flags(o, given);
     apply_checkpoint_shape(o);
     if (hf) check_hf_shape(*hf, values_.model, given, o);

@@ -123,7 +123,8 @@ Trainer::Trainer(const TrainOptions & options, std::unique_ptr<Setup> owned, Set
     const RerunMode      rerun    = rerun_->mode();
     gated_ = (!everyone || everyone->size() == 1) && (!setup_.groups.dp || setup_.groups.dp->size() == 1) && !scaler_ &&
              rerun != RerunMode::report_stats && options_.error_injection_rate == 0 && !options_.model.moe.enabled() &&
-             options_.model.mtp_num_layers == 0 && setup_.optimizer->gated_step_supported() && !options_.full_iteration_graph;
+             options_.model.mtp_num_layers == 0 && !options_.model.dsa && setup_.optimizer->gated_step_supported() &&
+             !options_.full_iteration_graph;
     deferrable_ = gated_ && !options_.log_num_zeros_in_grad && !options_.log_params_norm &&
                   options_.timing_log_level == 0 && options_.batch_schedule.empty();
     if (gated_) {
@@ -147,7 +148,7 @@ void Trainer::follow_batch_schedule() {
     executor_     = make_executor(microbatches_);
     executor_->set_layer_graphs(layer_graphs_.get());
     for (model::GptModel * chunk : setup_.chunks) {
-        chunk->set_moe_aux_loss_scale(1.0f / static_cast<float>(microbatches_));
+        chunk->set_aux_loss_scale(1.0f / static_cast<float>(microbatches_));
     }
 }
 
@@ -235,6 +236,21 @@ void Trainer::mtp_losses(IterationStats & stats) {
         stats.tracked_losses.emplace_back("mtp_" + std::to_string(k + 1) + " loss",
                                           sums[static_cast<size_t>(k)] / static_cast<double>(microbatches_));
     }
+}
+
+void Trainer::dsa_losses(IterationStats & stats) {
+    if (!options_.model.dsa || options_.model.dsa_indexer_loss_coeff <= 0.0f) return;
+    std::vector<float> sums{0.0f};
+    for (model::GptModel * chunk : setup_.chunks) sums[0] += static_cast<float>(chunk->take_dsa_losses());
+    Device & device = model_.device();
+    // Every stage's layers; every TP rank holds the whole loss (the indexer sees every row), so TP adds nothing.
+    if (stages_) sums = comm::all_reduce_values(*stages_, device, sums, comm::ReduceOp::sum);
+    if (const comm::Communicator * dp = setup_.groups.dp.get(); dp && dp->size() > 1) {
+        sums = comm::all_reduce_values(*setup_.groups.dp, device, sums, comm::ReduceOp::avg);
+    }
+    // Megatron's DSAIndexerLossLoggingHelper: the layers' sum over the micro-batches, averaged over both.
+    stats.tracked_losses.emplace_back("indexer loss", sums[0] / static_cast<double>(microbatches_) /
+                                                          static_cast<double>(options_.model.num_layers));
 }
 
 void BatchSource::set_consumed_samples(int64_t consumed) {
@@ -379,7 +395,7 @@ void Trainer::apply_loss_scale() {
     // Every backward starts from the loss times the scale, the MoE auxiliary losses' too.
     executor_->set_loss_scale(scaler_->scale());
     for (model::GptModel * chunk : setup_.chunks) {
-        chunk->set_moe_aux_loss_scale(scaler_->scale() / static_cast<float>(microbatches_));
+        chunk->set_aux_loss_scale(scaler_->scale() / static_cast<float>(microbatches_));
     }
 }
 
@@ -522,6 +538,7 @@ pipeline::PipelineExecutor::Result Trainer::run_schedule(IterationStats & stats,
         sum_losses_over_context(r);
         moe_losses(stats);   // run() waited for the stream
         mtp_losses(stats);
+        dsa_losses(stats);
     });
     if (drawn) {
         pipeline::Timeline timeline = pipeline::PipelineExecutor::gather_timeline(r, *stages_, executor_->options(),

@@ -144,6 +144,8 @@ private:
     // "mtp_<k> loss": per micro-batch the masked mean cross-entropy over the whole sequences, averaged over
     // micro-batches and data-parallel ranks (Megatron's MTPLossLoggingHelper).
     void mtp_losses(IterationStats & stats);
+    // --experimental-attention-variant dsa: the indexers' loss ("indexer loss"), over the stages, averaged over DP.
+    void dsa_losses(IterationStats & stats);
     int                                         peak_in_flight_ = 0;
     pipeline::PipelineExecutor::Result          last_schedule_;
     // The learning-rate schedule and the samples it has stepped over (Megatron's OptimizerParamScheduler:

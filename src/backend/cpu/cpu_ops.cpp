@@ -553,6 +553,43 @@ public:
         });
     }
 
+    void dsa_index_scores(Stream & s, const Tensor & q, const Tensor & k, const Tensor & w, int64_t seq, int64_t batch,
+                          bool relu, const Tensor & scores) override {
+        int64_t H, d;
+        std::tie(H, d) = op_checks::dsa_index(q, k, w, scores, seq, batch, "dsa_index_scores");
+        s.submit([=] { cpu::dsa_index_scores(f32(q), f32(k), f32(w), f32(scores), seq, batch, H, d, relu); });
+    }
+
+    void dsa_index_scores_backward(Stream & s, const Tensor & q, const Tensor & k, const Tensor & w, const Tensor & dscores,
+                                   int64_t seq, int64_t batch, bool relu, const Tensor & dq, const Tensor & dk,
+                                   const Tensor & dw) override {
+        int64_t H, d;
+        std::tie(H, d) = op_checks::dsa_index(q, k, w, dscores, seq, batch, "dsa_index_scores_backward");
+        op_checks::dsa_index(dq, dk, dw, dscores, seq, batch, "dsa_index_scores_backward");
+        s.submit([=] {
+            cpu::dsa_index_scores_backward(f32(q), f32(k), f32(w), f32(dscores), f32(dq), f32(dk), f32(dw), seq, batch, H,
+                                           d, relu);
+        });
+    }
+
+    void dsa_attention_target(Stream & s, const Tensor & q_k_v, const AttentionShape & shape, float scale,
+                              const Tensor & target) override {
+        op_checks::dsa_attention_target(q_k_v, shape, target);
+        s.submit([=] {
+            with_activations(q_k_v, [&]<class T>(T *) {
+                cpu::dsa_attention_target(static_cast<const T *>(q_k_v.data_ptr()), f32(target), shape, scale);
+            });
+        });
+    }
+
+    void dsa_indexer_loss(Stream & s, const Tensor & scores, const Tensor & target, float weight, const Tensor & kl,
+                          const Tensor & dscores) override {
+        const int64_t seq = op_checks::dsa_indexer_loss(scores, target, kl, dscores);
+        s.submit([=] {
+            cpu::dsa_indexer_loss(f32(scores), f32(target), weight, f32(kl), f32(dscores), seq, scores.size(0));
+        });
+    }
+
     void l2norm_forward(Stream & s, const Tensor & x, const Tensor & y, const Tensor & rstd, float eps) override {
         int64_t rows, d;
         std::tie(rows, d) = op_checks::l2norm(x, {&y}, rstd, "l2norm_forward");

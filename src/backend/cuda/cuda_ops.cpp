@@ -507,6 +507,48 @@ public:
         cs.launched("l2norm_backward", {dy, y, rstd, dx});
     }
 
+    void dsa_index_scores(Stream & s, const Tensor & q, const Tensor & k, const Tensor & w, int64_t seq, int64_t batch,
+                          bool relu, const Tensor & scores) override {
+        int64_t H, d;
+        std::tie(H, d) = op_checks::dsa_index(q, k, w, scores, seq, batch, "dsa_index_scores");
+        CudaStream & cs = start(s, "dsa_index_scores", {q, k, w, scores});
+        kernels::dsa_index_scores(cs.launch("dsa_index_scores"), f32(q), f32(k), f32(w), f32(scores), seq, batch, H, d, relu);
+        cs.launched("dsa_index_scores", {q, k, w, scores});
+    }
+
+    void dsa_index_scores_backward(Stream & s, const Tensor & q, const Tensor & k, const Tensor & w, const Tensor & dscores,
+                                   int64_t seq, int64_t batch, bool relu, const Tensor & dq, const Tensor & dk,
+                                   const Tensor & dw) override {
+        int64_t H, d;
+        std::tie(H, d) = op_checks::dsa_index(q, k, w, dscores, seq, batch, "dsa_index_scores_backward");
+        op_checks::dsa_index(dq, dk, dw, dscores, seq, batch, "dsa_index_scores_backward");
+        CudaStream & cs = start(s, "dsa_index_scores_backward", {q, k, w, dscores, dq, dk, dw});
+        kernels::dsa_index_scores_backward(cs.launch("dsa_index_scores_backward"), f32(q), f32(k), f32(w), f32(dscores),
+                                           f32(dq), f32(dk), f32(dw), seq, batch, H, d, relu);
+        cs.launched("dsa_index_scores_backward", {q, k, w, dscores, dq, dk, dw});
+    }
+
+    void dsa_attention_target(Stream & s, const Tensor & q_k_v, const AttentionShape & shape, float scale,
+                              const Tensor & target) override {
+        op_checks::dsa_attention_target(q_k_v, shape, target);
+        CudaStream & cs     = start(s, "dsa_attention_target", {q_k_v, target});
+        cudaStream_t stream = cs.launch("dsa_attention_target");
+        with_activations(q_k_v, [&]<class T>(T *) {
+            kernels::dsa_attention_target(stream, act<T>(q_k_v), f32(target), shape.s, shape.b, shape.nq, shape.d,
+                                          shape.row_stride, shape.kv_stride(), shape.k_column(), scale);
+        });
+        cs.launched("dsa_attention_target", {q_k_v, target});
+    }
+
+    void dsa_indexer_loss(Stream & s, const Tensor & scores, const Tensor & target, float weight, const Tensor & kl,
+                          const Tensor & dscores) override {
+        const int64_t seq = op_checks::dsa_indexer_loss(scores, target, kl, dscores);
+        CudaStream &  cs  = start(s, "dsa_indexer_loss", {scores, target, kl, dscores});
+        kernels::dsa_indexer_loss(cs.launch("dsa_indexer_loss"), f32(scores), f32(target), weight, f32(kl), f32(dscores), seq,
+                                  scores.size(0));
+        cs.launched("dsa_indexer_loss", {scores, target, kl, dscores});
+    }
+
     void gdn_gates_forward(Stream & s, const Tensor & src, int64_t col, const Tensor & a_log, const Tensor & dt_bias,
                            const Tensor & g, const Tensor & beta) override {
         int64_t n, H, stride;

@@ -775,6 +775,137 @@ __global__ void l2norm_backward_kernel(const float * dy, const float * y, const 
     }
 }
 
+// ---- DeepSeek Sparse Attention's indexer (Ops::dsa_*), as backend/cpu/dsa.cpp forms it: a thread per score, per
+// query row and head, per key row or per target row, every sum in the CPU's index order, nothing fused.
+
+__device__ inline float dsa_dot(const float * a, const float * b, int64_t d) {
+    float sum = 0.0f;
+    for (int64_t x = 0; x < d; ++x) sum = __fadd_rn(sum, __fmul_rn(a[x], b[x]));
+    return sum;
+}
+
+__global__ void dsa_index_scores_kernel(const float * q, const float * k, const float * w, float * scores, int64_t s,
+                                        int64_t b, int64_t H, int64_t d, bool relu) {
+    LOOM_GRID_STRIDE(e, b * s * s) {
+        const int64_t bi = e / (s * s), i = e / s % s, j = e % s, ri = i * b + bi;
+        if (j > i) {
+            scores[e] = -INFINITY;
+            continue;
+        }
+        float sum = 0.0f;
+        for (int64_t h = 0; h < H; ++h) {
+            const float z = dsa_dot(q + (ri * H + h) * d, k + (j * b + bi) * d, d);
+            sum           = __fadd_rn(sum, __fmul_rn(w[ri * H + h], relu ? fmaxf(z, 0.0f) : z));
+        }
+        scores[e] = sum;
+    }
+}
+
+__global__ void dsa_index_dq_kernel(const float * q, const float * k, const float * w, const float * dscores, float * dq,
+                                    float * dw, int64_t s, int64_t b, int64_t H, int64_t d, bool relu) {
+    LOOM_GRID_STRIDE(e, s * b * H) {   // (bi, i, h)
+        const int64_t bi = e / (s * H), i = e / H % s, h = e % H, ri = i * b + bi;
+        const float * qh  = q + (ri * H + h) * d;
+        float *       dqh = dq + (ri * H + h) * d;
+        for (int64_t x = 0; x < d; ++x) dqh[x] = 0.0f;
+        float dwh = 0.0f;
+        for (int64_t j = 0; j <= i; ++j) {
+            const float * kj = k + (j * b + bi) * d;
+            const float   z  = dsa_dot(qh, kj, d);
+            if (relu && !(z > 0.0f)) continue;
+            const float g = dscores[(bi * s + i) * s + j];
+            dwh           = __fadd_rn(dwh, __fmul_rn(g, z));
+            const float dz = __fmul_rn(g, w[ri * H + h]);
+            for (int64_t x = 0; x < d; ++x) dqh[x] = __fadd_rn(dqh[x], __fmul_rn(dz, kj[x]));
+        }
+        dw[ri * H + h] = dwh;
+    }
+}
+
+__global__ void dsa_index_dk_kernel(const float * q, const float * k, const float * w, const float * dscores, float * dk,
+                                    int64_t s, int64_t b, int64_t H, int64_t d, bool relu) {
+    LOOM_GRID_STRIDE(e, s * b) {   // (bi, j)
+        const int64_t bi = e / s, j = e % s, rj = j * b + bi;
+        const float * kj  = k + rj * d;
+        float *       dkj = dk + rj * d;
+        for (int64_t x = 0; x < d; ++x) dkj[x] = 0.0f;
+        for (int64_t i = j; i < s; ++i) {
+            const int64_t ri = i * b + bi;
+            const float   g  = dscores[(bi * s + i) * s + j];
+            for (int64_t h = 0; h < H; ++h) {
+                const float * qh = q + (ri * H + h) * d;
+                const float   z  = dsa_dot(qh, kj, d);
+                if (relu && !(z > 0.0f)) continue;
+                const float dz = __fmul_rn(g, w[ri * H + h]);
+                for (int64_t x = 0; x < d; ++x) dkj[x] = __fadd_rn(dkj[x], __fmul_rn(dz, qh[x]));
+            }
+        }
+    }
+}
+
+template <class T>
+__device__ inline float dsa_logit(const T * q_k_v, int64_t qi, int64_t kj, int64_t d, float scale) {
+    float dot = 0.0f;
+    for (int64_t x = 0; x < d; ++x) dot = __fadd_rn(dot, __fmul_rn(to_f32(q_k_v[qi + x]), to_f32(q_k_v[kj + x])));
+    return __fmul_rn(scale, dot);
+}
+
+template <class T>
+__global__ void dsa_attention_target_kernel(const T * q_k_v, float * target, int64_t s, int64_t b, int64_t heads,
+                                            int64_t d, int64_t row_stride, int64_t kv_stride, int64_t k_col,
+                                            float scale) {
+    LOOM_GRID_STRIDE(e, b * s) {   // (bi, i)
+        const int64_t bi = e / s, i = e % s;
+        float *       out = target + e * s;
+        for (int64_t j = 0; j < s; ++j) out[j] = 0.0f;
+        for (int64_t h = 0; h < heads; ++h) {
+            const int64_t qi = (i * b + bi) * row_stride + h * d;
+            // Three passes over the keys, the logits recomputed (the CPU keeps them): the maximum, the sum, the
+            // probabilities.
+            float mx = -INFINITY;
+            for (int64_t j = 0; j <= i; ++j) {
+                mx = fmaxf(mx, dsa_logit(q_k_v, qi, (j * b + bi) * kv_stride + k_col + h * d, d, scale));
+            }
+            float sum = 0.0f;
+            for (int64_t j = 0; j <= i; ++j) {
+                sum = __fadd_rn(sum, expf(__fsub_rn(dsa_logit(q_k_v, qi, (j * b + bi) * kv_stride + k_col + h * d, d, scale), mx)));
+            }
+            for (int64_t j = 0; j <= i; ++j) {
+                const float p = expf(__fsub_rn(dsa_logit(q_k_v, qi, (j * b + bi) * kv_stride + k_col + h * d, d, scale), mx));
+                out[j]        = __fadd_rn(out[j], __fdiv_rn(p, sum));
+            }
+        }
+    }
+}
+
+__global__ void dsa_indexer_loss_kernel(const float * scores, const float * target, float weight, float * kl,
+                                        float * dscores, int64_t s, int64_t rows) {
+    LOOM_GRID_STRIDE(e, rows) {   // (bi, i)
+        const int64_t i = e % s;
+        const float * I = scores + e * s;
+        const float * t = target + e * s;
+        float *       g = dscores + e * s;
+        float         total = 0.0f, mx = -INFINITY;
+        for (int64_t j = 0; j <= i; ++j) {
+            total = __fadd_rn(total, t[j]);
+            mx    = fmaxf(mx, I[j]);
+        }
+        const float norm = fmaxf(total, 1e-10f);
+        float       sum  = 0.0f;
+        for (int64_t j = 0; j <= i; ++j) sum = __fadd_rn(sum, expf(__fsub_rn(I[j], mx)));
+        const float log_sum = logf(sum);
+        float       row     = 0.0f;
+        for (int64_t j = 0; j <= i; ++j) {
+            const float T     = __fdiv_rn(t[j], norm);
+            const float log_p = __fsub_rn(__fsub_rn(I[j], mx), log_sum);
+            row  = __fadd_rn(row, __fmul_rn(T, __fsub_rn(logf(fmaxf(T, 1e-10f)), log_p)));
+            g[j] = __fmul_rn(weight, __fsub_rn(expf(log_p), T));
+        }
+        for (int64_t j = i + 1; j < s; ++j) g[j] = 0.0f;
+        kl[e] = __fmul_rn(weight, row);
+    }
+}
+
 // ---- The gated delta-net's gates (Ops::gdn_gates_forward / _backward), as backend/cpu/delta_rule.cpp forms them.
 
 __device__ inline float softplus_rn(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
@@ -1431,6 +1562,36 @@ void l2norm_forward(cudaStream_t stream, const float * x, float * y, float * rst
 void l2norm_backward(cudaStream_t stream, const float * dy, const float * y, const float * rstd, float * dx, int64_t rows,
                      int64_t d) {
     if (rows > 0) LOOM_LAUNCH(l2norm_backward_kernel, blocks_for(rows), kThreads, 0, stream)(dy, y, rstd, dx, rows, d);
+}
+
+void dsa_index_scores(cudaStream_t stream, const float * q, const float * k, const float * w, float * scores, int64_t s,
+                      int64_t b, int64_t H, int64_t d, bool relu) {
+    if (b * s > 0) LOOM_LAUNCH(dsa_index_scores_kernel, blocks_for(b * s * s), kThreads, 0, stream)(q, k, w, scores, s, b, H, d, relu);
+}
+
+void dsa_index_scores_backward(cudaStream_t stream, const float * q, const float * k, const float * w, const float * dscores,
+                               float * dq, float * dk, float * dw, int64_t s, int64_t b, int64_t H, int64_t d, bool relu) {
+    if (b * s == 0) return;
+    LOOM_LAUNCH(dsa_index_dq_kernel, blocks_for(s * b * H), kThreads, 0, stream)(q, k, w, dscores, dq, dw, s, b, H, d, relu);
+    LOOM_LAUNCH(dsa_index_dk_kernel, blocks_for(s * b), kThreads, 0, stream)(q, k, w, dscores, dk, s, b, H, d, relu);
+}
+
+template <class T>
+void dsa_attention_target(cudaStream_t stream, const T * q_k_v, float * target, int64_t s, int64_t b, int64_t heads, int64_t d,
+                          int64_t row_stride, int64_t kv_stride, int64_t k_col, float scale) {
+    if (b * s > 0) {
+        LOOM_LAUNCH(dsa_attention_target_kernel<T>, blocks_for(b * s), kThreads, 0, stream)(q_k_v, target, s, b, heads, d,
+                                                                                            row_stride, kv_stride, k_col, scale);
+    }
+}
+template void dsa_attention_target(cudaStream_t, const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                   int64_t, float);
+template void dsa_attention_target(cudaStream_t, const Bf16 *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                   int64_t, float);
+
+void dsa_indexer_loss(cudaStream_t stream, const float * scores, const float * target, float weight, float * kl,
+                      float * dscores, int64_t s, int64_t b) {
+    if (b * s > 0) LOOM_LAUNCH(dsa_indexer_loss_kernel, blocks_for(b * s), kThreads, 0, stream)(scores, target, weight, kl, dscores, s, b * s);
 }
 
 template <class T>

@@ -1,0 +1,155 @@
+// DeepSeek Sparse Attention's indexer kernels (Ops::dsa_index_scores, _backward, dsa_attention_target,
+// dsa_indexer_loss; core/ops.h states them). Every sum runs in index order in f32, one task per sequence and
+// query position (the keys' gradient: per key position), so the result does not depend on the thread budget.
+#include "backend/cpu/ops.h"
+
+#include "core/thread_pool.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace loom::cpu {
+
+namespace {
+
+float dot(const float * a, const float * b, int64_t d) {
+    float sum = 0.0f;
+    for (int64_t x = 0; x < d; ++x) sum += a[x] * b[x];
+    return sum;
+}
+
+}  // namespace
+
+void dsa_index_scores(const float * q, const float * k, const float * w, float * scores, int64_t s, int64_t b,
+                      int64_t H, int64_t d, bool relu) {
+    const float minus_inf = -std::numeric_limits<float>::infinity();
+    parallel_for(s * b, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t bi = task / s, i = task % s, ri = i * b + bi;
+            float *       out = scores + (bi * s + i) * s;
+            for (int64_t j = 0; j <= i; ++j) {
+                const float * kj  = k + (j * b + bi) * d;
+                float         sum = 0.0f;
+                for (int64_t h = 0; h < H; ++h) {
+                    const float z = dot(q + (ri * H + h) * d, kj, d);
+                    sum += w[ri * H + h] * (relu ? std::max(z, 0.0f) : z);
+                }
+                out[j] = sum;
+            }
+            for (int64_t j = i + 1; j < s; ++j) out[j] = minus_inf;
+        }
+    });
+}
+
+void dsa_index_scores_backward(const float * q, const float * k, const float * w, const float * dscores, float * dq,
+                               float * dk, float * dw, int64_t s, int64_t b, int64_t H, int64_t d, bool relu) {
+    // The queries' side: dq and dw of each row.
+    parallel_for(s * b, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t bi = task / s, i = task % s, ri = i * b + bi;
+            const float * g  = dscores + (bi * s + i) * s;
+            for (int64_t h = 0; h < H; ++h) {
+                const float * qh  = q + (ri * H + h) * d;
+                float *       dqh = dq + (ri * H + h) * d;
+                std::fill(dqh, dqh + d, 0.0f);
+                float dwh = 0.0f;
+                for (int64_t j = 0; j <= i; ++j) {
+                    const float * kj = k + (j * b + bi) * d;
+                    const float   z  = dot(qh, kj, d);
+                    if (relu && !(z > 0.0f)) continue;
+                    dwh += g[j] * z;
+                    const float dz = g[j] * w[ri * H + h];
+                    for (int64_t x = 0; x < d; ++x) dqh[x] += dz * kj[x];
+                }
+                dw[ri * H + h] = dwh;
+            }
+        }
+    });
+    // The keys' side: dk of each row, over the queries at or after it.
+    parallel_for(s * b, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t bi = task / s, j = task % s, rj = j * b + bi;
+            const float * kj  = k + rj * d;
+            float *       dkj = dk + rj * d;
+            std::fill(dkj, dkj + d, 0.0f);
+            for (int64_t i = j; i < s; ++i) {
+                const int64_t ri = i * b + bi;
+                const float   g  = dscores[(bi * s + i) * s + j];
+                for (int64_t h = 0; h < H; ++h) {
+                    const float * qh = q + (ri * H + h) * d;
+                    const float   z  = dot(qh, kj, d);
+                    if (relu && !(z > 0.0f)) continue;
+                    const float dz = g * w[ri * H + h];
+                    for (int64_t x = 0; x < d; ++x) dkj[x] += dz * qh[x];
+                }
+            }
+        }
+    });
+}
+
+template <class T>
+void dsa_attention_target(const T * q_k_v, float * target, const AttentionShape & a, float scale) {
+    const int64_t s = a.s, b = a.b, d = a.d, k_col = a.k_column();
+    parallel_for(s * b, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> qh(static_cast<size_t>(d)), kj(static_cast<size_t>(d)), logits(static_cast<size_t>(s));
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t bi = task / s, i = task % s;
+            float *       out = target + (bi * s + i) * s;
+            std::fill(out, out + s, 0.0f);
+            for (int64_t h = 0; h < a.nq; ++h) {
+                const T * qp = q_k_v + (i * b + bi) * a.row_stride + h * d;
+                for (int64_t x = 0; x < d; ++x) qh[x] = to_f32(qp[x]);
+                float mx = -std::numeric_limits<float>::infinity();
+                for (int64_t j = 0; j <= i; ++j) {
+                    const T * kp = q_k_v + (j * b + bi) * a.kv_stride() + k_col + h * d;
+                    for (int64_t x = 0; x < d; ++x) kj[x] = to_f32(kp[x]);
+                    logits[j] = scale * dot(qh.data(), kj.data(), d);
+                    mx        = std::max(mx, logits[j]);
+                }
+                float sum = 0.0f;
+                for (int64_t j = 0; j <= i; ++j) {
+                    logits[j] = std::exp(logits[j] - mx);
+                    sum += logits[j];
+                }
+                for (int64_t j = 0; j <= i; ++j) out[j] += logits[j] / sum;
+            }
+        }
+    });
+}
+
+template void dsa_attention_target(const float *, float *, const AttentionShape &, float);
+template void dsa_attention_target(const Bf16 *, float *, const AttentionShape &, float);
+
+void dsa_indexer_loss(const float * scores, const float * target, float weight, float * kl, float * dscores, int64_t s,
+                      int64_t b) {
+    parallel_for(s * b, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t i = task % s;
+            const float * I = scores + task * s;
+            const float * t = target + task * s;
+            float *       g = dscores + task * s;
+            float         total = 0.0f, mx = -std::numeric_limits<float>::infinity();
+            for (int64_t j = 0; j <= i; ++j) {
+                total += t[j];
+                mx = std::max(mx, I[j]);
+            }
+            const float norm = std::max(total, 1e-10f);
+            float       sum  = 0.0f;
+            for (int64_t j = 0; j <= i; ++j) sum += std::exp(I[j] - mx);
+            const float log_sum = std::log(sum);
+            float       row     = 0.0f;
+            for (int64_t j = 0; j <= i; ++j) {
+                const float T     = t[j] / norm;
+                const float log_p = I[j] - mx - log_sum;
+                row += T * (std::log(std::max(T, 1e-10f)) - log_p);
+                g[j] = weight * (std::exp(log_p) - T);
+            }
+            for (int64_t j = i + 1; j < s; ++j) g[j] = 0.0f;
+            kl[task] = weight * row;
+        }
+    });
+}
+
+}  // namespace loom::cpu

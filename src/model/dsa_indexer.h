@@ -1,0 +1,75 @@
+// DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2; Megatron's DSAIndexer, --experimental-attention-variant
+// dsa): a small attention of its own that scores, for every query position i, each earlier key position j,
+//
+//   q = rot(RoPE(W_qb qr)) (n_i heads of d_i),   k = rot(RoPE(LayerNorm(W_k x))) (one head of d_i),
+//   w = (W_w x) / sqrt(n_i d_i)                  (one weight per head),
+//   I[i, j] = sum over heads h of w[i, h] relu(q[i, h] . k[j])                  (j <= i)
+//
+// where x is the attention's input (every row: gathered under sequence parallelism), qr the query latent (MLA's
+// q_down output after its norm), RoPE turns the first qk_pos_emb_head_dim elements of each head (MLA's rotary
+// settings; pairs (i, i + r/2), or interleaved) and rot is the Hadamard rotation (Sylvester's matrix over d_i,
+// times 1/sqrt(d_i); --no-dsa-indexer-rotate-activation leaves it out). The main attention attends to the top
+// --dsa-indexer-topk keys of each row by I; with at least as many keys as the sequence has, that is every
+// causal key, so the main attention is MLA's own (Loom's limit for now: topk >= the sequence).
+//
+// The indexer learns from its KL loss against the main attention (--dsa-indexer-loss-coeff c): with T the
+// main attention's causal probabilities summed over every head (this rank's heads, then summed over the TP
+// group), normalised per row, and p = softmax(I) over j <= i,
+//
+//   L = c / (b s) * sum over rows of KL(T || p)
+//
+// whose gradient dI = c / (b s) (p - T) reaches only the indexer's weights: x, qr and the main attention are
+// detached. L is not added to the language-model loss; its backward enters with the auxiliary losses' scale
+// (loss scale / micro-batches, as Megatron's DSAIndexerLossAutoScaler) and it is logged as "indexer loss".
+//
+// Under tensor parallelism every rank holds the whole indexer and computes it on every row: its gradients are
+// the same on every rank (the target is summed over the group first), so nothing more is reduced.
+#pragma once
+
+#include "model/layers.h"
+
+#include <memory>
+#include <string>
+
+namespace loom::model {
+
+struct DsaIndexerContext {
+    Linear::Context wq_b, wk, weights_proj;
+    Norm::Context   k_norm;
+    Tensor          q, k, w;    // f32, as the scores read them (q (n, n_i d_i) and k (n, d_i) turned and rotated)
+    Tensor          dscores;    // (b, s, s) f32: the loss's gradient of the scores, before the backward's scale
+    int64_t         s = 0, b = 0;
+};
+
+class DsaIndexer {
+public:
+    DsaIndexer(const std::string & name, const GptConfig & config, Device & device, const TensorParallel & tp);
+
+    // One training forward: the scores, the loss against the main attention of q_k_v (MLA's packed rows of this
+    // rank's heads, `shape` and `scale` its), added to `loss`, and what backward needs kept in ctx. x (n, h) and
+    // qr (n, q_lora_rank) hold every row of the micro-batch.
+    void forward(DsaIndexerContext & ctx, const Tensor & x, const Tensor & qr, const Tensor & q_k_v,
+                 const AttentionShape & shape, float scale);
+    // The loss's gradients (times loss_backward_scale) added to the indexer's weights, each reported ready.
+    void backward(DsaIndexerContext & ctx, const GradReadyFn & ready);
+    // Reports every weight ready with no gradient added: a pass without the loss (no coefficient, or evaluation).
+    void skip_backward(const GradReadyFn & ready);
+    void init(uint64_t seed, float std);
+    void parameters(std::vector<Parameter *> & out);
+
+    const GptConfig & config;
+    TensorParallel    tp;
+    int64_t           heads, head_dim;   // n_i, d_i
+    Linear            wq_b;              // q_lora_rank -> n_i d_i
+    Linear            wk;                // h -> d_i
+    Norm              k_norm;            // LayerNorm over d_i
+    Linear            weights_proj;      // h -> n_i
+    Tensor            rotation;          // (d_i, d_i) f32: the Hadamard rotation (undefined without it)
+    Tensor            loss;              // (1, 1) f32: the loss summed over training forwards since last taken
+    float             loss_backward_scale = 1.0f;   // GptModel::set_aux_loss_scale
+
+private:
+    Tensor ones_;   // (b s, 1) f32 ones: the rows' KL summed into `loss` by a product
+};
+
+}  // namespace loom::model
