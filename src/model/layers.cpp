@@ -528,8 +528,8 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
         if (c.qk_layernorm) mla->kv_norm = norm(".kv_norm", rkv);
         mla->kv_up = by_heads(".kv_up", rkv, dkv);
         if (c.dsa) {
-            LOOM_CHECK(!cp.enabled(), "--experimental-attention-variant dsa with --context-parallel-size "
-                                          << cp.size << " is not supported by Loom", "train DSA without context parallelism");
+            // The indexer scores whole sequences: a rank's rows must be every position (the flags refuse CP first).
+            LOOM_CHECK(!cp.enabled(), "the DSA indexer of " << name << " under context parallelism", "");
             indexer = std::make_unique<DsaIndexer>(name + ".indexer", c, device, tp);
         }
         if (t.size > 1) {
@@ -674,8 +674,7 @@ int64_t gate_column(const AttentionShape & shape) { return (shape.nq + 2 * shape
 
 namespace {
 
-// MLA's RoPE (YaRN's frequencies and amplitude, or plain RoPE's) and softmax scale (core/rope.h).
-
+// MLA's softmax scale, YaRN's mscale(f, mscale_all_dim)^2 / sqrt(dqk) (core/rope.h).
 float mla_softmax_scale(const GptConfig & c) {
     const double m = yarn_mscale(c.rotary_scaling_factor, c.mscale_all_dim);
     return static_cast<float>(m * m / std::sqrt(static_cast<double>(c.mla_qk_dim())));
