@@ -51,11 +51,11 @@ const std::string kGatedDeltaNet = "--experimental-attention-variant gated_delta
 const std::string kMoe        = LOOM_MOE_MODEL + kShort;
 const std::string kMoeDropPad = kMoe + "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity ";
 
-// The lm loss of every logged iteration, in order.
-std::vector<double> losses(const std::string & out) {
+// The lm loss (or the value logged under `key`) of every logged iteration, in order.
+std::vector<double> losses(const std::string & out, const std::string & key = "lm loss: ") {
     std::vector<double> found;
-    for (size_t at = out.find("lm loss: "); at != std::string::npos; at = out.find("lm loss: ", at + 1)) {
-        found.push_back(std::strtod(out.c_str() + at + 9, nullptr));
+    for (size_t at = out.find(key); at != std::string::npos; at = out.find(key, at + 1)) {
+        found.push_back(std::strtod(out.c_str() + at + key.size(), nullptr));
     }
     return found;
 }
@@ -309,14 +309,7 @@ TEST(CudaTrain, OneGpuDsaIndexerFollowsTheCpu) {
     const CliRun gpu = run_loom_mpi(1, kRun + model + "--device " + kDevice);
     expect_follows_cpu(gpu, "MLA + DSA", model);
     const CliRun cpu = run_loom_mpi(1, kRun + model + "--device cpu");
-    auto indexer = [](const std::string & out) {
-        std::vector<double> found;
-        for (size_t at = out.find("indexer loss: "); at != std::string::npos; at = out.find("indexer loss: ", at + 1)) {
-            found.push_back(std::strtod(out.c_str() + at + 14, nullptr));
-        }
-        return found;
-    };
-    const std::vector<double> want = indexer(cpu.out), got = indexer(gpu.out);
+    const std::vector<double> want = losses(cpu.out, "indexer loss: "), got = losses(gpu.out, "indexer loss: ");
     ASSERT_EQ(want.size(), 10u) << cpu.out;
     ASSERT_EQ(got.size(), want.size()) << gpu.out;
     for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 3e-3 * want[i]) << "indexer loss, iteration " << i + 1;

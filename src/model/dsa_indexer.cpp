@@ -84,10 +84,7 @@ void DsaIndexer::forward(DsaIndexerContext & ctx, const Tensor & x, const Tensor
     auto turn = [&](Tensor t, int64_t heads_of_t) {
         ops.rope(stream, t, s, b, heads_of_t, head_dim, config.rotary_base, false, dr, config.dsa_indexer_rope_interleaved,
                  {}, rope);
-        if (!rotation.defined()) return t;
-        Tensor out = activation(device, n, heads_of_t * head_dim);
-        ops.gemm(stream, t.view({n * heads_of_t, head_dim}), false, rotation, false, out.view({n * heads_of_t, head_dim}));
-        return out;
+        return rotated(t);
     };
     ctx.q = turn(in_dtype(wq_b.forward(ctx.wq_b, qr), DType::f32), heads);
     ctx.k = turn(in_dtype(k_norm.forward(ctx.k_norm, wk.forward(ctx.wk, x)), DType::f32), 1);
@@ -125,11 +122,7 @@ void DsaIndexer::backward(DsaIndexerContext & ctx, const GradReadyFn & ready) {
     const RopeScaling rope = mla_rope(config);
     // The transposes of the rotation (itself) and of RoPE (the opposite angle), into the projections' dtype.
     auto unturn = [&](Tensor t, int64_t heads_of_t, DType dtype) {
-        if (rotation.defined()) {
-            Tensor out = activation(device, n, heads_of_t * head_dim);
-            ops.gemm(stream, t.view({n * heads_of_t, head_dim}), false, rotation, false, out.view({n * heads_of_t, head_dim}));
-            t = out;
-        }
+        t = rotated(t);
         ops.rope(stream, t, s, b, heads_of_t, head_dim, config.rotary_base, true, dr, config.dsa_indexer_rope_interleaved,
                  {}, rope);
         return in_dtype(t, dtype);
@@ -139,6 +132,15 @@ void DsaIndexer::backward(DsaIndexerContext & ctx, const GradReadyFn & ready) {
     wq_b.backward(ctx.wq_b, unturn(dq, heads, wq_b.weight.compute_dtype()), ready);
     const Tensor dk_normed = unturn(dk, 1, wk.weight.compute_dtype());
     wk.backward(ctx.wk, k_norm.backward(ctx.k_norm, dk_normed, ready), ready);
+}
+
+Tensor DsaIndexer::rotated(const Tensor & t) const {
+    if (!rotation.defined()) return t;
+    const int64_t rows = t.numel() / head_dim;   // every head of every row: rows of d_i
+    Tensor        out  = activation(t.device(), t.size(0), t.size(1));
+    t.device().ops().gemm(t.device().compute_stream(), t.view({rows, head_dim}), false, rotation, false,
+                          out.view({rows, head_dim}));
+    return out;
 }
 
 void DsaIndexer::skip_backward(const GradReadyFn & ready) {

@@ -69,6 +69,9 @@ public:
     float             loss_backward_scale = 1.0f;   // GptModel::set_aux_loss_scale
 
 private:
+    // t (rows, k d_i) f32 with each d_i-wide head multiplied by the rotation (t itself without it). The rotation is
+    // symmetric: the backward applies it again.
+    Tensor rotated(const Tensor & t) const;
     Tensor ones_;   // (b s, 1) f32 ones: the rows' KL summed into `loss` by a product
 };
 

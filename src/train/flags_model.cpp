@@ -616,16 +616,11 @@ void resolve_dsa(const ModelFlags & f, const Given & given, model::GptConfig & m
 void resolve_linear_attention(const ModelFlags & f, const Given & given, model::GptConfig & m) {
     const char * sizes[] = {"--linear-attention-freq", "--linear-conv-kernel-dim", "--linear-key-head-dim",
                             "--linear-value-head-dim", "--linear-num-key-heads", "--linear-num-value-heads"};
-    const char * dsa_flags[] = {"--dsa-indexer-n-heads", "--dsa-indexer-head-dim", "--dsa-indexer-topk",
-                                "--dsa-indexer-topk-freq", "--dsa-indexer-skip-topk-offset", "--dsa-indexer-loss-coeff",
-                                "--dsa-indexer-use-sparse-loss", "--dsa-kernel-backend", "--dsa-indexer-rope-interleaved",
-                                "--no-dsa-indexer-rotate-activation", "--disable-dsa-indexer-rotate-activation",
-                                "--no-dsa-indexer-scoring-relu", "--disable-dsa-indexer-scoring-relu",
-                                "--dsa-indexer-k-norm-epsilon", "--dsa-indexer-k-norm-fp32"};
     const std::string & v = f.attention_variant;
-    if (!given("--experimental-attention-variant") || v != "dsa") {   // what only DSA reads
-        for (const char * flag : dsa_flags) {
-            LOOM_CHECK(!given(flag), flag << " without --experimental-attention-variant dsa",
+    if (!given("--experimental-attention-variant") || v != "dsa") {   // what only DSA reads: the table's --*dsa-* flags
+        for (const Flag<ModelFlags> & flag : model_flags()) {
+            if (std::string_view(flag.name).find("-dsa-") == std::string_view::npos) continue;
+            LOOM_CHECK(!given(flag.name), flag.name << " without --experimental-attention-variant dsa",
                        "add --experimental-attention-variant dsa");
         }
     }
