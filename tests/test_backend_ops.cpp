@@ -1144,7 +1144,7 @@ double attention_dropout_factor(const Dropout & key, int64_t bi, int64_t hq, int
 }
 
 // Naive causal softmax attention in double: the s x s probabilities of each (sequence, query head); with a
-// window w, query i sees keys max(0, i - w) .. i.
+// window w, query i sees keys max(0, i - w) .. i; with a key mask, only the keys it holds.
 // With dout given, also its gradient dqkv (assigned on the Q, K, V columns, 0 elsewhere). With dropout,
 // O = (z P) V and dS = P (z dP - rowsum(dO O)). With sink logits (nq), each head's joins every query's
 // softmax with a zero value; its gradient dsink (assigned) is -sum P_sink rowsum(dO O).
@@ -1168,7 +1168,8 @@ void attention_reference(const std::vector<double> & qkv, const AttentionShape &
                 for (int64_t j = j0; j <= i; ++j) {
                     double dot = 0;
                     for (int64_t dd = 0; dd < a.d; ++dd) dot += qkv[ix.q(i, bi, hq, dd)] * qkv[ix.k(j, bi, hk, dd)];
-                    p[j] = scale * dot;
+                    const bool held = !a.key_mask.defined() || a.key_mask.data<uint8_t>()[(bi * a.s + i) * a.s + j] != 0;
+                    p[j] = held ? scale * dot : -std::numeric_limits<double>::infinity();   // e^-inf: exactly 0
                     mx   = std::max(mx, p[j]);
                 }
                 if (sink) mx = std::max(mx, (*sink)[static_cast<size_t>(hq)]);
@@ -1218,7 +1219,10 @@ double attention_loss(const std::vector<double> & qkv, const AttentionShape & a,
 // With `sinks`, each query head's sink logit (in [-1, 3): from a small to a large share of the softmax) joins
 // the softmax through Ops::attention_sink_forward after the kernel, and its gradient is added to dsink's
 // values by attention_sink_backward.
-static void attention_against_reference(const Dropout & dropout, int64_t window = -1, bool sinks = false) {
+// With `key_mask`, a key mask (AttentionShape::key_mask, DSA's top k): random keys of each row's, and on every
+// third row one key alone, so that whole blocks of 64 keys hold none of a row's.
+static void attention_against_reference(const Dropout & dropout, int64_t window = -1, bool sinks = false,
+                                        bool key_mask = false) {
     // (s, b, nq, nkv, d, row_stride): GQA with two query blocks of 64; multi-head with padded rows; one
     // key/value head for four query heads. With a window, also three blocks of 64, where the last block's
     // queries see no key of the first.
@@ -1228,7 +1232,20 @@ static void attention_against_reference(const Dropout & dropout, int64_t window 
     for (AttentionShape a : shapes) {
         a.window = window;
         SCOPED_TRACE("attention shape " + std::to_string(variant) + (dropout.enabled() ? " with dropout" : "") +
-                     (window >= 0 ? ", window " + std::to_string(window) : "") + (sinks ? ", sinks" : ""));
+                     (window >= 0 ? ", window " + std::to_string(window) : "") + (sinks ? ", sinks" : "") +
+                     (key_mask ? ", key mask" : ""));
+        if (key_mask) {
+            a.key_mask = empty({a.b, a.s, a.s}, DType::u8);
+            Rng draw(5100 + variant);
+            for (int64_t bi = 0; bi < a.b; ++bi) {
+                for (int64_t i = 0; i < a.s; ++i) {
+                    uint8_t * row = a.key_mask.data<uint8_t>() + (bi * a.s + i) * a.s;
+                    for (int64_t j = 0; j < a.s; ++j) row[j] = i % 3 != 2 && draw.below(2) == 0 ? 1 : 0;
+                    const int64_t first = window >= 0 ? std::max<int64_t>(0, i - window) : 0;
+                    row[first + draw.below(i - first + 1)] = 1;   // at least one key the row sees
+                }
+            }
+        }
         const int64_t       n = a.s * a.b, width = (a.nq + 2 * a.nkv) * a.d;
         const float         scale = 1.0f / std::sqrt(static_cast<float>(a.d));
         Tensor              qkv   = random_f32({n, a.row_stride}, 5000 + 10 * variant, -2.0f, 2.0f);
@@ -1366,6 +1383,13 @@ TEST(OpsAttention, SlidingWindowAgainstNaiveDoubleAttention) {
     key.site = dropout_site(1, DropoutKind::attention_probs);
     for (const int64_t window : {1, 3, 20}) attention_against_reference(Dropout{}, window);
     attention_against_reference(key, 20);
+}
+
+// A key mask (DSA's top k, AttentionShape::key_mask): each query sees only the keys its row holds, tiles where a row
+// holds none skipped, the masked probabilities exactly 0 in forward and backward; with a window too.
+TEST(OpsAttention, KeyMaskAgainstNaiveDoubleAttention) {
+    attention_against_reference(Dropout{}, -1, false, true);
+    attention_against_reference(Dropout{}, 20, false, true);
 }
 
 // Attention sinks (--softmax-type learnable / off-by-one): the kernel's (out, lse) then the sink's merge, and
@@ -3018,4 +3042,96 @@ TEST(OpsDsa, IndexerScoresTargetAndLossFollowTheirDefinitions) {
     }
     EXPECT_TRUE(close_to_max("kl", kl.data<float>(), rkl, 1e-5));
     EXPECT_TRUE(close_to_max("dscores", grad.data<float>(), rgrad, 1e-5));
+}
+
+// The top-k selection (Ops::dsa_topk_mask) against its definition, key j of row i held when fewer than k causal keys
+// outrank it (a higher score, or the same and earlier): 3 sequences of 40, scores of few distinct values (ties
+// everywhere, as the ReLU's zeros make them) and continuous ones, k 1, 5 and 40 (every causal key); exact. Then
+// the sparse loss: the target's softmax and the KL over each row's selected keys only, against double references
+// (within 1e-5 of each tensor's largest), the other keys exactly 0 in target and dscores.
+TEST(OpsDsa, TopkMaskAndTheSparseLossFollowTheirDefinitions) {
+    const int64_t s = 40, b = 3;
+    for (const bool ties : {true, false}) {
+        Tensor scores = random_f32({b, s, s}, ties ? 9401 : 9402, -2.0f, 2.0f);
+        if (ties) {
+            for (int64_t e = 0; e < scores.numel(); ++e) scores.data<float>()[e] = std::max(0.0f, std::round(scores.data<float>()[e]));
+        }
+        for (const int64_t k : {int64_t{1}, int64_t{5}, s}) {
+            Tensor mask = empty({b, s, s}, DType::u8);
+            ops().dsa_topk_mask(stream(), scores, k, mask);
+            synchronize();
+            int64_t wrong = 0, held = 0;
+            for (int64_t row = 0; row < b * s; ++row) {
+                const int64_t i = row % s;
+                const float * sc = scores.data<float>() + row * s;
+                for (int64_t j = 0; j < s; ++j) {
+                    int64_t above = 0;
+                    for (int64_t x = 0; x <= i; ++x) above += sc[x] > sc[j] || (sc[x] == sc[j] && x < j);
+                    const bool want = j <= i && above < k;
+                    const bool got  = mask.data<uint8_t>()[row * s + j] != 0;
+                    wrong += want != got;
+                    held += got;
+                }
+            }
+            EXPECT_EQ(wrong, 0) << (ties ? "tied" : "continuous") << " scores, k " << k;
+            int64_t want_held = 0;
+            for (int64_t i = 0; i < s; ++i) want_held += b * std::min(i + 1, k);
+            EXPECT_EQ(held, want_held) << "k " << k;
+        }
+    }
+
+    // The sparse loss: a mask of k = 4 from random scores; the target of packed rows of 2 heads of 6.
+    const int64_t n = s * b, heads = 2, hd = 6, stride = 3 * heads * hd, k = 4;
+    const float   scale = 0.4f, weight = 0.3f;
+    const Tensor  scores = random_f32({b, s, s}, 9403, -3.0f, 3.0f);
+    Tensor        mask   = empty({b, s, s}, DType::u8);
+    ops().dsa_topk_mask(stream(), scores, k, mask);
+    const Tensor  rows = random_f32({n, stride}, 9404, -2.0f, 2.0f);
+    AttentionShape shape(s, b, heads, heads, hd, stride);
+    shape.key_mask = mask;
+    Tensor target = empty({b, s, s}), kl = empty({n}), grad = empty({b, s, s});
+    ops().dsa_attention_target(stream(), rows, shape, scale, target);
+    ops().dsa_indexer_loss(stream(), scores, target, weight, kl, grad, mask);
+    synchronize();
+    const std::vector<double> rv = values(rows), sv = values(scores);
+    auto in = [&](int64_t row, int64_t j) { return mask.data<uint8_t>()[row * s + j] != 0; };
+    std::vector<double> rt(static_cast<size_t>(b * s * s), 0.0), rkl(static_cast<size_t>(n), 0.0);
+    std::vector<double> rgrad(static_cast<size_t>(b * s * s), 0.0);
+    for (int64_t row = 0; row < n; ++row) {
+        const int64_t bi = row / s, i = row % s;
+        for (int64_t h = 0; h < heads; ++h) {
+            std::vector<double> logit(static_cast<size_t>(s), 0.0);
+            double              mx = -1e300, sum = 0;
+            for (int64_t j = 0; j <= i; ++j) {
+                if (!in(row, j)) continue;
+                double dot = 0;
+                for (int64_t x = 0; x < hd; ++x) dot += rv[(i * b + bi) * stride + h * hd + x] * rv[(j * b + bi) * stride + heads * hd + h * hd + x];
+                logit[j] = scale * dot;
+                mx       = std::max(mx, logit[j]);
+            }
+            for (int64_t j = 0; j <= i; ++j) sum += in(row, j) ? std::exp(logit[j] - mx) : 0.0;
+            for (int64_t j = 0; j <= i; ++j) rt[row * s + j] += in(row, j) ? std::exp(logit[j] - mx) / sum : 0.0;
+        }
+        double total = 0, mx = -1e300, sum = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+            if (!in(row, j)) continue;
+            total += rt[row * s + j];
+            mx = std::max(mx, sv[row * s + j]);
+        }
+        for (int64_t j = 0; j <= i; ++j) sum += in(row, j) ? std::exp(sv[row * s + j] - mx) : 0.0;
+        for (int64_t j = 0; j <= i; ++j) {
+            if (!in(row, j)) continue;
+            const double T = rt[row * s + j] / total, log_p = sv[row * s + j] - mx - std::log(sum);
+            rkl[row] += weight * T * (std::log(std::max(T, 1e-10)) - log_p);
+            rgrad[row * s + j] = weight * (std::exp(log_p) - T);
+        }
+    }
+    EXPECT_TRUE(close_to_max("sparse target", target.data<float>(), rt, 1e-5));
+    EXPECT_TRUE(close_to_max("sparse kl", kl.data<float>(), rkl, 1e-5));
+    EXPECT_TRUE(close_to_max("sparse dscores", grad.data<float>(), rgrad, 1e-5));
+    int64_t outside = 0;
+    for (int64_t e = 0; e < b * s * s; ++e) {
+        if (mask.data<uint8_t>()[e] == 0) outside += target.data<float>()[e] != 0.0f || grad.data<float>()[e] != 0.0f;
+    }
+    EXPECT_EQ(outside, 0) << "the keys outside the mask take no target and no gradient";
 }

@@ -891,6 +891,37 @@ TEST(CudaOps, DsaIndexerOpsMatchTheCpu) {
     Tensor klg = Tensor::empty({n}, DType::f32, gpu()), gg = Tensor::empty({b, s, s}, DType::f32, gpu());
     gops().dsa_indexer_loss(gs(), to_gpu(scores), to_gpu(positive), 0.3f, klg, gg);
     expect_each_matches_cpu({{&klc, &klg, "kl"}, {&gc, &gg, "dscores"}}, 1e-5, "dsa loss", true);
+
+    // The top-k selection (k 1, 4 and every key; scores rounded to whole numbers and clamped at 0 too, so that ties
+    // decide) is exact on every device; the sparse loss's target and KL over a mask of k = 4 as above.
+    for (const bool ties : {false, true}) {
+        Tensor ranked = clone_cpu(scores);
+        if (ties) {
+            for (int64_t e = 0; e < ranked.numel(); ++e) ranked.data<float>()[e] = std::max(0.0f, std::round(ranked.data<float>()[e]));
+        }
+        for (const int64_t k : {int64_t{1}, int64_t{4}, s}) {
+            Tensor mc = cpu_tensor({b, s, s}, DType::u8), mg = Tensor::empty({b, s, s}, DType::u8, gpu());
+            cops().dsa_topk_mask(cs(), ranked, k, mc);
+            cs().synchronize();
+            gops().dsa_topk_mask(gs(), to_gpu(ranked), k, mg);
+            expect_bitwise(mc, to_cpu(mg), "dsa top-" + std::to_string(k) + (ties ? " tied" : ""));
+        }
+    }
+    Tensor mask = cpu_tensor({b, s, s}, DType::u8);
+    cops().dsa_topk_mask(cs(), scores, 4, mask);
+    cs().synchronize();
+    const Tensor  rows = random_cpu({n, stride}, 5108, 2.0f);
+    AttentionShape sc_shape(s, b, heads, heads, hd, stride), sg_shape = sc_shape;
+    sc_shape.key_mask = mask;
+    sg_shape.key_mask = to_gpu(mask);
+    Tensor tc = cpu_tensor({b, s, s}), tg = Tensor::empty({b, s, s}, DType::f32, gpu());
+    cops().dsa_attention_target(cs(), rows, sc_shape, 0.4f, tc);
+    cops().dsa_indexer_loss(cs(), scores, tc, 0.3f, klc, gc, mask);
+    cs().synchronize();
+    gops().dsa_attention_target(gs(), to_gpu(rows), sg_shape, 0.4f, tg);
+    gops().dsa_indexer_loss(gs(), to_gpu(scores), tg, 0.3f, klg, gg, sg_shape.key_mask);
+    expect_each_matches_cpu({{&tc, &tg, "sparse target"}, {&klc, &klg, "sparse kl"}, {&gc, &gg, "sparse dscores"}}, 1e-5,
+                            "dsa sparse loss", true);
 }
 
 // The output gate's op on the device, with both activations (sigmoid: --attention-output-gate; SiLU: the gated
@@ -1561,13 +1592,14 @@ struct AttentionCase {
     AttentionShape a;
     bool           bf16_values;
     bool           dropout;
+    bool           key_mask = false;   // DSA's top k: random keys of each row, one key alone on every third row
 };
 
 std::string attention_name(const AttentionCase & c) {
     const AttentionShape & a = c.a;
     return "attention s " + std::to_string(a.s) + " b " + std::to_string(a.b) + " nq " + std::to_string(a.nq) +
            " nkv " + std::to_string(a.nkv) + " d " + std::to_string(a.d) + " stride " + std::to_string(a.row_stride) +
-           (c.bf16_values ? " bf16 values" : " f32") + (c.dropout ? " dropout" : "");
+           (c.bf16_values ? " bf16 values" : " f32") + (c.dropout ? " dropout" : "") + (c.key_mask ? " key mask" : "");
 }
 
 Tensor rounded_to_bf16(const Tensor & t) {
@@ -1579,7 +1611,22 @@ Tensor rounded_to_bf16(const Tensor & t) {
 }
 
 void attention_matches_the_cpu(const AttentionCase & c, uint64_t seed, double fwd_tol, double bwd_tol) {
-    const AttentionShape & a    = c.a;
+    AttentionShape         a    = c.a;   // the CPU's: its key mask in host memory
+    AttentionShape         ag   = c.a;   // the device's
+    if (c.key_mask) {
+        a.key_mask = cpu_tensor({a.b, a.s, a.s}, DType::u8);
+        uint64_t state = seed;
+        auto     draw  = [&state] { return (state = state * 6364136223846793005ull + 1442695040888963407ull) >> 33; };
+        for (int64_t bi = 0; bi < a.b; ++bi) {
+            for (int64_t i = 0; i < a.s; ++i) {
+                uint8_t * row = a.key_mask.data<uint8_t>() + (bi * a.s + i) * a.s;
+                for (int64_t j = 0; j < a.s; ++j) row[j] = i % 3 != 2 && draw() % 2 == 0 ? 1 : 0;
+                const int64_t first = a.window >= 0 ? std::max<int64_t>(0, i - a.window) : 0;
+                row[first + static_cast<int64_t>(draw() % static_cast<uint64_t>(i - first + 1))] = 1;   // one key it sees
+            }
+        }
+        ag.key_mask = to_gpu(a.key_mask);
+    }
     const std::string      what = attention_name(c);
     const int64_t          n = a.s * a.b;
     const float            scale = 1.0f / std::sqrt(static_cast<float>(a.d));
@@ -1618,12 +1665,12 @@ void attention_matches_the_cpu(const AttentionCase & c, uint64_t seed, double fw
     // CUDA: forward on its own; backward from the CPU's out and lse (the same inputs as the CPU's backward).
     Tensor qkv_g = to_gpu(qkv), dout_g = to_gpu(dout);
     Tensor out_g = Tensor::empty({n, a.nq * a.d}, DType::f32, gpu()), lse_g = Tensor::empty({a.b * a.nq * a.s}, DType::f32, gpu());
-    gops().attention_forward(gs(), qkv_g, out_g, lse_g, a, scale, kg);
+    gops().attention_forward(gs(), qkv_g, out_g, lse_g, ag, scale, kg);
     Tensor dqkv_g = to_gpu(dqkv_init);
-    gops().attention_backward(gs(), qkv_g, to_gpu(out_c), dout_g, to_gpu(lse_c), dqkv_g, a, scale, kg);
+    gops().attention_backward(gs(), qkv_g, to_gpu(out_c), dout_g, to_gpu(lse_c), dqkv_g, ag, scale, kg);
     Tensor dqkv_first = to_cpu(dqkv_g);
     // Deterministic: a second backward gives the same bits.
-    gops().attention_backward(gs(), qkv_g, to_gpu(out_c), dout_g, to_gpu(lse_c), dqkv_g, a, scale, kg);
+    gops().attention_backward(gs(), qkv_g, to_gpu(out_c), dout_g, to_gpu(lse_c), dqkv_g, ag, scale, kg);
 
     expect_close(out_c, to_cpu(out_g), fwd_tol, what + ": out");
     expect_close(lse_c, to_cpu(lse_g), fwd_tol, what + ": lse");
@@ -1682,6 +1729,20 @@ TEST(CudaOps, AttentionSlidingWindowMatchesTheCpu) {
             attention_matches_the_cpu({a, true, true}, seed += 10, 2e-5, 5e-5);
         }
     }
+}
+
+// A key mask (DSA's top k): the masked keys' probabilities exactly 0 on both sides, tiles where a row holds no key
+// skipped; on the shapes past one tile, f32 and bf16 values, with a window once.
+TEST(CudaOps, AttentionKeyMaskMatchesTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    uint64_t seed = 4600;
+    for (AttentionShape a : {kAttentionShapes[2], kAttentionShapes[3], kAttentionShapes[4]}) {
+        attention_matches_the_cpu({a, false, false, true}, seed += 10, 2e-5, 5e-5);
+        attention_matches_the_cpu({a, true, false, true}, seed += 10, 2e-5, 5e-5);
+    }
+    AttentionShape windowed = kAttentionShapes[3];
+    windowed.window         = 20;
+    attention_matches_the_cpu({windowed, false, false, true}, seed += 10, 2e-5, 5e-5);
 }
 
 // Attention sinks: the sink's merge into (out, lse) and its gradient, on f32 and bf16 outputs, with fewer

@@ -296,23 +296,32 @@ TEST(CudaTrain, OneGpuDeepSeekStyleLayersFollowTheCpu) {
     expect_follows_cpu(run_loom_mpi(1, kRun + model + "--device " + kDevice), "MLA + MoE expert bias + MTP", model);
 }
 
-// DeepSeek Sparse Attention's indexer on the device (its scores, the main attention's target, the KL loss and their
-// gradients as CUDA kernels, the Hadamard rotation through cuBLASLt): the lm loss's curve is the CPU's within 1e-3, and
-// the logged indexer loss's within 3e-3 (weights drawn at std 0.2, so its KL is near 1; it takes the bf16 GEMMs' other
-// roundings of the attention's rows through two softmaxes: up to 1.03e-3 seen on cuda-emu).
+// DeepSeek Sparse Attention on the device (the indexer's scores, each row's top 16 of the 32 keys and the attention
+// over them, the main attention's target, the KL loss and their gradients as CUDA kernels, the Hadamard rotation
+// through cuBLASLt), in f32: the selection is discrete, and bf16's other roundings of the GEMMs (cuBLASLt's against
+// oneDNN's) move near-tied scores across the k-th place, after which the curves part by more than rounding (1.7e-3
+// seen). On cuda-emu the lm and indexer losses are the CPU's within 1e-5 relative (the same to the printed digit
+// seen); on a GPU within 1e-3 and 3e-3 (weights drawn at std 0.2, so the indexer's KL is near 1).
 TEST(CudaTrain, OneGpuDsaIndexerFollowsTheCpu) {
     SKIP_WITHOUT_CUDA();
-    const std::string model = "--bf16 --num-layers 2 --disable-bias-linear --multi-latent-attention --q-lora-rank 32 "
+#ifdef LOOM_CUDA_EMU
+    const double lm_tolerance = 1e-5, indexer_tolerance = 1e-5;
+#else
+    const double lm_tolerance = 1e-3, indexer_tolerance = 3e-3;
+#endif
+    const std::string model = "--num-layers 2 --disable-bias-linear --multi-latent-attention --q-lora-rank 32 "
                               "--kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 16 "
                               "--experimental-attention-variant dsa --dsa-indexer-n-heads 4 --dsa-indexer-head-dim 16 "
-                              "--dsa-indexer-topk 2048 --dsa-indexer-loss-coeff 1.0 --init-method-std 0.2 " + kShort;
+                              "--dsa-indexer-topk 16 --dsa-indexer-loss-coeff 1.0 --init-method-std 0.2 " + kShort;
     const CliRun gpu = run_loom_mpi(1, kRun + model + "--device " + kDevice);
-    expect_follows_cpu(gpu, "MLA + DSA", model);
+    expect_follows_cpu(gpu, "MLA + DSA", model, lm_tolerance);
     const CliRun cpu = run_loom_mpi(1, kRun + model + "--device cpu");
     const std::vector<double> want = losses(cpu.out, "indexer loss: "), got = losses(gpu.out, "indexer loss: ");
     ASSERT_EQ(want.size(), 10u) << cpu.out;
     ASSERT_EQ(got.size(), want.size()) << gpu.out;
-    for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 3e-3 * want[i]) << "indexer loss, iteration " << i + 1;
+    for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_NEAR(got[i], want[i], indexer_tolerance * want[i]) << "indexer loss, iteration " << i + 1;
+    }
 }
 
 // Muon: the matrices' Newton-Schulz (bf16 GEMMs, Megatron's default precision) through cuBLASLt, the rest AdamW.

@@ -1171,16 +1171,20 @@ TEST(GatedDeltaNet, MatchesMegatronsFormulationWrittenOut) {
 // against the language-model loss alone (the indexer's inputs and target are detached: its loss sends nothing into
 // the main model), over two MLA layers with a query latent. Three indexer heads of 8 (wider than MLA's RoPE part of
 // 4) with the top-k every key; the default (Hadamard rotation, ReLU scores, RoPE in halves), then neither rotation nor
-// ReLU and interleaved RoPE. A loss coefficient of 50 so its gradients carry signal at f32.
+// ReLU and interleaved RoPE; then that again with each row attending to its top half of the keys and the sparse loss,
+// checking the weights no selection depends on (the selection is not differentiable: a step that reorders two
+// scores moves the loss by a jump). The indexer's own gradient with the sparse loss is its ops' (OpsDsa). A loss
+// coefficient of 50 so its gradients carry signal at f32.
 namespace {
 
-model::GptConfig dsa_grad_config(bool defaults) {
+model::GptConfig dsa_grad_config(bool defaults, bool sparse = false) {
     model::GptConfig c              = mla_grad_config(true, true);
     c.add_bias_linear               = false;
     c.dsa                           = true;
     c.dsa_indexer_n_heads           = 3;
     c.dsa_indexer_head_dim          = 8;
-    c.dsa_indexer_topk              = c.seq_length;
+    c.dsa_indexer_topk              = sparse ? c.seq_length / 2 : c.seq_length;
+    c.dsa_indexer_use_sparse_loss   = sparse;
     c.dsa_indexer_loss_coeff        = 50.0f;
     c.dsa_indexer_rotate_activation = defaults;
     c.dsa_indexer_scoring_relu      = defaults;
@@ -1191,9 +1195,11 @@ model::GptConfig dsa_grad_config(bool defaults) {
 }  // namespace
 
 TEST(GptModel, DsaIndexerGradientsMatchFiniteDifferencesOfItsLossAlone) {
-    for (const bool defaults : {true, false}) {
-        SCOPED_TRACE(defaults ? "rotation, ReLU, RoPE in halves" : "no rotation, no ReLU, interleaved RoPE");
-        const model::GptConfig config = dsa_grad_config(defaults);
+    for (const std::pair<bool, bool> mode : {std::pair{true, false}, std::pair{false, false}, std::pair{false, true}}) {
+        const bool defaults = mode.first, sparse = mode.second;
+        SCOPED_TRACE(defaults ? "rotation, ReLU, RoPE in halves"
+                              : (sparse ? "the top half of the keys, the sparse loss" : "no rotation, no ReLU, interleaved RoPE"));
+        const model::GptConfig config = dsa_grad_config(defaults, sparse);
         Device &               device = cpu::device();
         model::GptModel        gpt(config, device);
         gpt.init();
@@ -1222,10 +1228,24 @@ TEST(GptModel, DsaIndexerGradientsMatchFiniteDifferencesOfItsLossAlone) {
         device.compute_stream().synchronize();
         const std::vector<model::Parameter *> params = gpt.parameters();
         EXPECT_EQ(ready.size(), params.size()) << "every parameter is reported ready exactly once";
-        int indexer_tensors = 0;
+        int indexer_tensors = 0, checked = 0;
+        // With a top k below the sequence, a weight that reaches some layer's scores moves its selection under a
+        // finite difference's step (the losses jump there); the weights after the last layer's selection do not:
+        // its main attention's own projections, the output projection, the MLP, the final norm and the output
+        // layer. Their gradients run back through the masked attention.
+        auto after_selection = [](const std::string & name) {
+            if (name.rfind("layers.", 0) != 0) return name.find("embedding") == std::string::npos;
+            if (name.rfind("layers.1.", 0) != 0) return false;
+            for (const char * part : {".kv_down.", ".kv_norm.", ".kv_up.", ".q_up.", ".proj.", ".norm2.", ".mlp."}) {
+                if (name.find(part) != std::string::npos) return true;
+            }
+            return false;
+        };
         for (model::Parameter * p : params) {
             const bool indexer = p->name.find(".indexer.") != std::string::npos;
             indexer_tensors += indexer ? 1 : 0;
+            if (sparse && !after_selection(p->name)) continue;
+            ++checked;
             std::vector<float> grad(p->main_grad.data<float>(), p->main_grad.data<float>() + p->numel());
             // The indexer's: a step of 1e-3, across which fewer of the scores' ReLUs change sides.
             check_gradient(p->name, p->data.data<float>(), p->numel(), grad.data(),
@@ -1233,6 +1253,7 @@ TEST(GptModel, DsaIndexerGradientsMatchFiniteDifferencesOfItsLossAlone) {
                            indexer ? 1e-3f : 1e-2f, 5e-3);
         }
         EXPECT_EQ(indexer_tensors, 2 * 5) << "wq_b, wk, the key norm's weight and bias and weights_proj of each layer";
+        EXPECT_GE(checked, sparse ? 8 : static_cast<int>(params.size()));
     }
 }
 

@@ -51,8 +51,11 @@ train::TrainOptions options_of(bool llama, bool mla, bool muon, bool sinks, bool
         o.model.dsa                    = true;
         o.model.dsa_indexer_n_heads    = 2;
         o.model.dsa_indexer_head_dim   = 16;
-        o.model.dsa_indexer_topk       = o.model.seq_length;
-        o.model.dsa_indexer_loss_coeff = 1.0f;
+        // Two ranks: every causal key (the attention MLA's own); four: each row's top half, the loss over them.
+        const bool sparse                   = g_mpi->world_size() == 4;
+        o.model.dsa_indexer_topk            = sparse ? o.model.seq_length / 2 : o.model.seq_length;
+        o.model.dsa_indexer_use_sparse_loss = sparse;
+        o.model.dsa_indexer_loss_coeff      = 1.0f;
     }
     return o;
 }
@@ -251,7 +254,9 @@ TEST(TensorParallel, MultiLatentAttentionAndMtpFollowTheSingleRankRun) {
 
 // DeepSeek Sparse Attention's indexer, whole on every rank: its inputs (the attention's input and the query latent)
 // gathered under SP, the main attention's head-summed probabilities summed over the group, so its loss and its weights'
-// gradients are the single rank's on every rank. TP 2 + SP, and TP 2 + SP x PP 2 with ZeRO-1.
+// gradients are the single rank's on every rank. TP 2 + SP with every key; TP 2 + SP x PP 2 with ZeRO-1, each row
+// attending to its top half of the keys (the same selection on every rank: the scores come from the same rows) and
+// the sparse loss.
 TEST(TensorParallel, DsaIndexerFollowsTheSingleRankRun) {
     g_dsa = true;
     if (g_mpi->world_size() == 2) {

@@ -1348,7 +1348,6 @@ TEST(MegatronCommandLine, DsaFollowsMegatronsRules) {
         {with(no_q_latent, {}), "--experimental-attention-variant dsa needs --q-lora-rank"},
         {with(mla, {"--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "4", "--dsa-indexer-topk", "64"}),
          "needs --dsa-indexer-n-heads, --dsa-indexer-head-dim and --dsa-indexer-topk >= 1"},
-        {with(dsa, {"--dsa-indexer-topk", "32"}), "--dsa-indexer-topk 32 below --seq-length 64"},
         {with(dsa, {"--dsa-indexer-head-dim", "4"}), "--dsa-indexer-head-dim 4 is narrower than its RoPE part"},
         {with(dsa, {"--dsa-indexer-topk-freq", "0"}), "dsa_indexer_topk_freq must be >= 1"},
         {with(dsa, {"--dsa-indexer-topk-freq", "2"}), "--dsa-indexer-topk-freq 2 (layers sharing a top-k) is not supported by Loom"},
@@ -1378,7 +1377,8 @@ TEST(MegatronCommandLine, DsaFollowsMegatronsRules) {
 // attention is far from uniform and the indexer's first KL near 1) the lm loss falls and so does the indexer's loss,
 // logged as Megatron logs it ("indexer loss", coefficient included); and a run without the loss (no coefficient:
 // nothing logged, the indexer untrained) prints bitwise the same lm losses. Without clipping: the gradients' global
-// norm counts the indexer's too (Megatron's does), so a clipped step of the main weights would see them.
+// norm counts the indexer's too (Megatron's does), so a clipped step of the main weights would see them. Then the
+// sparse attention (a top-k below the sequence) trains too.
 TEST(Training, DsaIndexerLossFallsAndIsLogged) {
     const std::string model = "train --mock-data --train-iters 30 --log-interval 10 --lr 3e-3 --lr-warmup-iters 2 "
                               "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -1407,6 +1407,20 @@ TEST(Training, DsaIndexerLossFallsAndIsLogged) {
     EXPECT_LT(std::stod(lm.back()), std::stod(lm.front()));
     EXPECT_GT(first, 0.1);
     EXPECT_LT(last, 0.8 * first) << "the indexer learns the attention's distribution";
+
+    // Sparse: each row attends to its top 8 of the 32 keys, the sparse loss over them. Both losses fall, the lm
+    // losses are not the dense run's (the selection is applied) and the validation pass selects as training does.
+    const CliRun sparse = run_loom(model + " --dsa-indexer-loss-coeff 1.0 --dsa-indexer-topk 8 --dsa-indexer-use-sparse-loss "
+                                           "--eval-interval 30 --eval-iters 1");
+    ASSERT_EQ(sparse.status, 0) << sparse.out;
+    const std::vector<std::string> slm = values(sparse.out, "lm loss: "), sindexer = values(sparse.out, "indexer loss: ");
+    ASSERT_GE(slm.size(), 3u) << sparse.out;
+    ASSERT_EQ(sindexer.size(), 3u) << sparse.out;
+    std::printf("dsa top-8: lm loss %s -> %s, indexer loss %s -> %s\n", slm.front().c_str(), slm[2].c_str(),
+                sindexer.front().c_str(), sindexer.back().c_str());
+    EXPECT_NE(slm[1], lm[1]) << "the top 8 keys, not every key";
+    EXPECT_LT(std::stod(slm[2]), std::stod(slm.front()));
+    EXPECT_LT(std::stod(sindexer.back()), std::stod(sindexer.front()));
 }
 
 // --window-size (tuple_type: "L,R" or "(L,R)") and --window-attn-skip-freq (an integer or a list expression)

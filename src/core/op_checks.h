@@ -177,6 +177,15 @@ inline void attention_key(const AttentionShape & a, const Dropout & key, const c
     LOOM_CHECK(!key.enabled() || !key.sample_ids.defined() || key.sample_ids.numel() >= a.b,
                op << ": " << key.sample_ids.numel() << " sample ids for " << a.b << " sequences", "");
 }
+// A key mask (AttentionShape::key_mask, the indexer's top k): (b, s, s_kv) u8 over one sequence's positions.
+inline bool identity(const SeqPositions & p) { return p.first == 0 && p.split == INT64_MAX; }
+inline void key_mask(const AttentionShape & a, const char * op) {
+    if (!a.key_mask.defined()) return;
+    expect(a.key_mask, DType::u8, a.b * a.s * a.keys(), op, "the key mask");
+    LOOM_CHECK(identity(a.q_pos) && identity(a.k_pos),
+               op << ": a key mask with context-parallel positions", "the key mask indexes one sequence's rows");
+}
+
 inline void attention_forward(const Tensor & q, const Tensor & kv, const Tensor & out, const Tensor & lse,
                               const AttentionShape & a, const Dropout & key) {
     attention_shape(a, "attention_forward");
@@ -187,6 +196,7 @@ inline void attention_forward(const Tensor & q, const Tensor & kv, const Tensor 
     expect(out, act, n * a.nq * a.d, "attention_forward", "out");
     expect(lse, DType::f32, n * a.nq, "attention_forward", "lse");
     attention_key(a, key, "attention_forward");
+    key_mask(a, "attention_forward");
 }
 inline void attention_backward(const Tensor & q, const Tensor & kv, const Tensor & out, const Tensor & dout,
                                const Tensor & lse, const Tensor & dq, const Tensor & dkv, const AttentionShape & a,
@@ -202,6 +212,7 @@ inline void attention_backward(const Tensor & q, const Tensor & kv, const Tensor
     expect(dout, act, n * a.nq * a.d, "attention_backward", "dout");
     expect(lse, DType::f32, n * a.nq, "attention_backward", "lse");
     attention_key(a, key, "attention_backward");
+    key_mask(a, "attention_backward");
 }
 inline void attention_merge(const Tensor & out, const Tensor & lse, const Tensor & part_out, const Tensor & part_lse,
                             const AttentionShape & a) {
@@ -899,10 +910,23 @@ inline std::pair<int64_t, int64_t> dsa_index(const Tensor & q, const Tensor & k,
     return {H, d};
 }
 
+// Ops::dsa_topk_mask: scores (b, s, s) f32, mask (b, s, s) u8, k >= 1. Returns s.
+inline int64_t dsa_topk_mask(const Tensor & scores, int64_t k, const Tensor & mask) {
+    const char * op = "dsa_topk_mask";
+    LOOM_CHECK(scores.defined() && scores.dim() == 3 && scores.size(1) == scores.size(2),
+               op << ": the scores must be (b, s, s), got " << scores.describe(), "");
+    LOOM_CHECK(k >= 1, op << ": top-" << k, "k >= 1");
+    const int64_t b = scores.size(0), s = scores.size(1);
+    expect(scores, DType::f32, b * s * s, op, "the scores");
+    expect(mask, DType::u8, b * s * s, op, "the mask");
+    return s;
+}
+
 // Ops::dsa_attention_target: packed rows of nq = nkv heads, one sequence (no context parallelism, no window).
 inline void dsa_attention_target(const Tensor & q_k_v, const AttentionShape & shape, const Tensor & target) {
     const char * op = "dsa_attention_target";
     activations(q_k_v, op, "q_k_v");
+    key_mask(shape, op);
     LOOM_CHECK(shape.nq == shape.nkv && shape.keys() == shape.s && shape.window < 0 && shape.s >= 1 && shape.b >= 1,
                op << ": heads " << shape.nq << " / " << shape.nkv << ", keys " << shape.keys() << " of " << shape.s
                   << " queries, window " << shape.window,
@@ -913,7 +937,8 @@ inline void dsa_attention_target(const Tensor & q_k_v, const AttentionShape & sh
 }
 
 // Ops::dsa_indexer_loss: scores, target, dscores (b, s, s) f32, kl (b s) f32. Returns s.
-inline int64_t dsa_indexer_loss(const Tensor & scores, const Tensor & target, const Tensor & kl, const Tensor & dscores) {
+inline int64_t dsa_indexer_loss(const Tensor & scores, const Tensor & target, const Tensor & kl, const Tensor & dscores,
+                                const Tensor & mask) {
     const char * op = "dsa_indexer_loss";
     LOOM_CHECK(scores.defined() && scores.dim() == 3 && scores.size(1) == scores.size(2),
                op << ": the scores must be (b, s, s), got " << scores.describe(), "");
@@ -922,6 +947,7 @@ inline int64_t dsa_indexer_loss(const Tensor & scores, const Tensor & target, co
     expect(target, DType::f32, b * s * s, op, "the target");
     expect(dscores, DType::f32, b * s * s, op, "dscores");
     expect(kl, DType::f32, b * s, op, "kl");
+    if (mask.defined()) expect(mask, DType::u8, b * s * s, op, "the mask");
     return s;
 }
 

@@ -57,6 +57,10 @@ struct AttentionShape {
     // A sliding window (--window-size L,0): query position p sees keys at p - window .. p; -1: every earlier
     // key (causal only).
     int64_t      window = -1;
+    // A key mask on top of the causal and window ones (DeepSeek Sparse Attention's top-k, Ops::dsa_topk_mask):
+    // (b, s, s_kv) u8, nonzero where query row i of sequence bi may see key row j; undefined: every key. One
+    // sequence's rows (no context parallelism); a query must keep at least one key.
+    Tensor       key_mask;
 
     int64_t keys() const { return s_kv > 0 ? s_kv : s; }
     int64_t kv_stride() const { return kv_row_stride > 0 ? kv_row_stride : row_stride; }
@@ -503,18 +507,25 @@ public:
     virtual void dsa_index_scores_backward(Stream & s, const Tensor & q, const Tensor & k, const Tensor & w,
                                            const Tensor & dscores, int64_t seq, int64_t batch, bool relu,
                                            const Tensor & dq, const Tensor & dk, const Tensor & dw) = 0;
+    // The top `k` keys of each query row by the indexer's scores (b, s, s) f32: mask (b, s, s) u8 gets 1 at the
+    // keys j <= i of row (bi, i) that fewer than k other keys j' <= i outrank, 0 elsewhere, where j' outranks j
+    // when scores[j'] > scores[j], or they are equal and j' < j (ties to the earlier key). A row with at most k
+    // causal keys keeps them all.
+    virtual void dsa_topk_mask(Stream & s, const Tensor & scores, int64_t k, const Tensor & mask) = 0;
     // The indexer's target: the causal attention probabilities of packed [Q | K | V] rows (shape's nq = nkv
     // heads of d; one sequence, no window), summed over the heads: for keys j <= i,
     //   target[bi, i, j] = sum over h in order of softmax over j' <= i of (scale q_h(i) . k_h(j'))
-    // (f32, the exponentials' sum in key order), 0 for j > i.
+    // (f32, the exponentials' sum in key order), 0 for j > i. With shape.key_mask (the sparse loss) both the
+    // softmax and the target keep only the keys the mask holds.
     virtual void dsa_attention_target(Stream & s, const Tensor & q_k_v, const AttentionShape & shape, float scale,
                                       const Tensor & target) = 0;
     // The indexer's KL loss and its gradient, per row (bi, i) over keys j <= i: with T = target / max(sum of
     // target, 1e-10) and p = softmax(scores) (f32, sums in key order),
     //   kl[bi s + i] = weight * sum over j of T (log max(T, 1e-10) - log p),   dscores = weight (p - T)
-    // (dscores 0 for j > i). scores, target, dscores (b, s, s); kl (b s) f32.
+    // (dscores 0 for j > i). scores, target, dscores (b, s, s); kl (b s) f32. With `mask` (b, s, s) u8 defined
+    // (the sparse loss) the keys it does not hold leave both softmaxes and the sums, and take dscores 0.
     virtual void dsa_indexer_loss(Stream & s, const Tensor & scores, const Tensor & target, float weight,
-                                  const Tensor & kl, const Tensor & dscores) = 0;
+                                  const Tensor & kl, const Tensor & dscores, const Tensor & mask = {}) = 0;
     // For every row r of load and bias (R, E) f32: bias[r, e] += rate * sign(mean over e of load[r] - load[r, e])
     // (sign 0 at 0; the mean in double), then load = 0. Megatron's get_updated_expert_bias.
     virtual void moe_expert_bias_update(Stream & s, const Tensor & load, const Tensor & bias, float rate) = 0;

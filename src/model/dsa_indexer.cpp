@@ -69,12 +69,11 @@ void DsaIndexer::parameters(std::vector<Parameter *> & out) {   // in forward or
     weights_proj.parameters(out);
 }
 
-void DsaIndexer::forward(DsaIndexerContext & ctx, const Tensor & x, const Tensor & qr, const Tensor & q_k_v,
-                         const AttentionShape & shape, float scale) {
+Tensor DsaIndexer::score(DsaIndexerContext & ctx, const Tensor & x, const Tensor & qr, int64_t s, int64_t b) {
     Device &      device = x.device();
     Ops &         ops    = device.ops();
     Stream &      stream = device.compute_stream();
-    const int64_t s = shape.s, b = shape.b, n = s * b, dr = config.qk_pos_emb_head_dim;
+    const int64_t n = s * b, dr = config.qk_pos_emb_head_dim;
     LOOM_CHECK(x.size(0) == n && qr.size(0) == n, "the DSA indexer takes every row: " << x.size(0) << " and " << qr.size(0)
                                                                                    << " rows of " << n, "");
     ctx.s = s;
@@ -90,17 +89,36 @@ void DsaIndexer::forward(DsaIndexerContext & ctx, const Tensor & x, const Tensor
     ctx.k = turn(in_dtype(k_norm.forward(ctx.k_norm, wk.forward(ctx.wk, x)), DType::f32), 1);
     ctx.w = in_dtype(weights_proj.forward(ctx.weights_proj, x), DType::f32);
     ops.scale(stream, ctx.w, 1.0f / std::sqrt(static_cast<float>(heads * head_dim)));
-
-    const TensorOptions pool{MemoryKind::device, kActivationsPool};
-    const Tensor        scores = Tensor::empty({b, s, s}, DType::f32, device, pool);
-    const Tensor        target = Tensor::empty({b, s, s}, DType::f32, device, pool);
+    const Tensor scores = Tensor::empty({b, s, s}, DType::f32, device, {MemoryKind::device, kActivationsPool});
     ops.dsa_index_scores(stream, ctx.q, ctx.k, ctx.w, s, b, config.dsa_indexer_scoring_relu, scores);
+    return scores;
+}
+
+Tensor DsaIndexer::select(const Tensor & scores) const {
+    const int64_t b = scores.size(0), s = scores.size(1);
+    if (config.dsa_indexer_topk >= s) return Tensor();   // every causal key
+    const Tensor mask = Tensor::empty({b, s, s}, DType::u8, scores.device(), {MemoryKind::device, kActivationsPool});
+    scores.device().ops().dsa_topk_mask(scores.device().compute_stream(), scores, config.dsa_indexer_topk, mask);
+    return mask;
+}
+
+void DsaIndexer::loss_forward(DsaIndexerContext & ctx, const Tensor & scores, const Tensor & q_k_v, AttentionShape shape,
+                              float scale, const Tensor & mask) {
+    Device &      device = scores.device();
+    Ops &         ops    = device.ops();
+    Stream &      stream = device.compute_stream();
+    const int64_t s = shape.s, b = shape.b, n = s * b;
+    const Tensor  sparse = config.dsa_indexer_use_sparse_loss ? mask : Tensor();   // undefined: every causal key
+    const TensorOptions pool{MemoryKind::device, kActivationsPool};
+    const Tensor        target = Tensor::empty({b, s, s}, DType::f32, device, pool);
     // The main attention's probabilities over this rank's heads, then every head's (detached: no gradient back).
+    shape.key_mask = sparse;
     ops.dsa_attention_target(stream, q_k_v, shape, scale, target);
     if (tp.size > 1) tp.all_reduce(target);
     const Tensor kl = Tensor::empty({1, n}, DType::f32, device, pool);
     ctx.dscores     = Tensor::empty({b, s, s}, DType::f32, device, pool);
-    ops.dsa_indexer_loss(stream, scores, target, config.dsa_indexer_loss_coeff / static_cast<float>(n), kl, ctx.dscores);
+    ops.dsa_indexer_loss(stream, scores, target, config.dsa_indexer_loss_coeff / static_cast<float>(n), kl, ctx.dscores,
+                         sparse);
     if (!ones_.defined() || ones_.size(0) != n) {
         ones_ = Tensor::empty({n, 1}, DType::f32, device, {MemoryKind::device, "dsa-metrics"});
         write_values_f32(ones_, std::vector<float>(static_cast<size_t>(n), 1.0f));

@@ -9,8 +9,10 @@
 // q_down output after its norm), RoPE turns the first qk_pos_emb_head_dim elements of each head (MLA's rotary
 // settings; pairs (i, i + r/2), or interleaved) and rot is the Hadamard rotation (Sylvester's matrix over d_i,
 // times 1/sqrt(d_i); --no-dsa-indexer-rotate-activation leaves it out). The main attention attends to the top
-// --dsa-indexer-topk keys of each row by I; with at least as many keys as the sequence has, that is every
-// causal key, so the main attention is MLA's own (Loom's limit for now: topk >= the sequence).
+// --dsa-indexer-topk keys of each row by I (Ops::dsa_topk_mask; ties to the earlier key) and to no other key, in
+// every forward, training or not; with at least as many keys as the sequence has, that is every causal key and the
+// attention is MLA's own. The selection is not differentiated: the main model's gradients reach the indexer
+// through its loss alone.
 //
 // The indexer learns from its KL loss against the main attention (--dsa-indexer-loss-coeff c): with T the
 // main attention's causal probabilities summed over every head (this rank's heads, then summed over the TP
@@ -19,8 +21,9 @@
 //   L = c / (b s) * sum over rows of KL(T || p)
 //
 // whose gradient dI = c / (b s) (p - T) reaches only the indexer's weights: x, qr and the main attention are
-// detached. L is not added to the language-model loss; its backward enters with the auxiliary losses' scale
-// (loss scale / micro-batches, as Megatron's DSAIndexerLossAutoScaler) and it is logged as "indexer loss".
+// detached. With --dsa-indexer-use-sparse-loss both T's softmax and p run over each row's selected keys only. L is
+// not added to the language-model loss; its backward enters with the auxiliary losses' scale (loss scale /
+// micro-batches, as Megatron's DSAIndexerLossAutoScaler) and it is logged as "indexer loss".
 //
 // Under tensor parallelism every rank holds the whole indexer and computes it on every row: its gradients are
 // the same on every rank (the target is summed over the group first), so nothing more is reduced.
@@ -45,11 +48,17 @@ class DsaIndexer {
 public:
     DsaIndexer(const std::string & name, const GptConfig & config, Device & device, const TensorParallel & tp);
 
-    // One training forward: the scores, the loss against the main attention of q_k_v (MLA's packed rows of this
-    // rank's heads, `shape` and `scale` its), added to `loss`, and what backward needs kept in ctx. x (n, h) and
-    // qr (n, q_lora_rank) hold every row of the micro-batch.
-    void forward(DsaIndexerContext & ctx, const Tensor & x, const Tensor & qr, const Tensor & q_k_v,
-                 const AttentionShape & shape, float scale);
+    // The scores (b, s, s) f32 of every causal key from x (n, h) and qr (n, q_lora_rank), every row of the
+    // micro-batch; what the loss's backward reads is kept in ctx.
+    Tensor score(DsaIndexerContext & ctx, const Tensor & x, const Tensor & qr, int64_t s, int64_t b);
+    // Each row's top --dsa-indexer-topk keys by the scores, the main attention's key mask (b, s, s) u8; undefined
+    // when the top k holds every causal key (topk >= s).
+    Tensor select(const Tensor & scores) const;
+    // One training forward's loss from the scores against the main attention of q_k_v (MLA's packed rows of this
+    // rank's heads, `shape` and `scale` its; shape's key mask not read), added to `loss`; `mask` is select()'s,
+    // read with --dsa-indexer-use-sparse-loss. What backward needs is kept in ctx.
+    void loss_forward(DsaIndexerContext & ctx, const Tensor & scores, const Tensor & q_k_v, AttentionShape shape,
+                      float scale, const Tensor & mask);
     // The loss's gradients (times loss_backward_scale) added to the indexer's weights, each reported ready.
     void backward(DsaIndexerContext & ctx, const GradReadyFn & ready);
     // Reports every weight ready with no gradient added: a pass without the loss (no coefficient, or evaluation).

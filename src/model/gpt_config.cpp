@@ -74,11 +74,6 @@ void GptConfig::validate() const {
                                              << qk_pos_emb_head_dim, "");
         LOOM_CHECK(std::isfinite(dsa_indexer_loss_coeff) && dsa_indexer_loss_coeff >= 0.0f,
                    "--dsa-indexer-loss-coeff must be >= 0, got " << dsa_indexer_loss_coeff, "");
-        LOOM_CHECK(dsa_indexer_topk >= seq_length,
-                   "--dsa-indexer-topk " << dsa_indexer_topk << " below --seq-length " << seq_length
-                                         << ": the top-k sparse attention is not supported by Loom yet",
-                   "give --dsa-indexer-topk >= --seq-length: every causal key is then in each query's top k, and the "
-                   "attention is MLA's own while the indexer trains");
         LOOM_CHECK(mtp_num_layers == 0, "--experimental-attention-variant dsa with --mtp-num-layers is not supported by Loom",
                    "drop one of them");
         LOOM_CHECK(!fp8, "--experimental-attention-variant dsa with --fp8-format is not supported by Loom", "drop one of them");

@@ -200,6 +200,7 @@ struct GptConfig {
     int64_t              dsa_indexer_head_dim          = 0;
     int64_t              dsa_indexer_topk              = 0;
     float                dsa_indexer_loss_coeff        = 0.0f;
+    bool                 dsa_indexer_use_sparse_loss   = false;   // the loss over each row's top k only
     bool                 dsa_indexer_rope_interleaved  = false;   // its RoPE's pairs (2i, 2i + 1)
     bool                 dsa_indexer_rotate_activation = true;    // the Hadamard rotation of q and k
     bool                 dsa_indexer_scoring_relu      = true;    // relu(q . k) in the scores (else q . k)

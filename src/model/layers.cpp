@@ -802,7 +802,7 @@ Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, in
     Context::Latent & c = ctx.latent;
     ctx.s       = s;
     ctx.b       = b;
-    ctx.dropout = dropout;
+    ctx.dropout = indexer ? Dropout{} : dropout;
     Tensor q, q_latent;
     if (mla->q) {
         q = mla->q->forward(c.q, x);
@@ -825,13 +825,24 @@ Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, in
     ctx.qkv    = keep_for_backward(q_k_v, config.params_dtype);
     Tensor out = activation(x.device(), n, a * dqk, q_k_v.dtype());
     ctx.lse    = activation(x.device(), b * a, s);
-    attend(ctx, q_k_v, out, shape, mla_softmax_scale(config), dropout);
+    // DSA: the indexer scores every row's keys (from every row of x and the q latent) when it picks fewer than all
+    // of them or learns in this pass; the attention then sees each row's top k. Its attention has no dropout
+    // (Megatron's DSAttention has none).
     ctx.indexer.reset();
-    if (indexer && ctx.training && config.dsa_indexer_loss_coeff > 0.0f) {   // every row of x and the q latent
-        ctx.indexer = std::make_shared<DsaIndexerContext>();
-        indexer->forward(*ctx.indexer, tp.sp() ? tp.all_gather(x) : x, tp.sp() ? tp.all_gather(q_latent) : q_latent,
-                         q_k_v, shape, mla_softmax_scale(config));
+    ctx.key_mask = Tensor();
+    const bool learns = indexer && ctx.training && config.dsa_indexer_loss_coeff > 0.0f;
+    Tensor     scores;
+    if (indexer && (learns || config.dsa_indexer_topk < s)) {
+        auto ictx    = std::make_shared<DsaIndexerContext>();
+        scores       = indexer->score(*ictx, tp.sp() ? tp.all_gather(x) : x, tp.sp() ? tp.all_gather(q_latent) : q_latent,
+                                      s, b);
+        ctx.key_mask = indexer->select(scores);
+        if (learns) ctx.indexer = std::move(ictx);
     }
+    AttentionShape attended = shape;
+    attended.key_mask       = ctx.key_mask;
+    attend(ctx, q_k_v, out, attended, mla_softmax_scale(config), indexer ? Dropout{} : dropout);
+    if (learns) indexer->loss_forward(*ctx.indexer, scores, q_k_v, shape, mla_softmax_scale(config), ctx.key_mask);
     if (config.recompute_mla_up_proj) {   // backward builds the rows again from the latents and k_pe
         ctx.qkv = Tensor();
         c.k_pe  = k_pe;
@@ -869,7 +880,10 @@ Tensor SelfAttention::mla_backward(Context & ctx, const Tensor & dy, const GradR
     }
     const Tensor q_k_v = in_dtype(ctx.qkv, act);
     Tensor       d_qkv = activation(device, n, shape.row_stride, act);
-    attend_backward(ctx, q_k_v, out, d_out, d_qkv, shape, mla_softmax_scale(config));
+    AttentionShape attended = shape;
+    attended.key_mask       = ctx.key_mask;   // DSA's top k, as forward attended
+    attend_backward(ctx, q_k_v, out, d_out, d_qkv, attended, mla_softmax_scale(config));
+    ctx.key_mask = Tensor();
     if (softmax_offset && ready) ready(*softmax_offset);
     ops.rope(stream, d_qkv, ctx.s, ctx.b, 2 * a, dqk, config.rotary_base, true, dr, /*interleaved=*/true, shape.q_pos,
              mla_rope(config));

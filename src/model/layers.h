@@ -316,6 +316,7 @@ public:
         } latent;
         std::shared_ptr<GatedDeltaNetContext> linear;   // a gated delta-net layer's
         std::shared_ptr<DsaIndexerContext>    indexer;  // a DSA layer's, when its loss ran in forward
+        Tensor          key_mask;   // a DSA layer's top-k keys (b, s, s) u8, when fewer than every causal key
         bool training = false;   // a training forward (the DSA indexer's loss runs in those only)
     };
 

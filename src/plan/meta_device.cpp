@@ -219,8 +219,11 @@ public:
     void dsa_attention_target(Stream & s, const Tensor & q_k_v, const AttentionShape & shape, float, const Tensor & target) override {
         dsa(s, "dsa_attention_target", 6.0 * static_cast<double>(shape.nq * shape.d), shape.s, shape.b, bytes_of({&q_k_v, &target}));
     }
-    void dsa_indexer_loss(Stream & s, const Tensor & scores, const Tensor & target, float, const Tensor & kl, const Tensor & dscores) override {
-        memory(s, "dsa_indexer_loss", bytes_of({&scores, &target, &kl, &dscores}));
+    void dsa_topk_mask(Stream & s, const Tensor & scores, int64_t, const Tensor & mask) override {
+        memory(s, "dsa_topk_mask", bytes_of({&scores, &mask}));
+    }
+    void dsa_indexer_loss(Stream & s, const Tensor & scores, const Tensor & target, float, const Tensor & kl, const Tensor & dscores, const Tensor & mask) override {
+        memory(s, "dsa_indexer_loss", bytes_of({&scores, &target, &kl, &dscores, &mask}));
     }
     void causal_conv_silu_forward(Stream & s, const Tensor & x, const Tensor & w, const Tensor & y, int64_t seq, int64_t batch) override {
         memory(s, "causal_conv_silu_forward", bytes_of({&x, &w, &y}));

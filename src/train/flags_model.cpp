@@ -127,7 +127,7 @@ const Flag<ModelFlags> kModelFlags[] = {
     {"--dsa-indexer-head-dim", kTransformer, &M::dsa_indexer_head_dim, "the DSA indexer's head width", kPlain,
      {"dsa_indexer_head_dim", [](const TrainOptions & o) -> json { return dsa_value(o, o.model.dsa_indexer_head_dim); }, true}},
     {"--dsa-indexer-topk", kTransformer, &M::dsa_indexer_topk,
-     "the keys each query attends to, the indexer's highest-scoring (Loom: at least --seq-length)", kPlain,
+     "the keys each query attends to, the indexer's highest-scoring (at least --seq-length: every causal key)", kPlain,
      {"dsa_indexer_topk", [](const TrainOptions & o) -> json { return dsa_value(o, o.model.dsa_indexer_topk); }, false}},
     {"--dsa-indexer-topk-freq", kTransformer, &M::dsa_indexer_topk_freq,
      "layers sharing one indexer's top-k (Loom: 1, every layer its own)", kShowDefault},
@@ -139,7 +139,7 @@ const Flag<ModelFlags> kModelFlags[] = {
           return o.model.dsa && o.model.dsa_indexer_loss_coeff > 0 ? json(o.model.dsa_indexer_loss_coeff) : json(nullptr);
       }, false}},
     {"--dsa-indexer-use-sparse-loss", kTransformer, &M::dsa_indexer_use_sparse_loss,
-     "the KL loss over each query's top-k keys only (with the top-k every causal key, as Loom's, the dense loss)"},
+     "the KL loss over each query's top-k keys only (with a top-k of every causal key, the dense loss)"},
     {"--dsa-kernel-backend", kTransformer, &M::dsa_kernel_backend, "none (Loom's kernels; tilelang and cudnn are refused)",
      kShowDefault},
     {"--dsa-indexer-rope-interleaved", kTransformer, &M::dsa_indexer_rope_interleaved,
@@ -300,7 +300,7 @@ const Flag<ModelFlags> kModelFlags[] = {
     {"--hidden-dropout", "regularization", &M::hidden_dropout,
      "dropout probability on the embedding and on each attention and MLP output before its residual add", kShowDefault},
     {"--attention-dropout", "regularization", &M::attention_dropout,
-     "dropout probability on the attention probabilities", kShowDefault},
+     "dropout probability on the attention probabilities (not in DSA's attention, as Megatron's)", kShowDefault},
 };
 
 }  // namespace
@@ -605,6 +605,7 @@ void resolve_dsa(const ModelFlags & f, const Given & given, model::GptConfig & m
     m.dsa_indexer_head_dim          = f.dsa_indexer_head_dim;
     m.dsa_indexer_topk              = f.dsa_indexer_topk;
     m.dsa_indexer_loss_coeff        = f.dsa_indexer_loss_coeff;
+    m.dsa_indexer_use_sparse_loss   = f.dsa_indexer_use_sparse_loss;
     m.dsa_indexer_rope_interleaved  = f.dsa_indexer_rope_interleaved;
     m.dsa_indexer_rotate_activation = f.dsa_indexer_rotate_activation;
     m.dsa_indexer_scoring_relu      = f.dsa_indexer_scoring_relu;

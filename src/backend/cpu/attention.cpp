@@ -53,6 +53,11 @@ Visible visible(const SeqPositions & k_pos, int64_t j0, int64_t cols, int64_t qp
     return v;
 }
 
+// The key mask's entries for query row i of sequence bi from key j0 (AttentionShape::key_mask), or null: every key.
+const uint8_t * masked_row(const uint8_t * key_mask, const AttentionShape & a, int64_t bi, int64_t i, int64_t j0) {
+    return key_mask != nullptr ? key_mask + (bi * a.s + i) * a.keys() + j0 : nullptr;
+}
+
 // S (rows, cols) = scale * A (rows, d) . Bt (d, cols), with Bt's row stride kBlock.
 void scores(const float * a, const float * bt, int64_t rows, int64_t cols, int64_t d, float scale, float * s) {
     for (int64_t r = 0; r < rows; ++r) {
@@ -95,6 +100,7 @@ void attention_forward(const T * qkv_q, const T * kv, T * out, float * lse, cons
     const int64_t group = a.nq / a.nkv, s_kv = a.keys(), k_col = a.k_column(), v_col = a.v_column();
     const bool    dropped = dropout.p > 0.0f;
     const MaskRow mask    = mask_row(dropout);
+    const uint8_t * key_mask = a.key_mask.defined() ? a.key_mask.data<uint8_t>() : nullptr;
     parallel_for(a.b * a.nq, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> q(kBlock * a.d), kt(a.d * kBlock), v(kBlock * a.d), s(kBlock * kBlock),
             acc(kBlock * a.d), m(kBlock), l(kBlock), z(kBlock);
@@ -118,12 +124,21 @@ void attention_forward(const T * qkv_q, const T * kv, T * out, float * lse, cons
                         const int64_t qp    = a.q_pos(i0 + r);
                         float *       sr    = s.data() + r * kBlock;
                         const Visible vis   = visible(a.k_pos, j0, cols, qp, a.window);   // causal, windowed
-                        const int64_t lo = vis.lo, limit = vis.hi;
+                        const uint8_t * held = masked_row(key_mask, a, bi, i0 + r, j0);    // and the key mask's
+                        int64_t lo = vis.lo, limit = vis.hi;
+                        if (held != nullptr) {
+                            while (lo < limit && held[lo] == 0) ++lo;
+                            while (limit > lo && held[limit - 1] == 0) --limit;
+                        }
                         if (lo == limit) continue;
                         float   mx    = m[r];
-                        for (int64_t c = lo; c < limit; ++c) mx = std::max(mx, sr[c]);
+                        for (int64_t c = lo; c < limit; ++c) {
+                            if (held == nullptr || held[c] != 0) mx = std::max(mx, sr[c]);
+                        }
                         float correction = exp_approx(m[r] - mx);
-                        for (int64_t c = lo; c < limit; ++c) sr[c] = exp_approx(sr[c] - mx);
+                        for (int64_t c = lo; c < limit; ++c) {
+                            sr[c] = held != nullptr && held[c] == 0 ? 0.0f : exp_approx(sr[c] - mx);
+                        }
                         float sum = 0;
                         for (int64_t c = lo; c < limit; ++c) sum += sr[c];
                         float * ar = acc.data() + r * a.d;
@@ -167,6 +182,7 @@ void attention_backward(const T * qkv_q, const T * kv, const T * out, const T * 
     const int64_t group = a.nq / a.nkv, s_kv = a.keys(), k_col = a.k_column(), v_col = a.v_column();
     const bool    dropped = dropout.p > 0.0f;
     const MaskRow mask    = mask_row(dropout);
+    const uint8_t * key_mask = a.key_mask.defined() ? a.key_mask.data<uint8_t>() : nullptr;
     // dout and out are (s, b, nq * d): a layout with row stride nq * d.
     const Layout O{a.b, a.nq * a.d, a.d};
 
@@ -226,18 +242,20 @@ void attention_backward(const T * qkv_q, const T * kv, const T * out, const T * 
                             const int64_t qp    = a.q_pos(i0 + r);
                             const Visible vis   = visible(a.k_pos, j0, cols, qp, a.window);
                             const int64_t lo = vis.lo, limit = vis.hi;
+                            const uint8_t * held = masked_row(key_mask, a, bi, i0 + r, j0);
+                            auto seen = [&](int64_t c) { return c >= lo && c < limit && (held == nullptr || held[c] != 0); };
                             float   li = lse_h[i0 + r], di = delta[i0 + r];
                             if (dropped) {   // pr becomes z P (for dV), dS takes z dP
                                 mask.draw(dropout_attention_row(base, dropout.head_offset + hq, qp), a.k_pos, j0, cols,
                                           z.data());
                                 for (int64_t c = 0; c < cols; ++c) {
-                                    float pv = c >= lo && c < limit ? exp_approx(pr[c] - li) : 0.0f;
+                                    float pv = seen(c) ? exp_approx(pr[c] - li) : 0.0f;
                                     pr[c]    = pv * z[c];
                                     dpr[c]   = pv * (z[c] * dpr[c] - di) * scale;
                                 }
                             } else {
                                 for (int64_t c = 0; c < cols; ++c) {
-                                    float pv = c >= lo && c < limit ? exp_approx(pr[c] - li) : 0.0f;
+                                    float pv = seen(c) ? exp_approx(pr[c] - li) : 0.0f;
                                     pr[c]    = pv;
                                     dpr[c]   = pv * (dpr[c] - di) * scale;   // dS, scaled
                                 }

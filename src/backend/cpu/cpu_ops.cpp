@@ -572,6 +572,11 @@ public:
         });
     }
 
+    void dsa_topk_mask(Stream & s, const Tensor & scores, int64_t k, const Tensor & mask) override {
+        const int64_t seq = op_checks::dsa_topk_mask(scores, k, mask);
+        s.submit([=] { cpu::dsa_topk_mask(f32(scores), k, mask.data<uint8_t>(), seq, scores.size(0)); });
+    }
+
     void dsa_attention_target(Stream & s, const Tensor & q_k_v, const AttentionShape & shape, float scale,
                               const Tensor & target) override {
         op_checks::dsa_attention_target(q_k_v, shape, target);
@@ -583,10 +588,11 @@ public:
     }
 
     void dsa_indexer_loss(Stream & s, const Tensor & scores, const Tensor & target, float weight, const Tensor & kl,
-                          const Tensor & dscores) override {
-        const int64_t seq = op_checks::dsa_indexer_loss(scores, target, kl, dscores);
+                          const Tensor & dscores, const Tensor & mask) override {
+        const int64_t seq = op_checks::dsa_indexer_loss(scores, target, kl, dscores, mask);
         s.submit([=] {
-            cpu::dsa_indexer_loss(f32(scores), f32(target), weight, f32(kl), f32(dscores), seq, scores.size(0));
+            cpu::dsa_indexer_loss(f32(scores), f32(target), weight, f32(kl), f32(dscores), seq, scores.size(0),
+                                  mask.defined() ? mask.data<uint8_t>() : nullptr);
         });
     }
 

@@ -1,5 +1,5 @@
-// DeepSeek Sparse Attention's indexer kernels (Ops::dsa_index_scores, _backward, dsa_attention_target,
-// dsa_indexer_loss; core/ops.h states them). Every sum runs in index order in f32, one task per sequence and
+// DeepSeek Sparse Attention's indexer kernels (Ops::dsa_index_scores, _backward, dsa_topk_mask,
+// dsa_attention_target, dsa_indexer_loss; core/ops.h states them). Every sum runs in index order in f32, one task per sequence and
 // query position (the keys' gradient: per key position), so the result does not depend on the thread budget.
 #include "backend/cpu/ops.h"
 
@@ -89,20 +89,46 @@ void dsa_index_scores_backward(const float * q, const float * k, const float * w
     });
 }
 
+void dsa_topk_mask(const float * scores, int64_t k, uint8_t * mask, int64_t s, int64_t b) {
+    parallel_for(s * b, 1, [&](int64_t begin, int64_t end) {
+        std::vector<int64_t> keys;
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t i = task % s;
+            const float * row = scores + task * s;
+            uint8_t *     out = mask + task * s;
+            std::fill(out, out + s, uint8_t{0});
+            if (i + 1 <= k) {   // every causal key
+                std::fill(out, out + i + 1, uint8_t{1});
+                continue;
+            }
+            keys.resize(static_cast<size_t>(i + 1));
+            for (int64_t j = 0; j <= i; ++j) keys[static_cast<size_t>(j)] = j;
+            // A strict total order (score, then the earlier key), so the first k are one set however found.
+            std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), [row](int64_t x, int64_t y) {
+                return row[x] > row[y] || (row[x] == row[y] && x < y);
+            });
+            for (int64_t r = 0; r < k; ++r) out[keys[static_cast<size_t>(r)]] = 1;
+        }
+    });
+}
+
 template <class T>
 void dsa_attention_target(const T * q_k_v, float * target, const AttentionShape & a, float scale) {
     const int64_t s = a.s, b = a.b, d = a.d, k_col = a.k_column();
+    const uint8_t * key_mask = a.key_mask.defined() ? a.key_mask.data<uint8_t>() : nullptr;
     parallel_for(s * b, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> qh(static_cast<size_t>(d)), kj(static_cast<size_t>(d)), logits(static_cast<size_t>(s));
         for (int64_t task = begin; task < end; ++task) {
-            const int64_t bi = task / s, i = task % s;
-            float *       out = target + (bi * s + i) * s;
+            const int64_t   bi = task / s, i = task % s;
+            float *         out  = target + (bi * s + i) * s;
+            const uint8_t * held = key_mask != nullptr ? key_mask + (bi * s + i) * s : nullptr;
             std::fill(out, out + s, 0.0f);
             for (int64_t h = 0; h < a.nq; ++h) {
                 const T * qp = q_k_v + (i * b + bi) * a.row_stride + h * d;
                 for (int64_t x = 0; x < d; ++x) qh[x] = to_f32(qp[x]);
                 float mx = -std::numeric_limits<float>::infinity();
                 for (int64_t j = 0; j <= i; ++j) {
+                    if (held != nullptr && held[j] == 0) continue;
                     const T * kp = q_k_v + (j * b + bi) * a.kv_stride() + k_col + h * d;
                     for (int64_t x = 0; x < d; ++x) kj[x] = to_f32(kp[x]);
                     logits[j] = scale * dot(qh.data(), kj.data(), d);
@@ -110,7 +136,7 @@ void dsa_attention_target(const T * q_k_v, float * target, const AttentionShape 
                 }
                 float sum = 0.0f;
                 for (int64_t j = 0; j <= i; ++j) {
-                    logits[j] = std::exp(logits[j] - mx);
+                    logits[j] = held != nullptr && held[j] == 0 ? 0.0f : std::exp(logits[j] - mx);
                     sum += logits[j];
                 }
                 for (int64_t j = 0; j <= i; ++j) out[j] += logits[j] / sum;
@@ -123,24 +149,33 @@ template void dsa_attention_target(const float *, float *, const AttentionShape 
 template void dsa_attention_target(const Bf16 *, float *, const AttentionShape &, float);
 
 void dsa_indexer_loss(const float * scores, const float * target, float weight, float * kl, float * dscores, int64_t s,
-                      int64_t b) {
+                      int64_t b, const uint8_t * mask) {
     parallel_for(s * b, 1, [&](int64_t begin, int64_t end) {
         for (int64_t task = begin; task < end; ++task) {
-            const int64_t i = task % s;
-            const float * I = scores + task * s;
-            const float * t = target + task * s;
-            float *       g = dscores + task * s;
-            float         total = 0.0f, mx = -std::numeric_limits<float>::infinity();
+            const int64_t   i    = task % s;
+            const float *   I    = scores + task * s;
+            const float *   t    = target + task * s;
+            float *         g    = dscores + task * s;
+            const uint8_t * held = mask != nullptr ? mask + task * s : nullptr;
+            auto            in   = [held](int64_t j) { return held == nullptr || held[j] != 0; };
+            float           total = 0.0f, mx = -std::numeric_limits<float>::infinity();
             for (int64_t j = 0; j <= i; ++j) {
+                if (!in(j)) continue;
                 total += t[j];
                 mx = std::max(mx, I[j]);
             }
             const float norm = std::max(total, 1e-10f);
             float       sum  = 0.0f;
-            for (int64_t j = 0; j <= i; ++j) sum += std::exp(I[j] - mx);
+            for (int64_t j = 0; j <= i; ++j) {
+                if (in(j)) sum += std::exp(I[j] - mx);
+            }
             const float log_sum = std::log(sum);
             float       row     = 0.0f;
             for (int64_t j = 0; j <= i; ++j) {
+                if (!in(j)) {
+                    g[j] = 0.0f;
+                    continue;
+                }
                 const float T     = t[j] / norm;
                 const float log_p = I[j] - mx - log_sum;
                 row += T * (std::log(std::max(T, 1e-10f)) - log_p);

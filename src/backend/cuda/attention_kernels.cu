@@ -48,9 +48,11 @@ __device__ void attn_load(float * dst, const E * src, int64_t row0, int64_t rows
     }
 }
 
-// Whether query row i sees key row j (both in range): causal, and within the window when there is one.
-__device__ __forceinline__ bool attn_visible(const AttentionDims & a, int64_t i, int64_t j) {
-    return i < a.s && j < a.s_kv && a.k_pos(j) <= a.q_pos(i) && (a.window < 0 || a.k_pos(j) >= a.q_pos(i) - a.window);
+// Whether query row i of sequence bi sees key row j (both in range): causal, within the window when there is one,
+// and held by the key mask when there is one.
+__device__ __forceinline__ bool attn_visible(const AttentionDims & a, int64_t bi, int64_t i, int64_t j) {
+    return i < a.s && j < a.s_kv && a.k_pos(j) <= a.q_pos(i) && (a.window < 0 || a.k_pos(j) >= a.q_pos(i) - a.window) &&
+           (a.key_mask == nullptr || a.key_mask[(bi * a.s + i) * a.s_kv + j] != 0);
 }
 // Whether no key of the tile from j0 falls in row i's window (keys' positions increase along the tile).
 __device__ __forceinline__ bool attn_before_window(const AttentionDims & a, int64_t i, int64_t j0) {
@@ -118,7 +120,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_forward_kernel(const E
         for (int e = threadIdx.x; e < T * T; e += blockDim.x) {
             const int r = e / T, c = e % T;
             const int64_t i = i0 + r, j = j0 + c;
-            ps[r * (T + 1) + c] = attn_visible(a, i, j) ? attn_dot(qs + r * ds, ks + c * ds, a.d) * scale : 0.0f;
+            ps[r * (T + 1) + c] = attn_visible(a, bi, i, j) ? attn_dot(qs + r * ds, ks + c * ds, a.d) * scale : 0.0f;
         }
         __syncthreads();
         // The online softmax, a warp per row: lane c holds key j0 + c.
@@ -129,10 +131,15 @@ __global__ void __launch_bounds__(kAttnThreads) attention_forward_kernel(const E
                 if (lane == 0) corr[r] = 1.0f;
                 continue;
             }
-            const bool  valid  = attn_visible(a, i, j);
+            const bool  valid  = attn_visible(a, bi, i, j);
             const float sc     = ps[r * (T + 1) + lane];
             const float m_old  = ms[r];
             const float mx     = fmaxf(m_old, warp_max(valid ? sc : -INFINITY));
+            if (mx == -INFINITY) {   // the key mask holds no key of this tile for the row, nor did it before
+                ps[r * (T + 1) + lane] = 0.0f;
+                if (lane == 0) corr[r] = 1.0f;
+                continue;
+            }
             float       p      = valid ? exp_approx(__fsub_rn(sc, mx)) : 0.0f;
             const float sum    = warp_sum(p);
             if (key.dropped && valid) {   // l sums the undropped probabilities; O takes the dropped ones
@@ -184,14 +191,14 @@ __global__ void attention_delta_kernel(const E * out, const E * dout, float * de
 // both 0 outside the causal triangle.
 __device__ void attention_grad_tile(const float * qs, const float * dos, const float * ks, const float * vs,
                                     const float * lses, const float * deltas, float * ps, float * dss, int64_t i0,
-                                    int64_t j0, int64_t hq, uint64_t base, const AttentionDims & a, float scale,
+                                    int64_t j0, int64_t bi, int64_t hq, uint64_t base, const AttentionDims & a, float scale,
                                     const AttentionKey & key, int ds) {
     constexpr int T = kAttnTile;
     for (int e = threadIdx.x; e < T * T; e += blockDim.x) {
         const int     r = e / T, c = e % T;
         const int64_t i = i0 + r, j = j0 + c;
         float         p = 0.0f, dsv = 0.0f;
-        if (attn_visible(a, i, j)) {
+        if (attn_visible(a, bi, i, j)) {
             const float pv = exp_approx(__fsub_rn(attn_dot(qs + r * ds, ks + c * ds, a.d) * scale, lses[r]));
             const float dp = attn_dot(dos + r * ds, vs + c * ds, a.d);
             if (key.dropped) {
@@ -253,7 +260,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_dq_kernel(const E * q,
         attn_load(ks, kv, j0, a.s_kv, bi, a.k_col + hk * a.d, a.kv_stride, a, ds);
         attn_load(vs, kv, j0, a.s_kv, bi, a.v_col + hk * a.d, a.kv_stride, a, ds);
         __syncthreads();
-        attention_grad_tile(qs, dos, ks, vs, lses, deltas, ps, dss, i0, j0, hq, base, a, scale, key, ds);
+        attention_grad_tile(qs, dos, ks, vs, lses, deltas, ps, dss, i0, j0, bi, hq, base, a, scale, key, ds);
         __syncthreads();
         for_tile_elements(elems, a.d, [&](int k, int64_t r, int64_t dd) {
             const float * dsr = dss + r * (T + 1);
@@ -307,7 +314,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_dkdv_kernel(const E * 
             attn_load(dos, dout, i0, a.s, bi, hq * a.d, a.nq * a.d, a, ds);
             attn_load_rows(lses, deltas, lse, delta, i0, bi, hq, a);
             __syncthreads();
-            attention_grad_tile(qs, dos, ks, vs, lses, deltas, ps, dss, i0, j0, hq, base, a, scale, key, ds);
+            attention_grad_tile(qs, dos, ks, vs, lses, deltas, ps, dss, i0, j0, bi, hq, base, a, scale, key, ds);
             __syncthreads();
             for_tile_elements(elems, a.d, [&](int k, int64_t c, int64_t dd) {
                 float         vk = dk[k], vv = dv[k];

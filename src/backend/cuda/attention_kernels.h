@@ -23,7 +23,8 @@ struct AttentionDims {
     int64_t      s, b, nq, nkv, d, row_stride;
     int64_t      s_kv, kv_stride, k_col, v_col;
     SeqPositions q_pos, k_pos;
-    int64_t      window;   // AttentionShape::window: -1, or the keys p - window .. p
+    int64_t      window;     // AttentionShape::window: -1, or the keys p - window .. p
+    const uint8_t * key_mask;   // AttentionShape::key_mask: (b, s, s_kv) in device memory, or null
 };
 // The attention dropout's key: sample_ids (b, device memory) may be null (sequence bi is sample bi); query
 // head hq of the call is head head_offset + hq of the model; keep_scale = 1 / (1 - p) in f32 as the CPU's.

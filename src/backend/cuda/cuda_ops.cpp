@@ -118,7 +118,8 @@ const int64_t * device_sample_ids(CudaStream & cs, cudaStream_t stream, const Dr
 
 kernels::AttentionDims attention_dims(const AttentionShape & a) {
     return {a.s,    a.b,           a.nq,         a.nkv,        a.d,     a.row_stride,
-            a.keys(), a.kv_stride(), a.k_column(), a.v_column(), a.q_pos, a.k_pos, a.window};
+            a.keys(), a.kv_stride(), a.k_column(), a.v_column(), a.q_pos, a.k_pos, a.window,
+            a.key_mask.defined() ? a.key_mask.data<uint8_t>() : nullptr};
 }
 
 // The limits of the CUDA kernels (Ops::supports): attention keeps a (32, d) block per 256 threads in
@@ -528,25 +529,33 @@ public:
         cs.launched("dsa_index_scores_backward", {q, k, w, dscores, dq, dk, dw});
     }
 
+    void dsa_topk_mask(Stream & s, const Tensor & scores, int64_t k, const Tensor & mask) override {
+        const int64_t seq = op_checks::dsa_topk_mask(scores, k, mask);
+        CudaStream &  cs  = start(s, "dsa_topk_mask", {scores, mask});
+        kernels::dsa_topk_mask(cs.launch("dsa_topk_mask"), f32(scores), k, mask.data<uint8_t>(), seq, scores.size(0));
+        cs.launched("dsa_topk_mask", {scores, mask});
+    }
+
     void dsa_attention_target(Stream & s, const Tensor & q_k_v, const AttentionShape & shape, float scale,
                               const Tensor & target) override {
         op_checks::dsa_attention_target(q_k_v, shape, target);
-        CudaStream & cs     = start(s, "dsa_attention_target", {q_k_v, target});
+        CudaStream & cs     = start(s, "dsa_attention_target", {q_k_v, target, shape.key_mask});
         cudaStream_t stream = cs.launch("dsa_attention_target");
+        const uint8_t * key_mask = shape.key_mask.defined() ? shape.key_mask.data<uint8_t>() : nullptr;
         with_activations(q_k_v, [&]<class T>(T *) {
             kernels::dsa_attention_target(stream, act<T>(q_k_v), f32(target), shape.s, shape.b, shape.nq, shape.d,
-                                          shape.row_stride, shape.kv_stride(), shape.k_column(), scale);
+                                          shape.row_stride, shape.kv_stride(), shape.k_column(), scale, key_mask);
         });
-        cs.launched("dsa_attention_target", {q_k_v, target});
+        cs.launched("dsa_attention_target", {q_k_v, target, shape.key_mask});
     }
 
     void dsa_indexer_loss(Stream & s, const Tensor & scores, const Tensor & target, float weight, const Tensor & kl,
-                          const Tensor & dscores) override {
-        const int64_t seq = op_checks::dsa_indexer_loss(scores, target, kl, dscores);
-        CudaStream &  cs  = start(s, "dsa_indexer_loss", {scores, target, kl, dscores});
+                          const Tensor & dscores, const Tensor & mask) override {
+        const int64_t seq = op_checks::dsa_indexer_loss(scores, target, kl, dscores, mask);
+        CudaStream &  cs  = start(s, "dsa_indexer_loss", {scores, target, kl, dscores, mask});
         kernels::dsa_indexer_loss(cs.launch("dsa_indexer_loss"), f32(scores), f32(target), weight, f32(kl), f32(dscores), seq,
-                                  scores.size(0));
-        cs.launched("dsa_indexer_loss", {scores, target, kl, dscores});
+                                  scores.size(0), mask.defined() ? mask.data<uint8_t>() : nullptr);
+        cs.launched("dsa_indexer_loss", {scores, target, kl, dscores, mask});
     }
 
     void gdn_gates_forward(Stream & s, const Tensor & src, int64_t col, const Tensor & a_log, const Tensor & dt_bias,
@@ -713,7 +722,7 @@ public:
                            const AttentionShape & shape, float scale, const Dropout & dropout) override {
         op_checks::attention_forward(q, kv, out, lse, shape, dropout);
         check_head_dim(shape, "attention_forward");
-        std::vector<Tensor> held{q, kv, out, lse, dropout.sample_ids};
+        std::vector<Tensor> held{q, kv, out, lse, dropout.sample_ids, shape.key_mask};
         CudaStream &        cs     = start(s, "attention_forward", held);
         cudaStream_t        stream = cs.launch("attention_forward");
         const kernels::AttentionKey key = attention_key(cs, stream, dropout, held);
@@ -728,7 +737,7 @@ public:
                             float scale, const Dropout & dropout, bool accumulate) override {
         op_checks::attention_backward(q, kv, out, dout, lse, dq, dkv, shape, dropout);
         check_head_dim(shape, "attention_backward");
-        std::vector<Tensor> held{q, kv, out, dout, lse, dq, dkv, dropout.sample_ids};
+        std::vector<Tensor> held{q, kv, out, dout, lse, dq, dkv, dropout.sample_ids, shape.key_mask};
         CudaStream &        cs     = start(s, "attention_backward", held);
         Tensor              delta  = scratch_like(cs, lse);   // rowsum(dO * O), (b, nq, s) as lse
         cudaStream_t        stream = cs.launch("attention_backward");

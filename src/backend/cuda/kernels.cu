@@ -850,13 +850,31 @@ __device__ inline float dsa_logit(const T * q_k_v, int64_t qi, int64_t kj, int64
     return __fmul_rn(scale, dot);
 }
 
+// A thread per score (bi, i, j): key j's rank among row i's causal keys (how many outrank it: a higher score, or
+// the same and earlier), held when below k. The CPU finds the same set by selection.
+__global__ void dsa_topk_mask_kernel(const float * scores, int64_t k, uint8_t * mask, int64_t s, int64_t b) {
+    LOOM_GRID_STRIDE(e, b * s * s) {
+        const int64_t j = e % s, i = e / s % s;
+        const float * row  = scores + (e - j);
+        bool          held = j <= i;
+        if (held && i + 1 > k) {
+            const float v    = row[j];
+            int64_t     rank = 0;
+            for (int64_t x = 0; x <= i && rank < k; ++x) rank += row[x] > v || (row[x] == v && x < j);
+            held = rank < k;
+        }
+        mask[e] = held ? 1 : 0;
+    }
+}
+
 template <class T>
 __global__ void dsa_attention_target_kernel(const T * q_k_v, float * target, int64_t s, int64_t b, int64_t heads,
                                             int64_t d, int64_t row_stride, int64_t kv_stride, int64_t k_col,
-                                            float scale) {
+                                            float scale, const uint8_t * key_mask) {
     LOOM_GRID_STRIDE(e, b * s) {   // (bi, i)
-        const int64_t bi = e / s, i = e % s;
-        float *       out = target + e * s;
+        const int64_t   bi = e / s, i = e % s;
+        float *         out  = target + e * s;
+        const uint8_t * held = key_mask != nullptr ? key_mask + e * s : nullptr;
         for (int64_t j = 0; j < s; ++j) out[j] = 0.0f;
         for (int64_t h = 0; h < heads; ++h) {
             const int64_t qi = (i * b + bi) * row_stride + h * d;
@@ -864,13 +882,16 @@ __global__ void dsa_attention_target_kernel(const T * q_k_v, float * target, int
             // probabilities.
             float mx = -INFINITY;
             for (int64_t j = 0; j <= i; ++j) {
+                if (held != nullptr && held[j] == 0) continue;
                 mx = fmaxf(mx, dsa_logit(q_k_v, qi, (j * b + bi) * kv_stride + k_col + h * d, d, scale));
             }
             float sum = 0.0f;
             for (int64_t j = 0; j <= i; ++j) {
+                if (held != nullptr && held[j] == 0) continue;
                 sum = __fadd_rn(sum, expf(__fsub_rn(dsa_logit(q_k_v, qi, (j * b + bi) * kv_stride + k_col + h * d, d, scale), mx)));
             }
             for (int64_t j = 0; j <= i; ++j) {
+                if (held != nullptr && held[j] == 0) continue;
                 const float p = expf(__fsub_rn(dsa_logit(q_k_v, qi, (j * b + bi) * kv_stride + k_col + h * d, d, scale), mx));
                 out[j]        = __fadd_rn(out[j], __fdiv_rn(p, sum));
             }
@@ -879,23 +900,31 @@ __global__ void dsa_attention_target_kernel(const T * q_k_v, float * target, int
 }
 
 __global__ void dsa_indexer_loss_kernel(const float * scores, const float * target, float weight, float * kl,
-                                        float * dscores, int64_t s, int64_t rows) {
+                                        float * dscores, int64_t s, int64_t rows, const uint8_t * mask) {
     LOOM_GRID_STRIDE(e, rows) {   // (bi, i)
-        const int64_t i = e % s;
-        const float * I = scores + e * s;
-        const float * t = target + e * s;
-        float *       g = dscores + e * s;
-        float         total = 0.0f, mx = -INFINITY;
+        const int64_t   i    = e % s;
+        const float *   I    = scores + e * s;
+        const float *   t    = target + e * s;
+        float *         g    = dscores + e * s;
+        const uint8_t * held = mask != nullptr ? mask + e * s : nullptr;
+        float           total = 0.0f, mx = -INFINITY;
         for (int64_t j = 0; j <= i; ++j) {
+            if (held != nullptr && held[j] == 0) continue;
             total = __fadd_rn(total, t[j]);
             mx    = fmaxf(mx, I[j]);
         }
         const float norm = fmaxf(total, 1e-10f);
         float       sum  = 0.0f;
-        for (int64_t j = 0; j <= i; ++j) sum = __fadd_rn(sum, expf(__fsub_rn(I[j], mx)));
+        for (int64_t j = 0; j <= i; ++j) {
+            if (held == nullptr || held[j] != 0) sum = __fadd_rn(sum, expf(__fsub_rn(I[j], mx)));
+        }
         const float log_sum = logf(sum);
         float       row     = 0.0f;
         for (int64_t j = 0; j <= i; ++j) {
+            if (held != nullptr && held[j] == 0) {
+                g[j] = 0.0f;
+                continue;
+            }
             const float T     = __fdiv_rn(t[j], norm);
             const float log_p = __fsub_rn(__fsub_rn(I[j], mx), log_sum);
             row  = __fadd_rn(row, __fmul_rn(T, __fsub_rn(logf(fmaxf(T, 1e-10f)), log_p)));
@@ -1576,22 +1605,30 @@ void dsa_index_scores_backward(cudaStream_t stream, const float * q, const float
     LOOM_LAUNCH(dsa_index_dk_kernel, blocks_for(s * b), kThreads, 0, stream)(q, k, w, dscores, dk, s, b, H, d, relu);
 }
 
+void dsa_topk_mask(cudaStream_t stream, const float * scores, int64_t k, uint8_t * mask, int64_t s, int64_t b) {
+    if (b * s > 0) LOOM_LAUNCH(dsa_topk_mask_kernel, blocks_for(b * s * s), kThreads, 0, stream)(scores, k, mask, s, b);
+}
+
 template <class T>
 void dsa_attention_target(cudaStream_t stream, const T * q_k_v, float * target, int64_t s, int64_t b, int64_t heads, int64_t d,
-                          int64_t row_stride, int64_t kv_stride, int64_t k_col, float scale) {
+                          int64_t row_stride, int64_t kv_stride, int64_t k_col, float scale, const uint8_t * key_mask) {
     if (b * s > 0) {
         LOOM_LAUNCH(dsa_attention_target_kernel<T>, blocks_for(b * s), kThreads, 0, stream)(q_k_v, target, s, b, heads, d,
-                                                                                            row_stride, kv_stride, k_col, scale);
+                                                                                            row_stride, kv_stride, k_col, scale,
+                                                                                            key_mask);
     }
 }
 template void dsa_attention_target(cudaStream_t, const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                   int64_t, float);
+                                   int64_t, float, const uint8_t *);
 template void dsa_attention_target(cudaStream_t, const Bf16 *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                   int64_t, float);
+                                   int64_t, float, const uint8_t *);
 
 void dsa_indexer_loss(cudaStream_t stream, const float * scores, const float * target, float weight, float * kl,
-                      float * dscores, int64_t s, int64_t b) {
-    if (b * s > 0) LOOM_LAUNCH(dsa_indexer_loss_kernel, blocks_for(b * s), kThreads, 0, stream)(scores, target, weight, kl, dscores, s, b * s);
+                      float * dscores, int64_t s, int64_t b, const uint8_t * mask) {
+    if (b * s > 0) {
+        LOOM_LAUNCH(dsa_indexer_loss_kernel, blocks_for(b * s), kThreads, 0, stream)(scores, target, weight, kl, dscores, s,
+                                                                                     b * s, mask);
+    }
 }
 
 template <class T>
