@@ -1257,6 +1257,34 @@ TEST(GptModel, DsaIndexerGradientsMatchFiniteDifferencesOfItsLossAlone) {
     }
 }
 
+// DSA's index sharing (--dsa-indexer-topk-freq 2) over three layers: layers 1 and 3 have an indexer and select
+// their own keys; layer 2 has none (no parameter of it exists) and attends to exactly layer 1's selection, the same
+// mask. The backward reports every parameter ready once, and the logged loss is the two indexers'.
+TEST(GptModel, DsaLayersBetweenIndexersAttendToTheirSourcesSelection) {
+    model::GptConfig config      = dsa_grad_config(false, true);
+    config.num_layers            = 3;
+    config.dsa_indexer_topk_freq = 2;
+    Device &        device       = cpu::device();
+    model::GptModel gpt(config, device);
+    gpt.init();
+    int indexers = 0;
+    for (model::Parameter * p : gpt.parameters()) indexers += p->name.find(".indexer.wk.") != std::string::npos;
+    EXPECT_EQ(indexers, 2) << "layers 1 and 3";
+    model::MicroBatch        batch = make_batch(2, config.seq_length, config.vocab_size, 13, device);
+    model::GptModel::Context ctx;
+    gpt.forward(ctx, batch);
+    ASSERT_EQ(ctx.layers.size(), 3u);
+    const Tensor & first = ctx.layers[0].attn.key_mask, & second = ctx.layers[1].attn.key_mask, & third = ctx.layers[2].attn.key_mask;
+    ASSERT_TRUE(first.defined() && second.defined() && third.defined()) << "a top-k below the sequence selects";
+    EXPECT_EQ(second.data_ptr(), first.data_ptr()) << "layer 2 attends to layer 1's selection";
+    EXPECT_NE(third.data_ptr(), first.data_ptr()) << "layer 3 selects its own";
+    EXPECT_GT(gpt.take_dsa_losses(), 1e-3);
+    std::vector<std::string> ready;
+    gpt.backward(ctx, 1.0, [&](model::Parameter & p) { ready.push_back(p.name); });
+    device.compute_stream().synchronize();
+    EXPECT_EQ(ready.size(), gpt.parameters().size()) << "every parameter is reported ready exactly once";
+}
+
 // One DSA layer's indexer loss against its definition written out in double from the layer's weights and input
 // (Megatron's DSAIndexer and compute_dsa_indexer_loss): q = RoPE(W_qb qr) and k = RoPE(LayerNorm(W_k x)) per
 // head, RoPE over the first 4 elements in halves (rotate_half), each rotated by Hadamard's matrix over 8 / sqrt(8),

@@ -1332,6 +1332,34 @@ TEST(MegatronCommandLine, DsaFollowsMegatronsRules) {
     EXPECT_TRUE(off.model.dsa_indexer_rope_interleaved);
     EXPECT_FLOAT_EQ(off.model.dsa_indexer_k_norm_epsilon, 1e-6f);
 
+    // Index sharing (Megatron's is_dsa_skip_topk_layer / source_dsa_compute_layer): with frequency 2 and offset 0
+    // (read as 1) layers 1, 3, 5 compute and 2, 4, 6 take the layer before's; with offset 3 layers 1 to 3 compute,
+    // then every other from 5. Only the computing layers have an indexer, and the args record the sharing.
+    std::vector<std::string> shared = dsa;
+    for (const char * a : {"--num-layers", "6", "--dsa-indexer-topk-freq", "2"}) shared.push_back(a);
+    const train::TrainOptions two = parse_train(shared);
+    const std::vector<int64_t> want_two = {0, 0, 2, 2, 4, 4};
+    shared.push_back("--dsa-indexer-skip-topk-offset");
+    shared.push_back("3");
+    const train::TrainOptions offset = parse_train(shared);
+    const std::vector<int64_t> want_offset = {0, 1, 2, 2, 4, 4};
+    for (int64_t i = 0; i < 6; ++i) {
+        EXPECT_EQ(two.model.dsa_topk_source(i), want_two[static_cast<size_t>(i)]) << "layer " << i + 1;
+        EXPECT_EQ(offset.model.dsa_topk_source(i), want_offset[static_cast<size_t>(i)]) << "layer " << i + 1 << ", offset 3";
+    }
+    std::vector<std::string> six = dsa;
+    six.push_back("--num-layers");
+    six.push_back("6");
+    const int64_t indexer = 24 * 64 + 64 * 16 + 2 * 16 + 64 * 4;
+    EXPECT_EQ(parse_train(six).model.num_parameters() - two.model.num_parameters(), 3 * indexer) << "three indexers of six";
+    nlohmann::json shared_args;
+    for (const train::FlagInfo & f : train::train_flags()) {
+        if (f.arg.key) shared_args[f.arg.key] = f.arg.value(offset);
+    }
+    EXPECT_EQ(shared_args.at("dsa_indexer_topk_freq"), 2);
+    EXPECT_EQ(shared_args.at("dsa_indexer_skip_topk_offset"), 3);
+    EXPECT_TRUE(args.at("dsa_indexer_topk_freq").is_null()) << "every layer its own: nothing recorded";
+
     auto with = [&](const std::vector<std::string> & base, std::initializer_list<const char *> more) {
         std::vector<std::string> v(base.begin() + 1, base.end());   // expect_refused adds --mock-data
         v.insert(v.end(), more.begin(), more.end());
@@ -1350,7 +1378,6 @@ TEST(MegatronCommandLine, DsaFollowsMegatronsRules) {
          "needs --dsa-indexer-n-heads, --dsa-indexer-head-dim and --dsa-indexer-topk >= 1"},
         {with(dsa, {"--dsa-indexer-head-dim", "4"}), "--dsa-indexer-head-dim 4 is narrower than its RoPE part"},
         {with(dsa, {"--dsa-indexer-topk-freq", "0"}), "dsa_indexer_topk_freq must be >= 1"},
-        {with(dsa, {"--dsa-indexer-topk-freq", "2"}), "--dsa-indexer-topk-freq 2 (layers sharing a top-k) is not supported by Loom"},
         {with(dsa, {"--dsa-kernel-backend", "tilelang"}), "--dsa-kernel-backend tilelang is not supported by Loom"},
         {with(dsa, {"--dsa-kernel-backend", "triton"}), "argument --dsa-kernel-backend: invalid choice: 'triton'"},
         {with(dsa, {"--dsa-indexer-loss-coeff", "-1"}), "--dsa-indexer-loss-coeff must be >= 0"},
@@ -1369,6 +1396,8 @@ TEST(MegatronCommandLine, DsaFollowsMegatronsRules) {
          "--experimental-attention-variant dsa with --tensor-model-parallel-size 2 needs --sequence-parallel"},
         {with(dsa, {"--context-parallel-size", "2"}),
          "--experimental-attention-variant dsa with --context-parallel-size 2 is not supported by Loom"},
+        {with(dsa, {"--dsa-indexer-topk-freq", "2", "--pipeline-model-parallel-size", "2"}),
+         "--dsa-indexer-topk-freq 2: layer 2 takes the top-k of layer 1, which is on another pipeline stage"},
     };
     expect_refused(split, 2);
 }
@@ -1408,15 +1437,16 @@ TEST(Training, DsaIndexerLossFallsAndIsLogged) {
     EXPECT_GT(first, 0.1);
     EXPECT_LT(last, 0.8 * first) << "the indexer learns the attention's distribution";
 
-    // Sparse: each row attends to its top 8 of the 32 keys, the sparse loss over them. Both losses fall, the lm
-    // losses are not the dense run's (the selection is applied) and the validation pass selects as training does.
+    // Sparse: each row attends to its top 8 of the 32 keys, the sparse loss over them, the second layer taking the
+    // first's selection (--dsa-indexer-topk-freq 2). Both losses fall, the lm losses are not the dense run's (the
+    // selection is applied) and the validation pass selects as training does.
     const CliRun sparse = run_loom(model + " --dsa-indexer-loss-coeff 1.0 --dsa-indexer-topk 8 --dsa-indexer-use-sparse-loss "
-                                           "--eval-interval 30 --eval-iters 1");
+                                           "--dsa-indexer-topk-freq 2 --eval-interval 30 --eval-iters 1");
     ASSERT_EQ(sparse.status, 0) << sparse.out;
     const std::vector<std::string> slm = values(sparse.out, "lm loss: "), sindexer = values(sparse.out, "indexer loss: ");
     ASSERT_GE(slm.size(), 3u) << sparse.out;
     ASSERT_EQ(sindexer.size(), 3u) << sparse.out;
-    std::printf("dsa top-8: lm loss %s -> %s, indexer loss %s -> %s\n", slm.front().c_str(), slm[2].c_str(),
+    std::printf("dsa top-8, shared: lm loss %s -> %s, indexer loss %s -> %s\n", slm.front().c_str(), slm[2].c_str(),
                 sindexer.front().c_str(), sindexer.back().c_str());
     EXPECT_NE(slm[1], lm[1]) << "the top 8 keys, not every key";
     EXPECT_LT(std::stod(slm[2]), std::stod(slm.front()));

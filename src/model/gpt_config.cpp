@@ -74,6 +74,10 @@ void GptConfig::validate() const {
                                              << qk_pos_emb_head_dim, "");
         LOOM_CHECK(std::isfinite(dsa_indexer_loss_coeff) && dsa_indexer_loss_coeff >= 0.0f,
                    "--dsa-indexer-loss-coeff must be >= 0, got " << dsa_indexer_loss_coeff, "");
+        LOOM_CHECK(dsa_indexer_topk_freq >= 1 && dsa_indexer_skip_topk_offset >= 0,
+                   "--dsa-indexer-topk-freq " << dsa_indexer_topk_freq << " and --dsa-indexer-skip-topk-offset "
+                                              << dsa_indexer_skip_topk_offset,
+                   "a frequency >= 1 and an offset >= 0");
         LOOM_CHECK(mtp_num_layers == 0, "--experimental-attention-variant dsa with --mtp-num-layers is not supported by Loom",
                    "drop one of them");
         LOOM_CHECK(!fp8, "--experimental-attention-variant dsa with --fp8-format is not supported by Loom", "drop one of them");
@@ -148,11 +152,12 @@ int64_t GptConfig::num_parameters() const {
         const int64_t kv = h * (kv_lora_rank + qk_pos_emb_head_dim) + kv_lora_rank * a * (qk_head_dim + v_head_dim);
         attn    = q + kv + a * v_head_dim * h + bias * h;
         qk_norm = qk_layernorm ? per_norm * ((q_lora_rank > 0 ? q_lora_rank : 0) + kv_lora_rank) : 0;
-        if (dsa) {   // the indexer: wq_b, wk, its key LayerNorm (weight and bias) and weights_proj
-            const int64_t ni = dsa_indexer_n_heads, di = dsa_indexer_head_dim;
-            attn += q_lora_rank * ni * di + h * di + 2 * di + h * ni;
-        }
     }
+    // A DSA layer's indexer (on the layers that compute their own top-k): wq_b, wk, its key LayerNorm (weight and bias)
+    // and weights_proj.
+    const int64_t indexer = dsa ? q_lora_rank * dsa_indexer_n_heads * dsa_indexer_head_dim + h * dsa_indexer_head_dim +
+                                      2 * dsa_indexer_head_dim + h * dsa_indexer_n_heads
+                                : 0;
     const int64_t sinks = softmax_type == SoftmaxType::learnable ? num_attention_heads : 0;   // softmax_offset
     // An MoE layer's MLP: the router (E, h) and its bias (E) with the model's biases (Megatron's router.bias), E
     // experts (with biases, as the dense MLP), the shared expert (no biases: Megatron's) and its gate (1, h).
@@ -170,7 +175,9 @@ int64_t GptConfig::num_parameters() const {
                                 2 * linear_num_value_heads +
                                 (normalization == Normalization::layernorm ? 2 : 1) * linear_value_head_dim + v * h;
     auto per_layer_of = [&](int64_t index) {   // an MTP depth's layer is of the last layer's kind
-        const int64_t attention = is_linear_attention_layer(index) ? linear_attn : attn + qk_norm + sinks;
+        const int64_t attention = is_linear_attention_layer(index)
+                                      ? linear_attn
+                                      : attn + qk_norm + sinks + (dsa_computes_topk(index) ? indexer : 0);
         return 2 * norm + attention + (is_moe_layer(index) ? moe_mlp : mlp);
     };
     int64_t total = V * h + norm;

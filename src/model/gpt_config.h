@@ -201,10 +201,23 @@ struct GptConfig {
     int64_t              dsa_indexer_topk              = 0;
     float                dsa_indexer_loss_coeff        = 0.0f;
     bool                 dsa_indexer_use_sparse_loss   = false;   // the loss over each row's top k only
+    // --dsa-indexer-topk-freq F and --dsa-indexer-skip-topk-offset O (Megatron's index sharing): with F > 1 only
+    // some layers have an indexer; the others attend to the top-k keys of an earlier layer (dsa_topk_source).
+    int64_t              dsa_indexer_topk_freq         = 1;
+    int64_t              dsa_indexer_skip_topk_offset  = 0;
     bool                 dsa_indexer_rope_interleaved  = false;   // its RoPE's pairs (2i, 2i + 1)
     bool                 dsa_indexer_rotate_activation = true;    // the Hadamard rotation of q and k
     bool                 dsa_indexer_scoring_relu      = true;    // relu(q . k) in the scores (else q . k)
     float                dsa_indexer_k_norm_epsilon    = 0.0f;    // 0: norm_epsilon
+    // DSA's index sharing (Megatron's is_dsa_skip_topk_layer and source_dsa_compute_layer, over layer numbers n from
+    // 1 with o = max(O, 1)): layer n computes its own top-k when max(n - o, 0) is a multiple of F, and a layer that
+    // does not takes layer n - ((n - o) mod F)'s. `index` from 0; every layer computes its own with F 1.
+    int64_t dsa_topk_source(int64_t index) const {
+        const int64_t n = index + 1, o = std::max<int64_t>(dsa_indexer_skip_topk_offset, 1), f = dsa_indexer_topk_freq;
+        if (f <= 1 || n <= o) return index;
+        return n - (n - o) % f - 1;
+    }
+    bool dsa_computes_topk(int64_t index) const { return dsa && dsa_topk_source(index) == index; }
     // Whether decoder layer `index` (from 0) is a gated delta-net layer.
     bool is_linear_attention_layer(int64_t index) const {
         if (!gated_delta_net || index >= num_layers) return false;

@@ -444,6 +444,7 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
            c.is_linear_attention_layer(layer) ? 0 : heads * (c.multi_latent_attention ? c.v_head_dim : c.head_dim()),
            c.hidden_size, c.add_bias_linear, c.params_dtype, device, t.size > 1 ? Linear::Split::row : Linear::Split::none,
            &tp) {
+    layer_ = layer;
     if (c.is_linear_attention_layer(layer)) {
         gdn = std::make_unique<GatedDeltaNet>(name, c, device, t, context);
         return;
@@ -527,7 +528,7 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
         mla->kv_down = whole(".kv_down", h, rkv + dr);
         if (c.qk_layernorm) mla->kv_norm = norm(".kv_norm", rkv);
         mla->kv_up = by_heads(".kv_up", rkv, dkv);
-        if (c.dsa) {
+        if (c.dsa_computes_topk(layer)) {   // the others take an earlier layer's top-k (dsa_topk_source)
             // The indexer scores whole sequences: a rank's rows must be every position (the flags refuse CP first).
             LOOM_CHECK(!cp.enabled(), "the DSA indexer of " << name << " under context parallelism", "");
             indexer = std::make_unique<DsaIndexer>(name + ".indexer", c, device, tp);
@@ -802,7 +803,7 @@ Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, in
     Context::Latent & c = ctx.latent;
     ctx.s       = s;
     ctx.b       = b;
-    ctx.dropout = indexer ? Dropout{} : dropout;
+    ctx.dropout = config.dsa ? Dropout{} : dropout;
     Tensor q, q_latent;
     if (mla->q) {
         q = mla->q->forward(c.q, x);
@@ -828,6 +829,8 @@ Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, in
     // DSA: the indexer scores every row's keys (from every row of x and the q latent) when it picks fewer than all
     // of them or learns in this pass; the attention then sees each row's top k. Its attention has no dropout
     // (Megatron's DSAttention has none).
+    // With --dsa-indexer-topk-freq > 1 a layer without an indexer takes its source layer's selection from this
+    // micro-batch's forward (ctx.dsa_topk, the model's per-forward record), and a layer with one records its own.
     ctx.indexer.reset();
     ctx.key_mask = Tensor();
     const bool learns = indexer && ctx.training && config.dsa_indexer_loss_coeff > 0.0f;
@@ -839,9 +842,22 @@ Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, in
         ctx.key_mask = indexer->select(scores);
         if (learns) ctx.indexer = std::move(ictx);
     }
+    if (config.dsa && ctx.dsa_topk != nullptr) {
+        const int64_t source = config.dsa_topk_source(layer_);
+        if (source == layer_) {
+            (*ctx.dsa_topk)[layer_] = ctx.key_mask;
+        } else {
+            const auto found = ctx.dsa_topk->find(source);
+            LOOM_CHECK(found != ctx.dsa_topk->end(),
+                       "DSA layer " << layer_ + 1 << " takes the top-k of layer " << source + 1
+                                    << ", which has not run in this forward",
+                       "the flags keep a layer and its --dsa-indexer-topk-freq source on one pipeline chunk");
+            ctx.key_mask = found->second;
+        }
+    }
     AttentionShape attended = shape;
     attended.key_mask       = ctx.key_mask;
-    attend(ctx, q_k_v, out, attended, mla_softmax_scale(config), indexer ? Dropout{} : dropout);
+    attend(ctx, q_k_v, out, attended, mla_softmax_scale(config), config.dsa ? Dropout{} : dropout);
     if (learns) indexer->loss_forward(*ctx.indexer, scores, q_k_v, shape, mla_softmax_scale(config), ctx.key_mask);
     if (config.recompute_mla_up_proj) {   // backward builds the rows again from the latents and k_pe
         ctx.qkv = Tensor();

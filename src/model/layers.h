@@ -27,6 +27,7 @@
 #include "model/gpt_config.h"
 #include "model/parameter.h"
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -143,6 +144,9 @@ struct DropoutBatch {
     int64_t      b        = 1;
     bool         training = true;
     SeqPositions positions;
+    // And one more per-forward record beside the keys: the selections of DSA's layers that compute their own top-k,
+    // by layer index, for the layers that share them (--dsa-indexer-topk-freq > 1); null: nothing shared.
+    std::map<int64_t, Tensor> * dsa_topk = nullptr;
 };
 
 // The key of the dropout `kind` of layer `layer` (-1: the embedding) over hidden (rows, w) activations of
@@ -318,6 +322,8 @@ public:
         std::shared_ptr<DsaIndexerContext>    indexer;  // a DSA layer's, when its loss ran in forward
         Tensor          key_mask;   // a DSA layer's top-k keys (b, s, s) u8, when fewer than every causal key
         bool training = false;   // a training forward (the DSA indexer's loss runs in those only)
+        // DSA: the forward's record of each computing layer's selection, by layer index (DropoutBatch::dsa_topk).
+        std::map<int64_t, Tensor> * dsa_topk = nullptr;
     };
 
     // `dropout`: the probabilities' key (off when not enabled).
@@ -358,6 +364,7 @@ public:
     std::unique_ptr<DsaIndexer> indexer;
     std::unique_ptr<GatedDeltaNet> gdn;   // a gated delta-net layer's (--experimental-attention-variant)
     int64_t                 window = -1;   // GptConfig::attention_window of this layer
+    int64_t                 layer_ = 0;    // the model's index of this layer (DSA's top-k sharing)
     // Attention sinks (GptConfig::softmax_type): learnable, this rank's heads' logits (a parameter, split by
     // heads under TP as the heads are); off-by-one, zeros (zero_offset). Neither: no sink.
     std::optional<Parameter> softmax_offset;

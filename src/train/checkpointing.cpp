@@ -46,7 +46,9 @@ const std::map<std::string, json> & later_args() {
                                                          {"linear_num_key_heads", nullptr},
                                                          {"linear_num_value_heads", nullptr},
                                                          {"dsa_indexer_n_heads", nullptr},
-                                                         {"dsa_indexer_head_dim", nullptr}};
+                                                         {"dsa_indexer_head_dim", nullptr},
+                                                         {"dsa_indexer_topk_freq", nullptr},
+                                                         {"dsa_indexer_skip_topk_offset", nullptr}};
     return defaults;
 }
 
@@ -377,6 +379,12 @@ void apply_checkpoint_args(model::GptConfig & m, const checkpoint::Index & index
         m.dsa_indexer_n_heads  = integer("dsa_indexer_n_heads", at("dsa_indexer_n_heads"));
         m.dsa_indexer_head_dim = integer("dsa_indexer_head_dim", at("dsa_indexer_head_dim"));
         m.dsa_indexer_topk     = integer("dsa_indexer_topk", a.value("dsa_indexer_topk", json(m.seq_length)));
+        // Which layers have an indexer: null when every layer computes its own top-k.
+        if (const json freq = saved_or_dense(a, "dsa_indexer_topk_freq"); !freq.is_null()) {
+            m.dsa_indexer_topk_freq        = integer("dsa_indexer_topk_freq", freq);
+            m.dsa_indexer_skip_topk_offset = integer("dsa_indexer_skip_topk_offset",
+                                                     saved_or_dense(a, "dsa_indexer_skip_topk_offset"));
+        }
     } else if (!variant.is_null()) {
         if (variant != "gdn" && variant != "gated_delta_net") bad("experimental_attention_variant", variant);
         m.gated_delta_net = true;

@@ -46,6 +46,10 @@ json mla_size(const TrainOptions & o, int64_t value) { return o.model.multi_late
 // A gated delta-net size as the checkpoint's args hold it: null in a model without one.
 json gdn_size(const TrainOptions & o, int64_t value) { return o.model.gated_delta_net ? json(value) : json(nullptr); }
 json dsa_value(const TrainOptions & o, int64_t value) { return o.model.dsa ? json(value) : json(nullptr); }
+// DSA's index sharing decides which layers have an indexer: recorded when it shares (null: every layer its own).
+json dsa_sharing(const TrainOptions & o, int64_t value) {
+    return o.model.dsa && o.model.dsa_indexer_topk_freq > 1 ? json(value) : json(nullptr);
+}
 
 constexpr const char * kTransformer = "transformer configuration";
 
@@ -127,12 +131,16 @@ const Flag<ModelFlags> kModelFlags[] = {
     {"--dsa-indexer-head-dim", kTransformer, &M::dsa_indexer_head_dim, "the DSA indexer's head width", kPlain,
      {"dsa_indexer_head_dim", [](const TrainOptions & o) -> json { return dsa_value(o, o.model.dsa_indexer_head_dim); }, true}},
     {"--dsa-indexer-topk", kTransformer, &M::dsa_indexer_topk,
-     "the keys each query attends to, the indexer's highest-scoring (at least --seq-length: every causal key)", kPlain,
+     "the keys each query attends to, the indexer's highest-scoring (--seq-length or more: every causal key)", kPlain,
      {"dsa_indexer_topk", [](const TrainOptions & o) -> json { return dsa_value(o, o.model.dsa_indexer_topk); }, false}},
     {"--dsa-indexer-topk-freq", kTransformer, &M::dsa_indexer_topk_freq,
-     "layers sharing one indexer's top-k (Loom: 1, every layer its own)", kShowDefault},
+     "every this many layers one computes its top-k keys (and has an indexer); the layers between take it", kShowDefault,
+     {"dsa_indexer_topk_freq", [](const TrainOptions & o) -> json { return dsa_sharing(o, o.model.dsa_indexer_topk_freq); },
+      true}},
     {"--dsa-indexer-skip-topk-offset", kTransformer, &M::dsa_indexer_skip_topk_offset,
-     "the first layers that compute their own top-k before --dsa-indexer-topk-freq shares them", kShowDefault},
+     "the first layers that compute their own top-k before --dsa-indexer-topk-freq shares them", kShowDefault,
+     {"dsa_indexer_skip_topk_offset",
+      [](const TrainOptions & o) -> json { return dsa_sharing(o, o.model.dsa_indexer_skip_topk_offset); }, true}},
     {"--dsa-indexer-loss-coeff", kTransformer, &M::dsa_indexer_loss_coeff,
      "the weight of the indexer's KL loss against the main attention (not given or 0: no loss, the indexer untrained)",
      kPlain, {"dsa_indexer_loss_coeff", [](const TrainOptions & o) -> json {
@@ -589,9 +597,6 @@ void resolve_dsa(const ModelFlags & f, const Given & given, model::GptConfig & m
     LOOM_CHECK(f.dsa_indexer_topk_freq >= 1, "dsa_indexer_topk_freq must be >= 1, got " << f.dsa_indexer_topk_freq, "");
     LOOM_CHECK(f.dsa_indexer_skip_topk_offset >= 0,
                "dsa_indexer_skip_topk_offset must be >= 0, got " << f.dsa_indexer_skip_topk_offset, "");
-    LOOM_CHECK(f.dsa_indexer_topk_freq == 1,
-               "--dsa-indexer-topk-freq " << f.dsa_indexer_topk_freq << " (layers sharing a top-k) is not supported by Loom",
-               "give --dsa-indexer-topk-freq 1: every layer's indexer picks its own keys");
     const std::string & backend = f.dsa_kernel_backend;
     LOOM_CHECK(backend == "none" || backend == "tilelang" || backend == "cudnn",
                "argument --dsa-kernel-backend: invalid choice: '" << backend << "' (choose from 'none', 'tilelang', 'cudnn')", "");
@@ -606,6 +611,8 @@ void resolve_dsa(const ModelFlags & f, const Given & given, model::GptConfig & m
     m.dsa_indexer_topk              = f.dsa_indexer_topk;
     m.dsa_indexer_loss_coeff        = f.dsa_indexer_loss_coeff;
     m.dsa_indexer_use_sparse_loss   = f.dsa_indexer_use_sparse_loss;
+    m.dsa_indexer_topk_freq         = f.dsa_indexer_topk_freq;
+    m.dsa_indexer_skip_topk_offset  = f.dsa_indexer_skip_topk_offset;
     m.dsa_indexer_rope_interleaved  = f.dsa_indexer_rope_interleaved;
     m.dsa_indexer_rotate_activation = f.dsa_indexer_rotate_activation;
     m.dsa_indexer_scoring_relu      = f.dsa_indexer_scoring_relu;

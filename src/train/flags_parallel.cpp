@@ -371,6 +371,22 @@ void validate_layout(const TrainOptions & o) {
                    "loading Hugging Face weights into pipeline stages is not supported yet; train from --seed");
         pipeline::LayerSplitOptions split  = o.layer_split();
         pipeline::LayerAssignment   layout = pipeline::assign_layers(split);   // throws naming the flags
+        // DSA's shared top-k travels within one forward of one model chunk: each layer's source on its own chunk.
+        for (int rank = 0; rank < layout.pp && o.model.dsa_indexer_topk_freq > 1; ++rank) {
+            for (int chunk = 0; chunk < layout.num_chunks; ++chunk) {
+                const pipeline::LayerRange r = layout.at(rank, chunk);
+                for (int layer = r.begin; layer < r.end; ++layer) {
+                    const int64_t source = o.model.dsa_topk_source(layer);
+                    LOOM_CHECK(source >= r.begin,
+                               "--dsa-indexer-topk-freq " << o.model.dsa_indexer_topk_freq << ": layer " << layer + 1
+                                   << " takes the top-k of layer " << source + 1 << ", which is on another pipeline "
+                                   << (layout.num_chunks > 1 ? "chunk" : "stage") << " (layers " << r.begin + 1 << " to "
+                                   << r.end << " are on pipeline rank " << rank << ")",
+                               "Loom shares a top-k within a pipeline chunk: start each chunk at a layer that computes "
+                               "its own (--dsa-indexer-skip-topk-offset, or the pipeline split)");
+                }
+            }
+        }
         pipeline::ScheduleOptions   schedule;
         schedule.pp = split.pp;
         if (layout.num_chunks > 1) schedule.vpp = layout.num_chunks;
