@@ -1387,8 +1387,6 @@ TEST(MegatronCommandLine, DsaFollowsMegatronsRules) {
          "--experimental-attention-variant dsa with --mtp-num-layers is not supported by Loom"},
         {with(dsa, {"--cuda-graph-impl", "transformer_engine"}),
          "--experimental-attention-variant dsa with --cuda-graph-impl is not supported by Loom"},
-        {with(dsa, {"--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"}),
-         "--experimental-attention-variant dsa with --recompute-granularity full is not supported by Loom"},
     };
     expect_refused(bad, 1);
     const std::pair<std::vector<std::string>, const char *> split[] = {
@@ -1407,7 +1405,7 @@ TEST(MegatronCommandLine, DsaFollowsMegatronsRules) {
 // logged as Megatron logs it ("indexer loss", coefficient included); and a run without the loss (no coefficient:
 // nothing logged, the indexer untrained) prints bitwise the same lm losses. Without clipping: the gradients' global
 // norm counts the indexer's too (Megatron's does), so a clipped step of the main weights would see them. Then the
-// sparse attention (a top-k below the sequence) trains too.
+// sparse attention (a top-k below the sequence) trains too, and full recompute changes none of its bits.
 TEST(Training, DsaIndexerLossFallsAndIsLogged) {
     const std::string model = "train --mock-data --train-iters 30 --log-interval 10 --lr 3e-3 --lr-warmup-iters 2 "
                               "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -1451,6 +1449,14 @@ TEST(Training, DsaIndexerLossFallsAndIsLogged) {
     EXPECT_NE(slm[1], lm[1]) << "the top 8 keys, not every key";
     EXPECT_LT(std::stod(slm[2]), std::stod(slm.front()));
     EXPECT_LT(std::stod(sindexer.back()), std::stod(sindexer.front()));
+    // Under full recompute (each layer's forward rerun in backward, the second layer's from the first's selection of
+    // the first forward) both losses are bitwise the same, the indexer's logged once.
+    const CliRun recomputed = run_loom(model + " --dsa-indexer-loss-coeff 1.0 --dsa-indexer-topk 8 --dsa-indexer-use-sparse-loss "
+                                               "--dsa-indexer-topk-freq 2 --eval-interval 30 --eval-iters 1 "
+                                               "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1");
+    ASSERT_EQ(recomputed.status, 0) << recomputed.out;
+    EXPECT_EQ(values(recomputed.out, "lm loss: "), slm);
+    EXPECT_EQ(values(recomputed.out, "indexer loss: "), sindexer);
 }
 
 // --window-size (tuple_type: "L,R" or "(L,R)") and --window-attn-skip-freq (an integer or a list expression)

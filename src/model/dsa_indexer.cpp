@@ -103,7 +103,7 @@ Tensor DsaIndexer::select(const Tensor & scores) const {
 }
 
 void DsaIndexer::loss_forward(DsaIndexerContext & ctx, const Tensor & scores, const Tensor & q_k_v, AttentionShape shape,
-                              float scale, const Tensor & mask) {
+                              float scale, const Tensor & mask, bool logged) {
     Device &      device = scores.device();
     Ops &         ops    = device.ops();
     Stream &      stream = device.compute_stream();
@@ -119,6 +119,7 @@ void DsaIndexer::loss_forward(DsaIndexerContext & ctx, const Tensor & scores, co
     ctx.dscores     = Tensor::empty({b, s, s}, DType::f32, device, pool);
     ops.dsa_indexer_loss(stream, scores, target, config.dsa_indexer_loss_coeff / static_cast<float>(n), kl, ctx.dscores,
                          sparse);
+    if (!logged) return;
     if (!ones_.defined() || ones_.size(0) != n) {
         ones_ = Tensor::empty({n, 1}, DType::f32, device, {MemoryKind::device, "dsa-metrics"});
         write_values_f32(ones_, std::vector<float>(static_cast<size_t>(n), 1.0f));

@@ -56,9 +56,10 @@ public:
     Tensor select(const Tensor & scores) const;
     // One training forward's loss from the scores against the main attention of q_k_v (MLA's packed rows of this
     // rank's heads, `shape` and `scale` its; shape's key mask not read), added to `loss`; `mask` is select()'s,
-    // read with --dsa-indexer-use-sparse-loss. What backward needs is kept in ctx.
+    // read with --dsa-indexer-use-sparse-loss. What backward needs is kept in ctx. `logged`: the loss is added to
+    // `loss` (not in full recompute's rerun of a forward, which logged it the first time).
     void loss_forward(DsaIndexerContext & ctx, const Tensor & scores, const Tensor & q_k_v, AttentionShape shape,
-                      float scale, const Tensor & mask);
+                      float scale, const Tensor & mask, bool logged = true);
     // The loss's gradients (times loss_backward_scale) added to the indexer's weights, each reported ready.
     void backward(DsaIndexerContext & ctx, const GradReadyFn & ready);
     // Reports every weight ready with no gradient added: a pass without the loss (no coefficient, or evaluation).

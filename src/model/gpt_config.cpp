@@ -81,9 +81,6 @@ void GptConfig::validate() const {
         LOOM_CHECK(mtp_num_layers == 0, "--experimental-attention-variant dsa with --mtp-num-layers is not supported by Loom",
                    "drop one of them");
         LOOM_CHECK(!fp8, "--experimental-attention-variant dsa with --fp8-format is not supported by Loom", "drop one of them");
-        LOOM_CHECK(recompute_granularity != RecomputeGranularity::full,
-                   "--experimental-attention-variant dsa with --recompute-granularity full is not supported by Loom",
-                   "use --recompute-granularity selective");
     }
     if (gated_delta_net) {   // TransformerConfig's checks, then Loom's kernels' widths
         LOOM_CHECK(linear_attention_freq > 0 || !linear_attention_layers.empty(),

@@ -258,8 +258,8 @@ Tensor GptModel::forward_stage(Context & ctx, const MicroBatch & batch, const Te
     }
     ctx.layers.resize(layers_.size());
     const SeqPositions positions = cp_.positions(s);
-    std::map<int64_t, Tensor> dsa_topk;   // DSA's selections shared by later layers of this forward
-    const DropoutBatch dropout_batch{batch.sample_ids, b, ctx.training, positions, &dsa_topk};
+    ctx.dsa_topk.clear();
+    const DropoutBatch dropout_batch{batch.sample_ids, b, ctx.training, positions, &ctx.dsa_topk};
 
     Tensor x;
     if (stage_.pre_process) {
@@ -397,8 +397,9 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
         dx = dy;
     }
     const std::vector<std::pair<int64_t, int64_t>> groups = recompute_groups();
-    std::map<int64_t, Tensor> dsa_topk;   // a recomputed group's own (full recompute: DSA refuses it)
-    const DropoutBatch dropout_batch{ctx.batch.sample_ids, b, ctx.training, cp_.positions(s), &dsa_topk};
+    // A recomputed group's layers rerun with the forward's record of DSA's selections (a layer may take one from a
+    // group not rerun yet), and log no second indexer loss.
+    const DropoutBatch dropout_batch{ctx.batch.sample_ids, b, ctx.training, cp_.positions(s), &ctx.dsa_topk, true};
     for (int64_t i = static_cast<int64_t>(layers_.size()); i-- > 0;) {
         for (const auto & [begin, end] : groups) {
             if (end - 1 != i) continue;
@@ -436,6 +437,7 @@ Tensor GptModel::backward_stage(Context & ctx, double loss_scale, const Tensor &
         dx = Tensor();
     }
     ctx.batch = MicroBatch{};
+    ctx.dsa_topk.clear();
     return dx;
 }
 

@@ -130,6 +130,9 @@ public:
         bool                                   training = true;   // false: evaluation, no dropout
         Dropout                                embedding_dropout;
         std::vector<Tensor>                    checkpoints;    // full recompute: each group's input, at its first layer
+        // DSA: the selections of the layers that compute their own top-k in this forward, by layer index, for the
+        // layers that take them (--dsa-indexer-topk-freq) and for full recompute's reruns; cleared by backward.
+        std::map<int64_t, Tensor>              dsa_topk;
         // MTP (training passes of the last stage): each depth's contexts, the rows its loss reads, and its
         // token count (count; sum is not read here: take_mtp_losses).
         struct MtpDepth {

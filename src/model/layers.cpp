@@ -858,7 +858,9 @@ Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, in
     AttentionShape attended = shape;
     attended.key_mask       = ctx.key_mask;
     attend(ctx, q_k_v, out, attended, mla_softmax_scale(config), config.dsa ? Dropout{} : dropout);
-    if (learns) indexer->loss_forward(*ctx.indexer, scores, q_k_v, shape, mla_softmax_scale(config), ctx.key_mask);
+    if (learns) {
+        indexer->loss_forward(*ctx.indexer, scores, q_k_v, shape, mla_softmax_scale(config), ctx.key_mask, !ctx.recomputing);
+    }
     if (config.recompute_mla_up_proj) {   // backward builds the rows again from the latents and k_pe
         ctx.qkv = Tensor();
         c.k_pe  = k_pe;

@@ -147,6 +147,7 @@ struct DropoutBatch {
     // And one more per-forward record beside the keys: the selections of DSA's layers that compute their own top-k,
     // by layer index, for the layers that share them (--dsa-indexer-topk-freq > 1); null: nothing shared.
     std::map<int64_t, Tensor> * dsa_topk = nullptr;
+    bool                        recompute = false;   // full recompute's rerun of a forward in backward
 };
 
 // The key of the dropout `kind` of layer `layer` (-1: the embedding) over hidden (rows, w) activations of
@@ -324,6 +325,7 @@ public:
         bool training = false;   // a training forward (the DSA indexer's loss runs in those only)
         // DSA: the forward's record of each computing layer's selection, by layer index (DropoutBatch::dsa_topk).
         std::map<int64_t, Tensor> * dsa_topk = nullptr;
+        bool recomputing = false;   // full recompute's rerun: the indexer's loss is not logged a second time
     };
 
     // `dropout`: the probabilities' key (off when not enabled).

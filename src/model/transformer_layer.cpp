@@ -215,6 +215,7 @@ Tensor TransformerLayer::attention_block(Context & ctx, const Tensor & x, int64_
     ctx.mlp_out  = dropout_key(config, tp, batch, index, DropoutKind::mlp_output, rows);
     ctx.attn.training = batch.training;
     ctx.attn.dsa_topk = batch.dsa_topk;
+    ctx.attn.recomputing = batch.recompute;
     Tensor h1 = attention.forward(ctx.attn, norm1.forward(ctx.norm1, x), s, b,
                                   dropout_key(config, tp, batch, index, DropoutKind::attention_probs, rows, attention.heads));
     if (config.recompute_layernorm) attention.release_input(ctx.attn);   // norm1's output: recomputed in backward
