@@ -47,7 +47,6 @@ train::TrainOptions options_of(bool llama, bool mla, bool muon, bool sinks, bool
     o.model.classifier_fusion          = g_fused_classifier;
     o.model.classifier_chunk_positions = g_fused_classifier ? 5 : 0;
     if (g_dsa) {
-        o.model.mtp_num_layers         = 0;
         o.model.dsa                    = true;
         o.model.dsa_indexer_n_heads    = 2;
         o.model.dsa_indexer_head_dim   = 16;
@@ -254,9 +253,9 @@ TEST(TensorParallel, MultiLatentAttentionAndMtpFollowTheSingleRankRun) {
 
 // DeepSeek Sparse Attention's indexer, whole on every rank: its inputs (the attention's input and the query latent)
 // gathered under SP, the main attention's head-summed probabilities summed over the group, so its loss and its weights'
-// gradients are the single rank's on every rank. TP 2 + SP with every key; TP 2 + SP x PP 2 with ZeRO-1, each row
-// attending to its top half of the keys (the same selection on every rank: the scores come from the same rows) and
-// the sparse loss.
+// gradients are the single rank's on every rank, with the MTP depth's layer (an indexer of its own). TP 2 + SP with
+// every key; TP 2 + SP x PP 2 with ZeRO-1, each row attending to its top half of the keys (the same selection on every
+// rank: the scores come from the same rows) and the sparse loss.
 TEST(TensorParallel, DsaIndexerFollowsTheSingleRankRun) {
     g_dsa = true;
     if (g_mpi->world_size() == 2) {

@@ -1246,7 +1246,9 @@ TEST(MegatronCommandLine, GatedDeltaNetFollowsMegatronsRules) {
     EXPECT_EQ(args.at("linear_attention_freq"), nlohmann::json::array({0, 1, 1, 0}));
     EXPECT_EQ(args.at("linear_num_value_heads"), 4);
     for (const train::FlagInfo & f : train::train_flags()) {   // a model without it records null
-        if (f.arg.key && std::string(f.arg.key).starts_with("linear_")) EXPECT_TRUE(f.arg.value(parse_train({"--mock-data"})).is_null()) << f.arg.key;
+        if (f.arg.key && std::string(f.arg.key).starts_with("linear_")) {
+            EXPECT_TRUE(f.arg.value(parse_train({"--mock-data"})).is_null()) << f.arg.key;
+        }
     }
     const std::pair<std::vector<std::string>, const char *> bad[] = {
         {{"--experimental-attention-variant", "mamba"},
@@ -1359,6 +1361,19 @@ TEST(MegatronCommandLine, DsaFollowsMegatronsRules) {
     EXPECT_EQ(shared_args.at("dsa_indexer_topk_freq"), 2);
     EXPECT_EQ(shared_args.at("dsa_indexer_skip_topk_offset"), 3);
     EXPECT_TRUE(args.at("dsa_indexer_topk_freq").is_null()) << "every layer its own: nothing recorded";
+    // MTP depths number their layers on their own (Megatron's): with frequency 2, depth 1 has an indexer and depth 2
+    // takes its selection.
+    auto count = [&](const char * freq, const char * depths) {
+        std::vector<std::string> v = dsa;
+        for (const char * a : {"--num-layers", "6", "--position-embedding-type", "rope", "--dsa-indexer-topk-freq", freq,
+                               "--mtp-num-layers", depths}) {
+            v.push_back(a);
+        }
+        return parse_train(v).model.num_parameters();
+    };
+    EXPECT_EQ(count("1", "2") - count("2", "2"), 4 * indexer) << "decoder layers 2, 4 and 6 and depth 2 take a selection";
+    EXPECT_EQ((count("1", "2") - count("1", "1")) - (count("2", "2") - count("2", "1")), indexer)
+        << "depth 2 has an indexer of its own only without the sharing";
 
     auto with = [&](const std::vector<std::string> & base, std::initializer_list<const char *> more) {
         std::vector<std::string> v(base.begin() + 1, base.end());   // expect_refused adds --mock-data
@@ -1383,8 +1398,6 @@ TEST(MegatronCommandLine, DsaFollowsMegatronsRules) {
         {with(dsa, {"--dsa-indexer-loss-coeff", "-1"}), "--dsa-indexer-loss-coeff must be >= 0"},
         {with(dsa, {"--dsa-indexer-k-norm-epsilon", "0"}), "--dsa-indexer-k-norm-epsilon must be a finite number > 0"},
         {with(dsa, {"--linear-attention-freq", "2"}), "--linear-attention-freq with --experimental-attention-variant dsa"},
-        {with(dsa, {"--mtp-num-layers", "1", "--position-embedding-type", "rope"}),
-         "--experimental-attention-variant dsa with --mtp-num-layers is not supported by Loom"},
         {with(dsa, {"--cuda-graph-impl", "transformer_engine"}),
          "--experimental-attention-variant dsa with --cuda-graph-impl is not supported by Loom"},
     };

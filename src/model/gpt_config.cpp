@@ -78,8 +78,6 @@ void GptConfig::validate() const {
                    "--dsa-indexer-topk-freq " << dsa_indexer_topk_freq << " and --dsa-indexer-skip-topk-offset "
                                               << dsa_indexer_skip_topk_offset,
                    "a frequency >= 1 and an offset >= 0");
-        LOOM_CHECK(mtp_num_layers == 0, "--experimental-attention-variant dsa with --mtp-num-layers is not supported by Loom",
-                   "drop one of them");
         LOOM_CHECK(!fp8, "--experimental-attention-variant dsa with --fp8-format is not supported by Loom", "drop one of them");
     }
     if (gated_delta_net) {   // TransformerConfig's checks, then Loom's kernels' widths
@@ -171,15 +169,19 @@ int64_t GptConfig::num_parameters() const {
     const int64_t linear_attn = h * (2 * qk + 2 * v + 2 * linear_num_value_heads) + (2 * qk + v) * linear_conv_kernel_dim +
                                 2 * linear_num_value_heads +
                                 (normalization == Normalization::layernorm ? 2 : 1) * linear_value_head_dim + v * h;
-    auto per_layer_of = [&](int64_t index) {   // an MTP depth's layer is of the last layer's kind
+    // An MTP depth's layer is of the last layer's kind (index num_layers); DSA numbers the depths' layers from 1 on
+    // their own (dsa_index k for depth k), as Megatron's MTP layers.
+    auto per_layer_of = [&](int64_t index, int64_t dsa_index) {
         const int64_t attention = is_linear_attention_layer(index)
                                       ? linear_attn
-                                      : attn + qk_norm + sinks + (dsa_computes_topk(index) ? indexer : 0);
+                                      : attn + qk_norm + sinks + (dsa_computes_topk(dsa_index) ? indexer : 0);
         return 2 * norm + attention + (is_moe_layer(index) ? moe_mlp : mlp);
     };
     int64_t total = V * h + norm;
-    for (int64_t i = 0; i < num_layers; ++i) total += per_layer_of(i);
-    total += mtp_num_layers * (per_layer_of(num_layers) + 3 * norm + 2 * h * h);   // each depth: a layer, three norms, eh_proj
+    for (int64_t i = 0; i < num_layers; ++i) total += per_layer_of(i, i);
+    for (int64_t k = 0; k < mtp_num_layers; ++k) {   // each depth: a layer, three norms, eh_proj
+        total += per_layer_of(num_layers, k) + 3 * norm + 2 * h * h;
+    }
     if (position_embedding == PositionEmbedding::learned_absolute) total += max_position_embeddings * h;
     if (untie_embeddings_and_output_weights) total += V * h;
     return total;

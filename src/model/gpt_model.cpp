@@ -675,6 +675,11 @@ void GptModel::mtp_forward(Context & ctx, const MicroBatch & batch, const Tensor
     const Parameter & out_w  = output_.data.defined() ? output_ : wte_;
     const bool        wide   = wte_.data.dtype() == DType::f16;
     ctx.mtp.assign(static_cast<size_t>(depths), Context::MtpDepth{});
+    // DSA numbers the depths' layers on their own (GptConfig::num_parameters): their shared selections apart from
+    // the decoder's.
+    std::map<int64_t, Tensor> depth_topk;
+    DropoutBatch              depths_batch = dropout_batch;
+    depths_batch.dsa_topk                  = &depth_topk;
     Tensor prev = h0;
     for (int64_t k = 0; k < depths; ++k) {
         Context::MtpDepth & c     = ctx.mtp[static_cast<size_t>(k)];
@@ -701,7 +706,7 @@ void GptModel::mtp_forward(Context & ctx, const MicroBatch & batch, const Tensor
         ops.copy_columns(stream, a, 0, cat, 0, h);
         ops.copy_columns(stream, hn, 0, cat, h, h);
         const Tensor p   = depth.eh_proj->forward(c.eh_proj, cat);
-        const Tensor y   = depth.layer->forward(c.layer, p, s, b, dropout_batch);
+        const Tensor y   = depth.layer->forward(c.layer, p, s, b, depths_batch);
         prev             = depth.final_norm->forward(c.final_norm, y);
         c.final_hidden   = in_dtype(tp_.sp() ? tp_.all_gather(prev) : prev, out_w.data.dtype());
         c.logits         = activation(device_, s * b, vocab_local_, act);
