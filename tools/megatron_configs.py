@@ -238,8 +238,11 @@ def shrink(flags, work, layout=False, text=None):
         elif flag == "--num-layers":
             keep = layout and any(f in given for f in LAYOUT if "pipeline" in f or "virtual" in f)
             value = value if keep or "--moe-layer-freq" in given or not value.isdigit() or int(value) <= 8 else "8"
-            # whole layers per stage (a custom layout says where each layer goes, and counts them)
-            if layout and value.isdigit() and int(value) % pp and "--pipeline-model-parallel-layout" not in given:
+            # whole layers per stage (a custom layout says where each layer goes, and counts them; with
+            # --account-for-* the embedding and the loss count as layers, and the configuration's count divides)
+            accounted = "--account-for-embedding-in-pipeline-split" in given or "--account-for-loss-in-pipeline-split" in given
+            if (layout and value.isdigit() and int(value) % pp and "--pipeline-model-parallel-layout" not in given
+                    and not accounted):
                 value = str((int(value) + pp - 1) // pp * pp)
         elif flag == "--step-batch-size-schedule":   # tokens: a batch for the first samples, then twice it
             value = "0:%d %d:%d" % (unit, 64 * unit, 2 * unit) if layout else "0:1 128:2"
