@@ -11,6 +11,7 @@
 #include "train/setup.h"
 #include "train/trainer.h"
 
+#include <cstdio>
 #include <map>
 #include <string>
 #include <vector>
@@ -79,15 +80,17 @@ struct SingleRankRun {
     std::vector<float>                        moe_expert_bias;   // (MoE layers, E), --moe-router-enable-expert-bias
 };
 
-// `self`: a group of this rank alone, for the options that live in DDP's buffers (ZeRO-1 on one rank).
-inline SingleRankRun train_single_rank(train::TrainOptions o, std::shared_ptr<comm::Communicator> self = nullptr) {
+// `self`: a group of this rank alone, for the options that live in DDP's buffers (ZeRO-1 on one rank); `out`: where
+// the trainer logs (Trainer::run's).
+inline SingleRankRun train_single_rank(train::TrainOptions o, std::shared_ptr<comm::Communicator> self = nullptr,
+                                       FILE * out = nullptr) {
     auto            source = train::make_batch_source(o, cpu::device(), false);
     model::GptModel gpt(o.model, cpu::device());
     gpt.init();
     SingleRankRun run;
     {
         train::Trainer trainer(o, gpt, *source, std::move(self));
-        run.losses = trainer.run(nullptr).losses;
+        run.losses = trainer.run(out).losses;
     }
     for (model::Parameter * p : gpt.parameters()) run.params[p->name] = parameter_values(*p);
     if (gpt.moe_expert_bias().defined()) {
@@ -107,7 +110,7 @@ struct LayoutRun {
     std::map<std::string, model::TpSlice>     slices;
 };
 
-inline LayoutRun train_layout(train::TrainOptions o, const parallel::ProcessGroups & groups) {
+inline LayoutRun train_layout(train::TrainOptions o, const parallel::ProcessGroups & groups, FILE * out = nullptr) {
     const int cp     = o.parallel.cp();
     auto      source = train::context_parallel_part(
         train::make_batch_source(o, cpu::device(), false, groups.dp->rank(), o.parallel.dp()), cp > 1 ? groups.cp->rank() : 0, cp,
@@ -116,7 +119,7 @@ inline LayoutRun train_layout(train::TrainOptions o, const parallel::ProcessGrou
     LayoutRun    run;
     {
         train::Trainer trainer(o, setup, *source);
-        run.losses = trainer.run(nullptr).losses;
+        run.losses = trainer.run(out).losses;
     }   // the trainer leaves the weights whole (a lazy or sharded gather finished)
     for (model::Parameter * p : setup.parameters()) {
         run.params[p->name] = parameter_values(*p);

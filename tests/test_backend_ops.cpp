@@ -3044,6 +3044,104 @@ TEST(OpsDsa, IndexerScoresTargetAndLossFollowTheirDefinitions) {
     EXPECT_TRUE(close_to_max("dscores", grad.data<float>(), rgrad, 1e-5));
 }
 
+// The indexer's ops under context parallelism: a rank's query rows (its two chunks of each sequence, at their global
+// positions) against the whole sequences' keys in position order give exactly the rows the whole run gives them:
+// scores, the top-k mask (ties everywhere: the scores rounded), the sparse target (from the whole sequences' K | V
+// rows apart) and loss, dq and dw bitwise; dk (this rank's queries' share of every key's) summed over the ranks
+// within 1e-6 of its largest. CP 2 and 4 over 2 sequences of 16.
+TEST(OpsDsa, ContextParallelRowsAreTheWholeSequencesRows) {
+    const int64_t S = 16, b = 2, N = S * b, H = 3, d = 8, heads = 2, hd = 6, stride = 3 * heads * hd, topk = 5;
+    const float   scale = 0.4f, weight = 0.3f;
+    const Tensor  q = random_f32({N, H * d}, 9501), k = random_f32({N, d}, 9502), w = random_f32({N, H}, 9503);
+    const Tensor  dscores = random_f32({b, S, S}, 9504), rows = random_f32({N, stride}, 9505, -2.0f, 2.0f);
+    Tensor        kv = empty({N, 2 * heads * hd});   // the whole sequences' K | V, apart from their queries
+    for (int64_t r = 0; r < N; ++r) {
+        std::copy_n(rows.data<float>() + r * stride + heads * hd, 2 * heads * hd, kv.data<float>() + r * 2 * heads * hd);
+    }
+    // The whole run, ties everywhere in its scores (rounded, as the ReLU's zeros make them).
+    Tensor scores = empty({b, S, S}), mask = empty({b, S, S}, DType::u8), target = empty({b, S, S});
+    Tensor kl = empty({N}), grad = empty({b, S, S}), dq = empty({N, H * d}), dk = empty({N, d}), dw = empty({N, H});
+    ops().dsa_index_scores(stream(), q, k, w, S, b, true, scores);
+    synchronize();
+    for (int64_t e = 0; e < scores.numel(); ++e) scores.data<float>()[e] = std::round(scores.data<float>()[e] * 2.0f);
+    AttentionShape whole(S, b, heads, heads, hd, stride);
+    whole.key_mask = mask;
+    ops().dsa_topk_mask(stream(), scores, topk, mask);
+    ops().dsa_attention_target(stream(), rows, whole, scale, target);
+    ops().dsa_indexer_loss(stream(), scores, target, weight, kl, grad, mask);
+    ops().dsa_index_scores_backward(stream(), q, k, w, dscores, S, b, true, dq, dk, dw);
+    synchronize();
+    Tensor index_scores = empty({b, S, S});   // unrounded, for the comparison of dsa_index_scores itself
+    ops().dsa_index_scores(stream(), q, k, w, S, b, true, index_scores);
+    synchronize();
+
+    for (const int cp : {2, 4}) {
+        const int64_t s = S / cp, n = s * b, chunk = s / 2;
+        std::vector<double> dk_sum(static_cast<size_t>(N * d), 0.0);
+        for (int rank = 0; rank < cp; ++rank) {
+            const SeqPositions at{rank * chunk, chunk, (2 * cp - 1 - rank) * chunk};
+            const std::string  what = "CP " + std::to_string(cp) + " rank " + std::to_string(rank) + ": ";
+            auto local_rows = [&](const Tensor & t) {   // (s b, width) from the whole (S b, width)
+                const int64_t width = t.numel() / N;
+                Tensor        out   = empty({n, width}, t.dtype());
+                for (int64_t i = 0; i < s; ++i) {
+                    for (int64_t bi = 0; bi < b; ++bi) {
+                        std::memcpy(static_cast<char *>(out.data_ptr()) + (i * b + bi) * width * static_cast<int64_t>(dtype_size(t.dtype())),
+                                    static_cast<const char *>(t.data_ptr()) + (at(i) * b + bi) * width * static_cast<int64_t>(dtype_size(t.dtype())),
+                                    static_cast<size_t>(width * static_cast<int64_t>(dtype_size(t.dtype()))));
+                    }
+                }
+                return out;
+            };
+            auto local_planes = [&](const Tensor & t) {   // (b, s, S) from the whole (b, S, S)
+                Tensor out = empty({b, s, S}, t.dtype());
+                for (int64_t bi = 0; bi < b; ++bi) {
+                    for (int64_t i = 0; i < s; ++i) {
+                        std::memcpy(static_cast<char *>(out.data_ptr()) + (bi * s + i) * S * static_cast<int64_t>(dtype_size(t.dtype())),
+                                    static_cast<const char *>(t.data_ptr()) + (bi * S + at(i)) * S * static_cast<int64_t>(dtype_size(t.dtype())),
+                                    static_cast<size_t>(S * static_cast<int64_t>(dtype_size(t.dtype()))));
+                    }
+                }
+                return out;
+            };
+            auto same = [&](const char * name, const Tensor & got, const Tensor & want) {
+                EXPECT_EQ(0, std::memcmp(got.data_ptr(), want.data_ptr(), got.nbytes()))
+                    << what << name << " differs from the whole run's rows";
+            };
+            const Tensor q_r = local_rows(q), w_r = local_rows(w), rows_r = local_rows(rows), scores_r = local_planes(scores);
+            Tensor s_r = empty({b, s, S}), mask_r = empty({b, s, S}, DType::u8), target_r = empty({b, s, S});
+            Tensor kl_r = empty({n}), grad_r = empty({b, s, S});
+            Tensor dq_r = empty({n, H * d}), dk_r = empty({N, d}), dw_r = empty({n, H});
+            ops().dsa_index_scores(stream(), q_r, k, w_r, s, b, true, s_r, at);
+            ops().dsa_topk_mask(stream(), scores_r, topk, mask_r, at);
+            AttentionShape shape(s, b, heads, heads, hd, stride);
+            shape.s_kv          = S;
+            shape.kv_row_stride = 2 * heads * hd;
+            shape.k_col         = 0;
+            shape.v_col         = heads * hd;
+            shape.q_pos         = at;
+            shape.key_mask      = mask_r;
+            ops().dsa_attention_target(stream(), rows_r, shape, scale, target_r, kv);
+            ops().dsa_indexer_loss(stream(), scores_r, target_r, weight, kl_r, grad_r, mask_r, at);
+            ops().dsa_index_scores_backward(stream(), q_r, k, w_r, local_planes(dscores), s, b, true, dq_r, dk_r, dw_r, at);
+            synchronize();
+            same("scores", s_r, local_planes(index_scores));
+            same("the top-k mask", mask_r, local_planes(mask));
+            same("the sparse target", target_r, local_planes(target));
+            Tensor kl_want = empty({n});   // kl is (b, s): sequence-major
+            for (int64_t bi = 0; bi < b; ++bi) {
+                for (int64_t i = 0; i < s; ++i) kl_want.data<float>()[bi * s + i] = kl.data<float>()[bi * S + at(i)];
+            }
+            same("kl", kl_r, kl_want);
+            same("dscores", grad_r, local_planes(grad));
+            same("dq", dq_r, local_rows(dq));
+            same("dw", dw_r, local_rows(dw));
+            for (int64_t e = 0; e < N * d; ++e) dk_sum[static_cast<size_t>(e)] += dk_r.data<float>()[e];
+        }
+        EXPECT_TRUE(close_to_max("dk summed over CP " + std::to_string(cp), dk.data<float>(), dk_sum, 1e-6));
+    }
+}
+
 // The top-k selection (Ops::dsa_topk_mask) against its definition, key j of row i held when fewer than k causal keys
 // outrank it (a higher score, or the same and earlier): 3 sequences of 40, scores of few distinct values (ties
 // everywhere, as the ReLU's zeros make them) and continuous ones, k 1, 5 and 40 (every causal key); exact. Then

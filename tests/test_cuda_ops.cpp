@@ -922,6 +922,58 @@ TEST(CudaOps, DsaIndexerOpsMatchTheCpu) {
     gops().dsa_indexer_loss(gs(), to_gpu(scores), tg, 0.3f, klg, gg, sg_shape.key_mask);
     expect_each_matches_cpu({{&tc, &tg, "sparse target"}, {&klc, &klg, "sparse kl"}, {&gc, &gg, "sparse dscores"}}, 1e-5,
                             "dsa sparse loss", true);
+
+    // Under context parallelism: CP 2's rank 1 of sequences of 12 (its query rows at positions 3..5 and 6..8) against
+    // the whole sequences' keys, every op as above.
+    const int64_t      S = 12, sl = 6, nl = sl * b;
+    const SeqPositions at{3, 3, 6};
+    const Tensor ql = random_cpu({nl, H * d}, 5109), kw = random_cpu({S * b, d}, 5110), wl = random_cpu({nl, H}, 5111);
+    const Tensor dl = random_cpu({b, sl, S}, 5112), rl = random_cpu({nl, stride}, 5113, 2.0f);
+    const Tensor kv = random_cpu({S * b, 2 * heads * hd}, 5114, 2.0f), sl_scores = random_cpu({b, sl, S}, 5115, 3.0f);
+    Tensor tl = random_cpu({b, sl, S}, 5116);
+    for (int64_t e = 0; e < tl.numel(); ++e) tl.data<float>()[e] = std::fabs(tl.data<float>()[e]);
+    Tensor scc = cpu_tensor({b, sl, S}), dqc = cpu_tensor({nl, H * d}), dkc = cpu_tensor({S * b, d}), dwc = cpu_tensor({nl, H});
+    Tensor mcc = cpu_tensor({b, sl, S}, DType::u8), tcc = cpu_tensor({b, sl, S}), klcc = cpu_tensor({nl}), gcc = cpu_tensor({b, sl, S});
+    cops().dsa_index_scores(cs(), ql, kw, wl, sl, b, true, scc, at);
+    cops().dsa_index_scores_backward(cs(), ql, kw, wl, dl, sl, b, true, dqc, dkc, dwc, at);
+    cops().dsa_topk_mask(cs(), sl_scores, 4, mcc, at);
+    AttentionShape cp_shape(sl, b, heads, heads, hd, stride);
+    cp_shape.s_kv          = S;
+    cp_shape.kv_row_stride = 2 * heads * hd;
+    cp_shape.k_col         = 0;
+    cp_shape.v_col         = heads * hd;
+    cp_shape.q_pos         = at;
+    AttentionShape cp_c = cp_shape, cp_g = cp_shape;
+    cp_c.key_mask = mcc;
+    cops().dsa_attention_target(cs(), rl, cp_c, 0.4f, tcc, kv);
+    cops().dsa_indexer_loss(cs(), sl_scores, tl, 0.3f, klcc, gcc, mcc, at);
+    cs().synchronize();
+    Tensor scg = Tensor::empty({b, sl, S}, DType::f32, gpu()), dqg = Tensor::empty({nl, H * d}, DType::f32, gpu());
+    Tensor dkg = Tensor::empty({S * b, d}, DType::f32, gpu()), dwg = Tensor::empty({nl, H}, DType::f32, gpu());
+    Tensor mcg = Tensor::empty({b, sl, S}, DType::u8, gpu()), tcg = Tensor::empty({b, sl, S}, DType::f32, gpu());
+    Tensor klcg = Tensor::empty({nl}, DType::f32, gpu()), gcg = Tensor::empty({b, sl, S}, DType::f32, gpu());
+    const Tensor qlg = to_gpu(ql), kwg = to_gpu(kw), wlg = to_gpu(wl);
+    gops().dsa_index_scores(gs(), qlg, kwg, wlg, sl, b, true, scg, at);
+    gops().dsa_index_scores_backward(gs(), qlg, kwg, wlg, to_gpu(dl), sl, b, true, dqg, dkg, dwg, at);
+    gops().dsa_topk_mask(gs(), to_gpu(sl_scores), 4, mcg, at);
+    cp_g.key_mask = mcg;
+    gops().dsa_attention_target(gs(), to_gpu(rl), cp_g, 0.4f, tcg, to_gpu(kv));
+    gops().dsa_indexer_loss(gs(), to_gpu(sl_scores), to_gpu(tl), 0.3f, klcg, gcg, mcg, at);
+    const Tensor back = to_cpu(scg);
+    Tensor       finite_c = clone_cpu(scc), finite_g = clone_cpu(back);
+    int64_t      later = 0;   // the keys after each row's position: -inf on every device
+    for (int64_t e = 0; e < back.numel(); ++e) {
+        const bool after = e % S > at(e / S % sl);
+        later += after && back.data<float>()[e] == -std::numeric_limits<float>::infinity();
+        EXPECT_EQ(after, std::isinf(back.data<float>()[e])) << "cp scores " << e;
+        if (after) finite_c.data<float>()[e] = finite_g.data<float>()[e] = 0.0f;
+    }
+    EXPECT_GT(later, 0);
+    expect_bitwise(mcc, to_cpu(mcg), "dsa top-4 under context parallelism");
+    expect_each_matches_cpu({{&finite_c, &finite_g, "cp scores"}, {&dqc, &dqg, "cp dq"}, {&dkc, &dkg, "cp dk"},
+                             {&dwc, &dwg, "cp dw"}, {&tcc, &tcg, "cp sparse target"}, {&klcc, &klcg, "cp sparse kl"},
+                             {&gcc, &gcg, "cp sparse dscores"}},
+                            1e-5, "dsa under context parallelism", true);
 }
 
 // The output gate's op on the device, with both activations (sigmoid: --attention-output-gate; SiLU: the gated

@@ -1406,7 +1406,7 @@ TEST(MegatronCommandLine, DsaFollowsMegatronsRules) {
         {with(dsa, {"--tensor-model-parallel-size", "2"}),
          "--experimental-attention-variant dsa with --tensor-model-parallel-size 2 needs --sequence-parallel"},
         {with(dsa, {"--context-parallel-size", "2"}),
-         "--experimental-attention-variant dsa with --context-parallel-size 2 is not supported by Loom"},
+         "--experimental-attention-variant dsa with --context-parallel-size 2 needs --cp-comm-type allgather"},
         {with(dsa, {"--dsa-indexer-topk-freq", "2", "--pipeline-model-parallel-size", "2"}),
          "--dsa-indexer-topk-freq 2: layer 2 takes the top-k of layer 1, which is on another pipeline stage"},
     };

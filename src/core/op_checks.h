@@ -177,13 +177,13 @@ inline void attention_key(const AttentionShape & a, const Dropout & key, const c
     LOOM_CHECK(!key.enabled() || !key.sample_ids.defined() || key.sample_ids.numel() >= a.b,
                op << ": " << key.sample_ids.numel() << " sample ids for " << a.b << " sequences", "");
 }
-// A key mask (AttentionShape::key_mask, the indexer's top k): (b, s, s_kv) u8 over one sequence's positions.
+// A key mask (AttentionShape::key_mask, the indexer's top k): (b, s, s_kv) u8, the keys in position order.
 inline bool identity(const SeqPositions & p) { return p.first == 0 && p.split == INT64_MAX; }
 inline void key_mask(const AttentionShape & a, const char * op) {
     if (!a.key_mask.defined()) return;
     expect(a.key_mask, DType::u8, a.b * a.s * a.keys(), op, "the key mask");
-    LOOM_CHECK(identity(a.q_pos) && identity(a.k_pos),
-               op << ": a key mask with context-parallel positions", "the key mask indexes one sequence's rows");
+    LOOM_CHECK(identity(a.k_pos), op << ": a key mask over keys at context-parallel positions",
+               "the key mask's columns are whole sequences' keys in position order");
 }
 
 inline void attention_forward(const Tensor & q, const Tensor & kv, const Tensor & out, const Tensor & lse,
@@ -894,61 +894,75 @@ inline void grad_norm_gate(const Tensor & pairs, const GradNormGate & g, const T
     expect(norm, DType::f64, 1, "grad_norm_gate", "norm");
 }
 
-// Ops::dsa_index_scores / _backward: q (n, H d), k (n, d), w (n, H) and their gradients f32, n = s b; scores
-// and dscores (b, s, s) f32. Returns H and d.
-inline std::pair<int64_t, int64_t> dsa_index(const Tensor & q, const Tensor & k, const Tensor & w, const Tensor & scores,
-                                             int64_t seq, int64_t batch, const char * op) {
+// Ops::dsa_index_scores / _backward: q (n, H d), w (n, H) and their gradients f32, n = s b; k (S b, d) f32, the keys
+// of whole sequences (S >= s); scores and dscores (b, s, S) f32. Returns H, d and S.
+struct DsaIndexSizes {
+    int64_t H, d, keys;
+};
+inline DsaIndexSizes dsa_index(const Tensor & q, const Tensor & k, const Tensor & w, const Tensor & scores, int64_t seq,
+                               int64_t batch, const char * op) {
     LOOM_CHECK(seq >= 1 && batch >= 1, op << ": sequence " << seq << " and batch " << batch << " must be >= 1", "");
     const int64_t n = seq * batch;
-    LOOM_CHECK(k.defined() && k.dim() == 2 && k.size(0) == n, op << ": k must be (" << n << ", d), got " << k.describe(), "");
+    LOOM_CHECK(k.defined() && k.dim() == 2 && k.size(0) % batch == 0 && k.size(0) >= n,
+               op << ": k must be (S " << batch << ", d) with S >= " << seq << ", got " << k.describe(), "");
     LOOM_CHECK(w.defined() && w.dim() == 2 && w.size(0) == n, op << ": w must be (" << n << ", H), got " << w.describe(), "");
-    const int64_t d = k.size(1), H = w.size(1);
+    const int64_t d = k.size(1), H = w.size(1), keys = k.size(0) / batch;
     expect(q, DType::f32, n * H * d, op, "q");
-    expect(k, DType::f32, n * d, op, "k");
+    expect(k, DType::f32, keys * batch * d, op, "k");
     expect(w, DType::f32, n * H, op, "w");
-    expect(scores, DType::f32, batch * seq * seq, op, "the scores");
-    return {H, d};
+    expect(scores, DType::f32, batch * seq * keys, op, "the scores");
+    return {H, d, keys};
 }
 
-// Ops::dsa_topk_mask: scores (b, s, s) f32, mask (b, s, s) u8, k >= 1. Returns s.
-inline int64_t dsa_topk_mask(const Tensor & scores, int64_t k, const Tensor & mask) {
+// The indexer's (b, s, S) planes: scores f32, S >= s. Returns s and S.
+inline std::pair<int64_t, int64_t> dsa_plane(const Tensor & scores, const char * op) {
+    LOOM_CHECK(scores.defined() && scores.dim() == 3 && scores.size(2) >= scores.size(1),
+               op << ": the scores must be (b, s, S) with S >= s, got " << scores.describe(), "");
+    expect(scores, DType::f32, scores.numel(), op, "the scores");
+    return {scores.size(1), scores.size(2)};
+}
+
+// Ops::dsa_topk_mask: scores (b, s, S) f32, mask (b, s, S) u8, k >= 1. Returns s and S.
+inline std::pair<int64_t, int64_t> dsa_topk_mask(const Tensor & scores, int64_t k, const Tensor & mask) {
     const char * op = "dsa_topk_mask";
-    LOOM_CHECK(scores.defined() && scores.dim() == 3 && scores.size(1) == scores.size(2),
-               op << ": the scores must be (b, s, s), got " << scores.describe(), "");
+    const auto   sizes = dsa_plane(scores, op);
     LOOM_CHECK(k >= 1, op << ": top-" << k, "k >= 1");
-    const int64_t b = scores.size(0), s = scores.size(1);
-    expect(scores, DType::f32, b * s * s, op, "the scores");
-    expect(mask, DType::u8, b * s * s, op, "the mask");
-    return s;
+    expect(mask, DType::u8, scores.numel(), op, "the mask");
+    return sizes;
 }
 
-// Ops::dsa_attention_target: packed rows of nq = nkv heads, one sequence (no context parallelism, no window).
-inline void dsa_attention_target(const Tensor & q_k_v, const AttentionShape & shape, const Tensor & target) {
+// Ops::dsa_attention_target: packed query rows of nq = nkv heads against the keys of whole sequences (kv, or the
+// queries' own rows), no window.
+inline void dsa_attention_target(const Tensor & q_k_v, const Tensor & kv, const AttentionShape & shape,
+                                 const Tensor & target) {
     const char * op = "dsa_attention_target";
     activations(q_k_v, op, "q_k_v");
     key_mask(shape, op);
-    LOOM_CHECK(shape.nq == shape.nkv && shape.keys() == shape.s && shape.window < 0 && shape.s >= 1 && shape.b >= 1,
+    LOOM_CHECK(shape.nq == shape.nkv && shape.keys() >= shape.s && identity(shape.k_pos) && shape.window < 0 &&
+                   shape.s >= 1 && shape.b >= 1,
                op << ": heads " << shape.nq << " / " << shape.nkv << ", keys " << shape.keys() << " of " << shape.s
                   << " queries, window " << shape.window,
-               "the indexer's target is one sequence's causal attention, a key head per query head");
+               "the indexer's target is whole sequences' causal attention, a key head per query head");
     LOOM_CHECK(q_k_v.numel() >= shape.s * shape.b * shape.row_stride, op << ": q_k_v " << q_k_v.describe()
                                                                          << " is smaller than its shape's rows", "");
-    expect(target, DType::f32, shape.b * shape.s * shape.s, op, "the target");
+    LOOM_CHECK(!kv.defined() || kv.numel() >= shape.keys() * shape.b * shape.kv_stride(),
+               op << ": kv " << kv.describe() << " is smaller than its shape's key rows", "");
+    LOOM_CHECK(kv.defined() || shape.keys() == shape.s, op << ": " << shape.keys() << " keys from the queries' own "
+                                                           << shape.s << " rows", "give the keys' rows");
+    expect(target, DType::f32, shape.b * shape.s * shape.keys(), op, "the target");
 }
 
-// Ops::dsa_indexer_loss: scores, target, dscores (b, s, s) f32, kl (b s) f32. Returns s.
-inline int64_t dsa_indexer_loss(const Tensor & scores, const Tensor & target, const Tensor & kl, const Tensor & dscores,
-                                const Tensor & mask) {
-    const char * op = "dsa_indexer_loss";
-    LOOM_CHECK(scores.defined() && scores.dim() == 3 && scores.size(1) == scores.size(2),
-               op << ": the scores must be (b, s, s), got " << scores.describe(), "");
-    const int64_t b = scores.size(0), s = scores.size(1);
-    expect(scores, DType::f32, b * s * s, op, "the scores");
-    expect(target, DType::f32, b * s * s, op, "the target");
-    expect(dscores, DType::f32, b * s * s, op, "dscores");
-    expect(kl, DType::f32, b * s, op, "kl");
-    if (mask.defined()) expect(mask, DType::u8, b * s * s, op, "the mask");
-    return s;
+// Ops::dsa_indexer_loss: scores, target, dscores (b, s, S) f32, kl (b s) f32. Returns s and S.
+inline std::pair<int64_t, int64_t> dsa_indexer_loss(const Tensor & scores, const Tensor & target, const Tensor & kl,
+                                                    const Tensor & dscores, const Tensor & mask) {
+    const char * op    = "dsa_indexer_loss";
+    const auto   sizes = dsa_plane(scores, op);
+    const int64_t n    = scores.numel();
+    expect(target, DType::f32, n, op, "the target");
+    expect(dscores, DType::f32, n, op, "dscores");
+    expect(kl, DType::f32, scores.size(0) * sizes.first, op, "kl");
+    if (mask.defined()) expect(mask, DType::u8, n, op, "the mask");
+    return sizes;
 }
 
 }  // namespace loom::op_checks

@@ -58,8 +58,9 @@ struct AttentionShape {
     // key (causal only).
     int64_t      window = -1;
     // A key mask on top of the causal and window ones (DeepSeek Sparse Attention's top-k, Ops::dsa_topk_mask):
-    // (b, s, s_kv) u8, nonzero where query row i of sequence bi may see key row j; undefined: every key. One
-    // sequence's rows (no context parallelism); a query must keep at least one key.
+    // (b, s, s_kv) u8, nonzero where query row i of sequence bi may see key row j; undefined: every key. The keys
+    // are whole sequences in position order (k_pos the identity); the queries may be at any positions (context
+    // parallelism: this rank's chunks against every rank's keys). A query must keep at least one key.
     Tensor       key_mask;
 
     int64_t keys() const { return s_kv > 0 ? s_kv : s; }
@@ -495,37 +496,44 @@ public:
                                     const Tensor & dg, const Tensor & dbeta, const Tensor & dsrc, const Tensor & da_log,
                                     const Tensor & ddt_bias) = 0;
     // DeepSeek Sparse Attention's indexer (model/dsa_indexer.h), f32, over one micro-batch's rows (row i b + bi is
-    // position i of sequence bi, as the activations'). q (n, H d), k (n, d), w (n, H); scores (b, s, s):
+    // query row i of sequence bi, as the activations'), the queries at positions q_pos (context parallelism: this
+    // rank's two chunks; by default 0 .. s-1) against the keys of whole sequences in position order (S = k's rows / b;
+    // key row j b + bi is position j). q (s b, H d), k (S b, d), w (s b, H); scores (b, s, S):
     //   z[i, h, j] = q[r_i, h] . k[r_j] (d order),  scores[bi, i, j] = sum over h in order of w[r_i, h] relu(z)
-    // for keys j <= i (without `relu`, z itself), -inf for j > i.
+    // for keys j <= q_pos(i) (without `relu`, z itself), -inf for later keys.
     virtual void dsa_index_scores(Stream & s, const Tensor & q, const Tensor & k, const Tensor & w, int64_t seq,
-                                  int64_t batch, bool relu, const Tensor & scores) = 0;
-    // Backward from dscores (b, s, s), read for j <= i only: dq, dk, dw (like q, k, w) assigned,
-    //   dw[r_i, h] = sum over j <= i of dscores relu(z),   dz = dscores w[r_i, h] relu'(z)   (relu' 1 for z > 0)
-    //   dq[r_i, h] = sum over j <= i of dz k[r_j],          dk[r_j] = sum over i >= j, then h, of dz q[r_i, h]
-    // every sum in index order.
+                                  int64_t batch, bool relu, const Tensor & scores, const SeqPositions & q_pos = {}) = 0;
+    // Backward from dscores (b, s, S), read for j <= q_pos(i) only: dq, dk, dw (like q, k, w) assigned,
+    //   dw[r_i, h] = sum over j <= q_pos(i) of dscores relu(z),   dz = dscores w[r_i, h] relu'(z)   (relu' 1 for z > 0)
+    //   dq[r_i, h] = sum over j <= q_pos(i) of dz k[r_j],   dk[r_j] = sum over rows i with q_pos(i) >= j, then h, of
+    //   dz q[r_i, h]
+    // every sum in index order (under context parallelism dk holds this rank's queries' share of every key's).
     virtual void dsa_index_scores_backward(Stream & s, const Tensor & q, const Tensor & k, const Tensor & w,
                                            const Tensor & dscores, int64_t seq, int64_t batch, bool relu,
-                                           const Tensor & dq, const Tensor & dk, const Tensor & dw) = 0;
-    // The top `k` keys of each query row by the indexer's scores (b, s, s) f32: mask (b, s, s) u8 gets 1 at the
-    // keys j <= i of row (bi, i) that fewer than k other keys j' <= i outrank, 0 elsewhere, where j' outranks j
-    // when scores[j'] > scores[j], or they are equal and j' < j (ties to the earlier key). A row with at most k
-    // causal keys keeps them all.
-    virtual void dsa_topk_mask(Stream & s, const Tensor & scores, int64_t k, const Tensor & mask) = 0;
-    // The indexer's target: the causal attention probabilities of packed [Q | K | V] rows (shape's nq = nkv
-    // heads of d; one sequence, no window), summed over the heads: for keys j <= i,
-    //   target[bi, i, j] = sum over h in order of softmax over j' <= i of (scale q_h(i) . k_h(j'))
-    // (f32, the exponentials' sum in key order), 0 for j > i. With shape.key_mask (the sparse loss) both the
-    // softmax and the target keep only the keys the mask holds.
+                                           const Tensor & dq, const Tensor & dk, const Tensor & dw,
+                                           const SeqPositions & q_pos = {}) = 0;
+    // The top `k` keys of each query row by the indexer's scores (b, s, S) f32 (rows at positions q_pos, keys in
+    // position order): mask (b, s, S) u8 gets 1 at the keys j <= q_pos(i) of row (bi, i) that fewer than k other
+    // keys j' <= q_pos(i) outrank, 0 elsewhere, where j' outranks j when scores[j'] > scores[j], or they are equal
+    // and j' < j (ties to the earlier key). A row with at most k causal keys keeps them all.
+    virtual void dsa_topk_mask(Stream & s, const Tensor & scores, int64_t k, const Tensor & mask,
+                               const SeqPositions & q_pos = {}) = 0;
+    // The indexer's target: the causal attention probabilities of the packed [Q | K | V] query rows at positions
+    // shape.q_pos against the keys of `kv` (undefined: q_k_v's own rows) in position order (shape.keys() of them,
+    // k_pos the identity; shape's nq = nkv heads of d, no window), summed over the heads: for keys j <= q_pos(i),
+    //   target[bi, i, j] = sum over h in order of softmax over j' <= q_pos(i) of (scale q_h(i) . k_h(j'))
+    // (f32, the exponentials' sum in key order), 0 for later keys; target (b, s, S). With shape.key_mask (the sparse
+    // loss) both the softmax and the target keep only the keys the mask holds.
     virtual void dsa_attention_target(Stream & s, const Tensor & q_k_v, const AttentionShape & shape, float scale,
-                                      const Tensor & target) = 0;
-    // The indexer's KL loss and its gradient, per row (bi, i) over keys j <= i: with T = target / max(sum of
+                                      const Tensor & target, const Tensor & kv = {}) = 0;
+    // The indexer's KL loss and its gradient, per row (bi, i) over keys j <= q_pos(i): with T = target / max(sum of
     // target, 1e-10) and p = softmax(scores) (f32, sums in key order),
     //   kl[bi s + i] = weight * sum over j of T (log max(T, 1e-10) - log p),   dscores = weight (p - T)
-    // (dscores 0 for j > i). scores, target, dscores (b, s, s); kl (b s) f32. With `mask` (b, s, s) u8 defined
+    // (dscores 0 for later keys). scores, target, dscores (b, s, S); kl (b s) f32. With `mask` (b, s, S) u8 defined
     // (the sparse loss) the keys it does not hold leave both softmaxes and the sums, and take dscores 0.
     virtual void dsa_indexer_loss(Stream & s, const Tensor & scores, const Tensor & target, float weight,
-                                  const Tensor & kl, const Tensor & dscores, const Tensor & mask = {}) = 0;
+                                  const Tensor & kl, const Tensor & dscores, const Tensor & mask = {},
+                                  const SeqPositions & q_pos = {}) = 0;
     // For every row r of load and bias (R, E) f32: bias[r, e] += rate * sign(mean over e of load[r] - load[r, e])
     // (sign 0 at 0; the mean in double), then load = 0. Megatron's get_updated_expert_bias.
     virtual void moe_expert_bias_update(Stream & s, const Tensor & load, const Tensor & bias, float rate) = 0;

@@ -27,4 +27,13 @@ struct SeqPositions {
     LOOM_POSITIONS_HD constexpr int64_t operator()(int64_t i) const { return i < split ? first + i : second + (i - split); }
 };
 
+// The rows of DeepSeek Sparse Attention's indexer ops (Ops::dsa_*): s query rows of each of b sequences at positions
+// q_pos, against the `keys` keys of each whole sequence in position order; row (bi, i)'s causal keys are 0 .. q_pos(i).
+struct DsaRows {
+    int64_t      s = 0, b = 0, keys = 0;
+    SeqPositions q_pos;
+
+    LOOM_POSITIONS_HD constexpr int64_t last(int64_t i) const { return q_pos(i); }
+};
+
 }  // namespace loom

@@ -27,6 +27,12 @@
 //
 // Under tensor parallelism every rank holds the whole indexer and computes it on every row: its gradients are
 // the same on every rank (the target is summed over the group first), so nothing more is reduced.
+//
+// Under context parallelism (Megatron's DSA supports --cp-comm-type allgather only) each rank scores its own query
+// rows (its two chunks of every sequence, at their global positions) against every key of the whole sequences: k is
+// gathered over the CP group into position order, the scores, the selection, the target and the loss are (b, s, S)
+// with S = CP s, and k's gradient (this rank's queries' share of every key's) is summed back onto each key's owner.
+// Each rank's loss is its share of the whole sequences' mean, c / (b S) per row, as the language-model loss's.
 #pragma once
 
 #include "model/layers.h"
@@ -39,27 +45,30 @@ namespace loom::model {
 struct DsaIndexerContext {
     Linear::Context wq_b, wk, weights_proj;
     Norm::Context   k_norm;
-    Tensor          q, k, w;    // f32, as the scores read them (q (n, n_i d_i) and k (n, d_i) turned and rotated)
-    Tensor          dscores;    // (b, s, s) f32: the loss's gradient of the scores, before the backward's scale
+    Tensor          q, k, w;    // f32, as the scores read them (q (n, n_i d_i) and k (S b, d_i) turned and rotated)
+    Tensor          dscores;    // (b, s, S) f32: the loss's gradient of the scores, before the backward's scale
     int64_t         s = 0, b = 0;
+    SeqPositions    q_pos;      // this rank's rows' positions (context parallelism)
 };
 
 class DsaIndexer {
 public:
-    DsaIndexer(const std::string & name, const GptConfig & config, Device & device, const TensorParallel & tp);
+    DsaIndexer(const std::string & name, const GptConfig & config, Device & device, const TensorParallel & tp,
+               const ContextParallel & cp = {});
 
-    // The scores (b, s, s) f32 of every causal key from x (n, h) and qr (n, q_lora_rank), every row of the
-    // micro-batch; what the loss's backward reads is kept in ctx.
+    // The scores (b, s, S) f32 of every causal key from x (n, h) and qr (n, q_lora_rank), every row of this rank's
+    // share of the micro-batch (S = CP s keys); what the loss's backward reads is kept in ctx.
     Tensor score(DsaIndexerContext & ctx, const Tensor & x, const Tensor & qr, int64_t s, int64_t b);
-    // Each row's top --dsa-indexer-topk keys by the scores, the main attention's key mask (b, s, s) u8; undefined
-    // when the top k holds every causal key (topk >= s).
+    // Each row's top --dsa-indexer-topk keys by the scores, the main attention's key mask (b, s, S) u8; undefined
+    // when the top k holds every causal key (topk >= S).
     Tensor select(const Tensor & scores) const;
     // One training forward's loss from the scores against the main attention of q_k_v (MLA's packed rows of this
-    // rank's heads, `shape` and `scale` its; shape's key mask not read), added to `loss`; `mask` is select()'s,
-    // read with --dsa-indexer-use-sparse-loss. What backward needs is kept in ctx. `logged`: the loss is added to
-    // `loss` (not in full recompute's rerun of a forward, which logged it the first time).
-    void loss_forward(DsaIndexerContext & ctx, const Tensor & scores, const Tensor & q_k_v, AttentionShape shape,
-                      float scale, const Tensor & mask, bool logged = true);
+    // rank's heads, `shape` and `scale` its; shape's key mask not read) over the keys of `kv` (the whole sequences'
+    // K | V rows under context parallelism, `shape` against them; undefined: q_k_v's own), added to `loss`; `mask` is
+    // select()'s, read with --dsa-indexer-use-sparse-loss. What backward needs is kept in ctx. `logged`: the loss is
+    // added to `loss` (not in full recompute's rerun of a forward, which logged it the first time).
+    void loss_forward(DsaIndexerContext & ctx, const Tensor & scores, const Tensor & q_k_v, const Tensor & kv,
+                      AttentionShape shape, float scale, const Tensor & mask, bool logged = true);
     // The loss's gradients (times loss_backward_scale) added to the indexer's weights, each reported ready.
     void backward(DsaIndexerContext & ctx, const GradReadyFn & ready);
     // Reports every weight ready with no gradient added: a pass without the loss (no coefficient, or evaluation).
@@ -69,6 +78,7 @@ public:
 
     const GptConfig & config;
     TensorParallel    tp;
+    ContextParallel   cp;
     int64_t           heads, head_dim;   // n_i, d_i
     Linear            wq_b;              // q_lora_rank -> n_i d_i
     Linear            wk;                // h -> d_i

@@ -141,6 +141,8 @@ void fp8_cast(const Tensor & x, Fp8Format format, const Tensor & q, const Tensor
     ops.fp8_quantize_scaled(stream, x, format, d->scale, q, scale_inv);
 }
 
+AttentionShape against_whole_kv(const AttentionShape & shape, int cp);   // with the context-parallel exchanges, below
+
 }  // namespace
 
 void fp8_product(const Tensor & a, Fp8Format fa, bool trans_a, const Tensor & b, Fp8Format fb, bool trans_b, const Tensor & c,
@@ -529,9 +531,10 @@ SelfAttention::SelfAttention(const std::string & name, const GptConfig & c, Devi
         if (c.qk_layernorm) mla->kv_norm = norm(".kv_norm", rkv);
         mla->kv_up = by_heads(".kv_up", rkv, dkv);
         if (c.dsa_computes_topk(layer)) {   // the others take an earlier layer's top-k (dsa_topk_source)
-            // The indexer scores whole sequences: a rank's rows must be every position (the flags refuse CP first).
-            LOOM_CHECK(!cp.enabled(), "the DSA indexer of " << name << " under context parallelism", "");
-            indexer = std::make_unique<DsaIndexer>(name + ".indexer", c, device, tp);
+            // Under context parallelism its queries are this rank's rows, its keys the whole sequences' (allgather).
+            LOOM_CHECK(!cp.enabled() || cp_comm == CpCommType::allgather,
+                       "the DSA indexer of " << name << " under --cp-comm-type other than allgather", "");
+            indexer = std::make_unique<DsaIndexer>(name + ".indexer", c, device, tp, cp);
         }
         if (t.size > 1) {
             set_tp_slice(proj.weight, 1, {{t.rank * heads * c.v_head_dim, (t.rank + 1) * heads * c.v_head_dim}},
@@ -835,7 +838,7 @@ Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, in
     ctx.key_mask = Tensor();
     const bool learns = indexer && ctx.training && config.dsa_indexer_loss_coeff > 0.0f;
     Tensor     scores;
-    if (indexer && (learns || config.dsa_indexer_topk < s)) {
+    if (indexer && (learns || config.dsa_indexer_topk < s * cp.size)) {
         auto ictx    = std::make_shared<DsaIndexerContext>();
         scores       = indexer->score(*ictx, tp.sp() ? tp.all_gather(x) : x, tp.sp() ? tp.all_gather(q_latent) : q_latent,
                                       s, b);
@@ -857,10 +860,17 @@ Tensor SelfAttention::mla_forward(Context & ctx, const Tensor & x, int64_t s, in
     }
     AttentionShape attended = shape;
     attended.key_mask       = ctx.key_mask;
+    // Under context parallelism the selection attends to (and the indexer's target reads) the whole sequences' keys,
+    // gathered once for both.
+    const bool whole = cp.enabled() && (ctx.key_mask.defined() || learns);
+    if (whole) ctx.whole_kv = whole_kv(in_dtype(q_k_v, DType::f32), shape);
     attend(ctx, q_k_v, out, attended, mla_softmax_scale(config), config.dsa ? Dropout{} : dropout);
     if (learns) {
-        indexer->loss_forward(*ctx.indexer, scores, q_k_v, shape, mla_softmax_scale(config), ctx.key_mask, !ctx.recomputing);
+        indexer->loss_forward(*ctx.indexer, scores, whole ? in_dtype(q_k_v, DType::f32) : q_k_v, ctx.whole_kv,
+                              whole ? against_whole_kv(shape, cp.size) : shape, mla_softmax_scale(config), ctx.key_mask,
+                              !ctx.recomputing);
     }
+    ctx.whole_kv = Tensor();
     if (config.recompute_mla_up_proj) {   // backward builds the rows again from the latents and k_pe
         ctx.qkv = Tensor();
         c.k_pe  = k_pe;
@@ -1090,6 +1100,14 @@ AttentionShape against_kv_block(AttentionShape shape) {
     return shape;
 }
 
+// `shape`'s queries against the whole sequences' K | V blocks in position order (SelfAttention::whole_kv): CP s keys.
+AttentionShape against_whole_kv(const AttentionShape & shape, int cp) {
+    AttentionShape whole = against_kv_block(shape);
+    whole.s_kv           = shape.s * cp;
+    whole.k_pos          = SeqPositions{};
+    return whole;
+}
+
 // The all-to-all of heads over `group` (of `size` ranks): this rank's rows (n = s b) of every head ->
 // every member's rows of this rank's share of the heads, member-major ((size n, width): block i is member
 // i's rows). Block j of the exchange carries this rank's rows of member j's heads.
@@ -1137,39 +1155,71 @@ void exchange_heads_back(comm::Communicator & group, int size, const Tensor & me
 
 }  // namespace
 
-Tensor heads_to_sequence(const ContextParallel & cp, const Tensor & local, int64_t s, int64_t b,
-                         const std::vector<HeadColumns> & columns) {
-    Device &      dev = local.device();
+Tensor ranks_to_sequence(const ContextParallel & cp, const Tensor & ranks, int64_t s, int64_t b) {
+    Device &      dev = ranks.device();
     const int64_t n = s * b, chunk_rows = s / 2 * b;
-    const Tensor  recv  = exchange_heads(*cp.group, cp.size, local, n, columns);
-    Tensor        whole = activation(dev, cp.size * n, recv.size(1));
+    Tensor        whole = activation(dev, cp.size * n, ranks.size(1), ranks.dtype());
     for (int i = 0; i < cp.size; ++i) {   // rank i's chunks i and 2 CP - 1 - i
         const SeqPositions at = cp.positions(s, i);
-        dev.ops().copy(dev.compute_stream(), recv.narrow(0, i * n, chunk_rows), whole.narrow(0, at(0) * b, chunk_rows));
-        dev.ops().copy(dev.compute_stream(), recv.narrow(0, i * n + chunk_rows, chunk_rows),
+        dev.ops().copy(dev.compute_stream(), ranks.narrow(0, i * n, chunk_rows), whole.narrow(0, at(0) * b, chunk_rows));
+        dev.ops().copy(dev.compute_stream(), ranks.narrow(0, i * n + chunk_rows, chunk_rows),
                        whole.narrow(0, at(s / 2) * b, chunk_rows));
     }
     return whole;
 }
 
-void sequence_to_heads(const ContextParallel & cp, const Tensor & whole, int64_t s, int64_t b,
-                       const std::vector<HeadColumns> & columns, const Tensor & local) {
+Tensor sequence_to_ranks(const ContextParallel & cp, const Tensor & whole, int64_t s, int64_t b) {
     Device &      dev = whole.device();
     const int64_t n = s * b, chunk_rows = s / 2 * b;
-    Tensor        members = activation(dev, cp.size * n, whole.size(1));
+    Tensor        ranks = activation(dev, cp.size * n, whole.size(1), whole.dtype());
     for (int i = 0; i < cp.size; ++i) {
         const SeqPositions at = cp.positions(s, i);
-        dev.ops().copy(dev.compute_stream(), whole.narrow(0, at(0) * b, chunk_rows), members.narrow(0, i * n, chunk_rows));
+        dev.ops().copy(dev.compute_stream(), whole.narrow(0, at(0) * b, chunk_rows), ranks.narrow(0, i * n, chunk_rows));
         dev.ops().copy(dev.compute_stream(), whole.narrow(0, at(s / 2) * b, chunk_rows),
-                       members.narrow(0, i * n + chunk_rows, chunk_rows));
+                       ranks.narrow(0, i * n + chunk_rows, chunk_rows));
     }
-    exchange_heads_back(*cp.group, cp.size, members, n, columns, local);
+    return ranks;
+}
+
+Tensor gather_sequence(const ContextParallel & cp, const Tensor & local, int64_t s, int64_t b) {
+    Device & dev      = local.device();
+    Tensor   gathered = activation(dev, cp.size * s * b, local.size(1), local.dtype());
+    cp.group->all_gather(local, gathered, &dev.compute_stream());
+    return ranks_to_sequence(cp, gathered, s, b);
+}
+
+Tensor reduce_scatter_sequence(const ContextParallel & cp, const Tensor & whole, int64_t s, int64_t b) {
+    Device & dev  = whole.device();
+    Tensor   mine = activation(dev, s * b, whole.size(1), whole.dtype());
+    cp.group->reduce_scatter(sequence_to_ranks(cp, whole, s, b), mine, comm::ReduceOp::sum, &dev.compute_stream());
+    return mine;
+}
+
+Tensor heads_to_sequence(const ContextParallel & cp, const Tensor & local, int64_t s, int64_t b,
+                         const std::vector<HeadColumns> & columns) {
+    return ranks_to_sequence(cp, exchange_heads(*cp.group, cp.size, local, s * b, columns), s, b);
+}
+
+void sequence_to_heads(const ContextParallel & cp, const Tensor & whole, int64_t s, int64_t b,
+                       const std::vector<HeadColumns> & columns, const Tensor & local) {
+    exchange_heads_back(*cp.group, cp.size, sequence_to_ranks(cp, whole, s, b), s * b, columns, local);
+}
+
+Tensor SelfAttention::whole_kv(const Tensor & q_k_v, const AttentionShape & shape) const {
+    return gather_sequence(cp, own_kv_block(q_k_v, shape), shape.s, shape.b);
 }
 
 void SelfAttention::cp_forward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const AttentionShape & shape,
                                float scale, const Dropout & dropout) {
     if (cp_comm == CpCommType::a2a) return a2a_forward(ctx, q_k_v, out, shape, scale, dropout);
     if (cp_comm == CpCommType::a2a_p2p) return hierarchical_forward(ctx, q_k_v, out, shape, scale, dropout);
+    if (shape.key_mask.defined()) {   // DSA's selection: this rank's queries against the whole sequences' keys at once
+        const Tensor kv = ctx.whole_kv.defined() ? ctx.whole_kv : whole_kv(q_k_v, shape);
+        q_k_v.device().ops().attention_forward(q_k_v.device().compute_stream(), q_k_v, kv, out, ctx.lse,
+                                               against_whole_kv(shape, cp.size), scale, dropout);
+        sink_forward(out, ctx.lse, shape, 0);
+        return;
+    }
     Device &      dev    = q_k_v.device();
     Ops &         ops    = dev.ops();
     Stream &      stream = dev.compute_stream();
@@ -1211,9 +1261,18 @@ void SelfAttention::cp_backward(Context & ctx, const Tensor & q_k_v, const Tenso
     Ops &         ops    = dev.ops();
     Stream &      stream = dev.compute_stream();
     const int64_t n = shape.s * shape.b, kv_width = 2 * shape.nkv * shape.d;
+    Tensor mine;   // this rank's dK | dV, summed over every rank's queries
+    if (shape.key_mask.defined()) {   // DSA's selection, as forward: the whole sequences' keys gathered again
+        const Tensor kv  = whole_kv(q_k_v, shape);
+        const Tensor dkv = activation(dev, kv.size(0), kv_width);
+        ops.attention_backward(stream, q_k_v, kv, out, d_out, ctx.lse, d_qkv, dkv, against_whole_kv(shape, cp.size), scale,
+                               ctx.dropout);
+        mine = reduce_scatter_sequence(cp, dkv, shape.s, shape.b);
+        ops.copy_columns(stream, mine, 0, d_qkv, shape.nq * shape.d, kv_width);
+        return;
+    }
     Tensor        kv = own_kv_block(q_k_v, shape);
     AttentionShape block = against_kv_block(shape);
-    Tensor mine;   // this rank's dK | dV, summed over every rank's queries
     if (cp_comm == CpCommType::allgather) {
         // Every block's dK | dV from this rank's queries, then each block's sum over the ranks to its owner.
         Tensor gathered = activation(dev, cp.size * n, kv_width), dkv = activation(dev, cp.size * n, kv_width);

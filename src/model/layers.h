@@ -136,6 +136,15 @@ Tensor heads_to_sequence(const ContextParallel & cp, const Tensor & local, int64
 void   sequence_to_heads(const ContextParallel & cp, const Tensor & whole, int64_t s, int64_t b,
                          const std::vector<HeadColumns> & columns, const Tensor & local);
 
+// Every CP rank's local rows side by side (CP blocks of s b rows in rank order, as an all-gather leaves them) <-> the
+// whole sequences' rows in position order (S b, S = CP s), any width and dtype.
+Tensor ranks_to_sequence(const ContextParallel & cp, const Tensor & ranks, int64_t s, int64_t b);
+Tensor sequence_to_ranks(const ContextParallel & cp, const Tensor & whole, int64_t s, int64_t b);
+// This rank's rows (s b, w) gathered from every CP rank into the whole sequences' rows in position order (S b, w), and
+// the transpose: each rank's share of every row's gradient (S b, w), summed over the group onto this rank's rows.
+Tensor gather_sequence(const ContextParallel & cp, const Tensor & local, int64_t s, int64_t b);
+Tensor reduce_scatter_sequence(const ContextParallel & cp, const Tensor & whole, int64_t s, int64_t b);
+
 // What a micro-batch's dropout masks are drawn from (core/dropout.h): the global sample index of each of
 // its b columns (i64, host-readable; undefined: 0 .. b-1), whether it trains (evaluation drops nothing),
 // and its rows' global positions (context parallelism).
@@ -321,7 +330,9 @@ public:
         } latent;
         std::shared_ptr<GatedDeltaNetContext> linear;   // a gated delta-net layer's
         std::shared_ptr<DsaIndexerContext>    indexer;  // a DSA layer's, when its loss ran in forward
-        Tensor          key_mask;   // a DSA layer's top-k keys (b, s, s) u8, when fewer than every causal key
+        Tensor          key_mask;   // a DSA layer's top-k keys (b, s, S) u8, when fewer than every causal key
+        // DSA under context parallelism: the whole sequences' K | V rows (whole_kv), while the forward needs them.
+        Tensor          whole_kv;
         bool training = false;   // a training forward (the DSA indexer's loss runs in those only)
         // DSA: the forward's record of each computing layer's selection, by layer index (DropoutBatch::dsa_topk).
         std::map<int64_t, Tensor> * dsa_topk = nullptr;
@@ -394,6 +405,9 @@ private:
                     const Dropout & dropout);
     void cp_backward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const Tensor & d_out,
                      const Tensor & d_qkv, const AttentionShape & shape, float scale);
+    // Every CP rank's K | V of q_k_v (f32 packed rows of `shape`), the whole sequences' rows in position order: what
+    // DSA's selection attends to (its key mask's columns are key positions) and its indexer's target reads.
+    Tensor whole_kv(const Tensor & q_k_v, const AttentionShape & shape) const;
     // The a2a variant: this rank's rows of every head <-> every rank's rows (the whole sequence, in order) of
     // this rank's share of the heads.
     void a2a_forward(Context & ctx, const Tensor & q_k_v, const Tensor & out, const AttentionShape & shape, float scale,

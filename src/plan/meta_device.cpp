@@ -208,21 +208,21 @@ public:
     }
     // The indexer's ops: 2 H d FLOPs per causal (query, key) pair for the scores, twice that for their gradients
     // (each recomputes the products), 2 nq d for the target's logits (computed three times by the CUDA kernel).
-    void dsa_index_scores(Stream & s, const Tensor & q, const Tensor & k, const Tensor & w, int64_t seq, int64_t batch, bool, const Tensor & scores) override {
-        dsa(s, "dsa_index_scores", 2.0 * static_cast<double>(q.numel() / std::max<int64_t>(seq * batch, 1)), seq, batch,
-            bytes_of({&q, &k, &w, &scores}));
+    void dsa_index_scores(Stream & s, const Tensor & q, const Tensor & k, const Tensor & w, int64_t seq, int64_t batch, bool, const Tensor & scores, const SeqPositions & q_pos) override {
+        dsa(s, "dsa_index_scores", 2.0 * static_cast<double>(q.numel() / std::max<int64_t>(seq * batch, 1)),
+            indexer_shape(seq, batch, k.size(0) / std::max<int64_t>(batch, 1), q_pos), bytes_of({&q, &k, &w, &scores}));
     }
-    void dsa_index_scores_backward(Stream & s, const Tensor & q, const Tensor & k, const Tensor & w, const Tensor & dscores, int64_t seq, int64_t batch, bool, const Tensor & dq, const Tensor & dk, const Tensor & dw) override {
-        dsa(s, "dsa_index_scores_backward", 8.0 * static_cast<double>(q.numel() / std::max<int64_t>(seq * batch, 1)), seq, batch,
-            bytes_of({&q, &k, &w, &dscores, &dq, &dk, &dw}));
+    void dsa_index_scores_backward(Stream & s, const Tensor & q, const Tensor & k, const Tensor & w, const Tensor & dscores, int64_t seq, int64_t batch, bool, const Tensor & dq, const Tensor & dk, const Tensor & dw, const SeqPositions & q_pos) override {
+        dsa(s, "dsa_index_scores_backward", 8.0 * static_cast<double>(q.numel() / std::max<int64_t>(seq * batch, 1)),
+            indexer_shape(seq, batch, k.size(0) / std::max<int64_t>(batch, 1), q_pos), bytes_of({&q, &k, &w, &dscores, &dq, &dk, &dw}));
     }
-    void dsa_attention_target(Stream & s, const Tensor & q_k_v, const AttentionShape & shape, float, const Tensor & target) override {
-        dsa(s, "dsa_attention_target", 6.0 * static_cast<double>(shape.nq * shape.d), shape.s, shape.b, bytes_of({&q_k_v, &target}));
+    void dsa_attention_target(Stream & s, const Tensor & q_k_v, const AttentionShape & shape, float, const Tensor & target, const Tensor & kv) override {
+        dsa(s, "dsa_attention_target", 6.0 * static_cast<double>(shape.nq * shape.d), shape, bytes_of({&q_k_v, &kv, &target}));
     }
-    void dsa_topk_mask(Stream & s, const Tensor & scores, int64_t, const Tensor & mask) override {
+    void dsa_topk_mask(Stream & s, const Tensor & scores, int64_t, const Tensor & mask, const SeqPositions &) override {
         memory(s, "dsa_topk_mask", bytes_of({&scores, &mask}));
     }
-    void dsa_indexer_loss(Stream & s, const Tensor & scores, const Tensor & target, float, const Tensor & kl, const Tensor & dscores, const Tensor & mask) override {
+    void dsa_indexer_loss(Stream & s, const Tensor & scores, const Tensor & target, float, const Tensor & kl, const Tensor & dscores, const Tensor & mask, const SeqPositions &) override {
         memory(s, "dsa_indexer_loss", bytes_of({&scores, &target, &kl, &dscores, &mask}));
     }
     void causal_conv_silu_forward(Stream & s, const Tensor & x, const Tensor & w, const Tensor & y, int64_t seq, int64_t batch) override {
@@ -431,9 +431,15 @@ private:
         run(s, op, flops, bytes, clock_.costs ? clock_.costs->kernel_seconds(flops, bytes, clock_.costs->efficiency().gemm) : 0);
     }
     // `per_pair` FLOPs for each causal (query, key) pair of `batch` sequences of `seq`.
-    void dsa(Stream & s, const char * op, double per_pair, int64_t seq, int64_t batch, double bytes) {
-        const double pairs = static_cast<double>(batch) * static_cast<double>(seq) * static_cast<double>(seq + 1) / 2.0;
-        const double flops = per_pair * pairs;
+    // The indexer's rows as an attention's: its queries at q_pos against whole sequences' keys.
+    static AttentionShape indexer_shape(int64_t seq, int64_t batch, int64_t keys, const SeqPositions & q_pos) {
+        AttentionShape shape(seq, batch, 1, 1, 1, 1);
+        shape.s_kv  = keys;
+        shape.q_pos = q_pos;
+        return shape;
+    }
+    void dsa(Stream & s, const char * op, double per_pair, const AttentionShape & rows, double bytes) {
+        const double flops = per_pair * causal_pairs(rows);
         run(s, op, flops, bytes, clock_.costs ? clock_.costs->kernel_seconds(flops, bytes, clock_.costs->efficiency().attention) : 0);
     }
 

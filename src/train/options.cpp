@@ -3,6 +3,7 @@
 #include "core/error.h"
 #include "train/megatron_flags.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <type_traits>
@@ -161,9 +162,6 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
                "--experimental-attention-variant dsa with --tensor-model-parallel-size " << o.parallel.tp()
                    << " needs --sequence-parallel (Megatron's AbsorbedMLASelfAttention requires it)",
                "add --sequence-parallel");
-    LOOM_CHECK(!o.model.dsa || o.parallel.cp() == 1,
-               "--experimental-attention-variant dsa with --context-parallel-size " << o.parallel.cp()
-                   << " is not supported by Loom", "train DSA without context parallelism");
     LOOM_CHECK(!o.model.dsa || (!o.layer_graphs && !o.full_iteration_graph),
                "--experimental-attention-variant dsa with --cuda-graph-impl is not supported by Loom",
                "the indexer's loss is added on the host's side of each training forward: drop --cuda-graph-impl");
@@ -173,6 +171,12 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
 
     resolve_batch(given, o);
     resolve_ddp(values_.parallel, given, o);
+    LOOM_CHECK(!o.model.dsa || o.parallel.cp() == 1 ||
+                   std::all_of(o.cp_comm_types.begin(), o.cp_comm_types.end(),
+                               [](model::CpCommType c) { return c == model::CpCommType::allgather; }),
+               "--experimental-attention-variant dsa with --context-parallel-size " << o.parallel.cp()
+                   << " needs --cp-comm-type allgather (Megatron's DSAttention supports no other)",
+               "add --cp-comm-type allgather");
     LOOM_CHECK(!o.full_iteration_graph || !o.ddp.use_megatron_fsdp,
                "--cuda-graph-impl full_iteration with --use-megatron-fsdp is not supported by Loom",
                "Megatron-FSDP's gathers are issued from hooks on the host during the passes: drop one of them");

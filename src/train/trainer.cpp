@@ -243,8 +243,12 @@ void Trainer::dsa_losses(IterationStats & stats) {
     std::vector<float> sums{0.0f};
     for (model::GptModel * chunk : setup_.chunks) sums[0] += static_cast<float>(chunk->take_dsa_losses());
     Device & device = model_.device();
-    // Every stage's layers; every TP rank holds the whole loss (the indexer sees every row), so TP adds nothing.
+    // Every stage's layers; every TP rank holds the whole loss (the indexer sees every row), so TP adds nothing; each
+    // CP rank's is its share of the whole sequences'.
     if (stages_) sums = comm::all_reduce_values(*stages_, device, sums, comm::ReduceOp::sum);
+    if (setup_.groups.cp && setup_.groups.cp->size() > 1) {
+        sums = comm::all_reduce_values(*setup_.groups.cp, device, sums, comm::ReduceOp::sum);
+    }
     if (const comm::Communicator * dp = setup_.groups.dp.get(); dp && dp->size() > 1) {
         sums = comm::all_reduce_values(*setup_.groups.dp, device, sums, comm::ReduceOp::avg);
     }

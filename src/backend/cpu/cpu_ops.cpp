@@ -554,44 +554,51 @@ public:
     }
 
     void dsa_index_scores(Stream & s, const Tensor & q, const Tensor & k, const Tensor & w, int64_t seq, int64_t batch,
-                          bool relu, const Tensor & scores) override {
-        int64_t H, d;
-        std::tie(H, d) = op_checks::dsa_index(q, k, w, scores, seq, batch, "dsa_index_scores");
-        s.submit([=] { cpu::dsa_index_scores(f32(q), f32(k), f32(w), f32(scores), seq, batch, H, d, relu); });
+                          bool relu, const Tensor & scores, const SeqPositions & q_pos) override {
+        const auto    n = op_checks::dsa_index(q, k, w, scores, seq, batch, "dsa_index_scores");
+        const DsaRows rows{seq, batch, n.keys, q_pos};
+        s.submit([=] { cpu::dsa_index_scores(f32(q), f32(k), f32(w), f32(scores), rows, n.H, n.d, relu); });
     }
 
     void dsa_index_scores_backward(Stream & s, const Tensor & q, const Tensor & k, const Tensor & w, const Tensor & dscores,
                                    int64_t seq, int64_t batch, bool relu, const Tensor & dq, const Tensor & dk,
-                                   const Tensor & dw) override {
-        int64_t H, d;
-        std::tie(H, d) = op_checks::dsa_index(q, k, w, dscores, seq, batch, "dsa_index_scores_backward");
+                                   const Tensor & dw, const SeqPositions & q_pos) override {
+        const auto n = op_checks::dsa_index(q, k, w, dscores, seq, batch, "dsa_index_scores_backward");
         op_checks::dsa_index(dq, dk, dw, dscores, seq, batch, "dsa_index_scores_backward");
+        const DsaRows rows{seq, batch, n.keys, q_pos};
         s.submit([=] {
-            cpu::dsa_index_scores_backward(f32(q), f32(k), f32(w), f32(dscores), f32(dq), f32(dk), f32(dw), seq, batch, H,
-                                           d, relu);
+            cpu::dsa_index_scores_backward(f32(q), f32(k), f32(w), f32(dscores), f32(dq), f32(dk), f32(dw), rows, n.H, n.d,
+                                           relu);
         });
     }
 
-    void dsa_topk_mask(Stream & s, const Tensor & scores, int64_t k, const Tensor & mask) override {
-        const int64_t seq = op_checks::dsa_topk_mask(scores, k, mask);
-        s.submit([=] { cpu::dsa_topk_mask(f32(scores), k, mask.data<uint8_t>(), seq, scores.size(0)); });
+    void dsa_topk_mask(Stream & s, const Tensor & scores, int64_t k, const Tensor & mask,
+                       const SeqPositions & q_pos) override {
+        const auto [seq, keys] = op_checks::dsa_topk_mask(scores, k, mask);
+        const DsaRows rows{seq, scores.size(0), keys, q_pos};
+        s.submit([=] { cpu::dsa_topk_mask(f32(scores), k, mask.data<uint8_t>(), rows); });
     }
 
     void dsa_attention_target(Stream & s, const Tensor & q_k_v, const AttentionShape & shape, float scale,
-                              const Tensor & target) override {
-        op_checks::dsa_attention_target(q_k_v, shape, target);
+                              const Tensor & target, const Tensor & kv) override {
+        op_checks::dsa_attention_target(q_k_v, kv, shape, target);
+        const Tensor keys = kv.defined() ? kv : q_k_v;
+        LOOM_CHECK(keys.dtype() == q_k_v.dtype(), "dsa_attention_target: kv " << keys.describe() << " and q_k_v "
+                                                                              << q_k_v.describe() << " differ in dtype", "");
         s.submit([=] {
             with_activations(q_k_v, [&]<class T>(T *) {
-                cpu::dsa_attention_target(static_cast<const T *>(q_k_v.data_ptr()), f32(target), shape, scale);
+                cpu::dsa_attention_target(static_cast<const T *>(q_k_v.data_ptr()), static_cast<const T *>(keys.data_ptr()),
+                                          f32(target), shape, scale);
             });
         });
     }
 
     void dsa_indexer_loss(Stream & s, const Tensor & scores, const Tensor & target, float weight, const Tensor & kl,
-                          const Tensor & dscores, const Tensor & mask) override {
-        const int64_t seq = op_checks::dsa_indexer_loss(scores, target, kl, dscores, mask);
+                          const Tensor & dscores, const Tensor & mask, const SeqPositions & q_pos) override {
+        const auto [seq, keys] = op_checks::dsa_indexer_loss(scores, target, kl, dscores, mask);
+        const DsaRows rows{seq, scores.size(0), keys, q_pos};
         s.submit([=] {
-            cpu::dsa_indexer_loss(f32(scores), f32(target), weight, f32(kl), f32(dscores), seq, scores.size(0),
+            cpu::dsa_indexer_loss(f32(scores), f32(target), weight, f32(kl), f32(dscores), rows,
                                   mask.defined() ? mask.data<uint8_t>() : nullptr);
         });
     }

@@ -165,16 +165,16 @@ double sum_of_squares(const float * x, int64_t n);
 void round_to_bf16(float * x, uint16_t * x_bf16, int64_t n);
 
 // Ops::dsa_index_scores, _backward, dsa_topk_mask, dsa_attention_target and dsa_indexer_loss (backend/cpu/dsa.cpp):
-// q (n, H d), k (n, d), w (n, H) and their gradients; scores, dscores, target, mask (b, s, s); kl (b s); the
+// q (s b, H d), k (S b, d), w (s b, H) and their gradients; scores, dscores, target, mask (b, s, S); kl (b s); the
 // loss's mask null for every causal key.
-void dsa_index_scores(const float * q, const float * k, const float * w, float * scores, int64_t s, int64_t b,
-                      int64_t H, int64_t d, bool relu);
+void dsa_index_scores(const float * q, const float * k, const float * w, float * scores, const DsaRows & rows, int64_t H,
+                      int64_t d, bool relu);
 void dsa_index_scores_backward(const float * q, const float * k, const float * w, const float * dscores, float * dq,
-                               float * dk, float * dw, int64_t s, int64_t b, int64_t H, int64_t d, bool relu);
-void dsa_topk_mask(const float * scores, int64_t k, uint8_t * mask, int64_t s, int64_t b);
+                               float * dk, float * dw, const DsaRows & rows, int64_t H, int64_t d, bool relu);
+void dsa_topk_mask(const float * scores, int64_t k, uint8_t * mask, const DsaRows & rows);
 template <class T>
-void dsa_attention_target(const T * q_k_v, float * target, const AttentionShape & shape, float scale);
-void dsa_indexer_loss(const float * scores, const float * target, float weight, float * kl, float * dscores, int64_t s,
-                      int64_t b, const uint8_t * mask);
+void dsa_attention_target(const T * q_k_v, const T * kv, float * target, const AttentionShape & shape, float scale);
+void dsa_indexer_loss(const float * scores, const float * target, float weight, float * kl, float * dscores,
+                      const DsaRows & rows, const uint8_t * mask);
 
 }  // namespace loom::cpu

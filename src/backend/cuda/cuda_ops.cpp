@@ -509,52 +509,59 @@ public:
     }
 
     void dsa_index_scores(Stream & s, const Tensor & q, const Tensor & k, const Tensor & w, int64_t seq, int64_t batch,
-                          bool relu, const Tensor & scores) override {
-        int64_t H, d;
-        std::tie(H, d) = op_checks::dsa_index(q, k, w, scores, seq, batch, "dsa_index_scores");
-        CudaStream & cs = start(s, "dsa_index_scores", {q, k, w, scores});
-        kernels::dsa_index_scores(cs.launch("dsa_index_scores"), f32(q), f32(k), f32(w), f32(scores), seq, batch, H, d, relu);
+                          bool relu, const Tensor & scores, const SeqPositions & q_pos) override {
+        const auto    n = op_checks::dsa_index(q, k, w, scores, seq, batch, "dsa_index_scores");
+        const DsaRows rows{seq, batch, n.keys, q_pos};
+        CudaStream &  cs = start(s, "dsa_index_scores", {q, k, w, scores});
+        kernels::dsa_index_scores(cs.launch("dsa_index_scores"), f32(q), f32(k), f32(w), f32(scores), rows, n.H, n.d, relu);
         cs.launched("dsa_index_scores", {q, k, w, scores});
     }
 
     void dsa_index_scores_backward(Stream & s, const Tensor & q, const Tensor & k, const Tensor & w, const Tensor & dscores,
                                    int64_t seq, int64_t batch, bool relu, const Tensor & dq, const Tensor & dk,
-                                   const Tensor & dw) override {
-        int64_t H, d;
-        std::tie(H, d) = op_checks::dsa_index(q, k, w, dscores, seq, batch, "dsa_index_scores_backward");
+                                   const Tensor & dw, const SeqPositions & q_pos) override {
+        const auto n = op_checks::dsa_index(q, k, w, dscores, seq, batch, "dsa_index_scores_backward");
         op_checks::dsa_index(dq, dk, dw, dscores, seq, batch, "dsa_index_scores_backward");
-        CudaStream & cs = start(s, "dsa_index_scores_backward", {q, k, w, dscores, dq, dk, dw});
+        const DsaRows rows{seq, batch, n.keys, q_pos};
+        CudaStream &  cs = start(s, "dsa_index_scores_backward", {q, k, w, dscores, dq, dk, dw});
         kernels::dsa_index_scores_backward(cs.launch("dsa_index_scores_backward"), f32(q), f32(k), f32(w), f32(dscores),
-                                           f32(dq), f32(dk), f32(dw), seq, batch, H, d, relu);
+                                           f32(dq), f32(dk), f32(dw), rows, n.H, n.d, relu);
         cs.launched("dsa_index_scores_backward", {q, k, w, dscores, dq, dk, dw});
     }
 
-    void dsa_topk_mask(Stream & s, const Tensor & scores, int64_t k, const Tensor & mask) override {
-        const int64_t seq = op_checks::dsa_topk_mask(scores, k, mask);
-        CudaStream &  cs  = start(s, "dsa_topk_mask", {scores, mask});
-        kernels::dsa_topk_mask(cs.launch("dsa_topk_mask"), f32(scores), k, mask.data<uint8_t>(), seq, scores.size(0));
+    void dsa_topk_mask(Stream & s, const Tensor & scores, int64_t k, const Tensor & mask,
+                       const SeqPositions & q_pos) override {
+        const auto [seq, keys] = op_checks::dsa_topk_mask(scores, k, mask);
+        const DsaRows rows{seq, scores.size(0), keys, q_pos};
+        CudaStream &  cs = start(s, "dsa_topk_mask", {scores, mask});
+        kernels::dsa_topk_mask(cs.launch("dsa_topk_mask"), f32(scores), k, mask.data<uint8_t>(), rows);
         cs.launched("dsa_topk_mask", {scores, mask});
     }
 
     void dsa_attention_target(Stream & s, const Tensor & q_k_v, const AttentionShape & shape, float scale,
-                              const Tensor & target) override {
-        op_checks::dsa_attention_target(q_k_v, shape, target);
-        CudaStream & cs     = start(s, "dsa_attention_target", {q_k_v, target, shape.key_mask});
-        cudaStream_t stream = cs.launch("dsa_attention_target");
+                              const Tensor & target, const Tensor & kv) override {
+        op_checks::dsa_attention_target(q_k_v, kv, shape, target);
+        const Tensor keys = kv.defined() ? kv : q_k_v;
+        LOOM_CHECK(keys.dtype() == q_k_v.dtype(), "dsa_attention_target: kv " << keys.describe() << " and q_k_v "
+                                                                              << q_k_v.describe() << " differ in dtype", "");
+        const DsaRows rows{shape.s, shape.b, shape.keys(), shape.q_pos};
+        CudaStream &  cs     = start(s, "dsa_attention_target", {q_k_v, keys, target, shape.key_mask});
+        cudaStream_t  stream = cs.launch("dsa_attention_target");
         const uint8_t * key_mask = shape.key_mask.defined() ? shape.key_mask.data<uint8_t>() : nullptr;
         with_activations(q_k_v, [&]<class T>(T *) {
-            kernels::dsa_attention_target(stream, act<T>(q_k_v), f32(target), shape.s, shape.b, shape.nq, shape.d,
+            kernels::dsa_attention_target(stream, act<T>(q_k_v), act<T>(keys), f32(target), rows, shape.nq, shape.d,
                                           shape.row_stride, shape.kv_stride(), shape.k_column(), scale, key_mask);
         });
-        cs.launched("dsa_attention_target", {q_k_v, target, shape.key_mask});
+        cs.launched("dsa_attention_target", {q_k_v, keys, target, shape.key_mask});
     }
 
     void dsa_indexer_loss(Stream & s, const Tensor & scores, const Tensor & target, float weight, const Tensor & kl,
-                          const Tensor & dscores, const Tensor & mask) override {
-        const int64_t seq = op_checks::dsa_indexer_loss(scores, target, kl, dscores, mask);
-        CudaStream &  cs  = start(s, "dsa_indexer_loss", {scores, target, kl, dscores, mask});
-        kernels::dsa_indexer_loss(cs.launch("dsa_indexer_loss"), f32(scores), f32(target), weight, f32(kl), f32(dscores), seq,
-                                  scores.size(0), mask.defined() ? mask.data<uint8_t>() : nullptr);
+                          const Tensor & dscores, const Tensor & mask, const SeqPositions & q_pos) override {
+        const auto [seq, keys] = op_checks::dsa_indexer_loss(scores, target, kl, dscores, mask);
+        const DsaRows rows{seq, scores.size(0), keys, q_pos};
+        CudaStream &  cs = start(s, "dsa_indexer_loss", {scores, target, kl, dscores, mask});
+        kernels::dsa_indexer_loss(cs.launch("dsa_indexer_loss"), f32(scores), f32(target), weight, f32(kl), f32(dscores), rows,
+                                  mask.defined() ? mask.data<uint8_t>() : nullptr);
         cs.launched("dsa_indexer_loss", {scores, target, kl, dscores, mask});
     }
 

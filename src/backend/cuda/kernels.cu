@@ -784,11 +784,12 @@ __device__ inline float dsa_dot(const float * a, const float * b, int64_t d) {
     return sum;
 }
 
-__global__ void dsa_index_scores_kernel(const float * q, const float * k, const float * w, float * scores, int64_t s,
-                                        int64_t b, int64_t H, int64_t d, bool relu) {
-    LOOM_GRID_STRIDE(e, b * s * s) {
-        const int64_t bi = e / (s * s), i = e / s % s, j = e % s, ri = i * b + bi;
-        if (j > i) {
+__global__ void dsa_index_scores_kernel(const float * q, const float * k, const float * w, float * scores, DsaRows rows,
+                                        int64_t H, int64_t d, bool relu) {
+    const int64_t s = rows.s, b = rows.b, S = rows.keys;
+    LOOM_GRID_STRIDE(e, b * s * S) {
+        const int64_t bi = e / (s * S), i = e / S % s, j = e % S, ri = i * b + bi;
+        if (j > rows.last(i)) {
             scores[e] = -INFINITY;
             continue;
         }
@@ -802,18 +803,19 @@ __global__ void dsa_index_scores_kernel(const float * q, const float * k, const 
 }
 
 __global__ void dsa_index_dq_kernel(const float * q, const float * k, const float * w, const float * dscores, float * dq,
-                                    float * dw, int64_t s, int64_t b, int64_t H, int64_t d, bool relu) {
+                                    float * dw, DsaRows rows, int64_t H, int64_t d, bool relu) {
+    const int64_t s = rows.s, b = rows.b, S = rows.keys;
     LOOM_GRID_STRIDE(e, s * b * H) {   // (bi, i, h)
-        const int64_t bi = e / (s * H), i = e / H % s, h = e % H, ri = i * b + bi;
+        const int64_t bi = e / (s * H), i = e / H % s, h = e % H, ri = i * b + bi, last = rows.last(i);
         const float * qh  = q + (ri * H + h) * d;
         float *       dqh = dq + (ri * H + h) * d;
         for (int64_t x = 0; x < d; ++x) dqh[x] = 0.0f;
         float dwh = 0.0f;
-        for (int64_t j = 0; j <= i; ++j) {
+        for (int64_t j = 0; j <= last; ++j) {
             const float * kj = k + (j * b + bi) * d;
             const float   z  = dsa_dot(qh, kj, d);
             if (relu && !(z > 0.0f)) continue;
-            const float g = dscores[(bi * s + i) * s + j];
+            const float g = dscores[(bi * s + i) * S + j];
             dwh           = __fadd_rn(dwh, __fmul_rn(g, z));
             const float dz = __fmul_rn(g, w[ri * H + h]);
             for (int64_t x = 0; x < d; ++x) dqh[x] = __fadd_rn(dqh[x], __fmul_rn(dz, kj[x]));
@@ -823,15 +825,17 @@ __global__ void dsa_index_dq_kernel(const float * q, const float * k, const floa
 }
 
 __global__ void dsa_index_dk_kernel(const float * q, const float * k, const float * w, const float * dscores, float * dk,
-                                    int64_t s, int64_t b, int64_t H, int64_t d, bool relu) {
-    LOOM_GRID_STRIDE(e, s * b) {   // (bi, j)
-        const int64_t bi = e / s, j = e % s, rj = j * b + bi;
+                                    DsaRows rows, int64_t H, int64_t d, bool relu) {
+    const int64_t s = rows.s, b = rows.b, S = rows.keys;
+    LOOM_GRID_STRIDE(e, S * b) {   // (bi, j)
+        const int64_t bi = e / S, j = e % S, rj = j * b + bi;
         const float * kj  = k + rj * d;
         float *       dkj = dk + rj * d;
         for (int64_t x = 0; x < d; ++x) dkj[x] = 0.0f;
-        for (int64_t i = j; i < s; ++i) {
+        for (int64_t i = 0; i < s; ++i) {
+            if (rows.last(i) < j) continue;
             const int64_t ri = i * b + bi;
-            const float   g  = dscores[(bi * s + i) * s + j];
+            const float   g  = dscores[(bi * s + i) * S + j];
             for (int64_t h = 0; h < H; ++h) {
                 const float * qh = q + (ri * H + h) * d;
                 const float   z  = dsa_dot(qh, kj, d);
@@ -844,23 +848,24 @@ __global__ void dsa_index_dk_kernel(const float * q, const float * k, const floa
 }
 
 template <class T>
-__device__ inline float dsa_logit(const T * q_k_v, int64_t qi, int64_t kj, int64_t d, float scale) {
+__device__ inline float dsa_logit(const T * q, const T * k, int64_t d, float scale) {
     float dot = 0.0f;
-    for (int64_t x = 0; x < d; ++x) dot = __fadd_rn(dot, __fmul_rn(to_f32(q_k_v[qi + x]), to_f32(q_k_v[kj + x])));
+    for (int64_t x = 0; x < d; ++x) dot = __fadd_rn(dot, __fmul_rn(to_f32(q[x]), to_f32(k[x])));
     return __fmul_rn(scale, dot);
 }
 
 // A thread per score (bi, i, j): key j's rank among row i's causal keys (how many outrank it: a higher score, or
 // the same and earlier), held when below k. The CPU finds the same set by selection.
-__global__ void dsa_topk_mask_kernel(const float * scores, int64_t k, uint8_t * mask, int64_t s, int64_t b) {
-    LOOM_GRID_STRIDE(e, b * s * s) {
-        const int64_t j = e % s, i = e / s % s;
+__global__ void dsa_topk_mask_kernel(const float * scores, int64_t k, uint8_t * mask, DsaRows rows) {
+    const int64_t s = rows.s, S = rows.keys;
+    LOOM_GRID_STRIDE(e, rows.b * s * S) {
+        const int64_t j = e % S, last = rows.last(e / S % s);
         const float * row  = scores + (e - j);
-        bool          held = j <= i;
-        if (held && i + 1 > k) {
+        bool          held = j <= last;
+        if (held && last + 1 > k) {
             const float v    = row[j];
             int64_t     rank = 0;
-            for (int64_t x = 0; x <= i && rank < k; ++x) rank += row[x] > v || (row[x] == v && x < j);
+            for (int64_t x = 0; x <= last && rank < k; ++x) rank += row[x] > v || (row[x] == v && x < j);
             held = rank < k;
         }
         mask[e] = held ? 1 : 0;
@@ -868,31 +873,33 @@ __global__ void dsa_topk_mask_kernel(const float * scores, int64_t k, uint8_t * 
 }
 
 template <class T>
-__global__ void dsa_attention_target_kernel(const T * q_k_v, float * target, int64_t s, int64_t b, int64_t heads,
+__global__ void dsa_attention_target_kernel(const T * q_k_v, const T * kv, float * target, DsaRows rows, int64_t heads,
                                             int64_t d, int64_t row_stride, int64_t kv_stride, int64_t k_col,
                                             float scale, const uint8_t * key_mask) {
+    const int64_t s = rows.s, b = rows.b, S = rows.keys;
     LOOM_GRID_STRIDE(e, b * s) {   // (bi, i)
-        const int64_t   bi = e / s, i = e % s;
-        float *         out  = target + e * s;
-        const uint8_t * held = key_mask != nullptr ? key_mask + e * s : nullptr;
-        for (int64_t j = 0; j < s; ++j) out[j] = 0.0f;
+        const int64_t   bi = e / s, i = e % s, last = rows.last(i);
+        float *         out  = target + e * S;
+        const uint8_t * held = key_mask != nullptr ? key_mask + e * S : nullptr;
+        for (int64_t j = 0; j < S; ++j) out[j] = 0.0f;
         for (int64_t h = 0; h < heads; ++h) {
-            const int64_t qi = (i * b + bi) * row_stride + h * d;
+            const T * qh = q_k_v + (i * b + bi) * row_stride + h * d;
+            auto      kh = [&](int64_t j) { return kv + (j * b + bi) * kv_stride + k_col + h * d; };
             // Three passes over the keys, the logits recomputed (the CPU keeps them): the maximum, the sum, the
             // probabilities.
             float mx = -INFINITY;
-            for (int64_t j = 0; j <= i; ++j) {
+            for (int64_t j = 0; j <= last; ++j) {
                 if (held != nullptr && held[j] == 0) continue;
-                mx = fmaxf(mx, dsa_logit(q_k_v, qi, (j * b + bi) * kv_stride + k_col + h * d, d, scale));
+                mx = fmaxf(mx, dsa_logit(qh, kh(j), d, scale));
             }
             float sum = 0.0f;
-            for (int64_t j = 0; j <= i; ++j) {
+            for (int64_t j = 0; j <= last; ++j) {
                 if (held != nullptr && held[j] == 0) continue;
-                sum = __fadd_rn(sum, expf(__fsub_rn(dsa_logit(q_k_v, qi, (j * b + bi) * kv_stride + k_col + h * d, d, scale), mx)));
+                sum = __fadd_rn(sum, expf(__fsub_rn(dsa_logit(qh, kh(j), d, scale), mx)));
             }
-            for (int64_t j = 0; j <= i; ++j) {
+            for (int64_t j = 0; j <= last; ++j) {
                 if (held != nullptr && held[j] == 0) continue;
-                const float p = expf(__fsub_rn(dsa_logit(q_k_v, qi, (j * b + bi) * kv_stride + k_col + h * d, d, scale), mx));
+                const float p = expf(__fsub_rn(dsa_logit(qh, kh(j), d, scale), mx));
                 out[j]        = __fadd_rn(out[j], __fdiv_rn(p, sum));
             }
         }
@@ -900,27 +907,28 @@ __global__ void dsa_attention_target_kernel(const T * q_k_v, float * target, int
 }
 
 __global__ void dsa_indexer_loss_kernel(const float * scores, const float * target, float weight, float * kl,
-                                        float * dscores, int64_t s, int64_t rows, const uint8_t * mask) {
-    LOOM_GRID_STRIDE(e, rows) {   // (bi, i)
-        const int64_t   i    = e % s;
-        const float *   I    = scores + e * s;
-        const float *   t    = target + e * s;
-        float *         g    = dscores + e * s;
-        const uint8_t * held = mask != nullptr ? mask + e * s : nullptr;
+                                        float * dscores, DsaRows rows, const uint8_t * mask) {
+    const int64_t s = rows.s, S = rows.keys;
+    LOOM_GRID_STRIDE(e, rows.b * s) {   // (bi, i)
+        const int64_t   last = rows.last(e % s);
+        const float *   I    = scores + e * S;
+        const float *   t    = target + e * S;
+        float *         g    = dscores + e * S;
+        const uint8_t * held = mask != nullptr ? mask + e * S : nullptr;
         float           total = 0.0f, mx = -INFINITY;
-        for (int64_t j = 0; j <= i; ++j) {
+        for (int64_t j = 0; j <= last; ++j) {
             if (held != nullptr && held[j] == 0) continue;
             total = __fadd_rn(total, t[j]);
             mx    = fmaxf(mx, I[j]);
         }
         const float norm = fmaxf(total, 1e-10f);
         float       sum  = 0.0f;
-        for (int64_t j = 0; j <= i; ++j) {
+        for (int64_t j = 0; j <= last; ++j) {
             if (held == nullptr || held[j] != 0) sum = __fadd_rn(sum, expf(__fsub_rn(I[j], mx)));
         }
         const float log_sum = logf(sum);
         float       row     = 0.0f;
-        for (int64_t j = 0; j <= i; ++j) {
+        for (int64_t j = 0; j <= last; ++j) {
             if (held != nullptr && held[j] == 0) {
                 g[j] = 0.0f;
                 continue;
@@ -930,7 +938,7 @@ __global__ void dsa_indexer_loss_kernel(const float * scores, const float * targ
             row  = __fadd_rn(row, __fmul_rn(T, __fsub_rn(logf(fmaxf(T, 1e-10f)), log_p)));
             g[j] = __fmul_rn(weight, __fsub_rn(expf(log_p), T));
         }
-        for (int64_t j = i + 1; j < s; ++j) g[j] = 0.0f;
+        for (int64_t j = last + 1; j < S; ++j) g[j] = 0.0f;
         kl[e] = __fmul_rn(weight, row);
     }
 }
@@ -1593,41 +1601,45 @@ void l2norm_backward(cudaStream_t stream, const float * dy, const float * y, con
     if (rows > 0) LOOM_LAUNCH(l2norm_backward_kernel, blocks_for(rows), kThreads, 0, stream)(dy, y, rstd, dx, rows, d);
 }
 
-void dsa_index_scores(cudaStream_t stream, const float * q, const float * k, const float * w, float * scores, int64_t s,
-                      int64_t b, int64_t H, int64_t d, bool relu) {
-    if (b * s > 0) LOOM_LAUNCH(dsa_index_scores_kernel, blocks_for(b * s * s), kThreads, 0, stream)(q, k, w, scores, s, b, H, d, relu);
+void dsa_index_scores(cudaStream_t stream, const float * q, const float * k, const float * w, float * scores,
+                      const DsaRows & rows, int64_t H, int64_t d, bool relu) {
+    const int64_t n = rows.b * rows.s * rows.keys;
+    if (n > 0) LOOM_LAUNCH(dsa_index_scores_kernel, blocks_for(n), kThreads, 0, stream)(q, k, w, scores, rows, H, d, relu);
 }
 
 void dsa_index_scores_backward(cudaStream_t stream, const float * q, const float * k, const float * w, const float * dscores,
-                               float * dq, float * dk, float * dw, int64_t s, int64_t b, int64_t H, int64_t d, bool relu) {
-    if (b * s == 0) return;
-    LOOM_LAUNCH(dsa_index_dq_kernel, blocks_for(s * b * H), kThreads, 0, stream)(q, k, w, dscores, dq, dw, s, b, H, d, relu);
-    LOOM_LAUNCH(dsa_index_dk_kernel, blocks_for(s * b), kThreads, 0, stream)(q, k, w, dscores, dk, s, b, H, d, relu);
+                               float * dq, float * dk, float * dw, const DsaRows & rows, int64_t H, int64_t d, bool relu) {
+    if (rows.b * rows.s == 0) return;
+    LOOM_LAUNCH(dsa_index_dq_kernel, blocks_for(rows.s * rows.b * H), kThreads, 0, stream)(q, k, w, dscores, dq, dw, rows,
+                                                                                         H, d, relu);
+    LOOM_LAUNCH(dsa_index_dk_kernel, blocks_for(rows.keys * rows.b), kThreads, 0, stream)(q, k, w, dscores, dk, rows, H,
+                                                                                        d, relu);
 }
 
-void dsa_topk_mask(cudaStream_t stream, const float * scores, int64_t k, uint8_t * mask, int64_t s, int64_t b) {
-    if (b * s > 0) LOOM_LAUNCH(dsa_topk_mask_kernel, blocks_for(b * s * s), kThreads, 0, stream)(scores, k, mask, s, b);
+void dsa_topk_mask(cudaStream_t stream, const float * scores, int64_t k, uint8_t * mask, const DsaRows & rows) {
+    const int64_t n = rows.b * rows.s * rows.keys;
+    if (n > 0) LOOM_LAUNCH(dsa_topk_mask_kernel, blocks_for(n), kThreads, 0, stream)(scores, k, mask, rows);
 }
 
 template <class T>
-void dsa_attention_target(cudaStream_t stream, const T * q_k_v, float * target, int64_t s, int64_t b, int64_t heads, int64_t d,
-                          int64_t row_stride, int64_t kv_stride, int64_t k_col, float scale, const uint8_t * key_mask) {
-    if (b * s > 0) {
-        LOOM_LAUNCH(dsa_attention_target_kernel<T>, blocks_for(b * s), kThreads, 0, stream)(q_k_v, target, s, b, heads, d,
-                                                                                            row_stride, kv_stride, k_col, scale,
-                                                                                            key_mask);
+void dsa_attention_target(cudaStream_t stream, const T * q_k_v, const T * kv, float * target, const DsaRows & rows,
+                          int64_t heads, int64_t d, int64_t row_stride, int64_t kv_stride, int64_t k_col, float scale,
+                          const uint8_t * key_mask) {
+    if (rows.b * rows.s > 0) {
+        LOOM_LAUNCH(dsa_attention_target_kernel<T>, blocks_for(rows.b * rows.s), kThreads, 0, stream)(
+            q_k_v, kv, target, rows, heads, d, row_stride, kv_stride, k_col, scale, key_mask);
     }
 }
-template void dsa_attention_target(cudaStream_t, const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                   int64_t, float, const uint8_t *);
-template void dsa_attention_target(cudaStream_t, const Bf16 *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                   int64_t, float, const uint8_t *);
+template void dsa_attention_target(cudaStream_t, const float *, const float *, float *, const DsaRows &, int64_t, int64_t,
+                                   int64_t, int64_t, int64_t, float, const uint8_t *);
+template void dsa_attention_target(cudaStream_t, const Bf16 *, const Bf16 *, float *, const DsaRows &, int64_t, int64_t,
+                                   int64_t, int64_t, int64_t, float, const uint8_t *);
 
 void dsa_indexer_loss(cudaStream_t stream, const float * scores, const float * target, float weight, float * kl,
-                      float * dscores, int64_t s, int64_t b, const uint8_t * mask) {
-    if (b * s > 0) {
-        LOOM_LAUNCH(dsa_indexer_loss_kernel, blocks_for(b * s), kThreads, 0, stream)(scores, target, weight, kl, dscores, s,
-                                                                                     b * s, mask);
+                      float * dscores, const DsaRows & rows, const uint8_t * mask) {
+    if (rows.b * rows.s > 0) {
+        LOOM_LAUNCH(dsa_indexer_loss_kernel, blocks_for(rows.b * rows.s), kThreads, 0, stream)(scores, target, weight, kl,
+                                                                                               dscores, rows, mask);
     }
 }
 

@@ -149,18 +149,19 @@ template <class T>
 void output_gate_backward(cudaStream_t stream, const T * x, const T * gate, int64_t stride, const T * dy, T * dx, T * dgate,
                           int64_t n, int64_t w, GateActivation act);
 // Ops::dsa_index_scores, _backward, dsa_topk_mask, dsa_attention_target and dsa_indexer_loss, f32 but the packed
-// [Q | K | V] rows (T): q (n, H d), k (n, d), w (n, H) and their gradients; scores, dscores, target, the masks
-// (b, s, s; the target's and the loss's null for every causal key); kl (b s).
-void dsa_index_scores(cudaStream_t stream, const float * q, const float * k, const float * w, float * scores, int64_t s,
-                      int64_t b, int64_t H, int64_t d, bool relu);
+// [Q | K | V] rows (T): q (s b, H d), k (S b, d), w (s b, H) and their gradients; scores, dscores, target, the masks
+// (b, s, S; the target's and the loss's null for every causal key); kl (b s).
+void dsa_index_scores(cudaStream_t stream, const float * q, const float * k, const float * w, float * scores,
+                      const DsaRows & rows, int64_t H, int64_t d, bool relu);
 void dsa_index_scores_backward(cudaStream_t stream, const float * q, const float * k, const float * w, const float * dscores,
-                               float * dq, float * dk, float * dw, int64_t s, int64_t b, int64_t H, int64_t d, bool relu);
-void dsa_topk_mask(cudaStream_t stream, const float * scores, int64_t k, uint8_t * mask, int64_t s, int64_t b);
+                               float * dq, float * dk, float * dw, const DsaRows & rows, int64_t H, int64_t d, bool relu);
+void dsa_topk_mask(cudaStream_t stream, const float * scores, int64_t k, uint8_t * mask, const DsaRows & rows);
 template <class T>
-void dsa_attention_target(cudaStream_t stream, const T * q_k_v, float * target, int64_t s, int64_t b, int64_t heads, int64_t d,
-                          int64_t row_stride, int64_t kv_stride, int64_t k_col, float scale, const uint8_t * key_mask);
+void dsa_attention_target(cudaStream_t stream, const T * q_k_v, const T * kv, float * target, const DsaRows & rows,
+                          int64_t heads, int64_t d, int64_t row_stride, int64_t kv_stride, int64_t k_col, float scale,
+                          const uint8_t * key_mask);
 void dsa_indexer_loss(cudaStream_t stream, const float * scores, const float * target, float weight, float * kl,
-                      float * dscores, int64_t s, int64_t b, const uint8_t * mask);
+                      float * dscores, const DsaRows & rows, const uint8_t * mask);
 // Ops::l2norm_forward / _backward, f32: x, y, dy, dx (rows, d); rstd (rows).
 void l2norm_forward(cudaStream_t stream, const float * x, float * y, float * rstd, int64_t rows, int64_t d, float eps);
 void l2norm_backward(cudaStream_t stream, const float * dy, const float * y, const float * rstd, float * dx, int64_t rows,
