@@ -301,7 +301,8 @@ TEST(CudaTrain, OneGpuDeepSeekStyleLayersFollowTheCpu) {
 // through cuBLASLt), in f32: the selection is discrete, and bf16's other roundings of the GEMMs (cuBLASLt's against
 // oneDNN's) move near-tied scores across the k-th place, after which the curves part by more than rounding (1.7e-3
 // seen). On cuda-emu the lm and indexer losses are the CPU's within 1e-5 relative (the same to the printed digit
-// seen); on a GPU within 1e-3 and 3e-3 (weights drawn at std 0.2, so the indexer's KL is near 1).
+// seen); on a GPU within 1e-3 and 3e-3 (weights drawn at std 0.2, so the indexer's KL is near 1). The device run
+// captures whole-layer graphs after two eager iterations (the CPU run is eager: the replays are its kernels again).
 TEST(CudaTrain, OneGpuDsaIndexerFollowsTheCpu) {
     SKIP_WITHOUT_CUDA();
 #ifdef LOOM_CUDA_EMU
@@ -313,8 +314,9 @@ TEST(CudaTrain, OneGpuDsaIndexerFollowsTheCpu) {
                               "--kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 16 "
                               "--experimental-attention-variant dsa --dsa-indexer-n-heads 4 --dsa-indexer-head-dim 16 "
                               "--dsa-indexer-topk 16 --dsa-indexer-loss-coeff 1.0 --init-method-std 0.2 " + kShort;
-    const CliRun gpu = run_loom_mpi(1, kRun + model + "--device " + kDevice);
-    expect_follows_cpu(gpu, "MLA + DSA", model, lm_tolerance);
+    const CliRun gpu = run_loom_mpi(1, kRun + model + "--device " + kDevice +
+                                           " --cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 2");
+    expect_follows_cpu(gpu, "MLA + DSA, whole-layer graphs", model, lm_tolerance);
     const CliRun cpu = run_loom_mpi(1, kRun + model + "--device cpu");
     const std::vector<double> want = losses(cpu.out, "indexer loss: "), got = losses(gpu.out, "indexer loss: ");
     ASSERT_EQ(want.size(), 10u) << cpu.out;

@@ -56,6 +56,9 @@ struct Layout {
     int  global_batch       = 8;
     bool full_iteration     = false;   // --cuda-graph-impl full_iteration: the whole iteration, one graph
     bool recompute          = false;   // full recompute (uniform, 1 layer)
+    // DeepSeek Sparse Attention on MLA layers: each row's top half of the keys, the sparse loss, every other layer
+    // taking the one before's selection
+    bool dsa                = false;
 };
 
 struct TrainRun {
@@ -68,7 +71,7 @@ struct TrainRun {
     int64_t                                   replays = 0, microbatches = 0;
     int                                       input_sets = 0;
     size_t                                    collective_nodes = 0, all_to_all_nodes = 0;
-    std::vector<double>                       balancing;   // load_balancing_loss per iteration (MoE)
+    std::vector<double>                       balancing;   // the first tracked loss per iteration (MoE's, DSA's)
     int64_t                                   saved_bytes = 0;   // one layer forward's, after its capture
     double                                    seconds     = 0;
 };
@@ -122,6 +125,18 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = kIte
     o.layer_graphs            = graphed && !layout.full_iteration;
     o.full_iteration_graph    = graphed && layout.full_iteration;
     o.cuda_graph_warmup_steps = kWarmup;
+    if (layout.dsa) {
+        testing_models::use_multi_latent_attention(o);
+        o.model.add_bias_linear             = false;
+        o.model.dsa                         = true;
+        o.model.dsa_indexer_n_heads         = 2;
+        o.model.dsa_indexer_head_dim        = 16;
+        o.model.dsa_indexer_topk            = o.model.seq_length / 2;
+        o.model.dsa_indexer_use_sparse_loss = true;
+        o.model.dsa_indexer_loss_coeff      = 1.0f;
+        o.model.dsa_indexer_topk_freq       = 2;
+        o.model.attention_dropout           = 0.0f;
+    }
     if (layout.recompute) {
         o.model.recompute_granularity = model::RecomputeGranularity::full;
         o.model.recompute_method      = model::RecomputeMethod::uniform;
@@ -173,8 +188,8 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = kIte
 }
 
 std::string describe(const Layout & l) {
-    char text[160];
-    std::snprintf(text, sizeof text, "%stp %d%s cp %d%s pp %d vpp %d ep %d etp %d%s%s%s%s%s%s%s%s",
+    char text[200];
+    std::snprintf(text, sizeof text, "%stp %d%s cp %d%s pp %d vpp %d ep %d etp %d%s%s%s%s%s%s%s%s%s",
                   l.full_iteration ? "full iteration: " : "", l.tp, l.sp ? "+sp" : "", l.cp,
                   l.cp == 1 ? "" : l.cp_comm == model::CpCommType::a2a ? " a2a" : l.cp_comm == model::CpCommType::allgather ? " allgather" : " p2p",
                   l.pp, l.vpp, l.ep, l.etp > 0 ? l.etp : l.tp,
@@ -183,7 +198,7 @@ std::string describe(const Layout & l) {
                   l.moe_preprocess ? " dropless moe, graphs to the dispatch plan" : l.moe_router ? " dropless moe, graphs to the router" : "",
                   l.attn ? (l.moe_layers ? " graphs to norm2, the mlp and moe layers eager" : " graphs to norm2, the mlp eager")
                          : l.mixed ? ", layer 0 dense and whole, global aux loss" : "",
-                  l.recompute ? " full recompute" : "");
+                  l.recompute ? " full recompute" : "", l.dsa ? " dsa" : "");
     return text;
 }
 
@@ -205,7 +220,11 @@ void expect_bitwise(const Layout & layout) {
         }
     }
     EXPECT_EQ(differing, 0u);
-    EXPECT_EQ(graph.balancing, eager.balancing) << "the MoE router's load-balancing loss, iteration by iteration";
+    EXPECT_EQ(graph.balancing, eager.balancing) << "the MoE router's load-balancing loss (DSA's indexer loss), iteration by iteration";
+    if (layout.dsa) {
+        EXPECT_EQ(eager.balancing.size(), eager.losses.size()) << "the indexer loss is logged every iteration";
+        EXPECT_LT(eager.balancing.back(), eager.balancing.front()) << "the indexer learns";
+    }
     if (layout.moe_router) {
         // The routing differs between iterations (the balancing loss moves), so a dispatch replayed from the
         // capture would have diverged; and the router's graphs hold no all-to-all (and without tensor
@@ -314,6 +333,12 @@ TEST(FullIterationGraph, ContextParallelWithFullRecomputeIsBitwiseTheEagerRun) {
 TEST(FullIterationGraph, OptimizerCpuOffloadIsBitwiseTheEagerRun) {
     expect_bitwise(Layout{.offload = true, .full_iteration = true});
 }
+
+// DSA's layers captured whole: the indexer's scores, its selection (a layer between indexers reading the one before's,
+// from that layer's graph), the masked attention and the indexer's loss, added to the layer's accumulator on the stream;
+// PP 2 x DP 2, and the full iteration on DP 4.
+TEST(LayerGraphs, DsaLayersAreBitwiseTheEagerRun) { expect_bitwise(Layout{.pp = 2, .dsa = true}); }
+TEST(FullIterationGraph, DsaIsBitwiseTheEagerRun) { expect_bitwise(Layout{.full_iteration = true, .dsa = true}); }
 
 TEST(LayerGraphs, GraphPoolPeakIsSetByThePipelineDepthNotTheMicroBatches) {
     if (g_mpi->world_size() != 4) GTEST_SKIP() << "runs with 4 ranks";

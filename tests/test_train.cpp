@@ -1398,8 +1398,6 @@ TEST(MegatronCommandLine, DsaFollowsMegatronsRules) {
         {with(dsa, {"--dsa-indexer-loss-coeff", "-1"}), "--dsa-indexer-loss-coeff must be >= 0"},
         {with(dsa, {"--dsa-indexer-k-norm-epsilon", "0"}), "--dsa-indexer-k-norm-epsilon must be a finite number > 0"},
         {with(dsa, {"--linear-attention-freq", "2"}), "--linear-attention-freq with --experimental-attention-variant dsa"},
-        {with(dsa, {"--cuda-graph-impl", "transformer_engine"}),
-         "--experimental-attention-variant dsa with --cuda-graph-impl is not supported by Loom"},
     };
     expect_refused(bad, 1);
     const std::pair<std::vector<std::string>, const char *> split[] = {

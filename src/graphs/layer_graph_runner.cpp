@@ -87,6 +87,10 @@ void LayerGraphRunner::capture() {
     Stream & stream = device_.compute_stream();
     stream.synchronize();
     std::vector<std::unique_ptr<model::TransformerLayer::Context>> contexts(graphs_.size());   // by FWD id
+    // DSA's shared selections (DropoutBatch::dsa_topk), one record per chunk and micro-batch slot as a forward of the
+    // model keeps one: a layer without an indexer captures the read of its source layer's mask, which the source's
+    // FWD graph writes at every replay. Dropped at the slot's first backward (the sources' contexts keep the masks).
+    std::map<std::pair<int, int>, std::map<int64_t, Tensor>> dsa_topk;
     for (const GraphStep & step : plan_.timeline) {
         model::TransformerLayer & layer = chunks_[step.chunk]->layer(step.layer);
         auto graph = std::make_unique<Graph>(device_, "layer " + std::to_string(layer.index) + " " + step_label(step));
@@ -97,7 +101,8 @@ void LayerGraphRunner::capture() {
         if (step.kind == GraphKind::forward) {
             contexts[id] = std::make_unique<model::TransformerLayer::Context>();
             const model::DropoutBatch batch{set_sample_ids_[step.input_set], b_, true,
-                                            chunks_[0]->context_parallel().positions(s_)};
+                                            chunks_[0]->context_parallel().positions(s_),
+                                            &dsa_topk[{step.chunk, step.microbatch}]};
             const Tensor &            x = set_inputs_[step.input_set];
             if (split_layer) {
                 for (const Tensor & t : layer.forward_head(*contexts[id], x, s_, b_, batch, scope_.moe_preprocess, scope_.attn)) {
@@ -107,6 +112,7 @@ void LayerGraphRunner::capture() {
                 outputs_[id] = graph->hold(layer.forward(*contexts[id], x, s_, b_, batch));
             }
         } else {
+            dsa_topk.erase({step.chunk, step.microbatch});
             const size_t forward_id = static_cast<size_t>(graph_id(plan_, GraphKind::forward, step.chunk, step.microbatch, step.layer));
             std::vector<model::Parameter *> & order = ready_order_[id];
             const model::GradReadyFn record = [&order](model::Parameter & p) { order.push_back(&p); };

@@ -162,9 +162,6 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
                "--experimental-attention-variant dsa with --tensor-model-parallel-size " << o.parallel.tp()
                    << " needs --sequence-parallel (Megatron's AbsorbedMLASelfAttention requires it)",
                "add --sequence-parallel");
-    LOOM_CHECK(!o.model.dsa || (!o.layer_graphs && !o.full_iteration_graph),
-               "--experimental-attention-variant dsa with --cuda-graph-impl is not supported by Loom",
-               "the indexer's loss is added on the host's side of each training forward: drop --cuda-graph-impl");
     validate_checkpoint_flags(o, given);
     apply_checkpoint_shape(o);
     if (hf) check_hf_shape(*hf, values_.model, given, o);
@@ -175,7 +172,8 @@ TrainOptions TrainOptionParser::resolve(int64_t world_size) {
                    std::all_of(o.cp_comm_types.begin(), o.cp_comm_types.end(),
                                [](model::CpCommType c) { return c == model::CpCommType::allgather; }),
                "--experimental-attention-variant dsa with --context-parallel-size " << o.parallel.cp()
-                   << " needs --cp-comm-type allgather (Megatron's DSAttention supports no other)",
+                   << " needs --cp-comm-type allgather (Megatron: \"DSAttention context parallelism currently supports "
+                      "cp_comm_type=allgather only.\")",
                "add --cp-comm-type allgather");
     LOOM_CHECK(!o.full_iteration_graph || !o.ddp.use_megatron_fsdp,
                "--cuda-graph-impl full_iteration with --use-megatron-fsdp is not supported by Loom",
