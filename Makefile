@@ -60,11 +60,12 @@ SANITIZE_FLAGS := -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DLOOM_FUZZ=ON -DLOOM_BU
 # reruns check stream ordering, not memory: both run uninstrumented in `make test`. So do three cases that
 # train the same small model for 20 iterations several times over (a minute of the instrumented run between
 # them), whose code the other training cases run once, the gpt-oss and DeepSeek-V3 presets' runs (25 s
-# instrumented) and the DSA runs (30 s), whose layers test_model_grad and test_moe run under the sanitizers:
+# instrumented) and the DSA runs (30 s; and under each FP8 recipe), whose layers test_model_grad and test_moe run under
+# the sanitizers:
 # SANITIZE_SKIP, a gtest filter. And two sweeps of the planner (test_p2p_plan's schedules over PP, VPP and M; test_plan_time's cost
 # model over whole step plans: 55 s instrumented) whose code test_schedule and test_plan run under the
 # sanitizers on fewer cases.
-SANITIZE_SKIP := Training.Fp16TrainsUnderItsLossScalerAndAPowerOfTwoScaleIsExact:Training.TwentyIterationLossCurveMatchesGolden:Training.RunsAreBitwiseReproducible:Training.*PresetTrainsToAFallingLoss:Training.DsaIndexerLossFallsAndIsLogged
+SANITIZE_SKIP := Training.Fp16TrainsUnderItsLossScalerAndAPowerOfTwoScaleIsExact:Training.TwentyIterationLossCurveMatchesGolden:Training.RunsAreBitwiseReproducible:Training.*PresetTrainsToAFallingLoss:Training.DsaIndexerLossFallsAndIsLogged:Training.DsaIndexerTrainsUnderEachFp8Recipe
 test-sanitize: deps
 	cmake -S . -B build-fuzz $(SANITIZE_FLAGS)
 	cmake --build build-fuzz -j $(JOBS) --target loom_unit_tests

@@ -190,11 +190,13 @@ INSTANTIATE_TEST_SUITE_P(
                    "--moe-router-num-groups 2 --moe-router-group-topk 1"},
         // DeepSeek Sparse Attention: each MLA layer's indexer (wq_b, wk, its key norm, weights_proj) and its Adam state
         // come back, and the indexer's loss and its selection (each row's top 16 of 32 keys, every other layer taking
-        // the one before's) continue.
-        ResumeCase{"single_dsa", 1,
-                   "--multi-latent-attention --q-lora-rank 24 --kv-lora-rank 16 --qk-head-dim 12 --qk-pos-emb-head-dim 8 "
-                   "--v-head-dim 12 --disable-bias-linear --experimental-attention-variant dsa --dsa-indexer-n-heads 2 "
-                   "--dsa-indexer-head-dim 16 --dsa-indexer-topk 16 --dsa-indexer-topk-freq 2 --dsa-indexer-loss-coeff 1.0"},
+        // the one before's) continue; under delayed FP8, the indexer's projections' slots of the layers' amax
+        // histories too.
+        ResumeCase{"single_dsa_fp8_delayed", 1,
+                   "--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 "
+                   "--v-head-dim 16 --disable-bias-linear --experimental-attention-variant dsa --dsa-indexer-n-heads 16 "
+                   "--dsa-indexer-head-dim 16 --dsa-indexer-topk 16 --dsa-indexer-topk-freq 2 --dsa-indexer-loss-coeff 1.0 "
+                   "--bf16 --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4"},
         // Muon's momentum (the matrices' exp_avg) sharded by ZeRO-1 over DP 2, bf16 with its masters.
         ResumeCase{"dp2_zero1_muon_bf16", 2, "--optimizer muon --use-distributed-optimizer --bf16"},
         ResumeCase{"offload_half", 1, "--use-precision-aware-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.5"},

@@ -2,6 +2,7 @@
 // falling, a fixed-seed 20-iteration loss curve against its golden JSON, and `loom train`'s errors.
 #include "backend/cpu/cpu_device.h"
 #include "data/token_dataset.h"
+#include "model/dsa_indexer.h"
 #include "train/data_source.h"
 #include "train/flag_table.h"
 #include "train/megatron_flags.h"
@@ -1468,6 +1469,53 @@ TEST(Training, DsaIndexerLossFallsAndIsLogged) {
     ASSERT_EQ(recomputed.status, 0) << recomputed.out;
     EXPECT_EQ(values(recomputed.out, "lm loss: "), slm);
     EXPECT_EQ(values(recomputed.out, "indexer loss: "), sindexer);
+}
+
+// DSA under FP8: the indexer's three projections are the layer's linear modules (Megatron builds them so, and its FP8
+// autocast covers them), cast to FP8 with the layer's others by every recipe; with delayed scaling each takes its
+// slots in the layer's amax histories (every row's scores, the selection and the loss stay f32). A run per recipe
+// (hybrid: e4m3 forward, e5m2 gradients), each row's top 8 of 32 keys and the sparse loss: both losses fall.
+TEST(Training, DsaIndexerTrainsUnderEachFp8Recipe) {
+    const std::vector<std::string> dsa = {"--mock-data", "--bf16", "--num-layers", "2", "--hidden-size", "64",
+                                          "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings",
+                                          "32", "--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16",
+                                          "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
+                                          "--disable-bias-linear", "--experimental-attention-variant", "dsa",
+                                          "--dsa-indexer-n-heads", "16", "--dsa-indexer-head-dim", "16", "--dsa-indexer-topk",
+                                          "8", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"};
+    const train::TrainOptions o = parse_train(dsa);
+    model::GptModel           gpt(o.model, cpu::device());
+    const model::Fp8Delayed * forward = gpt.layer(0).fp8_delayed.forward.get();
+    ASSERT_NE(forward, nullptr);
+    for (const model::Linear * l : {&gpt.layer(0).attention.indexer->wq_b, &gpt.layer(0).attention.indexer->wk,
+                                    &gpt.layer(0).attention.indexer->weights_proj}) {
+        EXPECT_TRUE(l->fp8.has_value()) << l->weight.name << " casts to FP8";
+        EXPECT_EQ(l->fp8_forward_meta, forward) << l->weight.name << " has its slots in the layer's amax histories";
+        EXPECT_GE(l->fp8_x_slot, 0) << l->weight.name;
+    }
+
+    std::string args = "train --lr 3e-3 --lr-warmup-iters 2 --train-iters 20 --log-interval 10 --micro-batch-size 2 "
+                       "--global-batch-size 4 --init-method-std 0.2 --clip-grad 0 --dsa-indexer-loss-coeff 1.0 "
+                       "--dsa-indexer-use-sparse-loss";
+    for (size_t i = 0; i + 2 < dsa.size(); ++i) args += " " + dsa[i];   // without the recipe
+    auto logged = [](const std::string & out, const std::string & key) {
+        std::vector<double> values;
+        for (size_t at = out.find(key); at != std::string::npos; at = out.find(key, at + 1)) {
+            values.push_back(std::strtod(out.c_str() + at + key.size(), nullptr));
+        }
+        return values;
+    };
+    for (const char * recipe : {"tensorwise", "delayed", "blockwise", "mxfp8"}) {
+        const CliRun run = run_loom(args + " --fp8-recipe " + recipe);
+        ASSERT_EQ(run.status, 0) << recipe << "\n" << run.out;
+        const std::vector<double> lm = logged(run.out, "lm loss: "), indexer = logged(run.out, "indexer loss: ");
+        ASSERT_EQ(lm.size(), 2u) << run.out;
+        ASSERT_EQ(indexer.size(), 2u) << run.out;
+        std::printf("dsa, fp8 %s: lm loss %.4f -> %.4f, indexer loss %.4f -> %.4f\n", recipe, lm[0], lm[1], indexer[0],
+                    indexer[1]);
+        EXPECT_LT(lm[1], lm[0]) << recipe;
+        EXPECT_LT(indexer[1], indexer[0]) << recipe << ": the indexer learns through its FP8 projections";
+    }
 }
 
 // --window-size (tuple_type: "L,R" or "(L,R)") and --window-attn-skip-freq (an integer or a list expression)

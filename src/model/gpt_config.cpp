@@ -78,7 +78,6 @@ void GptConfig::validate() const {
                    "--dsa-indexer-topk-freq " << dsa_indexer_topk_freq << " and --dsa-indexer-skip-topk-offset "
                                               << dsa_indexer_skip_topk_offset,
                    "a frequency >= 1 and an offset >= 0");
-        LOOM_CHECK(!fp8, "--experimental-attention-variant dsa with --fp8-format is not supported by Loom", "drop one of them");
     }
     if (gated_delta_net) {   // TransformerConfig's checks, then Loom's kernels' widths
         LOOM_CHECK(linear_attention_freq > 0 || !linear_attention_layers.empty(),

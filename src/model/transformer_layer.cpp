@@ -4,6 +4,7 @@
 
 #include "core/error.h"
 #include "core/ops.h"
+#include "model/dsa_indexer.h"
 #include "model/gated_delta_net.h"
 
 #include <cmath>
@@ -54,6 +55,11 @@ TransformerLayer::TransformerLayer(int64_t index, const GptConfig & c, Device & 
             for (auto * l : {&attention.mla->q, &attention.mla->q_down, &attention.mla->q_up, &attention.mla->kv_down,
                              &attention.mla->kv_up}) {
                 if (*l) linears.push_back(l->get());
+            }
+        }
+        if (attention.indexer) {   // DSA's indexer: Megatron builds its projections as the layer's other linear modules
+            for (Linear * l : {&attention.indexer->wq_b, &attention.indexer->wk, &attention.indexer->weights_proj}) {
+                linears.push_back(l);
             }
         }
         if (mlp) {
