@@ -51,6 +51,19 @@ inline void use_multi_latent_attention(train::TrainOptions & o) {
     o.model.v_head_dim             = 12;
 }
 
+// DeepSeek Sparse Attention on MLA layers (use_multi_latent_attention first) at toy size: an indexer of 2 heads of
+// 16, each row's top half of the keys, the loss over them at coefficient 1, every other layer taking the one
+// before's selection (--dsa-indexer-topk-freq 2).
+inline void use_sparse_attention(train::TrainOptions & o) {
+    o.model.dsa                         = true;
+    o.model.dsa_indexer_n_heads         = 2;
+    o.model.dsa_indexer_head_dim        = 16;
+    o.model.dsa_indexer_topk            = o.model.seq_length / 2;
+    o.model.dsa_indexer_use_sparse_loss = true;
+    o.model.dsa_indexer_loss_coeff      = 1.0f;
+    o.model.dsa_indexer_topk_freq       = 2;
+}
+
 // Qwen3-Next's gated delta-net on layers 0, 2, ... (--linear-attention-freq 2), with key and value heads of 8.
 inline void use_gated_delta_net(train::TrainOptions & o, int64_t key_heads, int64_t value_heads) {
     o.model.gated_delta_net        = true;

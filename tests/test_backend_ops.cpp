@@ -3114,13 +3114,9 @@ TEST(OpsDsa, ContextParallelRowsAreTheWholeSequencesRows) {
             Tensor dq_r = empty({n, H * d}), dk_r = empty({N, d}), dw_r = empty({n, H});
             ops().dsa_index_scores(stream(), q_r, k, w_r, s, b, true, s_r, at);
             ops().dsa_topk_mask(stream(), scores_r, topk, mask_r, at);
-            AttentionShape shape(s, b, heads, heads, hd, stride);
-            shape.s_kv          = S;
-            shape.kv_row_stride = 2 * heads * hd;
-            shape.k_col         = 0;
-            shape.v_col         = heads * hd;
-            shape.q_pos         = at;
-            shape.key_mask      = mask_r;
+            AttentionShape shape = AttentionShape(s, b, heads, heads, hd, stride).against_kv(S);
+            shape.q_pos          = at;
+            shape.key_mask       = mask_r;
             ops().dsa_attention_target(stream(), rows_r, shape, scale, target_r, kv);
             ops().dsa_indexer_loss(stream(), scores_r, target_r, weight, kl_r, grad_r, mask_r, at);
             ops().dsa_index_scores_backward(stream(), q_r, k, w_r, local_planes(dscores), s, b, true, dq_r, dk_r, dw_r, at);

@@ -124,15 +124,9 @@ train::TrainOptions options_of(const Layout & l) {
     o.model.attention_output_gate = l.gate;
     if (l.gdn) testing_models::use_gated_delta_net(o, 4, 8);   // TP x CP up to 4 splits its heads
     if (l.dsa) {   // each row's top half of the keys, the sparse loss, layers 2 and 4 attending to 1's and 3's selection
-        o.model.dsa                         = true;
-        o.model.dsa_indexer_n_heads         = 2;
-        o.model.dsa_indexer_head_dim        = 16;
-        o.model.dsa_indexer_topk            = o.model.seq_length / 2;
-        o.model.dsa_indexer_use_sparse_loss = true;
-        o.model.dsa_indexer_loss_coeff      = 1.0f;
-        o.model.dsa_indexer_topk_freq       = 2;
-        o.model.init_method_std             = 0.2f;   // attention far from uniform: the indexer's KL near 1
-        o.log_interval                      = 1;      // the logged indexer loss, compared below
+        testing_models::use_sparse_attention(o);
+        o.model.init_method_std = 0.2f;   // attention far from uniform: the indexer's KL near 1
+        o.log_interval          = 1;      // the logged indexer loss, compared below
     }
     return o;
 }

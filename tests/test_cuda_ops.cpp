@@ -937,12 +937,8 @@ TEST(CudaOps, DsaIndexerOpsMatchTheCpu) {
     cops().dsa_index_scores(cs(), ql, kw, wl, sl, b, true, scc, at);
     cops().dsa_index_scores_backward(cs(), ql, kw, wl, dl, sl, b, true, dqc, dkc, dwc, at);
     cops().dsa_topk_mask(cs(), sl_scores, 4, mcc, at);
-    AttentionShape cp_shape(sl, b, heads, heads, hd, stride);
-    cp_shape.s_kv          = S;
-    cp_shape.kv_row_stride = 2 * heads * hd;
-    cp_shape.k_col         = 0;
-    cp_shape.v_col         = heads * hd;
-    cp_shape.q_pos         = at;
+    AttentionShape cp_shape = AttentionShape(sl, b, heads, heads, hd, stride).against_kv(S);
+    cp_shape.q_pos          = at;
     AttentionShape cp_c = cp_shape, cp_g = cp_shape;
     cp_c.key_mask = mcc;
     cops().dsa_attention_target(cs(), rl, cp_c, 0.4f, tcc, kv);

@@ -127,15 +127,9 @@ TrainRun train_layout(const Layout & layout, bool graphed, int iterations = kIte
     o.cuda_graph_warmup_steps = kWarmup;
     if (layout.dsa) {
         testing_models::use_multi_latent_attention(o);
-        o.model.add_bias_linear             = false;
-        o.model.dsa                         = true;
-        o.model.dsa_indexer_n_heads         = 2;
-        o.model.dsa_indexer_head_dim        = 16;
-        o.model.dsa_indexer_topk            = o.model.seq_length / 2;
-        o.model.dsa_indexer_use_sparse_loss = true;
-        o.model.dsa_indexer_loss_coeff      = 1.0f;
-        o.model.dsa_indexer_topk_freq       = 2;
-        o.model.attention_dropout           = 0.0f;
+        testing_models::use_sparse_attention(o);
+        o.model.add_bias_linear   = false;
+        o.model.attention_dropout = 0.0f;
     }
     if (layout.recompute) {
         o.model.recompute_granularity = model::RecomputeGranularity::full;

@@ -64,6 +64,15 @@ struct AttentionShape {
     Tensor       key_mask;
 
     int64_t keys() const { return s_kv > 0 ? s_kv : s; }
+    // These queries against a K | V tensor of its own (rows of 2 nkv d, K first) holding `keys` rows per sequence.
+    AttentionShape against_kv(int64_t keys) const {
+        AttentionShape a = *this;
+        a.s_kv           = keys;
+        a.kv_row_stride  = 2 * nkv * d;
+        a.k_col          = 0;
+        a.v_col          = nkv * d;
+        return a;
+    }
     int64_t kv_stride() const { return kv_row_stride > 0 ? kv_row_stride : row_stride; }
     int64_t k_column() const { return k_col >= 0 ? k_col : nq * d; }
     int64_t v_column() const { return v_col >= 0 ? v_col : (nq + nkv) * d; }

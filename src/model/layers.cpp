@@ -1092,18 +1092,12 @@ Tensor own_kv_block(const Tensor & q_k_v, const AttentionShape & shape) {
     return kv;
 }
 
-// `shape`'s queries against a separate K | V block: rows of 2 nkv d, K first.
-AttentionShape against_kv_block(AttentionShape shape) {
-    shape.kv_row_stride = 2 * shape.nkv * shape.d;
-    shape.k_col         = 0;
-    shape.v_col         = shape.nkv * shape.d;
-    return shape;
-}
+// `shape`'s queries against a separate K | V block of as many rows: rows of 2 nkv d, K first.
+AttentionShape against_kv_block(const AttentionShape & shape) { return shape.against_kv(shape.keys()); }
 
 // `shape`'s queries against the whole sequences' K | V blocks in position order (SelfAttention::whole_kv): CP s keys.
 AttentionShape against_whole_kv(const AttentionShape & shape, int cp) {
-    AttentionShape whole = against_kv_block(shape);
-    whole.s_kv           = shape.s * cp;
+    AttentionShape whole = shape.against_kv(shape.s * cp);
     whole.k_pos          = SeqPositions{};
     return whole;
 }
