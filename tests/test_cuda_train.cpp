@@ -152,10 +152,11 @@ WorkLine work_line(const std::string & out) {
 
 }  // namespace
 
-// Device allocations per iteration after warm-up: fewer than one every other iteration. An allocation made
-// every iteration (per op or per step) gives 1 or more; how far the emulated device lags behind the host
-// decides a few more or fewer (0 to 4 in 17 iterations seen, more with the machine loaded).
-constexpr double kAllocationsBound = 0.5;
+// Device allocations per iteration after warm-up: fewer than one per iteration. An allocation made every
+// iteration (per op or per step) gives 1 or more; how far the emulated device lags behind the host decides how
+// many blocks the pool still adds while the host runs an iteration ahead (0 to 4 in 17 iterations seen alone,
+// 11 with the machine loaded by the whole suite).
+constexpr double kAllocationsBound = 0.9;
 
 // Also: every GEMM of the 20 iterations went through a cached cuBLASLt plan, one heuristic query per plan
 // (the run's last line), so the steps after the first asked the heuristic nothing. Every iteration logs
