@@ -383,7 +383,9 @@ INSTANTIATE_TEST_SUITE_P(
                       // Megatron-FSDP: each unit's weights gathered into fresh device memory around its use,
                       // its gradients reduce-scattered into the shards, both overlapped on the NCCL stream.
                       Layout{"fsdp_dp2_overlaps", "--use-megatron-fsdp --overlap-grad-reduce --overlap-param-gather"},
-                      Layout{"tp2_sp", "--tensor-model-parallel-size 2 --sequence-parallel"},
+                      // --tp-comm-overlap: each sequence-parallel linear's row blocks around the ring through
+                      // NCCL on the tp-comm stream beside the GEMMs.
+                      Layout{"tp2_sp_comm_overlap", "--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap"},
                       // Muon's whole matrices: the TP shards all-gathered over NCCL, ZeRO-1's pieces summed.
                       Layout{"tp2_sp_muon", "--tensor-model-parallel-size 2 --sequence-parallel",
                              "--bf16 --num-layers 2 --optimizer muon "},
@@ -399,9 +401,11 @@ INSTANTIATE_TEST_SUITE_P(
                              "--bf16 --num-layers 4 "},
                       // Per-layer graphs with the TP collectives as replayable nodes between CUDA segments; the
                       // attention's learnable sinks and its output gate inside them, and on the first layer the
-                      // gated delta-net (Qwen3-Next's: its convolution, norms, gates and delta rule) instead.
+                      // gated delta-net (Qwen3-Next's: its convolution, norms, gates and delta rule) instead; with
+                      // --tp-comm-overlap, whose rings run in line on the compute stream inside a capture.
                       Layout{"tp2_sp_layer_graphs_sinks_gate_gdn", "--tensor-model-parallel-size 2 --sequence-parallel "
-                                                                   "--cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 2",
+                                                                   "--cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 2 "
+                                                                   "--tp-comm-overlap",
                              "--bf16 --num-layers 2 --softmax-type learnable --attention-output-gate "
                              "--experimental-attention-variant gated_delta_net --linear-attention-freq 2 "
                              "--linear-num-key-heads 2 --linear-num-value-heads 4 --linear-key-head-dim 32 "

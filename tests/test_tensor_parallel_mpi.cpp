@@ -39,6 +39,8 @@ bool g_fused_classifier = false;
 // DSA): an indexer of 2 heads of 16 with the top-k every key and a loss coefficient of 1, in every run of a test that
 // sets it.
 bool g_dsa = false;
+// --tp-comm-overlap in the layout's run (the reference has no TP): the sequence-parallel linears' rings.
+bool g_tp_comm_overlap = false;
 
 train::TrainOptions small_options(bool llama, bool mla = false, bool muon = false, bool sinks = false, bool gdn = false);
 
@@ -132,6 +134,7 @@ Run parallel_run(int tp, int pp, bool distopt, bool llama, bool sp, int recomput
     o.ddp.overlap_grad_reduce       = distopt;
     o.ddp.bucket_size               = 20000;
     o.sequence_parallel             = sp;
+    o.tp_comm_overlap               = sp && g_tp_comm_overlap;
     if (recompute == 1) {   // every layer rerun in backward, its dropout masks redrawn
         o.model.recompute_granularity = model::RecomputeGranularity::full;
         o.model.recompute_method      = model::RecomputeMethod::uniform;
@@ -162,7 +165,8 @@ void expect_follows_reference(int tp, int pp, bool distopt, bool llama, bool sp 
                              (muon ? " muon" : "") + (sinks ? " sinks+gate" : "") +
                              (gdn ? " gated delta-net" : "") +
                              " tp " + std::to_string(tp) + " pp " +
-                             std::to_string(pp) + (sp ? " sequence-parallel" : "") + (distopt ? " zero-1" : "") +
+                             std::to_string(pp) + (sp ? " sequence-parallel" : "") +
+                             (sp && g_tp_comm_overlap ? " tp-comm-overlap" : "") + (distopt ? " zero-1" : "") +
                              (recompute == 1 ? " full recompute" : recompute == 2 ? " selective recompute" : "");
     SCOPED_TRACE(name);
     const Run ref = reference(llama, mla, muon, sinks, gdn);
@@ -218,6 +222,26 @@ TEST(TensorParallel, SequenceParallelFollowsTheSingleRankRun) {
     } else {
         GTEST_SKIP() << "runs with 2 and 4 ranks";
     }
+}
+
+// --tp-comm-overlap: every sequence-parallel linear passes its row blocks around the TP ring beside its GEMMs
+// (all-gather + GEMM, GEMM + reduce-scatter, the backward's reduce-scatter beside the weight gradient), against the
+// single-rank run: GPT-2-style (biases, the bias-GELU epilogue block by block) and Llama-style (SwiGLU, no biases)
+// at TP 2 + SP; on 4 ranks TP 4 + SP (blocks three steps around the ring) and TP 2 + SP x PP 2 with ZeRO-1 and
+// every layer recomputed.
+TEST(TensorParallel, CommOverlapRingsFollowTheSingleRankRun) {
+    g_tp_comm_overlap = true;
+    if (g_mpi->world_size() == 2) {
+        expect_follows_reference(2, 1, false, false, true);
+        expect_follows_reference(2, 1, false, true, true);
+    } else if (g_mpi->world_size() == 4) {
+        expect_follows_reference(4, 1, false, false, true);
+        expect_follows_reference(2, 2, true, false, true, 1);
+    } else {
+        g_tp_comm_overlap = false;
+        GTEST_SKIP() << "runs with 2 and 4 ranks";
+    }
+    g_tp_comm_overlap = false;
 }
 
 // --cross-entropy-loss-fusion: the output layer, the loss and its gradient in 7 chunks of positions in the

@@ -7,6 +7,7 @@
 #include "model/gated_delta_net.h"
 
 #include <cmath>
+#include <functional>
 #include <optional>
 
 namespace loom::model {
@@ -59,6 +60,112 @@ Tensor TensorParallel::all_gather(const Tensor & t) const {
     group->all_gather(t, out, &t.device().compute_stream());
     return out;
 }
+
+TensorParallel::Streams::Streams(Device & device) : stream(device.stream_create("tp-comm")), ready(device.event_create()) {}
+
+namespace {
+
+// One step of a tensor-parallel ring (--tp-comm-overlap): `send` to the group's next rank, the previous rank's
+// block into `recv` (an all-to-all with one non-empty block each way, as the CP ring's passes). On the tp-comm
+// stream once the compute stream has produced `send`, beside whatever the compute stream does next; arrive()
+// makes the compute stream wait for it. Inside a graph capture it runs on the compute stream, in line: the
+// same blocks in the same order, so the same bits.
+class TpRingStep {
+public:
+    TpRingStep(const TensorParallel & tp, const Tensor & send, const Tensor & recv) : send_(send) {
+        Device & dev     = send.device();
+        Stream & compute = dev.compute_stream();
+        overlapped_      = graph_being_captured() == nullptr;
+        Stream & on      = overlapped_ ? *tp.overlap->stream : compute;
+        if (overlapped_) {
+            compute.record(*tp.overlap->ready);
+            on.wait(*tp.overlap->ready);
+            done_ = dev.event_create();
+        }
+        std::vector<int64_t> sends(static_cast<size_t>(tp.size), 0), recvs(static_cast<size_t>(tp.size), 0);
+        sends[static_cast<size_t>((tp.rank + 1) % tp.size)]           = send.numel();
+        recvs[static_cast<size_t>((tp.rank - 1 + tp.size) % tp.size)] = recv.numel();
+        tp.group->all_to_all(send, sends, recv, recvs, &on);
+        if (overlapped_) on.record(*done_);
+    }
+    void arrive() {
+        if (overlapped_) send_.device().compute_stream().wait(*done_);
+    }
+
+private:
+    Tensor                 send_;   // read by the tp-comm stream until done_
+    bool                   overlapped_ = false;
+    std::unique_ptr<Event> done_;
+};
+
+// The ring's all-gather + GEMM: this rank's block of rows (`local`, rows r) into block r of `gathered` (size blocks),
+// then every other rank's around the ring, each block's `product(j)` running on the compute stream while the next
+// block travels: block j arrives at step k = rank - j (mod size), and the product of the block in hand overlaps it.
+void gather_around_ring(const TensorParallel & tp, const Tensor & local, const Tensor & gathered,
+                        const std::function<void(int64_t block)> & product) {
+    const int64_t rows = local.size(0);
+    Device &      dev  = local.device();
+    dev.ops().copy(dev.compute_stream(), local, gathered.narrow(0, tp.rank * rows, rows));
+    for (int k = 0; k < tp.size; ++k) {
+        const int                 j = (tp.rank - k + tp.size) % tp.size;
+        std::optional<TpRingStep> step;
+        if (k + 1 < tp.size) {
+            step.emplace(tp, gathered.narrow(0, j * rows, rows), gathered.narrow(0, ((j - 1 + tp.size) % tp.size) * rows, rows));
+        }
+        product(j);
+        if (step) step->arrive();
+    }
+}
+
+// The ring's GEMM + reduce-scatter: this rank's block (rows r) of the sum over the group of every rank's product.
+// At step k each rank computes `product(b, part)` for block b = rank - 1 - k (mod size), adds the partial sum the
+// previous rank passed it (for the same block) and passes the sum on; the last step's block is its own. Each
+// product runs beside the transfer of the step before. The partial sums are in `dtype` (the activations'), each
+// step rounding once, as a ring reduce-scatter does.
+Tensor reduce_around_ring(const TensorParallel & tp, Device & dev, int64_t rows, int64_t width, DType dtype,
+                          const std::function<void(int64_t block, const Tensor & part)> & product) {
+    std::optional<TpRingStep> step;
+    Tensor                    part, incoming;
+    for (int k = 0; k < tp.size; ++k) {
+        const int b = (tp.rank - 1 - k + 2 * tp.size) % tp.size;
+        part        = activation(dev, rows, width, dtype);
+        product(b, part);
+        if (step) {
+            step->arrive();
+            dev.ops().add_inplace(dev.compute_stream(), part, incoming);
+            step.reset();
+        }
+        if (k + 1 < tp.size) {
+            incoming = activation(dev, rows, width, dtype);
+            step.emplace(tp, part, incoming);
+        }
+    }
+    return part;
+}
+
+// Whether a linear runs its collectives as rings (--tp-comm-overlap): sequence-parallel, split, not cast to FP8 (a
+// tensorwise FP8 scale is the whole gathered operand's: the blocks cannot be cast one by one).
+bool on_ring(const Linear & l) { return l.split != Linear::Split::none && l.tp && l.tp->rings() && !l.fp8; }
+
+// A column-parallel forward's GEMM over its gathered input: `product(x, first, rows)` writes output rows [first,
+// first + rows) from x, the input's rows there. On the ring, once per block as it arrives; otherwise once, after
+// the whole all-gather. Returns the gathered input, in the weights' dtype (Context::x).
+Tensor gathered_product(const Linear & l, const Tensor & x_rows,
+                        const std::function<void(const Tensor & x, int64_t first, int64_t rows)> & product) {
+    if (!on_ring(l)) {
+        const Tensor x_in = l.input_for_backward(x_rows);
+        product(x_in, 0, x_in.size(0));
+        return x_in;
+    }
+    const Tensor  local = in_dtype(x_rows, l.weight.compute_dtype());
+    const int64_t rows  = local.size(0);
+    const Tensor  gathered = Tensor::empty({rows * l.tp->size, local.size(1)}, local.dtype(), local.device(),
+                                           {MemoryKind::device, kActivationsPool});
+    gather_around_ring(*l.tp, local, gathered, [&](int64_t j) { product(gathered.narrow(0, j * rows, rows), j * rows, rows); });
+    return gathered;
+}
+
+}  // namespace
 
 Dropout dropout_key(const GptConfig & config, const TensorParallel & tp, const DropoutBatch & batch, int64_t layer,
                     DropoutKind kind, int64_t rows, int64_t heads) {
@@ -193,7 +300,42 @@ void Linear::fp8_forward_product(Context & ctx, const Tensor & x_in, const Tenso
                 Fp8Cast{fp8->blockwise, true, fp8->mxfp8}, &d_x, &d_w);
 }
 
+namespace {
+
+// Linear::forward on the ring (on_ring): a column split multiplies each block of rows as it arrives (the bias in
+// each block's epilogue); a row split sums its products for each block around the ring, then adds the bias.
+Tensor ring_forward(const Linear & l, Linear::Context & ctx, const Tensor & x_rows, bool add_bias, DType out) {
+    Device &      dev    = x_rows.device();
+    Ops &         ops    = dev.ops();
+    Stream &      stream = dev.compute_stream();
+    const int64_t o      = l.weight.data.size(0);
+    const Tensor  bias   = l.has_bias && add_bias ? parameter_f32(l.bias) : Tensor();
+    if (l.split == Linear::Split::column) {
+        const Tensor y = activation(dev, x_rows.size(0) * l.tp->size, o, out);
+        ctx.x = gathered_product(l, x_rows, [&](const Tensor & x, int64_t first, int64_t rows) {
+            const Tensor y_rows = y.narrow(0, first, rows);
+            if (bias.defined()) {
+                ops.gemm_bias(stream, x, false, l.weight.data, true, y_rows, bias);
+            } else {
+                ops.gemm(stream, x, false, l.weight.data, true, y_rows);
+            }
+        });
+        return y;
+    }
+    const Tensor  x_in = l.input_for_backward(x_rows);
+    const int64_t rows = x_in.size(0) / l.tp->size;
+    const Tensor  y    = reduce_around_ring(*l.tp, dev, rows, o, out, [&](int64_t block, const Tensor & part) {
+        ops.gemm(stream, x_in.narrow(0, block * rows, rows), false, l.weight.data, true, part);
+    });
+    if (bias.defined()) ops.bias_add(stream, y, bias);
+    ctx.x = x_in;
+    return y;
+}
+
+}  // namespace
+
 Tensor Linear::forward(Context & ctx, const Tensor & x_rows, bool add_bias, std::optional<DType> out) {
+    if (on_ring(*this)) return ring_forward(*this, ctx, x_rows, add_bias, out.value_or(x_rows.dtype()));
     Tensor   x_in = input_for_backward(x_rows);
     int64_t  n = x_in.size(0), o = weight.data.size(0);
     Tensor   y      = activation(x_in.device(), n, o, out.value_or(x_rows.dtype()));
@@ -249,6 +391,17 @@ Tensor Linear::recompute(const Context & ctx, DType out) const {
 Tensor Linear::forward_gelu(Context & ctx, const Tensor & x_rows, DType out, Tensor & pre) {
     LOOM_CHECK(!(split == Split::row && tp->size > 1), "Linear::forward_gelu of " << weight.name,
                "a row-parallel linear sums its output first: forward, then bias_gelu_forward");
+    if (on_ring(*this)) {   // each block's rows through the GEMM, the bias and GELU as it arrives
+        const int64_t n = x_rows.size(0) * tp->size, o = weight.data.size(0);
+        pre             = activation(x_rows.device(), n, o, out);
+        Tensor       y  = activation(x_rows.device(), n, o, out);
+        const Tensor b  = has_bias ? parameter_f32(bias) : Tensor();
+        ctx.x = gathered_product(*this, x_rows, [&](const Tensor & x, int64_t first, int64_t rows) {
+            x.device().ops().gemm_bias_gelu(x.device().compute_stream(), x, false, weight.data, true,
+                                            pre.narrow(0, first, rows), y.narrow(0, first, rows), b);
+        });
+        return y;
+    }
     Tensor        x_in = input_for_backward(x_rows);
     const int64_t n = x_in.size(0), o = weight.data.size(0);
     pre      = activation(x_in.device(), n, o, out);
@@ -281,19 +434,43 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
         accumulate_grads(stream, {bias.main_grad.view({bias.main_grad.numel()})},
                          [&](std::span<const Tensor> g) { ops.bias_backward(stream, dy_rows, g[0]); });
     }
-    Tensor  dy = gathered ? tp->all_gather(dy_rows) : dy_rows;
-    int64_t n = dy.size(0), in = weight.data.size(1);
-    Tensor  dy_in = in_dtype(dy, dtype);
-    Tensor  dx    = activation(dy.device(), n, in, dy.dtype());
     // GELU's gradient rides in the product's epilogue unless a sum over the TP group comes between them.
     const bool summed = split == Split::column && tp->size > 1;
+    // --tp-comm-overlap (on_ring): a row split's output gradient arrives around the ring one block at a time, each
+    // block's rows of dx multiplied as it comes (dx = dy W is row by row).
+    const bool ring_gather = gathered && on_ring(*this);
+    Tensor     dy, dy_in, dx;
+    int64_t    n = 0, in = weight.data.size(1);
+    if (ring_gather) {
+        const Tensor local = in_dtype(dy_rows, dtype);
+        const int64_t rows = local.size(0);
+        n     = rows * tp->size;
+        dy_in = Tensor::empty({n, local.size(1)}, dtype, dy_rows.device(), {MemoryKind::device, kActivationsPool});
+        dx    = activation(dy_rows.device(), n, in, dy_rows.dtype());
+        gather_around_ring(*tp, local, dy_in, [&](int64_t j) {
+            const Tensor dy_j = dy_in.narrow(0, j * rows, rows), dx_j = dx.narrow(0, j * rows, rows);
+            if (gelu_input.defined()) {
+                ops.gemm_gelu_backward(stream, dy_j, false, weight.data, false, gelu_input.narrow(0, j * rows, rows), dx_j);
+            } else {
+                ops.gemm(stream, dy_j, false, weight.data, false, dx_j);
+            }
+        });
+        dy = dy_in;
+    } else {
+        dy    = gathered ? tp->all_gather(dy_rows) : dy_rows;
+        n     = dy.size(0);
+        dy_in = in_dtype(dy, dtype);
+        dx    = activation(dy.device(), n, in, dy.dtype());
+    }
     // Delayed scaling: dy cast by its slot's scale (its amax recorded once, here), x and W by their forward's.
     const bool                delayed = fp8 && fp8_backward_meta != nullptr;
     const Fp8Delayed::Operand d_dy    = delayed ? fp8_backward_meta->operand(fp8_dy_slot) : Fp8Delayed::Operand{};
     const Fp8Delayed::Operand d_dy_again{d_dy.scale, Tensor()};
     const Fp8Delayed::Operand d_x{delayed ? ctx.fp8_scales.slice(0, {1}) : Tensor(), Tensor()};
     const Fp8Delayed::Operand d_w{delayed ? ctx.fp8_scales.slice(1, {1}) : Tensor(), Tensor()};
-    if (fp8) {   // dx = fp8(dy) fp8(W), then gemm_gelu_backward's contract
+    if (ring_gather) {
+        // dx is done
+    } else if (fp8) {   // dx = fp8(dy) fp8(W), then gemm_gelu_backward's contract
         const Tensor dx32 = activation(dy.device(), n, in, DType::f32);
         fp8_product(dy_in, fp8->backward, false, weight.data, fp8->forward, false, dx32, weight.fp8_scale_inv,
                     Fp8Cast{fp8->blockwise, true, fp8->mxfp8}, delayed ? &d_dy : nullptr, delayed ? &d_w : nullptr);
@@ -303,6 +480,24 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
         ops.gemm_gelu_backward(stream, dy_in, false, weight.data, false, gelu_input, dx);
     } else {
         ops.gemm(stream, dy_in, false, weight.data, false, dx);
+    }
+    // --tp-comm-overlap: a column split's reduce-scatter of dx runs on the tp-comm stream beside the weight
+    // gradient's GEMM (the same collective as without it: the same bits).
+    Tensor                 dx_rows;
+    std::unique_ptr<Event> reduced;
+    if (split == Split::column && tp->rings()) {
+        const bool captured = graph_being_captured() != nullptr;
+        Stream &   on       = captured ? stream : *tp->overlap->stream;
+        dx_rows = Tensor::empty({n / tp->size, in}, dx.dtype(), dx.device(), {MemoryKind::device, kActivationsPool});
+        if (!captured) {
+            stream.record(*tp->overlap->ready);
+            on.wait(*tp->overlap->ready);
+        }
+        tp->group->reduce_scatter(dx, dx_rows, comm::ReduceOp::sum, &on);
+        if (!captured) {
+            reduced = dx.device().event_create();
+            on.record(*reduced);
+        }
     }
     if (fp8) {   // dW += fp8(dy)^T fp8(x) / (s_dy s_x)
         const Tensor dw32 = activation(dy.device(), weight.data.size(0), in, DType::f32);
@@ -318,7 +513,10 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
         });
     }
     if (split == Split::column) {   // each rank's output features contribute to dx
-        if (tp->sp()) {
+        if (dx_rows.defined()) {
+            if (reduced) stream.wait(*reduced);
+            dx = dx_rows;
+        } else if (tp->sp()) {
             dx = tp->reduce_scatter(dx);
         } else {
             tp->all_reduce(dx);

@@ -69,7 +69,20 @@ struct TensorParallel {
     int                                 rank = 0, size = 1;
     bool                                sequence_parallel = false;
 
+    // --tp-comm-overlap: the sequence-parallel linears (Linear) move their rows around the group's ring one
+    // block at a time on a stream of their own ("tp-comm"), each block's GEMM running beside the next block's
+    // transfer, and a column-parallel backward's reduce-scatter of the input gradient runs beside the weight
+    // gradient's GEMM. Null: each collective whole on the compute stream, then its GEMM.
+    struct Streams {
+        std::unique_ptr<Stream> stream;
+        std::unique_ptr<Event>  ready;
+        explicit Streams(Device & device);
+    };
+    std::shared_ptr<Streams> overlap;
+
     bool sp() const { return sequence_parallel && size > 1; }
+    // Whether the sequence-parallel linears run their rings (--tp-comm-overlap with sequence parallelism).
+    bool rings() const { return overlap != nullptr && sp(); }
     // Sums t over the group in place (nothing without TP).
     void all_reduce(const Tensor & t) const;
     // (n, w) rows -> this rank's block of n / size rows, summed over the group.

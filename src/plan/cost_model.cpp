@@ -84,13 +84,14 @@ bool CostModel::within_one_node(const std::vector<int> & global_ranks) const {
     return std::all_of(global_ranks.begin(), global_ranks.end(), [&](int r) { return r / gpus_per_node_ == node; });
 }
 
-double CostModel::collective_seconds(CollectiveKind kind, double bytes, const std::vector<int> & global_ranks) const {
+double CostModel::collective_seconds(CollectiveKind kind, double bytes, const std::vector<int> & global_ranks, int peers) const {
     const double n = static_cast<double>(global_ranks.size());
     if (kind != CollectiveKind::point_to_point && n <= 1) return 0.0;
     const bool   local = within_one_node(global_ranks);
     const double bw    = local ? gpu_.nvlink_bytes_per_s * efficiency_.nvlink
                                : gpu_.network_bytes_per_s * efficiency_.network;
     const double step  = local ? efficiency_.nvlink_step_s : efficiency_.network_step_s;
+    if (kind == CollectiveKind::all_to_all && peers >= 0) return peers * step + bytes / bw;
     switch (kind) {
     case CollectiveKind::all_reduce: return 2 * (n - 1) * step + 2 * (n - 1) / n * bytes / bw;
     case CollectiveKind::reduce_scatter:

@@ -85,8 +85,10 @@ public:
     // A copy between host and device memory over PCIe.
     double host_copy_seconds(double bytes) const;
     // A collective of `bytes` (the full tensor: the all-reduce's, the reduce-scatter's input, the
-    // all-gather's output, the all-to-all's send buffer, the message) over the ranks `global_ranks`.
-    double collective_seconds(CollectiveKind kind, double bytes, const std::vector<int> & global_ranks) const;
+    // all-gather's output, the all-to-all's send buffer, the message) over the ranks `global_ranks`. An
+    // all-to-all that sends to only some of the others (a ring's pass: one) gives `peers`, how many it sends to,
+    // and `bytes`, what it sends them: a step per peer and the bytes at the link's bandwidth.
+    double collective_seconds(CollectiveKind kind, double bytes, const std::vector<int> & global_ranks, int peers = -1) const;
     bool   within_one_node(const std::vector<int> & global_ranks) const;
 
 private:

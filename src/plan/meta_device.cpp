@@ -507,9 +507,9 @@ MetaCommunicator::MetaCommunicator(std::vector<int> global_ranks, int rank, std:
     : global_ranks_(std::move(global_ranks)), rank_(rank), name_(std::move(name)), clock_(clock) {}
 
 comm::WorkPtr MetaCommunicator::modelled(const char * op, CollectiveKind kind, double bytes, const std::vector<int> & ranks,
-                                         Stream * stream, bool holds_stream) {
+                                         Stream * stream, bool holds_stream, int peers) {
     if (!clock_ || !clock_->costs) return std::make_shared<MetaWork>(nullptr, 0.0);
-    const double seconds = clock_->costs->collective_seconds(kind, bytes, ranks);
+    const double seconds = clock_->costs->collective_seconds(kind, bytes, ranks, peers);
     double       host    = clock_->host;   // without a stream the data is ready now, and nothing waits for it
     double &     start   = stream ? static_cast<MetaStream &>(*stream).time : host;
     return std::make_shared<MetaWork>(clock_, clock_->run(start, op, 0, bytes, seconds, holds_stream));
@@ -566,7 +566,17 @@ comm::WorkPtr MetaCommunicator::do_all_to_all(const Tensor & in, std::span<const
             at += recv_counts[static_cast<size_t>(p)];
         }
     }
-    return modelled("all_to_all", CollectiveKind::all_to_all, static_cast<double>(in.nbytes()), global_ranks_, s);
+    // Priced by what leaves this rank and for how many peers: a uniform exchange as an all-to-all, a ring's pass
+    // (one peer) as a transfer.
+    int64_t to_others = 0;
+    int     peers     = 0;
+    for (int p = 0; p < size(); ++p) {
+        if (p == rank_ || send_counts[static_cast<size_t>(p)] == 0) continue;
+        to_others += send_counts[static_cast<size_t>(p)];
+        ++peers;
+    }
+    return modelled("all_to_all", CollectiveKind::all_to_all, static_cast<double>(to_others) * static_cast<double>(dtype_size(in.dtype())),
+                    global_ranks_, s, true, peers);
 }
 // A send does not hold its stream (comm/communicator.h); its receiver's wait is what takes the time.
 comm::WorkPtr MetaCommunicator::do_send(const Tensor & t, int peer, int, Stream * s) {

@@ -100,7 +100,7 @@ protected:
 private:
     // Completes at the modelled end of `kind` over `ranks` with `bytes` (at once without a clock).
     comm::WorkPtr modelled(const char * op, CollectiveKind kind, double bytes, const std::vector<int> & ranks,
-                           Stream * stream, bool holds_stream = true);
+                           Stream * stream, bool holds_stream = true, int peers = -1);
 
     std::vector<int> global_ranks_;
     int              rank_;

@@ -97,8 +97,11 @@ const Flag<ParallelFlags> kParallelFlags[] = {
      "the context-parallel group's inner (all-to-all) and outer (ring) sizes for a2a+p2p (their product is "
      "--context-parallel-size)", kList},
     {"--tp-comm-overlap", kDist, &P::tp_comm_overlap,
-     "a communication-overlap choice (Transformer Engine's userbuffers) under Megatron's rule, --sequence-parallel; "
-     "Loom runs each tensor-parallel collective beside its GEMM, the result is the same"},
+     "tensor-parallel communication overlap, under Megatron's rule (--sequence-parallel): the sequence-parallel "
+     "linears pass their rows around the TP ring one block at a time on a stream of their own, each block's GEMM "
+     "beside the next block's transfer (all-gather + GEMM; GEMM + reduce-scatter in forward), and a column-parallel "
+     "backward's reduce-scatter runs beside its weight-gradient GEMM; under an FP8 recipe only the latter (a "
+     "tensorwise scale is the whole gathered operand's)"},
     {"--tp-comm-overlap-cfg", kDist, &P::tp_comm_overlap_cfg,
      "the userbuffer settings file of --tp-comm-overlap (not read: Loom has no userbuffers)"},
     {"--use-megatron-fsdp", kDist, &P::use_megatron_fsdp,
@@ -259,6 +262,7 @@ void resolve_ddp(const ParallelFlags & f, const Given & given, TrainOptions & o)
     LOOM_CHECK(!f.tp_comm_overlap || (o.sequence_parallel && o.parallel.tp() > 1),
                "Tensor parallel communication/GEMM overlap can happen only when sequence parallelism is enabled",
                "--tp-comm-overlap needs --sequence-parallel with --tensor-model-parallel-size > 1");
+    o.tp_comm_overlap = f.tp_comm_overlap;
     LOOM_CHECK(f.cp_comm_type.size() == 1 || static_cast<int64_t>(f.cp_comm_type.size()) == o.model.num_layers,
                "Length of cp_comm_type (" << f.cp_comm_type.size() << ") should equal to the total number of "
                                           << "transformer layers (" << o.model.num_layers << ")!",

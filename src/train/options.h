@@ -99,6 +99,9 @@ struct TrainOptions {
     // (tp(), pp(), dp(), ep(), etp(), vpp()), and the process groups are built from it.
     parallel::ParallelConfig parallel;
     bool           sequence_parallel      = false;   // --sequence-parallel (with tensor parallelism)
+    // --tp-comm-overlap: the sequence-parallel linears' collectives as rings beside their GEMMs
+    // (model::TensorParallel::overlap).
+    bool           tp_comm_overlap        = false;
     bool           moe_per_layer_logging  = false;   // --moe-per-layer-logging: per-layer router losses to TensorBoard
     // --overlap-param-gather-with-optimizer-step: under Megatron's rules, and like Megatron every model chunk
     // then lays out unbucketed (ddp/layout.h).

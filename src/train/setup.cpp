@@ -62,6 +62,7 @@ Setup setup(const TrainOptions & options, const parallel::ProcessGroups & groups
     model::TensorParallel tensor;
     if (size_of(groups.tp) > 1) {
         tensor = model::TensorParallel{groups.tp, groups.tp->rank(), groups.tp->size(), options.sequence_parallel};
+        if (options.tp_comm_overlap) tensor.overlap = std::make_shared<model::TensorParallel::Streams>(device);
     }
     LOOM_CHECK(size_of(groups.expert_ep) == options.parallel.ep(),
                "expert-parallel group of " << size_of(groups.expert_ep) << " ranks for --expert-model-parallel-size "

@@ -92,7 +92,7 @@ MoELayer::MoELayer(const std::string & name, const GptConfig & config, const Moe
       shared_config(shared_expert_config(config, m)),
       router(name + ".router", config, m, device, tensor_parallel, context_parallel, expert_parallel.tp_dp_cp),
       experts(name + ".experts", config, m, device, ep_first_expert(m, expert_parallel), m.num_experts / expert_parallel.size,
-              TensorParallel{nullptr, expert_parallel.tp_rank, expert_parallel.tp_size, false}) {
+              TensorParallel{nullptr, expert_parallel.tp_rank, expert_parallel.tp_size, false, nullptr}) {
     if (moe.shared_expert_intermediate_size > 0) {
         shared_expert            = std::make_unique<Mlp>(name + ".shared_experts", shared_config, device, tensor_parallel);
         shared_expert->recompute = config.recompute_shared_experts;
