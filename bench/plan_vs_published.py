@@ -66,8 +66,10 @@ for a, h, l, tp, pp, n, B, published in [
         (64, 8192, 84, 8, 2, 768, 384, 419.7), (80, 10240, 92, 8, 4, 1536, 768, 420.5),
         (96, 12288, 96, 8, 6, 2304, 1152, 432.8), (128, 16384, 96, 8, 8, 3072, 1536, 474.4),
         (144, 18432, 112, 8, 16, 6144, 3072, 459.9)]:
+    # The README: "--overlap-grad-reduce --overlap-param-gather", "--tp-comm-overlap" (Megatron's rule: with TP and
+    # sequence parallelism).
     flags = gpt(a, h, l, 4096, 131072, tp, pp, B, True) + ["--use-distributed-optimizer", "--overlap-grad-reduce",
-                                                     "--overlap-param-gather"]
+                                                     "--overlap-param-gather"] + (["--tp-comm-overlap"] if tp > 1 else [])
     j = plan(flags, "h100-80gb", n)
     s, V = 4096, 131072
     flops = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))

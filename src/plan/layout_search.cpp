@@ -30,7 +30,7 @@ const std::vector<std::string> & searched_flags() {
         "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
         "--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage", "--micro-batch-size",
         "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--sequence-parallel",
-        "--use-distributed-optimizer"};
+        "--tp-comm-overlap", "--use-distributed-optimizer"};
     return flags;
 }
 
@@ -39,7 +39,7 @@ std::vector<std::string> Layout::flags() const {
                                   std::to_string(pp), "--context-parallel-size", std::to_string(cp), "--micro-batch-size",
                                   std::to_string(micro_batch), "--use-distributed-optimizer", "--overlap-grad-reduce",
                                   "--overlap-param-gather"};
-    if (tp > 1) f.push_back("--sequence-parallel");
+    if (tp > 1) f.insert(f.end(), {"--sequence-parallel", "--tp-comm-overlap"});
     if (vpp) f.insert(f.end(), {"--num-virtual-stages-per-pipeline-rank", std::to_string(*vpp)});
     if (full_recompute) {
         f.insert(f.end(), {"--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"});

@@ -2,7 +2,8 @@
 //
 // A layout is TP x PP x CP (x DP, the rest of the world), virtual stages, the micro-batch size and full
 // recompute or none; the search always shards the optimizer (--use-distributed-optimizer, both overlaps) and
-// runs sequence parallelism with TP, as Megatron's large runs do. The candidates are enumerated within
+// runs sequence parallelism with TP, its collectives overlapped with the GEMMs (--tp-comm-overlap), as Megatron's
+// large runs do. The candidates are enumerated within
 // Megatron's rules (TP within a node and dividing the heads and query groups, PP dividing the layers, the
 // micro-batches filling the global batch), then cut in three steps, cheapest first, per family (TP, PP, CP):
 //
