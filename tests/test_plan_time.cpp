@@ -8,6 +8,7 @@
 #include "plan/cpu_calibration.h"
 #include "plan/layout_search.h"
 #include "plan/meta_device.h"
+#include "plan/plan_svg.h"
 #include "plan/step_plan.h"
 #include "train/megatron_flags.h"
 #include "train/options_parser.h"
@@ -451,4 +452,63 @@ TEST(LoomTrainCli, PrintsItsPlanBesideTheAllocatorsFigures) {
     EXPECT_GT(std::stod(m[1].str()), 0.0);
     EXPECT_EQ(m[2].str(), predicted);
     EXPECT_GT(std::stod(predicted), 0.0);
+}
+
+namespace {
+
+// The width of the bar segment whose title is `title` in a plan picture; -1 when there is none.
+double segment_width(const std::string & svg, const std::string & title) {
+    const size_t at = svg.find("<title>" + title + "</title>");
+    if (at == std::string::npos) return -1;
+    const size_t rect  = svg.rfind("<rect", at);
+    const size_t width = svg.find("width=\"", rect);
+    return std::strtod(svg.c_str() + width + 7, nullptr);
+}
+
+plan::RankMemory rank_memory(int rank, int64_t weights_mib, int64_t peak_mib) {
+    plan::RankMemory r;
+    r.rank              = rank;
+    r.device["weights"]   = weights_mib << 20;
+    r.device["grads"]     = (2 * weights_mib) << 20;
+    r.device["optimizer"] = (3 * weights_mib) << 20;
+    r.iteration_planned = true;
+    r.iteration_peak    = peak_mib << 20;
+    return r;
+}
+
+}  // namespace
+
+// `loom plan --svg`: each rank's bar is its pools' bytes and its iteration's peak, every rank on one scale; the usable
+// memory is a line where it is near the peaks and only named where it is far above them; the timeline follows.
+TEST(PlanSvg, BarsAreThePoolsBytesOnOneScaleAndTheTimelineFollows) {
+    const std::vector<plan::RankMemory> ranks = {rank_memory(0, 100, 400), rank_memory(3, 50, 200)};   // 1000, 500 MiB
+    const std::string svg = plan::plan_svg(ranks, int64_t{1100} << 20, nullptr);
+    const double w0 = segment_width(svg, "rank 0 weights 100.0 MiB"), g0 = segment_width(svg, "rank 0 grads 200.0 MiB");
+    const double o0 = segment_width(svg, "rank 0 optimizer 300.0 MiB"), p0 = segment_width(svg, "rank 0 iteration peak 400.0 MiB");
+    const double w3 = segment_width(svg, "rank 3 weights 50.0 MiB");
+    ASSERT_GT(w0, 0);
+    EXPECT_NEAR(g0 / w0, 2.0, 0.01);
+    EXPECT_NEAR(o0 / w0, 3.0, 0.01);
+    EXPECT_NEAR(p0 / w0, 4.0, 0.01);
+    EXPECT_NEAR(w3 / w0, 0.5, 0.01);   // one scale for every rank
+    // The scale runs to the usable 1100 MiB (near the 1000 MiB peak): 900 px, rank 0's 1000 MiB at 818 of them.
+    EXPECT_NEAR(w0 + g0 + o0 + p0, 900.0 * 1000 / 1100, 0.05);
+    EXPECT_NE(svg.find("stroke-dasharray"), std::string::npos);
+    EXPECT_NE(svg.find("usable memory, 1100.0 MiB"), std::string::npos);
+
+    const std::string far = plan::plan_svg(ranks, int64_t{80} << 30, nullptr);   // 80 GiB: the bars would be slivers
+    EXPECT_EQ(far.find("stroke-dasharray"), std::string::npos);
+    EXPECT_NE(far.find("81920.0 MiB, is off the scale"), std::string::npos);
+    EXPECT_NEAR(segment_width(far, "rank 0 weights 100.0 MiB"), 90.0, 0.05);   // the largest peak is the scale
+
+    pipeline::ScheduleOptions o;
+    o.pp               = 2;
+    o.num_microbatches = 4;
+    const pipeline::Timeline timeline = pipeline::simulate_timeline(o);
+    const std::string        with     = plan::plan_svg(ranks, 0, &timeline);
+    const size_t      nested = with.find("<svg x=\"0\" y=\"");
+    ASSERT_NE(nested, std::string::npos);
+    EXPECT_NE(with.find("Pipeline schedule", nested), std::string::npos);
+    EXPECT_GT(std::strtod(with.c_str() + with.find("height=\"") + 8, nullptr),
+              std::strtod(svg.c_str() + svg.find("height=\"") + 8, nullptr) + 100);
 }

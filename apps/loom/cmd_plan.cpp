@@ -4,6 +4,8 @@
 //   loom plan [loom train's flags] --nodes 4 --gpus-per-node 8           every rank's bytes by pool, the most loaded
 //   loom plan [...] --ranks 0,7 --json                                   chosen ranks, as JSON
 //   loom plan [...] --gpu h100-80gb --timeline plan.svg                  and the step time, TFLOP/s, MFU, timeline
+//   loom plan [...] --svg plan.svg                                       every planned rank's memory by pool (and the
+//                                                                        timeline, with --gpu) as one picture
 //
 // Each planned rank is set up as `loom train` would set it up (its stage's model chunks, DDP's buffers, the
 // optimizer's state) on the meta device, which allocates by the same code without memory or work
@@ -17,6 +19,7 @@
 #include "plan/cpu_calibration.h"
 #include "plan/layout_search.h"
 #include "plan/memory_plan.h"
+#include "plan/plan_svg.h"
 #include "plan/step_plan.h"
 #include "train/options_parser.h"
 
@@ -68,6 +71,7 @@ struct PlanCommand {
     train::TrainOptionParser parser{app};
     int64_t                  nodes = 1, gpus_per_node = 1;
     std::string              ranks_text = "all";
+    std::string              svg_file;
     bool                     json = false, search = false;
     std::string              gpu;
     double                   nvlink_gbps = 0, network_gbps = 0;
@@ -85,6 +89,9 @@ struct PlanCommand {
         app.add_flag("--search", search, "with --gpu: plan every layout (TP, PP, VPP, CP, micro-batch, recompute) and "
                                          "rank those that fit by step time");
         app.add_option("--top", top, "with --search: how many layouts to print (default 10)");
+        app.add_option("--svg", svg_file, "write the plan as an SVG: each planned rank's memory by pool and its "
+                                          "iteration's peak, and with --gpu the predicted pipeline timeline")
+            ->type_name("FILE");
     }
 };
 
@@ -183,6 +190,8 @@ int cmd_plan(int argc, char ** argv) {
                "bandwidths are positive (0: the GPU's default)");
     LOOM_CHECK(!gpu.empty() || (nvlink_gbps == 0 && network_gbps == 0 && timeline_file.empty() && !command.search),
                "--nvlink-gbps, --network-gbps, --timeline and --search time the step", "add --gpu");
+    LOOM_CHECK(!command.search || command.svg_file.empty(), "--svg with --search",
+               "draw one layout: plan it without --search");
     if (command.search) return search(command, options, argc, argv);
     const std::vector<int> ranks = ranks_of(command.ranks_text, static_cast<int>(world));
     std::optional<plan::StepPlan> step;
@@ -201,6 +210,10 @@ int cmd_plan(int argc, char ** argv) {
     const plan::RankMemory & most = *std::max_element(plans.begin(), plans.end(), [](const auto & a, const auto & b) {
         return a.device_peak_total() < b.device_peak_total();
     });
+    if (!command.svg_file.empty()) {
+        pipeline::write_file_atomically(command.svg_file, plan::plan_svg(plans, costs ? costs->usable_memory_bytes() : 0,
+                                                                         step ? &step->timeline : nullptr));
+    }
     if (json) {
         nlohmann::json out;
         out["world_size"]   = world;
