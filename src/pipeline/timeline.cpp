@@ -14,10 +14,7 @@
 
 namespace loom::pipeline {
 
-namespace {
-
-// "12", "12.5", "0.25": at most two decimals, no trailing zeros.
-std::string number(double x) {
+std::string svg_number(double x) {
     char buffer[64];
     std::snprintf(buffer, sizeof(buffer), "%.2f", x);
     std::string s = buffer;
@@ -25,6 +22,10 @@ std::string number(double x) {
     if (!s.empty() && s.back() == '.') s.pop_back();
     return s == "-0" ? "0" : s;
 }
+
+namespace {
+
+std::string number(double x) { return svg_number(x); }
 
 std::string percent(double fraction) {
     char buffer[32];

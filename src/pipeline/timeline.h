@@ -57,6 +57,8 @@ std::string timeline_text(const Timeline & timeline);
 // labelled "Fc.m" / "Bc.m", one colour per chunk with the backward a darker shade, gaps as bubbles,
 // a title with PP / VPP / M, the total time and the bubble fraction, a time axis and a legend.
 std::string timeline_svg(const Timeline & timeline);
+// A coordinate or label for an SVG: "12", "12.5", "0.25" (at most two decimals, no trailing zeros).
+std::string svg_number(double x);
 
 // Writes `text` to `path` atomically: <path>.tmp.<pid>, flushed, then renamed over <path>.
 void write_file_atomically(const std::string & path, const std::string & text);

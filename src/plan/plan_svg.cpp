@@ -11,14 +11,7 @@ namespace loom::plan {
 
 namespace {
 
-std::string number(double x) {
-    char buffer[64];
-    std::snprintf(buffer, sizeof(buffer), "%.2f", x);
-    std::string s = buffer;
-    while (!s.empty() && s.back() == '0') s.pop_back();
-    if (!s.empty() && s.back() == '.') s.pop_back();
-    return s == "-0" ? "0" : s;
-}
+std::string number(double x) { return pipeline::svg_number(x); }
 
 std::string mib(int64_t bytes) {
     char buffer[64];
