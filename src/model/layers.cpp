@@ -61,7 +61,8 @@ Tensor TensorParallel::all_gather(const Tensor & t) const {
     return out;
 }
 
-TensorParallel::Streams::Streams(Device & device) : stream(device.stream_create("tp-comm")), ready(device.event_create()) {}
+TensorParallel::Streams::Streams(Device & device)
+    : stream(device.stream_create("tp-comm")), ready(device.event_create()), done(device.event_create()) {}
 
 namespace {
 
@@ -72,30 +73,28 @@ namespace {
 // same blocks in the same order, so the same bits.
 class TpRingStep {
 public:
-    TpRingStep(const TensorParallel & tp, const Tensor & send, const Tensor & recv) : send_(send) {
-        Device & dev     = send.device();
-        Stream & compute = dev.compute_stream();
+    TpRingStep(const TensorParallel & tp, const Tensor & send, const Tensor & recv) : send_(send), streams_(*tp.overlap) {
+        Stream & compute = send.device().compute_stream();
         overlapped_      = graph_being_captured() == nullptr;
-        Stream & on      = overlapped_ ? *tp.overlap->stream : compute;
+        Stream & on      = overlapped_ ? *streams_.stream : compute;
         if (overlapped_) {
-            compute.record(*tp.overlap->ready);
-            on.wait(*tp.overlap->ready);
-            done_ = dev.event_create();
+            compute.record(*streams_.ready);
+            on.wait(*streams_.ready);
         }
         std::vector<int64_t> sends(static_cast<size_t>(tp.size), 0), recvs(static_cast<size_t>(tp.size), 0);
         sends[static_cast<size_t>((tp.rank + 1) % tp.size)]           = send.numel();
         recvs[static_cast<size_t>((tp.rank - 1 + tp.size) % tp.size)] = recv.numel();
         tp.group->all_to_all(send, sends, recv, recvs, &on);
-        if (overlapped_) on.record(*done_);
+        if (overlapped_) on.record(*streams_.done);
     }
     void arrive() {
-        if (overlapped_) send_.device().compute_stream().wait(*done_);
+        if (overlapped_) send_.device().compute_stream().wait(*streams_.done);
     }
 
 private:
-    Tensor                 send_;   // read by the tp-comm stream until done_
-    bool                   overlapped_ = false;
-    std::unique_ptr<Event> done_;
+    Tensor                    send_;   // read by the tp-comm stream until it arrives
+    TensorParallel::Streams & streams_;
+    bool                      overlapped_ = false;
 };
 
 // The ring's all-gather + GEMM: this rank's block of rows (`local`, rows r) into block r of `gathered` (size blocks),
@@ -147,16 +146,11 @@ Tensor reduce_around_ring(const TensorParallel & tp, Device & dev, int64_t rows,
 // tensorwise FP8 scale is the whole gathered operand's: the blocks cannot be cast one by one).
 bool on_ring(const Linear & l) { return l.split != Linear::Split::none && l.tp && l.tp->rings() && !l.fp8; }
 
-// A column-parallel forward's GEMM over its gathered input: `product(x, first, rows)` writes output rows [first,
-// first + rows) from x, the input's rows there. On the ring, once per block as it arrives; otherwise once, after
-// the whole all-gather. Returns the gathered input, in the weights' dtype (Context::x).
+// A column-parallel forward's GEMM over its input gathered around the ring (on_ring): `product(x, first, rows)` writes
+// output rows [first, first + rows) from x, the input's rows there, once per block as it arrives. Returns the
+// gathered input, in the weights' dtype (Context::x).
 Tensor gathered_product(const Linear & l, const Tensor & x_rows,
                         const std::function<void(const Tensor & x, int64_t first, int64_t rows)> & product) {
-    if (!on_ring(l)) {
-        const Tensor x_in = l.input_for_backward(x_rows);
-        product(x_in, 0, x_in.size(0));
-        return x_in;
-    }
     const Tensor  local = in_dtype(x_rows, l.weight.compute_dtype());
     const int64_t rows  = local.size(0);
     const Tensor  gathered = Tensor::empty({rows * l.tp->size, local.size(1)}, local.dtype(), local.device(),
@@ -483,8 +477,8 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
     }
     // --tp-comm-overlap: a column split's reduce-scatter of dx runs on the tp-comm stream beside the weight
     // gradient's GEMM (the same collective as without it: the same bits).
-    Tensor                 dx_rows;
-    std::unique_ptr<Event> reduced;
+    Tensor dx_rows;
+    bool   reduced = false;   // on the tp-comm stream: the compute stream waits for its `done`
     if (split == Split::column && tp->rings()) {
         const bool captured = graph_being_captured() != nullptr;
         Stream &   on       = captured ? stream : *tp->overlap->stream;
@@ -495,8 +489,8 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
         }
         tp->group->reduce_scatter(dx, dx_rows, comm::ReduceOp::sum, &on);
         if (!captured) {
-            reduced = dx.device().event_create();
-            on.record(*reduced);
+            on.record(*tp->overlap->done);
+            reduced = true;
         }
     }
     if (fp8) {   // dW += fp8(dy)^T fp8(x) / (s_dy s_x)
@@ -514,7 +508,7 @@ Tensor Linear::backward(Context & ctx, const Tensor & dy_rows, const GradReadyFn
     }
     if (split == Split::column) {   // each rank's output features contribute to dx
         if (dx_rows.defined()) {
-            if (reduced) stream.wait(*reduced);
+            if (reduced) stream.wait(*tp->overlap->done);
             dx = dx_rows;
         } else if (tp->sp()) {
             dx = tp->reduce_scatter(dx);

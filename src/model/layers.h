@@ -73,9 +73,11 @@ struct TensorParallel {
     // block at a time on a stream of their own ("tp-comm"), each block's GEMM running beside the next block's
     // transfer, and a column-parallel backward's reduce-scatter of the input gradient runs beside the weight
     // gradient's GEMM. Null: each collective whole on the compute stream, then its GEMM.
+    // At most one transfer is in flight at a time (the compute stream waits for each before the next is
+    // issued), so one `done` event serves them all: a wait reads the record before it.
     struct Streams {
         std::unique_ptr<Stream> stream;
-        std::unique_ptr<Event>  ready;
+        std::unique_ptr<Event>  ready, done;
         explicit Streams(Device & device);
     };
     std::shared_ptr<Streams> overlap;
