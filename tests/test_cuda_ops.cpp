@@ -30,6 +30,7 @@
 // machine, every CI run.
 #include "backend/cpu/cpu_device.h"
 #include "backend/cuda/cuda_device.h"
+#include "backend/cuda/fused_attention_stats.h"
 #include "backend/cuda/gemm_plans.h"
 #include "core/dropout.h"
 #include "core/graph.h"
@@ -1791,6 +1792,84 @@ TEST(CudaOps, AttentionKeyMaskMatchesTheCpu) {
     AttentionShape windowed = kAttentionShapes[3];
     windowed.window         = 20;
     attention_matches_the_cpu({windowed, false, false, true}, seed += 10, 2e-5, 5e-5);
+}
+
+// Plain causal attention in bf16 runs through cuDNN's fused attention (fused_attention.h): on the
+// emulated device, cuDNN's stand-in interprets the operation graph Loom builds, so this holds that the graph
+// computes attention (the scores, the causal mask, the softmax and its statistics, and the backward's
+// transposed products and grouped sums). The CPU computes in f32 from the same (rounded) values.
+// Tolerances, element-wise against max(1, |cpu|): out 8e-3 (its bf16 rounding, 2^-8, and the probabilities'
+// f32 sums in another order), lse 1e-4 (f32 sums; the CPU's exp_approx against exp), dq, dk and dv 1.6e-2
+// (bf16 gradients summed over keys and over a group's query heads). A second
+// backward repeats the bits. The counts hold that the fused path ran, once per call, and built one plan per
+// shape and direction.
+TEST(CudaOps, PlainCausalAttentionRunsThroughCudnnAndMatchesTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    uint64_t seed = 4800;
+    const AttentionShape shapes[] = {
+        {31, 2, 4, 4, 16, 12 * 16 + 8},   // MHA, padded rows
+        {70, 2, 4, 2, 8, 8 * 8 + 8},      // GQA
+        {33, 1, 2, 1, 64, 4 * 64},        // one key/value head
+    };
+    for (const DType dtype : {DType::bf16}) {
+        const double k = 1.0;
+        for (const AttentionShape & a : shapes) {
+            const std::string what = "fused attention s " + std::to_string(a.s) + " nq " + std::to_string(a.nq) + " nkv " +
+                                     std::to_string(a.nkv) + " d " + std::to_string(a.d) + " " + dtype_name(dtype);
+            const int64_t n     = a.s * a.b;
+            const float   scale = 1.0f / std::sqrt(static_cast<float>(a.d));
+            const Tensor  qkv16 = random_cpu({n, a.row_stride}, seed += 10, 1.5f, dtype);
+            const Tensor  dout16 = random_cpu({n, a.nq * a.d}, seed + 1, 1.0f, dtype);
+            auto widen = [](const Tensor & t) {
+                Tensor f = cpu_tensor(t.shape());
+                convert(t.data_ptr(), t.dtype(), f.data_ptr(), DType::f32, static_cast<size_t>(t.numel()));
+                return f;
+            };
+            const Tensor qkv = widen(qkv16), dout = widen(dout16);
+            Tensor out_c = cpu_tensor({n, a.nq * a.d}), lse_c = cpu_tensor({a.b * a.nq * a.s});
+            Tensor dqkv_c = cpu_tensor({n, a.row_stride});
+            cops().attention_forward(cs(), qkv, out_c, lse_c, a, scale);
+            cops().attention_backward(cs(), qkv, out_c, dout, lse_c, dqkv_c, a, scale);
+            cs().synchronize();
+
+            const gpu_backend::FusedAttentionStats before = gpu_backend::fused_attention_stats();
+            Tensor qkv_g = to_gpu(qkv16), out_g = Tensor::empty({n, a.nq * a.d}, dtype, gpu());
+            Tensor lse_g = Tensor::empty({a.b * a.nq * a.s}, DType::f32, gpu());
+            gops().attention_forward(gs(), qkv_g, out_g, lse_g, a, scale);
+            // Backward from the forward's own out (its rounding is the forward's error, checked above).
+            Tensor dqkv_g = Tensor::empty({n, a.row_stride}, dtype, gpu());
+            gops().attention_backward(gs(), qkv_g, out_g, to_gpu(dout16), lse_g, dqkv_g, a, scale);
+            const Tensor dqkv_first = to_cpu(dqkv_g);
+            gops().attention_backward(gs(), qkv_g, out_g, to_gpu(dout16), lse_g, dqkv_g, a, scale);
+            const gpu_backend::FusedAttentionStats after = gpu_backend::fused_attention_stats();
+            EXPECT_EQ(after.forward_calls - before.forward_calls, 1) << what;
+            EXPECT_EQ(after.backward_calls - before.backward_calls, 2) << what;
+            EXPECT_EQ(after.refused, 0) << what;
+            EXPECT_LE(after.plans - before.plans, 2) << what;
+
+            expect_close(out_c, widen(to_cpu(out_g)), 8e-3 * k, what + ": out");
+            expect_close(lse_c, to_cpu(lse_g), 1e-4, what + ": lse");
+            // Only the Q, K and V columns are gradients (the padding is the op's to leave).
+            Tensor got = widen(dqkv_first), ref = dqkv_c;
+            const int64_t used = (a.nq + 2 * a.nkv) * a.d;
+            Tensor got_used = cpu_tensor({n, used}), ref_used = cpu_tensor({n, used});
+            for (int64_t r = 0; r < n; ++r) {
+                std::memcpy(got_used.data<float>() + r * used, got.data<float>() + r * a.row_stride, used * sizeof(float));
+                std::memcpy(ref_used.data<float>() + r * used, ref.data<float>() + r * a.row_stride, used * sizeof(float));
+            }
+            expect_close(ref_used, got_used, 1.6e-2 * k, what + ": dqkv");
+            expect_bitwise(dqkv_first, to_cpu(dqkv_g), what + ": dqkv run twice");
+        }
+    }
+    // The same shape again makes no new plan.
+    const gpu_backend::FusedAttentionStats before = gpu_backend::fused_attention_stats();
+    const AttentionShape a = shapes[0];
+    Tensor qkv_g = to_gpu(random_cpu({a.s * a.b, a.row_stride}, 4999, 1.0f, DType::bf16));
+    gops().attention_forward(gs(), qkv_g, Tensor::empty({a.s * a.b, a.nq * a.d}, DType::bf16, gpu()),
+                             Tensor::empty({a.b * a.nq * a.s}, DType::f32, gpu()), a, 0.25f);
+    gs().synchronize();
+    EXPECT_EQ(gpu_backend::fused_attention_stats().plans, before.plans);
+    EXPECT_EQ(gpu_backend::fused_attention_stats().forward_calls, before.forward_calls + 1);
 }
 
 // Attention sinks: the sink's merge into (out, lse) and its gradient, on f32 and bf16 outputs, with fewer

@@ -133,6 +133,7 @@ namespace {
 struct WorkLine {
     long long gemms = 0, plans = 0, queries = 0;
     double    syncs = -1, late_reads = -1, allocations = -1, late_queries = -1;
+    long long attention = -1, attention_plans = -1, attention_refused = -1;   // cuDNN's fused attention
 };
 
 WorkLine work_line(const std::string & out) {
@@ -146,6 +147,13 @@ WorkLine work_line(const std::string & out) {
                           "heuristic queries",
                           &w.gemms, &w.plans, &w.queries, &w.syncs, &w.late_reads, &w.allocations, &w.late_queries),
               7) << out.substr(at);
+    const size_t fused = out.find("; attention: ", at);
+    EXPECT_NE(fused, std::string::npos) << out.substr(at);
+    if (fused != std::string::npos) {
+        EXPECT_EQ(std::sscanf(out.c_str() + fused, "; attention: %lld calls through cuDNN's fused attention (%lld plans, %lld shapes refused)",
+                              &w.attention, &w.attention_plans, &w.attention_refused),
+                  3) << out.substr(fused);
+    }
     std::printf("%s\n", out.substr(at, out.find('\n', at) - at).c_str());   // syncs and allocations, reported
     return w;
 }
@@ -176,6 +184,21 @@ TEST(CudaTrain, OneGpuFollowsTheCpuLossCurveInBf16) {
     EXPECT_EQ(w.syncs, 1.0) << "host synchronisations per iteration after warm-up";
     EXPECT_EQ(w.late_reads, 0.0) << "every iteration is read at its end";
     EXPECT_LE(w.allocations, kAllocationsBound) << "device allocations per iteration after warm-up (bounded: see below)";
+    EXPECT_EQ(w.attention, 0) << "attention dropout (Megatron's default 0.1) runs Loom's kernel";
+}
+
+// Without attention dropout, bf16 attention is plain causal: every layer's forward and backward of every
+// micro-batch runs through cuDNN's fused attention (on cuda-emu, its stand-in interpreting Loom's graphs), one
+// plan per direction, and the run follows the CPU's curve (grouped-query attention, 2 groups of 2 heads).
+TEST(CudaTrain, PlainCausalBf16AttentionRunsThroughCudnnAndFollowsTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    const std::string model = kBf16 + "--attention-dropout 0 --group-query-attention --num-query-groups 2 ";
+    const CliRun      r     = run_loom_mpi(1, kRun + model + "--device " + kDevice);
+    expect_follows_cpu(r, "cuDNN attention", model);
+    const WorkLine w = work_line(r.out);
+    EXPECT_GE(w.attention, 20 * 2 * 2 * 2) << "iterations x micro-batches x layers x (forward, backward)";
+    EXPECT_EQ(w.attention_plans, 2);
+    EXPECT_EQ(w.attention_refused, 0);
 }
 
 // Logging every 5th of 20 iterations: after the three warm-up iterations (the third is the first enqueued

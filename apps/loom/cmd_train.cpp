@@ -104,7 +104,9 @@ void print_summary(const train::TrainSummary & s, Device & where, const std::opt
                         (w.host_syncs - a.host_syncs) / n, (w.late_reads - a.late_reads) / n,
                         (w.device_allocations - a.device_allocations) / n, (w.heuristic_queries - a.heuristic_queries) / n);
         }
-        std::printf("\n");
+        std::printf("; attention: %lld calls through cuDNN's fused attention (%lld plans, %lld shapes refused)\n",
+                    static_cast<long long>(w.fused_attention), static_cast<long long>(w.fused_attention_plans),
+                    static_cast<long long>(w.fused_attention_refused));
     }
 }
 

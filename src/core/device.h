@@ -92,6 +92,8 @@ protected:
 struct DeviceWork {
     int64_t host_syncs = 0, device_allocations = 0, gemms = 0, gemm_plans = 0, heuristic_queries = 0;
     int64_t late_reads = 0;   // waits for an event with more work enqueued behind it (not host_syncs)
+    // Attention calls run through cuDNN's fused attention, its plans, and the shapes cuDNN refused (CUDA).
+    int64_t fused_attention = 0, fused_attention_plans = 0, fused_attention_refused = 0;
 };
 
 class Device {

@@ -32,7 +32,9 @@ constexpr NoOpFlag kNoOpFlags[] = {
      "needs no other tracker"},
     {"--use-flash-attn", nullptr, "Loom's attention is always tiled (flash-style) and never forms the full matrix"},
     {"--attention-backend", "auto|flash|fused|unfused|local",
-     "every backend computes exact softmax attention, as Loom's tiled kernel does"},
+     "every backend computes exact softmax attention; on CUDA Loom runs cuDNN's fused attention where the call is "
+     "plain causal bf16 attention (head size a multiple of 8 up to 128) and its own tiled kernel elsewhere, whichever "
+     "is named"},
     {"--no-async-tensor-model-parallel-allreduce", nullptr, "a communication-overlap choice; the result is the same"},
     {"--tiktoken-pattern", "v1|v2",
      "the pre-tokenizer pattern of --tokenizer-type TikTokenizer, which Loom refuses; Megatron's other tokenizers "

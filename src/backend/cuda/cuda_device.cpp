@@ -6,6 +6,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_ops.h"
 #include "backend/cuda/cuda_stream.h"
+#include "backend/cuda/fused_attention_stats.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/work_counters.h"
@@ -169,9 +170,11 @@ public:
     }
 
     std::optional<DeviceWork> work() override {
-        const GemmPlanStats g = gemm_plan_stats();
+        const GemmPlanStats       g = gemm_plan_stats();
+        const FusedAttentionStats f = fused_attention_stats();
         return DeviceWork{work_counters().host_syncs.load(), work_counters().device_allocations.load(), g.lookups,
-                          g.plans, g.heuristic_queries, work_counters().late_reads.load()};
+                          g.plans, g.heuristic_queries, work_counters().late_reads.load(),
+                          f.forward_calls + f.backward_calls, f.plans, f.refused};
     }
 
 private:

@@ -3,6 +3,7 @@
 #include "backend/cuda/attention_kernels.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_stream.h"
+#include "backend/cuda/fused_attention.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/moe_kernels.h"
@@ -14,6 +15,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
 #include <sstream>
 #include <tuple>
 #include <type_traits>
@@ -143,6 +149,52 @@ void require(const OpQuery & q) {
 }
 
 void check_head_dim(const AttentionShape & a, const char * op) { require({op, a.d, 0}); }
+
+// The shape cuDNN's fused attention (fused_attention.h) takes for this call, or none where the call is not
+// plain causal attention of its own keys in bf16: f32, dropout, a window, a key mask, another block's keys
+// or positions (context parallelism), gradients added rather than assigned, a head size not a multiple of 8
+// or over 128, or rows and columns not 16-byte aligned all run Loom's own kernel.
+std::optional<FusedAttentionShape> fused_attention_shape(const Tensor & q, const Tensor & out, const AttentionShape & a,
+                                                         const Dropout & dropout, bool accumulate) {
+    const SeqPositions identity;
+    const bool plain = !dropout.enabled() && !accumulate && a.window < 0 && !a.key_mask.defined() && a.keys() == a.s &&
+                       a.q_pos.first == identity.first && a.q_pos.split == identity.split &&
+                       a.k_pos.first == identity.first && a.k_pos.split == identity.split;
+    const bool typed = q.dtype() == DType::bf16 && out.dtype() == DType::bf16;   // activations are f32 or bf16
+    const bool sized = a.d % 8 == 0 && a.d <= 128 && a.nkv > 0 && a.nq % a.nkv == 0 && a.row_stride % 8 == 0 &&
+                       a.kv_stride() % 8 == 0 && a.k_column() % 8 == 0 && a.v_column() % 8 == 0 &&
+                       (a.nq * a.d) % 8 == 0;
+    if (!plain || !typed || !sized) return std::nullopt;
+    FusedAttentionShape f;
+    f.b = a.b, f.s = a.s, f.nq = a.nq, f.nkv = a.nkv, f.d = a.d;
+    f.q_row = a.row_stride, f.kv_row = a.kv_stride(), f.o_row = a.nq * a.d;
+    f.bf16 = q.dtype() == DType::bf16;
+    return f;
+}
+
+// The plan's workspace for this call (the stream's activations pool), or none where cuDNN refused the shape
+// (said once per shape on stderr; Loom's kernel runs).
+std::optional<Tensor> fused_attention_workspace(CudaStream & cs, const FusedAttentionShape & f, bool backward) {
+    std::string   why;
+    const int64_t bytes = fused_attention_prepare(cs.device_index(), f, backward, &why);
+    if (bytes < 0) {
+        static std::mutex              mutex;
+        static std::set<std::string>   said;
+        std::lock_guard<std::mutex>    lock(mutex);
+        if (said.insert(why).second) {
+            std::fprintf(stderr, "WARNING: cuDNN fused attention %s refused (b %lld s %lld heads %lld/%lld d %lld): %s; Loom's kernel runs\n",
+                         backward ? "backward" : "forward", static_cast<long long>(f.b), static_cast<long long>(f.s),
+                         static_cast<long long>(f.nq), static_cast<long long>(f.nkv), static_cast<long long>(f.d), why.c_str());
+        }
+        return std::nullopt;
+    }
+    return Tensor::empty({std::max<int64_t>(bytes, 1)}, DType::u8, cs.device(), TensorOptions{MemoryKind::device, kActivationsPool});
+}
+
+template <class T>
+const void * column(const Tensor & t, int64_t col) {
+    return static_cast<const T *>(t.data_ptr()) + col;
+}
 
 // The attention dropout's key as the kernels take it (backend/cpu/cpu_ops.cpp's attention_dropout: the
 // key's offset is the head offset).
@@ -731,6 +783,17 @@ public:
         check_head_dim(shape, "attention_forward");
         std::vector<Tensor> held{q, kv, out, lse, dropout.sample_ids, shape.key_mask};
         CudaStream &        cs     = start(s, "attention_forward", held);
+        if (const auto f = fused_attention_shape(q, out, shape, dropout, false)) {
+            if (const auto workspace = fused_attention_workspace(cs, *f, false)) {
+                cudaStream_t stream = cs.launch("attention_forward");
+                fused_attention_forward(cs.device_index(), stream, *f, q.data_ptr(),
+                                        column<uint16_t>(kv, shape.k_column()), column<uint16_t>(kv, shape.v_column()),
+                                        out.data_ptr(), f32(lse), scale, workspace->data_ptr());
+                held.push_back(*workspace);
+                cs.launched("attention_forward", std::move(held));
+                return;
+            }
+        }
         cudaStream_t        stream = cs.launch("attention_forward");
         const kernels::AttentionKey key = attention_key(cs, stream, dropout, held);
         with_activations(q, [&]<class T>(T *) {
@@ -746,6 +809,21 @@ public:
         check_head_dim(shape, "attention_backward");
         std::vector<Tensor> held{q, kv, out, dout, lse, dq, dkv, dropout.sample_ids, shape.key_mask};
         CudaStream &        cs     = start(s, "attention_backward", held);
+        if (const auto f = fused_attention_shape(q, out, shape, dropout, accumulate);
+            f && dout.dtype() == q.dtype() && dq.dtype() == q.dtype() && dkv.dtype() == q.dtype()) {
+            if (const auto workspace = fused_attention_workspace(cs, *f, true)) {
+                cudaStream_t stream = cs.launch("attention_backward");
+                fused_attention_backward(cs.device_index(), stream, *f, q.data_ptr(),
+                                         column<uint16_t>(kv, shape.k_column()), column<uint16_t>(kv, shape.v_column()),
+                                         out.data_ptr(), dout.data_ptr(), f32(lse), dq.data_ptr(),
+                                         const_cast<void *>(column<uint16_t>(dkv, shape.k_column())),
+                                         const_cast<void *>(column<uint16_t>(dkv, shape.v_column())), scale,
+                                         workspace->data_ptr());
+                held.push_back(*workspace);
+                cs.launched("attention_backward", std::move(held));
+                return;
+            }
+        }
         Tensor              delta  = scratch_like(cs, lse);   // rowsum(dO * O), (b, nq, s) as lse
         cudaStream_t        stream = cs.launch("attention_backward");
         const kernels::AttentionKey key = attention_key(cs, stream, dropout, held);
