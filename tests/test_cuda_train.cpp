@@ -261,13 +261,19 @@ TEST(CudaTrain, HybridOptimizerOffloadOverPinnedMemoryFollowsTheCpu) {
 }
 
 // Dense layers captured up to norm2 (--cuda-graph-modules attn): the attention's graphs replay, the MLP
-// runs eagerly between them, and the curve is the CPU's.
+// runs eagerly between them, and the curve is the CPU's. Without attention dropout the captured attention
+// is cuDNN's fused attention (its plans built in the eager warm-up, its executions replayed).
 TEST(CudaTrain, OneGpuWithAttentionGraphsFollowsTheCpu) {
     SKIP_WITHOUT_CUDA();
-    expect_follows_cpu(run_loom_mpi(1, kRun + kBf16Short + "--device " + kDevice +
-                                           " --cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 2 "
-                                           "--cuda-graph-modules attn"),
-                       "attention graphs", kBf16Short);
+    const std::string model = kBf16Short + "--attention-dropout 0 ";
+    const CliRun      r     = run_loom_mpi(1, kRun + model + "--device " + kDevice +
+                                                " --cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 2 "
+                                                "--cuda-graph-modules attn");
+    expect_follows_cpu(r, "attention graphs", model);
+    const WorkLine w = work_line(r.out);
+    EXPECT_GT(w.attention, 0);
+    EXPECT_EQ(w.attention_plans, 2);
+    EXPECT_EQ(w.late_queries, 0.0);
 }
 
 // The whole forward-backward as one CUDA graph (--cuda-graph-impl full_iteration), captured after two eager
